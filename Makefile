@@ -1,0 +1,28 @@
+# The README's two commands: `make demo` and `make test`. Both set up .venv on a fresh machine
+# (Python 3.11, pip, gcc) and are quick to re-run once it exists.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.sketchlab-installed
+# Torch is pinned to the CPU wheel that lies on disk; a looser pin pulls several GB of CUDA.
+TORCH ?= torch==2.13.0
+
+.PHONY: setup test demo data clean
+
+$(STAMP): setup.cfg pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+test: setup
+	$(PY) -m pytest -q -p no:cacheprovider tests notebooks --nbmake
+
+demo: setup
+	$(PY) -m sketchlab.demo
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -1,0 +1,110 @@
+"""Input checks shared by the public entry points.
+
+Each public function validates once, at its entry, with these helpers. Every error names the
+parameter, the rule it broke and the offending value, so a user can fix the call without reading
+the source.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+import torch
+
+__all__ = [
+    "as_float_tensor",
+    "check_degree",
+    "check_finite",
+    "check_fraction",
+    "check_pair",
+    "check_positive_int",
+]
+
+
+def as_float_tensor(x, name: str) -> torch.Tensor:
+    """Return ``x`` as a floating-point tensor (numpy arrays are converted without copying).
+
+    Raises ``TypeError`` for anything that is not a tensor or array, and for integer, boolean
+    or complex dtypes: the polynomial kernel of integer inputs overflows silently, and complex
+    inputs have no meaning here.
+    """
+    if isinstance(x, np.ndarray):
+        x = torch.from_numpy(x)
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or numpy array, got {type(x).__name__}")
+    if not x.dtype.is_floating_point:
+        raise TypeError(
+            f"{name} must have a real floating-point dtype (float16/bfloat16/float32/float64), "
+            f"got {x.dtype}"
+        )
+    return x
+
+
+def check_finite(x: torch.Tensor, name: str) -> None:
+    """Raise ``ValueError`` naming the count and first index of non-finite entries of ``x``."""
+    bad = ~torch.isfinite(x)
+    if bool(bad.any()):
+        first = tuple(int(i) for i in bad.nonzero()[0])
+        raise ValueError(
+            f"{name} must be finite: {int(bad.sum())} non-finite value(s) of {x.numel()}, "
+            f"the first at index {first} ({x[first].item()})"
+        )
+
+
+def check_positive_int(value, name: str) -> int:
+    """Return ``value`` as ``int`` if it is an integer ``>= 1`` (bools are rejected)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an integer >= 1, got {value!r} ({type(value).__name__})")
+    if value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value}")
+    return int(value)
+
+
+def check_degree(p) -> int:
+    """Validate the polynomial degree ``p`` (an integer ``>= 1``)."""
+    return check_positive_int(p, "p (the polynomial degree)")
+
+
+def check_fraction(value, name: str, *, allow_zero: bool = True) -> float:
+    """Validate a fraction in ``[0, 1)`` (or ``(0, 1)`` when ``allow_zero`` is false)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number in [0, 1), got {value!r}")
+    lo_ok = value >= 0 if allow_zero else value > 0
+    if not (lo_ok and value < 1):
+        interval = "[0, 1)" if allow_zero else "(0, 1)"
+        raise ValueError(f"{name} must lie in {interval}, got {value}")
+    return float(value)
+
+
+def check_pair(q, k, *, names: tuple[str, str] = ("q", "k")) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validate a query/key pair ``q[..., n_q, d]``, ``k[..., n_k, d]``.
+
+    Rules: both are real floating tensors of rank >= 2 with at least one token and one
+    coordinate, the same feature dimension ``d``, the same leading (batch) shape, and finite
+    values. Returns the pair as tensors (numpy input converted), dtypes unchanged.
+    """
+    nq, nk = names
+    q = as_float_tensor(q, nq)
+    k = as_float_tensor(k, nk)
+    for x, name in ((q, nq), (k, nk)):
+        if x.ndim < 2:
+            raise ValueError(
+                f"{name} must have shape [..., n, d] (rank >= 2), got rank {x.ndim} "
+                f"with shape {tuple(x.shape)}"
+            )
+        if x.shape[-1] == 0 or x.shape[-2] == 0:
+            raise ValueError(f"{name} must have n >= 1 tokens and d >= 1 coordinates, got shape {tuple(x.shape)}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(
+            f"{nq} and {nk} must share the feature dimension d (last axis): "
+            f"{nq} has d={q.shape[-1]}, {nk} has d={k.shape[-1]}"
+        )
+    if q.shape[:-2] != k.shape[:-2]:
+        raise ValueError(
+            f"{nq} and {nk} must have the same leading (batch) shape: "
+            f"{nq} {tuple(q.shape[:-2])} vs {nk} {tuple(k.shape[:-2])}"
+        )
+    check_finite(q, nq)
+    check_finite(k, nk)
+    return q, k

@@ -1,0 +1,212 @@
+r"""Theorem 3.1 of the LLoPS paper: the optimal size-``m`` sketch and its tail bound.
+
+For a fixed ``m``, over all maps :math:`\phi_Q, \phi_K : \mathbb R^d \to \mathbb R^m`,
+
+.. math:: \min \|\phi_Q(Q)\phi_K(K)^\top - A\|_F^2 = \sum_{i>m} \sigma_i(A)^2,
+          \qquad A = (QK^\top)^{\circ p},
+
+since the product has rank at most ``m`` (Eckart–Young). The minimum is attained by linear
+projections of the exact features, :math:`\phi^*_Q(x) = \psi_p(x)^\top W^*_Q` and
+:math:`\phi^*_K(x) = \psi_p(x)^\top W^*_K` with, for :math:`A = U\Sigma V^\top`,
+:math:`W^*_Q = \psi_p(Q)^+ U_m \Sigma_m^{1/2}` and :math:`W^*_K = \psi_p(K)^+ V_m \Sigma_m^{1/2}`.
+
+Two routes compute it:
+
+``"svd"``
+    the ``n_q × n_k`` SVD of ``A`` and pseudo-inverses of :math:`\psi_p(Q)`, :math:`\psi_p(K)`;
+``"qr"``
+    thin QR factors :math:`\psi_p(Q) = Q_Q R_Q`, :math:`\psi_p(K) = Q_K R_K`, so that
+    :math:`A = Q_Q (R_Q R_K^\top) Q_K^\top` and only the small core :math:`R_Q R_K^\top` is
+    decomposed; then :math:`W^*_Q = R_Q^+ U^c_m \Sigma_m^{1/2}`. Cheaper when ``n`` exceeds the
+    feature dimension ``D``.
+
+``"auto"`` takes ``"qr"`` when ``max(n_q, n_k) > D``. The features are the symmetric ones whenever
+they are fewer (every ``p >= 2`` with ``d >= 2``); :meth:`OptimalSketch.projector` returns the
+projector in the full ``d**p`` basis. All arithmetic is float64.
+
+References
+----------
+Qin, Deng, Cong, Sun. *Learnable Low-Rank Polynomial Sketch for Effective Linear Attention*, 2026,
+Theorem 3.1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ._validation import check_degree, check_pair, check_positive_int
+from .fit import register_sketch
+from .polynomial import DEFAULT_MAX_BYTES, num_poly_features, poly_features, poly_kernel, symmetric_to_full
+from .sketch import Sketch
+
+__all__ = ["OptimalSketch", "optimal_sketch", "tail_bound"]
+
+_ROUTES = ("auto", "svd", "qr")
+
+
+@dataclass(eq=False)
+class OptimalSketch(Sketch):
+    r"""The Theorem 3.1 optimum for one ``(Q, K, p, m)``, possibly batched over ``[L, H]``.
+
+    Attributes
+    ----------
+    w_q, w_k : float64 Tensor ``[..., D, m]``
+        Projectors acting on :math:`\psi_p` (symmetric basis when ``symmetric``).
+    singular_values : float64 Tensor ``[..., min(n_q, n_k)]``
+        All singular values of ``A``, descending (zeros beyond its rank on the ``"qr"`` route).
+    tail : float64 Tensor ``[...]``
+        :math:`\sum_{i>m}\sigma_i(A)^2`, the floor no size-``m`` sketch beats on this data.
+    p, d : int
+    symmetric : bool
+        Whether ``w_q``/``w_k`` act on symmetric features.
+    route : str
+        ``"svd"`` or ``"qr"``, the route that computed it.
+    """
+
+    w_q: torch.Tensor
+    w_k: torch.Tensor
+    singular_values: torch.Tensor
+    tail: torch.Tensor
+    p: int
+    d: int
+    symmetric: bool
+    route: str
+
+    @property
+    def degree(self) -> int:
+        return self.p
+
+    @property
+    def num_features(self) -> int:
+        return self.w_q.shape[-1]
+
+    @property
+    def num_parameters(self) -> int:
+        return self.w_q.shape[-2] * self.w_q.shape[-1] + self.w_k.shape[-2] * self.w_k.shape[-1]
+
+    def features_q(self, x: torch.Tensor) -> torch.Tensor:
+        """:math:`\\psi_p(x)^\\top W^*_Q`: ``x[..., n, d]`` → float64 ``[..., n, m]``."""
+        return poly_features(x.to(torch.float64), self.p, self.symmetric) @ self.w_q
+
+    def features_k(self, x: torch.Tensor) -> torch.Tensor:
+        """:math:`\\psi_p(x)^\\top W^*_K`: ``x[..., n, d]`` → float64 ``[..., n, m]``."""
+        return poly_features(x.to(torch.float64), self.p, self.symmetric) @ self.w_k
+
+    def projector(self, side: str = "q", *, symmetric: bool = False) -> torch.Tensor:
+        """The projector of one side (``"q"`` or ``"k"``), ``[..., d**p, m]`` unless ``symmetric``.
+
+        In the full basis it is the symmetric, minimum-norm projector with the same features
+        (see :func:`sketchlab.polynomial.symmetric_to_full`).
+        """
+        if side not in ("q", "k"):
+            raise ValueError(f"side must be 'q' or 'k', got {side!r}")
+        w = self.w_q if side == "q" else self.w_k
+        if symmetric == self.symmetric:
+            return w
+        if symmetric:
+            raise ValueError("this sketch was computed in the full basis (p == 1 or d == 1): no symmetric form is stored")
+        return symmetric_to_full(w, self.d, self.p)
+
+
+def _check_inputs(q, k, p, m, route):
+    q, k = check_pair(q, k)
+    p = check_degree(p)
+    m = check_positive_int(m, "m (the sketch size)")
+    if route not in _ROUTES:
+        raise ValueError(f"route must be one of {_ROUTES}, got {route!r}")
+    d = q.shape[-1]
+    symmetric = num_poly_features(d, p, True) < num_poly_features(d, p, False)
+    dim = num_poly_features(d, p, symmetric)
+    n_q, n_k = q.shape[-2], k.shape[-2]
+    limit = min(n_q, n_k, dim)
+    if m > limit:
+        raise ValueError(
+            f"m (the sketch size) must be at most min(n_q, n_k, D) = min({n_q}, {n_k}, {dim}) = {limit}, "
+            f"the largest rank A = (QKᵀ)^p can have; got m={m}. Beyond it the tail is 0 and the "
+            "exact features are already optimal"
+        )
+    if route == "auto":
+        route = "qr" if max(n_q, n_k) > dim else "svd"
+    return q.to(torch.float64), k.to(torch.float64), p, m, d, symmetric, route
+
+
+def _factor(q, k, p, symmetric, route, max_bytes, *, vectors: bool):
+    """Singular values of A (and, if ``vectors``, the pieces W* is built from)."""
+    if route == "svd" and not vectors:
+        return torch.linalg.svdvals(poly_kernel(q, k, p)), None
+    psi_q = poly_features(q, p, symmetric, max_bytes=max_bytes)  # [..., n_q, D]
+    psi_k = poly_features(k, p, symmetric, max_bytes=max_bytes)  # [..., n_k, D]
+    if route == "svd":
+        u, s, vh = torch.linalg.svd(poly_kernel(q, k, p), full_matrices=False)  # A = U diag(s) Vh
+        return s, (torch.linalg.pinv(psi_q), u, torch.linalg.pinv(psi_k), vh.mT)
+    _, r_q = torch.linalg.qr(psi_q)  # R_Q [..., r_q, D]
+    _, r_k = torch.linalg.qr(psi_k)  # R_K [..., r_k, D]
+    core = r_q @ r_k.mT  # [..., r_q, r_k]; A = Q_Q core Q_Kᵀ
+    n = min(q.shape[-2], k.shape[-2])
+    if not vectors:
+        s = torch.linalg.svdvals(core)
+        return _pad(s, n), None
+    u, s, vh = torch.linalg.svd(core, full_matrices=False)
+    return _pad(s, n), (torch.linalg.pinv(r_q), u, torch.linalg.pinv(r_k), vh.mT)
+
+
+def _pad(s: torch.Tensor, n: int) -> torch.Tensor:
+    """Append the zero singular values of A beyond those of the core: ``[..., r]`` → ``[..., n]``."""
+    return torch.nn.functional.pad(s, (0, max(0, n - s.shape[-1])))[..., :n]
+
+
+def optimal_sketch(q, k, p: int, m: int, *, route: str = "auto", max_bytes: int = DEFAULT_MAX_BYTES) -> OptimalSketch:
+    r"""The optimal size-``m`` sketch of :math:`A = (QK^\top)^{\circ p}` (Theorem 3.1).
+
+    Parameters
+    ----------
+    q : Tensor ``[..., n_q, d]``
+    k : Tensor ``[..., n_k, d]``
+        Same leading (batch) shape as ``q``; each batch entry is solved independently.
+    p : int
+        Degree, ``>= 1``.
+    m : int
+        Sketch size, ``1 <= m <= min(n_q, n_k, D)``; larger ``m`` is rejected with ``ValueError``
+        (the tail is already 0 there).
+    route : {"auto", "svd", "qr"}
+        See the module docstring; both give the same sketch to round-off.
+    max_bytes : int
+        Memory budget for each feature matrix :math:`\psi_p`.
+
+    Returns
+    -------
+    OptimalSketch
+        With :math:`\|\phi^*_Q(Q)\phi^*_K(K)^\top - A\|_F^2 = ` ``tail`` to float64 round-off.
+
+    Notes
+    -----
+    ``W*`` is unique only up to an invertible ``m × m`` map ``G`` (``W_Q G``, ``W_K G^{-ᵀ}``); this
+    function returns the balanced split :math:`\Sigma_m^{1/2}` on both sides, and the
+    minimum-norm solution when :math:`\psi_p(Q)` is rank deficient.
+    """
+    q, k, p, m, d, symmetric, route = _check_inputs(q, k, p, m, route)
+    s, (pinv_q, u, pinv_k, v) = _factor(q, k, p, symmetric, route, max_bytes, vectors=True)
+    root = s[..., :m].sqrt()  # Σ_m^{1/2}
+    w_q = pinv_q @ (u[..., :m] * root[..., None, :])  # [..., D, m]
+    w_k = pinv_k @ (v[..., :m] * root[..., None, :])  # [..., D, m]
+    tail = (s[..., m:] ** 2).sum(-1)
+    return OptimalSketch(w_q=w_q, w_k=w_k, singular_values=s, tail=tail, p=p, d=d, symmetric=symmetric, route=route)
+
+
+def tail_bound(q, k, p: int, m: int, *, route: str = "auto", max_bytes: int = DEFAULT_MAX_BYTES) -> torch.Tensor:
+    r"""The Theorem 3.1 floor :math:`\sum_{i>m}\sigma_i(A)^2` for :math:`A = (QK^\top)^{\circ p}`.
+
+    Same arguments and rules as :func:`optimal_sketch`; returns float64 ``[...]`` (batch shape).
+    Computes singular values only.
+    """
+    q, k, p, m, d, symmetric, route = _check_inputs(q, k, p, m, route)
+    s, _ = _factor(q, k, p, symmetric, route, max_bytes, vectors=False)
+    return (s[..., m:] ** 2).sum(-1)
+
+
+@register_sketch("optimal")
+def _fit_optimal(q, k, *, p: int, m: int, seed: int = 0, route: str = "auto") -> OptimalSketch:
+    """``fit_sketch("optimal", ...)``: deterministic; ``seed`` is accepted and unused."""
+    return optimal_sketch(q, k, p, m, route=route)

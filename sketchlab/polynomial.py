@@ -1,0 +1,244 @@
+r"""Exact polynomial features :math:`\psi_p` and the polynomial kernel.
+
+The degree-``p`` polynomial kernel :math:`\kappa(x, y) = (x^\top y)^p` has the exact feature map
+:math:`\psi_p(x) = \mathrm{vec}(x^{\otimes p}) \in \mathbb{R}^{d^p}` with
+:math:`\langle \psi_p(x), \psi_p(y) \rangle = (x^\top y)^p`.  Its symmetric form keeps one
+coordinate per multiset :math:`\alpha` of ``p`` indices (``|α| = p``), weighted by the square root
+of the multinomial coefficient :math:`c_\alpha = p! / \prod_i \alpha_i!`, giving
+:math:`\binom{d+p-1}{p}` coordinates with the same inner products (multinomial theorem).
+
+Coordinate order. Full features use row-major order of the index tuple ``(i_1, …, i_p)``, i.e.
+``psi.reshape(..., d, …, d)[..., i_1, …, i_p] = x[i_1] ⋯ x[i_p]``. Symmetric features are ordered
+like ``itertools.combinations_with_replacement(range(d), p)``.
+
+Every fast function here has a naive float64 twin (suffix ``_naive``) that writes the formula out
+with Python loops; the tests compare the two.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+
+import torch
+
+from ._validation import as_float_tensor, check_degree, check_positive_int
+
+__all__ = [
+    "DEFAULT_MAX_BYTES",
+    "full_to_symmetric",
+    "num_poly_features",
+    "poly_features",
+    "poly_features_naive",
+    "poly_kernel",
+    "symmetric_index",
+    "symmetric_to_full",
+]
+
+#: Default memory budget (bytes) for one materialised feature tensor: 4 GiB.
+DEFAULT_MAX_BYTES = 4 * 2**30
+
+
+def num_poly_features(d: int, p: int, symmetric: bool = False) -> int:
+    """Number of exact features: ``d**p`` (full) or ``C(d+p-1, p)`` (symmetric)."""
+    d = check_positive_int(d, "d")
+    p = check_degree(p)
+    return math.comb(d + p - 1, p) if symmetric else d**p
+
+
+@functools.lru_cache(maxsize=64)
+def _symmetric_index_cpu(d: int, p: int) -> tuple[torch.Tensor, torch.Tensor]:
+    combos = torch.tensor(
+        list(itertools.combinations_with_replacement(range(d), p)), dtype=torch.long
+    ).reshape(-1, p)  # [C, p]
+    log_fact_p = math.lgamma(p + 1)
+    weights = []
+    for row in combos.tolist():
+        counts = [len(list(g)) for _, g in itertools.groupby(row)]
+        log_c = log_fact_p - sum(math.lgamma(c + 1) for c in counts)
+        weights.append(math.exp(0.5 * log_c))
+    return combos, torch.tensor(weights, dtype=torch.float64)  # [C, p], [C]
+
+
+def symmetric_index(d: int, p: int) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""Multisets of size ``p`` over ``range(d)`` and their weights :math:`\sqrt{c_\alpha}`.
+
+    Returns
+    -------
+    index : LongTensor ``[C, p]``
+        Row ``a`` lists the (non-decreasing) indices of multiset ``α_a``.
+    weight : float64 Tensor ``[C]``
+        :math:`\sqrt{p! / \prod_i \alpha_i!}`.
+    """
+    d = check_positive_int(d, "d")
+    p = check_degree(p)
+    return _symmetric_index_cpu(d, p)
+
+
+def _check_budget(batch_numel: int, num_features: int, itemsize: int, max_bytes: int, d: int, p: int, symmetric: bool) -> None:
+    need = batch_numel * num_features * itemsize
+    if need > max_bytes:
+        way_out = (
+            "use smaller d or p, or fewer rows"
+            if symmetric
+            else f"use symmetric=True ({num_poly_features(d, p, True)} features instead of {d**p}), "
+            "smaller d or p, or fewer rows"
+        )
+        raise ValueError(
+            f"poly_features(d={d}, p={p}, symmetric={symmetric}) would materialise "
+            f"{batch_numel} x {num_features} features = {need / 2**30:.2f} GiB, over the budget "
+            f"max_bytes={max_bytes / 2**30:.2f} GiB; {way_out}, or raise max_bytes"
+        )
+
+
+def poly_features(x, p: int, symmetric: bool = False, *, max_bytes: int = DEFAULT_MAX_BYTES) -> torch.Tensor:
+    r"""Exact polynomial features :math:`\psi_p(x)`.
+
+    Parameters
+    ----------
+    x : Tensor ``[..., d]``
+        Real floating input; leading dimensions are batch dimensions.
+    p : int
+        Degree, ``p >= 1``.
+    symmetric : bool
+        If true, return the ``C(d+p-1, p)`` symmetric (multinomially weighted) coordinates.
+    max_bytes : int
+        Memory budget for the output; exceeding it raises ``ValueError`` naming the size, the
+        budget and the way out.
+
+    Returns
+    -------
+    Tensor ``[..., d**p]`` or ``[..., C(d+p-1, p)]``, same dtype and device as ``x``.
+
+    Notes
+    -----
+    Full: :math:`\psi_p(x)_{(i_1..i_p)} = \prod_j x_{i_j}` (row-major tuple order).
+    Symmetric: :math:`\psi^{sym}_p(x)_\alpha = \sqrt{c_\alpha}\prod_j x_{\alpha_j}`,
+    :math:`c_\alpha = p!/\prod_i \alpha_i!`. Both satisfy
+    :math:`\langle\psi_p(x),\psi_p(y)\rangle = (x^\top y)^p`.
+    """
+    x = as_float_tensor(x, "x")
+    p = check_degree(p)
+    if x.ndim < 1 or x.shape[-1] == 0:
+        raise ValueError(f"x must have shape [..., d] with d >= 1, got {tuple(x.shape)}")
+    d = x.shape[-1]
+    batch = x.shape[:-1]
+    num = num_poly_features(d, p, symmetric)
+    _check_budget(math.prod(batch), num, x.element_size(), max_bytes, d, p, symmetric)
+    if symmetric:
+        index, weight = symmetric_index(d, p)
+        index = index.to(x.device)
+        out = x[..., index[:, 0]]  # [..., C]
+        for j in range(1, p):
+            out = out * x[..., index[:, j]]
+        return out * weight.to(device=x.device, dtype=x.dtype)
+    out = x
+    for _ in range(p - 1):
+        out = (out[..., :, None] * x[..., None, :]).reshape(*batch, -1)  # [..., d^j * d]
+    return out
+
+
+def poly_features_naive(x, p: int, symmetric: bool = False) -> torch.Tensor:
+    """Float64 twin of :func:`poly_features`: one Python loop per coordinate, for ``x[n, d]``."""
+    x = as_float_tensor(x, "x").to(torch.float64)
+    p = check_degree(p)
+    if x.ndim != 2:
+        raise ValueError(f"poly_features_naive takes x[n, d], got shape {tuple(x.shape)}")
+    n, d = x.shape
+    if symmetric:
+        tuples = list(itertools.combinations_with_replacement(range(d), p))
+    else:
+        tuples = list(itertools.product(range(d), repeat=p))
+    out = torch.empty(n, len(tuples), dtype=torch.float64)
+    for row in range(n):
+        for col, idx in enumerate(tuples):
+            value = 1.0
+            for i in idx:
+                value *= float(x[row, i])
+            if symmetric:
+                coeff = math.factorial(p)
+                for _, group in itertools.groupby(idx):
+                    coeff //= math.factorial(len(list(group)))
+                value *= math.sqrt(coeff)
+            out[row, col] = value
+    return out
+
+
+def poly_kernel(q, k, p: int) -> torch.Tensor:
+    r"""Polynomial kernel matrix :math:`A = (Q K^\top)^{\circ p}`, batched over leading dims.
+
+    Parameters
+    ----------
+    q : Tensor ``[..., n_q, d]``
+    k : Tensor ``[..., n_k, d]``
+    p : int, ``>= 1``
+
+    Returns
+    -------
+    Tensor ``[..., n_q, n_k]``
+    """
+    q = as_float_tensor(q, "q")
+    k = as_float_tensor(k, "k")
+    p = check_degree(p)
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q and k must share d (last axis): q has {q.shape[-1]}, k has {k.shape[-1]}")
+    return (q @ k.mT) ** p
+
+
+def symmetric_to_full(w, d: int, p: int) -> torch.Tensor:
+    r"""Map a projector in the symmetric basis to the equivalent one in the full basis.
+
+    Parameters
+    ----------
+    w : Tensor ``[..., C(d+p-1, p), m]``
+        Columns act on symmetric features.
+
+    Returns
+    -------
+    Tensor ``[..., d**p, m]``: the symmetric tensor with
+    :math:`W_{(i_1..i_p)} = W^{sym}_\alpha / \sqrt{c_\alpha}` for every tuple in multiset α.
+
+    Notes
+    -----
+    For every ``x``, :math:`\psi_p(x)^\top W = \psi^{sym}_p(x)^\top W^{sym}` (each α is hit by
+    :math:`c_\alpha` tuples), and the map is an isometry: :math:`\|W\|_F = \|W^{sym}\|_F`.
+    It is the minimum-norm full-basis projector with those features.
+    """
+    w = as_float_tensor(w, "w")
+    index, weight = symmetric_index(d, p)
+    if w.ndim < 2 or w.shape[-2] != index.shape[0]:
+        raise ValueError(
+            f"w must have shape [..., C(d+p-1, p)={index.shape[0]}, m] for d={d}, p={p}, "
+            f"got {tuple(w.shape)}"
+        )
+    flat = _tuple_to_multiset(d, p).to(w.device)  # [d^p] position of each tuple's multiset
+    scaled = w / weight.to(device=w.device, dtype=w.dtype)[:, None]
+    return scaled[..., flat, :]
+
+
+def full_to_symmetric(w, d: int, p: int) -> torch.Tensor:
+    r"""Map a full-basis projector ``w[..., d**p, m]`` to the symmetric basis.
+
+    Returns ``[..., C(d+p-1, p), m]`` with :math:`W^{sym}_\alpha = \sqrt{c_\alpha}\,
+    \mathrm{mean}_{t \in \alpha} W_t`, so that :math:`\psi^{sym}_p(x)^\top W^{sym} =
+    \psi_p(x)^\top W` for every ``x``; the inverse of :func:`symmetric_to_full` on symmetric ``W``.
+    """
+    w = as_float_tensor(w, "w")
+    index, weight = symmetric_index(d, p)
+    if w.ndim < 2 or w.shape[-2] != d**p:
+        raise ValueError(f"w must have shape [..., d**p={d**p}, m] for d={d}, p={p}, got {tuple(w.shape)}")
+    flat = _tuple_to_multiset(d, p).to(w.device)
+    sums = torch.zeros(*w.shape[:-2], index.shape[0], w.shape[-1], dtype=w.dtype, device=w.device)
+    sums.index_add_(w.ndim - 2, flat, w)  # Σ over the tuples of each multiset
+    counts = (weight**2).to(device=w.device, dtype=w.dtype)  # c_α tuples per multiset
+    return sums / counts[:, None] * weight.to(device=w.device, dtype=w.dtype)[:, None]
+
+
+@functools.lru_cache(maxsize=64)
+def _tuple_to_multiset(d: int, p: int) -> torch.Tensor:
+    """For each full index tuple (row-major), the row of its multiset in :func:`symmetric_index`."""
+    index, _ = symmetric_index(d, p)
+    position = {tuple(row): a for a, row in enumerate(index.tolist())}
+    tuples = itertools.product(range(d), repeat=p)
+    return torch.tensor([position[tuple(sorted(t))] for t in tuples], dtype=torch.long)
