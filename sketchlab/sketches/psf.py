@@ -1,0 +1,305 @@
+r"""PolySketchFormer's random polynomial sketch (Ahle et al. 2020; Kacham, Mirrokni, Zhong 2024).
+
+For a degree ``q >= 2`` the sketch of ``x ∈ R^d`` with ``r`` outputs is
+
+.. math:: S_q(x) = \frac{(S_a(x)\,G_1) \odot (S'_b(x)\,G_2)}{\sqrt r},
+          \qquad a = \lceil q/2 \rceil,\; b = \lfloor q/2 \rfloor,
+
+where :math:`S_a`, :math:`S'_b` are two *independent* recursive sketches (independent Gaussian
+draws), :math:`S_1(x) = x` inside the recursion, and :math:`G_1, G_2` have i.i.d. N(0, 1) entries of
+shape ``(d × r)`` when they act on ``x`` (the bottom of the tree) and ``(r × r)`` above. For ``p`` a
+power of two this is the balanced tree of PolySketchFormer; for other ``p`` the tree is the
+unbalanced split above (PolySketchFormer pads to a power of two instead; both are unbiased). A
+sketch of degree ``p = 1`` is :math:`xG/\sqrt r` with ``G`` of shape ``(d × r)``.
+
+Unbiasedness: by induction over the tree, :math:`E\langle S_q(x), S_q(y)\rangle = (x^\top y)^q`,
+since :math:`E[(u^\top g_1)(v^\top g_2)(u'^\top g_1)(v'^\top g_2)] = (u^\top u')(v^\top v')` for
+independent standard Gaussian columns ``g_1``, ``g_2``.
+
+Non-negative variant (``non_negative=True``, even ``p``): self-tensoring of a degree-``p/2``
+sketch ``s`` with ``r`` outputs, :math:`\phi(x) = s(x) \otimes s(x)` (``r²`` features), whose
+kernel :math:`\langle s(x), s(y)\rangle^2 \ge 0`. It is *not* unbiased:
+:math:`E\langle s(x),s(y)\rangle^2 = (x^\top y)^p + \mathrm{Var}\langle s(x), s(y)\rangle`.
+Odd ``p`` has no non-negative variant (the target kernel :math:`(x^\top y)^p` itself takes negative
+values); ``non_negative=True`` with odd ``p`` is rejected.
+
+Output size ``m`` → ``r``: plain sketches use ``r = m``; non-negative ones ``r = ⌊√m⌋``, so the
+feature count ``r² <= m`` (``m = 64`` gives ``r = 8``, 64 features).
+
+References
+----------
+Kacham, Mirrokni, Zhong. *PolySketchFormer: Fast Transformers via Sketching Polynomial Kernels*, ICML 2024.
+Ahle et al. *Oblivious Sketching of High-Degree Polynomial Kernels*, SODA 2020.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .._validation import as_float_tensor, check_degree, check_positive_int
+from ..fit import register_sketch
+from ..sketch import Sketch
+from ._common import check_batch_shape, check_dtype, make_generator
+
+__all__ = ["PolySketch", "psf_features", "psf_features_naive", "psf_weight_shapes"]
+
+
+def _split(q: int) -> tuple[int, int]:
+    return (q + 1) // 2, q // 2
+
+
+def psf_weight_shapes(d: int, p: int, r: int) -> list[tuple[int, int]]:
+    """Shapes of the Gaussian matrices of a degree-``p`` sketch, in the order they are used.
+
+    A node of degree ``q >= 2`` owns ``[G_1, G_2]`` followed by the matrices of its left (degree
+    ``⌈q/2⌉``) and right (degree ``⌊q/2⌋``) subtrees (pre-order). ``G`` acting on a leaf (the
+    input ``x``) is ``(d × r)``, otherwise ``(r × r)``. ``p = 1`` has one ``(d × r)`` matrix. A
+    degree-``p`` tree has ``2(p − 1)`` matrices (``p >= 2``).
+    """
+    d = check_positive_int(d, "d")
+    p = check_degree(p)
+    r = check_positive_int(r, "r")
+    if p == 1:
+        return [(d, r)]
+    shapes: list[tuple[int, int]] = []
+
+    def visit(q: int) -> None:
+        a, b = _split(q)
+        shapes.append((d if a == 1 else r, r))
+        shapes.append((d if b == 1 else r, r))
+        if a >= 2:
+            visit(a)
+        if b >= 2:
+            visit(b)
+
+    visit(p)
+    return shapes
+
+
+def _check_weights(weights, d: int, p: int) -> list[torch.Tensor]:
+    if not isinstance(weights, (list, tuple)) or len(weights) == 0:
+        raise TypeError(f"weights must be a non-empty list of tensors, got {type(weights).__name__}")
+    weights = [as_float_tensor(w, f"weights[{i}]") for i, w in enumerate(weights)]
+    r = weights[0].shape[-1]
+    expected = psf_weight_shapes(d, p, r)
+    if len(weights) != len(expected):
+        raise ValueError(f"a degree-{p} sketch needs {len(expected)} weight matrices, got {len(weights)}")
+    for i, (w, shape) in enumerate(zip(weights, expected)):
+        if w.ndim < 2 or tuple(w.shape[-2:]) != shape or w.shape[:-2] != weights[0].shape[:-2]:
+            raise ValueError(
+                f"weights[{i}] must have shape [..., {shape[0]}, {shape[1]}] (with the batch shape of "
+                f"weights[0]) for d={d}, p={p}, r={r}; got {tuple(w.shape)}"
+            )
+    return weights
+
+
+def psf_features(x: torch.Tensor, weights: list[torch.Tensor], p: int) -> torch.Tensor:
+    r"""Plain (possibly signed) recursive polynomial sketch :math:`S_p(x)`.
+
+    Parameters
+    ----------
+    x : Tensor ``[..., n, d]``
+    weights : list of Tensor ``[..., in, r]``
+        Gaussian matrices in the order of :func:`psf_weight_shapes`; leading axes broadcast
+        against those of ``x`` (one independent sketch per head).
+    p : int
+        Degree, ``>= 1``.
+
+    Returns
+    -------
+    Tensor ``[..., n, r]`` with :math:`E\langle S_p(x), S_p(y)\rangle = (x^\top y)^p`.
+
+    Notes
+    -----
+    :math:`S_q(x) = (S_a(x)G_1 \odot S'_b(x)G_2)/\sqrt r`, ``a = ⌈q/2⌉``, ``b = ⌊q/2⌋``,
+    :math:`S_1(x) = x` inside the tree; :math:`S_1(x) = xG/\sqrt r` at the root.
+    Cost ``O(n (d + r) r p)``.
+    """
+    p = check_degree(p)
+    r = weights[0].shape[-1]
+    x = x.to(weights[0].dtype)
+    scale = 1.0 / math.sqrt(r)
+    if p == 1:
+        return (x @ weights[0]) * scale  # [..., n, r]
+    pos = 0
+
+    def node(q: int) -> torch.Tensor:
+        nonlocal pos
+        if q == 1:
+            return x
+        a, b = _split(q)
+        g1, g2 = weights[pos], weights[pos + 1]
+        pos += 2
+        left = node(a)  # [..., n, d or r]
+        right = node(b)  # [..., n, d or r]
+        return (left @ g1) * (right @ g2) * scale  # [..., n, r]
+
+    return node(p)
+
+
+def psf_features_naive(x: torch.Tensor, weights: list[torch.Tensor], p: int) -> torch.Tensor:
+    """Float64 twin of :func:`psf_features` for ``x[n, d]`` and 2-D weights: explicit sums per coordinate."""
+    x = as_float_tensor(x, "x").to(torch.float64)
+    p = check_degree(p)
+    if x.ndim != 2:
+        raise ValueError(f"psf_features_naive takes x[n, d], got shape {tuple(x.shape)}")
+    weights = _check_weights(weights, x.shape[1], p)
+    if weights[0].ndim != 2:
+        raise ValueError("psf_features_naive takes unbatched 2-D weight matrices")
+    weights = [w.to(torch.float64) for w in weights]
+    n = x.shape[0]
+    r = weights[0].shape[1]
+
+    def project(u: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(n, g.shape[1], dtype=torch.float64)
+        for i in range(g.shape[1]):
+            for a in range(g.shape[0]):
+                out[:, i] += u[:, a] * g[a, i]
+        return out
+
+    if p == 1:
+        return project(x, weights[0]) / math.sqrt(r)
+    pos = 0
+
+    def node(q: int) -> torch.Tensor:
+        nonlocal pos
+        if q == 1:
+            return x
+        a, b = _split(q)
+        g1, g2 = weights[pos], weights[pos + 1]
+        pos += 2
+        left, right = node(a), node(b)
+        u, v = project(left, g1), project(right, g2)
+        out = torch.empty(n, r, dtype=torch.float64)
+        for i in range(r):
+            out[:, i] = u[:, i] * v[:, i] / math.sqrt(r)
+        return out
+
+    return node(p)
+
+
+def _self_tensor(s: torch.Tensor) -> torch.Tensor:
+    r = s.shape[-1]
+    return (s[..., :, None] * s[..., None, :]).reshape(*s.shape[:-1], r * r)  # [..., n, r, r] -> [..., n, r²]
+
+
+class PolySketch(Sketch):
+    r"""PolySketchFormer sketch with fixed Gaussian matrices (same map for queries and keys).
+
+    Parameters
+    ----------
+    weights : list of Tensor ``[..., in, r]``
+        The Gaussian matrices (order of :func:`psf_weight_shapes`) of the plain degree-``p``
+        sketch, or of the degree-``p/2`` sketch ``s`` when ``non_negative``.
+    p : int
+        Kernel degree.
+    non_negative : bool
+        Self-tensor: :math:`\phi = s \otimes s` with ``s`` of degree ``p/2`` (``p`` even).
+
+    Notes
+    -----
+    Build random instances with :meth:`draw`; the constructor takes given matrices so that the
+    sketch is a pure function of them. ``num_parameters`` counts the Gaussian entries of one head
+    (one map, shared by both sides).
+    """
+
+    def __init__(self, weights: list[torch.Tensor], p: int, *, non_negative: bool = False):
+        p = check_degree(p)
+        if not isinstance(non_negative, bool):
+            raise TypeError(f"non_negative must be a bool, got {non_negative!r}")
+        if non_negative and p % 2:
+            raise ValueError(
+                f"non_negative=True needs an even degree p (φ = s ⊗ s with s of degree p/2); got p={p}. "
+                "For odd p the target (qᵀk)^p takes negative values; use non_negative=False"
+            )
+        if not weights:
+            raise ValueError("weights must be a non-empty list of tensors")
+        self.p = p
+        self.non_negative = non_negative
+        self.inner_degree = p // 2 if non_negative else p
+        d = self._input_dim(weights)
+        self.weights = _check_weights(weights, d, self.inner_degree)
+        self.d = d
+        self.r = self.weights[0].shape[-1]
+        self.fit_info: dict = {}
+
+    def _input_dim(self, weights) -> int:
+        # the last matrix in pre-order belongs to a node without internal children, so it acts on x
+        return as_float_tensor(weights[-1], f"weights[{len(weights) - 1}]").shape[-2]
+
+    @classmethod
+    def draw(
+        cls,
+        d: int,
+        p: int,
+        m: int,
+        *,
+        non_negative: bool = False,
+        seed: int | None = None,
+        generator: torch.Generator | None = None,
+        batch_shape: tuple[int, ...] = (),
+        dtype: torch.dtype = torch.float32,
+    ) -> "PolySketch":
+        """Draw a sketch with ``m`` features or fewer (``r = m``, or ``r = ⌊√m⌋`` when non-negative).
+
+        ``batch_shape`` (e.g. ``(L, H)``) draws independent matrices for each head. All entries come
+        from ``generator`` (or a generator seeded with ``seed``) here, once.
+        """
+        d = check_positive_int(d, "d")
+        p = check_degree(p)
+        m = check_positive_int(m, "m (the sketch size)")
+        batch_shape = check_batch_shape(batch_shape)
+        dtype = check_dtype(dtype)
+        if non_negative and p % 2:
+            raise ValueError(f"non_negative=True needs an even degree p, got p={p}")
+        gen = make_generator(seed, generator)
+        r = math.isqrt(m) if non_negative else m
+        inner = p // 2 if non_negative else p
+        weights = [
+            torch.randn(*batch_shape, *shape, generator=gen, dtype=torch.float64).to(dtype)
+            for shape in psf_weight_shapes(d, inner, r)
+        ]
+        return cls(weights, p, non_negative=non_negative)
+
+    @property
+    def degree(self) -> int:
+        return self.p
+
+    @property
+    def num_features(self) -> int:
+        return self.r * self.r if self.non_negative else self.r
+
+    @property
+    def num_parameters(self) -> int:
+        return sum(w.shape[-2] * w.shape[-1] for w in self.weights)
+
+    def inner_features(self, x: torch.Tensor) -> torch.Tensor:
+        """The plain sketch ``s(x)`` (degree ``p/2`` when non-negative, else ``p``): ``[..., n, r]``."""
+        return psf_features(x, self.weights, self.inner_degree)
+
+    def features_q(self, x: torch.Tensor) -> torch.Tensor:
+        """``x[..., n, d]`` → ``[..., n, num_features]`` (``s ⊗ s`` when non-negative)."""
+        s = self.inner_features(x)
+        return _self_tensor(s) if self.non_negative else s
+
+    def features_k(self, x: torch.Tensor) -> torch.Tensor:
+        """Same map as :meth:`features_q`."""
+        return self.features_q(x)
+
+
+@register_sketch("psf")
+def _fit_psf(q, k, *, p: int, m: int, seed: int = 0, non_negative: bool | None = None) -> PolySketch:
+    """``fit_sketch("psf", ...)``: data-independent; only ``d``, the batch shape and dtype are read.
+
+    ``non_negative=None`` (default) self-tensors for even ``p`` (PolySketchFormer's choice, ``r =
+    ⌊√m⌋``) and uses the plain sketch for odd ``p`` (``r = m``). One independent draw per head.
+    """
+    if non_negative is None:
+        non_negative = p % 2 == 0
+    sketch = PolySketch.draw(
+        q.shape[-1], p, m, non_negative=non_negative, seed=seed, batch_shape=q.shape[:-2], dtype=q.dtype
+    )
+    sketch.fit_info = {"steps": 0, "converged": True, "r": sketch.r, "non_negative": non_negative}
+    return sketch

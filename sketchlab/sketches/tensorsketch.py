@@ -1,0 +1,162 @@
+r"""TensorSketch (Pham & Pagh 2013): CountSketch of each factor, multiplied in the Fourier domain.
+
+With ``p`` independent CountSketches :math:`C_j(x) \in \mathbb R^m`,
+:math:`C_j(x)_c = \sum_{i : h_j(i) = c} s_j(i)\, x_i` (hashes :math:`h_j : [d] \to [m]`, signs
+:math:`s_j : [d] \to \{\pm 1\}`, all uniform and independent), the sketch is their circular
+convolution
+
+.. math:: \phi(x) = \mathcal F^{-1}\Big(\prod_{j=1}^p \mathcal F\, C_j(x)\Big),
+
+i.e. the CountSketch of :math:`x^{\otimes p}` under the hash :math:`(i_1..i_p) \mapsto \sum_j
+h_j(i_j) \bmod m` and sign :math:`\prod_j s_j(i_j)`. It is unbiased,
+:math:`E\langle\phi(x),\phi(y)\rangle = (x^\top y)^p`, with variance :math:`O(\|x\|^{2p}\|y\|^{2p}/m)`.
+This is scikit-learn's ``PolynomialCountSketch(gamma=1, coef0=0, degree=p, n_components=m)``:
+``index_hash`` / ``sign_hash`` play the roles of its ``indexHash_`` / ``bitHash_``.
+
+References
+----------
+Pham, Pagh. *Fast and scalable polynomial kernels via explicit feature maps*, KDD 2013.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from .._validation import as_float_tensor, check_degree, check_positive_int
+from ..fit import register_sketch
+from ..sketch import Sketch
+from ._common import check_batch_shape, check_dtype, make_generator
+
+__all__ = ["TensorSketch", "count_sketch_matrix", "tensorsketch_features", "tensorsketch_features_naive"]
+
+
+def _check_hashes(index_hash, sign_hash, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    index_hash = torch.as_tensor(index_hash)
+    sign_hash = torch.as_tensor(sign_hash)
+    if index_hash.dtype.is_floating_point or index_hash.dtype == torch.bool or index_hash.dtype.is_complex:
+        raise TypeError(f"index_hash must be an integer tensor, got {index_hash.dtype}")
+    if index_hash.ndim < 2 or index_hash.shape != sign_hash.shape or 0 in index_hash.shape:
+        raise ValueError(
+            f"index_hash and sign_hash must share a shape [..., p, d] with p, d >= 1, got "
+            f"{tuple(index_hash.shape)} and {tuple(sign_hash.shape)}"
+        )
+    if bool(((index_hash < 0) | (index_hash >= m)).any()):
+        raise ValueError(f"index_hash values must lie in [0, m) = [0, {m}), got range "
+                         f"[{int(index_hash.min())}, {int(index_hash.max())}]")
+    if bool(((sign_hash != 1) & (sign_hash != -1)).any()):
+        raise ValueError("sign_hash values must be +1 or -1")
+    return index_hash.long(), sign_hash
+
+
+def count_sketch_matrix(index_hash, sign_hash, m: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Dense CountSketch matrices ``S[..., p, d, m]`` with ``S[j, i, h_j(i)] = s_j(i)`` and zeros elsewhere."""
+    m = check_positive_int(m, "m (the sketch size)")
+    index_hash, sign_hash = _check_hashes(index_hash, sign_hash, m)
+    onehot = torch.nn.functional.one_hot(index_hash, m).to(dtype)  # [..., p, d, m]
+    return onehot * sign_hash.to(dtype)[..., None]
+
+
+def tensorsketch_features(x: torch.Tensor, matrices: torch.Tensor) -> torch.Tensor:
+    r"""TensorSketch features from dense CountSketch matrices.
+
+    Parameters
+    ----------
+    x : Tensor ``[..., n, d]``
+    matrices : Tensor ``[..., p, d, m]``
+        From :func:`count_sketch_matrix`; leading axes broadcast against ``x``'s.
+
+    Returns
+    -------
+    Tensor ``[..., n, m]``: :math:`\mathcal F^{-1}(\prod_j \mathcal F(x S_j))` (real FFTs along the
+    feature axis, so the product is a circular convolution of length ``m``).
+    """
+    m = matrices.shape[-1]
+    counts = x.to(matrices.dtype)[..., None, :, :] @ matrices  # [..., p, n, m] CountSketches C_j(x)
+    spectrum = torch.fft.rfft(counts, dim=-1).prod(dim=-3)  # [..., n, m//2+1]
+    return torch.fft.irfft(spectrum, n=m, dim=-1)  # [..., n, m]
+
+
+def tensorsketch_features_naive(x, index_hash, sign_hash, m: int) -> torch.Tensor:
+    """Float64 twin for ``x[n, d]`` and unbatched hashes ``[p, d]``: the CountSketch of ``x^{⊗p}``
+    written out over all ``d^p`` index tuples."""
+    x = as_float_tensor(x, "x").to(torch.float64)
+    m = check_positive_int(m, "m (the sketch size)")
+    index_hash, sign_hash = _check_hashes(index_hash, sign_hash, m)
+    if x.ndim != 2 or index_hash.ndim != 2 or index_hash.shape[1] != x.shape[1]:
+        raise ValueError(f"takes x[n, d] and hashes [p, d], got {tuple(x.shape)}, {tuple(index_hash.shape)}")
+    p, d = index_hash.shape
+    out = torch.zeros(x.shape[0], m, dtype=torch.float64)
+    for idx in itertools.product(range(d), repeat=p):
+        bucket = sum(int(index_hash[j, i]) for j, i in enumerate(idx)) % m
+        value = torch.ones(x.shape[0], dtype=torch.float64)
+        for j, i in enumerate(idx):
+            value = value * float(sign_hash[j, i]) * x[:, i]
+        out[:, bucket] += value
+    return out
+
+
+class TensorSketch(Sketch):
+    """TensorSketch with fixed hashes (same map for queries and keys).
+
+    Parameters
+    ----------
+    index_hash : integer Tensor ``[..., p, d]`` with values in ``[0, m)``
+    sign_hash : Tensor ``[..., p, d]`` of ±1
+    m : int
+        Number of features (FFT length).
+    dtype : torch.dtype
+        Dtype of the stored dense CountSketch matrices and of the features.
+
+    Notes
+    -----
+    ``num_parameters`` counts the stored hash values of one head: ``2·p·d`` (one map, both sides).
+    """
+
+    def __init__(self, index_hash, sign_hash, m: int, *, dtype: torch.dtype = torch.float32):
+        self.m = check_positive_int(m, "m (the sketch size)")
+        self.index_hash, self.sign_hash = _check_hashes(index_hash, sign_hash, self.m)
+        self.matrices = count_sketch_matrix(self.index_hash, self.sign_hash, self.m, check_dtype(dtype))
+        self.fit_info: dict = {}
+
+    @classmethod
+    def draw(cls, d: int, p: int, m: int, *, seed: int | None = None, generator: torch.Generator | None = None,
+             batch_shape: tuple[int, ...] = (), dtype: torch.dtype = torch.float32) -> "TensorSketch":
+        """Draw uniform hashes and signs once (independent per head for ``batch_shape``)."""
+        d = check_positive_int(d, "d")
+        p = check_degree(p)
+        m = check_positive_int(m, "m (the sketch size)")
+        batch_shape = check_batch_shape(batch_shape)
+        gen = make_generator(seed, generator)
+        index_hash = torch.randint(0, m, (*batch_shape, p, d), generator=gen)
+        sign_hash = torch.randint(0, 2, (*batch_shape, p, d), generator=gen) * 2 - 1
+        return cls(index_hash, sign_hash, m, dtype=dtype)
+
+    @property
+    def degree(self) -> int:
+        return self.index_hash.shape[-2]
+
+    @property
+    def num_features(self) -> int:
+        return self.m
+
+    @property
+    def num_parameters(self) -> int:
+        return 2 * self.index_hash.shape[-2] * self.index_hash.shape[-1]
+
+    def features_q(self, x: torch.Tensor) -> torch.Tensor:
+        """``x[..., n, d]`` → ``[..., n, m]``."""
+        return tensorsketch_features(x, self.matrices)
+
+    def features_k(self, x: torch.Tensor) -> torch.Tensor:
+        """Same map as :meth:`features_q`."""
+        return tensorsketch_features(x, self.matrices)
+
+
+@register_sketch("tensorsketch")
+def _fit_tensorsketch(q, k, *, p: int, m: int, seed: int = 0) -> TensorSketch:
+    """``fit_sketch("tensorsketch", ...)``: data-independent; one independent draw per head."""
+    sketch = TensorSketch.draw(q.shape[-1], p, m, seed=seed, batch_shape=q.shape[:-2], dtype=q.dtype)
+    sketch.fit_info = {"steps": 0, "converged": True}
+    return sketch

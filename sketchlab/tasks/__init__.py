@@ -1,0 +1,1 @@
+"""Synthetic tasks: multi-query associative recall and the small transformer trained on it."""

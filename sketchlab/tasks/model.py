@@ -1,0 +1,212 @@
+r"""A small causal transformer with pluggable attention, used for MQAR and the shipped Q/K dump.
+
+The attention *kernel* is a separate module that takes ``q, k, v`` of layout ``[B, T, H, D]``
+(after the projections and the rotary embedding) and returns ``[B, T, H, D]``. It is chosen by
+name from a registry (:func:`register_attention`), so a checkpoint stores only the name and a
+later sketched attention drops in by registering itself. ``"softmax"`` is causal softmax
+attention through ``torch.nn.functional.scaled_dot_product_attention`` with logits
+``q kᵀ / √D``.
+
+Block (pre-norm, as GPT-2/LLaMA)::
+
+    x = x + W_o · attn(rope(W_q LN(x)), rope(W_k LN(x)), W_v LN(x))
+    x = x + MLP(LN(x))          # Linear(d, 4d) → GELU → Linear(4d, d)
+
+with token embeddings, no absolute positions (RoPE carries the position), a final LayerNorm and
+an untied output head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .._validation import check_positive_int
+
+__all__ = [
+    "CausalSelfAttention",
+    "SoftmaxAttention",
+    "TransformerConfig",
+    "TransformerLM",
+    "apply_rope",
+    "attention_registry",
+    "causal_softmax_attention_naive",
+    "register_attention",
+]
+
+_ATTENTION: dict[str, Callable[["TransformerConfig", int], nn.Module]] = {}
+
+
+def register_attention(name: str):
+    """Register ``factory(config, layer_index) -> nn.Module`` as the attention kernel ``name``.
+
+    The module's ``forward(q, k, v)`` takes and returns ``[B, T, H, D]`` and must be causal.
+    """
+
+    def decorate(factory):
+        if name in _ATTENTION and _ATTENTION[name] is not factory:
+            raise ValueError(f"an attention named {name!r} is already registered")
+        _ATTENTION[name] = factory
+        return factory
+
+    return decorate
+
+
+def attention_registry() -> list[str]:
+    """Names of the registered attention kernels, sorted."""
+    return sorted(_ATTENTION)
+
+
+class SoftmaxAttention(nn.Module):
+    """Causal softmax attention, layout ``[B, T, H, D]`` in and out, logits scaled by ``1/√D``."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # SDPA wants [B, H, T, D]
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )  # [B, H, T, D]
+        return out.transpose(1, 2)  # [B, T, H, D]
+
+
+@register_attention("softmax")
+def _softmax_factory(config: "TransformerConfig", layer: int) -> nn.Module:
+    return SoftmaxAttention()
+
+
+def causal_softmax_attention_naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Float64 twin of :class:`SoftmaxAttention`: ``softmax(q kᵀ/√D + causal mask) v`` per head.
+
+    ``q, k, v`` are ``[B, T, H, D]``; returns ``[B, T, H, D]`` in float64.
+    """
+    q, k, v = (x.to(torch.float64) for x in (q, k, v))
+    B, T, H, D = q.shape
+    logits = torch.einsum("bthd,bshd->bhts", q, k) / D**0.5  # [B, H, T, T]
+    mask = torch.ones(T, T, dtype=torch.bool).tril()
+    logits = logits.masked_fill(~mask, float("-inf"))
+    return torch.einsum("bhts,bshd->bthd", logits.softmax(-1), v)
+
+
+def apply_rope(x: torch.Tensor, *, base: float = 10000.0) -> torch.Tensor:
+    r"""Rotary position embedding of ``x[B, T, H, D]`` (``D`` even), half-split convention.
+
+    Notes
+    -----
+    With ``x = [x_1, x_2]`` (halves of the last axis), ``θ_i = base^{-2i/D}`` and angle
+    ``t θ_i`` at position ``t``: ``rope(x) = [x_1 cos − x_2 sin, x_2 cos + x_1 sin]``, so
+    ``⟨rope(q)_t, rope(k)_s⟩`` depends on ``t − s`` only (the LLaMA / GPT-NeoX convention).
+    """
+    B, T, H, D = x.shape
+    if D % 2:
+        raise ValueError(f"apply_rope needs an even head dimension, got D={D}")
+    inv_freq = base ** (-torch.arange(0, D // 2, dtype=torch.float64) * 2 / D)  # [D/2]
+    angle = torch.arange(T, dtype=torch.float64)[:, None] * inv_freq  # [T, D/2]
+    cos = angle.cos().to(x.dtype)[None, :, None, :]  # [1, T, 1, D/2]
+    sin = angle.sin().to(x.dtype)[None, :, None, :]
+    x1, x2 = x[..., : D // 2], x[..., D // 2 :]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+@dataclass(frozen=True)
+class TransformerConfig:
+    """Hyper-parameters of :class:`TransformerLM` (all stored in the checkpoint's JSON)."""
+
+    vocab_size: int
+    d_model: int = 128
+    n_heads: int = 4
+    n_layers: int = 4
+    mlp_ratio: int = 4
+    attention: str = "softmax"
+    rope_base: float = 10000.0
+
+    def __post_init__(self):
+        for name in ("vocab_size", "d_model", "n_heads", "n_layers", "mlp_ratio"):
+            check_positive_int(getattr(self, name), name)
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model must be divisible by n_heads, got d_model={self.d_model}, n_heads={self.n_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head dimension d_model/n_heads must be even for RoPE, got {self.head_dim}")
+        if self.attention not in _ATTENTION:
+            raise ValueError(f"attention must be one of {attention_registry()}, got {self.attention!r}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class CausalSelfAttention(nn.Module):
+    """Projections, RoPE and the pluggable kernel ``self.attn`` (its inputs are what the dump captures)."""
+
+    def __init__(self, config: TransformerConfig, layer: int):
+        super().__init__()
+        d = config.d_model
+        self.n_heads, self.head_dim, self.rope_base = config.n_heads, config.head_dim, config.rope_base
+        self.q_proj = nn.Linear(d, d, bias=False)
+        self.k_proj = nn.Linear(d, d, bias=False)
+        self.v_proj = nn.Linear(d, d, bias=False)
+        self.o_proj = nn.Linear(d, d, bias=False)
+        self.attn = _ATTENTION[config.attention](config, layer)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        H, D = self.n_heads, self.head_dim
+        q = apply_rope(self.q_proj(x).view(B, T, H, D), base=self.rope_base)  # [B, T, H, D]
+        k = apply_rope(self.k_proj(x).view(B, T, H, D), base=self.rope_base)  # [B, T, H, D]
+        v = self.v_proj(x).view(B, T, H, D)  # [B, T, H, D]
+        out = self.attn(q, k, v)  # [B, T, H, D]
+        return self.o_proj(out.reshape(B, T, H * D))  # [B, T, d]
+
+
+class _Block(nn.Module):
+    def __init__(self, config: TransformerConfig, layer: int):
+        super().__init__()
+        d = config.d_model
+        self.ln_1 = nn.LayerNorm(d)
+        self.attention = CausalSelfAttention(config, layer)
+        self.ln_2 = nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, config.mlp_ratio * d), nn.GELU(), nn.Linear(config.mlp_ratio * d, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class TransformerLM(nn.Module):
+    """Causal transformer language model: ``tokens[B, T] -> logits[B, T, vocab_size]``."""
+
+    def __init__(self, config: TransformerConfig):
+        super().__init__()
+        if not isinstance(config, TransformerConfig):
+            raise TypeError(f"config must be a TransformerConfig, got {type(config).__name__}")
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.d_model)
+        self.blocks = nn.ModuleList(_Block(config, i) for i in range(config.n_layers))
+        self.ln_f = nn.LayerNorm(config.d_model)
+        self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if tokens.ndim != 2 or tokens.dtype != torch.long:
+            raise ValueError(f"tokens must be a LongTensor [B, T], got {tokens.dtype} {tuple(tokens.shape)}")
+        if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.config.vocab_size):
+            raise ValueError(
+                f"token ids must lie in [0, {self.config.vocab_size}), got range "
+                f"[{int(tokens.min())}, {int(tokens.max())}]"
+            )
+        x = self.embed(tokens)  # [B, T, d]
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))  # [B, T, vocab]

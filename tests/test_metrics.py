@@ -1,0 +1,69 @@
+"""Metrics against their definitions, written out with explicit loops (float64)."""
+
+import pytest
+import torch
+
+from sketchlab import attention_error, causal_attention, holdout_split, optimality_ratio, rel_fro, rel_mae
+
+
+def _pair(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    exact = torch.randn(2, 3, 6, 5, generator=gen, dtype=torch.float64)
+    return exact + 0.1 * torch.randn(2, 3, 6, 5, generator=gen, dtype=torch.float64), exact
+
+
+def test_definitions_per_batch_entry():
+    approx, exact = _pair()
+    mae, fro = rel_mae(approx, exact), rel_fro(approx, exact)
+    assert mae.shape == fro.shape == (2, 3)
+    for l in range(2):
+        for h in range(3):
+            a, e = approx[l, h].flatten().tolist(), exact[l, h].flatten().tolist()
+            num = sum(abs(x - y) for x, y in zip(a, e))
+            den = sum(abs(y) for y in e)
+            assert mae[l, h].item() == pytest.approx(num / den, rel=1e-13)
+            fro_num = sum((x - y) ** 2 for x, y in zip(a, e)) ** 0.5
+            fro_den = sum(y**2 for y in e) ** 0.5
+            assert fro[l, h].item() == pytest.approx(fro_num / fro_den, rel=1e-13)
+
+
+def test_optimality_ratio():
+    approx, exact = _pair(1)
+    tail = torch.full((2, 3), 0.25, dtype=torch.float64)
+    ratio = optimality_ratio(approx, exact, tail)
+    assert torch.allclose(ratio, torch.linalg.matrix_norm(approx - exact) / 0.5, rtol=1e-14, atol=0)
+    # exact kernel with zero tail is optimal (ratio 1), a non-zero error over a zero tail is inf
+    assert optimality_ratio(exact[0, 0], exact[0, 0], 0.0).item() == 1.0
+    assert optimality_ratio(approx[0, 0], exact[0, 0], 0.0).item() == float("inf")
+    with pytest.raises(ValueError, match=r"tail must be non-negative with the batch shape \(2, 3\)"):
+        optimality_ratio(approx, exact, torch.ones(3))
+
+
+def test_causal_attention_matches_loop():
+    gen = torch.Generator().manual_seed(2)
+    kern = torch.rand(5, 5, generator=gen, dtype=torch.float64)
+    v = torch.randn(5, 2, generator=gen, dtype=torch.float64)
+    out = causal_attention(kern, v, eps=1e-3)
+    for i in range(5):
+        num = sum(kern[i, j] * v[j] for j in range(i + 1))
+        den = sum(kern[i, j] for j in range(i + 1)) + 1e-3
+        assert torch.allclose(out[i], num / den, rtol=1e-14, atol=0)
+    assert attention_error(kern, kern, v).item() == 0.0
+    assert attention_error(kern * 1.1, kern, v).item() > 0.0
+
+
+def test_shape_errors():
+    with pytest.raises(ValueError, match=r"same shape"):
+        rel_mae(torch.ones(3, 3), torch.ones(3, 4))
+    with pytest.raises(ValueError, match=r"kernel must be \[\.\.\., n, n\]"):
+        causal_attention(torch.ones(3, 4), torch.ones(4, 2))
+
+
+def test_holdout_split_is_a_seeded_partition():
+    fit, held = holdout_split(20, 0.25, seed=3)
+    assert len(held) == 5 and len(fit) == 15
+    assert sorted(fit.tolist() + held.tolist()) == list(range(20))
+    again = holdout_split(20, 0.25, seed=3)
+    assert torch.equal(fit, again[0]) and torch.equal(held, again[1])
+    assert not torch.equal(held, holdout_split(20, 0.25, seed=4)[1])
+    assert len(holdout_split(20, 0.0, seed=0)[1]) == 0

@@ -1,0 +1,123 @@
+"""Exact polynomial features against the kernel and against their naive float64 twin.
+
+Tolerances (float64, eps = 2.2e-16): a degree-p kernel value is a sum of ~d^p products of p
+factors; with |x_i| ~ 1 the round-off of that sum is bounded by ~ p·d^p·eps·max|term|, far below
+1e-12 relative for the sizes used here (d^p <= 4^5 = 1024). We assert 1e-12 relative to the
+largest kernel entry.
+"""
+
+import math
+
+import pytest
+import torch
+
+from sketchlab import (
+    full_to_symmetric,
+    num_poly_features,
+    poly_features,
+    poly_features_naive,
+    poly_kernel,
+    symmetric_index,
+    symmetric_to_full,
+)
+
+RTOL64 = 1e-12
+
+
+def _rand(*shape, seed=0, dtype=torch.float64):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+
+
+def _assert_close(actual, expected, rtol=RTOL64):
+    scale = expected.abs().max().clamp_min(1e-300)
+    err = (actual - expected).abs().max() / scale
+    assert err <= rtol, f"relative max error {err:.3e} > {rtol:.1e}"
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_inner_products_equal_kernel(p, symmetric):
+    x, y = _rand(6, 4, seed=1), _rand(5, 4, seed=2)
+    gram = poly_features(x, p, symmetric) @ poly_features(y, p, symmetric).T
+    _assert_close(gram, poly_kernel(x, y, p))
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4])
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_fast_matches_naive_twin(p, symmetric):
+    x = _rand(5, 3, seed=3)
+    _assert_close(poly_features(x, p, symmetric), poly_features_naive(x, p, symmetric))
+
+
+@pytest.mark.parametrize("d,p", [(1, 3), (3, 1), (4, 3), (7, 2)])
+def test_feature_counts(d, p):
+    x = _rand(2, d)
+    assert poly_features(x, p).shape == (2, d**p)
+    assert poly_features(x, p, symmetric=True).shape == (2, math.comb(d + p - 1, p))
+    assert num_poly_features(d, p, True) == math.comb(d + p - 1, p)
+
+
+def test_full_coordinates_are_row_major_tuples():
+    x = _rand(3, 4, seed=4)
+    psi = poly_features(x, 3).reshape(3, 4, 4, 4)  # [n, d, d, d]
+    # exact: a product of three float64 numbers computed in the same order both ways
+    assert torch.equal(psi[:, 1, 3, 2], x[:, 1] * x[:, 3] * x[:, 2])
+
+
+def test_symmetric_weights_are_sqrt_multinomials():
+    index, weight = symmetric_index(3, 4)
+    for row, w in zip(index.tolist(), weight.tolist()):
+        counts = [row.count(i) for i in set(row)]
+        c = math.factorial(4) // math.prod(math.factorial(k) for k in counts)
+        assert w == pytest.approx(math.sqrt(c), rel=1e-15)
+    # Σ_α c_α = d^p: every tuple belongs to exactly one multiset
+    assert (weight**2).sum().item() == pytest.approx(3**4, rel=1e-14)
+
+
+def test_batched_leading_dims():
+    x = _rand(2, 3, 5, 4, seed=5)
+    out = poly_features(x, 2, symmetric=True)
+    assert out.shape == (2, 3, 5, 10)
+    _assert_close(out[1, 2], poly_features(x[1, 2], 2, symmetric=True))
+    k = poly_kernel(x, x, 3)
+    _assert_close(k[0, 1], poly_kernel(x[0, 1], x[0, 1], 3))
+
+
+@pytest.mark.parametrize("p", [2, 3])
+def test_symmetric_full_basis_maps(p):
+    d, m = 4, 5
+    x = _rand(7, d, seed=6)
+    w_sym = _rand(num_poly_features(d, p, True), m, seed=7)
+    w_full = symmetric_to_full(w_sym, d, p)
+    _assert_close(poly_features(x, p) @ w_full, poly_features(x, p, True) @ w_sym)
+    # the map is an isometry and full_to_symmetric inverts it
+    assert torch.linalg.norm(w_full).item() == pytest.approx(torch.linalg.norm(w_sym).item(), rel=1e-13)
+    _assert_close(full_to_symmetric(w_full, d, p), w_sym)
+    # any full-basis W (not symmetric) maps to symmetric W with the same features
+    w_any = _rand(d**p, m, seed=8)
+    _assert_close(poly_features(x, p, True) @ full_to_symmetric(w_any, d, p), poly_features(x, p) @ w_any)
+
+
+def test_memory_budget_error_names_size_budget_and_way_out():
+    x = torch.zeros(100, 32)
+    with pytest.raises(ValueError, match=r"GiB.*budget.*symmetric=True"):
+        poly_features(x, 4, max_bytes=2**20)
+    with pytest.raises(ValueError, match=r"smaller d or p"):
+        poly_features(x, 4, symmetric=True, max_bytes=2**10)
+
+
+@pytest.mark.parametrize(
+    "call,exc,pattern",
+    [
+        (lambda: poly_features(torch.ones(3, 2), 0), ValueError, r"p \(the polynomial degree\).*got 0"),
+        (lambda: poly_features(torch.ones(3, 2), 2.0), TypeError, r"integer"),
+        (lambda: poly_features(torch.ones(3, 2, dtype=torch.int64), 2), TypeError, r"floating-point dtype.*int64"),
+        (lambda: poly_features([1.0, 2.0], 2), TypeError, r"torch.Tensor or numpy array.*list"),
+        (lambda: poly_features(torch.ones(3, 0), 2), ValueError, r"d >= 1"),
+        (lambda: poly_kernel(torch.ones(3, 2), torch.ones(3, 4), 2), ValueError, r"share d"),
+        (lambda: symmetric_to_full(torch.ones(5, 2), 3, 2), ValueError, r"C\(d\+p-1, p\)=6"),
+    ],
+)
+def test_bad_input(call, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        call()
