@@ -24,5 +24,10 @@ test: setup
 demo: setup
 	$(PY) -m sketchlab.demo
 
+# Retrain the MQAR softmax model and rewrite data/mqar_softmax_qk.safetensors (+ checkpoint in
+# data/mqar_softmax/) from the seed; settings and the measured accuracy are in data/README.md.
+data: setup
+	$(PY) analysis/train_mqar.py --out data --no-progress
+
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

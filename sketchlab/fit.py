@@ -115,7 +115,7 @@ def _errors(sketch: Sketch, q: torch.Tensor, k: torch.Tensor, p: int, m: int):
     return rel_fro(approx, exact), rel_mae(approx, exact), optimality_ratio(approx, exact, tail), tail
 
 
-def fit_sketch(method: str, q, k, *, p: int, m: int, seed: int = 0, holdout: float = 0.0, **options) -> Fit:
+def fit_sketch(method: str, q, k, /, *, p: int, m: int, seed: int = 0, holdout: float = 0.0, **options) -> Fit:
     """Fit the sketch ``method`` to ``(q, k)`` and measure it against the Theorem 3.1 optimum.
 
     Parameters

@@ -1,15 +1,89 @@
-"""Q/K dumps: load, validate, save."""
+"""Q/K dumps: load, validate and save the query/key (and value) tensors that sketches are fitted to.
+
+A *dump* holds tensors ``q``, ``k`` and optionally ``v``, each of layout ``[L, H, n, d]``
+(layers, heads, tokens, head dimension), ``[H, n, d]`` or ``[n, d]``, plus string metadata
+(DESIGN.md §3: ``source``, ``layout``, ``scale``). :func:`load_qk` normalises every layout to
+``[L, H, n, d]`` and validates once; :func:`save_qk` writes atomically.
+
+File formats
+------------
+``.safetensors`` (preferred)
+    Tensors ``q``, ``k``, ``v``; metadata in the safetensors header (str → str).
+``.pt``
+    A ``dict`` read with ``torch.load(weights_only=True)``: ``{"q": T, "k": T, "v": T,
+    "meta": {str: str}}``.
+``.npz``
+    Arrays ``q``, ``k``, ``v`` and optionally ``__metadata__``, a 0-d string array holding a JSON
+    object of strings (read with ``allow_pickle=False``).
+``.npy``
+    One array per file, so a dump is a set of sibling files ``NAME.q.npy``, ``NAME.k.npy``,
+    optional ``NAME.v.npy`` and optional ``NAME.meta.json``; pass any of them (or
+    ``NAME.npy`` where that file does not exist) to :func:`load_qk`. A *single* ``.npy`` array
+    (e.g. q and k stacked as ``[2, ...]``) is rejected: its leading axis could be the q/k pair or
+    the layers, and guessing would silently fit the wrong tensors.
+
+Dict keyed by layer
+-------------------
+Instead of one ``q`` tensor a file may hold one tensor per layer, ``[H, n, d]`` or ``[n, d]``:
+keys ``q.0, q.1, …`` (and ``k.i``, ``v.i``) in any format, or, in ``.pt``, a nested
+``{"q": {0: T, 1: T, …}, …}`` with integer (or digit-string) keys. Layers must be numbered
+``0 … L-1`` without gaps and share one shape; they are stacked on a new leading axis.
+
+Validation (each rejection names the file, the tensor and the rule): unknown extension,
+unreadable / truncated / corrupt file, missing ``q`` or ``k``, unexpected entries,
+non-floating dtype, rank not in {2, 3, 4}, a ``layout`` metadata entry that disagrees with the
+rank, empty tensors, ``q`` and ``k`` of different shapes, ``v`` not matching ``k`` in
+``[L, H, n]``, and non-finite values (count and first index).
+"""
+
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import re
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
+
+import numpy as np
+import torch
+
+__all__ = ["QKDump", "atomic_write", "load_qk", "save_qk"]
+
+_EXTENSIONS = (".safetensors", ".pt", ".npz", ".npy")
+_LAYOUTS = {2: "n,d", 3: "H,n,d", 4: "L,H,n,d"}
+_NAMES = ("q", "k", "v")
+_LAYER_KEY = re.compile(r"^([qkv])\.(\d+)$")
+
+
+@dataclass
+class QKDump:
+    """A validated dump: ``q``, ``k`` (and ``v`` or ``None``) of shape ``[L, H, n, d]``.
+
+    ``meta`` holds the file's string metadata (``source``, ``layout``, ``scale``, …) and
+    ``path`` the file read (``None`` for dumps built in memory).
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor | None = None
+    meta: dict[str, str] = field(default_factory=dict)
+    path: Path | None = None
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """``(L, H, n, d)`` of ``q``."""
+        return tuple(self.q.shape)  # type: ignore[return-value]
 
 
 @contextlib.contextmanager
 def atomic_write(path):
-    """Yield a temporary path in ``path``'s directory; on success ``os.replace`` it onto ``path``."""
+    """Yield a temporary path beside ``path``; on success ``os.replace`` it onto ``path``.
+
+    Readers never see a half-written file: either the old file or the complete new one. On any
+    exception the temporary file is removed and the target is left untouched.
+    """
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
@@ -20,3 +94,360 @@ def atomic_write(path):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+# --------------------------------------------------------------------------------------------
+# reading raw entries
+
+
+def _npy_parts(path: Path) -> dict[str, Path]:
+    """Sibling files of a ``.npy`` dump: ``{"q": NAME.q.npy, "k": …, "v": …, "meta": NAME.meta.json}``."""
+    stem = path.name[: -len(".npy")]
+    for name in _NAMES:
+        if stem.endswith("." + name):
+            stem = stem[: -2]
+            break
+    base = path.parent / stem
+    parts = {name: Path(f"{base}.{name}.npy") for name in _NAMES}
+    parts["meta"] = Path(f"{base}.meta.json")
+    return parts
+
+
+def _read_raw(path: Path) -> tuple[dict, dict]:
+    """Return ``(entries, meta)`` as stored; ``entries`` maps names to tensors/arrays/dicts."""
+    ext = path.suffix.lower()
+    if ext not in _EXTENSIONS:
+        raise ValueError(
+            f"{path}: unknown extension {path.suffix!r}; a Q/K dump must end in one of {', '.join(_EXTENSIONS)}"
+        )
+    if ext == ".npy":
+        parts = _npy_parts(path)
+        single = path.is_file() and path not in (parts["q"], parts["k"], parts["v"])
+        if single:
+            arr = _np_load(path)
+            hint = (
+                f"its leading axis of size 2 could be the (q, k) pair or L=2 layers"
+                if arr.ndim >= 1 and arr.shape[0] == 2
+                else "one array cannot hold both q and k"
+            )
+            raise ValueError(
+                f"{path}: a single .npy array of shape {tuple(arr.shape)} is ambiguous ({hint}); save q and k "
+                f"as sibling files NAME.q.npy and NAME.k.npy (see save_qk) or use .npz/.safetensors"
+            )
+        if not parts["q"].is_file() and not parts["k"].is_file():
+            raise FileNotFoundError(f"{path}: no such dump (looked for {parts['q']} and {parts['k']})")
+        entries = {name: _np_load(parts[name]) for name in _NAMES if parts[name].is_file()}
+        meta = {}
+        if parts["meta"].is_file():
+            try:
+                meta = json.loads(parts["meta"].read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError) as err:
+                raise ValueError(f"{parts['meta']}: corrupt metadata file, not JSON ({err})") from err
+        return entries, meta
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file")
+    if path.stat().st_size == 0:
+        raise ValueError(f"{path}: the file is empty (0 bytes), not a {ext} dump")
+    if ext == ".safetensors":
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                meta = dict(f.metadata() or {})
+                entries = {key: f.get_tensor(key) for key in f.keys()}
+        except Exception as err:  # safetensors raises SafetensorError/OSError/ValueError for bad files
+            raise ValueError(f"{path}: unreadable safetensors file (truncated or corrupt): {err}") from err
+        return entries, meta
+    if ext == ".pt":
+        try:
+            obj = torch.load(str(path), map_location="cpu", weights_only=True)
+        except Exception as err:  # torch raises RuntimeError/UnpicklingError/EOFError for bad files
+            raise ValueError(f"{path}: unreadable .pt file (truncated, corrupt or not weights-only): {err}") from err
+        if not isinstance(obj, dict):
+            raise ValueError(f"{path}: a .pt dump must hold a dict with 'q' and 'k', got {type(obj).__name__}")
+        obj = dict(obj)
+        meta = obj.pop("meta", {})
+        return obj, meta
+    # .npz
+    try:
+        with np.load(str(path), allow_pickle=False) as z:
+            entries = {key: z[key] for key in z.files}
+    except Exception as err:  # zipfile.BadZipFile, ValueError, EOFError, OSError
+        raise ValueError(f"{path}: unreadable .npz file (truncated or corrupt): {err}") from err
+    meta = {}
+    if "__metadata__" in entries:
+        raw = entries.pop("__metadata__")
+        try:
+            meta = json.loads(str(raw.item()))
+        except (json.JSONDecodeError, ValueError) as err:
+            raise ValueError(f"{path}: __metadata__ must be a 0-d string array holding a JSON object ({err})") from err
+    return entries, meta
+
+
+def _np_load(path: Path) -> np.ndarray:
+    try:
+        arr = np.load(str(path), allow_pickle=False)
+    except Exception as err:  # ValueError/EOFError/OSError/UnpicklingError
+        raise ValueError(f"{path}: unreadable .npy file (truncated or corrupt): {err}") from err
+    if not isinstance(arr, np.ndarray):
+        raise ValueError(f"{path}: expected a .npy array, got {type(arr).__name__}")
+    return arr
+
+
+# --------------------------------------------------------------------------------------------
+# validation
+
+
+def _as_tensor(x, where: str) -> torch.Tensor:
+    if isinstance(x, np.ndarray):
+        if x.dtype.kind != "f":
+            raise ValueError(f"{where} must be a floating-point array, got dtype {x.dtype}")
+        x = torch.from_numpy(np.ascontiguousarray(x))
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{where} must be a tensor or array, got {type(x).__name__}")
+    if not x.dtype.is_floating_point:
+        raise ValueError(f"{where} must have a real floating-point dtype, got {x.dtype}")
+    return x
+
+
+def _layer_index(key, where: str) -> int:
+    if isinstance(key, bool):
+        raise ValueError(f"{where}: layer keys must be integers, got {key!r}")
+    if isinstance(key, int):
+        return key
+    if isinstance(key, str) and key.isdigit():
+        return int(key)
+    raise ValueError(f"{where}: layer keys must be integers (or digit strings), got {key!r}")
+
+
+def _stack_layers(layers: dict[int, object], where: str) -> torch.Tensor:
+    """Stack ``{layer: [H, n, d] or [n, d]}`` into ``[L, H, n, d]``; layers ``0 … L-1``, one shape."""
+    if not layers:
+        raise ValueError(f"{where} is an empty dict of layers")
+    idx = sorted(layers)
+    if idx != list(range(len(idx))):
+        raise ValueError(f"{where}: layers must be numbered 0..L-1 without gaps, got {idx}")
+    out = []
+    for i in idx:
+        t = _as_tensor(layers[i], f"{where}[layer {i}]")
+        if t.ndim not in (2, 3):
+            raise ValueError(
+                f"{where}[layer {i}] must have rank 2 [n, d] or 3 [H, n, d], got rank {t.ndim} shape {tuple(t.shape)}"
+            )
+        t = t if t.ndim == 3 else t[None]  # [H, n, d]
+        if out and t.shape != out[0].shape:
+            raise ValueError(
+                f"{where}: every layer must have the same shape, layer 0 has {tuple(out[0].shape)}, "
+                f"layer {i} has {tuple(t.shape)}"
+            )
+        out.append(t)
+    return torch.stack(out)  # [L, H, n, d]
+
+
+def _check_layout(meta: dict, rank: int, where: str) -> None:
+    layout = meta.get("layout")
+    if layout is None:
+        return
+    norm = re.sub(r"[\s\[\]()]", "", str(layout))
+    if norm not in _LAYOUTS.values():
+        raise ValueError(
+            f"{where}: metadata layout {layout!r} is not one of {sorted(_LAYOUTS.values(), key=len)}"
+        )
+    if norm != _LAYOUTS[rank]:
+        raise ValueError(f"{where}: metadata layout {layout!r} disagrees with the tensor rank {rank} ({_LAYOUTS[rank]})")
+
+
+def _normalise(entries: dict, meta: dict, label: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Turn raw entries into validated ``q, k, v`` of shape ``[L, H, n, d]``."""
+    plain: dict[str, object] = {}
+    per_layer: dict[str, dict[int, object]] = {}
+    for key, value in entries.items():
+        m = _LAYER_KEY.match(str(key))
+        if key in _NAMES:
+            if isinstance(value, dict):
+                per_layer[key] = {_layer_index(i, f"{label}: {key}"): t for i, t in value.items()}
+            else:
+                plain[key] = value
+        elif m:
+            per_layer.setdefault(m.group(1), {})[int(m.group(2))] = value
+        else:
+            raise ValueError(
+                f"{label}: unexpected entry {key!r}; a dump holds 'q', 'k', optional 'v' "
+                f"(or per-layer 'q.0', 'k.0', …)"
+            )
+    tensors: dict[str, torch.Tensor] = {}
+    for name in _NAMES:
+        if name in plain and name in per_layer:
+            raise ValueError(f"{label}: tensor {name} is given both whole ('{name}') and per layer ('{name}.i')")
+        if name in plain:
+            t = _as_tensor(plain[name], f"{label}: tensor {name}")
+            if t.ndim not in _LAYOUTS:
+                raise ValueError(
+                    f"{label}: tensor {name} must have rank 2 [n, d], 3 [H, n, d] or 4 [L, H, n, d], "
+                    f"got rank {t.ndim} with shape {tuple(t.shape)}"
+                )
+            _check_layout(meta, t.ndim, f"{label}: tensor {name}")
+            tensors[name] = t.reshape((1,) * (4 - t.ndim) + tuple(t.shape))  # [L, H, n, d]
+        elif name in per_layer:
+            tensors[name] = _stack_layers(per_layer[name], f"{label}: tensor {name}")
+    for name in ("q", "k"):
+        if name not in tensors:
+            raise ValueError(f"{label}: tensor {name} is missing; a dump must hold both 'q' and 'k'")
+    for name, t in tensors.items():
+        if t.numel() == 0:
+            raise ValueError(f"{label}: tensor {name} is empty, shape {tuple(t.shape)} ([L, H, n, d])")
+    q, k, v = tensors["q"], tensors["k"], tensors.get("v")
+    if q.shape != k.shape:
+        raise ValueError(f"{label}: tensors q and k must have the same shape [L, H, n, d], got q {tuple(q.shape)} and k {tuple(k.shape)}")
+    if v is not None and v.shape[:3] != k.shape[:3]:
+        raise ValueError(
+            f"{label}: tensor v must match k in [L, H, n], got v {tuple(v.shape)} and k {tuple(k.shape)}"
+        )
+    for name, t in tensors.items():
+        bad = ~torch.isfinite(t)
+        if bool(bad.any()):
+            first = tuple(int(i) for i in bad.nonzero()[0])
+            raise ValueError(
+                f"{label}: tensor {name} must be finite: {int(bad.sum())} non-finite value(s) of {t.numel()}, "
+                f"the first at index {first} ({t[first].item()})"
+            )
+    return q, k, v
+
+
+def _check_meta(meta, label: str) -> dict[str, str]:
+    if meta is None:
+        return {}
+    if not isinstance(meta, dict):
+        raise ValueError(f"{label}: metadata must be a dict of strings, got {type(meta).__name__}")
+    for key, value in meta.items():
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise ValueError(
+                f"{label}: metadata must map strings to strings (JSON-encode anything else), "
+                f"got {key!r}: {value!r} ({type(value).__name__})"
+            )
+    return dict(meta)
+
+
+def _select(x: torch.Tensor, axis: int, index, what: str, label: str) -> torch.Tensor:
+    if index is None:
+        return x
+    if isinstance(index, int) and not isinstance(index, bool):
+        index = [index]
+    if not isinstance(index, (list, tuple)) or not index:
+        raise ValueError(f"{label}: {what} must be a non-empty list of integers, got {index!r}")
+    size = x.shape[axis]
+    for i in index:
+        if isinstance(i, bool) or not isinstance(i, int):
+            raise ValueError(f"{label}: {what} must be a list of integers, got {index!r}")
+        if not -size <= i < size:
+            raise ValueError(
+                f"{label}: {what} index {i} is out of range; the dump has {size} {what} "
+                f"(valid indices 0..{size - 1}, or -{size}..-1 from the end)"
+            )
+    return x.index_select(axis, torch.tensor([i % size for i in index]))
+
+
+def _to_numpy(t: torch.Tensor) -> np.ndarray:
+    """numpy has no bfloat16: such tensors are widened to float32 (exactly) for .npy/.npz."""
+    return (t.float() if t.dtype == torch.bfloat16 else t).numpy()
+
+
+# --------------------------------------------------------------------------------------------
+# public API
+
+
+def load_qk(path, *, layers=None, heads=None) -> QKDump:
+    """Load and validate a Q/K dump, normalised to ``[L, H, n, d]``.
+
+    Parameters
+    ----------
+    path : str or Path
+        ``.safetensors``, ``.pt``, ``.npz`` or ``.npy`` (see the module docstring for each format).
+    layers, heads : list of int, optional
+        Keep only these layer / head indices (in the given order; negative indices count from
+        the end). Out-of-range indices raise ``ValueError`` naming the file and the valid range.
+
+    Returns
+    -------
+    QKDump
+        ``q``, ``k`` (and ``v`` or ``None``) of shape ``[L', H', n, d]`` in the stored dtype,
+        ``meta`` (str → str) and ``path``.
+
+    Raises
+    ------
+    FileNotFoundError
+        The file does not exist.
+    ValueError
+        Any validation rule (module docstring); the message names the file, tensor and rule.
+    """
+    path = Path(path)
+    entries, meta = _read_raw(path)
+    meta = _check_meta(meta, str(path))
+    q, k, v = _normalise(entries, meta, str(path))
+    tensors = [q, k, v]
+    for axis, index, what in ((0, layers, "layers"), (1, heads, "heads")):
+        tensors = [None if t is None else _select(t, axis, index, what, str(path)) for t in tensors]
+    return QKDump(q=tensors[0], k=tensors[1], v=tensors[2], meta=meta, path=path)
+
+
+def save_qk(path, q, k, v=None, meta=None) -> Path:
+    """Validate and write a Q/K dump atomically; returns the path written.
+
+    Parameters
+    ----------
+    path : str or Path
+        Extension picks the format. For ``.npy`` the dump is written as sibling files
+        ``NAME.q.npy``, ``NAME.k.npy`` (``NAME.v.npy``, ``NAME.meta.json``) and ``path`` may be
+        ``NAME.npy`` or ``NAME.q.npy``; the returned path is ``NAME.q.npy``.
+    q, k : Tensor or ndarray ``[n, d]``, ``[H, n, d]`` or ``[L, H, n, d]``
+        Same shape; finite floating values.
+    v : Tensor or ndarray, optional
+        Same ``[L, H, n]`` as ``k``.
+    meta : dict of str, optional
+        Metadata (DESIGN.md §3: ``source``, ``scale``, …). ``layout`` is set to
+        ``"L,H,n,d"``: tensors are written normalised to rank 4.
+
+    Notes
+    -----
+    The same rules as :func:`load_qk` apply before anything is written, so a file that
+    ``save_qk`` produced always loads.
+    """
+    path = Path(path)
+    label = str(path)
+    ext = path.suffix.lower()
+    if ext not in _EXTENSIONS:
+        raise ValueError(f"{path}: unknown extension {path.suffix!r}; use one of {', '.join(_EXTENSIONS)}")
+    meta = _check_meta(meta, label)
+    meta.pop("layout", None)  # validated against the normalised rank below
+    entries = {"q": q, "k": k} if v is None else {"q": q, "k": k, "v": v}
+    tq, tk, tv = _normalise(entries, {}, label)
+    meta["layout"] = _LAYOUTS[4]
+    tensors = {"q": tq, "k": tk} if tv is None else {"q": tq, "k": tk, "v": tv}
+    tensors = {n: t.detach().cpu().contiguous().clone() for n, t in tensors.items()}  # own storage
+    if ext == ".safetensors":
+        from safetensors.torch import save_file
+
+        with atomic_write(path) as tmp:
+            save_file(tensors, str(tmp), metadata=meta)
+        return path
+    if ext == ".pt":
+        with atomic_write(path) as tmp:
+            torch.save({**tensors, "meta": meta}, str(tmp))
+        return path
+    if ext == ".npz":
+        arrays = {n: _to_numpy(t) for n, t in tensors.items()}
+        arrays["__metadata__"] = np.array(json.dumps(meta, sort_keys=True))
+        with atomic_write(path) as tmp:
+            with open(tmp, "wb") as fh:
+                np.savez(fh, **arrays)
+        return path
+    parts = _npy_parts(path)
+    for name, t in tensors.items():
+        with atomic_write(parts[name]) as tmp:
+            with open(tmp, "wb") as fh:
+                np.save(fh, _to_numpy(t), allow_pickle=False)
+    if tv is None and parts["v"].is_file():
+        os.unlink(parts["v"])  # a stale v from an earlier dump of the same name would be read back
+    with atomic_write(parts["meta"]) as tmp:
+        Path(tmp).write_text(json.dumps(meta, sort_keys=True, indent=1) + "\n")
+    return parts["q"]

@@ -6,6 +6,22 @@ r"""LLoPS: the learnable low-rank polynomial sketch.
 :math:`\psi_p(x)^\top W` where column ``i`` of ``W``, reshaped to a ``d × … × d`` tensor, is the
 rank-``t`` CP tensor :math:`\sum_r \theta_{r,1,:,i} \otimes \dots \otimes \theta_{r,p,:,i}`.
 
+Fits (all registered as ``fit_sketch("llops", q, k, p=, m=, rank=, method=, init=, ...)``):
+
+``method="direct"`` (default)
+    minimises the kernel loss :func:`kernel_loss` ``‖φ_Q(Q)φ_K(K)ᵀ − A‖_F²`` over Θ by exact
+    block coordinate descent (alternating least squares with one block per feature column,
+    side and factor; see :func:`fit_llops_direct`).
+``method="cp"``
+    a CP decomposition (tensorly ``parafac``) of every column tensor of the Theorem 3.1 optimal
+    projector ``W*`` (see :func:`fit_llops_cp`). ``W*`` is only defined up to an invertible
+    ``m × m`` map ``G`` (``W*_Q G``, ``W*_K G^{-ᵀ}`` give the same kernel); the balanced SVD split
+    of :func:`sketchlab.optimal_sketch` gives columns far from rank 1, so this CP is poor unless
+    ``G`` is chosen well (``gauge="aligned"``).
+``method="adam"``
+    plain gradient descent (``torch.optim.Adam``) on the same loss with a fixed step budget: the
+    naive baseline the benchmark contrasts with.
+
 References
 ----------
 Qin, Deng, Cong, Sun. *Learnable Low-Rank Polynomial Sketch for Effective Linear Attention*, 2026, §3.2.
@@ -13,13 +29,37 @@ Qin, Deng, Cong, Sun. *Learnable Low-Rank Polynomial Sketch for Effective Linear
 
 from __future__ import annotations
 
+import itertools
+import math
+
 import torch
 from torch import nn
+from tqdm import tqdm
 
-from ._validation import as_float_tensor
+from ._validation import as_float_tensor, check_degree, check_pair, check_positive_int
+from .fit import register_sketch
 from .sketch import Sketch
 
-__all__ = ["LLoPS", "llops_features", "llops_features_naive"]
+__all__ = [
+    "GAUGES",
+    "INITS",
+    "METHODS",
+    "LLoPS",
+    "aligned_gauge",
+    "fit_llops_adam",
+    "fit_llops_cp",
+    "fit_llops_direct",
+    "kernel_loss",
+    "llops_features",
+    "llops_features_naive",
+    "llops_init",
+    "llops_projector",
+    "llops_projector_naive",
+    "projector_to_theta",
+]
+
+#: Initialisations accepted by the fits (besides an :class:`LLoPS` instance or an object with ``as_llops()``).
+INITS = ("svd", "random", "cp", "based", "psf")
 
 
 def _check_theta(theta, name: str = "theta") -> torch.Tensor:
@@ -59,6 +99,46 @@ def llops_features_naive(x: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
         for j in range(p):
             term = term * (x @ theta[r, j])  # [n, m]
         out = out + term
+    return out
+
+
+def llops_projector(theta: torch.Tensor) -> torch.Tensor:
+    r"""The projector ``W`` with :math:`\phi(x) = \psi_p(x)^\top W`, in the full ``d**p`` basis.
+
+    Parameters
+    ----------
+    theta : Tensor ``[..., t, p, d, m]``
+
+    Returns
+    -------
+    Tensor ``[..., d**p, m]``; column ``i`` is
+    :math:`\mathrm{vec}\big(\sum_r \theta_{r,1,:,i}\otimes\dots\otimes\theta_{r,p,:,i}\big)` in the
+    row-major tuple order of :func:`sketchlab.poly_features`. Memory ``d**p · m`` per head: for
+    small ``d`` (tests and theory).
+    """
+    theta = _check_theta(theta)
+    *batch, t, p, d, m = theta.shape
+    out = theta[..., 0, :, :]  # [..., t, d, m]
+    for j in range(1, p):
+        out = out[..., :, None, :] * theta[..., j, None, :, :]  # [..., t, d^j, d, m]
+        out = out.reshape(*batch, t, d ** (j + 1), m)  # [..., t, d^(j+1), m]
+    return out.sum(-3)  # Σ_r: [..., d^p, m]
+
+
+def llops_projector_naive(theta: torch.Tensor) -> torch.Tensor:
+    """Float64 twin of :func:`llops_projector` for ``theta[t, p, d, m]``: one loop per index tuple."""
+    theta = _check_theta(theta).to(torch.float64)
+    if theta.ndim != 4:
+        raise ValueError(f"llops_projector_naive takes theta[t, p, d, m], got {tuple(theta.shape)}")
+    t, p, d, m = theta.shape
+    out = torch.zeros(d**p, m, dtype=torch.float64)
+    for row, idx in enumerate(itertools.product(range(d), repeat=p)):
+        for i in range(m):
+            for r in range(t):
+                value = 1.0
+                for j, a in enumerate(idx):
+                    value *= float(theta[r, j, a, i])
+                out[row, i] += value
     return out
 
 
@@ -122,3 +202,682 @@ class LLoPS(nn.Module, Sketch):
     def forward(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """The approximate kernel ``φ_Q(q) φ_K(k)ᵀ``, ``[..., n_q, n_k]``."""
         return self.kernel(q, k)
+
+    def projector(self, side: str = "q") -> torch.Tensor:
+        """The projector of one side (``"q"`` or ``"k"``), ``[..., d**p, m]`` (see :func:`llops_projector`).
+
+        ``features_q(x) == poly_features(x, p) @ projector("q")`` to round-off.
+        """
+        if side not in ("q", "k"):
+            raise ValueError(f"side must be 'q' or 'k', got {side!r}")
+        theta = self.theta_q if side == "q" or self.theta_k is None else self.theta_k
+        return llops_projector(theta.detach())
+
+    @classmethod
+    def from_projector(
+        cls,
+        w_q,
+        w_k=None,
+        rank: int = 1,
+        *,
+        p: int,
+        seed: int = 0,
+        n_iter_max: int = 200,
+        tol: float = 1e-10,
+    ) -> "LLoPS":
+        r"""Rank-``rank`` LLoPS from projectors ``w[..., d**p, m]`` by a CP of each column tensor.
+
+        Each column of ``w_q`` (and ``w_k``), reshaped to a ``d × … × d`` tensor, is decomposed by
+        tensorly's ``parafac`` (see :func:`projector_to_theta`). ``w_k=None`` ties the key map to
+        the query map. ``p`` is required: ``d**p`` alone does not determine ``d`` and ``p``.
+        """
+        theta_q = projector_to_theta(w_q, p, rank, seed=seed, n_iter_max=n_iter_max, tol=tol, name="w_q")
+        theta_k = None
+        if w_k is not None:
+            theta_k = projector_to_theta(w_k, p, rank, seed=seed, n_iter_max=n_iter_max, tol=tol, name="w_k")
+        return cls(theta_q, theta_k)
+
+
+# ----------------------------------------------------------------------------------------------
+# CP of projector columns
+# ----------------------------------------------------------------------------------------------
+
+
+def projector_to_theta(
+    w, p: int, rank: int = 1, *, seed: int = 0, n_iter_max: int = 200, tol: float = 1e-10, name: str = "w"
+) -> torch.Tensor:
+    r"""Θ ``[..., rank, p, d, m]`` from a projector ``w[..., d**p, m]``: a CP of each column tensor.
+
+    Column ``i`` of ``w`` is reshaped (row-major) to a ``d × … × d`` tensor and decomposed by
+    ``tensorly.decomposition.parafac`` (rank ``rank``, SVD initialisation, inside
+    ``tl.backend_context("pytorch")``), in float64. ``p == 1`` is exact: ``θ_{r,1,:,i} = w_i / rank``.
+
+    Notes
+    -----
+    For ``rank = 1`` the best possible error is, per column, :math:`\|W_i\|_F^2 - \|W_i\|_\sigma^2`
+    (Theorem 3.4 as stated in DESIGN.md; see :func:`sketchlab.spectral.rank1_residuals`).
+    ``parafac`` is a local method: for ``p >= 3`` it may stop above that floor.
+    """
+    import tensorly as tl
+    from tensorly.decomposition import parafac
+
+    p = check_degree(p)
+    rank = check_positive_int(rank, "rank")
+    w = as_float_tensor(w, name)
+    if w.ndim < 2:
+        raise ValueError(f"{name} must have shape [..., d**p, m], got {tuple(w.shape)}")
+    d = round(w.shape[-2] ** (1.0 / p))
+    if d < 1 or d**p != w.shape[-2]:
+        raise ValueError(f"{name} must have d**p rows for p={p}; {w.shape[-2]} is not a {p}-th power")
+    *batch, _, m = w.shape
+    flat = w.detach().to(torch.float64).reshape(-1, d**p, m)  # [B, d^p, m]
+    theta = torch.zeros(flat.shape[0], rank, p, d, m, dtype=torch.float64, device=w.device)
+    if p == 1:
+        theta[:, :, 0] = flat[:, None] / rank
+        return theta.reshape(*batch, rank, p, d, m).to(w.dtype)
+    with tl.backend_context("pytorch"):
+        for b in range(flat.shape[0]):
+            for i in range(m):
+                tensor = flat[b, :, i].reshape((d,) * p)  # [d, ..., d]
+                if float(tensor.abs().max()) == 0.0:
+                    continue  # the zero tensor: all factors zero
+                cp = parafac(tensor, rank, n_iter_max=n_iter_max, tol=tol, init="svd", random_state=seed)
+                weights, factors = cp
+                for j in range(p):
+                    fac = factors[j]  # [d, rank]
+                    if j == 0:
+                        fac = fac * weights[None, :]
+                    theta[b, :, j, :, i] = fac.mT
+    return theta.reshape(*batch, rank, p, d, m).to(w.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# The loss
+# ----------------------------------------------------------------------------------------------
+
+
+def kernel_loss(features_q: torch.Tensor, features_k: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
+    r"""Squared Frobenius kernel error :math:`\|\Phi_Q\Phi_K^\top - A\|_F^2`, per batch entry.
+
+    The loss every LLoPS fit minimises (and the one to reuse for other fitted sketches, e.g. the
+    MLP baseline, so that they are compared on the same objective). Differentiable.
+
+    Parameters
+    ----------
+    features_q : Tensor ``[..., n_q, m]``
+    features_k : Tensor ``[..., n_k, m]``
+    exact : Tensor ``[..., n_q, n_k]``
+        The target, usually ``poly_kernel(q, k, p)``.
+
+    Returns
+    -------
+    Tensor ``[...]`` (batch shape). Divide by ``(exact**2).sum((-2, -1))`` for ``rel_fro**2``,
+    or by the tail bound for ``optimality_ratio**2``.
+
+    Notes
+    -----
+    Cost ``O(n_q n_k m)``. When the feature dimension ``D`` of the exact map is below ``n``, the
+    same value is a function of the ``D × D`` Gram matrices of :math:`\psi_p(Q)`, :math:`\psi_p(K)`
+    only; for the sizes this toolkit targets (``n ≈ D``) the ``n``-level form here is cheaper.
+    """
+    if features_q.shape[-1] != features_k.shape[-1]:
+        raise ValueError(
+            f"features_q and features_k must have the same number of features (last axis), got "
+            f"{features_q.shape[-1]} and {features_k.shape[-1]}"
+        )
+    expected = (*features_q.shape[:-1], features_k.shape[-2])
+    if tuple(exact.shape) != expected:
+        raise ValueError(f"exact must have shape {expected} (batch, n_q, n_k), got {tuple(exact.shape)}")
+    return ((features_q @ features_k.mT - exact) ** 2).sum((-2, -1))
+
+
+# ----------------------------------------------------------------------------------------------
+# Initialisation
+# ----------------------------------------------------------------------------------------------
+
+
+def _svd_directions(q: torch.Tensor, k: torch.Tensor):
+    """``u, s, v`` with ``Q Kᵀ = Q U diag(s) Vᵀ Kᵀ``: the singular directions of ``QKᵀ`` in ``R^d``.
+
+    From thin QR factors ``Q = Q_1 R_1``, ``K = Q_2 R_2`` and the SVD ``R_1 R_2ᵀ = X S Yᵀ``:
+    ``U = R_1⁺ X``, ``V = R_2⁺ Y``. Shapes ``[B, d, r]``, ``[B, r]``, ``[B, d, r]``, ``r = min(n_q, n_k, d)``.
+    """
+    _, r1 = torch.linalg.qr(q)  # [B, min(n_q, d), d]
+    _, r2 = torch.linalg.qr(k)  # [B, min(n_k, d), d]
+    x, s, yh = torch.linalg.svd(r1 @ r2.mT, full_matrices=False)
+    u = torch.linalg.pinv(r1) @ x  # [B, d, r]
+    v = torch.linalg.pinv(r2) @ yh.mT  # [B, d, r]
+    return u, s, v
+
+
+def _init_svd(q, k, p, m, generator):
+    """Rank-1 Θ from the leading terms of the expansion of ``(Σ_a s_a (u_aᵀq)(v_aᵀk))^p``.
+
+    ``(qᵀk)^p = Σ_α c_α ∏_j s_{α_j} (u_{α_j}ᵀq) (v_{α_j}ᵀk)`` over multisets ``α`` (``c_α`` the
+    multinomial coefficient): each term is a rank-1 LLoPS column. The ``m`` terms with the
+    largest ``c_α ∏ s`` are kept, the coefficient split evenly over the ``2p`` factors. If there
+    are fewer than ``m`` terms (``C(r+p-1, p) < m``), the remaining columns get small Gaussian
+    factors (``1e-3`` of the others' RMS) so that the fit can use them.
+    """
+    u, s, v = _svd_directions(q, k)
+    B, d, r = u.shape
+    combos = torch.tensor(list(itertools.combinations_with_replacement(range(r), p)), device=q.device).reshape(-1, p)
+    log_c = torch.tensor(
+        [math.lgamma(p + 1) - sum(math.lgamma(len(list(g)) + 1) for _, g in itertools.groupby(row)) for row in combos.tolist()],
+        dtype=torch.float64,
+        device=q.device,
+    )
+    log_s = s.clamp_min(torch.finfo(torch.float64).tiny).log()  # [B, r]
+    score = log_s[:, combos].sum(-1) + log_c  # [B, C] log(c_α ∏ s)
+    take = min(m, combos.shape[0])
+    top = score.topk(take, dim=-1).indices  # [B, take]
+    chosen = combos[top]  # [B, take, p]
+    scale = (score.gather(-1, top) / (2 * p)).exp()  # [B, take] per-factor share of c_α ∏ s
+    theta_q = torch.zeros(B, 1, p, d, m, dtype=torch.float64, device=q.device)
+    theta_k = torch.zeros_like(theta_q)
+    for j in range(p):
+        idx = chosen[..., j][:, None, :].expand(B, d, take)  # [B, d, take]
+        theta_q[:, 0, j, :, :take] = u.gather(-1, idx) * scale[:, None, :]
+        theta_k[:, 0, j, :, :take] = v.gather(-1, idx) * scale[:, None, :]
+    if take < m:
+        for theta in (theta_q, theta_k):
+            rms = theta[..., :take].pow(2).mean((1, 2, 3, 4)).sqrt()  # [B]
+            noise = torch.randn(B, 1, p, d, m - take, generator=generator, dtype=torch.float64).to(q.device)
+            theta[..., take:] = noise * (1e-3 * rms)[:, None, None, None, None]
+    return theta_q, theta_k
+
+
+def _init_random(q, k, a, rank, p, m, generator):
+    """Gaussian Θ scaled so that ``φ_Q φ_Kᵀ`` has the root-mean-square size of ``A``."""
+    B, _, d = q.shape
+    x_rms = torch.cat([q, k], -2).pow(2).sum(-1).mean(-1).sqrt()  # [B]
+    a_rms = a.pow(2).mean((-2, -1)).sqrt()  # [B]
+    sigma = (a_rms / math.sqrt(m * rank)).pow(1.0 / (2 * p)) / x_rms  # [B]
+    shape = (B, rank, p, d, m)
+    theta_q = torch.randn(shape, generator=generator, dtype=torch.float64) * sigma[:, None, None, None, None]
+    theta_k = torch.randn(shape, generator=generator, dtype=torch.float64) * sigma[:, None, None, None, None]
+    return theta_q.to(q.device), theta_k.to(q.device)
+
+
+def _pad_rank(theta_q, theta_k, rank, generator, relative=1e-3):
+    """Extend Θ to ``rank`` terms with small Gaussian ones (``relative`` × the factors' RMS)."""
+    have = theta_q.shape[1]
+    if have > rank:
+        raise ValueError(f"init has CP rank {have}, more than the requested rank={rank}")
+    if have == rank:
+        return theta_q, theta_k
+    out = []
+    for theta in (theta_q, theta_k):
+        B, _, p, d, m = theta.shape
+        rms = theta.pow(2).mean((1, 2, 3, 4)).sqrt().clamp_min(torch.finfo(torch.float64).tiny)  # [B]
+        extra = torch.randn(B, rank - have, p, d, m, generator=generator, dtype=torch.float64).to(theta.device)
+        out.append(torch.cat([theta, extra * (relative * rms)[:, None, None, None, None]], 1))
+    return out[0], out[1]
+
+
+def _pad_columns(theta_q, theta_k, m, generator, relative=1e-3):
+    """Extend Θ ``[B, t, p, d, m']`` to ``m`` columns with small Gaussian ones (``relative`` × RMS)."""
+    have = theta_q.shape[-1]
+    if have == m:
+        return theta_q, theta_k
+    out = []
+    for theta in (theta_q, theta_k):
+        B, t, p, d, _ = theta.shape
+        rms = theta.pow(2).mean((1, 2, 3, 4)).sqrt().clamp_min(torch.finfo(torch.float64).tiny)  # [B]
+        extra = torch.randn(B, t, p, d, m - have, generator=generator, dtype=torch.float64).to(theta.device)
+        out.append(torch.cat([theta, extra * (relative * rms)[:, None, None, None, None]], -1))
+    return out[0], out[1]
+
+
+def _special_case(name, q, k, p, m, seed):
+    """The BASED (project-then-expand, PCA projection) or PolySketchFormer sketch of size ``<= m``."""
+    from . import sketches  # noqa: F401  (registers "based" and "psf")
+    from .fit import _FITTERS
+
+    return _FITTERS[name](q, k, p=p, m=m, seed=seed)
+
+
+def llops_init(q, k, *, p: int, m: int, rank: int = 1, init="svd", seed: int = 0, **cp_options):
+    r"""Initial Θ for the fits: ``(theta_q, theta_k)``, float64 ``[..., rank, p, d, m]``.
+
+    Parameters
+    ----------
+    q, k : Tensor ``[..., n, d]``
+    p, m, rank : int
+    init : {"svd", "random", "cp"} or LLoPS or object with ``as_llops()``
+        ``"svd"``: the leading ``m`` terms of :math:`(\sum_a s_a (u_a^\top q)(v_a^\top k))^p`, the
+        multinomial expansion of the kernel in the singular directions of :math:`QK^\top` (this is
+        project-then-expand, BASED-style, with data-chosen directions and terms). ``"random"``:
+        Gaussian, scaled to the size of ``A``. ``"cp"``: :func:`fit_llops_cp` (``cp_options`` go
+        there). ``"based"``/``"psf"``: the BASED project-then-expand sketch (PCA projection) or
+        the PolySketchFormer sketch fitted with budget ``m`` (``fit_sketch("based"/"psf", ...)``),
+        converted exactly by :func:`sketchlab.sketches.as_llops` (which raises for the cases
+        without a rank-1 form, e.g. PSF of degree 3). An :class:`LLoPS`, or any sketch
+        :func:`sketchlab.sketches.as_llops` converts, with matching batch, ``p``, ``d``, at most
+        ``m`` features and rank ``<= rank`` is used as is. Missing CP terms and columns are filled
+        with small Gaussian ones (``1e-3`` of the factors' RMS) so that alternating least squares
+        can move them.
+    seed : int
+        Seeds every random draw (same seed, same Θ).
+    """
+    q, k = check_pair(q, k)
+    p = check_degree(p)
+    m = check_positive_int(m, "m (the sketch size)")
+    rank = check_positive_int(rank, "rank")
+    batch, d = q.shape[:-2], q.shape[-1]
+    q64 = q.to(torch.float64).reshape(-1, *q.shape[-2:])  # [B, n_q, d]
+    k64 = k.to(torch.float64).reshape(-1, *k.shape[-2:])  # [B, n_k, d]
+    generator = torch.Generator().manual_seed(seed)
+    if isinstance(init, str):
+        if init == "svd":
+            theta_q, theta_k = _init_svd(q64, k64, p, m, generator)
+        elif init == "random":
+            a = (q64 @ k64.mT) ** p
+            theta_q, theta_k = _init_random(q64, k64, a, rank, p, m, generator)
+        elif init == "cp":
+            sketch = fit_llops_cp(q, k, p=p, m=m, rank=rank, seed=seed, **cp_options)
+            theta_q = sketch.theta_q.detach().to(torch.float64).reshape(-1, rank, p, d, m)
+            theta_k = sketch.theta_k.detach().to(torch.float64).reshape(-1, rank, p, d, m)
+        elif init in ("based", "psf"):
+            return llops_init(q, k, p=p, m=m, rank=rank, init=_special_case(init, q, k, p, m, seed), seed=seed)
+        else:
+            raise ValueError(f"init must be one of {INITS}, an LLoPS, or a sketch with as_llops(); got {init!r}")
+    else:
+        if isinstance(init, LLoPS):
+            sketch = init
+        elif hasattr(init, "as_llops"):
+            sketch = init.as_llops()
+        else:
+            from .sketches import as_llops  # lazy: sketchlab.sketches imports this module
+
+            sketch = as_llops(init)
+        if not isinstance(sketch, LLoPS):
+            raise TypeError(f"init must be one of {INITS}, an LLoPS, or a sketch with as_llops(); got {type(init).__name__}")
+        theta_q = sketch.theta_q.detach().to(torch.float64)
+        theta_k = (sketch.theta_q if sketch.theta_k is None else sketch.theta_k).detach().to(torch.float64)
+        want = (*batch, p, d, m)
+        if theta_q.ndim == 4 and len(batch) > 0:  # one map shared by every head
+            theta_q = theta_q.expand(*batch, *theta_q.shape)
+            theta_k = theta_k.expand(*batch, *theta_k.shape)
+        have = (*theta_q.shape[:-4], *theta_q.shape[-3:])
+        if have[:-1] != want[:-1] or have[-1] > m:
+            raise ValueError(
+                f"init LLoPS must have batch, p, d = {want[:-1]} and at most m={m} features to initialise "
+                f"this fit, got theta of shape {tuple(theta_q.shape)}"
+            )
+        theta_q = theta_q.reshape(-1, *theta_q.shape[-4:]).to(q.device)  # [B, t', p, d, m']
+        theta_k = theta_k.reshape(-1, *theta_k.shape[-4:]).to(q.device)
+        theta_q, theta_k = _pad_columns(theta_q, theta_k, m, generator)
+    theta_q, theta_k = _pad_rank(theta_q, theta_k, rank, generator)
+    shape = (*batch, rank, p, d, m)
+    return theta_q.reshape(shape).contiguous(), theta_k.reshape(shape).contiguous()
+
+
+# ----------------------------------------------------------------------------------------------
+# Fits
+# ----------------------------------------------------------------------------------------------
+
+
+def _prepare(q, k, p, m, rank):
+    q, k = check_pair(q, k)
+    p = check_degree(p)
+    m = check_positive_int(m, "m (the sketch size)")
+    rank = check_positive_int(rank, "rank")
+    out_dtype = torch.promote_types(q.dtype, torch.float32)
+    batch = q.shape[:-2]
+    q64 = q.to(torch.float64).reshape(-1, *q.shape[-2:])  # [B, n_q, d]
+    k64 = k.to(torch.float64).reshape(-1, *k.shape[-2:])  # [B, n_k, d]
+    return q, k, p, m, rank, out_dtype, batch, q64, k64
+
+
+def _check_loss(loss: torch.Tensor, step: int, what: str) -> None:
+    bad = ~torch.isfinite(loss)
+    if bool(bad.any()):
+        heads = bad.nonzero().flatten().tolist()
+        raise FloatingPointError(
+            f"LLoPS {what} fit stopped: the kernel loss (or the target ‖A‖²) is non-finite at step {step} for "
+            f"{len(heads)} head(s) (flattened batch indices {heads[:8]}); check the input scale "
+            "(x · d^-1/4 is the usual choice) or lower the learning rate"
+        )
+
+
+def _solve_side(x: torch.Tensor, theta: torch.Tensor, target: torch.Tensor, ridge: float) -> torch.Tensor:
+    """Exact least-squares update of every factor of one column on one side, in turn.
+
+    ``x[B, n, d]``, ``theta[B, t, p, d]`` (updated in place), ``target[B, n]``. For factor ``j``,
+    the column's features :math:`\\sum_r (x\\theta_{r,j}) \\odot \\prod_{l\\ne j} x\\theta_{r,l}` are linear
+    in :math:`(\\theta_{r,j})_r`: a ``t·d``-unknown least-squares problem. Returns the new column.
+    """
+    B, t, p, d = theta.shape
+    proj = torch.einsum("bnd,btpd->btpn", x, theta)  # [B, t, p, n]
+    eye = torch.eye(t * d, dtype=x.dtype, device=x.device)
+    for j in range(p):
+        others = torch.cat([proj[:, :, :j], proj[:, :, j + 1 :]], 2).prod(2)  # [B, t, n]
+        if t == 1:  # Z = diag(b) x: form Zᵀ Z = xᵀ diag(b²) x without materialising Z
+            b = others[:, 0, :, None]  # [B, n, 1]
+            gram = (x * (b * b)).mT @ x  # [B, d, d]
+            rhs = x.mT @ (b[..., 0] * target)[..., None]  # [B, d, 1]
+        else:
+            z = (others[..., None] * x[:, None]).permute(0, 2, 1, 3).reshape(B, -1, t * d)  # [B, n, t·d]
+            gram = z.mT @ z  # [B, t·d, t·d]
+            rhs = z.mT @ target[..., None]  # [B, t·d, 1]
+        lam = ridge * gram.diagonal(dim1=-2, dim2=-1).mean(-1) + torch.finfo(x.dtype).tiny  # [B]
+        sol = torch.linalg.solve(gram + lam[:, None, None] * eye, rhs)[..., 0].reshape(B, t, d)
+        theta[:, :, j] = sol
+        proj[:, :, j] = torch.einsum("bnd,btd->btn", x, sol)
+    return proj.prod(2).sum(1)  # [B, n]
+
+
+def _balance(theta_q: torch.Tensor, theta_k: torch.Tensor, fq: torch.Tensor, fk: torch.Tensor) -> None:
+    """Rescale factors in place without changing the kernel: equal factor norms within each CP
+    term, equal feature norms on the two sides of each column. ``theta[B, t, p, d, m]``, ``f[B, n, m]``."""
+    tiny = torch.finfo(theta_q.dtype).tiny
+    p = theta_q.shape[2]
+    for theta in (theta_q, theta_k):
+        norms = theta.norm(dim=-2).clamp_min(tiny)  # [B, t, p, m]
+        geo = norms.log().mean(-2, keepdim=True).exp()  # [B, t, 1, m]
+        theta.mul_((geo / norms)[..., None, :])
+    ratio = (fk.norm(dim=-2).clamp_min(tiny) / fq.norm(dim=-2).clamp_min(tiny)) ** (0.5 / p)  # [B, m]
+    theta_q.mul_(ratio[:, None, None, None, :])
+    theta_k.div_(ratio[:, None, None, None, :])
+
+
+def _als_side(x, theta, f_self, f_other, cross, ridge):
+    """Update every column of one side in turn (Gauss–Seidel), the other side fixed (in place).
+
+    With :math:`\Phi_K` fixed the loss is :math:`\mathrm{tr}(\Phi_Q G\Phi_Q^\top) - 2\,\mathrm{tr}(\Phi_Q^\top T)`
+    + const, :math:`G = \Phi_K^\top\Phi_K`, :math:`T = A\Phi_K` (``cross``). For column ``i`` with the
+    other columns fixed it is :math:`G_{ii}\|\phi_i - t_i\|^2` + const with
+    :math:`t_i = (T_i - \sum_{l\ne i}\phi_l G_{li}) / G_{ii}`: a structured least-squares fit
+    (:func:`_solve_side`). ``x[B, n, d]``, ``theta[B, t, p, d, m]``, ``f_self[B, n, m]``,
+    ``f_other[B, n', m]``, ``cross[B, n, m]``.
+    """
+    tiny = torch.finfo(x.dtype).tiny
+    gram = f_other.mT @ f_other  # [B, m, m]
+    for i in range(theta.shape[-1]):
+        g_ii = gram[:, i, i].clamp_min(tiny)[:, None]  # [B, 1]
+        target = (cross[..., i] - (f_self @ gram[:, :, i, None])[..., 0]) / g_ii + f_self[..., i]
+        col = theta[..., i].clone()  # [B, t, p, d]
+        f_self[..., i] = _solve_side(x, col, target, ridge)
+        theta[..., i] = col
+
+
+def _als_sweep(q, k, a, theta_q, theta_k, fq, fk, ridge):
+    """One sweep of exact block coordinate descent (in place): every query column, then every
+    key column, each an exact least-squares step (:func:`_als_side`); then :func:`_balance`.
+
+    The only ``O(n² m)`` work is the two products :math:`A\Phi_K` and :math:`A^\top\Phi_Q`.
+    """
+    _als_side(q, theta_q, fq, fk, a @ fk, ridge)
+    _als_side(k, theta_k, fk, fq, a.mT @ fq, ridge)
+    _balance(theta_q, theta_k, fq, fk)
+
+
+def fit_llops_direct(
+    q,
+    k,
+    *,
+    p: int,
+    m: int,
+    rank: int = 1,
+    init="svd",
+    steps: int = 4,
+    tol: float = 1e-4,
+    ridge: float = 1e-12,
+    seed: int = 0,
+    progress: bool = False,
+    **cp_options,
+) -> LLoPS:
+    r"""Fit LLoPS to :math:`A = (QK^\top)^{\circ p}` by minimising :func:`kernel_loss` directly.
+
+    Parameters
+    ----------
+    q : Tensor ``[..., n_q, d]``
+    k : Tensor ``[..., n_k, d]``
+        Leading axes (e.g. ``[L, H]``) are independent problems, fitted together (batched).
+        Inputs are used as given (no rescaling); all arithmetic is float64.
+    p, m, rank : int
+        Degree, sketch size, CP rank ``t``.
+    init : see :func:`llops_init` (default ``"svd"``).
+    steps : int
+        Budget: number of sweeps. One sweep updates every factor of every column once; its cost is
+        two ``n × n × m`` products (:math:`A\Phi_K`, :math:`A^\top\Phi_Q`, as much as one
+        evaluation of the loss and its gradient) plus ``2 m p`` small ``t·d``-sized least-squares
+        solves, ``O(n d² t²)`` each to form.
+    tol : float
+        Stop (``converged``) when a sweep lowers every head's loss by less than this fraction.
+    ridge : float
+        Relative Tikhonov term of each least-squares solve (``ridge · mean diag`` of its Gram
+        matrix), for rank-deficient blocks.
+    seed : int
+        Seeds the initialisation; the sweeps are deterministic.
+    progress : bool
+        Show a tqdm bar over sweeps.
+
+    Returns
+    -------
+    LLoPS
+        Untied, ``theta[..., rank, p, d, m]`` in the input dtype (float32 at least), with
+        ``fit_info = {"steps", "converged", "init", "init_rel_fro", "rel_fro_history"}``.
+
+    Notes
+    -----
+    Exact block coordinate descent (alternating least squares). The loss is linear least squares
+    in any one factor :math:`\Theta_{r,j}` when all others are fixed, but a full factor has
+    ``d·m`` unknowns coupled through :math:`\Phi_K^\top\Phi_K` (``(dm)²`` normal equations); the
+    blocks here are one column ``i``, one side and one factor (``t·d`` unknowns, ``t·d × t·d``
+    normal equations). A sweep updates all query columns (the key side fixed, so
+    :math:`A\Phi_K` is one matrix product), then all key columns. Each block step is the exact minimiser, so the loss never increases (up to
+    the ridge); the best Θ seen (initialisation included) is returned per head. The loss is
+    evaluated at the ``n`` level, ``O(n_q n_k m)`` per sweep, which for ``n ≈ D`` is cheaper than
+    the Gram-matrix form (``O(D² m)``).
+    """
+    q, k, p, m, rank, out_dtype, batch, q64, k64 = _prepare(q, k, p, m, rank)
+    steps = check_positive_int(steps, "steps")
+    a = (q64 @ k64.mT) ** p  # [B, n_q, n_k]
+    _check_loss((a**2).sum((-2, -1)), 0, "direct")
+    theta_q, theta_k = llops_init(q, k, p=p, m=m, rank=rank, init=init, seed=seed, **cp_options)
+    d = q.shape[-1]
+    theta_q = theta_q.reshape(-1, rank, p, d, m).clone()  # [B, t, p, d, m]
+    theta_k = theta_k.reshape(-1, rank, p, d, m).clone()
+    norm_a = (a**2).sum((-2, -1)).clamp_min(torch.finfo(torch.float64).tiny)
+    fq, fk = llops_features(q64, theta_q), llops_features(k64, theta_k)
+    loss = kernel_loss(fq, fk, a)
+    _check_loss(loss, 0, "direct")
+    init_rel = (loss / norm_a).sqrt()
+    best_loss, best_q, best_k = loss.clone(), theta_q.clone(), theta_k.clone()
+    history, converged, done = [float(init_rel.median())], False, 0
+    bar = tqdm(range(steps), desc="LLoPS ALS", disable=not progress, leave=False)
+    for step in bar:
+        _als_sweep(q64, k64, a, theta_q, theta_k, fq, fk, ridge)
+        fq, fk = llops_features(q64, theta_q), llops_features(k64, theta_k)  # recompute: no drift
+        new = kernel_loss(fq, fk, a)
+        _check_loss(new, step + 1, "direct")
+        done = step + 1
+        better = new < best_loss
+        best_loss = torch.where(better, new, best_loss)
+        best_q[better], best_k[better] = theta_q[better], theta_k[better]
+        history.append(float((best_loss / norm_a).sqrt().median()))
+        bar.set_postfix(rel_fro=history[-1])
+        if bool(((loss - new) <= tol * loss).all()):
+            converged = True
+            break
+        loss = new
+    sketch = LLoPS(best_q.reshape(*batch, rank, p, d, m).to(out_dtype), best_k.reshape(*batch, rank, p, d, m).to(out_dtype))
+    sketch.fit_info = {
+        "steps": done,
+        "converged": converged,
+        "init": init if isinstance(init, str) else type(init).__name__,
+        "init_rel_fro": init_rel.reshape(batch),
+        "rel_fro_history": history,
+    }
+    return sketch
+
+
+def fit_llops_adam(
+    q,
+    k,
+    *,
+    p: int,
+    m: int,
+    rank: int = 1,
+    init="random",
+    steps: int = 500,
+    lr: float = 1e-2,
+    tol: float = 1e-4,
+    seed: int = 0,
+    progress: bool = False,
+    **cp_options,
+) -> LLoPS:
+    r"""Fit LLoPS by ``torch.optim.Adam`` on :func:`kernel_loss` with a fixed step budget.
+
+    The naive baseline: every head's loss is divided by :math:`\|A\|_F^2` and the sum is
+    minimised for ``steps`` steps (learning rate ``lr``), in float64; the best Θ seen per head
+    (initialisation included) is returned. ``converged`` means the summed loss moved by less
+    than ``tol`` (relative) over the last 10 steps. Other arguments as :func:`fit_llops_direct`.
+    """
+    q, k, p, m, rank, out_dtype, batch, q64, k64 = _prepare(q, k, p, m, rank)
+    steps = check_positive_int(steps, "steps")
+    if not (isinstance(lr, (int, float)) and lr > 0 and math.isfinite(lr)):
+        raise ValueError(f"lr must be a finite number > 0, got {lr!r}")
+    a = (q64 @ k64.mT) ** p  # [B, n_q, n_k]
+    _check_loss((a**2).sum((-2, -1)), 0, "Adam")
+    theta_q, theta_k = llops_init(q, k, p=p, m=m, rank=rank, init=init, seed=seed, **cp_options)
+    d = q.shape[-1]
+    theta_q = theta_q.reshape(-1, rank, p, d, m).clone().requires_grad_(True)
+    theta_k = theta_k.reshape(-1, rank, p, d, m).clone().requires_grad_(True)
+    norm_a = (a**2).sum((-2, -1)).clamp_min(torch.finfo(torch.float64).tiny)
+    optimiser = torch.optim.Adam([theta_q, theta_k], lr=lr)
+    best_loss = torch.full_like(norm_a, math.inf)
+    best_q, best_k = theta_q.detach().clone(), theta_k.detach().clone()
+    totals, init_rel = [], None
+    for step in tqdm(range(steps + 1), desc="LLoPS Adam", disable=not progress, leave=False):
+        loss = kernel_loss(llops_features(q64, theta_q), llops_features(k64, theta_k), a) / norm_a  # [B]
+        _check_loss(loss.detach(), step, "Adam")
+        if init_rel is None:
+            init_rel = loss.detach().sqrt()
+        better = loss.detach() < best_loss
+        best_loss = torch.where(better, loss.detach(), best_loss)
+        best_q[better], best_k[better] = theta_q.detach()[better], theta_k.detach()[better]
+        totals.append(float(loss.detach().sum()))
+        if step == steps:
+            break  # the last evaluation only scores the final step
+        optimiser.zero_grad(set_to_none=True)
+        loss.sum().backward()
+        optimiser.step()
+    converged = len(totals) > 10 and abs(totals[-11] - totals[-1]) <= tol * totals[-11]
+    sketch = LLoPS(best_q.reshape(*batch, rank, p, d, m).to(out_dtype), best_k.reshape(*batch, rank, p, d, m).to(out_dtype))
+    sketch.fit_info = {
+        "steps": steps,
+        "converged": converged,
+        "init": init if isinstance(init, str) else type(init).__name__,
+        "init_rel_fro": init_rel.reshape(batch),
+    }
+    return sketch
+
+
+GAUGES = ("balanced", "aligned")
+
+
+def aligned_gauge(q, k, opt, *, seed: int = 0) -> torch.Tensor:
+    r"""The ``m × m`` map ``G`` of the ``"aligned"`` gauge for an optimal sketch ``opt`` of ``(q, k)``.
+
+    ``G = argmin ‖ψ_p(Q) W*_Q G − Φ_ref‖_F`` (least squares), with ``Φ_ref`` the query features of the
+    ``"svd"`` initialisation (rank-1 columns by construction). ``W*_Q G`` and ``W*_K G^{-ᵀ}`` have
+    the kernel of ``W*``; their columns are much closer to rank 1 than the balanced split's.
+    ``q[..., n_q, d]``, ``k[..., n_k, d]``; returns float64 ``[..., m, m]``.
+    """
+    q, k = check_pair(q, k)
+    batch = q.shape[:-2]
+    q64 = q.to(torch.float64).reshape(-1, *q.shape[-2:])  # [B, n_q, d]
+    k64 = k.to(torch.float64).reshape(-1, *k.shape[-2:])  # [B, n_k, d]
+    p, m = opt.p, opt.num_features
+    ref_q, _ = _init_svd(q64, k64, p, m, torch.Generator().manual_seed(seed))
+    target = llops_features(q64, ref_q)  # [B, n_q, m]
+    current = opt.features_q(q64).reshape(-1, q64.shape[-2], m)  # [B, n_q, m]
+    return torch.linalg.lstsq(current, target).solution.reshape(*batch, m, m)
+
+
+def fit_llops_cp(
+    q,
+    k,
+    *,
+    p: int,
+    m: int,
+    rank: int = 1,
+    gauge: str = "balanced",
+    seed: int = 0,
+    n_iter_max: int = 200,
+    tol: float = 1e-10,
+    route: str = "auto",
+) -> LLoPS:
+    r"""LLoPS from a CP of every column tensor of the Theorem 3.1 optimal projector ``W*``.
+
+    Parameters
+    ----------
+    q, k : Tensor ``[..., n, d]``
+    p, m, rank : int
+    gauge : {"balanced", "aligned"}
+        ``W*`` is only defined up to an invertible ``G`` (``W*_Q G``, ``W*_K G^{-ᵀ}``).
+        ``"balanced"``: the split :math:`\Sigma_m^{1/2}` on both sides that
+        :func:`sketchlab.optimal_sketch` returns; its columns are generally far from rank 1 and
+        the CP is poor. ``"aligned"``: ``G`` is the least-squares map taking the optimal query
+        features :math:`\psi_p(Q)W^*_Q` to those of the ``"svd"`` initialisation of
+        :func:`llops_init` (rank-1 columns by construction), so the columns of
+        :math:`W^*_Q G` are close to rank 1; the kernel of ``W*`` is unchanged by ``G``.
+    seed, n_iter_max, tol
+        Passed to ``parafac`` (see :func:`projector_to_theta`).
+    route : passed to :func:`sketchlab.optimal_sketch`.
+
+    Returns
+    -------
+    LLoPS with ``fit_info = {"steps": 1, "converged": True, "gauge": gauge}``.
+
+    Notes
+    -----
+    Cost: the optimal sketch (an SVD of ``A`` or of the QR core) and ``m`` parafac runs per head
+    on ``d**p``-entry tensors, so this is for small ``d**p``. By Theorem 3.4 (as stated in
+    DESIGN.md — the paper's appendix is unavailable to us) the projector error of a rank-1
+    CP is at least :math:`\sum_i (\|W_i\|_F^2 - \|W_i\|_\sigma^2)`; measure it with
+    :func:`sketchlab.spectral.rank1_residuals`.
+    """
+    from .optimal import optimal_sketch
+
+    q, k, p, m, rank, out_dtype, batch, q64, k64 = _prepare(q, k, p, m, rank)
+    if gauge not in GAUGES:
+        raise ValueError(f"gauge must be one of {GAUGES}, got {gauge!r}")
+    opt = optimal_sketch(q64, k64, p, m, route=route)
+    w_q, w_k = opt.projector("q"), opt.projector("k")  # [B, d^p, m] full basis
+    if gauge == "aligned":
+        gmap = aligned_gauge(q64, k64, opt, seed=seed)  # [B, m, m]
+        w_q = w_q @ gmap
+        w_k = torch.linalg.solve(gmap, w_k.mT).mT  # W_K G^{-ᵀ}
+    theta_q = projector_to_theta(w_q, p, rank, seed=seed, n_iter_max=n_iter_max, tol=tol, name="W*_Q")
+    theta_k = projector_to_theta(w_k, p, rank, seed=seed, n_iter_max=n_iter_max, tol=tol, name="W*_K")
+    d = q.shape[-1]
+    sketch = LLoPS(theta_q.reshape(*batch, rank, p, d, m).to(out_dtype), theta_k.reshape(*batch, rank, p, d, m).to(out_dtype))
+    sketch.fit_info = {"steps": 1, "converged": True, "gauge": gauge}
+    return sketch
+
+
+METHODS = ("direct", "cp", "adam")
+
+
+@register_sketch("llops")
+def _fit_llops(q, k, *, p: int, m: int, seed: int = 0, rank: int = 1, method: str = "direct", init=None, **options) -> LLoPS:
+    """``fit_sketch("llops", q, k, p=, m=, rank=1, method="direct"|"cp"|"adam", init=..., **options)``.
+
+    ``method="direct"`` → :func:`fit_llops_direct` (``init`` default ``"svd"``); ``"cp"`` →
+    :func:`fit_llops_cp` (``init`` must be ``None``); ``"adam"`` → :func:`fit_llops_adam`
+    (``init`` default ``"random"``). ``options`` (``steps``, ``tol``, ``progress``, ``gauge``, ...)
+    go to the chosen function.
+    """
+    if method == "direct":
+        return fit_llops_direct(q, k, p=p, m=m, rank=rank, init="svd" if init is None else init, seed=seed, **options)
+    if method == "adam":
+        return fit_llops_adam(q, k, p=p, m=m, rank=rank, init="random" if init is None else init, seed=seed, **options)
+    if method == "cp":
+        if init is not None:
+            raise ValueError(f"method='cp' takes no init (it decomposes the optimal projector), got init={init!r}")
+        return fit_llops_cp(q, k, p=p, m=m, rank=rank, seed=seed, **options)
+    raise ValueError(f"method must be one of {METHODS}, got {method!r}")

@@ -3,6 +3,43 @@
 ``"elementwise"``; and :func:`as_llops`, the exact conversions of the special cases to LLoPS Θ.
 """
 
+from .based import (
+    BasedSketch,
+    based_dim_for_budget,
+    based_num_features,
+    expand_features,
+    pca_projection,
+    taylor_features,
+    taylor_features_naive,
+)
+from .convert import as_llops
+from .elementwise import ElementwiseSketch, elementwise_features, elementwise_features_naive
+from .mlp import MLPSketch, default_hidden, mlp_features, mlp_features_naive
 from .psf import PolySketch, psf_features, psf_features_naive, psf_weight_shapes
+from .tensorsketch import TensorSketch, count_sketch_matrix, tensorsketch_features, tensorsketch_features_naive
 
-__all__ = ["PolySketch", "psf_features", "psf_features_naive", "psf_weight_shapes"]
+__all__ = [
+    "BasedSketch",
+    "ElementwiseSketch",
+    "MLPSketch",
+    "PolySketch",
+    "TensorSketch",
+    "as_llops",
+    "based_dim_for_budget",
+    "based_num_features",
+    "count_sketch_matrix",
+    "default_hidden",
+    "elementwise_features",
+    "elementwise_features_naive",
+    "expand_features",
+    "mlp_features",
+    "mlp_features_naive",
+    "pca_projection",
+    "psf_features",
+    "psf_features_naive",
+    "psf_weight_shapes",
+    "taylor_features",
+    "taylor_features_naive",
+    "tensorsketch_features",
+    "tensorsketch_features_naive",
+]

@@ -5,7 +5,10 @@ r"""The "NN" sketch of the LLoPS paper's Table 3: a two-layer MLP per side, fitt
 
 ``d → hidden → m``, with activation :math:`\sigma` (GELU by default), fitted by minimising the
 relative squared Frobenius error of :math:`\phi_Q(Q)\phi_K(K)^\top` against
-:math:`(QK^\top)^{\circ p}` (see :mod:`sketchlab.sketches._train`). Weights of all heads are
+:math:`(QK^\top)^{\circ p}` — LLoPS's :func:`~sketchlab.llops.kernel_loss` — with the optimiser and
+budget of LLoPS's gradient fit :func:`~sketchlab.llops.fit_llops_adam` (Adam, ``lr = 1e-2``, 500
+steps; see :mod:`sketchlab.sketches._train`). The held-out split is :func:`sketchlab.fit_sketch`'s,
+the same for every method. Weights of all heads are
 stored as batched tensors ``[..., d, hidden]`` etc. and fitted together.
 
 Parameter budget: by default ``hidden`` is the smallest width whose parameter count (both sides,
@@ -24,7 +27,7 @@ from .._validation import as_float_tensor, check_degree, check_positive_int
 from ..fit import register_sketch
 from ..sketch import Sketch
 from ._common import check_batch_shape, check_dtype, make_generator
-from ._train import train_kernel_sketch
+from ._train import DEFAULT_LR, DEFAULT_STEPS, train_kernel_sketch
 
 __all__ = ["MLPSketch", "default_hidden", "mlp_features", "mlp_features_naive"]
 
@@ -178,14 +181,13 @@ class MLPSketch(nn.Module, Sketch):
         return self.kernel(q, k)
 
 
-DEFAULT_STEPS = 1000
-DEFAULT_LR = 3e-3
 
 
 @register_sketch("mlp")
 def _fit_mlp(q, k, *, p: int, m: int, seed: int = 0, hidden: int | None = None, activation: str = "gelu",
              steps: int = DEFAULT_STEPS, lr: float = DEFAULT_LR) -> MLPSketch:
-    """``fit_sketch("mlp", ...)``: random init from ``seed``, then Adam on the relative kernel loss.
+    """``fit_sketch("mlp", ...)``: random init from ``seed``, then Adam on the relative kernel loss
+    (``steps``/``lr`` default to those of ``fit_llops_adam``).
 
     ``hidden=None`` uses :func:`default_hidden` (at least the parameters of rank-1 untied LLoPS).
     All heads (leading axes of ``q``) are fitted at once with batched weights.
@@ -194,6 +196,7 @@ def _fit_mlp(q, k, *, p: int, m: int, seed: int = 0, hidden: int | None = None, 
     hidden = default_hidden(d, p, m) if hidden is None else check_positive_int(hidden, "hidden")
     sketch = MLPSketch.init_random(d, p, m, hidden, seed=seed, batch_shape=q.shape[:-2], dtype=q.dtype,
                                    activation=activation)
-    info = train_kernel_sketch(list(sketch.parameters()), sketch.kernel, q, k, p, steps=steps, lr=lr)
+    info = train_kernel_sketch(list(sketch.parameters()), lambda a, b: (sketch.features_q(a), sketch.features_k(b)),
+                               q, k, p, steps=steps, lr=lr)
     sketch.fit_info = {**info, "hidden": hidden}
     return sketch

@@ -9,11 +9,20 @@ attention through ``torch.nn.functional.scaled_dot_product_attention`` with logi
 
 Block (pre-norm, as GPT-2/LLaMA)::
 
-    x = x + W_o · attn(rope(W_q LN(x)), rope(W_k LN(x)), W_v LN(x))
-    x = x + MLP(LN(x))          # Linear(d, 4d) → GELU → Linear(4d, d)
+    u = conv(LN(x))             # optional causal depthwise conv (short_conv = c > 0), else LN(x)
+    x = x + W_o · attn(rope(W_q u), rope(W_k u), W_v u)
+    x = x + MLP(LN(x))          # Linear(d, r·d) → GELU → Linear(r·d, d), r = mlp_ratio
 
 with token embeddings, no absolute positions (RoPE carries the position), a final LayerNorm and
-an untied output head.
+an untied output head. The short convolution (kernel ``c``, each channel mixing positions
+``t-c+1 … t``) is the "short conv" of H3/BASED: it hands every position its predecessor's token,
+so one softmax layer can match a query key against the *value* positions of the context and
+associative recall is learned in a few hundred CPU steps instead of waiting for an induction
+circuit to form across two layers. Attention itself is unchanged softmax attention.
+
+References
+----------
+Fu et al. *Hungry Hungry Hippos*, 2023 (short convolutions); Arora et al. *BASED*, 2024.
 """
 
 from __future__ import annotations
@@ -121,10 +130,13 @@ class TransformerConfig:
     mlp_ratio: int = 4
     attention: str = "softmax"
     rope_base: float = 10000.0
+    short_conv: int = 0
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_heads", "n_layers", "mlp_ratio"):
             check_positive_int(getattr(self, name), name)
+        if isinstance(self.short_conv, bool) or not isinstance(self.short_conv, int) or self.short_conv < 0:
+            raise ValueError(f"short_conv must be an integer >= 0 (0 = none), got {self.short_conv!r}")
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model must be divisible by n_heads, got d_model={self.d_model}, n_heads={self.n_heads}")
         if self.head_dim % 2:
@@ -152,10 +164,14 @@ class CausalSelfAttention(nn.Module):
         self.v_proj = nn.Linear(d, d, bias=False)
         self.o_proj = nn.Linear(d, d, bias=False)
         self.attn = _ATTENTION[config.attention](config, layer)
+        c = config.short_conv
+        self.conv = nn.Conv1d(d, d, kernel_size=c, groups=d, padding=c - 1, bias=False) if c else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
         H, D = self.n_heads, self.head_dim
+        if self.conv is not None:  # causal depthwise conv: position t mixes tokens t-c+1 … t
+            x = self.conv(x.transpose(1, 2))[..., :T].transpose(1, 2)  # [B, T, d]
         q = apply_rope(self.q_proj(x).view(B, T, H, D), base=self.rope_base)  # [B, T, H, D]
         k = apply_rope(self.k_proj(x).view(B, T, H, D), base=self.rope_base)  # [B, T, H, D]
         v = self.v_proj(x).view(B, T, H, D)  # [B, T, H, D]

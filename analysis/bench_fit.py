@@ -1,0 +1,224 @@
+"""Fit LLoPS to every head of a Q/K dump and compare each fit with the Theorem 3.1 optimum.
+
+Usage::
+
+    .venv/bin/python analysis/bench_fit.py [--dump data/mqar_softmax_qk.safetensors]
+
+Without ``--dump`` a seeded ``[6, 12, 512, 32]`` stand-in is used (:func:`standin_qk`). Inputs are
+scaled by ``d^-1/4`` here, explicitly (``--no-scale`` to skip), so ``qᵀk`` becomes ``qᵀk/√d``.
+For each configuration ``(p, m, rank)`` the script prints and writes (``analysis/results/fit.md``)
+the median and worst optimality ratio (``rel_fro ÷ optimum``) in-sample and on held-out tokens, and
+the wall time, side by side with the naive baseline (Adam from a random initialisation, fixed
+step budget) and the CP-of-``W*`` fits, all in one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+import sketchlab.llops  # noqa: F401  (registers "llops")
+from sketchlab import fit_sketch, optimal_sketch
+from sketchlab.llops import aligned_gauge
+from sketchlab.spectral import rank1_residuals
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Config:
+    dump: str | None
+    out: Path
+    holdout: float
+    seed: int
+    steps: int
+    naive_steps: int
+    subset: int
+    theory_heads: int
+    scale: bool
+    skip_p3: bool
+
+
+def standin_qk(shape=(6, 12, 512, 32), seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Seeded stand-in for a real Q/K dump, float32 ``[L, H, n, d]`` (unscaled).
+
+    Per head and side: a random orthonormal basis ``U``, token coordinates ``z ~ N(0, diag(s²))``
+    with a decaying spectrum ``s_j = 3 e^{-j/3} + 0.15`` (a few large directions, effective rank
+    ≈ 6, a noise floor), plus a per-head mean ``μ ~ N(0, 0.8² I)`` shared by all tokens:
+    ``x = z Uᵀ + μ``. Real attention Q/K share these traits (low effective rank, non-zero mean,
+    a few dominant directions); isotropic Gaussians do not.
+    """
+    L, H, n, d = shape
+    gen = torch.Generator().manual_seed(seed)
+    spectrum = 3.0 * torch.exp(-torch.arange(d, dtype=torch.float64) / 3.0) + 0.15
+    out = []
+    for _ in range(2):  # q, then k
+        basis = torch.linalg.qr(torch.randn(L, H, d, d, generator=gen, dtype=torch.float64))[0]  # [L, H, d, d]
+        z = torch.randn(L, H, n, d, generator=gen, dtype=torch.float64) * spectrum  # [L, H, n, d]
+        mean = 0.8 * torch.randn(L, H, 1, d, generator=gen, dtype=torch.float64)  # [L, H, 1, d]
+        out.append((z @ basis.mT + mean).float())
+    return out[0], out[1]
+
+
+def _stats(x: torch.Tensor | None) -> tuple[str, str]:
+    if x is None:
+        return "–", "–"
+    x = x.flatten()
+    return f"{x.median().item():.3f}", f"{x.max().item():.3f}"
+
+
+def _row(label, heads, rep, sub=None, seconds=None):
+    idx = slice(None) if sub is None else sub
+    ins = rep.optimality_ratio.flatten()[idx]
+    held = None if rep.holdout_optimality_ratio is None else rep.holdout_optimality_ratio.flatten()[idx]
+    med, worst = _stats(ins)
+    hmed, hworst = _stats(held)
+    rel = rep.rel_fro.flatten()[idx].median().item()
+    secs = rep.seconds if seconds is None else seconds
+    return (f"| {label} | {heads} | {med} | {worst} | {hmed} | {hworst} | {rel:.4f} | {rep.steps} | "
+            f"{'yes' if rep.converged else 'no'} | {secs:.1f} |")
+
+
+HEADER = ("| fit | heads | in-sample median | in-sample worst | held-out median | held-out worst | "
+          "median rel_fro | steps | converged | wall s |\n|---|---|---|---|---|---|---|---|---|---|")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dump", default=None, help="Q/K dump [L, H, n, d] (sketchlab.io.load_qk); stand-in if omitted")
+    parser.add_argument("--out", type=Path, default=ROOT / "analysis" / "results" / "fit.md")
+    parser.add_argument("--holdout", type=float, default=0.2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=4, help="ALS sweeps of the direct fit")
+    parser.add_argument("--naive-steps", type=int, default=200, help="Adam steps of the naive baseline")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--subset", type=int, default=12, help="heads (first ones) for the slow fits: naive, cp")
+    parser.add_argument("--theory-heads", type=int, default=4, help="heads for the Theorem 3.4 gauge comparison")
+    parser.add_argument("--no-scale", action="store_true", help="do not scale inputs by d^-1/4")
+    parser.add_argument("--skip-p3", action="store_true")
+    a = parser.parse_args(argv)
+    if a.threads is not None:
+        torch.set_num_threads(a.threads)
+    cfg = Config(a.dump, a.out, a.holdout, a.seed, a.steps, a.naive_steps, a.subset, a.theory_heads, not a.no_scale, a.skip_p3)
+
+    if cfg.dump is None:
+        q, k = standin_qk(seed=cfg.seed)
+        source = "stand-in: standin_qk(shape=(6, 12, 512, 32), seed=%d) (see its docstring)" % cfg.seed
+    else:
+        from sketchlab.io import load_qk
+
+        dump = load_qk(cfg.dump)
+        q, k = dump.q, dump.k
+        source = f"{cfg.dump} (metadata: {dump.meta})"
+    L, H, n, d = q.shape
+    if cfg.scale:
+        q, k = q * d**-0.25, k * d**-0.25  # explicit: qᵀk → qᵀk/√d
+    heads = L * H
+    sub = min(cfg.subset, heads)
+    qs, ks = q.reshape(heads, n, d)[:sub], k.reshape(heads, n, d)[:sub]  # [sub, n, d]
+    torch.manual_seed(cfg.seed)
+    lines = [
+        "# LLoPS fits against the Theorem 3.1 optimum",
+        "",
+        f"Generated by `analysis/bench_fit.py` on {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}; "
+        f"{platform.processor() or platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads "
+        "(shared, noisy machine: compare rows of one run, not runs).",
+        "",
+        f"Data: {source}; shape [L, H, n, d] = {list(q.shape)}, dtype {q.dtype}; "
+        f"{'scaled by d^-1/4 in the script' if cfg.scale else 'not rescaled'}. Held-out: {cfg.holdout:.0%} of the "
+        f"tokens (same positions for q and k), not used to fit. Ratios are `rel_fro ÷ optimum` = "
+        "‖Â−A‖_F/√tail (FitReport.optimality_ratio); 1 is optimal.",
+        "",
+        f"direct = exact block ALS from the `svd` init ({cfg.steps} sweeps max); naive = Adam (lr 1e-2) from a "
+        f"random init, {cfg.naive_steps} fixed steps, on the first {sub} heads; cp = parafac of the columns of W* "
+        f"(gauge balanced / aligned), first {sub} heads. All fitting in float64. The held-out optimum is the best "
+        "size-m sketch *fitted on the held-out tokens themselves*, so held-out ratios are large for every "
+        "method; the row 'Theorem 3.1 optimum of the fitting tokens' (W* fitted in-sample, then evaluated on "
+        "held-out tokens) shows what an exact in-sample optimum achieves there.",
+        "",
+    ]
+
+    def run(label, q_, k_, p, m, rank, nheads, sub_idx=None, **opts):
+        fit = fit_sketch("llops", q_, k_, p=p, m=m, rank=rank, seed=cfg.seed, holdout=cfg.holdout, **opts)
+        row = _row(label, nheads, fit.report, sub_idx)
+        print(row, flush=True)
+        return fit, row
+
+    configs = [(2, 64, 1), (2, 64, 2)] + ([] if cfg.skip_p3 else [(3, 64, 1)])
+    summary = {}
+    for p, m, rank in configs:
+        print(f"== p={p}, m={m}, rank={rank}", flush=True)
+        rows = []
+        fit, row = run("direct (svd init, all heads)", q, k, p, m, rank, heads, steps=cfg.steps)
+        rows.append(row)
+        summary[(p, m, rank)] = fit.report
+        rows.append(_row(f"direct, first {sub} heads (same fit)", sub, fit.report, slice(0, sub)))
+        if (p, rank) == (2, 1):
+            full = fit_sketch("llops", q, k, p=p, m=m, rank=rank, seed=cfg.seed, steps=cfg.steps)
+            rows.append(_row("direct, all tokens (holdout 0: the timing criterion)", heads, full.report))
+            print(rows[-1], flush=True)
+            _, row = run("direct from random init", qs, ks, p, m, rank, sub, init="random", steps=cfg.steps)
+            rows.append(row)
+        if rank == 1:
+            opt_fit = fit_sketch("optimal", qs, ks, p=p, m=m, seed=cfg.seed, holdout=cfg.holdout)
+            rows.append(_row("Theorem 3.1 optimum of the fitting tokens (reference)", sub, opt_fit.report))
+            print(rows[-1], flush=True)
+            _, row = run(f"naive: Adam from random, {cfg.naive_steps} steps", qs, ks, p, m, rank, sub,
+                         method="adam", steps=cfg.naive_steps)
+            rows.append(row)
+        if p == 2 and rank == 1:
+            for gauge in ("balanced", "aligned"):
+                _, row = run(f"cp of W* (gauge {gauge})", qs, ks, p, m, rank, sub, method="cp", gauge=gauge)
+                rows.append(row)
+        lines += [f"## p = {p}, m = {m}, rank {rank}", "", HEADER, *rows, ""]
+
+    r1, r2 = summary[(2, 64, 1)], summary[(2, 64, 2)]
+    better = (r2.rel_fro < r1.rel_fro).float().mean().item()
+    lines += [
+        "## rank 2 against rank 1 (p = 2, m = 64, direct)",
+        "",
+        f"Median in-sample ratio {r1.optimality_ratio.median():.3f} (rank 1) vs {r2.optimality_ratio.median():.3f} "
+        f"(rank 2); rank 2 has lower in-sample error on {better:.0%} of the heads.",
+        "",
+    ]
+
+    # Theorem 3.4: how far the columns of W* are from rank 1 in the two gauges.
+    th = min(cfg.theory_heads, heads)
+    qt, kt = qs[:th].double(), ks[:th].double()
+    opt = optimal_sketch(qt, kt, 2, 64)
+    w_bal = opt.projector("q")  # [th, d^2, m]
+    gmap = aligned_gauge(qt, kt, opt, seed=cfg.seed)  # [th, m, m], as method="cp", gauge="aligned"
+    w_ali = w_bal @ gmap
+    t0 = time.perf_counter()
+    frac_bal = rank1_residuals(w_bal, d, 2, restarts=4, seed=cfg.seed).fraction
+    frac_ali = rank1_residuals(w_ali, d, 2, restarts=4, seed=cfg.seed).fraction
+    lines += [
+        "## Theorem 3.4: rank-1 residual of the columns of W*_Q (p = 2, m = 64)",
+        "",
+        f"Σ_i (‖W_i‖_F² − τ_i²) / ‖W‖_F², first {th} heads (HOPM, 4 restarts, {time.perf_counter() - t0:.1f} s): "
+        f"balanced SVD gauge {', '.join(f'{v:.3f}' for v in frac_bal.tolist())}; aligned gauge "
+        f"{', '.join(f'{v:.3f}' for v in frac_ali.tolist())}. This is the floor of a rank-1 CP of those "
+        "columns (relative, squared): the balanced split is far from rank 1, which is why `cp` with it is poor.",
+        "",
+    ]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    cfg.out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=cfg.out.parent, suffix=".tmp")
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
+    os.replace(tmp, cfg.out)
+    print(f"wrote {cfg.out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,376 @@
+"""Capture Q/K (and V) from a PyTorch or transformers model with forward hooks.
+
+:func:`capture_qk` runs one forward pass with hooks on the query/key/value producers of every
+layer and returns a :class:`~sketchlab.io.QKDump` of layout ``[L, H, n, d]`` whose ``n`` tokens
+are the valid tokens of all input sequences, concatenated in batch order (padding, i.e.
+``attention_mask == 0``, is dropped).
+
+What is captured (recorded in ``meta["captured"]``)
+--------------------------------------------------
+``projections`` (transformers models, explicit ``q``/``k``/``v`` or ``qkv`` modules)
+    The *outputs of the projection layers*, split into heads: BERT-style ``query``/``key``/
+    ``value``, GPT-2 ``c_attn`` (split into thirds), LLaMA-style ``q_proj``/``k_proj``/
+    ``v_proj``. This is exactly what the attention multiplies for BERT and GPT-2 (absolute
+    positions are added to the embeddings); for models with rotary embeddings (LLaMA, …) it is
+    *before* RoPE. Grouped-query ``k``/``v`` heads are repeated to the ``q`` heads as the
+    attention does (``q`` head ``h`` uses kv head ``h // (H / H_kv)``). No ``1/√d`` scaling is
+    applied (``meta["scale"] = "none"``).
+``attention-inputs`` (sketchlab's :class:`~sketchlab.tasks.model.TransformerLM`, or explicit
+``attention`` modules)
+    The ``(q, k, v)`` arguments, ``[B, T, H, D]``, of the pluggable attention kernel: after the
+    projections *and* RoPE, before the ``1/√D`` logit scaling: exactly what softmax sees.
+
+Models are run under ``torch.no_grad()`` in eval mode (dropout off); the previous train/eval
+mode is restored afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import torch
+from torch import nn
+
+from ._validation import check_positive_int
+from .io import QKDump, save_qk
+
+__all__ = ["capture_pretrained", "capture_qk", "detect_qk_modules", "read_token_ids"]
+
+_STYLES = {
+    # last name component(s) -> role
+    "bert": {"query": "q", "key": "k", "value": "v"},
+    "llama": {"q_proj": "q", "k_proj": "k", "v_proj": "v"},
+    "gpt2": {"c_attn": "qkv"},
+}
+
+
+def _config_heads(model: nn.Module) -> tuple[int | None, int | None]:
+    """``(num_heads, num_kv_heads)`` from a transformers-style ``model.config`` (``None`` if absent)."""
+    cfg = getattr(model, "config", None)
+    if cfg is None:
+        return None, None
+    heads = None
+    for attr in ("num_attention_heads", "n_head", "num_heads"):
+        val = getattr(cfg, attr, None)
+        if isinstance(val, int):
+            heads = val
+            break
+    kv = getattr(cfg, "num_key_value_heads", None)
+    return heads, kv if isinstance(kv, int) else heads
+
+
+def detect_qk_modules(model: nn.Module) -> tuple[str, dict[str, list[str]]]:
+    """Find the q/k/v producers of each layer by module name.
+
+    Returns ``(kind, {"q": [...], "k": [...], "v": [...]})`` (or ``{"qkv": [...]}`` for GPT-2,
+    ``{"attention": [...]}`` for sketchlab's TransformerLM), names in layer order.
+
+    Raises ``ValueError`` listing what was looked for when no known pattern matches: pass
+    ``modules=`` explicitly then.
+    """
+    from .tasks.model import CausalSelfAttention
+
+    kernels = [f"{name}.attn" for name, m in model.named_modules() if isinstance(m, CausalSelfAttention)]
+    if kernels:
+        return "attention-inputs", {"attention": kernels}
+    names = [name for name, _ in model.named_modules()]
+    for style, roles in _STYLES.items():
+        found: dict[str, list[str]] = {role: [] for role in roles.values()}
+        for name in names:
+            last = name.rsplit(".", 1)[-1]
+            if last in roles and not _is_cross_attention(name):
+                found[roles[last]].append(name)
+        if all(found.values()) and len({len(v) for v in found.values()}) == 1:
+            return "projections", found
+    raise ValueError(
+        f"capture_qk: could not find the q/k projections of {type(model).__name__} (looked for modules named "
+        f"query/key/value (BERT), c_attn (GPT-2), q_proj/k_proj/v_proj (LLaMA) or sketchlab attention kernels); "
+        f"pass modules={{'q': [...], 'k': [...]}} with one module (or name) per layer"
+    )
+
+
+def _is_cross_attention(name: str) -> bool:
+    return "crossattention" in name or "cross_attn" in name or "encoder_attn" in name
+
+
+def _resolve(model: nn.Module, items, role: str) -> list[tuple[str, nn.Module]]:
+    if isinstance(items, (str, nn.Module)) or not isinstance(items, Sequence) or not items:
+        raise ValueError(f"modules[{role!r}] must be a non-empty list with one module or module name per layer, got {items!r}")
+    by_name = dict(model.named_modules())
+    by_id = {id(m): n for n, m in model.named_modules()}
+    out = []
+    for i, item in enumerate(items):
+        if isinstance(item, str):
+            if item not in by_name:
+                raise ValueError(f"modules[{role!r}][{i}]: {type(model).__name__} has no submodule named {item!r}")
+            out.append((item, by_name[item]))
+        elif isinstance(item, nn.Module):
+            out.append((by_id.get(id(item), f"<{type(item).__name__}>"), item))
+        else:
+            raise TypeError(f"modules[{role!r}][{i}] must be a module or a module name, got {type(item).__name__}")
+    return out
+
+
+def _heads(x: torch.Tensor, heads: int, what: str) -> torch.Tensor:
+    """``[B, T, heads·D]`` (or ``[B, T, heads, D]``) -> ``[B, T, heads, D]``."""
+    if x.ndim == 4:
+        if x.shape[2] != heads:
+            raise ValueError(f"{what}: captured [B, T, H, D] output has H={x.shape[2]}, expected {heads}")
+        return x
+    if x.ndim != 3:
+        raise ValueError(f"{what}: expected a [B, T, features] output, got shape {tuple(x.shape)}")
+    B, T, F = x.shape
+    if F % heads:
+        raise ValueError(f"{what}: output width {F} is not divisible by {heads} heads")
+    return x.reshape(B, T, heads, F // heads)  # [B, T, H, D]
+
+
+def capture_qk(
+    model: nn.Module,
+    inputs,
+    *,
+    modules: Mapping[str, Sequence] | None = None,
+    num_heads: int | None = None,
+    num_kv_heads: int | None = None,
+    attention_mask: torch.Tensor | None = None,
+    path=None,
+    meta: Mapping[str, str] | None = None,
+) -> QKDump:
+    """Run ``model`` once and capture per-layer, per-head ``q``, ``k``, ``v``.
+
+    Parameters
+    ----------
+    model : nn.Module
+        A transformers model (BERT, GPT-2, LLaMA-style, auto-detected), a sketchlab
+        ``TransformerLM`` (auto-detected), or any module when ``modules`` is given.
+    inputs : Tensor, dict or tuple
+        ``model(inputs)``, ``model(**inputs)`` or ``model(*inputs)``; a dict's
+        ``"attention_mask"`` marks the valid tokens.
+    modules : dict, optional
+        One entry per layer, modules or names: ``{"q": [...], "k": [...], "v": [...]}`` (outputs
+        ``[B, T, H·D]``; ``v`` optional), ``{"qkv": [...]}`` (one fused output split in thirds),
+        or ``{"attention": [...]}`` (modules called as ``f(q, k, v)`` with ``[B, T, H, D]``).
+    num_heads, num_kv_heads : int, optional
+        Heads of q and of k/v; default from ``model.config`` (required otherwise for
+        projection outputs). ``num_heads`` must be a multiple of ``num_kv_heads``.
+    attention_mask : Tensor ``[B, T]``, optional
+        Valid tokens (non-zero); overrides the one in ``inputs``.
+    path : str or Path, optional
+        Also write the dump there (:func:`sketchlab.io.save_qk`).
+    meta : dict of str, optional
+        Extra metadata merged over the recorded ``source``, ``captured``, ``scale``, ``modules``.
+
+    Returns
+    -------
+    QKDump with ``q``, ``k``, ``v`` of shape ``[L, H, n, d]``, float32 (``v`` is ``None`` when
+    no ``v`` producer is given), ``n`` = number of valid tokens over the batch.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if modules is None:
+        kind, names = detect_qk_modules(model)
+        spec = {role: _resolve(model, items, role) for role, items in names.items()}
+    else:
+        if not isinstance(modules, Mapping) or not modules:
+            raise ValueError(f"modules must be a dict like {{'q': [...], 'k': [...]}}, got {modules!r}")
+        allowed = ({"q", "k"}, {"q", "k", "v"}, {"qkv"}, {"attention"})
+        if set(modules) not in allowed:
+            raise ValueError(
+                f"modules must have keys q, k (and optionally v), or qkv, or attention; got {sorted(modules)}"
+            )
+        spec = {role: _resolve(model, items, role) for role, items in modules.items()}
+        kind = "attention-inputs" if "attention" in spec else "projections"
+    counts = {role: len(v) for role, v in spec.items()}
+    if len(set(counts.values())) != 1:
+        raise ValueError(f"modules must list one module per layer for every role, got counts {counts}")
+
+    cfg_heads, cfg_kv = _config_heads(model)
+    H = num_heads if num_heads is not None else cfg_heads
+    Hkv = num_kv_heads if num_kv_heads is not None else (cfg_kv if num_heads is None else H)
+    if kind == "projections":
+        if H is None:
+            raise ValueError("num_heads is required: the model has no config with num_attention_heads")
+        if Hkv is None or Hkv < 1 or H % Hkv:
+            raise ValueError(f"num_heads ({H}) must be a positive multiple of num_kv_heads ({Hkv})")
+
+    records: dict[str, dict[int, torch.Tensor]] = {"q": {}, "k": {}, "v": {}}
+
+    def hook_for(role: str, layer: int, name: str):
+        def hook(module, args, output):
+            if role == "attention":
+                if len(args) < 3:
+                    raise ValueError(f"{name}: attention module was called with {len(args)} positional args, expected (q, k, v)")
+                for r, x in zip("qkv", args[:3]):
+                    records[r][layer] = _heads(x.detach(), x.shape[2], f"{name} ({r})")
+                return
+            out = output[0] if isinstance(output, (tuple, list)) else output
+            out = out.detach()
+            if role == "qkv":
+                if out.shape[-1] % 3:
+                    raise ValueError(f"{name}: fused qkv output width {out.shape[-1]} is not divisible by 3")
+                for r, x in zip("qkv", out.split(out.shape[-1] // 3, dim=-1)):
+                    records[r][layer] = _heads(x, H, f"{name} ({r})")
+            else:
+                records[role][layer] = _heads(out, H if role == "q" else Hkv, f"{name} ({role})")
+
+        return hook
+
+    handles = [
+        module.register_forward_hook(hook_for(role, i, name))
+        for role, items in spec.items()
+        for i, (name, module) in enumerate(items)
+    ]
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            if isinstance(inputs, Mapping):
+                model(**inputs)
+            elif isinstance(inputs, (tuple, list)):
+                model(*inputs)
+            else:
+                model(inputs)
+    finally:
+        for h in handles:
+            h.remove()
+        model.train(was_training)
+
+    L = next(iter(counts.values()))
+    for role in ("q", "k"):
+        missing = [i for i in range(L) if i not in records[role]]
+        if missing:
+            raise ValueError(f"capture_qk: no {role} was captured for layers {missing}; did the forward pass use those modules?")
+    if attention_mask is None and isinstance(inputs, Mapping):
+        attention_mask = inputs.get("attention_mask")
+    first = records["q"][0]
+    B, T = first.shape[:2]
+    valid = torch.ones(B, T, dtype=torch.bool) if attention_mask is None else attention_mask.to(torch.bool).cpu()
+    if valid.shape != (B, T):
+        raise ValueError(f"attention_mask must have shape [B, T] = {(B, T)}, got {tuple(valid.shape)}")
+
+    def stack(role: str) -> torch.Tensor | None:
+        if len(records[role]) != L:
+            return None
+        per_layer = []
+        for i in range(L):
+            x = records[role][i]  # [B, T, H', D]
+            if x.shape[2] != first.shape[2]:
+                if first.shape[2] % x.shape[2]:
+                    raise ValueError(f"layer {i}: {role} has {x.shape[2]} heads, not a divisor of q's {first.shape[2]}")
+                x = x.repeat_interleave(first.shape[2] // x.shape[2], dim=2)  # GQA: [B, T, H, D]
+            per_layer.append(x.float().cpu()[valid].transpose(0, 1))  # [H, n, D]
+        return torch.stack(per_layer)  # [L, H, n, D]
+
+    q, k, v = stack("q"), stack("k"), stack("v")
+    source = getattr(getattr(model, "config", None), "_name_or_path", "") or type(model).__name__
+    info = {
+        "source": f"{type(model).__name__} ({source})" if source != type(model).__name__ else source,
+        "captured": kind + (" (before RoPE where the model applies it in attention)" if kind == "projections" else " (after RoPE)"),
+        "scale": "none",
+        "modules": json.dumps({role: [n for n, _ in items] for role, items in spec.items()}),
+        "tokens": json.dumps([int(c) for c in valid.sum(1)]),
+    }
+    info.update(dict(meta or {}))
+    dump = QKDump(q=q, k=k, v=v, meta={**info, "layout": "L,H,n,d"})
+    if path is not None:
+        dump.path = save_qk(Path(path), q, k, v, meta=info)
+    return dump
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tokenizer.model")
+
+
+def read_token_ids(path) -> tuple[torch.Tensor, torch.Tensor]:
+    """Read a token-id file: one sequence per non-empty line, ids separated by whitespace.
+
+    Returns ``(input_ids [B, T], attention_mask [B, T])``; shorter lines are right-padded with
+    ``0`` and masked out.
+    """
+    path = Path(path)
+    rows = []
+    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            ids = [int(tok) for tok in line.split()]
+        except ValueError:
+            raise ValueError(f"{path}:{lineno}: token ids must be whitespace-separated integers, got {line.strip()[:60]!r}") from None
+        if min(ids) < 0:
+            raise ValueError(f"{path}:{lineno}: token ids must be >= 0, got {min(ids)}")
+        rows.append(ids)
+    if not rows:
+        raise ValueError(f"{path}: no token ids (the file holds no non-empty line)")
+    T = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), T, dtype=torch.long)
+    mask = torch.zeros(len(rows), T, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.tensor(r)
+        mask[i, : len(r)] = 1
+    return ids, mask
+
+
+def capture_pretrained(model_dir, *, text=None, token_ids=None, max_tokens: int = 512, path=None) -> QKDump:
+    """Load a local transformers model directory and capture Q/K/V on a text or token-id file.
+
+    Parameters
+    ----------
+    model_dir : str or Path
+        A directory written by ``save_pretrained`` (``config.json`` + weights), loaded with
+        ``AutoModel.from_pretrained(model_dir, local_files_only=True)``; nothing is downloaded.
+    text : str or Path, optional
+        A UTF-8 text file, tokenised as one sequence by the directory's tokenizer
+        (``AutoTokenizer.from_pretrained(model_dir, local_files_only=True)``) and truncated to
+        ``max_tokens`` tokens.
+    token_ids : str or Path, optional
+        Instead of ``text`` (for a directory without a tokenizer): one sequence of integer ids
+        per line (:func:`read_token_ids`), each truncated to ``max_tokens``.
+    max_tokens : int
+        Longest sequence captured (and at most the model's position limit, the user's to respect).
+    path : str or Path, optional
+        Write the dump there (:func:`sketchlab.io.save_qk`).
+
+    Returns
+    -------
+    QKDump as :func:`capture_qk` (auto-detected BERT / GPT-2 / LLaMA-style projections).
+    """
+    max_tokens = check_positive_int(max_tokens, "max_tokens")
+    if (text is None) == (token_ids is None):
+        raise ValueError("give exactly one of text (a text file) or token_ids (a token-id file)")
+    try:
+        from transformers import AutoModel, AutoTokenizer
+    except ImportError as err:  # the optional extra
+        raise ImportError("capturing from a model directory needs transformers: pip install 'sketchlab[capture]'") from err
+    model_dir = Path(model_dir)
+    if not (model_dir / "config.json").is_file():
+        raise FileNotFoundError(f"{model_dir}: not a transformers model directory (no config.json)")
+    model = AutoModel.from_pretrained(str(model_dir), local_files_only=True)
+    if text is not None:
+        text_path = Path(text)
+        if not any((model_dir / f).is_file() for f in _TOKENIZER_FILES):
+            raise ValueError(
+                f"{model_dir}: no tokenizer in the model directory (none of {', '.join(_TOKENIZER_FILES)}); "
+                f"pass token ids instead (token_ids / --token-ids)"
+            )
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        except (OSError, ValueError, TypeError) as err:
+            raise ValueError(
+                f"{model_dir}: no usable tokenizer in the model directory ({err}); pass token ids instead (token_ids / --token-ids)"
+            ) from err
+        enc = tokenizer(text_path.read_text(encoding="utf-8"), return_tensors="pt", truncation=True, max_length=max_tokens)
+        ids, mask = enc["input_ids"], enc["attention_mask"]
+        if ids.numel() == 0:
+            raise ValueError(f"{text_path}: the text produced no tokens")
+        what = f"text {text_path.name}"
+    else:
+        ids, mask = read_token_ids(token_ids)
+        ids, mask = ids[:, :max_tokens], mask[:, :max_tokens]
+        what = f"token ids {Path(token_ids).name}"
+    vocab = getattr(model.config, "vocab_size", None)
+    if isinstance(vocab, int) and int(ids.max()) >= vocab:
+        raise ValueError(f"token id {int(ids.max())} is outside the model's vocabulary of {vocab}")
+    inputs = {"input_ids": ids, "attention_mask": mask}
+    meta = {"source": f"{model_dir.name} ({model.config.model_type}) on {what}"}
+    return capture_qk(model, inputs, path=path, meta=meta)

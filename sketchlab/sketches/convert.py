@@ -1,0 +1,146 @@
+r"""Exact conversions of special-case sketches to LLoPS parameters Θ (``as_llops``).
+
+A rank-1 LLoPS feature is :math:`\phi(x)_i = \prod_{j=1}^p \langle\theta_{1,j,:,i}, x\rangle`. A
+sketch converts exactly when each of its features is one product of ``p`` linear forms:
+
+* element-wise :math:`(x\Theta)^{\circ p}`: :math:`\theta_{1,j,:,i} = \Theta_{:,i}` for every ``j``;
+* project-then-expand :math:`\psi_p(xP)`: feature :math:`(a_1..a_p)` is
+  :math:`\prod_j\langle P_{:,a_j}, x\rangle`, so :math:`\theta_{1,j,:,(a)} = P_{:,a_j}` (a
+  Kronecker-structured Θ, ``m = d'^p``); the symmetric form multiplies the ``j = 1`` factor of
+  multiset ``α`` by :math:`\sqrt{c_\alpha}`;
+* PolySketchFormer with self-tensoring of degree 4: :math:`s_a(x) = \langle G_{1,a},x\rangle
+  \langle G_{2,a},x\rangle/\sqrt r` and :math:`\phi_{(a,b)} = s_a s_b`, so
+  :math:`\theta_{1,:,:,(a,b)} = (G_{1,a}/r,\; G_{2,a},\; G_{1,b},\; G_{2,b})` (``m = r²``); degree 2
+  with self-tensoring (``s = xG/\sqrt r``): :math:`(G_a/\sqrt r, G_b/\sqrt r)`; the plain degree-1
+  and degree-2 sketches are rank-1 too.
+
+Not converted (``ValueError`` naming the reason): the BASED Taylor map (inhomogeneous: degrees 0, 1
+and 2 in one feature vector, while every LLoPS feature is a homogeneous degree-``p`` form);
+recursive PolySketchFormer sketches above degree 2 without self-tensoring and self-tensored ones
+above degree 4 (each coordinate of an upper level is a sum over ``r`` lower-level coordinates, a CP
+tensor of rank up to ``r`` per level rather than a single product); TensorSketch (each feature is a
+signed sum over all index tuples hashed to one bucket: a sparse, high-rank tensor); the MLP sketch
+(not a polynomial at all).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import torch
+
+from ..llops import LLoPS
+from ..polynomial import symmetric_index
+from .based import BasedSketch
+from .elementwise import ElementwiseSketch
+from .mlp import MLPSketch
+from .psf import PolySketch
+from .tensorsketch import TensorSketch
+
+__all__ = ["as_llops"]
+
+
+def _from_columns(proj: torch.Tensor, index: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+    """Θ[..., 1, p, d, M] with Θ[..., 0, j, :, c] = proj[..., :, index[c, j]] (·weight[c] for j = 0)."""
+    factors = [proj[..., :, index[:, j]] for j in range(index.shape[1])]  # each [..., d, M]
+    if weight is not None:
+        factors[0] = factors[0] * weight.to(proj.dtype)
+    return torch.stack(factors, dim=-3)[..., None, :, :, :]  # [..., 1, p, d, M]
+
+
+def _elementwise(sketch: ElementwiseSketch) -> LLoPS:
+    def expand(theta: torch.Tensor) -> torch.Tensor:
+        theta = theta.detach()
+        return theta[..., None, None, :, :].expand(*theta.shape[:-2], 1, sketch.p, *theta.shape[-2:]).clone()
+
+    theta_k = None if sketch.theta_k is None else expand(sketch.theta_k)
+    return LLoPS(expand(sketch.theta_q), theta_k)
+
+
+def _based(sketch: BasedSketch) -> LLoPS:
+    if sketch.form == "taylor":
+        raise ValueError(
+            "as_llops: the BASED Taylor map [1, u/d'^{1/4}, u⊗u/(√2·√d')] is inhomogeneous (a constant, a "
+            "linear and a quadratic block), while every LLoPS feature is a homogeneous degree-p form; it has "
+            "no exact LLoPS Θ. Its homogeneous part, form='expand', converts exactly"
+        )
+    dim, p = sketch.dim, sketch.p
+    if sketch.symmetric:
+        index, weight = symmetric_index(dim, p)  # [C, p], [C]
+    else:
+        index = torch.tensor(list(itertools.product(range(dim), repeat=p)), dtype=torch.long).reshape(-1, p)
+        weight = None  # row-major tuples, as poly_features orders them
+    return LLoPS(_from_columns(sketch.proj, index, weight))
+
+
+def _psf(sketch: PolySketch) -> LLoPS:
+    w, r = sketch.weights, sketch.r
+    if not sketch.non_negative and sketch.p == 1:
+        theta = (w[0] / math.sqrt(r))[..., None, None, :, :]  # [..., 1, 1, d, r]
+        return LLoPS(theta)
+    if not sketch.non_negative and sketch.p == 2:
+        return LLoPS(torch.stack([w[0] / math.sqrt(r), w[1]], dim=-3)[..., None, :, :, :])  # [..., 1, 2, d, r]
+    a = torch.arange(r).repeat_interleave(r)  # coordinate (a, b) of s ⊗ s, row-major: a outer
+    b = torch.arange(r).repeat(r)
+    if sketch.non_negative and sketch.p == 2:
+        g = w[0] / math.sqrt(r)  # s = xG/√r
+        return LLoPS(torch.stack([g[..., :, a], g[..., :, b]], dim=-3)[..., None, :, :, :])
+    if sketch.non_negative and sketch.p == 4:
+        g1, g2 = w[0], w[1]  # s_a = ⟨G1_a, x⟩⟨G2_a, x⟩/√r; s_a s_b carries 1/r
+        factors = [g1[..., :, a] / r, g2[..., :, a], g1[..., :, b], g2[..., :, b]]
+        return LLoPS(torch.stack(factors, dim=-3)[..., None, :, :, :])  # [..., 1, 4, d, r²]
+    kind = "self-tensored" if sketch.non_negative else "plain"
+    raise ValueError(
+        f"as_llops: the {kind} recursive PolySketchFormer sketch of degree p={sketch.p} has no rank-1 LLoPS "
+        "form: above the bottom level each coordinate is a sum over r lower-level coordinates (a CP tensor "
+        "of rank up to r per level), not one product of p linear forms. Exact conversions exist for plain "
+        "p <= 2 and self-tensored p in (2, 4)"
+    )
+
+
+def as_llops(sketch) -> LLoPS:
+    """Exact LLoPS parameters of a special-case sketch (see the module docstring).
+
+    Parameters
+    ----------
+    sketch : ElementwiseSketch, BasedSketch (form "expand"), PolySketch (plain p <= 2, or
+        self-tensored p in {2, 4}), or LLoPS (returned unchanged)
+
+    Returns
+    -------
+    LLoPS
+        Rank ``t = 1``, ``p`` = the sketch's degree, same ``num_features`` and the same features to
+        round-off; tied (one Θ) when the sketch uses one map for both sides.
+
+    Raises
+    ------
+    ValueError
+        For sketches without an exact rank-1 LLoPS form, saying why.
+    TypeError
+        For objects that are not sketches.
+    """
+    if isinstance(sketch, LLoPS):
+        return sketch
+    if isinstance(sketch, ElementwiseSketch):
+        return _elementwise(sketch)
+    if isinstance(sketch, BasedSketch):
+        return _based(sketch)
+    if isinstance(sketch, PolySketch):
+        return _psf(sketch)
+    if isinstance(sketch, TensorSketch):
+        raise ValueError(
+            "as_llops: TensorSketch has no exact LLoPS form: each feature is a signed sum of all monomials "
+            "x_{i_1}⋯x_{i_p} whose hashes add up to one bucket mod m, a sparse tensor of high CP rank, not a "
+            "product of p linear forms"
+        )
+    if isinstance(sketch, MLPSketch):
+        raise ValueError(
+            "as_llops: the MLP sketch is not a polynomial map (σ(xW1 + b1)W2 + b2 with a non-polynomial "
+            "activation), so no LLoPS Θ reproduces it"
+        )
+    from ..sketch import Sketch
+
+    if isinstance(sketch, Sketch):
+        raise ValueError(f"as_llops: no exact LLoPS conversion is known for {type(sketch).__name__}")
+    raise TypeError(f"as_llops takes a Sketch, got {type(sketch).__name__}")

@@ -1,0 +1,63 @@
+"""The sketchlab CLI: compare writes its outputs atomically; bad input is one line, exit 2."""
+
+import json
+import re
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from sketchlab.cli import main
+
+
+@pytest.fixture(scope="module")
+def dump(tmp_path_factory):
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 2, 32, 4, generator=g), torch.randn(2, 2, 32, 4, generator=g)
+    path = tmp_path_factory.mktemp("dumps") / "qk.safetensors"
+    save_file({"q": q, "k": k}, str(path))
+    return str(path)
+
+
+def test_compare_writes_outputs(dump, tmp_path, capsys):
+    out_json, out_md = tmp_path / "t.json", tmp_path / "t.md"
+    rc = main(["compare", dump, "--p", "2", "--m", "5", "--methods", "optimal,psf,tensorsketch,based",
+               "--layers", "1", "--heads", "0,1", "--json", str(out_json), "--markdown", str(out_md),
+               "--no-progress"])
+    assert rc == 0
+    stdout = capsys.readouterr().out
+    assert "| Method | Layer 1 | Avg |" in stdout
+    assert out_md.read_text() == stdout
+    data = json.loads(out_json.read_text())
+    assert data["config"]["scale"] == "sqrt-d" and data["config"]["layers"] == [1]
+    assert len(data["rows"]) == 2 * 4
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []  # no temp files left
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["compare", "{dump}", "--p", "2", "--m", "5", "--methods", "optimal,bogus"], "unknown method"),
+    (["compare", "{dump}", "--p", "0", "--m", "5", "--methods", "psf"], "p .* must be an integer >= 1"),
+    (["compare", "{dump}", "--p", "two", "--m", "5"], "argument --p: invalid int value"),
+    (["compare", "{dump}", "--p", "2", "--m", "500", "--methods", "psf"], "m=500 exceeds"),
+    (["compare", "{dump}", "--p", "2", "--m", "5", "--methods", "psf", "--layers", "7"], "layer 7 is out of range"),
+    (["compare", "{dump}", "--p", "2", "--m", "5", "--methods", "psf", "--layers", "a,b"], "comma-separated integers"),
+    (["compare", "{dump}", "--p", "2", "--m", "5", "--methods", "psf", "--scale", "big"], "--scale"),
+    (["compare", "{missing}", "--p", "2", "--m", "5", "--methods", "psf"], "does not exist"),
+    (["compare", "{garbage}", "--p", "2", "--m", "5", "--methods", "psf"], "garbage.safetensors"),
+    (["compare", "{dump}", "--p", "2", "--m", "5", "--methods", "psf", "--json", "/nonexistent/dir/x.json"],
+     "output directory"),
+    (["compare", "{dump}", "--m", "5"], "required: --p"),
+    (["frobnicate"], "invalid choice"),
+    ([], "required"),
+])
+def test_bad_input_is_one_line_exit_2(argv, match, dump, tmp_path, capsys):
+    garbage = tmp_path / "garbage.safetensors"
+    garbage.write_bytes(b"this is not a safetensors file")
+    argv = [a.format(dump=dump, missing=str(tmp_path / "missing.safetensors"), garbage=str(garbage)) for a in argv]
+    rc = main(argv + ["--no-progress"] if argv and argv[0] == "compare" else argv)
+    captured = capsys.readouterr()
+    assert rc == 2
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("sketchlab: error: "), captured.err
+    assert "Traceback" not in captured.err and captured.out == ""
+    assert re.search(match, lines[0]), lines[0]

@@ -1,0 +1,141 @@
+"""compare(): one row per (layer, head, method), Theorem 3.1 as the floor, table layout, errors.
+
+The in-sample optimality ratio of the "optimal" method is 1 to float64 round-off (its error equals
+the tail, see tests/test_optimal.py), and no other size-≤m sketch can go below it on the fitting
+tokens: we assert ≥ 1 − 1e-9 (round-off of a float64 SVD tail, as in test_optimal.py).
+"""
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from sketchlab.compare import DEFAULT_METHODS, ComparisonTable, compare
+
+F64 = torch.float64
+METHODS = ["optimal", "psf", "tensorsketch", "based", "mlp", "elementwise"]
+FAST = {"mlp": {"steps": 20}, "elementwise": {"steps": 20}}
+
+
+def _qk(L=2, H=2, n=40, d=4, seed=0, dtype=F64):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(L, H, n, d, generator=g, dtype=dtype), torch.randn(L, H, n, d, generator=g, dtype=dtype)
+
+
+@pytest.fixture(scope="module")
+def table() -> ComparisonTable:
+    return compare(_qk(), p=2, m=6, methods=METHODS, seed=0, holdout=0.25, options=FAST, progress=False)
+
+
+def test_rows_and_floor(table):
+    assert len(table.rows) == 2 * 2 * len(METHODS)
+    assert {(r.layer, r.head, r.method) for r in table.rows} == {
+        (l, h, m) for l in range(2) for h in range(2) for m in METHODS
+    }
+    for r in table.rows:
+        assert r.optimality_ratio >= 1 - 1e-9, r
+        assert r.holdout_rel_mae is not None and r.fit_seconds >= 0
+        if r.method == "optimal":
+            assert abs(r.optimality_ratio - 1) < 1e-9
+    assert table.values("psf", "num_features") == [4] * 4  # non-negative PSF at p = 2: r = ⌊√6⌋ = 2
+    assert table.values("mlp", "num_parameters")[0] >= 2 * 2 * 4 * 6  # ≥ rank-1 untied LLoPS
+
+
+def test_markdown_layout(table):
+    md = table.to_markdown()
+    assert "| Method | Layer 0 | Layer 1 | Avg |" in md
+    assert "scale = none" in md and "p = 2, m = 6" in md
+    for method in METHODS:
+        assert f"| {method} |" in md
+    # the Avg cell of the optimal row in the optimality-ratio table is exactly 1
+    ratio_block = md.split("**Optimality ratio ‖Â−A‖_F / √tail")[1]
+    assert "| optimal | 1.0000 | 1.0000 | 1.0000 |" in ratio_block
+    assert table.cell("psf", "rel_mae") == pytest.approx(sum(table.values("psf")) / 4)
+    assert table.to_markdown(stat="median") != md
+
+
+def test_json_roundtrip(table):
+    data = json.loads(table.to_json())
+    assert data["config"]["p"] == 2 and data["config"]["scale"] == "none" and data["config"]["holdout"] == 0.25
+    assert len(data["rows"]) == len(table.rows)
+    assert data["rows"][0].keys() >= {"layer", "head", "method", "rel_mae", "rel_fro", "optimality_ratio",
+                                      "holdout_rel_mae", "num_features", "num_parameters", "fit_seconds"}
+
+
+def test_ratio(table):
+    per_head = sorted(a / b for a, b in zip(table.values("psf"), table.values("optimal")))
+    assert table.ratio("psf", "optimal") == pytest.approx((per_head[1] + per_head[2]) / 2)
+
+
+def test_scale_is_applied_and_recorded():
+    q, k = _qk(L=1, H=1)
+    methods = ["optimal", "psf", "based"]
+    scaled = compare((q, k), p=2, m=5, methods=methods, scale="sqrt-d", progress=False)
+    manual = compare((q * 4**-0.25, k * 4**-0.25), p=2, m=5, methods=methods, scale="none", progress=False)
+    assert scaled.scale == "sqrt-d" and scaled.scale_factor == pytest.approx(4**-0.25)
+    for a, b in zip(scaled.rows, manual.rows):
+        assert a.rel_mae == pytest.approx(b.rel_mae, rel=1e-9)
+    factor = compare((q, k), p=2, m=5, methods=["optimal"], scale=0.5, progress=False)
+    assert factor.scale_factor == 0.5
+
+
+def test_selection_and_file_input(tmp_path):
+    q, k = _qk(L=3, H=3, dtype=torch.float32)
+    path = tmp_path / "dump.safetensors"
+    save_file({"q": q, "k": k}, str(path))
+    t = compare(str(path), p=2, m=5, methods=["optimal", "psf"], layers=[2, 0], heads=[1], progress=False)
+    assert t.layers == [2, 0] and t.heads == [1] and t.source == str(path)
+    assert {(r.layer, r.head) for r in t.rows} == {(2, 1), (0, 1)}
+    assert compare((q[0, 0], k[0, 0]), p=2, m=5, methods=["optimal"], progress=False).layers == [0]
+
+
+def test_default_methods_run_with_llops():
+    assert DEFAULT_METHODS == ("optimal", "llops", "mlp", "psf", "tensorsketch", "based")
+    t = compare(_qk(L=1, H=2, n=40, d=4), p=2, m=6, seed=1, progress=False,
+                options={"mlp": {"steps": 10}, "llops": {"steps": 2}})
+    assert t.methods == list(DEFAULT_METHODS) and len(t.rows) == 2 * len(DEFAULT_METHODS)
+    assert all(r.optimality_ratio >= 1 - 1e-9 for r in t.rows)  # Theorem 3.1 floor, in-sample
+    # LLoPS is rank 1 untied: 2·p·d·m parameters; the MLP has at least as many
+    assert t.values("llops", "num_parameters")[0] == 2 * 2 * 4 * 6
+    assert t.values("mlp", "num_parameters")[0] >= t.values("llops", "num_parameters")[0]
+
+
+@pytest.mark.parametrize("kwargs,err,match", [
+    ({"methods": ["optimal", "nope"]}, ValueError, "unknown method.*'nope'"),
+    ({"methods": []}, ValueError, "at least one"),
+    ({"methods": ["psf", "psf"]}, ValueError, "duplicates"),
+    ({"p": 0}, ValueError, "p .* must be an integer >= 1"),
+    ({"m": 0}, ValueError, "m .* must be an integer >= 1"),
+    ({"m": 31}, ValueError, "m=31 exceeds"),
+    ({"layers": [2]}, ValueError, "layer 2 is out of range: the dump has 2 layers"),
+    ({"heads": [-1]}, ValueError, "head -1 is out of range"),
+    ({"holdout": 1.0}, ValueError, "holdout must lie in"),
+    ({"scale": "sqrt"}, ValueError, "scale must be"),
+    ({"scale": -1.0}, ValueError, "scale must be"),
+    ({"options": {"mlp": {}}}, ValueError, "options given for method"),
+])
+def test_bad_input(kwargs, err, match):
+    args = {"p": 2, "m": 6, "methods": ["optimal", "psf"], "progress": False, **kwargs}
+    with pytest.raises(err, match=match):
+        compare(_qk(L=2, H=1, n=40, d=6), **args)
+
+
+def test_bad_source(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        compare(str(tmp_path / "missing.safetensors"), p=2, m=4, methods=["psf"], progress=False)
+    with pytest.raises(TypeError, match="dump_or_qk must be"):
+        compare(42, p=2, m=4, methods=["psf"], progress=False)
+    bad = _qk()[0]
+    bad[0, 0, 0, 0] = math.nan
+    with pytest.raises(ValueError, match="must be finite"):
+        compare((bad, bad), p=2, m=4, methods=["psf"], progress=False)
+
+
+def test_heldout_ratio_undefined_when_heldout_rank_below_m():
+    # 4 held-out tokens < m = 6: the held-out kernel has rank <= 4, its floor is 0, every ratio inf
+    t = compare(_qk(L=1, H=1, n=16), p=2, m=6, methods=["optimal", "psf"], progress=False)
+    assert all(math.isinf(r.holdout_optimality_ratio) for r in t.rows)
+    assert "undefined here" in t.to_markdown()
+    assert json.loads(t.to_json())["rows"][0]["holdout_optimality_ratio"] is None

@@ -1,0 +1,291 @@
+"""Q/K dump I/O: round trips in every format and layout, and one corrupt file per validation rule."""
+
+from __future__ import annotations
+
+import json
+import re
+import os
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from sketchlab.io import QKDump, atomic_write, load_qk, save_qk
+
+FORMATS = ["safetensors", "pt", "npz", "npy"]
+
+
+def _qkv(shape=(3, 2, 5, 4), dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(shape, generator=g, dtype=dtype) for _ in range(3))
+
+
+# ---------------------------------------------------------------------------------------------
+# round trips
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("shape", [(5, 4), (2, 5, 4), (3, 2, 5, 4)], ids=["n,d", "H,n,d", "L,H,n,d"])
+@pytest.mark.parametrize("with_v", [True, False])
+def test_round_trip(tmp_path, fmt, shape, with_v):
+    q, k, v = _qkv(shape)
+    meta = {"source": "unit test", "scale": "none"}
+    written = save_qk(tmp_path / f"dump.{fmt}", q, k, v if with_v else None, meta=meta)
+    dump = load_qk(written)
+    assert isinstance(dump, QKDump)
+    full = (1,) * (4 - len(shape)) + shape  # the loader's [L, H, n, d]
+    # A lossless format: bit-exact equality, dtype kept.
+    torch.testing.assert_close(dump.q, q.reshape(full), rtol=0, atol=0)
+    torch.testing.assert_close(dump.k, k.reshape(full), rtol=0, atol=0)
+    if with_v:
+        torch.testing.assert_close(dump.v, v.reshape(full), rtol=0, atol=0)
+    else:
+        assert dump.v is None
+    assert dump.meta == {**meta, "layout": "L,H,n,d"}
+    assert dump.path == written
+
+
+def test_npy_round_trip_by_any_sibling_name(tmp_path):
+    q, k, v = _qkv()
+    written = save_qk(tmp_path / "x.npy", q, k, v)
+    assert written == tmp_path / "x.q.npy"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.k.npy", "x.meta.json", "x.q.npy", "x.v.npy"]
+    for name in ("x.npy", "x.q.npy", "x.k.npy", "x.v.npy"):
+        torch.testing.assert_close(load_qk(tmp_path / name).k, k, rtol=0, atol=0)
+    # Re-saving without v removes the stale v file instead of reading it back later.
+    save_qk(tmp_path / "x.q.npy", q, k)
+    assert load_qk(tmp_path / "x.npy").v is None
+
+
+def test_bfloat16_round_trip_through_numpy_widens_exactly(tmp_path):
+    q, k, _ = _qkv(dtype=torch.float32)
+    q, k = q.bfloat16(), k.bfloat16()
+    dump = load_qk(save_qk(tmp_path / "b.npz", q, k))
+    assert dump.q.dtype == torch.float32  # numpy has no bfloat16; widening is exact
+    torch.testing.assert_close(dump.q, q.float(), rtol=0, atol=0)
+    torch.testing.assert_close(load_qk(save_qk(tmp_path / "b.safetensors", q, k)).q, q, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("layer_shape", [(2, 5, 4), (5, 4)], ids=["H,n,d", "n,d"])
+def test_dict_keyed_by_layer_in_every_format(tmp_path, layer_shape):
+    L = 3
+    qs, ks, vs = zip(*(_qkv(layer_shape, seed=i) for i in range(L)))
+    flat = {f"{name}.{i}": t[i] for name, t in (("q", qs), ("k", ks), ("v", vs)) for i in range(L)}
+    save_file({n: t.contiguous() for n, t in flat.items()}, str(tmp_path / "a.safetensors"))
+    np.savez(tmp_path / "a.npz", **{n: t.numpy() for n, t in flat.items()})
+    torch.save(flat, tmp_path / "flat.pt")
+    torch.save({"q": dict(enumerate(qs)), "k": {str(i): t for i, t in enumerate(ks)}}, tmp_path / "nested.pt")
+    expect_q = torch.stack([t if t.ndim == 3 else t[None] for t in qs])  # [L, H, n, d]
+    for name in ("a.safetensors", "a.npz", "flat.pt", "nested.pt"):
+        dump = load_qk(tmp_path / name)
+        torch.testing.assert_close(dump.q, expect_q, rtol=0, atol=0, msg=name)
+        assert dump.q.shape == (L,) + ((2,) if len(layer_shape) == 3 else (1,)) + (5, 4)
+
+
+def test_layer_and_head_selection(tmp_path):
+    q, k, v = _qkv((4, 3, 5, 2))
+    path = save_qk(tmp_path / "s.safetensors", q, k, v)
+    dump = load_qk(path, layers=[0, 2, -1], heads=[1])
+    torch.testing.assert_close(dump.q, q[[0, 2, 3]][:, [1]], rtol=0, atol=0)
+    torch.testing.assert_close(dump.v, v[[0, 2, 3]][:, [1]], rtol=0, atol=0)
+    torch.testing.assert_close(load_qk(path, layers=1).k, k[1:2], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kw,msg", [
+    ({"layers": [4]}, r"layers index 4 is out of range; the dump has 4 layers \(valid indices 0\.\.3"),
+    ({"layers": [-5]}, r"layers index -5 is out of range"),
+    ({"heads": [0, 3]}, r"heads index 3 is out of range; the dump has 3 heads \(valid indices 0\.\.2"),
+    ({"heads": []}, r"heads must be a non-empty list of integers"),
+    ({"layers": [0.5]}, r"layers must be a list of integers"),
+])
+def test_selection_out_of_range_names_file_and_range(tmp_path, kw, msg):
+    q, k, _ = _qkv((4, 3, 5, 2))
+    path = save_qk(tmp_path / "s.safetensors", q, k)
+    with pytest.raises(ValueError, match=msg) as err:
+        load_qk(path, **kw)
+    assert str(path) in str(err.value)
+
+
+def test_save_is_atomic_and_leaves_no_temporary_files(tmp_path):
+    q, k, _ = _qkv()
+    path = tmp_path / "a.safetensors"
+    save_qk(path, q, k)
+    before = path.read_bytes()
+    with pytest.raises(ValueError, match="non-finite"):
+        save_qk(path, q, k * float("nan"))  # validation fails before any write
+    with pytest.raises(RuntimeError, match="boom"):
+        with atomic_write(path) as tmp:
+            tmp.write_bytes(b"half a file")
+            raise RuntimeError("boom")
+    assert path.read_bytes() == before  # the old file survives a failed write
+    assert os.listdir(tmp_path) == ["a.safetensors"]  # and no temporary is left behind
+
+
+# ---------------------------------------------------------------------------------------------
+# one corrupt file per validation rule
+
+
+def _write_raw(path, entries, meta=None):
+    """Write entries as stored, bypassing save_qk's validation."""
+    ext = path.suffix
+    if ext == ".safetensors":
+        save_file({n: t.contiguous().clone() for n, t in entries.items()}, str(path), metadata=meta)
+    elif ext == ".pt":
+        torch.save({**entries, **({"meta": meta} if meta else {})}, path)
+    elif ext == ".npz":
+        extra = {"__metadata__": np.array(json.dumps(meta))} if meta else {}
+        np.savez(path, **{n: t.numpy() for n, t in entries.items()}, **extra)
+    else:
+        base = str(path)[: -len(".npy")]
+        for n, t in entries.items():
+            np.save(f"{base}.{n}.npy", t.numpy())
+    return path
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_non_finite_reports_count_and_first_index(tmp_path, fmt):
+    q, k, _ = _qkv((2, 2, 5, 4))
+    k[1, 0, 3, 2] = float("nan")
+    k[1, 1, 0, 0] = float("inf")
+    path = _write_raw(tmp_path / f"bad.{fmt}", {"q": q, "k": k})
+    with pytest.raises(ValueError) as err:
+        load_qk(path)
+    text = str(err.value)
+    assert "tensor k must be finite" in text
+    assert "2 non-finite value(s) of 80" in text
+    assert "first at index (1, 0, 3, 2)" in text
+    assert str(tmp_path / "bad") in text
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_mismatched_q_k_shapes(tmp_path, fmt):
+    q, k, _ = _qkv((2, 2, 5, 4))
+    path = _write_raw(tmp_path / f"bad.{fmt}", {"q": q, "k": k[:, :, :4]})
+    with pytest.raises(ValueError, match=r"tensors q and k must have the same shape .* q \(2, 2, 5, 4\) and k \(2, 2, 4, 4\)"):
+        load_qk(path)
+
+
+def test_v_must_match_k_tokens(tmp_path):
+    q, k, v = _qkv((2, 2, 5, 4))
+    path = _write_raw(tmp_path / "bad.safetensors", {"q": q, "k": k, "v": v[:, :1]})
+    with pytest.raises(ValueError, match=r"bad.safetensors: tensor v must match k in \[L, H, n\]"):
+        load_qk(path)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("shape", [(7,), (1, 2, 2, 5, 4)], ids=["rank1", "rank5"])
+def test_wrong_rank(tmp_path, fmt, shape):
+    q = torch.ones(shape)
+    path = _write_raw(tmp_path / f"bad.{fmt}", {"q": q, "k": q})
+    with pytest.raises(ValueError, match=rf"tensor q must have rank 2 \[n, d\], 3 \[H, n, d\] or 4 \[L, H, n, d\], got rank {len(shape)}"):
+        load_qk(path)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_empty_tensor(tmp_path, fmt):
+    q = torch.ones(2, 0, 4)
+    path = _write_raw(tmp_path / f"bad.{fmt}", {"q": q, "k": q})
+    with pytest.raises(ValueError, match=r"bad.*: tensor q is empty, shape \(1, 2, 0, 4\)"):
+        load_qk(path)
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "pt", "npz"])
+def test_empty_file(tmp_path, fmt):
+    path = tmp_path / f"bad.{fmt}"
+    path.write_bytes(b"")
+    with pytest.raises(ValueError, match=rf"bad.{fmt}: the file is empty \(0 bytes\)"):
+        load_qk(path)
+
+
+@pytest.mark.parametrize("name", ["dump.h5", "dump", "dump.safetensor", "dump.json"])
+def test_unknown_extension(tmp_path, name):
+    path = tmp_path / name
+    path.write_bytes(b"whatever")
+    with pytest.raises(ValueError, match=r"unknown extension .* must end in one of \.safetensors, \.pt, \.npz, \.npy"):
+        load_qk(path)
+    q, k, _ = _qkv()
+    with pytest.raises(ValueError, match="unknown extension"):
+        save_qk(path, q, k)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("how", ["truncated", "garbage"])
+def test_truncated_or_corrupt_file(tmp_path, fmt, how):
+    q, k, _ = _qkv()
+    written = save_qk(tmp_path / f"ok.{fmt}", q, k)
+    raw = written.read_bytes()
+    bad = raw[: len(raw) // 2] if how == "truncated" else b"\x93NUMPY garbage" + bytes(range(256)) * 4
+    written.write_bytes(bad)
+    with pytest.raises(ValueError, match=r"unreadable .* \(truncated|unreadable .*corrupt") as err:
+        load_qk(written)
+    assert str(written) in str(err.value)
+
+
+def test_pickled_pt_is_refused_by_weights_only(tmp_path):
+    path = tmp_path / "evil.pt"
+    torch.save({"q": torch.ones(2, 2), "k": torch.ones(2, 2), "x": object()}, path)  # needs pickle
+    with pytest.raises(ValueError, match="evil.pt: unreadable .pt file .*not weights-only"):
+        load_qk(path)
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 5, 4), (2, 5, 4), (5,)])
+def test_single_npy_array_is_ambiguous(tmp_path, shape):
+    path = tmp_path / "stacked.npy"
+    np.save(path, np.ones(shape))
+    hint = "its leading axis of size 2 could be the \\(q, k\\) pair or L=2 layers" if shape[0] == 2 else "one array cannot hold both q and k"
+    with pytest.raises(ValueError, match=rf"stacked.npy: a single .npy array of shape {re.escape(str(shape))} is ambiguous \({hint}\)"):
+        load_qk(path)
+
+
+def test_missing_file_and_missing_tensor(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.safetensors: no such file"):
+        load_qk(tmp_path / "nope.safetensors")
+    with pytest.raises(FileNotFoundError, match="no such dump"):
+        load_qk(tmp_path / "nope.npy")
+    path = _write_raw(tmp_path / "onlyq.safetensors", {"q": torch.ones(3, 2)})
+    with pytest.raises(ValueError, match="onlyq.safetensors: tensor k is missing"):
+        load_qk(path)
+
+
+def test_unexpected_entry_and_mixed_layouts(tmp_path):
+    q, k, _ = _qkv((2, 5, 4))
+    with pytest.raises(ValueError, match=r"unexpected entry 'query'"):
+        load_qk(_write_raw(tmp_path / "a.safetensors", {"query": q, "q": q, "k": k}))
+    with pytest.raises(ValueError, match=r"tensor q is given both whole \('q'\) and per layer"):
+        load_qk(_write_raw(tmp_path / "b.safetensors", {"q": q, "q.0": q, "k": k}))
+
+
+def test_layer_dict_rules(tmp_path):
+    a = torch.ones(2, 5, 4)
+    with pytest.raises(ValueError, match=r"layers must be numbered 0\.\.L-1 without gaps, got \[0, 2\]"):
+        load_qk(_write_raw(tmp_path / "gap.safetensors", {"q.0": a, "q.2": a, "k.0": a, "k.1": a}))
+    with pytest.raises(ValueError, match=r"every layer must have the same shape, layer 0 has \(2, 5, 4\), layer 1 has \(2, 4, 4\)"):
+        load_qk(_write_raw(tmp_path / "ragged.safetensors", {"q.0": a, "q.1": a[:, :4], "k.0": a, "k.1": a}))
+    with pytest.raises(ValueError, match=r"tensor q\[layer 0\] must have rank 2 \[n, d\] or 3 \[H, n, d\], got rank 4"):
+        load_qk(_write_raw(tmp_path / "r4.safetensors", {"q.0": a[None], "k.0": a[None]}))
+    torch.save({"q": {"first": a}, "k": a}, tmp_path / "key.pt")
+    with pytest.raises(ValueError, match=r"layer keys must be integers \(or digit strings\), got 'first'"):
+        load_qk(tmp_path / "key.pt")
+
+
+def test_dtype_and_metadata_rules(tmp_path):
+    i = torch.ones(5, 4, dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"ints.safetensors: tensor q must have a real floating-point dtype, got torch.int64"):
+        load_qk(_write_raw(tmp_path / "ints.safetensors", {"q": i, "k": i}))
+    with pytest.raises(ValueError, match=r"ints.npz: tensor q must be a floating-point array, got dtype int64"):
+        load_qk(_write_raw(tmp_path / "ints.npz", {"q": i, "k": i}))
+    f = torch.ones(2, 5, 4)
+    with pytest.raises(ValueError, match=r"metadata layout 'L,H,n,d' disagrees with the tensor rank 3 \(H,n,d\)"):
+        load_qk(_write_raw(tmp_path / "lay.safetensors", {"q": f, "k": f}, meta={"layout": "L,H,n,d"}))
+    assert load_qk(_write_raw(tmp_path / "ok.safetensors", {"q": f, "k": f}, meta={"layout": "[H, n, d]"})).q.shape == (1, 2, 5, 4)
+    with pytest.raises(ValueError, match=r"metadata layout 'B,T,H,D' is not one of"):
+        load_qk(_write_raw(tmp_path / "lay2.pt", {"q": f, "k": f}, meta={"layout": "B,T,H,D"}))
+    with pytest.raises(ValueError, match=r"metadata must map strings to strings .* 'p': 2 \(int\)"):
+        save_qk(tmp_path / "m.safetensors", f, f, meta={"p": 2})
+    (tmp_path / "j.meta.json").write_text("{not json")
+    np.save(tmp_path / "j.q.npy", f.numpy())
+    np.save(tmp_path / "j.k.npy", f.numpy())
+    with pytest.raises(ValueError, match=r"j.meta.json: corrupt metadata file, not JSON"):
+        load_qk(tmp_path / "j.npy")
+

@@ -1,0 +1,86 @@
+"""BASED maps: Taylor kernel 1 + s + s²/2, project-then-expand kernel (qᵀPPᵀk)^p, feature counts,
+the budget rule for d', PCA projection.
+
+Tolerances: float64 identities between a feature inner product and a closed-form kernel; both
+are sums of ≤ d'^2 + d' + 1 rounded terms, so 1e-12 relative is ample.
+"""
+
+import pytest
+import torch
+
+import sketchlab.sketches  # noqa: F401
+from sketchlab import fit_sketch, poly_kernel
+from sketchlab.sketches import (
+    BasedSketch,
+    based_dim_for_budget,
+    based_num_features,
+    pca_projection,
+    taylor_features_naive,
+)
+
+F64 = torch.float64
+
+
+def _data(n=7, d=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, d, generator=g, dtype=F64), torch.randn(n - 2, d, generator=g, dtype=F64)
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_taylor_kernel(symmetric):
+    q, k = _data()
+    proj = torch.randn(5, 3, dtype=F64, generator=torch.Generator().manual_seed(1))
+    s = BasedSketch(proj, 2, form="taylor", symmetric=symmetric)
+    dot = (q @ proj) @ (k @ proj).T / 3**0.5  # s = u_qᵀu_k / √d'
+    want = 1 + dot + dot**2 / 2
+    assert torch.allclose(s.kernel(q, k), want, rtol=1e-12, atol=0)
+    assert torch.allclose(s.features_q(q), taylor_features_naive(q, proj, symmetric), rtol=1e-12, atol=0)
+
+
+def test_feature_counts():
+    assert based_num_features(16, 2, "taylor") == 273  # BASED: d' = 16 -> 1 + 16 + 256
+    assert based_num_features(16, 2, "taylor", symmetric=True) == 153
+    assert based_num_features(8, 2, "expand") == 64 and based_num_features(10, 2, "expand", True) == 55
+    assert based_dim_for_budget(32, 2, 64, "expand", True) == 10
+    assert based_dim_for_budget(32, 3, 64, "expand", True) == 6  # C(8, 3) = 56 <= 64 < C(9, 3) = 84
+    assert based_dim_for_budget(32, 2, 64, "expand", False) == 8
+    assert based_dim_for_budget(3, 2, 64, "expand", False) == 3  # capped at d
+    with pytest.raises(ValueError, match="below the smallest BASED taylor map"):
+        based_dim_for_budget(4, 2, 2, "taylor")
+
+
+@pytest.mark.parametrize("p", [1, 2, 3])
+def test_expand_kernel(p):
+    q, k = _data()
+    proj = torch.randn(5, 3, dtype=F64, generator=torch.Generator().manual_seed(2))
+    want = ((q @ proj) @ (k @ proj).T) ** p
+    for symmetric in (False, True):
+        s = BasedSketch(proj, p, form="expand", symmetric=symmetric)
+        assert torch.allclose(s.kernel(q, k), want, rtol=1e-12, atol=1e-12 * want.abs().max())
+
+
+def test_pca_projection_is_orthonormal_and_exact_at_full_dim():
+    q, k = _data(n=12, d=4)
+    p_full = pca_projection(q, k, 4)
+    assert torch.allclose(p_full.T @ p_full, torch.eye(4, dtype=F64), atol=1e-12)
+    s = BasedSketch(p_full, 2)
+    assert torch.allclose(s.kernel(q, k), poly_kernel(q, k, 2), rtol=1e-10, atol=1e-12)  # PPᵀ = I
+    # the first direction keeps the most energy of [q; k] among unit vectors
+    x = torch.cat([q, k])
+    top = (x @ pca_projection(q, k, 1)).norm()
+    assert top >= (x @ torch.nn.functional.normalize(torch.randn(4, 1, dtype=F64), dim=0)).norm()
+
+
+def test_fit_based():
+    q = torch.randn(2, 30, 6, generator=torch.Generator().manual_seed(0))
+    k = torch.randn(2, 30, 6, generator=torch.Generator().manual_seed(1))
+    fit = fit_sketch("based", q, k, p=2, m=20, seed=0)
+    assert fit.report.info["dim"] == 5 and fit.report.num_features == 15  # C(6, 2) = 15 <= 20 < 21
+    rnd = fit_sketch("based", q, k, p=2, m=20, seed=0, projection="random", symmetric=False)
+    assert rnd.sketch.dim == 4 and rnd.report.num_features == 16
+    tay = fit_sketch("based", q, k, p=2, m=21, seed=0, form="taylor")
+    assert tay.report.num_features == 21  # d' = 4: 1 + 4 + 16
+    with pytest.raises(ValueError, match="p must be 2"):
+        fit_sketch("based", q, k, p=3, m=20, form="taylor")
+    with pytest.raises(ValueError, match="projection must be"):
+        fit_sketch("based", q, k, p=2, m=20, projection="learned")

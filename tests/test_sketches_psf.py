@@ -1,0 +1,122 @@
+"""PolySketchFormer sketch: fast path vs naive twin, tree shapes, unbiasedness, variance in m.
+
+Tolerances. Fast vs naive (float64): each feature is a product of ≤ p inner products of length
+≤ max(d, r) taken through ≤ log2(p)+1 levels; both routes round each sum at ~eps·(terms) relative,
+so 1e-12 relative to the largest feature leaves a margin of >100x. Statistical checks use a fixed
+seed and N independent draws (batch_shape=(N,)); each bound is explained where it is asserted.
+"""
+
+import math
+
+import pytest
+import torch
+
+import sketchlab.sketches  # noqa: F401  (registers the fitters)
+from sketchlab import fit_sketch
+from sketchlab.sketches import PolySketch, psf_features, psf_features_naive, psf_weight_shapes
+
+F64 = torch.float64
+
+
+def _xy(d=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(d, generator=g, dtype=F64)
+    y = x + 0.5 * torch.randn(d, generator=g, dtype=F64)  # correlated, so (xᵀy)^p is far from 0
+    return x / x.norm(), y / y.norm()
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 5, 8])
+def test_fast_matches_naive(p):
+    x = torch.randn(6, 3, dtype=F64, generator=torch.Generator().manual_seed(p))
+    s = PolySketch.draw(3, p, 5, seed=p, dtype=F64)
+    fast, naive = s.features_q(x), psf_features_naive(x, s.weights, p)
+    assert torch.allclose(fast, naive, rtol=0, atol=1e-12 * naive.abs().max())
+
+
+def test_batched_heads_are_independent_single_sketches():
+    x = torch.randn(2, 3, 7, 4, dtype=F64, generator=torch.Generator().manual_seed(1))  # [L, H, n, d]
+    s = PolySketch.draw(4, 4, 6, seed=3, batch_shape=(2, 3), dtype=F64)
+    out = s.features_q(x)
+    assert out.shape == (2, 3, 7, 6)
+    for l in range(2):
+        for h in range(3):
+            naive = psf_features_naive(x[l, h], [w[l, h] for w in s.weights], 4)
+            assert torch.allclose(out[l, h], naive, rtol=0, atol=1e-12 * naive.abs().max())
+    assert not torch.equal(s.weights[0][0, 0], s.weights[0][0, 1])  # independent draws per head
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
+def test_tree_shapes(p):
+    shapes = psf_weight_shapes(5, p, 7)
+    assert len(shapes) == 2 * (p - 1)  # p leaves -> p-1 internal nodes, two G's each
+    assert all(s[1] == 7 and s[0] in (5, 7) for s in shapes)
+    # exactly the matrices acting on leaves (x) are d x r: there are p of them
+    assert sum(s[0] == 5 for s in shapes) == p
+
+
+def test_non_negative_is_self_tensored_and_non_negative():
+    s = PolySketch.draw(4, 4, 20, non_negative=True, seed=0, dtype=F64)
+    assert s.r == 4 and s.num_features == 16  # r = floor(sqrt(20))
+    x = torch.randn(9, 4, dtype=F64, generator=torch.Generator().manual_seed(2))
+    inner = s.inner_features(x)
+    assert torch.allclose(s.features_q(x), torch.einsum("na,nb->nab", inner, inner).reshape(9, 16), rtol=0, atol=0)
+    kern = s.kernel(x, x.flip(0))
+    assert torch.allclose(kern, (inner @ inner.flip(0).T) ** 2, rtol=1e-12, atol=0)
+    assert bool((kern >= 0).all())
+    with pytest.raises(ValueError, match="even degree"):
+        PolySketch.draw(4, 3, 16, non_negative=True, seed=0)
+
+
+def test_same_seed_same_sketch():
+    a, b = PolySketch.draw(3, 4, 5, seed=7), PolySketch.draw(3, 4, 5, seed=7)
+    c = PolySketch.draw(3, 4, 5, seed=8)
+    assert all(torch.equal(u, v) for u, v in zip(a.weights, b.weights))
+    assert not torch.equal(a.weights[0], c.weights[0])
+
+
+def _estimates(p, r, n_draws, seed):
+    x, y = _xy()
+    s = PolySketch.draw(4, p, r, seed=seed, batch_shape=(n_draws,), dtype=F64)
+    fx = psf_features(x[None, None, :], s.weights, p)[:, 0]  # [N, r]
+    fy = psf_features(y[None, None, :], s.weights, p)[:, 0]
+    return (fx * fy).sum(-1), float(x @ y) ** p
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4])
+def test_unbiased(p):
+    est, exact = _estimates(p, 8, 4000, seed=10 + p)
+    # CLT: the mean of N=4000 i.i.d. estimates is within 5 standard errors of its expectation
+    # except with probability < 1e-6 (the sample std is accurate to a few % at this N).
+    stderr = est.std() / math.sqrt(est.numel())
+    assert abs(float(est.mean()) - exact) < 5 * float(stderr), (float(est.mean()), exact, float(stderr))
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_variance_shrinks_with_m(p):
+    small, _ = _estimates(p, 4, 4000, seed=1)
+    large, _ = _estimates(p, 64, 4000, seed=2)
+    # Var⟨S(x),S(y)⟩ is an average of r i.i.d. products at the top level, so it scales like 1/r
+    # (plus faster-decaying terms for p = 4): the exact ratio is >= 16 for p = 2. Sample variances
+    # of N = 4000 draws are accurate to well within a factor 2, so require a factor 4.
+    assert float(large.var()) < float(small.var()) / 4
+
+
+def test_fit_sketch_psf():
+    q = torch.randn(2, 30, 5, dtype=F64, generator=torch.Generator().manual_seed(0))  # D = 15 >= m
+    k = torch.randn(2, 30, 5, dtype=F64, generator=torch.Generator().manual_seed(1))
+    even = fit_sketch("psf", q, k, p=2, m=9, seed=0)
+    assert even.sketch.non_negative and even.sketch.num_features == 9 and even.report.info["r"] == 3
+    odd = fit_sketch("psf", q, k, p=3, m=9, seed=0)
+    assert not odd.sketch.non_negative and odd.sketch.num_features == 9
+    plain = fit_sketch("psf", q, k, p=2, m=9, seed=0, non_negative=False)
+    assert plain.sketch.num_features == 9 and plain.sketch.weights[0].shape == (2, 5, 9)
+    # data-independent: the sketch depends on the seed, not on the values of q and k
+    again = fit_sketch("psf", q * 3, k - 1, p=2, m=9, seed=0)
+    assert torch.equal(again.sketch.weights[0], even.sketch.weights[0])
+
+
+def test_bad_weights_rejected():
+    with pytest.raises(ValueError, match="weight matrices"):
+        PolySketch([torch.randn(3, 4)], 2)
+    with pytest.raises(ValueError, match=r"weights\[1\] must have shape"):
+        PolySketch([torch.randn(3, 4), torch.randn(3, 5)], 2)

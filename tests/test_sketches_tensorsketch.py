@@ -1,0 +1,78 @@
+"""TensorSketch: identical to scikit-learn's PolynomialCountSketch for the same hashes, naive twin,
+unbiasedness and variance in m.
+
+Tolerances: both implementations compute the same CountSketches (sums of ≤ d signed terms) and the
+same FFT-domain product in float64; FFT round-off is ~eps·log(m)·‖input‖, so 1e-12 relative to the
+largest feature is ample. Statistical bounds are explained where asserted.
+"""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from sklearn.kernel_approximation import PolynomialCountSketch
+
+import sketchlab.sketches  # noqa: F401
+from sketchlab import fit_sketch
+from sketchlab.sketches import TensorSketch, tensorsketch_features_naive
+
+F64 = torch.float64
+
+
+@pytest.mark.parametrize("p,m", [(1, 5), (2, 7), (3, 8), (4, 16)])
+def test_identical_to_sklearn(p, m):
+    rng = np.random.default_rng(p)
+    x = rng.standard_normal((6, 4))
+    ref = PolynomialCountSketch(gamma=1.0, coef0=0, degree=p, n_components=m, random_state=p).fit(x)
+    ours = TensorSketch(torch.from_numpy(ref.indexHash_), torch.from_numpy(ref.bitHash_), m, dtype=F64)
+    want = torch.from_numpy(ref.transform(x))
+    got = ours.features_q(torch.from_numpy(x))
+    assert torch.allclose(got, want, rtol=0, atol=1e-12 * want.abs().max())
+
+
+@pytest.mark.parametrize("p", [1, 2, 3])
+def test_fast_matches_naive(p):
+    x = torch.randn(5, 3, dtype=F64, generator=torch.Generator().manual_seed(p))
+    s = TensorSketch.draw(3, p, 6, seed=p, dtype=F64)
+    naive = tensorsketch_features_naive(x, s.index_hash, s.sign_hash, 6)
+    assert torch.allclose(s.features_q(x), naive, rtol=0, atol=1e-12 * naive.abs().max())
+
+
+def _estimates(p, m, n_draws, seed):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, generator=g, dtype=F64)
+    y = x + 0.5 * torch.randn(5, generator=g, dtype=F64)
+    x, y = x / x.norm(), y / y.norm()
+    s = TensorSketch.draw(5, p, m, seed=seed, batch_shape=(n_draws,), dtype=F64)
+    fx = s.features_q(x[None, None, :])[:, 0]  # [N, m]
+    fy = s.features_q(y[None, None, :])[:, 0]
+    return (fx * fy).sum(-1), float(x @ y) ** p
+
+
+@pytest.mark.parametrize("p", [1, 2, 3])
+def test_unbiased(p):
+    est, exact = _estimates(p, 8, 4000, seed=p)
+    # CLT with N = 4000 draws: |mean − (xᵀy)^p| < 5 standard errors except with probability < 1e-6.
+    stderr = est.std() / math.sqrt(est.numel())
+    assert abs(float(est.mean()) - exact) < 5 * float(stderr), (float(est.mean()), exact, float(stderr))
+
+
+@pytest.mark.parametrize("p", [2, 3])
+def test_variance_shrinks_with_m(p):
+    small, _ = _estimates(p, 4, 4000, seed=1)
+    large, _ = _estimates(p, 64, 4000, seed=2)
+    # Var is (Σ over colliding index-tuple pairs)/m: it scales like 1/m, a ratio ~16 between m = 4
+    # and m = 64; sample variances at N = 4000 are accurate well within 2x, so require 4x.
+    assert float(large.var()) < float(small.var()) / 4
+
+
+def test_fit_and_validation():
+    q = torch.randn(3, 20, 4, generator=torch.Generator().manual_seed(0))
+    fit = fit_sketch("tensorsketch", q, q.flip(-2), p=2, m=8, seed=5)
+    assert fit.sketch.index_hash.shape == (3, 2, 4) and fit.sketch.num_features == 8
+    assert fit.report.num_parameters == 2 * 2 * 4
+    with pytest.raises(ValueError, match=r"index_hash values must lie in \[0, m\)"):
+        TensorSketch(torch.tensor([[0, 9]]), torch.tensor([[1, -1]]), 4)
+    with pytest.raises(ValueError, match="sign_hash values must be"):
+        TensorSketch(torch.tensor([[0, 1]]), torch.tensor([[1, 0]]), 4)

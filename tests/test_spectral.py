@@ -1,0 +1,142 @@
+"""Tensor spectral norms, rank-1 residuals, deflation and the per-feature bound (sketchlab.spectral).
+
+Test tensors have a known spectral norm: T = Σ_r λ_r u_r⊗v_r⊗w_r with orthonormal {u_r}, {v_r},
+{w_r} and distinct λ_1 > λ_2 > … > 0, so ‖T‖_σ = λ_1 and the best rank-1 residual is
+‖T‖_F² − λ_1² = Σ_{r≥2} λ_r². HOPM converges to a fixed point to `tol` = 1e-13 relative; values
+are compared to 1e-9 relative (the symmetric SS-HOPM, with its large shift, converges linearly
+and slowly and stops when the change per step is 1e-13, leaving an error up to ~1e-10).
+"""
+
+import pytest
+import torch
+
+from sketchlab import poly_features
+from sketchlab.spectral import deflate, feature_bound, rank1_residuals, spectral_norm
+
+VTOL = 1e-9
+
+
+def _orthonormal(d, r, gen):
+    return torch.linalg.qr(torch.randn(d, d, generator=gen, dtype=torch.float64))[0][:, :r]
+
+
+def _odeco(lams, d=5, p=3, seed=0, symmetric=False):
+    """Σ_r λ_r u_{r,1}⊗…⊗u_{r,p} with orthonormal factors per mode (the same ones if symmetric)."""
+    gen = torch.Generator().manual_seed(seed)
+    r = len(lams)
+    bases = [_orthonormal(d, r, gen)] * p if symmetric else [_orthonormal(d, r, gen) for _ in range(p)]
+    t = torch.zeros((d,) * p, dtype=torch.float64)
+    for i, lam in enumerate(lams):
+        term = bases[0][:, i]
+        for j in range(1, p):
+            term = term[..., None] * bases[j][:, i]
+        t = t + lam * term
+    return t
+
+
+def _outer(vectors):
+    out = vectors[0]
+    for v in vectors[1:]:
+        out = out[..., None] * v
+    return out
+
+
+@pytest.mark.parametrize("p", [3, 4])
+def test_spectral_norm_and_best_rank1_identity(p):
+    lams = [3.0, 2.0, 1.0, 0.5]
+    t = _odeco(lams, d=5, p=p, seed=p)
+    res = spectral_norm(t, restarts=6, seed=1)
+    assert abs(res.value - 3.0) <= VTOL * 3.0
+    assert res.upper_bound >= res.value * (1 - 1e-12) and res.agree >= 1
+    assert all(abs(float(torch.linalg.vector_norm(u)) - 1.0) < 1e-12 for u in res.factors)
+    # min_λ ‖T − λ u_1⊗…⊗u_p‖² at the HOPM factors (best λ = value) = ‖T‖_F² − ‖T‖_σ² = Σ_{r≥2} λ_r²
+    err = float(((t - res.value * _outer(res.factors)) ** 2).sum())
+    fro = float((t**2).sum())
+    assert abs(err - (fro - res.value**2)) <= 1e-12 * fro
+    assert abs(err - sum(lam**2 for lam in lams[1:])) <= VTOL * fro
+
+
+def test_symmetric_variant_including_negative_extreme():
+    # p = 3: ‖T‖_σ = 3. p = 4 with λ = (−3, 2, 1): the extreme of T x⁴ is −3, and ‖T‖_σ = 3.
+    t3 = _odeco([3.0, 2.0, 1.0], d=4, p=3, seed=5, symmetric=True)
+    res = spectral_norm(t3, symmetric=True, restarts=6, seed=0)
+    assert abs(res.value - 3.0) <= VTOL * 3.0
+    t4 = _odeco([-3.0, 2.0, 1.0], d=4, p=4, seed=6, symmetric=True)
+    res4 = spectral_norm(t4, symmetric=True, restarts=6, seed=0)
+    assert abs(res4.value - 3.0) <= VTOL * 3.0
+    # the returned factors attain the value: ⟨T, ⊗u⟩ = ‖T‖_σ
+    assert abs(float((t4 * _outer(res4.factors)).sum()) - res4.value) <= 1e-12 * 3.0
+    with pytest.raises(ValueError, match="not symmetric"):
+        spectral_norm(_odeco([2.0, 1.0], d=4, p=3, seed=7), symmetric=True)
+    with pytest.raises(ValueError, match="cubical"):
+        spectral_norm(torch.ones(2, 3, 2, dtype=torch.float64), symmetric=True)
+
+
+def test_matrix_and_vector_cases():
+    gen = torch.Generator().manual_seed(2)
+    m = torch.randn(6, 4, generator=gen, dtype=torch.float64)
+    res = spectral_norm(m)
+    assert abs(res.value - float(torch.linalg.matrix_norm(m, ord=2))) <= 1e-12 * res.value
+    v = torch.randn(5, generator=gen, dtype=torch.float64)
+    assert abs(spectral_norm(v).value - float(v.norm())) <= 1e-15 * float(v.norm())
+    zero = spectral_norm(torch.zeros(3, 3, dtype=torch.float64))
+    assert zero.value == 0.0 and zero.upper_bound == 0.0
+
+
+def test_same_seed_same_result():
+    t = torch.randn(4, 4, 4, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    a, b = spectral_norm(t, seed=9), spectral_norm(t, seed=9)
+    assert torch.equal(a.values, b.values) and all(torch.equal(x, y) for x, y in zip(a.factors, b.factors))
+
+
+def test_deflation_identity_and_recovery():
+    lams = [3.0, 2.0, 1.0]
+    t = _odeco(lams, d=4, p=3, seed=8)
+    defl = deflate(t, 3, restarts=6)
+    fro = float((t**2).sum())
+    # ‖R_r‖² = ‖T‖² − Σ_{s≤r} τ_s², exactly at every step (up to round-off ~1e-14 fro)
+    expected = fro - torch.cumsum(defl.values**2, 0)
+    assert float((defl.residual_sq - expected).abs().max()) <= 1e-12 * fro
+    # an orthogonally decomposable tensor is recovered exactly, term by term
+    assert float((defl.values - torch.tensor(lams, dtype=torch.float64)).abs().max()) <= VTOL * 3.0
+    assert float(defl.residual_sq[-1]) <= VTOL * fro
+    assert float(((defl.approximation + defl.residual - t) ** 2).sum()) <= 1e-24 * fro
+
+
+def test_rank1_residuals_per_column():
+    # Columns of known structure: column i is an orthogonally decomposable tensor with its own λ's.
+    cols = [[2.0, 1.0], [3.0, 0.5, 0.25], [1.0]]
+    w = torch.stack([_odeco(lams, d=3, p=3, seed=10 + i).reshape(-1) for i, lams in enumerate(cols)], -1)  # [27, 3]
+    res = rank1_residuals(torch.stack([w, 2 * w]), 3, 3, restarts=6)  # batch of 2 projectors
+    expected = torch.tensor([sum(x**2 for x in lams[1:]) for lams in cols], dtype=torch.float64)
+    assert res.residual.shape == (2, 3)
+    assert float((res.residual[0] - expected).abs().max()) <= VTOL * 10
+    assert float((res.residual[1] - 4 * expected).abs().max()) <= VTOL * 40
+    assert float((res.tau[0] - torch.tensor([2.0, 3.0, 1.0], dtype=torch.float64)).abs().max()) <= VTOL * 3
+    assert bool((res.upper_bound >= res.tau * (1 - 1e-12)).all())
+    assert res.fraction.shape == (2,)
+    with pytest.raises(ValueError, match="d\\*\\*p=27"):
+        rank1_residuals(w[:20], 3, 3)
+
+
+@pytest.mark.parametrize("p", [2, 3])
+def test_feature_bound_holds_on_random_inputs(p):
+    gen = torch.Generator().manual_seed(20 + p)
+    d, m = 3, 4
+    residual = torch.randn(d**p, m, generator=gen, dtype=torch.float64)
+    x = torch.randn(200, d, generator=gen, dtype=torch.float64) * 2.0
+    fb = feature_bound(residual, x, p, restarts=6)
+    assert torch.allclose(fb.error, (poly_features(x, p) @ residual).abs(), rtol=0, atol=0)
+    # |⟨R_i, x^{⊗p}⟩| ≤ ‖R_i‖_σ ‖x‖^p; 1e-12 relative slack covers the round-off of both sides
+    assert bool((fb.error <= fb.bound * (1 + 1e-12)).all())
+    assert bool((fb.error <= fb.certified * (1 + 1e-12)).all())
+
+
+def test_feature_bound_is_tight_for_symmetric_residuals():
+    # For symmetric R_i, max_{‖x‖=1} |⟨R_i, x^{⊗p}⟩| = ‖R_i‖_σ (Banach 1938): at the SS-HOPM factor
+    # x = u the per-feature error equals the bound (to the SS-HOPM accuracy VTOL).
+    t = _odeco([2.0, -1.5, 0.5], d=3, p=3, seed=30, symmetric=True)
+    residual = t.reshape(27, 1)
+    u = spectral_norm(t, symmetric=True, restarts=6).factors[0]
+    fb = feature_bound(residual, 1.7 * u[None, :], 3, symmetric=True, restarts=6)
+    assert abs(float(fb.error[0, 0] / fb.bound[0, 0]) - 1.0) <= VTOL
