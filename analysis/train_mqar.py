@@ -34,7 +34,7 @@ _CAPTURE_OFFSET = 2_000_003  # the captured sequence comes from its own stream (
 @dataclass(frozen=True)
 class Settings:
     seed: int = 0
-    vocab_size: int = 129
+    vocab_size: int = 65
     d_model: int = 128
     n_heads: int = 4
     n_layers: int = 4
@@ -43,10 +43,10 @@ class Settings:
     # curriculum: (num_pairs, seq_len, steps)
     warm_pairs: int = 8
     warm_len: int = 64
-    warm_steps: int = 300
-    num_pairs: int = 32
+    warm_steps: int = 200
+    num_pairs: int = 24
     seq_len: int = 256
-    steps: int = 150
+    steps: int = 100
     batch_size: int = 32
     lr: float = 1e-2
     weight_decay: float = 0.0

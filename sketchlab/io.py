@@ -25,7 +25,7 @@ File formats
 Dict keyed by layer
 -------------------
 Instead of one ``q`` tensor a file may hold one tensor per layer, ``[H, n, d]`` or ``[n, d]``:
-keys ``q.0, q.1, …`` (and ``k.i``, ``v.i``) in any format, or, in ``.pt``, a nested
+keys ``q.0, q.1, …`` (and ``k.i``, ``v.i``) in ``.safetensors``, ``.pt`` and ``.npz``, or, in ``.pt``, a nested
 ``{"q": {0: T, 1: T, …}, …}`` with integer (or digit-string) keys. Layers must be numbered
 ``0 … L-1`` without gaps and share one shape; they are stacked on a new leading axis.
 
@@ -89,6 +89,9 @@ def atomic_write(path):
     os.close(fd)
     try:
         yield Path(tmp)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give the file the usual permissions
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -347,6 +350,25 @@ def _select(x: torch.Tensor, axis: int, index, what: str, label: str) -> torch.T
     return x.index_select(axis, torch.tensor([i % size for i in index]))
 
 
+def _canonical_safetensors(raw: bytes) -> bytes:
+    """Rewrite a safetensors buffer's JSON header in a fixed key order (same tensors, same bytes).
+
+    safetensors serialises ``__metadata__`` from a hash map whose iteration order changes from
+    process to process, so the same dump would get different file bytes (and checksums) on each
+    run. The header is re-emitted with ``__metadata__`` first, its keys sorted, then the tensor
+    entries in data order, padded with spaces to a multiple of 8 bytes as the format requires;
+    the data section is copied unchanged.
+    """
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    meta = header.pop("__metadata__", None)
+    ordered = {} if meta is None else {"__metadata__": dict(sorted(meta.items()))}
+    ordered.update(sorted(header.items(), key=lambda kv: tuple(kv[1]["data_offsets"])))
+    text = json.dumps(ordered, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text + raw[8 + n :]
+
+
 def _to_numpy(t: torch.Tensor) -> np.ndarray:
     """numpy has no bfloat16: such tensors are widened to float32 (exactly) for .npy/.npz."""
     return (t.float() if t.dtype == torch.bfloat16 else t).numpy()
@@ -425,10 +447,11 @@ def save_qk(path, q, k, v=None, meta=None) -> Path:
     tensors = {"q": tq, "k": tk} if tv is None else {"q": tq, "k": tk, "v": tv}
     tensors = {n: t.detach().cpu().contiguous().clone() for n, t in tensors.items()}  # own storage
     if ext == ".safetensors":
-        from safetensors.torch import save_file
+        from safetensors.torch import save
 
+        data = _canonical_safetensors(save(tensors, metadata=meta))
         with atomic_write(path) as tmp:
-            save_file(tensors, str(tmp), metadata=meta)
+            tmp.write_bytes(data)
         return path
     if ext == ".pt":
         with atomic_write(path) as tmp:

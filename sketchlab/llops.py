@@ -16,8 +16,11 @@ Fits (all registered as ``fit_sketch("llops", q, k, p=, m=, rank=, method=, init
     a CP decomposition (tensorly ``parafac``) of every column tensor of the Theorem 3.1 optimal
     projector ``W*`` (see :func:`fit_llops_cp`). ``W*`` is only defined up to an invertible
     ``m × m`` map ``G`` (``W*_Q G``, ``W*_K G^{-ᵀ}`` give the same kernel); the balanced SVD split
-    of :func:`sketchlab.optimal_sketch` gives columns far from rank 1, so this CP is poor unless
-    ``G`` is chosen well (``gauge="aligned"``).
+    of :func:`sketchlab.optimal_sketch` gives columns far from rank 1 (on the benchmark stand-in
+    ~40 % of ‖W*‖_F² lies outside the best rank-1 terms; ``gauge="aligned"`` lowers it to ~27 %),
+    and the CP minimises the Frobenius error of ``W``, not the kernel error on the data, so its
+    kernel is poor either way (tens of times the optimum in ``analysis/results/fit.md``). The
+    direct fit avoids both issues; ``init="cp"`` is offered, not recommended.
 ``method="adam"``
     plain gradient descent (``torch.optim.Adam``) on the same loss with a fixed step budget: the
     naive baseline the benchmark contrasts with.
@@ -151,6 +154,13 @@ class LLoPS(nn.Module, Sketch):
         Query-side factors; leading axes (e.g. ``[L, H]``) hold one map per head.
     theta_k : Tensor or None
         Key-side factors, same shape; ``None`` ties the key map to the query map.
+
+    Notes
+    -----
+    :meth:`projector` materialises ``W ∈ R^{d^p × m}`` (small ``d``; tests and theory) and
+    :meth:`from_projector` builds Θ from a projector by a CP of each column. Fits:
+    ``fit_sketch("llops", ...)`` (module docstring). The kernel is
+    :math:`\hat A = \phi_Q(Q)\phi_K(K)^\top = \psi_p(Q) W_Q W_K^\top \psi_p(K)^\top`.
     """
 
     def __init__(self, theta_q: torch.Tensor, theta_k: torch.Tensor | None = None):
@@ -583,7 +593,7 @@ def _balance(theta_q: torch.Tensor, theta_k: torch.Tensor, fq: torch.Tensor, fk:
 
 
 def _als_side(x, theta, f_self, f_other, cross, ridge):
-    """Update every column of one side in turn (Gauss–Seidel), the other side fixed (in place).
+    r"""Update every column of one side in turn (Gauss–Seidel), the other side fixed (in place).
 
     With :math:`\Phi_K` fixed the loss is :math:`\mathrm{tr}(\Phi_Q G\Phi_Q^\top) - 2\,\mathrm{tr}(\Phi_Q^\top T)`
     + const, :math:`G = \Phi_K^\top\Phi_K`, :math:`T = A\Phi_K` (``cross``). For column ``i`` with the
@@ -603,7 +613,7 @@ def _als_side(x, theta, f_self, f_other, cross, ridge):
 
 
 def _als_sweep(q, k, a, theta_q, theta_k, fq, fk, ridge):
-    """One sweep of exact block coordinate descent (in place): every query column, then every
+    r"""One sweep of exact block coordinate descent (in place): every query column, then every
     key column, each an exact least-squares step (:func:`_als_side`); then :func:`_balance`.
 
     The only ``O(n² m)`` work is the two products :math:`A\Phi_K` and :math:`A^\top\Phi_Q`.
@@ -624,6 +634,7 @@ def fit_llops_direct(
     steps: int = 4,
     tol: float = 1e-4,
     ridge: float = 1e-12,
+    extrapolate: bool = True,
     seed: int = 0,
     progress: bool = False,
     **cp_options,
@@ -649,6 +660,11 @@ def fit_llops_direct(
     ridge : float
         Relative Tikhonov term of each least-squares solve (``ridge · mean diag`` of its Gram
         matrix), for rank-deficient blocks.
+    extrapolate : bool
+        After each sweep try :math:`\Theta + \beta(\Theta - \Theta_{\text{prev}})` (the classic
+        line-search acceleration of CP-ALS) and keep it, per head, only where it lowers the loss;
+        ``β`` grows ×1.5 on success and halves on failure (within ``[1/8, 8]``). One extra loss
+        evaluation per sweep.
     seed : int
         Seeds the initialisation; the sweeps are deterministic.
     progress : bool
@@ -688,11 +704,23 @@ def fit_llops_direct(
     best_loss, best_q, best_k = loss.clone(), theta_q.clone(), theta_k.clone()
     history, converged, done = [float(init_rel.median())], False, 0
     bar = tqdm(range(steps), desc="LLoPS ALS", disable=not progress, leave=False)
+    beta = torch.full_like(loss, 0.5)  # per-head extrapolation step
     for step in bar:
+        prev_q, prev_k = theta_q.clone(), theta_k.clone()
         _als_sweep(q64, k64, a, theta_q, theta_k, fq, fk, ridge)
         fq, fk = llops_features(q64, theta_q), llops_features(k64, theta_k)  # recompute: no drift
         new = kernel_loss(fq, fk, a)
         _check_loss(new, step + 1, "direct")
+        if extrapolate:
+            # Θ + β(Θ − Θ_prev), kept per head only where it lowers the loss (so still monotone)
+            b = beta[:, None, None, None, None]
+            cand_q, cand_k = theta_q + b * (theta_q - prev_q), theta_k + b * (theta_k - prev_k)
+            cand_fq, cand_fk = llops_features(q64, cand_q), llops_features(k64, cand_k)
+            cand = kernel_loss(cand_fq, cand_fk, a)
+            take = torch.isfinite(cand) & (cand < new)
+            theta_q[take], theta_k[take], fq[take], fk[take] = cand_q[take], cand_k[take], cand_fq[take], cand_fk[take]
+            new = torch.where(take, cand, new)
+            beta = torch.where(take, (beta * 1.5).clamp(max=8.0), (beta * 0.5).clamp(min=0.125))
         done = step + 1
         better = new < best_loss
         best_loss = torch.where(better, new, best_loss)

@@ -289,3 +289,17 @@ def test_dtype_and_metadata_rules(tmp_path):
     with pytest.raises(ValueError, match=r"j.meta.json: corrupt metadata file, not JSON"):
         load_qk(tmp_path / "j.npy")
 
+
+
+def test_safetensors_bytes_do_not_depend_on_metadata_order(tmp_path):
+    # safetensors writes __metadata__ from a hash map (process-dependent order); save_qk must
+    # produce the same bytes for the same dump, whatever the insertion order of meta.
+    q, k, v = _qkv(dtype=torch.float32)
+    keys = [f"key{i}" for i in range(12)]
+    a = save_qk(tmp_path / "a.safetensors", q, k, v, meta={key: key.upper() for key in keys})
+    b = save_qk(tmp_path / "b.safetensors", q, k, v, meta={key: key.upper() for key in reversed(keys)})
+    assert a.read_bytes() == b.read_bytes()
+    assert (8 + int.from_bytes(a.read_bytes()[:8], "little")) % 8 == 0  # data section stays 8-byte aligned
+    dump = load_qk(a)
+    torch.testing.assert_close(dump.v, v, rtol=0, atol=0)
+    assert dump.meta == {**{key: key.upper() for key in keys}, "layout": "L,H,n,d"}
