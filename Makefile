@@ -18,8 +18,9 @@ $(STAMP): setup.cfg pyproject.toml
 
 setup: $(STAMP)
 
+# One intra-op thread: the suite is many small tensor ops, which extra threads only slow down.
 test: setup
-	$(PY) -m pytest -q -p no:cacheprovider tests notebooks --nbmake
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider tests notebooks --nbmake
 
 demo: setup
 	$(PY) -m sketchlab.demo

@@ -6,8 +6,8 @@ Writes, deterministically from ``--seed`` (same machine, same torch build, one t
   (:func:`sketchlab.tasks.train.save_checkpoint`; ``extra`` holds the task, curriculum and
   held-out accuracy);
 - ``OUT/mqar_softmax_qk.safetensors``: q, k, v ``[L, H, n, d]`` float32 captured with
-  :func:`sketchlab.capture.capture_qk` from one held-out MQAR sequence of ``seq_len`` tokens:
-  the inputs of the softmax kernel (after RoPE, before the ``1/√d`` logit scaling).
+  :func:`sketchlab.capture.capture_qk` from ``capture_sequences`` held-out MQAR sequences of
+  ``seq_len`` tokens each, joined along the token axis (n = 2 × 256 = 512 by default): the inputs of the softmax kernel (after RoPE, before the ``1/√d`` logit scaling).
 
 Prints the held-out accuracy, the wall time and the SHA-256 of the dump.
 """
@@ -51,6 +51,9 @@ class Settings:
     lr: float = 1e-2
     weight_decay: float = 0.0
     eval_sequences: int = 1024
+    # sequences captured into the dump, joined along the token axis: 2 × 256 = 512 tokens per head,
+    # so a 25% hold-out keeps 128 tokens (> m = 64) and the held-out Theorem 3.1 floor is defined
+    capture_sequences: int = 2
 
 
 def main(argv=None) -> int:
@@ -84,7 +87,7 @@ def main(argv=None) -> int:
                         for h in result.history]}
     save_checkpoint(args.out / "mqar_softmax", model, extra=extra)
 
-    tokens, _ = mqar_batch(task, 1, generator=torch.Generator().manual_seed(s.seed + _CAPTURE_OFFSET))
+    tokens, _ = mqar_batch(task, s.capture_sequences, generator=torch.Generator().manual_seed(s.seed + _CAPTURE_OFFSET))
     meta = {
         "source": "sketchlab.tasks TransformerLM trained on MQAR by analysis/train_mqar.py "
                   f"(checkpoint data/mqar_softmax), seed {s.seed}",
@@ -92,7 +95,7 @@ def main(argv=None) -> int:
         "task": json.dumps(task.to_dict(), sort_keys=True),
         "model": json.dumps(model_cfg.to_dict(), sort_keys=True),
         "heldout_accuracy": f"{acc:.6f}",
-        "input_ids": json.dumps(tokens[0].tolist()),
+        "input_ids": json.dumps(tokens.tolist()),  # [B, T]
     }
     dump_path = args.out / "mqar_softmax_qk.safetensors"
     dump = capture_qk(model, tokens, path=dump_path, meta=meta)

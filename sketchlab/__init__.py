@@ -1,12 +1,30 @@
 """sketchlab: polynomial-kernel sketches for linear attention.
 
-Exact polynomial features, the Theorem 3.1 optimal sketch and its tail bound, LLoPS fits, the
-baseline sketches, and a comparison of all of them on Q/K tensors captured from real models.
+Exact polynomial features, the Theorem 3.1 optimal sketch and its tail bound, LLoPS fits and their
+Theorem 3.4 spectral residuals, the baseline sketches, Q/K dumps (load, save, capture) and a
+comparison of every sketch against the optimum on them.
 """
 
 __version__ = "0.1.0"
 
+from . import sketches  # registers the baseline sketches with fit_sketch
+from .capture import capture_qk
+from .compare import DEFAULT_METHODS, ComparisonRow, ComparisonTable, compare
 from .fit import Fit, FitReport, available_sketches, fit_sketch, holdout_split, register_sketch
+from .io import QKDump, load_qk, save_qk
+from .llops import (
+    LLoPS,
+    fit_llops_adam,
+    fit_llops_cp,
+    fit_llops_direct,
+    kernel_loss,
+    llops_features,
+    llops_features_naive,
+    llops_init,
+    llops_projector,
+    llops_projector_naive,
+    projector_to_theta,
+)
 from .metrics import attention_error, causal_attention, optimality_ratio, rel_fro, rel_mae
 from .optimal import OptimalSketch, optimal_sketch, tail_bound
 from .polynomial import (
@@ -19,28 +37,59 @@ from .polynomial import (
     symmetric_to_full,
 )
 from .sketch import Sketch
+from .sketches import BasedSketch, ElementwiseSketch, MLPSketch, PolySketch, TensorSketch, as_llops
+from .spectral import deflate, feature_bound, rank1_residuals, spectral_norm
 
 __all__ = [
+    "DEFAULT_METHODS",
+    "BasedSketch",
+    "ComparisonRow",
+    "ComparisonTable",
+    "ElementwiseSketch",
     "Fit",
     "FitReport",
+    "LLoPS",
+    "MLPSketch",
     "OptimalSketch",
+    "PolySketch",
+    "QKDump",
     "Sketch",
+    "TensorSketch",
     "__version__",
+    "as_llops",
     "attention_error",
     "available_sketches",
+    "capture_qk",
     "causal_attention",
+    "compare",
+    "deflate",
+    "feature_bound",
+    "fit_llops_adam",
+    "fit_llops_cp",
+    "fit_llops_direct",
     "fit_sketch",
     "full_to_symmetric",
     "holdout_split",
+    "kernel_loss",
+    "llops_features",
+    "llops_features_naive",
+    "llops_init",
+    "llops_projector",
+    "llops_projector_naive",
+    "load_qk",
     "num_poly_features",
     "optimal_sketch",
     "optimality_ratio",
     "poly_features",
     "poly_features_naive",
     "poly_kernel",
+    "projector_to_theta",
+    "rank1_residuals",
     "register_sketch",
     "rel_fro",
     "rel_mae",
+    "save_qk",
+    "spectral_norm",
     "symmetric_index",
     "symmetric_to_full",
     "tail_bound",

@@ -17,9 +17,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import tempfile
 from pathlib import Path
 
 __all__ = ["main"]
@@ -55,19 +53,14 @@ def _scale(text: str):
 
 
 def _write_atomic(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` via a temporary file in the same directory and ``os.replace``."""
+    """Write ``text`` to ``path`` atomically (see :func:`sketchlab.io.atomic_write`)."""
+    from .io import atomic_write
+
     target = Path(path)
     if not target.parent.is_dir():
         raise FileNotFoundError(f"output directory {str(target.parent)!r} does not exist (for {path!r})")
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        os.replace(tmp, target)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    with atomic_write(target) as tmp:
+        tmp.write_text(text, encoding="utf-8")
 
 
 # ---- compare --------------------------------------------------------------------------------------

@@ -365,7 +365,9 @@ def _init_svd(q, k, p, m, generator):
 
     ``(qᵀk)^p = Σ_α c_α ∏_j s_{α_j} (u_{α_j}ᵀq) (v_{α_j}ᵀk)`` over multisets ``α`` (``c_α`` the
     multinomial coefficient): each term is a rank-1 LLoPS column. The ``m`` terms with the
-    largest ``c_α ∏ s`` are kept, the coefficient split evenly over the ``2p`` factors. If there
+    largest Frobenius norm on the data, :math:`c_\alpha\prod_j s_{\alpha_j}\,
+    \|\prod_j Qu_{\alpha_j}\|\,\|\prod_j Kv_{\alpha_j}\|`, are kept (ranking by ``c_α ∏ s`` alone
+    ignores how the data weights the products), the coefficient split evenly over the ``2p`` factors. If there
     are fewer than ``m`` terms (``C(r+p-1, p) < m``), the remaining columns get small Gaussian
     factors (``1e-3`` of the others' RMS) so that the fit can use them.
     """
@@ -379,8 +381,16 @@ def _init_svd(q, k, p, m, generator):
     )
     log_s = s.clamp_min(torch.finfo(torch.float64).tiny).log()  # [B, r]
     score = log_s[:, combos].sum(-1) + log_c  # [B, C] log(c_α ∏ s)
+    tiny = torch.finfo(torch.float64).tiny
+    energy = torch.zeros_like(score)  # [B, C] log(‖∏_j Q u_{α_j}‖ ‖∏_j K v_{α_j}‖)
+    for b in range(B):  # one head at a time: the products are [n, C], C = C(r+p-1, p)
+        for proj in (q[b] @ u[b], k[b] @ v[b]):  # [n, r]
+            prod = proj[:, combos[:, 0]]  # [n, C]
+            for j in range(1, p):
+                prod = prod * proj[:, combos[:, j]]
+            energy[b] += prod.norm(dim=0).clamp_min(tiny).log()
     take = min(m, combos.shape[0])
-    top = score.topk(take, dim=-1).indices  # [B, take]
+    top = (score + energy).topk(take, dim=-1).indices  # [B, take] by ‖term of A‖_F
     chosen = combos[top]  # [B, take, p]
     scale = (score.gather(-1, top) / (2 * p)).exp()  # [B, take] per-factor share of c_α ∏ s
     theta_q = torch.zeros(B, 1, p, d, m, dtype=torch.float64, device=q.device)

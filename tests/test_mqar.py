@@ -217,7 +217,7 @@ def test_shipped_dump_matches_its_checkpoint():
     # Re-capturing from the shipped checkpoint on the recorded input reproduces the dump: the
     # same float32 computation on the same machine class; a different BLAS may reorder sums,
     # hence float32 round-off tolerance rather than bit equality.
-    ids = torch.tensor([json.loads(dump.meta["input_ids"])])
+    ids = torch.tensor(json.loads(dump.meta["input_ids"]))  # [B, T] sequences, joined along n
     again = capture_qk(model, ids)
     for name in ("q", "k", "v"):
         torch.testing.assert_close(getattr(again, name), getattr(dump, name), rtol=1e-4, atol=1e-4, msg=name)

@@ -1,0 +1,46 @@
+"""Package-level contracts: exports, and every registered sketch honours the Sketch interface."""
+
+import pytest
+import torch
+
+import sketchlab as sl
+
+
+def test_all_exports_exist():
+    assert sorted(set(sl.__all__)) == sorted(sl.__all__)
+    assert [name for name in sl.__all__ if not hasattr(sl, name)] == []
+
+
+def test_every_documented_method_is_registered():
+    assert set(sl.DEFAULT_METHODS) <= set(sl.available_sketches())
+    assert {"elementwise", "llops", "optimal"} <= set(sl.available_sketches())
+
+
+@pytest.mark.parametrize("method", sorted(sl.available_sketches()))
+@pytest.mark.parametrize("p", [2, 3])
+def test_registered_sketch_follows_the_interface(method, p):
+    """Batched [L=2, H=2] fit: shapes, degree, sizes, and kernel == φ_Q φ_Kᵀ head by head."""
+    gen = torch.Generator().manual_seed(p)
+    q = torch.randn(2, 2, 48, 4, generator=gen, dtype=torch.float64) * 4**-0.25
+    k = torch.randn(2, 2, 48, 4, generator=gen, dtype=torch.float64) * 4**-0.25
+    m = 9
+    options = {"steps": 5} if method in ("mlp",) else {}
+    fit = sl.fit_sketch(method, q, k, p=p, m=m, seed=0, holdout=0.25, **options)
+    sketch = fit.sketch
+    assert isinstance(sketch, sl.Sketch)
+    assert sketch.degree == p
+    fq, fk = sketch.features_q(q), sketch.features_k(k)
+    assert fq.shape == (2, 2, 48, sketch.num_features) and fk.shape == fq.shape
+    assert sketch.num_features <= m  # BASED rounds its size down to what its dimension allows
+    assert sketch.num_parameters >= 0
+    with torch.no_grad():
+        kern = sketch.kernel(q, k)
+        for l in range(2):
+            for h in range(2):
+                expected = sketch.features_q(q)[l, h] @ sketch.features_k(k)[l, h].T
+                torch.testing.assert_close(kern[l, h].double(), expected.double(), rtol=1e-6, atol=1e-9)
+    rep = fit.report
+    assert rep.rel_fro.shape == (2, 2) and rep.holdout_rel_fro.shape == (2, 2)
+    # Theorem 3.1: no sketch of size <= m beats the optimum of size m on its fitting tokens
+    # (1e-9 slack: float64 round-off of the ratio, see tests/test_optimal.py)
+    assert bool((rep.optimality_ratio >= 1 - 1e-9).all()), rep.optimality_ratio
