@@ -15,11 +15,9 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +26,8 @@ import torch
 
 import sketchlab
 from sketchlab.compare import compare
+from sketchlab.io import atomic_write
+from sketchlab.plots import plot_optimality_ratios
 
 ROOT = Path(__file__).resolve().parent.parent
 METHODS = ("optimal", "llops", "mlp", "psf", "tensorsketch", "based")
@@ -67,42 +67,6 @@ def _parse(argv) -> Config:
     layers = None if a.layers is None else tuple(int(v) for v in a.layers.split(","))
     return Config(a.dump, a.m, tuple(int(v) for v in a.degrees.split(",")), layers, a.seed, a.holdout, a.scale, a.out,
                   a.threads)
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    with os.fdopen(fd, "wb") as fh:
-        fh.write(data)
-    os.replace(tmp, path)
-
-
-def _plot(tables: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7.5, 4))
-    width = 0.8 / len(tables)
-    for i, (p, table) in enumerate(tables.items()):
-        ratios = [statistics.median(table.values(m, "optimality_ratio")) for m in table.methods]
-        xs = [j + (i - (len(tables) - 1) / 2) * width for j in range(len(table.methods))]
-        bars = ax.bar(xs, ratios, width, label=f"p = {p}")
-        for x, r in zip(xs, ratios):
-            ax.text(x, r * 1.08, f"{r:.3g}", ha="center", va="bottom", fontsize=7)
-        methods = table.methods
-    ax.set_yscale("log")
-    ax.axhline(1.0, color="black", lw=0.8, ls="--")
-    ax.set_xticks(range(len(methods)), methods)
-    ax.set_ylabel("‖Â − A‖_F / √tail  (median over heads)")
-    ax.set_title(f"Optimality ratio per sketch (1 = Theorem 3.1 optimum), m = {table.m}")
-    ax.legend()
-    fig.tight_layout()
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".png", dir=path.parent)
-    os.close(fd)
-    fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    os.replace(tmp, path)
 
 
 def main(argv=None) -> int:
@@ -196,8 +160,9 @@ def main(argv=None) -> int:
         lines += [f"## p = {p} (compare: {seconds[p]:.0f} s wall)", "", t.to_markdown()]
     out_md, out_png = cfg.out.with_suffix(".md"), cfg.out.with_suffix(".png")
     out_md.parent.mkdir(parents=True, exist_ok=True)
-    _write_atomic(out_md, "\n".join(lines).encode())
-    _plot(tables, out_png)
+    with atomic_write(out_md) as tmp:
+        tmp.write_text("\n".join(lines), encoding="utf-8")
+    plot_optimality_ratios(tables, out_png)
     print("\n".join(lines[:20]))
     print(f"wrote {out_md} and {out_png}")
     return 0

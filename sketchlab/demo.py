@@ -1,39 +1,51 @@
-"""``make demo``: the main job on a Q/K dump, printed as tables.
+"""``make demo``: the main job on a shipped Q/K dump.
 
-Run as ``python -m sketchlab.demo [DUMP]``. For now it checks Theorem 3.1 on every head: for a
-sweep of sketch sizes ``m`` it prints the tail bound ``Σ_{i>m} σ_i²`` beside the squared error the
-optimal sketch achieves (they must agree to round-off).
+``python -m sketchlab.demo [--dump data/mqar_softmax_qk.safetensors] [--p 2] [--m 64] [--out out/demo]``
+
+1. Theorem 3.1 on every head of the dump: for a sweep of sketch sizes the tail bound
+   ``Σ_{i>m} σ_i²`` beside the squared error the optimal sketch achieves (equal to round-off);
+2. the comparison of every sketch against that optimum on the early, middle and last layers
+   (:func:`sketchlab.compare`, the paper's Table 3 layout);
+3. writes ``OUT/comparison.md``, ``OUT/comparison.json``, ``OUT/optimality.png`` (optimality ratio
+   per method) and ``OUT/spectrum.png`` (the singular values of ``A`` per layer, ``m`` marked).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
 
+from .compare import DEFAULT_METHODS, compare, resolve_scale
+from .io import atomic_write, load_qk
 from .optimal import optimal_sketch
+from .plots import plot_optimality_ratios, plot_spectra
 from .polynomial import poly_kernel
 
 
-def theorem31_rows(q: torch.Tensor, k: torch.Tensor, p: int, sizes: list[int]) -> list[dict]:
-    """One row per ``m``: median over heads of the tail, the achieved error and their worst ratio.
+def theorem31_rows(q: torch.Tensor, k: torch.Tensor, p: int, sizes: list[int]) -> tuple[list[dict], torch.Tensor]:
+    """Check Theorem 3.1 for each ``m`` in ``sizes`` on every batch entry of ``q, k [..., n, d]``.
 
-    ``q, k`` are ``[..., n, d]`` (already scaled); errors are relative to ``‖A‖_F²`` per head.
+    Returns one row per ``m`` (median over heads of the tail and of the achieved squared error,
+    both relative to ``‖A‖_F²``, and the largest relative gap between them) and the singular
+    values of ``A`` ``[..., min(n_q, n_k)]``.
     """
     exact = poly_kernel(q.double(), k.double(), p)
     norm2 = (exact**2).sum((-2, -1))
-    rows = []
+    rows, singular_values = [], None
     for m in sizes:
         best = optimal_sketch(q, k, p, m)
         achieved = ((best.kernel(q, k) - exact) ** 2).sum((-2, -1))
+        singular_values = best.singular_values
         rows.append({
             "m": m,
-            "tail/‖A‖²": float((best.tail / norm2).median()),
-            "achieved/‖A‖²": float((achieved / norm2).median()),
-            "max rel. gap achieved vs tail": float((achieved / best.tail - 1).abs().max()),
+            "tail / ‖A‖²": float((best.tail / norm2).median()),
+            "achieved / ‖A‖²": float((achieved / norm2).median()),
+            "max |achieved/tail − 1|": float((achieved / best.tail - 1).abs().max()),
         })
-    return rows
+    return rows, singular_values
 
 
 def markdown_table(rows: list[dict]) -> str:
@@ -45,25 +57,45 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _seeded_dump(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[2, 4, 256, 16]`` Gaussian Q/K with a decaying spectrum (per-coordinate scales 1/√i)."""
-    gen = torch.Generator().manual_seed(seed)
-    scales = torch.arange(1, 17, dtype=torch.float64).rsqrt()
-    q = torch.randn(2, 4, 256, 16, generator=gen, dtype=torch.float64) * scales
-    k = torch.randn(2, 4, 256, 16, generator=gen, dtype=torch.float64) * scales
-    return q, k
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sketchlab.demo", description=__doc__.splitlines()[0])
+    parser.add_argument("--dump", type=Path, default=Path("data/mqar_softmax_qk.safetensors"))
     parser.add_argument("--p", type=int, default=2)
+    parser.add_argument("--m", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--holdout", type=float, default=0.25)
+    parser.add_argument("--out", type=Path, default=Path("out/demo"))
     args = parser.parse_args(argv)
-    q, k = _seeded_dump(args.seed)
-    d = q.shape[-1]
-    q, k = q * d**-0.25, k * d**-0.25  # explicit scale: qᵀk becomes qᵀk/√d
-    print(f"Theorem 3.1 on a seeded Q/K dump {tuple(q.shape)}, p={args.p}, scale d^-1/4 (median over heads):")
-    print(markdown_table(theorem31_rows(q, k, args.p, [4, 16, 32, 64, 128])))
+    torch.set_num_threads(1)  # small batched fits: one thread is fastest (see analysis/results/table3.md)
+
+    dump = load_qk(args.dump)
+    L, H, n, d = dump.q.shape
+    _, factor = resolve_scale("sqrt-d", d)
+    q, k = dump.q * factor, dump.k * factor  # explicit scale: qᵀk becomes qᵀk/√d
+    print(f"Dump {args.dump}: q, k of shape [L={L}, H={H}, n={n}, d={d}] ({dump.meta.get('source', 'no source')}).")
+    print(f"Scale d^-1/4 = {factor:.4g} on q and k; degree p = {args.p}.\n")
+
+    sizes = [s for s in (8, 16, 32, 64, 128) if s <= min(n, 2 * args.m)]
+    rows, spectrum = theorem31_rows(q, k, args.p, sizes)
+    print(f"## Theorem 3.1 on all {L * H} heads: the optimal sketch attains the tail bound (median over heads)\n")
+    print(markdown_table(rows) + "\n")
+
+    layers = sorted({0, L // 2, L - 1})
+    table = compare(dump, p=args.p, m=args.m, methods=DEFAULT_METHODS, layers=layers, seed=args.seed,
+                    holdout=args.holdout, scale="sqrt-d")
+    print(f"## Every sketch against the optimum (layers {layers}, all heads)\n")
+    text = table.to_markdown()
+    print(text)
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    with atomic_write(args.out / "comparison.md") as tmp:
+        tmp.write_text(text, encoding="utf-8")
+    with atomic_write(args.out / "comparison.json") as tmp:
+        tmp.write_text(table.to_json() + "\n", encoding="utf-8")
+    plot_optimality_ratios({args.p: table}, args.out / "optimality.png")
+    plot_spectra({f"layer {layer}": spectrum[layer] for layer in layers}, args.m, args.out / "spectrum.png",
+                 title=f"Spectrum of A = (QKᵀ/√d)^{args.p} on {args.dump.name}")
+    print(f"wrote {', '.join(str(args.out / f) for f in ('comparison.md', 'comparison.json', 'optimality.png', 'spectrum.png'))}")
     return 0
 
 

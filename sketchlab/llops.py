@@ -361,7 +361,7 @@ def _svd_directions(q: torch.Tensor, k: torch.Tensor):
 
 
 def _init_svd(q, k, p, m, generator):
-    """Rank-1 Θ from the leading terms of the expansion of ``(Σ_a s_a (u_aᵀq)(v_aᵀk))^p``.
+    r"""Rank-1 Θ from the leading terms of the expansion of ``(Σ_a s_a (u_aᵀq)(v_aᵀk))^p``.
 
     ``(qᵀk)^p = Σ_α c_α ∏_j s_{α_j} (u_{α_j}ᵀq) (v_{α_j}ᵀk)`` over multisets ``α`` (``c_α`` the
     multinomial coefficient): each term is a rank-1 LLoPS column. The ``m`` terms with the

@@ -147,9 +147,10 @@ def test_random_init_depends_on_seed():
 
 def test_direct_fit_close_to_optimum_and_rank2_better():
     # A low-rank-plus-noise problem (d = 6, n = 64, p = 2, m = 8), 8 sweeps. The thresholds are
-    # measured margins, not theory: this seed gives rank-1 ratios ≈ 1.12 and 1.58 (a random-init
-    # Adam fit is ≈ 10×), so 2.0 catches a broken fit; rank 2, which starts from rank 1's
-    # initialisation plus small terms, must end strictly lower on every head.
+    # measured margins, not theory: this seed gives rank-1 ratios ≈ 1.03 and 1.11 (a random-init
+    # Adam fit is ≈ 10×), so the benchmark's criterion 1.3 catches a broken fit with a 15 %
+    # margin; rank 2, which starts from rank 1's initialisation plus small terms, must end
+    # strictly lower on every head.
     gen = torch.Generator().manual_seed(3)
     basis = torch.linalg.qr(torch.randn(6, 6, generator=gen, dtype=torch.float64))[0]
     spec = 2.0 * torch.exp(-torch.arange(6.0, dtype=torch.float64) / 2) + 0.1
@@ -157,7 +158,7 @@ def test_direct_fit_close_to_optimum_and_rank2_better():
     k = (torch.randn(2, 64, 6, generator=gen, dtype=torch.float64) * spec) @ basis.T - 0.3
     one = fit_sketch("llops", q, k, p=2, m=8, rank=1, steps=8)
     two = fit_sketch("llops", q, k, p=2, m=8, rank=2, steps=8)
-    assert bool((one.report.optimality_ratio <= 2.0).all()), one.report.optimality_ratio
+    assert bool((one.report.optimality_ratio <= 1.3).all()), one.report.optimality_ratio
     assert bool((two.report.rel_fro < one.report.rel_fro).all())
     assert one.report.steps >= 1 and one.report.num_parameters == 2 * 2 * 6 * 8
 
