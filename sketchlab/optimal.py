@@ -7,18 +7,31 @@ For a fixed ``m``, over all maps :math:`\phi_Q, \phi_K : \mathbb R^d \to \mathbb
 
 since the product has rank at most ``m`` (Eckart–Young). The minimum is attained by linear
 projections of the exact features, :math:`\phi^*_Q(x) = \psi_p(x)^\top W^*_Q` and
-:math:`\phi^*_K(x) = \psi_p(x)^\top W^*_K` with, for :math:`A = U\Sigma V^\top`,
-:math:`W^*_Q = \psi_p(Q)^+ U_m \Sigma_m^{1/2}` and :math:`W^*_K = \psi_p(K)^+ V_m \Sigma_m^{1/2}`.
+:math:`\phi^*_K(x) = \psi_p(x)^\top W^*_K` with, for :math:`A = U\Sigma V^\top`, any ``W*`` with
+:math:`\psi_p(Q) W^*_Q = U_m \Sigma_m^{1/2}` and :math:`\psi_p(K) W^*_K = V_m \Sigma_m^{1/2}` (the
+DESIGN's :math:`W^*_Q = \psi_p(Q)^+ U_m \Sigma_m^{1/2}` is one of them).
+
+Which ``W*`` we return. Since :math:`A V_m = U_m \Sigma_m` and :math:`A = \psi_p(Q)\psi_p(K)^\top`,
+
+.. math:: W^*_Q = \psi_p(K)^\top V_m \Sigma_m^{-1/2}, \qquad W^*_K = \psi_p(Q)^\top U_m \Sigma_m^{-1/2}
+
+satisfy those equations exactly and need no pseudo-inverse. When ``ψ_p(Q)`` has full column rank
+(``n > D`` and generic data) ``W*`` is unique and this *is* the pseudo-inverse solution. When
+``n < D`` it is not unique, and this choice gives new tokens the Nyström extension
+:math:`\phi^*_Q(x) = \kappa(x, K)\, V_m \Sigma_m^{-1/2}` with :math:`\kappa(x, K) = (x^\top K^\top)^{p}`,
+so :math:`\phi^*_Q(x)^\top\phi^*_K(y) = \kappa(x, K)\, A_m^+\, \kappa(Q, y)`: the classical
+rank-``m`` out-of-sample kernel approximation.
 
 Two routes compute it:
 
 ``"svd"``
-    the ``n_q × n_k`` SVD of ``A`` and pseudo-inverses of :math:`\psi_p(Q)`, :math:`\psi_p(K)`;
+    the ``n_q × n_k`` SVD of ``A``;
 ``"qr"``
     thin QR factors :math:`\psi_p(Q) = Q_Q R_Q`, :math:`\psi_p(K) = Q_K R_K`, so that
-    :math:`A = Q_Q (R_Q R_K^\top) Q_K^\top` and only the small core :math:`R_Q R_K^\top` is
-    decomposed; then :math:`W^*_Q = R_Q^+ U^c_m \Sigma_m^{1/2}`. Cheaper when ``n`` exceeds the
-    feature dimension ``D``.
+    :math:`A = Q_Q (R_Q R_K^\top) Q_K^\top` and only the small core
+    :math:`R_Q R_K^\top = U^c \Sigma V^{c\top}` is decomposed; then
+    :math:`W^*_Q = R_K^\top V^c_m \Sigma_m^{-1/2}`. Cheaper when ``n`` exceeds the feature
+    dimension ``D``.
 
 ``"auto"`` takes ``"qr"`` when ``max(n_q, n_k) > D``. The features are the symmetric ones whenever
 they are fewer (every ``p >= 2`` with ``d >= 2``); :meth:`OptimalSketch.projector` returns the
@@ -133,23 +146,28 @@ def _check_inputs(q, k, p, m, route):
 
 
 def _factor(q, k, p, symmetric, route, max_bytes, *, vectors: bool):
-    """Singular values of A (and, if ``vectors``, the pieces W* is built from)."""
+    r"""Singular values of A (padded to ``min(n_q, n_k)``) and, if ``vectors``, ``(B_Q, U, B_K, V)``.
+
+    ``B_Q``, ``B_K`` are :math:`\psi_p(Q)^\top`, :math:`\psi_p(K)^\top` (SVD route) or
+    :math:`R_Q^\top`, :math:`R_K^\top` (QR route), so that ``W*_K = B_Q U_m Σ_m^{-1/2}`` and
+    ``W*_Q = B_K V_m Σ_m^{-1/2}``.
+    """
     if route == "svd" and not vectors:
         return torch.linalg.svdvals(poly_kernel(q, k, p)), None
     psi_q = poly_features(q, p, symmetric, max_bytes=max_bytes)  # [..., n_q, D]
     psi_k = poly_features(k, p, symmetric, max_bytes=max_bytes)  # [..., n_k, D]
     if route == "svd":
         u, s, vh = torch.linalg.svd(poly_kernel(q, k, p), full_matrices=False)  # A = U diag(s) Vh
-        return s, (torch.linalg.pinv(psi_q), u, torch.linalg.pinv(psi_k), vh.mT)
-    _, r_q = torch.linalg.qr(psi_q)  # R_Q [..., r_q, D]
-    _, r_k = torch.linalg.qr(psi_k)  # R_K [..., r_k, D]
+        return s, (psi_q.mT, u, psi_k.mT, vh.mT)  # ψ_Qᵀ [..., D, n_q], ψ_Kᵀ [..., D, n_k]
+    _, r_q = torch.linalg.qr(psi_q)  # ψ_Q = Q_Q R_Q, R_Q [..., r_q, D]
+    _, r_k = torch.linalg.qr(psi_k)  # ψ_K = Q_K R_K, R_K [..., r_k, D]
     core = r_q @ r_k.mT  # [..., r_q, r_k]; A = Q_Q core Q_Kᵀ
     n = min(q.shape[-2], k.shape[-2])
     if not vectors:
-        s = torch.linalg.svdvals(core)
-        return _pad(s, n), None
+        return _pad(torch.linalg.svdvals(core), n), None
     u, s, vh = torch.linalg.svd(core, full_matrices=False)
-    return _pad(s, n), (torch.linalg.pinv(r_q), u, torch.linalg.pinv(r_k), vh.mT)
+    # ψ_Qᵀ (Q_Q U_c) = R_Qᵀ U_c: the same formula as the SVD route, without forming Q_Q or Q_K
+    return _pad(s, n), (r_q.mT, u, r_k.mT, vh.mT)
 
 
 def _pad(s: torch.Tensor, n: int) -> torch.Tensor:
@@ -182,15 +200,20 @@ def optimal_sketch(q, k, p: int, m: int, *, route: str = "auto", max_bytes: int 
 
     Notes
     -----
-    ``W*`` is unique only up to an invertible ``m × m`` map ``G`` (``W_Q G``, ``W_K G^{-ᵀ}``); this
-    function returns the balanced split :math:`\Sigma_m^{1/2}` on both sides, and the
-    minimum-norm solution when :math:`\psi_p(Q)` is rank deficient.
+    ``W*`` is unique only up to an invertible ``m × m`` map ``G`` (``W_Q G``, ``W_K G^{-ᵀ}``), and
+    up to the null space of :math:`\psi_p(Q)` when ``n < D``; this function returns the balanced
+    split (:math:`\phi^*_Q(Q) = U_m\Sigma_m^{1/2}`, :math:`\phi^*_K(K) = V_m\Sigma_m^{1/2}`) and the
+    Nyström choice described in the module docstring.
     """
     q, k, p, m, d, symmetric, route = _check_inputs(q, k, p, m, route)
-    s, (pinv_q, u, pinv_k, v) = _factor(q, k, p, symmetric, route, max_bytes, vectors=True)
-    root = s[..., :m].sqrt()  # Σ_m^{1/2}
-    w_q = pinv_q @ (u[..., :m] * root[..., None, :])  # [..., D, m]
-    w_k = pinv_k @ (v[..., :m] * root[..., None, :])  # [..., D, m]
+    s, (b_q, u, b_k, v) = _factor(q, k, p, symmetric, route, max_bytes, vectors=True)
+    s_m = s[..., :m]
+    # Σ_m^{-1/2}, with singular values at round-off level (rank A < m) treated as 0: their
+    # components of A are 0 to working precision and contribute nothing to the optimum.
+    cutoff = s[..., :1] * max(q.shape[-2], k.shape[-2]) * torch.finfo(s.dtype).eps
+    inv_root = torch.where(s_m > cutoff, s_m.clamp_min(torch.finfo(s.dtype).tiny).rsqrt(), torch.zeros_like(s_m))
+    w_q = b_k @ (v[..., :m] * inv_root[..., None, :])  # [..., D, m] = ψ_Kᵀ V_m Σ_m^{-1/2}
+    w_k = b_q @ (u[..., :m] * inv_root[..., None, :])  # [..., D, m] = ψ_Qᵀ U_m Σ_m^{-1/2}
     tail = (s[..., m:] ** 2).sum(-1)
     return OptimalSketch(w_q=w_q, w_k=w_k, singular_values=s, tail=tail, p=p, d=d, symmetric=symmetric, route=route)
 

@@ -168,3 +168,39 @@ def test_fit_sketch_rejects_unknown_method_and_bad_holdout():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a valid call warns about nothing
         fit_sketch("optimal", q, k, p=2, m=2, holdout=0.2)
+
+
+def test_new_tokens_get_the_nystrom_extension():
+    """n < D: φ*_Q(x)ᵀφ*_K(y) = κ(x, K) A_m⁺ κ(Q, y) for tokens x, y outside the fit (float64)."""
+    q, k = _qk(n_q=12, n_k=12, d=4, seed=21)  # D = C(6, 3) = 20 > 12
+    x, y = _qk(n_q=5, n_k=6, d=4, seed=22)
+    s = optimal_sketch(q, k, 3, 5)
+    u, sv, vh = torch.linalg.svd(poly_kernel(q, k, 3))
+    a_m_pinv = vh[:5].T @ torch.diag(1 / sv[:5]) @ u[:, :5].T  # [n_k, n_q]
+    expected = poly_kernel(x, k, 3) @ a_m_pinv @ poly_kernel(q, y, 3)
+    assert torch.allclose(s.kernel(x, y), expected, rtol=0, atol=1e-10 * expected.abs().max())
+
+
+def test_full_column_rank_gives_the_pseudo_inverse_solution():
+    """n > D: W* is unique, so it equals DESIGN.md's ψ(Q)⁺ U_m Σ_m^{1/2} (float64, well conditioned).
+
+    Singular pairs are defined up to a joint sign flip of (u_i, v_i), which flips column i of both
+    W*_Q and W*_K: the product W*_Q W*_Kᵀ is sign-free and is what we compare.
+    """
+    q, k = _qk(n_q=50, n_k=50, d=3, seed=23)  # D = 6 for p = 2
+    s = optimal_sketch(q, k, 2, 4)
+    u, sv, vh = torch.linalg.svd(poly_kernel(q, k, 2))
+    w_q = torch.linalg.pinv(poly_features(q, 2, True)) @ (u[:, :4] * sv[:4].sqrt())
+    w_k = torch.linalg.pinv(poly_features(k, 2, True)) @ (vh[:4].T * sv[:4].sqrt())
+    expected = w_q @ w_k.T
+    assert torch.allclose(s.w_q @ s.w_k.T, expected, rtol=0, atol=1e-10 * expected.abs().max())
+
+
+def test_rank_deficient_kernel_keeps_error_equal_to_tail():
+    """m above rank A: the zero singular values are cut (no 1/√0), the error stays at the tail (0)."""
+    q, k = _qk(n_q=10, n_k=10, d=3, seed=24)
+    q = q[:, :1] * torch.tensor([[1.0, 2.0, -1.0]], dtype=torch.float64)  # queries on one line
+    a = poly_kernel(q, k, 2)  # rank 1, while D = 6
+    s = optimal_sketch(q, k, 2, 3)
+    assert bool(torch.isfinite(s.w_q).all() and torch.isfinite(s.w_k).all())
+    assert ((s.kernel(q, k) - a) ** 2).sum() <= 1e-24 * (a**2).sum()
