@@ -28,7 +28,6 @@ from pathlib import Path
 
 import torch
 
-import sketchlab.llops  # noqa: F401  (registers "llops")
 from sketchlab import fit_sketch, optimal_sketch
 from sketchlab.llops import aligned_gauge
 from sketchlab.spectral import rank1_residuals

@@ -92,7 +92,7 @@ def main(argv=None) -> int:
                                holdout=cfg.holdout, scale=cfg.scale, options={"psf": {"non_negative": False}})
 
     # the MLP with 4x the Adam budget: how much of its gap to LLoPS is under-training?
-    from sketchlab.sketches._train import DEFAULT_STEPS
+    from sketchlab.objective import DEFAULT_STEPS
 
     long_mlp = {p: compare(dump, p=p, m=cfg.m, methods=["mlp"], layers=layers, seed=cfg.seed, holdout=cfg.holdout,
                            scale=cfg.scale, options={"mlp": {"steps": 4 * DEFAULT_STEPS}}) for p in cfg.degrees}

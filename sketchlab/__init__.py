@@ -7,17 +7,16 @@ comparison of every sketch against the optimum on them.
 
 __version__ = "0.1.0"
 
-from . import sketches  # registers the baseline sketches with fit_sketch
+from . import sketches  # noqa: F401  (registers the baseline sketches with fit_sketch)
 from .capture import capture_qk
 from .compare import DEFAULT_METHODS, ComparisonRow, ComparisonTable, compare
-from .fit import Fit, FitReport, available_sketches, fit_sketch, holdout_split, register_sketch
+from .fit import Fit, FitReport, available_sketches, fit_sketch, holdout_split, register_sketch, sketch_fitter
 from .io import QKDump, load_qk, save_qk
 from .llops import (
     LLoPS,
     fit_llops_adam,
     fit_llops_cp,
     fit_llops_direct,
-    kernel_loss,
     llops_features,
     llops_features_naive,
     llops_init,
@@ -25,6 +24,7 @@ from .llops import (
     llops_projector_naive,
     projector_to_theta,
 )
+from .objective import kernel_loss, train_kernel_sketch
 from .metrics import attention_error, causal_attention, optimality_ratio, rel_fro, rel_mae
 from .optimal import OptimalSketch, optimal_sketch, tail_bound
 from .polynomial import (
@@ -89,8 +89,10 @@ __all__ = [
     "rel_fro",
     "rel_mae",
     "save_qk",
+    "sketch_fitter",
     "spectral_norm",
     "symmetric_index",
     "symmetric_to_full",
     "tail_bound",
+    "train_kernel_sketch",
 ]

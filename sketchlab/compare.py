@@ -33,11 +33,6 @@ _METRICS = ("rel_mae", "rel_fro", "optimality_ratio", "holdout_rel_mae", "holdou
             "holdout_optimality_ratio")
 
 
-def _register_all() -> None:
-    """Import the modules whose fitters ``compare`` dispatches to (registration happens on import)."""
-    from . import llops, optimal, sketches  # noqa: F401
-
-
 def resolve_scale(scale, d: int) -> tuple[str, float]:
     """``(label, factor)`` for a ``scale`` argument: ``"none"`` → 1, ``"sqrt-d"`` → ``d^{-1/4}``
     (so that ``qᵀk`` becomes ``qᵀk/√d``), or a positive finite number used as the factor."""
@@ -286,7 +281,6 @@ def compare(dump_or_qk, *, p: int, m: int, methods=DEFAULT_METHODS, layers=None,
     All heads of a layer are fitted together (the fitters are batched over heads); the reported
     ``fit_seconds`` is that wall time divided by the number of heads.
     """
-    _register_all()
     if isinstance(methods, str):
         methods = [m_.strip() for m_ in methods.split(",") if m_.strip()]
     methods = list(methods)

@@ -24,7 +24,7 @@ import torch
 from ._validation import check_degree, check_fraction, check_pair, check_positive_int
 from .sketch import Sketch
 
-__all__ = ["Fit", "FitReport", "available_sketches", "fit_sketch", "holdout_split", "register_sketch"]
+__all__ = ["Fit", "FitReport", "available_sketches", "fit_sketch", "holdout_split", "register_sketch", "sketch_fitter"]
 
 _FITTERS: dict[str, Callable[..., Sketch]] = {}
 
@@ -44,6 +44,13 @@ def register_sketch(name: str) -> Callable[[Callable[..., Sketch]], Callable[...
 def available_sketches() -> list[str]:
     """Names accepted by :func:`fit_sketch`, sorted."""
     return sorted(_FITTERS)
+
+
+def sketch_fitter(name: str) -> Callable[..., Sketch]:
+    """The fitter registered under ``name`` (raw: no hold-out, no report; see :func:`fit_sketch`)."""
+    if name not in _FITTERS:
+        raise ValueError(f"unknown sketch method {name!r}; available: {', '.join(available_sketches())}")
+    return _FITTERS[name]
 
 
 @dataclass
@@ -142,8 +149,7 @@ def fit_sketch(method: str, q, k, /, *, p: int, m: int, seed: int = 0, holdout: 
         ``fit.sketch`` and ``fit.report`` (in-sample and held-out ``rel_fro``, ``rel_mae``,
         ``optimality_ratio``, the tails, wall seconds, steps, convergence).
     """
-    if method not in _FITTERS:
-        raise ValueError(f"unknown sketch method {method!r}; available: {', '.join(available_sketches())}")
+    fitter = sketch_fitter(method)
     q, k = check_pair(q, k)
     p = check_degree(p)
     m = check_positive_int(m, "m (the sketch size)")
@@ -157,7 +163,7 @@ def fit_sketch(method: str, q, k, /, *, p: int, m: int, seed: int = 0, holdout: 
     q_fit, k_fit = q[..., fit_q, :], k[..., fit_k, :]
 
     start = time.perf_counter()
-    sketch = _FITTERS[method](q_fit, k_fit, p=p, m=m, seed=seed, **options)
+    sketch = fitter(q_fit, k_fit, p=p, m=m, seed=seed, **options)
     seconds = time.perf_counter() - start
 
     info = dict(getattr(sketch, "fit_info", {}) or {})

@@ -129,7 +129,7 @@ def _read_raw(path: Path) -> tuple[dict, dict]:
         if single:
             arr = _np_load(path)
             hint = (
-                f"its leading axis of size 2 could be the (q, k) pair or L=2 layers"
+                "its leading axis of size 2 could be the (q, k) pair or L=2 layers"
                 if arr.ndim >= 1 and arr.shape[0] == 2
                 else "one array cannot hold both q and k"
             )

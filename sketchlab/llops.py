@@ -41,6 +41,7 @@ from tqdm import tqdm
 
 from ._validation import as_float_tensor, check_degree, check_pair, check_positive_int
 from .fit import register_sketch
+from .objective import DEFAULT_LR, DEFAULT_STEPS, check_finite_loss, kernel_loss, train_kernel_sketch
 from .sketch import Sketch
 
 __all__ = [
@@ -52,7 +53,6 @@ __all__ = [
     "fit_llops_adam",
     "fit_llops_cp",
     "fit_llops_direct",
-    "kernel_loss",
     "llops_features",
     "llops_features_naive",
     "llops_init",
@@ -306,41 +306,6 @@ def projector_to_theta(
 # ----------------------------------------------------------------------------------------------
 
 
-def kernel_loss(features_q: torch.Tensor, features_k: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
-    r"""Squared Frobenius kernel error :math:`\|\Phi_Q\Phi_K^\top - A\|_F^2`, per batch entry.
-
-    The loss every LLoPS fit minimises (and the one to reuse for other fitted sketches, e.g. the
-    MLP baseline, so that they are compared on the same objective). Differentiable.
-
-    Parameters
-    ----------
-    features_q : Tensor ``[..., n_q, m]``
-    features_k : Tensor ``[..., n_k, m]``
-    exact : Tensor ``[..., n_q, n_k]``
-        The target, usually ``poly_kernel(q, k, p)``.
-
-    Returns
-    -------
-    Tensor ``[...]`` (batch shape). Divide by ``(exact**2).sum((-2, -1))`` for ``rel_fro**2``,
-    or by the tail bound for ``optimality_ratio**2``.
-
-    Notes
-    -----
-    Cost ``O(n_q n_k m)``. When the feature dimension ``D`` of the exact map is below ``n``, the
-    same value is a function of the ``D × D`` Gram matrices of :math:`\psi_p(Q)`, :math:`\psi_p(K)`
-    only; for the sizes this toolkit targets (``n ≈ D``) the ``n``-level form here is cheaper.
-    """
-    if features_q.shape[-1] != features_k.shape[-1]:
-        raise ValueError(
-            f"features_q and features_k must have the same number of features (last axis), got "
-            f"{features_q.shape[-1]} and {features_k.shape[-1]}"
-        )
-    expected = (*features_q.shape[:-1], features_k.shape[-2])
-    if tuple(exact.shape) != expected:
-        raise ValueError(f"exact must have shape {expected} (batch, n_q, n_k), got {tuple(exact.shape)}")
-    return ((features_q @ features_k.mT - exact) ** 2).sum((-2, -1))
-
-
 # ----------------------------------------------------------------------------------------------
 # Initialisation
 # ----------------------------------------------------------------------------------------------
@@ -451,10 +416,9 @@ def _pad_columns(theta_q, theta_k, m, generator, relative=1e-3):
 
 def _special_case(name, q, k, p, m, seed):
     """The BASED (project-then-expand, PCA projection) or PolySketchFormer sketch of size ``<= m``."""
-    from . import sketches  # noqa: F401  (registers "based" and "psf")
-    from .fit import _FITTERS
+    from .fit import sketch_fitter
 
-    return _FITTERS[name](q, k, p=p, m=m, seed=seed)
+    return sketch_fitter(name)(q, k, p=p, m=m, seed=seed)
 
 
 def llops_init(q, k, *, p: int, m: int, rank: int = 1, init="svd", seed: int = 0, **cp_options):
@@ -548,17 +512,6 @@ def _prepare(q, k, p, m, rank):
     q64 = q.to(torch.float64).reshape(-1, *q.shape[-2:])  # [B, n_q, d]
     k64 = k.to(torch.float64).reshape(-1, *k.shape[-2:])  # [B, n_k, d]
     return q, k, p, m, rank, out_dtype, batch, q64, k64
-
-
-def _check_loss(loss: torch.Tensor, step: int, what: str) -> None:
-    bad = ~torch.isfinite(loss)
-    if bool(bad.any()):
-        heads = bad.nonzero().flatten().tolist()
-        raise FloatingPointError(
-            f"LLoPS {what} fit stopped: the kernel loss (or the target ‖A‖²) is non-finite at step {step} for "
-            f"{len(heads)} head(s) (flattened batch indices {heads[:8]}); check the input scale "
-            "(x · d^-1/4 is the usual choice) or lower the learning rate"
-        )
 
 
 def _solve_side(x: torch.Tensor, theta: torch.Tensor, target: torch.Tensor, ridge: float) -> torch.Tensor:
@@ -701,7 +654,7 @@ def fit_llops_direct(
     q, k, p, m, rank, out_dtype, batch, q64, k64 = _prepare(q, k, p, m, rank)
     steps = check_positive_int(steps, "steps")
     a = (q64 @ k64.mT) ** p  # [B, n_q, n_k]
-    _check_loss((a**2).sum((-2, -1)), 0, "direct")
+    check_finite_loss((a**2).sum((-2, -1)), 0, "LLoPS direct")
     theta_q, theta_k = llops_init(q, k, p=p, m=m, rank=rank, init=init, seed=seed, **cp_options)
     d = q.shape[-1]
     theta_q = theta_q.reshape(-1, rank, p, d, m).clone()  # [B, t, p, d, m]
@@ -709,7 +662,7 @@ def fit_llops_direct(
     norm_a = (a**2).sum((-2, -1)).clamp_min(torch.finfo(torch.float64).tiny)
     fq, fk = llops_features(q64, theta_q), llops_features(k64, theta_k)
     loss = kernel_loss(fq, fk, a)
-    _check_loss(loss, 0, "direct")
+    check_finite_loss(loss, 0, "LLoPS direct")
     init_rel = (loss / norm_a).sqrt()
     best_loss, best_q, best_k = loss.clone(), theta_q.clone(), theta_k.clone()
     history, converged, done = [float(init_rel.median())], False, 0
@@ -720,7 +673,7 @@ def fit_llops_direct(
         _als_sweep(q64, k64, a, theta_q, theta_k, fq, fk, ridge)
         fq, fk = llops_features(q64, theta_q), llops_features(k64, theta_k)  # recompute: no drift
         new = kernel_loss(fq, fk, a)
-        _check_loss(new, step + 1, "direct")
+        check_finite_loss(new, step + 1, "LLoPS direct")
         if extrapolate:
             # Θ + β(Θ − Θ_prev), kept per head only where it lowers the loss (so still monotone)
             b = beta[:, None, None, None, None]
@@ -760,8 +713,8 @@ def fit_llops_adam(
     m: int,
     rank: int = 1,
     init="random",
-    steps: int = 500,
-    lr: float = 1e-2,
+    steps: int = DEFAULT_STEPS,
+    lr: float = DEFAULT_LR,
     tol: float = 1e-4,
     seed: int = 0,
     progress: bool = False,
@@ -775,41 +728,21 @@ def fit_llops_adam(
     than ``tol`` (relative) over the last 10 steps. Other arguments as :func:`fit_llops_direct`.
     """
     q, k, p, m, rank, out_dtype, batch, q64, k64 = _prepare(q, k, p, m, rank)
-    steps = check_positive_int(steps, "steps")
-    if not (isinstance(lr, (int, float)) and lr > 0 and math.isfinite(lr)):
-        raise ValueError(f"lr must be a finite number > 0, got {lr!r}")
-    a = (q64 @ k64.mT) ** p  # [B, n_q, n_k]
-    _check_loss((a**2).sum((-2, -1)), 0, "Adam")
     theta_q, theta_k = llops_init(q, k, p=p, m=m, rank=rank, init=init, seed=seed, **cp_options)
     d = q.shape[-1]
-    theta_q = theta_q.reshape(-1, rank, p, d, m).clone().requires_grad_(True)
-    theta_k = theta_k.reshape(-1, rank, p, d, m).clone().requires_grad_(True)
-    norm_a = (a**2).sum((-2, -1)).clamp_min(torch.finfo(torch.float64).tiny)
-    optimiser = torch.optim.Adam([theta_q, theta_k], lr=lr)
-    best_loss = torch.full_like(norm_a, math.inf)
-    best_q, best_k = theta_q.detach().clone(), theta_k.detach().clone()
-    totals, init_rel = [], None
-    for step in tqdm(range(steps + 1), desc="LLoPS Adam", disable=not progress, leave=False):
-        loss = kernel_loss(llops_features(q64, theta_q), llops_features(k64, theta_k), a) / norm_a  # [B]
-        _check_loss(loss.detach(), step, "Adam")
-        if init_rel is None:
-            init_rel = loss.detach().sqrt()
-        better = loss.detach() < best_loss
-        best_loss = torch.where(better, loss.detach(), best_loss)
-        best_q[better], best_k[better] = theta_q.detach()[better], theta_k.detach()[better]
-        totals.append(float(loss.detach().sum()))
-        if step == steps:
-            break  # the last evaluation only scores the final step
-        optimiser.zero_grad(set_to_none=True)
-        loss.sum().backward()
-        optimiser.step()
-    converged = len(totals) > 10 and abs(totals[-11] - totals[-1]) <= tol * totals[-11]
-    sketch = LLoPS(best_q.reshape(*batch, rank, p, d, m).to(out_dtype), best_k.reshape(*batch, rank, p, d, m).to(out_dtype))
+    theta_q = theta_q.reshape(-1, rank, p, d, m).to(torch.float64).clone().requires_grad_(True)  # [B, t, p, d, m]
+    theta_k = theta_k.reshape(-1, rank, p, d, m).to(torch.float64).clone().requires_grad_(True)  # [B, t, p, d, m]
+    info = train_kernel_sketch(
+        [theta_q, theta_k], lambda x, y: (llops_features(x, theta_q), llops_features(y, theta_k)), q64, k64, p,
+        steps=steps, lr=lr, tol=tol, what="LLoPS Adam", progress=progress,
+    )
+    sketch = LLoPS(theta_q.detach().reshape(*batch, rank, p, d, m).to(out_dtype),
+                   theta_k.detach().reshape(*batch, rank, p, d, m).to(out_dtype))
     sketch.fit_info = {
-        "steps": steps,
-        "converged": converged,
+        **info,
         "init": init if isinstance(init, str) else type(init).__name__,
-        "init_rel_fro": init_rel.reshape(batch),
+        "init_rel_fro": info["init_rel_fro"].reshape(batch),
+        "rel_fro": info["rel_fro"].reshape(batch),
     }
     return sketch
 

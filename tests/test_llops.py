@@ -9,15 +9,14 @@ import math
 import pytest
 import torch
 
-import sketchlab.llops  # noqa: F401  (registers "llops" until sketchlab/__init__ imports it)
 from sketchlab import fit_sketch, holdout_split, poly_features, poly_kernel, rel_fro
+from sketchlab.objective import kernel_loss
 from sketchlab.llops import (
     LLoPS,
     aligned_gauge,
     fit_llops_adam,
     fit_llops_cp,
     fit_llops_direct,
-    kernel_loss,
     llops_features,
     llops_features_naive,
     llops_init,

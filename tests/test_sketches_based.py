@@ -8,7 +8,6 @@ are sums of ≤ d'^2 + d' + 1 rounded terms, so 1e-12 relative is ample.
 import pytest
 import torch
 
-import sketchlab.sketches  # noqa: F401
 from sketchlab import fit_sketch, poly_kernel
 from sketchlab.sketches import (
     BasedSketch,

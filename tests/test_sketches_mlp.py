@@ -7,7 +7,6 @@ so 1e-12 relative to the largest feature is ample.
 import pytest
 import torch
 
-import sketchlab.sketches  # noqa: F401
 from sketchlab import fit_sketch
 from sketchlab.sketches import (
     ElementwiseSketch,
@@ -57,10 +56,10 @@ def test_mlp_fit_lowers_loss_and_is_at_least_llops_sized():
     assert fit.report.steps == 80
     # the random start has relative squared error ~1 or more; 80 Adam steps on 2x24 tokens reach far
     # below half of it (observed 1.04 -> 0.32); the assert only requires the fit to have done real work.
-    assert info["loss"] < 0.5 * info["initial_loss"]
+    assert (info["rel_fro"] ** 2).mean() < 0.5 * (info["init_rel_fro"] ** 2).mean()
     assert fit.report.num_parameters >= 2 * 2 * 4 * 8
-    # the reported loss is the relative squared Frobenius error averaged over heads
-    assert abs(info["loss"] - float((fit.report.rel_fro**2).mean())) < 1e-5
+    # the trainer's per-head error is the one fit_sketch measures (float32 features: 1e-5)
+    torch.testing.assert_close(info["rel_fro"].double(), fit.report.rel_fro, rtol=1e-5, atol=0)
     assert fit.sketch.w1_q.shape == (2, 4, info["hidden"])
 
 
@@ -73,7 +72,8 @@ def test_elementwise_matches_naive_and_fits():
         assert torch.equal(s.features_k(x), s.features_q(x)) and s.num_parameters == 15
     q, k = _qk()
     fit = fit_sketch("elementwise", q, k, p=2, m=8, seed=0, steps=80, lr=2e-2)
-    assert fit.report.info["loss"] < 0.5 * fit.report.info["initial_loss"]  # same budget argument as the MLP
+    info = fit.report.info
+    assert (info["rel_fro"] ** 2).mean() < 0.5 * (info["init_rel_fro"] ** 2).mean()  # same budget argument as the MLP
     assert fit.report.num_parameters == 2 * 4 * 8
 
 

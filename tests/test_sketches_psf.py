@@ -11,7 +11,6 @@ import math
 import pytest
 import torch
 
-import sketchlab.sketches  # noqa: F401  (registers the fitters)
 from sketchlab import fit_sketch
 from sketchlab.sketches import PolySketch, psf_features, psf_features_naive, psf_weight_shapes
 

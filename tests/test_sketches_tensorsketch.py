@@ -13,7 +13,6 @@ import pytest
 import torch
 from sklearn.kernel_approximation import PolynomialCountSketch
 
-import sketchlab.sketches  # noqa: F401
 from sketchlab import fit_sketch
 from sketchlab.sketches import TensorSketch, tensorsketch_features_naive
 

@@ -3,7 +3,7 @@ r"""Element-wise polynomial feature map :math:`\phi(x) = (x\Theta)^{\circ p}`.
 The special case :math:`\Theta_1 = \dots = \Theta_p` of rank-1 LLoPS: feature ``i`` is
 :math:`\langle\theta_i, x\rangle^p`. Queries and keys have their own ``Θ`` (``[d, m]`` each) unless
 tied. Fitted (``fit_sketch("elementwise", ...)``) with the same relative kernel loss, optimiser and
-budget as the MLP sketch and LLoPS's Adam fit (:mod:`sketchlab.sketches._train`), from a random N(0, 1/d) start.
+budget as the MLP sketch and LLoPS's Adam fit (:mod:`sketchlab.objective`), from a random N(0, 1/d) start.
 Even ``p`` gives non-negative features and kernel.
 """
 
@@ -18,7 +18,7 @@ from .._validation import as_float_tensor, check_degree
 from ..fit import register_sketch
 from ..sketch import Sketch
 from ._common import make_generator
-from ._train import DEFAULT_LR, DEFAULT_STEPS, train_kernel_sketch
+from ..objective import DEFAULT_LR, DEFAULT_STEPS, train_kernel_sketch
 
 __all__ = ["ElementwiseSketch", "elementwise_features", "elementwise_features_naive"]
 
@@ -98,6 +98,7 @@ def _fit_elementwise(q, k, *, p: int, m: int, seed: int = 0, tied: bool = False,
 
     sketch = ElementwiseSketch(draw(), p, None if tied else draw())
     sketch.fit_info = train_kernel_sketch(
-        list(sketch.parameters()), lambda a, b: (sketch.features_q(a), sketch.features_k(b)), q, k, p, steps=steps, lr=lr
+        list(sketch.parameters()), lambda a, b: (sketch.features_q(a), sketch.features_k(b)), q, k, p, steps=steps, lr=lr,
+        what="element-wise sketch",
     )
     return sketch

@@ -5,9 +5,9 @@ r"""The "NN" sketch of the LLoPS paper's Table 3: a two-layer MLP per side, fitt
 
 ``d → hidden → m``, with activation :math:`\sigma` (GELU by default), fitted by minimising the
 relative squared Frobenius error of :math:`\phi_Q(Q)\phi_K(K)^\top` against
-:math:`(QK^\top)^{\circ p}` — LLoPS's :func:`~sketchlab.llops.kernel_loss` — with the optimiser and
+:math:`(QK^\top)^{\circ p}` — :func:`~sketchlab.objective.kernel_loss` — with the optimiser and
 budget of LLoPS's gradient fit :func:`~sketchlab.llops.fit_llops_adam` (Adam, ``lr = 1e-2``, 500
-steps; see :mod:`sketchlab.sketches._train`). The held-out split is :func:`sketchlab.fit_sketch`'s,
+steps; see :mod:`sketchlab.objective`). The held-out split is :func:`sketchlab.fit_sketch`'s,
 the same for every method. Weights of all heads are
 stored as batched tensors ``[..., d, hidden]`` etc. and fitted together.
 
@@ -27,7 +27,7 @@ from .._validation import as_float_tensor, check_degree, check_positive_int
 from ..fit import register_sketch
 from ..sketch import Sketch
 from ._common import check_batch_shape, check_dtype, make_generator
-from ._train import DEFAULT_LR, DEFAULT_STEPS, train_kernel_sketch
+from ..objective import DEFAULT_LR, DEFAULT_STEPS, train_kernel_sketch
 
 __all__ = ["MLPSketch", "default_hidden", "mlp_features", "mlp_features_naive"]
 
@@ -197,6 +197,6 @@ def _fit_mlp(q, k, *, p: int, m: int, seed: int = 0, hidden: int | None = None, 
     sketch = MLPSketch.init_random(d, p, m, hidden, seed=seed, batch_shape=q.shape[:-2], dtype=q.dtype,
                                    activation=activation)
     info = train_kernel_sketch(list(sketch.parameters()), lambda a, b: (sketch.features_q(a), sketch.features_k(b)),
-                               q, k, p, steps=steps, lr=lr)
+                               q, k, p, steps=steps, lr=lr, what="MLP sketch")
     sketch.fit_info = {**info, "hidden": hidden}
     return sketch
