@@ -49,6 +49,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ._validation import check_finite
+
 __all__ = ["QKDump", "atomic_write", "load_qk", "save_qk"]
 
 _EXTENSIONS = (".safetensors", ".pt", ".npz", ".npy")
@@ -307,13 +309,7 @@ def _normalise(entries: dict, meta: dict, label: str) -> tuple[torch.Tensor, tor
             f"{label}: tensor v must match k in [L, H, n], got v {tuple(v.shape)} and k {tuple(k.shape)}"
         )
     for name, t in tensors.items():
-        bad = ~torch.isfinite(t)
-        if bool(bad.any()):
-            first = tuple(int(i) for i in bad.nonzero()[0])
-            raise ValueError(
-                f"{label}: tensor {name} must be finite: {int(bad.sum())} non-finite value(s) of {t.numel()}, "
-                f"the first at index {first} ({t[first].item()})"
-            )
+        check_finite(t, f"{label}: tensor {name}")
     return q, k, v
 
 
