@@ -66,14 +66,12 @@ def check_degree(p) -> int:
     return check_positive_int(p, "p (the polynomial degree)")
 
 
-def check_fraction(value, name: str, *, allow_zero: bool = True) -> float:
-    """Validate a fraction in ``[0, 1)`` (or ``(0, 1)`` when ``allow_zero`` is false)."""
+def check_fraction(value, name: str) -> float:
+    """Validate a fraction in ``[0, 1)``."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a number in [0, 1), got {value!r}")
-    lo_ok = value >= 0 if allow_zero else value > 0
-    if not (lo_ok and value < 1):
-        interval = "[0, 1)" if allow_zero else "(0, 1)"
-        raise ValueError(f"{name} must lie in {interval}, got {value}")
+    if not 0 <= value < 1:
+        raise ValueError(f"{name} must lie in [0, 1), got {value}")
     return float(value)
 
 

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from ._validation import check_positive_int
-from .io import QKDump, save_qk
+from .io import QKDump, save_qk, validate_qk
 
 __all__ = ["capture_pretrained", "capture_qk", "detect_qk_modules", "read_token_ids"]
 
@@ -47,7 +47,11 @@ _STYLES = {
 
 
 def _config_heads(model: nn.Module) -> tuple[int | None, int | None]:
-    """``(num_heads, num_kv_heads)`` from a transformers-style ``model.config`` (``None`` if absent)."""
+    """``(num_heads, num_kv_heads)`` from a transformers-style ``model.config``.
+
+    Each is ``None`` when the config does not state it (no ``num_key_value_heads`` means the
+    config does not describe grouped-query attention; the caller then uses the q heads).
+    """
     cfg = getattr(model, "config", None)
     if cfg is None:
         return None, None
@@ -58,7 +62,7 @@ def _config_heads(model: nn.Module) -> tuple[int | None, int | None]:
             heads = val
             break
     kv = getattr(cfg, "num_key_value_heads", None)
-    return heads, kv if isinstance(kv, int) else heads
+    return heads, kv if isinstance(kv, int) and not isinstance(kv, bool) else None
 
 
 def detect_qk_modules(model: nn.Module) -> tuple[str, dict[str, list[str]]]:
@@ -153,8 +157,11 @@ def capture_qk(
         ``[B, T, H·D]``; ``v`` optional), ``{"qkv": [...]}`` (one fused output split in thirds),
         or ``{"attention": [...]}`` (modules called as ``f(q, k, v)`` with ``[B, T, H, D]``).
     num_heads, num_kv_heads : int, optional
-        Heads of q and of k/v; default from ``model.config`` (required otherwise for
-        projection outputs). ``num_heads`` must be a multiple of ``num_kv_heads``.
+        Heads of q and of k/v; default from ``model.config`` (``num_attention_heads`` and
+        ``num_key_value_heads``; required otherwise for projection outputs). Each default is
+        taken independently: passing only ``num_heads`` still uses the config's kv heads, and
+        without either the kv heads equal the q heads. ``num_heads`` must be a multiple of
+        ``num_kv_heads``.
     attention_mask : Tensor ``[B, T]``, optional
         Valid tokens (non-zero); overrides the one in ``inputs``.
     path : str or Path, optional
@@ -165,7 +172,8 @@ def capture_qk(
     Returns
     -------
     QKDump with ``q``, ``k``, ``v`` of shape ``[L, H, n, d]``, float32 (``v`` is ``None`` when
-    no ``v`` producer is given), ``n`` = number of valid tokens over the batch.
+    no ``v`` producer is given), ``n`` = number of valid tokens over the batch, validated by
+    :func:`sketchlab.io.validate_qk` (same shapes, finite values) whether or not ``path`` is given.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -186,9 +194,15 @@ def capture_qk(
     if len(set(counts.values())) != 1:
         raise ValueError(f"modules must list one module per layer for every role, got counts {counts}")
 
+    if num_heads is not None:
+        num_heads = check_positive_int(num_heads, "num_heads")
+    if num_kv_heads is not None:
+        num_kv_heads = check_positive_int(num_kv_heads, "num_kv_heads")
     cfg_heads, cfg_kv = _config_heads(model)
     H = num_heads if num_heads is not None else cfg_heads
-    Hkv = num_kv_heads if num_kv_heads is not None else (cfg_kv if num_heads is None else H)
+    # kv heads: explicit argument, else the config's num_key_value_heads (GQA) even when num_heads
+    # was given, else as many as q heads (plain multi-head attention)
+    Hkv = num_kv_heads if num_kv_heads is not None else (cfg_kv if cfg_kv is not None else H)
     if kind == "projections":
         if H is None:
             raise ValueError("num_heads is required: the model has no config with num_attention_heads")
@@ -264,6 +278,12 @@ def capture_qk(
         return torch.stack(per_layer)  # [L, H, n, D]
 
     q, k, v = stack("q"), stack("k"), stack("v")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(
+            f"capture_qk: captured q has head dimension {q.shape[-1]} but k has {k.shape[-1]} "
+            f"(split with num_heads={H}, num_kv_heads={Hkv}); pass the model's true num_heads / num_kv_heads"
+        )
+    q, k, v = validate_qk(q, k, v, where="capture_qk: captured")  # the dump rules, with or without path
     source = getattr(getattr(model, "config", None), "_name_or_path", "") or type(model).__name__
     info = {
         "source": f"{type(model).__name__} ({source})" if source != type(model).__name__ else source,

@@ -164,9 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(str(err))
     try:
         return int(args._run(args))
-    except (ValueError, TypeError, OSError, UsageError, KeyError) as err:
-        message = err.args[0] if isinstance(err, KeyError) and err.args else err
-        return _fail(str(message))
+    except (ValueError, OSError, UsageError) as err:  # bad input; anything else is a bug and keeps its traceback
+        return _fail(str(err))
     except FloatingPointError as err:  # a fit diverged: not bad input, but still one line
         _fail(str(err))
         return 1

@@ -20,9 +20,10 @@ from pathlib import Path
 
 import torch
 
-from ._validation import check_degree, check_fraction, check_pair, check_positive_int
+from ._validation import check_degree, check_fraction, check_positive_int
 from .fit import available_sketches, fit_sketch
-from .polynomial import num_poly_features
+from .io import load_qk, select_indices, validate_qk
+from .optimal import max_sketch_size
 
 __all__ = ["DEFAULT_METHODS", "ComparisonRow", "ComparisonTable", "compare", "resolve_scale"]
 
@@ -47,21 +48,9 @@ def resolve_scale(scale, d: int) -> tuple[str, float]:
     return repr(float(scale)), float(scale)
 
 
-def _as_lhnd(x: torch.Tensor, name: str) -> torch.Tensor:
-    if x.ndim == 2:
-        return x[None, None]  # [n, d] -> [1, 1, n, d]
-    if x.ndim == 3:
-        return x[None]  # [H, n, d] -> [1, H, n, d]
-    if x.ndim == 4:
-        return x
-    raise ValueError(f"{name} must have shape [L, H, n, d], [H, n, d] or [n, d], got {tuple(x.shape)}")
-
-
 def _load(dump_or_qk):
     """Return ``(q, k, source)`` with ``q, k`` of shape ``[L, H, n, d]``."""
     if isinstance(dump_or_qk, (str, os.PathLike)):
-        from .io import load_qk
-
         path = Path(dump_or_qk)
         if not path.exists():
             raise FileNotFoundError(f"Q/K dump {str(path)!r} does not exist")
@@ -76,25 +65,6 @@ def _load(dump_or_qk):
         "dump_or_qk must be a path to a Q/K dump, a QKDump (with .q and .k) or a tuple (q, k), "
         f"got {type(dump_or_qk).__name__}"
     )
-
-
-def _select(values, total: int, what: str) -> list[int]:
-    if values is None:
-        return list(range(total))
-    if isinstance(values, numbers.Integral) and not isinstance(values, bool):
-        values = [values]
-    out = []
-    for v in values:
-        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
-            raise TypeError(f"{what}s must be integers, got {v!r}")
-        if not 0 <= v < total:
-            raise ValueError(f"{what} {v} is out of range: the dump has {total} {what}s (0..{total - 1})")
-        out.append(int(v))
-    if not out:
-        raise ValueError(f"{what}s must select at least one {what}")
-    if len(set(out)) != len(out):
-        raise ValueError(f"{what}s contain duplicates: {list(values)}")
-    return out
 
 
 @dataclass
@@ -253,12 +223,14 @@ def compare(dump_or_qk, *, p: int, m: int, methods=DEFAULT_METHODS, layers=None,
         A dump file (read with :func:`sketchlab.io.load_qk`), a loaded dump, or tensors of shape
         ``[L, H, n, d]`` (also ``[H, n, d]`` or ``[n, d]``).
     p, m : int
-        Degree and sketch size; ``m`` must not exceed ``min(n_fit, C(d+p−1, p))``, the largest rank
-        of the fitting kernel (``n_fit`` = tokens left after the held-out split).
+        Degree and sketch size; ``m`` must not exceed
+        :func:`sketchlab.optimal.max_sketch_size` ``(n_fit, n_fit, d, p) = min(n_fit, C(d+p−1, p), d^p)``,
+        the largest rank of the fitting kernel (``n_fit`` = tokens left after the held-out split).
     methods : sequence of str
         Registered sketch names (:func:`sketchlab.available_sketches`); unknown names raise.
-    layers, heads : sequence of int or None
-        Positions in the dump (``None``: all).
+    layers, heads : int, sequence of int or None
+        Positions in the dump (``None``: all); negative indices count from the end, duplicates
+        are rejected (:func:`sketchlab.io.select_indices`). The table records them non-negative.
     seed : int
         Held-out split and every method's randomness.
     holdout : float in ``[0, 1)``
@@ -303,20 +275,17 @@ def compare(dump_or_qk, *, p: int, m: int, methods=DEFAULT_METHODS, layers=None,
         raise TypeError(f"seed must be an int, got {seed!r}")
 
     q, k, source = _load(dump_or_qk)
-    q, k = check_pair(q, k)
-    q, k = _as_lhnd(q, "q"), _as_lhnd(k, "k")
-    if q.shape != k.shape:
-        raise ValueError(f"q and k must have the same shape [L, H, n, d], got {tuple(q.shape)} and {tuple(k.shape)}")
+    q, k, _ = validate_qk(q, k, where=source)  # [L, H, n, d] each, finite floats, same shape
     n_layers, n_heads, n, d = q.shape
-    layers = _select(layers, n_layers, "layer")
-    heads = _select(heads, n_heads, "head")
+    layers = select_indices(layers, n_layers, "layer", source)
+    heads = select_indices(heads, n_heads, "head", source)
     n_fit = n - math.ceil(holdout * n)
-    limit = min(n_fit, num_poly_features(d, p, True), num_poly_features(d, p, False))
+    limit = max_sketch_size(n_fit, n_fit, d, p)
     if m > limit:
         raise ValueError(
-            f"m={m} exceeds min(fitting tokens, exact feature dimension) = min({n_fit}, "
-            f"{min(num_poly_features(d, p, True), num_poly_features(d, p, False))}) = {limit}: the kernel on "
-            f"the fitting tokens has rank at most {limit}, so the Theorem 3.1 floor is 0 and undefined as a yardstick"
+            f"m={m} exceeds {limit} = sketchlab.optimal.max_sketch_size(n_fit={n_fit}, n_fit, d={d}, p={p}) "
+            f"(min of the fitting tokens and the exact feature dimension): the kernel on the fitting tokens has "
+            f"rank at most {limit}, so the Theorem 3.1 floor is 0 and undefined as a yardstick"
         )
     label, factor = resolve_scale(scale, d)
 

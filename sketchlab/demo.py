@@ -20,7 +20,7 @@ import torch
 
 from .compare import DEFAULT_METHODS, compare, resolve_scale
 from .io import atomic_write, load_qk
-from .optimal import optimal_sketch
+from .optimal import max_sketch_size, optimal_sketch
 from .plots import plot_optimality_ratios, plot_spectra
 from .polynomial import poly_kernel
 
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"Dump {args.dump}: q, k of shape [L={L}, H={H}, n={n}, d={d}] ({dump.meta.get('source', 'no source')}).")
     print(f"Scale d^-1/4 = {factor:.4g} on q and k; degree p = {args.p}.\n")
 
-    sizes = [s for s in (8, 16, 32, 64, 128) if s <= min(n, 2 * args.m)]
+    sizes = [s for s in (8, 16, 32, 64, 128) if s <= min(max_sketch_size(n, n, d, args.p), 2 * args.m)]
     rows, spectrum = theorem31_rows(q, k, args.p, sizes)
     print(f"## Theorem 3.1 on all {L * H} heads: the optimal sketch attains the tail bound (median over heads)\n")
     print(markdown_table(rows) + "\n")

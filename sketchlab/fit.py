@@ -14,6 +14,7 @@ optimum in float64.
 
 from __future__ import annotations
 
+import inspect
 import math
 import time
 from dataclasses import dataclass, field
@@ -161,6 +162,21 @@ def fit_sketch(method: str, q, k, /, *, p: int, m: int, seed: int = 0, holdout: 
     if holdout > 0 and (len(fit_q) == 0 or len(fit_k) == 0):
         raise ValueError(f"holdout={holdout} leaves no fitting tokens out of n_q={q.shape[-2]}, n_k={k.shape[-2]}")
     q_fit, k_fit = q[..., fit_q, :], k[..., fit_k, :]
+    from .optimal import max_sketch_size  # optimal registers itself here: import late
+
+    limit = max_sketch_size(q_fit.shape[-2], k_fit.shape[-2], q.shape[-1], p)
+    if m > limit:  # checked before fitting: the report's Theorem 3.1 floor needs m <= rank bound
+        raise ValueError(
+            f"m (the sketch size) must be at most min(fitting tokens, D) = {limit} for d={q.shape[-1]}, p={p} "
+            f"({q_fit.shape[-2]} query and {k_fit.shape[-2]} key tokens left after holdout={holdout}); got m={m}"
+        )
+    known = _option_names(fitter)
+    unknown = [] if known is None else sorted(set(options) - known)
+    if unknown:
+        raise ValueError(
+            f"unknown option(s) {', '.join(map(repr, unknown))} for sketch method {method!r}; "
+            f"it takes: {', '.join(sorted(known)) or 'no options'}"
+        )
 
     start = time.perf_counter()
     sketch = fitter(q_fit, k_fit, p=p, m=m, seed=seed, **options)
@@ -177,15 +193,17 @@ def fit_sketch(method: str, q, k, /, *, p: int, m: int, seed: int = 0, holdout: 
         q_held, k_held = q[..., held_q, :], k[..., held_k, :]
         # The held-out floor uses the same m, clamped to the largest rank the held-out A can
         # have (its tail is 0 there, and the ratio inf: a sketch that size could be exact).
-        h_f, h_m, h_r, h_t = _errors(sketch, q_held, k_held, p, min(m, _max_rank(q_held, k_held, p)))
+        m_held = min(m, max_sketch_size(q_held.shape[-2], k_held.shape[-2], q.shape[-1], p))
+        h_f, h_m, h_r, h_t = _errors(sketch, q_held, k_held, p, m_held)
         report.holdout_rel_fro, report.holdout_rel_mae = h_f, h_m
         report.holdout_optimality_ratio, report.holdout_tail = h_r, h_t
     return Fit(sketch=sketch, report=report)
 
 
-def _max_rank(q: torch.Tensor, k: torch.Tensor, p: int) -> int:
-    from .polynomial import num_poly_features
-
-    d = q.shape[-1]
-    dim = min(num_poly_features(d, p, True), num_poly_features(d, p, False))
-    return min(q.shape[-2], k.shape[-2], dim)
+def _option_names(fitter: Callable[..., Sketch]) -> set[str] | None:
+    """Keyword options a fitter takes beyond ``p, m, seed``; ``None`` when it takes ``**options``."""
+    params = inspect.signature(fitter).parameters
+    if any(par.kind is inspect.Parameter.VAR_KEYWORD for par in params.values()):
+        return None
+    return {name for name, par in params.items()
+            if par.kind is inspect.Parameter.KEYWORD_ONLY and name not in ("p", "m", "seed")}

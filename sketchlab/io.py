@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import numbers
 import os
 import re
 import tempfile
@@ -51,7 +52,7 @@ import torch
 
 from ._validation import check_finite
 
-__all__ = ["QKDump", "atomic_write", "load_qk", "save_qk"]
+__all__ = ["QKDump", "as_lhnd", "atomic_write", "load_qk", "save_qk", "select_indices", "validate_qk"]
 
 _EXTENSIONS = (".safetensors", ".pt", ".npz", ".npy")
 _LAYOUTS = {2: "n,d", 3: "H,n,d", 4: "L,H,n,d"}
@@ -286,13 +287,9 @@ def _normalise(entries: dict, meta: dict, label: str) -> tuple[torch.Tensor, tor
             raise ValueError(f"{label}: tensor {name} is given both whole ('{name}') and per layer ('{name}.i')")
         if name in plain:
             t = _as_tensor(plain[name], f"{label}: tensor {name}")
-            if t.ndim not in _LAYOUTS:
-                raise ValueError(
-                    f"{label}: tensor {name} must have rank 2 [n, d], 3 [H, n, d] or 4 [L, H, n, d], "
-                    f"got rank {t.ndim} with shape {tuple(t.shape)}"
-                )
-            _check_layout(meta, t.ndim, f"{label}: tensor {name}")
-            tensors[name] = t.reshape((1,) * (4 - t.ndim) + tuple(t.shape))  # [L, H, n, d]
+            if t.ndim in _LAYOUTS:
+                _check_layout(meta, t.ndim, f"{label}: tensor {name}")
+            tensors[name] = as_lhnd(t, f"{label}: tensor {name}")
         elif name in per_layer:
             tensors[name] = _stack_layers(per_layer[name], f"{label}: tensor {name}")
     for name in ("q", "k"):
@@ -327,23 +324,65 @@ def _check_meta(meta, label: str) -> dict[str, str]:
     return dict(meta)
 
 
-def _select(x: torch.Tensor, axis: int, index, what: str, label: str) -> torch.Tensor:
+def as_lhnd(x: torch.Tensor, where: str) -> torch.Tensor:
+    """Normalise ``[n, d]``, ``[H, n, d]`` or ``[L, H, n, d]`` to ``[L, H, n, d]`` (a view).
+
+    Missing leading axes become size 1. Any other rank raises ``ValueError`` naming ``where``
+    (e.g. ``"dump.safetensors: tensor q"``), the accepted layouts and the shape.
+    """
+    if x.ndim not in _LAYOUTS:
+        raise ValueError(
+            f"{where} must have rank 2 [n, d], 3 [H, n, d] or 4 [L, H, n, d], "
+            f"got rank {x.ndim} with shape {tuple(x.shape)}"
+        )
+    return x.reshape((1,) * (4 - x.ndim) + tuple(x.shape))  # [L, H, n, d]
+
+
+def validate_qk(q, k, v=None, *, where: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Apply the dump rules (module docstring) to in-memory ``q``, ``k`` (and ``v``).
+
+    Returns ``(q, k, v)`` normalised to ``[L, H, n, d]`` (``v`` may be ``None``), dtypes kept.
+    Every rejection names ``where`` (a file or ``"capture_qk"``, …), the tensor and the rule.
+    This is the check :func:`load_qk` and :func:`save_qk` run, so anything it accepts saves
+    and loads.
+    """
+    entries = {"q": q, "k": k} if v is None else {"q": q, "k": k, "v": v}
+    return _normalise(entries, {}, where)
+
+
+def select_indices(index, size: int, what: str, where: str) -> list[int]:
+    """Validate a selection of ``what`` (``"layer"``/``"head"``) positions on an axis of ``size``.
+
+    Rules: ``None`` selects all (``0 … size-1``); otherwise one integer or a non-empty list /
+    tuple of integers (bools rejected). Negative indices count from the end, as in Python
+    (``-1`` is the last), and are returned as their non-negative position. Duplicates, after
+    that normalisation (``0`` and ``-size`` are the same position), are rejected: a repeated
+    layer or head would be fitted and reported twice. The given order is kept.
+
+    Every error is a ``ValueError`` naming ``where`` (the dump), the index and the valid range.
+    """
     if index is None:
-        return x
-    if isinstance(index, int) and not isinstance(index, bool):
+        return list(range(size))
+    if isinstance(index, numbers.Integral) and not isinstance(index, bool):
         index = [index]
     if not isinstance(index, (list, tuple)) or not index:
-        raise ValueError(f"{label}: {what} must be a non-empty list of integers, got {index!r}")
-    size = x.shape[axis]
+        raise ValueError(f"{where}: {what}s must be a non-empty list of integers, got {index!r}")
+    out = []
     for i in index:
-        if isinstance(i, bool) or not isinstance(i, int):
-            raise ValueError(f"{label}: {what} must be a list of integers, got {index!r}")
+        if isinstance(i, bool) or not isinstance(i, numbers.Integral):
+            raise ValueError(f"{where}: {what}s must be a list of integers, got {list(index)!r}")
         if not -size <= i < size:
             raise ValueError(
-                f"{label}: {what} index {i} is out of range; the dump has {size} {what} "
+                f"{where}: {what} {i} is out of range: the dump has {size} {what}s "
                 f"(valid indices 0..{size - 1}, or -{size}..-1 from the end)"
             )
-    return x.index_select(axis, torch.tensor([i % size for i in index]))
+        out.append(int(i) % size)
+    dups = sorted({i for i in out if out.count(i) > 1})
+    if dups:
+        raise ValueError(
+            f"{where}: {what}s contain duplicates: {list(index)!r} selects position(s) {dups} more than once"
+        )
+    return out
 
 
 def _canonical_safetensors(raw: bytes) -> bytes:
@@ -383,7 +422,8 @@ def load_qk(path, *, layers=None, heads=None) -> QKDump:
         ``.safetensors``, ``.pt``, ``.npz`` or ``.npy`` (see the module docstring for each format).
     layers, heads : list of int, optional
         Keep only these layer / head indices (in the given order; negative indices count from
-        the end). Out-of-range indices raise ``ValueError`` naming the file and the valid range.
+        the end; duplicates are rejected, see :func:`select_indices`). Out-of-range indices
+        raise ``ValueError`` naming the file and the valid range.
 
     Returns
     -------
@@ -403,8 +443,9 @@ def load_qk(path, *, layers=None, heads=None) -> QKDump:
     meta = _check_meta(meta, str(path))
     q, k, v = _normalise(entries, meta, str(path))
     tensors = [q, k, v]
-    for axis, index, what in ((0, layers, "layers"), (1, heads, "heads")):
-        tensors = [None if t is None else _select(t, axis, index, what, str(path)) for t in tensors]
+    for axis, index, what in ((0, layers, "layer"), (1, heads, "head")):
+        keep = torch.tensor(select_indices(index, q.shape[axis], what, str(path)))
+        tensors = [None if t is None else t.index_select(axis, keep) for t in tensors]
     return QKDump(q=tensors[0], k=tensors[1], v=tensors[2], meta=meta, path=path)
 
 

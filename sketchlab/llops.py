@@ -514,33 +514,6 @@ def _prepare(q, k, p, m, rank):
     return q, k, p, m, rank, out_dtype, batch, q64, k64
 
 
-def _solve_side(x: torch.Tensor, theta: torch.Tensor, target: torch.Tensor, ridge: float) -> torch.Tensor:
-    """Exact least-squares update of every factor of one column on one side, in turn.
-
-    ``x[B, n, d]``, ``theta[B, t, p, d]`` (updated in place), ``target[B, n]``. For factor ``j``,
-    the column's features :math:`\\sum_r (x\\theta_{r,j}) \\odot \\prod_{l\\ne j} x\\theta_{r,l}` are linear
-    in :math:`(\\theta_{r,j})_r`: a ``t·d``-unknown least-squares problem. Returns the new column.
-    """
-    B, t, p, d = theta.shape
-    proj = torch.einsum("bnd,btpd->btpn", x, theta)  # [B, t, p, n]
-    eye = torch.eye(t * d, dtype=x.dtype, device=x.device)
-    for j in range(p):
-        others = torch.cat([proj[:, :, :j], proj[:, :, j + 1 :]], 2).prod(2)  # [B, t, n]
-        if t == 1:  # Z = diag(b) x: form Zᵀ Z = xᵀ diag(b²) x without materialising Z
-            b = others[:, 0, :, None]  # [B, n, 1]
-            gram = (x * (b * b)).mT @ x  # [B, d, d]
-            rhs = x.mT @ (b[..., 0] * target)[..., None]  # [B, d, 1]
-        else:
-            z = (others[..., None] * x[:, None]).permute(0, 2, 1, 3).reshape(B, -1, t * d)  # [B, n, t·d]
-            gram = z.mT @ z  # [B, t·d, t·d]
-            rhs = z.mT @ target[..., None]  # [B, t·d, 1]
-        lam = ridge * gram.diagonal(dim1=-2, dim2=-1).mean(-1) + torch.finfo(x.dtype).tiny  # [B]
-        sol = torch.linalg.solve(gram + lam[:, None, None] * eye, rhs)[..., 0].reshape(B, t, d)
-        theta[:, :, j] = sol
-        proj[:, :, j] = torch.einsum("bnd,btd->btn", x, sol)
-    return proj.prod(2).sum(1)  # [B, n]
-
-
 def _balance(theta_q: torch.Tensor, theta_k: torch.Tensor, fq: torch.Tensor, fk: torch.Tensor) -> None:
     """Rescale factors in place without changing the kernel: equal factor norms within each CP
     term, equal feature norms on the two sides of each column. ``theta[B, t, p, d, m]``, ``f[B, n, m]``."""
@@ -555,24 +528,65 @@ def _balance(theta_q: torch.Tensor, theta_k: torch.Tensor, fq: torch.Tensor, fk:
     theta_k.div_(ratio[:, None, None, None, :])
 
 
+def _normal_matrices(x: torch.Tensor, others: torch.Tensor, ridge: float) -> torch.Tensor:
+    r"""Cholesky factors of the normal matrices of every column's factor update, ``[B, m, t·d, t·d]``.
+
+    Column ``i``'s features are linear in its factor ``j``: :math:`Z_i\,\mathrm{vec}(\theta_{:,j,:,i})`
+    with :math:`Z_i[n, (r, d)] = o_{r,n,i}\,x_{n,d}` (``others[B, t, n, m]``: the product of the
+    column's other factors). :math:`Z_i^\top Z_i[(r,d),(s,e)] = \sum_n o_{r,n,i} o_{s,n,i} x_{n,d} x_{n,e}`
+    for all ``i`` at once is one ``(t²·m·d) × n × d`` matrix product per head. A relative ridge
+    (``ridge · mean diag``) keeps rank-deficient blocks solvable.
+    """
+    B, t, n, m = others.shape
+    d = x.shape[-1]
+    row, col = torch.triu_indices(d, d, device=x.device)  # the d(d+1)/2 products x_d x_e, d <= e
+    out = torch.empty(B, t, t, m, d, d, dtype=x.dtype, device=x.device)
+    for b in range(B):  # per head: [t·t·m, n] @ [n, d(d+1)/2], the x_d x_e products formed once
+        w = (others[b, :, None] * others[b, None, :]).transpose(-2, -1)  # [t, s, m, n]
+        packed = w.reshape(-1, n) @ (x[b, :, row] * x[b, :, col])  # [t·s·m, d(d+1)/2]
+        packed = packed.reshape(t, t, m, -1)
+        out[b, :, :, :, row, col] = packed
+        out[b, :, :, :, col, row] = packed
+    out = out.permute(0, 3, 1, 4, 2, 5).reshape(B, m, t * d, t * d)  # [B, m, (t, d), (s, e)]
+    eye = torch.eye(t * d, dtype=x.dtype, device=x.device)
+    lam = ridge * out.diagonal(dim1=-2, dim2=-1).mean(-1) + torch.finfo(x.dtype).tiny  # [B, m]
+    return torch.linalg.cholesky(out + lam[..., None, None] * eye)
+
+
 def _als_side(x, theta, f_self, f_other, cross, ridge):
-    r"""Update every column of one side in turn (Gauss–Seidel), the other side fixed (in place).
+    r"""Update factor ``j`` of every column in turn, for ``j = 1..p``, the other side fixed (in place).
 
     With :math:`\Phi_K` fixed the loss is :math:`\mathrm{tr}(\Phi_Q G\Phi_Q^\top) - 2\,\mathrm{tr}(\Phi_Q^\top T)`
     + const, :math:`G = \Phi_K^\top\Phi_K`, :math:`T = A\Phi_K` (``cross``). For column ``i`` with the
     other columns fixed it is :math:`G_{ii}\|\phi_i - t_i\|^2` + const with
-    :math:`t_i = (T_i - \sum_{l\ne i}\phi_l G_{li}) / G_{ii}`: a structured least-squares fit
-    (:func:`_solve_side`). ``x[B, n, d]``, ``theta[B, t, p, d, m]``, ``f_self[B, n, m]``,
-    ``f_other[B, n', m]``, ``cross[B, n, m]``.
+    :math:`t_i = (T_i - \sum_{l\ne i}\phi_l G_{li}) / G_{ii}`, and :math:`\phi_i = Z_i\,\mathrm{vec}(\theta_{:,j,:,i})`
+    is linear in factor ``j``: each block step is the exact least-squares solve
+    :math:`Z_i^\top Z_i\,\theta = Z_i^\top t_i`. The normal matrices depend only on the column's
+    *other* factors, so for one ``j`` they are formed for all columns at once
+    (:func:`_normal_matrices`); the right-hand sides follow the columns in turn (Gauss–Seidel).
+    ``x[B, n, d]``, ``theta[B, t, p, d, m]``, ``f_self[B, n, m]``, ``f_other[B, n', m]``, ``cross[B, n, m]``.
     """
+    B, t, p, d, m = theta.shape
     tiny = torch.finfo(x.dtype).tiny
     gram = f_other.mT @ f_other  # [B, m, m]
-    for i in range(theta.shape[-1]):
-        g_ii = gram[:, i, i].clamp_min(tiny)[:, None]  # [B, 1]
-        target = (cross[..., i] - (f_self @ gram[:, :, i, None])[..., 0]) / g_ii + f_self[..., i]
-        col = theta[..., i].clone()  # [B, t, p, d]
-        f_self[..., i] = _solve_side(x, col, target, ridge)
-        theta[..., i] = col
+    g_diag = gram.diagonal(dim1=-2, dim2=-1).clamp_min(tiny)  # [B, m]
+    # column-major working copies: column i is a contiguous slice
+    feats = f_self.mT.contiguous()  # [B, m, n]
+    cross_t = cross.mT  # [B, m, n]
+    proj = torch.einsum("bnd,btpdm->bpmtn", x, theta).contiguous()  # [B, p, m, t, n] = ⟨θ_{r,j,:,i}, x⟩
+    theta_t = theta.permute(0, 2, 4, 1, 3).contiguous()  # [B, p, m, t, d]
+    for j in range(p):
+        others = torch.cat([proj[:, :j], proj[:, j + 1 :]], 1).prod(1)  # [B, m, t, n]
+        chol = _normal_matrices(x, others.permute(0, 2, 3, 1), ridge)  # [B, m, t·d, t·d]
+        for i in range(m):
+            target = (cross_t[:, i] - (gram[:, None, :, i] @ feats)[:, 0]) / g_diag[:, i, None] + feats[:, i]  # [B, n]
+            rhs = (others[:, i] * target[:, None]) @ x  # [B, t, d]
+            sol = torch.cholesky_solve(rhs.reshape(B, t * d, 1), chol[:, i]).reshape(B, t, d)
+            theta_t[:, j, i] = sol
+            proj[:, j, i] = sol @ x.mT  # [B, t, n]
+            feats[:, i] = (others[:, i] * proj[:, j, i]).sum(1)
+    theta.copy_(theta_t.permute(0, 3, 1, 4, 2))
+    f_self.copy_(feats.mT)
 
 
 def _als_sweep(q, k, a, theta_q, theta_k, fq, fk, ridge):

@@ -21,6 +21,13 @@ def _pair(approx, exact) -> tuple[torch.Tensor, torch.Tensor]:
             f"approx and exact must have the same shape [..., n_q, n_k], got "
             f"{tuple(approx.shape)} and {tuple(exact.shape)}"
         )
+    zero = exact.abs().amax((-2, -1)) == 0  # [...]
+    if bool(zero.any()):
+        first = tuple(int(i) for i in zero.nonzero()[0]) if zero.ndim else ()
+        raise ValueError(
+            f"exact must not be all zeros (relative errors are undefined): {int(zero.sum())} zero "
+            f"matrix/matrices in the batch, the first at batch index {first}"
+        )
     return approx, exact
 
 
@@ -51,10 +58,10 @@ def optimality_ratio(approx, exact, tail) -> torch.Tensor:
     """
     approx, exact = _pair(approx, exact)
     tail = torch.as_tensor(tail, dtype=torch.float64, device=approx.device)
-    if tail.shape != approx.shape[:-2] or bool((tail < 0).any()):
+    if tail.shape != approx.shape[:-2] or not bool((tail >= 0).all()):  # also rejects NaN
         raise ValueError(
-            f"tail must be non-negative with the batch shape {tuple(approx.shape[:-2])}, "
-            f"got shape {tuple(tail.shape)}"
+            f"tail must be non-negative (not NaN) with the batch shape {tuple(approx.shape[:-2])}, "
+            f"got shape {tuple(tail.shape)} with minimum {tail.min().item() if tail.numel() else None}"
         )
     err = torch.linalg.matrix_norm(approx - exact)
     return torch.where((err == 0) & (tail == 0), torch.ones_like(err), err / tail.sqrt())
@@ -77,8 +84,8 @@ def causal_attention(kernel, v, *, eps: float = 1e-6) -> torch.Tensor:
     """
     kernel = as_float_tensor(kernel, "kernel").to(torch.float64)
     v = as_float_tensor(v, "v").to(torch.float64)
-    n = kernel.shape[-1]
-    if kernel.ndim < 2 or kernel.shape[-2] != n or v.shape[-2] != n or v.shape[:-2] != kernel.shape[:-2]:
+    if kernel.ndim < 2 or v.ndim < 2 or kernel.shape[-2] != kernel.shape[-1] \
+            or v.shape[-2] != kernel.shape[-1] or v.shape[:-2] != kernel.shape[:-2]:
         raise ValueError(
             f"kernel must be [..., n, n] and v [..., n, d_v] with the same n and batch, got "
             f"{tuple(kernel.shape)} and {tuple(v.shape)}"

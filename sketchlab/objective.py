@@ -19,6 +19,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ._validation import check_positive_int
+from .polynomial import poly_kernel
 
 __all__ = ["DEFAULT_LR", "DEFAULT_STEPS", "check_finite_loss", "kernel_loss", "train_kernel_sketch"]
 
@@ -118,7 +119,7 @@ def train_kernel_sketch(
     for i, t in enumerate(params):
         if tuple(t.shape[: len(batch)]) != tuple(batch):
             raise ValueError(f"params[{i}] must lead with the batch shape {tuple(batch)}, got {tuple(t.shape)}")
-    exact = (q @ k.mT) ** p  # [..., n_q, n_k]
+    exact = poly_kernel(q, k, p)  # [..., n_q, n_k]
     norm = (exact**2).sum((-2, -1))  # [...]
     check_finite_loss(norm, 0, what)
     norm = norm.clamp_min(torch.finfo(exact.dtype).tiny)

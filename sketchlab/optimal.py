@@ -54,7 +54,7 @@ from .fit import register_sketch
 from .polynomial import DEFAULT_MAX_BYTES, num_poly_features, poly_features, poly_kernel, symmetric_to_full
 from .sketch import Sketch
 
-__all__ = ["OptimalSketch", "optimal_sketch", "tail_bound"]
+__all__ = ["OptimalSketch", "max_sketch_size", "optimal_sketch", "tail_bound"]
 
 _ROUTES = ("auto", "svd", "qr")
 
@@ -123,6 +123,15 @@ class OptimalSketch(Sketch):
         return symmetric_to_full(w, self.d, self.p)
 
 
+def max_sketch_size(n_q: int, n_k: int, d: int, p: int) -> int:
+    """The largest rank ``A = (QKᵀ)^{∘p}`` can have: ``min(n_q, n_k, D)``, ``D`` the exact feature count.
+
+    ``D = min(d**p, C(d+p-1, p))`` (the symmetric features whenever fewer). Sketch sizes above it
+    have a zero tail: the exact features are already optimal there.
+    """
+    return min(n_q, n_k, num_poly_features(d, p, True), num_poly_features(d, p, False))
+
+
 def _check_inputs(q, k, p, m, route):
     q, k = check_pair(q, k)
     p = check_degree(p)
@@ -133,7 +142,7 @@ def _check_inputs(q, k, p, m, route):
     symmetric = num_poly_features(d, p, True) < num_poly_features(d, p, False)
     dim = num_poly_features(d, p, symmetric)
     n_q, n_k = q.shape[-2], k.shape[-2]
-    limit = min(n_q, n_k, dim)
+    limit = max_sketch_size(n_q, n_k, d, p)
     if m > limit:
         raise ValueError(
             f"m (the sketch size) must be at most min(n_q, n_k, D) = min({n_q}, {n_k}, {dim}) = {limit}, "

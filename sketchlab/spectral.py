@@ -196,8 +196,12 @@ def spectral_norm(
     if p == 1 or fro == 0.0:
         unit = [t / fro if fro > 0 else torch.zeros_like(t)]
         if fro == 0.0:
-            unit = [torch.nn.functional.normalize(torch.ones(n, dtype=torch.float64), dim=0) for n in t.shape]
-        return SpectralNorm(fro, unit, torch.full((restarts,), fro, dtype=torch.float64), restarts, upper, 0)
+            unit = [torch.nn.functional.normalize(torch.ones(n, dtype=torch.float64, device=t.device), dim=0)
+                    for n in t.shape]
+        return SpectralNorm(fro, unit, torch.full((restarts,), fro, dtype=torch.float64, device=t.device),
+                            restarts, upper, 0)
+    # Random starts come from a CPU generator (same seed, same starts on every device) and are then
+    # moved to T's device, where all contractions run.
     generator = torch.Generator().manual_seed(seed)
     if symmetric:
         d = t.shape[0]
@@ -216,7 +220,10 @@ def spectral_norm(
         if r == 0:
             starts = [torch.linalg.svd(_unfold(t, j), full_matrices=False)[0][:, 0] for j in range(p)]
         else:
-            starts = [torch.nn.functional.normalize(torch.randn(n, generator=generator, dtype=torch.float64), dim=0) for n in t.shape]
+            starts = [
+                torch.nn.functional.normalize(torch.randn(n, generator=generator, dtype=torch.float64), dim=0).to(t.device)
+                for n in t.shape
+            ]
         if symmetric:
             # even p: the extreme of T x^p may be negative, so search both T and -T; odd p: λ(-x) = -λ(x)
             candidates = []
@@ -236,7 +243,7 @@ def spectral_norm(
         most = max(most, it)
         if val > best:
             best, best_factors = val, vectors
-    values_t = torch.tensor(values, dtype=torch.float64)
+    values_t = torch.tensor(values, dtype=torch.float64, device=t.device)
     agree = int((values_t >= best - agree_tol * abs(best)).sum())
     return SpectralNorm(best, best_factors, values_t, agree, upper, most)
 
@@ -281,9 +288,10 @@ def rank1_residuals(
         raise ValueError(f"w must have shape [..., d**p={d**p}, m] for d={d}, p={p}, got {tuple(w.shape)}")
     batch, m = w.shape[:-2], w.shape[-1]
     flat = w.reshape(-1, d**p, m)  # [B, d^p, m]
-    tau = torch.zeros(flat.shape[0], m, dtype=torch.float64)
-    agree = torch.zeros(flat.shape[0], m, dtype=torch.int64)
-    upper = torch.zeros(flat.shape[0], m, dtype=torch.float64)
+    # on w's device, so that fro_sq - tau**2 below (and any use with w) stays on one device
+    tau = torch.zeros(flat.shape[0], m, dtype=torch.float64, device=w.device)
+    agree = torch.zeros(flat.shape[0], m, dtype=torch.int64, device=w.device)
+    upper = torch.zeros(flat.shape[0], m, dtype=torch.float64, device=w.device)
     for b in range(flat.shape[0]):
         for i in range(m):
             res = spectral_norm(flat[b, :, i].reshape((d,) * p), restarts=restarts, seed=seed, symmetric=symmetric, **options)
@@ -354,11 +362,11 @@ def deflate(T, rank: int, *, restarts: int = 8, seed: int = 0, symmetric: bool =
         factors.append(res.factors)
         residual_sq.append(float((residual**2).sum()))
     return Deflation(
-        values=torch.tensor(values, dtype=torch.float64),
+        values=torch.tensor(values, dtype=torch.float64, device=t.device),
         factors=factors,
         approximation=t - residual,
         residual=residual,
-        residual_sq=torch.tensor(residual_sq, dtype=torch.float64),
+        residual_sq=torch.tensor(residual_sq, dtype=torch.float64, device=t.device),
     )
 
 

@@ -104,6 +104,16 @@ def test_llama_grouped_query_repeat():
         for h_q in range(4):
             torch.testing.assert_close(dump.k[layer, h_q], kh[h_q // 2], **TOL)
     assert "before RoPE" in dump.meta["captured"]
+    # num_heads alone must still take the 2 kv heads from the config (k was split into 4 heads
+    # of width 4 before): the dump is identical to the fully automatic one
+    explicit = capture_qk(model, ids, num_heads=4)
+    assert explicit.k.shape == (3, 4, B * T, 8)
+    torch.testing.assert_close(explicit.k, dump.k, rtol=0, atol=0)
+    torch.testing.assert_close(explicit.v, dump.v, rtol=0, atol=0)
+    # a wrong explicit kv head count is caught with the split it used, not returned as a bad dump
+    with pytest.raises(ValueError, match=r"captured q has head dimension 8 but k has 4 "
+                                         r"\(split with num_heads=4, num_kv_heads=4\)"):
+        capture_qk(model, ids, num_heads=4, num_kv_heads=4)
 
 
 def test_sketchlab_model_captures_post_rope_kernel_inputs(tmp_path):
@@ -162,6 +172,26 @@ def test_explicit_modules_and_errors():
         capture_qk(model, x, modules={"q": ["a.0"], "k": ["a.1"]}, num_heads=4)
     with pytest.raises(ValueError, match="keys q, k"):
         capture_qk(model, x, modules={"query": ["a.0"]}, num_heads=2)
+    with pytest.raises(ValueError, match="num_heads must be an integer >= 1, got 0"):
+        capture_qk(model, x, modules={"q": ["a.0"], "k": ["a.1"]}, num_heads=0)
+    with pytest.raises(TypeError, match=r"num_kv_heads must be an integer >= 1, got 1\.5"):
+        capture_qk(model, x, modules={"q": ["a.0"], "k": ["a.1"]}, num_heads=2, num_kv_heads=1.5)
+
+
+def test_returned_dump_is_validated_without_path():
+    # a layer whose output overflows to inf: the in-memory dump (no path) must be rejected as
+    # save_qk / load_qk would reject the file
+    torch.manual_seed(6)
+    model = _TwoLayer()
+    x = torch.randn(B, T, 6)
+    with torch.no_grad():
+        model.a[1].weight.fill_(float("inf"))
+    with pytest.raises(ValueError, match=r"capture_qk: captured: tensor k must be finite: \d+ non-finite"):
+        capture_qk(model, x, modules={"q": ["a.0"], "k": ["a.1"]}, num_heads=2)
+    # q and k of different head dimensions (explicit modules of different widths) are rejected
+    wide = nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 4))
+    with pytest.raises(ValueError, match="captured q has head dimension 3 but k has 2"):
+        capture_qk(wide, x, modules={"q": ["0"], "k": ["1"]}, num_heads=2)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -89,6 +89,12 @@ def test_selection_and_file_input(tmp_path):
     assert t.layers == [2, 0] and t.heads == [1] and t.source == str(path)
     assert {(r.layer, r.head) for r in t.rows} == {(2, 1), (0, 1)}
     assert compare((q[0, 0], k[0, 0]), p=2, m=5, methods=["optimal"], progress=False).layers == [0]
+    # negative indices count from the end and are recorded as non-negative positions
+    neg = compare((q, k), p=2, m=5, methods=["optimal"], layers=[-1], heads=-3, progress=False)
+    assert neg.layers == [2] and neg.heads == [0]
+    assert {(r.layer, r.head) for r in neg.rows} == {(2, 0)}
+    same = compare((q, k), p=2, m=5, methods=["optimal"], layers=[2], heads=[0], progress=False)
+    assert neg.values("optimal", "rel_fro") == same.values("optimal", "rel_fro")
 
 
 def test_default_methods_run_with_llops():
@@ -108,9 +114,15 @@ def test_default_methods_run_with_llops():
     ({"methods": ["psf", "psf"]}, ValueError, "duplicates"),
     ({"p": 0}, ValueError, "p .* must be an integer >= 1"),
     ({"m": 0}, ValueError, "m .* must be an integer >= 1"),
-    ({"m": 31}, ValueError, "m=31 exceeds"),
-    ({"layers": [2]}, ValueError, "layer 2 is out of range: the dump has 2 layers"),
-    ({"heads": [-1]}, ValueError, "head -1 is out of range"),
+    # n=40, holdout 0.25 -> 30 fitting tokens; C(6+1, 2) = 21 < 6^2: the limit is 21
+    ({"m": 22}, ValueError, r"m=22 exceeds 21 = sketchlab\.optimal\.max_sketch_size\(n_fit=30, n_fit, d=6, p=2\)"),
+    ({"m": 31, "p": 3}, ValueError, r"m=31 exceeds 30 = .*max_sketch_size\(n_fit=30, n_fit, d=6, p=3\)"),
+    ({"layers": [2]}, ValueError,
+     r"in-memory \(q, k\): layer 2 is out of range: the dump has 2 layers \(valid indices 0\.\.1, or -2\.\.-1"),
+    ({"heads": [-2]}, ValueError, r"in-memory \(q, k\): head -2 is out of range: the dump has 1 heads"),
+    # -2 is layer 0 of 2: the same layer twice would be fitted and tabulated twice
+    ({"layers": [0, -2]}, ValueError, r"layers contain duplicates: \[0, -2\] selects position\(s\) \[0\]"),
+    ({"layers": [0.5]}, ValueError, r"layers must be a list of integers"),
     ({"holdout": 1.0}, ValueError, "holdout must lie in"),
     ({"scale": "sqrt"}, ValueError, "scale must be"),
     ({"scale": -1.0}, ValueError, "scale must be"),

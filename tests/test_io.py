@@ -93,11 +93,14 @@ def test_layer_and_head_selection(tmp_path):
 
 
 @pytest.mark.parametrize("kw,msg", [
-    ({"layers": [4]}, r"layers index 4 is out of range; the dump has 4 layers \(valid indices 0\.\.3"),
-    ({"layers": [-5]}, r"layers index -5 is out of range"),
-    ({"heads": [0, 3]}, r"heads index 3 is out of range; the dump has 3 heads \(valid indices 0\.\.2"),
-    ({"heads": []}, r"heads must be a non-empty list of integers"),
-    ({"layers": [0.5]}, r"layers must be a list of integers"),
+    ({"layers": [4]}, r"layer 4 is out of range: the dump has 4 layers \(valid indices 0\.\.3, or -4\.\.-1"),
+    ({"layers": [-5]}, r"layer -5 is out of range: the dump has 4 layers"),
+    ({"heads": [0, 3]}, r"head 3 is out of range: the dump has 3 heads \(valid indices 0\.\.2"),
+    ({"heads": []}, r"heads must be a non-empty list of integers, got \[\]"),
+    ({"layers": [0.5]}, r"layers must be a list of integers, got \[0\.5\]"),
+    ({"layers": [1, 1]}, r"layers contain duplicates: \[1, 1\] selects position\(s\) \[1\] more than once"),
+    # -4 is layer 0 of 4: a duplicate once negative indices are resolved
+    ({"layers": [0, -4]}, r"layers contain duplicates: \[0, -4\] selects position\(s\) \[0\]"),
 ])
 def test_selection_out_of_range_names_file_and_range(tmp_path, kw, msg):
     q, k, _ = _qkv((4, 3, 5, 2))

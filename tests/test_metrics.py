@@ -35,7 +35,7 @@ def test_optimality_ratio():
     # exact kernel with zero tail is optimal (ratio 1), a non-zero error over a zero tail is inf
     assert optimality_ratio(exact[0, 0], exact[0, 0], 0.0).item() == 1.0
     assert optimality_ratio(approx[0, 0], exact[0, 0], 0.0).item() == float("inf")
-    with pytest.raises(ValueError, match=r"tail must be non-negative with the batch shape \(2, 3\)"):
+    with pytest.raises(ValueError, match=r"tail must be non-negative \(not NaN\) with the batch shape \(2, 3\), got shape \(3,\)"):
         optimality_ratio(approx, exact, torch.ones(3))
 
 
@@ -49,14 +49,29 @@ def test_causal_attention_matches_loop():
         den = sum(kern[i, j] for j in range(i + 1)) + 1e-3
         assert torch.allclose(out[i], num / den, rtol=1e-14, atol=0)
     assert attention_error(kern, kern, v).item() == 0.0
-    assert attention_error(kern * 1.1, kern, v).item() > 0.0
+    # a non-uniform perturbation: the error equals ‖O(Â) − O(A)‖_F / ‖O(A)‖_F written out by hand
+    approx = kern * torch.linspace(0.5, 1.5, 5, dtype=torch.float64)[None, :]
+    out_hat = torch.stack([sum(approx[i, j] * v[j] for j in range(i + 1)) / (sum(approx[i, : i + 1]) + 1e-6)
+                           for i in range(5)])
+    out = torch.stack([sum(kern[i, j] * v[j] for j in range(i + 1)) / (sum(kern[i, : i + 1]) + 1e-6) for i in range(5)])
+    expected = torch.linalg.norm(out_hat - out) / torch.linalg.norm(out)
+    assert attention_error(approx, kern, v).item() == pytest.approx(expected.item(), rel=1e-12)
+    assert expected.item() > 1e-3  # the perturbation is not a rescaling the normaliser cancels
 
 
-def test_shape_errors():
+def test_shape_and_value_errors():
     with pytest.raises(ValueError, match=r"same shape"):
         rel_mae(torch.ones(3, 3), torch.ones(3, 4))
     with pytest.raises(ValueError, match=r"kernel must be \[\.\.\., n, n\]"):
         causal_attention(torch.ones(3, 4), torch.ones(4, 2))
+    with pytest.raises(ValueError, match=r"kernel must be \[\.\.\., n, n\]"):
+        causal_attention(torch.ones(3), torch.ones(3))
+    exact = torch.ones(2, 3, 3)
+    exact[1] = 0
+    with pytest.raises(ValueError, match=r"exact must not be all zeros.*1 zero.*batch index \(1,\)"):
+        rel_fro(torch.ones(2, 3, 3), exact)
+    with pytest.raises(ValueError, match=r"tail must be non-negative \(not NaN\).*minimum nan"):
+        optimality_ratio(torch.ones(3, 3), 2 * torch.ones(3, 3), float("nan"))
 
 
 def test_holdout_split_is_a_seeded_partition():

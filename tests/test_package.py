@@ -1,9 +1,33 @@
 """Package-level contracts: exports, and every registered sketch honours the Sketch interface."""
 
+import math
+
 import pytest
 import torch
 
 import sketchlab as sl
+
+
+def _expected_parameters(method, sketch, report, p, d, m):
+    """Stored numbers per head, both sides, written out per method (d = 4, m = 9 below)."""
+    if method == "optimal":
+        return 2 * math.comb(d + p - 1, p) * m  # W*_Q, W*_K on the symmetric features
+    if method == "llops":
+        return 2 * p * d * m  # rank 1, untied Θ_Q, Θ_K
+    if method == "elementwise":
+        return 2 * d * m  # untied Θ_Q, Θ_K of shape d × m
+    if method == "mlp":
+        h = report.info["hidden"]
+        return 2 * (d * h + h + h * m + m)  # two layers with biases, per side
+    if method == "psf":
+        # p = 2: self-tensored degree-1 sketch, r = ⌊√9⌋ = 3, one d × r matrix;
+        # p = 3: plain recursive sketch, r = m = 9: (2 → d×r, d×r), top (r×r, d×r)
+        return {2: d * 3, 3: 3 * d * m + m * m}[p]
+    if method == "tensorsketch":
+        return 2 * p * d  # a hash and a sign per input coordinate and level
+    if method == "based":
+        return d * sketch.proj.shape[-1]  # the d × d' projection
+    raise AssertionError(f"no expected parameter count written for {method!r}")
 
 
 def test_all_exports_exist():
@@ -32,13 +56,14 @@ def test_registered_sketch_follows_the_interface(method, p):
     fq, fk = sketch.features_q(q), sketch.features_k(k)
     assert fq.shape == (2, 2, 48, sketch.num_features) and fk.shape == fq.shape
     assert sketch.num_features <= m  # BASED rounds its size down to what its dimension allows
-    assert sketch.num_parameters >= 0
+    assert sketch.num_parameters == _expected_parameters(method, sketch, fit.report, p, 4, m)
     with torch.no_grad():
         kern = sketch.kernel(q, k)
         for l in range(2):
             for h in range(2):
                 expected = sketch.features_q(q)[l, h] @ sketch.features_k(k)[l, h].T
-                torch.testing.assert_close(kern[l, h].double(), expected.double(), rtol=1e-6, atol=1e-9)
+                # float64 inputs: a length-≤9 inner product per entry, round-off ~1e-15 relative
+                torch.testing.assert_close(kern[l, h].double(), expected.double(), rtol=1e-12, atol=1e-14)
     rep = fit.report
     assert rep.rel_fro.shape == (2, 2) and rep.holdout_rel_fro.shape == (2, 2)
     # Theorem 3.1: no sketch of size <= m beats the optimum of size m on its fitting tokens

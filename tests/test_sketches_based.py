@@ -67,7 +67,8 @@ def test_pca_projection_is_orthonormal_and_exact_at_full_dim():
     # the first direction keeps the most energy of [q; k] among unit vectors
     x = torch.cat([q, k])
     top = (x @ pca_projection(q, k, 1)).norm()
-    assert top >= (x @ torch.nn.functional.normalize(torch.randn(4, 1, dtype=F64), dim=0)).norm()
+    other = torch.randn(4, 1, dtype=F64, generator=torch.Generator().manual_seed(3))
+    assert top >= (x @ torch.nn.functional.normalize(other, dim=0)).norm()
 
 
 def test_fit_based():
@@ -83,3 +84,39 @@ def test_fit_based():
         fit_sketch("based", q, k, p=3, m=20, form="taylor")
     with pytest.raises(ValueError, match="projection must be"):
         fit_sketch("based", q, k, p=2, m=20, projection="learned")
+
+
+def test_pca_projection_validates_dim():
+    q, k = _data(n=12, d=4)
+    for bad in (0, -1):  # used to slice vh[:-1] (d - 1 columns) or vh[:0] (no columns)
+        with pytest.raises(ValueError, match="dim .* must be an integer >= 1"):
+            pca_projection(q, k, bad)
+    with pytest.raises(TypeError, match="dim"):
+        pca_projection(q, k, 2.0)
+    with pytest.raises(ValueError, match="must be <= d = 4, got 5"):
+        pca_projection(q, k, 5)
+    with pytest.raises(ValueError, match="rank bound"):  # 2 tokens in all: rank <= 2 < 3 <= d
+        pca_projection(q[:1], k[:1], 3)
+    assert pca_projection(q, k, 4).shape == (4, 4)
+
+
+def test_taylor_naive_requires_a_matrix():
+    proj = torch.eye(3, dtype=F64)
+    with pytest.raises(ValueError, match=r"x\[n, d\], got shape \(3,\)"):
+        taylor_features_naive(torch.ones(3, dtype=F64), proj)
+    with pytest.raises(ValueError, match=r"proj\[d, d'\] with d = x.shape\[1\] = 3"):
+        taylor_features_naive(torch.ones(2, 3, dtype=F64), torch.eye(4, dtype=F64))
+
+
+def test_random_projection_follows_the_input_device():
+    # The projection is drawn on a CPU generator and must then live on q's device. The "meta"
+    # device (shapes only, no data) stands in for a GPU on this CPU-only machine: without the
+    # move, proj would stay on the CPU.
+    from sketchlab.sketches.based import _fit_based
+
+    q = torch.empty(2, 30, 6, device="meta")
+    s = _fit_based(q, q, p=2, m=20, seed=0, projection="random")
+    assert s.proj.device.type == "meta" and s.features_q(q).device.type == "meta"
+    # the draw itself is the same as on the CPU (same seed, same P)
+    cpu = _fit_based(torch.zeros(2, 30, 6), torch.zeros(2, 30, 6), p=2, m=20, seed=0, projection="random")
+    assert cpu.proj.device.type == "cpu" and cpu.proj.shape == s.proj.shape

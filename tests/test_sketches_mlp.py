@@ -86,3 +86,26 @@ def test_validation():
         fit_sketch("mlp", *_qk(), p=2, m=4, steps=0)
     with pytest.raises(ValueError, match="theta_k must have the shape"):
         ElementwiseSketch(torch.randn(3, 4), 2, torch.randn(3, 5))
+
+
+def test_elementwise_naive_requires_a_matrix():
+    with pytest.raises(ValueError, match=r"x\[n, d\], got shape \(3,\)"):  # was an IndexError
+        elementwise_features_naive(torch.ones(3, dtype=F64), torch.ones(3, 2, dtype=F64), 2)
+    with pytest.raises(ValueError, match=r"theta\[d, m\] with d = x.shape\[1\] = 3"):
+        elementwise_features_naive(torch.ones(2, 3, dtype=F64), torch.ones(4, 2, dtype=F64), 2)
+
+
+@pytest.mark.parametrize("method", ["mlp", "elementwise"])
+def test_random_start_follows_the_input_device(method, monkeypatch):
+    # The start is drawn on a CPU generator, then moved to q's device. "meta" (shapes only) stands
+    # in for a GPU on this CPU-only machine; training needs values, so it is replaced by a no-op here
+    # (the device of the start is decided before it).
+    import sketchlab.sketches.elementwise as ew
+    import sketchlab.sketches.mlp as mlp
+
+    module, fitter = (mlp, mlp._fit_mlp) if method == "mlp" else (ew, ew._fit_elementwise)
+    monkeypatch.setattr(module, "train_kernel_sketch", lambda *args, **kwargs: {"steps": 0, "converged": True})
+    q = torch.empty(2, 6, 4, device="meta")
+    s = fitter(q, q, p=2, m=8, seed=0)
+    assert {t.device.type for t in s.parameters()} == {"meta"}
+    assert s.features_q(q).device.type == "meta" and s.features_k(q).shape == (2, 6, 8)

@@ -119,3 +119,38 @@ def test_bad_weights_rejected():
         PolySketch([torch.randn(3, 4)], 2)
     with pytest.raises(ValueError, match=r"weights\[1\] must have shape"):
         PolySketch([torch.randn(3, 4), torch.randn(3, 5)], 2)
+
+
+def test_psf_features_validates_weights():
+    x = torch.randn(5, 4, dtype=F64, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="got an empty list"):  # was an IndexError
+        psf_features(x, [], 2)
+    with pytest.raises(TypeError, match="weights must be a list of tensors"):
+        psf_features(x, torch.randn(4, 3), 1)
+    with pytest.raises(ValueError, match="needs 2 weight matrices, got 1"):
+        psf_features(x, [torch.randn(4, 3, dtype=F64)], 2)
+    with pytest.raises(ValueError, match=r"weights\[0\] must have shape \[..., 4, 3\]"):  # d mismatch
+        psf_features(x, [torch.randn(5, 3, dtype=F64)], 1)
+    with pytest.raises(ValueError, match=r"x must have shape \[..., n, d\]"):
+        psf_features(torch.ones(4, dtype=F64), [torch.randn(4, 3, dtype=F64)], 1)
+
+
+def test_polysketch_rejects_non_list_weights():
+    with pytest.raises(TypeError, match="weights must be a list of tensors .* got Tensor"):  # was "Boolean value of Tensor"
+        PolySketch(torch.randn(4, 3), 1)
+    with pytest.raises(ValueError, match="got an empty list"):
+        PolySketch([], 1)
+
+
+@pytest.mark.parametrize("p", [2, 3])
+def test_fit_psf_follows_the_input_device(p):
+    # Weights are drawn on a CPU generator, then moved to q's device; "meta" (shapes only) stands in
+    # for a GPU here: without the move the weights would stay on the CPU.
+    from sketchlab.sketches.psf import _fit_psf
+
+    q = torch.empty(2, 7, 5, device="meta")
+    s = _fit_psf(q, q, p=p, m=9, seed=0)
+    assert {w.device.type for w in s.weights} == {"meta"}
+    assert s.features_q(q).device.type == "meta" and s.features_q(q).shape == (2, 7, 9)
+    cpu = PolySketch.draw(5, p, 9, non_negative=p % 2 == 0, seed=0, batch_shape=(2,), dtype=torch.float32)
+    assert all(w.device.type == "cpu" and w.shape == v.shape for w, v in zip(cpu.weights, s.weights))

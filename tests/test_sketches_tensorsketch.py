@@ -14,7 +14,7 @@ import torch
 from sklearn.kernel_approximation import PolynomialCountSketch
 
 from sketchlab import fit_sketch
-from sketchlab.sketches import TensorSketch, tensorsketch_features_naive
+from sketchlab.sketches import TensorSketch, count_sketch_matrix, tensorsketch_features, tensorsketch_features_naive
 
 F64 = torch.float64
 
@@ -75,3 +75,28 @@ def test_fit_and_validation():
         TensorSketch(torch.tensor([[0, 9]]), torch.tensor([[1, -1]]), 4)
     with pytest.raises(ValueError, match="sign_hash values must be"):
         TensorSketch(torch.tensor([[0, 1]]), torch.tensor([[1, 0]]), 4)
+
+
+def test_features_validate_the_matrices_against_x():
+    mats = count_sketch_matrix(torch.tensor([[0, 1, 2], [2, 1, 0]]), torch.ones(2, 3, dtype=torch.long), 4, F64)
+    x = torch.ones(5, 3, dtype=F64)
+    assert tensorsketch_features(x, mats).shape == (5, 4)
+    with pytest.raises(ValueError, match=r"d = matrices.shape\[-2\] = 3 .* got x of shape \(5, 4\)"):  # was a bmm RuntimeError
+        tensorsketch_features(torch.ones(5, 4, dtype=F64), mats)
+    with pytest.raises(ValueError, match=r"x must have shape \[..., n, d\]"):
+        tensorsketch_features(torch.ones(3, dtype=F64), mats)
+    with pytest.raises(ValueError, match=r"matrices must have shape \[..., p, d, m\]"):
+        tensorsketch_features(x, mats[0])
+
+
+def test_fit_follows_the_input_device():
+    # Hashes are drawn on a CPU generator, validated, then moved to q's device; "meta" (shapes
+    # only) stands in for a GPU here: without the move they would stay on the CPU.
+    from sketchlab.sketches.tensorsketch import _fit_tensorsketch
+
+    q = torch.empty(3, 6, 4, device="meta")
+    s = _fit_tensorsketch(q, q, p=2, m=8, seed=5)
+    assert s.index_hash.device.type == s.sign_hash.device.type == s.matrices.device.type == "meta"
+    assert s.features_q(q).device.type == "meta" and s.features_q(q).shape == (3, 6, 8)
+    cpu = TensorSketch.draw(4, 2, 8, seed=5, batch_shape=(3,))
+    assert cpu.matrices.device.type == "cpu"

@@ -103,6 +103,12 @@ def taylor_features_naive(x, proj, symmetric: bool = False) -> torch.Tensor:
     """Float64 twin of :func:`taylor_features` for ``x[n, d]``, ``proj[d, d']``."""
     x = as_float_tensor(x, "x").to(torch.float64)
     proj = as_float_tensor(proj, "proj").to(torch.float64)
+    if x.ndim != 2:
+        raise ValueError(f"taylor_features_naive takes x[n, d], got shape {tuple(x.shape)}")
+    if proj.ndim != 2 or proj.shape[0] != x.shape[1]:
+        raise ValueError(
+            f"taylor_features_naive takes proj[d, d'] with d = x.shape[1] = {x.shape[1]}, got shape {tuple(proj.shape)}"
+        )
     n, dim = x.shape[0], proj.shape[1]
     u = torch.zeros(n, dim, dtype=torch.float64)
     for a in range(dim):
@@ -119,7 +125,14 @@ def expand_features(x: torch.Tensor, proj: torch.Tensor, p: int, symmetric: bool
 
 
 def pca_projection(q: torch.Tensor, k: torch.Tensor, dim: int) -> torch.Tensor:
-    """Top-``dim`` right singular vectors of the uncentred ``[q; k]`` per head: ``[..., d, dim]``."""
+    """Top-``dim`` right singular vectors of the uncentred ``[q; k]`` per head: ``[..., d, dim]``.
+
+    ``dim`` must be an integer with ``1 <= dim <= min(n_q + n_k, d)``.
+    """
+    dim = check_positive_int(dim, "dim (the projected dimension d')")
+    d = q.shape[-1]
+    if dim > d:
+        raise ValueError(f"dim (the projected dimension d') must be <= d = {d}, got {dim}")
     x = torch.cat([q, k], dim=-2).to(torch.float64)  # [..., n_q + n_k, d]
     _, _, vh = torch.linalg.svd(x, full_matrices=False)  # vh [..., min(n, d), d]
     if dim > vh.shape[-2]:
@@ -197,7 +210,9 @@ def _fit_based(q, k, *, p: int, m: int, seed: int = 0, form: str = "expand", pro
         proj = pca_projection(q, k, dim)
     elif projection == "random":
         gen = make_generator(seed)
-        proj = (torch.randn(*q.shape[:-2], d, dim, generator=gen, dtype=torch.float64) / math.sqrt(dim)).to(q.dtype)
+        # Draw on the CPU generator (same seed → same P on every device), then move to q's device.
+        proj = torch.randn(*q.shape[:-2], d, dim, generator=gen, dtype=torch.float64) / math.sqrt(dim)
+        proj = proj.to(device=q.device, dtype=q.dtype)
     else:
         raise ValueError(f"projection must be 'pca' or 'random', got {projection!r}")
     sketch = BasedSketch(proj, p, form=form, symmetric=symmetric)

@@ -32,6 +32,13 @@ def elementwise_features_naive(x, theta, p: int) -> torch.Tensor:
     """Float64 twin for ``x[n, d]``, ``theta[d, m]``: explicit inner products, then the power."""
     x = as_float_tensor(x, "x").to(torch.float64)
     theta = as_float_tensor(theta, "theta").to(torch.float64)
+    if x.ndim != 2:
+        raise ValueError(f"elementwise_features_naive takes x[n, d], got shape {tuple(x.shape)}")
+    if theta.ndim != 2 or theta.shape[0] != x.shape[1]:
+        raise ValueError(
+            f"elementwise_features_naive takes theta[d, m] with d = x.shape[1] = {x.shape[1]}, "
+            f"got shape {tuple(theta.shape)}"
+        )
     out = torch.zeros(x.shape[0], theta.shape[1], dtype=torch.float64)
     for i in range(theta.shape[1]):
         for a in range(x.shape[1]):
@@ -94,7 +101,9 @@ def _fit_elementwise(q, k, *, p: int, m: int, seed: int = 0, tied: bool = False,
     d = q.shape[-1]
 
     def draw():
-        return (torch.randn(*q.shape[:-2], d, m, generator=gen, dtype=torch.float64) / math.sqrt(d)).to(q.dtype)
+        # Draw on the CPU generator (same seed → same start on every device), then move to q's device.
+        theta = torch.randn(*q.shape[:-2], d, m, generator=gen, dtype=torch.float64) / math.sqrt(d)
+        return theta.to(device=q.device, dtype=q.dtype)
 
     sketch = ElementwiseSketch(draw(), p, None if tied else draw())
     sketch.fit_info = train_kernel_sketch(

@@ -132,8 +132,13 @@ class MLPSketch(nn.Module, Sketch):
     @classmethod
     def init_random(cls, d: int, p: int, m: int, hidden: int, *, seed: int | None = None,
                     generator: torch.Generator | None = None, batch_shape: tuple[int, ...] = (),
-                    dtype: torch.dtype = torch.float32, activation: str = "gelu") -> "MLPSketch":
-        """He/LeCun-style initialisation: ``W1 ~ N(0, 1/d)``, ``W2 ~ N(0, 1/h)``, zero biases."""
+                    dtype: torch.dtype = torch.float32, activation: str = "gelu",
+                    device: torch.device | str | None = None) -> "MLPSketch":
+        """He/LeCun-style initialisation: ``W1 ~ N(0, 1/d)``, ``W2 ~ N(0, 1/h)``, zero biases.
+
+        Drawn on the CPU ``generator`` in float64 (a seed gives the same start on every device), then
+        cast to ``dtype`` and moved to ``device`` (default: CPU).
+        """
         d, m, hidden = (check_positive_int(v, n) for v, n in ((d, "d"), (m, "m (the sketch size)"), (hidden, "hidden")))
         batch_shape = check_batch_shape(batch_shape)
         dtype = check_dtype(dtype)
@@ -144,7 +149,7 @@ class MLPSketch(nn.Module, Sketch):
             w2 = torch.randn(*batch_shape, hidden, m, generator=gen, dtype=torch.float64) / math.sqrt(hidden)
             b1 = torch.zeros(*batch_shape, hidden, dtype=torch.float64)
             b2 = torch.zeros(*batch_shape, m, dtype=torch.float64)
-            return tuple(t.to(dtype) for t in (w1, b1, w2, b2))
+            return tuple(t.to(device=device, dtype=dtype) for t in (w1, b1, w2, b2))
 
         return cls(side(), side(), p, activation=activation)
 
@@ -195,7 +200,7 @@ def _fit_mlp(q, k, *, p: int, m: int, seed: int = 0, hidden: int | None = None, 
     d = q.shape[-1]
     hidden = default_hidden(d, p, m) if hidden is None else check_positive_int(hidden, "hidden")
     sketch = MLPSketch.init_random(d, p, m, hidden, seed=seed, batch_shape=q.shape[:-2], dtype=q.dtype,
-                                   activation=activation)
+                                   activation=activation, device=q.device)
     info = train_kernel_sketch(list(sketch.parameters()), lambda a, b: (sketch.features_q(a), sketch.features_k(b)),
                                q, k, p, steps=steps, lr=lr, what="MLP sketch")
     sketch.fit_info = {**info, "hidden": hidden}

@@ -79,8 +79,15 @@ def psf_weight_shapes(d: int, p: int, r: int) -> list[tuple[int, int]]:
 
 
 def _check_weights(weights, d: int, p: int) -> list[torch.Tensor]:
-    if not isinstance(weights, (list, tuple)) or len(weights) == 0:
-        raise TypeError(f"weights must be a non-empty list of tensors, got {type(weights).__name__}")
+    if not isinstance(weights, (list, tuple)):
+        raise TypeError(
+            f"weights must be a list of tensors [..., in, r] (see psf_weight_shapes), got {type(weights).__name__}"
+        )
+    if len(weights) == 0:
+        raise ValueError(
+            f"weights must be a non-empty list of tensors [..., in, r]: a degree-{p} sketch needs "
+            f"{len(psf_weight_shapes(d, p, 1))} matrices, got an empty list"
+        )
     weights = [as_float_tensor(w, f"weights[{i}]") for i, w in enumerate(weights)]
     r = weights[0].shape[-1]
     expected = psf_weight_shapes(d, p, r)
@@ -118,6 +125,10 @@ def psf_features(x: torch.Tensor, weights: list[torch.Tensor], p: int) -> torch.
     Cost ``O(n (d + r) r p)``.
     """
     p = check_degree(p)
+    x = as_float_tensor(x, "x")
+    if x.ndim < 2 or x.shape[-1] == 0:
+        raise ValueError(f"x must have shape [..., n, d] with d >= 1, got {tuple(x.shape)}")
+    weights = _check_weights(weights, x.shape[-1], p)
     r = weights[0].shape[-1]
     x = x.to(weights[0].dtype)
     scale = 1.0 / math.sqrt(r)
@@ -214,8 +225,12 @@ class PolySketch(Sketch):
                 f"non_negative=True needs an even degree p (φ = s ⊗ s with s of degree p/2); got p={p}. "
                 "For odd p the target (qᵀk)^p takes negative values; use non_negative=False"
             )
-        if not weights:
-            raise ValueError("weights must be a non-empty list of tensors")
+        if not isinstance(weights, (list, tuple)):
+            raise TypeError(
+                f"weights must be a list of tensors [..., in, r] (see psf_weight_shapes), got {type(weights).__name__}"
+            )
+        if len(weights) == 0:
+            raise ValueError("weights must be a non-empty list of tensors [..., in, r], got an empty list")
         self.p = p
         self.non_negative = non_negative
         self.inner_degree = p // 2 if non_negative else p
@@ -241,11 +256,14 @@ class PolySketch(Sketch):
         generator: torch.Generator | None = None,
         batch_shape: tuple[int, ...] = (),
         dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
     ) -> "PolySketch":
         """Draw a sketch with ``m`` features or fewer (``r = m``, or ``r = ⌊√m⌋`` when non-negative).
 
         ``batch_shape`` (e.g. ``(L, H)``) draws independent matrices for each head. All entries come
-        from ``generator`` (or a generator seeded with ``seed``) here, once.
+        from ``generator`` (or a generator seeded with ``seed``) here, once, on the CPU in float64
+        (so a seed gives the same sketch on every device), then are cast to ``dtype`` and moved to
+        ``device`` (default: CPU).
         """
         d = check_positive_int(d, "d")
         p = check_degree(p)
@@ -258,7 +276,7 @@ class PolySketch(Sketch):
         r = math.isqrt(m) if non_negative else m
         inner = p // 2 if non_negative else p
         weights = [
-            torch.randn(*batch_shape, *shape, generator=gen, dtype=torch.float64).to(dtype)
+            torch.randn(*batch_shape, *shape, generator=gen, dtype=torch.float64).to(device=device, dtype=dtype)
             for shape in psf_weight_shapes(d, inner, r)
         ]
         return cls(weights, p, non_negative=non_negative)
@@ -299,7 +317,8 @@ def _fit_psf(q, k, *, p: int, m: int, seed: int = 0, non_negative: bool | None =
     if non_negative is None:
         non_negative = p % 2 == 0
     sketch = PolySketch.draw(
-        q.shape[-1], p, m, non_negative=non_negative, seed=seed, batch_shape=q.shape[:-2], dtype=q.dtype
+        q.shape[-1], p, m, non_negative=non_negative, seed=seed, batch_shape=q.shape[:-2], dtype=q.dtype,
+        device=q.device,
     )
     sketch.fit_info = {"steps": 0, "converged": True, "r": sketch.r, "non_negative": non_negative}
     return sketch

@@ -72,6 +72,15 @@ def tensorsketch_features(x: torch.Tensor, matrices: torch.Tensor) -> torch.Tens
     Tensor ``[..., n, m]``: :math:`\mathcal F^{-1}(\prod_j \mathcal F(x S_j))` (real FFTs along the
     feature axis, so the product is a circular convolution of length ``m``).
     """
+    x = as_float_tensor(x, "x")
+    matrices = as_float_tensor(matrices, "matrices")
+    if matrices.ndim < 3 or 0 in matrices.shape[-3:]:
+        raise ValueError(f"matrices must have shape [..., p, d, m] with p, d, m >= 1, got {tuple(matrices.shape)}")
+    if x.ndim < 2 or x.shape[-1] != matrices.shape[-2]:
+        raise ValueError(
+            f"x must have shape [..., n, d] with d = matrices.shape[-2] = {matrices.shape[-2]} "
+            f"(matrices [..., p, d, m] = {tuple(matrices.shape)}), got x of shape {tuple(x.shape)}"
+        )
     m = matrices.shape[-1]
     counts = x.to(matrices.dtype)[..., None, :, :] @ matrices  # [..., p, n, m] CountSketches C_j(x)
     spectrum = torch.fft.rfft(counts, dim=-1).prod(dim=-3)  # [..., n, m//2+1]
@@ -108,22 +117,32 @@ class TensorSketch(Sketch):
         Number of features (FFT length).
     dtype : torch.dtype
         Dtype of the stored dense CountSketch matrices and of the features.
+    device : torch.device, str or None
+        Where the hashes and matrices are stored (after validation); ``None`` keeps ``index_hash``'s device.
 
     Notes
     -----
     ``num_parameters`` counts the stored hash values of one head: ``2·p·d`` (one map, both sides).
     """
 
-    def __init__(self, index_hash, sign_hash, m: int, *, dtype: torch.dtype = torch.float32):
+    def __init__(self, index_hash, sign_hash, m: int, *, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str | None = None):
         self.m = check_positive_int(m, "m (the sketch size)")
-        self.index_hash, self.sign_hash = _check_hashes(index_hash, sign_hash, self.m)
-        self.matrices = count_sketch_matrix(self.index_hash, self.sign_hash, self.m, check_dtype(dtype))
+        index_hash, sign_hash = _check_hashes(index_hash, sign_hash, self.m)
+        self.index_hash, self.sign_hash = index_hash.to(device), sign_hash.to(device)
+        # built where the hashes were validated, then moved (one copy of [..., p, d, m])
+        self.matrices = count_sketch_matrix(index_hash, sign_hash, self.m, check_dtype(dtype)).to(device)
         self.fit_info: dict = {}
 
     @classmethod
     def draw(cls, d: int, p: int, m: int, *, seed: int | None = None, generator: torch.Generator | None = None,
-             batch_shape: tuple[int, ...] = (), dtype: torch.dtype = torch.float32) -> "TensorSketch":
-        """Draw uniform hashes and signs once (independent per head for ``batch_shape``)."""
+             batch_shape: tuple[int, ...] = (), dtype: torch.dtype = torch.float32,
+             device: torch.device | str | None = None) -> "TensorSketch":
+        """Draw uniform hashes and signs once (independent per head for ``batch_shape``).
+
+        The hashes are drawn on the CPU ``generator`` (a seed gives the same sketch on every device),
+        then moved to ``device`` (default: CPU), where the dense CountSketch matrices are built.
+        """
         d = check_positive_int(d, "d")
         p = check_degree(p)
         m = check_positive_int(m, "m (the sketch size)")
@@ -131,7 +150,7 @@ class TensorSketch(Sketch):
         gen = make_generator(seed, generator)
         index_hash = torch.randint(0, m, (*batch_shape, p, d), generator=gen)
         sign_hash = torch.randint(0, 2, (*batch_shape, p, d), generator=gen) * 2 - 1
-        return cls(index_hash, sign_hash, m, dtype=dtype)
+        return cls(index_hash, sign_hash, m, dtype=dtype, device=device)
 
     @property
     def degree(self) -> int:
@@ -157,6 +176,7 @@ class TensorSketch(Sketch):
 @register_sketch("tensorsketch")
 def _fit_tensorsketch(q, k, *, p: int, m: int, seed: int = 0) -> TensorSketch:
     """``fit_sketch("tensorsketch", ...)``: data-independent; one independent draw per head."""
-    sketch = TensorSketch.draw(q.shape[-1], p, m, seed=seed, batch_shape=q.shape[:-2], dtype=q.dtype)
+    sketch = TensorSketch.draw(q.shape[-1], p, m, seed=seed, batch_shape=q.shape[:-2], dtype=q.dtype,
+                               device=q.device)
     sketch.fit_info = {"steps": 0, "converged": True}
     return sketch

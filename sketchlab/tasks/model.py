@@ -27,6 +27,8 @@ Fu et al. *Hungry Hungry Hippos*, 2023 (short convolutions); Arora et al. *BASED
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import asdict, dataclass
 from typing import Callable
 
@@ -141,8 +143,12 @@ class TransformerConfig:
             raise ValueError(f"d_model must be divisible by n_heads, got d_model={self.d_model}, n_heads={self.n_heads}")
         if self.head_dim % 2:
             raise ValueError(f"head dimension d_model/n_heads must be even for RoPE, got {self.head_dim}")
-        if self.attention not in _ATTENTION:
+        if not isinstance(self.attention, str) or self.attention not in _ATTENTION:
             raise ValueError(f"attention must be one of {attention_registry()}, got {self.attention!r}")
+        rb = self.rope_base
+        # θ_i = base^{-2i/D}: base <= 0 gives NaN/inf angles, base == 1 gives no rotation at all
+        if isinstance(rb, bool) or not isinstance(rb, numbers.Real) or not math.isfinite(rb) or rb <= 1:
+            raise ValueError(f"rope_base must be a finite number > 1 (RoPE frequencies base^(-2i/D)), got {rb!r}")
 
     @property
     def head_dim(self) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,7 +16,7 @@ import torch.nn.functional as F
 from .._validation import check_positive_int
 from ..io import atomic_write
 from .model import TransformerConfig, TransformerLM
-from .mqar import MQARConfig, mqar_accuracy, mqar_batch
+from .mqar import IGNORE_INDEX, MQARConfig, mqar_accuracy, mqar_batch
 
 __all__ = ["TrainResult", "evaluate_mqar", "load_checkpoint", "save_checkpoint", "train_mqar"]
 
@@ -32,6 +33,33 @@ class TrainResult:
     history: list[dict] = field(default_factory=list)
 
 
+def _check_seed(seed, name: str = "seed") -> int:
+    """A seed is an integer >= 0 (``torch.Generator.manual_seed`` also needs it below 2**64)."""
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise TypeError(f"{name} must be an integer >= 0, got {seed!r} ({type(seed).__name__})")
+    if not 0 <= seed < 2**64 - _HELDOUT_OFFSET:
+        raise ValueError(f"{name} must be an integer in [0, 2**64 - {_HELDOUT_OFFSET}), got {seed}")
+    return int(seed)
+
+
+def _check_real(value, name: str, *, positive: bool) -> float:
+    """A finite real ``> 0`` (``positive``) or ``>= 0``; bools rejected."""
+    rule = "> 0" if positive else ">= 0"
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a finite number {rule}, got {value!r} ({type(value).__name__})")
+    if not math.isfinite(value) or (value <= 0 if positive else value < 0):
+        raise ValueError(f"{name} must be a finite number {rule}, got {value!r}")
+    return float(value)
+
+
+def _check_nonnegative_int(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an integer >= 0, got {value!r} ({type(value).__name__})")
+    if value < 0:
+        raise ValueError(f"{name} must be an integer >= 0, got {value}")
+    return int(value)
+
+
 @torch.no_grad()
 def evaluate_mqar(model: TransformerLM, task: MQARConfig, *, num_sequences: int = 256, seed: int = 0,
                   batch_size: int = 64) -> float:
@@ -39,22 +67,37 @@ def evaluate_mqar(model: TransformerLM, task: MQARConfig, *, num_sequences: int 
 
     The training stream uses ``seed`` itself, so held-out sequences come from a disjoint random
     stream (with keys and values drawn from a large space, repeats of training sequences are
-    negligible).
+    negligible). The model runs in eval mode; its previous mode is restored afterwards, also
+    when the forward pass raises.
+
+    Notes
+    -----
+    Each batch is scored with :func:`~sketchlab.tasks.mqar.mqar_accuracy`; the result is the
+    average of the batch accuracies weighted by their query positions (``targets !=
+    IGNORE_INDEX``), i.e. correct / total over all sequences.
     """
+    if not isinstance(model, TransformerLM):
+        raise TypeError(f"model must be a TransformerLM, got {type(model).__name__}")
+    if not isinstance(task, MQARConfig):
+        raise TypeError(f"task must be an MQARConfig, got {type(task).__name__}")
     num_sequences = check_positive_int(num_sequences, "num_sequences")
+    batch_size = check_positive_int(batch_size, "batch_size")
+    seed = _check_seed(seed)
     gen = torch.Generator().manual_seed(seed + _HELDOUT_OFFSET)
     was_training = model.training
     model.eval()
-    correct = total = 0
-    for start in range(0, num_sequences, batch_size):
-        b = min(batch_size, num_sequences - start)
-        inputs, targets = mqar_batch(task, b, generator=gen)
-        logits = model(inputs)
-        mask = targets != -100
-        correct += int((logits.argmax(-1)[mask] == targets[mask]).sum())
-        total += int(mask.sum())
-    model.train(was_training)
-    return correct / total
+    weighted = 0.0
+    total = 0
+    try:
+        for start in range(0, num_sequences, batch_size):
+            b = min(batch_size, num_sequences - start)
+            inputs, targets = mqar_batch(task, b, generator=gen)
+            count = int((targets != IGNORE_INDEX).sum())  # query positions of this batch
+            weighted += mqar_accuracy(model(inputs), targets) * count
+            total += count
+    finally:
+        model.train(was_training)
+    return weighted / total
 
 
 def train_mqar(
@@ -78,8 +121,15 @@ def train_mqar(
     stages : sequence of (MQARConfig, steps)
         A curriculum: each stage trains ``steps`` steps on its distribution, then reports its
         held-out accuracy. A single stage is plain training.
-    batch_size, lr, weight_decay, warmup : training hyper-parameters.
-    seed : int
+    batch_size : int >= 1
+        Sequences per step.
+    lr : float > 0
+        Peak AdamW learning rate (finite).
+    weight_decay : float >= 0
+        AdamW decoupled weight decay of the matrices (not of embeddings, norms and biases).
+    warmup : int >= 0
+        Steps of linear warm-up (``0``: none) before the cosine decay.
+    seed : int >= 0
         Seeds the data stream (``torch.Generator``); the model's initialisation is the caller's.
     eval_sequences : int
         Held-out sequences per stage evaluation (:func:`evaluate_mqar`).
@@ -92,6 +142,8 @@ def train_mqar(
     """
     from tqdm.auto import tqdm
 
+    if not isinstance(model, TransformerLM):
+        raise TypeError(f"model must be a TransformerLM, got {type(model).__name__}")
     if not stages:
         raise ValueError("stages must hold at least one (MQARConfig, steps) pair, got an empty sequence")
     for i, (task, steps) in enumerate(stages):
@@ -103,6 +155,11 @@ def train_mqar(
                 f"stages[{i}] has vocab_size={task.vocab_size} > the model's {model.config.vocab_size}"
             )
     batch_size = check_positive_int(batch_size, "batch_size")
+    lr = _check_real(lr, "lr", positive=True)
+    weight_decay = _check_real(weight_decay, "weight_decay", positive=False)
+    warmup = _check_nonnegative_int(warmup, "warmup")
+    seed = _check_seed(seed)
+    eval_sequences = check_positive_int(eval_sequences, "eval_sequences")
     total = sum(steps for _, steps in stages)
     decay, no_decay = [], []
     for name, p in model.named_parameters():
@@ -111,9 +168,11 @@ def train_mqar(
         [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=lr, betas=(0.9, 0.98),
     )
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, total) / total))
-    )
+    def lr_factor(s: int) -> float:  # linear warm-up over `warmup` steps (none if 0), then cosine
+        ramp = min(1.0, (s + 1) / warmup) if warmup else 1.0
+        return ramp * 0.5 * (1 + math.cos(math.pi * min(s, total) / total))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
     gen = torch.Generator().manual_seed(seed)
     model.train()
     history: list[dict] = []
@@ -176,7 +235,7 @@ def load_checkpoint(directory) -> tuple[TransformerLM, dict]:
     try:
         payload = json.loads(cfg_path.read_text())
         config = TransformerConfig(**payload["config"])
-    except (json.JSONDecodeError, KeyError, TypeError) as err:
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
         raise ValueError(f"checkpoint {cfg_path}: not a sketchlab TransformerLM config ({err})") from err
     model = TransformerLM(config)
     try:
