@@ -528,6 +528,10 @@ def _balance(theta_q: torch.Tensor, theta_k: torch.Tensor, fq: torch.Tensor, fk:
     theta_k.div_(ratio[:, None, None, None, :])
 
 
+#: Columns whose targets are formed by one matrix product in :func:`_als_side`.
+_BLOCK = 8
+
+
 def _normal_matrices(x: torch.Tensor, others: torch.Tensor, ridge: float) -> torch.Tensor:
     r"""Cholesky factors of the normal matrices of every column's factor update, ``[B, m, t·d, t·d]``.
 
@@ -578,13 +582,18 @@ def _als_side(x, theta, f_self, f_other, cross, ridge):
     for j in range(p):
         others = torch.cat([proj[:, :j], proj[:, j + 1 :]], 1).prod(1)  # [B, m, t, n]
         chol = _normal_matrices(x, others.permute(0, 2, 3, 1), ridge)  # [B, m, t·d, t·d]
-        for i in range(m):
-            target = (cross_t[:, i] - (gram[:, None, :, i] @ feats)[:, 0]) / g_diag[:, i, None] + feats[:, i]  # [B, n]
-            rhs = (others[:, i] * target[:, None]) @ x  # [B, t, d]
-            sol = torch.cholesky_solve(rhs.reshape(B, t * d, 1), chol[:, i]).reshape(B, t, d)
-            theta_t[:, j, i] = sol
-            proj[:, j, i] = sol @ x.mT  # [B, t, n]
-            feats[:, i] = (others[:, i] * proj[:, j, i]).sum(1)
+        for lo in range(0, m, _BLOCK):  # T_i − Σ_l φ_l G_li for a block of columns: one matrix product
+            hi = min(lo + _BLOCK, m)
+            resid = cross_t[:, lo:hi] - gram[:, :, lo:hi].mT @ feats  # [B, c, n]
+            start = feats[:, lo:hi].clone()  # [B, c, n]; the block's own changes are added back below
+            for i in range(lo, hi):
+                moved = gram[:, None, lo:hi, i] @ (feats[:, lo:hi] - start)  # [B, 1, n]
+                target = (resid[:, i - lo] - moved[:, 0]) / g_diag[:, i, None] + feats[:, i]  # [B, n]
+                rhs = (others[:, i] * target[:, None]) @ x  # [B, t, d]
+                sol = torch.cholesky_solve(rhs.reshape(B, t * d, 1), chol[:, i]).reshape(B, t, d)
+                theta_t[:, j, i] = sol
+                proj[:, j, i] = sol @ x.mT  # [B, t, n]
+                feats[:, i] = (others[:, i] * proj[:, j, i]).sum(1)
     theta.copy_(theta_t.permute(0, 3, 1, 4, 2))
     f_self.copy_(feats.mT)
 

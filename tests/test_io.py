@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from sketchlab.io import QKDump, atomic_write, load_qk, save_qk
+from sketchlab.io import QKDump, atomic_write, load_qk, load_theta, save_qk, save_theta, select_indices, validate_qk
 
 FORMATS = ["safetensors", "pt", "npz", "npy"]
 
@@ -306,3 +306,148 @@ def test_safetensors_bytes_do_not_depend_on_metadata_order(tmp_path):
     dump = load_qk(a)
     torch.testing.assert_close(dump.v, v, rtol=0, atol=0)
     assert dump.meta == {**{key: key.upper() for key in keys}, "layout": "L,H,n,d"}
+
+
+# ---------------------------------------------------------------------------------------------
+# shared helpers used by compare/capture
+
+
+def test_select_indices_rules():
+    assert select_indices(None, 3, "head", "d") == [0, 1, 2]
+    assert select_indices(-1, 3, "head", "d") == [2]
+    assert select_indices((2, -3), 3, "head", "d") == [2, 0]  # order kept, negatives resolved
+    with pytest.raises(ValueError, match=r"^d: heads must be a list of integers, got \[True\]$"):
+        select_indices([True], 3, "head", "d")
+    with pytest.raises(ValueError, match=r"^d: heads must be a non-empty list of integers, got 'x'$"):
+        select_indices("x", 3, "head", "d")
+
+
+def test_validate_qk_normalises_and_names_the_source():
+    q = torch.randn(5, 4, dtype=torch.float64)
+    tq, tk, tv = validate_qk(q, q.clone(), where="mem")
+    assert tq.shape == tk.shape == (1, 1, 5, 4) and tv is None
+    with pytest.raises(ValueError, match=r"^mem: tensors q and k must have the same shape"):
+        validate_qk(q, q[:3], where="mem")
+    with pytest.raises(ValueError, match=r"^mem: tensor k must have rank 2 \[n, d\], 3 \[H, n, d\] or 4"):
+        validate_qk(q, q[None, None, None], where="mem")
+
+
+# ---------------------------------------------------------------------------------------------
+# Θ export
+
+SHA = "0123456789abcdef" * 4
+
+
+def _theta(L=2, H=3, t=2, p=2, d=4, m=5, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(L, H, t, p, d, m, generator=g, dtype=dtype),
+            torch.randn(L, H, t, p, d, m, generator=g, dtype=dtype))
+
+
+def _theta_kw(**over):
+    kw = dict(p=2, m=5, t=2, d=4, method="llops", scale="sqrt-d", source_sha256=SHA,
+              errors={"rel_mae": [0.1, 0.2], "holdout_optimality_ratio": float("inf")}, sketchlab_version="0.1.0")
+    kw.update(over)
+    return kw
+
+
+def test_theta_round_trip(tmp_path):
+    tq, tk = _theta(dtype=torch.float64)
+    path = save_theta(tmp_path / "theta.safetensors", tq, tk, **_theta_kw())
+    lq, lk, meta = load_theta(path)
+    torch.testing.assert_close(lq, tq, rtol=0, atol=0)  # stored bit-exactly, dtype kept
+    torch.testing.assert_close(lk, tk, rtol=0, atol=0)
+    assert meta == {"p": 2, "m": 5, "t": 2, "d": 4, "method": "llops", "scale": "sqrt-d", "source_sha256": SHA,
+                    "errors": {"rel_mae": [0.1, 0.2], "holdout_optimality_ratio": float("inf")},
+                    "sketchlab_version": "0.1.0"}
+    # the same call writes the same bytes (canonical header), and leaves no temporary file
+    first = path.read_bytes()
+    save_theta(path, tq, tk, **_theta_kw())
+    assert path.read_bytes() == first and sorted(x.name for x in tmp_path.iterdir()) == ["theta.safetensors"]
+    # a numeric scale is stored with compare's label
+    save_theta(path, tq, tq, **_theta_kw(scale=0.5))
+    assert load_theta(path)[2]["scale"] == "0.5"
+
+
+@pytest.mark.parametrize("over,shape,err,msg", [
+    ({"m": 6}, None, ValueError,
+     r"tensor theta_q has shape \(2, 3, 2, 2, 4, 5\), but the metadata says \[L, H, t, p, d, m\] = \[L, H, 2, 2, 4, 6\]"),
+    ({"p": 0}, None, ValueError, r"metadata p must be a decimal integer >= 1, got '0'"),
+    ({"t": 2.0}, None, TypeError, r"t must be an integer >= 1, got 2\.0"),
+    ({"source_sha256": "abc"}, None, ValueError, r"source_sha256 must be 64 lowercase hex digits.*got 'abc'"),
+    ({"method": ""}, None, ValueError, r"metadata method must be a non-empty string"),
+    ({"scale": -1.0}, None, ValueError, r"scale must be 'none', 'sqrt-d' or a positive finite number, got -1\.0"),
+    ({"errors": {"x": object()}}, None, TypeError, r"errors must be JSON-serialisable"),
+    ({"errors": [1]}, None, TypeError, r"errors must be a dict with string keys"),
+    ({}, (2, 2, 4, 5), ValueError, r"tensor theta_q must have rank 6 \[L, H, t, p, d, m\], got rank 4"),
+])
+def test_save_theta_rejects(tmp_path, over, shape, err, msg):
+    tq, tk = _theta()
+    if shape is not None:
+        tq = tq[0, 0]
+    path = tmp_path / "theta.safetensors"
+    with pytest.raises(err, match=msg) as info:
+        save_theta(path, tq, tk, **_theta_kw(**over))
+    assert str(path) in str(info.value) and not path.exists()
+
+
+def test_save_theta_rejects_mismatch_nan_and_extension(tmp_path):
+    tq, tk = _theta()
+    with pytest.raises(ValueError, match=r"theta_q \(2, 3, 2, 2, 4, 5\) and theta_k \(1, 3, 2, 2, 4, 5\) must have the same"):
+        save_theta(tmp_path / "a.safetensors", tq, tk[:1], **_theta_kw())
+    tk[1, 2, 0, 1, 3, 4] = float("nan")
+    with pytest.raises(ValueError, match=r"tensor theta_k must be finite: 1 non-finite value\(s\).*\(1, 2, 0, 1, 3, 4\)"):
+        save_theta(tmp_path / "a.safetensors", tq, tk, **_theta_kw())
+    with pytest.raises(ValueError, match=r"a Θ export must be a \.safetensors file, got extension '\.pt'"):
+        save_theta(tmp_path / "a.pt", tq, tq, **_theta_kw())
+    assert list(tmp_path.iterdir()) == []
+
+
+def _raw_theta(path, meta_over=None, drop=(), tensors=None):
+    """Write a Θ file by hand (bypassing save_theta's checks) with some metadata replaced/dropped."""
+    tq, tk = _theta()
+    meta = {"p": "2", "m": "5", "t": "2", "d": "4", "method": "llops", "scale": "none", "source_sha256": SHA,
+            "errors": "{}", "sketchlab_version": "0.1.0", "layout": "L,H,t,p,d,m", **(meta_over or {})}
+    for key in drop:
+        meta.pop(key)
+    save_file(tensors if tensors is not None else {"theta_q": tq, "theta_k": tk}, str(path), metadata=meta)
+    return path
+
+
+@pytest.mark.parametrize("meta_over,drop,msg", [
+    ({}, ("errors", "d"), r"metadata is missing 'd', 'errors'; a Θ export records p, m, t, d"),
+    ({"p": "two"}, (), r"metadata p must be a decimal integer >= 1, got 'two'"),
+    ({"m": "-5"}, (), r"metadata m must be a decimal integer >= 1, got '-5'"),
+    ({"errors": "{not json"}, (), r"metadata errors must be a JSON object, not valid JSON"),
+    ({"errors": "[1, 2]"}, (), r"metadata errors must be a JSON object, got JSON list"),
+    ({"d": "3"}, (), r"tensor theta_q has shape \(2, 3, 2, 2, 4, 5\), but the metadata says .* = \[L, H, 2, 2, 3, 5\]"),
+    ({"layout": "L,H,n,d"}, (), r"metadata layout must be 'L,H,t,p,d,m' for a Θ export, got 'L,H,n,d'"),
+    ({"source_sha256": SHA.upper()}, (), r"source_sha256 must be 64 lowercase hex digits"),
+])
+def test_load_theta_rejects_corrupt_metadata(tmp_path, meta_over, drop, msg):
+    path = _raw_theta(tmp_path / "bad.safetensors", meta_over, drop)
+    with pytest.raises(ValueError, match=msg) as info:
+        load_theta(path)
+    assert str(path) in str(info.value)
+
+
+def test_load_theta_rejects_bad_tensors_and_files(tmp_path):
+    tq, tk = _theta()
+    path = _raw_theta(tmp_path / "x.safetensors", tensors={"theta_q": tq, "theta_k": tk, "v": tk.clone()})
+    with pytest.raises(ValueError, match=r"unexpected tensor\(s\) \['v'\]; a Θ export holds exactly theta_q and theta_k"):
+        load_theta(path)
+    path = _raw_theta(tmp_path / "y.safetensors", tensors={"theta_q": tq})
+    with pytest.raises(ValueError, match=r"y\.safetensors: tensor theta_k is missing"):
+        load_theta(path)
+    path = _raw_theta(tmp_path / "z.safetensors", tensors={"theta_q": tq, "theta_k": tk.to(torch.int32)})
+    with pytest.raises(ValueError, match=r"tensor theta_k must have a real floating-point dtype, got torch\.int32"):
+        load_theta(path)
+    good = save_theta(tmp_path / "good.safetensors", tq, tk, **_theta_kw())
+    trunc = tmp_path / "trunc.safetensors"
+    trunc.write_bytes(good.read_bytes()[:-40])
+    with pytest.raises(ValueError, match=r"trunc\.safetensors: unreadable safetensors file"):
+        load_theta(trunc)
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        load_theta(tmp_path / "missing.safetensors")
+    with pytest.raises(ValueError, match=r"must be a \.safetensors file, got extension '\.npz'"):
+        load_theta(tmp_path / "t.npz")

@@ -133,6 +133,39 @@ def test_attention_is_pluggable():
         TransformerConfig(vocab_size=10, attention="nope")
 
 
+@pytest.mark.parametrize("base,msg", [
+    (0.0, r"rope_base must be a finite number > 1 .*got 0\.0"),
+    (-10.0, r"rope_base must be a finite number > 1 .*got -10\.0"),
+    (1.0, r"rope_base must be a finite number > 1 .*got 1\.0"),  # base 1: every frequency is 1
+    (float("nan"), r"rope_base must be a finite number > 1 .*got nan"),
+    (float("inf"), r"rope_base must be a finite number > 1 .*got inf"),
+    ("10000", r"rope_base must be a finite number > 1 .*got '10000'"),
+    (True, r"rope_base must be a finite number > 1 .*got True"),
+])
+def test_transformer_config_rejects_bad_rope_base(base, msg):
+    with pytest.raises(ValueError, match=msg):
+        TransformerConfig(vocab_size=10, d_model=16, n_heads=2, rope_base=base)
+
+
+@pytest.mark.parametrize("kw,err,msg", [
+    (dict(d_model=0), ValueError, r"d_model must be an integer >= 1, got 0"),
+    (dict(n_heads=3), ValueError, r"d_model must be divisible by n_heads, got d_model=16, n_heads=3"),
+    (dict(d_model=18), ValueError, r"head dimension d_model/n_heads must be even for RoPE, got 9"),
+    (dict(short_conv=-1), ValueError, r"short_conv must be an integer >= 0 \(0 = none\), got -1"),
+    (dict(mlp_ratio=1.5), TypeError, r"mlp_ratio must be an integer >= 1, got 1\.5"),
+    (dict(attention=["softmax"]), ValueError, r"attention must be one of .*got \['softmax'\]"),
+])
+def test_transformer_config_rejects_bad_fields(kw, err, msg):
+    with pytest.raises(err, match=msg):
+        TransformerConfig(**{"vocab_size": 10, "d_model": 16, "n_heads": 2, **kw})
+
+
+def test_small_rope_base_gives_finite_outputs():
+    # base 1.5 > 1 is accepted and RoPE stays finite (the rule only excludes base <= 1 and non-finite)
+    model = TransformerLM(TransformerConfig(vocab_size=10, d_model=16, n_heads=2, n_layers=1, rope_base=1.5))
+    assert bool(torch.isfinite(model(torch.arange(10).reshape(1, 10))).all())
+
+
 # ---------------------------------------------------------------------------------------------
 # training and checkpoints
 
@@ -194,6 +227,93 @@ def test_train_rejects_bad_stages():
         train_mqar(model, [], progress=False)
     with pytest.raises(ValueError, match=r"stages\[0\] has vocab_size=21 > the model's 10"):
         train_mqar(model, [(MQARConfig(21, 3, 10), 2)], progress=False)
+
+
+@pytest.mark.parametrize("kw,err,msg", [
+    (dict(batch_size=0), ValueError, r"batch_size must be an integer >= 1, got 0"),
+    (dict(warmup=-1), ValueError, r"warmup must be an integer >= 0, got -1"),
+    (dict(warmup=2.5), TypeError, r"warmup must be an integer >= 0, got 2\.5"),
+    (dict(lr=0.0), ValueError, r"lr must be a finite number > 0, got 0\.0"),
+    (dict(lr=float("nan")), ValueError, r"lr must be a finite number > 0, got nan"),
+    (dict(lr="1e-3"), TypeError, r"lr must be a finite number > 0, got '1e-3'"),
+    (dict(weight_decay=-0.1), ValueError, r"weight_decay must be a finite number >= 0, got -0\.1"),
+    (dict(weight_decay=float("inf")), ValueError, r"weight_decay must be a finite number >= 0, got inf"),
+    (dict(seed=-1), ValueError, r"seed must be an integer in \[0, 2\*\*64 - 1000003\), got -1"),
+    (dict(seed=1.0), TypeError, r"seed must be an integer >= 0, got 1\.0"),
+    (dict(seed=True), TypeError, r"seed must be an integer >= 0, got True"),
+    (dict(eval_sequences=0), ValueError, r"eval_sequences must be an integer >= 1, got 0"),
+])
+def test_train_rejects_bad_hyperparameters(kw, err, msg):
+    model = TransformerLM(TransformerConfig(vocab_size=21, d_model=16, n_heads=2, n_layers=1))
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(err, match=msg):
+        train_mqar(model, [(MQARConfig(21, 3, 10), 2)], progress=False, **kw)
+    # rejected before any step: the weights are untouched
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_train_without_warmup_starts_at_full_lr():
+    # warmup=0 used to divide by zero when the schedule was built; now it means no warm-up and
+    # the run completes both steps and updates the weights
+    torch.manual_seed(0)
+    model = TransformerLM(TransformerConfig(vocab_size=21, d_model=16, n_heads=2, n_layers=1))
+    before = model.head.weight.detach().clone()
+    result = train_mqar(model, [(MQARConfig(21, 3, 10), 2)], batch_size=4, warmup=0, eval_sequences=8,
+                        progress=False)
+    assert result.steps == 2 and len(result.history) == 1
+    assert not torch.equal(before, model.head.weight)
+    assert 0.0 <= result.heldout_accuracy <= 1.0
+
+
+def test_evaluate_mqar_matches_hand_count_and_uses_ignore_index(monkeypatch):
+    import sketchlab.tasks.mqar as mqar_mod
+    import sketchlab.tasks.train as train_mod
+
+    torch.manual_seed(1)
+    model = TransformerLM(TransformerConfig(vocab_size=21, d_model=16, n_heads=2, n_layers=1)).eval()
+    task = MQARConfig(21, 4, 12, num_queries=3)
+    # a non-default ignore label: code hard-coding -100 would count every position as a query
+    monkeypatch.setattr(mqar_mod, "IGNORE_INDEX", -7)
+    monkeypatch.setattr(train_mod, "IGNORE_INDEX", -7)
+    gen = torch.Generator().manual_seed(5 + train_mod._HELDOUT_OFFSET)
+    correct = total = 0
+    for b in (4, 4, 2):  # 10 sequences in batches of 4: the last batch is short
+        inputs, targets = mqar_batch(task, b, generator=gen)
+        assert int((targets == -7).sum()) == b * (12 - 3)  # the patched label is the one used
+        with torch.no_grad():
+            pred = model(inputs).argmax(-1)
+        mask = targets != -7
+        correct += int((pred[mask] == targets[mask]).sum())
+        total += int(mask.sum())
+    assert total == 10 * 3
+    # some queries are right (2 of 30 with this seed), so counting all 120 positions instead of
+    # the 30 query positions would change the result
+    assert correct > 0
+    got = evaluate_mqar(model, task, num_sequences=10, seed=5, batch_size=4)
+    # per-batch float32 means re-weighted in float64: equal to correct/total up to ~1e-7
+    assert got == pytest.approx(correct / total, abs=1e-6)
+
+
+@pytest.mark.parametrize("kw,err,msg", [
+    (dict(batch_size=0), ValueError, r"batch_size must be an integer >= 1, got 0"),
+    (dict(num_sequences=0), ValueError, r"num_sequences must be an integer >= 1, got 0"),
+    (dict(seed=-3), ValueError, r"seed must be an integer in \[0, 2\*\*64"),
+])
+def test_evaluate_mqar_rejects_bad_arguments(kw, err, msg):
+    model = TransformerLM(TransformerConfig(vocab_size=21, d_model=16, n_heads=2, n_layers=1))
+    with pytest.raises(err, match=msg):
+        evaluate_mqar(model, MQARConfig(21, 3, 10), **kw)
+
+
+def test_evaluate_mqar_restores_train_mode_on_error():
+    # the task's vocabulary (41) exceeds the model's (21): the forward pass raises mid-evaluation
+    model = TransformerLM(TransformerConfig(vocab_size=21, d_model=16, n_heads=2, n_layers=1)).train()
+    with pytest.raises(ValueError, match=r"token ids must lie in \[0, 21\)"):
+        evaluate_mqar(model, MQARConfig(41, 3, 10), num_sequences=4)
+    assert model.training is True
+    model.eval()
+    evaluate_mqar(model, MQARConfig(21, 3, 10), num_sequences=4)
+    assert model.training is False
 
 
 # ---------------------------------------------------------------------------------------------

@@ -10,7 +10,6 @@ and slowly and stops when the change per step is 1e-13, leaving an error up to ~
 import pytest
 import torch
 
-from sketchlab import poly_features
 from sketchlab.spectral import deflate, feature_bound, rank1_residuals, spectral_norm
 
 VTOL = 1e-9
@@ -139,14 +138,14 @@ def test_feature_bound_holds_on_random_inputs(p):
     # the round-off of both sides.
     assert bool((fb.error <= fb.certified * (1 + 1e-12)).all())
     # fb.bound uses the HOPM value τ_i, only a lower bound on ‖R_i‖_σ (a local maximum), so
-    # error <= bound is guaranteed only if τ_i is the global maximum. Assert the certificate first:
-    # all 6 restarts (HOSVD start + 5 random) converge to the same value for every column. This does
-    # not prove global optimality, but it is the evidence the module offers; with it, check the
-    # bound with τ_i (fixed seeds make both checks deterministic).
-    cert = rank1_residuals(residual, d, p, restarts=6)
-    assert cert.agree.tolist() == [6] * m
-    assert torch.equal(cert.tau, fb.sigma)
-    assert bool((fb.error <= fb.bound * (1 + 1e-12)).all())
+    # error <= bound is guaranteed only where the certificate is tight: τ_i equals the upper bound.
+    # For p = 2 it always is (‖R_i‖_σ is the matrix 2-norm, which the HOSVD start attains and the
+    # unfolding bound equals); assert that first, then the bound with τ_i. For p = 3 the unfolding
+    # bound is not tight (here 4-9% above τ_i) and restarts disagree, so only the certified bound
+    # above is a valid assertion.
+    if p == 2:
+        assert bool((fb.sigma >= fb.sigma_upper * (1 - 1e-12)).all())
+        assert bool((fb.error <= fb.bound * (1 + 1e-12)).all())
 
 
 def test_feature_bound_is_tight_for_symmetric_residuals():

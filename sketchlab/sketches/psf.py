@@ -118,6 +118,14 @@ def psf_features(x: torch.Tensor, weights: list[torch.Tensor], p: int) -> torch.
     -------
     Tensor ``[..., n, r]`` with :math:`E\langle S_p(x), S_p(y)\rangle = (x^\top y)^p`.
 
+    Raises
+    ------
+    TypeError
+        ``weights`` is not a list/tuple of floating tensors.
+    ValueError
+        ``weights`` is empty, has the wrong count or shapes for ``d = x.shape[-1]`` and ``p``, or
+        ``x`` is not ``[..., n, d]``.
+
     Notes
     -----
     :math:`S_q(x) = (S_a(x)G_1 \odot S'_b(x)G_2)/\sqrt r`, ``a = ⌈q/2⌉``, ``b = ⌊q/2⌋``,

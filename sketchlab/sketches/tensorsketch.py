@@ -71,6 +71,11 @@ def tensorsketch_features(x: torch.Tensor, matrices: torch.Tensor) -> torch.Tens
     -------
     Tensor ``[..., n, m]``: :math:`\mathcal F^{-1}(\prod_j \mathcal F(x S_j))` (real FFTs along the
     feature axis, so the product is a circular convolution of length ``m``).
+
+    Raises
+    ------
+    ValueError
+        ``matrices`` is not ``[..., p, d, m]`` or ``x`` is not ``[..., n, d]`` with the same ``d``.
     """
     x = as_float_tensor(x, "x")
     matrices = as_float_tensor(matrices, "matrices")
