@@ -11,7 +11,7 @@ from . import sketches  # noqa: F401  (registers the baseline sketches with fit_
 from .capture import capture_qk
 from .compare import DEFAULT_METHODS, ComparisonRow, ComparisonTable, compare
 from .fit import Fit, FitReport, available_sketches, fit_sketch, holdout_split, register_sketch, sketch_fitter
-from .io import QKDump, load_qk, save_qk
+from .io import QKDump, load_qk, load_theta, save_qk, save_theta
 from .llops import (
     LLoPS,
     fit_llops_adam,
@@ -77,6 +77,7 @@ __all__ = [
     "llops_projector",
     "llops_projector_naive",
     "load_qk",
+    "load_theta",
     "num_poly_features",
     "optimal_sketch",
     "optimality_ratio",
@@ -89,6 +90,7 @@ __all__ = [
     "rel_fro",
     "rel_mae",
     "save_qk",
+    "save_theta",
     "sketch_fitter",
     "spectral_norm",
     "symmetric_index",
