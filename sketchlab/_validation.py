@@ -7,6 +7,7 @@ the source.
 
 from __future__ import annotations
 
+import math
 import numbers
 
 import numpy as np
@@ -17,8 +18,10 @@ __all__ = [
     "check_degree",
     "check_finite",
     "check_fraction",
+    "check_nonnegative_int",
     "check_pair",
     "check_positive_int",
+    "check_real",
 ]
 
 
@@ -59,6 +62,25 @@ def check_positive_int(value, name: str) -> int:
     if value < 1:
         raise ValueError(f"{name} must be an integer >= 1, got {value}")
     return int(value)
+
+
+def check_nonnegative_int(value, name: str) -> int:
+    """Return ``value`` as ``int`` if it is an integer ``>= 0`` (bools are rejected)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an integer >= 0, got {value!r} ({type(value).__name__})")
+    if value < 0:
+        raise ValueError(f"{name} must be an integer >= 0, got {value}")
+    return int(value)
+
+
+def check_real(value, name: str, *, positive: bool) -> float:
+    """Return ``value`` as ``float`` if it is a finite real ``> 0`` (``positive``) or ``>= 0``; bools rejected."""
+    rule = "> 0" if positive else ">= 0"
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a finite number {rule}, got {value!r} ({type(value).__name__})")
+    if not math.isfinite(value) or (value <= 0 if positive else value < 0):
+        raise ValueError(f"{name} must be a finite number {rule}, got {value!r}")
+    return float(value)
 
 
 def check_degree(p) -> int:

@@ -637,10 +637,7 @@ def fit_llops_direct(
         Degree, sketch size, CP rank ``t``.
     init : see :func:`llops_init` (default ``"svd"``).
     steps : int
-        Budget: number of sweeps. One sweep updates every factor of every column once; its cost is
-        two ``n × n × m`` products (:math:`A\Phi_K`, :math:`A^\top\Phi_Q`, as much as one
-        evaluation of the loss and its gradient) plus ``2 m p`` small ``t·d``-sized least-squares
-        solves, ``O(n d² t²)`` each to form.
+        Budget: number of sweeps (see Notes for what one sweep does and costs).
     tol : float
         Stop (``converged``) when a sweep lowers every head's loss by less than this fraction.
     ridge : float
@@ -664,15 +661,31 @@ def fit_llops_direct(
 
     Notes
     -----
-    Exact block coordinate descent (alternating least squares). The loss is linear least squares
-    in any one factor :math:`\Theta_{r,j}` when all others are fixed, but a full factor has
-    ``d·m`` unknowns coupled through :math:`\Phi_K^\top\Phi_K` (``(dm)²`` normal equations); the
-    blocks here are one column ``i``, one side and one factor (``t·d`` unknowns, ``t·d × t·d``
-    normal equations). A sweep updates all query columns (the key side fixed, so
-    :math:`A\Phi_K` is one matrix product), then all key columns. Each block step is the exact minimiser, so the loss never increases (up to
-    the ridge); the best Θ seen (initialisation included) is returned per head. The loss is
-    evaluated at the ``n`` level, ``O(n_q n_k m)`` per sweep, which for ``n ≈ D`` is cheaper than
-    the Gram-matrix form (``O(D² m)``).
+    Exact block coordinate descent (alternating least squares), in three stages:
+
+    1. *Initialisation* (:func:`llops_init`, default ``"svd"``: the leading ``m`` terms of the
+       multinomial expansion of the kernel in the singular directions of :math:`QK^\top`; an SVD
+       of a ``d × d`` core and ``O(n C)`` work to rank the ``C = \binom{r+p-1}{p}`` terms).
+    2. *Sweeps.* The loss is linear least squares in any one factor :math:`\Theta_{r,j}` when all
+       others are fixed, but a full factor has ``d·m`` unknowns coupled through
+       :math:`\Phi_K^\top\Phi_K` (``(dm)²`` normal equations); the blocks here are one column
+       ``i``, one side and one factor ``j`` (``t·d`` unknowns). A sweep updates the query side
+       (the key side fixed, so :math:`A\Phi_K` is one ``n × n × m`` product), factor by factor and
+       within a factor column by column, then the key side (:func:`_als_side`). The ``m`` normal
+       matrices of one factor depend only on each column's other factors, so they are formed
+       together, one ``(t²m) × n × d(d+1)/2`` product per head, and Cholesky-factored in one
+       batch; the right-hand sides follow the columns in turn (Gauss–Seidel), with the coupling
+       :math:`\sum_l \phi_l G_{li}` formed for blocks of 8 columns by one product. Cost per sweep
+       and head: two ``n² m`` products, ``2p`` products of ``t² m n d²/2`` and ``O(n m²)`` for
+       the coupling, i.e. about three loss evaluations for ``t = 1``, ``d = 32``, ``m = 64``.
+       Each block step is the exact minimiser, so the loss never increases (up to the ridge).
+    3. *Extrapolation* (``extrapolate``): one extra loss evaluation per sweep; kept per head only
+       where it lowers the loss.
+
+    The best Θ seen (initialisation included) is returned per head. The loss is evaluated at the
+    ``n`` level, ``O(n_q n_k m)``, which for ``n ≈ D`` is cheaper than the Gram-matrix form
+    (``O(D² m)``). Measured against the Theorem 3.1 optimum in ``analysis/results/fit.md``
+    (``analysis/bench_fit.py``).
     """
     q, k, p, m, rank, out_dtype, batch, q64, k64 = _prepare(q, k, p, m, rank)
     steps = check_positive_int(steps, "steps")

@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 from tqdm.auto import tqdm
 
-from ._validation import check_positive_int
+from ._validation import check_positive_int, check_real
 from .polynomial import poly_kernel
 
 __all__ = ["DEFAULT_LR", "DEFAULT_STEPS", "check_finite_loss", "kernel_loss", "train_kernel_sketch"]
@@ -112,8 +112,7 @@ def train_kernel_sketch(
         start) and ``rel_fro`` (of the parameters kept), both :math:`\|\hat A - A\|_F/\|A\|_F`.
     """
     steps = check_positive_int(steps, "steps")
-    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
-        raise ValueError(f"lr must be a positive finite number, got {lr!r}")
+    lr = check_real(lr, "lr", positive=True)
     batch = q.shape[:-2]
     n_batch = math.prod(batch)
     for i, t in enumerate(params):

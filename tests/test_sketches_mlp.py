@@ -80,7 +80,7 @@ def test_elementwise_matches_naive_and_fits():
 def test_validation():
     with pytest.raises(ValueError, match="activation must be one of"):
         MLPSketch.init_random(3, 2, 4, 5, seed=0, activation="swish")
-    with pytest.raises(ValueError, match="lr must be a positive"):
+    with pytest.raises(ValueError, match=r"lr must be a finite number > 0, got -1.0"):
         fit_sketch("mlp", *_qk(), p=2, m=4, lr=-1.0)
     with pytest.raises(ValueError, match="steps must be an integer >= 1"):
         fit_sketch("mlp", *_qk(), p=2, m=4, steps=0)

@@ -13,7 +13,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from .._validation import check_positive_int
+from .._validation import check_nonnegative_int, check_positive_int, check_real
 from ..io import atomic_write
 from .model import TransformerConfig, TransformerLM
 from .mqar import IGNORE_INDEX, MQARConfig, mqar_accuracy, mqar_batch
@@ -40,24 +40,6 @@ def _check_seed(seed, name: str = "seed") -> int:
     if not 0 <= seed < 2**64 - _HELDOUT_OFFSET:
         raise ValueError(f"{name} must be an integer in [0, 2**64 - {_HELDOUT_OFFSET}), got {seed}")
     return int(seed)
-
-
-def _check_real(value, name: str, *, positive: bool) -> float:
-    """A finite real ``> 0`` (``positive``) or ``>= 0``; bools rejected."""
-    rule = "> 0" if positive else ">= 0"
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a finite number {rule}, got {value!r} ({type(value).__name__})")
-    if not math.isfinite(value) or (value <= 0 if positive else value < 0):
-        raise ValueError(f"{name} must be a finite number {rule}, got {value!r}")
-    return float(value)
-
-
-def _check_nonnegative_int(value, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an integer >= 0, got {value!r} ({type(value).__name__})")
-    if value < 0:
-        raise ValueError(f"{name} must be an integer >= 0, got {value}")
-    return int(value)
 
 
 @torch.no_grad()
@@ -155,9 +137,9 @@ def train_mqar(
                 f"stages[{i}] has vocab_size={task.vocab_size} > the model's {model.config.vocab_size}"
             )
     batch_size = check_positive_int(batch_size, "batch_size")
-    lr = _check_real(lr, "lr", positive=True)
-    weight_decay = _check_real(weight_decay, "weight_decay", positive=False)
-    warmup = _check_nonnegative_int(warmup, "warmup")
+    lr = check_real(lr, "lr", positive=True)
+    weight_decay = check_real(weight_decay, "weight_decay", positive=False)
+    warmup = check_nonnegative_int(warmup, "warmup")
     seed = _check_seed(seed)
     eval_sequences = check_positive_int(eval_sequences, "eval_sequences")
     total = sum(steps for _, steps in stages)
