@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import inspect
 import math
 import os
 import platform
@@ -29,10 +30,11 @@ from pathlib import Path
 import torch
 
 from sketchlab import fit_sketch, optimal_sketch
-from sketchlab.llops import aligned_gauge
+from sketchlab.llops import aligned_gauge, fit_llops_direct
 from sketchlab.spectral import rank1_residuals
 
 ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_SWEEPS = inspect.signature(fit_llops_direct).parameters["steps"].default
 
 
 @dataclass(frozen=True)
@@ -209,7 +211,8 @@ def main(argv=None) -> None:
     parser.add_argument("--holdout", type=float, default=0.2,
                         help="held-out fraction (raised to the next 5%% above (m+1)/n when too few tokens remain)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--steps", type=int, default=4, help="ALS sweeps of the direct fit, p = 2")
+    parser.add_argument("--steps", type=int, default=DEFAULT_SWEEPS,
+                        help="ALS sweeps of the direct fit, p = 2 (default: fit_llops_direct's)")
     parser.add_argument("--steps-p3", type=int, default=12, help="ALS sweeps of the direct fit, p = 3")
     parser.add_argument("--long-steps", type=int, default=60, help="sweeps of the long direct fit (subset)")
     parser.add_argument("--naive-steps", type=int, default=200, help="Adam steps of the naive baseline")

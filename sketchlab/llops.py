@@ -532,20 +532,22 @@ def _balance(theta_q: torch.Tensor, theta_k: torch.Tensor, fq: torch.Tensor, fk:
 _BLOCK = 8
 
 
-def _normal_matrices(x: torch.Tensor, others: torch.Tensor, ridge: float) -> torch.Tensor:
-    r"""Cholesky factors of the normal matrices of every column's factor update, ``[B, m, t·d, t·d]``.
+def _normal_matrices(x: torch.Tensor, others: torch.Tensor, ridge: float) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""LU factors and pivots (``torch.linalg.lu_factor``) of the normal matrices of every column's
+    factor update, ``[B, m, t·d, t·d]`` and ``[B, m, t·d]``.
 
     Column ``i``'s features are linear in its factor ``j``: :math:`Z_i\,\mathrm{vec}(\theta_{:,j,:,i})`
     with :math:`Z_i[n, (r, d)] = o_{r,n,i}\,x_{n,d}` (``others[B, t, n, m]``: the product of the
     column's other factors). :math:`Z_i^\top Z_i[(r,d),(s,e)] = \sum_n o_{r,n,i} o_{s,n,i} x_{n,d} x_{n,e}`
-    for all ``i`` at once is one ``(t²·m·d) × n × d`` matrix product per head. A relative ridge
+    for all ``i`` at once is one ``(t²·m) × n × d(d+1)/2`` matrix product per head (the products
+    :math:`x_{n,d}x_{n,e}`, ``d <= e``, formed per head). A relative ridge
     (``ridge · mean diag``) keeps rank-deficient blocks solvable.
     """
     B, t, n, m = others.shape
     d = x.shape[-1]
     row, col = torch.triu_indices(d, d, device=x.device)  # the d(d+1)/2 products x_d x_e, d <= e
     out = torch.empty(B, t, t, m, d, d, dtype=x.dtype, device=x.device)
-    for b in range(B):  # per head: [t·t·m, n] @ [n, d(d+1)/2], the x_d x_e products formed once
+    for b in range(B):  # per head: [t·t·m, n] @ [n, d(d+1)/2]
         w = (others[b, :, None] * others[b, None, :]).transpose(-2, -1)  # [t, s, m, n]
         packed = w.reshape(-1, n) @ (x[b, :, row] * x[b, :, col])  # [t·s·m, d(d+1)/2]
         packed = packed.reshape(t, t, m, -1)
@@ -554,7 +556,7 @@ def _normal_matrices(x: torch.Tensor, others: torch.Tensor, ridge: float) -> tor
     out = out.permute(0, 3, 1, 4, 2, 5).reshape(B, m, t * d, t * d)  # [B, m, (t, d), (s, e)]
     eye = torch.eye(t * d, dtype=x.dtype, device=x.device)
     lam = ridge * out.diagonal(dim1=-2, dim2=-1).mean(-1) + torch.finfo(x.dtype).tiny  # [B, m]
-    return torch.linalg.cholesky(out + lam[..., None, None] * eye)
+    return torch.linalg.lu_factor(out + lam[..., None, None] * eye)  # LU: robust to round-off when singular
 
 
 def _als_side(x, theta, f_self, f_other, cross, ridge):
@@ -581,7 +583,7 @@ def _als_side(x, theta, f_self, f_other, cross, ridge):
     theta_t = theta.permute(0, 2, 4, 1, 3).contiguous()  # [B, p, m, t, d]
     for j in range(p):
         others = torch.cat([proj[:, :j], proj[:, j + 1 :]], 1).prod(1)  # [B, m, t, n]
-        chol = _normal_matrices(x, others.permute(0, 2, 3, 1), ridge)  # [B, m, t·d, t·d]
+        lu, pivots = _normal_matrices(x, others.permute(0, 2, 3, 1), ridge)  # [B, m, t·d, t·d], [B, m, t·d]
         for lo in range(0, m, _BLOCK):  # T_i − Σ_l φ_l G_li for a block of columns: one matrix product
             hi = min(lo + _BLOCK, m)
             resid = cross_t[:, lo:hi] - gram[:, :, lo:hi].mT @ feats  # [B, c, n]
@@ -590,7 +592,7 @@ def _als_side(x, theta, f_self, f_other, cross, ridge):
                 moved = gram[:, None, lo:hi, i] @ (feats[:, lo:hi] - start)  # [B, 1, n]
                 target = (resid[:, i - lo] - moved[:, 0]) / g_diag[:, i, None] + feats[:, i]  # [B, n]
                 rhs = (others[:, i] * target[:, None]) @ x  # [B, t, d]
-                sol = torch.cholesky_solve(rhs.reshape(B, t * d, 1), chol[:, i]).reshape(B, t, d)
+                sol = torch.linalg.lu_solve(lu[:, i], pivots[:, i], rhs.reshape(B, t * d, 1)).reshape(B, t, d)
                 theta_t[:, j, i] = sol
                 proj[:, j, i] = sol @ x.mT  # [B, t, n]
                 feats[:, i] = (others[:, i] * proj[:, j, i]).sum(1)
@@ -617,7 +619,7 @@ def fit_llops_direct(
     m: int,
     rank: int = 1,
     init="svd",
-    steps: int = 4,
+    steps: int = 6,
     tol: float = 1e-4,
     ridge: float = 1e-12,
     extrapolate: bool = True,
@@ -637,7 +639,8 @@ def fit_llops_direct(
         Degree, sketch size, CP rank ``t``.
     init : see :func:`llops_init` (default ``"svd"``).
     steps : int
-        Budget: number of sweeps (see Notes for what one sweep does and costs).
+        Budget: number of sweeps (see Notes for what one sweep does and costs). The default 6 keeps
+        the 72-head stand-in of ``analysis/bench_fit.py`` (all tokens, 1 thread) within its time budget.
     tol : float
         Stop (``converged``) when a sweep lowers every head's loss by less than this fraction.
     ridge : float
@@ -673,7 +676,7 @@ def fit_llops_direct(
        (the key side fixed, so :math:`A\Phi_K` is one ``n × n × m`` product), factor by factor and
        within a factor column by column, then the key side (:func:`_als_side`). The ``m`` normal
        matrices of one factor depend only on each column's other factors, so they are formed
-       together, one ``(t²m) × n × d(d+1)/2`` product per head, and Cholesky-factored in one
+       together, one ``(t²m) × n × d(d+1)/2`` product per head, and LU-factored in one
        batch; the right-hand sides follow the columns in turn (Gauss–Seidel), with the coupling
        :math:`\sum_l \phi_l G_{li}` formed for blocks of 8 columns by one product. Cost per sweep
        and head: two ``n² m`` products, ``2p`` products of ``t² m n d²/2`` and ``O(n m²)`` for
