@@ -19,10 +19,8 @@ import argparse
 import datetime
 import inspect
 import math
-import os
 import platform
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +28,7 @@ from pathlib import Path
 import torch
 
 from sketchlab import fit_sketch, optimal_sketch
+from sketchlab.io import atomic_write
 from sketchlab.llops import aligned_gauge, fit_llops_direct
 from sketchlab.spectral import rank1_residuals
 
@@ -249,10 +248,8 @@ def main(argv=None) -> None:
     text = "\n".join(lines) + "\n"
     print(text)
     cfg.out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=cfg.out.parent, suffix=".tmp")
-    with os.fdopen(fd, "w") as fh:
-        fh.write(text)
-    os.replace(tmp, cfg.out)
+    with atomic_write(cfg.out) as tmp:
+        tmp.write_text(text, encoding="utf-8")
     print(f"wrote {cfg.out}", file=sys.stderr)
 
 
