@@ -195,7 +195,7 @@ def bench(name: str, cfg: Config) -> list[str]:
         f"{', '.join(f'{v:.3f}' for v in frac_ali.tolist())}. This is the floor (relative, squared, in the "
         "Frobenius norm of W) of a rank-1 CP of those columns. The kernel error of `cp` is far larger than "
         "this floor suggests, because a small Frobenius change of W can be a large change of ψ_p(Q)W on the "
-        "data (W* is the minimum-norm solution and the CP ignores the data metric); the direct fit "
+        "data (W* is one of many exact solutions, sketchlab.optimal_sketch returns the Nyström one, and the CP ignores the data metric); the direct fit "
         "measures the error where it matters.",
         "",
     ]
