@@ -384,33 +384,22 @@ def _init_random(q, k, a, rank, p, m, generator):
     return theta_q.to(q.device), theta_k.to(q.device)
 
 
-def _pad_rank(theta_q, theta_k, rank, generator, relative=1e-3):
-    """Extend Θ to ``rank`` terms with small Gaussian ones (``relative`` × the factors' RMS)."""
-    have = theta_q.shape[1]
-    if have > rank:
-        raise ValueError(f"init has CP rank {have}, more than the requested rank={rank}")
-    if have == rank:
+def _pad(theta_q, theta_k, axis: int, size: int, generator, relative=1e-3):
+    """Extend Θ ``[B, t, p, d, m]`` along ``axis`` (1: CP terms, 4: columns) to ``size`` with small
+    Gaussian entries (``relative`` × each head's RMS), so a smaller special case can start a bigger fit."""
+    have = theta_q.shape[axis]
+    if have > size:
+        what = "CP terms" if axis == 1 else "columns"
+        raise ValueError(f"init has {have} {what}, more than the requested {size}")
+    if have == size:
         return theta_q, theta_k
     out = []
     for theta in (theta_q, theta_k):
-        B, _, p, d, m = theta.shape
         rms = theta.pow(2).mean((1, 2, 3, 4)).sqrt().clamp_min(torch.finfo(torch.float64).tiny)  # [B]
-        extra = torch.randn(B, rank - have, p, d, m, generator=generator, dtype=torch.float64).to(theta.device)
-        out.append(torch.cat([theta, extra * (relative * rms)[:, None, None, None, None]], 1))
-    return out[0], out[1]
-
-
-def _pad_columns(theta_q, theta_k, m, generator, relative=1e-3):
-    """Extend Θ ``[B, t, p, d, m']`` to ``m`` columns with small Gaussian ones (``relative`` × RMS)."""
-    have = theta_q.shape[-1]
-    if have == m:
-        return theta_q, theta_k
-    out = []
-    for theta in (theta_q, theta_k):
-        B, t, p, d, _ = theta.shape
-        rms = theta.pow(2).mean((1, 2, 3, 4)).sqrt().clamp_min(torch.finfo(torch.float64).tiny)  # [B]
-        extra = torch.randn(B, t, p, d, m - have, generator=generator, dtype=torch.float64).to(theta.device)
-        out.append(torch.cat([theta, extra * (relative * rms)[:, None, None, None, None]], -1))
+        shape = list(theta.shape)
+        shape[axis] = size - have
+        extra = torch.randn(shape, generator=generator, dtype=torch.float64).to(theta.device)
+        out.append(torch.cat([theta, extra * (relative * rms)[:, None, None, None, None]], axis))
     return out[0], out[1]
 
 
@@ -491,8 +480,8 @@ def llops_init(q, k, *, p: int, m: int, rank: int = 1, init="svd", seed: int = 0
             )
         theta_q = theta_q.reshape(-1, *theta_q.shape[-4:]).to(q.device)  # [B, t', p, d, m']
         theta_k = theta_k.reshape(-1, *theta_k.shape[-4:]).to(q.device)
-        theta_q, theta_k = _pad_columns(theta_q, theta_k, m, generator)
-    theta_q, theta_k = _pad_rank(theta_q, theta_k, rank, generator)
+        theta_q, theta_k = _pad(theta_q, theta_k, 4, m, generator)
+    theta_q, theta_k = _pad(theta_q, theta_k, 1, rank, generator)
     shape = (*batch, rank, p, d, m)
     return theta_q.reshape(shape).contiguous(), theta_k.reshape(shape).contiguous()
 

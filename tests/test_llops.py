@@ -280,3 +280,10 @@ def test_argument_errors():
         fit_sketch("llops", q, k, p=2, m=4, method="adam", lr=-1.0)
     with pytest.raises(TypeError, match="steps"):
         fit_sketch("llops", q, k, p=2, m=4, steps=1.5)
+
+
+def test_init_with_more_terms_than_requested_is_rejected():
+    q, k = _data(batch=(2,), n=24, d=3)
+    theta = torch.randn(2, 2, 2, 3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))  # rank 2
+    with pytest.raises(ValueError, match=r"init has 2 CP terms, more than the requested 1"):
+        llops_init(q, k, p=2, m=4, rank=1, init=LLoPS(theta, theta))
