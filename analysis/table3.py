@@ -14,6 +14,7 @@ Usage: ``python analysis/table3.py [--dump data/mqar_softmax_qk.safetensors] [--
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import platform
 import statistics
@@ -75,6 +76,8 @@ def main(argv=None) -> int:
     from sketchlab.io import load_qk
 
     dump = load_qk(cfg.dump)
+    if cfg.dump.resolve().is_relative_to(ROOT):  # record the repo-relative path, not this machine's
+        dump = dataclasses.replace(dump, path=cfg.dump.resolve().relative_to(ROOT))
     n_layers = dump.q.shape[0]
     layers = cfg.layers or tuple(sorted({0, n_layers // 2, n_layers - 1}))
     tables, seconds = {}, {}
