@@ -19,8 +19,11 @@ $(STAMP): setup.cfg pyproject.toml
 setup: $(STAMP)
 
 # One intra-op thread: the suite is many small tensor ops, which extra threads only slow down.
+# Without a GPU the Triton kernels run in Triton's interpreter (TRITON_INTERPRET=1, fp32 only);
+# tests/conftest.py sets the same for a bare `pytest`, notebooks get it from here.
+TRITON_INTERPRET ?= 1
 test: setup
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider tests notebooks --nbmake
+	OMP_NUM_THREADS=1 TRITON_INTERPRET=$(TRITON_INTERPRET) $(PY) -m pytest -q -p no:cacheprovider tests notebooks --nbmake
 
 demo: setup
 	$(PY) -m sketchlab.demo

@@ -14,7 +14,9 @@ import numpy as np
 import torch
 
 __all__ = [
+    "DEFAULT_MAX_BYTES",
     "as_float_tensor",
+    "check_memory",
     "check_degree",
     "check_finite",
     "check_fraction",
@@ -23,6 +25,28 @@ __all__ = [
     "check_positive_int",
     "check_real",
 ]
+
+
+#: The one memory budget (bytes) for any single allocation that grows with n², d^p, D² or the
+#: number of p-multisets: 4 GiB. Functions that allocate such a tensor take ``max_bytes`` (default
+#: this) and call :func:`check_memory` *before* allocating.
+DEFAULT_MAX_BYTES = 4 * 2**30
+
+
+def check_memory(nbytes: int, *, what: str, way_out: str, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+    """Raise ``ValueError`` if an allocation of ``nbytes`` would exceed ``max_bytes``.
+
+    Call it before allocating. ``what`` names the tensor and its shape (``"the n×n kernel of
+    layer 0 (20000 x 20000 float64)"``), ``way_out`` what the user can change; the message adds the
+    size, the budget and ``or raise max_bytes``. ``nbytes`` may be a Python int of any size (count
+    multiset sizes with :func:`math.comb`, never by enumerating them).
+    """
+    max_bytes = check_positive_int(max_bytes, "max_bytes")
+    if nbytes > max_bytes:
+        raise ValueError(
+            f"{what} would take {nbytes / 2**30:.3g} GiB, over the memory budget max_bytes="
+            f"{max_bytes / 2**30:.3g} GiB; {way_out}, or raise max_bytes"
+        )
 
 
 def as_float_tensor(x, name: str) -> torch.Tensor:

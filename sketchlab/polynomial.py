@@ -23,7 +23,7 @@ import math
 
 import torch
 
-from ._validation import as_float_tensor, check_degree, check_positive_int
+from ._validation import DEFAULT_MAX_BYTES, as_float_tensor, check_degree, check_memory, check_positive_int
 
 __all__ = [
     "DEFAULT_MAX_BYTES",
@@ -35,10 +35,6 @@ __all__ = [
     "symmetric_index",
     "symmetric_to_full",
 ]
-
-#: Default memory budget (bytes) for one materialised feature tensor: 4 GiB.
-DEFAULT_MAX_BYTES = 4 * 2**30
-
 
 def num_poly_features(d: int, p: int, symmetric: bool = False) -> int:
     """Number of exact features: ``d**p`` (full) or ``C(d+p-1, p)`` (symmetric)."""
@@ -77,19 +73,18 @@ def symmetric_index(d: int, p: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _check_budget(batch_numel: int, num_features: int, itemsize: int, max_bytes: int, d: int, p: int, symmetric: bool) -> None:
-    need = batch_numel * num_features * itemsize
-    if need > max_bytes:
-        way_out = (
-            "use smaller d or p, or fewer rows"
-            if symmetric
-            else f"use symmetric=True ({num_poly_features(d, p, True)} features instead of {d**p}), "
-            "smaller d or p, or fewer rows"
-        )
-        raise ValueError(
-            f"poly_features(d={d}, p={p}, symmetric={symmetric}) would materialise "
-            f"{batch_numel} x {num_features} features = {need / 2**30:.2f} GiB, over the budget "
-            f"max_bytes={max_bytes / 2**30:.2f} GiB; {way_out}, or raise max_bytes"
-        )
+    way_out = (
+        "use smaller d or p, or fewer rows"
+        if symmetric
+        else f"use symmetric=True ({num_poly_features(d, p, True)} features instead of {d**p}), "
+        "smaller d or p, or fewer rows"
+    )
+    check_memory(
+        batch_numel * num_features * itemsize,
+        what=f"poly_features(d={d}, p={p}, symmetric={symmetric}) of {batch_numel} x {num_features} features",
+        way_out=way_out,
+        max_bytes=max_bytes,
+    )
 
 
 def poly_features(x, p: int, symmetric: bool = False, *, max_bytes: int = DEFAULT_MAX_BYTES) -> torch.Tensor:

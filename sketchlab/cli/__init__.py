@@ -1,0 +1,69 @@
+"""The ``sketchlab`` command line.
+
+One sub-command per module of this package: each module has ``add_arguments(subparsers)``, which
+declares the command and its arguments, and ``run(args) -> int``. :data:`COMMANDS` lists them in the
+order ``sketchlab --help`` shows. Bad input (unknown option, invalid value, unreadable file) prints
+one line ``sketchlab: error: ...`` on stderr and exits with status 2, without a traceback; a
+diverged fit (``FloatingPointError``) prints one such line and exits with status 1; any other
+exception keeps its traceback (it is a bug).
+
+Usage::
+
+    sketchlab compare DUMP --p 2 --m 64 [--methods optimal,llops,mlp,psf,tensorsketch,based]
+                           [--layers 0,8] [--heads 0,1] [--scale sqrt-d|none] [--seed 0]
+                           [--holdout 0.25] [--json OUT] [--markdown OUT]
+    sketchlab capture --model-dir DIR (--text FILE | --token-ids FILE) --out DUMP [--max-tokens 512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from ._common import UsageError
+
+__all__ = ["COMMANDS", "UsageError", "build_parser", "main"]
+
+#: Sub-command names; each is the module ``sketchlab.cli.<name>`` (a new command adds one module
+#: and one entry here).
+COMMANDS = ("compare", "capture")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse calls this on bad input; never print usage + traceback
+        raise UsageError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser with every command of :data:`COMMANDS`."""
+    parser = _Parser(prog="sketchlab", description="Polynomial-kernel sketches for linear attention.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in COMMANDS:
+        module = importlib.import_module(f"{__name__}.{name}")
+        module.add_arguments(sub)
+        sub.choices[name].set_defaults(_run=module.run)
+    return parser
+
+
+def _fail(message: str) -> int:
+    one_line = " ".join(str(message).split())
+    print(f"sketchlab: error: {one_line}", file=sys.stderr)
+    return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``sketchlab`` console script; returns the exit status."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except UsageError as err:
+        return _fail(str(err))
+    try:
+        return int(args._run(args))
+    except (ValueError, OSError, UsageError) as err:  # bad input; anything else is a bug and keeps its traceback
+        return _fail(str(err))
+    except FloatingPointError as err:  # a fit diverged: not bad input, but still one line
+        _fail(str(err))
+        return 1
+

@@ -1,0 +1,7 @@
+"""``python -m sketchlab.cli``: the same as the ``sketchlab`` console script."""
+
+import sys
+
+from . import main
+
+sys.exit(main())

@@ -1,0 +1,30 @@
+"""``sketchlab capture``: dump Q/K/V ``[L, H, n, d]`` from a local transformers model directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def add_arguments(sub) -> None:
+    cmd = sub.add_parser("capture", help="dump Q/K/V [L, H, n, d] from a local transformers model directory")
+    cmd.add_argument("--model-dir", required=True, help="directory written by save_pretrained (no download)")
+    src = cmd.add_mutually_exclusive_group(required=True)
+    src.add_argument("--text", help="UTF-8 text file, tokenised as one sequence by the directory's tokenizer")
+    src.add_argument("--token-ids", help="file of integer token ids, one sequence per line (no tokenizer needed)")
+    cmd.add_argument("--out", required=True, help="output dump (.safetensors, .pt, .npz or .npy)")
+    cmd.add_argument("--max-tokens", type=int, default=512, help="longest sequence captured (default 512)")
+
+
+def run(args) -> int:
+    from ..capture import capture_pretrained
+
+    if not Path(args.out).parent.is_dir():
+        raise FileNotFoundError(f"output directory {str(Path(args.out).parent)!r} does not exist (for {args.out!r})")
+    dump = capture_pretrained(args.model_dir, text=args.text, token_ids=args.token_ids,
+                              max_tokens=args.max_tokens, path=args.out)
+    L, H, n, d = dump.q.shape
+    print(f"{dump.path}: q, k{', v' if dump.v is not None else ''} of shape [L={L}, H={H}, n={n}, d={d}] "
+          f"({dump.meta['captured']})")
+    return 0
+
+
