@@ -318,8 +318,17 @@ def _cuda_configs(block_dv: bool):
     return configs
 
 
+def _prune_value_blocks(configs, named_args, **kwargs):
+    """Drop forward configs whose value block exceeds the padded Dv (they only repeat a smaller one)."""
+    padded = max(16, triton.next_power_of_2(named_args["DV"]))
+    kept = [c for c in configs if c.kwargs["BLOCK_DV"] <= padded]
+    return kept or configs
+
+
 _KEY = ["D", "M", "DV", "R", "P", "CAUSAL", "NORMALIZE", "BLOCK_D", "BLOCK_M", "PREC"]
-llops_fwd_kernel_tuned = triton.autotune(configs=_cuda_configs(True), key=_KEY)(_llops_fwd_kernel)
+llops_fwd_kernel_tuned = triton.autotune(
+    configs=_cuda_configs(True), key=_KEY, prune_configs_by={"early_config_prune": _prune_value_blocks}
+)(_llops_fwd_kernel)
 llops_bwd_kernel_tuned = triton.autotune(configs=_cuda_configs(False), key=_KEY + ["BLOCK_DV"])(_llops_bwd_kernel)
 llops_fwd_kernel = _llops_fwd_kernel
 llops_bwd_kernel = _llops_bwd_kernel
