@@ -114,8 +114,9 @@ def test_output_and_gradients_match_reference(case):
 
 
 def test_value_dim_above_one_block_and_single_head():
-    """Dv = 40 pads to 64; B = 3, H = 1 checks the (batch, head) indexing and dΘ's sum over B."""
-    _compare(**dict(BASE, T=20, normalize="none"), B=3, H=1, DV=40)
+    """Dv = 40: three forward value blocks of 16 (the last masked), one backward block of 64;
+    B = 3, H = 1 checks the (batch, head) indexing and dΘ's sum over B."""
+    _compare(**dict(BASE, T=20), B=3, H=1, DV=40)
 
 
 def test_any_strides():

@@ -298,7 +298,7 @@ def _llops_bwd_kernel(
             dS += tl.dot(tl.trans(phq), g, input_precision=PREC)
             if NORMALIZE:
                 dz += tl.sum(phq * c[:, None], axis=0)
-        dphk = tl.where(rmask, dphk, 0.0)
+        # rows ≥ T of dphk may hold dz, but their k rows are 0 (no dΘ) and their dk is not stored
         dk = _features_bwd(k, dphk, tk, s_ktr, s_ktj, s_ktd, s_ktm, dtk, s_gtr, s_gtj, s_gtd, s_gtm,
                            R, P, D, M, BLOCK_T, BLOCK_D, BLOCK_M, PREC)
         tl.store(DK + b * s_dkb + h * s_dkh + rows[:, None] * s_dkt + offs_d[None, :] * s_dkd, dk, mask=rmask & dmask)

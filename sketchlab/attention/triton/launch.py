@@ -7,8 +7,8 @@ contiguous here), allocate the outputs, pick the block sizes and launch one prog
 
 Block sizes: ``BLOCK_D``, ``BLOCK_M``, ``BLOCK_DV`` are the next power of two ≥ 16 of ``D``, ``M``,
 ``Dv`` (``tl.dot`` needs every dimension ≥ 16; padding is masked). Under Triton's interpreter
-(``TRITON_INTERPRET=1``, CPU, fp32) the chunk is a fixed 16 tokens and the forward uses one value
-block; on CUDA ``BLOCK_T`` (and the forward's ``BLOCK_DV``) and the warp count are autotuned.
+(``TRITON_INTERPRET=1``, CPU, fp32) the chunk is a fixed 16 tokens and the forward's value block 16
+columns; on CUDA ``BLOCK_T`` (and the forward's ``BLOCK_DV``) and the warp count are autotuned.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ __all__ = ["llops_attention_bwd", "llops_attention_fwd"]
 
 #: Chunk length (tokens) under the interpreter: small, so tests on T ∈ {17, 64, 100} cross chunks.
 INTERPRET_BLOCK_T = 16
+#: The forward's value block under the interpreter: the smallest, so Dv > 16 runs several blocks.
+INTERPRET_BLOCK_DV = 16
 
 
 def _interpreting() -> bool:
@@ -90,9 +92,8 @@ def llops_attention_fwd(q, k, v, theta_q, theta_k, *, causal: bool, normalize: b
         BLOCK_D=_block(D), BLOCK_M=_block(M), PREC=_precision(q.dtype),
     )
     if _interpreting():
-        block_dv = _block(DV)
-        _kernels.llops_fwd_kernel[(B * H, triton.cdiv(DV, block_dv))](
-            *args, **meta, BLOCK_T=INTERPRET_BLOCK_T, BLOCK_DV=block_dv,
+        _kernels.llops_fwd_kernel[(B * H, triton.cdiv(DV, INTERPRET_BLOCK_DV))](
+            *args, **meta, BLOCK_T=INTERPRET_BLOCK_T, BLOCK_DV=INTERPRET_BLOCK_DV,
         )
     else:
         grid = lambda META: (B * H, triton.cdiv(DV, META["BLOCK_DV"]))  # noqa: E731
