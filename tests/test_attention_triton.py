@@ -51,18 +51,19 @@ def nan_buffers(monkeypatch):
     monkeypatch.setattr(launch, "_empty", nan_empty)
 
 
-def _problem(T, D, M, P, R, normalize, *, B=2, H=2, DV=12, seed=0, dtype=torch.float32):
+def _problem(T, D, M, P, R, normalize, *, B=2, H=2, DV=12, seed=0, dtype=torch.float32, signed=False):
     """q, k [B, T, H, D], v [B, T, H, DV], Θ [H, R, P, D, M], grad_out [B, T, H, DV].
 
-    For ``normalize="sum"`` q, k and Θ are non-negative, so every score a_ts > 0 and the
-    denominator is well conditioned (the regime "sum" is documented for); Θ is scaled by d^{-1/2}
-    so features stay O(1) for every p.
+    For ``normalize="sum"`` q, k and Θ are non-negative unless ``signed`` (used with the
+    self-tensor, whose scores are ≥ 0 for any map), so every score a_ts > 0 and the denominator is
+    well conditioned (the regime "sum" is documented for); Θ is scaled by d^{-1/2} so features
+    stay O(1) for every p.
     """
     g = torch.Generator().manual_seed(seed)
     q, k = torch.randn(2, B, T, H, D, generator=g, dtype=torch.float64)
     v = torch.randn(B, T, H, DV, generator=g, dtype=torch.float64)
     tq, tk = torch.randn(2, H, R, P, D, M, generator=g, dtype=torch.float64) / D**0.5
-    if normalize == "sum":
+    if normalize == "sum" and not signed:
         q, k, tq, tk = q.abs(), k.abs(), tq.abs(), tk.abs()
     grad = torch.randn(B, T, H, DV, generator=g, dtype=torch.float64)
     return [x.to(DEVICE, dtype) for x in (q, k, v, tq, tk, grad)]
@@ -75,9 +76,9 @@ def _run(fn, q, k, v, tq, tk, grad, **kw):
     return [out.detach()] + [x.grad for x in leaves]
 
 
-def _compare(T, D, M, P, R, causal, normalize, *, dtype=torch.float32, tol=FP32_TOL, **shape):
-    q, k, v, tq, tk, grad = _problem(T, D, M, P, R, normalize, dtype=dtype, **shape)
-    kw = dict(causal=causal, normalize=normalize, non_negative=False, eps=1e-6)
+def _compare(T, D, M, P, R, causal, normalize, non_negative=False, *, dtype=torch.float32, tol=FP32_TOL, **shape):
+    q, k, v, tq, tk, grad = _problem(T, D, M, P, R, normalize, dtype=dtype, signed=non_negative, **shape)
+    kw = dict(causal=causal, normalize=normalize, non_negative=non_negative, eps=1e-6)
     got = _run(llops_attention_triton, q, k, v, tq, tk, grad, **kw)
     want = _run(llops_attention_naive, *(x.double() for x in (q, k, v, tq, tk, grad)), **kw)
     errors = {}
@@ -104,11 +105,20 @@ CORNERS = [
 ]
 
 
+# The self-tensor φ ⊗ φ (M² features, degree 2p) on signed maps, where "sum" is safe.
+SELF_TENSOR = [
+    dict(BASE, non_negative=True),
+    dict(BASE, T=64, M=20, R=2, P=1, causal=False, non_negative=True),
+    dict(BASE, T=40, D=24, P=3, normalize="none", non_negative=True),
+]
+
+
 def _id(case):
-    return "T{T}-d{D}-m{M}-p{P}-t{R}-{c}-{normalize}".format(c="causal" if case["causal"] else "full", **case)
+    return "T{T}-d{D}-m{M}-p{P}-t{R}-{c}-{normalize}{s}".format(
+        c="causal" if case["causal"] else "full", s="-self" if case.get("non_negative") else "", **case)
 
 
-@pytest.mark.parametrize("case", ONE_AT_A_TIME + CORNERS, ids=_id)
+@pytest.mark.parametrize("case", ONE_AT_A_TIME + CORNERS + SELF_TENSOR, ids=_id)
 def test_output_and_gradients_match_reference(case):
     _compare(**case)
 
@@ -136,8 +146,6 @@ def test_any_strides():
 def test_rejects_what_the_kernel_cannot_do():
     q, k, v, tq, tk, _ = _problem(**{k: BASE[k] for k in ("T", "D", "M", "P", "R", "normalize")})
     kw = dict(causal=True, normalize="sum", eps=1e-6)
-    with pytest.raises(ValueError, match=r"non_negative.*backend='torch'"):
-        llops_attention_triton(q, k, v, tq, tk, non_negative=True, **kw)
     with pytest.raises(ValueError, match=r"q has dtype torch.float64.*float32"):
         llops_attention_triton(q.double(), k, v, tq, tk, non_negative=False, **kw)
     with pytest.raises(ValueError, match=r"normalize must be one of .*'max'"):
@@ -154,9 +162,11 @@ def test_cpu_tensors_need_the_interpreter(monkeypatch):
 
 @pytest.mark.skipif(INTERPRETED, reason="compiled kernel at realistic sizes and bf16: CUDA only")
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, FP32_TOL), (torch.bfloat16, BF16_TOL)], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("causal, normalize", [(True, "sum"), (False, "none"), (True, "none")])
-def test_cuda_compiled(dtype, tol, causal, normalize):
-    """Autotuned configs (chunks of 16-64 tokens, value blocks) at d = 64, m = 64 and T crossing
-    many chunks, odd sizes included."""
-    _compare(T=300, D=64, M=48, P=2, R=2, causal=causal, normalize=normalize, dtype=dtype, tol=tol,
-             B=2, H=3, DV=72)
+@pytest.mark.parametrize("causal, normalize, non_negative, M",
+                         [(True, "sum", False, 48), (False, "none", False, 48), (True, "none", False, 48),
+                          (True, "sum", True, 12)])
+def test_cuda_compiled(dtype, tol, causal, normalize, non_negative, M):
+    """Autotuned configs (chunks of 16-64 tokens, value blocks) at d = 64, m = 48 (self-tensor:
+    m = 12, 144 features) and T crossing many chunks, odd sizes included."""
+    _compare(T=300, D=64, M=M, P=2, R=2, causal=causal, normalize=normalize, non_negative=non_negative,
+             dtype=dtype, tol=tol, B=2, H=3, DV=72)

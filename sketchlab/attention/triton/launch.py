@@ -53,7 +53,7 @@ def _theta_strides(theta: torch.Tensor):
     return theta.stride()  # [H, R, P, D, M]
 
 
-def llops_attention_fwd(q, k, v, theta_q, theta_k, *, causal: bool, normalize: bool, eps: float):
+def llops_attention_fwd(q, k, v, theta_q, theta_k, *, causal: bool, normalize: bool, non_negative: bool, eps: float):
     """Fused forward of LLoPS linear attention.
 
     Parameters
@@ -66,6 +66,9 @@ def llops_attention_fwd(q, k, v, theta_q, theta_k, *, causal: bool, normalize: b
         ``s ≤ t`` (True) or all ``s``.
     normalize : bool
         Divide by ``Σ_s a_ts + eps`` (True) or not.
+    non_negative : bool
+        Features ``φ ⊗ φ`` (scores ``a_ts = (φ(q_t)·φ(k_s))² ≥ 0``), formed chunk by chunk in
+        registers; the state is then ``[M², Dv]`` (padded to ``BLOCK_M²``).
     eps : float
 
     Returns
@@ -88,8 +91,9 @@ def llops_attention_fwd(q, k, v, theta_q, theta_k, *, causal: bool, normalize: b
         H, T, R, P, D, M, DV, float(eps),
     )
     meta = dict(
-        CAUSAL=bool(causal), NORMALIZE=bool(normalize),
-        BLOCK_D=_block(D), BLOCK_M=_block(M), PREC=_precision(q.dtype),
+        CAUSAL=bool(causal), NORMALIZE=bool(normalize), SELF=bool(non_negative),
+        BLOCK_D=_block(D), BLOCK_M=_block(M), BLOCK_F=_block(M) ** (2 if non_negative else 1),
+        PREC=_precision(q.dtype),
     )
     if _interpreting():
         _kernels.llops_fwd_kernel[(B * H, triton.cdiv(DV, INTERPRET_BLOCK_DV))](
@@ -101,12 +105,13 @@ def llops_attention_fwd(q, k, v, theta_q, theta_k, *, causal: bool, normalize: b
     return out, den
 
 
-def llops_attention_bwd(q, k, v, theta_q, theta_k, out, den, grad_out, *, causal: bool, normalize: bool):
+def llops_attention_bwd(q, k, v, theta_q, theta_k, out, den, grad_out, *, causal: bool, normalize: bool,
+                        non_negative: bool):
     """Fused backward of :func:`llops_attention_fwd`: features recomputed, no per-chunk states stored.
 
     Parameters
     ----------
-    q, k, v, theta_q, theta_k : as in :func:`llops_attention_fwd`
+    q, k, v, theta_q, theta_k, causal, normalize, non_negative : as in :func:`llops_attention_fwd`
     out : Tensor [B, T, H, Dv]
         The forward's output (used only when ``normalize``).
     den : Tensor [B, T, H] fp32
@@ -152,8 +157,9 @@ def llops_attention_bwd(q, k, v, theta_q, theta_k, out, den, grad_out, *, causal
         H, T, R, P, D, M, DV,
     )
     meta = dict(
-        CAUSAL=bool(causal), NORMALIZE=bool(normalize),
-        BLOCK_D=_block(D), BLOCK_M=_block(M), BLOCK_DV=_block(DV), PREC=_precision(q.dtype),
+        CAUSAL=bool(causal), NORMALIZE=bool(normalize), SELF=bool(non_negative),
+        BLOCK_D=_block(D), BLOCK_M=_block(M), BLOCK_F=_block(M) ** (2 if non_negative else 1),
+        BLOCK_DV=_block(DV), PREC=_precision(q.dtype),
     )
     if _interpreting():
         _kernels.llops_bwd_kernel[(B * H,)](*args, **meta, BLOCK_T=INTERPRET_BLOCK_T)
