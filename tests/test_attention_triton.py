@@ -51,8 +51,9 @@ def nan_buffers(monkeypatch):
     monkeypatch.setattr(launch, "_empty", nan_empty)
 
 
-def _problem(T, D, M, P, R, normalize, *, B=2, H=2, DV=12, seed=0, dtype=torch.float32, signed=False):
-    """q, k [B, T, H, D], v [B, T, H, DV], Θ [H, R, P, D, M], grad_out [B, T, H, DV].
+def _problem(T, D, M, P, R, normalize, *, B=2, H=2, DV=12, S=None, seed=0, dtype=torch.float32, signed=False):
+    """q [B, T, H, D], k [B, S, H, D], v [B, S, H, DV], Θ [H, R, P, D, M], grad_out [B, T, H, DV]
+    (``S = T`` unless given).
 
     For ``normalize="sum"`` q, k and Θ are non-negative unless ``signed`` (used with the
     self-tensor, whose scores are ≥ 0 for any map), so every score a_ts > 0 and the denominator is
@@ -60,8 +61,10 @@ def _problem(T, D, M, P, R, normalize, *, B=2, H=2, DV=12, seed=0, dtype=torch.f
     stay O(1) for every p.
     """
     g = torch.Generator().manual_seed(seed)
-    q, k = torch.randn(2, B, T, H, D, generator=g, dtype=torch.float64)
-    v = torch.randn(B, T, H, DV, generator=g, dtype=torch.float64)
+    S = T if S is None else S
+    q = torch.randn(B, T, H, D, generator=g, dtype=torch.float64)
+    k = torch.randn(B, S, H, D, generator=g, dtype=torch.float64)
+    v = torch.randn(B, S, H, DV, generator=g, dtype=torch.float64)
     tq, tk = torch.randn(2, H, R, P, D, M, generator=g, dtype=torch.float64) / D**0.5
     if normalize == "sum" and not signed:
         q, k, tq, tk = q.abs(), k.abs(), tq.abs(), tk.abs()
@@ -127,6 +130,12 @@ def test_value_dim_above_one_block_and_single_head():
     """Dv = 40: three forward value blocks of 16 (the last masked), one backward block of 64;
     B = 3, H = 1 checks the (batch, head) indexing and dΘ's sum over B."""
     _compare(**dict(BASE, T=20), B=3, H=1, DV=40)
+
+
+@pytest.mark.parametrize("S, non_negative", [(40, False), (5, True)])
+def test_keys_longer_or_shorter_than_queries(S, non_negative):
+    """Non-causal attention of T = 17 queries over S ≠ T keys (chunks of keys and queries differ)."""
+    _compare(**dict(BASE, causal=False, non_negative=non_negative), S=S)
 
 
 def test_any_strides():

@@ -1,6 +1,7 @@
 """Triton kernels of fused LLoPS linear attention (forward and backward), layout ``[B, T, H, D]``.
 
-Each program owns one (batch, head) pair (the forward also splits the value dimension into
+Queries ``q [B, T, H, D]``, keys ``k [B, NK, H, D]`` and values ``v [B, NK, H, Dv]`` (``NK == T``
+when causal). Each program owns one (batch, head) pair (the forward also splits the value dimension into
 blocks). It walks the sequence chunk by chunk (``BLOCK_T`` tokens), computes the LLoPS features of
 the chunk in registers,
 
@@ -140,7 +141,7 @@ def _llops_fwd_kernel(
     s_nb, s_nt, s_nh,
     s_qth, s_qtr, s_qtj, s_qtd, s_qtm,
     s_kth, s_ktr, s_ktj, s_ktd, s_ktm,
-    H, T, R, P, D, M, DV, eps,
+    H, T, NK, R, P, D, M, DV, eps,
     CAUSAL: tl.constexpr, NORMALIZE: tl.constexpr, SELF: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr,
     BLOCK_DV: tl.constexpr, PREC: tl.constexpr,
@@ -164,9 +165,9 @@ def _llops_fwd_kernel(
     S = tl.zeros([BLOCK_F, BLOCK_DV], dtype=tl.float32)  # Σ φ(k_s)ᵀ v_s over past chunks
     z = tl.zeros([BLOCK_F], dtype=tl.float32)  # Σ φ(k_s)
     if not CAUSAL:
-        for c0 in range(0, T, BLOCK_T):
+        for c0 in range(0, NK, BLOCK_T):
             rows = c0 + offs_t
-            rmask = rows < T
+            rmask = rows < NK
             k = tl.load(k_base + rows[:, None] * s_kt + offs_d[None, :] * s_kd,
                         mask=rmask[:, None] & (offs_d[None, :] < D), other=0.0).to(tl.float32)
             v = tl.load(v_base + rows[:, None] * s_vt + offs_v[None, :] * s_vd,
@@ -219,7 +220,7 @@ def _llops_bwd_kernel(
     s_qth, s_qtr, s_qtj, s_qtd, s_qtm,
     s_kth, s_ktr, s_ktj, s_ktd, s_ktm,
     s_gtb, s_gth, s_gtr, s_gtj, s_gtd, s_gtm,
-    H, T, R, P, D, M, DV,
+    H, T, NK, R, P, D, M, DV,
     CAUSAL: tl.constexpr, NORMALIZE: tl.constexpr, SELF: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr,
     BLOCK_DV: tl.constexpr, PREC: tl.constexpr,
@@ -250,9 +251,9 @@ def _llops_bwd_kernel(
     S = tl.zeros([BLOCK_F, BLOCK_DV], dtype=tl.float32)
     z = tl.zeros([BLOCK_F], dtype=tl.float32)
     if not CAUSAL:
-        for c0 in range(0, T, BLOCK_T):
+        for c0 in range(0, NK, BLOCK_T):
             rows = c0 + offs_t
-            rmask = rows[:, None] < T
+            rmask = rows[:, None] < NK
             k = tl.load(k_base + rows[:, None] * s_kt + offs_d[None, :] * s_kd, mask=rmask & dmask, other=0.0).to(tl.float32)
             v = tl.load(v_base + rows[:, None] * s_vt + offs_v[None, :] * s_vd, mask=rmask & vmask, other=0.0).to(tl.float32)
             phk = _features(k, tk, s_ktr, s_ktj, s_ktd, s_ktm, R, P, D, M, BLOCK_T, BLOCK_D, BLOCK_M, SELF, PREC)
@@ -296,11 +297,11 @@ def _llops_bwd_kernel(
             if NORMALIZE:
                 c = tl.load(c_base + rows * s_ct, mask=rows < T, other=0.0)
                 dz += tl.sum(phq * c[:, None], axis=0)
-    n_chunks = tl.cdiv(T, BLOCK_T)
+    n_chunks = tl.cdiv(NK, BLOCK_T)
     for i in range(0, n_chunks):
         c0 = (n_chunks - 1 - i) * BLOCK_T
         rows = c0 + offs_t
-        rmask = rows[:, None] < T
+        rmask = rows[:, None] < NK
         k = tl.load(k_base + rows[:, None] * s_kt + offs_d[None, :] * s_kd, mask=rmask & dmask, other=0.0).to(tl.float32)
         v = tl.load(v_base + rows[:, None] * s_vt + offs_v[None, :] * s_vd, mask=rmask & vmask, other=0.0).to(tl.float32)
         phk = _features(k, tk, s_ktr, s_ktj, s_ktd, s_ktm, R, P, D, M, BLOCK_T, BLOCK_D, BLOCK_M, SELF, PREC)

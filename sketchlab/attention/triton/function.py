@@ -41,8 +41,10 @@ def llops_attention_triton(q, k, v, theta_q, theta_k, *, causal: bool, normalize
 
     Parameters
     ----------
-    q, k : Tensor [B, T, H, D]
-    v : Tensor [B, T, H, Dv]
+    q : Tensor [B, T, H, D]
+    k : Tensor [B, S, H, D]
+    v : Tensor [B, S, H, Dv]
+        ``S == T`` when ``causal``.
     theta_q, theta_k : Tensor [H, R, P, D, M]
         Per-head LLoPS factors, ``φ(x)_i = Σ_r ∏_j ⟨Θ_{r,j}[:, i], x⟩``.
     causal : bool

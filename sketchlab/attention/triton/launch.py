@@ -58,8 +58,10 @@ def llops_attention_fwd(q, k, v, theta_q, theta_k, *, causal: bool, normalize: b
 
     Parameters
     ----------
-    q, k : Tensor [B, T, H, D]
-    v : Tensor [B, T, H, Dv]
+    q : Tensor [B, T, H, D]
+    k : Tensor [B, S, H, D]
+    v : Tensor [B, S, H, Dv]
+        ``S == T`` when ``causal``.
     theta_q, theta_k : Tensor [H, R, P, D, M]
         LLoPS factors per head: ``φ(x) = Σ_r ∏_j x Θ_{r,j}``.
     causal : bool
@@ -88,7 +90,7 @@ def llops_attention_fwd(q, k, v, theta_q, theta_k, *, causal: bool, normalize: b
         q, k, v, theta_q, theta_k, out, den,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), *den_strides,
         *_theta_strides(theta_q), *_theta_strides(theta_k),
-        H, T, R, P, D, M, DV, float(eps),
+        H, T, k.shape[1], R, P, D, M, DV, float(eps),
     )
     meta = dict(
         CAUSAL=bool(causal), NORMALIZE=bool(normalize), SELF=bool(non_negative),
@@ -120,8 +122,9 @@ def llops_attention_bwd(q, k, v, theta_q, theta_k, out, den, grad_out, *, causal
 
     Returns
     -------
-    dq, dk : Tensor [B, T, H, D]
-    dv : Tensor [B, T, H, Dv]
+    dq : Tensor [B, T, H, D]
+    dk : Tensor [B, S, H, D]
+    dv : Tensor [B, S, H, Dv]
     dtheta_q, dtheta_k : Tensor [H, R, P, D, M]
 
     Notes
@@ -154,7 +157,7 @@ def llops_attention_bwd(q, k, v, theta_q, theta_k, out, den, grad_out, *, causal
         *q.stride(), *k.stride(), *v.stride(), *g.stride(), *c_strides,
         *dq.stride(), *dk.stride(), *dv.stride(),
         *_theta_strides(theta_q), *_theta_strides(theta_k), *dtq.stride(),
-        H, T, R, P, D, M, DV,
+        H, T, k.shape[1], R, P, D, M, DV,
     )
     meta = dict(
         CAUSAL=bool(causal), NORMALIZE=bool(normalize), SELF=bool(non_negative),
