@@ -44,7 +44,10 @@ if not INTERPRETED and not torch.cuda.is_available():  # pragma: no cover - depe
 
 @pytest.fixture(autouse=True)
 def nan_buffers(monkeypatch):
-    """Every buffer the launchers hand to a kernel starts as NaN."""
+    """Every buffer the launchers hand to a kernel starts as NaN. On CUDA the broad grid runs one
+    fixed config (compiling every autotuning config for each shape would take many minutes);
+    ``test_cuda_compiled`` turns autotuning back on."""
+    monkeypatch.setenv("SKETCHLAB_TRITON_AUTOTUNE", "0")
     def nan_empty(shape, *, like, dtype=None):
         return torch.full(shape, float("nan"), device=like.device, dtype=like.dtype if dtype is None else dtype)
 
@@ -138,6 +141,22 @@ def test_keys_longer_or_shorter_than_queries(S, non_negative):
     _compare(**dict(BASE, causal=False, non_negative=non_negative), S=S)
 
 
+def test_functional_dispatch(monkeypatch):
+    """``llops_attention(backend="triton")`` reaches this kernel and equals the reference backend."""
+    import sketchlab.attention.triton as package
+    from sketchlab.attention.functional import llops_attention
+
+    calls = []
+    monkeypatch.setattr(package, "llops_attention_triton",
+                        lambda *a, **kw: calls.append(kw) or llops_attention_triton(*a, **kw))
+    q, k, v, tq, tk, grad = _problem(**{k: BASE[k] for k in ("T", "D", "M", "P", "R", "normalize")})
+    got = _run(llops_attention, q, k, v, tq, tk, grad, backend="triton")
+    assert calls == [dict(causal=True, normalize="sum", non_negative=False, eps=1e-6)]
+    want = _run(llops_attention, *(x.double() for x in (q, k, v, tq, tk, grad)), backend="reference")
+    for name, a, b in zip(NAMES, got, want):
+        assert ((a.double() - b).abs().max() / b.abs().max()).item() <= FP32_TOL, name
+
+
 def test_any_strides():
     """Inputs that are views with permuted strides give the contiguous inputs' result."""
     q, k, v, tq, tk, grad = _problem(**{k: BASE[k] for k in ("T", "D", "M", "P", "R", "normalize")})
@@ -174,8 +193,9 @@ def test_cpu_tensors_need_the_interpreter(monkeypatch):
 @pytest.mark.parametrize("causal, normalize, non_negative, M",
                          [(True, "sum", False, 48), (False, "none", False, 48), (True, "none", False, 48),
                           (True, "sum", True, 12)])
-def test_cuda_compiled(dtype, tol, causal, normalize, non_negative, M):
+def test_cuda_compiled(dtype, tol, causal, normalize, non_negative, M, monkeypatch):
     """Autotuned configs (chunks of 16-64 tokens, value blocks) at d = 64, m = 48 (self-tensor:
     m = 12, 144 features) and T crossing many chunks, odd sizes included."""
+    monkeypatch.setenv("SKETCHLAB_TRITON_AUTOTUNE", "1")
     _compare(T=300, D=64, M=M, P=2, R=2, causal=causal, normalize=normalize, non_negative=non_negative,
              dtype=dtype, tol=tol, B=2, H=3, DV=72)

@@ -333,17 +333,21 @@ def _llops_bwd_kernel(
         tl.store(DVV + b * s_dvb + h * s_dvh + rows[:, None] * s_dvt + offs_v[None, :] * s_dvd, dv, mask=rmask & vmask)
 
 
-def _cuda_configs(block_dv: bool):
-    """Autotuning space on CUDA (the interpreter uses one fixed small config)."""
-    configs = []
-    for block_t in (16, 32, 64):
-        for warps in (4, 8):
-            if block_dv:
-                for bdv in (32, 64, 128):
-                    configs.append(triton.Config({"BLOCK_T": block_t, "BLOCK_DV": bdv}, num_warps=warps, num_stages=2))
-            else:
-                configs.append(triton.Config({"BLOCK_T": block_t}, num_warps=warps, num_stages=2))
-    return configs
+#: Autotuning space on CUDA: (BLOCK_T, BLOCK_DV, num_warps) for the forward, (BLOCK_T, num_warps)
+#: for the backward (which holds all of Dv). Kept short: every distinct shape compiles each one.
+FWD_CONFIGS = [(16, 64, 4), (32, 32, 4), (64, 64, 4), (64, 64, 8), (32, 128, 8)]
+BWD_CONFIGS = [(16, 4), (32, 4), (64, 4), (64, 8)]
+#: The fixed CUDA config when autotuning is off (``SKETCHLAB_TRITON_AUTOTUNE=0``).
+FWD_FIXED = (32, 64, 4)
+BWD_FIXED = (32, 4)
+
+
+def _fwd_configs():
+    return [triton.Config({"BLOCK_T": t, "BLOCK_DV": dv}, num_warps=w, num_stages=2) for t, dv, w in FWD_CONFIGS]
+
+
+def _bwd_configs():
+    return [triton.Config({"BLOCK_T": t}, num_warps=w, num_stages=2) for t, w in BWD_CONFIGS]
 
 
 def _prune_value_blocks(configs, named_args, **kwargs):
@@ -355,8 +359,8 @@ def _prune_value_blocks(configs, named_args, **kwargs):
 
 _KEY = ["D", "M", "DV", "R", "P", "CAUSAL", "NORMALIZE", "SELF", "BLOCK_D", "BLOCK_M", "PREC"]
 llops_fwd_kernel_tuned = triton.autotune(
-    configs=_cuda_configs(True), key=_KEY, prune_configs_by={"early_config_prune": _prune_value_blocks}
+    configs=_fwd_configs(), key=_KEY, prune_configs_by={"early_config_prune": _prune_value_blocks}
 )(_llops_fwd_kernel)
-llops_bwd_kernel_tuned = triton.autotune(configs=_cuda_configs(False), key=_KEY + ["BLOCK_DV"])(_llops_bwd_kernel)
+llops_bwd_kernel_tuned = triton.autotune(configs=_bwd_configs(), key=_KEY + ["BLOCK_DV"])(_llops_bwd_kernel)
 llops_fwd_kernel = _llops_fwd_kernel
 llops_bwd_kernel = _llops_bwd_kernel

@@ -8,7 +8,8 @@ contiguous here), allocate the outputs, pick the block sizes and launch one prog
 Block sizes: ``BLOCK_D``, ``BLOCK_M``, ``BLOCK_DV`` are the next power of two ≥ 16 of ``D``, ``M``,
 ``Dv`` (``tl.dot`` needs every dimension ≥ 16; padding is masked). Under Triton's interpreter
 (``TRITON_INTERPRET=1``, CPU, fp32) the chunk is a fixed 16 tokens and the forward's value block 16
-columns; on CUDA ``BLOCK_T`` (and the forward's ``BLOCK_DV``) and the warp count are autotuned.
+columns; on CUDA ``BLOCK_T`` (and the forward's ``BLOCK_DV``) and the warp count are autotuned
+(``SKETCHLAB_TRITON_AUTOTUNE=0``: one fixed config instead, ``_kernels.FWD_FIXED``/``BWD_FIXED``).
 """
 
 from __future__ import annotations
@@ -30,6 +31,12 @@ INTERPRET_BLOCK_DV = 16
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _autotuning() -> bool:
+    """Autotune on CUDA unless ``SKETCHLAB_TRITON_AUTOTUNE=0`` (then one fixed config: faster to
+    compile, used by the broad correctness tests on a GPU)."""
+    return os.environ.get("SKETCHLAB_TRITON_AUTOTUNE", "1") != "0"
 
 
 def _block(n: int) -> int:
@@ -101,9 +108,15 @@ def llops_attention_fwd(q, k, v, theta_q, theta_k, *, causal: bool, normalize: b
         _kernels.llops_fwd_kernel[(B * H, triton.cdiv(DV, INTERPRET_BLOCK_DV))](
             *args, **meta, BLOCK_T=INTERPRET_BLOCK_T, BLOCK_DV=INTERPRET_BLOCK_DV,
         )
-    else:
+    elif _autotuning():
         grid = lambda META: (B * H, triton.cdiv(DV, META["BLOCK_DV"]))  # noqa: E731
         _kernels.llops_fwd_kernel_tuned[grid](*args, **meta)
+    else:
+        block_t, block_dv, warps = _kernels.FWD_FIXED
+        block_dv = min(block_dv, _block(DV))
+        _kernels.llops_fwd_kernel[(B * H, triton.cdiv(DV, block_dv))](
+            *args, **meta, BLOCK_T=block_t, BLOCK_DV=block_dv, num_warps=warps,
+        )
     return out, den
 
 
@@ -166,8 +179,11 @@ def llops_attention_bwd(q, k, v, theta_q, theta_k, out, den, grad_out, *, causal
     )
     if _interpreting():
         _kernels.llops_bwd_kernel[(B * H,)](*args, **meta, BLOCK_T=INTERPRET_BLOCK_T)
-    else:
+    elif _autotuning():
         _kernels.llops_bwd_kernel_tuned[(B * H,)](*args, **meta)
+    else:
+        block_t, warps = _kernels.BWD_FIXED
+        _kernels.llops_bwd_kernel[(B * H,)](*args, **meta, BLOCK_T=block_t, num_warps=warps)
     dtheta_q = dtq.sum(0).to(theta_q.dtype)  # [H, R, P, D, M]
     dtheta_k = dtk.sum(0).to(theta_k.dtype)
     return dq, dk, dv, dtheta_q, dtheta_k
