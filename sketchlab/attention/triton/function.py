@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from sketchlab.attention.triton.launch import llops_attention_bwd, llops_attention_fwd
 
@@ -16,7 +17,8 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 class LLoPSAttentionTriton(torch.autograd.Function):
     """Fused LLoPS attention: the forward saves its inputs, output and denominators; the backward
-    recomputes the features (see :mod:`sketchlab.attention.triton._kernels`)."""
+    recomputes the features (see :mod:`sketchlab.attention.triton._kernels`). First derivatives
+    only (a second backward raises)."""
 
     @staticmethod
     def forward(ctx, q, k, v, theta_q, theta_k, causal: bool, normalize: bool, non_negative: bool, eps: float):
@@ -27,6 +29,7 @@ class LLoPSAttentionTriton(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out):
         q, k, v, theta_q, theta_k, out, den = ctx.saved_tensors
         dq, dk, dv, dtq, dtk = llops_attention_bwd(
