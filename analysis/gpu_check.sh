@@ -13,7 +13,10 @@
 #      tolerances are in tests/test_attention_triton.py); log and summary in
 #      analysis/results/attention_gpu_tests.{log,md}.
 #   3. analysis/bench_attention.py --device cuda (SDPA, exact polynomial, BASED, LLoPS torch and
-#      Triton; fla / FlashAttention when importable), which writes analysis/results/attention_gpu.md.
+#      Triton; fla / FlashAttention when importable), which writes analysis/results/attention_gpu.md;
+#      the Triton kernel runs one fixed config (SKETCHLAB_TRITON_AUTOTUNE=1 to autotune).
+# Knobs (environment): WHEELS, GPU_VENV, TEST_TIMEOUT (s, default 420), BENCH_TIMEOUT (s, default
+# 480), BENCH_ARGS (extra arguments for bench_attention.py), SKETCHLAB_TRITON_AUTOTUNE.
 # Exit status: 0 when both steps pass, 1 when the tests or the benchmark fail, 2 when no CUDA device
 # or the environment cannot be set up. Never part of CI.
 set -uo pipefail
@@ -66,7 +69,7 @@ EOF
 
 # ---- 2. attention tests, compiled on CUDA ------------------------------------------------------
 XDIST=""
-"$PY" -c "import xdist" >/dev/null 2>&1 && XDIST="-n 8"  # kernel compiles dominate: spread them
+"$PY" -c "import xdist" >/dev/null 2>&1 && XDIST="-n 12"  # kernel compiles (CPU-bound) dominate: spread them
 LOG=$RESULTS/attention_gpu_tests.log
 start=$(date +%s)
 timeout "$TEST_TIMEOUT" "$PY" -m pytest -q -p no:cacheprovider -rs $XDIST tests/test_attention_*.py >"$LOG.tmp" 2>&1
@@ -91,7 +94,10 @@ if [ ! -f analysis/bench_attention.py ]; then
     echo "gpu_check: analysis/bench_attention.py is missing" >&2
     bench_rc=1
 else
-    timeout "$BENCH_TIMEOUT" "$PY" analysis/bench_attention.py --device cuda ${BENCH_ARGS:-}
+    # One fixed kernel config unless SKETCHLAB_TRITON_AUTOTUNE=1: autotuning compiles every config
+    # for each m (an sm_90 backward compile takes tens of seconds), which a short GPU loan cannot spare.
+    SKETCHLAB_TRITON_AUTOTUNE=${SKETCHLAB_TRITON_AUTOTUNE:-0} \
+        timeout "$BENCH_TIMEOUT" "$PY" analysis/bench_attention.py --device cuda ${BENCH_ARGS:-}
     bench_rc=$?
 fi
 

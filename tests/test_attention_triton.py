@@ -189,13 +189,17 @@ def test_cpu_tensors_need_the_interpreter(monkeypatch):
 
 
 @pytest.mark.skipif(INTERPRETED, reason="compiled kernel at realistic sizes and bf16: CUDA only")
-@pytest.mark.parametrize("dtype, tol", [(torch.float32, FP32_TOL), (torch.bfloat16, BF16_TOL)], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("causal, normalize, non_negative, M",
-                         [(True, "sum", False, 48), (False, "none", False, 48), (True, "none", False, 48),
-                          (True, "sum", True, 12)])
-def test_cuda_compiled(dtype, tol, causal, normalize, non_negative, M, monkeypatch):
+@pytest.mark.parametrize("dtype, causal, normalize, non_negative, M", [
+    (torch.float32, True, "sum", False, 48),
+    (torch.bfloat16, True, "sum", False, 48),
+    (torch.float32, False, "none", False, 48),
+    (torch.bfloat16, True, "sum", True, 12),
+], ids=["fp32-causal-sum", "bf16-causal-sum", "fp32-full-none", "bf16-causal-sum-self"])
+def test_cuda_compiled(dtype, causal, normalize, non_negative, M, monkeypatch):
     """Autotuned configs (chunks of 16-64 tokens, value blocks) at d = 64, m = 48 (self-tensor:
-    m = 12, 144 features) and T crossing many chunks, odd sizes included."""
+    m = 12, 144 features) and T crossing many chunks, odd sizes included; fp32 and bf16 tolerances.
+    Few cases: each compiles every autotuning config (tens of seconds each on sm_90)."""
     monkeypatch.setenv("SKETCHLAB_TRITON_AUTOTUNE", "1")
+    tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
     _compare(T=300, D=64, M=M, P=2, R=2, causal=causal, normalize=normalize, non_negative=non_negative,
              dtype=dtype, tol=tol, B=2, H=3, DV=72)
