@@ -7,7 +7,7 @@ backend choice, ``module`` the :class:`LLoPSAttention` block, ``triton`` the fus
 """
 
 from .chunked import feature_attention, llops_attention_chunked
-from .functional import BACKENDS, llops_attention, poly_attention, resolve_backend, sketch_attention, softmax_attention
+from .functional import BACKENDS, dump_segments, llops_attention, poly_attention, resolve_backend, sketch_attention, softmax_attention
 from .reference import (
     attention_mask,
     feature_attention_naive,
@@ -20,6 +20,7 @@ from .reference import (
 
 __all__ = [
     "BACKENDS",
+    "dump_segments",
     "attention_mask",
     "feature_attention",
     "feature_attention_naive",
