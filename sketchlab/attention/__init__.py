@@ -7,6 +7,7 @@ backend choice, ``module`` the :class:`LLoPSAttention` block, ``triton`` the fus
 """
 
 from .chunked import feature_attention, llops_attention_chunked
+from .module import LLoPSAttention, parse_scale
 from .functional import BACKENDS, dump_segments, llops_attention, poly_attention, resolve_backend, sketch_attention, softmax_attention
 from .reference import (
     attention_mask,
@@ -20,6 +21,7 @@ from .reference import (
 
 __all__ = [
     "BACKENDS",
+    "LLoPSAttention",
     "dump_segments",
     "attention_mask",
     "feature_attention",
@@ -28,6 +30,7 @@ __all__ = [
     "llops_attention",
     "llops_attention_chunked",
     "llops_attention_naive",
+    "parse_scale",
     "poly_attention",
     "poly_attention_naive",
     "resolve_backend",
