@@ -58,10 +58,10 @@ from .sketches import BasedSketch, ElementwiseSketch, MLPSketch, PolySketch, Ten
 from .spectral import deflate, feature_bound, rank1_residuals, spectral_norm
 
 __all__ = [
+    "DEFAULT_METHODS",
     "BasedSketch",
     "ComparisonRow",
     "ComparisonTable",
-    "DEFAULT_METHODS",
     "ElementwiseSketch",
     "Fit",
     "FitReport",

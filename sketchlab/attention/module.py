@@ -51,9 +51,10 @@ class LLoPSAttention(nn.Module):
         Model width ``E`` of the input ``x[B, T, E]``.
     num_heads : int
         Heads ``H``; the head dimension is ``head_dim`` (default ``E // H``, which must divide).
-    p, m, rank : int
-        Degree, features per map ``M`` and CP rank ``t`` of a freshly initialised Θ (ignored when
-        ``theta_q`` is given).
+    p, m, rank : int or None
+        Degree, features per map ``M`` and CP rank ``t``. Without ``theta_q`` they size a fresh Θ
+        (defaults 2, 64, 1); with it, any that is given must equal Θ's (an export of the wrong
+        degree or size is rejected, not silently used).
     theta_q, theta_k : Tensor ``[H, t, p, D, M]`` or None
         Initial Θ; ``theta_k=None`` ties the key map to the query map. Without ``theta_q``, Θ is
         drawn (seeded) as :math:`\theta_{r,1} = \dots = \theta_{r,p} \sim N(0, 1/D)`, so each feature
@@ -72,8 +73,8 @@ class LLoPSAttention(nn.Module):
         Of every parameter.
     """
 
-    def __init__(self, embed_dim: int, num_heads: int, *, head_dim: int | None = None, p: int = 2, m: int = 64,
-                 rank: int = 1, theta_q=None, theta_k=None, learn_theta: bool = True, scale="sqrt-d",
+    def __init__(self, embed_dim: int, num_heads: int, *, head_dim: int | None = None, p: int | None = None,
+                 m: int | None = None, rank: int | None = None, theta_q=None, theta_k=None, learn_theta: bool = True, scale="sqrt-d",
                  causal: bool = True, normalize: str = "sum", non_negative: bool = False, eps: float = 1e-6,
                  backend: str = "auto", chunk_size: int = DEFAULT_CHUNK_SIZE, bias: bool = False, seed: int = 0,
                  dtype: torch.dtype = torch.float32, device=None):
@@ -114,7 +115,9 @@ class LLoPSAttention(nn.Module):
         self.v_proj, self.o_proj = linear(embed_dim, inner), linear(inner, embed_dim)
 
         if theta_q is None:
-            p, m, rank = check_degree(p), check_positive_int(m, "m"), check_positive_int(rank, "rank")
+            p = check_degree(2 if p is None else p)
+            m = check_positive_int(64 if m is None else m, "m")
+            rank = check_positive_int(1 if rank is None else rank, "rank")
             base = torch.randn(num_heads, rank, 1, head_dim, m, generator=gen, dtype=torch.float64) / math.sqrt(head_dim)
             theta_q = base.expand(-1, -1, p, -1, -1).clone()  # [H, t, p, D, M], equal factors
             theta_k = None
@@ -123,6 +126,12 @@ class LLoPSAttention(nn.Module):
         theta_k = theta_q if tied else as_float_tensor(theta_k, "theta_k").detach().to(dtype=dtype, device=device)
         probe = torch.empty(0, dtype=dtype, device=theta_q.device)
         check_theta(theta_q, theta_k, heads=num_heads, dim=head_dim, like=probe)
+        for name, want, axis in (("p (the degree)", p, 2), ("m (features per map)", m, 4), ("rank", rank, 1)):
+            if want is not None and want != theta_q.shape[axis]:
+                raise ValueError(
+                    f"theta_q has {name} = {theta_q.shape[axis]} (axis {axis} of [H, t, p, D, M] = "
+                    f"{list(theta_q.shape)}), but {name.split()[0]}={want} was asked for"
+                )
         self.tied = tied
         if learn_theta:
             self.theta_q = nn.Parameter(theta_q.clone())
