@@ -261,7 +261,7 @@ def poly_attention(q, k, v, p: int, *, causal: bool = True, normalize: str = "su
     r"""Exact polynomial attention, scores :math:`a_{ts} = (q_t\cdot k_s)^p`, blocked over queries.
 
     Quadratic time (``T·S·D``); memory ``O(block_size · S)`` per (batch, head) for the scores of
-    one query block, never ``T × S`` at once. ``q [B, T, H, D]``, ``k [B, S, H, D]``,
+    one query block, never ``T × S`` at once (blocks are checkpointed under autograd). ``q [B, T, H, D]``, ``k [B, S, H, D]``,
     ``v [B, S, H, Dv]`` → ``[B, T, H, Dv]``; no scaling applied. Causal blocks read only the keys
     up to their last query. ``normalize="sum"`` is safe for even ``p`` only. ``segments``: as in
     :func:`sketch_attention`.
@@ -279,22 +279,35 @@ def poly_attention(q, k, v, p: int, *, causal: bool = True, normalize: str = "su
                         segments, q, k, v)
 
 
+def _poly_block(q_blk, k, v, start, p, causal, normalize, eps):
+    """One query block of exact polynomial attention on ``[B, H, ·, ·]`` tensors; keys already cut to the block's end when causal."""
+    scores = (q_blk @ k.mT) ** p  # [B, H, n_blk, S']
+    if causal:
+        rows = torch.arange(start, start + q_blk.shape[2], device=q_blk.device)[:, None]
+        scores = scores.masked_fill(torch.arange(k.shape[2], device=q_blk.device)[None, :] > rows, 0.0)
+    out = scores @ v  # [B, H, n_blk, Dv]
+    if normalize == "sum":
+        out = out / (scores.sum(-1, keepdim=True) + eps)
+    return out
+
+
 def _poly_blocks(q, k, v, p, causal, normalize, eps, block_size):
-    """Blocked exact polynomial attention on validated ``[B, T, H, ·]`` tensors (see :func:`poly_attention`)."""
+    """Blocked exact polynomial attention on validated ``[B, T, H, ·]`` tensors (see :func:`poly_attention`).
+
+    Under autograd each block is checkpointed (its scores recomputed in the backward pass), so the
+    backward pass also holds one block's scores at a time, not ``T × S``.
+    """
+    from torch.utils.checkpoint import checkpoint
+
     T = q.shape[1]
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T|S, ·]
+    grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
     outs = []
     for a in range(0, T, block_size):
         b = min(a + block_size, T)
         stop = b if causal else k.shape[1]
-        scores = (qt[:, :, a:b] @ kt[:, :, :stop].mT) ** p  # [B, H, b - a, stop]
-        if causal:
-            rows = torch.arange(a, b, device=q.device)[:, None]
-            scores = scores.masked_fill(torch.arange(stop, device=q.device)[None, :] > rows, 0.0)
-        out = scores @ vt[:, :, :stop]  # [B, H, b - a, Dv]
-        if normalize == "sum":
-            out = out / (scores.sum(-1, keepdim=True) + eps)
-        outs.append(out)
+        args = (qt[:, :, a:b], kt[:, :, :stop], vt[:, :, :stop], a, p, causal, normalize, eps)
+        outs.append(checkpoint(_poly_block, *args, use_reentrant=False) if grad else _poly_block(*args))
     return torch.cat(outs, 2).transpose(1, 2)  # [B, T, H, Dv]
 
 
