@@ -13,6 +13,8 @@ Usage::
                            [--layers 0,8] [--heads 0,1] [--scale sqrt-d|none] [--seed 0]
                            [--holdout 0.25] [--json OUT] [--markdown OUT]
     sketchlab capture --model-dir DIR (--text FILE | --token-ids FILE) --out DUMP [--max-tokens 512]
+    sketchlab fit DUMP --method llops --p 2 --m 64 --out THETA.safetensors [--layers 0,3] [--heads 0,1]
+                  [--scale sqrt-d|none|FLOAT] [--seed 0] [--holdout 0.25]
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ __all__ = ["COMMANDS", "UsageError", "build_parser", "main"]
 
 #: Sub-command names; each is the module ``sketchlab.cli.<name>`` (a new command adds one module
 #: and one entry here).
-COMMANDS = ("compare", "capture")
+COMMANDS = ("compare", "capture", "fit")
 
 
 class _Parser(argparse.ArgumentParser):
