@@ -12,9 +12,11 @@
 #   2. The attention tests on CUDA (TRITON_INTERPRET unset, so Triton compiles; fp32 and bf16
 #      tolerances are in tests/test_attention_triton.py); log and summary in
 #      analysis/results/attention_gpu_tests.{log,md}.
-#   3. analysis/bench_attention.py --device cuda (SDPA, exact polynomial, BASED, LLoPS torch and
-#      Triton; fla / FlashAttention when importable), which writes analysis/results/attention_gpu.md;
-#      the Triton kernel runs one fixed config (SKETCHLAB_TRITON_AUTOTUNE=1 to autotune).
+#   3. analysis/bench_attention.py --device cuda --dtype bfloat16 --budget-s 1 (SDPA, exact
+#      polynomial, BASED, LLoPS torch and Triton; fla when importable), which writes
+#      analysis/results/attention_gpu.md and .png; the Triton kernel runs one fixed config
+#      (SKETCHLAB_TRITON_AUTOTUNE=1 to autotune). BENCH_ARGS are appended (last flag wins, e.g.
+#      BENCH_ARGS="--dtype float32" or "--quick").
 # Knobs (environment): WHEELS, GPU_VENV, TEST_TIMEOUT (s, default 420), BENCH_TIMEOUT (s, default
 # 480), BENCH_ARGS (extra arguments for bench_attention.py), SKETCHLAB_TRITON_AUTOTUNE.
 # Exit status: 0 when both steps pass, 1 when the tests or the benchmark fail, 2 when no CUDA device
@@ -97,7 +99,8 @@ else
     # One fixed kernel config unless SKETCHLAB_TRITON_AUTOTUNE=1: autotuning compiles every config
     # for each m (an sm_90 backward compile takes tens of seconds), which a short GPU loan cannot spare.
     SKETCHLAB_TRITON_AUTOTUNE=${SKETCHLAB_TRITON_AUTOTUNE:-0} \
-        timeout "$BENCH_TIMEOUT" "$PY" analysis/bench_attention.py --device cuda ${BENCH_ARGS:-}
+        timeout "$BENCH_TIMEOUT" "$PY" analysis/bench_attention.py --device cuda --dtype bfloat16 --budget-s 1 \
+        --out "$RESULTS/attention_gpu.md" ${BENCH_ARGS:-}
     bench_rc=$?
 fi
 
