@@ -17,8 +17,8 @@
 #      analysis/results/attention_gpu.md and .png; the Triton kernel runs one fixed config
 #      (SKETCHLAB_TRITON_AUTOTUNE=1 to autotune). BENCH_ARGS are appended (last flag wins, e.g.
 #      BENCH_ARGS="--dtype float32" or "--quick").
-# Knobs (environment): WHEELS, GPU_VENV, TEST_TIMEOUT (s, default 420), BENCH_TIMEOUT (s, default
-# 480), BENCH_ARGS (extra arguments for bench_attention.py), SKETCHLAB_TRITON_AUTOTUNE.
+# Knobs (environment): WHEELS, GPU_VENV, TEST_TIMEOUT (s, default 300), BENCH_TIMEOUT (s, default
+# 360), BENCH_ARGS (extra arguments for bench_attention.py), SKETCHLAB_TRITON_AUTOTUNE.
 # Exit status: 0 when both steps pass, 1 when the tests or the benchmark fail, 2 when no CUDA device
 # or the environment cannot be set up. Never part of CI.
 set -uo pipefail
@@ -29,8 +29,8 @@ RESULTS=analysis/results
 mkdir -p "$RESULTS"
 unset TRITON_INTERPRET
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-TEST_TIMEOUT=${TEST_TIMEOUT:-420}
-BENCH_TIMEOUT=${BENCH_TIMEOUT:-480}
+TEST_TIMEOUT=${TEST_TIMEOUT:-300}
+BENCH_TIMEOUT=${BENCH_TIMEOUT:-360}
 MODULES="torch triton numpy scipy tensorly safetensors tqdm pytest matplotlib"
 
 has_cuda_torch() { "$1" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" >/dev/null 2>&1; }
