@@ -302,7 +302,7 @@ def report(args, rows, peak, wall, device) -> str:
     lines = [
         f"# Attention time vs sequence length ({device.type.upper()}) — the LLoPS paper's Figure 2",
         "",
-        f"Command: `.venv/bin/python analysis/bench_attention.py {' '.join(sys.argv[1:])}`".rstrip(),
+        "Command: `" + " ".join([".venv/bin/python", "analysis/bench_attention.py", *sys.argv[1:]]) + "`",
         "",
         f"B = {args.batch}, H = {args.heads}, D = Dv = {args.d}, p = {args.p}, {args.dtype}, chunk C = "
         f"{args.chunk_size}, causal, {args.threads} torch thread(s); torch {torch.__version__}, "
