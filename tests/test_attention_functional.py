@@ -52,6 +52,15 @@ def test_triton_backend_without_triton_is_a_clear_error(monkeypatch):
     assert resolve_backend("auto", torch.device("cuda")) == "torch"  # no triton: the torch path even on CUDA
 
 
+def test_auto_sends_cuda_float64_to_torch_and_fp32_to_triton(monkeypatch):
+    monkeypatch.setattr(functional, "_triton_importable", lambda: True)
+    cuda = torch.device("cuda")  # resolve_backend only reads the device type: no CUDA needed
+    assert resolve_backend("auto", cuda, torch.float64) == "torch"  # the kernel refuses float64
+    assert resolve_backend("auto", cuda, torch.float32) == "triton"
+    assert resolve_backend("auto", cuda, torch.bfloat16) == "triton"
+    assert resolve_backend("auto", torch.device("cpu"), torch.float32) == "torch"
+
+
 @pytest.mark.parametrize("p", [1, 2, 3])
 @pytest.mark.parametrize("causal", [True, False])
 def test_poly_attention_matches_reference(p, causal):

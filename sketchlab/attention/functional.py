@@ -37,12 +37,17 @@ def _triton_importable() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def resolve_backend(backend, device: torch.device) -> str:
-    """The backend actually used for ``backend`` on ``device`` (``"auto"`` resolved)."""
+def resolve_backend(backend, device: torch.device, dtype: torch.dtype = torch.float32) -> str:
+    """The backend actually used for ``backend`` on ``device`` (``"auto"`` resolved).
+
+    ``"auto"`` is the Triton kernel for CUDA tensors of a dtype it takes (fp32, fp16, bf16) when
+    triton is importable, and the chunked PyTorch path otherwise (CPU, float64).
+    """
     if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
-        return "triton" if device.type == "cuda" and _triton_importable() else "torch"
+        fused = device.type == "cuda" and dtype != torch.float64 and _triton_importable()
+        return "triton" if fused else "torch"
     if backend == "triton" and not _triton_importable():
         raise ValueError("backend='triton' needs the triton package, which is not importable here; "
                          "install triton or use backend='torch'")
@@ -91,7 +96,7 @@ def llops_attention(q, k, v, theta_q, theta_k, *, causal: bool = True, normalize
     chunk_size = check_positive_int(chunk_size, "chunk_size")
     q, k, v = check_qkv(q, k, v, causal=causal)
     theta_q, theta_k = check_theta(theta_q, theta_k, heads=q.shape[2], dim=q.shape[3], like=q)
-    backend = resolve_backend(backend, q.device)
+    backend = resolve_backend(backend, q.device, q.dtype)
     if backend == "reference":
         return llops_attention_naive(q, k, v, theta_q, theta_k, causal=causal, normalize=normalize,
                                      non_negative=non_negative, eps=eps)
@@ -221,7 +226,7 @@ def sketch_attention(q, k, v, sketch: Sketch, *, causal: bool = True, normalize:
             return out.reshape(qs.shape[1], B, H, -1).transpose(0, 1)  # [B, T, H, Dv]
 
         return _by_segments(run, segments, q, k, v)
-    backend = resolve_backend(backend, q.device)
+    backend = resolve_backend(backend, q.device, q.dtype)
     if backend == "triton":
         raise ValueError(f"backend='triton' fuses only LLoPS maps; {type(sketch).__name__} runs with backend='torch' "
                          "(its features through the chunked path) or 'reference'")
