@@ -183,6 +183,11 @@ def kernel_spectrum(dump_or_qk, *, p: int, layers=None, heads=None, scale=DEFAUL
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"seed must be an int, got {seed!r}")
     sel = select_and_scale(dump_or_qk, layers=layers, heads=heads, scale=scale)
+    return spectrum_of_selection(sel, p, holdout=holdout, seed=seed, max_bytes=max_bytes)
+
+
+def spectrum_of_selection(sel, p: int, *, holdout: float, seed: int, max_bytes: int = DEFAULT_MAX_BYTES) -> KernelSpectrum:
+    """:func:`kernel_spectrum` of an already loaded, selected and scaled :class:`sketchlab._dumpsel.Selection`."""
     fit, _ = holdout_split(sel.q.shape[-2], holdout, seed)
     q, k = sel.q[..., fit, :], sel.k[..., fit, :]  # [L', H', n_fit, d]
     s = kernel_singular_values(q, k, p, max_bytes=max_bytes)
