@@ -14,7 +14,7 @@ same fit :func:`sketchlab.compare` runs) meets the target, found by fitting that
 1. start at ``c = floor m`` (every ``m`` below fails by the theorem, so no fit is needed there);
 2. *bracket*: fit at ``c``; if it fails, let ``r`` be its measured ×optimum (rel_fro ÷ floor) and
    take the next ``c`` as the larger of the smallest ``m`` with ``r·floor(m) ≤ target`` (the
-   prediction if the ratio stayed ``r``) and ``⌈1.25·c⌉`` (geometric growth, since the ratio of
+   prediction if the ratio stayed ``r``) and ``⌈1.05·c⌉`` (geometric growth, since the ratio of
    LLoPS grows with ``m``), capped at ``max_m``; repeat until a fit meets the target;
 3. *bisect* between the last failing ``m`` and the first passing one.
 
@@ -154,7 +154,7 @@ def _practical_m(fit_at, floor: torch.Tensor, floor_m: int, max_m: int, target: 
         ratio = rel / float(floor[c]) if float(floor[c]) > 0 else math.inf
         reachable = (floor[lo:max_m + 1] * ratio <= target).nonzero()
         predicted = lo + int(reachable[0]) if math.isfinite(ratio) and len(reachable) else max_m
-        c = min(max_m, max(lo, predicted, math.ceil(1.25 * c)))
+        c = min(max_m, max(lo, predicted, math.ceil(1.05 * c)))
     while lo < hi:  # fit(hi) passes, every m < lo fails
         mid = (lo + hi) // 2
         if fit_at(mid)[1]:
