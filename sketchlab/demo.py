@@ -55,6 +55,7 @@ class DemoState:
     target: float
     out: Path
     scale: str = DEFAULT_SCALE
+    methods: tuple = DEFAULT_METHODS
     q: torch.Tensor | None = None  # [L, H, n, d], scaled
     k: torch.Tensor | None = None  # [L, H, n, d], scaled
     v: torch.Tensor | None = None  # [L, H, n, d_v] or None
@@ -97,7 +98,7 @@ def step_spectrum(state: DemoState) -> None:
 
 def step_compare(state: DemoState) -> None:
     """Every sketch against the optimum on the first, middle and last layers (all heads)."""
-    table = compare(state.dump, p=state.p, m=state.m, methods=DEFAULT_METHODS, layers=state.layers,
+    table = compare(state.dump, p=state.p, m=state.m, methods=state.methods, layers=state.layers,
                     seed=state.seed, holdout=state.holdout, scale=state.scale)
     state.table = table
     print(f"## 2. Every sketch against the optimum (layers {state.layers}, all heads)\n")
@@ -135,12 +136,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--holdout", type=float, default=0.25)
     parser.add_argument("--target", type=float, default=0.05, help="target rel_fro of the advise step")
+    parser.add_argument("--methods", default=",".join(DEFAULT_METHODS), help="methods compared (default: %(default)s)")
     parser.add_argument("--out", type=Path, default=Path("out/demo"))
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # small batched fits: one thread is fastest (see analysis/results/table3.md)
     args.out.mkdir(parents=True, exist_ok=True)
     state = DemoState(dump=args.dump, p=args.p, m=args.m, seed=args.seed, holdout=args.holdout, target=args.target,
-                      out=args.out)
+                      out=args.out, methods=tuple(v for v in args.methods.split(",") if v))
     start = time.perf_counter()
     for step in STEPS:
         step(state)
