@@ -162,3 +162,16 @@ def test_heldout_ratio_undefined_when_heldout_rank_below_m():
     assert all(math.isinf(r.holdout_optimality_ratio) for r in t.rows)
     assert "held-out optimality ratio" in t.to_markdown() and "| inf |" not in t.to_markdown()
     assert json.loads(t.to_json())["rows"][0]["holdout_optimality_ratio"] is None
+
+
+def test_heldout_reference_column_when_fits_report_it(table):
+    import dataclasses
+
+    assert not table.has_holdout_reference()
+    assert "held-out ÷ reference" not in table.to_markdown() and "rel_mae only" in table.to_markdown()
+    rows = [dataclasses.replace(r, holdout_vs_reference=1.0 if r.method == "optimal" else 2.0) for r in table.rows]
+    with_ref = dataclasses.replace(table, rows=rows)
+    md = with_ref.to_markdown()
+    assert with_ref.has_holdout_reference() and "| held-out ÷ reference |" in md and "minimum-norm W*" in md
+    optimal_row = [l for l in with_ref.summary_markdown().splitlines() if l.startswith("| optimal |")][0]
+    assert optimal_row.split(" | ")[5] == "1.0000"
