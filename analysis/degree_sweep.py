@@ -11,6 +11,7 @@ Usage: ``python analysis/degree_sweep.py [--degrees 2,3,4] [--m 64] [--layers 0,
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import platform
 import statistics
 import sys
@@ -22,7 +23,7 @@ import torch
 
 import sketchlab
 from sketchlab.compare import compare
-from sketchlab.io import atomic_write
+from sketchlab.io import atomic_write, load_qk
 from sketchlab.plots import plot_optimality_ratios
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -64,10 +65,13 @@ def _rel(path: Path) -> str:
 def main(argv=None) -> int:
     cfg = _parse(argv)
     torch.set_num_threads(1)
+    dump = load_qk(cfg.dump)
+    if cfg.dump.resolve().is_relative_to(ROOT):  # record the repo-relative path, not this machine's
+        dump = dataclasses.replace(dump, path=cfg.dump.resolve().relative_to(ROOT))
     tables, seconds = {}, {}
     for p in cfg.degrees:
         start = time.perf_counter()
-        tables[p] = compare(cfg.dump, p=p, m=cfg.m, methods=cfg.methods, layers=list(cfg.layers), seed=cfg.seed,
+        tables[p] = compare(dump, p=p, m=cfg.m, methods=cfg.methods, layers=list(cfg.layers), seed=cfg.seed,
                             holdout=cfg.holdout)
         seconds[p] = time.perf_counter() - start
         print(f"p = {p}: {seconds[p]:.0f} s", flush=True)
