@@ -187,8 +187,9 @@ def advise(dump_or_qk, *, p: int, target: float, method: str = "llops", layers=N
         The held-out split and seed, as in :func:`sketchlab.compare` (the floors and fits use the
         fitting tokens only).
     max_m : int or None
-        Largest ``m`` tried (default and upper limit: :func:`sketchlab.optimal.max_sketch_size` of
-        the fitting tokens, the largest rank ``A`` can have).
+        Largest ``m`` tried (default and upper limit: one below
+        :func:`sketchlab.optimal.max_sketch_size` of the fitting tokens, the largest rank ``A`` can
+        have; at that rank the tail is 0 and the exact features meet any target).
     options : dict or None
         Keyword options for the method's fitter (e.g. ``{"steps": 200}``).
     progress : bool
@@ -210,11 +211,15 @@ def advise(dump_or_qk, *, p: int, target: float, method: str = "llops", layers=N
     start = time.perf_counter()
     sel = select_and_scale(dump_or_qk, layers=layers, heads=heads, scale=scale)
     spectrum = spectrum_of_selection(sel, p, holdout=holdout, seed=seed)
-    limit = max_sketch_size(spectrum.n_tokens, spectrum.n_tokens, spectrum.d, p)
+    # m = limit (the largest rank A can have) has a zero tail: the exact features meet any target
+    # there, and fit_sketch's ratios are undefined; the sizes worth advising are below it.
+    limit = max_sketch_size(spectrum.n_tokens, spectrum.n_tokens, spectrum.d, p) - 1
+    if limit < 1:
+        raise ValueError(f"the {spectrum.n_tokens} fitting tokens leave no sketch size below the rank bound of A")
     if max_m is None:
         max_m = limit
     elif isinstance(max_m, bool) or not isinstance(max_m, numbers.Integral) or not 1 <= max_m <= limit:
-        raise ValueError(f"max_m must be an integer in 1..{limit} (the largest rank of A on the "
+        raise ValueError(f"max_m must be an integer in 1..{limit} (below {limit + 1}, the largest rank of A on the "
                          f"{spectrum.n_tokens} fitting tokens, d={spectrum.d}, p={p}), got {max_m!r}")
     curve = spectrum.floor_curve()  # [L', H', max_m + 1]
     floor_ms = spectrum.floor_m(target)  # [L', H']

@@ -230,8 +230,8 @@ def verify(dump_or_qk, *, p: int = 2, m: int = 64, layers=None, heads=None, scal
     full_ok = d**p * min(n, feature_tokens) * 8 <= 2**30
     if not full_ok:
         worst["psi_full"].notes.append(f"d^p = {d**p} full features exceed 1 GiB for {min(n, feature_tokens)} tokens")
-    if m > limit:
-        reason = (f"m={m} exceeds the largest rank A can have, min(n={n}, D={min(dim_sym, d**p)}) = {limit}: "
+    if m >= limit:
+        reason = (f"m={m} is not below the largest rank A can have, min(n={n}, D={min(dim_sym, d**p)}) = {limit}: "
                   "the tail is 0 and the optimal sketch is the exact kernel; choose m < "
                   f"{limit}")
         for name in ("theorem_3_1", "routes", "theorem_3_4_identity", "theorem_3_4_bound"):
@@ -259,7 +259,7 @@ def verify(dump_or_qk, *, p: int = 2, m: int = 64, layers=None, heads=None, scal
                 dev = (sketch.features_q(qs).to(torch.float64) - llops.features_q(qs).to(torch.float64)).abs().max()
             worst["special_cases"].add(float(dev / scale_ref), 4 * p * (d + 2) * U, f"{where} ({label})")
 
-        if m > limit:
+        if m >= limit:
             continue
         A = poly_kernel(q, k, p)
         fro = torch.linalg.matrix_norm(A)

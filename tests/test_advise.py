@@ -69,7 +69,7 @@ def test_method_that_never_meets_the_target():
     h = res.heads[0]
     assert h.practical_m is None and h.practical_rel_fro is None and h.fits
     assert all(not f["passed"] for f in h.fits.values()) and max(h.fits) == res.max_m
-    assert "not reached by psf up to m = 21" in res.summary()
+    assert "not reached by psf up to m = 20" in res.summary()
 
 
 def test_bisection_finds_the_boundary_with_few_fits():
@@ -120,7 +120,7 @@ def test_spectrum_uses_the_fitting_tokens_and_scale():
     ({"target": 0.0}, ValueError, r"target .* must lie in \(0, 1\)"),
     ({"target": 1.5}, ValueError, r"target .* must lie in \(0, 1\)"),
     ({"method": "nope"}, ValueError, "unknown method 'nope'"),
-    ({"max_m": 22}, ValueError, r"max_m must be an integer in 1\.\.21"),
+    ({"max_m": 21}, ValueError, r"max_m must be an integer in 1\.\.20 \(below 21"),
     ({"holdout": 1.0}, ValueError, "holdout must lie in"),
     ({"scale": -2.0}, ValueError, "scale must be"),
     ({"heads": [5]}, ValueError, "head 5 is out of range"),

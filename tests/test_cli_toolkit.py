@@ -44,7 +44,7 @@ def test_verify_m_above_rank_exits_1_and_says_why(dump, capsys):
     rc = main(["verify", dump, "--p", "2", "--m", "22", "--layers", "0", "--heads", "0", "--no-progress"])
     text = capsys.readouterr().out
     assert rc == 1
-    assert "CANNOT theorem_3_1" in text and "exceeds the largest rank A can have" in text
+    assert "CANNOT theorem_3_1" in text and "is not below the largest rank A can have" in text
 
 
 @pytest.mark.parametrize("kind", ["nan", "inf", "garbage", "truncated"])

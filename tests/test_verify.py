@@ -54,13 +54,14 @@ def test_p3_skips_psf_with_reason():
 
 
 def test_m_above_rank_bound_cannot(good):
-    # d = 4, p = 2: D = C(5, 2) = 10 symmetric features, so rank A <= 10 < m = 11
-    res = verify(_qk(), p=2, m=11, progress=False)
-    st = _status(res)
-    assert st["theorem_3_1"] == "CANNOT" and not res.passed
-    assert st["psi_symmetric"] == "PASS"
-    detail = next(c.detail for c in res.checks if c.name == "theorem_3_1")
-    assert "m=11 exceeds the largest rank A can have, min(n=40, D=10) = 10" in detail
+    # d = 4, p = 2: D = C(5, 2) = 10 symmetric features, so rank A <= 10 <= m
+    for m in (10, 11):
+        res = verify(_qk(), p=2, m=m, progress=False)
+        st = _status(res)
+        assert st["theorem_3_1"] == "CANNOT" and not res.passed
+        assert st["psi_symmetric"] == "PASS"
+        detail = next(c.detail for c in res.checks if c.name == "theorem_3_1")
+        assert f"m={m} is not below the largest rank A can have, min(n=40, D=10) = 10" in detail
 
 
 def test_m_at_numerical_rank_cannot():
