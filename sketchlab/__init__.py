@@ -1,15 +1,17 @@
 """sketchlab: polynomial-kernel sketches for linear attention.
 
 Exact polynomial features, the Theorem 3.1 optimal sketch and its tail bound, LLoPS fits and their
-Theorem 3.4 spectral residuals, the baseline sketches, Q/K dumps (load, save, capture) and a
-comparison of every sketch against the optimum on them; attention through any sketch (naive
-float64 twins, a chunked PyTorch path, a fused Triton kernel) and the Θ export that feeds
-:class:`LLoPSAttention`.
+Theorem 3.4 spectral residuals, the baseline sketches, Q/K dumps (load, save, capture), a
+comparison of every sketch against the optimum on them, and the researcher's tools on a dump:
+``verify`` (every theorem check), ``advise`` (the sketch size a target error needs) and
+``kernel_spectrum``; attention through any sketch (naive float64 twins, a chunked PyTorch path, a
+fused Triton kernel) and the Θ export that feeds :class:`LLoPSAttention`.
 """
 
 __version__ = "0.1.0"
 
 from . import sketches  # noqa: F401  (registers the baseline sketches with fit_sketch)
+from .advise import Advice, HeadAdvice, advise
 from .capture import capture_qk
 from .compare import DEFAULT_METHODS, ComparisonRow, ComparisonTable, compare
 from .fit import Fit, FitReport, available_sketches, fit_sketch, holdout_split, register_sketch, sketch_fitter
@@ -44,6 +46,7 @@ from .export import export_theta
 from .objective import kernel_loss, train_kernel_sketch
 from .metrics import attention_error, causal_attention, optimality_ratio, rel_fro, rel_mae
 from .optimal import OptimalSketch, optimal_sketch, tail_bound
+from .scaling import describe_scale, resolve_scale
 from .polynomial import (
     full_to_symmetric,
     num_poly_features,
@@ -56,15 +59,21 @@ from .polynomial import (
 from .sketch import Sketch
 from .sketches import BasedSketch, ElementwiseSketch, MLPSketch, PolySketch, TensorSketch, as_llops
 from .spectral import deflate, feature_bound, rank1_residuals, spectral_norm
+from .spectrum import KernelSpectrum, kernel_spectrum
+from .verify import Check, Verification, verify
 
 __all__ = [
-    "DEFAULT_METHODS",
+    "Advice",
     "BasedSketch",
+    "Check",
     "ComparisonRow",
     "ComparisonTable",
+    "DEFAULT_METHODS",
     "ElementwiseSketch",
     "Fit",
     "FitReport",
+    "HeadAdvice",
+    "KernelSpectrum",
     "LLoPS",
     "LLoPSAttention",
     "MLPSketch",
@@ -73,7 +82,9 @@ __all__ = [
     "QKDump",
     "Sketch",
     "TensorSketch",
+    "Verification",
     "__version__",
+    "advise",
     "as_llops",
     "attention_error",
     "available_sketches",
@@ -85,6 +96,7 @@ __all__ = [
     "export_theta",
     "feature_attention",
     "feature_attention_naive",
+    "describe_scale",
     "feature_bound",
     "fit_llops_adam",
     "fit_llops_cp",
@@ -96,6 +108,7 @@ __all__ = [
     "kernel_loss",
     "llops_attention",
     "llops_attention_naive",
+    "kernel_spectrum",
     "llops_features",
     "llops_features_naive",
     "llops_init",
@@ -116,6 +129,7 @@ __all__ = [
     "register_sketch",
     "rel_fro",
     "rel_mae",
+    "resolve_scale",
     "save_qk",
     "save_theta",
     "sketch_attention",
@@ -127,4 +141,5 @@ __all__ = [
     "symmetric_to_full",
     "tail_bound",
     "train_kernel_sketch",
+    "verify",
 ]

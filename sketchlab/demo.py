@@ -1,60 +1,131 @@
-"""``make demo``: the main job on a shipped Q/K dump.
+"""``make demo``: the main job end to end on a shipped Q/K dump.
 
 ``python -m sketchlab.demo [--dump data/mqar_softmax_qk.safetensors] [--p 2] [--m 64] [--out out/demo]``
 
-1. Theorem 3.1 on every head of the dump: for a sweep of sketch sizes the tail bound
-   ``Σ_{i>m} σ_i²`` beside the squared error the optimal sketch achieves (equal to round-off);
-2. the comparison of every sketch against that optimum on the early, middle and last layers
-   (:func:`sketchlab.compare`, the paper's Table 3 layout);
-3. writes ``OUT/comparison.md``, ``OUT/comparison.json``, ``OUT/optimality.png`` (optimality ratio
-   per method) and ``OUT/spectrum.png`` (the singular values of ``A`` per layer, ``m`` marked).
+The demo is a list of steps (:data:`STEPS`), each a function ``step(state) -> None`` that prints its
+section and adds its results to the shared :class:`DemoState`:
+
+1. :func:`step_spectrum` — the singular values of ``A = (QKᵀ/√d)^∘p`` on every head and Theorem 3.1
+   on all of them at once: the optimal size-``m`` sketch attains the tail bound (to round-off);
+2. :func:`step_compare` — every sketch (optimal, llops, mlp, psf, tensorsketch, based) against that
+   optimum on the first, middle and last layers (:func:`sketchlab.compare`): the summary with its
+   ×optimum column, the paper's Table 3 layout, held-out rel_mae;
+3. *(attention: the place for a step that exports the LLoPS Θ, runs it through ``LLoPSAttention``
+   and prints its attention error next to the kernel error — insert it in* :data:`STEPS` *after
+   ``step_compare``; ``state.q``, ``state.k``, ``state.v``, ``state.table`` hold what it needs)*;
+4. :func:`step_advise` — :func:`sketchlab.advise` for a target error on one head of each compared
+   layer: the smallest ``m`` the floor allows and the ``m`` LLoPS needs.
+
+Outputs in ``OUT``: ``comparison.md``, ``comparison.json``, ``optimality.png`` (×optimum per
+method), ``spectrum.png`` (σ_i/σ_1 per layer and head), ``advice.md``, ``advice.json``,
+``advice.png`` (floor and LLoPS error vs m). Every input is scaled by the one rule
+(:mod:`sketchlab.scaling`, ``sqrt-d``).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from .compare import DEFAULT_METHODS, compare, resolve_scale
+from ._dumpsel import select_and_scale
+from .advise import advise
+from .compare import DEFAULT_METHODS, compare
 from .io import atomic_write, load_qk
-from .optimal import max_sketch_size, optimal_sketch
-from .plots import plot_optimality_ratios, plot_spectra
+from .optimal import optimal_sketch
+from .plots import plot_advice, plot_kernel_spectrum, plot_optimality_ratios
 from .polynomial import poly_kernel
+from .scaling import DEFAULT_SCALE
+from .spectrum import spectrum_of_selection
 
 
-def theorem31_rows(q: torch.Tensor, k: torch.Tensor, p: int, sizes: list[int]) -> tuple[list[dict], torch.Tensor]:
-    """Check Theorem 3.1 for each ``m`` in ``sizes`` on every batch entry of ``q, k [..., n, d]``.
+@dataclass
+class DemoState:
+    """What the steps share: the configuration, the dump and every step's results (``results[name]``)."""
 
-    Returns one row per ``m`` (median over heads of the tail and of the achieved squared error,
-    both relative to ``‖A‖_F²``, and the largest relative gap between them) and the singular
-    values of ``A`` ``[..., min(n_q, n_k)]``.
-    """
-    exact = poly_kernel(q.double(), k.double(), p)
-    norm2 = (exact**2).sum((-2, -1))
-    rows, singular_values = [], None
-    for m in sizes:
-        best = optimal_sketch(q, k, p, m)
-        achieved = ((best.kernel(q, k) - exact) ** 2).sum((-2, -1))
-        singular_values = best.singular_values
-        rows.append({
-            "m": m,
-            "tail / ‖A‖²": float((best.tail / norm2).median()),
-            "achieved / ‖A‖²": float((achieved / norm2).median()),
-            "max rel. gap (achieved vs tail)": float((achieved / best.tail - 1).abs().max()),
-        })
-    return rows, singular_values
+    dump: Path
+    p: int
+    m: int
+    seed: int
+    holdout: float
+    target: float
+    out: Path
+    scale: str = DEFAULT_SCALE
+    methods: tuple = DEFAULT_METHODS
+    q: torch.Tensor | None = None  # [L, H, n, d], scaled
+    k: torch.Tensor | None = None  # [L, H, n, d], scaled
+    v: torch.Tensor | None = None  # [L, H, n, d_v] or None
+    layers: list = field(default_factory=list)  # the layers compared (first, middle, last)
+    table: object = None  # the ComparisonTable of step_compare
+    results: dict = field(default_factory=dict)
+    written: list = field(default_factory=list)
 
 
-def markdown_table(rows: list[dict]) -> str:
-    """Render rows of equal keys as a markdown table (floats in 4 significant digits)."""
-    keys = list(rows[0])
-    fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)  # noqa: E731
-    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-    lines += ["| " + " | ".join(fmt(row[key]) for key in keys) + " |" for row in rows]
-    return "\n".join(lines)
+def _write(state: DemoState, name: str, text: str) -> None:
+    with atomic_write(state.out / name) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+    state.written.append(state.out / name)
+
+
+def step_spectrum(state: DemoState) -> None:
+    """Spectrum of every head, and Theorem 3.1 (achieved error = √tail) on all heads at ``m``."""
+    sel = select_and_scale(state.dump, scale=state.scale)
+    state.q, state.k = sel.q, sel.k
+    state.v = load_qk(state.dump).v
+    L, H, n, d = sel.q.shape
+    state.layers = sorted({0, L // 2, L - 1})
+    print(f"Dump {state.dump}: q, k of shape [L={L}, H={H}, n={n}, d={d}]; {sel.scale_description}; p = {state.p}.\n")
+    spectrum = spectrum_of_selection(sel, state.p, holdout=0.0, seed=state.seed)
+    best = optimal_sketch(sel.q, sel.k, state.p, state.m)
+    exact = poly_kernel(sel.q.double(), sel.k.double(), state.p)
+    with torch.no_grad():
+        achieved = torch.linalg.matrix_norm(best.kernel(sel.q, sel.k) - exact)  # [L, H]
+    gap = ((achieved - best.tail.sqrt()).abs() / torch.linalg.matrix_norm(exact)).max()
+    floor = best.tail.sqrt() / torch.linalg.matrix_norm(exact)
+    print(f"## 1. Theorem 3.1 on all {L * H} heads at m = {state.m}\n")
+    print(f"The optimal sketch's error equals √tail on every head: largest |‖Â−A‖_F − √tail| / ‖A‖_F = {gap:.1e} "
+          f"(float64 round-off). Relative floor √tail/‖A‖_F: median {floor.median():.4f}, range "
+          f"{floor.min():.4f}–{floor.max():.4f}; `sketchlab verify` runs every theorem check.\n")
+    print("m holding 99% of ‖A‖_F² per head (rows: layers):", spectrum.energy_rank(0.99).tolist(), "\n")
+    plot_kernel_spectrum(spectrum, state.out / "spectrum.png")
+    state.written.append(state.out / "spectrum.png")
+    state.results["theorem_3_1_gap"] = float(gap)
+
+
+def step_compare(state: DemoState) -> None:
+    """Every sketch against the optimum on the first, middle and last layers (all heads)."""
+    table = compare(state.dump, p=state.p, m=state.m, methods=state.methods, layers=state.layers,
+                    seed=state.seed, holdout=state.holdout, scale=state.scale)
+    state.table = table
+    print(f"## 2. Every sketch against the optimum (layers {state.layers}, all heads)\n")
+    text = table.to_markdown()
+    print(text)
+    _write(state, "comparison.md", text)
+    _write(state, "comparison.json", table.to_json() + "\n")
+    plot_optimality_ratios({state.p: table}, state.out / "optimality.png")
+    state.written.append(state.out / "optimality.png")
+
+
+def step_advise(state: DemoState) -> None:
+    """``advise`` for ``state.target`` on head 0 of each compared layer (LLoPS)."""
+    result = advise(state.dump, p=state.p, target=state.target, method="llops", layers=state.layers, heads=[0],
+                    scale=state.scale, holdout=state.holdout, seed=state.seed)
+    print(f"## 3. Which m for rel_fro ≤ {state.target:g}? (`sketchlab advise`, head 0 of layers {state.layers})\n")
+    text = result.to_markdown()
+    print(text)
+    _write(state, "advice.md", text)
+    _write(state, "advice.json", result.to_json() + "\n")
+    plot_advice(result, state.out / "advice.png")
+    state.written.append(state.out / "advice.png")
+    state.results["advice"] = result
+
+
+#: The demo's steps in order (an attention step goes after ``step_compare``; see the module docstring).
+STEPS = [step_spectrum, step_compare, step_advise]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,38 +135,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--m", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--holdout", type=float, default=0.25)
+    parser.add_argument("--target", type=float, default=0.05, help="target rel_fro of the advise step")
+    parser.add_argument("--methods", default=",".join(DEFAULT_METHODS), help="methods compared (default: %(default)s)")
     parser.add_argument("--out", type=Path, default=Path("out/demo"))
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # small batched fits: one thread is fastest (see analysis/results/table3.md)
-
-    dump = load_qk(args.dump)
-    L, H, n, d = dump.q.shape
-    _, factor = resolve_scale("sqrt-d", d)
-    q, k = dump.q * factor, dump.k * factor  # explicit scale: qᵀk becomes qᵀk/√d
-    print(f"Dump {args.dump}: q, k of shape [L={L}, H={H}, n={n}, d={d}] ({dump.meta.get('source', 'no source')}).")
-    print(f"Scale d^-1/4 = {factor:.4g} on q and k; degree p = {args.p}.\n")
-
-    sizes = [s for s in (8, 16, 32, 64, 128) if s <= min(max_sketch_size(n, n, d, args.p), 2 * args.m)]
-    rows, spectrum = theorem31_rows(q, k, args.p, sizes)
-    print(f"## Theorem 3.1 on all {L * H} heads: the optimal sketch attains the tail bound (median over heads)\n")
-    print(markdown_table(rows) + "\n")
-
-    layers = sorted({0, L // 2, L - 1})
-    table = compare(dump, p=args.p, m=args.m, methods=DEFAULT_METHODS, layers=layers, seed=args.seed,
-                    holdout=args.holdout, scale="sqrt-d")
-    print(f"## Every sketch against the optimum (layers {layers}, all heads)\n")
-    text = table.to_markdown()
-    print(text)
-
     args.out.mkdir(parents=True, exist_ok=True)
-    with atomic_write(args.out / "comparison.md") as tmp:
-        tmp.write_text(text, encoding="utf-8")
-    with atomic_write(args.out / "comparison.json") as tmp:
-        tmp.write_text(table.to_json() + "\n", encoding="utf-8")
-    plot_optimality_ratios({args.p: table}, args.out / "optimality.png")
-    plot_spectra({f"layer {layer}": spectrum[layer] for layer in layers}, args.m, args.out / "spectrum.png",
-                 title=f"Spectrum of A = (QKᵀ/√d)^{args.p} on {args.dump.name}")
-    print(f"wrote {', '.join(str(args.out / f) for f in ('comparison.md', 'comparison.json', 'optimality.png', 'spectrum.png'))}")
+    state = DemoState(dump=args.dump, p=args.p, m=args.m, seed=args.seed, holdout=args.holdout, target=args.target,
+                      out=args.out, methods=tuple(v for v in args.methods.split(",") if v))
+    start = time.perf_counter()
+    for step in STEPS:
+        step(state)
+    print(f"wrote {', '.join(str(p) for p in state.written)} ({time.perf_counter() - start:.0f} s)")
     return 0
 
 

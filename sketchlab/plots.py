@@ -13,7 +13,7 @@ import torch
 
 from .io import atomic_write
 
-__all__ = ["plot_optimality_ratios", "plot_spectra"]
+__all__ = ["plot_advice", "plot_kernel_spectrum", "plot_optimality_ratios", "plot_spectra"]
 
 
 def _pyplot():
@@ -95,6 +95,84 @@ def plot_spectra(singular_values: dict, m: int, path, *, title: str = "") -> Pat
     ax.set_ylabel("σ_i(A) / σ_1(A)  (median over heads)")
     ax.set_title(title or "Spectrum of the polynomial kernel A = (QKᵀ)^p")
     ax.legend(fontsize=8)
+    fig.tight_layout()
+    try:
+        return _save(fig, path)
+    finally:
+        plt.close(fig)
+
+
+def _grid(plt, n_rows: int, n_cols: int, title: str):
+    fig, axes = plt.subplots(n_rows, n_cols, figsize=(2.6 * n_cols + 1, 2.2 * n_rows + 1), squeeze=False,
+                             sharex=True, sharey=True)
+    fig.suptitle(title, fontsize=9)
+    return fig, axes
+
+
+def plot_kernel_spectrum(spectrum, path) -> Path:
+    r"""One panel per layer, one curve per head: :math:`\sigma_i(A)/\sigma_1(A)` vs ``i`` (log scale).
+
+    ``spectrum`` is a :class:`sketchlab.spectrum.KernelSpectrum`; the PNG is written atomically.
+    """
+    plt = _pyplot()
+    n_layers = len(spectrum.layers)
+    n_cols = min(4, n_layers)
+    fig, axes = _grid(plt, -(-n_layers // n_cols), n_cols,
+                      f"Singular values of A = (QKᵀ)^∘{spectrum.p}, {spectrum.scale_description}")
+    tiny = 1e-17
+    for a, layer in enumerate(spectrum.layers):
+        ax = axes[a // n_cols][a % n_cols]
+        for b, head in enumerate(spectrum.heads):
+            s = spectrum.singular_values[a, b]
+            ax.plot(range(1, len(s) + 1), (s / s[0]).clamp_min(tiny).tolist(), lw=1, label=f"head {head}")
+        ax.set_yscale("log")
+        ax.set_title(f"layer {layer}", fontsize=8)
+        ax.set_xlabel("i")
+        ax.set_ylabel("σ_i / σ_1")
+    for j in range(n_layers, axes.size):
+        axes[j // n_cols][j % n_cols].set_visible(False)
+    axes[0][0].legend(fontsize=6)
+    fig.tight_layout()
+    try:
+        return _save(fig, path)
+    finally:
+        plt.close(fig)
+
+
+def plot_advice(advice, path) -> Path:
+    """One panel per (layer, head): the Theorem 3.1 relative floor vs ``m`` (line), the method's
+    fitted rel_fro at each ``m`` it tried (dots), the target (dashed) and floor m / practical m.
+
+    ``advice`` is a :class:`sketchlab.advise.Advice`; the PNG is written atomically.
+    """
+    plt = _pyplot()
+    spec, n = advice.spectrum, len(advice.heads)
+    n_cols = min(4, n)
+    fig, axes = _grid(plt, -(-n // n_cols), n_cols,
+                      f"Floor and {advice.method} error vs m, target {advice.target:g}, p = {advice.p}")
+    curve = spec.floor_curve()
+    for j, h in enumerate(advice.heads):
+        ax = axes[j // n_cols][j % n_cols]
+        a, b = spec.layers.index(h.layer), spec.heads.index(h.head)
+        top = max([h.floor_m * 4, *(h.fits or {0: 0}).keys()])
+        top = min(top, advice.max_m)
+        ax.plot(range(1, top + 1), curve[a, b, 1:top + 1].clamp_min(1e-17).tolist(), color="black", lw=1,
+                label="Theorem 3.1 floor")
+        if h.fits:
+            ms = sorted(h.fits)
+            ax.plot(ms, [h.fits[m]["rel_fro"] for m in ms], "o", ms=3, color="tab:blue", label=f"{advice.method} fit")
+        ax.axhline(advice.target, color="tab:red", lw=0.8, ls="--")
+        ax.axvline(h.floor_m, color="gray", lw=0.8, ls=":")
+        if h.practical_m is not None:
+            ax.axvline(h.practical_m, color="tab:blue", lw=0.8, ls=":")
+        ax.set_yscale("log")
+        ax.set_xscale("log")
+        ax.set_title(f"L{h.layer} H{h.head}: floor m {h.floor_m}, practical m {h.practical_m}", fontsize=7)
+        ax.set_xlabel("m")
+        ax.set_ylabel("rel_fro")
+    for j in range(n, axes.size):
+        axes[j // n_cols][j % n_cols].set_visible(False)
+    axes[0][0].legend(fontsize=6)
     fig.tight_layout()
     try:
         return _save(fig, path)

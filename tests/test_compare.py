@@ -46,11 +46,17 @@ def test_rows_and_floor(table):
 def test_markdown_layout(table):
     md = table.to_markdown()
     assert "| Method | Layer 0 | Layer 1 | Avg |" in md
-    assert "scale = none" in md and "p = 2, m = 6" in md
+    assert "scale = sqrt-d (q, k × 0.7071 = d^-1/4, d = 4" in md and "p = 2, m = 6" in md  # the default scale
+    # the summary's ×optimum column of the optimum is 1, held-out rel_mae is shown as a plain number
+    assert "| Method | rel_mae | rel_fro | ×optimum | held-out rel_mae |" in md
+    assert "| optimal |" in md.split("**Summary**")[1].split("**")[0]
+    summary_optimal = [l for l in table.summary_markdown().splitlines() if l.startswith("| optimal |")][0]
+    assert summary_optimal.split(" | ")[3] == "1.0000"
+    assert "Optimality ratio on held-out" not in md
     for method in METHODS:
         assert f"| {method} |" in md
     # the Avg cell of the optimal row in the optimality-ratio table is exactly 1
-    ratio_block = md.split("**Optimality ratio ‖Â−A‖_F / √tail")[1]
+    ratio_block = md.split("**×optimum: ‖Â−A‖_F / √tail")[1]
     assert "| optimal | 1.0000 | 1.0000 | 1.0000 |" in ratio_block
     assert table.cell("psf", "rel_mae") == pytest.approx(sum(table.values("psf")) / 4)
     assert table.to_markdown(stat="median") != md
@@ -58,7 +64,7 @@ def test_markdown_layout(table):
 
 def test_json_roundtrip(table):
     data = json.loads(table.to_json())
-    assert data["config"]["p"] == 2 and data["config"]["scale"] == "none" and data["config"]["holdout"] == 0.25
+    assert data["config"]["p"] == 2 and data["config"]["scale"] == "sqrt-d" and data["config"]["holdout"] == 0.25
     assert len(data["rows"]) == len(table.rows)
     assert data["rows"][0].keys() >= {"layer", "head", "method", "rel_mae", "rel_fro", "optimality_ratio",
                                       "holdout_rel_mae", "num_features", "num_parameters", "fit_seconds"}
@@ -78,7 +84,12 @@ def test_scale_is_applied_and_recorded():
     for a, b in zip(scaled.rows, manual.rows):
         assert a.rel_mae == pytest.approx(b.rel_mae, rel=1e-9)
     factor = compare((q, k), p=2, m=5, methods=["optimal"], scale=0.5, progress=False)
-    assert factor.scale_factor == 0.5
+    assert factor.scale_factor == 0.5 and factor.scale == "0.5" and "scale = 0.5 (q, k × 0.5" in factor.to_markdown()
+    # one default for every dump-level entry point: sqrt-d
+    default = compare((q, k), p=2, m=5, methods=methods, progress=False)
+    assert default.scale == "sqrt-d" and [r.rel_mae for r in default.rows] == [r.rel_mae for r in scaled.rows]
+    none = compare((q, k), p=2, m=5, methods=["optimal"], scale="none", progress=False)
+    assert none.scale_factor == 1.0 and "scale = none (q, k used as stored)" in none.to_markdown()
 
 
 def test_selection_and_file_input(tmp_path):
@@ -149,5 +160,18 @@ def test_heldout_ratio_undefined_when_heldout_rank_below_m():
     # 4 held-out tokens < m = 6: the held-out kernel has rank <= 4, its floor is 0, every ratio inf
     t = compare(_qk(L=1, H=1, n=16), p=2, m=6, methods=["optimal", "psf"], progress=False)
     assert all(math.isinf(r.holdout_optimality_ratio) for r in t.rows)
-    assert "undefined here" in t.to_markdown()
+    assert "held-out optimality ratio" in t.to_markdown() and "| inf |" not in t.to_markdown()
     assert json.loads(t.to_json())["rows"][0]["holdout_optimality_ratio"] is None
+
+
+def test_heldout_reference_column_when_fits_report_it(table):
+    import dataclasses
+
+    assert not table.has_holdout_reference()
+    assert "held-out ÷ reference" not in table.to_markdown() and "rel_mae only" in table.to_markdown()
+    rows = [dataclasses.replace(r, holdout_vs_reference=1.0 if r.method == "optimal" else 2.0) for r in table.rows]
+    with_ref = dataclasses.replace(table, rows=rows)
+    md = with_ref.to_markdown()
+    assert with_ref.has_holdout_reference() and "| held-out ÷ reference |" in md and "minimum-norm W*" in md
+    optimal_row = [l for l in with_ref.summary_markdown().splitlines() if l.startswith("| optimal |")][0]
+    assert optimal_row.split(" | ")[5] == "1.0000"

@@ -12,6 +12,9 @@ Usage::
     sketchlab compare DUMP --p 2 --m 64 [--methods optimal,llops,mlp,psf,tensorsketch,based]
                            [--layers 0,8] [--heads 0,1] [--scale sqrt-d|none] [--seed 0]
                            [--holdout 0.25] [--json OUT] [--markdown OUT]
+    sketchlab verify DUMP [--p 2] [--m 64] [--layers 0,3] [--heads 0] [--scale sqrt-d|none|X] [--json OUT]
+    sketchlab advise DUMP --p 2 --target 0.05 [--method llops] [--plot OUT.png] [--json OUT] [--markdown OUT]
+    sketchlab spectrum DUMP [--p 2] [--plot OUT.png] [--json OUT]
     sketchlab capture --model-dir DIR (--text FILE | --token-ids FILE) --out DUMP [--max-tokens 512]
     sketchlab fit DUMP --method llops --p 2 --m 64 --out THETA.safetensors [--layers 0,3] [--heads 0,1]
                   [--scale sqrt-d|none|FLOAT] [--seed 0] [--holdout 0.25]
@@ -29,7 +32,7 @@ __all__ = ["COMMANDS", "UsageError", "build_parser", "main"]
 
 #: Sub-command names; each is the module ``sketchlab.cli.<name>`` (a new command adds one module
 #: and one entry here).
-COMMANDS = ("compare", "capture", "fit")
+COMMANDS = ("compare", "verify", "advise", "spectrum", "fit", "capture")
 
 
 class _Parser(argparse.ArgumentParser):

@@ -1,0 +1,128 @@
+"""verify(): every check passes on good data with values far below its tolerance, fails when the
+library function it guards is broken, and says why when it cannot be made (m at or above the rank)."""
+
+import math
+import sys
+
+import pytest
+import torch
+
+import sketchlab
+from sketchlab.verify import CHECKS, verify
+
+verify_mod = sys.modules["sketchlab.verify"]  # the module (the attribute sketchlab.verify is the function)
+
+F64 = torch.float64
+
+
+def _qk(L=1, H=2, n=40, d=4, seed=0, rank=None):
+    g = torch.Generator().manual_seed(seed)
+    q, k = torch.randn(L, H, n, d, generator=g, dtype=F64), torch.randn(L, H, n, d, generator=g, dtype=F64)
+    if rank is not None:  # tokens in a rank-dimensional subspace: A has rank <= C(rank+p-1, p)
+        basis = torch.randn(d, rank, generator=g, dtype=F64)
+        q, k = q[..., :rank] @ basis.T, k[..., :rank] @ basis.T
+    return q, k
+
+
+def _status(result):
+    return {c.name: c.status for c in result.checks}
+
+
+@pytest.fixture(scope="module")
+def good():
+    return verify(_qk(), p=2, m=5, progress=False)
+
+
+def test_all_checks_pass_with_room(good):
+    assert [c.name for c in good.checks] == list(CHECKS)
+    assert good.passed and set(_status(good).values()) == {"PASS"}
+    for c in good.checks:
+        if c.name != "theorem_3_4_bound":  # round-off checks: a correct implementation is far below the bound
+            assert c.value < 0.1 * c.tolerance, c
+        else:  # a ratio error / certified bound, at most 1; the bound is not vacuous (ratio well above 0)
+            assert 0.01 < c.value <= 1 + 1e-9, c
+    text = good.to_text()
+    assert "PASS   theorem_3_1" in text and "tolerance" in text and "7/7 PASS" in text
+    assert "scale = sqrt-d (q, k × 0.7071 = d^-1/4, d = 4" in text
+
+
+def test_p3_skips_psf_with_reason():
+    res = verify(_qk(n=30, d=3), p=3, m=4, progress=False)
+    special = next(c for c in res.checks if c.name == "special_cases")
+    assert special.status == "PASS" and "PSF skipped: no exact LLoPS form at p=3" in special.detail
+    assert res.passed
+
+
+def test_m_above_rank_bound_cannot(good):
+    # d = 4, p = 2: D = C(5, 2) = 10 symmetric features, so rank A <= 10 <= m
+    for m in (10, 11):
+        res = verify(_qk(), p=2, m=m, progress=False)
+        st = _status(res)
+        assert st["theorem_3_1"] == "CANNOT" and not res.passed
+        assert st["psi_symmetric"] == "PASS"
+        detail = next(c.detail for c in res.checks if c.name == "theorem_3_1")
+        assert f"m={m} is not below the largest rank A can have, min(n=40, D=10) = 10" in detail
+
+
+def test_m_at_numerical_rank_cannot():
+    # tokens in a 2-dim subspace: A = (QKᵀ)^2 has rank C(3, 2) = 3; m = 4 leaves a round-off tail
+    res = verify(_qk(rank=2), p=2, m=4, progress=False)
+    c = next(c for c in res.checks if c.name == "theorem_3_1")
+    assert c.status == "CANNOT" and "numerical rank 3" in c.detail and "tail is round-off" in c.detail
+    assert verify(_qk(rank=2), p=2, m=2, progress=False).passed
+
+
+def _one_short(q, k, p, m, **kw):
+    s = sketchlab.optimal_sketch(q, k, p, m, **kw)
+    s.w_q = s.w_q.clone()
+    s.w_q[..., -1] = 0  # drops the m-th component: error² = tail + σ_m²
+    return s
+
+
+def _skewed_features(x, p, symmetric=False):
+    return sketchlab.poly_features(x, p, symmetric) * (1 + 1e-9 * symmetric)  # symmetric weights off by 1e-9
+
+
+def _lower_tau(t, **kw):
+    res = sketchlab.spectral_norm(t, **kw)
+    res.value *= 1 - 1e-6  # a τ that is not the best rank-1 value
+    return res
+
+
+def _skewed_llops(sketch):
+    llops = sketchlab.sketches.convert.as_llops(sketch)
+    llops.theta_q.data.mul_(1 + 1e-9)  # Θ off by 1e-9 relative
+    return llops
+
+
+@pytest.mark.parametrize("target,module,name,replacement", [
+    ("theorem_3_1", verify_mod, "optimal_sketch", _one_short),
+    ("psi_symmetric", verify_mod, "poly_features", _skewed_features),
+    ("theorem_3_4_identity", verify_mod, "spectral_norm", _lower_tau),
+    ("special_cases", sketchlab.sketches, "as_llops", _skewed_llops),
+])
+def test_each_check_fails_on_a_broken_library(monkeypatch, target, module, name, replacement):
+    monkeypatch.setattr(module, name, replacement)
+    res = verify(_qk(H=1), p=2, m=5, progress=False)
+    assert _status(res)[target] == "FAIL", res.to_text()
+    assert not res.passed
+
+
+@pytest.mark.parametrize("kwargs,err,match", [
+    ({"p": 0}, ValueError, "p .* must be an integer >= 1"),
+    ({"m": 0}, ValueError, "m .* must be an integer >= 1"),
+    ({"columns": 0}, ValueError, "columns must be an integer >= 1"),
+    ({"scale": "bogus"}, ValueError, "scale must be"),
+    ({"layers": [3]}, ValueError, "layer 3 is out of range"),
+    ({"seed": 1.5}, TypeError, "seed must be an int"),
+])
+def test_bad_input(kwargs, err, match):
+    with pytest.raises(err, match=match):
+        verify(_qk(), **{"p": 2, "m": 5, "progress": False, **kwargs})
+
+
+def test_non_finite_input_is_rejected():
+    q, k = _qk()
+    q[0, 0, 3, 1] = math.nan
+    with pytest.raises(ValueError, match="must be finite"):
+        verify((q, k), p=2, m=5, progress=False)
