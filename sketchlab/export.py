@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from .scaling import resolve_scale, scale_label
+
 __all__ = ["export_theta", "file_sha256"]
 
 
@@ -105,9 +107,8 @@ def export_theta(fit, path, *, dump, scale=None) -> Path:
     shape6 = (1,) * (2 - len(lead)) + lead + tuple(theta_q.shape[-4:])
     theta_q, theta_k = theta_q.reshape(shape6), theta_k.reshape(shape6)  # [L, H, t, p, d, m]
     t, p, d, m = shape6[2:]
-    from .compare import resolve_scale
-
-    label, _ = resolve_scale(scale, d)
+    resolve_scale(scale, d)  # validates: "none", "sqrt-d" or a positive finite number
+    label = scale_label(scale)
     errors = _json_safe(fit.report.as_dict())
     json.dumps(errors)  # every value is JSON now
     return save_theta(path, theta_q, theta_k, p=p, m=m, t=t, d=d, method=fit.report.method, scale=label,

@@ -34,7 +34,10 @@ def _check(scale):
     if isinstance(scale, str):
         if scale in ("none", "sqrt-d"):
             return scale
-        raise ValueError(f"scale must be 'sqrt-d', 'none' or a positive finite number, got {scale!r}")
+        try:  # a number written as text, as a Θ export's metadata stores it
+            scale = float(scale)
+        except ValueError:
+            raise ValueError(f"scale must be 'sqrt-d', 'none' or a positive finite number, got {scale!r}") from None
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"scale must be 'sqrt-d', 'none' or a positive finite number, got {scale!r}")
     return float(scale)

@@ -13,7 +13,7 @@ import torch
 import sketchlab as sl
 from sketchlab.attention import LLoPSAttention, feature_attention_naive
 from sketchlab.cli import main
-from sketchlab.compare import resolve_scale
+from sketchlab.scaling import resolve_scale
 from sketchlab.export import file_sha256
 
 
@@ -32,7 +32,7 @@ def dump_file(tmp_path):
 
 def _fit(dump_file, method="llops", scale="sqrt-d", **options):
     dump = sl.load_qk(dump_file)
-    _, factor = resolve_scale(scale, dump.q.shape[-1])
+    factor = resolve_scale(scale, dump.q.shape[-1])
     return dump, sl.fit_sketch(method, dump.q * factor, dump.k * factor, p=2, m=6, holdout=0.25, **options), factor
 
 

@@ -7,7 +7,7 @@ backend choice, ``module`` the :class:`LLoPSAttention` block, ``triton`` the fus
 """
 
 from .chunked import feature_attention, llops_attention_chunked
-from .module import LLoPSAttention, parse_scale
+from .module import LLoPSAttention
 from .functional import BACKENDS, dump_segments, llops_attention, poly_attention, resolve_backend, sketch_attention, softmax_attention
 from .reference import (
     attention_mask,
@@ -30,7 +30,6 @@ __all__ = [
     "llops_attention",
     "llops_attention_chunked",
     "llops_attention_naive",
-    "parse_scale",
     "poly_attention",
     "poly_attention_naive",
     "resolve_backend",

@@ -18,28 +18,13 @@ import math
 import torch
 from torch import nn
 
+from ..scaling import resolve_scale, scale_label
 from .._validation import as_float_tensor, check_degree, check_positive_int, check_real
 from ._checks import check_eps, check_flag, check_normalize, check_theta
 from .chunked import DEFAULT_CHUNK_SIZE
 from .functional import llops_attention, resolve_backend
 
-__all__ = ["LLoPSAttention", "parse_scale"]
-
-
-def parse_scale(label, head_dim: int) -> float:
-    """The factor on ``q`` and ``k`` for a Θ export's ``scale``: ``"none"`` → 1, ``"sqrt-d"`` →
-    ``D^{-1/4}``, a number (or its string) → itself (positive, finite)."""
-    if isinstance(label, str):
-        if label == "none":
-            return 1.0
-        if label == "sqrt-d":
-            return float(head_dim) ** -0.25
-        try:
-            value = float(label)
-        except ValueError:
-            raise ValueError(f"scale must be 'none', 'sqrt-d' or a positive number, got {label!r}") from None
-        return check_real(value, "scale", positive=True)
-    return check_real(label, "scale", positive=True)
+__all__ = ["LLoPSAttention"]
 
 
 class LLoPSAttention(nn.Module):
@@ -94,8 +79,8 @@ class LLoPSAttention(nn.Module):
         resolve_backend(backend, torch.device("cpu"))  # validates the name
         self.backend = backend
         self.chunk_size = check_positive_int(chunk_size, "chunk_size")
-        self.scale_label = scale if isinstance(scale, str) else repr(float(scale))
-        self.qk_scale = parse_scale(scale, head_dim)
+        self.qk_scale = resolve_scale(scale, head_dim)
+        self.scale_label = scale_label(scale)
         check_flag(learn_theta, "learn_theta")
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"seed must be an int, got {seed!r}")

@@ -45,19 +45,16 @@ def _check_output(out: str, dump: str) -> Path:
 
 
 def run(args) -> int:
-    from ..compare import resolve_scale
+    from .._dumpsel import select_and_scale
     from ..fit import fit_sketch
-    from ..io import load_qk
 
     target = _check_output(args.out, args.dump)
-    dump = load_qk(args.dump, layers=args.layers, heads=args.heads)
-    _, factor = resolve_scale(args.scale, dump.q.shape[-1])
-    fit = fit_sketch(args.method, dump.q * factor, dump.k * factor, p=args.p, m=args.m, seed=args.seed,
-                     holdout=args.holdout)
+    sel = select_and_scale(args.dump, layers=args.layers, heads=args.heads, scale=args.scale)
+    fit = fit_sketch(args.method, sel.q, sel.k, p=args.p, m=args.m, seed=args.seed, holdout=args.holdout)
     fit.scale = args.scale
     fit.save_theta(target, dump=args.dump)
     report = fit.report
-    line = (f"{args.method}: p={args.p} m={args.m} layers×heads={list(dump.q.shape[:2])} "
+    line = (f"{args.method}: p={args.p} m={args.m} layers×heads={list(sel.q.shape[:2])} ({sel.scale_description}) "
             f"rel_fro={report.rel_fro.mean().item():.4g} optimality_ratio={report.optimality_ratio.mean().item():.4g}")
     if report.holdout_rel_fro is not None:
         line += f" holdout_rel_fro={report.holdout_rel_fro.mean().item():.4g}"
