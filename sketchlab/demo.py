@@ -10,13 +10,14 @@ section and adds its results to the shared :class:`DemoState`:
 2. :func:`step_compare` — every sketch (optimal, llops, mlp, psf, tensorsketch, based) against that
    optimum on the first, middle and last layers (:func:`sketchlab.compare`): the summary with its
    ×optimum column, the paper's Table 3 layout, held-out rel_mae;
-3. *(attention: the place for a step that exports the LLoPS Θ, runs it through ``LLoPSAttention``
-   and prints its attention error next to the kernel error — insert it in* :data:`STEPS` *after
-   ``step_compare``; ``state.q``, ``state.k``, ``state.v``, ``state.table`` hold what it needs)*;
+3. :func:`step_attention` — LLoPS fitted on the compared layers (all tokens), its Θ exported
+   (:meth:`sketchlab.Fit.save_theta`), loaded back by :meth:`sketchlab.LLoPSAttention.from_pretrained`
+   and run as causal attention on the dump's own values (each joined sequence separately), next to
+   exact polynomial attention: attention error beside kernel error, and the optimal sketch's;
 4. :func:`step_advise` — :func:`sketchlab.advise` for a target error on one head of each compared
    layer: the smallest ``m`` the floor allows and the ``m`` LLoPS needs.
 
-Outputs in ``OUT``: ``comparison.md``, ``comparison.json``, ``optimality.png`` (×optimum per
+Outputs in ``OUT``: ``comparison.md``, ``comparison.json``, ``theta.safetensors`` (the Θ export), ``optimality.png`` (×optimum per
 method), ``spectrum.png`` (σ_i/σ_1 per layer and head), ``advice.md``, ``advice.json``,
 ``advice.png`` (floor and LLoPS error vs m). Every input is scaled by the one rule
 (:mod:`sketchlab.scaling`, ``sqrt-d``).
@@ -34,7 +35,9 @@ import torch
 
 from ._dumpsel import select_and_scale
 from .advise import advise
+from .attention import LLoPSAttention, dump_segments, poly_attention, sketch_attention
 from .compare import DEFAULT_METHODS, compare
+from .fit import fit_sketch
 from .io import atomic_write, load_qk
 from .optimal import optimal_sketch
 from .plots import plot_advice, plot_kernel_spectrum, plot_optimality_ratios
@@ -110,11 +113,66 @@ def step_compare(state: DemoState) -> None:
     state.written.append(state.out / "optimality.png")
 
 
+def step_attention(state: DemoState) -> None:
+    """Fit LLoPS → export Θ → ``LLoPSAttention.from_pretrained`` → causal attention vs exact polynomial attention.
+
+    Attention is unnormalised (``normalize="none"``): the rank-1 LLoPS and optimal maps are signed,
+    so their row sums can be ≤ 0 and a divided output would measure the normaliser, not the sketch
+    (DESIGN.md §1, attention with a sketch). The error is ``‖O_sketch − O_exact‖_F / ‖O_exact‖_F``
+    per head, with ``O = (Â ⊙ M) V`` inside each sequence the dump joins (metadata ``tokens``).
+    """
+    dump = load_qk(state.dump)
+    if dump.v is None:
+        print("## 3. Attention — skipped: the dump has no v (values) to attend over.\n")
+        return
+    segments = dump_segments(dump)
+    layers = torch.tensor(state.layers)
+    q, k = state.q[layers].double(), state.k[layers].double()  # [L', H, n, d], already scaled
+    v = dump.v[layers].double()  # [L', H, n, d_v]
+    fit = fit_sketch("llops", q, k, p=state.p, m=state.m, seed=state.seed)
+    optimum = fit_sketch("optimal", q, k, p=state.p, m=state.m, seed=state.seed)
+    theta_file = state.out / "theta.safetensors"
+    fit.save_theta(theta_file, dump=state.dump, scale=state.scale)
+    state.written.append(theta_file)
+
+    def tokens_first(x):  # [L', H, n, ·] -> [L', n, H, ·]: layers on the batch axis of [B, T, H, D]
+        return x.transpose(1, 2)
+
+    exact = poly_attention(tokens_first(q), tokens_first(k), tokens_first(v), state.p, normalize="none",
+                           segments=segments)  # [L', n, H, d_v]
+    with torch.no_grad():  # the [L', H] optimum, layers on the batch axis
+        best = sketch_attention(tokens_first(q), tokens_first(k), tokens_first(v), optimum.sketch, normalize="none",
+                                segments=segments)  # [L', n, H, d_v]
+    unscaled = dump.q[layers].double(), dump.k[layers].double()  # the block applies the file's scale itself
+    rows = []
+    for i, layer in enumerate(state.layers):
+        block = LLoPSAttention.from_pretrained(theta_file, layer=i, normalize="none", dtype=torch.float64)
+        with torch.no_grad():
+            out = block.attend(tokens_first(unscaled[0][i:i + 1]), tokens_first(unscaled[1][i:i + 1]),
+                               tokens_first(v[i:i + 1]), segments=segments)  # [1, n, H, d_v]
+        norm = exact[i].norm(dim=(0, 2))  # [H]
+        err = (out[0] - exact[i]).norm(dim=(0, 2)) / norm
+        err_best = (best[i] - exact[i]).norm(dim=(0, 2)) / norm
+        for h in range(q.shape[1]):
+            rows.append((layer, h, float(fit.report.rel_fro[i, h]), float(err[h]), float(optimum.report.rel_fro[i, h]),
+                         float(err_best[h])))
+    lines = ["| layer | head | LLoPS kernel rel_fro | LLoPS attention error | optimum kernel rel_fro | "
+             "optimum attention error |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r[0]} | {r[1]} | {r[2]:.4f} | {r[3]:.4f} | {r[4]:.4f} | {r[5]:.4f} |" for r in rows]
+    print(f"## 3. The fitted sketch as attention (Θ → {theta_file} → LLoPSAttention, layers {state.layers})\n")
+    print(f"Causal, unnormalised attention over the dump's values, each of the {len(segments or [1])} joined "
+          "sequences on its own, against exact polynomial attention; error ‖O − O_exact‖_F / ‖O_exact‖_F.\n")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    _write(state, "attention.md", text)
+    state.results["attention"] = rows
+
+
 def step_advise(state: DemoState) -> None:
     """``advise`` for ``state.target`` on head 0 of each compared layer (LLoPS)."""
     result = advise(state.dump, p=state.p, target=state.target, method="llops", layers=state.layers, heads=[0],
                     scale=state.scale, holdout=state.holdout, seed=state.seed)
-    print(f"## 3. Which m for rel_fro ≤ {state.target:g}? (`sketchlab advise`, head 0 of layers {state.layers})\n")
+    print(f"## 4. Which m for rel_fro ≤ {state.target:g}? (`sketchlab advise`, head 0 of layers {state.layers})\n")
     text = result.to_markdown()
     print(text)
     _write(state, "advice.md", text)
@@ -124,8 +182,8 @@ def step_advise(state: DemoState) -> None:
     state.results["advice"] = result
 
 
-#: The demo's steps in order (an attention step goes after ``step_compare``; see the module docstring).
-STEPS = [step_spectrum, step_compare, step_advise]
+#: The demo's steps in order.
+STEPS = [step_spectrum, step_compare, step_attention, step_advise]
 
 
 def main(argv: list[str] | None = None) -> int:

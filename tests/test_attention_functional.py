@@ -211,3 +211,14 @@ def test_poly_attention_gradients_match_reference():
         grads.append(torch.autograd.grad(fn(*leaves).square().sum(), leaves))
     for a, b in zip(*grads):
         assert torch.allclose(a, b, atol=TOL64, rtol=1e-10)
+
+
+@pytest.mark.parametrize("backend", ["torch", "reference"])
+def test_llops_attention_segments_never_cross_a_boundary(backend):
+    q, k, v, tq, tk = _problem(T=19)
+    out = llops_attention(q, k, v, tq, tk, normalize="none", backend=backend, segments=[7, 12])
+    first = llops_attention(q[:, :7], k[:, :7], v[:, :7], tq, tk, normalize="none", backend="reference")
+    second = llops_attention(q[:, 7:], k[:, 7:], v[:, 7:], tq, tk, normalize="none", backend="reference")
+    assert torch.allclose(out, torch.cat([first, second], 1), atol=TOL64, rtol=0)
+    whole = llops_attention(q, k, v, tq, tk, normalize="none", backend="reference")
+    assert not torch.allclose(out[:, 7:], whole[:, 7:], atol=1e-3)  # the joined run differs after the boundary

@@ -17,6 +17,7 @@ Normalisation semantics are the same in every backend (see :mod:`sketchlab.atten
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import torch
@@ -56,7 +57,7 @@ def resolve_backend(backend, device: torch.device, dtype: torch.dtype = torch.fl
 
 def llops_attention(q, k, v, theta_q, theta_k, *, causal: bool = True, normalize: str = "sum",
                     non_negative: bool = False, eps: float = 1e-6, backend: str = "auto",
-                    chunk_size: int = DEFAULT_CHUNK_SIZE) -> torch.Tensor:
+                    chunk_size: int = DEFAULT_CHUNK_SIZE, segments=None) -> torch.Tensor:
     r"""Causal (or not) linear attention through per-head LLoPS feature maps.
 
     Parameters
@@ -81,6 +82,9 @@ def llops_attention(q, k, v, theta_q, theta_k, *, causal: bool = True, normalize
         See the module docstring.
     chunk_size : int
         Tokens per chunk of the torch backend.
+    segments : sequence of int or None
+        Lengths of independent sequences joined along the token axis (``T == S``): no query
+        attends across a boundary (see :func:`dump_segments`).
 
     Returns
     -------
@@ -98,15 +102,18 @@ def llops_attention(q, k, v, theta_q, theta_k, *, causal: bool = True, normalize
     theta_q, theta_k = check_theta(theta_q, theta_k, heads=q.shape[2], dim=q.shape[3], like=q)
     backend = resolve_backend(backend, q.device, q.dtype)
     if backend == "reference":
-        return llops_attention_naive(q, k, v, theta_q, theta_k, causal=causal, normalize=normalize,
-                                     non_negative=non_negative, eps=eps)
-    if backend == "torch":
-        return llops_attention_chunked(q, k, v, theta_q, theta_k, causal=causal, normalize=normalize,
-                                       non_negative=non_negative, eps=eps, chunk_size=chunk_size, validate=False)
-    from .triton import llops_attention_triton  # lazy: triton is optional
+        run = functools.partial(llops_attention_naive, theta_q=theta_q, theta_k=theta_k, causal=causal,
+                                normalize=normalize, non_negative=non_negative, eps=eps)
+    elif backend == "torch":
+        run = functools.partial(llops_attention_chunked, theta_q=theta_q, theta_k=theta_k, causal=causal,
+                                normalize=normalize, non_negative=non_negative, eps=eps, chunk_size=chunk_size,
+                                validate=False)
+    else:
+        from .triton import llops_attention_triton  # lazy: triton is optional
 
-    return llops_attention_triton(q, k, v, theta_q, theta_k, causal=causal, normalize=normalize,
-                                  non_negative=non_negative, eps=eps)
+        run = functools.partial(llops_attention_triton, theta_q=theta_q, theta_k=theta_k, causal=causal,
+                                normalize=normalize, non_negative=non_negative, eps=eps)
+    return _by_segments(run, segments, q, k, v)
 
 
 def _map_params(theta: torch.Tensor, batch: int, heads: int, name: str) -> torch.Tensor:

@@ -135,15 +135,17 @@ class LLoPSAttention(nn.Module):
         """Features ``M`` per map."""
         return self.theta_q.shape[-1]
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, segments=None) -> torch.Tensor:
         """The attention core on per-head tensors: ``q, k [B, T, H, D]``, ``v [B, T, H, Dv]`` → ``[B, T, H, Dv]``.
 
-        Applies the Q/K scale, then :func:`llops_attention` with this block's Θ and settings.
+        Applies the Q/K scale, then :func:`llops_attention` with this block's Θ and settings;
+        ``segments`` (lengths of sequences joined along the token axis) keeps each causal mask
+        inside its own sequence.
         """
         theta_k = self.theta_q if self.theta_k is None else self.theta_k
         return llops_attention(q * self.qk_scale, k * self.qk_scale, v, self.theta_q, theta_k, causal=self.causal,
                                normalize=self.normalize, non_negative=self.non_negative, eps=self.eps,
-                               backend=self.backend, chunk_size=self.chunk_size)
+                               backend=self.backend, chunk_size=self.chunk_size, segments=segments)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x[B, T, E]`` → ``[B, T, E]``: projections, per-head LLoPS attention, output projection."""
