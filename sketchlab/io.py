@@ -345,7 +345,7 @@ def _read_raw(path: Path) -> tuple[dict, dict]:
                 f"as sibling files NAME.q.npy and NAME.k.npy (see save_qk) or use .npz/.safetensors"
             )
         if not parts["q"].is_file() and not parts["k"].is_file():
-            raise FileNotFoundError(f"{path}: no such dump (looked for {parts['q']} and {parts['k']})")
+            raise FileNotFoundError(f"{path}: no such dump, it does not exist (looked for {parts['q']} and {parts['k']})")
         meta = {}
         if parts["meta"].is_file():
             try:
@@ -357,7 +357,7 @@ def _read_raw(path: Path) -> tuple[dict, dict]:
             meta = _verify_npy_parts(parts, meta)
         return entries, meta
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such file")
+        raise FileNotFoundError(f"{path}: no such file (it does not exist)")
     if path.stat().st_size == 0:
         raise ValueError(f"{path}: the file is empty (0 bytes), not a {ext} dump")
     if ext == ".safetensors":
