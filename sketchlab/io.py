@@ -205,17 +205,19 @@ def dump_files(path) -> list[Path]:
     return [path] if path.exists() else []
 
 
-def check_output_paths(outputs: dict, inputs=()) -> None:
+def check_output_paths(outputs: dict, inputs=(), *, dumps=()) -> None:
     """Check where a command will write, *before* it does any work.
 
     Parameters
     ----------
     outputs : dict
         ``{label: path}`` of the files to be written (``None`` paths are skipped); the label
-        (e.g. ``"--json"``) names the output in errors. A ``.npy`` dump output stands for all
-        of its sibling parts.
+        (e.g. ``"--json"``) names the output in errors.
     inputs : iterable of path
         Files the same run reads (for a ``.npy`` dump pass its parts, see :func:`dump_files`).
+    dumps : iterable of str
+        Labels of outputs that are Q/K dumps (:func:`save_qk`): a ``.npy`` one stands for all of
+        its sibling parts ``NAME.q.npy``, ``NAME.k.npy``, ``NAME.v.npy``, ``NAME.meta.json``.
 
     Raises
     ------
@@ -241,7 +243,8 @@ def check_output_paths(outputs: dict, inputs=()) -> None:
         if path is None:
             continue
         path = Path(path)
-        parts = list(_npy_parts(path).values()) if path.suffix.lower() == ".npy" else [path]
+        is_npy_dump = label in dumps and path.suffix.lower() == ".npy"
+        parts = list(_npy_parts(path).values()) if is_npy_dump else [path]
         for part in parts:
             real = Path(os.path.realpath(part))
             if not real.parent.is_dir():

@@ -46,18 +46,19 @@ def scale_arg(text: str):
     return value
 
 
-def check_outputs(outputs: dict, inputs=()) -> None:
+def check_outputs(outputs: dict, inputs=(), *, dumps=()) -> None:
     """Check every output of a command before it does any work (:func:`sketchlab.io.check_output_paths`).
 
     ``outputs`` maps option names (``"--json"``) to paths (``None`` when not given); ``inputs``
-    are the dumps/files the command reads (a ``.npy`` dump counts with all its parts). Refused:
+    are the dumps/files the command reads (a ``.npy`` dump counts with all its parts); ``dumps``
+    the labels of outputs that are Q/K dumps (a ``.npy`` one counts with all its parts). Refused:
     a missing output directory, an output that is a directory, two outputs that are the same
     file, an output that is one of the inputs (same inode, through symlinks).
     """
     from ..io import check_output_paths, dump_files
 
     files = [f for path in inputs if path is not None for f in dump_files(path)]
-    check_output_paths(outputs, files)
+    check_output_paths(outputs, files, dumps=dumps)
 
 
 def write_text_atomic(path: str, text: str) -> None:

@@ -24,7 +24,7 @@ def run(args) -> int:
 
     model_dir = Path(args.model_dir)
     model_files = [f for f in model_dir.iterdir() if f.is_file()] if model_dir.is_dir() else []
-    check_outputs({"--out": args.out}, inputs=[args.text, args.token_ids, *model_files])
+    check_outputs({"--out": args.out}, inputs=[args.text, args.token_ids, *model_files], dumps=("--out",))
     dump = capture_pretrained(args.model_dir, text=args.text, token_ids=args.token_ids,
                               max_tokens=args.max_tokens, path=args.out)
     L, H, n, d = dump.q.shape
