@@ -812,7 +812,8 @@ def _save_npy_parts(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str
             Path(tmp).write_text(json.dumps(meta, sort_keys=True, indent=1) + "\n", encoding="utf-8")
         for name in list(temps):
             target = Path(os.path.realpath(parts[name]))
-            os.replace(temps.pop(name), target)
+            os.replace(temps[name], target)
+            del temps[name]
         if "v" not in blobs and parts["v"].is_file():
             os.unlink(parts["v"])  # a stale v from an earlier dump of the same name would be read back
         _fsync_dir(Path(os.path.realpath(parts["q"])).parent)

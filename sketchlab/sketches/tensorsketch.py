@@ -51,6 +51,15 @@ def _check_hashes(index_hash, sign_hash, m: int) -> tuple[torch.Tensor, torch.Te
     return index_hash.long(), sign_hash
 
 
+def _check_matrices_budget(hashes: int, m: int, dtype: torch.dtype) -> None:
+    """The dense CountSketch matrices ``[..., p, d, m]`` (``hashes = Π batch · p · d``) within the budget."""
+    check_memory(
+        hashes * m * dtype.itemsize,
+        what=f"the dense CountSketch matrices ({hashes} hashes x m={m}, {dtype})",
+        way_out="use a smaller degree p or sketch size m, or fewer heads at a time",
+    )
+
+
 def count_sketch_matrix(index_hash, sign_hash, m: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Dense CountSketch matrices ``S[..., p, d, m]`` with ``S[j, i, h_j(i)] = s_j(i)`` and zeros elsewhere."""
     m = check_positive_int(m, "m (the sketch size)")
@@ -148,11 +157,7 @@ class TensorSketch(Sketch):
         self.m = check_positive_int(m, "m (the sketch size)")
         index_hash, sign_hash = _check_hashes(index_hash, sign_hash, self.m)
         dtype = check_dtype(dtype)
-        check_memory(
-            index_hash.numel() * self.m * dtype.itemsize,
-            what=f"the dense CountSketch matrices {(*index_hash.shape, self.m)} ({dtype})",
-            way_out="use a smaller degree p or sketch size m, or fewer heads at a time",
-        )
+        _check_matrices_budget(index_hash.numel(), self.m, dtype)
         self.index_hash, self.sign_hash = index_hash.to(device), sign_hash.to(device)
         # built where the hashes were validated, then moved (one copy of [..., p, d, m])
         self.matrices = count_sketch_matrix(index_hash, sign_hash, self.m, dtype).to(device)
@@ -171,6 +176,8 @@ class TensorSketch(Sketch):
         p = check_degree(p)
         m = check_positive_int(m, "m (the sketch size)")
         batch_shape = check_batch_shape(batch_shape)
+        dtype = check_dtype(dtype)
+        _check_matrices_budget(math.prod(batch_shape) * p * d, m, dtype)  # before drawing the hashes
         gen = make_generator(seed, generator)
         index_hash = torch.randint(0, m, (*batch_shape, p, d), generator=gen)
         sign_hash = torch.randint(0, 2, (*batch_shape, p, d), generator=gen) * 2 - 1
