@@ -201,6 +201,7 @@ def test_capture_rejects_corrupt_weights_and_output_onto_input(model_dir, tmp_pa
     (lambda x: x.to(torch.complex64), r"real floating-point dtype .*got torch.complex64"),
     (lambda x: x.numpy().astype(np.int32), r"got numpy int32"),
 ])
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
 def test_unsupported_tensors_are_rejected(make, match):
     x = make(torch.ones(3, 2))
     with pytest.raises(TypeError, match=match):
