@@ -121,3 +121,40 @@ def test_memory_budget_error_names_size_budget_and_way_out():
 def test_bad_input(call, exc, pattern):
     with pytest.raises(exc, match=pattern):
         call()
+
+
+# ------------------------------------------------------------------------------------------------
+# error paths and dtype/budget details (each assert distinguishes a mutant that passed the suite)
+
+
+def test_messages_name_the_argument_and_the_shapes():
+    with pytest.raises(ValueError, match=r"^d must be an integer >= 1, got 0"):
+        num_poly_features(0, 2)
+    assert num_poly_features(3, 2) == 9 and num_poly_features(3, 2, True) == 6  # full is the default
+    with pytest.raises(TypeError, match=r"^x must have a real floating-point dtype"):
+        poly_features(torch.ones(2, 3, dtype=torch.int64), 2)
+    with pytest.raises(TypeError, match=r"^x must have a real floating-point dtype"):
+        poly_features_naive(torch.ones(2, 3, dtype=torch.int64), 2)
+    with pytest.raises(ValueError, match=r"^x must be finite: 1 non-finite"):
+        poly_features(torch.tensor([[1.0, float("nan")]]), 2)
+    with pytest.raises(ValueError, match=r"q has 3, k has 4"):
+        poly_kernel(torch.ones(5, 3), torch.ones(5, 4), 2)
+    with pytest.raises(ValueError, match=r"broadcastable leading \(batch\) axes, got \(2,\) and \(3,\)"):
+        poly_kernel(torch.ones(2, 5, 3), torch.ones(3, 5, 3), 2)
+    with pytest.raises(ValueError, match=r"w must have shape \[\.\.\., d\*\*p=9, m\]"):
+        full_to_symmetric(torch.ones(10, 2, dtype=torch.float64), 3, 2)
+
+
+def test_kernel_budget_counts_the_broadcast_batch_and_meta_passes():
+    q, k = torch.ones(2, 5, 3), torch.ones(5, 3)
+    assert poly_kernel(q, k, 2, max_bytes=2 * 5 * 5 * 4).shape == (2, 5, 5)  # exactly the budget
+    with pytest.raises(ValueError, match=r"shape \(2, 5, 5\)"):
+        poly_kernel(q, k, 2, max_bytes=2 * 5 * 5 * 4 - 1)  # q's batch axis counts
+    meta = torch.empty(4, 6, 3, device="meta")
+    assert poly_kernel(meta, meta, 3).shape == (4, 6, 6)  # shapes only: nothing to check
+
+
+def test_basis_maps_keep_the_dtype():
+    w = torch.randn(6, 2, dtype=torch.float32, generator=torch.Generator().manual_seed(0))
+    assert symmetric_to_full(w, 3, 2).dtype == torch.float32
+    assert full_to_symmetric(symmetric_to_full(w, 3, 2), 3, 2).dtype == torch.float32

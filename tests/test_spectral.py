@@ -240,3 +240,56 @@ def test_hopm_reaches_a_stationary_point_of_a_generic_tensor():
     many = spectral_norm(t, restarts=64, seed=1)
     assert res.value >= many.value * (1 - 1e-9)
     assert res.value <= res.upper_bound * (1 + 1e-12)
+
+
+def _generic(seed=31, shape=(3, 4, 5)):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def test_one_iteration_improves_on_the_start_and_is_counted():
+    # max_iter = 1: exactly one sweep. For a generic tensor it strictly improves the HOSVD start
+    # ⟨T, u₁⊗u₂⊗u₃⟩ (the start is not a fixed point), so a loop that ran zero times is caught.
+    t = _generic()
+    starts = [torch.linalg.svd(t.movedim(j, 0).reshape(t.shape[j], -1), full_matrices=False)[0][:, 0] for j in range(3)]
+    start = abs(float(torch.einsum("abc,a,b,c->", t, *starts)))
+    one = spectral_norm(t, restarts=1, max_iter=1)
+    assert one.iterations == 1 and one.value > start * (1 + 1e-6)
+    ts = _random_symmetric(3, 3, 2)
+    x0 = torch.linalg.svd(ts.reshape(3, -1), full_matrices=False)[0][:, 0]
+    s_start = abs(float(torch.einsum("abc,a,b,c->", ts, x0, x0, x0)))
+    s_one = spectral_norm(ts, symmetric=True, restarts=1, max_iter=1)
+    assert s_one.iterations == 1 and s_one.value > s_start * (1 + 1e-9)
+    s_two = spectral_norm(ts, symmetric=True, restarts=1, max_iter=2)  # the large shift: far from converged
+    assert s_two.iterations == 2 and s_two.value > s_one.value
+
+
+def test_upper_bound_is_the_smallest_unfolding_norm():
+    t = _generic()
+    want = min(float(torch.linalg.matrix_norm(t.movedim(j, 0).reshape(t.shape[j], -1), ord=2)) for j in range(3))
+    assert abs(spectral_norm(t, restarts=1).upper_bound - want) <= 1e-12 * want
+
+
+def test_unit_frobenius_zero_and_short_vectors():
+    t = _generic(seed=32, shape=(3, 3, 3))
+    t = t / torch.linalg.vector_norm(t)  # ‖T‖_F = 1 exactly: still needs HOPM, ‖T‖_σ < 1 (not rank 1)
+    assert spectral_norm(t, restarts=2).value < 0.99
+    zero = spectral_norm(torch.zeros(2, 3, dtype=torch.float64))
+    assert zero.value == 0 and all(abs(float(torch.linalg.vector_norm(u)) - 1) < 1e-15 for u in zero.factors)
+    v = torch.tensor([0.03, 0.04], dtype=torch.float64)  # ‖v‖ = 0.05 < 1
+    res = spectral_norm(v)
+    assert abs(res.value - 0.05) < 1e-15 and torch.allclose(res.factors[0], v / 0.05, atol=1e-15)
+
+
+def test_symmetry_is_checked_for_every_mode_and_tightly():
+    g = _generic(seed=33, shape=(3, 3, 3))
+    only_02 = g + g.permute(2, 1, 0)  # symmetric under swapping modes 0 and 2 only
+    with pytest.raises(ValueError, match="not symmetric under swapping modes 0 and 1"):
+        spectral_norm(only_02, symmetric=True)
+    sym = _random_symmetric(3, 3, 4)
+    with pytest.raises(ValueError, match="not symmetric"):
+        spectral_norm(sym + 1e-6 * g, symmetric=True)  # 1e-6 relative asymmetry is far above 1e-12
+
+
+def test_deflation_residuals_are_float64():
+    res = deflate(_odeco([2.0, 1.0], d=3, p=3, seed=3), 2, restarts=2)
+    assert res.residual_sq.dtype == torch.float64
