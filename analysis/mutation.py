@@ -19,6 +19,7 @@ Usage (from the repository root)::
     python analysis/mutation.py                               # 50 mutants per module, 2 workers
     python analysis/mutation.py --modules polynomial,spectral --sample 0 --time-box 7200
     python analysis/mutation.py --report-only                 # re-read mutants/ without running
+    python analysis/mutation.py --recheck-survivors           # after adding tests
 
 Results accumulate in ``mutants/`` across runs, so a time-boxed run can be continued by running
 again.
@@ -128,13 +129,15 @@ def sample(labels: list[str], size: int, seed: int) -> dict[str, list[str]]:
     return out
 
 
-def run(chosen: dict[str, list[str]], max_children: int, time_box: float) -> bool:
-    """Generate the mutants (first run), then check the chosen ones until done or ``time_box`` s pass.
+def run(chosen: dict[str, list[str]], max_children: int, time_box: float, recheck: bool = False) -> bool:
+    """Check the chosen mutants not checked yet (and, with ``recheck``, the survivors again, e.g.
+    after new tests) until done or ``time_box`` s pass.
 
     Returns ``True`` when mutmut finished, ``False`` when the time box ended it (results of the
     mutants checked so far are kept in ``mutants/``).
     """
-    todo = [name for names in chosen.values() for name in names if _status(name) == "not checked"]
+    again = ("not checked", "survived") if recheck else ("not checked",)
+    todo = [name for names in chosen.values() for name in names if _status(name) in again]
     if not todo:
         return True
     return _mutmut_run(todo, max_children, time_box)
@@ -239,6 +242,8 @@ def main(argv=None) -> int:
     parser.add_argument("--max-children", type=int, default=2, help="parallel mutmut workers (default 2)")
     parser.add_argument("--time-box", type=float, default=3600.0, help="wall-clock seconds for the whole run")
     parser.add_argument("--report-only", action="store_true", help="do not run mutmut; report what mutants/ holds")
+    parser.add_argument("--recheck-survivors", action="store_true",
+                        help="check the sample's survivors again (after adding tests)")
     args = parser.parse_args(argv)
     labels = [m.strip() for m in args.modules.split(",") if m.strip()]
     unknown = [m for m in labels if m not in MODULES]
@@ -252,7 +257,8 @@ def main(argv=None) -> int:
     chosen = sample(labels, args.sample, args.seed)
     finished = True
     if not args.report_only:
-        finished = run(chosen, args.max_children, args.time_box - (time.perf_counter() - start))
+        finished = run(chosen, args.max_children, args.time_box - (time.perf_counter() - start),
+                       recheck=args.recheck_survivors)
         _ALL_CODES.clear()
     write_report(collect(chosen), finished, time.perf_counter() - start, args.sample, args.seed)
     return 0
