@@ -62,7 +62,57 @@ STATUS = {1: "killed", 3: "killed", 0: "survived", 5: "no tests", 33: "no tests"
 
 #: Surviving mutants reviewed by hand: why each is acceptable (equivalent, or a change of a
 #: message, a default or a cache size that no test should pin). Keys are mutmut mutant names.
-REVIEWED: dict[str, str] = {}
+_MESSAGE = ("Acceptable: only the wording of an error message changes (same exception, same rule); the "
+            "tests match the rule and the names that matter, not every word.")
+_DEVICE = ("Acceptable (equivalent on CPU): only the device argument changes; the default device is the CPU, "
+           "and devices are checked by the CUDA-only tests on a GPU machine.")
+_NEEDS_TEST = "Not acceptable: a missing test (owner: the fits helper, tests/test_llops.py or test_sketches_convert.py / test_optimal.py): "
+
+REVIEWED: dict[str, str] = {
+    "sketchlab.polynomial.x_check_power_overflow__mutmut_15": (
+        "Equivalent: the log-size is only printed when a power overflowed, and |base|^p with |base| <= 1 "
+        "cannot overflow (the symmetric weights, which can, are reported separately before)."),
+    "sketchlab.polynomial.x_full_to_symmetric__mutmut_61": _DEVICE,
+    "sketchlab.polynomial.x_poly_features_naive__mutmut_49": (
+        "Equivalent: p!/∏α_i! divides exactly, so float and integer division give the same coefficient "
+        "(exact in float64 for the small p the naive twin is used with)."),
+    "sketchlab.optimal.x__check_inputs__mutmut_28": (
+        "Equivalent: `<` vs `<=` only differs when C(d+p-1, p) = d^p, i.e. p = 1 or d = 1, where the symmetric "
+        "and full bases are the same (all weights 1)."),
+    "sketchlab.optimal.x__factor__mutmut_70": (
+        "Equivalent: the core matrix is square (D x D), for which full_matrices=True and False give the same SVD."),
+    "sketchlab.optimal.x_max_sketch_size__mutmut_6": _NEEDS_TEST + "max_sketch_size(n_q, n_k, …) with n_k < n_q.",
+    "sketchlab.optimal.x_optimal_sketch__mutmut_19": (
+        "Nearly equivalent: route=None falls back to the automatic route choice, and both routes agree to "
+        "round-off (tested); only which algorithm runs changes. A test pinning route='qr'/'svd' through the "
+        "memory budget would kill it (owner: fits helper)."),
+    "sketchlab.optimal.x_tail_bound__mutmut_21": "Equivalent: vectors=None is falsy, the same as vectors=False.",
+    "sketchlab.optimal.xǁOptimalSketchǁprojector__mutmut_14": _NEEDS_TEST + "projector('q') against w_q on untied q ≠ k.",
+    "sketchlab.spectral.x_spectral_norm__mutmut_68": _DEVICE,
+    "sketchlab.spectral.x_spectral_norm__mutmut_94": (
+        "Equivalent: the cubical check is `any size != d`, true for a non-cubical shape whichever axis gives d."),
+    "sketchlab.metrics.x_optimality_ratio__mutmut_12": _DEVICE,
+    "sketchlab.llops.x__balance__mutmut_32": (
+        "Equivalent for every output: balancing rescales the q and k factors of each column by r and 1/r, so "
+        "any exponent keeps φ_Q(q)ᵀφ_K(k) (only the conditioning of later ALS steps changes)."),
+    "sketchlab.llops.x__prepare__mutmut_21": _MESSAGE,
+    "sketchlab.llops.x_fit_llops_adam__mutmut_46": _NEEDS_TEST + "fit_llops_adam with rank t >= 2 (tests use t = 1).",
+    "sketchlab.llops.x_fit_llops_direct__mutmut_127": _MESSAGE,
+    "sketchlab.llops.x_fit_llops_direct__mutmut_26": _MESSAGE,
+    "sketchlab.llops.x_llops_init__mutmut_247": _NEEDS_TEST + "same seed, same Θ when the init pads extra CP terms.",
+    "sketchlab.llops.x_llops_projector_naive__mutmut_7": _MESSAGE,
+    "sketchlab.llops.xǁLLoPSǁ__init____mutmut_17": _MESSAGE,
+    "sketchlab.llops.xǁLLoPSǁfrom_projector__mutmut_15": _NEEDS_TEST + "LLoPS.from_projector(rank >= 2).",
+    "sketchlab.sketches.convert.x__based__mutmut_12": _MESSAGE,
+    "sketchlab.sketches.convert.x__based__mutmut_26": (
+        "Equivalent: torch.tensor of Python ints is int64 by default, the dtype asked for."),
+    "sketchlab.sketches.convert.x__from_columns__mutmut_9": _NEEDS_TEST + "float32 BASED conversion keeps float32.",
+    "sketchlab.sketches.convert.x__psf__mutmut_19": _NEEDS_TEST + "as_llops of a batched ([H, ...]) PolySketch.",
+    "sketchlab.sketches.convert.x__psf__mutmut_64": _MESSAGE,
+    "sketchlab.sketches.convert.x__psf__mutmut_76": _MESSAGE,
+    "sketchlab.sketches.convert.x_as_llops__mutmut_10": _MESSAGE,
+    "sketchlab.sketches.convert.x_as_llops__mutmut_18": _MESSAGE,
+}
 
 
 @dataclass

@@ -69,11 +69,19 @@ def check_power_overflow(out: torch.Tensor, base: torch.Tensor, p: int, what: st
     )
 
 
+def _central_counts(d: int, p: int) -> list[int]:
+    """Multiplicities of the most balanced multiset of size ``p`` over ``d`` indices (largest c_α)."""
+    return [p // d + (1 if i < p % d else 0) for i in range(d)]
+
+
 def num_poly_features(d: int, p: int, symmetric: bool = False) -> int:
     """Number of exact features: ``d**p`` (full) or ``C(d+p-1, p)`` (symmetric)."""
     d = check_positive_int(d, "d")
     p = check_degree(p)
     return math.comb(d + p - 1, p) if symmetric else d**p
+
+
+_LOG_FLOAT64_MAX = math.log(torch.finfo(torch.float64).max)
 
 
 @functools.lru_cache(maxsize=64)
@@ -86,7 +94,9 @@ def _symmetric_index_cpu(d: int, p: int) -> tuple[torch.Tensor, torch.Tensor]:
     for row in combos.tolist():
         counts = [len(list(g)) for _, g in itertools.groupby(row)]
         log_c = log_fact_p - sum(math.lgamma(c + 1) for c in counts)
-        weights.append(math.exp(0.5 * log_c))
+        # √c_α exceeds float64 (1.8e308) for large p (e.g. p = 500, d = 2): stored as inf, and
+        # poly_features(symmetric=True) reports it instead of returning inf features
+        weights.append(math.exp(0.5 * log_c) if 0.5 * log_c < _LOG_FLOAT64_MAX else math.inf)
     return combos, torch.tensor(weights, dtype=torch.float64)  # [C, p], [C]
 
 
@@ -157,6 +167,13 @@ def poly_features(x, p: int, symmetric: bool = False, *, max_bytes: int = DEFAUL
     _check_budget(math.prod(batch), num, x.element_size(), max_bytes, d, p, symmetric)
     if symmetric:
         index, weight = symmetric_index(d, p)
+        if not bool(torch.isfinite(weight.to(x.dtype)).all()):
+            top = max(0.5 * (math.lgamma(p + 1) - sum(math.lgamma(c + 1) for c in _central_counts(d, p))), 0.0)
+            raise FloatingPointError(
+                f"poly_features(p={p}, symmetric=True): the multinomial weights √(p!/∏α_i!) reach "
+                f"1e{top / math.log(10):.0f}, beyond {x.dtype} (max {torch.finfo(x.dtype).max:.3g}); lower p "
+                "or use float64"
+            )
         index = index.to(x.device)
         out = x[..., index[:, 0]]  # [..., C]
         for j in range(1, p):

@@ -158,3 +158,11 @@ def test_basis_maps_keep_the_dtype():
     w = torch.randn(6, 2, dtype=torch.float32, generator=torch.Generator().manual_seed(0))
     assert symmetric_to_full(w, 3, 2).dtype == torch.float32
     assert full_to_symmetric(symmetric_to_full(w, 3, 2), 3, 2).dtype == torch.float32
+
+
+def test_symmetric_weights_beyond_the_dtype_are_reported():
+    # p = 600, d = 2: the largest weight √C(600, 300) ≈ 1e90 exceeds float32 (3.4e38) but not float64.
+    x = torch.full((1, 2), 0.01)
+    with pytest.raises(FloatingPointError, match=r"multinomial weights √\(p!/∏α_i!\) reach 1e90, beyond torch.float32"):
+        poly_features(x, 600, symmetric=True)
+    assert poly_features(x.double(), 600, symmetric=True).shape == (1, 601)

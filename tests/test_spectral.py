@@ -293,3 +293,17 @@ def test_symmetry_is_checked_for_every_mode_and_tightly():
 def test_deflation_residuals_are_float64():
     res = deflate(_odeco([2.0, 1.0], d=3, p=3, seed=3), 2, restarts=2)
     assert res.residual_sq.dtype == torch.float64
+
+
+def test_ss_hopm_does_exactly_max_iter_updates():
+    # One shifted update by hand, x₁ = (T x₀² + α x₀)/‖·‖ with α = 2‖T‖_F (p = 3) from the HOSVD start:
+    # max_iter = 1 must return |T x₁³| (an extra or a missing update changes it at 1e-3 relative here).
+    t = _random_symmetric(3, 3, 2)
+    x0 = torch.linalg.svd(t.reshape(3, -1), full_matrices=False)[0][:, 0]
+    if float(torch.einsum("abc,a,b,c->", t, x0, x0, x0)) < 0:
+        x0 = -x0
+    v = torch.einsum("abc,a,b->c", t, x0, x0) + 2 * torch.linalg.vector_norm(t) * x0
+    x1 = v / torch.linalg.vector_norm(v)
+    want = abs(float(torch.einsum("abc,a,b,c->", t, x1, x1, x1)))
+    got = spectral_norm(t, symmetric=True, restarts=1, max_iter=1).value
+    assert abs(got - want) <= 1e-12 * want
