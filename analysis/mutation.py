@@ -73,6 +73,8 @@ REVIEWED: dict[str, str] = {
         "Equivalent: the log-size is only printed when a power overflowed, and |base|^p with |base| <= 1 "
         "cannot overflow (the symmetric weights, which can, are reported separately before)."),
     "sketchlab.polynomial.x_full_to_symmetric__mutmut_61": _DEVICE,
+    "sketchlab.polynomial.x_symmetric_to_full__mutmut_24": _DEVICE,
+    "sketchlab.polynomial.x_symmetric_to_full__mutmut_33": _DEVICE,
     "sketchlab.polynomial.x_poly_features_naive__mutmut_49": (
         "Equivalent: p!/∏α_i! divides exactly, so float and integer division give the same coefficient "
         "(exact in float64 for the small p the naive twin is used with)."),

@@ -166,3 +166,22 @@ def test_symmetric_weights_beyond_the_dtype_are_reported():
     with pytest.raises(FloatingPointError, match=r"multinomial weights √\(p!/∏α_i!\) reach 1e90, beyond torch.float32"):
         poly_features(x, 600, symmetric=True)
     assert poly_features(x.double(), 600, symmetric=True).shape == (1, 601)
+
+
+def test_way_outs_and_names_in_messages():
+    with pytest.raises(ValueError, match=r"; use smaller d or p, or fewer rows, or raise max_bytes"):
+        poly_features(torch.ones(2, 3), 3, symmetric=True, max_bytes=8)  # no 'use symmetric=True' advice here
+    with pytest.raises(ValueError, match=r"use symmetric=True \(10 features instead of 27\)"):
+        poly_features(torch.ones(2, 3), 3, max_bytes=8)
+    with pytest.raises(ValueError, match=r"; use fewer tokens or heads at a time, or raise max_bytes"):
+        poly_kernel(torch.ones(5, 3), torch.ones(5, 3), 2, max_bytes=8)
+    with pytest.raises(FloatingPointError, match=r"scale q and k down \(e\.g\. scale='sqrt-d' or a smaller factor, "
+                                                  r"so that \|qᵀk\| stays near 1\), lower p, or use float64$"):
+        poly_kernel(torch.full((2, 2), 1e3), torch.full((2, 2), 1e3), 20)
+    with pytest.raises(FloatingPointError, match=r"lower p or use float64$"):
+        poly_features(torch.full((1, 2), 0.01), 600, symmetric=True)
+    for fn in (symmetric_to_full, full_to_symmetric):
+        with pytest.raises(TypeError, match=r"^w must have a real floating-point dtype"):
+            fn(torch.ones(9, 2, dtype=torch.int64), 3, 2)
+    with pytest.raises(ValueError, match=r"^d must be an integer >= 1, got 0"):
+        symmetric_index(0, 2)
