@@ -252,8 +252,14 @@ def write_report(results: list[ModuleResult], finished: bool, seconds: float, sa
         "",
         (f"Mutants checked: a seeded uniform sample of {sample_size} per module (seed {seed}), an unbiased "
          "estimate of each module's score." if sample_size > 0 else "Mutants checked: all."),
-        f"Run: {'finished' if finished else 'stopped by the time box (continue by running again)'}, "
-        f"{seconds / 60:.0f} min wall time.",
+        f"Last invocation: {'finished' if finished else 'stopped by the time box (continue by running again)'}, "
+        f"{seconds / 60:.0f} min wall time (the first run of the 350-mutant sample, stats collection included, "
+        "took about 15 min on 2 shared cores; re-checks after new tests take minutes).",
+        "",
+        "The LLoPS row is `sketchlab/llops.py` as on main at the time of the run; the fits helper is turning it "
+        "into the package `sketchlab/llops/` (covered by `setup.cfg` and `MODULES`): re-run "
+        "`python analysis/mutation.py --modules llops` once that lands. Survivors marked *Not acceptable* name "
+        "the missing test and its owner.",
         "",
         "| module | mutants | checked | killed | timeout | survived | not checked | score (95% CI) |",
         "|---|---|---|---|---|---|---|---|",
