@@ -15,7 +15,10 @@ import torch
 
 __all__ = [
     "DEFAULT_MAX_BYTES",
+    "MAX_DEGREE",
+    "SUPPORTED_FLOAT_DTYPES",
     "as_float_tensor",
+    "check_tensor_storage",
     "check_memory",
     "check_degree",
     "check_finite",
@@ -24,6 +27,7 @@ __all__ = [
     "check_pair",
     "check_positive_int",
     "check_real",
+    "check_seed",
 ]
 
 
@@ -49,27 +53,71 @@ def check_memory(nbytes: int, *, what: str, way_out: str, max_bytes: int = DEFAU
         )
 
 
+#: Floating dtypes the math accepts. float8 types are floating point to torch, but most operations
+#: (matmul, pow, SVD) are not implemented for them and their 2-3 mantissa bits make every error
+#: metric meaningless: they are rejected with a hint to upcast.
+SUPPORTED_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+#: Largest polynomial degree accepted. Beyond it ``(qᵀk)^p`` overflows float64 for ``|qᵀk| >= 2``
+#: (``2**1024`` exceeds the largest float64) and underflows for ``|qᵀk| <= 1/2``, so no data
+#: gives a usable kernel; it also keeps exact counts such as ``d**p`` cheap to compute.
+MAX_DEGREE = 1024
+
+
+def check_tensor_storage(x: torch.Tensor, name: str, *, allow_meta: bool = True) -> None:
+    """Reject tensors without ordinary dense storage (and, unless ``allow_meta``, without values).
+
+    Sparse layouts (COO, CSR, …) break element-wise checks and reshapes: ``TypeError`` naming
+    ``name`` and the way out. ``meta`` tensors (shapes only) pass through shape-level functions
+    (feature maps follow their input's device), but data entry points reject them
+    (``allow_meta=False``, via :func:`check_finite`): they have no values to fit or check.
+    """
+    if x.layout != torch.strided:
+        raise TypeError(
+            f"{name} must be a dense (strided) tensor, got layout {x.layout}; convert it with .to_dense()"
+        )
+    if x.is_meta and not allow_meta:
+        raise TypeError(
+            f"{name} is a 'meta' tensor (shape only, no values, e.g. from a model built on the meta device); "
+            "load or materialise the weights before passing it"
+        )
+
+
 def as_float_tensor(x, name: str) -> torch.Tensor:
     """Return ``x`` as a floating-point tensor (numpy arrays are converted without copying).
 
-    Raises ``TypeError`` for anything that is not a tensor or array, and for integer, boolean
-    or complex dtypes: the polynomial kernel of integer inputs overflows silently, and complex
-    inputs have no meaning here.
+    Raises ``TypeError`` for anything that is not a tensor or array, for integer, boolean or
+    complex dtypes (the polynomial kernel of integer inputs overflows silently, and complex
+    inputs have no meaning here), for float8 dtypes (see :data:`SUPPORTED_FLOAT_DTYPES`), and for
+    sparse or ``meta`` tensors (:func:`check_tensor_storage`).
     """
     if isinstance(x, np.ndarray):
+        if x.dtype.kind != "f":
+            raise TypeError(
+                f"{name} must have a real floating-point dtype (float16/float32/float64), got numpy {x.dtype}"
+            )
         x = torch.from_numpy(x)
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor or numpy array, got {type(x).__name__}")
-    if not x.dtype.is_floating_point:
+    check_tensor_storage(x, name)
+    if x.dtype not in SUPPORTED_FLOAT_DTYPES:
+        hint = "; upcast it first, e.g. x.float()" if x.dtype.is_floating_point else ""
         raise TypeError(
             f"{name} must have a real floating-point dtype (float16/bfloat16/float32/float64), "
-            f"got {x.dtype}"
+            f"got {x.dtype}{hint}"
         )
     return x
 
 
-def check_finite(x: torch.Tensor, name: str) -> None:
-    """Raise ``ValueError`` naming the count and first index of non-finite entries of ``x``."""
+def check_finite(x: torch.Tensor, name: str, *, allow_meta: bool = False) -> None:
+    """Raise ``ValueError`` naming the count and first index of non-finite entries of ``x``.
+
+    A ``meta`` tensor has no values: ``TypeError`` unless ``allow_meta`` (then nothing is checked;
+    used by feature maps, which only follow their input's shape and device).
+    """
+    if x.is_meta:
+        check_tensor_storage(x, name, allow_meta=allow_meta)
+        return
     bad = ~torch.isfinite(x)
     if bool(bad.any()):
         first = tuple(int(i) for i in bad.nonzero()[0])
@@ -108,8 +156,32 @@ def check_real(value, name: str, *, positive: bool) -> float:
 
 
 def check_degree(p) -> int:
-    """Validate the polynomial degree ``p`` (an integer ``>= 1``)."""
-    return check_positive_int(p, "p (the polynomial degree)")
+    """Validate the polynomial degree ``p``: an integer with ``1 <= p <=`` :data:`MAX_DEGREE`."""
+    p = check_positive_int(p, "p (the polynomial degree)")
+    if p > MAX_DEGREE:
+        raise ValueError(
+            f"p (the polynomial degree) must be at most {MAX_DEGREE}, got {p}: beyond it (qᵀk)^p overflows "
+            "float64 for |qᵀk| >= 2 and underflows for |qᵀk| <= 1/2, so no input gives a usable kernel"
+        )
+    return p
+
+
+#: Seeds must fit torch's generator state (a 64-bit integer).
+_SEED_RANGE = (-(2**63), 2**64 - 1)
+
+
+def check_seed(seed, name: str = "seed") -> int:
+    """Return ``seed`` as ``int`` if it is an integer that ``torch.Generator.manual_seed`` takes.
+
+    torch accepts ``[-2**63, 2**64 - 1]``; outside it raises an opaque ``RuntimeError``
+    ("Overflow when unpacking long long"), so the range is checked here, naming ``name``.
+    """
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {seed!r} ({type(seed).__name__})")
+    lo, hi = _SEED_RANGE
+    if not lo <= seed <= hi:
+        raise ValueError(f"{name} must lie in [-2**63, 2**64 - 1] (a 64-bit generator seed), got {seed}")
+    return int(seed)
 
 
 def check_fraction(value, name: str) -> float:

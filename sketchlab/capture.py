@@ -299,6 +299,10 @@ def capture_qk(
     return dump
 
 
+_MAX_TOKEN_ID = 2**63 - 1  # int64
+#: Config attributes that state a model's position limit (BERT/LLaMA, GPT-2, others).
+_POSITION_LIMITS = ("max_position_embeddings", "n_positions", "max_sequence_length", "n_ctx")
+
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tokenizer.model")
 
 
@@ -319,6 +323,11 @@ def read_token_ids(path) -> tuple[torch.Tensor, torch.Tensor]:
             raise ValueError(f"{path}:{lineno}: token ids must be whitespace-separated integers, got {line.strip()[:60]!r}") from None
         if min(ids) < 0:
             raise ValueError(f"{path}:{lineno}: token ids must be >= 0, got {min(ids)}")
+        if max(ids) > _MAX_TOKEN_ID:
+            raise ValueError(
+                f"{path}:{lineno}: token id {max(ids)} is beyond the largest id a tensor can hold "
+                f"(2**63 - 1 = {_MAX_TOKEN_ID}); no vocabulary is that large"
+            )
         rows.append(ids)
     if not rows:
         raise ValueError(f"{path}: no token ids (the file holds no non-empty line)")
@@ -329,6 +338,48 @@ def read_token_ids(path) -> tuple[torch.Tensor, torch.Tensor]:
         ids[i, : len(r)] = torch.tensor(r)
         mask[i, : len(r)] = 1
     return ids, mask
+
+
+def _load_model(auto_model, model_dir: Path) -> nn.Module:
+    """``auto_model.from_pretrained(model_dir)`` with unreadable directories reported as ``ValueError``.
+
+    A missing or corrupt weight file or config raises ``OSError`` or safetensors' ``SafetensorError``
+    (and a few ``ValueError``/``KeyError``/``RuntimeError`` for inconsistent checkpoints) inside
+    transformers; each becomes one message naming the directory.
+    """
+    try:
+        from safetensors import SafetensorError
+    except ImportError:  # older safetensors: the error is a plain Exception subclass
+        SafetensorError = OSError  # noqa: N806
+    try:
+        return auto_model.from_pretrained(str(model_dir), local_files_only=True)
+    except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as err:
+        raise ValueError(
+            f"{model_dir}: could not load the model (missing, truncated or corrupt weights or config): "
+            f"{type(err).__name__}: {err}"
+        ) from err
+
+
+def _check_against_model(config, ids: torch.Tensor, mask: torch.Tensor, what: str, max_tokens: int) -> None:
+    """Token ids inside the vocabulary and sequences within the position limit, or ``ValueError``."""
+    vocab = getattr(config, "vocab_size", None)
+    valid = mask.to(torch.bool)
+    if isinstance(vocab, int) and bool((ids[valid] >= vocab).any()):
+        row, col = (int(i) for i in ((ids >= vocab) & valid).nonzero()[0])
+        raise ValueError(
+            f"{what}: token id {int(ids[valid].max())} is outside the model's vocabulary of {vocab} "
+            f"(ids must be < {vocab}; the first offending id is {int(ids[row, col])} in sequence {row + 1}, position {col})"
+        )
+    for attr in _POSITION_LIMITS:
+        limit = getattr(config, attr, None)
+        if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0:
+            longest = int(valid.sum(1).max())
+            if ids.shape[1] > limit:
+                raise ValueError(
+                    f"{what}: a sequence of {longest} tokens exceeds the model's position limit of {limit} "
+                    f"(config.{attr}); pass max_tokens (--max-tokens) <= {limit} (now {max_tokens})"
+                )
+            return
 
 
 def capture_pretrained(model_dir, *, text=None, token_ids=None, max_tokens: int = 512, path=None) -> QKDump:
@@ -347,13 +398,21 @@ def capture_pretrained(model_dir, *, text=None, token_ids=None, max_tokens: int 
         Instead of ``text`` (for a directory without a tokenizer): one sequence of integer ids
         per line (:func:`read_token_ids`), each truncated to ``max_tokens``.
     max_tokens : int
-        Longest sequence captured (and at most the model's position limit, the user's to respect).
+        Longest sequence captured (each is truncated to it). A sequence still longer than the
+        model's position limit (``config.max_position_embeddings`` or ``n_positions``) is rejected.
     path : str or Path, optional
         Write the dump there (:func:`sketchlab.io.save_qk`).
 
     Returns
     -------
     QKDump as :func:`capture_qk` (auto-detected BERT / GPT-2 / LLaMA-style projections).
+
+    Raises
+    ------
+    ValueError
+        Unreadable model directory (missing, truncated or corrupt weights or config), no usable
+        tokenizer for ``text``, a token id outside the vocabulary (or beyond int64), or a sequence
+        longer than the model's position limit; each message names the file and the rule.
     """
     max_tokens = check_positive_int(max_tokens, "max_tokens")
     if (text is None) == (token_ids is None):
@@ -365,7 +424,7 @@ def capture_pretrained(model_dir, *, text=None, token_ids=None, max_tokens: int 
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"{model_dir}: not a transformers model directory (no config.json)")
-    model = AutoModel.from_pretrained(str(model_dir), local_files_only=True)
+    model = _load_model(AutoModel, model_dir)
     if text is not None:
         text_path = Path(text)
         if not any((model_dir / f).is_file() for f in _TOKENIZER_FILES):
@@ -388,9 +447,7 @@ def capture_pretrained(model_dir, *, text=None, token_ids=None, max_tokens: int 
         ids, mask = read_token_ids(token_ids)
         ids, mask = ids[:, :max_tokens], mask[:, :max_tokens]
         what = f"token ids {Path(token_ids).name}"
-    vocab = getattr(model.config, "vocab_size", None)
-    if isinstance(vocab, int) and int(ids.max()) >= vocab:
-        raise ValueError(f"token id {int(ids.max())} is outside the model's vocabulary of {vocab}")
+    _check_against_model(model.config, ids, mask, str(text if text is not None else token_ids), max_tokens)
     inputs = {"input_ids": ids, "attention_mask": mask}
     meta = {"source": f"{model_dir.name} ({model.config.model_type}) on {what}"}
     return capture_qk(model, inputs, path=path, meta=meta)

@@ -18,7 +18,9 @@ File formats
 ``.npy``
     One array per file, so a dump is a set of sibling files ``NAME.q.npy``, ``NAME.k.npy``,
     optional ``NAME.v.npy`` and optional ``NAME.meta.json``; pass any of them (or
-    ``NAME.npy`` where that file does not exist) to :func:`load_qk`. A *single* ``.npy`` array
+    ``NAME.npy`` where that file does not exist) to :func:`load_qk`. :func:`save_qk` writes them
+    all-or-nothing: ``NAME.meta.json`` records the SHA-256 of every part (``parts_sha256``) and
+    :func:`load_qk` rejects parts that disagree with it (an interrupted save). A *single* ``.npy`` array
     (e.g. q and k stacked as ``[2, ...]``) is rejected: its leading axis could be the q/k pair or
     the layers, and guessing would silently fit the wrong tensors.
 
@@ -29,10 +31,18 @@ keys ``q.0, q.1, …`` (and ``k.i``, ``v.i``) in ``.safetensors``, ``.pt`` and `
 ``{"q": {0: T, 1: T, …}, …}`` with integer (or digit-string) keys. Layers must be numbered
 ``0 … L-1`` without gaps and share one shape; they are stacked on a new leading axis.
 
+Layout metadata is read by axis role (:func:`parse_layout`): ``"layer,head,token,dim"``,
+``"L,H,n,d"``, ``"seq,head,dim"``… in any order; tensors are transposed to ``[L, H, n, d]``.
+
+Outputs (:func:`atomic_write`) are written through symbolic links, fsynced (file and directory),
+with the usual permissions and without touching the process umask; :func:`check_output_paths`
+refuses, before any work, outputs that are an input of the same run or each other.
+
 Validation (each rejection names the file, the tensor and the rule): unknown extension,
 unreadable / truncated / corrupt file, missing ``q`` or ``k``, unexpected entries,
-non-floating dtype, rank not in {2, 3, 4}, a ``layout`` metadata entry that disagrees with the
-rank, empty tensors, ``q`` and ``k`` of different shapes, ``v`` not matching ``k`` in
+non-floating, float8, sparse or meta tensors, rank not in {2, 3, 4}, a ``layout`` metadata entry
+that cannot be understood or disagrees with the rank, JSON metadata nested deeper than
+:data:`MAX_JSON_DEPTH`, empty tensors, ``q`` and ``k`` of different shapes, ``v`` not matching ``k`` in
 ``[L, H, n]``, and non-finite values (count and first index).
 
 Layer / head selections (:func:`load_qk`, :func:`sketchlab.compare`) go through
@@ -49,28 +59,31 @@ checks the shapes against the metadata.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import io
 import json
 import math
 import numbers
 import os
 import re
-import tempfile
+import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from ._validation import check_finite
+from ._validation import as_float_tensor, check_finite, check_tensor_storage
 
 __all__ = [
-    "QKDump", "as_lhnd", "atomic_write", "load_qk", "load_theta", "save_qk", "save_theta", "select_indices", "validate_qk",
+    "MAX_JSON_DEPTH", "QKDump", "as_lhnd", "atomic_write", "check_output_paths", "dump_files", "load_qk", "parse_layout", "load_theta", "save_qk", "save_theta", "select_indices", "validate_qk",
 ]
 
 _EXTENSIONS = (".safetensors", ".pt", ".npz", ".npy")
 _LAYOUTS = {2: "n,d", 3: "H,n,d", 4: "L,H,n,d"}
 _NAMES = ("q", "k", "v")
 _LAYER_KEY = re.compile(r"^([qkv])\.(\d+)$")
+_PARTS_KEY = "parts_sha256"  # marker entry of a .npy dump's NAME.meta.json (see _save_npy_parts)
 
 
 @dataclass
@@ -93,30 +106,211 @@ class QKDump:
         return tuple(self.q.shape)  # type: ignore[return-value]
 
 
+def _fsync_dir(directory: Path) -> None:
+    """fsync a directory so that a rename in it survives a crash (POSIX; a no-op where directories
+    cannot be opened, e.g. on Windows)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some file systems do not support fsync on directories
+        pass
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _create_temp(target: Path) -> Path:
+    """Create an empty, unique temporary file beside ``target`` with the permissions a new file gets.
+
+    ``os.open(..., O_CREAT | O_EXCL, 0o666)`` lets the kernel apply the process umask itself, so
+    the file gets the usual ``0o666 & ~umask`` without reading or toggling the process-wide umask
+    (``os.umask`` is not thread-safe). When ``target`` already exists its permission bits are
+    copied instead, so an atomic rewrite keeps them.
+    """
+    try:
+        mode = target.stat().st_mode & 0o7777
+    except FileNotFoundError:
+        mode = None
+    for _ in range(100):
+        tmp = target.parent / f".{target.name}.{secrets.token_hex(6)}.tmp"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        except FileExistsError:
+            continue
+        try:
+            if mode is not None:
+                os.fchmod(fd, mode)
+        finally:
+            os.close(fd)
+        return tmp
+    raise FileExistsError(f"could not create a unique temporary file beside {target}")
+
+
 @contextlib.contextmanager
 def atomic_write(path):
-    """Yield a temporary path beside ``path``; on success ``os.replace`` it onto ``path``.
+    """Yield a temporary path beside ``path``; on success it replaces ``path`` atomically and durably.
 
-    Readers never see a half-written file: either the old file or the complete new one. On any
-    exception the temporary file is removed and the target is left untouched.
+    Readers never see a half-written file: either the old file or the complete new one. On
+    success the temporary file is fsynced, renamed onto the target with ``os.replace``, and the
+    directory is fsynced, so the new file survives a crash. On any exception the temporary file
+    is removed and the target is left untouched.
+
+    Symbolic links are written *through*: if ``path`` is a symlink (or a chain of them), the file
+    it points to is replaced and the link is kept. A new file gets ``0o666 & ~umask``; an existing
+    one keeps its permission bits (see :func:`_create_temp`). ``path``'s directory must exist.
     """
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
+    path = Path(os.path.realpath(path))  # write through symlinks
+    if not path.parent.is_dir():
+        raise FileNotFoundError(f"output directory {str(path.parent)!r} does not exist (for {str(path)!r})")
+    if path.is_dir():
+        raise IsADirectoryError(f"output {str(path)!r} is a directory, not a file")
+    tmp = _create_temp(path)
     try:
-        yield Path(tmp)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give the file the usual permissions
+        yield tmp
+        _fsync_file(tmp)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+    _fsync_dir(path.parent)
+
+
+def _file_identity(path: Path) -> tuple[int, int] | None:
+    """``(st_dev, st_ino)`` of the file ``path`` points to (through symlinks), ``None`` if absent."""
+    try:
+        st = os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    return st.st_dev, st.st_ino
+
+
+def dump_files(path) -> list[Path]:
+    """The files a Q/K dump at ``path`` consists of (that exist): the file itself, or for a
+    ``.npy`` dump its sibling parts ``NAME.q.npy``, ``NAME.k.npy``, ``NAME.v.npy`` and
+    ``NAME.meta.json``."""
+    path = Path(path)
+    if path.suffix.lower() == ".npy":
+        return [part for part in _npy_parts(path).values() if part.exists()]
+    return [path] if path.exists() else []
+
+
+def check_output_paths(outputs: dict, inputs=(), *, dumps=()) -> None:
+    """Check where a command will write, *before* it does any work.
+
+    Parameters
+    ----------
+    outputs : dict
+        ``{label: path}`` of the files to be written (``None`` paths are skipped); the label
+        (e.g. ``"--json"``) names the output in errors.
+    inputs : iterable of path
+        Files the same run reads (for a ``.npy`` dump pass its parts, see :func:`dump_files`).
+    dumps : iterable of str
+        Labels of outputs that are Q/K dumps (:func:`save_qk`): a ``.npy`` one stands for all of
+        its sibling parts ``NAME.q.npy``, ``NAME.k.npy``, ``NAME.v.npy``, ``NAME.meta.json``.
+
+    Raises
+    ------
+    FileNotFoundError
+        An output's directory does not exist.
+    ValueError
+        An output is a directory; two outputs are the same file (same path after resolving
+        symlinks, or an existing file reached by two names, i.e. the same inode); or an output
+        is one of the ``inputs`` (same inode: writing it would destroy the data being read).
+
+    Notes
+    -----
+    Outputs are written through symlinks (:func:`atomic_write`), so a link is compared by the
+    file it points to.
+    """
+    seen: dict = {}
+    input_ids = {}
+    for path in inputs:
+        ident = _file_identity(Path(path))
+        if ident is not None:
+            input_ids[ident] = str(path)
+    for label, path in outputs.items():
+        if path is None:
+            continue
+        path = Path(path)
+        is_npy_dump = label in dumps and path.suffix.lower() == ".npy"
+        parts = list(_npy_parts(path).values()) if is_npy_dump else [path]
+        for part in parts:
+            real = Path(os.path.realpath(part))
+            if not real.parent.is_dir():
+                raise FileNotFoundError(
+                    f"{label}: output directory {str(real.parent)!r} does not exist (for {str(path)!r})"
+                )
+            if real.is_dir():
+                raise ValueError(f"{label}: output {str(path)!r} is a directory, not a file")
+            ident = _file_identity(real)
+            if ident is not None and ident in input_ids:
+                raise ValueError(
+                    f"{label}: output {str(path)!r} is the input {input_ids[ident]!r} (the same file); "
+                    "writing it would destroy the data being read: choose another output path"
+                )
+            for key in (("path", str(real)), ("inode", ident)):
+                if key[1] is None:
+                    continue
+                if key in seen and seen[key] != label:
+                    raise ValueError(
+                        f"outputs {seen[key]} and {label} are the same file {str(path)!r}: one would overwrite "
+                        "the other; give each output its own path"
+                    )
+                seen[key] = label
 
 
 # --------------------------------------------------------------------------------------------
 # reading raw entries
+
+
+#: Deepest nesting of JSON arrays/objects accepted in metadata (a dump's metadata file, a Θ export's
+#: ``errors``). Checked before parsing: Python's parser recurses once per level and would raise
+#: ``RecursionError`` (or exhaust the stack) on a hostile file.
+MAX_JSON_DEPTH = 64
+
+
+def _json_depth(text: str) -> int:
+    """Deepest ``[``/``{`` nesting of a JSON text (brackets inside strings are skipped)."""
+    depth = best = 0
+    in_string = escaped = False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            best = max(best, depth)
+        elif ch in "]}":
+            depth -= 1
+    return best
+
+
+def _loads_json(text: str, where: str):
+    """``json.loads`` with the nesting bounded by :data:`MAX_JSON_DEPTH` (``ValueError`` naming ``where``)."""
+    depth = _json_depth(text)
+    if depth > MAX_JSON_DEPTH:
+        raise ValueError(
+            f"{where}: JSON nested {depth} levels deep, over the limit of {MAX_JSON_DEPTH} (MAX_JSON_DEPTH); "
+            "metadata must be a shallow JSON object"
+        )
+    return json.loads(text)
 
 
 def _npy_parts(path: Path) -> dict[str, Path]:
@@ -154,17 +348,19 @@ def _read_raw(path: Path) -> tuple[dict, dict]:
                 f"as sibling files NAME.q.npy and NAME.k.npy (see save_qk) or use .npz/.safetensors"
             )
         if not parts["q"].is_file() and not parts["k"].is_file():
-            raise FileNotFoundError(f"{path}: no such dump (looked for {parts['q']} and {parts['k']})")
-        entries = {name: _np_load(parts[name]) for name in _NAMES if parts[name].is_file()}
+            raise FileNotFoundError(f"{path}: no such dump, it does not exist (looked for {parts['q']} and {parts['k']})")
         meta = {}
         if parts["meta"].is_file():
             try:
-                meta = json.loads(parts["meta"].read_text())
+                meta = _loads_json(parts["meta"].read_text(encoding="utf-8"), str(parts["meta"]))
             except (json.JSONDecodeError, UnicodeDecodeError) as err:
                 raise ValueError(f"{parts['meta']}: corrupt metadata file, not JSON ({err})") from err
+        entries = {name: _np_load(parts[name]) for name in _NAMES if parts[name].is_file()}
+        if isinstance(meta, dict):
+            meta = _verify_npy_parts(parts, meta)
         return entries, meta
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such file")
+        raise FileNotFoundError(f"{path}: no such file (it does not exist)")
     if path.stat().st_size == 0:
         raise ValueError(f"{path}: the file is empty (0 bytes), not a {ext} dump")
     if ext == ".safetensors":
@@ -197,7 +393,7 @@ def _read_raw(path: Path) -> tuple[dict, dict]:
     if "__metadata__" in entries:
         raw = entries.pop("__metadata__")
         try:
-            meta = json.loads(str(raw.item()))
+            meta = _loads_json(str(raw.item()), f"{path}: __metadata__")
         except (json.JSONDecodeError, ValueError) as err:
             raise ValueError(f"{path}: __metadata__ must be a 0-d string array holding a JSON object ({err})") from err
     return entries, meta
@@ -218,14 +414,22 @@ def _np_load(path: Path) -> np.ndarray:
 
 
 def _as_tensor(x, where: str) -> torch.Tensor:
+    """A stored entry as a dense floating tensor; every other kind is a ``ValueError`` naming ``where``.
+
+    The rules of :func:`sketchlab._validation.as_float_tensor` (real float16/bfloat16/float32/float64,
+    dense, with values), reported as ``ValueError`` because here they describe a bad file.
+    """
     if isinstance(x, np.ndarray):
         if x.dtype.kind != "f":
             raise ValueError(f"{where} must be a floating-point array, got dtype {x.dtype}")
         x = torch.from_numpy(np.ascontiguousarray(x))
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"{where} must be a tensor or array, got {type(x).__name__}")
-    if not x.dtype.is_floating_point:
-        raise ValueError(f"{where} must have a real floating-point dtype, got {x.dtype}")
+    try:
+        as_float_tensor(x, where)
+        check_tensor_storage(x, where, allow_meta=False)
+    except TypeError as err:
+        raise ValueError(str(err)) from None
     return x
 
 
@@ -263,17 +467,72 @@ def _stack_layers(layers: dict[int, object], where: str) -> torch.Tensor:
     return torch.stack(out)  # [L, H, n, d]
 
 
-def _check_layout(meta: dict, rank: int, where: str) -> None:
-    layout = meta.get("layout")
-    if layout is None:
-        return
-    norm = re.sub(r"[\s\[\]()]", "", str(layout))
-    if norm not in _LAYOUTS.values():
+#: Axis roles of a dump tensor and the spellings a ``layout`` metadata entry may use (case-insensitive).
+_AXIS_NAMES = {
+    "layer": ("layer", "layers", "l"),
+    "head": ("head", "heads", "h"),
+    "token": ("token", "tokens", "seq", "sequence", "n", "t"),
+    "dim": ("dim", "d", "head_dim"),
+}
+_ROLE_OF = {name: role for role, names in _AXIS_NAMES.items() for name in names}
+_ROLE_ORDER = ("layer", "head", "token", "dim")
+
+
+def parse_layout(layout: str, rank: int, where: str) -> tuple[int, ...]:
+    """Parse a ``layout`` metadata string by axis role; return the permutation to ``[.., n, d]`` order.
+
+    The layout lists one name per axis, separated by commas (spaces, brackets and parentheses are
+    ignored): layer (``layer``/``l``), head (``head``/``h``), token (``token``/``seq``/``n``/``t``)
+    and dim (``dim``/``d``), in any order and case, each at most once; token and dim are required,
+    layer and head optional. ``"layer,head,token,dim"``, ``"L,H,n,d"``, ``"[H, T, D]"`` and
+    ``"seq,head,dim"`` are all understood. Returns the permutation ``perm`` such that
+    ``x.permute(perm)`` has the given axes in the order layer, head, token, dim (missing ones are
+    added by :func:`as_lhnd`). Anything else raises ``ValueError`` naming ``where``, the layout
+    and the accepted names.
+    """
+    accepted = "; ".join(f"{role}: {'/'.join(names)}" for role, names in _AXIS_NAMES.items())
+    names = [part for part in re.sub(r"[\s\[\]()]", "", str(layout)).split(",")]
+    roles = []
+    for name in names:
+        role = _ROLE_OF.get(name.lower())
+        if role is None:
+            raise ValueError(
+                f"{where}: metadata layout {layout!r} has an axis name {name!r} that is not understood; "
+                f"accepted names (any case, comma-separated, token and dim required) are {accepted}"
+            )
+        if role in roles:
+            raise ValueError(f"{where}: metadata layout {layout!r} names the {role} axis twice")
+        roles.append(role)
+    for role in ("token", "dim"):
+        if role not in roles:
+            raise ValueError(
+                f"{where}: metadata layout {layout!r} has no {role} axis; accepted names are {accepted}"
+            )
+    if len(roles) != rank:
         raise ValueError(
-            f"{where}: metadata layout {layout!r} is not one of {sorted(_LAYOUTS.values(), key=len)}"
+            f"{where}: metadata layout {layout!r} names {len(roles)} axes but the tensor has rank {rank}"
         )
-    if norm != _LAYOUTS[rank]:
-        raise ValueError(f"{where}: metadata layout {layout!r} disagrees with the tensor rank {rank} ({_LAYOUTS[rank]})")
+    return tuple(sorted(range(rank), key=lambda i: _ROLE_ORDER.index(roles[i])))
+
+
+def _apply_layout(t: torch.Tensor, meta: dict, where: str) -> torch.Tensor:
+    """Permute ``t`` to layer, head, token, dim order following ``meta["layout"]``, then to ``[L, H, n, d]``.
+
+    Without a layout the rank decides (``[n, d]``, ``[H, n, d]``, ``[L, H, n, d]``). A layout
+    without a head axis (e.g. ``"layer,token,dim"``) gets a size-1 head axis.
+    """
+    layout = meta.get("layout")
+    if layout is None or t.ndim not in _LAYOUTS:
+        return as_lhnd(t, where)
+    perm = parse_layout(layout, t.ndim, where)
+    roles = [_ROLE_ORDER.index(_ROLE_OF[name.lower()])
+             for name in re.sub(r"[\s\[\]()]", "", str(layout)).split(",")]
+    t = t.permute(perm)  # axes now in layer, head, token, dim order (those present)
+    present = sorted(roles)
+    shape = [1, 1] + list(t.shape[-2:])  # [L, H, n, d] with missing axes of size 1
+    for axis, size in zip(present[:-2], t.shape[:-2]):
+        shape[axis] = size
+    return t.reshape(shape).contiguous()  # [L, H, n, d]
 
 
 def _normalise(entries: dict, meta: dict, label: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -300,9 +559,7 @@ def _normalise(entries: dict, meta: dict, label: str) -> tuple[torch.Tensor, tor
             raise ValueError(f"{label}: tensor {name} is given both whole ('{name}') and per layer ('{name}.i')")
         if name in plain:
             t = _as_tensor(plain[name], f"{label}: tensor {name}")
-            if t.ndim in _LAYOUTS:
-                _check_layout(meta, t.ndim, f"{label}: tensor {name}")
-            tensors[name] = as_lhnd(t, f"{label}: tensor {name}")
+            tensors[name] = _apply_layout(t, meta, f"{label}: tensor {name}")
         elif name in per_layer:
             tensors[name] = _stack_layers(per_layer[name], f"{label}: tensor {name}")
     for name in ("q", "k"):
@@ -482,7 +739,11 @@ def save_qk(path, q, k, v=None, meta=None) -> Path:
     Notes
     -----
     The same rules as :func:`load_qk` apply before anything is written, so a file that
-    ``save_qk`` produced always loads.
+    ``save_qk`` produced always loads. Every file is written with :func:`atomic_write` (through
+    symlinks, fsynced). A ``.npy`` dump is several files: they are written all-or-nothing, the
+    marker ``NAME.meta.json`` recording each part's SHA-256 (entry ``parts_sha256``, checked and
+    removed from ``meta`` by :func:`load_qk`), so an interrupted save never loads as a mix of
+    old and new tensors (see :func:`_save_npy_parts`). ``meta`` must not contain ``parts_sha256``.
     """
     path = Path(path)
     label = str(path)
@@ -490,6 +751,8 @@ def save_qk(path, q, k, v=None, meta=None) -> Path:
     if ext not in _EXTENSIONS:
         raise ValueError(f"{path}: unknown extension {path.suffix!r}; use one of {', '.join(_EXTENSIONS)}")
     meta = _check_meta(meta, label)
+    if _PARTS_KEY in meta:
+        raise ValueError(f"{label}: metadata key {_PARTS_KEY!r} is reserved (the .npy dump's part checksums)")
     meta.pop("layout", None)  # validated against the normalised rank below
     entries = {"q": q, "k": k} if v is None else {"q": q, "k": k, "v": v}
     tq, tk, tv = _normalise(entries, {}, label)
@@ -514,16 +777,86 @@ def save_qk(path, q, k, v=None, meta=None) -> Path:
             with open(tmp, "wb") as fh:
                 np.savez(fh, **arrays)
         return path
+    return _save_npy_parts(path, tensors, meta)
+
+
+def _save_npy_parts(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> Path:
+    """Write a ``.npy`` dump's sibling files so that a reader never loads a mix of old and new parts.
+
+    1. every part is written to a temporary file beside it and fsynced;
+    2. the marker ``NAME.meta.json`` is replaced (atomically) *first*, recording the SHA-256 of each
+       new part under ``parts_sha256``;
+    3. the parts are renamed onto their names, a stale ``NAME.v.npy`` is removed, the directory
+       is fsynced.
+
+    A save interrupted after step 2 leaves parts that disagree with the marker, which
+    :func:`load_qk` rejects ("the dump is incomplete"); one interrupted before it leaves the old
+    dump untouched. Either way no mix of old and new tensors loads as a valid dump.
+    """
     parts = _npy_parts(path)
+    blobs = {}
     for name, t in tensors.items():
-        with atomic_write(parts[name]) as tmp:
-            with open(tmp, "wb") as fh:
-                np.save(fh, _to_numpy(t), allow_pickle=False)
-    if tv is None and parts["v"].is_file():
-        os.unlink(parts["v"])  # a stale v from an earlier dump of the same name would be read back
-    with atomic_write(parts["meta"]) as tmp:
-        Path(tmp).write_text(json.dumps(meta, sort_keys=True, indent=1) + "\n")
+        buf = io.BytesIO()
+        np.save(buf, _to_numpy(t), allow_pickle=False)
+        blobs[name] = buf.getvalue()
+    meta = dict(meta)
+    meta[_PARTS_KEY] = json.dumps({name: hashlib.sha256(b).hexdigest() for name, b in blobs.items()}, sort_keys=True)
+    temps: dict[str, Path] = {}
+    try:
+        for name, blob in blobs.items():
+            target = Path(os.path.realpath(parts[name]))
+            temps[name] = _create_temp(target)
+            temps[name].write_bytes(blob)
+            _fsync_file(temps[name])
+        with atomic_write(parts["meta"]) as tmp:
+            Path(tmp).write_text(json.dumps(meta, sort_keys=True, indent=1) + "\n", encoding="utf-8")
+        for name in list(temps):
+            target = Path(os.path.realpath(parts[name]))
+            os.replace(temps[name], target)
+            del temps[name]
+        if "v" not in blobs and parts["v"].is_file():
+            os.unlink(parts["v"])  # a stale v from an earlier dump of the same name would be read back
+        _fsync_dir(Path(os.path.realpath(parts["q"])).parent)
+    finally:
+        for tmp in temps.values():
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
     return parts["q"]
+
+
+def _verify_npy_parts(parts: dict[str, Path], meta: dict) -> dict:
+    """Check the parts of a ``.npy`` dump against the SHA-256 its marker records; return ``meta``
+    without the ``parts_sha256`` entry. Dumps without the entry (written by other tools) pass."""
+    if _PARTS_KEY not in meta:
+        return meta
+    meta = dict(meta)
+    raw = meta.pop(_PARTS_KEY)
+    try:
+        recorded = _loads_json(raw, f"{parts['meta']}: {_PARTS_KEY}") if isinstance(raw, str) else None
+    except json.JSONDecodeError:
+        recorded = None
+    if not isinstance(recorded, dict) or not set(recorded) <= set(_NAMES):
+        raise ValueError(f"{parts['meta']}: {_PARTS_KEY} must be a JSON object {{part: sha256}}, got {raw!r}")
+    for name in _NAMES:
+        part = parts[name]
+        if name not in recorded:
+            if part.is_file():
+                raise ValueError(
+                    f"{part}: not part of the dump recorded in {parts['meta']} (it lists {sorted(recorded)}): "
+                    "the dump is incomplete (an interrupted save_qk) or the file was added by hand; "
+                    "remove it or save the dump again"
+                )
+            continue
+        if not part.is_file():
+            raise ValueError(f"{part}: missing, but {parts['meta']} records it: the dump is incomplete; save it again")
+        digest = hashlib.sha256(part.read_bytes()).hexdigest()
+        if digest != recorded[name]:
+            raise ValueError(
+                f"{part}: its SHA-256 does not match the one recorded in {parts['meta']}: the dump is incomplete "
+                "(an interrupted save_qk left old and new parts mixed) or a part was replaced afterwards; "
+                "save the dump again"
+            )
+    return meta
 
 
 # --------------------------------------------------------------------------------------------
@@ -535,6 +868,20 @@ _THETA_INTS = ("p", "m", "t", "d")
 _THETA_STRS = ("method", "scale", "source_sha256", "sketchlab_version")
 _THETA_KEYS = _THETA_INTS + _THETA_STRS + ("errors",)
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+
+def _check_scale_label(scale: str, label: str) -> None:
+    """A Θ export's ``scale``: ``"none"``, ``"sqrt-d"`` or a positive finite number (as text)."""
+    if scale in ("none", "sqrt-d"):
+        return
+    try:
+        value = float(scale)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(
+            f"{label}: metadata scale must be 'none', 'sqrt-d' or a positive finite number, got {scale!r}"
+        )
 
 
 def _theta_meta(meta: dict, label: str) -> dict:
@@ -558,13 +905,14 @@ def _theta_meta(meta: dict, label: str) -> dict:
         if not meta[key]:
             raise ValueError(f"{label}: metadata {key} must be a non-empty string, got ''")
         out[key] = meta[key]
+    _check_scale_label(out["scale"], label)
     if not _SHA256.match(out["source_sha256"]):
         raise ValueError(
             f"{label}: metadata source_sha256 must be 64 lowercase hex digits (the SHA-256 of the Q/K dump), "
             f"got {out['source_sha256']!r}"
         )
     try:
-        errors = json.loads(meta["errors"])
+        errors = _loads_json(meta["errors"], f"{label}: metadata errors")
     except json.JSONDecodeError as err:
         raise ValueError(f"{label}: metadata errors must be a JSON object, not valid JSON ({err}): {meta['errors'][:80]!r}") from err
     if not isinstance(errors, dict):

@@ -23,10 +23,18 @@ import math
 
 import torch
 
-from ._validation import DEFAULT_MAX_BYTES, as_float_tensor, check_degree, check_memory, check_positive_int
+from ._validation import (
+    DEFAULT_MAX_BYTES,
+    as_float_tensor,
+    check_degree,
+    check_finite,
+    check_memory,
+    check_positive_int,
+)
 
 __all__ = [
     "DEFAULT_MAX_BYTES",
+    "check_power_overflow",
     "full_to_symmetric",
     "num_poly_features",
     "poly_features",
@@ -36,11 +44,44 @@ __all__ = [
     "symmetric_to_full",
 ]
 
+def check_power_overflow(out: torch.Tensor, base: torch.Tensor, p: int, what: str) -> None:
+    r"""Raise ``FloatingPointError`` if ``out`` (a degree-``p`` power of ``base``) is not finite.
+
+    Called after computing a power of finite inputs: a non-finite value there can only be an
+    overflow of ``out.dtype``. The message names ``what``, the dtype, ``p``, the largest
+    ``|base|`` and the size its ``p``-th power would have (computed in log space, so it is
+    printed even when it exceeds float64), and the way out (scale the inputs down, e.g.
+    ``scale="sqrt-d"``, or compute in float64).
+    """
+    if out.is_meta:
+        return  # shapes only, no values
+    bad = ~torch.isfinite(out)
+    if not bool(bad.any()):
+        return
+    top = float(base.detach().abs().max().to(torch.float64))
+    log10 = p * math.log10(top) if top > 0 else -math.inf
+    limit = torch.finfo(out.dtype).max
+    raise FloatingPointError(
+        f"{what} overflows {out.dtype}: {int(bad.sum())} of {out.numel()} values are non-finite "
+        f"(p={p}, the largest |base| is {top:.4g}, and {top:.4g}^{p} ≈ 1e{log10:.0f} exceeds the dtype's "
+        f"maximum {limit:.3g}); the inputs are too large for this degree: scale q and k down (e.g. "
+        "scale='sqrt-d' or a smaller factor, so that |qᵀk| stays near 1), lower p, or use float64"
+    )
+
+
+def _central_counts(d: int, p: int) -> list[int]:
+    """Multiplicities of the most balanced multiset of size ``p`` over ``d`` indices (largest c_α)."""
+    return [p // d + (1 if i < p % d else 0) for i in range(d)]
+
+
 def num_poly_features(d: int, p: int, symmetric: bool = False) -> int:
     """Number of exact features: ``d**p`` (full) or ``C(d+p-1, p)`` (symmetric)."""
     d = check_positive_int(d, "d")
     p = check_degree(p)
     return math.comb(d + p - 1, p) if symmetric else d**p
+
+
+_LOG_FLOAT64_MAX = math.log(torch.finfo(torch.float64).max)
 
 
 @functools.lru_cache(maxsize=64)
@@ -53,7 +94,9 @@ def _symmetric_index_cpu(d: int, p: int) -> tuple[torch.Tensor, torch.Tensor]:
     for row in combos.tolist():
         counts = [len(list(g)) for _, g in itertools.groupby(row)]
         log_c = log_fact_p - sum(math.lgamma(c + 1) for c in counts)
-        weights.append(math.exp(0.5 * log_c))
+        # √c_α exceeds float64 (1.8e308) for large p (e.g. p = 500, d = 2): stored as inf, and
+        # poly_features(symmetric=True) reports it instead of returning inf features
+        weights.append(math.exp(0.5 * log_c) if 0.5 * log_c < _LOG_FLOAT64_MAX else math.inf)
     return combos, torch.tensor(weights, dtype=torch.float64)  # [C, p], [C]
 
 
@@ -117,20 +160,30 @@ def poly_features(x, p: int, symmetric: bool = False, *, max_bytes: int = DEFAUL
     p = check_degree(p)
     if x.ndim < 1 or x.shape[-1] == 0:
         raise ValueError(f"x must have shape [..., d] with d >= 1, got {tuple(x.shape)}")
+    check_finite(x, "x", allow_meta=True)
     d = x.shape[-1]
     batch = x.shape[:-1]
     num = num_poly_features(d, p, symmetric)
     _check_budget(math.prod(batch), num, x.element_size(), max_bytes, d, p, symmetric)
     if symmetric:
         index, weight = symmetric_index(d, p)
+        if not bool(torch.isfinite(weight.to(x.dtype)).all()):
+            top = max(0.5 * (math.lgamma(p + 1) - sum(math.lgamma(c + 1) for c in _central_counts(d, p))), 0.0)
+            raise FloatingPointError(
+                f"poly_features(p={p}, symmetric=True): the multinomial weights √(p!/∏α_i!) reach "
+                f"1e{top / math.log(10):.0f}, beyond {x.dtype} (max {torch.finfo(x.dtype).max:.3g}); lower p "
+                "or use float64"
+            )
         index = index.to(x.device)
         out = x[..., index[:, 0]]  # [..., C]
         for j in range(1, p):
             out = out * x[..., index[:, j]]
-        return out * weight.to(device=x.device, dtype=x.dtype)
-    out = x
-    for _ in range(p - 1):
-        out = (out[..., :, None] * x[..., None, :]).reshape(*batch, -1)  # [..., d^j * d]
+        out = out * weight.to(device=x.device, dtype=x.dtype)
+    else:
+        out = x
+        for _ in range(p - 1):
+            out = (out[..., :, None] * x[..., None, :]).reshape(*batch, -1)  # [..., d^j * d]
+    check_power_overflow(out, x, p, f"poly_features(p={p}) of x {tuple(x.shape)}")
     return out
 
 
@@ -160,25 +213,57 @@ def poly_features_naive(x, p: int, symmetric: bool = False) -> torch.Tensor:
     return out
 
 
-def poly_kernel(q, k, p: int) -> torch.Tensor:
+def poly_kernel(q, k, p: int, *, max_bytes: int = DEFAULT_MAX_BYTES) -> torch.Tensor:
     r"""Polynomial kernel matrix :math:`A = (Q K^\top)^{\circ p}`, batched over leading dims.
 
     Parameters
     ----------
     q : Tensor ``[..., n_q, d]``
     k : Tensor ``[..., n_k, d]``
+        Finite real floating values; leading (batch) axes broadcast.
     p : int, ``>= 1``
+    max_bytes : int
+        Memory budget for the ``[..., n_q, n_k]`` result; checked before the product is formed
+        (``ValueError`` naming the size, the budget and the way out).
 
     Returns
     -------
-    Tensor ``[..., n_q, n_k]``
+    Tensor ``[..., n_q, n_k]`` in the promoted dtype of ``q`` and ``k``.
+
+    Raises
+    ------
+    FloatingPointError
+        An entry of :math:`(QK^\top)^{\circ p}` overflows the dtype (the inputs are too large for
+        this degree; the message names the largest :math:`|q^\top k|` and the way out). Never
+        returns ``inf``.
     """
     q = as_float_tensor(q, "q")
     k = as_float_tensor(k, "k")
     p = check_degree(p)
+    if q.ndim < 2 or k.ndim < 2:
+        raise ValueError(f"q and k must have shape [..., n, d], got {tuple(q.shape)} and {tuple(k.shape)}")
     if q.shape[-1] != k.shape[-1]:
         raise ValueError(f"q and k must share d (last axis): q has {q.shape[-1]}, k has {k.shape[-1]}")
-    return (q @ k.mT) ** p
+    try:
+        batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2])
+    except RuntimeError:
+        raise ValueError(
+            f"q and k must have broadcastable leading (batch) axes, got {tuple(q.shape[:-2])} and {tuple(k.shape[:-2])}"
+        ) from None
+    dtype = torch.promote_types(q.dtype, k.dtype)
+    n_q, n_k = q.shape[-2], k.shape[-2]
+    check_memory(
+        math.prod(batch) * n_q * n_k * dtype.itemsize,
+        what=f"the kernel matrix (QKᵀ)^p of shape {(*batch, n_q, n_k)} ({dtype})",
+        way_out="use fewer tokens or heads at a time",
+        max_bytes=max_bytes,
+    )
+    check_finite(q, "q", allow_meta=True)
+    check_finite(k, "k", allow_meta=True)
+    s = q @ k.mT  # [..., n_q, n_k]
+    out = s**p
+    check_power_overflow(out, s, p, f"poly_kernel: (qᵀk)^{p}")
+    return out
 
 
 def symmetric_to_full(w, d: int, p: int) -> torch.Tensor:

@@ -82,3 +82,45 @@ def test_holdout_split_is_a_seeded_partition():
     assert torch.equal(fit, again[0]) and torch.equal(held, again[1])
     assert not torch.equal(held, holdout_split(20, 0.25, seed=4)[1])
     assert len(holdout_split(20, 0.0, seed=0)[1]) == 0
+
+
+# ------------------------------------------------------------------------------------------------
+# details that a mutation run found unchecked: names in messages, eps, batch axes, dtypes
+
+
+def test_metric_messages_name_the_argument():
+    a = torch.ones(3, 3, dtype=torch.float64)
+    with pytest.raises(TypeError, match=r"^approx must have a real floating-point dtype"):
+        rel_fro(torch.ones(3, 3, dtype=torch.int64), a)
+    with pytest.raises(TypeError, match=r"^exact must have a real floating-point dtype"):
+        rel_fro(a, torch.ones(3, 3, dtype=torch.int64))
+    with pytest.raises(TypeError, match=r"^v must have a real floating-point dtype"):
+        causal_attention(a, torch.ones(3, 1, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"got shape \(0,\) with minimum None"):
+        optimality_ratio(a, a, torch.tensor([]))
+
+
+def test_causal_attention_eps_batches_and_dtypes():
+    # the normaliser's row sums are 1e-3, so eps = 1e-6 changes the output by 1e-3 relative
+    kernel = torch.full((2, 5, 3, 3), 1e-3 / 3, dtype=torch.float64)
+    v = torch.arange(90, dtype=torch.float64).reshape(2, 5, 3, 3)
+    masked = kernel.tril()
+    want = (masked @ v) / (masked.sum(-1, keepdim=True) + 1e-6)
+    torch.testing.assert_close(causal_attention(kernel, v), want, rtol=1e-14, atol=0)  # 4-D batch, default eps
+    torch.testing.assert_close(causal_attention(kernel[0], v[0]), want[0], rtol=1e-14, atol=0)  # 3-D batch
+    out32 = causal_attention(kernel[0, 0], v[0, 0].float())  # float32 v is compared in float64
+    assert out32.dtype == torch.float64
+    torch.testing.assert_close(out32, want[0, 0], rtol=1e-6, atol=0)
+    with pytest.raises(ValueError, match=r"kernel must be \[\.\.\., n, n\]"):
+        causal_attention(torch.ones(3, dtype=torch.float64), torch.ones(3, 1, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"kernel must be \[\.\.\., n, n\]"):
+        causal_attention(torch.ones(2, 3, 4, dtype=torch.float64), torch.ones(2, 4, 1, dtype=torch.float64))
+    # the same eps on both sides: identical kernels give zero error whatever eps is
+    assert float(attention_error(kernel[0, 0], kernel[0, 0], v[0, 0], eps=0.5)) == 0.0
+
+
+def test_optimality_ratio_keeps_a_python_tail_in_float64():
+    a = torch.eye(3, dtype=torch.float64)
+    approx = a * 2  # error ‖A‖_F = √3
+    ratio = optimality_ratio(approx, a, 1 / 3)  # float32 would round 1/3 at 3e-8
+    assert abs(float(ratio) - 3.0) <= 1e-15 * 3

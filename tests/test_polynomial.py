@@ -121,3 +121,67 @@ def test_memory_budget_error_names_size_budget_and_way_out():
 def test_bad_input(call, exc, pattern):
     with pytest.raises(exc, match=pattern):
         call()
+
+
+# ------------------------------------------------------------------------------------------------
+# error paths and dtype/budget details (each assert distinguishes a mutant that passed the suite)
+
+
+def test_messages_name_the_argument_and_the_shapes():
+    with pytest.raises(ValueError, match=r"^d must be an integer >= 1, got 0"):
+        num_poly_features(0, 2)
+    assert num_poly_features(3, 2) == 9 and num_poly_features(3, 2, True) == 6  # full is the default
+    with pytest.raises(TypeError, match=r"^x must have a real floating-point dtype"):
+        poly_features(torch.ones(2, 3, dtype=torch.int64), 2)
+    with pytest.raises(TypeError, match=r"^x must have a real floating-point dtype"):
+        poly_features_naive(torch.ones(2, 3, dtype=torch.int64), 2)
+    with pytest.raises(ValueError, match=r"^x must be finite: 1 non-finite"):
+        poly_features(torch.tensor([[1.0, float("nan")]]), 2)
+    with pytest.raises(ValueError, match=r"q has 3, k has 4"):
+        poly_kernel(torch.ones(5, 3), torch.ones(5, 4), 2)
+    with pytest.raises(ValueError, match=r"broadcastable leading \(batch\) axes, got \(2,\) and \(3,\)"):
+        poly_kernel(torch.ones(2, 5, 3), torch.ones(3, 5, 3), 2)
+    with pytest.raises(ValueError, match=r"w must have shape \[\.\.\., d\*\*p=9, m\]"):
+        full_to_symmetric(torch.ones(10, 2, dtype=torch.float64), 3, 2)
+
+
+def test_kernel_budget_counts_the_broadcast_batch_and_meta_passes():
+    q, k = torch.ones(2, 5, 3), torch.ones(5, 3)
+    assert poly_kernel(q, k, 2, max_bytes=2 * 5 * 5 * 4).shape == (2, 5, 5)  # exactly the budget
+    with pytest.raises(ValueError, match=r"shape \(2, 5, 5\)"):
+        poly_kernel(q, k, 2, max_bytes=2 * 5 * 5 * 4 - 1)  # q's batch axis counts
+    meta = torch.empty(4, 6, 3, device="meta")
+    assert poly_kernel(meta, meta, 3).shape == (4, 6, 6)  # shapes only: nothing to check
+
+
+def test_basis_maps_keep_the_dtype():
+    w = torch.randn(6, 2, dtype=torch.float32, generator=torch.Generator().manual_seed(0))
+    assert symmetric_to_full(w, 3, 2).dtype == torch.float32
+    assert full_to_symmetric(symmetric_to_full(w, 3, 2), 3, 2).dtype == torch.float32
+
+
+def test_symmetric_weights_beyond_the_dtype_are_reported():
+    # p = 600, d = 2: the largest weight √C(600, 300) ≈ 1e90 exceeds float32 (3.4e38) but not float64.
+    x = torch.full((1, 2), 0.01)
+    with pytest.raises(FloatingPointError, match=r"multinomial weights √\(p!/∏α_i!\) reach 1e90, beyond torch.float32"):
+        poly_features(x, 600, symmetric=True)
+    assert poly_features(x.double(), 600, symmetric=True).shape == (1, 601)
+
+
+def test_way_outs_and_names_in_messages():
+    with pytest.raises(ValueError, match=r"; use smaller d or p, or fewer rows, or raise max_bytes"):
+        poly_features(torch.ones(2, 3), 3, symmetric=True, max_bytes=8)  # no 'use symmetric=True' advice here
+    with pytest.raises(ValueError, match=r"use symmetric=True \(10 features instead of 27\)"):
+        poly_features(torch.ones(2, 3), 3, max_bytes=8)
+    with pytest.raises(ValueError, match=r"; use fewer tokens or heads at a time, or raise max_bytes"):
+        poly_kernel(torch.ones(5, 3), torch.ones(5, 3), 2, max_bytes=8)
+    with pytest.raises(FloatingPointError, match=r"scale q and k down \(e\.g\. scale='sqrt-d' or a smaller factor, "
+                                                  r"so that \|qᵀk\| stays near 1\), lower p, or use float64$"):
+        poly_kernel(torch.full((2, 2), 1e3), torch.full((2, 2), 1e3), 20)
+    with pytest.raises(FloatingPointError, match=r"lower p or use float64$"):
+        poly_features(torch.full((1, 2), 0.01), 600, symmetric=True)
+    for fn in (symmetric_to_full, full_to_symmetric):
+        with pytest.raises(TypeError, match=r"^w must have a real floating-point dtype"):
+            fn(torch.ones(9, 2, dtype=torch.int64), 3, 2)
+    with pytest.raises(ValueError, match=r"^d must be an integer >= 1, got 0"):
+        symmetric_index(0, 2)

@@ -120,3 +120,32 @@ def test_random_projection_follows_the_input_device():
     # the draw itself is the same as on the CPU (same seed, same P)
     cpu = _fit_based(torch.zeros(2, 30, 6), torch.zeros(2, 30, 6), p=2, m=20, seed=0, projection="random")
     assert cpu.proj.device.type == "cpu" and cpu.proj.shape == s.proj.shape
+
+
+def test_pca_projection_spans_the_top_singular_subspace():
+    # Tokens with singular values 8, 4, 2, 1, 0.5, 0.25 along a random orthonormal basis: the top-3 PCA
+    # projector must equal V₃V₃ᵀ of [q; k] (gaps ≥ 2×, so the subspace is well conditioned: 1e-10).
+    # A random (JL) projection spans a random 3-d subspace: its projector differs by O(1).
+    gen = torch.Generator().manual_seed(11)
+    basis = torch.linalg.qr(torch.randn(6, 6, generator=gen, dtype=F64))[0]
+    scales = torch.tensor([8.0, 4.0, 2.0, 1.0, 0.5, 0.25], dtype=F64)
+    x = torch.linalg.qr(torch.randn(40, 6, generator=gen, dtype=F64))[0] * scales @ basis.T  # [40, 6]
+    q, k = x[:25], x[25:]
+    proj = pca_projection(q, k, 3)
+    want = basis[:, :3] @ basis[:, :3].T
+    assert torch.allclose(proj @ proj.T, want, atol=1e-10)
+
+
+def test_fit_based_pca_is_exact_on_data_in_a_subspace():
+    # q, k in a 3-d subspace of R^6; m = 6 = C(3+1, 2) gives d' = 3 symmetric expand features, and the
+    # PCA projection recovers the subspace, so the kernel (qᵀΠk)² equals (qᵀk)² to round-off (rel_fro
+    # ≤ 1e-10 in float64). A random projection loses part of the subspace: rel_fro of order 1.
+    gen = torch.Generator().manual_seed(12)
+    basis = torch.linalg.qr(torch.randn(6, 3, generator=gen, dtype=F64))[0]  # [6, 3]
+    q = torch.randn(2, 30, 3, generator=gen, dtype=F64) @ basis.T  # [2, 30, 6]
+    k = torch.randn(2, 30, 3, generator=gen, dtype=F64) @ basis.T
+    fit = fit_sketch("based", q, k, p=2, m=6, seed=0)
+    assert fit.report.info["dim"] == 3
+    assert bool((fit.report.rel_fro <= 1e-10).all()), fit.report.rel_fro
+    rnd = fit_sketch("based", q, k, p=2, m=6, seed=0, projection="random")
+    assert bool((rnd.report.rel_fro > 0.1).all()), rnd.report.rel_fro

@@ -154,3 +154,44 @@ def test_fit_psf_follows_the_input_device(p):
     assert s.features_q(q).device.type == "meta" and s.features_q(q).shape == (2, 7, 9)
     cpu = PolySketch.draw(5, p, 9, non_negative=p % 2 == 0, seed=0, batch_shape=(2,), dtype=torch.float32)
     assert all(w.device.type == "cpu" and w.shape == v.shape for w, v in zip(cpu.weights, s.weights))
+
+
+# ------------------------------------------------------------------------------------------------
+# edge cases and messages
+
+
+def test_one_dimensional_inputs_and_fit_info():
+    s = PolySketch.draw(1, 2, 4, seed=0, dtype=torch.float64)
+    x = torch.tensor([[2.0], [-1.0]], dtype=torch.float64)
+    assert s.features_q(x).shape == (2, 4) and s.fit_info == {}
+    torch.testing.assert_close(psf_features(x, s.weights, 2), psf_features_naive(x, s.weights, 2), rtol=1e-12, atol=0)
+
+
+def test_draw_and_naive_messages():
+    with pytest.raises(ValueError, match=r"^d must be an integer >= 1, got 0"):
+        PolySketch.draw(0, 2, 4, seed=0)
+    with pytest.raises(ValueError, match=r"^m \(the sketch size\) must be an integer >= 1, got 0"):
+        PolySketch.draw(3, 2, 0, seed=0)
+    with pytest.raises(ValueError, match=r"use a smaller degree p or sketch size m, or fewer heads at a time, or raise"):
+        PolySketch.draw(64, 1024, 4096, seed=0, batch_shape=(32,))
+    w = PolySketch.draw(3, 2, 4, seed=0, non_negative=False).weights
+    with pytest.raises(ValueError, match=r"psf_features_naive takes x\[n, d\], got shape \(1, 5, 3\)"):
+        psf_features_naive(torch.ones(1, 5, 3), w, 2)
+    with pytest.raises(TypeError, match=r"^x must have a real floating-point dtype"):
+        psf_features_naive(torch.ones(5, 3, dtype=torch.int64), w, 2)
+
+
+@pytest.mark.parametrize("p,non_negative,scale,what", [
+    (1, False, 1e38, r"^PolySketch features of degree p=1 overflow torch.float32"),
+    (2, False, 1e20, r"^PolySketch features of degree p=2 overflow torch.float32: .*‖x‖ = 1\.7\d*e\+20"),
+    (2, True, 1e20, r"^PolySketch \(self-tensored s ⊗ s\) features of degree p=2 overflow"),
+])
+def test_overflow_names_the_sketch_degree_and_input_norm(p, non_negative, scale, what):
+    # float32 overflows above 3.4e38: p = 1 with all-10 weights gives 3·10·1e38/√4 = 1.5e39; p = 2 a
+    # product of two Gaussian projections (~1e40); the self-tensor s ⊗ s of a degree-1 s (~1e40).
+    if p == 1:
+        s = PolySketch([torch.full((3, 4), 10.0)], 1)
+    else:
+        s = PolySketch.draw(3, p, 4, seed=0, non_negative=non_negative)
+    with pytest.raises(FloatingPointError, match=what):
+        s.features_q(torch.full((2, 3), scale))

@@ -1,11 +1,11 @@
-"""Pieces every ``sketchlab`` sub-command shares: the usage error, argument types, output writing."""
+"""Pieces every ``sketchlab`` sub-command shares: the usage error, argument types, output checks and writing."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-__all__ = ["UsageError", "int_list", "scale_arg", "write_text_atomic"]
+__all__ = ["UsageError", "check_outputs", "int_list", "scale_arg", "seed_arg", "write_text_atomic"]
 
 
 class UsageError(Exception):
@@ -23,6 +23,18 @@ def int_list(text: str) -> list[int]:
     return values
 
 
+def seed_arg(text: str) -> int:
+    """An integer seed in torch's 64-bit range (an argparse type; see :func:`sketchlab._validation.check_seed`)."""
+    from .._validation import check_seed
+
+    try:
+        return check_seed(int(text))
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(
+            str(err) if "must lie in" in str(err) else f"expected an integer seed, got {text!r}"
+        ) from None
+
+
 def scale_arg(text: str):
     """``"sqrt-d"``, ``"none"`` or a number (an argparse type; the value is checked where it is used)."""
     if text in ("none", "sqrt-d"):
@@ -34,12 +46,24 @@ def scale_arg(text: str):
     return value
 
 
+def check_outputs(outputs: dict, inputs=(), *, dumps=()) -> None:
+    """Check every output of a command before it does any work (:func:`sketchlab.io.check_output_paths`).
+
+    ``outputs`` maps option names (``"--json"``) to paths (``None`` when not given); ``inputs``
+    are the dumps/files the command reads (a ``.npy`` dump counts with all its parts); ``dumps``
+    the labels of outputs that are Q/K dumps (a ``.npy`` one counts with all its parts). Refused:
+    a missing output directory, an output that is a directory, two outputs that are the same
+    file, an output that is one of the inputs (same inode, through symlinks).
+    """
+    from ..io import check_output_paths, dump_files
+
+    files = [f for path in inputs if path is not None for f in dump_files(path)]
+    check_output_paths(outputs, files, dumps=dumps)
+
+
 def write_text_atomic(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` atomically (see :func:`sketchlab.io.atomic_write`)."""
+    """Write ``text`` to ``path`` atomically (see :func:`sketchlab.io.atomic_write`; through symlinks)."""
     from ..io import atomic_write
 
-    target = Path(path)
-    if not target.parent.is_dir():
-        raise FileNotFoundError(f"output directory {str(target.parent)!r} does not exist (for {path!r})")
-    with atomic_write(target) as tmp:
+    with atomic_write(Path(path)) as tmp:
         tmp.write_text(text, encoding="utf-8")

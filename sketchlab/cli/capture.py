@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ._common import check_outputs
+
 
 def add_arguments(sub) -> None:
     cmd = sub.add_parser("capture", help="dump Q/K/V [L, H, n, d] from a local transformers model directory")
@@ -11,20 +13,21 @@ def add_arguments(sub) -> None:
     src = cmd.add_mutually_exclusive_group(required=True)
     src.add_argument("--text", help="UTF-8 text file, tokenised as one sequence by the directory's tokenizer")
     src.add_argument("--token-ids", help="file of integer token ids, one sequence per line (no tokenizer needed)")
-    cmd.add_argument("--out", required=True, help="output dump (.safetensors, .pt, .npz or .npy)")
-    cmd.add_argument("--max-tokens", type=int, default=512, help="longest sequence captured (default 512)")
+    cmd.add_argument("--out", required=True,
+                     help="output dump (.safetensors, .pt, .npz or .npy); written through a symlink, never onto an input")
+    cmd.add_argument("--max-tokens", type=int, default=512,
+                     help="longest sequence captured (default 512; at most the model's position limit)")
 
 
 def run(args) -> int:
     from ..capture import capture_pretrained
 
-    if not Path(args.out).parent.is_dir():
-        raise FileNotFoundError(f"output directory {str(Path(args.out).parent)!r} does not exist (for {args.out!r})")
+    model_dir = Path(args.model_dir)
+    model_files = [f for f in model_dir.iterdir() if f.is_file()] if model_dir.is_dir() else []
+    check_outputs({"--out": args.out}, inputs=[args.text, args.token_ids, *model_files], dumps=("--out",))
     dump = capture_pretrained(args.model_dir, text=args.text, token_ids=args.token_ids,
                               max_tokens=args.max_tokens, path=args.out)
     L, H, n, d = dump.q.shape
     print(f"{dump.path}: q, k{', v' if dump.v is not None else ''} of shape [L={L}, H={H}, n={n}, d={d}] "
           f"({dump.meta['captured']})")
     return 0
-
-

@@ -17,15 +17,18 @@ from torch import nn
 from .._validation import as_float_tensor, check_degree
 from ..fit import register_sketch
 from ..sketch import Sketch
-from ._common import make_generator
+from ._common import check_features_finite, make_generator
 from ..objective import DEFAULT_LR, DEFAULT_STEPS, train_kernel_sketch
 
 __all__ = ["ElementwiseSketch", "elementwise_features", "elementwise_features_naive"]
 
 
 def elementwise_features(x: torch.Tensor, theta: torch.Tensor, p: int) -> torch.Tensor:
-    """:math:`(x\\Theta)^{\\circ p}`: ``x[..., n, d]``, ``theta[..., d, m]`` → ``[..., n, m]``."""
-    return (x.to(theta.dtype) @ theta) ** p
+    """:math:`(x\\Theta)^{\\circ p}`: ``x[..., n, d]``, ``theta[..., d, m]`` → ``[..., n, m]``.
+
+    Raises ``FloatingPointError`` when the power overflows the dtype (inputs too large for ``p``).
+    """
+    return check_features_finite((x.to(theta.dtype) @ theta) ** p, x, p, "element-wise sketch")
 
 
 def elementwise_features_naive(x, theta, p: int) -> torch.Tensor:

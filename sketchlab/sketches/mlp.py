@@ -23,7 +23,7 @@ import math
 import torch
 from torch import nn
 
-from .._validation import as_float_tensor, check_degree, check_positive_int
+from .._validation import as_float_tensor, check_degree, check_memory, check_positive_int
 from ..fit import register_sketch
 from ..sketch import Sketch
 from ._common import check_batch_shape, check_dtype, make_generator
@@ -199,6 +199,12 @@ def _fit_mlp(q, k, *, p: int, m: int, seed: int = 0, hidden: int | None = None, 
     """
     d = q.shape[-1]
     hidden = default_hidden(d, p, m) if hidden is None else check_positive_int(hidden, "hidden")
+    n_max = max(q.shape[-2], k.shape[-2])
+    check_memory(  # the largest activation: the hidden layer of every token, kept for backward
+        math.prod(q.shape[:-2]) * n_max * hidden * q.element_size(),
+        what=f"the MLP sketch's hidden activations ({n_max} tokens x hidden={hidden}, batch {tuple(q.shape[:-2])})",
+        way_out="pass a smaller hidden width (option 'hidden'), a smaller p or m, or fewer tokens",
+    )
     sketch = MLPSketch.init_random(d, p, m, hidden, seed=seed, batch_shape=q.shape[:-2], dtype=q.dtype,
                                    activation=activation, device=q.device)
     info = train_kernel_sketch(list(sketch.parameters()), lambda a, b: (sketch.features_q(a), sketch.features_k(b)),

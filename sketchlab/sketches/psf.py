@@ -38,10 +38,10 @@ import math
 
 import torch
 
-from .._validation import as_float_tensor, check_degree, check_positive_int
+from .._validation import DEFAULT_MAX_BYTES, as_float_tensor, check_degree, check_finite, check_memory, check_positive_int
 from ..fit import register_sketch
 from ..sketch import Sketch
-from ._common import check_batch_shape, check_dtype, make_generator
+from ._common import check_batch_shape, check_dtype, check_features_finite, make_generator
 
 __all__ = ["PolySketch", "psf_features", "psf_features_naive", "psf_weight_shapes"]
 
@@ -136,12 +136,13 @@ def psf_features(x: torch.Tensor, weights: list[torch.Tensor], p: int) -> torch.
     x = as_float_tensor(x, "x")
     if x.ndim < 2 or x.shape[-1] == 0:
         raise ValueError(f"x must have shape [..., n, d] with d >= 1, got {tuple(x.shape)}")
+    check_finite(x, "x", allow_meta=True)
     weights = _check_weights(weights, x.shape[-1], p)
     r = weights[0].shape[-1]
     x = x.to(weights[0].dtype)
     scale = 1.0 / math.sqrt(r)
     if p == 1:
-        return (x @ weights[0]) * scale  # [..., n, r]
+        return check_features_finite((x @ weights[0]) * scale, x, p, "PolySketch")  # [..., n, r]
     pos = 0
 
     def node(q: int) -> torch.Tensor:
@@ -155,7 +156,7 @@ def psf_features(x: torch.Tensor, weights: list[torch.Tensor], p: int) -> torch.
         right = node(b)  # [..., n, d or r]
         return (left @ g1) * (right @ g2) * scale  # [..., n, r]
 
-    return node(p)
+    return check_features_finite(node(p), x, p, "PolySketch")
 
 
 def psf_features_naive(x: torch.Tensor, weights: list[torch.Tensor], p: int) -> torch.Tensor:
@@ -265,13 +266,15 @@ class PolySketch(Sketch):
         batch_shape: tuple[int, ...] = (),
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        max_bytes: int = DEFAULT_MAX_BYTES,
     ) -> "PolySketch":
         """Draw a sketch with ``m`` features or fewer (``r = m``, or ``r = ⌊√m⌋`` when non-negative).
 
         ``batch_shape`` (e.g. ``(L, H)``) draws independent matrices for each head. All entries come
         from ``generator`` (or a generator seeded with ``seed``) here, once, on the CPU in float64
         (so a seed gives the same sketch on every device), then are cast to ``dtype`` and moved to
-        ``device`` (default: CPU).
+        ``device`` (default: CPU). The ``2(p−1)`` matrices (``r × r`` above the leaves) are checked
+        against ``max_bytes`` before drawing (:func:`sketchlab._validation.check_memory`).
         """
         d = check_positive_int(d, "d")
         p = check_degree(p)
@@ -283,9 +286,17 @@ class PolySketch(Sketch):
         gen = make_generator(seed, generator)
         r = math.isqrt(m) if non_negative else m
         inner = p // 2 if non_negative else p
+        shapes = psf_weight_shapes(d, inner, r)
+        check_memory(
+            math.prod(batch_shape) * sum(a * b for a, b in shapes) * 8,
+            what=f"the {len(shapes)} Gaussian matrices of a degree-{inner} PolySketch (d={d}, r={r}, "
+            f"batch {batch_shape}, drawn in float64)",
+            way_out="use a smaller degree p or sketch size m, or fewer heads at a time",
+            max_bytes=max_bytes,
+        )
         weights = [
             torch.randn(*batch_shape, *shape, generator=gen, dtype=torch.float64).to(device=device, dtype=dtype)
-            for shape in psf_weight_shapes(d, inner, r)
+            for shape in shapes
         ]
         return cls(weights, p, non_negative=non_negative)
 
@@ -308,7 +319,9 @@ class PolySketch(Sketch):
     def features_q(self, x: torch.Tensor) -> torch.Tensor:
         """``x[..., n, d]`` → ``[..., n, num_features]`` (``s ⊗ s`` when non-negative)."""
         s = self.inner_features(x)
-        return _self_tensor(s) if self.non_negative else s
+        if not self.non_negative:
+            return s
+        return check_features_finite(_self_tensor(s), x, self.p, "PolySketch (self-tensored s ⊗ s)")
 
     def features_k(self, x: torch.Tensor) -> torch.Tensor:
         """Same map as :meth:`features_q`."""

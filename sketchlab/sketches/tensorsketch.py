@@ -21,13 +21,14 @@ Pham, Pagh. *Fast and scalable polynomial kernels via explicit feature maps*, KD
 from __future__ import annotations
 
 import itertools
+import math
 
 import torch
 
-from .._validation import as_float_tensor, check_degree, check_positive_int
+from .._validation import DEFAULT_MAX_BYTES, as_float_tensor, check_degree, check_finite, check_memory, check_positive_int
 from ..fit import register_sketch
 from ..sketch import Sketch
-from ._common import check_batch_shape, check_dtype, make_generator
+from ._common import check_batch_shape, check_dtype, check_features_finite, make_generator
 
 __all__ = ["TensorSketch", "count_sketch_matrix", "tensorsketch_features", "tensorsketch_features_naive"]
 
@@ -50,6 +51,15 @@ def _check_hashes(index_hash, sign_hash, m: int) -> tuple[torch.Tensor, torch.Te
     return index_hash.long(), sign_hash
 
 
+def _check_matrices_budget(hashes: int, m: int, dtype: torch.dtype) -> None:
+    """The dense CountSketch matrices ``[..., p, d, m]`` (``hashes = Π batch · p · d``) within the budget."""
+    check_memory(
+        hashes * m * dtype.itemsize,
+        what=f"the dense CountSketch matrices ({hashes} hashes x m={m}, {dtype})",
+        way_out="use a smaller degree p or sketch size m, or fewer heads at a time",
+    )
+
+
 def count_sketch_matrix(index_hash, sign_hash, m: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Dense CountSketch matrices ``S[..., p, d, m]`` with ``S[j, i, h_j(i)] = s_j(i)`` and zeros elsewhere."""
     m = check_positive_int(m, "m (the sketch size)")
@@ -58,7 +68,7 @@ def count_sketch_matrix(index_hash, sign_hash, m: int, dtype: torch.dtype = torc
     return onehot * sign_hash.to(dtype)[..., None]
 
 
-def tensorsketch_features(x: torch.Tensor, matrices: torch.Tensor) -> torch.Tensor:
+def tensorsketch_features(x: torch.Tensor, matrices: torch.Tensor, *, max_bytes: int = DEFAULT_MAX_BYTES) -> torch.Tensor:
     r"""TensorSketch features from dense CountSketch matrices.
 
     Parameters
@@ -75,7 +85,10 @@ def tensorsketch_features(x: torch.Tensor, matrices: torch.Tensor) -> torch.Tens
     Raises
     ------
     ValueError
-        ``matrices`` is not ``[..., p, d, m]`` or ``x`` is not ``[..., n, d]`` with the same ``d``.
+        ``matrices`` is not ``[..., p, d, m]`` or ``x`` is not ``[..., n, d]`` with the same ``d``;
+        the ``p`` CountSketches ``[..., p, n, m]`` would exceed ``max_bytes``.
+    FloatingPointError
+        The product of the ``p`` spectra overflows the dtype (inputs too large for this degree).
     """
     x = as_float_tensor(x, "x")
     matrices = as_float_tensor(matrices, "matrices")
@@ -86,10 +99,19 @@ def tensorsketch_features(x: torch.Tensor, matrices: torch.Tensor) -> torch.Tens
             f"x must have shape [..., n, d] with d = matrices.shape[-2] = {matrices.shape[-2]} "
             f"(matrices [..., p, d, m] = {tuple(matrices.shape)}), got x of shape {tuple(x.shape)}"
         )
-    m = matrices.shape[-1]
+    check_finite(x, "x", allow_meta=True)
+    p, m = matrices.shape[-3], matrices.shape[-1]
+    batch = torch.broadcast_shapes(x.shape[:-2], matrices.shape[:-3])
+    check_memory(
+        math.prod(batch) * p * x.shape[-2] * m * matrices.element_size(),
+        what=f"the {p} CountSketches of {x.shape[-2]} tokens ({(*batch, p, x.shape[-2], m)}, {matrices.dtype})",
+        way_out="use fewer tokens or heads at a time, or a smaller p or m",
+        max_bytes=max_bytes,
+    )
     counts = x.to(matrices.dtype)[..., None, :, :] @ matrices  # [..., p, n, m] CountSketches C_j(x)
     spectrum = torch.fft.rfft(counts, dim=-1).prod(dim=-3)  # [..., n, m//2+1]
-    return torch.fft.irfft(spectrum, n=m, dim=-1)  # [..., n, m]
+    out = torch.fft.irfft(spectrum, n=m, dim=-1)  # [..., n, m]
+    return check_features_finite(out, x, p, "TensorSketch")
 
 
 def tensorsketch_features_naive(x, index_hash, sign_hash, m: int) -> torch.Tensor:
@@ -134,9 +156,11 @@ class TensorSketch(Sketch):
                  device: torch.device | str | None = None):
         self.m = check_positive_int(m, "m (the sketch size)")
         index_hash, sign_hash = _check_hashes(index_hash, sign_hash, self.m)
+        dtype = check_dtype(dtype)
+        _check_matrices_budget(index_hash.numel(), self.m, dtype)
         self.index_hash, self.sign_hash = index_hash.to(device), sign_hash.to(device)
         # built where the hashes were validated, then moved (one copy of [..., p, d, m])
-        self.matrices = count_sketch_matrix(index_hash, sign_hash, self.m, check_dtype(dtype)).to(device)
+        self.matrices = count_sketch_matrix(index_hash, sign_hash, self.m, dtype).to(device)
         self.fit_info: dict = {}
 
     @classmethod
@@ -152,6 +176,8 @@ class TensorSketch(Sketch):
         p = check_degree(p)
         m = check_positive_int(m, "m (the sketch size)")
         batch_shape = check_batch_shape(batch_shape)
+        dtype = check_dtype(dtype)
+        _check_matrices_budget(math.prod(batch_shape) * p * d, m, dtype)  # before drawing the hashes
         gen = make_generator(seed, generator)
         index_hash = torch.randint(0, m, (*batch_shape, p, d), generator=gen)
         sign_hash = torch.randint(0, 2, (*batch_shape, p, d), generator=gen) * 2 - 1
