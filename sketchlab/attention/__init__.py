@@ -1,0 +1,37 @@
+"""Attention through polynomial sketches (layout ``[B, T, H, D]`` everywhere).
+
+``reference`` holds the naive float64 twins every fast path is tested against, ``chunked`` the
+PyTorch chunked linear attention (the CPU path), ``functional`` the public entry points with the
+backend choice, ``module`` the :class:`LLoPSAttention` block, ``triton`` the fused kernel
+(imported lazily, only for ``backend="triton"``).
+"""
+
+from .chunked import feature_attention, llops_attention_chunked
+from .functional import BACKENDS, llops_attention, poly_attention, resolve_backend, sketch_attention, softmax_attention
+from .reference import (
+    attention_mask,
+    feature_attention_naive,
+    kernel_attention_naive,
+    llops_attention_naive,
+    poly_attention_naive,
+    self_tensor,
+    softmax_attention_naive,
+)
+
+__all__ = [
+    "BACKENDS",
+    "attention_mask",
+    "feature_attention",
+    "feature_attention_naive",
+    "kernel_attention_naive",
+    "llops_attention",
+    "llops_attention_chunked",
+    "llops_attention_naive",
+    "poly_attention",
+    "poly_attention_naive",
+    "resolve_backend",
+    "self_tensor",
+    "sketch_attention",
+    "softmax_attention",
+    "softmax_attention_naive",
+]

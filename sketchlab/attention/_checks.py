@@ -1,0 +1,151 @@
+"""Argument checks shared by the attention entry points (layout ``[B, T, H, D]``).
+
+Every public function of :mod:`sketchlab.attention` validates once, at its entry, with these
+helpers; each error names the argument, the rule and the offending value.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+from .._validation import as_float_tensor, check_finite, check_real
+
+__all__ = ["NORMALIZE", "check_eps", "check_normalize", "check_qkv", "check_segments", "check_theta"]
+
+#: Accepted values of ``normalize``.
+NORMALIZE = ("none", "sum")
+
+
+def check_normalize(normalize) -> str:
+    """``normalize`` must be ``"none"`` or ``"sum"``."""
+    if not isinstance(normalize, str) or normalize not in NORMALIZE:
+        raise ValueError(f"normalize must be one of {NORMALIZE}, got {normalize!r}")
+    return normalize
+
+
+def check_eps(eps) -> float:
+    """``eps`` must be a finite number ``>= 0``."""
+    return check_real(eps, "eps", positive=False)
+
+
+def check_flag(value, name: str) -> bool:
+    """``value`` must be a Python bool."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def check_qkv(q, k, v, *, causal: bool, names=("q", "k", "v"), feature_dims_match: bool = True):
+    """Validate ``q [B, T, H, D]``, ``k [B, S, H, D]``, ``v [B, S, H, Dv]``.
+
+    Rules: floating tensors of rank 4, non-empty; the same batch ``B`` and heads ``H``; ``q`` and
+    ``k`` share the last axis (when ``feature_dims_match``), ``k`` and ``v`` the token axis ``S``;
+    causal attention needs ``T == S``; one dtype and one device for the three.
+    Returns the three tensors (numpy arrays converted), dtypes unchanged.
+    """
+    nq, nk, nv = names
+    q, k, v = as_float_tensor(q, nq), as_float_tensor(k, nk), as_float_tensor(v, nv)
+    for x, name in ((q, nq), (k, nk), (v, nv)):
+        if x.ndim != 4:
+            raise ValueError(
+                f"{name} must have layout [B, T, H, D] (rank 4), got rank {x.ndim} with shape {tuple(x.shape)}"
+            )
+        if x.numel() == 0:
+            raise ValueError(f"{name} must not be empty ([B, T, H, D] every size >= 1), got shape {tuple(x.shape)}")
+    if q.dtype != k.dtype or q.dtype != v.dtype:
+        raise TypeError(f"{nq}, {nk}, {nv} must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.device != k.device or q.device != v.device:
+        raise ValueError(f"{nq}, {nk}, {nv} must be on one device, got {q.device}, {k.device}, {v.device}")
+    for x, name in ((k, nk), (v, nv)):
+        if x.shape[0] != q.shape[0] or x.shape[2] != q.shape[2]:
+            raise ValueError(
+                f"{nq}, {nk}, {nv} must share the batch B (axis 0) and heads H (axis 2) of layout [B, T, H, D]: "
+                f"{nq} {tuple(q.shape)}, {name} {tuple(x.shape)}"
+            )
+    if feature_dims_match and q.shape[-1] != k.shape[-1]:
+        raise ValueError(
+            f"{nq} and {nk} must share the last axis (D or M) of layout [B, T, H, D]: "
+            f"{nq} has {q.shape[-1]}, {nk} has {k.shape[-1]}"
+        )
+    if k.shape[1] != v.shape[1]:
+        raise ValueError(
+            f"{nk} and {nv} must share the token axis S (axis 1): {nk} has S={k.shape[1]}, {nv} has S={v.shape[1]}"
+        )
+    if causal and q.shape[1] != k.shape[1]:
+        raise ValueError(
+            f"causal attention needs as many queries as keys (T == S): {nq} has T={q.shape[1]}, {nk} has S={k.shape[1]}"
+        )
+    return q, k, v
+
+
+def check_theta(theta_q, theta_k, *, heads: int, dim: int, like: torch.Tensor):
+    """Validate LLoPS factors ``theta_q``, ``theta_k`` of shape ``[H, t, p, D, M]``.
+
+    Rules: floating tensors of rank 5, the same shape (so the same degree ``p``, rank ``t`` and
+    size ``M``), ``H`` equal to the heads of ``q``, ``D`` equal to its head dimension, every size
+    >= 1, the dtype and device of ``like`` (``q``), finite values.
+    """
+    out = []
+    for theta, name in ((theta_q, "theta_q"), (theta_k, "theta_k")):
+        theta = as_float_tensor(theta, name)
+        if theta.ndim != 5:
+            raise ValueError(
+                f"{name} must have shape [H, t, p, D, M] (rank 5; one LLoPS map per head), got rank "
+                f"{theta.ndim} with shape {tuple(theta.shape)}"
+            )
+        if 0 in theta.shape:
+            raise ValueError(f"{name} must have every size of [H, t, p, D, M] >= 1, got {tuple(theta.shape)}")
+        if theta.shape[0] != heads:
+            raise ValueError(f"{name} must have one map per head: H={theta.shape[0]} (axis 0) but q has H={heads}")
+        if theta.shape[3] != dim:
+            raise ValueError(
+                f"{name} must act on the head dimension of q and k: D={theta.shape[3]} (axis 3 of [H, t, p, D, M]) "
+                f"but q has D={dim}"
+            )
+        if theta.dtype != like.dtype:
+            raise TypeError(f"{name} must have the dtype of q ({like.dtype}), got {theta.dtype}")
+        if theta.device != like.device:
+            raise ValueError(f"{name} must be on the device of q ({like.device}), got {theta.device}")
+        out.append(theta)
+    tq, tk = out
+    if tq.shape[2] != tk.shape[2]:
+        raise ValueError(
+            f"theta_q and theta_k must have the same degree p (axis 2 of [H, t, p, D, M]): "
+            f"theta_q has p={tq.shape[2]}, theta_k has p={tk.shape[2]}"
+        )
+    if tq.shape != tk.shape:
+        raise ValueError(
+            f"theta_q and theta_k must have the same shape [H, t, p, D, M], got {tuple(tq.shape)} and {tuple(tk.shape)}"
+        )
+    with torch.no_grad():
+        check_finite(tq.detach(), "theta_q")
+        check_finite(tk.detach(), "theta_k")
+    return tq, tk
+
+
+def check_segments(segments, length: int) -> list[int] | None:
+    """Segment lengths of sequences joined along the token axis: positive ints summing to ``length``.
+
+    ``None`` means one sequence. An ``int`` ``n`` means equal segments of ``n`` tokens
+    (``length`` must be a multiple of it).
+    """
+    if segments is None:
+        return None
+    if isinstance(segments, numbers.Integral) and not isinstance(segments, bool):
+        if segments < 1 or length % int(segments):
+            raise ValueError(
+                f"segments as an int is the length of each joined sequence and must divide the {length} tokens, "
+                f"got {segments}"
+            )
+        return [int(segments)] * (length // int(segments))
+    try:
+        values = list(segments)
+    except TypeError:
+        raise TypeError(f"segments must be None, an int or a sequence of ints, got {segments!r}") from None
+    if not values or any(isinstance(s, bool) or not isinstance(s, numbers.Integral) or s < 1 for s in values):
+        raise ValueError(f"segments must be a non-empty sequence of integers >= 1, got {segments!r}")
+    if sum(values) != length:
+        raise ValueError(f"segments must sum to the number of tokens {length}, got {values} (sum {sum(values)})")
+    return [int(s) for s in values]

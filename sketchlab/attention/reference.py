@@ -1,0 +1,209 @@
+r"""Naive float64 twins of every attention path (layout ``[B, T, H, D]``), written for clarity.
+
+Each forms the dense ``T × S`` score matrix of every (batch, head) and applies the mask and the
+normalisation literally. They are what the chunked PyTorch path and the Triton kernel are tested
+against; memory grows with ``T·S``, so they are for tests and small problems.
+
+Normalisation (identical in every backend of :mod:`sketchlab.attention`), for scores
+:math:`a_{ts}` and the allowed positions :math:`s \in \mathcal M(t)` (``s ≤ t`` when causal, all
+``s`` otherwise, never across a segment boundary):
+
+``normalize="none"``
+    :math:`o_t = \sum_{s\in\mathcal M(t)} a_{ts} v_s` — unnormalised, safe for any (signed) map;
+    the scale of the output then follows the kernel's.
+``normalize="sum"``
+    :math:`o_t = \sum_s a_{ts} v_s / (\sum_s a_{ts} + \varepsilon)` — the usual linear-attention
+    normaliser. Only safe when :math:`a_{ts} \ge 0`: with a signed map (rank-``t`` LLoPS,
+    TensorSketch, plain PolySketch) the denominator can be ``≤ 0`` or near 0 and the output
+    explodes or flips sign.
+``non_negative=True``
+    replaces the features by the self-tensor :math:`\phi \otimes \phi` (PolySketchFormer), whose
+    kernel :math:`(\phi(q)\cdot\phi(k))^2 \ge 0` has degree ``2p`` and ``M²`` features; with it
+    ``normalize="sum"`` is safe. The naive twins materialise ``φ ⊗ φ`` literally.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._validation import check_degree, check_finite, check_real
+from ..llops import llops_features_naive
+from ._checks import check_eps, check_flag, check_normalize, check_qkv, check_segments, check_theta
+
+__all__ = [
+    "attention_mask",
+    "feature_attention_naive",
+    "kernel_attention_naive",
+    "llops_attention_naive",
+    "poly_attention_naive",
+    "self_tensor",
+    "softmax_attention_naive",
+]
+
+
+def attention_mask(length_q: int, length_k: int, *, causal: bool, segments=None, device=None) -> torch.Tensor:
+    """Boolean mask ``[T, S]``: ``True`` where query ``t`` may attend to key ``s``.
+
+    Causal: ``s ≤ t`` (needs ``T == S``). ``segments`` (lengths of sequences joined along the token
+    axis, summing to ``T == S``, or one int for equal lengths) forbids every pair in different
+    segments.
+    """
+    if causal and length_q != length_k:
+        raise ValueError(f"a causal mask needs T == S, got T={length_q}, S={length_k}")
+    mask = torch.ones(length_q, length_k, dtype=torch.bool, device=device)
+    if causal:
+        mask = mask.tril()
+    segs = check_segments(segments, length_k)
+    if segs is not None:
+        if length_q != length_k:
+            raise ValueError(f"segments need T == S (queries and keys from the same joined sequences), got T={length_q}, S={length_k}")
+        ids = torch.repeat_interleave(torch.arange(len(segs), device=device), torch.tensor(segs, device=device))  # [T]
+        mask = mask & (ids[:, None] == ids[None, :])
+    return mask
+
+
+def kernel_attention_naive(scores, v, *, causal: bool = True, normalize: str = "sum", eps: float = 1e-6,
+                           segments=None) -> torch.Tensor:
+    r"""Attention through a given score matrix, in float64: the one definition every path follows.
+
+    Parameters
+    ----------
+    scores : Tensor ``[..., T, S]``
+        Kernel values :math:`a_{ts}` between queries (rows) and keys (columns).
+    v : Tensor ``[..., S, Dv]``
+        Values, the same leading (batch) shape.
+    causal : bool
+        Keep only ``s ≤ t`` (``T == S``).
+    normalize : ``"none"`` or ``"sum"``
+        See the module docstring.
+    eps : float >= 0
+        Added to the normaliser (``"sum"`` only).
+    segments : None, int or sequence of int
+        Lengths of sequences joined along the token axis; no query attends across them.
+
+    Returns
+    -------
+    Tensor ``[..., T, Dv]`` float64: :math:`(A\odot M)V` or :math:`(A\odot M)V / ((A\odot M)\mathbf 1 + \varepsilon)`.
+    """
+    from .._validation import as_float_tensor
+
+    scores = as_float_tensor(scores, "scores").to(torch.float64)
+    v = as_float_tensor(v, "v").to(torch.float64)
+    check_flag(causal, "causal")
+    normalize = check_normalize(normalize)
+    eps = check_eps(eps)
+    if scores.ndim < 2 or v.ndim < 2 or v.shape[-2] != scores.shape[-1] or v.shape[:-2] != scores.shape[:-2]:
+        raise ValueError(
+            f"scores must be [..., T, S] and v [..., S, Dv] with the same S and batch, got "
+            f"{tuple(scores.shape)} and {tuple(v.shape)}"
+        )
+    mask = attention_mask(scores.shape[-2], scores.shape[-1], causal=causal, segments=segments, device=scores.device)
+    masked = torch.where(mask, scores, torch.zeros((), dtype=torch.float64, device=scores.device))  # [..., T, S]
+    out = masked @ v  # [..., T, Dv]
+    if normalize == "sum":
+        out = out / (masked.sum(-1, keepdim=True) + eps)
+    return out
+
+
+def self_tensor(phi: torch.Tensor) -> torch.Tensor:
+    r"""The self-tensored features :math:`\phi\otimes\phi`: ``[..., M]`` → ``[..., M²]`` (materialised).
+
+    :math:`\langle \phi(q)\otimes\phi(q), \phi(k)\otimes\phi(k)\rangle = (\phi(q)\cdot\phi(k))^2 \ge 0`.
+    """
+    return (phi[..., :, None] * phi[..., None, :]).flatten(-2)  # [..., M, M] -> [..., M²]
+
+
+def feature_attention_naive(phi_q, phi_k, v, *, causal: bool = True, normalize: str = "sum", eps: float = 1e-6,
+                            non_negative: bool = False, segments=None) -> torch.Tensor:
+    r"""Linear attention through feature maps, dense and in float64.
+
+    Parameters
+    ----------
+    phi_q : Tensor ``[B, T, H, M]``
+        Query features :math:`\phi_Q(q_t)`.
+    phi_k : Tensor ``[B, S, H, M]``
+        Key features :math:`\phi_K(k_s)`.
+    v : Tensor ``[B, S, H, Dv]``
+    causal, normalize, eps, segments
+        As in :func:`kernel_attention_naive`.
+    non_negative : bool
+        Use the self-tensored features ``φ ⊗ φ`` (``M²`` of them, built explicitly here).
+
+    Returns
+    -------
+    Tensor ``[B, T, H, Dv]`` float64 with scores :math:`a_{ts} = \phi_Q(q_t)\cdot\phi_K(k_s)`.
+    """
+    check_flag(causal, "causal")
+    check_flag(non_negative, "non_negative")
+    phi_q, phi_k, v = check_qkv(phi_q, phi_k, v, causal=causal, names=("phi_q", "phi_k", "v"))
+    phi_q, phi_k, v = (x.to(torch.float64).transpose(1, 2) for x in (phi_q, phi_k, v))  # [B, H, T|S, ·]
+    if non_negative:
+        phi_q, phi_k = self_tensor(phi_q), self_tensor(phi_k)  # [B, H, T|S, M²]
+    scores = phi_q @ phi_k.mT  # [B, H, T, S]
+    out = kernel_attention_naive(scores, v, causal=causal, normalize=normalize, eps=eps, segments=segments)
+    return out.transpose(1, 2)  # [B, T, H, Dv]
+
+
+def poly_attention_naive(q, k, v, p: int, *, causal: bool = True, normalize: str = "sum", eps: float = 1e-6,
+                         segments=None) -> torch.Tensor:
+    r"""Exact polynomial attention, scores :math:`a_{ts} = (q_t\cdot k_s)^p`, dense float64.
+
+    ``q [B, T, H, D]``, ``k [B, S, H, D]``, ``v [B, S, H, Dv]`` → ``[B, T, H, Dv]``. No scaling is
+    applied (scale ``q`` and ``k`` by ``D^{-1/4}`` for ``q·k/√D``). ``normalize="sum"`` is safe
+    for even ``p`` only.
+    """
+    p = check_degree(p)
+    check_flag(causal, "causal")
+    q, k, v = check_qkv(q, k, v, causal=causal)
+    q, k, v = (x.to(torch.float64).transpose(1, 2) for x in (q, k, v))  # [B, H, T|S, ·]
+    scores = (q @ k.mT) ** p  # [B, H, T, S]
+    return kernel_attention_naive(scores, v, causal=causal, normalize=normalize, eps=eps,
+                                  segments=segments).transpose(1, 2)  # [B, T, H, Dv]
+
+
+def softmax_attention_naive(q, k, v, *, causal: bool = True, scale: float | None = None, segments=None) -> torch.Tensor:
+    r"""Softmax attention :math:`\mathrm{softmax}(q k^\top \cdot \mathrm{scale} + \text{mask})\, v`, dense float64.
+
+    ``q [B, T, H, D]``, ``k [B, S, H, D]``, ``v [B, S, H, Dv]`` → ``[B, T, H, Dv]``;
+    ``scale`` defaults to ``1/√D``.
+    """
+    check_flag(causal, "causal")
+    q, k, v = check_qkv(q, k, v, causal=causal)
+    scale = q.shape[-1] ** -0.5 if scale is None else check_real(scale, "scale", positive=True)
+    q, k, v = (x.to(torch.float64).transpose(1, 2) for x in (q, k, v))  # [B, H, T|S, ·]
+    logits = (q @ k.mT) * scale  # [B, H, T, S]
+    mask = attention_mask(q.shape[-2], k.shape[-2], causal=causal, segments=segments, device=q.device)
+    logits = logits.masked_fill(~mask, float("-inf"))
+    return (logits.softmax(-1) @ v).transpose(1, 2)  # [B, T, H, Dv]
+
+
+def llops_attention_naive(q, k, v, theta_q, theta_k, *, causal: bool = True, normalize: str = "sum",
+                          non_negative: bool = False, eps: float = 1e-6, segments=None) -> torch.Tensor:
+    r"""LLoPS attention in float64: features by :func:`sketchlab.llops_features_naive`, head by head.
+
+    Parameters
+    ----------
+    q : Tensor ``[B, T, H, D]``
+    k : Tensor ``[B, S, H, D]``
+    v : Tensor ``[B, S, H, Dv]``
+    theta_q, theta_k : Tensor ``[H, t, p, D, M]``
+        One LLoPS map per head, :math:`\phi(x)_i = \sum_r \prod_j \langle\theta_{r,j,:,i}, x\rangle`.
+    causal, normalize, non_negative, eps, segments
+        As in :func:`feature_attention_naive`.
+
+    Returns
+    -------
+    Tensor ``[B, T, H, Dv]`` float64.
+    """
+    check_flag(causal, "causal")
+    q, k, v = check_qkv(q, k, v, causal=causal)
+    theta_q, theta_k = check_theta(theta_q, theta_k, heads=q.shape[2], dim=q.shape[3], like=q)
+    for x, name in ((q, "q"), (k, "k"), (v, "v")):
+        check_finite(x.detach(), name)
+    B, H = q.shape[0], q.shape[2]
+    phi_q = torch.stack([torch.stack([llops_features_naive(q[b, :, h], theta_q[h]) for h in range(H)], 1)
+                         for b in range(B)])  # [B, T, H, M]
+    phi_k = torch.stack([torch.stack([llops_features_naive(k[b, :, h], theta_k[h]) for h in range(H)], 1)
+                         for b in range(B)])  # [B, S, H, M]
+    return feature_attention_naive(phi_q, phi_k, v.to(torch.float64), causal=causal, normalize=normalize, eps=eps,
+                                   non_negative=non_negative, segments=segments)

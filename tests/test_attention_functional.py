@@ -1,0 +1,153 @@
+"""The functional API: backend dispatch, exact polynomial and softmax attention, any sketch as
+attention, and the argument checks (each error names the argument and the rule).
+
+float64 comparisons use 1e-10 (see tests/test_attention_chunked.py for the reasoning).
+"""
+
+import pytest
+import torch
+
+import sketchlab as sl
+from sketchlab.attention import (
+    feature_attention_naive,
+    functional,
+    llops_attention,
+    llops_attention_naive,
+    poly_attention,
+    poly_attention_naive,
+    resolve_backend,
+    sketch_attention,
+    softmax_attention,
+    softmax_attention_naive,
+)
+
+TOL64 = 1e-10
+
+
+def _rand(*shape, seed=0, dtype=torch.float64):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+
+
+def _problem(B=2, T=19, H=2, D=4, Dv=3, t=1, p=2, M=5, seed=0):
+    q, k, v = _rand(B, T, H, D, seed=seed), _rand(B, T, H, D, seed=seed + 1), _rand(B, T, H, Dv, seed=seed + 2)
+    return q, k, v, _rand(H, t, p, D, M, seed=seed + 3), _rand(H, t, p, D, M, seed=seed + 4)
+
+
+def test_auto_is_torch_on_cpu_and_torch_matches_reference():
+    q, k, v, tq, tk = _problem(t=2, p=3)
+    assert resolve_backend("auto", q.device) == "torch"
+    for causal in (True, False):
+        ref = llops_attention(q, k, v, tq, tk, causal=causal, normalize="none", backend="reference")
+        for backend in ("auto", "torch"):
+            out = llops_attention(q, k, v, tq, tk, causal=causal, normalize="none", backend=backend, chunk_size=4)
+            assert torch.allclose(out, ref, atol=TOL64, rtol=0)
+        assert torch.equal(ref, llops_attention_naive(q, k, v, tq, tk, causal=causal, normalize="none"))
+
+
+def test_triton_backend_without_triton_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(functional, "_triton_importable", lambda: False)
+    q, k, v, tq, tk = _problem()
+    with pytest.raises(ValueError, match="needs the triton package"):
+        llops_attention(q, k, v, tq, tk, backend="triton")
+    assert resolve_backend("auto", torch.device("cuda")) == "torch"  # no triton: the torch path even on CUDA
+
+
+@pytest.mark.parametrize("p", [1, 2, 3])
+@pytest.mark.parametrize("causal", [True, False])
+def test_poly_attention_matches_reference(p, causal):
+    q, k, v, _, _ = _problem(T=23)
+    for normalize in ("none", "sum"):
+        out = poly_attention(q, k, v, p, causal=causal, normalize=normalize, eps=0.5, block_size=5)
+        ref = poly_attention_naive(q, k, v, p, causal=causal, normalize=normalize, eps=0.5)
+        assert torch.allclose(out, ref, atol=TOL64, rtol=0)
+
+
+def test_softmax_attention_matches_reference():
+    q, k, v, _, _ = _problem()
+    for causal in (True, False):
+        assert torch.allclose(softmax_attention(q, k, v, causal=causal, scale=0.7),
+                              softmax_attention_naive(q, k, v, causal=causal, scale=0.7), atol=TOL64, rtol=0)
+
+
+@pytest.mark.parametrize("method", sorted(sl.available_sketches()))
+def test_every_registered_sketch_runs_as_attention(method):
+    """A per-head [H] sketch, fitted with fit_sketch, gives attention through its own features."""
+    H, D, p, m = 2, 4, 2, 6
+    fit_q, fit_k = _rand(H, 40, D, seed=60) * D**-0.25, _rand(H, 40, D, seed=61) * D**-0.25
+    options = {"steps": 5} if method in ("mlp", "elementwise") else {}
+    sketch = sl.fit_sketch(method, fit_q, fit_k, p=p, m=m, **options).sketch
+    q, k, v = _rand(2, 13, H, D, seed=62) * D**-0.25, _rand(2, 13, H, D, seed=63) * D**-0.25, _rand(2, 13, H, 3, seed=64)
+    with torch.no_grad():
+        # head by head as the sketch was fitted: x[H, T, D] per batch element
+        fq = torch.stack([sketch.features_q(q[b].transpose(0, 1)) for b in range(2)]).transpose(1, 2)  # [B, T, H, M]
+        fk = torch.stack([sketch.features_k(k[b].transpose(0, 1)) for b in range(2)]).transpose(1, 2)
+        ref = feature_attention_naive(fq, fk, v.to(fq.dtype), normalize="none")
+        # float64 features: round-off only (1e-10); float32 ones (TensorSketch's default): ~1e-6 relative
+        tol = (TOL64 if fq.dtype == torch.float64 else 1e-5) * ref.abs().max().item()
+        for backend in ("torch", "reference", "auto"):
+            out = sketch_attention(q, k, v, sketch, normalize="none", backend=backend, chunk_size=4)
+            assert out.shape == (2, 13, H, 3)
+            assert torch.allclose(out.double(), ref.double(), atol=tol, rtol=0), (backend, (out.double() - ref).abs().max())
+
+
+def test_sketch_attention_llops_goes_through_llops_attention():
+    q, k, v, tq, tk = _problem(t=2)
+    sketch = sl.LLoPS(tq, tk)
+    out = sketch_attention(q, k, v, sketch, normalize="none")
+    assert torch.allclose(out, llops_attention_naive(q, k, v, tq, tk, normalize="none"), atol=TOL64, rtol=0)
+    tied = sl.LLoPS(tq[None])  # leading [1, H], tied key map
+    out = sketch_attention(q, k, v, tied, normalize="none")
+    assert torch.allclose(out, llops_attention_naive(q, k, v, tq, tq, normalize="none"), atol=TOL64, rtol=0)
+    with pytest.raises(ValueError, match="one map per head"):
+        sketch_attention(q, k, v, sl.LLoPS(tq[None].expand(3, -1, -1, -1, -1, -1)))
+    with pytest.raises(ValueError, match="fuses only LLoPS"):
+        sketch_attention(q, k, v, sl.TensorSketch.draw(4, 2, 5, seed=0), backend="triton")
+    with pytest.raises(TypeError, match="sketchlab.Sketch"):
+        sketch_attention(q, k, v, "llops")
+
+
+def test_gradients_reach_the_sketch_parameters():
+    q, k, v, tq, tk = _problem()
+    sketch = sl.LLoPS(tq, tk)
+    sketch_attention(q, k, v, sketch, normalize="none").square().sum().backward()
+    assert sketch.theta_q.grad is not None and sketch.theta_q.grad.abs().sum() > 0
+    assert sketch.theta_k.grad is not None and sketch.theta_k.grad.abs().sum() > 0
+
+
+def _bad_calls():
+    q, k, v, tq, tk = _problem()
+    meta = torch.empty(2, 19, 2, 4, dtype=torch.float64, device="meta")
+    nan = tq.clone()
+    nan[0, 0, 0, 0, 0] = float("nan")
+    return [
+        (lambda: llops_attention(q, k[:, :7], v[:, :7], tq, tk), "T == S"),
+        (lambda: llops_attention(q, k, v[:, :5], tq, tk, causal=False), "token axis S"),
+        (lambda: llops_attention(q, k[:, :, :1], v[:, :, :1], tq, tk), "heads H"),
+        (lambda: llops_attention(q, k[..., :3], v, tq, tk), "share the last axis"),
+        (lambda: llops_attention(q.float(), k, v, tq, tk), "one dtype"),
+        (lambda: llops_attention(q, k, v, tq.float(), tk.float()), "dtype of q"),
+        (lambda: llops_attention(meta, k, v, tq, tk), "one device"),
+        (lambda: llops_attention(q, k, v, tq.to("meta"), tk), "device of q"),
+        (lambda: llops_attention(q, k, v, tq[0], tk[0]), "rank 5"),
+        (lambda: llops_attention(q, k, v, tq[:1], tk[:1]), "one map per head"),
+        (lambda: llops_attention(q, k, v, tq[..., :3, :], tk[..., :3, :]), "head dimension"),
+        (lambda: llops_attention(q, k, v, tq, tk[:, :, :1]), "same degree p"),
+        (lambda: llops_attention(q, k, v, tq, tk[..., :4]), "same shape"),
+        (lambda: llops_attention(q, k, v, tq[:, :, :0], tk[:, :, :0]), ">= 1"),
+        (lambda: llops_attention(q, k, v, nan, tk), "theta_q must be finite"),
+        (lambda: llops_attention(q, k, v, tq, tk, backend="cuda"), "backend"),
+        (lambda: llops_attention(q, k, v, tq, tk, normalize=True), "normalize"),
+        (lambda: llops_attention(q, k, v, tq, tk, eps=float("inf")), "eps"),
+        (lambda: llops_attention(q, k, v, tq, tk, chunk_size=0), "chunk_size"),
+        (lambda: llops_attention(q.int(), k, v, tq, tk), "floating-point"),
+        (lambda: poly_attention(q, k, v, 0), "degree"),
+        (lambda: poly_attention(q, k, v, 2, block_size=0), "block_size"),
+        (lambda: softmax_attention(q, k, v, scale=-1.0), "scale"),
+    ]
+
+
+@pytest.mark.parametrize("index", range(len(_bad_calls())))
+def test_bad_input_names_the_argument_and_rule(index):
+    call, match = _bad_calls()[index]
+    with pytest.raises((ValueError, TypeError), match=match):
+        call()
