@@ -405,8 +405,8 @@ def init_llops(model: TransformerLM, init: str = "random", theta_file=None, *, s
     rho = _theta_factor(meta["scale"], D, str(path))
     with torch.no_grad():
         for i, layer in enumerate(layers):
-            layer.theta_q.copy_(theta_q[i] * rho)
-            layer.theta_k.copy_(theta_k[i] * rho)
+            layer.theta_q.copy_(theta_q[i].to(layer.theta_q.dtype) * rho)
+            layer.theta_k.copy_(theta_k[i].to(layer.theta_k.dtype) * rho)
     return {"init": "theta", "file": str(path), "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
             "scale": meta["scale"]}
 
