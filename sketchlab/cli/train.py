@@ -4,8 +4,9 @@ Writes under ``--out``: ``checkpoints/step-N/`` (resumable state, see :mod:`sket
 and at the end ``model.safetensors`` + ``config.json`` (a :func:`sketchlab.tasks.load_checkpoint`
 directory) and ``train.json`` (settings, losses per step, held-out accuracy per evaluation). Running
 the same command again resumes an interrupted run; a different configuration is refused. Under
-``torchrun --nproc_per_node N`` the same command trains with DistributedDataParallel (gloo on CPU,
-nccl with ``--device cuda``), ``--batch-size`` being the global batch.
+``torchrun --nproc_per_node N -m sketchlab.cli -- train ...`` the same command trains with
+DistributedDataParallel (gloo on CPU, nccl with ``--device cuda``), ``--batch-size`` being the global
+batch (the ``--`` stops torchrun from reading ``--m`` as an abbreviation of its own options).
 """
 
 from __future__ import annotations
