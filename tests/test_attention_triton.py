@@ -1,0 +1,162 @@
+"""The fused Triton LLoPS attention kernel against the float64 reference, layout ``[B, T, H, D]``.
+
+Without CUDA the kernel runs in Triton's interpreter (``TRITON_INTERPRET=1``, set by
+``tests/conftest.py``; fp32 only, chunk of 16 tokens). The interpreter is slow, so the grid of the
+issue (T ∈ {1, 17, 64, 100}, d ∈ {16, 24}, m ∈ {8, 20}, p ∈ {1, 2, 3}, t ∈ {1, 2}, causal or not,
+each normalisation) is covered by varying one factor at a time around a base case, crossing
+causal × normalize on it, plus full combinations at the large corners. Every kernel-written buffer
+(output, denominators, dq, dk, dv, the per-(batch, head) dΘ slices) is pre-filled with NaN, so an
+element the kernel fails to write fails the comparison.
+
+Tolerance (fp32 kernel vs float64 reference), on ``max|x − ref| / max|ref|`` per tensor:
+``FP32_TOL = 1e-4``. Each output element is a sum of at most T·M ≈ 2000 fp32 products of features
+that are themselves sums of t products of p fp32 dot products of length d; the worst-case relative
+error of such sums is ~n·u (u = 6e-8, n ≈ 2000 → 1.2e-4), the typical ~√n·u ≈ 3e-6. With
+``normalize="sum"`` the gradients of q and k contain the cancelling terms g·v + c (c = −g·out), so
+they sit nearer the bound: the largest seen over this file is 1.1e-5 (dq, T = 100, p = 3). 1e-4
+leaves a factor 9 above that and is 1000× below what a wrong index, mask or missed chunk gives
+(O(1) relative errors, checked by breaking the kernel). On CUDA: fp32 uses exact-fp32 ``tl.dot``
+(``input_precision="ieee"``), same tolerance; bf16 inputs are rounded to bf16 (2⁻⁹ relative),
+features use TF32 dots (2⁻¹¹) and results are stored in bf16 (2⁻⁹): ``BF16_TOL = 2e-2`` against the
+reference evaluated on the same bf16-rounded inputs.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from sketchlab.attention.reference import llops_attention_naive
+from sketchlab.attention.triton import launch, llops_attention_triton
+
+FP32_TOL = 1e-4
+BF16_TOL = 2e-2
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cpu" if INTERPRETED else "cuda"
+NAMES = ("out", "dq", "dk", "dv", "dtheta_q", "dtheta_k")
+
+if not INTERPRETED and not torch.cuda.is_available():  # pragma: no cover - depends on the machine
+    pytest.skip("the Triton kernel needs CUDA or TRITON_INTERPRET=1 (set by conftest without CUDA)",
+                allow_module_level=True)
+
+
+@pytest.fixture(autouse=True)
+def nan_buffers(monkeypatch):
+    """Every buffer the launchers hand to a kernel starts as NaN."""
+    def nan_empty(shape, *, like, dtype=None):
+        return torch.full(shape, float("nan"), device=like.device, dtype=like.dtype if dtype is None else dtype)
+
+    monkeypatch.setattr(launch, "_empty", nan_empty)
+
+
+def _problem(T, D, M, P, R, normalize, *, B=2, H=2, DV=12, seed=0, dtype=torch.float32):
+    """q, k [B, T, H, D], v [B, T, H, DV], Θ [H, R, P, D, M], grad_out [B, T, H, DV].
+
+    For ``normalize="sum"`` q, k and Θ are non-negative, so every score a_ts > 0 and the
+    denominator is well conditioned (the regime "sum" is documented for); Θ is scaled by d^{-1/2}
+    so features stay O(1) for every p.
+    """
+    g = torch.Generator().manual_seed(seed)
+    q, k = torch.randn(2, B, T, H, D, generator=g, dtype=torch.float64)
+    v = torch.randn(B, T, H, DV, generator=g, dtype=torch.float64)
+    tq, tk = torch.randn(2, H, R, P, D, M, generator=g, dtype=torch.float64) / D**0.5
+    if normalize == "sum":
+        q, k, tq, tk = q.abs(), k.abs(), tq.abs(), tk.abs()
+    grad = torch.randn(B, T, H, DV, generator=g, dtype=torch.float64)
+    return [x.to(DEVICE, dtype) for x in (q, k, v, tq, tk, grad)]
+
+
+def _run(fn, q, k, v, tq, tk, grad, **kw):
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, tq, tk)]
+    out = fn(*leaves, **kw)
+    out.backward(grad.to(out.dtype))
+    return [out.detach()] + [x.grad for x in leaves]
+
+
+def _compare(T, D, M, P, R, causal, normalize, *, dtype=torch.float32, tol=FP32_TOL, **shape):
+    q, k, v, tq, tk, grad = _problem(T, D, M, P, R, normalize, dtype=dtype, **shape)
+    kw = dict(causal=causal, normalize=normalize, non_negative=False, eps=1e-6)
+    got = _run(llops_attention_triton, q, k, v, tq, tk, grad, **kw)
+    want = _run(llops_attention_naive, *(x.double() for x in (q, k, v, tq, tk, grad)), **kw)
+    errors = {}
+    for name, a, b in zip(NAMES, got, want):
+        assert a.shape == b.shape and a.dtype == dtype, (name, a.shape, b.shape, a.dtype)
+        errors[name] = ((a.double() - b).abs().max() / b.abs().max()).item()  # NaN if any NaN
+    bad = {n: e for n, e in errors.items() if not e <= tol}
+    assert not bad, f"relative max errors over {tol}: {bad} (all: {errors})"
+
+
+# T = 1 runs unnormalised: with one token "sum" gives out = v·a/(a + eps), whose q, k and Θ
+# gradients are O(eps/a) left over from the cancellation g·v + c = 0, below fp32's resolution.
+BASE = dict(T=17, D=16, M=8, P=2, R=1, causal=True, normalize="sum")
+ONE_AT_A_TIME = [dict(BASE, **change) for change in (
+    {}, {"T": 1, "normalize": "none"}, {"T": 1, "causal": False, "normalize": "none"}, {"T": 64}, {"T": 100}, {"D": 24}, {"M": 20}, {"P": 1}, {"P": 3}, {"R": 2},
+    {"causal": False}, {"normalize": "none"}, {"causal": False, "normalize": "none"},
+)]
+CORNERS = [
+    dict(T=100, D=24, M=20, P=3, R=2, causal=False, normalize="none"),
+    dict(T=64, D=24, M=20, P=3, R=2, causal=True, normalize="sum"),
+    dict(T=100, D=24, M=20, P=1, R=2, causal=True, normalize="none"),
+    dict(T=1, D=24, M=20, P=3, R=2, causal=True, normalize="none"),
+    dict(T=64, D=16, M=20, P=2, R=2, causal=False, normalize="sum"),
+]
+
+
+def _id(case):
+    return "T{T}-d{D}-m{M}-p{P}-t{R}-{c}-{normalize}".format(c="causal" if case["causal"] else "full", **case)
+
+
+@pytest.mark.parametrize("case", ONE_AT_A_TIME + CORNERS, ids=_id)
+def test_output_and_gradients_match_reference(case):
+    _compare(**case)
+
+
+def test_value_dim_above_one_block_and_single_head():
+    """Dv = 40: three forward value blocks of 16 (the last masked), one backward block of 64;
+    B = 3, H = 1 checks the (batch, head) indexing and dΘ's sum over B."""
+    _compare(**dict(BASE, T=20), B=3, H=1, DV=40)
+
+
+def test_any_strides():
+    """Inputs that are views with permuted strides give the contiguous inputs' result."""
+    q, k, v, tq, tk, grad = _problem(**{k: BASE[k] for k in ("T", "D", "M", "P", "R", "normalize")})
+    kw = dict(causal=True, normalize="sum", non_negative=False, eps=1e-6)
+    want = _run(llops_attention_triton, q, k, v, tq, tk, grad, **kw)
+    # [B, H, T, D] storage viewed as [B, T, H, D]; Θ stored [H, R, P, M, D] viewed as [H, R, P, D, M]
+    views = [x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v)]
+    views += [x.transpose(-1, -2).contiguous().transpose(-1, -2) for x in (tq, tk)]
+    assert not any(x.is_contiguous() for x in views)
+    got = _run(llops_attention_triton, *views, grad, **kw)
+    for name, a, b in zip(NAMES, got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+
+
+def test_rejects_what_the_kernel_cannot_do():
+    q, k, v, tq, tk, _ = _problem(**{k: BASE[k] for k in ("T", "D", "M", "P", "R", "normalize")})
+    kw = dict(causal=True, normalize="sum", eps=1e-6)
+    with pytest.raises(ValueError, match=r"non_negative.*backend='torch'"):
+        llops_attention_triton(q, k, v, tq, tk, non_negative=True, **kw)
+    with pytest.raises(ValueError, match=r"q has dtype torch.float64.*float32"):
+        llops_attention_triton(q.double(), k, v, tq, tk, non_negative=False, **kw)
+    with pytest.raises(ValueError, match=r"normalize must be one of .*'max'"):
+        llops_attention_triton(q, k, v, tq, tk, non_negative=False, **dict(kw, normalize="max"))
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="CPU tensors are only refused when not interpreting (i.e. on a CUDA run)")
+def test_cpu_tensors_need_the_interpreter(monkeypatch):
+    q, k, v, tq, tk, _ = _problem(**{k: BASE[k] for k in ("T", "D", "M", "P", "R", "normalize")})
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ValueError, match=r"q is on cpu; the Triton kernel needs CUDA"):
+        llops_attention_triton(q, k, v, tq, tk, causal=True, normalize="sum", non_negative=False, eps=1e-6)
+
+
+@pytest.mark.skipif(INTERPRETED, reason="compiled kernel at realistic sizes and bf16: CUDA only")
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, FP32_TOL), (torch.bfloat16, BF16_TOL)], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("causal, normalize", [(True, "sum"), (False, "none"), (True, "none")])
+def test_cuda_compiled(dtype, tol, causal, normalize):
+    """Autotuned configs (chunks of 16-64 tokens, value blocks) at d = 64, m = 64 and T crossing
+    many chunks, odd sizes included."""
+    _compare(T=300, D=64, M=48, P=2, R=2, causal=causal, normalize=normalize, dtype=dtype, tol=tol,
+             B=2, H=3, DV=72)
