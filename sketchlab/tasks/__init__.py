@@ -31,6 +31,7 @@ from .model import (
     causal_softmax_attention_naive,
     register_attention,
 )
+from .linearize import LinearizeResult, attention_transfer_loss, linearize
 from .mqar import IGNORE_INDEX, MQARConfig, mqar_accuracy, mqar_batch
 from .train import (
     TrainResult,
@@ -47,6 +48,7 @@ __all__ = [
     "LLOPS_INITS",
     "BasedKernel",
     "LLoPSKernel",
+    "LinearizeResult",
     "PSFKernel",
     "PolyKernel",
     "based_init_dim",
@@ -61,11 +63,13 @@ __all__ = [
     "TransformerConfig",
     "TransformerLM",
     "apply_rope",
+    "attention_transfer_loss",
     "attention_registry",
     "causal_softmax_attention_naive",
     "evaluate_mqar",
     "init_distributed",
     "latest_checkpoint",
+    "linearize",
     "load_checkpoint",
     "mqar_accuracy",
     "mqar_batch",
