@@ -27,7 +27,7 @@ __all__ = ["COMMANDS", "UsageError", "build_parser", "main"]
 
 #: Sub-command names; each is the module ``sketchlab.cli.<name>`` (a new command adds one module
 #: and one entry here).
-COMMANDS = ("compare", "capture", "train")
+COMMANDS = ("compare", "capture", "train", "linearize")
 
 
 class _Parser(argparse.ArgumentParser):
