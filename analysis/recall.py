@@ -254,16 +254,22 @@ def main(argv=None) -> int:
             print(f"[{(time.perf_counter() - t0) / 60:5.1f} min] linearize p={p}: step 0 "
                   f"{lin[p]['step0_accuracy']:.3f}, final {lin[p]['final_accuracy']:.3f}", flush=True)
 
-    # Seed-major queues: the first seed's runs (and the linearisations) start before the second's.
-    # Continuations wait for the run they continue (second pool).
+    # Seed-major queues: queue i holds the continuations of seed i-1 and the from-scratch runs of
+    # seed i (queue 0 also the linearisations), so each seed completes before the next one starts
+    # and a run cut by the wall-time budget is a later seed's. Continuations wait for their parent.
     runs = _runs(a)
-    first = [("train", r, seed) for seed in a.seeds for r in runs if r.after is None]
-    scratch = sum(r.after is None for r in runs)
-    first[scratch:scratch] = [("linearize", p) for p in a.degrees]  # after seed 0's from-scratch runs
-    second = [("train", r, seed) for seed in a.seeds for r in runs if r.after is not None]
+    scratch = [r for r in runs if r.after is None]
+    cont = [r for r in runs if r.after is not None]
+    queues = []
+    for i, seed in enumerate(a.seeds):
+        queue = [("train", r, a.seeds[i - 1]) for r in cont] if i else []
+        queue += [("train", r, seed) for r in scratch]
+        queue += [("linearize", p) for p in a.degrees] if i == 0 else []
+        queues.append(queue)
+    queues.append([("train", r, a.seeds[-1]) for r in cont])
     global _POOL
     with multiprocessing.get_context("spawn").Pool(a.jobs, initializer=_worker_init, initargs=(a.threads,)) as _POOL:
-        for queue in (first, second):
+        for queue in queues:
             with ThreadPoolExecutor(max_workers=a.jobs) as threads:  # each thread waits on one worker
                 for f in [threads.submit(job, *item) for item in queue]:
                     f.result()

@@ -57,8 +57,9 @@ def test_step0_reproduces_the_fitted_sketch_on_captured_inputs(teacher, tmp_path
         with torch.no_grad():
             got = kernel(q, k, v)  # the swapped model's attention, float32, raw captured inputs
         sketch = sl.LLoPS(fit.sketch.theta_q[layer], fit.sketch.theta_k[layer])
-        want = sketch_attention(q.double() * s, k.double() * s, v.double(), sketch, normalize="none",
-                                backend="reference")
+        with torch.no_grad():
+            want = sketch_attention(q.double() * s, k.double() * s, v.double(), sketch, normalize="none",
+                                    backend="reference")
         # float32 model (Θ exported in float32, features and sums in float32) against the float64
         # prediction: ~1e-6 relative per term; the signed sums over ≤ 12 tokens cancel partly, so
         # the tolerance is taken relative to the output's scale
