@@ -2,7 +2,9 @@
 
 Exact polynomial features, the Theorem 3.1 optimal sketch and its tail bound, LLoPS fits and their
 Theorem 3.4 spectral residuals, the baseline sketches, Q/K dumps (load, save, capture) and a
-comparison of every sketch against the optimum on them.
+comparison of every sketch against the optimum on them; attention through any sketch (naive
+float64 twins, a chunked PyTorch path, a fused Triton kernel) and the Θ export that feeds
+:class:`LLoPSAttention`.
 """
 
 __version__ = "0.1.0"
@@ -24,6 +26,21 @@ from .llops import (
     llops_projector_naive,
     projector_to_theta,
 )
+from .attention import (
+    LLoPSAttention,
+    dump_segments,
+    feature_attention,
+    feature_attention_naive,
+    kernel_attention_naive,
+    llops_attention,
+    llops_attention_naive,
+    poly_attention,
+    poly_attention_naive,
+    sketch_attention,
+    softmax_attention,
+    softmax_attention_naive,
+)
+from .export import export_theta
 from .objective import kernel_loss, train_kernel_sketch
 from .metrics import attention_error, causal_attention, optimality_ratio, rel_fro, rel_mae
 from .optimal import OptimalSketch, optimal_sketch, tail_bound
@@ -49,6 +66,7 @@ __all__ = [
     "Fit",
     "FitReport",
     "LLoPS",
+    "LLoPSAttention",
     "MLPSketch",
     "OptimalSketch",
     "PolySketch",
@@ -63,6 +81,10 @@ __all__ = [
     "causal_attention",
     "compare",
     "deflate",
+    "dump_segments",
+    "export_theta",
+    "feature_attention",
+    "feature_attention_naive",
     "feature_bound",
     "fit_llops_adam",
     "fit_llops_cp",
@@ -70,7 +92,10 @@ __all__ = [
     "fit_sketch",
     "full_to_symmetric",
     "holdout_split",
+    "kernel_attention_naive",
     "kernel_loss",
+    "llops_attention",
+    "llops_attention_naive",
     "llops_features",
     "llops_features_naive",
     "llops_init",
@@ -81,6 +106,8 @@ __all__ = [
     "num_poly_features",
     "optimal_sketch",
     "optimality_ratio",
+    "poly_attention",
+    "poly_attention_naive",
     "poly_features",
     "poly_features_naive",
     "poly_kernel",
@@ -91,7 +118,10 @@ __all__ = [
     "rel_mae",
     "save_qk",
     "save_theta",
+    "sketch_attention",
     "sketch_fitter",
+    "softmax_attention",
+    "softmax_attention_naive",
     "spectral_norm",
     "symmetric_index",
     "symmetric_to_full",

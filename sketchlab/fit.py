@@ -97,6 +97,12 @@ class Fit:
     sketch: Sketch
     report: FitReport
 
+    def save_theta(self, path, *, dump, scale=None):
+        """Export Θ with every metadata field filled in: :func:`sketchlab.export.export_theta`."""
+        from .export import export_theta
+
+        return export_theta(self, path, dump=dump, scale=scale)
+
 
 def holdout_split(n: int, holdout: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Split ``range(n)`` into sorted fit and held-out token indices (``ceil(holdout·n)`` held out).

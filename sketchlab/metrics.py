@@ -67,39 +67,48 @@ def optimality_ratio(approx, exact, tail) -> torch.Tensor:
     return torch.where((err == 0) & (tail == 0), torch.ones_like(err), err / tail.sqrt())
 
 
-def causal_attention(kernel, v, *, eps: float = 1e-6) -> torch.Tensor:
-    r"""Normalised causal kernel attention :math:`((A \odot M) V) / ((A \odot M)\mathbf 1 + \varepsilon)`.
+def causal_attention(kernel, v, *, eps: float = 1e-6, normalize: str = "sum", segments=None) -> torch.Tensor:
+    r"""Causal kernel attention :math:`((A \odot M) V) / ((A \odot M)\mathbf 1 + \varepsilon)` (or unnormalised).
+
+    The one definition of kernel attention in sketchlab:
+    :func:`sketchlab.attention.kernel_attention_naive` with ``causal=True``.
 
     Parameters
     ----------
     kernel : Tensor ``[..., n, n]``
-        Kernel scores between queries (rows) and keys (columns) of the same sequence.
+        Kernel scores between queries (rows) and keys (columns) of the same tokens.
     v : Tensor ``[..., n, d_v]``
     eps : float
         Added to the normaliser.
+    normalize : ``"sum"`` or ``"none"``
+        ``"sum"`` divides by the masked row sums (+ eps): only safe for non-negative kernels (a
+        signed sketch's row sums can be ``≤ 0``); ``"none"`` returns :math:`(A \odot M)V`.
+    segments : None, int or sequence of int
+        Lengths of the sequences joined along the token axis (they sum to ``n``; an int is the
+        common length): ``M`` never lets a token attend across them. The shipped dump
+        ``data/mqar_softmax_qk.safetensors`` joins two 256-token sequences; its metadata key
+        ``tokens`` holds ``[256, 256]`` (:func:`sketchlab.attention.dump_segments` reads it).
 
     Returns
     -------
-    Tensor ``[..., n, d_v]`` in float64. ``M`` is the lower-triangular (causal) mask.
+    Tensor ``[..., n, d_v]`` in float64. ``M`` is the causal (lower-triangular) mask, block-diagonal
+    over ``segments``.
     """
-    kernel = as_float_tensor(kernel, "kernel").to(torch.float64)
-    v = as_float_tensor(v, "v").to(torch.float64)
-    if kernel.ndim < 2 or v.ndim < 2 or kernel.shape[-2] != kernel.shape[-1] \
-            or v.shape[-2] != kernel.shape[-1] or v.shape[:-2] != kernel.shape[:-2]:
-        raise ValueError(
-            f"kernel must be [..., n, n] and v [..., n, d_v] with the same n and batch, got "
-            f"{tuple(kernel.shape)} and {tuple(v.shape)}"
-        )
-    masked = kernel.tril()  # [..., n, n]
-    return (masked @ v) / (masked.sum(-1, keepdim=True) + eps)
+    from .attention.reference import kernel_attention_naive
+
+    kernel = as_float_tensor(kernel, "kernel")
+    if kernel.ndim < 2 or kernel.shape[-2] != kernel.shape[-1]:
+        raise ValueError(f"kernel must be [..., n, n] (square: queries and keys of the same tokens), got {tuple(kernel.shape)}")
+    return kernel_attention_naive(kernel, v, causal=True, normalize=normalize, eps=eps, segments=segments)
 
 
-def attention_error(approx, exact, v, *, eps: float = 1e-6) -> torch.Tensor:
-    r"""Relative error of the normalised causal attention output.
+def attention_error(approx, exact, v, *, eps: float = 1e-6, normalize: str = "sum", segments=None) -> torch.Tensor:
+    r"""Relative error of the causal attention output.
 
-    :math:`\|O(\hat A) - O(A)\|_F / \|O(A)\|_F` with :math:`O` from :func:`causal_attention`.
+    :math:`\|O(\hat A) - O(A)\|_F / \|O(A)\|_F` with :math:`O` from :func:`causal_attention`
+    (same ``eps``, ``normalize`` and ``segments``), per batch element.
     """
     approx, exact = _pair(approx, exact)
-    out_hat = causal_attention(approx, v, eps=eps)
-    out = causal_attention(exact, v, eps=eps)
+    out_hat = causal_attention(approx, v, eps=eps, normalize=normalize, segments=segments)
+    out = causal_attention(exact, v, eps=eps, normalize=normalize, segments=segments)
     return torch.linalg.matrix_norm(out_hat - out) / torch.linalg.matrix_norm(out)

@@ -131,3 +131,16 @@ def test_bad_arguments(kwargs, match):
     phi = _rand(1, 8, 1, 3, seed=51)
     with pytest.raises((ValueError, TypeError), match=match):
         feature_attention(phi, phi, phi, **kwargs)
+
+
+@pytest.mark.parametrize("t, p", [(1, 1), (1, 2), (2, 3), (3, 2)])
+def test_llops_feature_fn_matches_llops_features(t, p):
+    """The one-matmul feature path == sketchlab.llops_features head by head (float64, 1e-12)."""
+    import sketchlab as sl
+    from sketchlab.attention.chunked import llops_feature_fn
+
+    x, theta = _rand(2, 3, 9, 5, seed=60), _rand(3, t, p, 5, 4, seed=61)  # x [B, H, n, D], Θ [H, t, p, D, M]
+    out = llops_feature_fn(theta)(x)
+    assert out.shape == (2, 3, 9, 4)
+    for h in range(3):
+        assert torch.allclose(out[:, h], sl.llops_features(x[:, h], theta[h]), atol=1e-12, rtol=0)

@@ -98,7 +98,7 @@ def test_sketch_attention_llops_goes_through_llops_attention():
     tied = sl.LLoPS(tq[None])  # leading [1, H], tied key map
     out = sketch_attention(q, k, v, tied, normalize="none")
     assert torch.allclose(out, llops_attention_naive(q, k, v, tq, tq, normalize="none"), atol=TOL64, rtol=0)
-    with pytest.raises(ValueError, match="one map per head"):
+    with pytest.raises(ValueError, match="does not broadcast against"):
         sketch_attention(q, k, v, sl.LLoPS(tq[None].expand(3, -1, -1, -1, -1, -1)))
     with pytest.raises(ValueError, match="fuses only LLoPS"):
         sketch_attention(q, k, v, sl.TensorSketch.draw(4, 2, 5, seed=0), backend="triton")
@@ -151,3 +151,54 @@ def test_bad_input_names_the_argument_and_rule(index):
     call, match = _bad_calls()[index]
     with pytest.raises((ValueError, TypeError), match=match):
         call()
+
+
+@pytest.mark.parametrize("method", ["llops", "optimal"])
+def test_batch_by_head_sketch_runs_on_a_dump_layout(method):
+    """An [L, H] sketch on q[L, n, H, d] (layers on the batch axis): each (layer, head) its own map."""
+    L, H, D = 2, 2, 4
+    q, k = _rand(L, H, 30, D, seed=70) * D**-0.25, _rand(L, H, 30, D, seed=71) * D**-0.25
+    v = _rand(L, H, 30, 3, seed=72)
+    sketch = sl.fit_sketch(method, q, k, p=2, m=5).sketch
+    out = sketch_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), sketch, normalize="none")
+    with torch.no_grad():
+        ref = feature_attention_naive(sketch.features_q(q).transpose(1, 2), sketch.features_k(k).transpose(1, 2),
+                                      v.transpose(1, 2), normalize="none")
+    assert torch.allclose(out, ref, atol=TOL64 * ref.abs().max().item(), rtol=0)
+
+
+def test_segments_attend_each_sequence_alone():
+    q, k, v, tq, tk = _problem(T=20)
+    sketch = sl.LLoPS(tq, tk)
+    for fn in (lambda a, b, c, **kw: sketch_attention(a, b, c, sketch, normalize="none", **kw),
+               lambda a, b, c, **kw: sketch_attention(a, b, c, sl.TensorSketch.draw(4, 2, 5, seed=0, dtype=torch.float64),
+                                                      normalize="none", **kw),
+               lambda a, b, c, **kw: poly_attention(a, b, c, 2, **kw)):
+        joined = fn(q, k, v, segments=[8, 12])
+        apart = torch.cat([fn(q[:, :8], k[:, :8], v[:, :8]), fn(q[:, 8:], k[:, 8:], v[:, 8:])], 1)
+        assert torch.allclose(joined, apart, atol=TOL64, rtol=0)
+        assert not torch.allclose(joined, fn(q, k, v), atol=1e-3)
+    with pytest.raises(ValueError, match="sum to"):
+        poly_attention(q, k, v, 2, segments=[8, 8])
+
+
+def test_shipped_dump_segments():
+    from pathlib import Path
+
+    from sketchlab.attention import dump_segments
+
+    dump = sl.load_qk(Path(__file__).resolve().parents[1] / "data" / "mqar_softmax_qk.safetensors")
+    assert dump_segments(dump) == [256, 256]
+    dump.meta.pop("tokens")
+    assert dump_segments(dump) is None
+
+
+def test_poly_attention_gradients_match_reference():
+    """Checkpointed blocks: the same gradients as autograd through the dense twin (float64, 1e-10)."""
+    q, k, v, _, _ = _problem(T=13)
+    grads = []
+    for fn in (lambda a, b, c: poly_attention(a, b, c, 2, block_size=4), lambda a, b, c: poly_attention_naive(a, b, c, 2)):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        grads.append(torch.autograd.grad(fn(*leaves).square().sum(), leaves))
+    for a, b in zip(*grads):
+        assert torch.allclose(a, b, atol=TOL64, rtol=1e-10)

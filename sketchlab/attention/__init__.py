@@ -7,7 +7,8 @@ backend choice, ``module`` the :class:`LLoPSAttention` block, ``triton`` the fus
 """
 
 from .chunked import feature_attention, llops_attention_chunked
-from .functional import BACKENDS, llops_attention, poly_attention, resolve_backend, sketch_attention, softmax_attention
+from .module import LLoPSAttention, parse_scale
+from .functional import BACKENDS, dump_segments, llops_attention, poly_attention, resolve_backend, sketch_attention, softmax_attention
 from .reference import (
     attention_mask,
     feature_attention_naive,
@@ -20,6 +21,8 @@ from .reference import (
 
 __all__ = [
     "BACKENDS",
+    "LLoPSAttention",
+    "dump_segments",
     "attention_mask",
     "feature_attention",
     "feature_attention_naive",
@@ -27,6 +30,7 @@ __all__ = [
     "llops_attention",
     "llops_attention_chunked",
     "llops_attention_naive",
+    "parse_scale",
     "poly_attention",
     "poly_attention_naive",
     "resolve_backend",

@@ -31,16 +31,38 @@ from __future__ import annotations
 import torch
 
 from .._validation import DEFAULT_MAX_BYTES, check_memory, check_positive_int
-from ..llops import llops_features
 from ._checks import check_eps, check_flag, check_normalize, check_qkv, check_theta
 from .reference import self_tensor
 
-__all__ = ["DEFAULT_BLOCK_CHUNKS", "DEFAULT_CHUNK_SIZE", "feature_attention", "llops_attention_chunked"]
+__all__ = ["DEFAULT_BLOCK_CHUNKS", "DEFAULT_CHUNK_SIZE", "feature_attention", "llops_attention_chunked", "llops_feature_fn"]
 
 #: Tokens per chunk (the intra-chunk product is ``C × C``).
 DEFAULT_CHUNK_SIZE = 64
 #: Chunks processed together, vectorised, per step of the block loop.
 DEFAULT_BLOCK_CHUNKS = 16
+
+
+def llops_feature_fn(theta: torch.Tensor):
+    r"""A function ``x[B, H, n, D] → φ(x)[B, H, n, M]`` for per-head Θ ``[H, t, p, D, M]``.
+
+    Same map as :func:`sketchlab.llops_features` (tested against it), computed as one batched
+    matmul ``x @ Θ_flat`` with ``Θ_flat = [H, D, t·p·M]`` followed by ``p - 1`` products and
+    ``t - 1`` sums of ``[B, H, n, M]`` slices (the broadcast form would copy ``x`` ``t·p`` times).
+    """
+    H, t, p, D, M = theta.shape
+    flat = theta.permute(0, 3, 1, 2, 4).reshape(H, D, t * p * M)  # [H, D, t·p·M]
+
+    def features(x: torch.Tensor) -> torch.Tensor:
+        proj = (x @ flat).unflatten(-1, (t, p, M))  # [B, H, n, t, p, M]
+        out = None
+        for r in range(t):
+            term = proj[..., r, 0, :]
+            for j in range(1, p):
+                term = term * proj[..., r, j, :]  # [B, H, n, M]
+            out = term if out is None else out + term
+        return out
+
+    return features
 
 
 def _pad_tokens(x: torch.Tensor, length: int) -> torch.Tensor:
@@ -188,8 +210,9 @@ def llops_attention_chunked(q, k, v, theta_q, theta_k, *, causal: bool = True, n
         q, k, v = check_qkv(q, k, v, causal=causal)
         theta_q, theta_k = check_theta(theta_q, theta_k, heads=q.shape[2], dim=q.shape[3], like=q)
     qt, kt = q.transpose(1, 2), k.transpose(1, 2)  # [B, H, T|S, D]
-    out = _engine(lambda a, b: llops_features(qt[:, :, a:b], theta_q),  # [B, H, n, M]
-                  lambda a, b: llops_features(kt[:, :, a:b], theta_k),
+    phi_q, phi_k = llops_feature_fn(theta_q), llops_feature_fn(theta_k)
+    out = _engine(lambda a, b: phi_q(qt[:, :, a:b]),  # [B, H, n, M]
+                  lambda a, b: phi_k(kt[:, :, a:b]),
                   v.transpose(1, 2), q.shape[1], causal=causal, normalize=normalize, non_negative=non_negative,
                   eps=eps, chunk_size=chunk_size, block_chunks=block_chunks, num_features=theta_q.shape[-1],
                   max_bytes=max_bytes)

@@ -23,11 +23,11 @@ import torch
 
 from .._validation import DEFAULT_MAX_BYTES, check_degree, check_memory, check_positive_int, check_real
 from ..sketch import Sketch
-from ._checks import check_eps, check_flag, check_normalize, check_qkv, check_theta
+from ._checks import check_eps, check_flag, check_normalize, check_qkv, check_segments, check_theta
 from .chunked import DEFAULT_CHUNK_SIZE, feature_attention, llops_attention_chunked
 from .reference import feature_attention_naive, llops_attention_naive
 
-__all__ = ["BACKENDS", "llops_attention", "poly_attention", "resolve_backend", "sketch_attention", "softmax_attention"]
+__all__ = ["BACKENDS", "dump_segments", "llops_attention", "poly_attention", "resolve_backend", "sketch_attention", "softmax_attention"]
 
 #: Accepted values of ``backend``.
 BACKENDS = ("auto", "triton", "torch", "reference")
@@ -104,23 +104,68 @@ def llops_attention(q, k, v, theta_q, theta_k, *, causal: bool = True, normalize
                                   non_negative=non_negative, eps=eps)
 
 
-def _head_params(theta: torch.Tensor, heads: int, name: str) -> torch.Tensor:
-    """LLoPS ``theta[..., t, p, D, M]`` with leading shape ``[]``, ``[1]``, ``[H]`` or ``[1, H]`` → ``[H, t, p, D, M]``."""
+def _map_params(theta: torch.Tensor, batch: int, heads: int, name: str) -> torch.Tensor:
+    """LLoPS ``theta[..., t, p, D, M]`` whose leading shape broadcasts against ``[B, H]``.
+
+    Returns ``[H, t, p, D, M]`` when the maps do not depend on the batch index, else
+    ``[B, H, t, p, D, M]`` (one map per batch element and head, e.g. a dump's ``[L, H]`` with the
+    layers on the batch axis).
+    """
     lead = tuple(theta.shape[:-4])
-    squeezed = tuple(s for s in lead if s != 1) if len(lead) > 1 else lead
-    if squeezed in ((), (1,)):
-        return theta.reshape(theta.shape[-4:]).expand(heads, *theta.shape[-4:])
-    if squeezed == (heads,):
-        return theta.reshape(heads, *theta.shape[-4:])
-    raise ValueError(
-        f"sketch {name} has leading (batch) shape {lead}; sketch_attention needs one map per head: "
-        f"[], [1], [H={heads}] or [1, H] (select one layer of an [L, H] sketch first)"
-    )
+    try:
+        ok = len(lead) <= 2 and torch.broadcast_shapes(lead, (batch, heads)) == (batch, heads)
+    except RuntimeError:
+        ok = False
+    if not ok:
+        raise ValueError(
+            f"sketch {name} has leading (batch) shape {list(lead)}, which does not broadcast against [B, H] = "
+            f"[{batch}, {heads}]: sketch_attention needs one map per head ([], [H], [1, H]) or per batch element "
+            f"and head ([B, H])"
+        )
+    per_batch = len(lead) == 2 and lead[0] != 1
+    shape = (batch, heads) if per_batch else (heads,)
+    lead2 = lead if per_batch else lead[-1:]
+    return theta.reshape(*lead2, *theta.shape[-4:]).expand(*shape, *theta.shape[-4:])
+
+
+def _by_segments(fn, segments, q, k, v):
+    """Run ``fn(q, k, v)`` on each segment of the token axis (``T == S``) and join the outputs."""
+    if segments is None:
+        return fn(q, k, v)
+    if q.shape[1] != k.shape[1]:
+        raise ValueError(f"segments need as many queries as keys (T == S), got T={q.shape[1]}, S={k.shape[1]}")
+    segs = check_segments(segments, q.shape[1])
+    outs, start = [], 0
+    for length in segs:
+        stop = start + length
+        outs.append(fn(q[:, start:stop], k[:, start:stop], v[:, start:stop]))
+        start = stop
+    return torch.cat(outs, 1)
+
+
+def dump_segments(dump) -> list[int] | None:
+    """Segment lengths of the sequences a Q/K dump joins, from its metadata key ``tokens``.
+
+    :func:`sketchlab.capture_qk` records ``tokens`` (a JSON list: valid tokens per captured
+    sequence, joined in order along the token axis); the shipped dump has ``[256, 256]``. Returns
+    ``None`` when the key is absent (one sequence). Raises ``ValueError`` when it does not sum to
+    the dump's ``n``.
+    """
+    import json
+
+    raw = (getattr(dump, "meta", None) or {}).get("tokens")
+    if raw is None:
+        return None
+    try:
+        values = json.loads(raw)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"dump metadata tokens must be a JSON list of ints, got {raw[:80]!r} ({err})") from err
+    return check_segments(values, dump.q.shape[-2])
 
 
 def sketch_attention(q, k, v, sketch: Sketch, *, causal: bool = True, normalize: str = "sum",
                      non_negative: bool = False, eps: float = 1e-6, backend: str = "auto",
-                     chunk_size: int = DEFAULT_CHUNK_SIZE) -> torch.Tensor:
+                     chunk_size: int = DEFAULT_CHUNK_SIZE, segments=None) -> torch.Tensor:
     r"""Attention through any :class:`sketchlab.Sketch`: scores :math:`\phi_Q(q_t)\cdot\phi_K(k_s)`.
 
     Parameters
@@ -129,14 +174,20 @@ def sketch_attention(q, k, v, sketch: Sketch, *, causal: bool = True, normalize:
     k : Tensor ``[B, S, H, D]``
     v : Tensor ``[B, S, H, Dv]``
     sketch : Sketch
-        Its maps act on ``x[..., n, D]``; its parameters' leading (batch) shape must be ``[]``,
-        ``[H]`` or broadcast against ``[B, H]`` (one map per head). An :class:`sketchlab.LLoPS`
-        goes to :func:`llops_attention` (every backend, Θ cast to ``q``'s dtype); any other
+        Its maps act on ``x[..., n, D]``; its parameters' leading (batch) shape must broadcast
+        against ``[B, H]``: ``[]``, ``[H]``, ``[1, H]`` (one map per head) or ``[B, H]`` (one per
+        batch element and head: a fitted ``[L, H]`` sketch runs on a dump's ``[L, H, n, d]``
+        tensors permuted to ``[L, n, H, d]``). An :class:`sketchlab.LLoPS` goes to
+        :func:`llops_attention` (every backend; Θ cast to ``q``'s dtype; per-batch maps folded into
+        the heads); any other
         sketch computes ``features_q``/``features_k`` (its own dtype, promoted with ``v``'s) and
         runs :func:`sketchlab.attention.feature_attention` (``backend`` ``"auto"``/``"torch"``)
         or the dense float64 twin (``"reference"``); there is no fused kernel for them.
     causal, normalize, non_negative, eps, chunk_size
         As in :func:`llops_attention`.
+    segments : None, int or sequence of int
+        Lengths of sequences joined along the token axis (``T == S``): each is attended on its
+        own (see :func:`dump_segments`).
 
     Returns
     -------
@@ -150,31 +201,48 @@ def sketch_attention(q, k, v, sketch: Sketch, *, causal: bool = True, normalize:
     q, k, v = check_qkv(q, k, v, causal=causal)
     if q.shape[-1] != _sketch_dim(sketch, q.shape[-1]):
         raise ValueError(f"sketch acts on d={_sketch_dim(sketch, q.shape[-1])} but q and k have D={q.shape[-1]}")
-    H = q.shape[2]
+    B, H = q.shape[0], q.shape[2]
     if isinstance(sketch, LLoPS):
         theta_k = sketch.theta_q if sketch.theta_k is None else sketch.theta_k
-        tq = _head_params(sketch.theta_q, H, "theta_q").to(q.dtype)
-        tk = _head_params(theta_k, H, "theta_k").to(q.dtype)
-        return llops_attention(q, k, v, tq, tk, causal=causal, normalize=normalize, non_negative=non_negative,
-                               eps=eps, backend=backend, chunk_size=chunk_size)
+        tq = _map_params(sketch.theta_q, B, H, "theta_q").to(q.dtype)
+        tk = _map_params(theta_k, B, H, "theta_k").to(q.dtype)
+
+        def run(qs, ks, vs):
+            if tq.ndim == 5:
+                return llops_attention(qs, ks, vs, tq, tk, causal=causal, normalize=normalize,
+                                       non_negative=non_negative, eps=eps, backend=backend, chunk_size=chunk_size)
+
+            def fold(x):  # [B, T, H, ·] -> [1, T, B·H, ·]
+                return x.transpose(0, 1).reshape(1, x.shape[1], B * H, x.shape[-1])
+
+            out = llops_attention(fold(qs), fold(ks), fold(vs), tq.flatten(0, 1), tk.flatten(0, 1), causal=causal,
+                                  normalize=normalize, non_negative=non_negative, eps=eps, backend=backend,
+                                  chunk_size=chunk_size)  # [1, T, B·H, Dv]
+            return out.reshape(qs.shape[1], B, H, -1).transpose(0, 1)  # [B, T, H, Dv]
+
+        return _by_segments(run, segments, q, k, v)
     backend = resolve_backend(backend, q.device)
     if backend == "triton":
         raise ValueError(f"backend='triton' fuses only LLoPS maps; {type(sketch).__name__} runs with backend='torch' "
                          "(its features through the chunked path) or 'reference'")
     fq = sketch.features_q(q.transpose(1, 2))  # [B, H, T, M]
     fk = sketch.features_k(k.transpose(1, 2))  # [B, H, S, M]
-    if fq.shape[:2] != (q.shape[0], H) or fq.shape[-2] != q.shape[1]:
+    if fq.shape[:2] != (B, H) or fq.shape[-2] != q.shape[1]:
         raise ValueError(
-            f"{type(sketch).__name__} features of q have shape {tuple(fq.shape)}, expected [B={q.shape[0]}, H={H}, "
-            f"T={q.shape[1]}, M]: its batch shape must be [] or [H] (select one layer of an [L, H] sketch first)"
+            f"{type(sketch).__name__} features of q have shape {tuple(fq.shape)}, expected [B={B}, H={H}, "
+            f"T={q.shape[1]}, M]: its batch shape must broadcast against [B, H]"
         )
     dtype = torch.promote_types(fq.dtype, v.dtype)
     fq, fk, vv = fq.to(dtype).transpose(1, 2), fk.to(dtype).transpose(1, 2), v.to(dtype)  # [B, T|S, H, ·]
-    if backend == "reference":
-        return feature_attention_naive(fq, fk, vv, causal=causal, normalize=normalize, eps=eps,
-                                       non_negative=non_negative)
-    return feature_attention(fq, fk, vv, causal=causal, normalize=normalize, eps=eps, non_negative=non_negative,
-                             chunk_size=chunk_size)
+
+    def run_features(fqs, fks, vs):
+        if backend == "reference":
+            return feature_attention_naive(fqs, fks, vs, causal=causal, normalize=normalize, eps=eps,
+                                           non_negative=non_negative)
+        return feature_attention(fqs, fks, vs, causal=causal, normalize=normalize, eps=eps, non_negative=non_negative,
+                                 chunk_size=chunk_size)
+
+    return _by_segments(run_features, segments, fq, fk, vv)
 
 
 def _sketch_dim(sketch: Sketch, default: int) -> int:
@@ -189,36 +257,57 @@ def _sketch_dim(sketch: Sketch, default: int) -> int:
 
 
 def poly_attention(q, k, v, p: int, *, causal: bool = True, normalize: str = "sum", eps: float = 1e-6,
-                   block_size: int = 256, max_bytes: int = DEFAULT_MAX_BYTES) -> torch.Tensor:
+                   block_size: int = 256, max_bytes: int = DEFAULT_MAX_BYTES, segments=None) -> torch.Tensor:
     r"""Exact polynomial attention, scores :math:`a_{ts} = (q_t\cdot k_s)^p`, blocked over queries.
 
     Quadratic time (``T·S·D``); memory ``O(block_size · S)`` per (batch, head) for the scores of
-    one query block, never ``T × S`` at once. ``q [B, T, H, D]``, ``k [B, S, H, D]``,
+    one query block, never ``T × S`` at once (blocks are checkpointed under autograd). ``q [B, T, H, D]``, ``k [B, S, H, D]``,
     ``v [B, S, H, Dv]`` → ``[B, T, H, Dv]``; no scaling applied. Causal blocks read only the keys
-    up to their last query. ``normalize="sum"`` is safe for even ``p`` only.
+    up to their last query. ``normalize="sum"`` is safe for even ``p`` only. ``segments``: as in
+    :func:`sketch_attention`.
     """
     p = check_degree(p)
     check_flag(causal, "causal")
     normalize, eps = check_normalize(normalize), check_eps(eps)
     block_size = check_positive_int(block_size, "block_size")
     q, k, v = check_qkv(q, k, v, causal=causal)
-    B, T, H, _ = q.shape
+    B, H = q.shape[0], q.shape[2]
     check_memory(B * H * block_size * k.shape[1] * q.element_size(),
                  what=f"the scores of one query block ([B={B}, H={H}, {block_size}, S={k.shape[1]}])",
                  way_out="lower block_size", max_bytes=max_bytes)
+    return _by_segments(lambda qs, ks, vs: _poly_blocks(qs, ks, vs, p, causal, normalize, eps, block_size),
+                        segments, q, k, v)
+
+
+def _poly_block(q_blk, k, v, start, p, causal, normalize, eps):
+    """One query block of exact polynomial attention on ``[B, H, ·, ·]`` tensors; keys already cut to the block's end when causal."""
+    scores = (q_blk @ k.mT) ** p  # [B, H, n_blk, S']
+    if causal:
+        rows = torch.arange(start, start + q_blk.shape[2], device=q_blk.device)[:, None]
+        scores = scores.masked_fill(torch.arange(k.shape[2], device=q_blk.device)[None, :] > rows, 0.0)
+    out = scores @ v  # [B, H, n_blk, Dv]
+    if normalize == "sum":
+        out = out / (scores.sum(-1, keepdim=True) + eps)
+    return out
+
+
+def _poly_blocks(q, k, v, p, causal, normalize, eps, block_size):
+    """Blocked exact polynomial attention on validated ``[B, T, H, ·]`` tensors (see :func:`poly_attention`).
+
+    Under autograd each block is checkpointed (its scores recomputed in the backward pass), so the
+    backward pass also holds one block's scores at a time, not ``T × S``.
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    T = q.shape[1]
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T|S, ·]
+    grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
     outs = []
     for a in range(0, T, block_size):
         b = min(a + block_size, T)
         stop = b if causal else k.shape[1]
-        scores = (qt[:, :, a:b] @ kt[:, :, :stop].mT) ** p  # [B, H, b - a, stop]
-        if causal:
-            rows = torch.arange(a, b, device=q.device)[:, None]
-            scores = scores.masked_fill(torch.arange(stop, device=q.device)[None, :] > rows, 0.0)
-        out = scores @ vt[:, :, :stop]  # [B, H, b - a, Dv]
-        if normalize == "sum":
-            out = out / (scores.sum(-1, keepdim=True) + eps)
-        outs.append(out)
+        args = (qt[:, :, a:b], kt[:, :, :stop], vt[:, :, :stop], a, p, causal, normalize, eps)
+        outs.append(checkpoint(_poly_block, *args, use_reentrant=False) if grad else _poly_block(*args))
     return torch.cat(outs, 2).transpose(1, 2)  # [B, T, H, Dv]
 
 

@@ -8,7 +8,7 @@ r"""Linearise a trained softmax :class:`~sketchlab.tasks.TransformerLM`: fitted 
    the inputs the attention will see, ``x · D^{-1/4}`` (the ``"sqrt-d"`` convention: the kernel is a
    polynomial in ``qᵀk/√D``, the softmax model's logit), holding out a quarter of the tokens to
    report the held-out error;
-3. export Θ (:func:`sketchlab.io.save_theta`, ``scale="sqrt-d"``);
+3. export Θ (:func:`sketchlab.export_theta`, ``scale="sqrt-d"``);
 4. build the same model with ``llops`` attention, the softmax model's other weights
    (:func:`~sketchlab.tasks.copy_shared_weights`) and Θ from the export
    (:func:`~sketchlab.tasks.init_llops` ``"theta"``: the export's scale equals the model's, so Θ is
@@ -86,10 +86,6 @@ def _write_text(path: Path, text: str) -> None:
 
     with atomic_write(path) as tmp:
         tmp.write_text(text, encoding="utf-8")
-
-
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def attention_transfer_loss(model: TransformerLM):
@@ -200,10 +196,9 @@ def linearize(
     -------
     LinearizeResult
     """
-    from .. import __version__
     from ..capture import capture_qk
+    from ..export import export_theta
     from ..fit import fit_sketch
-    from ..io import save_theta
 
     p, m, rank = check_positive_int(p, "p"), check_positive_int(m, "m"), check_positive_int(rank, "rank")
     if not isinstance(non_negative, bool):
@@ -253,21 +248,19 @@ def linearize(
     seconds["fit"] = time.perf_counter() - t0
     report = fit.report.as_dict()
 
-    # 3. export
-    theta_q = fit.sketch.theta_q.detach()
-    theta_k = theta_q if fit.sketch.theta_k is None else fit.sketch.theta_k.detach()
-    theta_path = save_theta(
-        out / "theta.safetensors", theta_q.float(), theta_k.float(), p=p_theta, m=m, t=rank, d=D, method="llops",
-        scale="sqrt-d", source_sha256=_sha256(capture_path), sketchlab_version=__version__,
-        errors={key: report[key] for key in ("rel_fro", "rel_mae", "optimality_ratio", "holdout_rel_fro",
-                                             "holdout_rel_mae", "holdout_optimality_ratio")},
-    )
+    # 3. export (every metadata field from the fit and the capture file)
+    theta_path = export_theta(fit, out / "theta.safetensors", dump=capture_path, scale="sqrt-d")
 
     # 4. the linearised model
     torch.manual_seed(seed)
     student = TransformerLM(student_cfg)
     copy_shared_weights(teacher, student)
     init_info = init_llops(student, "theta", theta_path)
+    # the export's bytes carry the fit's wall time; the run identity (resume check) keeps Θ's values only
+    init_info.pop("sha256")
+    theta_bytes = b"".join(kernel.theta_q.detach().numpy().tobytes() + kernel.theta_k.detach().numpy().tobytes()
+                           for kernel in kernel_modules(student))
+    init_info["theta_sha256"] = hashlib.sha256(theta_bytes).hexdigest()
     student.eval()
 
     # 5. step 0

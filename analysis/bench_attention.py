@@ -1,0 +1,374 @@
+"""The LLoPS paper's Figure 2 on this machine: attention time vs sequence length.
+
+One run, side by side: causal softmax (SDPA), exact polynomial attention (quadratic, blocked),
+BASED's Taylor map (273 features) through the chunked linear-attention path, and LLoPS at
+m ∈ {64, 128, 256} (chunked PyTorch; under ``--device cuda`` also the fused Triton kernel and fla's
+``chunk_linear_attn`` on materialised LLoPS features when importable). Forward and
+forward+backward time, ratios to SDPA, achieved GFLOP/s against a matmul peak measured in the same
+run, and peak memory. Writes ``analysis/results/attention_<device>.md`` and ``.png``.
+
+    .venv/bin/python analysis/bench_attention.py                 # full run, ~5-10 min on 1 CPU thread
+    .venv/bin/python analysis/bench_attention.py --quick         # smoke run, seconds
+
+Peak memory (CPU) is the growth of the process's peak resident set (``VmHWM``, reset through
+``/proc/self/clear_refs`` before each measurement, free heap returned with ``malloc_trim``) over
+the resident set before it; on CUDA ``torch.cuda.max_memory_allocated``. The inputs q, k, v are
+allocated before and not counted.
+
+FLOP model (forward; "useful" FLOPs, multiply-add = 2): softmax and exact polynomial attention
+``2·B·H·T(T+1)/2·(D + Dv)`` (the causal half of ``QKᵀ`` and ``AV``); chunked linear attention with
+``M`` features and chunk ``C``: features (LLoPS ``2·2·B·H·T·D·t·p·M``, BASED ``2·2·B·H·T·D·16``) +
+intra-chunk ``2·B·H·T·C·(M + Dv)`` + state update and read ``2·2·B·H·T·M·Dv``. Forward+backward
+is counted as 3× forward (the usual estimate).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import math
+import platform
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from sketchlab.attention import feature_attention, llops_attention, poly_attention, softmax_attention  # noqa: E402
+from sketchlab.attention.chunked import DEFAULT_CHUNK_SIZE  # noqa: E402
+from sketchlab.io import atomic_write  # noqa: E402
+from sketchlab.sketches.based import taylor_features  # noqa: E402
+
+BASED_DIM = 16  # BASED projects to 16 dims: 1 + 16 + 16² = 273 Taylor features
+
+
+@dataclass
+class Method:
+    name: str
+    fn: object  # (q, k, v) -> out
+    flops: object  # (B, H, T, D, Dv) -> forward FLOPs
+    kind: str  # "quadratic" or "linear"
+
+
+def _libc():
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+
+
+LIBC = _libc()
+
+
+def _status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {key}")
+
+
+class Memory:
+    """Peak memory of one call above what was resident before it."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cpu_ok = device.type == "cpu" and Path("/proc/self/clear_refs").exists()
+
+    def start(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.base = torch.cuda.memory_allocated()
+        elif self.cpu_ok:
+            if LIBC is not None:
+                LIBC.malloc_trim(0)
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # reset VmHWM to the current RSS
+            self.base = _status("VmRSS")
+
+    def stop(self) -> float:
+        """Peak bytes above the start, or NaN where this platform cannot tell."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            return float(torch.cuda.max_memory_allocated() - self.base)
+        if self.cpu_ok:
+            return float(_status("VmHWM") - self.base)
+        return math.nan
+
+
+def matmul_peak(device, dtype, threads_note: str) -> float:
+    """Best GFLOP/s of a 2048³ matmul (3 tries, after a warm-up)."""
+    n = 2048
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    best = math.inf
+    for _ in range(4):
+        _sync(device)
+        t0 = time.perf_counter()
+        a @ b
+        _sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best / 1e9
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_call(fn, device, *, backward: bool, budget_s: float, max_reps: int) -> float:
+    """Best wall time of ``fn`` (forward, or forward + backward of ``out.sum()``) over repeats.
+
+    A warm-up call first unless one call already takes over a second (then warm-up effects are
+    negligible); then repeats until ``max_reps`` or ``budget_s`` spent.
+    """
+    def once():
+        _sync(device)
+        t0 = time.perf_counter()
+        if backward:
+            out = fn()
+            out.sum().backward()
+        else:
+            with torch.no_grad():
+                fn()
+        _sync(device)
+        return time.perf_counter() - t0
+
+    first = once()
+    if first > 1.0:
+        return first
+    best, spent = math.inf, 0.0
+    for _ in range(max_reps):
+        dt = once()
+        best, spent = min(best, dt), spent + dt
+        if spent > budget_s:
+            break
+    return best
+
+
+def linear_flops(features_flops_per_token, M, C):
+    def flops(B, H, T, D, Dv):
+        return B * H * T * (features_flops_per_token(D) + 2 * C * (M + Dv) + 4 * M * Dv)
+    return flops
+
+
+def quadratic_flops(B, H, T, D, Dv):
+    return 2 * B * H * T * (T + 1) / 2 * (D + Dv)
+
+
+def build_methods(args, device, dtype, D, gen) -> list[Method]:
+    C = args.chunk_size
+    H = args.heads
+    methods = [
+        Method("softmax (SDPA)", lambda q, k, v: softmax_attention(q, k, v), quadratic_flops, "quadratic"),
+        Method(f"exact poly p={args.p} (blocked)",
+               lambda q, k, v: poly_attention(q * D**-0.25, k * D**-0.25, v, args.p), quadratic_flops, "quadratic"),
+    ]
+    proj = (torch.randn(D, BASED_DIM, generator=gen) / math.sqrt(D)).to(device=device, dtype=dtype)
+    proj.requires_grad_(True)
+    n_based = 1 + BASED_DIM + BASED_DIM**2
+
+    def based(q, k, v):
+        fq = taylor_features(q, proj)  # [B, T, H, 273] (proj broadcasts over the leading axes)
+        fk = taylor_features(k, proj)
+        return feature_attention(fq, fk, v, chunk_size=C)
+
+    methods.append(Method(f"BASED Taylor ({n_based} feat., chunked)", based,
+                          linear_flops(lambda d: 4 * d * BASED_DIM, n_based, C), "linear"))
+    for m in args.m:
+        # equal factors Θ_{r,1} = Θ_{r,2}: features (θ·x)² ≥ 0, so normalize="sum" is safe
+        base = torch.randn(H, 1, 1, D, m, generator=gen) / math.sqrt(D)
+        theta = base.expand(-1, -1, args.p, -1, -1).contiguous().to(device=device, dtype=dtype).requires_grad_(True)
+        methods.append(Method(f"LLoPS m={m} (chunked torch)",
+                              lambda q, k, v, th=theta: llops_attention(q, k, v, th, th, backend="torch", chunk_size=C),
+                              linear_flops(lambda d, m=m: 4 * d * args.p * m, m, C), "linear"))
+        if device.type == "cuda":
+            try:
+                from sketchlab.attention.triton import llops_attention_triton  # noqa: F401
+                methods.append(Method(f"LLoPS m={m} (Triton)",
+                                      lambda q, k, v, th=theta: llops_attention(q, k, v, th, th, backend="triton"),
+                                      linear_flops(lambda d, m=m: 4 * d * args.p * m, m, C), "linear"))
+            except ImportError as err:
+                print(f"Triton kernel not importable ({err}); skipped", file=sys.stderr)
+            try:
+                from fla.ops.linear_attn import chunk_linear_attn
+                from sketchlab.attention.chunked import llops_feature_fn
+
+                def fla(q, k, v, th=theta):
+                    fq = llops_feature_fn(th)(q.transpose(1, 2))  # [B, H, T, M]
+                    fk = llops_feature_fn(th)(k.transpose(1, 2))
+                    out = chunk_linear_attn(fq.transpose(1, 2), fk.transpose(1, 2), v, normalize=True)
+                    return out[0] if isinstance(out, tuple) else out
+
+                methods.append(Method(f"LLoPS m={m} features + fla chunk_linear_attn", fla,
+                                      linear_flops(lambda d, m=m: 4 * d * args.p * m, m, C), "linear"))
+            except ImportError as err:
+                print(f"fla not importable ({err}); skipped", file=sys.stderr)
+    return methods
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--T", type=lambda s: [int(x) for x in s.split(",")], default=[1024, 2048, 4096, 8192, 16384])
+    parser.add_argument("--d", type=int, default=128, help="head dimension D (= Dv)")
+    parser.add_argument("--p", type=int, default=2)
+    parser.add_argument("--m", type=lambda s: [int(x) for x in s.split(",")], default=[64, 128, 256])
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--heads", type=int, default=2)
+    parser.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (default 1: on a shared machine multi-threaded small ops wait on "
+                             "descheduled threads and the timings become noise)")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--max-reps", type=int, default=3)
+    parser.add_argument("--budget-s", type=float, default=3.0, help="time spent repeating one measurement")
+    parser.add_argument("--no-backward", action="store_true", help="forward only")
+    parser.add_argument("--quick", action="store_true", help="smoke run: T = 256, 512, m = 64, 128")
+    parser.add_argument("--out", default=None, help="markdown output (default analysis/results/attention_<device>.md)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.T, args.m, args.max_reps, args.budget_s = [256, 512], [64, 128], 1, 0.2
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda but torch sees no CUDA device")
+    dtype = getattr(torch, args.dtype)
+    out_md = Path(args.out) if args.out else ROOT / "analysis" / "results" / f"attention_{args.device}.md"
+    if not out_md.parent.is_dir():
+        parser.error(f"output directory {out_md.parent} does not exist")
+
+    gen = torch.Generator().manual_seed(0)
+    D, B, H = args.d, args.batch, args.heads
+    peak = matmul_peak(device, dtype, f"{args.threads} thread(s)")
+    print(f"matmul peak: {peak:.1f} GFLOP/s ({args.dtype}, {args.threads} thread(s), {device})", flush=True)
+    methods = build_methods(args, device, dtype, D, gen)
+    mem = Memory(device)
+    # warm-up: every method once, forward and backward, at a small T (first-call costs: imports,
+    # allocator growth, kernel selection) so that a single timed call at large T is meaningful
+    small = [torch.randn(B, 128, H, D, generator=gen).to(device=device, dtype=dtype).requires_grad_(True)
+             for _ in range(3)]
+    for meth in methods:
+        meth.fn(*small).sum().backward()
+    rows = []  # (method, T, fwd_s, bwd_s, fwd_mem, bwd_mem, flops)
+    t_start = time.perf_counter()
+    for T in args.T:
+        q = (torch.randn(B, T, H, D, generator=gen)).to(device=device, dtype=dtype).requires_grad_(True)
+        k = (torch.randn(B, T, H, D, generator=gen)).to(device=device, dtype=dtype).requires_grad_(True)
+        v = (torch.randn(B, T, H, D, generator=gen)).to(device=device, dtype=dtype).requires_grad_(True)
+        for meth in methods:
+            call = lambda meth=meth: meth.fn(q, k, v)  # noqa: E731
+            fwd = time_call(call, device, backward=False, budget_s=args.budget_s, max_reps=args.max_reps)
+            mem.start()
+            with torch.no_grad():
+                call()
+            fwd_mem = mem.stop()
+            bwd = bwd_mem = math.nan
+            if not args.no_backward:
+                bwd = time_call(call, device, backward=True, budget_s=args.budget_s, max_reps=args.max_reps)
+                for x in (q, k, v):
+                    x.grad = None
+                mem.start()
+                call().sum().backward()
+                bwd_mem = mem.stop()
+                for x in (q, k, v):
+                    x.grad = None
+            flops = meth.flops(B, H, T, D, D)
+            rows.append((meth.name, T, fwd, bwd, fwd_mem, bwd_mem, flops))
+            print(f"T={T:6d} {meth.name:45s} fwd {fwd:8.4f}s  fwd+bwd {bwd:8.4f}s  "
+                  f"mem {fwd_mem / 2**20:8.1f} / {bwd_mem / 2**20:8.1f} MiB  {flops / fwd / 1e9:7.2f} GFLOP/s",
+                  flush=True)
+    wall = time.perf_counter() - t_start
+    text = report(args, rows, peak, wall, device)
+    with atomic_write(out_md) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+    plot(rows, out_md.with_suffix(".png"), args)
+    print(text)
+    print(f"wrote {out_md} and {out_md.with_suffix('.png')}")
+    return 0
+
+
+def _fmt_mib(x):
+    return "n/a" if math.isnan(x) else f"{x / 2**20:.1f}"
+
+
+def report(args, rows, peak, wall, device) -> str:
+    sdpa = {T: (f, b) for name, T, f, b, *_ in rows if name.startswith("softmax")}
+    lines = [
+        f"# Attention time vs sequence length ({device.type.upper()}) — the LLoPS paper's Figure 2",
+        "",
+        f"Command: `.venv/bin/python analysis/bench_attention.py {' '.join(sys.argv[1:])}`".rstrip(),
+        "",
+        f"B = {args.batch}, H = {args.heads}, D = Dv = {args.d}, p = {args.p}, {args.dtype}, chunk C = "
+        f"{args.chunk_size}, causal, {args.threads} torch thread(s); torch {torch.__version__}, "
+        f"{platform.processor() or platform.machine()}; best of up to {args.max_reps} runs "
+        f"(one run when a call takes over 1 s); wall time of the whole run {wall:.0f} s.",
+        f"Matmul peak measured in this run (2048³ {args.dtype}): **{peak:.1f} GFLOP/s**.",
+        "Linear methods use normalize=\"sum\" on non-negative maps (LLoPS Θ with equal factors, features "
+        "(θ·x)²; BASED's 1 + s + s²/2 > 0); exact polynomial attention scales q, k by D^-1/4.",
+        "Memory: peak above the resident set before the call (inputs excluded); see the script's docstring.",
+        "",
+        "| method | T | fwd (s) | fwd / SDPA | fwd+bwd (s) | fwd+bwd / SDPA | fwd GFLOP/s | fwd % of peak "
+        "| fwd peak MiB | fwd+bwd peak MiB |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, T, f, b, fm, bm, flops in rows:
+        sf, sb = sdpa.get(T, (math.nan, math.nan))
+        gf = flops / f / 1e9
+        lines.append(f"| {name} | {T} | {f:.4f} | {f / sf:.3f} | {b:.4f} | {b / sb:.3f} | {gf:.2f} | "
+                     f"{100 * gf / peak:.1f} | {_fmt_mib(fm)} | {_fmt_mib(bm)} |")
+    lines += ["", "## Checks (largest T)", ""]
+    T_max, T_min = max(args.T), min(args.T)
+    by = {(name, T): (f, b, fm, bm) for name, T, f, b, fm, bm, _ in rows}
+    llops128 = next((n for n, T, *_ in rows if n.startswith("LLoPS m=128 (chunked")), None)
+    based = next((n for n, T, *_ in rows if n.startswith("BASED")), None)
+    if llops128 and based and ("softmax (SDPA)", T_max) in by:
+        f_l, f_b, f_s = by[(llops128, T_max)][0], by[(based, T_max)][0], by[("softmax (SDPA)", T_max)][0]
+        lines.append(f"- LLoPS m=128 chunked forward at T={T_max}: {f_l:.4f} s = **{f_l / f_s:.3f}× SDPA** "
+                     f"(target ≤ 0.2×: {'met' if f_l / f_s <= 0.2 else 'NOT met'}), **{f_l / f_b:.3f}× BASED** "
+                     f"(target ≤ 1: {'met' if f_l <= f_b else 'NOT met'}).")
+    for name in dict.fromkeys(n for n, *_ in rows):
+        if (name, T_min) in by and (name, T_max) in by:
+            fm0, fm1 = by[(name, T_min)][2], by[(name, T_max)][2]
+            bm0, bm1 = by[(name, T_min)][3], by[(name, T_max)][3]
+            if not math.isnan(fm1):
+                growth = max(fm1 / T_max / (fm0 / T_min), bm1 / T_max / (bm0 / T_min))
+                verdict = "linear in T" if growth <= 1.5 else f"grows {growth:.1f}× faster than T"
+                lines.append(f"- {name}: peak memory per token {fm0 / T_min / 1024:.1f} → {fm1 / T_max / 1024:.1f} KiB "
+                             f"(forward), {bm0 / T_min / 1024:.1f} → {bm1 / T_max / 1024:.1f} KiB (fwd+bwd) from "
+                             f"T={T_min} to T={T_max}: {verdict}.")
+    lines.append("")
+    return "\n".join(lines)
+
+
+def plot(rows, path: Path, args) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
+    names = list(dict.fromkeys(n for n, *_ in rows))
+    for ax, idx, title in ((axes[0], 2, "forward"), (axes[1], 3, "forward + backward")):
+        for name in names:
+            pts = [(T, r[idx]) for r in rows if r[0] == name for T in [r[1]] if not math.isnan(r[idx])]
+            if pts:
+                ax.loglog(*zip(*pts), marker="o", label=name)
+        ax.set_xlabel("sequence length T")
+        ax.set_ylabel("seconds")
+        ax.set_title(f"{title} (D={args.d}, p={args.p}, H={args.heads})")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    with atomic_write(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,247 @@
+r"""``LLoPSAttention``: a multi-head attention block whose kernel is a per-head LLoPS map.
+
+Layout ``[B, T, E]`` for the block's input and output (``E = embed_dim``), ``[B, T, H, D]`` for the
+per-head queries, keys and values inside. The block computes
+
+.. math:: q, k, v = x W_Q, x W_K, x W_V \;(\text{split into } H \text{ heads of } D), \qquad
+          o = \mathrm{LLoPSAttn}(s\,q, s\,k, v)\, W_O,
+
+where ``s`` is the factor the Q/K were scaled by when Θ was fitted (``"sqrt-d"`` → ``D^{-1/4}``,
+so :math:`\phi(s q)\cdot\phi(s k)` approximates :math:`(q\cdot k/\sqrt D)^p`) and LLoPSAttn is
+:func:`sketchlab.attention.llops_attention` with Θ ``[H, t, p, D, M]``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from .._validation import as_float_tensor, check_degree, check_positive_int, check_real
+from ._checks import check_eps, check_flag, check_normalize, check_theta
+from .chunked import DEFAULT_CHUNK_SIZE
+from .functional import llops_attention, resolve_backend
+
+__all__ = ["LLoPSAttention", "parse_scale"]
+
+
+def parse_scale(label, head_dim: int) -> float:
+    """The factor on ``q`` and ``k`` for a Θ export's ``scale``: ``"none"`` → 1, ``"sqrt-d"`` →
+    ``D^{-1/4}``, a number (or its string) → itself (positive, finite)."""
+    if isinstance(label, str):
+        if label == "none":
+            return 1.0
+        if label == "sqrt-d":
+            return float(head_dim) ** -0.25
+        try:
+            value = float(label)
+        except ValueError:
+            raise ValueError(f"scale must be 'none', 'sqrt-d' or a positive number, got {label!r}") from None
+        return check_real(value, "scale", positive=True)
+    return check_real(label, "scale", positive=True)
+
+
+class LLoPSAttention(nn.Module):
+    r"""Multi-head attention with per-head LLoPS feature maps (linear in ``T``).
+
+    Parameters
+    ----------
+    embed_dim : int
+        Model width ``E`` of the input ``x[B, T, E]``.
+    num_heads : int
+        Heads ``H``; the head dimension is ``head_dim`` (default ``E // H``, which must divide).
+    p, m, rank : int or None
+        Degree, features per map ``M`` and CP rank ``t``. Without ``theta_q`` they size a fresh Θ
+        (defaults 2, 64, 1); with it, any that is given must equal Θ's (an export of the wrong
+        degree or size is rejected, not silently used).
+    theta_q, theta_k : Tensor ``[H, t, p, D, M]`` or None
+        Initial Θ; ``theta_k=None`` ties the key map to the query map. Without ``theta_q``, Θ is
+        drawn (seeded) as :math:`\theta_{r,1} = \dots = \theta_{r,p} \sim N(0, 1/D)`, so each feature
+        is :math:`(\theta_r\cdot x)^p`, non-negative for even ``p`` (safe with ``normalize="sum"``).
+    learn_theta : bool
+        Θ as parameters (trained with the block) or frozen buffers.
+    scale : "none", "sqrt-d" or float
+        Factor ``s`` applied to ``q`` and ``k`` before the feature map (see the module docstring).
+    causal, normalize, non_negative, eps, backend, chunk_size
+        Passed to :func:`sketchlab.attention.llops_attention`.
+    bias : bool
+        Biases in the four projections.
+    seed : int
+        Seeds the projections' and Θ's initialisation.
+    dtype, device
+        Of every parameter.
+    """
+
+    def __init__(self, embed_dim: int, num_heads: int, *, head_dim: int | None = None, p: int | None = None,
+                 m: int | None = None, rank: int | None = None, theta_q=None, theta_k=None, learn_theta: bool = True, scale="sqrt-d",
+                 causal: bool = True, normalize: str = "sum", non_negative: bool = False, eps: float = 1e-6,
+                 backend: str = "auto", chunk_size: int = DEFAULT_CHUNK_SIZE, bias: bool = False, seed: int = 0,
+                 dtype: torch.dtype = torch.float32, device=None):
+        super().__init__()
+        embed_dim = check_positive_int(embed_dim, "embed_dim")
+        num_heads = check_positive_int(num_heads, "num_heads")
+        if head_dim is None:
+            if embed_dim % num_heads:
+                raise ValueError(f"embed_dim={embed_dim} must be divisible by num_heads={num_heads} (or pass head_dim)")
+            head_dim = embed_dim // num_heads
+        head_dim = check_positive_int(head_dim, "head_dim")
+        self.embed_dim, self.num_heads, self.head_dim = embed_dim, num_heads, head_dim
+        self.causal = check_flag(causal, "causal")
+        self.normalize = check_normalize(normalize)
+        self.non_negative = check_flag(non_negative, "non_negative")
+        self.eps = check_eps(eps)
+        resolve_backend(backend, torch.device("cpu"))  # validates the name
+        self.backend = backend
+        self.chunk_size = check_positive_int(chunk_size, "chunk_size")
+        self.scale_label = scale if isinstance(scale, str) else repr(float(scale))
+        self.qk_scale = parse_scale(scale, head_dim)
+        check_flag(learn_theta, "learn_theta")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"seed must be an int, got {seed!r}")
+        gen = torch.Generator().manual_seed(seed)
+        inner = num_heads * head_dim
+
+        def linear(n_in, n_out):
+            layer = nn.Linear(n_in, n_out, bias=bias, dtype=torch.float64)
+            bound = 1 / math.sqrt(n_in)  # nn.Linear's default range, drawn from our generator
+            with torch.no_grad():
+                layer.weight.uniform_(-bound, bound, generator=gen)
+                if bias:
+                    layer.bias.uniform_(-bound, bound, generator=gen)
+            return layer.to(dtype=dtype, device=device)
+
+        self.q_proj, self.k_proj = linear(embed_dim, inner), linear(embed_dim, inner)
+        self.v_proj, self.o_proj = linear(embed_dim, inner), linear(inner, embed_dim)
+
+        if theta_q is None:
+            p = check_degree(2 if p is None else p)
+            m = check_positive_int(64 if m is None else m, "m")
+            rank = check_positive_int(1 if rank is None else rank, "rank")
+            base = torch.randn(num_heads, rank, 1, head_dim, m, generator=gen, dtype=torch.float64) / math.sqrt(head_dim)
+            theta_q = base.expand(-1, -1, p, -1, -1).clone()  # [H, t, p, D, M], equal factors
+            theta_k = None
+        theta_q = as_float_tensor(theta_q, "theta_q").detach().to(dtype=dtype, device=device)
+        tied = theta_k is None
+        theta_k = theta_q if tied else as_float_tensor(theta_k, "theta_k").detach().to(dtype=dtype, device=device)
+        probe = torch.empty(0, dtype=dtype, device=theta_q.device)
+        check_theta(theta_q, theta_k, heads=num_heads, dim=head_dim, like=probe)
+        for name, want, axis in (("p (the degree)", p, 2), ("m (features per map)", m, 4), ("rank", rank, 1)):
+            if want is not None and want != theta_q.shape[axis]:
+                raise ValueError(
+                    f"theta_q has {name} = {theta_q.shape[axis]} (axis {axis} of [H, t, p, D, M] = "
+                    f"{list(theta_q.shape)}), but {name.split()[0]}={want} was asked for"
+                )
+        self.tied = tied
+        if learn_theta:
+            self.theta_q = nn.Parameter(theta_q.clone())
+            self.theta_k = None if tied else nn.Parameter(theta_k.clone())
+        else:
+            self.register_buffer("theta_q", theta_q.clone())
+            self.register_buffer("theta_k", None if tied else theta_k.clone())
+
+    @property
+    def degree(self) -> int:
+        """Degree ``p`` of each map."""
+        return self.theta_q.shape[2]
+
+    @property
+    def num_features(self) -> int:
+        """Features ``M`` per map."""
+        return self.theta_q.shape[-1]
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The attention core on per-head tensors: ``q, k [B, T, H, D]``, ``v [B, T, H, Dv]`` → ``[B, T, H, Dv]``.
+
+        Applies the Q/K scale, then :func:`llops_attention` with this block's Θ and settings.
+        """
+        theta_k = self.theta_q if self.theta_k is None else self.theta_k
+        return llops_attention(q * self.qk_scale, k * self.qk_scale, v, self.theta_q, theta_k, causal=self.causal,
+                               normalize=self.normalize, non_negative=self.non_negative, eps=self.eps,
+                               backend=self.backend, chunk_size=self.chunk_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x[B, T, E]`` → ``[B, T, E]``: projections, per-head LLoPS attention, output projection."""
+        x = as_float_tensor(x, "x")
+        if x.ndim != 3 or x.shape[-1] != self.embed_dim:
+            raise ValueError(f"x must have layout [B, T, E={self.embed_dim}], got shape {tuple(x.shape)}")
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)  # [B, T, H, D]
+        k = self.k_proj(x).view(B, T, self.num_heads, self.head_dim)  # [B, T, H, D]
+        v = self.v_proj(x).view(B, T, self.num_heads, self.head_dim)  # [B, T, H, D]
+        out = self.attend(q, k, v)  # [B, T, H, D]
+        return self.o_proj(out.reshape(B, T, self.num_heads * self.head_dim))  # [B, T, E]
+
+    @classmethod
+    def from_pretrained(cls, theta_file, layer: int = 0, *, embed_dim: int | None = None, **kwargs) -> "LLoPSAttention":
+        """A block with the Θ of one layer of a Θ export (:func:`sketchlab.load_theta`, DESIGN.md §3).
+
+        Parameters
+        ----------
+        theta_file : str or Path
+            A ``.safetensors`` file with ``theta_q``, ``theta_k`` ``[L, H, t, p, d, m]`` and its
+            metadata; the file's ``scale`` becomes the block's Q/K scale.
+        layer : int
+            Which layer (``0 … L-1``, negative counts from the end).
+        embed_dim : int or None
+            Model width; default ``H·d``.
+        **kwargs
+            Other :class:`LLoPSAttention` arguments (``learn_theta``, ``normalize``, ``seed``, ...).
+            The projections are initialised fresh (the export holds Θ only).
+        """
+        from ..io import load_theta, select_indices
+
+        theta_q, theta_k, meta = load_theta(theta_file)
+        if "scale" in kwargs:
+            raise ValueError(f"{theta_file}: scale comes from the file's metadata ({meta['scale']!r}); do not pass scale")
+        if isinstance(layer, bool) or not isinstance(layer, int):
+            raise TypeError(f"layer must be an int, got {layer!r}")
+        (index,) = select_indices([layer], theta_q.shape[0], "layer", str(theta_file))
+        L, H, t, p, d, m = theta_q.shape
+        dtype = kwargs.pop("dtype", theta_q.dtype)
+        block = cls(H * d if embed_dim is None else embed_dim, H, head_dim=d, theta_q=theta_q[index],
+                    theta_k=theta_k[index], scale=meta["scale"], dtype=dtype, **kwargs)
+        block.source = {"file": str(theta_file), "layer": index, **{key: meta[key] for key in ("method", "source_sha256")}}
+        return block
+
+    @classmethod
+    def from_sketch(cls, sketch, *, layer: int | None = None, scale="none", embed_dim: int | None = None,
+                    **kwargs) -> "LLoPSAttention":
+        """A block with the maps of a fitted sketch (``fit.sketch``).
+
+        Parameters
+        ----------
+        sketch : LLoPS, or a sketch with an exact LLoPS form (:func:`sketchlab.as_llops`:
+            element-wise, BASED "expand", PolySketch)
+            Parameters ``[H, t, p, d, m]`` or ``[L, H, t, p, d, m]`` (then pick ``layer``).
+        layer : int or None
+            Required when the sketch has a layer axis.
+        scale : "none", "sqrt-d" or float
+            The factor q and k were scaled by when the sketch was fitted.
+        """
+        from ..sketches import as_llops
+
+        llops = as_llops(sketch)
+        theta_q = llops.theta_q.detach()
+        theta_k = None if llops.theta_k is None else llops.theta_k.detach()
+        lead = tuple(theta_q.shape[:-4])
+        if len(lead) == 2:
+            if layer is None:
+                raise ValueError(f"the sketch has layers and heads {list(lead)}: pass layer=")
+            from ..io import select_indices
+
+            (index,) = select_indices([layer], lead[0], "layer", "sketch")
+            theta_q = theta_q[index]
+            theta_k = None if theta_k is None else theta_k[index]
+        elif len(lead) == 1:
+            if layer is not None:
+                raise ValueError(f"the sketch has no layer axis (leading shape {list(lead)}); pass layer=None")
+        elif len(lead) == 0:
+            theta_q = theta_q[None]
+            theta_k = None if theta_k is None else theta_k[None]
+        else:
+            raise ValueError(f"sketch parameters must have leading shape [H] or [L, H], got {list(lead)}")
+        H, _, _, d, _ = theta_q.shape
+        dtype = kwargs.pop("dtype", theta_q.dtype)
+        return cls(H * d if embed_dim is None else embed_dim, H, head_dim=d, theta_q=theta_q, theta_k=theta_k,
+                   scale=scale, dtype=dtype, **kwargs)

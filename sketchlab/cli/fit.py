@@ -1,0 +1,65 @@
+"""``sketchlab fit``: fit one sketch to a Q/K dump and export its Θ (DESIGN.md §3)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from ._common import UsageError, int_list, scale_arg
+
+#: Methods whose sketch has an exact Θ form (sketchlab.as_llops); the others cannot be exported.
+EXPORTABLE = ("llops", "elementwise", "based", "psf")
+
+
+def add_arguments(sub) -> None:
+    cmd = sub.add_parser("fit", help="fit one sketch to a Q/K dump and export its Θ as safetensors")
+    cmd.add_argument("dump", help="Q/K dump (.safetensors, .pt, .npy/.npz) with q, k of shape [L, H, n, d]")
+    cmd.add_argument("--method", default="llops", choices=EXPORTABLE,
+                     help="sketch to fit (one with an exact Θ form; default %(default)s)")
+    cmd.add_argument("--p", type=int, required=True, help="polynomial degree")
+    cmd.add_argument("--m", type=int, required=True, help="sketch size (features per map)")
+    cmd.add_argument("--out", required=True, help="output Θ file (.safetensors; never the input dump)")
+    cmd.add_argument("--layers", type=int_list, default=None, help="comma-separated layer positions (default: all)")
+    cmd.add_argument("--heads", type=int_list, default=None, help="comma-separated head positions (default: all)")
+    cmd.add_argument("--scale", type=scale_arg, default="sqrt-d",
+                     help="'sqrt-d' (x·d^-1/4, default), 'none', or a number multiplying q and k before fitting")
+    cmd.add_argument("--seed", type=int, default=0, help="seed of the held-out split and the fit")
+    cmd.add_argument("--holdout", type=float, default=0.25, help="fraction of tokens held out (default 0.25)")
+
+
+def _check_output(out: str, dump: str) -> Path:
+    """Reject a bad output location before any work: extension, directory, the dump itself."""
+    target = Path(out)
+    if target.suffix.lower() != ".safetensors":
+        raise UsageError(f"--out must be a .safetensors file, got {out!r}")
+    if not target.parent.is_dir():
+        raise UsageError(f"output directory {str(target.parent)!r} does not exist (for --out {out!r})")
+    if target.is_dir():
+        raise UsageError(f"--out {out!r} is a directory")
+    source = Path(dump)
+    if not source.is_file():
+        raise FileNotFoundError(f"Q/K dump {dump!r} does not exist")
+    if target.exists() and target.resolve() == source.resolve():
+        raise UsageError(f"--out {out!r} is the input dump; refusing to overwrite it")
+    return target
+
+
+def run(args) -> int:
+    from ..compare import resolve_scale
+    from ..fit import fit_sketch
+    from ..io import load_qk
+
+    target = _check_output(args.out, args.dump)
+    dump = load_qk(args.dump, layers=args.layers, heads=args.heads)
+    _, factor = resolve_scale(args.scale, dump.q.shape[-1])
+    fit = fit_sketch(args.method, dump.q * factor, dump.k * factor, p=args.p, m=args.m, seed=args.seed,
+                     holdout=args.holdout)
+    fit.scale = args.scale
+    fit.save_theta(target, dump=args.dump)
+    report = fit.report
+    line = (f"{args.method}: p={args.p} m={args.m} layers×heads={list(dump.q.shape[:2])} "
+            f"rel_fro={report.rel_fro.mean().item():.4g} optimality_ratio={report.optimality_ratio.mean().item():.4g}")
+    if report.holdout_rel_fro is not None:
+        line += f" holdout_rel_fro={report.holdout_rel_fro.mean().item():.4g}"
+    sys.stdout.write(f"{line}\nwrote {target}\n")
+    return 0

@@ -1,0 +1,89 @@
+"""LLoPSAttention: the block's forward against its parts, learnable/frozen Θ, from_sketch, and bad input."""
+
+import pytest
+import torch
+
+import sketchlab as sl
+from sketchlab.attention import LLoPSAttention, llops_attention_naive
+
+
+def _rand(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def test_forward_is_projections_then_llops_attention():
+    block = LLoPSAttention(12, 3, p=2, m=5, rank=2, dtype=torch.float64, normalize="sum", seed=1)
+    x = _rand(2, 17, 12, seed=2)
+    out = block(x)
+    q = block.q_proj(x).view(2, 17, 3, 4) * 4**-0.25  # scale "sqrt-d" by default
+    k = block.k_proj(x).view(2, 17, 3, 4) * 4**-0.25
+    v = block.v_proj(x).view(2, 17, 3, 4)
+    ref = llops_attention_naive(q, k, v, block.theta_q, block.theta_q, normalize="sum")  # tied
+    assert torch.allclose(out, block.o_proj(ref.reshape(2, 17, 12)), atol=1e-10, rtol=0)
+    # the default Θ has equal factors, so every feature is (θ·x)², ≥ 0: "sum" is safe
+    assert torch.equal(block.theta_q[:, :, 0], block.theta_q[:, :, 1])
+
+
+def test_learnable_and_frozen_theta():
+    x = _rand(1, 9, 8, seed=3)
+    block = LLoPSAttention(8, 2, m=4, dtype=torch.float64, theta_q=_rand(2, 1, 2, 4, 4, seed=4),
+                           theta_k=_rand(2, 1, 2, 4, 4, seed=5), normalize="none")
+    block(x).square().sum().backward()
+    assert block.theta_q.grad.abs().sum() > 0 and block.theta_k.grad.abs().sum() > 0
+    assert block.q_proj.weight.grad.abs().sum() > 0
+    frozen = LLoPSAttention(8, 2, dtype=torch.float64, learn_theta=False, seed=0)
+    assert "theta_q" not in dict(frozen.named_parameters()) and "theta_q" in dict(frozen.named_buffers())
+
+
+def test_from_sketch_layers_and_special_cases():
+    q, k = _rand(2, 2, 40, 4, seed=6) * 4**-0.5, _rand(2, 2, 40, 4, seed=7) * 4**-0.5
+    fit = sl.fit_sketch("llops", q, k, p=2, m=5)
+    block = LLoPSAttention.from_sketch(fit.sketch, layer=1, normalize="none")
+    assert torch.equal(block.theta_q, fit.sketch.theta_q[1].detach())
+    xq, xk, v = _rand(1, 11, 2, 4, seed=8), _rand(1, 11, 2, 4, seed=9), _rand(1, 11, 2, 4, seed=10)
+    ref = llops_attention_naive(xq, xk, v, fit.sketch.theta_q[1].detach(), fit.sketch.theta_k[1].detach(),
+                                normalize="none")
+    assert torch.allclose(block.attend(xq, xk, v), ref, atol=1e-10, rtol=0)
+    with pytest.raises(ValueError, match="pass layer="):
+        LLoPSAttention.from_sketch(fit.sketch)
+    based = sl.fit_sketch("based", q[0], k[0], p=2, m=10).sketch  # [H] batch, exact LLoPS form
+    assert LLoPSAttention.from_sketch(based).num_features == based.num_features
+    with pytest.raises(ValueError, match="no exact LLoPS form"):
+        LLoPSAttention.from_sketch(sl.TensorSketch.draw(4, 2, 5, seed=0))
+
+
+def test_from_pretrained_rejects_bad_layers_and_scale(tmp_path):
+    path = tmp_path / "t.safetensors"
+    theta = _rand(2, 3, 1, 2, 4, 5, seed=11)
+    sl.save_theta(path, theta, theta, p=2, m=5, t=1, d=4, method="llops", scale="1.5", source_sha256="0" * 64,
+                  errors={}, sketchlab_version=sl.__version__)
+    block = LLoPSAttention.from_pretrained(path, layer=-1)
+    assert block.qk_scale == 1.5 and block.num_heads == 3 and torch.equal(block.theta_q, theta[1])
+    with pytest.raises(ValueError, match="out of range"):
+        LLoPSAttention.from_pretrained(path, layer=2)
+    with pytest.raises(ValueError, match="metadata"):
+        LLoPSAttention.from_pretrained(path, scale="none")
+    with pytest.raises(ValueError, match="p \\(the degree\\) = 2"):
+        LLoPSAttention.from_pretrained(path, p=3)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"embed_dim": 10, "num_heads": 3}, "divisible"),
+    ({"embed_dim": 8, "num_heads": 2, "theta_q": torch.ones(3, 1, 2, 4, 4)}, "one map per head"),
+    ({"embed_dim": 8, "num_heads": 2, "theta_q": torch.ones(2, 1, 2, 5, 4)}, "head dimension"),
+    ({"embed_dim": 8, "num_heads": 2, "theta_q": torch.ones(2, 1, 2, 4, 4), "m": 5}, "features per map"),
+    ({"embed_dim": 8, "num_heads": 2, "theta_q": torch.full((2, 1, 2, 4, 4), float("inf"))}, "finite"),
+    ({"embed_dim": 8, "num_heads": 2, "normalize": "softmax"}, "normalize"),
+    ({"embed_dim": 8, "num_heads": 2, "backend": "gpu"}, "backend"),
+    ({"embed_dim": 8, "num_heads": 2, "scale": "sqrt"}, "scale"),
+])
+def test_bad_construction(kwargs, match):
+    embed_dim, heads = kwargs.pop("embed_dim"), kwargs.pop("num_heads")
+    with pytest.raises((ValueError, TypeError), match=match):
+        LLoPSAttention(embed_dim, heads, **kwargs)
+
+
+def test_bad_forward_input():
+    block = LLoPSAttention(8, 2)
+    with pytest.raises(ValueError, match=r"\[B, T, E=8\]"):
+        block(torch.ones(2, 3, 6))

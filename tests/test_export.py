@@ -1,0 +1,129 @@
+"""Θ export in one call (sl.export_theta / Fit.save_theta / `sketchlab fit`) and the round trip
+into LLoPSAttention.from_pretrained.
+
+Round-trip tolerance: the file stores Θ in the fit's dtype (float64 here) and the block computes in
+float64, so the loaded block and the sketch's own features agree to round-off (1e-10 relative).
+"""
+
+import json
+
+import pytest
+import torch
+
+import sketchlab as sl
+from sketchlab.attention import LLoPSAttention, feature_attention_naive
+from sketchlab.cli import main
+from sketchlab.compare import resolve_scale
+from sketchlab.export import file_sha256
+
+
+def _rand(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+@pytest.fixture
+def dump_file(tmp_path):
+    """A small [L=2, H=2, n=48, d=4] float64 dump on disk."""
+    path = tmp_path / "qk.safetensors"
+    sl.save_qk(path, _rand(2, 2, 48, 4, seed=1), _rand(2, 2, 48, 4, seed=2), _rand(2, 2, 48, 4, seed=3),
+               meta={"source": "test"})
+    return path
+
+
+def _fit(dump_file, method="llops", scale="sqrt-d", **options):
+    dump = sl.load_qk(dump_file)
+    _, factor = resolve_scale(scale, dump.q.shape[-1])
+    return dump, sl.fit_sketch(method, dump.q * factor, dump.k * factor, p=2, m=6, holdout=0.25, **options), factor
+
+
+def test_save_theta_fills_every_field_and_round_trips(dump_file, tmp_path):
+    dump, fit, factor = _fit(dump_file, rank=2)
+    out = fit.save_theta(tmp_path / "theta.safetensors", dump=dump, scale="sqrt-d")
+    theta_q, theta_k, meta = sl.load_theta(out)
+    assert theta_q.shape == (2, 2, 2, 2, 4, 6)  # [L, H, t, p, d, m]
+    assert torch.equal(theta_q, fit.sketch.theta_q.detach()) and torch.equal(theta_k, fit.sketch.theta_k.detach())
+    assert (meta["p"], meta["m"], meta["t"], meta["d"]) == (2, 6, 2, 4)
+    assert meta["method"] == "llops" and meta["scale"] == "sqrt-d"
+    assert meta["source_sha256"] == file_sha256(dump_file)
+    assert meta["sketchlab_version"] == sl.__version__
+    assert torch.equal(torch.tensor(meta["errors"]["rel_fro"], dtype=torch.float64), fit.report.rel_fro)
+    assert torch.equal(torch.tensor(meta["errors"]["holdout_rel_fro"], dtype=torch.float64), fit.report.holdout_rel_fro)
+
+    # the loaded block == attention computed directly from fit.sketch.features_q/k, layer by layer
+    x_q, x_k, v = _rand(2, 20, 2, 4, seed=10), _rand(2, 20, 2, 4, seed=11), _rand(2, 20, 2, 3, seed=12)
+    for layer in (0, 1):
+        block = LLoPSAttention.from_pretrained(out, layer=layer, normalize="none")
+        assert block.qk_scale == pytest.approx(factor)
+        got = block.attend(x_q, x_k, v)
+        with torch.no_grad():
+            # head h of layer `layer` applies the sketch's map [layer, h] to q·factor
+            fq = fit.sketch.features_q((x_q * factor).transpose(1, 2)[:, None])[:, layer].transpose(1, 2)  # [B, T, H, M]
+            fk = fit.sketch.features_k((x_k * factor).transpose(1, 2)[:, None])[:, layer].transpose(1, 2)
+        ref = feature_attention_naive(fq, fk, v, normalize="none")
+        assert torch.allclose(got, ref, atol=1e-10 * ref.abs().max().item(), rtol=0), layer
+
+
+def test_export_theta_is_the_same_call(dump_file, tmp_path):
+    dump, fit, _ = _fit(dump_file)
+    a = sl.export_theta(fit, tmp_path / "a.safetensors", dump=dump_file, scale="sqrt-d")
+    b = fit.save_theta(tmp_path / "b.safetensors", dump=dump, scale="sqrt-d")
+    assert a.read_bytes() == b.read_bytes()
+
+
+def test_special_cases_export_through_as_llops(dump_file, tmp_path):
+    dump, fit, _ = _fit(dump_file, method="elementwise", steps=3)
+    out = fit.save_theta(tmp_path / "e.safetensors", dump=dump, scale="sqrt-d")
+    assert sl.load_theta(out)[2]["method"] == "elementwise"
+
+
+def test_export_errors(dump_file, tmp_path):
+    dump, fit, _ = _fit(dump_file)
+    with pytest.raises(ValueError, match="scale is not recorded"):
+        fit.save_theta(tmp_path / "t.safetensors", dump=dump)
+    with pytest.raises(ValueError, match="overwrite the Q/K dump"):
+        fit.save_theta(dump_file, dump=dump, scale="none")
+    with pytest.raises(TypeError, match="path of the Q/K dump"):
+        fit.save_theta(tmp_path / "t.safetensors", dump=(dump.q, dump.k), scale="none")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        fit.save_theta(tmp_path / "t.safetensors", dump=tmp_path / "missing.safetensors", scale="none")
+    ts = sl.fit_sketch("tensorsketch", dump.q, dump.k, p=2, m=6)
+    with pytest.raises(ValueError, match="cannot be exported"):
+        ts.save_theta(tmp_path / "t.safetensors", dump=dump, scale="none")
+
+
+def test_cli_fit_writes_a_loadable_export(dump_file, tmp_path, capsys):
+    out = tmp_path / "theta.safetensors"
+    code = main(["fit", str(dump_file), "--method", "llops", "--p", "2", "--m", "6", "--out", str(out),
+                 "--layers", "1", "--heads", "0", "--scale", "sqrt-d", "--seed", "3", "--holdout", "0.25"])
+    assert code == 0
+    theta_q, _, meta = sl.load_theta(out)
+    assert theta_q.shape == (1, 1, 1, 2, 4, 6) and meta["scale"] == "sqrt-d"
+    assert meta["source_sha256"] == file_sha256(dump_file)
+    assert "wrote" in capsys.readouterr().out
+    block = LLoPSAttention.from_pretrained(out)
+    assert block(torch.randn(2, 9, 4, dtype=torch.float64)).shape == (2, 9, 4)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--out", "{dump}"], "input dump"),
+    (["--out", "{tmp}/nowhere/theta.safetensors"], "does not exist"),
+    (["--out", "{tmp}/theta.pt"], ".safetensors"),
+    (["--out", "{tmp}/theta.safetensors", "--method", "mlp"], "invalid choice"),
+    (["--out", "{tmp}/theta.safetensors", "--m", "0"], "m"),
+])
+def test_cli_fit_bad_usage_exits_2_before_fitting(dump_file, tmp_path, capsys, extra, message):
+    before = dump_file.read_bytes()
+    args = [a.format(dump=dump_file, tmp=tmp_path) for a in extra]
+    argv = ["fit", str(dump_file), "--p", "2"] + ([] if "--m" in args else ["--m", "6"]) + args
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("sketchlab: error:") and message in err
+    assert dump_file.read_bytes() == before
+    assert not (tmp_path / "theta.safetensors").exists()
+
+
+def test_fit_command_is_listed():
+    from sketchlab.cli import COMMANDS
+
+    assert "fit" in COMMANDS
+    assert json.dumps(COMMANDS)
