@@ -126,13 +126,17 @@ def attention_transfer_loss(model: TransformerLM):
 def _captured_attention_error(model: TransformerLM, q, k, v, batch: int) -> list[float]:
     """Per layer ``‖kernel(q, k, v) − softmax(q, k, v)‖_F / ‖softmax‖_F`` on captured ``[L, H, n, D]``
     (the ``n = batch · T`` tokens are ``batch`` sequences joined along the token axis)."""
+    from .._validation import check_memory
     from ..attention import softmax_attention
 
+    L, H, n, D = q.shape
+    T = n // batch
+    check_memory(8 * batch * H * T * T, what=f"the softmax scores of the captured sequences ([{batch}, {H}, {T}, {T}] "
+                 "float64)", way_out="capture fewer or shorter sequences")
     errors = []
     with torch.no_grad():
         for layer, kernel in enumerate(kernel_modules(model)):
-            L, H, n, D = q.shape
-            x = [t[layer].permute(1, 0, 2).reshape(batch, n // batch, H, D) for t in (q, k, v)]  # [B, T, H, D]
+            x = [t[layer].permute(1, 0, 2).reshape(batch, T, H, D) for t in (q, k, v)]  # [B, T, H, D]
             got = kernel(*x).double()
             want = softmax_attention(*x, causal=True).double()
             errors.append(float(torch.linalg.vector_norm(got - want) / torch.linalg.vector_norm(want)))
