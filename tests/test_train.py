@@ -373,10 +373,14 @@ def test_training_through_the_triton_kernel_matches_the_torch_backend():
     # 3 steps. Both backends compute the same chunked recurrence in float32 with different
     # summation orders (~1e-7 relative per output); AdamW's first steps carry that to ~1e-6 in the
     # loss. 1e-5 is far below the step-to-step loss changes (~1e-2).
+    # On a CUDA machine the kernel is compiled (conftest leaves TRITON_INTERPRET unset) and needs CUDA
+    # tensors: both backends then run on the GPU.
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     losses = {}
     for backend in ("torch", "triton"):
         model = tiny("llops", {"p": 2, "m": 6, "backend": backend})
         init_llops(model, "based")
+        model.to(device)
         losses[backend] = train_mqar(model, [(TASK, 3)], **{**KW, "eval_every": 0}).losses
     assert losses["triton"] == pytest.approx(losses["torch"], rel=1e-5, abs=0)
     assert losses["torch"][0] != losses["torch"][-1]
