@@ -85,7 +85,7 @@ def main(argv=None) -> int:
     lines = [
         "# Attention error of each sketch on the shipped dump",
         "",
-        f"Command: `.venv/bin/python analysis/attention_error.py {' '.join(sys.argv[1:])}`".rstrip(),
+        "Command: `" + " ".join([".venv/bin/python", "analysis/attention_error.py", *sys.argv[1:]]) + "`",
         "",
         f"Dump `{Path(args.dump).name}`: L={L}, H={H}, n={n} (segments {segments}), d={d}; p={args.p}, "
         f"m={args.m}, q and k scaled by d^-1/4; every sketch fitted to all n tokens (seed 0, in-sample).",

@@ -15,9 +15,9 @@ DUMP = Path(__file__).resolve().parents[1] / "data" / "mqar_softmax_qk.safetenso
 
 @pytest.fixture(scope="module")
 def layer0():
-    dump = sl.load_qk(DUMP, layers=[0])
+    dump = sl.load_qk(DUMP, layers=[0], heads=[0, 3])
     factor = dump.q.shape[-1] ** -0.25
-    q, k, v = (dump.q * factor).double(), (dump.k * factor).double(), dump.v.double()  # [1, H, n, d]
+    q, k, v = (dump.q * factor).double(), (dump.k * factor).double(), dump.v.double()  # [1, 2, n, d]
     return q, k, v, dump_segments(dump)
 
 

@@ -83,8 +83,9 @@ def _engine(feat_q, feat_k, v: torch.Tensor, length_q: int, *, causal: bool, nor
     M2 = num_features**2 if non_negative else num_features
     block = C * block_chunks
     itemsize = v.element_size()
-    check_memory(B * H * block_chunks * M2 * Dv * itemsize,
-                 what=f"the per-chunk states of one block ([B={B}, H={H}, {block_chunks} chunks, {M2}, {Dv}])",
+    check_memory(B * H * (block_chunks * M2 * Dv + (2 * block * M2 if non_negative else 0)) * itemsize,
+                 what=f"the per-chunk states of one block ([B={B}, H={H}, {block_chunks} chunks, {M2}, {Dv}])"
+                      + (f" and its self-tensored features (2 × [B, H, {block}, {M2}])" if non_negative else ""),
                  way_out="lower block_chunks or the number of features (non_negative squares it)", max_bytes=max_bytes)
     lift = self_tensor if non_negative else (lambda f: f)
     state = v.new_zeros(B, H, M2, Dv)  # Σ φ(k)ᵀ v over finished blocks
