@@ -44,25 +44,32 @@ if not INTERPRETED and not torch.cuda.is_available():  # pragma: no cover - depe
 
 @pytest.fixture(autouse=True)
 def nan_buffers(monkeypatch):
-    """Every buffer the launchers hand to a kernel starts as NaN."""
+    """Every buffer the launchers hand to a kernel starts as NaN. On CUDA the broad grid runs one
+    fixed config (compiling every autotuning config for each shape would take many minutes);
+    ``test_cuda_compiled`` turns autotuning back on."""
+    monkeypatch.setenv("SKETCHLAB_TRITON_AUTOTUNE", "0")
     def nan_empty(shape, *, like, dtype=None):
         return torch.full(shape, float("nan"), device=like.device, dtype=like.dtype if dtype is None else dtype)
 
     monkeypatch.setattr(launch, "_empty", nan_empty)
 
 
-def _problem(T, D, M, P, R, normalize, *, B=2, H=2, DV=12, seed=0, dtype=torch.float32):
-    """q, k [B, T, H, D], v [B, T, H, DV], Θ [H, R, P, D, M], grad_out [B, T, H, DV].
+def _problem(T, D, M, P, R, normalize, *, B=2, H=2, DV=12, S=None, seed=0, dtype=torch.float32, signed=False):
+    """q [B, T, H, D], k [B, S, H, D], v [B, S, H, DV], Θ [H, R, P, D, M], grad_out [B, T, H, DV]
+    (``S = T`` unless given).
 
-    For ``normalize="sum"`` q, k and Θ are non-negative, so every score a_ts > 0 and the
-    denominator is well conditioned (the regime "sum" is documented for); Θ is scaled by d^{-1/2}
-    so features stay O(1) for every p.
+    For ``normalize="sum"`` q, k and Θ are non-negative unless ``signed`` (used with the
+    self-tensor, whose scores are ≥ 0 for any map), so every score a_ts > 0 and the denominator is
+    well conditioned (the regime "sum" is documented for); Θ is scaled by d^{-1/2} so features
+    stay O(1) for every p.
     """
     g = torch.Generator().manual_seed(seed)
-    q, k = torch.randn(2, B, T, H, D, generator=g, dtype=torch.float64)
-    v = torch.randn(B, T, H, DV, generator=g, dtype=torch.float64)
+    S = T if S is None else S
+    q = torch.randn(B, T, H, D, generator=g, dtype=torch.float64)
+    k = torch.randn(B, S, H, D, generator=g, dtype=torch.float64)
+    v = torch.randn(B, S, H, DV, generator=g, dtype=torch.float64)
     tq, tk = torch.randn(2, H, R, P, D, M, generator=g, dtype=torch.float64) / D**0.5
-    if normalize == "sum":
+    if normalize == "sum" and not signed:
         q, k, tq, tk = q.abs(), k.abs(), tq.abs(), tk.abs()
     grad = torch.randn(B, T, H, DV, generator=g, dtype=torch.float64)
     return [x.to(DEVICE, dtype) for x in (q, k, v, tq, tk, grad)]
@@ -75,9 +82,9 @@ def _run(fn, q, k, v, tq, tk, grad, **kw):
     return [out.detach()] + [x.grad for x in leaves]
 
 
-def _compare(T, D, M, P, R, causal, normalize, *, dtype=torch.float32, tol=FP32_TOL, **shape):
-    q, k, v, tq, tk, grad = _problem(T, D, M, P, R, normalize, dtype=dtype, **shape)
-    kw = dict(causal=causal, normalize=normalize, non_negative=False, eps=1e-6)
+def _compare(T, D, M, P, R, causal, normalize, non_negative=False, *, dtype=torch.float32, tol=FP32_TOL, **shape):
+    q, k, v, tq, tk, grad = _problem(T, D, M, P, R, normalize, dtype=dtype, signed=non_negative, **shape)
+    kw = dict(causal=causal, normalize=normalize, non_negative=non_negative, eps=1e-6)
     got = _run(llops_attention_triton, q, k, v, tq, tk, grad, **kw)
     want = _run(llops_attention_naive, *(x.double() for x in (q, k, v, tq, tk, grad)), **kw)
     errors = {}
@@ -104,11 +111,20 @@ CORNERS = [
 ]
 
 
+# The self-tensor φ ⊗ φ (M² features, degree 2p) on signed maps, where "sum" is safe.
+SELF_TENSOR = [
+    dict(BASE, non_negative=True),
+    dict(BASE, T=64, M=20, R=2, P=1, causal=False, non_negative=True),
+    dict(BASE, T=40, D=24, P=3, normalize="none", non_negative=True),
+]
+
+
 def _id(case):
-    return "T{T}-d{D}-m{M}-p{P}-t{R}-{c}-{normalize}".format(c="causal" if case["causal"] else "full", **case)
+    return "T{T}-d{D}-m{M}-p{P}-t{R}-{c}-{normalize}{s}".format(
+        c="causal" if case["causal"] else "full", s="-self" if case.get("non_negative") else "", **case)
 
 
-@pytest.mark.parametrize("case", ONE_AT_A_TIME + CORNERS, ids=_id)
+@pytest.mark.parametrize("case", ONE_AT_A_TIME + CORNERS + SELF_TENSOR, ids=_id)
 def test_output_and_gradients_match_reference(case):
     _compare(**case)
 
@@ -117,6 +133,28 @@ def test_value_dim_above_one_block_and_single_head():
     """Dv = 40: three forward value blocks of 16 (the last masked), one backward block of 64;
     B = 3, H = 1 checks the (batch, head) indexing and dΘ's sum over B."""
     _compare(**dict(BASE, T=20), B=3, H=1, DV=40)
+
+
+@pytest.mark.parametrize("S, non_negative", [(40, False), (5, True)])
+def test_keys_longer_or_shorter_than_queries(S, non_negative):
+    """Non-causal attention of T = 17 queries over S ≠ T keys (chunks of keys and queries differ)."""
+    _compare(**dict(BASE, causal=False, non_negative=non_negative), S=S)
+
+
+def test_functional_dispatch(monkeypatch):
+    """``llops_attention(backend="triton")`` reaches this kernel and equals the reference backend."""
+    import sketchlab.attention.triton as package
+    from sketchlab.attention.functional import llops_attention
+
+    calls = []
+    monkeypatch.setattr(package, "llops_attention_triton",
+                        lambda *a, **kw: calls.append(kw) or llops_attention_triton(*a, **kw))
+    q, k, v, tq, tk, grad = _problem(**{k: BASE[k] for k in ("T", "D", "M", "P", "R", "normalize")})
+    got = _run(llops_attention, q, k, v, tq, tk, grad, backend="triton")
+    assert calls == [dict(causal=True, normalize="sum", non_negative=False, eps=1e-6)]
+    want = _run(llops_attention, *(x.double() for x in (q, k, v, tq, tk, grad)), backend="reference")
+    for name, a, b in zip(NAMES, got, want):
+        assert ((a.double() - b).abs().max() / b.abs().max()).item() <= FP32_TOL, name
 
 
 def test_any_strides():
@@ -136,27 +174,31 @@ def test_any_strides():
 def test_rejects_what_the_kernel_cannot_do():
     q, k, v, tq, tk, _ = _problem(**{k: BASE[k] for k in ("T", "D", "M", "P", "R", "normalize")})
     kw = dict(causal=True, normalize="sum", eps=1e-6)
-    with pytest.raises(ValueError, match=r"non_negative.*backend='torch'"):
-        llops_attention_triton(q, k, v, tq, tk, non_negative=True, **kw)
     with pytest.raises(ValueError, match=r"q has dtype torch.float64.*float32"):
         llops_attention_triton(q.double(), k, v, tq, tk, non_negative=False, **kw)
     with pytest.raises(ValueError, match=r"normalize must be one of .*'max'"):
         llops_attention_triton(q, k, v, tq, tk, non_negative=False, **dict(kw, normalize="max"))
 
 
-@pytest.mark.skipif(not INTERPRETED, reason="CPU tensors are only refused when not interpreting (i.e. on a CUDA run)")
 def test_cpu_tensors_need_the_interpreter(monkeypatch):
-    q, k, v, tq, tk, _ = _problem(**{k: BASE[k] for k in ("T", "D", "M", "P", "R", "normalize")})
-    monkeypatch.delenv("TRITON_INTERPRET")
+    q, k, v, tq, tk, _ = (x.cpu() for x in _problem(**{k: BASE[k] for k in ("T", "D", "M", "P", "R", "normalize")}))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match=r"q is on cpu; the Triton kernel needs CUDA"):
         llops_attention_triton(q, k, v, tq, tk, causal=True, normalize="sum", non_negative=False, eps=1e-6)
 
 
 @pytest.mark.skipif(INTERPRETED, reason="compiled kernel at realistic sizes and bf16: CUDA only")
-@pytest.mark.parametrize("dtype, tol", [(torch.float32, FP32_TOL), (torch.bfloat16, BF16_TOL)], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("causal, normalize", [(True, "sum"), (False, "none"), (True, "none")])
-def test_cuda_compiled(dtype, tol, causal, normalize):
-    """Autotuned configs (chunks of 16-64 tokens, value blocks) at d = 64, m = 64 and T crossing
-    many chunks, odd sizes included."""
-    _compare(T=300, D=64, M=48, P=2, R=2, causal=causal, normalize=normalize, dtype=dtype, tol=tol,
-             B=2, H=3, DV=72)
+@pytest.mark.parametrize("dtype, causal, normalize, non_negative, M", [
+    (torch.float32, True, "sum", False, 48),
+    (torch.bfloat16, True, "sum", False, 48),
+    (torch.float32, False, "none", False, 48),
+    (torch.bfloat16, True, "sum", True, 12),
+], ids=["fp32-causal-sum", "bf16-causal-sum", "fp32-full-none", "bf16-causal-sum-self"])
+def test_cuda_compiled(dtype, causal, normalize, non_negative, M, monkeypatch):
+    """Autotuned configs (chunks of 16-64 tokens, value blocks) at d = 64, m = 48 (self-tensor:
+    m = 12, 144 features) and T crossing many chunks, odd sizes included; fp32 and bf16 tolerances.
+    Few cases: each compiles every autotuning config (tens of seconds each on sm_90)."""
+    monkeypatch.setenv("SKETCHLAB_TRITON_AUTOTUNE", "1")
+    tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
+    _compare(T=300, D=64, M=M, P=2, R=2, causal=causal, normalize=normalize, non_negative=non_negative,
+             dtype=dtype, tol=tol, B=2, H=3, DV=40)

@@ -1,6 +1,7 @@
 """Triton kernels of fused LLoPS linear attention (forward and backward), layout ``[B, T, H, D]``.
 
-Each program owns one (batch, head) pair (the forward also splits the value dimension into
+Queries ``q [B, T, H, D]``, keys ``k [B, NK, H, D]`` and values ``v [B, NK, H, Dv]`` (``NK == T``
+when causal). Each program owns one (batch, head) pair (the forward also splits the value dimension into
 blocks). It walks the sequence chunk by chunk (``BLOCK_T`` tokens), computes the LLoPS features of
 the chunk in registers,
 
@@ -11,6 +12,11 @@ and normaliser ``z = Σ_s φ(k_s)`` [M] held in fp32. Causal: ``out_t = φ(q_t) 
 Σ_{s∈c, s≤t} (φ(q_t)·φ(k_s)) v_s`` for the chunk ``c`` holding ``t``; non-causal: a first pass
 builds the full ``S, z``. ``NORMALIZE``: ``out_t = num_t / (den_t + eps)`` with
 ``den_t = φ(q_t)·z_{<c} + Σ_{s∈c, s≤t} φ(q_t)·φ(k_s)``.
+
+Self-tensor (``SELF``, for ``non_negative=True``): the features are ``ψ = φ ⊗ φ`` (scores
+``(φ(q)·φ(k))² ≥ 0``), formed per chunk in registers as ``[BLOCK_T, BLOCK_M²]``; the state becomes
+``[BLOCK_M², Dv]`` and the backward maps ``dψ`` back to ``dφ`` before the chain rule below. Nothing
+of size ``T·M²`` is ever stored.
 
 Padding: every block dimension is a power of two ≥ 16 (``tl.dot``'s minimum); loads of rows
 ``≥ T``, features ``≥ M``, head dims ``≥ D`` and value columns ``≥ Dv`` are masked to 0. A zero
@@ -36,7 +42,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _features(
+def _llops_map(
     x, th_ptr, s_r, s_j, s_d, s_m, R, P, D, M,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, PREC: tl.constexpr,
 ):
@@ -52,6 +58,19 @@ def _features(
             th = tl.load(th_ptr + r * s_r + j * s_j + th_off, mask=th_mask, other=0.0).to(tl.float32)
             prod = prod * tl.dot(x, th, input_precision=PREC)
         phi += prod
+    return phi
+
+
+@triton.jit
+def _features(
+    x, th_ptr, s_r, s_j, s_d, s_m, R, P, D, M,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, SELF: tl.constexpr, PREC: tl.constexpr,
+):
+    """The attention features of a chunk: φ(x) [BLOCK_T, BLOCK_M], or with ``SELF`` the self-tensor
+    ``φ(x) ⊗ φ(x)`` [BLOCK_T, BLOCK_M²] (index ``a·BLOCK_M + b``), formed in registers."""
+    phi = _llops_map(x, th_ptr, s_r, s_j, s_d, s_m, R, P, D, M, BLOCK_T, BLOCK_D, BLOCK_M, PREC)
+    if SELF:
+        phi = tl.reshape(phi[:, :, None] * phi[:, None, :], [BLOCK_T, BLOCK_M * BLOCK_M])
     return phi
 
 
@@ -72,13 +91,22 @@ def _zero_theta_grad(
 
 @triton.jit
 def _features_bwd(
-    x, dphi, th_ptr, s_r, s_j, s_d, s_m, dth_ptr, g_r, g_j, g_d, g_m, R, P, D, M,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, PREC: tl.constexpr,
+    x, dfeat, th_ptr, s_r, s_j, s_d, s_m, dth_ptr, g_r, g_j, g_d, g_m, R, P, D, M,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, SELF: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Chain rule through φ for one chunk: return dx [BLOCK_T, BLOCK_D]; add xᵀ G_{r,j} to dΘ_{r,j}.
+    """Chain rule through the features of one chunk: return dx [BLOCK_T, BLOCK_D]; add xᵀ G_{r,j}
+    to dΘ_{r,j}.
 
+    ``dfeat`` is the gradient of :func:`_features`' output. With ``SELF`` it is first taken back
+    through ``ψ_{ab} = φ_a φ_b``: ``dφ_a = Σ_b (dψ_{ab} + dψ_{ba}) φ_b`` (φ recomputed). Then
     ``G_{r,j} = dφ ⊙ ∏_{l≠j} x Θ_{r,l}`` (products recomputed, O(P²) small matmuls per r).
     """
+    if SELF:
+        phi = _llops_map(x, th_ptr, s_r, s_j, s_d, s_m, R, P, D, M, BLOCK_T, BLOCK_D, BLOCK_M, PREC)
+        d3 = tl.reshape(dfeat, [BLOCK_T, BLOCK_M, BLOCK_M])  # [t, a, b]
+        dphi = tl.sum(d3 * phi[:, None, :], axis=2) + tl.sum(d3 * phi[:, :, None], axis=1)
+    else:
+        dphi = dfeat
     offs_d = tl.arange(0, BLOCK_D)
     offs_m = tl.arange(0, BLOCK_M)
     th_off = offs_d[:, None] * s_d + offs_m[None, :] * s_m  # [BLOCK_D, BLOCK_M]
@@ -113,10 +141,10 @@ def _llops_fwd_kernel(
     s_nb, s_nt, s_nh,
     s_qth, s_qtr, s_qtj, s_qtd, s_qtm,
     s_kth, s_ktr, s_ktj, s_ktd, s_ktm,
-    H, T, R, P, D, M, DV, eps,
-    CAUSAL: tl.constexpr, NORMALIZE: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
-    PREC: tl.constexpr,
+    H, T, NK, R, P, D, M, DV, eps,
+    CAUSAL: tl.constexpr, NORMALIZE: tl.constexpr, SELF: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr,
+    BLOCK_DV: tl.constexpr, PREC: tl.constexpr,
 ):
     """One program per (batch·head, value block): writes ``O[b, :, h, block]`` (and ``DEN[b, :, h]``
     = den + eps from the first value block when ``NORMALIZE``)."""
@@ -134,17 +162,17 @@ def _llops_fwd_kernel(
     tq = TQ + h * s_qth
     tk = TK + h * s_kth
 
-    S = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)  # Σ φ(k_s)ᵀ v_s over past chunks
-    z = tl.zeros([BLOCK_M], dtype=tl.float32)  # Σ φ(k_s)
+    S = tl.zeros([BLOCK_F, BLOCK_DV], dtype=tl.float32)  # Σ φ(k_s)ᵀ v_s over past chunks
+    z = tl.zeros([BLOCK_F], dtype=tl.float32)  # Σ φ(k_s)
     if not CAUSAL:
-        for c0 in range(0, T, BLOCK_T):
+        for c0 in range(0, NK, BLOCK_T):
             rows = c0 + offs_t
-            rmask = rows < T
+            rmask = rows < NK
             k = tl.load(k_base + rows[:, None] * s_kt + offs_d[None, :] * s_kd,
                         mask=rmask[:, None] & (offs_d[None, :] < D), other=0.0).to(tl.float32)
             v = tl.load(v_base + rows[:, None] * s_vt + offs_v[None, :] * s_vd,
                         mask=rmask[:, None] & (offs_v[None, :] < DV), other=0.0).to(tl.float32)
-            phk = _features(k, tk, s_ktr, s_ktj, s_ktd, s_ktm, R, P, D, M, BLOCK_T, BLOCK_D, BLOCK_M, PREC)
+            phk = _features(k, tk, s_ktr, s_ktj, s_ktd, s_ktm, R, P, D, M, BLOCK_T, BLOCK_D, BLOCK_M, SELF, PREC)
             S += tl.dot(tl.trans(phk), v, input_precision=PREC)
             z += tl.sum(phk, axis=0)
 
@@ -153,7 +181,7 @@ def _llops_fwd_kernel(
         rmask = rows < T
         q = tl.load(q_base + rows[:, None] * s_qt + offs_d[None, :] * s_qd,
                     mask=rmask[:, None] & (offs_d[None, :] < D), other=0.0).to(tl.float32)
-        phq = _features(q, tq, s_qtr, s_qtj, s_qtd, s_qtm, R, P, D, M, BLOCK_T, BLOCK_D, BLOCK_M, PREC)
+        phq = _features(q, tq, s_qtr, s_qtj, s_qtd, s_qtm, R, P, D, M, BLOCK_T, BLOCK_D, BLOCK_M, SELF, PREC)
         num = tl.dot(phq, S, input_precision=PREC)  # [BLOCK_T, BLOCK_DV]
         den = tl.sum(phq * z[None, :], axis=1)  # [BLOCK_T]
         if CAUSAL:
@@ -161,7 +189,7 @@ def _llops_fwd_kernel(
                         mask=rmask[:, None] & (offs_d[None, :] < D), other=0.0).to(tl.float32)
             v = tl.load(v_base + rows[:, None] * s_vt + offs_v[None, :] * s_vd,
                         mask=rmask[:, None] & (offs_v[None, :] < DV), other=0.0).to(tl.float32)
-            phk = _features(k, tk, s_ktr, s_ktj, s_ktd, s_ktm, R, P, D, M, BLOCK_T, BLOCK_D, BLOCK_M, PREC)
+            phk = _features(k, tk, s_ktr, s_ktj, s_ktd, s_ktm, R, P, D, M, BLOCK_T, BLOCK_D, BLOCK_M, SELF, PREC)
             a = tl.dot(phq, tl.trans(phk), input_precision=PREC)  # [BLOCK_T (t), BLOCK_T (s)]
             a = tl.where((rows[:, None] >= rows[None, :]) & rmask[None, :], a, 0.0)
             num += tl.dot(a, v, input_precision=PREC)
@@ -192,10 +220,10 @@ def _llops_bwd_kernel(
     s_qth, s_qtr, s_qtj, s_qtd, s_qtm,
     s_kth, s_ktr, s_ktj, s_ktd, s_ktm,
     s_gtb, s_gth, s_gtr, s_gtj, s_gtd, s_gtm,
-    H, T, R, P, D, M, DV,
-    CAUSAL: tl.constexpr, NORMALIZE: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
-    PREC: tl.constexpr,
+    H, T, NK, R, P, D, M, DV,
+    CAUSAL: tl.constexpr, NORMALIZE: tl.constexpr, SELF: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr,
+    BLOCK_DV: tl.constexpr, PREC: tl.constexpr,
 ):
     """One program per (batch·head), all of Dv: writes dq, dk, dv rows of (b, h) and the (b, h)
     slices of the dΘ_Q, dΘ_K buffers ``[B, H, R, P, D, M]`` (shared strides ``s_gt*``)."""
@@ -220,15 +248,15 @@ def _llops_bwd_kernel(
     _zero_theta_grad(dtk, s_gtr, s_gtj, s_gtd, s_gtm, R, P, D, M, BLOCK_D, BLOCK_M)
 
     # ---- dq: forward over chunks with the running S = Σ φ(k)ᵀ v, z = Σ φ(k) ----------------
-    S = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    z = tl.zeros([BLOCK_M], dtype=tl.float32)
+    S = tl.zeros([BLOCK_F, BLOCK_DV], dtype=tl.float32)
+    z = tl.zeros([BLOCK_F], dtype=tl.float32)
     if not CAUSAL:
-        for c0 in range(0, T, BLOCK_T):
+        for c0 in range(0, NK, BLOCK_T):
             rows = c0 + offs_t
-            rmask = rows[:, None] < T
+            rmask = rows[:, None] < NK
             k = tl.load(k_base + rows[:, None] * s_kt + offs_d[None, :] * s_kd, mask=rmask & dmask, other=0.0).to(tl.float32)
             v = tl.load(v_base + rows[:, None] * s_vt + offs_v[None, :] * s_vd, mask=rmask & vmask, other=0.0).to(tl.float32)
-            phk = _features(k, tk, s_ktr, s_ktj, s_ktd, s_ktm, R, P, D, M, BLOCK_T, BLOCK_D, BLOCK_M, PREC)
+            phk = _features(k, tk, s_ktr, s_ktj, s_ktd, s_ktm, R, P, D, M, BLOCK_T, BLOCK_D, BLOCK_M, SELF, PREC)
             S += tl.dot(tl.trans(phk), v, input_precision=PREC)
             z += tl.sum(phk, axis=0)
     for c0 in range(0, T, BLOCK_T):
@@ -236,14 +264,14 @@ def _llops_bwd_kernel(
         rmask = rows[:, None] < T
         q = tl.load(q_base + rows[:, None] * s_qt + offs_d[None, :] * s_qd, mask=rmask & dmask, other=0.0).to(tl.float32)
         g = tl.load(g_base + rows[:, None] * s_gt + offs_v[None, :] * s_gd, mask=rmask & vmask, other=0.0)
-        dphq = tl.dot(g, tl.trans(S), input_precision=PREC)  # [BLOCK_T, BLOCK_M]
+        dphq = tl.dot(g, tl.trans(S), input_precision=PREC)  # [BLOCK_T, BLOCK_F]
         if NORMALIZE:
             c = tl.load(c_base + rows * s_ct, mask=rows < T, other=0.0)
             dphq += c[:, None] * z[None, :]
         if CAUSAL:
             k = tl.load(k_base + rows[:, None] * s_kt + offs_d[None, :] * s_kd, mask=rmask & dmask, other=0.0).to(tl.float32)
             v = tl.load(v_base + rows[:, None] * s_vt + offs_v[None, :] * s_vd, mask=rmask & vmask, other=0.0).to(tl.float32)
-            phk = _features(k, tk, s_ktr, s_ktj, s_ktd, s_ktm, R, P, D, M, BLOCK_T, BLOCK_D, BLOCK_M, PREC)
+            phk = _features(k, tk, s_ktr, s_ktj, s_ktd, s_ktm, R, P, D, M, BLOCK_T, BLOCK_D, BLOCK_M, SELF, PREC)
             da = tl.dot(g, tl.trans(v), input_precision=PREC)  # [BLOCK_T (t), BLOCK_T (s)]
             if NORMALIZE:
                 da += c[:, None]
@@ -252,39 +280,39 @@ def _llops_bwd_kernel(
             S += tl.dot(tl.trans(phk), v, input_precision=PREC)
             z += tl.sum(phk, axis=0)
         dq = _features_bwd(q, dphq, tq, s_qtr, s_qtj, s_qtd, s_qtm, dtq, s_gtr, s_gtj, s_gtd, s_gtm,
-                           R, P, D, M, BLOCK_T, BLOCK_D, BLOCK_M, PREC)
+                           R, P, D, M, BLOCK_T, BLOCK_D, BLOCK_M, SELF, PREC)
         tl.store(DQ + b * s_dqb + h * s_dqh + rows[:, None] * s_dqt + offs_d[None, :] * s_dqd, dq, mask=rmask & dmask)
 
     # ---- dk, dv: reverse over chunks with dS = Σ φ(q)ᵀ g, dz = Σ c φ(q) -----------------
-    dS = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    dz = tl.zeros([BLOCK_M], dtype=tl.float32)
+    dS = tl.zeros([BLOCK_F, BLOCK_DV], dtype=tl.float32)
+    dz = tl.zeros([BLOCK_F], dtype=tl.float32)
     if not CAUSAL:
         for c0 in range(0, T, BLOCK_T):
             rows = c0 + offs_t
             rmask = rows[:, None] < T
             q = tl.load(q_base + rows[:, None] * s_qt + offs_d[None, :] * s_qd, mask=rmask & dmask, other=0.0).to(tl.float32)
             g = tl.load(g_base + rows[:, None] * s_gt + offs_v[None, :] * s_gd, mask=rmask & vmask, other=0.0)
-            phq = _features(q, tq, s_qtr, s_qtj, s_qtd, s_qtm, R, P, D, M, BLOCK_T, BLOCK_D, BLOCK_M, PREC)
+            phq = _features(q, tq, s_qtr, s_qtj, s_qtd, s_qtm, R, P, D, M, BLOCK_T, BLOCK_D, BLOCK_M, SELF, PREC)
             dS += tl.dot(tl.trans(phq), g, input_precision=PREC)
             if NORMALIZE:
                 c = tl.load(c_base + rows * s_ct, mask=rows < T, other=0.0)
                 dz += tl.sum(phq * c[:, None], axis=0)
-    n_chunks = tl.cdiv(T, BLOCK_T)
+    n_chunks = tl.cdiv(NK, BLOCK_T)
     for i in range(0, n_chunks):
         c0 = (n_chunks - 1 - i) * BLOCK_T
         rows = c0 + offs_t
-        rmask = rows[:, None] < T
+        rmask = rows[:, None] < NK
         k = tl.load(k_base + rows[:, None] * s_kt + offs_d[None, :] * s_kd, mask=rmask & dmask, other=0.0).to(tl.float32)
         v = tl.load(v_base + rows[:, None] * s_vt + offs_v[None, :] * s_vd, mask=rmask & vmask, other=0.0).to(tl.float32)
-        phk = _features(k, tk, s_ktr, s_ktj, s_ktd, s_ktm, R, P, D, M, BLOCK_T, BLOCK_D, BLOCK_M, PREC)
-        dphk = tl.dot(v, tl.trans(dS), input_precision=PREC)  # [BLOCK_T, BLOCK_M]
+        phk = _features(k, tk, s_ktr, s_ktj, s_ktd, s_ktm, R, P, D, M, BLOCK_T, BLOCK_D, BLOCK_M, SELF, PREC)
+        dphk = tl.dot(v, tl.trans(dS), input_precision=PREC)  # [BLOCK_T, BLOCK_F]
         if NORMALIZE:
             dphk += dz[None, :]
         dv = tl.dot(phk, dS, input_precision=PREC)  # [BLOCK_T, BLOCK_DV]
         if CAUSAL:
             q = tl.load(q_base + rows[:, None] * s_qt + offs_d[None, :] * s_qd, mask=rmask & dmask, other=0.0).to(tl.float32)
             g = tl.load(g_base + rows[:, None] * s_gt + offs_v[None, :] * s_gd, mask=rmask & vmask, other=0.0)
-            phq = _features(q, tq, s_qtr, s_qtj, s_qtd, s_qtm, R, P, D, M, BLOCK_T, BLOCK_D, BLOCK_M, PREC)
+            phq = _features(q, tq, s_qtr, s_qtj, s_qtd, s_qtm, R, P, D, M, BLOCK_T, BLOCK_D, BLOCK_M, SELF, PREC)
             keep = (rows[None, :] >= rows[:, None]) & (rows[None, :] < T)  # [s, t]: t ≥ s
             at = tl.dot(phk, tl.trans(phq), input_precision=PREC)  # [BLOCK_T (s), BLOCK_T (t)]
             at = tl.where(keep, at, 0.0)
@@ -300,22 +328,27 @@ def _llops_bwd_kernel(
                 dz += tl.sum(phq * c[:, None], axis=0)
         # rows ≥ T of dphk may hold dz, but their k rows are 0 (no dΘ) and their dk is not stored
         dk = _features_bwd(k, dphk, tk, s_ktr, s_ktj, s_ktd, s_ktm, dtk, s_gtr, s_gtj, s_gtd, s_gtm,
-                           R, P, D, M, BLOCK_T, BLOCK_D, BLOCK_M, PREC)
+                           R, P, D, M, BLOCK_T, BLOCK_D, BLOCK_M, SELF, PREC)
         tl.store(DK + b * s_dkb + h * s_dkh + rows[:, None] * s_dkt + offs_d[None, :] * s_dkd, dk, mask=rmask & dmask)
         tl.store(DVV + b * s_dvb + h * s_dvh + rows[:, None] * s_dvt + offs_v[None, :] * s_dvd, dv, mask=rmask & vmask)
 
 
-def _cuda_configs(block_dv: bool):
-    """Autotuning space on CUDA (the interpreter uses one fixed small config)."""
-    configs = []
-    for block_t in (16, 32, 64):
-        for warps in (4, 8):
-            if block_dv:
-                for bdv in (32, 64, 128):
-                    configs.append(triton.Config({"BLOCK_T": block_t, "BLOCK_DV": bdv}, num_warps=warps, num_stages=2))
-            else:
-                configs.append(triton.Config({"BLOCK_T": block_t}, num_warps=warps, num_stages=2))
-    return configs
+#: Autotuning space on CUDA: (BLOCK_T, BLOCK_DV, num_warps) for the forward, (BLOCK_T, num_warps)
+#: for the backward (which holds all of Dv). Kept short: every distinct shape compiles each one, and
+#: an sm_90 compile of the backward takes tens of seconds (measured ahead of time, without a GPU).
+FWD_CONFIGS = [(32, 64, 4), (64, 64, 4), (64, 128, 8)]
+BWD_CONFIGS = [(16, 4), (32, 8)]
+#: The fixed CUDA config when autotuning is off (``SKETCHLAB_TRITON_AUTOTUNE=0``).
+FWD_FIXED = (32, 64, 4)
+BWD_FIXED = (16, 4)
+
+
+def _fwd_configs():
+    return [triton.Config({"BLOCK_T": t, "BLOCK_DV": dv}, num_warps=w, num_stages=2) for t, dv, w in FWD_CONFIGS]
+
+
+def _bwd_configs():
+    return [triton.Config({"BLOCK_T": t}, num_warps=w, num_stages=2) for t, w in BWD_CONFIGS]
 
 
 def _prune_value_blocks(configs, named_args, **kwargs):
@@ -325,10 +358,10 @@ def _prune_value_blocks(configs, named_args, **kwargs):
     return kept or configs
 
 
-_KEY = ["D", "M", "DV", "R", "P", "CAUSAL", "NORMALIZE", "BLOCK_D", "BLOCK_M", "PREC"]
+_KEY = ["D", "M", "DV", "R", "P", "CAUSAL", "NORMALIZE", "SELF", "BLOCK_D", "BLOCK_M", "PREC"]
 llops_fwd_kernel_tuned = triton.autotune(
-    configs=_cuda_configs(True), key=_KEY, prune_configs_by={"early_config_prune": _prune_value_blocks}
+    configs=_fwd_configs(), key=_KEY, prune_configs_by={"early_config_prune": _prune_value_blocks}
 )(_llops_fwd_kernel)
-llops_bwd_kernel_tuned = triton.autotune(configs=_cuda_configs(False), key=_KEY + ["BLOCK_DV"])(_llops_bwd_kernel)
+llops_bwd_kernel_tuned = triton.autotune(configs=_bwd_configs(), key=_KEY + ["BLOCK_DV"])(_llops_bwd_kernel)
 llops_fwd_kernel = _llops_fwd_kernel
 llops_bwd_kernel = _llops_bwd_kernel

@@ -8,7 +8,8 @@ contiguous here), allocate the outputs, pick the block sizes and launch one prog
 Block sizes: ``BLOCK_D``, ``BLOCK_M``, ``BLOCK_DV`` are the next power of two ≥ 16 of ``D``, ``M``,
 ``Dv`` (``tl.dot`` needs every dimension ≥ 16; padding is masked). Under Triton's interpreter
 (``TRITON_INTERPRET=1``, CPU, fp32) the chunk is a fixed 16 tokens and the forward's value block 16
-columns; on CUDA ``BLOCK_T`` (and the forward's ``BLOCK_DV``) and the warp count are autotuned.
+columns; on CUDA ``BLOCK_T`` (and the forward's ``BLOCK_DV``) and the warp count are autotuned
+(``SKETCHLAB_TRITON_AUTOTUNE=0``: one fixed config instead, ``_kernels.FWD_FIXED``/``BWD_FIXED``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,12 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def _autotuning() -> bool:
+    """Autotune on CUDA unless ``SKETCHLAB_TRITON_AUTOTUNE=0`` (then one fixed config: faster to
+    compile, used by the broad correctness tests on a GPU)."""
+    return os.environ.get("SKETCHLAB_TRITON_AUTOTUNE", "1") != "0"
+
+
 def _block(n: int) -> int:
     """Next power of two ≥ max(n, 16)."""
     return max(16, triton.next_power_of_2(n))
@@ -53,19 +60,24 @@ def _theta_strides(theta: torch.Tensor):
     return theta.stride()  # [H, R, P, D, M]
 
 
-def llops_attention_fwd(q, k, v, theta_q, theta_k, *, causal: bool, normalize: bool, eps: float):
+def llops_attention_fwd(q, k, v, theta_q, theta_k, *, causal: bool, normalize: bool, non_negative: bool, eps: float):
     """Fused forward of LLoPS linear attention.
 
     Parameters
     ----------
-    q, k : Tensor [B, T, H, D]
-    v : Tensor [B, T, H, Dv]
+    q : Tensor [B, T, H, D]
+    k : Tensor [B, S, H, D]
+    v : Tensor [B, S, H, Dv]
+        ``S == T`` when ``causal``.
     theta_q, theta_k : Tensor [H, R, P, D, M]
         LLoPS factors per head: ``φ(x) = Σ_r ∏_j x Θ_{r,j}``.
     causal : bool
         ``s ≤ t`` (True) or all ``s``.
     normalize : bool
         Divide by ``Σ_s a_ts + eps`` (True) or not.
+    non_negative : bool
+        Features ``φ ⊗ φ`` (scores ``a_ts = (φ(q_t)·φ(k_s))² ≥ 0``), formed chunk by chunk in
+        registers; the state is then ``[M², Dv]`` (padded to ``BLOCK_M²``).
     eps : float
 
     Returns
@@ -85,28 +97,36 @@ def llops_attention_fwd(q, k, v, theta_q, theta_k, *, causal: bool, normalize: b
         q, k, v, theta_q, theta_k, out, den,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), *den_strides,
         *_theta_strides(theta_q), *_theta_strides(theta_k),
-        H, T, R, P, D, M, DV, float(eps),
+        H, T, k.shape[1], R, P, D, M, DV, float(eps),
     )
     meta = dict(
-        CAUSAL=bool(causal), NORMALIZE=bool(normalize),
-        BLOCK_D=_block(D), BLOCK_M=_block(M), PREC=_precision(q.dtype),
+        CAUSAL=bool(causal), NORMALIZE=bool(normalize), SELF=bool(non_negative),
+        BLOCK_D=_block(D), BLOCK_M=_block(M), BLOCK_F=_block(M) ** (2 if non_negative else 1),
+        PREC=_precision(q.dtype),
     )
     if _interpreting():
         _kernels.llops_fwd_kernel[(B * H, triton.cdiv(DV, INTERPRET_BLOCK_DV))](
             *args, **meta, BLOCK_T=INTERPRET_BLOCK_T, BLOCK_DV=INTERPRET_BLOCK_DV,
         )
-    else:
+    elif _autotuning():
         grid = lambda META: (B * H, triton.cdiv(DV, META["BLOCK_DV"]))  # noqa: E731
         _kernels.llops_fwd_kernel_tuned[grid](*args, **meta)
+    else:
+        block_t, block_dv, warps = _kernels.FWD_FIXED
+        block_dv = min(block_dv, _block(DV))
+        _kernels.llops_fwd_kernel[(B * H, triton.cdiv(DV, block_dv))](
+            *args, **meta, BLOCK_T=block_t, BLOCK_DV=block_dv, num_warps=warps,
+        )
     return out, den
 
 
-def llops_attention_bwd(q, k, v, theta_q, theta_k, out, den, grad_out, *, causal: bool, normalize: bool):
+def llops_attention_bwd(q, k, v, theta_q, theta_k, out, den, grad_out, *, causal: bool, normalize: bool,
+                        non_negative: bool):
     """Fused backward of :func:`llops_attention_fwd`: features recomputed, no per-chunk states stored.
 
     Parameters
     ----------
-    q, k, v, theta_q, theta_k : as in :func:`llops_attention_fwd`
+    q, k, v, theta_q, theta_k, causal, normalize, non_negative : as in :func:`llops_attention_fwd`
     out : Tensor [B, T, H, Dv]
         The forward's output (used only when ``normalize``).
     den : Tensor [B, T, H] fp32
@@ -115,8 +135,9 @@ def llops_attention_bwd(q, k, v, theta_q, theta_k, out, den, grad_out, *, causal
 
     Returns
     -------
-    dq, dk : Tensor [B, T, H, D]
-    dv : Tensor [B, T, H, Dv]
+    dq : Tensor [B, T, H, D]
+    dk : Tensor [B, S, H, D]
+    dv : Tensor [B, S, H, Dv]
     dtheta_q, dtheta_k : Tensor [H, R, P, D, M]
 
     Notes
@@ -149,16 +170,20 @@ def llops_attention_bwd(q, k, v, theta_q, theta_k, out, den, grad_out, *, causal
         *q.stride(), *k.stride(), *v.stride(), *g.stride(), *c_strides,
         *dq.stride(), *dk.stride(), *dv.stride(),
         *_theta_strides(theta_q), *_theta_strides(theta_k), *dtq.stride(),
-        H, T, R, P, D, M, DV,
+        H, T, k.shape[1], R, P, D, M, DV,
     )
     meta = dict(
-        CAUSAL=bool(causal), NORMALIZE=bool(normalize),
-        BLOCK_D=_block(D), BLOCK_M=_block(M), BLOCK_DV=_block(DV), PREC=_precision(q.dtype),
+        CAUSAL=bool(causal), NORMALIZE=bool(normalize), SELF=bool(non_negative),
+        BLOCK_D=_block(D), BLOCK_M=_block(M), BLOCK_F=_block(M) ** (2 if non_negative else 1),
+        BLOCK_DV=_block(DV), PREC=_precision(q.dtype),
     )
     if _interpreting():
         _kernels.llops_bwd_kernel[(B * H,)](*args, **meta, BLOCK_T=INTERPRET_BLOCK_T)
-    else:
+    elif _autotuning():
         _kernels.llops_bwd_kernel_tuned[(B * H,)](*args, **meta)
+    else:
+        block_t, warps = _kernels.BWD_FIXED
+        _kernels.llops_bwd_kernel[(B * H,)](*args, **meta, BLOCK_T=block_t, num_warps=warps)
     dtheta_q = dtq.sum(0).to(theta_q.dtype)  # [H, R, P, D, M]
     dtheta_k = dtk.sum(0).to(theta_k.dtype)
     return dq, dk, dv, dtheta_q, dtheta_k
