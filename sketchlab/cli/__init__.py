@@ -18,6 +18,9 @@ Usage::
     sketchlab capture --model-dir DIR (--text FILE | --token-ids FILE) --out DUMP [--max-tokens 512]
     sketchlab fit DUMP --method llops --p 2 --m 64 --out THETA.safetensors [--layers 0,3] [--heads 0,1]
                   [--scale sqrt-d|none|FLOAT] [--seed 0] [--holdout 0.25]
+    sketchlab train --task mqar --attention {softmax,poly,based,psf,llops} [--p P] [--m M]
+                    [--init random|based|theta FILE] [--steps N] [--seed S] --out DIR
+    sketchlab linearize CHECKPOINT --p 2 --m 64 --out DIR [--steps N] [--transfer W]
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ __all__ = ["COMMANDS", "UsageError", "build_parser", "main"]
 
 #: Sub-command names; each is the module ``sketchlab.cli.<name>`` (a new command adds one module
 #: and one entry here).
-COMMANDS = ("compare", "verify", "advise", "spectrum", "fit", "capture")
+COMMANDS = ("compare", "verify", "advise", "spectrum", "fit", "train", "linearize", "capture")
 
 
 class _Parser(argparse.ArgumentParser):

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 import torch
@@ -50,18 +50,23 @@ __all__ = [
 ]
 
 _ATTENTION: dict[str, Callable[["TransformerConfig", int], nn.Module]] = {}
+_OPTIONS: dict[str, Callable[[dict, "TransformerConfig"], dict] | None] = {}
 
 
-def register_attention(name: str):
+def register_attention(name: str, *, options: Callable[[dict, "TransformerConfig"], dict] | None = None):
     """Register ``factory(config, layer_index) -> nn.Module`` as the attention kernel ``name``.
 
     The module's ``forward(q, k, v)`` takes and returns ``[B, T, H, D]`` and must be causal.
+    ``options(attention_options, config) -> dict`` validates and completes the kernel's options
+    (``TransformerConfig.attention_options``) once, when the config is built; it raises
+    ``ValueError`` naming the option. Without it the kernel takes no options.
     """
 
     def decorate(factory):
         if name in _ATTENTION and _ATTENTION[name] is not factory:
             raise ValueError(f"an attention named {name!r} is already registered")
         _ATTENTION[name] = factory
+        _OPTIONS[name] = options
         return factory
 
     return decorate
@@ -133,6 +138,7 @@ class TransformerConfig:
     attention: str = "softmax"
     rope_base: float = 10000.0
     short_conv: int = 0
+    attention_options: dict = field(default_factory=dict)
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_heads", "n_layers", "mlp_ratio"):
@@ -149,6 +155,17 @@ class TransformerConfig:
         # θ_i = base^{-2i/D}: base <= 0 gives NaN/inf angles, base == 1 gives no rotation at all
         if isinstance(rb, bool) or not isinstance(rb, numbers.Real) or not math.isfinite(rb) or rb <= 1:
             raise ValueError(f"rope_base must be a finite number > 1 (RoPE frequencies base^(-2i/D)), got {rb!r}")
+        opts = self.attention_options
+        if not isinstance(opts, dict) or not all(isinstance(key, str) for key in opts):
+            raise TypeError(f"attention_options must be a dict with string keys, got {opts!r}")
+        check = _OPTIONS[self.attention]
+        if check is None:
+            if opts:
+                raise ValueError(f"attention {self.attention!r} takes no options, got attention_options={opts!r}")
+            completed = {}
+        else:
+            completed = check(dict(opts), self)
+        object.__setattr__(self, "attention_options", completed)  # frozen: the validated, completed options
 
     @property
     def head_dim(self) -> int:

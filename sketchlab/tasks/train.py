@@ -1,14 +1,43 @@
-"""CPU training loop for MQAR, held-out evaluation, and checkpoints (safetensors + JSON, no pickle)."""
+r"""Training loop for MQAR (AdamW, warm-up + cosine, clipping), held-out evaluation, and checkpoints.
+
+Checkpoints are safetensors + JSON, never pickle. :func:`train_mqar` with ``out=DIR`` writes a
+resumable checkpoint every ``checkpoint_every`` steps and at the end::
+
+    DIR/checkpoints/step-00000100/model.safetensors     # the model's state_dict
+    DIR/checkpoints/step-00000100/trainer.safetensors   # AdamW moments and steps, RNG states
+    DIR/checkpoints/step-00000100/state.json            # run identity, step, losses, evaluations
+
+Each ``step-N`` directory is written under a temporary name and renamed into place when it is
+complete (a rename is atomic on POSIX), so an interruption at any instant leaves either the
+previous checkpoints or the new one, never a half-written one; the newest ``keep_checkpoints`` are
+kept. Calling :func:`train_mqar` again with the same ``out`` resumes from the newest one: the
+weights, the optimiser moments, the learning-rate step, the data stream (its ``torch.Generator``
+state) and the loss history are restored, so the resumed run computes exactly the steps the
+uninterrupted run would have (bit for bit with one thread and
+``torch.use_deterministic_algorithms(True)``). A checkpoint written by another run configuration
+(model, curriculum, batch, optimiser settings, seed, ``run_info``) is refused with the differing
+fields named.
+
+Distributed data parallel: when ``torch.distributed`` is initialised (``torchrun``; see
+:func:`init_distributed`), the model is wrapped in ``DistributedDataParallel``. ``batch_size`` is
+the *global* batch: every rank draws the same global batch from the seeded stream and keeps its
+contiguous slice of ``batch_size / world_size`` sequences (the role of ``DistributedSampler`` for
+this infinite synthetic stream), so the run sees the same data, and the same losses to float
+round-off, as one process with that batch. Rank ``r`` seeds ``torch``'s global generator with
+``seed + r`` for any per-rank randomness; checkpoints are written by rank 0 only.
+"""
 
 from __future__ import annotations
 
 import json
 import math
 import numbers
+import os
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -18,19 +47,36 @@ from ..io import atomic_write
 from .model import TransformerConfig, TransformerLM
 from .mqar import IGNORE_INDEX, MQARConfig, mqar_accuracy, mqar_batch
 
-__all__ = ["TrainResult", "evaluate_mqar", "load_checkpoint", "save_checkpoint", "train_mqar"]
+__all__ = [
+    "TrainResult", "evaluate_mqar", "init_distributed", "latest_checkpoint", "load_checkpoint", "save_checkpoint",
+    "train_mqar",
+]
 
 _HELDOUT_OFFSET = 1_000_003  # held-out data come from seed + this offset, never from the training stream
 
 
+_STATE_FORMAT = "sketchlab.tasks.train/1"
+
+
 @dataclass
 class TrainResult:
-    """Outcome of :func:`train_mqar`: held-out accuracy on the last stage, wall time, per-stage log."""
+    """Outcome of :func:`train_mqar`.
+
+    ``heldout_accuracy``: of the last stage; ``seconds``: wall time of this call (a resumed run
+    counts from the resume); ``steps``: steps done in total; ``history``: one entry per stage
+    (held-out accuracy at its end); ``losses``: the training loss of every step (global batch);
+    ``evals``: ``{"step", "stage", "heldout_accuracy"}`` every ``eval_every`` steps and at the end
+    of each stage; ``resumed_from``: the step of the checkpoint this call resumed from (``None``
+    for a fresh run).
+    """
 
     heldout_accuracy: float
     seconds: float
     steps: int
     history: list[dict] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    evals: list[dict] = field(default_factory=list)
+    resumed_from: int | None = None
 
 
 def _check_seed(seed, name: str = "seed") -> int:
@@ -82,6 +128,126 @@ def evaluate_mqar(model: TransformerLM, task: MQARConfig, *, num_sequences: int 
     return weighted / total
 
 
+def init_distributed(device: str = "cpu") -> tuple[int, int]:
+    """Initialise ``torch.distributed`` from the ``torchrun`` environment; returns ``(rank, world_size)``.
+
+    Without ``torchrun`` (no ``WORLD_SIZE`` in the environment) nothing is initialised and
+    ``(0, 1)`` is returned. The backend is ``gloo`` for ``device="cpu"`` and ``nccl`` for CUDA
+    (each rank then uses ``cuda:LOCAL_RANK``).
+    """
+    import torch.distributed as dist
+
+    if "WORLD_SIZE" not in os.environ:
+        return 0, 1
+    if not dist.is_initialized():
+        if device.startswith("cuda"):
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _step_dir(root: Path, step: int) -> Path:
+    return root / "checkpoints" / f"step-{step:08d}"
+
+
+def latest_checkpoint(out) -> Path | None:
+    """The newest complete ``step-N`` checkpoint directory under ``out/checkpoints`` (``None`` if none)."""
+    root = Path(out) / "checkpoints"
+    if not root.is_dir():
+        return None
+    found = sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-") and p.name[5:].isdigit())
+    return found[-1] if found else None
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as fh:
+        os.fsync(fh.fileno())
+
+
+def _write_checkpoint(out: Path, step: int, model, opt, gen: torch.Generator, state: dict, keep: int) -> Path:
+    """Write ``out/checkpoints/step-N`` under a temporary name, then rename it into place (atomic)."""
+    root = out / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob(".tmp-step-*"):  # left by a run killed while writing; never read
+        shutil.rmtree(stale, ignore_errors=True)
+    final = _step_dir(out, step)
+    tmp = root / f".tmp-step-{step:08d}-{os.getpid()}"
+    tmp.mkdir()
+    try:
+        _fill_checkpoint(tmp, model, opt, gen, state, step)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if final.exists():  # only after a crash between this rename and the next step: same content
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    for old in sorted(p for p in root.iterdir() if p.name.startswith("step-"))[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _fill_checkpoint(tmp: Path, model, opt, gen: torch.Generator, state: dict, step: int) -> None:
+    from safetensors.torch import save_file
+
+    weights = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    save_file(weights, str(tmp / "model.safetensors"))
+    sd = opt.state_dict()
+    tensors = {f"optim.{idx}.{key}": val.detach().cpu().contiguous()
+               for idx, st in sd["state"].items() for key, val in st.items()}
+    tensors["rng.data"] = gen.get_state()
+    tensors["rng.torch"] = torch.get_rng_state()
+    save_file(tensors, str(tmp / "trainer.safetensors"))
+    payload = {**state, "format": _STATE_FORMAT, "step": step, "param_groups": sd["param_groups"]}
+    (tmp / "state.json").write_text(json.dumps(payload, indent=1, sort_keys=True) + "\n")
+    for name in ("model.safetensors", "trainer.safetensors", "state.json"):
+        _fsync_file(tmp / name)
+
+
+def _read_checkpoint(path: Path, identity: dict, model, opt, gen: torch.Generator) -> dict:
+    """Restore model, optimiser and generators from a ``step-N`` directory; returns its state.json."""
+    from safetensors.torch import load_file
+
+    try:
+        state = json.loads((path / "state.json").read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"checkpoint {path}: unreadable state.json ({err})") from err
+    if not isinstance(state, dict) or state.get("format") != _STATE_FORMAT:
+        raise ValueError(f"checkpoint {path}: state.json is not a {_STATE_FORMAT} training state")
+    theirs = state.get("identity", {})
+    if theirs != identity:
+        keys = sorted(set(theirs) | set(identity))
+        diffs = [f"{key}: {json.dumps(theirs.get(key), sort_keys=True)} in the checkpoint, "
+                 f"{json.dumps(identity.get(key), sort_keys=True)} in this run"
+                 for key in keys if theirs.get(key) != identity.get(key)]
+        raise ValueError(
+            f"checkpoint {path} was written by another run configuration, so this run cannot resume from it "
+            f"({'; '.join(diffs)}); use another output directory or the checkpoint's settings"
+        )
+    try:
+        weights = load_file(str(path / "model.safetensors"))
+        tensors = load_file(str(path / "trainer.safetensors"))
+    except Exception as err:  # safetensors raises its own error types for corrupt files
+        raise ValueError(f"checkpoint {path}: unreadable safetensors file ({err})") from err
+    model.load_state_dict(weights, strict=True)
+    per_param: dict[int, dict] = {}
+    for name, val in tensors.items():
+        if name.startswith("optim."):
+            _, idx, key = name.split(".", 2)
+            per_param.setdefault(int(idx), {})[key] = val
+    opt.load_state_dict({"state": per_param, "param_groups": state["param_groups"]})
+    gen.set_state(tensors["rng.data"])
+    torch.set_rng_state(tensors["rng.torch"])
+    return state
+
+
 def train_mqar(
     model: TransformerLM,
     stages: Sequence[tuple[MQARConfig, int]],
@@ -90,8 +256,15 @@ def train_mqar(
     lr: float = 1e-3,
     weight_decay: float = 0.1,
     warmup: int = 50,
+    clip: float | None = 1.0,
     seed: int = 0,
     eval_sequences: int = 256,
+    eval_every: int = 0,
+    out=None,
+    checkpoint_every: int = 100,
+    keep_checkpoints: int = 2,
+    run_info: dict | None = None,
+    extra_loss: Callable[[], torch.Tensor] | None = None,
     progress: bool = True,
 ) -> TrainResult:
     """Train ``model`` on MQAR with AdamW, a linear warm-up and a cosine decay over all steps.
@@ -99,28 +272,54 @@ def train_mqar(
     Parameters
     ----------
     model : TransformerLM
-        Its ``vocab_size`` must cover every stage's vocabulary.
+        Its ``vocab_size`` must cover every stage's vocabulary. Batches go to the device of its
+        parameters.
     stages : sequence of (MQARConfig, steps)
         A curriculum: each stage trains ``steps`` steps on its distribution, then reports its
         held-out accuracy. A single stage is plain training.
     batch_size : int >= 1
-        Sequences per step.
+        Sequences per step (the global batch under ``torchrun``: divisible by the world size).
     lr : float > 0
         Peak AdamW learning rate (finite).
     weight_decay : float >= 0
-        AdamW decoupled weight decay of the matrices (not of embeddings, norms and biases).
+        AdamW decoupled weight decay of the matrices (not of embeddings, norms, biases and the
+        attention kernels' feature-map parameters).
     warmup : int >= 0
         Steps of linear warm-up (``0``: none) before the cosine decay.
+    clip : float > 0 or None
+        Gradient clipping: the global gradient norm is scaled down to at most ``clip``.
     seed : int >= 0
         Seeds the data stream (``torch.Generator``); the model's initialisation is the caller's.
     eval_sequences : int
-        Held-out sequences per stage evaluation (:func:`evaluate_mqar`).
+        Held-out sequences per evaluation (:func:`evaluate_mqar`).
+    eval_every : int >= 0
+        Also evaluate on the current stage's task every ``eval_every`` steps (and at step 0);
+        ``0``: only at the end of each stage.
+    out : str or Path, optional
+        Checkpoint directory (module docstring); an existing checkpoint there is resumed.
+    checkpoint_every : int >= 1
+        Steps between checkpoints (one is always written after the last step).
+    keep_checkpoints : int >= 1
+        Newest checkpoints kept.
+    run_info : dict, optional
+        JSON-serialisable description of how the model was built (attention, initialisation);
+        part of the run identity a resume must match.
+    extra_loss : callable, optional
+        ``extra_loss() -> Tensor`` called after each forward pass and added to the loss (e.g. an
+        attention-transfer term collected by forward hooks).
     progress : bool
-        Show a tqdm bar with the running loss.
+        Show a tqdm bar with the running loss (rank 0 only).
 
     Returns
     -------
-    TrainResult with the held-out accuracy of the last stage.
+    TrainResult
+
+    Notes
+    -----
+    Learning rate at step ``s`` of ``S``: ``lr · min(1, (s+1)/warmup) · ½(1 + cos(π s/S))``. The
+    loss is the mean next-token cross-entropy over query positions. Every MQAR sequence has the
+    same number of queries, so the mean over a rank's slice times the ranks' average equals the
+    mean over the global batch: DDP's gradient averaging gives exactly the global-batch gradient.
     """
     from tqdm.auto import tqdm
 
@@ -140,49 +339,135 @@ def train_mqar(
     lr = check_real(lr, "lr", positive=True)
     weight_decay = check_real(weight_decay, "weight_decay", positive=False)
     warmup = check_nonnegative_int(warmup, "warmup")
+    if clip is not None:
+        clip = check_real(clip, "clip", positive=True)
     seed = _check_seed(seed)
     eval_sequences = check_positive_int(eval_sequences, "eval_sequences")
+    eval_every = check_nonnegative_int(eval_every, "eval_every")
+    checkpoint_every = check_positive_int(checkpoint_every, "checkpoint_every")
+    keep_checkpoints = check_positive_int(keep_checkpoints, "keep_checkpoints")
+    if run_info is not None and not isinstance(run_info, dict):
+        raise TypeError(f"run_info must be a JSON-serialisable dict, got {type(run_info).__name__}")
+    if extra_loss is not None and not callable(extra_loss):
+        raise TypeError(f"extra_loss must be a callable returning a scalar tensor, got {type(extra_loss).__name__}")
+    rank, world = _world()
+    if batch_size % world:
+        raise ValueError(f"batch_size (the global batch) must be divisible by the world size {world}, got {batch_size}")
+    local = batch_size // world
+    torch.manual_seed(seed + rank)  # per-rank randomness; the data stream below is shared by all ranks
+
+    identity = json.loads(json.dumps({
+        "model": model.config.to_dict(),
+        "stages": [[task.to_dict(), steps] for task, steps in stages],
+        "batch_size": batch_size, "lr": lr, "weight_decay": weight_decay, "warmup": warmup, "clip": clip,
+        "seed": seed, "eval_every": eval_every, "eval_sequences": eval_sequences, "run_info": run_info or {},
+    }))  # through JSON: the same types a checkpoint's state.json gives back
     total = sum(steps for _, steps in stages)
     decay, no_decay = [], []
     for name, p in model.named_parameters():
-        (decay if p.ndim >= 2 and "embed" not in name else no_decay).append(p)
+        # matrices decay; embeddings, norms, biases and the attention kernels' feature maps (Θ) do not
+        (decay if p.ndim >= 2 and "embed" not in name and ".attention.attn." not in name else no_decay).append(p)
     opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=lr, betas=(0.9, 0.98),
     )
-    def lr_factor(s: int) -> float:  # linear warm-up over `warmup` steps (none if 0), then cosine
-        ramp = min(1.0, (s + 1) / warmup) if warmup else 1.0
-        return ramp * 0.5 * (1 + math.cos(math.pi * min(s, total) / total))
 
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
+    def lr_at(s: int) -> float:  # linear warm-up over `warmup` steps (none if 0), then cosine
+        ramp = min(1.0, (s + 1) / warmup) if warmup else 1.0
+        return lr * ramp * 0.5 * (1 + math.cos(math.pi * min(s, total) / total))
+
     gen = torch.Generator().manual_seed(seed)
-    model.train()
+    device = next(model.parameters()).device
     history: list[dict] = []
-    t0 = time.perf_counter()
+    losses: list[float] = []
+    evals: list[dict] = []
     step = 0
-    bar = tqdm(total=total, disable=not progress, desc="mqar", dynamic_ncols=True)
+    resumed_from = None
+    out = None if out is None else Path(out)
+    if out is not None:
+        found = latest_checkpoint(out)
+        if found is not None:
+            state = _read_checkpoint(found, identity, model, opt, gen)
+            step, history, losses, evals = state["step"], state["history"], state["losses"], state["evals"]
+            resumed_from = step
+    net = model
+    if world > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+    def evaluate(si: int, task: MQARConfig) -> dict:
+        entry = {"step": step, "stage": si,
+                 "heldout_accuracy": evaluate_mqar(model, task, num_sequences=eval_sequences, seed=seed)}
+        if not evals or evals[-1]["step"] != step:
+            evals.append(entry)
+        return entry
+
+    def checkpoint() -> None:
+        if out is not None and rank == 0:
+            _write_checkpoint(out, step, model, opt, gen, {
+                "identity": identity, "history": history, "losses": losses, "evals": evals,
+                "world_size": world}, keep_checkpoints)
+        if world > 1:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+    model.train()
+    t0 = time.perf_counter()
+    bar = tqdm(total=total, initial=step, disable=not progress or rank != 0, desc="mqar", dynamic_ncols=True)
+    start = 0
     for si, (task, steps) in enumerate(stages):
-        for _ in range(steps):
-            inputs, targets = mqar_batch(task, batch_size, generator=gen)
-            logits = model(inputs)  # [B, T, vocab]
+        end = start + steps
+        if step >= end:  # stage finished before the checkpoint this run resumed from
+            start = end
+            continue
+        if eval_every and step == 0:
+            evaluate(si, task)
+        while step < end:
+            inputs, targets = mqar_batch(task, batch_size, generator=gen)  # the global batch
+            inputs = inputs[rank * local:(rank + 1) * local].to(device)  # [B/W, T]: this rank's slice
+            targets = targets[rank * local:(rank + 1) * local].to(device)
+            for g in opt.param_groups:
+                g["lr"] = lr_at(step)
+            logits = net(inputs)  # [B/W, T, vocab]
             loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+            objective = loss if extra_loss is None else loss + extra_loss()
             opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            objective.backward()
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
             opt.step()
-            sched.step()
             step += 1
+            logged = loss.detach()
+            if world > 1:
+                import torch.distributed as dist
+
+                dist.all_reduce(logged)
+                logged = logged / world
+            value = float(logged)
+            if not math.isfinite(value):
+                raise FloatingPointError(f"training diverged: the loss at step {step} is {value} (lower lr or clip)")
+            losses.append(value)
             if step % 10 == 0 or step == total:
-                bar.set_postfix(stage=si, loss=f"{loss.item():.3f}", acc=f"{mqar_accuracy(logits, targets):.2f}")
+                bar.set_postfix(stage=si, loss=f"{value:.3f}")
             bar.update(1)
-        acc = evaluate_mqar(model, task, num_sequences=eval_sequences, seed=seed)
-        history.append({"stage": si, "task": task.to_dict(), "steps": steps, "heldout_accuracy": acc,
-                        "seconds": time.perf_counter() - t0})
-        bar.write(f"stage {si} {task}: held-out accuracy {acc:.4f} after {step} steps, "
-                  f"{time.perf_counter() - t0:.0f}s")
+            if eval_every and step % eval_every == 0 and step != end:
+                evaluate(si, task)
+            if step % checkpoint_every == 0 and step != end:
+                checkpoint()
+        entry = evaluate(si, task)
+        history.append({"stage": si, "task": task.to_dict(), "steps": steps,
+                        "heldout_accuracy": entry["heldout_accuracy"]})
+        if rank == 0:
+            bar.write(f"stage {si} {task}: held-out accuracy {entry['heldout_accuracy']:.4f} after {step} steps, "
+                      f"{time.perf_counter() - t0:.0f}s")
+        if step % checkpoint_every == 0 or step == total:
+            checkpoint()
+        start = end
     bar.close()
     return TrainResult(heldout_accuracy=history[-1]["heldout_accuracy"], seconds=time.perf_counter() - t0,
-                       steps=step, history=history)
+                       steps=step, history=history, losses=losses, evals=evals, resumed_from=resumed_from)
 
 
 def save_checkpoint(directory, model: TransformerLM, *, extra: dict | None = None) -> Path:

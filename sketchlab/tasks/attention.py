@@ -1,0 +1,436 @@
+r"""Sketched attention kernels for :class:`~sketchlab.tasks.TransformerLM`, and LLoPS initialisations.
+
+Importing this module registers, next to ``"softmax"``, the kernels below in the model's
+attention registry. Each is a thin ``nn.Module`` over the attention package's functional API
+(:mod:`sketchlab.attention`: chunked PyTorch on CPU, Triton on CUDA), so training runs the code
+that is tested and timed there. Layout ``[B, T, H, D]`` in and out; all are causal. Options live in
+``TransformerConfig.attention_options`` (validated and completed when the config is built).
+
+Input scale: softmax attention uses logits ``qᵀk/√D``. Every polynomial kernel here sees
+``x · D^{-1/4}`` (the dump-level ``"sqrt-d"`` convention), so its kernel is a polynomial in
+``s = qᵀk/√D`` — except the BASED Taylor map, which scales by its own ``d'^{-1/4}`` (BASED's
+convention, kernel ``1 + s' + s'²/2`` with ``s' = (Pq)ᵀ(Pk)/√d'``).
+
+``"poly"`` — exact polynomial attention ``(s)^p`` (quadratic in T, blocked)
+    options ``p`` (2), ``normalize`` ("sum"), ``eps`` (1e-6).
+``"based"`` — BASED on the first ``dim`` coordinates of each head (``P = [I_{d'}; 0]``: the
+    model's learned ``W_q``, ``W_k`` play the role of BASED's feature-dimension projections)
+    options ``form`` ("taylor": ``[1, u/d'^{1/4}, u⊗u/(√2·√d')]``, 1 + d' + d'² features;
+    "expand": the homogeneous ``ψ_p(u)``, which converts exactly to LLoPS), ``p`` (2), ``dim``
+    (min(16, D)), ``symmetric`` (False for "taylor", True for "expand"), ``normalize``, ``eps``.
+``"psf"`` — PolySketchFormer's random sketch, fixed (buffers), one draw per layer and head
+    options ``p`` (2), ``m`` (64), ``non_negative`` (True: ``s ⊗ s``, ``⌊√m⌋²`` features),
+    ``seed`` (0; layer ``i`` draws from ``seed + i``), ``normalize``, ``eps``.
+``"llops"`` — learnable ``Θ_Q, Θ_K`` ``[H, t, p, D, m]`` per layer
+    options ``p`` (2), ``m`` (64), ``rank`` (1), ``non_negative`` (False; True: ``φ ⊗ φ``, degree
+    ``2p``, ``m²`` features), ``normalize``, ``eps``, ``backend`` ("auto").
+
+``normalize="sum"`` divides by ``Σ_s k(q_t, k_s) + eps``: safe for non-negative kernels (``poly`` with
+even ``p``, ``psf``/``llops`` with ``non_negative``, BASED, LLoPS initialised from BASED with even
+``p``); a signed kernel can make the denominator vanish (see :mod:`sketchlab.attention`).
+
+Initialisations of the ``llops`` layers (:func:`init_llops`): ``"random"`` (the default at
+construction), ``"based"`` (:func:`sketchlab.as_llops` of BASED's expand map, so step 0 *is* that
+BASED model), ``"theta"`` (an exported Θ, :func:`sketchlab.io.load_theta`, rescaled from the
+file's recorded input scale to ``D^{-1/4}``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import numbers
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .model import TransformerConfig, TransformerLM, register_attention
+
+__all__ = [
+    "BasedKernel",
+    "LLOPS_INITS",
+    "LLoPSKernel",
+    "PSFKernel",
+    "PolyKernel",
+    "based_init_dim",
+    "copy_shared_weights",
+    "init_llops",
+    "input_scale",
+    "kernel_modules",
+]
+
+LLOPS_INITS = ("random", "based", "theta")
+_NORMALIZE = ("sum", "none")
+_BACKENDS = ("auto", "torch", "triton", "reference")
+
+
+def input_scale(head_dim: int) -> float:
+    """The factor ``D^{-1/4}`` applied to q and k before every polynomial kernel (module docstring)."""
+    return head_dim ** -0.25
+
+
+# ----------------------------------------------------------------------------------------------
+# option checking
+
+
+def _int(opts, name, default, lo=1):
+    value = opts.pop(name, default)
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < lo:
+        raise ValueError(f"attention option {name} must be an integer >= {lo}, got {value!r}")
+    return int(value)
+
+
+def _bool(opts, name, default):
+    value = opts.pop(name, default)
+    if not isinstance(value, bool):
+        raise ValueError(f"attention option {name} must be true or false, got {value!r}")
+    return value
+
+
+def _choice(opts, name, default, choices):
+    value = opts.pop(name, default)
+    if value not in choices:
+        raise ValueError(f"attention option {name} must be one of {list(choices)}, got {value!r}")
+    return value
+
+
+def _eps(opts):
+    value = opts.pop("eps", 1e-6)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"attention option eps must be a finite number > 0, got {value!r}")
+    return float(value)
+
+
+def _done(kind: str, opts: dict, out: dict) -> dict:
+    if opts:
+        raise ValueError(
+            f"unknown attention option(s) {sorted(opts)} for attention {kind!r}; it takes {sorted(out)}"
+        )
+    return out
+
+
+def _poly_options(opts: dict, config: TransformerConfig) -> dict:
+    out = {"p": _int(opts, "p", 2), "normalize": _choice(opts, "normalize", "sum", _NORMALIZE), "eps": _eps(opts)}
+    return _done("poly", opts, out)
+
+
+def _based_options(opts: dict, config: TransformerConfig) -> dict:
+    form = _choice(opts, "form", "taylor", ("taylor", "expand"))
+    p = _int(opts, "p", 2)
+    if form == "taylor" and p != 2:
+        raise ValueError(f"attention option p must be 2 for BASED's Taylor map (1 + s + s²/2), got p={p}")
+    dim = _int(opts, "dim", min(16, config.head_dim))
+    if dim > config.head_dim:
+        raise ValueError(f"attention option dim (BASED's d') must be <= the head dimension {config.head_dim}, got {dim}")
+    out = {"form": form, "p": p, "dim": dim, "symmetric": _bool(opts, "symmetric", form == "expand"),
+           "normalize": _choice(opts, "normalize", "sum", _NORMALIZE), "eps": _eps(opts)}
+    return _done("based", opts, out)
+
+
+def _psf_options(opts: dict, config: TransformerConfig) -> dict:
+    p, m = _int(opts, "p", 2), _int(opts, "m", 64)
+    non_negative = _bool(opts, "non_negative", True)
+    if non_negative and p % 2:
+        raise ValueError(f"attention option p must be even with non_negative=true (φ = s ⊗ s, s of degree p/2), got p={p}")
+    out = {"p": p, "m": m, "non_negative": non_negative, "seed": _int(opts, "seed", 0, lo=0),
+           "normalize": _choice(opts, "normalize", "sum", _NORMALIZE), "eps": _eps(opts)}
+    return _done("psf", opts, out)
+
+
+def _llops_options(opts: dict, config: TransformerConfig) -> dict:
+    out = {"p": _int(opts, "p", 2), "m": _int(opts, "m", 64), "rank": _int(opts, "rank", 1),
+           "non_negative": _bool(opts, "non_negative", False),
+           "normalize": _choice(opts, "normalize", "sum", _NORMALIZE), "eps": _eps(opts),
+           "backend": _choice(opts, "backend", "auto", _BACKENDS)}
+    return _done("llops", opts, out)
+
+
+# ----------------------------------------------------------------------------------------------
+# kernels
+
+
+class PolyKernel(nn.Module):
+    """Exact causal polynomial attention ``(qᵀk/√D)^p`` through :func:`sketchlab.attention.poly_attention`."""
+
+    def __init__(self, config: TransformerConfig, layer: int):
+        super().__init__()
+        self.options = dict(config.attention_options)
+        self.scale = input_scale(config.head_dim)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """``q, k, v [B, T, H, D]`` → ``[B, T, H, D]``."""
+        from ..attention import poly_attention
+
+        o = self.options
+        return poly_attention(q * self.scale, k * self.scale, v, o["p"], causal=True, normalize=o["normalize"],
+                              eps=o["eps"])
+
+
+def _slice_projection(head_dim: int, dim: int, heads: int) -> torch.Tensor:
+    """``P = [I_{d'}; 0]`` per head: ``[H, D, d']`` (the first ``d'`` coordinates)."""
+    return torch.eye(head_dim, dim).expand(heads, head_dim, dim).contiguous()  # [H, D, d']
+
+
+class BasedKernel(nn.Module):
+    """BASED (Taylor or expand form) on the first ``dim`` head coordinates, through
+    :func:`sketchlab.attention.sketch_attention` with a :class:`sketchlab.BasedSketch`."""
+
+    def __init__(self, config: TransformerConfig, layer: int):
+        super().__init__()
+        self.options = dict(config.attention_options)
+        # fixed by the config, so not stored in checkpoints
+        self.register_buffer("proj", _slice_projection(config.head_dim, self.options["dim"], config.n_heads),
+                             persistent=False)  # [H, D, d']
+        self.scale = 1.0 if self.options["form"] == "taylor" else input_scale(config.head_dim)
+
+    def sketch(self):
+        from ..sketches import BasedSketch
+
+        o = self.options
+        return BasedSketch(self.proj, o["p"], form=o["form"], symmetric=o["symmetric"])
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """``q, k, v [B, T, H, D]`` → ``[B, T, H, D]``."""
+        from ..attention import sketch_attention
+
+        o = self.options
+        return sketch_attention(q * self.scale, k * self.scale, v, self.sketch(), causal=True,
+                                normalize=o["normalize"], eps=o["eps"])
+
+
+class PSFKernel(nn.Module):
+    """PolySketchFormer's fixed random sketch (one draw per head, buffers ``weight_i [H, in, r]``),
+    through :func:`sketchlab.attention.sketch_attention`."""
+
+    def __init__(self, config: TransformerConfig, layer: int):
+        super().__init__()
+        from ..sketches import PolySketch
+
+        self.options = o = dict(config.attention_options)
+        drawn = PolySketch.draw(config.head_dim, o["p"], o["m"], non_negative=o["non_negative"],
+                                seed=o["seed"] + layer, batch_shape=(config.n_heads,))
+        self.count = len(drawn.weights)
+        for i, w in enumerate(drawn.weights):
+            self.register_buffer(f"weight_{i}", w)  # [H, in, r]
+        self.scale = input_scale(config.head_dim)
+
+    def sketch(self):
+        from ..sketches import PolySketch
+
+        o = self.options
+        return PolySketch([getattr(self, f"weight_{i}") for i in range(self.count)], o["p"],
+                          non_negative=o["non_negative"])
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """``q, k, v [B, T, H, D]`` → ``[B, T, H, D]``."""
+        from ..attention import sketch_attention
+
+        o = self.options
+        return sketch_attention(q * self.scale, k * self.scale, v, self.sketch(), causal=True,
+                                normalize=o["normalize"], eps=o["eps"])
+
+
+class LLoPSKernel(nn.Module):
+    r"""Learnable LLoPS attention: parameters ``theta_q``, ``theta_k`` ``[H, t, p, D, m]``, through
+    :func:`sketchlab.attention.llops_attention`.
+
+    At construction Θ is the ``"random"`` initialisation (:func:`init_llops`) drawn from
+    ``torch``'s global generator (seed it before building the model).
+    """
+
+    def __init__(self, config: TransformerConfig, layer: int):
+        super().__init__()
+        self.options = o = dict(config.attention_options)
+        shape = (config.n_heads, o["rank"], o["p"], config.head_dim, o["m"])  # [H, t, p, D, m]
+        self.theta_q = nn.Parameter(torch.empty(shape))
+        self.theta_k = nn.Parameter(torch.empty(shape))
+        self.scale = input_scale(config.head_dim)
+        with torch.no_grad():
+            _random_theta(self, None)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """``q, k, v [B, T, H, D]`` → ``[B, T, H, D]``."""
+        from ..attention import llops_attention
+
+        o = self.options
+        return llops_attention(q * self.scale, k * self.scale, v, self.theta_q, self.theta_k, causal=True,
+                               normalize=o["normalize"], non_negative=o["non_negative"], eps=o["eps"],
+                               backend=o["backend"])
+
+
+register_attention("poly", options=_poly_options)(PolyKernel)
+register_attention("based", options=_based_options)(BasedKernel)
+register_attention("psf", options=_psf_options)(PSFKernel)
+register_attention("llops", options=_llops_options)(LLoPSKernel)
+
+
+# ----------------------------------------------------------------------------------------------
+# LLoPS initialisations
+
+
+def kernel_modules(model: TransformerLM) -> list[nn.Module]:
+    """The attention kernel of every layer (``model.blocks[i].attention.attn``), in layer order."""
+    if not isinstance(model, TransformerLM):
+        raise TypeError(f"model must be a TransformerLM, got {type(model).__name__}")
+    return [block.attention.attn for block in model.blocks]
+
+
+def _llops_layers(model: TransformerLM) -> list[LLoPSKernel]:
+    layers = kernel_modules(model)
+    if model.config.attention != "llops":
+        raise ValueError(f"init_llops needs a model with attention 'llops', got {model.config.attention!r}")
+    return layers
+
+
+def _random_theta(kernel: LLoPSKernel, generator: torch.Generator | None) -> None:
+    r"""Element-wise start ``θ_{r,j} = G_r`` for every factor ``j`` and both sides, ``G`` i.i.d. N(0, 1/D).
+
+    Every feature is then ``Σ_r ⟨g_r, x⟩^p``: for even ``p`` the kernel ``φ(q)·φ(k)`` is a sum of
+    products of non-negative numbers at step 0, so ``normalize="sum"`` starts from a non-negative
+    kernel; the two sides and the ``p`` factors separate as training proceeds.
+    """
+    H, t, p, D, m = kernel.theta_q.shape
+    g = torch.randn(H, t, 1, D, m, generator=generator, dtype=torch.float64) / math.sqrt(D)
+    g = g.expand(H, t, p, D, m).to(kernel.theta_q.dtype)
+    kernel.theta_q.copy_(g)
+    kernel.theta_k.copy_(g)
+
+
+def based_init_dim(head_dim: int, p: int, m: int) -> tuple[int, bool]:
+    """``(d', symmetric)`` of the BASED expand map with exactly ``m`` features for degree ``p``.
+
+    The symmetric form (``C(d'+p-1, p)`` features) is tried first, then the full one (``d'^p``);
+    ``ValueError`` lists the valid sizes when neither matches.
+    """
+    from ..polynomial import num_poly_features
+
+    for symmetric in (True, False):
+        for dim in range(1, head_dim + 1):
+            if num_poly_features(dim, p, symmetric) == m:
+                return dim, symmetric
+    valid = sorted({num_poly_features(dim, p, s) for dim in range(1, head_dim + 1) for s in (True, False)})
+    raise ValueError(
+        f"init 'based' needs m equal to the feature count of a BASED expand map of degree p={p} on d' <= "
+        f"{head_dim} coordinates (C(d'+p-1, p) or d'^p), got m={m}; valid m: {valid}"
+    )
+
+
+def _theta_factor(scale_label: str, head_dim: int, where: str) -> float:
+    """Factor turning a Θ fitted on ``x · c`` (the file's ``scale``) into one applied to ``x · D^{-1/4}``.
+
+    Each of the ``p`` factors of a LLoPS feature is linear in ``x``, so ``φ_Θ(c x) = φ_{ρΘ}(D^{-1/4} x)``
+    with ``ρ = c / D^{-1/4}``.
+    """
+    if scale_label == "none":
+        c = 1.0
+    elif scale_label == "sqrt-d":
+        c = input_scale(head_dim)
+    else:
+        try:
+            c = float(scale_label)
+        except ValueError:
+            raise ValueError(f"{where}: metadata scale must be 'none', 'sqrt-d' or a number, got {scale_label!r}") from None
+        if not (math.isfinite(c) and c > 0):
+            raise ValueError(f"{where}: metadata scale must be a positive finite number, got {scale_label!r}")
+    return c / input_scale(head_dim)
+
+
+def init_llops(model: TransformerLM, init: str = "random", theta_file=None, *, seed: int = 0) -> dict:
+    r"""Initialise the Θ of every ``llops`` layer of ``model`` in place.
+
+    Parameters
+    ----------
+    model : TransformerLM
+        With ``config.attention == "llops"``.
+    init : {"random", "based", "theta"}
+        ``"random"``: :func:`_random_theta` from a generator seeded with ``seed`` (layer ``i`` from
+        ``seed + i``). ``"based"``: ``Θ_Q = Θ_K = as_llops(BasedSketch(P, p, form="expand"))``
+        with ``P = [I_{d'}; 0]`` and ``(d', symmetric)`` from :func:`based_init_dim` (``m`` must be
+        a BASED feature count, ``rank`` 1): the model then computes exactly the ``"based"``
+        attention with ``form="expand"``, degree ``p`` (``2p`` with ``non_negative``; the same
+        kernel ``(s')^{2p}`` as BASED expand of degree ``2p``). ``"theta"``: ``theta_file``, a
+        :func:`sketchlab.io.save_theta` export of shape ``[L, H, t, p, D, m]`` matching the model,
+        rescaled by :func:`_theta_factor` from its recorded ``scale``.
+    theta_file : str or Path
+        Required for (and only for) ``init="theta"``.
+    seed : int >= 0
+        For ``"random"``.
+
+    Returns
+    -------
+    dict
+        A JSON description of the initialisation (stored in the run's identity): ``init`` and,
+        for ``"based"``, ``dim`` and ``symmetric``; for ``"theta"``, the file and its SHA-256.
+    """
+    from ..sketches import BasedSketch, as_llops
+
+    layers = _llops_layers(model)
+    if init not in LLOPS_INITS:
+        raise ValueError(f"init must be one of {list(LLOPS_INITS)}, got {init!r}")
+    if (theta_file is None) != (init != "theta"):
+        raise ValueError(f"theta_file is required for init='theta' and only for it, got init={init!r}, "
+                         f"theta_file={theta_file!r}")
+    cfg, o = model.config, model.config.attention_options
+    H, D = cfg.n_heads, cfg.head_dim
+    if init == "random":
+        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
+            raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
+        with torch.no_grad():
+            for i, layer in enumerate(layers):
+                _random_theta(layer, torch.Generator().manual_seed(int(seed) + i))
+        return {"init": "random", "seed": int(seed)}
+    if init == "based":
+        if o["rank"] != 1:
+            raise ValueError(f"init 'based' gives a rank-1 Θ (BASED is one product per feature); the model has "
+                             f"rank={o['rank']}: use rank 1")
+        dim, symmetric = based_init_dim(D, o["p"], o["m"])
+        proj = _slice_projection(D, dim, H).to(torch.float64)  # [H, D, d']
+        theta = as_llops(BasedSketch(proj, o["p"], form="expand", symmetric=symmetric)).theta_q.detach()  # [H, 1, p, D, m]
+        with torch.no_grad():
+            for layer in layers:
+                layer.theta_q.copy_(theta)
+                layer.theta_k.copy_(theta)
+        return {"init": "based", "dim": dim, "symmetric": symmetric}
+    from ..io import load_theta
+
+    path = Path(theta_file)
+    theta_q, theta_k, meta = load_theta(path)  # [L, H, t, p, d, m]
+    expect = (cfg.n_layers, H, o["rank"], o["p"], D, o["m"])
+    if tuple(theta_q.shape) != expect:
+        names = ("layers L", "heads H", "rank t", "degree p", "head dimension d", "features m")
+        diff = [f"{n}: {a} in the file, {b} in the model" for n, a, b in zip(names, theta_q.shape, expect) if a != b]
+        raise ValueError(f"{path}: Θ of shape [L, H, t, p, d, m] = {list(theta_q.shape)} does not match the model "
+                         f"{list(expect)} ({'; '.join(diff)})")
+    rho = _theta_factor(meta["scale"], D, str(path))
+    with torch.no_grad():
+        for i, layer in enumerate(layers):
+            layer.theta_q.copy_(theta_q[i].to(layer.theta_q.dtype) * rho)
+            layer.theta_k.copy_(theta_k[i].to(layer.theta_k.dtype) * rho)
+    return {"init": "theta", "file": str(path), "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+            "scale": meta["scale"]}
+
+
+def copy_shared_weights(source: TransformerLM, target: TransformerLM) -> list[str]:
+    """Copy every weight of ``source`` into ``target`` except the attention kernels' own tensors.
+
+    Embeddings, projections, convolutions, norms, MLPs and the head must exist in both with the
+    same shapes (the same model with another attention); the kernels' parameters and buffers
+    (``blocks.i.attention.attn.*``) are left as ``target`` has them. Returns the copied names.
+    """
+    if not isinstance(source, TransformerLM) or not isinstance(target, TransformerLM):
+        raise TypeError("copy_shared_weights takes two TransformerLM models")
+    src = {k: v for k, v in source.state_dict().items() if ".attention.attn." not in k}
+    dst = {k: v for k, v in target.state_dict().items() if ".attention.attn." not in k}
+    if set(src) != set(dst):
+        raise ValueError(
+            f"the models differ outside the attention kernels: only in the source {sorted(set(src) - set(dst))}, "
+            f"only in the target {sorted(set(dst) - set(src))}"
+        )
+    bad = [f"{k}: {tuple(src[k].shape)} vs {tuple(dst[k].shape)}" for k in src if src[k].shape != dst[k].shape]
+    if bad:
+        raise ValueError(f"the models' shared weights differ in shape: {'; '.join(bad)}")
+    with torch.no_grad():
+        for k, v in dst.items():
+            v.copy_(src[k])
+    return sorted(src)

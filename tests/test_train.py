@@ -1,0 +1,386 @@
+"""Training loop (resume, identity checks, atomic checkpoints), the sketched kernels of the model
+registry, and the LLoPS initialisations (random, BASED, exported Θ)."""
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import sketchlab.tasks.train as train_module
+from sketchlab.attention import (
+    feature_attention_naive,
+    llops_attention_naive,
+    poly_attention_naive,
+)
+from sketchlab.io import save_theta
+from sketchlab.sketches.based import taylor_features_naive
+from sketchlab.sketches.psf import psf_features_naive
+from sketchlab.tasks import (
+    MQARConfig,
+    TransformerConfig,
+    TransformerLM,
+    based_init_dim,
+    copy_shared_weights,
+    init_llops,
+    kernel_modules,
+    latest_checkpoint,
+    mqar_batch,
+    train_mqar,
+)
+from sketchlab.tasks.attention import input_scale
+
+SHA = "0" * 64
+
+
+def tiny(attention="softmax", options=None, layers=1, seed=0, **kw):
+    torch.manual_seed(seed)
+    cfg = TransformerConfig(vocab_size=21, d_model=16, n_heads=2, n_layers=layers, mlp_ratio=2, short_conv=2,
+                            attention=attention, attention_options=options or {}, **kw)
+    return TransformerLM(cfg)
+
+
+TASK = MQARConfig(21, 3, 12)
+KW = dict(batch_size=4, lr=1e-2, warmup=2, seed=1, eval_sequences=8, eval_every=3, progress=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# resume
+
+
+def test_interrupted_run_resumes_to_the_identical_loss_curve(tmp_path, monkeypatch):
+    stages = [(TASK, 5), (MQARConfig(21, 4, 14), 5)]
+    full = train_mqar(tiny(), stages, out=tmp_path / "a", checkpoint_every=3, **KW)
+    assert len(full.losses) == 10 and full.resumed_from is None
+
+    calls = {"n": 0}
+    real = train_module.mqar_batch
+
+    def interrupting(task, batch, **kwargs):  # the 8th training batch never arrives: killed in step 8
+        calls["n"] += batch == KW["batch_size"]  # (held-out batches have 8 sequences)
+        if calls["n"] == 8:
+            raise KeyboardInterrupt
+        return real(task, batch, **kwargs)
+
+    monkeypatch.setattr(train_module, "mqar_batch", interrupting)
+    with pytest.raises(KeyboardInterrupt):
+        train_mqar(tiny(), stages, out=tmp_path / "b", checkpoint_every=3, **KW)
+    monkeypatch.setattr(train_module, "mqar_batch", real)
+    assert latest_checkpoint(tmp_path / "b").name == "step-00000006"
+
+    # a differently initialised model: everything must come from the checkpoint
+    model = tiny(seed=7)
+    resumed = train_mqar(model, stages, out=tmp_path / "b", checkpoint_every=3, **KW)
+    assert resumed.resumed_from == 6
+    # one thread, deterministic algorithms, same data stream: bit-identical, not merely close
+    assert resumed.losses == full.losses
+    assert resumed.evals == full.evals and resumed.history == full.history
+    ref = tiny()
+    train_mqar(ref, stages, **{**KW, "eval_every": 0})
+    for (name, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+
+    # a finished run resumes to its end without training
+    again = train_mqar(tiny(seed=9), stages, out=tmp_path / "b", checkpoint_every=3, **KW)
+    assert again.resumed_from == 10 and again.losses == full.losses
+
+
+def test_checkpoint_of_another_config_is_refused(tmp_path):
+    train_mqar(tiny(), [(TASK, 2)], out=tmp_path, **KW)
+    with pytest.raises(ValueError, match=r"another run configuration.*lr: 0\.01 in the checkpoint, 0\.02 in this run"):
+        train_mqar(tiny(), [(TASK, 2)], out=tmp_path, **{**KW, "lr": 2e-2})
+    with pytest.raises(ValueError, match=r"another run configuration.*model: .*\"attention\": \"softmax\""):
+        train_mqar(tiny("poly"), [(TASK, 2)], out=tmp_path, **KW)
+    with pytest.raises(ValueError, match=r"another run configuration.*run_info"):
+        train_mqar(tiny(), [(TASK, 2)], out=tmp_path, run_info={"init": "based"}, **KW)
+
+
+def test_a_crash_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path, monkeypatch):
+    real = train_module._fill_checkpoint
+    count = {"n": 0}
+
+    def failing(tmp, *args):
+        count["n"] += 1
+        if count["n"] == 2:  # the second checkpoint (step 4) dies half-written
+            (tmp / "model.safetensors").write_bytes(b"partial")
+            raise OSError("disk full")
+        return real(tmp, *args)
+
+    monkeypatch.setattr(train_module, "_fill_checkpoint", failing)
+    with pytest.raises(OSError, match="disk full"):
+        train_mqar(tiny(), [(TASK, 6)], out=tmp_path, checkpoint_every=2, **KW)
+    monkeypatch.setattr(train_module, "_fill_checkpoint", real)
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-00000002"]  # no temporary left
+    resumed = train_mqar(tiny(), [(TASK, 6)], out=tmp_path, checkpoint_every=2, **KW)
+    assert resumed.resumed_from == 2
+    assert resumed.losses == train_mqar(tiny(), [(TASK, 6)], **KW).losses
+
+
+def test_corrupt_checkpoint_is_reported(tmp_path):
+    train_mqar(tiny(), [(TASK, 2)], out=tmp_path, **KW)
+    state = tmp_path / "checkpoints" / "step-00000002" / "state.json"
+    state.write_text("{")
+    with pytest.raises(ValueError, match="step-00000002: unreadable state.json"):
+        train_mqar(tiny(), [(TASK, 2)], out=tmp_path, **KW)
+    state.write_text(json.dumps({"format": "other"}))
+    with pytest.raises(ValueError, match="is not a sketchlab.tasks.train/1 training state"):
+        train_mqar(tiny(), [(TASK, 2)], out=tmp_path, **KW)
+
+
+@pytest.mark.parametrize("kw,err,msg", [
+    (dict(clip=0.0), ValueError, r"clip must be a finite number > 0, got 0\.0"),
+    (dict(eval_every=-1), ValueError, r"eval_every must be an integer >= 0, got -1"),
+    (dict(checkpoint_every=0), ValueError, r"checkpoint_every must be an integer >= 1, got 0"),
+    (dict(keep_checkpoints=0), ValueError, r"keep_checkpoints must be an integer >= 1, got 0"),
+    (dict(run_info=[1]), TypeError, r"run_info must be a JSON-serialisable dict, got list"),
+    (dict(extra_loss=3), TypeError, r"extra_loss must be a callable"),
+])
+def test_train_rejects_bad_new_arguments(kw, err, msg):
+    with pytest.raises(err, match=msg):
+        train_mqar(tiny(), [(TASK, 1)], progress=False, **kw)
+
+
+def test_diverging_loss_stops_with_floating_point_error():
+    model = tiny()
+    with torch.no_grad():
+        model.head.weight.fill_(float("nan"))
+    with pytest.raises(FloatingPointError, match="training diverged: the loss at step 1 is nan"):
+        train_mqar(model, [(TASK, 2)], progress=False)
+
+
+def test_extra_loss_is_added_to_the_objective():
+    # extra = c · loss-independent term: with plain SGD-free AdamW the curve changes; a zero extra does not
+    base = train_mqar(tiny(), [(TASK, 3)], **KW).losses
+    zero = train_mqar(tiny(), [(TASK, 3)], extra_loss=lambda: torch.zeros(()), **KW).losses
+    assert zero == base
+    model = tiny()
+    pulled = train_mqar(model, [(TASK, 3)], extra_loss=lambda: 10 * model.head.weight.square().sum(), **KW).losses
+    assert pulled[0] == base[0] and pulled[1:] != base[1:]
+
+
+# ---------------------------------------------------------------------------------------------
+# kernels of the registry == the attention package's float64 twins
+
+
+def _qkv(B=2, T=9, H=2, D=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(B, T, H, D, generator=g, dtype=torch.float64) for _ in range(3)]
+
+
+def _rows(f, x, *args):
+    """Apply a naive map that takes x[n, d] to x[..., d] row by row."""
+    out = f(x.reshape(-1, x.shape[-1]), *args)
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def _kernel(attention, options, D=8):
+    model = tiny(attention, options).double()
+    return kernel_modules(model)[0], model
+
+
+# float64 throughout: the chunked paths and the dense twins differ by summation order only,
+# ~1e-15 relative; 1e-10 leaves room for the T=9 sums and degree-4 powers.
+F64 = dict(rtol=1e-10, atol=1e-10)
+
+
+def test_poly_kernel_is_exact_polynomial_attention_on_scaled_inputs():
+    kernel, _ = _kernel("poly", {"p": 4})
+    q, k, v = _qkv()
+    s = input_scale(8)
+    torch.testing.assert_close(kernel(q, k, v), poly_attention_naive(q * s, k * s, v, 4, causal=True), **F64)
+
+
+def test_based_kernels_are_basedsketch_features_on_the_first_dim_coordinates():
+    q, k, v = _qkv()
+    kernel, _ = _kernel("based", {"dim": 4})  # Taylor: its own d'^{-1/4} scaling, no D^{-1/4}
+    proj = torch.eye(8, 4, dtype=torch.float64)
+    want = feature_attention_naive(_rows(taylor_features_naive, q, proj), _rows(taylor_features_naive, k, proj), v)
+    torch.testing.assert_close(kernel(q, k, v), want, **F64)
+    assert kernel.sketch().num_features == 1 + 4 + 16
+    kernel, _ = _kernel("based", {"form": "expand", "p": 3, "dim": 4, "symmetric": False})
+    s = input_scale(8)
+    # (P q̃ · P k̃)^3 = (first-4-coordinate dot product)^3 of the scaled inputs
+    want = poly_attention_naive(q[..., :4] * s, k[..., :4] * s, v, 3, causal=True)
+    torch.testing.assert_close(kernel(q, k, v), want, **F64)
+
+
+def test_psf_kernel_uses_its_stored_draw_per_layer_and_head():
+    kernel, model = _kernel("psf", {"p": 4, "m": 16, "seed": 3})
+    q, k, v = _qkv()
+    s = input_scale(8)
+    weights = [getattr(kernel, f"weight_{i}") for i in range(kernel.count)]
+    fq = torch.stack([_rows(psf_features_naive, q[:, :, h] * s, [w[h] for w in weights], 2) for h in range(2)],
+                     dim=2)  # [B, T, H, r]: the inner degree-2 sketch of each head
+    fk = torch.stack([_rows(psf_features_naive, k[:, :, h] * s, [w[h] for w in weights], 2) for h in range(2)],
+                     dim=2)
+    want = feature_attention_naive(fq, fk, v, non_negative=True)
+    torch.testing.assert_close(kernel(q, k, v), want, **F64)
+    assert kernel.sketch().num_features == 16
+    assert "blocks.0.attention.attn.weight_0" in model.state_dict()  # the draw is saved with the model
+    other = tiny("psf", {"p": 4, "m": 16, "seed": 3}, layers=2)
+    w0, w1 = (kernel_modules(other)[i].weight_0 for i in (0, 1))
+    assert not torch.equal(w0, w1)  # layers draw from seed + layer
+    assert not torch.equal(w0[0], w0[1])  # heads are independent draws
+
+
+@pytest.mark.parametrize("non_negative", [False, True])
+def test_llops_kernel_is_llops_attention_on_scaled_inputs(non_negative):
+    kernel, _ = _kernel("llops", {"p": 2, "m": 5, "rank": 2, "non_negative": non_negative, "normalize": "none"})
+    q, k, v = _qkv()
+    with torch.no_grad():
+        kernel.theta_k.normal_(generator=torch.Generator().manual_seed(1))
+    s = input_scale(8)
+    want = llops_attention_naive(q * s, k * s, v, kernel.theta_q, kernel.theta_k, normalize="none",
+                                 non_negative=non_negative)
+    torch.testing.assert_close(kernel(q, k, v), want, **F64)
+
+
+@pytest.mark.parametrize("attention,options,msg", [
+    ("poly", {"p": 0}, r"attention option p must be an integer >= 1, got 0"),
+    ("poly", {"normalize": "max"}, r"attention option normalize must be one of \['sum', 'none'\], got 'max'"),
+    ("based", {"form": "taylor", "p": 3}, r"p must be 2 for BASED's Taylor map"),
+    ("based", {"dim": 9}, r"dim \(BASED's d'\) must be <= the head dimension 8, got 9"),
+    ("psf", {"p": 3}, r"p must be even with non_negative=true"),
+    ("psf", {"non_negative": 1}, r"non_negative must be true or false, got 1"),
+    ("llops", {"eps": 0.0}, r"eps must be a finite number > 0, got 0\.0"),
+    ("llops", {"backend": "cuda"}, r"backend must be one of \['auto', 'torch', 'triton', 'reference'\]"),
+    ("llops", {"degree": 2}, r"unknown attention option\(s\) \['degree'\] for attention 'llops'; it takes"),
+    ("softmax", {"p": 2}, r"attention 'softmax' takes no options"),
+    ("nope", {}, r"attention must be one of \['based', 'llops', 'poly', 'psf', 'softmax'"),
+])
+def test_attention_options_are_checked(attention, options, msg):
+    with pytest.raises(ValueError, match=msg):
+        tiny(attention, options)
+
+
+# ---------------------------------------------------------------------------------------------
+# LLoPS initialisations
+
+
+def _loss(model, inputs, targets):
+    with torch.no_grad():
+        logits = model(inputs)
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten()), logits
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("p,m,non_negative,based", [
+    (2, 10, False, {"form": "expand", "p": 2, "dim": 4, "symmetric": True}),  # C(4+1, 2) = 10 features
+    (3, 27, False, {"form": "expand", "p": 3, "dim": 3, "symmetric": False}),  # 3^3 = 27, no symmetric match
+    (1, 6, True, {"form": "expand", "p": 2, "dim": 6}),  # (P q · P k)^2 via φ ⊗ φ of the degree-1 map
+])
+def test_llops_from_based_is_based_at_step_0(dtype, p, m, non_negative, based):
+    based_model = tiny("based", based, layers=2).to(dtype)
+    llops_model = tiny("llops", {"p": p, "m": m, "non_negative": non_negative}, layers=2, seed=5).to(dtype)
+    copy_shared_weights(based_model, llops_model)
+    info = init_llops(llops_model, "based")
+    assert info == {"init": "based", "dim": based["dim"], "symmetric": m == math.comb(based["dim"] + p - 1, p)}
+    inputs, targets = mqar_batch(MQARConfig(21, 4, 16), 8, generator=torch.Generator().manual_seed(0))
+    loss_b, logits_b = _loss(based_model, inputs, targets)
+    loss_l, logits_l = _loss(llops_model, inputs, targets)
+    # float32: the two maps compute the same features by different products and sums (Θ's
+    # multiset weights vs poly_features), ~1e-7 relative per operation through 2 layers;
+    # float64: the same at ~1e-16.
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-11, atol=1e-12)
+    torch.testing.assert_close(logits_l, logits_b, **tol)
+    torch.testing.assert_close(loss_l, loss_b, **tol)
+    init_llops(llops_model, "random", seed=0)
+    # the check can fail: another Θ (random) moves the logits far outside the tolerance
+    assert not torch.allclose(_loss(llops_model, inputs, targets)[1], logits_b, **tol)
+
+
+def test_based_init_rules():
+    assert based_init_dim(8, 2, 10) == (4, True) and based_init_dim(8, 2, 16) == (4, False)
+    with pytest.raises(ValueError, match=r"init 'based' needs m equal to .*got m=11; valid m: \[1, 3, 4, 6"):
+        based_init_dim(8, 2, 11)
+    with pytest.raises(ValueError, match=r"gives a rank-1 Θ .* rank=2"):
+        init_llops(tiny("llops", {"p": 2, "m": 10, "rank": 2}), "based")
+    with pytest.raises(ValueError, match=r"needs a model with attention 'llops', got 'softmax'"):
+        init_llops(tiny(), "based")
+    with pytest.raises(ValueError, match=r"init must be one of \['random', 'based', 'theta'\], got 'svd'"):
+        init_llops(tiny("llops"), "svd")
+    with pytest.raises(ValueError, match=r"theta_file is required for init='theta' and only for it"):
+        init_llops(tiny("llops"), "theta")
+    with pytest.raises(ValueError, match=r"theta_file is required for init='theta' and only for it"):
+        init_llops(tiny("llops"), "based", "x.safetensors")
+
+
+def test_random_init_is_seeded_and_non_negative_for_even_p():
+    a, b = tiny("llops", {"p": 2, "m": 6}, layers=2), tiny("llops", {"p": 2, "m": 6}, layers=2, seed=3)
+    init_llops(a, "random", seed=4)
+    init_llops(b, "random", seed=4)
+    for ka, kb in zip(kernel_modules(a), kernel_modules(b)):
+        torch.testing.assert_close(ka.theta_q, kb.theta_q, rtol=0, atol=0)
+    ka, kb = kernel_modules(a)
+    assert not torch.equal(ka.theta_q, kb.theta_q)  # layers differ
+    x = torch.randn(50, 8, generator=torch.Generator().manual_seed(0))
+    from sketchlab import llops_features
+
+    kern = llops_features(x, ka.theta_q[0]) @ llops_features(x, ka.theta_k[0]).T  # [50, 50]
+    assert float(kern.detach().min()) >= 0  # Σ_i ⟨g_i, x⟩²⟨g_i, y⟩² at step 0
+
+
+def _save(path, theta, scale="sqrt-d"):
+    L, H, t, p, d, m = theta.shape
+    return save_theta(path, theta, 2 * theta, p=p, m=m, t=t, d=d, method="llops", scale=scale,
+                      source_sha256=SHA, errors={}, sketchlab_version="test")
+
+
+@pytest.mark.parametrize("scale,factor", [("sqrt-d", 1.0), ("none", 8 ** 0.25), (0.5, 0.5 * 8 ** 0.25)])
+def test_theta_init_rescales_to_the_models_input_scale(tmp_path, scale, factor):
+    theta = torch.randn(2, 2, 1, 2, 8, 3, generator=torch.Generator().manual_seed(0))
+    path = _save(tmp_path / "t.safetensors", theta, scale)
+    model = tiny("llops", {"p": 2, "m": 3, "normalize": "none"}, layers=2).double()
+    info = init_llops(model, "theta", path)
+    assert info["init"] == "theta" and len(info["sha256"]) == 64 and info["scale"] == str(scale)
+    kernel = kernel_modules(model)[1]
+    q, k, v = _qkv()
+    # the file's Θ was fitted on x·c: the model (which feeds x·D^{-1/4}) must give φ_Θ(c·x)
+    c = {"sqrt-d": input_scale(8), "none": 1.0}.get(scale, 0.5)
+    want = llops_attention_naive(q * c, k * c, v, theta[1].double(), 2 * theta[1].double(), normalize="none")
+    torch.testing.assert_close(kernel(q, k, v), want, **F64)
+    torch.testing.assert_close(kernel.theta_q, theta[1].double() * factor, **F64)
+
+
+@pytest.mark.parametrize("shape,msg", [
+    ((3, 2, 1, 2, 8, 3), r"layers L: 3 in the file, 2 in the model"),
+    ((2, 4, 1, 2, 8, 3), r"heads H: 4 in the file, 2 in the model"),
+    ((2, 2, 1, 2, 6, 3), r"head dimension d: 6 in the file, 8 in the model"),
+    ((2, 2, 1, 3, 8, 3), r"degree p: 3 in the file, 2 in the model"),
+    ((2, 2, 2, 2, 8, 5), r"rank t: 2 in the file, 1 in the model; features m: 5 in the file, 3 in the model"),
+])
+def test_theta_of_the_wrong_shape_is_refused(tmp_path, shape, msg):
+    path = _save(tmp_path / "t.safetensors", torch.ones(shape))
+    with pytest.raises(ValueError, match=msg):
+        init_llops(tiny("llops", {"p": 2, "m": 3}, layers=2), "theta", path)
+
+
+def test_copy_shared_weights_rules():
+    a, b = tiny(), tiny("llops", seed=3)
+    names = copy_shared_weights(a, b)
+    assert "head.weight" in names and not any(".attention.attn." in n for n in names)
+    torch.testing.assert_close(b.head.weight, a.head.weight, rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"differ outside the attention kernels: only in the source \['blocks.1"):
+        copy_shared_weights(tiny(layers=2), tiny())
+    bigger = TransformerLM(TransformerConfig(vocab_size=22, d_model=16, n_heads=2, n_layers=1, mlp_ratio=2, short_conv=2))
+    with pytest.raises(ValueError, match=r"shared weights differ in shape: embed.weight: \(21, 16\) vs \(22, 16\)"):
+        copy_shared_weights(tiny(), bigger)
+
+
+def test_training_through_the_triton_kernel_matches_the_torch_backend():
+    # Triton under the interpreter on the CPU (TRITON_INTERPRET=1, set by conftest): a tiny model,
+    # 3 steps. Both backends compute the same chunked recurrence in float32 with different
+    # summation orders (~1e-7 relative per output); AdamW's first steps carry that to ~1e-6 in the
+    # loss. 1e-5 is far below the step-to-step loss changes (~1e-2).
+    # On a CUDA machine the kernel is compiled (conftest leaves TRITON_INTERPRET unset) and needs CUDA
+    # tensors: both backends then run on the GPU.
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    losses = {}
+    for backend in ("torch", "triton"):
+        model = tiny("llops", {"p": 2, "m": 6, "backend": backend})
+        init_llops(model, "based")
+        model.to(device)
+        losses[backend] = train_mqar(model, [(TASK, 3)], **{**KW, "eval_every": 0}).losses
+    assert losses["triton"] == pytest.approx(losses["torch"], rel=1e-5, abs=0)
+    assert losses["torch"][0] != losses["torch"][-1]
