@@ -16,6 +16,7 @@ import numbers
 import statistics
 from dataclasses import asdict, dataclass, field
 
+import torch
 
 from ._validation import check_degree, check_fraction, check_positive_int
 from .fit import available_sketches, fit_sketch
@@ -222,6 +223,64 @@ def _fmt(v: float) -> str:
     return f"{v:.4f}" if abs(v) < 10 else f"{v:.1f}"
 
 
+def _check_heads(sel, p: int) -> None:
+    """Reject selected heads whose q or k is all zeros: their kernel is 0 and every relative error undefined."""
+    for name, t in (("q", sel.q), ("k", sel.k)):
+        zero = t.abs().amax((-2, -1)) == 0  # [L', H']
+        if bool(zero.any()):
+            i, j = (int(v) for v in zero.nonzero()[0])
+            raise ValueError(
+                f"{sel.source}: tensor {name} of layer {sel.layers[i]}, head {sel.heads[j]} is all zeros: the kernel "
+                f"(qᵀk)^{p} is 0 there and every relative error is undefined; leave it out with layers=/heads="
+            )
+
+
+def _check_tokens(sel, holdout: float) -> None:
+    """At least 2 fitting tokens: on ``n_fit <= 1`` every sketch size reaches the kernel's rank."""
+    n = sel.q.shape[2]
+    n_fit = n - math.ceil(holdout * n)
+    if n_fit <= 1:
+        raise ValueError(
+            f"{sel.source}: n={n} token(s), and holdout={holdout:g} leaves {n_fit} to fit: a kernel on at most one "
+            "token has rank <= 1, so every sketch size m reaches it and the Theorem 3.1 floor is 0 (no yardstick); "
+            "use a dump with more tokens or a smaller holdout"
+        )
+
+
+def _max_abs_score(q, k, block: int = 1024) -> float:
+    """``max |qᵢᵀkⱼ|`` over ``q, k [..., n, d]`` in float64, ``block`` query rows at a time (no n×n tensor)."""
+    q, k = q.to(torch.float64), k.to(torch.float64)
+    best = 0.0
+    for start in range(0, q.shape[-2], block):
+        scores = q[..., start:start + block, :] @ k.mT  # [..., block, n]
+        best = max(best, float(scores.abs().max()))
+    return best
+
+
+def _check_scale(sel, p: int) -> None:
+    """Refuse, before fitting, a selection whose kernel (qᵀk)^p (after the scale) overflows its dtype.
+
+    The fitters work in the dump's dtype and sum ``n`` products of size ``|qᵀk|^p``; when
+    ``n · max|qᵀk|^p`` exceeds the dtype's largest value every sketch's kernel, loss or SVD is
+    non-finite, so the comparison could only print inf/NaN.
+    """
+    dtype = sel.q.dtype
+    limit = math.log10(torch.finfo(dtype).max)
+    n = sel.q.shape[2]
+    for i, layer in enumerate(sel.layers):
+        top = _max_abs_score(sel.q[i], sel.k[i])
+        if top == 0:
+            continue
+        size = p * math.log10(top) + math.log10(n)
+        if size > limit:
+            raise ValueError(
+                f"{sel.source}: layer {layer}: the kernel (qᵀk)^p overflows {dtype}: after the scale "
+                f"({sel.scale_description}), max |qᵀk| = {top:.4g}, and {n} tokens × {top:.4g}^{p} ≈ 1e{size:.0f} "
+                f"exceeds the dtype's maximum ≈ 1e{limit:.0f}; every fit would be inf/NaN. Scale the inputs down "
+                f"(scale='sqrt-d' or a smaller number), lower p{'' if dtype == torch.float64 else ', or convert the dump to float64'}"
+            )
+
+
 def compare(dump_or_qk, *, p: int, m: int, methods=DEFAULT_METHODS, layers=None, heads=None, seed: int = 0,
             holdout: float = 0.25, scale=DEFAULT_SCALE, options: dict | None = None, progress: bool = True) -> ComparisonTable:
     r"""Fit every method in ``methods`` to each selected layer and compare them head by head.
@@ -287,6 +346,9 @@ def compare(dump_or_qk, *, p: int, m: int, methods=DEFAULT_METHODS, layers=None,
 
     sel = select_and_scale(dump_or_qk, layers=layers, heads=heads, scale=scale)  # [L', H', n, d], scaled
     layers, heads, source = sel.layers, sel.heads, sel.source
+    _check_heads(sel, p)  # the checks before any fit: each names the file, layer and head
+    _check_tokens(sel, holdout)
+    _check_scale(sel, p)
     _, _, n, d = sel.q.shape
     n_fit = n - math.ceil(holdout * n)
     limit = max_sketch_size(n_fit, n_fit, d, p)

@@ -17,7 +17,6 @@ Normalisation semantics are the same in every backend (see :mod:`sketchlab.atten
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 
 import torch
@@ -102,17 +101,19 @@ def llops_attention(q, k, v, theta_q, theta_k, *, causal: bool = True, normalize
     theta_q, theta_k = check_theta(theta_q, theta_k, heads=q.shape[2], dim=q.shape[3], like=q)
     backend = resolve_backend(backend, q.device, q.dtype)
     if backend == "reference":
-        run = functools.partial(llops_attention_naive, theta_q=theta_q, theta_k=theta_k, causal=causal,
-                                normalize=normalize, non_negative=non_negative, eps=eps)
+        def run(qs, ks, vs):
+            return llops_attention_naive(qs, ks, vs, theta_q, theta_k, causal=causal, normalize=normalize,
+                                         non_negative=non_negative, eps=eps)
     elif backend == "torch":
-        run = functools.partial(llops_attention_chunked, theta_q=theta_q, theta_k=theta_k, causal=causal,
-                                normalize=normalize, non_negative=non_negative, eps=eps, chunk_size=chunk_size,
-                                validate=False)
+        def run(qs, ks, vs):
+            return llops_attention_chunked(qs, ks, vs, theta_q, theta_k, causal=causal, normalize=normalize,
+                                           non_negative=non_negative, eps=eps, chunk_size=chunk_size, validate=False)
     else:
         from .triton import llops_attention_triton  # lazy: triton is optional
 
-        run = functools.partial(llops_attention_triton, theta_q=theta_q, theta_k=theta_k, causal=causal,
-                                normalize=normalize, non_negative=non_negative, eps=eps)
+        def run(qs, ks, vs):
+            return llops_attention_triton(qs, ks, vs, theta_q, theta_k, causal=causal, normalize=normalize,
+                                          non_negative=non_negative, eps=eps)
     return _by_segments(run, segments, q, k, v)
 
 
