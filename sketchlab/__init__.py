@@ -14,6 +14,7 @@ from .fit import Fit, FitReport, available_sketches, fit_sketch, holdout_split, 
 from .io import QKDump, load_qk, load_theta, save_qk, save_theta
 from .llops import (
     LLoPS,
+    fit_llops,
     fit_llops_adam,
     fit_llops_cp,
     fit_llops_direct,
@@ -25,8 +26,17 @@ from .llops import (
     projector_to_theta,
 )
 from .objective import kernel_loss, train_kernel_sketch
-from .metrics import attention_error, causal_attention, optimality_ratio, rel_fro, rel_mae
-from .optimal import OptimalSketch, optimal_sketch, tail_bound
+from .metrics import (
+    attention_error,
+    causal_attention,
+    kernel_errors,
+    kernel_sq_norm,
+    optimality_ratio,
+    ratio_to_tail,
+    rel_fro,
+    rel_mae,
+)
+from .optimal import OptimalSketch, max_sketch_size, min_norm_sketch, optimal_sketch, tail_bound
 from .polynomial import (
     full_to_symmetric,
     num_poly_features,
@@ -64,13 +74,16 @@ __all__ = [
     "compare",
     "deflate",
     "feature_bound",
+    "fit_llops",
     "fit_llops_adam",
     "fit_llops_cp",
     "fit_llops_direct",
     "fit_sketch",
     "full_to_symmetric",
     "holdout_split",
+    "kernel_errors",
     "kernel_loss",
+    "kernel_sq_norm",
     "llops_features",
     "llops_features_naive",
     "llops_init",
@@ -78,6 +91,8 @@ __all__ = [
     "llops_projector_naive",
     "load_qk",
     "load_theta",
+    "max_sketch_size",
+    "min_norm_sketch",
     "num_poly_features",
     "optimal_sketch",
     "optimality_ratio",
@@ -86,6 +101,7 @@ __all__ = [
     "poly_kernel",
     "projector_to_theta",
     "rank1_residuals",
+    "ratio_to_tail",
     "register_sketch",
     "rel_fro",
     "rel_mae",

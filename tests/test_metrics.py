@@ -1,8 +1,11 @@
 """Metrics against their definitions, written out with explicit loops (float64)."""
 
+import math
+
 import pytest
 import torch
 
+from sketchlab.metrics import ROUNDOFF_TAIL
 from sketchlab import attention_error, causal_attention, holdout_split, optimality_ratio, rel_fro, rel_mae
 
 
@@ -32,9 +35,14 @@ def test_optimality_ratio():
     tail = torch.full((2, 3), 0.25, dtype=torch.float64)
     ratio = optimality_ratio(approx, exact, tail)
     assert torch.allclose(ratio, torch.linalg.matrix_norm(approx - exact) / 0.5, rtol=1e-14, atol=0)
-    # exact kernel with zero tail is optimal (ratio 1), a non-zero error over a zero tail is inf
-    assert optimality_ratio(exact[0, 0], exact[0, 0], 0.0).item() == 1.0
-    assert optimality_ratio(approx[0, 0], exact[0, 0], 0.0).item() == float("inf")
+    # a zero tail, or one below round-off relative to ‖A‖², makes the ratio undefined: NaN, never 1e114
+    assert math.isnan(optimality_ratio(exact[0, 0], exact[0, 0], 0.0).item())
+    assert math.isnan(optimality_ratio(approx[0, 0], exact[0, 0], 0.0).item())
+    norm = float((exact[0, 0] ** 2).sum())
+    n = max(exact.shape[-2:])
+    floor = (ROUNDOFF_TAIL * n * torch.finfo(torch.float64).eps) ** 2 * norm
+    assert math.isnan(optimality_ratio(approx[0, 0], exact[0, 0], 0.99 * floor).item())  # the constant-q case: tail 2.5e-256
+    assert math.isfinite(optimality_ratio(approx[0, 0], exact[0, 0], 1.01 * floor).item())
     with pytest.raises(ValueError, match=r"tail must be non-negative \(not NaN\) with the batch shape \(2, 3\), got shape \(3,\)"):
         optimality_ratio(approx, exact, torch.ones(3))
 

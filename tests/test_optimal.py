@@ -169,9 +169,12 @@ def test_fit_sketch_rejects_unknown_method_and_bad_holdout():
         warnings.simplefilter("error")  # a valid call warns about nothing
         fit_sketch("optimal", q, k, p=2, m=2, holdout=0.2)
     # checked before any fitting: 10 - ceil(0.5·10) = 5 fitting tokens, D = 3 for d = 2, p = 2
-    with pytest.raises(ValueError, match=r"at most min\(fitting tokens, D\) = 3 for d=2, p=2.*got m=4"):
+    with pytest.raises(ValueError, match=r"below min\(fitting tokens, D\) = 3 for d=2, p=2.*got m=4"):
         fit_sketch("optimal", q, k, p=2, m=4, holdout=0.5)
-    with pytest.raises(ValueError, match=r"unknown option\(s\) 'rout' for sketch method 'optimal'; it takes: route"):
+    # m == the limit: the tail is exactly 0 and every ratio undefined, so it is rejected too
+    with pytest.raises(ValueError, match=r"below min\(fitting tokens, D\) = 3 .*got m=3.*tail is 0"):
+        fit_sketch("optimal", q, k, p=2, m=3)
+    with pytest.raises(ValueError, match=r"unknown option\(s\) 'rout' for sketch method 'optimal'; it takes: choice, route"):
         fit_sketch("optimal", q, k, p=2, m=2, rout="qr")
 
 
