@@ -174,10 +174,10 @@ class ComparisonTable:
             if metric.startswith("holdout") and self.holdout == 0:
                 continue
             if metric == "holdout_optimality_ratio" and all(
-                v is None or math.isinf(v) for v in (getattr(r, metric) for r in self.rows)
+                v is None or not math.isfinite(v) for v in (getattr(r, metric) for r in self.rows)
             ):
                 lines += [f"**{title}**: undefined here — the held-out kernel has rank ≤ m (too few held-out "
-                          "tokens), so its Theorem 3.1 floor is 0 and every ratio is inf.", ""]
+                          "tokens), so its Theorem 3.1 floor is 0 and every ratio is undefined (NaN).", ""]
                 continue
             lines += [f"**{title}**", ""]
             header = ["Method"] + [f"Layer {l}" for l in self.layers] + ["Avg"]

@@ -122,7 +122,11 @@ def kernel_sq_norm(q, k, p: int, *, max_bytes: int = DEFAULT_MAX_BYTES) -> torch
     ``(n_q + n_k) C``), or row blocks of ``A`` (cost ``n_q n_k d``). Memory stays within ``max_bytes``.
     """
     q, k = check_pair(q, k)
-    p = check_degree(p)
+    return _kernel_sq_norm(q, k, check_degree(p), max_bytes)
+
+
+def _kernel_sq_norm(q: torch.Tensor, k: torch.Tensor, p: int, max_bytes: int) -> torch.Tensor:
+    """:func:`kernel_sq_norm` without the input checks (for callers that validated already)."""
     q, k = q.to(torch.float64), k.to(torch.float64)
     n_q, n_k, d = q.shape[-2], k.shape[-2], q.shape[-1]
     batch = math.prod(q.shape[:-2])
@@ -131,7 +135,7 @@ def kernel_sq_norm(q, k, p: int, *, max_bytes: int = DEFAULT_MAX_BYTES) -> torch
         from .polynomial import poly_features
 
         def summed(x):
-            rows = max(1, (64 * 2**20) // max(1, batch * moments * 8))  # tokens per block
+            rows = max(1, min(64 * 2**20, max_bytes // 4) // max(1, batch * moments * 8))  # tokens per block
             out = torch.zeros(*x.shape[:-2], moments, dtype=torch.float64, device=x.device)
             for lo in range(0, x.shape[-2], rows):
                 out += poly_features(x[..., lo : lo + rows, :], 2 * p, True, max_bytes=max_bytes).sum(-2)

@@ -192,6 +192,18 @@ def _gram_root(x, p, symmetric, max_bytes):
     return lam.clamp_min(0).sqrt()[..., :, None] * vec.mT
 
 
+def _finite(x: torch.Tensor, what: str, p: int) -> torch.Tensor:
+    """``x`` unchanged, or ``FloatingPointError`` when float64 overflowed (before an SVD would fail obscurely)."""
+    bad = ~torch.isfinite(x).flatten(-2).all(-1)  # [...] per head
+    if bool(bad.any()):
+        raise FloatingPointError(
+            f"optimal sketch: {what} overflows float64 for {int(bad.sum())} head(s) (first flattened batch index "
+            f"{int(bad.flatten().nonzero()[0])}); likely cause: the input scale — x^p with p={p} exceeds 1e308; "
+            "rescale q and k (x · d^-1/4 is the usual choice)"
+        )
+    return x
+
+
 def _factor(q, k, p, symmetric, route, max_bytes, *, vectors: bool):
     r"""Singular values of A (padded to ``min(n_q, n_k)``) and, if ``vectors``, ``(B_Q, U, B_K, V)``.
 
@@ -200,15 +212,18 @@ def _factor(q, k, p, symmetric, route, max_bytes, *, vectors: bool):
     ``W*_Q = B_K V_m Σ_m^{-1/2}``.
     """
     if route == "svd" and not vectors:
-        return torch.linalg.svdvals(poly_kernel(q, k, p)), None
+        return torch.linalg.svdvals(_finite(poly_kernel(q, k, p), "the kernel (QKᵀ)^p", p)), None
     n = min(q.shape[-2], k.shape[-2])
     if route == "gram":
-        r_q, r_k = _gram_root(q, p, symmetric, max_bytes), _gram_root(k, p, symmetric, max_bytes)
+        r_q = _gram_root(_finite(q, "q", p), p, symmetric, max_bytes)
+        r_k = _gram_root(k, p, symmetric, max_bytes)
+        _finite(r_q, "ψ_p(Q)ᵀψ_p(Q)", p), _finite(r_k, "ψ_p(K)ᵀψ_p(K)", p)
     else:
-        psi_q = poly_features(q, p, symmetric, max_bytes=max_bytes)  # [..., n_q, D]
-        psi_k = poly_features(k, p, symmetric, max_bytes=max_bytes)  # [..., n_k, D]
+        psi_q = _finite(poly_features(q, p, symmetric, max_bytes=max_bytes), "ψ_p(Q)", p)  # [..., n_q, D]
+        psi_k = _finite(poly_features(k, p, symmetric, max_bytes=max_bytes), "ψ_p(K)", p)  # [..., n_k, D]
         if route == "svd":
-            u, s, vh = torch.linalg.svd(poly_kernel(q, k, p), full_matrices=False)  # A = U diag(s) Vh
+            kernel = _finite(poly_kernel(q, k, p), "the kernel (QKᵀ)^p", p)
+            u, s, vh = torch.linalg.svd(kernel, full_matrices=False)  # A = U diag(s) Vh
             return s, (psi_q.mT, u, psi_k.mT, vh.mT)  # ψ_Qᵀ [..., D, n_q], ψ_Kᵀ [..., D, n_k]
         _, r_q = torch.linalg.qr(psi_q)  # ψ_Q = Q_Q R_Q, R_Q [..., r_q, D]
         _, r_k = torch.linalg.qr(psi_k)  # ψ_K = Q_K R_K, R_K [..., r_k, D]

@@ -253,7 +253,9 @@ def fit_llops_direct(
         nonlocal best_loss
         better = new < best_loss
         best_loss = torch.where(better, new, best_loss)
-        best_q[better], best_k[better] = theta_q[better], theta_k[better]
+        keep = better[:, None, None, None, None]
+        best_q.copy_(torch.where(keep, theta_q, best_q))
+        best_k.copy_(torch.where(keep, theta_k, best_k))
         history.append(float((best_loss / norm_a).sqrt().median()))
         bar.set_postfix(rel_fro=history[-1])
         bar.update()
@@ -274,8 +276,9 @@ def fit_llops_direct(
             cand_cross = target.cross(cand_fk)
             cand = target.loss(cand_fq, cand_fk, cand_cross)
             take = torch.isfinite(cand) & (cand < new)
-            theta_q[take], theta_k[take], fq[take], fk[take] = cand_q[take], cand_k[take], cand_fq[take], cand_fk[take]
-            cross_q[take] = cand_cross[take]
+            keep, keep3 = take[:, None, None, None, None], take[:, None, None]
+            theta_q, theta_k = torch.where(keep, cand_q, theta_q), torch.where(keep, cand_k, theta_k)
+            fq, fk, cross_q = torch.where(keep3, cand_fq, fq), torch.where(keep3, cand_fk, fk), torch.where(keep3, cand_cross, cross_q)
             new = torch.where(take, cand, new)
             beta = torch.where(take, (beta * 1.5).clamp(max=8.0), (beta * 0.5).clamp(min=0.125))
         als_done = step + 1

@@ -152,7 +152,9 @@ def lm_step(
     cand_q, cand_k = theta_q + step[0], theta_k + step[1]
     new = target.loss(feature_partials(x_q, cand_q)[0], feature_partials(x_k, cand_k)[0])
     take = torch.isfinite(new) & (new < loss)
-    theta_q[take], theta_k[take] = cand_q[take], cand_k[take]
+    keep = take[:, None, None, None, None]  # torch.where, not boolean indexing: no host sync, any device
+    theta_q.copy_(torch.where(keep, cand_q, theta_q))
+    theta_k.copy_(torch.where(keep, cand_k, theta_k))
     gain = (loss - new) / predicted.clamp_min(tiny)
     damping = torch.where(take & (gain > 0.75), damping / 3, torch.where(take & (gain >= 0.25), damping, damping * 2))
     return torch.where(take, new, loss), damping.clamp(1e-9, 1e6)

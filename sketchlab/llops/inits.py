@@ -177,11 +177,11 @@ def llops_init(q, k, *, p: int, m: int, rank: int = 1, init="svd", seed: int = 0
         if init == "svd":
             theta_q, theta_k = _init_svd(q64, k64, p, m, generator, max_bytes)
         elif init == "random":
-            from ..metrics import kernel_sq_norm
+            from ..metrics import _kernel_sq_norm
 
             check_memory(2 * q64.shape[0] * rank * p * d * m * 8, what=f"Θ [{q64.shape[0]}, {rank}, {p}, {d}, {m}] float64 (two sides)",
                          way_out="use a smaller p, d or m", max_bytes=max_bytes)
-            theta_q, theta_k = _init_random(q64, k64, kernel_sq_norm(q64, k64, p, max_bytes=max_bytes), rank, p, m, generator)
+            theta_q, theta_k = _init_random(q64, k64, _kernel_sq_norm(q64, k64, p, max_bytes), rank, p, m, generator)
         elif init == "cp":
             from .fit_cp import fit_llops_cp  # the CP fit starts from the svd init (aligned gauge)
 

@@ -24,7 +24,7 @@ import math
 import torch
 
 from .._validation import DEFAULT_MAX_BYTES, check_memory
-from ..metrics import kernel_sq_norm
+from ..metrics import _kernel_sq_norm
 from ..polynomial import poly_features
 
 __all__ = ["ROUTES", "KernelTarget"]
@@ -85,11 +85,11 @@ class KernelTarget:
             self._psi = None
         else:
             self.a = None
-            self._block = max(1, _BLOCK_BYTES // max(1, B * dim * q.element_size()))  # tokens per block
+            self._block = max(1, min(_BLOCK_BYTES, max_bytes // 4) // max(1, B * dim * q.element_size()))  # tokens per block
             cache = B * (n_q + n_k) * dim * q.element_size()
             # keep ψ when it is small next to the budget; otherwise recompute it block by block
             self._psi = (self._features(q), self._features(k)) if cache <= max_bytes // 4 else None
-            self.sq_norm = kernel_sq_norm(q, k, p, max_bytes=max_bytes)
+            self.sq_norm = _kernel_sq_norm(q, k, p, max_bytes)
 
     def _features(self, x: torch.Tensor) -> torch.Tensor:
         return poly_features(x, self.p, self.p > 1 and x.shape[-1] > 1)  # [B, n, D]
