@@ -90,3 +90,42 @@ def test_holdout_split_is_a_seeded_partition():
     assert torch.equal(fit, again[0]) and torch.equal(held, again[1])
     assert not torch.equal(held, holdout_split(20, 0.25, seed=4)[1])
     assert len(holdout_split(20, 0.0, seed=0)[1]) == 0
+
+
+def test_kernel_errors_in_row_blocks_equal_the_dense_form():
+    # Row blocks (forced tiny by max_bytes: one query row per block) against the dense metrics:
+    # the same sums in another order, so equal to ~1e-15; we allow 1e-10 (the criterion).
+    from sketchlab import LLoPS, kernel_errors, poly_kernel
+
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(2, 3, 17, 4, generator=gen, dtype=torch.float64)
+    k = torch.randn(2, 3, 23, 4, generator=gen, dtype=torch.float64)
+    sketch = LLoPS(torch.randn(2, 3, 1, 2, 4, 5, generator=gen, dtype=torch.float64),
+                   torch.randn(2, 3, 1, 2, 4, 5, generator=gen, dtype=torch.float64))
+    approx, exact = sketch.kernel(q, k).detach(), poly_kernel(q, k, 2)
+    for budget in (2**30, 4 * 2 * 3 * 23 * 8):  # default, and exactly one row per block
+        err = kernel_errors(sketch, q, k, 2, max_bytes=budget)
+        assert torch.allclose(err["rel_fro"], rel_fro(approx, exact), rtol=1e-10, atol=0)
+        assert torch.allclose(err["rel_mae"], rel_mae(approx, exact), rtol=1e-10, atol=0)
+        assert torch.allclose(err["sq_norm"], (exact**2).sum((-2, -1)), rtol=1e-10, atol=0)
+    with pytest.raises(ValueError, match="one kernel row block"):
+        kernel_errors(sketch, q, k, 2, max_bytes=100)
+    zero = q.clone()
+    zero[1, 2] = 0.0
+    with pytest.raises(ValueError, match=r"all zeros for 1 head\(s\), the first at batch index \(1, 2\)"):
+        kernel_errors(sketch, zero, k, 2)
+
+
+@pytest.mark.parametrize("n,d,p", [(300, 2, 2), (20, 3, 3)])
+def test_kernel_sq_norm_routes(n, d, p):
+    # (300, 2, 2) takes the degree-2p moment route (32·(n_q+n_k)·C(5,4) < n²d), (20, 3, 3) the row
+    # blocks; both must equal Σ A² (cancellation-free sums of positive terms in the dense form;
+    # the moment route's signed sums lose ≲ 1e-13 relative here): 1e-10.
+    from sketchlab import kernel_sq_norm, poly_kernel
+
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(2, n, d, generator=gen, dtype=torch.float64) + 0.5
+    k = torch.randn(2, n, d, generator=gen, dtype=torch.float64)
+    dense = (poly_kernel(q, k, p) ** 2).sum((-2, -1))
+    assert torch.allclose(kernel_sq_norm(q, k, p), dense, rtol=1e-10, atol=0)
+    assert torch.allclose(kernel_sq_norm(q, k, p, max_bytes=4096), dense, rtol=1e-10, atol=0)  # other route/blocks
