@@ -26,7 +26,7 @@ from .target import ROUTES, KernelTarget
 __all__ = ["QUALITY", "fit_llops_direct"]
 
 #: Presets of :func:`fit_llops_direct`: ALS sweeps, LM steps, CG iterations per LM step.
-QUALITY = {"default": (6, 6, 10), "high": (30, 60, 20)}
+QUALITY = {"default": (6, 6, 10), "high": (30, 30, 10)}
 
 #: Columns whose targets are formed by one matrix product in :func:`_als_side`.
 _BLOCK = 8
@@ -161,7 +161,7 @@ def fit_llops_direct(
     quality : {"default", "high"}
         Preset budgets ``(steps, lm_steps, cg_iters)`` from :data:`QUALITY`: ``"default"`` (6 ALS
         sweeps, 6 LM steps of 10 CG iterations) fits the 16 heads of the shipped dump in well under
-        a minute on one thread; ``"high"`` (30, 60, 20) is several times slower and closer to the
+        a minute on one thread; ``"high"`` (30, 30, 10) is about seven times slower and closer to the
         optimum (numbers in ``analysis/results/fit.md``).
     steps, lm_steps, cg_iters : int, optional
         Override the preset: ALS sweeps (``>= 1``), Levenberg–Marquardt steps (``>= 0``), CG
