@@ -2,38 +2,34 @@
 
 Usage::
 
-    .venv/bin/python analysis/bench_fit.py [--dump standin] [--dump data/mqar_softmax_qk.safetensors] [--threads 1]
+    .venv/bin/python analysis/bench_fit.py --dump data/mqar_softmax_qk.safetensors --threads 1 \
+        [--dump standin] [--high] [--skip-p3] [--scale-case d,n,m,p,t,fit_tokens ...]
 
-Without ``--dump`` a seeded ``[6, 12, 512, 32]`` stand-in is used (:func:`standin_qk`); ``--dump``
-is repeatable and ``standin`` names the stand-in, so one run can cover both. Inputs are
-scaled by ``d^-1/4`` here, explicitly (``--no-scale`` to skip), so ``qᵀk`` becomes ``qᵀk/√d``.
-For each configuration ``(p, m, rank)`` the script prints and writes (``analysis/results/fit.md``)
-the median and worst optimality ratio (``rel_fro ÷ optimum``) in-sample and on held-out tokens, and
-the wall time, side by side with the naive baseline (Adam from a random initialisation, fixed
-step budget) and the CP-of-``W*`` fits, all in one run.
+``--dump`` is repeatable (``standin`` names the seeded ``[6, 12, 512, 32]`` stand-in, :func:`standin_qk`).
+Inputs are scaled by ``d^-1/4`` here, explicitly (``--no-scale`` to skip), so ``qᵀk`` becomes
+``qᵀk/√d``. Per data set, side by side in one run, on all tokens: the previous default (ALS only),
+the default fit (ALS + Levenberg–Marquardt), ``quality="high"`` (``--high``), rank 2, p = 3; then a
+held-out run with the min-norm held-out reference. ``--scale-case`` adds one-head rows (fit time,
+×optimum, peak memory of a fresh process). Writes ``analysis/results/fit.md``.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import inspect
 import math
 import platform
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from sketchlab import fit_sketch, optimal_sketch
+from sketchlab import fit_sketch
 from sketchlab.io import atomic_write
-from sketchlab.llops import aligned_gauge, fit_llops_direct
-from sketchlab.spectral import rank1_residuals
+from sketchlab.llops import QUALITY
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_SWEEPS = inspect.signature(fit_llops_direct).parameters["steps"].default
 
 
 @dataclass(frozen=True)
@@ -42,14 +38,10 @@ class Config:
     out: Path
     holdout: float
     seed: int
-    steps: int
-    steps_p3: int
-    long_steps: int
-    naive_steps: int
-    subset: int
-    theory_heads: int
     scale: bool
     skip_p3: bool
+    high: bool
+    scale_cases: list
 
 
 def standin_qk(shape=(6, 12, 512, 32), seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,7 +89,11 @@ HEADER = ("| fit | heads | in-sample median | in-sample worst | held-out median 
 
 
 def bench(name: str, cfg: Config) -> list[str]:
-    """All fits on one data set (``"standin"`` or a dump path); returns the markdown section."""
+    """Quality of the fits on one data set (``"standin"`` or a dump path); returns the markdown section.
+
+    All-token rows (holdout 0) are the criterion rows: ×optimum median / worst over heads and the
+    wall time of the whole batch of heads. A held-out run adds the min-norm reference.
+    """
     if name == "standin":
         q, k = standin_qk(seed=cfg.seed)
         source = "stand-in `standin_qk(shape=(6, 12, 512, 32), seed=%d)` (see its docstring)" % cfg.seed
@@ -112,94 +108,85 @@ def bench(name: str, cfg: Config) -> list[str]:
     if cfg.scale:
         q, k = q * d**-0.25, k * d**-0.25  # explicit: qᵀk → qᵀk/√d
     heads = L * H
-    sub = min(cfg.subset, heads)
-    qs, ks = q.reshape(heads, n, d)[:sub], k.reshape(heads, n, d)[:sub]  # [sub, n, d]
     m = 64
-    # held-out tokens must outnumber m, or the held-out optimum is exact (tail 0, ratio inf)
     holdout = cfg.holdout if cfg.holdout * n > m + 1 else math.ceil(20 * (m + 1) / n) / 20
-    torch.manual_seed(cfg.seed)
     lines = [
         f"## Data: {name}",
         "",
         f"{source}; shape [L, H, n, d] = {list(q.shape)}, dtype {q.dtype}; "
-        f"{'scaled by d^-1/4 in the script' if cfg.scale else 'not rescaled'}. Held-out: {holdout:.0%} of the "
-        f"tokens (same positions for q and k), not used to fit.",
+        f"{'scaled by d^-1/4 in the script' if cfg.scale else 'not rescaled'}.",
         "",
+        HEADER,
     ]
 
-    def run(label, q_, k_, p, m, rank, nheads, sub_idx=None, **opts):
-        fit = fit_sketch("llops", q_, k_, p=p, m=m, rank=rank, seed=cfg.seed, holdout=holdout, **opts)
-        row = _row(label, nheads, fit.report, sub_idx)
+    def run(label, p, rank, hold=0.0, **opts):
+        fit = fit_sketch("llops", q, k, p=p, m=m, rank=rank, seed=cfg.seed, holdout=hold, **opts)
+        row = _row(label, heads, fit.report)
         print(row, flush=True)
-        return fit, row
+        lines.append(row)
+        return fit
 
-    configs = [(2, m, 1), (2, m, 2)] + ([] if cfg.skip_p3 else [(3, m, 1)])
-    summary = {}
-    for p, m, rank in configs:
-        print(f"== {name}: p={p}, m={m}, rank={rank}", flush=True)
-        rows = []
-        steps = cfg.steps if p == 2 else cfg.steps_p3
-        fit, row = run(f"direct (svd init, all heads, {steps} sweeps)", q, k, p, m, rank, heads, steps=steps)
-        rows.append(row)
-        summary[(p, m, rank)] = fit.report
-        rows.append(_row(f"direct, first {sub} heads (same fit)", sub, fit.report, slice(0, sub)))
-        if (p, rank) == (2, 1):
-            full = fit_sketch("llops", q, k, p=p, m=m, rank=rank, seed=cfg.seed, steps=steps)
-            rows.append(_row("direct, all tokens (holdout 0: the timing criterion)", heads, full.report))
-            print(rows[-1], flush=True)
-            _, row = run(f"direct, {cfg.long_steps} sweeps (convergence)", qs, ks, p, m, rank, sub, steps=cfg.long_steps)
-            rows.append(row)
-            _, row = run("direct from random init", qs, ks, p, m, rank, sub, init="random", steps=steps)
-            rows.append(row)
-            _, row = run(f"Adam (lr 1e-3) from the svd init, {cfg.naive_steps} steps", qs, ks, p, m, rank, sub,
-                         method="adam", init="svd", lr=1e-3, steps=cfg.naive_steps)
-            rows.append(row)
-        if rank == 1:
-            opt_fit = fit_sketch("optimal", qs, ks, p=p, m=m, seed=cfg.seed, holdout=holdout)
-            rows.append(_row("Theorem 3.1 optimum of the fitting tokens (reference)", sub, opt_fit.report))
-            print(rows[-1], flush=True)
-            _, row = run(f"naive: Adam from random, {cfg.naive_steps} steps", qs, ks, p, m, rank, sub,
-                         method="adam", steps=cfg.naive_steps)
-            rows.append(row)
-        if p == 2 and rank == 1:
-            for gauge in ("balanced", "aligned"):
-                _, row = run(f"cp of W* (gauge {gauge})", qs, ks, p, m, rank, sub, method="cp", gauge=gauge)
-                rows.append(row)
-        lines += [f"### p = {p}, m = {m}, rank {rank}", "", HEADER, *rows, ""]
-
-    r1, r2 = summary[(2, m, 1)], summary[(2, m, 2)]
-    better = (r2.rel_fro < r1.rel_fro).float().mean().item()
+    run("p=2, t=1, ALS only (6 sweeps: the previous default)", 2, 1, lm_steps=0)
+    run("p=2, t=1, default (6 ALS sweeps + 6 LM steps)", 2, 1)
+    if cfg.high:
+        run("p=2, t=1, quality='high'", 2, 1, quality="high")
+    run("p=2, t=2, default", 2, 2)
+    if not cfg.skip_p3:
+        run("p=3, t=1, default", 3, 1)
+    held = run(f"p=2, t=1, default, {holdout:.0%} held out", 2, 1, hold=holdout)
+    opt = fit_sketch("optimal", q, k, p=2, m=m, seed=cfg.seed, holdout=holdout, reference=False)
+    lines.append(_row(f"Theorem 3.1 optimum (Nyström W*), {holdout:.0%} held out", heads, opt.report))
+    ref = held.report.holdout_reference_rel_fro.flatten()
     lines += [
-        f"### rank 2 against rank 1 (p = 2, m = {m}, direct)",
         "",
-        f"Median in-sample ratio {r1.optimality_ratio.median():.3f} (rank 1) vs {r2.optimality_ratio.median():.3f} "
-        f"(rank 2); rank 2 has lower in-sample error on {better:.0%} of the heads.",
-        "",
-    ]
-
-    # Theorem 3.4: how far the columns of W* are from rank 1 in the two gauges.
-    th = min(cfg.theory_heads, heads)
-    qt, kt = qs[:th].double(), ks[:th].double()
-    opt = optimal_sketch(qt, kt, 2, m)
-    w_bal = opt.projector("q")  # [th, d^2, m]
-    gmap = aligned_gauge(qt, kt, opt, seed=cfg.seed)  # [th, m, m], as method="cp", gauge="aligned"
-    w_ali = w_bal @ gmap
-    t0 = time.perf_counter()
-    frac_bal = rank1_residuals(w_bal, d, 2, restarts=4, seed=cfg.seed).fraction
-    frac_ali = rank1_residuals(w_ali, d, 2, restarts=4, seed=cfg.seed).fraction
-    lines += [
-        f"### Theorem 3.4: rank-1 residual of the columns of W*_Q (p = 2, m = {m})",
-        "",
-        f"Σ_i (‖W_i‖_F² − τ_i²) / ‖W‖_F², first {th} heads (HOPM, 4 restarts, {time.perf_counter() - t0:.1f} s): "
-        f"balanced SVD gauge {', '.join(f'{v:.3f}' for v in frac_bal.tolist())}; aligned gauge "
-        f"{', '.join(f'{v:.3f}' for v in frac_ali.tolist())}. This is the floor (relative, squared, in the "
-        "Frobenius norm of W) of a rank-1 CP of those columns. The kernel error of `cp` is far larger than "
-        "this floor suggests, because a small Frobenius change of W can be a large change of ψ_p(Q)W on the "
-        "data (W* is one of many exact solutions, sketchlab.optimal_sketch returns the Nyström one, and the CP ignores the data metric); the direct fit "
-        "measures the error where it matters.",
+        f"Held-out reference (min-norm W* of the fitting tokens, `sketchlab.min_norm_sketch`): median held-out "
+        f"rel_fro {ref.median():.4f}; the LLoPS fit's held-out rel_fro ÷ reference: median "
+        f"{held.report.holdout_vs_reference.median():.3f}, worst {held.report.holdout_vs_reference.max():.3f}; "
+        f"the Nyström optimum's: median {(opt.report.holdout_rel_fro.flatten() / ref).median():.3f}.",
         "",
     ]
     return lines
+
+
+SCALE_SCRIPT = r"""
+import json, resource, sys, time, torch
+torch.set_num_threads(1)
+from sketchlab import fit_sketch
+d, n, m, p, t, fit_tokens = (int(a) for a in sys.argv[1:7])
+gen = torch.Generator().manual_seed(0)
+spec = 3.0 * torch.exp(-torch.arange(d, dtype=torch.float64) / 3.0) + 0.15
+def side():
+    x = torch.randn(n, d, generator=gen, dtype=torch.float64) * spec + 0.8 * torch.randn(1, d, generator=gen, dtype=torch.float64)
+    return (x * d ** -0.25).float()
+q, k = side(), side()
+fit = fit_sketch("llops", q, k, p=p, m=m, rank=t, fit_tokens=fit_tokens or None)
+print(json.dumps({"seconds": fit.report.seconds, "ratio": float(fit.report.optimality_ratio),
+                  "route": fit.report.info["route"], "peak_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}))
+"""
+
+
+def scale_rows(cases) -> list[str]:
+    """One head per case, each in a fresh process (peak memory = its max RSS): fit seconds, ×optimum
+    on all tokens, route, peak memory."""
+    import json
+    import subprocess
+
+    lines = ["## Scale: one head, p, m, t as given, seeded stand-in tokens, 1 thread", "",
+             "| d | n | m | p | t | fit_tokens | fit s | ×optimum (all tokens) | route | peak memory GB |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for case in cases:
+        d, n, m, p, t, sub = case
+        env = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+        out = subprocess.run([sys.executable, "-c", SCALE_SCRIPT, *map(str, case)], capture_output=True, text=True, env=env)
+        if out.returncode != 0:
+            row = f"| {d} | {n} | {m} | {p} | {t} | {sub or 'all'} | failed: {out.stderr.strip().splitlines()[-1][:120]} | | | |"
+        else:
+            r = json.loads(out.stdout.strip().splitlines()[-1])
+            row = (f"| {d} | {n} | {m} | {p} | {t} | {sub or 'all'} | {r['seconds']:.1f} | {r['ratio']:.3f} | {r['route']} | "
+                   f"{r['peak_gb']:.2f} |")
+        print(row, flush=True)
+        lines.append(row)
+    return lines + [""]
 
 
 def main(argv=None) -> None:
@@ -210,21 +197,18 @@ def main(argv=None) -> None:
     parser.add_argument("--holdout", type=float, default=0.2,
                         help="held-out fraction (raised to the next 5%% above (m+1)/n when too few tokens remain)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--steps", type=int, default=DEFAULT_SWEEPS,
-                        help="ALS sweeps of the direct fit, p = 2 (default: fit_llops_direct's)")
-    parser.add_argument("--steps-p3", type=int, default=12, help="ALS sweeps of the direct fit, p = 3")
-    parser.add_argument("--long-steps", type=int, default=60, help="sweeps of the long direct fit (subset)")
-    parser.add_argument("--naive-steps", type=int, default=200, help="Adam steps of the naive baseline")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
-    parser.add_argument("--subset", type=int, default=12, help="heads (first ones) for the slow fits: naive, cp")
-    parser.add_argument("--theory-heads", type=int, default=4, help="heads for the Theorem 3.4 gauge comparison")
     parser.add_argument("--no-scale", action="store_true", help="do not scale inputs by d^-1/4")
     parser.add_argument("--skip-p3", action="store_true")
+    parser.add_argument("--high", action="store_true", help="also run quality='high' (minutes)")
+    parser.add_argument("--scale-case", action="append", default=None, metavar="d,n,m,p,t,fit_tokens",
+                        help="one-head scale case (fit_tokens 0 = all); repeatable; default: none")
     a = parser.parse_args(argv)
     if a.threads is not None:
         torch.set_num_threads(a.threads)
-    cfg = Config(a.dump or ["standin"], a.out, a.holdout, a.seed, a.steps, a.steps_p3, a.long_steps, a.naive_steps, a.subset,
-                 a.theory_heads, not a.no_scale, a.skip_p3)
+    cases = [tuple(int(v) for v in c.split(",")) for c in (a.scale_case or [])]
+    cfg = Config(a.dump if a.dump is not None else ["standin"], a.out, a.holdout, a.seed, not a.no_scale, a.skip_p3,
+                 a.high, cases)
     lines = [
         "# LLoPS fits against the Theorem 3.1 optimum",
         "",
@@ -234,17 +218,15 @@ def main(argv=None) -> None:
         "one run, not runs).",
         "",
         "Ratios are `rel_fro ÷ optimum` = ‖Â−A‖_F/√tail (FitReport.optimality_ratio); 1 is optimal. "
-        f"direct = exact block ALS from the `svd` init ({cfg.steps} sweeps for p = 2, {cfg.steps_p3} for p = 3, "
-        f"with extrapolation); naive = Adam (lr 1e-2) from a random init, {cfg.naive_steps} fixed steps; "
-        "cp = parafac of the columns of W* (gauge balanced / aligned). Slow fits (naive, cp, Adam from svd) run "
-        f"on the first {cfg.subset} heads. All fitting in float64. The held-out optimum is the best size-m "
-        "sketch *fitted on the held-out tokens themselves*, so held-out ratios are large for every method; the "
-        "row 'Theorem 3.1 optimum of the fitting tokens' (W* fitted in-sample, evaluated on held-out tokens) "
-        "shows what the exact in-sample optimum achieves there.",
+        f"default = `fit_sketch(\"llops\", ...)` with its defaults: the svd init, {QUALITY['default'][0]} ALS sweeps "
+        f"(with extrapolation), {QUALITY['default'][1]} Levenberg–Marquardt steps of {QUALITY['default'][2]} CG "
+        f"iterations; quality='high' = {QUALITY['high']}. Wall time is the whole batch of heads. All fitting in float64.",
         "",
     ]
     for name in cfg.dump:
         lines += bench(name, cfg)
+    if cfg.scale_cases:
+        lines += scale_rows(cfg.scale_cases)
     text = "\n".join(lines) + "\n"
     print(text)
     cfg.out.parent.mkdir(parents=True, exist_ok=True)

@@ -18,6 +18,7 @@ from .fit import Fit, FitReport, available_sketches, fit_sketch, holdout_split, 
 from .io import QKDump, load_qk, load_theta, save_qk, save_theta
 from .llops import (
     LLoPS,
+    fit_llops,
     fit_llops_adam,
     fit_llops_cp,
     fit_llops_direct,
@@ -44,8 +45,17 @@ from .attention import (
 )
 from .export import export_theta
 from .objective import kernel_loss, train_kernel_sketch
-from .metrics import attention_error, causal_attention, optimality_ratio, rel_fro, rel_mae
-from .optimal import OptimalSketch, optimal_sketch, tail_bound
+from .metrics import (
+    attention_error,
+    causal_attention,
+    kernel_errors,
+    kernel_sq_norm,
+    optimality_ratio,
+    ratio_to_tail,
+    rel_fro,
+    rel_mae,
+)
+from .optimal import OptimalSketch, max_sketch_size, min_norm_sketch, optimal_sketch, tail_bound
 from .scaling import describe_scale, resolve_scale
 from .polynomial import (
     full_to_symmetric,
@@ -92,12 +102,13 @@ __all__ = [
     "causal_attention",
     "compare",
     "deflate",
+    "describe_scale",
     "dump_segments",
     "export_theta",
     "feature_attention",
     "feature_attention_naive",
-    "describe_scale",
     "feature_bound",
+    "fit_llops",
     "fit_llops_adam",
     "fit_llops_cp",
     "fit_llops_direct",
@@ -105,10 +116,12 @@ __all__ = [
     "full_to_symmetric",
     "holdout_split",
     "kernel_attention_naive",
+    "kernel_errors",
     "kernel_loss",
+    "kernel_spectrum",
+    "kernel_sq_norm",
     "llops_attention",
     "llops_attention_naive",
-    "kernel_spectrum",
     "llops_features",
     "llops_features_naive",
     "llops_init",
@@ -116,6 +129,8 @@ __all__ = [
     "llops_projector_naive",
     "load_qk",
     "load_theta",
+    "max_sketch_size",
+    "min_norm_sketch",
     "num_poly_features",
     "optimal_sketch",
     "optimality_ratio",
@@ -126,6 +141,7 @@ __all__ = [
     "poly_kernel",
     "projector_to_theta",
     "rank1_residuals",
+    "ratio_to_tail",
     "register_sketch",
     "rel_fro",
     "rel_mae",

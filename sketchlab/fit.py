@@ -1,19 +1,22 @@
 """``fit_sketch``: the one entry point that fits any registered sketch and reports its error.
 
-Each sketch module registers a *fitter* with :func:`register_sketch`::
+**The one place methods are registered** is the table :data:`BUILTIN_SKETCHES` here (name →
+module and fitter), resolved lazily on first use, so no module of the package imports this one
+to register itself and there are no import cycles. A *fitter* has the form::
 
-    @register_sketch("name")
     def _fit(q, k, *, p, m, seed=0, **options) -> Sketch: ...
 
-A fitter receives validated float tensors ``q[..., n_q, d]``, ``k[..., n_k, d]`` (the fitting
-tokens only) and returns a :class:`~sketchlab.sketch.Sketch`; it may set ``sketch.fit_info``, a
-dict with ``steps`` (int), ``converged`` (bool) and any method-specific entries. ``fit_sketch``
-splits off held-out tokens, times the fit and measures every error against the Theorem 3.1
-optimum in float64.
+It receives validated float tensors ``q[..., n_q, d]``, ``k[..., n_k, d]`` (the fitting tokens
+only) and returns a :class:`~sketchlab.sketch.Sketch`; it may set ``sketch.fit_info``, a dict with
+``steps`` (int), ``converged`` (bool) and any method-specific entries. Users add their own with
+:func:`register_sketch`. ``fit_sketch`` splits off held-out tokens, optionally subsamples the
+fitting tokens, times the fit and measures every error against the Theorem 3.1 optimum in
+float64, in row blocks (never an ``n × n`` matrix).
 """
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import math
 import time
@@ -22,10 +25,30 @@ from typing import Callable
 
 import torch
 
-from ._validation import check_degree, check_fraction, check_pair, check_positive_int
+from ._validation import DEFAULT_MAX_BYTES, check_degree, check_fraction, check_pair, check_positive_int
 from .sketch import Sketch
 
-__all__ = ["Fit", "FitReport", "available_sketches", "fit_sketch", "holdout_split", "register_sketch", "sketch_fitter"]
+__all__ = [
+    "BUILTIN_SKETCHES",
+    "Fit",
+    "FitReport",
+    "available_sketches",
+    "fit_sketch",
+    "holdout_split",
+    "register_sketch",
+    "sketch_fitter",
+]
+
+#: Built-in methods: name → ``(module, fitter)``, imported on first use.
+BUILTIN_SKETCHES = {
+    "optimal": ("sketchlab.optimal", "_fit_optimal"),
+    "llops": ("sketchlab.llops.dispatch", "fit_llops"),
+    "psf": ("sketchlab.sketches.psf", None),
+    "tensorsketch": ("sketchlab.sketches.tensorsketch", None),
+    "mlp": ("sketchlab.sketches.mlp", None),
+    "based": ("sketchlab.sketches.based", None),
+    "elementwise": ("sketchlab.sketches.elementwise", None),
+}
 
 _FITTERS: dict[str, Callable[..., Sketch]] = {}
 
@@ -44,11 +67,16 @@ def register_sketch(name: str) -> Callable[[Callable[..., Sketch]], Callable[...
 
 def available_sketches() -> list[str]:
     """Names accepted by :func:`fit_sketch`, sorted."""
-    return sorted(_FITTERS)
+    return sorted(set(_FITTERS) | set(BUILTIN_SKETCHES))
 
 
 def sketch_fitter(name: str) -> Callable[..., Sketch]:
     """The fitter registered under ``name`` (raw: no hold-out, no report; see :func:`fit_sketch`)."""
+    if name not in _FITTERS and name in BUILTIN_SKETCHES:
+        module, attr = BUILTIN_SKETCHES[name]
+        mod = importlib.import_module(module)  # the baseline modules register themselves on import
+        if attr is not None:
+            register_sketch(name)(getattr(mod, attr))
     if name not in _FITTERS:
         raise ValueError(f"unknown sketch method {name!r}; available: {', '.join(available_sketches())}")
     return _FITTERS[name]
@@ -58,9 +86,16 @@ def sketch_fitter(name: str) -> Callable[..., Sketch]:
 class FitReport:
     """Errors of one fit, each a float64 tensor with the batch shape (``[]`` or ``[L, H]``).
 
-    ``holdout_*`` are measured on the held-out tokens (``None`` when ``holdout == 0``); ``tail``
-    and ``holdout_tail`` are the Theorem 3.1 floors on the fitting and held-out tokens, so each
-    ``optimality_ratio`` is the error divided by the best any size-``m`` sketch achieves there.
+    In-sample errors are measured on *all* non-held-out tokens, also when the fit used only a
+    subsample of them (``fit_tokens``). ``holdout_*`` are measured on the held-out tokens
+    (``None`` when ``holdout == 0``); ``tail`` and ``holdout_tail`` are the Theorem 3.1 floors on
+    those tokens, so each ``optimality_ratio`` is the error divided by the best any size-``m``
+    sketch achieves there. **A ratio is NaN when undefined**: the tail is zero to round-off
+    (see :func:`sketchlab.metrics.ratio_to_tail`), e.g. ``m`` at least the rank of the held-out
+    kernel. ``holdout_reference_rel_fro`` is the documented held-out reference: the held-out
+    error of the in-sample optimum with the *minimum-norm* ``W*``
+    (:func:`sketchlab.optimal.min_norm_sketch`), and ``holdout_vs_reference`` the sketch's
+    held-out ``rel_fro`` divided by it (``None`` without hold-out).
     """
 
     method: str
@@ -79,6 +114,9 @@ class FitReport:
     holdout_rel_mae: torch.Tensor | None = None
     holdout_optimality_ratio: torch.Tensor | None = None
     holdout_tail: torch.Tensor | None = None
+    holdout_reference_rel_fro: torch.Tensor | None = None
+    holdout_vs_reference: torch.Tensor | None = None
+    fit_tokens: int | None = None
     info: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
@@ -117,19 +155,40 @@ def holdout_split(n: int, holdout: float, seed: int) -> tuple[torch.Tensor, torc
     return perm[n_held:].sort().values, perm[:n_held].sort().values
 
 
-def _errors(sketch: Sketch, q: torch.Tensor, k: torch.Tensor, p: int, m: int):
-    from .metrics import optimality_ratio, rel_fro, rel_mae
+def _errors(sketch: Sketch, q: torch.Tensor, k: torch.Tensor, p: int, m: int, method: str, where: str,
+            max_bytes: int):
+    """rel_fro, rel_mae, optimality ratio and tail of ``sketch`` on ``(q, k)``, in row blocks; a
+    non-finite error raises ``FloatingPointError`` naming the method, the heads and the likely cause."""
+    from .metrics import kernel_errors, ratio_to_tail
     from .optimal import tail_bound
-    from .polynomial import poly_kernel
 
-    exact = poly_kernel(q.to(torch.float64), k.to(torch.float64), p)
-    with torch.no_grad():
-        approx = sketch.kernel(q, k).to(torch.float64)
-    tail = tail_bound(q, k, p, m)
-    return rel_fro(approx, exact), rel_mae(approx, exact), optimality_ratio(approx, exact, tail), tail
+    err = kernel_errors(sketch, q, k, p, max_bytes=max_bytes)
+    bad = ~(torch.isfinite(err["sq_err"]) & torch.isfinite(err["sq_norm"]) & torch.isfinite(err["rel_mae"]))
+    if bool(bad.any()):
+        flat = bad.reshape(-1).nonzero().flatten().tolist()
+        batch = tuple(bad.shape)
+        heads = [(i // batch[1], i % batch[1]) for i in flat[:8]] if len(batch) == 2 else flat[:8]
+        label = "(layer, head)" if len(batch) == 2 else "flattened batch index"
+        cause = ("the exact kernel (QKᵀ)^p overflows float64 (input scale too large: x · d^-1/4 is the usual "
+                 "choice)" if not bool(torch.isfinite(err["sq_norm"]).all()) else
+                 f"the {method} sketch's features overflow or are NaN (input scale too large for its map)")
+        raise FloatingPointError(
+            f"sketch method {method!r}: non-finite {where} error for {len(flat)} head(s), {label} {heads}; likely cause: {cause}"
+        )
+    tail = tail_bound(q, k, p, m, max_bytes=max_bytes)
+    ratio = ratio_to_tail(err["sq_err"], tail, err["sq_norm"], max(q.shape[-2], k.shape[-2]))
+    return err["rel_fro"], err["rel_mae"], ratio, tail
 
 
-def fit_sketch(method: str, q, k, /, *, p: int, m: int, seed: int = 0, holdout: float = 0.0, **options) -> Fit:
+def _subsample(n: int, count: int, seed: int) -> torch.Tensor:
+    """Sorted random ``count`` of ``range(n)`` (seeded; a different stream from the hold-out split)."""
+    gen = torch.Generator().manual_seed(seed + 0x5EED)
+    return torch.randperm(n, generator=gen)[:count].sort().values
+
+
+def fit_sketch(method: str, q, k, /, *, p: int, m: int, seed: int = 0, holdout: float = 0.0,
+               fit_tokens: int | None = None, reference: bool = True, max_bytes: int = DEFAULT_MAX_BYTES,
+               **options) -> Fit:
     """Fit the sketch ``method`` to ``(q, k)`` and measure it against the Theorem 3.1 optimum.
 
     Parameters
@@ -138,23 +197,39 @@ def fit_sketch(method: str, q, k, /, *, p: int, m: int, seed: int = 0, holdout: 
         A name from :func:`available_sketches`.
     q : Tensor ``[..., n_q, d]``
     k : Tensor ``[..., n_k, d]``
-        Leading axes (e.g. ``[L, H]``) are independent problems, fitted together.
+        Leading axes (e.g. ``[L, H]``) are independent problems, fitted together, on the device of ``q``.
     p, m : int
-        Degree and sketch size.
+        Degree and sketch size; ``m`` must be below ``min(fitting tokens, D)`` (at that size the
+        exact features already have zero error and every ratio would be undefined).
     seed : int
-        Seeds the held-out split and the method's own randomness.
+        Seeds the held-out split, the token subsample and the method's own randomness.
     holdout : float in ``[0, 1)``
         Fraction of tokens (of ``q`` and of ``k`` separately) held out of the fit; errors on
         them are reported as ``holdout_*``. With ``n_q == n_k`` both use one split, so the
         held-out tokens are the same positions on both sides.
+    fit_tokens : int, optional
+        Fit on a random subset of this many of the non-held-out tokens (per side; same positions
+        when ``n_q == n_k``); errors are still reported on all of them and on the held-out ones.
+        Makes a 100k-token dump usable: the fit's cost grows with the subset, the report's
+        (``O(n² (d + m))`` flops in row blocks, never ``n × n`` memory) with all tokens.
+    reference : bool
+        With a hold-out, also report the held-out error of the minimum-norm in-sample optimum
+        (:class:`FitReport`); needs the exact features ``ψ_p`` of the fitting tokens.
+    max_bytes : int
+        Memory budget of the report's allocations (row blocks, exact features).
     **options
-        Passed to the method's fitter.
+        Passed to the method's fitter; unknown ones are rejected.
 
     Returns
     -------
     Fit
         ``fit.sketch`` and ``fit.report`` (in-sample and held-out ``rel_fro``, ``rel_mae``,
         ``optimality_ratio``, the tails, wall seconds, steps, convergence).
+
+    Raises
+    ------
+    FloatingPointError
+        When an error comes out non-finite (naming method, heads and the likely cause).
     """
     fitter = sketch_fitter(method)
     q, k = check_pair(q, k)
@@ -163,18 +238,28 @@ def fit_sketch(method: str, q, k, /, *, p: int, m: int, seed: int = 0, holdout: 
     holdout = check_fraction(holdout, "holdout")
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"seed must be an int, got {seed!r}")
+    if not isinstance(reference, bool):
+        raise TypeError(f"reference must be a bool, got {reference!r}")
     fit_q, held_q = holdout_split(q.shape[-2], holdout, seed)
     fit_k, held_k = (fit_q, held_q) if q.shape[-2] == k.shape[-2] else holdout_split(k.shape[-2], holdout, seed)
     if holdout > 0 and (len(fit_q) == 0 or len(fit_k) == 0):
         raise ValueError(f"holdout={holdout} leaves no fitting tokens out of n_q={q.shape[-2]}, n_k={k.shape[-2]}")
-    q_fit, k_fit = q[..., fit_q, :], k[..., fit_k, :]
-    from .optimal import max_sketch_size  # optimal registers itself here: import late
+    sub_q, sub_k = fit_q, fit_k
+    if fit_tokens is not None:
+        fit_tokens = check_positive_int(fit_tokens, "fit_tokens")
+        if fit_tokens < len(fit_q) or fit_tokens < len(fit_k):
+            pick_q = _subsample(len(fit_q), min(fit_tokens, len(fit_q)), seed)
+            pick_k = pick_q if len(fit_q) == len(fit_k) else _subsample(len(fit_k), min(fit_tokens, len(fit_k)), seed)
+            sub_q, sub_k = fit_q[pick_q], fit_k[pick_k]
+    from .optimal import max_sketch_size  # import late: sketchlab.optimal is only needed here
 
-    limit = max_sketch_size(q_fit.shape[-2], k_fit.shape[-2], q.shape[-1], p)
-    if m > limit:  # checked before fitting: the report's Theorem 3.1 floor needs m <= rank bound
+    limit = max_sketch_size(len(sub_q), len(sub_k), q.shape[-1], p)
+    if m >= limit:  # at m = limit the tail is 0: the exact features are optimal and every ratio undefined
         raise ValueError(
-            f"m (the sketch size) must be at most min(fitting tokens, D) = {limit} for d={q.shape[-1]}, p={p} "
-            f"({q_fit.shape[-2]} query and {k_fit.shape[-2]} key tokens left after holdout={holdout}); got m={m}"
+            f"m (the sketch size) must be below min(fitting tokens, D) = {limit} for d={q.shape[-1]}, p={p} "
+            f"({len(sub_q)} query and {len(sub_k)} key tokens fitted, holdout={holdout}, fit_tokens={fit_tokens}); "
+            f"got m={m}. At m >= {limit} the tail is 0 (the exact features are already optimal, every ratio "
+            "undefined): use a smaller m, or more fitting tokens"
         )
     known = _option_names(fitter)
     unknown = [] if known is None else sorted(set(options) - known)
@@ -183,31 +268,42 @@ def fit_sketch(method: str, q, k, /, *, p: int, m: int, seed: int = 0, holdout: 
             f"unknown option(s) {', '.join(map(repr, unknown))} for sketch method {method!r}; "
             f"it takes: {', '.join(sorted(known)) or 'no options'}"
         )
+    q_fit, k_fit = q[..., fit_q, :], k[..., fit_k, :]
 
     start = time.perf_counter()
-    sketch = fitter(q_fit, k_fit, p=p, m=m, seed=seed, **options)
+    sketch = fitter(q[..., sub_q, :], k[..., sub_k, :], p=p, m=m, seed=seed, **options)
     seconds = time.perf_counter() - start
 
     info = dict(getattr(sketch, "fit_info", {}) or {})
-    rel_f, rel_m, ratio, tail = _errors(sketch, q_fit, k_fit, p, m)
+    m_in = min(m, max_sketch_size(len(fit_q), len(fit_k), q.shape[-1], p))
+    rel_f, rel_m, ratio, tail = _errors(sketch, q_fit, k_fit, p, m_in, method, "in-sample", max_bytes)
     report = FitReport(
         method=method, p=p, m=m, rel_fro=rel_f, rel_mae=rel_m, optimality_ratio=ratio, tail=tail,
         seconds=seconds, steps=int(info.pop("steps", 0)), converged=bool(info.pop("converged", True)),
         num_features=sketch.num_features, num_parameters=sketch.num_parameters, info=info,
+        fit_tokens=None if fit_tokens is None else len(sub_q),
     )
     if holdout > 0:
         q_held, k_held = q[..., held_q, :], k[..., held_k, :]
         # The held-out floor uses the same m, clamped to the largest rank the held-out A can
-        # have (its tail is 0 there, and the ratio inf: a sketch that size could be exact).
+        # have (its tail is 0 there and the ratio NaN: undefined, a sketch that size could be exact).
         m_held = min(m, max_sketch_size(q_held.shape[-2], k_held.shape[-2], q.shape[-1], p))
-        h_f, h_m, h_r, h_t = _errors(sketch, q_held, k_held, p, m_held)
+        h_f, h_m, h_r, h_t = _errors(sketch, q_held, k_held, p, m_held, method, "held-out", max_bytes)
         report.holdout_rel_fro, report.holdout_rel_mae = h_f, h_m
         report.holdout_optimality_ratio, report.holdout_tail = h_r, h_t
+        if reference:
+            from .optimal import min_norm_sketch
+
+            ref = min_norm_sketch(q[..., sub_q, :], k[..., sub_k, :], p, m, max_bytes=max_bytes)
+            ref_f = _errors(ref, q_held, k_held, p, m_held, "optimal (min-norm reference)", "held-out", max_bytes)[0]
+            report.holdout_reference_rel_fro = ref_f
+            report.holdout_vs_reference = h_f / ref_f
     return Fit(sketch=sketch, report=report)
 
 
 def _option_names(fitter: Callable[..., Sketch]) -> set[str] | None:
-    """Keyword options a fitter takes beyond ``p, m, seed``; ``None`` when it takes ``**options``."""
+    """Keyword options a fitter takes beyond ``p, m, seed``; ``None`` when it takes ``**options``
+    (then the fitter checks them itself, as ``fit_llops`` does)."""
     params = inspect.signature(fitter).parameters
     if any(par.kind is inspect.Parameter.VAR_KEYWORD for par in params.values()):
         return None

@@ -8,9 +8,26 @@ from __future__ import annotations
 
 import torch
 
-from ._validation import as_float_tensor
+import math
 
-__all__ = ["attention_error", "causal_attention", "optimality_ratio", "rel_fro", "rel_mae"]
+from ._validation import DEFAULT_MAX_BYTES, as_float_tensor, check_memory, check_pair, check_degree
+
+__all__ = [
+    "ROUNDOFF_TAIL",
+    "attention_error",
+    "causal_attention",
+    "kernel_errors",
+    "kernel_sq_norm",
+    "optimality_ratio",
+    "ratio_to_tail",
+    "rel_fro",
+    "rel_mae",
+]
+
+#: A Theorem 3.1 tail counts as zero (the ratio is undefined, NaN) when it is at most
+#: ``(ROUNDOFF_TAIL · n · eps)² · ‖A‖_F²``, ``n = max(n_q, n_k)``, ``eps`` the float64 epsilon: the
+#: size of the round-off in the singular values of ``A`` (each ``≲ n · eps · ‖A‖``), squared.
+ROUNDOFF_TAIL = 64.0
 
 
 def _pair(approx, exact) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,13 +65,42 @@ def rel_fro(approx, exact) -> torch.Tensor:
     return torch.linalg.matrix_norm(approx - exact) / torch.linalg.matrix_norm(exact)
 
 
+def ratio_to_tail(sq_err, tail, sq_norm, n: int) -> torch.Tensor:
+    r"""Optimality ratio :math:`\sqrt{\text{sq\_err} / \text{tail}}` with the round-off rule.
+
+    Parameters
+    ----------
+    sq_err : Tensor ``[...]``
+        :math:`\|\hat A - A\|_F^2`.
+    tail : Tensor ``[...]``
+        The Theorem 3.1 floor :math:`\sum_{i>m}\sigma_i(A)^2`.
+    sq_norm : Tensor ``[...]``
+        :math:`\|A\|_F^2`.
+    n : int
+        ``max(n_q, n_k)``.
+
+    Returns
+    -------
+    float64 Tensor ``[...]``. **NaN means undefined**: the tail is at most
+    ``(ROUNDOFF_TAIL · n · eps)² ‖A‖²`` (zero to working precision: a size-``m`` sketch can be
+    exact, ``m >= rank A``), so the ratio would divide round-off by round-off (a tail of 2.5e-256
+    once gave 7e114). Otherwise ``sqrt(sq_err / tail)``; ``>= 1`` on the data the tail is of.
+    """
+    sq_err = torch.as_tensor(sq_err, dtype=torch.float64)
+    tail = torch.as_tensor(tail, dtype=torch.float64, device=sq_err.device)
+    sq_norm = torch.as_tensor(sq_norm, dtype=torch.float64, device=sq_err.device)
+    floor = (ROUNDOFF_TAIL * n * torch.finfo(torch.float64).eps) ** 2 * sq_norm
+    return torch.where(tail > floor, (sq_err / tail.clamp_min(torch.finfo(torch.float64).tiny)).sqrt(),
+                       torch.full_like(sq_err, math.nan))
+
+
 def optimality_ratio(approx, exact, tail) -> torch.Tensor:
     r"""Error against the Theorem 3.1 floor: :math:`\|\hat A - A\|_F / \sqrt{\mathrm{tail}}`.
 
     ``tail`` is :math:`\sum_{i>m}\sigma_i(A)^2` (see :func:`sketchlab.tail_bound`), shaped like the
     batch axes. A ratio of 1 is optimal; no size-``m`` sketch goes below 1 on the data it is
-    measured on. Where ``tail`` is 0 (``m >= rank A``) the ratio is ``inf`` unless the error is
-    also exactly 0, where it is 1 (the exact kernel is the optimum).
+    measured on. Where the tail is zero to round-off (``m >= rank A``, see :func:`ratio_to_tail`)
+    the ratio is undefined and returned as NaN.
     """
     approx, exact = _pair(approx, exact)
     tail = torch.as_tensor(tail, dtype=torch.float64, device=approx.device)
@@ -63,8 +109,105 @@ def optimality_ratio(approx, exact, tail) -> torch.Tensor:
             f"tail must be non-negative (not NaN) with the batch shape {tuple(approx.shape[:-2])}, "
             f"got shape {tuple(tail.shape)} with minimum {tail.min().item() if tail.numel() else None}"
         )
-    err = torch.linalg.matrix_norm(approx - exact)
-    return torch.where((err == 0) & (tail == 0), torch.ones_like(err), err / tail.sqrt())
+    sq_err = torch.linalg.matrix_norm(approx - exact) ** 2
+    return ratio_to_tail(sq_err, tail, (exact**2).sum((-2, -1)), max(exact.shape[-2:]))
+
+
+def kernel_sq_norm(q, k, p: int, *, max_bytes: int = DEFAULT_MAX_BYTES) -> torch.Tensor:
+    r""":math:`\|A\|_F^2` for :math:`A = (QK^\top)^{\circ p}` without forming ``A``.
+
+    ``q[..., n_q, d]``, ``k[..., n_k, d]`` → float64 ``[...]``. Two routes, the cheaper taken:
+    the degree-``2p`` moments :math:`\|A\|_F^2 = \langle\sum_i\psi_{2p}(q_i), \sum_j\psi_{2p}(k_j)\rangle`
+    (symmetric features, ``C(d+2p-1, 2p)`` of them, summed over tokens in blocks: cost
+    ``(n_q + n_k) C`` gathers), or row blocks of ``A`` (cost ``n_q n_k d`` in matrix products, taken
+    unless the moments need 32 times fewer operations). Memory stays within ``max_bytes``.
+    """
+    q, k = check_pair(q, k)
+    return _kernel_sq_norm(q, k, check_degree(p), max_bytes)
+
+
+def _kernel_sq_norm(q: torch.Tensor, k: torch.Tensor, p: int, max_bytes: int) -> torch.Tensor:
+    """:func:`kernel_sq_norm` without the input checks (for callers that validated already)."""
+    q, k = q.to(torch.float64), k.to(torch.float64)
+    n_q, n_k, d = q.shape[-2], k.shape[-2], q.shape[-1]
+    batch = math.prod(q.shape[:-2])
+    moments = math.comb(d + 2 * p - 1, 2 * p)
+    # the moment route gathers, the row blocks multiply matrices (~30x faster per flop here): prefer
+    # the moments only when they need far fewer operations
+    if 32 * (n_q + n_k) * moments < n_q * n_k * d and batch * moments * 8 * 4 <= max_bytes:
+        from .polynomial import poly_features
+
+        def summed(x):
+            rows = max(1, min(64 * 2**20, max_bytes // 4) // max(1, batch * moments * 8))  # tokens per block
+            out = torch.zeros(*x.shape[:-2], moments, dtype=torch.float64, device=x.device)
+            for lo in range(0, x.shape[-2], rows):
+                out += poly_features(x[..., lo : lo + rows, :], 2 * p, True, max_bytes=max_bytes).sum(-2)
+            return out
+
+        return (summed(q) * summed(k)).sum(-1)
+    out = torch.zeros(q.shape[:-2], dtype=torch.float64, device=q.device)
+    for sl in _row_blocks(batch, n_q, n_k, max_bytes):
+        out += ((q[..., sl, :] @ k.mT) ** p).pow(2).sum((-2, -1))
+    return out
+
+
+def _row_blocks(batch: int, n_q: int, n_k: int, max_bytes: int, copies: int = 4):
+    """Slices of query rows whose ``[batch, rows, n_k]`` float64 blocks (``copies`` live at once) fit in
+    ``min(max_bytes, 256 MiB)``."""
+    limit = min(max_bytes, 256 * 2**20)
+    rows = limit // max(1, copies * batch * n_k * 8)
+    if rows < 1:
+        check_memory(copies * batch * n_k * 8, what=f"one kernel row block ({batch} x 1 x {n_k} float64, {copies} copies)",
+                     way_out="use fewer key tokens or fewer heads at a time", max_bytes=max_bytes)
+        rows = 1
+    for lo in range(0, n_q, rows):
+        yield slice(lo, min(n_q, lo + rows))
+
+
+def kernel_errors(sketch, q, k, p: int, *, max_bytes: int = DEFAULT_MAX_BYTES) -> dict:
+    r"""Errors of ``sketch`` against :math:`A = (QK^\top)^{\circ p}`, in query-row blocks (never ``n × n``).
+
+    Parameters
+    ----------
+    sketch : Sketch
+        Its ``features_q``/``features_k`` are evaluated once (``[..., n, m]``), then
+        :math:`\hat A = \Phi_Q\Phi_K^\top` and ``A`` are formed one block of query rows at a time.
+    q : Tensor ``[..., n_q, d]``
+    k : Tensor ``[..., n_k, d]``
+    p : int
+    max_bytes : int
+        Budget of one block (also capped at 256 MiB).
+
+    Returns
+    -------
+    dict of float64 Tensors ``[...]``: ``sq_err`` :math:`\|\hat A - A\|_F^2`, ``sq_norm``
+    :math:`\|A\|_F^2`, ``rel_fro``, ``rel_mae`` (:func:`rel_fro`, :func:`rel_mae` of the dense form,
+    to round-off). Raises ``ValueError`` (as :func:`rel_mae`) when ``A`` is all zeros.
+    """
+    q, k = check_pair(q, k)
+    p = check_degree(p)
+    with torch.no_grad():
+        fq = sketch.features_q(q).to(torch.float64)  # [..., n_q, m]
+        fk = sketch.features_k(k).to(torch.float64)  # [..., n_k, m]
+    q64, k64 = q.to(torch.float64), k.to(torch.float64)
+    batch = q.shape[:-2]
+    sq_err = torch.zeros(batch, dtype=torch.float64, device=q.device)
+    sq_norm, abs_err, abs_a = torch.zeros_like(sq_err), torch.zeros_like(sq_err), torch.zeros_like(sq_err)
+    for sl in _row_blocks(math.prod(batch), q.shape[-2], k.shape[-2], max_bytes):
+        exact = (q64[..., sl, :] @ k64.mT) ** p  # [..., rows, n_k]
+        diff = fq[..., sl, :] @ fk.mT - exact
+        sq_err += diff.pow(2).sum((-2, -1))
+        abs_err += diff.abs().sum((-2, -1))
+        sq_norm += exact.pow(2).sum((-2, -1))
+        abs_a += exact.abs().sum((-2, -1))
+    zero = abs_a == 0
+    if bool(zero.any()):
+        first = tuple(int(i) for i in zero.nonzero()[0]) if zero.ndim else ()
+        raise ValueError(
+            f"the exact kernel (QKᵀ)^p is all zeros for {int(zero.sum())} head(s), the first at batch index "
+            f"{first} (q or k is zero there): relative errors are undefined"
+        )
+    return {"sq_err": sq_err, "sq_norm": sq_norm, "rel_fro": (sq_err / sq_norm).sqrt(), "rel_mae": abs_err / abs_a}
 
 
 def causal_attention(kernel, v, *, eps: float = 1e-6, normalize: str = "sum", segments=None) -> torch.Tensor:

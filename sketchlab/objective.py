@@ -7,7 +7,8 @@ Every fitted sketch (LLoPS, the MLP and element-wise baselines) minimises the sa
 per head, so that they are compared on equal terms. :func:`train_kernel_sketch` is the one
 gradient loop they share: ``torch.optim.Adam`` on :math:`\sum_h \mathcal L_h / \|A_h\|_F^2` with a
 fixed step budget, keeping the best parameters seen for each head. (LLoPS's default fit is exact
-alternating least squares, :func:`sketchlab.llops.fit_llops_direct`; its Adam fit goes through here.)
+alternating least squares and Levenberg–Marquardt, :func:`sketchlab.llops.fit_llops_direct`; its Adam
+fit goes through here.)
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Callable
 import torch
 from tqdm.auto import tqdm
 
-from ._validation import check_positive_int, check_real
+from ._validation import DEFAULT_MAX_BYTES, check_memory, check_positive_int, check_real
 from .polynomial import poly_kernel
 
 __all__ = ["DEFAULT_LR", "DEFAULT_STEPS", "check_finite_loss", "kernel_loss", "train_kernel_sketch"]
@@ -60,15 +61,22 @@ def kernel_loss(features_q: torch.Tensor, features_k: torch.Tensor, exact: torch
     return ((features_q @ features_k.mT - exact) ** 2).sum((-2, -1))
 
 
-def check_finite_loss(loss: torch.Tensor, step: int, what: str) -> None:
-    """Stop a fit whose loss (per head) went non-finite, with a ``FloatingPointError`` saying where."""
+def check_finite_loss(loss: torch.Tensor, step: int, what: str, batch: tuple | None = None) -> None:
+    """Stop a fit whose loss (per head) went non-finite, with a ``FloatingPointError`` saying where.
+
+    ``batch`` (the heads' batch shape, e.g. ``(L, H)``) turns flattened indices into ``(layer, head)``.
+    """
     bad = ~torch.isfinite(loss)
     if bool(bad.any()):
-        heads = bad.reshape(-1).nonzero().flatten().tolist()
+        flat = bad.reshape(-1).nonzero().flatten().tolist()
+        if batch is not None and len(batch) == 2:
+            where = f"(layer, head) {[(i // batch[1], i % batch[1]) for i in flat[:8]]}"
+        else:
+            where = f"flattened batch indices {flat[:8]}"
         raise FloatingPointError(
             f"{what} fit stopped: the kernel loss (or the target ‖A‖²) is non-finite at step {step} for "
-            f"{len(heads)} head(s) (flattened batch indices {heads[:8]}); check the input scale "
-            "(x · d^-1/4 is the usual choice) or lower the learning rate"
+            f"{len(flat)} head(s), {where}; likely cause: the input scale — (qᵀk)^p overflows for large "
+            "inputs (x · d^-1/4 is the usual choice), or lower the learning rate"
         )
 
 
@@ -84,6 +92,7 @@ def train_kernel_sketch(
     tol: float = 1e-4,
     what: str = "Adam",
     progress: bool = False,
+    max_bytes: int = DEFAULT_MAX_BYTES,
 ) -> dict:
     r"""Fit ``params`` in place by Adam on the relative kernel loss; keep each head's best.
 
@@ -104,6 +113,8 @@ def train_kernel_sketch(
         Name of the fit in the error raised when the loss goes non-finite.
     progress : bool
         tqdm progress bar.
+    max_bytes : int
+        Memory budget: the loop forms the ``n_q × n_k`` kernel (and its residual) per head.
 
     Returns
     -------
@@ -118,19 +129,23 @@ def train_kernel_sketch(
     for i, t in enumerate(params):
         if tuple(t.shape[: len(batch)]) != tuple(batch):
             raise ValueError(f"params[{i}] must lead with the batch shape {tuple(batch)}, got {tuple(t.shape)}")
+    check_memory(3 * n_batch * q.shape[-2] * k.shape[-2] * q.element_size(),
+                 what=f"the kernel, residual and gradient of {n_batch} head(s) ({q.shape[-2]} x {k.shape[-2]}, {q.dtype})",
+                 way_out="fit fewer tokens (fit_tokens) or fewer heads at a time, or use LLoPS method='direct'",
+                 max_bytes=max_bytes)
     exact = poly_kernel(q, k, p)  # [..., n_q, n_k]
     norm = (exact**2).sum((-2, -1))  # [...]
-    check_finite_loss(norm, 0, what)
+    check_finite_loss(norm, 0, what, tuple(batch))
     norm = norm.clamp_min(torch.finfo(exact.dtype).tiny)
     opt = torch.optim.Adam(params, lr=lr)
-    best_loss = torch.full((n_batch,), math.inf, dtype=norm.dtype)
+    best_loss = torch.full((n_batch,), math.inf, dtype=norm.dtype, device=norm.device)
     best = [t.detach().reshape(n_batch, *t.shape[len(batch):]).clone() for t in params]  # [B, ...] each
     totals: list[float] = []
     initial = None
     for step in tqdm(range(steps + 1), desc=what, disable=not progress, leave=False):
         loss = kernel_loss(*features(q, k), exact) / norm  # [...], relative squared error
         flat = loss.detach().reshape(n_batch)
-        check_finite_loss(flat, step, what)
+        check_finite_loss(flat, step, what, tuple(batch))
         if initial is None:
             initial = flat.clone()
         better = flat < best_loss

@@ -33,7 +33,14 @@ Two routes compute it:
     :math:`W^*_Q = R_K^\top V^c_m \Sigma_m^{-1/2}`. Cheaper when ``n`` exceeds the feature
     dimension ``D``.
 
-``"auto"`` takes ``"qr"`` when ``max(n_q, n_k) > D``. The features are the symmetric ones whenever
+``"gram"``
+    the moment matrices :math:`M = \psi_p^\top\psi_p` (``D × D``, summed over token blocks, so
+    memory is independent of ``n``) and their eigendecompositions :math:`M = V\Lambda V^\top`
+    stand in for ``R = Λ^{1/2} Vᵀ``; the rest as ``"qr"``. Squares the condition number of ψ
+    (singular values of ``A`` below ``~1e-8 σ_1`` lose accuracy), so it is taken only when the
+    features do not fit the memory budget.
+
+``"auto"`` takes ``"qr"`` when ``max(n_q, n_k) > D`` (``"gram"`` when ψ would exceed ``max_bytes / 4``). The features are the symmetric ones whenever
 they are fewer (every ``p >= 2`` with ``d >= 2``); :meth:`OptimalSketch.projector` returns the
 projector in the full ``d**p`` basis. All arithmetic is float64.
 
@@ -49,14 +56,15 @@ from dataclasses import dataclass
 
 import torch
 
-from ._validation import check_degree, check_pair, check_positive_int
-from .fit import register_sketch
-from .polynomial import DEFAULT_MAX_BYTES, num_poly_features, poly_features, poly_kernel, symmetric_to_full
+import math
+
+from ._validation import check_degree, check_memory, check_pair, check_positive_int
+from .polynomial import DEFAULT_MAX_BYTES, poly_features, poly_kernel, symmetric_to_full
 from .sketch import Sketch
 
-__all__ = ["OptimalSketch", "max_sketch_size", "optimal_sketch", "tail_bound"]
+__all__ = ["OptimalSketch", "max_sketch_size", "min_norm_sketch", "optimal_sketch", "tail_bound"]
 
-_ROUTES = ("auto", "svd", "qr")
+_ROUTES = ("auto", "svd", "qr", "gram")
 
 
 @dataclass(eq=False)
@@ -123,24 +131,31 @@ class OptimalSketch(Sketch):
         return symmetric_to_full(w, self.d, self.p)
 
 
+def _feature_dim(d: int, p: int) -> tuple[int, bool]:
+    """``(D, symmetric)``: the exact feature count ``min(d**p, C(d+p-1, p))`` and whether it is the
+    symmetric one (every ``p >= 2`` with ``d >= 2``). Never evaluates ``d**p`` for large ``p``."""
+    if p == 1 or d == 1:
+        return d**p if d > 1 else 1, False
+    return math.comb(d + p - 1, p), True
+
+
 def max_sketch_size(n_q: int, n_k: int, d: int, p: int) -> int:
     """The largest rank ``A = (QKᵀ)^{∘p}`` can have: ``min(n_q, n_k, D)``, ``D`` the exact feature count.
 
-    ``D = min(d**p, C(d+p-1, p))`` (the symmetric features whenever fewer). Sketch sizes above it
-    have a zero tail: the exact features are already optimal there.
+    ``D = min(d**p, C(d+p-1, p))`` (the symmetric features whenever fewer). Sketch sizes at or above
+    it have a zero tail: the exact features are already optimal there.
     """
-    return min(n_q, n_k, num_poly_features(d, p, True), num_poly_features(d, p, False))
+    return min(n_q, n_k, _feature_dim(d, p)[0])
 
 
-def _check_inputs(q, k, p, m, route):
+def _check_inputs(q, k, p, m, route, max_bytes):
     q, k = check_pair(q, k)
     p = check_degree(p)
     m = check_positive_int(m, "m (the sketch size)")
     if route not in _ROUTES:
         raise ValueError(f"route must be one of {_ROUTES}, got {route!r}")
     d = q.shape[-1]
-    symmetric = num_poly_features(d, p, True) < num_poly_features(d, p, False)
-    dim = num_poly_features(d, p, symmetric)
+    dim, symmetric = _feature_dim(d, p)
     n_q, n_k = q.shape[-2], k.shape[-2]
     limit = max_sketch_size(n_q, n_k, d, p)
     if m > limit:
@@ -149,29 +164,70 @@ def _check_inputs(q, k, p, m, route):
             f"the largest rank A = (QKᵀ)^p can have; got m={m}. Beyond it the tail is 0 and the "
             "exact features are already optimal"
         )
+    batch = math.prod(q.shape[:-2])
     if route == "auto":
-        route = "qr" if max(n_q, n_k) > dim else "svd"
+        if max(n_q, n_k) <= dim:
+            route = "svd"
+        else:
+            route = "qr" if batch * (n_q + n_k) * dim * 8 <= max_bytes // 4 else "gram"
+    if route == "svd":
+        check_memory(2 * batch * n_q * n_k * 8, what=f"the kernel A and its SVD ({batch} x {n_q} x {n_k} float64)",
+                     way_out="use route='gram' (memory independent of n) or fewer tokens", max_bytes=max_bytes)
+    else:
+        check_memory(3 * batch * dim * dim * 8, what=f"the {dim} x {dim} factors of {batch} head(s) (float64)",
+                     way_out="use a smaller d or p", max_bytes=max_bytes)
     return q.to(torch.float64), k.to(torch.float64), p, m, d, symmetric, route
+
+
+def _gram_root(x, p, symmetric, max_bytes):
+    """``R = Λ^{1/2} Vᵀ`` with ``RᵀR = ψᵀψ``, ``[..., D, D]``, from ψ summed over token blocks."""
+    dim = _feature_dim(x.shape[-1], p)[0]
+    batch = math.prod(x.shape[:-2])
+    rows = max(1, (64 * 2**20) // max(1, batch * dim * 8))
+    gram = torch.zeros(*x.shape[:-2], dim, dim, dtype=torch.float64, device=x.device)
+    for lo in range(0, x.shape[-2], rows):
+        psi = poly_features(x[..., lo : lo + rows, :], p, symmetric, max_bytes=max_bytes)  # [..., rows, D]
+        gram += psi.mT @ psi
+    lam, vec = torch.linalg.eigh(gram)
+    return lam.clamp_min(0).sqrt()[..., :, None] * vec.mT
+
+
+def _finite(x: torch.Tensor, what: str, p: int) -> torch.Tensor:
+    """``x`` unchanged, or ``FloatingPointError`` when float64 overflowed (before an SVD would fail obscurely)."""
+    bad = ~torch.isfinite(x).flatten(-2).all(-1)  # [...] per head
+    if bool(bad.any()):
+        raise FloatingPointError(
+            f"optimal sketch: {what} overflows float64 for {int(bad.sum())} head(s) (first flattened batch index "
+            f"{int(bad.flatten().nonzero()[0])}); likely cause: the input scale — x^p with p={p} exceeds 1e308; "
+            "rescale q and k (x · d^-1/4 is the usual choice)"
+        )
+    return x
 
 
 def _factor(q, k, p, symmetric, route, max_bytes, *, vectors: bool):
     r"""Singular values of A (padded to ``min(n_q, n_k)``) and, if ``vectors``, ``(B_Q, U, B_K, V)``.
 
     ``B_Q``, ``B_K`` are :math:`\psi_p(Q)^\top`, :math:`\psi_p(K)^\top` (SVD route) or
-    :math:`R_Q^\top`, :math:`R_K^\top` (QR route), so that ``W*_K = B_Q U_m Σ_m^{-1/2}`` and
+    :math:`R_Q^\top`, :math:`R_K^\top` (QR and Gram routes), so that ``W*_K = B_Q U_m Σ_m^{-1/2}`` and
     ``W*_Q = B_K V_m Σ_m^{-1/2}``.
     """
     if route == "svd" and not vectors:
-        return torch.linalg.svdvals(poly_kernel(q, k, p)), None
-    psi_q = poly_features(q, p, symmetric, max_bytes=max_bytes)  # [..., n_q, D]
-    psi_k = poly_features(k, p, symmetric, max_bytes=max_bytes)  # [..., n_k, D]
-    if route == "svd":
-        u, s, vh = torch.linalg.svd(poly_kernel(q, k, p), full_matrices=False)  # A = U diag(s) Vh
-        return s, (psi_q.mT, u, psi_k.mT, vh.mT)  # ψ_Qᵀ [..., D, n_q], ψ_Kᵀ [..., D, n_k]
-    _, r_q = torch.linalg.qr(psi_q)  # ψ_Q = Q_Q R_Q, R_Q [..., r_q, D]
-    _, r_k = torch.linalg.qr(psi_k)  # ψ_K = Q_K R_K, R_K [..., r_k, D]
-    core = r_q @ r_k.mT  # [..., r_q, r_k]; A = Q_Q core Q_Kᵀ
+        return torch.linalg.svdvals(_finite(poly_kernel(q, k, p), "the kernel (QKᵀ)^p", p)), None
     n = min(q.shape[-2], k.shape[-2])
+    if route == "gram":
+        r_q = _gram_root(_finite(q, "q", p), p, symmetric, max_bytes)
+        r_k = _gram_root(k, p, symmetric, max_bytes)
+        _finite(r_q, "ψ_p(Q)ᵀψ_p(Q)", p), _finite(r_k, "ψ_p(K)ᵀψ_p(K)", p)
+    else:
+        psi_q = _finite(poly_features(q, p, symmetric, max_bytes=max_bytes), "ψ_p(Q)", p)  # [..., n_q, D]
+        psi_k = _finite(poly_features(k, p, symmetric, max_bytes=max_bytes), "ψ_p(K)", p)  # [..., n_k, D]
+        if route == "svd":
+            kernel = _finite(poly_kernel(q, k, p), "the kernel (QKᵀ)^p", p)
+            u, s, vh = torch.linalg.svd(kernel, full_matrices=False)  # A = U diag(s) Vh
+            return s, (psi_q.mT, u, psi_k.mT, vh.mT)  # ψ_Qᵀ [..., D, n_q], ψ_Kᵀ [..., D, n_k]
+        _, r_q = torch.linalg.qr(psi_q)  # ψ_Q = Q_Q R_Q, R_Q [..., r_q, D]
+        _, r_k = torch.linalg.qr(psi_k)  # ψ_K = Q_K R_K, R_K [..., r_k, D]
+    core = r_q @ r_k.mT  # [..., r_q, r_k]; A = Q_Q core Q_Kᵀ
     if not vectors:
         return _pad(torch.linalg.svdvals(core), n), None
     u, s, vh = torch.linalg.svd(core, full_matrices=False)
@@ -197,10 +253,10 @@ def optimal_sketch(q, k, p: int, m: int, *, route: str = "auto", max_bytes: int 
     m : int
         Sketch size, ``1 <= m <= min(n_q, n_k, D)``; larger ``m`` is rejected with ``ValueError``
         (the tail is already 0 there).
-    route : {"auto", "svd", "qr"}
-        See the module docstring; both give the same sketch to round-off.
+    route : {"auto", "svd", "qr", "gram"}
+        See the module docstring; all give the same sketch to round-off.
     max_bytes : int
-        Memory budget for each feature matrix :math:`\psi_p`.
+        Memory budget for each big allocation (``ψ_p``, ``A``, the ``D × D`` factors).
 
     Returns
     -------
@@ -214,7 +270,7 @@ def optimal_sketch(q, k, p: int, m: int, *, route: str = "auto", max_bytes: int 
     split (:math:`\phi^*_Q(Q) = U_m\Sigma_m^{1/2}`, :math:`\phi^*_K(K) = V_m\Sigma_m^{1/2}`) and the
     Nyström choice described in the module docstring.
     """
-    q, k, p, m, d, symmetric, route = _check_inputs(q, k, p, m, route)
+    q, k, p, m, d, symmetric, route = _check_inputs(q, k, p, m, route, max_bytes)
     s, (b_q, u, b_k, v) = _factor(q, k, p, symmetric, route, max_bytes, vectors=True)
     s_m = s[..., :m]
     # Σ_m^{-1/2}, with singular values at round-off level (rank A < m) treated as 0: their
@@ -233,12 +289,44 @@ def tail_bound(q, k, p: int, m: int, *, route: str = "auto", max_bytes: int = DE
     Same arguments and rules as :func:`optimal_sketch`; returns float64 ``[...]`` (batch shape).
     Computes singular values only.
     """
-    q, k, p, m, d, symmetric, route = _check_inputs(q, k, p, m, route)
+    q, k, p, m, d, symmetric, route = _check_inputs(q, k, p, m, route, max_bytes)
     s, _ = _factor(q, k, p, symmetric, route, max_bytes, vectors=False)
     return (s[..., m:] ** 2).sum(-1)
 
 
-@register_sketch("optimal")
-def _fit_optimal(q, k, *, p: int, m: int, seed: int = 0, route: str = "auto") -> OptimalSketch:
-    """``fit_sketch("optimal", ...)``: deterministic; ``seed`` is accepted and unused."""
-    return optimal_sketch(q, k, p, m, route=route)
+def min_norm_sketch(q, k, p: int, m: int, *, max_bytes: int = DEFAULT_MAX_BYTES) -> OptimalSketch:
+    r"""The Theorem 3.1 optimum with the **minimum-norm** projectors :math:`W_Q = \psi_p(Q)^+ U_m\Sigma_m^{1/2}`.
+
+    Same kernel as :func:`optimal_sketch` on ``(q, k)``; different features for *new* tokens when
+    ``n < D`` (then ``W*`` is not unique and :func:`optimal_sketch` returns the Nyström choice).
+    Computed as :math:`\psi_p(Q)^+\,(\psi_p(Q)W^*_Q)`, i.e. ``W*`` projected onto the row space
+    of ``ψ_p(Q)``; the pseudo-inverse (``torch.linalg.pinv``, default cut-off
+    ``max(n, D) · eps · σ_1``) is formed only when ``n < D`` — with ``n >= D`` and ψ of full
+    column rank both choices coincide. This is the held-out reference of
+    :func:`sketchlab.fit_sketch` (``holdout_reference_rel_fro``). ``q[..., n_q, d]``, ``k[..., n_k, d]``.
+    """
+    opt = optimal_sketch(q, k, p, m, max_bytes=max_bytes)
+    q, k = check_pair(q, k)
+    w = {}
+    for side, x, weights in (("q", q, opt.w_q), ("k", k, opt.w_k)):
+        x = x.to(torch.float64)
+        if x.shape[-2] >= weights.shape[-2]:
+            w[side] = weights
+            continue
+        psi = poly_features(x, p, opt.symmetric, max_bytes=max_bytes)  # [..., n, D]
+        check_memory(3 * psi.numel() * 8, what=f"the pseudo-inverse of ψ_p ({tuple(psi.shape)} float64)",
+                     way_out="use fewer fitting tokens or a smaller d or p", max_bytes=max_bytes)
+        w[side] = torch.linalg.pinv(psi) @ (psi @ weights)  # [..., D, m]
+    return OptimalSketch(w_q=w["q"], w_k=w["k"], singular_values=opt.singular_values, tail=opt.tail, p=opt.p,
+                         d=opt.d, symmetric=opt.symmetric, route=opt.route)
+
+
+def _fit_optimal(q, k, *, p: int, m: int, seed: int = 0, route: str = "auto",
+                 choice: str = "nystrom") -> OptimalSketch:
+    """``fit_sketch("optimal", ...)``: deterministic; ``seed`` is accepted and unused. ``choice``
+    ``"nystrom"`` (:func:`optimal_sketch`) or ``"min-norm"`` (:func:`min_norm_sketch`)."""
+    if choice == "nystrom":
+        return optimal_sketch(q, k, p, m, route=route)
+    if choice == "min-norm":
+        return min_norm_sketch(q, k, p, m)
+    raise ValueError(f"choice must be 'nystrom' or 'min-norm', got {choice!r}")

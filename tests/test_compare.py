@@ -157,9 +157,9 @@ def test_bad_source(tmp_path):
 
 
 def test_heldout_ratio_undefined_when_heldout_rank_below_m():
-    # 4 held-out tokens < m = 6: the held-out kernel has rank <= 4, its floor is 0, every ratio inf
+    # 4 held-out tokens < m = 6: the held-out kernel has rank <= 4, its floor is 0, every ratio undefined (NaN)
     t = compare(_qk(L=1, H=1, n=16), p=2, m=6, methods=["optimal", "psf"], progress=False)
-    assert all(math.isinf(r.holdout_optimality_ratio) for r in t.rows)
+    assert all(math.isnan(r.holdout_optimality_ratio) for r in t.rows)
     assert "held-out optimality ratio" in t.to_markdown() and "| inf |" not in t.to_markdown()
     assert json.loads(t.to_json())["rows"][0]["holdout_optimality_ratio"] is None
 

@@ -1,8 +1,11 @@
 """Metrics against their definitions, written out with explicit loops (float64)."""
 
+import math
+
 import pytest
 import torch
 
+from sketchlab.metrics import ROUNDOFF_TAIL
 from sketchlab import attention_error, causal_attention, holdout_split, optimality_ratio, rel_fro, rel_mae
 
 
@@ -32,9 +35,14 @@ def test_optimality_ratio():
     tail = torch.full((2, 3), 0.25, dtype=torch.float64)
     ratio = optimality_ratio(approx, exact, tail)
     assert torch.allclose(ratio, torch.linalg.matrix_norm(approx - exact) / 0.5, rtol=1e-14, atol=0)
-    # exact kernel with zero tail is optimal (ratio 1), a non-zero error over a zero tail is inf
-    assert optimality_ratio(exact[0, 0], exact[0, 0], 0.0).item() == 1.0
-    assert optimality_ratio(approx[0, 0], exact[0, 0], 0.0).item() == float("inf")
+    # a zero tail, or one below round-off relative to ‖A‖², makes the ratio undefined: NaN, never 1e114
+    assert math.isnan(optimality_ratio(exact[0, 0], exact[0, 0], 0.0).item())
+    assert math.isnan(optimality_ratio(approx[0, 0], exact[0, 0], 0.0).item())
+    norm = float((exact[0, 0] ** 2).sum())
+    n = max(exact.shape[-2:])
+    floor = (ROUNDOFF_TAIL * n * torch.finfo(torch.float64).eps) ** 2 * norm
+    assert math.isnan(optimality_ratio(approx[0, 0], exact[0, 0], 0.99 * floor).item())  # the constant-q case: tail 2.5e-256
+    assert math.isfinite(optimality_ratio(approx[0, 0], exact[0, 0], 1.01 * floor).item())
     with pytest.raises(ValueError, match=r"tail must be non-negative \(not NaN\) with the batch shape \(2, 3\), got shape \(3,\)"):
         optimality_ratio(approx, exact, torch.ones(3))
 
@@ -124,3 +132,36 @@ def test_optimality_ratio_keeps_a_python_tail_in_float64():
     approx = a * 2  # error ‖A‖_F = √3
     ratio = optimality_ratio(approx, a, 1 / 3)  # float32 would round 1/3 at 3e-8
     assert abs(float(ratio) - 3.0) <= 1e-15 * 3
+def test_kernel_errors_in_row_blocks_equal_the_dense_form():
+    # Row blocks (forced tiny by max_bytes: one query row per block) against the dense metrics:
+    # the same sums in another order, so equal to ~1e-15; we allow 1e-10 (the issue's criterion).
+    from sketchlab import LLoPS, kernel_errors, poly_kernel
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(2, 3, 17, 4, generator=gen, dtype=torch.float64)
+    k = torch.randn(2, 3, 23, 4, generator=gen, dtype=torch.float64)
+    sketch = LLoPS(torch.randn(2, 3, 1, 2, 4, 5, generator=gen, dtype=torch.float64),
+                   torch.randn(2, 3, 1, 2, 4, 5, generator=gen, dtype=torch.float64))
+    approx, exact = sketch.kernel(q, k).detach(), poly_kernel(q, k, 2)
+    for budget in (2**30, 4 * 2 * 3 * 23 * 8):  # default, and exactly one row per block
+        err = kernel_errors(sketch, q, k, 2, max_bytes=budget)
+        assert torch.allclose(err["rel_fro"], rel_fro(approx, exact), rtol=1e-10, atol=0)
+        assert torch.allclose(err["rel_mae"], rel_mae(approx, exact), rtol=1e-10, atol=0)
+        assert torch.allclose(err["sq_norm"], (exact**2).sum((-2, -1)), rtol=1e-10, atol=0)
+    with pytest.raises(ValueError, match="one kernel row block"):
+        kernel_errors(sketch, q, k, 2, max_bytes=100)
+    zero = q.clone()
+    zero[1, 2] = 0.0
+    with pytest.raises(ValueError, match=r"all zeros for 1 head\(s\), the first at batch index \(1, 2\)"):
+        kernel_errors(sketch, zero, k, 2)
+@pytest.mark.parametrize("n,d,p", [(300, 2, 2), (20, 3, 3)])
+def test_kernel_sq_norm_routes(n, d, p):
+    # (300, 2, 2) takes the degree-2p moment route (32·(n_q+n_k)·C(5,4) < n²d), (20, 3, 3) the row
+    # blocks; both must equal Σ A² (cancellation-free sums of positive terms in the dense form;
+    # the moment route's signed sums lose ≲ 1e-13 relative here): 1e-10.
+    from sketchlab import kernel_sq_norm, poly_kernel
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(2, n, d, generator=gen, dtype=torch.float64) + 0.5
+    k = torch.randn(2, n, d, generator=gen, dtype=torch.float64)
+    dense = (poly_kernel(q, k, p) ** 2).sum((-2, -1))
+    assert torch.allclose(kernel_sq_norm(q, k, p), dense, rtol=1e-10, atol=0)
+    assert torch.allclose(kernel_sq_norm(q, k, p, max_bytes=4096), dense, rtol=1e-10, atol=0)  # other route/blocks

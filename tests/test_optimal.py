@@ -169,9 +169,12 @@ def test_fit_sketch_rejects_unknown_method_and_bad_holdout():
         warnings.simplefilter("error")  # a valid call warns about nothing
         fit_sketch("optimal", q, k, p=2, m=2, holdout=0.2)
     # checked before any fitting: 10 - ceil(0.5·10) = 5 fitting tokens, D = 3 for d = 2, p = 2
-    with pytest.raises(ValueError, match=r"at most min\(fitting tokens, D\) = 3 for d=2, p=2.*got m=4"):
+    with pytest.raises(ValueError, match=r"below min\(fitting tokens, D\) = 3 for d=2, p=2.*got m=4"):
         fit_sketch("optimal", q, k, p=2, m=4, holdout=0.5)
-    with pytest.raises(ValueError, match=r"unknown option\(s\) 'rout' for sketch method 'optimal'; it takes: route"):
+    # m == the limit: the tail is exactly 0 and every ratio undefined, so it is rejected too
+    with pytest.raises(ValueError, match=r"below min\(fitting tokens, D\) = 3 .*got m=3.*tail is 0"):
+        fit_sketch("optimal", q, k, p=2, m=3)
+    with pytest.raises(ValueError, match=r"unknown option\(s\) 'rout' for sketch method 'optimal'; it takes: choice, route"):
         fit_sketch("optimal", q, k, p=2, m=2, rout="qr")
 
 
@@ -209,3 +212,34 @@ def test_rank_deficient_kernel_keeps_error_equal_to_tail():
     s = optimal_sketch(q, k, 2, 3)
     assert bool(torch.isfinite(s.w_q).all() and torch.isfinite(s.w_k).all())
     assert ((s.kernel(q, k) - a) ** 2).sum() <= 1e-24 * (a**2).sum()
+
+
+def test_gram_route_equals_qr_route():
+    # n > D: the Gram route (ψᵀψ summed in blocks, eigh) squares ψ's condition number (≲ 1e3 here),
+    # so agreement is ~1e-16·cond² ≈ 1e-10 relative to ‖A‖²: we compare tails relative to ‖A‖² at 1e-9.
+    from sketchlab.optimal import optimal_sketch, tail_bound
+
+    q, k = _qk(n_q=60, n_k=50, d=3, seed=31)
+    norm = (poly_kernel(q, k, 2) ** 2).sum((-2, -1))
+    for m in (2, 4):
+        qr, gram = tail_bound(q, k, 2, m, route="qr"), tail_bound(q, k, 2, m, route="gram")
+        assert bool(((qr - gram).abs() <= 1e-9 * norm).all())
+    opt = optimal_sketch(q, k, 2, 4, route="gram")
+    err = ((opt.kernel(q, k) - poly_kernel(q, k, 2)) ** 2).sum((-2, -1))
+    assert bool(((err - opt.tail).abs() <= 1e-9 * norm).all())
+
+
+def test_min_norm_sketch():
+    # n < D: same in-sample kernel as the Nyström optimum; W in the row space of ψ(Q) and of
+    # minimum norm among the exact solutions (so no larger than the Nyström W).
+    from sketchlab import min_norm_sketch
+
+    q, k = _qk(n_q=12, n_k=12, d=4, seed=22)  # D = C(6, 3) = 20 > 12 for p = 3
+    opt, mn = optimal_sketch(q, k, 3, 5), min_norm_sketch(q, k, 3, 5)
+    a_opt, a_mn = opt.kernel(q, k), mn.kernel(q, k)
+    assert torch.allclose(a_mn, a_opt, rtol=0, atol=1e-10 * float(a_opt.abs().max()))
+    psi = poly_features(q.double(), 3, True)
+    proj = torch.linalg.pinv(psi) @ psi  # projector onto the row space
+    assert torch.allclose(proj @ mn.w_q, mn.w_q, atol=1e-9 * float(mn.w_q.abs().max()))
+    assert bool((torch.linalg.matrix_norm(mn.w_q) <= torch.linalg.matrix_norm(opt.w_q) * (1 + 1e-12)).all())
+    assert not torch.allclose(mn.w_q, opt.w_q)  # a different W: the Nyström one is not minimum-norm here

@@ -78,7 +78,9 @@ def test_fit_based():
     assert fit.report.info["dim"] == 5 and fit.report.num_features == 15  # C(6, 2) = 15 <= 20 < 21
     rnd = fit_sketch("based", q, k, p=2, m=20, seed=0, projection="random", symmetric=False)
     assert rnd.sketch.dim == 4 and rnd.report.num_features == 16
-    tay = fit_sketch("based", q, k, p=2, m=21, seed=0, form="taylor")
+    # d = 7 (D = 28): m = 21 would equal D = C(7, 2) = 21 at d = 6, which fit_sketch rejects (tail 0)
+    q7, k7 = torch.randn(2, 30, 7, generator=torch.Generator().manual_seed(4)), torch.randn(2, 30, 7, generator=torch.Generator().manual_seed(5))
+    tay = fit_sketch("based", q7, k7, p=2, m=21, seed=0, form="taylor")
     assert tay.report.num_features == 21  # d' = 4: 1 + 4 + 16
     with pytest.raises(ValueError, match="p must be 2"):
         fit_sketch("based", q, k, p=3, m=20, form="taylor")

@@ -30,7 +30,7 @@ import math
 
 import torch
 
-from ..llops import LLoPS
+from ..llops.module import LLoPS
 from ..polynomial import symmetric_index
 from .based import BasedSketch
 from .elementwise import ElementwiseSketch
@@ -43,9 +43,10 @@ __all__ = ["as_llops"]
 
 def _from_columns(proj: torch.Tensor, index: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
     """Θ[..., 1, p, d, M] with Θ[..., 0, j, :, c] = proj[..., :, index[c, j]] (·weight[c] for j = 0)."""
+    index = index.to(proj.device)
     factors = [proj[..., :, index[:, j]] for j in range(index.shape[1])]  # each [..., d, M]
     if weight is not None:
-        factors[0] = factors[0] * weight.to(proj.dtype)
+        factors[0] = factors[0] * weight.to(device=proj.device, dtype=proj.dtype)  # the weights live on the CPU
     return torch.stack(factors, dim=-3)[..., None, :, :, :]  # [..., 1, p, d, M]
 
 
@@ -69,7 +70,7 @@ def _based(sketch: BasedSketch) -> LLoPS:
     if sketch.symmetric:
         index, weight = symmetric_index(dim, p)  # [C, p], [C]
     else:
-        index = torch.tensor(list(itertools.product(range(dim), repeat=p)), dtype=torch.long).reshape(-1, p)
+        index = torch.tensor(list(itertools.product(range(dim), repeat=p)), dtype=torch.long).reshape(-1, p)  # [dim^p, p]
         weight = None  # row-major tuples, as poly_features orders them
     return LLoPS(_from_columns(sketch.proj, index, weight))
 
@@ -81,8 +82,8 @@ def _psf(sketch: PolySketch) -> LLoPS:
         return LLoPS(theta)
     if not sketch.non_negative and sketch.p == 2:
         return LLoPS(torch.stack([w[0] / math.sqrt(r), w[1]], dim=-3)[..., None, :, :, :])  # [..., 1, 2, d, r]
-    a = torch.arange(r).repeat_interleave(r)  # coordinate (a, b) of s ⊗ s, row-major: a outer
-    b = torch.arange(r).repeat(r)
+    a = torch.arange(r, device=w[0].device).repeat_interleave(r)  # coordinate (a, b) of s ⊗ s, row-major: a outer
+    b = torch.arange(r, device=w[0].device).repeat(r)
     if sketch.non_negative and sketch.p == 2:
         g = w[0] / math.sqrt(r)  # s = xG/√r
         return LLoPS(torch.stack([g[..., :, a], g[..., :, b]], dim=-3)[..., None, :, :, :])

@@ -1,0 +1,315 @@
+r"""The direct LLoPS fit: exact block alternating least squares, then Levenberg–Marquardt.
+
+:func:`fit_llops_direct` minimises :math:`\|\Phi_Q\Phi_K^\top - A\|_F^2`,
+:math:`A = (QK^\top)^{\circ p}`, over Θ in two stages per head (batched over heads): ALS sweeps
+(:func:`_als_side`, exact least squares in one column's factor at a time) and then
+Levenberg–Marquardt steps on the whole parameter vector (:func:`~sketchlab.llops.fit_lm.lm_step`).
+:func:`_als_side_naive` is the float64 twin of one side's update.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from tqdm import tqdm
+
+from .._validation import DEFAULT_MAX_BYTES, check_nonnegative_int, check_positive_int, check_real
+from ..objective import check_finite_loss
+from ._fitting import balance, prepare
+from .fit_lm import lm_step
+from .inits import llops_init
+from .maps import llops_features
+from .module import LLoPS
+from .target import ROUTES, KernelTarget
+
+__all__ = ["QUALITY", "fit_llops_direct"]
+
+#: Presets of :func:`fit_llops_direct`: ALS sweeps, LM steps, CG iterations per LM step.
+QUALITY = {"default": (6, 6, 10), "high": (30, 30, 10)}
+
+#: Columns whose targets are formed by one matrix product in :func:`_als_side`.
+_BLOCK = 8
+
+
+def _normal_matrices(x: torch.Tensor, others: torch.Tensor, ridge: float) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""LU factors and pivots (``torch.linalg.lu_factor``) of the normal matrices of every column's
+    factor update, ``[B, m, t·d, t·d]`` and ``[B, m, t·d]``.
+
+    Column ``i``'s features are linear in its factor ``j``: :math:`Z_i\,\mathrm{vec}(\theta_{:,j,:,i})`
+    with :math:`Z_i[n, (r, d)] = o_{r,n,i}\,x_{n,d}` (``others[B, t, n, m]``: the product of the
+    column's other factors). :math:`Z_i^\top Z_i[(r,d),(s,e)] = \sum_n o_{r,n,i} o_{s,n,i} x_{n,d} x_{n,e}`
+    for all ``i`` at once is one ``(t²·m) × n × d(d+1)/2`` matrix product per head (the products
+    :math:`x_{n,d}x_{n,e}`, ``d <= e``, formed per head). A relative ridge
+    (``ridge · mean diag``) keeps rank-deficient blocks solvable.
+    """
+    B, t, n, m = others.shape
+    d = x.shape[-1]
+    row, col = torch.triu_indices(d, d, device=x.device)  # the d(d+1)/2 products x_d x_e, d <= e
+    out = torch.empty(B, t, t, m, d, d, dtype=x.dtype, device=x.device)
+    for b in range(B):  # per head: [t·t·m, n] @ [n, d(d+1)/2]
+        w = (others[b, :, None] * others[b, None, :]).transpose(-2, -1)  # [t, s, m, n]
+        packed = w.reshape(-1, n) @ (x[b, :, row] * x[b, :, col])  # [t·s·m, d(d+1)/2]
+        packed = packed.reshape(t, t, m, -1)
+        out[b, :, :, :, row, col] = packed
+        out[b, :, :, :, col, row] = packed
+    out = out.permute(0, 3, 1, 4, 2, 5).reshape(B, m, t * d, t * d)  # [B, m, (t, d), (s, e)]
+    eye = torch.eye(t * d, dtype=x.dtype, device=x.device)
+    lam = ridge * out.diagonal(dim1=-2, dim2=-1).mean(-1) + torch.finfo(x.dtype).tiny  # [B, m]
+    return torch.linalg.lu_factor(out + lam[..., None, None] * eye)  # LU: robust to round-off when singular
+
+
+def _als_side(x, theta, f_self, f_other, cross, ridge):
+    r"""Update factor ``j`` of every column in turn, for ``j = 1..p``, the other side fixed (in place).
+
+    With :math:`\Phi_K` fixed the loss is :math:`\mathrm{tr}(\Phi_Q G\Phi_Q^\top) - 2\,\mathrm{tr}(\Phi_Q^\top T)`
+    + const, :math:`G = \Phi_K^\top\Phi_K`, :math:`T = A\Phi_K` (``cross``). For column ``i`` with the
+    other columns fixed it is :math:`G_{ii}\|\phi_i - t_i\|^2` + const with
+    :math:`t_i = (T_i - \sum_{l\ne i}\phi_l G_{li}) / G_{ii}`, and :math:`\phi_i = Z_i\,\mathrm{vec}(\theta_{:,j,:,i})`
+    is linear in factor ``j``: each block step is the exact least-squares solve
+    :math:`Z_i^\top Z_i\,\theta = Z_i^\top t_i`. The normal matrices depend only on the column's
+    *other* factors, so for one ``j`` they are formed for all columns at once
+    (:func:`_normal_matrices`); the right-hand sides follow the columns in turn (Gauss–Seidel).
+    ``x[B, n, d]``, ``theta[B, t, p, d, m]``, ``f_self[B, n, m]``, ``f_other[B, n', m]``, ``cross[B, n, m]``.
+    """
+    B, t, p, d, m = theta.shape
+    tiny = torch.finfo(x.dtype).tiny
+    gram = f_other.mT @ f_other  # [B, m, m]
+    g_diag = gram.diagonal(dim1=-2, dim2=-1).clamp_min(tiny)  # [B, m]
+    # column-major working copies: column i is a contiguous slice
+    feats = f_self.mT.contiguous()  # [B, m, n]
+    cross_t = cross.mT  # [B, m, n]
+    proj = torch.einsum("bnd,btpdm->bpmtn", x, theta).contiguous()  # [B, p, m, t, n] = ⟨θ_{r,j,:,i}, x⟩
+    theta_t = theta.permute(0, 2, 4, 1, 3).contiguous()  # [B, p, m, t, d]
+    for j in range(p):
+        others = torch.cat([proj[:, :j], proj[:, j + 1 :]], 1).prod(1)  # [B, m, t, n]
+        lu, pivots = _normal_matrices(x, others.permute(0, 2, 3, 1), ridge)  # [B, m, t·d, t·d], [B, m, t·d]
+        for lo in range(0, m, _BLOCK):  # T_i − Σ_l φ_l G_li for a block of columns: one matrix product
+            hi = min(lo + _BLOCK, m)
+            resid = cross_t[:, lo:hi] - gram[:, :, lo:hi].mT @ feats  # [B, c, n]
+            start = feats[:, lo:hi].clone()  # [B, c, n]; the block's own changes are added back below
+            for i in range(lo, hi):
+                moved = gram[:, None, lo:hi, i] @ (feats[:, lo:hi] - start)  # [B, 1, n]
+                target = (resid[:, i - lo] - moved[:, 0]) / g_diag[:, i, None] + feats[:, i]  # [B, n]
+                rhs = (others[:, i] * target[:, None]) @ x  # [B, t, d]
+                sol = torch.linalg.lu_solve(lu[:, i], pivots[:, i], rhs.reshape(B, t * d, 1)).reshape(B, t, d)
+                theta_t[:, j, i] = sol
+                proj[:, j, i] = sol @ x.mT  # [B, t, n]
+                feats[:, i] = (others[:, i] * proj[:, j, i]).sum(1)
+    theta.copy_(theta_t.permute(0, 3, 1, 4, 2))
+    f_self.copy_(feats.mT)
+
+
+def _als_side_naive(x, theta, f_self, f_other, cross):
+    """Float64 twin of :func:`_als_side` (ridge 0): one explicit least-squares problem per block,
+    with ``Z_i`` formed column by column; same arguments, updated in place."""
+    _, t, p, d, m = theta.shape
+    gram = f_other.mT @ f_other  # [B, m, m]
+    for j in range(p):
+        for i in range(m):
+            for b in range(x.shape[0]):
+                others = torch.stack([
+                    math.prod(x[b] @ theta[b, r, l, :, i] for l in range(p) if l != j) for r in range(t)
+                ])  # [t, n]
+                z = torch.cat([others[r, :, None] * x[b] for r in range(t)], 1)  # [n, t·d]
+                coupling = sum(f_self[b, :, l] * gram[b, l, i] for l in range(m) if l != i)
+                target = (cross[b, :, i] - coupling) / gram[b, i, i]
+                theta[b, :, j, :, i] = torch.linalg.lstsq(z, target[:, None]).solution.reshape(t, d)
+                f_self[b, :, i] = llops_features(x[b], theta[b, ..., i : i + 1])[:, 0]
+
+
+def _als_sweep(q, k, target, theta_q, theta_k, fq, fk, cross_q, ridge):
+    r"""One sweep of exact block coordinate descent (in place): every query column (with
+    ``cross_q`` :math:`= A\Phi_K`), then every key column (:math:`A^\top\Phi_Q`), then :func:`balance`."""
+    _als_side(q, theta_q, fq, fk, cross_q, ridge)
+    _als_side(k, theta_k, fk, fq, target.cross_t(fq), ridge)
+    balance(theta_q, theta_k, fq, fk)
+
+
+def fit_llops_direct(
+    q,
+    k,
+    *,
+    p: int,
+    m: int,
+    rank: int = 1,
+    init="svd",
+    quality: str = "default",
+    steps: int | None = None,
+    lm_steps: int | None = None,
+    cg_iters: int | None = None,
+    tol: float = 1e-4,
+    ridge: float = 1e-12,
+    extrapolate: bool = True,
+    route: str = "auto",
+    seed: int = 0,
+    progress: bool = False,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    cp_options: dict | None = None,
+) -> LLoPS:
+    r"""Fit LLoPS to :math:`A = (QK^\top)^{\circ p}` by minimising :math:`\|\Phi_Q\Phi_K^\top - A\|_F^2` directly.
+
+    Parameters
+    ----------
+    q : Tensor ``[..., n_q, d]``
+    k : Tensor ``[..., n_k, d]``
+        Leading axes (e.g. ``[L, H]``) are independent problems, fitted together (batched), on
+        the device of ``q``. Inputs are used as given (no rescaling); all arithmetic is float64.
+    p, m, rank : int
+        Degree, sketch size, CP rank ``t``.
+    init : see :func:`~sketchlab.llops.llops_init` (default ``"svd"``).
+    quality : {"default", "high"}
+        Preset budgets ``(steps, lm_steps, cg_iters)`` from :data:`QUALITY`: ``"default"`` (6 ALS
+        sweeps, 6 LM steps of 10 CG iterations) fits the 16 heads of the shipped dump in well under
+        a minute on one thread; ``"high"`` (30, 30, 10) is about seven times slower and closer to the
+        optimum (numbers in ``analysis/results/fit.md``).
+    steps, lm_steps, cg_iters : int, optional
+        Override the preset: ALS sweeps (``>= 1``), Levenberg–Marquardt steps (``>= 0``), CG
+        iterations per LM step (``>= 1``).
+    tol : float
+        A stage stops early when one iteration lowers every head's loss by less than this fraction.
+    ridge : float
+        Relative Tikhonov term of each ALS block solve (``ridge · mean diag`` of its normal
+        matrix): ``1e-12`` only keeps rank-deficient blocks solvable; larger values shrink Θ
+        towards 0 in the ALS sweeps (a regulariser for few fitting tokens; the LM stage
+        minimises the plain loss).
+    extrapolate : bool
+        After each sweep try :math:`\Theta + \beta(\Theta - \Theta_{\text{prev}})` and keep it, per
+        head, only where it lowers the loss (``β`` ×1.5 on success, ÷2 on failure, in ``[1/8, 8]``).
+    route : {"auto", "kernel", "features"}
+        How products with ``A`` are formed (:class:`~sketchlab.llops.target.KernelTarget`): the
+        ``n × n`` kernel or the symmetric features in token blocks; ``"auto"`` picks the cheaper that fits ``max_bytes``.
+    seed : int
+        Seeds the initialisation; the stages are deterministic.
+    progress : bool
+        Show a tqdm bar over sweeps and steps.
+    max_bytes : int
+        Memory budget of the big allocations (``A``, cached features, the init's candidates).
+    cp_options : dict, optional
+        Passed to :func:`~sketchlab.llops.fit_llops_cp` when ``init="cp"``.
+
+    Returns
+    -------
+    LLoPS
+        Untied, ``theta[..., rank, p, d, m]`` in the input dtype (float32 at least), with
+        ``fit_info = {"steps", "als_steps", "lm_steps", "converged", "init", "init_rel_fro",
+        "rel_fro_history", "route"}``.
+
+    Notes
+    -----
+    1. *Initialisation* (default ``"svd"``: the leading ``m`` terms of the multinomial expansion of
+       the kernel in the singular directions of :math:`QK^\top`).
+    2. *ALS sweeps.* The loss is linear least squares in any one factor :math:`\Theta_{r,j}` with
+       the others fixed; a block is one column ``i``, one side and one factor ``j`` (``t·d``
+       unknowns). The ``m`` normal matrices of one factor are formed together, one
+       ``(t²m) × n × d(d+1)/2`` product per head, and LU-factored in one batch; the right-hand
+       sides follow the columns in turn (Gauss–Seidel). Per sweep: two products with ``A`` and
+       ``2p`` normal-matrix products. Each block step is the exact minimiser (up to the ridge).
+       Extrapolation as above.
+    3. *Levenberg–Marquardt* (:func:`~sketchlab.llops.fit_lm.lm_step`): Gauss–Newton steps on all
+       of a head's parameters at once, solved by CG preconditioned with the ALS blocks. ALS
+       moves one block at a time and crawls along the narrow valleys ("swamps") of CP problems;
+       the joint step does not.
+
+    The best Θ seen (initialisation included) is returned per head, so the result never has a
+    higher loss than its start. *Stopping rule* (``converged``): the last stage run stopped early
+    because one of its iterations lowered every head's loss by less than ``tol`` (relative); an
+    LM step that is rejected counts as no decrease only once ``λ`` has reached its ceiling.
+    A non-finite loss raises ``FloatingPointError`` naming the heads.
+    """
+    q, k, p, m, rank, out_dtype, batch, q64, k64 = prepare(q, k, p, m, rank)
+    if quality not in QUALITY:
+        raise ValueError(f"quality must be one of {tuple(QUALITY)}, got {quality!r}")
+    preset = QUALITY[quality]
+    steps = preset[0] if steps is None else check_positive_int(steps, "steps")
+    lm_steps = preset[1] if lm_steps is None else check_nonnegative_int(lm_steps, "lm_steps")
+    cg_iters = preset[2] if cg_iters is None else check_positive_int(cg_iters, "cg_iters")
+    tol = check_real(tol, "tol", positive=False)
+    ridge = check_real(ridge, "ridge", positive=False)
+    if not isinstance(extrapolate, bool):
+        raise TypeError(f"extrapolate must be a bool, got {extrapolate!r}")
+    if route not in ROUTES:
+        raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
+    if cp_options is not None and not isinstance(cp_options, dict):
+        raise TypeError(f"cp_options must be a dict or None, got {type(cp_options).__name__}")
+    target = KernelTarget(q64, k64, p, m, route=route, max_bytes=max_bytes)
+    check_finite_loss(target.sq_norm, 0, "LLoPS direct", batch)
+    theta_q, theta_k = llops_init(q, k, p=p, m=m, rank=rank, init=init, seed=seed, max_bytes=max_bytes,
+                                  **(cp_options or {}))
+    d = q.shape[-1]
+    theta_q = theta_q.reshape(-1, rank, p, d, m).to(q64.device).clone()  # [B, t, p, d, m]
+    theta_k = theta_k.reshape(-1, rank, p, d, m).to(q64.device).clone()
+    norm_a = target.sq_norm.clamp_min(torch.finfo(torch.float64).tiny)
+    fq, fk = llops_features(q64, theta_q), llops_features(k64, theta_k)
+    cross_q = target.cross(fk)
+    loss = target.loss(fq, fk, cross_q)
+    check_finite_loss(loss, 0, "LLoPS direct", batch)
+    init_rel = (loss / norm_a).sqrt()
+    best_loss, best_q, best_k = loss.clone(), theta_q.clone(), theta_k.clone()
+    history = [float(init_rel.median())]
+    bar = tqdm(total=steps + lm_steps, desc="LLoPS fit", disable=not progress, leave=False)
+
+    def keep_best(new):
+        nonlocal best_loss
+        better = new < best_loss
+        best_loss = torch.where(better, new, best_loss)
+        keep = better[:, None, None, None, None]
+        best_q.copy_(torch.where(keep, theta_q, best_q))
+        best_k.copy_(torch.where(keep, theta_k, best_k))
+        history.append(float((best_loss / norm_a).sqrt().median()))
+        bar.set_postfix(rel_fro=history[-1])
+        bar.update()
+
+    beta = torch.full_like(loss, 0.5)  # per-head extrapolation step
+    als_done, converged = 0, False
+    for step in range(steps):
+        prev_q, prev_k = theta_q.clone(), theta_k.clone()
+        _als_sweep(q64, k64, target, theta_q, theta_k, fq, fk, cross_q, ridge)
+        fq, fk = llops_features(q64, theta_q), llops_features(k64, theta_k)  # recompute: no drift
+        cross_q = target.cross(fk)
+        new = target.loss(fq, fk, cross_q)
+        check_finite_loss(new, step + 1, "LLoPS direct", batch)
+        if extrapolate:
+            b = beta[:, None, None, None, None]
+            cand_q, cand_k = theta_q + b * (theta_q - prev_q), theta_k + b * (theta_k - prev_k)
+            cand_fq, cand_fk = llops_features(q64, cand_q), llops_features(k64, cand_k)
+            cand_cross = target.cross(cand_fk)
+            cand = target.loss(cand_fq, cand_fk, cand_cross)
+            take = torch.isfinite(cand) & (cand < new)
+            keep, keep3 = take[:, None, None, None, None], take[:, None, None]
+            theta_q, theta_k = torch.where(keep, cand_q, theta_q), torch.where(keep, cand_k, theta_k)
+            fq, fk, cross_q = torch.where(keep3, cand_fq, fq), torch.where(keep3, cand_fk, fk), torch.where(keep3, cand_cross, cross_q)
+            new = torch.where(take, cand, new)
+            beta = torch.where(take, (beta * 1.5).clamp(max=8.0), (beta * 0.5).clamp(min=0.125))
+        als_done = step + 1
+        keep_best(new)
+        converged = bool(((loss - new) <= tol * loss).all())
+        loss = new
+        if converged:
+            break
+    theta_q, theta_k, loss = best_q.clone(), best_k.clone(), best_loss.clone()
+    damping = torch.full_like(loss, 1e-3)
+    lm_done = 0
+    for step in range(lm_steps):
+        new, damping = lm_step(q64, k64, target, theta_q, theta_k, loss, damping, cg_iters=cg_iters)
+        check_finite_loss(new, als_done + step + 1, "LLoPS direct (LM)", batch)
+        lm_done = step + 1
+        keep_best(new)
+        stalled = ((loss - new) <= tol * loss) & ((new < loss) | (damping >= 1e6))
+        converged = bool(stalled.all())
+        loss = new
+        if converged:
+            break
+    bar.close()
+    sketch = LLoPS(best_q.reshape(*batch, rank, p, d, m).to(out_dtype), best_k.reshape(*batch, rank, p, d, m).to(out_dtype))
+    sketch.fit_info = {
+        "steps": als_done + lm_done,
+        "als_steps": als_done,
+        "lm_steps": lm_done,
+        "converged": converged,
+        "init": init if isinstance(init, str) else type(init).__name__,
+        "init_rel_fro": init_rel.reshape(batch),
+        "rel_fro_history": history,
+        "route": target.route,
+    }
+    return sketch

@@ -1,0 +1,153 @@
+r"""The LLoPS feature map and its projector, each beside its float64 loop twin.
+
+:math:`\Theta \in \mathbb R^{t \times p \times d \times m}` defines
+:math:`\phi(x)_i = \sum_{r=1}^t \prod_{j=1}^p \langle \theta_{r,j,:,i}, x\rangle`, i.e.
+:math:`\phi(X) = \sum_r \prod_j (X\Theta_{r,j})` (element-wise product over ``j``). This equals
+:math:`\psi_p(x)^\top W` where column ``i`` of ``W``, reshaped to a ``d × … × d`` tensor, is the
+rank-``t`` CP tensor :math:`\sum_r \theta_{r,1,:,i} \otimes \dots \otimes \theta_{r,p,:,i}`.
+
+The derivatives the second-order fits need (:func:`feature_partials`, :func:`features_jvp`,
+:func:`features_vjp`) are here too; the tests check them against ``torch.autograd``.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from .._validation import as_float_tensor
+
+__all__ = [
+    "feature_partials",
+    "features_jvp",
+    "features_vjp",
+    "llops_features",
+    "llops_features_naive",
+    "llops_projector",
+    "llops_projector_naive",
+]
+
+
+def _check_theta(theta, name: str = "theta") -> torch.Tensor:
+    theta = as_float_tensor(theta, name)
+    if theta.ndim < 4 or 0 in theta.shape[-4:]:
+        raise ValueError(f"{name} must have shape [..., t, p, d, m] with every size >= 1, got {tuple(theta.shape)}")
+    return theta
+
+
+def llops_features(x: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
+    r"""LLoPS features :math:`\phi(X) = \sum_r \prod_j X\Theta_{r,j}`.
+
+    Parameters
+    ----------
+    x : Tensor ``[..., n, d]``
+    theta : Tensor ``[..., t, p, d, m]``
+        Leading axes broadcast against those of ``x`` (e.g. ``[L, H]`` for one map per head).
+
+    Returns
+    -------
+    Tensor ``[..., n, m]``. Cost ``O(n d m t p)``.
+    """
+    proj = x[..., None, None, :, :] @ theta  # [..., t, p, n, m] = ⟨θ_{r,j,:,i}, x⟩
+    return proj.prod(dim=-3).sum(dim=-3)  # ∏ over j, then Σ over r
+
+
+def llops_features_naive(x: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
+    """Float64 twin of :func:`llops_features` for ``x[n, d]``, ``theta[t, p, d, m]``: loops over r, j."""
+    x = as_float_tensor(x, "x").to(torch.float64)
+    theta = _check_theta(theta).to(torch.float64)
+    if x.ndim != 2 or theta.ndim != 4 or x.shape[-1] != theta.shape[-2]:
+        raise ValueError(f"llops_features_naive takes x[n, d] and theta[t, p, d, m], got {tuple(x.shape)}, {tuple(theta.shape)}")
+    t, p, _, m = theta.shape
+    out = torch.zeros(x.shape[0], m, dtype=torch.float64)
+    for r in range(t):
+        term = torch.ones(x.shape[0], m, dtype=torch.float64)
+        for j in range(p):
+            term = term * (x @ theta[r, j])  # [n, m]
+        out = out + term
+    return out
+
+
+def llops_projector(theta: torch.Tensor) -> torch.Tensor:
+    r"""The projector ``W`` with :math:`\phi(x) = \psi_p(x)^\top W`, in the full ``d**p`` basis.
+
+    Parameters
+    ----------
+    theta : Tensor ``[..., t, p, d, m]``
+
+    Returns
+    -------
+    Tensor ``[..., d**p, m]``; column ``i`` is
+    :math:`\mathrm{vec}\big(\sum_r \theta_{r,1,:,i}\otimes\dots\otimes\theta_{r,p,:,i}\big)` in the
+    row-major tuple order of :func:`sketchlab.poly_features`. Memory ``d**p · m`` per head: for
+    small ``d`` (tests and theory).
+    """
+    theta = _check_theta(theta)
+    *batch, t, p, d, m = theta.shape
+    out = theta[..., 0, :, :]  # [..., t, d, m]
+    for j in range(1, p):
+        out = out[..., :, None, :] * theta[..., j, None, :, :]  # [..., t, d^j, d, m]
+        out = out.reshape(*batch, t, d ** (j + 1), m)  # [..., t, d^(j+1), m]
+    return out.sum(-3)  # Σ_r: [..., d^p, m]
+
+
+def llops_projector_naive(theta: torch.Tensor) -> torch.Tensor:
+    """Float64 twin of :func:`llops_projector` for ``theta[t, p, d, m]``: one loop per index tuple."""
+    theta = _check_theta(theta).to(torch.float64)
+    if theta.ndim != 4:
+        raise ValueError(f"llops_projector_naive takes theta[t, p, d, m], got {tuple(theta.shape)}")
+    t, p, d, m = theta.shape
+    out = torch.zeros(d**p, m, dtype=torch.float64)
+    for row, idx in enumerate(itertools.product(range(d), repeat=p)):
+        for i in range(m):
+            for r in range(t):
+                value = 1.0
+                for j, a in enumerate(idx):
+                    value *= float(theta[r, j, a, i])
+                out[row, i] += value
+    return out
+
+
+def feature_partials(x: torch.Tensor, theta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""Features and the partial products :math:`O_{r,j} = \prod_{l\ne j} X\Theta_{r,l}`.
+
+    :math:`\partial\phi_i / \partial\theta_{r,j,:,i} = O_{r,j,:,i}\,x`, so every first-order
+    quantity of a fit is a contraction with ``O`` (prefix and suffix products: no division, exact
+    when a factor is 0).
+
+    Parameters
+    ----------
+    x : Tensor ``[B, n, d]``
+    theta : Tensor ``[B, t, p, d, m]``
+
+    Returns
+    -------
+    features : Tensor ``[B, n, m]``
+    others : Tensor ``[B, t, p, n, m]``
+    """
+    proj = torch.einsum("bnd,btpdm->btpnm", x, theta)  # [B, t, p, n, m] = ⟨θ_{r,j,:,i}, x_n⟩
+    p = theta.shape[2]
+    prefix = [torch.ones_like(proj[:, :, 0])]  # prefix[j] = ∏_{l<j}
+    for j in range(p - 1):
+        prefix.append(prefix[-1] * proj[:, :, j])
+    suffix = [torch.ones_like(proj[:, :, 0])]  # built from the end: ∏_{l>j}
+    for j in range(p - 1, 0, -1):
+        suffix.append(suffix[-1] * proj[:, :, j])
+    suffix = suffix[::-1]
+    others = torch.stack([prefix[j] * suffix[j] for j in range(p)], 2)  # [B, t, p, n, m]
+    features = (proj[:, :, 0] * others[:, :, 0]).sum(1)  # Σ_r ∏_j: [B, n, m]
+    return features, others
+
+
+def features_jvp(x: torch.Tensor, others: torch.Tensor, d_theta: torch.Tensor) -> torch.Tensor:
+    r"""Directional derivative :math:`\delta\Phi = \sum_{r,j} (X\,\delta\Theta_{r,j}) \odot O_{r,j}`.
+
+    ``x[B, n, d]``, ``others[B, t, p, n, m]`` (:func:`feature_partials`), ``d_theta[B, t, p, d, m]`` → ``[B, n, m]``.
+    """
+    return (torch.einsum("bnd,btpdm->btpnm", x, d_theta) * others).sum((1, 2))
+
+
+def features_vjp(x: torch.Tensor, others: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    r"""Pull-back of a feature gradient ``grad[B, n, m]`` to Θ: :math:`X^\top (G \odot O_{r,j})`, ``[B, t, p, d, m]``."""
+    return torch.einsum("bnd,btpnm->btpdm", x, others * grad[:, None, None])
