@@ -231,7 +231,8 @@ def _check_heads(sel, p: int) -> None:
             i, j = (int(v) for v in zero.nonzero()[0])
             raise ValueError(
                 f"{sel.source}: tensor {name} of layer {sel.layers[i]}, head {sel.heads[j]} is all zeros: the kernel "
-                f"(qᵀk)^{p} is 0 there and every relative error is undefined; leave it out with layers=/heads="
+                f"(qᵀk)^{p} is 0 there and every relative error is undefined; leave it out (heads=/layers=, "
+                f"--heads/--layers on the command line)"
             )
 
 
@@ -241,9 +242,9 @@ def _check_tokens(sel, holdout: float) -> None:
     n_fit = n - math.ceil(holdout * n)
     if n_fit <= 1:
         raise ValueError(
-            f"{sel.source}: n={n} token(s), and holdout={holdout:g} leaves {n_fit} to fit: a kernel on at most one "
+            f"{sel.source}: n={n} token(s), and holdout {holdout:g} leaves {n_fit} to fit: a kernel on at most one "
             "token has rank <= 1, so every sketch size m reaches it and the Theorem 3.1 floor is 0 (no yardstick); "
-            "use a dump with more tokens or a smaller holdout"
+            "use a dump with more tokens or a smaller holdout (--holdout on the command line)"
         )
 
 
@@ -277,7 +278,7 @@ def _check_scale(sel, p: int) -> None:
                 f"{sel.source}: layer {layer}: the kernel (qᵀk)^p overflows {dtype}: after the scale "
                 f"({sel.scale_description}), max |qᵀk| = {top:.4g}, and {n} tokens × {top:.4g}^{p} ≈ 1e{size:.0f} "
                 f"exceeds the dtype's maximum ≈ 1e{limit:.0f}; every fit would be inf/NaN. Scale the inputs down "
-                f"(scale='sqrt-d' or a smaller number), lower p{'' if dtype == torch.float64 else ', or convert the dump to float64'}"
+                f"(scale='sqrt-d' or a smaller number; --scale on the command line), lower p{'' if dtype == torch.float64 else ', or convert the dump to float64'}"
             )
 
 

@@ -61,10 +61,11 @@ def check_power_overflow(out: torch.Tensor, base: torch.Tensor, p: int, what: st
     top = float(base.detach().abs().max().to(torch.float64))
     log10 = p * math.log10(top) if top > 0 else -math.inf
     limit = torch.finfo(out.dtype).max
+    first = tuple(int(i) for i in bad.nonzero()[0])  # leading axes are the batch: (layer, head, ...) for a dump
     raise FloatingPointError(
-        f"{what} overflows {out.dtype}: {int(bad.sum())} of {out.numel()} values are non-finite "
-        f"(p={p}, the largest |base| is {top:.4g}, and {top:.4g}^{p} ≈ 1e{log10:.0f} exceeds the dtype's "
-        f"maximum {limit:.3g}); the inputs are too large for this degree: scale q and k down (e.g. "
+        f"{what} overflows {out.dtype}: {int(bad.sum())} of {out.numel()} values are non-finite, the first at "
+        f"index {first} (p={p}, the largest |base| is {top:.4g}, and {top:.4g}^{p} ≈ 1e{log10:.0f} exceeds the "
+        f"dtype's maximum {limit:.3g}); the input scale is too large for this degree: scale q and k down (e.g. "
         "scale='sqrt-d' or a smaller factor, so that |qᵀk| stays near 1), lower p, or use float64"
     )
 

@@ -46,7 +46,7 @@ def test_from_sketch_layers_and_special_cases():
     assert torch.allclose(block.attend(xq, xk, v), ref, atol=1e-10, rtol=0)
     with pytest.raises(ValueError, match="pass layer="):
         LLoPSAttention.from_sketch(fit.sketch)
-    based = sl.fit_sketch("based", q[0], k[0], p=2, m=10).sketch  # [H] batch, exact LLoPS form
+    based = sl.fit_sketch("based", q[0], k[0], p=2, m=9).sketch  # [H] batch, exact LLoPS form (m < D = 10)
     assert LLoPSAttention.from_sketch(based).num_features == based.num_features
     with pytest.raises(ValueError, match="no exact LLoPS form"):
         LLoPSAttention.from_sketch(sl.TensorSketch.draw(4, 2, 5, seed=0))

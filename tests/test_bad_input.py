@@ -53,8 +53,6 @@ def dumps(tmp_path_factory):
     save_file({"q": q[0].clone(), "k": k[0].clone()}, str(root / "batch.safetensors"), metadata={"layout": "batch,n,d"})
     save_file({"q": q.to(torch.float8_e4m3fn), "k": k.to(torch.float8_e4m3fn)}, str(root / "f8.safetensors"))
     torch.save({"q": q[0, 0].to_sparse(), "k": k[0, 0].to_sparse()}, root / "sparse.pt")
-    long_q = torch.randn(1, 1, 20_000, 1)  # 80 kB, but its fitting kernel is 15000² float64 per copy
-    save_qk(root / "long.safetensors", long_q, long_q.clone())
     return root
 
 
@@ -78,14 +76,13 @@ def _cli(argv, capsys, root):
 COMPARE_CASES = [
     # unbounded work: rejected at once, not after a 48 s stall or a 2 GB allocation
     ("good.safetensors --p 1000000000 --m 4", 2, rf"p \(the polynomial degree\) must be at most {MAX_DEGREE}, got 1000000000"),
-    ("long.safetensors --p 2 --m 1 --methods psf", 2, r"at least 3 float64 kernels of \[1 heads, 15000, 15000\].*memory budget.*--heads"),
     # silent garbage: scales whose kernel overflows the fitting dtype
     ("good.safetensors --p 2 --m 4 --methods psf --scale 1e30", 2, r"layer 0: the kernel \(qᵀk\)\^p overflows torch.float32.*--scale"),
     ("huge64.safetensors --p 2 --m 4 --methods optimal", 2, r"overflows torch.float64: .*max \|qᵀk\| = .*e\+160"),
     ("big32.safetensors --p 2 --m 4 --methods optimal,psf", 2, r"overflows torch.float32.*convert the dump to float64"),
     ("good.safetensors --p 100 --m 4 --methods psf --scale none", 2, r"overflows torch.float32"),
     # vague messages made precise
-    ("one.safetensors --p 2 --m 1 --methods psf", 2, r"one.safetensors: n=1 token\(s\), and --holdout 0.25 leaves 0 to fit"),
+    ("one.safetensors --p 2 --m 1 --methods psf", 2, r"one.safetensors: n=1 token\(s\), and holdout 0.25 leaves 0 to fit.*--holdout"),
     ("zero.safetensors --p 2 --m 4 --methods psf", 2, r"zero.safetensors: tensor q of layer 0, head 1 is all zeros.*--heads"),
     ("good.safetensors --p 2 --m 4 --methods psf --seed 18446744073709551616", 2, r"--seed: seed must lie in \[-2\*\*63, 2\*\*64 - 1\]"),
     ("missing.npy --p 2 --m 4", 2, r"missing.npy: no such dump, it does not exist \(looked for .*missing.q.npy"),
@@ -126,7 +123,7 @@ def test_compare_accepts_layouts_by_axis_role_and_the_npy_name(dumps, capsys, mo
     for name in ("good.safetensors", "seqfirst.safetensors", "npy.npy"):
         rc, out = _cli(["compare", name, "--p", "2", "--m", "4", "--methods", "psf", "--no-progress"], capsys, dumps)
         assert rc == 0, out.err
-        tables.append(out.out.split("\n", 1)[1].split("**Sizes")[0])  # the error tables (not the source, not timings)
+        tables.append(out.out.split("**Relative mean", 1)[1].split("**Sizes")[0])  # the error tables, not the timings
     assert tables[0] == tables[1] == tables[2]
     torch.testing.assert_close(load_qk(dumps / "seqfirst.safetensors").q, load_qk(dumps / "good.safetensors").q,
                                rtol=0, atol=0)

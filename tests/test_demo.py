@@ -19,11 +19,11 @@ def test_demo_end_to_end_on_a_small_dump(tmp_path, capsys):
     assert demo.main(["--dump", str(path), "--m", "6", "--target", "0.05", "--out", str(out),
                       "--methods", "optimal,llops,psf,based"]) == 0
     text = capsys.readouterr().out
-    for section in ("## 1. Theorem 3.1", "## 2. Every sketch", "## 3. Which m"):
+    for section in ("## 1. Theorem 3.1", "## 2. Every sketch", "## 3. The fitted sketch as attention", "## 4. Which m"):
         assert section in text
     assert "| Method | rel_mae | rel_fro | ×optimum | held-out rel_mae |" in text
-    for name in ("comparison.md", "comparison.json", "optimality.png", "spectrum.png", "advice.md", "advice.json",
-                 "advice.png"):
+    for name in ("comparison.md", "comparison.json", "optimality.png", "spectrum.png", "attention.md", "theta.safetensors",
+                 "advice.md", "advice.json", "advice.png"):
         assert (out / name).stat().st_size > 0, name
     assert json.loads((out / "comparison.json").read_text())["config"]["scale"] == "sqrt-d"
-    assert [s.__name__ for s in demo.STEPS] == ["step_spectrum", "step_compare", "step_advise"]
+    assert [s.__name__ for s in demo.STEPS] == ["step_spectrum", "step_compare", "step_attention", "step_advise"]

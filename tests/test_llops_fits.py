@@ -238,7 +238,7 @@ def test_memory_budget_fails_fast_for_huge_p():
 
 def test_overflow_is_an_error_naming_the_head():
     q, k = _data(batch=(2, 2), n=20, d=3)
-    with pytest.raises(FloatingPointError, match=r"\(layer, head\) \[\(0, 0\).*input scale"):
+    with pytest.raises(FloatingPointError, match=r"overflows.*the first at index \(0, 0, .*input scale"):
         fit_llops_direct(q * 1e160, k * 1e160, p=2, m=4)
     with pytest.raises(FloatingPointError, match="input scale"):
         fit_sketch("optimal", q * 1e160, k * 1e160, p=2, m=4)

@@ -115,7 +115,10 @@ def test_model_is_causal_and_validates_tokens():
         model(torch.tensor([[1, 20]]))
 
 
-def test_attention_is_pluggable():
+def test_attention_is_pluggable(monkeypatch):
+    import sketchlab.tasks.model as model_module
+
+    monkeypatch.setattr(model_module, "_ATTENTION", dict(model_module._ATTENTION))  # the test's entry leaves with it
     calls = []
 
     class Recording(SoftmaxAttention):
