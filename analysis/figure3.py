@@ -32,6 +32,7 @@ import torch  # noqa: E402
 import sketchlab  # noqa: E402
 from sketchlab._dumpsel import select_and_scale  # noqa: E402
 from sketchlab.io import atomic_write  # noqa: E402
+from sketchlab.plots import save_figure  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 METHODS = ("optimal", "llops", "mlp", "psf", "tensorsketch", "based")
@@ -152,9 +153,7 @@ def main(argv=None) -> int:
     ax_time.set_title(f"Forward time, [H={H}, n={n}, d={d}], 1 thread")
     ax_err.legend(fontsize=8)
     fig.tight_layout()
-    with atomic_write(out_png) as tmp:
-        fig.savefig(tmp, dpi=120, format="png")
-    plt.close(fig)
+    save_figure(fig, out_png)
     print("\n".join(lines))
     print(f"wrote {out_md} and {out_png}")
     return 0

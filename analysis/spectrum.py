@@ -25,6 +25,7 @@ import torch  # noqa: E402
 
 import sketchlab  # noqa: E402
 from sketchlab.io import atomic_write  # noqa: E402
+from sketchlab.plots import save_figure  # noqa: E402
 from sketchlab.spectrum import kernel_spectrum  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -108,9 +109,7 @@ def main(argv=None) -> int:
     axes[0][0].legend(fontsize=8)
     fig.suptitle(f"Singular values of (QKᵀ/√d)^∘p, {_rel(cfg.dump)}", fontsize=9)
     fig.tight_layout()
-    with atomic_write(out_png) as tmp:
-        fig.savefig(tmp, dpi=120, format="png")
-    plt.close(fig)
+    save_figure(fig, out_png)
     print("\n".join(lines))
     print(f"wrote {out_md} and {out_png}")
     return 0

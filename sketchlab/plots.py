@@ -13,7 +13,7 @@ import torch
 
 from .io import atomic_write
 
-__all__ = ["plot_advice", "plot_kernel_spectrum", "plot_optimality_ratios", "plot_spectra"]
+__all__ = ["plot_advice", "plot_kernel_spectrum", "plot_optimality_ratios", "plot_spectra", "save_figure"]
 
 
 def _pyplot():
@@ -27,11 +27,25 @@ def _pyplot():
     return plt
 
 
-def _save(fig, path) -> Path:
+def save_figure(fig, path, *, dpi: int = 120) -> Path:
+    """Write ``fig`` to ``path`` as a PNG, atomically (:func:`sketchlab.io.atomic_write`), and close it."""
     path = Path(path)
-    with atomic_write(path) as tmp:
-        fig.savefig(tmp, dpi=120, format="png")
+    try:
+        with atomic_write(path) as tmp:
+            fig.savefig(tmp, dpi=dpi, format="png")
+    finally:
+        _pyplot().close(fig)
     return path
+
+
+def _finish_grid(fig, axes, used: int, path) -> Path:
+    """Hide the panels after the first ``used``, put the legend on the first, lay out and save."""
+    n_cols = axes.shape[1]
+    for j in range(used, axes.size):
+        axes[j // n_cols][j % n_cols].set_visible(False)
+    axes[0][0].legend(fontsize=6)
+    fig.tight_layout()
+    return save_figure(fig, path)
 
 
 def plot_optimality_ratios(tables: dict, path) -> Path:
@@ -63,10 +77,7 @@ def plot_optimality_ratios(tables: dict, path) -> Path:
     ax.set_title(f"Optimality ratio per sketch (1 = Theorem 3.1 optimum), m = {first.m}")
     ax.legend()
     fig.tight_layout()
-    try:
-        return _save(fig, path)
-    finally:
-        plt.close(fig)
+    return save_figure(fig, path)
 
 
 def plot_spectra(singular_values: dict, m: int, path, *, title: str = "") -> Path:
@@ -96,10 +107,7 @@ def plot_spectra(singular_values: dict, m: int, path, *, title: str = "") -> Pat
     ax.set_title(title or "Spectrum of the polynomial kernel A = (QKᵀ)^p")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    try:
-        return _save(fig, path)
-    finally:
-        plt.close(fig)
+    return save_figure(fig, path)
 
 
 def _grid(plt, n_rows: int, n_cols: int, title: str):
@@ -129,14 +137,7 @@ def plot_kernel_spectrum(spectrum, path) -> Path:
         ax.set_title(f"layer {layer}", fontsize=8)
         ax.set_xlabel("i")
         ax.set_ylabel("σ_i / σ_1")
-    for j in range(n_layers, axes.size):
-        axes[j // n_cols][j % n_cols].set_visible(False)
-    axes[0][0].legend(fontsize=6)
-    fig.tight_layout()
-    try:
-        return _save(fig, path)
-    finally:
-        plt.close(fig)
+    return _finish_grid(fig, axes, n_layers, path)
 
 
 def plot_advice(advice, path) -> Path:
@@ -170,11 +171,4 @@ def plot_advice(advice, path) -> Path:
         ax.set_title(f"L{h.layer} H{h.head}: floor m {h.floor_m}, practical m {h.practical_m}", fontsize=7)
         ax.set_xlabel("m")
         ax.set_ylabel("rel_fro")
-    for j in range(n, axes.size):
-        axes[j // n_cols][j % n_cols].set_visible(False)
-    axes[0][0].legend(fontsize=6)
-    fig.tight_layout()
-    try:
-        return _save(fig, path)
-    finally:
-        plt.close(fig)
+    return _finish_grid(fig, axes, n, path)
