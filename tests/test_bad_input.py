@@ -146,7 +146,7 @@ def test_compare_writes_through_a_symlinked_output(dumps, tmp_path, capsys):
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    transformers = pytest.importorskip("transformers", reason="capture needs the optional transformers extra")
+    import transformers  # the dev extra installs it: capture's tests always run
     root = tmp_path_factory.mktemp("model")
     cfg = transformers.GPT2Config(vocab_size=10, n_embd=8, n_layer=1, n_head=2, n_positions=16,
                                   bos_token_id=0, eos_token_id=0)
