@@ -10,7 +10,6 @@ fused Triton kernel) and the Θ export that feeds :class:`LLoPSAttention`.
 
 __version__ = "0.1.0"
 
-from . import sketches  # noqa: F401  (registers the baseline sketches with fit_sketch)
 from .advise import Advice, HeadAdvice, advise
 from .capture import capture_qk
 from .compare import DEFAULT_METHODS, ComparisonRow, ComparisonTable, compare

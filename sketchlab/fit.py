@@ -43,11 +43,11 @@ __all__ = [
 BUILTIN_SKETCHES = {
     "optimal": ("sketchlab.optimal", "_fit_optimal"),
     "llops": ("sketchlab.llops.dispatch", "fit_llops"),
-    "psf": ("sketchlab.sketches.psf", None),
-    "tensorsketch": ("sketchlab.sketches.tensorsketch", None),
-    "mlp": ("sketchlab.sketches.mlp", None),
-    "based": ("sketchlab.sketches.based", None),
-    "elementwise": ("sketchlab.sketches.elementwise", None),
+    "psf": ("sketchlab.sketches.psf", "_fit_psf"),
+    "tensorsketch": ("sketchlab.sketches.tensorsketch", "_fit_tensorsketch"),
+    "mlp": ("sketchlab.sketches.mlp", "_fit_mlp"),
+    "based": ("sketchlab.sketches.based", "_fit_based"),
+    "elementwise": ("sketchlab.sketches.elementwise", "_fit_elementwise"),
 }
 
 _FITTERS: dict[str, Callable[..., Sketch]] = {}
@@ -74,9 +74,7 @@ def sketch_fitter(name: str) -> Callable[..., Sketch]:
     """The fitter registered under ``name`` (raw: no hold-out, no report; see :func:`fit_sketch`)."""
     if name not in _FITTERS and name in BUILTIN_SKETCHES:
         module, attr = BUILTIN_SKETCHES[name]
-        mod = importlib.import_module(module)  # the baseline modules register themselves on import
-        if attr is not None:
-            register_sketch(name)(getattr(mod, attr))
+        register_sketch(name)(getattr(importlib.import_module(module), attr))
     if name not in _FITTERS:
         raise ValueError(f"unknown sketch method {name!r}; available: {', '.join(available_sketches())}")
     return _FITTERS[name]

@@ -1,5 +1,5 @@
-"""Baseline sketches, each behind the :class:`~sketchlab.sketch.Sketch` interface and registered for
-:func:`~sketchlab.fit.fit_sketch`: ``"psf"``, ``"tensorsketch"``, ``"mlp"``, ``"based"``,
+"""Baseline sketches, each behind the :class:`~sketchlab.sketch.Sketch` interface and listed for
+:func:`~sketchlab.fit.fit_sketch` in :data:`sketchlab.fit.BUILTIN_SKETCHES` (the one registry): ``"psf"``, ``"tensorsketch"``, ``"mlp"``, ``"based"``,
 ``"elementwise"``; and :func:`as_llops`, the exact conversions of the special cases to LLoPS Θ.
 """
 

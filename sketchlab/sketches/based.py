@@ -40,7 +40,6 @@ import math
 import torch
 
 from .._validation import as_float_tensor, check_degree, check_positive_int
-from ..fit import register_sketch
 from ..polynomial import num_poly_features, poly_features, poly_features_naive
 from ..sketch import Sketch
 from ._common import make_generator
@@ -195,7 +194,6 @@ class BasedSketch(Sketch):
         return self.features_q(x)
 
 
-@register_sketch("based")
 def _fit_based(q, k, *, p: int, m: int, seed: int = 0, form: str = "expand", projection: str = "pca",
                dim: int | None = None, symmetric: bool | None = None) -> BasedSketch:
     """``fit_sketch("based", ...)``: ``P`` from ``projection`` ("pca" or "random"), ``d'`` from ``dim``

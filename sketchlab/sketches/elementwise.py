@@ -15,7 +15,6 @@ import torch
 from torch import nn
 
 from .._validation import as_float_tensor, check_degree
-from ..fit import register_sketch
 from ..sketch import Sketch
 from ._common import check_features_finite, make_generator
 from ..objective import DEFAULT_LR, DEFAULT_STEPS, train_kernel_sketch
@@ -94,7 +93,6 @@ class ElementwiseSketch(nn.Module, Sketch):
         return self.kernel(q, k)
 
 
-@register_sketch("elementwise")
 def _fit_elementwise(q, k, *, p: int, m: int, seed: int = 0, tied: bool = False, steps: int = DEFAULT_STEPS,
                      lr: float = DEFAULT_LR) -> ElementwiseSketch:
     """``fit_sketch("elementwise", ...)``: N(0, 1/d) start from ``seed``, then Adam on the kernel loss."""

@@ -24,7 +24,6 @@ import torch
 from torch import nn
 
 from .._validation import as_float_tensor, check_degree, check_memory, check_positive_int
-from ..fit import register_sketch
 from ..sketch import Sketch
 from ._common import check_batch_shape, check_dtype, make_generator
 from ..objective import DEFAULT_LR, DEFAULT_STEPS, train_kernel_sketch
@@ -188,7 +187,6 @@ class MLPSketch(nn.Module, Sketch):
 
 
 
-@register_sketch("mlp")
 def _fit_mlp(q, k, *, p: int, m: int, seed: int = 0, hidden: int | None = None, activation: str = "gelu",
              steps: int = DEFAULT_STEPS, lr: float = DEFAULT_LR) -> MLPSketch:
     """``fit_sketch("mlp", ...)``: random init from ``seed``, then Adam on the relative kernel loss

@@ -39,7 +39,6 @@ import math
 import torch
 
 from .._validation import DEFAULT_MAX_BYTES, as_float_tensor, check_degree, check_finite, check_memory, check_positive_int
-from ..fit import register_sketch
 from ..sketch import Sketch
 from ._common import check_batch_shape, check_dtype, check_features_finite, make_generator
 
@@ -328,7 +327,6 @@ class PolySketch(Sketch):
         return self.features_q(x)
 
 
-@register_sketch("psf")
 def _fit_psf(q, k, *, p: int, m: int, seed: int = 0, non_negative: bool | None = None) -> PolySketch:
     """``fit_sketch("psf", ...)``: data-independent; only ``d``, the batch shape and dtype are read.
 

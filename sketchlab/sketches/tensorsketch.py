@@ -26,7 +26,6 @@ import math
 import torch
 
 from .._validation import DEFAULT_MAX_BYTES, as_float_tensor, check_degree, check_finite, check_memory, check_positive_int
-from ..fit import register_sketch
 from ..sketch import Sketch
 from ._common import check_batch_shape, check_dtype, check_features_finite, make_generator
 
@@ -204,7 +203,6 @@ class TensorSketch(Sketch):
         return tensorsketch_features(x, self.matrices)
 
 
-@register_sketch("tensorsketch")
 def _fit_tensorsketch(q, k, *, p: int, m: int, seed: int = 0) -> TensorSketch:
     """``fit_sketch("tensorsketch", ...)``: data-independent; one independent draw per head."""
     sketch = TensorSketch.draw(q.shape[-1], p, m, seed=seed, batch_shape=q.shape[:-2], dtype=q.dtype,
