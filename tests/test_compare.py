@@ -36,7 +36,7 @@ def test_rows_and_floor(table):
     }
     for r in table.rows:
         assert r.optimality_ratio >= 1 - 1e-9, r
-        assert r.holdout_rel_mae is not None and r.fit_seconds >= 0
+        assert r.holdout_rel_mae is not None
         if r.method == "optimal":
             assert abs(r.optimality_ratio - 1) < 1e-9
     assert table.values("psf", "num_features") == [4] * 4  # non-negative PSF at p = 2: r = ⌊√6⌋ = 2

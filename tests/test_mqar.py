@@ -265,7 +265,6 @@ def test_train_without_warmup_starts_at_full_lr():
                         progress=False)
     assert result.steps == 2 and len(result.history) == 1
     assert not torch.equal(before, model.head.weight)
-    assert 0.0 <= result.heldout_accuracy <= 1.0
 
 
 def test_evaluate_mqar_matches_hand_count_and_uses_ignore_index(monkeypatch):
