@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from ._validation import DEFAULT_MAX_BYTES, check_degree, check_fraction, check_pair, check_positive_int
+from ._validation import DEFAULT_MAX_BYTES, check_degree, check_fraction, check_pair, check_positive_int, check_seed
 from .sketch import Sketch
 
 __all__ = [
@@ -147,6 +147,7 @@ def holdout_split(n: int, holdout: float, seed: int) -> tuple[torch.Tensor, torc
     """
     n = check_positive_int(n, "n")
     holdout = check_fraction(holdout, "holdout")
+    seed = check_seed(seed)
     n_held = math.ceil(holdout * n)
     gen = torch.Generator().manual_seed(seed)
     perm = torch.randperm(n, generator=gen)

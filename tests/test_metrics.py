@@ -165,3 +165,10 @@ def test_kernel_sq_norm_routes(n, d, p):
     dense = (poly_kernel(q, k, p) ** 2).sum((-2, -1))
     assert torch.allclose(kernel_sq_norm(q, k, p), dense, rtol=1e-10, atol=0)
     assert torch.allclose(kernel_sq_norm(q, k, p, max_bytes=4096), dense, rtol=1e-10, atol=0)  # other route/blocks
+
+
+def test_holdout_split_names_an_out_of_range_seed():
+    with pytest.raises(ValueError, match=r"seed must lie in \[-2\*\*63, 2\*\*64 - 1\].*got 18446744073709551616"):
+        holdout_split(10, 0.2, seed=2**64)
+    with pytest.raises(TypeError, match="seed must be an int"):
+        holdout_split(10, 0.2, seed=1.5)
