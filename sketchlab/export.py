@@ -71,7 +71,7 @@ def export_theta(fit, path, *, dump, scale=None) -> Path:
     ``sketchlab_version`` from ``sketchlab.__version__``.
     """
     from . import __version__
-    from .io import save_theta
+    from .io import check_output_paths, dump_files, save_theta
     from .sketches import as_llops
 
     if not hasattr(fit, "sketch") or not hasattr(fit, "report"):
@@ -86,8 +86,7 @@ def export_theta(fit, path, *, dump, scale=None) -> Path:
     if not dump_path.is_file():
         raise FileNotFoundError(f"Q/K dump {str(dump_path)!r} does not exist")
     path = Path(path)
-    if path.exists() and path.resolve() == dump_path.resolve():
-        raise ValueError(f"{path}: the Θ export would overwrite the Q/K dump it was fitted to; choose another path")
+    check_output_paths({"path": path}, dump_files(dump_path))  # never onto the dump, whatever the link or name
     if scale is None:
         scale = getattr(fit, "scale", None)
         if scale is None:

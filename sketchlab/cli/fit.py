@@ -5,7 +5,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from ._common import UsageError, int_list, scale_arg
+from ..io import dump_files
+from ._common import UsageError, check_outputs, int_list, scale_arg
 
 #: Methods whose sketch has an exact Θ form (sketchlab.as_llops); the others cannot be exported.
 EXPORTABLE = ("llops", "elementwise", "based", "psf")
@@ -28,19 +29,14 @@ def add_arguments(sub) -> None:
 
 
 def _check_output(out: str, dump: str) -> Path:
-    """Reject a bad output location before any work: extension, directory, the dump itself."""
+    """Reject a bad output location before any work: not ``.safetensors``, or anything
+    :func:`sketchlab.io.check_output_paths` refuses (missing directory, a directory, the input dump)."""
     target = Path(out)
     if target.suffix.lower() != ".safetensors":
         raise UsageError(f"--out must be a .safetensors file, got {out!r}")
-    if not target.parent.is_dir():
-        raise UsageError(f"output directory {str(target.parent)!r} does not exist (for --out {out!r})")
-    if target.is_dir():
-        raise UsageError(f"--out {out!r} is a directory")
-    source = Path(dump)
-    if not source.is_file():
+    if not Path(dump).exists() and not dump_files(dump):
         raise FileNotFoundError(f"Q/K dump {dump!r} does not exist")
-    if target.exists() and target.resolve() == source.resolve():
-        raise UsageError(f"--out {out!r} is the input dump; refusing to overwrite it")
+    check_outputs({"--out": out}, inputs=[dump])
     return target
 
 
