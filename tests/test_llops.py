@@ -26,6 +26,7 @@ from sketchlab.llops import (
     projector_to_theta,
 )
 from sketchlab.llops.fit_als import _als_side, _als_side_naive
+from sketchlab.llops.sides import Tokens
 from sketchlab.optimal import optimal_sketch
 from sketchlab.spectral import rank1_residuals
 
@@ -153,7 +154,7 @@ def test_als_side_matches_naive(t, p, m):
     fq, fk = llops_features(q, theta_q), llops_features(k, theta_k)
     cross = (q @ k.mT) ** p @ fk
     fast_theta, fast_f = theta_q.clone(), fq.clone()
-    _als_side(q, fast_theta, fast_f, fk, cross, 1e-12)
+    _als_side(Tokens(q), fast_theta, fast_f, fk, cross, 1e-12)
     slow_theta, slow_f = theta_q.clone(), fq.clone()
     _als_side_naive(q, slow_theta, slow_f, fk, cross)
     _close(fast_theta, slow_theta, 1e-8)

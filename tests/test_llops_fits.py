@@ -14,6 +14,7 @@ from sketchlab.llops._fitting import balance
 from sketchlab.llops.fit_als import _als_sweep
 from sketchlab.llops.fit_lm import lm_step
 from sketchlab.llops.maps import feature_partials, features_jvp, features_vjp
+from sketchlab.llops.sides import Tokens
 from sketchlab.llops.target import KernelTarget
 from sketchlab.optimal import optimal_sketch
 
@@ -75,7 +76,7 @@ def test_one_als_sweep_moves_and_is_exact_descent():
     target = KernelTarget(q, k, 2, 4)
     fq, fk = llops_features(q, theta_q), llops_features(k, theta_k)
     before = target.loss(fq, fk)
-    _als_sweep(q, k, target, theta_q, theta_k, fq, fk, target.cross(fk), 0.0)
+    _als_sweep(Tokens(q), Tokens(k), target, theta_q, theta_k, fq, fk, target.cross(fk), 0.0)
     after = target.loss(llops_features(q, theta_q), llops_features(k, theta_k))
     assert bool((after < 0.3 * before).all()), (after / before)
     # the running features were kept consistent with Θ (up to the balancing rescale, which keeps the kernel)
@@ -125,7 +126,7 @@ def test_lm_step_is_the_damped_gauss_newton_step():
     step = torch.linalg.solve(gn + lam * gn * mask, -jac.T @ resid(vec))
     loss = (resid(vec) ** 2).sum()[None]
     new_q, new_k = theta_q.clone(), theta_k.clone()
-    new_loss, _ = lm_step(q, k, KernelTarget(q, k, 2, 2), new_q, new_k, loss, torch.tensor([lam], dtype=torch.float64), cg_iters=60)
+    new_loss, _ = lm_step(Tokens(q), Tokens(k), KernelTarget(q, k, 2, 2), new_q, new_k, loss, torch.tensor([lam], dtype=torch.float64), cg_iters=60)
     assert float(new_loss) < float(loss)  # accepted on this seed
     # CG in float64 on a system of condition ≲ 1e6 here: agreement to 1e-6 relative
     assert _rel(torch.cat([new_q.flatten(), new_k.flatten()]), vec + step) < 1e-6
@@ -209,17 +210,20 @@ def test_fit_tokens_fits_a_subset_and_reports_on_all():
     assert not torch.equal(full.sketch.theta_q, fit.sketch.theta_q)  # a different (sub)problem was fitted
 
 
-def test_no_n_by_n_under_a_small_budget():
+@pytest.mark.parametrize("route", ["features", "compressed", "auto"])
+def test_no_n_by_n_under_a_small_budget(route):
     # n = 400 tokens: one n×n float64 kernel is 1.28 MB; with a 1 MB budget the fit and its report
-    # must still run (features route, row blocks) and match the unconstrained fit to round-off.
+    # must still run (features route or D = 6 compressed rows per side; the report in row blocks)
+    # and match the fit on the dense kernel to round-off: every route gives the same iterates.
     gen = torch.Generator().manual_seed(10)
     q = torch.randn(1, 400, 3, generator=gen, dtype=torch.float64)
     k = torch.randn(1, 400, 3, generator=gen, dtype=torch.float64)
-    small = fit_sketch("llops", q, k, p=2, m=4, steps=2, lm_steps=1, max_bytes=2**20, route="auto",
+    small = fit_sketch("llops", q, k, p=2, m=4, steps=2, lm_steps=1, max_bytes=2**20, route=route,
                        reference=False)
-    assert small.report.info["route"] == "features"
+    assert small.report.info["route"] == ("compressed" if route == "auto" else route)  # n = 400 ≫ D = 6
     big = fit_sketch("llops", q, k, p=2, m=4, steps=2, lm_steps=1, route="kernel")
     assert _rel(small.report.rel_fro, big.report.rel_fro) < 1e-8  # same iterates, different round-off
+    assert _rel(small.sketch.theta_q, big.sketch.theta_q) < 1e-6
 
 
 def test_memory_budget_fails_fast_for_huge_p():
@@ -254,7 +258,7 @@ def test_pieces_follow_the_input_device():
     f, o = feature_partials(mq, tq)
     assert target.cross(f).device.type == "meta" and target.loss(f, feature_partials(mk, tk)[0]).device.type == "meta"
     target = KernelTarget(mq, mk, 2, 2, route="kernel")
-    loss, damping = lm_step(mq, mk, target, tq, tk, torch.zeros(1, device="meta", dtype=torch.float64),
+    loss, damping = lm_step(Tokens(mq), Tokens(mk), target, tq, tk, torch.zeros(1, device="meta", dtype=torch.float64),
                             torch.ones(1, device="meta", dtype=torch.float64), cg_iters=2)
     assert loss.device.type == "meta" and damping.device.type == "meta"
 

@@ -21,7 +21,7 @@ from .fit_lm import lm_step
 from .inits import llops_init
 from .maps import llops_features
 from .module import LLoPS
-from .target import ROUTES, KernelTarget
+from .target import ROUTES, fit_problem
 
 __all__ = ["QUALITY", "fit_llops_direct"]
 
@@ -32,34 +32,15 @@ QUALITY = {"default": (6, 6, 10), "high": (30, 30, 10)}
 _BLOCK = 8
 
 
-def _normal_matrices(x: torch.Tensor, others: torch.Tensor, ridge: float) -> tuple[torch.Tensor, torch.Tensor]:
-    r"""LU factors and pivots (``torch.linalg.lu_factor``) of the normal matrices of every column's
-    factor update, ``[B, m, t·d, t·d]`` and ``[B, m, t·d]``.
-
-    Column ``i``'s features are linear in its factor ``j``: :math:`Z_i\,\mathrm{vec}(\theta_{:,j,:,i})`
-    with :math:`Z_i[n, (r, d)] = o_{r,n,i}\,x_{n,d}` (``others[B, t, n, m]``: the product of the
-    column's other factors). :math:`Z_i^\top Z_i[(r,d),(s,e)] = \sum_n o_{r,n,i} o_{s,n,i} x_{n,d} x_{n,e}`
-    for all ``i`` at once is one ``(t²·m) × n × d(d+1)/2`` matrix product per head (the products
-    :math:`x_{n,d}x_{n,e}`, ``d <= e``, formed per head). A relative ridge
-    (``ridge · mean diag``) keeps rank-deficient blocks solvable.
-    """
-    B, t, n, m = others.shape
-    d = x.shape[-1]
-    row, col = torch.triu_indices(d, d, device=x.device)  # the d(d+1)/2 products x_d x_e, d <= e
-    out = torch.empty(B, t, t, m, d, d, dtype=x.dtype, device=x.device)
-    for b in range(B):  # per head: [t·t·m, n] @ [n, d(d+1)/2]
-        w = (others[b, :, None] * others[b, None, :]).transpose(-2, -1)  # [t, s, m, n]
-        packed = w.reshape(-1, n) @ (x[b, :, row] * x[b, :, col])  # [t·s·m, d(d+1)/2]
-        packed = packed.reshape(t, t, m, -1)
-        out[b, :, :, :, row, col] = packed
-        out[b, :, :, :, col, row] = packed
-    out = out.permute(0, 3, 1, 4, 2, 5).reshape(B, m, t * d, t * d)  # [B, m, (t, d), (s, e)]
-    eye = torch.eye(t * d, dtype=x.dtype, device=x.device)
-    lam = ridge * out.diagonal(dim1=-2, dim2=-1).mean(-1) + torch.finfo(x.dtype).tiny  # [B, m]
-    return torch.linalg.lu_factor(out + lam[..., None, None] * eye)  # LU: robust to round-off when singular
+def _lu(normal: torch.Tensor, ridge: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """LU factors and pivots of normal matrices ``[..., k, k]`` plus a relative ridge
+    (``ridge · mean diag``, which keeps rank-deficient blocks solvable)."""
+    eye = torch.eye(normal.shape[-1], dtype=normal.dtype, device=normal.device)
+    lam = ridge * normal.diagonal(dim1=-2, dim2=-1).mean(-1) + torch.finfo(normal.dtype).tiny
+    return torch.linalg.lu_factor(normal + lam[..., None, None] * eye)  # LU: robust to round-off when singular
 
 
-def _als_side(x, theta, f_self, f_other, cross, ridge):
+def _als_side(side, theta, f_self, f_other, cross, ridge):
     r"""Update factor ``j`` of every column in turn, for ``j = 1..p``, the other side fixed (in place).
 
     With :math:`\Phi_K` fixed the loss is :math:`\mathrm{tr}(\Phi_Q G\Phi_Q^\top) - 2\,\mathrm{tr}(\Phi_Q^\top T)`
@@ -69,34 +50,31 @@ def _als_side(x, theta, f_self, f_other, cross, ridge):
     is linear in factor ``j``: each block step is the exact least-squares solve
     :math:`Z_i^\top Z_i\,\theta = Z_i^\top t_i`. The normal matrices depend only on the column's
     *other* factors, so for one ``j`` they are formed for all columns at once
-    (:func:`_normal_matrices`); the right-hand sides follow the columns in turn (Gauss–Seidel).
-    ``x[B, n, d]``, ``theta[B, t, p, d, m]``, ``f_self[B, n, m]``, ``f_other[B, n', m]``, ``cross[B, n, m]``.
+    (``side.factor(theta, j).normal()``); the right-hand sides follow the columns in turn (Gauss–Seidel).
+    ``side`` (:mod:`~sketchlab.llops.sides`, ``N`` rows), ``theta[B, t, p, d, m]``, ``f_self[B, N, m]``,
+    ``f_other[B, N', m]``, ``cross[B, N, m]``.
     """
     B, t, p, d, m = theta.shape
-    tiny = torch.finfo(x.dtype).tiny
+    tiny = torch.finfo(theta.dtype).tiny
     gram = f_other.mT @ f_other  # [B, m, m]
     g_diag = gram.diagonal(dim1=-2, dim2=-1).clamp_min(tiny)  # [B, m]
     # column-major working copies: column i is a contiguous slice
-    feats = f_self.mT.contiguous()  # [B, m, n]
-    cross_t = cross.mT  # [B, m, n]
-    proj = torch.einsum("bnd,btpdm->bpmtn", x, theta).contiguous()  # [B, p, m, t, n] = ⟨θ_{r,j,:,i}, x⟩
-    theta_t = theta.permute(0, 2, 4, 1, 3).contiguous()  # [B, p, m, t, d]
+    feats = f_self.mT.contiguous()  # [B, m, N]
+    cross_t = cross.mT  # [B, m, N]
     for j in range(p):
-        others = torch.cat([proj[:, :j], proj[:, j + 1 :]], 1).prod(1)  # [B, m, t, n]
-        lu, pivots = _normal_matrices(x, others.permute(0, 2, 3, 1), ridge)  # [B, m, t·d, t·d], [B, m, t·d]
+        factor = side.factor(theta, j)
+        lu, pivots = _lu(factor.normal(), ridge)  # [B, m, t·d, t·d], [B, m, t·d]
         for lo in range(0, m, _BLOCK):  # T_i − Σ_l φ_l G_li for a block of columns: one matrix product
             hi = min(lo + _BLOCK, m)
-            resid = cross_t[:, lo:hi] - gram[:, :, lo:hi].mT @ feats  # [B, c, n]
-            start = feats[:, lo:hi].clone()  # [B, c, n]; the block's own changes are added back below
+            resid = cross_t[:, lo:hi] - gram[:, :, lo:hi].mT @ feats  # [B, c, N]
+            start = feats[:, lo:hi].clone()  # [B, c, N]; the block's own changes are added back below
             for i in range(lo, hi):
-                moved = gram[:, None, lo:hi, i] @ (feats[:, lo:hi] - start)  # [B, 1, n]
-                target = (resid[:, i - lo] - moved[:, 0]) / g_diag[:, i, None] + feats[:, i]  # [B, n]
-                rhs = (others[:, i] * target[:, None]) @ x  # [B, t, d]
+                moved = gram[:, None, lo:hi, i] @ (feats[:, lo:hi] - start)  # [B, 1, N]
+                target = (resid[:, i - lo] - moved[:, 0]) / g_diag[:, i, None] + feats[:, i]  # [B, N]
+                rhs = factor.rhs(i, target)  # [B, t, d]
                 sol = torch.linalg.lu_solve(lu[:, i], pivots[:, i], rhs.reshape(B, t * d, 1)).reshape(B, t, d)
-                theta_t[:, j, i] = sol
-                proj[:, j, i] = sol @ x.mT  # [B, t, n]
-                feats[:, i] = (others[:, i] * proj[:, j, i]).sum(1)
-    theta.copy_(theta_t.permute(0, 3, 1, 4, 2))
+                theta[:, :, j, :, i] = sol
+                feats[:, i] = factor.column(i, sol)
     f_self.copy_(feats.mT)
 
 
@@ -118,11 +96,11 @@ def _als_side_naive(x, theta, f_self, f_other, cross):
                 f_self[b, :, i] = llops_features(x[b], theta[b, ..., i : i + 1])[:, 0]
 
 
-def _als_sweep(q, k, target, theta_q, theta_k, fq, fk, cross_q, ridge):
+def _als_sweep(side_q, side_k, target, theta_q, theta_k, fq, fk, cross_q, ridge):
     r"""One sweep of exact block coordinate descent (in place): every query column (with
     ``cross_q`` :math:`= A\Phi_K`), then every key column (:math:`A^\top\Phi_Q`), then :func:`balance`."""
-    _als_side(q, theta_q, fq, fk, cross_q, ridge)
-    _als_side(k, theta_k, fk, fq, target.cross_t(fq), ridge)
+    _als_side(side_q, theta_q, fq, fk, cross_q, ridge)
+    _als_side(side_k, theta_k, fk, fq, target.cross_t(fq), ridge)
     balance(theta_q, theta_k, fq, fk)
 
 
@@ -232,7 +210,7 @@ def fit_llops_direct(
         raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
     if cp_options is not None and not isinstance(cp_options, dict):
         raise TypeError(f"cp_options must be a dict or None, got {type(cp_options).__name__}")
-    target = KernelTarget(q64, k64, p, m, route=route, max_bytes=max_bytes)
+    side_q, side_k, target = fit_problem(q64, k64, p, m, rank, route=route, max_bytes=max_bytes)
     check_finite_loss(target.sq_norm, 0, "LLoPS direct", batch)
     theta_q, theta_k = llops_init(q, k, p=p, m=m, rank=rank, init=init, seed=seed, max_bytes=max_bytes,
                                   **(cp_options or {}))
@@ -240,7 +218,7 @@ def fit_llops_direct(
     theta_q = theta_q.reshape(-1, rank, p, d, m).to(q64.device).clone()  # [B, t, p, d, m]
     theta_k = theta_k.reshape(-1, rank, p, d, m).to(q64.device).clone()
     norm_a = target.sq_norm.clamp_min(torch.finfo(torch.float64).tiny)
-    fq, fk = llops_features(q64, theta_q), llops_features(k64, theta_k)
+    fq, fk = side_q.features(theta_q), side_k.features(theta_k)
     cross_q = target.cross(fk)
     loss = target.loss(fq, fk, cross_q)
     check_finite_loss(loss, 0, "LLoPS direct", batch)
@@ -264,15 +242,15 @@ def fit_llops_direct(
     als_done, converged = 0, False
     for step in range(steps):
         prev_q, prev_k = theta_q.clone(), theta_k.clone()
-        _als_sweep(q64, k64, target, theta_q, theta_k, fq, fk, cross_q, ridge)
-        fq, fk = llops_features(q64, theta_q), llops_features(k64, theta_k)  # recompute: no drift
+        _als_sweep(side_q, side_k, target, theta_q, theta_k, fq, fk, cross_q, ridge)
+        fq, fk = side_q.features(theta_q), side_k.features(theta_k)  # recompute: no drift
         cross_q = target.cross(fk)
         new = target.loss(fq, fk, cross_q)
         check_finite_loss(new, step + 1, "LLoPS direct", batch)
         if extrapolate:
             b = beta[:, None, None, None, None]
             cand_q, cand_k = theta_q + b * (theta_q - prev_q), theta_k + b * (theta_k - prev_k)
-            cand_fq, cand_fk = llops_features(q64, cand_q), llops_features(k64, cand_k)
+            cand_fq, cand_fk = side_q.features(cand_q), side_k.features(cand_k)
             cand_cross = target.cross(cand_fk)
             cand = target.loss(cand_fq, cand_fk, cand_cross)
             take = torch.isfinite(cand) & (cand < new)
@@ -291,7 +269,7 @@ def fit_llops_direct(
     damping = torch.full_like(loss, 1e-3)
     lm_done = 0
     for step in range(lm_steps):
-        new, damping = lm_step(q64, k64, target, theta_q, theta_k, loss, damping, cg_iters=cg_iters)
+        new, damping = lm_step(side_q, side_k, target, theta_q, theta_k, loss, damping, cg_iters=cg_iters)
         check_finite_loss(new, als_done + step + 1, "LLoPS direct (LM)", batch)
         lm_done = step + 1
         keep_best(new)

@@ -23,33 +23,10 @@ from __future__ import annotations
 
 import torch
 
-from .maps import feature_partials, features_jvp, features_vjp
 from .target import KernelTarget
 from ._fitting import balance
 
 __all__ = ["lm_step"]
-
-
-def _blocks(x: torch.Tensor, others: torch.Tensor, g_diag: torch.Tensor) -> torch.Tensor:
-    r"""Block diagonal of :math:`J^\top J` for one side, ``[B, p, m, t·d, t·d]``.
-
-    Block ``(j, i)``: :math:`G_{ii}\sum_n O_{r,j,n,i}O_{s,j,n,i}\,x_n x_n^\top`, formed as one
-    ``(t² m) × n × d(d+1)/2`` product per head and factor.
-    """
-    B, t, p, n, m = others.shape
-    d = x.shape[-1]
-    row, col = torch.triu_indices(d, d, device=x.device)
-    out = torch.empty(B, p, t, t, m, d, d, dtype=x.dtype, device=x.device)
-    for b in range(B):
-        pairs = x[b, :, row] * x[b, :, col]  # [n, d(d+1)/2]
-        for j in range(p):
-            o = others[b, :, j]  # [t, n, m]
-            w = (o[:, None] * o[None, :]).transpose(-2, -1)  # [t, s, m, n]
-            packed = (w.reshape(-1, n) @ pairs).reshape(t, t, m, -1)
-            out[b, j, :, :, :, row, col] = packed
-            out[b, j, :, :, :, col, row] = packed
-    out = out.permute(0, 1, 4, 2, 5, 3, 6).reshape(B, p, m, t * d, t * d)  # [B, p, m, (t, d), (s, e)]
-    return out * g_diag[:, None, :, None, None]
 
 
 def _to_blocks(v: torch.Tensor) -> torch.Tensor:
@@ -69,8 +46,8 @@ def _dot(u, v) -> torch.Tensor:
 
 
 def lm_step(
-    x_q: torch.Tensor,
-    x_k: torch.Tensor,
+    side_q,
+    side_k,
     target: KernelTarget,
     theta_q: torch.Tensor,
     theta_k: torch.Tensor,
@@ -83,9 +60,10 @@ def lm_step(
 
     Parameters
     ----------
-    x_q : Tensor ``[B, n_q, d]``
-    x_k : Tensor ``[B, n_k, d]``
+    side_q, side_k : :class:`~sketchlab.llops.sides.Tokens` or :class:`~sketchlab.llops.sides.Tensors`
+        The rows of each side (``N_q``, ``N_k`` of them).
     target : KernelTarget
+        Products with the kernel of those rows.
     theta_q, theta_k : Tensor ``[B, t, p, d, m]``
         Updated in place where the step lowers the loss.
     loss : Tensor ``[B]``
@@ -99,25 +77,24 @@ def lm_step(
     -------
     (loss, damping) : the new loss (never above the old one) and ``λ`` per head.
     """
-    fq, fk = feature_partials(x_q, theta_q)[0], feature_partials(x_k, theta_k)[0]
-    balance(theta_q, theta_k, fq, fk)  # the kernel is unchanged; the problem is better scaled
-    fq, oq = feature_partials(x_q, theta_q)
-    fk, ok = feature_partials(x_k, theta_k)
+    balance(theta_q, theta_k, side_q.features(theta_q), side_k.features(theta_k))  # same kernel, better scaled
+    fq, oq = side_q.partials(theta_q)
+    fk, ok = side_k.partials(theta_k)
     gram_q, gram_k = fq.mT @ fq, fk.mT @ fk  # [B, m, m]
-    grad = (features_vjp(x_q, oq, fq @ gram_k - target.cross(fk)),
-            features_vjp(x_k, ok, fk @ gram_q - target.cross_t(fq)))
-    blk_q = _blocks(x_q, oq, gram_k.diagonal(dim1=-2, dim2=-1))  # [B, p, m, td, td]
-    blk_k = _blocks(x_k, ok, gram_q.diagonal(dim1=-2, dim2=-1))
+    grad = (side_q.vjp(oq, fq @ gram_k - target.cross(fk)), side_k.vjp(ok, fk @ gram_q - target.cross_t(fq)))
+    # block (j, i) of JᵀJ: G_ii Σ_rows ∂φ_i/∂θ_{:,j,:,i} ∂φ_i/∂θ_{:,j,:,i}ᵀ, the ALS normal matrices times G_ii
+    blk_q = side_q.blocks(oq) * gram_k.diagonal(dim1=-2, dim2=-1)[:, None, :, None, None]  # [B, p, m, td, td]
+    blk_k = side_k.blocks(ok) * gram_q.diagonal(dim1=-2, dim2=-1)[:, None, :, None, None]
     shape = theta_q.shape
     lam = damping[:, None, None, None]
 
     def gn(v, with_damping=True):
-        dfq, dfk = features_jvp(x_q, oq, v[0]), features_jvp(x_k, ok, v[1])
-        out_q = features_vjp(x_q, oq, dfq @ gram_k + fq @ (dfk.mT @ fk))
-        out_k = features_vjp(x_k, ok, dfk @ gram_q + fk @ (dfq.mT @ fq))
-        if with_damping:  # block-times-vector as a broadcast product: many tiny matmuls are slower
-            out_q = out_q + _from_blocks(lam * (blk_q * _to_blocks(v[0])[..., None, :]).sum(-1), shape)
-            out_k = out_k + _from_blocks(lam * (blk_k * _to_blocks(v[1])[..., None, :]).sum(-1), shape)
+        dfq, dfk = side_q.jvp(oq, v[0]), side_k.jvp(ok, v[1])
+        out_q = side_q.vjp(oq, dfq @ gram_k + fq @ (dfk.mT @ fk))
+        out_k = side_k.vjp(ok, dfk @ gram_q + fk @ (dfq.mT @ fq))
+        if with_damping:
+            out_q = out_q + _from_blocks(lam * (blk_q @ _to_blocks(v[0])[..., None])[..., 0], shape)
+            out_k = out_k + _from_blocks(lam * (blk_k @ _to_blocks(v[1])[..., None])[..., 0], shape)
         return out_q, out_k
 
     eye = torch.eye(blk_q.shape[-1], dtype=blk_q.dtype, device=blk_q.device)
@@ -128,7 +105,7 @@ def lm_step(
         inverses.append(torch.linalg.inv((1 + lam[..., None]) * blk + (1e-12 * scale + torch.finfo(blk.dtype).tiny) * eye))
 
     def precondition(r):
-        return tuple(_from_blocks((inv * _to_blocks(v)[..., None, :]).sum(-1), shape) for inv, v in zip(inverses, r))
+        return tuple(_from_blocks((inv @ _to_blocks(v)[..., None])[..., 0], shape) for inv, v in zip(inverses, r))
 
     step = (torch.zeros_like(theta_q), torch.zeros_like(theta_k))
     resid = (-grad[0], -grad[1])
@@ -150,7 +127,7 @@ def lm_step(
     # predicted decrease of the Gauss–Newton model ‖R + Jδ‖²: −(2 gᵀδ + δᵀJᵀJδ)
     predicted = -(2 * _dot(grad, step) + _dot(step, gn(step, with_damping=False)))
     cand_q, cand_k = theta_q + step[0], theta_k + step[1]
-    new = target.loss(feature_partials(x_q, cand_q)[0], feature_partials(x_k, cand_k)[0])
+    new = target.loss(side_q.features(cand_q), side_k.features(cand_k))
     take = torch.isfinite(new) & (new < loss)
     keep = take[:, None, None, None, None]  # torch.where, not boolean indexing: no host sync, any device
     theta_q.copy_(torch.where(keep, cand_q, theta_q))

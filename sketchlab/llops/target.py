@@ -12,6 +12,13 @@ one of two routes, chosen per problem by cost and memory (both tested equal):
     ``D = C(d+p-1, p)`` coordinates formed in token blocks (never ``n × n``); a product costs
     ``(n_q + n_k) D m``. The loss is the moment form
     :math:`\|A\|^2 - 2\langle\psi_Q^\top\Phi_Q, \psi_K^\top\Phi_K\rangle + \langle\Phi_Q^\top\Phi_Q, \Phi_K^\top\Phi_K\rangle`.
+``"compressed"``
+    Each side is replaced by at most ``D`` rows with its Gram matrix
+    (:func:`~sketchlab.llops.sides.compress_side`) and ``A`` by the small kernel
+    :math:`R_Q R_K^\top` of those rows (:meth:`KernelTarget.compressed`): the same loss, and per
+    sweep a cost independent of ``n``. Cheaper when ``n`` is well above ``D`` (``p = 2``).
+
+:func:`fit_problem` picks the route and builds the two sides (:mod:`~sketchlab.llops.sides`) with it.
 
 :math:`\|A\|_F^2` comes from :func:`sketchlab.metrics.kernel_sq_norm` (moments of degree ``2p``
 or row blocks, whichever is cheaper).
@@ -26,13 +33,11 @@ import torch
 from .._validation import DEFAULT_MAX_BYTES, check_memory
 from ..metrics import _kernel_sq_norm
 from ..polynomial import poly_features
+from .sides import _BLOCK_BYTES, Tokens, compress_bytes, compress_side
 
-__all__ = ["ROUTES", "KernelTarget"]
+__all__ = ["ROUTES", "KernelTarget", "fit_problem"]
 
-ROUTES = ("auto", "kernel", "features")
-
-#: Bytes of one block of symmetric features in the "features" route.
-_BLOCK_BYTES = 64 * 2**20
+ROUTES = ("auto", "kernel", "features", "compressed")
 
 
 def _sym_dim(d: int, p: int) -> int:
@@ -50,7 +55,8 @@ class KernelTarget:
     m : int
         Number of feature columns the products will carry (used to pick the route).
     route : {"auto", "kernel", "features"}
-        ``"auto"`` takes the one with fewer flops per product whose memory fits ``max_bytes``.
+        ``"auto"`` takes the one with fewer flops per product whose memory fits ``max_bytes``
+        (the ``"compressed"`` route is built by :meth:`compressed`).
     max_bytes : int
         Memory budget of the one big allocation (``A``, or the cached features).
 
@@ -64,8 +70,8 @@ class KernelTarget:
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, p: int, m: int, *, route: str = "auto",
                  max_bytes: int = DEFAULT_MAX_BYTES):
-        if route not in ROUTES:
-            raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
+        if route not in ("auto", "kernel", "features"):
+            raise ValueError(f"route must be 'auto', 'kernel' or 'features', got {route!r}")
         self.q, self.k, self.p = q, k, p
         B, n_q, d = q.shape
         n_k = k.shape[-2]
@@ -90,6 +96,17 @@ class KernelTarget:
             # keep ψ when it is small next to the budget; otherwise recompute it block by block
             self._psi = (self._features(q), self._features(k)) if cache <= max_bytes // 4 else None
             self.sq_norm = _kernel_sq_norm(q, k, p, max_bytes)
+
+    @classmethod
+    def compressed(cls, rows_q: torch.Tensor, rows_k: torch.Tensor) -> "KernelTarget":
+        r"""The target of the compressed rows ``rows_q[B, N_q, D]``, ``rows_k[B, N_k, D]``
+        (:func:`~sketchlab.llops.sides.compress_side`): :math:`A' = R_Q R_K^\top`, ``[B, N_q, N_k]``."""
+        self = cls.__new__(cls)
+        self.route, self.p, self.q, self.k, self._psi = "compressed", None, None, None, None
+        self.dim = rows_q.shape[-1]
+        self.a = rows_q @ rows_k.mT
+        self.sq_norm = (self.a**2).sum((-2, -1))
+        return self
 
     def _features(self, x: torch.Tensor) -> torch.Tensor:
         return poly_features(x, self.p, self.p > 1 and x.shape[-1] > 1)  # [B, n, D]
@@ -131,13 +148,61 @@ class KernelTarget:
     def loss(self, fq: torch.Tensor, fk: torch.Tensor, cross: torch.Tensor | None = None) -> torch.Tensor:
         r""":math:`\|\Phi_Q\Phi_K^\top - A\|_F^2` per head, ``[B]``.
 
-        ``cross`` (:math:`A\Phi_K`, if already computed) saves one product on the "features" route.
-        There the value is ``‖A‖² − 2⟨Φ_Q, AΦ_K⟩ + ⟨G_Q, G_K⟩``, whose round-off is about
-        ``1e-16 ‖A‖²`` (clamped at 0); the "kernel" route sums the squared residual directly.
+        With ``cross`` (:math:`A\Phi_K`, already computed) or on the "features" route the value is
+        the moment form ``‖A‖² − 2⟨Φ_Q, AΦ_K⟩ + ⟨G_Q, G_K⟩`` (``O(n m²)``, no product with ``A``
+        when ``cross`` is given), whose round-off is about ``1e-16 ‖A‖²`` (clamped at 0); otherwise
+        the squared residual is summed directly.
         """
-        if self.a is not None:
+        if cross is None and self.a is not None:
             return ((fq @ fk.mT - self.a) ** 2).sum((-2, -1))
         if cross is None:
             cross = self.cross(fk)
         value = self.sq_norm - 2 * (fq * cross).sum((-2, -1)) + ((fq.mT @ fq) * (fk.mT @ fk)).sum((-2, -1))
         return value.clamp_min(0.0)
+
+
+#: ALS sweeps plus LM steps the route choice of :func:`fit_problem` assumes.
+_ITERATIONS = 12
+
+
+def _token_flops(n_q: int, n_k: int, d: int, dim: int, p: int, m: int, t: int) -> float:
+    """Multiply-adds of one token-route iteration: normal matrices of every factor, two products with A."""
+    normal = p * m * t * t * (n_q + n_k) * d * (d + 1) / 2
+    return normal + 2 * m * min(n_q * n_k, (n_q + n_k) * dim)
+
+
+def _compressed_flops(n_q: int, n_k: int, d: int, dim: int, p: int, m: int, t: int) -> tuple[float, float]:
+    """Multiply-adds of the compression (Gram matrices and their eigendecompositions) and of one iteration on the rows."""
+    rows_q, rows_k = min(n_q, dim), min(n_k, dim)
+    setup = (n_q + n_k) * dim * dim + 2 * 10 * dim**3
+    partials = p * t * m * (rows_q + rows_k) * d**p
+    normal = p * m * (rows_q + rows_k) * (t * d) ** 2
+    return setup, partials + normal + 2 * m * rows_q * rows_k
+
+
+def fit_problem(q: torch.Tensor, k: torch.Tensor, p: int, m: int, t: int, *, route: str = "auto",
+                max_bytes: int = DEFAULT_MAX_BYTES):
+    """The two sides and the target of a direct fit, by ``route``.
+
+    ``"kernel"`` and ``"features"`` keep the tokens (:class:`~sketchlab.llops.sides.Tokens`);
+    ``"compressed"`` replaces them with at most ``D`` rows per side. ``"auto"`` takes
+    ``"compressed"`` when its set-up plus :data:`_ITERATIONS` iterations need fewer multiply-adds
+    than the tokens' (and its memory fits ``max_bytes``), else the cheaper token route.
+
+    Returns ``(side_q, side_k, target)``.
+    """
+    if route not in ROUTES:
+        raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
+    B, n_q, d = q.shape
+    n_k = k.shape[-2]
+    dim = _sym_dim(d, p) if p > 1 else d
+    if route == "auto":
+        setup, per = _compressed_flops(n_q, n_k, d, dim, p, m, t)
+        cheaper = setup + _ITERATIONS * per < _ITERATIONS * _token_flops(n_q, n_k, d, dim, p, m, t)
+        route = "compressed" if cheaper and compress_bytes(B, d, p, m, t) <= max_bytes else "auto"
+    if route == "compressed":
+        check_memory(compress_bytes(B, d, p, m, t), what=f"the compressed rows of {B} head(s) (d={d}, p={p}, D={dim}, m={m}, t={t})",
+                     way_out="use route='kernel' or 'features'", max_bytes=max_bytes)
+        (side_q, rows_q), (side_k, rows_k) = compress_side(q, p, max_bytes=max_bytes), compress_side(k, p, max_bytes=max_bytes)
+        return side_q, side_k, KernelTarget.compressed(rows_q, rows_k)
+    return Tokens(q, max_bytes=max_bytes), Tokens(k, max_bytes=max_bytes), KernelTarget(q, k, p, m, route=route, max_bytes=max_bytes)
