@@ -154,9 +154,12 @@ def fit_llops_direct(
     extrapolate : bool
         After each sweep try :math:`\Theta + \beta(\Theta - \Theta_{\text{prev}})` and keep it, per
         head, only where it lowers the loss (``β`` ×1.5 on success, ÷2 on failure, in ``[1/8, 8]``).
-    route : {"auto", "kernel", "features"}
-        How products with ``A`` are formed (:class:`~sketchlab.llops.target.KernelTarget`): the
-        ``n × n`` kernel or the symmetric features in token blocks; ``"auto"`` picks the cheaper that fits ``max_bytes``.
+    route : {"auto", "kernel", "features", "compressed"}
+        How the data enter (:func:`~sketchlab.llops.target.fit_problem`): the tokens with the
+        ``n × n`` kernel, or with symmetric features in token blocks; or, ``"compressed"``, at most
+        ``D = C(d+p-1, p)`` rows per side with the tokens' Gram matrix (same loss and iterates;
+        per sweep the cost no longer grows with ``n``: the route for ``p = 2`` and many tokens).
+        ``"auto"`` picks by estimated cost within ``max_bytes``.
     seed : int
         Seeds the initialisation; the stages are deterministic.
     progress : bool
@@ -179,8 +182,9 @@ def fit_llops_direct(
        the kernel in the singular directions of :math:`QK^\top`).
     2. *ALS sweeps.* The loss is linear least squares in any one factor :math:`\Theta_{r,j}` with
        the others fixed; a block is one column ``i``, one side and one factor ``j`` (``t·d``
-       unknowns). The ``m`` normal matrices of one factor are formed together, one
-       ``(t²m) × n × d(d+1)/2`` product per head, and LU-factored in one batch; the right-hand
+       unknowns). The ``m`` normal matrices of one factor are formed together (on tokens one
+       ``(t²m) × n × d(d+1)/2`` product per head; on ``N`` compressed rows ``N·m·(td)²``), and
+       LU-factored in one batch; the right-hand
        sides follow the columns in turn (Gauss–Seidel). Per sweep: two products with ``A`` and
        ``2p`` normal-matrix products. Each block step is the exact minimiser (up to the ridge).
        Extrapolation as above.

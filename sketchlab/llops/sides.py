@@ -36,7 +36,7 @@ __all__ = ["Tensors", "Tokens", "compress_side", "token_normal_naive"]
 
 
 def _pairs(x: torch.Tensor) -> torch.Tensor:
-    """The products :math:`x_{n,d}\,x_{n,e}`, ``d <= e`` (row-major over the upper triangle), ``[B, n, d(d+1)/2]``."""
+    r"""The products :math:`x_{n,d}\,x_{n,e}`, ``d <= e`` (row-major over the upper triangle), ``[B, n, d(d+1)/2]``."""
     d = x.shape[-1]
     return torch.cat([x[..., i : i + 1] * x[..., i:] for i in range(d)], -1)  # slices: faster than a gather
 
@@ -81,15 +81,15 @@ class _TokenFactor:
         self.x, self.others, self.pairs = x, others, pairs
 
     def normal(self) -> torch.Tensor:
-        """``[B, m, t·d, t·d]``: :math:`Z_i^\\top Z_i` per column ``i``."""
+        r"""``[B, m, t·d, t·d]``: :math:`Z_i^\\top Z_i` per column ``i``."""
         return _token_normal(self.x, self.others.permute(0, 2, 3, 1), self.pairs)
 
     def rhs(self, i: int, target: torch.Tensor) -> torch.Tensor:
-        """:math:`Z_i^\\top v` for ``target[B, n]`` → ``[B, t, d]``."""
+        r""":math:`Z_i^\\top v` for ``target[B, n]`` → ``[B, t, d]``."""
         return (self.others[:, i] * target[:, None]) @ self.x
 
     def column(self, i: int, theta: torch.Tensor) -> torch.Tensor:
-        """Column ``i``'s features :math:`Z_i\\,\\theta` for its factor ``theta[B, t, d]`` → ``[B, n]``."""
+        r"""Column ``i``'s features :math:`Z_i\\,\\theta` for its factor ``theta[B, t, d]`` → ``[B, n]``."""
         return (self.others[:, i] * (theta @ self.x.mT)).sum(1)
 
 
