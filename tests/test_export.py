@@ -110,6 +110,10 @@ def test_cli_fit_writes_a_loadable_export(dump_file, tmp_path, capsys):
     (["--out", "{tmp}/theta.pt"], ".safetensors"),
     (["--out", "{tmp}/theta.safetensors", "--method", "mlp"], "invalid choice"),
     (["--out", "{tmp}/theta.safetensors", "--m", "0"], "m"),
+    (["--out", "{tmp}/theta.safetensors", "--device", "meta"], "of type 'cpu' or 'cuda'"),
+    (["--out", "{tmp}/theta.safetensors", "--device", "banana"], "expected a device"),
+    (["--out", "{tmp}/theta.safetensors", "--fit-tokens", "0"], "integer >= 1"),
+    (["--out", "{tmp}/theta.safetensors", "--method", "psf", "--quality", "high"], "--method llops only"),
 ])
 def test_cli_fit_bad_usage_exits_2_before_fitting(dump_file, tmp_path, capsys, extra, message):
     before = dump_file.read_bytes()
@@ -120,6 +124,19 @@ def test_cli_fit_bad_usage_exits_2_before_fitting(dump_file, tmp_path, capsys, e
     assert err.startswith("sketchlab: error:") and message in err
     assert dump_file.read_bytes() == before
     assert not (tmp_path / "theta.safetensors").exists()
+
+
+def test_cli_fit_options_reach_the_fit(dump_file, tmp_path, capsys):
+    # --fit-tokens, --quality and --device are passed on: the export's recorded fit says so.
+    out = tmp_path / "theta.safetensors"
+    code = main(["fit", str(dump_file), "--p", "2", "--m", "6", "--out", str(out), "--layers", "0", "--heads", "1",
+                 "--holdout", "0", "--fit-tokens", "7", "--quality", "high", "--device", "cpu"])
+    assert code == 0, capsys.readouterr().err
+    errors = sl.load_theta(out)[2]["errors"]
+    assert errors["fit_tokens"] == 7, errors
+    if not torch.cuda.is_available():
+        assert main(["fit", str(dump_file), "--p", "2", "--m", "6", "--out", str(out), "--device", "cuda"]) == 2
+        assert "CUDA is not available" in capsys.readouterr().err
 
 
 def test_fit_command_is_listed():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-__all__ = ["UsageError", "check_outputs", "int_list", "scale_arg", "seed_arg", "write_text_atomic"]
+__all__ = ["UsageError", "check_outputs", "device_arg", "int_list", "positive_int", "scale_arg", "seed_arg", "write_text_atomic"]
 
 
 class UsageError(Exception):
@@ -33,6 +33,36 @@ def seed_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(
             str(err) if "must lie in" in str(err) else f"expected an integer seed, got {text!r}"
         ) from None
+
+
+def device_arg(text: str):
+    """A torch device this machine has: ``"cpu"``, ``"cuda"``, ``"cuda:1"`` (an argparse type)."""
+    import torch
+
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"expected a device such as 'cpu', 'cuda' or 'cuda:0', got {text!r}") from None
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise argparse.ArgumentTypeError(f"expected a device of type 'cpu' or 'cuda', got {text!r}")
+    if not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"device {text!r}: CUDA is not available on this machine")
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(f"device {text!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return device
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1 (an argparse type)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
 
 
 def scale_arg(text: str):

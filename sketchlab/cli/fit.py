@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 from ..io import dump_files
-from ._common import UsageError, check_outputs, int_list, scale_arg
+from ._common import UsageError, check_outputs, device_arg, int_list, positive_int, scale_arg
 
 #: Methods whose sketch has an exact Θ form (sketchlab.as_llops); the others cannot be exported.
 EXPORTABLE = ("llops", "elementwise", "based", "psf")
@@ -26,6 +26,11 @@ def add_arguments(sub) -> None:
                      help="'sqrt-d' (x·d^-1/4, default), 'none', or a number multiplying q and k before fitting")
     cmd.add_argument("--seed", type=int, default=0, help="seed of the held-out split and the fit")
     cmd.add_argument("--holdout", type=float, default=0.25, help="fraction of tokens held out (default 0.25)")
+    cmd.add_argument("--fit-tokens", type=positive_int, default=None,
+                     help="fit on a random subset of this many tokens per head (errors still on all of them)")
+    cmd.add_argument("--quality", choices=("default", "high"), default=None,
+                     help="--method llops only: the fit's preset (sketchlab.llops.QUALITY; default 'default')")
+    cmd.add_argument("--device", type=device_arg, default="cpu", help="where to fit: cpu (default), cuda, cuda:N")
 
 
 def _check_output(out: str, dump: str) -> Path:
@@ -44,9 +49,14 @@ def run(args) -> int:
     from .._dumpsel import select_and_scale
     from ..fit import fit_sketch
 
+    if args.quality is not None and args.method != "llops":
+        raise UsageError(f"--quality applies to --method llops only, got --method {args.method}")
     target = _check_output(args.out, args.dump)
     sel = select_and_scale(args.dump, layers=args.layers, heads=args.heads, scale=args.scale)
-    fit = fit_sketch(args.method, sel.q, sel.k, p=args.p, m=args.m, seed=args.seed, holdout=args.holdout)
+    options = {} if args.quality is None else {"quality": args.quality}
+    device = args.device if not isinstance(args.device, str) else device_arg(args.device)
+    fit = fit_sketch(args.method, sel.q.to(device), sel.k.to(device), p=args.p, m=args.m, seed=args.seed,
+                     holdout=args.holdout, fit_tokens=args.fit_tokens, **options)
     fit.scale = args.scale
     fit.save_theta(target, dump=args.dump)
     report = fit.report
