@@ -11,7 +11,9 @@ Modules
 ``module``     :class:`LLoPS` (``nn.Module`` + :class:`~sketchlab.sketch.Sketch`)
 ``cp``         :func:`projector_to_theta` (CP of projector columns, tensorly)
 ``inits``      :func:`llops_init`: svd, random, cp, based, psf, or a given sketch
-``target``     :class:`~sketchlab.llops.target.KernelTarget`: products with ``A`` without ``n × n``
+``sides``      the rows a fit sees: the tokens, or at most ``D`` compressed rows with their Gram matrix
+``target``     :class:`~sketchlab.llops.target.KernelTarget`: products with ``A`` without ``n × n``;
+               :func:`~sketchlab.llops.target.fit_problem` picks the route
 ``fit_als``    :func:`fit_llops_direct`: exact block ALS, then Levenberg–Marquardt (default fit)
 ``fit_lm``     the Levenberg–Marquardt step (Gauss–Newton + CG, ALS blocks as preconditioner)
 ``fit_adam``   :func:`fit_llops_adam`: the naive Adam baseline
