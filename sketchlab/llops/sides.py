@@ -94,22 +94,22 @@ class _TokenFactor:
 
 
 class _TensorFactor:
-    """Factor ``j`` of every column on a :class:`Tensors` side: ``g[B, m, t, N, d]``, row ``s``'s
-    tensor contracted with every other factor of column ``i``."""
+    """Factor ``j`` of every column on a :class:`Tensors` side: ``z[B, m, t·d, N]``, row ``s``'s
+    tensor contracted with every other factor of column ``i`` (matrix products: no per-call einsum parsing)."""
 
     def __init__(self, g: torch.Tensor):
-        self.g = g
+        B, m, t, N, d = g.shape
+        self.t, self.d = t, d
+        self.z = g.permute(0, 1, 2, 4, 3).reshape(B, m, t * d, N)  # [B, m, (t, d), N]
 
     def normal(self) -> torch.Tensor:
-        B, m, t, N, d = self.g.shape
-        z = self.g.permute(0, 1, 3, 2, 4).reshape(B, m, N, t * d)  # [B, m, N, (t, d)]
-        return z.mT @ z
+        return self.z @ self.z.mT
 
     def rhs(self, i: int, target: torch.Tensor) -> torch.Tensor:
-        return torch.einsum("btsd,bs->btd", self.g[:, i], target)
+        return (self.z[:, i] @ target[:, :, None]).reshape(-1, self.t, self.d)
 
     def column(self, i: int, theta: torch.Tensor) -> torch.Tensor:
-        return torch.einsum("btsd,btd->bs", self.g[:, i], theta)
+        return (theta.reshape(-1, 1, self.t * self.d) @ self.z[:, i])[:, 0]
 
 
 class Tokens:
