@@ -11,7 +11,7 @@ import torch
 from sketchlab import poly_features, poly_kernel
 from sketchlab.llops import fit_llops_direct, llops_features
 from sketchlab.llops.fit_als import _als_side
-from sketchlab.llops.sides import Tensors, Tokens, _token_normal, compress_side, token_normal_naive
+from sketchlab.llops.sides import Tensors, Tokens, _pairs, _token_normal, compress_side, token_normal_naive
 from sketchlab.llops.target import KernelTarget, fit_problem
 
 
@@ -60,12 +60,15 @@ def test_tensor_rows_of_the_tokens_equal_the_tokens(t, p):
 
 
 @pytest.mark.parametrize("t", [1, 2])
-def test_token_normal_matches_naive(t):
-    # The packed upper-triangle product (pairs cached or formed per head) against Z_iᵀZ_i formed explicitly.
+def test_token_normal_matches_naive(t, monkeypatch):
+    # The packed upper-triangle product (pairs given, or formed in token blocks: here blocks of 3
+    # tokens, 11 = 3 + 3 + 3 + 2) against Z_iᵀZ_i formed explicitly.
     x, _ = _data(n=11, d=4)
     others = _theta((2, t, 11, 5), 9)
     slow = token_normal_naive(x, others)
+    monkeypatch.setattr("sketchlab.llops.sides._BLOCK_BYTES", 3 * 8 * 10)  # 3 tokens × 10 pairs × 8 bytes
     assert _rel(_token_normal(x, others), slow) < 1e-13
+    assert _rel(_token_normal(x, others, _pairs(x)), slow) < 1e-13
     assert _rel(Tokens(x, max_bytes=1).factor(_theta((2, t, 2, 4, 5), 3), 0).normal(),
                 Tokens(x).factor(_theta((2, t, 2, 4, 5), 3), 0).normal()) < 1e-13  # uncached pairs
 

@@ -34,6 +34,9 @@ from .maps import feature_partials, features_jvp, features_vjp, llops_features
 
 __all__ = ["Tensors", "Tokens", "compress_side", "token_normal_naive"]
 
+#: Bytes of one block of token products (symmetric features, pairs) formed at a time.
+_BLOCK_BYTES = 64 * 2**20
+
 
 def _pairs(x: torch.Tensor) -> torch.Tensor:
     r"""The products :math:`x_{n,d}\,x_{n,e}`, ``d <= e`` (row-major over the upper triangle), ``[B, n, d(d+1)/2]``."""
@@ -46,17 +49,21 @@ def _token_normal(x: torch.Tensor, others: torch.Tensor, pairs: torch.Tensor | N
 
     ``x[B, n, d]``, ``others[B, t, n, m]`` (the product of each column's other factors):
     :math:`N_i[(r,d),(s,e)] = \sum_n o_{r,n,i}\,o_{s,n,i}\,x_{n,d}\,x_{n,e}`, formed as one
-    ``(t²·m) × n × d(d+1)/2`` matrix product per head with the products ``pairs`` (:func:`_pairs`,
-    formed here when not given).
+    ``(t²·m) × n × d(d+1)/2`` matrix product per head with the products ``pairs`` (:func:`_pairs`;
+    when not given, formed here in token blocks of at most ``_BLOCK_BYTES``).
     """
     B, t, n, m = others.shape
     d = x.shape[-1]
     row, col = torch.triu_indices(d, d, device=x.device)  # the order of _pairs
     out = torch.empty(B, t, t, m, d, d, dtype=x.dtype, device=x.device)
+    step = n if pairs is not None else max(1, _BLOCK_BYTES // (x.element_size() * d * (d + 1) // 2))  # tokens per block
     for b in range(B):  # per head: [t·t·m, n] @ [n, d(d+1)/2]
-        w = (others[b, :, None] * others[b, None, :]).transpose(-2, -1)  # [t, s, m, n]
-        head = _pairs(x[b]) if pairs is None else pairs[b]
-        packed = (w.reshape(-1, n) @ head).reshape(t, t, m, -1)  # [t, s, m, d(d+1)/2]
+        w = (others[b, :, None] * others[b, None, :]).transpose(-2, -1).reshape(t * t * m, n)  # [(t, s, m), n]
+        packed = torch.zeros(t * t * m, d * (d + 1) // 2, dtype=x.dtype, device=x.device)
+        for lo in range(0, n, step):  # uncached pairs: formed in token blocks of at most _BLOCK_BYTES
+            head = pairs[b] if pairs is not None else _pairs(x[b, lo : lo + step])
+            packed += w[:, lo : lo + step] @ head
+        packed = packed.reshape(t, t, m, -1)  # [t, s, m, d(d+1)/2]
         out[b, :, :, :, row, col] = packed
         out[b, :, :, :, col, row] = packed
     return out.permute(0, 3, 1, 4, 2, 5).reshape(B, m, t * d, t * d)  # [B, m, (t, d), (s, e)]
@@ -218,10 +225,6 @@ class Tensors:
 
     def factor(self, theta: torch.Tensor, j: int) -> _TensorFactor:
         return _TensorFactor(self._partial(theta, j).transpose(1, 2))  # [B, m, t, N, d]
-
-
-#: Bytes of one block of symmetric features while a Gram matrix is accumulated.
-_BLOCK_BYTES = 64 * 2**20
 
 
 def compress_bytes(batch: int, d: int, p: int, m: int, t: int) -> int:
