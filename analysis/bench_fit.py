@@ -7,8 +7,9 @@ Usage::
 
 ``--dump`` is repeatable (``standin`` names the seeded ``[6, 12, 512, 32]`` stand-in, :func:`standin_qk`).
 Inputs are scaled by ``d^-1/4`` here, explicitly (``--no-scale`` to skip), so ``qᵀk`` becomes
-``qᵀk/√d``. Per data set, side by side in one run, on all tokens: the previous default (ALS only),
-the default fit (ALS + Levenberg–Marquardt), ``quality="high"`` (``--high``), rank 2, p = 3; then a
+``qᵀk/√d``. Per data set, side by side in one run, on all tokens: ALS only,
+the previous default (ALS then LM), the default fit (ALS sweeps interleaved with Levenberg–Marquardt
+steps), ``quality="high"`` (``--high``), rank 2, p = 3 (and its ``"high"``); then a
 held-out run with the min-norm held-out reference. ``--scale-case`` adds one-head rows (fit time,
 ×optimum, peak memory of a fresh process with ``--scale-threads`` threads, default 2). Writes ``analysis/results/fit.md``.
 """
@@ -126,13 +127,16 @@ def bench(name: str, cfg: Config) -> list[str]:
         lines.append(row)
         return fit
 
-    run("p=2, t=1, ALS only (6 sweeps: the previous default)", 2, 1, lm_steps=0)
-    run("p=2, t=1, default (6 ALS sweeps + 6 LM steps)", 2, 1)
+    run("p=2, t=1, ALS only (6 sweeps)", 2, 1, lm_steps=0)
+    run("p=2, t=1, 6 ALS sweeps then 6 LM steps (the previous default)", 2, 1, lm_steps=6, interleave=0)
+    run("p=2, t=1, default", 2, 1)
     if cfg.high:
         run("p=2, t=1, quality='high'", 2, 1, quality="high")
     run("p=2, t=2, default", 2, 2)
     if not cfg.skip_p3:
         run("p=3, t=1, default", 3, 1)
+        if cfg.high:
+            run("p=3, t=1, quality='high'", 3, 1, quality="high")
     held = run(f"p=2, t=1, default, {holdout:.0%} held out", 2, 1, hold=holdout)
     opt = fit_sketch("optimal", q, k, p=2, m=m, seed=cfg.seed, holdout=holdout, reference=False)
     lines.append(_row(f"Theorem 3.1 optimum (Nyström W*), {holdout:.0%} held out", heads, opt.report))
@@ -225,8 +229,10 @@ def main(argv=None) -> None:
         "",
         "Ratios are `rel_fro ÷ optimum` = ‖Â−A‖_F/√tail (FitReport.optimality_ratio); 1 is optimal. "
         f"default = `fit_sketch(\"llops\", ...)` with its defaults: the svd init, {QUALITY['default'][0]} ALS sweeps "
-        f"(with extrapolation), {QUALITY['default'][1]} Levenberg–Marquardt steps of {QUALITY['default'][2]} CG "
-        f"iterations; quality='high' = {QUALITY['high']}. Wall time is the whole batch of heads. All fitting in float64.",
+        f"(with extrapolation), then {QUALITY['default'][1]} Levenberg–Marquardt steps of {QUALITY['default'][2]} CG "
+        f"iterations with {QUALITY['default'][3]} ALS sweeps before every {QUALITY['default'][3]} of them; "
+        f"quality='high' = {QUALITY['high']} (sweeps, LM steps, CG iterations, interleave). Wall time is the whole "
+        "batch of heads. All fitting in float64.",
         "",
     ]
     for name in cfg.dump:

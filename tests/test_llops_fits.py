@@ -137,11 +137,26 @@ def test_lm_stage_lowers_the_als_result():
     # here; we ask 0.1 %, far above round-off, so a step that does nothing fails).
     q, k = _data(batch=(2,), n=40, d=3, seed=6)
     als = fit_llops_direct(q, k, p=2, m=5, steps=3, lm_steps=0, extrapolate=False)
-    both = fit_llops_direct(q, k, p=2, m=5, steps=3, lm_steps=4, extrapolate=False, tol=0.0)
+    both = fit_llops_direct(q, k, p=2, m=5, steps=3, lm_steps=4, extrapolate=False, tol=0.0, interleave=0)
     r_als = kernel_errors(als, q, k, 2)["rel_fro"]
     r_both = kernel_errors(both, q, k, 2)["rel_fro"]
     assert bool((r_both < (1 - 1e-3) * r_als).all()), (r_both, r_als)
-    assert both.fit_info["lm_steps"] >= 1
+    assert both.fit_info["lm_steps"] >= 1 and both.fit_info["als_steps"] == 3
+
+
+def test_interleaved_als_sweeps_run_between_lm_steps():
+    # interleave=2: 2 ALS sweeps before each block of 2 LM steps, so 5 LM steps (tol 0: none
+    # stops early) bring 2·3 = 6 extra sweeps, and the result differs from LM steps alone.
+    q, k = _data(batch=(2,), n=40, d=3, seed=6)
+    plain = fit_llops_direct(q, k, p=2, m=5, steps=3, lm_steps=5, tol=0.0, interleave=0)
+    mixed = fit_llops_direct(q, k, p=2, m=5, steps=3, lm_steps=5, tol=0.0, interleave=2)
+    assert mixed.fit_info["als_steps"] == 3 + 6 and mixed.fit_info["lm_steps"] == 5
+    assert mixed.fit_info["steps"] == 14
+    assert _rel(mixed.theta_q, plain.theta_q) > 1e-3
+    history = mixed.fit_info["rel_fro_history"]
+    assert len(history) == 1 + 14 and all(b <= a for a, b in zip(history, history[1:]))  # best so far: never up
+    with pytest.raises(ValueError, match="interleave must be an integer >= 0"):
+        fit_llops_direct(q, k, p=2, m=5, interleave=-1)
 
 
 def test_fit_from_a_given_sketch_starts_there():

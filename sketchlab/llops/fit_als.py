@@ -3,7 +3,8 @@ r"""The direct LLoPS fit: exact block alternating least squares, then Levenberg�
 :func:`fit_llops_direct` minimises :math:`\|\Phi_Q\Phi_K^\top - A\|_F^2`,
 :math:`A = (QK^\top)^{\circ p}`, over Θ in two stages per head (batched over heads): ALS sweeps
 (:func:`_als_side`, exact least squares in one column's factor at a time) and then
-Levenberg–Marquardt steps on the whole parameter vector (:func:`~sketchlab.llops.fit_lm.lm_step`).
+Levenberg–Marquardt steps on the whole parameter vector (:func:`~sketchlab.llops.fit_lm.lm_step`),
+interleaved with further ALS sweeps.
 :func:`_als_side_naive` is the float64 twin of one side's update.
 """
 
@@ -25,8 +26,9 @@ from .target import ROUTES, fit_problem
 
 __all__ = ["QUALITY", "fit_llops_direct"]
 
-#: Presets of :func:`fit_llops_direct`: ALS sweeps, LM steps, CG iterations per LM step.
-QUALITY = {"default": (6, 6, 10), "high": (30, 30, 10)}
+#: Presets of :func:`fit_llops_direct`: ALS sweeps, LM steps, CG iterations per LM step, and the
+#: interleave (ALS sweeps run before every block of that many LM steps; 0: ALS, then LM only).
+QUALITY = {"default": (6, 16, 10, 2), "high": (6, 180, 10, 2)}
 
 #: Columns whose targets are formed by one matrix product in :func:`_als_side`.
 _BLOCK = 8
@@ -116,6 +118,7 @@ def fit_llops_direct(
     steps: int | None = None,
     lm_steps: int | None = None,
     cg_iters: int | None = None,
+    interleave: int | None = None,
     tol: float = 1e-4,
     ridge: float = 1e-12,
     extrapolate: bool = True,
@@ -137,13 +140,20 @@ def fit_llops_direct(
         Degree, sketch size, CP rank ``t``.
     init : see :func:`~sketchlab.llops.llops_init` (default ``"svd"``).
     quality : {"default", "high"}
-        Preset budgets ``(steps, lm_steps, cg_iters)`` from :data:`QUALITY`: ``"default"`` (6 ALS
-        sweeps, 6 LM steps of 10 CG iterations) fits the 16 heads of the shipped dump in well under
-        a minute on one thread; ``"high"`` (30, 30, 10) is about seven times slower and closer to the
-        optimum (numbers in ``analysis/results/fit.md``).
+        Preset budgets ``(steps, lm_steps, cg_iters, interleave)`` from :data:`QUALITY`:
+        ``"default"`` (6 ALS sweeps, then 16 LM steps of 10 CG iterations with 2 ALS sweeps before
+        every 2 LM steps) fits the 16 heads of the shipped dump (p = 2, t = 1, m = 64) in under a
+        minute on one thread; ``"high"`` (6, 180, 10, 2) takes about seven minutes there and is
+        closer to the optimum (numbers in ``analysis/results/fit.md``).
     steps, lm_steps, cg_iters : int, optional
         Override the preset: ALS sweeps (``>= 1``), Levenberg–Marquardt steps (``>= 0``), CG
         iterations per LM step (``>= 1``).
+    interleave : int, optional
+        Override the preset: in the LM stage, run this many ALS sweeps (with extrapolation)
+        before every block of ``interleave`` LM steps (``>= 0``; ``0``: the LM steps only, after
+        the ALS stage). The exact block solves and the joint Gauss–Newton steps fix different
+        things (within-block scaling and the coupling between columns), so alternating them
+        lowers the loss faster per second than either alone.
     tol : float
         A stage stops early when one iteration lowers every head's loss by less than this fraction.
     ridge : float
@@ -191,7 +201,8 @@ def fit_llops_direct(
     3. *Levenberg–Marquardt* (:func:`~sketchlab.llops.fit_lm.lm_step`): Gauss–Newton steps on all
        of a head's parameters at once, solved by CG preconditioned with the ALS blocks. ALS
        moves one block at a time and crawls along the narrow valleys ("swamps") of CP problems;
-       the joint step does not.
+       the joint step does not. With ``interleave > 0`` every ``interleave`` LM steps are preceded
+       by ``interleave`` ALS sweeps (``fit_info["als_steps"]`` counts them).
 
     The best Θ seen (initialisation included) is returned per head, so the result never has a
     higher loss than its start. *Stopping rule* (``converged``): the last stage run stopped early
@@ -206,6 +217,7 @@ def fit_llops_direct(
     steps = preset[0] if steps is None else check_positive_int(steps, "steps")
     lm_steps = preset[1] if lm_steps is None else check_nonnegative_int(lm_steps, "lm_steps")
     cg_iters = preset[2] if cg_iters is None else check_positive_int(cg_iters, "cg_iters")
+    interleave = preset[3] if interleave is None else check_nonnegative_int(interleave, "interleave")
     tol = check_real(tol, "tol", positive=False)
     ridge = check_real(ridge, "ridge", positive=False)
     if not isinstance(extrapolate, bool):
@@ -229,7 +241,8 @@ def fit_llops_direct(
     init_rel = (loss / norm_a).sqrt()
     best_loss, best_q, best_k = loss.clone(), theta_q.clone(), theta_k.clone()
     history = [float(init_rel.median())]
-    bar = tqdm(total=steps + lm_steps, desc="LLoPS fit", disable=not progress, leave=False)
+    extra = interleave * -(-lm_steps // interleave) if interleave else 0  # ALS sweeps inside the LM stage
+    bar = tqdm(total=steps + lm_steps + extra, desc="LLoPS fit", disable=not progress, leave=False)
 
     def keep_best(new):
         nonlocal best_loss
@@ -243,14 +256,15 @@ def fit_llops_direct(
         bar.update()
 
     beta = torch.full_like(loss, 0.5)  # per-head extrapolation step
-    als_done, converged = 0, False
-    for step in range(steps):
+
+    def als_step(theta_q, theta_k, fq, fk, cross_q, beta, count):
+        """One ALS sweep plus the extrapolation trial; returns the new state and loss."""
         prev_q, prev_k = theta_q.clone(), theta_k.clone()
         _als_sweep(side_q, side_k, target, theta_q, theta_k, fq, fk, cross_q, ridge)
         fq, fk = side_q.features(theta_q), side_k.features(theta_k)  # recompute: no drift
         cross_q = target.cross(fk)
         new = target.loss(fq, fk, cross_q)
-        check_finite_loss(new, step + 1, "LLoPS direct", batch)
+        check_finite_loss(new, count, "LLoPS direct", batch)
         if extrapolate:
             b = beta[:, None, None, None, None]
             cand_q, cand_k = theta_q + b * (theta_q - prev_q), theta_k + b * (theta_k - prev_k)
@@ -263,6 +277,11 @@ def fit_llops_direct(
             fq, fk, cross_q = torch.where(keep3, cand_fq, fq), torch.where(keep3, cand_fk, fk), torch.where(keep3, cand_cross, cross_q)
             new = torch.where(take, cand, new)
             beta = torch.where(take, (beta * 1.5).clamp(max=8.0), (beta * 0.5).clamp(min=0.125))
+        return theta_q, theta_k, fq, fk, cross_q, beta, new
+
+    als_done, converged = 0, False
+    for step in range(steps):
+        theta_q, theta_k, fq, fk, cross_q, beta, new = als_step(theta_q, theta_k, fq, fk, cross_q, beta, step + 1)
         als_done = step + 1
         keep_best(new)
         converged = bool(((loss - new) <= tol * loss).all())
@@ -273,8 +292,16 @@ def fit_llops_direct(
     damping = torch.full_like(loss, 1e-3)
     lm_done = 0
     for step in range(lm_steps):
+        if interleave and step % interleave == 0:  # ALS sweeps before every block of LM steps
+            fq, fk = side_q.features(theta_q), side_k.features(theta_k)
+            cross_q = target.cross(fk)
+            for _ in range(interleave):
+                theta_q, theta_k, fq, fk, cross_q, beta, loss = als_step(
+                    theta_q, theta_k, fq, fk, cross_q, beta, als_done + lm_done + 1)
+                als_done += 1
+                keep_best(loss)
         new, damping = lm_step(side_q, side_k, target, theta_q, theta_k, loss, damping, cg_iters=cg_iters)
-        check_finite_loss(new, als_done + step + 1, "LLoPS direct (LM)", batch)
+        check_finite_loss(new, als_done + lm_done + 1, "LLoPS direct (LM)", batch)
         lm_done = step + 1
         keep_best(new)
         stalled = ((loss - new) <= tol * loss) & ((new < loss) | (damping >= 1e6))
