@@ -33,7 +33,7 @@ def fit_llops(q, k, *, p: int, m: int, seed: int = 0, rank: int = 1, method: str
     """``fit_sketch("llops", q, k, p=, m=, rank=1, method="direct"|"cp"|"adam", init=..., **options)``.
 
     ``method="direct"`` → :func:`~sketchlab.llops.fit_llops_direct` (``init`` default ``"svd"``;
-    options ``quality``, ``steps``, ``lm_steps``, ``cg_iters``, ``tol``, ``ridge``, ``route``, ...);
+    options ``quality``, ``steps``, ``lm_steps``, ``cg_iters``, ``interleave``, ``tol``, ``ridge``, ``route``, ...);
     ``"cp"`` → :func:`~sketchlab.llops.fit_llops_cp` (``init`` must be ``None``); ``"adam"`` →
     :func:`~sketchlab.llops.fit_llops_adam` (``init`` default ``"random"``). An option the chosen
     function does not take is rejected with ``ValueError`` listing the ones it does.
