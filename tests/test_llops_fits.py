@@ -276,6 +276,19 @@ def test_pieces_follow_the_input_device():
     loss, damping = lm_step(Tokens(mq), Tokens(mk), target, tq, tk, torch.zeros(1, device="meta", dtype=torch.float64),
                             torch.ones(1, device="meta", dtype=torch.float64), cg_iters=2)
     assert loss.device.type == "meta" and damping.device.type == "meta"
+    # compressed rows (general tensors) and their kernel: one LM step and one ALS sweep on meta
+    from sketchlab.llops.sides import Tensors
+
+    rows_q, rows_k = torch.randn(1, 3, 3, device="meta", dtype=torch.float64), torch.randn(1, 3, 3, device="meta", dtype=torch.float64)
+    side_q = Tensors(torch.randn(1, 3, 4, device="meta", dtype=torch.float64), 2, 2)
+    side_k = Tensors(torch.randn(1, 3, 4, device="meta", dtype=torch.float64), 2, 2)
+    target = KernelTarget.compressed(rows_q, rows_k)
+    loss, damping = lm_step(side_q, side_k, target, tq, tk, torch.zeros(1, device="meta", dtype=torch.float64),
+                            torch.ones(1, device="meta", dtype=torch.float64), cg_iters=2)
+    assert loss.device.type == "meta" and damping.device.type == "meta"
+    fq, fk = side_q.features(tq), side_k.features(tk)
+    _als_sweep(side_q, side_k, target, tq, tk, fq, fk, target.cross(fk), 1e-12)
+    assert tq.device.type == "meta" and fq.device.type == "meta"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: device placement of a full fit on a GPU")
