@@ -207,8 +207,9 @@ def fit_llops_direct(
     The best Θ seen (initialisation included) is returned per head, so the result never has a
     higher loss than its start. *Stopping rule* (``converged``): the last stage run stopped early
     because one of its iterations lowered every head's loss by less than ``tol`` (relative); an
-    LM step that is rejected counts as no decrease only once ``λ`` has reached its ceiling.
-    A non-finite loss raises ``FloatingPointError`` naming the heads.
+    LM step that is rejected counts as no decrease only once ``λ`` has reached its ceiling. In the
+    LM stage the test compares each LM step with the loss just before it (after any interleaved
+    ALS sweeps): what the sweeps gained does not count. A non-finite loss raises ``FloatingPointError`` naming the heads.
     """
     q, k, p, m, rank, out_dtype, batch, q64, k64 = prepare(q, k, p, m, rank)
     if quality not in QUALITY:
