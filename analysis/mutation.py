@@ -49,7 +49,7 @@ MODULES = {
     "optimal": ["sketchlab/optimal.py"],
     "spectral": ["sketchlab/spectral.py"],
     "metrics": ["sketchlab/metrics.py"],
-    "llops": ["sketchlab/llops.py", "sketchlab/llops/*.py"],
+    "llops": ["sketchlab/llops/*.py"],
     "sketches/psf": ["sketchlab/sketches/psf.py"],
     "sketches/convert": ["sketchlab/sketches/convert.py"],
 }

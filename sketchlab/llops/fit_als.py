@@ -227,7 +227,9 @@ def fit_llops_direct(
         raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
     if cp_options is not None and not isinstance(cp_options, dict):
         raise TypeError(f"cp_options must be a dict or None, got {type(cp_options).__name__}")
-    side_q, side_k, target = fit_problem(q64, k64, p, m, rank, route=route, max_bytes=max_bytes)
+    extra = interleave * -(-lm_steps // interleave) if interleave else 0  # ALS sweeps inside the LM stage
+    side_q, side_k, target = fit_problem(q64, k64, p, m, rank, route=route, iterations=steps + lm_steps + extra,
+                                         max_bytes=max_bytes)
     check_finite_loss(target.sq_norm, 0, "LLoPS direct", batch)
     theta_q, theta_k = llops_init(q, k, p=p, m=m, rank=rank, init=init, seed=seed, max_bytes=max_bytes,
                                   **(cp_options or {}))
@@ -242,7 +244,6 @@ def fit_llops_direct(
     init_rel = (loss / norm_a).sqrt()
     best_loss, best_q, best_k = loss.clone(), theta_q.clone(), theta_k.clone()
     history = [float(init_rel.median())]
-    extra = interleave * -(-lm_steps // interleave) if interleave else 0  # ALS sweeps inside the LM stage
     bar = tqdm(total=steps + lm_steps + extra, desc="LLoPS fit", disable=not progress, leave=False)
 
     def keep_best(new):

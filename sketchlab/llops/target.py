@@ -161,10 +161,6 @@ class KernelTarget:
         return value.clamp_min(0.0)
 
 
-#: ALS sweeps plus LM steps the route choice of :func:`fit_problem` assumes.
-_ITERATIONS = 12
-
-
 def _token_flops(n_q: int, n_k: int, d: int, dim: int, p: int, m: int, t: int) -> float:
     """Multiply-adds of one token-route iteration: normal matrices of every factor, two products with A."""
     normal = p * m * t * t * (n_q + n_k) * d * (d + 1) / 2
@@ -181,13 +177,14 @@ def _compressed_flops(n_q: int, n_k: int, d: int, dim: int, p: int, m: int, t: i
 
 
 def fit_problem(q: torch.Tensor, k: torch.Tensor, p: int, m: int, t: int, *, route: str = "auto",
-                max_bytes: int = DEFAULT_MAX_BYTES):
+                iterations: int = 38, max_bytes: int = DEFAULT_MAX_BYTES):
     """The two sides and the target of a direct fit, by ``route``.
 
     ``"kernel"`` and ``"features"`` keep the tokens (:class:`~sketchlab.llops.sides.Tokens`);
     ``"compressed"`` replaces them with at most ``D`` rows per side. ``"auto"`` takes
-    ``"compressed"`` when its set-up plus :data:`_ITERATIONS` iterations need fewer multiply-adds
-    than the tokens' (and its memory fits ``max_bytes``), else the cheaper token route.
+    ``"compressed"`` when its set-up plus ``iterations`` ALS sweeps and LM steps (the fit's budget;
+    38 in the default preset) need fewer multiply-adds than the tokens' (and its memory fits
+    ``max_bytes``), else the cheaper token route.
 
     Returns ``(side_q, side_k, target)``.
     """
@@ -198,7 +195,7 @@ def fit_problem(q: torch.Tensor, k: torch.Tensor, p: int, m: int, t: int, *, rou
     dim = _sym_dim(d, p) if p > 1 else d
     if route == "auto":
         setup, per = _compressed_flops(n_q, n_k, d, dim, p, m, t)
-        cheaper = setup + _ITERATIONS * per < _ITERATIONS * _token_flops(n_q, n_k, d, dim, p, m, t)
+        cheaper = setup + iterations * per < iterations * _token_flops(n_q, n_k, d, dim, p, m, t)
         route = "compressed" if cheaper and compress_bytes(B, d, p, m, t) <= max_bytes else "auto"
     if route == "compressed":
         check_memory(compress_bytes(B, d, p, m, t), what=f"the compressed rows of {B} head(s) (d={d}, p={p}, D={dim}, m={m}, t={t})",
