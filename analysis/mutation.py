@@ -236,7 +236,8 @@ def diff(name: str) -> str:
     return "\n".join(lines) or out.stdout.strip()
 
 
-def write_report(results: list[ModuleResult], finished: bool, seconds: float, sample_size: int, seed: int) -> None:
+def write_report(results: list[ModuleResult], finished: bool, seconds: float, sample_size: int, seed: int,
+                 out: Path = OUT) -> None:
     total = Counter()
     for r in results:
         total.update(r.counts)
@@ -256,10 +257,8 @@ def write_report(results: list[ModuleResult], finished: bool, seconds: float, sa
         f"{seconds / 60:.0f} min wall time (the first run of the 350-mutant sample, stats collection included, "
         "took about 15 min on 2 shared cores; re-checks after new tests take minutes).",
         "",
-        "The LLoPS row is `sketchlab/llops.py` as on main at the time of the run; the fits helper is turning it "
-        "into the package `sketchlab/llops/` (covered by `setup.cfg` and `MODULES`): re-run "
-        "`python analysis/mutation.py --modules llops` once that lands. Survivors marked *Not acceptable* name "
-        "the missing test and its owner.",
+        f"Modules in this file: {', '.join(r.label for r in results)}. Survivors marked *Not acceptable* name "
+        "the missing test and its owner; *not reviewed yet* ones are open.",
         "",
         "| module | mutants | checked | killed | timeout | survived | not checked | score (95% CI) |",
         "|---|---|---|---|---|---|---|---|",
@@ -285,11 +284,11 @@ def write_report(results: list[ModuleResult], finished: bool, seconds: float, sa
         for name in r.survivors:
             reason = REVIEWED.get(name, "not reviewed yet")
             lines += [f"- `{name}`: {reason}", "", "```diff", diff(name), "```", ""]
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    tmp = OUT.with_suffix(".md.tmp")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".md.tmp")
     tmp.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    os.replace(tmp, OUT)
-    print(f"wrote {OUT.relative_to(ROOT)}: {caught}/{checked} checked mutants killed")
+    os.replace(tmp, out)
+    print(f"wrote {out}: {caught}/{checked} checked mutants killed")
 
 
 def main(argv=None) -> int:
@@ -302,6 +301,7 @@ def main(argv=None) -> int:
     parser.add_argument("--report-only", action="store_true", help="do not run mutmut; report what mutants/ holds")
     parser.add_argument("--recheck-survivors", action="store_true",
                         help="check the sample's survivors again (after adding tests)")
+    parser.add_argument("--out", type=Path, default=OUT, help="results file (default analysis/results/mutation.md)")
     args = parser.parse_args(argv)
     labels = [m.strip() for m in args.modules.split(",") if m.strip()]
     unknown = [m for m in labels if m not in MODULES]
@@ -318,7 +318,7 @@ def main(argv=None) -> int:
         finished = run(chosen, args.max_children, args.time_box - (time.perf_counter() - start),
                        recheck=args.recheck_survivors)
         _ALL_CODES.clear()
-    write_report(collect(chosen), finished, time.perf_counter() - start, args.sample, args.seed)
+    write_report(collect(chosen), finished, time.perf_counter() - start, args.sample, args.seed, args.out)
     return 0
 
 

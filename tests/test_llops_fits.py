@@ -144,6 +144,17 @@ def test_lm_stage_lowers_the_als_result():
     assert both.fit_info["lm_steps"] >= 1 and both.fit_info["als_steps"] == 3
 
 
+def test_converged_follows_the_lm_stopping_rule():
+    # tol = 0.9: the first LM step (accepted, or rejected with λ below its ceiling, then the next)
+    # lowers the loss by far less than 90 %, so the stage stops and reports converged; with tol = 0
+    # it never stops early and runs every step unconverged.
+    q, k = _data(batch=(2,), n=40, d=3, seed=6)
+    loose = fit_llops_direct(q, k, p=2, m=5, steps=1, lm_steps=8, tol=0.9, interleave=0)
+    strict = fit_llops_direct(q, k, p=2, m=5, steps=1, lm_steps=8, tol=0.0, interleave=0)
+    assert loose.fit_info["converged"] is True and loose.fit_info["lm_steps"] < 8
+    assert strict.fit_info["converged"] is False and strict.fit_info["lm_steps"] == 8
+
+
 def test_interleaved_als_sweeps_run_between_lm_steps():
     # interleave=2: 2 ALS sweeps before each block of 2 LM steps, so 5 LM steps (tol 0: none
     # stops early) bring 2·3 = 6 extra sweeps, and the result differs from LM steps alone.
