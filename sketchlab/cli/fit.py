@@ -54,8 +54,7 @@ def run(args) -> int:
     target = _check_output(args.out, args.dump)
     sel = select_and_scale(args.dump, layers=args.layers, heads=args.heads, scale=args.scale)
     options = {} if args.quality is None else {"quality": args.quality}
-    device = args.device if not isinstance(args.device, str) else device_arg(args.device)
-    fit = fit_sketch(args.method, sel.q.to(device), sel.k.to(device), p=args.p, m=args.m, seed=args.seed,
+    fit = fit_sketch(args.method, sel.q.to(args.device), sel.k.to(args.device), p=args.p, m=args.m, seed=args.seed,
                      holdout=args.holdout, fit_tokens=args.fit_tokens, **options)
     fit.scale = args.scale
     fit.save_theta(target, dump=args.dump)
