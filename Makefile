@@ -47,7 +47,8 @@ analysis: setup
 	$(RUN) analysis/spectrum.py
 	$(RUN) analysis/bench_fit.py --dump data/mqar_softmax_qk.safetensors --threads 1 --high \
 	    --scale-case 32,16384,64,2,1,0 --scale-case 32,16384,64,2,2,0 --scale-case 32,4096,64,3,1,0 \
-	    --scale-case 64,16384,64,2,1,0 --scale-case 64,65536,64,2,1,0 --scale-case 128,4096,128,2,1,0 \
+	    --scale-case 64,16384,64,2,1,0 --scale-case 64,16384,64,2,1,0,features --scale-case 64,65536,64,2,1,0 \
+	    --scale-case 128,4096,128,2,1,0 \
 	    --scale-case 128,4096,128,2,1,1024
 	$(RUN) analysis/noop_check.py
 	$(RUN) analysis/recall.py --steps 240 --eval-every 40 --linearize-steps 30 --seeds 0,1 --degrees 2,4 \

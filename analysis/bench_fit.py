@@ -3,7 +3,7 @@
 Usage::
 
     .venv/bin/python analysis/bench_fit.py --dump data/mqar_softmax_qk.safetensors --threads 1 \
-        [--dump standin] [--high] [--skip-p3] [--scale-case d,n,m,p,t,fit_tokens ...]
+        [--dump standin] [--high] [--skip-p3] [--scale-case d,n,m,p,t,fit_tokens[,route] ...]
 
 ``--dump`` is repeatable (``standin`` names the seeded ``[6, 12, 512, 32]`` stand-in, :func:`standin_qk`).
 Inputs are scaled by ``d^-1/4`` here, explicitly (``--no-scale`` to skip), so ``qᵀk`` becomes
@@ -11,7 +11,8 @@ Inputs are scaled by ``d^-1/4`` here, explicitly (``--no-scale`` to skip), so ``
 the previous default (ALS then LM), the default fit (ALS sweeps interleaved with Levenberg–Marquardt
 steps), ``quality="high"`` (``--high``), rank 2, p = 3 (and its ``"high"``); then a
 held-out run with the min-norm held-out reference. ``--scale-case`` adds one-head rows (fit time,
-×optimum, peak memory of a fresh process with ``--scale-threads`` threads, default 2). Writes ``analysis/results/fit.md``.
+×optimum, iterations run, peak memory of a fresh process with ``--scale-threads`` threads, default 2;
+``route`` forces one of :data:`sketchlab.llops.target.ROUTES`, default ``auto``). Writes ``analysis/results/fit.md``.
 """
 
 from __future__ import annotations
@@ -155,6 +156,7 @@ def bench(name: str, cfg: Config) -> list[str]:
 SCALE_SCRIPT = r"""
 import json, resource, sys, time, torch
 d, n, m, p, t, fit_tokens, threads = (int(a) for a in sys.argv[1:8])
+route = sys.argv[8]
 torch.set_num_threads(threads)
 from sketchlab import fit_sketch
 gen = torch.Generator().manual_seed(0)
@@ -164,15 +166,28 @@ def side():
     return (x * d ** -0.25).float()
 q, k = side(), side()
 start = time.perf_counter()
-fit = fit_sketch("llops", q, k, p=p, m=m, rank=t, fit_tokens=fit_tokens or None)
+fit = fit_sketch("llops", q, k, p=p, m=m, rank=t, fit_tokens=fit_tokens or None, route=route)
+info = fit.report.info
 print(json.dumps({"seconds": fit.report.seconds, "total": time.perf_counter() - start, "ratio": float(fit.report.optimality_ratio),
-                  "route": fit.report.info["route"], "peak_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}))
+                  "route": info["route"], "iterations": fit.report.steps, "capped": info["capped"],
+                  "peak_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}))
 """
 
 
+def scale_case(text: str) -> tuple:
+    """``"d,n,m,p,t,fit_tokens[,route]"`` → ``(d, n, m, p, t, fit_tokens, route)``."""
+    from sketchlab.llops.target import ROUTES
+
+    parts = text.split(",")
+    if len(parts) not in (6, 7) or (len(parts) == 7 and parts[6] not in ROUTES) or not all(v.isdigit() for v in parts[:6]):
+        raise SystemExit(f"--scale-case must be d,n,m,p,t,fit_tokens[,route] (integers >= 0; route in {ROUTES}), got {text!r}")
+    return (*(int(v) for v in parts[:6]), parts[6] if len(parts) == 7 else "auto")
+
+
 def scale_rows(cases, threads: int) -> list[str]:
-    """One head per case, each in a fresh process with ``threads`` threads (peak memory = its max RSS,
-    report included): fit seconds, fit + report seconds, ×optimum on all tokens, route, peak memory."""
+    """One head per case ``(d, n, m, p, t, fit_tokens, route)``, each in a fresh process with ``threads``
+    threads (peak memory = its max RSS, report included): fit seconds, fit + report seconds, ×optimum
+    on all tokens, route, iterations (and whether the preset's work cap cut them), peak memory."""
     import json
     import subprocess
 
@@ -180,19 +195,19 @@ def scale_rows(cases, threads: int) -> list[str]:
              "fit s = `FitReport.seconds` (the fit: init, route set-up, sweeps); total s adds the report (errors on all "
              "tokens in row blocks, the Theorem 3.1 optimum). Peak memory = the fresh process's max RSS, report included.",
              "",
-             "| d | n | m | p | t | fit_tokens | fit s | total s | ×optimum (all tokens) | route | peak memory GB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| d | n | m | p | t | fit_tokens | fit s | total s | ×optimum (all tokens) | route | iterations | peak memory GB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for case in cases:
-        d, n, m, p, t, sub = case
+        d, n, m, p, t, sub, route = case
         env = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(threads), "PATH": "/usr/bin:/bin"}
-        out = subprocess.run([sys.executable, "-c", SCALE_SCRIPT, *map(str, case), str(threads)], capture_output=True,
+        out = subprocess.run([sys.executable, "-c", SCALE_SCRIPT, *map(str, case[:6]), str(threads), route], capture_output=True,
                              text=True, env=env)
         if out.returncode != 0:
-            row = f"| {d} | {n} | {m} | {p} | {t} | {sub or 'all'} | failed: {out.stderr.strip().splitlines()[-1][:120]} | | | | |"
+            row = f"| {d} | {n} | {m} | {p} | {t} | {sub or 'all'} | failed: {out.stderr.strip().splitlines()[-1][:120]} | | | {route} | | |"
         else:
             r = json.loads(out.stdout.strip().splitlines()[-1])
             row = (f"| {d} | {n} | {m} | {p} | {t} | {sub or 'all'} | {r['seconds']:.1f} | {r['total']:.1f} | {r['ratio']:.3f} | "
-                   f"{r['route']} | {r['peak_gb']:.2f} |")
+                   f"{r['route']} | {r['iterations']}{' (capped)' if r['capped'] else ''} | {r['peak_gb']:.2f} |")
         print(row, flush=True)
         lines.append(row)
     return lines + [""]
@@ -210,15 +225,16 @@ def main(argv=None) -> None:
     parser.add_argument("--no-scale", action="store_true", help="do not scale inputs by d^-1/4")
     parser.add_argument("--skip-p3", action="store_true")
     parser.add_argument("--high", action="store_true", help="also run quality='high' (minutes)")
-    parser.add_argument("--scale-case", action="append", default=None, metavar="d,n,m,p,t,fit_tokens",
-                        help="one-head scale case (fit_tokens 0 = all); repeatable; default: none")
+    parser.add_argument("--scale-case", action="append", default=None, metavar="d,n,m,p,t,fit_tokens[,route]",
+                        help="one-head scale case (fit_tokens 0 = all; route default auto); repeatable; default: none")
     parser.add_argument("--scale-threads", type=int, default=2, help="threads of each scale case (default 2: the target machine's cores)")
     a = parser.parse_args(argv)
     if a.threads is not None:
         torch.set_num_threads(a.threads)
-    cases = [tuple(int(v) for v in c.split(",")) for c in (a.scale_case or [])]
+    cases = [scale_case(c) for c in (a.scale_case or [])]
     cfg = Config(a.dump if a.dump is not None else ["standin"], a.out, a.holdout, a.seed, not a.no_scale, a.skip_p3,
                  a.high, cases)
+    default = QUALITY["default"]
     lines = [
         "# LLoPS fits against the Theorem 3.1 optimum",
         "",
@@ -228,11 +244,12 @@ def main(argv=None) -> None:
         "one run, not runs).",
         "",
         "Ratios are `rel_fro ÷ optimum` = ‖Â−A‖_F/√tail (FitReport.optimality_ratio); 1 is optimal. "
-        f"default = `fit_sketch(\"llops\", ...)` with its defaults: the svd init, {QUALITY['default'][0]} ALS sweeps "
-        f"(with extrapolation), then {QUALITY['default'][1]} Levenberg–Marquardt steps of {QUALITY['default'][2]} CG "
-        f"iterations with {QUALITY['default'][3]} ALS sweeps before every {QUALITY['default'][3]} of them; "
-        f"quality='high' = {QUALITY['high']} (sweeps, LM steps, CG iterations, interleave). Wall time is the whole "
-        "batch of heads. All fitting in float64.",
+        f"default = `fit_sketch(\"llops\", ...)` with its defaults: the svd init, {default.steps} ALS sweeps "
+        f"(with extrapolation), then {default.lm_steps} Levenberg–Marquardt steps of {default.cg_iters} CG "
+        f"iterations with {default.interleave} ALS sweeps before every {default.interleave} of them, cut where "
+        f"the estimated multiply-adds per head would pass {default.work:.1e} (binds only on the large scale cases); "
+        f"quality='high' = {tuple(QUALITY['high'])} (sweeps, LM steps, CG iterations, interleave, work). Wall time "
+        "is the whole batch of heads. All fitting in float64.",
         "",
     ]
     for name in cfg.dump:

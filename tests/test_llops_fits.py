@@ -15,7 +15,7 @@ from sketchlab.llops.fit_als import _als_sweep
 from sketchlab.llops.fit_lm import lm_step
 from sketchlab.llops.maps import feature_partials, features_jvp, features_vjp
 from sketchlab.llops.sides import Tokens
-from sketchlab.llops.target import KernelTarget
+from sketchlab.llops.target import KernelTarget, _token_flops
 from sketchlab.optimal import optimal_sketch
 
 
@@ -168,6 +168,24 @@ def test_interleaved_als_sweeps_run_between_lm_steps():
     assert len(history) == 1 + 14 and all(b <= a for a, b in zip(history, history[1:]))  # best so far: never up
     with pytest.raises(ValueError, match="interleave must be an integer >= 0"):
         fit_llops_direct(q, k, p=2, m=5, interleave=-1)
+
+
+@pytest.mark.parametrize("allowed,als,lm", [(1, 1, 0), (4, 4, 0), (6, 5, 1), (13, 9, 4), (20, 9, 5)])
+def test_work_cap_cuts_the_schedule(allowed, als, lm):
+    # Schedule: 3 ALS sweeps, then 5 LM steps with 2 ALS sweeps before each block of 2 (14
+    # iterations). A cap of (allowed + 0.5) iterations' estimated cost keeps the first `allowed`
+    # of them in schedule order, without changing them: the history is the uncapped one's prefix.
+    q, k = _data(batch=(2,), n=40, d=3, seed=6)
+    per = _token_flops(40, 40, 3, 6, 2, 5, 1)  # the kernel route's estimate of one iteration
+    opts = dict(p=2, m=5, steps=3, lm_steps=5, tol=0.0, route="kernel")
+    full = fit_llops_direct(q, k, **opts, work=math.inf)
+    capped = fit_llops_direct(q, k, **opts, work=(allowed + 0.5) * per)
+    assert capped.fit_info["route"] == "kernel" and full.fit_info["steps"] == 14
+    assert (capped.fit_info["als_steps"], capped.fit_info["lm_steps"]) == (als, lm)
+    assert capped.fit_info["capped"] is (allowed < 14) and full.fit_info["capped"] is False
+    assert capped.fit_info["rel_fro_history"] == full.fit_info["rel_fro_history"][: als + lm + 1]
+    with pytest.raises(ValueError, match="work must be a finite number > 0"):
+        fit_llops_direct(q, k, p=2, m=5, work=0)
 
 
 def test_fit_from_a_given_sketch_starts_there():

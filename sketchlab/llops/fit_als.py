@@ -11,6 +11,7 @@ interleaved with further ALS sweeps.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from tqdm import tqdm
@@ -24,11 +25,22 @@ from .maps import llops_features
 from .module import LLoPS
 from .target import ROUTES, fit_problem
 
-__all__ = ["QUALITY", "fit_llops_direct"]
+__all__ = ["QUALITY", "Preset", "fit_llops_direct"]
 
-#: Presets of :func:`fit_llops_direct`: ALS sweeps, LM steps, CG iterations per LM step, and the
-#: interleave (ALS sweeps run before every block of that many LM steps; 0: ALS, then LM only).
-QUALITY = {"default": (6, 16, 10, 2), "high": (6, 180, 10, 2)}
+class Preset(NamedTuple):
+    """A budget of :func:`fit_llops_direct`."""
+
+    steps: int  #: ALS sweeps of the first stage
+    lm_steps: int  #: Levenberg–Marquardt steps
+    cg_iters: int  #: conjugate-gradient iterations per LM step
+    interleave: int  #: ALS sweeps before every block of that many LM steps (0: ALS, then LM only)
+    work: float  #: cap on the iterations' estimated multiply-adds per head
+
+
+#: Presets of :func:`fit_llops_direct`. The work caps bind only on large heads: the shipped dump's
+#: (d = 32, n = 512, m = 64) take about 1e8 multiply-adds per iteration, a head of d = 128,
+#: n = 4096, m = 128 about 2.2e10.
+QUALITY = {"default": Preset(6, 16, 10, 2, 1.5e11), "high": Preset(6, 180, 10, 2, 1.5e12)}
 
 #: Columns whose targets are formed by one matrix product in :func:`_als_side`.
 _BLOCK = 8
@@ -119,6 +131,7 @@ def fit_llops_direct(
     lm_steps: int | None = None,
     cg_iters: int | None = None,
     interleave: int | None = None,
+    work: float | None = None,
     tol: float = 1e-4,
     ridge: float = 1e-12,
     extrapolate: bool = True,
@@ -140,11 +153,12 @@ def fit_llops_direct(
         Degree, sketch size, CP rank ``t``.
     init : see :func:`~sketchlab.llops.llops_init` (default ``"svd"``).
     quality : {"default", "high"}
-        Preset budgets ``(steps, lm_steps, cg_iters, interleave)`` from :data:`QUALITY`:
-        ``"default"`` (6 ALS sweeps, then 16 LM steps of 10 CG iterations with 2 ALS sweeps before
-        every 2 LM steps) fits the 16 heads of the shipped dump (p = 2, t = 1, m = 64) in under a
-        minute on one thread; ``"high"`` (6, 180, 10, 2) takes about seven minutes there and is
-        closer to the optimum (numbers in ``analysis/results/fit.md``).
+        Preset budgets :class:`Preset` ``(steps, lm_steps, cg_iters, interleave, work)`` from
+        :data:`QUALITY`: ``"default"`` (6 ALS sweeps, then 16 LM steps of 10 CG iterations with 2
+        ALS sweeps before every 2 LM steps; at most ``1.5e11`` multiply-adds per head) fits the 16
+        heads of the shipped dump (p = 2, t = 1, m = 64) in under a minute on one thread;
+        ``"high"`` (6, 180, 10, 2, 1.5e12) takes about seven minutes there and is closer to the
+        optimum (numbers in ``analysis/results/fit.md``).
     steps, lm_steps, cg_iters : int, optional
         Override the preset: ALS sweeps (``>= 1``), Levenberg–Marquardt steps (``>= 0``), CG
         iterations per LM step (``>= 1``).
@@ -154,6 +168,14 @@ def fit_llops_direct(
         the ALS stage). The exact block solves and the joint Gauss–Newton steps fix different
         things (within-block scaling and the coupling between columns), so alternating them
         lowers the loss faster per second than either alone.
+    work : float, optional
+        Override the preset's cap on the iterations' multiply-adds per head (``> 0``; ``inf``: no
+        cap). The schedule above is cut after ``max(1, ⌊work / c⌋)`` iterations (ALS sweeps and
+        LM steps alike), ``c`` being the route's estimate of one iteration
+        (:func:`~sketchlab.llops.target.fit_problem`; ``2p`` normal-matrix products and two
+        products with ``A``). The cap keeps a large head's fit to seconds, where an iteration costs
+        ~1e10 (d = 128, n = 4096, m = 128: six ALS sweeps in the default) and leaves small heads
+        untouched; ``fit_info["capped"]`` says whether it cut the schedule.
     tol : float
         A stage stops early when one iteration lowers every head's loss by less than this fraction.
     ridge : float
@@ -183,8 +205,8 @@ def fit_llops_direct(
     -------
     LLoPS
         Untied, ``theta[..., rank, p, d, m]`` in the input dtype (float32 at least), with
-        ``fit_info = {"steps", "als_steps", "lm_steps", "converged", "init", "init_rel_fro",
-        "rel_fro_history", "route"}``.
+        ``fit_info = {"steps", "als_steps", "lm_steps", "converged", "capped", "init",
+        "init_rel_fro", "rel_fro_history", "route"}``.
 
     Notes
     -----
@@ -215,10 +237,14 @@ def fit_llops_direct(
     if quality not in QUALITY:
         raise ValueError(f"quality must be one of {tuple(QUALITY)}, got {quality!r}")
     preset = QUALITY[quality]
-    steps = preset[0] if steps is None else check_positive_int(steps, "steps")
-    lm_steps = preset[1] if lm_steps is None else check_nonnegative_int(lm_steps, "lm_steps")
-    cg_iters = preset[2] if cg_iters is None else check_positive_int(cg_iters, "cg_iters")
-    interleave = preset[3] if interleave is None else check_nonnegative_int(interleave, "interleave")
+    steps = preset.steps if steps is None else check_positive_int(steps, "steps")
+    lm_steps = preset.lm_steps if lm_steps is None else check_nonnegative_int(lm_steps, "lm_steps")
+    cg_iters = preset.cg_iters if cg_iters is None else check_positive_int(cg_iters, "cg_iters")
+    interleave = preset.interleave if interleave is None else check_nonnegative_int(interleave, "interleave")
+    if work is None:
+        work = preset.work
+    elif not (isinstance(work, float) and work == math.inf):  # inf: no cap
+        work = check_real(work, "work", positive=True)
     tol = check_real(tol, "tol", positive=False)
     ridge = check_real(ridge, "ridge", positive=False)
     if not isinstance(extrapolate, bool):
@@ -228,8 +254,9 @@ def fit_llops_direct(
     if cp_options is not None and not isinstance(cp_options, dict):
         raise TypeError(f"cp_options must be a dict or None, got {type(cp_options).__name__}")
     extra = interleave * -(-lm_steps // interleave) if interleave else 0  # ALS sweeps inside the LM stage
-    side_q, side_k, target = fit_problem(q64, k64, p, m, rank, route=route, iterations=steps + lm_steps + extra,
-                                         max_bytes=max_bytes)
+    planned = steps + lm_steps + extra
+    side_q, side_k, target = fit_problem(q64, k64, p, m, rank, route=route, iterations=planned, max_bytes=max_bytes)
+    allowed = planned if math.isinf(work) else max(1, min(planned, int(work // target.iteration_flops)))
     check_finite_loss(target.sq_norm, 0, "LLoPS direct", batch)
     theta_q, theta_k = llops_init(q, k, p=p, m=m, rank=rank, init=init, seed=seed, max_bytes=max_bytes,
                                   **(cp_options or {}))
@@ -244,7 +271,7 @@ def fit_llops_direct(
     init_rel = (loss / norm_a).sqrt()
     best_loss, best_q, best_k = loss.clone(), theta_q.clone(), theta_k.clone()
     history = [float(init_rel.median())]
-    bar = tqdm(total=steps + lm_steps + extra, desc="LLoPS fit", disable=not progress, leave=False)
+    bar = tqdm(total=allowed, desc="LLoPS fit", disable=not progress, leave=False)
 
     def keep_best(new):
         nonlocal best_loss
@@ -282,7 +309,7 @@ def fit_llops_direct(
         return theta_q, theta_k, fq, fk, cross_q, beta, new
 
     als_done, converged = 0, False
-    for step in range(steps):
+    for step in range(min(steps, allowed)):
         theta_q, theta_k, fq, fk, cross_q, beta, new = als_step(theta_q, theta_k, fq, fk, cross_q, beta, step + 1)
         als_done = step + 1
         keep_best(new)
@@ -293,15 +320,17 @@ def fit_llops_direct(
     theta_q, theta_k, loss = best_q.clone(), best_k.clone(), best_loss.clone()
     damping = torch.full_like(loss, 1e-3)
     lm_done = 0
-    for step in range(lm_steps):
+    for step in range(lm_steps if als_done < allowed else 0):
         if interleave and step % interleave == 0:  # ALS sweeps before every block of LM steps
             fq, fk = side_q.features(theta_q), side_k.features(theta_k)
             cross_q = target.cross(fk)
-            for _ in range(interleave):
+            for _ in range(min(interleave, allowed - als_done - lm_done)):
                 theta_q, theta_k, fq, fk, cross_q, beta, loss = als_step(
                     theta_q, theta_k, fq, fk, cross_q, beta, als_done + lm_done + 1)
                 als_done += 1
                 keep_best(loss)
+        if als_done + lm_done >= allowed:
+            break
         new, damping = lm_step(side_q, side_k, target, theta_q, theta_k, loss, damping, cg_iters=cg_iters)
         check_finite_loss(new, als_done + lm_done + 1, "LLoPS direct (LM)", batch)
         lm_done = step + 1
@@ -318,6 +347,7 @@ def fit_llops_direct(
         "als_steps": als_done,
         "lm_steps": lm_done,
         "converged": converged,
+        "capped": allowed < planned and not converged and als_done + lm_done == allowed,
         "init": init if isinstance(init, str) else type(init).__name__,
         "init_rel_fro": init_rel.reshape(batch),
         "rel_fro_history": history,
