@@ -66,6 +66,7 @@ _MESSAGE = ("Acceptable: only the wording of an error message changes (same exce
             "tests match the rule and the names that matter, not every word.")
 _DEVICE = ("Acceptable (equivalent on CPU): only the device argument changes; the default device is the CPU, "
            "and devices are checked by the CUDA-only tests on a GPU machine.")
+_KILLED_SINCE = "Killed since this run by a test added after it: "
 _NEEDS_TEST = "Not acceptable: a missing test (owner: the fits helper, tests/test_llops.py or test_sketches_convert.py / test_optimal.py): "
 
 REVIEWED: dict[str, str] = {
@@ -114,6 +115,25 @@ REVIEWED: dict[str, str] = {
     "sketchlab.sketches.convert.x__psf__mutmut_76": _MESSAGE,
     "sketchlab.sketches.convert.x_as_llops__mutmut_10": _MESSAGE,
     "sketchlab.sketches.convert.x_as_llops__mutmut_18": _MESSAGE,
+    # the llops package (mutation_llops.md)
+    "sketchlab.llops.cp.x_projector_to_theta__mutmut_4": _KILLED_SINCE + "test_llops.py::test_projector_to_theta_recovers_exact_rank2_columns.",
+    "sketchlab.llops.fit_adam.x_fit_llops_adam__mutmut_150": _KILLED_SINCE + "test_llops.py::test_adam_reports_the_error_of_the_returned_sketch_per_head.",
+    "sketchlab.llops.fit_als.x_fit_llops_direct__mutmut_514": _KILLED_SINCE + "test_llops_fits.py::test_converged_follows_the_lm_stopping_rule.",
+    "sketchlab.llops.fit_lm.x_lm_step__mutmut_234": (
+        "Acceptable: the predicted decrease only steers λ (through the gain ratio); the step, its acceptance "
+        "rule and the loss never rising are unchanged, so only the speed of the fit changes."),
+    "sketchlab.llops.fit_lm.x_lm_step__mutmut_292": (
+        "Acceptable: a constant of the λ schedule (×3 instead of ×2 on a poor step): speed, not correctness."),
+    "sketchlab.llops.inits.x__init_svd__mutmut_161": _KILLED_SINCE + "test_llops_fits.py::test_memory_budget_fails_fast_for_huge_p (Θ's own check).",
+    "sketchlab.llops.inits.x__init_svd__mutmut_212": (
+        "Equivalent: when take == m the padding branch adds zero random columns."),
+    "sketchlab.llops.inits.x__init_svd__mutmut_89": _DEVICE,
+    "sketchlab.llops.inits.x_llops_init__mutmut_201": _KILLED_SINCE + "test_llops.py::test_argument_errors (matches the message).",
+    "sketchlab.llops.sides.xǁTokensǁfactor__mutmut_22": (
+        "Equivalent: without the cached token pairs the normal matrices form them again in token blocks "
+        "(same products, same sums; test_llops_sides.py checks both paths against the naive twin)."),
+    "sketchlab.llops.target.x__token_flops__mutmut_4": _KILLED_SINCE + "test_llops_fits.py::test_token_cost_model_counts_normal_matrices_and_kernel_products.",
+    "sketchlab.llops.target.xǁKernelTargetǁ__init____mutmut_60": _MESSAGE,
 }
 
 

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from sketchlab import fit_sketch, holdout_split, poly_features, poly_kernel, rel_fro
+from sketchlab import fit_sketch, holdout_split, kernel_errors, poly_features, poly_kernel, rel_fro
 from sketchlab.objective import kernel_loss
 from sketchlab.llops import (
     LLoPS,
@@ -96,6 +96,18 @@ def test_from_projector_rank1_is_best_rank1_for_matrices():
     err = ((model.projector("q") - w) ** 2).sum(0)
     floor = rank1_residuals(w, 3, 2).residual
     _close(err, floor, 1e-8)  # parafac stops at relative change 1e-10 of its error
+
+
+def test_projector_to_theta_recovers_exact_rank2_columns():
+    # Columns that are exact rank-2 CP tensors (p = 3, d = 4): parafac's ALS converges to them
+    # linearly; measured 1.3e-8 relative at the default tol (1e-10) within 200 iterations, so
+    # 1e-6 leaves margin. Stopping after a few iterations leaves ~5e-2.
+    d, m, p = 4, 3, 3
+    th = _theta((2, p, d, m), 3)  # [rank, p, d, m]
+    w = torch.stack([sum(torch.einsum("a,b,c->abc", *(th[r, j, :, i] for j in range(p))) for r in range(2)).reshape(-1)
+                     for i in range(m)], 1)  # [d^p, m]
+    theta = projector_to_theta(w, p, 2)
+    _close(LLoPS(theta, theta).projector("q"), w, 1e-6)
 
 
 def test_from_projector_p1_exact_and_errors():
@@ -187,6 +199,16 @@ def test_direct_fit_close_to_optimum_and_rank2_better():
     assert one.report.steps >= 1 and one.report.num_parameters == 2 * 2 * 6 * 8
 
 
+def test_adam_reports_the_error_of_the_returned_sketch_per_head():
+    # fit_info["rel_fro"] has the batch shape [2, 2] and is the returned Θ's own error (float64
+    # throughout: round-off ~1e-15; 1e-10 allows the float64 kernel of 24 tokens).
+    q, k = _data(batch=(2, 2), n=24, d=3, seed=5)
+    sketch = fit_llops_adam(q, k, p=2, m=4, steps=5)
+    reported = sketch.fit_info["rel_fro"]
+    assert reported.shape == (2, 2)
+    _close(reported, kernel_errors(sketch, q, k, 2)["rel_fro"], 1e-10)
+
+
 def test_direct_beats_naive_adam_same_budget():
     # Same data, same seed: 5 ALS sweeps (≈ 10 loss+gradient evaluations of work) against 10
     # Adam steps from random; ALS from the svd init must be better on every head.
@@ -265,6 +287,13 @@ def test_argument_errors():
         fit_sketch("llops", q, k, p=2, m=4, method="adam", lr=-1.0)
     with pytest.raises(TypeError, match="steps"):
         fit_sketch("llops", q, k, p=2, m=4, steps=1.5)
+
+    class NotConvertible:  # as_llops() that does not give an LLoPS
+        def as_llops(self):
+            return "theta"
+
+    with pytest.raises(TypeError, match=r"init must be one of .*, an LLoPS, or a sketch with as_llops\(\); got NotConvertible"):
+        fit_sketch("llops", q, k, p=2, m=4, init=NotConvertible())
 
 
 def test_init_with_more_terms_than_requested_is_rejected():

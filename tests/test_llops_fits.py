@@ -170,6 +170,15 @@ def test_interleaved_als_sweeps_run_between_lm_steps():
         fit_llops_direct(q, k, p=2, m=5, interleave=-1)
 
 
+def test_token_cost_model_counts_normal_matrices_and_kernel_products():
+    # n_q = n_k = 40, d = 3, D = 6, p = 2, m = 5, t = 1, counted by hand: the normal matrices of the
+    # p factors over both sides' tokens cost p m t² (n_q + n_k) d(d+1)/2 = 2·5·80·6 = 4800; two
+    # products with A cost 2 m min(n_q n_k, (n_q + n_k) D) = 2·5·480 = 4800 (features are cheaper).
+    assert _token_flops(40, 40, 3, 6, 2, 5, 1) == 9600
+    # t = 2 quadruples the normal matrices; n = 4 makes the kernel the cheaper product (2·5·16)
+    assert _token_flops(4, 4, 3, 6, 2, 5, 2) == 2 * 5 * 4 * 8 * 6 + 2 * 5 * 16
+
+
 @pytest.mark.parametrize("allowed,als,lm", [(1, 1, 0), (4, 4, 0), (6, 5, 1), (13, 9, 4), (20, 9, 5)])
 def test_work_cap_cuts_the_schedule(allowed, als, lm):
     # Schedule: 3 ALS sweeps, then 5 LM steps with 2 ALS sweeps before each block of 2 (14
@@ -282,6 +291,11 @@ def test_memory_budget_fails_fast_for_huge_p():
     with pytest.raises((ValueError, FloatingPointError), match=r"over the memory budget|overflow"):
         fit_sketch("llops", q, k, p=1_000_000_000, m=8)
     assert time.perf_counter() - start < 10.0  # no enumeration of multisets, no d**p integer
+    # Two tokens in d = 200: 3 candidate terms (216 bytes) but Θ itself takes 2·2·200·8 = 6400 bytes
+    gen = torch.Generator().manual_seed(0)
+    wide = torch.randn(1, 2, 200, generator=gen, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"Θ \[1, 1, 2, 200, 1\] float64 \(two sides\) would take 5.96e-06 GiB"):
+        llops_init(wide, wide, p=2, m=1, max_bytes=3000)
 
 
 def test_overflow_is_an_error_naming_the_head():
