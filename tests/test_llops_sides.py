@@ -76,11 +76,13 @@ def test_token_normal_matches_naive(t, monkeypatch):
 @pytest.mark.parametrize("p,d", [(1, 3), (2, 3), (3, 2), (2, 1)])
 def test_compressed_rows_keep_the_gram_matrix(p, d):
     # RᵀR = ΨᵀΨ in the symmetric basis, and the full-basis rows have the same Gram as the tokens'
-    # x^{⊗p}; the eigendecomposition route's error is ~D·eps·λ_max: 1e-11 relative.
+    # x^{⊗p}; Cholesky's backward error is ~D·eps·‖G‖: 1e-11 relative. 40 tokens in general
+    # position: G is positive definite, so R is its (upper triangular) Cholesky factor.
     x, _ = _data(n=40, d=d)
     side, rows = compress_side(x, p)
     dim = math.comb(d + p - 1, p)
-    assert rows.shape[-1] == dim and side.rows <= dim
+    assert rows.shape[-2:] == (dim, dim) and side.rows == dim
+    assert torch.equal(rows, rows.triu())
     psi = poly_features(x, p, symmetric=p > 1 and d > 1)
     assert _rel(rows.mT @ rows, psi.mT @ psi) < 1e-11
     full = _outer_rows(x, p)
@@ -88,11 +90,14 @@ def test_compressed_rows_keep_the_gram_matrix(p, d):
 
 
 def test_compressed_rows_drop_the_null_space():
-    # Tokens in a 2-dimensional subspace of R^3: ψ_2 has rank 3 of D = 6, so 3 rows are kept.
+    # Tokens in a 2-dimensional subspace of R^3: ψ_2 has rank 3 of D = 6, so Cholesky's pivots
+    # fall to round-off and the eigendecomposition keeps 3 rows, with the same Gram matrix.
     x, _ = _data(n=50, d=2)
     x = torch.cat([x, x[..., :1] - x[..., 1:]], -1)  # third coordinate dependent
     side, rows = compress_side(x, 2)
     assert side.rows == 3
+    psi = poly_features(x, 2, symmetric=True)
+    assert _rel(rows.mT @ rows, psi.mT @ psi) < 1e-11
 
 
 def test_compressed_target_gives_the_loss_and_products():

@@ -170,9 +170,9 @@ def _token_flops(n_q: int, n_k: int, d: int, dim: int, p: int, m: int, t: int) -
 
 
 def _compressed_flops(n_q: int, n_k: int, d: int, dim: int, p: int, m: int, t: int) -> tuple[float, float]:
-    """Multiply-adds of the compression (Gram matrices and their eigendecompositions) and of one iteration on the rows."""
+    """Multiply-adds of the compression (Gram matrices and their Cholesky factors) and of one iteration on the rows."""
     rows_q, rows_k = min(n_q, dim), min(n_k, dim)
-    setup = (n_q + n_k) * dim * dim + 2 * 10 * dim**3
+    setup = (n_q + n_k) * dim * dim + 2 * dim**3 / 3
     partials = p * t * m * (rows_q + rows_k) * d**p
     normal = p * m * (rows_q + rows_k) * (t * d) ** 2
     return setup, partials + normal + 2 * m * rows_q * rows_k
