@@ -74,13 +74,15 @@ def test_token_normal_matches_naive(t, monkeypatch):
 
 
 @pytest.mark.parametrize("p,d", [(1, 3), (2, 3), (3, 2), (2, 1)])
-def test_compressed_rows_keep_the_gram_matrix(p, d):
+def test_compressed_rows_keep_the_gram_matrix(p, d, monkeypatch):
     # RᵀR = ΨᵀΨ in the symmetric basis, and the full-basis rows have the same Gram as the tokens'
     # x^{⊗p}; Cholesky's backward error is ~D·eps·‖G‖: 1e-11 relative. 40 tokens in general
-    # position: G is positive definite, so R is its (upper triangular) Cholesky factor.
+    # position: G is positive definite, so R is its (upper triangular) Cholesky factor. G is
+    # summed over token blocks of 7 (40 = 5·7 + 5) in column blocks above its diagonal.
     x, _ = _data(n=40, d=d)
-    side, rows = compress_side(x, p)
     dim = math.comb(d + p - 1, p)
+    monkeypatch.setattr("sketchlab.llops.sides._BLOCK_BYTES", 7 * 8 * 2 * dim)  # 7 tokens × 2 heads × D × 8 bytes
+    side, rows = compress_side(x, p)
     assert rows.shape[-2:] == (dim, dim) and side.rows == dim
     assert torch.equal(rows, rows.triu())
     psi = poly_features(x, p, symmetric=p > 1 and d > 1)
