@@ -33,7 +33,7 @@ import torch
 from .._validation import DEFAULT_MAX_BYTES, check_memory
 from ..metrics import _kernel_sq_norm
 from ..polynomial import poly_features
-from .sides import _BLOCK_BYTES, Tokens, compress_bytes, compress_side
+from .sides import _BLOCK_BYTES, _GRAM_PARTS, Tokens, compress_bytes, compress_side
 
 __all__ = ["ROUTES", "KernelTarget", "fit_problem"]
 
@@ -172,7 +172,7 @@ def _token_flops(n_q: int, n_k: int, d: int, dim: int, p: int, m: int, t: int) -
 def _compressed_flops(n_q: int, n_k: int, d: int, dim: int, p: int, m: int, t: int) -> tuple[float, float]:
     """Multiply-adds of the compression (Gram matrices and their Cholesky factors) and of one iteration on the rows."""
     rows_q, rows_k = min(n_q, dim), min(n_k, dim)
-    setup = (n_q + n_k) * dim * dim + 2 * dim**3 / 3
+    setup = (n_q + n_k) * dim * dim * (_GRAM_PARTS + 1) / (2 * _GRAM_PARTS) + 2 * dim**3 / 3
     partials = p * t * m * (rows_q + rows_k) * d**p
     normal = p * m * (rows_q + rows_k) * (t * d) ** 2
     return setup, partials + normal + 2 * m * rows_q * rows_k
