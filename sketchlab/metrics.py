@@ -194,12 +194,12 @@ def kernel_errors(sketch, q, k, p: int, *, max_bytes: int = DEFAULT_MAX_BYTES) -
     sq_err = torch.zeros(batch, dtype=torch.float64, device=q.device)
     sq_norm, abs_err, abs_a = torch.zeros_like(sq_err), torch.zeros_like(sq_err), torch.zeros_like(sq_err)
     for sl in _row_blocks(math.prod(batch), q.shape[-2], k.shape[-2], max_bytes):
-        exact = (q64[..., sl, :] @ k64.mT) ** p  # [..., rows, n_k]
-        diff = fq[..., sl, :] @ fk.mT - exact
-        sq_err += diff.pow(2).sum((-2, -1))
-        abs_err += diff.abs().sum((-2, -1))
-        sq_norm += exact.pow(2).sum((-2, -1))
-        abs_a += exact.abs().sum((-2, -1))
+        exact = (q64[..., sl, :] @ k64.mT).pow_(p)  # [..., rows, n_k]; in place: few passes over the block
+        diff = (fq[..., sl, :] @ fk.mT).sub_(exact)
+        sq_err += torch.linalg.vector_norm(diff, 2, dim=(-2, -1)) ** 2
+        abs_err += torch.linalg.vector_norm(diff, 1, dim=(-2, -1))
+        sq_norm += torch.linalg.vector_norm(exact, 2, dim=(-2, -1)) ** 2
+        abs_a += torch.linalg.vector_norm(exact, 1, dim=(-2, -1))
     zero = abs_a == 0
     if bool(zero.any()):
         first = tuple(int(i) for i in zero.nonzero()[0]) if zero.ndim else ()
