@@ -57,6 +57,7 @@ from .metrics import (
 from .optimal import OptimalSketch, max_sketch_size, min_norm_sketch, optimal_sketch, tail_bound
 from .scaling import describe_scale, resolve_scale
 from .polynomial import (
+    feature_gram_root,
     full_to_symmetric,
     num_poly_features,
     poly_features,
@@ -112,6 +113,7 @@ __all__ = [
     "fit_llops_cp",
     "fit_llops_direct",
     "fit_sketch",
+    "feature_gram_root",
     "full_to_symmetric",
     "holdout_split",
     "kernel_attention_naive",

@@ -35,8 +35,9 @@ Two routes compute it:
 
 ``"gram"``
     the moment matrices :math:`M = \psi_p^\top\psi_p` (``D × D``, summed over token blocks, so
-    memory is independent of ``n``) and their eigendecompositions :math:`M = V\Lambda V^\top`
-    stand in for ``R = Λ^{1/2} Vᵀ``; the rest as ``"qr"``. Squares the condition number of ψ
+    memory is independent of ``n``) and a square root :math:`R^\top R = M` (Cholesky, or the
+    eigendecomposition when ``M`` is singular: :func:`~sketchlab.polynomial.feature_gram_root`)
+    stand in for the QR factors; the rest as ``"qr"``. Squares the condition number of ψ
     (singular values of ``A`` below ``~1e-8 σ_1`` lose accuracy), so it is taken only when the
     features do not fit the memory budget.
 
@@ -59,7 +60,7 @@ import torch
 import math
 
 from ._validation import check_degree, check_memory, check_pair, check_positive_int
-from .polynomial import DEFAULT_MAX_BYTES, poly_features, poly_kernel, symmetric_to_full
+from .polynomial import DEFAULT_MAX_BYTES, feature_gram_root, poly_features, poly_kernel, symmetric_to_full
 from .sketch import Sketch
 
 __all__ = ["OptimalSketch", "max_sketch_size", "min_norm_sketch", "optimal_sketch", "tail_bound"]
@@ -179,19 +180,6 @@ def _check_inputs(q, k, p, m, route, max_bytes):
     return q.to(torch.float64), k.to(torch.float64), p, m, d, symmetric, route
 
 
-def _gram_root(x, p, symmetric, max_bytes):
-    """``R = Λ^{1/2} Vᵀ`` with ``RᵀR = ψᵀψ``, ``[..., D, D]``, from ψ summed over token blocks."""
-    dim = _feature_dim(x.shape[-1], p)[0]
-    batch = math.prod(x.shape[:-2])
-    rows = max(1, (64 * 2**20) // max(1, batch * dim * 8))
-    gram = torch.zeros(*x.shape[:-2], dim, dim, dtype=torch.float64, device=x.device)
-    for lo in range(0, x.shape[-2], rows):
-        psi = poly_features(x[..., lo : lo + rows, :], p, symmetric, max_bytes=max_bytes)  # [..., rows, D]
-        gram += psi.mT @ psi
-    lam, vec = torch.linalg.eigh(gram)
-    return lam.clamp_min(0).sqrt()[..., :, None] * vec.mT
-
-
 def _finite(x: torch.Tensor, what: str, p: int) -> torch.Tensor:
     """``x`` unchanged, or ``FloatingPointError`` when float64 overflowed (before an SVD would fail obscurely)."""
     bad = ~torch.isfinite(x).flatten(-2).all(-1)  # [...] per head
@@ -215,8 +203,8 @@ def _factor(q, k, p, symmetric, route, max_bytes, *, vectors: bool):
         return torch.linalg.svdvals(_finite(poly_kernel(q, k, p), "the kernel (QKᵀ)^p", p)), None
     n = min(q.shape[-2], k.shape[-2])
     if route == "gram":
-        r_q = _gram_root(_finite(q, "q", p), p, symmetric, max_bytes)
-        r_k = _gram_root(k, p, symmetric, max_bytes)
+        r_q = feature_gram_root(_finite(q, "q", p), p, symmetric, max_bytes=max_bytes)  # [..., N_q, D]
+        r_k = feature_gram_root(k, p, symmetric, max_bytes=max_bytes)
         _finite(r_q, "ψ_p(Q)ᵀψ_p(Q)", p), _finite(r_k, "ψ_p(K)ᵀψ_p(K)", p)
     else:
         psi_q = _finite(poly_features(q, p, symmetric, max_bytes=max_bytes), "ψ_p(Q)", p)  # [..., n_q, D]

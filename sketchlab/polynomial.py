@@ -35,6 +35,7 @@ from ._validation import (
 __all__ = [
     "DEFAULT_MAX_BYTES",
     "check_power_overflow",
+    "feature_gram_root",
     "full_to_symmetric",
     "num_poly_features",
     "poly_features",
@@ -265,6 +266,79 @@ def poly_kernel(q, k, p: int, *, max_bytes: int = DEFAULT_MAX_BYTES) -> torch.Te
     out = s**p
     check_power_overflow(out, s, p, f"poly_kernel: (qᵀk)^{p}")
     return out
+
+
+#: Bytes of one block of token features formed at a time by :func:`feature_gram_root`.
+_GRAM_BLOCK_BYTES = 64 * 2**20
+
+#: Column blocks of the Gram matrix in :func:`feature_gram_root`: only the blocks on or above the
+#: diagonal are multiplied, (k + 1) / (2k) of the full product for k blocks.
+_GRAM_PARTS = 4
+
+
+def feature_gram_root(x, p: int, symmetric: bool = False, *, max_bytes: int = DEFAULT_MAX_BYTES) -> torch.Tensor:
+    r"""A square root ``R`` of the features' Gram matrix, :math:`R^\top R = \psi_p(X)^\top\psi_p(X)`.
+
+    Any such ``R`` stands in for the tokens in every quantity that is a sum over tokens of a
+    bilinear form in :math:`\psi_p(x)` (:math:`\psi_p(X) = UR` with orthonormal ``U``), with at
+    most ``D`` rows whatever the number of tokens ``n``.
+
+    Parameters
+    ----------
+    x : Tensor ``[..., n, d]``
+    p : int
+    symmetric : bool
+        Symmetric features (``D = C(d+p-1, p)``, as :func:`poly_features`) or full (``D = d**p``).
+    max_bytes : int
+        Budget for ``G`` and its factor (``2 · D²`` float64 per head), checked first.
+
+    Returns
+    -------
+    Tensor ``[..., N, D]``, float64. :math:`G = \psi^\top\psi` is summed over token blocks (of
+    at most 64 MiB of features), multiplying only its blocks on and above the diagonal. When
+    every head's ``G`` is numerically positive definite (Cholesky succeeds with every pivot²
+    above ``D · eps · max G_jj``), ``R = Lᵀ`` (upper triangular, ``G = LLᵀ``, ``N = D``).
+    Otherwise :math:`R = \Lambda^{1/2}V^\top` from the eigendecomposition, without the
+    eigenvalues at most ``D · eps · λ_max`` (round-off of ``G``): ``N`` is the largest number
+    kept over the heads, the other heads' extra rows are 0 (they add nothing to any sum). Either
+    way :math:`R^\top R = G` to about ``D · eps · ‖G‖``; the tests compare with
+    :func:`poly_features_naive`.
+    """
+    x = as_float_tensor(x, "x").to(torch.float64)
+    p = check_degree(p)
+    if x.ndim < 2:
+        raise ValueError(f"x must have shape [..., n, d], got {tuple(x.shape)}")
+    *batch, n, d = x.shape
+    dim = num_poly_features(d, p, symmetric)
+    heads = math.prod(batch)
+    check_memory(16 * heads * dim * dim, what=f"the Gram matrix of ψ_{p} and its factor ({heads} x {dim} x {dim} float64, twice)",
+                 way_out="use fewer heads at a time or a smaller d or p", max_bytes=max_bytes)
+    flat = x.reshape(heads, n, d)
+    block = max(1, min(_GRAM_BLOCK_BYTES, max_bytes // 8) // max(1, 8 * heads * dim))  # tokens per block
+    gram = torch.zeros(heads, dim, dim, dtype=torch.float64, device=x.device)
+    edges = [dim * i // _GRAM_PARTS for i in range(_GRAM_PARTS + 1)]  # column blocks of G
+    for lo in range(0, n, block):
+        psi = poly_features(flat[:, lo : lo + block], p, symmetric, max_bytes=max_bytes)  # [B, b, D]
+        for a, b in zip(edges[:-1], edges[1:]):  # block row a..b from its diagonal block on
+            gram[:, a:b, a:] += psi[..., a:b].mT @ psi[..., a:]
+    gram = gram.triu() + gram.triu(1).mT  # G is symmetric: mirror the upper triangle
+    bad = ~torch.isfinite(gram).flatten(-2).all(-1)  # [B]
+    if bool(bad.any()):
+        raise FloatingPointError(
+            f"feature_gram_root: ψ_{p}(x)ᵀψ_{p}(x) overflows float64 for {int(bad.sum())} head(s) (first flattened "
+            f"batch index {int(bad.nonzero()[0])}); rescale x (x · d^-1/4 is the usual choice)")
+    eps = dim * torch.finfo(torch.float64).eps
+    chol, info = torch.linalg.cholesky_ex(gram)  # G = L Lᵀ
+    pivots = chol.diagonal(dim1=-2, dim2=-1) ** 2  # [B, D]
+    if bool((info == 0).all()) and bool((pivots > eps * gram.diagonal(dim1=-2, dim2=-1).amax(-1, keepdim=True)).all()):
+        rows = chol.mT  # [B, D, D], upper triangular
+    else:  # (numerically) singular: keep the eigen-directions above round-off
+        lam, vec = torch.linalg.eigh(gram)  # ascending
+        lam, vec = lam.flip(-1), vec.flip(-1)  # descending
+        keep = lam > eps * lam[:, :1].clamp_min(0)  # [B, D]
+        count = max(1, int(keep.sum(-1).max()))
+        rows = (lam[:, :count].clamp_min(0).sqrt() * keep[:, :count])[..., None] * vec[..., :count].mT  # [B, N, D]
+    return rows.reshape(*batch, rows.shape[-2], dim)
 
 
 def symmetric_to_full(w, d: int, p: int) -> torch.Tensor:

@@ -81,7 +81,7 @@ def test_compressed_rows_keep_the_gram_matrix(p, d, monkeypatch):
     # summed over token blocks of 7 (40 = 5·7 + 5) in column blocks above its diagonal.
     x, _ = _data(n=40, d=d)
     dim = math.comb(d + p - 1, p)
-    monkeypatch.setattr("sketchlab.llops.sides._BLOCK_BYTES", 7 * 8 * 2 * dim)  # 7 tokens × 2 heads × D × 8 bytes
+    monkeypatch.setattr("sketchlab.polynomial._GRAM_BLOCK_BYTES", 7 * 8 * 2 * dim)  # 7 tokens × 2 heads × D × 8 bytes
     side, rows = compress_side(x, p)
     assert rows.shape[-2:] == (dim, dim) and side.rows == dim
     assert torch.equal(rows, rows.triu())

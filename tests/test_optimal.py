@@ -229,6 +229,22 @@ def test_gram_route_equals_qr_route():
     assert bool(((err - opt.tail).abs() <= 1e-9 * norm).all())
 
 
+@pytest.mark.parametrize("n,route", [(23, "auto"), (24, "gram")])
+def test_fit_report_takes_the_gram_route_from_four_tokens_per_feature(n, route, monkeypatch):
+    # d = 3, p = 2: D = 6, so 24 tokens are the threshold. Both routes give the same tail (to
+    # 1e-9 ‖A‖², as test_gram_route_equals_qr_route); the report records the route it asked for.
+    import sketchlab.optimal
+
+    seen = []
+    real = sketchlab.optimal.tail_bound
+    monkeypatch.setattr(sketchlab.optimal, "tail_bound", lambda *a, **kw: seen.append(kw["route"]) or real(*a, **kw))
+    q, k = _qk(2, n_q=n, n_k=n, d=3, seed=12)
+    fit = fit_sketch("llops", q, k, p=2, m=3, steps=1, lm_steps=0)
+    assert seen == [route]
+    norm = (poly_kernel(q, k, 2) ** 2).sum((-2, -1))
+    assert bool(((fit.report.tail - real(q, k, 2, 3, route="qr")).abs() <= 1e-9 * norm).all())
+
+
 def test_min_norm_sketch():
     # n < D: same in-sample kernel as the Nyström optimum; W in the row space of ψ(Q) and of
     # minimum norm among the exact solutions (so no larger than the Nyström W).

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from sketchlab import (
+    feature_gram_root,
     full_to_symmetric,
     num_poly_features,
     poly_features,
@@ -185,3 +186,38 @@ def test_way_outs_and_names_in_messages():
             fn(torch.ones(9, 2, dtype=torch.int64), 3, 2)
     with pytest.raises(ValueError, match=r"^d must be an integer >= 1, got 0"):
         symmetric_index(0, 2)
+
+
+@pytest.mark.parametrize("p,symmetric,rows", [(1, False, 3), (2, True, 6), (3, True, 10), (2, False, 6)])
+def test_feature_gram_root_keeps_the_gram_matrix(p, symmetric, rows, monkeypatch):
+    # RᵀR = ψᵀψ (ψ from the naive twin) for every head of a [2, 3] batch, summed over token blocks
+    # of 7 (40 = 5·7 + 5). 40 tokens in general position in d = 3: with the symmetric basis (and
+    # p = 1) G is positive definite, so R is its upper-triangular Cholesky factor; the full basis
+    # of p = 2 repeats x_a x_b as x_b x_a (rank 6 of 9), so the eigendecomposition keeps 6 rows.
+    # Backward error ~D·eps·‖G‖: 1e-11.
+    x = _rand(2, 3, 40, 3, seed=4)
+    dim = num_poly_features(3, p, symmetric)
+    monkeypatch.setattr("sketchlab.polynomial._GRAM_BLOCK_BYTES", 7 * 8 * 6 * dim)  # 7 tokens × 6 heads × D × 8 bytes
+    root = feature_gram_root(x, p, symmetric)
+    assert root.shape == (2, 3, rows, dim) and torch.equal(root, root.triu()) is (rows == dim)
+    for i in range(2):
+        for j in range(3):
+            psi = poly_features_naive(x[i, j], p, symmetric)
+            _assert_close(root[i, j].mT @ root[i, j], psi.mT @ psi, 1e-11)
+
+
+def test_feature_gram_root_drops_the_null_space_and_rejects_overflow():
+    # Tokens in a 2-dimensional subspace of R^3: ψ_2 (symmetric, D = 6) has rank 3, so Cholesky's
+    # pivots fall to round-off and the eigendecomposition keeps 3 rows with the same Gram matrix.
+    x = _rand(50, 2, seed=5)
+    x = torch.cat([x, x[:, :1] - x[:, 1:]], -1)
+    root = feature_gram_root(x, 2, True)
+    psi = poly_features_naive(x, 2, True)
+    assert root.shape == (3, 6)
+    _assert_close(root.mT @ root, psi.mT @ psi, 1e-11)
+    with pytest.raises(FloatingPointError, match=r"ψ_2\(x\)ᵀψ_2\(x\) overflows float64 for 1 head\(s\) \(first flattened batch index 1\)"):
+        feature_gram_root(torch.stack([x, x * 1e80]), 2, True)
+    with pytest.raises(ValueError, match=r"Gram matrix of ψ_2.*over the memory budget.*fewer heads"):
+        feature_gram_root(x, 2, True, max_bytes=100)
+    with pytest.raises(ValueError, match=r"x must have shape \[\.\.\., n, d\]"):
+        feature_gram_root(x[0], 2)

@@ -29,17 +29,13 @@ import math
 import torch
 
 from .._validation import DEFAULT_MAX_BYTES, check_memory
-from ..polynomial import poly_features, symmetric_to_full
+from ..polynomial import feature_gram_root, symmetric_to_full
 from .maps import feature_partials, features_jvp, features_vjp, llops_features
 
 __all__ = ["Tensors", "Tokens", "compress_side", "token_normal_naive"]
 
-#: Bytes of one block of token products (symmetric features, pairs) formed at a time.
+#: Bytes of one block of token products (pairs) formed at a time.
 _BLOCK_BYTES = 64 * 2**20
-
-#: Column blocks of the Gram matrix in :func:`compress_side`: only the blocks on or above the
-#: diagonal are multiplied, (k + 1) / (2k) of the full product for k blocks.
-_GRAM_PARTS = 4
 
 
 def _pairs(x: torch.Tensor) -> torch.Tensor:
@@ -258,36 +254,13 @@ def compress_side(x: torch.Tensor, p: int, *, max_bytes: int = DEFAULT_MAX_BYTES
     side : Tensors
         ``N`` rows, ``T_s`` = row ``s`` of ``R`` as a full symmetric tensor (:func:`~sketchlab.symmetric_to_full`).
     rows : Tensor ``[B, N, D]``
-        ``R`` in the symmetric basis, from :math:`G = \Psi^\top\Psi` (symmetric features summed in
-        token blocks). When every head's ``G`` is numerically positive definite (Cholesky succeeds
-        with every pivot² above ``D · eps · max G_jj``) :math:`R = L^\top`, ``G = LLᵀ``, ``N = D``
-        (a few times cheaper than an eigendecomposition). Otherwise :math:`R = \Lambda^{1/2}V^\top`
-        from the eigendecomposition, dropping eigenvalues at most ``D · eps · λ_max`` (round-off of
-        ``G``): ``N`` is the largest number kept over the heads, the other heads' extra rows are 0
-        (they add nothing to any sum).
+        ``R`` in the symmetric basis (:func:`~sketchlab.polynomial.feature_gram_root`: the Cholesky
+        factor of :math:`\Psi^\top\Psi`, or its eigen-square-root without the null space when singular).
     """
     B, n, d = x.shape
     dim = math.comb(d + p - 1, p)
     check_memory(8 * B * (2 * dim * dim + dim * d**p), what=f"the Gram matrix of ψ_{p} ({B} x {dim} x {dim} float64) and its rows",
                  way_out="use route='kernel' or 'features'", max_bytes=max_bytes)
-    block = max(1, min(_BLOCK_BYTES, max_bytes // 8) // max(1, 8 * B * dim))  # tokens per block
-    gram = torch.zeros(B, dim, dim, dtype=x.dtype, device=x.device)
-    edges = [dim * i // _GRAM_PARTS for i in range(_GRAM_PARTS + 1)]  # column blocks of G
-    for lo in range(0, n, block):
-        psi = poly_features(x[:, lo : lo + block], p, p > 1 and d > 1, max_bytes=max_bytes)  # [B, b, D]
-        for a, b in zip(edges[:-1], edges[1:]):  # block row a..b from its diagonal block on: 5/8 of ΨᵀΨ's products
-            gram[:, a:b, a:] += psi[..., a:b].mT @ psi[..., a:]
-    gram = gram.triu() + gram.triu(1).mT  # G is symmetric: mirror the upper triangle
-    eps = dim * torch.finfo(x.dtype).eps
-    chol, info = torch.linalg.cholesky_ex(gram)  # G = L Lᵀ
-    pivots = chol.diagonal(dim1=-2, dim2=-1) ** 2  # [B, D]
-    if bool((info == 0).all()) and bool((pivots > eps * gram.diagonal(dim1=-2, dim2=-1).amax(-1, keepdim=True)).all()):
-        rows = chol.mT  # [B, D, D], upper triangular
-    else:  # (numerically) singular: keep the eigen-directions above round-off
-        lam, vec = torch.linalg.eigh(gram)  # ascending
-        lam, vec = lam.flip(-1), vec.flip(-1)  # descending
-        keep = lam > eps * lam[:, :1].clamp_min(0)  # [B, D]
-        count = max(1, int(keep.sum(-1).max()))
-        rows = (lam[:, :count].clamp_min(0).sqrt() * keep[:, :count])[..., None] * vec[..., :count].mT  # [B, N, D]
+    rows = feature_gram_root(x, p, p > 1 and d > 1, max_bytes=max_bytes)  # [B, N, D]
     full = symmetric_to_full(rows.mT, d, p).mT if p > 1 and d > 1 else rows  # [B, N, d**p]
     return Tensors(full.contiguous(), d, p), rows

@@ -32,8 +32,8 @@ import torch
 
 from .._validation import DEFAULT_MAX_BYTES, check_memory
 from ..metrics import _kernel_sq_norm
-from ..polynomial import poly_features
-from .sides import _BLOCK_BYTES, _GRAM_PARTS, Tokens, compress_bytes, compress_side
+from ..polynomial import _GRAM_PARTS, poly_features
+from .sides import _BLOCK_BYTES, Tokens, compress_bytes, compress_side
 
 __all__ = ["ROUTES", "KernelTarget", "fit_problem"]
 
