@@ -248,7 +248,7 @@ def main(argv=None) -> None:
         f"(with extrapolation), then {default.lm_steps} Levenberg–Marquardt steps of {default.cg_iters} CG "
         f"iterations with {default.interleave} ALS sweeps before every {default.interleave} of them, cut where "
         f"the estimated multiply-adds per head would pass {default.work:.1e} (binds only on the large scale cases); "
-        f"quality='high' = {tuple(QUALITY['high'])} (sweeps, LM steps, CG iterations, interleave, work). Wall time "
+        f"quality='high' = ({', '.join(f'{v:g}' for v in QUALITY['high'])}) (sweeps, LM steps, CG iterations, interleave, work). Wall time "
         "is the whole batch of heads. All fitting in float64.",
         "",
     ]
