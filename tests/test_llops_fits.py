@@ -193,8 +193,11 @@ def test_work_cap_cuts_the_schedule(allowed, als, lm):
     assert (capped.fit_info["als_steps"], capped.fit_info["lm_steps"]) == (als, lm)
     assert capped.fit_info["capped"] is (allowed < 14) and full.fit_info["capped"] is False
     assert capped.fit_info["rel_fro_history"] == full.fit_info["rel_fro_history"][: als + lm + 1]
-    with pytest.raises(ValueError, match="work must be a finite number > 0"):
-        fit_llops_direct(q, k, p=2, m=5, work=0)
+    for bad in (0, -1.0, math.nan):
+        with pytest.raises(ValueError, match=r"work must be a number > 0 \(inf: no cap\), got"):
+            fit_llops_direct(q, k, p=2, m=5, work=bad)
+    with pytest.raises(TypeError, match=r"work must be a number > 0 \(inf: no cap\), got '1e9' \(str\)"):
+        fit_llops_direct(q, k, p=2, m=5, work="1e9")
 
 
 def test_fit_from_a_given_sketch_starts_there():

@@ -11,6 +11,7 @@ interleaved with further ALS sweeps.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import NamedTuple
 
 import torch
@@ -243,8 +244,10 @@ def fit_llops_direct(
     interleave = preset.interleave if interleave is None else check_nonnegative_int(interleave, "interleave")
     if work is None:
         work = preset.work
-    elif not (isinstance(work, float) and work == math.inf):  # inf: no cap
-        work = check_real(work, "work", positive=True)
+    elif isinstance(work, bool) or not isinstance(work, numbers.Real):
+        raise TypeError(f"work must be a number > 0 (inf: no cap), got {work!r} ({type(work).__name__})")
+    elif not work > 0:  # NaN fails too
+        raise ValueError(f"work must be a number > 0 (inf: no cap), got {work!r}")
     tol = check_real(tol, "tol", positive=False)
     ridge = check_real(ridge, "ridge", positive=False)
     if not isinstance(extrapolate, bool):
@@ -256,7 +259,8 @@ def fit_llops_direct(
     extra = interleave * -(-lm_steps // interleave) if interleave else 0  # ALS sweeps inside the LM stage
     planned = steps + lm_steps + extra
     side_q, side_k, target = fit_problem(q64, k64, p, m, rank, route=route, iterations=planned, max_bytes=max_bytes)
-    allowed = planned if math.isinf(work) else max(1, min(planned, int(work // target.iteration_flops)))
+    per = target.iteration_flops
+    allowed = planned if work >= planned * per else max(1, int(work // per))  # work may be inf or a huge int
     check_finite_loss(target.sq_norm, 0, "LLoPS direct", batch)
     theta_q, theta_k = llops_init(q, k, p=p, m=m, rank=rank, init=init, seed=seed, max_bytes=max_bytes,
                                   **(cp_options or {}))
