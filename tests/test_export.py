@@ -114,6 +114,9 @@ def test_cli_fit_writes_a_loadable_export(dump_file, tmp_path, capsys):
     (["--out", "{tmp}/theta.safetensors", "--device", "banana"], "expected a device"),
     (["--out", "{tmp}/theta.safetensors", "--fit-tokens", "0"], "integer >= 1"),
     (["--out", "{tmp}/theta.safetensors", "--method", "psf", "--quality", "high"], "--method llops only"),
+    (["--out", "{tmp}/theta.safetensors", "--method", "psf", "--work", "1e9"], "--work applies to --method llops only"),
+    (["--out", "{tmp}/theta.safetensors", "--work", "0"], "expected a number > 0 or 'inf', got '0'"),
+    (["--out", "{tmp}/theta.safetensors", "--work", "lots"], "expected a number > 0 or 'inf', got 'lots'"),
 ])
 def test_cli_fit_bad_usage_exits_2_before_fitting(dump_file, tmp_path, capsys, extra, message):
     before = dump_file.read_bytes()
@@ -134,6 +137,10 @@ def test_cli_fit_options_reach_the_fit(dump_file, tmp_path, capsys):
     assert code == 0, capsys.readouterr().err
     errors = sl.load_theta(out)[2]["errors"]
     assert errors["fit_tokens"] == 7, errors
+    # --work 1: below one iteration's cost, so the fit runs one ALS sweep and says it was capped
+    assert main(["fit", str(dump_file), "--p", "2", "--m", "6", "--out", str(out), "--work", "1"]) == 0
+    errors = sl.load_theta(out)[2]["errors"]
+    assert errors["steps"] == 1 and errors["info"]["capped"] is True, errors
     if not torch.cuda.is_available():
         assert main(["fit", str(dump_file), "--p", "2", "--m", "6", "--out", str(out), "--device", "cuda"]) == 2
         assert "CUDA is not available" in capsys.readouterr().err

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -30,7 +31,21 @@ def add_arguments(sub) -> None:
                      help="fit on a random subset of this many tokens per head (errors still on all of them)")
     cmd.add_argument("--quality", choices=("default", "high"), default=None,
                      help="--method llops only: the fit's preset (sketchlab.llops.QUALITY; default 'default')")
+    cmd.add_argument("--work", type=_work_arg, default=None,
+                     help="--method llops only: cap on each head's estimated multiply-adds, e.g. 1e12, or 'inf' "
+                          "for the preset's whole schedule (default: the preset's cap)")
     cmd.add_argument("--device", type=device_arg, default="cpu", help="where to fit: cpu (default), cuda, cuda:N")
+
+
+def _work_arg(text: str) -> float:
+    """A number > 0 or ``inf`` (an argparse type)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0 or 'inf', got {text!r}") from None
+    if not value > 0:  # NaN fails too
+        raise argparse.ArgumentTypeError(f"expected a number > 0 or 'inf', got {text!r}")
+    return value
 
 
 def _check_output(out: str, dump: str) -> Path:
@@ -49,11 +64,12 @@ def run(args) -> int:
     from .._dumpsel import select_and_scale
     from ..fit import fit_sketch
 
-    if args.quality is not None and args.method != "llops":
-        raise UsageError(f"--quality applies to --method llops only, got --method {args.method}")
+    for flag, value in (("--quality", args.quality), ("--work", args.work)):
+        if value is not None and args.method != "llops":
+            raise UsageError(f"{flag} applies to --method llops only, got --method {args.method}")
     target = _check_output(args.out, args.dump)
     sel = select_and_scale(args.dump, layers=args.layers, heads=args.heads, scale=args.scale)
-    options = {} if args.quality is None else {"quality": args.quality}
+    options = {key: value for key, value in (("quality", args.quality), ("work", args.work)) if value is not None}
     fit = fit_sketch(args.method, sel.q.to(args.device), sel.k.to(args.device), p=args.p, m=args.m, seed=args.seed,
                      holdout=args.holdout, fit_tokens=args.fit_tokens, **options)
     fit.scale = args.scale
