@@ -204,8 +204,7 @@ def _factor(q, k, p, symmetric, route, max_bytes, *, vectors: bool):
     n = min(q.shape[-2], k.shape[-2])
     if route == "gram":
         r_q = feature_gram_root(_finite(q, "q", p), p, symmetric, max_bytes=max_bytes)  # [..., N_q, D]
-        r_k = feature_gram_root(k, p, symmetric, max_bytes=max_bytes)
-        _finite(r_q, "ψ_p(Q)ᵀψ_p(Q)", p), _finite(r_k, "ψ_p(K)ᵀψ_p(K)", p)
+        r_k = feature_gram_root(k, p, symmetric, max_bytes=max_bytes)  # (raises itself when ψᵀψ overflows)
     else:
         psi_q = _finite(poly_features(q, p, symmetric, max_bytes=max_bytes), "ψ_p(Q)", p)  # [..., n_q, D]
         psi_k = _finite(poly_features(k, p, symmetric, max_bytes=max_bytes), "ψ_p(K)", p)  # [..., n_k, D]

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..scaling import resolve_scale, scale_label
-from .._validation import as_float_tensor, check_degree, check_positive_int, check_real
+from .._validation import as_float_tensor, check_degree, check_positive_int
 from ._checks import check_eps, check_flag, check_normalize, check_theta
 from .chunked import DEFAULT_CHUNK_SIZE
 from .functional import llops_attention, resolve_backend
