@@ -297,7 +297,8 @@ def feature_gram_root(x, p: int, symmetric: bool = False, *, max_bytes: int = DE
     Tensor ``[..., N, D]``, float64. :math:`G = \psi^\top\psi` is summed over token blocks (of
     at most 64 MiB of features), multiplying only its blocks on and above the diagonal. When
     every head's ``G`` is numerically positive definite (Cholesky succeeds with every pivot²
-    above ``D · eps · max G_jj``), ``R = Lᵀ`` (upper triangular, ``G = LLᵀ``, ``N = D``).
+    above ``D · eps · max G_jj``), ``R = Lᵀ`` (upper triangular, ``G = LLᵀ``, ``N = D``; ``D³/3``
+    multiply-adds against several ``D³`` for an eigendecomposition).
     Otherwise :math:`R = \Lambda^{1/2}V^\top` from the eigendecomposition, without the
     eigenvalues at most ``D · eps · λ_max`` (round-off of ``G``): ``N`` is the largest number
     kept over the heads, the other heads' extra rows are 0 (they add nothing to any sum). Either

@@ -15,7 +15,7 @@ from sketchlab.llops.fit_als import _als_sweep
 from sketchlab.llops.fit_lm import lm_step
 from sketchlab.llops.maps import feature_partials, features_jvp, features_vjp
 from sketchlab.llops.sides import Tokens
-from sketchlab.llops.target import KernelTarget, _token_flops
+from sketchlab.llops.target import KernelTarget, _token_flops, iteration_flops
 from sketchlab.optimal import optimal_sketch
 
 
@@ -185,7 +185,7 @@ def test_work_cap_cuts_the_schedule(allowed, als, lm):
     # iterations). A cap of (allowed + 0.5) iterations' estimated cost keeps the first `allowed`
     # of them in schedule order, without changing them: the history is the uncapped one's prefix.
     q, k = _data(batch=(2,), n=40, d=3, seed=6)
-    per = _token_flops(40, 40, 3, 6, 2, 5, 1)  # the kernel route's estimate of one iteration
+    per = iteration_flops("kernel", 40, 40, 3, 2, 5, 1)  # the kernel route's estimate of one iteration
     opts = dict(p=2, m=5, steps=3, lm_steps=5, tol=0.0, route="kernel")
     full = fit_llops_direct(q, k, **opts, work=math.inf)
     capped = fit_llops_direct(q, k, **opts, work=(allowed + 0.5) * per)

@@ -24,7 +24,7 @@ from .fit_lm import lm_step
 from .inits import llops_init
 from .maps import llops_features
 from .module import LLoPS
-from .target import ROUTES, fit_problem
+from .target import ROUTES, fit_problem, iteration_flops
 
 __all__ = ["QUALITY", "Preset", "fit_llops_direct"]
 
@@ -173,7 +173,7 @@ def fit_llops_direct(
         Override the preset's cap on the iterations' multiply-adds per head (``> 0``; ``inf``: no
         cap). The schedule above is cut after ``max(1, ⌊work / c⌋)`` iterations (ALS sweeps and
         LM steps alike), ``c`` being the route's estimate of one iteration
-        (:func:`~sketchlab.llops.target.fit_problem`; ``2p`` normal-matrix products and two
+        (:func:`~sketchlab.llops.target.iteration_flops`: ``2p`` normal-matrix products and two
         products with ``A``). The cap keeps a large head's fit to seconds, where an iteration costs
         ~1e10 (d = 128, n = 4096, m = 128: six ALS sweeps in the default) and leaves small heads
         untouched; ``fit_info["capped"]`` says whether it cut the schedule.
@@ -259,7 +259,7 @@ def fit_llops_direct(
     extra = interleave * -(-lm_steps // interleave) if interleave else 0  # ALS sweeps inside the LM stage
     planned = steps + lm_steps + extra
     side_q, side_k, target = fit_problem(q64, k64, p, m, rank, route=route, iterations=planned, max_bytes=max_bytes)
-    per = target.iteration_flops
+    per = iteration_flops(target.route, q64.shape[-2], k64.shape[-2], q64.shape[-1], p, m, rank)
     allowed = planned if work >= planned * per else max(1, int(work // per))  # work may be inf or a huge int
     check_finite_loss(target.sq_norm, 0, "LLoPS direct", batch)
     theta_q, theta_k = llops_init(q, k, p=p, m=m, rank=rank, init=init, seed=seed, max_bytes=max_bytes,

@@ -138,7 +138,6 @@ class Tokens:
         most a quarter of this, else formed per head each time.
     """
 
-    kind = "tokens"
 
     def __init__(self, x: torch.Tensor, *, max_bytes: int = DEFAULT_MAX_BYTES):
         self.x = x
@@ -184,7 +183,6 @@ class Tensors:
     d, p : int
     """
 
-    kind = "tensors"
 
     def __init__(self, tensors: torch.Tensor, d: int, p: int):
         self.tensors, self.d, self.p = tensors, d, p
@@ -213,7 +211,7 @@ class Tensors:
         return torch.einsum("btmsd,btdm->bsm", g[:, :, -1], theta[:, :, -1]), g
 
     def jvp(self, parts: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        # Σ_{r,j,d} g[r,j,i,s,d] v[r,j,d,i]: batched matrix-vector products over (r, j, i), ~5x an einsum here
+        # Σ_{r,j,d} g[r,j,i,s,d] v[r,j,d,i]: batched matrix-vector products over (r, j, i), not an einsum
         B, t, p, m, N, d = parts.shape
         out = parts.reshape(B, t * p, m, N, d) @ v.transpose(-2, -1).reshape(B, t * p, m, d, 1)  # [B, tp, m, N, 1]
         return out.sum(1)[..., 0].mT  # [B, N, m]

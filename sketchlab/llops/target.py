@@ -35,7 +35,7 @@ from ..metrics import _kernel_sq_norm
 from ..polynomial import _GRAM_PARTS, poly_features
 from .sides import _BLOCK_BYTES, Tokens, compress_bytes, compress_side
 
-__all__ = ["ROUTES", "KernelTarget", "fit_problem"]
+__all__ = ["ROUTES", "KernelTarget", "fit_problem", "iteration_flops"]
 
 ROUTES = ("auto", "kernel", "features", "compressed")
 
@@ -66,8 +66,6 @@ class KernelTarget:
         The route taken.
     sq_norm : Tensor ``[B]``
         :math:`\|A\|_F^2` per head.
-    iteration_flops : float
-        Set by :func:`fit_problem`: the estimated multiply-adds of one fit iteration per head.
     """
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, p: int, m: int, *, route: str = "auto",
@@ -178,6 +176,16 @@ def _compressed_flops(n_q: int, n_k: int, d: int, dim: int, p: int, m: int, t: i
     return setup, partials + normal + 2 * m * rows_q * rows_k
 
 
+def iteration_flops(route: str, n_q: int, n_k: int, d: int, p: int, m: int, t: int) -> float:
+    """Estimated multiply-adds of one fit iteration per head on ``route`` (a :class:`KernelTarget`'s
+    ``route``): the normal matrices of every factor and two products with ``A``; this caps a fit's
+    iterations (``work`` of :func:`~sketchlab.llops.fit_llops_direct`)."""
+    dim = _sym_dim(d, p) if p > 1 else d
+    if route == "compressed":
+        return _compressed_flops(n_q, n_k, d, dim, p, m, t)[1]
+    return _token_flops(n_q, n_k, d, dim, p, m, t)
+
+
 def fit_problem(q: torch.Tensor, k: torch.Tensor, p: int, m: int, t: int, *, route: str = "auto",
                 iterations: int = 38, max_bytes: int = DEFAULT_MAX_BYTES):
     """The two sides and the target of a direct fit, by ``route``.
@@ -188,9 +196,7 @@ def fit_problem(q: torch.Tensor, k: torch.Tensor, p: int, m: int, t: int, *, rou
     38 in the default preset) need fewer multiply-adds than the tokens' (and its memory fits
     ``max_bytes``), else the cheaper token route.
 
-    Returns ``(side_q, side_k, target)``; ``target.iteration_flops`` is the route's estimate of the
-    multiply-adds of one iteration per head (the normal matrices of every factor and two products
-    with ``A``), which caps a fit's iterations (``work`` of :func:`~sketchlab.llops.fit_llops_direct`).
+    Returns ``(side_q, side_k, target)``.
     """
     if route not in ROUTES:
         raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
@@ -205,9 +211,5 @@ def fit_problem(q: torch.Tensor, k: torch.Tensor, p: int, m: int, t: int, *, rou
         check_memory(compress_bytes(B, d, p, m, t), what=f"the compressed rows of {B} head(s) (d={d}, p={p}, D={dim}, m={m}, t={t})",
                      way_out="use route='kernel' or 'features'", max_bytes=max_bytes)
         (side_q, rows_q), (side_k, rows_k) = compress_side(q, p, max_bytes=max_bytes), compress_side(k, p, max_bytes=max_bytes)
-        target = KernelTarget.compressed(rows_q, rows_k)
-        target.iteration_flops = _compressed_flops(n_q, n_k, d, dim, p, m, t)[1]
-        return side_q, side_k, target
-    target = KernelTarget(q, k, p, m, route=route, max_bytes=max_bytes)
-    target.iteration_flops = _token_flops(n_q, n_k, d, dim, p, m, t)
-    return Tokens(q, max_bytes=max_bytes), Tokens(k, max_bytes=max_bytes), target
+        return side_q, side_k, KernelTarget.compressed(rows_q, rows_k)
+    return Tokens(q, max_bytes=max_bytes), Tokens(k, max_bytes=max_bytes), KernelTarget(q, k, p, m, route=route, max_bytes=max_bytes)
