@@ -177,6 +177,10 @@ def test_token_cost_model_counts_normal_matrices_and_kernel_products():
     assert _token_flops(40, 40, 3, 6, 2, 5, 1) == 9600
     # t = 2 quadruples the normal matrices; n = 4 makes the kernel the cheaper product (2·5·16)
     assert _token_flops(4, 4, 3, 6, 2, 5, 2) == 2 * 5 * 4 * 8 * 6 + 2 * 5 * 16
+    assert iteration_flops("kernel", 40, 40, 3, 2, 5, 1) == 9600
+    # compressed: min(n, D) = 6 rows a side; partials p t m (6 + 6) d^p = 1080, normal matrices
+    # p m (6 + 6) (t d)² = 1080, two products with the 6 × 6 kernel 2 m 36 = 360
+    assert iteration_flops("compressed", 40, 40, 3, 2, 5, 1) == 2520
 
 
 @pytest.mark.parametrize("allowed,als,lm", [(1, 1, 0), (4, 4, 0), (6, 5, 1), (13, 9, 4), (20, 9, 5)])
