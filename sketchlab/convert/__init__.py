@@ -1,4 +1,22 @@
 """Convert pretrained transformers (and sketchlab's toy model) to sketched attention, and linearise them.
 
-``_hf`` holds the transformers glue (attention and mask interfaces).
+``families`` finds each family's attention modules; ``sketched`` holds the added module
+(:class:`SketchedAttention`) and transformers' attention and mask functions; ``cache`` the
+decoding state; ``convert`` the public entry points; ``_hf`` the transformers glue.
 """
+
+from .convert import convert_attention, converted_modules, load_linearized, save_linearized
+from .families import FAMILIES, attention_sites, family_of
+from .sketched import ATTENTION_NAME, SketchedAttention
+
+__all__ = [
+    "ATTENTION_NAME",
+    "FAMILIES",
+    "SketchedAttention",
+    "attention_sites",
+    "convert_attention",
+    "converted_modules",
+    "family_of",
+    "load_linearized",
+    "save_linearized",
+]
