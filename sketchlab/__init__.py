@@ -43,6 +43,7 @@ from .attention import (
     softmax_attention_naive,
 )
 from .export import export_theta
+from .convert import convert_attention, linearize, load_linearized, save_linearized
 from .objective import kernel_loss, train_kernel_sketch
 from .metrics import (
     attention_error,
@@ -101,6 +102,7 @@ __all__ = [
     "capture_qk",
     "causal_attention",
     "compare",
+    "convert_attention",
     "deflate",
     "describe_scale",
     "dump_segments",
@@ -121,6 +123,7 @@ __all__ = [
     "kernel_loss",
     "kernel_spectrum",
     "kernel_sq_norm",
+    "linearize",
     "llops_attention",
     "llops_attention_naive",
     "llops_features",
@@ -128,6 +131,7 @@ __all__ = [
     "llops_init",
     "llops_projector",
     "llops_projector_naive",
+    "load_linearized",
     "load_qk",
     "load_theta",
     "max_sketch_size",
@@ -147,6 +151,7 @@ __all__ = [
     "rel_fro",
     "rel_mae",
     "resolve_scale",
+    "save_linearized",
     "save_qk",
     "save_theta",
     "sketch_attention",
