@@ -188,7 +188,7 @@ def _attend(feat_q, feat_k, qt, kt, vt, *, num_features: int, causal: bool, norm
         raise ValueError("initial_state/output_final_state need causal=True (a state summarises a prefix)")
     if initial_state is not None:
         state = check_state(initial_state, batch=B, heads=H, num_features=M2,
-                            dim=D if window else initial_state.k_window.shape[-1], dim_v=Dv, feature_dim=M,
+                            dim=D if window else None, dim_v=Dv, feature_dim=M,
                             window=window, sinks=sinks, like=vt)
     else:
         state = empty_state(B, H, M2, D, Dv, M, like=vt)

@@ -223,7 +223,7 @@ def feature_attention_naive(phi_q, phi_k, v, *, q=None, k=None, causal: bool = T
     kk = k.to(f64).transpose(1, 2) if window else None  # [B, H, S, D]
     valid = torch.ones(B, S_len, dtype=torch.bool, device=fq.device) if mask is None else mask
     if initial_state is not None:
-        st = check_state(initial_state, batch=B, heads=H, num_features=M2, dim=D if window else initial_state.k_window.shape[-1],
+        st = check_state(initial_state, batch=B, heads=H, num_features=M2, dim=D if window else None,
                          dim_v=Dv, feature_dim=M, window=window, sinks=sinks, like=phi_q)
         P0, S0, z0 = st.offset, st.S.to(f64), st.z.to(f64)
         Ls, Lw = st.k_sink.shape[2], st.k_window.shape[2]

@@ -98,7 +98,7 @@ def empty_state(batch: int, heads: int, num_features: int, dim: int, dim_v: int,
         k_sink=torch.zeros(batch, heads, 0, dim, **kw), v_sink=torch.zeros(batch, heads, 0, dim_v, **kw), offset=0)
 
 
-def check_state(state, *, batch: int, heads: int, num_features: int, dim: int, dim_v: int, feature_dim: int,
+def check_state(state, *, batch: int, heads: int, num_features: int, dim: int | None, dim_v: int, feature_dim: int,
                 window: int, sinks: int, like: torch.Tensor) -> AttentionState:
     """Validate ``initial_state`` against the call (shapes, window and sink lengths, device).
 
@@ -108,6 +108,8 @@ def check_state(state, *, batch: int, heads: int, num_features: int, dim: int, d
     """
     if not isinstance(state, AttentionState):
         raise TypeError(f"initial_state must be an AttentionState (from output_final_state=True), got {type(state).__name__}")
+    if dim is None:  # pure linear attention: the (empty) window's key width is free
+        dim = state.k_window.shape[-1] if isinstance(state.k_window, torch.Tensor) else 0
     off = state.offset
     if isinstance(off, bool) or not isinstance(off, int) or off < 0:
         raise ValueError(f"initial_state.offset must be an int >= 0, got {off!r}")
