@@ -224,11 +224,11 @@ class Outputs:
                 self._check_writable(label, str(part), Path(real))
                 clash = input_files.get(real) or input_ids.get(_identity(real))
                 if clash is not None:
-                    raise ValueError(f"{label} {path!r} is the input {clash!r} (the same file): writing it would "
+                    raise ValueError(f"{label}: output {path!r} is the input {clash!r} (the same file): writing it would "
                                      "destroy the data being read; choose another output path")
                 for key in (real, _identity(real)):
                     if key is not None and key in seen and seen[key] != label:
-                        raise ValueError(f"{seen[key]} and {label} are the same file {path!r}: one would overwrite "
+                        raise ValueError(f"outputs {seen[key]} and {label} are the same file {path!r}: one would overwrite "
                                          "the other; give each output its own path")
                     if key is not None:
                         seen[key] = label
@@ -239,7 +239,7 @@ class Outputs:
             self._check_writable(label, path, Path(real), directory=True)
             for inp_real, given in {**input_dirs, **input_files}.items():
                 if _inside(inp_real, real) or _identity(inp_real) == _identity(real) is not None:
-                    raise ValueError(f"{label} {path!r} holds the input {given!r}: this run would overwrite or mix "
+                    raise ValueError(f"{label}: output directory {path!r} holds the input {given!r}: this run would overwrite or mix "
                                      "files with the data it reads; choose another output directory")
 
     @staticmethod
