@@ -8,7 +8,7 @@ comparison of every sketch against the optimum on them, and the researcher's too
 fused Triton kernel) and the Θ export that feeds :class:`LLoPSAttention`.
 """
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 from .advise import Advice, HeadAdvice, advise
 from .capture import capture_qk
@@ -45,9 +45,8 @@ from .attention import (
 from .export import export_theta
 from .convert import convert_attention, linearize, load_linearized, save_linearized
 from .objective import kernel_loss, train_kernel_sketch
+from .attention.errors import attention_error, causal_attention
 from .metrics import (
-    attention_error,
-    causal_attention,
     kernel_errors,
     kernel_sq_norm,
     optimality_ratio,

@@ -1,5 +1,9 @@
 r"""Error metrics between an approximate and an exact kernel matrix.
 
+The error of the attention *output* (:func:`sketchlab.attention.errors.attention_error`) lives in
+the attention package, above the sketches: this module imports nothing but the polynomial
+features, so every layer of the library can use it.
+
 All functions reduce over the last two axes and keep leading (batch) axes, so ``[L, H, n, n]``
 inputs give ``[L, H]`` results. Inputs are compared in float64.
 """
@@ -14,8 +18,6 @@ from ._validation import DEFAULT_MAX_BYTES, as_float_tensor, check_memory, check
 
 __all__ = [
     "ROUNDOFF_TAIL",
-    "attention_error",
-    "causal_attention",
     "kernel_errors",
     "kernel_sq_norm",
     "optimality_ratio",
@@ -208,50 +210,3 @@ def kernel_errors(sketch, q, k, p: int, *, max_bytes: int = DEFAULT_MAX_BYTES) -
             f"{first} (q or k is zero there): relative errors are undefined"
         )
     return {"sq_err": sq_err, "sq_norm": sq_norm, "rel_fro": (sq_err / sq_norm).sqrt(), "rel_mae": abs_err / abs_a}
-
-
-def causal_attention(kernel, v, *, eps: float = 1e-6, normalize: str = "sum", segments=None) -> torch.Tensor:
-    r"""Causal kernel attention :math:`((A \odot M) V) / ((A \odot M)\mathbf 1 + \varepsilon)` (or unnormalised).
-
-    The one definition of kernel attention in sketchlab:
-    :func:`sketchlab.attention.kernel_attention_naive` with ``causal=True``.
-
-    Parameters
-    ----------
-    kernel : Tensor ``[..., n, n]``
-        Kernel scores between queries (rows) and keys (columns) of the same tokens.
-    v : Tensor ``[..., n, d_v]``
-    eps : float
-        Added to the normaliser.
-    normalize : ``"sum"`` or ``"none"``
-        ``"sum"`` divides by the masked row sums (+ eps): only safe for non-negative kernels (a
-        signed sketch's row sums can be ``≤ 0``); ``"none"`` returns :math:`(A \odot M)V`.
-    segments : None, int or sequence of int
-        Lengths of the sequences joined along the token axis (they sum to ``n``; an int is the
-        common length): ``M`` never lets a token attend across them. The shipped dump
-        ``data/mqar_softmax_qk.safetensors`` joins two 256-token sequences; its metadata key
-        ``tokens`` holds ``[256, 256]`` (:func:`sketchlab.attention.dump_segments` reads it).
-
-    Returns
-    -------
-    Tensor ``[..., n, d_v]`` in float64. ``M`` is the causal (lower-triangular) mask, block-diagonal
-    over ``segments``.
-    """
-    from .attention.reference import kernel_attention_naive
-
-    kernel = as_float_tensor(kernel, "kernel")
-    if kernel.ndim < 2 or kernel.shape[-2] != kernel.shape[-1]:
-        raise ValueError(f"kernel must be [..., n, n] (square: queries and keys of the same tokens), got {tuple(kernel.shape)}")
-    return kernel_attention_naive(kernel, v, causal=True, normalize=normalize, eps=eps, segments=segments)
-
-
-def attention_error(approx, exact, v, *, eps: float = 1e-6, normalize: str = "sum", segments=None) -> torch.Tensor:
-    r"""Relative error of the causal attention output.
-
-    :math:`\|O(\hat A) - O(A)\|_F / \|O(A)\|_F` with :math:`O` from :func:`causal_attention`
-    (same ``eps``, ``normalize`` and ``segments``), per batch element.
-    """
-    approx, exact = _pair(approx, exact)
-    out_hat = causal_attention(approx, v, eps=eps, normalize=normalize, segments=segments)
-    out = causal_attention(exact, v, eps=eps, normalize=normalize, segments=segments)
-    return torch.linalg.matrix_norm(out_hat - out) / torch.linalg.matrix_norm(out)

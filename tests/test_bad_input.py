@@ -95,7 +95,7 @@ COMPARE_CASES = [
     ("npy.npy --p 2 --m 4 --methods psf --markdown npy.k.npy", 2, r"--markdown: output .*npy.k.npy' is the input"),
     ("good.safetensors --p 2 --m 4 --methods psf --json out.txt --markdown out.txt", 2, r"outputs --json and --markdown are the same file"),
     ("good.safetensors --p 2 --m 4 --methods psf --json link_to_good", 2, r"--json: output .*link_to_good' is the input"),
-    ("good.safetensors --p 2 --m 4 --methods psf --json nodir/x.json", 2, r"--json: output directory .*nodir' does not exist"),
+    ("good.safetensors --p 2 --m 4 --methods psf --json good.safetensors/x.json", 2, r"--json: cannot create the output directory of 'good.safetensors/x.json': .*good.safetensors' is a file"),
     ("good.safetensors --p 2 --m 4 --methods psf --json .", 2, r"--json: output '\.' is a directory"),
 ]
 

@@ -99,14 +99,15 @@ def test_cli_fit_writes_a_loadable_export(dump_file, tmp_path, capsys):
     theta_q, _, meta = sl.load_theta(out)
     assert theta_q.shape == (1, 1, 1, 2, 4, 6) and meta["scale"] == "sqrt-d"
     assert meta["source_sha256"] == file_sha256(dump_file)
-    assert "wrote" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert captured.err.strip().splitlines()[-1] == f"wrote {out}" and "optimality_ratio=" in captured.out
     block = LLoPSAttention.from_pretrained(out)
     assert block(torch.randn(2, 9, 4, dtype=torch.float64)).shape == (2, 9, 4)
 
 
 @pytest.mark.parametrize("extra, message", [
     (["--out", "{dump}"], "the same file"),
-    (["--out", "{tmp}/nowhere/theta.safetensors"], "does not exist"),
+    (["--out", "{dump}/nowhere/theta.safetensors"], "cannot create the output directory"),
     (["--out", "{tmp}/theta.pt"], ".safetensors"),
     (["--out", "{tmp}/theta.safetensors", "--method", "mlp"], "invalid choice"),
     (["--out", "{tmp}/theta.safetensors", "--m", "0"], "m"),

@@ -7,7 +7,8 @@ backend choice, ``module`` the :class:`LLoPSAttention` block, ``triton`` the fus
 """
 
 from .chunked import feature_attention, llops_attention_chunked
-from .module import LLoPSAttention
+from .module import LLoPSAttention, llops_is_non_negative
+from .state import AttentionState
 from .functional import BACKENDS, dump_segments, llops_attention, poly_attention, resolve_backend, sketch_attention, softmax_attention
 from .reference import (
     attention_mask,
@@ -20,6 +21,7 @@ from .reference import (
 )
 
 __all__ = [
+    "AttentionState",
     "BACKENDS",
     "LLoPSAttention",
     "dump_segments",
@@ -30,6 +32,7 @@ __all__ = [
     "llops_attention",
     "llops_attention_chunked",
     "llops_attention_naive",
+    "llops_is_non_negative",
     "poly_attention",
     "poly_attention_naive",
     "resolve_backend",

@@ -149,3 +149,78 @@ def check_segments(segments, length: int) -> list[int] | None:
     if sum(values) != length:
         raise ValueError(f"segments must sum to the number of tokens {length}, got {values} (sum {sum(values)})")
     return [int(s) for s in values]
+
+
+#: Accepted values of ``local`` (the exact part of the hybrid).
+LOCAL_KINDS = ("softmax", "poly")
+#: Accepted values of ``denominator_check``.
+DENOMINATOR_CHECKS = ("warn", "raise", "off")
+
+
+def check_hybrid(window, sinks, local, local_scale, gate, *, normalize: str, heads: int, dim: int, like: torch.Tensor):
+    """Validate the sliding-window options; returns ``(window, sinks, local, scale, gate)``.
+
+    Rules: ``window``, ``sinks`` ints ``>= 0``; ``sinks > 0`` needs ``window >= 1`` (``window=0`` is
+    pure linear attention); ``local`` in :data:`LOCAL_KINDS`; ``local_scale`` ``None`` (→ ``1/√D``)
+    or a finite number ``> 0``; ``gate`` ``None`` or a finite floating tensor ``[H]`` (logits) on
+    ``q``'s device; the hybrid is normalised: ``normalize="none"`` with ``window > 0`` is an error.
+    """
+    from .._validation import check_nonnegative_int
+
+    window = check_nonnegative_int(window, "window")
+    sinks = check_nonnegative_int(sinks, "sinks")
+    if sinks and not window:
+        raise ValueError(f"sinks={sinks} needs window >= 1: window=0 is pure linear attention (no exact keys); "
+                         "pass window= too")
+    if not isinstance(local, str) or local not in LOCAL_KINDS:
+        raise ValueError(f"local must be one of {LOCAL_KINDS}, got {local!r}")
+    scale = dim ** -0.5 if local_scale is None else check_real(local_scale, "local_scale", positive=True)
+    if window and normalize != "sum":
+        raise ValueError(f"the hybrid (window={window} > 0) shares one denominator between the exact and the sketched "
+                         f"keys and is always normalised: pass normalize='sum', got normalize={normalize!r}")
+    if gate is not None:
+        if not isinstance(gate, torch.Tensor) or not gate.is_floating_point():
+            raise TypeError(f"gate must be None or a floating tensor [H] of logits, got {type(gate).__name__}")
+        if tuple(gate.shape) != (heads,):
+            raise ValueError(f"gate must have shape [H] = [{heads}] (one logit per head), got {tuple(gate.shape)}")
+        if gate.device != like.device:
+            raise ValueError(f"gate must be on the device of q ({like.device}), got {gate.device}")
+        with torch.no_grad():
+            check_finite(gate.detach(), "gate")
+    return window, sinks, local, scale, gate
+
+
+def check_key_padding_mask(mask, batch: int, length: int, device) -> torch.Tensor | None:
+    """``key_padding_mask``: ``None`` or a bool tensor ``[B, S]``, ``True`` = a real token."""
+    if mask is None:
+        return None
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+        raise TypeError(f"key_padding_mask must be a bool tensor [B, S] (True = a real token), got "
+                        f"{mask.dtype if isinstance(mask, torch.Tensor) else type(mask).__name__}")
+    if tuple(mask.shape) != (batch, length):
+        raise ValueError(f"key_padding_mask must have shape [B, S] = [{batch}, {length}], got {tuple(mask.shape)}")
+    if mask.device != device:
+        raise ValueError(f"key_padding_mask must be on the device of the keys ({device}), got {mask.device}")
+    return mask
+
+
+def check_denominator_check(value) -> str:
+    """``denominator_check`` must be one of :data:`DENOMINATOR_CHECKS`."""
+    if not isinstance(value, str) or value not in DENOMINATOR_CHECKS:
+        raise ValueError(f"denominator_check must be one of {DENOMINATOR_CHECKS}, got {value!r}")
+    return value
+
+
+def report_denominators(bad: int, rows: int, where: str, mode: str) -> None:
+    """Warn (or raise) when ``bad`` of ``rows`` normalising denominators were ``<= 0``."""
+    if not bad or mode == "off":
+        return
+    msg = (f"{where}: {bad} of {rows} query rows have a normalising denominator <= 0 (signed features with "
+           "normalize='sum'), so their output is unbounded or sign-flipped. Remedies: non_negative=True "
+           "(self-tensored features φ⊗φ, kernel (φ(q)·φ(k))² >= 0), a non-negative map (rank-1 LLoPS with equal "
+           "factors and even p, a Taylor/Hedgehog map), normalize='none', or a hybrid window (window > 0).")
+    if mode == "raise":
+        raise FloatingPointError(msg)
+    import warnings
+
+    warnings.warn(msg, RuntimeWarning, stacklevel=3)
