@@ -36,7 +36,7 @@ class _KV:
     mask: torch.Tensor
 
 
-def exact_softmax(q, k, v, fmap_q, fmap_k, *, causal, window, sinks, local, local_scale, gate,
+def exact_softmax(q, k, v, fmap_q, fmap_k, *, causal, window, sinks, local, local_scale, gate, non_negative,
                   key_padding_mask=None, initial_state=None, output_final_state=False, normalize=None):
     """Exact masked softmax attention ``[B, T, H, D]`` with logits ``local_scale · qᵀk`` (float64),
     continuing from / returning the keys and values so far as its state."""

@@ -72,9 +72,11 @@ def _load_theta_into(feature_map: nn.Module, theta: torch.Tensor, where: str) ->
         matches[0].copy_(theta.to(matches[0].dtype))
 
 
-def _make_maps(attention: str, feature_map, layer: int, heads: int, head_dim: int, p: int, m: int, rank: int):
+def _make_maps(attention: str, feature_map, layer: int, heads: int, head_dim: int, p: int, m: int, rank: int,
+               seed: int):
     """``(map_q, map_k)`` of one layer: ``feature_map(layer, heads, head_dim)`` when given (a map or a
-    pair), else two :func:`sketchlab.featuremaps.make_feature_map` maps named ``attention``."""
+    pair), else two :func:`sketchlab.featuremaps.make_feature_map` maps named ``attention`` (seeds
+    ``seed + 2·layer`` for queries, ``+ 1`` for keys)."""
     if feature_map is not None:
         made = feature_map(layer, heads, head_dim)
         maps = tuple(made) if isinstance(made, (tuple, list)) else (made, made)
@@ -84,14 +86,14 @@ def _make_maps(attention: str, feature_map, layer: int, heads: int, head_dim: in
         return maps
     from ..featuremaps import make_feature_map
 
-    extra = {"rank": rank} if attention == "llops" else {}
-    return tuple(make_feature_map(attention, heads=heads, head_dim=head_dim, p=p, m=m, **extra) for _ in range(2))
+    return tuple(make_feature_map(attention, heads=heads, head_dim=head_dim, p=p, m=m, rank=rank,
+                                  seed=seed + 2 * layer + side) for side in range(2))
 
 
 def convert_attention(model: nn.Module, *, attention: str = "llops", p: int = 2, m: int = 64, rank: int = 1,
                       window: int = 64, sinks: int = 4, local: str = "softmax", feature_map=None, theta=None,
-                      normalize: str | None = None, learn: bool = True, gate: bool = True,
-                      seed: int = 0) -> list[SketchedAttention]:
+                      normalize: str | None = None, non_negative: bool = False, learn: bool = True,
+                      gate: bool = True, seed: int = 0) -> list[SketchedAttention]:
     r"""Swap every self-attention of ``model`` for sketched attention, in place; keep every weight.
 
     Parameters
@@ -119,7 +121,12 @@ def convert_attention(model: nn.Module, *, attention: str = "llops", p: int = 2,
         ``attention="llops"`` only: a Θ export (:func:`sketchlab.export_theta`) or tensors
         ``[L, H, t, p, d, m]`` (fitted on ``"sqrt-d"``-scaled post-RoPE q, k) to start from.
     normalize : str, optional
-        The attention's normalisation (``None``: its default).
+        The attention's normalisation (``None``: its default, ``"sum"``; the hybrid is always normalised).
+    non_negative : bool
+        Self-tensor the features (``φ ⊗ φ``, ``M²`` features, a non-negative kernel). Fixed at
+        conversion, so a map's feature count never changes while it trains; ``False`` keeps the ``M``
+        features asked for (the hybrid's local part keeps its shared denominator positive; a
+        signed far part is checked by the attention's denominator check).
     learn : bool
         Whether the new parameters (maps, gates) require gradients.
     gate : bool
@@ -149,7 +156,7 @@ def convert_attention(model: nn.Module, *, attention: str = "llops", p: int = 2,
     window, sinks = _check_int(window, "window", 0), _check_int(sinks, "sinks", 0)
     if local not in LOCALS:
         raise ValueError(f"local must be one of {list(LOCALS)}, got {local!r}")
-    for flag, name in ((learn, "learn"), (gate, "gate")):
+    for flag, name in ((learn, "learn"), (gate, "gate"), (non_negative, "non_negative")):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {flag!r}")
     if theta is not None and (attention != "llops" or feature_map is not None):
@@ -164,17 +171,19 @@ def convert_attention(model: nn.Module, *, attention: str = "llops", p: int = 2,
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(_check_int(seed, "seed", 0))
         for layer, site in enumerate(sites):
-            map_q, map_k = _make_maps(attention, feature_map, layer, site.heads, site.head_dim, p, m, rank)
+            map_q, map_k = _make_maps(attention, feature_map, layer, site.heads, site.head_dim, p, m, rank, seed)
             if thetas is not None:
                 _load_theta_into(map_q, thetas[0][layer], f"theta layer {layer} (q)")
                 _load_theta_into(map_k, thetas[1][layer], f"theta layer {layer} (k)")
             sketch = SketchedAttention(map_q, map_k, heads=site.heads, head_dim=site.head_dim, window=window,
-                                       sinks=sinks, local=local, gate=gate, normalize=normalize, causal=site.causal)
+                                       sinks=sinks, local=local, gate=gate, normalize=normalize,
+                                       non_negative=non_negative, causal=site.causal)
             sketch.to(device=ref.device, dtype=ref.dtype)
             sketch.requires_grad_(learn)
             sketches.append(sketch)
     options = {"attention": attention if feature_map is None else "custom", "p": p, "m": m, "rank": rank,
-               "window": window, "sinks": sinks, "local": local, "normalize": normalize, "gate": gate, "seed": seed,
+               "window": window, "sinks": sinks, "local": local, "normalize": normalize, "non_negative": non_negative,
+               "gate": gate, "seed": seed,
                "family": family}
     if family == "toy":
         for site, sketch in zip(sites, sketches):

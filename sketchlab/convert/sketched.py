@@ -65,6 +65,10 @@ class SketchedAttention(nn.Module):
         (``g = 1/2`` fixed). Ignored for ``window=0``.
     normalize : str or None
         Passed to the attention (``None``: its default).
+    non_negative : bool
+        Self-tensor the features (fixed here, never chosen per call from the maps' current signs).
+    causal : bool
+        The model's masking (BERT: ``False``).
 
     Notes
     -----
@@ -75,7 +79,7 @@ class SketchedAttention(nn.Module):
 
     def __init__(self, feature_map_q: nn.Module, feature_map_k: nn.Module, *, heads: int, head_dim: int,
                  window: int, sinks: int, local: str = "softmax", gate: bool = True, normalize: str | None = None,
-                 causal: bool = True):
+                 non_negative: bool = False, causal: bool = True):
         super().__init__()
         if local not in LOCALS:
             raise ValueError(f"local must be one of {list(LOCALS)}, got {local!r}")
@@ -83,7 +87,7 @@ class SketchedAttention(nn.Module):
         self.feature_map_k = feature_map_k
         self.heads, self.head_dim = int(heads), int(head_dim)
         self.window, self.sinks, self.local = int(window), int(sinks), local
-        self.normalize, self.causal = normalize, bool(causal)
+        self.normalize, self.non_negative, self.causal = normalize, bool(non_negative), bool(causal)
         self.gate = nn.Parameter(torch.zeros(heads)) if gate and window > 0 else None  # [H] logits
         self.input_scale = head_dim ** -0.25
         self._cache_layer = None  # set for one call by remember_cache (not state: never saved)
@@ -99,7 +103,8 @@ class SketchedAttention(nn.Module):
         c = self.input_scale
         scaling = 1.0 / math.sqrt(self.head_dim) if scaling is None else float(scaling)
         options = dict(causal=self.causal, window=self.window, sinks=self.sinks, local=self.local,
-                       local_scale=scaling / (c * c), gate=self.gate, key_padding_mask=key_padding_mask,
+                       local_scale=scaling / (c * c), gate=self.gate, non_negative=self.non_negative,
+                       key_padding_mask=key_padding_mask,
                        initial_state=initial_state, output_final_state=output_final_state)
         if self.normalize is not None:
             options["normalize"] = self.normalize
