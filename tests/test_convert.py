@@ -36,7 +36,7 @@ class _KV:
     mask: torch.Tensor
 
 
-def exact_softmax(q, k, v, fmap_q, fmap_k, *, causal, window, sinks, local, local_scale, gate, non_negative,
+def exact_softmax(q, k, v, fmap_q, fmap_k, *, causal, window, sinks, local, local_scale, gate, non_negative, eps,
                   key_padding_mask=None, initial_state=None, output_final_state=False, normalize=None):
     """Exact masked softmax attention ``[B, T, H, D]`` with logits ``local_scale · qᵀk`` (float64),
     continuing from / returning the keys and values so far as its state."""
@@ -235,3 +235,98 @@ def test_unsupported_and_bad_options():
         convert_attention(_llama(), feature_map=_maps, local="linear")
     with pytest.raises(ValueError, match="theta initialises LLoPS maps"):
         convert_attention(_llama(), attention="hedgehog", theta="x.safetensors")
+
+
+# ------------------------------------------------------------------------------------------------
+# the real sketched attention (sketchlab.attention.featuremap_attention)
+
+
+@pytest.mark.parametrize("make,padding,attention", [(_llama, True, "llops"), (_gpt2, True, "hedgehog"),
+                                                    (_bert, True, "llops")])
+def test_window_covering_the_sequence_reproduces_teacher(make, padding, attention):
+    """window >= T with local softmax is exactly the model's softmax attention (DESIGN §6): the
+    converted model gives the teacher's logits to float64 round-off, whatever the maps and gate
+    (eps=0: the default eps=1e-6 in the denominator would be a relative error of ~1e-6)."""
+    model = make()
+    ids, mask = _inputs(padding)
+    want = _out(model, ids, mask)
+    sketches = convert_attention(model, attention=attention, p=2, m=8, window=ids.shape[1], sinks=2, eps=0.0)
+    with torch.no_grad():
+        for s in sketches:
+            s.gate.normal_()  # any gate: with no far keys it cancels in the shared denominator
+    got = _out(model, ids, mask)
+    valid = mask.bool()
+    torch.testing.assert_close(got[valid], want[valid], **TOL64)
+    # a window shorter than the sequence makes the far part (the sketch) matter
+    short = make()
+    convert_attention(short, attention=attention, p=2, m=8, window=2, sinks=1)
+    assert float((_out(short, ids, mask)[valid] - want[valid]).abs().max()) > 1e-3
+
+
+@pytest.mark.parametrize("window,sinks", [(0, 0), (3, 1)])
+def test_generate_with_state_equals_greedy_full_forward(window, sinks):
+    """generate() decodes with the recurrent state (pure and hybrid, crossing the window) and gives
+    the tokens of greedy decoding by full forward passes; the state does not grow with the context."""
+    from sketchlab.convert.cache import SketchStateCache
+
+    model = _llama()
+    convert_attention(model, attention="hedgehog", m=8, window=window, sinks=sinks)
+    ids, _ = _inputs(False, B=2, T=5)
+    out = model.generate(ids, max_new_tokens=7, do_sample=False, return_dict_in_generate=True)
+    assert isinstance(out.cache, SketchStateCache)
+    seq = ids
+    with torch.no_grad():
+        for _ in range(7):
+            nxt = model(seq, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
+            seq = torch.cat([seq, nxt], 1)
+    assert torch.equal(out.sequences, seq)
+    # memory: the state after 12 tokens equals the state after 30
+    sizes = []
+    for n in (12, 30):
+        cache = SketchStateCache(2)
+        with torch.no_grad():
+            model(torch.randint(1, 50, (1, n)), cache=cache, use_cache=True)
+        sizes.append(cache.state_bytes())
+    assert sizes[0] == sizes[1] > 0
+
+
+def test_save_load_round_trip_llops(tmp_path):
+    model = _llama()
+    convert_attention(model, attention="llops", p=2, m=8, window=3, sinks=1)
+    with torch.no_grad():
+        for s in converted_modules(model):
+            s.feature_map_q.theta.add_(0.1 * torch.randn_like(s.feature_map_q.theta))
+            s.gate.normal_()
+    ids, mask = _inputs(True)
+    want = _out(model, ids, mask)
+    save_linearized(model, tmp_path / "lin")
+    fresh = load_linearized(tmp_path / "lin", _llama())  # the teacher, converted as recorded
+    torch.testing.assert_close(_out(fresh, ids, mask), want, rtol=0, atol=0)
+    # a model converted afresh (other random maps) differs: the round trip restored the trained maps
+    other = _llama()
+    convert_attention(other, attention="llops", p=2, m=8, window=3, sinks=1, seed=1)
+    assert float((_out(other, ids, mask) - want).abs().max()) > 1e-6
+
+
+def test_theta_initialises_llops_maps():
+    model = _llama()
+    theta_q = torch.randn(2, 4, 1, 2, 8, 6, dtype=torch.float64)  # [L, H, t, p, D, m]
+    theta_k = torch.randn(2, 4, 1, 2, 8, 6, dtype=torch.float64)
+    sketches = convert_attention(model, attention="llops", p=2, m=6, theta=(theta_q, theta_k))
+    for layer, s in enumerate(sketches):
+        assert torch.equal(s.feature_map_q.theta, theta_q[layer]) and torch.equal(s.feature_map_k.theta, theta_k[layer])
+    with pytest.raises(ValueError, match="Θ has 3 layers, the model 2"):
+        convert_attention(_llama(), attention="llops", p=2, m=6, theta=(theta_q.repeat(2, 1, 1, 1, 1, 1)[:3],) * 2)
+
+
+def test_toy_model_window_covering_the_sequence_reproduces_teacher():
+    from sketchlab.tasks.model import TransformerConfig, TransformerLM
+
+    torch.manual_seed(4)
+    model = TransformerLM(TransformerConfig(vocab_size=30, d_model=32, n_heads=2, n_layers=2)).double().eval()
+    ids = torch.randint(0, 30, (2, 11))
+    with torch.no_grad():
+        want = model(ids)
+        convert_attention(model, attention="hedgehog", m=8, window=11, sinks=0, eps=0.0)
+        got = model(ids)
+    torch.testing.assert_close(got, want, **TOL64)

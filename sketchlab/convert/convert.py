@@ -92,7 +92,7 @@ def _make_maps(attention: str, feature_map, layer: int, heads: int, head_dim: in
 
 def convert_attention(model: nn.Module, *, attention: str = "llops", p: int = 2, m: int = 64, rank: int = 1,
                       window: int = 64, sinks: int = 4, local: str = "softmax", feature_map=None, theta=None,
-                      normalize: str | None = None, non_negative: bool = False, learn: bool = True,
+                      normalize: str | None = None, non_negative: bool = False, eps: float = 1e-6, learn: bool = True,
                       gate: bool = True, seed: int = 0) -> list[SketchedAttention]:
     r"""Swap every self-attention of ``model`` for sketched attention, in place; keep every weight.
 
@@ -127,6 +127,9 @@ def convert_attention(model: nn.Module, *, attention: str = "llops", p: int = 2,
         conversion, so a map's feature count never changes while it trains; ``False`` keeps the ``M``
         features asked for (the hybrid's local part keeps its shared denominator positive; a
         signed far part is checked by the attention's denominator check).
+    eps : float >= 0
+        Added to the attention's denominator (relative error ``~eps`` against exact softmax, whose
+        denominator is ``>= 1`` after the max shift).
     learn : bool
         Whether the new parameters (maps, gates) require gradients.
     gate : bool
@@ -156,6 +159,8 @@ def convert_attention(model: nn.Module, *, attention: str = "llops", p: int = 2,
     window, sinks = _check_int(window, "window", 0), _check_int(sinks, "sinks", 0)
     if local not in LOCALS:
         raise ValueError(f"local must be one of {list(LOCALS)}, got {local!r}")
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not (0 <= eps < float("inf")):
+        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
     for flag, name in ((learn, "learn"), (gate, "gate"), (non_negative, "non_negative")):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {flag!r}")
@@ -172,18 +177,18 @@ def convert_attention(model: nn.Module, *, attention: str = "llops", p: int = 2,
         torch.manual_seed(_check_int(seed, "seed", 0))
         for layer, site in enumerate(sites):
             map_q, map_k = _make_maps(attention, feature_map, layer, site.heads, site.head_dim, p, m, rank, seed)
-            if thetas is not None:
-                _load_theta_into(map_q, thetas[0][layer], f"theta layer {layer} (q)")
-                _load_theta_into(map_k, thetas[1][layer], f"theta layer {layer} (k)")
             sketch = SketchedAttention(map_q, map_k, heads=site.heads, head_dim=site.head_dim, window=window,
                                        sinks=sinks, local=local, gate=gate, normalize=normalize,
-                                       non_negative=non_negative, causal=site.causal)
+                                       non_negative=non_negative, eps=float(eps), causal=site.causal)
             sketch.to(device=ref.device, dtype=ref.dtype)
+            if thetas is not None:  # after .to: Θ copied at the model's precision
+                _load_theta_into(map_q, thetas[0][layer], f"theta layer {layer} (q)")
+                _load_theta_into(map_k, thetas[1][layer], f"theta layer {layer} (k)")
             sketch.requires_grad_(learn)
             sketches.append(sketch)
     options = {"attention": attention if feature_map is None else "custom", "p": p, "m": m, "rank": rank,
                "window": window, "sinks": sinks, "local": local, "normalize": normalize, "non_negative": non_negative,
-               "gate": gate, "seed": seed,
+               "eps": float(eps), "gate": gate, "seed": seed,
                "family": family}
     if family == "toy":
         for site, sketch in zip(sites, sketches):

@@ -67,6 +67,8 @@ class SketchedAttention(nn.Module):
         Passed to the attention (``None``: its default).
     non_negative : bool
         Self-tensor the features (fixed here, never chosen per call from the maps' current signs).
+    eps : float
+        Added to the denominator.
     causal : bool
         The model's masking (BERT: ``False``).
 
@@ -79,7 +81,7 @@ class SketchedAttention(nn.Module):
 
     def __init__(self, feature_map_q: nn.Module, feature_map_k: nn.Module, *, heads: int, head_dim: int,
                  window: int, sinks: int, local: str = "softmax", gate: bool = True, normalize: str | None = None,
-                 non_negative: bool = False, causal: bool = True):
+                 non_negative: bool = False, eps: float = 1e-6, causal: bool = True):
         super().__init__()
         if local not in LOCALS:
             raise ValueError(f"local must be one of {list(LOCALS)}, got {local!r}")
@@ -88,6 +90,7 @@ class SketchedAttention(nn.Module):
         self.heads, self.head_dim = int(heads), int(head_dim)
         self.window, self.sinks, self.local = int(window), int(sinks), local
         self.normalize, self.non_negative, self.causal = normalize, bool(non_negative), bool(causal)
+        self.eps = float(eps)
         self.gate = nn.Parameter(torch.zeros(heads)) if gate and window > 0 else None  # [H] logits
         self.input_scale = head_dim ** -0.25
         self._cache_layer = None  # set for one call by remember_cache (not state: never saved)
@@ -103,7 +106,7 @@ class SketchedAttention(nn.Module):
         c = self.input_scale
         scaling = 1.0 / math.sqrt(self.head_dim) if scaling is None else float(scaling)
         options = dict(causal=self.causal, window=self.window, sinks=self.sinks, local=self.local,
-                       local_scale=scaling / (c * c), gate=self.gate, non_negative=self.non_negative,
+                       local_scale=scaling / (c * c), gate=self.gate, non_negative=self.non_negative, eps=self.eps,
                        key_padding_mask=key_padding_mask,
                        initial_state=initial_state, output_final_state=output_final_state)
         if self.normalize is not None:
