@@ -34,8 +34,8 @@ from .._validation import check_nonnegative_int, check_positive_int
 from .convert import convert_attention, converted_modules
 from .families import family_of
 
-__all__ = ["LayerIO", "LinearizeReport", "attention_errors", "embedding_agreement", "linearize", "perplexity",
-           "teacher_attention", "tokenize_texts"]
+__all__ = ["LayerIO", "LinearizeReport", "attention_errors", "attention_transfer", "embedding_agreement", "fit_theta",
+           "linearize", "perplexity", "sentence_embeddings", "teacher_attention", "tokenize_texts"]
 
 _TEACHER_NAME = "sketchlab_teacher"
 _RECORDING: list[dict] = []
@@ -296,8 +296,9 @@ def _nn_agreement(a: torch.Tensor, b: torch.Tensor) -> float:
 # stages
 
 
-def _fit_theta(model, ids, mask, *, p, m, rank, fit_tokens, seed, fit_options):
-    """Stage 0: Θ ``[L, H, t, p, D, m]`` fitted to the teacher's post-RoPE kernel (``"sqrt-d"`` inputs)."""
+def fit_theta(model, ids, mask, *, p, m, rank=1, fit_tokens=4096, seed=0, fit_options=None):
+    """Stage 0: Θ ``[L, H, t, p, D, m]`` fitted to the teacher's post-RoPE kernel (``"sqrt-d"`` inputs)
+    on the valid tokens of ``ids [N, T]``; returns ``((theta_q, theta_k), info)``."""
     from ..capture import capture_qk
     from ..fit import fit_sketch
     from ..sketches import as_llops
@@ -318,8 +319,11 @@ def _fit_theta(model, ids, mask, *, p, m, rank, fit_tokens, seed, fit_options):
     return (theta_q, theta_k), {"tokens": n, "rel_fro": report.get("rel_fro"), "seconds": report.get("seconds")}
 
 
-def _transfer(sketches, layers, mask, train_idx, *, steps, lr, batch_size, seed, progress):
-    """Stage 1: Adam on each layer's maps and gate, loss ``mean((o − o_teacher)²)`` over valid tokens."""
+def attention_transfer(sketches, layers: list[LayerIO], mask, train_idx, *, steps: int, lr: float = 1e-2,
+                       batch_size: int = 4, seed: int = 0, progress: bool = False) -> list[list[float]]:
+    """Stage 1: Adam on each layer's maps and gate, loss ``mean((o − o_teacher)²)`` over the valid tokens
+    of random batches of the sequences ``train_idx``; each layer given the teacher's q, k, v (``layers``),
+    independent of the others. Returns each layer's loss curve."""
     gen = torch.Generator().manual_seed(seed)
     losses = []
     for layer, (sketch, io) in enumerate(zip(sketches, layers)):
@@ -472,7 +476,7 @@ def linearize(model: nn.Module, texts, *, tokenizer=None, attention: str = "llop
     theta, fit_info = None, None
     t0 = time.perf_counter()
     if fit and attention == "llops" and feature_map is None:
-        theta, fit_info = _fit_theta(model, ids[train_idx], mask[train_idx], p=p, m=m, rank=rank,
+        theta, fit_info = fit_theta(model, ids[train_idx], mask[train_idx], p=p, m=m, rank=rank,
                                      fit_tokens=fit_tokens, seed=seed, fit_options=fit_options)
         theta = tuple(t.reshape(len(layers), -1, *t.shape[-4:]) for t in theta)  # [L, H, t, p, D, m]
     sketches = convert_attention(model, attention=attention, p=p, m=m, rank=rank, window=window, sinks=sinks,
@@ -482,7 +486,7 @@ def linearize(model: nn.Module, texts, *, tokenizer=None, attention: str = "llop
                           "metric": metric(model)})
     if transfer_steps:
         t0 = time.perf_counter()
-        losses = _transfer(sketches, layers, mask, train_idx, steps=transfer_steps, lr=transfer_lr,
+        losses = attention_transfer(sketches, layers, mask, train_idx, steps=transfer_steps, lr=transfer_lr,
                            batch_size=batch_size, seed=seed, progress=progress)
         report.stages.append({"name": "transfer", "seconds": time.perf_counter() - t0,
                               "losses": [[c[0], c[-1]] for c in losses],
