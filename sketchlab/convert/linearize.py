@@ -341,7 +341,7 @@ def attention_transfer(sketches, layers: list[LayerIO], mask, train_idx, *, step
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
-            curve.append(float(loss))
+            curve.append(float(loss.detach()))
         losses.append(curve)
         if progress:
             print(f"transfer layer {layer}: mse {curve[0]:.4g} -> {curve[-1]:.4g}", flush=True)
@@ -386,7 +386,7 @@ def _lora(model, family, ids, mask, train_idx, teacher_hidden, *, steps, rank, l
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        curve.append(float(loss))
+        curve.append(float(loss.detach()))
         if progress and (step % 10 == 0 or step == steps - 1):
             print(f"lora step {step}: loss {curve[-1]:.4f}", flush=True)
     peft_model.eval()
