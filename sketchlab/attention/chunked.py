@@ -397,18 +397,20 @@ class _Hybrid:
         self.g = g[None, :, None, None]  # [1, H, 1, 1]
         self.lift = self_tensor if non_negative else (lambda f: f)
 
-    def combine(self, qc, fqc, band_k, band_f, band_v, far_ok, loc_ok, sink_k, sink_v, sink_ok, far_num, far_den):
-        r"""Output of query chunks ``qc [B, H, N, C, D]`` (features ``fqc``) against their band of
-        keys ``[B, H, N, U, ·]`` (masks ``far_ok``/``loc_ok`` ``[B|1, 1, N|1, C, U]``), the sinks
-        ``[B, H, Ls, ·]`` (``sink_ok [B|1, 1, N, C, Ls]``) and the far sums from the states
-        (``far_num [B, H, N, C, Dv]``, ``far_den [B, H, N, C]``). Returns ``(num, den)``."""
+    def combine(self, qc, fqc, far_band, band_k, band_v, loc_ok, sink_k, sink_v, sink_ok, far_num, far_den):
+        r"""Output of query chunks ``qc [B, H, N, C, D]`` (features ``fqc``) against the far keys
+        near them (``far_band``: pieces ``(features [B, H, N, U', M], values [B, H, N, U', Dv],
+        mask [B|1, 1, N|1, C, U'])``), their band of local keys ``[B, H, N, U, ·]`` (``loc_ok``),
+        the sinks ``[B, H, Ls, ·]`` (``sink_ok [B|1, 1, N, C, Ls]``) and the far sums from the
+        states (``far_num [B, H, N, C, Dv]``, ``far_den [B, H, N, C]``). Returns ``(num, den)``."""
         zero = qc.new_zeros(())
-        fs = fqc @ band_f.mT  # [B, H, N, C, U]
-        if self.non_negative:
-            fs = fs.square()  # (φq·φk)² = (φ⊗φ)(q)·(φ⊗φ)(k)
-        fs = torch.where(far_ok, fs, zero)
-        far_num = far_num + fs @ band_v  # [B, H, N, C, Dv]
-        far_den = far_den + fs.sum(-1)
+        for band_f, band_fv, far_ok in far_band:
+            fs = fqc @ band_f.mT  # [B, H, N, C, U']
+            if self.non_negative:
+                fs = fs.square()  # (φq·φk)² = (φ⊗φ)(q)·(φ⊗φ)(k)
+            fs = torch.where(far_ok, fs, zero)
+            far_num = far_num + fs @ band_fv  # [B, H, N, C, Dv]
+            far_den = far_den + fs.sum(-1)
         logits = self.scale * (qc @ band_k.mT)  # [B, H, N, C, U]
         slog = self.scale * (qc @ sink_k[:, :, None].mT)  # [B, H, N, C, Ls]
         if self.local == "softmax":
@@ -478,19 +480,24 @@ def _hybrid_causal_block(h: _Hybrid, state, q_new, k_new, v_new, fq_new, fk_new,
     fq = _pad_tokens(fq_new, N * C).unflatten(2, (N, C))  # [B, H, N, C, M]
     qc = _pad_tokens(q_new, N * C).unflatten(2, (N, C))  # [B, H, N, C, D]
     U = we + C
-    band_k, band_v, band_f = _band(kp, U, C), _band(vp, U, C), _band(fp, U, C)  # [B, H, N, U, ·]
+    band_k, band_v = _band(kp, U, C), _band(vp, U, C)  # [B, H, N, U, ·]
     band_ok = ok.unfold(1, U, C)[:, None, :, None, :]  # [B, 1, N, 1, U]
     r = torch.arange(C, device=dev)[:, None]
     u = torch.arange(U, device=dev)[None, :]
     lag = we + r - u  # i − j for query r, band key u            [C, U]
-    far_ok = band_ok & (lag >= w)
     loc_ok = band_ok & (lag >= 0) & (lag < w)
+    # far keys inside the band (i − j >= w) are its first C keys (u <= r), chunk-aligned: no band copy;
+    # with we < w (the window reaches position 0) there are none
+    far_band = []
+    if we == w:
+        tril = torch.ones(C, C, dtype=torch.bool, device=dev).tril()
+        far_band.append((fp[:, :, : N * C].unflatten(2, (N, C)), vc, tril & ok[:, : N * C].unflatten(1, (N, C))[:, None, :, None, :]))
     qpos = (P0 + torch.arange(N * C, device=dev)).view(N, C)  # [N, C]
     sink_ok = (torch.arange(Ls, device=dev) <= qpos[..., None])[None, None]  # [1, 1, N, C, Ls]
     if mask_sink is not None:
         sink_ok = sink_ok & mask_sink[:, None, None, None, :]
     lq = h.lift(fq)  # [B, H, N, C, M2]
-    num, den = h.combine(qc, fq, band_k, band_f, band_v, far_ok, loc_ok, k_sink, v_sink,
+    num, den = h.combine(qc, fq, far_band, band_k, band_v, loc_ok, k_sink, v_sink,
                          sink_ok, lq @ prev, (lq @ zprev[..., None]).squeeze(-1))
     if counter is not None:
         counter.add(den.flatten(2, 3)[:, :, :n], mn)
@@ -546,8 +553,9 @@ def _hybrid_noncausal(h: _Hybrid, q, k, v, fq, fk, valid, C: int, counter):
     fqc = _pad_tokens(fq, N * C).unflatten(2, (N, C))  # [B, H, N, C, M]
     qc = _pad_tokens(q, N * C).unflatten(2, (N, C))  # [B, H, N, C, D]
     lq = h.lift(fqc)
-    num, den = h.combine(qc, fqc, _band(kp, U, C), _band(fp, U, C), _band(vp, U, C), far_ok, loc_ok, k_sink, v_sink,
-                         sink_ok, lq @ (pre + suf), (lq @ (zpre + zsuf)[..., None]).squeeze(-1))
+    band_v = _band(vp, U, C)
+    num, den = h.combine(qc, fqc, [(_band(fp, U, C), band_v, far_ok)], _band(kp, U, C), band_v, loc_ok, k_sink,
+                         v_sink, sink_ok, lq @ (pre + suf), (lq @ (zpre + zsuf)[..., None]).squeeze(-1))
     if counter is not None:
         counter.add(den.flatten(2, 3)[:, :, :T], mn)
     return (num / (den[..., None] + h.eps)).flatten(2, 3)[:, :, :T]  # [B, H, T, Dv]
