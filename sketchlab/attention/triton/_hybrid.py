@@ -77,7 +77,7 @@ def _online_update(u, loc, v, k0, m, l, acc, arg, P, SOFTMAX: tl.constexpr, PREC
         barg = tl.argmax(su, axis=1, tie_break_left=True) + k0
         m_new = tl.maximum(m, bmax)
         alpha = tl.exp(m - m_new)
-        a = tl.where(loc, tl.exp(u - m_new[:, None]), 0.0)
+        a = tl.where(loc, tl.exp(su - m_new[:, None]), 0.0)  # su, not u: no overflow off the mask
         acc = acc * alpha[:, None] + tl.dot(a, v, input_precision=PREC)
         l = l * alpha + tl.sum(a, axis=1)
         arg = tl.where(bmax > m, barg, arg)
@@ -94,7 +94,7 @@ def _local_grad(u, loc, cm, da, P, SOFTMAX: tl.constexpr):
     """Local scores ``a`` and ``δ·∂a/∂u`` (both masked), for ``u`` laid out like ``loc``; ``cm``
     broadcasts as the row max ``c`` of the matching query."""
     if SOFTMAX:
-        a = tl.where(loc, tl.exp(u - cm), 0.0)
+        a = tl.where(loc, tl.exp(tl.where(loc, u, NEG) - cm), 0.0)
         return a, a * da
     else:
         a = tl.where(loc, _power(u, P), 0.0)
