@@ -152,7 +152,7 @@ CASES = [
     dict(window=50, sinks=0, local="softmax"),  # w > T: exact softmax, no far keys
     dict(window=7, sinks=20, local="softmax"),  # two chunks of sinks
     dict(window=0, sinks=3, local="softmax"),  # sinks only
-    dict(window=1, sinks=3, local="poly"),
+    dict(window=1, sinks=3, local="poly", P=1),  # linear local scores: ∂a/∂u = u⁰ = 1
     dict(window=7, sinks=0, local="poly"),
     dict(window=16, sinks=3, local="poly", P=3, R=2),
     dict(window=50, sinks=3, local="poly"),
@@ -210,11 +210,14 @@ STATE_CASES = [
 def test_state_split_equals_whole(case):
     """Cutting the sequence anywhere and carrying the state gives the whole sequence's output, final
     state and gradients (to q, k, v, Θ and the gate, through the carried S, z, window and sinks)."""
-    case = dict(case)
-    splits = case.pop("splits")
-    non_negative = case.pop("non_negative", False)
-    kw = dict(causal=True, normalize=case.pop("normalize", "sum"), non_negative=non_negative, eps=1e-6, **case)
-    q, k, v, tq, tk, gl, grad = _problem(37, signed=non_negative, M=4 if non_negative else 8)
+    _check_split(37, **case)
+
+
+def _check_split(T, *, splits, normalize="sum", non_negative=False, window, sinks, local, **shape):
+    kw = dict(causal=True, normalize=normalize, non_negative=non_negative, eps=1e-6, window=window, sinks=sinks,
+              local=local)
+    shape.setdefault("M", 4 if non_negative else 8)
+    q, k, v, tq, tk, gl, grad = _problem(T, signed=non_negative, **shape)
     base = [x.to(DEVICE, torch.float32) for x in (q, k, v, tq, tk, gl)]
     results = []
     for cuts in ((), splits):
@@ -229,11 +232,11 @@ def test_state_split_equals_whole(case):
     for name in AttentionState._fields[:-1]:
         assert getattr(s2, name).shape == getattr(s1, name).shape, name
         assert _rel(getattr(s2, name).detach(), getattr(s1, name).detach().double()) <= FP32_TOL, name
-    assert s1.offset == s2.offset == 37
+    assert s1.offset == s2.offset == T
     names = ("dq", "dk", "dv", "dtheta_q", "dtheta_k", "dgate")
     for name, a, b in zip(names, g2, g1):
         if b is None:  # the gate of the pure kernel is unused
-            assert a is None and case["window"] == case["sinks"] == 0, name
+            assert a is None and window == sinks == 0, name
             continue
         assert _rel(a, b.double()) <= FP32_TOL, name
 
@@ -305,6 +308,7 @@ def test_rejects_what_the_kernel_cannot_do():
 @pytest.mark.parametrize("local, window, sinks", [("softmax", 64, 4), ("poly", 37, 0), ("softmax", 300, 0)])
 def test_cuda_compiled_hybrid(local, window, sinks):
     """The compiled hybrid (chunks of 32/16 tokens) at d = 64, m = 32, T = 300, fp32, against the
-    dense formula; and a split with the carried state."""
+    dense formula; and three cuts with the carried state against the whole sequence."""
     shape = dict(D=64, M=32, DV=40, B=2, H=3)
     _compare(300, window=window, sinks=sinks, local=local, **shape)
+    _check_split(300, splits=(3, 150, 151), window=window, sinks=sinks, local=local, **shape)

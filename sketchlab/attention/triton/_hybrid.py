@@ -60,10 +60,10 @@ def _rows(base, rows, n, s_t, cols, ncols, s_c):
 
 
 @triton.jit
-def _power(u, P):
-    """``u ** P`` for an int ``P ≥ 1``."""
-    a = u
-    for _ in range(1, P):
+def _power(u, n):
+    """``u ** n`` for an int ``n ≥ 0`` (``u ** 0 = 1``)."""
+    a = tl.full(u.shape, 1.0, dtype=tl.float32)
+    for _ in range(0, n):
         a = a * u
     return a
 
