@@ -49,7 +49,7 @@ import triton.language as tl
 
 from sketchlab.attention.triton._kernels import _feature_slots, _features, _features_bwd, _zero_theta_grad
 
-NEG = -1.0e30  # the running max before any local key (finite, so exp(NEG - NEG) = 1, never NaN)
+NEG = tl.constexpr(-1.0e30)  # the running max before any local key (finite: exp(NEG - NEG) = 1, never NaN)
 
 
 @triton.jit
