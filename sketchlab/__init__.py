@@ -29,10 +29,12 @@ from .llops import (
     projector_to_theta,
 )
 from .attention import (
+    AttentionState,
     LLoPSAttention,
     dump_segments,
     feature_attention,
     feature_attention_naive,
+    featuremap_attention,
     kernel_attention_naive,
     llops_attention,
     llops_attention_naive,
@@ -43,6 +45,16 @@ from .attention import (
     softmax_attention_naive,
 )
 from .export import export_theta
+from .featuremaps import (
+    ExactPolyMap,
+    FeatureMap,
+    HedgehogMap,
+    LLoPSMap,
+    PSFLearnedMap,
+    SelfTensored,
+    TaylorMap,
+    make_feature_map,
+)
 from .convert import convert_attention, linearize, load_linearized, save_linearized
 from .objective import kernel_loss, train_kernel_sketch
 from .attention.errors import attention_error, causal_attention
@@ -74,6 +86,16 @@ from .verify import Check, Verification, verify
 
 __all__ = [
     "Advice",
+    "AttentionState",
+    "ExactPolyMap",
+    "FeatureMap",
+    "HedgehogMap",
+    "LLoPSMap",
+    "PSFLearnedMap",
+    "SelfTensored",
+    "TaylorMap",
+    "featuremap_attention",
+    "make_feature_map",
     "BasedSketch",
     "Check",
     "ComparisonRow",

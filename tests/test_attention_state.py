@@ -118,3 +118,57 @@ def test_module_step_loop_equals_forward(window):
     y0, state = block(x[:, :6], output_final_state=True)
     ys = [block.step(x[:, t], state) for t in range(6, 7)]
     assert (torch.cat([y0, ys[0][0][:, None]], 1) - whole[:, :7]).abs().max() < TOL64
+
+
+def _greedy_by_full_passes(model, prompt, n):
+    tokens = prompt
+    with torch.no_grad():
+        for _ in range(n):
+            tokens = torch.cat([tokens, model(tokens)[:, -1].argmax(-1, keepdim=True)], 1)
+    return tokens
+
+
+@pytest.mark.parametrize("attention, options", [
+    ("llops", {"window": 4, "sinks": 1, "backend": "torch"}),
+    ("llops", {"backend": "torch"}),
+    ("softmax", {}),
+    ("poly", {}),
+    ("based", {"window": 3, "local": "poly"}),
+    ("psf", {"m": 16, "window": 2}),
+])
+def test_generate_equals_greedy_full_forward(attention, options):
+    from sketchlab.tasks import TransformerConfig, TransformerLM, generate
+
+    torch.manual_seed(0)
+    cfg = TransformerConfig(vocab_size=11, d_model=16, n_heads=2, n_layers=2, mlp_ratio=2, attention=attention,
+                            short_conv=2, attention_options=options)
+    model = TransformerLM(cfg).double()
+    for p in model.parameters():  # larger weights than the init, so the argmax is decided by the context
+        with torch.no_grad():
+            p.add_(torch.randn_like(p) * 0.3)
+    prompt = torch.randint(0, 11, (2, 5), generator=torch.Generator().manual_seed(1))
+    out = generate(model, prompt, 12)
+    assert out.shape == (2, 17) and torch.equal(out[:, :5], prompt)
+    assert torch.equal(out, _greedy_by_full_passes(model, prompt, 12))
+    # the logits themselves, step by step, equal the full forward pass
+    with torch.no_grad():
+        full = model(out)
+        logits, cache = model.forward_step(out[:, :9])
+        steps = [logits] + [model.forward_step(out[:, t:t + 1], cache)[0] for t in range(9, 10)]
+    assert (torch.cat(steps, 1) - full[:, :10]).abs().max() < 1e-10
+
+
+def test_linear_attention_decoding_memory_is_constant_in_context():
+    from sketchlab.tasks import TransformerConfig, TransformerLM
+    from sketchlab.tasks.model import cache_nbytes
+
+    cfg = TransformerConfig(vocab_size=7, d_model=16, n_heads=2, n_layers=1, attention="llops", short_conv=2,
+                            attention_options={"window": 4, "sinks": 2, "m": 8, "backend": "torch"})
+    model = TransformerLM(cfg)
+    sizes = []
+    with torch.no_grad():
+        _, cache = model.forward_step(torch.zeros(1, 6, dtype=torch.long))
+        for t in range(20):
+            _, cache = model.forward_step(torch.zeros(1, 1, dtype=torch.long), cache)
+            sizes.append(cache_nbytes(cache))
+    assert len(set(sizes)) == 1 and sizes[0] > 0

@@ -7,6 +7,7 @@ helpers; each error names the argument, the rule and the offending value.
 from __future__ import annotations
 
 import numbers
+import weakref
 
 import torch
 
@@ -120,9 +121,29 @@ def check_theta(theta_q, theta_k, *, heads: int, dim: int, like: torch.Tensor):
             f"theta_q and theta_k must have the same shape [H, t, p, D, M], got {tuple(tq.shape)} and {tuple(tk.shape)}"
         )
     with torch.no_grad():
-        check_finite(tq.detach(), "theta_q")
-        check_finite(tk.detach(), "theta_k")
+        for theta, name in ((tq, "theta_q"), (tk, "theta_k")):
+            _check_finite_once(theta, name)
     return tq, tk
+
+
+#: Θ tensors already found finite: ``id → (weak reference, in-place version then)``. A decoding
+#: loop calls the attention once per token with the same Θ; its finiteness is checked once, and
+#: again after any in-place change (an optimiser step bumps ``_version``).
+_FINITE: dict[int, tuple] = {}
+
+
+def _check_finite_once(theta: torch.Tensor, name: str) -> None:
+    """:func:`check_finite` on ``theta`` unless this very tensor, unmodified since, passed it."""
+    entry = _FINITE.get(id(theta))
+    if entry is not None and entry[0]() is theta and entry[1] == theta._version:
+        return
+    check_finite(theta.detach(), name)
+    if len(_FINITE) > 256:  # dead or stale entries: start afresh
+        _FINITE.clear()
+    try:
+        _FINITE[id(theta)] = (weakref.ref(theta), theta._version)
+    except TypeError:  # not weak-referenceable: checked every time
+        pass
 
 
 def check_segments(segments, length: int) -> list[int] | None:

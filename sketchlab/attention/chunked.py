@@ -42,6 +42,7 @@ from ._checks import (
     check_theta,
 )
 from .reference import self_tensor
+from ..llops.maps import llops_feature_fn
 
 __all__ = [
     "DEFAULT_BLOCK_CHUNKS",
@@ -58,27 +59,6 @@ DEFAULT_CHUNK_SIZE = 64
 DEFAULT_BLOCK_CHUNKS = 16
 
 
-def llops_feature_fn(theta: torch.Tensor):
-    r"""A function ``x[B, H, n, D] → φ(x)[B, H, n, M]`` for per-head Θ ``[H, t, p, D, M]``.
-
-    Same map as :func:`sketchlab.llops_features` (tested against it), computed as one batched
-    matmul ``x @ Θ_flat`` with ``Θ_flat = [H, D, t·p·M]`` followed by ``p - 1`` products and
-    ``t - 1`` sums of ``[B, H, n, M]`` slices (the broadcast form would copy ``x`` ``t·p`` times).
-    """
-    H, t, p, D, M = theta.shape
-    flat = theta.permute(0, 3, 1, 2, 4).reshape(H, D, t * p * M)  # [H, D, t·p·M]
-
-    def features(x: torch.Tensor) -> torch.Tensor:
-        proj = (x @ flat).unflatten(-1, (t, p, M))  # [B, H, n, t, p, M]
-        out = None
-        for r in range(t):
-            term = proj[..., r, 0, :]
-            for j in range(1, p):
-                term = term * proj[..., r, j, :]  # [B, H, n, M]
-            out = term if out is None else out + term
-        return out
-
-    return features
 
 
 def _pad_tokens(x: torch.Tensor, length: int) -> torch.Tensor:
@@ -192,6 +172,7 @@ def _attend(feat_q, feat_k, qt, kt, vt, *, num_features: int, causal: bool, norm
                             window=window, sinks=sinks, like=vt)
     else:
         state = empty_state(B, H, M2, D, Dv, M, like=vt)
+    chunk_size = min(chunk_size, max(T, S_len))  # a short call (decoding: one token) pads to no more than itself
     counter = DenominatorCounter() if normalize == "sum" and denominator_check != "off" else None
     rows = mask if (mask is not None and T == S_len) else None
     if mask is not None:
@@ -200,6 +181,20 @@ def _attend(feat_q, feat_k, qt, kt, vt, *, num_features: int, causal: bool, norm
 
         def feat_k(a, b):  # padded keys have zero features: they add nothing to any far sum
             return feat_k_raw(a, b) * keep[:, :, a:b].to(vt.dtype)
+    if not window and causal and stateful and T == 1:  # decoding one token: the recurrence itself
+        lift = self_tensor if non_negative else (lambda f: f)
+        fq, fk = lift(feat_q(0, 1)), lift(feat_k(0, 1))  # [B, H, 1, M2]
+        S, z = state.S + fk.mT @ vt, state.z + fk[:, :, 0]  # S_t = S_{t-1} + φ(k_t)ᵀv_t, z_t = z_{t-1} + φ(k_t)
+        out = fq @ S  # [B, H, 1, Dv]
+        if normalize == "sum":
+            den = fq @ z[..., None]  # [B, H, 1, 1]
+            if counter is not None:
+                counter.add(den[..., 0], rows)
+                counter.report(where, denominator_check)
+            out = out / (den + eps)
+        return out, AttentionState(S=S, z=z, k_window=state.k_window, v_window=state.v_window,
+                                   phi_window=state.phi_window, k_sink=state.k_sink, v_sink=state.v_sink,
+                                   offset=state.offset + 1)
     if not window:
         out, S, z = _engine(feat_q, feat_k, vt, T, causal=causal, normalize=normalize, non_negative=non_negative,
                             eps=eps, chunk_size=chunk_size, block_chunks=block_chunks, num_features=M,
@@ -220,6 +215,11 @@ def _attend(feat_q, feat_k, qt, kt, vt, *, num_features: int, causal: bool, norm
         if counter is not None:
             counter.report(where, denominator_check)
         return out
+    if T == 1 and stateful:  # decoding one token: the window slides by one, one key may enter S
+        out, state = _hybrid_decode_one(h, state, qt, kt, vt, feat_q(0, 1), feat_k(0, 1), mask, counter)
+        if counter is not None:
+            counter.report(where, denominator_check)
+        return (out, state) if output_final_state else out
     block = C * block_chunks
     check_memory(B * H * block * (window + C) * (D + M + Dv + 2) * vt.element_size(),
                  what=f"the bands of one block ([B={B}, H={H}, {block} queries, window {window} + chunk {C} keys])",
@@ -397,18 +397,20 @@ class _Hybrid:
         self.g = g[None, :, None, None]  # [1, H, 1, 1]
         self.lift = self_tensor if non_negative else (lambda f: f)
 
-    def combine(self, qc, fqc, band_k, band_f, band_v, far_ok, loc_ok, sink_k, sink_v, sink_ok, far_num, far_den):
-        r"""Output of query chunks ``qc [B, H, N, C, D]`` (features ``fqc``) against their band of
-        keys ``[B, H, N, U, ·]`` (masks ``far_ok``/``loc_ok`` ``[B|1, 1, N|1, C, U]``), the sinks
-        ``[B, H, Ls, ·]`` (``sink_ok [B|1, 1, N, C, Ls]``) and the far sums from the states
-        (``far_num [B, H, N, C, Dv]``, ``far_den [B, H, N, C]``). Returns ``(num, den)``."""
+    def combine(self, qc, fqc, far_band, band_k, band_v, loc_ok, sink_k, sink_v, sink_ok, far_num, far_den):
+        r"""Output of query chunks ``qc [B, H, N, C, D]`` (features ``fqc``) against the far keys
+        near them (``far_band``: pieces ``(features [B, H, N, U', M], values [B, H, N, U', Dv],
+        mask [B|1, 1, N|1, C, U'])``), their band of local keys ``[B, H, N, U, ·]`` (``loc_ok``),
+        the sinks ``[B, H, Ls, ·]`` (``sink_ok [B|1, 1, N, C, Ls]``) and the far sums from the
+        states (``far_num [B, H, N, C, Dv]``, ``far_den [B, H, N, C]``). Returns ``(num, den)``."""
         zero = qc.new_zeros(())
-        fs = fqc @ band_f.mT  # [B, H, N, C, U]
-        if self.non_negative:
-            fs = fs.square()  # (φq·φk)² = (φ⊗φ)(q)·(φ⊗φ)(k)
-        fs = torch.where(far_ok, fs, zero)
-        far_num = far_num + fs @ band_v  # [B, H, N, C, Dv]
-        far_den = far_den + fs.sum(-1)
+        for band_f, band_fv, far_ok in far_band:
+            fs = fqc @ band_f.mT  # [B, H, N, C, U']
+            if self.non_negative:
+                fs = fs.square()  # (φq·φk)² = (φ⊗φ)(q)·(φ⊗φ)(k)
+            fs = torch.where(far_ok, fs, zero)
+            far_num = far_num + fs @ band_fv  # [B, H, N, C, Dv]
+            far_den = far_den + fs.sum(-1)
         logits = self.scale * (qc @ band_k.mT)  # [B, H, N, C, U]
         slog = self.scale * (qc @ sink_k[:, :, None].mT)  # [B, H, N, C, Ls]
         if self.local == "softmax":
@@ -478,19 +480,24 @@ def _hybrid_causal_block(h: _Hybrid, state, q_new, k_new, v_new, fq_new, fk_new,
     fq = _pad_tokens(fq_new, N * C).unflatten(2, (N, C))  # [B, H, N, C, M]
     qc = _pad_tokens(q_new, N * C).unflatten(2, (N, C))  # [B, H, N, C, D]
     U = we + C
-    band_k, band_v, band_f = _band(kp, U, C), _band(vp, U, C), _band(fp, U, C)  # [B, H, N, U, ·]
+    band_k, band_v = _band(kp, U, C), _band(vp, U, C)  # [B, H, N, U, ·]
     band_ok = ok.unfold(1, U, C)[:, None, :, None, :]  # [B, 1, N, 1, U]
     r = torch.arange(C, device=dev)[:, None]
     u = torch.arange(U, device=dev)[None, :]
     lag = we + r - u  # i − j for query r, band key u            [C, U]
-    far_ok = band_ok & (lag >= w)
     loc_ok = band_ok & (lag >= 0) & (lag < w)
+    # far keys inside the band (i − j >= w) are its first C keys (u <= r), chunk-aligned: no band copy;
+    # with we < w (the window reaches position 0) there are none
+    far_band = []
+    if we == w:
+        tril = torch.ones(C, C, dtype=torch.bool, device=dev).tril()
+        far_band.append((fp[:, :, : N * C].unflatten(2, (N, C)), vc, tril & ok[:, : N * C].unflatten(1, (N, C))[:, None, :, None, :]))
     qpos = (P0 + torch.arange(N * C, device=dev)).view(N, C)  # [N, C]
     sink_ok = (torch.arange(Ls, device=dev) <= qpos[..., None])[None, None]  # [1, 1, N, C, Ls]
     if mask_sink is not None:
         sink_ok = sink_ok & mask_sink[:, None, None, None, :]
     lq = h.lift(fq)  # [B, H, N, C, M2]
-    num, den = h.combine(qc, fq, band_k, band_f, band_v, far_ok, loc_ok, k_sink, v_sink,
+    num, den = h.combine(qc, fq, far_band, band_k, band_v, loc_ok, k_sink, v_sink,
                          sink_ok, lq @ prev, (lq @ zprev[..., None]).squeeze(-1))
     if counter is not None:
         counter.add(den.flatten(2, 3)[:, :, :n], mn)
@@ -501,6 +508,58 @@ def _hybrid_causal_block(h: _Hybrid, state, q_new, k_new, v_new, fq_new, fk_new,
         S=S_new, z=z_new, k_window=kp[:, :, keep], v_window=vp[:, :, keep], phi_window=fp[:, :, keep],
         k_sink=k_sink, v_sink=v_sink, offset=P0 + n,
         mask_window=mp[:, keep] if has_mask else None, mask_sink=mask_sink)
+    return out, new_state
+
+
+def _hybrid_decode_one(h: _Hybrid, state, q, k, v, fq, fk, valid, counter):
+    """The causal hybrid for one new token at position ``P = state.offset`` (tensors ``[B, H, 1, ·]``).
+
+    The window key at ``P − w`` (when there is one) leaves: it enters ``S, z`` unless it is a sink
+    or padding. The local keys are the rest of the window and the token itself (positions
+    ``≥ sinks``) plus the sinks; the far part is ``φ(q)`` against the updated ``S, z``. Equal to
+    :func:`_hybrid_causal_block` on one token (tested through the split-anywhere tests).
+    """
+    from .state import AttentionState
+
+    B, H, _, Dv = v.shape
+    P, w, sinks = state.offset, h.window, h.sinks
+    dev = v.device
+    Lw = state.k_window.shape[2]
+    mw = torch.ones(B, Lw, dtype=torch.bool, device=dev) if state.mask_window is None else state.mask_window
+    mn = torch.ones(B, 1, dtype=torch.bool, device=dev) if valid is None else valid
+    S, z = state.S, state.z
+    drop = 1 if Lw == w else 0  # the oldest window key, position P − w, leaves the window
+    if drop and P - w >= sinks:
+        lf = h.lift(state.phi_window[:, :, :1] * mw[:, None, :1, None])  # [B, H, 1, M2]
+        S, z = S + lf.mT @ state.v_window[:, :, :1], z + lf[:, :, 0]
+    k_sink, v_sink, mask_sink = state.k_sink, state.v_sink, state.mask_sink
+    if P < sinks:  # the new token is a sink
+        k_sink, v_sink = torch.cat([k_sink, k], 2), torch.cat([v_sink, v], 2)
+        if mask_sink is not None or valid is not None:
+            old = torch.ones(B, state.k_sink.shape[2], dtype=torch.bool, device=dev) if mask_sink is None else mask_sink
+            mask_sink = torch.cat([old, mn], 1)
+    loc_k = torch.cat([state.k_window[:, :, drop:], k], 2)  # [B, H, U, D], positions P − Lw + drop … P
+    loc_v = torch.cat([state.v_window[:, :, drop:], v], 2)
+    loc_m = torch.cat([mw[:, drop:], mn], 1)  # [B, U]
+    pos = torch.arange(P - Lw + drop, P + 1, device=dev)
+    loc_ok = (loc_m & (pos >= sinks)[None, :])[:, None, None, None, :]  # [B, 1, 1, 1, U]
+    sink_ok = torch.ones(1, 1, 1, 1, k_sink.shape[2], dtype=torch.bool, device=dev)
+    if mask_sink is not None:
+        sink_ok = sink_ok & mask_sink[:, None, None, None, :]
+    lq = h.lift(fq)[:, :, None]  # [B, H, 1, 1, M2]
+    num, den = h.combine(q[:, :, None], fq[:, :, None], [], loc_k[:, :, None], loc_v[:, :, None], loc_ok, k_sink,
+                         v_sink, sink_ok, lq @ S[:, :, None], (lq @ z[:, :, None, :, None]).squeeze(-1))
+    if counter is not None:
+        counter.add(den[:, :, 0], mn)
+    out = num[:, :, 0] / (den[:, :, 0, :, None] + h.eps)  # [B, H, 1, Dv]
+    keep = slice(-min(w, P + 1), None)
+    win_k, win_v = torch.cat([state.k_window, k], 2), torch.cat([state.v_window, v], 2)
+    win_f = torch.cat([state.phi_window, fk], 2)
+    has_mask = state.mask_window is not None or valid is not None
+    new_state = AttentionState(
+        S=S, z=z, k_window=win_k[:, :, keep], v_window=win_v[:, :, keep], phi_window=win_f[:, :, keep],
+        k_sink=k_sink, v_sink=v_sink, offset=P + 1,
+        mask_window=torch.cat([mw, mn], 1)[:, keep] if has_mask else None, mask_sink=mask_sink)
     return out, new_state
 
 
@@ -546,8 +605,9 @@ def _hybrid_noncausal(h: _Hybrid, q, k, v, fq, fk, valid, C: int, counter):
     fqc = _pad_tokens(fq, N * C).unflatten(2, (N, C))  # [B, H, N, C, M]
     qc = _pad_tokens(q, N * C).unflatten(2, (N, C))  # [B, H, N, C, D]
     lq = h.lift(fqc)
-    num, den = h.combine(qc, fqc, _band(kp, U, C), _band(fp, U, C), _band(vp, U, C), far_ok, loc_ok, k_sink, v_sink,
-                         sink_ok, lq @ (pre + suf), (lq @ (zpre + zsuf)[..., None]).squeeze(-1))
+    band_v = _band(vp, U, C)
+    num, den = h.combine(qc, fqc, [(_band(fp, U, C), band_v, far_ok)], _band(kp, U, C), band_v, loc_ok, k_sink,
+                         v_sink, sink_ok, lq @ (pre + suf), (lq @ (zpre + zsuf)[..., None]).squeeze(-1))
     if counter is not None:
         counter.add(den.flatten(2, 3)[:, :, :T], mn)
     return (num / (den[..., None] + h.eps)).flatten(2, 3)[:, :, :T]  # [B, H, T, Dv]

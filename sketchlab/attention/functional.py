@@ -37,7 +37,7 @@ from ._checks import (
 from .chunked import DEFAULT_CHUNK_SIZE, feature_attention, llops_attention_chunked
 from .reference import feature_attention_naive, llops_attention_naive
 
-__all__ = ["BACKENDS", "dump_segments", "llops_attention", "poly_attention", "resolve_backend", "sketch_attention", "softmax_attention"]
+__all__ = ["BACKENDS", "dump_segments", "featuremap_attention", "llops_attention", "poly_attention", "resolve_backend", "sketch_attention", "softmax_attention"]
 
 #: Accepted values of ``backend``.
 BACKENDS = ("auto", "triton", "torch", "reference")
@@ -362,6 +362,86 @@ def _features_by_backend(fq, fk, v, q, k, *, backend, segments, key_padding_mask
         return feature_attention(fqs, fks, vs, q=qs, k=ks, key_padding_mask=mask, chunk_size=chunk_size, **kw)
 
     return _by_segments(run, segments, fq, fk, v, q, k, mask=key_padding_mask)
+
+
+def featuremap_attention(q, k, v, feature_map, feature_map_k=None, *, causal: bool = True, normalize: str | None = None,
+                         non_negative: bool | None = None, eps: float = 1e-6, backend: str = "auto",
+                         chunk_size: int = DEFAULT_CHUNK_SIZE, segments=None, window: int = 0, sinks: int = 0,
+                         local: str = "softmax", local_scale=None, gate=None, key_padding_mask=None,
+                         initial_state=None, output_final_state: bool = False, denominator_check: str = "warn"):
+    r"""Attention through any :class:`sketchlab.featuremaps.FeatureMap` (the far part of the hybrid).
+
+    Parameters
+    ----------
+    q : Tensor ``[B, T, H, D]``
+    k : Tensor ``[B, S, H, D]``
+    v : Tensor ``[B, S, H, Dv]``
+    feature_map : FeatureMap
+        The query map (``heads = H``, ``head_dim = D``); also the key map unless ``feature_map_k``.
+    feature_map_k : FeatureMap or None
+        The key map (same kind and number of features).
+    normalize : ``"none"``, ``"sum"`` or None
+        ``None``: ``"sum"``.
+    non_negative : bool or None
+        Self-tensor the features; ``None``: only when normalising with maps that can be signed
+        (a default never divides by a signed sum; see ``FeatureMap.non_negative``).
+    causal, eps, backend, chunk_size, segments, window, sinks, local, local_scale, gate,
+    key_padding_mask, initial_state, output_final_state, denominator_check
+        As in :func:`llops_attention`; ``local="poly"`` uses the map's ``degree``.
+
+    Returns
+    -------
+    Tensor ``[B, T, H, Dv]`` or ``(o, AttentionState)``. Two :class:`~sketchlab.featuremaps.LLoPSMap`
+    go to :func:`llops_attention` (the fused kernel on CUDA); the others compute their features
+    (``features``, or ``features_naive`` in float64 with ``backend="reference"``) and run
+    :func:`~sketchlab.attention.feature_attention` (or its dense twin).
+    """
+    from ..featuremaps import FeatureMap, LLoPSMap
+
+    fk_map = feature_map if feature_map_k is None else feature_map_k
+    for m, name in ((feature_map, "feature_map"), (fk_map, "feature_map_k")):
+        if not isinstance(m, FeatureMap):
+            raise TypeError(f"{name} must be a sketchlab.featuremaps.FeatureMap, got {type(m).__name__}")
+    if type(feature_map) is not type(fk_map) or feature_map.num_features != fk_map.num_features:
+        raise ValueError(f"feature_map and feature_map_k must be of one kind with one number of features, got "
+                         f"{type(feature_map).__name__}({feature_map.num_features}) and "
+                         f"{type(fk_map).__name__}({fk_map.num_features})")
+    check_flag(causal, "causal")
+    q, k, v = check_qkv(q, k, v, causal=causal)
+    for m, name in ((feature_map, "feature_map"), (fk_map, "feature_map_k")):
+        if (m.heads, m.head_dim) != (q.shape[2], q.shape[3]):
+            raise ValueError(f"{name} has heads={m.heads}, head_dim={m.head_dim} but q has H={q.shape[2]}, "
+                             f"D={q.shape[3]}")
+    normalize = "sum" if normalize is None else check_normalize(normalize)
+    if non_negative is None:
+        non_negative = normalize == "sum" and not (feature_map.non_negative and fk_map.non_negative)
+    check_flag(non_negative, "non_negative")
+    opts = dict(causal=causal, normalize=normalize, non_negative=non_negative, eps=eps, backend=backend,
+                chunk_size=chunk_size, segments=segments, window=window, sinks=sinks, local=local,
+                local_scale=local_scale, gate=gate, key_padding_mask=key_padding_mask, initial_state=initial_state,
+                output_final_state=output_final_state, denominator_check=denominator_check)
+    if isinstance(feature_map, LLoPSMap):
+        return llops_attention(q, k, v, feature_map.theta.to(q.dtype), fk_map.theta.to(q.dtype), **opts)
+    backend = resolve_backend(backend, q.device, q.dtype)
+    if backend == "triton":
+        raise ValueError(f"backend='triton' fuses only LLoPS maps; {type(feature_map).__name__} runs with "
+                         "backend='torch' or 'reference'")
+    if window and local == "poly" and feature_map.degree is None:
+        raise ValueError(f"local='poly' needs a polynomial degree, and {type(feature_map).__name__} has none "
+                         "(it is not a polynomial kernel): use local='softmax'")
+    if backend == "reference":
+        fq, fk = feature_map.features_naive(q), fk_map.features_naive(k)  # [B, T|S, H, M] float64
+        qq, kk, vv = q.double(), k.double(), v.double()
+    else:
+        fq, fk = feature_map.features(q), fk_map.features(k)  # [B, T|S, H, M]
+        dtype = torch.promote_types(fq.dtype, v.dtype)
+        fq, fk, qq, kk, vv = (x.to(dtype) for x in (fq, fk, q, k, v))
+    for key in ("causal", "backend", "segments", "key_padding_mask", "chunk_size"):
+        opts.pop(key)
+    _check_stateful_segments(segments, initial_state, output_final_state)
+    return _features_by_backend(fq, fk, vv, qq, kk, backend=backend, segments=segments, causal=causal,
+                                key_padding_mask=key_padding_mask, chunk_size=chunk_size, degree=feature_map.degree,
+                                **opts)
 
 
 def _sketch_dim(sketch: Sketch, default: int) -> int:
