@@ -195,7 +195,7 @@ def test_plumbing_state_continues_a_forward(softmax_kernel):
     with torch.no_grad():
         dyn = transformers.DynamicCache()
         model(ids[:, :4], cache=dyn, use_cache=True)
-        with pytest.raises(ValueError, match="decodes with sketchlab.SketchStateCache"):
+        with pytest.raises(ValueError, match="decodes with sketchlab.convert.cache.SketchStateCache"):
             model(ids[:, 4:], cache=dyn, use_cache=True)
 
 
