@@ -69,6 +69,7 @@ def parse_args():
     ap.add_argument("--m", type=int, default=64)
     ap.add_argument("--window", type=int, default=64)
     ap.add_argument("--sinks", type=int, default=4)
+    ap.add_argument("--gate-init", type=float, default=0.0, help="initial gate logit of the hybrids")
     ap.add_argument("--train-seqs", type=int, default=16, help="training sequences of --train-len tokens")
     ap.add_argument("--train-len", type=int, default=512)
     ap.add_argument("--eval-tokens", type=int, default=4096, help="held-out tokens per context length")
@@ -148,7 +149,7 @@ def smollm2(args, out: dict) -> None:
             log(f"{label}: Θ fit in {time.perf_counter() - t:.0f} s (median rel_fro "
                 f"{torch.tensor(fit_info['rel_fro']).median():.3f})")
         sketches = convert_attention(model, attention=name, p=2, m=args.m, window=window,
-                                     sinks=args.sinks if window else 0, theta=theta)
+                                     sinks=args.sinks if window else 0, theta=theta, gate_init=args.gate_init)
         errors = {"0": attention_errors(sketches, layers, mask, held_idx, batch_size=2)}
         stage0 = "fit" if theta is not None else "init"
         add(f"{label}, stage 0 ({stage0})", model, features=sketches[0].feature_map_q.num_features)
