@@ -65,7 +65,7 @@ def parse_args():
     ap.add_argument("--quick", action="store_true", help="the reduced run (see --help of each option for its value)")
     ap.add_argument("--contexts", default="512,1024,2048")
     ap.add_argument("--maps", default="llops,hedgehog,taylor,psf", help="feature maps of the hybrid, at equal m")
-    ap.add_argument("--pure", default="hedgehog", help="the map also run as pure linear attention (window 0)")
+    ap.add_argument("--pure", default="hedgehog", help="the map also run as pure linear attention (window 0; 'none': no pure run)")
     ap.add_argument("--m", type=int, default=64)
     ap.add_argument("--window", type=int, default=64)
     ap.add_argument("--sinks", type=int, default=4)
@@ -135,12 +135,14 @@ def smollm2(args, out: dict) -> None:
     add(f"window {args.window} + {args.sinks} sinks alone", window_only)
     del window_only
 
-    configs = [(name, args.window) for name in args.maps.split(",")] + [(args.pure, 0)]
+    configs = [(name, args.window) for name in args.maps.split(",")] + ([(args.pure, 0)] if args.pure != "none" else [])
     best = None
     for name, window in configs:
         model = copy.deepcopy(teacher)
         theta, fit_info = None, None
         label = f"{name} {'hybrid w=%d+%d' % (window, args.sinks) if window else 'pure'}"
+        if window and args.gate_init:
+            label += f" (gate init {args.gate_init:g})"
         t = time.perf_counter()
         if name == "llops":
             options = {} if args.fit_steps is None else {"steps": args.fit_steps, "lm_steps": 0}
