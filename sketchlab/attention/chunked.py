@@ -431,19 +431,24 @@ class _Hybrid:
             fs = torch.where(far_ok, fs, zero)
             far_num = far_num + fs @ band_fv  # [B, H, N, C, Dv]
             far_den = far_den + fs.sum(-1)
-        logits = self.scale * (qc @ band_k.mT)  # [B, H, N, C, U]
-        slog = self.scale * (qc @ sink_k[:, :, None].mT)  # [B, H, N, C, Ls]
+        logits = (qc @ band_k.mT) * self.scale  # [B, H, N, C, U]
+        has_sinks = sink_k.shape[2] > 0
+        slog = (qc @ sink_k[:, :, None].mT) * self.scale if has_sinks else None  # [B, H, N, C, Ls]
         if self.local == "softmax":
-            both = torch.cat([torch.where(loc_ok, logits, float("-inf")), torch.where(sink_ok, slog, float("-inf"))], -1)
-            c = both.amax(-1, keepdim=True)  # [B, H, N, C, 1]   c_i = max over the local keys
-            c = torch.where(torch.isfinite(c), c, zero)
-            a = torch.where(loc_ok, torch.exp(logits - c), zero)
-            sa = torch.where(sink_ok, torch.exp(slog - c), zero)
+            logits = torch.where(loc_ok, logits, float("-inf"))
+            c = logits.amax(-1, keepdim=True)  # [B, H, N, C, 1]   c_i = max over the local keys
+            if has_sinks:
+                slog = torch.where(sink_ok, slog, float("-inf"))
+                c = torch.maximum(c, slog.amax(-1, keepdim=True))
+            c = torch.where(torch.isfinite(c), c, zero)  # a row without local keys: c = 0
+            a = torch.exp(logits - c)  # exp(-inf) = 0 off the local keys
+            sa = torch.exp(slog - c) if has_sinks else None
         else:
             a = torch.where(loc_ok, logits**self.degree, zero)
-            sa = torch.where(sink_ok, slog**self.degree, zero)
-        loc_num = a @ band_v + sa @ sink_v[:, :, None]  # [B, H, N, C, Dv]
-        loc_den = a.sum(-1) + sa.sum(-1)
+            sa = torch.where(sink_ok, slog**self.degree, zero) if has_sinks else None
+        loc_num, loc_den = a @ band_v, a.sum(-1)  # [B, H, N, C, Dv], [B, H, N, C]
+        if has_sinks:
+            loc_num, loc_den = loc_num + sa @ sink_v[:, :, None], loc_den + sa.sum(-1)
         g = self.g
         return g[..., None] * loc_num + (1 - g[..., None]) * far_num, g * loc_den + (1 - g) * far_den
 
