@@ -173,11 +173,31 @@ def _attend(feat_q, feat_k, qt, kt, vt, *, num_features: int, causal: bool, norm
 
     ``window=0``: the pure engine (:func:`_engine`, today's path), the state being its ``S, z``.
     ``window > 0``: the hybrid, causal block by block carrying an :class:`AttentionState`
-    (``block_chunks`` chunks per block), or non-causal on the whole sequence.
+    (``block_chunks`` chunks per block), or non-causal on the whole sequence. fp16/bf16 inputs
+    are computed in float32 (the state is float32) and the output cast back.
     Returns ``[B, H, T, Dv]`` or ``([B, H, T, Dv], AttentionState)``.
     """
     from .state import AttentionState, check_state, empty_state
 
+    low = vt.dtype in (torch.float16, torch.bfloat16)
+    if low:  # half inputs: every sum, and the state, in float32; the output back in the input dtype
+        out_dtype = vt.dtype
+        qt, kt, vt = (None if x is None else x.float() for x in (qt, kt, vt))
+        gate = None if gate is None else gate.float()
+        feat_q16, feat_k16 = feat_q, feat_k
+
+        def feat_q(a, b):
+            return feat_q16(a, b).float()
+
+        def feat_k(a, b):
+            return feat_k16(a, b).float()
+
+        res = _attend(feat_q, feat_k, qt, kt, vt, num_features=num_features, causal=causal, normalize=normalize,
+                      non_negative=non_negative, eps=eps, chunk_size=chunk_size, block_chunks=block_chunks,
+                      max_bytes=max_bytes, window=window, sinks=sinks, local=local, scale=scale, degree=degree,
+                      gate=gate, mask=mask, initial_state=initial_state, output_final_state=output_final_state,
+                      denominator_check=denominator_check, where=where)
+        return (res[0].to(out_dtype), res[1]) if output_final_state else res.to(out_dtype)
     B, H, S_len, Dv = vt.shape
     T = qt.shape[2] if qt is not None else S_len
     M = num_features
