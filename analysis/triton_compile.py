@@ -50,7 +50,7 @@ def compile_kernel(kind: str, D: int, M: int, DV: int, block_t: int, block_dv: i
                   BLOCK_DV=block_dv or _block(DV), PREC="ieee" if dt == "fp32" else "tf32")
     states = dict.fromkeys("S0 Z0 DS0 DZ0".split(), "fp32")
     if kind.startswith("hybrid"):
-        consts |= dict(SOFTMAX=softmax)
+        consts |= dict(SOFTMAX=softmax, HAS_MASK=state)  # --state also compiles the key-padding mask
     else:
         consts |= dict(CAUSAL=True, NORMALIZE=True)
     if kind == "fwd":
@@ -64,12 +64,12 @@ def compile_kernel(kind: str, D: int, M: int, DV: int, block_t: int, block_dv: i
     elif kind == "hybrid-fwd":
         fn = _hybrid._hybrid_fwd_kernel
         ptrs = (dict.fromkeys("Q K V TQ TK O".split(), dt) | dict.fromkeys("GATE DEN CMAX".split(), "fp32")
-                | {"ARG": "i32"} | states)
+                | {"ARG": "i32", "KVALID": "i8"} | states)
         floats = {"eps", "scale"}
     else:
         fn = _hybrid._hybrid_bwd_kernel
         ptrs = (dict.fromkeys("Q K V TQ TK DVV".split(), dt)
-                | dict.fromkeys("GATE G C CMAX DQ DK DTQ DTK RHO ZETA".split(), "fp32") | states)
+                | dict.fromkeys("GATE G C CMAX DQ DK DTQ DTK RHO ZETA".split(), "fp32") | {"KVALID": "i8"} | states)
         floats = {"scale"}
     signature = {n: "constexpr" if n in consts else "*" + ptrs[n] if n in ptrs else "fp32" if n in floats else "i32"
                  for n in fn.arg_names}
@@ -86,7 +86,7 @@ def main(argv=None) -> int:
     parser.add_argument("--self-tensor", action="store_true", help="non_negative=True (φ⊗φ features)")
     parser.add_argument("--fixed", action="store_true", help="only the fixed configs (FWD_FIXED, BWD_FIXED)")
     parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability ×10")
-    parser.add_argument("--state", action="store_true", help="with a carried state (HAS_STATE)")
+    parser.add_argument("--state", action="store_true", help="with a carried state (HAS_STATE; the hybrid also HAS_MASK)")
     parser.add_argument("--poly", action="store_true", help="the hybrid's local part polynomial, not softmax")
     parser.add_argument("--out", default=None, help="markdown table (default: print only)")
     args = parser.parse_args(argv)

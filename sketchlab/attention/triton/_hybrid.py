@@ -14,7 +14,9 @@ carried state, then its window tokens, then the ``T`` new keys (``NK = QOFF + T`
 sits at key index ``qi = QOFF + t``. A key index ``r < SINKS`` is a sink; every other key index
 differs from its true position by one constant (the tokens folded into the carried state ``S0, z0``),
 so the window test ``r > qi − W`` holds in index space. ``S0, z0`` (``HAS_STATE``) are far for every
-query.
+query. ``HAS_MASK``: ``KVALID [B, NK]`` (int8, 0 = a padded key) removes keys from the local sums;
+the launcher's caller zeroes those keys, whose features are then 0 (φ(0) = 0), which removes them
+from the far sums and the state and stops their gradients.
 
 Forward, per (batch·head, value block), query block ``c0`` (rows ``qi ∈ [QOFF+c0, QOFF+c0+BT)``):
 non-sink keys ``r < F = BT·⌊(QOFF+c0−W+1)/BT⌋`` are far for every row and live in the running state
@@ -57,6 +59,15 @@ def _rows(base, rows, n, s_t, cols, ncols, s_c):
     """Load ``base[rows, cols]`` as fp32 ``[len(rows), len(cols)]``, zero outside ``rows < n``, ``cols < ncols``."""
     return tl.load(base + rows[:, None] * s_t + cols[None, :] * s_c,
                    mask=(rows[:, None] < n) & (cols[None, :] < ncols), other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _key_ok(kv_base, krows, NK, s_mt, HAS_MASK: tl.constexpr):
+    """Whether each key row is a real token (``KVALID != 0``); all True without a mask."""
+    if HAS_MASK:
+        return tl.load(kv_base + krows * s_mt, mask=krows < NK, other=0) != 0
+    else:
+        return krows >= 0
 
 
 @triton.jit
@@ -103,7 +114,7 @@ def _local_grad(u, loc, cm, da, P, SOFTMAX: tl.constexpr):
 
 @triton.jit
 def _hybrid_fwd_kernel(
-    Q, K, V, TQ, TK, GATE, S0, Z0, O, DEN, CMAX, ARG,
+    Q, K, V, TQ, TK, GATE, S0, Z0, KVALID, O, DEN, CMAX, ARG,
     s_qb, s_qt, s_qh, s_qd,
     s_kb, s_kt, s_kh, s_kd,
     s_vb, s_vt, s_vh, s_vd,
@@ -111,10 +122,11 @@ def _hybrid_fwd_kernel(
     s_nb, s_nt, s_nh,
     s_sb, s_sh, s_sf, s_sv,
     s_zb, s_zh, s_zf,
+    s_mb, s_mt,
     s_qth, s_qtr, s_qtj, s_qtd, s_qtm,
     s_kth, s_ktr, s_ktj, s_ktd, s_ktm,
     H, T, NK, QOFF, W, SINKS, R, P, D, M, DV, scale, eps,
-    SOFTMAX: tl.constexpr, HAS_STATE: tl.constexpr, SELF: tl.constexpr,
+    SOFTMAX: tl.constexpr, HAS_STATE: tl.constexpr, HAS_MASK: tl.constexpr, SELF: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr,
     BLOCK_DV: tl.constexpr, PREC: tl.constexpr,
 ):
@@ -169,7 +181,7 @@ def _hybrid_fwd_kernel(
             k = _rows(k_base, krows, NK, s_kt, offs_d, D, s_kd)
             v = _rows(v_base, krows, NK, s_vt, offs_v, DV, s_vd)
             u = scale * tl.dot(q, tl.trans(k), input_precision=PREC)
-            loc = (rows[:, None] < T) & (krows[None, :] < SINKS)
+            loc = (rows[:, None] < T) & (krows[None, :] < SINKS) & _key_ok(KVALID + b * s_mb, krows, NK, s_mt, HAS_MASK)[None, :]
             m, l, acc, arg = _online_update(u, loc, v, k0, m, l, acc, arg, P, SOFTMAX, PREC)
         qhi = QOFF + tl.minimum(c0 + BLOCK_T, T) - 1
         for k0 in range(F, qhi + 1, BLOCK_T):  # the rest: window, sinks above F, far keys not yet in S
@@ -177,6 +189,7 @@ def _hybrid_fwd_kernel(
             k = _rows(k_base, krows, NK, s_kt, offs_d, D, s_kd)
             v = _rows(v_base, krows, NK, s_vt, offs_v, DV, s_vd)
             valid = (rows[:, None] < T) & (krows[None, :] < NK) & (krows[None, :] <= qi[:, None])
+            valid = valid & _key_ok(KVALID + b * s_mb, krows, NK, s_mt, HAS_MASK)[None, :]
             loc = valid & ((krows[None, :] > qi[:, None] - W) | (krows[None, :] < SINKS))
             far = valid & (krows[None, :] <= qi[:, None] - W) & (krows[None, :] >= SINKS)
             u = scale * tl.dot(q, tl.trans(k), input_precision=PREC)
@@ -198,7 +211,7 @@ def _hybrid_fwd_kernel(
 
 @triton.jit
 def _hybrid_bwd_kernel(
-    Q, K, V, TQ, TK, GATE, S0, Z0, G, C, CMAX, DQ, DK, DVV, DTQ, DTK, RHO, ZETA, DS0, DZ0,
+    Q, K, V, TQ, TK, GATE, S0, Z0, KVALID, G, C, CMAX, DQ, DK, DVV, DTQ, DTK, RHO, ZETA, DS0, DZ0,
     s_qb, s_qt, s_qh, s_qd,
     s_kb, s_kt, s_kh, s_kd,
     s_vb, s_vt, s_vh, s_vd,
@@ -209,11 +222,12 @@ def _hybrid_bwd_kernel(
     s_dvb, s_dvt, s_dvh, s_dvd,
     s_sb, s_sh, s_sf, s_sv,
     s_zb, s_zh, s_zf,
+    s_mb, s_mt,
     s_qth, s_qtr, s_qtj, s_qtd, s_qtm,
     s_kth, s_ktr, s_ktj, s_ktd, s_ktm,
     s_gtb, s_gth, s_gtr, s_gtj, s_gtd, s_gtm,
     H, T, NK, QOFF, W, SINKS, R, P, D, M, DV, scale,
-    SOFTMAX: tl.constexpr, HAS_STATE: tl.constexpr, SELF: tl.constexpr,
+    SOFTMAX: tl.constexpr, HAS_STATE: tl.constexpr, HAS_MASK: tl.constexpr, SELF: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr,
     BLOCK_DV: tl.constexpr, PREC: tl.constexpr,
 ):
@@ -277,7 +291,7 @@ def _hybrid_bwd_kernel(
             krows = k0 + offs_t
             k = _rows(k_base, krows, NK, s_kt, offs_d, D, s_kd)
             v = _rows(v_base, krows, NK, s_vt, offs_v, DV, s_vd)
-            loc = rmask[:, None] & (krows[None, :] < SINKS)
+            loc = rmask[:, None] & (krows[None, :] < SINKS) & _key_ok(KVALID + b * s_mb, krows, NK, s_mt, HAS_MASK)[None, :]
             u = scale * tl.dot(q, tl.trans(k), input_precision=PREC)
             da = tl.dot(g, tl.trans(v), input_precision=PREC) + c[:, None]
             a, du = _local_grad(u, loc, cm[:, None], da, P, SOFTMAX)
@@ -289,6 +303,7 @@ def _hybrid_bwd_kernel(
             k = _rows(k_base, krows, NK, s_kt, offs_d, D, s_kd)
             v = _rows(v_base, krows, NK, s_vt, offs_v, DV, s_vd)
             valid = rmask[:, None] & (krows[None, :] < NK) & (krows[None, :] <= qi[:, None])
+            valid = valid & _key_ok(KVALID + b * s_mb, krows, NK, s_mt, HAS_MASK)[None, :]
             loc = valid & ((krows[None, :] > qi[:, None] - W) | (krows[None, :] < SINKS))
             far = valid & (krows[None, :] <= qi[:, None] - W) & (krows[None, :] >= SINKS)
             u = scale * tl.dot(q, tl.trans(k), input_precision=PREC)
@@ -355,6 +370,7 @@ def _hybrid_bwd_kernel(
             cm = tl.load(CMAX + n_base + rows * s_nt, mask=rows < T, other=0.0)
             phq = _features(q, tq, s_qtr, s_qtj, s_qtd, s_qtm, R, P, D, M, BLOCK_T, BLOCK_D, BLOCK_M, SELF, PREC)
             valid = kmask[:, None] & (rows[None, :] < T) & (krows[:, None] <= qi[None, :])  # [s, t]
+            valid = valid & _key_ok(KVALID + b * s_mb, krows, NK, s_mt, HAS_MASK)[:, None]
             loc = valid & ((krows[:, None] > qi[None, :] - W) | (krows[:, None] < SINKS))
             far = valid & (krows[:, None] <= qi[None, :] - W) & (krows[:, None] >= SINKS)
             ut = scale * tl.dot(k, tl.trans(q), input_precision=PREC)  # [BLOCK_T (s), BLOCK_T (t)]
