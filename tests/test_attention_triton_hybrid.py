@@ -342,3 +342,19 @@ def test_cuda_compiled_hybrid(local, window, sinks):
     shape = dict(D=64, M=32, DV=40, B=2, H=3)
     _compare(300, window=window, sinks=sinks, local=local, **shape)
     _check_split(300, splits=(3, 150, 151), window=window, sinks=sinks, local=local, **shape)
+
+
+def test_functional_dispatch_of_the_hybrid():
+    """``llops_attention(backend="triton")`` hands the hybrid, the mask and the state to this kernel
+    and equals ``backend="reference"``, final state included."""
+    from sketchlab.attention import llops_attention
+
+    q, k, v, tq, tk, gl, grad = _problem(21)
+    mask = _padding(2, 21)
+    kw = dict(window=5, sinks=2, local="poly", output_final_state=True)
+    got, st = llops_attention(*(x.to(DEVICE, torch.float32) for x in (q, k, v, tq, tk)), gate=gl.to(DEVICE).float(),
+                              key_padding_mask=mask.to(DEVICE), backend="triton", **kw)
+    want, st_ref = llops_attention(q, k, v, tq, tk, gate=gl, key_padding_mask=mask, backend="reference", **kw)
+    assert _rel(got.cpu(), want) <= FP32_TOL
+    for name in STATE_FIELDS:
+        assert _rel(getattr(st, name).detach().cpu(), getattr(st_ref, name)) <= FP32_TOL, name
