@@ -56,8 +56,8 @@ def nan_buffers(monkeypatch):
 
 
 def _gate_roundoff_scale(q, k, v, theta_q, theta_k, grad_out, *, window, sinks, local="softmax", local_scale=None,
-                         gate=None, non_negative=False, eps=1e-6, key_padding_mask=None):
-    r"""``Σ_{b,i,j} |a_ij δ_ij|`` per head over the local and far keys of the causal hybrid (float64):
+                         gate=None, non_negative=False, eps=1e-6, key_padding_mask=None, causal=True):
+    r"""``Σ_{b,i,j} |a_ij δ_ij|`` per head over the local and far keys of the hybrid (float64):
     the round-off scale of ``∂L/∂γ = Σ ±a_ij δ_ij``, with ``δ_ij = G_i·v_j + C_i`` (``G = dO/den``,
     ``C = −G·o``). Only a tolerance; the reference values come from ``llops_attention_naive``."""
     B, T, H, D = q.shape
@@ -68,9 +68,9 @@ def _gate_roundoff_scale(q, k, v, theta_q, theta_k, grad_out, *, window, sinks, 
     u = s * (q @ k.mT)
     i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
     real = torch.ones(B, T, dtype=torch.bool) if key_padding_mask is None else key_padding_mask.cpu()
-    causal = (j <= i)[None, None] & real[:, None, None, :]
-    loc = causal & ((j > i - window) | (j < sinks))
-    far = causal & ~loc
+    allowed = ((j <= i) if causal else torch.ones(T, T, dtype=torch.bool))[None, None] & real[:, None, None, :]
+    loc = allowed & (((i - j).abs() < window) | (j < sinks))
+    far = allowed & ~loc
     if local == "softmax":
         c = u.masked_fill(~loc, float("-inf")).amax(-1, keepdim=True).clamp_min(-1e300)
         a = torch.where(loc, torch.exp(u - c), 0.0)
@@ -120,17 +120,18 @@ def _rel(a, b):
 
 def _grads(fn, leaves, grad, **kw):
     leaves = [None if x is None else x.detach().clone().requires_grad_() for x in leaves]
-    out = fn(*leaves[:5], gate=leaves[5], causal=True, normalize="sum", eps=1e-6, **kw)
+    out = fn(*leaves[:5], gate=leaves[5], normalize="sum", eps=1e-6, **kw)
     out.backward(grad.to(out.dtype))
     return [out.detach()] + [x.grad for x in leaves[:5]], (None if leaves[5] is None else leaves[5].grad)
 
 
 def _compare(T=37, *, window, sinks, local="softmax", gate=True, local_scale=None, non_negative=False, padded=False,
-             **shape):
+             causal=True, **shape):
     q, k, v, tq, tk, gl, grad = _problem(T, signed=non_negative, **shape)
     gl = gl if gate else None
     mask = _padding(q.shape[0], T) if padded else None
-    opts = dict(window=window, sinks=sinks, local=local, local_scale=local_scale, non_negative=non_negative)
+    opts = dict(window=window, sinks=sinks, local=local, local_scale=local_scale, non_negative=non_negative,
+                causal=causal)
     got, dgate = _grads(llops_attention_triton, [x.to(DEVICE, torch.float32) for x in (q, k, v, tq, tk)]
                         + [None if gl is None else gl.to(DEVICE, torch.float32)], grad.to(DEVICE),
                         key_padding_mask=None if mask is None else mask.to(DEVICE), **opts)
@@ -161,11 +162,17 @@ CASES = [
     dict(window=7, sinks=3, local="softmax", non_negative=True, M=4),  # self-tensor far part, signed Θ
     dict(window=7, sinks=3, local="poly", T=3),  # one partial chunk (T = 1 is a 1-token call of the state tests)
     dict(window=5, sinks=2, local="softmax", T=40, B=1, H=3),
+    # non-causal (an encoder's window |i−j| < w): far keys on both sides
+    dict(window=7, sinks=3, local="softmax", causal=False),
+    dict(window=1, sinks=20, local="softmax", causal=False),  # sink blocks beyond the right frontier
+    dict(window=16, sinks=0, local="poly", causal=False, padded=True),
+    dict(window=50, sinks=0, local="softmax", causal=False, T=33),  # w > T: exact softmax attention
 ]
 
 
 def _id(case):
-    extra = "".join(f"-{k}{v}" for k, v in case.items() if k not in ("window", "sinks", "local"))
+    extra = "".join(f"-{k}{v}" for k, v in case.items() if k not in ("window", "sinks", "local", "causal"))
+    extra += "-full" if case.get("causal") is False else ""
     return f"w{case['window']}-s{case['sinks']}-{case['local']}{extra}"
 
 
@@ -308,9 +315,9 @@ def test_key_padding_mask_pure():
 def test_rejects_what_the_kernel_cannot_do():
     q, k, v, tq, tk, gl, _ = (x.to(DEVICE, torch.float32) for x in _problem(9))
     kw = dict(causal=True, normalize="sum", non_negative=False, eps=1e-6)
-    with pytest.raises(ValueError, match=r"window=4 with causal=False is not in the Triton kernel.*backend='torch'"):
-        llops_attention_triton(q, k, v, tq, tk, **dict(kw, causal=False), window=4)
-    with pytest.raises(ValueError, match=r"initial_state/output_final_state with causal=False .*backend='torch'"):
+    with pytest.raises(ValueError, match=r"non-causal hybrid window \|i−j\| < w needs T == S, got T=9, S=5"):
+        llops_attention_triton(q, k[:, :5], v[:, :5], tq, tk, **dict(kw, causal=False), window=4)
+    with pytest.raises(ValueError, match=r"initial_state/output_final_state need causal=True"):
         llops_attention_triton(q, k, v, tq, tk, **dict(kw, causal=False), output_final_state=True)
     with pytest.raises(ValueError, match=r"always normalised: pass normalize='sum', got normalize='none'"):
         llops_attention_triton(q, k, v, tq, tk, **dict(kw, normalize="none"), window=3)

@@ -64,14 +64,15 @@ class HybridAttentionTriton(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, theta_q, theta_k, gate, s0, z0, key_valid, qoff: int, window: int, sinks: int,
-                softmax: bool, scale: float, non_negative: bool, eps: float):
+                softmax: bool, scale: float, non_negative: bool, eps: float, causal: bool):
         state = None if s0 is None else (s0, z0)
         out, den, cmax, arg = hybrid_attention_fwd(
             q, k, v, theta_q, theta_k, gate, qoff=qoff, window=window, sinks=sinks, softmax=softmax, scale=scale,
-            non_negative=non_negative, eps=eps, initial_state=state, key_valid=key_valid,
+            non_negative=non_negative, eps=eps, initial_state=state, key_valid=key_valid, causal=causal,
         )
         ctx.save_for_backward(q, k, v, theta_q, theta_k, gate, s0, z0, key_valid, out, den, cmax, arg)
-        ctx.opts = dict(qoff=qoff, window=window, sinks=sinks, softmax=softmax, scale=scale, non_negative=non_negative)
+        ctx.opts = dict(qoff=qoff, window=window, sinks=sinks, softmax=softmax, scale=scale, non_negative=non_negative,
+                        causal=causal)
         return out
 
     @staticmethod
@@ -84,7 +85,7 @@ class HybridAttentionTriton(torch.autograd.Function):
             key_valid=key_valid, **ctx.opts,
         )
         ds0, dz0 = (None, None) if dstate is None else (dstate[0].to(s0.dtype), dstate[1].to(z0.dtype))
-        return (dq, dk, dv, dtq, dtk, dgate.to(gate.dtype), ds0, dz0) + (None,) * 8
+        return (dq, dk, dv, dtq, dtk, dgate.to(gate.dtype), ds0, dz0) + (None,) * 9
 
 
 def _lift(phi: torch.Tensor, non_negative: bool) -> torch.Tensor:
@@ -115,9 +116,10 @@ def llops_attention_triton(q, k, v, theta_q, theta_k, *, causal: bool, normalize
         formed chunk by chunk in registers, never in memory; the running state is ``[M², Dv]``.
     eps : float
     window, sinks : int >= 0
-        The hybrid when ``window > 0`` (causal only; ``sinks`` needs ``window >= 1``): query ``i``
+        The hybrid when ``window > 0`` (``sinks`` needs ``window >= 1``): a causal query ``i``
         sees the keys ``i−w < j ≤ i`` and ``j < sinks`` (``j ≤ i``) exactly, the other keys
-        ``j ≤ i`` through the features,
+        ``j ≤ i`` through the features (non-causal, ``T == S``: ``|i−j| < w`` and the sinks exactly,
+        every other key through the features),
         ``o_i = (γ Σ_L a_ij v_j + (1−γ) Σ_F φ(q_i)·φ(k_j) v_j) / (γ Σ_L a_ij + (1−γ) Σ_F φ(q_i)·φ(k_j) + eps)``.
         ``window = 0`` is the pure linear attention above (no gate), unchanged.
     local : {"softmax", "poly"}
@@ -179,10 +181,10 @@ def llops_attention_triton(q, k, v, theta_q, theta_k, *, causal: bool, normalize
                                                      heads=H, dim=D, like=q)
     mask = check_key_padding_mask(key_padding_mask, B, k.shape[1], q.device)
     stateful = initial_state is not None or output_final_state
-    if not causal and (window or stateful):
-        what = f"window={window}" if window else "initial_state/output_final_state"
-        raise ValueError(f"{what} with causal=False is not in the Triton kernel (its hybrid and its state are "
-                         "causal); use backend='torch'")
+    if not causal and stateful:
+        raise ValueError("initial_state/output_final_state need causal=True (a state summarises a prefix)")
+    if not causal and window and k.shape[1] != T:
+        raise ValueError(f"the non-causal hybrid window |i−j| < w needs T == S, got T={T}, S={k.shape[1]}")
     F = M * M if non_negative else M
     st = None
     if initial_state is not None:
@@ -222,7 +224,7 @@ def llops_attention_triton(q, k, v, theta_q, theta_k, *, causal: bool, normalize
             kx = zero_padded(kx, kvalid)
         out = HybridAttentionTriton.apply(q, kx, vx, theta_q, theta_k, gam, s0, z0, kvalid if masked else None,
                                           int(qoff), window, sinks, local == "softmax", scale, bool(non_negative),
-                                          float(eps))
+                                          float(eps), bool(causal))
     if not output_final_state:
         return out
     return out, _final_state(st, k, v, valid, win_valid, sink_valid, theta_k, P0=P0, window=window, sinks=sinks,

@@ -219,8 +219,9 @@ def _state_args(state, like: torch.Tensor):
 
 
 def hybrid_attention_fwd(q, k, v, theta_q, theta_k, gate, *, qoff: int, window: int, sinks: int, softmax: bool,
-                         scale: float, non_negative: bool, eps: float, initial_state=None, key_valid=None):
-    """Fused forward of the causal sliding-window hybrid (see :mod:`sketchlab.attention.triton._hybrid`).
+                         scale: float, non_negative: bool, eps: float, initial_state=None, key_valid=None,
+                         causal: bool = True):
+    """Fused forward of the sliding-window hybrid (see :mod:`sketchlab.attention.triton._hybrid`).
 
     Parameters
     ----------
@@ -246,6 +247,9 @@ def hybrid_attention_fwd(q, k, v, theta_q, theta_k, gate, *, qoff: int, window: 
     key_valid : None or bool Tensor [B, NK]
         False for padded keys, which leave the local sums; the caller zeroes those keys (features
         0, so they leave the far sums too).
+    causal : bool
+        ``r ≤ qi`` (True), or every key with the window ``|qi − r| < window`` (then ``NK = T``,
+        ``qoff = 0``, no state).
 
     Returns
     -------
@@ -274,7 +278,7 @@ def hybrid_attention_fwd(q, k, v, theta_q, theta_k, gate, *, qoff: int, window: 
         H, T, NK, int(qoff), int(window), int(sinks), R, P, D, M, DV, float(scale), float(eps),
     )
     meta = dict(
-        SOFTMAX=bool(softmax), HAS_STATE=initial_state is not None, HAS_MASK=key_valid is not None,
+        CAUSAL=bool(causal), SOFTMAX=bool(softmax), HAS_STATE=initial_state is not None, HAS_MASK=key_valid is not None,
         SELF=bool(non_negative),
         BLOCK_D=_block(D), BLOCK_M=_block(M), BLOCK_F=_block(M) ** (2 if non_negative else 1),
         PREC=_precision(q.dtype),
@@ -294,12 +298,12 @@ def hybrid_attention_fwd(q, k, v, theta_q, theta_k, gate, *, qoff: int, window: 
 
 def hybrid_attention_bwd(q, k, v, theta_q, theta_k, gate, out, den, cmax, arg, grad_out, *, qoff: int, window: int,
                          sinks: int, softmax: bool, scale: float, non_negative: bool, initial_state=None,
-                         key_valid=None):
+                         key_valid=None, causal: bool = True):
     """Fused backward of :func:`hybrid_attention_fwd` (features and local scores recomputed).
 
     Parameters
     ----------
-    q, k, v, theta_q, theta_k, gate, qoff, window, sinks, softmax, scale, non_negative, initial_state, key_valid
+    q, k, v, theta_q, theta_k, gate, qoff, window, sinks, softmax, scale, non_negative, initial_state, key_valid, causal
         As in :func:`hybrid_attention_fwd`.
     out, den, cmax, arg
         The forward's outputs.
@@ -348,7 +352,7 @@ def hybrid_attention_bwd(q, k, v, theta_q, theta_k, gate, out, den, cmax, arg, g
         H, T, NK, int(qoff), int(window), int(sinks), R, P, D, M, DV, float(scale),
     )
     meta = dict(
-        SOFTMAX=bool(softmax), HAS_STATE=initial_state is not None, HAS_MASK=key_valid is not None,
+        CAUSAL=bool(causal), SOFTMAX=bool(softmax), HAS_STATE=initial_state is not None, HAS_MASK=key_valid is not None,
         SELF=bool(non_negative),
         BLOCK_D=_block(D), BLOCK_M=_block(M), BLOCK_F=_block(M) ** (2 if non_negative else 1),
         BLOCK_DV=_block(DV), PREC=_precision(q.dtype),
