@@ -185,6 +185,18 @@ def _errors(sketch: Sketch, q: torch.Tensor, k: torch.Tensor, p: int, m: int, me
     many = max(q.shape[-2], k.shape[-2]) >= _GRAM_TOKENS * num_poly_features(q.shape[-1], p, symmetric=True)
     tail = tail_bound(q, k, p, m, route="gram" if many else "auto", max_bytes=max_bytes)
     ratio = ratio_to_tail(err["sq_err"], tail, err["sq_norm"], max(q.shape[-2], k.shape[-2]))
+    undefined = torch.isnan(ratio)
+    from .optimal import max_sketch_size
+
+    # NaN at m >= the largest rank A can have is structural (documented); below it A is numerically rank-deficient
+    if bool(undefined.any()) and m < max_sketch_size(q.shape[-2], k.shape[-2], q.shape[-1], p):
+        import warnings
+
+        warnings.warn(
+            f"sketch method {method!r}: the {where} optimality ratio of {int(undefined.sum())} of {ratio.numel()} "
+            f"head(s) is undefined (NaN): the Theorem 3.1 tail at m={m} is zero to round-off, so A has rank <= m on "
+            "these tokens (e.g. a constant q or k) and a size-m sketch can be exact there; read rel_fro instead",
+            RuntimeWarning, stacklevel=3)
     return err["rel_fro"], err["rel_mae"], ratio, tail
 
 

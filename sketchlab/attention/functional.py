@@ -98,7 +98,8 @@ def llops_attention(q, k, v, theta_q, theta_k, *, causal: bool = True, normalize
     normalize, eps = check_normalize(normalize), check_eps(eps)
     chunk_size = check_positive_int(chunk_size, "chunk_size")
     q, k, v = check_qkv(q, k, v, causal=causal)
-    theta_q, theta_k = check_theta(theta_q, theta_k, heads=q.shape[2], dim=q.shape[3], like=q)
+    theta_q, theta_k = check_theta(theta_q, theta_k, heads=q.shape[2], dim=q.shape[3], like=q, k=k,
+                                   non_negative=non_negative)
     backend = resolve_backend(backend, q.device, q.dtype)
     if backend == "reference":
         def run(qs, ks, vs):
