@@ -70,7 +70,7 @@ def export_theta(fit, path, *, dump, scale=None) -> Path:
     ``errors`` from ``fit.report.as_dict()`` (non-finite values stored as ``null``),
     ``sketchlab_version`` from ``sketchlab.__version__``.
     """
-    from . import __version__
+    from ._version import __version__
     from .io import check_output_paths, dump_files, save_theta
     from .sketches import as_llops
 

@@ -157,8 +157,8 @@ def model_dir(tmp_path_factory):
 
 @pytest.mark.parametrize("ids,extra,match", [
     ("1 2 99", [], r"ids.txt: token id 99 is outside the model's vocabulary of 10 .*sequence 1, position 2"),
-    ("1 " * 20, ["--max-tokens", "100"], r"a sequence of 20 tokens exceeds the model's position limit of 16 \(config\.\w+\); "
-                                         r"pass max_tokens \(--max-tokens\) <= 16"),
+    ("1 " * 20, ["--seq-len", "20"], r"a sequence of 20 tokens exceeds the model's position limit of 16 \(config\.\w+\); "
+                                     r"pass seq_len \(--seq-len\) <= 16"),
     ("1 18446744073709551616", [], r"ids.txt:1: token id 18446744073709551616 is beyond the largest id"),
 ])
 def test_capture_checks_inputs_against_the_model(ids, extra, match, model_dir, capsys):

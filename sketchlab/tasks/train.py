@@ -46,7 +46,7 @@ from torch import nn
 from .._validation import check_nonnegative_int, check_positive_int, check_real
 from ..io import atomic_write
 from .model import TransformerConfig, TransformerLM
-from .mqar import IGNORE_INDEX, MQARConfig, mqar_accuracy, mqar_batch
+from .mqar import IGNORE_INDEX, MQARConfig, MQARMixture, mqar_batch
 
 __all__ = [
     "TrainResult", "evaluate_mqar", "init_distributed", "latest_checkpoint", "load_checkpoint", "save_checkpoint",
@@ -90,43 +90,47 @@ def _check_seed(seed, name: str = "seed") -> int:
 
 
 @torch.no_grad()
-def evaluate_mqar(model: TransformerLM, task: MQARConfig, *, num_sequences: int = 256, seed: int = 0,
+def evaluate_mqar(model: TransformerLM, task: MQARConfig | MQARMixture, *, num_sequences: int = 256, seed: int = 0,
                   batch_size: int = 64) -> float:
     """Accuracy on ``num_sequences`` held-out sequences drawn from ``seed + 1_000_003``.
 
     The training stream uses ``seed`` itself, so held-out sequences come from a disjoint random
     stream (with keys and values drawn from a large space, repeats of training sequences are
-    negligible). The model runs in eval mode; its previous mode is restored afterwards, also
-    when the forward pass raises.
+    negligible). A mixture draws each batch's component from that stream too. The model runs in
+    eval mode; its previous mode is restored afterwards, also when the forward pass raises.
+    Logits are computed at the query positions only (:class:`~sketchlab.tasks.zoology.QueryLogits`).
 
     Notes
     -----
-    Each batch is scored with :func:`~sketchlab.tasks.mqar.mqar_accuracy`; the result is the
-    average of the batch accuracies weighted by their query positions (``targets !=
-    IGNORE_INDEX``), i.e. correct / total over all sequences.
+    The result is correct / total over the query positions (``targets != IGNORE_INDEX``) of all
+    sequences.
     """
+    from .zoology import QueryLogits
+
     if not isinstance(model, TransformerLM):
         raise TypeError(f"model must be a TransformerLM, got {type(model).__name__}")
-    if not isinstance(task, MQARConfig):
-        raise TypeError(f"task must be an MQARConfig, got {type(task).__name__}")
+    if not isinstance(task, (MQARConfig, MQARMixture)):
+        raise TypeError(f"task must be an MQARConfig or MQARMixture, got {type(task).__name__}")
     num_sequences = check_positive_int(num_sequences, "num_sequences")
     batch_size = check_positive_int(batch_size, "batch_size")
     seed = _check_seed(seed)
     gen = torch.Generator().manual_seed(seed + _HELDOUT_OFFSET)
     was_training = model.training
     model.eval()
-    weighted = 0.0
-    total = 0
+    head = QueryLogits(model)
+    device = next(model.parameters()).device
+    correct = total = 0
     try:
         for start in range(0, num_sequences, batch_size):
             b = min(batch_size, num_sequences - start)
             inputs, targets = mqar_batch(task, b, generator=gen)
-            count = int((targets != IGNORE_INDEX).sum())  # query positions of this batch
-            weighted += mqar_accuracy(model(inputs), targets) * count
-            total += count
+            mask = targets != IGNORE_INDEX  # query positions of this batch
+            pred = head(inputs.to(device), mask.to(device)).argmax(-1).cpu()  # [N]
+            correct += int((pred == targets[mask]).sum())
+            total += int(mask.sum())
     finally:
         model.train(was_training)
-    return weighted / total
+    return correct / total
 
 
 def init_distributed(device: str = "cpu") -> tuple[int, int]:
@@ -331,9 +335,10 @@ def train_mqar(
     model : TransformerLM
         Its ``vocab_size`` must cover every stage's vocabulary. Batches go to the device of its
         parameters.
-    stages : sequence of (MQARConfig, steps)
+    stages : sequence of (MQARConfig or MQARMixture, steps)
         A curriculum: each stage trains ``steps`` steps on its distribution, then reports its
-        held-out accuracy. A single stage is plain training.
+        held-out accuracy. A single stage is plain training; a mixture stage is Zoology's
+        protocol (one component per batch).
     batch_size : int >= 1
         Sequences per step (the global batch under ``torchrun``: divisible by the world size).
     lr : float > 0
@@ -385,8 +390,8 @@ def train_mqar(
     if not stages:
         raise ValueError("stages must hold at least one (MQARConfig, steps) pair, got an empty sequence")
     for i, (task, steps) in enumerate(stages):
-        if not isinstance(task, MQARConfig):
-            raise TypeError(f"stages[{i}][0] must be an MQARConfig, got {type(task).__name__}")
+        if not isinstance(task, (MQARConfig, MQARMixture)):
+            raise TypeError(f"stages[{i}][0] must be an MQARConfig or MQARMixture, got {type(task).__name__}")
         check_positive_int(steps, f"stages[{i}][1] (steps)")
         if task.vocab_size > model.config.vocab_size:
             raise ValueError(
@@ -447,13 +452,15 @@ def train_mqar(
             state = _read_checkpoint(found, identity, model, opt, gen)
             step, history, losses, evals = state["step"], state["history"], state["losses"], state["evals"]
             resumed_from = step
-    net = model
+    from .zoology import QueryLogits
+
+    net = QueryLogits(model)  # logits at the query positions only (the loss reads no other)
     if world > 1:
         from torch.nn.parallel import DistributedDataParallel
 
-        net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        net = DistributedDataParallel(net, device_ids=[device.index] if device.type == "cuda" else None)
 
-    def evaluate(si: int, task: MQARConfig) -> dict:
+    def evaluate(si: int, task) -> dict:
         entry = {"step": step, "stage": si,
                  "heldout_accuracy": evaluate_mqar(model, task, num_sequences=eval_sequences, seed=seed)}
         if not evals or evals[-1]["step"] != step:
@@ -487,8 +494,9 @@ def train_mqar(
             targets = targets[rank * local:(rank + 1) * local].to(device)
             for g in opt.param_groups:
                 g["lr"] = lr_at(step)
-            logits = net(inputs)  # [B/W, T, vocab]
-            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+            mask = targets != IGNORE_INDEX  # [B/W, T] query positions
+            logits = net(inputs, mask)  # [N, vocab]
+            loss = F.cross_entropy(logits, targets[mask])
             objective = loss if extra_loss is None else loss + extra_loss()
             opt.zero_grad(set_to_none=True)
             objective.backward()
