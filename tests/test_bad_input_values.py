@@ -157,6 +157,7 @@ def test_a_rank_deficient_kernel_warns_that_the_ratio_is_undefined():
 @pytest.mark.parametrize("argv,match", [
     (["spectrum", "{tiny64}", "--scale", "none"], r"underflows at head \(0, 0\): ‖A‖_F² \(float64\)"),
     (["fit", "{tiny}", "--m", "4", "--out", "{tmp}/t.safetensors"], r"underflows at head"),
+    (["compare", "{tiny}", "--m", "4", "--methods", "optimal,psf"], r"tiny.safetensors \(after the scale: .*underflows at head"),
     (["spectrum", "{huge}", "--scale", "none"], r"overflows float64"),
 ])
 def test_the_commands_stop_on_unusable_magnitudes(argv, match, tmp_path, capsys):
