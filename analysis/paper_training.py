@@ -76,7 +76,8 @@ class Scale:
 
 FULL = Scale()
 QUICK = Scale(vocab=512, divide=4, d_model=64, steps=400, batch=64, warmup=40, eval_sequences=128,
-              lrs=(3e-3, 1e-2), seeds=(0, 1, 2), sweep_methods=("softmax",), m_seeds=(0,))
+              lrs=(3e-3, 1e-2), seeds=(0, 1), sweep_methods=("softmax",), m_seeds=(0,))
+QUICK_METHODS = "softmax,based,llops-p4-m256"
 
 
 @dataclass(frozen=True)
@@ -242,6 +243,8 @@ def mqar(args) -> int:
         scale = replace(scale, steps=args.steps)
     if args.seeds:
         scale = replace(scale, seeds=tuple(int(x) for x in args.seeds.split(",")))
+    if args.sweep:
+        scale = replace(scale, sweep_methods=tuple(args.sweep.split(",")))
     table = methods(scale.d_model)
     t0 = time.perf_counter()
     # 1. learning-rate sweep (seed 0) for the sweep methods; other methods reuse the rate of their family
@@ -417,6 +420,150 @@ def verdict(by) -> str:
 
 
 # --------------------------------------------------------------------------------------------
+# Table 1 analogue: BASED LM on Shakespeare, continued as BASED, as LLoPS (exact conversion), softmax reference
+
+
+@dataclass(frozen=True)
+class LMScale:
+    d_model: int = 256
+    n_layers: int = 4
+    n_heads: int = 8  # head dim 32: BASED expand on d' = 16 of them, symmetric: 136 features
+    seq_len: int = 512
+    batch: int = 16
+    pretrain: int = 3000
+    extra: int = 1000
+    lr: float = 3e-3
+    eval_windows: int = 64
+    eval_every: int = 250
+    seeds: tuple = (0, 1, 2)
+
+
+LM_QUICK = LMScale(d_model=64, n_layers=2, n_heads=2, seq_len=128, batch=16, pretrain=300, extra=150, lr=3e-3,
+                   eval_windows=32, eval_every=50, seeds=(0,))
+
+
+def lm_run(kind: str, s: LMScale, seed: int, work: str, threads: int) -> dict:
+    """One Table 1 arm: ``pretrain`` (BASED), ``based-ct``, ``llops-ct`` (both from the pretrained BASED), ``softmax``."""
+    import torch
+
+    from sketchlab.tasks import TransformerConfig, TransformerLM
+    from sketchlab.tasks.text import based_to_llops, conversion_error, lm_batch, shakespeare_text, train_lm
+    from sketchlab.tasks.train import load_checkpoint, save_checkpoint
+
+    tag = f"{kind}_s{seed}_d{s.d_model}_L{s.n_layers}_T{s.seq_len}_n{s.pretrain}+{s.extra}"
+    path = Path(work) / "table1" / f"{tag}.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+    torch.set_num_threads(threads)
+    train, heldout = shakespeare_text("train"), shakespeare_text("heldout")
+    common = dict(seq_len=s.seq_len, batch_size=s.batch, lr=s.lr, seed=seed, eval_every=s.eval_every,
+                  eval_windows=s.eval_windows)
+    base = dict(vocab_size=256, d_model=s.d_model, n_heads=s.n_heads, n_layers=s.n_layers, mlp_ratio=4, short_conv=3)
+    extra = {}
+    ckpt = Path(work) / "table1" / f"pretrain_s{seed}_d{s.d_model}_L{s.n_layers}_T{s.seq_len}_n{s.pretrain}"
+    if kind in ("pretrain", "softmax"):
+        torch.manual_seed(seed)
+        att = {"attention": "softmax"} if kind == "softmax" else {
+            "attention": "based", "attention_options": {"form": "expand", "p": 2, "dim": 16, "symmetric": True}}
+        model = TransformerLM(TransformerConfig(**base, **att))
+        steps = s.pretrain + (s.extra if kind == "softmax" else 0)
+        res = train_lm(model, train, heldout, steps=steps, **common)
+        if kind == "pretrain":
+            save_checkpoint(ckpt, model)
+    else:
+        lm_run("pretrain", s, seed, work, threads)
+        model, _ = load_checkpoint(ckpt)
+        if kind == "llops-ct":
+            x, _ = lm_batch(heldout, 4, s.seq_len, generator=torch.Generator().manual_seed(seed + 7))
+            diff, size = conversion_error(model, x)
+            extra = {"conversion_max_abs_logit_change": diff, "logit_scale": size}
+            model = based_to_llops(model)
+        res = train_lm(model, train, heldout, steps=s.extra, step0=s.pretrain,
+                       kernel_lr=KERNEL_LR if kind == "llops-ct" else 1.0, **{**common, "seed": seed + 1})
+    out = {"kind": kind, "seed": seed, "scale": asdict(s), "curve": res.curve, "seconds": res.seconds, **extra}
+    from sketchlab.io import atomic_write
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_write(path) as tmp:
+        Path(tmp).write_text(json.dumps(out, indent=1) + "\n")
+    return out
+
+
+def table1(args) -> int:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import torch
+
+    import sketchlab
+
+    s = LM_QUICK if args.quick else LMScale()
+    if args.seeds:
+        s = replace(s, seeds=tuple(int(x) for x in args.seeds.split(",")))
+    t0 = time.perf_counter()
+    kinds = ("pretrain", "based-ct", "llops-ct", "softmax")
+    runs = {k: [] for k in kinds}
+    for seed in s.seeds:  # pretrain first (the continued arms read its checkpoint), then the rest in parallel
+        runs["pretrain"].append(lm_run("pretrain", s, seed, str(args.work), args.threads))
+    rest = [(k, seed) for k in kinds[1:] for seed in s.seeds]
+    with ProcessPoolExecutor(max(1, args.jobs)) as pool:
+        done = list(pool.map(lm_run, [k for k, _ in rest], [s] * len(rest), [sd for _, sd in rest],
+                             [str(args.work)] * len(rest), [args.threads] * len(rest)))
+    for r in done:
+        runs[r["kind"]].append(r)
+    ln2 = math.log(2)
+    final = lambda r: r["curve"][-1]["heldout_nats"]  # noqa: E731
+    L = ["# Table 1 analogue: BASED -> LLoPS continual training on Shakespeare (bytes)", "",
+         f"Generated by `python analysis/paper_training.py {' '.join(sys.argv[1:])}` on "
+         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; torch {torch.__version__}, sketchlab "
+         f"{sketchlab.__version__}, {args.threads} thread(s) per run; {(time.perf_counter() - t0) / 60:.1f} min wall.", "",
+         f"**Setup.** Byte-level LM (vocabulary 256) on the Gutenberg plays of the `shakespeare` package (every 5th play "
+         f"held out, never trained on). Model: {s.n_layers} layers, d_model {s.d_model}, {s.n_heads} heads, short conv 3, "
+         f"MLP ratio 4, context {s.seq_len}, batch {s.batch}, AdamW lr {s.lr:g} (warm-up, cosine), weight decay 0.1. "
+         f"BASED = BASED's expand map (u·u')² on d' = 16 coordinates per head, symmetric form (136 features): the "
+         f"homogeneous part of BASED's Taylor map, chosen because it is exactly a LLoPS (the Taylor map's 1 + s terms "
+         f"are not). Pretraining {s.pretrain} steps; then {s.extra} more steps (a fresh optimiser and schedule) as "
+         f"(a) BASED (BASED+CT) and (b) LLoPS converted exactly from it (Θ at {KERNEL_LR} × the rate); (c) softmax "
+         f"trained {s.pretrain + s.extra} steps from scratch as the reference. Seeds {', '.join(map(str, s.seeds))}.", "",
+         "| model | held-out nats/byte | bits/byte | perplexity (per byte) |", "|---|---|---|---|"]
+    names = {"pretrain": "BASED (pretrained)", "based-ct": "BASED + CT", "llops-ct": "BASED → LLoPS + CT",
+             "softmax": "softmax (reference)"}
+    for k in kinds:
+        xs = [final(r) for r in runs[k]]
+        m, sd = mean_sd(xs)
+        L.append(f"| {names[k]} | {m:.4f} ± {sd:.4f} ({', '.join(f'{x:.4f}' for x in xs)}) | {m / ln2:.4f} | "
+                 f"{math.exp(m):.3f} |")
+    conv = [(r["conversion_max_abs_logit_change"], r["logit_scale"]) for r in runs["llops-ct"]]
+    L += ["", "**Conversion check** (float64, the pretrained model's own held-out windows, before training resumes): "
+          + "; ".join(f"max |Δ logit| = {d:.2e} with logits up to {z:.1f}" for d, z in conv) + ".", ""]
+    d = [final(a) - final(b) for a, b in zip(runs["llops-ct"], runs["based-ct"])]
+    L += [f"**LLoPS + CT − BASED + CT:** {', '.join(f'{x:+.4f}' for x in d)} nats/byte "
+          f"(negative = LLoPS better).", ""]
+    fig, ax = plt.subplots(figsize=(5.5, 3.5))
+    for i, k in enumerate(kinds):
+        for j, r in enumerate(runs[k]):
+            ax.plot([c["step"] for c in r["curve"]], [c["heldout_nats"] / ln2 for c in r["curve"]], color=f"C{i}",
+                    alpha=0.8, label=names[k] if j == 0 else None)
+    ax.set_xlabel("step")
+    ax.set_ylabel("held-out bits/byte")
+    ax.legend()
+    fig.tight_layout()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out / "table1.png", dpi=120)
+    plt.close(fig)
+    L += ["![held-out bits per byte vs step](table1.png)", "", "## Cut from the issue's protocol", "",
+          args.cut or "(see the setup above)", ""]
+    from sketchlab.io import atomic_write
+
+    with atomic_write(out / "table1.md") as tmp:
+        Path(tmp).write_text("\n".join(L) + "\n")
+    print("\n".join(L))
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
 
 
 def _parse(argv):
@@ -424,12 +571,13 @@ def _parse(argv):
     ap.add_argument("--part", choices=("mqar", "table1"), default="mqar")
     ap.add_argument("--quick", action="store_true", help="reduced scale (vocab 512, Zoology's (T, P) / 4, d_model 64, "
                     "400 steps, lr sweep {3e-3, 1e-2} on softmax only): <= 10 min with 2 jobs on an idle 2-core machine")
-    ap.add_argument("--methods", default="softmax,based,llops-p4-m256,llops-p4-m256-based,llops-p2-m256,"
-                    "llops-p6-m256,poly-p2,psf-p4-m256", help="methods of the seeded comparison (keys)")
+    ap.add_argument("--methods", default=None, help="methods of the seeded comparison (keys; default: every "
+                    f"method of Tables 4-5, or {QUICK_METHODS} with --quick)")
     ap.add_argument("--m-sweep", action="store_true", help="also the Figure 3 sweep m in {64, 128, 192, 256}")
     ap.add_argument("--m-degree", type=int, default=4)
     ap.add_argument("--steps", type=int, default=0, help="override the mode's steps")
     ap.add_argument("--seeds", default="", help="override the mode's seeds (comma-separated)")
+    ap.add_argument("--sweep", default="", help="override the mode's learning-rate-swept methods (comma-separated keys)")
     ap.add_argument("--cut", default="", help="a sentence for the report: what this invocation left out")
     ap.add_argument("--work", type=Path, default=ROOT / "build" / "paper_training")
     ap.add_argument("--out", type=Path, default=ROOT / "analysis" / "results")
@@ -440,10 +588,11 @@ def _parse(argv):
 
 def main(argv=None) -> int:
     args = _parse(argv)
+    if args.methods is None:
+        args.methods = QUICK_METHODS if args.quick else ("softmax,based,llops-p4-m256,llops-p4-m256-based,"
+                                                         "llops-p2-m256,llops-p2-m256-based,llops-p6-m256,poly-p2,psf-p4-m256")
     if args.part == "mqar":
         return mqar(args)
-    from table1 import table1  # noqa: E402  (analysis/table1.py... see below)
-
     return table1(args)
 
 
