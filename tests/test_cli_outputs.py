@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import sys
 
 import pytest
@@ -193,3 +194,23 @@ def test_shared_options_have_one_spelling_and_default():
     assert next(iter(seen["p"]))[0] == 2 and next(iter(seen["m"]))[0] == 64
     for name in ("compare", "verify", "advise", "spectrum", "fit", "train"):
         assert "no_progress" in {a.dest for a in sub[name]._actions}, name
+
+
+@pytest.mark.parametrize("argv,desc", [
+    (["spectrum", "{dump}"], "spectrum"),
+    (["fit", "{dump}", "--m", "4", "--out", "{tmp}/t.safetensors"], "LLoPS fit"),
+    (["compare", "{dump}", "--m", "4", "--methods", "optimal,psf"], "compare"),
+    (["verify", "{dump}", "--m", "4", "--layers", "0", "--heads", "0"], "verify"),
+    (["advise", "{dump}", "--target", "0.3", "--heads", "0", "--max-m", "5"], r"advise \(llops\)"),
+    (["train", "--attention", "softmax", "--d-model", "8", "--n-heads", "2", "--n-layers", "1", "--seq-len", "8",
+      "--num-pairs", "2", "--batch-size", "2", "--eval-sequences", "2", "--steps", "2", "--out", "{tmp}/run"], "mqar"),
+])
+def test_long_commands_show_a_progress_bar_on_stderr_unless_told_not_to(argv, desc, dump, tmp_path, capsys):
+    argv = [a.format(dump=dump, tmp=tmp_path) for a in argv]
+    assert main(argv) in (0, 1)
+    captured = capsys.readouterr()
+    assert re.search(rf"{desc}:\s+\d+%\|", captured.err), captured.err[-300:]
+    assert not re.search(r"\d+%\|", captured.out)  # the bar never goes to stdout
+    shutil.rmtree(tmp_path / "run", ignore_errors=True)
+    assert main(argv + ["--no-progress"]) in (0, 1)
+    assert not re.search(r"\d+%\|", capsys.readouterr().err)
