@@ -1,7 +1,8 @@
-r"""Triton kernels of the causal sliding-window hybrid (exact local attention + LLoPS far), ``[B, T, H, D]``.
+r"""Triton kernels of the sliding-window hybrid (exact local attention + LLoPS far), ``[B, T, H, D]``.
 
-The formula (docs/DESIGN.md §6). For a query ``i`` the local keys are ``i−w < j ≤ i`` and the sinks
-``j < sinks`` (``j ≤ i``), the far keys every other ``j ≤ i``; with ``γ = sigmoid(gate[h])``,
+The formula (docs/DESIGN.md §6). For a causal query ``i`` the local keys are ``i−w < j ≤ i`` and the
+sinks ``j < sinks`` (``j ≤ i``), the far keys every other ``j ≤ i`` (``CAUSAL=False``: local
+``|i−j| < w`` and the sinks, far every other key); with ``γ = sigmoid(gate[h])``,
 
     o_i = (γ Σ_L a_ij v_j + (1−γ) Σ_F f_ij v_j) / (γ Σ_L a_ij + (1−γ) Σ_F f_ij + ε),
 
@@ -24,7 +25,10 @@ non-sink keys ``r < F = BT·⌊(QOFF+c0−W+1)/BT⌋`` are far for every row and
 blocks ``[F, qi_max]`` are visited explicitly with both masks, and the sink blocks below ``F`` with
 the sink mask only. The local softmax runs online (running max ``m``, rescaled ``Σ a v`` and
 ``Σ a``), the far sums unshifted, so the cost is ``O(T·(W + BT + M)·(D + Dv))``, plus the sinks.
-Saved per row: ``den + ε``, ``c_i`` and the key index of the arg-max (softmax).
+Saved per row: ``den + ε``, ``c_i`` and the key index of the arg-max (softmax). Not ``CAUSAL``
+(``QOFF = 0``, no state): keys at or above ``G = BT·⌈(c0+BT−1+W)/BT⌉`` are far for every row too
+and enter as ``φ(q)(S_all − S_{<G})`` (``S_all`` from a first pass, ``S_{<G}`` folded as ``G``
+advances); the explicit blocks are ``[F, G)`` plus the sink blocks outside them.
 
 Backward (``Gᵢ = dOᵢ/denᵢ``, ``Cᵢ = −Gᵢ·oᵢ``, ``δ_ij = Gᵢ·v_j + Cᵢ`` = ∂L/∂(γa_ij) = ∂L/∂((1−γ)f_ij)):
 
@@ -41,6 +45,8 @@ gather/scatter. The dq program walks query blocks forward with the same state an
 as the forward; the dk/dv program walks key blocks backward with ``dS = Σ φ(q)ᵀG``, ``dz = Σ Cφ(q)``
 over the query blocks that are far for the whole key block (``QOFF + c0 − W ≥ k0 + BT − 1``) and
 visits the rest explicitly; a key block that holds a sink is visited against every query block.
+Not ``CAUSAL``, the query blocks below ``fq = BT·⌊(k0−W+1)/BT⌋`` are far too and enter as
+``dS_all − dS_{≥fq}`` (the latter folded as ``fq`` falls), and the explicit range is ``[fq, gf)``.
 Through the features, ``_features_bwd`` (shared with the pure kernel) gives dq, dk and dΘ.
 """
 
