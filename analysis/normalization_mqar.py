@@ -3,8 +3,11 @@
 Arms, each a learnable LLoPS model on the same small MQAR task, budget and seeds (training from a
 fresh random Θ with equal factors, so every arm starts from the same non-negative kernel):
 
-* ``sum, signed`` — ``normalize="sum"`` on the raw map (today's toy-model default; the map can turn
-  signed as its factors separate, and the denominator check counts how often it does);
+* ``sum, signed`` — ``normalize="sum"`` on the raw map (today's toy-model default; a rank-1 map can
+  be signed once its factors differ, and the denominator check counts the calls that meet a
+  denominator <= 0 — but from the equal-factor start the gradients of the ``p`` factors of a
+  feature are equal, so they stay equal and the kernel stays non-negative in training: the
+  count is 0 and this arm measures the raw ``(θ·q)²(θ·k)²`` kernel with "sum");
 * ``sum, self-tensored`` — ``non_negative=True`` (``φ ⊗ φ``, ``m = 8`` → 64 features, PSF's square);
 * ``none`` — unnormalised linear attention;
 * ``hybrid w=4 (shared denominator)`` — ``window=4`` exact softmax keys + the sketch, one denominator.
