@@ -26,7 +26,6 @@ ROOT = Path(__file__).resolve().parents[1]
 
 FIT = """
 import sys, torch
-sys.path.insert(0, 'analysis')
 from bench_fit import standin_qk
 import sketchlab as sl
 q, k = standin_qk(shape=(1, 1, 16384, 32), seed=0)
@@ -42,9 +41,9 @@ def tour() -> str:
     return re.search(r"```python\n(.*?)```", text, re.S).group(1)
 
 
-def run(code: str, one_thread: bool) -> float:
+def run(code: str, one_thread: bool, library: Path) -> float:
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
-    env["PYTHONPATH"] = str(ROOT)
+    env["PYTHONPATH"] = f"{library}{os.pathsep}{ROOT / 'analysis'}"
     if one_thread:
         env["OMP_NUM_THREADS"] = "1"
     start = time.perf_counter()
@@ -56,6 +55,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--skip-tour", action="store_true")
+    ap.add_argument("--library", default=str(ROOT), help="directory holding the sketchlab package to time "
+                    "(e.g. a checkout of an earlier commit); default: this repository")
     ap.add_argument("--out", default=str(ROOT / "analysis/results/threads.md"))
     args = ap.parse_args()
     cases = ([("README tour", tour())] if not args.skip_tour else []) + [("fit_sketch(\"llops\"), d = 32, n = 16384", FIT)]
@@ -64,18 +65,19 @@ def main() -> None:
     for name, code in cases:
         times = {"default": [], "1 thread": []}
         for _ in range(args.repeat):
-            times["default"].append(run(code, False))
-            times["1 thread"].append(run(code, True))
+            times["default"].append(run(code, False, Path(args.library)))
+            times["1 thread"].append(run(code, True, Path(args.library)))
         med = {key: statistics.median(v) for key, v in times.items()}
         rows.append(f"| {name} | {', '.join(f'{t:.1f}' for t in times['default'])} | "
                     f"{', '.join(f'{t:.1f}' for t in times['1 thread'])} | {med['default'] / med['1 thread']:.2f}× |")
         print(rows[-1], flush=True)
     cmd = "python analysis/bench_threads.py" + (f" --repeat {args.repeat}" if args.repeat != 1 else "") + \
-        (" --skip-tour" if args.skip_tour else "")
+        (" --skip-tour" if args.skip_tour else "") + (f" --library {args.library}" if args.library != str(ROOT) else "")
     text = "\n".join([
         "# Default threads against one intra-op thread\n",
-        f"`{cmd}` — {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.node()}, "
-        f"{os.cpu_count()} cores, `os.getloadavg()` = {load} at the start (a shared machine: compare within a row).\n",
+        f"`{cmd}` — finished {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.node()}, "
+        f"{os.cpu_count()} cores, `os.getloadavg()` = {load} at the start (a shared machine: compare within a row); "
+        f"sketchlab from `{args.library}`.\n",
         "Wall seconds of a fresh process each (imports included), alternating default / one thread.\n",
         "| workload | default s | 1 thread s | default ÷ 1 thread (medians) |",
         "|---|---|---|---|",
