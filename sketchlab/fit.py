@@ -29,7 +29,8 @@ from typing import Callable
 
 import torch
 
-from ._validation import DEFAULT_MAX_BYTES, check_degree, check_fraction, check_pair, check_positive_int, check_seed
+from ._validation import (DEFAULT_MAX_BYTES, check_degree, check_fraction, check_kernel_underflow, check_pair,
+                          check_positive_int, check_seed)
 from .sketch import Sketch
 
 __all__ = [
@@ -239,6 +240,18 @@ def _errors(sketch: Sketch, q: torch.Tensor, k: torch.Tensor, p: int, m: int, me
             f"sketch method {method!r}: non-finite {where} error for {len(flat)} head(s), {label} {heads}; likely cause: {cause}"
         )
     ratio = ratio_to_tail(err["sq_err"], tail, err["sq_norm"], max(n_q, n_k))
+    undefined = torch.isnan(ratio)
+    from .optimal import max_sketch_size
+
+    # NaN at m >= the largest rank A can have is structural (documented); below it A is numerically rank-deficient
+    if bool(undefined.any()) and m < max_sketch_size(n_q, n_k, q.shape[-1], p):
+        import warnings
+
+        warnings.warn(
+            f"sketch method {method!r}: the {where} optimality ratio of {int(undefined.sum())} of {ratio.numel()} "
+            f"head(s) is undefined (NaN): the Theorem 3.1 tail at m={m} is zero to round-off, so A has rank <= m on "
+            "these tokens (e.g. a constant q or k) and a size-m sketch can be exact there; read rel_fro instead",
+            RuntimeWarning, stacklevel=3)
     return err["rel_fro"], err["rel_mae"], ratio, tail, info
 
 
@@ -296,6 +309,7 @@ def fit_sketch(method: str, q, k, /, *, p: int, m: int, seed: int = 0, holdout: 
     fitter = sketch_fitter(method)
     q, k = check_pair(q, k)
     p = check_degree(p)
+    check_kernel_underflow(q, k, p)
     m = check_positive_int(m, "m (the sketch size)")
     holdout = check_fraction(holdout, "holdout")
     seed = check_seed(seed)

@@ -59,7 +59,7 @@ import torch
 
 import math
 
-from ._validation import check_degree, check_memory, check_pair, check_positive_int
+from ._validation import check_degree, check_kernel_underflow, check_memory, check_pair, check_positive_int
 from .polynomial import DEFAULT_MAX_BYTES, _feature_gram_root, _poly_features, _poly_kernel, poly_features, symmetric_to_full
 from ._threads import hot_loop_threads
 from .sketch import Sketch
@@ -160,6 +160,7 @@ def _check_inputs(q, k, p, m, route, max_bytes):
     """The public entry points' checks; returns :func:`_plan`'s ``(q, k, p, m, d, symmetric, route)``."""
     q, k = check_pair(q, k)
     p = check_degree(p)
+    check_kernel_underflow(q, k, p)
     m = check_positive_int(m, "m (the sketch size)")
     if route not in _ROUTES:
         raise ValueError(f"route must be one of {_ROUTES}, got {route!r}")
@@ -235,7 +236,7 @@ def _factor(q, k, p, symmetric, route, max_bytes, *, vectors: bool):
             return s, (psi_q.mT, u, psi_k.mT, vh.mT)  # ψ_Qᵀ [..., D, n_q], ψ_Kᵀ [..., D, n_k]
         _, r_q = torch.linalg.qr(psi_q)  # ψ_Q = Q_Q R_Q, R_Q [..., r_q, D]
         _, r_k = torch.linalg.qr(psi_k)  # ψ_K = Q_K R_K, R_K [..., r_k, D]
-    core = r_q @ r_k.mT  # [..., r_q, r_k]; A = Q_Q core Q_Kᵀ
+    core = _finite(r_q @ r_k.mT, "the core R_Q R_Kᵀ of (QKᵀ)^p", p)  # [..., r_q, r_k]; A = Q_Q core Q_Kᵀ
     if not vectors:
         return _pad(torch.linalg.svdvals(core), n), None
     u, s, vh = torch.linalg.svd(core, full_matrices=False)

@@ -60,8 +60,24 @@ def _fail(message: str) -> int:
     return 2
 
 
+def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    print(f"sketchlab: warning: {' '.join(str(message).split())}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``sketchlab`` console script; returns the exit status."""
+    """Entry point of the ``sketchlab`` console script; returns the exit status.
+
+    Warnings raised while a command runs are printed as one line ``sketchlab: warning: ...`` on stderr.
+    """
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("default")
+        warnings.showwarning = _one_line_warning  # restored when the command ends
+        return _main(argv)
+
+
+def _main(argv):
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
