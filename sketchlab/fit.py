@@ -219,14 +219,13 @@ def _errors(sketch: Sketch, q: torch.Tensor, k: torch.Tensor, p: int, m: int, me
     else:
         sq_norm = (s**2).sum(-1)  # ‖A‖_F² from the singular values the floor needed anyway
         sq_err = _gram_sq_err(fq, fk, q, k, p, sq_norm, max_bytes=max_bytes)
-        count = max(2, EXACT_REPORT_ENTRIES // n_k)
-        rows = _subsample(n_q, count, seed + 0x3AE)
-        rel_mae, se = _sampled_rel_mae(fq, fk, q, k, p, rows, max_bytes=max_bytes)
-        if bool((sq_err < _GRAM_ERR_FLOOR * sq_norm).any()):  # near-exact sketch: cancellation, take the rows
+        if bool((sq_err < _GRAM_ERR_FLOOR * sq_norm).any()):  # near-exact sketch: the identity cancels, take the rows
             err = _kernel_errors(fq, fk, q, k, p, max_bytes)
-            sq_err, sq_norm = err["sq_err"], err["sq_norm"]
-        err = {"sq_err": sq_err, "sq_norm": sq_norm, "rel_fro": (sq_err / sq_norm).sqrt(), "rel_mae": rel_mae}
-        info = {"rel_mae_rows": int(rows.numel()), "rel_mae_se": se}
+        else:
+            rows = _subsample(n_q, max(2, EXACT_REPORT_ENTRIES // n_k), seed + 0x3AE)
+            rel_mae, se = _sampled_rel_mae(fq, fk, q, k, p, rows, max_bytes=max_bytes)
+            err = {"sq_err": sq_err, "sq_norm": sq_norm, "rel_fro": (sq_err / sq_norm).sqrt(), "rel_mae": rel_mae}
+            info = {"rel_mae_rows": int(rows.numel()), "rel_mae_se": se}
     bad = ~(torch.isfinite(err["sq_err"]) & torch.isfinite(err["sq_norm"]) & torch.isfinite(err["rel_mae"]))
     if bool(bad.any()):
         flat = bad.reshape(-1).nonzero().flatten().tolist()
