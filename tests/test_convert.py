@@ -345,3 +345,19 @@ def test_toy_model_generate_with_state_equals_greedy_full_forward():
         for _ in range(6):
             seq = torch.cat([seq, model(seq)[:, -1].argmax(-1, keepdim=True)], 1)
     assert torch.equal(got, seq)
+
+
+def test_gate_init_at_one_is_window_and_sinks_alone():
+    """gate_init = 40: g = sigmoid(40) = 1 in float64, the sketch has weight 0 — the output is the
+    window + sinks softmax alone, the same whatever the maps (two seeds); gate_init = 0 depends on them."""
+    ids, mask = _inputs(True)
+    outs = {}
+    for gate_init in (40.0, 0.0):
+        for seed in (0, 1):
+            model = _llama()
+            sketches = convert_attention(model, attention="hedgehog", m=8, window=3, sinks=1, gate_init=gate_init,
+                                         seed=seed)
+            assert torch.equal(sketches[0].gate, torch.full((4,), gate_init, dtype=torch.float64))
+            outs[gate_init, seed] = _out(model, ids, mask)
+    torch.testing.assert_close(outs[40.0, 0], outs[40.0, 1], rtol=0, atol=0)
+    assert float((outs[0.0, 0] - outs[0.0, 1]).abs().max()) > 1e-6

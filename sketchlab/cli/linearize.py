@@ -56,6 +56,8 @@ def add_arguments(sub) -> None:
     cmd.add_argument("--window", type=_nonnegative_int, default=64, help="exact local keys (0: pure linear; default 64)")
     cmd.add_argument("--sinks", type=_nonnegative_int, default=4, help="attention sinks (default 4)")
     cmd.add_argument("--local", choices=("softmax", "poly"), default="softmax", help="the exact part inside the window")
+    cmd.add_argument("--gate-init", type=float, default=0.0,
+                     help="initial gate logit: sigmoid of it weighs the window, the rest the sketch (default 0: 1/2)")
     cmd.add_argument("--p", type=positive_int, default=2, help="degree of the attention kernel (default 2)")
     cmd.add_argument("--m", type=positive_int, default=64, help="features (default 64)")
     cmd.add_argument("--out", required=True, help="output directory (created; its parent must exist)")
@@ -140,7 +142,8 @@ def _run_pretrained(args) -> int:
     model, tokenizer = load_pretrained(args.model_dir, gguf=args.gguf)
     model, report = linearize(
         model, text, tokenizer=tokenizer, attention=args.attention, p=args.p, m=args.m, rank=args.rank,
-        window=args.window, sinks=args.sinks, local=args.local, normalize=args.normalize, seq_len=args.seq_len,
+        window=args.window, sinks=args.sinks, local=args.local, normalize=args.normalize, gate_init=args.gate_init,
+        seq_len=args.seq_len,
         max_tokens=args.max_tokens, holdout=float(args.holdout), fit=not args.no_fit,
         transfer_steps=args.transfer_steps, transfer_lr=args.transfer_lr, lora_steps=args.lora_steps,
         lora_rank=args.lora_rank, lora_lr=args.lora_lr, batch_size=args.batch_size or 4, seed=args.seed,

@@ -93,7 +93,7 @@ def _make_maps(attention: str, feature_map, layer: int, heads: int, head_dim: in
 def convert_attention(model: nn.Module, *, attention: str = "llops", p: int = 2, m: int = 64, rank: int = 1,
                       window: int = 64, sinks: int = 4, local: str = "softmax", feature_map=None, theta=None,
                       normalize: str | None = None, non_negative: bool = False, eps: float = 1e-6, learn: bool = True,
-                      gate: bool = True, seed: int = 0) -> list[SketchedAttention]:
+                      gate: bool = True, gate_init: float = 0.0, seed: int = 0) -> list[SketchedAttention]:
     r"""Swap every self-attention of ``model`` for sketched attention, in place; keep every weight.
 
     Parameters
@@ -134,6 +134,10 @@ def convert_attention(model: nn.Module, *, attention: str = "llops", p: int = 2,
         Whether the new parameters (maps, gates) require gradients.
     gate : bool
         A learnable per-head gate logit (with ``window > 0``).
+    gate_init : float
+        Its initial value: ``g = sigmoid(gate_init)`` weighs the exact local part, ``1 − g`` the
+        sketch (``0``: ``g = 1/2``; a large value starts from window + sinks alone, the sketch
+        then entering as transfer trains the gate).
     seed : int
         Seeds torch's generator while the maps are built (random initialisations are reproducible).
 
@@ -161,6 +165,8 @@ def convert_attention(model: nn.Module, *, attention: str = "llops", p: int = 2,
         raise ValueError(f"local must be one of {list(LOCALS)}, got {local!r}")
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not (0 <= eps < float("inf")):
         raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
+    if isinstance(gate_init, bool) or not isinstance(gate_init, numbers.Real) or not abs(gate_init) < float("inf"):
+        raise ValueError(f"gate_init must be a finite number, got {gate_init!r}")
     for flag, name in ((learn, "learn"), (gate, "gate"), (non_negative, "non_negative")):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {flag!r}")
@@ -180,6 +186,9 @@ def convert_attention(model: nn.Module, *, attention: str = "llops", p: int = 2,
             sketch = SketchedAttention(map_q, map_k, heads=site.heads, head_dim=site.head_dim, window=window,
                                        sinks=sinks, local=local, gate=gate, normalize=normalize,
                                        non_negative=non_negative, eps=float(eps), causal=site.causal)
+            if sketch.gate is not None:
+                with torch.no_grad():
+                    sketch.gate.fill_(float(gate_init))
             sketch.to(device=ref.device, dtype=ref.dtype)
             if thetas is not None:  # after .to: Θ copied at the model's precision
                 _load_theta_into(map_q, thetas[0][layer], f"theta layer {layer} (q)")
@@ -188,7 +197,7 @@ def convert_attention(model: nn.Module, *, attention: str = "llops", p: int = 2,
             sketches.append(sketch)
     options = {"attention": attention if feature_map is None else "custom", "p": p, "m": m, "rank": rank,
                "window": window, "sinks": sinks, "local": local, "normalize": normalize, "non_negative": non_negative,
-               "eps": float(eps), "gate": gate, "seed": seed,
+               "eps": float(eps), "gate": gate, "gate_init": float(gate_init), "seed": seed,
                "family": family}
     if family == "toy":
         for site, sketch in zip(sites, sketches):

@@ -402,7 +402,7 @@ def _lora(model, family, ids, mask, train_idx, teacher_hidden, *, steps, rank, l
 
 def linearize(model: nn.Module, texts, *, tokenizer=None, attention: str = "llops", p: int = 2, m: int = 64,
               rank: int = 1, window: int = 64, sinks: int = 4, local: str = "softmax", feature_map=None,
-              normalize: str | None = None, seq_len: int = 512, max_tokens: int | None = None, holdout: float = 0.25,
+              normalize: str | None = None, gate_init: float = 0.0, seq_len: int = 512, max_tokens: int | None = None, holdout: float = 0.25,
               fit: bool = True, fit_tokens: int = 4096, fit_options: dict | None = None, transfer_steps: int = 100,
               transfer_lr: float = 1e-2, lora_steps: int = 0, lora_rank: int = 8, lora_lr: float = 1e-4,
               batch_size: int = 4, evaluate: bool = True, seed: int = 0, progress: bool = False):
@@ -419,7 +419,7 @@ def linearize(model: nn.Module, texts, *, tokenizer=None, attention: str = "llop
     holdout : float in (0, 1)
         Fraction of the sequences (the last ones) held out of training: every error and metric is
         measured on them.
-    attention, p, m, rank, window, sinks, local, feature_map, normalize
+    attention, p, m, rank, window, sinks, local, feature_map, normalize, gate_init
         The conversion (:func:`sketchlab.convert_attention`).
     fit : bool
         Stage 0 (``attention="llops"`` without ``feature_map``): Θ from the kernel fit on the
@@ -455,7 +455,7 @@ def linearize(model: nn.Module, texts, *, tokenizer=None, attention: str = "llop
     batch_size = check_positive_int(batch_size, "batch_size")
     encoder = family == "bert"
     settings = {"family": family, "attention": attention if feature_map is None else "custom", "p": p, "m": m,
-                "rank": rank, "window": window, "sinks": sinks, "local": local, "normalize": normalize,
+                "rank": rank, "window": window, "sinks": sinks, "local": local, "normalize": normalize, "gate_init": gate_init,
                 "sequences": N, "held_out": n_held, "seq_len": int(ids.shape[1]), "tokens": int(mask.sum()),
                 "transfer_steps": transfer_steps, "transfer_lr": transfer_lr, "lora_steps": lora_steps,
                 "lora_rank": lora_rank, "lora_lr": lora_lr, "batch_size": batch_size, "seed": seed}
@@ -483,7 +483,8 @@ def linearize(model: nn.Module, texts, *, tokenizer=None, attention: str = "llop
                                      fit_tokens=fit_tokens, seed=seed, fit_options=fit_options)
         theta = tuple(t.reshape(len(layers), -1, *t.shape[-4:]) for t in theta)  # [L, H, t, p, D, m]
     sketches = convert_attention(model, attention=attention, p=p, m=m, rank=rank, window=window, sinks=sinks,
-                                 local=local, feature_map=feature_map, theta=theta, normalize=normalize, seed=seed)
+                                 local=local, feature_map=feature_map, theta=theta, normalize=normalize,
+                                 gate_init=gate_init, seed=seed)
     report.stages.append({"name": "fit" if theta is not None else "init", "seconds": time.perf_counter() - t0,
                           "fit": fit_info, "layer_error": attention_errors(sketches, layers, mask, held_idx),
                           "metric": metric(model)})
