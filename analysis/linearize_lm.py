@@ -85,7 +85,7 @@ def parse_args():
     args = ap.parse_args()
     if args.quick:
         args.contexts, args.maps = "512,1024", "llops,hedgehog"
-        args.train_seqs, args.eval_tokens, args.fit_tokens, args.fit_steps = 4, 1024, 512, 2
+        args.train_seqs, args.eval_tokens, args.fit_tokens, args.fit_steps = 4, 1024, 256, 1
         args.transfer_steps, args.lora_steps, args.minilm_sentences = 20, 0, 200
     return args
 
@@ -289,7 +289,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     cuts = ("Quick run: contexts 512/1024 only (no 2048), maps LLoPS and Hedgehog only (no BASED/PSF), "
-            "4 training sequences, 1024 held-out tokens per context, Θ fit on 512 tokens with 2 ALS sweeps, "
+            "4 training sequences, 1024 held-out tokens per context, Θ fit on 256 tokens per head with 1 ALS sweep and no LM steps, "
             "20 transfer steps per layer, no LoRA stage, 200 MiniLM lines." if args.quick else "")
     out = {"cuts": cuts}
     t0 = time.perf_counter()

@@ -355,42 +355,50 @@ def _fit_checked(method: str, fitter: Callable[..., Sketch], q: torch.Tensor, k:
         )
     q_fit, k_fit = q[..., fit_q, :], k[..., fit_k, :]
 
-    start = time.perf_counter()
-    sketch = fitter(q[..., sub_q, :], k[..., sub_k, :], p=p, m=m, seed=seed, **options)
-    seconds = time.perf_counter() - start
+    from ._threads import hot_loop_threads
+    from .polynomial import _num_features
 
-    fit_info = getattr(sketch, "fit_info", None)
-    core = fit_info.pop("kernel_core", None) if isinstance(fit_info, dict) else None  # the sketch keeps no copy
-    if fit_tokens is not None and (len(sub_q) < len(fit_q) or len(sub_k) < len(fit_k)):
-        core = None  # the fit saw a subset: its A is not the report's
-    info = dict(fit_info or {})
-    m_in = min(m, max_sketch_size(len(fit_q), len(fit_k), q.shape[-1], p))
-    rel_f, rel_m, ratio, tail, extra = _errors(sketch, q_fit, k_fit, p, m_in, method, "in-sample", max_bytes,
-                                               core=core, seed=seed)
-    info.update(extra)
-    report = FitReport(
-        method=method, p=p, m=m, rel_fro=rel_f, rel_mae=rel_m, optimality_ratio=ratio, tail=tail,
-        seconds=seconds, steps=int(info.pop("steps", 0)), converged=bool(info.pop("converged", True)),
-        num_features=sketch.num_features, num_parameters=sketch.num_parameters, info=info,
-        fit_tokens=None if fit_tokens is None else len(sub_q),
-    )
-    if holdout > 0:
-        q_held, k_held = q[..., held_q, :], k[..., held_k, :]
-        # The held-out floor uses the same m, clamped to the largest rank the held-out A can
-        # have (its tail is 0 there and the ratio NaN: undefined, a sketch that size could be exact).
-        m_held = min(m, max_sketch_size(q_held.shape[-2], k_held.shape[-2], q.shape[-1], p))
-        h_f, h_m, h_r, h_t, extra = _errors(sketch, q_held, k_held, p, m_held, method, "held-out", max_bytes, seed=seed)
-        report.info.update({f"holdout_{key}": value for key, value in extra.items()})
-        report.holdout_rel_fro, report.holdout_rel_mae = h_f, h_m
-        report.holdout_optimality_ratio, report.holdout_tail = h_r, h_t
-        if reference:
-            from .optimal import _min_norm_sketch, _plan
+    # the fit's and the report's loops: ~(n_q + n_k)·D·(D + m) multiply-adds per head, ~n_q·n_k·(d + m) on tokens
+    dim = _num_features(q.shape[-1], p, True)
+    heads = math.prod(q.shape[:-2])
+    work = heads * min((q.shape[-2] + k.shape[-2]) * dim * (dim + m), q.shape[-2] * k.shape[-2] * (q.shape[-1] + m))
+    with hot_loop_threads(work):
+        start = time.perf_counter()
+        sketch = fitter(q[..., sub_q, :], k[..., sub_k, :], p=p, m=m, seed=seed, **options)
+        seconds = time.perf_counter() - start
 
-            ref = _min_norm_sketch(*_plan(q[..., sub_q, :], k[..., sub_k, :], p, m, "auto", max_bytes), max_bytes)
-            ref_f = _errors(ref, q_held, k_held, p, m_held, "optimal (min-norm reference)", "held-out", max_bytes,
-                            seed=seed)[0]
-            report.holdout_reference_rel_fro = ref_f
-            report.holdout_vs_reference = h_f / ref_f
+        fit_info = getattr(sketch, "fit_info", None)
+        core = fit_info.pop("kernel_core", None) if isinstance(fit_info, dict) else None  # the sketch keeps no copy
+        if fit_tokens is not None and (len(sub_q) < len(fit_q) or len(sub_k) < len(fit_k)):
+            core = None  # the fit saw a subset: its A is not the report's
+        info = dict(fit_info or {})
+        m_in = min(m, max_sketch_size(len(fit_q), len(fit_k), q.shape[-1], p))
+        rel_f, rel_m, ratio, tail, extra = _errors(sketch, q_fit, k_fit, p, m_in, method, "in-sample", max_bytes,
+                                                   core=core, seed=seed)
+        info.update(extra)
+        report = FitReport(
+            method=method, p=p, m=m, rel_fro=rel_f, rel_mae=rel_m, optimality_ratio=ratio, tail=tail,
+            seconds=seconds, steps=int(info.pop("steps", 0)), converged=bool(info.pop("converged", True)),
+            num_features=sketch.num_features, num_parameters=sketch.num_parameters, info=info,
+            fit_tokens=None if fit_tokens is None else len(sub_q),
+        )
+        if holdout > 0:
+            q_held, k_held = q[..., held_q, :], k[..., held_k, :]
+            # The held-out floor uses the same m, clamped to the largest rank the held-out A can
+            # have (its tail is 0 there and the ratio NaN: undefined, a sketch that size could be exact).
+            m_held = min(m, max_sketch_size(q_held.shape[-2], k_held.shape[-2], q.shape[-1], p))
+            h_f, h_m, h_r, h_t, extra = _errors(sketch, q_held, k_held, p, m_held, method, "held-out", max_bytes, seed=seed)
+            report.info.update({f"holdout_{key}": value for key, value in extra.items()})
+            report.holdout_rel_fro, report.holdout_rel_mae = h_f, h_m
+            report.holdout_optimality_ratio, report.holdout_tail = h_r, h_t
+            if reference:
+                from .optimal import _min_norm_sketch, _plan
+
+                ref = _min_norm_sketch(*_plan(q[..., sub_q, :], k[..., sub_k, :], p, m, "auto", max_bytes), max_bytes)
+                ref_f = _errors(ref, q_held, k_held, p, m_held, "optimal (min-norm reference)", "held-out", max_bytes,
+                                seed=seed)[0]
+                report.holdout_reference_rel_fro = ref_f
+                report.holdout_vs_reference = h_f / ref_f
     return Fit(sketch=sketch, report=report)
 
 

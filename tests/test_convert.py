@@ -195,7 +195,7 @@ def test_plumbing_state_continues_a_forward(softmax_kernel):
     with torch.no_grad():
         dyn = transformers.DynamicCache()
         model(ids[:, :4], cache=dyn, use_cache=True)
-        with pytest.raises(ValueError, match="decodes with sketchlab.SketchStateCache"):
+        with pytest.raises(ValueError, match="decodes with sketchlab.convert.cache.SketchStateCache"):
             model(ids[:, 4:], cache=dyn, use_cache=True)
 
 
@@ -330,3 +330,18 @@ def test_toy_model_window_covering_the_sequence_reproduces_teacher():
         convert_attention(model, attention="hedgehog", m=8, window=11, sinks=0, eps=0.0)
         got = model(ids)
     torch.testing.assert_close(got, want, **TOL64)
+
+
+def test_toy_model_generate_with_state_equals_greedy_full_forward():
+    from sketchlab.tasks.model import TransformerConfig, TransformerLM, generate
+
+    torch.manual_seed(6)
+    model = TransformerLM(TransformerConfig(vocab_size=30, d_model=32, n_heads=2, n_layers=2)).double().eval()
+    convert_attention(model, attention="hedgehog", m=8, window=3, sinks=1)
+    prompt = torch.randint(0, 30, (2, 4))
+    got = generate(model, prompt, 6)
+    seq = prompt
+    with torch.no_grad():
+        for _ in range(6):
+            seq = torch.cat([seq, model(seq)[:, -1].argmax(-1, keepdim=True)], 1)
+    assert torch.equal(got, seq)

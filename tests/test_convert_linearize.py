@@ -84,3 +84,29 @@ def test_tokenize_texts_and_bad_input():
         tokenize_texts("some text")
     with pytest.raises(ValueError, match="holdout=0.5 of 1 sequence"):
         linearize(_llama(), _ids(1), attention="hedgehog", m=8, holdout=0.5, seq_len=24)
+
+
+def test_toy_model_linearize_and_round_trip(tmp_path):
+    """sketchlab's TransformerLM: the same stages through hooks on its kernels, and save/load."""
+    from sketchlab.convert import load_linearized, save_linearized
+    from sketchlab.tasks.model import TransformerConfig, TransformerLM
+
+    def toy():
+        torch.manual_seed(5)
+        model = TransformerLM(TransformerConfig(vocab_size=60, d_model=32, n_heads=2, n_layers=2)).eval()
+        with torch.no_grad():
+            for block in model.blocks:
+                block.attention.q_proj.weight.mul_(30.0)
+        return model
+
+    model, report = linearize(toy(), _ids(), attention="hedgehog", m=8, window=3, sinks=1, seq_len=24, holdout=0.3,
+                              transfer_steps=30, transfer_lr=2e-2, batch_size=4)
+    before, after = report.stages[0]["layer_error"], report.stages[1]["layer_error"]
+    assert all(a < 0.9 * b for a, b in zip(after, before)), (before, after)
+    ids = _ids(2, 16, seed=9)
+    with torch.no_grad():
+        want = model(ids)
+    save_linearized(model, tmp_path / "toy")
+    fresh = load_linearized(tmp_path / "toy", toy())
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(ids), want, rtol=0, atol=0)

@@ -20,7 +20,7 @@ PACKAGE = ROOT / "sketchlab"
 #: Layers, lowest first. A module may import modules of its own layer or of a lower one.
 #: Patterns match dotted module names (a package's ``__init__`` is the package's name).
 LAYERS = [
-    ("base", ["sketchlab._validation", "sketchlab._version"]),
+    ("base", ["sketchlab._validation", "sketchlab._version", "sketchlab._threads"]),
     ("primitives", ["sketchlab.polynomial", "sketchlab.sketch", "sketchlab.scaling",
                     "sketchlab.io", "sketchlab.io.*"]),
     ("math", ["sketchlab.optimal", "sketchlab.spectral", "sketchlab.objective", "sketchlab.metrics",

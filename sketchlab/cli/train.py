@@ -102,6 +102,9 @@ def add_arguments(sub) -> None:
     o.add_argument("--batch-size", type=positive_int, default=32, help="global batch (sequences per step)")
     o.add_argument("--lr", type=positive_float, default=3e-3)
     o.add_argument("--weight-decay", type=nonnegative_float, default=0.0)
+    o.add_argument("--kernel-lr", type=positive_float, default=0.1,
+                   help="learning-rate factor of the attention kernels' parameters (LLoPS's Θ); at 1 Θ trained from "
+                        "BASED loses its non-negative kernel before recall is learned")
     o.add_argument("--warmup", type=nonnegative_int, default=30)
     o.add_argument("--clip", type=positive_float, default=1.0)
     o.add_argument("--seed", type=nonnegative_int, default=0, help="model initialisation and data stream (>= 0)")
@@ -201,7 +204,7 @@ def run(args) -> int:
         outputs.make_directories()
         result = train_mqar(
             model, [(task, args.steps)], batch_size=args.batch_size, lr=args.lr, weight_decay=args.weight_decay,
-            warmup=args.warmup, clip=args.clip, seed=args.seed, eval_sequences=args.eval_sequences,
+            kernel_lr=args.kernel_lr, warmup=args.warmup, clip=args.clip, seed=args.seed, eval_sequences=args.eval_sequences,
             eval_every=args.eval_every, out=out, checkpoint_every=args.checkpoint_every, run_info=run_info,
             progress=not args.no_progress,
         )
@@ -209,7 +212,7 @@ def run(args) -> int:
             summary = {
                 "task": task.to_dict(), "model": model.config.to_dict(), "run_info": run_info,
                 "steps": result.steps, "batch_size": args.batch_size, "lr": args.lr,
-                "weight_decay": args.weight_decay, "warmup": args.warmup, "clip": args.clip, "seed": args.seed,
+                "weight_decay": args.weight_decay, "kernel_lr": args.kernel_lr, "warmup": args.warmup, "clip": args.clip, "seed": args.seed,
                 "world_size": world, "heldout_accuracy": result.heldout_accuracy, "evals": result.evals,
                 "losses": result.losses, "seconds": result.seconds, "resumed_from": result.resumed_from,
             }

@@ -49,6 +49,12 @@ class ToyKernel(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return self.sketch(q, k, v)
 
+    def step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state):
+        """``n`` new tokens given the :class:`~sketchlab.attention.AttentionState` of the earlier ones
+        (``None`` at the start) → ``(out, state)`` (the toy model's decoding protocol,
+        :meth:`~sketchlab.tasks.TransformerLM.forward_step`)."""
+        return self.sketch(q, k, v, initial_state=state, output_final_state=True)
+
 
 def family_of(model: nn.Module) -> str:
     """``"toy"``, ``"llama"``, ``"gpt2"`` or ``"bert"``; ``ValueError`` naming the supported ones otherwise."""

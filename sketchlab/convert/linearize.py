@@ -309,14 +309,17 @@ def fit_theta(model, ids, mask, *, p, m, rank=1, fit_tokens=4096, seed=0, fit_op
     c = D ** -0.25
     q, k = dump.q.double() * c, dump.k.double() * c  # [L, H, n, D]
     n = q.shape[-2]
+    if fit_tokens and n > fit_tokens:  # a random subset of the tokens, the same for q and k: the fit and its
+        # report (in-sample errors and the tail bound, O(n²) per head) both see only these
+        keep = torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:fit_tokens].sort().values
+        q, k = q[..., keep, :], k[..., keep, :]
     options = dict(fit_options or {})
-    fit = fit_sketch("llops", q, k, p=p, m=m, rank=rank, seed=seed,
-                     fit_tokens=min(n, fit_tokens) if fit_tokens else None, reference=False, **options)
+    fit = fit_sketch("llops", q, k, p=p, m=m, rank=rank, seed=seed, reference=False, **options)
     llops = as_llops(fit.sketch)
     theta_q = llops.theta_q.detach()
     theta_k = theta_q if llops.theta_k is None else llops.theta_k.detach()
     report = fit.report.as_dict()
-    return (theta_q, theta_k), {"tokens": n, "rel_fro": report.get("rel_fro"), "seconds": report.get("seconds")}
+    return (theta_q, theta_k), {"tokens": n, "fit_tokens": int(q.shape[-2]), "rel_fro": report.get("rel_fro"), "seconds": report.get("seconds")}
 
 
 def attention_transfer(sketches, layers: list[LayerIO], mask, train_idx, *, steps: int, lr: float = 1e-2,
@@ -341,7 +344,7 @@ def attention_transfer(sketches, layers: list[LayerIO], mask, train_idx, *, step
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
-            curve.append(float(loss))
+            curve.append(float(loss.detach()))
         losses.append(curve)
         if progress:
             print(f"transfer layer {layer}: mse {curve[0]:.4g} -> {curve[-1]:.4g}", flush=True)
@@ -386,7 +389,7 @@ def _lora(model, family, ids, mask, train_idx, teacher_hidden, *, steps, rank, l
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        curve.append(float(loss))
+        curve.append(float(loss.detach()))
         if progress and (step % 10 == 0 or step == steps - 1):
             print(f"lora step {step}: loss {curve[-1]:.4f}", flush=True)
     peft_model.eval()

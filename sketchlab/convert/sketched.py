@@ -158,7 +158,7 @@ def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
     layer = getattr(sketch, "_cache_layer", None)
     if layer is None and S != T:
         raise ValueError(f"{ATTENTION_NAME}: {S} keys for {T} queries: a converted model decodes with "
-                         "sketchlab.SketchStateCache (generate() uses it by default), not with a key/value cache")
+                         "sketchlab.convert.cache.SketchStateCache (generate() uses it by default), not with a key/value cache")
     q = query.transpose(1, 2)  # [B, T, H, D]
     k, v = _repeat_heads(key, H), _repeat_heads(value, H)  # [B, S, H, D]
     if layer is None:
