@@ -47,7 +47,7 @@ def _one_line_exit_2(argv, capsys, root=None, match=None):
         assert re.search(match, lines[0]), lines[0]
     if root is not None:
         assert _tree_hashes(root) == before, "a rejected run changed its inputs"
-    assert seconds < 10, f"rejected only after {seconds:.1f} s of work"
+    assert seconds < 60, f"rejected only after {seconds:.1f} s"  # a guard against hangs; 'before work' is tested directly
     return lines[0]
 
 
@@ -72,7 +72,13 @@ def _one_line_exit_2(argv, capsys, root=None, match=None):
     (["--num-pairs", "1000"], r"vocab_size must be >= 2 \* num_pairs \+ 1"),
     (["--lr", "nan"], r"argument --lr: expected a finite number > 0, got 'nan'"),
 ])
-def test_train_rejects_bad_options_before_any_work(extra, match, tmp_path, capsys):
+def test_train_rejects_bad_options_before_any_work(extra, match, tmp_path, capsys, monkeypatch):
+    import sketchlab.tasks
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("training started before the bad option was refused")
+
+    monkeypatch.setattr(sketchlab.tasks, "train_mqar", no_work)
     out = tmp_path / "deep" / "run"
     _one_line_exit_2(["train", *TINY, "--steps", "2", "--out", str(out), *extra], capsys, match=match)
     assert not out.exists()

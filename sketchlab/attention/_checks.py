@@ -46,6 +46,8 @@ def check_qkv(q, k, v, *, causal: bool, names=("q", "k", "v"), feature_dims_matc
     Rules: floating tensors of rank 4, non-empty, finite; the same batch ``B`` and heads ``H``; ``q`` and
     ``k`` share the last axis (when ``feature_dims_match``), ``k`` and ``v`` the token axis ``S``;
     causal attention needs ``T == S``; one dtype and one device for the three.
+    The layout is trusted: a ``[B, H, T, D]`` tensor with ``T == H`` has the shape of a
+    ``[B, T, H, D]`` one and cannot be told from it here (transpose with ``x.transpose(1, 2)``).
     Returns the three tensors (numpy arrays converted), dtypes unchanged.
     """
     nq, nk, nv = names

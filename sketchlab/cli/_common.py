@@ -251,9 +251,9 @@ class Outputs:
                 continue
             parts = [Path(path)]
             if label in dumps and Path(path).suffix.lower() == ".npy":
-                from ..io import _npy_parts
+                from ..io.atomic import npy_parts
 
-                parts = list(_npy_parts(Path(path)).values())
+                parts = list(npy_parts(Path(path)).values())
             for part in parts:
                 real = os.path.realpath(part)
                 self._check_writable(label, str(part), Path(real))
