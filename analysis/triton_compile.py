@@ -11,7 +11,7 @@ autotuner skips it). Needs only triton's bundled ptxas, not a GPU. Usage:
 Each shape is ``D,M,Dv``; every forward and backward config of ``_kernels.FWD_CONFIGS`` /
 ``BWD_CONFIGS`` (or only the fixed ones, ``--fixed``) is compiled, causal with ``normalize="sum"``
 (``--state``: with a carried state), then the hybrid's fixed configs (``_hybrid.HYBRID_FWD_FIXED``,
-``HYBRID_BWD_FIXED``; softmax local, or poly with ``--poly``).
+``HYBRID_BWD_FIXED``; softmax local, or poly with ``--poly``; causal, or ``--non-causal``).
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ def _block(n: int) -> int:
 
 
 def compile_kernel(kind: str, D: int, M: int, DV: int, block_t: int, block_dv: int | None, warps: int,
-                   dtype: str, self_tensor: bool, arch: int, state: bool = False, softmax: bool = True):
+                   dtype: str, self_tensor: bool, arch: int, state: bool = False, softmax: bool = True,
+                   causal: bool = True):
     """Compile one kernel specialisation (``kind``: fwd, bwd, hybrid-fwd, hybrid-bwd); return
     (seconds, shared bytes) or raise."""
     dt = TYPES[dtype]
@@ -50,7 +51,7 @@ def compile_kernel(kind: str, D: int, M: int, DV: int, block_t: int, block_dv: i
                   BLOCK_DV=block_dv or _block(DV), PREC="ieee" if dt == "fp32" else "tf32")
     states = dict.fromkeys("S0 Z0 DS0 DZ0".split(), "fp32")
     if kind.startswith("hybrid"):
-        consts |= dict(SOFTMAX=softmax)
+        consts |= dict(SOFTMAX=softmax, HAS_MASK=state, CAUSAL=causal)  # --state also compiles the key-padding mask
     else:
         consts |= dict(CAUSAL=True, NORMALIZE=True)
     if kind == "fwd":
@@ -64,12 +65,12 @@ def compile_kernel(kind: str, D: int, M: int, DV: int, block_t: int, block_dv: i
     elif kind == "hybrid-fwd":
         fn = _hybrid._hybrid_fwd_kernel
         ptrs = (dict.fromkeys("Q K V TQ TK O".split(), dt) | dict.fromkeys("GATE DEN CMAX".split(), "fp32")
-                | {"ARG": "i32"} | states)
+                | {"ARG": "i32", "KVALID": "i8"} | states)
         floats = {"eps", "scale"}
     else:
         fn = _hybrid._hybrid_bwd_kernel
         ptrs = (dict.fromkeys("Q K V TQ TK DVV".split(), dt)
-                | dict.fromkeys("GATE G C CMAX DQ DK DTQ DTK RHO ZETA".split(), "fp32") | states)
+                | dict.fromkeys("GATE G C CMAX DQ DK DTQ DTK RHO ZETA".split(), "fp32") | {"KVALID": "i8"} | states)
         floats = {"scale"}
     signature = {n: "constexpr" if n in consts else "*" + ptrs[n] if n in ptrs else "fp32" if n in floats else "i32"
                  for n in fn.arg_names}
@@ -86,8 +87,9 @@ def main(argv=None) -> int:
     parser.add_argument("--self-tensor", action="store_true", help="non_negative=True (φ⊗φ features)")
     parser.add_argument("--fixed", action="store_true", help="only the fixed configs (FWD_FIXED, BWD_FIXED)")
     parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability ×10")
-    parser.add_argument("--state", action="store_true", help="with a carried state (HAS_STATE)")
+    parser.add_argument("--state", action="store_true", help="with a carried state (HAS_STATE; the hybrid also HAS_MASK)")
     parser.add_argument("--poly", action="store_true", help="the hybrid's local part polynomial, not softmax")
+    parser.add_argument("--non-causal", action="store_true", help="the hybrid non-causal (|i−j| < w); no state")
     parser.add_argument("--out", default=None, help="markdown table (default: print only)")
     args = parser.parse_args(argv)
     fwd = [_kernels.FWD_FIXED] if args.fixed else _kernels.FWD_CONFIGS
@@ -102,7 +104,8 @@ def main(argv=None) -> int:
         for kind, block_t, block_dv, warps in jobs:
             try:
                 seconds, shared = compile_kernel(kind, D, M, DV, block_t, block_dv, warps, args.dtype,
-                                                 args.self_tensor, args.arch, args.state, not args.poly)
+                                                 args.self_tensor, args.arch, args.state, not args.poly,
+                                                 not args.non_causal)
                 cells = f"{seconds:.1f} | {shared / 1024:.0f}"
             except Exception as err:  # a compile error is the finding; report it and go on
                 failed += 1
@@ -113,7 +116,7 @@ def main(argv=None) -> int:
     if args.out:
         header = (f"# Ahead-of-time compile of the LLoPS attention kernels (sm_{args.arch}, {args.dtype}"
                   f"{', self-tensor' if args.self_tensor else ''}{', state' if args.state else ''}"
-                  f"{', poly local' if args.poly else ''})\n\n"
+                  f"{', poly local' if args.poly else ''}{', non-causal hybrid' if args.non_causal else ''})\n\n"
                   f"`python analysis/triton_compile.py {' '.join(argv if argv is not None else sys.argv[1:])}` "
                   f"(triton {triton.__version__}; wall times on this machine, shared by other jobs)\n\n")
         with atomic_write(args.out) as tmp:

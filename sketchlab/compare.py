@@ -17,7 +17,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from ._validation import DEFAULT_MAX_BYTES, check_degree, check_fraction, check_positive_int, check_seed
+from ._validation import (DEFAULT_MAX_BYTES, check_degree, check_fraction, check_kernel_underflow, check_positive_int,
+                          check_seed)
 from .fit import _fit_checked, available_sketches, sketch_fitter
 from ._dumpsel import select_and_scale
 from .optimal import max_sketch_size
@@ -351,6 +352,7 @@ def compare(dump_or_qk, *, p: int, m: int, methods=DEFAULT_METHODS, layers=None,
     _check_heads(sel, p)  # the checks before any fit: each names the file, layer and head
     _check_tokens(sel, holdout)
     _check_scale(sel, p)
+    check_kernel_underflow(sel.q, sel.k, p, where=f"{source} (after the scale: {sel.scale_description})")
     _, _, n, d = sel.q.shape
     n_fit = n - math.ceil(holdout * n)
     limit = max_sketch_size(n_fit, n_fit, d, p)

@@ -29,7 +29,8 @@ from typing import Callable
 
 import torch
 
-from ._validation import DEFAULT_MAX_BYTES, check_degree, check_fraction, check_pair, check_positive_int, check_seed
+from ._validation import (DEFAULT_MAX_BYTES, check_degree, check_fraction, check_kernel_underflow, check_pair,
+                          check_positive_int, check_seed)
 from .sketch import Sketch
 
 __all__ = [
@@ -218,14 +219,13 @@ def _errors(sketch: Sketch, q: torch.Tensor, k: torch.Tensor, p: int, m: int, me
     else:
         sq_norm = (s**2).sum(-1)  # ‖A‖_F² from the singular values the floor needed anyway
         sq_err = _gram_sq_err(fq, fk, q, k, p, sq_norm, max_bytes=max_bytes)
-        count = max(2, EXACT_REPORT_ENTRIES // n_k)
-        rows = _subsample(n_q, count, seed + 0x3AE)
-        rel_mae, se = _sampled_rel_mae(fq, fk, q, k, p, rows, max_bytes=max_bytes)
-        if bool((sq_err < _GRAM_ERR_FLOOR * sq_norm).any()):  # near-exact sketch: cancellation, take the rows
+        if bool((sq_err < _GRAM_ERR_FLOOR * sq_norm).any()):  # near-exact sketch: the identity cancels, take the rows
             err = _kernel_errors(fq, fk, q, k, p, max_bytes)
-            sq_err, sq_norm = err["sq_err"], err["sq_norm"]
-        err = {"sq_err": sq_err, "sq_norm": sq_norm, "rel_fro": (sq_err / sq_norm).sqrt(), "rel_mae": rel_mae}
-        info = {"rel_mae_rows": int(rows.numel()), "rel_mae_se": se}
+        else:
+            rows = _subsample(n_q, max(2, EXACT_REPORT_ENTRIES // n_k), seed + 0x3AE)
+            rel_mae, se = _sampled_rel_mae(fq, fk, q, k, p, rows, max_bytes=max_bytes)
+            err = {"sq_err": sq_err, "sq_norm": sq_norm, "rel_fro": (sq_err / sq_norm).sqrt(), "rel_mae": rel_mae}
+            info = {"rel_mae_rows": int(rows.numel()), "rel_mae_se": se}
     bad = ~(torch.isfinite(err["sq_err"]) & torch.isfinite(err["sq_norm"]) & torch.isfinite(err["rel_mae"]))
     if bool(bad.any()):
         flat = bad.reshape(-1).nonzero().flatten().tolist()
@@ -239,6 +239,18 @@ def _errors(sketch: Sketch, q: torch.Tensor, k: torch.Tensor, p: int, m: int, me
             f"sketch method {method!r}: non-finite {where} error for {len(flat)} head(s), {label} {heads}; likely cause: {cause}"
         )
     ratio = ratio_to_tail(err["sq_err"], tail, err["sq_norm"], max(n_q, n_k))
+    undefined = torch.isnan(ratio)
+    from .optimal import max_sketch_size
+
+    # NaN at m >= the largest rank A can have is structural (documented); below it A is numerically rank-deficient
+    if bool(undefined.any()) and m < max_sketch_size(n_q, n_k, q.shape[-1], p):
+        import warnings
+
+        warnings.warn(
+            f"sketch method {method!r}: the {where} optimality ratio of {int(undefined.sum())} of {ratio.numel()} "
+            f"head(s) is undefined (NaN): the Theorem 3.1 tail at m={m} is zero to round-off, so A has rank <= m on "
+            "these tokens (e.g. a constant q or k) and a size-m sketch can be exact there; read rel_fro instead",
+            RuntimeWarning, stacklevel=3)
     return err["rel_fro"], err["rel_mae"], ratio, tail, info
 
 
@@ -296,6 +308,7 @@ def fit_sketch(method: str, q, k, /, *, p: int, m: int, seed: int = 0, holdout: 
     fitter = sketch_fitter(method)
     q, k = check_pair(q, k)
     p = check_degree(p)
+    check_kernel_underflow(q, k, p)
     m = check_positive_int(m, "m (the sketch size)")
     holdout = check_fraction(holdout, "holdout")
     seed = check_seed(seed)
@@ -341,42 +354,50 @@ def _fit_checked(method: str, fitter: Callable[..., Sketch], q: torch.Tensor, k:
         )
     q_fit, k_fit = q[..., fit_q, :], k[..., fit_k, :]
 
-    start = time.perf_counter()
-    sketch = fitter(q[..., sub_q, :], k[..., sub_k, :], p=p, m=m, seed=seed, **options)
-    seconds = time.perf_counter() - start
+    from ._threads import hot_loop_threads
+    from .polynomial import _num_features
 
-    fit_info = getattr(sketch, "fit_info", None)
-    core = fit_info.pop("kernel_core", None) if isinstance(fit_info, dict) else None  # the sketch keeps no copy
-    if fit_tokens is not None and (len(sub_q) < len(fit_q) or len(sub_k) < len(fit_k)):
-        core = None  # the fit saw a subset: its A is not the report's
-    info = dict(fit_info or {})
-    m_in = min(m, max_sketch_size(len(fit_q), len(fit_k), q.shape[-1], p))
-    rel_f, rel_m, ratio, tail, extra = _errors(sketch, q_fit, k_fit, p, m_in, method, "in-sample", max_bytes,
-                                               core=core, seed=seed)
-    info.update(extra)
-    report = FitReport(
-        method=method, p=p, m=m, rel_fro=rel_f, rel_mae=rel_m, optimality_ratio=ratio, tail=tail,
-        seconds=seconds, steps=int(info.pop("steps", 0)), converged=bool(info.pop("converged", True)),
-        num_features=sketch.num_features, num_parameters=sketch.num_parameters, info=info,
-        fit_tokens=None if fit_tokens is None else len(sub_q),
-    )
-    if holdout > 0:
-        q_held, k_held = q[..., held_q, :], k[..., held_k, :]
-        # The held-out floor uses the same m, clamped to the largest rank the held-out A can
-        # have (its tail is 0 there and the ratio NaN: undefined, a sketch that size could be exact).
-        m_held = min(m, max_sketch_size(q_held.shape[-2], k_held.shape[-2], q.shape[-1], p))
-        h_f, h_m, h_r, h_t, extra = _errors(sketch, q_held, k_held, p, m_held, method, "held-out", max_bytes, seed=seed)
-        report.info.update({f"holdout_{key}": value for key, value in extra.items()})
-        report.holdout_rel_fro, report.holdout_rel_mae = h_f, h_m
-        report.holdout_optimality_ratio, report.holdout_tail = h_r, h_t
-        if reference:
-            from .optimal import _min_norm_sketch, _plan
+    # the fit's and the report's loops: ~(n_q + n_k)·D·(D + m) multiply-adds per head, ~n_q·n_k·(d + m) on tokens
+    dim = _num_features(q.shape[-1], p, True)
+    heads = math.prod(q.shape[:-2])
+    work = heads * min((q.shape[-2] + k.shape[-2]) * dim * (dim + m), q.shape[-2] * k.shape[-2] * (q.shape[-1] + m))
+    with hot_loop_threads(work):
+        start = time.perf_counter()
+        sketch = fitter(q[..., sub_q, :], k[..., sub_k, :], p=p, m=m, seed=seed, **options)
+        seconds = time.perf_counter() - start
 
-            ref = _min_norm_sketch(*_plan(q[..., sub_q, :], k[..., sub_k, :], p, m, "auto", max_bytes), max_bytes)
-            ref_f = _errors(ref, q_held, k_held, p, m_held, "optimal (min-norm reference)", "held-out", max_bytes,
-                            seed=seed)[0]
-            report.holdout_reference_rel_fro = ref_f
-            report.holdout_vs_reference = h_f / ref_f
+        fit_info = getattr(sketch, "fit_info", None)
+        core = fit_info.pop("kernel_core", None) if isinstance(fit_info, dict) else None  # the sketch keeps no copy
+        if fit_tokens is not None and (len(sub_q) < len(fit_q) or len(sub_k) < len(fit_k)):
+            core = None  # the fit saw a subset: its A is not the report's
+        info = dict(fit_info or {})
+        m_in = min(m, max_sketch_size(len(fit_q), len(fit_k), q.shape[-1], p))
+        rel_f, rel_m, ratio, tail, extra = _errors(sketch, q_fit, k_fit, p, m_in, method, "in-sample", max_bytes,
+                                                   core=core, seed=seed)
+        info.update(extra)
+        report = FitReport(
+            method=method, p=p, m=m, rel_fro=rel_f, rel_mae=rel_m, optimality_ratio=ratio, tail=tail,
+            seconds=seconds, steps=int(info.pop("steps", 0)), converged=bool(info.pop("converged", True)),
+            num_features=sketch.num_features, num_parameters=sketch.num_parameters, info=info,
+            fit_tokens=None if fit_tokens is None else len(sub_q),
+        )
+        if holdout > 0:
+            q_held, k_held = q[..., held_q, :], k[..., held_k, :]
+            # The held-out floor uses the same m, clamped to the largest rank the held-out A can
+            # have (its tail is 0 there and the ratio NaN: undefined, a sketch that size could be exact).
+            m_held = min(m, max_sketch_size(q_held.shape[-2], k_held.shape[-2], q.shape[-1], p))
+            h_f, h_m, h_r, h_t, extra = _errors(sketch, q_held, k_held, p, m_held, method, "held-out", max_bytes, seed=seed)
+            report.info.update({f"holdout_{key}": value for key, value in extra.items()})
+            report.holdout_rel_fro, report.holdout_rel_mae = h_f, h_m
+            report.holdout_optimality_ratio, report.holdout_tail = h_r, h_t
+            if reference:
+                from .optimal import _min_norm_sketch, _plan
+
+                ref = _min_norm_sketch(*_plan(q[..., sub_q, :], k[..., sub_k, :], p, m, "auto", max_bytes), max_bytes)
+                ref_f = _errors(ref, q_held, k_held, p, m_held, "optimal (min-norm reference)", "held-out", max_bytes,
+                                seed=seed)[0]
+                report.holdout_reference_rel_fro = ref_f
+                report.holdout_vs_reference = h_f / ref_f
     return Fit(sketch=sketch, report=report)
 
 

@@ -192,8 +192,11 @@ def kernel_errors(sketch, q, k, p: int, *, max_bytes: int = DEFAULT_MAX_BYTES) -
     """
     q, k = check_pair(q, k)
     p = check_degree(p)
-    fq, fk = _sketch_features(sketch, q, k)
-    return _kernel_errors(fq, fk, q, k, p, max_bytes)
+    from ._threads import hot_loop_threads
+
+    with hot_loop_threads(math.prod(q.shape[:-2]) * q.shape[-2] * k.shape[-2] * q.shape[-1]):
+        fq, fk = _sketch_features(sketch, q, k)
+        return _kernel_errors(fq, fk, q, k, p, max_bytes)
 
 
 def _sketch_features(sketch, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

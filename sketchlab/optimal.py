@@ -59,8 +59,9 @@ import torch
 
 import math
 
-from ._validation import check_degree, check_memory, check_pair, check_positive_int
+from ._validation import check_degree, check_kernel_underflow, check_memory, check_pair, check_positive_int
 from .polynomial import DEFAULT_MAX_BYTES, _feature_gram_root, _poly_features, _poly_kernel, poly_features, symmetric_to_full
+from ._threads import hot_loop_threads
 from .sketch import Sketch
 
 __all__ = ["OptimalSketch", "max_sketch_size", "min_norm_sketch", "optimal_sketch", "singular_values_from_roots", "tail_bound"]
@@ -149,10 +150,17 @@ def max_sketch_size(n_q: int, n_k: int, d: int, p: int) -> int:
     return min(n_q, n_k, _feature_dim(d, p)[0])
 
 
+def _work(q: torch.Tensor, k: torch.Tensor, p: int) -> float:
+    """Multiply-adds of the optimum's factorisation, ``~(n_q + n_k)·D²`` per head (for the thread count)."""
+    dim = _feature_dim(q.shape[-1], p)[0]
+    return math.prod(q.shape[:-2]) * min((q.shape[-2] + k.shape[-2]) * dim * dim, q.shape[-2] * k.shape[-2] * min(q.shape[-2], k.shape[-2]))
+
+
 def _check_inputs(q, k, p, m, route, max_bytes):
     """The public entry points' checks; returns :func:`_plan`'s ``(q, k, p, m, d, symmetric, route)``."""
     q, k = check_pair(q, k)
     p = check_degree(p)
+    check_kernel_underflow(q, k, p)
     m = check_positive_int(m, "m (the sketch size)")
     if route not in _ROUTES:
         raise ValueError(f"route must be one of {_ROUTES}, got {route!r}")
@@ -228,7 +236,7 @@ def _factor(q, k, p, symmetric, route, max_bytes, *, vectors: bool):
             return s, (psi_q.mT, u, psi_k.mT, vh.mT)  # ψ_Qᵀ [..., D, n_q], ψ_Kᵀ [..., D, n_k]
         _, r_q = torch.linalg.qr(psi_q)  # ψ_Q = Q_Q R_Q, R_Q [..., r_q, D]
         _, r_k = torch.linalg.qr(psi_k)  # ψ_K = Q_K R_K, R_K [..., r_k, D]
-    core = r_q @ r_k.mT  # [..., r_q, r_k]; A = Q_Q core Q_Kᵀ
+    core = _finite(r_q @ r_k.mT, "the core R_Q R_Kᵀ of (QKᵀ)^p", p)  # [..., r_q, r_k]; A = Q_Q core Q_Kᵀ
     if not vectors:
         return _pad(torch.linalg.svdvals(core), n), None
     u, s, vh = torch.linalg.svd(core, full_matrices=False)
@@ -284,7 +292,9 @@ def optimal_sketch(q, k, p: int, m: int, *, route: str = "auto", max_bytes: int 
     split (:math:`\phi^*_Q(Q) = U_m\Sigma_m^{1/2}`, :math:`\phi^*_K(K) = V_m\Sigma_m^{1/2}`) and the
     Nyström choice described in the module docstring.
     """
-    return _optimal_sketch(*_check_inputs(q, k, p, m, route, max_bytes), max_bytes)
+    checked = _check_inputs(q, k, p, m, route, max_bytes)
+    with hot_loop_threads(_work(*checked[:3])):
+        return _optimal_sketch(*checked, max_bytes)
 
 
 def _optimal_sketch(q, k, p, m, d, symmetric, route, max_bytes) -> OptimalSketch:
@@ -307,7 +317,9 @@ def tail_bound(q, k, p: int, m: int, *, route: str = "auto", max_bytes: int = DE
     Same arguments and rules as :func:`optimal_sketch`; returns float64 ``[...]`` (batch shape).
     Computes singular values only.
     """
-    return _tail_bound(*_check_inputs(q, k, p, m, route, max_bytes), max_bytes)
+    checked = _check_inputs(q, k, p, m, route, max_bytes)
+    with hot_loop_threads(_work(*checked[:3])):
+        return _tail_bound(*checked, max_bytes)
 
 
 def _tail_bound(q, k, p, m, d, symmetric, route, max_bytes) -> torch.Tensor:
@@ -337,7 +349,9 @@ def min_norm_sketch(q, k, p: int, m: int, *, max_bytes: int = DEFAULT_MAX_BYTES)
     at a fraction of its cost (no SVD of the ``n×D`` matrix). This is the held-out reference of
     :func:`sketchlab.fit_sketch` (``holdout_reference_rel_fro``). ``q[..., n_q, d]``, ``k[..., n_k, d]``.
     """
-    return _min_norm_sketch(*_check_inputs(q, k, p, m, "auto", max_bytes), max_bytes)
+    checked = _check_inputs(q, k, p, m, "auto", max_bytes)
+    with hot_loop_threads(_work(*checked[:3])):
+        return _min_norm_sketch(*checked, max_bytes)
 
 
 def _min_norm_sketch(q, k, p, m, d, symmetric, route, max_bytes) -> OptimalSketch:

@@ -172,3 +172,31 @@ def test_linear_attention_decoding_memory_is_constant_in_context():
             _, cache = model.forward_step(torch.zeros(1, 1, dtype=torch.long), cache)
             sizes.append(cache_nbytes(cache))
     assert len(set(sizes)) == 1 and sizes[0] > 0
+
+
+def test_state_to_and_detach_keep_the_masks_bool():
+    q, k, v = _rand(1, 6, 2, 4, seed=41), _rand(1, 6, 2, 4, seed=42), _rand(1, 6, 2, 3, seed=43)
+    theta = _theta(seed=44)
+    mask = torch.tensor([[True, True, False, True, True, True]])
+    _, state = llops_attention(q, k, v, theta, theta, window=3, sinks=1, key_padding_mask=mask,
+                               output_final_state=True, backend="torch")
+    half = state.to(torch.float32).detach()
+    assert half.S.dtype == torch.float32 and half.mask_window.dtype == torch.bool
+    assert torch.equal(half.mask_window, mask[:, -3:]) and torch.equal(half.mask_sink, mask[:, :1])
+    assert half.nbytes < state.nbytes and half.offset == 6
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_inputs_keep_the_state_in_float32(dtype):
+    """bf16/fp16 on the torch path: sums and state in float32, output in the input dtype. Error
+    bound: the inputs' own rounding (bf16 ~4e-3, fp16 ~5e-4 relative) through O(1) weights; 2e-2 / 5e-3."""
+    q, k, v = _rand(1, 40, 2, 8, seed=51), _rand(1, 40, 2, 8, seed=52), _rand(1, 40, 2, 3, seed=53)
+    theta = _theta(D=8, seed=54)
+    low = [x.to(dtype) for x in (q, k, v, theta)]
+    ref = llops_attention(*(x.double() for x in low[:3]), low[3].double(), low[3].double(), window=5, sinks=2,
+                          backend="reference")
+    out, state = llops_attention(*low[:3], low[3], low[3], window=5, sinks=2, backend="torch", chunk_size=8,
+                                 output_final_state=True)
+    assert out.dtype == dtype and state.S.dtype == torch.float32
+    tol = 2e-2 if dtype == torch.bfloat16 else 5e-3
+    assert (out.double() - ref).abs().max() / ref.abs().max() < tol

@@ -5,9 +5,10 @@ Without CUDA the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, se
 windows are chosen against the chunk: w ∈ {1, 7, 16 (= the chunk), 50 (> T)}; sinks 3 (inside the
 first chunk) and 20 (two chunks of sinks).
 
-Reference: :func:`hybrid_attention_dense_f64`, the formula of docs/DESIGN.md §6 written densely in
-float64 with explicit masks (gradients by autograd, so the gradient through ``c_i = max_L s·qᵀk``
-is whatever autograd of the formula gives).
+Reference: the float64 naive twin :func:`sketchlab.attention.llops_attention_naive` (``window=``,
+``sinks=``, ...: the formula of docs/DESIGN.md §6 with explicit masks; gradients by autograd, so the
+gradient through ``c_i = max_L s·qᵀk`` is whatever autograd of the formula gives), and its
+:class:`~sketchlab.attention.AttentionState` (states pass between the backends).
 
 Tolerance (fp32 kernel vs float64), on ``max|x − ref| / max|ref|`` per tensor: ``FP32_TOL = 1e-4``,
 as in ``test_attention_triton.py`` (each output is a sum of ≤ T·(M + D) fp32 products, worst case
@@ -15,7 +16,7 @@ n·u ≈ 40·16·6e-8 ≈ 4e-5 before the features' own products; the largest se
 non-negative inputs, on which the shared denominator is well conditioned). The gate's gradient
 ``∂L/∂γ = Σ_{b,i,j} ±a_ij δ_ij`` is a sum of B·T·T signed terms that cancel to a small total, so it
 is compared on ``|dγ − ref| ≤ GATE_TOL · Σ_{b,i,j} |a_ij δ_ij|`` (the round-off bound of such a
-sum, computed in float64 beside the reference) with ``GATE_TOL = 1e-6``: the largest seen is 3e-8
+sum, computed in float64 by :func:`_gate_roundoff_scale`) with ``GATE_TOL = 1e-6``: the largest seen is 3e-8
 (≈ u/2), while the true ``|dγ|`` is 3e-5 to 4e-3 of that sum whenever there are far keys, so a
 wrong gate gradient cannot hide under the bound. A wrong mask, a window shifted by one, a dropped
 gate or gradient term gives O(1) relative errors (checked by breaking the kernel).
@@ -28,8 +29,8 @@ import os
 import pytest
 import torch
 
-from sketchlab.attention.reference import llops_attention_naive
-from sketchlab.attention.triton import AttentionState, launch, llops_attention_triton
+from sketchlab.attention import AttentionState, llops_attention_naive
+from sketchlab.attention.triton import launch, llops_attention_triton
 from sketchlab.llops.maps import llops_features
 
 FP32_TOL = 1e-4
@@ -54,48 +55,34 @@ def nan_buffers(monkeypatch):
     monkeypatch.setattr(launch, "_empty", nan_empty)
 
 
-def hybrid_attention_dense_f64(q, k, v, theta_q, theta_k, *, window, sinks, local="softmax", local_scale=None,
-                               gate=None, non_negative=False, eps=1e-6, grad_out=None):
-    r"""The causal hybrid of docs/DESIGN.md §6, dense, float64, explicit masks.
-
-    ``L = {j ≤ i : i − w < j or j < sinks}``, ``F = {j ≤ i} \ L``,
-    ``o_i = (γ Σ_L a_ij v_j + (1−γ) Σ_F f_ij v_j) / (γ Σ_L a_ij + (1−γ) Σ_F f_ij + ε)`` with
-    ``f = φ(q)·φ(k)`` (or its square, ``non_negative``), ``u = s·qᵀk``, ``a = exp(u − max_L u)``
-    (softmax) or ``u^p`` (poly), ``γ = sigmoid(gate)`` (``1/2`` for None). Returns ``[B, T, H, Dv]``;
-    with ``grad_out`` also the gate's round-off scale ``Σ_{b,i,j} |a_ij δ_ij|`` over L ∪ F per head.
-    """
+def _gate_roundoff_scale(q, k, v, theta_q, theta_k, grad_out, *, window, sinks, local="softmax", local_scale=None,
+                         gate=None, non_negative=False, eps=1e-6, key_padding_mask=None, causal=True):
+    r"""``Σ_{b,i,j} |a_ij δ_ij|`` per head over the local and far keys of the hybrid (float64):
+    the round-off scale of ``∂L/∂γ = Σ ±a_ij δ_ij``, with ``δ_ij = G_i·v_j + C_i`` (``G = dO/den``,
+    ``C = −G·o``). Only a tolerance; the reference values come from ``llops_attention_naive``."""
     B, T, H, D = q.shape
     s = D ** -0.5 if local_scale is None else local_scale
     q, k, v = (x.to(torch.float64).transpose(1, 2) for x in (q, k, v))  # [B, H, T, ·]
-    phi_q = llops_features(q, theta_q.to(torch.float64))  # [B, H, T, M]
-    phi_k = llops_features(k, theta_k.to(torch.float64))
-    f = phi_q @ phi_k.mT  # [B, H, T, T]
-    if non_negative:
-        f = f**2
+    f = llops_features(q, theta_q.to(torch.float64)) @ llops_features(k, theta_k.to(torch.float64)).mT  # [B, H, T, T]
+    f = f**2 if non_negative else f
     u = s * (q @ k.mT)
-    i = torch.arange(T)[:, None]
-    j = torch.arange(T)[None, :]
-    causal = j <= i
-    loc = causal & ((j > i - window) | (j < sinks))
-    far = causal & ~loc
+    i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    real = torch.ones(B, T, dtype=torch.bool) if key_padding_mask is None else key_padding_mask.cpu()
+    allowed = ((j <= i) if causal else torch.ones(T, T, dtype=torch.bool))[None, None] & real[:, None, None, :]
+    loc = allowed & (((i - j).abs() < window) | (j < sinks))
+    far = allowed & ~loc
     if local == "softmax":
-        c = u.masked_fill(~loc, float("-inf")).amax(-1, keepdim=True)  # c_i, part of the definition
+        c = u.masked_fill(~loc, float("-inf")).amax(-1, keepdim=True).clamp_min(-1e300)
         a = torch.where(loc, torch.exp(u - c), 0.0)
     else:
         a = torch.where(loc, u ** theta_q.shape[2], 0.0)
     f = torch.where(far, f, 0.0)
-    g = torch.full((H,), 0.5, dtype=torch.float64) if gate is None else torch.sigmoid(gate.to(torch.float64))
-    g = g.view(1, H, 1, 1)
-    num = g * (a @ v) + (1 - g) * (f @ v)  # [B, H, T, Dv]
+    g = (torch.full((H,), 0.5, dtype=torch.float64) if gate is None else torch.sigmoid(gate.double())).view(1, H, 1, 1)
+    num = g * (a @ v) + (1 - g) * (f @ v)
     den = g * a.sum(-1, keepdim=True) + (1 - g) * f.sum(-1, keepdim=True) + eps
-    out = (num / den).transpose(1, 2)
-    if grad_out is None:
-        return out
-    with torch.no_grad():
-        G = grad_out.to(torch.float64).transpose(1, 2) / den  # [B, H, T, Dv]
-        delta = G @ v.mT - (G * (num / den)).sum(-1, keepdim=True)  # δ_ij [B, H, T, T]
-        scale = ((a + f) * delta).abs().sum((0, 2, 3))  # [H]
-    return out, scale
+    G = grad_out.to(torch.float64).transpose(1, 2) / den  # [B, H, T, Dv]
+    delta = G @ v.mT - (G * (num / den)).sum(-1, keepdim=True)  # δ_ij
+    return ((a + f) * delta).abs().sum((0, 2, 3))  # [H]
 
 
 def _problem(T, *, B=2, H=2, D=8, M=8, P=2, R=1, DV=8, seed=0, signed=False):
@@ -113,6 +100,17 @@ def _problem(T, *, B=2, H=2, D=8, M=8, P=2, R=1, DV=8, seed=0, signed=False):
     return q, k, v, tq, tk, gate, grad
 
 
+def _padding(B, T):
+    """A key-padding mask [B, T]: row 0 left-padded (4 tokens), row 1 right-padded from 3T/4, and a
+    hole in the middle of row 0 (a padded key inside the window of real queries)."""
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[0, :4] = False
+    mask[0, T // 2] = False
+    if B > 1:
+        mask[1, 3 * T // 4:] = False
+    return mask
+
+
 def _rel(a, b):
     """max|a − b| / max|b| (an exact 0 reference needs an exact 0; empty tensors agree)."""
     if b.numel() == 0:
@@ -122,24 +120,27 @@ def _rel(a, b):
 
 def _grads(fn, leaves, grad, **kw):
     leaves = [None if x is None else x.detach().clone().requires_grad_() for x in leaves]
-    out = fn(*leaves[:5], gate=leaves[5], **kw)
+    out = fn(*leaves[:5], gate=leaves[5], normalize="sum", eps=1e-6, **kw)
     out.backward(grad.to(out.dtype))
     return [out.detach()] + [x.grad for x in leaves[:5]], (None if leaves[5] is None else leaves[5].grad)
 
 
-def _compare(T=37, *, window, sinks, local="softmax", gate=True, local_scale=None, non_negative=False, **shape):
+def _compare(T=37, *, window, sinks, local="softmax", gate=True, local_scale=None, non_negative=False, padded=False,
+             causal=True, **shape):
     q, k, v, tq, tk, gl, grad = _problem(T, signed=non_negative, **shape)
     gl = gl if gate else None
-    opts = dict(window=window, sinks=sinks, local=local, local_scale=local_scale, non_negative=non_negative)
+    mask = _padding(q.shape[0], T) if padded else None
+    opts = dict(window=window, sinks=sinks, local=local, local_scale=local_scale, non_negative=non_negative,
+                causal=causal)
     got, dgate = _grads(llops_attention_triton, [x.to(DEVICE, torch.float32) for x in (q, k, v, tq, tk)]
                         + [None if gl is None else gl.to(DEVICE, torch.float32)], grad.to(DEVICE),
-                        causal=True, normalize="sum", eps=1e-6, **opts)
-    want, dgate_ref = _grads(hybrid_attention_dense_f64, [q, k, v, tq, tk, gl], grad, **opts)
+                        key_padding_mask=None if mask is None else mask.to(DEVICE), **opts)
+    want, dgate_ref = _grads(llops_attention_naive, [q, k, v, tq, tk, gl], grad, key_padding_mask=mask, **opts)
     errors = {name: _rel(a.cpu(), b) for name, a, b in zip(NAMES, got, want)}
     bad = {n: e for n, e in errors.items() if not e <= FP32_TOL}
     assert not bad, f"relative max errors over {FP32_TOL}: {bad} (all: {errors})"
     if gate:
-        _, scale = hybrid_attention_dense_f64(q, k, v, tq, tk, gate=gl, grad_out=grad, **opts)
+        scale = _gate_roundoff_scale(q, k, v, tq, tk, grad, gate=gl, key_padding_mask=mask, **opts)
         dsig = torch.sigmoid(gl) * (1 - torch.sigmoid(gl))  # ∂γ/∂logit
         err = (dgate.cpu().double() - dgate_ref).abs()
         assert (err <= GATE_TOL * scale * dsig).all(), (err / (scale * dsig), dgate_ref / (scale * dsig))
@@ -151,7 +152,8 @@ CASES = [
     dict(window=16, sinks=3, local="softmax"),
     dict(window=50, sinks=0, local="softmax"),  # w > T: exact softmax, no far keys
     dict(window=7, sinks=20, local="softmax"),  # two chunks of sinks
-    dict(window=0, sinks=3, local="softmax"),  # sinks only
+    dict(window=7, sinks=3, local="softmax", padded=True),  # key-padding mask (a padded sink, left and right)
+    dict(window=16, sinks=0, local="poly", padded=True),
     dict(window=1, sinks=3, local="poly", P=1),  # linear local scores: ∂a/∂u = u⁰ = 1
     dict(window=7, sinks=0, local="poly"),
     dict(window=16, sinks=3, local="poly", P=3, R=2),
@@ -160,11 +162,17 @@ CASES = [
     dict(window=7, sinks=3, local="softmax", non_negative=True, M=4),  # self-tensor far part, signed Θ
     dict(window=7, sinks=3, local="poly", T=3),  # one partial chunk (T = 1 is a 1-token call of the state tests)
     dict(window=5, sinks=2, local="softmax", T=40, B=1, H=3),
+    # non-causal (an encoder's window |i−j| < w): far keys on both sides
+    dict(window=7, sinks=3, local="softmax", causal=False),
+    dict(window=1, sinks=20, local="softmax", causal=False),  # sink blocks beyond the right frontier
+    dict(window=16, sinks=0, local="poly", causal=False, padded=True),
+    dict(window=50, sinks=0, local="softmax", causal=False, T=33),  # w > T: exact softmax attention
 ]
 
 
 def _id(case):
-    extra = "".join(f"-{k}{v}" for k, v in case.items() if k not in ("window", "sinks", "local"))
+    extra = "".join(f"-{k}{v}" for k, v in case.items() if k not in ("window", "sinks", "local", "causal"))
+    extra += "-full" if case.get("causal") is False else ""
     return f"w{case['window']}-s{case['sinks']}-{case['local']}{extra}"
 
 
@@ -179,20 +187,21 @@ def test_window_zero_is_the_pure_kernel():
     q, k, v, tq, tk, gl, grad = (x.to(DEVICE, torch.float32) for x in _problem(33))
     kw = dict(causal=True, normalize="sum", non_negative=False, eps=1e-6)
     base = llops_attention_triton(q, k, v, tq, tk, **kw)
-    new = llops_attention_triton(q, k, v, tq, tk, **kw, window=0, sinks=0, local="poly", gate=gl, local_scale=3.0)
+    new = llops_attention_triton(q, k, v, tq, tk, **kw, window=0, sinks=0, local="poly", gate=gl.float(), local_scale=3.0)
     assert torch.equal(base, new)
     want = llops_attention_naive(*(x.cpu().double() for x in (q, k, v, tq, tk)), **kw)
     assert _rel(new.cpu(), want) <= FP32_TOL
 
 
-def _chain(leaves, splits, **kw):
+def _chain(leaves, splits, *, mask=None, fn=llops_attention_triton, state=None, **kw):
     """Run ``[0, T)`` as calls on the pieces ``splits`` (cumulative cut points), carrying the state."""
     q, k, v, tq, tk, gate = leaves
-    outs, state = [], None
+    outs = []
     cuts = [0, *splits, q.shape[1]]
     for a, b in zip(cuts[:-1], cuts[1:]):
-        o, state = llops_attention_triton(q[:, a:b], k[:, a:b], v[:, a:b], tq, tk, gate=gate, initial_state=state,
-                                          output_final_state=True, **kw)
+        piece = None if mask is None else mask[:, a:b]
+        o, state = fn(q[:, a:b], k[:, a:b], v[:, a:b], tq, tk, gate=gate, initial_state=state,
+                      output_final_state=True, key_padding_mask=piece, **kw)
         outs.append(o)
     return torch.cat(outs, 1), state
 
@@ -203,7 +212,10 @@ STATE_CASES = [
     dict(window=50, sinks=2, local="softmax", splits=(9, 30)),
     dict(window=0, sinks=0, local="softmax", splits=(5, 21), normalize="sum"),  # pure, today's kernel
     dict(window=0, sinks=0, local="softmax", splits=(16,), normalize="none", non_negative=True),
+    dict(window=7, sinks=3, local="softmax", splits=(1, 20), padded=True),  # padded keys carried in the state
 ]
+
+STATE_FIELDS = ("S", "z", "k_window", "v_window", "phi_window", "k_sink", "v_sink")
 
 
 @pytest.mark.parametrize("case", STATE_CASES, ids=lambda c: _id({k: v for k, v in c.items()}))
@@ -213,26 +225,31 @@ def test_state_split_equals_whole(case):
     _check_split(37, **case)
 
 
-def _check_split(T, *, splits, normalize="sum", non_negative=False, window, sinks, local, **shape):
+def _check_split(T, *, splits, normalize="sum", non_negative=False, window, sinks, local, padded=False, **shape):
     kw = dict(causal=True, normalize=normalize, non_negative=non_negative, eps=1e-6, window=window, sinks=sinks,
               local=local)
     shape.setdefault("M", 4 if non_negative else 8)
     q, k, v, tq, tk, gl, grad = _problem(T, signed=non_negative, **shape)
+    mask = _padding(q.shape[0], T).to(DEVICE) if padded else None
     base = [x.to(DEVICE, torch.float32) for x in (q, k, v, tq, tk, gl)]
     results = []
     for cuts in ((), splits):
         leaves = [x.clone().requires_grad_() for x in base]
-        out, state = _chain(leaves, cuts, **kw)
+        out, state = _chain(leaves, cuts, mask=mask, **kw)
         # the loss reaches the final state too, so its gradient path is checked
         loss = (out * grad.to(out)).sum() + state.S.square().sum() * 1e-2 + state.z.sum() * 1e-2
         loss.backward()
         results.append((out.detach(), state, [x.grad for x in leaves]))
     (o1, s1, g1), (o2, s2, g2) = results
     assert _rel(o2, o1) <= FP32_TOL
-    for name in AttentionState._fields[:-1]:
+    for name in STATE_FIELDS:
         assert getattr(s2, name).shape == getattr(s1, name).shape, name
         assert _rel(getattr(s2, name).detach(), getattr(s1, name).detach().double()) <= FP32_TOL, name
     assert s1.offset == s2.offset == T
+    for name in ("mask_window", "mask_sink"):
+        assert (getattr(s1, name) is None) == (getattr(s2, name) is None) == (not padded), name
+        if padded:
+            assert torch.equal(getattr(s1, name), getattr(s2, name)), name
     names = ("dq", "dk", "dv", "dtheta_q", "dtheta_k", "dgate")
     for name, a, b in zip(names, g2, g1):
         if b is None:  # the gate of the pure kernel is unused
@@ -241,21 +258,41 @@ def _check_split(T, *, splits, normalize="sum", non_negative=False, window, sink
         assert _rel(a, b.double()) <= FP32_TOL, name
 
 
-def test_final_state_is_the_far_tokens():
-    """The final state against its definition in float64: S = Σ_{sinks ≤ j < T−w} φ(k_j)ᵀ v_j, z the
-    same sum of φ(k_j); the window is the last w non-sink tokens, the sinks the first tokens."""
-    T, w, n_s = 37, 7, 3
+@pytest.mark.parametrize("padded", [False, True], ids=["dense", "padded"])
+def test_state_passes_between_backends(padded):
+    """The Triton final state equals the float64 naive twin's field by field (same layout: the last
+    w positions with their features, the sinks, S and z over the far real keys, the masks), and a
+    state from either backend continues on the other to the whole sequence's output."""
+    T, cut = 37, 20
     q, k, v, tq, tk, gl, _ = _problem(T)
-    _, state = llops_attention_triton(*(x.to(DEVICE, torch.float32) for x in (q, k, v, tq, tk)), causal=True,
-                                      normalize="sum", non_negative=False, eps=1e-6, window=w, sinks=n_s,
-                                      output_final_state=True)
-    phi = llops_features(k.transpose(1, 2), tk)  # [B, H, T, M]
-    far = slice(n_s, T - w)
-    assert _rel(state.S.cpu(), phi[:, :, far].mT @ v.transpose(1, 2)[:, :, far]) <= FP32_TOL
-    assert _rel(state.z.cpu(), phi[:, :, far].sum(2)) <= FP32_TOL
-    assert torch.equal(state.k_window.cpu(), k.float().transpose(1, 2)[:, :, T - w:])
-    assert torch.equal(state.v_sink.cpu(), v.float().transpose(1, 2)[:, :, :n_s])
-    assert state.offset == T
+    mask = _padding(2, T) if padded else None
+    kw = dict(causal=True, normalize="sum", non_negative=False, eps=1e-6, window=7, sinks=3, local="softmax")
+    f32 = [x.to(DEVICE, torch.float32) for x in (q, k, v, tq, tk, gl)]
+    dmask = None if mask is None else mask.to(DEVICE)
+    _, got = _chain(f32, (), mask=dmask, **kw)
+    whole, want = _chain([q, k, v, tq, tk, gl], (), mask=mask, fn=llops_attention_naive, **kw)
+    for name in STATE_FIELDS:
+        assert _rel(getattr(got, name).detach().cpu(), getattr(want, name)) <= FP32_TOL, name
+    assert got.offset == want.offset == T
+    for name in ("mask_window", "mask_sink"):
+        a, b = getattr(got, name), getattr(want, name)
+        assert (a is None and b is None and not padded) or torch.equal(a.cpu(), b), name
+    # the first `cut` tokens on one backend, the rest on the other
+    head = [x[:, :cut] if x.ndim == 4 and x.shape[1] == T else x for x in f32]
+    _, st = _chain(head, (), mask=None if dmask is None else dmask[:, :cut], **kw)
+    st64 = AttentionState(**{f: getattr(st, f).detach().cpu().double() if getattr(st, f).is_floating_point()
+                             else getattr(st, f).cpu()
+                             for f in STATE_FIELDS + ("mask_window", "mask_sink") if getattr(st, f) is not None},
+                          offset=st.offset)
+    tail = [x[:, cut:] if x.ndim == 4 and x.shape[1] == T else x for x in (q, k, v, tq, tk, gl)]
+    rest, _ = _chain(tail, (), mask=None if mask is None else mask[:, cut:], fn=llops_attention_naive, state=st64, **kw)
+    assert _rel(rest, whole[:, cut:]) <= FP32_TOL
+    _, st_ref = _chain([x[:, :cut] if x.ndim == 4 and x.shape[1] == T else x for x in (q, k, v, tq, tk, gl)], (),
+                       mask=None if mask is None else mask[:, :cut], fn=llops_attention_naive, **kw)
+    st32 = st_ref.to(DEVICE, torch.float32)
+    rest32, _ = _chain([x[:, cut:] if x.ndim == 4 and x.shape[1] == T else x for x in f32], (),
+                       mask=None if dmask is None else dmask[:, cut:], state=st32, **kw)
+    assert _rel(rest32.cpu(), whole[:, cut:]) <= FP32_TOL
 
 
 def test_key_padding_mask_pure():
@@ -278,29 +315,29 @@ def test_key_padding_mask_pure():
 def test_rejects_what_the_kernel_cannot_do():
     q, k, v, tq, tk, gl, _ = (x.to(DEVICE, torch.float32) for x in _problem(9))
     kw = dict(causal=True, normalize="sum", non_negative=False, eps=1e-6)
-    with pytest.raises(ValueError, match=r"window/sinks with causal=False .*backend='torch'"):
-        llops_attention_triton(q, k, v, tq, tk, **dict(kw, causal=False), window=4)
-    with pytest.raises(ValueError, match=r"initial_state/output_final_state with causal=False .*backend='torch'"):
+    with pytest.raises(ValueError, match=r"non-causal hybrid window \|i−j\| < w needs T == S, got T=9, S=5"):
+        llops_attention_triton(q, k[:, :5], v[:, :5], tq, tk, **dict(kw, causal=False), window=4)
+    with pytest.raises(ValueError, match=r"initial_state/output_final_state need causal=True"):
         llops_attention_triton(q, k, v, tq, tk, **dict(kw, causal=False), output_final_state=True)
-    with pytest.raises(ValueError, match=r"always normalised: normalize must be 'sum', got 'none'"):
-        llops_attention_triton(q, k, v, tq, tk, **dict(kw, normalize="none"), sinks=2)
+    with pytest.raises(ValueError, match=r"always normalised: pass normalize='sum', got normalize='none'"):
+        llops_attention_triton(q, k, v, tq, tk, **dict(kw, normalize="none"), window=3)
+    with pytest.raises(ValueError, match=r"sinks=2 needs window >= 1"):
+        llops_attention_triton(q, k, v, tq, tk, **kw, sinks=2)
     mask = torch.ones(2, 9, dtype=torch.bool, device=DEVICE)
-    with pytest.raises(ValueError, match=r"key_padding_mask with the hybrid .*backend='torch'"):
-        llops_attention_triton(q, k, v, tq, tk, **kw, window=4, key_padding_mask=mask)
-    with pytest.raises(ValueError, match=r"key_padding_mask must be a bool tensor \[B, S\] = \(2, 9\)"):
-        llops_attention_triton(q, k, v, tq, tk, **kw, key_padding_mask=mask[:, :5])
-    with pytest.raises(ValueError, match=r"window must be an int >= 0, got -1"):
+    with pytest.raises(ValueError, match=r"key_padding_mask must have shape \[B, S\] = \[2, 9\]"):
+        llops_attention_triton(q, k, v, tq, tk, **kw, window=4, key_padding_mask=mask[:, :5])
+    with pytest.raises(ValueError, match=r"window must be an integer >= 0, got -1"):
         llops_attention_triton(q, k, v, tq, tk, **kw, window=-1)
     with pytest.raises(ValueError, match=r"local must be one of \('softmax', 'poly'\), got 'relu'"):
         llops_attention_triton(q, k, v, tq, tk, **kw, window=3, local="relu")
-    with pytest.raises(ValueError, match=r"gate must be a float tensor \[H\] = \[2\]"):
+    with pytest.raises(ValueError, match=r"gate must have shape \[H\] = \[2\]"):
         llops_attention_triton(q, k, v, tq, tk, **kw, window=3, gate=gl[:1])
     with pytest.raises(ValueError, match=r"local_scale must be a finite number > 0"):
         llops_attention_triton(q, k, v, tq, tk, **kw, window=3, local_scale=0.0)
     _, state = llops_attention_triton(q, k, v, tq, tk, **kw, window=4, sinks=1, output_final_state=True)
-    with pytest.raises(ValueError, match=r"initial_state.k_window must have shape \(2, 2, 6, 8\) for offset=9, window=6"):
+    with pytest.raises(ValueError, match=r"initial_state.k_window must have shape \[2, 2, 6, 8\] for this call"):
         llops_attention_triton(q, k, v, tq, tk, **kw, window=6, sinks=1, initial_state=state)
-    with pytest.raises(ValueError, match=r"initial_state must have the fields"):
+    with pytest.raises(TypeError, match=r"initial_state must be an AttentionState"):
         llops_attention_triton(q, k, v, tq, tk, **kw, window=4, sinks=1, initial_state=(state.S, state.z))
 
 
@@ -312,3 +349,19 @@ def test_cuda_compiled_hybrid(local, window, sinks):
     shape = dict(D=64, M=32, DV=40, B=2, H=3)
     _compare(300, window=window, sinks=sinks, local=local, **shape)
     _check_split(300, splits=(3, 150, 151), window=window, sinks=sinks, local=local, **shape)
+
+
+def test_functional_dispatch_of_the_hybrid():
+    """``llops_attention(backend="triton")`` hands the hybrid, the mask and the state to this kernel
+    and equals ``backend="reference"``, final state included."""
+    from sketchlab.attention import llops_attention
+
+    q, k, v, tq, tk, gl, grad = _problem(21)
+    mask = _padding(2, 21)
+    kw = dict(window=5, sinks=2, local="poly", output_final_state=True)
+    got, st = llops_attention(*(x.to(DEVICE, torch.float32) for x in (q, k, v, tq, tk)), gate=gl.to(DEVICE).float(),
+                              key_padding_mask=mask.to(DEVICE), backend="triton", **kw)
+    want, st_ref = llops_attention(q, k, v, tq, tk, gate=gl, key_padding_mask=mask, backend="reference", **kw)
+    assert _rel(got.cpu(), want) <= FP32_TOL
+    for name in STATE_FIELDS:
+        assert _rel(getattr(st, name).detach().cpu(), getattr(st_ref, name)) <= FP32_TOL, name

@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import sys
 
 import pytest
@@ -193,3 +194,51 @@ def test_shared_options_have_one_spelling_and_default():
     assert next(iter(seen["p"]))[0] == 2 and next(iter(seen["m"]))[0] == 64
     for name in ("compare", "verify", "advise", "spectrum", "fit", "train"):
         assert "no_progress" in {a.dest for a in sub[name]._actions}, name
+
+
+@pytest.mark.parametrize("argv,desc", [
+    (["spectrum", "{dump}"], "spectrum"),
+    (["fit", "{dump}", "--m", "4", "--out", "{tmp}/t.safetensors"], "LLoPS fit"),
+    (["compare", "{dump}", "--m", "4", "--methods", "optimal,psf"], "compare"),
+    (["verify", "{dump}", "--m", "4", "--layers", "0", "--heads", "0"], "verify"),
+    (["advise", "{dump}", "--target", "0.3", "--heads", "0", "--max-m", "5"], r"advise \(llops\)"),
+    (["train", "--attention", "softmax", "--d-model", "8", "--n-heads", "2", "--n-layers", "1", "--seq-len", "8",
+      "--num-pairs", "2", "--batch-size", "2", "--eval-sequences", "2", "--steps", "2", "--out", "{tmp}/run"], "mqar"),
+])
+def test_long_commands_show_a_progress_bar_on_stderr_unless_told_not_to(argv, desc, dump, tmp_path, capsys):
+    argv = [a.format(dump=dump, tmp=tmp_path) for a in argv]
+    assert main(argv) in (0, 1)
+    captured = capsys.readouterr()
+    assert re.search(rf"{desc}:\s+\d+%\|", captured.err), captured.err[-300:]
+    assert not re.search(r"\d+%\|", captured.out)  # the bar never goes to stdout
+    shutil.rmtree(tmp_path / "run", ignore_errors=True)
+    assert main(argv + ["--no-progress"]) in (0, 1)
+    assert not re.search(r"\d+%\|", capsys.readouterr().err)
+
+
+def test_fit_takes_an_npy_dump_by_its_name_and_records_its_metadata_hash(tmp_path, capsys):
+    import hashlib
+
+    from sketchlab import load_theta, save_qk
+
+    g = torch.Generator().manual_seed(2)
+    save_qk(tmp_path / "d.npy", torch.randn(1, 1, 30, 3, generator=g), torch.randn(1, 1, 30, 3, generator=g))
+    out = tmp_path / "t.safetensors"
+    assert main(["fit", str(tmp_path / "d.npy"), "--m", "4", "--out", str(out), "--no-progress"]) == 0
+    meta_sha = hashlib.sha256((tmp_path / "d.meta.json").read_bytes()).hexdigest()  # it records each part's hash
+    assert load_theta(out)[2]["source_sha256"] == meta_sha
+    capsys.readouterr()
+    (tmp_path / "link.safetensors").symlink_to(tmp_path / "d.meta.json")  # a part of the dump under another name
+    assert main(["fit", str(tmp_path / "d.npy"), "--m", "4", "--out", str(tmp_path / "link.safetensors")]) == 2
+    assert "is the input" in capsys.readouterr().err and load_theta(out)[2]["source_sha256"] == meta_sha
+
+
+def test_an_npy_dump_output_counts_with_all_its_parts(tmp_path):
+    from sketchlab.cli._common import check_outputs
+
+    (tmp_path / "in.txt").write_text("x")
+    os.link(tmp_path / "in.txt", tmp_path / "out.k.npy")  # a part of the output dump is the input
+    with pytest.raises(ValueError, match=r"--out: output .*out.npy' is the input .*in.txt"):
+        check_outputs({"--out": str(tmp_path / "out.npy")}, inputs=[str(tmp_path / "in.txt")], dumps=("--out",))
+    check_outputs({"--out": str(tmp_path / "new" / "o.npy")}, inputs=[str(tmp_path / "in.txt")], dumps=("--out",))
+    assert (tmp_path / "new").is_dir()  # the parent is created for a command that writes the file itself

@@ -87,14 +87,15 @@ def test_fit_report_beyond_the_exact_budget(monkeypatch):
 
 def test_near_exact_sketch_falls_back_to_the_row_blocks(monkeypatch):
     # When sq_err < _GRAM_ERR_FLOOR · ‖A‖² the Gram identity would cancel away its digits, and the
-    # report takes sq_err from the row blocks; the floor is raised to 1 here to force that path.
+    # report takes every error from the row blocks; the floor is raised to 1 here to force that path.
     monkeypatch.setattr(sketchlab.fit, "EXACT_REPORT_ENTRIES", 20 * 20)
     monkeypatch.setattr(sketchlab.fit, "_GRAM_ERR_FLOOR", 1.0)  # force the fallback
     q, k = _qk(60, seed=6)
     fit = fit_sketch("optimal", q, k, p=2, m=9)
     exact = kernel_errors(fit.sketch, q, k, 2)
     torch.testing.assert_close(fit.report.rel_fro, exact["rel_fro"], rtol=1e-9, atol=0)
-    assert "rel_mae_rows" in fit.report.info  # rel_mae still sampled
+    torch.testing.assert_close(fit.report.rel_mae, exact["rel_mae"], rtol=1e-12, atol=0)  # the rows were formed anyway
+    assert "rel_mae_rows" not in fit.report.info
 
 
 @pytest.mark.parametrize("entries", [40 * 40, 2**26])

@@ -144,3 +144,37 @@ def test_harness_learns_one_layer_softmax_on_tiny_mqar():
                         eval_sequences=128, progress=False)
     assert result.heldout_accuracy >= 0.9, result.history
     assert evaluate_mqar(model, task, num_sequences=128, seed=0) == result.heldout_accuracy
+
+
+def test_cli_kernel_lr_is_checked_and_recorded(tmp_path, capsys):
+    import json
+
+    from sketchlab.cli import main
+
+    base = ["train", "--task", "mqar", "--attention", "llops", "--p", "2", "--m", "4", "--vocab-size", "9",
+            "--num-pairs", "2", "--seq-len", "8", "--d-model", "8", "--n-heads", "2", "--n-layers", "1",
+            "--steps", "2", "--eval-sequences", "4", "--batch-size", "2", "--no-progress"]
+    assert main(base + ["--out", str(tmp_path / "bad"), "--kernel-lr", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "argument --kernel-lr: expected a finite number > 0, got '0'" in err[0]
+    assert main(base + ["--out", str(tmp_path / "ok"), "--kernel-lr", "0.5"]) == 0
+    summary = json.loads((tmp_path / "ok" / "train.json").read_text())
+    assert summary["kernel_lr"] == 0.5
+
+
+def test_kernel_lr_scales_the_kernels_step_only():
+    # Adam's first step moves every parameter with a non-zero gradient by lr·g/(|g| + eps) ≈ ±lr
+    # (bias-corrected moments), so after one step at full rate (warmup 0, cosine factor 1 at step 0)
+    # the largest move of Θ is kernel_lr·lr and that of a projection lr (weight decay 0)
+    from sketchlab.tasks import TransformerConfig, TransformerLM, kernel_modules
+
+    torch.manual_seed(0)
+    model = TransformerLM(TransformerConfig(vocab_size=16, d_model=16, n_heads=2, n_layers=1, attention="llops",
+                                            attention_options={"p": 2, "m": 4}))
+    theta = kernel_modules(model)[0].theta_q.detach().clone()
+    proj = model.blocks[0].attention.q_proj.weight.detach().clone()
+    train_mqar(model, [(MQARConfig(16, 2, 8), 1)], batch_size=4, lr=1e-2, kernel_lr=0.1, weight_decay=0.0,
+               warmup=0, eval_sequences=2, progress=False)
+    d_theta = float((kernel_modules(model)[0].theta_q - theta).abs().max())
+    d_proj = float((model.blocks[0].attention.q_proj.weight - proj).abs().max())
+    assert d_theta == pytest.approx(1e-3, rel=1e-3) and d_proj == pytest.approx(1e-2, rel=1e-3)

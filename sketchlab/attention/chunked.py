@@ -153,11 +153,31 @@ def _attend(feat_q, feat_k, qt, kt, vt, *, num_features: int, causal: bool, norm
 
     ``window=0``: the pure engine (:func:`_engine`, today's path), the state being its ``S, z``.
     ``window > 0``: the hybrid, causal block by block carrying an :class:`AttentionState`
-    (``block_chunks`` chunks per block), or non-causal on the whole sequence.
+    (``block_chunks`` chunks per block), or non-causal on the whole sequence. fp16/bf16 inputs
+    are computed in float32 (the state is float32) and the output cast back.
     Returns ``[B, H, T, Dv]`` or ``([B, H, T, Dv], AttentionState)``.
     """
     from .state import AttentionState, check_state, empty_state
 
+    low = vt.dtype in (torch.float16, torch.bfloat16)
+    if low:  # half inputs: every sum, and the state, in float32; the output back in the input dtype
+        out_dtype = vt.dtype
+        qt, kt, vt = (None if x is None else x.float() for x in (qt, kt, vt))
+        gate = None if gate is None else gate.float()
+        feat_q16, feat_k16 = feat_q, feat_k
+
+        def feat_q(a, b):
+            return feat_q16(a, b).float()
+
+        def feat_k(a, b):
+            return feat_k16(a, b).float()
+
+        res = _attend(feat_q, feat_k, qt, kt, vt, num_features=num_features, causal=causal, normalize=normalize,
+                      non_negative=non_negative, eps=eps, chunk_size=chunk_size, block_chunks=block_chunks,
+                      max_bytes=max_bytes, window=window, sinks=sinks, local=local, scale=scale, degree=degree,
+                      gate=gate, mask=mask, initial_state=initial_state, output_final_state=output_final_state,
+                      denominator_check=denominator_check, where=where)
+        return (res[0].to(out_dtype), res[1]) if output_final_state else res.to(out_dtype)
     B, H, S_len, Dv = vt.shape
     T = qt.shape[2] if qt is not None else S_len
     M = num_features
@@ -411,19 +431,24 @@ class _Hybrid:
             fs = torch.where(far_ok, fs, zero)
             far_num = far_num + fs @ band_fv  # [B, H, N, C, Dv]
             far_den = far_den + fs.sum(-1)
-        logits = self.scale * (qc @ band_k.mT)  # [B, H, N, C, U]
-        slog = self.scale * (qc @ sink_k[:, :, None].mT)  # [B, H, N, C, Ls]
+        logits = (qc @ band_k.mT) * self.scale  # [B, H, N, C, U]
+        has_sinks = sink_k.shape[2] > 0
+        slog = (qc @ sink_k[:, :, None].mT) * self.scale if has_sinks else None  # [B, H, N, C, Ls]
         if self.local == "softmax":
-            both = torch.cat([torch.where(loc_ok, logits, float("-inf")), torch.where(sink_ok, slog, float("-inf"))], -1)
-            c = both.amax(-1, keepdim=True)  # [B, H, N, C, 1]   c_i = max over the local keys
-            c = torch.where(torch.isfinite(c), c, zero)
-            a = torch.where(loc_ok, torch.exp(logits - c), zero)
-            sa = torch.where(sink_ok, torch.exp(slog - c), zero)
+            logits = torch.where(loc_ok, logits, float("-inf"))
+            c = logits.amax(-1, keepdim=True)  # [B, H, N, C, 1]   c_i = max over the local keys
+            if has_sinks:
+                slog = torch.where(sink_ok, slog, float("-inf"))
+                c = torch.maximum(c, slog.amax(-1, keepdim=True))
+            c = torch.where(torch.isfinite(c), c, zero)  # a row without local keys: c = 0
+            a = torch.exp(logits - c)  # exp(-inf) = 0 off the local keys
+            sa = torch.exp(slog - c) if has_sinks else None
         else:
             a = torch.where(loc_ok, logits**self.degree, zero)
-            sa = torch.where(sink_ok, slog**self.degree, zero)
-        loc_num = a @ band_v + sa @ sink_v[:, :, None]  # [B, H, N, C, Dv]
-        loc_den = a.sum(-1) + sa.sum(-1)
+            sa = torch.where(sink_ok, slog**self.degree, zero) if has_sinks else None
+        loc_num, loc_den = a @ band_v, a.sum(-1)  # [B, H, N, C, Dv], [B, H, N, C]
+        if has_sinks:
+            loc_num, loc_den = loc_num + sa @ sink_v[:, :, None], loc_den + sa.sum(-1)
         g = self.g
         return g[..., None] * loc_num + (1 - g[..., None]) * far_num, g * loc_den + (1 - g) * far_den
 

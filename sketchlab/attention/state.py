@@ -65,13 +65,14 @@ class AttentionState:
                                 if isinstance(getattr(self, f.name), torch.Tensor)})
 
     def to(self, *args, **kwargs) -> "AttentionState":
-        """``Tensor.to`` on every floating tensor (the masks keep their dtype)."""
+        """``Tensor.to`` on every floating tensor; the bool masks follow the device only."""
+        device = torch._C._nn._parse_to(*args, **kwargs)[0]
         out = {}
         for f in fields(self):
             x = getattr(self, f.name)
             if isinstance(x, torch.Tensor):
-                out[f.name] = x.to(*args, **kwargs) if x.is_floating_point() else x.to(
-                    device=torch.empty(0).to(*args, **kwargs).device)
+                out[f.name] = x.to(*args, **kwargs) if x.is_floating_point() else (
+                    x if device is None else x.to(device))
         return replace(self, **out)
 
     @property

@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import sys
 from pathlib import Path
 
 __all__ = [
     "DEFAULT_M", "DEFAULT_P", "Outputs", "UsageError", "add_common", "check_outputs", "device_arg", "int_list",
-    "positive_int", "positive_int_list", "scale_arg", "seed_arg", "write_text_atomic",
+    "nonnegative_float", "nonnegative_int", "positive_float", "positive_int", "positive_int_list", "scale_arg",
+    "seed_arg", "write_text_atomic",
 ]
 
 #: Defaults of ``--p`` and ``--m`` in every command (the paper's main setting; the demo's).
@@ -73,6 +75,39 @@ def positive_int_list(text: str) -> list[int]:
     if bad:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1, got {bad[0]} in {text!r}")
     return values
+
+
+def nonnegative_int(text: str) -> int:
+    """An integer >= 0 (an argparse type)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0 (an argparse type)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
+    return value
+
+
+def nonnegative_float(text: str) -> float:
+    """A finite number >= 0 (an argparse type)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return value
 
 
 def positive_int(text: str) -> int:
@@ -216,9 +251,9 @@ class Outputs:
                 continue
             parts = [Path(path)]
             if label in dumps and Path(path).suffix.lower() == ".npy":
-                from ..io import _npy_parts
+                from ..io.atomic import npy_parts
 
-                parts = list(_npy_parts(Path(path)).values())
+                parts = list(npy_parts(Path(path)).values())
             for part in parts:
                 real = os.path.realpath(part)
                 self._check_writable(label, str(part), Path(real))

@@ -23,11 +23,30 @@ def add_arguments(sub) -> None:
     add_common(cmd, "progress")
 
 
-def run(args) -> int:
-    from ..spectrum import kernel_spectrum
+def _spectrum(args):
+    """:func:`sketchlab.kernel_spectrum` of the dump, one layer at a time under a progress bar (stderr)."""
+    import dataclasses
 
+    import torch
+    from tqdm.auto import tqdm
+
+    from .._dumpsel import select_and_scale
+    from .._validation import check_degree
+    from ..spectrum import spectrum_of_selection
+
+    p = check_degree(args.p)
+    sel = select_and_scale(args.dump, layers=args.layers, heads=args.heads, scale=args.scale)
+    parts = []
+    for i in tqdm(range(len(sel.layers)), desc="spectrum", unit="layer", disable=args.no_progress, leave=False):
+        one = dataclasses.replace(sel, q=sel.q[i:i + 1], k=sel.k[i:i + 1], layers=sel.layers[i:i + 1])
+        parts.append(spectrum_of_selection(one, p, holdout=0.0, seed=0))
+    return dataclasses.replace(parts[0], singular_values=torch.cat([r.singular_values for r in parts]),
+                               layers=list(sel.layers))
+
+
+def run(args) -> int:
     outputs = Outputs({"--json": args.json_out, "--plot": args.plot}, inputs=[args.dump], stdout=("--json",))
-    result = kernel_spectrum(args.dump, p=args.p, layers=args.layers, heads=args.heads, scale=args.scale)
+    result = _spectrum(args)
     text = result.to_markdown(sizes=args.sizes)
 
     def plot(path):

@@ -22,7 +22,8 @@ import json
 import os
 from pathlib import Path
 
-from ._common import DEFAULT_M, DEFAULT_P, Outputs, UsageError, device_arg, write_text_atomic
+from ._common import (DEFAULT_M, DEFAULT_P, Outputs, UsageError, device_arg, nonnegative_float, nonnegative_int,
+                      positive_float, positive_int, write_text_atomic)
 
 #: What a ``sketchlab train`` output directory holds (anything else there belongs to something else).
 RUN_FILES = ("checkpoints", "model.safetensors", "config.json", "train.json")
@@ -87,28 +88,31 @@ def add_arguments(sub) -> None:
                    help="copy every non-attention weight from this model checkpoint (e.g. a trained softmax or "
                         "BASED model) before --init")
     t = cmd.add_argument_group("task and model")
-    t.add_argument("--vocab-size", type=int, default=65)
-    t.add_argument("--num-pairs", type=int, default=8)
-    t.add_argument("--seq-len", type=int, default=64)
-    t.add_argument("--num-queries", type=int, default=None, help="queries per sequence (default: every key)")
-    t.add_argument("--d-model", type=int, default=64)
-    t.add_argument("--n-heads", type=int, default=4)
-    t.add_argument("--n-layers", type=int, default=2)
-    t.add_argument("--mlp-ratio", type=int, default=2)
-    t.add_argument("--short-conv", type=int, default=2)
+    t.add_argument("--vocab-size", type=positive_int, default=65)
+    t.add_argument("--num-pairs", type=positive_int, default=8)
+    t.add_argument("--seq-len", type=positive_int, default=64)
+    t.add_argument("--num-queries", type=positive_int, default=None, help="queries per sequence (default: every key)")
+    t.add_argument("--d-model", type=positive_int, default=64)
+    t.add_argument("--n-heads", type=positive_int, default=4)
+    t.add_argument("--n-layers", type=positive_int, default=2)
+    t.add_argument("--mlp-ratio", type=positive_int, default=2)
+    t.add_argument("--short-conv", type=nonnegative_int, default=2)
     o = cmd.add_argument_group("optimisation")
-    o.add_argument("--steps", type=int, default=300)
-    o.add_argument("--batch-size", type=int, default=32, help="global batch (sequences per step)")
-    o.add_argument("--lr", type=float, default=3e-3)
-    o.add_argument("--weight-decay", type=float, default=0.0)
-    o.add_argument("--warmup", type=int, default=30)
-    o.add_argument("--clip", type=float, default=1.0)
-    o.add_argument("--seed", type=int, default=0, help="model initialisation and data stream")
-    o.add_argument("--eval-every", type=int, default=50, help="held-out evaluation every N steps (0: at the end)")
-    o.add_argument("--eval-sequences", type=int, default=256)
-    o.add_argument("--checkpoint-every", type=int, default=100)
+    o.add_argument("--steps", type=positive_int, default=300)
+    o.add_argument("--batch-size", type=positive_int, default=32, help="global batch (sequences per step)")
+    o.add_argument("--lr", type=positive_float, default=3e-3)
+    o.add_argument("--weight-decay", type=nonnegative_float, default=0.0)
+    o.add_argument("--kernel-lr", type=positive_float, default=0.1,
+                   help="learning-rate factor of the attention kernels' parameters (LLoPS's Θ); at 1 Θ trained from "
+                        "BASED loses its non-negative kernel before recall is learned")
+    o.add_argument("--warmup", type=nonnegative_int, default=30)
+    o.add_argument("--clip", type=positive_float, default=1.0)
+    o.add_argument("--seed", type=nonnegative_int, default=0, help="model initialisation and data stream (>= 0)")
+    o.add_argument("--eval-every", type=nonnegative_int, default=50, help="held-out evaluation every N steps (0: at the end)")
+    o.add_argument("--eval-sequences", type=positive_int, default=256)
+    o.add_argument("--checkpoint-every", type=positive_int, default=100)
     o.add_argument("--device", type=_device, default="cpu", help="cpu (default), cuda or cuda:N (one this machine has)")
-    o.add_argument("--threads", type=int, default=1, help="torch intra-op threads (fixed for determinism)")
+    o.add_argument("--threads", type=positive_int, default=1, help="torch intra-op threads (fixed for determinism)")
     cmd.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -177,8 +181,6 @@ def run(args) -> int:
 
     from ..tasks import MQARConfig, init_distributed, save_checkpoint, train_mqar
 
-    if args.threads < 1:
-        raise UsageError(f"--threads must be >= 1, got {args.threads}")
     out = Path(args.out)
     init, theta_file = _parse_init(args.init, args.attention)
     outputs = Outputs({}, directories={"--out": args.out}, inputs=[args.init_from, theta_file])
@@ -202,7 +204,7 @@ def run(args) -> int:
         outputs.make_directories()
         result = train_mqar(
             model, [(task, args.steps)], batch_size=args.batch_size, lr=args.lr, weight_decay=args.weight_decay,
-            warmup=args.warmup, clip=args.clip, seed=args.seed, eval_sequences=args.eval_sequences,
+            kernel_lr=args.kernel_lr, warmup=args.warmup, clip=args.clip, seed=args.seed, eval_sequences=args.eval_sequences,
             eval_every=args.eval_every, out=out, checkpoint_every=args.checkpoint_every, run_info=run_info,
             progress=not args.no_progress,
         )
@@ -210,7 +212,7 @@ def run(args) -> int:
             summary = {
                 "task": task.to_dict(), "model": model.config.to_dict(), "run_info": run_info,
                 "steps": result.steps, "batch_size": args.batch_size, "lr": args.lr,
-                "weight_decay": args.weight_decay, "warmup": args.warmup, "clip": args.clip, "seed": args.seed,
+                "weight_decay": args.weight_decay, "kernel_lr": args.kernel_lr, "warmup": args.warmup, "clip": args.clip, "seed": args.seed,
                 "world_size": world, "heldout_accuracy": result.heldout_accuracy, "evals": result.evals,
                 "losses": result.losses, "seconds": result.seconds, "resumed_from": result.resumed_from,
             }

@@ -316,6 +316,7 @@ def train_mqar(
     batch_size: int = 32,
     lr: float = 1e-3,
     weight_decay: float = 0.1,
+    kernel_lr: float = 1.0,
     warmup: int = 50,
     clip: float | None = 1.0,
     seed: int = 0,
@@ -346,6 +347,12 @@ def train_mqar(
     weight_decay : float >= 0
         AdamW decoupled weight decay of the matrices (not of embeddings, norms, biases and the
         attention kernels' feature-map parameters).
+    kernel_lr : float > 0
+        Learning-rate factor of the attention kernels' own parameters (``blocks.i.attention.attn.*``,
+        e.g. LLoPS's Θ): their peak rate is ``kernel_lr · lr``. Adam moves every parameter by about
+        its learning rate per step whatever the gradient's scale, so Θ started at an exact
+        special case (BASED's 0/1 selection) leaves its non-negative kernel within tens of steps
+        at the model's rate; a smaller factor keeps it near while the rest of the model learns.
     warmup : int >= 0
         Steps of linear warm-up (``0``: none) before the cosine decay.
     clip : float > 0 or None
@@ -400,6 +407,7 @@ def train_mqar(
     batch_size = check_positive_int(batch_size, "batch_size")
     lr = check_real(lr, "lr", positive=True)
     weight_decay = check_real(weight_decay, "weight_decay", positive=False)
+    kernel_lr = check_real(kernel_lr, "kernel_lr", positive=True)
     warmup = check_nonnegative_int(warmup, "warmup")
     if clip is not None:
         clip = check_real(clip, "clip", positive=True)
@@ -422,17 +430,22 @@ def train_mqar(
         "model": model.config.to_dict(),
         "stages": [[task.to_dict(), steps] for task, steps in stages],
         "batch_size": batch_size, "lr": lr, "weight_decay": weight_decay, "warmup": warmup, "clip": clip,
+        **({} if kernel_lr == 1.0 else {"kernel_lr": kernel_lr}),
         "seed": seed, "eval_every": eval_every, "eval_sequences": eval_sequences, "run_info": run_info or {},
     }))  # through JSON: the same types a checkpoint's state.json gives back
     total = sum(steps for _, steps in stages)
-    decay, no_decay = [], []
+    decay, no_decay, kernel = [], [], []
     for name, p in model.named_parameters():
         # matrices decay; embeddings, norms, biases and the attention kernels' feature maps (Θ) do not
-        (decay if p.ndim >= 2 and "embed" not in name and ".attention.attn." not in name else no_decay).append(p)
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=lr, betas=(0.9, 0.98),
-    )
+        if ".attention.attn." in name:
+            kernel.append(p)
+        else:
+            (decay if p.ndim >= 2 and "embed" not in name else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay, "lr_factor": 1.0},
+              {"params": no_decay, "weight_decay": 0.0, "lr_factor": 1.0}]
+    if kernel:  # only when there are kernel parameters: a softmax run's optimiser state keeps its layout
+        groups.append({"params": kernel, "weight_decay": 0.0, "lr_factor": kernel_lr})
+    opt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.98))
 
     def lr_at(s: int) -> float:  # linear warm-up over `warmup` steps (none if 0), then cosine
         ramp = min(1.0, (s + 1) / warmup) if warmup else 1.0
@@ -493,7 +506,7 @@ def train_mqar(
             inputs = inputs[rank * local:(rank + 1) * local].to(device)  # [B/W, T]: this rank's slice
             targets = targets[rank * local:(rank + 1) * local].to(device)
             for g in opt.param_groups:
-                g["lr"] = lr_at(step)
+                g["lr"] = lr_at(step) * g["lr_factor"]
             mask = targets != IGNORE_INDEX  # [B/W, T] query positions
             logits = net(inputs, mask)  # [N, vocab]
             loss = F.cross_entropy(logits, targets[mask])

@@ -5,15 +5,13 @@ Layering (docs/DESIGN.md §2): ``@triton.jit`` kernels (``_kernels``: pure linea
 ``hybrid_attention_fwd`` / ``_bwd`` (``launch``) → the ``autograd.Function``s
 ``LLoPSAttentionTriton`` / ``HybridAttentionTriton`` → the entry ``llops_attention_triton``
 (``function``), which ``sketchlab.attention.llops_attention(backend="triton")`` calls. The
-carried state is an :class:`AttentionState` (``state``).
+carried state is :class:`sketchlab.attention.AttentionState`.
 """
 
 from sketchlab.attention.triton.function import HybridAttentionTriton, LLoPSAttentionTriton, llops_attention_triton
 from sketchlab.attention.triton.launch import hybrid_attention_bwd, hybrid_attention_fwd, llops_attention_bwd, llops_attention_fwd
-from sketchlab.attention.triton.state import AttentionState
 
 __all__ = [
-    "AttentionState",
     "HybridAttentionTriton",
     "LLoPSAttentionTriton",
     "hybrid_attention_bwd",

@@ -1,7 +1,8 @@
-r"""Triton kernels of the causal sliding-window hybrid (exact local attention + LLoPS far), ``[B, T, H, D]``.
+r"""Triton kernels of the sliding-window hybrid (exact local attention + LLoPS far), ``[B, T, H, D]``.
 
-The formula (docs/DESIGN.md §6). For a query ``i`` the local keys are ``i−w < j ≤ i`` and the sinks
-``j < sinks`` (``j ≤ i``), the far keys every other ``j ≤ i``; with ``γ = sigmoid(gate[h])``,
+The formula (docs/DESIGN.md §6). For a causal query ``i`` the local keys are ``i−w < j ≤ i`` and the
+sinks ``j < sinks`` (``j ≤ i``), the far keys every other ``j ≤ i`` (``CAUSAL=False``: local
+``|i−j| < w`` and the sinks, far every other key); with ``γ = sigmoid(gate[h])``,
 
     o_i = (γ Σ_L a_ij v_j + (1−γ) Σ_F f_ij v_j) / (γ Σ_L a_ij + (1−γ) Σ_F f_ij + ε),
 
@@ -14,7 +15,9 @@ carried state, then its window tokens, then the ``T`` new keys (``NK = QOFF + T`
 sits at key index ``qi = QOFF + t``. A key index ``r < SINKS`` is a sink; every other key index
 differs from its true position by one constant (the tokens folded into the carried state ``S0, z0``),
 so the window test ``r > qi − W`` holds in index space. ``S0, z0`` (``HAS_STATE``) are far for every
-query.
+query. ``HAS_MASK``: ``KVALID [B, NK]`` (int8, 0 = a padded key) removes keys from the local sums;
+the launcher's caller zeroes those keys, whose features are then 0 (φ(0) = 0), which removes them
+from the far sums and the state and stops their gradients.
 
 Forward, per (batch·head, value block), query block ``c0`` (rows ``qi ∈ [QOFF+c0, QOFF+c0+BT)``):
 non-sink keys ``r < F = BT·⌊(QOFF+c0−W+1)/BT⌋`` are far for every row and live in the running state
@@ -22,7 +25,10 @@ non-sink keys ``r < F = BT·⌊(QOFF+c0−W+1)/BT⌋`` are far for every row and
 blocks ``[F, qi_max]`` are visited explicitly with both masks, and the sink blocks below ``F`` with
 the sink mask only. The local softmax runs online (running max ``m``, rescaled ``Σ a v`` and
 ``Σ a``), the far sums unshifted, so the cost is ``O(T·(W + BT + M)·(D + Dv))``, plus the sinks.
-Saved per row: ``den + ε``, ``c_i`` and the key index of the arg-max (softmax).
+Saved per row: ``den + ε``, ``c_i`` and the key index of the arg-max (softmax). Not ``CAUSAL``
+(``QOFF = 0``, no state): keys at or above ``G = BT·⌈(c0+BT−1+W)/BT⌉`` are far for every row too
+and enter as ``φ(q)(S_all − S_{<G})`` (``S_all`` from a first pass, ``S_{<G}`` folded as ``G``
+advances); the explicit blocks are ``[F, G)`` plus the sink blocks outside them.
 
 Backward (``Gᵢ = dOᵢ/denᵢ``, ``Cᵢ = −Gᵢ·oᵢ``, ``δ_ij = Gᵢ·v_j + Cᵢ`` = ∂L/∂(γa_ij) = ∂L/∂((1−γ)f_ij)):
 
@@ -39,6 +45,8 @@ gather/scatter. The dq program walks query blocks forward with the same state an
 as the forward; the dk/dv program walks key blocks backward with ``dS = Σ φ(q)ᵀG``, ``dz = Σ Cφ(q)``
 over the query blocks that are far for the whole key block (``QOFF + c0 − W ≥ k0 + BT − 1``) and
 visits the rest explicitly; a key block that holds a sink is visited against every query block.
+Not ``CAUSAL``, the query blocks below ``fq = BT·⌊(k0−W+1)/BT⌋`` are far too and enter as
+``dS_all − dS_{≥fq}`` (the latter folded as ``fq`` falls), and the explicit range is ``[fq, gf)``.
 Through the features, ``_features_bwd`` (shared with the pure kernel) gives dq, dk and dΘ.
 """
 
@@ -57,6 +65,28 @@ def _rows(base, rows, n, s_t, cols, ncols, s_c):
     """Load ``base[rows, cols]`` as fp32 ``[len(rows), len(cols)]``, zero outside ``rows < n``, ``cols < ncols``."""
     return tl.load(base + rows[:, None] * s_t + cols[None, :] * s_c,
                    mask=(rows[:, None] < n) & (cols[None, :] < ncols), other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _key_ok(kv_base, krows, NK, s_mt, HAS_MASK: tl.constexpr):
+    """Whether each key row is a real token (``KVALID != 0``); all True without a mask."""
+    if HAS_MASK:
+        return tl.load(kv_base + krows * s_mt, mask=krows < NK, other=0) != 0
+    else:
+        return krows >= 0
+
+
+@triton.jit
+def _local_far(qi2, r2, ok, W, SINKS, CAUSAL: tl.constexpr):
+    """The local and far masks for query indices ``qi2`` and key indices ``r2`` (broadcast to one
+    shape) where ``ok``: local ``|qi − r| < W`` or ``r < SINKS``; far the other non-sink keys;
+    ``CAUSAL`` keeps ``r ≤ qi`` only."""
+    if CAUSAL:
+        ok = ok & (r2 <= qi2)
+    near = (r2 > qi2 - W) & (r2 < qi2 + W)
+    loc = ok & (near | (r2 < SINKS))
+    far = ok & ((r2 <= qi2 - W) | (r2 >= qi2 + W)) & (r2 >= SINKS)
+    return loc, far
 
 
 @triton.jit
@@ -103,7 +133,7 @@ def _local_grad(u, loc, cm, da, P, SOFTMAX: tl.constexpr):
 
 @triton.jit
 def _hybrid_fwd_kernel(
-    Q, K, V, TQ, TK, GATE, S0, Z0, O, DEN, CMAX, ARG,
+    Q, K, V, TQ, TK, GATE, S0, Z0, KVALID, O, DEN, CMAX, ARG,
     s_qb, s_qt, s_qh, s_qd,
     s_kb, s_kt, s_kh, s_kd,
     s_vb, s_vt, s_vh, s_vd,
@@ -111,10 +141,11 @@ def _hybrid_fwd_kernel(
     s_nb, s_nt, s_nh,
     s_sb, s_sh, s_sf, s_sv,
     s_zb, s_zh, s_zf,
+    s_mb, s_mt,
     s_qth, s_qtr, s_qtj, s_qtd, s_qtm,
     s_kth, s_ktr, s_ktj, s_ktd, s_ktm,
     H, T, NK, QOFF, W, SINKS, R, P, D, M, DV, scale, eps,
-    SOFTMAX: tl.constexpr, HAS_STATE: tl.constexpr, SELF: tl.constexpr,
+    CAUSAL: tl.constexpr, SOFTMAX: tl.constexpr, HAS_STATE: tl.constexpr, HAS_MASK: tl.constexpr, SELF: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr,
     BLOCK_DV: tl.constexpr, PREC: tl.constexpr,
 ):
@@ -142,7 +173,21 @@ def _hybrid_fwd_kernel(
     else:
         S = tl.zeros([BLOCK_F, BLOCK_DV], dtype=tl.float32)
         z = tl.zeros([BLOCK_F], dtype=tl.float32)
+    St = tl.zeros([BLOCK_F, BLOCK_DV], dtype=tl.float32)  # not CAUSAL: every non-sink key
+    zt = tl.zeros([BLOCK_F], dtype=tl.float32)
+    Su = tl.zeros([BLOCK_F, BLOCK_DV], dtype=tl.float32)  # not CAUSAL: the non-sink keys below gk
+    zu = tl.zeros([BLOCK_F], dtype=tl.float32)
+    if not CAUSAL:
+        for k0 in range(0, NK, BLOCK_T):
+            krows = k0 + offs_t
+            k = _rows(k_base, krows, NK, s_kt, offs_d, D, s_kd)
+            v = _rows(v_base, krows, NK, s_vt, offs_v, DV, s_vd)
+            phk = _features(k, tk, s_ktr, s_ktj, s_ktd, s_ktm, R, P, D, M, BLOCK_T, BLOCK_D, BLOCK_M, SELF, PREC)
+            phk = tl.where(krows[:, None] >= SINKS, phk, 0.0)
+            St += tl.dot(tl.trans(phk), v, input_precision=PREC)
+            zt += tl.sum(phk, axis=0)
     kf = 0  # key blocks below kf are folded into S, z
+    gk = 0  # not CAUSAL: key blocks below gk are folded into Su, zu
     for c0 in range(0, T, BLOCK_T):
         rows = c0 + offs_t
         qi = QOFF + rows
@@ -169,16 +214,36 @@ def _hybrid_fwd_kernel(
             k = _rows(k_base, krows, NK, s_kt, offs_d, D, s_kd)
             v = _rows(v_base, krows, NK, s_vt, offs_v, DV, s_vd)
             u = scale * tl.dot(q, tl.trans(k), input_precision=PREC)
-            loc = (rows[:, None] < T) & (krows[None, :] < SINKS)
+            loc = (rows[:, None] < T) & (krows[None, :] < SINKS) & _key_ok(KVALID + b * s_mb, krows, NK, s_mt, HAS_MASK)[None, :]
             m, l, acc, arg = _online_update(u, loc, v, k0, m, l, acc, arg, P, SOFTMAX, PREC)
-        qhi = QOFF + tl.minimum(c0 + BLOCK_T, T) - 1
-        for k0 in range(F, qhi + 1, BLOCK_T):  # the rest: window, sinks above F, far keys not yet in S
+        if CAUSAL:
+            hi = QOFF + tl.minimum(c0 + BLOCK_T, T)  # explicit key blocks end after the last query
+        else:  # keys at or above G are far for every row: S_total − S_{<G}
+            hi = tl.minimum(tl.cdiv(c0 + BLOCK_T - 1 + W, BLOCK_T), tl.cdiv(NK, BLOCK_T)) * BLOCK_T
+            for k0 in range(gk, hi, BLOCK_T):
+                krows = k0 + offs_t
+                k = _rows(k_base, krows, NK, s_kt, offs_d, D, s_kd)
+                v = _rows(v_base, krows, NK, s_vt, offs_v, DV, s_vd)
+                phk = _features(k, tk, s_ktr, s_ktj, s_ktd, s_ktm, R, P, D, M, BLOCK_T, BLOCK_D, BLOCK_M, SELF, PREC)
+                phk = tl.where(krows[:, None] >= SINKS, phk, 0.0)
+                Su += tl.dot(tl.trans(phk), v, input_precision=PREC)
+                zu += tl.sum(phk, axis=0)
+            gk = tl.maximum(gk, hi)
+            facc += tl.dot(phq, St - Su, input_precision=PREC)
+            fl += tl.sum(phq * (zt - zu)[None, :], axis=1)
+            for k0 in range(hi, SINKS, BLOCK_T):  # sink blocks at or above G: sinks only
+                krows = k0 + offs_t
+                k = _rows(k_base, krows, NK, s_kt, offs_d, D, s_kd)
+                v = _rows(v_base, krows, NK, s_vt, offs_v, DV, s_vd)
+                u = scale * tl.dot(q, tl.trans(k), input_precision=PREC)
+                loc = (rows[:, None] < T) & (krows[None, :] < SINKS) & _key_ok(KVALID + b * s_mb, krows, NK, s_mt, HAS_MASK)[None, :]
+                m, l, acc, arg = _online_update(u, loc, v, k0, m, l, acc, arg, P, SOFTMAX, PREC)
+        for k0 in range(F, hi, BLOCK_T):  # the rest: window, sinks in [F, hi), far keys not in a state
             krows = k0 + offs_t
             k = _rows(k_base, krows, NK, s_kt, offs_d, D, s_kd)
             v = _rows(v_base, krows, NK, s_vt, offs_v, DV, s_vd)
-            valid = (rows[:, None] < T) & (krows[None, :] < NK) & (krows[None, :] <= qi[:, None])
-            loc = valid & ((krows[None, :] > qi[:, None] - W) | (krows[None, :] < SINKS))
-            far = valid & (krows[None, :] <= qi[:, None] - W) & (krows[None, :] >= SINKS)
+            ok = (rows[:, None] < T) & (krows[None, :] < NK) & _key_ok(KVALID + b * s_mb, krows, NK, s_mt, HAS_MASK)[None, :]
+            loc, far = _local_far(qi[:, None], krows[None, :], ok, W, SINKS, CAUSAL)
             u = scale * tl.dot(q, tl.trans(k), input_precision=PREC)
             m, l, acc, arg = _online_update(u, loc, v, k0, m, l, acc, arg, P, SOFTMAX, PREC)
             phk = _features(k, tk, s_ktr, s_ktj, s_ktd, s_ktm, R, P, D, M, BLOCK_T, BLOCK_D, BLOCK_M, SELF, PREC)
@@ -198,7 +263,7 @@ def _hybrid_fwd_kernel(
 
 @triton.jit
 def _hybrid_bwd_kernel(
-    Q, K, V, TQ, TK, GATE, S0, Z0, G, C, CMAX, DQ, DK, DVV, DTQ, DTK, RHO, ZETA, DS0, DZ0,
+    Q, K, V, TQ, TK, GATE, S0, Z0, KVALID, G, C, CMAX, DQ, DK, DVV, DTQ, DTK, RHO, ZETA, DS0, DZ0,
     s_qb, s_qt, s_qh, s_qd,
     s_kb, s_kt, s_kh, s_kd,
     s_vb, s_vt, s_vh, s_vd,
@@ -209,11 +274,12 @@ def _hybrid_bwd_kernel(
     s_dvb, s_dvt, s_dvh, s_dvd,
     s_sb, s_sh, s_sf, s_sv,
     s_zb, s_zh, s_zf,
+    s_mb, s_mt,
     s_qth, s_qtr, s_qtj, s_qtd, s_qtm,
     s_kth, s_ktr, s_ktj, s_ktd, s_ktm,
     s_gtb, s_gth, s_gtr, s_gtj, s_gtd, s_gtm,
     H, T, NK, QOFF, W, SINKS, R, P, D, M, DV, scale,
-    SOFTMAX: tl.constexpr, HAS_STATE: tl.constexpr, SELF: tl.constexpr,
+    CAUSAL: tl.constexpr, SOFTMAX: tl.constexpr, HAS_STATE: tl.constexpr, HAS_MASK: tl.constexpr, SELF: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr,
     BLOCK_DV: tl.constexpr, PREC: tl.constexpr,
 ):
@@ -250,7 +316,21 @@ def _hybrid_bwd_kernel(
         z = tl.zeros([BLOCK_F], dtype=tl.float32)
     dS0 = tl.zeros([BLOCK_F, BLOCK_DV], dtype=tl.float32)
     dz0 = tl.zeros([BLOCK_F], dtype=tl.float32)
+    St = tl.zeros([BLOCK_F, BLOCK_DV], dtype=tl.float32)  # not CAUSAL: every non-sink key
+    zt = tl.zeros([BLOCK_F], dtype=tl.float32)
+    Su = tl.zeros([BLOCK_F, BLOCK_DV], dtype=tl.float32)  # not CAUSAL: the non-sink keys below gk
+    zu = tl.zeros([BLOCK_F], dtype=tl.float32)
+    if not CAUSAL:
+        for k0 in range(0, NK, BLOCK_T):
+            krows = k0 + offs_t
+            k = _rows(k_base, krows, NK, s_kt, offs_d, D, s_kd)
+            v = _rows(v_base, krows, NK, s_vt, offs_v, DV, s_vd)
+            phk = _features(k, tk, s_ktr, s_ktj, s_ktd, s_ktm, R, P, D, M, BLOCK_T, BLOCK_D, BLOCK_M, SELF, PREC)
+            phk = tl.where(krows[:, None] >= SINKS, phk, 0.0)
+            St += tl.dot(tl.trans(phk), v, input_precision=PREC)
+            zt += tl.sum(phk, axis=0)
     kf = 0
+    gk = 0
     for c0 in range(0, T, BLOCK_T):
         rows = c0 + offs_t
         qi = QOFF + rows
@@ -277,20 +357,42 @@ def _hybrid_bwd_kernel(
             krows = k0 + offs_t
             k = _rows(k_base, krows, NK, s_kt, offs_d, D, s_kd)
             v = _rows(v_base, krows, NK, s_vt, offs_v, DV, s_vd)
-            loc = rmask[:, None] & (krows[None, :] < SINKS)
+            loc = rmask[:, None] & (krows[None, :] < SINKS) & _key_ok(KVALID + b * s_mb, krows, NK, s_mt, HAS_MASK)[None, :]
             u = scale * tl.dot(q, tl.trans(k), input_precision=PREC)
             da = tl.dot(g, tl.trans(v), input_precision=PREC) + c[:, None]
             a, du = _local_grad(u, loc, cm[:, None], da, P, SOFTMAX)
             rho += tl.sum(a * da, axis=1)
             dql += tl.dot(du, k, input_precision=PREC)
-        qhi = QOFF + tl.minimum(c0 + BLOCK_T, T) - 1
-        for k0 in range(F, qhi + 1, BLOCK_T):
+        if CAUSAL:
+            hi = QOFF + tl.minimum(c0 + BLOCK_T, T)
+        else:
+            hi = tl.minimum(tl.cdiv(c0 + BLOCK_T - 1 + W, BLOCK_T), tl.cdiv(NK, BLOCK_T)) * BLOCK_T
+            for k0 in range(gk, hi, BLOCK_T):
+                krows = k0 + offs_t
+                k = _rows(k_base, krows, NK, s_kt, offs_d, D, s_kd)
+                v = _rows(v_base, krows, NK, s_vt, offs_v, DV, s_vd)
+                phk = _features(k, tk, s_ktr, s_ktj, s_ktd, s_ktm, R, P, D, M, BLOCK_T, BLOCK_D, BLOCK_M, SELF, PREC)
+                phk = tl.where(krows[:, None] >= SINKS, phk, 0.0)
+                Su += tl.dot(tl.trans(phk), v, input_precision=PREC)
+                zu += tl.sum(phk, axis=0)
+            gk = tl.maximum(gk, hi)
+            dphq += tl.dot(g, tl.trans(St - Su), input_precision=PREC) + c[:, None] * (zt - zu)[None, :]
+            for k0 in range(hi, SINKS, BLOCK_T):
+                krows = k0 + offs_t
+                k = _rows(k_base, krows, NK, s_kt, offs_d, D, s_kd)
+                v = _rows(v_base, krows, NK, s_vt, offs_v, DV, s_vd)
+                loc = rmask[:, None] & (krows[None, :] < SINKS) & _key_ok(KVALID + b * s_mb, krows, NK, s_mt, HAS_MASK)[None, :]
+                u = scale * tl.dot(q, tl.trans(k), input_precision=PREC)
+                da = tl.dot(g, tl.trans(v), input_precision=PREC) + c[:, None]
+                a, du = _local_grad(u, loc, cm[:, None], da, P, SOFTMAX)
+                rho += tl.sum(a * da, axis=1)
+                dql += tl.dot(du, k, input_precision=PREC)
+        for k0 in range(F, hi, BLOCK_T):
             krows = k0 + offs_t
             k = _rows(k_base, krows, NK, s_kt, offs_d, D, s_kd)
             v = _rows(v_base, krows, NK, s_vt, offs_v, DV, s_vd)
-            valid = rmask[:, None] & (krows[None, :] < NK) & (krows[None, :] <= qi[:, None])
-            loc = valid & ((krows[None, :] > qi[:, None] - W) | (krows[None, :] < SINKS))
-            far = valid & (krows[None, :] <= qi[:, None] - W) & (krows[None, :] >= SINKS)
+            ok = rmask[:, None] & (krows[None, :] < NK) & _key_ok(KVALID + b * s_mb, krows, NK, s_mt, HAS_MASK)[None, :]
+            loc, far = _local_far(qi[:, None], krows[None, :], ok, W, SINKS, CAUSAL)
             u = scale * tl.dot(q, tl.trans(k), input_precision=PREC)
             da = tl.dot(g, tl.trans(v), input_precision=PREC) + c[:, None]
             a, du = _local_grad(u, loc, cm[:, None], da, P, SOFTMAX)
@@ -318,6 +420,21 @@ def _hybrid_bwd_kernel(
     dS = tl.zeros([BLOCK_F, BLOCK_DV], dtype=tl.float32)
     dz = tl.zeros([BLOCK_F], dtype=tl.float32)
     cf = tl.cdiv(T, BLOCK_T) * BLOCK_T  # query blocks at or above cf are in dS, dz
+    # not CAUSAL, the queries far below the key block: Σ_all − Σ_{≥ cl} (cl falls with k0)
+    dSt = tl.zeros([BLOCK_F, BLOCK_DV], dtype=tl.float32)
+    dzt = tl.zeros([BLOCK_F], dtype=tl.float32)
+    dSg = tl.zeros([BLOCK_F, BLOCK_DV], dtype=tl.float32)
+    dzg = tl.zeros([BLOCK_F], dtype=tl.float32)
+    cl = tl.cdiv(T, BLOCK_T) * BLOCK_T
+    if not CAUSAL:
+        for c0 in range(0, T, BLOCK_T):
+            rows = c0 + offs_t
+            q = _rows(q_base, rows, T, s_qt, offs_d, D, s_qd)
+            g = _rows(g_base, rows, T, s_gt, offs_v, DV, s_gd)
+            c = tl.load(C + n_base + rows * s_nt, mask=rows < T, other=0.0)
+            phq = _features(q, tq, s_qtr, s_qtj, s_qtd, s_qtm, R, P, D, M, BLOCK_T, BLOCK_D, BLOCK_M, SELF, PREC)
+            dSt += tl.dot(tl.trans(phq), g, input_precision=PREC)
+            dzt += tl.sum(phq * c[:, None], axis=0)
     n_kb = tl.cdiv(NK, BLOCK_T)
     for i in range(0, n_kb):
         k0 = (n_kb - 1 - i) * BLOCK_T
@@ -339,12 +456,30 @@ def _hybrid_bwd_kernel(
             dS += tl.dot(tl.trans(phq), g, input_precision=PREC)
             dz += tl.sum(phq * c[:, None], axis=0)
         cf = gf
+        if CAUSAL:
+            lo = (tl.maximum(k0 - QOFF, 0) // BLOCK_T) * BLOCK_T
+            dSf = dS
+            dzf = dz
+        else:  # query blocks below fq are far for the whole key block
+            fq = (tl.maximum(k0 - W + 1, 0) // BLOCK_T) * BLOCK_T
+            fq = tl.where(no_sink, tl.minimum(fq, cl), cl)
+            for c0 in range(fq, cl, BLOCK_T):
+                rows = c0 + offs_t
+                q = _rows(q_base, rows, T, s_qt, offs_d, D, s_qd)
+                g = _rows(g_base, rows, T, s_gt, offs_v, DV, s_gd)
+                c = tl.load(C + n_base + rows * s_nt, mask=rows < T, other=0.0)
+                phq = _features(q, tq, s_qtr, s_qtj, s_qtd, s_qtm, R, P, D, M, BLOCK_T, BLOCK_D, BLOCK_M, SELF, PREC)
+                dSg += tl.dot(tl.trans(phq), g, input_precision=PREC)
+                dzg += tl.sum(phq * c[:, None], axis=0)
+            cl = fq
+            lo = tl.where(no_sink, fq, 0)
+            dSf = dS + (dSt - dSg)
+            dzf = dz + (dzt - dzg)
         use = tl.where(no_sink, 1.0, 0.0)  # a block with sinks is visited against every query block
-        dphk = use * (tl.dot(v, tl.trans(dS), input_precision=PREC) + dz[None, :])  # Σ_F δ φ(q), unweighted
-        dvf = use * tl.dot(phk, dS, input_precision=PREC)  # Σ_F f G
+        dphk = use * (tl.dot(v, tl.trans(dSf), input_precision=PREC) + dzf[None, :])  # Σ_F δ φ(q), unweighted
+        dvf = use * tl.dot(phk, dSf, input_precision=PREC)  # Σ_F f G
         dkl = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
         dvl = tl.zeros([BLOCK_T, BLOCK_DV], dtype=tl.float32)
-        lo = (tl.maximum(k0 - QOFF, 0) // BLOCK_T) * BLOCK_T
         hi = tl.where(no_sink, cf, tl.cdiv(T, BLOCK_T) * BLOCK_T)
         for c0 in range(lo, hi, BLOCK_T):
             rows = c0 + offs_t
@@ -354,9 +489,8 @@ def _hybrid_bwd_kernel(
             c = tl.load(C + n_base + rows * s_nt, mask=rows < T, other=0.0)
             cm = tl.load(CMAX + n_base + rows * s_nt, mask=rows < T, other=0.0)
             phq = _features(q, tq, s_qtr, s_qtj, s_qtd, s_qtm, R, P, D, M, BLOCK_T, BLOCK_D, BLOCK_M, SELF, PREC)
-            valid = kmask[:, None] & (rows[None, :] < T) & (krows[:, None] <= qi[None, :])  # [s, t]
-            loc = valid & ((krows[:, None] > qi[None, :] - W) | (krows[:, None] < SINKS))
-            far = valid & (krows[:, None] <= qi[None, :] - W) & (krows[:, None] >= SINKS)
+            ok = kmask[:, None] & (rows[None, :] < T) & _key_ok(KVALID + b * s_mb, krows, NK, s_mt, HAS_MASK)[:, None]
+            loc, far = _local_far(qi[None, :], krows[:, None], ok, W, SINKS, CAUSAL)  # [s, t]
             ut = scale * tl.dot(k, tl.trans(q), input_precision=PREC)  # [BLOCK_T (s), BLOCK_T (t)]
             dat = tl.dot(v, tl.trans(g), input_precision=PREC) + c[None, :]
             at, dut = _local_grad(ut, loc, cm[None, :], dat, P, SOFTMAX)

@@ -200,6 +200,14 @@ def llops_attention_bwd(q, k, v, theta_q, theta_k, out, den, grad_out, *, causal
     return dq, dk, dv, dtheta_q, dtheta_k, dstate
 
 
+def _mask_args(key_valid, like: torch.Tensor):
+    """``(KVALID int8 [B, NK], its 2 strides)`` for the hybrid kernels, or an empty placeholder."""
+    if key_valid is None:
+        return torch.empty(0, device=like.device, dtype=torch.int8), (0, 0)
+    kval = key_valid.to(device=like.device, dtype=torch.int8).contiguous()
+    return kval, kval.stride()
+
+
 def _state_args(state, like: torch.Tensor):
     """``(S0, z0, their 7 strides)`` for a kernel: contiguous fp32 copies, or empty placeholders
     (strides 0) when there is no state."""
@@ -211,8 +219,9 @@ def _state_args(state, like: torch.Tensor):
 
 
 def hybrid_attention_fwd(q, k, v, theta_q, theta_k, gate, *, qoff: int, window: int, sinks: int, softmax: bool,
-                         scale: float, non_negative: bool, eps: float, initial_state=None):
-    """Fused forward of the causal sliding-window hybrid (see :mod:`sketchlab.attention.triton._hybrid`).
+                         scale: float, non_negative: bool, eps: float, initial_state=None, key_valid=None,
+                         causal: bool = True):
+    """Fused forward of the sliding-window hybrid (see :mod:`sketchlab.attention.triton._hybrid`).
 
     Parameters
     ----------
@@ -235,6 +244,12 @@ def hybrid_attention_fwd(q, k, v, theta_q, theta_k, gate, *, qoff: int, window: 
     eps : float
     initial_state : None or (S0 [B, H, F, Dv], z0 [B, H, F])
         Far state of the tokens folded before the carried keys.
+    key_valid : None or bool Tensor [B, NK]
+        False for padded keys, which leave the local sums; the caller zeroes those keys (features
+        0, so they leave the far sums too).
+    causal : bool
+        ``r ≤ qi`` (True), or every key with the window ``|qi − r| < window`` (then ``NK = T``,
+        ``qoff = 0``, no state).
 
     Returns
     -------
@@ -255,14 +270,16 @@ def hybrid_attention_fwd(q, k, v, theta_q, theta_k, gate, *, qoff: int, window: 
     cmax = _empty((B, T, H), like=q, dtype=torch.float32)
     arg = _empty((B, T, H), like=q, dtype=torch.int32)
     s0, z0, state_strides = _state_args(initial_state, q)
+    kval, kval_strides = _mask_args(key_valid, q)
     args = (
-        q, k, v, theta_q, theta_k, gate, s0, z0, out, den, cmax, arg,
-        *q.stride(), *k.stride(), *v.stride(), *out.stride(), *den.stride(), *state_strides,
+        q, k, v, theta_q, theta_k, gate, s0, z0, kval, out, den, cmax, arg,
+        *q.stride(), *k.stride(), *v.stride(), *out.stride(), *den.stride(), *state_strides, *kval_strides,
         *_theta_strides(theta_q), *_theta_strides(theta_k),
         H, T, NK, int(qoff), int(window), int(sinks), R, P, D, M, DV, float(scale), float(eps),
     )
     meta = dict(
-        SOFTMAX=bool(softmax), HAS_STATE=initial_state is not None, SELF=bool(non_negative),
+        CAUSAL=bool(causal), SOFTMAX=bool(softmax), HAS_STATE=initial_state is not None, HAS_MASK=key_valid is not None,
+        SELF=bool(non_negative),
         BLOCK_D=_block(D), BLOCK_M=_block(M), BLOCK_F=_block(M) ** (2 if non_negative else 1),
         PREC=_precision(q.dtype),
     )
@@ -280,12 +297,13 @@ def hybrid_attention_fwd(q, k, v, theta_q, theta_k, gate, *, qoff: int, window: 
 
 
 def hybrid_attention_bwd(q, k, v, theta_q, theta_k, gate, out, den, cmax, arg, grad_out, *, qoff: int, window: int,
-                         sinks: int, softmax: bool, scale: float, non_negative: bool, initial_state=None):
+                         sinks: int, softmax: bool, scale: float, non_negative: bool, initial_state=None,
+                         key_valid=None, causal: bool = True):
     """Fused backward of :func:`hybrid_attention_fwd` (features and local scores recomputed).
 
     Parameters
     ----------
-    q, k, v, theta_q, theta_k, gate, qoff, window, sinks, softmax, scale, non_negative, initial_state
+    q, k, v, theta_q, theta_k, gate, qoff, window, sinks, softmax, scale, non_negative, initial_state, key_valid, causal
         As in :func:`hybrid_attention_fwd`.
     out, den, cmax, arg
         The forward's outputs.
@@ -325,15 +343,17 @@ def hybrid_attention_bwd(q, k, v, theta_q, theta_k, gate, out, den, cmax, arg, g
     zeta = _empty((B, T, H), like=q, dtype=torch.float32)
     s0, z0, state_strides = _state_args(initial_state, q)
     ds0, dz0 = (_empty(x.shape, like=x, dtype=torch.float32) for x in (s0, z0))
+    kval, kval_strides = _mask_args(key_valid, q)
     args = (
-        q, k, v, theta_q, theta_k, gate, s0, z0, g, c, cmax, dq, dk, dv, dtq, dtk, rho, zeta, ds0, dz0,
+        q, k, v, theta_q, theta_k, gate, s0, z0, kval, g, c, cmax, dq, dk, dv, dtq, dtk, rho, zeta, ds0, dz0,
         *q.stride(), *k.stride(), *v.stride(), *g.stride(), *c.stride(),
-        *dq.stride(), *dk.stride(), *dv.stride(), *state_strides,
+        *dq.stride(), *dk.stride(), *dv.stride(), *state_strides, *kval_strides,
         *_theta_strides(theta_q), *_theta_strides(theta_k), *dtq.stride(),
         H, T, NK, int(qoff), int(window), int(sinks), R, P, D, M, DV, float(scale),
     )
     meta = dict(
-        SOFTMAX=bool(softmax), HAS_STATE=initial_state is not None, SELF=bool(non_negative),
+        CAUSAL=bool(causal), SOFTMAX=bool(softmax), HAS_STATE=initial_state is not None, HAS_MASK=key_valid is not None,
+        SELF=bool(non_negative),
         BLOCK_D=_block(D), BLOCK_M=_block(M), BLOCK_F=_block(M) ** (2 if non_negative else 1),
         BLOCK_DV=_block(DV), PREC=_precision(q.dtype),
     )
