@@ -75,6 +75,7 @@ def parse_args():
     ap.add_argument("--eval-tokens", type=int, default=4096, help="held-out tokens per context length")
     ap.add_argument("--fit-tokens", type=int, default=2048)
     ap.add_argument("--fit-steps", type=int, default=None, help="ALS sweeps of the Θ fit (default: the preset)")
+    ap.add_argument("--no-fit", action="store_true", help="LLoPS from its own initialisation (no stage-0 Θ fit)")
     ap.add_argument("--transfer-steps", type=int, default=100)
     ap.add_argument("--transfer-lr", type=float, default=1e-2)
     ap.add_argument("--lora-steps", type=int, default=40, help="LoRA steps for the best hybrid map (0: none)")
@@ -145,7 +146,7 @@ def smollm2(args, out: dict) -> None:
         if window and args.gate_init:
             label += f" (gate init {args.gate_init:g})"
         t = time.perf_counter()
-        if name == "llops":
+        if name == "llops" and not args.no_fit:
             options = {} if args.fit_steps is None else {"steps": args.fit_steps, "lm_steps": 0}
             theta, fit_info = fit_theta(teacher, ids[train_idx], mask[train_idx], p=2, m=args.m,
                                         fit_tokens=args.fit_tokens, fit_options=options)
