@@ -86,10 +86,12 @@ def parse_args():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=str(RESULTS / "linearize_lm.md"))
     args = ap.parse_args()
-    if args.quick:
-        args.contexts, args.maps = "512,1024", "llops,hedgehog"
-        args.train_seqs, args.eval_tokens, args.fit_tokens, args.fit_steps = 4, 1024, 256, 1
-        args.transfer_steps, args.lora_steps, args.minilm_sentences = 20, 0, 200
+    if args.quick:  # the reduced values, for every option left at its default
+        quick = {"contexts": "512,1024", "maps": "llops,hedgehog", "train_seqs": 4, "eval_tokens": 1024,
+                 "fit_tokens": 256, "fit_steps": 1, "transfer_steps": 20, "lora_steps": 0, "minilm_sentences": 200}
+        for name, value in quick.items():
+            if getattr(args, name) == ap.get_default(name):
+                setattr(args, name, value)
     return args
 
 
