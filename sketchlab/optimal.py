@@ -64,7 +64,7 @@ from .polynomial import DEFAULT_MAX_BYTES, _feature_gram_root, _poly_features, _
 from ._threads import hot_loop_threads
 from .sketch import Sketch
 
-__all__ = ["OptimalSketch", "max_sketch_size", "min_norm_sketch", "optimal_sketch", "singular_values_from_roots", "tail_bound"]
+__all__ = ["OptimalSketch", "max_sketch_size", "min_norm_sketch", "optimal_sketch", "tail_bound"]
 
 _ROUTES = ("auto", "svd", "qr", "gram")
 
@@ -247,19 +247,6 @@ def _factor(q, k, p, symmetric, route, max_bytes, *, vectors: bool):
 def _pad(s: torch.Tensor, n: int) -> torch.Tensor:
     """Append the zero singular values of A beyond those of the core: ``[..., r]`` → ``[..., n]``."""
     return torch.nn.functional.pad(s, (0, max(0, n - s.shape[-1])))[..., :n]
-
-
-def singular_values_from_roots(r_q: torch.Tensor, r_k: torch.Tensor, n: int) -> torch.Tensor:
-    r"""Singular values of :math:`A = \psi_p(Q)\psi_p(K)^\top` from square roots of the features'
-    Gram matrices (:math:`R_Q^\top R_Q = \psi_p(Q)^\top\psi_p(Q)`, likewise ``R_K``; e.g.
-    :func:`~sketchlab.polynomial.feature_gram_root`, the rows the compressed LLoPS fit works on),
-    padded with zeros to ``n = min(n_q, n_k)``: ``[..., n]``, descending. Trusts its inputs
-    (float64 ``[..., N_q, D]``, ``[..., N_k, D]`` in one basis).
-
-    ``A = U_Q R_Q R_K^\top U_K^\top`` with orthonormal ``U``, so ``A`` and the core
-    ``R_Q R_K^\top`` share their non-zero singular values.
-    """
-    return _pad(torch.linalg.svdvals(r_q @ r_k.mT), n)  # core [..., N_q, N_k]
 
 
 def optimal_sketch(q, k, p: int, m: int, *, route: str = "auto", max_bytes: int = DEFAULT_MAX_BYTES) -> OptimalSketch:
