@@ -151,12 +151,12 @@ class LLoPSMap(FeatureMap):
 
     @property
     def non_negative(self) -> bool:
-        from .attention import llops_is_non_negative
+        from .llops.maps import llops_is_non_negative
 
         return llops_is_non_negative(self.theta)
 
     def _features(self, x):
-        from .attention.chunked import llops_feature_fn
+        from .llops.maps import llops_feature_fn
 
         dtype = torch.promote_types(x.dtype, self.theta.dtype)
         out = llops_feature_fn(self.theta.to(dtype))(x.to(dtype).transpose(1, 2))  # [B, H, T, M]

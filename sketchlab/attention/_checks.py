@@ -6,14 +6,16 @@ helpers; each error names the argument, the rule and the offending value.
 
 from __future__ import annotations
 
+import math
 import numbers
+import warnings
 import weakref
 
 import torch
 
 from .._validation import as_float_tensor, check_finite, check_real
 
-__all__ = ["NORMALIZE", "check_eps", "check_normalize", "check_qkv", "check_segments", "check_theta"]
+__all__ = ["NORMALIZE", "check_eps", "check_kernel_range", "check_normalize", "check_qkv", "check_segments", "check_theta"]
 
 #: Accepted values of ``normalize``.
 NORMALIZE = ("none", "sum")
@@ -41,9 +43,11 @@ def check_flag(value, name: str) -> bool:
 def check_qkv(q, k, v, *, causal: bool, names=("q", "k", "v"), feature_dims_match: bool = True):
     """Validate ``q [B, T, H, D]``, ``k [B, S, H, D]``, ``v [B, S, H, Dv]``.
 
-    Rules: floating tensors of rank 4, non-empty; the same batch ``B`` and heads ``H``; ``q`` and
+    Rules: floating tensors of rank 4, non-empty, finite; the same batch ``B`` and heads ``H``; ``q`` and
     ``k`` share the last axis (when ``feature_dims_match``), ``k`` and ``v`` the token axis ``S``;
     causal attention needs ``T == S``; one dtype and one device for the three.
+    The layout is trusted: a ``[B, H, T, D]`` tensor with ``T == H`` has the shape of a
+    ``[B, T, H, D]`` one and cannot be told from it here (transpose with ``x.transpose(1, 2)``).
     Returns the three tensors (numpy arrays converted), dtypes unchanged.
     """
     nq, nk, nv = names
@@ -78,15 +82,22 @@ def check_qkv(q, k, v, *, causal: bool, names=("q", "k", "v"), feature_dims_matc
         raise ValueError(
             f"causal attention needs as many queries as keys (T == S): {nq} has T={q.shape[1]}, {nk} has S={k.shape[1]}"
         )
+    if not q.is_meta:
+        with torch.no_grad():  # one device sync for the three; the slow path only to name the culprit
+            if not bool(torch.stack([torch.isfinite(x).all() for x in (q, k, v)]).all()):
+                for x, name in ((q, nq), (k, nk), (v, nv)):
+                    check_finite(x.detach(), name)
     return q, k, v
 
 
-def check_theta(theta_q, theta_k, *, heads: int, dim: int, like: torch.Tensor):
+def check_theta(theta_q, theta_k, *, heads: int, dim: int, like: torch.Tensor, k: torch.Tensor | None = None,
+                non_negative: bool = False):
     """Validate LLoPS factors ``theta_q``, ``theta_k`` of shape ``[H, t, p, D, M]``.
 
     Rules: floating tensors of rank 5, the same shape (so the same degree ``p``, rank ``t`` and
     size ``M``), ``H`` equal to the heads of ``q``, ``D`` equal to its head dimension, every size
-    >= 1, the dtype and device of ``like`` (``q``), finite values.
+    >= 1, the dtype and device of ``like`` (``q``), finite values. With ``k`` (and ``like`` the
+    queries ``q [B, T, H, D]``), also :func:`check_kernel_range`.
     """
     out = []
     for theta, name in ((theta_q, "theta_q"), (theta_k, "theta_k")):
@@ -123,7 +134,97 @@ def check_theta(theta_q, theta_k, *, heads: int, dim: int, like: torch.Tensor):
     with torch.no_grad():
         for theta, name in ((tq, "theta_q"), (tk, "theta_k")):
             _check_finite_once(theta, name)
+    if k is not None:
+        check_kernel_range(like, k, tq, tk, non_negative=non_negative)
     return tq, tk
+
+
+def _log_feature_bound(x: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
+    """``log`` of an upper bound on ``|φ(x)_i|`` over the tokens of ``x [B, T, H, D]``, per head: float64 ``[H]``.
+
+    ``|φ(x)_i| ≤ Σ_r ∏_j ‖θ_{r,j,:,i}‖ · ‖x‖^p`` (Cauchy–Schwarz on each factor); ``-inf`` where
+    ``x`` or ``θ`` is zero.
+    """
+    p = theta.shape[2]
+    top = x.detach().double().norm(dim=-1).amax(dim=(0, 1))  # [H]
+    norms = theta.detach().double().norm(dim=3).log()  # [H, t, p, M]
+    per_map = norms.sum(2).logsumexp(1).amax(-1)  # [H]: log max_i Σ_r ∏_j ‖θ_{r,j,:,i}‖
+    return per_map + p * top.log()
+
+
+def _features_at(x: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
+    """``φ(x*)`` of each (batch, head)'s largest token ``x*`` (the dtype of ``x``): ``[B, H, M]``."""
+    x = x.detach()
+    pick = x.norm(dim=-1).argmax(dim=1)  # [B, H]: token of largest norm
+    top = torch.gather(x, 1, pick[:, None, :, None].expand(-1, 1, -1, x.shape[-1]))[:, 0]  # [B, H, D]
+    proj = torch.einsum("bhd,htpdm->bhtpm", top, theta.detach())  # [B, H, t, p, M]
+    return proj.prod(3).sum(2)  # [B, H, M]
+
+
+def check_kernel_range(q: torch.Tensor, k: torch.Tensor, theta_q: torch.Tensor, theta_k: torch.Tensor, *,
+                       non_negative: bool = False) -> None:
+    r"""Refuse Θ and q, k whose kernel values cannot be represented in their dtype.
+
+    ``q [B, T, H, D]``, ``k [B, S, H, D]``, ``theta_* [H, t, p, D, M]`` (checked, finite).
+
+    Raises
+    ------
+    ValueError
+        *Underflow*: for some head the bound
+        :math:`|\phi_Q(q)\cdot\phi_K(k)| \le M\,\max_i\sum_r\prod_j\|\theta^Q_{r,j,:,i}\|\,\|q\|_{\max}^p
+        \cdot \max_i\sum_r\prod_j\|\theta^K_{r,j,:,i}\|\,\|k\|_{\max}^p` (squared with
+        ``non_negative``) is below the dtype's smallest normal number: every attention weight of
+        that head rounds to 0 (an all-zero output). *Overflow*: the features of the largest query
+        or key, or one product of them, are not finite in the dtype (inf/NaN output).
+
+    Warns
+    -----
+    RuntimeWarning
+        When ``S`` such products exceed the dtype's largest value (a normaliser or state sum may overflow).
+
+    Notes
+    -----
+    Costs two norms of q and k and the features of one token per (batch, head). The usual cause is
+    a Θ applied to inputs of another scale (a Θ export is fitted to q, k × its ``scale``).
+    """
+    info = torch.finfo(q.dtype)
+    power = 2 if non_negative else 1
+    with torch.no_grad():
+        bound = power * (math.log(theta_q.shape[-1]) + _log_feature_bound(q, theta_q) + _log_feature_bound(k, theta_k))
+        fq, fk = _features_at(q, theta_q), _features_at(k, theta_k)  # [B, H, M]
+        terms = fq.double().abs() * fk.double().abs()  # [B, H, M]
+        sums = terms.sum(-1) ** 2 if non_negative else terms.sum(-1)  # [B, H]
+        biggest = sums.amax() if non_negative else terms.amax()
+        # one device sync for every quantity below
+        low, finite_q, finite_k, top, total = torch.stack([
+            (torch.isfinite(bound) & (bound < math.log(info.tiny))).any().double(),
+            torch.isfinite(fq).all().double(), torch.isfinite(fk).all().double(), biggest, sums.amax() * k.shape[1],
+        ]).tolist()
+    if low:
+        h = int((torch.isfinite(bound) & (bound < math.log(info.tiny))).nonzero()[0])
+        raise ValueError(
+            f"theta_q, theta_k with q, k underflow {q.dtype}: every kernel value of head {h} is at most "
+            f"{math.exp(float(bound[h])):.3g}, below the smallest normal number {info.tiny:.3g}, so the attention "
+            "weights round to 0; Θ or q, k are scaled wrong (a Θ export is fitted to q, k times its scale), or "
+            "use float64"
+        )
+    for ok, name in ((finite_q, "theta_q with q"), (finite_k, "theta_k with k")):
+        if not ok:
+            raise ValueError(
+                f"{name} overflows {q.dtype}: the features of the largest token are not finite (largest "
+                f"representable {info.max:.3g}); Θ or the inputs are scaled wrong, or use float64"
+            )
+    if top > info.max:
+        raise ValueError(
+            f"theta_q, theta_k with q, k overflow {q.dtype}: a product of the features of the largest query and "
+            f"key is {top:.3g}, above the largest representable {info.max:.3g}; Θ or the inputs are scaled "
+            "wrong, or use float64"
+        )
+    if total > info.max:
+        warnings.warn(
+            f"llops attention: {k.shape[1]} keys × kernel values up to {total / k.shape[1]:.3g} may overflow "
+            f"{q.dtype} (largest {info.max:.3g}) in the state or normaliser sums; scale Θ or the inputs down, "
+            "or use float64", RuntimeWarning, stacklevel=3)
 
 
 #: Θ tensors already found finite: ``id → (weak reference, in-place version then)``. A decoding

@@ -42,6 +42,7 @@ from ._checks import (
     check_theta,
 )
 from .reference import self_tensor
+from ..llops.maps import llops_feature_fn
 
 __all__ = [
     "DEFAULT_BLOCK_CHUNKS",
@@ -58,27 +59,6 @@ DEFAULT_CHUNK_SIZE = 64
 DEFAULT_BLOCK_CHUNKS = 16
 
 
-def llops_feature_fn(theta: torch.Tensor):
-    r"""A function ``x[B, H, n, D] → φ(x)[B, H, n, M]`` for per-head Θ ``[H, t, p, D, M]``.
-
-    Same map as :func:`sketchlab.llops_features` (tested against it), computed as one batched
-    matmul ``x @ Θ_flat`` with ``Θ_flat = [H, D, t·p·M]`` followed by ``p - 1`` products and
-    ``t - 1`` sums of ``[B, H, n, M]`` slices (the broadcast form would copy ``x`` ``t·p`` times).
-    """
-    H, t, p, D, M = theta.shape
-    flat = theta.permute(0, 3, 1, 2, 4).reshape(H, D, t * p * M)  # [H, D, t·p·M]
-
-    def features(x: torch.Tensor) -> torch.Tensor:
-        proj = (x @ flat).unflatten(-1, (t, p, M))  # [B, H, n, t, p, M]
-        out = None
-        for r in range(t):
-            term = proj[..., r, 0, :]
-            for j in range(1, p):
-                term = term * proj[..., r, j, :]  # [B, H, n, M]
-            out = term if out is None else out + term
-        return out
-
-    return features
 
 
 def _pad_tokens(x: torch.Tensor, length: int) -> torch.Tensor:

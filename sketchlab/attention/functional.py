@@ -161,7 +161,8 @@ def llops_attention(q, k, v, theta_q, theta_k, *, causal: bool = True, normalize
     mode = check_denominator_check(denominator_check)
     chunk_size = check_positive_int(chunk_size, "chunk_size")
     q, k, v = check_qkv(q, k, v, causal=causal)
-    theta_q, theta_k = check_theta(theta_q, theta_k, heads=q.shape[2], dim=q.shape[3], like=q)
+    theta_q, theta_k = check_theta(theta_q, theta_k, heads=q.shape[2], dim=q.shape[3], like=q, k=k,
+                                   non_negative=non_negative)
     window, sinks, local, scale, gate = check_hybrid(window, sinks, local, local_scale, gate, normalize=normalize,
                                                      heads=q.shape[2], dim=q.shape[3], like=q)
     key_padding_mask = check_key_padding_mask(key_padding_mask, q.shape[0], k.shape[1], q.device)

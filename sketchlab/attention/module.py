@@ -21,25 +21,13 @@ from torch import nn
 from ..scaling import resolve_scale, scale_label
 from .._validation import as_float_tensor, check_degree, check_positive_int
 from ._checks import check_eps, check_flag, check_hybrid, check_normalize, check_theta
+from ..llops.maps import llops_is_non_negative
 from .chunked import DEFAULT_CHUNK_SIZE
 from .functional import llops_attention, resolve_backend
 
 __all__ = ["LLoPSAttention", "llops_is_non_negative"]
 
 
-def llops_is_non_negative(theta: torch.Tensor) -> bool:
-    r"""Whether the LLoPS map of ``theta [..., t, p, D, M]`` is non-negative for every input.
-
-    True when it is rank 1 (``t = 1``), of even degree and every feature's ``p`` factors are
-    equal: then :math:`\phi(x)_i = \langle\theta_i, x\rangle^p \ge 0`, and a kernel of two such
-    maps is a sum of non-negative products. Otherwise the map can be signed (a sufficient test:
-    a signed-capable Θ may still happen to be non-negative on the data).
-    """
-    t, p = theta.shape[-4], theta.shape[-3]
-    if t != 1 or p % 2:
-        return False
-    with torch.no_grad():
-        return bool((theta == theta[..., :1, :, :]).all())
 
 
 class LLoPSAttention(nn.Module):

@@ -1,6 +1,9 @@
 """Synthetic tasks: multi-query associative recall (MQAR) and the small causal transformer trained on it.
 
-- :mod:`sketchlab.tasks.mqar`: the MQAR data generator (:class:`MQARConfig`, :func:`mqar_batch`).
+- :mod:`sketchlab.tasks.mqar`: the MQAR data generator (:class:`MQARConfig`, :func:`mqar_batch`),
+  compact or Zoology's layout, and Zoology's training mixture (:class:`MQARMixture`).
+- :mod:`sketchlab.tasks.zoology`: logits at the query positions only, per-slice evaluation.
+- :mod:`sketchlab.tasks.text`: byte-level LM on Shakespeare, the exact BASED → LLoPS conversion.
 - :mod:`sketchlab.tasks.model`: :class:`TransformerLM` with a pluggable attention kernel
   (layout ``[B, T, H, D]``, registry :func:`register_attention`; ``"softmax"`` via SDPA).
 - :mod:`sketchlab.tasks.attention`: the sketched kernels ``"poly"``, ``"based"``, ``"psf"``,
@@ -33,7 +36,9 @@ from .model import (
     register_attention,
 )
 from .linearize import LinearizeResult, attention_transfer_loss, linearize
-from .mqar import IGNORE_INDEX, MQARConfig, mqar_accuracy, mqar_batch
+from .mqar import IGNORE_INDEX, MQARConfig, MQARMixture, mqar_accuracy, mqar_batch, zoology_mixture, zoology_tests
+from .text import based_to_llops, conversion_error, evaluate_lm, lm_batch, shakespeare_text, train_lm
+from .zoology import QueryLogits, evaluate_slices
 from .train import (
     TrainResult,
     evaluate_mqar,
@@ -59,6 +64,17 @@ __all__ = [
     "kernel_modules",
     "CausalSelfAttention",
     "MQARConfig",
+    "MQARMixture",
+    "QueryLogits",
+    "based_to_llops",
+    "conversion_error",
+    "evaluate_lm",
+    "evaluate_slices",
+    "lm_batch",
+    "shakespeare_text",
+    "train_lm",
+    "zoology_mixture",
+    "zoology_tests",
     "SoftmaxAttention",
     "TrainResult",
     "TransformerConfig",

@@ -6,8 +6,25 @@ random order. At the position of a queried key the model must predict the value 
 that key in the context (next-token prediction, as in Zoology). Every other position carries
 the ignore label ``-100``.
 
-Token ids: ``0`` is the filler, keys are drawn without replacement from ``[1, 1 + K)`` and values
-without replacement from ``[1 + K, vocab_size)``, with ``K = (vocab_size - 1) // 2`` key tokens.
+Two layouts (``MQARConfig.layout``):
+
+``"compact"`` (the default, the shipped dump's task)
+    Token ids: ``0`` is the filler, keys are drawn without replacement from ``[1, 1 + K)`` and
+    values without replacement from ``[1 + K, vocab_size)``, with ``K = (vocab_size - 1) // 2``
+    key tokens; queries at uniformly random positions of the query region.
+``"zoology"`` (Zoology's ``multiquery_ar`` generator, restated)
+    Keys from ``[1, V/2)``, values from ``[V/2, V)`` (``V = vocab_size``, ``V/2`` rounded down);
+    every key is queried once, at query-region offset ``2g`` (even offsets) where the gaps ``g``
+    are drawn without replacement from ``{0, …, (T − 2P)/2 − 1}`` with probability
+    ``∝ (g + 1)^{a − 1}`` (a power law, ``a = power_a = 0.01``: near queries are likelier, as
+    repeated bigrams in text); every other query-region position holds a uniformly random token
+    of ``[0, V)`` (Zoology's ``random_non_queries``), so the model cannot find queries by their
+    being the only non-filler tokens.
+
+:class:`MQARMixture` is Zoology's training distribution: several ``(T, P)`` configurations, each
+batch drawn from one of them with probability proportional to its weight (Zoology's standard
+mixture :func:`zoology_mixture`: ``(64, 4), (128, 8), (256, 16), (256, 32), (256, 64)`` with
+100k : 20k : 20k : 20k : 20k examples, so weights 5 : 1 : 1 : 1 : 1).
 
 References
 ----------
@@ -24,7 +41,18 @@ import torch
 
 from .._validation import check_positive_int
 
-__all__ = ["IGNORE_INDEX", "MQARConfig", "mqar_accuracy", "mqar_batch"]
+__all__ = [
+    "IGNORE_INDEX", "MQARConfig", "MQARMixture", "ZOOLOGY_TEST", "ZOOLOGY_TRAIN", "mqar_accuracy", "mqar_batch",
+    "zoology_mixture", "zoology_tests",
+]
+
+LAYOUTS = ("compact", "zoology")
+
+ZOOLOGY_TRAIN = ((64, 4), (128, 8), (256, 16), (256, 32), (256, 64))
+"""Zoology's standard training mixture ``(seq_len T, key–value pairs P)`` (weights 5:1:1:1:1)."""
+ZOOLOGY_TRAIN_WEIGHTS = (5.0, 1.0, 1.0, 1.0, 1.0)
+ZOOLOGY_TEST = ((64, 4), (64, 8), (64, 16), (128, 32), (256, 64), (512, 128), (1024, 256))
+"""Zoology's test configurations ``(T, P)``: the training ones and longer."""
 
 IGNORE_INDEX = -100
 """Label of positions that carry no target (``torch.nn.functional.cross_entropy`` default)."""
@@ -45,15 +73,31 @@ class MQARConfig:
         Sequence length ``T``; the query region has ``T - 2 * num_pairs`` positions, which must
         hold the ``num_queries`` queries.
     num_queries : int or None
-        Keys queried per sequence (each at most once); ``None`` queries every key.
+        Keys queried per sequence (each at most once); ``None`` queries every key (the only
+        choice of the ``"zoology"`` layout).
+    layout : {"compact", "zoology"}
+        Token and query layout (module docstring). ``"zoology"`` needs ``seq_len`` even and
+        ``seq_len >= 4 * num_pairs`` (one even query slot per pair), as Zoology asserts.
+    power_a : float in (0, 1]
+        Power-law exponent of the ``"zoology"`` query gaps (``1``: uniform); ignored by ``"compact"``.
     """
 
     vocab_size: int
     num_pairs: int
     seq_len: int
     num_queries: int | None = None
+    layout: str = "compact"
+    power_a: float = 0.01
 
     def __post_init__(self):
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {list(LAYOUTS)}, got {self.layout!r}")
+        a = self.power_a
+        if isinstance(a, bool) or not isinstance(a, (int, float)) or not (0 < a <= 1):
+            raise ValueError(f"power_a must be a number in (0, 1], got {a!r}")
+        if self.layout == "zoology":
+            self._check_zoology()
+            return
         check_positive_int(self.vocab_size, "vocab_size")
         check_positive_int(self.num_pairs, "num_pairs")
         check_positive_int(self.seq_len, "seq_len")
@@ -75,10 +119,23 @@ class MQARConfig:
                 f"(context plus one position per query), got seq_len={self.seq_len}"
             )
 
+    def _check_zoology(self) -> None:
+        for name in ("vocab_size", "num_pairs", "seq_len"):
+            check_positive_int(getattr(self, name), name)
+        if self.num_queries not in (None, self.num_pairs):
+            raise ValueError(f"num_queries must be None (every key is queried) with layout 'zoology', "
+                             f"got num_queries={self.num_queries}")
+        if self.vocab_size // 2 - 1 < self.num_pairs:
+            raise ValueError(f"vocab_size must be >= 2 * num_pairs + 2 with layout 'zoology' (keys in [1, V/2)), "
+                             f"got vocab_size={self.vocab_size}, num_pairs={self.num_pairs}")
+        if self.seq_len % 2 or self.seq_len < 4 * self.num_pairs:
+            raise ValueError(f"seq_len must be even and >= 4 * num_pairs = {4 * self.num_pairs} with layout "
+                             f"'zoology' (one even query slot per pair), got seq_len={self.seq_len}")
+
     @property
     def num_keys(self) -> int:
-        """Size of the key alphabet ``K = (vocab_size - 1) // 2``."""
-        return (self.vocab_size - 1) // 2
+        """Size of the key alphabet: ``(vocab_size - 1) // 2`` (compact), ``vocab_size // 2 - 1`` (zoology)."""
+        return self.vocab_size // 2 - 1 if self.layout == "zoology" else (self.vocab_size - 1) // 2
 
     @property
     def queries(self) -> int:
@@ -86,17 +143,68 @@ class MQARConfig:
         return self.num_pairs if self.num_queries is None else self.num_queries
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The fields as a dict; the compact layout omits ``layout`` and ``power_a`` (earlier runs' identity)."""
+        out = asdict(self)
+        if self.layout == "compact":
+            del out["layout"], out["power_a"]
+        return out
+
+
+@dataclass(frozen=True)
+class MQARMixture:
+    """A training distribution over several :class:`MQARConfig` (Zoology's data mixture).
+
+    Each batch comes from one component, drawn with probability ``weights[i] / Σ weights`` from
+    the batch generator (so a batch has one sequence length). All components share ``vocab_size``.
+    """
+
+    components: tuple
+    weights: tuple
+
+    def __post_init__(self):
+        comps, weights = tuple(self.components), tuple(self.weights)
+        if not comps or not all(isinstance(c, MQARConfig) for c in comps):
+            raise TypeError(f"components must be a non-empty sequence of MQARConfig, got {self.components!r}")
+        if len(weights) != len(comps):
+            raise ValueError(f"weights must have one entry per component ({len(comps)}), got {len(weights)}")
+        for w in weights:
+            if isinstance(w, bool) or not isinstance(w, (int, float)) or not (w > 0 and w < float("inf")):
+                raise ValueError(f"weights must be finite numbers > 0, got {weights!r}")
+        vocab = {c.vocab_size for c in comps}
+        if len(vocab) != 1:
+            raise ValueError(f"the components must share one vocab_size, got {sorted(vocab)}")
+        object.__setattr__(self, "components", comps)
+        object.__setattr__(self, "weights", tuple(float(w) for w in weights))
+
+    @property
+    def vocab_size(self) -> int:
+        return self.components[0].vocab_size
+
+    def to_dict(self) -> dict:
+        return {"mixture": [c.to_dict() for c in self.components], "weights": list(self.weights)}
+
+
+def zoology_mixture(vocab_size: int = 8192, pairs=ZOOLOGY_TRAIN, weights=ZOOLOGY_TRAIN_WEIGHTS,
+                    power_a: float = 0.01) -> MQARMixture:
+    """Zoology's training mixture: one ``"zoology"``-layout component per ``(seq_len, num_pairs)`` of ``pairs``."""
+    comps = tuple(MQARConfig(vocab_size, P, T, layout="zoology", power_a=power_a) for T, P in pairs)
+    return MQARMixture(comps, tuple(weights))
+
+
+def zoology_tests(vocab_size: int = 8192, pairs=ZOOLOGY_TEST, power_a: float = 0.01) -> tuple:
+    """Zoology's test configurations as ``"zoology"``-layout :class:`MQARConfig` (one per ``(T, P)``)."""
+    return tuple(MQARConfig(vocab_size, P, T, layout="zoology", power_a=power_a) for T, P in pairs)
 
 
 def mqar_batch(
-    config: MQARConfig, batch_size: int, *, generator: torch.Generator
+    config: MQARConfig | MQARMixture, batch_size: int, *, generator: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw ``batch_size`` MQAR sequences.
 
     Parameters
     ----------
-    config : MQARConfig
+    config : MQARConfig or MQARMixture
+        A mixture first draws its component (one per batch) from ``generator``.
     batch_size : int
     generator : torch.Generator
         The only source of randomness: the same generator state gives the same batch.
@@ -115,11 +223,16 @@ def mqar_batch(
     uniformly random subset of the query region, and the queried keys a random subset of the
     pairs in random order.
     """
-    if not isinstance(config, MQARConfig):
-        raise TypeError(f"config must be an MQARConfig, got {type(config).__name__}")
+    if not isinstance(config, (MQARConfig, MQARMixture)):
+        raise TypeError(f"config must be an MQARConfig or MQARMixture, got {type(config).__name__}")
     B = check_positive_int(batch_size, "batch_size")
     if not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+    if isinstance(config, MQARMixture):
+        w = torch.tensor(config.weights, dtype=torch.float64)
+        config = config.components[int(torch.multinomial(w, 1, generator=generator))]
+    if config.layout == "zoology":
+        return _zoology_batch(config, B, generator)
     P, T, Q, K = config.num_pairs, config.seq_len, config.queries, config.num_keys
     V = config.vocab_size - 1 - K  # size of the value alphabet
     R = T - 2 * P  # query-region length
@@ -136,6 +249,25 @@ def mqar_batch(
     pos = 2 * P + where  # [B, Q] absolute query positions
     inputs.scatter_(1, pos, keys.gather(1, which))
     targets.scatter_(1, pos, values.gather(1, which))
+    return inputs, targets
+
+
+def _zoology_batch(config: MQARConfig, B: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``"zoology"`` layout (module docstring): keys ``[1, V/2)``, values ``[V/2, V)``, power-law gaps."""
+    P, T, V = config.num_pairs, config.seq_len, config.vocab_size
+    half = V // 2
+    keys = 1 + torch.rand(B, half - 1, generator=generator).argsort(dim=1)[:, :P]  # [B, P] in [1, V/2)
+    values = half + torch.rand(B, V - half, generator=generator).argsort(dim=1)[:, :P]  # [B, P] in [V/2, V)
+    space = (T - 2 * P) // 2  # even query slots
+    prob = config.power_a * torch.arange(1, space + 1, dtype=torch.float64) ** (config.power_a - 1)  # [space]
+    gaps = torch.multinomial(prob.expand(B, space), P, replacement=False, generator=generator)  # [B, P]
+    inputs = torch.randint(0, V, (B, T), generator=generator)  # random non-query tokens
+    inputs[:, 0 : 2 * P : 2] = keys
+    inputs[:, 1 : 2 * P : 2] = values
+    pos = 2 * P + 2 * gaps  # [B, P] query positions, key i queried at the i-th drawn gap
+    inputs.scatter_(1, pos, keys)
+    targets = torch.full((B, T), IGNORE_INDEX, dtype=torch.long)
+    targets.scatter_(1, pos, values)
     return inputs, targets
 
 

