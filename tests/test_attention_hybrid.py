@@ -232,3 +232,31 @@ def test_sketch_attention_hybrid_for_a_generic_sketch():
     assert (out - ref).abs().max() < TOL64
     fq, fk = sk.features_q(q.transpose(1, 2)).transpose(1, 2), sk.features_k(k.transpose(1, 2)).transpose(1, 2)
     assert (ref - feature_attention_naive(fq, fk, v, q=q, k=k, degree=2, **kw)).abs().max() < TOL64
+
+
+def test_triton_hybrid_matches_torch_and_shares_the_state():
+    """With a kernel that takes the hybrid, backend='triton' (the interpreter on CPU) equals the
+    torch path (fp32: 1e-5 absolute on O(1) outputs, ~10 ulp of the sums) and the two backends'
+    states are interchangeable."""
+    pytest.importorskip("triton")
+    from sketchlab.attention import triton as tr
+
+    if not functional._triton_takes_hybrid(tr.llops_attention_triton):
+        pytest.skip("the fused kernel does not take the hybrid keywords yet (routing tested above)")
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 20, 2, 16, generator=g) for _ in range(3))
+    theta = (torch.randn(2, 1, 1, 16, 16, generator=g) / 4).expand(-1, -1, 2, -1, -1).contiguous()
+    gate = torch.randn(2, generator=g)
+    for kw in (dict(window=5, sinks=2, gate=gate), dict(window=5, local="poly")):
+        a = llops_attention(q, k, v, theta, theta, backend="torch", **kw)
+        b = llops_attention(q, k, v, theta, theta, backend="triton", **kw)
+        assert (a - b).abs().max() < 1e-5, kw
+    a, state_torch = llops_attention(q[:, :9], k[:, :9], v[:, :9], theta, theta, backend="torch", window=5, sinks=2,
+                                     output_final_state=True)
+    b, state_triton = llops_attention(q[:, :9], k[:, :9], v[:, :9], theta, theta, backend="triton", window=5, sinks=2,
+                                      output_final_state=True)
+    rest = [x[:, 9:] for x in (q, k, v)]
+    whole = llops_attention(q, k, v, theta, theta, backend="torch", window=5, sinks=2)[:, 9:]
+    for state, backend in ((state_triton, "torch"), (state_torch, "triton")):
+        out = llops_attention(*rest, theta, theta, backend=backend, window=5, sinks=2, initial_state=state)
+        assert (out - whole).abs().max() < 1e-5, backend

@@ -484,12 +484,25 @@ def _hybrid_causal_block(h: _Hybrid, state, q_new, k_new, v_new, fq_new, fk_new,
     pad = we - Lw
     N = -(-n // C)
     tail = N * C - n
-    kp = _pad_front(torch.cat([state.k_window, k_new], 2), pad, tail)  # [B, H, we + N·C, D]
-    vp = _pad_front(torch.cat([state.v_window, v_new], 2), pad, tail)  # [B, H, we + N·C, Dv]
-    fp = _pad_front(torch.cat([state.phi_window, fk_new], 2), pad, tail)  # [B, H, we + N·C, M]
+    def joined(held, new, fill):  # [pad zeros | held window | new tokens | tail zeros], one copy
+        parts = [held, new]
+        if pad:
+            parts.insert(0, fill(pad, held))
+        if tail:
+            parts.append(fill(tail, held))
+        return torch.cat(parts, 2 if held.ndim == 4 else 1)  # the token axis
+
+    def zeros(count, like):
+        if like.ndim == 2:
+            return torch.zeros(like.shape[0], count, dtype=torch.bool, device=dev)
+        return like.new_zeros(like.shape[0], like.shape[1], count, like.shape[3])
+
+    kp = joined(state.k_window, k_new, zeros)  # [B, H, we + N·C, D]
+    vp = joined(state.v_window, v_new, zeros)  # [B, H, we + N·C, Dv]
+    fp = joined(state.phi_window, fk_new, zeros)  # [B, H, we + N·C, M]
     mw = torch.ones(B, Lw, dtype=torch.bool, device=dev) if state.mask_window is None else state.mask_window
     mn = torch.ones(B, n, dtype=torch.bool, device=dev) if valid_new is None else valid_new
-    mp = _pad_front(torch.cat([mw, mn], 1), pad, tail)  # [B, we + N·C]
+    mp = joined(mw, mn, zeros)  # [B, we + N·C]
     pos = torch.arange(P0 - we, P0 + n + tail, device=dev)  # [we + N·C]
     ok = mp & (pos >= sinks)[None, :]  # a band / far key: real and not a sink
     # far state: per-chunk sums of the keys leaving the window, exclusive prefix over chunks

@@ -222,7 +222,11 @@ class LLoPSAttention(nn.Module):
             Model width; default ``H·d``.
         **kwargs
             Other :class:`LLoPSAttention` arguments (``learn_theta``, ``normalize``, ``seed``, ...).
-            The projections are initialised fresh (the export holds Θ only).
+            The projections are initialised fresh (the export holds Θ only). A fitted Θ is
+            usually signed (rank > 1, or unequal factors): unless ``normalize``/``non_negative``
+            are given, the block then self-tensors it (``non_negative=True``, ``M²`` features),
+            so the default never divides by a signed sum (on the shipped MQAR dump the raw
+            ``"sum"`` meets denominators ``<= 0``; tested).
         """
         from ..io import load_theta, select_indices
 

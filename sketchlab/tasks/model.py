@@ -45,8 +45,10 @@ __all__ = [
     "TransformerLM",
     "apply_rope",
     "attention_registry",
+    "cache_nbytes",
     "causal_softmax_attention_naive",
     "generate",
+    "kv_cache_step",
     "register_attention",
 ]
 
