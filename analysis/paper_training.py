@@ -210,6 +210,9 @@ def run_one(spec: RunSpec, work: str, threads: int) -> dict:
 
 
 def run_all(specs, args) -> list[dict]:
+    if args.report_only:  # finished runs only; the report marks the rest as not run
+        found = [Path(args.work) / f"{s.name}.json" for s in specs]
+        return [json.loads(f.read_text()) for f in found if f.is_file()]
     if not specs:
         return []
     if args.jobs == 1:
@@ -245,15 +248,20 @@ def mqar(args) -> int:
         scale = replace(scale, seeds=tuple(int(x) for x in args.seeds.split(",")))
     if args.sweep:
         scale = replace(scale, sweep_methods=tuple(args.sweep.split(",")))
+    if args.lrs:
+        scale = replace(scale, lrs=tuple(float(x) for x in args.lrs.split(",")))
     table = methods(scale.d_model)
     t0 = time.perf_counter()
     # 1. learning-rate sweep (seed 0) for the sweep methods; other methods reuse the rate of their family
-    sweep = [RunSpec(m, lr, scale.seeds[0], scale) for m in scale.sweep_methods for lr in scale.lrs]
+    fixed = dict(x.split("=") for x in args.fixed_lr.split(",") if x)  # method=lr: not swept
+    sweep = [RunSpec(m, lr, scale.seeds[0], scale) for m in scale.sweep_methods for lr in scale.lrs if m not in fixed]
+    sweep += [RunSpec(m, float(lr), scale.seeds[0], scale) for m, lr in fixed.items()]
     swept = run_all(sweep, args)
     best_lr = {}
-    for m in scale.sweep_methods:
+    for m in dict.fromkeys([*scale.sweep_methods, *fixed]):
         rs = [r for r in swept if r["spec"]["method"] == m]
-        best_lr[m] = max(rs, key=score)["spec"]["lr"]
+        if rs:
+            best_lr[m] = max(rs, key=score)["spec"]["lr"]
     default_lr = best_lr.get("softmax", scale.lrs[-1])
 
     def lr_of(key: str) -> float:
@@ -328,7 +336,7 @@ def write_mqar_report(args, scale, table, swept, best_lr, seeded, m_runs, wall):
           f"extrapolation, which RoPE models do not get for free).", ""]
     L += ["## Learning-rate sweep (seed %d)" % scale.seeds[0], "", "| method | " + " | ".join(f"lr {x:g}" for x in scale.lrs) + " | best |",
           "|---|" + "---|" * (len(scale.lrs) + 1)]
-    for m in scale.sweep_methods:
+    for m in best_lr:
         row = {r["spec"]["lr"]: score(r) for r in swept if r["spec"]["method"] == m}
         L.append(f"| {table[m].label} | " + " | ".join(f"{row.get(x, float('nan')):.3f}" for x in scale.lrs)
                  + f" | {best_lr[m]:g} |")
@@ -578,6 +586,9 @@ def _parse(argv):
     ap.add_argument("--steps", type=int, default=0, help="override the mode's steps")
     ap.add_argument("--seeds", default="", help="override the mode's seeds (comma-separated)")
     ap.add_argument("--sweep", default="", help="override the mode's learning-rate-swept methods (comma-separated keys)")
+    ap.add_argument("--lrs", default="", help="override the mode's learning rates (comma-separated)")
+    ap.add_argument("--fixed-lr", default="", help="method=lr,...: these methods take this rate, not swept")
+    ap.add_argument("--report-only", action="store_true", help="write the report from the finished runs only")
     ap.add_argument("--cut", default="", help="a sentence for the report: what this invocation left out")
     ap.add_argument("--work", type=Path, default=ROOT / "build" / "paper_training")
     ap.add_argument("--out", type=Path, default=ROOT / "analysis" / "results")
