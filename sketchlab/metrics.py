@@ -1,5 +1,9 @@
 r"""Error metrics between an approximate and an exact kernel matrix.
 
+The error of the attention *output* (:func:`sketchlab.attention.errors.attention_error`) lives in
+the attention package, above the sketches: this module imports nothing but the polynomial
+features, so every layer of the library can use it.
+
 All functions reduce over the last two axes and keep leading (batch) axes, so ``[L, H, n, n]``
 inputs give ``[L, H]`` results. Inputs are compared in float64.
 """
@@ -11,11 +15,10 @@ import torch
 import math
 
 from ._validation import DEFAULT_MAX_BYTES, as_float_tensor, check_memory, check_pair, check_degree
+from .polynomial import _poly_features
 
 __all__ = [
     "ROUNDOFF_TAIL",
-    "attention_error",
-    "causal_attention",
     "kernel_errors",
     "kernel_sq_norm",
     "optimality_ratio",
@@ -135,13 +138,11 @@ def _kernel_sq_norm(q: torch.Tensor, k: torch.Tensor, p: int, max_bytes: int) ->
     # the moment route gathers, the row blocks multiply matrices (~30x faster per flop here): prefer
     # the moments only when they need far fewer operations
     if 32 * (n_q + n_k) * moments < n_q * n_k * d and batch * moments * 8 * 4 <= max_bytes:
-        from .polynomial import poly_features
-
         def summed(x):
             rows = max(1, min(64 * 2**20, max_bytes // 4) // max(1, batch * moments * 8))  # tokens per block
             out = torch.zeros(*x.shape[:-2], moments, dtype=torch.float64, device=x.device)
             for lo in range(0, x.shape[-2], rows):
-                out += poly_features(x[..., lo : lo + rows, :], 2 * p, True, max_bytes=max_bytes).sum(-2)
+                out += _poly_features(x[..., lo : lo + rows, :], 2 * p, True, max_bytes).sum(-2)
             return out
 
         return (summed(q) * summed(k)).sum(-1)
@@ -151,10 +152,15 @@ def _kernel_sq_norm(q: torch.Tensor, k: torch.Tensor, p: int, max_bytes: int) ->
     return out
 
 
+#: Bytes of the row blocks of :func:`kernel_errors` (all copies): small enough that a block stays in
+#: cache between the passes over it (the products, the power, the differences, the sums).
+_ROW_BLOCK_BYTES = 32 * 2**20
+
+
 def _row_blocks(batch: int, n_q: int, n_k: int, max_bytes: int, copies: int = 4):
     """Slices of query rows whose ``[batch, rows, n_k]`` float64 blocks (``copies`` live at once) fit in
-    ``min(max_bytes, 256 MiB)``."""
-    limit = min(max_bytes, 256 * 2**20)
+    ``min(max_bytes, _ROW_BLOCK_BYTES)``."""
+    limit = min(max_bytes, _ROW_BLOCK_BYTES)
     rows = limit // max(1, copies * batch * n_k * 8)
     if rows < 1:
         check_memory(copies * batch * n_k * 8, what=f"one kernel row block ({batch} x 1 x {n_k} float64, {copies} copies)",
@@ -186,9 +192,24 @@ def kernel_errors(sketch, q, k, p: int, *, max_bytes: int = DEFAULT_MAX_BYTES) -
     """
     q, k = check_pair(q, k)
     p = check_degree(p)
+    from ._threads import hot_loop_threads
+
+    with hot_loop_threads(math.prod(q.shape[:-2]) * q.shape[-2] * k.shape[-2] * q.shape[-1]):
+        fq, fk = _sketch_features(sketch, q, k)
+        return _kernel_errors(fq, fk, q, k, p, max_bytes)
+
+
+def _sketch_features(sketch, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(Φ_Q, Φ_K)``: the sketch's features of ``q[..., n_q, d]`` and ``k[..., n_k, d]`` in float64
+    (``[..., n, m]``), without autograd."""
     with torch.no_grad():
-        fq = sketch.features_q(q).to(torch.float64)  # [..., n_q, m]
-        fk = sketch.features_k(k).to(torch.float64)  # [..., n_k, m]
+        return sketch.features_q(q).to(torch.float64), sketch.features_k(k).to(torch.float64)
+
+
+def _kernel_errors(fq: torch.Tensor, fk: torch.Tensor, q: torch.Tensor, k: torch.Tensor, p: int,
+                   max_bytes: int) -> dict:
+    """:func:`kernel_errors` from the features ``fq[..., n_q, m]``, ``fk[..., n_k, m]`` of checked
+    ``q``, ``k`` (:func:`_sketch_features`); trusts its inputs."""
     q64, k64 = q.to(torch.float64), k.to(torch.float64)
     batch = q.shape[:-2]
     sq_err = torch.zeros(batch, dtype=torch.float64, device=q.device)
@@ -210,48 +231,82 @@ def kernel_errors(sketch, q, k, p: int, *, max_bytes: int = DEFAULT_MAX_BYTES) -
     return {"sq_err": sq_err, "sq_norm": sq_norm, "rel_fro": (sq_err / sq_norm).sqrt(), "rel_mae": abs_err / abs_a}
 
 
-def causal_attention(kernel, v, *, eps: float = 1e-6, normalize: str = "sum", segments=None) -> torch.Tensor:
-    r"""Causal kernel attention :math:`((A \odot M) V) / ((A \odot M)\mathbf 1 + \varepsilon)` (or unnormalised).
+def _gram_sq_err(fq: torch.Tensor, fk: torch.Tensor, q: torch.Tensor, k: torch.Tensor, p: int, sq_norm: torch.Tensor,
+                *, max_bytes: int = DEFAULT_MAX_BYTES) -> torch.Tensor:
+    r""":math:`\|\hat A - A\|_F^2` without the ``n_q × n_k`` products, from Gram matrices.
 
-    The one definition of kernel attention in sketchlab:
-    :func:`sketchlab.attention.kernel_attention_naive` with ``causal=True``.
+    .. math:: \|\hat A - A\|_F^2 = \langle\Phi_Q^\top\Phi_Q, \Phi_K^\top\Phi_K\rangle
+              - 2\,\langle\Phi_Q^\top\psi_p(Q), \Phi_K^\top\psi_p(K)\rangle + \|A\|_F^2,
+
+    since :math:`\langle\hat A, A\rangle = \sum_{ij}\phi_Q(q_i)^\top\phi_K(k_j)\,\psi_p(q_i)^\top\psi_p(k_j)`.
+    ``ψ_p`` is the symmetric form (``D = C(d+p-1, p)`` columns), formed in token blocks under
+    ``max_bytes``; cost ``(n_q + n_k)·m·(m + D)`` multiply-adds against ``n_q·n_k·(d + m)`` for the
+    row blocks of :func:`kernel_errors`.
 
     Parameters
     ----------
-    kernel : Tensor ``[..., n, n]``
-        Kernel scores between queries (rows) and keys (columns) of the same tokens.
-    v : Tensor ``[..., n, d_v]``
-    eps : float
-        Added to the normaliser.
-    normalize : ``"sum"`` or ``"none"``
-        ``"sum"`` divides by the masked row sums (+ eps): only safe for non-negative kernels (a
-        signed sketch's row sums can be ``≤ 0``); ``"none"`` returns :math:`(A \odot M)V`.
-    segments : None, int or sequence of int
-        Lengths of the sequences joined along the token axis (they sum to ``n``; an int is the
-        common length): ``M`` never lets a token attend across them. The shipped dump
-        ``data/mqar_softmax_qk.safetensors`` joins two 256-token sequences; its metadata key
-        ``tokens`` holds ``[256, 256]`` (:func:`sketchlab.attention.dump_segments` reads it).
+    fq, fk : float64 Tensor ``[..., n_q, m]``, ``[..., n_k, m]``
+        The sketch's features (:func:`_sketch_features`).
+    q, k : Tensor ``[..., n_q, d]``, ``[..., n_k, d]``
+        Checked (finite, real floating); trusted.
+    p : int
+    sq_norm : float64 Tensor ``[...]``
+        :math:`\|A\|_F^2` (e.g. the sum of all squared singular values, which the floor has).
 
     Returns
     -------
-    Tensor ``[..., n, d_v]`` in float64. ``M`` is the causal (lower-triangular) mask, block-diagonal
-    over ``segments``.
+    float64 Tensor ``[...]``, clamped at 0. The three terms are each accurate to about
+    ``1e-13`` of :math:`\|A\|_F^2`, so the result is accurate to about ``1e-13 · ‖A‖² / sq_err``
+    relative: callers needing it below ``~1e-6 ‖A‖²`` take the row blocks instead.
     """
-    from .attention.reference import kernel_attention_naive
+    d = q.shape[-1]
+    symmetric = p > 1 and d > 1
+    dim = math.comb(d + p - 1, p) if symmetric else d**p
+    batch = math.prod(q.shape[:-2])
+    rows = max(1, min(64 * 2**20, max_bytes // 4) // max(1, batch * dim * 8))  # tokens per block of ψ
 
-    kernel = as_float_tensor(kernel, "kernel")
-    if kernel.ndim < 2 or kernel.shape[-2] != kernel.shape[-1]:
-        raise ValueError(f"kernel must be [..., n, n] (square: queries and keys of the same tokens), got {tuple(kernel.shape)}")
-    return kernel_attention_naive(kernel, v, causal=True, normalize=normalize, eps=eps, segments=segments)
+    def moments(x, f):  # Φᵀψ_p(X), [..., m, D], summed over token blocks
+        out = torch.zeros(*f.shape[:-2], f.shape[-1], dim, dtype=torch.float64, device=f.device)
+        for lo in range(0, x.shape[-2], rows):
+            psi = _poly_features(x[..., lo : lo + rows, :].to(torch.float64), p, symmetric, max_bytes)  # [..., b, D]
+            out += f[..., lo : lo + rows, :].mT @ psi
+        return out
+
+    sq_approx = ((fq.mT @ fq) * (fk.mT @ fk)).sum((-2, -1))  # ‖Â‖² = ⟨Φ_QᵀΦ_Q, Φ_KᵀΦ_K⟩
+    cross = (moments(q, fq) * moments(k, fk)).sum((-2, -1))  # ⟨Â, A⟩
+    return (sq_approx - 2 * cross + sq_norm).clamp_min(0)
 
 
-def attention_error(approx, exact, v, *, eps: float = 1e-6, normalize: str = "sum", segments=None) -> torch.Tensor:
-    r"""Relative error of the causal attention output.
+def _sampled_rel_mae(fq: torch.Tensor, fk: torch.Tensor, q: torch.Tensor, k: torch.Tensor, p: int, rows: torch.Tensor,
+                    *, max_bytes: int = DEFAULT_MAX_BYTES) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""``rel_mae`` estimated on the query rows ``rows`` (all keys), and its standard error.
 
-    :math:`\|O(\hat A) - O(A)\|_F / \|O(A)\|_F` with :math:`O` from :func:`causal_attention`
-    (same ``eps``, ``normalize`` and ``segments``), per batch element.
+    With :math:`a_i = \sum_j |\hat A_{ij} - A_{ij}|` and :math:`b_i = \sum_j |A_{ij}|` on a simple
+    random sample ``S`` of ``r`` of the ``n_q`` query rows (drawn without replacement by the
+    caller), the ratio estimator :math:`\hat R = \sum_S a_i / \sum_S b_i` of
+    :math:`\sum_i a_i / \sum_i b_i` has the standard error (Cochran, *Sampling Techniques*, §6.3)
+
+    .. math:: \mathrm{se} = \frac{1}{\bar b}\sqrt{\frac{1 - r/n_q}{r}\,
+              \frac{\sum_S (a_i - \hat R b_i)^2}{r - 1}}.
+
+    ``fq``, ``fk`` are the features of all of ``q``, ``k`` (:func:`_sketch_features`); inputs are
+    trusted (checked by the caller). Returns float64 ``(estimate, se)``, each ``[...]``; with every
+    row sampled the estimate is :func:`rel_mae` exactly and ``se`` is 0.
     """
-    approx, exact = _pair(approx, exact)
-    out_hat = causal_attention(approx, v, eps=eps, normalize=normalize, segments=segments)
-    out = causal_attention(exact, v, eps=eps, normalize=normalize, segments=segments)
-    return torch.linalg.matrix_norm(out_hat - out) / torch.linalg.matrix_norm(out)
+    n_q = q.shape[-2]
+    r = rows.numel()
+    q64, k64 = q[..., rows, :].to(torch.float64), k.to(torch.float64)
+    fs = fq[..., rows, :]
+    batch = q.shape[:-2]
+    a = torch.empty(*batch, r, dtype=torch.float64, device=q.device)
+    b = torch.empty_like(a)
+    for sl in _row_blocks(math.prod(batch), r, k.shape[-2], max_bytes, copies=2):
+        exact = (q64[..., sl, :] @ k64.mT).pow_(p)  # [..., rows, n_k]
+        b[..., sl] = exact.abs().sum(-1)
+        a[..., sl] = (fs[..., sl, :] @ fk.mT).sub_(exact).abs_().sum(-1)
+    estimate = a.sum(-1) / b.sum(-1)
+    if r < 2 or r == n_q:
+        return estimate, torch.zeros_like(estimate)
+    resid = a - estimate[..., None] * b  # [..., r]
+    se = ((1 - r / n_q) / r * resid.pow(2).sum(-1) / (r - 1)).sqrt() / b.mean(-1)
+    return estimate, se

@@ -59,8 +59,9 @@ import torch
 
 import math
 
-from ._validation import check_degree, check_memory, check_pair, check_positive_int
-from .polynomial import DEFAULT_MAX_BYTES, feature_gram_root, poly_features, poly_kernel, symmetric_to_full
+from ._validation import check_degree, check_kernel_underflow, check_memory, check_pair, check_positive_int
+from .polynomial import DEFAULT_MAX_BYTES, _feature_gram_root, _poly_features, _poly_kernel, poly_features, symmetric_to_full
+from ._threads import hot_loop_threads
 from .sketch import Sketch
 
 __all__ = ["OptimalSketch", "max_sketch_size", "min_norm_sketch", "optimal_sketch", "tail_bound"]
@@ -149,14 +150,22 @@ def max_sketch_size(n_q: int, n_k: int, d: int, p: int) -> int:
     return min(n_q, n_k, _feature_dim(d, p)[0])
 
 
+def _work(q: torch.Tensor, k: torch.Tensor, p: int) -> float:
+    """Multiply-adds of the optimum's factorisation, ``~(n_q + n_k)·D²`` per head (for the thread count)."""
+    dim = _feature_dim(q.shape[-1], p)[0]
+    return math.prod(q.shape[:-2]) * min((q.shape[-2] + k.shape[-2]) * dim * dim, q.shape[-2] * k.shape[-2] * min(q.shape[-2], k.shape[-2]))
+
+
 def _check_inputs(q, k, p, m, route, max_bytes):
+    """The public entry points' checks; returns :func:`_plan`'s ``(q, k, p, m, d, symmetric, route)``."""
     q, k = check_pair(q, k)
     p = check_degree(p)
+    check_kernel_underflow(q, k, p)
     m = check_positive_int(m, "m (the sketch size)")
     if route not in _ROUTES:
         raise ValueError(f"route must be one of {_ROUTES}, got {route!r}")
     d = q.shape[-1]
-    dim, symmetric = _feature_dim(d, p)
+    dim, _ = _feature_dim(d, p)
     n_q, n_k = q.shape[-2], k.shape[-2]
     limit = max_sketch_size(n_q, n_k, d, p)
     if m > limit:
@@ -165,6 +174,19 @@ def _check_inputs(q, k, p, m, route, max_bytes):
             f"the largest rank A = (QKᵀ)^p can have; got m={m}. Beyond it the tail is 0 and the "
             "exact features are already optimal"
         )
+    return _plan(q, k, p, m, route, max_bytes)
+
+
+def _plan(q, k, p, m, route, max_bytes):
+    """The route and the memory checks for inputs already checked (:func:`_check_inputs`, or
+    :func:`sketchlab.fit_sketch`): finite real floating ``q[..., n_q, d]``, ``k[..., n_k, d]``,
+    ints ``p >= 1`` and ``1 <= m <= max_sketch_size``, a known ``route``. Trusts them.
+
+    Returns ``(q, k, p, m, d, symmetric, route)`` with ``q, k`` in float64 and ``route`` resolved.
+    """
+    d = q.shape[-1]
+    dim, symmetric = _feature_dim(d, p)
+    n_q, n_k = q.shape[-2], k.shape[-2]
     batch = math.prod(q.shape[:-2])
     if route == "auto":
         if max(n_q, n_k) <= dim:
@@ -200,21 +222,21 @@ def _factor(q, k, p, symmetric, route, max_bytes, *, vectors: bool):
     ``W*_Q = B_K V_m Σ_m^{-1/2}``.
     """
     if route == "svd" and not vectors:
-        return torch.linalg.svdvals(_finite(poly_kernel(q, k, p), "the kernel (QKᵀ)^p", p)), None
+        return torch.linalg.svdvals(_finite(_poly_kernel(q, k, p, max_bytes), "the kernel (QKᵀ)^p", p)), None
     n = min(q.shape[-2], k.shape[-2])
     if route == "gram":
-        r_q = feature_gram_root(_finite(q, "q", p), p, symmetric, max_bytes=max_bytes)  # [..., N_q, D]
-        r_k = feature_gram_root(k, p, symmetric, max_bytes=max_bytes)  # (raises itself when ψᵀψ overflows)
+        r_q = _feature_gram_root(q, p, symmetric, max_bytes)  # [..., N_q, D]
+        r_k = _feature_gram_root(k, p, symmetric, max_bytes)  # (raises itself when ψᵀψ overflows)
     else:
-        psi_q = _finite(poly_features(q, p, symmetric, max_bytes=max_bytes), "ψ_p(Q)", p)  # [..., n_q, D]
-        psi_k = _finite(poly_features(k, p, symmetric, max_bytes=max_bytes), "ψ_p(K)", p)  # [..., n_k, D]
+        psi_q = _finite(_poly_features(q, p, symmetric, max_bytes), "ψ_p(Q)", p)  # [..., n_q, D]
+        psi_k = _finite(_poly_features(k, p, symmetric, max_bytes), "ψ_p(K)", p)  # [..., n_k, D]
         if route == "svd":
-            kernel = _finite(poly_kernel(q, k, p), "the kernel (QKᵀ)^p", p)
+            kernel = _finite(_poly_kernel(q, k, p, max_bytes), "the kernel (QKᵀ)^p", p)
             u, s, vh = torch.linalg.svd(kernel, full_matrices=False)  # A = U diag(s) Vh
             return s, (psi_q.mT, u, psi_k.mT, vh.mT)  # ψ_Qᵀ [..., D, n_q], ψ_Kᵀ [..., D, n_k]
         _, r_q = torch.linalg.qr(psi_q)  # ψ_Q = Q_Q R_Q, R_Q [..., r_q, D]
         _, r_k = torch.linalg.qr(psi_k)  # ψ_K = Q_K R_K, R_K [..., r_k, D]
-    core = r_q @ r_k.mT  # [..., r_q, r_k]; A = Q_Q core Q_Kᵀ
+    core = _finite(r_q @ r_k.mT, "the core R_Q R_Kᵀ of (QKᵀ)^p", p)  # [..., r_q, r_k]; A = Q_Q core Q_Kᵀ
     if not vectors:
         return _pad(torch.linalg.svdvals(core), n), None
     u, s, vh = torch.linalg.svd(core, full_matrices=False)
@@ -257,7 +279,13 @@ def optimal_sketch(q, k, p: int, m: int, *, route: str = "auto", max_bytes: int 
     split (:math:`\phi^*_Q(Q) = U_m\Sigma_m^{1/2}`, :math:`\phi^*_K(K) = V_m\Sigma_m^{1/2}`) and the
     Nyström choice described in the module docstring.
     """
-    q, k, p, m, d, symmetric, route = _check_inputs(q, k, p, m, route, max_bytes)
+    checked = _check_inputs(q, k, p, m, route, max_bytes)
+    with hot_loop_threads(_work(*checked[:3])):
+        return _optimal_sketch(*checked, max_bytes)
+
+
+def _optimal_sketch(q, k, p, m, d, symmetric, route, max_bytes) -> OptimalSketch:
+    """:func:`optimal_sketch` on :func:`_plan`'s output (checked float64 inputs, resolved route); trusts it."""
     s, (b_q, u, b_k, v) = _factor(q, k, p, symmetric, route, max_bytes, vectors=True)
     s_m = s[..., :m]
     # Σ_m^{-1/2}, with singular values at round-off level (rank A < m) treated as 0: their
@@ -276,9 +304,23 @@ def tail_bound(q, k, p: int, m: int, *, route: str = "auto", max_bytes: int = DE
     Same arguments and rules as :func:`optimal_sketch`; returns float64 ``[...]`` (batch shape).
     Computes singular values only.
     """
-    q, k, p, m, d, symmetric, route = _check_inputs(q, k, p, m, route, max_bytes)
+    checked = _check_inputs(q, k, p, m, route, max_bytes)
+    with hot_loop_threads(_work(*checked[:3])):
+        return _tail_bound(*checked, max_bytes)
+
+
+def _tail_bound(q, k, p, m, d, symmetric, route, max_bytes) -> torch.Tensor:
+    """:func:`tail_bound` on :func:`_plan`'s output (checked float64 inputs, resolved route); trusts it."""
     s, _ = _factor(q, k, p, symmetric, route, max_bytes, vectors=False)
     return (s[..., m:] ** 2).sum(-1)
+
+
+def _kernel_singular_values(q, k, p: int, m: int, route: str, max_bytes: int) -> torch.Tensor:
+    """All singular values of ``A`` (``[..., min(n_q, n_k)]``, descending) for checked inputs, as
+    :func:`tail_bound` computes them (its floor is ``(s[..., m:]**2).sum(-1)``, ``‖A‖_F² = (s**2).sum(-1)``).
+    ``m`` only steers the route; trusts its inputs (:func:`_plan`)."""
+    q, k, p, m, d, symmetric, route = _plan(q, k, p, m, route, max_bytes)
+    return _factor(q, k, p, symmetric, route, max_bytes, vectors=False)[0]
 
 
 def min_norm_sketch(q, k, p: int, m: int, *, max_bytes: int = DEFAULT_MAX_BYTES) -> OptimalSketch:
@@ -294,15 +336,21 @@ def min_norm_sketch(q, k, p: int, m: int, *, max_bytes: int = DEFAULT_MAX_BYTES)
     at a fraction of its cost (no SVD of the ``n×D`` matrix). This is the held-out reference of
     :func:`sketchlab.fit_sketch` (``holdout_reference_rel_fro``). ``q[..., n_q, d]``, ``k[..., n_k, d]``.
     """
-    opt = optimal_sketch(q, k, p, m, max_bytes=max_bytes)
-    q, k = check_pair(q, k)
+    checked = _check_inputs(q, k, p, m, "auto", max_bytes)
+    with hot_loop_threads(_work(*checked[:3])):
+        return _min_norm_sketch(*checked, max_bytes)
+
+
+def _min_norm_sketch(q, k, p, m, d, symmetric, route, max_bytes) -> OptimalSketch:
+    """:func:`min_norm_sketch` on :func:`_plan`'s output (checked float64 inputs); trusts it."""
+    opt = _optimal_sketch(q, k, p, m, d, symmetric, route, max_bytes)
     w = {}
     for side, x, weights in (("q", q, opt.w_q), ("k", k, opt.w_k)):
         x = x.to(torch.float64)
         if x.shape[-2] >= weights.shape[-2]:
             w[side] = weights
             continue
-        psi = poly_features(x, p, opt.symmetric, max_bytes=max_bytes)  # [..., n, D]
+        psi = _poly_features(x, p, opt.symmetric, max_bytes)  # [..., n, D]
         basis, r = torch.linalg.qr(psi.mT)  # ψᵀ = basis·r: [..., D, n], [..., n, n]
         u, sv, vh = torch.linalg.svd(r.mT)  # ψ = u·diag(sv)·(basis·vhᵀ)ᵀ, singular values of ψ
         cut = max(psi.shape[-2:]) * torch.finfo(torch.float64).eps * sv[..., :1]  # pinv's default rtol
@@ -316,9 +364,13 @@ def min_norm_sketch(q, k, p: int, m: int, *, max_bytes: int = DEFAULT_MAX_BYTES)
 def _fit_optimal(q, k, *, p: int, m: int, seed: int = 0, route: str = "auto",
                  choice: str = "nystrom") -> OptimalSketch:
     """``fit_sketch("optimal", ...)``: deterministic; ``seed`` is accepted and unused. ``choice``
-    ``"nystrom"`` (:func:`optimal_sketch`) or ``"min-norm"`` (:func:`min_norm_sketch`)."""
+    ``"nystrom"`` (:func:`optimal_sketch`) or ``"min-norm"`` (:func:`min_norm_sketch`).
+
+    Trusts ``q, k, p, m`` as :func:`sketchlab.fit_sketch` checked them; checks its own options."""
+    if route not in _ROUTES:
+        raise ValueError(f"route must be one of {_ROUTES}, got {route!r}")
     if choice == "nystrom":
-        return optimal_sketch(q, k, p, m, route=route)
+        return _optimal_sketch(*_plan(q, k, p, m, route, DEFAULT_MAX_BYTES), DEFAULT_MAX_BYTES)
     if choice == "min-norm":
-        return min_norm_sketch(q, k, p, m)
+        return _min_norm_sketch(*_plan(q, k, p, m, "auto", DEFAULT_MAX_BYTES), DEFAULT_MAX_BYTES)
     raise ValueError(f"choice must be 'nystrom' or 'min-norm', got {choice!r}")

@@ -78,8 +78,11 @@ def _central_counts(d: int, p: int) -> list[int]:
 
 def num_poly_features(d: int, p: int, symmetric: bool = False) -> int:
     """Number of exact features: ``d**p`` (full) or ``C(d+p-1, p)`` (symmetric)."""
-    d = check_positive_int(d, "d")
-    p = check_degree(p)
+    return _num_features(check_positive_int(d, "d"), check_degree(p), symmetric)
+
+
+def _num_features(d: int, p: int, symmetric: bool) -> int:
+    """:func:`num_poly_features` for checked ``d, p >= 1`` (trusts its inputs)."""
     return math.comb(d + p - 1, p) if symmetric else d**p
 
 
@@ -121,7 +124,7 @@ def _check_budget(batch_numel: int, num_features: int, itemsize: int, max_bytes:
     way_out = (
         "use smaller d or p, or fewer rows"
         if symmetric
-        else f"use symmetric=True ({num_poly_features(d, p, True)} features instead of {d**p}), "
+        else f"use symmetric=True ({_num_features(d, p, True)} features instead of {d**p}), "
         "smaller d or p, or fewer rows"
     )
     check_memory(
@@ -163,12 +166,19 @@ def poly_features(x, p: int, symmetric: bool = False, *, max_bytes: int = DEFAUL
     if x.ndim < 1 or x.shape[-1] == 0:
         raise ValueError(f"x must have shape [..., d] with d >= 1, got {tuple(x.shape)}")
     check_finite(x, "x", allow_meta=True)
+    return _poly_features(x, p, symmetric, max_bytes)
+
+
+def _poly_features(x: torch.Tensor, p: int, symmetric: bool, max_bytes: int) -> torch.Tensor:
+    """:func:`poly_features` for a checked input: a finite real floating ``x[..., d]`` (``d >= 1``)
+    and an int ``p >= 1``. Trusts them; checks only what depends on the sizes (the memory budget,
+    the multinomial weights, overflow of the result)."""
     d = x.shape[-1]
     batch = x.shape[:-1]
-    num = num_poly_features(d, p, symmetric)
+    num = _num_features(d, p, symmetric)
     _check_budget(math.prod(batch), num, x.element_size(), max_bytes, d, p, symmetric)
     if symmetric:
-        index, weight = symmetric_index(d, p)
+        index, weight = _symmetric_index_cpu(d, p)
         if not bool(torch.isfinite(weight.to(x.dtype)).all()):
             top = max(0.5 * (math.lgamma(p + 1) - sum(math.lgamma(c + 1) for c in _central_counts(d, p))), 0.0)
             raise FloatingPointError(
@@ -252,6 +262,16 @@ def poly_kernel(q, k, p: int, *, max_bytes: int = DEFAULT_MAX_BYTES) -> torch.Te
         raise ValueError(
             f"q and k must have broadcastable leading (batch) axes, got {tuple(q.shape[:-2])} and {tuple(k.shape[:-2])}"
         ) from None
+    check_finite(q, "q", allow_meta=True)
+    check_finite(k, "k", allow_meta=True)
+    return _poly_kernel(q, k, p, max_bytes)
+
+
+def _poly_kernel(q: torch.Tensor, k: torch.Tensor, p: int, max_bytes: int) -> torch.Tensor:
+    """:func:`poly_kernel` for checked inputs (finite real floating ``q[..., n_q, d]``,
+    ``k[..., n_k, d]`` with broadcastable batch axes, an int ``p >= 1``). Trusts them; checks
+    the memory budget and overflow of the result."""
+    batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2])
     dtype = torch.promote_types(q.dtype, k.dtype)
     n_q, n_k = q.shape[-2], k.shape[-2]
     check_memory(
@@ -260,8 +280,6 @@ def poly_kernel(q, k, p: int, *, max_bytes: int = DEFAULT_MAX_BYTES) -> torch.Te
         way_out="use fewer tokens or heads at a time",
         max_bytes=max_bytes,
     )
-    check_finite(q, "q", allow_meta=True)
-    check_finite(k, "k", allow_meta=True)
     s = q @ k.mT  # [..., n_q, n_k]
     out = s**p
     check_power_overflow(out, s, p, f"poly_kernel: (qᵀk)^{p}")
@@ -307,10 +325,17 @@ def feature_gram_root(x, p: int, symmetric: bool = False, *, max_bytes: int = DE
     """
     x = as_float_tensor(x, "x").to(torch.float64)
     p = check_degree(p)
-    if x.ndim < 2:
-        raise ValueError(f"x must have shape [..., n, d], got {tuple(x.shape)}")
+    if x.ndim < 2 or x.shape[-1] == 0:
+        raise ValueError(f"x must have shape [..., n, d] with d >= 1, got {tuple(x.shape)}")
+    check_finite(x, "x")
+    return _feature_gram_root(x, p, symmetric, max_bytes)
+
+
+def _feature_gram_root(x: torch.Tensor, p: int, symmetric: bool, max_bytes: int) -> torch.Tensor:
+    """:func:`feature_gram_root` for a checked input (finite float64 ``x[..., n, d]``, an int
+    ``p >= 1``); trusts it, checks the memory budget and overflow of the Gram matrix."""
     *batch, n, d = x.shape
-    dim = num_poly_features(d, p, symmetric)
+    dim = _num_features(d, p, symmetric)
     heads = math.prod(batch)
     check_memory(16 * heads * dim * dim, what=f"the Gram matrix of ψ_{p} and its factor ({heads} x {dim} x {dim} float64, twice)",
                  way_out="use fewer heads at a time or a smaller d or p", max_bytes=max_bytes)
@@ -319,7 +344,7 @@ def feature_gram_root(x, p: int, symmetric: bool = False, *, max_bytes: int = DE
     gram = torch.zeros(heads, dim, dim, dtype=torch.float64, device=x.device)
     edges = [dim * i // _GRAM_PARTS for i in range(_GRAM_PARTS + 1)]  # column blocks of G
     for lo in range(0, n, block):
-        psi = poly_features(flat[:, lo : lo + block], p, symmetric, max_bytes=max_bytes)  # [B, b, D]
+        psi = _poly_features(flat[:, lo : lo + block], p, symmetric, max_bytes)  # [B, b, D]
         for a, b in zip(edges[:-1], edges[1:]):  # block row a..b from its diagonal block on
             gram[:, a:b, a:] += psi[..., a:b].mT @ psi[..., a:]
     gram = gram.triu() + gram.triu(1).mT  # G is symmetric: mirror the upper triangle

@@ -65,8 +65,8 @@ class SpectralNorm:
         Best :math:`\\langle T, u_1\\otimes\\dots\\otimes u_p\\rangle` found (a lower bound on ``‖T‖_σ``).
     factors : list of float64 Tensor ``[d_j]``
         Unit vectors attaining ``value`` (all equal when ``symmetric``).
-    values : float64 Tensor ``[restarts]``
-        The value each restart converged to.
+    values : float64 Tensor ``[starts]``
+        The value each start converged to (``restarts`` of them, more when ``confirm`` asked for them).
     agree : int
         Restarts within ``agree_tol`` (relative) of ``value``: the certificate.
     upper_bound : float
@@ -153,6 +153,8 @@ def spectral_norm(
     tol: float = 1e-13,
     agree_tol: float = 1e-8,
     shift: float | None = None,
+    confirm: int = 1,
+    max_restarts: int = 64,
 ) -> SpectralNorm:
     r"""Tensor spectral norm :math:`\|T\|_\sigma = \max_{\|u_j\|=1}\langle T, u_1\otimes\dots\otimes u_p\rangle`.
 
@@ -176,6 +178,13 @@ def spectral_norm(
     shift : float or None
         SS-HOPM shift ``α``; ``None`` takes ``(p-1)·‖T‖_F``, which exceeds the bound of Kolda &
         Mayo (2011) and makes every iteration monotone (slower convergence for larger ``α``).
+    confirm : int
+        Stop on the certificate: after the ``restarts`` starts, keep drawing random starts until
+        ``confirm`` of them agree (``agree_tol``) on the best value, or ``max_restarts`` starts
+        were made. ``1`` (default): exactly ``restarts`` starts. A best value that only one start
+        reached may be a local maximum; ``confirm=2`` asks a second start to find it too.
+    max_restarts : int
+        Most starts ``confirm`` may use (at least ``restarts``).
 
     Returns
     -------
@@ -190,6 +199,8 @@ def spectral_norm(
     t = _check_tensor(T)
     restarts = check_positive_int(restarts, "restarts")
     max_iter = check_positive_int(max_iter, "max_iter")
+    confirm = check_positive_int(confirm, "confirm")
+    max_restarts = max(restarts, check_positive_int(max_restarts, "max_restarts"))
     p = t.ndim
     fro = float(torch.linalg.vector_norm(t))
     upper = min(float(torch.linalg.matrix_norm(_unfold(t, j), ord=2)) for j in range(p)) if p > 1 else fro
@@ -216,7 +227,10 @@ def spectral_norm(
         if not math.isfinite(alpha) or alpha < 0:
             raise ValueError(f"shift must be a finite number >= 0, got {shift!r}")
     best, best_factors, values, most = -math.inf, None, [], 0
-    for r in range(restarts):
+    r = 0
+    while r < restarts or (
+        r < max_restarts and sum(v >= best - agree_tol * abs(best) for v in values) < confirm
+    ):
         if r == 0:
             starts = [torch.linalg.svd(_unfold(t, j), full_matrices=False)[0][:, 0] for j in range(p)]
         else:
@@ -243,6 +257,7 @@ def spectral_norm(
         most = max(most, it)
         if val > best:
             best, best_factors = val, vectors
+        r += 1
     values_t = torch.tensor(values, dtype=torch.float64, device=t.device)
     agree = int((values_t >= best - agree_tol * abs(best)).sum())
     return SpectralNorm(best, best_factors, values_t, agree, upper, most)

@@ -24,12 +24,22 @@ from dataclasses import dataclass
 import torch
 
 from ._dumpsel import select_and_scale
-from ._validation import DEFAULT_MAX_BYTES, check_degree, check_fraction, check_memory
+from ._validation import DEFAULT_MAX_BYTES, check_degree, check_fraction, check_kernel_underflow, check_memory
 from .fit import holdout_split
 from .polynomial import num_poly_features, poly_features, poly_kernel
 from .scaling import DEFAULT_SCALE
 
 __all__ = ["KernelSpectrum", "kernel_singular_values", "kernel_spectrum"]
+
+
+def _finite(x: torch.Tensor, what: str, p: int) -> torch.Tensor:
+    """``x`` unchanged, or ``ValueError`` when float64 overflowed (before an SVD fails with ``_LinAlgError``)."""
+    if not bool(torch.isfinite(x).all()):
+        raise ValueError(
+            f"kernel spectrum: {what} overflows float64 (p={p}; values beyond 1e308): the inputs are too large; "
+            "rescale q and k (scale='sqrt-d', x · d^-1/4, is the usual choice) or lower p"
+        )
+    return x
 
 
 def kernel_singular_values(q: torch.Tensor, k: torch.Tensor, p: int, *, max_bytes: int = DEFAULT_MAX_BYTES) -> torch.Tensor:
@@ -41,18 +51,19 @@ def kernel_singular_values(q: torch.Tensor, k: torch.Tensor, p: int, *, max_byte
     """
     p = check_degree(p)
     q, k = q.to(torch.float64), k.to(torch.float64)
+    check_kernel_underflow(q, k, p)  # computed in float64: only float64's range matters
     batch, n_q, n_k, d = math.prod(q.shape[:-2]), q.shape[-2], k.shape[-2], q.shape[-1]
     symmetric = num_poly_features(d, p, True) < num_poly_features(d, p, False)
     dim = num_poly_features(d, p, symmetric)
     if max(n_q, n_k) <= dim:
         check_memory(batch * n_q * n_k * 8, what=f"the kernel A of {batch} head(s), {n_q} x {n_k} float64",
                      way_out="select fewer layers/heads or tokens", max_bytes=max_bytes)
-        return torch.linalg.svdvals(poly_kernel(q, k, p))
+        return torch.linalg.svdvals(_finite(poly_kernel(q, k, p), "the kernel (QKᵀ)^p", p))
     check_memory(batch * max(n_q, n_k) * dim * 8, what=f"psi_p of {batch} head(s), {max(n_q, n_k)} x {dim} float64",
                  way_out="select fewer layers/heads or tokens, or a smaller p", max_bytes=max_bytes)
     _, r_q = torch.linalg.qr(poly_features(q, p, symmetric))  # ψ_Q = Q_Q R_Q, R_Q [..., min(n_q, D), D]
     _, r_k = torch.linalg.qr(poly_features(k, p, symmetric))  # ψ_K = Q_K R_K, R_K [..., min(n_k, D), D]
-    s = torch.linalg.svdvals(r_q @ r_k.mT)  # [..., r]: A = Q_Q (R_Q R_Kᵀ) Q_Kᵀ has the same non-zero σ
+    s = torch.linalg.svdvals(_finite(r_q @ r_k.mT, "the core R_Q R_Kᵀ of (QKᵀ)^p", p))  # [..., r]: A = Q_Q (R_Q R_Kᵀ) Q_Kᵀ has the same non-zero σ
     n = min(n_q, n_k)
     return torch.nn.functional.pad(s, (0, max(0, n - s.shape[-1])))[..., :n]
 
@@ -120,8 +131,17 @@ class KernelSpectrum:
         return ok.to(torch.int64).argmax(-1) + 1
 
     def energy_rank(self, fraction: float = 0.99) -> torch.Tensor:
-        """Smallest ``m`` capturing ``fraction`` of ``‖A‖_F²``: int64 ``[L', H']``."""
-        return self.floor_m(math.sqrt(1 - fraction))
+        """Smallest ``m`` capturing ``fraction`` of ``‖A‖_F²``: int64 ``[L', H']``.
+
+        ``Σ_{i≤m} σ_i² ≥ fraction·‖A‖_F²`` up to a few units of round-off of the sums (so that 4 of
+        5 equal values capture exactly 0.8, which ``√(1 − 0.8)`` compared with floors would miss).
+        """
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction < 1:
+            raise ValueError(f"fraction (of ‖A‖_F²) must lie in (0, 1), got {fraction!r}")
+        energy = self.singular_values**2  # [L', H', r]
+        captured = energy.cumsum(-1)  # [L', H', r]: Σ_{i≤m} σ_i², m = 1..r
+        need = fraction * energy.sum(-1, keepdim=True) * (1 - 8 * energy.shape[-1] * torch.finfo(torch.float64).eps)
+        return (captured >= need).to(torch.int64).argmax(-1) + 1
 
     def to_markdown(self, sizes=(8, 16, 32, 64, 128, 256)) -> str:
         """Per (layer, head): ``σ_1``, ``σ_m/σ_1`` and the relative floor at each ``m`` of ``sizes``."""

@@ -128,3 +128,24 @@ def test_spectrum_uses_the_fitting_tokens_and_scale():
 def test_bad_input(kwargs, err, match):
     with pytest.raises(err, match=match):
         advise(_qk(), **{"p": 2, "target": 0.05, "progress": False, **kwargs})
+
+
+@pytest.mark.parametrize("ratio,answer,calls", [
+    # floor(m) = 2^-m, target 1e-6, floor m = 20. A method r× the floor at every m: the first fit (m = 20)
+    # measures r, the prediction jumps to the smallest m with r·2^-m ≤ 1e-6 (r = 3: 22; r = 100: 27),
+    # which passes, and bisection between 21 and it confirms the boundary.
+    (1.0, 20, [20]),
+    (3.0, 22, [20, 22, 21]),
+    (100.0, 27, [20, 27, 24, 26]),
+])
+def test_bracket_jumps_to_the_predicted_m(ratio, answer, calls):
+    floor = torch.tensor([1.0] + [0.5**m for m in range(1, 65)], dtype=F64)
+    made = []
+
+    def fit_at(m):
+        made.append(m)
+        rel = float(floor[m]) * ratio
+        return rel, rel <= 1e-6
+
+    assert _practical_m(fit_at, floor, 20, 64, 1e-6) == answer
+    assert made == calls

@@ -87,3 +87,29 @@ def test_bad_forward_input():
     block = LLoPSAttention(8, 2)
     with pytest.raises(ValueError, match=r"\[B, T, E=8\]"):
         block(torch.ones(2, 3, 6))
+
+
+def test_from_pretrained_on_a_signed_theta_never_divides_by_a_signed_sum(tmp_path):
+    """On the shipped dump: a fitted LLoPS Θ is signed; from_pretrained's default self-tensors it, so
+    every output row is a convex combination of the values (|o| <= max |v|) and no denominator is
+    <= 0, while the explicit signed "sum" meets denominators <= 0 (and warns)."""
+    import warnings
+    from pathlib import Path
+
+    from sketchlab.attention import dump_segments, llops_is_non_negative
+
+    dump = sl.load_qk(Path(__file__).resolve().parents[1] / "data" / "mqar_softmax_qk.safetensors", layers=[0])
+    factor = dump.q.shape[-1] ** -0.25
+    fit = sl.fit_sketch("llops", dump.q * factor, dump.k * factor, p=2, m=16, seed=0)
+    path = sl.export_theta(fit, tmp_path / "theta.safetensors", dump=dump, scale="sqrt-d")
+    q, k, v = (x.transpose(1, 2).double() for x in (dump.q, dump.k, dump.v))  # [1, n, H, d]
+    segments = dump_segments(dump)
+    block = LLoPSAttention.from_pretrained(path, layer=0, dtype=torch.float64)
+    assert not llops_is_non_negative(block.theta_q) and block.non_negative and block.normalize == "sum"
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")  # the default raises no denominator warning
+        out = block.attend(q, k, v, segments=segments)
+    assert out.abs().max() <= v.abs().max() * (1 + 1e-9)
+    signed = LLoPSAttention.from_pretrained(path, layer=0, dtype=torch.float64, non_negative=False)
+    with torch.no_grad(), pytest.warns(RuntimeWarning, match="denominator <= 0"):
+        signed.attend(q, k, v, segments=segments)

@@ -95,7 +95,7 @@ COMPARE_CASES = [
     ("npy.npy --p 2 --m 4 --methods psf --markdown npy.k.npy", 2, r"--markdown: output .*npy.k.npy' is the input"),
     ("good.safetensors --p 2 --m 4 --methods psf --json out.txt --markdown out.txt", 2, r"outputs --json and --markdown are the same file"),
     ("good.safetensors --p 2 --m 4 --methods psf --json link_to_good", 2, r"--json: output .*link_to_good' is the input"),
-    ("good.safetensors --p 2 --m 4 --methods psf --json nodir/x.json", 2, r"--json: output directory .*nodir' does not exist"),
+    ("good.safetensors --p 2 --m 4 --methods psf --json good.safetensors/x.json", 2, r"--json: cannot create the output directory of 'good.safetensors/x.json': .*good.safetensors' is a file"),
     ("good.safetensors --p 2 --m 4 --methods psf --json .", 2, r"--json: output '\.' is a directory"),
 ]
 
@@ -157,8 +157,8 @@ def model_dir(tmp_path_factory):
 
 @pytest.mark.parametrize("ids,extra,match", [
     ("1 2 99", [], r"ids.txt: token id 99 is outside the model's vocabulary of 10 .*sequence 1, position 2"),
-    ("1 " * 20, ["--max-tokens", "100"], r"a sequence of 20 tokens exceeds the model's position limit of 16 \(config\.\w+\); "
-                                         r"pass max_tokens \(--max-tokens\) <= 16"),
+    ("1 " * 20, ["--seq-len", "20"], r"a sequence of 20 tokens exceeds the model's position limit of 16 \(config\.\w+\); "
+                                     r"pass seq_len \(--seq-len\) <= 16"),
     ("1 18446744073709551616", [], r"ids.txt:1: token id 18446744073709551616 is beyond the largest id"),
 ])
 def test_capture_checks_inputs_against_the_model(ids, extra, match, model_dir, capsys):

@@ -55,8 +55,14 @@ def test_bert_query_key_value():
         torch.testing.assert_close(dump.q[layer], _to_dump_layout(q, 3, mask), **TOL)
         torch.testing.assert_close(dump.k[layer], _to_dump_layout(k, 3, mask), **TOL)
         torch.testing.assert_close(dump.v[layer], _to_dump_layout(v, 3, mask), **TOL)
-    assert dump.meta["scale"] == "none" and dump.meta["captured"].startswith("projections")
+    # by default through the attention interface (what the attention receives); BERT has no
+    # rotary embedding, so the projection hooks capture the same tensors
+    assert dump.meta["scale"] == "none" and dump.meta["captured"] == "attention-inputs"
     assert json.loads(dump.meta["tokens"]) == [7, 5]
+    hooks = capture_qk(model, {"input_ids": ids, "attention_mask": mask}, point="projections")
+    assert hooks.meta["captured"] == "projections"
+    for role in "qkv":
+        torch.testing.assert_close(getattr(hooks, role), getattr(dump, role), **TOL)
 
 
 def test_gpt2_fused_c_attn_split():
@@ -87,7 +93,7 @@ def test_llama_grouped_query_repeat():
     torch.manual_seed(2)
     model = transformers.LlamaModel(cfg).eval()
     ids = _tokens(40, seed=2)
-    dump = capture_qk(model, ids)
+    dump = capture_qk(model, ids, point="projections")
     assert dump.q.shape == dump.k.shape == dump.v.shape == (3, 4, B * T, 8)
     with torch.no_grad():
         hidden = model(ids, output_hidden_states=True).hidden_states
@@ -103,17 +109,56 @@ def test_llama_grouped_query_repeat():
         # q heads 0,1 share kv head 0 and q heads 2,3 kv head 1 (transformers' repeat_kv)
         for h_q in range(4):
             torch.testing.assert_close(dump.k[layer, h_q], kh[h_q // 2], **TOL)
-    assert "before RoPE" in dump.meta["captured"]
+    assert dump.meta["captured"] == "pre-rope"
     # num_heads alone must still take the 2 kv heads from the config (k was split into 4 heads
     # of width 4 before): the dump is identical to the fully automatic one
-    explicit = capture_qk(model, ids, num_heads=4)
+    explicit = capture_qk(model, ids, num_heads=4, point="projections")
     assert explicit.k.shape == (3, 4, B * T, 8)
     torch.testing.assert_close(explicit.k, dump.k, rtol=0, atol=0)
     torch.testing.assert_close(explicit.v, dump.v, rtol=0, atol=0)
     # a wrong explicit kv head count is caught with the split it used, not returned as a bad dump
     with pytest.raises(ValueError, match=r"captured q has head dimension 8 but k has 4 "
                                          r"\(split with num_heads=4, num_kv_heads=4\)"):
-        capture_qk(model, ids, num_heads=4, num_kv_heads=4)
+        capture_qk(model, ids, num_heads=4, num_kv_heads=4, point="projections")
+
+
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+def test_llama_post_rope_equals_transformers_rotary(implementation):
+    """The default capture of a rotary model is q, k after transformers' own apply_rotary_pos_emb
+    (GQA k heads repeated), and the model's outputs are unchanged by the recording function."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    cfg = transformers.LlamaConfig(vocab_size=40, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+                                   num_key_value_heads=2, intermediate_size=48, max_position_embeddings=16,
+                                   attn_implementation=implementation)
+    torch.manual_seed(2)
+    model = transformers.LlamaModel(cfg).eval()
+    ids = _tokens(40, seed=2)
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[0, 6:] = 0
+    with torch.no_grad():
+        out = model(ids, attention_mask=mask, output_hidden_states=True)
+    dump = capture_qk(model, {"input_ids": ids, "attention_mask": mask})
+    assert dump.meta["captured"] == "post-rope" and json.loads(dump.meta["tokens"]) == [6, 7]
+    assert model.config._attn_implementation == implementation  # restored
+    positions = torch.arange(T)[None].expand(B, T)
+    cos, sin = model.rotary_emb(out.hidden_states[0], positions)  # [B, T, D]
+    for layer in range(3):
+        block = model.layers[layer]
+        x = block.input_layernorm(out.hidden_states[layer])
+        q = block.self_attn.q_proj(x).view(B, T, 4, 8).transpose(1, 2)  # [B, H, T, D]
+        k = block.self_attn.k_proj(x).view(B, T, 2, 8).transpose(1, 2)  # [B, H_kv, T, D]
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        k = k.repeat_interleave(2, dim=1)  # transformers' repeat_kv: q head h uses kv head h // 2
+        to_dump = lambda x: x.transpose(1, 2)[mask.bool()].transpose(0, 1)  # noqa: E731  [H, n, D]
+        torch.testing.assert_close(dump.q[layer], to_dump(q), **TOL)
+        torch.testing.assert_close(dump.k[layer], to_dump(k), **TOL)
+    # the pre-RoPE capture differs from it beyond position 0 (RoPE rotates every later token)
+    pre = capture_qk(model, {"input_ids": ids, "attention_mask": mask}, point="projections")
+    assert float((pre.q - dump.q).abs().max()) > 1e-2
+    with torch.no_grad():
+        again = model(ids, attention_mask=mask).last_hidden_state
+    torch.testing.assert_close(again, out.last_hidden_state, rtol=0, atol=0)
 
 
 def test_sketchlab_model_captures_post_rope_kernel_inputs(tmp_path):
@@ -124,7 +169,7 @@ def test_sketchlab_model_captures_post_rope_kernel_inputs(tmp_path):
     assert dump.q.shape == (3, 2, B * T, 16)
     back = load_qk(tmp_path / "m.safetensors")
     torch.testing.assert_close(back.q, dump.q, rtol=0, atol=0)
-    assert back.meta["captured"] == "attention-inputs (after RoPE)"
+    assert back.meta["captured"] == "post-rope"
     x = model.embed(ids)
     with torch.no_grad():
         for layer, block in enumerate(model.blocks):
@@ -228,6 +273,27 @@ def test_capture_pretrained_from_text(tmp_path):
     back = load_qk(tmp_path / "d.safetensors")
     torch.testing.assert_close(back.v, expect.v, rtol=0, atol=0)
     assert back.meta["source"] == "m (gpt2) on text t.txt"
+
+
+def test_capture_pretrained_splits_long_text(tmp_path):
+    """A text longer than seq_len becomes several sequences (meta "tokens"), max_tokens in all, each
+    captured as if alone (attention and positions restart at every piece)."""
+    from sketchlab.capture import capture_pretrained, split_sequences
+
+    model, words = _save_tiny_gpt2(tmp_path / "m", with_tokenizer=True)
+    text = "the cat sat on the mat . a dog ran on the mat ."
+    (tmp_path / "t.txt").write_text(text + "\n")
+    dump = capture_pretrained(tmp_path / "m", text=tmp_path / "t.txt", max_tokens=12, seq_len=5)
+    assert json.loads(dump.meta["tokens"]) == [5, 5, 2] and dump.q.shape == (3, 2, 12, 8)
+    ids = [words.index(w) for w in text.split()]
+    start = 0
+    for piece in (ids[:5], ids[5:10], ids[10:12]):
+        alone = capture_qk(model, torch.tensor([piece]))
+        n = len(piece)
+        torch.testing.assert_close(dump.k[:, :, start:start + n], alone.k, **TOL)
+        start += n
+    got_ids, got_mask = split_sequences([[1, 2, 3], [4, 5, 6, 7, 8]], seq_len=2, max_tokens=6)
+    assert got_ids.tolist() == [[1, 2], [3, 0], [4, 5], [6, 0]] and got_mask.sum(1).tolist() == [2, 1, 2, 1]
 
 
 def test_capture_pretrained_from_token_ids_without_tokenizer(tmp_path):

@@ -36,17 +36,17 @@ def test_compare_writes_outputs(dump, tmp_path, capsys):
 
 @pytest.mark.parametrize("argv,match", [
     (["compare", "{dump}", "--p", "2", "--m", "5", "--methods", "optimal,bogus"], "unknown method"),
-    (["compare", "{dump}", "--p", "0", "--m", "5", "--methods", "psf"], "p .* must be an integer >= 1"),
-    (["compare", "{dump}", "--p", "two", "--m", "5"], "argument --p: invalid int value"),
+    (["compare", "{dump}", "--p", "0", "--m", "5", "--methods", "psf"], "argument --p: expected an integer >= 1, got 0"),
+    (["compare", "{dump}", "--p", "two", "--m", "5"], "argument --p: expected an integer >= 1, got 'two'"),
     (["compare", "{dump}", "--p", "2", "--m", "500", "--methods", "psf"], "m=500 exceeds"),
     (["compare", "{dump}", "--p", "2", "--m", "5", "--methods", "psf", "--layers", "7"], "layer 7 is out of range"),
     (["compare", "{dump}", "--p", "2", "--m", "5", "--methods", "psf", "--layers", "a,b"], "comma-separated integers"),
     (["compare", "{dump}", "--p", "2", "--m", "5", "--methods", "psf", "--scale", "big"], "--scale"),
     (["compare", "{missing}", "--p", "2", "--m", "5", "--methods", "psf"], "does not exist"),
     (["compare", "{garbage}", "--p", "2", "--m", "5", "--methods", "psf"], "garbage.safetensors"),
-    (["compare", "{dump}", "--p", "2", "--m", "5", "--methods", "psf", "--json", "/nonexistent/dir/x.json"],
-     "output directory"),
-    (["compare", "{dump}", "--m", "5"], "required: --p"),
+    (["compare", "{dump}", "--p", "2", "--m", "5", "--methods", "psf", "--json", "{dump}/dir/x.json"],
+     "cannot create the output directory"),
+    (["compare", "{dump}", "--p", "2", "--m", "5", "--methods", "psf", "--json", "{dump}"], "is the input"),
     (["frobnicate"], "invalid choice"),
     ([], "required"),
 ])

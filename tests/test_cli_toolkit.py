@@ -77,6 +77,13 @@ def test_advise_writes_table_json_plot(dump, tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     head = json.loads(js.read_text())["heads"][0]
     assert head["floor_m"] <= head["practical_m"]
+    # the floor m against an independent spectrum of the same head, fitting tokens and scale
+    from sketchlab import holdout_split, kernel_spectrum, load_qk
+
+    dump_qk = load_qk(dump)
+    fit, _ = holdout_split(48, 0.25, 0)
+    spec = kernel_spectrum((dump_qk.q[:1, 1:2, fit], dump_qk.k[:1, 1:2, fit]), p=2)
+    assert head["floor_m"] == int(spec.floor_m(0.05)[0, 0])
 
 
 def test_spectrum_writes_table_json_plot(dump, tmp_path, capsys):
@@ -87,15 +94,22 @@ def test_spectrum_writes_table_json_plot(dump, tmp_path, capsys):
     assert png.read_bytes()[:4] == b"\x89PNG"
     data = json.loads(js.read_text())
     assert len(data["singular_values"]) == 2 and len(data["singular_values"][0][0]) == 48
+    # every value against the singular values of A = (QKᵀ)^∘3 formed densely (float64, scale none)
+    from sketchlab import load_qk, poly_kernel
+
+    dump_qk = load_qk(dump)
+    dense = torch.linalg.svdvals(poly_kernel(dump_qk.q.double(), dump_qk.k.double(), 3))  # [L, H, 48]
+    got = torch.tensor(data["singular_values"], dtype=torch.float64)
+    assert torch.allclose(got, dense, rtol=0, atol=1e-10 * float(dense.max()))
 
 
 @pytest.mark.parametrize("argv,match", [
     (["advise", "{dump}", "--p", "2"], "required: --target"),
     (["advise", "{dump}", "--p", "2", "--target", "2"], "target"),
     (["advise", "{dump}", "--p", "2", "--target", "0.1", "--method", "nope"], "unknown method"),
-    (["advise", "{dump}", "--p", "2", "--target", "0.1", "--plot", "/nonexistent/x.png"], "output directory"),
+    (["advise", "{dump}", "--p", "2", "--target", "0.1", "--plot", "{dump}/x.png"], "cannot create the output directory"),
     (["spectrum", "{dump}", "--scale", "huge"], "--scale"),
-    (["verify", "{dump}", "--m", "0"], "m .* must be an integer >= 1"),
+    (["verify", "{dump}", "--m", "0"], "argument --m: expected an integer >= 1, got 0"),
     (["verify", "{dump}", "--layers", "9"], "layer 9 is out of range"),
 ])
 def test_bad_usage_exits_2(argv, match, dump, capsys):

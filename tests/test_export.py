@@ -99,14 +99,15 @@ def test_cli_fit_writes_a_loadable_export(dump_file, tmp_path, capsys):
     theta_q, _, meta = sl.load_theta(out)
     assert theta_q.shape == (1, 1, 1, 2, 4, 6) and meta["scale"] == "sqrt-d"
     assert meta["source_sha256"] == file_sha256(dump_file)
-    assert "wrote" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert captured.err.strip().splitlines()[-1] == f"wrote {out}" and "optimality_ratio=" in captured.out
     block = LLoPSAttention.from_pretrained(out)
     assert block(torch.randn(2, 9, 4, dtype=torch.float64)).shape == (2, 9, 4)
 
 
 @pytest.mark.parametrize("extra, message", [
     (["--out", "{dump}"], "the same file"),
-    (["--out", "{tmp}/nowhere/theta.safetensors"], "does not exist"),
+    (["--out", "{dump}/nowhere/theta.safetensors"], "cannot create the output directory"),
     (["--out", "{tmp}/theta.pt"], ".safetensors"),
     (["--out", "{tmp}/theta.safetensors", "--method", "mlp"], "invalid choice"),
     (["--out", "{tmp}/theta.safetensors", "--m", "0"], "m"),
@@ -151,3 +152,41 @@ def test_fit_command_is_listed():
 
     assert "fit" in COMMANDS
     assert json.dumps(COMMANDS)
+
+
+def test_scale_none_is_recorded_and_applied_as_one(dump_file, tmp_path):
+    dump, fit, factor = _fit(dump_file, scale="none")
+    assert factor == 1.0
+    out = fit.save_theta(tmp_path / "n.safetensors", dump=dump, scale="none")
+    assert sl.load_theta(out)[2]["scale"] == "none"
+    block = LLoPSAttention.from_pretrained(out, layer=1, normalize="none")
+    assert block.qk_scale == 1.0
+    x_q, x_k, v = _rand(1, 9, 2, 4, seed=20), _rand(1, 9, 2, 4, seed=21), _rand(1, 9, 2, 3, seed=22)
+    with torch.no_grad():  # layer 1's maps on the unscaled inputs: a wrong factor changes the kernel by factor^4
+        fq = fit.sketch.features_q(x_q.transpose(1, 2)[:, None])[:, 1].transpose(1, 2)
+        fk = fit.sketch.features_k(x_k.transpose(1, 2)[:, None])[:, 1].transpose(1, 2)
+    ref = feature_attention_naive(fq, fk, v, normalize="none")
+    assert torch.allclose(block.attend(x_q, x_k, v), ref, atol=1e-10 * ref.abs().max().item(), rtol=0)
+
+
+def test_a_per_head_theta_is_stored_as_one_layer(dump_file, tmp_path):
+    dump = sl.load_qk(dump_file)
+    q, k = dump.q[1] * 4**-0.25, dump.k[1] * 4**-0.25  # one layer: [H=2, n, d], Θ [H, t, p, d, m]
+    fit = sl.fit_sketch("llops", q, k, p=2, m=6)
+    out = fit.save_theta(tmp_path / "h.safetensors", dump=dump, scale="sqrt-d")
+    theta_q, theta_k, _ = sl.load_theta(out)
+    assert theta_q.shape == (1, 2, 1, 2, 4, 6)  # [L=1, H, t, p, d, m]: H kept as heads, not as layers
+    assert torch.equal(theta_q[0], fit.sketch.theta_q.detach()) and torch.equal(theta_k[0], fit.sketch.theta_k.detach())
+
+
+def test_non_finite_report_values_become_json_null(dump_file, tmp_path):
+    dump, fit, _ = _fit(dump_file)
+    fit.report.holdout_optimality_ratio = torch.tensor([[float("nan"), 1.5], [float("inf"), 2.0]], dtype=torch.float64)
+    out = fit.save_theta(tmp_path / "t.safetensors", dump=dump, scale="sqrt-d")
+    from safetensors import safe_open
+
+    with safe_open(str(out), "pt") as f:
+        text = f.metadata()["errors"]
+    assert "NaN" not in text and "Infinity" not in text  # strict JSON
+    assert json.loads(text)["holdout_optimality_ratio"] == [[None, 1.5], [None, 2.0]]
+    assert sl.load_theta(out)[2]["errors"]["holdout_optimality_ratio"] == [[None, 1.5], [None, 2.0]]

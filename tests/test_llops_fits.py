@@ -350,3 +350,63 @@ def test_fit_on_cuda():
         assert bool(torch.isfinite(fit.report.rel_fro).all())
         for t in fit.sketch.parameters() if isinstance(fit.sketch, torch.nn.Module) else [fit.sketch.w_q]:
             assert t.device.type == "cuda"
+
+
+def _lm_case(seed, lam):
+    """One lm_step on a 16-parameter head next to its independent float64 twin: J by autograd, the damped
+    Gauss–Newton step by a dense solve, the model's predicted decrease −(2gᵀδ + δᵀJᵀJδ)."""
+    q, k = _data(batch=(1,), n=12, d=2, seed=seed)
+    theta_q, theta_k = llops_init(q, k, p=2, m=2, init="random", seed=2)
+    theta_q, theta_k = theta_q.clone(), theta_k.clone()
+    balance(theta_q, theta_k, llops_features(q, theta_q), llops_features(k, theta_k))  # lm_step's first move
+    a, shape = poly_kernel(q, k, 2), theta_q.shape
+
+    def resid(vec):
+        tq, tk = vec[: theta_q.numel()].reshape(shape), vec[theta_q.numel():].reshape(shape)
+        return (llops_features(q, tq) @ llops_features(k, tk).mT - a).flatten()
+
+    vec = torch.cat([theta_q.flatten(), theta_k.flatten()])
+    jac = torch.autograd.functional.jacobian(resid, vec)
+    gn, grad = jac.T @ jac, jac.T @ resid(vec)
+    idx = torch.arange(theta_q.numel()).reshape(shape)
+    block = torch.empty(2 * theta_q.numel(), dtype=torch.long)
+    for side in range(2):
+        for j in range(2):
+            for i in range(2):
+                block[side * theta_q.numel() + idx[0, :, j, :, i].flatten()] = side * 4 + j * 2 + i
+    step = torch.linalg.solve(gn + lam * gn * (block[:, None] == block[None, :]), -grad)
+    loss = float((resid(vec) ** 2).sum())
+    trial = float((resid(vec + step) ** 2).sum())
+    gain = (loss - trial) / float(-(2 * grad @ step + step @ gn @ step))
+    new_q, new_k = theta_q.clone(), theta_k.clone()
+    new_loss, damping = lm_step(Tokens(q), Tokens(k), KernelTarget(q, k, 2, 2), new_q, new_k,
+                                torch.tensor([loss], dtype=torch.float64), torch.tensor([lam], dtype=torch.float64),
+                                cg_iters=60)
+    return dict(q=q, k=k, a=a, loss=loss, trial=trial, gain=gain, new_loss=float(new_loss), damping=float(damping),
+                before=(theta_q, theta_k), after=(new_q, new_k))
+
+
+@pytest.mark.parametrize("seed,lam,branch", [
+    (5, 1e-3, "rejected"),    # the step raises the loss: Θ kept, λ doubled
+    (5, 0.3, "poor"),         # accepted with gain 0.246 < 1/4: λ doubled
+    (7, 3.0, "fair"),         # gain 0.379 in [1/4, 3/4]: λ kept
+    (5, 1.0, "fair"),         # gain 0.629: still kept (not yet the ÷3 of a good step)
+    (5, 3.0, "good"),         # gain 0.770 > 3/4: λ divided by 3
+    (6, 100.0, "good"),
+])
+def test_lm_damping_follows_the_gain_and_a_rejected_step_changes_nothing(seed, lam, branch):
+    c = _lm_case(seed, lam)
+    expected_branch = ("rejected" if c["trial"] >= c["loss"] else "good" if c["gain"] > 0.75
+                       else "fair" if c["gain"] >= 0.25 else "poor")
+    assert expected_branch == branch, c["gain"]  # the case covers the branch it names (margins ≥ 0.004 in gain)
+    factor = {"rejected": 2.0, "poor": 2.0, "fair": 1.0, "good": 1 / 3}[branch]
+    assert c["damping"] == pytest.approx(lam * factor, rel=1e-12)
+    if branch == "rejected":
+        assert c["new_loss"] == c["loss"]
+        for before, after in zip(c["before"], c["after"]):  # lm_step re-balances first: equal to round-off
+            torch.testing.assert_close(after, before, rtol=1e-13, atol=0)
+    else:  # the returned loss is the loss of the new Θ, and the new Θ is the damped Gauss–Newton step (CG to 1e-6)
+        fq, fk = llops_features(c["q"], c["after"][0]), llops_features(c["k"], c["after"][1])
+        assert c["new_loss"] == pytest.approx(float(((fq @ fk.mT - c["a"]) ** 2).sum()), rel=1e-12)
+        assert c["new_loss"] == pytest.approx(c["trial"], rel=1e-6) and c["new_loss"] < c["loss"]
+

@@ -333,7 +333,7 @@ def test_shipped_dump_matches_its_checkpoint():
     assert L >= 3 and 32 <= d <= 64 and 256 <= n <= 512 and H >= 2  # the contract other modules rely on
     assert dump.q.dtype == dump.k.dtype == dump.v.dtype == torch.float32 and dump.v.shape == dump.q.shape
     assert dump.meta["scale"] == "none" and dump.meta["layout"] == "L,H,n,d"
-    assert dump.meta["captured"] == "attention-inputs (after RoPE)"
+    assert dump.meta["captured"] == "post-rope"
     model, extra = load_checkpoint(DATA / "mqar_softmax")
     assert float(dump.meta["heldout_accuracy"]) == pytest.approx(extra["heldout_accuracy"]) and extra["heldout_accuracy"] >= 0.95
     # Re-capturing from the shipped checkpoint on the recorded input reproduces the dump: the

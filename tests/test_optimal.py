@@ -236,13 +236,34 @@ def test_fit_report_takes_the_gram_route_from_four_tokens_per_feature(n, route, 
     import sketchlab.optimal
 
     seen = []
-    real = sketchlab.optimal.tail_bound
-    monkeypatch.setattr(sketchlab.optimal, "tail_bound", lambda *a, **kw: seen.append(kw["route"]) or real(*a, **kw))
+    real = sketchlab.optimal._kernel_singular_values
+    monkeypatch.setattr(sketchlab.optimal, "_kernel_singular_values",
+                        lambda q, k, p, m, route, max_bytes: seen.append(route) or real(q, k, p, m, route, max_bytes))
     q, k = _qk(2, n_q=n, n_k=n, d=3, seed=12)
-    fit = fit_sketch("llops", q, k, p=2, m=3, steps=1, lm_steps=0)
+    fit = fit_sketch("optimal", q, k, p=2, m=3)
     assert seen == [route]
     norm = (poly_kernel(q, k, 2) ** 2).sum((-2, -1))
-    assert bool(((fit.report.tail - real(q, k, 2, 3, route="qr")).abs() <= 1e-9 * norm).all())
+    assert bool(((fit.report.tail - tail_bound(q, k, 2, 3, route="qr")).abs() <= 1e-9 * norm).all())
+
+
+def test_fit_report_reuses_the_compressed_fits_kernel_core(monkeypatch):
+    # The compressed LLoPS fit already formed R_Q R_Kᵀ (A's singular values): the report takes the
+    # floor from it and computes no singular values of its own; the tail equals tail_bound's to
+    # round-off of the Gram route (1e-9 ‖A‖², as test_gram_route_equals_qr_route). The sketch keeps no copy.
+    import sketchlab.optimal
+
+    def forbidden(*args):
+        raise AssertionError("the report recomputed A's singular values")
+
+    q, k = _qk(2, n_q=40, n_k=40, d=3, seed=13)
+    monkeypatch.setattr(sketchlab.optimal, "_kernel_singular_values", forbidden)
+    fit = fit_sketch("llops", q, k, p=2, m=3, steps=2, lm_steps=1, route="compressed")
+    monkeypatch.undo()
+    assert fit.sketch.fit_info["route"] == "compressed" and "kernel_core" not in fit.sketch.fit_info
+    norm = (poly_kernel(q, k, 2) ** 2).sum((-2, -1))
+    assert bool(((fit.report.tail - tail_bound(q, k, 2, 3, route="qr")).abs() <= 1e-9 * norm).all())
+    with_tokens = fit_sketch("llops", q, k, p=2, m=3, steps=2, lm_steps=1, route="compressed", fit_tokens=30)
+    assert bool(((with_tokens.report.tail - tail_bound(q, k, 2, 3, route="qr")).abs() <= 1e-9 * norm).all())
 
 
 def test_min_norm_sketch():

@@ -307,3 +307,17 @@ def test_ss_hopm_does_exactly_max_iter_updates():
     want = abs(float(torch.einsum("abc,a,b,c->", t, x1, x1, x1)))
     got = spectral_norm(t, symmetric=True, restarts=1, max_iter=1).value
     assert abs(got - want) <= 1e-12 * want
+
+
+def test_confirm_draws_starts_until_a_second_reaches_the_best():
+    # A random 3-way tensor has several local maxima; with confirm=2 the search continues past
+    # `restarts` until two starts agree on the best value (or max_restarts), and the certificate
+    # counts them. restarts=1 alone can never be confirmed.
+    t = torch.randn(5, 5, 5, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    one = spectral_norm(t, restarts=1)
+    assert len(one.values) == 1 and one.agree == 1
+    sure = spectral_norm(t, restarts=1, confirm=2, max_restarts=64)
+    assert sure.agree >= 2 and len(sure.values) >= 2
+    assert sure.value >= one.value - 1e-12 * abs(one.value)
+    capped = spectral_norm(t, restarts=1, confirm=1000, max_restarts=5)
+    assert len(capped.values) == 5  # the cap holds when the certificate cannot be met

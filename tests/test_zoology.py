@@ -156,7 +156,7 @@ def test_cli_kernel_lr_is_checked_and_recorded(tmp_path, capsys):
             "--steps", "2", "--eval-sequences", "4", "--batch-size", "2", "--no-progress"]
     assert main(base + ["--out", str(tmp_path / "bad"), "--kernel-lr", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "kernel_lr must be a finite number > 0, got 0.0" in err[0]
+    assert len(err) == 1 and "argument --kernel-lr: expected a finite number > 0, got '0'" in err[0]
     assert main(base + ["--out", str(tmp_path / "ok"), "--kernel-lr", "0.5"]) == 0
     summary = json.loads((tmp_path / "ok" / "train.json").read_text())
     assert summary["kernel_lr"] == 0.5

@@ -7,8 +7,9 @@ backend choice, ``module`` the :class:`LLoPSAttention` block, ``triton`` the fus
 """
 
 from .chunked import feature_attention, llops_attention_chunked
-from .module import LLoPSAttention
-from .functional import BACKENDS, dump_segments, llops_attention, poly_attention, resolve_backend, sketch_attention, softmax_attention
+from .module import LLoPSAttention, llops_is_non_negative
+from .state import AttentionState
+from .functional import BACKENDS, dump_segments, featuremap_attention, llops_attention, poly_attention, resolve_backend, sketch_attention, softmax_attention
 from .reference import (
     attention_mask,
     feature_attention_naive,
@@ -20,16 +21,19 @@ from .reference import (
 )
 
 __all__ = [
+    "AttentionState",
     "BACKENDS",
     "LLoPSAttention",
     "dump_segments",
     "attention_mask",
     "feature_attention",
     "feature_attention_naive",
+    "featuremap_attention",
     "kernel_attention_naive",
     "llops_attention",
     "llops_attention_chunked",
     "llops_attention_naive",
+    "llops_is_non_negative",
     "poly_attention",
     "poly_attention_naive",
     "resolve_backend",

@@ -6,13 +6,16 @@ helpers; each error names the argument, the rule and the offending value.
 
 from __future__ import annotations
 
+import math
 import numbers
+import warnings
+import weakref
 
 import torch
 
 from .._validation import as_float_tensor, check_finite, check_real
 
-__all__ = ["NORMALIZE", "check_eps", "check_normalize", "check_qkv", "check_segments", "check_theta"]
+__all__ = ["NORMALIZE", "check_eps", "check_kernel_range", "check_normalize", "check_qkv", "check_segments", "check_theta"]
 
 #: Accepted values of ``normalize``.
 NORMALIZE = ("none", "sum")
@@ -40,9 +43,11 @@ def check_flag(value, name: str) -> bool:
 def check_qkv(q, k, v, *, causal: bool, names=("q", "k", "v"), feature_dims_match: bool = True):
     """Validate ``q [B, T, H, D]``, ``k [B, S, H, D]``, ``v [B, S, H, Dv]``.
 
-    Rules: floating tensors of rank 4, non-empty; the same batch ``B`` and heads ``H``; ``q`` and
+    Rules: floating tensors of rank 4, non-empty, finite; the same batch ``B`` and heads ``H``; ``q`` and
     ``k`` share the last axis (when ``feature_dims_match``), ``k`` and ``v`` the token axis ``S``;
     causal attention needs ``T == S``; one dtype and one device for the three.
+    The layout is trusted: a ``[B, H, T, D]`` tensor with ``T == H`` has the shape of a
+    ``[B, T, H, D]`` one and cannot be told from it here (transpose with ``x.transpose(1, 2)``).
     Returns the three tensors (numpy arrays converted), dtypes unchanged.
     """
     nq, nk, nv = names
@@ -77,15 +82,22 @@ def check_qkv(q, k, v, *, causal: bool, names=("q", "k", "v"), feature_dims_matc
         raise ValueError(
             f"causal attention needs as many queries as keys (T == S): {nq} has T={q.shape[1]}, {nk} has S={k.shape[1]}"
         )
+    if not q.is_meta:
+        with torch.no_grad():  # one device sync for the three; the slow path only to name the culprit
+            if not bool(torch.stack([torch.isfinite(x).all() for x in (q, k, v)]).all()):
+                for x, name in ((q, nq), (k, nk), (v, nv)):
+                    check_finite(x.detach(), name)
     return q, k, v
 
 
-def check_theta(theta_q, theta_k, *, heads: int, dim: int, like: torch.Tensor):
+def check_theta(theta_q, theta_k, *, heads: int, dim: int, like: torch.Tensor, k: torch.Tensor | None = None,
+                non_negative: bool = False):
     """Validate LLoPS factors ``theta_q``, ``theta_k`` of shape ``[H, t, p, D, M]``.
 
     Rules: floating tensors of rank 5, the same shape (so the same degree ``p``, rank ``t`` and
     size ``M``), ``H`` equal to the heads of ``q``, ``D`` equal to its head dimension, every size
-    >= 1, the dtype and device of ``like`` (``q``), finite values.
+    >= 1, the dtype and device of ``like`` (``q``), finite values. With ``k`` (and ``like`` the
+    queries ``q [B, T, H, D]``), also :func:`check_kernel_range`.
     """
     out = []
     for theta, name in ((theta_q, "theta_q"), (theta_k, "theta_k")):
@@ -120,9 +132,119 @@ def check_theta(theta_q, theta_k, *, heads: int, dim: int, like: torch.Tensor):
             f"theta_q and theta_k must have the same shape [H, t, p, D, M], got {tuple(tq.shape)} and {tuple(tk.shape)}"
         )
     with torch.no_grad():
-        check_finite(tq.detach(), "theta_q")
-        check_finite(tk.detach(), "theta_k")
+        for theta, name in ((tq, "theta_q"), (tk, "theta_k")):
+            _check_finite_once(theta, name)
+    if k is not None:
+        check_kernel_range(like, k, tq, tk, non_negative=non_negative)
     return tq, tk
+
+
+def _log_feature_bound(x: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
+    """``log`` of an upper bound on ``|φ(x)_i|`` over the tokens of ``x [B, T, H, D]``, per head: float64 ``[H]``.
+
+    ``|φ(x)_i| ≤ Σ_r ∏_j ‖θ_{r,j,:,i}‖ · ‖x‖^p`` (Cauchy–Schwarz on each factor); ``-inf`` where
+    ``x`` or ``θ`` is zero.
+    """
+    p = theta.shape[2]
+    top = x.detach().double().norm(dim=-1).amax(dim=(0, 1))  # [H]
+    norms = theta.detach().double().norm(dim=3).log()  # [H, t, p, M]
+    per_map = norms.sum(2).logsumexp(1).amax(-1)  # [H]: log max_i Σ_r ∏_j ‖θ_{r,j,:,i}‖
+    return per_map + p * top.log()
+
+
+def _features_at(x: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
+    """``φ(x*)`` of each (batch, head)'s largest token ``x*`` (the dtype of ``x``): ``[B, H, M]``."""
+    x = x.detach()
+    pick = x.norm(dim=-1).argmax(dim=1)  # [B, H]: token of largest norm
+    top = torch.gather(x, 1, pick[:, None, :, None].expand(-1, 1, -1, x.shape[-1]))[:, 0]  # [B, H, D]
+    proj = torch.einsum("bhd,htpdm->bhtpm", top, theta.detach())  # [B, H, t, p, M]
+    return proj.prod(3).sum(2)  # [B, H, M]
+
+
+def check_kernel_range(q: torch.Tensor, k: torch.Tensor, theta_q: torch.Tensor, theta_k: torch.Tensor, *,
+                       non_negative: bool = False) -> None:
+    r"""Refuse Θ and q, k whose kernel values cannot be represented in their dtype.
+
+    ``q [B, T, H, D]``, ``k [B, S, H, D]``, ``theta_* [H, t, p, D, M]`` (checked, finite).
+
+    Raises
+    ------
+    ValueError
+        *Underflow*: for some head the bound
+        :math:`|\phi_Q(q)\cdot\phi_K(k)| \le M\,\max_i\sum_r\prod_j\|\theta^Q_{r,j,:,i}\|\,\|q\|_{\max}^p
+        \cdot \max_i\sum_r\prod_j\|\theta^K_{r,j,:,i}\|\,\|k\|_{\max}^p` (squared with
+        ``non_negative``) is below the dtype's smallest normal number: every attention weight of
+        that head rounds to 0 (an all-zero output). *Overflow*: the features of the largest query
+        or key, or one product of them, are not finite in the dtype (inf/NaN output).
+
+    Warns
+    -----
+    RuntimeWarning
+        When ``S`` such products exceed the dtype's largest value (a normaliser or state sum may overflow).
+
+    Notes
+    -----
+    Costs two norms of q and k and the features of one token per (batch, head). The usual cause is
+    a Θ applied to inputs of another scale (a Θ export is fitted to q, k × its ``scale``).
+    """
+    info = torch.finfo(q.dtype)
+    power = 2 if non_negative else 1
+    with torch.no_grad():
+        bound = power * (math.log(theta_q.shape[-1]) + _log_feature_bound(q, theta_q) + _log_feature_bound(k, theta_k))
+        fq, fk = _features_at(q, theta_q), _features_at(k, theta_k)  # [B, H, M]
+        terms = fq.double().abs() * fk.double().abs()  # [B, H, M]
+        sums = terms.sum(-1) ** 2 if non_negative else terms.sum(-1)  # [B, H]
+        biggest = sums.amax() if non_negative else terms.amax()
+        # one device sync for every quantity below
+        low, finite_q, finite_k, top, total = torch.stack([
+            (torch.isfinite(bound) & (bound < math.log(info.tiny))).any().double(),
+            torch.isfinite(fq).all().double(), torch.isfinite(fk).all().double(), biggest, sums.amax() * k.shape[1],
+        ]).tolist()
+    if low:
+        h = int((torch.isfinite(bound) & (bound < math.log(info.tiny))).nonzero()[0])
+        raise ValueError(
+            f"theta_q, theta_k with q, k underflow {q.dtype}: every kernel value of head {h} is at most "
+            f"{math.exp(float(bound[h])):.3g}, below the smallest normal number {info.tiny:.3g}, so the attention "
+            "weights round to 0; Θ or q, k are scaled wrong (a Θ export is fitted to q, k times its scale), or "
+            "use float64"
+        )
+    for ok, name in ((finite_q, "theta_q with q"), (finite_k, "theta_k with k")):
+        if not ok:
+            raise ValueError(
+                f"{name} overflows {q.dtype}: the features of the largest token are not finite (largest "
+                f"representable {info.max:.3g}); Θ or the inputs are scaled wrong, or use float64"
+            )
+    if top > info.max:
+        raise ValueError(
+            f"theta_q, theta_k with q, k overflow {q.dtype}: a product of the features of the largest query and "
+            f"key is {top:.3g}, above the largest representable {info.max:.3g}; Θ or the inputs are scaled "
+            "wrong, or use float64"
+        )
+    if total > info.max:
+        warnings.warn(
+            f"llops attention: {k.shape[1]} keys × kernel values up to {total / k.shape[1]:.3g} may overflow "
+            f"{q.dtype} (largest {info.max:.3g}) in the state or normaliser sums; scale Θ or the inputs down, "
+            "or use float64", RuntimeWarning, stacklevel=3)
+
+
+#: Θ tensors already found finite: ``id → (weak reference, in-place version then)``. A decoding
+#: loop calls the attention once per token with the same Θ; its finiteness is checked once, and
+#: again after any in-place change (an optimiser step bumps ``_version``).
+_FINITE: dict[int, tuple] = {}
+
+
+def _check_finite_once(theta: torch.Tensor, name: str) -> None:
+    """:func:`check_finite` on ``theta`` unless this very tensor, unmodified since, passed it."""
+    entry = _FINITE.get(id(theta))
+    if entry is not None and entry[0]() is theta and entry[1] == theta._version:
+        return
+    check_finite(theta.detach(), name)
+    if len(_FINITE) > 256:  # dead or stale entries: start afresh
+        _FINITE.clear()
+    try:
+        _FINITE[id(theta)] = (weakref.ref(theta), theta._version)
+    except TypeError:  # not weak-referenceable: checked every time
+        pass
 
 
 def check_segments(segments, length: int) -> list[int] | None:
@@ -149,3 +271,78 @@ def check_segments(segments, length: int) -> list[int] | None:
     if sum(values) != length:
         raise ValueError(f"segments must sum to the number of tokens {length}, got {values} (sum {sum(values)})")
     return [int(s) for s in values]
+
+
+#: Accepted values of ``local`` (the exact part of the hybrid).
+LOCAL_KINDS = ("softmax", "poly")
+#: Accepted values of ``denominator_check``.
+DENOMINATOR_CHECKS = ("warn", "raise", "off")
+
+
+def check_hybrid(window, sinks, local, local_scale, gate, *, normalize: str, heads: int, dim: int, like: torch.Tensor):
+    """Validate the sliding-window options; returns ``(window, sinks, local, scale, gate)``.
+
+    Rules: ``window``, ``sinks`` ints ``>= 0``; ``sinks > 0`` needs ``window >= 1`` (``window=0`` is
+    pure linear attention); ``local`` in :data:`LOCAL_KINDS`; ``local_scale`` ``None`` (→ ``1/√D``)
+    or a finite number ``> 0``; ``gate`` ``None`` or a finite floating tensor ``[H]`` (logits) on
+    ``q``'s device; the hybrid is normalised: ``normalize="none"`` with ``window > 0`` is an error.
+    """
+    from .._validation import check_nonnegative_int
+
+    window = check_nonnegative_int(window, "window")
+    sinks = check_nonnegative_int(sinks, "sinks")
+    if sinks and not window:
+        raise ValueError(f"sinks={sinks} needs window >= 1: window=0 is pure linear attention (no exact keys); "
+                         "pass window= too")
+    if not isinstance(local, str) or local not in LOCAL_KINDS:
+        raise ValueError(f"local must be one of {LOCAL_KINDS}, got {local!r}")
+    scale = dim ** -0.5 if local_scale is None else check_real(local_scale, "local_scale", positive=True)
+    if window and normalize != "sum":
+        raise ValueError(f"the hybrid (window={window} > 0) shares one denominator between the exact and the sketched "
+                         f"keys and is always normalised: pass normalize='sum', got normalize={normalize!r}")
+    if gate is not None:
+        if not isinstance(gate, torch.Tensor) or not gate.is_floating_point():
+            raise TypeError(f"gate must be None or a floating tensor [H] of logits, got {type(gate).__name__}")
+        if tuple(gate.shape) != (heads,):
+            raise ValueError(f"gate must have shape [H] = [{heads}] (one logit per head), got {tuple(gate.shape)}")
+        if gate.device != like.device:
+            raise ValueError(f"gate must be on the device of q ({like.device}), got {gate.device}")
+        with torch.no_grad():
+            check_finite(gate.detach(), "gate")
+    return window, sinks, local, scale, gate
+
+
+def check_key_padding_mask(mask, batch: int, length: int, device) -> torch.Tensor | None:
+    """``key_padding_mask``: ``None`` or a bool tensor ``[B, S]``, ``True`` = a real token."""
+    if mask is None:
+        return None
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+        raise TypeError(f"key_padding_mask must be a bool tensor [B, S] (True = a real token), got "
+                        f"{mask.dtype if isinstance(mask, torch.Tensor) else type(mask).__name__}")
+    if tuple(mask.shape) != (batch, length):
+        raise ValueError(f"key_padding_mask must have shape [B, S] = [{batch}, {length}], got {tuple(mask.shape)}")
+    if mask.device != device:
+        raise ValueError(f"key_padding_mask must be on the device of the keys ({device}), got {mask.device}")
+    return mask
+
+
+def check_denominator_check(value) -> str:
+    """``denominator_check`` must be one of :data:`DENOMINATOR_CHECKS`."""
+    if not isinstance(value, str) or value not in DENOMINATOR_CHECKS:
+        raise ValueError(f"denominator_check must be one of {DENOMINATOR_CHECKS}, got {value!r}")
+    return value
+
+
+def report_denominators(bad: int, rows: int, where: str, mode: str) -> None:
+    """Warn (or raise) when ``bad`` of ``rows`` normalising denominators were ``<= 0``."""
+    if not bad or mode == "off":
+        return
+    msg = (f"{where}: {bad} of {rows} query rows have a normalising denominator <= 0 (signed features with "
+           "normalize='sum'), so their output is unbounded or sign-flipped. Remedies: non_negative=True "
+           "(self-tensored features φ⊗φ, kernel (φ(q)·φ(k))² >= 0), a non-negative map (rank-1 LLoPS with equal "
+           "factors and even p, a Taylor/Hedgehog map), normalize='none', or a hybrid window (window > 0).")
+    if mode == "raise":
+        raise FloatingPointError(msg)
+    import warnings
+
+    warnings.warn(msg, RuntimeWarning, stacklevel=3)

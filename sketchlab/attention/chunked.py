@@ -30,11 +30,28 @@ from __future__ import annotations
 
 import torch
 
-from .._validation import DEFAULT_MAX_BYTES, check_memory, check_positive_int
-from ._checks import check_eps, check_flag, check_normalize, check_qkv, check_theta
+from .._validation import DEFAULT_MAX_BYTES, check_degree, check_memory, check_positive_int
+from ._checks import (
+    check_denominator_check,
+    check_eps,
+    check_flag,
+    check_hybrid,
+    check_key_padding_mask,
+    check_normalize,
+    check_qkv,
+    check_theta,
+)
 from .reference import self_tensor
+from ..llops.maps import llops_feature_fn
 
-__all__ = ["DEFAULT_BLOCK_CHUNKS", "DEFAULT_CHUNK_SIZE", "feature_attention", "llops_attention_chunked", "llops_feature_fn"]
+__all__ = [
+    "DEFAULT_BLOCK_CHUNKS",
+    "DEFAULT_CHUNK_SIZE",
+    "DenominatorCounter",
+    "feature_attention",
+    "llops_attention_chunked",
+    "llops_feature_fn",
+]
 
 #: Tokens per chunk (the intra-chunk product is ``C × C``).
 DEFAULT_CHUNK_SIZE = 64
@@ -42,27 +59,6 @@ DEFAULT_CHUNK_SIZE = 64
 DEFAULT_BLOCK_CHUNKS = 16
 
 
-def llops_feature_fn(theta: torch.Tensor):
-    r"""A function ``x[B, H, n, D] → φ(x)[B, H, n, M]`` for per-head Θ ``[H, t, p, D, M]``.
-
-    Same map as :func:`sketchlab.llops_features` (tested against it), computed as one batched
-    matmul ``x @ Θ_flat`` with ``Θ_flat = [H, D, t·p·M]`` followed by ``p - 1`` products and
-    ``t - 1`` sums of ``[B, H, n, M]`` slices (the broadcast form would copy ``x`` ``t·p`` times).
-    """
-    H, t, p, D, M = theta.shape
-    flat = theta.permute(0, 3, 1, 2, 4).reshape(H, D, t * p * M)  # [H, D, t·p·M]
-
-    def features(x: torch.Tensor) -> torch.Tensor:
-        proj = (x @ flat).unflatten(-1, (t, p, M))  # [B, H, n, t, p, M]
-        out = None
-        for r in range(t):
-            term = proj[..., r, 0, :]
-            for j in range(1, p):
-                term = term * proj[..., r, j, :]  # [B, H, n, M]
-            out = term if out is None else out + term
-        return out
-
-    return features
 
 
 def _pad_tokens(x: torch.Tensor, length: int) -> torch.Tensor:
@@ -72,11 +68,14 @@ def _pad_tokens(x: torch.Tensor, length: int) -> torch.Tensor:
 
 
 def _engine(feat_q, feat_k, v: torch.Tensor, length_q: int, *, causal: bool, normalize: str, non_negative: bool,
-            eps: float, chunk_size: int, block_chunks: int, num_features: int, max_bytes: int) -> torch.Tensor:
-    """Chunked attention on internal layout ``[B, H, ·, ·]``.
+            eps: float, chunk_size: int, block_chunks: int, num_features: int, max_bytes: int, S0=None, z0=None,
+            rows=None, counter=None):
+    """Chunked (pure) linear attention on internal layout ``[B, H, ·, ·]``.
 
     ``feat_q(a, b)`` / ``feat_k(a, b)`` return the features ``[B, H, b - a, M]`` of tokens
-    ``a:b``; ``v`` is ``[B, H, S, Dv]``. Returns ``[B, H, T, Dv]``.
+    ``a:b`` (padded keys already zeroed); ``v`` is ``[B, H, S, Dv]``. ``S0 [B, H, M2, Dv]``,
+    ``z0 [B, H, M2]``: the state of earlier tokens (causal). ``rows [B, T]``: real queries, for
+    ``counter`` (a :class:`DenominatorCounter`). Returns ``([B, H, T, Dv], S, z)``.
     """
     B, H, S, Dv = v.shape
     C = chunk_size
@@ -88,8 +87,8 @@ def _engine(feat_q, feat_k, v: torch.Tensor, length_q: int, *, causal: bool, nor
                       + (f" and its self-tensored features (2 × [B, H, {block}, {M2}])" if non_negative else ""),
                  way_out="lower block_chunks or the number of features (non_negative squares it)", max_bytes=max_bytes)
     lift = self_tensor if non_negative else (lambda f: f)
-    state = v.new_zeros(B, H, M2, Dv)  # Σ φ(k)ᵀ v over finished blocks
-    zsum = v.new_zeros(B, H, M2)  # Σ φ(k) over finished blocks
+    state = v.new_zeros(B, H, M2, Dv) if S0 is None else S0  # Σ φ(k)ᵀ v over finished blocks
+    zsum = v.new_zeros(B, H, M2) if z0 is None else z0  # Σ φ(k) over finished blocks
     outs = []
     if not causal:  # one pass for the state, one for the queries
         for a in range(0, S, block):
@@ -100,9 +99,12 @@ def _engine(feat_q, feat_k, v: torch.Tensor, length_q: int, *, causal: bool, nor
             fq = lift(feat_q(a, min(a + block, length_q)))  # [B, H, n, M2]
             out = fq @ state  # [B, H, n, Dv]
             if normalize == "sum":
-                out = out / ((fq @ zsum[..., None]) + eps)
+                den = fq @ zsum[..., None]  # [B, H, n, 1]
+                if counter is not None:
+                    counter.add(den[..., 0], None if rows is None else rows[:, a:a + block])
+                out = out / (den + eps)
             outs.append(out)
-        return torch.cat(outs, 2)
+        return torch.cat(outs, 2), state, zsum
 
     tril = torch.ones(C, C, dtype=torch.bool, device=v.device).tril()
     for a in range(0, S, block):
@@ -123,14 +125,17 @@ def _engine(feat_q, feat_k, v: torch.Tensor, length_q: int, *, causal: bool, nor
         prev = torch.cat([state[:, :, None], upd[:, :, :-1]], 2).cumsum(2)  # [B, H, N, M2, Dv] exclusive prefix
         out = out + fq2 @ prev  # inter-chunk
         state = prev[:, :, -1] + upd[:, :, -1]
-        if normalize == "sum":
+        if normalize == "sum" or z0 is not None:
             zc = fk2.sum(3)  # [B, H, N, M2]
             zprev = torch.cat([zsum[:, :, None], zc[:, :, :-1]], 2).cumsum(2)  # [B, H, N, M2]
-            den = (fq2 @ zprev[..., None]).squeeze(-1) + scores.sum(-1)  # [B, H, N, C]
             zsum = zprev[:, :, -1] + zc[:, :, -1]
+        if normalize == "sum":
+            den = (fq2 @ zprev[..., None]).squeeze(-1) + scores.sum(-1)  # [B, H, N, C]
+            if counter is not None:
+                counter.add(den.flatten(2, 3)[:, :, :n], None if rows is None else rows[:, a:b])
             out = out / (den[..., None] + eps)
         outs.append(out.flatten(2, 3)[:, :, :n])  # [B, H, n, Dv]
-    return torch.cat(outs, 2)
+    return torch.cat(outs, 2), state, zsum
 
 
 def _check_engine_args(causal, normalize, non_negative, eps, chunk_size, block_chunks):
@@ -140,10 +145,125 @@ def _check_engine_args(causal, normalize, non_negative, eps, chunk_size, block_c
             check_positive_int(block_chunks, "block_chunks"))
 
 
-def feature_attention(phi_q, phi_k, v, *, causal: bool = True, normalize: str = "sum", non_negative: bool = False,
-                      eps: float = 1e-6, chunk_size: int = DEFAULT_CHUNK_SIZE, block_chunks: int = DEFAULT_BLOCK_CHUNKS,
-                      max_bytes: int = DEFAULT_MAX_BYTES) -> torch.Tensor:
-    r"""Linear attention through given features, chunked (never ``T × S``).
+def _attend(feat_q, feat_k, qt, kt, vt, *, num_features: int, causal: bool, normalize: str, non_negative: bool,
+            eps: float, chunk_size: int, block_chunks: int, max_bytes: int, window: int, sinks: int, local: str,
+            scale: float, degree, gate, mask, initial_state, output_final_state: bool, denominator_check: str,
+            where: str):
+    """The one driver of the chunked path on internal layout ``[B, H, ·, ·]`` (arguments validated).
+
+    ``window=0``: the pure engine (:func:`_engine`, today's path), the state being its ``S, z``.
+    ``window > 0``: the hybrid, causal block by block carrying an :class:`AttentionState`
+    (``block_chunks`` chunks per block), or non-causal on the whole sequence. fp16/bf16 inputs
+    are computed in float32 (the state is float32) and the output cast back.
+    Returns ``[B, H, T, Dv]`` or ``([B, H, T, Dv], AttentionState)``.
+    """
+    from .state import AttentionState, check_state, empty_state
+
+    low = vt.dtype in (torch.float16, torch.bfloat16)
+    if low:  # half inputs: every sum, and the state, in float32; the output back in the input dtype
+        out_dtype = vt.dtype
+        qt, kt, vt = (None if x is None else x.float() for x in (qt, kt, vt))
+        gate = None if gate is None else gate.float()
+        feat_q16, feat_k16 = feat_q, feat_k
+
+        def feat_q(a, b):
+            return feat_q16(a, b).float()
+
+        def feat_k(a, b):
+            return feat_k16(a, b).float()
+
+        res = _attend(feat_q, feat_k, qt, kt, vt, num_features=num_features, causal=causal, normalize=normalize,
+                      non_negative=non_negative, eps=eps, chunk_size=chunk_size, block_chunks=block_chunks,
+                      max_bytes=max_bytes, window=window, sinks=sinks, local=local, scale=scale, degree=degree,
+                      gate=gate, mask=mask, initial_state=initial_state, output_final_state=output_final_state,
+                      denominator_check=denominator_check, where=where)
+        return (res[0].to(out_dtype), res[1]) if output_final_state else res.to(out_dtype)
+    B, H, S_len, Dv = vt.shape
+    T = qt.shape[2] if qt is not None else S_len
+    M = num_features
+    M2 = M * M if non_negative else M
+    D = kt.shape[-1] if kt is not None else 0
+    stateful = initial_state is not None or output_final_state
+    if stateful and not causal:
+        raise ValueError("initial_state/output_final_state need causal=True (a state summarises a prefix)")
+    if initial_state is not None:
+        state = check_state(initial_state, batch=B, heads=H, num_features=M2,
+                            dim=D if window else None, dim_v=Dv, feature_dim=M,
+                            window=window, sinks=sinks, like=vt)
+    else:
+        state = empty_state(B, H, M2, D, Dv, M, like=vt)
+    chunk_size = min(chunk_size, max(T, S_len))  # a short call (decoding: one token) pads to no more than itself
+    counter = DenominatorCounter() if normalize == "sum" and denominator_check != "off" else None
+    rows = mask if (mask is not None and T == S_len) else None
+    if mask is not None:
+        keep = mask[:, None, :, None]  # [B, 1, S, 1]
+        feat_k_raw = feat_k
+
+        def feat_k(a, b):  # padded keys have zero features: they add nothing to any far sum
+            return feat_k_raw(a, b) * keep[:, :, a:b].to(vt.dtype)
+    if not window and causal and stateful and T == 1:  # decoding one token: the recurrence itself
+        lift = self_tensor if non_negative else (lambda f: f)
+        fq, fk = lift(feat_q(0, 1)), lift(feat_k(0, 1))  # [B, H, 1, M2]
+        S, z = state.S + fk.mT @ vt, state.z + fk[:, :, 0]  # S_t = S_{t-1} + φ(k_t)ᵀv_t, z_t = z_{t-1} + φ(k_t)
+        out = fq @ S  # [B, H, 1, Dv]
+        if normalize == "sum":
+            den = fq @ z[..., None]  # [B, H, 1, 1]
+            if counter is not None:
+                counter.add(den[..., 0], rows)
+                counter.report(where, denominator_check)
+            out = out / (den + eps)
+        return out, AttentionState(S=S, z=z, k_window=state.k_window, v_window=state.v_window,
+                                   phi_window=state.phi_window, k_sink=state.k_sink, v_sink=state.v_sink,
+                                   offset=state.offset + 1)
+    if not window:
+        out, S, z = _engine(feat_q, feat_k, vt, T, causal=causal, normalize=normalize, non_negative=non_negative,
+                            eps=eps, chunk_size=chunk_size, block_chunks=block_chunks, num_features=M,
+                            max_bytes=max_bytes, S0=state.S if stateful else None,
+                            z0=state.z if stateful else None, rows=rows, counter=counter)
+        if counter is not None:
+            counter.report(where, denominator_check)
+        if not output_final_state:
+            return out
+        return out, AttentionState(S=S, z=z, k_window=state.k_window, v_window=state.v_window,
+                                   phi_window=state.phi_window, k_sink=state.k_sink, v_sink=state.v_sink,
+                                   offset=state.offset + T)
+    h = _Hybrid(window=window, sinks=sinks, local=local, scale=scale, degree=degree, gate=gate, eps=eps,
+                non_negative=non_negative, heads=H, like=vt)
+    C = chunk_size
+    if not causal:
+        out = _hybrid_noncausal(h, qt, kt, vt, feat_q(0, T), feat_k(0, S_len), mask, C, counter)
+        if counter is not None:
+            counter.report(where, denominator_check)
+        return out
+    if T == 1 and stateful:  # decoding one token: the window slides by one, one key may enter S
+        out, state = _hybrid_decode_one(h, state, qt, kt, vt, feat_q(0, 1), feat_k(0, 1), mask, counter)
+        if counter is not None:
+            counter.report(where, denominator_check)
+        return (out, state) if output_final_state else out
+    block = C * block_chunks
+    check_memory(B * H * block * (window + C) * (D + M + Dv + 2) * vt.element_size(),
+                 what=f"the bands of one block ([B={B}, H={H}, {block} queries, window {window} + chunk {C} keys])",
+                 way_out="lower block_chunks or chunk_size (the band is inherent to the window)", max_bytes=max_bytes)
+    outs = []
+    for a in range(0, T, block):
+        b = min(a + block, T)
+        out, state = _hybrid_causal_block(h, state, qt[:, :, a:b], kt[:, :, a:b], vt[:, :, a:b], feat_q(a, b),
+                                          feat_k(a, b), None if mask is None else mask[:, a:b], C, counter)
+        outs.append(out)
+    if counter is not None:
+        counter.report(where, denominator_check)
+    out = torch.cat(outs, 2)
+    return (out, state) if output_final_state else out
+
+
+def feature_attention(phi_q, phi_k, v, *, q=None, k=None, causal: bool = True, normalize: str = "sum",
+                      non_negative: bool = False, eps: float = 1e-6, chunk_size: int = DEFAULT_CHUNK_SIZE,
+                      block_chunks: int = DEFAULT_BLOCK_CHUNKS, max_bytes: int = DEFAULT_MAX_BYTES, window: int = 0,
+                      sinks: int = 0, local: str = "softmax", local_scale=None, degree: int | None = None, gate=None,
+                      key_padding_mask=None, initial_state=None, output_final_state: bool = False,
+                      denominator_check: str = "warn"):
+    r"""Linear attention through given features, chunked (never ``T × S``); optionally the
+    sliding-window hybrid and a carried state.
 
     Parameters
     ----------
@@ -152,11 +272,13 @@ def feature_attention(phi_q, phi_k, v, *, causal: bool = True, normalize: str = 
     phi_k : Tensor ``[B, S, H, M]``
         Key features.
     v : Tensor ``[B, S, H, Dv]``
+    q, k : Tensor ``[B, T, H, D]``, ``[B, S, H, D]`` or None
+        The raw queries and keys of the exact local part (required when ``window > 0``).
     causal : bool
         ``s ≤ t`` only (``T == S``).
     normalize : ``"none"`` or ``"sum"``
         Unnormalised, or divided by :math:`\sum_s a_{ts} + \varepsilon` (safe for non-negative maps
-        only; see :mod:`sketchlab.attention.reference`).
+        only; see :mod:`sketchlab.attention.reference`). The hybrid needs ``"sum"``.
     non_negative : bool
         Self-tensored features ``φ ⊗ φ`` (kernel ``(φ(q)·φ(k))²``, ``M²`` features).
     eps : float >= 0
@@ -166,26 +288,63 @@ def feature_attention(phi_q, phi_k, v, *, causal: bool = True, normalize: str = 
         Chunks vectorised together per step of the block loop.
     max_bytes : int
         Memory budget for one block's per-chunk states (:func:`sketchlab._validation.check_memory`).
+    window, sinks, local, local_scale, degree, gate
+        The hybrid (:func:`sketchlab.attention.feature_attention_naive` states the formula);
+        ``degree`` is ``p`` of ``local="poly"``. Its local part costs ``O(T·(w + C + sinks)·D)``.
+    key_padding_mask : bool Tensor ``[B, S]`` or None
+        ``True`` = a real token; padded keys are never attended to.
+    initial_state, output_final_state
+        Continue from an :class:`~sketchlab.attention.AttentionState` / also return the final one
+        (causal only).
+    denominator_check : ``"warn"``, ``"raise"`` or ``"off"``
+        With ``normalize="sum"``, what to do when a real query row's denominator is ``<= 0``
+        (signed features; counted chunk by chunk, one synchronisation per call).
 
     Returns
     -------
-    Tensor ``[B, T, H, Dv]`` in the dtype of the inputs; equals
+    Tensor ``[B, T, H, Dv]`` in the dtype of the inputs, or ``(o, AttentionState)``; equals
     :func:`~sketchlab.attention.feature_attention_naive` to round-off.
     """
     normalize, eps, chunk_size, block_chunks = _check_engine_args(causal, normalize, non_negative, eps, chunk_size,
                                                                   block_chunks)
+    check_flag(output_final_state, "output_final_state")
+    mode = check_denominator_check(denominator_check)
     phi_q, phi_k, v = check_qkv(phi_q, phi_k, v, causal=causal, names=("phi_q", "phi_k", "v"))
+    B, T, H, M = phi_q.shape
+    dim = q.shape[-1] if isinstance(q, torch.Tensor) and q.ndim == 4 else 1
+    window, sinks, local, scale, gate = check_hybrid(window, sinks, local, local_scale, gate, normalize=normalize,
+                                                     heads=H, dim=dim, like=phi_q)
+    qt = kt = None
+    if window:
+        if q is None or k is None:
+            raise ValueError(f"window={window} > 0 needs the raw q and k (q=, k=) for the exact local part")
+        q, k, _ = check_qkv(q, k, v, causal=causal)
+        if q.shape[:3] != phi_q.shape[:3] or k.shape[:3] != phi_k.shape[:3]:
+            raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must match phi_q {tuple(phi_q.shape)} and "
+                             f"phi_k {tuple(phi_k.shape)} in [B, T, H]")
+        if not causal and q.shape[1] != k.shape[1]:
+            raise ValueError(f"the non-causal hybrid window |i−j| < w needs T == S, got T={q.shape[1]}, S={k.shape[1]}")
+        if local == "poly":
+            degree = check_degree(degree)
+        qt, kt = q.transpose(1, 2), k.transpose(1, 2)  # [B, H, T|S, D]
+    mask = check_key_padding_mask(key_padding_mask, B, phi_k.shape[1], phi_q.device)
     fq, fk = phi_q.transpose(1, 2), phi_k.transpose(1, 2)  # [B, H, T|S, M]
-    out = _engine(lambda a, b: fq[:, :, a:b], lambda a, b: fk[:, :, a:b], v.transpose(1, 2), phi_q.shape[1],
-                  causal=causal, normalize=normalize, non_negative=non_negative, eps=eps, chunk_size=chunk_size,
-                  block_chunks=block_chunks, num_features=phi_q.shape[-1], max_bytes=max_bytes)
+    out = _attend(lambda a, b: fq[:, :, a:b], lambda a, b: fk[:, :, a:b], qt, kt, v.transpose(1, 2),
+                  num_features=M, causal=causal, normalize=normalize, non_negative=non_negative, eps=eps,
+                  chunk_size=chunk_size, block_chunks=block_chunks, max_bytes=max_bytes, window=window, sinks=sinks,
+                  local=local, scale=scale, degree=degree, gate=gate, mask=mask, initial_state=initial_state,
+                  output_final_state=output_final_state, denominator_check=mode, where="feature_attention")
+    if output_final_state:
+        return out[0].transpose(1, 2), out[1]  # [B, T, H, Dv]
     return out.transpose(1, 2)  # [B, T, H, Dv]
 
 
 def llops_attention_chunked(q, k, v, theta_q, theta_k, *, causal: bool = True, normalize: str = "sum",
                             non_negative: bool = False, eps: float = 1e-6, chunk_size: int = DEFAULT_CHUNK_SIZE,
                             block_chunks: int = DEFAULT_BLOCK_CHUNKS, max_bytes: int = DEFAULT_MAX_BYTES,
-                            validate: bool = True) -> torch.Tensor:
+                            validate: bool = True, window: int = 0, sinks: int = 0, local: str = "softmax",
+                            local_scale=None, gate=None, key_padding_mask=None, initial_state=None,
+                            output_final_state: bool = False, denominator_check: str = "warn"):
     r"""LLoPS attention, chunked, with the feature map computed block by block.
 
     Parameters
@@ -195,26 +354,308 @@ def llops_attention_chunked(q, k, v, theta_q, theta_k, *, causal: bool = True, n
     v : Tensor ``[B, S, H, Dv]``
     theta_q, theta_k : Tensor ``[H, t, p, D, M]``
         :math:`\phi(x)_i = \sum_r \prod_j \langle\theta_{r,j,:,i}, x\rangle` per head.
-    causal, normalize, non_negative, eps, chunk_size, block_chunks, max_bytes
-        As in :func:`feature_attention`.
+    causal, normalize, non_negative, eps, chunk_size, block_chunks, max_bytes, window, sinks, local,
+    local_scale, gate, key_padding_mask, initial_state, output_final_state, denominator_check
+        As in :func:`feature_attention` (``local="poly"`` uses Θ's degree ``p``).
     validate : bool
         Check the arguments (``False`` only from :func:`sketchlab.attention.llops_attention`,
         which has checked them already).
 
     Returns
     -------
-    Tensor ``[B, T, H, Dv]``; gradients reach ``q, k, v, theta_q, theta_k``.
+    Tensor ``[B, T, H, Dv]`` (or ``(o, AttentionState)``); gradients reach ``q, k, v, theta_q,
+    theta_k`` and ``gate``.
     """
     normalize, eps, chunk_size, block_chunks = _check_engine_args(causal, normalize, non_negative, eps, chunk_size,
                                                                   block_chunks)
+    check_flag(output_final_state, "output_final_state")
+    mode = check_denominator_check(denominator_check)
     if validate:
         q, k, v = check_qkv(q, k, v, causal=causal)
         theta_q, theta_k = check_theta(theta_q, theta_k, heads=q.shape[2], dim=q.shape[3], like=q)
+    window, sinks, local, scale, gate = check_hybrid(window, sinks, local, local_scale, gate, normalize=normalize,
+                                                     heads=q.shape[2], dim=q.shape[3], like=q)
+    if window and not causal and q.shape[1] != k.shape[1]:
+        raise ValueError(f"the non-causal hybrid window |i−j| < w needs T == S, got T={q.shape[1]}, S={k.shape[1]}")
+    mask = check_key_padding_mask(key_padding_mask, q.shape[0], k.shape[1], q.device)
     qt, kt = q.transpose(1, 2), k.transpose(1, 2)  # [B, H, T|S, D]
     phi_q, phi_k = llops_feature_fn(theta_q), llops_feature_fn(theta_k)
-    out = _engine(lambda a, b: phi_q(qt[:, :, a:b]),  # [B, H, n, M]
-                  lambda a, b: phi_k(kt[:, :, a:b]),
-                  v.transpose(1, 2), q.shape[1], causal=causal, normalize=normalize, non_negative=non_negative,
-                  eps=eps, chunk_size=chunk_size, block_chunks=block_chunks, num_features=theta_q.shape[-1],
-                  max_bytes=max_bytes)
+    out = _attend(lambda a, b: phi_q(qt[:, :, a:b]), lambda a, b: phi_k(kt[:, :, a:b]),  # [B, H, n, M]
+                  qt, kt, v.transpose(1, 2), num_features=theta_q.shape[-1], causal=causal, normalize=normalize,
+                  non_negative=non_negative, eps=eps, chunk_size=chunk_size, block_chunks=block_chunks,
+                  max_bytes=max_bytes, window=window, sinks=sinks, local=local, scale=scale, degree=theta_q.shape[2],
+                  gate=gate, mask=mask, initial_state=initial_state, output_final_state=output_final_state,
+                  denominator_check=mode, where="llops_attention")
+    if output_final_state:
+        return out[0].transpose(1, 2), out[1]  # [B, T, H, Dv]
     return out.transpose(1, 2)  # [B, T, H, Dv]
+
+
+# ----------------------------------------------------------------------------------------------
+# sliding-window hybrid (local exact + far sketched), causal with a carried state, or non-causal
+
+
+def _band(x: torch.Tensor, width: int, step: int) -> torch.Tensor:
+    """Overlapping windows ``x[:, :, cC : cC + width]`` of ``x[B, H, L, F]`` → ``[B, H, N, width, F]``."""
+    return x.unfold(2, width, step).movedim(-1, 3)  # [B, H, N, width, F] (a view)
+
+
+def _pad_front(x: torch.Tensor, before: int, after: int = 0) -> torch.Tensor:
+    """Zero-pad ``x[B, H, L, F]`` (or a mask ``[B, L]``) along the token axis."""
+    if x.ndim == 2:
+        return torch.nn.functional.pad(x, (before, after), value=False)
+    return torch.nn.functional.pad(x, (0, 0, before, after))
+
+
+class _Hybrid:
+    """Options of one hybrid call: window, sinks, local kind and scale, degree, gate, eps, lift."""
+
+    def __init__(self, *, window, sinks, local, scale, degree, gate, eps, non_negative, heads, like):
+        self.window, self.sinks, self.local, self.scale, self.degree, self.eps = window, sinks, local, scale, degree, eps
+        self.non_negative = non_negative
+        g = torch.full((heads,), 0.5, dtype=like.dtype, device=like.device) if gate is None else torch.sigmoid(gate).to(like.dtype)
+        self.g = g[None, :, None, None]  # [1, H, 1, 1]
+        self.lift = self_tensor if non_negative else (lambda f: f)
+
+    def combine(self, qc, fqc, far_band, band_k, band_v, loc_ok, sink_k, sink_v, sink_ok, far_num, far_den):
+        r"""Output of query chunks ``qc [B, H, N, C, D]`` (features ``fqc``) against the far keys
+        near them (``far_band``: pieces ``(features [B, H, N, U', M], values [B, H, N, U', Dv],
+        mask [B|1, 1, N|1, C, U'])``), their band of local keys ``[B, H, N, U, ·]`` (``loc_ok``),
+        the sinks ``[B, H, Ls, ·]`` (``sink_ok [B|1, 1, N, C, Ls]``) and the far sums from the
+        states (``far_num [B, H, N, C, Dv]``, ``far_den [B, H, N, C]``). Returns ``(num, den)``."""
+        zero = qc.new_zeros(())
+        for band_f, band_fv, far_ok in far_band:
+            fs = fqc @ band_f.mT  # [B, H, N, C, U']
+            if self.non_negative:
+                fs = fs.square()  # (φq·φk)² = (φ⊗φ)(q)·(φ⊗φ)(k)
+            fs = torch.where(far_ok, fs, zero)
+            far_num = far_num + fs @ band_fv  # [B, H, N, C, Dv]
+            far_den = far_den + fs.sum(-1)
+        logits = (qc @ band_k.mT) * self.scale  # [B, H, N, C, U]
+        has_sinks = sink_k.shape[2] > 0
+        slog = (qc @ sink_k[:, :, None].mT) * self.scale if has_sinks else None  # [B, H, N, C, Ls]
+        if self.local == "softmax":
+            logits = torch.where(loc_ok, logits, float("-inf"))
+            c = logits.amax(-1, keepdim=True)  # [B, H, N, C, 1]   c_i = max over the local keys
+            if has_sinks:
+                slog = torch.where(sink_ok, slog, float("-inf"))
+                c = torch.maximum(c, slog.amax(-1, keepdim=True))
+            c = torch.where(torch.isfinite(c), c, zero)  # a row without local keys: c = 0
+            a = torch.exp(logits - c)  # exp(-inf) = 0 off the local keys
+            sa = torch.exp(slog - c) if has_sinks else None
+        else:
+            a = torch.where(loc_ok, logits**self.degree, zero)
+            sa = torch.where(sink_ok, slog**self.degree, zero) if has_sinks else None
+        loc_num, loc_den = a @ band_v, a.sum(-1)  # [B, H, N, C, Dv], [B, H, N, C]
+        if has_sinks:
+            loc_num, loc_den = loc_num + sa @ sink_v[:, :, None], loc_den + sa.sum(-1)
+        g = self.g
+        return g[..., None] * loc_num + (1 - g[..., None]) * far_num, g * loc_den + (1 - g) * far_den
+
+
+def _hybrid_causal_block(h: _Hybrid, state, q_new, k_new, v_new, fq_new, fk_new, valid_new, C: int, counter):
+    """One block of ``n`` new tokens of the causal hybrid, continuing ``state`` (positions from
+    ``state.offset``). Tensors ``[B, H, n, ·]``, ``valid_new [B, n]``. Returns ``([B, H, n, Dv], state)``.
+
+    Query chunk ``c`` (positions ``a = P0 + cC …``) reads the band of keys ``a − w_e … a + C − 1``
+    (the held window then the block's keys, ``w_e = min(window, P0 + n)``) with explicit masks,
+    the sinks, and the far state: every non-sink key before ``a − w_e`` (an exclusive cumulative
+    sum of per-chunk sums of the band's first ``C`` keys). Cost ``O(n·(w + C + sinks)·(D + M))``.
+    """
+    from .state import AttentionState
+
+    B, H, n, Dv = v_new.shape
+    P0, w, sinks = state.offset, h.window, h.sinks
+    dev = v_new.device
+    # sinks: the first `sinks` positions, held apart; they never enter the band or the far state
+    ns = max(0, min(sinks - P0, n))
+    mask_sink = state.mask_sink
+    if ns:
+        old_ms = torch.ones(B, state.k_sink.shape[2], dtype=torch.bool, device=dev) if mask_sink is None else mask_sink
+        mask_sink = None if valid_new is None and mask_sink is None else torch.cat(
+            [old_ms, torch.ones(B, ns, dtype=torch.bool, device=dev) if valid_new is None else valid_new[:, :ns]], 1)
+        k_sink = torch.cat([state.k_sink, k_new[:, :, :ns]], 2)
+        v_sink = torch.cat([state.v_sink, v_new[:, :, :ns]], 2)
+    else:
+        k_sink, v_sink = state.k_sink, state.v_sink
+    Ls = k_sink.shape[2]
+    Lw = state.k_window.shape[2]
+    we = min(w, P0 + n)  # effective window (positions before 0 do not exist)
+    pad = we - Lw
+    N = -(-n // C)
+    tail = N * C - n
+    kp = _pad_front(torch.cat([state.k_window, k_new], 2), pad, tail)  # [B, H, we + N·C, D]
+    vp = _pad_front(torch.cat([state.v_window, v_new], 2), pad, tail)  # [B, H, we + N·C, Dv]
+    fp = _pad_front(torch.cat([state.phi_window, fk_new], 2), pad, tail)  # [B, H, we + N·C, M]
+    mw = torch.ones(B, Lw, dtype=torch.bool, device=dev) if state.mask_window is None else state.mask_window
+    mn = torch.ones(B, n, dtype=torch.bool, device=dev) if valid_new is None else valid_new
+    mp = _pad_front(torch.cat([mw, mn], 1), pad, tail)  # [B, we + N·C]
+    pos = torch.arange(P0 - we, P0 + n + tail, device=dev)  # [we + N·C]
+    ok = mp & (pos >= sinks)[None, :]  # a band / far key: real and not a sink
+    # far state: per-chunk sums of the keys leaving the window, exclusive prefix over chunks
+    lf = h.lift(fp[:, :, : N * C] * ok[:, None, : N * C, None])  # [B, H, N·C, M2]
+    lfc, vc = lf.unflatten(2, (N, C)), vp[:, :, : N * C].unflatten(2, (N, C))  # [B, H, N, C, ·]
+    upd, zc = lfc.mT @ vc, lfc.sum(3)  # [B, H, N, M2, Dv], [B, H, N, M2]
+    prev = torch.cat([state.S[:, :, None], upd[:, :, :-1]], 2).cumsum(2)  # [B, H, N, M2, Dv]
+    zprev = torch.cat([state.z[:, :, None], zc[:, :, :-1]], 2).cumsum(2)  # [B, H, N, M2]
+    last = (N - 1) * C
+    S_new = prev[:, :, -1] + lf[:, :, last:n].mT @ vp[:, :, last:n]  # keys with position < P0 + n − w
+    z_new = zprev[:, :, -1] + lf[:, :, last:n].sum(2)
+    # query chunks and their bands of U = we + C keys
+    fq = _pad_tokens(fq_new, N * C).unflatten(2, (N, C))  # [B, H, N, C, M]
+    qc = _pad_tokens(q_new, N * C).unflatten(2, (N, C))  # [B, H, N, C, D]
+    U = we + C
+    band_k, band_v = _band(kp, U, C), _band(vp, U, C)  # [B, H, N, U, ·]
+    band_ok = ok.unfold(1, U, C)[:, None, :, None, :]  # [B, 1, N, 1, U]
+    r = torch.arange(C, device=dev)[:, None]
+    u = torch.arange(U, device=dev)[None, :]
+    lag = we + r - u  # i − j for query r, band key u            [C, U]
+    loc_ok = band_ok & (lag >= 0) & (lag < w)
+    # far keys inside the band (i − j >= w) are its first C keys (u <= r), chunk-aligned: no band copy;
+    # with we < w (the window reaches position 0) there are none
+    far_band = []
+    if we == w:
+        tril = torch.ones(C, C, dtype=torch.bool, device=dev).tril()
+        far_band.append((fp[:, :, : N * C].unflatten(2, (N, C)), vc, tril & ok[:, : N * C].unflatten(1, (N, C))[:, None, :, None, :]))
+    qpos = (P0 + torch.arange(N * C, device=dev)).view(N, C)  # [N, C]
+    sink_ok = (torch.arange(Ls, device=dev) <= qpos[..., None])[None, None]  # [1, 1, N, C, Ls]
+    if mask_sink is not None:
+        sink_ok = sink_ok & mask_sink[:, None, None, None, :]
+    lq = h.lift(fq)  # [B, H, N, C, M2]
+    num, den = h.combine(qc, fq, far_band, band_k, band_v, loc_ok, k_sink, v_sink,
+                         sink_ok, lq @ prev, (lq @ zprev[..., None]).squeeze(-1))
+    if counter is not None:
+        counter.add(den.flatten(2, 3)[:, :, :n], mn)
+    out = (num / (den[..., None] + h.eps)).flatten(2, 3)[:, :, :n]  # [B, H, n, Dv]
+    keep = slice(n, n + we)  # the last `we` positions: the new window
+    has_mask = state.mask_window is not None or valid_new is not None
+    new_state = AttentionState(
+        S=S_new, z=z_new, k_window=kp[:, :, keep], v_window=vp[:, :, keep], phi_window=fp[:, :, keep],
+        k_sink=k_sink, v_sink=v_sink, offset=P0 + n,
+        mask_window=mp[:, keep] if has_mask else None, mask_sink=mask_sink)
+    return out, new_state
+
+
+def _hybrid_decode_one(h: _Hybrid, state, q, k, v, fq, fk, valid, counter):
+    """The causal hybrid for one new token at position ``P = state.offset`` (tensors ``[B, H, 1, ·]``).
+
+    The window key at ``P − w`` (when there is one) leaves: it enters ``S, z`` unless it is a sink
+    or padding. The local keys are the rest of the window and the token itself (positions
+    ``≥ sinks``) plus the sinks; the far part is ``φ(q)`` against the updated ``S, z``. Equal to
+    :func:`_hybrid_causal_block` on one token (tested through the split-anywhere tests).
+    """
+    from .state import AttentionState
+
+    B, H, _, Dv = v.shape
+    P, w, sinks = state.offset, h.window, h.sinks
+    dev = v.device
+    Lw = state.k_window.shape[2]
+    mw = torch.ones(B, Lw, dtype=torch.bool, device=dev) if state.mask_window is None else state.mask_window
+    mn = torch.ones(B, 1, dtype=torch.bool, device=dev) if valid is None else valid
+    S, z = state.S, state.z
+    drop = 1 if Lw == w else 0  # the oldest window key, position P − w, leaves the window
+    if drop and P - w >= sinks:
+        lf = h.lift(state.phi_window[:, :, :1] * mw[:, None, :1, None])  # [B, H, 1, M2]
+        S, z = S + lf.mT @ state.v_window[:, :, :1], z + lf[:, :, 0]
+    k_sink, v_sink, mask_sink = state.k_sink, state.v_sink, state.mask_sink
+    if P < sinks:  # the new token is a sink
+        k_sink, v_sink = torch.cat([k_sink, k], 2), torch.cat([v_sink, v], 2)
+        if mask_sink is not None or valid is not None:
+            old = torch.ones(B, state.k_sink.shape[2], dtype=torch.bool, device=dev) if mask_sink is None else mask_sink
+            mask_sink = torch.cat([old, mn], 1)
+    loc_k = torch.cat([state.k_window[:, :, drop:], k], 2)  # [B, H, U, D], positions P − Lw + drop … P
+    loc_v = torch.cat([state.v_window[:, :, drop:], v], 2)
+    loc_m = torch.cat([mw[:, drop:], mn], 1)  # [B, U]
+    pos = torch.arange(P - Lw + drop, P + 1, device=dev)
+    loc_ok = (loc_m & (pos >= sinks)[None, :])[:, None, None, None, :]  # [B, 1, 1, 1, U]
+    sink_ok = torch.ones(1, 1, 1, 1, k_sink.shape[2], dtype=torch.bool, device=dev)
+    if mask_sink is not None:
+        sink_ok = sink_ok & mask_sink[:, None, None, None, :]
+    lq = h.lift(fq)[:, :, None]  # [B, H, 1, 1, M2]
+    num, den = h.combine(q[:, :, None], fq[:, :, None], [], loc_k[:, :, None], loc_v[:, :, None], loc_ok, k_sink,
+                         v_sink, sink_ok, lq @ S[:, :, None], (lq @ z[:, :, None, :, None]).squeeze(-1))
+    if counter is not None:
+        counter.add(den[:, :, 0], mn)
+    out = num[:, :, 0] / (den[:, :, 0, :, None] + h.eps)  # [B, H, 1, Dv]
+    keep = slice(-min(w, P + 1), None)
+    win_k, win_v = torch.cat([state.k_window, k], 2), torch.cat([state.v_window, v], 2)
+    win_f = torch.cat([state.phi_window, fk], 2)
+    has_mask = state.mask_window is not None or valid is not None
+    new_state = AttentionState(
+        S=S, z=z, k_window=win_k[:, :, keep], v_window=win_v[:, :, keep], phi_window=win_f[:, :, keep],
+        k_sink=k_sink, v_sink=v_sink, offset=P + 1,
+        mask_window=torch.cat([mw, mn], 1)[:, keep] if has_mask else None, mask_sink=mask_sink)
+    return out, new_state
+
+
+def _hybrid_noncausal(h: _Hybrid, q, k, v, fq, fk, valid, C: int, counter):
+    """Non-causal hybrid on full ``[B, H, T, ·]`` tensors (``T == S``): local ``|i−j| < w`` and the
+    sinks, far every other key, as a prefix state (keys before the chunk's band), the band
+    ``a − w_e … a + C + w_e − 1`` with masks, and a suffix state (keys after it)."""
+    B, H, T, Dv = v.shape
+    dev = v.device
+    w, sinks = h.window, h.sinks
+    we = min(w, T)
+    N = -(-T // C)
+    tail = N * C - T
+    mn = torch.ones(B, T, dtype=torch.bool, device=dev) if valid is None else valid
+    ok = mn & (torch.arange(T, device=dev) >= sinks)[None, :]  # [B, T]
+    Ls = min(sinks, T)
+    k_sink, v_sink = k[:, :, :Ls], v[:, :, :Ls]
+    lf = h.lift(fk * ok[:, None, :, None])  # [B, H, T, M2]
+
+    def chunk_sums(x_f, x_v):  # [B, H, N·C, ·] -> per-chunk Σ φᵀv, Σ φ
+        xf, xv = x_f.unflatten(2, (N, C)), x_v.unflatten(2, (N, C))
+        return xf.mT @ xv, xf.sum(3)  # [B, H, N, M2, Dv], [B, H, N, M2]
+
+    # prefix: keys j < cC − we  ⇔  (j + we) in chunks before c
+    up, zp = chunk_sums(_pad_front(lf, we, N * C)[:, :, : N * C], _pad_front(v, we, N * C)[:, :, : N * C])
+    pre = torch.cat([torch.zeros_like(up[:, :, :1]), up[:, :, :-1]], 2).cumsum(2)
+    zpre = torch.cat([torch.zeros_like(zp[:, :, :1]), zp[:, :, :-1]], 2).cumsum(2)
+    # suffix: keys j >= cC + C + we  ⇔  (j − we) in chunks after c
+    us, zs = chunk_sums(_pad_tokens(lf[:, :, we:], N * C), _pad_tokens(v[:, :, we:], N * C))
+    suf = torch.cat([us[:, :, 1:], torch.zeros_like(us[:, :, :1])], 2).flip(2).cumsum(2).flip(2)
+    zsuf = torch.cat([zs[:, :, 1:], torch.zeros_like(zs[:, :, :1])], 2).flip(2).cumsum(2).flip(2)
+    U = C + 2 * we
+    kp, vp, fp = (_pad_front(x, we, tail + we) for x in (k, v, fk))  # [B, H, N·C + 2we, ·]
+    okp = _pad_front(ok, we, tail + we)  # [B, N·C + 2we]
+    band_ok = okp.unfold(1, U, C)[:, None, :, None, :]  # [B, 1, N, 1, U]
+    r = torch.arange(C, device=dev)[:, None]
+    u = torch.arange(U, device=dev)[None, :]
+    lag = (we + r - u).abs()  # |i − j|   [C, U]
+    far_ok, loc_ok = band_ok & (lag >= w), band_ok & (lag < w)
+    sink_ok = torch.ones(1, 1, 1, 1, Ls, dtype=torch.bool, device=dev)
+    if valid is not None:
+        sink_ok = sink_ok & valid[:, None, None, None, :Ls]
+    fqc = _pad_tokens(fq, N * C).unflatten(2, (N, C))  # [B, H, N, C, M]
+    qc = _pad_tokens(q, N * C).unflatten(2, (N, C))  # [B, H, N, C, D]
+    lq = h.lift(fqc)
+    band_v = _band(vp, U, C)
+    num, den = h.combine(qc, fqc, [(_band(fp, U, C), band_v, far_ok)], _band(kp, U, C), band_v, loc_ok, k_sink,
+                         v_sink, sink_ok, lq @ (pre + suf), (lq @ (zpre + zsuf)[..., None]).squeeze(-1))
+    if counter is not None:
+        counter.add(den.flatten(2, 3)[:, :, :T], mn)
+    return (num / (den[..., None] + h.eps)).flatten(2, 3)[:, :, :T]  # [B, H, T, Dv]
+
+
+class DenominatorCounter:
+    """Counts the normalising denominators ``<= 0`` of real query rows, chunk by chunk (one sync at the end)."""
+
+    def __init__(self):
+        self.bad, self.rows = None, 0
+
+    def add(self, den: torch.Tensor, rows: torch.Tensor | None) -> None:
+        """``den [B, H, n]``; ``rows [B, n]`` bool (real queries) or None (all)."""
+        with torch.no_grad():
+            bad = den.detach() <= 0
+            if rows is not None:
+                bad = bad & rows[:, None, :]
+            count = bad.sum()
+            self.bad = count if self.bad is None else self.bad + count
+            self.rows += den.numel()
+
+    def report(self, where: str, mode: str) -> None:
+        from ._checks import report_denominators
+
+        if self.bad is not None:
+            report_denominators(int(self.bad), self.rows, where, mode)

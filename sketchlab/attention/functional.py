@@ -23,11 +23,21 @@ import torch
 
 from .._validation import DEFAULT_MAX_BYTES, check_degree, check_memory, check_positive_int, check_real
 from ..sketch import Sketch
-from ._checks import check_eps, check_flag, check_normalize, check_qkv, check_segments, check_theta
+from ._checks import (
+    check_denominator_check,
+    check_eps,
+    check_flag,
+    check_hybrid,
+    check_key_padding_mask,
+    check_normalize,
+    check_qkv,
+    check_segments,
+    check_theta,
+)
 from .chunked import DEFAULT_CHUNK_SIZE, feature_attention, llops_attention_chunked
 from .reference import feature_attention_naive, llops_attention_naive
 
-__all__ = ["BACKENDS", "dump_segments", "llops_attention", "poly_attention", "resolve_backend", "sketch_attention", "softmax_attention"]
+__all__ = ["BACKENDS", "dump_segments", "featuremap_attention", "llops_attention", "poly_attention", "resolve_backend", "sketch_attention", "softmax_attention"]
 
 #: Accepted values of ``backend``.
 BACKENDS = ("auto", "triton", "torch", "reference")
@@ -54,10 +64,39 @@ def resolve_backend(backend, device: torch.device, dtype: torch.dtype = torch.fl
     return backend
 
 
+#: The hybrid/state keywords the fused kernel must accept before ``backend="triton"`` routes them to it.
+_TRITON_HYBRID_KEYWORDS = ("window", "sinks", "local", "local_scale", "gate", "key_padding_mask", "initial_state",
+                           "output_final_state")
+
+
+def _triton_takes_hybrid(fn) -> bool:
+    """Whether ``llops_attention_triton`` accepts every keyword of :data:`_TRITON_HYBRID_KEYWORDS`."""
+    import inspect
+
+    params = inspect.signature(fn).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return True
+    return all(name in params for name in _TRITON_HYBRID_KEYWORDS)
+
+
+def _uses_hybrid(window, sinks, gate, key_padding_mask, initial_state, output_final_state) -> bool:
+    return bool(window or sinks or gate is not None or key_padding_mask is not None or initial_state is not None
+                or output_final_state)
+
+
+def _check_stateful_segments(segments, initial_state, output_final_state):
+    if segments is not None and (initial_state is not None or output_final_state):
+        raise ValueError("segments cannot be combined with initial_state/output_final_state: a state carries one "
+                         "sequence per batch row (split the joined sequences into rows instead)")
+
+
 def llops_attention(q, k, v, theta_q, theta_k, *, causal: bool = True, normalize: str = "sum",
                     non_negative: bool = False, eps: float = 1e-6, backend: str = "auto",
-                    chunk_size: int = DEFAULT_CHUNK_SIZE, segments=None) -> torch.Tensor:
-    r"""Causal (or not) linear attention through per-head LLoPS feature maps.
+                    chunk_size: int = DEFAULT_CHUNK_SIZE, segments=None, window: int = 0, sinks: int = 0,
+                    local: str = "softmax", local_scale=None, gate=None, key_padding_mask=None, initial_state=None,
+                    output_final_state: bool = False, denominator_check: str = "warn"):
+    r"""Causal (or not) linear attention through per-head LLoPS feature maps, optionally with a
+    sliding window of exact keys (the hybrid) and a carried recurrent state.
 
     Parameters
     ----------
@@ -71,50 +110,97 @@ def llops_attention(q, k, v, theta_q, theta_k, *, causal: bool = True, normalize
         ``s ≤ t`` only (``T == S``).
     normalize : ``"none"`` or ``"sum"``
         See :mod:`sketchlab.attention.reference`; ``"sum"`` is safe only for non-negative maps
-        (rank-1 LLoPS with even ``p`` and tied Θ, or ``non_negative=True``).
+        (rank-1 LLoPS with even ``p`` and equal factors, or ``non_negative=True``); a call that
+        meets a denominator ``<= 0`` warns (``denominator_check``). The hybrid needs ``"sum"``.
     non_negative : bool
         Self-tensored features ``φ ⊗ φ``: kernel :math:`(\phi_Q(q)\cdot\phi_K(k))^2 \ge 0`,
         degree ``2p``, ``M²`` features.
     eps : float >= 0
-        Added to the normaliser.
+        Added to the normaliser (never a clamp).
     backend : ``"auto"``, ``"triton"``, ``"torch"`` or ``"reference"``
-        See the module docstring.
+        See the module docstring. The hybrid, padding masks and states go to the fused kernel
+        only when it takes them; otherwise ``backend="triton"`` raises and ``"auto"`` runs torch.
     chunk_size : int
         Tokens per chunk of the torch backend.
     segments : sequence of int or None
         Lengths of independent sequences joined along the token axis (``T == S``): no query
-        attends across a boundary (see :func:`dump_segments`).
+        attends across a boundary (see :func:`dump_segments`); positions (window, sinks) restart
+        in each.
+    window : int >= 0
+        Sliding window ``w`` of exact keys; ``0`` is pure linear attention (no gate).
+    sinks : int >= 0
+        The first ``sinks`` tokens are always attended exactly (attention sinks; needs ``window >= 1``).
+    local : ``"softmax"`` or ``"poly"``
+        Exact local scores ``exp(s·qᵀk − c_i)`` or ``(s·qᵀk)^p`` (``p`` of Θ).
+    local_scale : float or None
+        ``s``; default ``1/√D`` (a module that pre-scales q, k by ``D^{-1/4}`` passes 1).
+    gate : Tensor ``[H]`` or None
+        Per-head logits of ``g = sigmoid(gate)`` weighting local against far; ``None``: ``g = 1/2``.
+    key_padding_mask : bool Tensor ``[B, S]`` or None
+        ``True`` = a real token (as transformers passes for padded batches).
+    initial_state : AttentionState or None
+        The state returned by an earlier call on the preceding tokens (causal only).
+    output_final_state : bool
+        Also return the final :class:`~sketchlab.attention.AttentionState`.
+    denominator_check : ``"warn"``, ``"raise"`` or ``"off"``
+        Reaction to a denominator ``<= 0`` of a real query row (``normalize="sum"``).
 
     Returns
     -------
-    Tensor ``[B, T, H, Dv]``:
+    Tensor ``[B, T, H, Dv]``, or ``(o, AttentionState)`` when ``output_final_state``:
     :math:`o_t = \sum_{s} a_{ts} v_s\,[/(\sum_s a_{ts} + \varepsilon)]` with
     :math:`a_{ts} = \phi_Q(q_t)\cdot\phi_K(k_s)`,
-    :math:`\phi(x)_i = \sum_r \prod_j \langle\theta_{r,j,:,i}, x\rangle`.
-    The reference backend returns float64. Gradients reach ``q, k, v, theta_q, theta_k``.
+    :math:`\phi(x)_i = \sum_r \prod_j \langle\theta_{r,j,:,i}, x\rangle`; the hybrid's
+    formula is in :func:`~sketchlab.attention.feature_attention_naive`. The reference backend
+    returns float64. Gradients reach ``q, k, v, theta_q, theta_k`` and ``gate``.
     """
     check_flag(causal, "causal")
     check_flag(non_negative, "non_negative")
+    check_flag(output_final_state, "output_final_state")
     normalize, eps = check_normalize(normalize), check_eps(eps)
+    mode = check_denominator_check(denominator_check)
     chunk_size = check_positive_int(chunk_size, "chunk_size")
     q, k, v = check_qkv(q, k, v, causal=causal)
-    theta_q, theta_k = check_theta(theta_q, theta_k, heads=q.shape[2], dim=q.shape[3], like=q)
+    theta_q, theta_k = check_theta(theta_q, theta_k, heads=q.shape[2], dim=q.shape[3], like=q, k=k,
+                                   non_negative=non_negative)
+    window, sinks, local, scale, gate = check_hybrid(window, sinks, local, local_scale, gate, normalize=normalize,
+                                                     heads=q.shape[2], dim=q.shape[3], like=q)
+    key_padding_mask = check_key_padding_mask(key_padding_mask, q.shape[0], k.shape[1], q.device)
+    _check_stateful_segments(segments, initial_state, output_final_state)
+    hybrid = _uses_hybrid(window, sinks, gate, key_padding_mask, initial_state, output_final_state)
+    opts = dict(window=window, sinks=sinks, local=local, local_scale=scale, gate=gate)
+    requested = backend
     backend = resolve_backend(backend, q.device, q.dtype)
-    if backend == "reference":
-        def run(qs, ks, vs):
-            return llops_attention_naive(qs, ks, vs, theta_q, theta_k, causal=causal, normalize=normalize,
-                                         non_negative=non_negative, eps=eps)
-    elif backend == "torch":
-        def run(qs, ks, vs):
-            return llops_attention_chunked(qs, ks, vs, theta_q, theta_k, causal=causal, normalize=normalize,
-                                           non_negative=non_negative, eps=eps, chunk_size=chunk_size, validate=False)
-    else:
+    fused = None
+    if backend == "triton":
         from .triton import llops_attention_triton  # lazy: triton is optional
 
-        def run(qs, ks, vs):
-            return llops_attention_triton(qs, ks, vs, theta_q, theta_k, causal=causal, normalize=normalize,
-                                          non_negative=non_negative, eps=eps)
-    return _by_segments(run, segments, q, k, v)
+        if hybrid and not _triton_takes_hybrid(llops_attention_triton):
+            if requested == "auto":
+                backend = "torch"
+            else:
+                raise ValueError(
+                    "the fused Triton kernel does not take window/sinks/gate/key_padding_mask/initial_state/"
+                    "output_final_state yet; use backend='torch' (chunked PyTorch, every device) for the hybrid "
+                    "and the recurrent state")
+        else:
+            fused = llops_attention_triton
+
+    def run(qs, ks, vs, mask):
+        extra = dict(key_padding_mask=mask, initial_state=initial_state, output_final_state=output_final_state)
+        if backend == "reference":
+            return llops_attention_naive(qs, ks, vs, theta_q, theta_k, causal=causal, normalize=normalize,
+                                         non_negative=non_negative, eps=eps, denominator_check=mode, **opts, **extra)
+        if backend == "torch":
+            return llops_attention_chunked(qs, ks, vs, theta_q, theta_k, causal=causal, normalize=normalize,
+                                           non_negative=non_negative, eps=eps, chunk_size=chunk_size, validate=False,
+                                           denominator_check=mode, **opts, **extra)
+        if hybrid:
+            return fused(qs, ks, vs, theta_q, theta_k, causal=causal, normalize=normalize,
+                         non_negative=non_negative, eps=eps, **opts, **extra)
+        return fused(qs, ks, vs, theta_q, theta_k, causal=causal, normalize=normalize, non_negative=non_negative,
+                     eps=eps)
+    return _by_segments(run, segments, q, k, v, mask=key_padding_mask)
 
 
 def _map_params(theta: torch.Tensor, batch: int, heads: int, name: str) -> torch.Tensor:
@@ -141,17 +227,19 @@ def _map_params(theta: torch.Tensor, batch: int, heads: int, name: str) -> torch
     return theta.reshape(*lead2, *theta.shape[-4:]).expand(*shape, *theta.shape[-4:])
 
 
-def _by_segments(fn, segments, q, k, v):
-    """Run ``fn(q, k, v)`` on each segment of the token axis (``T == S``) and join the outputs."""
+def _by_segments(fn, segments, *tensors, mask=None):
+    """Run ``fn(*tensors, mask)`` on each segment of the token axis (axis 1; ``T == S``) and join
+    the outputs (``mask``: a key-padding mask ``[B, S]``, cut with the keys)."""
     if segments is None:
-        return fn(q, k, v)
-    if q.shape[1] != k.shape[1]:
-        raise ValueError(f"segments need as many queries as keys (T == S), got T={q.shape[1]}, S={k.shape[1]}")
-    segs = check_segments(segments, q.shape[1])
+        return fn(*tensors, mask)
+    lengths = {x.shape[1] for x in tensors}
+    if len(lengths) != 1:
+        raise ValueError(f"segments need as many queries as keys (T == S), got token axes {sorted(lengths)}")
+    segs = check_segments(segments, tensors[0].shape[1])
     outs, start = [], 0
     for length in segs:
         stop = start + length
-        outs.append(fn(q[:, start:stop], k[:, start:stop], v[:, start:stop]))
+        outs.append(fn(*(x[:, start:stop] for x in tensors), None if mask is None else mask[:, start:stop]))
         start = stop
     return torch.cat(outs, 1)
 
@@ -178,7 +266,9 @@ def dump_segments(dump) -> list[int] | None:
 
 def sketch_attention(q, k, v, sketch: Sketch, *, causal: bool = True, normalize: str = "sum",
                      non_negative: bool = False, eps: float = 1e-6, backend: str = "auto",
-                     chunk_size: int = DEFAULT_CHUNK_SIZE, segments=None) -> torch.Tensor:
+                     chunk_size: int = DEFAULT_CHUNK_SIZE, segments=None, window: int = 0, sinks: int = 0,
+                     local: str = "softmax", local_scale=None, gate=None, key_padding_mask=None, initial_state=None,
+                     output_final_state: bool = False, denominator_check: str = "warn"):
     r"""Attention through any :class:`sketchlab.Sketch`: scores :math:`\phi_Q(q_t)\cdot\phi_K(k_s)`.
 
     Parameters
@@ -196,15 +286,16 @@ def sketch_attention(q, k, v, sketch: Sketch, *, causal: bool = True, normalize:
         sketch computes ``features_q``/``features_k`` (its own dtype, promoted with ``v``'s) and
         runs :func:`sketchlab.attention.feature_attention` (``backend`` ``"auto"``/``"torch"``)
         or the dense float64 twin (``"reference"``); there is no fused kernel for them.
-    causal, normalize, non_negative, eps, chunk_size
-        As in :func:`llops_attention`.
+    causal, normalize, non_negative, eps, chunk_size, window, sinks, local, local_scale, gate,
+    key_padding_mask, initial_state, output_final_state, denominator_check
+        As in :func:`llops_attention` (``local="poly"`` uses the sketch's degree).
     segments : None, int or sequence of int
         Lengths of sequences joined along the token axis (``T == S``): each is attended on its
         own (see :func:`dump_segments`).
 
     Returns
     -------
-    Tensor ``[B, T, H, Dv]``.
+    Tensor ``[B, T, H, Dv]``, or ``(o, AttentionState)``.
     """
     from ..llops import LLoPS
 
@@ -215,25 +306,34 @@ def sketch_attention(q, k, v, sketch: Sketch, *, causal: bool = True, normalize:
     if q.shape[-1] != _sketch_dim(sketch, q.shape[-1]):
         raise ValueError(f"sketch acts on d={_sketch_dim(sketch, q.shape[-1])} but q and k have D={q.shape[-1]}")
     B, H = q.shape[0], q.shape[2]
+    opts = dict(window=window, sinks=sinks, local=local, local_scale=local_scale, gate=gate,
+                denominator_check=denominator_check)
+    stateful = dict(initial_state=initial_state, output_final_state=output_final_state)
+    _check_stateful_segments(segments, initial_state, output_final_state)
     if isinstance(sketch, LLoPS):
         theta_k = sketch.theta_q if sketch.theta_k is None else sketch.theta_k
         tq = _map_params(sketch.theta_q, B, H, "theta_q").to(q.dtype)
         tk = _map_params(theta_k, B, H, "theta_k").to(q.dtype)
+        if tq.ndim == 6 and (key_padding_mask is not None or initial_state is not None or output_final_state):
+            raise ValueError("a sketch with one map per batch element ([B, H] leading shape) folds the batch into "
+                             "the heads and cannot take key_padding_mask or a state; use one map per head")
 
-        def run(qs, ks, vs):
+        def run(qs, ks, vs, mask):
             if tq.ndim == 5:
                 return llops_attention(qs, ks, vs, tq, tk, causal=causal, normalize=normalize,
-                                       non_negative=non_negative, eps=eps, backend=backend, chunk_size=chunk_size)
+                                       non_negative=non_negative, eps=eps, backend=backend, chunk_size=chunk_size,
+                                       key_padding_mask=mask, **opts, **stateful)
 
             def fold(x):  # [B, T, H, ·] -> [1, T, B·H, ·]
                 return x.transpose(0, 1).reshape(1, x.shape[1], B * H, x.shape[-1])
 
+            fopts = dict(opts, gate=None if gate is None else gate.repeat(B))  # [B·H]
             out = llops_attention(fold(qs), fold(ks), fold(vs), tq.flatten(0, 1), tk.flatten(0, 1), causal=causal,
                                   normalize=normalize, non_negative=non_negative, eps=eps, backend=backend,
-                                  chunk_size=chunk_size)  # [1, T, B·H, Dv]
+                                  chunk_size=chunk_size, **fopts)  # [1, T, B·H, Dv]
             return out.reshape(qs.shape[1], B, H, -1).transpose(0, 1)  # [B, T, H, Dv]
 
-        return _by_segments(run, segments, q, k, v)
+        return _by_segments(run, segments, q, k, v, mask=key_padding_mask)
     backend = resolve_backend(backend, q.device, q.dtype)
     if backend == "triton":
         raise ValueError(f"backend='triton' fuses only LLoPS maps; {type(sketch).__name__} runs with backend='torch' "
@@ -247,15 +347,102 @@ def sketch_attention(q, k, v, sketch: Sketch, *, causal: bool = True, normalize:
         )
     dtype = torch.promote_types(fq.dtype, v.dtype)
     fq, fk, vv = fq.to(dtype).transpose(1, 2), fk.to(dtype).transpose(1, 2), v.to(dtype)  # [B, T|S, H, ·]
+    return _features_by_backend(fq, fk, vv, q.to(dtype), k.to(dtype), backend=backend, causal=causal,
+                                normalize=normalize, eps=eps, non_negative=non_negative, chunk_size=chunk_size,
+                                segments=segments, degree=sketch.degree, key_padding_mask=key_padding_mask,
+                                **opts, **stateful)
 
-    def run_features(fqs, fks, vs):
+
+def _features_by_backend(fq, fk, v, q, k, *, backend, segments, key_padding_mask, chunk_size, **kw):
+    """Feature attention (``[B, T, H, ·]`` features, raw ``q, k`` for the local part) on the
+    reference twin or the chunked path, segment by segment."""
+
+    def run(fqs, fks, vs, qs, ks, mask):
         if backend == "reference":
-            return feature_attention_naive(fqs, fks, vs, causal=causal, normalize=normalize, eps=eps,
-                                           non_negative=non_negative)
-        return feature_attention(fqs, fks, vs, causal=causal, normalize=normalize, eps=eps, non_negative=non_negative,
-                                 chunk_size=chunk_size)
+            return feature_attention_naive(fqs, fks, vs, q=qs, k=ks, key_padding_mask=mask, **kw)
+        return feature_attention(fqs, fks, vs, q=qs, k=ks, key_padding_mask=mask, chunk_size=chunk_size, **kw)
 
-    return _by_segments(run_features, segments, fq, fk, vv)
+    return _by_segments(run, segments, fq, fk, v, q, k, mask=key_padding_mask)
+
+
+def featuremap_attention(q, k, v, feature_map, feature_map_k=None, *, causal: bool = True, normalize: str | None = None,
+                         non_negative: bool | None = None, eps: float = 1e-6, backend: str = "auto",
+                         chunk_size: int = DEFAULT_CHUNK_SIZE, segments=None, window: int = 0, sinks: int = 0,
+                         local: str = "softmax", local_scale=None, gate=None, key_padding_mask=None,
+                         initial_state=None, output_final_state: bool = False, denominator_check: str = "warn"):
+    r"""Attention through any :class:`sketchlab.featuremaps.FeatureMap` (the far part of the hybrid).
+
+    Parameters
+    ----------
+    q : Tensor ``[B, T, H, D]``
+    k : Tensor ``[B, S, H, D]``
+    v : Tensor ``[B, S, H, Dv]``
+    feature_map : FeatureMap
+        The query map (``heads = H``, ``head_dim = D``); also the key map unless ``feature_map_k``.
+    feature_map_k : FeatureMap or None
+        The key map (same kind and number of features).
+    normalize : ``"none"``, ``"sum"`` or None
+        ``None``: ``"sum"``.
+    non_negative : bool or None
+        Self-tensor the features; ``None``: only when normalising with maps that can be signed
+        (a default never divides by a signed sum; see ``FeatureMap.non_negative``).
+    causal, eps, backend, chunk_size, segments, window, sinks, local, local_scale, gate,
+    key_padding_mask, initial_state, output_final_state, denominator_check
+        As in :func:`llops_attention`; ``local="poly"`` uses the map's ``degree``.
+
+    Returns
+    -------
+    Tensor ``[B, T, H, Dv]`` or ``(o, AttentionState)``. Two :class:`~sketchlab.featuremaps.LLoPSMap`
+    go to :func:`llops_attention` (the fused kernel on CUDA); the others compute their features
+    (``features``, or ``features_naive`` in float64 with ``backend="reference"``) and run
+    :func:`~sketchlab.attention.feature_attention` (or its dense twin).
+    """
+    from ..featuremaps import FeatureMap, LLoPSMap
+
+    fk_map = feature_map if feature_map_k is None else feature_map_k
+    for m, name in ((feature_map, "feature_map"), (fk_map, "feature_map_k")):
+        if not isinstance(m, FeatureMap):
+            raise TypeError(f"{name} must be a sketchlab.featuremaps.FeatureMap, got {type(m).__name__}")
+    if type(feature_map) is not type(fk_map) or feature_map.num_features != fk_map.num_features:
+        raise ValueError(f"feature_map and feature_map_k must be of one kind with one number of features, got "
+                         f"{type(feature_map).__name__}({feature_map.num_features}) and "
+                         f"{type(fk_map).__name__}({fk_map.num_features})")
+    check_flag(causal, "causal")
+    q, k, v = check_qkv(q, k, v, causal=causal)
+    for m, name in ((feature_map, "feature_map"), (fk_map, "feature_map_k")):
+        if (m.heads, m.head_dim) != (q.shape[2], q.shape[3]):
+            raise ValueError(f"{name} has heads={m.heads}, head_dim={m.head_dim} but q has H={q.shape[2]}, "
+                             f"D={q.shape[3]}")
+    normalize = "sum" if normalize is None else check_normalize(normalize)
+    if non_negative is None:
+        non_negative = normalize == "sum" and not (feature_map.non_negative and fk_map.non_negative)
+    check_flag(non_negative, "non_negative")
+    opts = dict(causal=causal, normalize=normalize, non_negative=non_negative, eps=eps, backend=backend,
+                chunk_size=chunk_size, segments=segments, window=window, sinks=sinks, local=local,
+                local_scale=local_scale, gate=gate, key_padding_mask=key_padding_mask, initial_state=initial_state,
+                output_final_state=output_final_state, denominator_check=denominator_check)
+    if isinstance(feature_map, LLoPSMap):
+        return llops_attention(q, k, v, feature_map.theta.to(q.dtype), fk_map.theta.to(q.dtype), **opts)
+    backend = resolve_backend(backend, q.device, q.dtype)
+    if backend == "triton":
+        raise ValueError(f"backend='triton' fuses only LLoPS maps; {type(feature_map).__name__} runs with "
+                         "backend='torch' or 'reference'")
+    if window and local == "poly" and feature_map.degree is None:
+        raise ValueError(f"local='poly' needs a polynomial degree, and {type(feature_map).__name__} has none "
+                         "(it is not a polynomial kernel): use local='softmax'")
+    if backend == "reference":
+        fq, fk = feature_map.features_naive(q), fk_map.features_naive(k)  # [B, T|S, H, M] float64
+        qq, kk, vv = q.double(), k.double(), v.double()
+    else:
+        fq, fk = feature_map.features(q), fk_map.features(k)  # [B, T|S, H, M]
+        dtype = torch.promote_types(fq.dtype, v.dtype)
+        fq, fk, qq, kk, vv = (x.to(dtype) for x in (fq, fk, q, k, v))
+    for key in ("causal", "backend", "segments", "key_padding_mask", "chunk_size"):
+        opts.pop(key)
+    _check_stateful_segments(segments, initial_state, output_final_state)
+    return _features_by_backend(fq, fk, vv, qq, kk, backend=backend, segments=segments, causal=causal,
+                                key_padding_mask=key_padding_mask, chunk_size=chunk_size, degree=feature_map.degree,
+                                **opts)
 
 
 def _sketch_dim(sketch: Sketch, default: int) -> int:
@@ -288,7 +475,7 @@ def poly_attention(q, k, v, p: int, *, causal: bool = True, normalize: str = "su
     check_memory(B * H * block_size * k.shape[1] * q.element_size(),
                  what=f"the scores of one query block ([B={B}, H={H}, {block_size}, S={k.shape[1]}])",
                  way_out="lower block_size", max_bytes=max_bytes)
-    return _by_segments(lambda qs, ks, vs: _poly_blocks(qs, ks, vs, p, causal, normalize, eps, block_size),
+    return _by_segments(lambda qs, ks, vs, _: _poly_blocks(qs, ks, vs, p, causal, normalize, eps, block_size),
                         segments, q, k, v)
 
 

@@ -20,11 +20,14 @@ from torch import nn
 
 from ..scaling import resolve_scale, scale_label
 from .._validation import as_float_tensor, check_degree, check_positive_int
-from ._checks import check_eps, check_flag, check_normalize, check_theta
+from ._checks import check_eps, check_flag, check_hybrid, check_normalize, check_theta
+from ..llops.maps import llops_is_non_negative
 from .chunked import DEFAULT_CHUNK_SIZE
 from .functional import llops_attention, resolve_backend
 
-__all__ = ["LLoPSAttention"]
+__all__ = ["LLoPSAttention", "llops_is_non_negative"]
+
+
 
 
 class LLoPSAttention(nn.Module):
@@ -49,7 +52,17 @@ class LLoPSAttention(nn.Module):
     scale : "none", "sqrt-d" or float
         Factor ``s`` applied to ``q`` and ``k`` before the feature map (see the module docstring).
     causal, normalize, non_negative, eps, backend, chunk_size
-        Passed to :func:`sketchlab.attention.llops_attention`.
+        Passed to :func:`sketchlab.attention.llops_attention`. ``normalize=None`` (the default)
+        picks ``"sum"``, and with a given Θ that can be signed (not rank 1 with equal factors and
+        even ``p``, :func:`llops_is_non_negative`) and ``non_negative`` not given it self-tensors
+        (``non_negative=True``): a default never divides by a signed sum.
+    window, sinks, local : int, int, str
+        The sliding-window hybrid (:func:`~sketchlab.attention.llops_attention`); the local
+        scores use ``qᵀk/√D`` of the unscaled projections (softmax) or the same scaled ``q, k``
+        as the sketch (poly, so the local block is the exact kernel the sketch approximates).
+    gate : bool
+        A learnable per-head gate logit (initialised to 0: ``g = 1/2``) when ``window > 0``;
+        ``False``: ``g = 1/2`` fixed.
     bias : bool
         Biases in the four projections.
     seed : int
@@ -60,8 +73,9 @@ class LLoPSAttention(nn.Module):
 
     def __init__(self, embed_dim: int, num_heads: int, *, head_dim: int | None = None, p: int | None = None,
                  m: int | None = None, rank: int | None = None, theta_q=None, theta_k=None, learn_theta: bool = True, scale="sqrt-d",
-                 causal: bool = True, normalize: str = "sum", non_negative: bool = False, eps: float = 1e-6,
-                 backend: str = "auto", chunk_size: int = DEFAULT_CHUNK_SIZE, bias: bool = False, seed: int = 0,
+                 causal: bool = True, normalize: str | None = None, non_negative: bool | None = None,
+                 eps: float = 1e-6, backend: str = "auto", chunk_size: int = DEFAULT_CHUNK_SIZE, bias: bool = False,
+                 seed: int = 0, window: int = 0, sinks: int = 0, local: str = "softmax", gate: bool = True,
                  dtype: torch.dtype = torch.float32, device=None):
         super().__init__()
         embed_dim = check_positive_int(embed_dim, "embed_dim")
@@ -73,8 +87,8 @@ class LLoPSAttention(nn.Module):
         head_dim = check_positive_int(head_dim, "head_dim")
         self.embed_dim, self.num_heads, self.head_dim = embed_dim, num_heads, head_dim
         self.causal = check_flag(causal, "causal")
-        self.normalize = check_normalize(normalize)
-        self.non_negative = check_flag(non_negative, "non_negative")
+        given_theta = theta_q is not None
+        self.normalize = "sum" if normalize is None else check_normalize(normalize)
         self.eps = check_eps(eps)
         resolve_backend(backend, torch.device("cpu"))  # validates the name
         self.backend = backend
@@ -118,6 +132,18 @@ class LLoPSAttention(nn.Module):
                     f"{list(theta_q.shape)}), but {name.split()[0]}={want} was asked for"
                 )
         self.tied = tied
+        if non_negative is None:  # a default never combines "sum" with a map that can be signed
+            signed = given_theta and not (llops_is_non_negative(theta_q) and llops_is_non_negative(theta_k))
+            non_negative = self.normalize == "sum" and signed
+        self.non_negative = check_flag(non_negative, "non_negative")
+        window, sinks, local, _, _ = check_hybrid(window, sinks, local, None, None, normalize=self.normalize,
+                                                  heads=num_heads, dim=head_dim, like=theta_q)
+        self.window, self.sinks, self.local = window, sinks, local
+        check_flag(gate, "gate")
+        # local scores: softmax on qᵀk/√D of the projections (q, k arrive scaled by s: divide s² out);
+        # poly on the scaled q, k, the kernel the sketch approximates
+        self.local_scale = head_dim ** -0.5 / self.qk_scale**2 if local == "softmax" else 1.0
+        self.gate = nn.Parameter(torch.zeros(num_heads, dtype=dtype, device=device)) if gate and window else None
         if learn_theta:
             self.theta_q = nn.Parameter(theta_q.clone())
             self.theta_k = None if tied else nn.Parameter(theta_k.clone())
@@ -135,20 +161,25 @@ class LLoPSAttention(nn.Module):
         """Features ``M`` per map."""
         return self.theta_q.shape[-1]
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, segments=None) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, segments=None, key_padding_mask=None,
+               initial_state=None, output_final_state: bool = False):
         """The attention core on per-head tensors: ``q, k [B, T, H, D]``, ``v [B, T, H, Dv]`` → ``[B, T, H, Dv]``.
 
-        Applies the Q/K scale, then :func:`llops_attention` with this block's Θ and settings;
-        ``segments`` (lengths of sequences joined along the token axis) keeps each causal mask
-        inside its own sequence.
+        Applies the Q/K scale, then :func:`llops_attention` with this block's Θ, window, gate and
+        settings; ``segments`` (lengths of sequences joined along the token axis) keeps each causal
+        mask inside its own sequence; ``initial_state``/``output_final_state`` carry the state.
         """
         theta_k = self.theta_q if self.theta_k is None else self.theta_k
         return llops_attention(q * self.qk_scale, k * self.qk_scale, v, self.theta_q, theta_k, causal=self.causal,
                                normalize=self.normalize, non_negative=self.non_negative, eps=self.eps,
-                               backend=self.backend, chunk_size=self.chunk_size, segments=segments)
+                               backend=self.backend, chunk_size=self.chunk_size, segments=segments,
+                               window=self.window, sinks=self.sinks, local=self.local, local_scale=self.local_scale,
+                               gate=self.gate, key_padding_mask=key_padding_mask, initial_state=initial_state,
+                               output_final_state=output_final_state)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x[B, T, E]`` → ``[B, T, E]``: projections, per-head LLoPS attention, output projection."""
+    def forward(self, x: torch.Tensor, *, key_padding_mask=None, initial_state=None, output_final_state: bool = False):
+        """``x[B, T, E]`` → ``[B, T, E]`` (or ``(y, AttentionState)``): projections, per-head LLoPS
+        attention, output projection."""
         x = as_float_tensor(x, "x")
         if x.ndim != 3 or x.shape[-1] != self.embed_dim:
             raise ValueError(f"x must have layout [B, T, E={self.embed_dim}], got shape {tuple(x.shape)}")
@@ -156,8 +187,25 @@ class LLoPSAttention(nn.Module):
         q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)  # [B, T, H, D]
         k = self.k_proj(x).view(B, T, self.num_heads, self.head_dim)  # [B, T, H, D]
         v = self.v_proj(x).view(B, T, self.num_heads, self.head_dim)  # [B, T, H, D]
-        out = self.attend(q, k, v)  # [B, T, H, D]
-        return self.o_proj(out.reshape(B, T, self.num_heads * self.head_dim))  # [B, T, E]
+        out = self.attend(q, k, v, key_padding_mask=key_padding_mask, initial_state=initial_state,
+                          output_final_state=output_final_state)  # [B, T, H, D]
+        state = None
+        if output_final_state:
+            out, state = out
+        y = self.o_proj(out.reshape(B, T, self.num_heads * self.head_dim))  # [B, T, E]
+        return (y, state) if output_final_state else y
+
+    def step(self, x_t: torch.Tensor, state=None):
+        """Decode one token: ``x_t [B, E]`` and the state of the tokens before it (``None`` at the
+        start) → ``(y_t [B, E], state)``. Costs ``O(M·Dv + (window + sinks)·D)`` per head at any
+        context length; a loop of steps equals :meth:`forward` on the whole sequence."""
+        if not self.causal:
+            raise ValueError("step decodes causal attention; this block has causal=False")
+        x_t = as_float_tensor(x_t, "x_t")
+        if x_t.ndim != 2 or x_t.shape[-1] != self.embed_dim:
+            raise ValueError(f"x_t must have layout [B, E={self.embed_dim}], got shape {tuple(x_t.shape)}")
+        y, state = self.forward(x_t[:, None], initial_state=state, output_final_state=True)
+        return y[:, 0], state
 
     @classmethod
     def from_pretrained(cls, theta_file, layer: int = 0, *, embed_dim: int | None = None, **kwargs) -> "LLoPSAttention":

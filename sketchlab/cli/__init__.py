@@ -2,22 +2,31 @@
 
 One sub-command per module of this package: each module has ``add_arguments(subparsers)``, which
 declares the command and its arguments, and ``run(args) -> int``. :data:`COMMANDS` lists them in the
-order ``sketchlab --help`` shows. Bad input (unknown option, invalid value, unreadable file) prints
-one line ``sketchlab: error: ...`` on stderr and exits with status 2, without a traceback; a
-diverged fit (``FloatingPointError``) prints one such line and exits with status 1; any other
-exception keeps its traceback (it is a bug).
+order ``sketchlab --help`` shows. Bad input (unknown option, invalid value, unreadable file, an
+output onto an input, a size over its budget) prints one line ``sketchlab: error: ...`` on stderr
+and exits with status 2, without a traceback, before any work; a diverged fit
+(``FloatingPointError``) prints one such line and exits with status 1; any other exception keeps
+its traceback (it is a bug). Warnings are one line ``sketchlab: warning: ...`` on stderr.
+
+One convention (:mod:`sketchlab.cli._common`): the shared options (``--p`` default 2, ``--m``
+default 64, ``--layers``, ``--heads``, ``--scale``, ``--seed``, ``--holdout``, ``--device``,
+``--no-progress``) have one spelling, type, default and help everywhere; every output is checked
+before the work (never an input, by any name or link), written atomically and all-or-nothing, its
+missing parent directories created, and reported as ``wrote PATH`` on stderr; ``--json -`` and
+``--markdown -`` write to standard output (which then carries nothing else); long work shows a
+tqdm bar on stderr.
 
 Usage::
 
-    sketchlab compare DUMP --p 2 --m 64 [--methods optimal,llops,mlp,psf,tensorsketch,based]
-                           [--layers 0,8] [--heads 0,1] [--scale sqrt-d|none] [--seed 0]
-                           [--holdout 0.25] [--json OUT] [--markdown OUT]
-    sketchlab verify DUMP [--p 2] [--m 64] [--layers 0,3] [--heads 0] [--scale sqrt-d|none|X] [--json OUT]
-    sketchlab advise DUMP --p 2 --target 0.05 [--method llops] [--plot OUT.png] [--json OUT] [--markdown OUT]
-    sketchlab spectrum DUMP [--p 2] [--plot OUT.png] [--json OUT]
+    sketchlab compare DUMP [--p 2] [--m 64] [--methods optimal,llops,mlp,psf,tensorsketch,based]
+                           [--layers 0,8] [--heads 0,1] [--scale sqrt-d|none|X] [--seed 0]
+                           [--holdout 0.25] [--json OUT|-] [--markdown OUT|-]
+    sketchlab verify DUMP [--p 2] [--m 64] [--layers 0,3] [--heads 0] [--scale sqrt-d|none|X] [--json OUT|-]
+    sketchlab advise DUMP [--p 2] --target 0.05 [--method llops] [--plot OUT.png] [--json OUT|-] [--markdown OUT|-]
+    sketchlab spectrum DUMP [--p 2] [--plot OUT.png] [--json OUT|-]
     sketchlab capture --model-dir DIR (--text FILE | --token-ids FILE) --out DUMP [--max-tokens 512]
-    sketchlab fit DUMP --method llops --p 2 --m 64 --out THETA.safetensors [--layers 0,3] [--heads 0,1]
-                  [--scale sqrt-d|none|FLOAT] [--seed 0] [--holdout 0.25]
+    sketchlab fit DUMP [--method llops] [--p 2] [--m 64] --out THETA.safetensors [--layers 0,3] [--heads 0,1]
+                  [--scale sqrt-d|none|X] [--seed 0] [--holdout 0.25]
     sketchlab train --task mqar --attention {softmax,poly,based,psf,llops} [--p P] [--m M]
                     [--init random|based|theta FILE] [--steps N] [--seed S] --out DIR
     sketchlab linearize CHECKPOINT --p 2 --m 64 --out DIR [--steps N] [--transfer W]
@@ -60,8 +69,24 @@ def _fail(message: str) -> int:
     return 2
 
 
+def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    print(f"sketchlab: warning: {' '.join(str(message).split())}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``sketchlab`` console script; returns the exit status."""
+    """Entry point of the ``sketchlab`` console script; returns the exit status.
+
+    Warnings raised while a command runs are printed as one line ``sketchlab: warning: ...`` on stderr.
+    """
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("default")
+        warnings.showwarning = _one_line_warning  # restored when the command ends
+        return _main(argv)
+
+
+def _main(argv):
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

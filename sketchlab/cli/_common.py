@@ -1,11 +1,25 @@
-"""Pieces every ``sketchlab`` sub-command shares: the usage error, argument types, output checks and writing."""
+"""Pieces every ``sketchlab`` sub-command shares: the usage error, the common options (one
+convention: the same flag, type, default and help everywhere), argument types, and the outputs
+(checked before any work, written all-or-nothing, each reported as ``wrote PATH``)."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import math
+import os
+import sys
 from pathlib import Path
 
-__all__ = ["UsageError", "check_outputs", "device_arg", "int_list", "positive_int", "scale_arg", "seed_arg", "write_text_atomic"]
+__all__ = [
+    "DEFAULT_M", "DEFAULT_P", "Outputs", "UsageError", "add_common", "check_outputs", "device_arg", "int_list",
+    "nonnegative_float", "nonnegative_int", "positive_float", "positive_int", "positive_int_list", "scale_arg",
+    "seed_arg", "write_text_atomic",
+]
+
+#: Defaults of ``--p`` and ``--m`` in every command (the paper's main setting; the demo's).
+DEFAULT_P = 2
+DEFAULT_M = 64
 
 
 class UsageError(Exception):
@@ -54,6 +68,48 @@ def device_arg(text: str):
     return device
 
 
+def positive_int_list(text: str) -> list[int]:
+    """``"8,16"`` → ``[8, 16]``, every value >= 1 (an argparse type)."""
+    values = int_list(text)
+    bad = [v for v in values if v < 1]
+    if bad:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1, got {bad[0]} in {text!r}")
+    return values
+
+
+def nonnegative_int(text: str) -> int:
+    """An integer >= 0 (an argparse type)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0 (an argparse type)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
+    return value
+
+
+def nonnegative_float(text: str) -> float:
+    """A finite number >= 0 (an argparse type)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return value
+
+
 def positive_int(text: str) -> int:
     """An integer >= 1 (an argparse type)."""
     try:
@@ -76,19 +132,238 @@ def scale_arg(text: str):
     return value
 
 
-def check_outputs(outputs: dict, inputs=(), *, dumps=()) -> None:
-    """Check every output of a command before it does any work (:func:`sketchlab.io.check_output_paths`).
+def add_common(cmd, *names: str, p_required: bool = False) -> None:
+    """Add the options every command spells the same way: ``names`` among ``"p"``, ``"m"``,
+    ``"layers"``, ``"heads"``, ``"scale"``, ``"seed"``, ``"holdout"``, ``"device"``, ``"progress"``."""
+    for name in names:
+        if name == "p":
+            cmd.add_argument("--p", type=positive_int, default=DEFAULT_P,
+                             help=f"polynomial degree p of the kernel (qᵀk)^p (default {DEFAULT_P})")
+        elif name == "m":
+            cmd.add_argument("--m", type=positive_int, default=DEFAULT_M,
+                             help=f"sketch size: features per map (default {DEFAULT_M})")
+        elif name == "layers":
+            cmd.add_argument("--layers", type=int_list, default=None, help="comma-separated layer positions (default: all)")
+        elif name == "heads":
+            cmd.add_argument("--heads", type=int_list, default=None, help="comma-separated head positions (default: all)")
+        elif name == "scale":
+            cmd.add_argument("--scale", type=scale_arg, default="sqrt-d",
+                             help="'sqrt-d' (q, k × d^-1/4 so qᵀk → qᵀk/√d; default), 'none', or a positive number "
+                                  "multiplying q and k")
+        elif name == "seed":
+            cmd.add_argument("--seed", type=seed_arg, default=0,
+                             help="seed of the held-out split, the fits and random sketches (default 0)")
+        elif name == "holdout":
+            cmd.add_argument("--holdout", type=float, default=0.25, help="fraction of tokens held out (default 0.25)")
+        elif name == "device":
+            cmd.add_argument("--device", type=device_arg, default="cpu", help="cpu (default), cuda or cuda:N")
+        elif name == "progress":
+            cmd.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+        else:  # a programming error, not bad input
+            raise KeyError(f"unknown common option {name!r}")
 
-    ``outputs`` maps option names (``"--json"``) to paths (``None`` when not given); ``inputs``
-    are the dumps/files the command reads (a ``.npy`` dump counts with all its parts); ``dumps``
-    the labels of outputs that are Q/K dumps (a ``.npy`` one counts with all its parts). Refused:
-    a missing output directory, an output that is a directory, two outputs that are the same
-    file, an output that is one of the inputs (same inode, through symlinks).
+
+def _nearest_existing(path: Path) -> Path:
+    while not os.path.lexists(path) and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _identity(path) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _inside(path: str, directory: str) -> bool:
+    return path == directory or path.startswith(directory.rstrip(os.sep) + os.sep)
+
+
+class Outputs:
+    """A command's outputs: checked before any work, then written all-or-nothing.
+
+    Parameters
+    ----------
+    files : dict
+        ``{option: path}`` of the output files (``None``: not given). ``"-"`` means standard
+        output, for the options in ``stdout`` only (at most one; the command's table then stays
+        off stdout so that what is piped is exactly that output).
+    inputs : iterable of path
+        What the run reads: files, Q/K dumps (a ``NAME.npy`` dump counts with all its parts) and
+        directories (every file under them).
+    directories : dict
+        ``{option: path}`` of output directories (``train --out``).
+    stdout : iterable of str
+        Options that accept ``"-"``.
+    dumps : iterable of str
+        Options whose output is a Q/K dump (a ``.npy`` one stands for all its sibling parts).
+
+    Raises
+    ------
+    ValueError
+        An output resolves (any spelling, symlink or hard link) to an input; an output directory
+        is an input directory or holds an input; two outputs are the same file; an output is a
+        directory, or its would-be parent is a file; ``"-"`` where it is not allowed or twice.
+    PermissionError
+        An output's directory (or its nearest existing ancestor, where the directory is created) is
+        not writable.
+
+    Notes
+    -----
+    Missing parent directories are created when writing. :meth:`write` stages every file as a
+    temporary beside its target and renames them into place only after all were written, so a
+    failing output leaves none of the others written (and any directory it created removed). A
+    rename failing after an earlier one succeeded (it needs a failing file system) is the one
+    case that can leave part of the set.
     """
-    from ..io import check_output_paths, dump_files
 
-    files = [f for path in inputs if path is not None for f in dump_files(path)]
-    check_output_paths(outputs, files, dumps=dumps)
+    def __init__(self, files: dict, *, inputs=(), directories: dict | None = None, stdout=(), dumps=()):
+        from ..io import dump_files
+
+        self.files = {label: str(path) for label, path in files.items() if path is not None}
+        self.directories = {label: str(path) for label, path in (directories or {}).items() if path is not None}
+        self.to_stdout = None
+        self.written: list[str] = []
+        input_files: dict = {}  # realpath -> spelling as given
+        input_dirs: dict = {}
+        for path in inputs:
+            if path is None:
+                continue
+            if os.path.isdir(path):
+                input_dirs[os.path.realpath(path)] = str(path)
+                for root, _, names in os.walk(path):
+                    for name in names:
+                        input_files[os.path.realpath(os.path.join(root, name))] = os.path.join(root, name)
+            else:
+                for part in dump_files(path) or [Path(path)]:
+                    input_files[os.path.realpath(part)] = str(part)
+        input_ids = {_identity(real): given for real, given in input_files.items() if _identity(real) is not None}
+        seen: dict = {}
+        for label, path in self.files.items():
+            if path == "-":
+                if label not in stdout:
+                    raise UsageError(f"{label} -: standard output is not supported for {label}; give a file path")
+                if self.to_stdout is not None:
+                    raise UsageError(f"{self.to_stdout} - and {label} -: only one output can go to standard output")
+                self.to_stdout = label
+                continue
+            parts = [Path(path)]
+            if label in dumps and Path(path).suffix.lower() == ".npy":
+                from ..io.atomic import npy_parts
+
+                parts = list(npy_parts(Path(path)).values())
+            for part in parts:
+                real = os.path.realpath(part)
+                self._check_writable(label, str(part), Path(real))
+                clash = input_files.get(real) or input_ids.get(_identity(real))
+                if clash is not None:
+                    raise ValueError(f"{label}: output {path!r} is the input {clash!r} (the same file): writing it would "
+                                     "destroy the data being read; choose another output path")
+                for key in (real, _identity(real)):
+                    if key is not None and key in seen and seen[key] != label:
+                        raise ValueError(f"outputs {seen[key]} and {label} are the same file {path!r}: one would overwrite "
+                                         "the other; give each output its own path")
+                    if key is not None:
+                        seen[key] = label
+        for label, path in self.directories.items():
+            real = os.path.realpath(path)
+            if os.path.lexists(real) and not os.path.isdir(real):
+                raise ValueError(f"{label} {path!r} is a file, not a directory")
+            self._check_writable(label, path, Path(real), directory=True)
+            for inp_real, given in {**input_dirs, **input_files}.items():
+                if _inside(inp_real, real) or _identity(inp_real) == _identity(real) is not None:
+                    raise ValueError(f"{label}: output directory {path!r} holds the input {given!r}: this run would overwrite or mix "
+                                     "files with the data it reads; choose another output directory")
+
+    @staticmethod
+    def _check_writable(label: str, given: str, real: Path, *, directory: bool = False) -> None:
+        if not directory and real.is_dir():
+            raise ValueError(f"{label}: output {given!r} is a directory, not a file")
+        base = _nearest_existing(real if directory else real.parent)
+        if not base.is_dir():
+            raise ValueError(f"{label}: cannot create the output directory of {given!r}: {str(base)!r} is a file")
+        if not os.access(base, os.W_OK | os.X_OK):
+            raise PermissionError(f"{label}: directory {str(base)!r} is not writable (for {given!r})")
+
+    @property
+    def stdout_taken(self) -> bool:
+        """Whether one of the outputs goes to standard output (then the command prints nothing else there)."""
+        return self.to_stdout is not None
+
+    def make_directories(self) -> None:
+        """Create the output directories (and their parents)."""
+        for path in self.directories.values():
+            Path(path).mkdir(parents=True, exist_ok=True)
+
+    def create_parents(self) -> None:
+        """Create the missing parent directories of the output files (for a command that writes a file itself)."""
+        for path in self.files.values():
+            if path != "-":
+                Path(os.path.realpath(path)).parent.mkdir(parents=True, exist_ok=True)
+
+    def announce(self, *paths) -> None:
+        """Print ``wrote PATH`` (stderr) for files a command wrote itself."""
+        for path in paths:
+            self.written.append(str(path))
+            print(f"wrote {path}", file=sys.stderr)
+
+    def write(self, contents: dict) -> list[str]:
+        """Write every output all-or-nothing; print ``wrote PATH`` (stderr) for each file.
+
+        ``contents`` maps each option to its text, bytes, or a callable ``write(path)`` that
+        writes the file at ``path`` (e.g. a figure); options not given on the command line are
+        skipped. Returns the paths written.
+        """
+        from ..io import atomic_write
+
+        created: list[Path] = []
+        stdout_text = None
+        try:
+            with contextlib.ExitStack() as stack:
+                for label, content in contents.items():
+                    path = self.files.get(label)
+                    if path is None:
+                        continue
+                    if path == "-":
+                        stdout_text = content
+                        continue
+                    parent = Path(os.path.realpath(path)).parent
+                    missing = []
+                    while not parent.exists():
+                        missing.append(parent)
+                        parent = parent.parent
+                    for folder in reversed(missing):
+                        folder.mkdir()
+                        created.append(folder)
+                    tmp = stack.enter_context(atomic_write(path))
+                    if isinstance(content, str):
+                        Path(tmp).write_text(content, encoding="utf-8")
+                    elif isinstance(content, bytes):
+                        Path(tmp).write_bytes(content)
+                    else:
+                        content(tmp)
+                    self.written.append(path)
+        except BaseException:
+            for folder in reversed(created):
+                with contextlib.suppress(OSError):
+                    folder.rmdir()
+            self.written = []
+            raise
+        if stdout_text is not None:
+            sys.stdout.write(stdout_text if isinstance(stdout_text, str) else stdout_text.decode())
+            sys.stdout.flush()
+        for path in self.written:
+            print(f"wrote {path}", file=sys.stderr)
+        return list(self.written)
+
+
+def check_outputs(outputs: dict, inputs=(), *, dumps=()) -> None:
+    """Check every output of a command before it does any work (:class:`Outputs`, for commands
+    that write their files themselves; ``"-"`` is not accepted); then create their missing parent
+    directories."""
+    Outputs(outputs, inputs=inputs, dumps=dumps).create_parents()
 
 
 def write_text_atomic(path: str, text: str) -> None:

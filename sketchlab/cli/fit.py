@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from ..io import dump_files
-from ._common import UsageError, check_outputs, device_arg, int_list, positive_int, scale_arg
+from ._common import Outputs, UsageError, add_common, positive_int
 
 #: Methods whose sketch has an exact Θ form (sketchlab.as_llops); the others cannot be exported.
 EXPORTABLE = ("llops", "elementwise", "based", "psf")
@@ -18,15 +18,10 @@ def add_arguments(sub) -> None:
     cmd.add_argument("dump", help="Q/K dump (.safetensors, .pt, .npy/.npz) with q, k of shape [L, H, n, d]")
     cmd.add_argument("--method", default="llops", choices=EXPORTABLE,
                      help="sketch to fit (one with an exact Θ form; default %(default)s)")
-    cmd.add_argument("--p", type=int, required=True, help="polynomial degree")
-    cmd.add_argument("--m", type=int, required=True, help="sketch size (features per map)")
-    cmd.add_argument("--out", required=True, help="output Θ file (.safetensors; never the input dump)")
-    cmd.add_argument("--layers", type=int_list, default=None, help="comma-separated layer positions (default: all)")
-    cmd.add_argument("--heads", type=int_list, default=None, help="comma-separated head positions (default: all)")
-    cmd.add_argument("--scale", type=scale_arg, default="sqrt-d",
-                     help="'sqrt-d' (x·d^-1/4, default), 'none', or a number multiplying q and k before fitting")
-    cmd.add_argument("--seed", type=int, default=0, help="seed of the held-out split and the fit")
-    cmd.add_argument("--holdout", type=float, default=0.25, help="fraction of tokens held out (default 0.25)")
+    add_common(cmd, "p", "m")
+    cmd.add_argument("--out", required=True,
+                     help="output Θ file (.safetensors; parent directories created; never the input dump)")
+    add_common(cmd, "layers", "heads", "scale", "seed", "holdout")
     cmd.add_argument("--fit-tokens", type=positive_int, default=None,
                      help="fit on a random subset of this many tokens per head (errors still on all of them)")
     cmd.add_argument("--quality", choices=("default", "high"), default=None,
@@ -34,7 +29,7 @@ def add_arguments(sub) -> None:
     cmd.add_argument("--work", type=_work_arg, default=None,
                      help="--method llops only: cap on each head's estimated multiply-adds, e.g. 1e12, or 'inf' "
                           "for the preset's whole schedule (default: the preset's cap)")
-    cmd.add_argument("--device", type=device_arg, default="cpu", help="where to fit: cpu (default), cuda, cuda:N")
+    add_common(cmd, "device", "progress")
 
 
 def _work_arg(text: str) -> float:
@@ -48,16 +43,14 @@ def _work_arg(text: str) -> float:
     return value
 
 
-def _check_output(out: str, dump: str) -> Path:
+def _check_output(out: str, dump: str) -> Outputs:
     """Reject a bad output location before any work: not ``.safetensors``, or anything
-    :func:`sketchlab.io.check_output_paths` refuses (missing directory, a directory, the input dump)."""
-    target = Path(out)
-    if target.suffix.lower() != ".safetensors":
+    :class:`~sketchlab.cli._common.Outputs` refuses (the input dump by any name, a directory)."""
+    if Path(out).suffix.lower() != ".safetensors":
         raise UsageError(f"--out must be a .safetensors file, got {out!r}")
-    if not Path(dump).exists() and not dump_files(dump):
+    if not dump_files(dump):
         raise FileNotFoundError(f"Q/K dump {dump!r} does not exist")
-    check_outputs({"--out": out}, inputs=[dump])
-    return target
+    return Outputs({"--out": out}, inputs=[dump])
 
 
 def run(args) -> int:
@@ -67,17 +60,21 @@ def run(args) -> int:
     for flag, value in (("--quality", args.quality), ("--work", args.work)):
         if value is not None and args.method != "llops":
             raise UsageError(f"{flag} applies to --method llops only, got --method {args.method}")
-    target = _check_output(args.out, args.dump)
+    outputs = _check_output(args.out, args.dump)
     sel = select_and_scale(args.dump, layers=args.layers, heads=args.heads, scale=args.scale)
     options = {key: value for key, value in (("quality", args.quality), ("work", args.work)) if value is not None}
+    if args.method == "llops":  # the one fitter that iterates long enough to need a bar
+        options["progress"] = not args.no_progress
     fit = fit_sketch(args.method, sel.q.to(args.device), sel.k.to(args.device), p=args.p, m=args.m, seed=args.seed,
                      holdout=args.holdout, fit_tokens=args.fit_tokens, **options)
     fit.scale = args.scale
-    fit.save_theta(target, dump=args.dump)
+    outputs.create_parents()
+    fit.save_theta(args.out, dump=args.dump)  # one file, written atomically by export_theta
+    outputs.announce(args.out)
     report = fit.report
     line = (f"{args.method}: p={args.p} m={args.m} layers×heads={list(sel.q.shape[:2])} ({sel.scale_description}) "
             f"rel_fro={report.rel_fro.mean().item():.4g} optimality_ratio={report.optimality_ratio.mean().item():.4g}")
     if report.holdout_rel_fro is not None:
         line += f" holdout_rel_fro={report.holdout_rel_fro.mean().item():.4g}"
-    sys.stdout.write(f"{line}\nwrote {target}\n")
+    sys.stdout.write(f"{line}\n")
     return 0

@@ -7,15 +7,60 @@ the same command again resumes an interrupted run; a different configuration is 
 ``torchrun --nproc_per_node N -m sketchlab.cli -- train ...`` the same command trains with
 DistributedDataParallel (gloo on CPU, nccl with ``--device cuda``), ``--batch-size`` being the global
 batch (the ``--`` stops torchrun from reading ``--m`` as an abbreviation of its own options).
+
+Refused before any work (exit 2, one line): an ``--out`` that is or holds the ``--init-from``
+directory or the ``--init theta`` file; an ``--out`` holding files of something other than a
+``sketchlab train`` run (a model directory, another run's final model); a device this machine does
+not have; a model and batch whose estimated memory exceeds :func:`memory_budget`.
 """
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
+import os
 from pathlib import Path
 
-from ._common import UsageError, write_text_atomic
+from ._common import (DEFAULT_M, DEFAULT_P, Outputs, UsageError, device_arg, nonnegative_float, nonnegative_int,
+                      positive_float, positive_int, write_text_atomic)
+
+#: What a ``sketchlab train`` output directory holds (anything else there belongs to something else).
+RUN_FILES = ("checkpoints", "model.safetensors", "config.json", "train.json")
+
+
+def memory_budget() -> int:
+    """Bytes a training run may plan to use: half of this machine's physical memory."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not POSIX: assume 16 GiB
+        total = 16 * 2**30
+    return total // 2
+
+
+def estimate_bytes(args) -> int:
+    """A generous estimate of a training step's memory (float32): the parameters with their
+    gradients and two AdamW moments, and one batch's activations kept for the backward pass.
+
+    Per token and layer the blocks keep ``≈ (12 + 4·mlp_ratio)·d_model`` activations; softmax and
+    exact polynomial attention add ``2·H·T`` (scores and weights), a sketch ``2·H·M`` features
+    (``M = m²`` self-tensored); the output head keeps ``3·vocab`` (logits, log-softmax, gradient).
+    """
+    d, layers, heads, vocab, T, B = (args.d_model, args.n_layers, args.n_heads, args.vocab_size, args.seq_len,
+                                     args.batch_size)
+    params = 2 * vocab * d + layers * (4 + 2 * args.mlp_ratio) * d * d
+    if args.attention in ("softmax", "poly"):
+        attn = 2 * heads * T
+    else:
+        m = args.m or DEFAULT_M
+        attn = 2 * heads * (m * m if args.non_negative else m) + 2 * heads * (args.dim or 0) ** (args.p or DEFAULT_P)
+    per_token = layers * ((12 + 4 * args.mlp_ratio) * d + attn) + 3 * vocab
+    return 4 * (4 * params + B * T * per_token)
+
+
+def _device(text: str) -> str:
+    """``--device``: a device this machine has (:func:`~sketchlab.cli._common.device_arg`), kept as text."""
+    return str(device_arg(text))
 
 
 def add_arguments(sub) -> None:
@@ -23,10 +68,12 @@ def add_arguments(sub) -> None:
     cmd.add_argument("--task", choices=("mqar",), default="mqar", help="the task (multi-query associative recall)")
     cmd.add_argument("--attention", required=True,
                      help="attention kernel: softmax, poly, based, psf or llops (sketchlab.tasks registry)")
-    cmd.add_argument("--out", required=True, help="output directory (created; an existing run there is resumed)")
+    cmd.add_argument("--out", required=True,
+                     help="output directory (created with its parents; the same run there is resumed, another refused)")
     k = cmd.add_argument_group("attention options (each kernel takes its own; see sketchlab.tasks.attention)")
-    k.add_argument("--p", type=int, default=None, help="polynomial degree (poly, based, psf, llops)")
-    k.add_argument("--m", type=int, default=None, help="features (psf, llops)")
+    k.add_argument("--p", type=int, default=None,
+                   help=f"polynomial degree p (poly, based, psf, llops; default {DEFAULT_P})")
+    k.add_argument("--m", type=int, default=None, help=f"sketch size: features per map (psf, llops; default {DEFAULT_M})")
     k.add_argument("--rank", type=int, default=None, help="LLoPS CP rank t (llops)")
     k.add_argument("--non-negative", action="store_true", default=None,
                    help="self-tensor the features φ⊗φ (llops; psf does by default)")
@@ -41,31 +88,31 @@ def add_arguments(sub) -> None:
                    help="copy every non-attention weight from this model checkpoint (e.g. a trained softmax or "
                         "BASED model) before --init")
     t = cmd.add_argument_group("task and model")
-    t.add_argument("--vocab-size", type=int, default=65)
-    t.add_argument("--num-pairs", type=int, default=8)
-    t.add_argument("--seq-len", type=int, default=64)
-    t.add_argument("--num-queries", type=int, default=None, help="queries per sequence (default: every key)")
-    t.add_argument("--d-model", type=int, default=64)
-    t.add_argument("--n-heads", type=int, default=4)
-    t.add_argument("--n-layers", type=int, default=2)
-    t.add_argument("--mlp-ratio", type=int, default=2)
-    t.add_argument("--short-conv", type=int, default=2)
+    t.add_argument("--vocab-size", type=positive_int, default=65)
+    t.add_argument("--num-pairs", type=positive_int, default=8)
+    t.add_argument("--seq-len", type=positive_int, default=64)
+    t.add_argument("--num-queries", type=positive_int, default=None, help="queries per sequence (default: every key)")
+    t.add_argument("--d-model", type=positive_int, default=64)
+    t.add_argument("--n-heads", type=positive_int, default=4)
+    t.add_argument("--n-layers", type=positive_int, default=2)
+    t.add_argument("--mlp-ratio", type=positive_int, default=2)
+    t.add_argument("--short-conv", type=nonnegative_int, default=2)
     o = cmd.add_argument_group("optimisation")
-    o.add_argument("--steps", type=int, default=300)
-    o.add_argument("--batch-size", type=int, default=32, help="global batch (sequences per step)")
-    o.add_argument("--lr", type=float, default=3e-3)
-    o.add_argument("--weight-decay", type=float, default=0.0)
-    o.add_argument("--kernel-lr", type=float, default=0.1,
+    o.add_argument("--steps", type=positive_int, default=300)
+    o.add_argument("--batch-size", type=positive_int, default=32, help="global batch (sequences per step)")
+    o.add_argument("--lr", type=positive_float, default=3e-3)
+    o.add_argument("--weight-decay", type=nonnegative_float, default=0.0)
+    o.add_argument("--kernel-lr", type=positive_float, default=0.1,
                    help="learning-rate factor of the attention kernels' parameters (LLoPS's Θ); at 1 Θ trained from "
                         "BASED loses its non-negative kernel before recall is learned")
-    o.add_argument("--warmup", type=int, default=30)
-    o.add_argument("--clip", type=float, default=1.0)
-    o.add_argument("--seed", type=int, default=0, help="model initialisation and data stream")
-    o.add_argument("--eval-every", type=int, default=50, help="held-out evaluation every N steps (0: at the end)")
-    o.add_argument("--eval-sequences", type=int, default=256)
-    o.add_argument("--checkpoint-every", type=int, default=100)
-    o.add_argument("--device", default="cpu", help="cpu or cuda")
-    o.add_argument("--threads", type=int, default=1, help="torch intra-op threads (fixed for determinism)")
+    o.add_argument("--warmup", type=nonnegative_int, default=30)
+    o.add_argument("--clip", type=positive_float, default=1.0)
+    o.add_argument("--seed", type=nonnegative_int, default=0, help="model initialisation and data stream (>= 0)")
+    o.add_argument("--eval-every", type=nonnegative_int, default=50, help="held-out evaluation every N steps (0: at the end)")
+    o.add_argument("--eval-sequences", type=positive_int, default=256)
+    o.add_argument("--checkpoint-every", type=positive_int, default=100)
+    o.add_argument("--device", type=_device, default="cpu", help="cpu (default), cuda or cuda:N (one this machine has)")
+    o.add_argument("--threads", type=positive_int, default=1, help="torch intra-op threads (fixed for determinism)")
     cmd.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -84,6 +131,24 @@ def _parse_init(init, attention: str) -> tuple[str, str | None]:
     if init[0] in ("random", "based") and len(init) == 1:
         return init[0], None
     raise UsageError(f"--init must be 'random', 'based' or 'theta FILE', got {' '.join(init)!r}")
+
+
+def _check_run_dir(out: Path) -> None:
+    """Refuse an ``--out`` that holds something other than a ``sketchlab train`` run (see :data:`RUN_FILES`)."""
+    if not out.is_dir():
+        return
+    names = sorted(p.name for p in out.iterdir())
+    foreign = [name for name in names if name not in RUN_FILES]
+    if foreign:
+        shown = ", ".join(foreign[:4]) + (", ..." if len(foreign) > 4 else "")
+        raise ValueError(f"--out {str(out)!r} holds files that no sketchlab train run writes ({shown}): training "
+                         "would mix its files with them; choose an empty or new directory")
+    if "model.safetensors" in names and not (out / "train.json").is_file():
+        raise ValueError(f"--out {str(out)!r} holds a model (model.safetensors) that no sketchlab train run wrote "
+                         "there: training would replace it; choose an empty or new directory")
+    if (out / "train.json").is_file() and not (out / "checkpoints").is_dir():
+        raise ValueError(f"--out {str(out)!r} holds a finished run without its checkpoints, so this run can neither "
+                         "resume it nor tell whether it is the same: choose an empty or new directory")
 
 
 def build_model(args):
@@ -116,11 +181,18 @@ def run(args) -> int:
 
     from ..tasks import MQARConfig, init_distributed, save_checkpoint, train_mqar
 
-    if args.threads < 1:
-        raise UsageError(f"--threads must be >= 1, got {args.threads}")
     out = Path(args.out)
-    if not out.parent.is_dir():
-        raise FileNotFoundError(f"output directory's parent {str(out.parent)!r} does not exist (for --out {args.out!r})")
+    init, theta_file = _parse_init(args.init, args.attention)
+    outputs = Outputs({}, directories={"--out": args.out}, inputs=[args.init_from, theta_file])
+    _check_run_dir(out)
+    need, budget = estimate_bytes(args), memory_budget()
+    if need > budget:
+        raise ValueError(
+            f"train: the model and one batch need about {need / 2**30:.3g} GiB (vocab_size={args.vocab_size}, "
+            f"seq_len={args.seq_len}, batch_size={args.batch_size}, d_model={args.d_model}, n_layers={args.n_layers}),"
+            f" over the memory budget of {budget / 2**30:.3g} GiB (half of this machine's memory): lower --seq-len, "
+            "--batch-size, --vocab-size or --d-model"
+        )
     torch.set_num_threads(args.threads)
     torch.use_deterministic_algorithms(True, warn_only=args.device.startswith("cuda"))
     rank, world = init_distributed(args.device)
@@ -129,7 +201,7 @@ def run(args) -> int:
         model, run_info = build_model(args)
         device = torch.device(f"cuda:{torch.cuda.current_device()}" if args.device.startswith("cuda") else "cpu")
         model.to(device)
-        out.mkdir(exist_ok=True)
+        outputs.make_directories()
         result = train_mqar(
             model, [(task, args.steps)], batch_size=args.batch_size, lr=args.lr, weight_decay=args.weight_decay,
             kernel_lr=args.kernel_lr, warmup=args.warmup, clip=args.clip, seed=args.seed, eval_sequences=args.eval_sequences,
@@ -147,6 +219,7 @@ def run(args) -> int:
             save_checkpoint(out, model.cpu(), extra={"task": task.to_dict(), "heldout_accuracy": result.heldout_accuracy,
                                                      "run_info": run_info})
             write_text_atomic(str(out / "train.json"), json.dumps(summary, indent=1, sort_keys=True) + "\n")
+            outputs.announce(*(out / name for name in ("model.safetensors", "config.json", "train.json")))
             print(f"{out}: {args.attention} held-out accuracy {result.heldout_accuracy:.4f} after {result.steps} "
                   f"steps (world size {world}, {result.seconds:.0f}s"
                   f"{'' if result.resumed_from is None else f', resumed from step {result.resumed_from}'})")

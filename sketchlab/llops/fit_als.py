@@ -207,7 +207,9 @@ def fit_llops_direct(
     LLoPS
         Untied, ``theta[..., rank, p, d, m]`` in the input dtype (float32 at least), with
         ``fit_info = {"steps", "als_steps", "lm_steps", "converged", "capped", "init",
-        "init_rel_fro", "rel_fro_history", "route"}``.
+        "init_rel_fro", "rel_fro_history", "route"}``, and on the compressed route
+        ``"kernel_core"`` (``R_Q R_Kᵀ``, ``[..., N_q, N_k]``: its singular values are ``A``'s;
+        :func:`sketchlab.fit_sketch` takes it out for the report's floor).
 
     Notes
     -----
@@ -357,4 +359,6 @@ def fit_llops_direct(
         "rel_fro_history": history,
         "route": target.route,
     }
+    if target.route == "compressed":  # R_Q R_Kᵀ: A's singular values, which the report's floor reuses
+        sketch.fit_info["kernel_core"] = target.a.reshape(*batch, *target.a.shape[-2:])
     return sketch

@@ -8,7 +8,7 @@ from .._validation import check_pair
 from ..optimal import optimal_sketch
 from ._fitting import prepare
 from .cp import projector_to_theta
-from .inits import _init_svd
+from .svd_init import _init_svd
 from .maps import llops_features
 from .module import LLoPS
 

@@ -23,7 +23,9 @@ __all__ = [
     "features_jvp",
     "features_vjp",
     "llops_features",
+    "llops_feature_fn",
     "llops_features_naive",
+    "llops_is_non_negative",
     "llops_projector",
     "llops_projector_naive",
 ]
@@ -151,3 +153,41 @@ def features_jvp(x: torch.Tensor, others: torch.Tensor, d_theta: torch.Tensor) -
 def features_vjp(x: torch.Tensor, others: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     r"""Pull-back of a feature gradient ``grad[B, n, m]`` to Θ: :math:`X^\top (G \odot O_{r,j})`, ``[B, t, p, d, m]``."""
     return torch.einsum("bnd,btpnm->btpdm", x, others * grad[:, None, None])
+
+
+def llops_feature_fn(theta: torch.Tensor):
+    r"""A function ``x[B, H, n, D] → φ(x)[B, H, n, M]`` for per-head Θ ``[H, t, p, D, M]``.
+
+    Same map as :func:`sketchlab.llops_features` (tested against it), computed as one batched
+    matmul ``x @ Θ_flat`` with ``Θ_flat = [H, D, t·p·M]`` followed by ``p - 1`` products and
+    ``t - 1`` sums of ``[B, H, n, M]`` slices (the broadcast form would copy ``x`` ``t·p`` times).
+    """
+    H, t, p, D, M = theta.shape
+    flat = theta.permute(0, 3, 1, 2, 4).reshape(H, D, t * p * M)  # [H, D, t·p·M]
+
+    def features(x: torch.Tensor) -> torch.Tensor:
+        proj = (x @ flat).unflatten(-1, (t, p, M))  # [B, H, n, t, p, M]
+        out = None
+        for r in range(t):
+            term = proj[..., r, 0, :]
+            for j in range(1, p):
+                term = term * proj[..., r, j, :]  # [B, H, n, M]
+            out = term if out is None else out + term
+        return out
+
+    return features
+
+
+def llops_is_non_negative(theta: torch.Tensor) -> bool:
+    r"""Whether the LLoPS map of ``theta [..., t, p, D, M]`` is non-negative for every input.
+
+    True when it is rank 1 (``t = 1``), of even degree and every feature's ``p`` factors are
+    equal: then :math:`\phi(x)_i = \langle\theta_i, x\rangle^p \ge 0`, and a kernel of two such
+    maps is a sum of non-negative products. Otherwise the map can be signed (a sufficient test:
+    a signed-capable Θ may still happen to be non-negative on the data).
+    """
+    t, p = theta.shape[-4], theta.shape[-3]
+    if t != 1 or p % 2:
+        return False
+    with torch.no_grad():
+        return bool((theta == theta[..., :1, :, :]).all())

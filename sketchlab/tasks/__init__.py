@@ -32,6 +32,7 @@ from .model import (
     apply_rope,
     attention_registry,
     causal_softmax_attention_naive,
+    generate,
     register_attention,
 )
 from .linearize import LinearizeResult, attention_transfer_loss, linearize
@@ -83,6 +84,7 @@ __all__ = [
     "attention_registry",
     "causal_softmax_attention_naive",
     "evaluate_mqar",
+    "generate",
     "init_distributed",
     "latest_checkpoint",
     "linearize",

@@ -25,6 +25,14 @@ convention, kernel ``1 + s' + s'²/2`` with ``s' = (Pq)ᵀ(Pk)/√d'``).
     options ``p`` (2), ``m`` (64), ``rank`` (1), ``non_negative`` (False; True: ``φ ⊗ φ``, degree
     ``2p``, ``m²`` features), ``normalize``, ``eps``, ``backend`` ("auto").
 
+``"based"``, ``"psf"`` and ``"llops"`` also take the sliding-window hybrid
+(:func:`sketchlab.attention.llops_attention`): ``window`` (0 = pure linear attention), ``sinks``
+(0), ``local`` ("softmax" on ``qᵀk/√D``, or "poly": the kernel's exact polynomial on the same
+scaled q, k) and ``gate`` (true: a learnable per-head logit, initialised to 0, so ``g = 1/2``).
+Every kernel decodes with a state (``step``, used by :func:`sketchlab.tasks.generate`): linear
+attention carries an :class:`~sketchlab.attention.AttentionState` (constant in the context
+length), ``softmax`` and ``poly`` a KV cache.
+
 ``normalize="sum"`` divides by ``Σ_s k(q_t, k_s) + eps``: safe for non-negative kernels (``poly`` with
 even ``p``, ``psf``/``llops`` with ``non_negative``, BASED, LLoPS initialised from BASED with even
 ``p``); a signed kernel can make the denominator vanish (see :mod:`sketchlab.attention`).
@@ -110,6 +118,18 @@ def _done(kind: str, opts: dict, out: dict) -> dict:
     return out
 
 
+def _hybrid_options(opts: dict, out: dict) -> dict:
+    out["window"] = _int(opts, "window", 0, lo=0)
+    out["sinks"] = _int(opts, "sinks", 0, lo=0)
+    out["local"] = _choice(opts, "local", "softmax", ("softmax", "poly"))
+    out["gate"] = _bool(opts, "gate", True)
+    if out["sinks"] and not out["window"]:
+        raise ValueError(f"attention option sinks={out['sinks']} needs window >= 1 (window 0 is pure linear attention)")
+    if out["window"] and out["normalize"] != "sum":
+        raise ValueError("attention option window > 0 needs normalize 'sum' (the hybrid shares one denominator)")
+    return out
+
+
 def _poly_options(opts: dict, config: TransformerConfig) -> dict:
     out = {"p": _int(opts, "p", 2), "normalize": _choice(opts, "normalize", "sum", _NORMALIZE), "eps": _eps(opts)}
     return _done("poly", opts, out)
@@ -125,7 +145,7 @@ def _based_options(opts: dict, config: TransformerConfig) -> dict:
         raise ValueError(f"attention option dim (BASED's d') must be <= the head dimension {config.head_dim}, got {dim}")
     out = {"form": form, "p": p, "dim": dim, "symmetric": _bool(opts, "symmetric", form == "expand"),
            "normalize": _choice(opts, "normalize", "sum", _NORMALIZE), "eps": _eps(opts)}
-    return _done("based", opts, out)
+    return _done("based", opts, _hybrid_options(opts, out))
 
 
 def _psf_options(opts: dict, config: TransformerConfig) -> dict:
@@ -135,7 +155,7 @@ def _psf_options(opts: dict, config: TransformerConfig) -> dict:
         raise ValueError(f"attention option p must be even with non_negative=true (φ = s ⊗ s, s of degree p/2), got p={p}")
     out = {"p": p, "m": m, "non_negative": non_negative, "seed": _int(opts, "seed", 0, lo=0),
            "normalize": _choice(opts, "normalize", "sum", _NORMALIZE), "eps": _eps(opts)}
-    return _done("psf", opts, out)
+    return _done("psf", opts, _hybrid_options(opts, out))
 
 
 def _llops_options(opts: dict, config: TransformerConfig) -> dict:
@@ -143,7 +163,7 @@ def _llops_options(opts: dict, config: TransformerConfig) -> dict:
            "non_negative": _bool(opts, "non_negative", False),
            "normalize": _choice(opts, "normalize", "sum", _NORMALIZE), "eps": _eps(opts),
            "backend": _choice(opts, "backend", "auto", _BACKENDS)}
-    return _done("llops", opts, out)
+    return _done("llops", opts, _hybrid_options(opts, out))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -166,13 +186,52 @@ class PolyKernel(nn.Module):
         return poly_attention(q * self.scale, k * self.scale, v, o["p"], causal=True, normalize=o["normalize"],
                               eps=o["eps"])
 
+    def step(self, q, k, v, state):
+        """``n`` new tokens against a KV cache (:func:`sketchlab.tasks.model.kv_cache_step`)."""
+        from .model import kv_cache_step
+
+        o = self.options
+
+        def attend(q, k, v, allowed):
+            scores = torch.einsum("bthd,bshd->bhts", q * self.scale, k * self.scale) ** o["p"]  # [B, H, n, S]
+            scores = scores.masked_fill(~allowed, 0.0)
+            out = torch.einsum("bhts,bshd->bthd", scores, v)
+            if o["normalize"] == "sum":
+                out = out / (scores.sum(-1).transpose(1, 2)[..., None] + o["eps"])
+            return out
+
+        return kv_cache_step(q, k, v, state, attend)
+
+
+class _HybridMixin:
+    """The window/sinks/local/gate options of a sketched kernel, and its decoding step."""
+
+    def _init_hybrid(self, config: TransformerConfig, local_scale):
+        o = self.options
+        self.gate = nn.Parameter(torch.zeros(config.n_heads)) if o["window"] and o["gate"] else None
+        self.local_scale = local_scale
+
+    def _hybrid(self) -> dict:
+        o = self.options
+        return {"window": o["window"], "sinks": o["sinks"], "local": o["local"],
+                "local_scale": self.local_scale, "gate": self.gate}
+
+    def step(self, q, k, v, state):
+        """``n`` new tokens given the :class:`~sketchlab.attention.AttentionState` of the earlier
+        ones (``None`` at the start) → ``(out, state)``."""
+        return self._attend(q, k, v, initial_state=state, output_final_state=True)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """``q, k, v [B, T, H, D]`` → ``[B, T, H, D]``."""
+        return self._attend(q, k, v)
+
 
 def _slice_projection(head_dim: int, dim: int, heads: int) -> torch.Tensor:
     """``P = [I_{d'}; 0]`` per head: ``[H, D, d']`` (the first ``d'`` coordinates)."""
     return torch.eye(head_dim, dim).expand(heads, head_dim, dim).contiguous()  # [H, D, d']
 
 
-class BasedKernel(nn.Module):
+class BasedKernel(_HybridMixin, nn.Module):
     """BASED (Taylor or expand form) on the first ``dim`` head coordinates, through
     :func:`sketchlab.attention.sketch_attention` with a :class:`sketchlab.BasedSketch`."""
 
@@ -183,6 +242,12 @@ class BasedKernel(nn.Module):
         self.register_buffer("proj", _slice_projection(config.head_dim, self.options["dim"], config.n_heads),
                              persistent=False)  # [H, D, d']
         self.scale = 1.0 if self.options["form"] == "taylor" else input_scale(config.head_dim)
+        # local scores on the scaled q, k: softmax wants qᵀk/√D; "poly" the kernel's own scale (s'
+        # for Taylor's degree-2 term, BASED's 1/√d', or 1 on the D^{-1/4}-scaled expand inputs)
+        taylor = self.options["form"] == "taylor"
+        poly_scale = self.options["dim"] ** -0.5 if taylor else 1.0
+        self._init_hybrid(config, (config.head_dim ** -0.5 / self.scale**2) if self.options["local"] == "softmax"
+                          else poly_scale)
 
     def sketch(self):
         from ..sketches import BasedSketch
@@ -190,16 +255,15 @@ class BasedKernel(nn.Module):
         o = self.options
         return BasedSketch(self.proj, o["p"], form=o["form"], symmetric=o["symmetric"])
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """``q, k, v [B, T, H, D]`` → ``[B, T, H, D]``."""
+    def _attend(self, q, k, v, **state):
         from ..attention import sketch_attention
 
         o = self.options
         return sketch_attention(q * self.scale, k * self.scale, v, self.sketch(), causal=True,
-                                normalize=o["normalize"], eps=o["eps"])
+                                normalize=o["normalize"], eps=o["eps"], **self._hybrid(), **state)
 
 
-class PSFKernel(nn.Module):
+class PSFKernel(_HybridMixin, nn.Module):
     """PolySketchFormer's fixed random sketch (one draw per head, buffers ``weight_i [H, in, r]``),
     through :func:`sketchlab.attention.sketch_attention`."""
 
@@ -214,6 +278,7 @@ class PSFKernel(nn.Module):
         for i, w in enumerate(drawn.weights):
             self.register_buffer(f"weight_{i}", w)  # [H, in, r]
         self.scale = input_scale(config.head_dim)
+        self._init_hybrid(config, 1.0)  # q, k scaled by D^{-1/4}: qᵀk/√D for softmax, the kernel's base for poly
 
     def sketch(self):
         from ..sketches import PolySketch
@@ -222,16 +287,15 @@ class PSFKernel(nn.Module):
         return PolySketch([getattr(self, f"weight_{i}") for i in range(self.count)], o["p"],
                           non_negative=o["non_negative"])
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """``q, k, v [B, T, H, D]`` → ``[B, T, H, D]``."""
+    def _attend(self, q, k, v, **state):
         from ..attention import sketch_attention
 
         o = self.options
         return sketch_attention(q * self.scale, k * self.scale, v, self.sketch(), causal=True,
-                                normalize=o["normalize"], eps=o["eps"])
+                                normalize=o["normalize"], eps=o["eps"], **self._hybrid(), **state)
 
 
-class LLoPSKernel(nn.Module):
+class LLoPSKernel(_HybridMixin, nn.Module):
     r"""Learnable LLoPS attention: parameters ``theta_q``, ``theta_k`` ``[H, t, p, D, m]``, through
     :func:`sketchlab.attention.llops_attention`.
 
@@ -246,17 +310,17 @@ class LLoPSKernel(nn.Module):
         self.theta_q = nn.Parameter(torch.empty(shape))
         self.theta_k = nn.Parameter(torch.empty(shape))
         self.scale = input_scale(config.head_dim)
+        self._init_hybrid(config, 1.0)  # q, k scaled by D^{-1/4}: qᵀk/√D for softmax, the kernel's base for poly
         with torch.no_grad():
             _random_theta(self, None)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """``q, k, v [B, T, H, D]`` → ``[B, T, H, D]``."""
+    def _attend(self, q, k, v, **state):
         from ..attention import llops_attention
 
         o = self.options
         return llops_attention(q * self.scale, k * self.scale, v, self.theta_q, self.theta_k, causal=True,
                                normalize=o["normalize"], non_negative=o["non_negative"], eps=o["eps"],
-                               backend=o["backend"])
+                               backend=o["backend"], **self._hybrid(), **state)
 
 
 register_attention("poly", options=_poly_options)(PolyKernel)

@@ -46,6 +46,7 @@ __all__ = [
     "apply_rope",
     "attention_registry",
     "causal_softmax_attention_naive",
+    "generate",
     "register_attention",
 ]
 
@@ -56,7 +57,11 @@ _OPTIONS: dict[str, Callable[[dict, "TransformerConfig"], dict] | None] = {}
 def register_attention(name: str, *, options: Callable[[dict, "TransformerConfig"], dict] | None = None):
     """Register ``factory(config, layer_index) -> nn.Module`` as the attention kernel ``name``.
 
-    The module's ``forward(q, k, v)`` takes and returns ``[B, T, H, D]`` and must be causal.
+    The module's ``forward(q, k, v)`` takes and returns ``[B, T, H, D]`` and must be causal. For
+    decoding (:func:`generate`) it may also define ``step(q, k, v, state) -> (out, state)``: the
+    same attention for ``n >= 1`` new tokens given the state of the earlier ones (``None`` at the
+    start) — a KV cache for exact attention, an :class:`~sketchlab.attention.AttentionState` for
+    linear attention.
     ``options(attention_options, config) -> dict`` validates and completes the kernel's options
     (``TransformerConfig.attention_options``) once, when the config is built; it raises
     ``ValueError`` naming the option. Without it the kernel takes no options.
@@ -77,6 +82,20 @@ def attention_registry() -> list[str]:
     return sorted(_ATTENTION)
 
 
+def kv_cache_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache, attend):
+    """Exact attention of ``n`` new tokens against a KV cache ``(K [B, P, H, D], V [B, P, H, Dv])``.
+
+    ``attend(q, K, V, allowed)`` computes the attention of ``q [B, n, H, D]`` on every key with the
+    bool mask ``allowed [n, P + n]`` (key ``j`` allowed for new query ``i`` iff ``j <= P + i``).
+    Returns ``(out [B, n, H, Dv], (K, V))`` with the new keys appended (memory grows with context).
+    """
+    if cache is not None:
+        k, v = torch.cat([cache[0], k], 1), torch.cat([cache[1], v], 1)  # [B, P + n, H, ·]
+    n, total = q.shape[1], k.shape[1]
+    allowed = torch.arange(total, device=q.device)[None, :] <= torch.arange(total - n, total, device=q.device)[:, None]
+    return attend(q, k, v, allowed), (k, v)
+
+
 class SoftmaxAttention(nn.Module):
     """Causal softmax attention, layout ``[B, T, H, D]`` in and out, logits scaled by ``1/√D``."""
 
@@ -86,6 +105,16 @@ class SoftmaxAttention(nn.Module):
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
         )  # [B, H, T, D]
         return out.transpose(1, 2)  # [B, T, H, D]
+
+    def step(self, q, k, v, state):
+        """``n`` new tokens against the KV cache ``state`` (see :func:`kv_cache_step`)."""
+
+        def attend(q, k, v, allowed):
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                 attn_mask=allowed)  # [B, H, n, D]
+            return out.transpose(1, 2)
+
+        return kv_cache_step(q, k, v, state, attend)
 
 
 @register_attention("softmax")
@@ -106,7 +135,7 @@ def causal_softmax_attention_naive(q: torch.Tensor, k: torch.Tensor, v: torch.Te
     return torch.einsum("bhts,bshd->bthd", logits.softmax(-1), v)
 
 
-def apply_rope(x: torch.Tensor, *, base: float = 10000.0) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, *, base: float = 10000.0, offset: int = 0) -> torch.Tensor:
     r"""Rotary position embedding of ``x[B, T, H, D]`` (``D`` even), half-split convention.
 
     Notes
@@ -114,12 +143,13 @@ def apply_rope(x: torch.Tensor, *, base: float = 10000.0) -> torch.Tensor:
     With ``x = [x_1, x_2]`` (halves of the last axis), ``θ_i = base^{-2i/D}`` and angle
     ``t θ_i`` at position ``t``: ``rope(x) = [x_1 cos − x_2 sin, x_2 cos + x_1 sin]``, so
     ``⟨rope(q)_t, rope(k)_s⟩`` depends on ``t − s`` only (the LLaMA / GPT-NeoX convention).
+    ``offset`` is the position of the first token (decoding continues at the context length).
     """
     B, T, H, D = x.shape
     if D % 2:
         raise ValueError(f"apply_rope needs an even head dimension, got D={D}")
     inv_freq = base ** (-torch.arange(0, D // 2, dtype=torch.float64) * 2 / D)  # [D/2]
-    angle = torch.arange(T, dtype=torch.float64)[:, None] * inv_freq  # [T, D/2]
+    angle = torch.arange(offset, offset + T, dtype=torch.float64)[:, None] * inv_freq  # [T, D/2]
     cos = angle.cos().to(x.dtype)[None, :, None, :]  # [1, T, 1, D/2]
     sin = angle.sin().to(x.dtype)[None, :, None, :]
     x1, x2 = x[..., : D // 2], x[..., D // 2 :]
@@ -190,14 +220,33 @@ class CausalSelfAttention(nn.Module):
         c = config.short_conv
         self.conv = nn.Conv1d(d, d, kernel_size=c, groups=d, padding=c - 1, bias=False) if c else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: dict | None = None, *, stateful: bool = False):
+        """``x [B, T, d]`` → ``[B, T, d]``; with ``stateful=True`` also the layer's decoding cache:
+        ``{"offset", "conv" (the last c−1 inputs of the short conv), "attn" (the kernel's state)}``,
+        continuing from ``cache`` (``None`` at the start)."""
         B, T, _ = x.shape
         H, D = self.n_heads, self.head_dim
+        offset = 0 if cache is None else cache["offset"]
+        new_cache = {"offset": offset + T}
         if self.conv is not None:  # causal depthwise conv: position t mixes tokens t-c+1 … t
-            x = self.conv(x.transpose(1, 2))[..., :T].transpose(1, 2)  # [B, T, d]
-        q = apply_rope(self.q_proj(x).view(B, T, H, D), base=self.rope_base)  # [B, T, H, D]
-        k = apply_rope(self.k_proj(x).view(B, T, H, D), base=self.rope_base)  # [B, T, H, D]
+            c = self.conv.kernel_size[0]
+            if stateful:
+                prev = x.new_zeros(B, c - 1, x.shape[-1]) if cache is None else cache["conv"]  # [B, c-1, d]
+                xx = torch.cat([prev, x], 1)  # [B, c-1+T, d]
+                new_cache["conv"] = xx[:, xx.shape[1] - (c - 1):]
+                x = self.conv(xx.transpose(1, 2))[..., c - 1:c - 1 + T].transpose(1, 2)  # [B, T, d]
+            else:
+                x = self.conv(x.transpose(1, 2))[..., :T].transpose(1, 2)  # [B, T, d]
+        q = apply_rope(self.q_proj(x).view(B, T, H, D), base=self.rope_base, offset=offset)  # [B, T, H, D]
+        k = apply_rope(self.k_proj(x).view(B, T, H, D), base=self.rope_base, offset=offset)  # [B, T, H, D]
         v = self.v_proj(x).view(B, T, H, D)  # [B, T, H, D]
+        if stateful:
+            step = getattr(self.attn, "step", None)
+            if step is None:
+                raise ValueError(f"attention kernel {type(self.attn).__name__} has no step(q, k, v, state): it "
+                                 "cannot decode with a state")
+            out, new_cache["attn"] = step(q, k, v, None if cache is None else cache["attn"])  # [B, T, H, D]
+            return self.o_proj(out.reshape(B, T, H * D)), new_cache
         out = self.attn(q, k, v)  # [B, T, H, D]
         return self.o_proj(out.reshape(B, T, H * D))  # [B, T, d]
 
@@ -211,7 +260,11 @@ class _Block(nn.Module):
         self.ln_2 = nn.LayerNorm(d)
         self.mlp = nn.Sequential(nn.Linear(d, config.mlp_ratio * d), nn.GELU(), nn.Linear(config.mlp_ratio * d, d))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache=None, *, stateful: bool = False):
+        if stateful:
+            a, cache = self.attention(self.ln_1(x), cache, stateful=True)
+            x = x + a
+            return x + self.mlp(self.ln_2(x)), cache
         x = x + self.attention(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
 
@@ -238,14 +291,75 @@ class TransformerLM(nn.Module):
                 nn.init.zeros_(module.bias)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        if tokens.ndim != 2 or tokens.dtype != torch.long:
-            raise ValueError(f"tokens must be a LongTensor [B, T], got {tokens.dtype} {tuple(tokens.shape)}")
+        self._check_tokens(tokens)
+        x = self.embed(tokens)  # [B, T, d]
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))  # [B, T, vocab]
+
+    def forward_step(self, tokens: torch.Tensor, cache: list | None = None) -> tuple[torch.Tensor, list]:
+        """``tokens [B, n]`` following the tokens summarised by ``cache`` (``None``: none) →
+        ``(logits [B, n, vocab], cache)``. Equals the last ``n`` rows of :meth:`forward` on the
+        whole sequence; the cache holds, per layer, the kernel's state (constant in the context
+        length for linear attention, a KV cache for exact attention) and the short conv's inputs."""
+        self._check_tokens(tokens)
+        if cache is not None and (not isinstance(cache, list) or len(cache) != len(self.blocks)):
+            raise ValueError(f"cache must be None or the list of {len(self.blocks)} layer caches forward_step returned")
+        x = self.embed(tokens)  # [B, n, d]
+        new = []
+        for i, block in enumerate(self.blocks):
+            x, layer_cache = block(x, None if cache is None else cache[i], stateful=True)
+            new.append(layer_cache)
+        return self.head(self.ln_f(x)), new
+
+    def _check_tokens(self, tokens: torch.Tensor) -> None:
+        if not isinstance(tokens, torch.Tensor) or tokens.ndim != 2 or tokens.dtype != torch.long:
+            got = f"{tokens.dtype} {tuple(tokens.shape)}" if isinstance(tokens, torch.Tensor) else type(tokens).__name__
+            raise ValueError(f"tokens must be a LongTensor [B, T], got {got}")
         if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.config.vocab_size):
             raise ValueError(
                 f"token ids must lie in [0, {self.config.vocab_size}), got range "
                 f"[{int(tokens.min())}, {int(tokens.max())}]"
             )
-        x = self.embed(tokens)  # [B, T, d]
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln_f(x))  # [B, T, vocab]
+
+
+def cache_nbytes(cache) -> int:
+    """Bytes held by the tensors of a decoding cache (:meth:`TransformerLM.forward_step`)."""
+    if isinstance(cache, torch.Tensor):
+        return cache.numel() * cache.element_size()
+    if isinstance(cache, dict):
+        return sum(cache_nbytes(x) for x in cache.values())
+    if isinstance(cache, (list, tuple)):
+        return sum(cache_nbytes(x) for x in cache)
+    nbytes = getattr(cache, "nbytes", None)
+    return nbytes if isinstance(nbytes, int) else 0
+
+
+@torch.no_grad()
+def generate(model: TransformerLM, prompt_tokens: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+    """Greedy decoding with the model's decoding state.
+
+    The prompt ``[B, T0]`` (``T0 >= 1``) is read in one :meth:`TransformerLM.forward_step`, then
+    each new token costs one step on the cache: for linear attention (``llops``, ``based``,
+    ``psf``) memory is constant in the context length; softmax and exact polynomial attention use
+    a KV cache. Returns ``[B, T0 + max_new_tokens]``: the prompt then the argmax tokens, equal to
+    greedy decoding by full forward passes. The model is put in eval mode.
+    """
+    if not isinstance(model, TransformerLM):
+        raise TypeError(f"model must be a TransformerLM, got {type(model).__name__}")
+    if not isinstance(prompt_tokens, torch.Tensor) or prompt_tokens.ndim != 2 or prompt_tokens.shape[1] < 1:
+        raise ValueError(f"prompt_tokens must be a LongTensor [B, T0] with T0 >= 1, got "
+                         f"{tuple(prompt_tokens.shape) if isinstance(prompt_tokens, torch.Tensor) else prompt_tokens!r}")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    model.eval()
+    out = [prompt_tokens]
+    if max_new_tokens == 0:
+        return prompt_tokens.clone()
+    logits, cache = model.forward_step(prompt_tokens)
+    for i in range(max_new_tokens):
+        nxt = logits[:, -1].argmax(-1, keepdim=True)  # [B, 1]
+        out.append(nxt)
+        if i + 1 < max_new_tokens:
+            logits, cache = model.forward_step(nxt, cache)
+    return torch.cat(out, 1)

@@ -41,6 +41,7 @@ from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from .._validation import check_nonnegative_int, check_positive_int, check_real
 from ..io import atomic_write
@@ -215,13 +216,49 @@ def _fill_checkpoint(tmp: Path, model, opt, gen: torch.Generator, state: dict, s
         _fsync_file(tmp / name)
 
 
-def _read_checkpoint(path: Path, identity: dict, model, opt, gen: torch.Generator) -> dict:
-    """Restore model, optimiser and generators from a ``step-N`` directory; returns its state.json."""
+def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the safetensors file ``path``, each checked finite; ``ValueError`` names the file and tensor."""
     from safetensors.torch import load_file
 
+    if not path.is_file():
+        raise ValueError(f"checkpoint file {path} is missing")
+    try:
+        tensors = load_file(str(path))
+    except Exception as err:  # safetensors raises its own error types for truncated or foreign files
+        raise ValueError(f"checkpoint file {path}: unreadable safetensors file ({err})") from err
+    for name, t in tensors.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            bad = int((~torch.isfinite(t)).sum())
+            raise ValueError(f"checkpoint file {path}: tensor {name} holds {bad} non-finite value(s) (NaN/inf: a "
+                             "diverged run or a damaged file); use an earlier checkpoint or start anew")
+    return tensors
+
+
+def _load_weights(model: nn.Module, weights: dict, path: Path) -> None:
+    """``model.load_state_dict(weights)`` after checking the names and shapes; ``ValueError`` names the file."""
+    own = model.state_dict()
+    missing, unexpected = sorted(set(own) - set(weights)), sorted(set(weights) - set(own))
+    if missing or unexpected:
+        raise ValueError(f"checkpoint file {path} does not hold this model's weights: missing {missing[:4]}"
+                         f"{' ...' if len(missing) > 4 else ''}, unexpected {unexpected[:4]}"
+                         f"{' ...' if len(unexpected) > 4 else ''}")
+    for name, t in own.items():
+        if tuple(weights[name].shape) != tuple(t.shape):
+            raise ValueError(f"checkpoint file {path}: tensor {name} has shape {tuple(weights[name].shape)}, the model "
+                             f"expects {tuple(t.shape)}")
+    model.load_state_dict(weights, strict=True)
+
+
+def _read_checkpoint(path: Path, identity: dict, model, opt, gen: torch.Generator) -> dict:
+    """Restore model, optimiser and generators from a ``step-N`` directory; returns its state.json.
+
+    Everything is read and checked before anything is restored: a truncated, foreign or
+    non-finite file raises ``ValueError`` naming the file (and the tensor or key), and leaves the
+    model, optimiser and generators untouched.
+    """
     try:
         state = json.loads((path / "state.json").read_text())
-    except (OSError, json.JSONDecodeError) as err:
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ValueError(f"checkpoint {path}: unreadable state.json ({err})") from err
     if not isinstance(state, dict) or state.get("format") != _STATE_FORMAT:
         raise ValueError(f"checkpoint {path}: state.json is not a {_STATE_FORMAT} training state")
@@ -235,20 +272,40 @@ def _read_checkpoint(path: Path, identity: dict, model, opt, gen: torch.Generato
             f"checkpoint {path} was written by another run configuration, so this run cannot resume from it "
             f"({'; '.join(diffs)}); use another output directory or the checkpoint's settings"
         )
-    try:
-        weights = load_file(str(path / "model.safetensors"))
-        tensors = load_file(str(path / "trainer.safetensors"))
-    except Exception as err:  # safetensors raises its own error types for corrupt files
-        raise ValueError(f"checkpoint {path}: unreadable safetensors file ({err})") from err
-    model.load_state_dict(weights, strict=True)
+    for key, kind in (("step", int), ("history", list), ("losses", list), ("evals", list), ("param_groups", list)):
+        if not isinstance(state.get(key), kind) or isinstance(state.get(key), bool):
+            raise ValueError(f"checkpoint {path / 'state.json'}: {key!r} must be a JSON {kind.__name__}, "
+                             f"got {state.get(key)!r:.60}")
+    if not all(isinstance(x, (int, float)) and math.isfinite(x) for x in state["losses"]):
+        raise ValueError(f"checkpoint {path / 'state.json'}: the recorded losses hold a non-finite value")
+    weights = _read_tensors(path / "model.safetensors")
+    tensors = _read_tensors(path / "trainer.safetensors")
+    for name in ("rng.data", "rng.torch"):
+        if name not in tensors or tensors[name].dtype != torch.uint8:
+            raise ValueError(f"checkpoint file {path / 'trainer.safetensors'}: tensor {name} (a generator state, "
+                             "uint8) is missing; not a sketchlab training state")
     per_param: dict[int, dict] = {}
     for name, val in tensors.items():
         if name.startswith("optim."):
-            _, idx, key = name.split(".", 2)
-            per_param.setdefault(int(idx), {})[key] = val
-    opt.load_state_dict({"state": per_param, "param_groups": state["param_groups"]})
-    gen.set_state(tensors["rng.data"])
-    torch.set_rng_state(tensors["rng.torch"])
+            try:
+                _, idx, key = name.split(".", 2)
+                per_param.setdefault(int(idx), {})[key] = val
+            except ValueError:
+                raise ValueError(f"checkpoint file {path / 'trainer.safetensors'}: unexpected tensor {name}") from None
+    params = [p for group in opt.param_groups for p in group["params"]]
+    for idx, entry in per_param.items():
+        if not 0 <= idx < len(params) or any(v.ndim and v.shape != params[idx].shape for v in entry.values()):
+            raise ValueError(f"checkpoint file {path / 'trainer.safetensors'}: optimiser state {idx} does not match "
+                             "this model's parameters")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    _load_weights(model, weights, path / "model.safetensors")
+    try:
+        opt.load_state_dict({"state": per_param, "param_groups": state["param_groups"]})
+        gen.set_state(tensors["rng.data"])
+        torch.set_rng_state(tensors["rng.torch"])
+    except (ValueError, RuntimeError, KeyError, TypeError) as err:
+        model.load_state_dict(before)
+        raise ValueError(f"checkpoint {path}: the optimiser or generator state does not fit this run ({err})") from err
     return state
 
 
@@ -512,9 +569,12 @@ def save_checkpoint(directory, model: TransformerLM, *, extra: dict | None = Non
 
 
 def load_checkpoint(directory) -> tuple[TransformerLM, dict]:
-    """Load a :func:`save_checkpoint` directory; returns ``(model in eval mode, extra)``."""
-    from safetensors.torch import load_file
+    """Load a :func:`save_checkpoint` directory; returns ``(model in eval mode, extra)``.
 
+    Raises ``FileNotFoundError`` when a file is missing and ``ValueError`` naming the file (and the
+    tensor) for a config that is not a TransformerLM's, a truncated or foreign weights file, weights
+    of another shape, or non-finite weights.
+    """
     directory = Path(directory)
     cfg_path, w_path = directory / "config.json", directory / "model.safetensors"
     for p in (cfg_path, w_path):
@@ -525,11 +585,9 @@ def load_checkpoint(directory) -> tuple[TransformerLM, dict]:
         config = TransformerConfig(**payload["config"])
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
         raise ValueError(f"checkpoint {cfg_path}: not a sketchlab TransformerLM config ({err})") from err
+    if not isinstance(payload, dict) or not isinstance(payload.get("extra", {}), dict):
+        raise ValueError(f"checkpoint {cfg_path}: not a sketchlab TransformerLM config (extra must be a JSON object)")
     model = TransformerLM(config)
-    try:
-        state = load_file(str(w_path))
-    except Exception as err:  # safetensors raises its own error types for corrupt headers
-        raise ValueError(f"checkpoint {w_path}: unreadable safetensors file ({err})") from err
-    model.load_state_dict(state, strict=True)
+    _load_weights(model, _read_tensors(w_path), w_path)  # names, shapes, finite values checked
     model.eval()
     return model, payload.get("extra", {})

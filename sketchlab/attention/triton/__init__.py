@@ -1,12 +1,22 @@
-"""Fused Triton kernel of LLoPS linear attention, layout ``[B, T, H, D]``.
+"""Fused Triton kernels of LLoPS linear attention and of the sliding-window hybrid, layout ``[B, T, H, D]``.
 
-Layering (docs/DESIGN.md §2): ``@triton.jit`` kernels (``_kernels``) → plain launchers
-``llops_attention_fwd`` / ``llops_attention_bwd`` (``launch``) → the ``autograd.Function``
-``LLoPSAttentionTriton`` → the entry ``llops_attention_triton`` (``function``), which
-``sketchlab.attention.llops_attention(backend="triton")`` calls.
+Layering (docs/DESIGN.md §2): ``@triton.jit`` kernels (``_kernels``: pure linear attention;
+``_hybrid``: exact local + LLoPS far) → plain launchers ``llops_attention_fwd`` / ``_bwd`` and
+``hybrid_attention_fwd`` / ``_bwd`` (``launch``) → the ``autograd.Function``s
+``LLoPSAttentionTriton`` / ``HybridAttentionTriton`` → the entry ``llops_attention_triton``
+(``function``), which ``sketchlab.attention.llops_attention(backend="triton")`` calls. The
+carried state is :class:`sketchlab.attention.AttentionState`.
 """
 
-from sketchlab.attention.triton.function import LLoPSAttentionTriton, llops_attention_triton
-from sketchlab.attention.triton.launch import llops_attention_bwd, llops_attention_fwd
+from sketchlab.attention.triton.function import HybridAttentionTriton, LLoPSAttentionTriton, llops_attention_triton
+from sketchlab.attention.triton.launch import hybrid_attention_bwd, hybrid_attention_fwd, llops_attention_bwd, llops_attention_fwd
 
-__all__ = ["LLoPSAttentionTriton", "llops_attention_bwd", "llops_attention_fwd", "llops_attention_triton"]
+__all__ = [
+    "HybridAttentionTriton",
+    "LLoPSAttentionTriton",
+    "hybrid_attention_bwd",
+    "hybrid_attention_fwd",
+    "llops_attention_bwd",
+    "llops_attention_fwd",
+    "llops_attention_triton",
+]

@@ -75,6 +75,20 @@ def _features(
 
 
 @triton.jit
+def _feature_slots(BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, M, SELF: tl.constexpr):
+    """Kernel feature slot → the torch index of the same feature and whether it is real.
+
+    φ: slot ``a`` ↔ ``a`` (``a < M``). Self-tensor: slot ``a·BLOCK_M + b`` ↔ ``a·M + b``."""
+    offs_f = tl.arange(0, BLOCK_F)
+    if SELF:
+        fa = offs_f // BLOCK_M
+        fb = offs_f % BLOCK_M
+        return fa * M + fb, (fa < M) & (fb < M)
+    else:
+        return offs_f, offs_f < M
+
+
+@triton.jit
 def _zero_theta_grad(
     dth_ptr, s_r, s_j, s_d, s_m, R, P, D, M, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
@@ -133,21 +147,24 @@ def _features_bwd(
 
 @triton.jit
 def _llops_fwd_kernel(
-    Q, K, V, TQ, TK, O, DEN,
+    Q, K, V, TQ, TK, O, DEN, S0, Z0,
     s_qb, s_qt, s_qh, s_qd,
     s_kb, s_kt, s_kh, s_kd,
     s_vb, s_vt, s_vh, s_vd,
     s_ob, s_ot, s_oh, s_od,
     s_nb, s_nt, s_nh,
+    s_sb, s_sh, s_sf, s_sv,
+    s_zb, s_zh, s_zf,
     s_qth, s_qtr, s_qtj, s_qtd, s_qtm,
     s_kth, s_ktr, s_ktj, s_ktd, s_ktm,
     H, T, NK, R, P, D, M, DV, eps,
-    CAUSAL: tl.constexpr, NORMALIZE: tl.constexpr, SELF: tl.constexpr,
+    CAUSAL: tl.constexpr, NORMALIZE: tl.constexpr, SELF: tl.constexpr, HAS_STATE: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr,
     BLOCK_DV: tl.constexpr, PREC: tl.constexpr,
 ):
     """One program per (batch·head, value block): writes ``O[b, :, h, block]`` (and ``DEN[b, :, h]``
-    = den + eps from the first value block when ``NORMALIZE``)."""
+    = den + eps from the first value block when ``NORMALIZE``). ``HAS_STATE`` (causal): ``S, z`` start
+    from the carried state ``S0 [B, H, F, Dv]``, ``Z0 [B, H, F]`` instead of 0."""
     pid_bh = tl.program_id(0)
     pid_v = tl.program_id(1)
     b = pid_bh // H
@@ -162,8 +179,14 @@ def _llops_fwd_kernel(
     tq = TQ + h * s_qth
     tk = TK + h * s_kth
 
-    S = tl.zeros([BLOCK_F, BLOCK_DV], dtype=tl.float32)  # Σ φ(k_s)ᵀ v_s over past chunks
-    z = tl.zeros([BLOCK_F], dtype=tl.float32)  # Σ φ(k_s)
+    if HAS_STATE:
+        f_idx, f_ok = _feature_slots(BLOCK_M, BLOCK_F, M, SELF)
+        S = tl.load(S0 + b * s_sb + h * s_sh + f_idx[:, None] * s_sf + offs_v[None, :] * s_sv,
+                    mask=f_ok[:, None] & (offs_v[None, :] < DV), other=0.0).to(tl.float32)
+        z = tl.load(Z0 + b * s_zb + h * s_zh + f_idx * s_zf, mask=f_ok, other=0.0).to(tl.float32)
+    else:
+        S = tl.zeros([BLOCK_F, BLOCK_DV], dtype=tl.float32)  # Σ φ(k_s)ᵀ v_s over past chunks
+        z = tl.zeros([BLOCK_F], dtype=tl.float32)  # Σ φ(k_s)
     if not CAUSAL:
         for c0 in range(0, NK, BLOCK_T):
             rows = c0 + offs_t
@@ -208,7 +231,7 @@ def _llops_fwd_kernel(
 
 @triton.jit
 def _llops_bwd_kernel(
-    Q, K, V, TQ, TK, G, C, DQ, DK, DVV, DTQ, DTK,
+    Q, K, V, TQ, TK, G, C, DQ, DK, DVV, DTQ, DTK, S0, Z0, DS0, DZ0,
     s_qb, s_qt, s_qh, s_qd,
     s_kb, s_kt, s_kh, s_kd,
     s_vb, s_vt, s_vh, s_vd,
@@ -220,13 +243,17 @@ def _llops_bwd_kernel(
     s_qth, s_qtr, s_qtj, s_qtd, s_qtm,
     s_kth, s_ktr, s_ktj, s_ktd, s_ktm,
     s_gtb, s_gth, s_gtr, s_gtj, s_gtd, s_gtm,
+    s_sb, s_sh, s_sf, s_sv,
+    s_zb, s_zh, s_zf,
     H, T, NK, R, P, D, M, DV,
-    CAUSAL: tl.constexpr, NORMALIZE: tl.constexpr, SELF: tl.constexpr,
+    CAUSAL: tl.constexpr, NORMALIZE: tl.constexpr, SELF: tl.constexpr, HAS_STATE: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr,
     BLOCK_DV: tl.constexpr, PREC: tl.constexpr,
 ):
     """One program per (batch·head), all of Dv: writes dq, dk, dv rows of (b, h) and the (b, h)
-    slices of the dΘ_Q, dΘ_K buffers ``[B, H, R, P, D, M]`` (shared strides ``s_gt*``)."""
+    slices of the dΘ_Q, dΘ_K buffers ``[B, H, R, P, D, M]`` (shared strides ``s_gt*``). ``HAS_STATE``
+    (causal): the dq pass starts from ``S0, Z0`` and ``DS0 = Σ_t φ(q_t)ᵀ g_t``, ``DZ0 = Σ_t c_t φ(q_t)``
+    (the final ``dS, dz`` of the dk pass) are written with the strides of ``S0, Z0``."""
     pid_bh = tl.program_id(0)
     b = pid_bh // H
     h = pid_bh % H
@@ -248,8 +275,14 @@ def _llops_bwd_kernel(
     _zero_theta_grad(dtk, s_gtr, s_gtj, s_gtd, s_gtm, R, P, D, M, BLOCK_D, BLOCK_M)
 
     # ---- dq: forward over chunks with the running S = Σ φ(k)ᵀ v, z = Σ φ(k) ----------------
-    S = tl.zeros([BLOCK_F, BLOCK_DV], dtype=tl.float32)
-    z = tl.zeros([BLOCK_F], dtype=tl.float32)
+    if HAS_STATE:
+        f_idx, f_ok = _feature_slots(BLOCK_M, BLOCK_F, M, SELF)
+        S = tl.load(S0 + b * s_sb + h * s_sh + f_idx[:, None] * s_sf + offs_v[None, :] * s_sv,
+                    mask=f_ok[:, None] & vmask, other=0.0).to(tl.float32)
+        z = tl.load(Z0 + b * s_zb + h * s_zh + f_idx * s_zf, mask=f_ok, other=0.0).to(tl.float32)
+    else:
+        S = tl.zeros([BLOCK_F, BLOCK_DV], dtype=tl.float32)
+        z = tl.zeros([BLOCK_F], dtype=tl.float32)
     if not CAUSAL:
         for c0 in range(0, NK, BLOCK_T):
             rows = c0 + offs_t
@@ -331,6 +364,12 @@ def _llops_bwd_kernel(
                            R, P, D, M, BLOCK_T, BLOCK_D, BLOCK_M, SELF, PREC)
         tl.store(DK + b * s_dkb + h * s_dkh + rows[:, None] * s_dkt + offs_d[None, :] * s_dkd, dk, mask=rmask & dmask)
         tl.store(DVV + b * s_dvb + h * s_dvh + rows[:, None] * s_dvt + offs_v[None, :] * s_dvd, dv, mask=rmask & vmask)
+    if HAS_STATE:
+        tl.store(DS0 + b * s_sb + h * s_sh + f_idx[:, None] * s_sf + offs_v[None, :] * s_sv, dS, mask=f_ok[:, None] & vmask)
+        if NORMALIZE:
+            tl.store(DZ0 + b * s_zb + h * s_zh + f_idx * s_zf, dz, mask=f_ok)
+        else:
+            tl.store(DZ0 + b * s_zb + h * s_zh + f_idx * s_zf, tl.zeros([BLOCK_F], dtype=tl.float32), mask=f_ok)
 
 
 #: Autotuning space on CUDA: (BLOCK_T, BLOCK_DV, num_warps) for the forward, (BLOCK_T, num_warps)
@@ -358,7 +397,7 @@ def _prune_value_blocks(configs, named_args, **kwargs):
     return kept or configs
 
 
-_KEY = ["D", "M", "DV", "R", "P", "CAUSAL", "NORMALIZE", "SELF", "BLOCK_D", "BLOCK_M", "PREC"]
+_KEY = ["D", "M", "DV", "R", "P", "CAUSAL", "NORMALIZE", "SELF", "HAS_STATE", "BLOCK_D", "BLOCK_M", "PREC"]
 llops_fwd_kernel_tuned = triton.autotune(
     configs=_fwd_configs(), key=_KEY, prune_configs_by={"early_config_prune": _prune_value_blocks}
 )(_llops_fwd_kernel)

@@ -1,4 +1,9 @@
-"""Autograd wrapper and public entry of the fused LLoPS attention kernel, layout ``[B, T, H, D]``."""
+"""Autograd wrappers and public entry of the fused LLoPS attention kernels, layout ``[B, T, H, D]``.
+
+Two kernels: pure linear attention (``_kernels``, causal or not, optionally from a carried state)
+and the causal sliding-window hybrid (``_hybrid``: exact softmax or polynomial attention over the
+window and the sinks, LLoPS features beyond, one shared denominator, a gate per head).
+"""
 
 from __future__ import annotations
 
@@ -7,40 +12,91 @@ import os
 import torch
 from torch.autograd.function import once_differentiable
 
-from sketchlab.attention.triton.launch import llops_attention_bwd, llops_attention_fwd
+from sketchlab.attention.triton.launch import (
+    hybrid_attention_bwd,
+    hybrid_attention_fwd,
+    llops_attention_bwd,
+    llops_attention_fwd,
+)
+from sketchlab.attention._checks import check_hybrid, check_key_padding_mask
+from sketchlab.attention.state import AttentionState, check_state
+from sketchlab.llops.maps import llops_features
 
-__all__ = ["LLoPSAttentionTriton", "llops_attention_triton"]
+__all__ = ["HybridAttentionTriton", "LLoPSAttentionTriton", "llops_attention_triton"]
 
 _NORMALIZE = ("none", "sum")
+_LOCAL = ("softmax", "poly")
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 class LLoPSAttentionTriton(torch.autograd.Function):
     """Fused LLoPS attention: the forward saves its inputs, output and denominators; the backward
-    recomputes the features (see :mod:`sketchlab.attention.triton._kernels`). First derivatives
-    only (a second backward raises)."""
+    recomputes the features (see :mod:`sketchlab.attention.triton._kernels`). ``s0, z0``: the
+    carried state (causal) or None. First derivatives only (a second backward raises)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, theta_q, theta_k, causal: bool, normalize: bool, non_negative: bool, eps: float):
+    def forward(ctx, q, k, v, theta_q, theta_k, s0, z0, causal: bool, normalize: bool, non_negative: bool, eps: float):
+        state = None if s0 is None else (s0, z0)
         out, den = llops_attention_fwd(q, k, v, theta_q, theta_k, causal=causal, normalize=normalize,
-                                       non_negative=non_negative, eps=eps)
-        ctx.save_for_backward(q, k, v, theta_q, theta_k, out, den)
+                                       non_negative=non_negative, eps=eps, initial_state=state)
+        ctx.save_for_backward(q, k, v, theta_q, theta_k, out, den, s0, z0)
         ctx.causal, ctx.normalize, ctx.non_negative = causal, normalize, non_negative
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
-        q, k, v, theta_q, theta_k, out, den = ctx.saved_tensors
-        dq, dk, dv, dtq, dtk = llops_attention_bwd(
+        q, k, v, theta_q, theta_k, out, den, s0, z0 = ctx.saved_tensors
+        state = None if s0 is None else (s0, z0)
+        dq, dk, dv, dtq, dtk, dstate = llops_attention_bwd(
             q, k, v, theta_q, theta_k, out, den, grad_out, causal=ctx.causal, normalize=ctx.normalize,
-            non_negative=ctx.non_negative,
+            non_negative=ctx.non_negative, initial_state=state,
         )
-        return dq, dk, dv, dtq, dtk, None, None, None, None
+        ds0, dz0 = (None, None) if dstate is None else (dstate[0].to(s0.dtype), dstate[1].to(z0.dtype))
+        return dq, dk, dv, dtq, dtk, ds0, dz0, None, None, None, None
 
 
-def llops_attention_triton(q, k, v, theta_q, theta_k, *, causal: bool, normalize: str, non_negative: bool, eps: float):
-    """LLoPS linear attention through the fused Triton kernel (forward and backward).
+class HybridAttentionTriton(torch.autograd.Function):
+    """Fused causal hybrid attention (see :mod:`sketchlab.attention.triton._hybrid`): inputs
+    ``q, k, v`` (``k, v`` with the carried keys in front, ``qoff`` rows), Θ's, the gate ``γ [H]``
+    and the carried far state ``s0, z0`` (or None); gradients to all of them. ``key_valid`` (bool
+    ``[B, NK]`` or None) marks the real keys (padded ones zeroed by the caller)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, theta_q, theta_k, gate, s0, z0, key_valid, qoff: int, window: int, sinks: int,
+                softmax: bool, scale: float, non_negative: bool, eps: float, causal: bool):
+        state = None if s0 is None else (s0, z0)
+        out, den, cmax, arg = hybrid_attention_fwd(
+            q, k, v, theta_q, theta_k, gate, qoff=qoff, window=window, sinks=sinks, softmax=softmax, scale=scale,
+            non_negative=non_negative, eps=eps, initial_state=state, key_valid=key_valid, causal=causal,
+        )
+        ctx.save_for_backward(q, k, v, theta_q, theta_k, gate, s0, z0, key_valid, out, den, cmax, arg)
+        ctx.opts = dict(qoff=qoff, window=window, sinks=sinks, softmax=softmax, scale=scale, non_negative=non_negative,
+                        causal=causal)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        q, k, v, theta_q, theta_k, gate, s0, z0, key_valid, out, den, cmax, arg = ctx.saved_tensors
+        state = None if s0 is None else (s0, z0)
+        dq, dk, dv, dtq, dtk, dgate, dstate = hybrid_attention_bwd(
+            q, k, v, theta_q, theta_k, gate, out, den, cmax, arg, grad_out, initial_state=state,
+            key_valid=key_valid, **ctx.opts,
+        )
+        ds0, dz0 = (None, None) if dstate is None else (dstate[0].to(s0.dtype), dstate[1].to(z0.dtype))
+        return (dq, dk, dv, dtq, dtk, dgate.to(gate.dtype), ds0, dz0) + (None,) * 9
+
+
+def _lift(phi: torch.Tensor, non_negative: bool) -> torch.Tensor:
+    """The state's features: φ, or the self-tensor ``φ ⊗ φ`` ``[..., M²]`` (index ``a·M + b``)."""
+    return (phi[..., :, None] * phi[..., None, :]).flatten(-2) if non_negative else phi
+
+
+def llops_attention_triton(q, k, v, theta_q, theta_k, *, causal: bool, normalize: str, non_negative: bool, eps: float,
+                           window: int = 0, sinks: int = 0, local: str = "softmax", local_scale=None, gate=None,
+                           key_padding_mask=None, initial_state=None, output_final_state: bool = False):
+    r"""LLoPS linear attention, or the sliding-window hybrid, through the fused Triton kernels.
 
     Parameters
     ----------
@@ -54,22 +110,54 @@ def llops_attention_triton(q, k, v, theta_q, theta_k, *, causal: bool, normalize
         Sum over ``s ≤ t`` (True) or over all ``s``.
     normalize : {"none", "sum"}
         ``"none"``: ``out_t = Σ_s a_ts v_s``; ``"sum"``: ``out_t = Σ_s a_ts v_s / (Σ_s a_ts + eps)``,
-        only safe when ``a_ts = φ(q_t)·φ(k_s) ≥ 0``.
+        only safe when ``a_ts = φ(q_t)·φ(k_s) ≥ 0``. The hybrid needs ``"sum"``.
     non_negative : bool
         Use the self-tensored features ``φ ⊗ φ`` (kernel ``(φ(q)·φ(k))² ≥ 0``, ``M²`` features),
         formed chunk by chunk in registers, never in memory; the running state is ``[M², Dv]``.
     eps : float
+    window, sinks : int >= 0
+        The hybrid when ``window > 0`` (``sinks`` needs ``window >= 1``): a causal query ``i``
+        sees the keys ``i−w < j ≤ i`` and ``j < sinks`` (``j ≤ i``) exactly, the other keys
+        ``j ≤ i`` through the features (non-causal, ``T == S``: ``|i−j| < w`` and the sinks exactly,
+        every other key through the features),
+        ``o_i = (γ Σ_L a_ij v_j + (1−γ) Σ_F φ(q_i)·φ(k_j) v_j) / (γ Σ_L a_ij + (1−γ) Σ_F φ(q_i)·φ(k_j) + eps)``.
+        ``window = 0`` is the pure linear attention above (no gate), unchanged.
+    local : {"softmax", "poly"}
+        ``a_ij = exp(s·q_iᵀk_j − c_i)`` with ``c_i = max_L s·q_iᵀk_j`` (part of the definition:
+        gradients flow through it), or ``a_ij = (s·q_iᵀk_j)^p`` with the Θ's ``p``.
+    local_scale : float > 0 or None
+        ``s``; None: ``1/√D``.
+    gate : None or Tensor [H]
+        Logits of the local weight ``γ = sigmoid(gate)`` per head (differentiable); None: ``γ = 1/2``.
+        Unused without the hybrid.
+    key_padding_mask : None or bool Tensor [B, S]
+        True = a real key. A padded key leaves every sum (and the state); positions (window,
+        sinks) still count it, as in :func:`~sketchlab.attention.feature_attention_naive`.
+    initial_state : None or AttentionState
+        Causal only: the state of the tokens before this call (returned by an earlier call with
+        the same options and ``output_final_state=True``, on any backend).
+    output_final_state : bool
+        Also return the :class:`~sketchlab.attention.AttentionState` after this call's tokens (causal only).
 
     Returns
     -------
-    Tensor [B, T, H, Dv], differentiable in q, k, v, theta_q, theta_k.
+    Tensor [B, T, H, Dv], or ``(out, AttentionState)`` with ``output_final_state``; differentiable in
+    q, k, v, theta_q, theta_k, the gate and the initial state's tensors. Splitting a sequence and
+    carrying the state gives the whole sequence's output.
 
     Notes
     -----
-    Shapes, devices and finiteness are checked by the caller
+    Shapes, devices and finiteness of q, k, v, Θ are checked by the caller
     (:func:`sketchlab.attention.llops_attention`, which validates once); here only what the kernel
-    itself cannot do is rejected. Inputs of any strides are accepted (made contiguous). On CPU
-    tensors the kernel runs only in Triton's interpreter (``TRITON_INTERPRET=1``, fp32).
+    itself cannot do is rejected, and the hybrid options are validated by the shared checks. Inputs
+    of any strides are accepted (made contiguous). On CPU tensors the kernel runs only in Triton's
+    interpreter (``TRITON_INTERPRET=1``, fp32).
+
+    The carried window keys' far contributions are recomputed in the kernel from their keys and
+    ``theta_k`` (the state's ``phi_window`` is used only to fold them into ``S, z`` when they
+    leave); the two agree while Θ_K is the one that made the state. The final state is assembled in
+    torch (``S, z`` in fp32) from the keys that leave the window: ``S += Σ φ(k)ᵀv``, ``z += Σ φ(k)``
+    (autograd flows through it).
     """
     if normalize not in _NORMALIZE:
         raise ValueError(f"normalize must be one of {_NORMALIZE}, got {normalize!r}")
@@ -84,5 +172,105 @@ def llops_attention_triton(q, k, v, theta_q, theta_k, *, causal: bool, normalize
                 f"{name} is on {x.device}; the Triton kernel needs CUDA tensors (or TRITON_INTERPRET=1 "
                 "set before triton is imported, to interpret it on the CPU); use backend='torch'"
             )
-    return LLoPSAttentionTriton.apply(q, k, v, theta_q, theta_k, bool(causal), normalize == "sum", bool(non_negative),
-                                      float(eps))
+    if not isinstance(output_final_state, bool):
+        raise TypeError(f"output_final_state must be True or False, got {output_final_state!r}")
+    B, T, H, D = q.shape
+    DV = v.shape[-1]
+    M = theta_q.shape[-1]
+    window, sinks, local, scale, gate = check_hybrid(window, sinks, local, local_scale, gate, normalize=normalize,
+                                                     heads=H, dim=D, like=q)
+    mask = check_key_padding_mask(key_padding_mask, B, k.shape[1], q.device)
+    stateful = initial_state is not None or output_final_state
+    if not causal and stateful:
+        raise ValueError("initial_state/output_final_state need causal=True (a state summarises a prefix)")
+    if not causal and window and k.shape[1] != T:
+        raise ValueError(f"the non-causal hybrid window |i−j| < w needs T == S, got T={T}, S={k.shape[1]}")
+    F = M * M if non_negative else M
+    st = None
+    if initial_state is not None:
+        st = check_state(initial_state, batch=B, heads=H, num_features=F, dim=D if window else None, dim_v=DV,
+                         feature_dim=M, window=window, sinks=sinks, like=q)
+    s0 = None if st is None else st.S
+    z0 = None if st is None else st.z
+    P0 = 0 if st is None else st.offset
+    valid = torch.ones(B, k.shape[1], dtype=torch.bool, device=q.device) if mask is None else mask  # [B, S]
+    win_valid = sink_valid = None
+    if st is not None:
+        ls, lw = st.k_sink.shape[2], st.k_window.shape[2]
+        sink_valid = torch.ones(B, ls, dtype=torch.bool, device=q.device) if st.mask_sink is None else st.mask_sink
+        win_valid = torch.ones(B, lw, dtype=torch.bool, device=q.device) if st.mask_window is None else st.mask_window
+    masked = mask is not None or (st is not None and (st.mask_sink is not None or st.mask_window is not None))
+
+    def zero_padded(x, ok):  # x [B, n, H, ·]; a padded key becomes 0 (φ(0) = 0: it leaves the far sums)
+        return torch.where(ok[:, :, None, None], x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+    if not window:
+        out = LLoPSAttentionTriton.apply(q, zero_padded(k, valid) if mask is not None else k, v, theta_q, theta_k,
+                                         s0, z0, bool(causal), normalize == "sum", bool(non_negative), float(eps))
+    else:
+        gam = (torch.full((H,), 0.5, device=q.device, dtype=torch.float32) if gate is None
+               else torch.sigmoid(gate.to(torch.float32)))  # [H]
+        if st is None:
+            kx, vx, qoff, kvalid = k, v, 0, valid
+        else:  # the carried sinks, the carried window without its sink positions, this call's keys
+            keep = torch.arange(P0 - lw, P0, device=q.device) >= ls  # [lw]
+            kx = torch.cat([st.k_sink.transpose(1, 2).to(k.dtype), st.k_window[:, :, keep].transpose(1, 2).to(k.dtype),
+                            k], 1)  # [B, qoff + T, H, D]
+            vx = torch.cat([st.v_sink.transpose(1, 2).to(v.dtype), st.v_window[:, :, keep].transpose(1, 2).to(v.dtype),
+                            v], 1)
+            kvalid = torch.cat([sink_valid, win_valid[:, keep], valid], 1)  # [B, qoff + T]
+            qoff = kx.shape[1] - T
+        if masked:
+            kx = zero_padded(kx, kvalid)
+        out = HybridAttentionTriton.apply(q, kx, vx, theta_q, theta_k, gam, s0, z0, kvalid if masked else None,
+                                          int(qoff), window, sinks, local == "softmax", scale, bool(non_negative),
+                                          float(eps), bool(causal))
+    if not output_final_state:
+        return out
+    return out, _final_state(st, k, v, valid, win_valid, sink_valid, theta_k, P0=P0, window=window, sinks=sinks,
+                             non_negative=non_negative, masked=masked)
+
+
+def _final_state(st, k, v, valid, win_valid, sink_valid, theta_k, *, P0: int, window: int, sinks: int,
+                 non_negative: bool, masked: bool) -> AttentionState:
+    """The state after this call's keys (torch, autograd; ``S, z`` and the window features fp32).
+
+    The rows not yet in ``S``: the carried window (positions ``P0 − L_w …``) and this call's keys
+    (``k [B, T, H, D]``, positions ``P0 …``). Real keys at positions ``sinks ≤ j < end − w`` enter
+    ``S, z``; the last ``min(w, end)`` positions form the new window (sink positions included, as
+    the state's layout holds them), and the positions ``< sinks`` not yet held join the sinks.
+    """
+    B, T, H, D = k.shape
+    end = P0 + T
+    k_new, v_new = k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, ·]
+    phi_new = llops_features(k_new.to(torch.float32), theta_k.to(torch.float32))  # [B, H, T, M]
+    if st is None:
+        r_k, r_v, r_f, r_valid = k_new, v_new, phi_new, valid
+        lw, old_s = 0, 0
+    else:
+        r_k = torch.cat([st.k_window.to(k.dtype), k_new], 2) if window else k_new
+        r_v = torch.cat([st.v_window.to(v.dtype), v_new], 2)
+        r_f = torch.cat([st.phi_window.to(torch.float32), phi_new], 2)
+        r_valid = torch.cat([win_valid, valid], 1)  # [B, R]
+        lw, old_s = st.k_window.shape[2], st.k_sink.shape[2]
+    r_pos = torch.arange(P0 - lw, end, device=k.device)  # [R]
+    enters = r_valid & ((r_pos >= sinks) & (r_pos < end - window))[None, :]  # [B, R]
+    lf = _lift(r_f, non_negative) * enters[:, None, :, None]  # [B, H, R, F]
+    S = lf.mT @ r_v.to(torch.float32)  # [B, H, F, Dv]
+    z = lf.sum(2)  # [B, H, F]
+    if st is not None:
+        S = S + st.S.to(torch.float32)
+        z = z + st.z.to(torch.float32)
+    keep_w = r_pos >= end - window
+    take = (r_pos < sinks) & (r_pos >= old_s)
+    if st is None:
+        k_sink, v_sink, m_sink = r_k[:, :, take], r_v[:, :, take], r_valid[:, take]
+    else:
+        k_sink = torch.cat([st.k_sink.to(k.dtype), r_k[:, :, take]], 2)
+        v_sink = torch.cat([st.v_sink.to(v.dtype), r_v[:, :, take]], 2)
+        m_sink = torch.cat([sink_valid, r_valid[:, take]], 1)
+    return AttentionState(
+        S=S, z=z, k_window=r_k[:, :, keep_w], v_window=r_v[:, :, keep_w], phi_window=r_f[:, :, keep_w],
+        k_sink=k_sink, v_sink=v_sink, offset=end,
+        mask_window=r_valid[:, keep_w] if masked else None, mask_sink=m_sink if masked else None,
+    )

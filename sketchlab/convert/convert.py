@@ -1,0 +1,345 @@
+r"""``convert_attention``: a pretrained model's self-attention swapped for sketched attention.
+
+Every projection and weight stays; conversion adds per layer a
+:class:`~sketchlab.convert.sketched.SketchedAttention` (query and key feature maps, a per-head
+gate) registered as ``<attention module>.sketch`` — so its parameters train with the model and
+save in its ``state_dict`` — and switches the model to the attention implementation
+:data:`~sketchlab.convert.sketched.ATTENTION_NAME` (transformers) or replaces the kernel (toy).
+The converted model takes the same inputs (``input_ids``, ``attention_mask``, ``labels``).
+
+Saving: ``model.save_pretrained(dir)`` writes every weight, the maps included, and the config
+(which carries the conversion options as ``config.sketchlab``); :func:`load_linearized` converts a
+freshly loaded model with those options and restores the weights. (transformers'
+``from_pretrained`` alone cannot rebuild the maps: the modelling classes do not have them.)
+"""
+
+from __future__ import annotations
+
+import json
+import numbers
+import types
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .families import ToyKernel, attention_sites
+from .sketched import ATTENTION_NAME, LOCALS, SketchedAttention, forget_cache, hf_attention, hf_mask, remember_cache
+
+__all__ = ["convert_attention", "converted_modules", "load_linearized", "save_linearized"]
+
+_OPTIONS_FILE = "sketchlab_conversion.json"
+
+
+def _check_int(value, name: str, lo: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < lo:
+        raise ValueError(f"{name} must be an integer >= {lo}, got {value!r}")
+    return int(value)
+
+
+def _theta_tensors(theta, layers: int):
+    """``theta`` (a Θ export path or ``(theta_q, theta_k)`` of shape ``[L, H, t, p, d, m]``) as two
+    float64 tensors, scaled to the ``"sqrt-d"`` input convention the maps see."""
+    from ..io import load_theta
+    from ..tasks.attention import _theta_factor
+
+    if isinstance(theta, (str, Path)):
+        theta_q, theta_k, meta = load_theta(Path(theta))
+        scale = meta["scale"]
+        where = str(theta)
+    else:
+        if not (isinstance(theta, (tuple, list)) and len(theta) == 2):
+            raise ValueError("theta must be a Θ export file or a pair (theta_q, theta_k) of [L, H, t, p, d, m] tensors")
+        theta_q, theta_k = (torch.as_tensor(t) for t in theta)
+        scale, where = "sqrt-d", "theta"
+    if theta_q.ndim != 6 or theta_q.shape != theta_k.shape:
+        raise ValueError(f"{where}: theta_q and theta_k must both have shape [L, H, t, p, d, m], got "
+                         f"{tuple(theta_q.shape)} and {tuple(theta_k.shape)}")
+    if theta_q.shape[0] != layers:
+        raise ValueError(f"{where}: Θ has {theta_q.shape[0]} layers, the model {layers}")
+    rho = _theta_factor(scale, theta_q.shape[4], where)
+    return theta_q.double() * rho, theta_k.double() * rho
+
+
+def _load_theta_into(feature_map: nn.Module, theta: torch.Tensor, where: str) -> None:
+    """Copy ``theta [H, t, p, d, m]`` into the one parameter of ``feature_map`` of that shape."""
+    matches = [p for p in feature_map.parameters() if tuple(p.shape) == tuple(theta.shape)]
+    if len(matches) != 1:
+        shapes = [tuple(p.shape) for p in feature_map.parameters()]
+        raise ValueError(f"{where}: Θ of shape {tuple(theta.shape)} matches {len(matches)} parameters of "
+                         f"{type(feature_map).__name__} (shapes {shapes}); expected exactly one")
+    with torch.no_grad():
+        matches[0].copy_(theta.to(matches[0].dtype))
+
+
+def _make_maps(attention: str, feature_map, layer: int, heads: int, head_dim: int, p: int, m: int, rank: int,
+               seed: int):
+    """``(map_q, map_k)`` of one layer: ``feature_map(layer, heads, head_dim)`` when given (a map or a
+    pair), else two :func:`sketchlab.featuremaps.make_feature_map` maps named ``attention`` (seeds
+    ``seed + 2·layer`` for queries, ``+ 1`` for keys)."""
+    if feature_map is not None:
+        made = feature_map(layer, heads, head_dim)
+        maps = tuple(made) if isinstance(made, (tuple, list)) else (made, made)
+        if len(maps) != 2 or not all(isinstance(x, nn.Module) for x in maps):
+            raise TypeError(f"feature_map(layer, heads, head_dim) must return a FeatureMap module or a pair of them, "
+                            f"got {type(made).__name__}")
+        return maps
+    from ..featuremaps import make_feature_map
+
+    return tuple(make_feature_map(attention, heads=heads, head_dim=head_dim, p=p, m=m, rank=rank,
+                                  seed=seed + 2 * layer + side) for side in range(2))
+
+
+def convert_attention(model: nn.Module, *, attention: str = "llops", p: int = 2, m: int = 64, rank: int = 1,
+                      window: int = 64, sinks: int = 4, local: str = "softmax", feature_map=None, theta=None,
+                      normalize: str | None = None, non_negative: bool = False, eps: float = 1e-6, learn: bool = True,
+                      gate: bool = True, gate_init: float = 0.0, seed: int = 0) -> list[SketchedAttention]:
+    r"""Swap every self-attention of ``model`` for sketched attention, in place; keep every weight.
+
+    Parameters
+    ----------
+    model : nn.Module
+        A transformers model of the LLaMA (Llama, Qwen2, Mistral, SmolLM: rotary, GQA), GPT-2 or
+        BERT (BERT, RoBERTa, MiniLM: non-causal, padding masks) family — any head (``*Model``,
+        ``*ForCausalLM``, …) — or sketchlab's :class:`~sketchlab.tasks.TransformerLM`.
+    attention : str
+        The feature map, by :func:`sketchlab.featuremaps.make_feature_map` name (``"llops"``,
+        ``"hedgehog"``, ``"taylor"``, ``"psf"``, ``"exact"``, …); one map for queries and one for
+        keys per layer, each with the model's query heads.
+    p, m, rank : int
+        Degree, features and (LLoPS) CP rank of the maps.
+    window, sinks : int >= 0
+        Exact local keys and attention sinks (DESIGN §6: ``window=0`` is pure linear attention;
+        ``window >= T`` with ``local="softmax"`` is exactly the model's softmax attention).
+        The defaults (``window=64, sinks=4``) are the measured best for converted models.
+    local : {"softmax", "poly"}
+        The exact part inside the window.
+    feature_map : callable, optional
+        ``feature_map(layer, heads, head_dim)`` → a FeatureMap module (shared by q and k) or a pair
+        ``(map_q, map_k)``, instead of ``attention``.
+    theta : str, Path or (Tensor, Tensor), optional
+        ``attention="llops"`` only: a Θ export (:func:`sketchlab.export_theta`) or tensors
+        ``[L, H, t, p, d, m]`` (fitted on ``"sqrt-d"``-scaled post-RoPE q, k) to start from.
+    normalize : str, optional
+        The attention's normalisation (``None``: its default, ``"sum"``; the hybrid is always normalised).
+    non_negative : bool
+        Self-tensor the features (``φ ⊗ φ``, ``M²`` features, a non-negative kernel). Fixed at
+        conversion, so a map's feature count never changes while it trains; ``False`` keeps the ``M``
+        features asked for (the hybrid's local part keeps its shared denominator positive; a
+        signed far part is checked by the attention's denominator check).
+    eps : float >= 0
+        Added to the attention's denominator (relative error ``~eps`` against exact softmax, whose
+        denominator is ``>= 1`` after the max shift).
+    learn : bool
+        Whether the new parameters (maps, gates) require gradients.
+    gate : bool
+        A learnable per-head gate logit (with ``window > 0``).
+    gate_init : float
+        Its initial value: ``g = sigmoid(gate_init)`` weighs the exact local part, ``1 − g`` the
+        sketch (``0``: ``g = 1/2``; a large value starts from window + sinks alone, the sketch
+        then entering as transfer trains the gate).
+    seed : int
+        Seeds torch's generator while the maps are built (random initialisations are reproducible).
+
+    Returns
+    -------
+    list of SketchedAttention
+        One per layer, in layer order (``converted_modules(model)`` finds them again).
+
+    Notes
+    -----
+    transformers models switch to the attention implementation ``"sketchlab"`` (registered in
+    ``AttentionInterface`` and ``AttentionMaskInterface``); their ``generate()`` decodes with a
+    :class:`~sketchlab.convert.cache.SketchStateCache` (constant memory) instead of a growing KV
+    cache. The options are recorded in ``model.config.sketchlab`` (saved by ``save_pretrained``).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if converted_modules(model, required=False):
+        raise ValueError(f"{type(model).__name__} is already converted")
+    if not isinstance(attention, str):
+        raise TypeError(f"attention must be a feature-map name (str), got {type(attention).__name__}")
+    p, m, rank = _check_int(p, "p", 1), _check_int(m, "m", 1), _check_int(rank, "rank", 1)
+    window, sinks = _check_int(window, "window", 0), _check_int(sinks, "sinks", 0)
+    if local not in LOCALS:
+        raise ValueError(f"local must be one of {list(LOCALS)}, got {local!r}")
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not (0 <= eps < float("inf")):
+        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
+    if isinstance(gate_init, bool) or not isinstance(gate_init, numbers.Real) or not abs(gate_init) < float("inf"):
+        raise ValueError(f"gate_init must be a finite number, got {gate_init!r}")
+    for flag, name in ((learn, "learn"), (gate, "gate"), (non_negative, "non_negative")):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {flag!r}")
+    if theta is not None and (attention != "llops" or feature_map is not None):
+        raise ValueError(f"theta initialises LLoPS maps: it needs attention='llops' and no feature_map "
+                         f"(got attention={attention!r})")
+    if feature_map is not None and not callable(feature_map):
+        raise TypeError("feature_map must be callable: feature_map(layer, heads, head_dim) -> FeatureMap or (map_q, map_k)")
+    family, sites = attention_sites(model)
+    thetas = _theta_tensors(theta, len(sites)) if theta is not None else None
+    ref = next(model.parameters())
+    sketches = []
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(_check_int(seed, "seed", 0))
+        for layer, site in enumerate(sites):
+            map_q, map_k = _make_maps(attention, feature_map, layer, site.heads, site.head_dim, p, m, rank, seed)
+            sketch = SketchedAttention(map_q, map_k, heads=site.heads, head_dim=site.head_dim, window=window,
+                                       sinks=sinks, local=local, gate=gate, normalize=normalize,
+                                       non_negative=non_negative, eps=float(eps), causal=site.causal)
+            if sketch.gate is not None:
+                with torch.no_grad():
+                    sketch.gate.fill_(float(gate_init))
+            sketch.to(device=ref.device, dtype=ref.dtype)
+            if thetas is not None:  # after .to: Θ copied at the model's precision
+                _load_theta_into(map_q, thetas[0][layer], f"theta layer {layer} (q)")
+                _load_theta_into(map_k, thetas[1][layer], f"theta layer {layer} (k)")
+            sketch.requires_grad_(learn)
+            sketches.append(sketch)
+    options = {"attention": attention if feature_map is None else "custom", "p": p, "m": m, "rank": rank,
+               "window": window, "sinks": sinks, "local": local, "normalize": normalize, "non_negative": non_negative,
+               "eps": float(eps), "gate": gate, "gate_init": float(gate_init), "seed": seed,
+               "family": family}
+    if family == "toy":
+        for site, sketch in zip(sites, sketches):
+            site.module.attn = ToyKernel(sketch)
+        model.sketchlab_conversion = options
+        return sketches
+    from ._hf import register
+
+    register(ATTENTION_NAME, hf_attention, hf_mask)
+    for site, sketch in zip(sites, sketches):
+        site.module.sketch = sketch
+        site.module.register_forward_pre_hook(remember_cache, with_kwargs=True)
+        site.module.register_forward_hook(forget_cache, with_kwargs=True)
+    model.set_attn_implementation(ATTENTION_NAME)
+    model.config.sketchlab = options
+    if hasattr(model, "_prepare_cache_for_generation"):
+        _use_state_cache(model, len(sites))
+    return sketches
+
+
+def _use_state_cache(model: nn.Module, layers: int) -> None:
+    """Make ``model.generate()`` decode with a :class:`SketchStateCache` unless given another cache."""
+    from .cache import SketchStateCache
+
+    original = model._prepare_cache_for_generation
+
+    def prepare(self, generation_config, model_kwargs, *args, **kwargs):
+        if model_kwargs.get("cache") is None and model_kwargs.get("past_key_values") is None \
+                and generation_config.use_cache is not False:
+            model_kwargs["cache"] = SketchStateCache(layers)
+        return original(generation_config, model_kwargs, *args, **kwargs)
+
+    model._prepare_cache_for_generation = types.MethodType(prepare, model)
+
+
+def converted_modules(model: nn.Module, *, required: bool = True) -> list[SketchedAttention]:
+    """The :class:`SketchedAttention` of every converted layer of ``model``, in layer order."""
+    found = [m for m in model.modules() if isinstance(m, SketchedAttention)]
+    if required and not found:
+        raise ValueError(f"{type(model).__name__} has no converted attention (run sketchlab.convert_attention)")
+    return found
+
+
+def _options(model: nn.Module) -> dict:
+    cfg = getattr(model, "config", None)
+    options = getattr(cfg, "sketchlab", None) if not hasattr(model, "sketchlab_conversion") else model.sketchlab_conversion
+    if not isinstance(options, dict):
+        raise ValueError(f"{type(model).__name__} carries no conversion options (convert it with sketchlab.convert_attention)")
+    return options
+
+
+def save_linearized(model: nn.Module, directory) -> Path:
+    """Write a converted model to ``directory``: ``model.safetensors`` (every weight, the maps
+    included) and :data:`_OPTIONS_FILE` (the conversion options); transformers models also get
+    ``save_pretrained``'s ``config.json``. Reload with :func:`load_linearized`."""
+    from safetensors.torch import save_file
+
+    from ..io import atomic_write
+
+    converted_modules(model)
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    options = _options(model)
+    if hasattr(model, "save_pretrained"):
+        model.save_pretrained(directory)
+    else:
+        state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+        with atomic_write(directory / "model.safetensors") as tmp:
+            save_file(state, str(tmp))
+    with atomic_write(directory / _OPTIONS_FILE) as tmp:
+        tmp.write_text(json.dumps(options, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+    return directory
+
+
+def load_linearized(directory, model: nn.Module) -> nn.Module:
+    """Convert ``model`` (the teacher architecture, freshly loaded or built) as recorded in
+    ``directory`` and load every saved weight into it (strict: nothing missing, nothing left over,
+    except weights tied to others). Returns ``model``.
+
+    ``directory`` is a :func:`save_linearized` (or ``save_pretrained`` of a converted model) output.
+    Maps made by a custom ``feature_map`` cannot be rebuilt from their name: convert ``model`` with
+    the same ``feature_map`` first, then call this (the options must then agree).
+    """
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    options_path = directory / _OPTIONS_FILE
+    if options_path.is_file():
+        options = json.loads(options_path.read_text(encoding="utf-8"))
+    elif (directory / "config.json").is_file():
+        options = json.loads((directory / "config.json").read_text(encoding="utf-8")).get("sketchlab")
+    else:
+        options = None
+    if not isinstance(options, dict):
+        raise ValueError(f"{directory}: no conversion options ({_OPTIONS_FILE}, or 'sketchlab' in config.json); "
+                         "was it written by sketchlab.save_linearized?")
+    options = dict(options)
+    options.pop("family", None)
+    if converted_modules(model, required=False):
+        if {k: v for k, v in _options(model).items() if k != "family"} != options:
+            raise ValueError(f"{directory}: the model is already converted with other options than the saved ones")
+    else:
+        if options["attention"] == "custom":
+            raise ValueError(f"{directory}: the maps came from a custom feature_map; convert the model with it first")
+        convert_attention(model, **options)
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{directory}: no .safetensors weights")
+    state = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    own = model.state_dict()
+    prefix = _match_prefix(set(state), set(own))
+    state = {prefix + k: v for k, v in state.items()}
+    unexpected = sorted(set(state) - set(own))
+    missing = sorted(set(own) - set(state) - _tied(model))
+    if unexpected or missing:
+        raise ValueError(f"{directory}: weights do not match the converted model: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")
+    model.load_state_dict(state, strict=False)
+    return model
+
+
+def _match_prefix(saved: set, own: set) -> str:
+    """``""``, or the prefix (``"model."``) that saved names lack (a base model saved, a head model loading)."""
+    if saved & own:
+        return ""
+    for name in own:
+        for s in saved:
+            if name.endswith("." + s):
+                return name[: -len(s)]
+    return ""
+
+
+def _tied(model: nn.Module) -> set:
+    """Names of parameters that alias another one (tied embeddings): save_pretrained writes one copy."""
+    seen, tied = {}, set()
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        key = (tensor.data_ptr(), tuple(tensor.shape)) if tensor.numel() else None
+        if key is not None and key in seen:
+            tied.add(name)
+            tied.add(seen[key])
+        elif key is not None:
+            seen[key] = name
+    return tied

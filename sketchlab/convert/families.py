@@ -1,0 +1,116 @@
+"""One small adapter per model family: where its self-attention modules are, their heads, causality.
+
+Conversion never copies modelling code. transformers models of the LLaMA (Llama, Qwen2, Mistral,
+SmolLM), GPT-2 and BERT (BERT, RoBERTa, MiniLM) families all call their attention through
+``ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation)``, so one attention function
+(:func:`sketchlab.convert.sketched.hf_attention`) serves them all; an adapter only finds the
+modules that make that call and reads their head counts. sketchlab's toy
+:class:`~sketchlab.tasks.TransformerLM` has a pluggable kernel, replaced by :class:`ToyKernel`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+__all__ = ["FAMILIES", "AttentionSite", "ToyKernel", "attention_sites", "family_of"]
+
+#: ``config.model_type`` values of each supported transformers family.
+FAMILIES = {
+    "llama": ("llama", "qwen2", "mistral"),
+    "gpt2": ("gpt2",),
+    "bert": ("bert", "roberta"),
+}
+
+
+@dataclass
+class AttentionSite:
+    """A self-attention module to convert: its name, the module, ``H`` query heads, ``H_kv`` key/value
+    heads, head dimension ``D``, and whether it is causal."""
+
+    name: str
+    module: nn.Module
+    heads: int
+    kv_heads: int
+    head_dim: int
+    causal: bool
+
+
+class ToyKernel(nn.Module):
+    """The kernel of a converted toy :class:`~sketchlab.tasks.TransformerLM` layer: ``q, k, v [B, T, H, D]``
+    (post-RoPE) → :class:`~sketchlab.convert.sketched.SketchedAttention` with the toy's ``1/√D`` logits."""
+
+    def __init__(self, sketch: nn.Module):
+        super().__init__()
+        self.sketch = sketch
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self.sketch(q, k, v)
+
+    def step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state):
+        """``n`` new tokens given the :class:`~sketchlab.attention.AttentionState` of the earlier ones
+        (``None`` at the start) → ``(out, state)`` (the toy model's decoding protocol,
+        :meth:`~sketchlab.tasks.TransformerLM.forward_step`)."""
+        return self.sketch(q, k, v, initial_state=state, output_final_state=True)
+
+
+def family_of(model: nn.Module) -> str:
+    """``"toy"``, ``"llama"``, ``"gpt2"`` or ``"bert"``; ``ValueError`` naming the supported ones otherwise."""
+    from ..tasks.model import TransformerLM
+
+    if isinstance(model, TransformerLM):
+        return "toy"
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    for family, types in FAMILIES.items():
+        if model_type in types:
+            return family
+    supported = ", ".join(t for types in FAMILIES.values() for t in types)
+    raise ValueError(f"convert_attention: {type(model).__name__} (model_type {model_type!r}) is not a supported family; "
+                     f"supported: sketchlab's TransformerLM and transformers models of type {supported}")
+
+
+def _int(cfg, *names) -> int:
+    for name in names:
+        value = getattr(cfg, name, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    raise ValueError(f"the model's config states none of {names}")
+
+
+def attention_sites(model: nn.Module) -> tuple[str, list[AttentionSite]]:
+    """``(family, sites)``: every self-attention module of ``model`` in layer order."""
+    family = family_of(model)
+    if family == "toy":
+        cfg = model.config
+        return family, [AttentionSite(f"blocks.{i}.attention", block.attention, cfg.n_heads, cfg.n_heads, cfg.head_dim, True)
+                        for i, block in enumerate(model.blocks)]
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    heads = _int(cfg, "num_attention_heads", "n_head")
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    sites = []
+    for name, module in model.named_modules():
+        kind = type(module).__name__
+        if family == "llama":
+            if not (kind.endswith("Attention") and hasattr(module, "q_proj") and hasattr(module, "o_proj")):
+                continue
+            site = AttentionSite(name, module, heads, kv_heads, module.head_dim, True)
+        elif family == "gpt2":
+            if kind != "GPT2Attention" or getattr(module, "is_cross_attention", False):
+                continue
+            site = AttentionSite(name, module, heads, heads, module.head_dim, True)
+        else:  # bert: self-attention only (cross-attention of a decoder BERT is another class)
+            if not kind.endswith("SelfAttention") or not hasattr(module, "query"):
+                continue
+            site = AttentionSite(name, module, heads, heads, module.attention_head_size, bool(module.is_causal))
+        if not isinstance(getattr(module, "layer_idx", None), int):
+            raise ValueError(f"{name} ({kind}) has no integer layer_idx; cannot index its decoding state")
+        sites.append(site)
+    if not sites:
+        raise ValueError(f"convert_attention: found no self-attention module in {type(model).__name__} ({family} family)")
+    sites.sort(key=lambda s: s.module.layer_idx)
+    if [s.module.layer_idx for s in sites] != list(range(len(sites))):
+        raise ValueError(f"{type(model).__name__}: attention layer_idx {[s.module.layer_idx for s in sites]} "
+                         f"are not 0 … {len(sites) - 1}")
+    return family, sites

