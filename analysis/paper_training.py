@@ -108,6 +108,13 @@ def methods(d_model: int) -> dict[str, Method]:
                       {"p": 2, "m": 256}, init="based", kernel_lr=KERNEL_LR))
     out.append(Method("llops-p4-m256-based", "LLoPS p = 4, m = 256 (init: BASED expand, d' = 4)", "llops",
                       {"p": 4, "m": 256}, init="based", kernel_lr=KERNEL_LR))
+    # the sliding-window hybrids (exact softmax on the last `window` keys, the sketch beyond, one denominator,
+    # a learned gate per head): BASED's own recipe; window 64 at Zoology's lengths (16 at a quarter of them)
+    for base in [m for m in out if m.key in ("based", "llops-p4-m256", "llops-p2-m256-based")]:
+        out.append(replace(base, key=f"{base.key}-w64", label=f"{base.label} + window 64",
+                           options={**base.options, "window": 64}))
+        out.append(replace(base, key=f"{base.key}-w16", label=f"{base.label} + window 16",
+                           options={**base.options, "window": 16}))
     return {m.key: m for m in out}
 
 
