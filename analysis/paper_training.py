@@ -383,7 +383,7 @@ def write_mqar_report(args, scale, table, swept, best_lr, seeded, m_runs, wall):
     L.append(f"| Table 4: LLoPS m = 256, p = 4 (init from BASED expand, d' = 4) | – | {here('llops-p4-m256-based')} |")
     for p in (2, 4, 6):
         L.append(f"| Table 5: LLoPS p = {p}, m = 256 | {PAPER_T5[p]} | {here(f'llops-p{p}-m256')} |")
-    L += ["", verdict(by), ""]
+    L += ["", verdict(by), ""] + ([args.note, ""] if args.note else [])
     # Figure 3
     if m_runs:
         ms, acc, sd, fwd = [], [], [], []
@@ -618,6 +618,7 @@ def _parse(argv):
     ap.add_argument("--sweep", default="", help="override the mode's learning-rate-swept methods (comma-separated keys)")
     ap.add_argument("--lrs", default="", help="override the mode's learning rates (comma-separated)")
     ap.add_argument("--fixed-lr", default="", help="method=lr,...: these methods take this rate, not swept")
+    ap.add_argument("--note", default="", help="a reading of the results for the report (printed under the verdict)")
     ap.add_argument("--report-only", action="store_true", help="write the report from the finished runs only")
     ap.add_argument("--cut", default="", help="a sentence for the report: what this invocation left out")
     ap.add_argument("--work", type=Path, default=ROOT / "build" / "paper_training")
