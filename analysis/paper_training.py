@@ -417,17 +417,17 @@ def write_mqar_report(args, scale, table, swept, best_lr, seeded, m_runs, wall):
 
 
 def _command() -> str:
-    """This invocation's arguments, the --cut sentence elided (it is printed in its own section)."""
+    """This invocation's arguments, the --cut and --note texts elided (each is printed in its own section)."""
     out, skip = [], False
     for a in sys.argv[1:]:
         if skip:
             out.append('"..."')
             skip = False
-        elif a == "--cut":
+        elif a in ("--cut", "--note"):
             out.append(a)
             skip = True
-        elif a.startswith("--cut="):
-            out.append('--cut="..."')
+        elif a.startswith(("--cut=", "--note=")):
+            out.append(a.split("=", 1)[0] + '="..."')
         else:
             out.append(a)
     return " ".join(out)
