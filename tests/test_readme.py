@@ -43,7 +43,8 @@ _FEW_STEPS = (r"--steps \d+", "--steps 2 --eval-sequences 16 --batch-size 8 --no
 #: command is made small. Every substitution must change the command (so it keeps matching the README).
 SMALL = [
     ("make demo", r"make demo",
-     [(r"^make demo$", f"python -m sketchlab.demo --dump {SMALL_DUMP} --m 8 --methods optimal,llops,psf --out out/demo")]),
+     [(r"^make demo$", f"python -m sketchlab.demo --dump {SMALL_DUMP} --m 8 --target 0.3 --methods optimal,llops,psf "
+       "--out out/demo")]),
     ("make test", r"make test", []),  # the suite this test is part of: its recipe is checked, not run
     ("tour", r"(?s)import tempfile, torch, sketchlab as sl\n.*",
      [(r'sl\.load_qk\(f"\{DATA\}/mqar_softmax_qk\.safetensors"\)',  # one head of each layer
@@ -52,11 +53,13 @@ SMALL = [
        'sl.compare(dump, p=2, m=64, layers=[0, 3], methods=("optimal", "llops", "psf"), progress=False)')]),
     ("hybrid block", r"(?s)import torch, sketchlab as sl\n\nblock = sl\.LLoPSAttention\(.*", []),  # already small
     ("capture", r"sketchlab capture --model-dir \./my-local-model --text prompt\.txt --out \S+", []),
-    ("dump command", r"sketchlab (verify|spectrum|advise|compare|fit) +" + re.escape(DUMP) + r" .*",
+    ("dump command", r"sketchlab (verify|spectrum|compare|fit) +" + re.escape(DUMP) + r" .*",
      [(re.escape(DUMP), SMALL_DUMP)]),
+    ("advise", r"sketchlab advise +" + re.escape(DUMP) + r" .*--target 0\.05 .*",  # a shorter search for m
+     [(re.escape(DUMP), SMALL_DUMP), (r"--target 0\.05", "--target 0.3")]),
     ("train", r"sketchlab train .*--steps \d+ .*", [_FEW_STEPS]),
     ("linearize toy", r"sketchlab linearize data/mqar_softmax .*--steps \d+ .*",
-     [(r"--steps \d+", "--steps 2 --eval-sequences 16 --capture-sequences 2 --no-progress")]),
+     [(r"--m 64", "--m 8"), (r"--steps \d+", "--steps 2 --eval-sequences 16 --capture-sequences 2 --no-progress")]),
     ("linearize pretrained", r"sketchlab linearize --model-dir \./my-local-model --text prompt\.txt .*--transfer-steps \d+ .*",
      [(r"--transfer-steps \d+", "--transfer-steps 2 --seq-len 32 --no-progress")]),
     ("torchrun", r"torchrun --nproc_per_node \d+ -m sketchlab\.cli -- train .*",
