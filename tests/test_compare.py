@@ -178,3 +178,21 @@ def test_heldout_reference_column_when_fits_report_it(table):
     assert with_ref.has_holdout_reference() and "| held-out ÷ reference |" in md and "minimum-norm W*" in md
     optimal_row = [l for l in with_ref.summary_markdown().splitlines() if l.startswith("| optimal |")][0]
     assert optimal_row.split(" | ")[5] == "1.0000"
+
+
+def test_errors_against_a_dense_twin(table):
+    """Every row's in-sample rel_fro against the dense float64 floor: the optimal row equals
+    √(Σ_{i>m} σ_i² / ‖A‖²) of A = (QKᵀ)^2 formed on the fitting tokens (q, k × d^-1/4), to round-off,
+    and every row's rel_fro is its ×optimum times that floor (the two columns are one measurement)."""
+    from sketchlab.fit import holdout_split
+
+    q, k = _qk()
+    fit, _ = holdout_split(40, 0.25, 0)
+    factor = 4**-0.25
+    for r in table.rows:
+        a = ((q[r.layer, r.head, fit] * factor) @ (k[r.layer, r.head, fit] * factor).T) ** 2  # [30, 30]
+        s = torch.linalg.svdvals(a)
+        floor = float(((s[6:] ** 2).sum() / (s**2).sum()).sqrt())
+        assert r.rel_fro == pytest.approx(r.optimality_ratio * floor, rel=1e-9), r
+        if r.method == "optimal":
+            assert r.rel_fro == pytest.approx(floor, rel=1e-9)
