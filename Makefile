@@ -7,7 +7,7 @@ STAMP := $(VENV)/.sketchlab-installed
 # Torch is pinned to the CPU wheel that lies on disk; a looser pin pulls several GB of CUDA.
 TORCH ?= torch==2.13.0
 
-.PHONY: setup test demo data analysis lm-extras clean
+.PHONY: setup test demo readme-check data analysis lm-extras clean
 
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,13 @@ test: setup
 
 demo: setup
 	$(PY) -m sketchlab.demo
+
+# Every command in README.md exactly as written (its python blocks and shell lines), each in a fresh process
+# and timed, in a temporary directory holding a copy of data/, prompt.txt and a tiny random stand-in for
+# ./my-local-model (make lines run here, where this Makefile is). Not part of `make test` (tests/test_readme.py
+# runs the same commands small there); the README's times come from here. SKIP='regex' leaves commands out.
+readme-check: setup
+	$(PY) tests/test_readme.py $(if $(SKIP),--skip '$(SKIP)')
 
 # Retrain the MQAR softmax model and rewrite data/mqar_softmax_qk.safetensors (+ checkpoint in
 # data/mqar_softmax/) from the seed; settings and the measured accuracy are in data/README.md.
