@@ -62,9 +62,8 @@ SMALL = [
      [(r"--m 64", "--m 8"), (r"--steps \d+", "--steps 2 --eval-sequences 16 --capture-sequences 2 --no-progress")]),
     ("linearize pretrained", r"sketchlab linearize --model-dir \./my-local-model --text prompt\.txt .*--transfer-steps \d+ .*",
      [(r"--transfer-steps \d+", "--transfer-steps 2 --seq-len 32 --no-progress")]),
-    ("torchrun", r"torchrun --nproc_per_node \d+ -m sketchlab\.cli -- train .*",
-     [(r"^torchrun --nproc_per_node \d+ -m sketchlab\.cli -- ", "sketchlab "),
-      (r"$", " --steps 2 --eval-sequences 16 --batch-size 8 --no-progress")]),
+    ("torchrun", r"torchrun --nproc_per_node \d+ -m sketchlab\.cli -- train .*--steps \d+ .*",
+     [(r"^torchrun --nproc_per_node \d+ -m sketchlab\.cli -- ", "sketchlab "), _FEW_STEPS]),
 ]
 
 
