@@ -1,0 +1,301 @@
+r"""The chunked PyTorch path of the sliding-window hybrid (layout inside: ``[B, H, T, ·]``).
+
+Split from :mod:`sketchlab.attention.chunked`, which validates the call and dispatches here. For
+query chunk ``c`` of ``C`` tokens the local keys (window ``w`` and sinks) are read from a band of
+``w + C`` keys with explicit masks, so the local part costs ``O(T·(w + C))``, never ``T²``; the
+far keys come from the carried :class:`~sketchlab.attention.AttentionState` (a key enters ``S, z``
+only once it has left the window). The formula and its float64 twin:
+:func:`sketchlab.attention.reference.feature_attention_naive`. Inputs are trusted (checked by the
+public entry points).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .reference import self_tensor
+
+
+def _pad_tokens(x: torch.Tensor, length: int) -> torch.Tensor:
+    """Zero-pad ``x[B, H, n, ·]`` along the token axis to ``length`` (zero features/values add nothing)."""
+    extra = length - x.shape[2]
+    return x if extra == 0 else torch.nn.functional.pad(x, (0, 0, 0, extra))
+
+
+def _band(x: torch.Tensor, width: int, step: int) -> torch.Tensor:
+    """Overlapping windows ``x[:, :, cC : cC + width]`` of ``x[B, H, L, F]`` → ``[B, H, N, width, F]``."""
+    return x.unfold(2, width, step).movedim(-1, 3)  # [B, H, N, width, F] (a view)
+
+
+def _pad_front(x: torch.Tensor, before: int, after: int = 0) -> torch.Tensor:
+    """Zero-pad ``x[B, H, L, F]`` (or a mask ``[B, L]``) along the token axis."""
+    if x.ndim == 2:
+        return torch.nn.functional.pad(x, (before, after), value=False)
+    return torch.nn.functional.pad(x, (0, 0, before, after))
+
+
+class _Hybrid:
+    """Options of one hybrid call: window, sinks, local kind and scale, degree, gate, eps, lift."""
+
+    def __init__(self, *, window, sinks, local, scale, degree, gate, eps, non_negative, heads, like):
+        self.window, self.sinks, self.local, self.scale, self.degree, self.eps = window, sinks, local, scale, degree, eps
+        self.non_negative = non_negative
+        g = torch.full((heads,), 0.5, dtype=like.dtype, device=like.device) if gate is None else torch.sigmoid(gate).to(like.dtype)
+        self.g = g[None, :, None, None]  # [1, H, 1, 1]
+        self.lift = self_tensor if non_negative else (lambda f: f)
+
+    def combine(self, qc, fqc, far_band, band_k, band_v, loc_ok, sink_k, sink_v, sink_ok, far_num, far_den):
+        r"""Output of query chunks ``qc [B, H, N, C, D]`` (features ``fqc``) against the far keys
+        near them (``far_band``: pieces ``(features [B, H, N, U', M], values [B, H, N, U', Dv],
+        mask [B|1, 1, N|1, C, U'])``), their band of local keys ``[B, H, N, U, ·]`` (``loc_ok``),
+        the sinks ``[B, H, Ls, ·]`` (``sink_ok [B|1, 1, N, C, Ls]``) and the far sums from the
+        states (``far_num [B, H, N, C, Dv]``, ``far_den [B, H, N, C]``). Returns ``(num, den)``."""
+        zero = qc.new_zeros(())
+        for band_f, band_fv, far_ok in far_band:
+            fs = fqc @ band_f.mT  # [B, H, N, C, U']
+            if self.non_negative:
+                fs = fs.square()  # (φq·φk)² = (φ⊗φ)(q)·(φ⊗φ)(k)
+            fs = torch.where(far_ok, fs, zero)
+            far_num = far_num + fs @ band_fv  # [B, H, N, C, Dv]
+            far_den = far_den + fs.sum(-1)
+        logits = (qc @ band_k.mT) * self.scale  # [B, H, N, C, U]
+        has_sinks = sink_k.shape[2] > 0
+        slog = (qc @ sink_k[:, :, None].mT) * self.scale if has_sinks else None  # [B, H, N, C, Ls]
+        if self.local == "softmax":
+            logits = torch.where(loc_ok, logits, float("-inf"))
+            c = logits.amax(-1, keepdim=True)  # [B, H, N, C, 1]   c_i = max over the local keys
+            if has_sinks:
+                slog = torch.where(sink_ok, slog, float("-inf"))
+                c = torch.maximum(c, slog.amax(-1, keepdim=True))
+            c = torch.where(torch.isfinite(c), c, zero)  # a row without local keys: c = 0
+            a = torch.exp(logits - c)  # exp(-inf) = 0 off the local keys
+            sa = torch.exp(slog - c) if has_sinks else None
+        else:
+            a = torch.where(loc_ok, logits**self.degree, zero)
+            sa = torch.where(sink_ok, slog**self.degree, zero) if has_sinks else None
+        loc_num, loc_den = a @ band_v, a.sum(-1)  # [B, H, N, C, Dv], [B, H, N, C]
+        if has_sinks:
+            loc_num, loc_den = loc_num + sa @ sink_v[:, :, None], loc_den + sa.sum(-1)
+        g = self.g
+        return g[..., None] * loc_num + (1 - g[..., None]) * far_num, g * loc_den + (1 - g) * far_den
+
+
+def _hybrid_causal_block(h: _Hybrid, state, q_new, k_new, v_new, fq_new, fk_new, valid_new, C: int, counter):
+    """One block of ``n`` new tokens of the causal hybrid, continuing ``state`` (positions from
+    ``state.offset``). Tensors ``[B, H, n, ·]``, ``valid_new [B, n]``. Returns ``([B, H, n, Dv], state)``.
+
+    Query chunk ``c`` (positions ``a = P0 + cC …``) reads the band of keys ``a − w_e … a + C − 1``
+    (the held window then the block's keys, ``w_e = min(window, P0 + n)``) with explicit masks,
+    the sinks, and the far state: every non-sink key before ``a − w_e`` (an exclusive cumulative
+    sum of per-chunk sums of the band's first ``C`` keys). Cost ``O(n·(w + C + sinks)·(D + M))``.
+    """
+    from .state import AttentionState
+
+    B, H, n, Dv = v_new.shape
+    P0, w, sinks = state.offset, h.window, h.sinks
+    dev = v_new.device
+    # sinks: the first `sinks` positions, held apart; they never enter the band or the far state
+    ns = max(0, min(sinks - P0, n))
+    mask_sink = state.mask_sink
+    if ns:
+        old_ms = torch.ones(B, state.k_sink.shape[2], dtype=torch.bool, device=dev) if mask_sink is None else mask_sink
+        mask_sink = None if valid_new is None and mask_sink is None else torch.cat(
+            [old_ms, torch.ones(B, ns, dtype=torch.bool, device=dev) if valid_new is None else valid_new[:, :ns]], 1)
+        k_sink = torch.cat([state.k_sink, k_new[:, :, :ns]], 2)
+        v_sink = torch.cat([state.v_sink, v_new[:, :, :ns]], 2)
+    else:
+        k_sink, v_sink = state.k_sink, state.v_sink
+    Ls = k_sink.shape[2]
+    Lw = state.k_window.shape[2]
+    we = min(w, P0 + n)  # effective window (positions before 0 do not exist)
+    pad = we - Lw
+    N = -(-n // C)
+    tail = N * C - n
+    def joined(held, new, fill):  # [pad zeros | held window | new tokens | tail zeros], one copy
+        parts = [held, new]
+        if pad:
+            parts.insert(0, fill(pad, held))
+        if tail:
+            parts.append(fill(tail, held))
+        return torch.cat(parts, 2 if held.ndim == 4 else 1)  # the token axis
+
+    def zeros(count, like):
+        if like.ndim == 2:
+            return torch.zeros(like.shape[0], count, dtype=torch.bool, device=dev)
+        return like.new_zeros(like.shape[0], like.shape[1], count, like.shape[3])
+
+    kp = joined(state.k_window, k_new, zeros)  # [B, H, we + N·C, D]
+    vp = joined(state.v_window, v_new, zeros)  # [B, H, we + N·C, Dv]
+    fp = joined(state.phi_window, fk_new, zeros)  # [B, H, we + N·C, M]
+    mw = torch.ones(B, Lw, dtype=torch.bool, device=dev) if state.mask_window is None else state.mask_window
+    mn = torch.ones(B, n, dtype=torch.bool, device=dev) if valid_new is None else valid_new
+    mp = joined(mw, mn, zeros)  # [B, we + N·C]
+    pos = torch.arange(P0 - we, P0 + n + tail, device=dev)  # [we + N·C]
+    ok = mp & (pos >= sinks)[None, :]  # a band / far key: real and not a sink
+    # far state: per-chunk sums of the keys leaving the window, exclusive prefix over chunks
+    lf = h.lift(fp[:, :, : N * C] * ok[:, None, : N * C, None])  # [B, H, N·C, M2]
+    lfc, vc = lf.unflatten(2, (N, C)), vp[:, :, : N * C].unflatten(2, (N, C))  # [B, H, N, C, ·]
+    upd, zc = lfc.mT @ vc, lfc.sum(3)  # [B, H, N, M2, Dv], [B, H, N, M2]
+    prev = torch.cat([state.S[:, :, None], upd[:, :, :-1]], 2).cumsum(2)  # [B, H, N, M2, Dv]
+    zprev = torch.cat([state.z[:, :, None], zc[:, :, :-1]], 2).cumsum(2)  # [B, H, N, M2]
+    last = (N - 1) * C
+    S_new = prev[:, :, -1] + lf[:, :, last:n].mT @ vp[:, :, last:n]  # keys with position < P0 + n − w
+    z_new = zprev[:, :, -1] + lf[:, :, last:n].sum(2)
+    # query chunks and their bands of U = we + C keys
+    fq = _pad_tokens(fq_new, N * C).unflatten(2, (N, C))  # [B, H, N, C, M]
+    qc = _pad_tokens(q_new, N * C).unflatten(2, (N, C))  # [B, H, N, C, D]
+    U = we + C
+    band_k, band_v = _band(kp, U, C), _band(vp, U, C)  # [B, H, N, U, ·]
+    band_ok = ok.unfold(1, U, C)[:, None, :, None, :]  # [B, 1, N, 1, U]
+    r = torch.arange(C, device=dev)[:, None]
+    u = torch.arange(U, device=dev)[None, :]
+    lag = we + r - u  # i − j for query r, band key u            [C, U]
+    loc_ok = band_ok & (lag >= 0) & (lag < w)
+    # far keys inside the band (i − j >= w) are its first C keys (u <= r), chunk-aligned: no band copy;
+    # with we < w (the window reaches position 0) there are none
+    far_band = []
+    if we == w:
+        tril = torch.ones(C, C, dtype=torch.bool, device=dev).tril()
+        far_band.append((fp[:, :, : N * C].unflatten(2, (N, C)), vc, tril & ok[:, : N * C].unflatten(1, (N, C))[:, None, :, None, :]))
+    qpos = (P0 + torch.arange(N * C, device=dev)).view(N, C)  # [N, C]
+    sink_ok = (torch.arange(Ls, device=dev) <= qpos[..., None])[None, None]  # [1, 1, N, C, Ls]
+    if mask_sink is not None:
+        sink_ok = sink_ok & mask_sink[:, None, None, None, :]
+    lq = h.lift(fq)  # [B, H, N, C, M2]
+    num, den = h.combine(qc, fq, far_band, band_k, band_v, loc_ok, k_sink, v_sink,
+                         sink_ok, lq @ prev, (lq @ zprev[..., None]).squeeze(-1))
+    if counter is not None:
+        counter.add(den.flatten(2, 3)[:, :, :n], mn)
+    out = (num / (den[..., None] + h.eps)).flatten(2, 3)[:, :, :n]  # [B, H, n, Dv]
+    keep = slice(n, n + we)  # the last `we` positions: the new window
+    has_mask = state.mask_window is not None or valid_new is not None
+    new_state = AttentionState(
+        S=S_new, z=z_new, k_window=kp[:, :, keep], v_window=vp[:, :, keep], phi_window=fp[:, :, keep],
+        k_sink=k_sink, v_sink=v_sink, offset=P0 + n,
+        mask_window=mp[:, keep] if has_mask else None, mask_sink=mask_sink)
+    return out, new_state
+
+
+def _hybrid_decode_one(h: _Hybrid, state, q, k, v, fq, fk, valid, counter):
+    """The causal hybrid for one new token at position ``P = state.offset`` (tensors ``[B, H, 1, ·]``).
+
+    The window key at ``P − w`` (when there is one) leaves: it enters ``S, z`` unless it is a sink
+    or padding. The local keys are the rest of the window and the token itself (positions
+    ``≥ sinks``) plus the sinks; the far part is ``φ(q)`` against the updated ``S, z``. Equal to
+    :func:`_hybrid_causal_block` on one token (tested through the split-anywhere tests).
+    """
+    from .state import AttentionState
+
+    B, H, _, Dv = v.shape
+    P, w, sinks = state.offset, h.window, h.sinks
+    dev = v.device
+    Lw = state.k_window.shape[2]
+    mw = torch.ones(B, Lw, dtype=torch.bool, device=dev) if state.mask_window is None else state.mask_window
+    mn = torch.ones(B, 1, dtype=torch.bool, device=dev) if valid is None else valid
+    S, z = state.S, state.z
+    drop = 1 if Lw == w else 0  # the oldest window key, position P − w, leaves the window
+    if drop and P - w >= sinks:
+        lf = h.lift(state.phi_window[:, :, :1] * mw[:, None, :1, None])  # [B, H, 1, M2]
+        S, z = S + lf.mT @ state.v_window[:, :, :1], z + lf[:, :, 0]
+    k_sink, v_sink, mask_sink = state.k_sink, state.v_sink, state.mask_sink
+    if P < sinks:  # the new token is a sink
+        k_sink, v_sink = torch.cat([k_sink, k], 2), torch.cat([v_sink, v], 2)
+        if mask_sink is not None or valid is not None:
+            old = torch.ones(B, state.k_sink.shape[2], dtype=torch.bool, device=dev) if mask_sink is None else mask_sink
+            mask_sink = torch.cat([old, mn], 1)
+    loc_k = torch.cat([state.k_window[:, :, drop:], k], 2)  # [B, H, U, D], positions P − Lw + drop … P
+    loc_v = torch.cat([state.v_window[:, :, drop:], v], 2)
+    loc_m = torch.cat([mw[:, drop:], mn], 1)  # [B, U]
+    pos = torch.arange(P - Lw + drop, P + 1, device=dev)
+    loc_ok = (loc_m & (pos >= sinks)[None, :])[:, None, None, None, :]  # [B, 1, 1, 1, U]
+    sink_ok = torch.ones(1, 1, 1, 1, k_sink.shape[2], dtype=torch.bool, device=dev)
+    if mask_sink is not None:
+        sink_ok = sink_ok & mask_sink[:, None, None, None, :]
+    lq = h.lift(fq)[:, :, None]  # [B, H, 1, 1, M2]
+    num, den = h.combine(q[:, :, None], fq[:, :, None], [], loc_k[:, :, None], loc_v[:, :, None], loc_ok, k_sink,
+                         v_sink, sink_ok, lq @ S[:, :, None], (lq @ z[:, :, None, :, None]).squeeze(-1))
+    if counter is not None:
+        counter.add(den[:, :, 0], mn)
+    out = num[:, :, 0] / (den[:, :, 0, :, None] + h.eps)  # [B, H, 1, Dv]
+    keep = slice(-min(w, P + 1), None)
+    win_k, win_v = torch.cat([state.k_window, k], 2), torch.cat([state.v_window, v], 2)
+    win_f = torch.cat([state.phi_window, fk], 2)
+    has_mask = state.mask_window is not None or valid is not None
+    new_state = AttentionState(
+        S=S, z=z, k_window=win_k[:, :, keep], v_window=win_v[:, :, keep], phi_window=win_f[:, :, keep],
+        k_sink=k_sink, v_sink=v_sink, offset=P + 1,
+        mask_window=torch.cat([mw, mn], 1)[:, keep] if has_mask else None, mask_sink=mask_sink)
+    return out, new_state
+
+
+def _hybrid_noncausal(h: _Hybrid, q, k, v, fq, fk, valid, C: int, counter):
+    """Non-causal hybrid on full ``[B, H, T, ·]`` tensors (``T == S``): local ``|i−j| < w`` and the
+    sinks, far every other key, as a prefix state (keys before the chunk's band), the band
+    ``a − w_e … a + C + w_e − 1`` with masks, and a suffix state (keys after it)."""
+    B, H, T, Dv = v.shape
+    dev = v.device
+    w, sinks = h.window, h.sinks
+    we = min(w, T)
+    N = -(-T // C)
+    tail = N * C - T
+    mn = torch.ones(B, T, dtype=torch.bool, device=dev) if valid is None else valid
+    ok = mn & (torch.arange(T, device=dev) >= sinks)[None, :]  # [B, T]
+    Ls = min(sinks, T)
+    k_sink, v_sink = k[:, :, :Ls], v[:, :, :Ls]
+    lf = h.lift(fk * ok[:, None, :, None])  # [B, H, T, M2]
+
+    def chunk_sums(x_f, x_v):  # [B, H, N·C, ·] -> per-chunk Σ φᵀv, Σ φ
+        xf, xv = x_f.unflatten(2, (N, C)), x_v.unflatten(2, (N, C))
+        return xf.mT @ xv, xf.sum(3)  # [B, H, N, M2, Dv], [B, H, N, M2]
+
+    # prefix: keys j < cC − we  ⇔  (j + we) in chunks before c
+    up, zp = chunk_sums(_pad_front(lf, we, N * C)[:, :, : N * C], _pad_front(v, we, N * C)[:, :, : N * C])
+    pre = torch.cat([torch.zeros_like(up[:, :, :1]), up[:, :, :-1]], 2).cumsum(2)
+    zpre = torch.cat([torch.zeros_like(zp[:, :, :1]), zp[:, :, :-1]], 2).cumsum(2)
+    # suffix: keys j >= cC + C + we  ⇔  (j − we) in chunks after c
+    us, zs = chunk_sums(_pad_tokens(lf[:, :, we:], N * C), _pad_tokens(v[:, :, we:], N * C))
+    suf = torch.cat([us[:, :, 1:], torch.zeros_like(us[:, :, :1])], 2).flip(2).cumsum(2).flip(2)
+    zsuf = torch.cat([zs[:, :, 1:], torch.zeros_like(zs[:, :, :1])], 2).flip(2).cumsum(2).flip(2)
+    U = C + 2 * we
+    kp, vp, fp = (_pad_front(x, we, tail + we) for x in (k, v, fk))  # [B, H, N·C + 2we, ·]
+    okp = _pad_front(ok, we, tail + we)  # [B, N·C + 2we]
+    band_ok = okp.unfold(1, U, C)[:, None, :, None, :]  # [B, 1, N, 1, U]
+    r = torch.arange(C, device=dev)[:, None]
+    u = torch.arange(U, device=dev)[None, :]
+    lag = (we + r - u).abs()  # |i − j|   [C, U]
+    far_ok, loc_ok = band_ok & (lag >= w), band_ok & (lag < w)
+    sink_ok = torch.ones(1, 1, 1, 1, Ls, dtype=torch.bool, device=dev)
+    if valid is not None:
+        sink_ok = sink_ok & valid[:, None, None, None, :Ls]
+    fqc = _pad_tokens(fq, N * C).unflatten(2, (N, C))  # [B, H, N, C, M]
+    qc = _pad_tokens(q, N * C).unflatten(2, (N, C))  # [B, H, N, C, D]
+    lq = h.lift(fqc)
+    band_v = _band(vp, U, C)
+    num, den = h.combine(qc, fqc, [(_band(fp, U, C), band_v, far_ok)], _band(kp, U, C), band_v, loc_ok, k_sink,
+                         v_sink, sink_ok, lq @ (pre + suf), (lq @ (zpre + zsuf)[..., None]).squeeze(-1))
+    if counter is not None:
+        counter.add(den.flatten(2, 3)[:, :, :T], mn)
+    return (num / (den[..., None] + h.eps)).flatten(2, 3)[:, :, :T]  # [B, H, T, Dv]
+
+
+class DenominatorCounter:
+    """Counts the normalising denominators ``<= 0`` of real query rows, chunk by chunk (one sync at the end)."""
+
+    def __init__(self):
+        self.bad, self.rows = None, 0
+
+    def add(self, den: torch.Tensor, rows: torch.Tensor | None) -> None:
+        """``den [B, H, n]``; ``rows [B, n]`` bool (real queries) or None (all)."""
+        with torch.no_grad():
+            bad = den.detach() <= 0
+            if rows is not None:
+                bad = bad & rows[:, None, :]
+            count = bad.sum()
+            self.bad = count if self.bad is None else self.bad + count
+            self.rows += den.numel()
+
+    def report(self, where: str, mode: str) -> None:
+        from ._checks import report_denominators
+
+        if self.bad is not None:
+            report_denominators(int(self.bad), self.rows, where, mode)
