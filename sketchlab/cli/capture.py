@@ -8,6 +8,7 @@ budget (half of this machine's memory), estimated from the model's ``config.json
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -60,6 +61,24 @@ def estimate_bytes(model_dir: Path, max_tokens: int) -> tuple[int, str] | None:
     return 3 * L * H * max_tokens * d * 4, f"L={L}, H={H}, d={d}"
 
 
+@contextlib.contextmanager
+def transformers_progress(enabled: bool):
+    """Within the block, transformers' own progress bars (e.g. "Loading weights") follow ``--no-progress``."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:  # the optional extra: the library names it
+        yield
+        return
+    was = hf_logging.is_progress_bar_enabled()
+    if not enabled:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was and not enabled:
+            hf_logging.enable_progress_bar()
+
+
 def run(args) -> int:
     from tqdm.auto import tqdm
 
@@ -82,7 +101,8 @@ def run(args) -> int:
             f"{estimate[0] / 2**30:.3g} GiB, over the memory budget of {memory_budget() / 2**30:.3g} GiB (half of "
             "this machine's memory): lower --max-tokens")
     outputs.create_parents()
-    with tqdm(total=2, desc="capture", unit="stage", disable=args.no_progress) as bar:
+    with transformers_progress(not args.no_progress), \
+            tqdm(total=2, desc="capture", unit="stage", disable=args.no_progress) as bar:
         bar.set_postfix_str("load the model and run it")
         dump = capture_pretrained(args.model_dir, text=args.text, token_ids=args.token_ids, max_tokens=args.max_tokens,
                                   seq_len=args.seq_len, point=args.point)

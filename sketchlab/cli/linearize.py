@@ -283,6 +283,7 @@ def _run_pretrained(args) -> int:
     from ..convert.convert import save_linearized
     from ..convert.linearize import linearize
     from ..convert.pretrained import load_pretrained
+    from .capture import transformers_progress
 
     if args.text is None:
         raise UsageError("--text is required with --model-dir / --gguf")
@@ -297,7 +298,8 @@ def _run_pretrained(args) -> int:
     wanted = _pretrained_settings(args)
     _check_run_dir(out, PRETRAINED_FILES, wanted)
     text = text_path.read_text(encoding="utf-8")
-    model, tokenizer = load_pretrained(args.model_dir, gguf=args.gguf)
+    with transformers_progress(not args.no_progress):
+        model, tokenizer = load_pretrained(args.model_dir, gguf=args.gguf)
     model, report = linearize(
         model, text, tokenizer=tokenizer, attention=args.attention, p=args.p, m=args.m, rank=args.rank,
         window=args.window, sinks=args.sinks, local=args.local, normalize=args.normalize, gate_init=args.gate_init,
