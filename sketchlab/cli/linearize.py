@@ -9,6 +9,14 @@ Two paths:
   :func:`sketchlab.load_linearized`), the report as ``--out/linearize.json`` and ``linearize.md``;
 * sketchlab's toy MQAR checkpoint (positional ``CHECKPOINT``): :func:`sketchlab.tasks.linearize`
   (capture → fit → export Θ → fine-tune), as before.
+
+Refused before any work (exit 2, one line): an ``--out`` that is or holds the checkpoint, the
+``--model-dir``, the ``--gguf`` file or the ``--text`` (any spelling or link); an ``--out`` holding
+files no ``linearize`` run writes, an unfinished run whose settings are not recorded, or another
+run's output (its ``linearize.json`` or fine-tuning checkpoints record other settings; the same
+settings rerun, the toy path resuming its fine-tuning); on the toy path, sizes whose memory exceeds
+half of this machine's memory or whose LLoPS fit exceeds :data:`FIT_WORK_BUDGET` multiply-adds.
+Missing parents of ``--out`` are created; each file written is reported as ``wrote PATH``.
 """
 
 from __future__ import annotations
