@@ -9,38 +9,79 @@ Two paths:
   :func:`sketchlab.load_linearized`), the report as ``--out/linearize.json`` and ``linearize.md``;
 * sketchlab's toy MQAR checkpoint (positional ``CHECKPOINT``): :func:`sketchlab.tasks.linearize`
   (capture → fit → export Θ → fine-tune), as before.
+
+Refused before any work (exit 2, one line): an ``--out`` that is or holds the checkpoint, the
+``--model-dir``, the ``--gguf`` file or the ``--text`` (any spelling or link); an ``--out`` holding
+files no ``linearize`` run writes, an unfinished run whose settings are not recorded, or another
+run's output (its ``linearize.json`` or fine-tuning checkpoints record other settings; the same
+settings rerun, the toy path resuming its fine-tuning); on the toy path, sizes whose memory exceeds
+half of this machine's memory or whose LLoPS fit exceeds :data:`FIT_WORK_BUDGET` multiply-adds.
+Missing parents of ``--out`` are created; each file written is reported as ``wrote PATH``.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import math
+import os
 from pathlib import Path
 
-from ._common import UsageError, positive_int, write_text_atomic
+from ._common import (Outputs, UsageError, nonnegative_float, nonnegative_int, positive_float, positive_int,
+                      write_text_atomic)
+
+#: What a ``sketchlab linearize`` output directory holds, per path (anything else belongs to something else).
+TOY_FILES = ("capture.safetensors", "theta.safetensors", "finetune", "model", "linearize.json", "linearize.md")
+PRETRAINED_FILES = ("model", "linearize.json", "linearize.md")
+
+#: Work budget of the toy path's LLoPS fit: estimated multiply-adds over all heads
+#: (:func:`sketchlab.llops.target.iteration_flops` per iteration, at most the default preset's
+#: iterations and per-head cap). The default fit of the shipped 4-layer, 4-head checkpoint plans
+#: about 1.1e11 (one to two minutes on one core); this is some five times that.
+FIT_WORK_BUDGET = 5e11
 
 
-def _nonnegative_int(text: str) -> int:
-    import argparse
-
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    import argparse
-    import math
-
+def _finite_float(text: str) -> float:
+    """A finite number (an argparse type)."""
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
+        value = float("nan")
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    """A number in [0, 1) (an argparse type; the real-model path also needs it > 0)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}")
+    return value
+
+
+def _seed(text: str) -> int:
+    """A seed in [0, 2**62] (an argparse type: the toy path offsets it for its own data streams)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer seed in [0, 2**62], got {text!r}") from None
+    if not 0 <= value <= 2**62:
+        raise argparse.ArgumentTypeError(f"expected an integer seed in [0, 2**62], got {value}")
+    return value
+
+
+def _degree(text: str) -> int:
+    """``--p``: an integer in [1, MAX_DEGREE] (an argparse type)."""
+    from .._validation import MAX_DEGREE
+
+    value = positive_int(text)
+    if value > MAX_DEGREE:
+        raise argparse.ArgumentTypeError(f"expected an integer in [1, {MAX_DEGREE}] (beyond it (qᵀk)^p over- or "
+                                         f"underflows float64), got {value}")
     return value
 
 
@@ -53,47 +94,49 @@ def add_arguments(sub) -> None:
     cmd.add_argument("--text", help="UTF-8 training text (the last --holdout of it is held out)")
     cmd.add_argument("--attention", default="llops",
                      help="feature map: llops, hedgehog, taylor, psf, exact, ... (default llops)")
-    cmd.add_argument("--window", type=_nonnegative_int, default=64, help="exact local keys (0: pure linear; default 64)")
-    cmd.add_argument("--sinks", type=_nonnegative_int, default=4, help="attention sinks (default 4)")
+    cmd.add_argument("--window", type=nonnegative_int, default=64, help="exact local keys (0: pure linear; default 64)")
+    cmd.add_argument("--sinks", type=nonnegative_int, default=4, help="attention sinks (default 4)")
     cmd.add_argument("--local", choices=("softmax", "poly"), default="softmax", help="the exact part inside the window")
-    cmd.add_argument("--gate-init", type=float, default=0.0,
+    cmd.add_argument("--gate-init", type=_finite_float, default=0.0,
                      help="initial gate logit: sigmoid of it weighs the window, the rest the sketch (default 0: 1/2)")
-    cmd.add_argument("--p", type=positive_int, default=2, help="degree of the attention kernel (default 2)")
+    cmd.add_argument("--p", type=_degree, default=2, help="degree of the attention kernel (default 2)")
     cmd.add_argument("--m", type=positive_int, default=64, help="features (default 64)")
-    cmd.add_argument("--out", required=True, help="output directory (created; its parent must exist)")
+    cmd.add_argument("--out", required=True,
+                     help="output directory (created with its parents; never an input; the same run there is "
+                          "resumed, another refused)")
     cmd.add_argument("--rank", type=positive_int, default=1, help="CP rank t of Θ (default 1)")
     cmd.add_argument("--seq-len", type=positive_int, default=512, help="tokens per training sequence (default 512)")
     cmd.add_argument("--max-tokens", type=positive_int, default=None, help="tokens of --text used in all (default all)")
-    cmd.add_argument("--holdout", type=float, default=0.25, help="fraction of captured tokens/sequences held out (default 0.25)")
-    cmd.add_argument("--transfer-steps", type=_nonnegative_int, default=100, help="attention-transfer steps per layer")
-    cmd.add_argument("--transfer-lr", type=_positive_float, default=1e-2)
-    cmd.add_argument("--lora-steps", type=_nonnegative_int, default=0, help="LoRA steps (0: no LoRA stage)")
+    cmd.add_argument("--holdout", type=_fraction, default=0.25,
+                     help="fraction of captured tokens/sequences held out (default 0.25)")
+    cmd.add_argument("--transfer-steps", type=nonnegative_int, default=100, help="attention-transfer steps per layer")
+    cmd.add_argument("--transfer-lr", type=positive_float, default=1e-2)
+    cmd.add_argument("--lora-steps", type=nonnegative_int, default=0, help="LoRA steps (0: no LoRA stage)")
     cmd.add_argument("--lora-rank", type=positive_int, default=8)
-    cmd.add_argument("--lora-lr", type=_positive_float, default=1e-4)
+    cmd.add_argument("--lora-lr", type=positive_float, default=1e-4)
     cmd.add_argument("--no-fit", action="store_true", help="skip stage 0 (start the maps from their initialisation)")
     # toy path
     cmd.add_argument("--non-negative", action="store_true",
                      help="toy path: self-tensored map φ⊗φ: Θ of degree p/2 (even p), non-negative kernel")
     cmd.add_argument("--normalize", choices=("sum", "none"), default=None, help="attention normalisation")
-    cmd.add_argument("--capture-sequences", type=int, default=4, help="toy path: task sequences captured for the fit")
-    cmd.add_argument("--steps", type=int, default=100, help="toy path: fine-tuning steps (0: step 0 only)")
-    cmd.add_argument("--batch-size", type=int, default=None, help="sequences per step (toy default 32, real 4)")
-    cmd.add_argument("--lr", type=float, default=1e-3, help="toy path: fine-tuning learning rate")
-    cmd.add_argument("--warmup", type=int, default=10)
-    cmd.add_argument("--transfer", type=float, default=0.0,
+    cmd.add_argument("--capture-sequences", type=positive_int, default=4,
+                     help="toy path: task sequences captured for the fit")
+    cmd.add_argument("--steps", type=nonnegative_int, default=100, help="toy path: fine-tuning steps (0: step 0 only)")
+    cmd.add_argument("--batch-size", type=positive_int, default=None, help="sequences per step (toy default 32, real 4)")
+    cmd.add_argument("--lr", type=positive_float, default=1e-3, help="toy path: fine-tuning learning rate")
+    cmd.add_argument("--warmup", type=nonnegative_int, default=10)
+    cmd.add_argument("--transfer", type=nonnegative_float, default=0.0,
                      help="toy path: weight of the attention-transfer loss against softmax attention (0 = off)")
-    cmd.add_argument("--eval-sequences", type=int, default=512)
-    cmd.add_argument("--eval-every", type=int, default=0, help="toy path: held-out evaluation every N steps")
-    cmd.add_argument("--seed", type=int, default=0)
-    cmd.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    cmd.add_argument("--no-progress", action="store_true", help="no progress output")
+    cmd.add_argument("--eval-sequences", type=positive_int, default=512)
+    cmd.add_argument("--eval-every", type=nonnegative_int, default=0, help="toy path: held-out evaluation every N steps")
+    cmd.add_argument("--seed", type=_seed, default=0)
+    cmd.add_argument("--threads", type=positive_int, default=1, help="torch intra-op threads")
+    cmd.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def run(args) -> int:
     import torch
 
-    if args.threads < 1:
-        raise UsageError(f"--threads must be >= 1, got {args.threads}")
     sources = [name for name, value in (("CHECKPOINT", args.checkpoint), ("--model-dir", args.model_dir),
                                         ("--gguf", args.gguf)) if value is not None]
     if len(sources) != 1:
@@ -104,9 +147,122 @@ def run(args) -> int:
     return _run_pretrained(args)
 
 
+def _same_path(a, b) -> bool:
+    return os.path.realpath(str(a)) == os.path.realpath(str(b))
+
+
+def _recorded_settings(out: Path) -> dict | None:
+    """The settings of the ``linearize`` run in ``out``: its ``linearize.json`` or, for an unfinished toy
+    run, its latest fine-tuning checkpoint's; ``None`` when neither is there or readable."""
+    try:
+        summary = json.loads((out / "linearize.json").read_text(encoding="utf-8"))
+        return {**summary.get("settings", {}), **summary.get("cli", {})}
+    except (OSError, ValueError, AttributeError):
+        pass
+    for state in sorted((out / "finetune" / "checkpoints").glob("*/state.json"), reverse=True):
+        try:
+            settings = json.loads(state.read_text(encoding="utf-8"))["identity"]["run_info"]["linearize"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if isinstance(settings, dict):
+            return settings
+    return None
+
+
+def _check_run_dir(out: Path, known: tuple, wanted: dict) -> None:
+    """Refuse an ``--out`` that holds anything but a ``linearize`` run of the same settings (``wanted``:
+    option → value; a ``*path`` value compares by real path)."""
+    if not out.is_dir():
+        return
+    names = sorted(p.name for p in out.iterdir())
+    if not names:
+        return
+    foreign = [name for name in names if name not in known]
+    if foreign:
+        shown = ", ".join(foreign[:4]) + (", ..." if len(foreign) > 4 else "")
+        raise ValueError(f"--out {str(out)!r} holds files that no sketchlab linearize run of this kind writes ({shown}):"
+                         " this run would mix its files with them; choose an empty or new directory")
+    recorded = _recorded_settings(out)
+    if recorded is None:
+        raise ValueError(f"--out {str(out)!r} holds files of an unfinished linearize run ({', '.join(names)}) whose "
+                         "settings are not recorded, so this run could mix its files with them; remove them or "
+                         "choose an empty or new directory")
+    differ = []
+    for key, value in wanted.items():
+        if key not in recorded:
+            continue
+        there = recorded[key]
+        same = _same_path(there, value) if key in ("checkpoint", "source") else there == value
+        if not same:
+            differ.append(f"--{key.replace('_', '-')} {there} there, {value} here")
+    if differ:
+        raise ValueError(f"--out {str(out)!r} holds the output of another linearize run ({'; '.join(differ[:3])}): "
+                         "this run would replace or mix with its files; choose another directory (or remove it)")
+
+
+def _toy_budget(args) -> None:
+    """Memory and work of the toy path from its sizes, before any work (``ValueError`` naming the
+    size, the budget and the way out)."""
+    from types import SimpleNamespace
+
+    from ..llops.fit_als import QUALITY
+    from ..llops.target import iteration_flops
+    from ..tasks import MQARConfig, load_checkpoint
+    from .train import estimate_bytes, memory_budget
+
+    teacher, extra = load_checkpoint(args.checkpoint)
+    cfg = teacher.config
+    try:
+        T = int(MQARConfig(**extra["task"]).seq_len)
+    except (KeyError, TypeError):
+        return  # the library names the missing task
+    L, H, D = cfg.n_layers, cfg.n_heads, cfg.head_dim
+    S, n = args.capture_sequences, args.capture_sequences * T
+    budget = memory_budget()
+    # q, k, v float32 as captured, q, k float64 for the fit; the float64 softmax scores of the captured sequences
+    need = {"the captured q, k, v and their float64 copies": 28 * L * H * n * D,
+            "the softmax scores of the captured sequences": 8 * S * H * T * T}
+    student = SimpleNamespace(d_model=cfg.d_model, n_layers=L, n_heads=H, vocab_size=cfg.vocab_size, seq_len=T,
+                              mlp_ratio=cfg.mlp_ratio, attention="llops", m=args.m, non_negative=args.non_negative,
+                              dim=None, p=args.p)
+    need["one fine-tuning batch"] = estimate_bytes(SimpleNamespace(**vars(student), batch_size=args.batch_size or 32))
+    need["one evaluation batch"] = estimate_bytes(SimpleNamespace(**vars(student), batch_size=min(args.eval_sequences, 64)))
+    p_theta = args.p // 2 if args.non_negative else args.p
+    n_fit = max(1, round(n * (1 - args.holdout)))
+    if not args.no_fit:  # the ALS factor partials [B, t, p, n, m] and normal matrices with their LU [B, m, t·d, t·d]
+        need["the LLoPS fit's partials and normal matrices"] = 8 * L * H * (
+            args.rank * p_theta * n_fit * args.m + 2 * args.m * (args.rank * D) ** 2)
+    what, nbytes = max(need.items(), key=lambda kv: kv[1])
+    if nbytes > budget:
+        raise ValueError(
+            f"linearize: {what} need about {nbytes / 2**30:.3g} GiB (capture_sequences={S} of {T} tokens, "
+            f"batch_size={args.batch_size or 32}, p={args.p}, m={args.m}, rank={args.rank}, L={L}, H={H}, D={D}), over the memory budget of {budget / 2**30:.3g} "
+            "GiB (half of this machine's memory): lower --capture-sequences, --batch-size, --m, --rank or --p")
+    if args.no_fit:
+        return
+    preset = QUALITY["default"]
+    iterations = preset.steps + preset.lm_steps + preset.lm_steps // max(preset.interleave, 1) * preset.interleave
+    per = iteration_flops("kernel", n_fit, n_fit, D, p_theta, args.m, args.rank)
+    work = L * H * max(per, min(preset.work, iterations * per))
+    if work > FIT_WORK_BUDGET:
+        raise ValueError(
+            f"linearize: the LLoPS fit needs about {work:.3g} multiply-adds ({L * H} heads, one iteration "
+            f"{per:.3g} at p={p_theta}, m={args.m}, rank={args.rank}, {n_fit} fitting tokens), over the work budget "
+            f"of {FIT_WORK_BUDGET:.3g}: lower --p, --m, --rank or --capture-sequences")
+
+
 def _run_toy(args) -> int:
     from ..tasks import linearize
 
+    out = Path(args.out)
+    outputs = Outputs({}, directories={"--out": args.out}, inputs=[args.checkpoint])
+    _check_run_dir(out, TOY_FILES, {
+        "checkpoint": args.checkpoint, "p": args.p, "m": args.m, "rank": args.rank, "non_negative": args.non_negative,
+        "normalize": args.normalize or "sum", "capture_sequences": args.capture_sequences, "holdout": args.holdout,
+        "steps": args.steps, "batch_size": args.batch_size or 32, "lr": args.lr, "warmup": args.warmup,
+        "transfer": args.transfer, "eval_sequences": args.eval_sequences, "seed": args.seed})
+    _toy_budget(args)
+    outputs.make_directories()
     res = linearize(
         args.checkpoint, p=args.p, m=args.m, out=args.out, rank=args.rank, non_negative=args.non_negative,
         normalize=args.normalize or "sum", capture_sequences=args.capture_sequences, holdout=args.holdout,
@@ -114,32 +270,44 @@ def _run_toy(args) -> int:
         eval_sequences=args.eval_sequences, eval_every=args.eval_every, seed=args.seed,
         progress=not args.no_progress,
     )
+    outputs.announce(*(out / name for name in ("capture.safetensors", "theta.safetensors", "model/model.safetensors",
+                                               "model/config.json", "linearize.json", "linearize.md")))
     print(f"{args.out}: softmax teacher {res.teacher_accuracy:.4f}, LLoPS step 0 {res.step0_accuracy:.4f}, "
           f"after {res.steps} steps {res.final_accuracy:.4f} (exact degree-{args.p} polynomial attention at step 0: "
           f"{res.poly_accuracy:.4f}); summary in {args.out}/linearize.md")
     return 0
 
 
+def _pretrained_settings(args) -> dict:
+    """What identifies a real-model run (recorded as ``cli`` in its ``linearize.json``)."""
+    keys = ("attention", "p", "m", "rank", "window", "sinks", "local", "normalize", "gate_init", "seq_len",
+            "max_tokens", "holdout", "transfer_steps", "transfer_lr", "lora_steps", "lora_rank", "lora_lr", "no_fit",
+            "batch_size", "seed")
+    return {"source": os.path.realpath(args.gguf or args.model_dir), "text": os.path.realpath(args.text),
+            **{key: getattr(args, key) for key in keys}}
+
+
 def _run_pretrained(args) -> int:
-    from ..convert.linearize import linearize
     from ..convert.convert import save_linearized
+    from ..convert.linearize import linearize
     from ..convert.pretrained import load_pretrained
+    from .capture import transformers_progress
 
     if args.text is None:
         raise UsageError("--text is required with --model-dir / --gguf")
     text_path = Path(args.text)
     if not text_path.is_file():
         raise UsageError(f"--text {args.text}: no such file")
+    if args.holdout <= 0:
+        raise UsageError(f"--holdout must lie in (0, 1) with --model-dir / --gguf, got {args.holdout}")
     out = Path(args.out)
-    if not out.parent.is_dir():
-        raise UsageError(f"--out {args.out}: its parent directory does not exist")
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"--out {args.out}: exists and is not a directory")
     source = Path(args.gguf) if args.gguf else Path(args.model_dir)
-    if not (0 < args.holdout < 1):
-        raise UsageError(f"--holdout must lie in (0, 1), got {args.holdout}")
+    outputs = Outputs({}, directories={"--out": args.out}, inputs=[args.model_dir, args.gguf, args.text])
+    wanted = _pretrained_settings(args)
+    _check_run_dir(out, PRETRAINED_FILES, wanted)
     text = text_path.read_text(encoding="utf-8")
-    model, tokenizer = load_pretrained(args.model_dir, gguf=args.gguf)
+    with transformers_progress(not args.no_progress):
+        model, tokenizer = load_pretrained(args.model_dir, gguf=args.gguf)
     model, report = linearize(
         model, text, tokenizer=tokenizer, attention=args.attention, p=args.p, m=args.m, rank=args.rank,
         window=args.window, sinks=args.sinks, local=args.local, normalize=args.normalize, gate_init=args.gate_init,
@@ -148,13 +316,16 @@ def _run_pretrained(args) -> int:
         transfer_steps=args.transfer_steps, transfer_lr=args.transfer_lr, lora_steps=args.lora_steps,
         lora_rank=args.lora_rank, lora_lr=args.lora_lr, batch_size=args.batch_size or 4, seed=args.seed,
         progress=not args.no_progress)
-    out.mkdir(exist_ok=True)
+    outputs.make_directories()
     save_linearized(model, out / "model")
     tokenizer.save_pretrained(out / "model")
     summary = report.as_dict()
     summary["source"] = str(source)
+    summary["cli"] = wanted
     write_text_atomic(str(out / "linearize.json"), json.dumps(summary, indent=1, sort_keys=True, default=str) + "\n")
     write_text_atomic(str(out / "linearize.md"), _markdown(summary))
+    outputs.announce(*sorted(p for p in (out / "model").rglob("*") if p.is_file()),
+                     out / "linearize.json", out / "linearize.md")
     metric = "perplexity" if summary["settings"]["family"] != "bert" else "embedding cosine"
     last = summary["stages"][-1]
     print(f"{out}: held-out {metric}: teacher {summary['teacher_metric']:.4g}, "

@@ -248,7 +248,7 @@ def linearize(
     s = input_scale(D)
     q64, k64 = (x.to(torch.float64) * s for x in (dump.q, dump.k))  # [L, H, n, D]
     fit = fit_sketch("llops", q64, k64, p=p_theta, m=m, rank=rank, seed=seed, holdout=holdout,
-                     progress=False)
+                     progress=progress)
     seconds["fit"] = time.perf_counter() - t0
     report = fit.report.as_dict()
 
