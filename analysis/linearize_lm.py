@@ -174,7 +174,8 @@ def probe(args) -> None:
     def run(label, theta_, tied, gate, steps=0, lr=1e-2, map_lr=None):
         model = copy.deepcopy(teacher)
         args.gate_init = 0.0 if gate == "window" else gate
-        sketches = [make_sketches(model, "llops", args, args.window, theta_, tied=tied)[i] for i in probe_layers]
+        converted = make_sketches(model, "llops", args, args.window, theta_, tied=tied)
+        sketches = [converted[i] for i in probe_layers]
         if gate == "mass":
             set_mass_gates(sketches, sub, mask, train_idx)
         if gate == "window":
