@@ -43,7 +43,7 @@ from sketchlab.convert.linearize import (
     tokenize_texts,
 )
 from sketchlab.convert.pretrained import load_pretrained, smollm2_gguf
-from sketchlab.convert.scale import TiedLLoPSMap, far_mass_gate, tie_theta
+from sketchlab.convert.scale import TiedLLoPSMap, far_mass_gate, search_gate, tie_theta
 
 TRAIN_PLAYS = ("hamlet", "macbeth", "othello", "lear", "romeo_and_juliet", "julius_caesar")
 HELDOUT_PLAYS = ("tempest", "twelfth_night", "much_ado_about_nothing", "merchant_of_venice")
@@ -72,7 +72,8 @@ def parse_args():
     ap.add_argument("--sinks", type=int, default=4)
     ap.add_argument("--gate-init", type=gate_init_arg, default=0.0,
                     help="initial gate logit of the hybrids, or 'mass': per head, the far part's mass matched to the "
-                         "teacher's softmax mass beyond the window (sketchlab.convert.scale.far_mass_gate)")
+                         "teacher's softmax mass beyond the window (sketchlab.convert.scale.far_mass_gate), or 'search': "
+                         "per head the least-error logit among mass + (-2, 0, 2, 4, 6, 8) (search_gate)")
     ap.add_argument("--tied", action="store_true",
                     help="LLoPS as the tied non-negative map (x·θ)² (TiedLLoPSMap), from the fitted Θ through tie_theta")
     ap.add_argument("--map-lr", type=float, default=None, help="transfer learning rate of the feature maps (default: --transfer-lr)")
@@ -104,7 +105,7 @@ def parse_args():
 
 
 def gate_init_arg(text: str):
-    if text == "mass":
+    if text in ("mass", "search"):
         return text
     try:
         value = float(text)
@@ -132,7 +133,7 @@ def make_sketches(model, name, args, window, theta, *, tied=None):
     """Convert ``model`` with map ``name``: LLoPS from ``theta`` (fitted) or its own initialisation,
     as the tied non-negative map with ``tied`` (default ``args.tied``)."""
     tied = args.tied if tied is None else tied
-    gate = 0.0 if args.gate_init == "mass" else args.gate_init
+    gate = 0.0 if args.gate_init in ("mass", "search") else args.gate_init
     sinks = args.sinks if window else 0
     if name != "llops" or not tied:
         return convert_attention(model, attention=name, p=2, m=args.m, window=window, sinks=sinks, theta=theta,
@@ -149,10 +150,17 @@ def make_sketches(model, name, args, window, theta, *, tied=None):
     return convert_attention(model, feature_map=maps, window=window, sinks=sinks, gate_init=gate)
 
 
-def set_mass_gates(sketches, layers, mask, index) -> None:
+GATE_OFFSETS = (-2.0, 0.0, 2.0, 4.0, 6.0, 8.0)
+
+
+def set_mass_gates(sketches, layers, mask, index, search: bool = False) -> None:
     with torch.no_grad():
         for sketch, io in zip(sketches, layers):
-            sketch.gate.copy_(far_mass_gate(sketch, io, mask, index).to(sketch.gate.dtype))
+            mass = far_mass_gate(sketch, io, mask, index)
+            if search:
+                search_gate(sketch, io, mask, index, mass[None] + torch.tensor(GATE_OFFSETS, dtype=mass.dtype)[:, None])
+            else:
+                sketch.gate.copy_(mass.to(sketch.gate.dtype))
 
 
 def probe(args) -> None:
@@ -176,8 +184,8 @@ def probe(args) -> None:
         args.gate_init = 0.0 if gate == "window" else gate
         converted = make_sketches(model, "llops", args, args.window, theta_, tied=tied)
         sketches = [converted[i] for i in probe_layers]
-        if gate == "mass":
-            set_mass_gates(sketches, sub, mask, train_idx)
+        if gate in ("mass", "search"):
+            set_mass_gates(sketches, sub, mask, train_idx, search=gate == "search")
         if gate == "window":
             for s in sketches:
                 s.gate.data.fill_(40.0)
@@ -254,8 +262,8 @@ def smollm2(args, out: dict) -> None:
             log(f"{label}: Θ fit in {time.perf_counter() - t:.0f} s (median rel_fro "
                 f"{torch.tensor(fit_info['rel_fro']).median():.3f})")
         sketches = make_sketches(model, name, args, window, theta)
-        if window and args.gate_init == "mass":
-            set_mass_gates(sketches, layers, mask, train_idx)
+        if window and args.gate_init in ("mass", "search"):
+            set_mass_gates(sketches, layers, mask, train_idx, search=args.gate_init == "search")
         errors = {"0": attention_errors(sketches, layers, mask, held_idx, batch_size=2)}
         stage0 = "fit" if theta is not None else "init"
         add(f"{label}, stage 0 ({stage0})", model, features=sketches[0].feature_map_q.num_features)

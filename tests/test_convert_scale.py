@@ -11,7 +11,7 @@ import transformers
 
 from sketchlab.convert import convert_attention
 from sketchlab.convert.linearize import attention_transfer, teacher_attention
-from sketchlab.convert.scale import TiedLLoPSMap, far_mass_gate, tie_theta
+from sketchlab.convert.scale import TiedLLoPSMap, far_mass_gate, search_gate, tie_theta
 
 
 def _llama():
@@ -119,3 +119,31 @@ def test_transfer_map_lr_separate_from_gate():
         assert torch.equal(sketches[0].feature_map_q.theta.detach(), theta0) != maps_move
     with pytest.raises(ValueError, match="map_lr"):
         attention_transfer(sketches, layers, mask, torch.arange(3), steps=1, map_lr=-1.0)
+
+
+def test_search_gate_picks_least_error_per_head():
+    from sketchlab.convert.linearize import attention_errors
+
+    model = _llama()
+    ids = torch.randint(1, 60, (2, 20), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    layers = teacher_attention(model, ids, mask)
+    sketch = convert_attention(model, attention="hedgehog", m=4, window=4, sinks=1)[0]
+    cands = torch.tensor([[-3.0, 0.0, 3.0, 6.0], [0.0, 3.0, 6.0, -3.0], [3.0, 6.0, -3.0, 0.0]], dtype=torch.float64)
+    gate = search_gate(sketch, layers[0], mask, [0, 1], cands)
+    # naive twin: every combination of per-head choices (3⁴ = 81), the whole-output error of each
+    best, best_err = None, math.inf
+    for choice in torch.cartesian_prod(*[torch.arange(3)] * 4):
+        g = cands[choice, torch.arange(4)]
+        sketch.gate.data.copy_(g)
+        err = attention_errors([sketch], layers[:1], mask, [0, 1])[0]
+        if err < best_err:
+            best, best_err = g, err
+    # heads are separable, so the per-head argmin is the joint argmin (ties: none on random data)
+    torch.testing.assert_close(gate, best, atol=0, rtol=0)
+    sketch.gate.data.zero_()
+    search_gate(sketch, layers[0], mask, [0, 1], cands)
+    torch.testing.assert_close(sketch.gate.detach().double(), best, atol=0, rtol=0)  # left at the result
+    assert not any(torch.equal(best, row) for row in cands)  # a per-head mix, not one whole candidate row
+    with pytest.raises(ValueError, match="candidates must have shape"):
+        search_gate(sketch, layers[0], mask, [0], torch.zeros(2, 3))

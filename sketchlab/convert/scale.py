@@ -31,7 +31,7 @@ from torch import nn
 from .._validation import as_float_tensor, check_positive_int
 from ..featuremaps import FeatureMap, _check_x, _init_heads
 
-__all__ = ["TiedLLoPSMap", "far_mass_gate", "tie_theta"]
+__all__ = ["TiedLLoPSMap", "far_mass_gate", "search_gate", "tie_theta"]
 
 
 def tie_theta(theta: torch.Tensor) -> torch.Tensor:
@@ -162,4 +162,37 @@ def far_mass_gate(sketch, io, attention_mask: torch.Tensor, index) -> torch.Tens
         vals = torch.cat(logs[h]) if logs[h] else torch.zeros(0, dtype=torch.float64)
         if vals.numel():
             gate[h] = vals.median()
+    return gate
+
+
+@torch.no_grad()
+def search_gate(sketch, io, attention_mask: torch.Tensor, index, candidates: torch.Tensor) -> torch.Tensor:
+    r"""Per-head gate logits ``[H]``: for each head the candidate with the least attention-output error.
+
+    ``candidates [K, H]``: ``K`` gate settings (e.g. :func:`far_mass_gate` plus offsets). Each is put
+    in ``sketch.gate`` in turn and the sketch run on the teacher's q, k, v of sequences ``index``
+    (``io``, a :class:`LayerIO`); head ``h`` takes the candidate ``k`` with the least
+    ``Σ ‖o_h − o_teacher,h‖²`` over the valid tokens (heads do not interact: head ``h``'s output
+    depends only on its own gate). ``sketch.gate`` is left at the returned logits.
+    """
+    if sketch.gate is None:
+        raise ValueError("search_gate: the sketch has no gate (window=0 or gate=False)")
+    candidates = torch.as_tensor(candidates, dtype=torch.float64)
+    if candidates.ndim != 2 or candidates.shape[1] != sketch.heads or candidates.shape[0] < 1:
+        raise ValueError(f"candidates must have shape [K >= 1, H={sketch.heads}], got {tuple(candidates.shape)}")
+    if not bool(torch.isfinite(candidates).all()):
+        raise ValueError("candidates must be finite gate logits")
+    idx = torch.arange(attention_mask.shape[0])[index]
+    errors = torch.zeros(candidates.shape[0], sketch.heads, dtype=torch.float64)  # [K, H]
+    for j, cand in enumerate(candidates):
+        sketch.gate.copy_(cand.to(sketch.gate.dtype))
+        for n in idx.tolist():
+            sel = torch.tensor([n])
+            q, k, v = io.inputs(sel)
+            valid = attention_mask[n].to(torch.bool)
+            o = sketch(q[:, valid], k[:, valid], v[:, valid], scaling=io.scaling)  # [1, T', H, Dv]
+            errors[j] += ((o - io.out[sel][:, valid]).double() ** 2).sum((0, 1, 3))
+    best = errors.argmin(0)  # [H]
+    gate = candidates[best, torch.arange(sketch.heads)]
+    sketch.gate.copy_(gate.to(sketch.gate.dtype))
     return gate
