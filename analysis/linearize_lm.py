@@ -77,6 +77,7 @@ def parse_args():
     ap.add_argument("--tied", action="store_true",
                     help="LLoPS as the tied non-negative map (x·θ)² (TiedLLoPSMap), from the fitted Θ through tie_theta")
     ap.add_argument("--map-lr", type=float, default=None, help="transfer learning rate of the feature maps (default: --transfer-lr)")
+    ap.add_argument("--probe-search", action="store_true", help="with --probe-layers: only the 'search' gate variants")
     ap.add_argument("--probe-layers", default=None,
                     help="only print per-layer attention-output errors of LLoPS variants on these layers (e.g. 2,10,20,28)")
     ap.add_argument("--train-seqs", type=int, default=16, help="training sequences of --train-len tokens")
@@ -198,6 +199,11 @@ def probe(args) -> None:
 
     print("| variant | " + " | ".join(f"layer {i}" for i in probe_layers) + " | mean | mean gate logit per layer |")
     print("|---|" + "---|" * (len(probe_layers) + 2))
+    if args.probe_search:
+        for steps in (0, args.transfer_steps):
+            tag = f", transfer {steps} steps" if steps else ", stage 0"
+            run("tied fitted Θ, gate search" + tag, theta, True, "search", steps)
+        return
     run("window + sinks alone (gate 40)", theta, False, "window")
     for steps in (0, args.transfer_steps):
         tag = f", transfer {steps} steps" if steps else ", stage 0"
