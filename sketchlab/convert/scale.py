@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from .._validation import as_float_tensor, check_positive_int
-from ..featuremaps import FeatureMap, _check_x, _init_heads
+from ..featuremaps import FeatureMap, _init_heads
 
 __all__ = ["TiedLLoPSMap", "far_mass_gate", "search_gate", "tie_theta"]
 
