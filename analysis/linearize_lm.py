@@ -43,6 +43,7 @@ from sketchlab.convert.linearize import (
     tokenize_texts,
 )
 from sketchlab.convert.pretrained import load_pretrained, smollm2_gguf
+from sketchlab.convert.scale import TiedLLoPSMap, far_mass_gate, search_gate, tie_theta
 
 TRAIN_PLAYS = ("hamlet", "macbeth", "othello", "lear", "romeo_and_juliet", "julius_caesar")
 HELDOUT_PLAYS = ("tempest", "twelfth_night", "much_ado_about_nothing", "merchant_of_venice")
@@ -69,7 +70,16 @@ def parse_args():
     ap.add_argument("--m", type=int, default=64)
     ap.add_argument("--window", type=int, default=64)
     ap.add_argument("--sinks", type=int, default=4)
-    ap.add_argument("--gate-init", type=float, default=0.0, help="initial gate logit of the hybrids")
+    ap.add_argument("--gate-init", type=gate_init_arg, default=0.0,
+                    help="initial gate logit of the hybrids, or 'mass': per head, the far part's mass matched to the "
+                         "teacher's softmax mass beyond the window (sketchlab.convert.scale.far_mass_gate), or 'search': "
+                         "per head the least-error logit among mass + (-2, 0, 2, 4, 6, 8) (search_gate)")
+    ap.add_argument("--tied", action="store_true",
+                    help="LLoPS as the tied non-negative map (x·θ)² (TiedLLoPSMap), from the fitted Θ through tie_theta")
+    ap.add_argument("--map-lr", type=float, default=None, help="transfer learning rate of the feature maps (default: --transfer-lr)")
+    ap.add_argument("--probe-search", action="store_true", help="with --probe-layers: only the 'search' gate variants")
+    ap.add_argument("--probe-layers", default=None,
+                    help="only print per-layer attention-output errors of LLoPS variants on these layers (e.g. 2,10,20,28)")
     ap.add_argument("--train-seqs", type=int, default=16, help="training sequences of --train-len tokens")
     ap.add_argument("--train-len", type=int, default=512)
     ap.add_argument("--eval-tokens", type=int, default=4096, help="held-out tokens per context length")
@@ -95,6 +105,18 @@ def parse_args():
     return args
 
 
+def gate_init_arg(text: str):
+    if text in ("mass", "search"):
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--gate-init must be a number or 'mass', got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"--gate-init must be finite, got {text!r}")
+    return value
+
+
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
@@ -106,6 +128,93 @@ def held_out(tokenizer, context: int, tokens: int):
 
 def ppl_row(model, evals) -> dict:
     return {ctx: perplexity(model, ids, mask, batch_size=1) for ctx, (ids, mask) in evals.items()}
+
+
+def make_sketches(model, name, args, window, theta, *, tied=None):
+    """Convert ``model`` with map ``name``: LLoPS from ``theta`` (fitted) or its own initialisation,
+    as the tied non-negative map with ``tied`` (default ``args.tied``)."""
+    tied = args.tied if tied is None else tied
+    gate = 0.0 if args.gate_init in ("mass", "search") else args.gate_init
+    sinks = args.sinks if window else 0
+    if name != "llops" or not tied:
+        return convert_attention(model, attention=name, p=2, m=args.m, window=window, sinks=sinks, theta=theta,
+                                 gate_init=gate)
+    if theta is None:  # the map's own initialisation: equal factors, already tied
+        from sketchlab.featuremaps import LLoPSMap
+
+        L = model.config.num_hidden_layers
+        H, D = model.config.num_attention_heads, model.config.head_dim
+        start = torch.stack([LLoPSMap(H, D, p=2, m=args.m, seed=0).theta.detach()] * L)  # [L, H, 1, 2, D, M]
+        theta = (start, start)
+    tq, tk = (tie_theta(t.double()).float() for t in theta)  # [L, H, t, D, M]
+    maps = lambda layer, heads, dim: (TiedLLoPSMap(heads, dim, tq[layer]), TiedLLoPSMap(heads, dim, tk[layer]))  # noqa: E731
+    return convert_attention(model, feature_map=maps, window=window, sinks=sinks, gate_init=gate)
+
+
+GATE_OFFSETS = (-2.0, 0.0, 2.0, 4.0, 6.0, 8.0)
+
+
+def set_mass_gates(sketches, layers, mask, index, search: bool = False) -> None:
+    with torch.no_grad():
+        for sketch, io in zip(sketches, layers):
+            mass = far_mass_gate(sketch, io, mask, index)
+            if search:
+                search_gate(sketch, io, mask, index, mass[None] + torch.tensor(GATE_OFFSETS, dtype=mass.dtype)[:, None])
+            else:
+                sketch.gate.copy_(mass.to(sketch.gate.dtype))
+
+
+def probe(args) -> None:
+    """Per-layer held-out attention-output errors of LLoPS variants on a few layers (no perplexity)."""
+    probe_layers = [int(x) for x in args.probe_layers.split(",")]
+    teacher, tok = load_pretrained(gguf=smollm2_gguf())
+    train_text = "\n".join(play_text(p) for p in TRAIN_PLAYS)
+    ids, mask = tokenize_texts(train_text, tok, seq_len=args.train_len, max_tokens=args.train_seqs * args.train_len)
+    n_held = max(1, ids.shape[0] // 4)
+    train_idx, held_idx = torch.arange(ids.shape[0] - n_held), torch.arange(ids.shape[0] - n_held, ids.shape[0])
+    layers = teacher_attention(teacher, ids, mask, batch_size=2)
+    t = time.perf_counter()
+    options = {} if args.fit_steps is None else {"steps": args.fit_steps, "lm_steps": 0}
+    theta, _ = fit_theta(teacher, ids[train_idx], mask[train_idx], p=2, m=args.m, fit_tokens=args.fit_tokens,
+                         fit_options=options)
+    log(f"Θ fit in {time.perf_counter() - t:.0f} s")
+    sub = [layers[i] for i in probe_layers]
+
+    def run(label, theta_, tied, gate, steps=0, lr=1e-2, map_lr=None):
+        model = copy.deepcopy(teacher)
+        args.gate_init = 0.0 if gate == "window" else gate
+        converted = make_sketches(model, "llops", args, args.window, theta_, tied=tied)
+        sketches = [converted[i] for i in probe_layers]
+        if gate in ("mass", "search"):
+            set_mass_gates(sketches, sub, mask, train_idx, search=gate == "search")
+        if gate == "window":
+            for s in sketches:
+                s.gate.data.fill_(40.0)
+        if steps:
+            attention_transfer(sketches, sub, mask, train_idx, steps=steps, lr=lr, map_lr=map_lr, batch_size=2)
+        err = attention_errors(sketches, sub, mask, held_idx, batch_size=2)
+        gates = [f"{float(s.gate.mean()):.1f}" for s in sketches]
+        print(f"| {label} | " + " | ".join(f"{e:.3f}" for e in err) + f" | {sum(err) / len(err):.3f} | "
+              + ", ".join(gates) + " |", flush=True)
+
+    print("| variant | " + " | ".join(f"layer {i}" for i in probe_layers) + " | mean | mean gate logit per layer |")
+    print("|---|" + "---|" * (len(probe_layers) + 2))
+    if args.probe_search:
+        for steps in (0, args.transfer_steps):
+            tag = f", transfer {steps} steps" if steps else ", stage 0"
+            run("tied fitted Θ, gate search" + tag, theta, True, "search", steps)
+        return
+    run("window + sinks alone (gate 40)", theta, False, "window")
+    for steps in (0, args.transfer_steps):
+        tag = f", transfer {steps} steps" if steps else ", stage 0"
+        run("signed fitted Θ, gate 0" + tag, theta, False, 0.0, steps)
+        run("signed fitted Θ, gate mass" + tag, theta, False, "mass", steps)
+        run("tied fitted Θ, gate 0" + tag, theta, True, 0.0, steps)
+        run("tied fitted Θ, gate mass" + tag, theta, True, "mass", steps)
+        run("tied own init, gate mass" + tag, None, True, "mass", steps)
+        if steps:
+            run("tied fitted Θ, gate mass, map lr 1e-3" + tag, theta, True, "mass", steps, map_lr=1e-3)
+            run("tied fitted Θ, gate mass, map lr 0" + tag, theta, True, "mass", steps, map_lr=0.0)
 
 
 def smollm2(args, out: dict) -> None:
@@ -145,8 +254,12 @@ def smollm2(args, out: dict) -> None:
         model = copy.deepcopy(teacher)
         theta, fit_info = None, None
         label = f"{name} {'hybrid w=%d+%d' % (window, args.sinks) if window else 'pure'}"
+        if name == "llops" and args.tied:
+            label = label.replace("llops", "llops tied", 1)
         if window and args.gate_init:
-            label += f" (gate init {args.gate_init:g})"
+            label += f" (gate init {args.gate_init if args.gate_init == 'mass' else format(args.gate_init, 'g')})"
+        if args.map_lr is not None:
+            label += f" (map lr {args.map_lr:g})"
         t = time.perf_counter()
         if name == "llops" and not args.no_fit:
             options = {} if args.fit_steps is None else {"steps": args.fit_steps, "lm_steps": 0}
@@ -154,14 +267,15 @@ def smollm2(args, out: dict) -> None:
                                         fit_tokens=args.fit_tokens, fit_options=options)
             log(f"{label}: Θ fit in {time.perf_counter() - t:.0f} s (median rel_fro "
                 f"{torch.tensor(fit_info['rel_fro']).median():.3f})")
-        sketches = convert_attention(model, attention=name, p=2, m=args.m, window=window,
-                                     sinks=args.sinks if window else 0, theta=theta, gate_init=args.gate_init)
+        sketches = make_sketches(model, name, args, window, theta)
+        if window and args.gate_init in ("mass", "search"):
+            set_mass_gates(sketches, layers, mask, train_idx, search=args.gate_init == "search")
         errors = {"0": attention_errors(sketches, layers, mask, held_idx, batch_size=2)}
         stage0 = "fit" if theta is not None else "init"
         add(f"{label}, stage 0 ({stage0})", model, features=sketches[0].feature_map_q.num_features)
         t = time.perf_counter()
         attention_transfer(sketches, layers, mask, train_idx, steps=args.transfer_steps, lr=args.transfer_lr,
-                           batch_size=2)
+                           map_lr=args.map_lr, batch_size=2)
         log(f"{label}: transfer {args.transfer_steps} steps x {len(sketches)} layers in {time.perf_counter() - t:.0f} s")
         errors["1"] = attention_errors(sketches, layers, mask, held_idx, batch_size=2)
         add(f"{label}, stage 1 (transfer)", model, features=sketches[0].feature_map_q.num_features)
@@ -298,6 +412,9 @@ def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    if args.probe_layers:
+        probe(args)
+        return
     cuts = ("Quick run: contexts 512/1024 only (no 2048), maps LLoPS and Hedgehog only (no BASED/PSF), "
             "4 training sequences, 1024 held-out tokens per context, Θ fit on 256 tokens per head with 1 ALS sweep and no LM steps, "
             "20 transfer steps per layer, no LoRA stage, 200 MiniLM lines." if args.quick else "")

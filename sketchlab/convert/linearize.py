@@ -323,17 +323,26 @@ def fit_theta(model, ids, mask, *, p, m, rank=1, fit_tokens=4096, seed=0, fit_op
 
 
 def attention_transfer(sketches, layers: list[LayerIO], mask, train_idx, *, steps: int, lr: float = 1e-2,
-                       batch_size: int = 4, seed: int = 0, progress: bool = False) -> list[list[float]]:
+                       map_lr: float | None = None, batch_size: int = 4, seed: int = 0,
+                       progress: bool = False) -> list[list[float]]:
     """Stage 1: Adam on each layer's maps and gate, loss ``mean((o − o_teacher)²)`` over the valid tokens
     of random batches of the sequences ``train_idx``; each layer given the teacher's q, k, v (``layers``),
-    independent of the others. Returns each layer's loss curve."""
+    independent of the others. ``lr``: the gate's learning rate; ``map_lr``: the feature maps'
+    (``None``: ``lr``; ``0``: the maps stay fixed). Returns each layer's loss curve."""
+    if map_lr is not None and not (isinstance(map_lr, (int, float)) and not isinstance(map_lr, bool)
+                                   and 0 <= map_lr < float("inf")):
+        raise ValueError(f"map_lr must be None or a finite number >= 0, got {map_lr!r}")
     gen = torch.Generator().manual_seed(seed)
     losses = []
     for layer, (sketch, io) in enumerate(zip(sketches, layers)):
         params = [p for p in sketch.parameters() if p.requires_grad]
         if not params:
             raise ValueError("attention transfer: the converted layers have no trainable parameters (learn=False?)")
-        opt = torch.optim.Adam(params, lr=lr)
+        gate = [p for p in params if p is sketch.gate]
+        maps = [p for p in params if p is not sketch.gate]
+        groups = ([{"params": gate, "lr": lr}] if gate else []) + \
+            ([{"params": maps, "lr": lr if map_lr is None else float(map_lr)}] if maps else [])
+        opt = torch.optim.Adam(groups, lr=lr)
         curve = []
         for step in range(steps):
             sel = train_idx[torch.randint(len(train_idx), (min(batch_size, len(train_idx)),), generator=gen)]

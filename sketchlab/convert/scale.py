@@ -1,0 +1,198 @@
+r"""Making the LLoPS hybrid a sensible conversion: a non-negative far map and a far part on the window's scale.
+
+The hybrid (DESIGN §6) adds, for query ``i``, the window's max-shifted softmax terms
+``exp(s·qᵢᵀkⱼ − cᵢ) <= 1`` (``cᵢ`` the largest local logit) and the far part's unshifted kernel
+terms ``φ(qᵢ)·φ(kⱼ)``, weighed by the per-head gate ``g = sigmoid(gate)``:
+
+.. math::
+    o_i = \frac{g\sum_{loc} e^{x_{ij}-c_i} v_j + (1-g)\sum_{far}\phi(q_i)\cdot\phi(k_j)\,v_j}
+               {g\sum_{loc} e^{x_{ij}-c_i} + (1-g)\sum_{far}\phi(q_i)\cdot\phi(k_j)}.
+
+Two things go wrong when Θ comes from the kernel fit on a real model's post-RoPE q, k
+(SmolLM2: perplexity in the thousands): the fitted Θ is signed (about 11 % of the far
+denominators ``<= 0``), and at ``gate = 0`` the far terms (a degree-``p`` polynomial in ``qᵀk/√D``,
+not shifted) outweigh the window by orders of magnitude. This module holds the two fixes:
+
+* :class:`TiedLLoPSMap` — the even-degree tied LLoPS map :math:`\phi(x)_i = \sum_r
+  \langle\theta_{r,i}, x\rangle^p \ge 0` with one factor per feature (kept tied while it trains,
+  unlike :class:`sketchlab.featuremaps.LLoPSMap` whose ``p`` factors drift apart), started from a
+  fitted signed Θ by :func:`tie_theta`;
+* :func:`far_mass_gate` — the per-head gate logit at which the far part's mass matches the
+  teacher's softmax mass beyond the window (median over queries, on recorded teacher inputs).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from .._validation import as_float_tensor, check_positive_int
+from ..featuremaps import FeatureMap, _init_heads
+
+__all__ = ["TiedLLoPSMap", "far_mass_gate", "search_gate", "tie_theta"]
+
+
+def tie_theta(theta: torch.Tensor) -> torch.Tensor:
+    r"""The tied (non-negative) form of a degree-2 LLoPS Θ ``[..., t, 2, D, M]`` → ``[..., t, D, M]``.
+
+    Feature ``i`` of rank term ``r`` has two factors ``a, b``; its contribution to the map is the
+    quadratic form ``(xᵀa)(xᵀb) = xᵀ sym(abᵀ) x``. The tied factor ``θ`` makes ``θθᵀ`` the best
+    positive-semidefinite rank-1 approximation (Frobenius) of ``sym(abᵀ) = (abᵀ + baᵀ)/2``, whose
+    eigenvalues are ``(aᵀb ± ‖a‖‖b‖)/2``: ``θ = √λ₊ · u`` with ``λ₊ = (aᵀb + ‖a‖‖b‖)/2 >= 0`` and
+    ``u ∝ a/‖a‖ + b/‖b‖`` (``θ = 0`` where ``λ₊ = 0``, e.g. ``b = −a``). Equal factors ``a = b``
+    give ``θ = a`` exactly.
+    """
+    theta = as_float_tensor(theta, "theta")
+    if theta.ndim < 4 or theta.shape[-3] != 2:
+        raise ValueError(f"theta must have shape [..., t, p=2, D, M] (tie_theta handles degree 2), got {tuple(theta.shape)}")
+    a, b = theta[..., 0, :, :], theta[..., 1, :, :]  # [..., t, D, M]
+    na, nb = a.norm(dim=-2, keepdim=True), b.norm(dim=-2, keepdim=True)  # [..., t, 1, M]
+    lam = ((a * b).sum(-2, keepdim=True) + na * nb).clamp_min(0) / 2  # [..., t, 1, M]
+    tiny = torch.finfo(theta.dtype).tiny
+    u = a / na.clamp_min(tiny) + b / nb.clamp_min(tiny)  # [..., t, D, M]
+    nu = u.norm(dim=-2, keepdim=True)
+    return torch.where(nu > 0, u / nu.clamp_min(tiny), torch.zeros_like(u)) * lam.sqrt()
+
+
+class TiedLLoPSMap(FeatureMap):
+    r"""Tied even-degree LLoPS map per head, :math:`\phi(x)_i = \sum_r \langle\theta_{r,:,i}, x\rangle^p \ge 0`.
+
+    Parameters
+    ----------
+    heads, head_dim : int
+    theta : Tensor ``[H, t, D, M]``
+        One factor per rank term and feature (e.g. :func:`tie_theta` of a fitted Θ).
+    p : int
+        Even degree (default 2).
+    learn : bool
+        Θ as a parameter (trained, and tied by construction) or a buffer.
+
+    Notes
+    -----
+    Every feature is ``>= 0`` for every input, so a kernel of two such maps is ``>= 0`` and the
+    hybrid's far denominators are never negative (:attr:`non_negative`).
+    """
+
+    def __init__(self, heads: int, head_dim: int, theta, *, p: int = 2, learn: bool = True):
+        super().__init__()
+        _init_heads(self, heads, head_dim)
+        p = check_positive_int(p, "p")
+        if p % 2:
+            raise ValueError(f"TiedLLoPSMap needs an even degree p (features <x, θ>^p >= 0), got p={p}")
+        self.p = p
+        theta = as_float_tensor(theta, "theta").detach().clone()
+        if theta.ndim != 4 or theta.shape[0] != self.heads or theta.shape[2] != self.head_dim:
+            raise ValueError(f"theta must have shape [H={self.heads}, t, D={self.head_dim}, M], got {tuple(theta.shape)}")
+        if learn:
+            self.theta = nn.Parameter(theta)
+        else:
+            self.register_buffer("theta", theta)
+
+    @property
+    def num_features(self) -> int:
+        return self.theta.shape[-1]
+
+    @property
+    def degree(self) -> int:
+        return self.p
+
+    @property
+    def non_negative(self) -> bool:
+        return True
+
+    def _features(self, x):
+        dtype = torch.promote_types(x.dtype, self.theta.dtype)
+        proj = torch.einsum("bthd,hrdm->bthrm", x.to(dtype), self.theta.to(dtype))  # [B, T, H, t, M]
+        return (proj**self.p).sum(-2)  # [B, T, H, M]
+
+    def _features_naive(self, x, head):
+        th = self.theta[head].detach().double()  # [t, D, M]
+        n, M = x.shape[0], th.shape[-1]
+        out = torch.zeros(n, M, dtype=torch.float64)
+        for j in range(n):
+            for i in range(M):
+                out[j, i] = sum(float(x[j] @ th[r, :, i]) ** self.p for r in range(th.shape[0]))
+        return out
+
+
+@torch.no_grad()
+def far_mass_gate(sketch, io, attention_mask: torch.Tensor, index) -> torch.Tensor:
+    r"""Per-head gate logits ``[H]`` at which the far part carries the teacher's far softmax mass.
+
+    For every query ``i`` with far keys (``i − j >= window``, ``j >= sinks``) on the valid tokens
+    of sequences ``index`` (the teacher's q, k of ``io``, a :class:`LayerIO`):
+    ``Fᵢ = Σ_far φ(qᵢ)·φ(kⱼ)`` (the sketch's far kernel, inputs scaled by ``D^{-1/4}``) and
+    ``Sᵢ = Σ_far exp(s·qᵢᵀkⱼ − cᵢ)`` (the teacher's softmax terms beyond the window, shifted by
+    the hybrid's own ``cᵢ``: the largest logit over the window and the sinks). With weights ``g``
+    on the window and ``1 − g`` on the far part the two masses agree when
+    ``(1 − g)/g · Fᵢ = Sᵢ``, i.e. ``gate = log Fᵢ − log Sᵢ``; the logit returned is the median
+    over the queries (queries with ``Fᵢ <= 0`` or ``Sᵢ = 0`` are left out; a head with none gets 0).
+    Dense ``O(T²)`` per head and sequence.
+    """
+    if sketch.window <= 0:
+        raise ValueError("far_mass_gate: the sketch has no window (window=0: pure linear attention has no gate)")
+    w, ns = sketch.window, sketch.sinks
+    c = sketch.input_scale
+    idx = torch.arange(attention_mask.shape[0])[index]
+    logs: list[list[torch.Tensor]] = [[] for _ in range(sketch.heads)]
+    for n in idx.tolist():
+        q, k, _ = io.inputs(torch.tensor([n]))  # [1, T, H, D]
+        valid = attention_mask[n].to(torch.bool)  # [T]
+        q, k = q[:, valid].double(), k[:, valid].double()
+        T = q.shape[1]
+        fq = sketch.feature_map_q.features(q * c).double()[0].transpose(0, 1)  # [H, T, M]
+        fk = sketch.feature_map_k.features(k * c).double()[0].transpose(0, 1)
+        kern = fq @ fk.mT  # [H, T, T]
+        x = io.scaling * (q[0].transpose(0, 1) @ k[0].transpose(0, 1).mT)  # [H, T, T] the model's logits
+        i = torch.arange(T)[:, None]
+        j = torch.arange(T)[None, :]
+        sink = (j < ns) & (j <= i)
+        loc = (i - j >= 0) & (i - j < w) & (j >= ns)
+        far = (i - j >= w) & (j >= ns)
+        cmax = torch.where(loc | sink, x, -math.inf).amax(-1, keepdim=True)  # [H, T, 1]
+        S = torch.where(far, torch.exp(x - cmax), 0.0).sum(-1)  # [H, T]
+        F = torch.where(far, kern, 0.0).sum(-1)
+        ok = far.any(-1)[None] & (F > 0) & (S > 0)  # [H, T]
+        for h in range(sketch.heads):
+            logs[h].append((F[h][ok[h]].log() - S[h][ok[h]].log()))
+    gate = torch.zeros(sketch.heads, dtype=torch.float64)
+    for h in range(sketch.heads):
+        vals = torch.cat(logs[h]) if logs[h] else torch.zeros(0, dtype=torch.float64)
+        if vals.numel():
+            gate[h] = vals.median()
+    return gate
+
+
+@torch.no_grad()
+def search_gate(sketch, io, attention_mask: torch.Tensor, index, candidates: torch.Tensor) -> torch.Tensor:
+    r"""Per-head gate logits ``[H]``: for each head the candidate with the least attention-output error.
+
+    ``candidates [K, H]``: ``K`` gate settings (e.g. :func:`far_mass_gate` plus offsets). Each is put
+    in ``sketch.gate`` in turn and the sketch run on the teacher's q, k, v of sequences ``index``
+    (``io``, a :class:`LayerIO`); head ``h`` takes the candidate ``k`` with the least
+    ``Σ ‖o_h − o_teacher,h‖²`` over the valid tokens (heads do not interact: head ``h``'s output
+    depends only on its own gate). ``sketch.gate`` is left at the returned logits.
+    """
+    if sketch.gate is None:
+        raise ValueError("search_gate: the sketch has no gate (window=0 or gate=False)")
+    candidates = torch.as_tensor(candidates, dtype=torch.float64)
+    if candidates.ndim != 2 or candidates.shape[1] != sketch.heads or candidates.shape[0] < 1:
+        raise ValueError(f"candidates must have shape [K >= 1, H={sketch.heads}], got {tuple(candidates.shape)}")
+    if not bool(torch.isfinite(candidates).all()):
+        raise ValueError("candidates must be finite gate logits")
+    idx = torch.arange(attention_mask.shape[0])[index]
+    errors = torch.zeros(candidates.shape[0], sketch.heads, dtype=torch.float64)  # [K, H]
+    for j, cand in enumerate(candidates):
+        sketch.gate.copy_(cand.to(sketch.gate.dtype))
+        for n in idx.tolist():
+            sel = torch.tensor([n])
+            q, k, v = io.inputs(sel)
+            valid = attention_mask[n].to(torch.bool)
+            o = sketch(q[:, valid], k[:, valid], v[:, valid], scaling=io.scaling)  # [1, T', H, Dv]
+            errors[j] += ((o - io.out[sel][:, valid]).double() ** 2).sum((0, 1, 3))
+    best = errors.argmin(0)  # [H]
+    gate = candidates[best, torch.arange(sketch.heads)]
+    sketch.gate.copy_(gate.to(sketch.gate.dtype))
+    return gate
