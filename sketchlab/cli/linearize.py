@@ -169,6 +169,14 @@ def _recorded_settings(out: Path) -> dict | None:
     return None
 
 
+def _out_is_not_an_input_file(out: str, *files) -> None:
+    """An ``--out`` that is an input file (any spelling, symlink or hard link), named with it."""
+    for given in files:
+        if given is not None and os.path.exists(out) and os.path.exists(given) and os.path.samefile(out, given):
+            raise ValueError(f"--out: output directory {out!r} is the input {str(given)!r} (the same file): writing "
+                             "there would destroy the data being read; choose another output directory")
+
+
 def _check_run_dir(out: Path, known: tuple, wanted: dict) -> None:
     """Refuse an ``--out`` that holds anything but a ``linearize`` run of the same settings (``wanted``:
     option → value; a ``*path`` value compares by real path)."""
@@ -302,6 +310,7 @@ def _run_pretrained(args) -> int:
         raise UsageError(f"--holdout must lie in (0, 1) with --model-dir / --gguf, got {args.holdout}")
     out = Path(args.out)
     source = Path(args.gguf) if args.gguf else Path(args.model_dir)
+    _out_is_not_an_input_file(args.out, args.gguf, args.text)
     outputs = Outputs({}, directories={"--out": args.out}, inputs=[args.model_dir, args.gguf, args.text])
     wanted = _pretrained_settings(args)
     _check_run_dir(out, PRETRAINED_FILES, wanted)
