@@ -257,7 +257,7 @@ def smollm2(args, out: dict) -> None:
         if name == "llops" and args.tied:
             label = label.replace("llops", "llops tied", 1)
         if window and args.gate_init:
-            label += f" (gate init {args.gate_init if args.gate_init == 'mass' else format(args.gate_init, 'g')})"
+            label += f" (gate init {args.gate_init if isinstance(args.gate_init, str) else format(args.gate_init, 'g')})"
         if args.map_lr is not None:
             label += f" (map lr {args.map_lr:g})"
         t = time.perf_counter()
