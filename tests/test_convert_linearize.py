@@ -66,8 +66,6 @@ def test_attention_errors_are_zero_for_exact_window():
 
 
 def test_lora_stage_runs_and_merges():
-    peft = pytest.importorskip("peft")  # the lm extra; installed in the dev environment
-    del peft
     model = _llama()
     model, report = linearize(model, _ids(), attention="hedgehog", m=8, window=4, sinks=1, seq_len=24, holdout=0.3,
                               transfer_steps=5, lora_steps=4, lora_rank=2, lora_lr=1e-3, batch_size=4)
