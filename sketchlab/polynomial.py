@@ -257,7 +257,7 @@ def poly_kernel(q, k, p: int, *, max_bytes: int = DEFAULT_MAX_BYTES) -> torch.Te
     if q.shape[-1] != k.shape[-1]:
         raise ValueError(f"q and k must share d (last axis): q has {q.shape[-1]}, k has {k.shape[-1]}")
     try:
-        batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2])
+        torch.broadcast_shapes(q.shape[:-2], k.shape[:-2])
     except RuntimeError:
         raise ValueError(
             f"q and k must have broadcastable leading (batch) axes, got {tuple(q.shape[:-2])} and {tuple(k.shape[:-2])}"

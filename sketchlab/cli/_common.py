@@ -77,48 +77,32 @@ def positive_int_list(text: str) -> list[int]:
     return values
 
 
-def nonnegative_int(text: str) -> int:
-    """An integer >= 0 (an argparse type)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
+def number_arg(cast, ok, rule: str):
+    """An argparse type: ``cast(text)`` (``int`` or ``float``) for which ``ok(value)`` holds.
+
+    Anything else is refused as ``expected {rule}, got ...`` (the value for a bad integer, the text
+    as typed for a bad float, which ``nan`` and ``inf`` never pass unless ``ok`` says so).
+    """
+
+    def parse(text: str):
+        try:
+            value = cast(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {rule}, got {text!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"expected {rule}, got {value if cast is int else repr(text)}")
+        return value
+
+    parse.__doc__ = f"{rule[0].upper()}{rule[1:]} (an argparse type)."
+    return parse
 
 
-def positive_float(text: str) -> float:
-    """A finite number > 0 (an argparse type)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
-    return value
-
-
-def nonnegative_float(text: str) -> float:
-    """A finite number >= 0 (an argparse type)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
-    return value
-
-
-def positive_int(text: str) -> int:
-    """An integer >= 1 (an argparse type)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
+#: The argparse types of every command's numeric options.
+nonnegative_int = number_arg(int, lambda v: v >= 0, "an integer >= 0")
+positive_int = number_arg(int, lambda v: v >= 1, "an integer >= 1")
+positive_float = number_arg(float, lambda v: math.isfinite(v) and v > 0, "a finite number > 0")
+nonnegative_float = number_arg(float, lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0")
+finite_float = number_arg(float, math.isfinite, "a finite number")
 
 
 def scale_arg(text: str):

@@ -23,12 +23,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 from pathlib import Path
 
-from ._common import (Outputs, UsageError, nonnegative_float, nonnegative_int, positive_float, positive_int,
-                      write_text_atomic)
+from ._common import (Outputs, UsageError, finite_float, nonnegative_float, nonnegative_int, number_arg,
+                      positive_float, positive_int, write_text_atomic)
 
 #: What a ``sketchlab linearize`` output directory holds, per path (anything else belongs to something else).
 TOY_FILES = ("capture.safetensors", "theta.safetensors", "finetune", "model", "linearize.json", "linearize.md")
@@ -41,37 +40,9 @@ PRETRAINED_FILES = ("model", "linearize.json", "linearize.md")
 FIT_WORK_BUDGET = 5e11
 
 
-def _finite_float(text: str) -> float:
-    """A finite number (an argparse type)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
-    return value
-
-
-def _fraction(text: str) -> float:
-    """A number in [0, 1) (an argparse type; the real-model path also needs it > 0)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}")
-    return value
-
-
-def _seed(text: str) -> int:
-    """A seed in [0, 2**62] (an argparse type: the toy path offsets it for its own data streams)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer seed in [0, 2**62], got {text!r}") from None
-    if not 0 <= value <= 2**62:
-        raise argparse.ArgumentTypeError(f"expected an integer seed in [0, 2**62], got {value}")
-    return value
+#: ``--holdout``: the real-model path also needs it > 0; ``--seed``: the toy path offsets it for its data streams.
+_fraction = number_arg(float, lambda v: 0 <= v < 1, "a number in [0, 1)")
+_seed = number_arg(int, lambda v: 0 <= v <= 2**62, "an integer seed in [0, 2**62]")
 
 
 def _degree(text: str) -> int:
@@ -97,7 +68,7 @@ def add_arguments(sub) -> None:
     cmd.add_argument("--window", type=nonnegative_int, default=64, help="exact local keys (0: pure linear; default 64)")
     cmd.add_argument("--sinks", type=nonnegative_int, default=4, help="attention sinks (default 4)")
     cmd.add_argument("--local", choices=("softmax", "poly"), default="softmax", help="the exact part inside the window")
-    cmd.add_argument("--gate-init", type=_finite_float, default=0.0,
+    cmd.add_argument("--gate-init", type=finite_float, default=0.0,
                      help="initial gate logit: sigmoid of it weighs the window, the rest the sketch (default 0: 1/2)")
     cmd.add_argument("--p", type=_degree, default=2, help="degree of the attention kernel (default 2)")
     cmd.add_argument("--m", type=positive_int, default=64, help="features (default 64)")

@@ -16,7 +16,6 @@ not have; a model and batch whose estimated memory exceeds :func:`memory_budget`
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
