@@ -25,6 +25,7 @@ Kacham, Mirrokni, Zhong. *PolySketchFormer*, 2024 (learned sketches, self-tensor
 
 from __future__ import annotations
 
+import abc
 import math
 
 import torch
@@ -52,7 +53,7 @@ def _check_x(x, heads: int, dim: int, name: str = "x") -> torch.Tensor:
     return x
 
 
-class FeatureMap(nn.Module):
+class FeatureMap(nn.Module, abc.ABC):
     """One feature map per head: ``features(x [B, T, H, D]) -> [B, T, H, M]``.
 
     Subclasses set ``heads``, ``head_dim``, implement :meth:`_features` (on validated input) and
@@ -67,8 +68,9 @@ class FeatureMap(nn.Module):
     head_dim: int
 
     @property
+    @abc.abstractmethod
     def num_features(self) -> int:
-        raise NotImplementedError
+        """``M``, the number of features per head."""
 
     @property
     def degree(self) -> int | None:
@@ -92,11 +94,13 @@ class FeatureMap(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.features(x)
 
-    def _features(self, x):  # pragma: no cover - abstract
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _features(self, x):
+        """The map on checked ``x [B, T, H, D]`` → ``[B, T, H, M]``."""
 
-    def _features_naive(self, x, head: int):  # pragma: no cover - abstract
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _features_naive(self, x, head: int):
+        """The float64 twin on one head's tokens ``x [T, D]`` → ``[T, M]``."""
 
 
 def _init_heads(module: FeatureMap, heads, head_dim):

@@ -6,7 +6,6 @@ float64 twin 1e-4 relative to the largest output: ~1e-7 per term over sums of <=
 the exp of fp32 logits (relative error ~1e-6); 1e-4 leaves a wide margin but fails on any wrong mask.
 """
 
-import inspect
 import itertools
 import math
 
@@ -22,7 +21,6 @@ from sketchlab.attention import (
     sketch_attention,
     softmax_attention_naive,
 )
-from sketchlab.attention import functional
 
 TOL64 = 1e-10
 TOL32 = 1e-4
@@ -193,34 +191,6 @@ def test_bad_options_are_rejected():
         llops_attention(q, k, v, theta, theta, window=2, local_scale=-1.0)
 
 
-def test_triton_backend_refuses_the_hybrid_until_the_kernel_takes_it(monkeypatch):
-    """backend='triton' routes hybrid calls to the kernel only when its signature takes the keywords."""
-    pytest.importorskip("triton")
-    from sketchlab.attention import triton as tr
-
-    q, k, v, _, _ = _inputs(T=8)
-    theta = _rand(2, 1, 2, 4, 5)
-    takes = functional._triton_takes_hybrid(tr.llops_attention_triton)
-    assert takes == all(n in inspect.signature(tr.llops_attention_triton).parameters
-                        for n in functional._TRITON_HYBRID_KEYWORDS)
-    seen = {}
-
-    def old_kernel(q, k, v, theta_q, theta_k, *, causal, normalize, non_negative, eps):
-        raise AssertionError("must not be called with the hybrid")
-
-    def new_kernel(q, k, v, theta_q, theta_k, *, causal, normalize, non_negative, eps, window, sinks, local,
-                   local_scale, gate, key_padding_mask, initial_state, output_final_state):
-        seen.update(window=window, sinks=sinks, local_scale=local_scale)
-        return v
-
-    monkeypatch.setattr(tr, "llops_attention_triton", old_kernel)
-    with pytest.raises(ValueError, match="does not take window.*backend='torch'"):
-        llops_attention(q.float(), k.float(), v.float(), theta.float(), theta.float(), window=2, backend="triton")
-    monkeypatch.setattr(tr, "llops_attention_triton", new_kernel)
-    llops_attention(q.float(), k.float(), v.float(), theta.float(), theta.float(), window=2, sinks=1, backend="triton")
-    assert seen == {"window": 2, "sinks": 1, "local_scale": 0.5}
-
-
 def test_sketch_attention_hybrid_for_a_generic_sketch():
     from sketchlab.sketches import BasedSketch
 
@@ -235,14 +205,9 @@ def test_sketch_attention_hybrid_for_a_generic_sketch():
 
 
 def test_triton_hybrid_matches_torch_and_shares_the_state():
-    """With a kernel that takes the hybrid, backend='triton' (the interpreter on CPU) equals the
+    """backend='triton' (the Triton hybrid kernel; the interpreter on CPU) equals the
     torch path (fp32: 1e-5 absolute on O(1) outputs, ~10 ulp of the sums) and the two backends'
     states are interchangeable."""
-    pytest.importorskip("triton")
-    from sketchlab.attention import triton as tr
-
-    if not functional._triton_takes_hybrid(tr.llops_attention_triton):
-        pytest.skip("the fused kernel does not take the hybrid keywords yet (routing tested above)")
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 20, 2, 16, generator=g) for _ in range(3))
     theta = (torch.randn(2, 1, 1, 16, 16, generator=g) / 4).expand(-1, -1, 2, -1, -1).contiguous()

@@ -64,21 +64,6 @@ def resolve_backend(backend, device: torch.device, dtype: torch.dtype = torch.fl
     return backend
 
 
-#: The hybrid/state keywords the fused kernel must accept before ``backend="triton"`` routes them to it.
-_TRITON_HYBRID_KEYWORDS = ("window", "sinks", "local", "local_scale", "gate", "key_padding_mask", "initial_state",
-                           "output_final_state")
-
-
-def _triton_takes_hybrid(fn) -> bool:
-    """Whether ``llops_attention_triton`` accepts every keyword of :data:`_TRITON_HYBRID_KEYWORDS`."""
-    import inspect
-
-    params = inspect.signature(fn).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return True
-    return all(name in params for name in _TRITON_HYBRID_KEYWORDS)
-
-
 def _uses_hybrid(window, sinks, gate, key_padding_mask, initial_state, output_final_state) -> bool:
     return bool(window or sinks or gate is not None or key_padding_mask is not None or initial_state is not None
                 or output_final_state)
@@ -169,22 +154,9 @@ def llops_attention(q, k, v, theta_q, theta_k, *, causal: bool = True, normalize
     _check_stateful_segments(segments, initial_state, output_final_state)
     hybrid = _uses_hybrid(window, sinks, gate, key_padding_mask, initial_state, output_final_state)
     opts = dict(window=window, sinks=sinks, local=local, local_scale=scale, gate=gate)
-    requested = backend
     backend = resolve_backend(backend, q.device, q.dtype)
-    fused = None
     if backend == "triton":
-        from .triton import llops_attention_triton  # lazy: triton is optional
-
-        if hybrid and not _triton_takes_hybrid(llops_attention_triton):
-            if requested == "auto":
-                backend = "torch"
-            else:
-                raise ValueError(
-                    "the fused Triton kernel does not take window/sinks/gate/key_padding_mask/initial_state/"
-                    "output_final_state yet; use backend='torch' (chunked PyTorch, every device) for the hybrid "
-                    "and the recurrent state")
-        else:
-            fused = llops_attention_triton
+        from .triton import llops_attention_triton as fused  # lazy: triton is optional
 
     def run(qs, ks, vs, mask):
         extra = dict(key_padding_mask=mask, initial_state=initial_state, output_final_state=output_final_state)
