@@ -242,3 +242,23 @@ def test_an_npy_dump_output_counts_with_all_its_parts(tmp_path):
         check_outputs({"--out": str(tmp_path / "out.npy")}, inputs=[str(tmp_path / "in.txt")], dumps=("--out",))
     check_outputs({"--out": str(tmp_path / "new" / "o.npy")}, inputs=[str(tmp_path / "in.txt")], dumps=("--out",))
     assert (tmp_path / "new").is_dir()  # the parent is created for a command that writes the file itself
+
+
+def test_plot_must_be_png_and_matplotlib_present_before_any_work(dump, tmp_path, capsys, monkeypatch):
+    """A plot is written as PNG: another suffix, or no matplotlib, is refused before the spectrum is
+    computed (not after it, with the other outputs lost)."""
+    import importlib.util
+
+    import sketchlab.spectrum
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("the spectrum must not be computed")
+
+    monkeypatch.setattr(sketchlab.spectrum, "kernel_spectrum", no_work)
+    rc = main(["spectrum", str(dump), "--plot", str(tmp_path / "fig.pdf"), "--json", str(tmp_path / "s.json")])
+    assert rc == 2 and "give a path ending in .png" in capsys.readouterr().err
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    rc = main(["spectrum", str(dump), "--plot", str(tmp_path / "fig.png")])
+    assert rc == 2 and "--plot needs matplotlib" in capsys.readouterr().err
+    assert not (tmp_path / "s.json").exists() and not (tmp_path / "fig.png").exists()

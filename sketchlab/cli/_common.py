@@ -261,6 +261,15 @@ class Outputs:
                     raise ValueError(f"{label}: output directory {path!r} holds the input {given!r}: this run would overwrite or mix "
                                      "files with the data it reads; choose another output directory")
 
+        plot = self.files.get("--plot")
+        if plot is not None and plot != "-":
+            import importlib.util
+
+            if Path(plot).suffix.lower() != ".png":
+                raise UsageError(f"--plot {plot}: plots are written as PNG; give a path ending in .png")
+            if importlib.util.find_spec("matplotlib") is None:
+                raise UsageError("--plot needs matplotlib, which is not installed: pip install 'sketchlab[plot]'")
+
     @staticmethod
     def _check_writable(label: str, given: str, real: Path, *, directory: bool = False) -> None:
         if not directory and real.is_dir():
