@@ -361,3 +361,19 @@ def test_gate_init_at_one_is_window_and_sinks_alone():
             outs[gate_init, seed] = _out(model, ids, mask)
     torch.testing.assert_close(outs[40.0, 0], outs[40.0, 1], rtol=0, atol=0)
     assert float((outs[0.0, 0] - outs[0.0, 1]).abs().max()) > 1e-6
+
+
+def test_left_padding_under_the_sinks_is_refused():
+    """Sinks are the first positions: a left-padded batch would put them on pads and make a row's
+    output depend on its padding, so the converted model refuses it (right padding runs)."""
+    model = _llama()
+    convert_attention(model, attention="llops", p=2, m=8, window=4, sinks=2)
+    ids, mask = _inputs(True)  # right padding in sequence 1
+    model(input_ids=ids, attention_mask=mask)
+    left = torch.ones_like(mask)
+    left[1, :3] = 0
+    with pytest.raises(ValueError, match="left-padded batch puts the 2 attention sinks"):
+        model(input_ids=ids, attention_mask=left)
+    nosinks = _llama()
+    convert_attention(nosinks, attention="llops", p=2, m=8, window=4, sinks=0)
+    nosinks(input_ids=ids, attention_mask=left)

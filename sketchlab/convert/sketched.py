@@ -156,6 +156,11 @@ def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
                          "(a custom 4-D mask cannot be expressed as a window and a padding mask)")
     padding = None if attention_mask is None else attention_mask[:, -S:].to(torch.bool)  # [B, S]
     layer = getattr(sketch, "_cache_layer", None)
+    offset = 0 if layer is None else getattr(layer.state, "offset", 0)  # the tokens the state holds
+    if padding is not None and _pads_under_sinks(padding, sketch.sinks - offset):
+        raise ValueError(f"{ATTENTION_NAME}: a left-padded batch puts the {sketch.sinks} attention sinks (the first "
+                         "positions) on pad tokens, so a row's output would depend on its padding: pad on the right "
+                         "(tokenizer.padding_side='right') or convert with sinks=0")
     if layer is None and S != T:
         raise ValueError(f"{ATTENTION_NAME}: {S} keys for {T} queries: a converted model decodes with "
                          "sketchlab.convert.cache.SketchStateCache (generate() uses it by default), not with a key/value cache")
@@ -185,3 +190,13 @@ def remember_cache(module: nn.Module, args, kwargs) -> None:
 def forget_cache(module: nn.Module, args, kwargs, output) -> None:
     """Forward hook beside :func:`remember_cache`: drop the pointer after the call."""
     module.sketch._cache_layer = None
+
+
+def _pads_under_sinks(padding: torch.Tensor, first: int) -> bool:
+    """Whether a row of ``padding [B, S]`` (True = a real token) has a pad among its first ``first``
+    positions with a real token after it (left padding under the sinks)."""
+    if first <= 0:
+        return False
+    head = padding[:, :first]
+    real_after = padding.flip(1).cumsum(1).flip(1)[:, :first] - head.int()  # real tokens after each position
+    return bool(((~head) & (real_after > 0)).any())
