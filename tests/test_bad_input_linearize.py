@@ -287,3 +287,19 @@ def test_capture_creates_parents_reports_files_and_shows_a_bar(suffix, model_dir
     assert re.search(r"capture:\s+\d+%\|", captured.err) and not re.search(r"\d+%\|", captured.out)
     assert main(argv + ["--no-progress"]) == 0
     assert not re.search(r"\d+%\|", capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("extra,path", [
+    (["--attention", "hedgehog"], "toy"), (["--no-fit"], "toy"), (["--window", "8", "--sinks", "0"], "toy"),
+    (["--steps", "3"], "pretrained"), (["--non-negative"], "pretrained"), (["--lr", "0.1"], "pretrained"),
+])
+def test_an_option_of_the_other_path_is_refused_not_ignored(extra, path, tmp_path, capsys, no_work):
+    """Each path reads its own options: the toy CHECKPOINT path refuses the real-model options (it used to
+    train LLoPS silently under --attention hedgehog) and the other way round, before any work."""
+    out = tmp_path / "out"
+    text = tmp_path / "t.txt"
+    text.write_text("the cat sat on the mat.\n" * 4, encoding="utf-8")
+    source = [str(TEACHER)] if path == "toy" else ["--model-dir", str(tmp_path), "--text", str(text)]
+    names = ", ".join(a for a in extra if a.startswith("--"))
+    _exit_2(["linearize", *source, *extra, "--out", str(out)], capsys, re.escape(names) + ": not read by the path of")
+    assert not out.exists()

@@ -112,10 +112,33 @@ def run(args) -> int:
                                         ("--gguf", args.gguf)) if value is not None]
     if len(sources) != 1:
         raise UsageError(f"give exactly one of CHECKPOINT (toy model), --model-dir or --gguf, got {sources or 'none'}")
+    toy = args.checkpoint is not None
+    _refuse_other_path_options(args, PRETRAINED_ONLY if toy else TOY_ONLY, "CHECKPOINT (the toy model)" if toy
+                               else sources[0])
     torch.set_num_threads(args.threads)
-    if args.checkpoint is not None:
+    if toy:
         return _run_toy(args)
     return _run_pretrained(args)
+
+
+#: Options only one path reads (each path refuses the other's when given, rather than ignoring them).
+TOY_ONLY = ("non_negative", "capture_sequences", "steps", "lr", "warmup", "transfer", "eval_sequences", "eval_every")
+PRETRAINED_ONLY = ("text", "attention", "window", "sinks", "local", "gate_init", "seq_len", "max_tokens",
+                   "transfer_steps", "transfer_lr", "lora_steps", "lora_rank", "lora_lr", "no_fit")
+
+
+def _refuse_other_path_options(args, names, source: str) -> None:
+    """Refuse (exit 2) the options of ``names`` that differ from their defaults: this path ignores them."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser.add_subparsers())
+    defaults = vars(parser.parse_args(["linearize", "--out", "-"]))
+    given = [f"--{name.replace('_', '-')}" for name in names if getattr(args, name) != defaults[name]]
+    if given:
+        raise UsageError(f"{', '.join(given)}: not read by the path of {source}; drop "
+                         f"{'it' if len(given) == 1 else 'them'} (the toy CHECKPOINT path and the --model-dir/--gguf "
+                         "path take different options, see --help)")
 
 
 def _same_path(a, b) -> bool:
