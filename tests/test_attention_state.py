@@ -200,3 +200,21 @@ def test_half_inputs_keep_the_state_in_float32(dtype):
     assert out.dtype == dtype and state.S.dtype == torch.float32
     tol = 2e-2 if dtype == torch.bfloat16 else 5e-3
     assert (out.double() - ref).abs().max() / ref.abs().max() < tol
+
+
+def test_a_state_mask_on_another_device_is_refused():
+    """The state's padding masks must live with the inputs, like its tensors (a meta tensor stands in
+    for another device on a CPU-only machine)."""
+    import dataclasses
+
+    q, k, v = _rand(1, 8, 2, 4, seed=1), _rand(1, 8, 2, 4, seed=2), _rand(1, 8, 2, 3, seed=3)
+    mask = torch.ones(1, 8, dtype=torch.bool)
+    mask[0, 6] = False
+    theta = _theta()
+    _, state = llops_attention(q, k, v, theta, theta, window=3, sinks=1, key_padding_mask=mask, backend="torch",
+                               output_final_state=True)
+    assert state.mask_window is not None
+    moved = dataclasses.replace(state, mask_window=state.mask_window.to("meta"))
+    with pytest.raises(ValueError, match="initial_state.mask_window is on meta"):
+        llops_attention(q[:, :2], k[:, :2], v[:, :2], theta, theta, window=3, sinks=1, backend="torch",
+                        initial_state=moved)

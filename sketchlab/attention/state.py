@@ -134,4 +134,6 @@ def check_state(state, *, batch: int, heads: int, num_features: int, dim: int | 
         if m is not None and (not isinstance(m, torch.Tensor) or m.dtype != torch.bool or tuple(m.shape) != (batch, n)):
             raise ValueError(f"initial_state.{name} must be None or a bool tensor [{batch}, {n}], got "
                              f"{tuple(m.shape) if isinstance(m, torch.Tensor) else m!r}")
+        if m is not None and m.device != like.device:
+            raise ValueError(f"initial_state.{name} is on {m.device}, the inputs on {like.device}")
     return state
