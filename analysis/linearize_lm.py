@@ -31,7 +31,8 @@ from pathlib import Path
 
 import torch
 
-from sketchlab.convert import convert_attention, converted_modules
+from sketchlab.cli._common import finite_float
+from sketchlab.convert import convert_attention
 from sketchlab.convert.linearize import (
     attention_errors,
     attention_transfer,
@@ -106,15 +107,8 @@ def parse_args():
 
 
 def gate_init_arg(text: str):
-    if text in ("mass", "search"):
-        return text
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--gate-init must be a number or 'mass', got {text!r}") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"--gate-init must be finite, got {text!r}")
-    return value
+    """``--gate-init``: ``mass``, ``search`` or a finite number (an argparse type)."""
+    return text if text in ("mass", "search") else finite_float(text)
 
 
 def log(msg: str) -> None:

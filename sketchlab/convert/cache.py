@@ -104,9 +104,4 @@ class SketchStateCache(Cache):
 
     def state_bytes(self) -> int:
         """Bytes held by the states of every layer (constant in the context length)."""
-        total = 0
-        for layer in self.layers:
-            if layer.state is not None:
-                total += sum(t.numel() * t.element_size() for t in vars(layer.state).values()
-                             if isinstance(t, torch.Tensor))
-        return total
+        return sum(layer.state.nbytes for layer in self.layers if layer.state is not None)
