@@ -234,14 +234,43 @@ def test_fit_takes_an_npy_dump_by_its_name_and_records_its_metadata_hash(tmp_pat
 
 
 def test_an_npy_dump_output_counts_with_all_its_parts(tmp_path):
-    from sketchlab.cli._common import check_outputs
+    from sketchlab.cli._common import Outputs
 
     (tmp_path / "in.txt").write_text("x")
     os.link(tmp_path / "in.txt", tmp_path / "out.k.npy")  # a part of the output dump is the input
     with pytest.raises(ValueError, match=r"--out: output .*out.npy' is the input .*in.txt"):
-        check_outputs({"--out": str(tmp_path / "out.npy")}, inputs=[str(tmp_path / "in.txt")], dumps=("--out",))
-    check_outputs({"--out": str(tmp_path / "new" / "o.npy")}, inputs=[str(tmp_path / "in.txt")], dumps=("--out",))
-    assert (tmp_path / "new").is_dir()  # the parent is created for a command that writes the file itself
+        Outputs({"--out": str(tmp_path / "out.npy")}, inputs=[str(tmp_path / "in.txt")], dumps=("--out",))
+    Outputs({"--out": str(tmp_path / "new" / "o.npy")}, inputs=[str(tmp_path / "in.txt")], dumps=("--out",))
+    assert not (tmp_path / "new").exists()  # checking creates nothing
+
+
+def test_parents_created_for_a_writer_and_removed_when_it_fails(tmp_path):
+    """A command that writes its file itself gets the missing parents inside ``parents_created``; when the
+    write fails there, the directories it created are removed (nothing left behind), existing ones kept."""
+    from sketchlab.cli._common import Outputs
+
+    (tmp_path / "keep").mkdir()
+    outputs = Outputs({"--out": str(tmp_path / "keep" / "a" / "b" / "o.safetensors")})
+    with pytest.raises(OSError, match="disk full"), outputs.parents_created():
+        assert (tmp_path / "keep" / "a" / "b").is_dir()
+        raise OSError("disk full")
+    assert (tmp_path / "keep").is_dir() and not (tmp_path / "keep" / "a").exists()
+    with outputs.parents_created():
+        (tmp_path / "keep" / "a" / "b" / "o.safetensors").write_text("x")
+    assert (tmp_path / "keep" / "a" / "b" / "o.safetensors").read_text() == "x"
+
+
+def test_a_failing_fit_leaves_no_output_directory(dump, tmp_path, capsys, monkeypatch):
+    """``fit`` creates the output's parents only to write the file, and removes them when that write fails."""
+    import sketchlab.fit as fit_module
+
+    def broken_save(self, path, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(fit_module.Fit, "save_theta", broken_save)
+    out = tmp_path / "new" / "deeper" / "t.safetensors"
+    assert main(["fit", str(dump), "--m", "4", "--out", str(out), "--no-progress"]) != 0
+    assert "disk full" in capsys.readouterr().err and not (tmp_path / "new").exists()
 
 
 def test_plot_must_be_png_and_matplotlib_present_before_any_work(dump, tmp_path, capsys, monkeypatch):

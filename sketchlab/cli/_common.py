@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 __all__ = [
-    "DEFAULT_M", "DEFAULT_P", "Outputs", "UsageError", "add_common", "check_outputs", "device_arg", "int_list",
+    "DEFAULT_M", "DEFAULT_P", "Outputs", "UsageError", "add_common", "device_arg", "int_list",
     "nonnegative_float", "nonnegative_int", "positive_float", "positive_int", "positive_int_list", "scale_arg",
     "seed_arg", "write_text_atomic",
 ]
@@ -290,11 +290,17 @@ class Outputs:
         for path in self.directories.values():
             Path(path).mkdir(parents=True, exist_ok=True)
 
-    def create_parents(self) -> None:
-        """Create the missing parent directories of the output files (for a command that writes a file itself)."""
-        for path in self.files.values():
-            if path != "-":
-                Path(os.path.realpath(path)).parent.mkdir(parents=True, exist_ok=True)
+    @contextlib.contextmanager
+    def parents_created(self):
+        """Create the missing parent directories of the output files for a command that writes its
+        files itself, inside this ``with`` block; a failure inside it removes the directories it
+        created (so a failed run leaves nothing behind)."""
+        created = _make_parents(self.files.values())
+        try:
+            yield
+        except BaseException:
+            _remove_created(created)
+            raise
 
     def announce(self, *paths) -> None:
         """Print ``wrote PATH`` (stderr) for files a command wrote itself."""
@@ -322,14 +328,7 @@ class Outputs:
                     if path == "-":
                         stdout_text = content
                         continue
-                    parent = Path(os.path.realpath(path)).parent
-                    missing = []
-                    while not parent.exists():
-                        missing.append(parent)
-                        parent = parent.parent
-                    for folder in reversed(missing):
-                        folder.mkdir()
-                        created.append(folder)
+                    created += _make_parents([path])
                     tmp = stack.enter_context(atomic_write(path))
                     if isinstance(content, str):
                         Path(tmp).write_text(content, encoding="utf-8")
@@ -339,9 +338,7 @@ class Outputs:
                         content(tmp)
                     self.written.append(path)
         except BaseException:
-            for folder in reversed(created):
-                with contextlib.suppress(OSError):
-                    folder.rmdir()
+            _remove_created(created)
             self.written = []
             raise
         if stdout_text is not None:
@@ -352,11 +349,28 @@ class Outputs:
         return list(self.written)
 
 
-def check_outputs(outputs: dict, inputs=(), *, dumps=()) -> None:
-    """Check every output of a command before it does any work (:class:`Outputs`, for commands
-    that write their files themselves; ``"-"`` is not accepted); then create their missing parent
-    directories."""
-    Outputs(outputs, inputs=inputs, dumps=dumps).create_parents()
+def _make_parents(paths) -> list[Path]:
+    """Create the missing parent directories of ``paths`` (``"-"`` skipped); return those created, outermost first."""
+    created: list[Path] = []
+    for path in paths:
+        if path == "-":
+            continue
+        parent = Path(os.path.realpath(path)).parent
+        missing = []
+        while not parent.exists():
+            missing.append(parent)
+            parent = parent.parent
+        for folder in reversed(missing):
+            folder.mkdir()
+            created.append(folder)
+    return created
+
+
+def _remove_created(created: list[Path]) -> None:
+    """Remove the directories :func:`_make_parents` created (innermost first) where they are still empty."""
+    for folder in reversed(created):
+        with contextlib.suppress(OSError):
+            folder.rmdir()
 
 
 def write_text_atomic(path: str, text: str) -> None:

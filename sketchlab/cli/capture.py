@@ -100,7 +100,6 @@ def run(args) -> int:
             f"capture: q, k, v of {args.max_tokens} tokens ({estimate[1]}, float32) need about "
             f"{estimate[0] / 2**30:.3g} GiB, over the memory budget of {memory_budget() / 2**30:.3g} GiB (half of "
             "this machine's memory): lower --max-tokens")
-    outputs.create_parents()
     with transformers_progress(not args.no_progress), \
             tqdm(total=2, desc="capture", unit="stage", disable=args.no_progress) as bar:
         bar.set_postfix_str("load the model and run it")
@@ -109,7 +108,8 @@ def run(args) -> int:
         bar.update()
         bar.set_postfix_str("write the dump")
         meta = {key: value for key, value in dump.meta.items() if key != "layout"}
-        dump.path = save_qk(Path(args.out), dump.q, dump.k, dump.v, meta=meta)
+        with outputs.parents_created():
+            dump.path = save_qk(Path(args.out), dump.q, dump.k, dump.v, meta=meta)
         bar.update()
     outputs.announce(*(dump_files(args.out) or [args.out]))
     L, H, n, d = dump.q.shape

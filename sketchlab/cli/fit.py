@@ -68,8 +68,8 @@ def run(args) -> int:
     fit = fit_sketch(args.method, sel.q.to(args.device), sel.k.to(args.device), p=args.p, m=args.m, seed=args.seed,
                      holdout=args.holdout, fit_tokens=args.fit_tokens, **options)
     fit.scale = args.scale
-    outputs.create_parents()
-    fit.save_theta(args.out, dump=args.dump)  # one file, written atomically by export_theta
+    with outputs.parents_created():
+        fit.save_theta(args.out, dump=args.dump)  # one file, written atomically by export_theta
     outputs.announce(args.out)
     report = fit.report
     line = (f"{args.method}: p={args.p} m={args.m} layers×heads={list(sel.q.shape[:2])} ({sel.scale_description}) "
