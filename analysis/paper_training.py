@@ -12,7 +12,10 @@ model and differs only in the attention kernel:
 
 * ``softmax``; ``poly`` (exact polynomial attention, p = 2, quadratic time);
 * ``based`` (BASED's Taylor map ``1 + s + s²/2`` on a 16-dimensional feature projection: 273 features);
-* ``psf`` (PolySketchFormer's random sketch, self-tensored, fixed);
+* ``psf`` (PolySketchFormer's random sketch, self-tensored, fixed); ``psf-learned`` (its learned
+  sketch, LN → Linear → GELU → Linear, self-tensored; ``sketchlab.featuremaps.PSFLearnedMap``);
+* ``hedgehog`` (``[softmax(xW), softmax(-xW)]``, W learned, started at the identity, separate query
+  and key maps as LoLCATs; ``sketchlab.featuremaps.HedgehogMap``);
 * ``llops`` at degree p and sketch size m, Θ initialised at random (element-wise start) or from
   BASED's expand map (``--init based``; only where m is a BASED feature count), Θ learning at
   ``kernel_lr`` times the model's rate.
@@ -101,6 +104,9 @@ def methods(d_model: int) -> dict[str, Method]:
         Method("based", "BASED (Taylor, feature dim 16: 273 features)", "based", {"form": "taylor", "dim": 16}),
         Method("psf-p4-m256", "PSF (random, self-tensored, degree 4, 256 features)", "psf",
                {"p": 4, "m": 256, "non_negative": True}),
+        Method("psf-learned-p4-m256", "PSF (learned sketch, self-tensored, degree 4, 256 features)", "psf-learned",
+               {"p": 4, "m": 256}),
+        Method("hedgehog", f"Hedgehog ({2 * d_model} features, W from the identity)", "hedgehog", {"m": 2 * d_model}),
     ]
     for p in (2, 4, 6):
         for m in (64, 128, 192, 256):
@@ -113,7 +119,7 @@ def methods(d_model: int) -> dict[str, Method]:
                       {"p": 4, "m": 256}, init="based", kernel_lr=KERNEL_LR))
     # the sliding-window hybrids (exact softmax on the last `window` keys, the sketch beyond, one denominator,
     # a learned gate per head): BASED's own recipe; window 64 at Zoology's lengths (16 at a quarter of them)
-    for base in [m for m in out if m.key in ("based", "llops-p4-m256", "llops-p2-m256-based")]:
+    for base in [m for m in out if m.key in ("based", "llops-p4-m256", "llops-p2-m256-based", "hedgehog")]:
         out.append(replace(base, key=f"{base.key}-w64", label=f"{base.label} + window 64",
                            options={**base.options, "window": 64}))
         out.append(replace(base, key=f"{base.key}-w16", label=f"{base.label} + window 16",
@@ -635,7 +641,8 @@ def main(argv=None) -> int:
     args = _parse(argv)
     if args.methods is None:
         args.methods = QUICK_METHODS if args.quick else ("softmax,based,llops-p4-m256,llops-p4-m256-based,"
-                                                         "llops-p2-m256,llops-p2-m256-based,llops-p6-m256,poly-p2,psf-p4-m256")
+                                                         "llops-p2-m256,llops-p2-m256-based,llops-p6-m256,poly-p2,psf-p4-m256,"
+                                                         "psf-learned-p4-m256,hedgehog")
     if args.part == "mqar":
         return mqar(args)
     return table1(args)

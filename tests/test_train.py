@@ -247,7 +247,7 @@ def test_llops_kernel_is_llops_attention_on_scaled_inputs(non_negative):
     ("llops", {"backend": "cuda"}, r"backend must be one of \['auto', 'torch', 'triton', 'reference'\]"),
     ("llops", {"degree": 2}, r"unknown attention option\(s\) \['degree'\] for attention 'llops'; it takes"),
     ("softmax", {"p": 2}, r"attention 'softmax' takes no options"),
-    ("nope", {}, r"attention must be one of \['based', 'llops', 'poly', 'psf', 'softmax'"),
+    ("nope", {}, r"attention must be one of \['based', 'hedgehog', 'llops', 'poly', 'psf', 'psf-learned', 'softmax'"),
 ])
 def test_attention_options_are_checked(attention, options, msg):
     with pytest.raises(ValueError, match=msg):

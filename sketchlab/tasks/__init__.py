@@ -7,7 +7,8 @@
 - :mod:`sketchlab.tasks.model`: :class:`TransformerLM` with a pluggable attention kernel
   (layout ``[B, T, H, D]``, registry :func:`register_attention`; ``"softmax"`` via SDPA).
 - :mod:`sketchlab.tasks.attention`: the sketched kernels ``"poly"``, ``"based"``, ``"psf"``,
-  ``"llops"`` (through :mod:`sketchlab.attention`) and the LLoPS initialisations.
+  ``"llops"``, ``"hedgehog"``, ``"psf-learned"`` (through :mod:`sketchlab.attention`) and the
+  LLoPS initialisations.
 - :mod:`sketchlab.tasks.train`: training loop (AdamW, cosine, clipping, resumable checkpoints,
   DistributedDataParallel under ``torchrun``), held-out accuracy.
 """
@@ -15,9 +16,11 @@
 from .attention import (
     LLOPS_INITS,
     BasedKernel,
+    HedgehogKernel,
     LLoPSKernel,
     PolyKernel,
     PSFKernel,
+    PSFLearnedKernel,
     based_init_dim,
     copy_shared_weights,
     init_llops,
@@ -53,9 +56,11 @@ __all__ = [
     "IGNORE_INDEX",
     "LLOPS_INITS",
     "BasedKernel",
+    "HedgehogKernel",
     "LLoPSKernel",
     "LinearizeResult",
     "PSFKernel",
+    "PSFLearnedKernel",
     "PolyKernel",
     "based_init_dim",
     "copy_shared_weights",

@@ -24,14 +24,34 @@ convention, kernel ``1 + s' + s'²/2`` with ``s' = (Pq)ᵀ(Pk)/√d'``).
 ``"llops"`` — learnable ``Θ_Q, Θ_K`` ``[H, t, p, D, m]`` per layer
     options ``p`` (2), ``m`` (64), ``rank`` (1), ``non_negative`` (False; True: ``φ ⊗ φ``, degree
     ``2p``, ``m²`` features), ``normalize``, ``eps``, ``backend`` ("auto").
+``"hedgehog"`` — Hedgehog's learned map :class:`sketchlab.featuremaps.HedgehogMap`
+    ``[softmax(xW), softmax(-xW)]`` (LoLCATs' form; non-negative features, kernel ≈ ``exp``),
+    ``W [H, D, m/2]`` trained with the model
+    options ``m`` (``2·D``: ``W`` starts at the identity; another even ``m`` starts at
+    ``N(0, 1/D)``), ``tie`` (False: separate query and key maps, both started from the same
+    ``W``, as LoLCATs; True: one map), ``seed`` (0; layer ``i`` draws from ``seed + i``),
+    ``normalize``, ``eps``.
+``"psf-learned"`` — PolySketchFormer's learned sketch, self-tensored:
+    ``SelfTensored(PSFLearnedMap)`` (``LayerNorm → Linear → GELU → Linear`` to ``⌊√m⌋``
+    features, then ``φ ⊗ φ``: ``⌊√m⌋²`` non-negative features, standing for degree ``p``),
+    trained with the model
+    options ``p`` (4, even: the inner sketch stands for degree ``p/2``), ``m`` (64), ``hidden``
+    (``4·D``), ``tie`` (True: one sketch for queries and keys, as PolySketchFormer; False: two,
+    started equal), ``seed`` (0; layer ``i`` from ``seed + i``), ``normalize``, ``eps``.
 
-``"based"``, ``"psf"`` and ``"llops"`` also take the sliding-window hybrid
+``"based"``, ``"psf"``, ``"llops"``, ``"hedgehog"`` and ``"psf-learned"`` also take the sliding-window hybrid
 (:func:`sketchlab.attention.llops_attention`): ``window`` (0 = pure linear attention), ``sinks``
 (0), ``local`` ("softmax" on ``qᵀk/√D``, or "poly": the kernel's exact polynomial on the same
 scaled q, k) and ``gate`` (true: a learnable per-head logit, initialised to 0, so ``g = 1/2``).
 Every kernel decodes with a state (``step``, used by :func:`sketchlab.tasks.generate`): linear
 attention carries an :class:`~sketchlab.attention.AttentionState` (constant in the context
 length), ``softmax`` and ``poly`` a KV cache.
+
+``"hedgehog"`` and ``"psf-learned"`` see ``x · D^{-1/4}`` too (their learned weights absorb any
+scale; PSF's LayerNorm removes it), so the hybrid's softmax part is ``qᵀk/√D`` as for the others;
+``local="poly"`` uses the map's degree (``p`` for ``"psf-learned"``; Hedgehog has none and refuses it).
+Their maps run through :func:`sketchlab.attention.featuremap_attention` (PyTorch, every device:
+there is no fused kernel for them).
 
 ``normalize="sum"`` divides by ``Σ_s k(q_t, k_s) + eps``: safe for non-negative kernels (``poly`` with
 even ``p``, ``psf``/``llops`` with ``non_negative``, BASED, LLoPS initialised from BASED with even
@@ -57,6 +77,8 @@ from .model import TransformerConfig, TransformerLM, register_attention
 
 __all__ = [
     "BasedKernel",
+    "HedgehogKernel",
+    "PSFLearnedKernel",
     "LLOPS_INITS",
     "LLoPSKernel",
     "PSFKernel",
@@ -156,6 +178,30 @@ def _psf_options(opts: dict, config: TransformerConfig) -> dict:
     out = {"p": p, "m": m, "non_negative": non_negative, "seed": _int(opts, "seed", 0, lo=0),
            "normalize": _choice(opts, "normalize", "sum", _NORMALIZE), "eps": _eps(opts)}
     return _done("psf", opts, _hybrid_options(opts, out))
+
+
+def _hedgehog_options(opts: dict, config: TransformerConfig) -> dict:
+    m = _int(opts, "m", 2 * config.head_dim)
+    if m % 2:
+        raise ValueError(f"attention option m must be even for Hedgehog ([softmax(xW), softmax(-xW)], m/2 each), got m={m}")
+    out = {"m": m, "tie": _bool(opts, "tie", False), "seed": _int(opts, "seed", 0, lo=0),
+           "normalize": _choice(opts, "normalize", "sum", _NORMALIZE), "eps": _eps(opts)}
+    out = _done("hedgehog", opts, _hybrid_options(opts, out))
+    if out["window"] and out["local"] == "poly":
+        raise ValueError("attention option local='poly' needs a polynomial kernel, and Hedgehog (≈ exp) has no degree: "
+                         "use local='softmax'")
+    return out
+
+
+def _psf_learned_options(opts: dict, config: TransformerConfig) -> dict:
+    p = _int(opts, "p", 4)
+    if p % 2:
+        raise ValueError(f"attention option p must be even for the learned PSF sketch (φ ⊗ φ of a degree-p/2 sketch), "
+                         f"got p={p}")
+    out = {"p": p, "m": _int(opts, "m", 64), "hidden": _int(opts, "hidden", 4 * config.head_dim),
+           "tie": _bool(opts, "tie", True), "seed": _int(opts, "seed", 0, lo=0),
+           "normalize": _choice(opts, "normalize", "sum", _NORMALIZE), "eps": _eps(opts)}
+    return _done("psf-learned", opts, _hybrid_options(opts, out))
 
 
 def _llops_options(opts: dict, config: TransformerConfig) -> dict:
@@ -323,10 +369,58 @@ class LLoPSKernel(_HybridMixin, nn.Module):
                                backend=o["backend"], **self._hybrid(), **state)
 
 
+class _FeatureMapKernel(_HybridMixin, nn.Module):
+    """A learned :class:`sketchlab.featuremaps.FeatureMap` per side (``map_q``; ``map_k``, or
+    ``None`` when tied), through :func:`sketchlab.attention.featuremap_attention` on ``x · D^{-1/4}``."""
+
+    def _init_maps(self, config: TransformerConfig, make):
+        self.scale = input_scale(config.head_dim)
+        self.map_q = make()
+        self.map_k = None if self.options["tie"] else make()  # the same draw: both sides start equal
+        self._init_hybrid(config, 1.0)  # q, k scaled by D^{-1/4}: qᵀk/√D for softmax, the map's base for poly
+
+    def _attend(self, q, k, v, **state):
+        from ..attention import featuremap_attention
+
+        o = self.options
+        # the maps are non-negative (softmax features; φ ⊗ φ), so "sum" divides by a positive sum
+        # without self-tensoring again; backend "torch": there is no fused kernel for these maps
+        return featuremap_attention(q * self.scale, k * self.scale, v, self.map_q, self.map_k, causal=True,
+                                    normalize=o["normalize"], non_negative=False, eps=o["eps"], backend="torch",
+                                    **self._hybrid(), **state)
+
+
+class HedgehogKernel(_FeatureMapKernel):
+    """Hedgehog: :class:`sketchlab.featuremaps.HedgehogMap` (parameters ``map_q.weight``,
+    ``map_k.weight`` ``[H, D, m/2]``), drawn with ``seed + layer``."""
+
+    def __init__(self, config: TransformerConfig, layer: int):
+        super().__init__()
+        from ..featuremaps import HedgehogMap
+
+        self.options = o = dict(config.attention_options)
+        self._init_maps(config, lambda: HedgehogMap(config.n_heads, config.head_dim, m=o["m"], seed=o["seed"] + layer))
+
+
+class PSFLearnedKernel(_FeatureMapKernel):
+    """PolySketchFormer's learned sketch: ``SelfTensored(PSFLearnedMap(m=⌊√m⌋, hidden, degree=p/2))``
+    (:func:`sketchlab.featuremaps.make_feature_map` ``"psf"``), drawn with ``seed + layer``."""
+
+    def __init__(self, config: TransformerConfig, layer: int):
+        super().__init__()
+        from ..featuremaps import make_feature_map
+
+        self.options = o = dict(config.attention_options)
+        self._init_maps(config, lambda: make_feature_map("psf", heads=config.n_heads, head_dim=config.head_dim, p=o["p"],
+                                                         m=o["m"], seed=o["seed"] + layer, hidden=o["hidden"]))
+
+
 register_attention("poly", options=_poly_options)(PolyKernel)
 register_attention("based", options=_based_options)(BasedKernel)
 register_attention("psf", options=_psf_options)(PSFKernel)
 register_attention("llops", options=_llops_options)(LLoPSKernel)
+register_attention("hedgehog", options=_hedgehog_options)(HedgehogKernel)
+register_attention("psf-learned", options=_psf_learned_options)(PSFLearnedKernel)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,0 +1,101 @@
+"""The MQAR study's method table (analysis/paper_training.py) builds what each method says: every
+key makes a model with its kernel; LLoPS "from BASED" is BASED's expand map at step 0 (float64
+logits to round-off); Hedgehog and PSF's learned sketch are the feature-map kernels; the verdict
+sentence compares the LLoPS-BASED difference with the seed spread."""
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from sketchlab.tasks import TransformerConfig, TransformerLM, copy_shared_weights, kernel_modules
+from sketchlab.tasks.attention import HedgehogKernel, PolyKernel, PSFLearnedKernel
+
+_PATH = Path(__file__).resolve().parent.parent / "analysis" / "paper_training.py"
+_spec = importlib.util.spec_from_file_location("paper_training", _PATH)
+pt = importlib.util.module_from_spec(_spec)
+sys.modules.setdefault("paper_training", pt)  # its dataclasses look their module up there
+_spec.loader.exec_module(pt)
+
+D_MODEL, VOCAB = 16, 32  # one head: head dim 16, BASED's d' = 16 fits
+
+
+def _tokens(seed=0, T=12):
+    return torch.randint(0, VOCAB, (2, T), generator=torch.Generator().manual_seed(seed))
+
+
+def test_every_method_builds_its_kernel_and_runs():
+    table = pt.methods(D_MODEL)
+    for key in ("softmax", "poly-p2", "based", "psf-p4-m256", "psf-learned-p4-m256", "hedgehog", "hedgehog-w16",
+                "llops-p4-m256", "llops-p4-m256-based", "llops-p2-m256-based", "llops-p6-m64"):
+        assert key in table, key
+    for key, method in table.items():
+        model = pt.build_model(method, D_MODEL, VOCAB, seed=0)
+        assert model.config.attention == method.attention, key
+        with torch.no_grad():
+            assert torch.isfinite(model(_tokens())).all(), key
+
+
+def test_poly_hedgehog_and_psf_learned_methods_are_the_named_kernels():
+    table = pt.methods(D_MODEL)
+    poly = kernel_modules(pt.build_model(table["poly-p2"], D_MODEL, VOCAB, 0))[0]
+    assert isinstance(poly, PolyKernel) and poly.options["p"] == 2
+    hh = kernel_modules(pt.build_model(table["hedgehog"], D_MODEL, VOCAB, 0))[0]
+    assert isinstance(hh, HedgehogKernel) and hh.map_k is not None
+    assert torch.equal(hh.map_q.weight[0], torch.eye(D_MODEL))  # m = 2·D: Hedgehog's identity start
+    psf = kernel_modules(pt.build_model(table["psf-learned-p4-m256"], D_MODEL, VOCAB, 0))[1]
+    assert isinstance(psf, PSFLearnedKernel) and psf.map_q.num_features == 256 and psf.map_q.degree == 4
+
+
+@pytest.mark.parametrize("key, p, dim", [("llops-p4-m256-based", 4, 4), ("llops-p2-m256-based", 2, 16)])
+def test_llops_from_based_is_basedexpand_at_step_0(key, p, dim):
+    """m = 256 = d'^p (full form: 4^4 and 16^2, no symmetric count equals 256), so the LLoPS model at
+    step 0 computes BASED's expand map (P q̃ · P k̃)^p on the first d' coordinates."""
+    method = pt.methods(D_MODEL)[key]
+    assert method.init == "based" and method.options == {"p": p, "m": 256}
+    llops = pt.build_model(method, D_MODEL, VOCAB, seed=3).double()
+    torch.manual_seed(7)
+    based = TransformerLM(TransformerConfig(vocab_size=VOCAB, d_model=D_MODEL, n_heads=1, n_layers=2, mlp_ratio=2,
+                                            short_conv=3, attention="based",
+                                            attention_options={"form": "expand", "p": p, "dim": dim,
+                                                               "symmetric": False})).double()
+    copy_shared_weights(llops, based)
+    x = _tokens(1, T=20)
+    with torch.no_grad():
+        a, b = llops(x), based(x)
+    # float64: Θ's 0/1 entries give the same products as the expand features, summed in another
+    # order: ~1e-15 relative per layer; 1e-10 of the logits' size fails for any wrong Θ: the random
+    # init below moves them by > 1e-6 of their size (at initialisation the attention's share of the
+    # logits is small, ~1e-3 here)
+    assert float((a - b).abs().max()) <= 1e-10 * float(b.abs().max())
+    random = pt.build_model(pt.methods(D_MODEL)[f"llops-p{p}-m256"], D_MODEL, VOCAB, seed=3).double()
+    copy_shared_weights(llops, random)
+    with torch.no_grad():
+        assert float((random(x) - b).abs().max()) > 1e-6 * float(b.abs().max())
+
+
+def _run(method, seed, acc):
+    slices = [{"seq_len": T, "num_pairs": P, "accuracy": acc, "queries": 1} for T, P in pt.QUICK.test_pairs()]
+    return {"spec": {"method": method, "seed": seed, "scale": {"divide": pt.QUICK.divide}}, "slices": slices}
+
+
+def test_score_reads_only_the_training_lengths():
+    r = _run("based", 0, 0.5)
+    for s in r["slices"]:
+        if s["seq_len"] > 64:
+            s["accuracy"] = 0.0  # the length-extrapolation slices do not count
+    assert pt.score(r) == 0.5
+
+
+def test_verdict_compares_the_difference_with_the_seed_spread():
+    based = [_run("based", s, a) for s, a in enumerate((0.80, 0.82, 0.84))]  # sd 0.02
+    close = [_run("llops-p4-m256", s, a) for s, a in enumerate((0.81, 0.85, 0.86))]  # +0.02 <= 2 sd
+    far = [_run("llops-p4-m256", s, a) for s, a in enumerate((0.30, 0.32, 0.34))]
+    assert "no difference beyond the seed spread" in pt.verdict({"based": based, "llops-p4-m256": close})
+    text = pt.verdict({"based": based, "llops-p4-m256": far})
+    assert "BASED ahead" in text and "-0.500" in text
+    assert "no claim either way" in pt.verdict({"based": based[:1], "llops-p4-m256": far})
+    assert math.isclose(pt.mean_sd([0.80, 0.82, 0.84])[1], 0.02)
