@@ -411,7 +411,8 @@ def _lora(model, family, ids, mask, train_idx, teacher_hidden, *, steps, rank, l
 
 def linearize(model: nn.Module, texts, *, tokenizer=None, attention: str = "llops", p: int = 2, m: int = 64,
               rank: int = 1, window: int = 64, sinks: int = 4, local: str = "softmax", feature_map=None,
-              normalize: str | None = None, gate_init: float = 0.0, seq_len: int = 512, max_tokens: int | None = None, holdout: float = 0.25,
+              normalize: str | None = None, gate_init: float | str | None = None, tied: bool | None = None,
+              gate_sequences: int = 4, seq_len: int = 512, max_tokens: int | None = None, holdout: float = 0.25,
               fit: bool = True, fit_tokens: int = 4096, fit_options: dict | None = None, transfer_steps: int = 100,
               transfer_lr: float = 1e-2, lora_steps: int = 0, lora_rank: int = 8, lora_lr: float = 1e-4,
               batch_size: int = 4, evaluate: bool = True, seed: int = 0, progress: bool = False):
@@ -428,8 +429,19 @@ def linearize(model: nn.Module, texts, *, tokenizer=None, attention: str = "llop
     holdout : float in (0, 1)
         Fraction of the sequences (the last ones) held out of training: every error and metric is
         measured on them.
-    attention, p, m, rank, window, sinks, local, feature_map, normalize, gate_init
-        The conversion (:func:`sketchlab.convert_attention`).
+    attention, p, m, rank, window, sinks, local, feature_map, normalize, tied
+        The conversion (:func:`sketchlab.convert_attention`; ``tied=None``: LLoPS as the tied
+        non-negative map on transformers models).
+    gate_init : float, "mass", "search" or None
+        The hybrid's initial gate logits: a number for every head, or set per head from the
+        teacher's attention on the first ``gate_sequences`` training sequences
+        (:func:`sketchlab.convert.scale.calibrate_gates`): ``"mass"`` the far part's mass matched
+        to the teacher's softmax mass beyond the window, ``"search"`` the least-error logit among
+        that plus the offsets :data:`~sketchlab.convert.scale.GATE_OFFSETS`. ``None`` (default):
+        ``"search"`` for a hybrid with a gate, nothing for pure linear attention (``window=0``,
+        which has no gate; ``"mass"``/``"search"`` are refused there).
+    gate_sequences : int >= 1
+        Training sequences the gate calibration reads (dense ``O(T²)`` per head and sequence).
     fit : bool
         Stage 0 (``attention="llops"`` without ``feature_map``): Θ from the kernel fit on the
         teacher's post-RoPE q, k of the training sequences (``fit_tokens`` of them per head;
@@ -462,9 +474,18 @@ def linearize(model: nn.Module, texts, *, tokenizer=None, attention: str = "llop
     transfer_steps = check_nonnegative_int(transfer_steps, "transfer_steps")
     lora_steps = check_nonnegative_int(lora_steps, "lora_steps")
     batch_size = check_positive_int(batch_size, "batch_size")
+    gate_sequences = check_positive_int(gate_sequences, "gate_sequences")
+    if gate_init is None:
+        gate_init = "search" if window else 0.0
+    if isinstance(gate_init, str):
+        if gate_init not in ("mass", "search"):
+            raise ValueError(f"gate_init must be a number, 'mass', 'search' or None, got {gate_init!r}")
+        if not window:
+            raise ValueError(f"gate_init={gate_init!r} sets the hybrid's gates: window=0 (pure linear attention) has none")
     encoder = family == "bert"
     settings = {"family": family, "attention": attention if feature_map is None else "custom", "p": p, "m": m,
                 "rank": rank, "window": window, "sinks": sinks, "local": local, "normalize": normalize, "gate_init": gate_init,
+                "tied": tied, "gate_sequences": gate_sequences,
                 "sequences": N, "held_out": n_held, "seq_len": int(ids.shape[1]), "tokens": int(mask.sum()),
                 "transfer_steps": transfer_steps, "transfer_lr": transfer_lr, "lora_steps": lora_steps,
                 "lora_rank": lora_rank, "lora_lr": lora_lr, "batch_size": batch_size, "seed": seed}
@@ -493,9 +514,15 @@ def linearize(model: nn.Module, texts, *, tokenizer=None, attention: str = "llop
         theta = tuple(t.reshape(len(layers), -1, *t.shape[-4:]) for t in theta)  # [L, H, t, p, D, m]
     sketches = convert_attention(model, attention=attention, p=p, m=m, rank=rank, window=window, sinks=sinks,
                                  local=local, feature_map=feature_map, theta=theta, normalize=normalize,
-                                 gate_init=gate_init, seed=seed)
+                                 gate_init=0.0 if isinstance(gate_init, str) else gate_init, tied=tied, seed=seed)
+    gates = None
+    if isinstance(gate_init, str):
+        from .scale import calibrate_gates
+
+        gates = calibrate_gates(sketches, layers, mask, train_idx[:gate_sequences], how=gate_init)
+        gates = [g.tolist() for g in gates]
     report.stages.append({"name": "fit" if theta is not None else "init", "seconds": time.perf_counter() - t0,
-                          "fit": fit_info, "layer_error": attention_errors(sketches, layers, mask, held_idx),
+                          "fit": fit_info, "gates": gates, "layer_error": attention_errors(sketches, layers, mask, held_idx),
                           "metric": metric(model)})
     if transfer_steps:
         t0 = time.perf_counter()
