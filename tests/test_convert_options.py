@@ -196,3 +196,39 @@ def test_cli_gate_init_and_untied(tmp_path, capsys):
             rc = err.code
         assert rc == 2 and message in capsys.readouterr().err
         assert not (tmp_path / "bad").exists()
+
+
+def test_fit_theta_layer_by_layer_shapes():
+    from sketchlab.convert.linearize import fit_theta
+
+    ids = _ids(4, 20)
+    (tq, tk), info = fit_theta(_llama(), ids, torch.ones_like(ids), p=2, m=4, fit_tokens=48,
+                               fit_options={"steps": 1, "lm_steps": 0})
+    assert tq.shape == tk.shape == (2, 4, 1, 2, 8, 4)  # [L, H, t, p, D, m]
+    assert info["fit_tokens"] == 48 and info["tokens"] == 80
+    assert len(info["rel_fro"]) == 2 and len(info["rel_fro"][0]) == 4 and all(0 < r < 1 for r in info["rel_fro"][0])
+    assert not torch.equal(tq[0], tq[1])  # each layer its own fit
+
+
+def test_lora_finetune_on_teacher_and_converted():
+    from sketchlab.convert.linearize import lora_finetune
+
+    ids = _ids(4, 20)
+    mask = torch.ones_like(ids)
+    teacher = _llama(torch.float32)
+    before = teacher.model.layers[0].self_attn.q_proj.weight.detach().clone()
+    merged, curve = lora_finetune(teacher, ids, mask, torch.arange(3), steps=3, rank=2, lr=1e-2)
+    assert len(curve) == 3 and not any("lora" in n for n, _ in merged.named_parameters())
+    # B starts at 0: the first step moves it, the merged weight differs from the teacher's
+    assert not torch.equal(merged.model.layers[0].self_attn.q_proj.weight.detach(), before)
+    model = _llama(torch.float32)
+    sketches = convert_attention(model, attention="hedgehog", m=4, window=4, sinks=1)
+    maps = sketches[0].feature_map_q.weight.detach().clone()  # HedgehogMap's [H, D, m/2]
+    merged, _ = lora_finetune(model, ids, mask, torch.arange(3), steps=2, rank=2, lr=1e-2)
+    assert len(converted_modules(merged)) == 2
+    assert all(p.requires_grad for s in converted_modules(merged) for p in s.parameters())  # restored
+    assert torch.equal(converted_modules(merged)[0].feature_map_q.weight.detach(), maps)  # LoRA leaves the maps
+    with pytest.raises(ValueError, match="steps"):
+        lora_finetune(_llama(), ids, mask, torch.arange(3), steps=0)
+    with pytest.raises(ValueError, match="lr must be"):
+        lora_finetune(_llama(), ids, mask, torch.arange(3), steps=1, lr=0.0)
