@@ -144,9 +144,13 @@ def test_linearize_gate_init_sets_gates_from_the_teacher(how):
 
 def test_linearize_gate_init_default_and_errors():
     ids = _ids()
-    model, report = linearize(_llama(), ids, attention="hedgehog", m=6, window=4, sinks=1, seq_len=20, holdout=0.34,
+    model, report = linearize(_llama(), ids, attention="taylor", m=10, window=4, sinks=1, seq_len=20, holdout=0.34,
                               transfer_steps=0, evaluate=False)
     assert report.settings["gate_init"] == "search" and report.stages[0]["gates"] is not None
+    model, report = linearize(_llama(), ids, attention="hedgehog", m=6, window=4, sinks=1, seq_len=20, holdout=0.34,
+                              transfer_steps=0, evaluate=False)  # bounded features: an even split
+    assert report.settings["gate_init"] == 0.0 and report.stages[0]["gates"] is None
+    assert all(not bool(s.gate.detach().any()) for s in converted_modules(model))
     model, report = linearize(_llama(), ids, attention="hedgehog", m=6, window=4, sinks=1, seq_len=20, holdout=0.34,
                               gate_init=1.5, transfer_steps=0, evaluate=False)
     assert all(torch.equal(s.gate.detach(), torch.full((4,), 1.5, dtype=torch.float64)) for s in converted_modules(model))
@@ -175,6 +179,7 @@ def test_cli_gate_init_and_untied(tmp_path, capsys):
     common = ["linearize", "--model-dir", str(tmp_path / "m"), "--text", str(tmp_path / "t.txt"), "--m", "4",
               "--window", "4", "--sinks", "1", "--seq-len", "32", "--transfer-steps", "0", "--no-fit", "--no-progress"]
     for extra, gate_init, tied in ((["--gate-init", "mass"], "mass", True), ([], "search", True),
+                                   (["--attention", "hedgehog"], 0.0, False),
                                    (["--gate-init", "-1.5", "--untied"], -1.5, False)):
         out = tmp_path / f"o{len(extra)}{gate_init}"
         assert main(common + extra + ["--out", str(out)]) == 0
@@ -183,7 +188,7 @@ def test_cli_gate_init_and_untied(tmp_path, capsys):
         options = json.loads((out / "model" / "sketchlab_conversion.json").read_text())
         assert options["tied"] is tied
         gates = summary["stages"][0]["gates"]
-        assert (gates is None) == (gate_init == -1.5)
+        assert (gates is None) == (not isinstance(gate_init, str))
         if gates is not None:
             assert max(abs(g) for row in gates for g in row) > 0.1  # set from the teacher, not left at 0
     capsys.readouterr()
