@@ -312,7 +312,7 @@ def test_theta_initialises_llops_maps():
     model = _llama()
     theta_q = torch.randn(2, 4, 1, 2, 8, 6, dtype=torch.float64)  # [L, H, t, p, D, m]
     theta_k = torch.randn(2, 4, 1, 2, 8, 6, dtype=torch.float64)
-    sketches = convert_attention(model, attention="llops", p=2, m=6, theta=(theta_q, theta_k))
+    sketches = convert_attention(model, attention="llops", p=2, m=6, theta=(theta_q, theta_k), tied=False)
     for layer, s in enumerate(sketches):
         assert torch.equal(s.feature_map_q.theta, theta_q[layer]) and torch.equal(s.feature_map_k.theta, theta_k[layer])
     with pytest.raises(ValueError, match="Θ has 3 layers, the model 2"):

@@ -56,6 +56,11 @@ def _degree(text: str) -> int:
     return value
 
 
+def _gate_init(text: str):
+    """``--gate-init``: ``mass``, ``search`` or a finite number (an argparse type)."""
+    return text if text in ("mass", "search") else finite_float(text)
+
+
 def add_arguments(sub) -> None:
     cmd = sub.add_parser("linearize", help="swap a model's attention for sketched attention, train it in stages")
     cmd.add_argument("checkpoint", nargs="?",
@@ -68,8 +73,13 @@ def add_arguments(sub) -> None:
     cmd.add_argument("--window", type=nonnegative_int, default=64, help="exact local keys (0: pure linear; default 64)")
     cmd.add_argument("--sinks", type=nonnegative_int, default=4, help="attention sinks (default 4)")
     cmd.add_argument("--local", choices=("softmax", "poly"), default="softmax", help="the exact part inside the window")
-    cmd.add_argument("--gate-init", type=finite_float, default=0.0,
-                     help="initial gate logit: sigmoid of it weighs the window, the rest the sketch (default 0: 1/2)")
+    cmd.add_argument("--gate-init", type=_gate_init, default=None,
+                     help="the hybrid's initial gate logits: a number (sigmoid of it weighs the window, the rest the "
+                          "sketch), 'mass' (per head, the far mass matched to the teacher's softmax mass beyond the "
+                          "window) or 'search' (per head, the least-error logit near it); default: 0 for hedgehog, search for "
+                          "the other maps (sketchlab.linearize's gate_init)")
+    cmd.add_argument("--untied", action="store_true",
+                     help="LLoPS as the untied map (p signed factors) instead of the tied non-negative (x·θ)^p map")
     cmd.add_argument("--p", type=_degree, default=2, help="degree of the attention kernel (default 2)")
     cmd.add_argument("--m", type=positive_int, default=64, help="features (default 64)")
     cmd.add_argument("--out", required=True,
@@ -123,7 +133,7 @@ def run(args) -> int:
 
 #: Options only one path reads (each path refuses the other's when given, rather than ignoring them).
 TOY_ONLY = ("non_negative", "capture_sequences", "steps", "lr", "warmup", "transfer", "eval_sequences", "eval_every")
-PRETRAINED_ONLY = ("text", "attention", "window", "sinks", "local", "gate_init", "seq_len", "max_tokens",
+PRETRAINED_ONLY = ("text", "attention", "window", "sinks", "local", "gate_init", "untied", "seq_len", "max_tokens",
                    "transfer_steps", "transfer_lr", "lora_steps", "lora_rank", "lora_lr", "no_fit")
 
 
@@ -282,7 +292,7 @@ def _run_toy(args) -> int:
 
 def _pretrained_settings(args) -> dict:
     """What identifies a real-model run (recorded as ``cli`` in its ``linearize.json``)."""
-    keys = ("attention", "p", "m", "rank", "window", "sinks", "local", "normalize", "gate_init", "seq_len",
+    keys = ("attention", "p", "m", "rank", "window", "sinks", "local", "normalize", "gate_init", "untied", "seq_len",
             "max_tokens", "holdout", "transfer_steps", "transfer_lr", "lora_steps", "lora_rank", "lora_lr", "no_fit",
             "batch_size", "seed")
     return {"source": os.path.realpath(args.gguf or args.model_dir), "text": os.path.realpath(args.text),
@@ -302,6 +312,10 @@ def _run_pretrained(args) -> int:
         raise UsageError(f"--text {args.text}: no such file")
     if args.holdout <= 0:
         raise UsageError(f"--holdout must lie in (0, 1) with --model-dir / --gguf, got {args.holdout}")
+    if isinstance(args.gate_init, str) and args.window == 0:
+        raise UsageError(f"--gate-init {args.gate_init} sets the hybrid's gates: --window 0 (pure linear attention) has none")
+    if args.untied and args.attention != "llops":
+        raise UsageError(f"--untied is an LLoPS option; --attention {args.attention} has no tied form")
     out = Path(args.out)
     source = Path(args.gguf) if args.gguf else Path(args.model_dir)
     _out_is_not_an_input_file(args.out, args.gguf, args.text)
@@ -314,7 +328,7 @@ def _run_pretrained(args) -> int:
     model, report = linearize(
         model, text, tokenizer=tokenizer, attention=args.attention, p=args.p, m=args.m, rank=args.rank,
         window=args.window, sinks=args.sinks, local=args.local, normalize=args.normalize, gate_init=args.gate_init,
-        seq_len=args.seq_len,
+        tied=False if args.untied else None, seq_len=args.seq_len,
         max_tokens=args.max_tokens, holdout=float(args.holdout), fit=not args.no_fit,
         transfer_steps=args.transfer_steps, transfer_lr=args.transfer_lr, lora_steps=args.lora_steps,
         lora_rank=args.lora_rank, lora_lr=args.lora_lr, batch_size=args.batch_size or 4, seed=args.seed,

@@ -3,12 +3,13 @@
 ``families`` finds each family's attention modules; ``sketched`` holds the added module
 (:class:`SketchedAttention`) and transformers' attention and mask functions; ``cache`` the
 decoding state; ``convert`` the public entry points; ``linearize`` the staged training;
-``pretrained`` the local loaders; ``_hf`` the transformers glue.
+``scale`` the tied LLoPS map and the gate calibration; ``pretrained`` the local loaders; ``_hf`` the transformers glue.
 """
 
 from .convert import convert_attention, converted_modules, load_linearized, save_linearized
 from .families import FAMILIES, attention_sites, family_of
-from .linearize import LinearizeReport, linearize, perplexity
+from .linearize import LinearizeReport, linearize, lora_finetune, perplexity
+from .scale import TiedLLoPSMap, calibrate_gates
 from .sketched import ATTENTION_NAME, SketchedAttention
 
 __all__ = [
@@ -16,12 +17,15 @@ __all__ = [
     "FAMILIES",
     "LinearizeReport",
     "SketchedAttention",
+    "TiedLLoPSMap",
     "attention_sites",
+    "calibrate_gates",
     "convert_attention",
     "converted_modules",
     "family_of",
     "linearize",
     "load_linearized",
+    "lora_finetune",
     "perplexity",
     "save_linearized",
 ]

@@ -73,10 +73,12 @@ def _load_theta_into(feature_map: nn.Module, theta: torch.Tensor, where: str) ->
 
 
 def _make_maps(attention: str, feature_map, layer: int, heads: int, head_dim: int, p: int, m: int, rank: int,
-               seed: int):
+               seed: int, tied: bool = False):
     """``(map_q, map_k)`` of one layer: ``feature_map(layer, heads, head_dim)`` when given (a map or a
     pair), else two :func:`sketchlab.featuremaps.make_feature_map` maps named ``attention`` (seeds
-    ``seed + 2·layer`` for queries, ``+ 1`` for keys)."""
+    ``seed + 2·layer`` for queries, ``+ 1`` for keys); ``tied``: LLoPS as
+    :class:`~sketchlab.convert.scale.TiedLLoPSMap` started from the same draw (its equal factors are
+    already tied: the first one is kept)."""
     if feature_map is not None:
         made = feature_map(layer, heads, head_dim)
         maps = tuple(made) if isinstance(made, (tuple, list)) else (made, made)
@@ -86,14 +88,39 @@ def _make_maps(attention: str, feature_map, layer: int, heads: int, head_dim: in
         return maps
     from ..featuremaps import make_feature_map
 
-    return tuple(make_feature_map(attention, heads=heads, head_dim=head_dim, p=p, m=m, rank=rank,
+    maps = tuple(make_feature_map(attention, heads=heads, head_dim=head_dim, p=p, m=m, rank=rank,
                                   seed=seed + 2 * layer + side) for side in range(2))
+    if tied:
+        from .scale import TiedLLoPSMap
+
+        maps = tuple(TiedLLoPSMap(heads, head_dim, x.theta.detach()[:, :, 0], p=p) for x in maps)  # [H, t, D, M]
+    return maps
+
+
+def _resolve_tied(tied, attention: str, feature_map, p: int, family: str, theta) -> bool:
+    """``tied=None``: the tied map for LLoPS of even degree on a transformers model (DESIGN §6), the
+    untied one on the toy model; an explicit ``True`` checked against what the tied map can be."""
+    if tied is None:
+        return attention == "llops" and feature_map is None and p % 2 == 0 and family != "toy" \
+            and (theta is None or p == 2)
+    if not isinstance(tied, bool):
+        raise TypeError(f"tied must be None or a bool, got {tied!r}")
+    if tied:
+        if attention != "llops" or feature_map is not None:
+            raise ValueError(f"tied=True makes the LLoPS map tied: it needs attention='llops' and no feature_map "
+                             f"(got attention={attention!r}{', a feature_map' if feature_map is not None else ''})")
+        if p % 2:
+            raise ValueError(f"tied=True needs an even degree p (each feature (x·θ)^p >= 0), got p={p}")
+        if theta is not None and p != 2:
+            raise ValueError(f"tied=True with a fitted theta needs p=2 (tie_theta ties degree-2 factors), got p={p}")
+    return tied
 
 
 def convert_attention(model: nn.Module, *, attention: str = "llops", p: int = 2, m: int = 64, rank: int = 1,
                       window: int = 64, sinks: int = 4, local: str = "softmax", feature_map=None, theta=None,
                       normalize: str | None = None, non_negative: bool = False, eps: float = 1e-6, learn: bool = True,
-                      gate: bool = True, gate_init: float = 0.0, seed: int = 0) -> list[SketchedAttention]:
+                      gate: bool = True, gate_init: float = 0.0, tied: bool | None = None,
+                      seed: int = 0) -> list[SketchedAttention]:
     r"""Swap every self-attention of ``model`` for sketched attention, in place; keep every weight.
 
     Parameters
@@ -137,7 +164,17 @@ def convert_attention(model: nn.Module, *, attention: str = "llops", p: int = 2,
     gate_init : float
         Its initial value: ``g = sigmoid(gate_init)`` weighs the exact local part, ``1 − g`` the
         sketch (``0``: ``g = 1/2``; a large value starts from window + sinks alone, the sketch
-        then entering as transfer trains the gate).
+        then entering as transfer trains the gate). Gates set from the teacher's attention
+        (``"mass"``, ``"search"``) need recorded teacher inputs: :func:`sketchlab.linearize`
+        (``gate_init=``) or :func:`sketchlab.convert.scale.calibrate_gates` after conversion.
+    tied : bool or None
+        LLoPS as the tied non-negative map :class:`~sketchlab.convert.scale.TiedLLoPSMap` (each
+        feature ``Σ_r (x·θ_r)^p``, even ``p``; a given ``theta`` is tied by
+        :func:`~sketchlab.convert.scale.tie_theta`, ``p = 2``) instead of
+        :class:`~sketchlab.featuremaps.LLoPSMap`, whose signed fitted factors make the hybrid's far
+        part dominate or go negative (DESIGN §6). ``None`` (default): tied for ``attention="llops"``
+        with even ``p`` (and ``p = 2`` when ``theta`` is given) on transformers models, untied on
+        the toy model (its equal factors stay equal under training) and for every other map.
     seed : int
         Seeds torch's generator while the maps are built (random initialisations are reproducible).
 
@@ -165,6 +202,10 @@ def convert_attention(model: nn.Module, *, attention: str = "llops", p: int = 2,
         raise ValueError(f"local must be one of {list(LOCALS)}, got {local!r}")
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not (0 <= eps < float("inf")):
         raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
+    if isinstance(gate_init, str):
+        raise ValueError(f"gate_init={gate_init!r}: convert_attention takes a number; gates from the teacher's "
+                         "attention need its recorded inputs: use sketchlab.linearize(gate_init=...) or "
+                         "sketchlab.convert.scale.calibrate_gates after conversion")
     if isinstance(gate_init, bool) or not isinstance(gate_init, numbers.Real) or not abs(gate_init) < float("inf"):
         raise ValueError(f"gate_init must be a finite number, got {gate_init!r}")
     for flag, name in ((learn, "learn"), (gate, "gate"), (non_negative, "non_negative")):
@@ -176,13 +217,18 @@ def convert_attention(model: nn.Module, *, attention: str = "llops", p: int = 2,
     if feature_map is not None and not callable(feature_map):
         raise TypeError("feature_map must be callable: feature_map(layer, heads, head_dim) -> FeatureMap or (map_q, map_k)")
     family, sites = attention_sites(model)
+    tied = _resolve_tied(tied, attention, feature_map, p, family, theta)
     thetas = _theta_tensors(theta, len(sites)) if theta is not None else None
+    if thetas is not None and tied:
+        from .scale import tie_theta
+
+        thetas = tuple(tie_theta(t) for t in thetas)  # [L, H, t, D, M]
     ref = next(model.parameters())
     sketches = []
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(_check_int(seed, "seed", 0))
         for layer, site in enumerate(sites):
-            map_q, map_k = _make_maps(attention, feature_map, layer, site.heads, site.head_dim, p, m, rank, seed)
+            map_q, map_k = _make_maps(attention, feature_map, layer, site.heads, site.head_dim, p, m, rank, seed, tied)
             sketch = SketchedAttention(map_q, map_k, heads=site.heads, head_dim=site.head_dim, window=window,
                                        sinks=sinks, local=local, gate=gate, normalize=normalize,
                                        non_negative=non_negative, eps=float(eps), causal=site.causal)
@@ -197,7 +243,7 @@ def convert_attention(model: nn.Module, *, attention: str = "llops", p: int = 2,
             sketches.append(sketch)
     options = {"attention": attention if feature_map is None else "custom", "p": p, "m": m, "rank": rank,
                "window": window, "sinks": sinks, "local": local, "normalize": normalize, "non_negative": non_negative,
-               "eps": float(eps), "gate": gate, "gate_init": float(gate_init), "seed": seed,
+               "eps": float(eps), "gate": gate, "gate_init": float(gate_init), "tied": tied, "seed": seed,
                "family": family}
     if family == "toy":
         for site, sketch in zip(sites, sketches):
@@ -296,6 +342,7 @@ def load_linearized(directory, model: nn.Module) -> nn.Module:
                          "was it written by sketchlab.save_linearized?")
     options = dict(options)
     options.pop("family", None)
+    options.setdefault("tied", False)  # saved before the option existed: the untied map
     if converted_modules(model, required=False):
         if {k: v for k, v in _options(model).items() if k != "family"} != options:
             raise ValueError(f"{directory}: the model is already converted with other options than the saved ones")

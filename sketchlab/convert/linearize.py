@@ -35,7 +35,7 @@ from .convert import convert_attention, converted_modules
 from .families import family_of
 
 __all__ = ["LayerIO", "LinearizeReport", "attention_errors", "attention_transfer", "embedding_agreement", "fit_theta",
-           "linearize", "perplexity", "sentence_embeddings", "teacher_attention", "tokenize_texts"]
+           "linearize", "lora_finetune", "perplexity", "sentence_embeddings", "teacher_attention", "tokenize_texts"]
 
 _TEACHER_NAME = "sketchlab_teacher"
 _RECORDING: list[dict] = []
@@ -296,9 +296,14 @@ def _nn_agreement(a: torch.Tensor, b: torch.Tensor) -> float:
 # stages
 
 
-def fit_theta(model, ids, mask, *, p, m, rank=1, fit_tokens=4096, seed=0, fit_options=None):
+def fit_theta(model, ids, mask, *, p, m, rank=1, fit_tokens=1024, seed=0, fit_options=None):
     """Stage 0: Θ ``[L, H, t, p, D, m]`` fitted to the teacher's post-RoPE kernel (``"sqrt-d"`` inputs)
-    on the valid tokens of ``ids [N, T]``; returns ``((theta_q, theta_k), info)``."""
+    on the valid tokens of ``ids [N, T]``; returns ``((theta_q, theta_k), info)``.
+
+    ``fit_tokens`` random tokens (the same positions for q and k) per head; one layer's heads are
+    fitted together, layer by layer, so the fit report's dense ``H × n × n`` kernel (its
+    Theorem 3.1 bound) never holds every layer at once (SmolLM2: 270 heads at 1024 tokens would
+    ask 4.5 GB; one layer, 0.15 GB)."""
     from ..capture import capture_qk
     from ..fit import fit_sketch
     from ..sketches import as_llops
@@ -314,12 +319,18 @@ def fit_theta(model, ids, mask, *, p, m, rank=1, fit_tokens=4096, seed=0, fit_op
         keep = torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:fit_tokens].sort().values
         q, k = q[..., keep, :], k[..., keep, :]
     options = dict(fit_options or {})
-    fit = fit_sketch("llops", q, k, p=p, m=m, rank=rank, seed=seed, reference=False, **options)
-    llops = as_llops(fit.sketch)
-    theta_q = llops.theta_q.detach()
-    theta_k = theta_q if llops.theta_k is None else llops.theta_k.detach()
-    report = fit.report.as_dict()
-    return (theta_q, theta_k), {"tokens": n, "fit_tokens": int(q.shape[-2]), "rel_fro": report.get("rel_fro"), "seconds": report.get("seconds")}
+    thetas_q, thetas_k, rel_fro, seconds = [], [], [], 0.0
+    for layer in range(q.shape[0]):
+        fit = fit_sketch("llops", q[layer], k[layer], p=p, m=m, rank=rank, seed=seed, reference=False, **options)
+        llops = as_llops(fit.sketch)
+        thetas_q.append(llops.theta_q.detach())  # [H, t, p, D, m]
+        thetas_k.append(thetas_q[-1] if llops.theta_k is None else llops.theta_k.detach())
+        report = fit.report.as_dict()
+        rel = report.get("rel_fro")
+        rel_fro.append(rel.tolist() if isinstance(rel, torch.Tensor) else rel)
+        seconds += float(report.get("seconds") or 0.0)
+    theta_q, theta_k = torch.stack(thetas_q), torch.stack(thetas_k)  # [L, H, t, p, D, m]
+    return (theta_q, theta_k), {"tokens": n, "fit_tokens": int(q.shape[-2]), "rel_fro": rel_fro, "seconds": seconds}
 
 
 def attention_transfer(sketches, layers: list[LayerIO], mask, train_idx, *, steps: int, lr: float = 1e-2,
@@ -367,8 +378,35 @@ _LORA_TARGETS = {
 }
 
 
+def lora_finetune(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, train_idx, *, steps: int, rank: int = 8,
+                  lr: float = 1e-4, batch_size: int = 1, seed: int = 0, teacher_hidden: torch.Tensor | None = None,
+                  progress: bool = False):
+    r"""Stage 2: LoRA (peft) on the attention projections of ``model``, merged into the weights afterwards.
+
+    AdamW (no weight decay) on adapters of rank ``rank`` (``lora_alpha = 2·rank``) over the query,
+    key, value and output projections, ``steps`` steps on random batches of ``batch_size`` of the
+    sequences ``train_idx`` of ``ids, mask [N, T]``; loss: the next-token cross-entropy (causal LMs),
+    or with ``teacher_hidden [N, T, hidden]`` the mean squared distance of the final hidden states to
+    the teacher's over the valid tokens (encoders). Works on converted models (the feature maps keep
+    their ``requires_grad``) and on unconverted ones alike (the same adaptation of the teacher
+    itself or of a window-only model: the control for what LoRA on the training text alone buys).
+
+    Returns
+    -------
+    (model, losses)
+        The merged model (no peft wrappers left) and the loss of every step.
+    """
+    steps = check_positive_int(steps, "steps")
+    rank = check_positive_int(rank, "rank")
+    batch_size = check_positive_int(batch_size, "batch_size")
+    if not (isinstance(lr, (int, float)) and not isinstance(lr, bool) and 0 < lr < float("inf")):
+        raise ValueError(f"lr must be a finite number > 0, got {lr!r}")
+    return _lora(model, family_of(model), ids, mask, torch.as_tensor(train_idx), teacher_hidden, steps=steps,
+                 rank=rank, lr=float(lr), batch_size=batch_size, seed=seed, progress=progress)
+
+
 def _lora(model, family, ids, mask, train_idx, teacher_hidden, *, steps, rank, lr, batch_size, seed, progress):
-    """Stage 2: LoRA (peft) on the attention projections, merged into the weights afterwards."""
+    """Stage 2 (:func:`lora_finetune`, unchecked)."""
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError as err:
@@ -378,7 +416,7 @@ def _lora(model, family, ids, mask, train_idx, teacher_hidden, *, steps, rank, l
                          "sketchlab.tasks.train_mqar")
     config = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=_LORA_TARGETS[family],
                         fan_in_fan_out=family == "gpt2")
-    sketch_grad = {id(p): p.requires_grad for s in converted_modules(model) for p in s.parameters()}
+    sketch_grad = {id(p): p.requires_grad for s in converted_modules(model, required=False) for p in s.parameters()}
     peft_model = get_peft_model(model, config)
     params = [p for p in peft_model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
@@ -403,7 +441,7 @@ def _lora(model, family, ids, mask, train_idx, teacher_hidden, *, steps, rank, l
             print(f"lora step {step}: loss {curve[-1]:.4f}", flush=True)
     peft_model.eval()
     merged = peft_model.merge_and_unload()
-    for s in converted_modules(merged):
+    for s in converted_modules(merged, required=False):
         for p in s.parameters():
             p.requires_grad_(sketch_grad.get(id(p), True))
     return merged, curve
@@ -411,8 +449,9 @@ def _lora(model, family, ids, mask, train_idx, teacher_hidden, *, steps, rank, l
 
 def linearize(model: nn.Module, texts, *, tokenizer=None, attention: str = "llops", p: int = 2, m: int = 64,
               rank: int = 1, window: int = 64, sinks: int = 4, local: str = "softmax", feature_map=None,
-              normalize: str | None = None, gate_init: float = 0.0, seq_len: int = 512, max_tokens: int | None = None, holdout: float = 0.25,
-              fit: bool = True, fit_tokens: int = 4096, fit_options: dict | None = None, transfer_steps: int = 100,
+              normalize: str | None = None, gate_init: float | str | None = None, tied: bool | None = None,
+              gate_sequences: int = 4, seq_len: int = 512, max_tokens: int | None = None, holdout: float = 0.25,
+              fit: bool = True, fit_tokens: int = 1024, fit_options: dict | None = None, transfer_steps: int = 100,
               transfer_lr: float = 1e-2, lora_steps: int = 0, lora_rank: int = 8, lora_lr: float = 1e-4,
               batch_size: int = 4, evaluate: bool = True, seed: int = 0, progress: bool = False):
     r"""Convert ``model``'s attention (:func:`sketchlab.convert_attention`) and train it in stages.
@@ -428,8 +467,24 @@ def linearize(model: nn.Module, texts, *, tokenizer=None, attention: str = "llop
     holdout : float in (0, 1)
         Fraction of the sequences (the last ones) held out of training: every error and metric is
         measured on them.
-    attention, p, m, rank, window, sinks, local, feature_map, normalize, gate_init
-        The conversion (:func:`sketchlab.convert_attention`).
+    attention, p, m, rank, window, sinks, local, feature_map, normalize, tied
+        The conversion (:func:`sketchlab.convert_attention`; ``tied=None``: LLoPS as the tied
+        non-negative map on transformers models).
+    gate_init : float, "mass", "search" or None
+        The hybrid's initial gate logits: a number for every head, or set per head from the
+        teacher's attention on the first ``gate_sequences`` training sequences
+        (:func:`sketchlab.convert.scale.calibrate_gates`): ``"mass"`` the far part's mass matched
+        to the teacher's softmax mass beyond the window, ``"search"`` the least-error logit among
+        that plus the offsets :data:`~sketchlab.convert.scale.GATE_OFFSETS`. ``None`` (default):
+        ``0`` for a Hedgehog hybrid (bounded softmax features, on the window's scale: an even split
+        lets its far part learn, while a searched start leaves it ~1 % of the weight and transfer
+        with the gate at ``lr`` moves it slowly — on SmolLM2 layers 3/15/27, 200 steps: mean error
+        0.151 from gate 0, 0.213 from the search, 0.313 for window + sinks alone), ``"search"`` for
+        every other hybrid (unshifted polynomial or exponential far parts, 10³–10⁶ times the
+        window's mass at gate 0), nothing for pure linear attention (``window=0``, which has no
+        gate; ``"mass"``/``"search"`` are refused there).
+    gate_sequences : int >= 1
+        Training sequences the gate calibration reads (dense ``O(T²)`` per head and sequence).
     fit : bool
         Stage 0 (``attention="llops"`` without ``feature_map``): Θ from the kernel fit on the
         teacher's post-RoPE q, k of the training sequences (``fit_tokens`` of them per head;
@@ -462,9 +517,18 @@ def linearize(model: nn.Module, texts, *, tokenizer=None, attention: str = "llop
     transfer_steps = check_nonnegative_int(transfer_steps, "transfer_steps")
     lora_steps = check_nonnegative_int(lora_steps, "lora_steps")
     batch_size = check_positive_int(batch_size, "batch_size")
+    gate_sequences = check_positive_int(gate_sequences, "gate_sequences")
+    if gate_init is None:
+        gate_init = "search" if window and not (attention == "hedgehog" and feature_map is None) else 0.0
+    if isinstance(gate_init, str):
+        if gate_init not in ("mass", "search"):
+            raise ValueError(f"gate_init must be a number, 'mass', 'search' or None, got {gate_init!r}")
+        if not window:
+            raise ValueError(f"gate_init={gate_init!r} sets the hybrid's gates: window=0 (pure linear attention) has none")
     encoder = family == "bert"
     settings = {"family": family, "attention": attention if feature_map is None else "custom", "p": p, "m": m,
                 "rank": rank, "window": window, "sinks": sinks, "local": local, "normalize": normalize, "gate_init": gate_init,
+                "tied": tied, "gate_sequences": gate_sequences,
                 "sequences": N, "held_out": n_held, "seq_len": int(ids.shape[1]), "tokens": int(mask.sum()),
                 "transfer_steps": transfer_steps, "transfer_lr": transfer_lr, "lora_steps": lora_steps,
                 "lora_rank": lora_rank, "lora_lr": lora_lr, "batch_size": batch_size, "seed": seed}
@@ -490,12 +554,17 @@ def linearize(model: nn.Module, texts, *, tokenizer=None, attention: str = "llop
     if fit and attention == "llops" and feature_map is None:
         theta, fit_info = fit_theta(model, ids[train_idx], mask[train_idx], p=p, m=m, rank=rank,
                                      fit_tokens=fit_tokens, seed=seed, fit_options=fit_options)
-        theta = tuple(t.reshape(len(layers), -1, *t.shape[-4:]) for t in theta)  # [L, H, t, p, D, m]
     sketches = convert_attention(model, attention=attention, p=p, m=m, rank=rank, window=window, sinks=sinks,
                                  local=local, feature_map=feature_map, theta=theta, normalize=normalize,
-                                 gate_init=gate_init, seed=seed)
+                                 gate_init=0.0 if isinstance(gate_init, str) else gate_init, tied=tied, seed=seed)
+    gates = None
+    if isinstance(gate_init, str):
+        from .scale import calibrate_gates
+
+        gates = calibrate_gates(sketches, layers, mask, train_idx[:gate_sequences], how=gate_init)
+        gates = [g.tolist() for g in gates]
     report.stages.append({"name": "fit" if theta is not None else "init", "seconds": time.perf_counter() - t0,
-                          "fit": fit_info, "layer_error": attention_errors(sketches, layers, mask, held_idx),
+                          "fit": fit_info, "gates": gates, "layer_error": attention_errors(sketches, layers, mask, held_idx),
                           "metric": metric(model)})
     if transfer_steps:
         t0 = time.perf_counter()

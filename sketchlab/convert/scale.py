@@ -18,7 +18,10 @@ not shifted) outweigh the window by orders of magnitude. This module holds the t
   unlike :class:`sketchlab.featuremaps.LLoPSMap` whose ``p`` factors drift apart), started from a
   fitted signed Θ by :func:`tie_theta`;
 * :func:`far_mass_gate` — the per-head gate logit at which the far part's mass matches the
-  teacher's softmax mass beyond the window (median over queries, on recorded teacher inputs).
+  teacher's softmax mass beyond the window (median over queries, on recorded teacher inputs);
+  :func:`search_gate` — the least-error logit among candidates near it; :func:`calibrate_gates`
+  — either, for every converted layer (what :func:`sketchlab.linearize` runs for ``gate_init``
+  ``"mass"`` or ``"search"``).
 """
 
 from __future__ import annotations
@@ -31,7 +34,10 @@ from torch import nn
 from .._validation import as_float_tensor, check_positive_int
 from ..featuremaps import FeatureMap, _init_heads
 
-__all__ = ["TiedLLoPSMap", "far_mass_gate", "search_gate", "tie_theta"]
+__all__ = ["GATE_OFFSETS", "TiedLLoPSMap", "calibrate_gates", "far_mass_gate", "search_gate", "tie_theta"]
+
+#: Offsets added to the :func:`far_mass_gate` logit to make :func:`calibrate_gates`' ``"search"`` candidates.
+GATE_OFFSETS = (-2.0, 0.0, 2.0, 4.0, 6.0, 8.0)
 
 
 def tie_theta(theta: torch.Tensor) -> torch.Tensor:
@@ -196,3 +202,46 @@ def search_gate(sketch, io, attention_mask: torch.Tensor, index, candidates: tor
     gate = candidates[best, torch.arange(sketch.heads)]
     sketch.gate.copy_(gate.to(sketch.gate.dtype))
     return gate
+
+
+@torch.no_grad()
+def calibrate_gates(sketches, layers, attention_mask: torch.Tensor, index, how: str = "search",
+                    offsets=GATE_OFFSETS) -> list[torch.Tensor]:
+    r"""Set every converted layer's gate from the teacher's recorded attention; returns the logits ``[H]`` per layer.
+
+    Parameters
+    ----------
+    sketches : list of SketchedAttention
+        The converted layers (each with a gate: ``window > 0`` and ``gate=True``).
+    layers : list of LayerIO
+        The teacher's q, k, v and output of the same layers
+        (:func:`sketchlab.convert.linearize.teacher_attention`), on sequences ``[N, T]``.
+    attention_mask : Tensor ``[N, T]``
+        Their valid tokens.
+    index
+        The sequences to calibrate on (training sequences, never the held-out ones).
+    how : {"mass", "search"}
+        ``"mass"``: :func:`far_mass_gate` (the far part's mass matched to the teacher's softmax mass
+        beyond the window); ``"search"``: :func:`search_gate` over the candidates
+        ``mass + offset`` for each of ``offsets`` (the least attention-output error per head).
+    offsets : sequence of float
+        The search's offsets (non-empty, finite).
+    """
+    if how not in ("mass", "search"):
+        raise ValueError(f"how must be 'mass' or 'search', got {how!r}")
+    if len(sketches) != len(layers):
+        raise ValueError(f"{len(sketches)} converted layers but {len(layers)} recorded teacher layers")
+    offsets = torch.as_tensor(offsets, dtype=torch.float64).reshape(-1)
+    if how == "search" and (offsets.numel() == 0 or not bool(torch.isfinite(offsets).all())):
+        raise ValueError(f"offsets must be a non-empty sequence of finite numbers, got {offsets.tolist()}")
+    gates = []
+    for layer, (sketch, io) in enumerate(zip(sketches, layers)):
+        if sketch.gate is None:
+            raise ValueError(f"layer {layer}: the converted attention has no gate (window=0 or gate=False)")
+        mass = far_mass_gate(sketch, io, attention_mask, index)
+        if how == "search":
+            gates.append(search_gate(sketch, io, attention_mask, index, mass[None] + offsets[:, None]))
+        else:
+            sketch.gate.copy_(mass.to(sketch.gate.dtype))
+            gates.append(mass)
+    return gates
