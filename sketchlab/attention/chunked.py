@@ -41,6 +41,7 @@ from ._checks import (
     check_qkv,
     check_theta,
 )
+from .chunk_core import chunk_core
 from .hybrid_chunked import (
     DenominatorCounter,
     _Hybrid,
@@ -108,35 +109,14 @@ def _engine(feat_q, feat_k, v: torch.Tensor, length_q: int, *, causal: bool, nor
             outs.append(out)
         return torch.cat(outs, 2), state, zsum
 
-    tril = torch.ones(C, C, dtype=torch.bool, device=v.device).tril()
-    for a in range(0, S, block):
+    for a in range(0, S, block):  # causal: the core block by block, the state carried
         b = min(a + block, S)
-        n = b - a
-        padded = -(-n // C) * C
-        N = padded // C
-        fq = _pad_tokens(feat_q(a, b), padded).unflatten(2, (N, C))  # [B, H, N, C, M]
-        fk = _pad_tokens(feat_k(a, b), padded).unflatten(2, (N, C))  # [B, H, N, C, M]
-        vb = _pad_tokens(v[:, :, a:b], padded).unflatten(2, (N, C))  # [B, H, N, C, Dv]
-        scores = fq @ fk.mT  # [B, H, N, C, C]
-        if non_negative:
-            scores = scores.square()  # (φ(q)·φ(k))² = (φ⊗φ)(q)·(φ⊗φ)(k), no M² here
-        scores = scores.masked_fill(~tril, 0.0)
-        out = scores @ vb  # [B, H, N, C, Dv]   intra-chunk
-        fq2, fk2 = lift(fq), lift(fk)  # [B, H, N, C, M2]
-        upd = fk2.mT @ vb  # [B, H, N, M2, Dv]  per-chunk Σ φ(k)ᵀ v
-        prev = torch.cat([state[:, :, None], upd[:, :, :-1]], 2).cumsum(2)  # [B, H, N, M2, Dv] exclusive prefix
-        out = out + fq2 @ prev  # inter-chunk
-        state = prev[:, :, -1] + upd[:, :, -1]
-        if normalize == "sum" or z0 is not None:
-            zc = fk2.sum(3)  # [B, H, N, M2]
-            zprev = torch.cat([zsum[:, :, None], zc[:, :, :-1]], 2).cumsum(2)  # [B, H, N, M2]
-            zsum = zprev[:, :, -1] + zc[:, :, -1]
-        if normalize == "sum":
-            den = (fq2 @ zprev[..., None]).squeeze(-1) + scores.sum(-1)  # [B, H, N, C]
-            if counter is not None:
-                counter.add(den.flatten(2, 3)[:, :, :n], None if rows is None else rows[:, a:b])
-            out = out / (den[..., None] + eps)
-        outs.append(out.flatten(2, 3)[:, :, :n])  # [B, H, n, Dv]
+        out, den, state, zsum = chunk_core(feat_q(a, b), feat_k(a, b), v[:, :, a:b], state, zsum, off=0, lag=0,
+                                           chunk_size=C, non_negative=non_negative, normalize=normalize == "sum",
+                                           eps=eps)
+        if counter is not None:
+            counter.add(den, None if rows is None else rows[:, a:b])
+        outs.append(out)  # [B, H, n, Dv]
     return torch.cat(outs, 2), state, zsum
 
 
