@@ -11,8 +11,11 @@ public entry points).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from .chunk_core import chunk_core
 from .reference import self_tensor
 
 
@@ -80,21 +83,42 @@ class _Hybrid:
         return g[..., None] * loc_num + (1 - g[..., None]) * far_num, g * loc_den + (1 - g) * far_den
 
 
+@functools.lru_cache(maxsize=64)
+def _local_lags(C: int, window: int, lags: int, device: torch.device) -> torch.Tensor:
+    """``[C, lags·C]`` bool: query ``r`` and key ``u`` of the key chunk ``L`` chunks back are local
+    (``0 <= L·C + r − u < window``)."""
+    r = torch.arange(C, device=device)[:, None, None]
+    L = torch.arange(lags, device=device)[None, :, None]
+    u = torch.arange(C, device=device)[None, None, :]
+    lag = L * C + r - u  # [C, lags, C]
+    return ((lag >= 0) & (lag < window)).flatten(1)  # [C, lags·C]
+
+
+def _chunk_major(x: torch.Tensor, C: int) -> torch.Tensor:
+    """``x [B, H, L, F]`` (``L`` a multiple of ``C``) → ``[L/C, B, H, C, F]``, contiguous."""
+    B, H, L, F = x.shape
+    return x.view(B, H, L // C, C, F).permute(2, 0, 1, 3, 4).contiguous()
+
+
 def _hybrid_causal_block(h: _Hybrid, state, q_new, k_new, v_new, fq_new, fk_new, valid_new, C: int, counter):
     """One block of ``n`` new tokens of the causal hybrid, continuing ``state`` (positions from
     ``state.offset``). Tensors ``[B, H, n, ·]``, ``valid_new [B, n]``. Returns ``([B, H, n, Dv], state)``.
 
-    Query chunk ``c`` (positions ``a = P0 + cC …``) reads the band of keys ``a − w_e … a + C − 1``
-    (the held window then the block's keys, ``w_e = min(window, P0 + n)``) with explicit masks,
-    the sinks, and the far state: every non-sink key before ``a − w_e`` (an exclusive cumulative
-    sum of per-chunk sums of the band's first ``C`` keys). Cost ``O(n·(w + C + sinks)·(D + M))``.
+    The keys are extended in front by the held window and zeros to whole chunks (``off`` keys,
+    ``off/C >= `` the local lags in chunks − 1, so every query chunk has a key chunk at each lag).
+    Far part: :func:`~sketchlab.attention.chunk_core.chunk_core` with ``lag = w`` on the keys'
+    features zeroed off the far keys (sinks, padding); it also returns the new ``S, z``. Local
+    part: for query chunk ``c`` the ``C × C`` logits against each key chunk ``L = 0 … ⌈(w + C − 1)/C⌉ − 1``
+    back (chunk-major, so each is a slice, no band copy), joined with the sinks' along the key
+    axis, masked by one precomputed lag mask and the keys' validity, the row maximum ``c_i``
+    taken over all of them. Cost ``O(n·(w + C + sinks)·(D + M))``.
     """
     from .state import AttentionState
 
     B, H, n, Dv = v_new.shape
     P0, w, sinks = state.offset, h.window, h.sinks
     dev = v_new.device
-    # sinks: the first `sinks` positions, held apart; they never enter the band or the far state
+    # sinks: the first `sinks` positions, held apart; they never enter the local lags or the far sums
     ns = max(0, min(sinks - P0, n))
     mask_sink = state.mask_sink
     if ns:
@@ -107,67 +131,69 @@ def _hybrid_causal_block(h: _Hybrid, state, q_new, k_new, v_new, fq_new, fk_new,
         k_sink, v_sink = state.k_sink, state.v_sink
     Ls = k_sink.shape[2]
     Lw = state.k_window.shape[2]
-    we = min(w, P0 + n)  # effective window (positions before 0 do not exist)
-    pad = we - Lw
     N = -(-n // C)
-    tail = N * C - n
-    def joined(held, new, fill):  # [pad zeros | held window | new tokens | tail zeros], one copy
-        parts = [held, new]
-        if pad:
-            parts.insert(0, fill(pad, held))
-        if tail:
-            parts.append(fill(tail, held))
-        return torch.cat(parts, 2 if held.ndim == 4 else 1)  # the token axis
+    n_loc = -(-(w + C - 1) // C)  # key chunks back with a local key: 0 <= L·C − (C − 1) < w
+    Wc0 = -(-Lw // C)
+    n_loc = min(n_loc, Wc0 + N)  # further back there are no keys but the far state's
+    Wc = max(Wc0, n_loc - 1)
+    off = Wc * C
+    front, tail = off - Lw, N * C - n
 
-    def zeros(count, like):
-        if like.ndim == 2:
-            return torch.zeros(like.shape[0], count, dtype=torch.bool, device=dev)
-        return like.new_zeros(like.shape[0], like.shape[1], count, like.shape[3])
+    def joined(held, new):  # [front zeros | held window | new tokens | tail zeros] on the token axis
+        if held.ndim == 2:  # a mask [B, ·]
+            return torch.nn.functional.pad(torch.cat([held, new], 1), (front, tail), value=False)
+        return torch.nn.functional.pad(torch.cat([held, new], 2), (0, 0, front, tail))
 
-    kp = joined(state.k_window, k_new, zeros)  # [B, H, we + N·C, D]
-    vp = joined(state.v_window, v_new, zeros)  # [B, H, we + N·C, Dv]
-    fp = joined(state.phi_window, fk_new, zeros)  # [B, H, we + N·C, M]
     mw = torch.ones(B, Lw, dtype=torch.bool, device=dev) if state.mask_window is None else state.mask_window
     mn = torch.ones(B, n, dtype=torch.bool, device=dev) if valid_new is None else valid_new
-    mp = joined(mw, mn, zeros)  # [B, we + N·C]
-    pos = torch.arange(P0 - we, P0 + n + tail, device=dev)  # [we + N·C]
-    ok = mp & (pos >= sinks)[None, :]  # a band / far key: real and not a sink
-    # far state: per-chunk sums of the keys leaving the window, exclusive prefix over chunks
-    lf = h.lift(fp[:, :, : N * C] * ok[:, None, : N * C, None])  # [B, H, N·C, M2]
-    lfc, vc = lf.unflatten(2, (N, C)), vp[:, :, : N * C].unflatten(2, (N, C))  # [B, H, N, C, ·]
-    upd, zc = lfc.mT @ vc, lfc.sum(3)  # [B, H, N, M2, Dv], [B, H, N, M2]
-    prev = torch.cat([state.S[:, :, None], upd[:, :, :-1]], 2).cumsum(2)  # [B, H, N, M2, Dv]
-    zprev = torch.cat([state.z[:, :, None], zc[:, :, :-1]], 2).cumsum(2)  # [B, H, N, M2]
-    last = (N - 1) * C
-    S_new = prev[:, :, -1] + lf[:, :, last:n].mT @ vp[:, :, last:n]  # keys with position < P0 + n − w
-    z_new = zprev[:, :, -1] + lf[:, :, last:n].sum(2)
-    # query chunks and their bands of U = we + C keys
-    fq = _pad_tokens(fq_new, N * C).unflatten(2, (N, C))  # [B, H, N, C, M]
-    qc = _pad_tokens(q_new, N * C).unflatten(2, (N, C))  # [B, H, N, C, D]
-    U = we + C
-    band_k, band_v = _band(kp, U, C), _band(vp, U, C)  # [B, H, N, U, ·]
-    band_ok = ok.unfold(1, U, C)[:, None, :, None, :]  # [B, 1, N, 1, U]
-    r = torch.arange(C, device=dev)[:, None]
-    u = torch.arange(U, device=dev)[None, :]
-    lag = we + r - u  # i − j for query r, band key u            [C, U]
-    loc_ok = band_ok & (lag >= 0) & (lag < w)
-    # far keys inside the band (i − j >= w) are its first C keys (u <= r), chunk-aligned: no band copy;
-    # with we < w (the window reaches position 0) there are none
-    far_band = []
-    if we == w:
-        tril = torch.ones(C, C, dtype=torch.bool, device=dev).tril()
-        far_band.append((fp[:, :, : N * C].unflatten(2, (N, C)), vc, tril & ok[:, : N * C].unflatten(1, (N, C))[:, None, :, None, :]))
-    qpos = (P0 + torch.arange(N * C, device=dev)).view(N, C)  # [N, C]
-    sink_ok = (torch.arange(Ls, device=dev) <= qpos[..., None])[None, None]  # [1, 1, N, C, Ls]
-    if mask_sink is not None:
-        sink_ok = sink_ok & mask_sink[:, None, None, None, :]
-    lq = h.lift(fq)  # [B, H, N, C, M2]
-    num, den = h.combine(qc, fq, far_band, band_k, band_v, loc_ok, k_sink, v_sink,
-                         sink_ok, lq @ prev, (lq @ zprev[..., None]).squeeze(-1))
+    kp, vp, fp = joined(state.k_window, k_new), joined(state.v_window, v_new), joined(state.phi_window, fk_new)
+    mp = joined(mw, mn)  # [B, off + N·C]
+    pos = torch.arange(P0 - off, P0 + n + tail, device=dev)  # [off + N·C]
+    ok = mp & (pos >= sinks)[None, :]  # a local / far key: real and not a sink
+    # far part (and the new S, z): keys at least w back, through their features
+    n_ext = off + n
+    far_num, far_den, S_new, z_new = chunk_core(
+        fq_new, fp[:, :, :n_ext] * ok[:, None, :n_ext, None].to(fp.dtype), vp[:, :, :n_ext], state.S, state.z,
+        off=off, lag=w, chunk_size=C, non_negative=h.non_negative, normalize=False, eps=0.0)
+    # local part: chunk-major, the key chunk L back of query chunk c is chunk Wc + c − L
+    qc = _chunk_major(_pad_tokens(q_new, N * C), C)  # [N, B, H, C, D]
+    kc, vc = _chunk_major(kp, C), _chunk_major(vp, C)  # [Wc + N, B, H, C, ·]
+    okc = ok.view(B, Wc + N, C).transpose(0, 1)  # [Wc + N, B, C]
+    ks = [kc[Wc - L: Wc - L + N] for L in range(n_loc)]  # [N, B, H, C, D] each (views)
+    logits = torch.cat([qc @ kk.mT for kk in ks], -1) * h.scale  # [N, B, H, C, n_loc·C]
+    loc_ok = _local_lags(C, w, n_loc, dev) & torch.cat(
+        [okc[Wc - L: Wc - L + N] for L in range(n_loc)], -1)[:, :, None, None, :]  # [N, B, 1, C, n_loc·C]
+    if Ls:
+        qpos = (P0 + torch.arange(N * C, device=dev)).view(N, C)  # [N, C]
+        sink_ok = (torch.arange(Ls, device=dev) <= qpos[..., None])[:, None, None]  # [N, 1, 1, C, Ls]
+        if mask_sink is not None:
+            sink_ok = sink_ok & mask_sink[None, :, None, None, :]
+        logits = torch.cat([logits, (qc @ k_sink[None].mT) * h.scale], -1)  # [N, B, H, C, n_loc·C + Ls]
+        loc_ok = torch.cat([loc_ok.expand(-1, -1, -1, -1, -1), sink_ok.expand(N, B, 1, C, Ls)], -1)
+    if h.local == "softmax":
+        logits = logits.masked_fill(~loc_ok, float("-inf"))
+        cmax = logits.amax(-1, keepdim=True)  # [N, B, H, C, 1]   c_i = max over the local keys
+        cmax = torch.where(torch.isfinite(cmax), cmax, 0.0)  # a row without local keys: c = 0
+        a = torch.exp(logits - cmax)  # exp(-inf) = 0 off the local keys
+    else:
+        a = (logits**h.degree).masked_fill(~loc_ok, 0.0)
+    loc_den = a.sum(-1)  # [N, B, H, C]
+    loc_num = None
+    for L in range(n_loc):
+        part = a[..., L * C:(L + 1) * C] @ vc[Wc - L: Wc - L + N]  # [N, B, H, C, Dv]
+        loc_num = part if loc_num is None else loc_num + part
+    if Ls:
+        loc_num = loc_num + a[..., n_loc * C:] @ v_sink[None]
+    loc_num = loc_num.movedim(0, 2).flatten(2, 3)[:, :, :n]  # [B, H, n, Dv]
+    loc_den = loc_den.movedim(0, 2).flatten(2, 3)[:, :, :n]  # [B, H, n]
+    g = h.g  # [1, H, 1, 1]
+    num = g * loc_num + (1 - g) * far_num
+    den = g[..., 0] * loc_den + (1 - g[..., 0]) * far_den  # [B, H, n]
     if counter is not None:
-        counter.add(den.flatten(2, 3)[:, :, :n], mn)
-    out = (num / (den[..., None] + h.eps)).flatten(2, 3)[:, :, :n]  # [B, H, n, Dv]
-    keep = slice(n, n + we)  # the last `we` positions: the new window
+        counter.add(den, mn)
+    out = num / (den[..., None] + h.eps)  # [B, H, n, Dv]
+    we = min(w, P0 + n)
+    keep = slice(off + n - we, off + n)  # the last `we` positions: the new window
     has_mask = state.mask_window is not None or valid_new is not None
     new_state = AttentionState(
         S=S_new, z=z_new, k_window=kp[:, :, keep], v_window=vp[:, :, keep], phi_window=fp[:, :, keep],
