@@ -33,7 +33,7 @@ import torch
 
 from .reference import self_tensor
 
-__all__ = ["chunk_core"]
+__all__ = ["chunk_core", "hybrid_core"]
 
 
 @functools.lru_cache(maxsize=64)
@@ -216,3 +216,249 @@ def chunk_core(fq, fk, v, S_in, z_in, *, off: int, lag: int, chunk_size: int, no
     if fk.shape[2] != off + fq.shape[2] or v.shape[2] != fk.shape[2]:
         raise ValueError(f"fk and v must hold off + n = {off + fq.shape[2]} keys, got {fk.shape[2]} and {v.shape[2]}")
     return _Core.apply(fq, fk, v, S_in, z_in, off, lag, chunk_size, non_negative, normalize, eps)
+
+
+@functools.lru_cache(maxsize=64)
+def _hybrid_masks(C: int, window: int, lags: int, device: torch.device, dtype: torch.dtype):
+    """Per key-chunk lag ``L < lags``: ``local [lags, C, C]`` bool (``0 <= L·C + r − u < w``) and
+    ``far [lags, C, C]`` in ``dtype`` (``L·C + r − u >= w``), query ``r``, key ``u``."""
+    r = torch.arange(C, device=device)[None, :, None]
+    L = torch.arange(lags, device=device)[:, None, None]
+    u = torch.arange(C, device=device)[None, None, :]
+    lag = L * C + r - u  # [lags, C, C]
+    return (lag >= 0) & (lag < window), (lag >= window).to(dtype)
+
+
+class _HybridCore(torch.autograd.Function):
+    """Forward and backward of one causal hybrid block, chunk-major inside (see :func:`hybrid_core`)."""
+
+    @staticmethod
+    def _setup(fq, fk, v, q, k, key_ok, sink_ok, off, opts):
+        C, w, non_negative = opts[0], opts[1], opts[2]
+        n = fq.shape[2]
+        N, Wc, Ne = -(-n // C), off // C, off // C + -(-n // C)
+        n_loc = -(-(w + C - 1) // C)  # key chunks back with a local key
+        full = n_loc  # ... and from there on wholly far
+        n_loc = min(n_loc, Wc + 1)  # further back only padding (the caller's choice of off)
+        lift = self_tensor if non_negative else (lambda f: f)
+        fqc, fkc, vc = _chunks(fq, N, C), _chunks(fk, Ne, C), _chunks(v, Ne, C)
+        qc, kc = _chunks(q * opts[3], N, C), _chunks(k, Ne, C)  # q scaled by s
+        okc = _chunks(key_ok[:, None, :, None], Ne, C)[:, :, 0, :, 0]  # [Ne, B, C]
+        loc_m, far_m = _hybrid_masks(C, w, n_loc, fq.device, fq.dtype)
+        kks = [slice(Wc - L, Wc - L + N) for L in range(n_loc)]
+        loc_ok = torch.stack([okc[kk] for kk in kks])[:, :, :, None, None, :] & loc_m[:, None, None, None]
+        # [n_loc, N, B, 1, C, C]; the far lags are those with a far key, L·C + C − 1 >= w
+        far_lags = [L for L in range(n_loc) if L * C + C - 1 >= w]
+        c = torch.arange(N, device=fq.device)[:, None]
+        e = torch.arange(Ne, device=fq.device)[None, :]
+        prefix = (e <= Wc + c - full).to(fq.dtype)  # [N, Ne]
+        sok = _chunks(sink_ok.expand(fq.shape[0], 1, n, -1), N, C)  # [N, B, 1, C, Ls]
+        return dict(N=N, Wc=Wc, Ne=Ne, n_loc=n_loc, lift=lift, fqc=fqc, fkc=fkc, vc=vc, qc=qc, kc=kc, kks=kks,
+                    loc_ok=loc_ok, far_m=far_m, far_lags=far_lags, prefix=prefix, sok=sok)
+
+    @staticmethod
+    def forward(ctx, fq, fk, v, q, k, k_sink, v_sink, S_in, z_in, g, key_ok, sink_ok, off, opts):
+        C, w, non_negative, scale, softmax, degree, eps = opts
+        B, H, n, _ = fq.shape
+        Dv = v.shape[-1]
+        st = _HybridCore._setup(fq, fk, v, q, k, key_ok, sink_ok, off, opts)
+        N, Wc, Ne, n_loc, kks = st["N"], st["Wc"], st["Ne"], st["n_loc"], st["kks"]
+        qc, kc, vc, fqc, fkc = st["qc"], st["kc"], st["vc"], st["fqc"], st["fkc"]
+        lq, lk = st["lift"](fqc), st["lift"](fkc)
+        gb = g[None, None, :, None, None]  # [1, 1, H, 1, 1]
+        # far state: per-chunk sums, prefix by the 0/1 matrix
+        upd, zc = lk.mT @ vc, lk.sum(3)  # [Ne, B, H, M2, Dv], [Ne, B, H, M2]
+        P = (st["prefix"] @ upd.flatten(1)).view(N, *upd.shape[1:]) + S_in
+        zP = (st["prefix"] @ zc.flatten(1)).view(N, *zc.shape[1:]) + z_in
+        num = (lq @ P).mul_(1 - gb)  # [N, B, H, C, Dv]
+        den = (lq @ zP[..., None])[..., 0].mul_(1 - gb[..., 0])  # [N, B, H, C]
+        # local logits per lag (lag-major, each a contiguous slab) and the sinks'
+        A = q.new_empty(n_loc, N, B, H, C, C)
+        for L, kk in enumerate(kks):
+            torch.matmul(qc, kc[kk].mT, out=A[L])
+        Ls = k_sink.shape[2]
+        As = qc @ k_sink[None].mT  # [N, B, H, C, Ls]  (qc holds s·q)
+        if softmax:
+            A.masked_fill_(~st["loc_ok"], float("-inf"))
+            As.masked_fill_(~st["sok"], float("-inf"))
+            cmax = A.amax(dim=(0, -1))  # [N, B, H, C]
+            if Ls:
+                cmax = torch.maximum(cmax, As.amax(-1))
+            cmax = torch.where(torch.isfinite(cmax), cmax, 0.0)  # a row without local keys: c = 0
+            ties = (A == cmax[None, ..., None], As == cmax[..., None])  # where the max is taken (its gradient)
+            A.sub_(cmax[None, ..., None]).exp_()
+            As.sub_(cmax[..., None]).exp_()
+            saved = (A, As)
+        else:
+            saved = (A.masked_fill_(~st["loc_ok"], 0.0), As.masked_fill_(~st["sok"], 0.0))  # logits, for the backward
+            A, As = A**degree, As**degree
+            ties = ()
+        den += A.sum(dim=(0, -1)).mul_(gb[..., 0])
+        if Ls:
+            den += As.sum(-1).mul_(gb[..., 0])
+            num += (As @ v_sink[None]).mul_(gb)
+        for L, kk in enumerate(kks):
+            W = A[L] * gb  # [N, B, H, C, C]
+            if L in st["far_lags"]:
+                s = fqc @ fkc[kk].mT
+                f = (s.square_() if non_negative else s).mul_(st["far_m"][L]).mul_(1 - gb)
+                den += f.sum(-1)
+                W += f
+            num.view(-1, C, Dv).baddbmm_(W.view(-1, C, C), vc[kk].view(-1, C, Dv))
+        full, rem = divmod(max(0, off + n - w), C)
+        S_out, z_out = S_in + upd[:full].sum(0), z_in + zc[:full].sum(0)
+        if rem:
+            S_out = S_out + lk[full, :, :, :rem].mT @ vc[full, :, :, :rem]
+            z_out = z_out + lk[full, :, :, :rem].sum(2)
+        num, den = _unchunk(num, n), _unchunk(den, n)
+        out = num / (den[..., None] + eps)
+        ctx.off, ctx.opts = off, opts
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(fq, fk, v, q, k, k_sink, v_sink, S_in, z_in, g, key_ok, sink_ok, out, den,
+                              *saved, *ties)
+        ctx.mark_non_differentiable(den)
+        return out, den, S_out, z_out
+
+    @staticmethod
+    def backward(ctx, g_out, g_den, g_S, g_z):
+        off, opts = ctx.off, ctx.opts
+        C, w, non_negative, scale, softmax, degree, eps = opts
+        fq, fk, v, q, k, k_sink, v_sink, S_in, z_in, g, key_ok, sink_ok, out, den, *rest = ctx.saved_tensors
+        B, H, n, M = fq.shape
+        Dv = v.shape[-1]
+        st = _HybridCore._setup(fq, fk, v, q, k, key_ok, sink_ok, off, opts)
+        N, Wc, Ne, n_loc, kks = st["N"], st["Wc"], st["Ne"], st["n_loc"], st["kks"]
+        qc, kc, vc, fqc, fkc = st["qc"], st["kc"], st["vc"], st["fqc"], st["fkc"]
+        lq, lk = st["lift"](fqc), st["lift"](fkc)
+        M2 = lq.shape[-1]
+        gb = g[None, None, :, None, None]
+        if softmax:
+            A, As, tie, tie_s = rest
+        else:
+            logit, logit_s = rest
+            A, As = logit**degree, logit_s**degree
+        r = 1.0 / (den + eps)  # [B, H, n]
+        g_out = fq.new_zeros(B, H, n, Dv) if g_out is None else g_out
+        dnum = _chunks(g_out * r[..., None], N, C)  # [N, B, H, C, Dv]
+        dden = _chunks((-(g_out * out).sum(-1) * r)[..., None], N, C)[..., 0]  # [N, B, H, C]
+        # far state
+        upd, zc = lk.mT @ vc, lk.sum(3)
+        P = (st["prefix"] @ upd.flatten(1)).view(N, *upd.shape[1:]) + S_in
+        zP = (st["prefix"] @ zc.flatten(1)).view(N, *zc.shape[1:]) + z_in
+        dP0 = lq.mT @ dnum  # [N, B, H, M2, Dv]   (before the factor 1 − g)
+        dzP0 = (lq.mT @ dden[..., None])[..., 0]  # [N, B, H, M2]
+        dgh = -((dP0 * P).sum(dim=(0, 1, 3, 4)) + (dzP0 * zP).sum(dim=(0, 1, 3)))  # [H]  d/dg of (1 − g)·far
+        dP, dzP = dP0.mul_(1 - gb), dzP0.mul_(1 - gb[..., 0])
+        dlq = (dnum @ P.mT + dden[..., None] * zP[..., None, :]).mul_(1 - gb)  # [N, B, H, C, M2]
+        dupd = (st["prefix"].T @ dP.flatten(1)).view(Ne, B, H, M2, Dv)
+        dzc = (st["prefix"].T @ dzP.flatten(1)).view(Ne, B, H, M2)
+        dS_in, dz_in = dP.sum(0), dzP.sum(0)
+        full, rem = divmod(max(0, off + n - w), C)
+        if g_S is not None:
+            dS_in = dS_in + g_S
+            dupd[:full] += g_S
+        if g_z is not None:
+            dz_in = dz_in + g_z
+            dzc[:full] += g_z
+        dlk = vc @ dupd.mT + dzc[..., None, :]  # [Ne, B, H, C, M2]
+        dvc = lk @ dupd  # [Ne, B, H, C, Dv]
+        if rem and g_S is not None:
+            dlk[full, :, :, :rem] += vc[full, :, :, :rem] @ g_S.mT
+            dvc[full, :, :, :rem] += lk[full, :, :, :rem] @ g_S
+        if rem and g_z is not None:
+            dlk[full, :, :, :rem] += g_z[:, :, None, :]
+        dfq, dfk = (_unlift(dlq, fqc), _unlift(dlk, fkc)) if non_negative else (dlq, dlk)
+        # local and near-far lags: da = dnum·vᵀ + dden is the gradient of every weight of a (query, key)
+        dA = []
+        for L, kk in enumerate(kks):
+            da = (dnum @ vc[kk].mT).add_(dden[..., None])  # [N, B, H, C, C]
+            W = A[L] * gb
+            dgh += (A[L] * da).sum(dim=(0, 1, 3, 4))
+            if L in st["far_lags"]:
+                s = fqc @ fkc[kk].mT
+                f = (s.square() if non_negative else s).mul_(st["far_m"][L])
+                W += f * (1 - gb)
+                dgh -= (f * da).sum(dim=(0, 1, 3, 4))
+                ds = (da * st["far_m"][L]).mul_(1 - gb)
+                if non_negative:
+                    ds.mul_(s).mul_(2.0)
+                dfq += ds @ fkc[kk]
+                dfk[kk] += ds.mT @ fqc
+            dvc[kk] += W.mT @ dnum
+            dA.append(da.mul_(gb))  # the local weights' gradient g·da
+        Ls = k_sink.shape[2]
+        dv_sink = torch.zeros_like(v_sink)
+        if Ls:
+            da_s = (dnum @ v_sink[None].mT).add_(dden[..., None])  # [N, B, H, C, Ls]
+            dgh += (As * da_s).sum(dim=(0, 1, 3, 4))
+            dv_sink = ((As * gb).mT @ dnum).sum(0)  # [B, H, Ls, Dv]
+            da_s.mul_(gb)
+        # through a(logit): softmax a = exp(l − c) (c the row max: its gradient goes to where the max is
+        # taken, split evenly between ties, as autograd's amax), poly a = l^p
+        if softmax:
+            dl = [A[L] * dA[L] for L in range(n_loc)]
+            dl_s = As * da_s if Ls else None
+            dc = -sum(x.sum(-1) for x in dl)  # [N, B, H, C]
+            count = sum(t.sum(-1) for t in tie[:n_loc]) if n_loc else 0
+            if Ls:
+                dc = dc - dl_s.sum(-1)
+                count = count + tie_s.sum(-1)
+            share = dc / torch.clamp(count, min=1)  # [N, B, H, C]
+            for L in range(n_loc):
+                dl[L] += tie[L] * share[..., None]
+            if Ls:
+                dl_s += tie_s * share[..., None]
+        else:
+            dl = [dA[L] * degree * logit[L] ** (degree - 1) for L in range(n_loc)]
+            dl_s = da_s * degree * logit_s ** (degree - 1) if Ls else None
+        dqc = torch.zeros_like(qc)  # gradient w.r.t. the scaled q
+        dkc = torch.zeros_like(kc)
+        for L, kk in enumerate(kks):
+            dl[L] = dl[L].masked_fill_(~st["loc_ok"][L], 0.0)
+            dqc += dl[L] @ kc[kk]
+            dkc[kk] += dl[L].mT @ qc
+        dk_sink = torch.zeros_like(k_sink)
+        if Ls:
+            dl_s = dl_s.masked_fill_(~st["sok"], 0.0)
+            dqc += dl_s @ k_sink[None]
+            dk_sink = (dl_s.mT @ qc).sum(0)  # [B, H, Ls, D]
+        Lk = fk.shape[2]
+        return (_unchunk(dfq, n), _unchunk(dfk, Lk), _unchunk(dvc, Lk), _unchunk(dqc, n) * scale, _unchunk(dkc, Lk),
+                dk_sink, dv_sink, dS_in, dz_in, dgh, None, None, None, None)
+
+
+def hybrid_core(fq, fk, v, q, k, k_sink, v_sink, S_in, z_in, g, key_ok, sink_ok, *, off: int, window: int,
+                chunk_size: int, non_negative: bool, scale: float, local: str, degree, eps: float):
+    r"""One causal block of the sliding-window hybrid, forward and backward by hand.
+
+    Queries ``t = 0 … n−1`` are keys ``off + t`` of ``k``/``fk``/``v``; ``off`` is a multiple of
+    ``chunk_size`` and every key more than ``off/C`` chunks before its query's chunk is padding
+    (``key_ok = False``, zero features): the caller takes ``off/C >= min(⌈(w + C − 1)/C⌉,
+    ⌈L_w/C⌉ + ⌈n/C⌉) − 1`` with ``L_w`` the held window. With ``a`` the local
+    weights (``exp(s·qᵀk − c)`` over the keys ``0 <= lag < w`` with ``key_ok`` and the sinks,
+    ``c`` their maximum; or ``(s·qᵀk)^p``) and ``f`` the far kernel (keys ``lag >= w`` through
+    ``fk``, and the state ``S_in, z_in`` of every earlier key):
+
+    .. math:: o_t = \frac{g\sum a\,v + (1-g)\sum f\,v}{g\sum a + (1-g)\sum f + \varepsilon}.
+
+    The near-far key chunk shares its matmul with the local one (``(g·a + (1−g)·f) @ v``); the
+    backward recomputes the far states and scores and keeps the local weights.
+
+    Parameters
+    ----------
+    fq : ``[B, H, n, M]``; fk : ``[B, H, off + n, M]`` (zero off the far keys); v : ``[B, H, off + n, Dv]``
+    q : ``[B, H, n, D]``; k : ``[B, H, off + n, D]``
+    k_sink, v_sink : ``[B, H, Ls, D]``, ``[B, H, Ls, Dv]``
+    S_in, z_in : ``[B, H, M2, Dv]``, ``[B, H, M2]``
+    g : ``[H]``, the gate ``sigmoid(gate)``
+    key_ok : bool ``[B, off + n]``, a key that may be local; sink_ok : bool ``[B|1, 1, n, Ls]``
+    off, window, chunk_size, non_negative, scale, local, degree, eps
+        ``local`` is ``"softmax"`` or ``"poly"`` (degree ``p``).
+
+    Returns
+    -------
+    ``(out [B, H, n, Dv], den [B, H, n] (not differentiable), S_out, z_out)``, the state of every
+    key at least ``w`` before the block's end.
+    """
+    opts = (chunk_size, window, non_negative, float(scale), local == "softmax", degree, float(eps))
+    return _HybridCore.apply(fq, fk, v, q, k, k_sink, v_sink, S_in, z_in, g, key_ok, sink_ok, off, opts)

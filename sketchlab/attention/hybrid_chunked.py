@@ -15,7 +15,7 @@ import functools
 
 import torch
 
-from .chunk_core import chunk_core
+from .chunk_core import hybrid_core
 from .reference import self_tensor
 
 
@@ -83,23 +83,6 @@ class _Hybrid:
         return g[..., None] * loc_num + (1 - g[..., None]) * far_num, g * loc_den + (1 - g) * far_den
 
 
-@functools.lru_cache(maxsize=64)
-def _local_lags(C: int, window: int, lags: int, device: torch.device) -> torch.Tensor:
-    """``[C, lags·C]`` bool: query ``r`` and key ``u`` of the key chunk ``L`` chunks back are local
-    (``0 <= L·C + r − u < window``)."""
-    r = torch.arange(C, device=device)[:, None, None]
-    L = torch.arange(lags, device=device)[None, :, None]
-    u = torch.arange(C, device=device)[None, None, :]
-    lag = L * C + r - u  # [C, lags, C]
-    return ((lag >= 0) & (lag < window)).flatten(1)  # [C, lags·C]
-
-
-def _chunk_major(x: torch.Tensor, C: int) -> torch.Tensor:
-    """``x [B, H, L, F]`` (``L`` a multiple of ``C``) → ``[L/C, B, H, C, F]``, contiguous."""
-    B, H, L, F = x.shape
-    return x.view(B, H, L // C, C, F).permute(2, 0, 1, 3, 4).contiguous()
-
-
 def _hybrid_causal_block(h: _Hybrid, state, q_new, k_new, v_new, fq_new, fk_new, valid_new, C: int, counter):
     """One block of ``n`` new tokens of the causal hybrid, continuing ``state`` (positions from
     ``state.offset``). Tensors ``[B, H, n, ·]``, ``valid_new [B, n]``. Returns ``([B, H, n, Dv], state)``.
@@ -137,61 +120,29 @@ def _hybrid_causal_block(h: _Hybrid, state, q_new, k_new, v_new, fq_new, fk_new,
     n_loc = min(n_loc, Wc0 + N)  # further back there are no keys but the far state's
     Wc = max(Wc0, n_loc - 1)
     off = Wc * C
-    front, tail = off - Lw, N * C - n
+    front = off - Lw
 
-    def joined(held, new):  # [front zeros | held window | new tokens | tail zeros] on the token axis
+    def joined(held, new):  # [front zeros | held window | new tokens] on the token axis
         if held.ndim == 2:  # a mask [B, ·]
-            return torch.nn.functional.pad(torch.cat([held, new], 1), (front, tail), value=False)
-        return torch.nn.functional.pad(torch.cat([held, new], 2), (0, 0, front, tail))
+            return torch.nn.functional.pad(torch.cat([held, new], 1), (front, 0), value=False)
+        return torch.nn.functional.pad(torch.cat([held, new], 2), (0, 0, front, 0))
 
     mw = torch.ones(B, Lw, dtype=torch.bool, device=dev) if state.mask_window is None else state.mask_window
     mn = torch.ones(B, n, dtype=torch.bool, device=dev) if valid_new is None else valid_new
     kp, vp, fp = joined(state.k_window, k_new), joined(state.v_window, v_new), joined(state.phi_window, fk_new)
-    mp = joined(mw, mn)  # [B, off + N·C]
-    pos = torch.arange(P0 - off, P0 + n + tail, device=dev)  # [off + N·C]
+    mp = joined(mw, mn)  # [B, off + n]
+    pos = torch.arange(P0 - off, P0 + n, device=dev)  # [off + n]
     ok = mp & (pos >= sinks)[None, :]  # a local / far key: real and not a sink
-    # far part (and the new S, z): keys at least w back, through their features
-    n_ext = off + n
-    far_num, far_den, S_new, z_new = chunk_core(
-        fq_new, fp[:, :, :n_ext] * ok[:, None, :n_ext, None].to(fp.dtype), vp[:, :, :n_ext], state.S, state.z,
-        off=off, lag=w, chunk_size=C, non_negative=h.non_negative, normalize=False, eps=0.0)
-    # local part: chunk-major, the key chunk L back of query chunk c is chunk Wc + c − L
-    qc = _chunk_major(_pad_tokens(q_new, N * C), C)  # [N, B, H, C, D]
-    kc, vc = _chunk_major(kp, C), _chunk_major(vp, C)  # [Wc + N, B, H, C, ·]
-    okc = ok.view(B, Wc + N, C).transpose(0, 1)  # [Wc + N, B, C]
-    ks = [kc[Wc - L: Wc - L + N] for L in range(n_loc)]  # [N, B, H, C, D] each (views)
-    logits = torch.cat([qc @ kk.mT for kk in ks], -1) * h.scale  # [N, B, H, C, n_loc·C]
-    loc_ok = _local_lags(C, w, n_loc, dev) & torch.cat(
-        [okc[Wc - L: Wc - L + N] for L in range(n_loc)], -1)[:, :, None, None, :]  # [N, B, 1, C, n_loc·C]
-    if Ls:
-        qpos = (P0 + torch.arange(N * C, device=dev)).view(N, C)  # [N, C]
-        sink_ok = (torch.arange(Ls, device=dev) <= qpos[..., None])[:, None, None]  # [N, 1, 1, C, Ls]
-        if mask_sink is not None:
-            sink_ok = sink_ok & mask_sink[None, :, None, None, :]
-        logits = torch.cat([logits, (qc @ k_sink[None].mT) * h.scale], -1)  # [N, B, H, C, n_loc·C + Ls]
-        loc_ok = torch.cat([loc_ok.expand(-1, -1, -1, -1, -1), sink_ok.expand(N, B, 1, C, Ls)], -1)
-    if h.local == "softmax":
-        logits = logits.masked_fill(~loc_ok, float("-inf"))
-        cmax = logits.amax(-1, keepdim=True)  # [N, B, H, C, 1]   c_i = max over the local keys
-        cmax = torch.where(torch.isfinite(cmax), cmax, 0.0)  # a row without local keys: c = 0
-        a = torch.exp(logits - cmax)  # exp(-inf) = 0 off the local keys
-    else:
-        a = (logits**h.degree).masked_fill(~loc_ok, 0.0)
-    loc_den = a.sum(-1)  # [N, B, H, C]
-    loc_num = None
-    for L in range(n_loc):
-        part = a[..., L * C:(L + 1) * C] @ vc[Wc - L: Wc - L + N]  # [N, B, H, C, Dv]
-        loc_num = part if loc_num is None else loc_num + part
-    if Ls:
-        loc_num = loc_num + a[..., n_loc * C:] @ v_sink[None]
-    loc_num = loc_num.movedim(0, 2).flatten(2, 3)[:, :, :n]  # [B, H, n, Dv]
-    loc_den = loc_den.movedim(0, 2).flatten(2, 3)[:, :, :n]  # [B, H, n]
-    g = h.g  # [1, H, 1, 1]
-    num = g * loc_num + (1 - g) * far_num
-    den = g[..., 0] * loc_den + (1 - g[..., 0]) * far_den  # [B, H, n]
+    qpos = P0 + torch.arange(n, device=dev)  # [n]
+    sink_ok = (torch.arange(Ls, device=dev) <= qpos[:, None])[None, None]  # [1, 1, n, Ls]
+    if mask_sink is not None:
+        sink_ok = sink_ok & mask_sink[:, None, None, :]
+    out, den, S_new, z_new = hybrid_core(
+        fq_new, fp * ok[:, None, :, None].to(fp.dtype), vp, q_new, kp, k_sink, v_sink, state.S, state.z,
+        h.g.view(-1), ok, sink_ok, off=off, window=w, chunk_size=C,
+        non_negative=h.non_negative, scale=h.scale, local=h.local, degree=h.degree, eps=h.eps)
     if counter is not None:
         counter.add(den, mn)
-    out = num / (den[..., None] + h.eps)  # [B, H, n, Dv]
     we = min(w, P0 + n)
     keep = slice(off + n - we, off + n)  # the last `we` positions: the new window
     has_mask = state.mask_window is not None or valid_new is not None
