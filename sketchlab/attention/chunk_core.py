@@ -57,12 +57,16 @@ def _geometry(n: int, off: int, lag: int, C: int, device: torch.device, dtype: t
     return N, Wc, Ne, lags, prefix, max(0, last)
 
 
-def _chunks(x: torch.Tensor, chunks: int, C: int) -> torch.Tensor:
-    """``x [B, H, L, F]`` → chunk-major ``[chunks, B, H, C, F]`` (zero-padded at the end), contiguous."""
+def _chunks(x: torch.Tensor, chunks: int, C: int, scale: float | None = None) -> torch.Tensor:
+    """``x [B, H, L, F]`` → chunk-major ``[chunks, B, H, C, F]`` (zero-padded at the end), contiguous;
+    times ``scale`` in the same copy when given."""
     B, H, L, F = x.shape
     if chunks * C != L:
         x = torch.nn.functional.pad(x, (0, 0, 0, chunks * C - L))
-    return x.view(B, H, chunks, C, F).permute(2, 0, 1, 3, 4).contiguous()  # [chunks, B, H, C, F]
+    x = x.view(B, H, chunks, C, F).permute(2, 0, 1, 3, 4)  # [chunks, B, H, C, F]
+    if scale is None:
+        return x.contiguous()
+    return torch.mul(x, scale, out=x.new_empty(x.shape))
 
 
 def _unchunk(x: torch.Tensor, length: int) -> torch.Tensor:
@@ -234,7 +238,7 @@ class _HybridCore(torch.autograd.Function):
 
     @staticmethod
     def _setup(fq, fk, v, q, k, key_ok, sink_ok, off, opts):
-        C, w, non_negative = opts[0], opts[1], opts[2]
+        C, w, non_negative = opts[:3]
         n = fq.shape[2]
         N, Wc, Ne = -(-n // C), off // C, off // C + -(-n // C)
         n_loc = -(-(w + C - 1) // C)  # key chunks back with a local key
@@ -242,7 +246,7 @@ class _HybridCore(torch.autograd.Function):
         n_loc = min(n_loc, Wc + 1)  # further back only padding (the caller's choice of off)
         lift = self_tensor if non_negative else (lambda f: f)
         fqc, fkc, vc = _chunks(fq, N, C), _chunks(fk, Ne, C), _chunks(v, Ne, C)
-        qc, kc = _chunks(q * opts[3], N, C), _chunks(k, Ne, C)  # q scaled by s
+        qc, kc = _chunks(q, N, C, opts[3]), _chunks(k, Ne, C)  # q scaled by s
         okc = _chunks(key_ok[:, None, :, None], Ne, C)[:, :, 0, :, 0]  # [Ne, B, C]
         loc_m, far_m = _hybrid_masks(C, w, n_loc, fq.device, fq.dtype)
         kks = [slice(Wc - L, Wc - L + N) for L in range(n_loc)]
@@ -258,7 +262,7 @@ class _HybridCore(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, fq, fk, v, q, k, k_sink, v_sink, S_in, z_in, g, key_ok, sink_ok, off, opts):
-        C, w, non_negative, scale, softmax, degree, eps = opts
+        C, w, non_negative, scale, softmax, degree, eps, _ = opts
         B, H, n, _ = fq.shape
         Dv = v.shape[-1]
         st = _HybridCore._setup(fq, fk, v, q, k, key_ok, sink_ok, off, opts)
@@ -281,11 +285,12 @@ class _HybridCore(torch.autograd.Function):
         if softmax:
             A.masked_fill_(~st["loc_ok"], float("-inf"))
             As.masked_fill_(~st["sok"], float("-inf"))
-            cmax = A.amax(dim=(0, -1))  # [N, B, H, C]
-            if Ls:
-                cmax = torch.maximum(cmax, As.amax(-1))
+            cmax = As.amax(-1) if Ls else None  # [N, B, H, C]
+            for L in range(n_loc):  # lag by lag: contiguous reductions
+                cmax = A[L].amax(-1) if cmax is None else torch.maximum(cmax, A[L].amax(-1))
             cmax = torch.where(torch.isfinite(cmax), cmax, 0.0)  # a row without local keys: c = 0
-            ties = (A == cmax[None, ..., None], As == cmax[..., None])  # where the max is taken (its gradient)
+            # where the max is taken (its gradient goes there), only when a backward will run
+            ties = (A == cmax[None, ..., None], As == cmax[..., None]) if opts[7] else ()
             A.sub_(cmax[None, ..., None]).exp_()
             As.sub_(cmax[..., None]).exp_()
             saved = (A, As)
@@ -322,7 +327,7 @@ class _HybridCore(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_out, g_den, g_S, g_z):
         off, opts = ctx.off, ctx.opts
-        C, w, non_negative, scale, softmax, degree, eps = opts
+        C, w, non_negative, scale, softmax, degree, eps, _ = opts
         fq, fk, v, q, k, k_sink, v_sink, S_in, z_in, g, key_ok, sink_ok, out, den, *rest = ctx.saved_tensors
         B, H, n, M = fq.shape
         Dv = v.shape[-1]
@@ -373,7 +378,6 @@ class _HybridCore(torch.autograd.Function):
         for L, kk in enumerate(kks):
             da = (dnum @ vc[kk].mT).add_(dden[..., None])  # [N, B, H, C, C]
             W = A[L] * gb
-            dgh += (A[L] * da).sum(dim=(0, 1, 3, 4))
             if L in st["far_lags"]:
                 s = fqc @ fkc[kk].mT
                 f = (s.square() if non_negative else s).mul_(st["far_m"][L])
@@ -385,19 +389,21 @@ class _HybridCore(torch.autograd.Function):
                 dfq += ds @ fkc[kk]
                 dfk[kk] += ds.mT @ fqc
             dvc[kk] += W.mT @ dnum
-            dA.append(da.mul_(gb))  # the local weights' gradient g·da
+            dA.append(da)  # the local weights' gradient is g·da
         Ls = k_sink.shape[2]
         dv_sink = torch.zeros_like(v_sink)
+        da_s = None
         if Ls:
             da_s = (dnum @ v_sink[None].mT).add_(dden[..., None])  # [N, B, H, C, Ls]
-            dgh += (As * da_s).sum(dim=(0, 1, 3, 4))
             dv_sink = ((As * gb).mT @ dnum).sum(0)  # [B, H, Ls, Dv]
-            da_s.mul_(gb)
         # through a(logit): softmax a = exp(l − c) (c the row max: its gradient goes to where the max is
         # taken, split evenly between ties, as autograd's amax), poly a = l^p
+        dl = [A[L] * dA[L] for L in range(n_loc)] + ([As * da_s] if Ls else [])  # a·da, then g·a·da
+        for x in dl:
+            dgh += x.sum(dim=(0, 1, 3, 4))  # d/dg of g·Σ a v (and of g·Σ a)
         if softmax:
-            dl = [A[L] * dA[L] for L in range(n_loc)]
-            dl_s = As * da_s if Ls else None
+            dl = [x.mul_(gb) for x in dl]
+            dl, dl_s = dl[:n_loc], (dl[n_loc] if Ls else None)
             dc = -sum(x.sum(-1) for x in dl)  # [N, B, H, C]
             count = sum(t.sum(-1) for t in tie[:n_loc]) if n_loc else 0
             if Ls:
@@ -409,8 +415,8 @@ class _HybridCore(torch.autograd.Function):
             if Ls:
                 dl_s += tie_s * share[..., None]
         else:
-            dl = [dA[L] * degree * logit[L] ** (degree - 1) for L in range(n_loc)]
-            dl_s = da_s * degree * logit_s ** (degree - 1) if Ls else None
+            dl = [dA[L].mul_(gb * degree) * logit[L] ** (degree - 1) for L in range(n_loc)]
+            dl_s = da_s.mul_(gb * degree) * logit_s ** (degree - 1) if Ls else None
         dqc = torch.zeros_like(qc)  # gradient w.r.t. the scaled q
         dkc = torch.zeros_like(kc)
         for L, kk in enumerate(kks):
@@ -460,5 +466,7 @@ def hybrid_core(fq, fk, v, q, k, k_sink, v_sink, S_in, z_in, g, key_ok, sink_ok,
     ``(out [B, H, n, Dv], den [B, H, n] (not differentiable), S_out, z_out)``, the state of every
     key at least ``w`` before the block's end.
     """
-    opts = (chunk_size, window, non_negative, float(scale), local == "softmax", degree, float(eps))
+    grad = torch.is_grad_enabled() and any(
+        isinstance(x, torch.Tensor) and x.requires_grad for x in (fq, fk, v, q, k, k_sink, v_sink, S_in, z_in, g))
+    opts = (chunk_size, window, non_negative, float(scale), local == "softmax", degree, float(eps), grad)
     return _HybridCore.apply(fq, fk, v, q, k, k_sink, v_sink, S_in, z_in, g, key_ok, sink_ok, off, opts)

@@ -122,10 +122,10 @@ def _hybrid_causal_block(h: _Hybrid, state, q_new, k_new, v_new, fq_new, fk_new,
     off = Wc * C
     front = off - Lw
 
-    def joined(held, new):  # [front zeros | held window | new tokens] on the token axis
+    def joined(held, new):  # [front zeros | held window | new tokens] on the token axis, one copy
         if held.ndim == 2:  # a mask [B, ·]
-            return torch.nn.functional.pad(torch.cat([held, new], 1), (front, 0), value=False)
-        return torch.nn.functional.pad(torch.cat([held, new], 2), (0, 0, front, 0))
+            return torch.cat([held.new_zeros(B, front), held, new], 1)
+        return torch.cat([held.new_zeros(B, H, front, held.shape[3]), held, new], 2)
 
     mw = torch.ones(B, Lw, dtype=torch.bool, device=dev) if state.mask_window is None else state.mask_window
     mn = torch.ones(B, n, dtype=torch.bool, device=dev) if valid_new is None else valid_new
@@ -137,8 +137,10 @@ def _hybrid_causal_block(h: _Hybrid, state, q_new, k_new, v_new, fq_new, fk_new,
     sink_ok = (torch.arange(Ls, device=dev) <= qpos[:, None])[None, None]  # [1, 1, n, Ls]
     if mask_sink is not None:
         sink_ok = sink_ok & mask_sink[:, None, None, :]
+    # the far sums read the keys' features: zero those of sinks and padding (front zeros already are)
+    masked = state.mask_window is not None or valid_new is not None or P0 - Lw < sinks
     out, den, S_new, z_new = hybrid_core(
-        fq_new, fp * ok[:, None, :, None].to(fp.dtype), vp, q_new, kp, k_sink, v_sink, state.S, state.z,
+        fq_new, fp * ok[:, None, :, None].to(fp.dtype) if masked else fp, vp, q_new, kp, k_sink, v_sink, state.S, state.z,
         h.g.view(-1), ok, sink_ok, off=off, window=w, chunk_size=C,
         non_negative=h.non_negative, scale=h.scale, local=h.local, degree=h.degree, eps=h.eps)
     if counter is not None:
