@@ -240,22 +240,20 @@ class _HybridCore(torch.autograd.Function):
     def _setup(fq, fk, v, q, k, key_ok, sink_ok, off, opts):
         C, w, non_negative = opts[:3]
         n = fq.shape[2]
-        N, Wc, Ne = -(-n // C), off // C, off // C + -(-n // C)
-        n_loc = -(-(w + C - 1) // C)  # key chunks back with a local key
-        full = n_loc  # ... and from there on wholly far
-        n_loc = min(n_loc, Wc + 1)  # further back only padding (the caller's choice of off)
+        N, Wc, Ne, _, prefix, _ = _geometry(n, off, w, C, fq.device, fq.dtype)  # prefix [N, Ne]: wholly far chunks
+        n_loc = min(-(-(w + C - 1) // C), Wc + 1)  # key chunks back with a local key (further: padding)
         lift = self_tensor if non_negative else (lambda f: f)
         fqc, fkc, vc = _chunks(fq, N, C), _chunks(fk, Ne, C), _chunks(v, Ne, C)
         qc, kc = _chunks(q, N, C, opts[3]), _chunks(k, Ne, C)  # q scaled by s
-        okc = _chunks(key_ok[:, None, :, None], Ne, C)[:, :, 0, :, 0]  # [Ne, B, C]
         loc_m, far_m = _hybrid_masks(C, w, n_loc, fq.device, fq.dtype)
         kks = [slice(Wc - L, Wc - L + N) for L in range(n_loc)]
-        loc_ok = torch.stack([okc[kk] for kk in kks])[:, :, :, None, None, :] & loc_m[:, None, None, None]
+        if bool(key_ok.all()):  # every key real (no padding, sink or front zeros): the lag masks alone
+            loc_ok = loc_m[:, None, None, None]  # [n_loc, 1, 1, 1, C, C]
+        else:
+            okc = _chunks(key_ok[:, None, :, None], Ne, C)[:, :, 0, :, 0]  # [Ne, B, C]
+            loc_ok = torch.stack([okc[kk] for kk in kks])[:, :, :, None, None, :] & loc_m[:, None, None, None]
         # [n_loc, N, B, 1, C, C]; the far lags are those with a far key, L·C + C − 1 >= w
         far_lags = [L for L in range(n_loc) if L * C + C - 1 >= w]
-        c = torch.arange(N, device=fq.device)[:, None]
-        e = torch.arange(Ne, device=fq.device)[None, :]
-        prefix = (e <= Wc + c - full).to(fq.dtype)  # [N, Ne]
         sok = _chunks(sink_ok.expand(fq.shape[0], 1, n, -1), N, C)  # [N, B, 1, C, Ls]
         return dict(N=N, Wc=Wc, Ne=Ne, n_loc=n_loc, lift=lift, fqc=fqc, fkc=fkc, vc=vc, qc=qc, kc=kc, kks=kks,
                     loc_ok=loc_ok, far_m=far_m, far_lags=far_lags, prefix=prefix, sok=sok)
@@ -298,17 +296,19 @@ class _HybridCore(torch.autograd.Function):
             saved = (A.masked_fill_(~st["loc_ok"], 0.0), As.masked_fill_(~st["sok"], 0.0))  # logits, for the backward
             A, As = A**degree, As**degree
             ties = ()
-        den += A.sum(dim=(0, -1)).mul_(gb[..., 0])
         if Ls:
             den += As.sum(-1).mul_(gb[..., 0])
             num += (As @ v_sink[None]).mul_(gb)
+        far = []  # F: the far kernel of each near-far lag, masked (kept for the backward)
         for L, kk in enumerate(kks):
-            W = A[L] * gb  # [N, B, H, C, C]
             if L in st["far_lags"]:
-                s = fqc @ fkc[kk].mT
-                f = (s.square_() if non_negative else s).mul_(st["far_m"][L]).mul_(1 - gb)
-                den += f.sum(-1)
-                W += f
+                F = fqc @ fkc[kk].mT  # [N, B, H, C, C]
+                F = (F.square_() if non_negative else F).mul_(st["far_m"][L])
+                far.append(F)
+                W = torch.addcmul(F * (1 - gb), A[L], gb)  # g·a + (1 − g)·F
+            else:
+                W = A[L] * gb
+            den += W.sum(-1)
             num.view(-1, C, Dv).baddbmm_(W.view(-1, C, C), vc[kk].view(-1, C, Dv))
         full, rem = divmod(max(0, off + n - w), C)
         S_out, z_out = S_in + upd[:full].sum(0), z_in + zc[:full].sum(0)
@@ -320,7 +320,7 @@ class _HybridCore(torch.autograd.Function):
         ctx.off, ctx.opts = off, opts
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(fq, fk, v, q, k, k_sink, v_sink, S_in, z_in, g, key_ok, sink_ok, out, den,
-                              *saved, *ties)
+                              *saved, *ties, *far)
         ctx.mark_non_differentiable(den)
         return out, den, S_out, z_out
 
@@ -338,9 +338,9 @@ class _HybridCore(torch.autograd.Function):
         M2 = lq.shape[-1]
         gb = g[None, None, :, None, None]
         if softmax:
-            A, As, tie, tie_s = rest
+            (A, As, tie, tie_s), far = rest[:4], rest[4:]
         else:
-            logit, logit_s = rest
+            (logit, logit_s), far = rest[:2], rest[2:]
             A, As = logit**degree, logit_s**degree
         r = 1.0 / (den + eps)  # [B, H, n]
         g_out = fq.new_zeros(B, H, n, Dv) if g_out is None else g_out
@@ -377,17 +377,17 @@ class _HybridCore(torch.autograd.Function):
         dA = []
         for L, kk in enumerate(kks):
             da = (dnum @ vc[kk].mT).add_(dden[..., None])  # [N, B, H, C, C]
-            W = A[L] * gb
             if L in st["far_lags"]:
-                s = fqc @ fkc[kk].mT
-                f = (s.square() if non_negative else s).mul_(st["far_m"][L])
-                W += f * (1 - gb)
-                dgh -= (f * da).sum(dim=(0, 1, 3, 4))
+                F = far[st["far_lags"].index(L)]
+                W = torch.addcmul(F * (1 - gb), A[L], gb)
+                dgh -= (F * da).sum(dim=(0, 1, 3, 4))
                 ds = (da * st["far_m"][L]).mul_(1 - gb)
                 if non_negative:
-                    ds.mul_(s).mul_(2.0)
+                    ds.mul_(fqc @ fkc[kk].mT).mul_(2.0)  # d(s²) = 2s
                 dfq += ds @ fkc[kk]
                 dfk[kk] += ds.mT @ fqc
+            else:
+                W = A[L] * gb
             dvc[kk] += W.mT @ dnum
             dA.append(da)  # the local weights' gradient is g·da
         Ls = k_sink.shape[2]
