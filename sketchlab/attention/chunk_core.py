@@ -97,10 +97,12 @@ class _Core(torch.autograd.Function):
         num = lq @ P  # [N, B, H, C, Dv]
         den = (lq @ zP[..., None])[..., 0]  # [N, B, H, C]
         Dv = v.shape[-1]
+        kept = []  # the masked scores, for the backward
         for L, c0, mask in lags:  # partly-far key chunks: masked C × C scores
             kk = slice(Wc + c0 - L, Wc + N - L)
             s = fqc[c0:] @ fkc[kk].mT  # [N', B, H, C, C]
             a = (s.square_() if non_negative else s).mul_(mask)
+            kept.append(a)
             num[c0:].view(-1, C, Dv).baddbmm_(a.view(-1, C, C), vc[kk].view(-1, C, Dv))
             den[c0:] += a.sum(-1)
         full, rem = divmod(last, C)  # S_out: key chunks < full, and `rem` keys of chunk `full`
@@ -113,19 +115,19 @@ class _Core(torch.autograd.Function):
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None (skipped below)
         if normalize:
             out = num / (den[..., None] + eps)
-            ctx.save_for_backward(fq, fk, v, S_in, z_in, out, den)
+            ctx.save_for_backward(fq, fk, v, S_in, z_in, out, den, *kept)
             ctx.mark_non_differentiable(den)
             return out, den, S_out, z_out
-        ctx.save_for_backward(fq, fk, v, S_in, z_in)
+        ctx.save_for_backward(fq, fk, v, S_in, z_in, *kept)
         return num, den, S_out, z_out
 
     @staticmethod
     def backward(ctx, g_num, g_den, g_S, g_z):
         off, lag, C, non_negative, normalize, eps = ctx.geo
         if normalize:
-            fq, fk, v, S_in, z_in, out, den = ctx.saved_tensors
+            fq, fk, v, S_in, z_in, out, den, *kept = ctx.saved_tensors
         else:
-            fq, fk, v, S_in, z_in = ctx.saved_tensors
+            fq, fk, v, S_in, z_in, *kept = ctx.saved_tensors
         B, H, n, M = fq.shape
         Dv = v.shape[-1]
         N, Wc, Ne, lags, prefix, last = _geometry(n, off, lag, C, fq.device, fq.dtype)
@@ -172,12 +174,10 @@ class _Core(torch.autograd.Function):
             dfq, dfk = _unlift(dlq, fqc), _unlift(dlk, fkc)
         else:
             dfq, dfk = dlq, dlk
-        for L, c0, mask in lags:
+        for (L, c0, mask), a in zip(lags, kept):
             kk = slice(Wc + c0 - L, Wc + N - L)
-            s = fqc[c0:] @ fkc[kk].mT  # [N', B, H, C, C]
-            a = s.square() * mask if non_negative else s * mask
             da = (dnum[c0:] @ vc[kk].mT).add_(dden[c0:, ..., None]).mul_(mask)  # [N', B, H, C, C]
-            ds = da.mul_(s).mul_(2.0) if non_negative else da
+            ds = da.mul_(fqc[c0:] @ fkc[kk].mT).mul_(2.0) if non_negative else da  # d(s²) = 2s
             dfq[c0:] += ds @ fkc[kk]
             dfk[kk] += ds.mT @ fqc[c0:]
             dvc[kk] += a.mT @ dnum[c0:]
