@@ -41,6 +41,7 @@ from ._checks import (
     check_qkv,
     check_theta,
 )
+from .chunk_core import chunk_core
 from .hybrid_chunked import (
     DenominatorCounter,
     _Hybrid,
@@ -69,6 +70,34 @@ DEFAULT_BLOCK_CHUNKS = 16
 
 
 
+class _Tokens:
+    """``fn(x[:, :, a:b])`` for token ranges ``a:b`` of ``x [B, H, L, ·]`` (``fn=None``: the slice itself).
+
+    After :meth:`blocks`, block-aligned ranges are pieces of one ``x.split``: under autograd their
+    gradients are joined once, where a slice per block would zero-fill a full-size gradient each
+    (quadratic in ``L`` over the blocks).
+    """
+
+    def __init__(self, x: torch.Tensor, fn=None):
+        self.x, self.fn, self.pieces, self.size = x, fn, None, 0
+
+    def then(self, g) -> "_Tokens":
+        """``g`` applied after ``fn``."""
+        fn = self.fn
+        return _Tokens(self.x, g if fn is None else (lambda x: g(fn(x))))
+
+    def blocks(self, size: int) -> "_Tokens":
+        self.pieces, self.size = self.x.split(size, 2), size
+        return self
+
+    def __call__(self, a: int, b: int) -> torch.Tensor:
+        if self.pieces is not None and a % self.size == 0 and b == min(a + self.size, self.x.shape[2]):
+            x = self.pieces[a // self.size]
+        else:
+            x = self.x[:, :, a:b]
+        return x if self.fn is None else self.fn(x)
+
+
 def _engine(feat_q, feat_k, v: torch.Tensor, length_q: int, *, causal: bool, normalize: str, non_negative: bool,
             eps: float, chunk_size: int, block_chunks: int, num_features: int, max_bytes: int, S0=None, z0=None,
             rows=None, counter=None):
@@ -92,10 +121,11 @@ def _engine(feat_q, feat_k, v: torch.Tensor, length_q: int, *, causal: bool, nor
     state = v.new_zeros(B, H, M2, Dv) if S0 is None else S0  # Σ φ(k)ᵀ v over finished blocks
     zsum = v.new_zeros(B, H, M2) if z0 is None else z0  # Σ φ(k) over finished blocks
     outs = []
+    vs = _Tokens(v).blocks(block)
     if not causal:  # one pass for the state, one for the queries
         for a in range(0, S, block):
             fk = lift(feat_k(a, min(a + block, S)))  # [B, H, n, M2]
-            state = state + fk.mT @ v[:, :, a:a + block]  # [B, H, M2, Dv]
+            state = state + fk.mT @ vs(a, min(a + block, S))  # [B, H, M2, Dv]
             zsum = zsum + fk.sum(2)
         for a in range(0, length_q, block):
             fq = lift(feat_q(a, min(a + block, length_q)))  # [B, H, n, M2]
@@ -108,35 +138,14 @@ def _engine(feat_q, feat_k, v: torch.Tensor, length_q: int, *, causal: bool, nor
             outs.append(out)
         return torch.cat(outs, 2), state, zsum
 
-    tril = torch.ones(C, C, dtype=torch.bool, device=v.device).tril()
-    for a in range(0, S, block):
+    for a in range(0, S, block):  # causal: the core block by block, the state carried
         b = min(a + block, S)
-        n = b - a
-        padded = -(-n // C) * C
-        N = padded // C
-        fq = _pad_tokens(feat_q(a, b), padded).unflatten(2, (N, C))  # [B, H, N, C, M]
-        fk = _pad_tokens(feat_k(a, b), padded).unflatten(2, (N, C))  # [B, H, N, C, M]
-        vb = _pad_tokens(v[:, :, a:b], padded).unflatten(2, (N, C))  # [B, H, N, C, Dv]
-        scores = fq @ fk.mT  # [B, H, N, C, C]
-        if non_negative:
-            scores = scores.square()  # (φ(q)·φ(k))² = (φ⊗φ)(q)·(φ⊗φ)(k), no M² here
-        scores = scores.masked_fill(~tril, 0.0)
-        out = scores @ vb  # [B, H, N, C, Dv]   intra-chunk
-        fq2, fk2 = lift(fq), lift(fk)  # [B, H, N, C, M2]
-        upd = fk2.mT @ vb  # [B, H, N, M2, Dv]  per-chunk Σ φ(k)ᵀ v
-        prev = torch.cat([state[:, :, None], upd[:, :, :-1]], 2).cumsum(2)  # [B, H, N, M2, Dv] exclusive prefix
-        out = out + fq2 @ prev  # inter-chunk
-        state = prev[:, :, -1] + upd[:, :, -1]
-        if normalize == "sum" or z0 is not None:
-            zc = fk2.sum(3)  # [B, H, N, M2]
-            zprev = torch.cat([zsum[:, :, None], zc[:, :, :-1]], 2).cumsum(2)  # [B, H, N, M2]
-            zsum = zprev[:, :, -1] + zc[:, :, -1]
-        if normalize == "sum":
-            den = (fq2 @ zprev[..., None]).squeeze(-1) + scores.sum(-1)  # [B, H, N, C]
-            if counter is not None:
-                counter.add(den.flatten(2, 3)[:, :, :n], None if rows is None else rows[:, a:b])
-            out = out / (den[..., None] + eps)
-        outs.append(out.flatten(2, 3)[:, :, :n])  # [B, H, n, Dv]
+        out, den, state, zsum = chunk_core(feat_q(a, b), feat_k(a, b), vs(a, b), state, zsum, off=0, lag=0,
+                                           chunk_size=C, non_negative=non_negative, normalize=normalize == "sum",
+                                           eps=eps)
+        if counter is not None:
+            counter.add(den, None if rows is None else rows[:, a:b])
+        outs.append(out)  # [B, H, n, Dv]
     return torch.cat(outs, 2), state, zsum
 
 
@@ -166,14 +175,7 @@ def _attend(feat_q, feat_k, qt, kt, vt, *, num_features: int, causal: bool, norm
         out_dtype = vt.dtype
         qt, kt, vt = (None if x is None else x.float() for x in (qt, kt, vt))
         gate = None if gate is None else gate.float()
-        feat_q16, feat_k16 = feat_q, feat_k
-
-        def feat_q(a, b):
-            return feat_q16(a, b).float()
-
-        def feat_k(a, b):
-            return feat_k16(a, b).float()
-
+        feat_q, feat_k = feat_q.then(lambda f: f.float()), feat_k.then(lambda f: f.float())
         res = _attend(feat_q, feat_k, qt, kt, vt, num_features=num_features, causal=causal, normalize=normalize,
                       non_negative=non_negative, eps=eps, chunk_size=chunk_size, block_chunks=block_chunks,
                       max_bytes=max_bytes, window=window, sinks=sinks, local=local, scale=scale, degree=degree,
@@ -197,6 +199,8 @@ def _attend(feat_q, feat_k, qt, kt, vt, *, num_features: int, causal: bool, norm
     chunk_size = min(chunk_size, max(T, S_len))  # a short call (decoding: one token) pads to no more than itself
     counter = DenominatorCounter() if normalize == "sum" and denominator_check != "off" else None
     rows = mask if (mask is not None and T == S_len) else None
+    block = chunk_size * block_chunks
+    feat_q, feat_k = feat_q.blocks(block), feat_k.blocks(block)
     if mask is not None:
         keep = mask[:, None, :, None]  # [B, 1, S, 1]
         feat_k_raw = feat_k
@@ -242,14 +246,14 @@ def _attend(feat_q, feat_k, qt, kt, vt, *, num_features: int, causal: bool, norm
         if counter is not None:
             counter.report(where, denominator_check)
         return (out, state) if output_final_state else out
-    block = C * block_chunks
     check_memory(B * H * block * (window + C) * (D + M + Dv + 2) * vt.element_size(),
                  what=f"the bands of one block ([B={B}, H={H}, {block} queries, window {window} + chunk {C} keys])",
                  way_out="lower block_chunks or chunk_size (the band is inherent to the window)", max_bytes=max_bytes)
     outs = []
+    qs, ks, vs = (_Tokens(x).blocks(block) for x in (qt, kt, vt))
     for a in range(0, T, block):
         b = min(a + block, T)
-        out, state = _hybrid_causal_block(h, state, qt[:, :, a:b], kt[:, :, a:b], vt[:, :, a:b], feat_q(a, b),
+        out, state = _hybrid_causal_block(h, state, qs(a, b), ks(a, b), vs(a, b), feat_q(a, b),
                                           feat_k(a, b), None if mask is None else mask[:, a:b], C, counter)
         outs.append(out)
     if counter is not None:
@@ -331,7 +335,7 @@ def feature_attention(phi_q, phi_k, v, *, q=None, k=None, causal: bool = True, n
         qt, kt = q.transpose(1, 2), k.transpose(1, 2)  # [B, H, T|S, D]
     mask = check_key_padding_mask(key_padding_mask, B, phi_k.shape[1], phi_q.device)
     fq, fk = phi_q.transpose(1, 2), phi_k.transpose(1, 2)  # [B, H, T|S, M]
-    out = _attend(lambda a, b: fq[:, :, a:b], lambda a, b: fk[:, :, a:b], qt, kt, v.transpose(1, 2),
+    out = _attend(_Tokens(fq), _Tokens(fk), qt, kt, v.transpose(1, 2),
                   num_features=M, causal=causal, normalize=normalize, non_negative=non_negative, eps=eps,
                   chunk_size=chunk_size, block_chunks=block_chunks, max_bytes=max_bytes, window=window, sinks=sinks,
                   local=local, scale=scale, degree=degree, gate=gate, mask=mask, initial_state=initial_state,
@@ -382,7 +386,7 @@ def llops_attention_chunked(q, k, v, theta_q, theta_k, *, causal: bool = True, n
     mask = check_key_padding_mask(key_padding_mask, q.shape[0], k.shape[1], q.device)
     qt, kt = q.transpose(1, 2), k.transpose(1, 2)  # [B, H, T|S, D]
     phi_q, phi_k = llops_feature_fn(theta_q), llops_feature_fn(theta_k)
-    out = _attend(lambda a, b: phi_q(qt[:, :, a:b]), lambda a, b: phi_k(kt[:, :, a:b]),  # [B, H, n, M]
+    out = _attend(_Tokens(qt, phi_q), _Tokens(kt, phi_k),  # features [B, H, n, M] of token ranges
                   qt, kt, v.transpose(1, 2), num_features=theta_q.shape[-1], causal=causal, normalize=normalize,
                   non_negative=non_negative, eps=eps, chunk_size=chunk_size, block_chunks=block_chunks,
                   max_bytes=max_bytes, window=window, sinks=sinks, local=local, scale=scale, degree=theta_q.shape[2],

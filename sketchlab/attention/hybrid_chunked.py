@@ -11,8 +11,11 @@ public entry points).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from .chunk_core import hybrid_core
 from .reference import self_tensor
 
 
@@ -84,17 +87,21 @@ def _hybrid_causal_block(h: _Hybrid, state, q_new, k_new, v_new, fq_new, fk_new,
     """One block of ``n`` new tokens of the causal hybrid, continuing ``state`` (positions from
     ``state.offset``). Tensors ``[B, H, n, ·]``, ``valid_new [B, n]``. Returns ``([B, H, n, Dv], state)``.
 
-    Query chunk ``c`` (positions ``a = P0 + cC …``) reads the band of keys ``a − w_e … a + C − 1``
-    (the held window then the block's keys, ``w_e = min(window, P0 + n)``) with explicit masks,
-    the sinks, and the far state: every non-sink key before ``a − w_e`` (an exclusive cumulative
-    sum of per-chunk sums of the band's first ``C`` keys). Cost ``O(n·(w + C + sinks)·(D + M))``.
+    The keys are extended in front by the held window and zeros to whole chunks (``off`` keys,
+    ``off/C >= `` the local lags in chunks − 1, so every query chunk has a key chunk at each lag).
+    Far part: :func:`~sketchlab.attention.chunk_core.chunk_core` with ``lag = w`` on the keys'
+    features zeroed off the far keys (sinks, padding); it also returns the new ``S, z``. Local
+    part: for query chunk ``c`` the ``C × C`` logits against each key chunk ``L = 0 … ⌈(w + C − 1)/C⌉ − 1``
+    back (chunk-major, so each is a slice, no band copy), joined with the sinks' along the key
+    axis, masked by one precomputed lag mask and the keys' validity, the row maximum ``c_i``
+    taken over all of them. Cost ``O(n·(w + C + sinks)·(D + M))``.
     """
     from .state import AttentionState
 
     B, H, n, Dv = v_new.shape
     P0, w, sinks = state.offset, h.window, h.sinks
     dev = v_new.device
-    # sinks: the first `sinks` positions, held apart; they never enter the band or the far state
+    # sinks: the first `sinks` positions, held apart; they never enter the local lags or the far sums
     ns = max(0, min(sinks - P0, n))
     mask_sink = state.mask_sink
     if ns:
@@ -107,67 +114,39 @@ def _hybrid_causal_block(h: _Hybrid, state, q_new, k_new, v_new, fq_new, fk_new,
         k_sink, v_sink = state.k_sink, state.v_sink
     Ls = k_sink.shape[2]
     Lw = state.k_window.shape[2]
-    we = min(w, P0 + n)  # effective window (positions before 0 do not exist)
-    pad = we - Lw
     N = -(-n // C)
-    tail = N * C - n
-    def joined(held, new, fill):  # [pad zeros | held window | new tokens | tail zeros], one copy
-        parts = [held, new]
-        if pad:
-            parts.insert(0, fill(pad, held))
-        if tail:
-            parts.append(fill(tail, held))
-        return torch.cat(parts, 2 if held.ndim == 4 else 1)  # the token axis
+    n_loc = -(-(w + C - 1) // C)  # key chunks back with a local key: 0 <= L·C − (C − 1) < w
+    Wc0 = -(-Lw // C)
+    n_loc = min(n_loc, Wc0 + N)  # further back there are no keys but the far state's
+    Wc = max(Wc0, n_loc - 1)
+    off = Wc * C
+    front = off - Lw
 
-    def zeros(count, like):
-        if like.ndim == 2:
-            return torch.zeros(like.shape[0], count, dtype=torch.bool, device=dev)
-        return like.new_zeros(like.shape[0], like.shape[1], count, like.shape[3])
+    def joined(held, new):  # [front zeros | held window | new tokens] on the token axis, one copy
+        if held.ndim == 2:  # a mask [B, ·]
+            return torch.cat([held.new_zeros(B, front), held, new], 1)
+        return torch.cat([held.new_zeros(B, H, front, held.shape[3]), held, new], 2)
 
-    kp = joined(state.k_window, k_new, zeros)  # [B, H, we + N·C, D]
-    vp = joined(state.v_window, v_new, zeros)  # [B, H, we + N·C, Dv]
-    fp = joined(state.phi_window, fk_new, zeros)  # [B, H, we + N·C, M]
     mw = torch.ones(B, Lw, dtype=torch.bool, device=dev) if state.mask_window is None else state.mask_window
     mn = torch.ones(B, n, dtype=torch.bool, device=dev) if valid_new is None else valid_new
-    mp = joined(mw, mn, zeros)  # [B, we + N·C]
-    pos = torch.arange(P0 - we, P0 + n + tail, device=dev)  # [we + N·C]
-    ok = mp & (pos >= sinks)[None, :]  # a band / far key: real and not a sink
-    # far state: per-chunk sums of the keys leaving the window, exclusive prefix over chunks
-    lf = h.lift(fp[:, :, : N * C] * ok[:, None, : N * C, None])  # [B, H, N·C, M2]
-    lfc, vc = lf.unflatten(2, (N, C)), vp[:, :, : N * C].unflatten(2, (N, C))  # [B, H, N, C, ·]
-    upd, zc = lfc.mT @ vc, lfc.sum(3)  # [B, H, N, M2, Dv], [B, H, N, M2]
-    prev = torch.cat([state.S[:, :, None], upd[:, :, :-1]], 2).cumsum(2)  # [B, H, N, M2, Dv]
-    zprev = torch.cat([state.z[:, :, None], zc[:, :, :-1]], 2).cumsum(2)  # [B, H, N, M2]
-    last = (N - 1) * C
-    S_new = prev[:, :, -1] + lf[:, :, last:n].mT @ vp[:, :, last:n]  # keys with position < P0 + n − w
-    z_new = zprev[:, :, -1] + lf[:, :, last:n].sum(2)
-    # query chunks and their bands of U = we + C keys
-    fq = _pad_tokens(fq_new, N * C).unflatten(2, (N, C))  # [B, H, N, C, M]
-    qc = _pad_tokens(q_new, N * C).unflatten(2, (N, C))  # [B, H, N, C, D]
-    U = we + C
-    band_k, band_v = _band(kp, U, C), _band(vp, U, C)  # [B, H, N, U, ·]
-    band_ok = ok.unfold(1, U, C)[:, None, :, None, :]  # [B, 1, N, 1, U]
-    r = torch.arange(C, device=dev)[:, None]
-    u = torch.arange(U, device=dev)[None, :]
-    lag = we + r - u  # i − j for query r, band key u            [C, U]
-    loc_ok = band_ok & (lag >= 0) & (lag < w)
-    # far keys inside the band (i − j >= w) are its first C keys (u <= r), chunk-aligned: no band copy;
-    # with we < w (the window reaches position 0) there are none
-    far_band = []
-    if we == w:
-        tril = torch.ones(C, C, dtype=torch.bool, device=dev).tril()
-        far_band.append((fp[:, :, : N * C].unflatten(2, (N, C)), vc, tril & ok[:, : N * C].unflatten(1, (N, C))[:, None, :, None, :]))
-    qpos = (P0 + torch.arange(N * C, device=dev)).view(N, C)  # [N, C]
-    sink_ok = (torch.arange(Ls, device=dev) <= qpos[..., None])[None, None]  # [1, 1, N, C, Ls]
+    kp, vp, fp = joined(state.k_window, k_new), joined(state.v_window, v_new), joined(state.phi_window, fk_new)
+    mp = joined(mw, mn)  # [B, off + n]
+    pos = torch.arange(P0 - off, P0 + n, device=dev)  # [off + n]
+    ok = mp & (pos >= sinks)[None, :]  # a local / far key: real and not a sink
+    qpos = P0 + torch.arange(n, device=dev)  # [n]
+    sink_ok = (torch.arange(Ls, device=dev) <= qpos[:, None])[None, None]  # [1, 1, n, Ls]
     if mask_sink is not None:
-        sink_ok = sink_ok & mask_sink[:, None, None, None, :]
-    lq = h.lift(fq)  # [B, H, N, C, M2]
-    num, den = h.combine(qc, fq, far_band, band_k, band_v, loc_ok, k_sink, v_sink,
-                         sink_ok, lq @ prev, (lq @ zprev[..., None]).squeeze(-1))
+        sink_ok = sink_ok & mask_sink[:, None, None, :]
+    # the far sums read the keys' features: zero those of sinks and padding (front zeros already are)
+    masked = state.mask_window is not None or valid_new is not None or P0 - Lw < sinks
+    out, den, S_new, z_new = hybrid_core(
+        fq_new, fp * ok[:, None, :, None].to(fp.dtype) if masked else fp, vp, q_new, kp, k_sink, v_sink, state.S, state.z,
+        h.g.view(-1), ok, sink_ok, off=off, window=w, chunk_size=C,
+        non_negative=h.non_negative, scale=h.scale, local=h.local, degree=h.degree, eps=h.eps)
     if counter is not None:
-        counter.add(den.flatten(2, 3)[:, :, :n], mn)
-    out = (num / (den[..., None] + h.eps)).flatten(2, 3)[:, :, :n]  # [B, H, n, Dv]
-    keep = slice(n, n + we)  # the last `we` positions: the new window
+        counter.add(den, mn)
+    we = min(w, P0 + n)
+    keep = slice(off + n - we, off + n)  # the last `we` positions: the new window
     has_mask = state.mask_window is not None or valid_new is not None
     new_state = AttentionState(
         S=S_new, z=z_new, k_window=kp[:, :, keep], v_window=vp[:, :, keep], phi_window=fp[:, :, keep],

@@ -221,36 +221,38 @@ def feature_attention_naive(phi_q, phi_k, v, *, q=None, k=None, causal: bool = T
     fq, fk, vv = (x.to(f64).transpose(1, 2) for x in (phi_q, phi_k, v))  # [B, H, T|S, ·]
     qq = q.to(f64).transpose(1, 2) if window else None  # [B, H, T, D]
     kk = k.to(f64).transpose(1, 2) if window else None  # [B, H, S, D]
-    valid = torch.ones(B, S_len, dtype=torch.bool, device=fq.device) if mask is None else mask
+    dev = fq.device  # every tensor made here follows the inputs' device
+    valid = torch.ones(B, S_len, dtype=torch.bool, device=dev) if mask is None else mask
     if initial_state is not None:
         st = check_state(initial_state, batch=B, heads=H, num_features=M2, dim=D if window else None,
                          dim_v=Dv, feature_dim=M, window=window, sinks=sinks, like=phi_q)
         P0, S0, z0 = st.offset, st.S.to(f64), st.z.to(f64)
         Ls, Lw = st.k_sink.shape[2], st.k_window.shape[2]
-        sink_valid = torch.ones(B, Ls, dtype=torch.bool) if st.mask_sink is None else st.mask_sink
-        win_valid = torch.ones(B, Lw, dtype=torch.bool) if st.mask_window is None else st.mask_window
+        sink_valid = torch.ones(B, Ls, dtype=torch.bool, device=dev) if st.mask_sink is None else st.mask_sink
+        win_valid = torch.ones(B, Lw, dtype=torch.bool, device=dev) if st.mask_window is None else st.mask_window
         # the window's sink positions are held once, as sinks
-        keep = torch.arange(P0 - Lw, P0) >= Ls  # [Lw]
+        keep = torch.arange(P0 - Lw, P0, device=dev) >= Ls  # [Lw]
         ext_k = torch.cat([st.k_sink.to(f64), st.k_window.to(f64)[:, :, keep], kk], 2) if window else None
         ext_v = torch.cat([st.v_sink.to(f64), st.v_window.to(f64)[:, :, keep], vv], 2)
-        ext_f = torch.cat([torch.zeros(B, H, Ls, M, dtype=f64), st.phi_window.to(f64)[:, :, keep], fk], 2)
-        ext_pos = torch.cat([torch.arange(Ls), torch.arange(P0 - Lw, P0)[keep], torch.arange(P0, P0 + S_len)])
+        ext_f = torch.cat([torch.zeros(B, H, Ls, M, dtype=f64, device=dev), st.phi_window.to(f64)[:, :, keep], fk], 2)
+        ext_pos = torch.cat([torch.arange(Ls, device=dev), torch.arange(P0 - Lw, P0, device=dev)[keep],
+                             torch.arange(P0, P0 + S_len, device=dev)])
         ext_valid = torch.cat([sink_valid, win_valid[:, keep], valid], 1)  # [B, X]
         ext_seg = torch.zeros_like(ext_pos)
         ext_rel = ext_pos
     else:
-        P0, S0, z0 = 0, torch.zeros(B, H, M2, Dv, dtype=f64), torch.zeros(B, H, M2, dtype=f64)
+        P0, S0, z0 = 0, torch.zeros(B, H, M2, Dv, dtype=f64, device=dev), torch.zeros(B, H, M2, dtype=f64, device=dev)
         ext_k, ext_v, ext_f, ext_valid = kk, vv, fk, valid
-        ext_pos = torch.arange(S_len)
+        ext_pos = torch.arange(S_len, device=dev)
         segs = check_segments(segments, S_len)
         if segs is not None and T != S_len:
             raise ValueError(f"segments need T == S, got T={T}, S={S_len}")
-        lengths = torch.tensor(segs if segs is not None else [S_len])
-        ext_seg = torch.repeat_interleave(torch.arange(len(lengths)), lengths)  # [S]
+        lengths = torch.tensor(segs if segs is not None else [S_len], device=dev)
+        ext_seg = torch.repeat_interleave(torch.arange(len(lengths), device=dev), lengths)  # [S]
         starts = torch.cumsum(lengths, 0) - lengths
         ext_rel = ext_pos - starts[ext_seg]  # position inside its own sequence
-    q_pos = torch.arange(P0, P0 + T)
-    q_seg = ext_seg[-T:] if (segments is not None and initial_state is None) else torch.zeros(T, dtype=torch.long)
+    q_pos = torch.arange(P0, P0 + T, device=dev)
+    q_seg = ext_seg[-T:] if (segments is not None and initial_state is None) else torch.zeros(T, dtype=torch.long, device=dev)
     # explicit masks [B, 1, T, X]
     allowed = ext_valid[:, None, None, :] & (q_seg[:, None] == ext_seg[None, :])[None, None]
     if causal:
@@ -261,7 +263,7 @@ def feature_attention_naive(phi_q, phi_k, v, *, q=None, k=None, causal: bool = T
     else:
         is_local = torch.zeros_like(allowed)
     is_far = allowed & ~is_local
-    zero = torch.zeros((), dtype=f64)
+    zero = torch.zeros((), dtype=f64, device=dev)
     fscores = fq @ ext_f.mT  # [B, H, T, X]
     if non_negative:
         fscores = fscores.square()  # = lift(φq)·lift(φk)
@@ -272,18 +274,18 @@ def feature_attention_naive(phi_q, phi_k, v, *, q=None, k=None, causal: bool = T
     if window:
         logits = scale * (qq @ ext_k.mT)  # [B, H, T, X]
         if local == "softmax":
-            c = torch.where(is_local, logits, torch.full((), float("-inf"), dtype=f64)).amax(-1, keepdim=True)
+            c = torch.where(is_local, logits, torch.full((), float("-inf"), dtype=f64, device=dev)).amax(-1, keepdim=True)
             c = torch.where(torch.isfinite(c), c, zero)  # a row without local keys: c = 0
             a = torch.where(is_local, torch.exp(logits - c), zero)
         else:
             a = torch.where(is_local, logits**degree, zero)
-        g = (torch.full((H,), 0.5, dtype=f64) if gate is None else torch.sigmoid(gate.to(f64)))[None, :, None]  # [1, H, 1]
+        g = (torch.full((H,), 0.5, dtype=f64, device=dev) if gate is None else torch.sigmoid(gate.to(f64)))[None, :, None]  # [1, H, 1]
         num = g[..., None] * (a @ ext_v) + (1 - g[..., None]) * far_num
         den = g * a.sum(-1) + (1 - g) * far_den
     else:
         num, den = far_num, far_den
     if normalize == "sum":
-        rows = valid[:, -T:] if (mask is not None and T == S_len) else torch.ones(B, T, dtype=torch.bool)
+        rows = valid[:, -T:] if (mask is not None and T == S_len) else torch.ones(B, T, dtype=torch.bool, device=dev)
         report_denominators(int(((den <= 0) & rows[:, None]).sum()), B * H * T, "feature_attention_naive", mode)
         out = num / (den + eps)[..., None]
     else:
@@ -293,8 +295,8 @@ def feature_attention_naive(phi_q, phi_k, v, *, q=None, k=None, causal: bool = T
         return out
     end = P0 + S_len
     # every key not yet in S0: the held window and the new tokens, positions P0 - Lw ... end - 1
-    r_pos = torch.cat([torch.arange(P0 - (initial_state.k_window.shape[2] if initial_state is not None else 0), P0),
-                       torch.arange(P0, end)])
+    held = initial_state.k_window.shape[2] if initial_state is not None else 0
+    r_pos = torch.arange(P0 - held, end, device=dev)
     if initial_state is not None:
         r_k = torch.cat([initial_state.k_window.to(f64), kk], 2) if window else None
         r_v = torch.cat([initial_state.v_window.to(f64), vv], 2)
@@ -311,12 +313,12 @@ def feature_attention_naive(phi_q, phi_k, v, *, q=None, k=None, causal: bool = T
     if window:
         k_sink = torch.cat([initial_state.k_sink.to(f64), r_k[:, :, take]], 2) if initial_state is not None else r_k[:, :, take]
     else:
-        k_sink = torch.zeros(B, H, 0, D, dtype=f64)
+        k_sink = torch.zeros(B, H, 0, D, dtype=f64, device=dev)
     v_sink = torch.cat([initial_state.v_sink.to(f64), r_v[:, :, take]], 2) if initial_state is not None else r_v[:, :, take]
     m_sink = torch.cat([sink_valid, r_valid[:, take]], 1) if initial_state is not None else r_valid[:, take]
     state = AttentionState(
         S=S_new, z=z_new,
-        k_window=r_k[:, :, keep_w] if window else torch.zeros(B, H, 0, D, dtype=f64),
+        k_window=r_k[:, :, keep_w] if window else torch.zeros(B, H, 0, D, dtype=f64, device=dev),
         v_window=r_v[:, :, keep_w], phi_window=r_f[:, :, keep_w], k_sink=k_sink, v_sink=v_sink, offset=end,
         mask_window=None if mask is None and (initial_state is None or initial_state.mask_window is None)
         else r_valid[:, keep_w],
