@@ -224,13 +224,16 @@ def chunk_core(fq, fk, v, S_in, z_in, *, off: int, lag: int, chunk_size: int, no
 
 @functools.lru_cache(maxsize=64)
 def _hybrid_masks(C: int, window: int, lags: int, device: torch.device, dtype: torch.dtype):
-    """Per key-chunk lag ``L < lags``: ``local [lags, C, C]`` bool (``0 <= L·C + r − u < w``) and
-    ``far [lags, C, C]`` in ``dtype`` (``L·C + r − u >= w``), query ``r``, key ``u``."""
+    """Per key-chunk lag ``L < lags``: ``local [lags, C, C]`` bool (``0 <= L·C + r − u < w``), the
+    same as an additive ``0 / −inf`` bias in ``dtype``, and ``far [lags, C, C]`` in ``dtype``
+    (``L·C + r − u >= w``), query ``r``, key ``u``."""
     r = torch.arange(C, device=device)[None, :, None]
     L = torch.arange(lags, device=device)[:, None, None]
     u = torch.arange(C, device=device)[None, None, :]
     lag = L * C + r - u  # [lags, C, C]
-    return (lag >= 0) & (lag < window), (lag >= window).to(dtype)
+    local = (lag >= 0) & (lag < window)
+    bias = torch.zeros(local.shape, dtype=dtype, device=device).masked_fill_(~local, float("-inf"))
+    return local, bias, (lag >= window).to(dtype)
 
 
 class _HybridCore(torch.autograd.Function):
@@ -245,9 +248,10 @@ class _HybridCore(torch.autograd.Function):
         lift = self_tensor if non_negative else (lambda f: f)
         fqc, fkc, vc = _chunks(fq, N, C), _chunks(fk, Ne, C), _chunks(v, Ne, C)
         qc, kc = _chunks(q, N, C, opts[3]), _chunks(k, Ne, C)  # q scaled by s
-        loc_m, far_m = _hybrid_masks(C, w, n_loc, fq.device, fq.dtype)
+        loc_m, loc_bias, far_m = _hybrid_masks(C, w, n_loc, fq.device, fq.dtype)
         kks = [slice(Wc - L, Wc - L + N) for L in range(n_loc)]
-        if bool(key_ok.all()):  # every key real (no padding, sink or front zeros): the lag masks alone
+        all_ok = bool(key_ok.all())
+        if all_ok:  # every key real (no padding, sink or front zeros): the lag masks alone
             loc_ok = loc_m[:, None, None, None]  # [n_loc, 1, 1, 1, C, C]
         else:
             okc = _chunks(key_ok[:, None, :, None], Ne, C)[:, :, 0, :, 0]  # [Ne, B, C]
@@ -256,7 +260,7 @@ class _HybridCore(torch.autograd.Function):
         far_lags = [L for L in range(n_loc) if L * C + C - 1 >= w]
         sok = _chunks(sink_ok.expand(fq.shape[0], 1, n, -1), N, C)  # [N, B, 1, C, Ls]
         return dict(N=N, Wc=Wc, Ne=Ne, n_loc=n_loc, lift=lift, fqc=fqc, fkc=fkc, vc=vc, qc=qc, kc=kc, kks=kks,
-                    loc_ok=loc_ok, far_m=far_m, far_lags=far_lags, prefix=prefix, sok=sok)
+                    loc_ok=loc_ok, all_ok=all_ok, loc_bias=loc_bias, far_m=far_m, far_lags=far_lags, prefix=prefix, sok=sok)
 
     @staticmethod
     def forward(ctx, fq, fk, v, q, k, k_sink, v_sink, S_in, z_in, g, key_ok, sink_ok, off, opts):
@@ -276,12 +280,19 @@ class _HybridCore(torch.autograd.Function):
         den = (lq @ zP[..., None])[..., 0].mul_(1 - gb[..., 0])  # [N, B, H, C]
         # local logits per lag (lag-major, each a contiguous slab) and the sinks'
         A = q.new_empty(n_loc, N, B, H, C, C)
+        bias = softmax and st["all_ok"]  # the lag masks as a −inf bias added by the matmul itself
+        D = q.shape[-1]
         for L, kk in enumerate(kks):
-            torch.matmul(qc, kc[kk].mT, out=A[L])
+            if bias:
+                torch.baddbmm(st["loc_bias"][L].expand(N * B * H, C, C), qc.view(-1, C, D),
+                              kc[kk].reshape(-1, C, D).mT, out=A[L].view(-1, C, C))
+            else:
+                torch.matmul(qc, kc[kk].mT, out=A[L])
         Ls = k_sink.shape[2]
         As = qc @ k_sink[None].mT  # [N, B, H, C, Ls]  (qc holds s·q)
         if softmax:
-            A.masked_fill_(~st["loc_ok"], float("-inf"))
+            if not bias:
+                A.masked_fill_(~st["loc_ok"], float("-inf"))
             As.masked_fill_(~st["sok"], float("-inf"))
             cmax = As.amax(-1) if Ls else None  # [N, B, H, C]
             for L in range(n_loc):  # lag by lag: contiguous reductions
