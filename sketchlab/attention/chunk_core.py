@@ -268,7 +268,7 @@ class _HybridCore(torch.autograd.Function):
         B, H, n, _ = fq.shape
         Dv = v.shape[-1]
         st = _HybridCore._setup(fq, fk, v, q, k, key_ok, sink_ok, off, opts)
-        N, Wc, Ne, n_loc, kks = st["N"], st["Wc"], st["Ne"], st["n_loc"], st["kks"]
+        N, n_loc, kks = st["N"], st["n_loc"], st["kks"]
         qc, kc, vc, fqc, fkc = st["qc"], st["kc"], st["vc"], st["fqc"], st["fkc"]
         lq, lk = st["lift"](fqc), st["lift"](fkc)
         gb = g[None, None, :, None, None]  # [1, 1, H, 1, 1]
@@ -343,7 +343,7 @@ class _HybridCore(torch.autograd.Function):
         B, H, n, M = fq.shape
         Dv = v.shape[-1]
         st = _HybridCore._setup(fq, fk, v, q, k, key_ok, sink_ok, off, opts)
-        N, Wc, Ne, n_loc, kks = st["N"], st["Wc"], st["Ne"], st["n_loc"], st["kks"]
+        N, Ne, n_loc, kks = st["N"], st["Ne"], st["n_loc"], st["kks"]
         qc, kc, vc, fqc, fkc = st["qc"], st["kc"], st["vc"], st["fqc"], st["fkc"]
         lq, lk = st["lift"](fqc), st["lift"](fkc)
         M2 = lq.shape[-1]
