@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from .reference import self_tensor
 
@@ -122,6 +123,7 @@ class _Core(torch.autograd.Function):
         return num, den, S_out, z_out
 
     @staticmethod
+    @once_differentiable  # in-place work on its own buffers: no double backward
     def backward(ctx, g_num, g_den, g_S, g_z):
         off, lag, C, non_negative, normalize, eps = ctx.geo
         if normalize:
@@ -336,6 +338,7 @@ class _HybridCore(torch.autograd.Function):
         return out, den, S_out, z_out
 
     @staticmethod
+    @once_differentiable  # in-place work on its own buffers: no double backward
     def backward(ctx, g_out, g_den, g_S, g_z):
         off, opts = ctx.off, ctx.opts
         C, w, non_negative, scale, softmax, degree, eps, _ = opts
