@@ -433,13 +433,17 @@ class _HybridCore(torch.autograd.Function):
             dl_s = da_s.mul_(gb * degree) * logit_s ** (degree - 1) if Ls else None
         dqc = torch.zeros_like(qc)  # gradient w.r.t. the scaled q
         dkc = torch.zeros_like(kc)
+        # off the local keys dl is 0 already for softmax (a = 0, no tie there) and for p >= 2 (l = 0)
+        unmasked = not softmax and degree < 2
         for L, kk in enumerate(kks):
-            dl[L] = dl[L].masked_fill_(~st["loc_ok"][L], 0.0)
+            if unmasked:
+                dl[L] = dl[L].masked_fill_(~st["loc_ok"][L], 0.0)
             dqc += dl[L] @ kc[kk]
             dkc[kk] += dl[L].mT @ qc
         dk_sink = torch.zeros_like(k_sink)
         if Ls:
-            dl_s = dl_s.masked_fill_(~st["sok"], 0.0)
+            if unmasked:
+                dl_s = dl_s.masked_fill_(~st["sok"], 0.0)
             dqc += dl_s @ k_sink[None]
             dk_sink = (dl_s.mT @ qc).sum(0)  # [B, H, Ls, D]
         Lk = fk.shape[2]
