@@ -19,9 +19,10 @@ Inside, tensors are chunk-major ``[chunks, B, H, C, ·]`` so that a shift by who
 slice, never a copy. For query chunk ``c`` (key chunk ``c + off/C`` holds the same tokens) a key
 chunk ``L`` chunks back is either wholly far (``L·C − (C − 1) ≥ lag``: read from the prefix of
 per-chunk states, one matmul by a 0/1 prefix matrix), partly far (at most two such ``L``:
-``C × C`` scores with a fixed mask) or wholly near (not seen here). The backward pass recomputes
-the per-chunk states and scores of the block from the saved inputs (autograd keeps nothing of the
-inside): ``dS`` flows backwards by the transposed prefix matrix. Its float64 twin is
+``C × C`` scores with a fixed mask) or wholly near (not seen here). The backward pass keeps the
+masked ``C × C`` scores and recomputes the per-chunk states of the block from the saved inputs
+(``O(T·C)`` kept, not the ``(T/C)·M·Dv`` states): ``dS`` flows backwards by the transposed
+prefix matrix. Its float64 twin is
 :func:`sketchlab.attention.feature_attention_naive`; the gradients are tested with ``gradcheck``.
 """
 
@@ -466,7 +467,7 @@ def hybrid_core(fq, fk, v, q, k, k_sink, v_sink, S_in, z_in, g, key_ok, sink_ok,
     .. math:: o_t = \frac{g\sum a\,v + (1-g)\sum f\,v}{g\sum a + (1-g)\sum f + \varepsilon}.
 
     The near-far key chunk shares its matmul with the local one (``(g·a + (1−g)·f) @ v``); the
-    backward recomputes the far states and scores and keeps the local weights.
+    backward recomputes the far states and keeps the local weights and the near-far scores.
 
     Parameters
     ----------
