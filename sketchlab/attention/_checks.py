@@ -82,12 +82,23 @@ def check_qkv(q, k, v, *, causal: bool, names=("q", "k", "v"), feature_dims_matc
         raise ValueError(
             f"causal attention needs as many queries as keys (T == S): {nq} has T={q.shape[1]}, {nk} has S={k.shape[1]}"
         )
-    if not q.is_meta:
-        with torch.no_grad():  # one device sync for the three; the slow path only to name the culprit
-            if not bool(torch.stack([torch.isfinite(x).all() for x in (q, k, v)]).all()):
-                for x, name in ((q, nq), (k, nk), (v, nv)):
-                    check_finite(x.detach(), name)
+    if not q.is_meta and not _all_finite(q, k, v):
+        for x, name in ((q, nq), (k, nk), (v, nv)):  # the exact check, to name the culprit (or pass)
+            check_finite(x.detach(), name)
     return q, k, v
+
+
+def _all_finite(*xs: torch.Tensor) -> bool:
+    """True only if every entry of every ``x`` is finite: one sum per tensor, one device sync.
+
+    A non-finite entry makes its sum non-finite (``inf`` or ``nan`` survive every addition), so a
+    finite sum proves the tensor finite; a non-finite sum (such an entry, or a sum beyond the
+    dtype's range) answers False and the caller runs the exact check. One reading pass per
+    tensor, where ``isfinite(x).all()`` takes several.
+    """
+    with torch.no_grad():
+        sums = [x.detach().sum(dtype=torch.float32 if x.element_size() < 4 else None) for x in xs]
+        return bool(torch.isfinite(torch.stack([t.to(torch.float64) for t in sums])).all())
 
 
 def check_theta(theta_q, theta_k, *, heads: int, dim: int, like: torch.Tensor, k: torch.Tensor | None = None,
@@ -139,23 +150,38 @@ def check_theta(theta_q, theta_k, *, heads: int, dim: int, like: torch.Tensor, k
     return tq, tk
 
 
-def _log_feature_bound(x: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
-    """``log`` of an upper bound on ``|φ(x)_i|`` over the tokens of ``x [B, T, H, D]``, per head: float64 ``[H]``.
+def _log_feature_bound(top: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
+    """``log`` of an upper bound on ``|φ(x)_i|`` over the tokens of ``x``, per head: float64 ``[H]``,
+    from ``top [H]``, the largest token norm of ``x`` per head (:func:`_max_norm`).
 
     ``|φ(x)_i| ≤ Σ_r ∏_j ‖θ_{r,j,:,i}‖ · ‖x‖^p`` (Cauchy–Schwarz on each factor); ``-inf`` where
     ``x`` or ``θ`` is zero.
     """
     p = theta.shape[2]
-    top = x.detach().double().norm(dim=-1).amax(dim=(0, 1))  # [H]
     norms = theta.detach().double().norm(dim=3).log()  # [H, t, p, M]
     per_map = norms.sum(2).logsumexp(1).amax(-1)  # [H]: log max_i Σ_r ∏_j ‖θ_{r,j,:,i}‖
     return per_map + p * top.log()
 
 
-def _features_at(x: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
+def _max_norm(x: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
+    """``max_{b, t} ‖x[b, t, h]‖`` per head of ``x [B, T, H, D]``, float64 ``[H]``, never below the
+    exact value; ``norms [B, T, H]`` are the token norms in ``x``'s dtype.
+
+    float32: their maximum times ``1 + 1e-3`` (far above the rounding, ~``D·ε``) when it lies in
+    ``[1e-15, 1e15]`` (the largest token's squares then cannot underflow to matter nor overflow);
+    else, and for other dtypes, the float64 norms (one more pass over ``x``).
+    """
+    if x.dtype == torch.float32:
+        top = norms.amax(dim=(0, 1)).double()  # [H]
+        if bool(((top >= 1e-15) & (top <= 1e15)).all()):
+            return top * (1 + 1e-3)
+    return x.detach().double().norm(dim=-1).amax(dim=(0, 1))
+
+
+def _features_at(x: torch.Tensor, theta: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
     """``φ(x*)`` of each (batch, head)'s largest token ``x*`` (the dtype of ``x``): ``[B, H, M]``."""
     x = x.detach()
-    pick = x.norm(dim=-1).argmax(dim=1)  # [B, H]: token of largest norm
+    pick = norms.argmax(dim=1)  # [B, H]: token of largest norm
     top = torch.gather(x, 1, pick[:, None, :, None].expand(-1, 1, -1, x.shape[-1]))[:, 0]  # [B, H, D]
     proj = torch.einsum("bhd,htpdm->bhtpm", top, theta.detach())  # [B, H, t, p, M]
     return proj.prod(3).sum(2)  # [B, H, M]
@@ -190,8 +216,10 @@ def check_kernel_range(q: torch.Tensor, k: torch.Tensor, theta_q: torch.Tensor, 
     info = torch.finfo(q.dtype)
     power = 2 if non_negative else 1
     with torch.no_grad():
-        bound = power * (math.log(theta_q.shape[-1]) + _log_feature_bound(q, theta_q) + _log_feature_bound(k, theta_k))
-        fq, fk = _features_at(q, theta_q), _features_at(k, theta_k)  # [B, H, M]
+        nq, nk = q.detach().norm(dim=-1), k.detach().norm(dim=-1)  # [B, T|S, H] token norms, one pass each
+        bound = power * (math.log(theta_q.shape[-1]) + _log_feature_bound(_max_norm(q, nq), theta_q)
+                         + _log_feature_bound(_max_norm(k, nk), theta_k))
+        fq, fk = _features_at(q, theta_q, nq), _features_at(k, theta_k, nk)  # [B, H, M]
         terms = fq.double().abs() * fk.double().abs()  # [B, H, M]
         sums = terms.sum(-1) ** 2 if non_negative else terms.sum(-1)  # [B, H]
         biggest = sums.amax() if non_negative else terms.amax()

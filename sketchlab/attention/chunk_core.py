@@ -19,9 +19,10 @@ Inside, tensors are chunk-major ``[chunks, B, H, C, ·]`` so that a shift by who
 slice, never a copy. For query chunk ``c`` (key chunk ``c + off/C`` holds the same tokens) a key
 chunk ``L`` chunks back is either wholly far (``L·C − (C − 1) ≥ lag``: read from the prefix of
 per-chunk states, one matmul by a 0/1 prefix matrix), partly far (at most two such ``L``:
-``C × C`` scores with a fixed mask) or wholly near (not seen here). The backward pass recomputes
-the per-chunk states and scores of the block from the saved inputs (autograd keeps nothing of the
-inside): ``dS`` flows backwards by the transposed prefix matrix. Its float64 twin is
+``C × C`` scores with a fixed mask) or wholly near (not seen here). The backward pass keeps the
+masked ``C × C`` scores and recomputes the per-chunk states of the block from the saved inputs
+(``O(T·C)`` kept, not the ``(T/C)·M·Dv`` states): ``dS`` flows backwards by the transposed
+prefix matrix. Its float64 twin is
 :func:`sketchlab.attention.feature_attention_naive`; the gradients are tested with ``gradcheck``.
 """
 
@@ -30,6 +31,7 @@ from __future__ import annotations
 import functools
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from .reference import self_tensor
 
@@ -122,6 +124,7 @@ class _Core(torch.autograd.Function):
         return num, den, S_out, z_out
 
     @staticmethod
+    @once_differentiable  # in-place work on its own buffers: no double backward
     def backward(ctx, g_num, g_den, g_S, g_z):
         off, lag, C, non_negative, normalize, eps = ctx.geo
         if normalize:
@@ -224,13 +227,16 @@ def chunk_core(fq, fk, v, S_in, z_in, *, off: int, lag: int, chunk_size: int, no
 
 @functools.lru_cache(maxsize=64)
 def _hybrid_masks(C: int, window: int, lags: int, device: torch.device, dtype: torch.dtype):
-    """Per key-chunk lag ``L < lags``: ``local [lags, C, C]`` bool (``0 <= L·C + r − u < w``) and
-    ``far [lags, C, C]`` in ``dtype`` (``L·C + r − u >= w``), query ``r``, key ``u``."""
+    """Per key-chunk lag ``L < lags``: ``local [lags, C, C]`` bool (``0 <= L·C + r − u < w``), the
+    same as an additive ``0 / −inf`` bias in ``dtype``, and ``far [lags, C, C]`` in ``dtype``
+    (``L·C + r − u >= w``), query ``r``, key ``u``."""
     r = torch.arange(C, device=device)[None, :, None]
     L = torch.arange(lags, device=device)[:, None, None]
     u = torch.arange(C, device=device)[None, None, :]
     lag = L * C + r - u  # [lags, C, C]
-    return (lag >= 0) & (lag < window), (lag >= window).to(dtype)
+    local = (lag >= 0) & (lag < window)
+    bias = torch.zeros(local.shape, dtype=dtype, device=device).masked_fill_(~local, float("-inf"))
+    return local, bias, (lag >= window).to(dtype)
 
 
 class _HybridCore(torch.autograd.Function):
@@ -245,9 +251,10 @@ class _HybridCore(torch.autograd.Function):
         lift = self_tensor if non_negative else (lambda f: f)
         fqc, fkc, vc = _chunks(fq, N, C), _chunks(fk, Ne, C), _chunks(v, Ne, C)
         qc, kc = _chunks(q, N, C, opts[3]), _chunks(k, Ne, C)  # q scaled by s
-        loc_m, far_m = _hybrid_masks(C, w, n_loc, fq.device, fq.dtype)
+        loc_m, loc_bias, far_m = _hybrid_masks(C, w, n_loc, fq.device, fq.dtype)
         kks = [slice(Wc - L, Wc - L + N) for L in range(n_loc)]
-        if bool(key_ok.all()):  # every key real (no padding, sink or front zeros): the lag masks alone
+        all_ok = bool(key_ok.all())
+        if all_ok:  # every key real (no padding, sink or front zeros): the lag masks alone
             loc_ok = loc_m[:, None, None, None]  # [n_loc, 1, 1, 1, C, C]
         else:
             okc = _chunks(key_ok[:, None, :, None], Ne, C)[:, :, 0, :, 0]  # [Ne, B, C]
@@ -256,7 +263,7 @@ class _HybridCore(torch.autograd.Function):
         far_lags = [L for L in range(n_loc) if L * C + C - 1 >= w]
         sok = _chunks(sink_ok.expand(fq.shape[0], 1, n, -1), N, C)  # [N, B, 1, C, Ls]
         return dict(N=N, Wc=Wc, Ne=Ne, n_loc=n_loc, lift=lift, fqc=fqc, fkc=fkc, vc=vc, qc=qc, kc=kc, kks=kks,
-                    loc_ok=loc_ok, far_m=far_m, far_lags=far_lags, prefix=prefix, sok=sok)
+                    loc_ok=loc_ok, all_ok=all_ok, loc_bias=loc_bias, far_m=far_m, far_lags=far_lags, prefix=prefix, sok=sok)
 
     @staticmethod
     def forward(ctx, fq, fk, v, q, k, k_sink, v_sink, S_in, z_in, g, key_ok, sink_ok, off, opts):
@@ -264,7 +271,7 @@ class _HybridCore(torch.autograd.Function):
         B, H, n, _ = fq.shape
         Dv = v.shape[-1]
         st = _HybridCore._setup(fq, fk, v, q, k, key_ok, sink_ok, off, opts)
-        N, Wc, Ne, n_loc, kks = st["N"], st["Wc"], st["Ne"], st["n_loc"], st["kks"]
+        N, n_loc, kks = st["N"], st["n_loc"], st["kks"]
         qc, kc, vc, fqc, fkc = st["qc"], st["kc"], st["vc"], st["fqc"], st["fkc"]
         lq, lk = st["lift"](fqc), st["lift"](fkc)
         gb = g[None, None, :, None, None]  # [1, 1, H, 1, 1]
@@ -276,12 +283,19 @@ class _HybridCore(torch.autograd.Function):
         den = (lq @ zP[..., None])[..., 0].mul_(1 - gb[..., 0])  # [N, B, H, C]
         # local logits per lag (lag-major, each a contiguous slab) and the sinks'
         A = q.new_empty(n_loc, N, B, H, C, C)
+        bias = softmax and st["all_ok"]  # the lag masks as a −inf bias added by the matmul itself
+        D = q.shape[-1]
         for L, kk in enumerate(kks):
-            torch.matmul(qc, kc[kk].mT, out=A[L])
+            if bias:
+                torch.baddbmm(st["loc_bias"][L].expand(N * B * H, C, C), qc.view(-1, C, D),
+                              kc[kk].reshape(-1, C, D).mT, out=A[L].view(-1, C, C))
+            else:
+                torch.matmul(qc, kc[kk].mT, out=A[L])
         Ls = k_sink.shape[2]
         As = qc @ k_sink[None].mT  # [N, B, H, C, Ls]  (qc holds s·q)
         if softmax:
-            A.masked_fill_(~st["loc_ok"], float("-inf"))
+            if not bias:
+                A.masked_fill_(~st["loc_ok"], float("-inf"))
             As.masked_fill_(~st["sok"], float("-inf"))
             cmax = As.amax(-1) if Ls else None  # [N, B, H, C]
             for L in range(n_loc):  # lag by lag: contiguous reductions
@@ -325,6 +339,7 @@ class _HybridCore(torch.autograd.Function):
         return out, den, S_out, z_out
 
     @staticmethod
+    @once_differentiable  # in-place work on its own buffers: no double backward
     def backward(ctx, g_out, g_den, g_S, g_z):
         off, opts = ctx.off, ctx.opts
         C, w, non_negative, scale, softmax, degree, eps, _ = opts
@@ -332,7 +347,7 @@ class _HybridCore(torch.autograd.Function):
         B, H, n, M = fq.shape
         Dv = v.shape[-1]
         st = _HybridCore._setup(fq, fk, v, q, k, key_ok, sink_ok, off, opts)
-        N, Wc, Ne, n_loc, kks = st["N"], st["Wc"], st["Ne"], st["n_loc"], st["kks"]
+        N, Ne, n_loc, kks = st["N"], st["Ne"], st["n_loc"], st["kks"]
         qc, kc, vc, fqc, fkc = st["qc"], st["kc"], st["vc"], st["fqc"], st["fkc"]
         lq, lk = st["lift"](fqc), st["lift"](fkc)
         M2 = lq.shape[-1]
@@ -419,13 +434,17 @@ class _HybridCore(torch.autograd.Function):
             dl_s = da_s.mul_(gb * degree) * logit_s ** (degree - 1) if Ls else None
         dqc = torch.zeros_like(qc)  # gradient w.r.t. the scaled q
         dkc = torch.zeros_like(kc)
+        # off the local keys dl is 0 already for softmax (a = 0, no tie there) and for p >= 2 (l = 0)
+        unmasked = not softmax and degree < 2
         for L, kk in enumerate(kks):
-            dl[L] = dl[L].masked_fill_(~st["loc_ok"][L], 0.0)
+            if unmasked:
+                dl[L] = dl[L].masked_fill_(~st["loc_ok"][L], 0.0)
             dqc += dl[L] @ kc[kk]
             dkc[kk] += dl[L].mT @ qc
         dk_sink = torch.zeros_like(k_sink)
         if Ls:
-            dl_s = dl_s.masked_fill_(~st["sok"], 0.0)
+            if unmasked:
+                dl_s = dl_s.masked_fill_(~st["sok"], 0.0)
             dqc += dl_s @ k_sink[None]
             dk_sink = (dl_s.mT @ qc).sum(0)  # [B, H, Ls, D]
         Lk = fk.shape[2]
@@ -448,7 +467,7 @@ def hybrid_core(fq, fk, v, q, k, k_sink, v_sink, S_in, z_in, g, key_ok, sink_ok,
     .. math:: o_t = \frac{g\sum a\,v + (1-g)\sum f\,v}{g\sum a + (1-g)\sum f + \varepsilon}.
 
     The near-far key chunk shares its matmul with the local one (``(g·a + (1−g)·f) @ v``); the
-    backward recomputes the far states and scores and keeps the local weights.
+    backward recomputes the far states and keeps the local weights and the near-far scores.
 
     Parameters
     ----------

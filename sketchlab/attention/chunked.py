@@ -9,20 +9,24 @@ product is formed directly; across chunks the running state
           \qquad \text{den}_t = \phi(q_t)\cdot z_{<c} + \sum_{s\in c,\, s\le t}\phi(q_t)\cdot\phi(k_s).
 
 Chunks are processed a *block* of ``block_chunks`` chunks at a time, fully vectorised inside the
-block (batched matmuls over ``B·H·chunks``, an exclusive cumulative sum of the per-chunk states),
-with the state carried from block to block by a short Python loop. The LLoPS map is computed
-block by block from ``q``/``k`` (:func:`llops_attention_chunked`), so the whole ``[B, T, H, M]``
-feature tensor is never held in the forward pass. Memory in the forward pass:
-``O(T·(D + Dv))`` for inputs and output plus, per block, ``O(block·(M + C) + chunks·M·Dv)``:
-never ``T²``. Under autograd the per-block features and states are kept for the backward pass,
-``O(T·(M + C) + (T/C)·M·Dv)``: linear in ``T``.
+block (batched matmuls over ``B·H·chunks``, the per-chunk prefix states by one 0/1 matmul), with
+the state carried from block to block by a short Python loop. The causal block is one
+``torch.autograd.Function`` (:func:`sketchlab.attention.chunk_core.chunk_core`; the hybrid's:
+``hybrid_core``) whose backward recomputes the block's per-chunk states from its saved inputs.
+The LLoPS map is computed block by block from ``q``/``k`` (:func:`llops_attention_chunked`), so
+the whole ``[B, T, H, M]`` feature tensor is never held in the forward pass. Memory in the
+forward pass: ``O(T·(D + Dv))`` for inputs and output plus, per block,
+``O(block·(M + C) + chunks·M·Dv)``: never ``T²``. Under autograd each block keeps its features,
+its ``C × C`` near scores (the hybrid: its local weights, ``O(block·(w + C))``) and its
+incoming state for the backward pass, ``O(T·(M + C) + (T/block)·M·Dv)``: linear in ``T``.
 
 ``non_negative=True`` (self-tensored features ``φ ⊗ φ``, kernel :math:`(\phi(q)\cdot\phi(k))^2`):
 the intra-chunk scores are squared and never touch ``M²``; the inter-chunk state is
 ``(φ⊗φ)ᵀ v``, of size ``M²·Dv``, and the block's features ``φ ⊗ φ`` (``block·M²``) are
 materialised to build and read it. That part is ``M²`` by nature (the map has ``M²`` features).
 
-Gradients flow by autograd to every input (features, values, and Θ in the LLoPS path).
+Gradients reach every input (features, values, and Θ in the LLoPS path): by the cores' backward
+inside a block, by autograd around them.
 Normalisation semantics: see :mod:`sketchlab.attention.reference`.
 """
 
@@ -48,7 +52,6 @@ from .hybrid_chunked import (
     _hybrid_causal_block,
     _hybrid_decode_one,
     _hybrid_noncausal,
-    _pad_tokens,
 )
 from .reference import self_tensor
 from ..llops.maps import llops_feature_fn

@@ -1,17 +1,17 @@
 r"""The chunked PyTorch path of the sliding-window hybrid (layout inside: ``[B, H, T, ·]``).
 
-Split from :mod:`sketchlab.attention.chunked`, which validates the call and dispatches here. For
-query chunk ``c`` of ``C`` tokens the local keys (window ``w`` and sinks) are read from a band of
-``w + C`` keys with explicit masks, so the local part costs ``O(T·(w + C))``, never ``T²``; the
-far keys come from the carried :class:`~sketchlab.attention.AttentionState` (a key enters ``S, z``
-only once it has left the window). The formula and its float64 twin:
+Split from :mod:`sketchlab.attention.chunked`, which validates the call and dispatches here. The
+causal path runs :func:`sketchlab.attention.chunk_core.hybrid_core` block by block: for query
+chunk ``c`` of ``C`` tokens the local keys (window ``w`` and sinks) are read from the key chunks
+``0 … ⌈(w + C − 1)/C⌉ − 1`` back with fixed masks, so the local part costs ``O(T·(w + C))``,
+never ``T²``; the far keys come from the carried :class:`~sketchlab.attention.AttentionState`
+(a key enters ``S, z`` only once it has left the window). Decoding one token and the
+non-causal path use :meth:`_Hybrid.combine` on a band of keys. The formula and its float64 twin:
 :func:`sketchlab.attention.reference.feature_attention_naive`. Inputs are trusted (checked by the
 public entry points).
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 
