@@ -166,12 +166,14 @@ def llops_feature_fn(theta: torch.Tensor):
     flat = theta.permute(0, 3, 1, 2, 4).reshape(H, D, t * p * M)  # [H, D, t·p·M]
 
     def features(x: torch.Tensor) -> torch.Tensor:
-        proj = (x @ flat).unflatten(-1, (t, p, M))  # [B, H, n, t, p, M]
+        # one split into the t·p factors [B, H, n, M]: a slice per factor would zero-fill a full-size
+        # gradient for each of them in the backward
+        factors = (x @ flat).split(M, dim=-1)  # t·p tensors [B, H, n, M], rank-major
         out = None
         for r in range(t):
-            term = proj[..., r, 0, :]
+            term = factors[r * p]
             for j in range(1, p):
-                term = term * proj[..., r, j, :]  # [B, H, n, M]
+                term = term * factors[r * p + j]  # [B, H, n, M]
             out = term if out is None else out + term
         return out
 
