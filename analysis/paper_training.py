@@ -360,14 +360,17 @@ def write_mqar_report(args, scale, table, swept, best_lr, seeded, m_runs, wall):
                  + f" | {best_lr[m]:g} |")
     L += ["", "## Every method: mean ± sd over seeds (each seed's number in brackets)", "",
           "Score = mean accuracy over the test slices at training lengths; then each slice (T, P).", "",
-          "| method | lr | score | " + " | ".join(f"({T}, {P})" for T, P in scale.test_pairs()) + " | train s | forward ms (B=8, T=256) |",
-          "|---|---|---|" + "---|" * len(scale.test_pairs()) + "---|---|"]
+          "| method | lr | seeds | score | " + " | ".join(f"({T}, {P})" for T, P in scale.test_pairs())
+          + " | train s | forward ms (B=8, T=256) |",
+          "|---|---|---|---|" + "---|" * len(scale.test_pairs()) + "---|---|"]
     for k, rs in by.items():
         cells = []
         for i in range(len(scale.test_pairs())):
             m_, sd = mean_sd([r["slices"][i]["accuracy"] for r in rs])
             cells.append(f"{m_:.3f} ± {sd:.3f}")
-        L.append(f"| {table[k].label} | {rs[0]['spec']['lr']:g} | {fmt([score(r) for r in rs])} | " + " | ".join(cells)
+        seeds = ", ".join(str(r["spec"]["seed"]) for r in rs)
+        L.append(f"| {table[k].label} | {rs[0]['spec']['lr']:g} | {seeds} | {fmt([score(r) for r in rs])} | "
+                 + " | ".join(cells)
                  + f" | {statistics.fmean(r['seconds'] for r in rs):.0f} | {statistics.fmean(r['forward_ms_T256'] for r in rs):.1f} |")
     # softmax check
     soft = by.get("softmax", [])
@@ -452,15 +455,22 @@ def verdict(by) -> str:
         if key not in by:
             continue
         x = [score(r) for r in by[key]]
-        d = statistics.fmean(x) - statistics.fmean(b)
-        spread = max(mean_sd(x)[1], mean_sd(b)[1])
+        (mx, sx), (mb, sb) = mean_sd(x), mean_sd(b)
+        d, spread = mx - mb, max(sx, sb)
         if len(x) < 2 or len(b) < 2:
             word = f"{min(len(x), len(b))} seed on one side, so no claim either way"
         elif abs(d) <= 2 * spread:
             word = "no difference beyond the seed spread"
         else:
             word = "LLoPS ahead" if d > 0 else "BASED ahead"
-        lines.append(f"{key} − BASED = {d:+.3f} (seed sd up to {spread:.3f}): {word}")
+        detail = f"LLoPS {mx:.3f} ± {sx:.3f} over {len(x)} seed(s), BASED {mb:.3f} ± {sb:.3f} over {len(b)}"
+        if len(x) >= 2 and len(b) >= 2:
+            se = math.sqrt(sx**2 / len(x) + sb**2 / len(b))  # Welch's standard error of the difference
+            disjoint = min(x) > max(b) or max(x) < min(b)
+            detail += (f"; Welch t = {d / se:+.1f}" if se > 0 else "") + \
+                f"; the seeds' ranges {'do not overlap' if disjoint else 'overlap'}"
+        lines.append(f"{key} − BASED = {d:+.3f} ({detail}; rule: a side is ahead when the difference exceeds "
+                     f"twice the larger seed sd, {2 * spread:.3f}): {word}")
     return "**LLoPS vs BASED here:** " + "; ".join(lines) + "." if lines else "No LLoPS run to compare."
 
 

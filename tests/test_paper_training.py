@@ -94,8 +94,10 @@ def test_verdict_compares_the_difference_with_the_seed_spread():
     based = [_run("based", s, a) for s, a in enumerate((0.80, 0.82, 0.84))]  # sd 0.02
     close = [_run("llops-p4-m256", s, a) for s, a in enumerate((0.81, 0.85, 0.86))]  # +0.02 <= 2 sd
     far = [_run("llops-p4-m256", s, a) for s, a in enumerate((0.30, 0.32, 0.34))]
-    assert "no difference beyond the seed spread" in pt.verdict({"based": based, "llops-p4-m256": close})
+    text = pt.verdict({"based": based, "llops-p4-m256": close})
+    assert "no difference beyond the seed spread" in text and "ranges overlap" in text
     text = pt.verdict({"based": based, "llops-p4-m256": far})
-    assert "BASED ahead" in text and "-0.500" in text
+    # d = 0.32 - 0.82, both sds 0.02: Welch SE = 0.02·√(2/3), t = -0.5 / 0.01633 = -30.6
+    assert "BASED ahead" in text and "-0.500" in text and "t = -30.6" in text and "do not overlap" in text
     assert "no claim either way" in pt.verdict({"based": based[:1], "llops-p4-m256": far})
     assert math.isclose(pt.mean_sd([0.80, 0.82, 0.84])[1], 0.02)
