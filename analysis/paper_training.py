@@ -117,6 +117,14 @@ def methods(d_model: int) -> dict[str, Method]:
                       {"p": 2, "m": 256}, init="based", kernel_lr=KERNEL_LR))
     out.append(Method("llops-p4-m256-based", "LLoPS p = 4, m = 256 (init: BASED expand, d' = 4)", "llops",
                       {"p": 4, "m": 256}, init="based", kernel_lr=KERNEL_LR))
+    # self-tensored LLoPS (φ ⊗ φ of a degree-2, 16-feature map: 256 features, degree 4, a kernel (φ(q)·φ(k))² >= 0
+    # whatever Θ becomes in training): from a random start, and from BASED expand d' = 4 (the same step-0 kernel
+    # (s')⁴ as llops-p4-m256-based, whose Θ turns signed in training)
+    out.append(Method("llops-nn-p2-m16", "LLoPS self-tensored, p = 2, m = 16 (256 features, degree 4; random init)",
+                      "llops", {"p": 2, "m": 16, "non_negative": True}, init="random", kernel_lr=KERNEL_LR))
+    out.append(Method("llops-nn-p2-m16-based", "LLoPS self-tensored, p = 2, m = 16 (256 features, degree 4; init: "
+                      "BASED expand, d' = 4)", "llops", {"p": 2, "m": 16, "non_negative": True}, init="based",
+                      kernel_lr=KERNEL_LR))
     # the sliding-window hybrids (exact softmax on the last `window` keys, the sketch beyond, one denominator,
     # a learned gate per head): BASED's own recipe; window 64 at Zoology's lengths (16 at a quarter of them)
     for base in [m for m in out if m.key in ("based", "llops-p4-m256", "llops-p2-m256-based", "hedgehog")]:
@@ -451,7 +459,8 @@ def verdict(by) -> str:
         return "BASED not run: no LLoPS-BASED comparison."
     lines = []
     b = [score(r) for r in by["based"]]
-    for key in ("llops-p4-m256", "llops-p4-m256-based", "llops-p2-m256", "llops-p2-m256-based"):
+    for key in ("llops-p4-m256", "llops-p4-m256-based", "llops-nn-p2-m16", "llops-nn-p2-m16-based", "llops-p2-m256",
+                "llops-p2-m256-based"):
         if key not in by:
             continue
         x = [score(r) for r in by[key]]
