@@ -253,6 +253,10 @@ def mean_sd(xs):
 
 
 def fmt(xs) -> str:
+    """``mean ± sd (each value)``; one value: ``x (1 seed)`` (no spread to quote)."""
+    xs = list(xs)
+    if len(xs) == 1:
+        return f"{xs[0]:.3f} (1 seed)"
     m, sd = mean_sd(xs)
     return f"{m:.3f} ± {sd:.3f} (" + ", ".join(f"{x:.3f}" for x in xs) + ")"
 
@@ -375,7 +379,7 @@ def write_mqar_report(args, scale, table, swept, best_lr, seeded, m_runs, wall):
         cells = []
         for i in range(len(scale.test_pairs())):
             m_, sd = mean_sd([r["slices"][i]["accuracy"] for r in rs])
-            cells.append(f"{m_:.3f} ± {sd:.3f}")
+            cells.append(f"{m_:.3f} ± {sd:.3f}" if len(rs) > 1 else f"{m_:.3f}")
         seeds = ", ".join(str(r["spec"]["seed"]) for r in rs)
         L.append(f"| {table[k].label} | {rs[0]['spec']['lr']:g} | {seeds} | {fmt([score(r) for r in rs])} | "
                  + " | ".join(cells)

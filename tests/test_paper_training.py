@@ -106,3 +106,5 @@ def test_verdict_compares_the_difference_with_the_seed_spread():
     assert "BASED ahead" in text and "-0.500" in text and "t = -30.6" in text and "do not overlap" in text
     assert "no claim either way" in pt.verdict({"based": based[:1], "llops-p4-m256": far})
     assert math.isclose(pt.mean_sd([0.80, 0.82, 0.84])[1], 0.02)
+    assert pt.fmt([0.80, 0.82, 0.84]) == "0.820 ± 0.020 (0.800, 0.820, 0.840)"
+    assert pt.fmt([0.5]) == "0.500 (1 seed)"  # no "± 0.000" for a single run
