@@ -476,7 +476,8 @@ def verdict(by) -> str:
             word = "no difference beyond the seed spread"
         else:
             word = "LLoPS ahead" if d > 0 else "BASED ahead"
-        detail = f"LLoPS {mx:.3f} ± {sx:.3f} over {len(x)} seed(s), BASED {mb:.3f} ± {sb:.3f} over {len(b)}"
+        side = lambda m_, s_, n: f"{m_:.3f} (1 seed)" if n == 1 else f"{m_:.3f} ± {s_:.3f} over {n} seeds"  # noqa: E731
+        detail = f"LLoPS {side(mx, sx, len(x))}, BASED {side(mb, sb, len(b))}"
         if len(x) >= 2 and len(b) >= 2:
             se = math.sqrt(sx**2 / len(x) + sb**2 / len(b))  # Welch's standard error of the difference
             disjoint = min(x) > max(b) or max(x) < min(b)
