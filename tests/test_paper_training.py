@@ -50,12 +50,17 @@ def test_poly_hedgehog_and_psf_learned_methods_are_the_named_kernels():
     assert isinstance(psf, PSFLearnedKernel) and psf.map_q.num_features == 256 and psf.map_q.degree == 4
 
 
-@pytest.mark.parametrize("key, p, dim", [("llops-p4-m256-based", 4, 4), ("llops-p2-m256-based", 2, 16)])
-def test_llops_from_based_is_basedexpand_at_step_0(key, p, dim):
-    """m = 256 = d'^p (full form: 4^4 and 16^2, no symmetric count equals 256), so the LLoPS model at
-    step 0 computes BASED's expand map (P q̃ · P k̃)^p on the first d' coordinates."""
+@pytest.mark.parametrize("key, options, p, dim", [
+    ("llops-p4-m256-based", {"p": 4, "m": 256}, 4, 4),
+    ("llops-p2-m256-based", {"p": 2, "m": 256}, 2, 16),
+    ("llops-nn-p2-m16-based", {"p": 2, "m": 16, "non_negative": True}, 4, 4),  # ((s')²)² = (s')⁴
+])
+def test_llops_from_based_is_basedexpand_at_step_0(key, options, p, dim):
+    """m = d'^p (full form: 4^4, 16^2 and 4^2, no symmetric count equals them), so the LLoPS model at
+    step 0 computes BASED's expand map (P q̃ · P k̃)^p on the first d' coordinates (self-tensored:
+    the square of the degree-2 map's kernel)."""
     method = pt.methods(D_MODEL)[key]
-    assert method.init == "based" and method.options == {"p": p, "m": 256}
+    assert method.init == "based" and method.options == options
     llops = pt.build_model(method, D_MODEL, VOCAB, seed=3).double()
     torch.manual_seed(7)
     based = TransformerLM(TransformerConfig(vocab_size=VOCAB, d_model=D_MODEL, n_heads=1, n_layers=2, mlp_ratio=2,
@@ -71,7 +76,7 @@ def test_llops_from_based_is_basedexpand_at_step_0(key, p, dim):
     # init below moves them by > 1e-6 of their size (at initialisation the attention's share of the
     # logits is small, ~1e-3 here)
     assert float((a - b).abs().max()) <= 1e-10 * float(b.abs().max())
-    random = pt.build_model(pt.methods(D_MODEL)[f"llops-p{p}-m256"], D_MODEL, VOCAB, seed=3).double()
+    random = pt.build_model(pt.methods(D_MODEL)[key.removesuffix("-based")], D_MODEL, VOCAB, seed=3).double()
     copy_shared_weights(llops, random)
     with torch.no_grad():
         assert float((random(x) - b).abs().max()) > 1e-6 * float(b.abs().max())
@@ -94,8 +99,12 @@ def test_verdict_compares_the_difference_with_the_seed_spread():
     based = [_run("based", s, a) for s, a in enumerate((0.80, 0.82, 0.84))]  # sd 0.02
     close = [_run("llops-p4-m256", s, a) for s, a in enumerate((0.81, 0.85, 0.86))]  # +0.02 <= 2 sd
     far = [_run("llops-p4-m256", s, a) for s, a in enumerate((0.30, 0.32, 0.34))]
-    assert "no difference beyond the seed spread" in pt.verdict({"based": based, "llops-p4-m256": close})
+    text = pt.verdict({"based": based, "llops-p4-m256": close})
+    assert "no difference beyond the seed spread" in text and "ranges overlap" in text
     text = pt.verdict({"based": based, "llops-p4-m256": far})
-    assert "BASED ahead" in text and "-0.500" in text
+    # d = 0.32 - 0.82, both sds 0.02: Welch SE = 0.02·√(2/3), t = -0.5 / 0.01633 = -30.6
+    assert "BASED ahead" in text and "-0.500" in text and "t = -30.6" in text and "do not overlap" in text
     assert "no claim either way" in pt.verdict({"based": based[:1], "llops-p4-m256": far})
     assert math.isclose(pt.mean_sd([0.80, 0.82, 0.84])[1], 0.02)
+    assert pt.fmt([0.80, 0.82, 0.84]) == "0.820 ± 0.020 (0.800, 0.820, 0.840)"
+    assert pt.fmt([0.5]) == "0.500 (1 seed)"  # no "± 0.000" for a single run
