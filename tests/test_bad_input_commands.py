@@ -246,3 +246,15 @@ def test_a_damaged_model_directory_is_refused(command, damage, match, tmp_path, 
         argv = ["linearize", str(teacher), "--p", "2", "--m", "4", "--steps", "0", "--out", str(tmp_path / "out"),
                 "--no-progress"]
     _one_line_exit_2(argv, capsys, root=teacher, match=match)
+
+
+def test_train_help_names_every_registered_attention(capsys):
+    """``train --help`` lists the kernels a user can pick: every name of the toy model's registry."""
+    from sketchlab.tasks.model import attention_registry
+
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split()).replace("- ", "-")  # argparse wraps after a hyphen
+    listed = help_text.split("attention kernel:")[1].split("(sketchlab.tasks registry)")[0]
+    assert sorted(name.strip(" ,") for name in listed.replace(" or ", ", ").split(", ") if name.strip()) == \
+        attention_registry()

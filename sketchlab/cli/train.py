@@ -66,7 +66,8 @@ def add_arguments(sub) -> None:
     cmd = sub.add_parser("train", help="train a small transformer on MQAR with softmax or sketched attention")
     cmd.add_argument("--task", choices=("mqar",), default="mqar", help="the task (multi-query associative recall)")
     cmd.add_argument("--attention", required=True,
-                     help="attention kernel: softmax, poly, based, psf or llops (sketchlab.tasks registry)")
+                     help="attention kernel: softmax, poly, based, psf, psf-learned, hedgehog or llops "
+                          "(sketchlab.tasks registry)")
     cmd.add_argument("--out", required=True,
                      help="output directory (created with its parents; the same run there is resumed, another refused)")
     k = cmd.add_argument_group("attention options (each kernel takes its own; see sketchlab.tasks.attention)")
