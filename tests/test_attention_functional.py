@@ -115,6 +115,26 @@ def test_sketch_attention_llops_goes_through_llops_attention():
         sketch_attention(q, k, v, "llops")
 
 
+def test_auto_backend_runs_unfused_maps_on_the_torch_path(monkeypatch):
+    """Where ``"auto"`` means the Triton kernel (CUDA), a map it does not fuse runs on the chunked torch
+    path instead of failing; an explicit ``backend="triton"`` is still refused."""
+    import sketchlab.attention.functional as functional
+    from sketchlab.featuremaps import make_feature_map
+
+    q, k, v, _, _ = _problem(t=1)
+    real = functional.resolve_backend
+    monkeypatch.setattr(functional, "resolve_backend",
+                        lambda backend, device, dtype=torch.float32: "triton" if backend == "auto" else real(backend, device))
+    sketch = sl.TensorSketch.draw(4, 2, 5, seed=0)
+    auto = sketch_attention(q, k, v, sketch, normalize="none")
+    assert torch.equal(auto, sketch_attention(q, k, v, sketch, normalize="none", backend="torch"))
+    fmap = make_feature_map("hedgehog", heads=q.shape[2], head_dim=q.shape[3], m=6).double()
+    auto = functional.featuremap_attention(q, k, v, fmap)
+    assert torch.equal(auto, functional.featuremap_attention(q, k, v, fmap, backend="torch"))
+    with pytest.raises(ValueError, match="fuses only LLoPS"):
+        functional.featuremap_attention(q, k, v, fmap, backend="triton")
+
+
 def test_gradients_reach_the_sketch_parameters():
     q, k, v, tq, tk = _problem()
     sketch = sl.LLoPS(tq, tk)

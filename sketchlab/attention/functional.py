@@ -64,6 +64,18 @@ def resolve_backend(backend, device: torch.device, dtype: torch.dtype = torch.fl
     return backend
 
 
+def _unfused_backend(backend, q: torch.Tensor, what: str) -> str:
+    """The backend for a map the Triton kernel does not fuse: ``"auto"`` is the chunked torch path
+    on every device; an explicit ``"triton"`` is refused."""
+    resolved = resolve_backend(backend, q.device, q.dtype)
+    if resolved != "triton":
+        return resolved
+    if backend == "auto":
+        return "torch"
+    raise ValueError(f"backend='triton' fuses only LLoPS maps; {what} runs with backend='torch' "
+                     "(its features through the chunked path) or 'reference'")
+
+
 def _uses_hybrid(window, sinks, gate, key_padding_mask, initial_state, output_final_state) -> bool:
     return bool(window or sinks or gate is not None or key_padding_mask is not None or initial_state is not None
                 or output_final_state)
@@ -306,10 +318,7 @@ def sketch_attention(q, k, v, sketch: Sketch, *, causal: bool = True, normalize:
             return out.reshape(qs.shape[1], B, H, -1).transpose(0, 1)  # [B, T, H, Dv]
 
         return _by_segments(run, segments, q, k, v, mask=key_padding_mask)
-    backend = resolve_backend(backend, q.device, q.dtype)
-    if backend == "triton":
-        raise ValueError(f"backend='triton' fuses only LLoPS maps; {type(sketch).__name__} runs with backend='torch' "
-                         "(its features through the chunked path) or 'reference'")
+    backend = _unfused_backend(backend, q, type(sketch).__name__)
     fq = sketch.features_q(q.transpose(1, 2))  # [B, H, T, M]
     fk = sketch.features_k(k.transpose(1, 2))  # [B, H, S, M]
     if fq.shape[:2] != (B, H) or fq.shape[-2] != q.shape[1]:
@@ -395,10 +404,7 @@ def featuremap_attention(q, k, v, feature_map, feature_map_k=None, *, causal: bo
                 output_final_state=output_final_state, denominator_check=denominator_check)
     if isinstance(feature_map, LLoPSMap):
         return llops_attention(q, k, v, feature_map.theta.to(q.dtype), fk_map.theta.to(q.dtype), **opts)
-    backend = resolve_backend(backend, q.device, q.dtype)
-    if backend == "triton":
-        raise ValueError(f"backend='triton' fuses only LLoPS maps; {type(feature_map).__name__} runs with "
-                         "backend='torch' or 'reference'")
+    backend = _unfused_backend(backend, q, type(feature_map).__name__)
     if window and local == "poly" and feature_map.degree is None:
         raise ValueError(f"local='poly' needs a polynomial degree, and {type(feature_map).__name__} has none "
                          "(it is not a polynomial kernel): use local='softmax'")
