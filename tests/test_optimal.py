@@ -294,3 +294,9 @@ def test_fit_sketch_optimal_choice_min_norm_is_the_min_norm_sketch():
     assert torch.allclose(fit.sketch.w_k, mn.w_k, rtol=0, atol=1e-12 * float(mn.w_k.abs().max()))
     with pytest.raises(ValueError, match="choice must be 'nystrom' or 'min-norm'"):
         fit_sketch("optimal", q, k, p=3, m=5, choice="svd", reference=False)
+
+
+def test_m_above_the_rank_says_why_in_full():
+    q, k = _qk(n_q=5, n_k=5, d=4, seed=0)
+    with pytest.raises(ValueError, match=r"got m=6\. Beyond it the tail is 0 and the exact features are already optimal$"):
+        optimal_sketch(q, k, 2, 6)

@@ -321,3 +321,11 @@ def test_confirm_draws_starts_until_a_second_reaches_the_best():
     assert sure.value >= one.value - 1e-12 * abs(one.value)
     capped = spectral_norm(t, restarts=1, confirm=1000, max_restarts=5)
     assert len(capped.values) == 5  # the cap holds when the certificate cannot be met
+
+
+@pytest.mark.parametrize("shift", [-1.0, float("nan"), float("inf")])
+def test_bad_shift_is_refused_with_its_value(shift):
+    x = torch.tensor([1.0, 2.0, 0.5], dtype=torch.float64)
+    t = torch.einsum("i,j,k->ijk", x, x, x)  # symmetric
+    with pytest.raises(ValueError, match=rf"^shift must be a finite number >= 0, got {shift!r}$"):
+        spectral_norm(t, symmetric=True, shift=shift)
