@@ -404,3 +404,13 @@ def test_based_hybrid_poly_window_uses_the_kernels_own_scale(options, scale, loc
     torch.testing.assert_close(got, want, **F64)
     default = sketch_attention(q * scale, k * scale, v, kernel.sketch(), window=2, local="poly", gate=kernel.gate)
     assert (got - default).abs().max() > 1e-6  # the scale matters at these sizes
+
+
+def test_each_stage_reports_its_heldout_accuracy(tmp_path, capsys):
+    # the single (rank-0) process prints one line per stage with the accuracy the history records
+    res = train_mqar(tiny(), [(TASK, 2), (TASK, 1)], out=tmp_path, **KW)
+    text = capsys.readouterr()
+    lines = [ln for ln in (text.out + text.err).splitlines() if ln.startswith("stage ")]
+    assert len(lines) == 2
+    for si, (line, entry) in enumerate(zip(lines, res.history)):
+        assert line.startswith(f"stage {si} ") and f"held-out accuracy {entry['heldout_accuracy']:.4f} after" in line
