@@ -240,6 +240,17 @@ def diff(name: str) -> str:
     return "\n".join(lines) or out.stdout.strip()
 
 
+def _killed_since(name: str) -> bool:
+    return REVIEWED.get(name, "").startswith(_KILLED)
+
+
+def _score(caught: int, checked: int) -> str:
+    if not checked:
+        return "not run"
+    lo, hi = wilson(caught, checked)
+    return f"{100 * caught / checked:.0f}% ({100 * lo:.0f}–{100 * hi:.0f}%)"
+
+
 def write_report(results: list[ModuleResult], finished: bool, seconds: float, sample_size: int, seed: int,
                  out: Path = OUT) -> None:
     total = Counter()
@@ -247,35 +258,39 @@ def write_report(results: list[ModuleResult], finished: bool, seconds: float, sa
         total.update(r.counts)
     caught = total["killed"] + total["timeout"] + total["segfault"]
     checked = sum(r.checked for r in results)
-    lo, hi = wilson(caught, checked)
+    since_all = sum(_killed_since(n) for r in results for n in r.survivors)
     lines = [
-        "# Mutation testing of the math core (mutmut 3)",
+        "# Mutation testing (mutmut 3)",
         "",
         "Written by `python analysis/mutation.py` (config: `setup.cfg` `[mutmut]`). A mutant is one small "
         "change to the source (operator, constant, argument, return value); it is *killed* when a selected test "
-        "fails or times out. Score = (killed + timeout) / checked, with a 95% Wilson interval. Not run in CI.",
+        "fails or times out. Score = (killed + timeout) / checked, with a 95% Wilson interval; a mutant that no "
+        "selected test executes counts as checked and not killed. Not run in CI.",
         "",
         (f"Mutants checked: a seeded uniform sample of {sample_size} per module (seed {seed}), an unbiased "
          "estimate of each module's score." if sample_size > 0 else "Mutants checked: all."),
-        f"Last invocation: {'finished' if finished else 'stopped by the time box (continue by running again)'}, "
-        f"{seconds / 60:.0f} min wall time (the first run of the 350-mutant sample, stats collection included, "
-        "took about 15 min on 2 shared cores; re-checks after new tests take minutes).",
+        f"Last invocation: {'finished' if finished and not total['not checked'] else 'stopped before every sampled mutant was checked'}, "
+        f"{seconds / 60:.0f} min wall time. mutmut checks the mutants in order of their tests' run time, so "
+        "*not checked* ones are those with the slowest tests (a bias toward the quickly killed; run again to "
+        "continue, results accumulate in `mutants/`).",
         "",
-        f"Modules in this file: {', '.join(r.label for r in results)}. Survivors marked *Not acceptable* name "
-        "the missing test and its owner; *not reviewed yet* ones are open.",
+        "*Killed since* counts the survivors that a test added after the run kills (each checked by running "
+        "the new test with `MUTANT_UNDER_TEST=<name>` in `mutants/`: it fails there and passes on the source); "
+        "*after* is the score with them counted as killed.",
         "",
-        "| module | mutants | checked | killed | timeout | survived | no test runs it | not checked | score (95% CI) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| module | mutants | checked | killed | timeout | survived | no test runs it | not checked | score (95% CI) "
+        "| killed since | after (95% CI) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
-        rl, rh = wilson(r.counts["killed"] + r.counts["timeout"] + r.counts["segfault"], r.checked)
-        score = f"{100 * r.score:.0f}% ({100 * rl:.0f}–{100 * rh:.0f}%)" if r.checked else "not run"
+        got = r.counts["killed"] + r.counts["timeout"] + r.counts["segfault"]
+        since = sum(_killed_since(n) for n in r.survivors)
         lines.append(f"| {r.label} | {r.total} | {r.checked} | {r.counts['killed']} | {r.counts['timeout']} | "
                      f"{r.counts['survived']} | {r.counts['no tests']} | {r.counts['not checked'] + r.counts['skipped']} | "
-                     f"{score} |")
+                     f"{_score(got, r.checked)} | {since} | {_score(got + since, r.checked)} |")
     lines.append(f"| **all** | {sum(r.total for r in results)} | {checked} | {total['killed']} | {total['timeout']} | "
                  f"{total['survived']} | {total['no tests']} | {total['not checked'] + total['skipped']} | "
-                 f"{100 * caught / checked if checked else math.nan:.0f}% ({100 * lo:.0f}–{100 * hi:.0f}%) |")
+                 f"{_score(caught, checked)} | {since_all} | {_score(caught + since_all, checked)} |")
     lines.append("")
     pending = [r.label for r in results if not r.checked]
     if pending:
