@@ -254,7 +254,7 @@ def _score(caught: int, checked: int) -> str:
 
 
 def write_report(results: list[ModuleResult], finished: bool, seconds: float, sample_size: int, seed: int,
-                 out: Path = OUT) -> None:
+                 out: Path = OUT, command: str = "python analysis/mutation.py") -> None:
     total = Counter()
     for r in results:
         total.update(r.counts)
@@ -269,10 +269,14 @@ def write_report(results: list[ModuleResult], finished: bool, seconds: float, sa
         "fails or times out. Score = (killed + timeout) / checked, with a 95% Wilson interval; a mutant that no "
         "selected test executes counts as checked and not killed. Not run in CI.",
         "",
+        f"Command: `{command}` (one mutmut worker; the Triton kernels, `sketchlab/attention/triton/`, are not "
+        "mutated: mutmut's trampolines cannot run inside `@triton.jit` functions and their interpreter tests are "
+        "too slow to run per mutant; the functions that dispatch to them are mutated).",
+        "",
         (f"Mutants checked: a seeded uniform sample of {sample_size} per module (seed {seed}), an unbiased "
          "estimate of each module's score." if sample_size > 0 else "Mutants checked: all."),
         f"Last invocation: {'finished' if finished and not total['not checked'] else 'stopped before every sampled mutant was checked'}, "
-        f"{seconds / 60:.0f} min wall time. mutmut checks the mutants in order of their tests' run time, so "
+        f"{seconds / 60:.0f} min wall time{' (results re-read from mutants/)' if seconds < 60 else ''}. mutmut checks the mutants in order of their tests' run time, so "
         "*not checked* ones are those with the slowest tests (a bias toward the quickly killed; run again to "
         "continue, results accumulate in `mutants/`).",
         "",
@@ -341,7 +345,10 @@ def main(argv=None) -> int:
         finished = run(chosen, args.max_children, args.time_box - (time.perf_counter() - start),
                        recheck=args.recheck_survivors)
         _ALL_CODES.clear()
-    write_report(collect(chosen), finished, time.perf_counter() - start, args.sample, args.seed, args.out)
+    command = "python analysis/mutation.py " + " ".join(
+        arg for arg in (argv if argv is not None else sys.argv[1:]) if arg != "--report-only")
+    write_report(collect(chosen), finished, time.perf_counter() - start, args.sample, args.seed, args.out,
+                 command.strip())
     return 0
 
 
