@@ -66,7 +66,10 @@ MODULES = {
 #: mutmut's exit-code meaning (mutmut.stats.status_by_exit_code, restated so the report does not
 #: depend on mutmut internals).
 STATUS = {1: "killed", 3: "killed", 0: "survived", 5: "no tests", 33: "no tests", 34: "skipped",
-          36: "timeout", 24: "timeout", -24: "timeout", 152: "timeout", 255: "timeout", 37: "type check",
+          36: "timeout", 24: "timeout", -24: "timeout", 152: "timeout", 37: "type check",
+          # mutmut's worker exits 255 when running the tests raised (e.g. pytest's exit 4, "not found"):
+          # nothing was decided, so it is not a kill (mutmut calls it a timeout); --fresh checks it again
+          255: "not checked", 4: "not checked",
           -11: "segfault", -9: "segfault", None: "not checked"}
 
 #: Surviving mutants reviewed by hand: why each is acceptable (equivalent, or a change of a
@@ -186,6 +189,63 @@ def _mutmut_run(names: list[str], max_children: int, time_box: float) -> bool:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         return False
+
+
+def _write_code(name: str, code: int) -> None:
+    """Record ``code`` for mutant ``name`` in its file's ``.meta`` (as mutmut does)."""
+    for label in MODULES:
+        for meta in _meta_files(label):
+            if not meta.exists():
+                continue
+            data = json.loads(meta.read_text())
+            if name in data["exit_code_by_key"]:
+                data["exit_code_by_key"][name] = code
+                tmp = meta.with_suffix(".tmp")
+                tmp.write_text(json.dumps(data))
+                os.replace(tmp, meta)
+                return
+    raise KeyError(name)
+
+
+def fresh_check(chosen: dict[str, list[str]], time_box: float) -> bool:
+    """Check the chosen mutants that mutmut left undecided, each in a fresh ``pytest`` process.
+
+    mutmut forks its workers from a process that ran pytest once; a second collection in one
+    process escapes parametrised test ids again (a backslash in an id is doubled), pytest then
+    cannot find them and the worker fails (exit 255, which mutmut files as a timeout). Here each
+    mutant's tests (those mutmut's stats say execute the mutated function, fastest first, ``-x``)
+    run in a new interpreter with ``MUTANT_UNDER_TEST`` set; exit 1 is a kill, 0 a survivor, a
+    run over ``3 × (the tests' time + 30 s)`` a timeout. Returns ``False`` when the time box ended it.
+    """
+    stats = json.loads((ROOT / "mutants" / "mutmut-stats.json").read_text())
+    tests_by, duration = stats["tests_by_mangled_function_name"], stats["duration_by_test"]
+    todo = [n for names in chosen.values() for n in names if _status(n) == "not checked"]
+    todo.sort(key=lambda n: sum(duration.get(t, 0.0) for t in tests_by.get(n.split("__mutmut_")[0], ())))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("PYTHONPATH", None)
+    end = time.perf_counter() + time_box
+    for i, name in enumerate(todo):
+        tests = sorted(tests_by.get(name.split("__mutmut_")[0], ()), key=lambda t: duration.get(t, 0.0))
+        if not tests:
+            _write_code(name, 33)
+            continue
+        limit = 3 * (sum(duration.get(t, 0.0) for t in tests) + 30)
+        if time.perf_counter() + min(limit, 60) > end:
+            return False
+        cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", *tests]
+        proc = subprocess.Popen(cmd, cwd=ROOT / "mutants", env={**env, "MUTANT_UNDER_TEST": name},
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        try:
+            code = proc.wait(timeout=min(limit, max(1.0, end - time.perf_counter())))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            code = 36 if time.perf_counter() < end else None
+        if code is None:
+            return False
+        _write_code(name, code if code in (0, 1) else (36 if code == 36 else code))
+        print(f"fresh {i + 1}/{len(todo)} {name}: {STATUS.get(code, code)}", flush=True)
+    return True
 
 
 def sample(labels: list[str], size: int, seed: int) -> dict[str, list[str]]:
@@ -340,6 +400,8 @@ def main(argv=None) -> int:
     parser.add_argument("--report-only", action="store_true", help="do not run mutmut; report what mutants/ holds")
     parser.add_argument("--recheck-survivors", action="store_true",
                         help="check the sample's survivors again (after adding tests)")
+    parser.add_argument("--fresh", action="store_true",
+                        help="check the sample's undecided mutants each in a fresh pytest process (see fresh_check)")
     parser.add_argument("--out", type=Path, default=OUT, help="results file (default analysis/results/mutation.md)")
     args = parser.parse_args(argv)
     labels = [m.strip() for m in args.modules.split(",") if m.strip()]
@@ -353,7 +415,10 @@ def main(argv=None) -> int:
         _mutmut_run(["generate-only: no mutant has this name"], args.max_children, args.time_box)
     chosen = sample(labels, args.sample, args.seed)
     finished = True
-    if not args.report_only:
+    if args.fresh and not args.report_only:
+        finished = fresh_check(chosen, args.time_box - (time.perf_counter() - start))
+        _ALL_CODES.clear()
+    elif not args.report_only:
         finished = run(chosen, args.max_children, args.time_box - (time.perf_counter() - start),
                        recheck=args.recheck_survivors)
         _ALL_CODES.clear()
