@@ -280,6 +280,7 @@ def test_min_norm_sketch():
     assert torch.allclose(proj @ mn.w_q, mn.w_q, atol=1e-9 * float(mn.w_q.abs().max()))
     assert bool((torch.linalg.matrix_norm(mn.w_q) <= torch.linalg.matrix_norm(opt.w_q) * (1 + 1e-12)).all())
     assert not torch.allclose(mn.w_q, opt.w_q)  # a different W: the Nyström one is not minimum-norm here
+    assert mn.route == opt.route == "svd"  # n <= D: the automatic route is the SVD of A, as for the optimum
 
 
 def test_fit_sketch_optimal_choice_min_norm_is_the_min_norm_sketch():
