@@ -214,8 +214,8 @@ def fresh_check(chosen: dict[str, list[str]], time_box: float) -> bool:
     mutmut forks its workers from a process that ran pytest once; a second collection in one
     process escapes parametrised test ids again (a backslash in an id is doubled), pytest then
     cannot find them and the worker fails (exit 255, which mutmut files as a timeout). Here each
-    mutant's tests (those mutmut's stats say execute the mutated function, fastest first, ``-x``)
-    run in a new interpreter with ``MUTANT_UNDER_TEST`` set; exit 1 is a kill, 0 a survivor, a
+    mutant's tests (the test functions that mutmut's stats say execute the mutated function, all
+    their parametrisations, fastest first, ``-x``) run in a new interpreter with ``MUTANT_UNDER_TEST`` set; exit 1 is a kill, 0 a survivor, a
     run over ``3 × (the tests' time + 30 s)`` a timeout. Returns ``False`` when the time box ended it.
     """
     stats = json.loads((ROOT / "mutants" / "mutmut-stats.json").read_text())
@@ -226,7 +226,10 @@ def fresh_check(chosen: dict[str, list[str]], time_box: float) -> bool:
     env.pop("PYTHONPATH", None)
     end = time.perf_counter() + time_box
     for i, name in enumerate(todo):
-        tests = sorted(tests_by.get(name.split("__mutmut_")[0], ()), key=lambda t: duration.get(t, 0.0))
+        # whole test functions (every parametrisation), fastest first: a parametrised id may have been
+        # renumbered or escaped differently since the stats were taken
+        tests = list(dict.fromkeys(t.split("[")[0] for t in sorted(
+            tests_by.get(name.split("__mutmut_")[0], ()), key=lambda t: duration.get(t, 0.0))))
         if not tests:
             _write_code(name, 33)
             continue
