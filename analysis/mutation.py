@@ -220,8 +220,19 @@ def fresh_check(chosen: dict[str, list[str]], time_box: float) -> bool:
     """
     stats = json.loads((ROOT / "mutants" / "mutmut-stats.json").read_text())
     tests_by, duration = stats["tests_by_mangled_function_name"], stats["duration_by_test"]
-    todo = [n for names in chosen.values() for n in names if _status(n) == "not checked"]
-    todo.sort(key=lambda n: sum(duration.get(t, 0.0) for t in tests_by.get(n.split("__mutmut_")[0], ())))
+    def cost(n):
+        return sum(duration.get(t, 0.0) for t in tests_by.get(n.split("__mutmut_")[0], ()))
+
+    # round robin over the modules, the module with the fewest decided mutants first, each module's
+    # quickest mutants first: a time box then leaves every module's estimate as even as it can
+    queues = {label: sorted((n for n in names if _status(n) == "not checked"), key=cost)
+              for label, names in chosen.items()}
+    decided = {label: sum(_status(n) != "not checked" for n in names) for label, names in chosen.items()}
+    todo = []
+    while any(queues.values()):
+        label = min((lb for lb in queues if queues[lb]), key=lambda lb: decided[lb])
+        todo.append(queues[label].pop(0))
+        decided[label] += 1
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("PYTHONPATH", None)
     end = time.perf_counter() + time_box
