@@ -315,3 +315,12 @@ def test_svd_init_pads_extra_columns_from_the_seed():
     assert torch.equal(a_q, b_q) and torch.equal(a_k, b_k)
     assert torch.equal(a_q[..., :3], c_q[..., :3]) and not torch.equal(a_q[..., 3:], c_q[..., 3:])
     assert bool((a_q[..., 3:] != 0).all())
+
+
+def test_an_overflowing_target_names_the_fit_and_the_head():
+    # head (0, 1) at 1e80: ψ_2 is finite (1e160) but ‖A‖² with A = (qᵀk)² (1e320) overflows float64
+    q, k = _data()
+    scale = torch.tensor([1.0, 1e80], dtype=torch.float64).view(1, 2, 1, 1)
+    with pytest.raises(FloatingPointError, match=r"^LLoPS direct fit stopped: .* non-finite at step 0 for 1 head\(s\), "
+                                                 r"\(layer, head\) \[\(0, 1\)\]"):
+        fit_llops_direct(q.double()[None] * scale, k.double()[None] * scale, p=2, m=4, route="kernel")
