@@ -359,7 +359,7 @@ NOTES = """## How these results were made
   255 to *not checked* and `--fresh` checks them (and the unchecked rest) each in a new pytest process, the
   whole test functions that mutmut's stats name, fastest first, `-x`, round robin over the modules
   (`python analysis/mutation.py --modules … --sample 30 --fresh --time-box 1680`: 27 more decided in 28 min,
-  about a minute each, mostly collecting the test modules). setup.cfg's
+  about a minute each, mostly collecting the test modules; then `--time-box 480`: 11 more, all killed). setup.cfg's
   `process_isolation = forkserver` / `forkserver_warmup = import` avoid the first occurrence (the clean run)
   but not this one.
 - The *not checked* mutants are a biased remainder (those with the slowest tests, mostly functions that
