@@ -69,6 +69,8 @@ def test_from_pretrained_rejects_bad_layers_and_scale(tmp_path):
 
 @pytest.mark.parametrize("kwargs, match", [
     ({"embed_dim": 10, "num_heads": 3}, "divisible"),
+    ({"embed_dim": 0, "num_heads": 1}, r"^embed_dim must be an integer >= 1, got 0"),
+    ({"embed_dim": 8, "num_heads": 0}, r"^num_heads must be an integer >= 1, got 0"),
     ({"embed_dim": 8, "num_heads": 2, "theta_q": torch.ones(3, 1, 2, 4, 4)}, "one map per head"),
     ({"embed_dim": 8, "num_heads": 2, "theta_q": torch.ones(2, 1, 2, 5, 4)}, "head dimension"),
     ({"embed_dim": 8, "num_heads": 2, "theta_q": torch.ones(2, 1, 2, 4, 4), "m": 5}, "features per map"),

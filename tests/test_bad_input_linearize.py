@@ -106,6 +106,8 @@ def test_linearize_options_are_checked_at_parse_time(extra, match, tmp_path, cap
     (["--batch-size", "1000000"], r"one fine-tuning batch need about .* GiB .*batch_size=1000000.*lower .*--batch-size"),
     (["--p", "20"], r"the LLoPS fit needs about .* multiply-adds \(16 heads, one iteration .* at p=20, m=64.*over the "
                     r"work budget of 5e\+11: lower --p, --m, --rank or --capture-sequences"),
+    # --non-negative fits Θ of half the degree: the fit's work is that of p/2 = 20
+    (["--p", "40", "--non-negative"], r"the LLoPS fit needs about .* one iteration .* at p=20, m=64"),
     (["--p", "20", "--m", "512", "--rank", "8"], r"the LLoPS fit's partials and normal matrices need about .* GiB"),
     (["--capture-sequences", "64"], r"the LLoPS fit needs about .* multiply-adds .*12288 fitting tokens"),
 ])

@@ -61,3 +61,30 @@ def test_bad_input_is_one_line_exit_2(argv, match, dump, tmp_path, capsys):
     assert len(lines) == 1 and lines[0].startswith("sketchlab: error: "), captured.err
     assert "Traceback" not in captured.err and captured.out == ""
     assert re.search(match, lines[0]), lines[0]
+
+
+def test_device_arg_checks_the_cuda_index_against_the_device_count(monkeypatch):
+    # as on a machine with one GPU: cuda and cuda:0 are accepted, cuda:1 is not (indices start at 0)
+    import argparse
+
+    from sketchlab.cli._common import device_arg
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert device_arg("cuda") == torch.device("cuda") and device_arg("cuda:0") == torch.device("cuda:0")
+    with pytest.raises(argparse.ArgumentTypeError, match=r"device 'cuda:1': this machine has 1 CUDA device\(s\)"):
+        device_arg("cuda:1")
+
+
+def test_a_diverged_fit_exits_1_with_its_message_on_one_line(monkeypatch, capsys):
+    # FloatingPointError (a fit that went non-finite) is not bad input: exit 1, not 2, and the
+    # error's own text on one line, no traceback
+    import sketchlab.cli.spectrum
+
+    def diverge(args):
+        raise FloatingPointError("LLoPS direct fit stopped: the kernel loss is non-finite\nat step 3")
+
+    monkeypatch.setattr(sketchlab.cli.spectrum, "run", diverge)
+    rc = main(["spectrum", "whatever.safetensors"])
+    err = capsys.readouterr().err
+    assert rc == 1 and err == "sketchlab: error: LLoPS direct fit stopped: the kernel loss is non-finite at step 3\n"

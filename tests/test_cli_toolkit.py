@@ -118,3 +118,15 @@ def test_bad_usage_exits_2(argv, match, dump, capsys):
     rc = main([a.format(dump=dump) for a in argv])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and re.search(match, err[0]), err
+
+
+def test_verify_scale_option_reaches_the_checks(dump, tmp_path, capsys):
+    # --scale is passed on to verify(): the JSON records the factor q, k were multiplied by (0.5, not
+    # the default d^-1/4 = 6^-1/4 ≈ 0.639 that a dropped option would give)
+    out = tmp_path / "v.json"
+    rc = main(["verify", dump, "--p", "2", "--m", "5", "--layers", "1", "--heads", "0", "--scale", "0.5",
+               "--json", str(out), "--no-progress"])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    data = json.loads(out.read_text())
+    assert data["config"]["scale_factor"] == 0.5 and "scale = 0.5" in text

@@ -301,3 +301,26 @@ def test_init_with_more_terms_than_requested_is_rejected():
     theta = torch.randn(2, 2, 2, 3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))  # rank 2
     with pytest.raises(ValueError, match=r"init has 2 CP terms, more than the requested 1"):
         llops_init(q, k, p=2, m=4, rank=1, init=LLoPS(theta, theta))
+
+
+def test_svd_init_pads_extra_columns_from_the_seed():
+    # d = 2, p = 2: 3 multisets of the 2 singular directions, so m = 6 pads 3 random columns; they come
+    # from the seed (same seed, same Θ; another seed, other padding) and the first 3 columns do not
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(30, 2, generator=g, dtype=torch.float64), torch.randn(30, 2, generator=g, dtype=torch.float64)
+    a_q, a_k = llops_init(q, k, p=2, m=6, init="svd", seed=1)
+    torch.manual_seed(123)  # the global generator plays no part
+    b_q, b_k = llops_init(q, k, p=2, m=6, init="svd", seed=1)
+    c_q, _ = llops_init(q, k, p=2, m=6, init="svd", seed=2)
+    assert torch.equal(a_q, b_q) and torch.equal(a_k, b_k)
+    assert torch.equal(a_q[..., :3], c_q[..., :3]) and not torch.equal(a_q[..., 3:], c_q[..., 3:])
+    assert bool((a_q[..., 3:] != 0).all())
+
+
+def test_an_overflowing_target_names_the_fit_and_the_head():
+    # head (0, 1) at 1e80: ψ_2 is finite (1e160) but ‖A‖² with A = (qᵀk)² (1e320) overflows float64
+    q, k = _data()
+    scale = torch.tensor([1.0, 1e80], dtype=torch.float64).view(1, 2, 1, 1)
+    with pytest.raises(FloatingPointError, match=r"^LLoPS direct fit stopped: .* non-finite at step 0 for 1 head\(s\), "
+                                                 r"\(layer, head\) \[\(0, 1\)\]"):
+        fit_llops_direct(q.double()[None] * scale, k.double()[None] * scale, p=2, m=4, route="kernel")

@@ -410,3 +410,14 @@ def test_lm_damping_follows_the_gain_and_a_rejected_step_changes_nothing(seed, l
         assert c["new_loss"] == pytest.approx(float(((fq @ fk.mT - c["a"]) ** 2).sum()), rel=1e-12)
         assert c["new_loss"] == pytest.approx(c["trial"], rel=1e-6) and c["new_loss"] < c["loss"]
 
+
+
+def test_compressed_setup_cost_counts_the_gram_matrices_and_their_factors():
+    # n_q = n_k = 40 tokens, D = 6 (d = 3, p = 2): each side's Gram matrix ψᵀψ in 4 column blocks from
+    # the diagonal on (5/8 of the full n·D² products: 40·36·5/8 = 900 a side) and one Cholesky factor
+    # D³/3 = 72 a side; the per-iteration cost is the one iteration_flops reports
+    from sketchlab.llops.target import _compressed_flops
+
+    setup, per = _compressed_flops(40, 40, 3, 6, 2, 5, 1)
+    assert setup == 2 * 900 + 2 * 72
+    assert per == iteration_flops("compressed", 40, 40, 3, 2, 5, 1) == 2520

@@ -154,3 +154,13 @@ def test_compressed_fit_reaches_the_token_fit():
     err_a = ((llops_features(q, a.theta_q) @ llops_features(k, a.theta_k).mT - poly_kernel(q, k, 2)) ** 2).sum((-2, -1))
     err_b = ((llops_features(q, b.theta_q) @ llops_features(k, b.theta_k).mT - poly_kernel(q, k, 2)) ** 2).sum((-2, -1))
     assert _rel(err_b, err_a) < 1e-6
+
+
+def test_token_pairs_are_cached_only_within_a_quarter_of_the_budget():
+    # the cached products x_{n,d} x_{n,e} (d <= e) are kept exactly when their bytes fit max_bytes // 4
+    x = torch.randn(2, 5, 3, dtype=torch.float64)
+    need = _pairs(x).numel() * x.element_size()  # 2·5·6 products of 8 bytes = 480
+    assert need == 480
+    cached = Tokens(x, max_bytes=4 * need)
+    assert cached.pairs is not None and torch.equal(cached.pairs, _pairs(x))
+    assert Tokens(x, max_bytes=4 * need - 1).pairs is None

@@ -280,3 +280,24 @@ def test_min_norm_sketch():
     assert torch.allclose(proj @ mn.w_q, mn.w_q, atol=1e-9 * float(mn.w_q.abs().max()))
     assert bool((torch.linalg.matrix_norm(mn.w_q) <= torch.linalg.matrix_norm(opt.w_q) * (1 + 1e-12)).all())
     assert not torch.allclose(mn.w_q, opt.w_q)  # a different W: the Nyström one is not minimum-norm here
+    assert mn.route == opt.route == "svd"  # n <= D: the automatic route is the SVD of A, as for the optimum
+
+
+def test_fit_sketch_optimal_choice_min_norm_is_the_min_norm_sketch():
+    # fit_sketch("optimal", choice="min-norm") is min_norm_sketch (its W, not the Nyström one; n < D
+    # so the two differ), and an unknown choice is refused
+    from sketchlab import fit_sketch, min_norm_sketch
+
+    q, k = _qk(n_q=12, n_k=12, d=4, seed=22)
+    fit = fit_sketch("optimal", q, k, p=3, m=5, choice="min-norm", reference=False)
+    mn = min_norm_sketch(q, k, 3, 5)
+    assert torch.allclose(fit.sketch.w_q, mn.w_q, rtol=0, atol=1e-12 * float(mn.w_q.abs().max()))
+    assert torch.allclose(fit.sketch.w_k, mn.w_k, rtol=0, atol=1e-12 * float(mn.w_k.abs().max()))
+    with pytest.raises(ValueError, match="choice must be 'nystrom' or 'min-norm'"):
+        fit_sketch("optimal", q, k, p=3, m=5, choice="svd", reference=False)
+
+
+def test_m_above_the_rank_says_why_in_full():
+    q, k = _qk(n_q=5, n_k=5, d=4, seed=0)
+    with pytest.raises(ValueError, match=r"got m=6\. Beyond it the tail is 0 and the exact features are already optimal$"):
+        optimal_sketch(q, k, 2, 6)

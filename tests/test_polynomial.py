@@ -221,3 +221,16 @@ def test_feature_gram_root_drops_the_null_space_and_rejects_overflow():
         feature_gram_root(x, 2, True, max_bytes=100)
     with pytest.raises(ValueError, match=r"x must have shape \[\.\.\., n, d\]"):
         feature_gram_root(x[0], 2)
+
+
+def test_basis_maps_keep_the_device_of_w():
+    # every tensor the maps build goes to w's device: on the "meta" device (shapes only, no data) a
+    # helper tensor left on the CPU fails ("not on the expected device"), as it would on a GPU
+    from sketchlab.polynomial import full_to_symmetric, symmetric_to_full
+
+    for d, p in [(3, 2), (2, 3)]:
+        full = torch.empty(4, d**p, 5, dtype=torch.float64, device="meta")
+        sym = full_to_symmetric(full, d, p)
+        assert sym.device.type == "meta" and sym.shape == (4, math.comb(d + p - 1, p), 5)
+        back = symmetric_to_full(sym, d, p)
+        assert back.device.type == "meta" and back.shape == full.shape

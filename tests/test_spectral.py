@@ -321,3 +321,25 @@ def test_confirm_draws_starts_until_a_second_reaches_the_best():
     assert sure.value >= one.value - 1e-12 * abs(one.value)
     capped = spectral_norm(t, restarts=1, confirm=1000, max_restarts=5)
     assert len(capped.values) == 5  # the cap holds when the certificate cannot be met
+
+
+@pytest.mark.parametrize("shift", [-1.0, float("nan"), float("inf")])
+def test_bad_shift_is_refused_with_its_value(shift):
+    x = torch.tensor([1.0, 2.0, 0.5], dtype=torch.float64)
+    t = torch.einsum("i,j,k->ijk", x, x, x)  # symmetric
+    with pytest.raises(ValueError, match=rf"^shift must be a finite number >= 0, got {shift!r}$"):
+        spectral_norm(t, symmetric=True, shift=shift)
+
+
+@pytest.mark.parametrize("c", [1e-4, 1e4])
+def test_confirmation_is_scale_invariant(c):
+    # agree_tol is relative: scaling T by c scales every value by c and changes neither how many starts
+    # the confirmation takes nor how many agree (an absolute tolerance, or one divided by |value|,
+    # would never confirm at 1e4 or always at 1e-4)
+    g = torch.Generator().manual_seed(3)
+    t = torch.randn(4, 5, 3, generator=g, dtype=torch.float64)
+    base = spectral_norm(t, restarts=1, confirm=2, max_restarts=12)
+    scaled = spectral_norm(c * t, restarts=1, confirm=2, max_restarts=12)
+    assert base.agree >= 2 and len(base.values) < 12  # confirmed before the cap
+    assert len(scaled.values) == len(base.values) and scaled.agree == base.agree
+    assert scaled.value == pytest.approx(c * base.value, rel=1e-10)

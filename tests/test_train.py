@@ -384,3 +384,33 @@ def test_training_through_the_triton_kernel_matches_the_torch_backend():
         losses[backend] = train_mqar(model, [(TASK, 3)], **{**KW, "eval_every": 0}).losses
     assert losses["triton"] == pytest.approx(losses["torch"], rel=1e-5, abs=0)
     assert losses["torch"][0] != losses["torch"][-1]
+
+
+@pytest.mark.filterwarnings("ignore:.*normalising denominator <= 0")  # odd p = 3 expand: signed features
+@pytest.mark.parametrize("options,scale,local_scale", [
+    ({"dim": 4}, 1.0, 4 ** -0.5),  # Taylor: the degree-2 term's own s' = d'^{-1/2}, inputs unscaled
+    ({"form": "expand", "p": 3, "dim": 4, "symmetric": False}, input_scale(8), 1.0),  # D^{-1/4}-scaled inputs
+])
+def test_based_hybrid_poly_window_uses_the_kernels_own_scale(options, scale, local_scale):
+    # local="poly": the exact window scores (s·qᵀk)^p use BASED's scale s, not the default 1/√D that
+    # any other scale (or a dropped one) would give; window 2 < T mixes the window with the sketch
+    from sketchlab.attention import sketch_attention
+
+    kernel, _ = _kernel("based", {**options, "window": 2, "local": "poly"})
+    q, k, v = _qkv()
+    got = kernel(q, k, v)
+    want = sketch_attention(q * scale, k * scale, v, kernel.sketch(), window=2, local="poly", local_scale=local_scale,
+                            gate=kernel.gate)
+    torch.testing.assert_close(got, want, **F64)
+    default = sketch_attention(q * scale, k * scale, v, kernel.sketch(), window=2, local="poly", gate=kernel.gate)
+    assert (got - default).abs().max() > 1e-6  # the scale matters at these sizes
+
+
+def test_each_stage_reports_its_heldout_accuracy(tmp_path, capsys):
+    # the single (rank-0) process prints one line per stage with the accuracy the history records
+    res = train_mqar(tiny(), [(TASK, 2), (TASK, 1)], out=tmp_path, **KW)
+    text = capsys.readouterr()
+    lines = [ln for ln in (text.out + text.err).splitlines() if ln.startswith("stage ")]
+    assert len(lines) == 2
+    for si, (line, entry) in enumerate(zip(lines, res.history)):
+        assert line.startswith(f"stage {si} ") and f"held-out accuracy {entry['heldout_accuracy']:.4f} after" in line
