@@ -76,7 +76,7 @@ def parse_args():
     ap.add_argument("--contexts", default="1024,2048")
     ap.add_argument("--maps", default="llops,hedgehog", help="feature maps of the hybrid (the best after transfer gets LoRA)")
     ap.add_argument("--late-maps", default="taylor,psf",
-                    help="more hybrid maps at the same m and training, run after the LoRA stage ('none': no more)")
+                    help="more hybrid maps at the same m and training, run last (after LoRA and the pure run; 'none': no more)")
     ap.add_argument("--pure", default="hedgehog", help="the map also run as pure linear attention (window 0; 'none': no pure run)")
     ap.add_argument("--m", type=int, default=64)
     ap.add_argument("--window", type=int, default=64)
@@ -368,10 +368,10 @@ def smollm2(args, out: dict, save) -> None:
                 + (" (stage 2)" if role == "hybrid+lora" else ""), model, role,
                 lora_loss=[sum(curve[:k]) / k, sum(curve[-k:]) / k])
             del model
-    for name in [] if args.late_maps == "none" else args.late_maps.split(","):
-        run_map(name, args.window)
     if args.pure != "none":
         run_map(args.pure, 0)
+    for name in [] if args.late_maps == "none" else args.late_maps.split(","):
+        run_map(name, args.window)
 
 
 def minilm(args, out: dict, save) -> None:
