@@ -107,3 +107,29 @@ def test_capture_gguf_refusals(tmp_path, capsys):
         capture_pretrained(text=tmp_path / "t.txt")
     with pytest.raises(FileNotFoundError, match="no such GGUF file"):
         capture_pretrained(gguf=tmp_path / "x.gguf", text=tmp_path / "t.txt")
+
+
+def test_linearize_gguf_cli_round_trip(tmp_path, capsys):
+    import json
+
+    from sketchlab.convert import load_linearized
+    from sketchlab.convert.pretrained import load_pretrained
+    from sketchlab.convert.scale import TiedLLoPSMap
+
+    write_tiny_llama_gguf(tmp_path / "tiny.gguf")
+    (tmp_path / "t.txt").write_text("the cat sat on the mat and the dog hid under it " * 6)
+    out = tmp_path / "lin"
+    rc = main(["linearize", "--gguf", str(tmp_path / "tiny.gguf"), "--text", str(tmp_path / "t.txt"), "--m", "4",
+               "--window", "4", "--sinks", "1", "--seq-len", "32", "--transfer-steps", "2", "--no-fit",
+               "--out", str(out), "--no-progress"])
+    assert rc == 0 and "held-out perplexity: teacher" in capsys.readouterr().out
+    summary = json.loads((out / "linearize.json").read_text())
+    assert [s["name"] for s in summary["stages"]] == ["init", "transfer"] and summary["settings"]["gate_init"] == "search"
+    model, _ = load_pretrained(gguf=tmp_path / "tiny.gguf")
+    fresh = load_linearized(out / "model", model)
+    sketch = fresh.model.layers[0].self_attn.sketch
+    assert isinstance(sketch.feature_map_q, TiedLLoPSMap) and sketch.gate.abs().max() > 0.1  # tied, gates searched
+    ids = torch.tensor([[5, 6, 7, 3, 8, 9, 10, 3, 11, 12]])
+    again = load_linearized(out / "model", load_pretrained(gguf=tmp_path / "tiny.gguf")[0])
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(input_ids=ids).logits, again(input_ids=ids).logits, atol=0, rtol=0)
