@@ -113,6 +113,8 @@ def parse_args():
     ap.add_argument("--no-smollm", action="store_true")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=str(RESULTS / "linearize_lm.md"))
+    ap.add_argument("--render", action="store_true",
+                    help="only rewrite the Markdown and plot from the JSON a run with the same options wrote")
     args = ap.parse_args()
     args.cut_notes = []
     if args.quick:  # the reduced values, for every option left at its default
@@ -547,10 +549,20 @@ def main() -> None:
                     f"{args.train_len} tokens; {args.transfer_steps} transfer steps per layer"
                     + (f"; LoRA {args.lora_steps} steps on {args.lora_len}-token pieces" if args.lora_steps else "; no LoRA")
                     + ("; stage-0 perplexities not measured (stage-0 errors are)" if args.no_stage0_ppl else "")
+                    + ("" if args.no_fit else f"; Θ fit on {args.fit_tokens} tokens per head"
+                       + (f", {args.fit_steps} ALS sweep(s) and no LM steps" if args.fit_steps is not None else ""))
                     + ". LoLCATs trains with thousands of steps and millions of tokens; these are far from converged.")
     out = {"cuts": " ".join(cuts)}
-    command = ("python analysis/linearize_lm.py " + " ".join(sys.argv[1:])).strip()
+    command = ("python analysis/linearize_lm.py " + " ".join(a for a in sys.argv[1:] if a != "--render")).strip()
     path = Path(args.out)
+    if args.render:  # the figures of a finished (or stopped) run, the text of this version
+        out = {**json.loads(path.with_suffix(".json").read_text(encoding="utf-8")), "cuts": out["cuts"]}
+        for row in out.get("smollm2", {}).get("rows", []):
+            row["ppl"] = {int(c): v for c, v in row["ppl"].items()}
+        write_text_atomic(str(path), markdown(args, out, command))
+        plot(out, path.with_suffix(".png"))
+        log(f"rewrote {path}")
+        return
     path.parent.mkdir(parents=True, exist_ok=True)
 
     def save() -> None:
