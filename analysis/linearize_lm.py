@@ -420,6 +420,16 @@ def markdown(args, out: dict, command: str) -> str:
                 else "(**partial: the run was still going or was stopped; every figure below is final**).")
              + (f" {out['cuts']}" if out.get("cuts") else ""), ""]
     sm = out.get("smollm2")
+    if not done and sm:
+        planned = [m for m in args.maps.split(",") + ([args.pure] if args.pure != "none" else [])
+                   + ([] if args.late_maps == "none" else args.late_maps.split(","))]
+        ran = {row.get("map") for row in sm["rows"] if row["role"] == "stage1"}
+        pure_ran = any(row.get("window") == 0 for row in sm["rows"] if row["role"] == "stage1")
+        missing = [m for m in args.maps.split(",") + ([] if args.late_maps == "none" else args.late_maps.split(","))
+                   if m not in ran] + ([f"{args.pure} pure"] if args.pure != "none" and not pure_ran else [])
+        if missing and planned:
+            lines += [f"Not reached before the run was stopped (time): {', '.join(missing)}.", ""]
+    sm = out.get("smollm2")
     if sm and sm["rows"]:
         ctx = sm["contexts"]
         tr = sm["train"]
@@ -468,6 +478,19 @@ def markdown(args, out: dict, command: str) -> str:
                 else:
                     b = ["" for _ in ctx]
                 lines.append(f"| {row['name']} | " + " | ".join(a + b) + " |")
+        hl, wl, tl = by_role.get("hybrid+lora"), by_role.get("window+lora"), by_role.get("teacher+lora")
+        if teacher and floor and hl:
+            a = [closure(hl["ppl"][c], floor["ppl"][c], teacher["ppl"][c]) for c in ctx]
+            text = (f"**Target** (issue 18: the best hybrid after stages 1 + 2 closes at least half of the gap at every "
+                    f"context): {hl['name']} closes " + ", ".join(f"{x:.2f} at {c}" for x, c in zip(a, ctx))
+                    + f" of the gap between window + sinks alone and the teacher — "
+                    + ("met" if all(x >= 0.5 for x in a) else "**not met**"))
+            if wl and tl:
+                b = [closure(hl["ppl"][c], wl["ppl"][c], tl["ppl"][c]) for c in ctx]
+                text += ("; against the same LoRA on both sides (window + sinks + LoRA → teacher + LoRA) it closes "
+                         + ", ".join(f"{x:.2f} at {c}" for x, c in zip(b, ctx))
+                         + ": what the sketch itself adds once both sides had the same adaptation")
+            lines += ["", text + "."]
         lines += ["", "Attention-output error per layer (‖o − o_teacher‖/‖o_teacher‖ on the held-back training-play "
                   "sequences, the teacher's q, k, v), mean and max over the 30 layers; `beats window` counts the layers "
                   "where the hybrid's error is below window + sinks alone's (the far part adds information there):", "",
