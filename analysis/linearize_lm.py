@@ -76,7 +76,7 @@ def parse_args():
     ap.add_argument("--contexts", default="1024,2048")
     ap.add_argument("--maps", default="llops,hedgehog", help="feature maps of the hybrid (the best after transfer gets LoRA)")
     ap.add_argument("--late-maps", default="taylor,psf",
-                    help="more hybrid maps at the same m and training, run after the LoRA stage ('none': no more)")
+                    help="more hybrid maps at the same m and training, run last (after LoRA and the pure run; 'none': no more)")
     ap.add_argument("--pure", default="hedgehog", help="the map also run as pure linear attention (window 0; 'none': no pure run)")
     ap.add_argument("--m", type=int, default=64)
     ap.add_argument("--window", type=int, default=64)
@@ -113,6 +113,8 @@ def parse_args():
     ap.add_argument("--no-smollm", action="store_true")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=str(RESULTS / "linearize_lm.md"))
+    ap.add_argument("--render", action="store_true",
+                    help="only rewrite the Markdown and plot from the JSON a run with the same options wrote")
     args = ap.parse_args()
     args.cut_notes = []
     if args.quick:  # the reduced values, for every option left at its default
@@ -368,10 +370,10 @@ def smollm2(args, out: dict, save) -> None:
                 + (" (stage 2)" if role == "hybrid+lora" else ""), model, role,
                 lora_loss=[sum(curve[:k]) / k, sum(curve[-k:]) / k])
             del model
-    for name in [] if args.late_maps == "none" else args.late_maps.split(","):
-        run_map(name, args.window)
     if args.pure != "none":
         run_map(args.pure, 0)
+    for name in [] if args.late_maps == "none" else args.late_maps.split(","):
+        run_map(name, args.window)
 
 
 def minilm(args, out: dict, save) -> None:
@@ -417,6 +419,16 @@ def markdown(args, out: dict, command: str) -> str:
              + (f"({out['seconds'] / 60:.1f} min on this machine, {args.threads} thread(s))." if done
                 else "(**partial: the run was still going or was stopped; every figure below is final**).")
              + (f" {out['cuts']}" if out.get("cuts") else ""), ""]
+    sm = out.get("smollm2")
+    if not done and sm:
+        planned = [m for m in args.maps.split(",") + ([args.pure] if args.pure != "none" else [])
+                   + ([] if args.late_maps == "none" else args.late_maps.split(","))]
+        ran = {row.get("map") for row in sm["rows"] if row["role"] == "stage1"}
+        pure_ran = any(row.get("window") == 0 for row in sm["rows"] if row["role"] == "stage1")
+        missing = [m for m in args.maps.split(",") + ([] if args.late_maps == "none" else args.late_maps.split(","))
+                   if m not in ran] + ([f"{args.pure} pure"] if args.pure != "none" and not pure_ran else [])
+        if missing and planned:
+            lines += [f"Not reached before the run was stopped (time): {', '.join(missing)}.", ""]
     sm = out.get("smollm2")
     if sm and sm["rows"]:
         ctx = sm["contexts"]
@@ -466,6 +478,19 @@ def markdown(args, out: dict, command: str) -> str:
                 else:
                     b = ["" for _ in ctx]
                 lines.append(f"| {row['name']} | " + " | ".join(a + b) + " |")
+        hl, wl, tl = by_role.get("hybrid+lora"), by_role.get("window+lora"), by_role.get("teacher+lora")
+        if teacher and floor and hl:
+            a = [closure(hl["ppl"][c], floor["ppl"][c], teacher["ppl"][c]) for c in ctx]
+            text = (f"**Target** (issue 18: the best hybrid after stages 1 + 2 closes at least half of the gap at every "
+                    f"context): {hl['name']} closes " + ", ".join(f"{x:.2f} at {c}" for x, c in zip(a, ctx))
+                    + f" of the gap between window + sinks alone and the teacher — "
+                    + ("met" if all(x >= 0.5 for x in a) else "**not met**"))
+            if wl and tl:
+                b = [closure(hl["ppl"][c], wl["ppl"][c], tl["ppl"][c]) for c in ctx]
+                text += ("; against the same LoRA on both sides (window + sinks + LoRA → teacher + LoRA) it closes "
+                         + ", ".join(f"{x:.2f} at {c}" for x, c in zip(b, ctx))
+                         + ": what the sketch itself adds once both sides had the same adaptation")
+            lines += ["", text + "."]
         lines += ["", "Attention-output error per layer (‖o − o_teacher‖/‖o_teacher‖ on the held-back training-play "
                   "sequences, the teacher's q, k, v), mean and max over the 30 layers; `beats window` counts the layers "
                   "where the hybrid's error is below window + sinks alone's (the far part adds information there):", "",
@@ -547,10 +572,20 @@ def main() -> None:
                     f"{args.train_len} tokens; {args.transfer_steps} transfer steps per layer"
                     + (f"; LoRA {args.lora_steps} steps on {args.lora_len}-token pieces" if args.lora_steps else "; no LoRA")
                     + ("; stage-0 perplexities not measured (stage-0 errors are)" if args.no_stage0_ppl else "")
+                    + ("" if args.no_fit else f"; Θ fit on {args.fit_tokens} tokens per head"
+                       + (f", {args.fit_steps} ALS sweep(s) and no LM steps" if args.fit_steps is not None else ""))
                     + ". LoLCATs trains with thousands of steps and millions of tokens; these are far from converged.")
     out = {"cuts": " ".join(cuts)}
-    command = ("python analysis/linearize_lm.py " + " ".join(sys.argv[1:])).strip()
+    command = ("python analysis/linearize_lm.py " + " ".join(a for a in sys.argv[1:] if a != "--render")).strip()
     path = Path(args.out)
+    if args.render:  # the figures of a finished (or stopped) run, the text of this version
+        out = {**json.loads(path.with_suffix(".json").read_text(encoding="utf-8")), "cuts": out["cuts"]}
+        for row in out.get("smollm2", {}).get("rows", []):
+            row["ppl"] = {int(c): v for c, v in row["ppl"].items()}
+        write_text_atomic(str(path), markdown(args, out, command))
+        plot(out, path.with_suffix(".png"))
+        log(f"rewrote {path}")
+        return
     path.parent.mkdir(parents=True, exist_ok=True)
 
     def save() -> None:

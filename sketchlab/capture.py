@@ -520,17 +520,21 @@ def split_sequences(rows: Sequence[Sequence[int]], *, seq_len: int, max_tokens: 
     return ids, mask
 
 
-def capture_pretrained(model_dir, *, text=None, token_ids=None, max_tokens: int = 512, seq_len: int = 512,
-                       point: str = "auto", path=None) -> QKDump:
-    """Load a local transformers model directory and capture Q/K/V on a text or token-id file.
+def capture_pretrained(model_dir=None, *, gguf=None, text=None, token_ids=None, max_tokens: int = 512,
+                       seq_len: int = 512, point: str = "auto", path=None) -> QKDump:
+    """Load a local transformers model directory (or GGUF file) and capture Q/K/V on a text or token-id file.
 
     Parameters
     ----------
     model_dir : str or Path
         A directory written by ``save_pretrained`` (``config.json`` + weights), loaded with
         ``AutoModel.from_pretrained(model_dir, local_files_only=True)``; nothing is downloaded.
+    gguf : str or Path, optional
+        Instead of ``model_dir``: a GGUF file (e.g. SmolLM2's, :func:`sketchlab.convert.pretrained.smollm2_gguf`),
+        which holds the weights and the tokenizer, read by transformers' ``gguf_file=``
+        (:func:`sketchlab.convert.pretrained.load_pretrained`; the ``gguf`` package).
     text : str or Path, optional
-        A UTF-8 text file, tokenised by the directory's tokenizer
+        A UTF-8 text file, tokenised by the directory's (or the GGUF file's) tokenizer
         (``AutoTokenizer.from_pretrained(model_dir, local_files_only=True)``).
     token_ids : str or Path, optional
         Instead of ``text`` (for a directory without a tokenizer): one sequence of integer ids
@@ -562,15 +566,30 @@ def capture_pretrained(model_dir, *, text=None, token_ids=None, max_tokens: int 
     seq_len = check_positive_int(seq_len, "seq_len")
     if (text is None) == (token_ids is None):
         raise ValueError("give exactly one of text (a text file) or token_ids (a token-id file)")
+    if (model_dir is None) == (gguf is None):
+        raise ValueError("give exactly one of model_dir (a save_pretrained directory) or gguf (a .gguf file)")
     try:
         from transformers import AutoModel, AutoTokenizer
     except ImportError as err:  # the optional extra
         raise ImportError("capturing from a model directory needs transformers: pip install 'sketchlab[capture]'") from err
-    model_dir = Path(model_dir)
-    if not (model_dir / "config.json").is_file():
-        raise FileNotFoundError(f"{model_dir}: not a transformers model directory (no config.json)")
-    model = _load_model(AutoModel, model_dir)
-    if text is not None:
+    gguf_tokenizer = None
+    if gguf is not None:
+        from .convert.pretrained import load_pretrained
+
+        model, gguf_tokenizer = load_pretrained(gguf=gguf)
+        model_dir = Path(gguf)  # named in messages and in meta["source"]
+    else:
+        model_dir = Path(model_dir)
+        if not (model_dir / "config.json").is_file():
+            raise FileNotFoundError(f"{model_dir}: not a transformers model directory (no config.json)")
+        model = _load_model(AutoModel, model_dir)
+    if text is not None and gguf_tokenizer is not None:
+        text_path = Path(text)
+        rows = [gguf_tokenizer(text_path.read_text(encoding="utf-8"))["input_ids"]]
+        if not rows[0]:
+            raise ValueError(f"{text_path}: the text produced no tokens")
+        what = f"text {text_path.name}"
+    elif text is not None:
         text_path = Path(text)
         if not any((model_dir / f).is_file() for f in _TOKENIZER_FILES):
             raise ValueError(

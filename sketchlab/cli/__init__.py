@@ -24,7 +24,7 @@ Usage::
     sketchlab verify DUMP [--p 2] [--m 64] [--layers 0,3] [--heads 0] [--scale sqrt-d|none|X] [--json OUT|-]
     sketchlab advise DUMP [--p 2] --target 0.05 [--method llops] [--plot OUT.png] [--json OUT|-] [--markdown OUT|-]
     sketchlab spectrum DUMP [--p 2] [--plot OUT.png] [--json OUT|-]
-    sketchlab capture --model-dir DIR (--text FILE | --token-ids FILE) --out DUMP [--max-tokens 512] [--no-progress]
+    sketchlab capture (--model-dir DIR | --gguf FILE) (--text FILE | --token-ids FILE) --out DUMP [--max-tokens 512] [--no-progress]
     sketchlab fit DUMP [--method llops] [--p 2] [--m 64] --out THETA.safetensors [--layers 0,3] [--heads 0,1]
                   [--scale sqrt-d|none|X] [--seed 0] [--holdout 0.25]
     sketchlab train --task mqar --attention {softmax,poly,based,psf,llops} [--p P] [--m M]

@@ -1,4 +1,4 @@
-"""``sketchlab capture``: dump Q/K/V ``[L, H, n, d]`` from a local transformers model directory.
+"""``sketchlab capture``: dump Q/K/V ``[L, H, n, d]`` from a local transformers model directory or GGUF file.
 
 Refused before any work (exit 2, one line): an ``--out`` that is (by any spelling or link) the text,
 the token-id file or a file of the model directory; a capture whose q, k, v would exceed the memory
@@ -21,7 +21,9 @@ _CONFIG_KEYS = (("num_hidden_layers", "n_layer", "n_layers"), ("num_attention_he
 
 def add_arguments(sub) -> None:
     cmd = sub.add_parser("capture", help="dump Q/K/V [L, H, n, d] from a local transformers model directory")
-    cmd.add_argument("--model-dir", required=True, help="directory written by save_pretrained (no download)")
+    model = cmd.add_mutually_exclusive_group(required=True)
+    model.add_argument("--model-dir", help="directory written by save_pretrained (no download)")
+    model.add_argument("--gguf", help="a GGUF file (weights and tokenizer; e.g. SmolLM2's), read by transformers' gguf_file=")
     src = cmd.add_mutually_exclusive_group(required=True)
     src.add_argument("--text", help="UTF-8 text file, tokenised by the directory's tokenizer")
     src.add_argument("--token-ids", help="file of integer token ids, one sequence per line (no tokenizer needed)")
@@ -38,14 +40,15 @@ def add_arguments(sub) -> None:
     cmd.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
-def estimate_bytes(model_dir: Path, max_tokens: int) -> tuple[int, str] | None:
+def estimate_bytes(model_dir: Path, max_tokens: int, config: dict | None = None) -> tuple[int, str] | None:
     """Bytes of the captured q, k, v (float32, ``3·L·H·n·d·4``, key/value heads repeated to ``H``)
-    for ``max_tokens`` tokens, from ``model_dir/config.json``, with the shape it assumed; ``None``
-    when the config does not say."""
-    try:
-        config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None  # capture_pretrained names the problem
+    for ``max_tokens`` tokens, from ``model_dir/config.json`` (or the given ``config`` dict), with
+    the shape it assumed; ``None`` when the config does not say."""
+    if config is None:
+        try:
+            config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None  # capture_pretrained names the problem
     if not isinstance(config, dict):
         return None
     config = {**config.get("text_config", {}), **config} if isinstance(config.get("text_config"), dict) else config
@@ -59,6 +62,17 @@ def estimate_bytes(model_dir: Path, max_tokens: int) -> tuple[int, str] | None:
     if not (L and H and d):
         return None
     return 3 * L * H * max_tokens * d * 4, f"L={L}, H={H}, d={d}"
+
+
+def _gguf_config(path: Path) -> dict | None:
+    """The model config a GGUF file's metadata gives transformers (``None`` when it cannot be read:
+    the load names the problem)."""
+    try:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True).to_dict()
+    except Exception:  # noqa: BLE001 - any unreadable file: capture_pretrained reports it with its path
+        return None
 
 
 @contextlib.contextmanager
@@ -86,15 +100,22 @@ def run(args) -> int:
     from ..io import dump_files, save_qk
     from .train import memory_budget
 
-    model_dir = Path(args.model_dir)
-    model_files = [f for f in model_dir.iterdir() if f.is_file()] if model_dir.is_dir() else []
+    if args.gguf is not None:
+        gguf = Path(args.gguf)
+        if not gguf.is_file():  # before the bar: bad input stays one line
+            raise FileNotFoundError(f"--gguf {gguf}: no such file")
+        model_dir, model_files, config = None, [gguf], _gguf_config(gguf)
+    else:
+        model_dir = Path(args.model_dir)
+        model_files = [f for f in model_dir.iterdir() if f.is_file()] if model_dir.is_dir() else []
+        config = None
+        if not (model_dir / "config.json").is_file():  # before the bar: bad input stays one line
+            raise FileNotFoundError(f"{model_dir}: not a transformers model directory (no config.json)")
     outputs = Outputs({"--out": args.out}, inputs=[args.text, args.token_ids, *model_files], dumps=("--out",))
-    if not (model_dir / "config.json").is_file():  # before the bar: bad input stays one line
-        raise FileNotFoundError(f"{model_dir}: not a transformers model directory (no config.json)")
     for option, path in (("--text", args.text), ("--token-ids", args.token_ids)):
         if path is not None and not Path(path).is_file():
             raise FileNotFoundError(f"{option} {path}: no such file")
-    estimate = estimate_bytes(model_dir, args.max_tokens)
+    estimate = estimate_bytes(model_dir, args.max_tokens, config)
     if estimate is not None and estimate[0] > memory_budget():
         raise ValueError(
             f"capture: q, k, v of {args.max_tokens} tokens ({estimate[1]}, float32) need about "
@@ -103,8 +124,8 @@ def run(args) -> int:
     with transformers_progress(not args.no_progress), \
             tqdm(total=2, desc="capture", unit="stage", disable=args.no_progress) as bar:
         bar.set_postfix_str("load the model and run it")
-        dump = capture_pretrained(args.model_dir, text=args.text, token_ids=args.token_ids, max_tokens=args.max_tokens,
-                                  seq_len=args.seq_len, point=args.point)
+        dump = capture_pretrained(args.model_dir, gguf=args.gguf, text=args.text, token_ids=args.token_ids,
+                                  max_tokens=args.max_tokens, seq_len=args.seq_len, point=args.point)
         bar.update()
         bar.set_postfix_str("write the dump")
         meta = {key: value for key, value in dump.meta.items() if key != "layout"}

@@ -3,7 +3,8 @@
 Nothing is downloaded (``local_files_only=True``). The model class follows the family: a causal
 language model (``AutoModelForCausalLM``) for the LLaMA and GPT-2 families, the bare encoder
 (``AutoModel``) for BERT-style models. A GGUF file (``gguf_file=``, the ``gguf`` package) holds
-the weights and the tokenizer in one file; transformers dequantises it to float32.
+the weights and the tokenizer in one file; transformers dequantises it to float32 (and the model
+then saves as an ordinary checkpoint: the quantizer mark is dropped).
 """
 
 from __future__ import annotations
@@ -54,11 +55,26 @@ def load_pretrained(model_dir=None, *, gguf=None) -> tuple[nn.Module, object]:
         model = auto.from_pretrained(source, local_files_only=True, **kwargs).eval()
     except (OSError, KeyError, RuntimeError, TypeError) as err:
         raise ValueError(f"{where}: could not load the model: {type(err).__name__}: {err}") from err
+    if gguf is not None:
+        _drop_gguf_quantizer(model)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True, **kwargs)
     except (OSError, ValueError, TypeError, KeyError) as err:
         raise ValueError(f"{where}: could not load its tokenizer: {type(err).__name__}: {err}") from err
     return model, tokenizer
+
+
+def _drop_gguf_quantizer(model: nn.Module) -> None:
+    """transformers dequantises a GGUF file to plain float tensors but keeps its ``GgufHfQuantizer``
+    mark, and ``save_pretrained`` then refuses the model ("quantized with gguf and is not
+    serializable"). The weights are ordinary tensors: drop the mark, so a converted model saves as an
+    ordinary checkpoint (:func:`sketchlab.save_linearized`)."""
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model, "quantization_method"):
+        model.quantization_method = None
+    if getattr(model.config, "quantization_config", None) is not None:
+        del model.config.quantization_config
 
 
 def smollm2_gguf() -> Path:
