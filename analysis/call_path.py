@@ -79,7 +79,7 @@ def main() -> None:
                                                  progress=False))
     modules = sorted({mod for mod, _ in calls})
     lines = [
-        f"# The call path of one compare(dump)\n",
+        "# The call path of one compare(dump)\n",
         f"`python analysis/call_path.py --methods {args.methods} --layers {args.layers}` on `{args.dump}` "
         f"(p = {args.p}, m = {args.m}; the dump loaded before the trace; sketchlab from `{ROOT}`).\n",
         f"- sketchlab modules entered: {len(modules)} ({', '.join(modules)})",

@@ -483,7 +483,7 @@ def markdown(args, out: dict, command: str) -> str:
             a = [closure(hl["ppl"][c], floor["ppl"][c], teacher["ppl"][c]) for c in ctx]
             text = (f"**Target** (issue 18: the best hybrid after stages 1 + 2 closes at least half of the gap at every "
                     f"context): {hl['name']} closes " + ", ".join(f"{x:.2f} at {c}" for x, c in zip(a, ctx))
-                    + f" of the gap between window + sinks alone and the teacher — "
+                    + " of the gap between window + sinks alone and the teacher — "
                     + ("met" if all(x >= 0.5 for x in a) else "**not met**"))
             if wl and tl:
                 b = [closure(hl["ppl"][c], wl["ppl"][c], tl["ppl"][c]) for c in ctx]

@@ -202,11 +202,13 @@ def _plot(results: dict, lin: dict, a, path: Path) -> None:
                 if first["p"] != panel and not (panel is None and first["p"] is None):
                     continue
                 offset = a.steps if key.endswith(("-cont", "-from-based")) else 0
+                color = None  # the first seed's line picks the colour, the other seeds reuse it
                 for i, (seed, res) in enumerate(sorted(runs.items())):
                     xs = [offset + e["step"] for e in res["train"]["evals"]]
                     ys = [e["heldout_accuracy"] for e in res["train"]["evals"]]
-                    line = ax.plot(xs, ys, lw=1.2, label=first["label"] if i == 0 else None,
-                                   color=None if i == 0 else line[0].get_color(), alpha=1 if i == 0 else 0.5)
+                    (line,) = ax.plot(xs, ys, lw=1.2, label=first["label"] if i == 0 else None,
+                                      color=color, alpha=1 if i == 0 else 0.5)
+                    color = line.get_color()
             ax.set_title("no degree" if panel is None else f"p = {panel}")
         ax.set_xlabel("training step")
         ax.grid(alpha=0.3)

@@ -7,7 +7,6 @@ import hashlib
 import os
 import re
 import shutil
-import sys
 from pathlib import Path
 
 import pytest

@@ -48,7 +48,6 @@ def test_based_to_llops_of_a_trained_model_changes_no_logit_beyond_round_off():
 
 def test_based_to_llops_full_form_and_rules():
     model = _based_model(symmetric=False, dim=3)  # 9 features: d'^2 (no symmetric count equals 9)
-    llops = based_to_llops(model)
     x = torch.randint(0, 32, (2, 20), generator=torch.Generator().manual_seed(2))
     diff, size = conversion_error(model, x)
     assert diff <= 1e-10 * size
