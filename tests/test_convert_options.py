@@ -14,17 +14,11 @@ from sketchlab.convert import convert_attention, converted_modules, linearize, l
 from sketchlab.convert.linearize import teacher_attention
 from sketchlab.convert.scale import GATE_OFFSETS, TiedLLoPSMap, calibrate_gates, far_mass_gate, tie_theta
 from sketchlab.featuremaps import LLoPSMap
+from tests.test_convert_linearize import _llama as _tiny_llama
 
 
 def _llama(dtype=torch.float64):
-    cfg = transformers.LlamaConfig(vocab_size=60, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, intermediate_size=48, max_position_embeddings=64)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).eval().to(dtype)
-    with torch.no_grad():  # sharper attention than the random init's near-uniform one
-        for layer in model.model.layers:
-            layer.self_attn.q_proj.weight.mul_(8.0)
-    return model
+    return _tiny_llama().to(dtype)  # the tiny GQA LLaMA of test_convert_linearize (sharpened q), in dtype
 
 
 def _ids(n=6, T=20, seed=1):

@@ -84,6 +84,41 @@ def _unlift(grad: torch.Tensor, phi: torch.Tensor) -> torch.Tensor:
     return (G @ phi[..., None] + G.mT @ phi[..., None])[..., 0]
 
 
+def _far_state_grads(prefix, dP, dzP, lk, vc, g_S, g_z, last: int):
+    r"""The backward of the far state shared by both cores: gradients of the incoming state and of the key
+    chunks' features and values.
+
+    The forward read ``P_c = Σ_e prefix[c, e]·upd_e + S_in`` (``upd_e = lk_eᵀ v_e``, likewise ``z``) and, with
+    ``output_final_state``, returned ``S_out = S_in + Σ_{j < last} lk_jᵀ v_j``: so ``dupd = prefixᵀ·dP`` (+ ``g_S``
+    on the ``last // C`` whole chunks and on the first ``last % C`` keys of the next), ``dlk = v·dupdᵀ + dzc``,
+    ``dv = lk·dupd``.
+
+    Shapes: ``prefix [N, Ne]``, ``dP [N, B, H, M2, Dv]``, ``dzP [N, B, H, M2]``, ``lk [Ne, B, H, C, M2]``,
+    ``vc [Ne, B, H, C, Dv]``, ``g_S [B, H, M2, Dv]`` / ``g_z [B, H, M2]`` or ``None``; ``last`` the keys that entered
+    the state. Returns ``dS_in, dz_in, dlk [Ne, B, H, C, M2], dvc [Ne, B, H, C, Dv]``.
+    """
+    Ne, B, H, C, M2 = lk.shape
+    Dv = vc.shape[-1]
+    dupd = (prefix.T @ dP.flatten(1)).view(Ne, B, H, M2, Dv)  # Σ over the query chunks that read key chunk e
+    dzc = (prefix.T @ dzP.flatten(1)).view(Ne, B, H, M2)
+    dS_in, dz_in = dP.sum(0), dzP.sum(0)
+    full, rem = divmod(last, C)
+    if g_S is not None:
+        dS_in = dS_in + g_S
+        dupd[:full] += g_S
+    if g_z is not None:
+        dz_in = dz_in + g_z
+        dzc[:full] += g_z
+    dlk = vc @ dupd.mT + dzc[..., None, :]  # [Ne, B, H, C, M2]
+    dvc = lk @ dupd  # [Ne, B, H, C, Dv]
+    if rem and g_S is not None:
+        dlk[full, :, :, :rem] += vc[full, :, :, :rem] @ g_S.mT
+        dvc[full, :, :, :rem] += lk[full, :, :, :rem] @ g_S
+    if rem and g_z is not None:
+        dlk[full, :, :, :rem] += g_z[:, :, None, :]
+    return dS_in, dz_in, dlk, dvc
+
+
 class _Core(torch.autograd.Function):
     @staticmethod
     def forward(ctx, fq, fk, v, S_in, z_in, off, lag, C, non_negative, normalize, eps):
@@ -137,7 +172,6 @@ class _Core(torch.autograd.Function):
         fqc, fkc, vc = _chunks(fq, N, C), _chunks(fk, Ne, C), _chunks(v, Ne, C)
         lift = self_tensor if non_negative else (lambda f: f)
         lq, lk = lift(fqc), lift(fkc)
-        M2 = lq.shape[-1]
         zero_q = fq.new_zeros(B, H, n, Dv)
         if normalize:  # out = num / (den + eps)
             r = 1.0 / (den + eps)  # [B, H, n]
@@ -156,23 +190,7 @@ class _Core(torch.autograd.Function):
         dP = lq.mT @ dnum  # [N, B, H, M2, Dv]
         dzP = (lq.mT @ dden[..., None])[..., 0]  # [N, B, H, M2]
         dlq = dnum @ P.mT + dden[..., None] * zP[..., None, :]  # [N, B, H, C, M2]
-        dupd = (prefix.T @ dP.flatten(1)).view(Ne, B, H, M2, Dv)  # Σ over the query chunks that read key chunk e
-        dzc = (prefix.T @ dzP.flatten(1)).view(Ne, B, H, M2)
-        dS_in, dz_in = dP.sum(0), dzP.sum(0)
-        full, rem = divmod(last, C)
-        if g_S is not None:
-            dS_in = dS_in + g_S
-            dupd[:full] += g_S
-        if g_z is not None:
-            dz_in = dz_in + g_z
-            dzc[:full] += g_z
-        dlk = vc @ dupd.mT + dzc[..., None, :]  # [Ne, B, H, C, M2]
-        dvc = lk @ dupd  # [Ne, B, H, C, Dv]
-        if rem and g_S is not None:
-            dlk[full, :, :, :rem] += vc[full, :, :, :rem] @ g_S.mT
-            dvc[full, :, :, :rem] += lk[full, :, :, :rem] @ g_S
-        if rem and g_z is not None:
-            dlk[full, :, :, :rem] += g_z[:, :, None, :]
+        dS_in, dz_in, dlk, dvc = _far_state_grads(prefix, dP, dzP, lk, vc, g_S, g_z, last)
         if non_negative:
             dfq, dfk = _unlift(dlq, fqc), _unlift(dlk, fkc)
         else:
@@ -347,10 +365,9 @@ class _HybridCore(torch.autograd.Function):
         B, H, n, M = fq.shape
         Dv = v.shape[-1]
         st = _HybridCore._setup(fq, fk, v, q, k, key_ok, sink_ok, off, opts)
-        N, Ne, n_loc, kks = st["N"], st["Ne"], st["n_loc"], st["kks"]
+        N, n_loc, kks = st["N"], st["n_loc"], st["kks"]
         qc, kc, vc, fqc, fkc = st["qc"], st["kc"], st["vc"], st["fqc"], st["fkc"]
         lq, lk = st["lift"](fqc), st["lift"](fkc)
-        M2 = lq.shape[-1]
         gb = g[None, None, :, None, None]
         if softmax:
             (A, As, tie, tie_s), far = rest[:4], rest[4:]
@@ -370,23 +387,7 @@ class _HybridCore(torch.autograd.Function):
         dgh = -((dP0 * P).sum(dim=(0, 1, 3, 4)) + (dzP0 * zP).sum(dim=(0, 1, 3)))  # [H]  d/dg of (1 − g)·far
         dP, dzP = dP0.mul_(1 - gb), dzP0.mul_(1 - gb[..., 0])
         dlq = (dnum @ P.mT + dden[..., None] * zP[..., None, :]).mul_(1 - gb)  # [N, B, H, C, M2]
-        dupd = (st["prefix"].T @ dP.flatten(1)).view(Ne, B, H, M2, Dv)
-        dzc = (st["prefix"].T @ dzP.flatten(1)).view(Ne, B, H, M2)
-        dS_in, dz_in = dP.sum(0), dzP.sum(0)
-        full, rem = divmod(max(0, off + n - w), C)
-        if g_S is not None:
-            dS_in = dS_in + g_S
-            dupd[:full] += g_S
-        if g_z is not None:
-            dz_in = dz_in + g_z
-            dzc[:full] += g_z
-        dlk = vc @ dupd.mT + dzc[..., None, :]  # [Ne, B, H, C, M2]
-        dvc = lk @ dupd  # [Ne, B, H, C, Dv]
-        if rem and g_S is not None:
-            dlk[full, :, :, :rem] += vc[full, :, :, :rem] @ g_S.mT
-            dvc[full, :, :, :rem] += lk[full, :, :, :rem] @ g_S
-        if rem and g_z is not None:
-            dlk[full, :, :, :rem] += g_z[:, :, None, :]
+        dS_in, dz_in, dlk, dvc = _far_state_grads(st["prefix"], dP, dzP, lk, vc, g_S, g_z, max(0, off + n - w))
         dfq, dfk = (_unlift(dlq, fqc), _unlift(dlk, fkc)) if non_negative else (dlq, dlk)
         # local and near-far lags: da = dnum·vᵀ + dden is the gradient of every weight of a (query, key)
         dA = []
