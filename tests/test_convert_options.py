@@ -8,7 +8,6 @@ import copy
 
 import pytest
 import torch
-import transformers
 
 from sketchlab.convert import convert_attention, converted_modules, linearize, load_linearized, save_linearized
 from sketchlab.convert.linearize import teacher_attention
@@ -160,6 +159,29 @@ def test_linearize_gate_init_default_and_errors():
         calibrate_gates([], [], torch.ones(1, 2), [0], how="max")
 
 
+@pytest.mark.parametrize("kwargs,err,match", [
+    (dict(tied=True, attention="hedgehog"), ValueError, r"tied=True makes the LLoPS map tied"),
+    (dict(tied="yes"), TypeError, r"tied must be None or a bool, got 'yes'"),
+    (dict(tied=True, p=3), ValueError, r"tied=True needs an even degree p"),
+    (dict(gate_init=float("inf")), ValueError, r"gate_init must be a finite number, 'mass', 'search' or None, got inf"),
+    (dict(fit_tokens=-1), ValueError, r"fit_tokens"),
+])
+def test_linearize_refuses_bad_options_before_any_work(kwargs, err, match, monkeypatch):
+    """Options the conversion checks are checked before the teacher's attention is recorded and Θ fitted."""
+    import importlib
+
+    lin = importlib.import_module("sketchlab.convert.linearize")  # the module (the package exports the function)
+
+    def refuse(*args, **kw):
+        raise AssertionError("linearize recorded the teacher before refusing its options")
+
+    monkeypatch.setattr(lin, "teacher_attention", refuse)
+    monkeypatch.setattr(lin, "fit_theta", refuse)
+    with pytest.raises(err, match=match):
+        linearize(_llama(), _ids(), **{"m": 6, "window": 4, "sinks": 1, "seq_len": 20, "holdout": 0.34,
+                                        "evaluate": False, **kwargs})
+
+
 def test_cli_gate_init_and_untied(tmp_path, capsys):
     import json
 
@@ -178,7 +200,7 @@ def test_cli_gate_init_and_untied(tmp_path, capsys):
         out = tmp_path / f"o{len(extra)}{gate_init}"
         assert main(common + extra + ["--out", str(out)]) == 0
         summary = json.loads((out / "linearize.json").read_text())
-        assert summary["settings"]["gate_init"] == gate_init and summary["settings"]["tied"] in (None, False)
+        assert summary["settings"]["gate_init"] == gate_init and summary["settings"]["tied"] is tied  # the map used, not the option as given
         options = json.loads((out / "model" / "sketchlab_conversion.json").read_text())
         assert options["tied"] is tied
         gates = summary["stages"][0]["gates"]

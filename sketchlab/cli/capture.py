@@ -20,12 +20,12 @@ _CONFIG_KEYS = (("num_hidden_layers", "n_layer", "n_layers"), ("num_attention_he
 
 
 def add_arguments(sub) -> None:
-    cmd = sub.add_parser("capture", help="dump Q/K/V [L, H, n, d] from a local transformers model directory")
+    cmd = sub.add_parser("capture", help="dump Q/K/V [L, H, n, d] from a local transformers model directory or GGUF file")
     model = cmd.add_mutually_exclusive_group(required=True)
     model.add_argument("--model-dir", help="directory written by save_pretrained (no download)")
     model.add_argument("--gguf", help="a GGUF file (weights and tokenizer; e.g. SmolLM2's), read by transformers' gguf_file=")
     src = cmd.add_mutually_exclusive_group(required=True)
-    src.add_argument("--text", help="UTF-8 text file, tokenised by the directory's tokenizer")
+    src.add_argument("--text", help="UTF-8 text file, tokenised by the model's tokenizer (the directory's or the GGUF's)")
     src.add_argument("--token-ids", help="file of integer token ids, one sequence per line (no tokenizer needed)")
     cmd.add_argument("--out", required=True,
                      help="output dump (.safetensors, .pt, .npz or .npy; parents created); written through a "
@@ -45,6 +45,8 @@ def estimate_bytes(model_dir: Path, max_tokens: int, config: dict | None = None)
     for ``max_tokens`` tokens, from ``model_dir/config.json`` (or the given ``config`` dict), with
     the shape it assumed; ``None`` when the config does not say."""
     if config is None:
+        if model_dir is None:
+            return None  # a GGUF whose metadata could not be read: capture_pretrained names the problem
         try:
             config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
         except (OSError, ValueError):

@@ -58,7 +58,12 @@ def _degree(text: str) -> int:
 
 def _gate_init(text: str):
     """``--gate-init``: ``mass``, ``search`` or a finite number (an argparse type)."""
-    return text if text in ("mass", "search") else finite_float(text)
+    if text in ("mass", "search"):
+        return text
+    try:
+        return finite_float(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected 'mass', 'search' or a finite number, got {text!r}") from None
 
 
 def add_arguments(sub) -> None:
@@ -79,7 +84,8 @@ def add_arguments(sub) -> None:
                           "window) or 'search' (per head, the least-error logit near it); default: 0 for hedgehog, search for "
                           "the other maps (sketchlab.linearize's gate_init)")
     cmd.add_argument("--untied", action="store_true",
-                     help="LLoPS as the untied map (p signed factors) instead of the tied non-negative (x·θ)^p map")
+                     help="LLoPS as the untied map (p signed factors) instead of the tied non-negative (x·θ)^p map "
+                          "(the tied map needs an even p; an odd p is always untied)")
     cmd.add_argument("--p", type=_degree, default=2, help="degree of the attention kernel (default 2)")
     cmd.add_argument("--m", type=positive_int, default=64, help="features (default 64)")
     cmd.add_argument("--out", required=True,

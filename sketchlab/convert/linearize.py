@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from .._validation import check_nonnegative_int, check_positive_int
-from .convert import convert_attention, converted_modules
+from .convert import _resolve_tied, convert_attention, converted_modules
 from .families import family_of
 
 __all__ = ["LayerIO", "LinearizeReport", "attention_errors", "attention_transfer", "embedding_agreement", "fit_theta",
@@ -308,6 +308,7 @@ def fit_theta(model, ids, mask, *, p, m, rank=1, fit_tokens=1024, seed=0, fit_op
     from ..fit import fit_sketch
     from ..sketches import as_llops
 
+    fit_tokens = None if fit_tokens is None else check_nonnegative_int(fit_tokens, "fit_tokens")
     dump = capture_qk(model, {"input_ids": ids, "attention_mask": mask}) if family_of(model) != "toy" \
         else capture_qk(model, ids)
     D = dump.q.shape[-1]
@@ -525,6 +526,13 @@ def linearize(model: nn.Module, texts, *, tokenizer=None, attention: str = "llop
             raise ValueError(f"gate_init must be a number, 'mass', 'search' or None, got {gate_init!r}")
         if not window:
             raise ValueError(f"gate_init={gate_init!r} sets the hybrid's gates: window=0 (pure linear attention) has none")
+    elif isinstance(gate_init, bool) or not isinstance(gate_init, (int, float)) or not math.isfinite(gate_init):
+        raise ValueError(f"gate_init must be a finite number, 'mass', 'search' or None, got {gate_init!r}")
+    if fit_tokens is not None:
+        fit_tokens = check_nonnegative_int(fit_tokens, "fit_tokens")
+    fitting = bool(fit) and attention == "llops" and feature_map is None
+    # the map the conversion will use, checked before the teacher is recorded and Θ fitted
+    tied = _resolve_tied(tied, attention, feature_map, p, family, theta=True if fitting else None)
     encoder = family == "bert"
     settings = {"family": family, "attention": attention if feature_map is None else "custom", "p": p, "m": m,
                 "rank": rank, "window": window, "sinks": sinks, "local": local, "normalize": normalize, "gate_init": gate_init,
@@ -551,7 +559,7 @@ def linearize(model: nn.Module, texts, *, tokenizer=None, attention: str = "llop
 
     theta, fit_info = None, None
     t0 = time.perf_counter()
-    if fit and attention == "llops" and feature_map is None:
+    if fitting:
         theta, fit_info = fit_theta(model, ids[train_idx], mask[train_idx], p=p, m=m, rank=rank,
                                      fit_tokens=fit_tokens, seed=seed, fit_options=fit_options)
     sketches = convert_attention(model, attention=attention, p=p, m=m, rank=rank, window=window, sinks=sinks,

@@ -53,6 +53,8 @@ def load_pretrained(model_dir=None, *, gguf=None) -> tuple[nn.Module, object]:
         family = _family_of_type(getattr(config, "model_type", None), where)
         auto = AutoModel if family == "bert" else AutoModelForCausalLM
         model = auto.from_pretrained(source, local_files_only=True, **kwargs).eval()
+    except ImportError as err:  # transformers reads GGUF through the optional gguf package
+        raise ValueError(f"{where}: could not load the model: {err} (pip install 'sketchlab[lm]')") from err
     except (OSError, KeyError, RuntimeError, TypeError) as err:
         raise ValueError(f"{where}: could not load the model: {type(err).__name__}: {err}") from err
     if gguf is not None:
