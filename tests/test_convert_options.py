@@ -253,3 +253,12 @@ def test_lora_finetune_on_teacher_and_converted():
         lora_finetune(_llama(), ids, mask, torch.arange(3), steps=0)
     with pytest.raises(ValueError, match="lr must be"):
         lora_finetune(_llama(), ids, mask, torch.arange(3), steps=1, lr=0.0)
+    model = _llama(torch.float32)
+    for args, kwargs, match in (
+            ((ids, mask, [7]), {}, r"train_idx must be a non-empty list of sequence indices in \[0, 4\), got \[7\]"),
+            ((ids, mask, []), {}, r"train_idx must be a non-empty"),
+            ((ids, mask[:, :5], [0]), {}, r"ids and mask must be tensors of one shape"),
+            ((ids, mask, [0]), {"teacher_hidden": torch.zeros(4, 20, 32)}, r"teacher_hidden .* only of one: got one for a llama")):
+        with pytest.raises(ValueError, match=match):
+            lora_finetune(model, *args, steps=1, **kwargs)
+    assert not any("lora" in n for n, _ in model.named_parameters())  # refused before peft touched the model

@@ -402,7 +402,23 @@ def lora_finetune(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, train
     batch_size = check_positive_int(batch_size, "batch_size")
     if not (isinstance(lr, (int, float)) and not isinstance(lr, bool) and 0 < lr < float("inf")):
         raise ValueError(f"lr must be a finite number > 0, got {lr!r}")
-    return _lora(model, family_of(model), ids, mask, torch.as_tensor(train_idx), teacher_hidden, steps=steps,
+    family = family_of(model)
+    if not (isinstance(ids, torch.Tensor) and isinstance(mask, torch.Tensor) and ids.dim() == 2
+            and ids.shape == mask.shape):
+        raise ValueError(f"ids and mask must be tensors of one shape [N, T], got "
+                         f"{getattr(ids, 'shape', type(ids).__name__)} and {getattr(mask, 'shape', type(mask).__name__)}")
+    train_idx = torch.as_tensor(train_idx)
+    if train_idx.dim() != 1 or train_idx.numel() == 0 or train_idx.is_floating_point() \
+            or int(train_idx.min()) < 0 or int(train_idx.max()) >= ids.shape[0]:
+        raise ValueError(f"train_idx must be a non-empty list of sequence indices in [0, {ids.shape[0]}), "
+                         f"got {train_idx.tolist()}")
+    if (family == "bert") != (teacher_hidden is not None):
+        raise ValueError("teacher_hidden [N, T, hidden] is the loss of an encoder (BERT family) and only of one: "
+                         f"got {'none' if teacher_hidden is None else 'one'} for a {family} model")
+    if teacher_hidden is not None and tuple(teacher_hidden.shape[:2]) != tuple(ids.shape):
+        raise ValueError(f"teacher_hidden must be [N, T, hidden] with [N, T] = {list(ids.shape)}, got "
+                         f"{list(teacher_hidden.shape)}")
+    return _lora(model, family, ids, mask, train_idx, teacher_hidden, steps=steps,
                  rank=rank, lr=float(lr), batch_size=batch_size, seed=seed, progress=progress)
 
 
