@@ -165,6 +165,8 @@ def test_linearize_gate_init_default_and_errors():
     (dict(tied=True, p=3), ValueError, r"tied=True needs an even degree p"),
     (dict(gate_init=float("inf")), ValueError, r"gate_init must be a finite number, 'mass', 'search' or None, got inf"),
     (dict(fit_tokens=-1), ValueError, r"fit_tokens"),
+    (dict(max_bytes=10_000), ValueError, r"the teacher's q, k, v and attention output of 2 layers on 6 sequence\(s\) "
+     r"of 20 tokens \(8-byte values\) would take .* GiB, over the memory budget max_bytes"),
 ])
 def test_linearize_refuses_bad_options_before_any_work(kwargs, err, match, monkeypatch):
     """Options the conversion checks are checked before the teacher's attention is recorded and Θ fitted."""

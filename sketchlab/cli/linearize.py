@@ -310,6 +310,7 @@ def _run_pretrained(args) -> int:
     from ..convert.linearize import linearize
     from ..convert.pretrained import load_pretrained
     from .capture import transformers_progress
+    from .train import memory_budget
 
     if args.text is None:
         raise UsageError("--text is required with --model-dir / --gguf")
@@ -338,7 +339,7 @@ def _run_pretrained(args) -> int:
         max_tokens=args.max_tokens, holdout=float(args.holdout), fit=not args.no_fit,
         transfer_steps=args.transfer_steps, transfer_lr=args.transfer_lr, lora_steps=args.lora_steps,
         lora_rank=args.lora_rank, lora_lr=args.lora_lr, batch_size=args.batch_size or 4, seed=args.seed,
-        progress=not args.no_progress)
+        progress=not args.no_progress, max_bytes=memory_budget())
     outputs.make_directories()
     save_linearized(model, out / "model")
     tokenizer.save_pretrained(out / "model")

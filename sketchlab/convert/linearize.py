@@ -30,9 +30,9 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from .._validation import check_nonnegative_int, check_positive_int
+from .._validation import DEFAULT_MAX_BYTES, check_memory, check_nonnegative_int, check_positive_int
 from .convert import _resolve_tied, convert_attention, converted_modules
-from .families import family_of
+from .families import attention_sites, family_of
 
 __all__ = ["LayerIO", "LinearizeReport", "attention_errors", "attention_transfer", "embedding_agreement", "fit_theta",
            "linearize", "lora_finetune", "perplexity", "sentence_embeddings", "teacher_attention", "tokenize_texts"]
@@ -470,7 +470,8 @@ def linearize(model: nn.Module, texts, *, tokenizer=None, attention: str = "llop
               gate_sequences: int = 4, seq_len: int = 512, max_tokens: int | None = None, holdout: float = 0.25,
               fit: bool = True, fit_tokens: int = 1024, fit_options: dict | None = None, transfer_steps: int = 100,
               transfer_lr: float = 1e-2, lora_steps: int = 0, lora_rank: int = 8, lora_lr: float = 1e-4,
-              batch_size: int = 4, evaluate: bool = True, seed: int = 0, progress: bool = False):
+              batch_size: int = 4, evaluate: bool = True, seed: int = 0, progress: bool = False,
+              max_bytes: int = DEFAULT_MAX_BYTES):
     r"""Convert ``model``'s attention (:func:`sketchlab.convert_attention`) and train it in stages.
 
     Parameters
@@ -516,6 +517,10 @@ def linearize(model: nn.Module, texts, *, tokenizer=None, attention: str = "llop
         Measure the held-out metric (perplexity or embedding cosine) after each stage and for the teacher.
     seed : int
         The conversion's initialisation, the fit, and the training batches.
+    max_bytes : int
+        Memory budget of the teacher's recorded attention (every layer's q, k, v and output on every
+        sequence, ``Σ_layers (2·H + 2·H_kv)·D`` values per token in the model's dtype), checked
+        before any work: a ``ValueError`` names the size, the budget and the way out.
 
     Returns
     -------
@@ -549,6 +554,13 @@ def linearize(model: nn.Module, texts, *, tokenizer=None, attention: str = "llop
     fitting = bool(fit) and attention == "llops" and feature_map is None
     # the map the conversion will use, checked before the teacher is recorded and Θ fitted
     tied = _resolve_tied(tied, attention, feature_map, p, family, theta=True if fitting else None)
+    _, sites = attention_sites(model)
+    itemsize = next(model.parameters()).element_size()
+    per_token = sum((2 * s.heads + 2 * s.kv_heads) * s.head_dim for s in sites) * itemsize
+    check_memory(per_token * ids.numel(), max_bytes=max_bytes,
+                 what=f"the teacher's q, k, v and attention output of {len(sites)} layers on {N} sequence(s) of "
+                      f"{ids.shape[1]} tokens ({itemsize}-byte values)",
+                 way_out="give less text (max_tokens=) or fewer sequences")
     encoder = family == "bert"
     settings = {"family": family, "attention": attention if feature_map is None else "custom", "p": p, "m": m,
                 "rank": rank, "window": window, "sinks": sinks, "local": local, "normalize": normalize, "gate_init": gate_init,
