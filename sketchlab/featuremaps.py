@@ -108,6 +108,14 @@ def _init_heads(module: FeatureMap, heads, head_dim):
     module.head_dim = check_positive_int(head_dim, "head_dim")
 
 
+def _store(module: nn.Module, name: str, tensor: torch.Tensor, learn: bool) -> None:
+    """``module.<name> = tensor`` as a trained parameter (``learn``) or a fixed buffer (saved either way)."""
+    if learn:
+        setattr(module, name, nn.Parameter(tensor))
+    else:
+        module.register_buffer(name, tensor)
+
+
 class LLoPSMap(FeatureMap):
     r"""The LLoPS map per head, :math:`\phi(x)_i = \sum_r \prod_j \langle\theta_{r,j,:,i}, x\rangle`.
 
@@ -140,10 +148,7 @@ class LLoPSMap(FeatureMap):
         for name, want, axis in (("p", p, 2), ("m", m, 4), ("rank", rank, 1)):
             if want is not None and want != theta.shape[axis]:
                 raise ValueError(f"theta has {name}={theta.shape[axis]} (axis {axis} of [H, t, p, D, M]) but {name}={want}")
-        if learn:
-            self.theta = nn.Parameter(theta)
-        else:
-            self.register_buffer("theta", theta)
+        _store(self, "theta", theta, learn)
 
     @property
     def num_features(self) -> int:
@@ -231,10 +236,7 @@ class TaylorMap(FeatureMap):
         if proj.ndim != 3 or proj.shape[:2] != (self.heads, self.head_dim):
             raise ValueError(f"proj must have shape [H={self.heads}, D={self.head_dim}, d'], got {tuple(proj.shape)}")
         self.symmetric = symmetric
-        if learn:
-            self.proj = nn.Parameter(proj)
-        else:
-            self.register_buffer("proj", proj)
+        _store(self, "proj", proj, learn)
 
     @property
     def num_features(self) -> int:

@@ -29,10 +29,9 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import nn
 
 from .._validation import as_float_tensor, check_positive_int
-from ..featuremaps import FeatureMap, _init_heads
+from ..featuremaps import FeatureMap, _init_heads, _store
 
 __all__ = ["GATE_OFFSETS", "TiedLLoPSMap", "calibrate_gates", "far_mass_gate", "search_gate", "tie_theta"]
 
@@ -91,10 +90,7 @@ class TiedLLoPSMap(FeatureMap):
         theta = as_float_tensor(theta, "theta").detach().clone()
         if theta.ndim != 4 or theta.shape[0] != self.heads or theta.shape[2] != self.head_dim:
             raise ValueError(f"theta must have shape [H={self.heads}, t, D={self.head_dim}, M], got {tuple(theta.shape)}")
-        if learn:
-            self.theta = nn.Parameter(theta)
-        else:
-            self.register_buffer("theta", theta)
+        _store(self, "theta", theta, learn)
 
     @property
     def num_features(self) -> int:
