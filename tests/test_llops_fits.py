@@ -30,6 +30,18 @@ def _rel(a, b):
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
 
 
+def _block_ids(theta_q, shape):
+    """The Levenberg–Marquardt block of each parameter of ``[Θ_Q, Θ_K]`` (each ``[1, t, p=2, d, m=2]``,
+    row-major): ``side·4 + factor j·2 + column i``."""
+    idx = torch.arange(theta_q.numel()).reshape(shape)
+    block = torch.empty(2 * theta_q.numel(), dtype=torch.long)
+    for side in range(2):
+        for j in range(2):
+            for i in range(2):
+                block[side * theta_q.numel() + idx[0, :, j, :, i].flatten()] = side * 4 + j * 2 + i
+    return block
+
+
 @pytest.mark.parametrize("t,p", [(1, 1), (1, 2), (2, 3)])
 def test_feature_derivatives_match_autograd(t, p):
     # jvp / vjp against torch.autograd on the same map: both exact, round-off ~1e-15 relative.
@@ -114,13 +126,7 @@ def test_lm_step_is_the_damped_gauss_newton_step():
     vec = torch.cat([theta_q.flatten(), theta_k.flatten()])
     jac = torch.autograd.functional.jacobian(resid, vec)  # [n², 16]
     gn = jac.T @ jac
-    # block id of each parameter: (side, factor j, column i); Θ is [B, t, p, d, m] row-major
-    idx = torch.arange(theta_q.numel()).reshape(shape)
-    block = torch.empty(2 * theta_q.numel(), dtype=torch.long)
-    for side in range(2):
-        for j in range(2):
-            for i in range(2):
-                block[side * theta_q.numel() + idx[0, :, j, :, i].flatten()] = side * 4 + j * 2 + i
+    block = _block_ids(theta_q, shape)
     mask = block[:, None] == block[None, :]
     lam = 0.3
     step = torch.linalg.solve(gn + lam * gn * mask, -jac.T @ resid(vec))
@@ -368,12 +374,7 @@ def _lm_case(seed, lam):
     vec = torch.cat([theta_q.flatten(), theta_k.flatten()])
     jac = torch.autograd.functional.jacobian(resid, vec)
     gn, grad = jac.T @ jac, jac.T @ resid(vec)
-    idx = torch.arange(theta_q.numel()).reshape(shape)
-    block = torch.empty(2 * theta_q.numel(), dtype=torch.long)
-    for side in range(2):
-        for j in range(2):
-            for i in range(2):
-                block[side * theta_q.numel() + idx[0, :, j, :, i].flatten()] = side * 4 + j * 2 + i
+    block = _block_ids(theta_q, shape)
     step = torch.linalg.solve(gn + lam * gn * (block[:, None] == block[None, :]), -grad)
     loss = float((resid(vec) ** 2).sum())
     trial = float((resid(vec + step) ** 2).sum())
