@@ -97,12 +97,12 @@ def _make_maps(attention: str, feature_map, layer: int, heads: int, head_dim: in
     return maps
 
 
-def _resolve_tied(tied, attention: str, feature_map, p: int, family: str, theta) -> bool:
+def _resolve_tied(tied, attention: str, feature_map, p: int, family: str, has_theta: bool) -> bool:
     """``tied=None``: the tied map for LLoPS of even degree on a transformers model (DESIGN §6), the
     untied one on the toy model; an explicit ``True`` checked against what the tied map can be."""
     if tied is None:
         return attention == "llops" and feature_map is None and p % 2 == 0 and family != "toy" \
-            and (theta is None or p == 2)
+            and (not has_theta or p == 2)
     if not isinstance(tied, bool):
         raise TypeError(f"tied must be None or a bool, got {tied!r}")
     if tied:
@@ -111,7 +111,7 @@ def _resolve_tied(tied, attention: str, feature_map, p: int, family: str, theta)
                              f"(got attention={attention!r}{', a feature_map' if feature_map is not None else ''})")
         if p % 2:
             raise ValueError(f"tied=True needs an even degree p (each feature (x·θ)^p >= 0), got p={p}")
-        if theta is not None and p != 2:
+        if has_theta and p != 2:
             raise ValueError(f"tied=True with a fitted theta needs p=2 (tie_theta ties degree-2 factors), got p={p}")
     return tied
 
@@ -217,7 +217,7 @@ def convert_attention(model: nn.Module, *, attention: str = "llops", p: int = 2,
     if feature_map is not None and not callable(feature_map):
         raise TypeError("feature_map must be callable: feature_map(layer, heads, head_dim) -> FeatureMap or (map_q, map_k)")
     family, sites = attention_sites(model)
-    tied = _resolve_tied(tied, attention, feature_map, p, family, theta)
+    tied = _resolve_tied(tied, attention, feature_map, p, family, theta is not None)
     thetas = _theta_tensors(theta, len(sites)) if theta is not None else None
     if thetas is not None and tied:
         from .scale import tie_theta

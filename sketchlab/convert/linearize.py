@@ -553,7 +553,7 @@ def linearize(model: nn.Module, texts, *, tokenizer=None, attention: str = "llop
         fit_tokens = check_nonnegative_int(fit_tokens, "fit_tokens")
     fitting = bool(fit) and attention == "llops" and feature_map is None
     # the map the conversion will use, checked before the teacher is recorded and Θ fitted
-    tied = _resolve_tied(tied, attention, feature_map, p, family, theta=True if fitting else None)
+    tied = _resolve_tied(tied, attention, feature_map, p, family, has_theta=fitting)
     _, sites = attention_sites(model)
     itemsize = next(model.parameters()).element_size()
     per_token = sum((2 * s.heads + 2 * s.kv_heads) * s.head_dim for s in sites) * itemsize
