@@ -234,7 +234,8 @@ def probe(args) -> None:
 
     def run(label, name, gate, theta_=None):
         model = copy.deepcopy(teacher)
-        sketches = [convert(model, name, args, args.window, theta_, gate_init=gate)[i] for i in probe_layers]
+        converted = convert(model, name, args, args.window, theta_, gate_init=gate)  # every layer, once
+        sketches = [converted[i] for i in probe_layers]
         calibrate(sketches, sub, mask, train_idx, args, name, how=gate)
         done = 0
         for steps in steps_list if gate != 40.0 else [0]:
