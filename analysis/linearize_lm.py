@@ -37,8 +37,10 @@ import time
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from sketchlab.cli._common import finite_float, write_text_atomic
+from sketchlab.io.atomic import atomic_write
 from sketchlab.convert import convert_attention
 from sketchlab.convert.linearize import (
     attention_errors,
@@ -112,6 +114,9 @@ def parse_args():
     ap.add_argument("--no-minilm", action="store_true")
     ap.add_argument("--no-smollm", action="store_true")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--cache-dir", default=None,
+                    help="keep each map's transferred feature maps and gates here (safetensors, keyed by every "
+                         "setting that shapes them) and reuse them on a rerun instead of training again")
     ap.add_argument("--out", default=str(RESULTS / "linearize_lm.md"))
     ap.add_argument("--render", action="store_true",
                     help="only rewrite the Markdown and plot from the JSON a run with the same options wrote")
@@ -170,6 +175,37 @@ def training_data(args, tok):
     ids, mask = tokenize_texts(train_text, tok, seq_len=args.train_len, max_tokens=args.train_seqs * args.train_len)
     n_held = max(1, ids.shape[0] // 4)  # attention-output errors on the last quarter of the training plays' sequences
     return ids, mask, torch.arange(ids.shape[0] - n_held), torch.arange(ids.shape[0] - n_held, ids.shape[0])
+
+
+def transfer_key(name, window, args) -> str:
+    """File stem naming every setting that shapes a map's transferred parameters (``--cache-dir``)."""
+    parts = [name, f"w{window}", f"s{args.sinks if window else 0}", f"m{args.m}", f"gate{gate_for(name, args)}",
+             f"len{args.train_len}x{args.train_seqs}", f"steps{args.transfer_steps}", f"lr{args.transfer_lr:g}",
+             f"maplr{args.map_lr}", f"batch{args.transfer_batch}", f"gs{args.gate_seqs}"]
+    if name == "llops":
+        parts += ["untied" if args.untied else "tied",
+                  "nofit" if args.no_fit else f"fit{args.fit_tokens}x{args.fit_steps}"]
+    return "_".join(parts)
+
+
+def load_transferred(sketches, path: Path):
+    """The cached transfer of ``sketches`` (``--cache-dir``): its stage errors, or ``None`` if not cached."""
+    meta = path.with_suffix(".json")
+    if not (path.is_file() and meta.is_file()):
+        return None
+    state = load_file(str(path))
+    for i, sketch in enumerate(sketches):
+        sketch.load_state_dict({k.split(".", 1)[1]: v for k, v in state.items() if k.split(".", 1)[0] == str(i)})
+    return json.loads(meta.read_text(encoding="utf-8"))
+
+
+def save_transferred(sketches, errors: dict, path: Path) -> None:
+    """Write the transferred maps and gates of ``sketches`` and their errors (``--cache-dir``), atomically."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    state = {f"{i}.{k}": v.detach().contiguous() for i, s in enumerate(sketches) for k, v in s.state_dict().items()}
+    with atomic_write(path) as tmp:
+        save_file(state, tmp)
+    write_text_atomic(str(path.with_suffix(".json")), json.dumps(errors) + "\n")
 
 
 def fit(teacher, ids, mask, train_idx, args):
@@ -320,20 +356,27 @@ def smollm2(args, out: dict, save) -> None:
         model = copy.deepcopy(teacher)
         label = f"{name} {'hybrid w=%d+%d' % (window, args.sinks) if window else 'pure'}"
         sketches = convert(model, name, args, window, theta)
-        t = time.perf_counter()
-        calibrate(sketches, layers, mask, train_idx, args, name)
         features = sketches[0].feature_map_q.num_features
-        errors = {"0": attention_errors(sketches, layers, mask, held_idx, batch_size=2)}
-        stage0 = "fit" if (name == "llops" and theta is not None) else "init"
-        log(f"{label}: gates set and stage-0 errors in {time.perf_counter() - t:.0f} s "
-            f"(mean error {sum(errors['0']) / len(errors['0']):.3f})")
-        if not args.no_stage0_ppl:
-            add(f"{label}, stage 0 ({stage0})", model, "stage0", features=features, map=name, window=window)
-        t = time.perf_counter()
-        attention_transfer(sketches, layers, mask, train_idx, steps=args.transfer_steps, lr=args.transfer_lr,
-                           map_lr=args.map_lr, batch_size=args.transfer_batch)
-        log(f"{label}: transfer {args.transfer_steps} steps x {len(sketches)} layers in {time.perf_counter() - t:.0f} s")
-        errors["1"] = attention_errors(sketches, layers, mask, held_idx, batch_size=2)
+        cached = None if args.cache_dir is None else Path(args.cache_dir) / f"{transfer_key(name, window, args)}.safetensors"
+        errors = None if cached is None else load_transferred(sketches, cached)
+        if errors is not None:
+            log(f"{label}: transferred maps and gates read from {cached}")
+        else:
+            t = time.perf_counter()
+            calibrate(sketches, layers, mask, train_idx, args, name)
+            errors = {"0": attention_errors(sketches, layers, mask, held_idx, batch_size=2)}
+            stage0 = "fit" if (name == "llops" and theta is not None) else "init"
+            log(f"{label}: gates set and stage-0 errors in {time.perf_counter() - t:.0f} s "
+                f"(mean error {sum(errors['0']) / len(errors['0']):.3f})")
+            if not args.no_stage0_ppl:
+                add(f"{label}, stage 0 ({stage0})", model, "stage0", features=features, map=name, window=window)
+            t = time.perf_counter()
+            attention_transfer(sketches, layers, mask, train_idx, steps=args.transfer_steps, lr=args.transfer_lr,
+                               map_lr=args.map_lr, batch_size=args.transfer_batch)
+            log(f"{label}: transfer {args.transfer_steps} steps x {len(sketches)} layers in {time.perf_counter() - t:.0f} s")
+            errors["1"] = attention_errors(sketches, layers, mask, held_idx, batch_size=2)
+            if cached is not None:
+                save_transferred(sketches, errors, cached)
         rows["layer_errors"][label] = errors
         save()
         row = add(f"{label}, stage 1 (transfer)", model, "stage1", features=features, map=name, window=window)
@@ -554,7 +597,9 @@ def plot(out: dict, path: Path) -> None:
     ax.set_title("SmolLM2-135M linearised (Shakespeare, held-out plays)")
     ax.legend(fontsize=6)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with atomic_write(path) as tmp:  # readers never see a half-written plot
+        fig.savefig(tmp, dpi=120, format="png")
+    plt.close(fig)
 
 
 def main() -> None:
