@@ -122,10 +122,17 @@ def test_the_default_toy_run_is_within_the_budgets(tmp_path, capsys, monkeypatch
     import sketchlab.tasks
 
     reached = []
-    monkeypatch.setattr(sketchlab.tasks, "linearize", lambda *a, **k: reached.append(k) or (_ for _ in ()).throw(
-        ValueError("stop here")))
+
+    def stop(*args, **kwargs):
+        reached.append({**kwargs, "parent_made": (tmp_path / "a").is_dir(), "out_made": (tmp_path / "a" / "b").exists()})
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(sketchlab.tasks, "linearize", stop)
     _exit_2(["linearize", str(TEACHER), "--out", str(tmp_path / "a" / "b")], capsys, r"stop here")
-    assert reached and reached[0]["p"] == 2 and (tmp_path / "a").is_dir()  # parents created before the work
+    assert reached and reached[0]["p"] == 2
+    # the parent is created before the work, --out itself is left to the library (which builds it
+    # aside and moves it in at the end), and a failed run removes the parent it created
+    assert reached[0]["parent_made"] and not reached[0]["out_made"] and not (tmp_path / "a").exists()
 
 
 # ------------------------------------------------------------------------------------------------

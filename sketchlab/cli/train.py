@@ -21,8 +21,8 @@ import json
 import os
 from pathlib import Path
 
-from ._common import (DEFAULT_M, DEFAULT_P, Outputs, UsageError, device_arg, nonnegative_float, nonnegative_int,
-                      positive_float, positive_int, write_text_atomic)
+from ._common import (DEFAULT_M, DEFAULT_P, Outputs, UsageError, check_run_dir, device_arg, nonnegative_float,
+                      nonnegative_int, positive_float, positive_int, write_text_atomic)
 
 #: What a ``sketchlab train`` output directory holds (anything else there belongs to something else).
 RUN_FILES = ("checkpoints", "model.safetensors", "config.json", "train.json")
@@ -135,14 +135,7 @@ def _parse_init(init, attention: str) -> tuple[str, str | None]:
 
 def _check_run_dir(out: Path) -> None:
     """Refuse an ``--out`` that holds something other than a ``sketchlab train`` run (see :data:`RUN_FILES`)."""
-    if not out.is_dir():
-        return
-    names = sorted(p.name for p in out.iterdir())
-    foreign = [name for name in names if name not in RUN_FILES]
-    if foreign:
-        shown = ", ".join(foreign[:4]) + (", ..." if len(foreign) > 4 else "")
-        raise ValueError(f"--out {str(out)!r} holds files that no sketchlab train run writes ({shown}): training "
-                         "would mix its files with them; choose an empty or new directory")
+    names = check_run_dir(out, command="train", known=RUN_FILES)
     if "model.safetensors" in names and not (out / "train.json").is_file():
         raise ValueError(f"--out {str(out)!r} holds a model (model.safetensors) that no sketchlab train run wrote "
                          "there: training would replace it; choose an empty or new directory")
