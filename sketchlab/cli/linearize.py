@@ -302,7 +302,8 @@ def _run_pretrained(args) -> int:
     summary = report.as_dict()
     summary["source"] = str(source)
     summary["cli"] = wanted
-    with outputs.parents_created(), staged_directory(out, last=("linearize.json",)) as stage:
+    with outputs.parents_created(), staged_directory(out, last=("linearize.json",)) as stage, \
+            transformers_progress(not args.no_progress):  # its "Writing model shards" bar too
         save_linearized(model, stage / "model")
         tokenizer.save_pretrained(stage / "model")
         write_text_atomic(str(stage / "linearize.json"),
