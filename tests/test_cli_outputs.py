@@ -339,3 +339,23 @@ def test_check_run_dir_is_the_one_rule_of_train_and_linearize(tmp_path):
     # both commands use it (no copy of the rule of their own)
     assert "check_run_dir(" in inspect.getsource(train_cli._check_run_dir)
     assert "check_run_dir(" in inspect.getsource(lin_cli._check_run_dir)
+
+
+def test_every_option_of_every_command_says_what_it_does():
+    """``--help`` describes each option: none without a help line (a missing one is an option a user
+    can only guess at), and every numeric default it states is the parser's (train's --p/--m state the
+    kernels' default; the parser keeps None there)."""
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command").choices
+    bare, wrong_default = [], []
+    for name in COMMANDS:
+        for action in sub[name]._actions:
+            if action.dest == "help":
+                continue
+            label = f"{name} {'/'.join(action.option_strings) or action.dest}"
+            if not (action.help or "").strip():
+                bare.append(label)
+            said = re.search(r"default ([-+0-9.e]+)\)$", action.help or "")  # a numeric default, stated last
+            if said and action.default is not None and float(said.group(1)) != float(action.default):
+                wrong_default.append(f"{label}: help says {said.group(1)}, default {action.default}")
+    assert bare == [] and wrong_default == [], (bare, wrong_default)

@@ -83,10 +83,11 @@ def add_arguments(sub) -> None:
     cmd.add_argument("--max-tokens", type=positive_int, default=None, help="tokens of --text used in all (default all)")
     add_common(cmd, "holdout")
     cmd.add_argument("--transfer-steps", type=nonnegative_int, default=100, help="attention-transfer steps per layer")
-    cmd.add_argument("--transfer-lr", type=positive_float, default=1e-2)
+    cmd.add_argument("--transfer-lr", type=positive_float, default=1e-2,
+                     help="learning rate of the attention-transfer stage (default 1e-2)")
     cmd.add_argument("--lora-steps", type=nonnegative_int, default=0, help="LoRA steps (0: no LoRA stage)")
-    cmd.add_argument("--lora-rank", type=positive_int, default=8)
-    cmd.add_argument("--lora-lr", type=positive_float, default=1e-4)
+    cmd.add_argument("--lora-rank", type=positive_int, default=8, help="rank of the LoRA adapters (default 8)")
+    cmd.add_argument("--lora-lr", type=positive_float, default=1e-4, help="learning rate of the LoRA stage (default 1e-4)")
     cmd.add_argument("--no-fit", action="store_true", help="skip stage 0 (start the maps from their initialisation)")
     # toy path
     cmd.add_argument("--non-negative", action="store_true",
@@ -97,10 +98,12 @@ def add_arguments(sub) -> None:
     cmd.add_argument("--steps", type=nonnegative_int, default=100, help="toy path: fine-tuning steps (0: step 0 only)")
     cmd.add_argument("--batch-size", type=positive_int, default=None, help="sequences per step (toy default 32, real 4)")
     cmd.add_argument("--lr", type=positive_float, default=1e-3, help="toy path: fine-tuning learning rate")
-    cmd.add_argument("--warmup", type=nonnegative_int, default=10)
+    cmd.add_argument("--warmup", type=nonnegative_int, default=10,
+                     help="toy path: linear learning-rate warm-up steps of the fine-tuning (default 10)")
     cmd.add_argument("--transfer", type=nonnegative_float, default=0.0,
                      help="toy path: weight of the attention-transfer loss against softmax attention (0 = off)")
-    cmd.add_argument("--eval-sequences", type=positive_int, default=512)
+    cmd.add_argument("--eval-sequences", type=positive_int, default=512,
+                     help="toy path: held-out sequences for every accuracy (default 512)")
     cmd.add_argument("--eval-every", type=nonnegative_int, default=0, help="toy path: held-out evaluation every N steps")
     add_common(cmd, "seed")
     cmd.add_argument("--threads", type=positive_int, default=1, help="torch intra-op threads")
