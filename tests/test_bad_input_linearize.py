@@ -263,16 +263,16 @@ def test_linearize_real_model_reports_files_and_refuses_another_run(model_dir, t
 TOY_SMALL = ["--m", "4", "--capture-sequences", "1", "--eval-sequences", "8", "--no-progress"]
 
 
-def _fail_at_the_last_file(monkeypatch, module):
-    """Make ``module``'s writer of ``linearize.md`` (the last file of a run) fail like a full disk."""
-    real = module.write_text_atomic if hasattr(module, "write_text_atomic") else module._write_text
+def _fail_at_the_last_file(monkeypatch, module, writer: str):
+    """Make ``module.<writer>`` fail like a full disk when it writes ``linearize.md`` (a run's last file)."""
+    real = getattr(module, writer)
 
     def write(path, text):
         if str(path).endswith("linearize.md"):
             raise OSError(28, "No space left on device", str(path))
         return real(path, text)
 
-    monkeypatch.setattr(module, "write_text_atomic" if hasattr(module, "write_text_atomic") else "_write_text", write)
+    monkeypatch.setattr(module, writer, write)
 
 
 def _fails(argv, capsys, match):
@@ -288,7 +288,7 @@ def _fails(argv, capsys, match):
 def test_toy_linearize_failing_at_the_last_file_leaves_no_out(tmp_path, capsys, monkeypatch):
     linearize_module = importlib.import_module("sketchlab.tasks.linearize")  # sketchlab.tasks.linearize: the function
 
-    _fail_at_the_last_file(monkeypatch, linearize_module)
+    _fail_at_the_last_file(monkeypatch, linearize_module, "_write_text")
     out = tmp_path / "a" / "run"
     _fails(["linearize", str(TEACHER), *TOY_SMALL, "--steps", "0", "--out", str(out)], capsys,
             r"No space left on device")
@@ -302,7 +302,7 @@ def test_toy_linearize_failing_at_the_last_file_keeps_the_previous_run(finished_
     run = tmp_path / "run"
     shutil.copytree(finished_toy_run, run)
     before = _tree(run)
-    _fail_at_the_last_file(monkeypatch, linearize_module)
+    _fail_at_the_last_file(monkeypatch, linearize_module, "_write_text")
     _fails(["linearize", str(TEACHER), *TOY_SMALL, "--steps", "0", "--out", str(run)], capsys,
             r"No space left on device")
     assert _tree(run) == before and sorted(p.name for p in tmp_path.iterdir()) == ["run"]
@@ -317,7 +317,7 @@ def test_toy_linearize_interrupted_after_fine_tuning_keeps_only_its_checkpoints_
     out = tmp_path / "run"
     argv = ["linearize", str(TEACHER), *TOY_SMALL, "--steps", "2", "--batch-size", "2", "--out", str(out)]
     with monkeypatch.context() as patch:
-        _fail_at_the_last_file(patch, linearize_module)
+        _fail_at_the_last_file(patch, linearize_module, "_write_text")
         _fails(argv, capsys, r"No space left on device")
     assert [p.name for p in out.iterdir()] == ["finetune"] and sorted(p.name for p in tmp_path.iterdir()) == ["run"]
     assert main(argv) == 0
@@ -337,7 +337,7 @@ def test_real_model_linearize_failing_at_the_last_file_leaves_out_as_it_was(mode
     assert main([*argv, "--out", str(run)]) == 0
     assert "Writing model shards" not in capsys.readouterr().err  # --no-progress reaches transformers' save too
     before = _tree(run)
-    _fail_at_the_last_file(monkeypatch, sketchlab.cli.linearize)
+    _fail_at_the_last_file(monkeypatch, sketchlab.cli.linearize, "write_text_atomic")
     _fails([*argv, "--out", str(run)], capsys, r"No space left on device")  # the same run again: replaced, or kept
     assert _tree(run) == before
     _fails([*argv, "--out", str(tmp_path / "new" / "run")], capsys, r"No space left on device")
