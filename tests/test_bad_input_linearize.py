@@ -344,6 +344,24 @@ def test_real_model_linearize_failing_at_the_last_file_leaves_out_as_it_was(mode
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
 
 
+@pytest.mark.parametrize("path", ["toy", "pretrained"])
+def test_linearize_into_a_directory_whose_parent_is_read_only_is_refused_before_work(path, model_dir, tmp_path,
+                                                                                    capsys, monkeypatch, no_work):
+    """The run is built beside --out (in its parent) and moved in at the end: a parent that cannot be
+    written is refused before the work (the real-model path would otherwise train, then fail)."""
+    import sketchlab.cli._common as common
+
+    out = tmp_path / "ro" / "run"
+    out.mkdir(parents=True)  # --out itself exists and is writable
+    real_access = os.access
+    monkeypatch.setattr(common.os, "access",
+                        lambda p, mode: False if os.path.realpath(p) == str(tmp_path / "ro") else real_access(p, mode))
+    source = [str(TEACHER)] if path == "toy" else ["--model-dir", str(model_dir / "m"), "--text",
+                                                   str(model_dir / "t.txt")]
+    _exit_2(["linearize", *source, "--out", str(out)], capsys,
+            r"--out: directory '.*ro' is not writable: the run's files are built beside '.*run' and moved into it")
+
+
 # ------------------------------------------------------------------------------------------------
 # capture
 

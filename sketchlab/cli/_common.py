@@ -268,6 +268,9 @@ class Outputs:
         Options that accept ``"-"``.
     dumps : iterable of str
         Options whose output is a Q/K dump (a ``.npy`` one stands for all its sibling parts).
+    staged : iterable of str
+        Options of ``directories`` built beside the directory and moved in at the end
+        (:func:`sketchlab.io.staged_directory`): their parent must be writable too.
 
     Raises
     ------
@@ -288,7 +291,7 @@ class Outputs:
     case that can leave part of the set.
     """
 
-    def __init__(self, files: dict, *, inputs=(), directories: dict | None = None, stdout=(), dumps=()):
+    def __init__(self, files: dict, *, inputs=(), directories: dict | None = None, stdout=(), dumps=(), staged=()):
         from ..io import dump_files
 
         self.files = {label: str(path) for label, path in files.items() if path is not None}
@@ -340,6 +343,11 @@ class Outputs:
             if os.path.lexists(real) and not os.path.isdir(real):
                 raise ValueError(f"{label} {path!r} is a file, not a directory")
             self._check_writable(label, path, Path(real), directory=True)
+            parent = _nearest_existing(Path(real).parent)
+            if label in staged and parent.is_dir() and not os.access(parent, os.W_OK | os.X_OK):
+                raise PermissionError(f"{label}: directory {str(parent)!r} is not writable: the run's files are built "
+                                      f"beside {path!r} and moved into it at the end; choose an output directory whose "
+                                      "parent you can write")
             for inp_real, given in {**input_dirs, **input_files}.items():
                 if _inside(inp_real, real) or _identity(inp_real) == _identity(real) is not None:
                     raise ValueError(f"{label}: output directory {path!r} holds the input {given!r}: this run would overwrite or mix "

@@ -234,7 +234,7 @@ def _run_toy(args) -> int:
     from ..tasks import linearize
 
     out = Path(args.out)
-    outputs = Outputs({}, directories={"--out": args.out}, inputs=[args.checkpoint])
+    outputs = Outputs({}, directories={"--out": args.out}, inputs=[args.checkpoint], staged=["--out"])
     _check_run_dir(out, TOY_FILES, {
         "checkpoint": args.checkpoint, "p": args.p, "m": args.m, "rank": args.rank, "non_negative": args.non_negative,
         "normalize": args.normalize or "sum", "capture_sequences": args.capture_sequences, "holdout": args.holdout,
@@ -288,7 +288,8 @@ def _run_pretrained(args) -> int:
     out = Path(args.out)
     source = Path(args.gguf) if args.gguf else Path(args.model_dir)
     _out_is_not_an_input_file(args.out, args.gguf, args.text)
-    outputs = Outputs({}, directories={"--out": args.out}, inputs=[args.model_dir, args.gguf, args.text])
+    outputs = Outputs({}, directories={"--out": args.out}, inputs=[args.model_dir, args.gguf, args.text],
+                      staged=["--out"])
     wanted = _pretrained_settings(args)
     _check_run_dir(out, PRETRAINED_FILES, wanted)
     text = text_path.read_text(encoding="utf-8")
