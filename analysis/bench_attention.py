@@ -43,6 +43,7 @@ sys.path.insert(0, str(ROOT))
 from sketchlab.attention import feature_attention, llops_attention, poly_attention, softmax_attention  # noqa: E402
 from sketchlab.attention.chunked import DEFAULT_CHUNK_SIZE  # noqa: E402
 from sketchlab.io import atomic_write  # noqa: E402
+from sketchlab.plots import save_figure  # noqa: E402
 from sketchlab.sketches.based import taylor_features  # noqa: E402
 
 BASED_DIM = 16  # BASED projects to 16 dims: 1 + 16 + 16² = 273 Taylor features
@@ -414,9 +415,7 @@ def plot(rows, path: Path, args) -> None:
         ax.grid(True, which="both", alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.tight_layout()
-    with atomic_write(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)  # atomic; closes the figure
 
 
 if __name__ == "__main__":

@@ -429,8 +429,9 @@ def write_mqar_report(args, scale, table, swept, best_lr, seeded, m_runs, wall):
         ax2.set_ylabel("forward ms (B=8, T=256)", color="C1")
         ax.set_title(f"LLoPS p = {args.m_degree}: accuracy and forward time vs m")
         fig.tight_layout()
-        fig.savefig(out / "mqar_m.png", dpi=120)
-        plt.close(fig)
+        from sketchlab.plots import save_figure
+
+        save_figure(fig, out / "mqar_m.png", dpi=120)  # atomic; closes the figure
         L += ["", "![accuracy and forward time vs m](mqar_m.png)", ""]
     L += ["## Cut from the full protocol (and why)", "", args.cut or "(see the protocol above)", ""]
     from sketchlab.io import atomic_write
@@ -622,8 +623,9 @@ def table1(args) -> int:
     fig.tight_layout()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out / "table1.png", dpi=120)
-    plt.close(fig)
+    from sketchlab.plots import save_figure
+
+    save_figure(fig, out / "table1.png", dpi=120)  # atomic; closes the figure
     L += ["![held-out bits per byte vs step](table1.png)", "", "## Cut from the issue's protocol", "",
           args.cut or "(see the setup above)", ""]
     from sketchlab.io import atomic_write

@@ -41,6 +41,7 @@ import torch
 
 import sketchlab
 from sketchlab.io import atomic_write
+from sketchlab.plots import save_figure
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -215,9 +216,7 @@ def _plot(results: dict, lin: dict, a, path: Path) -> None:
         ax.legend(fontsize=7)
     axes[0].set_ylabel("held-out MQAR accuracy")
     fig.tight_layout()
-    with atomic_write(path) as tmp:
-        fig.savefig(tmp, dpi=110, format="png")
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)  # atomic; closes the figure
 
 
 def main(argv=None) -> int:

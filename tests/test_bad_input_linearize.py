@@ -4,6 +4,8 @@ paths, the size, the budget and the way out; inputs never overwritten; other run
 refused; parents created and every file reported as ``wrote PATH``."""
 
 import hashlib
+import importlib
+import json
 import os
 import re
 import shutil
@@ -122,10 +124,17 @@ def test_the_default_toy_run_is_within_the_budgets(tmp_path, capsys, monkeypatch
     import sketchlab.tasks
 
     reached = []
-    monkeypatch.setattr(sketchlab.tasks, "linearize", lambda *a, **k: reached.append(k) or (_ for _ in ()).throw(
-        ValueError("stop here")))
+
+    def stop(*args, **kwargs):
+        reached.append({**kwargs, "parent_made": (tmp_path / "a").is_dir(), "out_made": (tmp_path / "a" / "b").exists()})
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(sketchlab.tasks, "linearize", stop)
     _exit_2(["linearize", str(TEACHER), "--out", str(tmp_path / "a" / "b")], capsys, r"stop here")
-    assert reached and reached[0]["p"] == 2 and (tmp_path / "a").is_dir()  # parents created before the work
+    assert reached and reached[0]["p"] == 2
+    # the parent is created before the work, --out itself is left to the library (which builds it
+    # aside and moves it in at the end), and a failed run removes the parent it created
+    assert reached[0]["parent_made"] and not reached[0]["out_made"] and not (tmp_path / "a").exists()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -245,6 +254,112 @@ def test_linearize_real_model_reports_files_and_refuses_another_run(model_dir, t
     _exit_2(argv + ["--m", "8"], capsys,
             r"holds the output of another linearize run \(--m 4 there, 8 here\)")
     assert _tree(out) == before
+
+
+# ------------------------------------------------------------------------------------------------
+# all-or-nothing: a run failing at its last file leaves --out as it was
+
+
+TOY_SMALL = ["--m", "4", "--capture-sequences", "1", "--eval-sequences", "8", "--no-progress"]
+
+
+def _fail_at_the_last_file(monkeypatch, module, writer: str):
+    """Make ``module.<writer>`` fail like a full disk when it writes ``linearize.md`` (a run's last file)."""
+    real = getattr(module, writer)
+
+    def write(path, text):
+        if str(path).endswith("linearize.md"):
+            raise OSError(28, "No space left on device", str(path))
+        return real(path, text)
+
+    monkeypatch.setattr(module, writer, write)
+
+
+def _fails(argv, capsys, match):
+    """A run that failed after its work: exit 2, its last stderr line the error (warnings of the
+    work may precede it), no traceback."""
+    rc = main(argv)
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]
+    assert rc == 2 and last.startswith("sketchlab: error: ") and "Traceback" not in err, err[-500:]
+    assert re.search(match, last), last
+
+
+def test_toy_linearize_failing_at_the_last_file_leaves_no_out(tmp_path, capsys, monkeypatch):
+    linearize_module = importlib.import_module("sketchlab.tasks.linearize")  # sketchlab.tasks.linearize: the function
+
+    _fail_at_the_last_file(monkeypatch, linearize_module, "_write_text")
+    out = tmp_path / "a" / "run"
+    _fails(["linearize", str(TEACHER), *TOY_SMALL, "--steps", "0", "--out", str(out)], capsys,
+            r"No space left on device")
+    assert list(tmp_path.iterdir()) == []  # no --out, no parent it created, no staging directory
+
+
+def test_toy_linearize_failing_at_the_last_file_keeps_the_previous_run(finished_toy_run, tmp_path, capsys,
+                                                                      monkeypatch):
+    linearize_module = importlib.import_module("sketchlab.tasks.linearize")  # sketchlab.tasks.linearize: the function
+
+    run = tmp_path / "run"
+    shutil.copytree(finished_toy_run, run)
+    before = _tree(run)
+    _fail_at_the_last_file(monkeypatch, linearize_module, "_write_text")
+    _fails(["linearize", str(TEACHER), *TOY_SMALL, "--steps", "0", "--out", str(run)], capsys,
+            r"No space left on device")
+    assert _tree(run) == before and sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+def test_toy_linearize_interrupted_after_fine_tuning_keeps_only_its_checkpoints_and_resumes(tmp_path, capsys,
+                                                                                          monkeypatch):
+    """The fine-tuning checkpoints are the one thing a failed toy run leaves in --out: the same command
+    then resumes from them (the run identity names Θ's final path, never the staging directory's)."""
+    linearize_module = importlib.import_module("sketchlab.tasks.linearize")  # sketchlab.tasks.linearize: the function
+
+    out = tmp_path / "run"
+    argv = ["linearize", str(TEACHER), *TOY_SMALL, "--steps", "2", "--batch-size", "2", "--out", str(out)]
+    with monkeypatch.context() as patch:
+        _fail_at_the_last_file(patch, linearize_module, "_write_text")
+        _fails(argv, capsys, r"No space left on device")
+    assert [p.name for p in out.iterdir()] == ["finetune"] and sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+    assert main(argv) == 0
+    assert "after 2 steps" in capsys.readouterr().out
+    summary = json.loads((out / "linearize.json").read_text())
+    assert summary["settings"]["init"]["file"] == str(out / "theta.safetensors")
+
+
+def test_real_model_linearize_failing_at_the_last_file_leaves_out_as_it_was(model_dir, tmp_path, capsys,
+                                                                           monkeypatch):
+    import sketchlab.cli.linearize
+
+    argv = ["linearize", "--model-dir", str(model_dir / "m"), "--text", str(model_dir / "t.txt"), "--attention",
+            "hedgehog", "--m", "4", "--window", "4", "--sinks", "1", "--seq-len", "32", "--transfer-steps", "1",
+            "--no-progress"]
+    run = tmp_path / "run"
+    assert main([*argv, "--out", str(run)]) == 0
+    assert "Writing model shards" not in capsys.readouterr().err  # --no-progress reaches transformers' save too
+    before = _tree(run)
+    _fail_at_the_last_file(monkeypatch, sketchlab.cli.linearize, "write_text_atomic")
+    _fails([*argv, "--out", str(run)], capsys, r"No space left on device")  # the same run again: replaced, or kept
+    assert _tree(run) == before
+    _fails([*argv, "--out", str(tmp_path / "new" / "run")], capsys, r"No space left on device")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+@pytest.mark.parametrize("path", ["toy", "pretrained"])
+def test_linearize_into_a_directory_whose_parent_is_read_only_is_refused_before_work(path, model_dir, tmp_path,
+                                                                                    capsys, monkeypatch, no_work):
+    """The run is built beside --out (in its parent) and moved in at the end: a parent that cannot be
+    written is refused before the work (the real-model path would otherwise train, then fail)."""
+    import sketchlab.cli._common as common
+
+    out = tmp_path / "ro" / "run"
+    out.mkdir(parents=True)  # --out itself exists and is writable
+    real_access = os.access
+    monkeypatch.setattr(common.os, "access",
+                        lambda p, mode: False if os.path.realpath(p) == str(tmp_path / "ro") else real_access(p, mode))
+    source = [str(TEACHER)] if path == "toy" else ["--model-dir", str(model_dir / "m"), "--text",
+                                                   str(model_dir / "t.txt")]
+    _exit_2(["linearize", *source, "--out", str(out)], capsys,
+            r"--out: directory '.*ro' is not writable: the run's files are built beside '.*run' and moved into it")
 
 
 # ------------------------------------------------------------------------------------------------

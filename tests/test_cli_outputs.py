@@ -4,6 +4,7 @@ parent directories are created; each file written is reported as ``wrote PATH``;
 for the shared options."""
 
 import hashlib
+import inspect
 import json
 import os
 import re
@@ -173,6 +174,13 @@ def test_spectrum_help_shows_a_single_percent_sign(capsys):
     (["compare", "{dump}", "--p", "0"], r"--p: expected an integer >= 1"),
     (["fit", "{dump}", "--m", "-3", "--out", "t.safetensors"], r"--m: expected an integer >= 1"),
     (["fit", "{dump}", "--device", "tpu", "--out", "t.safetensors"], r"--device: expected a device"),
+    # the shared options are checked at parse time, one rule for every command
+    (["fit", "{dump}", "--holdout", "1.5", "--out", "t.safetensors"],
+     r"argument --holdout: expected a number in \[0, 1\), got '1.5'"),
+    (["advise", "{dump}", "--target", "0.1", "--holdout", "nan"], r"argument --holdout: expected a number in \[0, 1\)"),
+    (["compare", "{dump}", "--p", "5000"], r"argument --p: expected an integer in \[1, 1024\] .* got 5000"),
+    (["verify", "{dump}", "--seed", "-1"], r"argument --seed: expected an integer seed in \[0, 2\*\*62\], got -1"),
+    (["compare", "{dump}", "--seed", "x"], r"argument --seed: expected an integer seed in \[0, 2\*\*62\], got 'x'"),
 ])
 def test_sizes_are_bounded_up_front(argv, match, dump, capsys):
     rc = main([a.format(dump=dump) for a in argv])
@@ -187,12 +195,14 @@ def test_shared_options_have_one_spelling_and_default():
     for name in COMMANDS:
         for action in sub[name]._actions:
             if action.dest in ("p", "m", "seed", "scale", "holdout", "layers", "heads", "no_progress") and name not in (
-                    "train", "linearize", "capture"):
+                    "train", "capture"):
                 seen.setdefault(action.dest, set()).add((action.default if not isinstance(action.default, list)
                                                          else tuple(action.default), action.type, action.help))
     assert {dest: len(v) for dest, v in seen.items()} == {dest: 1 for dest in seen}, seen
     assert next(iter(seen["p"]))[0] == 2 and next(iter(seen["m"]))[0] == 64
-    for name in ("compare", "verify", "advise", "spectrum", "fit", "train"):
+    linearize = {a.dest for a in sub["linearize"]._actions}
+    assert {"p", "m", "seed", "holdout", "no_progress"} <= linearize  # linearize's own copies were merged
+    for name in ("compare", "verify", "advise", "spectrum", "fit", "train", "linearize"):
         assert "no_progress" in {a.dest for a in sub[name]._actions}, name
 
 
@@ -291,3 +301,61 @@ def test_plot_must_be_png_and_matplotlib_present_before_any_work(dump, tmp_path,
     rc = main(["spectrum", str(dump), "--plot", str(tmp_path / "fig.png")])
     assert rc == 2 and "--plot needs matplotlib" in capsys.readouterr().err
     assert not (tmp_path / "s.json").exists() and not (tmp_path / "fig.png").exists()
+
+
+def test_check_run_dir_is_the_one_rule_of_train_and_linearize(tmp_path):
+    """``check_run_dir``: absent or empty → nothing to check; foreign entries refused (at most four
+    named); with ``recorded``, unrecorded settings refused and differing ones named (paths by real
+    path); otherwise the sorted entries are returned for the command's own checks."""
+    from sketchlab.cli import linearize as lin_cli, train as train_cli
+    from sketchlab.cli._common import check_run_dir
+
+    out = tmp_path / "run"
+    assert check_run_dir(out, command="train", known=("a",)) == []
+    out.mkdir()
+    assert check_run_dir(out, command="train", known=("a",), recorded=lambda d: None) == []  # empty: a new run
+    for name in ("b", "a", "c", "d", "e", "f"):
+        (out / name).write_text(name)
+    with pytest.raises(ValueError, match=r"holds files that no sketchlab train run writes \(c, d, e, f\): this run"):
+        check_run_dir(out, command="train", known=("a", "b"))
+    with pytest.raises(ValueError, match=r"no sketchlab linearize run of this kind writes \(b, c, d, e, \.\.\.\)"):
+        check_run_dir(out, command="linearize", kind=" of this kind", known=("a",))
+    known = ("a", "b", "c", "d", "e", "f")
+    assert check_run_dir(out, command="train", known=known) == ["a", "b", "c", "d", "e", "f"]
+    with pytest.raises(ValueError, match=r"holds files of an unfinished linearize run \(a, b, c, d, e, f\) whose "
+                                         r"settings are not recorded"):
+        check_run_dir(out, command="linearize", known=known, recorded=lambda d: None)
+    link = tmp_path / "link"
+    link.symlink_to(out / "a")
+    recorded = {"m": 4, "source": str(out / "a"), "seed": 0}
+    same = {"m": 4, "source": str(link), "seed": 0, "new_option": 1}  # a path by another name; an unrecorded option
+    assert check_run_dir(out, command="linearize", known=known, recorded=lambda d: recorded, wanted=same,
+                         paths=("source",)) == list(known)
+    with pytest.raises(ValueError, match=r"another linearize run \(--m 4 there, 8 here; --seed 0 there, 3 here\)"):
+        check_run_dir(out, command="linearize", known=known, recorded=lambda d: recorded,
+                      wanted={**same, "m": 8, "seed": 3}, paths=("source",))
+    with pytest.raises(ValueError, match=r"--source .* there, .*link here"):  # not a path option: compared as text
+        check_run_dir(out, command="linearize", known=known, recorded=lambda d: recorded, wanted=same)
+    # both commands use it (no copy of the rule of their own)
+    assert "check_run_dir(" in inspect.getsource(train_cli._check_run_dir)
+    assert "check_run_dir(" in inspect.getsource(lin_cli._check_run_dir)
+
+
+def test_every_option_of_every_command_says_what_it_does():
+    """``--help`` describes each option: none without a help line (a missing one is an option a user
+    can only guess at), and every numeric default it states is the parser's (train's --p/--m state the
+    kernels' default; the parser keeps None there)."""
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command").choices
+    bare, wrong_default = [], []
+    for name in COMMANDS:
+        for action in sub[name]._actions:
+            if action.dest == "help":
+                continue
+            label = f"{name} {'/'.join(action.option_strings) or action.dest}"
+            if not (action.help or "").strip():
+                bare.append(label)
+            said = re.search(r"default ([-+0-9.e]+)\)$", action.help or "")  # a numeric default, stated last
+            if said and action.default is not None and float(said.group(1)) != float(action.default):
+                wrong_default.append(f"{label}: help says {said.group(1)}, default {action.default}")
+    assert bare == [] and wrong_default == [], (bare, wrong_default)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -451,3 +452,117 @@ def test_load_theta_rejects_bad_tensors_and_files(tmp_path):
         load_theta(tmp_path / "missing.safetensors")
     with pytest.raises(ValueError, match=r"must be a \.safetensors file, got extension '\.npz'"):
         load_theta(tmp_path / "t.npz")
+
+
+# ------------------------------------------------------------------------------------------------
+# staged_directory: a run directory's files appear together or not at all
+
+
+def _snapshot(root):
+    return {str(p.relative_to(root)): (p.read_bytes() if p.is_file() else None) for p in sorted(root.rglob("*"))}
+
+
+def test_staged_directory_creates_a_new_directory_in_one_step(tmp_path):
+    from sketchlab.io import staged_directory
+
+    out = tmp_path / "run"
+    old_umask = os.umask(0o022)
+    os.umask(old_umask)
+    with staged_directory(out) as stage:
+        assert stage.parent == tmp_path and stage.is_dir() and not out.exists()  # built aside
+        (stage / "a.txt").write_text("a")
+        (stage / "sub").mkdir()
+        (stage / "sub" / "b.txt").write_text("b")
+    assert _snapshot(out) == {"a.txt": b"a", "sub": None, "sub/b.txt": b"b"}
+    assert os.stat(out).st_mode & 0o777 == 0o777 & ~old_umask  # a new directory's usual mode, not mkdtemp's 0o700
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # nothing left beside it
+
+
+def test_staged_directory_failure_in_the_block_leaves_the_directory_as_it_was(tmp_path):
+    from sketchlab.io import staged_directory
+
+    out = tmp_path / "run"
+    with pytest.raises(OSError, match="disk full"), staged_directory(out) as stage:
+        (stage / "a.txt").write_text("a")
+        raise OSError("disk full")
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+    out.mkdir()
+    (out / "a.txt").write_text("old a")
+    (out / "keep.txt").write_text("mine")
+    before = _snapshot(out)
+    with pytest.raises(OSError, match="disk full"), staged_directory(out) as stage:
+        (stage / "a.txt").write_text("new a")
+        raise OSError("disk full")
+    assert _snapshot(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+def test_staged_directory_replaces_same_named_entries_and_keeps_the_others(tmp_path, monkeypatch):
+    import sketchlab.io.atomic as atomic
+    from sketchlab.io import staged_directory
+
+    out = tmp_path / "run"
+    (out / "model").mkdir(parents=True)
+    (out / "model" / "old.bin").write_bytes(b"old")
+    (out / "done.json").write_text("old")
+    (out / "finetune").mkdir()
+    (out / "finetune" / "step-1").write_text("ckpt")
+    link = tmp_path / "link"
+    link.symlink_to(out, target_is_directory=True)
+    moved_in = []
+    real_rename = os.rename
+
+    def rename(src, dst):
+        if os.path.dirname(dst) == str(out) and os.path.dirname(src) != str(out):
+            moved_in.append(os.path.basename(dst))
+        real_rename(src, dst)
+
+    monkeypatch.setattr(atomic.os, "rename", rename)
+    with staged_directory(link, last=("done.json",)) as stage:
+        (stage / "model").mkdir()
+        (stage / "model" / "new.bin").write_bytes(b"new")
+        (stage / "done.json").write_text("new")
+    assert link.is_symlink()  # written through the link
+    assert _snapshot(out) == {"done.json": b"new", "finetune": None, "finetune/step-1": b"ckpt", "model": None,
+                              "model/new.bin": b"new"}
+    assert moved_in == ["model", "done.json"]  # the file that marks the set finished comes last
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "run"]
+
+
+def test_staged_directory_undoes_the_moves_when_a_rename_fails(tmp_path, monkeypatch):
+    """A rename failing half-way through the set (a file system error) puts every entry back."""
+    import sketchlab.io.atomic as atomic
+    from sketchlab.io import staged_directory
+
+    out = tmp_path / "run"
+    (out / "a").mkdir(parents=True)  # a directory (a rename cannot replace a non-empty one), two files
+    (out / "a" / "x").write_text("old x")
+    for name in ("b", "c"):
+        (out / name).write_text(f"old {name}")
+    before = _snapshot(out)
+    real_rename = os.rename
+
+    def rename(src, dst):
+        if os.path.basename(src) == "c" and os.path.dirname(dst) == str(out) and "new" in Path(src).read_text():
+            raise OSError("rename failed")  # the last new entry moving in (a, b and d are in by then)
+        real_rename(src, dst)
+
+    monkeypatch.setattr(atomic.os, "rename", rename)
+    with pytest.raises(OSError, match="rename failed"), staged_directory(out, last=("c",)) as stage:
+        (stage / "a").mkdir()
+        (stage / "a" / "x").write_text("new x")
+        for name in ("b", "c", "d"):  # d: a name the directory did not hold
+            (stage / name).write_text(f"new {name}")
+    assert _snapshot(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+def test_staged_directory_refuses_a_file_or_a_missing_parent(tmp_path):
+    from sketchlab.io import staged_directory
+
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(NotADirectoryError, match=r"output directory '.*f' is a file"):
+        with staged_directory(tmp_path / "f"):
+            pass
+    with pytest.raises(FileNotFoundError, match=r"parent .*no.* does not exist"):
+        with staged_directory(tmp_path / "no" / "run"):
+            pass
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f"]

@@ -119,6 +119,11 @@ def test_linearize_rejects_bad_input(teacher, tmp_path):
         linearize(notask, p=2, m=6, out=tmp_path / "z", **KW)
     with pytest.raises(FileNotFoundError, match=r"output directory's parent .* does not exist"):
         linearize(teacher, p=2, m=6, out=tmp_path / "no" / "such", **KW)
+    # the captured sequences come from seed + 2_000_003: a seed that train_mqar accepts but whose capture
+    # stream overflows torch's 64-bit seed is refused up front (it used to fail in manual_seed after loading)
+    with pytest.raises(ValueError, match=r"seed must be below 2\*\*64 - 2000003 .* got 18446744073708051616"):
+        linearize(teacher, p=2, m=6, out=tmp_path / "s", seed=2**64 - 1_500_000, **KW)
+    assert not (tmp_path / "s").exists()
 
 
 def test_cli_linearize_and_train(teacher, tmp_path, capsys):

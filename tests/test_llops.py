@@ -324,3 +324,43 @@ def test_an_overflowing_target_names_the_fit_and_the_head():
     with pytest.raises(FloatingPointError, match=r"^LLoPS direct fit stopped: .* non-finite at step 0 for 1 head\(s\), "
                                                  r"\(layer, head\) \[\(0, 1\)\]"):
         fit_llops_direct(q.double()[None] * scale, k.double()[None] * scale, p=2, m=4, route="kernel")
+
+
+def test_init_from_one_map_shared_by_every_head_in_float64():
+    """An LLoPS ``[t, p, d, m']`` (no batch axes) initialises every head of a batched fit: each head
+    starts from that map (columns padded to m), both sides float64 whatever the map's dtype."""
+    q, k = _data(batch=(3,), n=20, d=3)
+    g = torch.Generator().manual_seed(4)
+    theta_q = torch.randn(1, 2, 3, 2, generator=g).to(torch.float32)  # [t, p, d, m'] float32, m' = 2
+    theta_k = torch.randn(1, 2, 3, 2, generator=g).to(torch.float32)
+    got_q, got_k = llops_init(q, k, p=2, m=4, init=LLoPS(theta_q, theta_k))
+    assert got_q.shape == got_k.shape == (3, 1, 2, 3, 4) and got_q.dtype == got_k.dtype == torch.float64
+    for head in range(3):  # the given columns exactly (float32 → float64 is exact), then the padding
+        assert torch.equal(got_q[head, ..., :2], theta_q.double()) and torch.equal(got_k[head, ..., :2], theta_k.double())
+    assert bool((got_q[..., 2:] != 0).all())
+    exact_q, exact_k = llops_init(q, k, p=2, m=2, init=LLoPS(theta_q, theta_k))  # m' = m: nothing padded
+    assert exact_q.dtype == exact_k.dtype == torch.float64 and torch.equal(exact_k[1], theta_k.double())
+
+
+def test_llops_is_non_negative_says_true_only_for_rank1_even_equal_factors():
+    """Each rule of the test against the features it speaks for: ``True`` only when every feature is
+    ``⟨θ_i, x⟩^p`` with even p (non-negative for every x), ``False`` for maps with a negative
+    feature at some x (shown for each: x and −x, or the factor pair (a, −a))."""
+    from sketchlab.llops.maps import llops_is_non_negative
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(50, 3, generator=g, dtype=torch.float64)
+    x = torch.cat([x, -x])  # [100, 3]
+    a = torch.randn(3, 4, generator=g, dtype=torch.float64)  # [d, m]
+    cases = {
+        "rank 1, p = 2, equal factors": (torch.stack([a, a])[None], True),
+        "rank 1, p = 4, equal factors": (torch.stack([a] * 4)[None], True),
+        "rank 1, p = 3, equal factors (odd)": (torch.stack([a] * 3)[None], False),
+        "rank 1, p = 2, factors a and −a": (torch.stack([a, -a])[None], False),
+        "rank 2, p = 2, factors a and −a in the first term": (torch.stack([torch.stack([a, -a]),
+                                                                           torch.stack([a, a]) * 0.1]), False),
+    }
+    for label, (theta, non_negative) in cases.items():  # theta [t, p, d, m]
+        features = llops_features(x, theta)  # [100, m]
+        assert llops_is_non_negative(theta) is non_negative, label
+        assert bool((features >= 0).all()) is non_negative, label  # the answer is the truth for these maps

@@ -3,7 +3,6 @@ checks, memory budget, token subsampling, devices. Float64; tolerances explained
 """
 
 import math
-import time
 
 import pytest
 import torch
@@ -292,18 +291,42 @@ def test_no_n_by_n_under_a_small_budget(route):
     assert _rel(small.sketch.theta_q, big.sketch.theta_q) < 1e-6
 
 
-def test_memory_budget_fails_fast_for_huge_p():
+def test_memory_budget_fails_fast_for_huge_p(monkeypatch):
     # The svd init ranks a bounded pool of multisets (never all C(r+p-1, p)), counted with
     # math.comb before anything is enumerated; over the budget it says size, budget, way out.
+    # The work is checked by counting the multisets enumerated (a wrong pool would enumerate
+    # C(30+99, 100) ≈ 1e28 of them: the counter stops it at the bound instead of hanging).
+    import itertools
+    from types import SimpleNamespace
+
+    import sketchlab.llops.svd_init as svd_init
+
+    enumerated = []
+    bound = math.comb(3 + 100 - 1, 100)
+
+    def counted(pool, r):
+        for combo in itertools.combinations_with_replacement(pool, r):
+            enumerated.append(r)
+            if len(enumerated) > bound:
+                raise AssertionError(f"the svd init enumerates more than the {bound} multisets of its pool")
+            yield combo
+
+    monkeypatch.setattr(svd_init, "itertools", SimpleNamespace(combinations_with_replacement=counted,
+                                                                groupby=itertools.groupby))
     q, k = _data(batch=(1,), n=30, d=32)
-    start = time.perf_counter()
-    with pytest.raises(ValueError, match=r"svd init's \d+ candidate terms.*GiB, over the memory budget.*init='random'.*or raise max_bytes"):
+    with pytest.raises(ValueError, match=r"svd init's 5151 candidate terms \(p=100, 3 directions, 30 tokens\).*GiB, "
+                                         r"over the memory budget.*init='random'.*or raise max_bytes"):
         llops_init(q, k, p=100, m=8, max_bytes=10_000)
+    assert enumerated == []  # refused from the count alone
     theta_q, _ = llops_init(q, k, p=100, m=8)  # bounded pool: quick and small
     assert theta_q.shape == (1, 1, 100, 32, 8)
-    with pytest.raises((ValueError, FloatingPointError), match=r"over the memory budget|overflow"):
-        fit_sketch("llops", q, k, p=1_000_000_000, m=8)
-    assert time.perf_counter() - start < 10.0  # no enumeration of multisets, no d**p integer
+    # the pool: r' = 3 of the 30 directions, the fewest whose multisets of size 100 number at least
+    # 16·m = 128 (C(101, 100) = 101 < 128 <= C(102, 100) = 5151)
+    assert len(enumerated) == bound == 5151
+    enumerated.clear()
+    with pytest.raises(ValueError, match=r"p \(the polynomial degree\) must be at most 1024, got 1000000000"):
+        fit_sketch("llops", q, k, p=1_000_000_000, m=8)  # refused by the degree rule, before any size is computed
+    assert enumerated == []
     # Two tokens in d = 200: 3 candidate terms (216 bytes) but Θ itself takes 2·2·200·8 = 6400 bytes
     gen = torch.Generator().manual_seed(0)
     wide = torch.randn(1, 2, 200, generator=gen, dtype=torch.float64)

@@ -12,14 +12,19 @@ import sys
 from pathlib import Path
 
 __all__ = [
-    "DEFAULT_M", "DEFAULT_P", "Outputs", "UsageError", "add_common", "device_arg", "int_list",
-    "nonnegative_float", "nonnegative_int", "positive_float", "positive_int", "positive_int_list", "scale_arg",
-    "seed_arg", "write_text_atomic",
+    "DEFAULT_HOLDOUT", "DEFAULT_M", "DEFAULT_P", "MAX_SEED", "Outputs", "UsageError", "add_common", "check_run_dir",
+    "degree_arg", "device_arg", "fraction_arg", "int_list", "nonnegative_float", "nonnegative_int", "positive_float",
+    "positive_int", "positive_int_list", "scale_arg", "seed_arg", "write_text_atomic",
 ]
 
 #: Defaults of ``--p`` and ``--m`` in every command (the paper's main setting; the demo's).
 DEFAULT_P = 2
 DEFAULT_M = 64
+#: Default of ``--holdout`` in every command.
+DEFAULT_HOLDOUT = 0.25
+#: Largest ``--seed``: a command derives further streams from ``seed + offset`` (``linearize``'s capture,
+#: held-out and training streams add up to ~2e6), which must stay a valid 64-bit generator seed.
+MAX_SEED = 2**62
 
 
 class UsageError(Exception):
@@ -38,15 +43,20 @@ def int_list(text: str) -> list[int]:
 
 
 def seed_arg(text: str) -> int:
-    """An integer seed in torch's 64-bit range (an argparse type; see :func:`sketchlab._validation.check_seed`)."""
-    from .._validation import check_seed
+    """``--seed``: an integer in ``[0, MAX_SEED]`` (an argparse type).
 
+    One range for every command: a negative seed is only another spelling of a large one for
+    torch's generator (``-1`` is ``2**64 - 1``), and the commands offset the seed for their data
+    streams, so the top of the 64-bit range is kept out (:data:`MAX_SEED`).
+    """
     try:
-        return check_seed(int(text))
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(
-            str(err) if "must lie in" in str(err) else f"expected an integer seed, got {text!r}"
-        ) from None
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or not 0 <= value <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"expected an integer seed in [0, 2**62], got "
+                                         f"{repr(text) if value is None else value}")
+    return value
 
 
 def device_arg(text: str):
@@ -103,6 +113,20 @@ positive_int = number_arg(int, lambda v: v >= 1, "an integer >= 1")
 positive_float = number_arg(float, lambda v: math.isfinite(v) and v > 0, "a finite number > 0")
 nonnegative_float = number_arg(float, lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0")
 finite_float = number_arg(float, math.isfinite, "a finite number")
+#: ``--holdout``: the fraction of tokens held out, in ``[0, 1)``.
+fraction_arg = number_arg(float, lambda v: 0 <= v < 1, "a number in [0, 1)")
+
+
+def degree_arg(text: str) -> int:
+    """``--p``: an integer in ``[1, MAX_DEGREE]`` (an argparse type; the rule of
+    :func:`sketchlab._validation.check_degree`, checked at parse time)."""
+    from .._validation import MAX_DEGREE
+
+    value = positive_int(text)
+    if value > MAX_DEGREE:
+        raise argparse.ArgumentTypeError(f"expected an integer in [1, {MAX_DEGREE}] (beyond it (qᵀk)^p over- or "
+                                         f"underflows float64), got {value}")
+    return value
 
 
 def scale_arg(text: str):
@@ -116,12 +140,12 @@ def scale_arg(text: str):
     return value
 
 
-def add_common(cmd, *names: str, p_required: bool = False) -> None:
+def add_common(cmd, *names: str) -> None:
     """Add the options every command spells the same way: ``names`` among ``"p"``, ``"m"``,
     ``"layers"``, ``"heads"``, ``"scale"``, ``"seed"``, ``"holdout"``, ``"device"``, ``"progress"``."""
     for name in names:
         if name == "p":
-            cmd.add_argument("--p", type=positive_int, default=DEFAULT_P,
+            cmd.add_argument("--p", type=degree_arg, default=DEFAULT_P,
                              help=f"polynomial degree p of the kernel (qᵀk)^p (default {DEFAULT_P})")
         elif name == "m":
             cmd.add_argument("--m", type=positive_int, default=DEFAULT_M,
@@ -136,15 +160,76 @@ def add_common(cmd, *names: str, p_required: bool = False) -> None:
                                   "multiplying q and k")
         elif name == "seed":
             cmd.add_argument("--seed", type=seed_arg, default=0,
-                             help="seed of the held-out split, the fits and random sketches (default 0)")
+                             help="random seed (an integer in [0, 2**62]): the held-out split, the fits, random "
+                                  "sketches and data streams (default 0)")
         elif name == "holdout":
-            cmd.add_argument("--holdout", type=float, default=0.25, help="fraction of tokens held out (default 0.25)")
+            cmd.add_argument("--holdout", type=fraction_arg, default=DEFAULT_HOLDOUT,
+                             help=f"fraction of tokens held out, in [0, 1) (default {DEFAULT_HOLDOUT})")
         elif name == "device":
             cmd.add_argument("--device", type=device_arg, default="cpu", help="cpu (default), cuda or cuda:N")
         elif name == "progress":
             cmd.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
         else:  # a programming error, not bad input
             raise KeyError(f"unknown common option {name!r}")
+
+
+def check_run_dir(out, *, command: str, known, kind: str = "", recorded=None, wanted=None,
+                  paths=()) -> list[str]:
+    """Refuse (``ValueError``) an output directory that holds anything but a run of ``command``.
+
+    Parameters
+    ----------
+    out : str or Path
+        The run directory; absent or empty, there is nothing to check.
+    command : str
+        The command that writes such directories (``"train"``, ``"linearize"``), for the messages.
+    known : iterable of str
+        The names a run of ``command`` writes at the top of ``out``; any other entry is foreign.
+    kind : str
+        Qualifies the run in the foreign-files message (``" of this kind"`` where a command has
+        paths that write different files).
+    recorded : callable, optional
+        ``recorded(out) -> dict | None``: the settings recorded by the run in ``out``. Given, a
+        non-empty ``out`` whose settings are not recorded is refused, and every option of
+        ``wanted`` recorded with another value is named in the refusal.
+    wanted : dict, optional
+        ``{option: value}`` of this run (with ``recorded``).
+    paths : iterable of str
+        Options of ``wanted`` whose values are paths, compared by real path.
+
+    Returns
+    -------
+    list of str
+        The entries of ``out``, sorted (empty when it is absent), for the command's own checks.
+    """
+    out = Path(out)
+    if not out.is_dir():
+        return []
+    names = sorted(entry.name for entry in out.iterdir())
+    foreign = [name for name in names if name not in known]
+    if foreign:
+        shown = ", ".join(foreign[:4]) + (", ..." if len(foreign) > 4 else "")
+        raise ValueError(f"--out {str(out)!r} holds files that no sketchlab {command} run{kind} writes ({shown}): this "
+                         "run would mix its files with them; choose an empty or new directory")
+    if recorded is None or not names:
+        return names
+    settings = recorded(out)
+    if settings is None:
+        raise ValueError(f"--out {str(out)!r} holds files of an unfinished {command} run ({', '.join(names)}) whose "
+                         "settings are not recorded, so this run could mix its files with them; remove them or "
+                         "choose an empty or new directory")
+    differ = []
+    for key, value in (wanted or {}).items():
+        if key not in settings:
+            continue
+        there = settings[key]
+        same = (os.path.realpath(str(there)) == os.path.realpath(str(value))) if key in paths else there == value
+        if not same:
+            differ.append(f"--{key.replace('_', '-')} {there} there, {value} here")
+    if differ:
+        raise ValueError(f"--out {str(out)!r} holds the output of another {command} run ({'; '.join(differ[:3])}): "
+                         "this run would replace or mix with its files; choose another directory (or remove it)")
+    return names
 
 
 def _nearest_existing(path: Path) -> Path:
@@ -183,6 +268,9 @@ class Outputs:
         Options that accept ``"-"``.
     dumps : iterable of str
         Options whose output is a Q/K dump (a ``.npy`` one stands for all its sibling parts).
+    staged : iterable of str
+        Options of ``directories`` built beside the directory and moved in at the end
+        (:func:`sketchlab.io.staged_directory`): their parent must be writable too.
 
     Raises
     ------
@@ -203,13 +291,12 @@ class Outputs:
     case that can leave part of the set.
     """
 
-    def __init__(self, files: dict, *, inputs=(), directories: dict | None = None, stdout=(), dumps=()):
+    def __init__(self, files: dict, *, inputs=(), directories: dict | None = None, stdout=(), dumps=(), staged=()):
         from ..io import dump_files
 
         self.files = {label: str(path) for label, path in files.items() if path is not None}
         self.directories = {label: str(path) for label, path in (directories or {}).items() if path is not None}
         self.to_stdout = None
-        self.written: list[str] = []
         input_files: dict = {}  # realpath -> spelling as given
         input_dirs: dict = {}
         for path in inputs:
@@ -256,6 +343,11 @@ class Outputs:
             if os.path.lexists(real) and not os.path.isdir(real):
                 raise ValueError(f"{label} {path!r} is a file, not a directory")
             self._check_writable(label, path, Path(real), directory=True)
+            parent = _nearest_existing(Path(real).parent)
+            if label in staged and parent.is_dir() and not os.access(parent, os.W_OK | os.X_OK):
+                raise PermissionError(f"{label}: directory {str(parent)!r} is not writable: the run's files are built "
+                                      f"beside {path!r} and moved into it at the end; choose an output directory whose "
+                                      "parent you can write")
             for inp_real, given in {**input_dirs, **input_files}.items():
                 if _inside(inp_real, real) or _identity(inp_real) == _identity(real) is not None:
                     raise ValueError(f"{label}: output directory {path!r} holds the input {given!r}: this run would overwrite or mix "
@@ -292,20 +384,20 @@ class Outputs:
 
     @contextlib.contextmanager
     def parents_created(self):
-        """Create the missing parent directories of the output files for a command that writes its
-        files itself, inside this ``with`` block; a failure inside it removes the directories it
-        created (so a failed run leaves nothing behind)."""
-        created = _make_parents(self.files.values())
+        """Create the missing parent directories of the output files and directories for a command
+        that writes them itself, inside this ``with`` block; a failure inside it removes the
+        directories it created (so a failed run leaves nothing behind)."""
+        created = _make_parents([*self.files.values(), *self.directories.values()])
         try:
             yield
         except BaseException:
             _remove_created(created)
             raise
 
-    def announce(self, *paths) -> None:
+    @staticmethod
+    def announce(*paths) -> None:
         """Print ``wrote PATH`` (stderr) for files a command wrote itself."""
         for path in paths:
-            self.written.append(str(path))
             print(f"wrote {path}", file=sys.stderr)
 
     def write(self, contents: dict) -> list[str]:
@@ -318,6 +410,7 @@ class Outputs:
         from ..io import atomic_write
 
         created: list[Path] = []
+        written: list[str] = []
         stdout_text = None
         try:
             with contextlib.ExitStack() as stack:
@@ -336,17 +429,15 @@ class Outputs:
                         Path(tmp).write_bytes(content)
                     else:
                         content(tmp)
-                    self.written.append(path)
+                    written.append(path)
         except BaseException:
             _remove_created(created)
-            self.written = []
             raise
         if stdout_text is not None:
             sys.stdout.write(stdout_text if isinstance(stdout_text, str) else stdout_text.decode())
             sys.stdout.flush()
-        for path in self.written:
-            print(f"wrote {path}", file=sys.stderr)
-        return list(self.written)
+        self.announce(*written)
+        return written
 
 
 def _make_parents(paths) -> list[Path]:

@@ -16,7 +16,11 @@ files no ``linearize`` run writes, an unfinished run whose settings are not reco
 run's output (its ``linearize.json`` or fine-tuning checkpoints record other settings; the same
 settings rerun, the toy path resuming its fine-tuning); on the toy path, sizes whose memory exceeds
 half of this machine's memory or whose LLoPS fit exceeds :data:`FIT_WORK_BUDGET` multiply-adds.
-Missing parents of ``--out`` are created; each file written is reported as ``wrote PATH``.
+Missing parents of ``--out`` are created (and removed again when the run fails); each file written is
+reported as ``wrote PATH``. The run's files appear in ``--out`` together at the end, replacing those
+of the same run there (:func:`sketchlab.io.staged_directory`): a run that fails leaves ``--out`` as
+it was, except the toy path's fine-tuning checkpoints ``--out/finetune``, kept so that the same
+command resumes.
 """
 
 from __future__ import annotations
@@ -26,8 +30,8 @@ import json
 import os
 from pathlib import Path
 
-from ._common import (Outputs, UsageError, finite_float, nonnegative_float, nonnegative_int, number_arg,
-                      positive_float, positive_int, write_text_atomic)
+from ._common import (Outputs, UsageError, add_common, check_run_dir, finite_float, nonnegative_float,
+                      nonnegative_int, positive_float, positive_int, write_text_atomic)
 
 #: What a ``sketchlab linearize`` output directory holds, per path (anything else belongs to something else).
 TOY_FILES = ("capture.safetensors", "theta.safetensors", "finetune", "model", "linearize.json", "linearize.md")
@@ -38,22 +42,6 @@ PRETRAINED_FILES = ("model", "linearize.json", "linearize.md")
 #: iterations and per-head cap). The default fit of the shipped 4-layer, 4-head checkpoint plans
 #: about 1.1e11 (one to two minutes on one core); this is some five times that.
 FIT_WORK_BUDGET = 5e11
-
-
-#: ``--holdout``: the real-model path also needs it > 0; ``--seed``: the toy path offsets it for its data streams.
-_fraction = number_arg(float, lambda v: 0 <= v < 1, "a number in [0, 1)")
-_seed = number_arg(int, lambda v: 0 <= v <= 2**62, "an integer seed in [0, 2**62]")
-
-
-def _degree(text: str) -> int:
-    """``--p``: an integer in [1, MAX_DEGREE] (an argparse type)."""
-    from .._validation import MAX_DEGREE
-
-    value = positive_int(text)
-    if value > MAX_DEGREE:
-        raise argparse.ArgumentTypeError(f"expected an integer in [1, {MAX_DEGREE}] (beyond it (qᵀk)^p over- or "
-                                         f"underflows float64), got {value}")
-    return value
 
 
 def _gate_init(text: str):
@@ -86,21 +74,20 @@ def add_arguments(sub) -> None:
     cmd.add_argument("--untied", action="store_true",
                      help="LLoPS as the untied map (p signed factors) instead of the tied non-negative (x·θ)^p map "
                           "(the tied map needs an even p; an odd p is always untied)")
-    cmd.add_argument("--p", type=_degree, default=2, help="degree of the attention kernel (default 2)")
-    cmd.add_argument("--m", type=positive_int, default=64, help="features (default 64)")
+    add_common(cmd, "p", "m")
     cmd.add_argument("--out", required=True,
                      help="output directory (created with its parents; never an input; the same run there is "
                           "resumed, another refused)")
     cmd.add_argument("--rank", type=positive_int, default=1, help="CP rank t of Θ (default 1)")
     cmd.add_argument("--seq-len", type=positive_int, default=512, help="tokens per training sequence (default 512)")
     cmd.add_argument("--max-tokens", type=positive_int, default=None, help="tokens of --text used in all (default all)")
-    cmd.add_argument("--holdout", type=_fraction, default=0.25,
-                     help="fraction of captured tokens/sequences held out (default 0.25)")
+    add_common(cmd, "holdout")
     cmd.add_argument("--transfer-steps", type=nonnegative_int, default=100, help="attention-transfer steps per layer")
-    cmd.add_argument("--transfer-lr", type=positive_float, default=1e-2)
+    cmd.add_argument("--transfer-lr", type=positive_float, default=1e-2,
+                     help="learning rate of the attention-transfer stage (default 1e-2)")
     cmd.add_argument("--lora-steps", type=nonnegative_int, default=0, help="LoRA steps (0: no LoRA stage)")
-    cmd.add_argument("--lora-rank", type=positive_int, default=8)
-    cmd.add_argument("--lora-lr", type=positive_float, default=1e-4)
+    cmd.add_argument("--lora-rank", type=positive_int, default=8, help="rank of the LoRA adapters (default 8)")
+    cmd.add_argument("--lora-lr", type=positive_float, default=1e-4, help="learning rate of the LoRA stage (default 1e-4)")
     cmd.add_argument("--no-fit", action="store_true", help="skip stage 0 (start the maps from their initialisation)")
     # toy path
     cmd.add_argument("--non-negative", action="store_true",
@@ -111,14 +98,16 @@ def add_arguments(sub) -> None:
     cmd.add_argument("--steps", type=nonnegative_int, default=100, help="toy path: fine-tuning steps (0: step 0 only)")
     cmd.add_argument("--batch-size", type=positive_int, default=None, help="sequences per step (toy default 32, real 4)")
     cmd.add_argument("--lr", type=positive_float, default=1e-3, help="toy path: fine-tuning learning rate")
-    cmd.add_argument("--warmup", type=nonnegative_int, default=10)
+    cmd.add_argument("--warmup", type=nonnegative_int, default=10,
+                     help="toy path: linear learning-rate warm-up steps of the fine-tuning (default 10)")
     cmd.add_argument("--transfer", type=nonnegative_float, default=0.0,
                      help="toy path: weight of the attention-transfer loss against softmax attention (0 = off)")
-    cmd.add_argument("--eval-sequences", type=positive_int, default=512)
+    cmd.add_argument("--eval-sequences", type=positive_int, default=512,
+                     help="toy path: held-out sequences for every accuracy (default 512)")
     cmd.add_argument("--eval-every", type=nonnegative_int, default=0, help="toy path: held-out evaluation every N steps")
-    cmd.add_argument("--seed", type=_seed, default=0)
+    add_common(cmd, "seed")
     cmd.add_argument("--threads", type=positive_int, default=1, help="torch intra-op threads")
-    cmd.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_common(cmd, "progress")
 
 
 def run(args) -> int:
@@ -157,10 +146,6 @@ def _refuse_other_path_options(args, names, source: str) -> None:
                          "path take different options, see --help)")
 
 
-def _same_path(a, b) -> bool:
-    return os.path.realpath(str(a)) == os.path.realpath(str(b))
-
-
 def _recorded_settings(out: Path) -> dict | None:
     """The settings of the ``linearize`` run in ``out``: its ``linearize.json`` or, for an unfinished toy
     run, its latest fine-tuning checkpoint's; ``None`` when neither is there or readable."""
@@ -189,33 +174,9 @@ def _out_is_not_an_input_file(out: str, *files) -> None:
 
 def _check_run_dir(out: Path, known: tuple, wanted: dict) -> None:
     """Refuse an ``--out`` that holds anything but a ``linearize`` run of the same settings (``wanted``:
-    option → value; a ``*path`` value compares by real path)."""
-    if not out.is_dir():
-        return
-    names = sorted(p.name for p in out.iterdir())
-    if not names:
-        return
-    foreign = [name for name in names if name not in known]
-    if foreign:
-        shown = ", ".join(foreign[:4]) + (", ..." if len(foreign) > 4 else "")
-        raise ValueError(f"--out {str(out)!r} holds files that no sketchlab linearize run of this kind writes ({shown}):"
-                         " this run would mix its files with them; choose an empty or new directory")
-    recorded = _recorded_settings(out)
-    if recorded is None:
-        raise ValueError(f"--out {str(out)!r} holds files of an unfinished linearize run ({', '.join(names)}) whose "
-                         "settings are not recorded, so this run could mix its files with them; remove them or "
-                         "choose an empty or new directory")
-    differ = []
-    for key, value in wanted.items():
-        if key not in recorded:
-            continue
-        there = recorded[key]
-        same = _same_path(there, value) if key in ("checkpoint", "source") else there == value
-        if not same:
-            differ.append(f"--{key.replace('_', '-')} {there} there, {value} here")
-    if differ:
-        raise ValueError(f"--out {str(out)!r} holds the output of another linearize run ({'; '.join(differ[:3])}): "
-                         "this run would replace or mix with its files; choose another directory (or remove it)")
+    option → value; ``checkpoint`` and ``source`` compare by real path)."""
+    check_run_dir(out, command="linearize", kind=" of this kind", known=known, recorded=_recorded_settings,
+                  wanted=wanted, paths=("checkpoint", "source"))
 
 
 def _toy_budget(args) -> None:
@@ -273,21 +234,21 @@ def _run_toy(args) -> int:
     from ..tasks import linearize
 
     out = Path(args.out)
-    outputs = Outputs({}, directories={"--out": args.out}, inputs=[args.checkpoint])
+    outputs = Outputs({}, directories={"--out": args.out}, inputs=[args.checkpoint], staged=["--out"])
     _check_run_dir(out, TOY_FILES, {
         "checkpoint": args.checkpoint, "p": args.p, "m": args.m, "rank": args.rank, "non_negative": args.non_negative,
         "normalize": args.normalize or "sum", "capture_sequences": args.capture_sequences, "holdout": args.holdout,
         "steps": args.steps, "batch_size": args.batch_size or 32, "lr": args.lr, "warmup": args.warmup,
         "transfer": args.transfer, "eval_sequences": args.eval_sequences, "seed": args.seed})
     _toy_budget(args)
-    outputs.make_directories()
-    res = linearize(
-        args.checkpoint, p=args.p, m=args.m, out=args.out, rank=args.rank, non_negative=args.non_negative,
-        normalize=args.normalize or "sum", capture_sequences=args.capture_sequences, holdout=args.holdout,
-        steps=args.steps, batch_size=args.batch_size or 32, lr=args.lr, warmup=args.warmup, transfer=args.transfer,
-        eval_sequences=args.eval_sequences, eval_every=args.eval_every, seed=args.seed,
-        progress=not args.no_progress,
-    )
+    with outputs.parents_created():  # the run's files appear in --out together at the end (the library stages them)
+        res = linearize(
+            args.checkpoint, p=args.p, m=args.m, out=args.out, rank=args.rank, non_negative=args.non_negative,
+            normalize=args.normalize or "sum", capture_sequences=args.capture_sequences, holdout=args.holdout,
+            steps=args.steps, batch_size=args.batch_size or 32, lr=args.lr, warmup=args.warmup,
+            transfer=args.transfer, eval_sequences=args.eval_sequences, eval_every=args.eval_every, seed=args.seed,
+            progress=not args.no_progress,
+        )
     outputs.announce(*(out / name for name in ("capture.safetensors", "theta.safetensors", "model/model.safetensors",
                                                "model/config.json", "linearize.json", "linearize.md")))
     print(f"{args.out}: softmax teacher {res.teacher_accuracy:.4f}, LLoPS step 0 {res.step0_accuracy:.4f}, "
@@ -309,6 +270,7 @@ def _run_pretrained(args) -> int:
     from ..convert.convert import save_linearized
     from ..convert.linearize import linearize
     from ..convert.pretrained import load_pretrained
+    from ..io import staged_directory
     from .capture import transformers_progress
     from .train import memory_budget
 
@@ -326,7 +288,8 @@ def _run_pretrained(args) -> int:
     out = Path(args.out)
     source = Path(args.gguf) if args.gguf else Path(args.model_dir)
     _out_is_not_an_input_file(args.out, args.gguf, args.text)
-    outputs = Outputs({}, directories={"--out": args.out}, inputs=[args.model_dir, args.gguf, args.text])
+    outputs = Outputs({}, directories={"--out": args.out}, inputs=[args.model_dir, args.gguf, args.text],
+                      staged=["--out"])
     wanted = _pretrained_settings(args)
     _check_run_dir(out, PRETRAINED_FILES, wanted)
     text = text_path.read_text(encoding="utf-8")
@@ -340,14 +303,16 @@ def _run_pretrained(args) -> int:
         transfer_steps=args.transfer_steps, transfer_lr=args.transfer_lr, lora_steps=args.lora_steps,
         lora_rank=args.lora_rank, lora_lr=args.lora_lr, batch_size=args.batch_size or 4, seed=args.seed,
         progress=not args.no_progress, max_bytes=memory_budget())
-    outputs.make_directories()
-    save_linearized(model, out / "model")
-    tokenizer.save_pretrained(out / "model")
     summary = report.as_dict()
     summary["source"] = str(source)
     summary["cli"] = wanted
-    write_text_atomic(str(out / "linearize.json"), json.dumps(summary, indent=1, sort_keys=True, default=str) + "\n")
-    write_text_atomic(str(out / "linearize.md"), _markdown(summary))
+    with outputs.parents_created(), staged_directory(out, last=("linearize.json",)) as stage, \
+            transformers_progress(not args.no_progress):  # its "Writing model shards" bar too
+        save_linearized(model, stage / "model")
+        tokenizer.save_pretrained(stage / "model")
+        write_text_atomic(str(stage / "linearize.json"),
+                          json.dumps(summary, indent=1, sort_keys=True, default=str) + "\n")
+        write_text_atomic(str(stage / "linearize.md"), _markdown(summary))
     outputs.announce(*sorted(p for p in (out / "model").rglob("*") if p.is_file()),
                      out / "linearize.json", out / "linearize.md")
     metric = "perplexity" if summary["settings"]["family"] != "bert" else "embedding cosine"

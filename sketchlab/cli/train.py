@@ -21,8 +21,8 @@ import json
 import os
 from pathlib import Path
 
-from ._common import (DEFAULT_M, DEFAULT_P, Outputs, UsageError, device_arg, nonnegative_float, nonnegative_int,
-                      positive_float, positive_int, write_text_atomic)
+from ._common import (DEFAULT_M, DEFAULT_P, Outputs, UsageError, check_run_dir, device_arg, nonnegative_float,
+                      nonnegative_int, positive_float, positive_int, write_text_atomic)
 
 #: What a ``sketchlab train`` output directory holds (anything else there belongs to something else).
 RUN_FILES = ("checkpoints", "model.safetensors", "config.json", "train.json")
@@ -88,29 +88,36 @@ def add_arguments(sub) -> None:
                    help="copy every non-attention weight from this model checkpoint (e.g. a trained softmax or "
                         "BASED model) before --init")
     t = cmd.add_argument_group("task and model")
-    t.add_argument("--vocab-size", type=positive_int, default=65)
-    t.add_argument("--num-pairs", type=positive_int, default=8)
-    t.add_argument("--seq-len", type=positive_int, default=64)
+    t.add_argument("--vocab-size", type=positive_int, default=65,
+                   help="MQAR vocabulary: filler token 0, keys and values (at least 2 · num-pairs + 1; default 65)")
+    t.add_argument("--num-pairs", type=positive_int, default=8, help="key-value pairs per sequence (default 8)")
+    t.add_argument("--seq-len", type=positive_int, default=64, help="tokens per sequence (default 64)")
     t.add_argument("--num-queries", type=positive_int, default=None, help="queries per sequence (default: every key)")
-    t.add_argument("--d-model", type=positive_int, default=64)
-    t.add_argument("--n-heads", type=positive_int, default=4)
-    t.add_argument("--n-layers", type=positive_int, default=2)
-    t.add_argument("--mlp-ratio", type=positive_int, default=2)
-    t.add_argument("--short-conv", type=nonnegative_int, default=2)
+    t.add_argument("--d-model", type=positive_int, default=64, help="model width (default 64)")
+    t.add_argument("--n-heads", type=positive_int, default=4, help="attention heads per layer (default 4)")
+    t.add_argument("--n-layers", type=positive_int, default=2, help="transformer blocks (default 2)")
+    t.add_argument("--mlp-ratio", type=positive_int, default=2, help="MLP hidden width over d-model (default 2)")
+    t.add_argument("--short-conv", type=nonnegative_int, default=2,
+                   help="width of the causal depthwise convolution before attention (0: none; default 2)")
     o = cmd.add_argument_group("optimisation")
-    o.add_argument("--steps", type=positive_int, default=300)
+    o.add_argument("--steps", type=positive_int, default=300, help="training steps (default 300)")
     o.add_argument("--batch-size", type=positive_int, default=32, help="global batch (sequences per step)")
-    o.add_argument("--lr", type=positive_float, default=3e-3)
-    o.add_argument("--weight-decay", type=nonnegative_float, default=0.0)
+    o.add_argument("--lr", type=positive_float, default=3e-3,
+                   help="AdamW peak learning rate (linear warm-up, then cosine decay; default 3e-3)")
+    o.add_argument("--weight-decay", type=nonnegative_float, default=0.0,
+                   help="AdamW weight decay of the weight matrices (not of embeddings, norms, biases or the attention "
+                        "kernels' parameters; default 0)")
     o.add_argument("--kernel-lr", type=positive_float, default=0.1,
                    help="learning-rate factor of the attention kernels' parameters (LLoPS's Θ); at 1 Θ trained from "
                         "BASED loses its non-negative kernel before recall is learned")
-    o.add_argument("--warmup", type=nonnegative_int, default=30)
-    o.add_argument("--clip", type=positive_float, default=1.0)
+    o.add_argument("--warmup", type=nonnegative_int, default=30, help="linear learning-rate warm-up steps (default 30)")
+    o.add_argument("--clip", type=positive_float, default=1.0, help="gradient-norm clipping threshold (default 1)")
     o.add_argument("--seed", type=nonnegative_int, default=0, help="model initialisation and data stream (>= 0)")
     o.add_argument("--eval-every", type=nonnegative_int, default=50, help="held-out evaluation every N steps (0: at the end)")
-    o.add_argument("--eval-sequences", type=positive_int, default=256)
-    o.add_argument("--checkpoint-every", type=positive_int, default=100)
+    o.add_argument("--eval-sequences", type=positive_int, default=256,
+                   help="held-out sequences per evaluation (default 256)")
+    o.add_argument("--checkpoint-every", type=positive_int, default=100,
+                   help="steps between resumable checkpoints (default 100)")
     o.add_argument("--device", type=_device, default="cpu", help="cpu (default), cuda or cuda:N (one this machine has)")
     o.add_argument("--threads", type=positive_int, default=1, help="torch intra-op threads (fixed for determinism)")
     cmd.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -135,14 +142,7 @@ def _parse_init(init, attention: str) -> tuple[str, str | None]:
 
 def _check_run_dir(out: Path) -> None:
     """Refuse an ``--out`` that holds something other than a ``sketchlab train`` run (see :data:`RUN_FILES`)."""
-    if not out.is_dir():
-        return
-    names = sorted(p.name for p in out.iterdir())
-    foreign = [name for name in names if name not in RUN_FILES]
-    if foreign:
-        shown = ", ".join(foreign[:4]) + (", ..." if len(foreign) > 4 else "")
-        raise ValueError(f"--out {str(out)!r} holds files that no sketchlab train run writes ({shown}): training "
-                         "would mix its files with them; choose an empty or new directory")
+    names = check_run_dir(out, command="train", known=RUN_FILES)
     if "model.safetensors" in names and not (out / "train.json").is_file():
         raise ValueError(f"--out {str(out)!r} holds a model (model.safetensors) that no sketchlab train run wrote "
                          "there: training would replace it; choose an empty or new directory")

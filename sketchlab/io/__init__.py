@@ -11,8 +11,8 @@ Modules (each name says what it holds; every public name is re-exported here, so
 ``sketchlab.io.theta``
     The Θ export format: :func:`save_theta`, :func:`load_theta`.
 ``sketchlab.io.atomic``
-    Atomic, durable writes and output checks: :func:`atomic_write`, :func:`check_output_paths`,
-    :func:`dump_files`.
+    Atomic, durable writes and output checks: :func:`atomic_write`, :func:`staged_directory`,
+    :func:`check_output_paths`, :func:`dump_files`.
 ``sketchlab.io.formats``
     What the two formats share (bounded JSON metadata, :data:`MAX_JSON_DEPTH`, safetensors bytes).
 
@@ -20,7 +20,7 @@ Layers: ``formats``, ``atomic``, ``layout`` import nothing of ``io``; ``dumps`` 
 import them and not each other.
 """
 
-from .atomic import atomic_write, check_output_paths, dump_files
+from .atomic import atomic_write, check_output_paths, dump_files, staged_directory
 from .dumps import QKDump, load_qk, save_qk, validate_qk
 from .formats import MAX_JSON_DEPTH
 from .layout import as_lhnd, parse_layout, select_indices
@@ -28,5 +28,5 @@ from .theta import load_theta, save_theta
 
 __all__ = [
     "MAX_JSON_DEPTH", "QKDump", "as_lhnd", "atomic_write", "check_output_paths", "dump_files", "load_qk",
-    "load_theta", "parse_layout", "save_qk", "save_theta", "select_indices", "validate_qk",
+    "load_theta", "parse_layout", "save_qk", "save_theta", "select_indices", "staged_directory", "validate_qk",
 ]

@@ -2,7 +2,8 @@
 
 :func:`atomic_write` writes through symbolic links, fsyncs the file and its directory, gives a new
 file the usual permissions without touching the process umask, and leaves the target untouched on
-failure. :func:`check_output_paths` refuses, before any work, outputs that are an input of the same
+failure; :func:`staged_directory` does the same for a set of files and directories written into one
+directory (a run directory). :func:`check_output_paths` refuses, before any work, outputs that are an input of the same
 run or each other; :func:`dump_files` lists the files a Q/K dump consists of (a ``.npy`` dump is a
 set of sibling files, :func:`npy_parts`).
 """
@@ -12,9 +13,10 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import shutil
 from pathlib import Path
 
-__all__ = ["atomic_write", "check_output_paths", "dump_files", "npy_parts"]
+__all__ = ["atomic_write", "check_output_paths", "dump_files", "npy_parts", "staged_directory"]
 
 #: The tensors of a Q/K dump, in file order.
 DUMP_NAMES = ("q", "k", "v")
@@ -98,6 +100,78 @@ def atomic_write(path):
             os.unlink(tmp)
         raise
     _fsync_dir(path.parent)
+
+
+def _create_temp_dir(target: Path) -> Path:
+    """Create an empty, unique directory beside ``target`` with the permissions a new directory gets
+    (``0o777 & ~umask``, applied by the kernel; see :func:`_create_temp`)."""
+    for _ in range(100):
+        tmp = target.parent / f".{target.name}.{secrets.token_hex(6)}.partial"
+        try:
+            os.mkdir(tmp, 0o777)
+        except FileExistsError:
+            continue
+        return tmp
+    raise FileExistsError(f"could not create a unique temporary directory beside {target}")
+
+
+@contextlib.contextmanager
+def staged_directory(path, *, last=()):
+    """Yield a new, empty directory beside ``path`` to build entries of ``path`` in; on success they
+    replace the same-named entries of ``path`` together, on failure ``path`` is left as it was.
+
+    Parameters
+    ----------
+    path : str or Path
+        The directory the entries are for (written through a symbolic link; created when missing;
+        its parent must exist). Its entries of other names are kept.
+    last : iterable of str
+        Names moved in after all others (e.g. the summary file that marks a run as finished).
+
+    Notes
+    -----
+    The staging directory is a sibling of ``path`` (the same file system, so every move is a
+    rename). On success: when ``path`` does not exist the staging directory is renamed to it (one
+    atomic step); otherwise the entries of ``path`` that the new ones replace are moved aside, the
+    new ones renamed in, the old ones deleted, and the directory fsynced. On any exception, in the
+    ``with`` block or while moving, the moves done so far are undone (``path`` holds exactly what it
+    held, or does not exist if it did not) and the staging directory is removed. Only a crash of the
+    machine during the renames can leave part of the set.
+    """
+    target = Path(os.path.realpath(path))
+    if not target.parent.is_dir():
+        raise FileNotFoundError(f"output directory's parent {str(target.parent)!r} does not exist (for {str(path)!r})")
+    if os.path.lexists(target) and not target.is_dir():
+        raise NotADirectoryError(f"output directory {str(path)!r} is a file, not a directory")
+    stage = _create_temp_dir(target)
+    try:
+        yield stage
+        names = sorted(os.listdir(stage), key=lambda name: (name in last, name))
+        if not os.path.lexists(target):
+            os.rename(stage, target)
+        else:
+            aside = _create_temp_dir(stage / "previous")  # the replaced entries, deleted with the stage
+            old, new = [], []
+            try:
+                for name in names:
+                    if os.path.lexists(target / name):
+                        os.rename(target / name, aside / name)
+                        old.append(name)
+                for name in names:
+                    os.rename(stage / name, target / name)
+                    new.append(name)
+            except BaseException:
+                for name in reversed(new):
+                    with contextlib.suppress(OSError):
+                        os.rename(target / name, stage / name)
+                for name in reversed(old):
+                    with contextlib.suppress(OSError):
+                        os.rename(aside / name, target / name)
+                raise
+        _fsync_dir(target)
+        _fsync_dir(target.parent)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
 
 
 def _file_identity(path: Path) -> tuple[int, int] | None:

@@ -21,9 +21,11 @@ r"""Linearise a trained softmax :class:`~sketchlab.tasks.TransformerLM`: fitted 
    attention on the same ``q, k, v``), resumable (:func:`~sketchlab.tasks.train_mqar` with ``out``);
 7. evaluate again and write the summary.
 
-Everything is written under ``out``, each file atomically: ``capture.safetensors``,
-``theta.safetensors``, ``finetune/`` (checkpoints), ``model/`` (the linearised, fine-tuned model:
-``model.safetensors`` + ``config.json``), ``linearize.json`` and ``linearize.md``.
+Written under ``out``: ``capture.safetensors``, ``theta.safetensors``, ``model/`` (the linearised,
+fine-tuned model: ``model.safetensors`` + ``config.json``), ``linearize.json`` and ``linearize.md``,
+all-or-nothing (built in a temporary sibling of ``out`` and moved in together at the end,
+:func:`sketchlab.io.staged_directory`: a failure leaves ``out`` as it was); and ``finetune/``, the
+fine-tuning's resumable checkpoints, written as they come (an interrupted run resumes from them).
 
 With ``non_negative=True`` (even ``p``) the map is self-tensored, ``φ ⊗ φ``: Θ of degree ``p/2``
 is fitted to the kernel ``(qᵀk/√D)^{p/2}`` and its self-tensor has degree ``p`` and ``m²`` features.
@@ -175,7 +177,8 @@ def linearize(
         Degree of the attention kernel, features and CP rank of Θ (with ``non_negative``, Θ has
         degree ``p/2`` and the attention ``m²`` features).
     out : str or Path
-        Output directory (created; its parent must exist).
+        Output directory (created; its parent must exist). Everything but the fine-tuning
+        checkpoints ``out/finetune`` appears there at the end, together (module docstring).
     non_negative : bool
         Self-tensored features (needs even ``p``).
     normalize : {"sum", "none"}
@@ -193,16 +196,14 @@ def linearize(
         next-token loss.
     eval_sequences : int
         Held-out sequences for every accuracy (teacher, step 0, final).
-    seed : int >= 0
+    seed : int in [0, 2**64 - 2_000_003)
         Capture stream (``seed + 2_000_003``), fit seed, held-out and fine-tuning data streams.
 
     Returns
     -------
     LinearizeResult
     """
-    from ..capture import capture_qk
-    from ..export import export_theta
-    from ..fit import fit_sketch
+    from ..io import staged_directory
 
     p, m, rank = check_positive_int(p, "p"), check_positive_int(m, "m"), check_positive_int(rank, "rank")
     if not isinstance(non_negative, bool):
@@ -214,6 +215,9 @@ def linearize(
     transfer = check_real(transfer, "transfer", positive=False)
     eval_sequences = check_positive_int(eval_sequences, "eval_sequences")
     seed = _check_seed(seed)
+    if seed + _CAPTURE_OFFSET >= 2**64:
+        raise ValueError(f"seed must be below 2**64 - {_CAPTURE_OFFSET} (the captured sequences come from the stream "
+                         f"seed + {_CAPTURE_OFFSET}, a 64-bit generator seed), got {seed}")
     out = Path(out)
     if not out.parent.is_dir():
         raise FileNotFoundError(f"output directory's parent {str(out.parent)!r} does not exist (for out={str(out)!r})")
@@ -227,17 +231,33 @@ def linearize(
         raise ValueError(f"checkpoint {checkpoint}: config.json has no MQAR task in extra.task ({err}); "
                          "it is needed to capture the model's own task data") from err
     cfg = teacher.config
-    D = cfg.head_dim
     p_theta = p // 2 if non_negative else p
     student_cfg = TransformerConfig(**{**cfg.to_dict(), "attention": "llops", "attention_options": {
         "p": p_theta, "m": m, "rank": rank, "non_negative": non_negative, "normalize": normalize}})
-    out.mkdir(exist_ok=True)
+    with staged_directory(out, last=("linearize.json",)) as stage:
+        return _linearize(teacher, checkpoint, task, student_cfg, stage, out, p=p, m=m, rank=rank,
+                          non_negative=non_negative, normalize=normalize, capture_sequences=capture_sequences,
+                          holdout=holdout, steps=steps, batch_size=batch_size, lr=lr, warmup=warmup, transfer=transfer,
+                          eval_sequences=eval_sequences, eval_every=eval_every, seed=seed, progress=progress)
+
+
+def _linearize(teacher, checkpoint, task, student_cfg, stage: Path, out: Path, *, p, m, rank, non_negative, normalize,
+               capture_sequences, holdout, steps, batch_size, lr, warmup, transfer, eval_sequences, eval_every, seed,
+               progress) -> LinearizeResult:
+    """:func:`linearize` after its checks: every file into ``stage`` but the checkpoints (``out/finetune``)."""
+    from ..capture import capture_qk
+    from ..export import export_theta
+    from ..fit import fit_sketch
+
+    cfg = teacher.config
+    D = cfg.head_dim
+    p_theta = p // 2 if non_negative else p
     seconds: dict = {}
 
     # 1. capture
     t0 = time.perf_counter()
     tokens, _ = mqar_batch(task, capture_sequences, generator=torch.Generator().manual_seed(seed + _CAPTURE_OFFSET))
-    capture_path = out / "capture.safetensors"
+    capture_path = stage / "capture.safetensors"
     dump = capture_qk(teacher, tokens, path=capture_path, meta={
         "source": f"sketchlab linearize: {checkpoint}", "task": json.dumps(task.to_dict(), sort_keys=True),
         "input_ids": json.dumps(tokens.tolist())})
@@ -253,13 +273,14 @@ def linearize(
     report = fit.report.as_dict()
 
     # 3. export (every metadata field from the fit and the capture file)
-    theta_path = export_theta(fit, out / "theta.safetensors", dump=capture_path, scale="sqrt-d")
+    theta_path = export_theta(fit, stage / "theta.safetensors", dump=capture_path, scale="sqrt-d")
 
     # 4. the linearised model
     torch.manual_seed(seed)
     student = TransformerLM(student_cfg)
     copy_shared_weights(teacher, student)
     init_info = init_llops(student, "theta", theta_path)
+    init_info["file"] = str(out / "theta.safetensors")  # where it will be, not the staging directory's random name
     # the export's bytes carry the fit's wall time; the run identity (resume check) keeps Θ's values only
     init_info.pop("sha256")
     theta_bytes = b"".join(kernel.theta_q.detach().numpy().tobytes() + kernel.theta_k.detach().numpy().tobytes()
@@ -303,14 +324,14 @@ def linearize(
                 remove()
         final_acc, losses, evals = result.heldout_accuracy, result.losses, result.evals
         seconds["finetune"] = time.perf_counter() - t0
-    save_checkpoint(out / "model", student, extra={"task": task.to_dict(), "heldout_accuracy": final_acc,
+    save_checkpoint(stage / "model", student, extra={"task": task.to_dict(), "heldout_accuracy": final_acc,
                                                    "linearize": settings})
 
     res = LinearizeResult(teacher_accuracy=teacher_acc, step0_accuracy=step0_acc, final_accuracy=final_acc,
                           attention_error=att_err, poly_accuracy=poly_acc, poly_attention_error=poly_err, fit=report, steps=steps, losses=losses, evals=evals,
                           settings=settings, seconds=seconds)
-    _write_text(out / "linearize.json", json.dumps(asdict(res), indent=1, sort_keys=True) + "\n")
-    _write_text(out / "linearize.md", _markdown(res))
+    _write_text(stage / "linearize.json", json.dumps(asdict(res), indent=1, sort_keys=True) + "\n")
+    _write_text(stage / "linearize.md", _markdown(res))
     return res
 
 
