@@ -41,6 +41,7 @@ from safetensors.torch import load_file, save_file
 
 from sketchlab.cli._common import finite_float, write_text_atomic
 from sketchlab.io.atomic import atomic_write
+from sketchlab.plots import save_figure
 from sketchlab.convert import convert_attention
 from sketchlab.convert.linearize import (
     attention_errors,
@@ -597,9 +598,7 @@ def plot(out: dict, path: Path) -> None:
     ax.set_title("SmolLM2-135M linearised (Shakespeare, held-out plays)")
     ax.legend(fontsize=6)
     fig.tight_layout()
-    with atomic_write(path) as tmp:  # readers never see a half-written plot
-        fig.savefig(tmp, dpi=120, format="png")
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main() -> None:
