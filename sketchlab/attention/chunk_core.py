@@ -330,7 +330,8 @@ class _HybridCore(torch.autograd.Function):
         N, Wc, Ne, _, prefix, _ = _geometry(n, off, w, C, fq.device, fq.dtype)  # prefix [N, Ne]: wholly far chunks
         n_loc = min(-(-(w + C - 1) // C), Wc + 1)  # key chunks back with a local key (further: padding)
         lead = off - k_w.shape[2]
-        fqc, qc = _chunks(fq, N, C), _chunks(q, N, C, scale)  # qc holds s·q
+        qs = torch.mul(q, scale, out=q.new_empty(q.shape))  # s·q [B, H, n, D], contiguous (the sinks' matmul)
+        fqc, qc = _chunks(fq, N, C), _chunks(qs, N, C)  # qc holds s·q
         fkc = _join_chunks((fk_w, fk), lead, Ne, C)
         vc, kc = _join_chunks((v_w, v), lead, Ne, C), _join_chunks((k_w, k), lead, Ne, C)
         loc_m, empty, loc_bias, far_m = _hybrid_masks(C, w, n_loc, fq.device, fq.dtype)
@@ -346,7 +347,7 @@ class _HybridCore(torch.autograd.Function):
         # [n_loc, N, B, 1, C, C]; the far lags are those with a far key, L·C + C − 1 >= w
         far_lags = [L for L in range(n_loc) if L * C + C - 1 >= w]
         sok = _chunks(sink_ok.expand(B, 1, n, -1), N, C)  # [N, B, 1, C, Ls]
-        return dict(N=N, Wc=Wc, Ne=Ne, n_loc=n_loc, lead=lead, fqc=fqc, fkc=fkc, vc=vc, qc=qc, kc=kc, kks=kks,
+        return dict(N=N, Wc=Wc, Ne=Ne, n_loc=n_loc, lead=lead, qs=qs, fqc=fqc, fkc=fkc, vc=vc, qc=qc, kc=kc, kks=kks,
                     loc_ok=loc_ok, all_ok=all_ok, okc=okc, empty=empty, loc_bias=loc_bias, far_m=far_m,
                     far_lags=far_lags, prefix=prefix, sok=sok, lift=self_tensor if non_negative else (lambda f: f))
 
@@ -381,7 +382,7 @@ class _HybridCore(torch.autograd.Function):
                               kc[kk].reshape(-1, C, D).mT, out=A[L].view(-1, C, C))
             else:
                 torch.matmul(qc, kc[kk].mT, out=A[L])
-        As = _chunks(q @ k_sink.mT, N, C, scale) if Ls else None  # [N, B, H, C, Ls]
+        As = _chunks(st["qs"] @ k_sink.mT, N, C) if Ls else None  # [N, B, H, C, Ls]
         ties = ()
         if softmax:
             # a = exp(l − c), c the row maximum over every local key: from a softmax per lag (fast, and it never
@@ -398,10 +399,15 @@ class _HybridCore(torch.autograd.Function):
                 As.masked_fill_(~st["sok"], float("-inf"))
                 cmax = torch.maximum(cmax, As.amax(-1))
             cmax = torch.where(torch.isfinite(cmax), cmax, 0.0)  # a row without local keys: c = 0
-            if grad:  # where the max is taken (its gradient goes there)
-                tie = (A == cmax[None, ..., None]).masked_fill_(empty[..., None], False)
-                ties = (tie, As == cmax[..., None]) if Ls else (tie,)
             p = torch.softmax(A, -1)
+            if grad:  # where the max is taken (its gradient goes there): 1.0 / 0.0 in the logits' buffer
+                tie = A.eq_(cmax[None, ..., None])  # (a float result: far faster than a bool one)
+                if bias:
+                    eL, er = st["empty"].nonzero(as_tuple=True)  # the few rows without local keys at some lag
+                    tie[eL, :, :, :, er] = 0.0
+                else:
+                    tie.masked_fill_(empty[..., None], 0.0)
+                ties = (tie, As.eq(cmax[..., None]).to(A.dtype)) if Ls else (tie,)
             f = (m - cmax).exp_().div_(p.amax(-1))  # [n_loc, N, B, H, C]  Σ_u a = f (0 on an empty row)
             if not grad:
                 f.mul_(g0)  # g folded in: A holds g·a
