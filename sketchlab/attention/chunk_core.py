@@ -324,16 +324,16 @@ class _HybridCore(torch.autograd.Function):
 
     @staticmethod
     def _setup(fq, fk, v, q, k, fk_w, v_w, k_w, key_ok, sink_ok, off, opts):
-        """Geometry, masks and the chunk-major copies (keys: ``off − L_w`` zero rows, the held window, the block)."""
+        """Geometry, masks and the chunk-major copies (keys: ``off − L_w`` zero rows, the held window, the block;
+        ``kc`` holds ``s·k``)."""
         C, w, non_negative, scale = opts[:4]
         B, H, n, _ = fq.shape
         N, Wc, Ne, _, prefix, _ = _geometry(n, off, w, C, fq.device, fq.dtype)  # prefix [N, Ne]: wholly far chunks
         n_loc = min(-(-(w + C - 1) // C), Wc + 1)  # key chunks back with a local key (further: padding)
         lead = off - k_w.shape[2]
-        qs = torch.mul(q, scale, out=q.new_empty(q.shape))  # s·q [B, H, n, D], contiguous (the sinks' matmul)
-        fqc, qc = _chunks(fq, N, C), _chunks(qs, N, C)  # qc holds s·q
+        fqc, qc = _chunks(fq, N, C), _chunks(q, N, C)
         fkc = _join_chunks((fk_w, fk), lead, Ne, C)
-        vc, kc = _join_chunks((v_w, v), lead, Ne, C), _join_chunks((k_w, k), lead, Ne, C)
+        vc, kc = _join_chunks((v_w, v), lead, Ne, C), _join_chunks((k_w, k), lead, Ne, C, scale)
         loc_m, empty, loc_bias, far_m = _hybrid_masks(C, w, n_loc, fq.device, fq.dtype)
         kks = [slice(Wc - L, Wc - L + N) for L in range(n_loc)]
         all_ok = bool(key_ok.all())
@@ -346,10 +346,15 @@ class _HybridCore(torch.autograd.Function):
             okc = okc[:, :, None, :, None].to(fq.dtype)  # [Ne, B, 1, C, 1]: zero the far features of other keys
         # [n_loc, N, B, 1, C, C]; the far lags are those with a far key, L·C + C − 1 >= w
         far_lags = [L for L in range(n_loc) if L * C + C - 1 >= w]
-        sok = _chunks(sink_ok.expand(B, 1, n, -1), N, C)  # [N, B, 1, C, Ls]
-        return dict(N=N, Wc=Wc, Ne=Ne, n_loc=n_loc, lead=lead, qs=qs, fqc=fqc, fkc=fkc, vc=vc, qc=qc, kc=kc, kks=kks,
+        sok = _chunks(sink_ok.expand(B, 1, n, -1), N, C).mT  # [N, B, 1, Ls, C]
+        return dict(N=N, Wc=Wc, Ne=Ne, n_loc=n_loc, lead=lead, fqc=fqc, fkc=fkc, vc=vc, qc=qc, kc=kc, kks=kks,
                     loc_ok=loc_ok, all_ok=all_ok, okc=okc, empty=empty, loc_bias=loc_bias, far_m=far_m,
                     far_lags=far_lags, prefix=prefix, sok=sok, lift=self_tensor if non_negative else (lambda f: f))
+
+    @staticmethod
+    def _per_chunk(x: torch.Tensor, N: int) -> torch.Tensor:
+        """``x [B, H, R, F]`` (the sinks') → ``[N·B·H, R, F]``, the same for every chunk (a small copy)."""
+        return x[None].expand(N, *x.shape).reshape(-1, *x.shape[2:])
 
     @staticmethod
     def forward(ctx, fq, fk, v, q, k, fk_w, v_w, k_w, k_sink, v_sink, S_in, z_in, g, key_ok, sink_ok, off, opts):
@@ -357,32 +362,42 @@ class _HybridCore(torch.autograd.Function):
         B, H, n, _ = fq.shape
         Dv, D, Ls = v.shape[-1], q.shape[-1], k_sink.shape[2]
         st = _HybridCore._setup(fq, fk, v, q, k, fk_w, v_w, k_w, key_ok, sink_ok, off, opts)
-        N, n_loc, kks, lead = st["N"], st["n_loc"], st["kks"], st["lead"]
+        N, n_loc, kks = st["N"], st["n_loc"], st["kks"]
         qc, kc, vc, fqc, fkc = st["qc"], st["kc"], st["vc"], st["fqc"], st["fkc"]
-        # the window the next block holds: the last min(w, L_w + n) keys, raw (before the far mask below)
+        NBH = N * B * H
+        # the window the next block holds: the last min(w, L_w + n) keys, raw
         Lo = min(w, k_w.shape[2] + n)
-        windows = tuple(_rows(x, off + n - Lo, Lo).contiguous() for x in (fkc, vc, kc))
+        windows = tuple((x[:, :, n - Lo:] if Lo <= n else torch.cat([xw[:, :, xw.shape[2] - Lo + n:], x], 2)).clone()
+                        for xw, x in ((fk_w, fk), (v_w, v), (k_w, k)))
         if st["okc"] is not None:
             fkc.mul_(st["okc"])  # sinks, padding: out of the far sums
         lq, lk = st["lift"](fqc), st["lift"](fkc)
+        # num and den divided by 1 − g (the far part unscaled, the local one times γ = g/(1 − g), ε by 1 − g)
+        # unless some g is 1: then times g and 1 − g as written
+        fold = bool((g < 1).all())
         gb = g[None, None, :, None, None]  # [1, 1, H, 1, 1]
         g0 = gb[..., 0]
+        loc_w = gb / (1 - gb) if fold else gb  # the local weights' factor
         # far state: per-chunk sums, prefix by the 0/1 matrix
         upd, zc = lk.mT @ vc, lk.sum(3)  # [Ne, B, H, M2, Dv], [Ne, B, H, M2]
         P = (st["prefix"] @ upd.flatten(1)).view(N, *upd.shape[1:]) + S_in
         zP = (st["prefix"] @ zc.flatten(1)).view(N, *zc.shape[1:]) + z_in
-        num = (lq @ P).mul_(1 - gb)  # [N, B, H, C, Dv]
-        den = (lq @ zP[..., None])[..., 0].mul_(1 - g0)  # [N, B, H, C]
-        # local logits per lag (lag-major, each a contiguous slab) and the sinks' (token-major: one matmul)
+        num = lq @ P  # [N, B, H, C, Dv]
+        den = (lq @ zP[..., None])[..., 0]  # [N, B, H, C]
+        if not fold:
+            num.mul_(1 - gb)
+            den.mul_(1 - g0)
+        # local logits per lag (lag-major, each a contiguous slab) and the sinks' (transposed: [Ls, C] per chunk)
         A = q.new_empty(n_loc, N, B, H, C, C)
         bias = softmax and st["all_ok"]  # the lag masks as a bias added by the matmul itself
         for L, kk in enumerate(kks):
             if bias:
-                torch.baddbmm(st["loc_bias"][L].expand(N * B * H, C, C), qc.view(-1, C, D),
-                              kc[kk].reshape(-1, C, D).mT, out=A[L].view(-1, C, C))
+                torch.baddbmm(st["loc_bias"][L].expand(NBH, C, C), qc.view(-1, C, D), kc[kk].view(-1, C, D).mT,
+                              out=A[L].view(-1, C, C))
             else:
                 torch.matmul(qc, kc[kk].mT, out=A[L])
-        As = _chunks(st["qs"] @ k_sink.mT, N, C) if Ls else None  # [N, B, H, C, Ls]
+        if Ls:
+            AsT = torch.bmm(_HybridCore._per_chunk(k_sink * scale, N), qc.view(-1, C, D).mT).view(N, B, H, Ls, C)
         ties = ()
         if softmax:
             # a = exp(l − c), c the row maximum over every local key: from a softmax per lag (fast, and it never
@@ -396,8 +411,8 @@ class _HybridCore(torch.autograd.Function):
             m = A.amax(-1).masked_fill_(empty, float("-inf"))  # [n_loc, N, B, H, C]
             cmax = m.amax(0)
             if Ls:
-                As.masked_fill_(~st["sok"], float("-inf"))
-                cmax = torch.maximum(cmax, As.amax(-1))
+                AsT.masked_fill_(~st["sok"], float("-inf"))
+                cmax = torch.maximum(cmax, AsT.amax(-2))
             cmax = torch.where(torch.isfinite(cmax), cmax, 0.0)  # a row without local keys: c = 0
             p = torch.softmax(A, -1)
             if grad:  # where the max is taken (its gradient goes there): 1.0 / 0.0 in the logits' buffer
@@ -407,36 +422,32 @@ class _HybridCore(torch.autograd.Function):
                     tie[eL, :, :, :, er] = 0.0
                 else:
                     tie.masked_fill_(empty[..., None], 0.0)
-                ties = (tie, As.eq(cmax[..., None]).to(A.dtype)) if Ls else (tie,)
+                ties = (tie, AsT.eq(cmax[..., None, :]).to(A.dtype)) if Ls else (tie,)
             f = (m - cmax).exp_().div_(p.amax(-1))  # [n_loc, N, B, H, C]  Σ_u a = f (0 on an empty row)
             if not grad:
-                f.mul_(g0)  # g folded in: A holds g·a
+                f.mul_(loc_w[..., 0])  # the factor folded in: A holds it
             A = p.mul_(f[..., None])
+            den += f.sum(0) if not grad else f.sum(0).mul_(loc_w[..., 0])
             if Ls:
-                As = (As - cmax[..., None]).exp_()
-                if not grad:
-                    As.mul_(gb)
-                den += As.sum(-1) if not grad else As.sum(-1).mul_(g0)
-            den += f.sum(0) if not grad else f.sum(0).mul_(g0)
-            saved = (A, As) if Ls else (A,)
+                AsT = (AsT - cmax[..., None, :]).exp_()
+            saved = (A, AsT) if Ls else (A,)
         else:
             if st["all_ok"]:
                 A.mul_(st["loc_ok"].to(A.dtype))
             else:
                 A.masked_fill_(~st["loc_ok"], 0.0)
             if Ls:
-                As.masked_fill_(~st["sok"], 0.0)
-            saved = (A, As) if Ls else (A,)  # the logits, for the backward
+                AsT.masked_fill_(~st["sok"], 0.0)
+            saved = (A, AsT) if Ls else (A,)  # the logits, for the backward
             A = A**degree
-            As = As**degree if Ls else None
+            AsT = AsT**degree if Ls else None
             if not grad:
-                A.mul_(gb)
-                As = As.mul_(gb) if Ls else None
-            den += A.sum(-1).sum(0) if not grad else A.sum(-1).sum(0).mul_(g0)
-            if Ls:
-                den += As.sum(-1) if not grad else As.sum(-1).mul_(g0)
-        if Ls:
-            num += (As * gb if grad else As) @ v_sink[None]
+                A.mul_(loc_w)
+            den += A.sum(-1).sum(0) if not grad else A.sum(-1).sum(0).mul_(loc_w[..., 0])
+        if Ls:  # the sinks' weights times the factor (a small tensor) and their sums
+            As_w = (AsT * loc_w).view(-1, Ls, C)
+            den += As_w.sum(-2).view(N, B, H, C)
+            num.view(-1, C, Dv).baddbmm_(As_w.mT, _HybridCore._per_chunk(v_sink, N))
         far = []  # F: the far kernel of each near-far lag, masked (kept for the backward)
         for L, kk in enumerate(kks):
             if L in st["far_lags"]:
@@ -446,23 +457,31 @@ class _HybridCore(torch.autograd.Function):
                 if grad:
                     F.mul_(st["far_m"][L])
                     far.append(F)
-                    W = torch.mul(F, 1 - gb).addcmul_(A[L], gb)  # g·a + (1 − g)·F
-                    den += F.sum(-1).mul_(1 - g0)
+                    W = torch.mul(A[L], loc_w) if fold else torch.mul(F, 1 - gb).addcmul_(A[L], gb)
+                    if fold:
+                        W += F
+                    den += F.sum(-1) if fold else F.sum(-1).mul_(1 - g0)
                 else:
-                    F.mul_(st["far_m"][L] * (1 - g)[:, None, None])  # (1 − g)·F
+                    F.mul_(st["far_m"][L] if fold else st["far_m"][L] * (1 - g)[:, None, None])  # (1 − g)·F unless fold
                     den += F.sum(-1)
                     W = A[L].add_(F)
             else:
-                W = A[L] * gb if grad else A[L]
+                W = A[L] * loc_w if grad else A[L]
             num.view(-1, C, Dv).baddbmm_(W.view(-1, C, C), vc[kk].view(-1, C, Dv))
         full, rem = divmod(max(0, off + n - w), C)
         S_out, z_out = S_in + upd[:full].sum(0), z_in + zc[:full].sum(0)
         if rem:
             S_out = S_out + lk[full, :, :, :rem].mT @ vc[full, :, :, :rem]
             z_out = z_out + lk[full, :, :, :rem].sum(2)
-        num, den = _unchunk(num, n), _unchunk(den, n)
-        out = num / (den[..., None] + eps)
-        ctx.off, ctx.opts, ctx.Lo = off, opts, Lo
+        # out = num / (den + ε), read chunk-major and written token-major in one pass
+        e = (eps / (1 - g) if fold else torch.full_like(g, eps))[None, None, :, None]  # [1, 1, H, 1]
+        out = num.new_empty(B, H, N * C, Dv)
+        torch.div(num.movedim(0, 2), (den + e).movedim(0, 2)[..., None], out=out.view(B, H, N, C, Dv))
+        out = out[:, :, :n]
+        den = _unchunk(den, n)
+        if fold:
+            den = den * (1 - g)[None, :, None]  # the true denominator, [B, H, n]
+        ctx.off, ctx.opts = off, opts
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(fq, fk, v, q, k, fk_w, v_w, k_w, k_sink, v_sink, S_in, z_in, g, key_ok, sink_ok, out,
                               den, *saved, *ties, *far)
@@ -472,28 +491,29 @@ class _HybridCore(torch.autograd.Function):
     @staticmethod
     @once_differentiable  # in-place work on its own buffers: no double backward
     def backward(ctx, g_out, g_den, g_S, g_z, g_fkw, g_vw, g_kw):
-        off, opts, Lo = ctx.off, ctx.opts, ctx.Lo
+        off, opts = ctx.off, ctx.opts
         C, w, non_negative, scale, softmax, degree, eps, _ = opts
         (fq, fk, v, q, k, fk_w, v_w, k_w, k_sink, v_sink, S_in, z_in, g, key_ok, sink_ok, out, den,
          *rest) = ctx.saved_tensors
         B, H, n, M = fq.shape
-        Dv, Ls = v.shape[-1], k_sink.shape[2]
+        Dv, D, Ls, Lw = v.shape[-1], q.shape[-1], k_sink.shape[2], k_w.shape[2]
         st = _HybridCore._setup(fq, fk, v, q, k, fk_w, v_w, k_w, key_ok, sink_ok, off, opts)
         N, Wc, n_loc, kks, lead = st["N"], st["Wc"], st["n_loc"], st["kks"], st["lead"]
         qc, kc, vc, fqc, fkc = st["qc"], st["kc"], st["vc"], st["fqc"], st["fkc"]
+        NBH = N * B * H
         if st["okc"] is not None:
             fkc.mul_(st["okc"])
         lq, lk = st["lift"](fqc), st["lift"](fkc)
         gb = g[None, None, :, None, None]
         g0 = gb[..., 0]
         nA = 2 if Ls else 1
-        A, As = rest[0], (rest[1] if Ls else None)
+        A, AsT = rest[0], (rest[1] if Ls else None)
         if softmax:
             tie, tie_s = rest[nA], (rest[nA + 1] if Ls else None)
             far = rest[2 * nA:]
         else:
-            logit, logit_s = A, As
-            A, As = logit**degree, (logit_s**degree if Ls else None)
+            logit, logit_s = A, AsT
+            A, AsT = logit**degree, (logit_s**degree if Ls else None)
             far = rest[nA:]
         r = 1.0 / (den + eps)  # [B, H, n]
         g_out = fq.new_zeros(B, H, n, Dv) if g_out is None else g_out
@@ -528,60 +548,61 @@ class _HybridCore(torch.autograd.Function):
             else:
                 W = A[L] * gb
             dvc[kk].view(-1, C, Dv).baddbmm_(W.view(-1, C, C).mT, dnum.view(-1, C, Dv))
-        da_s = None
         dv_sink = torch.zeros_like(v_sink)
-        if Ls:
-            da_s = (dnum @ v_sink[None].mT).add_(dden[..., None])  # [N, B, H, C, Ls]
-            dv_sink = ((As * gb).mT @ dnum).sum(0)  # [B, H, Ls, Dv]
+        if Ls:  # the sinks transposed, [N, B, H, Ls, C]
+            daT_s = torch.bmm(_HybridCore._per_chunk(v_sink, N), dnum.view(-1, C, Dv).mT).view(N, B, H, Ls, C)
+            daT_s.add_(dden[..., None, :])
+            dv_sink = torch.bmm((AsT * gb).view(-1, Ls, C), dnum.view(-1, C, Dv)).view(N, B, H, Ls, Dv).sum(0)
         # through a(logit): softmax a = exp(l − c) (c the row max: its gradient goes to where the max is
         # taken, split evenly between ties, as autograd's amax), poly a = l^p
+        dl_s = None
         if softmax:
             dl = dA.mul_(A)  # a·da
             rho = dl.sum(-1).sum(0)  # [N, B, H, C]
-            dl_s = None
             if Ls:
-                dl_s = da_s.mul_(As)
-                rho += dl_s.sum(-1)
+                dl_s = daT_s.mul_(AsT)
+                rho += dl_s.sum(-2)
             dgh += rho.sum(dim=(0, 1, 3))  # d/dg of g·Σ a v (and of g·Σ a)
             count = tie.sum(-1).sum(0)
             if Ls:
-                count = count + tie_s.sum(-1)
+                count = count + tie_s.sum(-2)
             share = (rho * g0).neg_().div_(torch.clamp(count, min=1))  # dc / ties   [N, B, H, C]
             dl.mul_(gb).addcmul_(tie, share[None, ..., None])  # g·a·da + the share of dc at the maximum
             if Ls:
-                dl_s.mul_(gb).addcmul_(tie_s, share[..., None])
+                dl_s.mul_(gb).addcmul_(tie_s, share[..., None, :])
         else:
             dgh += (A * dA).sum(dim=(0, 1, 2, 4, 5))
             dl = dA.mul_(gb * degree).mul_(logit ** (degree - 1))  # g·p·l^(p−1)·da
-            dl_s = None
             if Ls:
-                dgh += (As * da_s).sum(dim=(0, 1, 3, 4))
-                dl_s = da_s.mul_(gb * degree).mul_(logit_s ** (degree - 1))
-        dqc = torch.zeros_like(qc)  # gradient w.r.t. the scaled q
+                dgh += (AsT * daT_s).sum(dim=(0, 1, 3, 4))
+                dl_s = daT_s.mul_(gb * degree).mul_(logit_s ** (degree - 1))
+        dqc = torch.zeros_like(qc)  # kc holds s·k: dq = dl·(s·k), dk = s·dlᵀq
         dkc = torch.zeros_like(kc)
         # off the local keys dl is 0 already for softmax (a = 0, no tie there) and for p >= 2 (l = 0)
         unmasked = not softmax and degree < 2
         for L, kk in enumerate(kks):
             if unmasked:
                 dl[L].masked_fill_(~st["loc_ok"][L], 0.0)
-            dqc.view(-1, C, qc.shape[-1]).baddbmm_(dl[L].view(-1, C, C), kc[kk].view(-1, C, kc.shape[-1]))
-            dkc[kk].view(-1, C, kc.shape[-1]).baddbmm_(dl[L].view(-1, C, C).mT, qc.view(-1, C, qc.shape[-1]))
+            dqc.view(-1, C, D).baddbmm_(dl[L].view(-1, C, C), kc[kk].view(-1, C, D))
+            dkc[kk].view(-1, C, D).baddbmm_(dl[L].view(-1, C, C).mT, qc.view(-1, C, D))
         dk_sink = torch.zeros_like(k_sink)
         if Ls:
             if unmasked:
                 dl_s = dl_s.masked_fill_(~st["sok"], 0.0)
-            dqc += dl_s @ k_sink[None]
-            dk_sink = (dl_s.mT @ qc).sum(0)  # [B, H, Ls, D]
-        # the held window and the block's keys: the far mask, then the window outputs' gradients
+            dl_s = dl_s.view(-1, Ls, C)
+            dqc.view(-1, C, D).baddbmm_(dl_s.mT, _HybridCore._per_chunk(k_sink * scale, N))
+            dk_sink = torch.bmm(dl_s, qc.view(-1, C, D)).view(N, B, H, Ls, D).sum(0).mul_(scale)  # [B, H, Ls, D]
+        dkc.mul_(scale)
+        # the held window and the block's keys: the far mask; the window outputs' gradients join the raw keys'
         if st["okc"] is not None:
             dfk.mul_(st["okc"])
         grads = []
         for dx, gw in ((dfk, g_fkw), (dvc, g_vw), (dkc, g_kw)):
             if gw is not None:
-                _add_rows(dx, off + n - Lo, gw)
-            grads.append((_rows(dx, lead, off - lead) if off > lead else None, _unchunk(dx[Wc:], n)))
+                _add_rows(dx, off + n - gw.shape[2], gw)
+            grads.append((_rows(dx, lead, Lw) if Lw else None, _unchunk(dx[Wc:], n)))
         (dfk_w, dfk_n), (dv_w, dv_n), (dk_w, dk_n) = grads
-        return (_unchunk(dfq, n), dfk_n, dv_n, _unchunk(dqc, n) * scale, dk_n, dfk_w, dv_w, dk_w,
+        return (_unchunk(dfq, n), dfk_n, dv_n, _unchunk(dqc, n), dk_n, dfk_w, dv_w, dk_w,
                 dk_sink, dv_sink, dS_in, dz_in, dgh, None, None, None, None)
 
 
