@@ -323,18 +323,13 @@ class _HybridCore(torch.autograd.Function):
     """Forward and backward of one causal hybrid block, chunk-major inside (see :func:`hybrid_core`)."""
 
     @staticmethod
-    def _setup(fq, fk, v, q, k, fk_w, v_w, k_w, key_ok, sink_ok, off, opts):
-        """Geometry, masks and the chunk-major copies (keys: ``off − L_w`` zero rows, the held window, the block;
-        ``kc`` holds ``s·k``)."""
-        C, w, non_negative, scale = opts[:4]
-        B, H, n, _ = fq.shape
-        N, Wc, Ne, _, prefix, _ = _geometry(n, off, w, C, fq.device, fq.dtype)  # prefix [N, Ne]: wholly far chunks
+    def _setup(B, H, n, Lw, key_ok, sink_ok, off, opts, like):
+        """Geometry and masks of a block of ``n`` queries after ``off`` keys (``L_w`` of them the held window)."""
+        C, w = opts[:2]
+        N, Wc, Ne, _, prefix, _ = _geometry(n, off, w, C, like.device, like.dtype)  # prefix [N, Ne]: wholly far chunks
         n_loc = min(-(-(w + C - 1) // C), Wc + 1)  # key chunks back with a local key (further: padding)
-        lead = off - k_w.shape[2]
-        fqc, qc = _chunks(fq, N, C), _chunks(q, N, C)
-        fkc = _join_chunks((fk_w, fk), lead, Ne, C)
-        vc, kc = _join_chunks((v_w, v), lead, Ne, C), _join_chunks((k_w, k), lead, Ne, C, scale)
-        loc_m, empty, loc_bias, far_m = _hybrid_masks(C, w, n_loc, fq.device, fq.dtype)
+        lead = off - Lw
+        loc_m, empty, loc_bias, far_m = _hybrid_masks(C, w, n_loc, like.device, like.dtype)
         kks = [slice(Wc - L, Wc - L + N) for L in range(n_loc)]
         all_ok = bool(key_ok.all())
         okc = None
@@ -343,13 +338,13 @@ class _HybridCore(torch.autograd.Function):
         else:
             okc = _chunks(key_ok[:, None, :, None], Ne, C)[:, :, 0, :, 0]  # [Ne, B, C]
             loc_ok = torch.stack([okc[kk] for kk in kks])[:, :, :, None, None, :] & loc_m[:, None, None, None]
-            okc = okc[:, :, None, :, None].to(fq.dtype)  # [Ne, B, 1, C, 1]: zero the far features of other keys
+            okc = okc[:, :, None, :, None].to(like.dtype)  # [Ne, B, 1, C, 1]: zero the far features of other keys
         # [n_loc, N, B, 1, C, C]; the far lags are those with a far key, L·C + C − 1 >= w
         far_lags = [L for L in range(n_loc) if L * C + C - 1 >= w]
         sok = _chunks(sink_ok.expand(B, 1, n, -1), N, C).mT  # [N, B, 1, Ls, C]
-        return dict(N=N, Wc=Wc, Ne=Ne, n_loc=n_loc, lead=lead, fqc=fqc, fkc=fkc, vc=vc, qc=qc, kc=kc, kks=kks,
-                    loc_ok=loc_ok, all_ok=all_ok, okc=okc, empty=empty, loc_bias=loc_bias, far_m=far_m,
-                    far_lags=far_lags, prefix=prefix, sok=sok, lift=self_tensor if non_negative else (lambda f: f))
+        return dict(N=N, Wc=Wc, Ne=Ne, n_loc=n_loc, lead=lead, kks=kks, loc_ok=loc_ok, all_ok=all_ok, okc=okc,
+                    empty=empty, loc_bias=loc_bias, far_m=far_m, far_lags=far_lags, prefix=prefix, sok=sok,
+                    lift=self_tensor if opts[2] else (lambda f: f))
 
     @staticmethod
     def _per_chunk(x: torch.Tensor, N: int) -> torch.Tensor:
@@ -361,9 +356,13 @@ class _HybridCore(torch.autograd.Function):
         C, w, non_negative, scale, softmax, degree, eps, grad = opts
         B, H, n, _ = fq.shape
         Dv, D, Ls = v.shape[-1], q.shape[-1], k_sink.shape[2]
-        st = _HybridCore._setup(fq, fk, v, q, k, fk_w, v_w, k_w, key_ok, sink_ok, off, opts)
-        N, n_loc, kks = st["N"], st["n_loc"], st["kks"]
-        qc, kc, vc, fqc, fkc = st["qc"], st["kc"], st["vc"], st["fqc"], st["fkc"]
+        st = _HybridCore._setup(B, H, n, k_w.shape[2], key_ok, sink_ok, off, opts, fq)
+        N, n_loc, kks, lead, Ne = st["N"], st["n_loc"], st["kks"], st["lead"], st["Ne"]
+        # chunk-major copies (keys: off − L_w zero rows, the held window, the block; kc holds s·k), kept for the
+        # backward
+        fqc, qc = _chunks(fq, N, C), _chunks(q, N, C)
+        fkc = _join_chunks((fk_w, fk), lead, Ne, C)
+        vc, kc = _join_chunks((v_w, v), lead, Ne, C), _join_chunks((k_w, k), lead, Ne, C, scale)
         NBH = N * B * H
         # the window the next block holds: the last min(w, L_w + n) keys, raw
         Lo = min(w, k_w.shape[2] + n)
@@ -380,8 +379,8 @@ class _HybridCore(torch.autograd.Function):
         loc_w = gb / (1 - gb) if fold else gb  # the local weights' factor
         # far state: per-chunk sums, prefix by the 0/1 matrix
         upd, zc = lk.mT @ vc, lk.sum(3)  # [Ne, B, H, M2, Dv], [Ne, B, H, M2]
-        P = (st["prefix"] @ upd.flatten(1)).view(N, *upd.shape[1:]) + S_in
-        zP = (st["prefix"] @ zc.flatten(1)).view(N, *zc.shape[1:]) + z_in
+        P = (st["prefix"] @ upd.flatten(1)).view(N, *upd.shape[1:]).add_(S_in)
+        zP = (st["prefix"] @ zc.flatten(1)).view(N, *zc.shape[1:]).add_(z_in)
         num = lq @ P  # [N, B, H, C, Dv]
         den = (lq @ zP[..., None])[..., 0]  # [N, B, H, C]
         if not fold:
@@ -481,10 +480,10 @@ class _HybridCore(torch.autograd.Function):
         den = _unchunk(den, n)
         if fold:
             den = den * (1 - g)[None, :, None]  # the true denominator, [B, H, n]
-        ctx.off, ctx.opts = off, opts
+        ctx.off, ctx.opts, ctx.Lw = off, opts, k_w.shape[2]
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(fq, fk, v, q, k, fk_w, v_w, k_w, k_sink, v_sink, S_in, z_in, g, key_ok, sink_ok, out,
-                              den, *saved, *ties, *far)
+        ctx.save_for_backward(fqc, fkc, vc, qc, kc, k_sink, v_sink, S_in, z_in, g, key_ok, sink_ok, out, den, *saved,
+                              *ties, *far)
         ctx.mark_non_differentiable(den)
         return (out, den, S_out, z_out) + windows
 
@@ -493,16 +492,11 @@ class _HybridCore(torch.autograd.Function):
     def backward(ctx, g_out, g_den, g_S, g_z, g_fkw, g_vw, g_kw):
         off, opts = ctx.off, ctx.opts
         C, w, non_negative, scale, softmax, degree, eps, _ = opts
-        (fq, fk, v, q, k, fk_w, v_w, k_w, k_sink, v_sink, S_in, z_in, g, key_ok, sink_ok, out, den,
-         *rest) = ctx.saved_tensors
-        B, H, n, M = fq.shape
-        Dv, D, Ls, Lw = v.shape[-1], q.shape[-1], k_sink.shape[2], k_w.shape[2]
-        st = _HybridCore._setup(fq, fk, v, q, k, fk_w, v_w, k_w, key_ok, sink_ok, off, opts)
+        fqc, fkc, vc, qc, kc, k_sink, v_sink, S_in, z_in, g, key_ok, sink_ok, out, den, *rest = ctx.saved_tensors
+        B, H, n, Dv = out.shape
+        M, D, Ls, Lw = fqc.shape[-1], qc.shape[-1], k_sink.shape[2], ctx.Lw
+        st = _HybridCore._setup(B, H, n, Lw, key_ok, sink_ok, off, opts, out)
         N, Wc, n_loc, kks, lead = st["N"], st["Wc"], st["n_loc"], st["kks"], st["lead"]
-        qc, kc, vc, fqc, fkc = st["qc"], st["kc"], st["vc"], st["fqc"], st["fkc"]
-        NBH = N * B * H
-        if st["okc"] is not None:
-            fkc.mul_(st["okc"])
         lq, lk = st["lift"](fqc), st["lift"](fkc)
         gb = g[None, None, :, None, None]
         g0 = gb[..., 0]
@@ -516,7 +510,7 @@ class _HybridCore(torch.autograd.Function):
             A, AsT = logit**degree, (logit_s**degree if Ls else None)
             far = rest[nA:]
         r = 1.0 / (den + eps)  # [B, H, n]
-        g_out = fq.new_zeros(B, H, n, Dv) if g_out is None else g_out
+        g_out = out.new_zeros(B, H, n, Dv) if g_out is None else g_out
         dnum = _chunks(g_out * r[..., None], N, C)  # [N, B, H, C, Dv]
         dden = _chunks((-(g_out * out).sum(-1) * r)[..., None], N, C)[..., 0]  # [N, B, H, C]
         # far state
