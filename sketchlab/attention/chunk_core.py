@@ -382,7 +382,7 @@ class _HybridCore(torch.autograd.Function):
         P = (st["prefix"] @ upd.flatten(1)).view(N, *upd.shape[1:]).add_(S_in)
         zP = (st["prefix"] @ zc.flatten(1)).view(N, *zc.shape[1:]).add_(z_in)
         num = lq @ P  # [N, B, H, C, Dv]
-        den = (lq @ zP[..., None])[..., 0]  # [N, B, H, C]
+        den = (zP[..., None, :] @ lq.mT)[..., 0, :]  # [N, B, H, C]  (as [1, M]·[M, C]: a GEMV is 7× slower)
         if not fold:
             num.mul_(1 - gb)
             den.mul_(1 - g0)
@@ -518,7 +518,7 @@ class _HybridCore(torch.autograd.Function):
         P = (st["prefix"] @ upd.flatten(1)).view(N, *upd.shape[1:]) + S_in
         zP = (st["prefix"] @ zc.flatten(1)).view(N, *zc.shape[1:]) + z_in
         dP0 = lq.mT @ dnum  # [N, B, H, M2, Dv]   (before the factor 1 − g)
-        dzP0 = (lq.mT @ dden[..., None])[..., 0]  # [N, B, H, M2]
+        dzP0 = (dden[..., None, :] @ lq)[..., 0, :]  # [N, B, H, M2]
         dgh = -((dP0 * P).sum(dim=(0, 1, 3, 4)) + (dzP0 * zP).sum(dim=(0, 1, 3)))  # [H]  d/dg of (1 − g)·far
         dP, dzP = dP0.mul_(1 - gb), dzP0.mul_(1 - g0)
         dlq = (dnum @ P.mT + dden[..., None] * zP[..., None, :]).mul_(1 - gb)  # [N, B, H, C, M2]
