@@ -146,17 +146,22 @@ def test_hybrid_with_a_gate_at_one(local):
         assert (a - b).abs().max() <= 1e-9 * (1 + b.abs().max()), name
 
 
-def test_hybrid_tie_of_zero_logits_at_a_row_without_local_keys():
+@pytest.mark.parametrize("padded", [False, True])
+def test_hybrid_tie_of_zero_logits_at_a_row_without_local_keys(padded):
     """A zero query (every local logit 0 = c_i, all of them tied) in the last row of a chunk, whose lag-1 key
     chunk holds no local key when w = C: that row's logits there are kept finite for the softmax and must not
-    count as ties (they would dilute the share of dc_i). No padding and no sinks, so the lag masks are the
-    matmul's bias (the path the benchmark takes)."""
+    count as ties (they would dilute the share of dc_i). Without padding or sinks the lag masks are the
+    matmul's bias (the path the benchmark takes); with a padded key, the masks are filled in."""
     g = _gen(8)
     B, T, H, D, M = 1, 16, 1, 3, 2
     base = [torch.randn(B, T, H, D, generator=g, dtype=F64) for _ in range(3)]
     base[0][:, 11] = 0.0  # position 11: the last row of chunk 2 (C = 4), in the third block
     base += [torch.rand(B, T, H, M, generator=g, dtype=F64) for _ in range(2)] + [torch.tensor([0.3], dtype=F64)]
-    ref, got = _hybrid_grads(base, window=4, local="softmax")
+    mask = None
+    if padded:
+        mask = torch.ones(B, T, dtype=torch.bool)
+        mask[:, 5] = False
+    ref, got = _hybrid_grads(base, mask, window=4, local="softmax")
     for name, a, b in zip(("out", "q", "k", "v", "phi_q", "phi_k", "gate"), got, ref):
         assert (a - b).abs().max() <= 1e-9 * (1 + b.abs().max()), name
 
