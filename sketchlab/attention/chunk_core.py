@@ -461,7 +461,7 @@ class _HybridCore(torch.autograd.Function):
                         W += F
                     den += F.sum(-1) if fold else F.sum(-1).mul_(1 - g0)
                 else:
-                    F.mul_(st["far_m"][L] if fold else st["far_m"][L] * (1 - g)[:, None, None])  # (1 − g)·F unless fold
+                    F.mul_(st["far_m"][L] if fold else st["far_m"][L] * (1 - g)[:, None, None])  # (1 − g)·F
                     den += F.sum(-1)
                     W = A[L].add_(F)
             else:
@@ -496,7 +496,7 @@ class _HybridCore(torch.autograd.Function):
         B, H, n, Dv = out.shape
         M, D, Ls, Lw = fqc.shape[-1], qc.shape[-1], k_sink.shape[2], ctx.Lw
         st = _HybridCore._setup(B, H, n, Lw, key_ok, sink_ok, off, opts, out)
-        N, Wc, n_loc, kks, lead = st["N"], st["Wc"], st["n_loc"], st["kks"], st["lead"]
+        N, Wc, kks, lead = st["N"], st["Wc"], st["kks"], st["lead"]
         lq, lk = st["lift"](fqc), st["lift"](fkc)
         gb = g[None, None, :, None, None]
         g0 = gb[..., 0]

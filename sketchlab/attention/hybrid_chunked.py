@@ -87,14 +87,14 @@ def _hybrid_causal_block(h: _Hybrid, state, q_new, k_new, v_new, fq_new, fk_new,
     """One block of ``n`` new tokens of the causal hybrid, continuing ``state`` (positions from
     ``state.offset``). Tensors ``[B, H, n, ·]``, ``valid_new [B, n]``. Returns ``([B, H, n, Dv], state)``.
 
-    The keys are extended in front by the held window and zeros to whole chunks (``off`` keys,
-    ``off/C >= `` the local lags in chunks − 1, so every query chunk has a key chunk at each lag).
-    Far part: :func:`~sketchlab.attention.chunk_core.chunk_core` with ``lag = w`` on the keys'
-    features zeroed off the far keys (sinks, padding); it also returns the new ``S, z``. Local
-    part: for query chunk ``c`` the ``C × C`` logits against each key chunk ``L = 0 … ⌈(w + C − 1)/C⌉ − 1``
-    back (chunk-major, so each is a slice, no band copy), joined with the sinks' along the key
-    axis, masked by one precomputed lag mask and the keys' validity, the row maximum ``c_i``
-    taken over all of them. Cost ``O(n·(w + C + sinks)·(D + M))``.
+    The keys are the held window and the block's tokens behind zeros to whole chunks (``off`` keys
+    before the block, ``off/C >= `` the local lags in chunks − 1, so every query chunk has a key
+    chunk at each lag): :func:`~sketchlab.attention.chunk_core.hybrid_core` joins them in its own
+    chunk-major copy and returns the new ``S, z`` and the window the next block holds. Far part:
+    lag ``w`` on the keys' features with the sinks and padding out; local part: for query chunk
+    ``c`` the ``C × C`` logits against each key chunk ``L = 0 … ⌈(w + C − 1)/C⌉ − 1`` back (each a
+    slice), the sinks' beside them, masked by one precomputed lag mask and the keys' validity, the
+    row maximum ``c_i`` taken over all of them. Cost ``O(n·(w + C + sinks)·(D + M))``.
     """
     from .state import AttentionState
 
