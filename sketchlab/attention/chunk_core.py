@@ -306,7 +306,8 @@ def _add_rows(xc: torch.Tensor, a: int, x: torch.Tensor) -> None:
 @functools.lru_cache(maxsize=64)
 def _hybrid_masks(C: int, window: int, lags: int, device: torch.device, dtype: torch.dtype):
     """Per key-chunk lag ``L < lags``, query ``r``, key ``u`` (``lag = L·C + r − u``): ``local [lags, C, C]`` bool
-    (``0 <= lag < w``); ``empty [lags, C]`` bool, the rows without a local key at that ``L``; ``bias [lags, C, C]``
+    (``0 <= lag < w``); ``empty [lags, C]`` bool, the rows without a local key at that ``L`` (and their indices
+    ``(L, r)``, two index tensors); ``bias [lags, C, C]``
     in ``dtype``, ``0`` on the local keys and ``−inf`` elsewhere except on the empty rows (all ``0``, so that a
     softmax over the row stays finite: its weights are dropped); ``far [lags, C, C]`` in ``dtype`` (``lag >= w``)."""
     r = torch.arange(C, device=device)[None, :, None]
@@ -316,7 +317,7 @@ def _hybrid_masks(C: int, window: int, lags: int, device: torch.device, dtype: t
     local = (lag >= 0) & (lag < window)
     empty = ~local.any(-1)  # [lags, C]
     bias = torch.zeros(local.shape, dtype=dtype, device=device).masked_fill_(~local & ~empty[..., None], float("-inf"))
-    return local, empty, bias, (lag >= window).to(dtype)
+    return local, (empty, empty.nonzero(as_tuple=True)), bias, (lag >= window).to(dtype)
 
 
 class _HybridCore(torch.autograd.Function):
@@ -329,7 +330,7 @@ class _HybridCore(torch.autograd.Function):
         N, Wc, Ne, _, prefix, _ = _geometry(n, off, w, C, like.device, like.dtype)  # prefix [N, Ne]: wholly far chunks
         n_loc = min(-(-(w + C - 1) // C), Wc + 1)  # key chunks back with a local key (further: padding)
         lead = off - Lw
-        loc_m, empty, loc_bias, far_m = _hybrid_masks(C, w, n_loc, like.device, like.dtype)
+        loc_m, (empty, empty_at), loc_bias, far_m = _hybrid_masks(C, w, n_loc, like.device, like.dtype)
         kks = [slice(Wc - L, Wc - L + N) for L in range(n_loc)]
         all_ok = bool(key_ok.all())
         okc = None
@@ -343,8 +344,8 @@ class _HybridCore(torch.autograd.Function):
         far_lags = [L for L in range(n_loc) if L * C + C - 1 >= w]
         sok = _chunks(sink_ok.expand(B, 1, n, -1), N, C).mT  # [N, B, 1, Ls, C]
         return dict(N=N, Wc=Wc, Ne=Ne, n_loc=n_loc, lead=lead, kks=kks, loc_ok=loc_ok, all_ok=all_ok, okc=okc,
-                    empty=empty, loc_bias=loc_bias, far_m=far_m, far_lags=far_lags, prefix=prefix, sok=sok,
-                    lift=self_tensor if opts[2] else (lambda f: f))
+                    empty=empty, empty_at=empty_at, loc_bias=loc_bias, far_m=far_m, far_lags=far_lags, prefix=prefix,
+                    sok=sok, lift=self_tensor if opts[2] else (lambda f: f))
 
     @staticmethod
     def _per_chunk(x: torch.Tensor, N: int) -> torch.Tensor:
@@ -417,7 +418,7 @@ class _HybridCore(torch.autograd.Function):
             if grad:  # where the max is taken (its gradient goes there): 1.0 / 0.0 in the logits' buffer
                 tie = A.eq_(cmax[None, ..., None])  # (a float result: far faster than a bool one)
                 if bias:
-                    eL, er = st["empty"].nonzero(as_tuple=True)  # the few rows without local keys at some lag
+                    eL, er = st["empty_at"]  # the few rows without local keys at some lag
                     tie[eL, :, :, :, er] = 0.0
                 else:
                     tie.masked_fill_(empty[..., None], 0.0)
