@@ -343,9 +343,10 @@ class _HybridCore(torch.autograd.Function):
         # [n_loc, N, B, 1, C, C]; the far lags are those with a far key, L·C + C − 1 >= w
         far_lags = [L for L in range(n_loc) if L * C + C - 1 >= w]
         sok = _chunks(sink_ok.expand(B, 1, n, -1), N, C).mT  # [N, B, 1, Ls, C]
+        sinks_ok = bool(sink_ok.all())
         return dict(N=N, Wc=Wc, Ne=Ne, n_loc=n_loc, lead=lead, kks=kks, loc_ok=loc_ok, all_ok=all_ok, okc=okc,
                     empty=empty, empty_at=empty_at, loc_bias=loc_bias, far_m=far_m, far_lags=far_lags, prefix=prefix,
-                    sok=sok, lift=self_tensor if opts[2] else (lambda f: f))
+                    sok=sok, sinks_ok=sinks_ok, lift=self_tensor if opts[2] else (lambda f: f))
 
     @staticmethod
     def _per_chunk(x: torch.Tensor, N: int) -> torch.Tensor:
@@ -411,9 +412,11 @@ class _HybridCore(torch.autograd.Function):
             m = A.amax(-1).masked_fill_(empty, float("-inf"))  # [n_loc, N, B, H, C]
             cmax = m.amax(0)
             if Ls:
-                AsT.masked_fill_(~st["sok"], float("-inf"))
+                if not st["sinks_ok"]:
+                    AsT.masked_fill_(~st["sok"], float("-inf"))
                 cmax = torch.maximum(cmax, AsT.amax(-2))
-            cmax = torch.where(torch.isfinite(cmax), cmax, 0.0)  # a row without local keys: c = 0
+            if not bias:  # (with the bias every query has a local key: itself)
+                cmax = torch.where(torch.isfinite(cmax), cmax, 0.0)  # a row without local keys: c = 0
             p = torch.softmax(A, -1)
             if grad:  # where the max is taken (its gradient goes there): 1.0 / 0.0 in the logits' buffer
                 tie = A.eq_(cmax[None, ..., None])  # (a float result: far faster than a bool one)
