@@ -332,21 +332,23 @@ class _HybridCore(torch.autograd.Function):
         lead = off - Lw
         loc_m, (empty, empty_at), loc_bias, far_m = _hybrid_masks(C, w, n_loc, like.device, like.dtype)
         kks = [slice(Wc - L, Wc - L + N) for L in range(n_loc)]
-        all_ok = bool(key_ok.all())
-        okc = None
-        if all_ok:  # every key real (no padding, sink or front zeros): the lag masks alone
-            loc_ok = loc_m[:, None, None, None]  # [n_loc, 1, 1, 1, C, C]
-        else:
-            okc = _chunks(key_ok[:, None, :, None], Ne, C)[:, :, 0, :, 0]  # [Ne, B, C]
-            loc_ok = torch.stack([okc[kk] for kk in kks])[:, :, :, None, None, :] & loc_m[:, None, None, None]
-            okc = okc[:, :, None, :, None].to(like.dtype)  # [Ne, B, 1, C, 1]: zero the far features of other keys
-        # [n_loc, N, B, 1, C, C]; the far lags are those with a far key, L·C + C − 1 >= w
+        # key chunks up to `bad` hold a key that is neither local nor far (padding, sink, front zeros): the query
+        # chunks below `part` read one of them and take the data masks; the others the lag masks alone
+        okc, loc_ok, part, bad = None, None, 0, -1
+        if not bool(key_ok.all()):
+            okb = _chunks(key_ok[:, None, :, None], Ne, C)[:, :, 0, :, 0]  # [Ne, B, C]
+            bad = int((~okb).flatten(1).any(1).nonzero().max())
+            part = min(N, max(0, bad - Wc + n_loc))
+            loc_ok = torch.stack([okb[kk][:part] for kk in kks])[:, :, :, None, None, :] & loc_m[:, None, None, None]
+            # [n_loc, part, B, 1, C, C]
+            okc = okb[:bad + 1, :, None, :, None].to(like.dtype)  # [bad + 1, B, 1, C, 1]: zero their far features
+        # the far lags are those with a far key, L·C + C − 1 >= w
         far_lags = [L for L in range(n_loc) if L * C + C - 1 >= w]
         sok = _chunks(sink_ok.expand(B, 1, n, -1), N, C).mT  # [N, B, 1, Ls, C]
         sinks_ok = bool(sink_ok.all())
-        return dict(N=N, Wc=Wc, Ne=Ne, n_loc=n_loc, lead=lead, kks=kks, loc_ok=loc_ok, all_ok=all_ok, okc=okc,
-                    empty=empty, empty_at=empty_at, loc_bias=loc_bias, far_m=far_m, far_lags=far_lags, prefix=prefix,
-                    sok=sok, sinks_ok=sinks_ok, lift=self_tensor if opts[2] else (lambda f: f))
+        return dict(N=N, Wc=Wc, Ne=Ne, n_loc=n_loc, lead=lead, kks=kks, loc_m=loc_m, loc_ok=loc_ok, part=part,
+                    bad=bad, okc=okc, empty=empty, empty_at=empty_at, loc_bias=loc_bias, far_m=far_m, far_lags=far_lags,
+                    prefix=prefix, sok=sok, sinks_ok=sinks_ok, lift=self_tensor if opts[2] else (lambda f: f))
 
     @staticmethod
     def _per_chunk(x: torch.Tensor, N: int) -> torch.Tensor:
@@ -370,8 +372,9 @@ class _HybridCore(torch.autograd.Function):
         Lo = min(w, k_w.shape[2] + n)
         windows = tuple((x[:, :, n - Lo:] if Lo <= n else torch.cat([xw[:, :, xw.shape[2] - Lo + n:], x], 2)).clone()
                         for xw, x in ((fk_w, fk), (v_w, v), (k_w, k)))
+        part = st["part"]
         if st["okc"] is not None:
-            fkc.mul_(st["okc"])  # sinks, padding: out of the far sums
+            fkc[:st["bad"] + 1].mul_(st["okc"])  # sinks, padding: out of the far sums
         lq, lk = st["lift"](fqc), st["lift"](fkc)
         # num and den divided by 1 − g (the far part unscaled, the local one times γ = g/(1 − g), ε by 1 − g)
         # unless some g is 1: then times g and 1 − g as written
@@ -390,41 +393,41 @@ class _HybridCore(torch.autograd.Function):
             den.mul_(1 - g0)
         # local logits per lag (lag-major, each a contiguous slab) and the sinks' (transposed: [Ls, C] per chunk)
         A = q.new_empty(n_loc, N, B, H, C, C)
-        bias = softmax and st["all_ok"]  # the lag masks as a bias added by the matmul itself
-        for L, kk in enumerate(kks):
-            if bias:
-                torch.baddbmm(st["loc_bias"][L].expand(NBH, C, C), qc.view(-1, C, D), kc[kk].view(-1, C, D).mT,
-                              out=A[L].view(-1, C, C))
-            else:
-                torch.matmul(qc, kc[kk].mT, out=A[L])
+        for L, kk in enumerate(kks):  # softmax: the lag masks as a bias added by the matmul itself
+            if softmax and part < N:
+                torch.baddbmm(st["loc_bias"][L].expand(NBH - part * B * H, C, C), qc[part:].view(-1, C, D),
+                              kc[kk][part:].view(-1, C, D).mT, out=A[L, part:].view(-1, C, C))
+            if part or not softmax:
+                c1 = part if softmax else N
+                torch.matmul(qc[:c1], kc[kk][:c1].mT, out=A[L, :c1])
         if Ls:
             AsT = torch.bmm(_HybridCore._per_chunk(k_sink * scale, N), qc.view(-1, C, D).mT).view(N, B, H, Ls, C)
         ties = ()
         if softmax:
             # a = exp(l − c), c the row maximum over every local key: from a softmax per lag (fast, and it never
             # takes exp(−inf)), p = softmax(l), a = p·exp(m_L − c)/max p with m_L the lag's row maximum
-            if bias:
-                empty = st["empty"][:, None, None, None, :]  # [n_loc, 1, 1, 1, C]
-            else:
+            if part:
                 ok = st["loc_ok"]
-                empty = ~ok.any(-1)  # [n_loc, N, B, 1, C]
-                A.masked_fill_(~(ok | empty[..., None]), float("-inf"))  # an empty row keeps finite logits
-            m = A.amax(-1).masked_fill_(empty, float("-inf"))  # [n_loc, N, B, H, C]
+                empty_d = ~ok.any(-1)  # [n_loc, part, B, 1, C]
+                A[:, :part].masked_fill_(~(ok | empty_d[..., None]), float("-inf"))  # an empty row stays finite
+            m = A.amax(-1)  # [n_loc, N, B, H, C]
+            m[:, part:].masked_fill_(st["empty"][:, None, None, None, :], float("-inf"))
+            if part:
+                m[:, :part].masked_fill_(empty_d, float("-inf"))
             cmax = m.amax(0)
             if Ls:
                 if not st["sinks_ok"]:
                     AsT.masked_fill_(~st["sok"], float("-inf"))
                 cmax = torch.maximum(cmax, AsT.amax(-2))
-            if not bias:  # (with the bias every query has a local key: itself)
+            if part:  # (past them every query has a local key: itself)
                 cmax = torch.where(torch.isfinite(cmax), cmax, 0.0)  # a row without local keys: c = 0
             p = torch.softmax(A, -1)
             if grad:  # where the max is taken (its gradient goes there): 1.0 / 0.0 in the logits' buffer
                 tie = A.eq_(cmax[None, ..., None])  # (a float result: far faster than a bool one)
-                if bias:
-                    eL, er = st["empty_at"]  # the few rows without local keys at some lag
-                    tie[eL, :, :, :, er] = 0.0
-                else:
-                    tie.masked_fill_(empty[..., None], 0.0)
+                eL, er = st["empty_at"]  # the few rows without local keys at some lag
+                tie[eL, part:, :, :, er] = 0.0
+                if part:
+                    tie[:, :part].masked_fill_(empty_d[..., None], 0.0)
                 ties = (tie, AsT.eq(cmax[..., None, :]).to(A.dtype)) if Ls else (tie,)
             f = (m - cmax).exp_().div_(p.amax(-1))  # [n_loc, N, B, H, C]  Σ_u a = f (0 on an empty row)
             if not grad:
@@ -435,10 +438,9 @@ class _HybridCore(torch.autograd.Function):
                 AsT = (AsT - cmax[..., None, :]).exp_()
             saved = (A, AsT) if Ls else (A,)
         else:
-            if st["all_ok"]:
-                A.mul_(st["loc_ok"].to(A.dtype))
-            else:
-                A.masked_fill_(~st["loc_ok"], 0.0)
+            A[:, part:].mul_(st["loc_m"][:, None, None, None].to(A.dtype))
+            if part:
+                A[:, :part].masked_fill_(~st["loc_ok"], 0.0)
             if Ls:
                 AsT.masked_fill_(~st["sok"], 0.0)
             saved = (A, AsT) if Ls else (A,)  # the logits, for the backward
@@ -580,7 +582,9 @@ class _HybridCore(torch.autograd.Function):
         unmasked = not softmax and degree < 2
         for L, kk in enumerate(kks):
             if unmasked:
-                dl[L].masked_fill_(~st["loc_ok"][L], 0.0)
+                dl[L, st["part"]:].masked_fill_(~st["loc_m"][L], 0.0)
+                if st["part"]:
+                    dl[L, :st["part"]].masked_fill_(~st["loc_ok"][L], 0.0)
             dqc.view(-1, C, D).baddbmm_(dl[L].view(-1, C, C), kc[kk].view(-1, C, D))
             dkc[kk].view(-1, C, D).baddbmm_(dl[L].view(-1, C, C).mT, qc.view(-1, C, D))
         dk_sink = torch.zeros_like(k_sink)
@@ -593,7 +597,7 @@ class _HybridCore(torch.autograd.Function):
         dkc.mul_(scale)
         # the held window and the block's keys: the far mask; the window outputs' gradients join the raw keys'
         if st["okc"] is not None:
-            dfk.mul_(st["okc"])
+            dfk[:st["bad"] + 1].mul_(st["okc"])
         grads = []
         for dx, gw in ((dfk, g_fkw), (dvc, g_vw), (dkc, g_kw)):
             if gw is not None:
