@@ -117,6 +117,55 @@ def test_hybrid_gradient_through_a_tied_maximum():
         assert (a - b).abs().max() <= 1e-9 * (1 + b.abs().max())
 
 
+def _hybrid_grads(base, mask=None, **kw):
+    """Output and gradients (q, k, v, φ_q, φ_k, gate) of a random linear loss, the dense twin's and the
+    chunked path's, for ``base = [q, k, v, φ_q, φ_k, gate]``."""
+    weight = torch.randn(base[2].shape, generator=_gen(99), dtype=F64)
+    res = []
+    for fn, extra in ((feature_attention_naive, {}), (feature_attention, {"chunk_size": 4, "block_chunks": 1})):
+        xs = [x.clone().requires_grad_() for x in base]
+        out = fn(xs[3], xs[4], xs[2], q=xs[0], k=xs[1], gate=xs[5], key_padding_mask=mask, denominator_check="off",
+                 **kw, **extra)
+        (out * weight).sum().backward()
+        res.append([out.detach()] + [x.grad for x in xs])
+    return res
+
+
+@pytest.mark.parametrize("local", ["softmax", "poly"])
+def test_hybrid_with_a_gate_at_one(local):
+    """A head whose gate is exactly 1 (sigmoid(40) rounds to 1 in float64: no far part): the chunked core
+    then keeps the factors g and 1 − g as written instead of dividing by 1 − g; output and gradients equal
+    the twin's."""
+    assert torch.sigmoid(torch.tensor(40.0, dtype=F64)) == 1.0  # the case under test
+    g = _gen(5)
+    B, T, H, D, M = 2, 19, 2, 3, 3
+    base = [torch.randn(B, T, H, D, generator=g, dtype=F64) for _ in range(3)]
+    base += [torch.rand(B, T, H, M, generator=g, dtype=F64) for _ in range(2)] + [torch.tensor([40.0, -0.4], dtype=F64)]
+    ref, got = _hybrid_grads(base, window=4, sinks=2, local=local, degree=2, eps=1e-3)
+    for name, a, b in zip(("out", "q", "k", "v", "phi_q", "phi_k", "gate"), got, ref):
+        assert (a - b).abs().max() <= 1e-9 * (1 + b.abs().max()), name
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_hybrid_tie_of_zero_logits_at_a_row_without_local_keys(padded):
+    """A zero query (every local logit 0 = c_i, all of them tied) in the last row of a chunk, whose lag-1 key
+    chunk holds no local key when w = C: that row's logits there are kept finite for the softmax and must not
+    count as ties (they would dilute the share of dc_i). Without padding or sinks the lag masks are the
+    matmul's bias (the path the benchmark takes); with a padded key, the masks are filled in."""
+    g = _gen(8)
+    B, T, H, D, M = 1, 16, 1, 3, 2
+    base = [torch.randn(B, T, H, D, generator=g, dtype=F64) for _ in range(3)]
+    base[0][:, 11] = 0.0  # position 11: the last row of chunk 2 (C = 4), in the third block
+    base += [torch.rand(B, T, H, M, generator=g, dtype=F64) for _ in range(2)] + [torch.tensor([0.3], dtype=F64)]
+    mask = None
+    if padded:
+        mask = torch.ones(B, T, dtype=torch.bool)
+        mask[:, 5] = False
+    ref, got = _hybrid_grads(base, mask, window=4, local="softmax")
+    for name, a, b in zip(("out", "q", "k", "v", "phi_q", "phi_k", "gate"), got, ref):
+        assert (a - b).abs().max() <= 1e-9 * (1 + b.abs().max()), name
+
+
 def test_no_double_backward():
     """The cores' backward passes work in place: a second derivative is refused, not wrong."""
     fq, fk, v = (torch.rand(1, 1, 4, 2, dtype=F64, requires_grad=True) for _ in range(3))

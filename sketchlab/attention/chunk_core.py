@@ -243,139 +243,280 @@ def chunk_core(fq, fk, v, S_in, z_in, *, off: int, lag: int, chunk_size: int, no
     return _Core.apply(fq, fk, v, S_in, z_in, off, lag, chunk_size, non_negative, normalize, eps)
 
 
+def _row_pieces(chunks: int, C: int, a: int, b: int):
+    """The token rows ``[a, b)`` of a chunk-major ``[chunks, B, H, C, ·]`` tensor as pieces: ``(chunk, r0, r1, i)``
+    (a part of one chunk, rows ``r0:r1``) or ``(c0, c1, None, i)`` (whole chunks ``c0:c1``); ``i`` the first row's
+    offset from ``a``."""
+    i = a
+    while i < b:
+        c, r = divmod(i, C)
+        if r == 0 and b - i >= C:
+            c1 = c + (b - i) // C
+            yield c, c1, None, i - a
+            i = c1 * C
+        else:
+            r1 = min(C, r + b - i)
+            yield c, r, r1, i - a
+            i += r1 - r
+
+
+def _join_chunks(pieces, lead: int, chunks: int, C: int, scale: float | None = None) -> torch.Tensor:
+    """Token-major pieces ``[B, H, L_i, F]`` laid end to end from row ``lead`` → chunk-major ``[chunks, B, H, C, F]``
+    (zeros in the other rows), times ``scale`` when given: one copy, no joined token-major tensor."""
+    B, H, _, F = pieces[0].shape
+    out = pieces[0].new_empty(chunks, B, H, C, F)
+    end = lead + sum(x.shape[2] for x in pieces)
+    for a, b in ((0, lead), (end, chunks * C)):  # the zero rows
+        for c, r0, r1, _ in _row_pieces(chunks, C, a, b):
+            (out[c:r0] if r1 is None else out[c, :, :, r0:r1]).zero_()
+    a = lead
+    for x in pieces:
+        L = x.shape[2]
+        for c, r0, r1, i in _row_pieces(chunks, C, a, a + L):
+            if r1 is None:  # whole chunks c : r0
+                dst, src = out[c:r0], x[:, :, i:i + (r0 - c) * C].unflatten(2, (r0 - c, C)).permute(2, 0, 1, 3, 4)
+            else:
+                dst, src = out[c, :, :, r0:r1], x[:, :, i:i + r1 - r0]
+            if scale is None:
+                dst.copy_(src)
+            else:
+                torch.mul(src, scale, out=dst)
+        a += L
+    return out
+
+
+def _rows(xc: torch.Tensor, a: int, length: int) -> torch.Tensor:
+    """Token rows ``[a, a + length)`` of chunk-major ``xc [chunks, B, H, C, F]`` → ``[B, H, length, F]`` (a copy of
+    the chunks they span)."""
+    C = xc.shape[3]
+    c0, c1 = a // C, -(-(a + length) // C)
+    return _unchunk(xc[c0:c1], a - c0 * C + length)[:, :, a - c0 * C:]
+
+
+def _add_rows(xc: torch.Tensor, a: int, x: torch.Tensor) -> None:
+    """``xc``'s token rows ``[a, a + L)`` += ``x [B, H, L, F]`` in place (chunk-major ``xc``)."""
+    C = xc.shape[3]
+    for c, r0, r1, i in _row_pieces(xc.shape[0], C, a, a + x.shape[2]):
+        if r1 is None:
+            xc[c:r0] += x[:, :, i:i + (r0 - c) * C].unflatten(2, (r0 - c, C)).permute(2, 0, 1, 3, 4)
+        else:
+            xc[c, :, :, r0:r1] += x[:, :, i:i + r1 - r0]
+
+
 @functools.lru_cache(maxsize=64)
 def _hybrid_masks(C: int, window: int, lags: int, device: torch.device, dtype: torch.dtype):
-    """Per key-chunk lag ``L < lags``: ``local [lags, C, C]`` bool (``0 <= L·C + r − u < w``), the
-    same as an additive ``0 / −inf`` bias in ``dtype``, and ``far [lags, C, C]`` in ``dtype``
-    (``L·C + r − u >= w``), query ``r``, key ``u``."""
+    """Per key-chunk lag ``L < lags``, query ``r``, key ``u`` (``lag = L·C + r − u``): ``local [lags, C, C]`` bool
+    (``0 <= lag < w``); ``empty [lags, C]`` bool, the rows without a local key at that ``L`` (and their indices
+    ``(L, r)``, two index tensors); ``bias [lags, C, C]``
+    in ``dtype``, ``0`` on the local keys and ``−inf`` elsewhere except on the empty rows (all ``0``, so that a
+    softmax over the row stays finite: its weights are dropped); ``far [lags, C, C]`` in ``dtype`` (``lag >= w``)."""
     r = torch.arange(C, device=device)[None, :, None]
     L = torch.arange(lags, device=device)[:, None, None]
     u = torch.arange(C, device=device)[None, None, :]
     lag = L * C + r - u  # [lags, C, C]
     local = (lag >= 0) & (lag < window)
-    bias = torch.zeros(local.shape, dtype=dtype, device=device).masked_fill_(~local, float("-inf"))
-    return local, bias, (lag >= window).to(dtype)
+    empty = ~local.any(-1)  # [lags, C]
+    bias = torch.zeros(local.shape, dtype=dtype, device=device).masked_fill_(~local & ~empty[..., None], float("-inf"))
+    return local, (empty, empty.nonzero(as_tuple=True)), bias, (lag >= window).to(dtype)
 
 
 class _HybridCore(torch.autograd.Function):
     """Forward and backward of one causal hybrid block, chunk-major inside (see :func:`hybrid_core`)."""
 
     @staticmethod
-    def _setup(fq, fk, v, q, k, key_ok, sink_ok, off, opts):
-        C, w, non_negative = opts[:3]
-        n = fq.shape[2]
-        N, Wc, Ne, _, prefix, _ = _geometry(n, off, w, C, fq.device, fq.dtype)  # prefix [N, Ne]: wholly far chunks
+    def _setup(B, H, n, Lw, key_ok, sink_ok, off, opts, like):
+        """Geometry and masks of a block of ``n`` queries after ``off`` keys (``L_w`` of them the held window)."""
+        C, w = opts[:2]
+        N, Wc, Ne, _, prefix, _ = _geometry(n, off, w, C, like.device, like.dtype)  # prefix [N, Ne]: wholly far chunks
         n_loc = min(-(-(w + C - 1) // C), Wc + 1)  # key chunks back with a local key (further: padding)
-        lift = self_tensor if non_negative else (lambda f: f)
-        fqc, fkc, vc = _chunks(fq, N, C), _chunks(fk, Ne, C), _chunks(v, Ne, C)
-        qc, kc = _chunks(q, N, C, opts[3]), _chunks(k, Ne, C)  # q scaled by s
-        loc_m, loc_bias, far_m = _hybrid_masks(C, w, n_loc, fq.device, fq.dtype)
+        lead = off - Lw
+        loc_m, (empty, empty_at), loc_bias, far_m = _hybrid_masks(C, w, n_loc, like.device, like.dtype)
         kks = [slice(Wc - L, Wc - L + N) for L in range(n_loc)]
-        all_ok = bool(key_ok.all())
-        if all_ok:  # every key real (no padding, sink or front zeros): the lag masks alone
-            loc_ok = loc_m[:, None, None, None]  # [n_loc, 1, 1, 1, C, C]
-        else:
-            okc = _chunks(key_ok[:, None, :, None], Ne, C)[:, :, 0, :, 0]  # [Ne, B, C]
-            loc_ok = torch.stack([okc[kk] for kk in kks])[:, :, :, None, None, :] & loc_m[:, None, None, None]
-        # [n_loc, N, B, 1, C, C]; the far lags are those with a far key, L·C + C − 1 >= w
+        # key chunks up to `bad` hold a key that is neither local nor far (padding, sink, front zeros): the query
+        # chunks below `part` read one of them and take the data masks; the others the lag masks alone
+        okc, loc_ok, part, bad = None, None, 0, -1
+        if not bool(key_ok.all()):
+            okb = _chunks(key_ok[:, None, :, None], Ne, C)[:, :, 0, :, 0]  # [Ne, B, C]
+            bad = int((~okb).flatten(1).any(1).nonzero().max())
+            part = min(N, max(0, bad - Wc + n_loc))
+            loc_ok = torch.stack([okb[kk][:part] for kk in kks])[:, :, :, None, None, :] & loc_m[:, None, None, None]
+            # [n_loc, part, B, 1, C, C]
+            okc = okb[:bad + 1, :, None, :, None].to(like.dtype)  # [bad + 1, B, 1, C, 1]: zero their far features
+        # the far lags are those with a far key, L·C + C − 1 >= w
         far_lags = [L for L in range(n_loc) if L * C + C - 1 >= w]
-        sok = _chunks(sink_ok.expand(fq.shape[0], 1, n, -1), N, C)  # [N, B, 1, C, Ls]
-        return dict(N=N, Wc=Wc, Ne=Ne, n_loc=n_loc, lift=lift, fqc=fqc, fkc=fkc, vc=vc, qc=qc, kc=kc, kks=kks,
-                    loc_ok=loc_ok, all_ok=all_ok, loc_bias=loc_bias, far_m=far_m, far_lags=far_lags, prefix=prefix, sok=sok)
+        sok = _chunks(sink_ok.expand(B, 1, n, -1), N, C).mT  # [N, B, 1, Ls, C]
+        sinks_ok = bool(sink_ok.all())
+        return dict(N=N, Wc=Wc, Ne=Ne, n_loc=n_loc, lead=lead, kks=kks, loc_m=loc_m, loc_ok=loc_ok, part=part,
+                    bad=bad, okc=okc, empty=empty, empty_at=empty_at, loc_bias=loc_bias, far_m=far_m, far_lags=far_lags,
+                    prefix=prefix, sok=sok, sinks_ok=sinks_ok, lift=self_tensor if opts[2] else (lambda f: f))
 
     @staticmethod
-    def forward(ctx, fq, fk, v, q, k, k_sink, v_sink, S_in, z_in, g, key_ok, sink_ok, off, opts):
-        C, w, non_negative, scale, softmax, degree, eps, _ = opts
+    def _per_chunk(x: torch.Tensor, N: int) -> torch.Tensor:
+        """``x [B, H, R, F]`` (the sinks') → ``[N·B·H, R, F]``, the same for every chunk (a small copy)."""
+        return x[None].expand(N, *x.shape).reshape(-1, *x.shape[2:])
+
+    @staticmethod
+    def forward(ctx, fq, fk, v, q, k, fk_w, v_w, k_w, k_sink, v_sink, S_in, z_in, g, key_ok, sink_ok, off, opts):
+        C, w, non_negative, scale, softmax, degree, eps, grad = opts
         B, H, n, _ = fq.shape
-        Dv = v.shape[-1]
-        st = _HybridCore._setup(fq, fk, v, q, k, key_ok, sink_ok, off, opts)
-        N, n_loc, kks = st["N"], st["n_loc"], st["kks"]
-        qc, kc, vc, fqc, fkc = st["qc"], st["kc"], st["vc"], st["fqc"], st["fkc"]
+        Dv, D, Ls = v.shape[-1], q.shape[-1], k_sink.shape[2]
+        st = _HybridCore._setup(B, H, n, k_w.shape[2], key_ok, sink_ok, off, opts, fq)
+        N, n_loc, kks, lead, Ne = st["N"], st["n_loc"], st["kks"], st["lead"], st["Ne"]
+        # chunk-major copies (keys: off − L_w zero rows, the held window, the block; kc holds s·k), kept for the
+        # backward
+        fqc, qc = _chunks(fq, N, C), _chunks(q, N, C)
+        fkc = _join_chunks((fk_w, fk), lead, Ne, C)
+        vc, kc = _join_chunks((v_w, v), lead, Ne, C), _join_chunks((k_w, k), lead, Ne, C, scale)
+        NBH = N * B * H
+        # the window the next block holds: the last min(w, L_w + n) keys, raw
+        Lo = min(w, k_w.shape[2] + n)
+        windows = tuple((x[:, :, n - Lo:] if Lo <= n else torch.cat([xw[:, :, xw.shape[2] - Lo + n:], x], 2)).clone()
+                        for xw, x in ((fk_w, fk), (v_w, v), (k_w, k)))
+        part = st["part"]
+        if st["okc"] is not None:
+            fkc[:st["bad"] + 1].mul_(st["okc"])  # sinks, padding: out of the far sums
         lq, lk = st["lift"](fqc), st["lift"](fkc)
+        # num and den divided by 1 − g (the far part unscaled, the local one times γ = g/(1 − g), ε by 1 − g)
+        # unless some g is 1: then times g and 1 − g as written
+        fold = bool((g < 1).all())
         gb = g[None, None, :, None, None]  # [1, 1, H, 1, 1]
+        g0 = gb[..., 0]
+        loc_w = gb / (1 - gb) if fold else gb  # the local weights' factor
         # far state: per-chunk sums, prefix by the 0/1 matrix
         upd, zc = lk.mT @ vc, lk.sum(3)  # [Ne, B, H, M2, Dv], [Ne, B, H, M2]
-        P = (st["prefix"] @ upd.flatten(1)).view(N, *upd.shape[1:]) + S_in
-        zP = (st["prefix"] @ zc.flatten(1)).view(N, *zc.shape[1:]) + z_in
-        num = (lq @ P).mul_(1 - gb)  # [N, B, H, C, Dv]
-        den = (lq @ zP[..., None])[..., 0].mul_(1 - gb[..., 0])  # [N, B, H, C]
-        # local logits per lag (lag-major, each a contiguous slab) and the sinks'
+        P = (st["prefix"] @ upd.flatten(1)).view(N, *upd.shape[1:]).add_(S_in)
+        zP = (st["prefix"] @ zc.flatten(1)).view(N, *zc.shape[1:]).add_(z_in)
+        num = lq @ P  # [N, B, H, C, Dv]
+        den = (zP[..., None, :] @ lq.mT)[..., 0, :]  # [N, B, H, C]  (as [1, M]·[M, C]: a GEMV is 7× slower)
+        if not fold:
+            num.mul_(1 - gb)
+            den.mul_(1 - g0)
+        # local logits per lag (lag-major, each a contiguous slab) and the sinks' (transposed: [Ls, C] per chunk)
         A = q.new_empty(n_loc, N, B, H, C, C)
-        bias = softmax and st["all_ok"]  # the lag masks as a −inf bias added by the matmul itself
-        D = q.shape[-1]
-        for L, kk in enumerate(kks):
-            if bias:
-                torch.baddbmm(st["loc_bias"][L].expand(N * B * H, C, C), qc.view(-1, C, D),
-                              kc[kk].reshape(-1, C, D).mT, out=A[L].view(-1, C, C))
-            else:
-                torch.matmul(qc, kc[kk].mT, out=A[L])
-        Ls = k_sink.shape[2]
-        As = qc @ k_sink[None].mT  # [N, B, H, C, Ls]  (qc holds s·q)
-        if softmax:
-            if not bias:
-                A.masked_fill_(~st["loc_ok"], float("-inf"))
-            As.masked_fill_(~st["sok"], float("-inf"))
-            cmax = As.amax(-1) if Ls else None  # [N, B, H, C]
-            for L in range(n_loc):  # lag by lag: contiguous reductions
-                cmax = A[L].amax(-1) if cmax is None else torch.maximum(cmax, A[L].amax(-1))
-            cmax = torch.where(torch.isfinite(cmax), cmax, 0.0)  # a row without local keys: c = 0
-            # where the max is taken (its gradient goes there), only when a backward will run
-            ties = (A == cmax[None, ..., None], As == cmax[..., None]) if opts[7] else ()
-            A.sub_(cmax[None, ..., None]).exp_()
-            As.sub_(cmax[..., None]).exp_()
-            saved = (A, As)
-        else:
-            saved = (A.masked_fill_(~st["loc_ok"], 0.0), As.masked_fill_(~st["sok"], 0.0))  # logits, for the backward
-            A, As = A**degree, As**degree
-            ties = ()
+        for L, kk in enumerate(kks):  # softmax: the lag masks as a bias added by the matmul itself
+            if softmax and part < N:
+                torch.baddbmm(st["loc_bias"][L].expand(NBH - part * B * H, C, C), qc[part:].view(-1, C, D),
+                              kc[kk][part:].view(-1, C, D).mT, out=A[L, part:].view(-1, C, C))
+            if part or not softmax:
+                c1 = part if softmax else N
+                torch.matmul(qc[:c1], kc[kk][:c1].mT, out=A[L, :c1])
         if Ls:
-            den += As.sum(-1).mul_(gb[..., 0])
-            num += (As @ v_sink[None]).mul_(gb)
+            AsT = torch.bmm(_HybridCore._per_chunk(k_sink * scale, N), qc.view(-1, C, D).mT).view(N, B, H, Ls, C)
+        ties = ()
+        if softmax:
+            # a = exp(l − c), c the row maximum over every local key: from a softmax per lag (fast, and it never
+            # takes exp(−inf)), p = softmax(l), a = p·exp(m_L − c)/max p with m_L the lag's row maximum
+            if part:
+                ok = st["loc_ok"]
+                empty_d = ~ok.any(-1)  # [n_loc, part, B, 1, C]
+                A[:, :part].masked_fill_(~(ok | empty_d[..., None]), float("-inf"))  # an empty row stays finite
+            m = A.amax(-1)  # [n_loc, N, B, H, C]
+            m[:, part:].masked_fill_(st["empty"][:, None, None, None, :], float("-inf"))
+            if part:
+                m[:, :part].masked_fill_(empty_d, float("-inf"))
+            cmax = m.amax(0)
+            if Ls:
+                if not st["sinks_ok"]:
+                    AsT.masked_fill_(~st["sok"], float("-inf"))
+                cmax = torch.maximum(cmax, AsT.amax(-2))
+            if part:  # (past them every query has a local key: itself)
+                cmax = torch.where(torch.isfinite(cmax), cmax, 0.0)  # a row without local keys: c = 0
+            p = torch.softmax(A, -1)
+            if grad:  # where the max is taken (its gradient goes there): 1.0 / 0.0 in the logits' buffer
+                tie = A.eq_(cmax[None, ..., None])  # (a float result: far faster than a bool one)
+                eL, er = st["empty_at"]  # the few rows without local keys at some lag
+                tie[eL, part:, :, :, er] = 0.0
+                if part:
+                    tie[:, :part].masked_fill_(empty_d[..., None], 0.0)
+                ties = (tie, AsT.eq(cmax[..., None, :]).to(A.dtype)) if Ls else (tie,)
+            f = (m - cmax).exp_().div_(p.amax(-1))  # [n_loc, N, B, H, C]  Σ_u a = f (0 on an empty row)
+            if not grad:
+                f.mul_(loc_w[..., 0])  # the factor folded in: A holds it
+            A = p.mul_(f[..., None])
+            den += f.sum(0) if not grad else f.sum(0).mul_(loc_w[..., 0])
+            if Ls:
+                AsT = (AsT - cmax[..., None, :]).exp_()
+            saved = (A, AsT) if Ls else (A,)
+        else:
+            A[:, part:].mul_(st["loc_m"][:, None, None, None].to(A.dtype))
+            if part:
+                A[:, :part].masked_fill_(~st["loc_ok"], 0.0)
+            if Ls:
+                AsT.masked_fill_(~st["sok"], 0.0)
+            saved = (A, AsT) if Ls else (A,)  # the logits, for the backward
+            A = A**degree
+            AsT = AsT**degree if Ls else None
+            if not grad:
+                A.mul_(loc_w)
+            den += A.sum(-1).sum(0) if not grad else A.sum(-1).sum(0).mul_(loc_w[..., 0])
+        if Ls:  # the sinks' weights times the factor (a small tensor) and their sums
+            As_w = (AsT * loc_w).view(-1, Ls, C)
+            den += As_w.sum(-2).view(N, B, H, C)
+            num.view(-1, C, Dv).baddbmm_(As_w.mT, _HybridCore._per_chunk(v_sink, N))
         far = []  # F: the far kernel of each near-far lag, masked (kept for the backward)
         for L, kk in enumerate(kks):
             if L in st["far_lags"]:
                 F = fqc @ fkc[kk].mT  # [N, B, H, C, C]
-                F = (F.square_() if non_negative else F).mul_(st["far_m"][L])
-                far.append(F)
-                W = torch.addcmul(F * (1 - gb), A[L], gb)  # g·a + (1 − g)·F
+                if non_negative:
+                    F.square_()
+                if grad:
+                    F.mul_(st["far_m"][L])
+                    far.append(F)
+                    W = torch.mul(A[L], loc_w) if fold else torch.mul(F, 1 - gb).addcmul_(A[L], gb)
+                    if fold:
+                        W += F
+                    den += F.sum(-1) if fold else F.sum(-1).mul_(1 - g0)
+                else:
+                    F.mul_(st["far_m"][L] if fold else st["far_m"][L] * (1 - g)[:, None, None])  # (1 − g)·F
+                    den += F.sum(-1)
+                    W = A[L].add_(F)
             else:
-                W = A[L] * gb
-            den += W.sum(-1)
+                W = A[L] * loc_w if grad else A[L]
             num.view(-1, C, Dv).baddbmm_(W.view(-1, C, C), vc[kk].view(-1, C, Dv))
         full, rem = divmod(max(0, off + n - w), C)
         S_out, z_out = S_in + upd[:full].sum(0), z_in + zc[:full].sum(0)
         if rem:
             S_out = S_out + lk[full, :, :, :rem].mT @ vc[full, :, :, :rem]
             z_out = z_out + lk[full, :, :, :rem].sum(2)
-        num, den = _unchunk(num, n), _unchunk(den, n)
-        out = num / (den[..., None] + eps)
-        ctx.off, ctx.opts = off, opts
+        # out = num / (den + ε), read chunk-major and written token-major in one pass
+        e = (eps / (1 - g) if fold else torch.full_like(g, eps))[None, None, :, None]  # [1, 1, H, 1]
+        out = num.new_empty(B, H, N * C, Dv)
+        torch.div(num.movedim(0, 2), (den + e).movedim(0, 2)[..., None], out=out.view(B, H, N, C, Dv))
+        out = out[:, :, :n]
+        den = _unchunk(den, n)
+        if fold:
+            den = den * (1 - g)[None, :, None]  # the true denominator, [B, H, n]
+        ctx.off, ctx.opts, ctx.Lw = off, opts, k_w.shape[2]
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(fq, fk, v, q, k, k_sink, v_sink, S_in, z_in, g, key_ok, sink_ok, out, den,
-                              *saved, *ties, *far)
+        ctx.save_for_backward(fqc, fkc, vc, qc, kc, k_sink, v_sink, S_in, z_in, g, key_ok, sink_ok, out, den, *saved,
+                              *ties, *far)
         ctx.mark_non_differentiable(den)
-        return out, den, S_out, z_out
+        return (out, den, S_out, z_out) + windows
 
     @staticmethod
     @once_differentiable  # in-place work on its own buffers: no double backward
-    def backward(ctx, g_out, g_den, g_S, g_z):
+    def backward(ctx, g_out, g_den, g_S, g_z, g_fkw, g_vw, g_kw):
         off, opts = ctx.off, ctx.opts
         C, w, non_negative, scale, softmax, degree, eps, _ = opts
-        fq, fk, v, q, k, k_sink, v_sink, S_in, z_in, g, key_ok, sink_ok, out, den, *rest = ctx.saved_tensors
-        B, H, n, M = fq.shape
-        Dv = v.shape[-1]
-        st = _HybridCore._setup(fq, fk, v, q, k, key_ok, sink_ok, off, opts)
-        N, n_loc, kks = st["N"], st["n_loc"], st["kks"]
-        qc, kc, vc, fqc, fkc = st["qc"], st["kc"], st["vc"], st["fqc"], st["fkc"]
+        fqc, fkc, vc, qc, kc, k_sink, v_sink, S_in, z_in, g, key_ok, sink_ok, out, den, *rest = ctx.saved_tensors
+        B, H, n, Dv = out.shape
+        M, D, Ls, Lw = fqc.shape[-1], qc.shape[-1], k_sink.shape[2], ctx.Lw
+        st = _HybridCore._setup(B, H, n, Lw, key_ok, sink_ok, off, opts, out)
+        N, Wc, kks, lead = st["N"], st["Wc"], st["kks"], st["lead"]
         lq, lk = st["lift"](fqc), st["lift"](fkc)
         gb = g[None, None, :, None, None]
+        g0 = gb[..., 0]
+        nA = 2 if Ls else 1
+        A, AsT = rest[0], (rest[1] if Ls else None)
         if softmax:
-            (A, As, tie, tie_s), far = rest[:4], rest[4:]
+            tie, tie_s = rest[nA], (rest[nA + 1] if Ls else None)
+            far = rest[2 * nA:]
         else:
-            (logit, logit_s), far = rest[:2], rest[2:]
-            A, As = logit**degree, logit_s**degree
+            logit, logit_s = A, AsT
+            A, AsT = logit**degree, (logit_s**degree if Ls else None)
+            far = rest[nA:]
         r = 1.0 / (den + eps)  # [B, H, n]
-        g_out = fq.new_zeros(B, H, n, Dv) if g_out is None else g_out
+        g_out = out.new_zeros(B, H, n, Dv) if g_out is None else g_out
         dnum = _chunks(g_out * r[..., None], N, C)  # [N, B, H, C, Dv]
         dden = _chunks((-(g_out * out).sum(-1) * r)[..., None], N, C)[..., 0]  # [N, B, H, C]
         # far state
@@ -383,110 +524,133 @@ class _HybridCore(torch.autograd.Function):
         P = (st["prefix"] @ upd.flatten(1)).view(N, *upd.shape[1:]) + S_in
         zP = (st["prefix"] @ zc.flatten(1)).view(N, *zc.shape[1:]) + z_in
         dP0 = lq.mT @ dnum  # [N, B, H, M2, Dv]   (before the factor 1 − g)
-        dzP0 = (lq.mT @ dden[..., None])[..., 0]  # [N, B, H, M2]
+        dzP0 = (dden[..., None, :] @ lq)[..., 0, :]  # [N, B, H, M2]
         dgh = -((dP0 * P).sum(dim=(0, 1, 3, 4)) + (dzP0 * zP).sum(dim=(0, 1, 3)))  # [H]  d/dg of (1 − g)·far
-        dP, dzP = dP0.mul_(1 - gb), dzP0.mul_(1 - gb[..., 0])
+        dP, dzP = dP0.mul_(1 - gb), dzP0.mul_(1 - g0)
         dlq = (dnum @ P.mT + dden[..., None] * zP[..., None, :]).mul_(1 - gb)  # [N, B, H, C, M2]
         dS_in, dz_in, dlk, dvc = _far_state_grads(st["prefix"], dP, dzP, lk, vc, g_S, g_z, max(0, off + n - w))
         dfq, dfk = (_unlift(dlq, fqc), _unlift(dlk, fkc)) if non_negative else (dlq, dlk)
         # local and near-far lags: da = dnum·vᵀ + dden is the gradient of every weight of a (query, key)
-        dA = []
+        dA = torch.empty_like(A)  # [n_loc, N, B, H, C, C]
         for L, kk in enumerate(kks):
-            da = (dnum @ vc[kk].mT).add_(dden[..., None])  # [N, B, H, C, C]
+            torch.matmul(dnum, vc[kk].mT, out=dA[L])
+        dA.add_(dden[None, ..., None])
+        for L, kk in enumerate(kks):
             if L in st["far_lags"]:
                 F = far[st["far_lags"].index(L)]
-                W = torch.addcmul(F * (1 - gb), A[L], gb)
-                dgh -= (F * da).sum(dim=(0, 1, 3, 4))
-                ds = (da * st["far_m"][L]).mul_(1 - gb)
+                dgh -= (F * dA[L]).sum(dim=(0, 1, 3, 4))
+                ds = dA[L] * (st["far_m"][L] * (1 - g)[:, None, None])  # the far weights' gradient (1 − g)·da
                 if non_negative:
                     ds.mul_(fqc @ fkc[kk].mT).mul_(2.0)  # d(s²) = 2s
-                dfq += ds @ fkc[kk]
-                dfk[kk] += ds.mT @ fqc
+                dfq.view(-1, C, M).baddbmm_(ds.view(-1, C, C), fkc[kk].view(-1, C, M))
+                dfk[kk].view(-1, C, M).baddbmm_(ds.view(-1, C, C).mT, fqc.view(-1, C, M))
+                W = torch.mul(F, 1 - gb).addcmul_(A[L], gb)
             else:
                 W = A[L] * gb
-            dvc[kk] += W.mT @ dnum
-            dA.append(da)  # the local weights' gradient is g·da
-        Ls = k_sink.shape[2]
+            dvc[kk].view(-1, C, Dv).baddbmm_(W.view(-1, C, C).mT, dnum.view(-1, C, Dv))
         dv_sink = torch.zeros_like(v_sink)
-        da_s = None
-        if Ls:
-            da_s = (dnum @ v_sink[None].mT).add_(dden[..., None])  # [N, B, H, C, Ls]
-            dv_sink = ((As * gb).mT @ dnum).sum(0)  # [B, H, Ls, Dv]
+        if Ls:  # the sinks transposed, [N, B, H, Ls, C]
+            daT_s = torch.bmm(_HybridCore._per_chunk(v_sink, N), dnum.view(-1, C, Dv).mT).view(N, B, H, Ls, C)
+            daT_s.add_(dden[..., None, :])
+            dv_sink = torch.bmm((AsT * gb).view(-1, Ls, C), dnum.view(-1, C, Dv)).view(N, B, H, Ls, Dv).sum(0)
         # through a(logit): softmax a = exp(l − c) (c the row max: its gradient goes to where the max is
         # taken, split evenly between ties, as autograd's amax), poly a = l^p
-        dl = [A[L] * dA[L] for L in range(n_loc)] + ([As * da_s] if Ls else [])  # a·da, then g·a·da
-        for x in dl:
-            dgh += x.sum(dim=(0, 1, 3, 4))  # d/dg of g·Σ a v (and of g·Σ a)
+        dl_s = None
         if softmax:
-            dl = [x.mul_(gb) for x in dl]
-            dl, dl_s = dl[:n_loc], (dl[n_loc] if Ls else None)
-            dc = -sum(x.sum(-1) for x in dl)  # [N, B, H, C]
-            count = sum(t.sum(-1) for t in tie[:n_loc]) if n_loc else 0
+            dl = dA.mul_(A)  # a·da
+            rho = dl.sum(-1).sum(0)  # [N, B, H, C]
             if Ls:
-                dc = dc - dl_s.sum(-1)
-                count = count + tie_s.sum(-1)
-            share = dc / torch.clamp(count, min=1)  # [N, B, H, C]
-            for L in range(n_loc):
-                dl[L] += tie[L] * share[..., None]
+                dl_s = daT_s.mul_(AsT)
+                rho += dl_s.sum(-2)
+            dgh += rho.sum(dim=(0, 1, 3))  # d/dg of g·Σ a v (and of g·Σ a)
+            count = tie.sum(-1).sum(0)
             if Ls:
-                dl_s += tie_s * share[..., None]
+                count = count + tie_s.sum(-2)
+            share = (rho * g0).neg_().div_(torch.clamp(count, min=1))  # dc / ties   [N, B, H, C]
+            dl.mul_(gb).addcmul_(tie, share[None, ..., None])  # g·a·da + the share of dc at the maximum
+            if Ls:
+                dl_s.mul_(gb).addcmul_(tie_s, share[..., None, :])
         else:
-            dl = [dA[L].mul_(gb * degree) * logit[L] ** (degree - 1) for L in range(n_loc)]
-            dl_s = da_s.mul_(gb * degree) * logit_s ** (degree - 1) if Ls else None
-        dqc = torch.zeros_like(qc)  # gradient w.r.t. the scaled q
+            dgh += (A * dA).sum(dim=(0, 1, 2, 4, 5))
+            dl = dA.mul_(gb * degree).mul_(logit ** (degree - 1))  # g·p·l^(p−1)·da
+            if Ls:
+                dgh += (AsT * daT_s).sum(dim=(0, 1, 3, 4))
+                dl_s = daT_s.mul_(gb * degree).mul_(logit_s ** (degree - 1))
+        dqc = torch.zeros_like(qc)  # kc holds s·k: dq = dl·(s·k), dk = s·dlᵀq
         dkc = torch.zeros_like(kc)
         # off the local keys dl is 0 already for softmax (a = 0, no tie there) and for p >= 2 (l = 0)
         unmasked = not softmax and degree < 2
         for L, kk in enumerate(kks):
             if unmasked:
-                dl[L] = dl[L].masked_fill_(~st["loc_ok"][L], 0.0)
-            dqc += dl[L] @ kc[kk]
-            dkc[kk] += dl[L].mT @ qc
+                dl[L, st["part"]:].masked_fill_(~st["loc_m"][L], 0.0)
+                if st["part"]:
+                    dl[L, :st["part"]].masked_fill_(~st["loc_ok"][L], 0.0)
+            dqc.view(-1, C, D).baddbmm_(dl[L].view(-1, C, C), kc[kk].view(-1, C, D))
+            dkc[kk].view(-1, C, D).baddbmm_(dl[L].view(-1, C, C).mT, qc.view(-1, C, D))
         dk_sink = torch.zeros_like(k_sink)
         if Ls:
             if unmasked:
                 dl_s = dl_s.masked_fill_(~st["sok"], 0.0)
-            dqc += dl_s @ k_sink[None]
-            dk_sink = (dl_s.mT @ qc).sum(0)  # [B, H, Ls, D]
-        Lk = fk.shape[2]
-        return (_unchunk(dfq, n), _unchunk(dfk, Lk), _unchunk(dvc, Lk), _unchunk(dqc, n) * scale, _unchunk(dkc, Lk),
+            dl_s = dl_s.view(-1, Ls, C)
+            dqc.view(-1, C, D).baddbmm_(dl_s.mT, _HybridCore._per_chunk(k_sink * scale, N))
+            dk_sink = torch.bmm(dl_s, qc.view(-1, C, D)).view(N, B, H, Ls, D).sum(0).mul_(scale)  # [B, H, Ls, D]
+        dkc.mul_(scale)
+        # the held window and the block's keys: the far mask; the window outputs' gradients join the raw keys'
+        if st["okc"] is not None:
+            dfk[:st["bad"] + 1].mul_(st["okc"])
+        grads = []
+        for dx, gw in ((dfk, g_fkw), (dvc, g_vw), (dkc, g_kw)):
+            if gw is not None:
+                _add_rows(dx, off + n - gw.shape[2], gw)
+            grads.append((_rows(dx, lead, Lw) if Lw else None, _unchunk(dx[Wc:], n)))
+        (dfk_w, dfk_n), (dv_w, dv_n), (dk_w, dk_n) = grads
+        return (_unchunk(dfq, n), dfk_n, dv_n, _unchunk(dqc, n), dk_n, dfk_w, dv_w, dk_w,
                 dk_sink, dv_sink, dS_in, dz_in, dgh, None, None, None, None)
 
 
-def hybrid_core(fq, fk, v, q, k, k_sink, v_sink, S_in, z_in, g, key_ok, sink_ok, *, off: int, window: int,
-                chunk_size: int, non_negative: bool, scale: float, local: str, degree, eps: float):
+def hybrid_core(fq, fk, v, q, k, fk_w, v_w, k_w, k_sink, v_sink, S_in, z_in, g, key_ok, sink_ok, *, off: int,
+                window: int, chunk_size: int, non_negative: bool, scale: float, local: str, degree, eps: float):
     r"""One causal block of the sliding-window hybrid, forward and backward by hand.
 
-    Queries ``t = 0 … n−1`` are keys ``off + t`` of ``k``/``fk``/``v``; ``off`` is a multiple of
-    ``chunk_size`` and every key more than ``off/C`` chunks before its query's chunk is padding
+    The keys are ``off − L_w`` zero rows, the held window (``k_w``, ``L_w`` keys) and the block's
+    ``n`` tokens, which are also the queries: query ``t`` is key ``off + t``. ``off`` is a multiple
+    of ``chunk_size`` and every key more than ``off/C`` chunks before its query's chunk is padding
     (``key_ok = False``, zero features): the caller takes ``off/C >= min(⌈(w + C − 1)/C⌉,
-    ⌈L_w/C⌉ + ⌈n/C⌉) − 1`` with ``L_w`` the held window. With ``a`` the local
-    weights (``exp(s·qᵀk − c)`` over the keys ``0 <= lag < w`` with ``key_ok`` and the sinks,
-    ``c`` their maximum; or ``(s·qᵀk)^p``) and ``f`` the far kernel (keys ``lag >= w`` through
-    ``fk``, and the state ``S_in, z_in`` of every earlier key):
+    ⌈L_w/C⌉ + ⌈n/C⌉) − 1``. With ``a`` the local weights (``exp(s·qᵀk − c)`` over the keys
+    ``0 <= lag < w`` with ``key_ok`` and the sinks, ``c`` their maximum; or ``(s·qᵀk)^p``) and ``f``
+    the far kernel (keys ``lag >= w`` with ``key_ok`` through their features, and the state
+    ``S_in, z_in`` of every earlier key):
 
     .. math:: o_t = \frac{g\sum a\,v + (1-g)\sum f\,v}{g\sum a + (1-g)\sum f + \varepsilon}.
 
     The near-far key chunk shares its matmul with the local one (``(g·a + (1−g)·f) @ v``); the
-    backward recomputes the far states and keeps the local weights and the near-far scores.
+    softmax weights come from one ``softmax`` per key-chunk lag, rescaled to ``exp(l − c)`` (it
+    never takes ``exp(−inf)``, which is slow on CPU). The backward recomputes the far states and
+    the chunk-major copies and keeps the local weights, where the maximum is taken, and the
+    near-far scores.
 
     Parameters
     ----------
-    fq : ``[B, H, n, M]``; fk : ``[B, H, off + n, M]`` (zero off the far keys); v : ``[B, H, off + n, Dv]``
-    q : ``[B, H, n, D]``; k : ``[B, H, off + n, D]``
+    fq : ``[B, H, n, M]``; fk : ``[B, H, n, M]``; v : ``[B, H, n, Dv]``; q, k : ``[B, H, n, D]``
+        The block's tokens.
+    fk_w, v_w, k_w : ``[B, H, L_w, ·]``
+        The held window (``L_w <= off``), its features raw (``key_ok`` masks them here).
     k_sink, v_sink : ``[B, H, Ls, D]``, ``[B, H, Ls, Dv]``
     S_in, z_in : ``[B, H, M2, Dv]``, ``[B, H, M2]``
     g : ``[H]``, the gate ``sigmoid(gate)``
-    key_ok : bool ``[B, off + n]``, a key that may be local; sink_ok : bool ``[B|1, 1, n, Ls]``
+    key_ok : bool ``[B, off + n]``, a key that may be local or far; sink_ok : bool ``[B|1, 1, n, Ls]``
     off, window, chunk_size, non_negative, scale, local, degree, eps
         ``local`` is ``"softmax"`` or ``"poly"`` (degree ``p``).
 
     Returns
     -------
-    ``(out [B, H, n, Dv], den [B, H, n] (not differentiable), S_out, z_out)``, the state of every
-    key at least ``w`` before the block's end.
+    ``(out [B, H, n, Dv], den [B, H, n] (not differentiable), S_out, z_out, fk_w', v_w', k_w')``: the
+    state of every key at least ``w`` before the block's end, and the window the next block holds
+    (the last ``min(w, L_w + n)`` keys, features raw).
     """
     grad = torch.is_grad_enabled() and any(
-        isinstance(x, torch.Tensor) and x.requires_grad for x in (fq, fk, v, q, k, k_sink, v_sink, S_in, z_in, g))
+        isinstance(x, torch.Tensor) and x.requires_grad
+        for x in (fq, fk, v, q, k, fk_w, v_w, k_w, k_sink, v_sink, S_in, z_in, g))
     opts = (chunk_size, window, non_negative, float(scale), local == "softmax", degree, float(eps), grad)
-    return _HybridCore.apply(fq, fk, v, q, k, k_sink, v_sink, S_in, z_in, g, key_ok, sink_ok, off, opts)
+    return _HybridCore.apply(fq, fk, v, q, k, fk_w, v_w, k_w, k_sink, v_sink, S_in, z_in, g, key_ok, sink_ok, off,
+                             opts)

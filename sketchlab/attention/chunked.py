@@ -17,8 +17,9 @@ The LLoPS map is computed block by block from ``q``/``k`` (:func:`llops_attentio
 the whole ``[B, T, H, M]`` feature tensor is never held in the forward pass. Memory in the
 forward pass: ``O(T·(D + Dv))`` for inputs and output plus, per block,
 ``O(block·(M + C) + chunks·M·Dv)``: never ``T²``. Under autograd each block keeps its features,
-its ``C × C`` near scores (the hybrid: its local weights, ``O(block·(w + C))``) and its
-incoming state for the backward pass, ``O(T·(M + C) + (T/block)·M·Dv)``: linear in ``T``.
+its ``C × C`` near scores (the hybrid: its local weights, ``O(block·(w + C))``, and chunk-major
+copies of its ``q, k, v``) and its incoming state for the backward pass,
+``O(T·(M + C) + (T/block)·M·Dv)``: linear in ``T``.
 
 ``non_negative=True`` (self-tensored features ``φ ⊗ φ``, kernel :math:`(\phi(q)\cdot\phi(k))^2`):
 the intra-chunk scores are squared and never touch ``M²``; the inter-chunk state is

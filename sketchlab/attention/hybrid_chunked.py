@@ -87,14 +87,14 @@ def _hybrid_causal_block(h: _Hybrid, state, q_new, k_new, v_new, fq_new, fk_new,
     """One block of ``n`` new tokens of the causal hybrid, continuing ``state`` (positions from
     ``state.offset``). Tensors ``[B, H, n, ·]``, ``valid_new [B, n]``. Returns ``([B, H, n, Dv], state)``.
 
-    The keys are extended in front by the held window and zeros to whole chunks (``off`` keys,
-    ``off/C >= `` the local lags in chunks − 1, so every query chunk has a key chunk at each lag).
-    Far part: :func:`~sketchlab.attention.chunk_core.chunk_core` with ``lag = w`` on the keys'
-    features zeroed off the far keys (sinks, padding); it also returns the new ``S, z``. Local
-    part: for query chunk ``c`` the ``C × C`` logits against each key chunk ``L = 0 … ⌈(w + C − 1)/C⌉ − 1``
-    back (chunk-major, so each is a slice, no band copy), joined with the sinks' along the key
-    axis, masked by one precomputed lag mask and the keys' validity, the row maximum ``c_i``
-    taken over all of them. Cost ``O(n·(w + C + sinks)·(D + M))``.
+    The keys are the held window and the block's tokens behind zeros to whole chunks (``off`` keys
+    before the block, ``off/C >= `` the local lags in chunks − 1, so every query chunk has a key
+    chunk at each lag): :func:`~sketchlab.attention.chunk_core.hybrid_core` joins them in its own
+    chunk-major copy and returns the new ``S, z`` and the window the next block holds. Far part:
+    lag ``w`` on the keys' features with the sinks and padding out; local part: for query chunk
+    ``c`` the ``C × C`` logits against each key chunk ``L = 0 … ⌈(w + C − 1)/C⌉ − 1`` back (each a
+    slice), the sinks' beside them, masked by one precomputed lag mask and the keys' validity, the
+    row maximum ``c_i`` taken over all of them. Cost ``O(n·(w + C + sinks)·(D + M))``.
     """
     from .state import AttentionState
 
@@ -122,36 +122,26 @@ def _hybrid_causal_block(h: _Hybrid, state, q_new, k_new, v_new, fq_new, fk_new,
     off = Wc * C
     front = off - Lw
 
-    def joined(held, new):  # [front zeros | held window | new tokens] on the token axis, one copy
-        if held.ndim == 2:  # a mask [B, ·]
-            return torch.cat([held.new_zeros(B, front), held, new], 1)
-        return torch.cat([held.new_zeros(B, H, front, held.shape[3]), held, new], 2)
-
     mw = torch.ones(B, Lw, dtype=torch.bool, device=dev) if state.mask_window is None else state.mask_window
     mn = torch.ones(B, n, dtype=torch.bool, device=dev) if valid_new is None else valid_new
-    kp, vp, fp = joined(state.k_window, k_new), joined(state.v_window, v_new), joined(state.phi_window, fk_new)
-    mp = joined(mw, mn)  # [B, off + n]
+    mp = torch.cat([mw.new_zeros(B, front), mw, mn], 1)  # [B, off + n]: front zeros | held window | new tokens
     pos = torch.arange(P0 - off, P0 + n, device=dev)  # [off + n]
     ok = mp & (pos >= sinks)[None, :]  # a local / far key: real and not a sink
     qpos = P0 + torch.arange(n, device=dev)  # [n]
     sink_ok = (torch.arange(Ls, device=dev) <= qpos[:, None])[None, None]  # [1, 1, n, Ls]
     if mask_sink is not None:
         sink_ok = sink_ok & mask_sink[:, None, None, :]
-    # the far sums read the keys' features: zero those of sinks and padding (front zeros already are)
-    masked = state.mask_window is not None or valid_new is not None or P0 - Lw < sinks
-    out, den, S_new, z_new = hybrid_core(
-        fq_new, fp * ok[:, None, :, None].to(fp.dtype) if masked else fp, vp, q_new, kp, k_sink, v_sink, state.S, state.z,
-        h.g.view(-1), ok, sink_ok, off=off, window=w, chunk_size=C,
+    out, den, S_new, z_new, phi_w, v_w, k_w = hybrid_core(
+        fq_new, fk_new, v_new, q_new, k_new, state.phi_window, state.v_window, state.k_window, k_sink, v_sink,
+        state.S, state.z, h.g.view(-1), ok, sink_ok, off=off, window=w, chunk_size=C,
         non_negative=h.non_negative, scale=h.scale, local=h.local, degree=h.degree, eps=h.eps)
     if counter is not None:
         counter.add(den, mn)
-    we = min(w, P0 + n)
-    keep = slice(off + n - we, off + n)  # the last `we` positions: the new window
+    we = min(w, P0 + n)  # the new window: the last `we` positions (the core returns their keys)
     has_mask = state.mask_window is not None or valid_new is not None
     new_state = AttentionState(
-        S=S_new, z=z_new, k_window=kp[:, :, keep], v_window=vp[:, :, keep], phi_window=fp[:, :, keep],
-        k_sink=k_sink, v_sink=v_sink, offset=P0 + n,
-        mask_window=mp[:, keep] if has_mask else None, mask_sink=mask_sink)
+        S=S_new, z=z_new, k_window=k_w, v_window=v_w, phi_window=phi_w, k_sink=k_sink, v_sink=v_sink, offset=P0 + n,
+        mask_window=mp[:, off + n - we:] if has_mask else None, mask_sink=mask_sink)
     return out, new_state
 
 
