@@ -511,6 +511,48 @@ LM_QUICK = LMScale(d_model=64, n_layers=2, n_heads=2, seq_len=128, batch=16, pre
                    eval_windows=32, eval_every=50, seeds=(0,))
 
 
+def lm_path(kind: str, s: LMScale, seed: int, work) -> Path:
+    """Where :func:`lm_run` writes (and finds) the run ``kind`` of ``seed`` at scale ``s``."""
+    tag = f"{kind}_s{seed}_d{s.d_model}_L{s.n_layers}_T{s.seq_len}_n{s.pretrain}+{s.extra}"
+    return Path(work) / "table1" / f"{tag}.json"
+
+
+def table1_verdict(llops: dict, based: dict) -> str:
+    """One honest sentence: LLoPS + CT − BASED + CT (final held-out nats/byte) against the seed spread.
+
+    ``llops``, ``based``: seed -> final held-out nats/byte. The seeds both arms share are paired
+    (each LLoPS arm continues the same pretrained model as the BASED arm of its seed). The spread
+    is the larger between-seed sd of the two arms; a side is called better only when the mean
+    paired difference exceeds twice that spread (the rule of :func:`verdict`), and the paired
+    t = mean / (sd / √n) and the signs of the seeds' differences are quoted beside it.
+    """
+    seeds = sorted(set(llops) & set(based))
+    if not seeds:
+        return "**LLoPS + CT − BASED + CT:** no seed has both arms: no comparison."
+    d = [llops[s] - based[s] for s in seeds]
+    each = ", ".join(f"{x:+.4f} (seed {s})" for s, x in zip(seeds, d))
+    if len(seeds) < 2:
+        return (f"**LLoPS + CT − BASED + CT:** {each} nats/byte (negative = LLoPS better); one seed, so no spread "
+                "to compare it with and no claim either way.")
+    md, sdd = mean_sd(d)
+    sl, sb = mean_sd([llops[s] for s in seeds])[1], mean_sd([based[s] for s in seeds])[1]
+    spread = max(sl, sb)
+    t = md / (sdd / math.sqrt(len(d))) if sdd > 0 else math.copysign(math.inf, md)
+    signs = ("every seed's difference is positive (LLoPS worse)" if min(d) > 0 else
+             "every seed's difference is negative (LLoPS better)" if max(d) < 0 else "the seeds' differences change sign")
+    if abs(md) > 2 * spread:
+        word = f"the difference is larger than the seed spread: {'BASED' if md > 0 else 'LLoPS'} + CT is better here"
+    elif abs(md) > spread:
+        word = ("the difference is larger than one seed sd but not than twice it: no claim by that rule, though the "
+                "paired t says how consistent it is")
+    else:
+        word = "the difference is within the seed spread: no difference beyond it"
+    return (f"**LLoPS + CT − BASED + CT:** {md:+.4f} ± {sdd:.4f} nats/byte over {len(d)} paired seeds ({each}; "
+            f"negative = LLoPS better); the seed spread (between-seed sd of the final held-out loss) is "
+            f"{sl:.4f} for LLoPS + CT and {sb:.4f} for BASED + CT; paired t = {t:+.1f}; {signs}; {word} (rule: a "
+            f"side is better when the mean difference exceeds twice the larger seed sd, {2 * spread:.4f}).")
+
+
 def lm_run(kind: str, s: LMScale, seed: int, work: str, threads: int) -> dict:
     """One Table 1 arm: ``pretrain`` (BASED), ``based-ct``, ``llops-ct`` (both from the pretrained BASED), ``softmax``."""
     import torch
@@ -519,8 +561,7 @@ def lm_run(kind: str, s: LMScale, seed: int, work: str, threads: int) -> dict:
     from sketchlab.tasks.text import based_to_llops, conversion_error, lm_batch, shakespeare_text, train_lm
     from sketchlab.tasks.train import load_checkpoint, save_checkpoint
 
-    tag = f"{kind}_s{seed}_d{s.d_model}_L{s.n_layers}_T{s.seq_len}_n{s.pretrain}+{s.extra}"
-    path = Path(work) / "table1" / f"{tag}.json"
+    path = lm_path(kind, s, seed, work)
     if path.is_file():
         return json.loads(path.read_text())
     torch.set_num_threads(threads)
@@ -573,16 +614,26 @@ def table1(args) -> int:
     t0 = time.perf_counter()
     kinds = ("pretrain", "based-ct", "llops-ct", "softmax")
     runs = {k: [] for k in kinds}
-    for seed in s.seeds:  # pretrain first (the continued arms read its checkpoint), then the rest in parallel
-        runs["pretrain"].append(lm_run("pretrain", s, seed, str(args.work), args.threads))
-    rest = [(k, seed) for k in kinds[1:] for seed in s.seeds]
-    with ProcessPoolExecutor(max(1, args.jobs)) as pool:
-        done = list(pool.map(lm_run, [k for k, _ in rest], [s] * len(rest), [sd for _, sd in rest],
-                             [str(args.work)] * len(rest), [args.threads] * len(rest)))
-    for r in done:
-        runs[r["kind"]].append(r)
+    if args.report_only:  # finished runs only; a missing one is named in the report
+        for k in kinds:
+            for seed in s.seeds:
+                f = lm_path(k, s, seed, args.work)
+                if f.is_file():
+                    runs[k].append(json.loads(f.read_text()))
+    else:
+        for seed in s.seeds:  # pretrain first (the continued arms read its checkpoint), then the rest in parallel
+            runs["pretrain"].append(lm_run("pretrain", s, seed, str(args.work), args.threads))
+        rest = [(k, seed) for k in kinds[1:] for seed in s.seeds]
+        with ProcessPoolExecutor(max(1, args.jobs)) as pool:
+            done = list(pool.map(lm_run, [k for k, _ in rest], [s] * len(rest), [sd for _, sd in rest],
+                                 [str(args.work)] * len(rest), [args.threads] * len(rest)))
+        for r in done:
+            runs[r["kind"]].append(r)
+    for k in kinds:
+        runs[k].sort(key=lambda r: r["seed"])
     ln2 = math.log(2)
     final = lambda r: r["curve"][-1]["heldout_nats"]  # noqa: E731
+    missing = [f"{k} seed {seed}" for k in kinds for seed in s.seeds if seed not in {r["seed"] for r in runs[k]}]
     L = ["# Table 1 analogue: BASED -> LLoPS continual training on Shakespeare (bytes)", "",
          f"Generated by `python analysis/paper_training.py {_command()}` on "
          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; torch {torch.__version__}, sketchlab "
@@ -596,21 +647,39 @@ def table1(args) -> int:
          f"homogeneous part of BASED's Taylor map, chosen because it is exactly a LLoPS (the Taylor map's 1 + s terms "
          f"are not). Pretraining {s.pretrain} steps; then {s.extra} more steps (a fresh optimiser and schedule) as "
          f"(a) BASED (BASED+CT) and (b) LLoPS converted exactly from it (Θ at {KERNEL_LR} × the rate); (c) softmax "
-         f"trained {s.pretrain + s.extra} steps from scratch as the reference. Seeds {', '.join(map(str, s.seeds))}.", "",
-         "| model | held-out nats/byte | bits/byte | perplexity (per byte) |", "|---|---|---|---|"]
+         f"trained {s.pretrain + s.extra} steps from scratch as the reference. Seeds {', '.join(map(str, s.seeds))}"
+         f" (a seed sets the initialisation and the data stream; both CT arms of a seed continue the same pretrained "
+         f"model on the same data).", ""]
+    if missing:
+        L += [f"**Not run (yet):** {', '.join(missing)}; the rows below cover the finished runs only.", ""]
     names = {"pretrain": "BASED (pretrained)", "based-ct": "BASED + CT", "llops-ct": "BASED → LLoPS + CT",
              "softmax": "softmax (reference)"}
+    L += ["Final held-out loss: mean ± sd over seeds (sd: the sample standard deviation), then each seed's value; "
+          "perplexity per byte = exp(mean nats/byte).", "",
+          "| model | steps | held-out nats/byte | bits/byte | perplexity (per byte) | "
+          + " | ".join(f"seed {seed} (nats/byte)" for seed in s.seeds) + " |",
+          "|---|---|---|---|---|" + "---|" * len(s.seeds)]
     for k in kinds:
         xs = [final(r) for r in runs[k]]
+        if not xs:
+            L.append(f"| {names[k]} | – | not run | – | – |" + " – |" * len(s.seeds))
+            continue
         m, sd = mean_sd(xs)
-        L.append(f"| {names[k]} | {m:.4f} ± {sd:.4f} ({', '.join(f'{x:.4f}' for x in xs)}) | {m / ln2:.4f} | "
-                 f"{math.exp(m):.3f} |")
-    conv = [(r["conversion_max_abs_logit_change"], r["logit_scale"]) for r in runs["llops-ct"]]
-    L += ["", "**Conversion check** (float64, the pretrained model's own held-out windows, before training resumes): "
-          + "; ".join(f"max |Δ logit| = {d:.2e} with logits up to {z:.1f}" for d, z in conv) + ".", ""]
-    d = [final(a) - final(b) for a, b in zip(runs["llops-ct"], runs["based-ct"])]
-    L += [f"**LLoPS + CT − BASED + CT:** {', '.join(f'{x:+.4f}' for x in d)} nats/byte "
-          f"(negative = LLoPS better).", ""]
+        per = {r["seed"]: final(r) for r in runs[k]}
+        L.append(f"| {names[k]} | {runs[k][0]['curve'][-1]['step']} | {m:.4f} ± {sd:.4f} | {m / ln2:.4f} ± "
+                 f"{sd / ln2:.4f} | {math.exp(m):.3f} | "
+                 + " | ".join(f"{per[seed]:.4f}" if seed in per else "–" for seed in s.seeds) + " |")
+    conv = [(r["seed"], r["conversion_max_abs_logit_change"], r["logit_scale"]) for r in runs["llops-ct"]]
+    if conv:
+        L += ["", "**Conversion check** (float64, the pretrained model's own held-out windows, before training "
+              "resumes): " + "; ".join(f"seed {seed_}: max |Δ logit| = {d:.2e} with logits up to {z:.1f}"
+                                       for seed_, d, z in conv) + ".", ""]
+    else:
+        L += [""]
+    L += [table1_verdict({r["seed"]: final(r) for r in runs["llops-ct"]},
+                         {r["seed"]: final(r) for r in runs["based-ct"]}), ""]
+    if args.note:
+        L += [args.note, ""]
     fig, ax = plt.subplots(figsize=(5.5, 3.5))
     for i, k in enumerate(kinds):
         for j, r in enumerate(runs[k]):

@@ -108,3 +108,29 @@ def test_verdict_compares_the_difference_with_the_seed_spread():
     assert math.isclose(pt.mean_sd([0.80, 0.82, 0.84])[1], 0.02)
     assert pt.fmt([0.80, 0.82, 0.84]) == "0.820 ± 0.020 (0.800, 0.820, 0.840)"
     assert pt.fmt([0.5]) == "0.500 (1 seed)"  # no "± 0.000" for a single run
+
+
+def test_table1_verdict_compares_the_paired_difference_with_the_seed_spread():
+    based = {0: 2.10, 1: 2.12, 2: 2.14}  # sd 0.02
+    # LLoPS worse by 0.01 on every seed: consistent (paired sd 0) but within the 0.02 spread
+    text = pt.table1_verdict({s: x + 0.01 for s, x in based.items()}, based)
+    assert "+0.0100 ± 0.0000 nats/byte over 3 paired seeds" in text and "paired t = +inf" in text
+    assert "every seed's difference is positive" in text and "within the seed spread" in text
+    assert "0.0200 for LLoPS + CT and 0.0200 for BASED + CT" in text and "twice the larger seed sd, 0.0400" in text
+    # 0.03 better (> 1 sd, < 2 sd): no claim by the rule
+    text = pt.table1_verdict({s: x - 0.03 for s, x in based.items()}, based)
+    assert "-0.0300" in text and "every seed's difference is negative" in text and "not than twice it" in text
+    # LLoPS worse by 0.06, 0.07, 0.08: mean 0.07 > 2 × 0.03 (the larger sd, LLoPS's own): BASED better
+    llops = {0: 2.16, 1: 2.19, 2: 2.22}
+    text = pt.table1_verdict(llops, based)
+    assert "+0.0700 ± 0.0100" in text and "paired t = +12.1" in text  # 0.07 / (0.01/√3) = 12.12
+    assert "larger than the seed spread: BASED + CT is better here" in text and "sd, 0.0600)" in text
+    # the same differences over arms that spread more (sds 0.06 and 0.07): within the spread
+    wide = {0: 2.06, 1: 2.12, 2: 2.18}
+    text = pt.table1_verdict({s: wide[s] + x for s, x in ((0, 0.06), (1, 0.07), (2, 0.08))}, wide)
+    assert "+0.0700 ± 0.0100" in text and "within the seed spread" in text and "sd, 0.1400)" in text
+    # mixed signs; unpaired seeds are left out; one seed: no claim
+    text = pt.table1_verdict({0: 2.11, 1: 2.11, 2: 2.15, 5: 9.0}, based)
+    assert "change sign" in text and "seed 5" not in text and "over 3 paired seeds" in text
+    assert "no claim either way" in pt.table1_verdict({0: 2.2}, based)
+    assert "no comparison" in pt.table1_verdict({7: 2.2}, based)
