@@ -134,3 +134,27 @@ def test_table1_verdict_compares_the_paired_difference_with_the_seed_spread():
     assert "change sign" in text and "seed 5" not in text and "over 3 paired seeds" in text
     assert "no claim either way" in pt.table1_verdict({0: 2.2}, based)
     assert "no comparison" in pt.table1_verdict({7: 2.2}, based)
+
+
+@pytest.mark.parametrize("key", ["based-w16", "llops-p4-m256-w16", "llops-p2-m256-based-w16", "hedgehog-w16"])
+def test_hybrid_methods_are_their_pure_kernel_plus_a_window(key):
+    # issue 20: each method pure and with the sliding-window hybrid. The "-w16" method is its pure
+    # method's kernel (same map, options, init and Θ rate) with window 16 (BASED's window 64 at a
+    # quarter of Zoology's lengths) and a learned gate; at T = 24 > 16 its attention output differs
+    # from the pure kernel's with the same weights (the window's exact softmax replaces the sketch
+    # on the last 16 keys; here by > 1e-2 of the output's size, while a window silently dropped
+    # gives the pure output to round-off).
+    table = pt.methods(D_MODEL)
+    hybrid, pure = table[key], table[key.removesuffix("-w16")]
+    assert hybrid.options == {**pure.options, "window": 16}
+    assert (hybrid.attention, hybrid.init, hybrid.kernel_lr) == (pure.attention, pure.init, pure.kernel_lr)
+    h, p = pt.build_model(hybrid, D_MODEL, VOCAB, seed=0), pt.build_model(pure, D_MODEL, VOCAB, seed=0)
+    kernels = kernel_modules(h)
+    assert len(kernels) == 2 and all(k.options["window"] == 16 and k.gate is not None for k in kernels)
+    assert all(k.options["window"] == 0 for k in kernel_modules(p))
+    copy_shared_weights(h, p)
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(2, 24, 1, D_MODEL, generator=g) for _ in range(3))  # [B, T, H, D]
+    with torch.no_grad():
+        a, b = kernels[0](q, k, v), kernel_modules(p)[0](q, k, v)
+    assert float((a - b).abs().max()) > 1e-2 * float(b.abs().max())
