@@ -344,6 +344,13 @@ def write_mqar_report(args, scale, table, swept, best_lr, seeded, m_runs, wall):
           f"2-core machine; {wall / 60:.1f} min wall for this invocation "
           f"(finished runs are read back from `{Path(args.work).relative_to(ROOT) if Path(args.work).is_relative_to(ROOT) else args.work}`), "
           f"{total / 60:.1f} min of run time in all.", ""]
+    fixed = dict(x.split("=") for x in args.fixed_lr.split(",") if x)
+    swept_keys = [m for m in scale.sweep_methods if m not in fixed]
+    rates = (f"Learning rates swept: {', '.join(f'{x:g}' for x in scale.lrs)} on seed {scale.seeds[0]} for "
+             f"{', '.join(swept_keys)}" if swept_keys else "No learning-rate sweep in this invocation")
+    if fixed:
+        rates += "; rates fixed (not swept): " + ", ".join(f"{m} {float(lr):g}" for m, lr in fixed.items())
+    rates += "; every other method uses the winner of its family, else softmax's."
     tr = ", ".join(f"({T}, {P})" for T, P in scale.train_pairs())
     te = ", ".join(f"({T}, {P})" for T, P in scale.test_pairs())
     L += ["## Protocol, and where it deviates from Zoology's", "",
@@ -358,9 +365,8 @@ def write_mqar_report(args, scale, table, swept, best_lr, seeded, m_runs, wall):
           f"a gated BaseConv then the mixer (Hybrid), no positional encoding, tied embeddings.",
           f"- Optimisation: AdamW (β = 0.9, 0.98), weight decay 0.1 on matrices, {scale.warmup} warm-up steps then "
           f"cosine to 0, clipping 1.0, batch {scale.batch}, **{scale.steps} steps** (Zoology: batch 256, 32-64 epochs "
-          f"of 180k sequences: ~20-45k steps). Learning rates swept: {', '.join(f'{x:g}' for x in scale.lrs)} on seed "
-          f"{scale.seeds[0]} for {', '.join(scale.sweep_methods)}; every other method uses the winner of its "
-          f"family, else softmax's. LLoPS's Θ learns at {KERNEL_LR} × the model's rate (`kernel_lr`).",
+          f"of 180k sequences: ~20-45k steps). {rates} LLoPS's Θ learns at {KERNEL_LR} × the model's rate "
+          f"(`kernel_lr`).",
           f"- Score: mean held-out accuracy over the test slices at training lengths (T ≤ "
           f"{max(T for T, _ in scale.train_pairs())}); longer slices are reported separately (length "
           f"extrapolation, which RoPE models do not get for free).", ""]
@@ -435,7 +441,7 @@ def write_mqar_report(args, scale, table, swept, best_lr, seeded, m_runs, wall):
     L += ["## Cut from the full protocol (and why)", "", args.cut or "(see the protocol above)", ""]
     from sketchlab.io import atomic_write
 
-    with atomic_write(out / "mqar.md") as tmp:
+    with atomic_write(out / f"{args.report}.md") as tmp:
         Path(tmp).write_text("\n".join(L) + "\n")
     print("\n".join(L))
 
@@ -457,17 +463,27 @@ def _command() -> str:
     return " ".join(out)
 
 
+_LLOPS_KEYS = ("llops-p4-m256", "llops-p4-m256-based", "llops-nn-p2-m16", "llops-nn-p2-m16-based", "llops-p2-m256",
+               "llops-p2-m256-based")
+
+
 def verdict(by) -> str:
-    """One honest sentence: LLoPS vs BASED, the difference against the seed spread."""
-    if "based" not in by:
-        return "BASED not run: no LLoPS-BASED comparison."
+    """One honest sentence: LLoPS vs BASED, the difference against the seed spread.
+
+    Pure LLoPS methods are compared with pure BASED (``based``), the sliding-window hybrids
+    (``…-w16``, ``…-w64``) with BASED's hybrid of the same window (``based-w16``, ``based-w64``).
+    """
+    pairs = [(key, "based") for key in _LLOPS_KEYS]
+    pairs += [(f"{key}-w{w}", f"based-w{w}") for w in (16, 64) for key in _LLOPS_KEYS]
+    pairs = [(key, base) for key, base in pairs if key in by and base in by]
+    if not pairs:
+        return ("BASED not run: no LLoPS-BASED comparison." if not any(k.startswith("based") for k in by)
+                else "No LLoPS run to compare.")
     lines = []
-    b = [score(r) for r in by["based"]]
-    for key in ("llops-p4-m256", "llops-p4-m256-based", "llops-nn-p2-m16", "llops-nn-p2-m16-based", "llops-p2-m256",
-                "llops-p2-m256-based"):
-        if key not in by:
-            continue
+    for key, base in pairs:
+        b = [score(r) for r in by[base]]
         x = [score(r) for r in by[key]]
+        name = "BASED" if base == "based" else f"BASED {base.removeprefix('based-')}"
         (mx, sx), (mb, sb) = mean_sd(x), mean_sd(b)
         d, spread = mx - mb, max(sx, sb)
         if len(x) < 2 or len(b) < 2:
@@ -477,15 +493,15 @@ def verdict(by) -> str:
         else:
             word = "LLoPS ahead" if d > 0 else "BASED ahead"
         side = lambda m_, s_, n: f"{m_:.3f} (1 seed)" if n == 1 else f"{m_:.3f} ± {s_:.3f} over {n} seeds"  # noqa: E731
-        detail = f"LLoPS {side(mx, sx, len(x))}, BASED {side(mb, sb, len(b))}"
+        detail = f"LLoPS {side(mx, sx, len(x))}, {name} {side(mb, sb, len(b))}"
         if len(x) >= 2 and len(b) >= 2:
             se = math.sqrt(sx**2 / len(x) + sb**2 / len(b))  # Welch's standard error of the difference
             disjoint = min(x) > max(b) or max(x) < min(b)
             detail += (f"; Welch t = {d / se:+.1f}" if se > 0 else "") + \
                 f"; the seeds' ranges {'do not overlap' if disjoint else 'overlap'}"
-        lines.append(f"{key} − BASED = {d:+.3f} ({detail}; rule: a side is ahead when the difference exceeds "
+        lines.append(f"{key} − {name} = {d:+.3f} ({detail}; rule: a side is ahead when the difference exceeds "
                      f"twice the larger seed sd, {2 * spread:.3f}): {word}")
-    return "**LLoPS vs BASED here:** " + "; ".join(lines) + "." if lines else "No LLoPS run to compare."
+    return "**LLoPS vs BASED here:** " + "; ".join(lines) + "."
 
 
 # --------------------------------------------------------------------------------------------
@@ -722,6 +738,8 @@ def _parse(argv):
     ap.add_argument("--fixed-lr", default="", help="method=lr,...: these methods take this rate, not swept")
     ap.add_argument("--note", default="", help="a reading of the results for the report (printed under the verdict)")
     ap.add_argument("--report-only", action="store_true", help="write the report from the finished runs only")
+    ap.add_argument("--report", default="mqar", help="MQAR part: the report's file name in --out, without .md "
+                    "(default mqar; e.g. mqar_hybrid for a hybrid-only invocation, leaving mqar.md as it is)")
     ap.add_argument("--cut", default="", help="a sentence for the report: what this invocation left out")
     ap.add_argument("--work", type=Path, default=ROOT / "build" / "paper_training")
     ap.add_argument("--out", type=Path, default=ROOT / "analysis" / "results")

@@ -158,3 +158,16 @@ def test_hybrid_methods_are_their_pure_kernel_plus_a_window(key):
     with torch.no_grad():
         a, b = kernels[0](q, k, v), kernel_modules(p)[0](q, k, v)
     assert float((a - b).abs().max()) > 1e-2 * float(b.abs().max())
+
+
+def test_verdict_compares_each_hybrid_with_based_of_the_same_window():
+    based = [_run("based", s, a) for s, a in enumerate((0.80, 0.82, 0.84))]
+    bw = [_run("based-w16", s, a) for s, a in enumerate((0.90, 0.91, 0.92))]  # sd 0.01
+    lw = [_run("llops-p4-m256-w16", s, a) for s, a in enumerate((0.95, 0.96, 0.97))]
+    text = pt.verdict({"based": based, "based-w16": bw, "llops-p4-m256-w16": lw})
+    # +0.05 against BASED w16 (> 2 × 0.01), not against pure BASED (+0.14)
+    assert "llops-p4-m256-w16 − BASED w16 = +0.050" in text and "LLoPS ahead" in text and "+0.140" not in text
+    assert "BASED w16 0.910 ± 0.010 over 3 seeds" in text
+    # a hybrid alone has nothing to be compared with; nothing BASED at all says so
+    assert pt.verdict({"based": based, "llops-p4-m256-w16": lw}) == "No LLoPS run to compare."
+    assert pt.verdict({"llops-p4-m256-w16": lw}).startswith("BASED not run")
