@@ -696,14 +696,25 @@ def table1(args) -> int:
                          {r["seed"]: final(r) for r in runs["based-ct"]}), ""]
     if args.note:
         L += [args.note, ""]
-    fig, ax = plt.subplots(figsize=(5.5, 3.5))
+    # left: every run from its first evaluation after step 0 (step 0 is ~8 bits, uniform over bytes);
+    # right: the continued phase, where the arms differ by less than a line's width on the left
+    fig, (ax, zoom) = plt.subplots(1, 2, figsize=(10, 3.6))
+    styles = ("-", "--", ":", "-.")
     for i, k in enumerate(kinds):
         for j, r in enumerate(runs[k]):
-            ax.plot([c["step"] for c in r["curve"]], [c["heldout_nats"] / ln2 for c in r["curve"]], color=f"C{i}",
-                    alpha=0.8, label=names[k] if j == 0 else None)
+            curve = [c for c in r["curve"] if c["step"] > 0]
+            x, y = [c["step"] for c in curve], [c["heldout_nats"] / ln2 for c in curve]
+            ax.plot(x, y, color=f"C{i}", alpha=0.8, label=names[k] if j == 0 else None)
+            late = [(a, b) for a, b in zip(x, y) if a >= s.pretrain]
+            zoom.plot([a for a, _ in late], [b for _, b in late], color=f"C{i}", ls=styles[j % len(styles)],
+                      marker="o", ms=3, alpha=0.9, label=f"{names[k]}, seed {r['seed']}")
     ax.set_xlabel("step")
     ax.set_ylabel("held-out bits/byte")
+    ax.set_title("every run")
     ax.legend()
+    zoom.set_xlabel("step")
+    zoom.set_title(f"from step {s.pretrain} (continued training)")
+    zoom.legend(fontsize=6, ncol=2)
     fig.tight_layout()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
