@@ -570,7 +570,13 @@ def table1_verdict(llops: dict, based: dict) -> str:
 
 
 def lm_run(kind: str, s: LMScale, seed: int, work: str, threads: int) -> dict:
-    """One Table 1 arm: ``pretrain`` (BASED), ``based-ct``, ``llops-ct`` (both from the pretrained BASED), ``softmax``."""
+    """One Table 1 arm: ``pretrain`` (BASED), ``based-ct``, ``llops-ct`` (both from the pretrained BASED), ``softmax``.
+
+    ``llops-frozen-ct``: the control, ``llops-ct`` with Θ frozen (no gradient; every other weight
+    trains as in ``based-ct``). It computes BASED + CT's function through LLoPS's code path, so it
+    differs from ``based-ct`` only by floating-point rounding amplified by training: how far two
+    runs of the same mathematics drift apart in ``extra`` steps.
+    """
     import torch
 
     from sketchlab.tasks import TransformerConfig, TransformerLM
@@ -599,11 +605,15 @@ def lm_run(kind: str, s: LMScale, seed: int, work: str, threads: int) -> dict:
     else:
         lm_run("pretrain", s, seed, work, threads)
         model, _ = load_checkpoint(ckpt)
-        if kind == "llops-ct":
+        if kind in ("llops-ct", "llops-frozen-ct"):
             x, _ = lm_batch(heldout, 4, s.seq_len, generator=torch.Generator().manual_seed(seed + 7))
             diff, size = conversion_error(model, x)
             extra = {"conversion_max_abs_logit_change": diff, "logit_scale": size}
             model = based_to_llops(model)
+        if kind == "llops-frozen-ct":
+            for name, p in model.named_parameters():
+                if ".attention.attn." in name:  # the kernels' own parameters: Θ (no gate without a window)
+                    p.requires_grad_(False)
         res = train_lm(model, train, heldout, steps=s.extra, step0=s.pretrain,
                        kernel_lr=KERNEL_LR if kind == "llops-ct" else 1.0, **{**common, "seed": seed + 1})
     out = {"kind": kind, "seed": seed, "scale": asdict(s), "curve": res.curve, "seconds": res.seconds, **extra}
@@ -628,7 +638,7 @@ def table1(args) -> int:
     if args.seeds:
         s = replace(s, seeds=tuple(int(x) for x in args.seeds.split(",")))
     t0 = time.perf_counter()
-    kinds = ("pretrain", "based-ct", "llops-ct", "softmax")
+    kinds = ("pretrain", "based-ct", "llops-ct", "llops-frozen-ct", "softmax")
     runs = {k: [] for k in kinds}
     if args.report_only:  # finished runs only; a missing one is named in the report
         for k in kinds:
@@ -669,6 +679,7 @@ def table1(args) -> int:
     if missing:
         L += [f"**Not run (yet):** {', '.join(missing)}; the rows below cover the finished runs only.", ""]
     names = {"pretrain": "BASED (pretrained)", "based-ct": "BASED + CT", "llops-ct": "BASED → LLoPS + CT",
+             "llops-frozen-ct": "control: BASED → LLoPS, Θ frozen, + CT",
              "softmax": "softmax (reference)"}
     L += ["Final held-out loss: mean ± sd over seeds (sd: the sample standard deviation), then each seed's value; "
           "perplexity per byte = exp(mean nats/byte).", "",
@@ -692,8 +703,17 @@ def table1(args) -> int:
                                        for seed_, d, z in conv) + ".", ""]
     else:
         L += [""]
-    L += [table1_verdict({r["seed"]: final(r) for r in runs["llops-ct"]},
-                         {r["seed"]: final(r) for r in runs["based-ct"]}), ""]
+    based_ct = {r["seed"]: final(r) for r in runs["based-ct"]}
+    llops_ct = {r["seed"]: final(r) for r in runs["llops-ct"]}
+    L += [table1_verdict(llops_ct, based_ct), ""]
+    frozen = {r["seed"]: final(r) for r in runs["llops-frozen-ct"]}
+    both = sorted(set(frozen) & set(based_ct))
+    if both:
+        drift = [frozen[sd_] - based_ct[sd_] for sd_ in both]
+        L += ["**Control (Θ frozen) − BASED + CT:** " + ", ".join(f"{x:+.4f} (seed {sd_})" for sd_, x in zip(both, drift))
+              + f" nats/byte: the same function trained through LLoPS's code path instead of BASED's, so this is "
+              f"rounding amplified by {s.extra} steps of training (largest |difference| {max(map(abs, drift)):.4f}); "
+              "a LLoPS + CT − BASED + CT difference of that size is not an effect of training Θ.", ""]
     if args.note:
         L += [args.note, ""]
     # left: every run from its first evaluation after step 0 (step 0 is ~8 bits, uniform over bytes);
