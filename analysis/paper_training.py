@@ -718,7 +718,7 @@ def table1(args) -> int:
         L += [args.note, ""]
     # left: every run from its first evaluation after step 0 (step 0 is ~8 bits, uniform over bytes);
     # right: the continued phase, where the arms differ by less than a line's width on the left
-    fig, (ax, zoom) = plt.subplots(1, 2, figsize=(10, 3.6))
+    fig, (ax, zoom) = plt.subplots(1, 2, figsize=(13, 4))
     styles = ("-", "--", ":", "-.")
     for i, k in enumerate(kinds):
         for j, r in enumerate(runs[k]):
@@ -734,7 +734,7 @@ def table1(args) -> int:
     ax.legend()
     zoom.set_xlabel("step")
     zoom.set_title(f"from step {s.pretrain} (continued training)")
-    zoom.legend(fontsize=6, ncol=2)
+    zoom.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1))  # beside the axes: the curves fill them
     fig.tight_layout()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
