@@ -20,9 +20,20 @@ model and differs only in the attention kernel:
   BASED's expand map (``--init based``; only where m is a BASED feature count), Θ learning at
   ``kernel_lr`` times the model's rate.
 
+Each method also has its sliding-window hybrid (``<key>-w16``, ``<key>-w64``: the same kernel with
+``window`` exact softmax keys and a learned gate) for ``based``, ``llops-p4-m256``,
+``llops-p2-m256-based`` and ``hedgehog``; the verdict compares a LLoPS hybrid with BASED's hybrid of
+the same window.
+
 Runs are written to ``--work`` (one JSON per run) and read back by later invocations, so the
-study can be grown run by run. Writes ``analysis/results/mqar.md`` and ``mqar_m.png`` (accuracy
-vs m with the forward time on a second axis, as the paper's Figure 3).
+study can be grown run by run. Writes ``analysis/results/mqar.md`` (``--report NAME``: ``NAME.md``)
+and ``mqar_m.png`` (accuracy vs m with the forward time on a second axis, as the paper's Figure 3).
+
+Table 1 part (``--part table1``): a byte-level BASED LM (expand map) pretrained on Shakespeare,
+then continued (a) as BASED, (b) converted exactly to LLoPS (checked in float64), (c) the control:
+converted with Θ frozen (BASED's function through LLoPS's code path: what rounding alone does),
+and (d) softmax trained as long from scratch. Writes ``table1.md`` (mean ± sd and every seed,
+the paired LLoPS − BASED difference against the seed spread) and ``table1.png``.
 
 Usage::
 
