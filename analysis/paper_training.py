@@ -566,7 +566,8 @@ def table1_verdict(llops: dict, based: dict) -> str:
     spread = max(sl, sb)
     t = md / (sdd / math.sqrt(len(d))) if sdd > 0 else math.copysign(math.inf, md)
     signs = ("every seed's difference is positive (LLoPS worse)" if min(d) > 0 else
-             "every seed's difference is negative (LLoPS better)" if max(d) < 0 else "the seeds' differences change sign")
+             "every seed's difference is negative (LLoPS better)" if max(d) < 0 else
+             "the seeds' differences change sign")
     if abs(md) > 2 * spread:
         word = f"the difference is larger than the seed spread: {'BASED' if md > 0 else 'LLoPS'} + CT is better here"
     elif abs(md) > spread:
@@ -721,7 +722,8 @@ def table1(args) -> int:
     both = sorted(set(frozen) & set(based_ct))
     if both:
         drift = [frozen[sd_] - based_ct[sd_] for sd_ in both]
-        L += ["**Control (Θ frozen) − BASED + CT:** " + ", ".join(f"{x:+.4f} (seed {sd_})" for sd_, x in zip(both, drift))
+        L += ["**Control (Θ frozen) − BASED + CT:** "
+              + ", ".join(f"{x:+.4f} (seed {sd_})" for sd_, x in zip(both, drift))
               + f" nats/byte: the same function trained through LLoPS's code path instead of BASED's, so this is "
               f"rounding amplified by {s.extra} steps of training (largest |difference| {max(map(abs, drift)):.4f}); "
               "a LLoPS + CT − BASED + CT difference of that size is not an effect of training Θ.", ""]

@@ -93,7 +93,7 @@ def _check_seed(seed, name: str = "seed") -> int:
 
 def evaluate_mqar(model: TransformerLM, task: MQARConfig | MQARMixture, *, num_sequences: int = 256, seed: int = 0,
                   batch_size: int = 64) -> float:
-    """Held-out accuracy on ``num_sequences`` sequences (each component's, for a mixture) drawn from ``seed + 1_000_003``.
+    """Held-out accuracy on ``num_sequences`` sequences (per component of a mixture) from ``seed + 1_000_003``.
 
     The training stream uses ``seed`` itself, so held-out sequences come from a disjoint random
     stream (with keys and values drawn from a large space, repeats of training sequences are
