@@ -381,7 +381,8 @@ def write_mqar_report(args, scale, table, swept, best_lr, seeded, m_runs, wall):
           f"- Score: mean held-out accuracy over the test slices at training lengths (T ≤ "
           f"{max(T for T, _ in scale.train_pairs())}); longer slices are reported separately (length "
           f"extrapolation, which RoPE models do not get for free).", ""]
-    L += ["## Learning-rate sweep (seed %d)" % scale.seeds[0], "", "| method | " + " | ".join(f"lr {x:g}" for x in scale.lrs) + " | best |",
+    title = "Learning-rate sweep" if swept_keys else "Learning rates, fixed, not swept"
+    L += [f"## {title} (seed {scale.seeds[0]})", "", "| method | " + " | ".join(f"lr {x:g}" for x in scale.lrs) + " | best |",
           "|---|" + "---|" * (len(scale.lrs) + 1)]
     for m in best_lr:
         row = {r["spec"]["lr"]: score(r) for r in swept if r["spec"]["method"] == m}
