@@ -425,6 +425,10 @@ def write_mqar_report(args, scale, table, swept, best_lr, seeded, m_runs, wall):
     L.append(f"| Table 4: LLoPS m = 256, p = 4 (init from BASED expand, d' = 4) | – | {here('llops-p4-m256-based')} |")
     for p in (2, 4, 6):
         L.append(f"| Table 5: LLoPS p = {p}, m = 256 | {PAPER_T5[p]} | {here(f'llops-p{p}-m256')} |")
+    for w in (16, 64):  # the hybrids run (the paper's tables are pure attention: no paper number)
+        for key, name in (("based", "BASED"), ("llops-p4-m256", "LLoPS m = 256, p = 4 (random init)")):
+            if f"{key}-w{w}" in by:
+                L.append(f"| Table 4, hybrid: {name} + window {w} | – | {here(f'{key}-w{w}')} |")
     L += ["", verdict(by), ""] + ([args.note, ""] if args.note else [])
     # Figure 3
     if m_runs:
