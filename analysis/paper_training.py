@@ -20,9 +20,20 @@ model and differs only in the attention kernel:
   BASED's expand map (``--init based``; only where m is a BASED feature count), Θ learning at
   ``kernel_lr`` times the model's rate.
 
+Each method also has its sliding-window hybrid (``<key>-w16``, ``<key>-w64``: the same kernel with
+``window`` exact softmax keys and a learned gate) for ``based``, ``llops-p4-m256``,
+``llops-p2-m256-based`` and ``hedgehog``; the verdict compares a LLoPS hybrid with BASED's hybrid of
+the same window.
+
 Runs are written to ``--work`` (one JSON per run) and read back by later invocations, so the
-study can be grown run by run. Writes ``analysis/results/mqar.md`` and ``mqar_m.png`` (accuracy
-vs m with the forward time on a second axis, as the paper's Figure 3).
+study can be grown run by run. Writes ``analysis/results/mqar.md`` (``--report NAME``: ``NAME.md``)
+and ``mqar_m.png`` (accuracy vs m with the forward time on a second axis, as the paper's Figure 3).
+
+Table 1 part (``--part table1``): a byte-level BASED LM (expand map) pretrained on Shakespeare,
+then continued (a) as BASED, (b) converted exactly to LLoPS (checked in float64), (c) the control:
+converted with Θ frozen (BASED's function through LLoPS's code path: what rounding alone does),
+and (d) softmax trained as long from scratch. Writes ``table1.md`` (mean ± sd and every seed,
+the paired LLoPS − BASED difference against the seed spread) and ``table1.png``.
 
 Usage::
 
@@ -344,6 +355,13 @@ def write_mqar_report(args, scale, table, swept, best_lr, seeded, m_runs, wall):
           f"2-core machine; {wall / 60:.1f} min wall for this invocation "
           f"(finished runs are read back from `{Path(args.work).relative_to(ROOT) if Path(args.work).is_relative_to(ROOT) else args.work}`), "
           f"{total / 60:.1f} min of run time in all.", ""]
+    fixed = dict(x.split("=") for x in args.fixed_lr.split(",") if x)
+    swept_keys = [m for m in scale.sweep_methods if m not in fixed]
+    rates = (f"Learning rates swept: {', '.join(f'{x:g}' for x in scale.lrs)} on seed {scale.seeds[0]} for "
+             f"{', '.join(swept_keys)}" if swept_keys else "No learning-rate sweep in this invocation")
+    if fixed:
+        rates += "; rates fixed (not swept): " + ", ".join(f"{m} {float(lr):g}" for m, lr in fixed.items())
+    rates += "; every other method uses the winner of its family, else softmax's."
     tr = ", ".join(f"({T}, {P})" for T, P in scale.train_pairs())
     te = ", ".join(f"({T}, {P})" for T, P in scale.test_pairs())
     L += ["## Protocol, and where it deviates from Zoology's", "",
@@ -358,13 +376,13 @@ def write_mqar_report(args, scale, table, swept, best_lr, seeded, m_runs, wall):
           f"a gated BaseConv then the mixer (Hybrid), no positional encoding, tied embeddings.",
           f"- Optimisation: AdamW (β = 0.9, 0.98), weight decay 0.1 on matrices, {scale.warmup} warm-up steps then "
           f"cosine to 0, clipping 1.0, batch {scale.batch}, **{scale.steps} steps** (Zoology: batch 256, 32-64 epochs "
-          f"of 180k sequences: ~20-45k steps). Learning rates swept: {', '.join(f'{x:g}' for x in scale.lrs)} on seed "
-          f"{scale.seeds[0]} for {', '.join(scale.sweep_methods)}; every other method uses the winner of its "
-          f"family, else softmax's. LLoPS's Θ learns at {KERNEL_LR} × the model's rate (`kernel_lr`).",
+          f"of 180k sequences: ~20-45k steps). {rates} LLoPS's Θ learns at {KERNEL_LR} × the model's rate "
+          f"(`kernel_lr`).",
           f"- Score: mean held-out accuracy over the test slices at training lengths (T ≤ "
           f"{max(T for T, _ in scale.train_pairs())}); longer slices are reported separately (length "
           f"extrapolation, which RoPE models do not get for free).", ""]
-    L += ["## Learning-rate sweep (seed %d)" % scale.seeds[0], "", "| method | " + " | ".join(f"lr {x:g}" for x in scale.lrs) + " | best |",
+    title = "Learning-rate sweep" if swept_keys else "Learning rates, fixed, not swept"
+    L += [f"## {title} (seed {scale.seeds[0]})", "", "| method | " + " | ".join(f"lr {x:g}" for x in scale.lrs) + " | best |",
           "|---|" + "---|" * (len(scale.lrs) + 1)]
     for m in best_lr:
         row = {r["spec"]["lr"]: score(r) for r in swept if r["spec"]["method"] == m}
@@ -407,6 +425,10 @@ def write_mqar_report(args, scale, table, swept, best_lr, seeded, m_runs, wall):
     L.append(f"| Table 4: LLoPS m = 256, p = 4 (init from BASED expand, d' = 4) | – | {here('llops-p4-m256-based')} |")
     for p in (2, 4, 6):
         L.append(f"| Table 5: LLoPS p = {p}, m = 256 | {PAPER_T5[p]} | {here(f'llops-p{p}-m256')} |")
+    for w in (16, 64):  # the hybrids run (the paper's tables are pure attention: no paper number)
+        for key, name in (("based", "BASED"), ("llops-p4-m256", "LLoPS m = 256, p = 4 (random init)")):
+            if f"{key}-w{w}" in by:
+                L.append(f"| Table 4, hybrid: {name} + window {w} | – | {here(f'{key}-w{w}')} |")
     L += ["", verdict(by), ""] + ([args.note, ""] if args.note else [])
     # Figure 3
     if m_runs:
@@ -436,7 +458,7 @@ def write_mqar_report(args, scale, table, swept, best_lr, seeded, m_runs, wall):
     L += ["## Cut from the full protocol (and why)", "", args.cut or "(see the protocol above)", ""]
     from sketchlab.io import atomic_write
 
-    with atomic_write(out / "mqar.md") as tmp:
+    with atomic_write(out / f"{args.report}.md") as tmp:
         Path(tmp).write_text("\n".join(L) + "\n")
     print("\n".join(L))
 
@@ -458,17 +480,27 @@ def _command() -> str:
     return " ".join(out)
 
 
+_LLOPS_KEYS = ("llops-p4-m256", "llops-p4-m256-based", "llops-nn-p2-m16", "llops-nn-p2-m16-based", "llops-p2-m256",
+               "llops-p2-m256-based")
+
+
 def verdict(by) -> str:
-    """One honest sentence: LLoPS vs BASED, the difference against the seed spread."""
-    if "based" not in by:
-        return "BASED not run: no LLoPS-BASED comparison."
+    """One honest sentence: LLoPS vs BASED, the difference against the seed spread.
+
+    Pure LLoPS methods are compared with pure BASED (``based``), the sliding-window hybrids
+    (``…-w16``, ``…-w64``) with BASED's hybrid of the same window (``based-w16``, ``based-w64``).
+    """
+    pairs = [(key, "based") for key in _LLOPS_KEYS]
+    pairs += [(f"{key}-w{w}", f"based-w{w}") for w in (16, 64) for key in _LLOPS_KEYS]
+    pairs = [(key, base) for key, base in pairs if key in by and base in by]
+    if not pairs:
+        return ("BASED not run: no LLoPS-BASED comparison." if not any(k.startswith("based") for k in by)
+                else "No LLoPS run to compare.")
     lines = []
-    b = [score(r) for r in by["based"]]
-    for key in ("llops-p4-m256", "llops-p4-m256-based", "llops-nn-p2-m16", "llops-nn-p2-m16-based", "llops-p2-m256",
-                "llops-p2-m256-based"):
-        if key not in by:
-            continue
+    for key, base in pairs:
+        b = [score(r) for r in by[base]]
         x = [score(r) for r in by[key]]
+        name = "BASED" if base == "based" else f"BASED {base.removeprefix('based-')}"
         (mx, sx), (mb, sb) = mean_sd(x), mean_sd(b)
         d, spread = mx - mb, max(sx, sb)
         if len(x) < 2 or len(b) < 2:
@@ -478,15 +510,15 @@ def verdict(by) -> str:
         else:
             word = "LLoPS ahead" if d > 0 else "BASED ahead"
         side = lambda m_, s_, n: f"{m_:.3f} (1 seed)" if n == 1 else f"{m_:.3f} ± {s_:.3f} over {n} seeds"  # noqa: E731
-        detail = f"LLoPS {side(mx, sx, len(x))}, BASED {side(mb, sb, len(b))}"
+        detail = f"LLoPS {side(mx, sx, len(x))}, {name} {side(mb, sb, len(b))}"
         if len(x) >= 2 and len(b) >= 2:
             se = math.sqrt(sx**2 / len(x) + sb**2 / len(b))  # Welch's standard error of the difference
             disjoint = min(x) > max(b) or max(x) < min(b)
             detail += (f"; Welch t = {d / se:+.1f}" if se > 0 else "") + \
                 f"; the seeds' ranges {'do not overlap' if disjoint else 'overlap'}"
-        lines.append(f"{key} − BASED = {d:+.3f} ({detail}; rule: a side is ahead when the difference exceeds "
+        lines.append(f"{key} − {name} = {d:+.3f} ({detail}; rule: a side is ahead when the difference exceeds "
                      f"twice the larger seed sd, {2 * spread:.3f}): {word}")
-    return "**LLoPS vs BASED here:** " + "; ".join(lines) + "." if lines else "No LLoPS run to compare."
+    return "**LLoPS vs BASED here:** " + "; ".join(lines) + "."
 
 
 # --------------------------------------------------------------------------------------------
@@ -512,16 +544,64 @@ LM_QUICK = LMScale(d_model=64, n_layers=2, n_heads=2, seq_len=128, batch=16, pre
                    eval_windows=32, eval_every=50, seeds=(0,))
 
 
+def lm_path(kind: str, s: LMScale, seed: int, work) -> Path:
+    """Where :func:`lm_run` writes (and finds) the run ``kind`` of ``seed`` at scale ``s``."""
+    tag = f"{kind}_s{seed}_d{s.d_model}_L{s.n_layers}_T{s.seq_len}_n{s.pretrain}+{s.extra}"
+    return Path(work) / "table1" / f"{tag}.json"
+
+
+def table1_verdict(llops: dict, based: dict) -> str:
+    """One honest sentence: LLoPS + CT − BASED + CT (final held-out nats/byte) against the seed spread.
+
+    ``llops``, ``based``: seed -> final held-out nats/byte. The seeds both arms share are paired
+    (each LLoPS arm continues the same pretrained model as the BASED arm of its seed). The spread
+    is the larger between-seed sd of the two arms; a side is called better only when the mean
+    paired difference exceeds twice that spread (the rule of :func:`verdict`), and the paired
+    t = mean / (sd / √n) and the signs of the seeds' differences are quoted beside it.
+    """
+    seeds = sorted(set(llops) & set(based))
+    if not seeds:
+        return "**LLoPS + CT − BASED + CT:** no seed has both arms: no comparison."
+    d = [llops[s] - based[s] for s in seeds]
+    each = ", ".join(f"{x:+.4f} (seed {s})" for s, x in zip(seeds, d))
+    if len(seeds) < 2:
+        return (f"**LLoPS + CT − BASED + CT:** {each} nats/byte (negative = LLoPS better); one seed, so no spread "
+                "to compare it with and no claim either way.")
+    md, sdd = mean_sd(d)
+    sl, sb = mean_sd([llops[s] for s in seeds])[1], mean_sd([based[s] for s in seeds])[1]
+    spread = max(sl, sb)
+    t = md / (sdd / math.sqrt(len(d))) if sdd > 0 else math.copysign(math.inf, md)
+    signs = ("every seed's difference is positive (LLoPS worse)" if min(d) > 0 else
+             "every seed's difference is negative (LLoPS better)" if max(d) < 0 else
+             "the seeds' differences change sign")
+    if abs(md) > 2 * spread:
+        word = f"the difference is larger than the seed spread: {'BASED' if md > 0 else 'LLoPS'} + CT is better here"
+    elif abs(md) > spread:
+        word = ("the difference is larger than one seed sd but not than twice it: no claim by that rule, though the "
+                "paired t says how consistent it is")
+    else:
+        word = "the difference is within the seed spread: no difference beyond it"
+    return (f"**LLoPS + CT − BASED + CT:** {md:+.4f} ± {sdd:.4f} nats/byte over {len(d)} paired seeds ({each}; "
+            f"negative = LLoPS better); the seed spread (between-seed sd of the final held-out loss) is "
+            f"{sl:.4f} for LLoPS + CT and {sb:.4f} for BASED + CT; paired t = {t:+.1f}; {signs}; {word} (rule: a "
+            f"side is better when the mean difference exceeds twice the larger seed sd, {2 * spread:.4f}).")
+
+
 def lm_run(kind: str, s: LMScale, seed: int, work: str, threads: int) -> dict:
-    """One Table 1 arm: ``pretrain`` (BASED), ``based-ct``, ``llops-ct`` (both from the pretrained BASED), ``softmax``."""
+    """One Table 1 arm: ``pretrain`` (BASED), ``based-ct``, ``llops-ct`` (both from the pretrained BASED), ``softmax``.
+
+    ``llops-frozen-ct``: the control, ``llops-ct`` with Θ frozen (no gradient; every other weight
+    trains as in ``based-ct``). It computes BASED + CT's function through LLoPS's code path, so it
+    differs from ``based-ct`` only by floating-point rounding amplified by training: how far two
+    runs of the same mathematics drift apart in ``extra`` steps.
+    """
     import torch
 
     from sketchlab.tasks import TransformerConfig, TransformerLM
     from sketchlab.tasks.text import based_to_llops, conversion_error, lm_batch, shakespeare_text, train_lm
     from sketchlab.tasks.train import load_checkpoint, save_checkpoint
 
-    tag = f"{kind}_s{seed}_d{s.d_model}_L{s.n_layers}_T{s.seq_len}_n{s.pretrain}+{s.extra}"
-    path = Path(work) / "table1" / f"{tag}.json"
+    path = lm_path(kind, s, seed, work)
     if path.is_file():
         return json.loads(path.read_text())
     torch.set_num_threads(threads)
@@ -543,11 +623,15 @@ def lm_run(kind: str, s: LMScale, seed: int, work: str, threads: int) -> dict:
     else:
         lm_run("pretrain", s, seed, work, threads)
         model, _ = load_checkpoint(ckpt)
-        if kind == "llops-ct":
+        if kind in ("llops-ct", "llops-frozen-ct"):
             x, _ = lm_batch(heldout, 4, s.seq_len, generator=torch.Generator().manual_seed(seed + 7))
             diff, size = conversion_error(model, x)
             extra = {"conversion_max_abs_logit_change": diff, "logit_scale": size}
             model = based_to_llops(model)
+        if kind == "llops-frozen-ct":
+            for name, p in model.named_parameters():
+                if ".attention.attn." in name:  # the kernels' own parameters: Θ (no gate without a window)
+                    p.requires_grad_(False)
         res = train_lm(model, train, heldout, steps=s.extra, step0=s.pretrain,
                        kernel_lr=KERNEL_LR if kind == "llops-ct" else 1.0, **{**common, "seed": seed + 1})
     out = {"kind": kind, "seed": seed, "scale": asdict(s), "curve": res.curve, "seconds": res.seconds, **extra}
@@ -572,18 +656,28 @@ def table1(args) -> int:
     if args.seeds:
         s = replace(s, seeds=tuple(int(x) for x in args.seeds.split(",")))
     t0 = time.perf_counter()
-    kinds = ("pretrain", "based-ct", "llops-ct", "softmax")
+    kinds = ("pretrain", "based-ct", "llops-ct", "llops-frozen-ct", "softmax")
     runs = {k: [] for k in kinds}
-    for seed in s.seeds:  # pretrain first (the continued arms read its checkpoint), then the rest in parallel
-        runs["pretrain"].append(lm_run("pretrain", s, seed, str(args.work), args.threads))
-    rest = [(k, seed) for k in kinds[1:] for seed in s.seeds]
-    with ProcessPoolExecutor(max(1, args.jobs)) as pool:
-        done = list(pool.map(lm_run, [k for k, _ in rest], [s] * len(rest), [sd for _, sd in rest],
-                             [str(args.work)] * len(rest), [args.threads] * len(rest)))
-    for r in done:
-        runs[r["kind"]].append(r)
+    if args.report_only:  # finished runs only; a missing one is named in the report
+        for k in kinds:
+            for seed in s.seeds:
+                f = lm_path(k, s, seed, args.work)
+                if f.is_file():
+                    runs[k].append(json.loads(f.read_text()))
+    else:
+        for seed in s.seeds:  # pretrain first (the continued arms read its checkpoint), then the rest in parallel
+            runs["pretrain"].append(lm_run("pretrain", s, seed, str(args.work), args.threads))
+        rest = [(k, seed) for k in kinds[1:] for seed in s.seeds]
+        with ProcessPoolExecutor(max(1, args.jobs)) as pool:
+            done = list(pool.map(lm_run, [k for k, _ in rest], [s] * len(rest), [sd for _, sd in rest],
+                                 [str(args.work)] * len(rest), [args.threads] * len(rest)))
+        for r in done:
+            runs[r["kind"]].append(r)
+    for k in kinds:
+        runs[k].sort(key=lambda r: r["seed"])
     ln2 = math.log(2)
     final = lambda r: r["curve"][-1]["heldout_nats"]  # noqa: E731
+    missing = [f"{k} seed {seed}" for k in kinds for seed in s.seeds if seed not in {r["seed"] for r in runs[k]}]
     L = ["# Table 1 analogue: BASED -> LLoPS continual training on Shakespeare (bytes)", "",
          f"Generated by `python analysis/paper_training.py {_command()}` on "
          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; torch {torch.__version__}, sketchlab "
@@ -597,29 +691,69 @@ def table1(args) -> int:
          f"homogeneous part of BASED's Taylor map, chosen because it is exactly a LLoPS (the Taylor map's 1 + s terms "
          f"are not). Pretraining {s.pretrain} steps; then {s.extra} more steps (a fresh optimiser and schedule) as "
          f"(a) BASED (BASED+CT) and (b) LLoPS converted exactly from it (Θ at {KERNEL_LR} × the rate); (c) softmax "
-         f"trained {s.pretrain + s.extra} steps from scratch as the reference. Seeds {', '.join(map(str, s.seeds))}.", "",
-         "| model | held-out nats/byte | bits/byte | perplexity (per byte) |", "|---|---|---|---|"]
+         f"trained {s.pretrain + s.extra} steps from scratch as the reference. Seeds {', '.join(map(str, s.seeds))}"
+         f" (a seed sets the initialisation and the data stream; both CT arms of a seed continue the same pretrained "
+         f"model on the same data).", ""]
+    if missing:
+        L += [f"**Not run (yet):** {', '.join(missing)}; the rows below cover the finished runs only.", ""]
     names = {"pretrain": "BASED (pretrained)", "based-ct": "BASED + CT", "llops-ct": "BASED → LLoPS + CT",
+             "llops-frozen-ct": "control: BASED → LLoPS, Θ frozen, + CT",
              "softmax": "softmax (reference)"}
+    L += ["Final held-out loss: mean ± sd over seeds (sd: the sample standard deviation), then each seed's value; "
+          "perplexity per byte = exp(mean nats/byte).", "",
+          "| model | steps | held-out nats/byte | bits/byte | perplexity (per byte) | "
+          + " | ".join(f"seed {seed} (nats/byte)" for seed in s.seeds) + " |",
+          "|---|---|---|---|---|" + "---|" * len(s.seeds)]
     for k in kinds:
         xs = [final(r) for r in runs[k]]
+        if not xs:
+            L.append(f"| {names[k]} | – | not run | – | – |" + " – |" * len(s.seeds))
+            continue
         m, sd = mean_sd(xs)
-        L.append(f"| {names[k]} | {m:.4f} ± {sd:.4f} ({', '.join(f'{x:.4f}' for x in xs)}) | {m / ln2:.4f} | "
-                 f"{math.exp(m):.3f} |")
-    conv = [(r["conversion_max_abs_logit_change"], r["logit_scale"]) for r in runs["llops-ct"]]
-    L += ["", "**Conversion check** (float64, the pretrained model's own held-out windows, before training resumes): "
-          + "; ".join(f"max |Δ logit| = {d:.2e} with logits up to {z:.1f}" for d, z in conv) + ".", ""]
-    d = [final(a) - final(b) for a, b in zip(runs["llops-ct"], runs["based-ct"])]
-    L += [f"**LLoPS + CT − BASED + CT:** {', '.join(f'{x:+.4f}' for x in d)} nats/byte "
-          f"(negative = LLoPS better).", ""]
-    fig, ax = plt.subplots(figsize=(5.5, 3.5))
+        per = {r["seed"]: final(r) for r in runs[k]}
+        L.append(f"| {names[k]} | {runs[k][0]['curve'][-1]['step']} | {m:.4f} ± {sd:.4f} | {m / ln2:.4f} ± "
+                 f"{sd / ln2:.4f} | {math.exp(m):.3f} | "
+                 + " | ".join(f"{per[seed]:.4f}" if seed in per else "–" for seed in s.seeds) + " |")
+    conv = [(r["seed"], r["conversion_max_abs_logit_change"], r["logit_scale"]) for r in runs["llops-ct"]]
+    if conv:
+        L += ["", "**Conversion check** (float64, the pretrained model's own held-out windows, before training "
+              "resumes): " + "; ".join(f"seed {seed_}: max |Δ logit| = {d:.2e} with logits up to {z:.1f}"
+                                       for seed_, d, z in conv) + ".", ""]
+    else:
+        L += [""]
+    based_ct = {r["seed"]: final(r) for r in runs["based-ct"]}
+    llops_ct = {r["seed"]: final(r) for r in runs["llops-ct"]}
+    L += [table1_verdict(llops_ct, based_ct), ""]
+    frozen = {r["seed"]: final(r) for r in runs["llops-frozen-ct"]}
+    both = sorted(set(frozen) & set(based_ct))
+    if both:
+        drift = [frozen[sd_] - based_ct[sd_] for sd_ in both]
+        L += ["**Control (Θ frozen) − BASED + CT:** "
+              + ", ".join(f"{x:+.4f} (seed {sd_})" for sd_, x in zip(both, drift))
+              + f" nats/byte: the same function trained through LLoPS's code path instead of BASED's, so this is "
+              f"rounding amplified by {s.extra} steps of training (largest |difference| {max(map(abs, drift)):.4f}); "
+              "a LLoPS + CT − BASED + CT difference of that size is not an effect of training Θ.", ""]
+    if args.note:
+        L += [args.note, ""]
+    # left: every run from its first evaluation after step 0 (step 0 is ~8 bits, uniform over bytes);
+    # right: the continued phase, where the arms differ by less than a line's width on the left
+    fig, (ax, zoom) = plt.subplots(1, 2, figsize=(13, 4))
+    styles = ("-", "--", ":", "-.")
     for i, k in enumerate(kinds):
         for j, r in enumerate(runs[k]):
-            ax.plot([c["step"] for c in r["curve"]], [c["heldout_nats"] / ln2 for c in r["curve"]], color=f"C{i}",
-                    alpha=0.8, label=names[k] if j == 0 else None)
+            curve = [c for c in r["curve"] if c["step"] > 0]
+            x, y = [c["step"] for c in curve], [c["heldout_nats"] / ln2 for c in curve]
+            ax.plot(x, y, color=f"C{i}", alpha=0.8, label=names[k] if j == 0 else None)
+            late = [(a, b) for a, b in zip(x, y) if a >= s.pretrain]
+            zoom.plot([a for a, _ in late], [b for _, b in late], color=f"C{i}", ls=styles[j % len(styles)],
+                      marker="o", ms=3, alpha=0.9, label=f"{names[k]}, seed {r['seed']}")
     ax.set_xlabel("step")
     ax.set_ylabel("held-out bits/byte")
+    ax.set_title("every run")
     ax.legend()
+    zoom.set_xlabel("step")
+    zoom.set_title(f"from step {s.pretrain} (continued training)")
+    zoom.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1))  # beside the axes: the curves fill them
     fig.tight_layout()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -655,6 +789,8 @@ def _parse(argv):
     ap.add_argument("--fixed-lr", default="", help="method=lr,...: these methods take this rate, not swept")
     ap.add_argument("--note", default="", help="a reading of the results for the report (printed under the verdict)")
     ap.add_argument("--report-only", action="store_true", help="write the report from the finished runs only")
+    ap.add_argument("--report", default="mqar", help="MQAR part: the report's file name in --out, without .md "
+                    "(default mqar; e.g. mqar_hybrid for a hybrid-only invocation, leaving mqar.md as it is)")
     ap.add_argument("--cut", default="", help="a sentence for the report: what this invocation left out")
     ap.add_argument("--work", type=Path, default=ROOT / "build" / "paper_training")
     ap.add_argument("--out", type=Path, default=ROOT / "analysis" / "results")

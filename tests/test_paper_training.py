@@ -108,3 +108,66 @@ def test_verdict_compares_the_difference_with_the_seed_spread():
     assert math.isclose(pt.mean_sd([0.80, 0.82, 0.84])[1], 0.02)
     assert pt.fmt([0.80, 0.82, 0.84]) == "0.820 ± 0.020 (0.800, 0.820, 0.840)"
     assert pt.fmt([0.5]) == "0.500 (1 seed)"  # no "± 0.000" for a single run
+
+
+def test_table1_verdict_compares_the_paired_difference_with_the_seed_spread():
+    based = {0: 2.10, 1: 2.12, 2: 2.14}  # sd 0.02
+    # LLoPS worse by 0.01 on every seed: consistent (paired sd 0) but within the 0.02 spread
+    text = pt.table1_verdict({s: x + 0.01 for s, x in based.items()}, based)
+    assert "+0.0100 ± 0.0000 nats/byte over 3 paired seeds" in text and "paired t = +inf" in text
+    assert "every seed's difference is positive" in text and "within the seed spread" in text
+    assert "0.0200 for LLoPS + CT and 0.0200 for BASED + CT" in text and "twice the larger seed sd, 0.0400" in text
+    # 0.03 better (> 1 sd, < 2 sd): no claim by the rule
+    text = pt.table1_verdict({s: x - 0.03 for s, x in based.items()}, based)
+    assert "-0.0300" in text and "every seed's difference is negative" in text and "not than twice it" in text
+    # LLoPS worse by 0.06, 0.07, 0.08: mean 0.07 > 2 × 0.03 (the larger sd, LLoPS's own): BASED better
+    llops = {0: 2.16, 1: 2.19, 2: 2.22}
+    text = pt.table1_verdict(llops, based)
+    assert "+0.0700 ± 0.0100" in text and "paired t = +12.1" in text  # 0.07 / (0.01/√3) = 12.12
+    assert "larger than the seed spread: BASED + CT is better here" in text and "sd, 0.0600)" in text
+    # the same differences over arms that spread more (sds 0.06 and 0.07): within the spread
+    wide = {0: 2.06, 1: 2.12, 2: 2.18}
+    text = pt.table1_verdict({s: wide[s] + x for s, x in ((0, 0.06), (1, 0.07), (2, 0.08))}, wide)
+    assert "+0.0700 ± 0.0100" in text and "within the seed spread" in text and "sd, 0.1400)" in text
+    # mixed signs; unpaired seeds are left out; one seed: no claim
+    text = pt.table1_verdict({0: 2.11, 1: 2.11, 2: 2.15, 5: 9.0}, based)
+    assert "change sign" in text and "seed 5" not in text and "over 3 paired seeds" in text
+    assert "no claim either way" in pt.table1_verdict({0: 2.2}, based)
+    assert "no comparison" in pt.table1_verdict({7: 2.2}, based)
+
+
+@pytest.mark.parametrize("key", ["based-w16", "llops-p4-m256-w16", "llops-p2-m256-based-w16", "hedgehog-w16"])
+def test_hybrid_methods_are_their_pure_kernel_plus_a_window(key):
+    # issue 20: each method pure and with the sliding-window hybrid. The "-w16" method is its pure
+    # method's kernel (same map, options, init and Θ rate) with window 16 (BASED's window 64 at a
+    # quarter of Zoology's lengths) and a learned gate; at T = 24 > 16 its attention output differs
+    # from the pure kernel's with the same weights (the window's exact softmax replaces the sketch
+    # on the last 16 keys; here by > 1e-2 of the output's size, while a window silently dropped
+    # gives the pure output to round-off).
+    table = pt.methods(D_MODEL)
+    hybrid, pure = table[key], table[key.removesuffix("-w16")]
+    assert hybrid.options == {**pure.options, "window": 16}
+    assert (hybrid.attention, hybrid.init, hybrid.kernel_lr) == (pure.attention, pure.init, pure.kernel_lr)
+    h, p = pt.build_model(hybrid, D_MODEL, VOCAB, seed=0), pt.build_model(pure, D_MODEL, VOCAB, seed=0)
+    kernels = kernel_modules(h)
+    assert len(kernels) == 2 and all(k.options["window"] == 16 and k.gate is not None for k in kernels)
+    assert all(k.options["window"] == 0 for k in kernel_modules(p))
+    copy_shared_weights(h, p)
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(2, 24, 1, D_MODEL, generator=g) for _ in range(3))  # [B, T, H, D]
+    with torch.no_grad():
+        a, b = kernels[0](q, k, v), kernel_modules(p)[0](q, k, v)
+    assert float((a - b).abs().max()) > 1e-2 * float(b.abs().max())
+
+
+def test_verdict_compares_each_hybrid_with_based_of_the_same_window():
+    based = [_run("based", s, a) for s, a in enumerate((0.80, 0.82, 0.84))]
+    bw = [_run("based-w16", s, a) for s, a in enumerate((0.90, 0.91, 0.92))]  # sd 0.01
+    lw = [_run("llops-p4-m256-w16", s, a) for s, a in enumerate((0.95, 0.96, 0.97))]
+    text = pt.verdict({"based": based, "based-w16": bw, "llops-p4-m256-w16": lw})
+    # +0.05 against BASED w16 (> 2 × 0.01), not against pure BASED (+0.14)
+    assert "llops-p4-m256-w16 − BASED w16 = +0.050" in text and "LLoPS ahead" in text and "+0.140" not in text
+    assert "BASED w16 0.910 ± 0.010 over 3 seeds" in text
+    # a hybrid alone has nothing to be compared with; nothing BASED at all says so
+    assert pt.verdict({"based": based, "llops-p4-m256-w16": lw}) == "No LLoPS run to compare."
+    assert pt.verdict({"llops-p4-m256-w16": lw}).startswith("BASED not run")

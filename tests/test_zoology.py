@@ -178,3 +178,41 @@ def test_kernel_lr_scales_the_kernels_step_only():
     d_theta = float((kernel_modules(model)[0].theta_q - theta).abs().max())
     d_proj = float((model.blocks[0].attention.q_proj.weight - proj).abs().max())
     assert d_theta == pytest.approx(1e-3, rel=1e-3) and d_proj == pytest.approx(1e-2, rel=1e-3)
+
+
+def test_mixture_accuracy_is_the_mean_over_all_its_components(capsys):
+    # Issue 20: a mixture stage's held-out accuracy is the unweighted mean over all its
+    # components, component i scored on its own eval_sequences sequences from the stream
+    # seed + 1_000_003 + i (hand count below), not the accuracy of the one or two components
+    # that a few randomly drawn evaluation batches happen to hit. A short model trained on the
+    # mixture (almost only on its 2-pair component: weights 1000 : 1) recalls the 2-pair
+    # component much better than the 16-pair one (0.92 vs 0.10) (asserted: the two differ by > 0.2, so no single
+    # component's accuracy equals the mean), and a sampled evaluation would score the 2-pair
+    # component alone.
+    torch.manual_seed(0)
+    easy, hard = MQARConfig(64, 2, 12, layout="zoology"), MQARConfig(64, 16, 64, layout="zoology")
+    mix = MQARMixture((easy, hard), (1000, 1))
+    model = TransformerLM(TransformerConfig(vocab_size=64, d_model=32, n_heads=2, n_layers=1, mlp_ratio=2,
+                                            short_conv=2))
+    result = train_mqar(model, [(mix, 100)], batch_size=32, lr=1e-2, warmup=10, seed=0, eval_sequences=24,
+                        eval_every=50, progress=False)
+    per = []
+    for i, task in enumerate((easy, hard)):  # hand count: 24 sequences in batches of 64 (one batch)
+        x, y = mqar_batch(task, 24, generator=torch.Generator().manual_seed(0 + 1_000_003 + i))
+        with torch.no_grad():
+            pred = model.eval()(x).argmax(-1)
+        per.append(int((pred == y)[y != IGNORE_INDEX].sum()) / int((y != IGNORE_INDEX).sum()))
+    assert per[0] - per[1] > 0.2, per
+    mean = (per[0] + per[1]) / 2
+    assert result.heldout_accuracy == pytest.approx(mean, abs=1e-12)
+    assert result.history[0]["component_accuracies"] == pytest.approx(per, abs=1e-12)
+    assert [e["step"] for e in result.evals] == [0, 50, 100]
+    assert result.evals[-1]["component_accuracies"] == pytest.approx(per, abs=1e-12)
+    assert evaluate_mqar(model, mix, num_sequences=24, seed=0) == pytest.approx(mean, abs=1e-12)
+    # the stage line keeps the form "... held-out accuracy X after N steps ..." and names the components
+    text = capsys.readouterr()
+    line = [ln for ln in (text.out + text.err).splitlines() if ln.startswith("stage 0 ")]
+    assert len(line) == 1, line
+    assert (f"held-out accuracy {mean:.4f} after 100 steps (the mean over its 2 components: {per[0]:.4f}, "
+            f"{per[1]:.4f})") in line[0], line[0]
+    assert "(T=12, P=2), (T=64, P=16)" in line[0]

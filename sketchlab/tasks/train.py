@@ -65,9 +65,11 @@ class TrainResult:
 
     ``heldout_accuracy``: of the last stage; ``seconds``: wall time of this call (a resumed run
     counts from the resume); ``steps``: steps done in total; ``history``: one entry per stage
-    (held-out accuracy at its end); ``losses``: the training loss of every step (global batch);
-    ``evals``: ``{"step", "stage", "heldout_accuracy"}`` every ``eval_every`` steps and at the end
-    of each stage; ``resumed_from``: the step of the checkpoint this call resumed from (``None``
+    (held-out accuracy at its end, :func:`evaluate_mqar`'s: for a mixture stage the mean over all
+    its components, each one's in ``"component_accuracies"``); ``losses``: the training loss of
+    every step (global batch); ``evals``: ``{"step", "stage", "heldout_accuracy"}`` (and
+    ``"component_accuracies"`` for a mixture) every ``eval_every`` steps and at the end of each
+    stage; ``resumed_from``: the step of the checkpoint this call resumed from (``None``
     for a fresh run).
     """
 
@@ -89,21 +91,40 @@ def _check_seed(seed, name: str = "seed") -> int:
     return int(seed)
 
 
-@torch.no_grad()
 def evaluate_mqar(model: TransformerLM, task: MQARConfig | MQARMixture, *, num_sequences: int = 256, seed: int = 0,
                   batch_size: int = 64) -> float:
-    """Accuracy on ``num_sequences`` held-out sequences drawn from ``seed + 1_000_003``.
+    """Held-out accuracy on ``num_sequences`` sequences (per component of a mixture) from ``seed + 1_000_003``.
 
     The training stream uses ``seed`` itself, so held-out sequences come from a disjoint random
     stream (with keys and values drawn from a large space, repeats of training sequences are
-    negligible). A mixture draws each batch's component from that stream too. The model runs in
-    eval mode; its previous mode is restored afterwards, also when the forward pass raises.
+    negligible). A mixture is scored on every one of its components (:func:`_component_accuracies`),
+    never on the one or two components a few randomly drawn batches would hit. The model runs
+    in eval mode; its previous mode is restored afterwards, also when the forward pass raises.
     Logits are computed at the query positions only (:class:`~sketchlab.tasks.zoology.QueryLogits`).
 
     Notes
     -----
-    The result is correct / total over the query positions (``targets != IGNORE_INDEX``) of all
-    sequences.
+    An :class:`MQARConfig`: correct / total over the query positions (``targets != IGNORE_INDEX``)
+    of the ``num_sequences`` sequences. An :class:`MQARMixture` with components ``c_0 … c_{n-1}``:
+    the unweighted mean ``(1/n) Σ_i acc(c_i)`` of the components' accuracies (Zoology's headline
+    is the mean over its test slices; the training weights say how often a length is trained, not
+    how much it counts), each ``acc(c_i)`` on its own ``num_sequences`` sequences.
+    """
+    accs = _component_accuracies(model, task, num_sequences=num_sequences, seed=seed, batch_size=batch_size)
+    return math.fsum(accs) / len(accs)
+
+
+@torch.no_grad()
+def _component_accuracies(model: TransformerLM, task: MQARConfig | MQARMixture, *, num_sequences: int = 256,
+                          seed: int = 0, batch_size: int = 64) -> list[float]:
+    """Held-out accuracy of each component of ``task`` (one entry for an :class:`MQARConfig`).
+
+    Component ``i`` (in ``task.components`` order) is scored on ``num_sequences`` sequences of its
+    own, drawn from a generator seeded ``(seed + 1_000_003 + i) mod 2**64`` (as
+    :func:`~sketchlab.tasks.zoology.evaluate_slices` seeds its slices), in batches of
+    ``batch_size``; its accuracy is correct / total over its query positions
+    (``targets != IGNORE_INDEX``). An :class:`MQARConfig` is the one component ``i = 0``.
+    The model runs in eval mode; its previous mode is restored, also when the forward pass raises.
     """
     from .zoology import QueryLogits
 
@@ -114,23 +135,34 @@ def evaluate_mqar(model: TransformerLM, task: MQARConfig | MQARMixture, *, num_s
     num_sequences = check_positive_int(num_sequences, "num_sequences")
     batch_size = check_positive_int(batch_size, "batch_size")
     seed = _check_seed(seed)
-    gen = torch.Generator().manual_seed(seed + _HELDOUT_OFFSET)
+    components = task.components if isinstance(task, MQARMixture) else (task,)
     was_training = model.training
     model.eval()
     head = QueryLogits(model)
     device = next(model.parameters()).device
-    correct = total = 0
+    out = []
     try:
-        for start in range(0, num_sequences, batch_size):
-            b = min(batch_size, num_sequences - start)
-            inputs, targets = mqar_batch(task, b, generator=gen)
-            mask = targets != IGNORE_INDEX  # query positions of this batch
-            pred = head(inputs.to(device), mask.to(device)).argmax(-1).cpu()  # [N]
-            correct += int((pred == targets[mask]).sum())
-            total += int(mask.sum())
+        for i, component in enumerate(components):
+            gen = torch.Generator().manual_seed((seed + _HELDOUT_OFFSET + i) % 2**64)
+            correct = total = 0
+            for start in range(0, num_sequences, batch_size):
+                b = min(batch_size, num_sequences - start)
+                inputs, targets = mqar_batch(component, b, generator=gen)
+                mask = targets != IGNORE_INDEX  # query positions of this batch
+                pred = head(inputs.to(device), mask.to(device)).argmax(-1).cpu()  # [N]
+                correct += int((pred == targets[mask]).sum())
+                total += int(mask.sum())
+            out.append(correct / total)
     finally:
         model.train(was_training)
-    return correct / total
+    return out
+
+
+def _describe(task) -> str:
+    """A stage's task for the per-stage line: an MQARConfig's repr; a mixture by its components' (T, P)."""
+    if isinstance(task, MQARMixture):
+        return "mixture of " + ", ".join(f"(T={c.seq_len}, P={c.num_pairs})" for c in task.components)
+    return str(task)
 
 
 def init_distributed(device: str = "cpu") -> tuple[int, int]:
@@ -337,9 +369,11 @@ def train_mqar(
         Its ``vocab_size`` must cover every stage's vocabulary. Batches go to the device of its
         parameters.
     stages : sequence of (MQARConfig or MQARMixture, steps)
-        A curriculum: each stage trains ``steps`` steps on its distribution, then reports its
-        held-out accuracy. A single stage is plain training; a mixture stage is Zoology's
-        protocol (one component per batch).
+        A curriculum: each stage trains ``steps`` steps on its distribution, then prints and
+        records its held-out accuracy (:func:`evaluate_mqar`) in a line ``stage i …: held-out
+        accuracy X after N steps …``. A single stage is plain training; a mixture stage is
+        Zoology's protocol (one component per batch) and its accuracy is the mean over all its
+        components, each one's printed after the mean.
     batch_size : int >= 1
         Sequences per step (the global batch under ``torchrun``: divisible by the world size).
     lr : float > 0
@@ -360,7 +394,7 @@ def train_mqar(
     seed : int >= 0
         Seeds the data stream (``torch.Generator``); the model's initialisation is the caller's.
     eval_sequences : int
-        Held-out sequences per evaluation (:func:`evaluate_mqar`).
+        Held-out sequences per evaluation (:func:`evaluate_mqar`; per component of a mixture).
     eval_every : int >= 0
         Also evaluate on the current stage's task every ``eval_every`` steps (and at step 0);
         ``0``: only at the end of each stage.
@@ -474,8 +508,10 @@ def train_mqar(
         net = DistributedDataParallel(net, device_ids=[device.index] if device.type == "cuda" else None)
 
     def evaluate(si: int, task) -> dict:
-        entry = {"step": step, "stage": si,
-                 "heldout_accuracy": evaluate_mqar(model, task, num_sequences=eval_sequences, seed=seed)}
+        accs = _component_accuracies(model, task, num_sequences=eval_sequences, seed=seed)
+        entry = {"step": step, "stage": si, "heldout_accuracy": math.fsum(accs) / len(accs)}  # = evaluate_mqar
+        if isinstance(task, MQARMixture):
+            entry["component_accuracies"] = accs
         if not evals or evals[-1]["step"] != step:
             evals.append(entry)
         return entry
@@ -536,10 +572,16 @@ def train_mqar(
                 checkpoint()
         entry = evaluate(si, task)
         history.append({"stage": si, "task": task.to_dict(), "steps": steps,
-                        "heldout_accuracy": entry["heldout_accuracy"]})
+                        "heldout_accuracy": entry["heldout_accuracy"],
+                        **({"component_accuracies": entry["component_accuracies"]}
+                           if "component_accuracies" in entry else {})})
         if rank == 0:
-            bar.write(f"stage {si} {task}: held-out accuracy {entry['heldout_accuracy']:.4f} after {step} steps, "
-                      f"{time.perf_counter() - t0:.0f}s")
+            parts = ""
+            if "component_accuracies" in entry:
+                parts = (f" (the mean over its {len(task.components)} components: "
+                         + ", ".join(f"{a:.4f}" for a in entry["component_accuracies"]) + ")")
+            bar.write(f"stage {si} {_describe(task)}: held-out accuracy {entry['heldout_accuracy']:.4f} after {step} "
+                      f"steps{parts}, {time.perf_counter() - t0:.0f}s")
         if step % checkpoint_every == 0 or step == total:
             checkpoint()
         start = end
