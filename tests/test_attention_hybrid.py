@@ -104,6 +104,19 @@ def test_window_at_least_T_is_softmax(causal):
         assert (out - ref).abs().max() < TOL64, window
 
 
+def test_a_short_call_is_budgeted_for_its_own_chunks_not_a_whole_block():
+    # T = 23 in chunks of 8 fills 24 of a block's 8 * 16 = 128 query rows: the band costs
+    # 2·2·24·(4 + 8)·(4 + 5 + 3 + 2)·8 B = 129 KiB, a whole block 688 KiB. A 300 kB budget must admit
+    # the call (it was refused: the MQAR hybrids at batch 64 asked for 7.9 GiB) and still refuse T = 200.
+    q, k, v, fq, fk = _inputs(seed=31)
+    kw = dict(window=4, sinks=1, chunk_size=8, block_chunks=16, max_bytes=300_000)
+    out = feature_attention(fq, fk, v, q=q, k=k, **kw)
+    assert (out - feature_attention_naive(fq, fk, v, q=q, k=k, window=4, sinks=1)).abs().max() < TOL64
+    q, k, v, fq, fk = _inputs(T=200, seed=31)
+    with pytest.raises(ValueError, match="128 queries"):
+        feature_attention(fq, fk, v, q=q, k=k, **kw)
+
+
 def test_window_zero_is_pure_linear_attention():
     """window=0 ignores the gate and equals the plain normalised linear attention of the dense formula."""
     q, k, v, fq, fk = _inputs(seed=31)

@@ -250,8 +250,9 @@ def _attend(feat_q, feat_k, qt, kt, vt, *, num_features: int, causal: bool, norm
         if counter is not None:
             counter.report(where, denominator_check)
         return (out, state) if output_final_state else out
-    check_memory(B * H * block * (window + C) * (D + M + Dv + 2) * vt.element_size(),
-                 what=f"the bands of one block ([B={B}, H={H}, {block} queries, window {window} + chunk {C} keys])",
+    queries = min(block, -(-T // C) * C)  # a block holds at most the call's chunks
+    check_memory(B * H * queries * (window + C) * (D + M + Dv + 2) * vt.element_size(),
+                 what=f"the bands of one block ([B={B}, H={H}, {queries} queries, window {window} + chunk {C} keys])",
                  way_out="lower block_chunks or chunk_size (the band is inherent to the window)", max_bytes=max_bytes)
     outs = []
     qs, ks, vs = (_Tokens(x).blocks(block) for x in (qt, kt, vt))
