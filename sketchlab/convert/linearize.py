@@ -482,6 +482,12 @@ def linearize(model: nn.Module, texts, *, tokenizer=None, attention: str = "llop
     texts
         Training and held-out text: strings (with ``tokenizer``), token-id lists or a LongTensor
         ``[N, T]`` (:func:`tokenize_texts`), cut into ``seq_len``-token sequences, ``max_tokens`` in all.
+    seq_len : int
+        Tokens per sequence. Transfer at the longest context the model will run at: a hybrid's far
+        part sees up to ``seq_len − window`` keys in training, and maps transferred on shorter
+        sequences put too much mass on the far keys beyond that (SmolLM2, Hedgehog hybrid w = 64:
+        transferred on 512-token sequences, perplexity 55.5 at 1024 and 94.5 at 2048; on 2048-token
+        sequences, 48.4 and 47.8; ``analysis/results/linearize_lm_len512.md`` and ``linearize_lm.md``).
     holdout : float in (0, 1)
         Fraction of the sequences (the last ones) held out of training: every error and metric is
         measured on them.
