@@ -71,13 +71,15 @@ def test_chunk_core_gradcheck(normalize, non_negative):
     assert torch.autograd.gradcheck(f, (fq, fk, v, S, z))
 
 
-@pytest.mark.parametrize("window, local, non_negative, masked", [
-    (1, "softmax", False, True), (3, "poly", True, False), (4, "softmax", True, True), (4, "poly", False, True),
-    (9, "softmax", False, False), (40, "softmax", True, True)])
-def test_hybrid_gradients_equal_the_naive_twin(window, local, non_negative, masked):
+@pytest.mark.parametrize("window, local, non_negative, masked, degree", [
+    (1, "softmax", False, True, 2), (3, "poly", True, False, 2), (4, "softmax", True, True, 2),
+    (4, "poly", False, True, 2), (9, "softmax", False, False, 2), (40, "softmax", True, True, 2),
+    (4, "poly", False, True, 1), (3, "poly", True, False, 1), (9, "poly", False, True, 3)])
+def test_hybrid_gradients_equal_the_naive_twin(window, local, non_negative, masked, degree):
     """Every gradient of the causal hybrid (q, k, v, the features, the gate) equals autograd through
     the dense twin: windows below, at (4) and above the chunk size and beyond T, sinks, padding,
-    self-tensored features, both local kinds, the state carried over two blocks of two chunks."""
+    self-tensored features, both local kinds (poly of degree 1, 2, 3: degree 1 takes the core's
+    unmasked-logit path), the state carried over two blocks of two chunks."""
     g = _gen(window)
     B, T, H, D, M = 2, 19, 2, 3, 3
     base = [torch.randn(B, T, H, D, generator=g, dtype=F64) for _ in range(3)]
@@ -89,8 +91,8 @@ def test_hybrid_gradients_equal_the_naive_twin(window, local, non_negative, mask
     grads = []
     for fn, extra in ((feature_attention_naive, {}), (feature_attention, {"chunk_size": 4, "block_chunks": 2})):
         xs = [x.clone().requires_grad_() for x in base]
-        out = fn(xs[3], xs[4], xs[2], q=xs[0], k=xs[1], window=window, sinks=2, gate=xs[5], local=local, degree=2,
-                 key_padding_mask=mask, non_negative=non_negative, denominator_check="off", **extra)
+        out = fn(xs[3], xs[4], xs[2], q=xs[0], k=xs[1], window=window, sinks=2, gate=xs[5], local=local,
+                 degree=degree, key_padding_mask=mask, non_negative=non_negative, denominator_check="off", **extra)
         (out * weight).sum().backward()
         grads.append([x.grad for x in xs])
     for name, a, b in zip(("q", "k", "v", "phi_q", "phi_k", "gate"), *grads):
