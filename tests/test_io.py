@@ -566,3 +566,52 @@ def test_staged_directory_refuses_a_file_or_a_missing_parent(tmp_path):
         with staged_directory(tmp_path / "no" / "run"):
             pass
     assert sorted(p.name for p in tmp_path.iterdir()) == ["f"]
+
+
+def test_staged_directory_keeps_what_it_could_not_put_back(tmp_path, monkeypatch):
+    """Moving the set in fails, and so does putting one replaced entry back: the staging directory is
+    kept (the old entry is not deleted with it) and the error names where the old entries are."""
+    import sketchlab.io.atomic as atomic
+    from sketchlab.io import staged_directory
+
+    out = tmp_path / "run"
+    out.mkdir()
+    for name in ("a", "b"):
+        (out / name).write_text(f"old {name}")
+    real_rename = os.rename
+
+    def rename(src, dst):
+        src, dst = Path(src), Path(dst)
+        if src.name == "b" and dst.parent == out and src.read_text() == "new b":
+            raise OSError("disk full")  # moving the new b in
+        if src.name == "a" and dst.parent == out and src.read_text() == "old a":
+            raise OSError("I/O error")  # putting the old a back
+        real_rename(src, dst)
+
+    monkeypatch.setattr(atomic.os, "rename", rename)
+    with pytest.raises(OSError, match=r"putting back a failed too: the previous entries are in '(.*previous[^']*)'") \
+            as err, staged_directory(out, last=("b",)) as stage:
+        for name in ("a", "b"):
+            (stage / name).write_text(f"new {name}")
+    kept = Path(re.search(r"are in '([^']*)'", str(err.value)).group(1))
+    assert (kept / "a").read_text() == "old a"  # the old a survives where the error says
+    assert (out / "b").read_text() == "old b" and not (out / "a").exists()
+
+
+def test_staged_directory_refuses_a_mount_point_before_making_anything(tmp_path, monkeypatch):
+    """An output directory on another file system than its parent (a container volume) cannot take the
+    final renames (EXDEV): refused up front, by the library and by a command's output check."""
+    import sketchlab.io.atomic as atomic
+    from sketchlab.cli._common import Outputs
+    from sketchlab.io import staged_directory
+
+    out = tmp_path / "vol"
+    out.mkdir()
+    real = atomic._device
+    monkeypatch.setattr(atomic, "_device", lambda p: real(p) + (1 if Path(p) == out else 0))
+    with pytest.raises(OSError, match="is a mount point"):
+        with staged_directory(out):
+            pass
+    with pytest.raises(OSError, match="is a mount point"):
+        Outputs({}, directories={"--out": str(out)}, staged=["--out"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["vol"] and not any(out.iterdir())

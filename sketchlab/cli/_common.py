@@ -348,6 +348,10 @@ class Outputs:
                 raise PermissionError(f"{label}: directory {str(parent)!r} is not writable: the run's files are built "
                                       f"beside {path!r} and moved into it at the end; choose an output directory whose "
                                       "parent you can write")
+            if label in staged and os.path.isdir(real):
+                from ..io.atomic import check_staged_directory
+
+                check_staged_directory(path)  # a mount point cannot take the final renames
             for inp_real, given in {**input_dirs, **input_files}.items():
                 if _inside(inp_real, real) or _identity(inp_real) == _identity(real) is not None:
                     raise ValueError(f"{label}: output directory {path!r} holds the input {given!r}: this run would overwrite or mix "

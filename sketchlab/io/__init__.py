@@ -20,13 +20,13 @@ Layers: ``formats``, ``atomic``, ``layout`` import nothing of ``io``; ``dumps`` 
 import them and not each other.
 """
 
-from .atomic import atomic_write, check_output_paths, dump_files, staged_directory
+from .atomic import atomic_write, check_output_paths, check_staged_directory, dump_files, staged_directory
 from .dumps import QKDump, load_qk, save_qk, validate_qk
 from .formats import MAX_JSON_DEPTH
 from .layout import as_lhnd, parse_layout, select_indices
 from .theta import load_theta, save_theta
 
 __all__ = [
-    "MAX_JSON_DEPTH", "QKDump", "as_lhnd", "atomic_write", "check_output_paths", "dump_files", "load_qk",
-    "load_theta", "parse_layout", "save_qk", "save_theta", "select_indices", "staged_directory", "validate_qk",
+    "MAX_JSON_DEPTH", "QKDump", "as_lhnd", "atomic_write", "check_output_paths", "check_staged_directory", "dump_files",
+    "load_qk", "load_theta", "parse_layout", "save_qk", "save_theta", "select_indices", "staged_directory", "validate_qk",
 ]

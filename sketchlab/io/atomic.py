@@ -16,7 +16,7 @@ import secrets
 import shutil
 from pathlib import Path
 
-__all__ = ["atomic_write", "check_output_paths", "dump_files", "npy_parts", "staged_directory"]
+__all__ = ["atomic_write", "check_output_paths", "check_staged_directory", "dump_files", "npy_parts", "staged_directory"]
 
 #: The tensors of a Q/K dump, in file order.
 DUMP_NAMES = ("q", "k", "v")
@@ -135,14 +135,16 @@ def staged_directory(path, *, last=()):
     atomic step); otherwise the entries of ``path`` that the new ones replace are moved aside, the
     new ones renamed in, the old ones deleted, and the directory fsynced. On any exception, in the
     ``with`` block or while moving, the moves done so far are undone (``path`` holds exactly what it
-    held, or does not exist if it did not) and the staging directory is removed. Only a crash of the
-    machine during the renames can leave part of the set.
+    held, or does not exist if it did not) and the staging directory is removed. If an undo itself
+    fails, the staging directory is kept (the replaced entries in its ``previous/``) and the error
+    names it. Only a crash of the machine during the renames can leave part of the set. The fsyncs
+    after the moves can still raise; the new set is in place then.
+
+    A ``path`` that is a mount point (another file system than its parent: a container volume, an
+    NFS or tmpfs mount) cannot take renames from beside it and is refused before anything is made
+    (:func:`check_staged_directory`).
     """
-    target = Path(os.path.realpath(path))
-    if not target.parent.is_dir():
-        raise FileNotFoundError(f"output directory's parent {str(target.parent)!r} does not exist (for {str(path)!r})")
-    if os.path.lexists(target) and not target.is_dir():
-        raise NotADirectoryError(f"output directory {str(path)!r} is a file, not a directory")
+    target = check_staged_directory(path)
     stage = _create_temp_dir(target)
     try:
         yield stage
@@ -160,18 +162,45 @@ def staged_directory(path, *, last=()):
                 for name in names:
                     os.rename(stage / name, target / name)
                     new.append(name)
-            except BaseException:
-                for name in reversed(new):
-                    with contextlib.suppress(OSError):
-                        os.rename(target / name, stage / name)
-                for name in reversed(old):
-                    with contextlib.suppress(OSError):
-                        os.rename(aside / name, target / name)
+            except BaseException as err:
+                failed = []
+                for src, dst in [(target / n, stage / n) for n in reversed(new)] + \
+                        [(aside / n, target / n) for n in reversed(old)]:
+                    try:
+                        os.rename(src, dst)
+                    except OSError:
+                        failed.append(str(dst.name))
+                if failed:
+                    stage = None  # keep it: it holds what could not be put back
+                    raise OSError(f"writing {str(target)!r} failed ({err}) and putting back {', '.join(failed)} "
+                                  f"failed too: the previous entries are in {str(aside)!r}") from err
                 raise
-        _fsync_dir(target)
-        _fsync_dir(target.parent)
     finally:
-        shutil.rmtree(stage, ignore_errors=True)
+        if stage is not None:
+            shutil.rmtree(stage, ignore_errors=True)
+    _fsync_dir(target)
+    _fsync_dir(target.parent)
+
+
+def _device(path: Path) -> int:
+    """The file system (``st_dev``) ``path`` lies on."""
+    return os.stat(path).st_dev
+
+
+def check_staged_directory(path) -> Path:
+    """The real path of ``path`` if :func:`staged_directory` can build it, else a clear error: its
+    parent must exist, it must be a directory if it exists, and not a mount point (a different file
+    system from its parent, where the final renames fail with EXDEV)."""
+    target = Path(os.path.realpath(path))
+    if not target.parent.is_dir():
+        raise FileNotFoundError(f"output directory's parent {str(target.parent)!r} does not exist (for {str(path)!r})")
+    if os.path.lexists(target) and not target.is_dir():
+        raise NotADirectoryError(f"output directory {str(path)!r} is a file, not a directory")
+    if target.is_dir() and _device(target) != _device(target.parent):
+        raise OSError(f"output directory {str(path)!r} is a mount point (another file system than its parent "
+                      f"{str(target.parent)!r}): a run is built beside it and moved in by renames, which cannot cross "
+                      "file systems; give a directory inside it")
+    return target
 
 
 def _file_identity(path: Path) -> tuple[int, int] | None:
