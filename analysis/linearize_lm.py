@@ -30,9 +30,11 @@ from __future__ import annotations
 
 import argparse
 import copy
+import hashlib
 import importlib.util
 import json
 import math
+import subprocess
 import time
 from pathlib import Path
 
@@ -178,19 +180,22 @@ def training_data(args, tok):
     return ids, mask, torch.arange(ids.shape[0] - n_held), torch.arange(ids.shape[0] - n_held, ids.shape[0])
 
 
-def transfer_key(name, window, args) -> str:
-    """File stem naming every setting that shapes a map's transferred parameters (``--cache-dir``)."""
+def transfer_key(name, window, args, theta=None) -> str:
+    """File stem naming every setting that shapes a map's transferred parameters (``--cache-dir``);
+    a given Θ by the SHA-256 of its tensors (``init`` for none)."""
     parts = [name, f"w{window}", f"s{args.sinks if window else 0}", f"m{args.m}", f"gate{gate_for(name, args)}",
-             f"len{args.train_len}x{args.train_seqs}", f"steps{args.transfer_steps}", f"lr{args.transfer_lr:g}",
-             f"maplr{args.map_lr}", f"batch{args.transfer_batch}", f"gs{args.gate_seqs}"]
+             f"len{args.train_len}x{args.train_seqs}", f"steps{args.transfer_steps}", f"lr{args.transfer_lr!r}",
+             f"maplr{args.map_lr!r}", f"batch{args.transfer_batch}", f"gs{args.gate_seqs}"]
     if name == "llops":
-        parts += ["untied" if args.untied else "tied",
-                  "nofit" if args.no_fit else f"fit{args.fit_tokens}x{args.fit_steps}"]
+        digest = hashlib.sha256()
+        for t in theta if theta is not None else ():
+            digest.update(t.detach().double().contiguous().numpy().tobytes())
+        parts += ["untied" if args.untied else "tied", "init" if theta is None else f"theta{digest.hexdigest()[:12]}"]
     return "_".join(parts)
 
 
 def load_transferred(sketches, path: Path):
-    """The cached transfer of ``sketches`` (``--cache-dir``): its stage errors, or ``None`` if not cached."""
+    """The cached transfer of ``sketches`` (``--cache-dir``): ``{"errors", "commit"}``, or ``None`` if not cached."""
     meta = path.with_suffix(".json")
     if not (path.is_file() and meta.is_file()):
         return None
@@ -201,12 +206,22 @@ def load_transferred(sketches, path: Path):
 
 
 def save_transferred(sketches, errors: dict, path: Path) -> None:
-    """Write the transferred maps and gates of ``sketches`` and their errors (``--cache-dir``), atomically."""
+    """Write the transferred maps and gates of ``sketches``, their errors and the code's commit
+    (``--cache-dir``), atomically."""
     path.parent.mkdir(parents=True, exist_ok=True)
     state = {f"{i}.{k}": v.detach().contiguous() for i, s in enumerate(sketches) for k, v in s.state_dict().items()}
     with atomic_write(path) as tmp:
         save_file(state, tmp)
-    write_text_atomic(str(path.with_suffix(".json")), json.dumps(errors) + "\n")
+    write_text_atomic(str(path.with_suffix(".json")), json.dumps({"errors": errors, "commit": code_commit()}) + "\n")
+
+
+def code_commit() -> str | None:
+    """The git commit of the code that ran (``None`` outside a checkout)."""
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
 
 
 def fit(teacher, ids, mask, train_idx, args):
@@ -358,10 +373,13 @@ def smollm2(args, out: dict, save) -> None:
         label = f"{name} {'hybrid w=%d+%d' % (window, args.sinks) if window else 'pure'}"
         sketches = convert(model, name, args, window, theta)
         features = sketches[0].feature_map_q.num_features
-        cached = None if args.cache_dir is None else Path(args.cache_dir) / f"{transfer_key(name, window, args)}.safetensors"
-        errors = None if cached is None else load_transferred(sketches, cached)
-        if errors is not None:
-            log(f"{label}: transferred maps and gates read from {cached}")
+        key = transfer_key(name, window, args, theta if name == "llops" else None)
+        cached = None if args.cache_dir is None else Path(args.cache_dir) / f"{key}.safetensors"
+        hit = None if cached is None else load_transferred(sketches, cached)
+        if hit is not None:
+            errors = hit["errors"]
+            log(f"{label}: transferred maps and gates read from {cached} (commit {hit['commit']})")
+            rows.setdefault("cached", []).append({"label": label, "file": str(cached), "commit": hit["commit"]})
         else:
             t = time.perf_counter()
             calibrate(sketches, layers, mask, train_idx, args, name)
@@ -465,6 +483,11 @@ def markdown(args, out: dict, command: str) -> str:
                 else "(**partial: the run was still going or was stopped; every figure below is final**).")
              + (f" {out['cuts']}" if out.get("cuts") else ""), ""]
     sm = out.get("smollm2")
+    if sm and sm.get("cached"):
+        lines += ["Read from `--cache-dir` (transferred by an earlier run with the same settings; its stage-0 "
+                  "perplexities not re-measured): " + "; ".join(f"{c['label']} (`{c['file']}`, commit "
+                                                               f"{(c['commit'] or 'unknown')[:10]})" for c in sm["cached"])
+                  + ".", ""]
     if not done and sm:
         planned = [m for m in args.maps.split(",") + ([args.pure] if args.pure != "none" else [])
                    + ([] if args.late_maps == "none" else args.late_maps.split(","))]
