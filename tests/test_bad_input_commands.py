@@ -82,7 +82,8 @@ def _one_line_exit_2(argv, capsys, root=None, match=None):
     (["--clip", "inf"], r"argument --clip: expected a finite number > 0, got 'inf'"),
     (["--weight-decay", "-0.1"], r"argument --weight-decay: expected a finite number >= 0, got '-0.1'"),
     (["--threads", "0"], r"argument --threads: expected an integer >= 1, got 0"),
-    (["--seed", "-1"], r"argument --seed: expected an integer >= 0, got -1"),
+    (["--seed", "-1"], r"argument --seed: expected an integer seed in \[0, 2\*\*62\], got -1"),
+    (["--seed", "18446744073709551615"], r"argument --seed: expected an integer seed in \[0, 2\*\*62\]"),
     (["--num-pairs", "1000"], r"vocab_size must be >= 2 \* num_pairs \+ 1"),
     (["--lr", "nan"], r"argument --lr: expected a finite number > 0, got 'nan'"),
 ])

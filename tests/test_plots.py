@@ -9,8 +9,7 @@ import sketchlab.plots
 from sketchlab.plots import save_figure
 
 ROOT = Path(__file__).resolve().parent.parent
-#: Files that may call ``savefig`` themselves: the helper, and one the lead edits in parallel (it
-#: still writes its figure in place; to move to save_figure there).
+#: Files that may call ``savefig`` themselves: the helper alone.
 SAVEFIG_ALLOWED = {"sketchlab/plots.py"}
 
 

@@ -22,7 +22,7 @@ import os
 from pathlib import Path
 
 from ._common import (DEFAULT_M, DEFAULT_P, Outputs, UsageError, check_run_dir, device_arg, nonnegative_float,
-                      nonnegative_int, positive_float, positive_int, write_text_atomic)
+                      nonnegative_int, positive_float, positive_int, seed_arg, write_text_atomic)
 
 #: What a ``sketchlab train`` output directory holds (anything else there belongs to something else).
 RUN_FILES = ("checkpoints", "model.safetensors", "config.json", "train.json")
@@ -112,7 +112,7 @@ def add_arguments(sub) -> None:
                         "BASED loses its non-negative kernel before recall is learned")
     o.add_argument("--warmup", type=nonnegative_int, default=30, help="linear learning-rate warm-up steps (default 30)")
     o.add_argument("--clip", type=positive_float, default=1.0, help="gradient-norm clipping threshold (default 1)")
-    o.add_argument("--seed", type=nonnegative_int, default=0, help="model initialisation and data stream (>= 0)")
+    o.add_argument("--seed", type=seed_arg, default=0, help="model initialisation and data stream (0 to 2**62)")
     o.add_argument("--eval-every", type=nonnegative_int, default=50, help="held-out evaluation every N steps (0: at the end)")
     o.add_argument("--eval-sequences", type=positive_int, default=256,
                    help="held-out sequences per evaluation (default 256)")
