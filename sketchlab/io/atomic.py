@@ -137,7 +137,9 @@ def staged_directory(path, *, last=()):
     ``with`` block or while moving, the moves done so far are undone (``path`` holds exactly what it
     held, or does not exist if it did not) and the staging directory is removed. If an undo itself
     fails, the staging directory is kept (the replaced entries in its ``previous/``) and the error
-    names it. Only a crash of the machine during the renames can leave part of the set. The fsyncs
+    names it. Only a crash of the machine during the renames can leave part of the set; a process
+    killed outright (SIGKILL, the out-of-memory killer) while building leaves its hidden
+    ``.NAME.<hex>.partial`` directory beside ``path`` (delete it; nothing reads it). The fsyncs
     after the moves can still raise; the new set is in place then.
 
     A ``path`` that is a mount point (another file system than its parent: a container volume, an
