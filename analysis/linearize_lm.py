@@ -199,9 +199,7 @@ def load_transferred(sketches, path: Path):
     meta = path.with_suffix(".json")
     if not (path.is_file() and meta.is_file()):
         return None
-    state = load_file(str(path))
-    for i, sketch in enumerate(sketches):
-        sketch.load_state_dict({k.split(".", 1)[1]: v for k, v in state.items() if k.split(".", 1)[0] == str(i)})
+    torch.nn.ModuleList(sketches).load_state_dict(load_file(str(path)))  # keys "<layer>.<parameter>"
     return json.loads(meta.read_text(encoding="utf-8"))
 
 
@@ -209,7 +207,7 @@ def save_transferred(sketches, errors: dict, path: Path) -> None:
     """Write the transferred maps and gates of ``sketches``, their errors and the code's commit
     (``--cache-dir``), atomically."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    state = {f"{i}.{k}": v.detach().contiguous() for i, s in enumerate(sketches) for k, v in s.state_dict().items()}
+    state = {k: v.detach().contiguous() for k, v in torch.nn.ModuleList(sketches).state_dict().items()}
     with atomic_write(path) as tmp:
         save_file(state, tmp)
     write_text_atomic(str(path.with_suffix(".json")), json.dumps({"errors": errors, "commit": code_commit()}) + "\n")
