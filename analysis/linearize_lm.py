@@ -390,7 +390,8 @@ def smollm2(args, out: dict, save) -> None:
             t = time.perf_counter()
             attention_transfer(sketches, layers, mask, train_idx, steps=args.transfer_steps, lr=args.transfer_lr,
                                map_lr=args.map_lr, batch_size=args.transfer_batch)
-            log(f"{label}: transfer {args.transfer_steps} steps x {len(sketches)} layers in {time.perf_counter() - t:.0f} s")
+            log(f"{label}: transfer {args.transfer_steps} steps x {len(sketches)} layers "
+                f"in {time.perf_counter() - t:.0f} s")
             errors["1"] = attention_errors(sketches, layers, mask, held_idx, batch_size=2)
             if cached is not None:
                 save_transferred(sketches, errors, cached)
@@ -482,10 +483,9 @@ def markdown(args, out: dict, command: str) -> str:
              + (f" {out['cuts']}" if out.get("cuts") else ""), ""]
     sm = out.get("smollm2")
     if sm and sm.get("cached"):
+        read = [f"{c['label']} (`{c['file']}`, commit {(c['commit'] or 'unknown')[:10]})" for c in sm["cached"]]
         lines += ["Read from `--cache-dir` (transferred by an earlier run with the same settings; its stage-0 "
-                  "perplexities not re-measured): " + "; ".join(f"{c['label']} (`{c['file']}`, commit "
-                                                               f"{(c['commit'] or 'unknown')[:10]})" for c in sm["cached"])
-                  + ".", ""]
+                  "perplexities not re-measured): " + "; ".join(read) + ".", ""]
     if not done and sm:
         planned = [m for m in args.maps.split(",") + ([args.pure] if args.pure != "none" else [])
                    + ([] if args.late_maps == "none" else args.late_maps.split(","))]

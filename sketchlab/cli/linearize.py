@@ -79,7 +79,9 @@ def add_arguments(sub) -> None:
                      help="output directory (created with its parents; never an input; the same run there is "
                           "resumed, another refused)")
     cmd.add_argument("--rank", type=positive_int, default=1, help="CP rank t of Θ (default 1)")
-    cmd.add_argument("--seq-len", type=positive_int, default=512, help="tokens per training sequence (default 512); transfer at the longest context the model will run at")
+    cmd.add_argument("--seq-len", type=positive_int, default=512,
+                     help="tokens per training sequence (default 512); transfer at the longest context the model "
+                          "will run at")
     cmd.add_argument("--max-tokens", type=positive_int, default=None, help="tokens of --text used in all (default all)")
     add_common(cmd, "holdout")
     cmd.add_argument("--transfer-steps", type=nonnegative_int, default=100, help="attention-transfer steps per layer")

@@ -16,7 +16,8 @@ import secrets
 import shutil
 from pathlib import Path
 
-__all__ = ["atomic_write", "check_output_paths", "check_staged_directory", "dump_files", "npy_parts", "staged_directory"]
+__all__ = ["atomic_write", "check_output_paths", "check_staged_directory", "dump_files", "npy_parts",
+           "staged_directory"]
 
 #: The tensors of a Q/K dump, in file order.
 DUMP_NAMES = ("q", "k", "v")
