@@ -290,13 +290,19 @@ def test_generate_with_state_equals_greedy_full_forward(window, sinks):
     assert sizes[0] == sizes[1] > 0
 
 
-def test_save_load_round_trip_llops(tmp_path):
-    model = _llama()
-    convert_attention(model, attention="llops", p=2, m=8, window=3, sinks=1)
+def perturb_maps(model) -> None:
+    """Move a converted LLoPS model's query Θ and gates off their initial values (a round trip must
+    carry trained values, not the ones a fresh conversion recreates)."""
     with torch.no_grad():
         for s in converted_modules(model):
             s.feature_map_q.theta.add_(0.1 * torch.randn_like(s.feature_map_q.theta))
             s.gate.normal_()
+
+
+def test_save_load_round_trip_llops(tmp_path):
+    model = _llama()
+    convert_attention(model, attention="llops", p=2, m=8, window=3, sinks=1)
+    perturb_maps(model)
     ids, mask = _inputs(True)
     want = _out(model, ids, mask)
     save_linearized(model, tmp_path / "lin")

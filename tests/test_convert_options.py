@@ -13,6 +13,7 @@ from sketchlab.convert import convert_attention, converted_modules, linearize, l
 from sketchlab.convert.linearize import teacher_attention
 from sketchlab.convert.scale import GATE_OFFSETS, TiedLLoPSMap, calibrate_gates, far_mass_gate, tie_theta
 from sketchlab.featuremaps import LLoPSMap
+from tests.test_convert import perturb_maps
 from tests.test_convert_linearize import _llama as _tiny_llama
 
 
@@ -81,10 +82,7 @@ def test_tied_option_errors_and_toy_default():
 def test_tied_save_load_round_trip_and_old_saves(tmp_path):
     model = _llama()
     convert_attention(model, attention="llops", p=2, m=6, window=3, sinks=1)
-    with torch.no_grad():
-        for s in converted_modules(model):
-            s.feature_map_q.theta.add_(0.1 * torch.randn_like(s.feature_map_q.theta))
-            s.gate.normal_()
+    perturb_maps(model)
     ids = _ids(2, 12)
     with torch.no_grad():
         want = model(input_ids=ids).logits
