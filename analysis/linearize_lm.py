@@ -456,7 +456,8 @@ def minilm(args, out: dict, save) -> None:
     layers = teacher_attention(teacher, ids, mask, batch_size=16)
     res = out["minilm"] = {"sentences": {"train": len(train_lines), "heldout": len(held_lines)}, "rows": [],
                            "mean_tokens": out.pop("minilm_tokens")}
-    for name, window in ((m, args.minilm_window) for m in args.maps.split(",")):
+    names = args.maps.split(",") + ([] if args.late_maps == "none" else args.late_maps.split(","))
+    for name, window in ((m, args.minilm_window) for m in names):
         for sinks_window in ((window, 1), (0, 0)):
             w, s = sinks_window
             model = copy.deepcopy(teacher)
