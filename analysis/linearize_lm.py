@@ -558,6 +558,17 @@ def markdown(args, out: dict, command: str) -> str:
                          + ", ".join(f"{x:.2f} at {c}" for x, c in zip(b, ctx))
                          + ": what the sketch itself adds once both sides had the same adaptation")
             lines += ["", text + "."]
+            if len(ctx) > 1:
+                growth = lambda row: [row["ppl"][b] / row["ppl"][a] for a, b in zip(ctx, ctx[1:])]  # noqa: E731
+                g_h, g_t = growth(hl), growth(teacher)
+                pairs = [f"{a}→{b}" for a, b in zip(ctx, ctx[1:])]
+                text = ("**Growth with context** (issue 18: the hybrid's perplexity does not grow with context faster "
+                        "than the teacher's; ratio of perplexities at consecutive contexts, < 1 = falls): "
+                        + ", ".join(f"{pr} hybrid ×{x:.3f}, teacher ×{y:.3f}" for pr, x, y in zip(pairs, g_h, g_t)))
+                if tl:
+                    text += " (teacher + the same LoRA " + ", ".join(f"×{x:.3f}" for x in growth(tl)) + ")"
+                text += " — " + ("met" if all(x <= y for x, y in zip(g_h, g_t)) else "**not met**")
+                lines += ["", text + "."]
         lines += ["", "Attention-output error per layer (‖o − o_teacher‖/‖o_teacher‖ on the held-back training-play "
                   "sequences, the teacher's q, k, v), mean and max over the 30 layers; `beats window` counts the layers "
                   "where the hybrid's error is below window + sinks alone's (the far part adds information there):", "",
