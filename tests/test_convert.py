@@ -290,6 +290,21 @@ def test_generate_with_state_equals_greedy_full_forward(window, sinks):
     assert sizes[0] == sizes[1] > 0
 
 
+@pytest.mark.parametrize("window,sinks", [(0, 0), (3, 1)])
+def test_beam_search_with_state_equals_beam_search_by_full_forward(window, sinks):
+    """Beam search reorders the beams' recurrent states (``StateLayer.reorder_cache``) each step:
+    with the state it returns the beams that full forward passes (``use_cache=False``) give."""
+    model = _llama()
+    convert_attention(model, attention="hedgehog", m=8, window=window, sinks=sinks)
+    ids, mask = _inputs(False, B=2, T=5)
+    kw = dict(attention_mask=mask, max_new_tokens=7, do_sample=False, num_beams=3, num_return_sequences=3,
+              pad_token_id=0)
+    with_state = model.generate(ids, **kw)
+    by_forward = model.generate(ids, use_cache=False, **kw)
+    assert with_state.shape == (6, 12)
+    assert torch.equal(with_state, by_forward)
+
+
 def perturb_maps(model) -> None:
     """Move a converted LLoPS model's query Θ and gates off their initial values (a round trip must
     carry trained values, not the ones a fresh conversion recreates)."""
