@@ -339,10 +339,18 @@ def fit_theta(model, ids, mask, *, p, m, rank=1, fit_tokens=1024, seed=0, fit_op
 
 
 def _check_processes(processes) -> int:
-    """``processes`` as an int >= 1, else a ``ValueError`` naming it."""
+    """``processes`` as an int >= 1, else a ``ValueError`` naming it; ``> 1`` is refused inside an
+    initialised ``torch.distributed`` group (which spreads the layers by itself)."""
     if isinstance(processes, bool) or not isinstance(processes, numbers.Integral) or processes < 1:
         raise ValueError(f"processes must be an integer >= 1 (the processes stage 1 spreads its layers over), "
                          f"got {processes!r}")
+    if processes > 1:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            raise ValueError(f"processes={processes}: this process already belongs to a torch.distributed group "
+                             "(torchrun?), over which attention transfer spreads the layers by itself: leave "
+                             "processes=1")
     return int(processes)
 
 
@@ -481,14 +489,10 @@ def _spawned(sketches, layers, mask, train_idx, processes: int, options: dict) -
     import torch.multiprocessing as mp
     from torch.multiprocessing.spawn import ProcessException
 
-    if dist.is_initialized():
-        raise ValueError(f"processes={processes}: this process already belongs to a torch.distributed group "
-                         "(torchrun?); attention_transfer spreads the layers over that group by itself: "
-                         "leave processes=1")
     store = dist.TCPStore("127.0.0.1", 0, processes, is_master=True, wait_for_workers=False)
     ctx = mp.start_processes(_transfer_worker, nprocs=processes - 1, join=False, start_method="spawn",
-                             args=(store.port, processes, torch.get_num_threads(), sketches, layers, mask,
-                                   train_idx, options))
+                             args=(store.port, processes, torch.get_num_threads(), copy.deepcopy(sketches),
+                                   layers, mask, train_idx, options))  # the copies: this process's own stay put
     try:
         keys = [f"ready/{rank}" for rank in range(1, processes)]
         while not store.check(keys):  # the workers up (imports, shared tensors mapped) before the group
@@ -590,11 +594,19 @@ def attention_transfer(sketches, layers: list[LayerIO], mask, train_idx, *, step
                          "give one recorded layer (LayerIO) per converted layer")
     if any(not _trained(s) for s in sketches):
         raise ValueError("attention transfer: the converted layers have no trainable parameters (learn=False?)")
+    if not (isinstance(mask, torch.Tensor) and mask.dim() == 2 and all(
+            tuple(io.out.shape[:2]) == tuple(mask.shape) for io in layers)):
+        raise ValueError(f"mask must be a tensor [N, T] matching the recorded layers' sequences "
+                         f"{[tuple(io.out.shape[:2]) for io in layers[:1]]}, got {getattr(mask, 'shape', mask)!r}")
     train_idx = torch.as_tensor(train_idx)
+    if train_idx.dim() != 1 or train_idx.numel() == 0 or train_idx.is_floating_point() \
+            or int(train_idx.min()) < 0 or int(train_idx.max()) >= mask.shape[0]:
+        raise ValueError(f"train_idx must be a non-empty list of sequence indices in [0, {mask.shape[0]}), "
+                         f"got {train_idx.tolist()}")
     if group is None:
         import torch.distributed as dist
 
-        if dist.is_available() and dist.is_initialized() and processes == 1:
+        if dist.is_available() and dist.is_initialized():
             group = dist.group.WORLD
     options = dict(steps=steps, lr=float(lr), map_lr=None if map_lr is None else float(map_lr),
                    batch_size=batch_size, seed=int(seed), progress=progress)
@@ -705,7 +717,7 @@ def linearize(model: nn.Module, texts, *, tokenizer=None, attention: str = "llop
               fit: bool = True, fit_tokens: int = 1024, fit_options: dict | None = None, transfer_steps: int = 100,
               transfer_lr: float = 1e-2, lora_steps: int = 0, lora_rank: int = 8, lora_lr: float = 1e-4,
               batch_size: int = 4, evaluate: bool = True, seed: int = 0, progress: bool = False,
-              max_bytes: int = DEFAULT_MAX_BYTES):
+              processes: int = 1, max_bytes: int = DEFAULT_MAX_BYTES):
     r"""Convert ``model``'s attention (:func:`sketchlab.convert_attention`) and train it in stages.
 
     Parameters
@@ -749,6 +761,13 @@ def linearize(model: nn.Module, texts, *, tokenizer=None, attention: str = "llop
         ``fit_options`` go to ``fit_sketch``). Otherwise the maps start from their own initialisation.
     transfer_steps, transfer_lr
         Stage 1: Adam steps per layer (``0``: skipped) and learning rate.
+    processes : int >= 1
+        Stage 1's layers spread over this process and ``processes − 1`` spawned workers
+        (:func:`attention_transfer`: gloo on localhost, the teacher's recording shared, not copied; the
+        same result as one process). Under ``torchrun`` (an initialised ``torch.distributed``
+        group) leave it at 1: stage 1 spreads over the group's ranks by itself, each rank running
+        the other stages in full. Only stage 1 is spread: the teacher pass, the fit, the gates,
+        LoRA and every evaluation run in this process.
     lora_steps, lora_rank, lora_lr
         Stage 2 (``lora_steps > 0``): LoRA steps on the whole model, rank and learning rate.
     batch_size : int
@@ -756,7 +775,8 @@ def linearize(model: nn.Module, texts, *, tokenizer=None, attention: str = "llop
     evaluate : bool
         Measure the held-out metric (perplexity or embedding cosine) after each stage and for the teacher.
     seed : int
-        The conversion's initialisation, the fit, and the training batches.
+        The conversion's initialisation, the fit, and the training batches (stage 1: one generator per
+        layer, seeded from ``(seed, layer)``).
     max_bytes : int
         Memory budget of the teacher's recorded attention (every layer's q, k, v and output on every
         sequence, ``Σ_layers (2·H + 2·H_kv)·D`` values per token in the model's dtype), checked
@@ -777,6 +797,7 @@ def linearize(model: nn.Module, texts, *, tokenizer=None, attention: str = "llop
         raise ValueError(f"holdout={holdout} of {N} sequence(s) leaves none to train on; give more text or lower seq_len")
     train_idx, held_idx = torch.arange(N - n_held), torch.arange(N - n_held, N)
     transfer_steps = check_nonnegative_int(transfer_steps, "transfer_steps")
+    processes = _check_processes(processes)
     lora_steps = check_nonnegative_int(lora_steps, "lora_steps")
     batch_size = check_positive_int(batch_size, "batch_size")
     gate_sequences = check_positive_int(gate_sequences, "gate_sequences")
@@ -806,7 +827,8 @@ def linearize(model: nn.Module, texts, *, tokenizer=None, attention: str = "llop
                 "rank": rank, "window": window, "sinks": sinks, "local": local, "normalize": normalize, "gate_init": gate_init,
                 "tied": tied, "gate_sequences": gate_sequences,
                 "sequences": N, "held_out": n_held, "seq_len": int(ids.shape[1]), "tokens": int(mask.sum()),
-                "transfer_steps": transfer_steps, "transfer_lr": transfer_lr, "lora_steps": lora_steps,
+                "transfer_steps": transfer_steps, "transfer_lr": transfer_lr, "processes": processes,
+                "lora_steps": lora_steps,
                 "lora_rank": lora_rank, "lora_lr": lora_lr, "batch_size": batch_size, "seed": seed}
 
     def metric(current):
@@ -845,7 +867,7 @@ def linearize(model: nn.Module, texts, *, tokenizer=None, attention: str = "llop
     if transfer_steps:
         t0 = time.perf_counter()
         losses = attention_transfer(sketches, layers, mask, train_idx, steps=transfer_steps, lr=transfer_lr,
-                           batch_size=batch_size, seed=seed, progress=progress)
+                                    batch_size=batch_size, seed=seed, progress=progress, processes=processes)
         report.stages.append({"name": "transfer", "seconds": time.perf_counter() - t0,
                               "losses": [[c[0], c[-1]] for c in losses],
                               "layer_error": attention_errors(sketches, layers, mask, held_idx), "metric": metric(model)})
