@@ -170,3 +170,74 @@ def test_bad_processes_and_groups_are_refused(case):
     finally:
         dist.destroy_process_group()
 
+
+
+WORDS = ["[UNK]", "the", "cat", "sat", "on", "mat", ".", "a", "dog", "ran", "and", "hid"]
+
+
+def _model_dir(root):
+    """A tiny random GPT-2 with a word-level tokenizer, and a text file."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    cfg = transformers.GPT2Config(vocab_size=len(WORDS), n_embd=16, n_layer=3, n_head=2, n_positions=64,
+                                  bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(cfg).save_pretrained(root / "m")
+    tok = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(root / "m")
+    gen = torch.Generator().manual_seed(0)
+    (root / "t.txt").write_text(" ".join(WORDS[1 + int(i)] for i in torch.randint(0, len(WORDS) - 1, (300,),
+                                                                                    generator=gen)))
+
+
+def test_cli_processes_reach_the_transfer(tmp_path, capsys, monkeypatch):
+    """``sketchlab linearize --processes 2`` hands ``processes=2`` to stage 1 (whose spread
+    test_processes_2_matches_one_process checks; run here on one process to keep the test short) and
+    records it in the report."""
+    import importlib
+
+    from sketchlab.cli import main
+
+    lin = importlib.import_module("sketchlab.convert.linearize")  # the module (the package exports the function)
+
+    real, seen = lin.attention_transfer, []
+
+    def spy(*args, processes, **kwargs):
+        seen.append(processes)
+        return real(*args, processes=1, **kwargs)
+
+    monkeypatch.setattr(lin, "attention_transfer", spy)
+    _model_dir(tmp_path)
+    out = tmp_path / "lin"
+    assert main(["linearize", "--model-dir", str(tmp_path / "m"), "--text", str(tmp_path / "t.txt"),
+                 "--attention", "hedgehog", "--m", "8", "--window", "4", "--sinks", "1", "--seq-len", "32",
+                 "--transfer-steps", "2", "--threads", "1", "--processes", "2", "--out", str(out),
+                 "--no-progress"]) == 0
+    summary = json.loads((out / "linearize.json").read_text())
+    assert seen == [2] and summary["settings"]["processes"] == 2
+    assert [s["name"] for s in summary["stages"]] == ["init", "transfer"]
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "1.5", "two"])
+def test_cli_bad_processes_exit_2(value, tmp_path, capsys):
+    from sketchlab.cli import main
+
+    rc = main(["linearize", "--model-dir", str(tmp_path), "--text", str(tmp_path / "t.txt"), "--processes", value,
+               "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith("sketchlab: error: argument --processes: expected an "
+                                                         "integer >= 1"), err
+    assert not (tmp_path / "o").exists()
+
+
+def test_cli_toy_path_refuses_processes(tmp_path, capsys):
+    from pathlib import Path
+
+    from sketchlab.cli import main
+
+    teacher = Path(__file__).parent.parent / "data" / "mqar_softmax"
+    rc = main(["linearize", str(teacher), "--processes", "2", "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "--processes: not read by the path of CHECKPOINT" in err[0], err

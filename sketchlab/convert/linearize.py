@@ -8,7 +8,8 @@ Stages (DESIGN §6), each reported with each layer's attention-output error on h
 1. **transfer** (LoLCATs stage 1, attention transfer): only the feature maps and gates train, each
    layer's sketched attention matched to the teacher's attention output on the same inputs (MSE).
    The inputs (post-RoPE q, k, v) and outputs of every teacher layer are recorded in one teacher
-   pass, so layers train independently of each other;
+   pass, so layers train independently of each other, and can be spread over processes
+   (:func:`attention_transfer`: ``processes=N``, or the ranks of ``torchrun``);
 2. **lora** (optional, ``lora_steps > 0``): LoRA adapters (peft) on the attention projections,
    trained with the next-token loss (causal LMs) or the distance to the teacher's final hidden
    states (encoders), then merged into the weights.
