@@ -440,26 +440,33 @@ def _share(sketches, losses, steps: int, group) -> list[list[float]]:
     return curves
 
 
-def _transfer(sketches, layers, mask, train_idx, *, steps, lr, map_lr, batch_size, seed, progress, group):
-    """Stage 1 on this process's share of the layers (all of them without a group), then shared."""
+def _train_own(sketches, layers, mask, train_idx, rank: int, world: int, *, steps, lr, map_lr, batch_size, seed,
+               progress) -> list:
+    """Stage 1 on the layers of rank ``rank`` of ``world`` (``rank, rank + world, …``); the others' curves ``None``."""
+    losses = [None] * len(sketches)
+    for layer in range(rank, len(sketches), world):
+        losses[layer] = curve = _transfer_layer(sketches[layer], layers[layer], mask, train_idx,
+                                                _layer_generator(seed, layer), steps=steps, lr=lr, map_lr=map_lr,
+                                                batch_size=batch_size)
+        if progress:
+            where = f" (process {rank} of {world})" if world > 1 else ""
+            print(f"transfer layer {layer}{where}: mse {curve[0]:.4g} -> {curve[-1]:.4g}" if curve
+                  else f"transfer layer {layer}{where}: 0 steps", flush=True)
+    return losses
+
+
+def _transfer(sketches, layers, mask, train_idx, *, group, check: bool = True, **options):
+    """Stage 1 on this process's share of the layers (all of them without a group), then shared;
+    ``check``: first refuse ranks called differently (:func:`_same_call`)."""
     import torch.distributed as dist
 
     rank, world = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
     if rank < 0:
         raise ValueError("attention_transfer: this process is not a member of group=")
-    options = dict(steps=steps, lr=lr, map_lr=map_lr, batch_size=batch_size)
-    if world > 1:
-        _same_call(sketches, layers, mask, train_idx, group, seed=seed, **options)
-    losses = [None] * len(sketches)
-    for layer in range(rank, len(sketches), world):
-        losses[layer] = _transfer_layer(sketches[layer], layers[layer], mask, train_idx,
-                                        _layer_generator(seed, layer), **options)
-        if progress:
-            curve = losses[layer]
-            where = f" (process {rank} of {world})" if world > 1 else ""
-            print(f"transfer layer {layer}{where}: mse {curve[0]:.4g} -> {curve[-1]:.4g}" if curve
-                  else f"transfer layer {layer}{where}: 0 steps", flush=True)
-    return _share(sketches, losses, steps, group) if world > 1 else losses
+    if world > 1 and check:
+        _same_call(sketches, layers, mask, train_idx, group, **options)
+    losses = _train_own(sketches, layers, mask, train_idx, rank, world, **options)
+    return _share(sketches, losses, options["steps"], group) if world > 1 else losses
 
 
 #: How long a rank of a ``processes=N`` spread waits for the others in a broadcast: the difference
@@ -478,7 +485,7 @@ def _transfer_worker(index, port, world, threads, sketches, layers, mask, train_
     store.set(f"ready/{rank}", "1")
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=SPREAD_TIMEOUT)
     try:  # the layers are read in place; the sketches, which train, are this process's own copies
-        _transfer(copy.deepcopy(sketches), layers, mask, train_idx, group=dist.group.WORLD, **options)
+        _transfer(copy.deepcopy(sketches), layers, mask, train_idx, group=dist.group.WORLD, check=False, **options)
     finally:
         dist.destroy_process_group()
 
@@ -494,14 +501,15 @@ def _spawned(sketches, layers, mask, train_idx, processes: int, options: dict) -
     ctx = mp.start_processes(_transfer_worker, nprocs=processes - 1, join=False, start_method="spawn",
                              args=(store.port, processes, torch.get_num_threads(), copy.deepcopy(sketches),
                                    layers, mask, train_idx, options))  # the copies: this process's own stay put
-    try:
+    try:  # this process's layers train while the workers start (the same call everywhere: no _same_call)
+        losses = _train_own(sketches, layers, mask, train_idx, 0, processes, **options)
         keys = [f"ready/{rank}" for rank in range(1, processes)]
         while not store.check(keys):  # the workers up (imports, shared tensors mapped) before the group
             if ctx.join(timeout=0.05):  # True only when every worker has ended (a failed one raises)
                 raise RuntimeError("attention_transfer: the spawned workers ended before joining the group")
         dist.init_process_group("gloo", store=store, rank=0, world_size=processes, timeout=SPREAD_TIMEOUT)
         try:
-            losses = _transfer(sketches, layers, mask, train_idx, group=dist.group.WORLD, **options)
+            losses = _share(sketches, losses, options["steps"], dist.group.WORLD)
             while not ctx.join():  # the workers leave the group first, then this process
                 pass
         finally:
