@@ -20,6 +20,7 @@ import argparse
 import copy
 import os
 import platform
+import resource
 import statistics
 import sys
 import time
@@ -51,14 +52,23 @@ def setup(args):
     return sketches, layers, mask
 
 
+def cpu(who) -> float:
+    use = resource.getrusage(who)
+    return use.ru_utime + use.ru_stime
+
+
 def timed(sketches, layers, mask, train_idx, args, processes, steps):
+    """``({"wall", "cpu here", "cpu workers"}, trained sketches, curves)``: wall-clock seconds of the call,
+    CPU seconds of this process and of its (joined) workers during it."""
     from sketchlab.convert.linearize import attention_transfer
 
     mine = copy.deepcopy(sketches)
-    t = time.perf_counter()
+    c_self, c_children, t = cpu(resource.RUSAGE_SELF), cpu(resource.RUSAGE_CHILDREN), time.perf_counter()
     curves = attention_transfer(mine, layers, mask, train_idx, steps=steps, batch_size=args.batch_size,
                                 processes=processes)
-    return time.perf_counter() - t, mine, curves
+    took = {"wall": time.perf_counter() - t, "cpu here": cpu(resource.RUSAGE_SELF) - c_self,
+            "cpu workers": cpu(resource.RUSAGE_CHILDREN) - c_children}
+    return took, mine, curves
 
 
 def main() -> None:
@@ -83,19 +93,22 @@ def main() -> None:
     record = time.perf_counter() - t
     nbytes = sum(t.numel() * t.element_size() for io in layers for t in (io.q, io.k, io.v, io.out))
     train_idx = torch.arange(args.sequences - 2)
-    runs = {"1 process": [], "2 processes": [], "2 processes, 0 steps (fixed cost)": []}
+    names = ("1 process", "2 processes", "2 processes, 0 steps (fixed cost)")
+    runs = {name: [] for name in names}
     equal = True
     for r in range(args.repeats):
-        s1, one, c1 = timed(sketches, layers, mask, train_idx, args, 1, args.steps)
-        s2, two, c2 = timed(sketches, layers, mask, train_idx, args, 2, args.steps)
-        s0, _, _ = timed(sketches, layers, mask, train_idx, args, 2, 0)
-        runs["1 process"].append(s1)
-        runs["2 processes"].append(s2)
-        runs["2 processes, 0 steps (fixed cost)"].append(s0)
+        t1, one, c1 = timed(sketches, layers, mask, train_idx, args, 1, args.steps)
+        t2, two, c2 = timed(sketches, layers, mask, train_idx, args, 2, args.steps)
+        t0, _, _ = timed(sketches, layers, mask, train_idx, args, 2, 0)
+        for name, took in zip(names, (t1, t2, t0)):
+            runs[name].append(took)
         equal &= c1 == c2 and all(torch.equal(a, b) for x, y in zip(one, two)
                                   for a, b in zip(x.parameters(), y.parameters()))
-        print(f"repeat {r}: 1 process {s1:.2f} s, 2 processes {s2:.2f} s, fixed cost {s0:.2f} s", flush=True)
-    med = {k: statistics.median(v) for k, v in runs.items()}
+        print(f"repeat {r}: " + "; ".join(f"{name}: " + ", ".join(f"{k} {v:.2f} s" for k, v in took.items())
+                                         for name, took in zip(names, (t1, t2, t0))), flush=True)
+    med = {name: {k: statistics.median(t[k] for t in runs[name]) for k in runs[name][0]} for name in names}
+    for m in med.values():  # each process on a core of its own: the longer of the two CPU times
+        m["own cores"] = max(m["cpu here"], m["cpu workers"])
     base = med["1 process"]
     try:
         load = os.getloadavg()
@@ -110,16 +123,23 @@ def main() -> None:
         f"heads, float32; {args.sequences} recorded sequences of {args.seq_len} tokens "
         f"({nbytes / 2**20:.1f} MiB of teacher q, k, v and outputs, recorded in {record:.1f} s), "
         f"{args.sequences - 2} trained on; Hedgehog hybrid (m = {args.m}, window 64 + 4 sinks); {args.steps} "
-        f"Adam steps per layer, batch {args.batch_size}. Wall-clock seconds of the `attention_transfer` call, "
-        f"median of {args.repeats} (alternating runs).", "",
-        "| run | seconds | vs 1 process |", "|---|---|---|",
-        *(f"| {k} | {v:.2f} | {v / base:.2f}× |" for k, v in med.items()), "",
+        f"Adam steps per layer, batch {args.batch_size}. Seconds of the `attention_transfer` call, medians of "
+        f"{args.repeats} alternating runs: wall clock; CPU of this process and of the spawned worker (its start-up "
+        "included: imports of torch, sketchlab, torch.optim); and *own cores*, the larger of the two CPU times, "
+        "what the wall clock would be with each process on a core of its own.", "",
+        "| run | wall | CPU here | CPU worker | own cores | wall vs 1 process | own cores vs 1 process |",
+        "|---|---|---|---|---|---|---|",
+        *(f"| {name} | {m['wall']:.2f} | {m['cpu here']:.2f} | {m['cpu workers']:.2f} | {m['own cores']:.2f} | "
+          f"{m['wall'] / base['wall']:.2f}× | {m['own cores'] / base['own cores']:.2f}× |" for name, m in med.items()),
+        "",
         f"The two runs' trained parameters and loss curves are bitwise equal: {'yes' if equal else 'NO'}.", "",
-        "Speed-up of the spread: "
-        f"{base / med['2 processes']:.2f}× (ideal 2× minus the fixed cost, which a larger model amortises: "
-        "on SmolLM2's 30 layers one layer's transfer takes tens of seconds to minutes). This machine's cores are "
-        "shared with other jobs, so the second process may not get a core of its own: read the ratio as a "
-        "lower bound under that load, not as the spread's speed on idle cores.", ""]
+        f"Speed-up of the spread: {base['wall'] / med['2 processes']['wall']:.2f}× in wall clock here, "
+        f"{base['own cores'] / med['2 processes']['own cores']:.2f}× with a core per process (ideal 2× less the "
+        "worker's start-up, which a larger model amortises: on SmolLM2's 30 layers one layer's transfer takes tens "
+        "of seconds to minutes). This machine's two cores are shared with other jobs (the load average above), so "
+        "the second process rarely has a core of its own and the wall-clock ratio says more about the load than "
+        "about the spread; the CPU columns do not depend on it, except through cache and memory-bandwidth "
+        "contention.", ""]
     text = "\n".join(lines)
     with atomic_write(args.out) as tmp:
         tmp.write_text(text, encoding="utf-8")

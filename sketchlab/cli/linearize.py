@@ -88,7 +88,7 @@ def add_arguments(sub) -> None:
     cmd.add_argument("--transfer-steps", type=nonnegative_int, default=100, help="attention-transfer steps per layer")
     cmd.add_argument("--transfer-lr", type=positive_float, default=1e-2,
                      help="learning rate of the attention-transfer stage (default 1e-2)")
-    cmd.add_argument("--processes", type=positive_int, default=1,
+    cmd.add_argument("--processes", type=positive_int, default=1, metavar="N",
                      help="processes of the attention-transfer stage: its layers spread over this one and N-1 "
                           "spawned workers, each with --threads threads (the same result as 1; the other stages "
                           "run in this process; default 1)")

@@ -25,9 +25,13 @@ Zhang et al. *LoLCATs: On Low-Rank Linearizing of Large Language Models*, 2024.
 from __future__ import annotations
 
 import copy
+import ctypes
 import datetime
 import math
 import numbers
+import os
+import signal
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -474,11 +478,25 @@ def _transfer(sketches, layers, mask, train_idx, *, group, check: bool = True, *
 SPREAD_TIMEOUT = datetime.timedelta(hours=24)
 
 
-def _transfer_worker(index, port, world, threads, sketches, layers, mask, train_idx, options):
+def _end_with(parent: int) -> None:
+    """Linux: this process gets SIGTERM when ``parent`` (its parent) ends, so a spawned worker never
+    outlives a killed caller (``prctl(PR_SET_PDEATHSIG)``); elsewhere nothing."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent ended before the call
+        os._exit(1)
+
+
+def _transfer_worker(index, port, world, threads, sketches, layers, mask, train_idx, options, parent):
     """Rank ``index + 1`` of a ``processes=N`` spread (:func:`attention_transfer`; run by
     ``torch.multiprocessing`` in a spawned process, ``layers`` in shared memory)."""
     import torch.distributed as dist
 
+    _end_with(parent)
     rank = index + 1
     torch.set_num_threads(threads)
     store = dist.TCPStore("127.0.0.1", port, world, is_master=False)
@@ -500,7 +518,7 @@ def _spawned(sketches, layers, mask, train_idx, processes: int, options: dict) -
     store = dist.TCPStore("127.0.0.1", 0, processes, is_master=True, wait_for_workers=False)
     ctx = mp.start_processes(_transfer_worker, nprocs=processes - 1, join=False, start_method="spawn",
                              args=(store.port, processes, torch.get_num_threads(), copy.deepcopy(sketches),
-                                   layers, mask, train_idx, options))  # the copies: this process's own stay put
+                                   layers, mask, train_idx, options, os.getpid()))  # copies: ours stay put
     try:  # this process's layers train while the workers start (the same call everywhere: no _same_call)
         losses = _train_own(sketches, layers, mask, train_idx, 0, processes, **options)
         keys = [f"ready/{rank}" for rank in range(1, processes)]
