@@ -81,7 +81,8 @@ def _assert_same(params, curves, case, who):
     assert curves == ref_curves, f"{who}: loss curves differ from one process's"
     assert len(params) == len(ref_params)
     for i, (a, b) in enumerate(zip(params, ref_params)):
-        assert torch.equal(a, b), f"{who}: trained tensor {i} differs from one process's by {float((a - b).abs().max())}"
+        gap = float((a - b).abs().max())
+        assert torch.equal(a, b), f"{who}: trained tensor {i} differs from one process's by {gap}"
 
 
 def _rank1(index, port, sketches, layers, mask, out):
@@ -155,7 +156,8 @@ def test_bad_processes_and_groups_are_refused(case):
 
     sketches, layers, mask = case[:3]
     for bad in (0, -1, 1.5, True, "2", None):
-        with pytest.raises(ValueError, match=r"processes must be an integer >= 1 .*got " + repr(bad).replace(".", r"\.")):
+        match = r"processes must be an integer >= 1 .*got " + repr(bad).replace(".", r"\.")
+        with pytest.raises(ValueError, match=match):
             attention_transfer(copy.deepcopy(sketches), layers, mask, TRAIN, steps=1, processes=bad)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:

@@ -418,8 +418,9 @@ def _same_call(sketches, layers, mask, train_idx, group, **options) -> None:
         spread = float(col.max() - col.min())
         if (spread > 0) if j < len(items) else spread > 1e-6 * max(1.0, float(col.abs().max())):
             raise ValueError(f"attention_transfer over {len(col)} processes: the ranks disagree on {name} "
-                             f"({', '.join(f'{float(x):.10g}' for x in col)} on ranks 0..{len(col) - 1}); every rank must "
-                             "call it with the same sketches, recorded layers, mask, train_idx and options")
+                             f"({', '.join(f'{float(x):.10g}' for x in col)} on ranks 0..{len(col) - 1}); "
+                             "every rank must call it with the same sketches, recorded layers, mask, train_idx "
+                             "and options")
 
 
 def _share(sketches, losses, steps: int, group) -> list[list[float]]:
@@ -446,7 +447,8 @@ def _share(sketches, losses, steps: int, group) -> list[list[float]]:
 
 def _train_own(sketches, layers, mask, train_idx, rank: int, world: int, *, steps, lr, map_lr, batch_size, seed,
                progress) -> list:
-    """Stage 1 on the layers of rank ``rank`` of ``world`` (``rank, rank + world, …``); the others' curves ``None``."""
+    """Stage 1 on the layers of rank ``rank`` of ``world`` (``rank, rank + world, …``); the other layers'
+    curves ``None``."""
     losses = [None] * len(sketches)
     for layer in range(rank, len(sketches), world):
         losses[layer] = curve = _transfer_layer(sketches[layer], layers[layer], mask, train_idx,
@@ -581,9 +583,12 @@ def attention_transfer(sketches, layers: list[LayerIO], mask, train_idx, *, step
         localhost) share the layers, layer ``i`` on process ``i % N``; the recorded ``layers``,
         ``mask`` and ``train_idx`` reach the workers through shared memory (moved there, not
         copied per worker), each worker training copies of its layers' sketches with this process's
-        ``torch.get_num_threads()`` threads. Spawned workers import the caller's main module: a
-        script calling this needs the usual ``if __name__ == "__main__":`` guard. Refused inside an
-        initialised ``torch.distributed`` group (use the group, below).
+        ``torch.get_num_threads()`` threads while this process trains its own. A worker's start-up
+        (imports of torch, sketchlab, ``torch.optim``: some 5 CPU seconds) is the price, so it pays
+        once a process's share of the training takes longer than that. Spawned workers import the
+        caller's main module: a script calling this needs the usual ``if __name__ == "__main__":``
+        guard; on Linux they end with this process if it is killed. Refused inside an initialised
+        ``torch.distributed`` group (use the group, below).
     group : torch.distributed ProcessGroup or None
         The processes to spread over. ``None``: the default group when ``torch.distributed`` is
         initialised (e.g. under ``torchrun --nproc-per-node N``, backend gloo on the CPU), else this
