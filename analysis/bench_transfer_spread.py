@@ -143,7 +143,7 @@ def main() -> None:
         "contention.", "",
         f"The worker's start-up is c = {med['2 processes, 0 steps (fixed cost)']['cpu workers']:.1f} CPU seconds "
         "(the 0-step row). With T the single-process CPU time of the stage, two processes on cores of their own take "
-        "about max(T/2, T/2 + c) = T/2 + c: the spread pays once T > 2c "
+        "about T/2 + c (the worker's share plus its start-up, the longer of the two): the spread pays once T > 2c "
         f"(≈ {2 * med['2 processes, 0 steps (fixed cost)']['cpu workers']:.0f} s) and approaches 2× as T grows "
         f"(T = 100 s: {100 / (50 + med['2 processes, 0 steps (fixed cost)']['cpu workers']):.2f}×; "
         "SmolLM2's stage 1 takes hours here).", ""]
