@@ -4,9 +4,10 @@ Two paths:
 
 * a pretrained transformers model (``--model-dir DIR`` or ``--gguf FILE``) on a text file
   (``--text FILE``): :func:`sketchlab.linearize` — stage 0 (LLoPS Θ from the kernel fit on the
-  model's own post-RoPE q/k), stage 1 (attention transfer, ``--transfer-steps``), stage 2 (LoRA,
-  ``--lora-steps``); the converted model is saved under ``--out/model`` (reload it with
-  :func:`sketchlab.load_linearized`), the report as ``--out/linearize.json`` and ``linearize.md``;
+  model's own post-RoPE q/k), stage 1 (attention transfer, ``--transfer-steps``; ``--processes N``
+  spreads its layers over N processes), stage 2 (LoRA, ``--lora-steps``); the converted model is saved
+  under ``--out/model`` (reload it with :func:`sketchlab.load_linearized`), the report as
+  ``--out/linearize.json`` and ``linearize.md``;
 * sketchlab's toy MQAR checkpoint (positional ``CHECKPOINT``): :func:`sketchlab.tasks.linearize`
   (capture → fit → export Θ → fine-tune), as before.
 
@@ -87,6 +88,10 @@ def add_arguments(sub) -> None:
     cmd.add_argument("--transfer-steps", type=nonnegative_int, default=100, help="attention-transfer steps per layer")
     cmd.add_argument("--transfer-lr", type=positive_float, default=1e-2,
                      help="learning rate of the attention-transfer stage (default 1e-2)")
+    cmd.add_argument("--processes", type=positive_int, default=1, metavar="N",
+                     help="processes of the attention-transfer stage: its layers spread over this one and N-1 "
+                          "spawned workers, each with --threads threads (the same result as 1; the other stages "
+                          "run in this process; default 1)")
     cmd.add_argument("--lora-steps", type=nonnegative_int, default=0, help="LoRA steps (0: no LoRA stage)")
     cmd.add_argument("--lora-rank", type=positive_int, default=8, help="rank of the LoRA adapters (default 8)")
     cmd.add_argument("--lora-lr", type=positive_float, default=1e-4, help="learning rate of the LoRA stage (default 1e-4)")
@@ -131,7 +136,7 @@ def run(args) -> int:
 #: Options only one path reads (each path refuses the other's when given, rather than ignoring them).
 TOY_ONLY = ("non_negative", "capture_sequences", "steps", "lr", "warmup", "transfer", "eval_sequences", "eval_every")
 PRETRAINED_ONLY = ("text", "attention", "window", "sinks", "local", "gate_init", "untied", "seq_len", "max_tokens",
-                   "transfer_steps", "transfer_lr", "lora_steps", "lora_rank", "lora_lr", "no_fit")
+                   "transfer_steps", "transfer_lr", "processes", "lora_steps", "lora_rank", "lora_lr", "no_fit")
 
 
 def _refuse_other_path_options(args, names, source: str) -> None:
@@ -302,7 +307,8 @@ def _run_pretrained(args) -> int:
         window=args.window, sinks=args.sinks, local=args.local, normalize=args.normalize, gate_init=args.gate_init,
         tied=False if args.untied else None, seq_len=args.seq_len,
         max_tokens=args.max_tokens, holdout=float(args.holdout), fit=not args.no_fit,
-        transfer_steps=args.transfer_steps, transfer_lr=args.transfer_lr, lora_steps=args.lora_steps,
+        transfer_steps=args.transfer_steps, transfer_lr=args.transfer_lr, processes=args.processes,
+        lora_steps=args.lora_steps,
         lora_rank=args.lora_rank, lora_lr=args.lora_lr, batch_size=args.batch_size or 4, seed=args.seed,
         progress=not args.no_progress, max_bytes=memory_budget())
     summary = report.as_dict()

@@ -8,7 +8,8 @@ Stages (DESIGN §6), each reported with each layer's attention-output error on h
 1. **transfer** (LoLCATs stage 1, attention transfer): only the feature maps and gates train, each
    layer's sketched attention matched to the teacher's attention output on the same inputs (MSE).
    The inputs (post-RoPE q, k, v) and outputs of every teacher layer are recorded in one teacher
-   pass, so layers train independently of each other;
+   pass, so layers train independently of each other, and can be spread over processes
+   (:func:`attention_transfer`: ``processes=N``, or the ranks of ``torchrun``);
 2. **lora** (optional, ``lora_steps > 0``): LoRA adapters (peft) on the attention projections,
    trained with the next-token loss (causal LMs) or the distance to the teacher's final hidden
    states (encoders), then merged into the weights.
@@ -23,10 +24,18 @@ Zhang et al. *LoLCATs: On Low-Rank Linearizing of Large Language Models*, 2024.
 
 from __future__ import annotations
 
+import copy
+import ctypes
+import datetime
 import math
+import numbers
+import os
+import signal
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -334,42 +343,311 @@ def fit_theta(model, ids, mask, *, p, m, rank=1, fit_tokens=1024, seed=0, fit_op
     return (theta_q, theta_k), {"tokens": n, "fit_tokens": int(q.shape[-2]), "rel_fro": rel_fro, "seconds": seconds}
 
 
+def _check_processes(processes) -> int:
+    """``processes`` as an int >= 1, else a ``ValueError`` naming it; ``> 1`` is refused inside an
+    initialised ``torch.distributed`` group (which spreads the layers by itself)."""
+    if isinstance(processes, bool) or not isinstance(processes, numbers.Integral) or processes < 1:
+        raise ValueError(f"processes must be an integer >= 1 (the processes stage 1 spreads its layers over), "
+                         f"got {processes!r}")
+    if processes > 1:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            raise ValueError(f"processes={processes}: this process already belongs to a torch.distributed group "
+                             "(torchrun?), over which attention transfer spreads the layers by itself: leave "
+                             "processes=1")
+    return int(processes)
+
+
+def _layer_generator(seed: int, layer: int) -> torch.Generator:
+    """Layer ``layer``'s batches: a generator seeded from ``(seed, layer)`` (numpy's ``SeedSequence``, so
+    nearby seeds and layers give unrelated streams), the same whichever process trains the layer."""
+    words = np.random.SeedSequence([seed % 2**64, layer]).generate_state(2, np.uint32)
+    return torch.Generator().manual_seed(int(words[0]) | int(words[1]) << 32)
+
+
+def _trained(sketch) -> list[torch.Tensor]:
+    """The tensors stage 1 changes in one converted layer: its parameters that require grad."""
+    return [p for p in sketch.parameters() if p.requires_grad]
+
+
+def _transfer_layer(sketch, io: LayerIO, mask, train_idx, gen, *, steps, lr, map_lr, batch_size) -> list[float]:
+    """Adam on one layer's maps and gate (:func:`attention_transfer`); returns its loss curve."""
+    params = _trained(sketch)
+    gate = [p for p in params if p is sketch.gate]
+    maps = [p for p in params if p is not sketch.gate]
+    groups = ([{"params": gate, "lr": lr}] if gate else []) + \
+        ([{"params": maps, "lr": lr if map_lr is None else map_lr}] if maps else [])
+    opt = torch.optim.Adam(groups, lr=lr)
+    curve = []
+    for _ in range(steps):
+        sel = train_idx[torch.randint(len(train_idx), (min(batch_size, len(train_idx)),), generator=gen)]
+        q, k, v = io.inputs(sel)
+        valid = mask[sel].to(torch.bool)
+        o = sketch(q, k, v, scaling=io.scaling, key_padding_mask=None if bool(valid.all()) else valid)
+        loss = ((o - io.out[sel]) ** 2)[valid].mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        curve.append(float(loss.detach()))
+    return curve
+
+
+def _same_call(sketches, layers, mask, train_idx, group, **options) -> None:
+    """Refuse (on every rank alike, so none waits forever in a broadcast) a spread call whose ranks
+    disagree on what they train: layer count, options, sequences, the maps' sizes and starting values,
+    the teacher's outputs (float64 sums, compared to a relative 1e-6: the same recording on every rank
+    agrees to round-off, another text or model differs at O(1))."""
+    import torch.distributed as dist
+
+    items = {"layers": len(sketches), "steps": options["steps"], "batch_size": options["batch_size"],
+             "seed": options["seed"] % 2**31, "lr": options["lr"],
+             "map_lr": -1.0 if options["map_lr"] is None else options["map_lr"],
+             "train_idx": len(train_idx), "sum of train_idx": float(train_idx.double().sum()),
+             "valid tokens": float(mask.double().sum()),
+             "trained values": sum(p.numel() for s in sketches for p in _trained(s))}
+    with torch.no_grad():
+        inexact = {"sum of the trained values": sum(float(p.double().sum()) for s in sketches for p in _trained(s)),
+                   "sum of the teacher outputs": sum(float(io.out.sum(dtype=torch.float64)) for io in layers)}
+    mine = torch.tensor([float(v) for v in {**items, **inexact}.values()], dtype=torch.float64)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, mine, group=group)
+    every = torch.stack(every)  # [ranks, items]
+    for j, name in enumerate([*items, *inexact]):
+        col = every[:, j]
+        spread = float(col.max() - col.min())
+        if (spread > 0) if j < len(items) else spread > 1e-6 * max(1.0, float(col.abs().max())):
+            raise ValueError(f"attention_transfer over {len(col)} processes: the ranks disagree on {name} "
+                             f"({', '.join(f'{float(x):.10g}' for x in col)} on ranks 0..{len(col) - 1}); "
+                             "every rank must call it with the same sketches, recorded layers, mask, train_idx "
+                             "and options")
+
+
+def _share(sketches, losses, steps: int, group) -> list[list[float]]:
+    """Every layer's trained parameters and loss curve broadcast from its owner (rank ``layer %
+    world``) to the other ranks, in place; returns the curves, the same on every rank."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    curves = []
+    with torch.no_grad():
+        for layer, sketch in enumerate(sketches):
+            src = dist.get_global_rank(group, layer % world)
+            for p in _trained(sketch):
+                buf = p.detach() if p.is_contiguous() else p.detach().contiguous()
+                dist.broadcast(buf, src=src, group=group)
+                if buf.data_ptr() != p.data_ptr():
+                    p.copy_(buf)
+            curve = torch.tensor(losses[layer] if layer % world == rank else [0.0] * steps, dtype=torch.float64)
+            if steps:
+                dist.broadcast(curve, src=src, group=group)
+            curves.append(curve.tolist())
+    return curves
+
+
+def _train_own(sketches, layers, mask, train_idx, rank: int, world: int, *, steps, lr, map_lr, batch_size, seed,
+               progress) -> list:
+    """Stage 1 on the layers of rank ``rank`` of ``world`` (``rank, rank + world, …``); the other layers'
+    curves ``None``."""
+    losses = [None] * len(sketches)
+    for layer in range(rank, len(sketches), world):
+        losses[layer] = curve = _transfer_layer(sketches[layer], layers[layer], mask, train_idx,
+                                                _layer_generator(seed, layer), steps=steps, lr=lr, map_lr=map_lr,
+                                                batch_size=batch_size)
+        if progress:
+            where = f" (process {rank} of {world})" if world > 1 else ""
+            print(f"transfer layer {layer}{where}: mse {curve[0]:.4g} -> {curve[-1]:.4g}" if curve
+                  else f"transfer layer {layer}{where}: 0 steps", flush=True)
+    return losses
+
+
+def _transfer(sketches, layers, mask, train_idx, *, group, check: bool = True, **options):
+    """Stage 1 on this process's share of the layers (all of them without a group), then shared;
+    ``check``: first refuse ranks called differently (:func:`_same_call`)."""
+    import torch.distributed as dist
+
+    rank, world = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
+    if rank < 0:
+        raise ValueError("attention_transfer: this process is not a member of group=")
+    if world > 1 and check:
+        _same_call(sketches, layers, mask, train_idx, group, **options)
+    losses = _train_own(sketches, layers, mask, train_idx, rank, world, **options)
+    return _share(sketches, losses, options["steps"], group) if world > 1 else losses
+
+
+#: How long a rank of a ``processes=N`` spread waits for the others in a broadcast: the difference
+#: between the ranks' finishing times (balanced shares, so about one layer's training) must fit.
+SPREAD_TIMEOUT = datetime.timedelta(hours=24)
+
+
+def _end_with(parent: int) -> None:
+    """Linux: this process gets SIGTERM when ``parent`` (its parent) ends, so a spawned worker never
+    outlives a killed caller (``prctl(PR_SET_PDEATHSIG)``); elsewhere nothing."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent ended before the call
+        os._exit(1)
+
+
+def _transfer_worker(index, port, world, threads, sketches, layers, mask, train_idx, options, parent):
+    """Rank ``index + 1`` of a ``processes=N`` spread (:func:`attention_transfer`; run by
+    ``torch.multiprocessing`` in a spawned process, ``layers`` in shared memory)."""
+    import torch.distributed as dist
+
+    _end_with(parent)
+    rank = index + 1
+    torch.set_num_threads(threads)
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False)
+    store.set(f"ready/{rank}", "1")
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=SPREAD_TIMEOUT)
+    try:  # the layers are read in place; the sketches, which train, are this process's own copies
+        _transfer(copy.deepcopy(sketches), layers, mask, train_idx, group=dist.group.WORLD, check=False, **options)
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawned(sketches, layers, mask, train_idx, processes: int, options: dict) -> list[list[float]]:
+    """Stage 1 spread over this process (rank 0) and ``processes − 1`` spawned workers (gloo on
+    localhost); the trained parameters reach this process's ``sketches`` through the broadcasts."""
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+    from torch.multiprocessing.spawn import ProcessException
+
+    store = dist.TCPStore("127.0.0.1", 0, processes, is_master=True, wait_for_workers=False)
+    ctx = mp.start_processes(_transfer_worker, nprocs=processes - 1, join=False, start_method="spawn",
+                             args=(store.port, processes, torch.get_num_threads(), copy.deepcopy(sketches),
+                                   layers, mask, train_idx, options, os.getpid()))  # copies: ours stay put
+    try:  # this process's layers train while the workers start (the same call everywhere: no _same_call)
+        losses = _train_own(sketches, layers, mask, train_idx, 0, processes, **options)
+        keys = [f"ready/{rank}" for rank in range(1, processes)]
+        while not store.check(keys):  # the workers up (imports, shared tensors mapped) before the group
+            if ctx.join(timeout=0.05):  # True only when every worker has ended (a failed one raises)
+                raise RuntimeError("attention_transfer: the spawned workers ended before joining the group")
+        dist.init_process_group("gloo", store=store, rank=0, world_size=processes, timeout=SPREAD_TIMEOUT)
+        try:
+            losses = _share(sketches, losses, options["steps"], dist.group.WORLD)
+            while not ctx.join():  # the workers leave the group first, then this process
+                pass
+        finally:
+            dist.destroy_process_group()
+    except ProcessException as err:  # a worker failed: its exception and traceback
+        raise RuntimeError(f"attention_transfer, processes={processes}: a spawned worker failed: {err}") from None
+    except RuntimeError as err:  # gloo's error when a peer is gone: the worker's own error too, if any
+        try:
+            ctx.join(timeout=10)
+        except ProcessException as worker_err:
+            raise RuntimeError(f"attention_transfer, processes={processes}: {err}; a spawned worker failed: "
+                               f"{worker_err}") from err
+        raise
+    finally:
+        for proc in ctx.processes:
+            if proc.is_alive():
+                proc.terminate()
+    return losses
+
+
 def attention_transfer(sketches, layers: list[LayerIO], mask, train_idx, *, steps: int, lr: float = 1e-2,
-                       map_lr: float | None = None, batch_size: int = 4, seed: int = 0,
-                       progress: bool = False) -> list[list[float]]:
-    """Stage 1: Adam on each layer's maps and gate, loss ``mean((o − o_teacher)²)`` over the valid tokens
-    of random batches of the sequences ``train_idx``; each layer given the teacher's q, k, v (``layers``),
-    independent of the others. ``lr``: the gate's learning rate; ``map_lr``: the feature maps'
-    (``None``: ``lr``; ``0``: the maps stay fixed). Returns each layer's loss curve."""
+                       map_lr: float | None = None, batch_size: int = 4, seed: int = 0, progress: bool = False,
+                       processes: int = 1, group=None) -> list[list[float]]:
+    r"""Stage 1: Adam on each layer's maps and gate, each layer given the teacher's q, k, v, independent of
+    the others; the layers can be spread over processes.
+
+    Parameters
+    ----------
+    sketches : list of SketchedAttention
+        The converted layers (:func:`sketchlab.convert_attention`); trained in place.
+    layers : list of LayerIO
+        The teacher's recorded inputs and outputs of the same layers (:func:`teacher_attention`),
+        ``q [N, T, H, D]``, ``k, v [N, T, H_kv, D]``, ``out [N, T, H, Dv]``.
+    mask : Tensor [N, T]
+        Valid tokens (1) of the recorded sequences.
+    train_idx : Tensor [n] of int
+        The sequences trained on.
+    steps : int >= 0
+        Adam steps per layer, each on ``batch_size`` sequences drawn with replacement from
+        ``train_idx``; loss ``mean((o − o_teacher)²)`` over their valid tokens.
+    lr, map_lr : float
+        ``lr``: the gate's learning rate; ``map_lr``: the feature maps' (``None``: ``lr``; ``0``: the
+        maps stay fixed).
+    seed : int
+        Layer ``i`` (its position in ``sketches``) draws its batches from its own generator seeded
+        from ``(seed, i)`` (numpy's ``SeedSequence``), so a layer trains the same on whichever process
+        trains it. (Before the spread, one generator served the layers in turn; the batches, and so
+        the trained maps, differ from those of that version.)
+    processes : int >= 1
+        ``N > 1``: this process and ``N − 1`` workers it spawns (``torch.multiprocessing``, gloo on
+        localhost) share the layers, layer ``i`` on process ``i % N``; the recorded ``layers``,
+        ``mask`` and ``train_idx`` reach the workers through shared memory (moved there, not
+        copied per worker), each worker training copies of its layers' sketches with this process's
+        ``torch.get_num_threads()`` threads while this process trains its own. A worker's start-up
+        (imports of torch, sketchlab, ``torch.optim``: some 5 CPU seconds) is the price, so it pays
+        once a process's share of the training takes longer than that. Spawned workers import the
+        caller's main module: a script calling this needs the usual ``if __name__ == "__main__":``
+        guard; on Linux they end with this process if it is killed. Refused inside an initialised
+        ``torch.distributed`` group (use the group, below).
+    group : torch.distributed ProcessGroup or None
+        The processes to spread over. ``None``: the default group when ``torch.distributed`` is
+        initialised (e.g. under ``torchrun --nproc-per-node N``, backend gloo on the CPU), else this
+        process alone. Over a group of ``W`` ranks every rank must call this with the same
+        arguments (a collective call: checked up front, every rank refusing a mismatch alike); rank
+        ``r`` trains layers ``r, r + W, …``, then every layer's trained parameters and loss curve
+        are broadcast from its rank to the others, so every rank ends with the same sketches and the
+        same return value. A rank waits in the broadcasts for the slowest one: the group's timeout
+        (``init_process_group(timeout=)``) must exceed that wait.
+
+    Returns
+    -------
+    list of list of float
+        Each layer's loss curve (``steps`` values), the same on every process.
+
+    Notes
+    -----
+    Spread or not, each layer runs the same operations on the same data, and the broadcasts copy
+    values exactly: with the same number of threads per process the result is bitwise that of one
+    process (``tests/test_linearize_spread.py``). Only this stage is spread; :func:`linearize`'s
+    teacher pass, fit, gate calibration, evaluation and LoRA run in the calling process.
+    """
     if map_lr is not None and not (isinstance(map_lr, (int, float)) and not isinstance(map_lr, bool)
                                    and 0 <= map_lr < float("inf")):
         raise ValueError(f"map_lr must be None or a finite number >= 0, got {map_lr!r}")
-    gen = torch.Generator().manual_seed(seed)
-    losses = []
-    for layer, (sketch, io) in enumerate(zip(sketches, layers)):
-        params = [p for p in sketch.parameters() if p.requires_grad]
-        if not params:
-            raise ValueError("attention transfer: the converted layers have no trainable parameters (learn=False?)")
-        gate = [p for p in params if p is sketch.gate]
-        maps = [p for p in params if p is not sketch.gate]
-        groups = ([{"params": gate, "lr": lr}] if gate else []) + \
-            ([{"params": maps, "lr": lr if map_lr is None else float(map_lr)}] if maps else [])
-        opt = torch.optim.Adam(groups, lr=lr)
-        curve = []
-        for step in range(steps):
-            sel = train_idx[torch.randint(len(train_idx), (min(batch_size, len(train_idx)),), generator=gen)]
-            q, k, v = io.inputs(sel)
-            valid = mask[sel].to(torch.bool)
-            o = sketch(q, k, v, scaling=io.scaling, key_padding_mask=None if bool(valid.all()) else valid)
-            loss = ((o - io.out[sel]) ** 2)[valid].mean()
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            curve.append(float(loss.detach()))
-        losses.append(curve)
-        if progress:
-            print(f"transfer layer {layer}: mse {curve[0]:.4g} -> {curve[-1]:.4g}", flush=True)
-    return losses
+    if not (isinstance(lr, (int, float)) and not isinstance(lr, bool) and 0 <= lr < float("inf")):
+        raise ValueError(f"lr must be a finite number >= 0, got {lr!r}")
+    steps = check_nonnegative_int(steps, "steps")
+    batch_size = check_positive_int(batch_size, "batch_size")
+    processes = _check_processes(processes)
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise ValueError(f"seed must be an integer, got {seed!r}")
+    if len(sketches) != len(layers):
+        raise ValueError(f"attention transfer: {len(sketches)} sketches for {len(layers)} recorded layers; "
+                         "give one recorded layer (LayerIO) per converted layer")
+    if any(not _trained(s) for s in sketches):
+        raise ValueError("attention transfer: the converted layers have no trainable parameters (learn=False?)")
+    if not (isinstance(mask, torch.Tensor) and mask.dim() == 2 and all(
+            tuple(io.out.shape[:2]) == tuple(mask.shape) for io in layers)):
+        raise ValueError(f"mask must be a tensor [N, T] matching the recorded layers' sequences "
+                         f"{[tuple(io.out.shape[:2]) for io in layers[:1]]}, got {getattr(mask, 'shape', mask)!r}")
+    train_idx = torch.as_tensor(train_idx)
+    if train_idx.dim() != 1 or train_idx.numel() == 0 or train_idx.is_floating_point() \
+            or int(train_idx.min()) < 0 or int(train_idx.max()) >= mask.shape[0]:
+        raise ValueError(f"train_idx must be a non-empty list of sequence indices in [0, {mask.shape[0]}), "
+                         f"got {train_idx.tolist()}")
+    if group is None:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            group = dist.group.WORLD
+    options = dict(steps=steps, lr=float(lr), map_lr=None if map_lr is None else float(map_lr),
+                   batch_size=batch_size, seed=int(seed), progress=progress)
+    if processes > 1:
+        if group is not None:
+            raise ValueError(f"processes={processes} spawns its own workers; with group= the layers spread over "
+                             "that group: give one or the other")
+        return _spawned(sketches, layers, mask, train_idx, processes, options)
+    return _transfer(sketches, layers, mask, train_idx, group=group, **options)
 
 
 _LORA_TARGETS = {
@@ -471,7 +749,7 @@ def linearize(model: nn.Module, texts, *, tokenizer=None, attention: str = "llop
               fit: bool = True, fit_tokens: int = 1024, fit_options: dict | None = None, transfer_steps: int = 100,
               transfer_lr: float = 1e-2, lora_steps: int = 0, lora_rank: int = 8, lora_lr: float = 1e-4,
               batch_size: int = 4, evaluate: bool = True, seed: int = 0, progress: bool = False,
-              max_bytes: int = DEFAULT_MAX_BYTES):
+              processes: int = 1, max_bytes: int = DEFAULT_MAX_BYTES):
     r"""Convert ``model``'s attention (:func:`sketchlab.convert_attention`) and train it in stages.
 
     Parameters
@@ -515,6 +793,13 @@ def linearize(model: nn.Module, texts, *, tokenizer=None, attention: str = "llop
         ``fit_options`` go to ``fit_sketch``). Otherwise the maps start from their own initialisation.
     transfer_steps, transfer_lr
         Stage 1: Adam steps per layer (``0``: skipped) and learning rate.
+    processes : int >= 1
+        Stage 1's layers spread over this process and ``processes − 1`` spawned workers
+        (:func:`attention_transfer`: gloo on localhost, the teacher's recording shared, not copied; the
+        same result as one process). Under ``torchrun`` (an initialised ``torch.distributed``
+        group) leave it at 1: stage 1 spreads over the group's ranks by itself, each rank running
+        the other stages in full. Only stage 1 is spread: the teacher pass, the fit, the gates,
+        LoRA and every evaluation run in this process.
     lora_steps, lora_rank, lora_lr
         Stage 2 (``lora_steps > 0``): LoRA steps on the whole model, rank and learning rate.
     batch_size : int
@@ -522,7 +807,8 @@ def linearize(model: nn.Module, texts, *, tokenizer=None, attention: str = "llop
     evaluate : bool
         Measure the held-out metric (perplexity or embedding cosine) after each stage and for the teacher.
     seed : int
-        The conversion's initialisation, the fit, and the training batches.
+        The conversion's initialisation, the fit, and the training batches (stage 1: one generator per
+        layer, seeded from ``(seed, layer)``).
     max_bytes : int
         Memory budget of the teacher's recorded attention (every layer's q, k, v and output on every
         sequence, ``Σ_layers (2·H + 2·H_kv)·D`` values per token in the model's dtype), checked
@@ -543,6 +829,7 @@ def linearize(model: nn.Module, texts, *, tokenizer=None, attention: str = "llop
         raise ValueError(f"holdout={holdout} of {N} sequence(s) leaves none to train on; give more text or lower seq_len")
     train_idx, held_idx = torch.arange(N - n_held), torch.arange(N - n_held, N)
     transfer_steps = check_nonnegative_int(transfer_steps, "transfer_steps")
+    processes = _check_processes(processes)
     lora_steps = check_nonnegative_int(lora_steps, "lora_steps")
     batch_size = check_positive_int(batch_size, "batch_size")
     gate_sequences = check_positive_int(gate_sequences, "gate_sequences")
@@ -572,7 +859,8 @@ def linearize(model: nn.Module, texts, *, tokenizer=None, attention: str = "llop
                 "rank": rank, "window": window, "sinks": sinks, "local": local, "normalize": normalize, "gate_init": gate_init,
                 "tied": tied, "gate_sequences": gate_sequences,
                 "sequences": N, "held_out": n_held, "seq_len": int(ids.shape[1]), "tokens": int(mask.sum()),
-                "transfer_steps": transfer_steps, "transfer_lr": transfer_lr, "lora_steps": lora_steps,
+                "transfer_steps": transfer_steps, "transfer_lr": transfer_lr, "processes": processes,
+                "lora_steps": lora_steps,
                 "lora_rank": lora_rank, "lora_lr": lora_lr, "batch_size": batch_size, "seed": seed}
 
     def metric(current):
@@ -611,7 +899,7 @@ def linearize(model: nn.Module, texts, *, tokenizer=None, attention: str = "llop
     if transfer_steps:
         t0 = time.perf_counter()
         losses = attention_transfer(sketches, layers, mask, train_idx, steps=transfer_steps, lr=transfer_lr,
-                           batch_size=batch_size, seed=seed, progress=progress)
+                                    batch_size=batch_size, seed=seed, progress=progress, processes=processes)
         report.stages.append({"name": "transfer", "seconds": time.perf_counter() - t0,
                               "losses": [[c[0], c[-1]] for c in losses],
                               "layer_error": attention_errors(sketches, layers, mask, held_idx), "metric": metric(model)})

@@ -1,0 +1,245 @@
+"""Stage 1 (attention transfer) spread over processes: a gloo group of two ranks (the torchrun path) and
+``processes=2`` (spawned workers) give every rank the single-process run's parameters and loss curves
+bit for bit; mismatched ranks are refused on every rank alike; bad ``processes`` values are refused.
+
+Why bitwise: each layer draws its batches from its own ``(seed, layer)`` generator, so the rank that
+trains it runs exactly the operations one process runs on that layer (float64, one thread everywhere:
+no thread-count-dependent reduction order), and the broadcasts copy the values exactly. Skip the
+broadcast (or share the generator across layers) and the other rank's layers keep their untrained
+values (or train on other batches): the equalities fail by far more than round-off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import datetime
+import json
+
+import pytest
+import torch
+
+from sketchlab.convert.linearize import attention_transfer, teacher_attention
+
+STEPS, BATCH, SEED = 6, 2, 3
+TRAIN = torch.arange(5)  # of 6 sequences
+
+
+@contextlib.contextmanager
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _setup():
+    """A tiny random float64 Llama (GQA: 4 query heads, 2 KV heads; 3 layers, so two ranks share them
+    unevenly), its recorded attention, and a Hedgehog hybrid (maps and gates train)."""
+    import transformers
+
+    from sketchlab.convert import convert_attention
+
+    cfg = transformers.LlamaConfig(vocab_size=60, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+                                   num_key_value_heads=2, intermediate_size=48, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).double().eval()
+    with torch.no_grad():  # sharper attention than the random init's near-uniform one
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(8.0)
+    ids = torch.randint(1, 60, (6, 16), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[4, 11:] = 0  # a padded training sequence
+    layers = teacher_attention(model, ids, mask)
+    sketches = convert_attention(model, attention="hedgehog", m=8, window=4, sinks=1)
+    return sketches, layers, mask
+
+
+def _params(sketches):
+    return [p.detach().clone() for s in sketches for p in s.parameters() if p.requires_grad]
+
+
+@pytest.fixture(scope="module")
+def case():
+    """The sketches before training, the recorded layers, and the single-process run's result."""
+    sketches, layers, mask = _setup()
+    reference = copy.deepcopy(sketches)
+    with _one_thread():
+        curves = attention_transfer(reference, layers, mask, TRAIN, steps=STEPS, batch_size=BATCH, seed=SEED)
+    before, after = _params(sketches), _params(reference)
+    # the comparisons below mean something: every layer trained (each map and gate moved, each curve is
+    # STEPS distinct losses)
+    assert len(curves) == 3 and all(len(c) == STEPS and len(set(c)) == STEPS for c in curves)
+    assert all(not torch.equal(a, b) for a, b in zip(before, after))
+    return sketches, layers, mask, after, curves
+
+
+def _assert_same(params, curves, case, who):
+    _, _, _, ref_params, ref_curves = case
+    assert curves == ref_curves, f"{who}: loss curves differ from one process's"
+    assert len(params) == len(ref_params)
+    for i, (a, b) in enumerate(zip(params, ref_params)):
+        gap = float((a - b).abs().max())
+        assert torch.equal(a, b), f"{who}: trained tensor {i} differs from one process's by {gap}"
+
+
+def _rank1(index, port, sketches, layers, mask, out):
+    """Rank 1 of test_two_rank_group_matches_one_process, in a spawned process."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=False)
+    dist.init_process_group("gloo", store=store, rank=1, world_size=2, timeout=datetime.timedelta(seconds=120))
+    try:
+        mine = copy.deepcopy(sketches)
+        curves = attention_transfer(mine, layers, mask, TRAIN, steps=STEPS, batch_size=BATCH, seed=SEED)
+        torch.save({"params": _params(mine), "curves": curves}, f"{out}/rank1.pt")
+        try:  # a rank called with other options: refused here as on rank 0, before any broadcast
+            attention_transfer(copy.deepcopy(sketches), layers, mask, TRAIN, steps=STEPS + 1, batch_size=BATCH,
+                               seed=SEED)
+            refused = ""
+        except ValueError as err:
+            refused = str(err)
+        with open(f"{out}/rank1.json", "w") as f:
+            json.dump({"refused": refused}, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_rank_group_matches_one_process(case, tmp_path):
+    """The torchrun path: this process is rank 0 of an initialised gloo group, a spawned process rank 1;
+    attention_transfer finds the group by itself. Both ranks end with one process's result."""
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    sketches, layers, mask = case[:3]
+    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)  # a free port
+    ctx = mp.start_processes(_rank1, args=(store.port, sketches, layers, mask, str(tmp_path)), nprocs=1,
+                             join=False, start_method="spawn")
+    try:
+        dist.init_process_group("gloo", store=store, rank=0, world_size=2, timeout=datetime.timedelta(seconds=120))
+        try:
+            mine = copy.deepcopy(sketches)
+            with _one_thread():
+                curves = attention_transfer(mine, layers, mask, TRAIN, steps=STEPS, batch_size=BATCH, seed=SEED)
+            with pytest.raises(ValueError, match=r"over 2 processes: the ranks disagree on steps \(6, 7 on ranks"):
+                attention_transfer(copy.deepcopy(sketches), layers, mask, TRAIN, steps=STEPS, batch_size=BATCH,
+                                   seed=SEED)
+            while not ctx.join():  # rank 1 leaves the group first
+                pass
+        finally:
+            dist.destroy_process_group()
+    finally:
+        for proc in ctx.processes:
+            if proc.is_alive():
+                proc.terminate()
+    _assert_same(_params(mine), curves, case, "rank 0")
+    theirs = torch.load(tmp_path / "rank1.pt", weights_only=True)
+    _assert_same(theirs["params"], theirs["curves"], case, "rank 1")
+    assert "the ranks disagree on steps" in json.loads((tmp_path / "rank1.json").read_text())["refused"]
+
+
+def test_processes_2_matches_one_process(case):
+    """processes=2: one spawned worker, the recording shared; this process's sketches end trained as
+    one process trains them, with the same curves."""
+    sketches, layers, mask = case[:3]
+    mine = copy.deepcopy(sketches)
+    with _one_thread():
+        curves = attention_transfer(mine, layers, mask, TRAIN, steps=STEPS, batch_size=BATCH, seed=SEED, processes=2)
+    _assert_same(_params(mine), curves, case, "processes=2")
+
+
+def test_bad_processes_and_groups_are_refused(case):
+    import torch.distributed as dist
+
+    sketches, layers, mask = case[:3]
+    for bad in (0, -1, 1.5, True, "2", None):
+        match = r"processes must be an integer >= 1 .*got " + repr(bad).replace(".", r"\.")
+        with pytest.raises(ValueError, match=match):
+            attention_transfer(copy.deepcopy(sketches), layers, mask, TRAIN, steps=1, processes=bad)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(ValueError, match=r"processes=2: this process already belongs to a torch.distributed group"):
+            attention_transfer(copy.deepcopy(sketches), layers, mask, TRAIN, steps=1, processes=2)
+        # a group of one rank: everything trains here, as without a group
+        mine = copy.deepcopy(sketches)
+        with _one_thread():
+            curves = attention_transfer(mine, layers, mask, TRAIN, steps=STEPS, batch_size=BATCH, seed=SEED,
+                                        group=dist.group.WORLD)
+        _assert_same(_params(mine), curves, case, "a group of one")
+    finally:
+        dist.destroy_process_group()
+
+
+
+WORDS = ["[UNK]", "the", "cat", "sat", "on", "mat", ".", "a", "dog", "ran", "and", "hid"]
+
+
+def _model_dir(root):
+    """A tiny random GPT-2 with a word-level tokenizer, and a text file."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    cfg = transformers.GPT2Config(vocab_size=len(WORDS), n_embd=16, n_layer=3, n_head=2, n_positions=64,
+                                  bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(cfg).save_pretrained(root / "m")
+    tok = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(root / "m")
+    gen = torch.Generator().manual_seed(0)
+    (root / "t.txt").write_text(" ".join(WORDS[1 + int(i)] for i in torch.randint(0, len(WORDS) - 1, (300,),
+                                                                                    generator=gen)))
+
+
+def test_cli_processes_reach_the_transfer(tmp_path, capsys, monkeypatch):
+    """``sketchlab linearize --processes 2`` hands ``processes=2`` to stage 1 (whose spread
+    test_processes_2_matches_one_process checks; run here on one process to keep the test short) and
+    records it in the report."""
+    import importlib
+
+    from sketchlab.cli import main
+
+    lin = importlib.import_module("sketchlab.convert.linearize")  # the module (the package exports the function)
+
+    real, seen = lin.attention_transfer, []
+
+    def spy(*args, processes, **kwargs):
+        seen.append(processes)
+        return real(*args, processes=1, **kwargs)
+
+    monkeypatch.setattr(lin, "attention_transfer", spy)
+    _model_dir(tmp_path)
+    out = tmp_path / "lin"
+    assert main(["linearize", "--model-dir", str(tmp_path / "m"), "--text", str(tmp_path / "t.txt"),
+                 "--attention", "hedgehog", "--m", "8", "--window", "4", "--sinks", "1", "--seq-len", "32",
+                 "--transfer-steps", "2", "--threads", "1", "--processes", "2", "--out", str(out),
+                 "--no-progress"]) == 0
+    summary = json.loads((out / "linearize.json").read_text())
+    assert seen == [2] and summary["settings"]["processes"] == 2
+    assert [s["name"] for s in summary["stages"]] == ["init", "transfer"]
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "1.5", "two"])
+def test_cli_bad_processes_exit_2(value, tmp_path, capsys):
+    from sketchlab.cli import main
+
+    rc = main(["linearize", "--model-dir", str(tmp_path), "--text", str(tmp_path / "t.txt"), "--processes", value,
+               "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith("sketchlab: error: argument --processes: expected an "
+                                                         "integer >= 1"), err
+    assert not (tmp_path / "o").exists()
+
+
+def test_cli_toy_path_refuses_processes(tmp_path, capsys):
+    from pathlib import Path
+
+    from sketchlab.cli import main
+
+    teacher = Path(__file__).parent.parent / "data" / "mqar_softmax"
+    rc = main(["linearize", str(teacher), "--processes", "2", "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "--processes: not read by the path of CHECKPOINT" in err[0], err
