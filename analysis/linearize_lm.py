@@ -90,6 +90,9 @@ def parse_args():
                     help="the hybrids' initial gate logits: a number, 'mass' or 'search' (sketchlab.convert.scale.calibrate_gates), "
                          "or 'auto': sketchlab.linearize's default (0 for hedgehog, search for the others)")
     ap.add_argument("--transfer-batch", type=int, default=1, help="training sequences per transfer step")
+    ap.add_argument("--processes", type=int, default=1,
+                    help="processes of the attention-transfer stage (its layers spread over them; the same result), "
+                         "each with --threads threads")
     ap.add_argument("--gate-seqs", type=int, default=4, help="training sequences the gate calibration reads")
     ap.add_argument("--untied", action="store_true", help="LLoPS as the untied signed map (default: the tied (x·θ)² map)")
     ap.add_argument("--map-lr", type=float, default=None, help="transfer learning rate of the feature maps (default: --transfer-lr)")
@@ -292,7 +295,7 @@ def probe(args) -> None:
             t = time.perf_counter()
             if steps > done:
                 attention_transfer(sketches, sub, mask, train_idx, steps=steps - done, lr=args.transfer_lr,
-                                   map_lr=args.map_lr, batch_size=args.transfer_batch)
+                                   map_lr=args.map_lr, batch_size=args.transfer_batch, processes=args.processes)
                 done = steps
             err = attention_errors(sketches, sub, mask, held_idx, batch_size=1)
             print(f"| {label} | {steps} | " + " | ".join(f"{e:.3f}" for e in err) + f" | {sum(err) / len(err):.3f} | "
@@ -389,7 +392,7 @@ def smollm2(args, out: dict, save) -> None:
                 add(f"{label}, stage 0 ({stage0})", model, "stage0", features=features, map=name, window=window)
             t = time.perf_counter()
             attention_transfer(sketches, layers, mask, train_idx, steps=args.transfer_steps, lr=args.transfer_lr,
-                               map_lr=args.map_lr, batch_size=args.transfer_batch)
+                               map_lr=args.map_lr, batch_size=args.transfer_batch, processes=args.processes)
             log(f"{label}: transfer {args.transfer_steps} steps x {len(sketches)} layers "
                 f"in {time.perf_counter() - t:.0f} s")
             errors["1"] = attention_errors(sketches, layers, mask, held_idx, batch_size=2)
@@ -465,7 +468,7 @@ def minilm(args, out: dict, save) -> None:
             before = embedding_agreement(model, teacher_emb, hids, hmask)
             t = time.perf_counter()
             attention_transfer(sketches, layers, mask, torch.arange(ids.shape[0]), steps=args.transfer_steps * 2,
-                               lr=args.transfer_lr, batch_size=16)
+                               lr=args.transfer_lr, batch_size=16, processes=args.processes)
             after = embedding_agreement(model, teacher_emb, hids, hmask)
             label = f"{name} {'window %d + %d sink' % (w, s) if w else 'pure'}"
             res["rows"].append({"name": label, "before": before, "after": after,
