@@ -407,16 +407,11 @@ def write_mqar_report(args, scale, table, swept, best_lr, seeded, wall):
         L.append(f"| {table[k].label} | {rs[0]['spec']['lr']:g} | {seeds} | {fmt([score(r) for r in rs])} | "
                  + " | ".join(cells)
                  + f" | {statistics.fmean(r['seconds'] for r in rs):.0f} | {statistics.fmean(r['forward_ms_T256'] for r in rs):.1f} |")
-    # softmax check
-    soft = by.get("softmax", [])
-    if soft:
-        T_max = max(T for T, _ in scale.train_pairs())
-        worst = min(s["accuracy"] for r in soft for s in r["slices"] if s["seq_len"] <= T_max)
-        worst_all = min(s["accuracy"] for r in soft for s in r["slices"])
-        L += ["", f"**Harness check (softmax ≥ 0.99 on every seed):** the lowest softmax accuracy over "
-              f"{len(soft)} seeds and every test slice at training lengths is **{worst:.3f}** "
-              f"({'passes' if worst >= 0.99 else 'FAILS'}); over every slice including the longer ones "
-              f"{worst_all:.3f}."]
+    # softmax check, for each softmax variant run
+    T_max = max(T for T, _ in scale.train_pairs())
+    for key in ("softmax", "softmax-nope"):
+        if key in by:
+            L += ["", softmax_check(by[key], T_max, table[key].label)]
     # Table 4 / 5 side by side
     L += ["", "## Table 4 and Table 5 next to the paper", "",
           "Paper: d = 128, Zoology's full protocol on GPUs; accuracy in %. Here: the score above (fraction).", "",
@@ -441,6 +436,26 @@ def write_mqar_report(args, scale, table, swept, best_lr, seeded, wall):
     with atomic_write(out / f"{args.report}.md") as tmp:
         Path(tmp).write_text("\n".join(L) + "\n")
     print("\n".join(L))
+
+
+def softmax_check(runs, T_max: int, label: str = "softmax") -> str:
+    """The harness check: softmax >= 0.99 on every seed, at training lengths (T <= T_max) and at every test length.
+
+    Zoology's test set runs to 4x its longest training length (1024 vs 256) and its headline accuracy counts every
+    query of it, so the check at every test length is Zoology's; a RoPE model is not expected to pass it (its
+    unseen rotation angles beyond T_max), a model without positional encoding is.
+    """
+    def worst(keep):
+        cells = [(s["accuracy"], r["spec"]["seed"], (s["seq_len"], s["num_pairs"]))
+                 for r in runs for s in r["slices"] if keep(s["seq_len"])]
+        return min(cells)
+
+    (a, sa, ca), (b, sb, cb) = worst(lambda T: T <= T_max), worst(lambda T: True)
+    verdict_ = lambda x: "passes" if x >= 0.99 else "FAILS"  # noqa: E731
+    return (f"**Harness check ({label} ≥ 0.99 on every seed):** the lowest accuracy over {len(runs)} seed(s) "
+            f"({', '.join(str(r['spec']['seed']) for r in runs)}) at training lengths (T ≤ {T_max}) is **{a:.3f}** "
+            f"(seed {sa}, slice {ca}; {verdict_(a)}); at every test length, the longer ones included (Zoology's "
+            f"test set runs to 4× its training lengths), **{b:.3f}** (seed {sb}, slice {cb}; {verdict_(b)}).")
 
 
 def _command() -> str:

@@ -260,3 +260,16 @@ def test_softmax_nope_freezes_every_rope_pair_but_the_fastest():
     rest = [i for i in range(D) if i % half]  # every coordinate but pair 0's (0, half)
     assert float((y[..., rest] - x[..., rest]).abs().max()) < 1e-6 * float(x.abs().max())
     assert float((y[..., [0, half]] - x[..., [0, half]]).abs().max()) > 0.5  # pair 0 turns
+
+
+def test_softmax_check_names_the_worst_slice_at_training_and_at_every_length():
+    a, b = _run("softmax", 0, 0.995), _run("softmax", 1, 0.999)
+    b["slices"][4]["accuracy"] = 0.991  # (64, 16): the longest training length
+    a["slices"][-1]["accuracy"] = 0.40  # (256, 64): 4x the longest training length
+    text = pt.softmax_check([a, b], 64)
+    assert "at training lengths (T ≤ 64) is **0.991** (seed 1, slice (64, 16); passes)" in text
+    assert "**0.400** (seed 0, slice (256, 64); FAILS)" in text and "2 seed(s) (0, 1)" in text
+    b["slices"][0]["accuracy"] = 0.98
+    assert "**0.980** (seed 1, slice (16, 1); FAILS)" in pt.softmax_check([a, b], 64)
+    a["slices"][-1]["accuracy"] = 0.995
+    assert "**0.980** (seed 1, slice (16, 1); FAILS); at every" in pt.softmax_check([a, b], 64)
