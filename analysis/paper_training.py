@@ -25,9 +25,18 @@ Each method also has its sliding-window hybrid (``<key>-w16``, ``<key>-w64``: th
 ``llops-p2-m256-based`` and ``hedgehog``; the verdict compares a LLoPS hybrid with BASED's hybrid of
 the same window.
 
+``softmax-nope`` is softmax with RoPE base 1e300 (every rotation pair but the fastest frozen): Zoology's
+attention has no positional encoding, and its test set runs to 4x its training lengths.
+
 Runs are written to ``--work`` (one JSON per run) and read back by later invocations, so the
-study can be grown run by run. Writes ``analysis/results/mqar.md`` (``--report NAME``: ``NAME.md``)
-and ``mqar_m.png`` (accuracy vs m with the forward time on a second axis, as the paper's Figure 3).
+study can be grown run by run. Writes ``analysis/results/mqar.md`` (``--report NAME``: ``NAME.md``).
+
+Figure 3 part (``--part m``): LLoPS p = 4 (``--m-degree``), random init, at m in {64, 128, 192, 256},
+pure and with the sliding window (``--m-windows 0,16``), one learning rate (``--m-lr``, not swept),
+``--seeds`` (default 0, 1); the forward time of every model of the sweep measured round-robin in one
+process (:func:`time_side_by_side`). Writes ``mqar_m.md`` and ``mqar_m.png`` (accuracy vs m with the
+forward time on a second axis, as the paper's Figure 3) and says whether the accuracy moves with m
+beyond the seed spread (:func:`m_trend`).
 
 Table 1 part (``--part table1``): a byte-level BASED LM (expand map) pretrained on Shakespeare,
 then continued (a) as BASED, (b) converted exactly to LLoPS (checked in float64), (c) the control:
@@ -39,6 +48,7 @@ Usage::
 
     python analysis/paper_training.py --quick            # <= 10 min on 2 cores: reduced scale, see --help
     python analysis/paper_training.py                    # the full study (hours)
+    python analysis/paper_training.py --part m --quick --steps 800  # Figure 3: accuracy and forward time vs m
     python analysis/paper_training.py --part table1 ...  # the Table 1 analogue on Shakespeare
 """
 
