@@ -551,7 +551,8 @@ def m_rows(runs, degree: int, window: int = 0, ms=M_SWEEP) -> list[dict]:
     """
     rows = []
     for m in ms:
-        rs = sorted((r for r in runs if r["spec"]["method"] == m_key(m, degree, window)), key=lambda r: r["spec"]["seed"])
+        key = m_key(m, degree, window)
+        rs = sorted((r for r in runs if r["spec"]["method"] == key), key=lambda r: r["spec"]["seed"])
         if rs:
             rows.append({"m": m, "seeds": [r["spec"]["seed"] for r in rs], "scores": [score(r) for r in rs],
                          "slices": [statistics.fmean(r["slices"][i]["accuracy"] for r in rs)
@@ -576,8 +577,8 @@ def m_trend(rows) -> str:
     steps = [b - a for a, b in zip(means, means[1:])]
     shape = ("rise with every step in m" if all(x > 0 for x in steps) else
              "fall with every step in m" if all(x < 0 for x in steps) else "are not monotonic in m")
-    text = (f"m = {hi['m']} − m = {lo['m']}: {d:+.3f} (the means {shape}, spanning {min(means):.3f}-{max(means):.3f}; "
-            f"largest seed sd of the two ends {spread:.3f}")
+    text = (f"m = {hi['m']} − m = {lo['m']}: {d:+.3f} (the means {shape}, spanning "
+            f"{min(means):.3f}-{max(means):.3f}; largest seed sd of the two ends {spread:.3f}")
     if min(len(lo["scores"]), len(hi["scores"])) < 2:
         return text + "): 1 seed at one end, so no claim either way."
     disjoint = min(hi["scores"]) > max(lo["scores"]) or max(hi["scores"]) < min(lo["scores"])
