@@ -701,15 +701,16 @@ def write_m_report(args, scale, table, seeds, windows, runs, timing, wall):
         L += [f"## LLoPS p = {p}, {kind}: mean ± sd over seeds (each seed's number in brackets)", "",
               "Score, then each slice (T, P): the mean over the seeds.", "",
               "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        for r in rows:
-            t = fwd.get(m_key(r["m"], p, w), {})
-            cells = [str(r["m"]), ", ".join(map(str, r["seeds"])), fmt(r["scores"]),
+        by_m = {r["m"]: r for r in rows}
+        for m in M_SWEEP:
+            if m not in by_m:
+                L.append("| " + " | ".join([str(m), "not run", *("–" * (len(head) - 2))]) + " |")
+                continue
+            r, t = by_m[m], fwd.get(m_key(m, p, w), {})
+            cells = [str(m), ", ".join(map(str, r["seeds"])), fmt(r["scores"]),
                      *(f"{a:.3f}" for a in r["slices"]), f"{r['seconds']:.0f}",
                      *(f"{t[T]:.1f}" if T in t else "–" for T in T_fwd)]
             L.append("| " + " | ".join(cells) + " |")
-        for m in M_SWEEP:
-            if m not in [r["m"] for r in rows]:
-                L.append("| " + " | ".join([str(m), "not run", *("–" * (len(head) - 2))]) + " |")
         L += ["", f"**Trend ({kind}):** {m_trend(rows)}", ""]
     if timing:
         L += [f"Forward time: one forward pass of the whole model (2 layers, embedding and head included), batch "
