@@ -621,13 +621,22 @@ def m_sweep(args) -> int:
     scale = QUICK if args.quick else FULL
     if args.steps:
         scale = replace(scale, steps=args.steps)
-    seeds = tuple(int(x) for x in args.seeds.split(",")) if args.seeds else scale.m_seeds
-    windows = tuple(int(x) for x in args.m_windows.split(","))
+    def fail(msg):  # bad command-line input: one line, exit 2
+        print(f"paper_training.py: error: {msg}", file=sys.stderr)
+        raise SystemExit(2)
+
+    try:
+        seeds = tuple(int(x) for x in args.seeds.split(",")) if args.seeds else scale.m_seeds
+        windows = tuple(int(x) for x in args.m_windows.split(","))
+    except ValueError:
+        fail(f"--seeds and --m-windows take comma-separated integers, got {args.seeds!r} and {args.m_windows!r}")
+    if not (math.isfinite(args.m_lr) and args.m_lr > 0):
+        fail(f"--m-lr must be a finite learning rate > 0, got {args.m_lr!r}")
     table = methods(scale.d_model)
     keys = [m_key(m, args.m_degree, w) for w in windows for m in M_SWEEP]
     for k in keys:
         if k not in table:
-            raise SystemExit(f"--m-degree/--m-windows: no method {k!r} (hybrids exist for p = 4, windows 16 and 64)")
+            fail(f"--m-degree/--m-windows: no method {k!r} (LLoPS p in 2, 4, 6 pure; windows 16 and 64 for p = 4)")
     t0 = time.perf_counter()
     runs = run_all([RunSpec(k, args.m_lr, s, scale) for w in windows for s in seeds
                     for k in [m_key(m, args.m_degree, w) for m in M_SWEEP]], args)
