@@ -82,9 +82,10 @@ def test_llops_from_based_is_basedexpand_at_step_0(key, options, p, dim):
         assert float((random(x) - b).abs().max()) > 1e-6 * float(b.abs().max())
 
 
-def _run(method, seed, acc):
+def _run(method, seed, acc, seconds=1.0):
     slices = [{"seq_len": T, "num_pairs": P, "accuracy": acc, "queries": 1} for T, P in pt.QUICK.test_pairs()]
-    return {"spec": {"method": method, "seed": seed, "scale": {"divide": pt.QUICK.divide}}, "slices": slices}
+    return {"spec": {"method": method, "seed": seed, "scale": {"divide": pt.QUICK.divide}}, "slices": slices,
+            "seconds": seconds}
 
 
 def test_score_reads_only_the_training_lengths():
@@ -136,7 +137,8 @@ def test_table1_verdict_compares_the_paired_difference_with_the_seed_spread():
     assert "no comparison" in pt.table1_verdict({7: 2.2}, based)
 
 
-@pytest.mark.parametrize("key", ["based-w16", "llops-p4-m256-w16", "llops-p2-m256-based-w16", "hedgehog-w16"])
+@pytest.mark.parametrize("key", ["based-w16", "llops-p4-m256-w16", "llops-p2-m256-based-w16", "hedgehog-w16",
+                                 "llops-p4-m64-w16"])
 def test_hybrid_methods_are_their_pure_kernel_plus_a_window(key):
     # issue 20: each method pure and with the sliding-window hybrid. The "-w16" method is its pure
     # method's kernel (same map, options, init and Θ rate) with window 16 (BASED's window 64 at a
@@ -171,3 +173,103 @@ def test_verdict_compares_each_hybrid_with_based_of_the_same_window():
     # a hybrid alone has nothing to be compared with; nothing BASED at all says so
     assert pt.verdict({"based": based, "llops-p4-m256-w16": lw}) == "No LLoPS run to compare."
     assert pt.verdict({"llops-p4-m256-w16": lw}).startswith("BASED not run")
+
+
+def test_m_rows_collect_each_sketch_size_in_order_with_every_seed():
+    runs = [_run("llops-p4-m256", 1, 0.7, seconds=30.0), _run("llops-p4-m64", 0, 0.4), _run("llops-p4-m256", 0, 0.5,
+            seconds=10.0), _run("llops-p4-m256-w16", 0, 0.9), _run("llops-p2-m256", 0, 0.1)]
+    rows = pt.m_rows(runs, degree=4)
+    assert [r["m"] for r in rows] == [64, 256]  # m = 128, 192 not run; the hybrid and p = 2 are other rows
+    assert rows[1]["seeds"] == [0, 1] and rows[1]["scores"] == pytest.approx([0.5, 0.7])
+    assert rows[1]["slices"] == pytest.approx([0.6] * len(pt.QUICK.test_pairs())) and rows[1]["seconds"] == 20.0
+    hybrid = pt.m_rows(runs, degree=4, window=16)
+    assert [(r["m"], r["scores"]) for r in hybrid] == [(256, pytest.approx([0.9]))]
+    assert pt.m_key(192, 4) == "llops-p4-m192" and pt.m_key(64, 4, 16) == "llops-p4-m64-w16"
+    assert all(pt.m_key(m, 4, w) in pt.methods(D_MODEL) for m in pt.M_SWEEP for w in (0, 16, 64))
+
+
+def _rows(means_and_sds):
+    """One row per m of M_SWEEP: three seeds at mean ± sd (sd the sample sd: values mean - sd, mean, mean + sd)."""
+    runs = [_run(pt.m_key(m, 4), s, mu + (s - 1) * sd) for m, (mu, sd) in zip(pt.M_SWEEP, means_and_sds)
+            for s in range(3)]
+    return pt.m_rows(runs, degree=4)
+
+
+def test_m_trend_compares_the_ends_with_the_seed_spread():
+    # 0.40 -> 0.70 with sds 0.05: +0.30 > 2 × 0.05, rising at every step
+    text = pt.m_trend(_rows([(0.40, 0.05), (0.50, 0.05), (0.60, 0.05), (0.70, 0.05)]))
+    assert text.startswith("m = 256 − m = 64: +0.300") and "rise with every step in m" in text
+    assert "accuracy rises with m, beyond the seed spread" in text and "do not overlap" in text
+    # the same ends with sds 0.2: within 2 × 0.2 = 0.4; a dip at m = 128: not monotonic
+    text = pt.m_trend(_rows([(0.40, 0.2), (0.35, 0.2), (0.60, 0.2), (0.70, 0.2)]))
+    assert "no trend beyond the seed spread" in text and "not monotonic in m" in text and "0.400)" in text
+    assert "spanning 0.350-0.700" in text and "ranges overlap" in text
+    # falling beyond the spread (the larger end's sd, 0.02, is the one that counts)
+    text = pt.m_trend(_rows([(0.90, 0.02), (0.80, 0.01), (0.70, 0.01), (0.60, 0.01)]))
+    assert "-0.300" in text and "accuracy falls with m" in text and "fall with every step" in text
+    # one seed at an end: no spread, no claim; one m only: nothing to read
+    one = pt.m_rows([_run("llops-p4-m64", 0, 0.3), _run("llops-p4-m256", 0, 0.9), _run("llops-p4-m256", 1, 0.8)], 4)
+    assert pt.m_trend(one).endswith("1 seed at one end, so no claim either way.")
+    assert pt.m_trend(one[:1]).startswith("Fewer than two sketch sizes")
+
+
+class _FakeModel:
+    """Advances a shared fake clock by cost[T][call] per call: the timing helper's bookkeeping, not the machine."""
+
+    def __init__(self, clock, log, key, costs):
+        self.config = type("C", (), {"vocab_size": 7})()
+        self.clock, self.log, self.key, self.costs, self.calls = clock, log, key, costs, {}
+
+    def eval(self):
+        return self
+
+    def __call__(self, x):
+        T = x.shape[1]
+        n = self.calls.get(T, 0)
+        self.calls[T] = n + 1
+        self.log.append((self.key, T))
+        self.clock[0] += self.costs[T][n]
+
+
+def test_time_side_by_side_is_round_robin_and_takes_the_median(monkeypatch):
+    clock, log = [0.0], []
+    monkeypatch.setattr(pt.time, "perf_counter", lambda: clock[0])
+    # call 0 is the warm-up (cost 100 s: must not count); then 3 rounds with one slow outlier each
+    a = _FakeModel(clock, log, "a", {4: [100, 0.001, 0.009, 0.002], 8: [100, 0.004, 0.004, 0.5]})
+    b = _FakeModel(clock, log, "b", {4: [100, 0.020, 0.030, 0.010], 8: [100, 9.0, 0.040, 0.040]})
+    out = pt.time_side_by_side({"a": a, "b": b}, (4, 8), batch=2, rounds=3)
+    assert out == {"a": {4: pytest.approx(2.0), 8: pytest.approx(4.0)}, "b": {4: pytest.approx(20.0),
+                                                                            8: pytest.approx(40.0)}}  # ms
+    # warm-ups first, then every round times each (length, model) once: a change of load hits all models
+    assert log[:4] == [("a", 4), ("a", 8), ("b", 4), ("b", 8)]
+    assert log[4:] == [("a", 4), ("b", 4), ("a", 8), ("b", 8)] * 3
+
+
+def test_softmax_nope_freezes_every_rope_pair_but_the_fastest():
+    # Zoology's attention has no positional encoding; softmax-nope's RoPE base 1e300 leaves pair 0 turning at
+    # 1 rad per token (all its angles seen within 7 training tokens) and pairs 1.. at < 1e-6 rad up to T = 1024
+    from sketchlab.tasks import apply_rope
+
+    method = pt.methods(D_MODEL)["softmax-nope"]
+    model = pt.build_model(method, D_MODEL, VOCAB, seed=0)
+    assert model.config.rope_base == pt.NO_ROPE_BASE and method.attention == "softmax"
+    assert pt.build_model(pt.methods(D_MODEL)["softmax"], D_MODEL, VOCAB, 0).config.rope_base == 10000.0
+    D = pt.QUICK.d_model  # one head: head dim 64, the --quick runs' (pair 1 turns by base^(-2/64) = 10^-9.4 rad)
+    x = torch.randn(1, 1024, 1, D, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    y, half = apply_rope(x, base=pt.NO_ROPE_BASE), D // 2
+    rest = [i for i in range(D) if i % half]  # every coordinate but pair 0's (0, half)
+    assert float((y[..., rest] - x[..., rest]).abs().max()) < 1e-6 * float(x.abs().max())
+    assert float((y[..., [0, half]] - x[..., [0, half]]).abs().max()) > 0.5  # pair 0 turns
+
+
+def test_softmax_check_names_the_worst_slice_at_training_and_at_every_length():
+    a, b = _run("softmax", 0, 0.995), _run("softmax", 1, 0.999)
+    b["slices"][4]["accuracy"] = 0.991  # (64, 16): the longest training length
+    a["slices"][-1]["accuracy"] = 0.40  # (256, 64): 4x the longest training length
+    text = pt.softmax_check([a, b], 64)
+    assert "at training lengths (T ≤ 64) is **0.991** (seed 1, slice (64, 16); passes)" in text
+    assert "**0.400** (seed 0, slice (256, 64); FAILS)" in text and "2 seed(s) (0, 1)" in text
+    b["slices"][0]["accuracy"] = 0.98
+    assert "**0.980** (seed 1, slice (16, 1); FAILS)" in pt.softmax_check([a, b], 64)
+    a["slices"][-1]["accuracy"] = 0.995
+    assert "**0.980** (seed 1, slice (16, 1); FAILS); at every" in pt.softmax_check([a, b], 64)
