@@ -135,6 +135,9 @@ def parse_args():
                     help="keep each map's transferred feature maps and gates here (safetensors, keyed by every "
                          "setting that shapes them) and reuse them on a rerun instead of training again")
     ap.add_argument("--out", default=str(RESULTS / "linearize_lm.md"))
+    ap.add_argument("--resume", action="store_true",
+                    help="continue a stopped run: the finished SmolLM2 part of the JSON that the same command wrote "
+                         "to --out is read back, the rest runs")
     ap.add_argument("--render", action="store_true",
                     help="only rewrite the Markdown and plot from the JSON a run with the same options wrote")
     args = ap.parse_args()
@@ -207,6 +210,11 @@ def transfer_key(name, window, args, theta=None) -> str:
             digest.update(t.detach().double().contiguous().numpy().tobytes())
         parts += ["untied" if args.untied else "tied", "init" if theta is None else f"theta{digest.hexdigest()[:12]}"]
     return "_".join(parts)
+
+
+def trainable(sketches) -> bool:
+    """Whether the converted layers have any parameter to train (a fixed map without a gate has none)."""
+    return any(p.requires_grad for s in sketches for p in s.parameters())
 
 
 def load_transferred(sketches, path: Path):
@@ -403,8 +411,9 @@ def smollm2(args, out: dict, save) -> None:
             if not args.no_stage0_ppl:
                 add(f"{label}, stage 0 ({stage0})", model, "stage0", features=features, map=name, window=window)
             t = time.perf_counter()
-            attention_transfer(sketches, layers, mask, train_idx, steps=args.transfer_steps, lr=args.transfer_lr,
-                               map_lr=args.map_lr, batch_size=args.transfer_batch, processes=args.processes)
+            if trainable(sketches):  # a fixed map without a gate (pure Taylor) has nothing to transfer
+                attention_transfer(sketches, layers, mask, train_idx, steps=args.transfer_steps, lr=args.transfer_lr,
+                                   map_lr=args.map_lr, batch_size=args.transfer_batch, processes=args.processes)
             log(f"{label}: transfer {args.transfer_steps} steps x {len(sketches)} layers "
                 f"in {time.perf_counter() - t:.0f} s")
             errors["1"] = attention_errors(sketches, layers, mask, held_idx, batch_size=2)
@@ -479,10 +488,12 @@ def minilm(args, out: dict, save) -> None:
             sketches = convert_attention(model, attention=name, p=2, m=args.m, window=w, sinks=s)
             before = embedding_agreement(model, teacher_emb, hids, hmask)
             t = time.perf_counter()
-            attention_transfer(sketches, layers, mask, torch.arange(ids.shape[0]), steps=args.transfer_steps * 2,
-                               lr=args.transfer_lr, batch_size=16, processes=args.processes)
+            if trainable(sketches):  # a fixed map without a gate (pure Taylor) has nothing to transfer
+                attention_transfer(sketches, layers, mask, torch.arange(ids.shape[0]), steps=args.transfer_steps * 2,
+                                   lr=args.transfer_lr, batch_size=16, processes=args.processes)
             after = embedding_agreement(model, teacher_emb, hids, hmask)
-            label = f"{name} {'window %d + %d sink' % (w, s) if w else 'pure'}"
+            label = f"{name} {'window %d + %d sink' % (w, s) if w else 'pure'}" + ("" if trainable(sketches) else
+                                                                                   " (fixed map: nothing to train)")
             res["rows"].append({"name": label, "before": before, "after": after,
                                 "seconds": time.perf_counter() - t})
             save()
@@ -498,6 +509,9 @@ def markdown(args, out: dict, command: str) -> str:
                 else "(**partial: the run was still going or was stopped; every figure below is final**).")
              + (f" {out['cuts']}" if out.get("cuts") else ""), ""]
     sm = out.get("smollm2")
+    if sm and sm.get("resumed"):
+        lines += [f"The SmolLM2 part ({out['smollm2_seconds'] / 60:.1f} min) was finished by a stopped run of this "
+                  "command and read back from its JSON by `--resume`; the rest ran after it.", ""]
     if sm and sm.get("cached"):
         read = [f"{c['label']} (`{c['file']}`, commit {(c['commit'] or 'unknown')[:10]})" for c in sm["cached"]]
         lines += ["Read from `--cache-dir` (transferred by an earlier run with the same settings; its stage-0 "
@@ -669,7 +683,8 @@ def main() -> None:
                        + (f", {args.fit_steps} ALS sweep(s) and no LM steps" if args.fit_steps is not None else ""))
                     + ". LoLCATs trains with thousands of steps and millions of tokens; these are far from converged.")
     out = {"cuts": " ".join(cuts)}
-    command = ("python analysis/linearize_lm.py " + " ".join(a for a in sys.argv[1:] if a != "--render")).strip()
+    command = ("python analysis/linearize_lm.py "
+               + " ".join(a for a in sys.argv[1:] if a not in ("--render", "--resume"))).strip()
     path = Path(args.out)
     if args.render:  # the figures of a finished (or stopped) run, the text of this version
         out = {**json.loads(path.with_suffix(".json").read_text(encoding="utf-8")), "cuts": out["cuts"]}
@@ -680,17 +695,31 @@ def main() -> None:
         log(f"rewrote {path}")
         return
     path.parent.mkdir(parents=True, exist_ok=True)
+    out["command"] = command
+    if args.resume:
+        prev = json.loads(path.with_suffix(".json").read_text(encoding="utf-8"))
+        if prev.get("command") != command:
+            raise SystemExit(f"--resume: {path.with_suffix('.json')} was written by `{prev.get('command')}`, "
+                             f"not by this command")
+        if "smollm2_seconds" in prev:
+            out["smollm2"], out["smollm2_seconds"] = prev["smollm2"], prev["smollm2_seconds"]
+            out["smollm2"]["resumed"] = True
+            for row in out["smollm2"]["rows"]:
+                row["ppl"] = {int(c): v for c, v in row["ppl"].items()}
+            log(f"SmolLM2 part read back from {path.with_suffix('.json')}")
 
     def save() -> None:
         write_text_atomic(str(path), markdown(args, out, command))
         write_text_atomic(str(path.with_suffix(".json")), json.dumps(out, indent=1, default=str) + "\n")
 
     t0 = time.perf_counter()
-    if not args.no_smollm:
+    if not args.no_smollm and "smollm2_seconds" not in out:
         smollm2(args, out, save)
+        out["smollm2_seconds"] = time.perf_counter() - t0
+    t1 = time.perf_counter()
     if not args.no_minilm:
         minilm(args, out, save)
-    out["seconds"] = time.perf_counter() - t0
+    out["seconds"] = out.get("smollm2_seconds", 0.0) + time.perf_counter() - t1
     save()
     plot(out, path.with_suffix(".png"))
     log(f"wrote {path}")
