@@ -378,7 +378,7 @@ def smollm2(args, out: dict, save) -> None:
     add(f"window {args.window} + {args.sinks} sinks alone", window_only, "window")
 
     theta = None
-    if "llops" in args.maps.split(","):
+    if "llops" in args.maps.split(",") + args.late_maps.split(","):
         t = time.perf_counter()
         theta, fit_info = fit(teacher, ids, mask, train_idx, args)
         if fit_info:
