@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sketchlab import fit_sketch, num_poly_features, optimal_sketch, poly_features, poly_kernel, tail_bound
+from sketchlab import fit_sketch, max_sketch_size, num_poly_features, optimal_sketch, poly_features, poly_kernel, tail_bound
 
 REL = 1e-9
 
@@ -321,3 +321,14 @@ def test_each_route_checks_its_own_memory_before_work():
     with pytest.raises(ValueError, match=r"the 330 x 330 factors of 1 head\(s\) \(float64\) would take .* over the "
                                          r"memory budget.*use a smaller d or p"):
         optimal_sketch(q, k, 4, 2, route="gram", max_bytes=2_000_000)
+
+
+@pytest.mark.parametrize("args,name", [((0, 4, 2, 2), "n_q"), ((4, 0, 2, 2), "n_k"), ((4, 4, 0, 1), "d"),
+                                       ((4, 4, -1, 3), "d"), ((4, 4, 2, 0), "p")])
+def test_max_sketch_size_refuses_sizes_below_one(args, name):
+    # d = 0 (or p = 0) has no polynomial features: the bound used to say 1 for d = 0, p = 1 and -1 for d = -1, p = 3
+    with pytest.raises(ValueError, match=rf"{name}.* must be an integer >= 1, got"):
+        max_sketch_size(*args)
+    with pytest.raises(TypeError, match=r"d must be an integer >= 1, got 2.0"):
+        max_sketch_size(4, 4, 2.0, 2)
+    assert [max_sketch_size(9, 7, d, p) for d, p in ((1, 5), (2, 1), (2, 2), (3, 2), (5, 3))] == [1, 2, 3, 6, 7]
