@@ -20,6 +20,7 @@ Usage (from the repository root)::
     python analysis/mutation.py --modules polynomial,spectral --sample 0 --time-box 7200
     python analysis/mutation.py --report-only                 # re-read mutants/ without running
     python analysis/mutation.py --recheck-survivors           # after adding tests
+    python analysis/mutation.py --groups                      # per-group table from RECORD (no mutants/)
 
 Results accumulate in ``mutants/`` across runs, so a time-boxed run can be continued by running
 again.
