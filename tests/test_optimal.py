@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sketchlab import fit_sketch, num_poly_features, optimal_sketch, poly_features, poly_kernel, tail_bound
+from sketchlab import fit_sketch, max_sketch_size, num_poly_features, optimal_sketch, poly_features, poly_kernel, tail_bound
 
 REL = 1e-9
 
@@ -301,3 +301,34 @@ def test_m_above_the_rank_says_why_in_full():
     q, k = _qk(n_q=5, n_k=5, d=4, seed=0)
     with pytest.raises(ValueError, match=r"got m=6\. Beyond it the tail is 0 and the exact features are already optimal$"):
         optimal_sketch(q, k, 2, 6)
+
+
+def test_each_route_checks_its_own_memory_before_work():
+    # The SVD route holds A and its SVD, 2·n_q·n_k float64 (200 x 200: 640 000 bytes); the QR/Gram routes
+    # hold three D x D factors (d = 2, p = 2: D = 3, 216 bytes). Under a 500 000-byte budget only the SVD
+    # route is refused, up front, with the kernel's shape and the way out (A alone, 320 000 bytes, would fit:
+    # the check counts its SVD too); the Gram route runs and attains the tail.
+    q, k = _qk(n_q=200, n_k=200, d=2, seed=5)
+    with pytest.raises(ValueError, match=r"the kernel A and its SVD \(1 x 200 x 200 float64\) would take .* over the "
+                                         r"memory budget.*use route='gram'"):
+        optimal_sketch(q, k, 2, 2, route="svd", max_bytes=500_000)
+    with pytest.raises(ValueError, match=r"the kernel A and its SVD"):
+        tail_bound(q, k, 2, 2, route="svd", max_bytes=500_000)
+    s = optimal_sketch(q, k, 2, 2, route="gram", max_bytes=500_000)
+    assert torch.allclose(_sq_err(s, q, k, 2), s.tail, rtol=REL, atol=0)
+    # d = 8, p = 4: D = C(11, 4) = 330, three 330 x 330 float64 factors = 2 613 600 bytes
+    q, k = _qk(n_q=400, n_k=400, d=8, seed=6)
+    with pytest.raises(ValueError, match=r"the 330 x 330 factors of 1 head\(s\) \(float64\) would take .* over the "
+                                         r"memory budget.*use a smaller d or p"):
+        optimal_sketch(q, k, 4, 2, route="gram", max_bytes=2_000_000)
+
+
+@pytest.mark.parametrize("args,name", [((0, 4, 2, 2), "n_q"), ((4, 0, 2, 2), "n_k"), ((4, 4, 0, 1), "d"),
+                                       ((4, 4, -1, 3), "d"), ((4, 4, 2, 0), "p")])
+def test_max_sketch_size_refuses_sizes_below_one(args, name):
+    # d = 0 (or p = 0) has no polynomial features: the bound used to say 1 for d = 0, p = 1 and -1 for d = -1, p = 3
+    with pytest.raises(ValueError, match=rf"{name}.* must be an integer >= 1, got"):
+        max_sketch_size(*args)
+    with pytest.raises(TypeError, match=r"d must be an integer >= 1, got 2.0"):
+        max_sketch_size(4, 4, 2.0, 2)
+    assert [max_sketch_size(9, 7, d, p) for d, p in ((1, 5), (2, 1), (2, 2), (3, 2), (5, 3))] == [1, 2, 3, 6, 7]
