@@ -59,16 +59,12 @@ def _geometry(n: int, off: int, lag: int, C: int, device: torch.device, dtype: t
     return N, Wc, Ne, lags, prefix, max(0, last)
 
 
-def _chunks(x: torch.Tensor, chunks: int, C: int, scale: float | None = None) -> torch.Tensor:
-    """``x [B, H, L, F]`` → chunk-major ``[chunks, B, H, C, F]`` (zero-padded at the end), contiguous;
-    times ``scale`` in the same copy when given."""
+def _chunks(x: torch.Tensor, chunks: int, C: int) -> torch.Tensor:
+    """``x [B, H, L, F]`` → chunk-major ``[chunks, B, H, C, F]`` (zero-padded at the end), contiguous."""
     B, H, L, F = x.shape
     if chunks * C != L:
         x = torch.nn.functional.pad(x, (0, 0, 0, chunks * C - L))
-    x = x.view(B, H, chunks, C, F).permute(2, 0, 1, 3, 4)  # [chunks, B, H, C, F]
-    if scale is None:
-        return x.contiguous()
-    return torch.mul(x, scale, out=x.new_empty(x.shape))
+    return x.view(B, H, chunks, C, F).permute(2, 0, 1, 3, 4).contiguous()  # [chunks, B, H, C, F]
 
 
 def _unchunk(x: torch.Tensor, length: int) -> torch.Tensor:
@@ -260,9 +256,9 @@ def _row_pieces(chunks: int, C: int, a: int, b: int):
             i += r1 - r
 
 
-def _join_chunks(pieces, lead: int, chunks: int, C: int, scale: float | None = None) -> torch.Tensor:
+def _join_chunks(pieces, lead: int, chunks: int, C: int) -> torch.Tensor:
     """Token-major pieces ``[B, H, L_i, F]`` laid end to end from row ``lead`` → chunk-major ``[chunks, B, H, C, F]``
-    (zeros in the other rows), times ``scale`` when given: one copy, no joined token-major tensor."""
+    (zeros in the other rows): one copy, no joined token-major tensor."""
     B, H, _, F = pieces[0].shape
     out = pieces[0].new_empty(chunks, B, H, C, F)
     end = lead + sum(x.shape[2] for x in pieces)
@@ -277,10 +273,7 @@ def _join_chunks(pieces, lead: int, chunks: int, C: int, scale: float | None = N
                 dst, src = out[c:r0], x[:, :, i:i + (r0 - c) * C].unflatten(2, (r0 - c, C)).permute(2, 0, 1, 3, 4)
             else:
                 dst, src = out[c, :, :, r0:r1], x[:, :, i:i + r1 - r0]
-            if scale is None:
-                dst.copy_(src)
-            else:
-                torch.mul(src, scale, out=dst)
+            dst.copy_(src)
         a += L
     return out
 
@@ -362,11 +355,11 @@ class _HybridCore(torch.autograd.Function):
         Dv, D, Ls = v.shape[-1], q.shape[-1], k_sink.shape[2]
         st = _HybridCore._setup(B, H, n, k_w.shape[2], key_ok, sink_ok, off, opts, fq)
         N, n_loc, kks, lead, Ne = st["N"], st["n_loc"], st["kks"], st["lead"], st["Ne"]
-        # chunk-major copies (keys: off − L_w zero rows, the held window, the block; kc holds s·k), kept for the
-        # backward
+        # chunk-major copies (keys: off − L_w zero rows, the held window, the block), kept for the backward; the
+        # local scale s multiplies the products (a GEMM's alpha), never a copy
         fqc, qc = _chunks(fq, N, C), _chunks(q, N, C)
         fkc = _join_chunks((fk_w, fk), lead, Ne, C)
-        vc, kc = _join_chunks((v_w, v), lead, Ne, C), _join_chunks((k_w, k), lead, Ne, C, scale)
+        vc, kc = _join_chunks((v_w, v), lead, Ne, C), _join_chunks((k_w, k), lead, Ne, C)
         NBH = N * B * H
         # the window the next block holds: the last min(w, L_w + n) keys, raw
         Lo = min(w, k_w.shape[2] + n)
@@ -396,10 +389,10 @@ class _HybridCore(torch.autograd.Function):
         for L, kk in enumerate(kks):  # softmax: the lag masks as a bias added by the matmul itself
             if softmax and part < N:
                 torch.baddbmm(st["loc_bias"][L].expand(NBH - part * B * H, C, C), qc[part:].view(-1, C, D),
-                              kc[kk][part:].view(-1, C, D).mT, out=A[L, part:].view(-1, C, C))
+                              kc[kk][part:].view(-1, C, D).mT, alpha=scale, out=A[L, part:].view(-1, C, C))
             if part or not softmax:
                 c1 = part if softmax else N
-                torch.matmul(qc[:c1], kc[kk][:c1].mT, out=A[L, :c1])
+                torch.matmul(qc[:c1], kc[kk][:c1].mT, out=A[L, :c1]).mul_(scale)
         if Ls:
             AsT = torch.bmm(_HybridCore._per_chunk(k_sink * scale, N), qc.view(-1, C, D).mT).view(N, B, H, Ls, C)
         ties = ()
@@ -576,7 +569,7 @@ class _HybridCore(torch.autograd.Function):
             if Ls:
                 dgh += (AsT * daT_s).sum(dim=(0, 1, 3, 4))
                 dl_s = daT_s.mul_(gb * degree).mul_(logit_s ** (degree - 1))
-        dqc = torch.zeros_like(qc)  # kc holds s·k: dq = dl·(s·k), dk = s·dlᵀq
+        dqc = torch.zeros_like(qc)  # the logits are s·qᵀk: dq = s·dl·k, dk = s·dlᵀq
         dkc = torch.zeros_like(kc)
         # off the local keys dl is 0 already for softmax (a = 0, no tie there) and for p >= 2 (l = 0)
         unmasked = not softmax and degree < 2
@@ -585,7 +578,7 @@ class _HybridCore(torch.autograd.Function):
                 dl[L, st["part"]:].masked_fill_(~st["loc_m"][L], 0.0)
                 if st["part"]:
                     dl[L, :st["part"]].masked_fill_(~st["loc_ok"][L], 0.0)
-            dqc.view(-1, C, D).baddbmm_(dl[L].view(-1, C, C), kc[kk].view(-1, C, D))
+            dqc.view(-1, C, D).baddbmm_(dl[L].view(-1, C, C), kc[kk].view(-1, C, D), alpha=scale)
             dkc[kk].view(-1, C, D).baddbmm_(dl[L].view(-1, C, C).mT, qc.view(-1, C, D))
         dk_sink = torch.zeros_like(k_sink)
         if Ls:
