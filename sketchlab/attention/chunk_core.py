@@ -360,11 +360,6 @@ class _HybridCore(torch.autograd.Function):
                     lift=self_tensor if opts[2] else (lambda f: f))
 
     @staticmethod
-    def _per_chunk(x: torch.Tensor, N: int) -> torch.Tensor:
-        """``x [B, H, R, F]`` (the sinks') → ``[N·B·H, R, F]``, the same for every chunk (a small copy)."""
-        return x[None].expand(N, *x.shape).reshape(-1, *x.shape[2:])
-
-    @staticmethod
     def forward(ctx, fq, fk, v, q, k, fk_w, v_w, k_w, k_sink, v_sink, S_in, z_in, g, key_ok, sink_ok, off, opts):
         C, w, non_negative, scale, softmax, degree, eps, grad = opts
         B, H, n, _ = fq.shape
@@ -491,7 +486,7 @@ class _HybridCore(torch.autograd.Function):
             den = den * (1 - g)[None, :, None]  # the true denominator, [B, H, n]
         ctx.off, ctx.opts, ctx.Lw = off, opts, k_w.shape[2]
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(fqc, fkc, vc, qc, kc, k_sink, v_sink, S_in, z_in, g, key_ok, sink_ok, out, den, *kept,
+        ctx.save_for_backward(fqc, fkc, vx, qc, kx, k_sink, v_sink, S_in, z_in, g, key_ok, sink_ok, out, den, *kept,
                               *far)
         ctx.mark_non_differentiable(den)
         return (out, den, S_out, z_out) + windows
@@ -501,25 +496,22 @@ class _HybridCore(torch.autograd.Function):
     def backward(ctx, g_out, g_den, g_S, g_z, g_fkw, g_vw, g_kw):
         off, opts = ctx.off, ctx.opts
         C, w, non_negative, scale, softmax, degree, eps, _ = opts
-        fqc, fkc, vc, qc, kc, k_sink, v_sink, S_in, z_in, g, key_ok, sink_ok, out, den, *rest = ctx.saved_tensors
+        fqc, fkc, vx, qc, kx, k_sink, v_sink, S_in, z_in, g, key_ok, sink_ok, out, den, *rest = ctx.saved_tensors
         B, H, n, Dv = out.shape
         M, D, Ls, Lw = fqc.shape[-1], qc.shape[-1], k_sink.shape[2], ctx.Lw
+        K = C + Ls
+        vc, kc = vx[:, :, :, :C], kx[:, :, :, :C]  # [Ne, B, H, C, ·] (views: the sinks follow each chunk)
         st = _HybridCore._setup(B, H, n, Lw, key_ok, sink_ok, off, opts, out)
-        N, Wc, kks, lead = st["N"], st["Wc"], st["kks"], st["lead"]
+        N, Wc, kks, lead, part = st["N"], st["Wc"], st["kks"], st["lead"], st["part"]
         lq, lk = st["lift"](fqc), st["lift"](fkc)
         gb = g[None, None, :, None, None]
         g0 = gb[..., 0]
-        # the saved tiles are [n_loc, N, B, H, C, C + Ls]: the key chunk's columns, then the sinks' (lag 0), here
-        # as views: A [.., C, C] and the sinks transposed, AsT [N, B, H, Ls, C]
-        C_ = slice(0, C)
+        # the saved tiles are [n_loc, N, B, H, C, C + Ls]: the key chunk's columns, then the sinks' (lag 0)
         if softmax:
-            A_x, tie_x, far = rest[0], rest[1], rest[2:]
-            A, tie = A_x[..., C_], tie_x[..., C_]
-            AsT, tie_s = A_x[0, ..., C:].mT, tie_x[0, ..., C:].mT
+            A, tie, far = rest[0], rest[1], rest[2:]
         else:
-            logit_x, far = rest[0], rest[1:]
-            logit, logit_s = logit_x[..., C_], logit_x[0, ..., C:].mT
-            A, AsT = logit**degree, logit_s**degree
+            logit, far = rest[0], rest[1:]
+            A = logit**degree
         r = 1.0 / (den + eps)  # [B, H, n]
         g_out = out.new_zeros(B, H, n, Dv) if g_out is None else g_out
         dnum = _chunks(g_out * r[..., None], N, C)  # [N, B, H, C, Dv]
@@ -535,71 +527,58 @@ class _HybridCore(torch.autograd.Function):
         dlq = (dnum @ P.mT + dden[..., None] * zP[..., None, :]).mul_(1 - gb)  # [N, B, H, C, M2]
         dS_in, dz_in, dlk, dvc = _far_state_grads(st["prefix"], dP, dzP, lk, vc, g_S, g_z, max(0, off + n - w))
         dfq, dfk = (_unlift(dlq, fqc), _unlift(dlk, fkc)) if non_negative else (dlq, dlk)
-        # local and near-far lags: da = dnum·vᵀ + dden is the gradient of every weight of a (query, key)
-        dA = torch.empty_like(A)  # [n_loc, N, B, H, C, C]
+        # local and near-far lags: da = dnum·vᵀ + dden is the gradient of every weight of a (query, key), the sinks'
+        # in the last Ls columns
+        dA = torch.empty_like(A)  # [n_loc, N, B, H, C, C + Ls]
         for L, kk in enumerate(kks):
-            torch.matmul(dnum, vc[kk].mT, out=dA[L])
+            torch.matmul(dnum, vx[kk].mT, out=dA[L])
         dA.add_(dden[None, ..., None])
         for L, kk in enumerate(kks):
             if L in st["far_lags"]:
                 F = far[st["far_lags"].index(L)]
-                dgh -= (F * dA[L]).sum(dim=(0, 1, 3, 4))
-                ds = dA[L] * (st["far_m"][L] * (1 - g)[:, None, None])  # the far weights' gradient (1 − g)·da
+                dgh -= (F * dA[L, ..., :C]).sum(dim=(0, 1, 3, 4))
+                ds = dA[L, ..., :C] * (st["far_m"][L] * (1 - g)[:, None, None])  # the far weights' gradient (1 − g)·da
                 if non_negative:
                     ds.mul_(fqc @ fkc[kk].mT).mul_(2.0)  # d(s²) = 2s
                 dfq.view(-1, C, M).baddbmm_(ds.view(-1, C, C), fkc[kk].view(-1, C, M))
                 dfk[kk].view(-1, C, M).baddbmm_(ds.view(-1, C, C).mT, fqc.view(-1, C, M))
-                W = torch.mul(F, 1 - gb).addcmul_(A[L], gb)
+                W = torch.mul(F, 1 - gb).addcmul_(A[L, ..., :C], gb)
             else:
-                W = A[L] * gb
+                W = A[L, ..., :C] * gb
             dvc[kk].view(-1, C, Dv).baddbmm_(W.view(-1, C, C).mT, dnum.view(-1, C, Dv))
         dv_sink = torch.zeros_like(v_sink)
-        if Ls:  # the sinks transposed, [N, B, H, Ls, C]
-            daT_s = torch.bmm(_HybridCore._per_chunk(v_sink, N), dnum.view(-1, C, Dv).mT).view(N, B, H, Ls, C)
-            daT_s.add_(dden[..., None, :])
-            dv_sink = torch.bmm((AsT * gb).view(-1, Ls, C), dnum.view(-1, C, Dv)).view(N, B, H, Ls, Dv).sum(0)
+        if Ls:  # the sinks' weights (lag 0), transposed: [N·B·H, Ls, C]
+            As_g = (A[0, ..., C:] * gb).view(-1, C, Ls).mT
+            dv_sink = torch.bmm(As_g, dnum.view(-1, C, Dv)).view(N, B, H, Ls, Dv).sum(0)
         # through a(logit): softmax a = exp(l − c) (c the row max: its gradient goes to where the max is
         # taken, split evenly between ties, as autograd's amax), poly a = l^p
-        dl_s = None
         if softmax:
             dl = dA.mul_(A)  # a·da
             rho = dl.sum(-1).sum(0)  # [N, B, H, C]
-            if Ls:
-                dl_s = daT_s.mul_(AsT)
-                rho += dl_s.sum(-2)
             dgh += rho.sum(dim=(0, 1, 3))  # d/dg of g·Σ a v (and of g·Σ a)
             count = tie.sum(-1).sum(0)
-            if Ls:
-                count = count + tie_s.sum(-2)
             share = (rho * g0).neg_().div_(torch.clamp(count, min=1))  # dc / ties   [N, B, H, C]
             dl.mul_(gb).addcmul_(tie, share[None, ..., None])  # g·a·da + the share of dc at the maximum
-            if Ls:
-                dl_s.mul_(gb).addcmul_(tie_s, share[..., None, :])
         else:
             dgh += (A * dA).sum(dim=(0, 1, 2, 4, 5))
             dl = dA.mul_(gb * degree).mul_(logit ** (degree - 1))  # g·p·l^(p−1)·da
-            if Ls:
-                dgh += (AsT * daT_s).sum(dim=(0, 1, 3, 4))
-                dl_s = daT_s.mul_(gb * degree).mul_(logit_s ** (degree - 1))
-        dqc = torch.zeros_like(qc)  # the logits are s·qᵀk: dq = s·dl·k, dk = s·dlᵀq
-        dkc = torch.zeros_like(kc)
         # off the local keys dl is 0 already for softmax (a = 0, no tie there) and for p >= 2 (l = 0)
-        unmasked = not softmax and degree < 2
+        if not softmax and degree < 2:
+            dl[:, part:].masked_fill_(~st["loc_mx"][:, None, None, None], 0.0)
+            if part:
+                dl[:, :part].masked_fill_(~st["loc_okx"], 0.0)
+            if Ls and not st["sinks_ok"]:
+                dl[0, part:, :, :, :, C:].masked_fill_(~st["sok"][part:].mT, 0.0)
+        # the logits are s·qᵀk: dq = s·dl·k (the sinks' in the same product), dk = s·dlᵀq
+        dqc = torch.zeros_like(qc)
+        dkc = torch.zeros_like(kc)
         for L, kk in enumerate(kks):
-            if unmasked:
-                dl[L, st["part"]:].masked_fill_(~st["loc_m"][L], 0.0)
-                if st["part"]:
-                    dl[L, :st["part"]].masked_fill_(~st["loc_ok"][L], 0.0)
-            dqc.view(-1, C, D).baddbmm_(dl[L].view(-1, C, C), kc[kk].view(-1, C, D), alpha=scale)
-            dkc[kk].view(-1, C, D).baddbmm_(dl[L].view(-1, C, C).mT, qc.view(-1, C, D))
+            dqc.view(-1, C, D).baddbmm_(dl[L].view(-1, C, K), kx[kk].view(-1, K, D), alpha=scale)
+            dkc[kk].view(-1, C, D).baddbmm_(dl[L, ..., :C].view(-1, C, C).mT, qc.view(-1, C, D), alpha=scale)
         dk_sink = torch.zeros_like(k_sink)
         if Ls:
-            if unmasked:
-                dl_s = dl_s.masked_fill_(~st["sok"], 0.0)
-            dl_s = dl_s.view(-1, Ls, C)
-            dqc.view(-1, C, D).baddbmm_(dl_s.mT, _HybridCore._per_chunk(k_sink * scale, N))
+            dl_s = dl[0, ..., C:].view(-1, C, Ls).mT  # [N·B·H, Ls, C]
             dk_sink = torch.bmm(dl_s, qc.view(-1, C, D)).view(N, B, H, Ls, D).sum(0).mul_(scale)  # [B, H, Ls, D]
-        dkc.mul_(scale)
         # the held window and the block's keys: the far mask; the window outputs' gradients join the raw keys'
         if st["okc"] is not None:
             dfk[:st["bad"] + 1].mul_(st["okc"])
