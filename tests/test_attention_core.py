@@ -168,6 +168,23 @@ def test_hybrid_tie_of_zero_logits_at_a_row_without_local_keys(padded):
         assert (a - b).abs().max() <= 1e-9 * (1 + b.abs().max()), name
 
 
+@pytest.mark.parametrize("local, degree", [("softmax", 2), ("poly", 2), ("poly", 1)])
+def test_hybrid_with_a_padded_sink_in_later_blocks(local, degree):
+    """The sinks ride beside every key chunk (the last Ls columns of each lag-0 tile). A padded sink in one
+    sequence hides that column from every later query, in blocks whose own keys are all real (the core's
+    data-mask path for the sinks alone), forward and backward; the other sequence sees both sinks. Output
+    and gradients equal the twin's (poly of degree 1 takes the core's unmasked-logit path)."""
+    g = _gen(21)
+    B, T, H, D, M = 2, 23, 2, 3, 3
+    base = [torch.randn(B, T, H, D, generator=g, dtype=F64) for _ in range(3)]
+    base += [torch.rand(B, T, H, M, generator=g, dtype=F64) for _ in range(2)] + [torch.tensor([0.7, -0.4], dtype=F64)]
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[1, 1] = False  # the second sink of the second sequence
+    ref, got = _hybrid_grads(base, mask, window=5, sinks=2, local=local, degree=degree)
+    for name, a, b in zip(("out", "q", "k", "v", "phi_q", "phi_k", "gate"), got, ref):
+        assert (a - b).abs().max() <= 1e-9 * (1 + b.abs().max()), name
+
+
 def test_no_double_backward():
     """The cores' backward passes work in place: a second derivative is refused, not wrong."""
     fq, fk, v = (torch.rand(1, 1, 4, 2, dtype=F64, requires_grad=True) for _ in range(3))
