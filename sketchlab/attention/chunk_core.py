@@ -203,6 +203,31 @@ class _Core(torch.autograd.Function):
                 None, None, None, None, None, None)
 
 
+def _check_core_args(fq, fk, v, S_in, z_in, *, off, lag, chunk_size, non_negative) -> None:
+    """``chunk_core``'s arguments: ranks, the shared ``B, H``, the feature and value widths, the state's shapes, one
+    dtype and device, and the offsets (shape arithmetic only: nothing is read from the tensors)."""
+    for name, x, rank in (("fq", fq, 4), ("fk", fk, 4), ("v", v, 4), ("S_in", S_in, 4), ("z_in", z_in, 3)):
+        if not isinstance(x, torch.Tensor) or x.ndim != rank:
+            got = f"shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"{name} must be a {rank}-D tensor, got {got}")
+        if not x.is_floating_point() or x.dtype != fq.dtype or x.device != fq.device:
+            raise ValueError(f"{name} must be a floating tensor of fq's dtype and device ({fq.dtype}, {fq.device}), "
+                             f"got {x.dtype} on {x.device}")
+    for name, value, low in (("chunk_size", chunk_size, 1), ("off", off, 0), ("lag", lag, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    if off % chunk_size:
+        raise ValueError(f"off={off} must be a multiple of chunk_size={chunk_size}")
+    B, H, n, M = fq.shape
+    Dv = v.shape[-1]
+    M2 = M * M if non_negative else M
+    want = {"fk": (B, H, off + n, M), "v": (B, H, off + n, Dv), "S_in": (B, H, M2, Dv), "z_in": (B, H, M2)}
+    for name, x in (("fk", fk), ("v", v), ("S_in", S_in), ("z_in", z_in)):
+        if tuple(x.shape) != want[name]:
+            raise ValueError(f"{name} must be {list(want[name])} (fq [B, H, n, M] = {list(fq.shape)}, off={off}, "
+                             f"Dv={Dv}, M2={M2}{' = M²' if non_negative else ''}), got {list(x.shape)}")
+
+
 def chunk_core(fq, fk, v, S_in, z_in, *, off: int, lag: int, chunk_size: int, non_negative: bool,
                normalize: bool, eps: float):
     r"""The causal chunked core of one block (see the module docstring for the formula).
@@ -231,11 +256,15 @@ def chunk_core(fq, fk, v, S_in, z_in, *, off: int, lag: int, chunk_size: int, no
     -------
     ``(num or out [B, H, n, Dv], den [B, H, n], S_out [B, H, M2, Dv], z_out [B, H, M2])``; ``den`` is
     not differentiable when ``normalize``.
+
+    Raises
+    ------
+    ValueError
+        A tensor of the wrong rank, dtype or device, shapes that disagree (``fk``, ``v`` must hold ``off + n``
+        keys; ``S_in [B, H, M2, Dv]``, ``z_in [B, H, M2]`` with ``M2 = M²`` when ``non_negative``), ``off`` not a
+        multiple of ``chunk_size``, or a negative ``off`` / ``lag`` / non-positive ``chunk_size``.
     """
-    if off % chunk_size:
-        raise ValueError(f"off={off} must be a multiple of chunk_size={chunk_size}")
-    if fk.shape[2] != off + fq.shape[2] or v.shape[2] != fk.shape[2]:
-        raise ValueError(f"fk and v must hold off + n = {off + fq.shape[2]} keys, got {fk.shape[2]} and {v.shape[2]}")
+    _check_core_args(fq, fk, v, S_in, z_in, off=off, lag=lag, chunk_size=chunk_size, non_negative=non_negative)
     return _Core.apply(fq, fk, v, S_in, z_in, off, lag, chunk_size, non_negative, normalize, eps)
 
 
