@@ -170,10 +170,9 @@ def test_hybrid_tie_of_zero_logits_at_a_row_without_local_keys(padded):
 
 @pytest.mark.parametrize("local, degree", [("softmax", 2), ("poly", 2), ("poly", 1)])
 def test_hybrid_with_a_padded_sink_in_later_blocks(local, degree):
-    """The sinks ride beside every key chunk (the last Ls columns of each lag-0 tile). A padded sink in one
-    sequence hides that column from every later query, in blocks whose own keys are all real (the core's
-    data-mask path for the sinks alone), forward and backward; the other sequence sees both sinks. Output
-    and gradients equal the twin's (poly of degree 1 takes the core's unmasked-logit path)."""
+    """A padded sink in one sequence is hidden from every later query, in blocks whose own keys are all real
+    (the core's data mask for the sinks alone), forward and backward; the other sequence sees both sinks.
+    Output and gradients equal the twin's (poly of degree 1 takes the core's unmasked-logit path)."""
     g = _gen(21)
     B, T, H, D, M = 2, 23, 2, 3, 3
     base = [torch.randn(B, T, H, D, generator=g, dtype=F64) for _ in range(3)]

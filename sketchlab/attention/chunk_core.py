@@ -285,16 +285,11 @@ def _row_pieces(chunks: int, C: int, a: int, b: int):
             i += r1 - r
 
 
-def _join_chunks(pieces, lead: int, chunks: int, C: int, tail: torch.Tensor | None = None) -> torch.Tensor:
+def _join_chunks(pieces, lead: int, chunks: int, C: int) -> torch.Tensor:
     """Token-major pieces ``[B, H, L_i, F]`` laid end to end from row ``lead`` → chunk-major ``[chunks, B, H, C, F]``
-    (zeros in the other rows): one copy, no joined token-major tensor. With ``tail [B, H, R, F]`` every chunk gets
-    ``R`` more rows holding it: ``[chunks, B, H, C + R, F]`` (the sinks beside each key chunk)."""
+    (zeros in the other rows): one copy, no joined token-major tensor."""
     B, H, _, F = pieces[0].shape
-    R = 0 if tail is None else tail.shape[2]
-    full = pieces[0].new_empty(chunks, B, H, C + R, F)
-    if R:
-        full[:, :, :, C:] = tail
-    out = full[:, :, :, :C]  # [chunks, B, H, C, F] (a view when R > 0)
+    out = pieces[0].new_empty(chunks, B, H, C, F)
     end = lead + sum(x.shape[2] for x in pieces)
     for a, b in ((0, lead), (end, chunks * C)):  # the zero rows
         for c, r0, r1, _ in _row_pieces(chunks, C, a, b):
@@ -309,7 +304,7 @@ def _join_chunks(pieces, lead: int, chunks: int, C: int, tail: torch.Tensor | No
                 dst, src = out[c, :, :, r0:r1], x[:, :, i:i + r1 - r0]
             dst.copy_(src)
         a += L
-    return full
+    return out
 
 
 def _rows(xc: torch.Tensor, a: int, length: int) -> torch.Tensor:
@@ -331,24 +326,20 @@ def _add_rows(xc: torch.Tensor, a: int, x: torch.Tensor) -> None:
 
 
 @functools.lru_cache(maxsize=64)
-def _hybrid_masks(C: int, window: int, lags: int, sinks: int, device: torch.device, dtype: torch.dtype):
+def _hybrid_masks(C: int, window: int, lags: int, device: torch.device, dtype: torch.dtype):
     """Per key-chunk lag ``L < lags``, query ``r``, key ``u`` (``lag = L·C + r − u``): ``local [lags, C, C]`` bool
     (``0 <= lag < w``); ``empty [lags, C]`` bool, the rows without a local key at that ``L`` (and their indices
-    ``(L, r)``, two index tensors); ``far [lags, C, C]`` in ``dtype`` (``lag >= w``); and over the key chunk with the
-    ``sinks`` beside it (``C + Ls`` keys, the sinks local at lag 0 only): ``local_x [lags, C, C + Ls]`` bool and
-    ``bias [lags, C, C + Ls]`` in ``dtype``, ``0`` on the local keys and ``−inf`` elsewhere except on the empty rows
-    (all ``0``, so that a softmax over the row stays finite: its weights are dropped)."""
+    ``(L, r)``, two index tensors); ``bias [lags, C, C]``
+    in ``dtype``, ``0`` on the local keys and ``−inf`` elsewhere except on the empty rows (all ``0``, so that a
+    softmax over the row stays finite: its weights are dropped); ``far [lags, C, C]`` in ``dtype`` (``lag >= w``)."""
     r = torch.arange(C, device=device)[None, :, None]
     L = torch.arange(lags, device=device)[:, None, None]
     u = torch.arange(C, device=device)[None, None, :]
     lag = L * C + r - u  # [lags, C, C]
     local = (lag >= 0) & (lag < window)
-    empty = ~local.any(-1)  # [lags, C]  (never at lag 0: a query is its own local key)
-    sink_cols = (L == 0).expand(lags, C, sinks)  # [lags, C, Ls]
-    local_x = torch.cat([local, sink_cols], -1)  # [lags, C, C + Ls]
-    bias = torch.zeros(local_x.shape, dtype=dtype, device=device).masked_fill_(~local_x & ~empty[..., None],
-                                                                               float("-inf"))
-    return local, (empty, empty.nonzero(as_tuple=True)), local_x, bias, (lag >= window).to(dtype)
+    empty = ~local.any(-1)  # [lags, C]
+    bias = torch.zeros(local.shape, dtype=dtype, device=device).masked_fill_(~local & ~empty[..., None], float("-inf"))
+    return local, (empty, empty.nonzero(as_tuple=True)), bias, (lag >= window).to(dtype)
 
 
 class _HybridCore(torch.autograd.Function):
@@ -361,8 +352,7 @@ class _HybridCore(torch.autograd.Function):
         N, Wc, Ne, _, prefix, _ = _geometry(n, off, w, C, like.device, like.dtype)  # prefix [N, Ne]: wholly far chunks
         n_loc = min(-(-(w + C - 1) // C), Wc + 1)  # key chunks back with a local key (further: padding)
         lead = off - Lw
-        Ls = sink_ok.shape[-1]
-        loc_m, (empty, empty_at), loc_mx, loc_bias, far_m = _hybrid_masks(C, w, n_loc, Ls, like.device, like.dtype)
+        loc_m, (empty, empty_at), loc_bias, far_m = _hybrid_masks(C, w, n_loc, like.device, like.dtype)
         kks = [slice(Wc - L, Wc - L + N) for L in range(n_loc)]
         # key chunks up to `bad` hold a key that is neither local nor far (padding, sink, front zeros): the query
         # chunks below `part` read one of them and take the data masks; the others the lag masks alone
@@ -378,15 +368,14 @@ class _HybridCore(torch.autograd.Function):
         far_lags = [L for L in range(n_loc) if L * C + C - 1 >= w]
         sok = _chunks(sink_ok.expand(B, 1, n, -1), N, C).mT  # [N, B, 1, Ls, C]
         sinks_ok = bool(sink_ok.all())
-        loc_okx = None
-        if part:  # the part's local keys with the sinks beside them (visible at lag 0 only)
-            sink_part = torch.zeros(n_loc, part, B, 1, C, Ls, dtype=torch.bool, device=like.device)
-            sink_part[0] = sok[:part].mT
-            loc_okx = torch.cat([loc_ok, sink_part], -1)  # [n_loc, part, B, 1, C, C + Ls]
         return dict(N=N, Wc=Wc, Ne=Ne, n_loc=n_loc, lead=lead, kks=kks, loc_m=loc_m, loc_ok=loc_ok, part=part,
-                    bad=bad, okc=okc, empty=empty, empty_at=empty_at, loc_mx=loc_mx, loc_okx=loc_okx,
-                    loc_bias=loc_bias, far_m=far_m, far_lags=far_lags, prefix=prefix, sok=sok, sinks_ok=sinks_ok,
-                    lift=self_tensor if opts[2] else (lambda f: f))
+                    bad=bad, okc=okc, empty=empty, empty_at=empty_at, loc_bias=loc_bias, far_m=far_m, far_lags=far_lags,
+                    prefix=prefix, sok=sok, sinks_ok=sinks_ok, lift=self_tensor if opts[2] else (lambda f: f))
+
+    @staticmethod
+    def _per_chunk(x: torch.Tensor, N: int) -> torch.Tensor:
+        """``x [B, H, R, F]`` (the sinks') → ``[N·B·H, R, F]``, the same for every chunk (a small copy)."""
+        return x[None].expand(N, *x.shape).reshape(-1, *x.shape[2:])
 
     @staticmethod
     def forward(ctx, fq, fk, v, q, k, fk_w, v_w, k_w, k_sink, v_sink, S_in, z_in, g, key_ok, sink_ok, off, opts):
@@ -396,13 +385,10 @@ class _HybridCore(torch.autograd.Function):
         st = _HybridCore._setup(B, H, n, k_w.shape[2], key_ok, sink_ok, off, opts, fq)
         N, n_loc, kks, lead, Ne = st["N"], st["n_loc"], st["kks"], st["lead"], st["Ne"]
         # chunk-major copies (keys: off − L_w zero rows, the held window, the block), kept for the backward; the
-        # local scale s multiplies the products (a GEMM's alpha), never a copy. Keys and values carry the Ls sinks
-        # beside every chunk (kx, vx [Ne, B, H, C + Ls, ·]): a local tile is C × (C + Ls), the sinks local at lag 0
+        # local scale s multiplies the products (a GEMM's alpha), never a copy
         fqc, qc = _chunks(fq, N, C), _chunks(q, N, C)
         fkc = _join_chunks((fk_w, fk), lead, Ne, C)
-        vx, kx = _join_chunks((v_w, v), lead, Ne, C, v_sink), _join_chunks((k_w, k), lead, Ne, C, k_sink)
-        vc, kc = vx[:, :, :, :C], kx[:, :, :, :C]  # [Ne, B, H, C, ·] (views)
-        K = C + Ls
+        vc, kc = _join_chunks((v_w, v), lead, Ne, C), _join_chunks((k_w, k), lead, Ne, C)
         NBH = N * B * H
         # the window the next block holds: the last min(w, L_w + n) keys, raw
         Lo = min(w, k_w.shape[2] + n)
@@ -427,30 +413,34 @@ class _HybridCore(torch.autograd.Function):
         if not fold:
             num.mul_(1 - gb)
             den.mul_(1 - g0)
-        # local logits per lag (lag-major, each a contiguous slab [C, C + Ls]: the key chunk, then the sinks)
-        A = q.new_empty(n_loc, N, B, H, C, K)
+        # local logits per lag (lag-major, each a contiguous slab) and the sinks' (transposed: [Ls, C] per chunk)
+        A = q.new_empty(n_loc, N, B, H, C, C)
         for L, kk in enumerate(kks):  # softmax: the lag masks as a bias added by the matmul itself
             if softmax and part < N:
-                torch.baddbmm(st["loc_bias"][L].expand(NBH - part * B * H, C, K), qc[part:].view(-1, C, D),
-                              kx[kk][part:].view(-1, K, D).mT, alpha=scale, out=A[L, part:].view(-1, C, K))
+                torch.baddbmm(st["loc_bias"][L].expand(NBH - part * B * H, C, C), qc[part:].view(-1, C, D),
+                              kc[kk][part:].view(-1, C, D).mT, alpha=scale, out=A[L, part:].view(-1, C, C))
             if part or not softmax:
                 c1 = part if softmax else N
-                torch.matmul(qc[:c1], kx[kk][:c1].mT, out=A[L, :c1]).mul_(scale)
-        sinks_masked = Ls and not st["sinks_ok"]  # some sink hidden from some query (beyond the part: by the data)
+                torch.matmul(qc[:c1], kc[kk][:c1].mT, out=A[L, :c1]).mul_(scale)
+        if Ls:
+            AsT = torch.bmm(_HybridCore._per_chunk(k_sink * scale, N), qc.view(-1, C, D).mT).view(N, B, H, Ls, C)
+        ties = ()
         if softmax:
             # a = exp(l − c), c the row maximum over every local key: from a softmax per lag (fast, and it never
             # takes exp(−inf)), p = softmax(l), a = p·exp(m_L − c)/max p with m_L the lag's row maximum
             if part:
-                ok = st["loc_okx"]
+                ok = st["loc_ok"]
                 empty_d = ~ok.any(-1)  # [n_loc, part, B, 1, C]
                 A[:, :part].masked_fill_(~(ok | empty_d[..., None]), float("-inf"))  # an empty row stays finite
-            if sinks_masked:
-                A[0, part:, :, :, :, C:].masked_fill_(~st["sok"][part:].mT, float("-inf"))
             m = A.amax(-1)  # [n_loc, N, B, H, C]
             m[:, part:].masked_fill_(st["empty"][:, None, None, None, :], float("-inf"))
             if part:
                 m[:, :part].masked_fill_(empty_d, float("-inf"))
             cmax = m.amax(0)
+            if Ls:
+                if not st["sinks_ok"]:
+                    AsT.masked_fill_(~st["sok"], float("-inf"))
+                cmax = torch.maximum(cmax, AsT.amax(-2))
             if part:  # (past them every query has a local key: itself)
                 cmax = torch.where(torch.isfinite(cmax), cmax, 0.0)  # a row without local keys: c = 0
             p = torch.softmax(A, -1)
@@ -460,25 +450,33 @@ class _HybridCore(torch.autograd.Function):
                 tie[eL, part:, :, :, er] = 0.0
                 if part:
                     tie[:, :part].masked_fill_(empty_d[..., None], 0.0)
+                ties = (tie, AsT.eq(cmax[..., None, :]).to(A.dtype)) if Ls else (tie,)
             f = (m - cmax).exp_().div_(p.amax(-1))  # [n_loc, N, B, H, C]  Σ_u a = f (0 on an empty row)
             if not grad:
                 f.mul_(loc_w[..., 0])  # the factor folded in: A holds it
             A = p.mul_(f[..., None])
             den += f.sum(0) if not grad else f.sum(0).mul_(loc_w[..., 0])
-            kept = (A, tie) if grad else ()  # the weights a and where the max is taken, for the backward
+            if Ls:
+                AsT = (AsT - cmax[..., None, :]).exp_()
+            saved = (A, AsT) if Ls else (A,)
         else:
-            A[:, part:].mul_(st["loc_mx"][:, None, None, None].to(A.dtype))
+            A[:, part:].mul_(st["loc_m"][:, None, None, None].to(A.dtype))
             if part:
-                A[:, :part].masked_fill_(~st["loc_okx"], 0.0)
-            if sinks_masked:
-                A[0, part:, :, :, :, C:].masked_fill_(~st["sok"][part:].mT, 0.0)
-            kept = (A,)  # the logits, for the backward
+                A[:, :part].masked_fill_(~st["loc_ok"], 0.0)
+            if Ls:
+                AsT.masked_fill_(~st["sok"], 0.0)
+            saved = (A, AsT) if Ls else (A,)  # the logits, for the backward
             A = A**degree
+            AsT = AsT**degree if Ls else None
             if not grad:
                 A.mul_(loc_w)
             den += A.sum(-1).sum(0) if not grad else A.sum(-1).sum(0).mul_(loc_w[..., 0])
+        if Ls:  # the sinks' weights times the factor (a small tensor) and their sums
+            As_w = (AsT * loc_w).view(-1, Ls, C)
+            den += As_w.sum(-2).view(N, B, H, C)
+            num.view(-1, C, Dv).baddbmm_(As_w.mT, _HybridCore._per_chunk(v_sink, N))
         far = []  # F: the far kernel of each near-far lag, masked (kept for the backward)
-        for L, kk in enumerate(kks):  # the values: the local weights (g·a, sinks beside) and the far ones as one W
+        for L, kk in enumerate(kks):
             if L in st["far_lags"]:
                 F = fqc @ fkc[kk].mT  # [N, B, H, C, C]
                 if non_negative:
@@ -486,20 +484,17 @@ class _HybridCore(torch.autograd.Function):
                 if grad:
                     F.mul_(st["far_m"][L])
                     far.append(F)
-                    W = torch.mul(A[L], loc_w)
+                    W = torch.mul(A[L], loc_w) if fold else torch.mul(F, 1 - gb).addcmul_(A[L], gb)
                     if fold:
-                        W[..., :C].add_(F)
-                    else:
-                        W[..., :C].addcmul_(F, 1 - gb)
+                        W += F
                     den += F.sum(-1) if fold else F.sum(-1).mul_(1 - g0)
                 else:
                     F.mul_(st["far_m"][L] if fold else st["far_m"][L] * (1 - g)[:, None, None])  # (1 − g)·F
                     den += F.sum(-1)
-                    W = A[L]
-                    W[..., :C].add_(F)
+                    W = A[L].add_(F)
             else:
                 W = A[L] * loc_w if grad else A[L]
-            num.view(-1, C, Dv).baddbmm_(W.view(-1, C, K), vx[kk].view(-1, K, Dv))
+            num.view(-1, C, Dv).baddbmm_(W.view(-1, C, C), vc[kk].view(-1, C, Dv))
         full, rem = divmod(max(0, off + n - w), C)
         S_out, z_out = S_in + upd[:full].sum(0), z_in + zc[:full].sum(0)
         if rem:
@@ -515,8 +510,8 @@ class _HybridCore(torch.autograd.Function):
             den = den * (1 - g)[None, :, None]  # the true denominator, [B, H, n]
         ctx.off, ctx.opts, ctx.Lw = off, opts, k_w.shape[2]
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(fqc, fkc, vx, qc, kx, k_sink, v_sink, S_in, z_in, g, key_ok, sink_ok, out, den, *kept,
-                              *far)
+        ctx.save_for_backward(fqc, fkc, vc, qc, kc, k_sink, v_sink, S_in, z_in, g, key_ok, sink_ok, out, den, *saved,
+                              *ties, *far)
         ctx.mark_non_differentiable(den)
         return (out, den, S_out, z_out) + windows
 
@@ -525,22 +520,23 @@ class _HybridCore(torch.autograd.Function):
     def backward(ctx, g_out, g_den, g_S, g_z, g_fkw, g_vw, g_kw):
         off, opts = ctx.off, ctx.opts
         C, w, non_negative, scale, softmax, degree, eps, _ = opts
-        fqc, fkc, vx, qc, kx, k_sink, v_sink, S_in, z_in, g, key_ok, sink_ok, out, den, *rest = ctx.saved_tensors
+        fqc, fkc, vc, qc, kc, k_sink, v_sink, S_in, z_in, g, key_ok, sink_ok, out, den, *rest = ctx.saved_tensors
         B, H, n, Dv = out.shape
         M, D, Ls, Lw = fqc.shape[-1], qc.shape[-1], k_sink.shape[2], ctx.Lw
-        K = C + Ls
-        vc, kc = vx[:, :, :, :C], kx[:, :, :, :C]  # [Ne, B, H, C, ·] (views: the sinks follow each chunk)
         st = _HybridCore._setup(B, H, n, Lw, key_ok, sink_ok, off, opts, out)
-        N, Wc, kks, lead, part = st["N"], st["Wc"], st["kks"], st["lead"], st["part"]
+        N, Wc, kks, lead = st["N"], st["Wc"], st["kks"], st["lead"]
         lq, lk = st["lift"](fqc), st["lift"](fkc)
         gb = g[None, None, :, None, None]
         g0 = gb[..., 0]
-        # the saved tiles are [n_loc, N, B, H, C, C + Ls]: the key chunk's columns, then the sinks' (lag 0)
+        nA = 2 if Ls else 1
+        A, AsT = rest[0], (rest[1] if Ls else None)
         if softmax:
-            A, tie, far = rest[0], rest[1], rest[2:]
+            tie, tie_s = rest[nA], (rest[nA + 1] if Ls else None)
+            far = rest[2 * nA:]
         else:
-            logit, far = rest[0], rest[1:]
-            A = logit**degree
+            logit, logit_s = A, AsT
+            A, AsT = logit**degree, (logit_s**degree if Ls else None)
+            far = rest[nA:]
         r = 1.0 / (den + eps)  # [B, H, n]
         g_out = out.new_zeros(B, H, n, Dv) if g_out is None else g_out
         dnum = _chunks(g_out * r[..., None], N, C)  # [N, B, H, C, Dv]
@@ -556,57 +552,69 @@ class _HybridCore(torch.autograd.Function):
         dlq = (dnum @ P.mT + dden[..., None] * zP[..., None, :]).mul_(1 - gb)  # [N, B, H, C, M2]
         dS_in, dz_in, dlk, dvc = _far_state_grads(st["prefix"], dP, dzP, lk, vc, g_S, g_z, max(0, off + n - w))
         dfq, dfk = (_unlift(dlq, fqc), _unlift(dlk, fkc)) if non_negative else (dlq, dlk)
-        # local and near-far lags: da = dnum·vᵀ + dden is the gradient of every weight of a (query, key), the sinks'
-        # in the last Ls columns
-        dA = torch.empty_like(A)  # [n_loc, N, B, H, C, C + Ls]
+        # local and near-far lags: da = dnum·vᵀ + dden is the gradient of every weight of a (query, key)
+        dA = torch.empty_like(A)  # [n_loc, N, B, H, C, C]
         for L, kk in enumerate(kks):
-            torch.matmul(dnum, vx[kk].mT, out=dA[L])
+            torch.matmul(dnum, vc[kk].mT, out=dA[L])
         dA.add_(dden[None, ..., None])
         for L, kk in enumerate(kks):
             if L in st["far_lags"]:
                 F = far[st["far_lags"].index(L)]
-                dgh -= (F * dA[L, ..., :C]).sum(dim=(0, 1, 3, 4))
-                ds = dA[L, ..., :C] * (st["far_m"][L] * (1 - g)[:, None, None])  # the far weights' gradient (1 − g)·da
+                dgh -= (F * dA[L]).sum(dim=(0, 1, 3, 4))
+                ds = dA[L] * (st["far_m"][L] * (1 - g)[:, None, None])  # the far weights' gradient (1 − g)·da
                 if non_negative:
                     ds.mul_(fqc @ fkc[kk].mT).mul_(2.0)  # d(s²) = 2s
                 dfq.view(-1, C, M).baddbmm_(ds.view(-1, C, C), fkc[kk].view(-1, C, M))
                 dfk[kk].view(-1, C, M).baddbmm_(ds.view(-1, C, C).mT, fqc.view(-1, C, M))
-                W = torch.mul(F, 1 - gb).addcmul_(A[L, ..., :C], gb)
+                W = torch.mul(F, 1 - gb).addcmul_(A[L], gb)
             else:
-                W = A[L, ..., :C] * gb
+                W = A[L] * gb
             dvc[kk].view(-1, C, Dv).baddbmm_(W.view(-1, C, C).mT, dnum.view(-1, C, Dv))
         dv_sink = torch.zeros_like(v_sink)
-        if Ls:  # the sinks' weights (lag 0), transposed: [N·B·H, Ls, C]
-            As_g = (A[0, ..., C:] * gb).view(-1, C, Ls).mT
-            dv_sink = torch.bmm(As_g, dnum.view(-1, C, Dv)).view(N, B, H, Ls, Dv).sum(0)
+        if Ls:  # the sinks transposed, [N, B, H, Ls, C]
+            daT_s = torch.bmm(_HybridCore._per_chunk(v_sink, N), dnum.view(-1, C, Dv).mT).view(N, B, H, Ls, C)
+            daT_s.add_(dden[..., None, :])
+            dv_sink = torch.bmm((AsT * gb).view(-1, Ls, C), dnum.view(-1, C, Dv)).view(N, B, H, Ls, Dv).sum(0)
         # through a(logit): softmax a = exp(l − c) (c the row max: its gradient goes to where the max is
         # taken, split evenly between ties, as autograd's amax), poly a = l^p
+        dl_s = None
         if softmax:
             dl = dA.mul_(A)  # a·da
             rho = dl.sum(-1).sum(0)  # [N, B, H, C]
+            if Ls:
+                dl_s = daT_s.mul_(AsT)
+                rho += dl_s.sum(-2)
             dgh += rho.sum(dim=(0, 1, 3))  # d/dg of g·Σ a v (and of g·Σ a)
             count = tie.sum(-1).sum(0)
+            if Ls:
+                count = count + tie_s.sum(-2)
             share = (rho * g0).neg_().div_(torch.clamp(count, min=1))  # dc / ties   [N, B, H, C]
             dl.mul_(gb).addcmul_(tie, share[None, ..., None])  # g·a·da + the share of dc at the maximum
+            if Ls:
+                dl_s.mul_(gb).addcmul_(tie_s, share[..., None, :])
         else:
             dgh += (A * dA).sum(dim=(0, 1, 2, 4, 5))
             dl = dA.mul_(gb * degree).mul_(logit ** (degree - 1))  # g·p·l^(p−1)·da
-        # off the local keys dl is 0 already for softmax (a = 0, no tie there) and for p >= 2 (l = 0)
-        if not softmax and degree < 2:
-            dl[:, part:].masked_fill_(~st["loc_mx"][:, None, None, None], 0.0)
-            if part:
-                dl[:, :part].masked_fill_(~st["loc_okx"], 0.0)
-            if Ls and not st["sinks_ok"]:
-                dl[0, part:, :, :, :, C:].masked_fill_(~st["sok"][part:].mT, 0.0)
-        # the logits are s·qᵀk: dq = s·dl·k (the sinks' in the same product), dk = s·dlᵀq
-        dqc = torch.zeros_like(qc)
+            if Ls:
+                dgh += (AsT * daT_s).sum(dim=(0, 1, 3, 4))
+                dl_s = daT_s.mul_(gb * degree).mul_(logit_s ** (degree - 1))
+        dqc = torch.zeros_like(qc)  # the logits are s·qᵀk: dq = s·dl·k, dk = s·dlᵀq
         dkc = torch.zeros_like(kc)
+        # off the local keys dl is 0 already for softmax (a = 0, no tie there) and for p >= 2 (l = 0)
+        unmasked = not softmax and degree < 2
         for L, kk in enumerate(kks):
-            dqc.view(-1, C, D).baddbmm_(dl[L].view(-1, C, K), kx[kk].view(-1, K, D), alpha=scale)
-            dkc[kk].view(-1, C, D).baddbmm_(dl[L, ..., :C].view(-1, C, C).mT, qc.view(-1, C, D), alpha=scale)
+            if unmasked:
+                dl[L, st["part"]:].masked_fill_(~st["loc_m"][L], 0.0)
+                if st["part"]:
+                    dl[L, :st["part"]].masked_fill_(~st["loc_ok"][L], 0.0)
+            dqc.view(-1, C, D).baddbmm_(dl[L].view(-1, C, C), kc[kk].view(-1, C, D), alpha=scale)
+            dkc[kk].view(-1, C, D).baddbmm_(dl[L].view(-1, C, C).mT, qc.view(-1, C, D), alpha=scale)
         dk_sink = torch.zeros_like(k_sink)
         if Ls:
-            dl_s = dl[0, ..., C:].view(-1, C, Ls).mT  # [N·B·H, Ls, C]
+            if unmasked:
+                dl_s = dl_s.masked_fill_(~st["sok"], 0.0)
+            dl_s = dl_s.view(-1, Ls, C)
+            dqc.view(-1, C, D).baddbmm_(dl_s.mT, _HybridCore._per_chunk(k_sink * scale, N))
             dk_sink = torch.bmm(dl_s, qc.view(-1, C, D)).view(N, B, H, Ls, D).sum(0).mul_(scale)  # [B, H, Ls, D]
         # the held window and the block's keys: the far mask; the window outputs' gradients join the raw keys'
         if st["okc"] is not None:
