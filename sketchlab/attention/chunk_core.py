@@ -510,8 +510,10 @@ class _HybridCore(torch.autograd.Function):
             den = den * (1 - g)[None, :, None]  # the true denominator, [B, H, n]
         ctx.off, ctx.opts, ctx.Lw = off, opts, k_w.shape[2]
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(fqc, fkc, vc, qc, kc, k_sink, v_sink, S_in, z_in, g, key_ok, sink_ok, out, den, *saved,
-                              *ties, *far)
+        # q, k, v and the held window are kept as given (the caller holds them anyway): the backward copies them
+        # chunk-major again rather than keeping three block-sized copies alive until then
+        ctx.save_for_backward(fqc, fkc, v, v_w, q, k, k_w, k_sink, v_sink, S_in, z_in, g, key_ok, sink_ok, out, den,
+                              *saved, *ties, *far)
         ctx.mark_non_differentiable(den)
         return (out, den, S_out, z_out) + windows
 
@@ -520,11 +522,13 @@ class _HybridCore(torch.autograd.Function):
     def backward(ctx, g_out, g_den, g_S, g_z, g_fkw, g_vw, g_kw):
         off, opts = ctx.off, ctx.opts
         C, w, non_negative, scale, softmax, degree, eps, _ = opts
-        fqc, fkc, vc, qc, kc, k_sink, v_sink, S_in, z_in, g, key_ok, sink_ok, out, den, *rest = ctx.saved_tensors
+        fqc, fkc, v, v_w, q, k, k_w, k_sink, v_sink, S_in, z_in, g, key_ok, sink_ok, out, den, *rest = ctx.saved_tensors
         B, H, n, Dv = out.shape
-        M, D, Ls, Lw = fqc.shape[-1], qc.shape[-1], k_sink.shape[2], ctx.Lw
+        M, D, Ls, Lw = fqc.shape[-1], q.shape[-1], k_sink.shape[2], ctx.Lw
         st = _HybridCore._setup(B, H, n, Lw, key_ok, sink_ok, off, opts, out)
-        N, Wc, kks, lead = st["N"], st["Wc"], st["kks"], st["lead"]
+        N, Wc, kks, lead, Ne = st["N"], st["Wc"], st["kks"], st["lead"], st["Ne"]
+        qc = _chunks(q, N, C)
+        vc, kc = _join_chunks((v_w, v), lead, Ne, C), _join_chunks((k_w, k), lead, Ne, C)
         lq, lk = st["lift"](fqc), st["lift"](fkc)
         gb = g[None, None, :, None, None]
         g0 = gb[..., 0]
