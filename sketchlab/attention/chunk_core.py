@@ -384,8 +384,8 @@ class _HybridCore(torch.autograd.Function):
         Dv, D, Ls = v.shape[-1], q.shape[-1], k_sink.shape[2]
         st = _HybridCore._setup(B, H, n, k_w.shape[2], key_ok, sink_ok, off, opts, fq)
         N, n_loc, kks, lead, Ne = st["N"], st["n_loc"], st["kks"], st["lead"], st["Ne"]
-        # chunk-major copies (keys: off − L_w zero rows, the held window, the block), kept for the backward; the
-        # local scale s multiplies the products (a GEMM's alpha), never a copy
+        # chunk-major copies (keys: off − L_w zero rows, the held window, the block; the backward makes its own);
+        # the local scale s multiplies the products (a GEMM's alpha), never a copy
         fqc, qc = _chunks(fq, N, C), _chunks(q, N, C)
         fkc = _join_chunks((fk_w, fk), lead, Ne, C)
         vc, kc = _join_chunks((v_w, v), lead, Ne, C), _join_chunks((k_w, k), lead, Ne, C)
