@@ -651,8 +651,8 @@ def hybrid_core(fq, fk, v, q, k, fk_w, v_w, k_w, k_sink, v_sink, S_in, z_in, g, 
     The near-far key chunk shares its matmul with the local one (``(g·a + (1−g)·f) @ v``); the
     softmax weights come from one ``softmax`` per key-chunk lag, rescaled to ``exp(l − c)`` (it
     never takes ``exp(−inf)``, which is slow on CPU). The backward recomputes the far states and
-    the chunk-major copies and keeps the local weights, where the maximum is taken, and the
-    near-far scores.
+    the chunk-major copies of ``q, k, v`` (it keeps the features' copies, the local weights, where
+    the maximum is taken, and the near-far scores).
 
     Parameters
     ----------
