@@ -57,6 +57,7 @@ class Method:
     flops: object  # (B, H, T, D, Dv) -> forward FLOPs
     kind: str  # "quadratic" or "linear"
     optional: bool = False  # a third-party or device-only path: dropped (with a message) if its warm-up fails
+    paired: str | None = None  # timed in turns with this method (the hybrid with its pure path: one ratio)
 
 
 def _libc():
@@ -111,7 +112,7 @@ def matmul_peak(device, dtype, threads_note: str) -> float:
     n = 2048
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
-    clock = time.process_time if device.type == "cpu" else time.perf_counter  # as time_call
+    clock = time.process_time if device.type == "cpu" else time.perf_counter  # as time_calls
     best = math.inf
     for _ in range(4):
         _sync(device)
@@ -127,20 +128,22 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def time_call(fn, device, *, backward: bool, budget_s: float, max_reps: int) -> float:
-    """Best time of ``fn`` (forward, or forward + backward of ``out.sum()``) over repeats.
+def time_calls(fns, device, *, backward: bool, budget_s: float, max_reps: int) -> list[float]:
+    """Best time of each of ``fns`` (forward, or forward + backward of ``out.sum()``) over repeats, the calls
+    taken in turns (one of each per round), so that the load of a shared machine, which drifts over a
+    minute, falls on all of them alike and their ratio is not a draw of it.
 
     On CPU the time is this process's CPU time (``time.process_time``): with one torch thread it
     is the work done, and on a shared machine it leaves out the time other processes hold the
     core (wall time there swung by 1.5× between runs); on CUDA wall time after a synchronisation.
-    A warm-up call first unless one call already takes over ``SINGLE_RUN_S`` (then warm-up
-    effects are negligible and repeats too dear); then repeats until ``max_reps`` or
-    ``budget_s`` spent. (With a 1 s limit the hybrid's 1.2 s call was one sample against the pure
+    A warm-up round first unless one call already takes over ``SINGLE_RUN_S`` (then warm-up
+    effects are negligible and repeats too dear); then rounds until ``max_reps`` or
+    ``budget_s`` per function spent. (With a 1 s limit the hybrid's 1.2 s call was one sample against the pure
     path's best of three: the ratio mixed a single draw of the noise with a minimum.)
     """
     clock = time.process_time if device.type == "cpu" else time.perf_counter
 
-    def once():
+    def once(fn):
         _sync(device)
         t0 = clock()
         if backward:
@@ -152,14 +155,15 @@ def time_call(fn, device, *, backward: bool, budget_s: float, max_reps: int) -> 
         _sync(device)
         return clock() - t0
 
-    first = once()
-    if first > SINGLE_RUN_S:
+    first = [once(fn) for fn in fns]
+    if max(first) > SINGLE_RUN_S:
         return first
-    best, spent = math.inf, 0.0
+    best, spent = [math.inf] * len(fns), 0.0
     for _ in range(max_reps):
-        dt = once()
-        best, spent = min(best, dt), spent + dt
-        if spent > budget_s:
+        for i, fn in enumerate(fns):
+            dt = once(fn)
+            best[i], spent = min(best[i], dt), spent + dt
+        if spent > budget_s * len(fns):
             break
     return best
 
@@ -208,7 +212,7 @@ def build_methods(args, device, dtype, D, gen) -> list[Method]:
                 lambda q, k, v, th=theta: llops_attention(q, k, v, th, th, backend="torch", chunk_size=C, window=w,
                                                           sinks=sinks),
                 lambda B, H, T, D, Dv, pure=pure: pure(B, H, T, D, Dv) + 2 * B * H * T * (w + C + sinks) * (D + Dv),
-                "linear"))
+                "linear", paired=f"LLoPS m={m} (chunked torch)"))
         if device.type == "cuda":
             try:
                 from sketchlab.attention.triton import llops_attention_triton  # noqa: F401
@@ -294,16 +298,28 @@ def main(argv=None) -> int:
         q = (torch.randn(B, T, H, D, generator=gen)).to(device=device, dtype=dtype).requires_grad_(True)
         k = (torch.randn(B, T, H, D, generator=gen)).to(device=device, dtype=dtype).requires_grad_(True)
         v = (torch.randn(B, T, H, D, generator=gen)).to(device=device, dtype=dtype).requires_grad_(True)
+        times = {}  # name -> (fwd, fwd+bwd): a paired method is timed in turns with its partner
+        for meth in methods:
+            if meth.paired is not None and meth.paired in times:
+                continue
+            group = [meth] + [m2 for m2 in methods if m2.paired == meth.name]
+            calls = [lambda m2=m2: m2.fn(q, k, v) for m2 in group]
+            fwds = time_calls(calls, device, backward=False, budget_s=args.budget_s, max_reps=args.max_reps)
+            bwds = [math.nan] * len(group)
+            if not args.no_backward:
+                bwds = time_calls(calls, device, backward=True, budget_s=args.budget_s, max_reps=args.max_reps)
+                for x in (q, k, v):
+                    x.grad = None
+            times.update({m2.name: (f, b) for m2, f, b in zip(group, fwds, bwds)})
         for meth in methods:
             call = lambda meth=meth: meth.fn(q, k, v)  # noqa: E731
-            fwd = time_call(call, device, backward=False, budget_s=args.budget_s, max_reps=args.max_reps)
+            fwd, bwd = times[meth.name]
             mem.start()
             with torch.no_grad():
                 call()
             fwd_mem = mem.stop()
-            bwd = bwd_mem = math.nan
+            bwd_mem = math.nan
             if not args.no_backward:
-                bwd = time_call(call, device, backward=True, budget_s=args.budget_s, max_reps=args.max_reps)
                 for x in (q, k, v):
                     x.grad = None
                 mem.start()
@@ -340,7 +356,9 @@ def report(args, rows, peak, wall, device) -> str:
         f"B = {args.batch}, H = {args.heads}, D = Dv = {args.d}, p = {args.p}, {args.dtype}, chunk C = "
         f"{args.chunk_size}, causal, {args.threads} torch thread(s); torch {torch.__version__}, "
         f"{platform.processor() or platform.machine()}; best of up to {args.max_reps} runs "
-        f"(one run when a call takes over {SINGLE_RUN_S:g} s; repeats stop after {args.budget_s:g} s), timed in "
+        f"(one run when a call takes over {SINGLE_RUN_S:g} s; repeats stop after {args.budget_s:g} s per method; "
+        f"each hybrid timed in turns with its pure path, one call of each per round, so that their ratio sees the "
+        f"same load), timed in "
         f"{'CPU time of the process (1 thread: the work done; the machine is shared)' if device.type == 'cpu' else 'wall time'}"
         f"; wall time of the whole run {wall:.0f} s.",
         f"Matmul peak measured in this run (2048³ {args.dtype}): **{peak:.1f} GFLOP/s**.",

@@ -168,6 +168,22 @@ def test_hybrid_tie_of_zero_logits_at_a_row_without_local_keys(padded):
         assert (a - b).abs().max() <= 1e-9 * (1 + b.abs().max()), name
 
 
+@pytest.mark.parametrize("local, degree", [("softmax", 2), ("poly", 2), ("poly", 1)])
+def test_hybrid_with_a_padded_sink_in_later_blocks(local, degree):
+    """A padded sink in one sequence is hidden from every later query, in blocks whose own keys are all real
+    (the core's data mask for the sinks alone), forward and backward; the other sequence sees both sinks.
+    Output and gradients equal the twin's (poly of degree 1 takes the core's unmasked-logit path)."""
+    g = _gen(21)
+    B, T, H, D, M = 2, 23, 2, 3, 3
+    base = [torch.randn(B, T, H, D, generator=g, dtype=F64) for _ in range(3)]
+    base += [torch.rand(B, T, H, M, generator=g, dtype=F64) for _ in range(2)] + [torch.tensor([0.7, -0.4], dtype=F64)]
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[1, 1] = False  # the second sink of the second sequence
+    ref, got = _hybrid_grads(base, mask, window=5, sinks=2, local=local, degree=degree)
+    for name, a, b in zip(("out", "q", "k", "v", "phi_q", "phi_k", "gate"), got, ref):
+        assert (a - b).abs().max() <= 1e-9 * (1 + b.abs().max()), name
+
+
 def test_no_double_backward():
     """The cores' backward passes work in place: a second derivative is refused, not wrong."""
     fq, fk, v = (torch.rand(1, 1, 4, 2, dtype=F64, requires_grad=True) for _ in range(3))
@@ -183,3 +199,43 @@ def test_chunk_core_rejects_a_misaligned_offset():
     with pytest.raises(ValueError, match="multiple of chunk_size"):
         chunk_core(x[:, :, :2], x, x, torch.zeros(1, 1, 2, 2), torch.zeros(1, 1, 2), off=3, lag=0, chunk_size=2,
                    non_negative=False, normalize=False, eps=0.0)
+
+
+def _core_args(**change):
+    """Valid ``chunk_core`` arguments (B = 1, H = 2, n = 4, off = 2, M = 3, Dv = 5, C = 2), some replaced."""
+    args = dict(fq=torch.zeros(1, 2, 4, 3), fk=torch.zeros(1, 2, 6, 3), v=torch.zeros(1, 2, 6, 5),
+                S_in=torch.zeros(1, 2, 3, 5), z_in=torch.zeros(1, 2, 3), off=2, lag=1, chunk_size=2,
+                non_negative=False, normalize=True, eps=1e-6)
+    args.update(change)
+    return args
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(fq=torch.zeros(2, 4, 3)), "fq must be a 4-D tensor"),
+    (dict(z_in=torch.zeros(1, 2, 3, 1)), "z_in must be a 3-D tensor"),
+    (dict(v=torch.zeros(1, 2, 6, 5, dtype=torch.float64)), "v must be a floating tensor of fq's dtype"),
+    (dict(fk=torch.zeros(1, 2, 6, 3, dtype=torch.int64)), "fk must be a floating tensor"),
+    (dict(fk=torch.zeros(1, 2, 5, 3)), r"fk must be \[1, 2, 6, 3\]"),
+    (dict(fk=torch.zeros(1, 2, 6, 4)), r"fk must be \[1, 2, 6, 3\]"),
+    (dict(v=torch.zeros(1, 1, 6, 5)), r"v must be \[1, 2, 6, 5\]"),
+    (dict(S_in=torch.zeros(1, 2, 3, 4)), r"S_in must be \[1, 2, 3, 5\]"),
+    (dict(S_in=torch.zeros(1, 2, 3, 5), non_negative=True), r"S_in must be \[1, 2, 9, 5\].*M2=9 = M²"),
+    (dict(z_in=torch.zeros(1, 2, 4)), r"z_in must be \[1, 2, 3\]"),
+    (dict(lag=-1), "lag must be an int >= 0, got -1"),
+    (dict(off=-2), "off must be an int >= 0"),
+    (dict(chunk_size=0), "chunk_size must be an int >= 1, got 0"),
+    (dict(chunk_size=2.0), "chunk_size must be an int"),
+])
+def test_chunk_core_validates_its_arguments(change, match):
+    """The core checks its own arguments (its callers validate the public ones): each error names the tensor or
+    option, the rule and the value."""
+    with pytest.raises(ValueError, match=match):
+        chunk_core(**_core_args(**change))
+
+
+def test_chunk_core_accepts_the_valid_arguments():
+    """The arguments the rejection tests start from are valid (so each rejection is the changed argument's)."""
+    out, den, S, z = chunk_core(**_core_args())
+    assert out.shape == (1, 2, 4, 5) and den.shape == (1, 2, 4) and S.shape == (1, 2, 3, 5) and z.shape == (1, 2, 3)
+    _, _, S2, _ = chunk_core(**_core_args(S_in=torch.zeros(1, 2, 9, 5), z_in=torch.zeros(1, 2, 9), non_negative=True))
+    assert S2.shape == (1, 2, 9, 5)

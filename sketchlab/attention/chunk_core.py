@@ -59,16 +59,12 @@ def _geometry(n: int, off: int, lag: int, C: int, device: torch.device, dtype: t
     return N, Wc, Ne, lags, prefix, max(0, last)
 
 
-def _chunks(x: torch.Tensor, chunks: int, C: int, scale: float | None = None) -> torch.Tensor:
-    """``x [B, H, L, F]`` → chunk-major ``[chunks, B, H, C, F]`` (zero-padded at the end), contiguous;
-    times ``scale`` in the same copy when given."""
+def _chunks(x: torch.Tensor, chunks: int, C: int) -> torch.Tensor:
+    """``x [B, H, L, F]`` → chunk-major ``[chunks, B, H, C, F]`` (zero-padded at the end), contiguous."""
     B, H, L, F = x.shape
     if chunks * C != L:
         x = torch.nn.functional.pad(x, (0, 0, 0, chunks * C - L))
-    x = x.view(B, H, chunks, C, F).permute(2, 0, 1, 3, 4)  # [chunks, B, H, C, F]
-    if scale is None:
-        return x.contiguous()
-    return torch.mul(x, scale, out=x.new_empty(x.shape))
+    return x.view(B, H, chunks, C, F).permute(2, 0, 1, 3, 4).contiguous()  # [chunks, B, H, C, F]
 
 
 def _unchunk(x: torch.Tensor, length: int) -> torch.Tensor:
@@ -207,6 +203,31 @@ class _Core(torch.autograd.Function):
                 None, None, None, None, None, None)
 
 
+def _check_core_args(fq, fk, v, S_in, z_in, *, off, lag, chunk_size, non_negative) -> None:
+    """``chunk_core``'s arguments: ranks, the shared ``B, H``, the feature and value widths, the state's shapes, one
+    dtype and device, and the offsets (shape arithmetic only: nothing is read from the tensors)."""
+    for name, x, rank in (("fq", fq, 4), ("fk", fk, 4), ("v", v, 4), ("S_in", S_in, 4), ("z_in", z_in, 3)):
+        if not isinstance(x, torch.Tensor) or x.ndim != rank:
+            got = f"shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"{name} must be a {rank}-D tensor, got {got}")
+        if not x.is_floating_point() or x.dtype != fq.dtype or x.device != fq.device:
+            raise ValueError(f"{name} must be a floating tensor of fq's dtype and device ({fq.dtype}, {fq.device}), "
+                             f"got {x.dtype} on {x.device}")
+    for name, value, low in (("chunk_size", chunk_size, 1), ("off", off, 0), ("lag", lag, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    if off % chunk_size:
+        raise ValueError(f"off={off} must be a multiple of chunk_size={chunk_size}")
+    B, H, n, M = fq.shape
+    Dv = v.shape[-1]
+    M2 = M * M if non_negative else M
+    want = {"fk": (B, H, off + n, M), "v": (B, H, off + n, Dv), "S_in": (B, H, M2, Dv), "z_in": (B, H, M2)}
+    for name, x in (("fk", fk), ("v", v), ("S_in", S_in), ("z_in", z_in)):
+        if tuple(x.shape) != want[name]:
+            raise ValueError(f"{name} must be {list(want[name])} (fq [B, H, n, M] = {list(fq.shape)}, off={off}, "
+                             f"Dv={Dv}, M2={M2}{' = M²' if non_negative else ''}), got {list(x.shape)}")
+
+
 def chunk_core(fq, fk, v, S_in, z_in, *, off: int, lag: int, chunk_size: int, non_negative: bool,
                normalize: bool, eps: float):
     r"""The causal chunked core of one block (see the module docstring for the formula).
@@ -235,11 +256,15 @@ def chunk_core(fq, fk, v, S_in, z_in, *, off: int, lag: int, chunk_size: int, no
     -------
     ``(num or out [B, H, n, Dv], den [B, H, n], S_out [B, H, M2, Dv], z_out [B, H, M2])``; ``den`` is
     not differentiable when ``normalize``.
+
+    Raises
+    ------
+    ValueError
+        A tensor of the wrong rank, dtype or device, shapes that disagree (``fk``, ``v`` must hold ``off + n``
+        keys; ``S_in [B, H, M2, Dv]``, ``z_in [B, H, M2]`` with ``M2 = M²`` when ``non_negative``), ``off`` not a
+        multiple of ``chunk_size``, or a negative ``off`` / ``lag`` / non-positive ``chunk_size``.
     """
-    if off % chunk_size:
-        raise ValueError(f"off={off} must be a multiple of chunk_size={chunk_size}")
-    if fk.shape[2] != off + fq.shape[2] or v.shape[2] != fk.shape[2]:
-        raise ValueError(f"fk and v must hold off + n = {off + fq.shape[2]} keys, got {fk.shape[2]} and {v.shape[2]}")
+    _check_core_args(fq, fk, v, S_in, z_in, off=off, lag=lag, chunk_size=chunk_size, non_negative=non_negative)
     return _Core.apply(fq, fk, v, S_in, z_in, off, lag, chunk_size, non_negative, normalize, eps)
 
 
@@ -260,9 +285,9 @@ def _row_pieces(chunks: int, C: int, a: int, b: int):
             i += r1 - r
 
 
-def _join_chunks(pieces, lead: int, chunks: int, C: int, scale: float | None = None) -> torch.Tensor:
+def _join_chunks(pieces, lead: int, chunks: int, C: int) -> torch.Tensor:
     """Token-major pieces ``[B, H, L_i, F]`` laid end to end from row ``lead`` → chunk-major ``[chunks, B, H, C, F]``
-    (zeros in the other rows), times ``scale`` when given: one copy, no joined token-major tensor."""
+    (zeros in the other rows): one copy, no joined token-major tensor."""
     B, H, _, F = pieces[0].shape
     out = pieces[0].new_empty(chunks, B, H, C, F)
     end = lead + sum(x.shape[2] for x in pieces)
@@ -277,10 +302,7 @@ def _join_chunks(pieces, lead: int, chunks: int, C: int, scale: float | None = N
                 dst, src = out[c:r0], x[:, :, i:i + (r0 - c) * C].unflatten(2, (r0 - c, C)).permute(2, 0, 1, 3, 4)
             else:
                 dst, src = out[c, :, :, r0:r1], x[:, :, i:i + r1 - r0]
-            if scale is None:
-                dst.copy_(src)
-            else:
-                torch.mul(src, scale, out=dst)
+            dst.copy_(src)
         a += L
     return out
 
@@ -362,11 +384,11 @@ class _HybridCore(torch.autograd.Function):
         Dv, D, Ls = v.shape[-1], q.shape[-1], k_sink.shape[2]
         st = _HybridCore._setup(B, H, n, k_w.shape[2], key_ok, sink_ok, off, opts, fq)
         N, n_loc, kks, lead, Ne = st["N"], st["n_loc"], st["kks"], st["lead"], st["Ne"]
-        # chunk-major copies (keys: off − L_w zero rows, the held window, the block; kc holds s·k), kept for the
-        # backward
+        # chunk-major copies (keys: off − L_w zero rows, the held window, the block; the backward makes its own);
+        # the local scale s multiplies the products (a GEMM's alpha), never a copy
         fqc, qc = _chunks(fq, N, C), _chunks(q, N, C)
         fkc = _join_chunks((fk_w, fk), lead, Ne, C)
-        vc, kc = _join_chunks((v_w, v), lead, Ne, C), _join_chunks((k_w, k), lead, Ne, C, scale)
+        vc, kc = _join_chunks((v_w, v), lead, Ne, C), _join_chunks((k_w, k), lead, Ne, C)
         NBH = N * B * H
         # the window the next block holds: the last min(w, L_w + n) keys, raw
         Lo = min(w, k_w.shape[2] + n)
@@ -396,10 +418,10 @@ class _HybridCore(torch.autograd.Function):
         for L, kk in enumerate(kks):  # softmax: the lag masks as a bias added by the matmul itself
             if softmax and part < N:
                 torch.baddbmm(st["loc_bias"][L].expand(NBH - part * B * H, C, C), qc[part:].view(-1, C, D),
-                              kc[kk][part:].view(-1, C, D).mT, out=A[L, part:].view(-1, C, C))
+                              kc[kk][part:].view(-1, C, D).mT, alpha=scale, out=A[L, part:].view(-1, C, C))
             if part or not softmax:
                 c1 = part if softmax else N
-                torch.matmul(qc[:c1], kc[kk][:c1].mT, out=A[L, :c1])
+                torch.matmul(qc[:c1], kc[kk][:c1].mT, out=A[L, :c1]).mul_(scale)
         if Ls:
             AsT = torch.bmm(_HybridCore._per_chunk(k_sink * scale, N), qc.view(-1, C, D).mT).view(N, B, H, Ls, C)
         ties = ()
@@ -488,8 +510,10 @@ class _HybridCore(torch.autograd.Function):
             den = den * (1 - g)[None, :, None]  # the true denominator, [B, H, n]
         ctx.off, ctx.opts, ctx.Lw = off, opts, k_w.shape[2]
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(fqc, fkc, vc, qc, kc, k_sink, v_sink, S_in, z_in, g, key_ok, sink_ok, out, den, *saved,
-                              *ties, *far)
+        # q, k, v and the held window are kept as given (the caller holds them anyway): the backward copies them
+        # chunk-major again rather than keeping three block-sized copies alive until then
+        ctx.save_for_backward(fqc, fkc, v, v_w, q, k, k_w, k_sink, v_sink, S_in, z_in, g, key_ok, sink_ok, out, den,
+                              *saved, *ties, *far)
         ctx.mark_non_differentiable(den)
         return (out, den, S_out, z_out) + windows
 
@@ -498,11 +522,13 @@ class _HybridCore(torch.autograd.Function):
     def backward(ctx, g_out, g_den, g_S, g_z, g_fkw, g_vw, g_kw):
         off, opts = ctx.off, ctx.opts
         C, w, non_negative, scale, softmax, degree, eps, _ = opts
-        fqc, fkc, vc, qc, kc, k_sink, v_sink, S_in, z_in, g, key_ok, sink_ok, out, den, *rest = ctx.saved_tensors
+        fqc, fkc, v, v_w, q, k, k_w, k_sink, v_sink, S_in, z_in, g, key_ok, sink_ok, out, den, *rest = ctx.saved_tensors
         B, H, n, Dv = out.shape
-        M, D, Ls, Lw = fqc.shape[-1], qc.shape[-1], k_sink.shape[2], ctx.Lw
+        M, D, Ls, Lw = fqc.shape[-1], q.shape[-1], k_sink.shape[2], ctx.Lw
         st = _HybridCore._setup(B, H, n, Lw, key_ok, sink_ok, off, opts, out)
-        N, Wc, kks, lead = st["N"], st["Wc"], st["kks"], st["lead"]
+        N, Wc, kks, lead, Ne = st["N"], st["Wc"], st["kks"], st["lead"], st["Ne"]
+        qc = _chunks(q, N, C)
+        vc, kc = _join_chunks((v_w, v), lead, Ne, C), _join_chunks((k_w, k), lead, Ne, C)
         lq, lk = st["lift"](fqc), st["lift"](fkc)
         gb = g[None, None, :, None, None]
         g0 = gb[..., 0]
@@ -576,7 +602,7 @@ class _HybridCore(torch.autograd.Function):
             if Ls:
                 dgh += (AsT * daT_s).sum(dim=(0, 1, 3, 4))
                 dl_s = daT_s.mul_(gb * degree).mul_(logit_s ** (degree - 1))
-        dqc = torch.zeros_like(qc)  # kc holds s·k: dq = dl·(s·k), dk = s·dlᵀq
+        dqc = torch.zeros_like(qc)  # the logits are s·qᵀk: dq = s·dl·k, dk = s·dlᵀq
         dkc = torch.zeros_like(kc)
         # off the local keys dl is 0 already for softmax (a = 0, no tie there) and for p >= 2 (l = 0)
         unmasked = not softmax and degree < 2
@@ -585,8 +611,8 @@ class _HybridCore(torch.autograd.Function):
                 dl[L, st["part"]:].masked_fill_(~st["loc_m"][L], 0.0)
                 if st["part"]:
                     dl[L, :st["part"]].masked_fill_(~st["loc_ok"][L], 0.0)
-            dqc.view(-1, C, D).baddbmm_(dl[L].view(-1, C, C), kc[kk].view(-1, C, D))
-            dkc[kk].view(-1, C, D).baddbmm_(dl[L].view(-1, C, C).mT, qc.view(-1, C, D))
+            dqc.view(-1, C, D).baddbmm_(dl[L].view(-1, C, C), kc[kk].view(-1, C, D), alpha=scale)
+            dkc[kk].view(-1, C, D).baddbmm_(dl[L].view(-1, C, C).mT, qc.view(-1, C, D), alpha=scale)
         dk_sink = torch.zeros_like(k_sink)
         if Ls:
             if unmasked:
@@ -594,7 +620,6 @@ class _HybridCore(torch.autograd.Function):
             dl_s = dl_s.view(-1, Ls, C)
             dqc.view(-1, C, D).baddbmm_(dl_s.mT, _HybridCore._per_chunk(k_sink * scale, N))
             dk_sink = torch.bmm(dl_s, qc.view(-1, C, D)).view(N, B, H, Ls, D).sum(0).mul_(scale)  # [B, H, Ls, D]
-        dkc.mul_(scale)
         # the held window and the block's keys: the far mask; the window outputs' gradients join the raw keys'
         if st["okc"] is not None:
             dfk[:st["bad"] + 1].mul_(st["okc"])
@@ -626,8 +651,8 @@ def hybrid_core(fq, fk, v, q, k, fk_w, v_w, k_w, k_sink, v_sink, S_in, z_in, g, 
     The near-far key chunk shares its matmul with the local one (``(g·a + (1−g)·f) @ v``); the
     softmax weights come from one ``softmax`` per key-chunk lag, rescaled to ``exp(l − c)`` (it
     never takes ``exp(−inf)``, which is slow on CPU). The backward recomputes the far states and
-    the chunk-major copies and keeps the local weights, where the maximum is taken, and the
-    near-far scores.
+    the chunk-major copies of ``q, k, v`` (it keeps the features' copies, the local weights, where
+    the maximum is taken, and the near-far scores).
 
     Parameters
     ----------
