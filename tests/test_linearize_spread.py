@@ -15,6 +15,8 @@ import contextlib
 import copy
 import datetime
 import json
+import os
+import time
 
 import pytest
 import torch
@@ -141,13 +143,51 @@ def test_two_rank_group_matches_one_process(case, tmp_path):
     assert "the ranks disagree on steps" in json.loads((tmp_path / "rank1.json").read_text())["refused"]
 
 
-def test_processes_2_matches_one_process(case):
+#: How long this process's last layer waits for the worker to start training (test_processes_2_...): only a
+#: deadlock breaker. The worker starts in seconds (imports: ~4 CPU s) when it trains alongside this process;
+#: when it can only start after this process's share (the bug this guards), it never starts within the wait.
+OVERLAP_WAIT = 180.0
+
+
+class _Signalling(torch.nn.Module):
+    """A converted layer whose first forward pass, before it computes, either marks the file ``path``
+    (``role="mark"``: the worker's layer) or waits up to ``OVERLAP_WAIT`` seconds for it (``role="wait"``:
+    a layer this process trains), recording in ``saw`` whether the mark came. No clock is compared: the
+    mark exists only once the worker's training began."""
+
+    def __init__(self, inner, path, role):
+        super().__init__()
+        self.inner, self.path, self.role, self.saw = inner, str(path), role, None
+
+    @property
+    def gate(self):
+        return self.inner.gate
+
+    def forward(self, *args, **kwargs):
+        if self.role == "mark" and not os.path.exists(self.path):
+            with open(self.path, "w") as f:
+                f.write(str(os.getpid()))
+        elif self.role == "wait" and self.saw is None:
+            deadline = time.monotonic() + OVERLAP_WAIT
+            while not os.path.exists(self.path) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            self.saw = os.path.exists(self.path)
+        return self.inner(*args, **kwargs)
+
+
+def test_processes_2_matches_one_process(case, tmp_path):
     """processes=2: one spawned worker, the recording shared; this process's sketches end trained as
-    one process trains them, with the same curves."""
+    one process trains them, with the same curves; and the worker trains alongside this process, not
+    after it: this process's last layer (2) does not train until the worker's layer (1) has begun."""
     sketches, layers, mask = case[:3]
     mine = copy.deepcopy(sketches)
+    mark = tmp_path / "worker trains layer 1"
+    mine[1], mine[2] = _Signalling(mine[1], mark, "mark"), _Signalling(mine[2], mark, "wait")
     with _one_thread():
         curves = attention_transfer(mine, layers, mask, TRAIN, steps=STEPS, batch_size=BATCH, seed=SEED, processes=2)
+    assert mine[2].saw is True, (f"this process trained its last layer without the worker having started its own "
+                                 f"within {OVERLAP_WAIT:.0f} s: the worker waits for this process's share")
+    assert int(mark.read_text()) != os.getpid()  # marked by the worker, not here
     _assert_same(_params(mine), curves, case, "processes=2")
 
 

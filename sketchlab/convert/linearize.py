@@ -495,17 +495,20 @@ def _end_with(parent: int) -> None:
 
 def _transfer_worker(index, port, world, threads, sketches, layers, mask, train_idx, options, parent):
     """Rank ``index + 1`` of a ``processes=N`` spread (:func:`attention_transfer`; run by
-    ``torch.multiprocessing`` in a spawned process, ``layers`` in shared memory)."""
+    ``torch.multiprocessing`` in a spawned process, ``layers`` in shared memory): trains its layers at
+    once, alongside this process's parent, then says it is ready and joins the group for the broadcasts."""
     import torch.distributed as dist
 
     _end_with(parent)
     rank = index + 1
     torch.set_num_threads(threads)
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=False)
+    mine = copy.deepcopy(sketches)  # the layers are read in place; the sketches, which train, are our own
+    losses = _train_own(mine, layers, mask, train_idx, rank, world, **options)
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=SPREAD_TIMEOUT)
     store.set(f"ready/{rank}", "1")
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=SPREAD_TIMEOUT)
-    try:  # the layers are read in place; the sketches, which train, are this process's own copies
-        _transfer(copy.deepcopy(sketches), layers, mask, train_idx, group=dist.group.WORLD, check=False, **options)
+    try:
+        _share(mine, losses, options["steps"], dist.group.WORLD)
     finally:
         dist.destroy_process_group()
 
@@ -517,14 +520,15 @@ def _spawned(sketches, layers, mask, train_idx, processes: int, options: dict) -
     import torch.multiprocessing as mp
     from torch.multiprocessing.spawn import ProcessException
 
-    store = dist.TCPStore("127.0.0.1", 0, processes, is_master=True, wait_for_workers=False)
+    store = dist.TCPStore("127.0.0.1", 0, processes, is_master=True, wait_for_workers=False, timeout=SPREAD_TIMEOUT)
     ctx = mp.start_processes(_transfer_worker, nprocs=processes - 1, join=False, start_method="spawn",
                              args=(store.port, processes, torch.get_num_threads(), copy.deepcopy(sketches),
                                    layers, mask, train_idx, options, os.getpid()))  # copies: ours stay put
-    try:  # this process's layers train while the workers start (the same call everywhere: no _same_call)
+    try:  # this process's layers train while the workers start and train theirs (the same call everywhere:
+        # no _same_call); the group forms once every process has trained its share
         losses = _train_own(sketches, layers, mask, train_idx, 0, processes, **options)
         keys = [f"ready/{rank}" for rank in range(1, processes)]
-        while not store.check(keys):  # the workers up (imports, shared tensors mapped) before the group
+        while not store.check(keys):  # every worker done training before the group
             if ctx.join(timeout=0.05):  # True only when every worker has ended (a failed one raises)
                 raise RuntimeError("attention_transfer: the spawned workers ended before joining the group")
         dist.init_process_group("gloo", store=store, rank=0, world_size=processes, timeout=SPREAD_TIMEOUT)
