@@ -697,7 +697,7 @@ def attention_transfer(sketches, layers: list[LayerIO], mask, train_idx, *, step
         process is done, the trained values are broadcast to this process (gloo on localhost). The
         recorded ``layers``, ``mask`` and ``train_idx`` reach the workers through shared memory (moved
         there once, in place, not copied per worker). A worker's start-up (imports of torch, sketchlab,
-        ``torch.optim``: 3.9 CPU seconds measured, ``analysis/results/transfer_spread.md``) delays its
+        ``torch.optim``: 4.6 CPU seconds measured, ``analysis/results/transfer_spread.md``) delays its
         share: with a core per process the stage takes about ``T/N + c`` for ``T`` on one process and
         ``c`` the start-up, so it pays once ``T > c·N/(N − 1)``. Spawned workers import the caller's
         main module: a script calling this needs the usual ``if __name__ == "__main__":`` guard; the
