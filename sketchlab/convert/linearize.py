@@ -344,7 +344,9 @@ def fit_theta(model, ids, mask, *, p, m, rank=1, fit_tokens=1024, seed=0, fit_op
 
 
 def _check_processes(processes, layers: int | None = None) -> int:
-    """``processes`` as an int in ``[1, layers]`` (``layers=None``: no upper bound), else a ``ValueError`` naming it; ``> 1`` is refused
+    """``processes`` as an int in ``[1, layers]`` (``layers=None``: no upper bound), else a
+    ``ValueError`` naming it (and ``layers``: refused, not clamped, since a process with no layer would
+    only pay its start-up, and a silent clamp would report settings that did not run); ``> 1`` is refused
     inside an initialised ``torch.distributed`` group (which spreads the layers by itself) and where
     ``torch.distributed`` is not built in."""
     if isinstance(processes, bool) or not isinstance(processes, numbers.Integral) or processes < 1:
@@ -360,7 +362,7 @@ def _check_processes(processes, layers: int | None = None) -> int:
             raise ValueError(f"processes={processes}: this process already belongs to a torch.distributed group "
                              "(torchrun?), over which attention transfer spreads the layers by itself: leave "
                              "processes=1")
-        if layers is not None and processes > layers:  # refused, not clamped: a process with no layer would only pay its start-up
+        if layers is not None and processes > layers:
             raise ValueError(f"processes={processes} exceeds the {layers} layers to train (one layer per process "
                              f"at most: the others would train nothing): use processes <= {layers}")
     return int(processes)
