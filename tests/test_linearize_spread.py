@@ -16,6 +16,7 @@ import copy
 import datetime
 import json
 import os
+import sys
 import time
 
 import pytest
@@ -303,6 +304,26 @@ def test_processes_3_a_worker_ending_early_is_reported(case):
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, before)
+    if sys.platform.startswith("linux"):  # both workers ended and reaped (no zombie, none still ending): no
+        # child process left but multiprocessing's resource tracker
+        left = [child for child in _children() if b"resource_tracker" not in child[1]]
+        assert not left, f"child processes left (state, command line): {left}"
+
+
+def _children() -> list[tuple[str, bytes]]:
+    """``(state, command line)`` of this process's child processes (Linux ``/proc``; ``"Z"``: a zombie)."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read()
+        except OSError:  # ended meanwhile
+            continue
+        if int(ppid) == os.getpid():
+            out.append((state, cmd))
+    return out
 
 
 def test_processes_2_small_dev_shm_is_refused(case, monkeypatch):
