@@ -1,6 +1,8 @@
 """Stage 1 (attention transfer) spread over processes: a gloo group of two ranks (the torchrun path) and
 ``processes=2`` (spawned workers) give every rank the single-process run's parameters and loss curves
-bit for bit; mismatched ranks are refused on every rank alike; bad ``processes`` values are refused.
+bit for bit, the worker training alongside this process; mismatched ranks, and an argument one rank
+refuses, are refused on every rank alike; bad ``processes``, ``group``, ``train_idx``, ``layers`` values,
+a worker ending early and a too small /dev/shm are refused with one clear error.
 
 Why bitwise: each layer draws its batches from its own ``(seed, layer)`` generator, so the rank that
 trains it runs exactly the operations one process runs on that layer (float64, one thread everywhere:
