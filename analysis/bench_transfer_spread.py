@@ -7,7 +7,7 @@ The teacher (a random ``LlamaConfig`` model with GQA, float32) is recorded once;
 recording moved to shared memory, the broadcasts). Wall-clock seconds, medians over ``--repeats``; the
 two results are checked to be bitwise equal. Writes ``analysis/results/transfer_spread.md``.
 
-    nice -n 19 .venv/bin/python analysis/bench_transfer_spread.py            # ~1 min of CPU
+    nice -n 19 .venv/bin/python analysis/bench_transfer_spread.py            # ~4 min of CPU
     nice -n 19 .venv/bin/python analysis/bench_transfer_spread.py --quick    # smoke run
 
 The ratio needs two free cores: on a shared, busy machine the second process competes for them, and
@@ -79,7 +79,7 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--sequences", type=int, default=8, help="recorded sequences (all but 2 trained on)")
     ap.add_argument("--m", type=int, default=32, help="Hedgehog features")
-    ap.add_argument("--steps", type=int, default=60, help="transfer steps per layer")
+    ap.add_argument("--steps", type=int, default=200, help="transfer steps per layer")
     ap.add_argument("--batch-size", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="a smoke run: 4 layers, 5 steps, 1 repeat")
@@ -107,7 +107,8 @@ def main() -> None:
         print(f"repeat {r}: " + "; ".join(f"{name}: " + ", ".join(f"{k} {v:.2f} s" for k, v in took.items())
                                          for name, took in zip(names, (t1, t2, t0))), flush=True)
     med = {name: {k: statistics.median(t[k] for t in runs[name]) for k in runs[name][0]} for name in names}
-    for m in med.values():  # each process on a core of its own: the longer of the two CPU times
+    for m in med.values():  # each process on a core of its own: the longer of the two CPU times (the worker
+        # trains alongside this process, from its start: tests/test_linearize_spread.py checks the overlap)
         m["own cores"] = max(m["cpu here"], m["cpu workers"])
     base = med["1 process"]
     try:
@@ -126,7 +127,9 @@ def main() -> None:
         f"Adam steps per layer, batch {args.batch_size}. Seconds of the `attention_transfer` call, medians of "
         f"{args.repeats} alternating runs: wall clock; CPU of this process and of the spawned worker (its start-up "
         "included: imports of torch, sketchlab, torch.optim); and *own cores*, the larger of the two CPU times, "
-        "what the wall clock would be with each process on a core of its own.", "",
+        "what the wall clock would be with each process on a core of its own (the two processes train at the "
+        "same time, the worker from its start-up on, as `tests/test_linearize_spread.py` checks; before that fix "
+        "the worker trained only after this process's share, and the wall clock was the sum).", "",
         "| run | wall | CPU here | CPU worker | own cores | wall vs 1 process | own cores vs 1 process |",
         "|---|---|---|---|---|---|---|",
         *(f"| {name} | {m['wall']:.2f} | {m['cpu here']:.2f} | {m['cpu workers']:.2f} | {m['own cores']:.2f} | "

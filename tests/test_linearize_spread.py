@@ -1,6 +1,8 @@
 """Stage 1 (attention transfer) spread over processes: a gloo group of two ranks (the torchrun path) and
 ``processes=2`` (spawned workers) give every rank the single-process run's parameters and loss curves
-bit for bit; mismatched ranks are refused on every rank alike; bad ``processes`` values are refused.
+bit for bit, the worker training alongside this process; mismatched ranks, and an argument one rank
+refuses, are refused on every rank alike; bad ``processes``, ``group``, ``train_idx``, ``layers`` values,
+a worker ending early and a too small /dev/shm are refused with one clear error.
 
 Why bitwise: each layer draws its batches from its own ``(seed, layer)`` generator, so the rank that
 trains it runs exactly the operations one process runs on that layer (float64, one thread everywhere:
@@ -15,6 +17,9 @@ import contextlib
 import copy
 import datetime
 import json
+import os
+import sys
+import time
 
 import pytest
 import torch
@@ -102,8 +107,20 @@ def _rank1(index, port, sketches, layers, mask, out):
             refused = ""
         except ValueError as err:
             refused = str(err)
+        try:  # an argument only this rank refuses: every rank refuses, none waits in a collective
+            attention_transfer(copy.deepcopy(sketches), layers, mask, torch.tensor([0, 6]), steps=STEPS,
+                               batch_size=BATCH, seed=SEED)
+            alone = ""
+        except ValueError as err:
+            alone = str(err)
+        try:  # a seed equal to rank 0's modulo 2**31 only: other batches, so refused
+            attention_transfer(copy.deepcopy(sketches), layers, mask, TRAIN, steps=STEPS, batch_size=BATCH,
+                               seed=SEED + 2**31)
+            seed = ""
+        except ValueError as err:
+            seed = str(err)
         with open(f"{out}/rank1.json", "w") as f:
-            json.dump({"refused": refused}, f)
+            json.dump({"refused": refused, "alone": alone, "seed": seed}, f)
     finally:
         dist.destroy_process_group()
 
@@ -127,6 +144,13 @@ def test_two_rank_group_matches_one_process(case, tmp_path):
             with pytest.raises(ValueError, match=r"over 2 processes: the ranks disagree on steps \(6, 7 on ranks"):
                 attention_transfer(copy.deepcopy(sketches), layers, mask, TRAIN, steps=STEPS, batch_size=BATCH,
                                    seed=SEED)
+            with pytest.raises(ValueError, match=r"over 2 processes: rank 1 refused its arguments \(train_idx must be "
+                                                 r"a non-empty list of integer sequence indices in \[0, 6\)"):
+                attention_transfer(copy.deepcopy(sketches), layers, mask, TRAIN, steps=STEPS, batch_size=BATCH,
+                                   seed=SEED)
+            with pytest.raises(ValueError, match=r"the ranks disagree on seed \(low 32 bits\) \(3, 2147483651 on"):
+                attention_transfer(copy.deepcopy(sketches), layers, mask, TRAIN, steps=STEPS, batch_size=BATCH,
+                                   seed=SEED)
             while not ctx.join():  # rank 1 leaves the group first
                 pass
         finally:
@@ -138,16 +162,57 @@ def test_two_rank_group_matches_one_process(case, tmp_path):
     _assert_same(_params(mine), curves, case, "rank 0")
     theirs = torch.load(tmp_path / "rank1.pt", weights_only=True)
     _assert_same(theirs["params"], theirs["curves"], case, "rank 1")
-    assert "the ranks disagree on steps" in json.loads((tmp_path / "rank1.json").read_text())["refused"]
+    said = json.loads((tmp_path / "rank1.json").read_text())
+    assert "the ranks disagree on steps" in said["refused"]
+    assert said["alone"].startswith("train_idx must be a non-empty list of integer sequence indices in [0, 6)")
+    assert "the ranks disagree on seed (low 32 bits)" in said["seed"]
 
 
-def test_processes_2_matches_one_process(case):
+#: How long this process's last layer waits for the worker to start training (test_processes_2_...): only a
+#: deadlock breaker. The worker starts in seconds (imports: ~4 CPU s) when it trains alongside this process;
+#: when it can only start after this process's share (the bug this guards), it never starts within the wait.
+OVERLAP_WAIT = 180.0
+
+
+class _Signalling(torch.nn.Module):
+    """A converted layer whose first forward pass, before it computes, either marks the file ``path``
+    (``role="mark"``: the worker's layer) or waits up to ``OVERLAP_WAIT`` seconds for it (``role="wait"``:
+    a layer this process trains), recording in ``saw`` whether the mark came. No clock is compared: the
+    mark exists only once the worker's training began."""
+
+    def __init__(self, inner, path, role):
+        super().__init__()
+        self.inner, self.path, self.role, self.saw = inner, str(path), role, None
+
+    @property
+    def gate(self):
+        return self.inner.gate
+
+    def forward(self, *args, **kwargs):
+        if self.role == "mark" and not os.path.exists(self.path):
+            with open(self.path, "w") as f:
+                f.write(str(os.getpid()))
+        elif self.role == "wait" and self.saw is None:
+            deadline = time.monotonic() + OVERLAP_WAIT
+            while not os.path.exists(self.path) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            self.saw = os.path.exists(self.path)
+        return self.inner(*args, **kwargs)
+
+
+def test_processes_2_matches_one_process(case, tmp_path):
     """processes=2: one spawned worker, the recording shared; this process's sketches end trained as
-    one process trains them, with the same curves."""
+    one process trains them, with the same curves; and the worker trains alongside this process, not
+    after it: this process's last layer (2) does not train until the worker's layer (1) has begun."""
     sketches, layers, mask = case[:3]
     mine = copy.deepcopy(sketches)
+    mark = tmp_path / "worker trains layer 1"
+    mine[1], mine[2] = _Signalling(mine[1], mark, "mark"), _Signalling(mine[2], mark, "wait")
     with _one_thread():
         curves = attention_transfer(mine, layers, mask, TRAIN, steps=STEPS, batch_size=BATCH, seed=SEED, processes=2)
+    assert mine[2].saw is True, (f"this process trained its last layer without the worker having started its own "
+                                 f"within {OVERLAP_WAIT:.0f} s: the worker waits for this process's share")
+    assert int(mark.read_text()) != os.getpid()  # marked by the worker, not here
     _assert_same(_params(mine), curves, case, "processes=2")
 
 
@@ -159,8 +224,30 @@ def test_bad_processes_and_groups_are_refused(case):
         match = r"processes must be an integer >= 1 .*got " + repr(bad).replace(".", r"\.")
         with pytest.raises(ValueError, match=match):
             attention_transfer(copy.deepcopy(sketches), layers, mask, TRAIN, steps=1, processes=bad)
+    with pytest.raises(ValueError, match=r"processes=4 exceeds the 3 layers to train .*use processes <= 3"):
+        attention_transfer(copy.deepcopy(sketches), layers, mask, TRAIN, steps=1, processes=4)
+    with pytest.raises(ValueError, match=r"train_idx must be .*\(not a boolean mask\), got \[True, False"):
+        attention_transfer(copy.deepcopy(sketches), layers, mask, torch.tensor([True, False, True, False, True, True]),
+                           steps=1)
+    with pytest.raises(ValueError, match=r"layers must be LayerIO records \(teacher_attention\), got an item of "
+                                         r"type tuple"):
+        attention_transfer(copy.deepcopy(sketches), [tuple(vars(io).values()) for io in layers], mask, TRAIN, steps=1)
+    with pytest.raises(ValueError, match=r"sketches must be converted attention modules .*type str"):
+        attention_transfer(["a", "b", "c"], layers, mask, TRAIN, steps=1)
+    with pytest.raises(ValueError, match=r"group must be a torch.distributed ProcessGroup or None, got str"):
+        attention_transfer(copy.deepcopy(sketches), layers, mask, TRAIN, steps=1, group="world")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(dist, "is_available", lambda: False)
+        with pytest.raises(ValueError, match=r"processes=2: this torch is built without torch.distributed"):
+            attention_transfer(copy.deepcopy(sketches), layers, mask, TRAIN, steps=1, processes=2)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
+        with pytest.MonkeyPatch.context() as mp:  # a default group on NCCL (here a gloo one that says so)
+            mp.setattr(dist, "get_backend", lambda group=None: "nccl")
+            with pytest.raises(ValueError, match=r"the default torch.distributed group has backend 'nccl', which "
+                                                 r"cannot broadcast .*group=torch.distributed.new_group\(backend="
+                                                 r"\"gloo\"\)"):
+                attention_transfer(copy.deepcopy(sketches), layers, mask, TRAIN, steps=1)
         with pytest.raises(ValueError, match=r"processes=2: this process already belongs to a torch.distributed group"):
             attention_transfer(copy.deepcopy(sketches), layers, mask, TRAIN, steps=1, processes=2)
         # a group of one rank: everything trains here, as without a group
@@ -172,6 +259,106 @@ def test_bad_processes_and_groups_are_refused(case):
     finally:
         dist.destroy_process_group()
 
+
+class _Quitting(torch.nn.Module):
+    """A converted layer whose forward pass ends the process with exit code 0 (as a worker that swallowed
+    a KeyboardInterrupt does); run only by the worker that trains it."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    @property
+    def gate(self):
+        return self.inner.gate
+
+    def forward(self, *args, **kwargs):
+        raise SystemExit(0)
+
+
+def _fresh(layers):
+    """The recorded layers in private (not shared) memory: an earlier spread moved the case's there."""
+    import dataclasses
+
+    return [dataclasses.replace(io, q=io.q.clone(), k=io.k.clone(), v=io.v.clone(), out=io.out.clone())
+            for io in layers]
+
+
+def test_processes_3_a_worker_ending_early_is_reported(case):
+    """processes=3, worker 1 ends with exit code 0 before training its layer while worker 2 trains and
+    waits for the group: refused at once, naming it (it used to wait for ever for worker 1); both workers
+    reaped. A SIGALRM turns a hang into a failure."""
+    import signal
+
+    sketches, layers, mask = case[:3]
+    mine = copy.deepcopy(sketches)
+    mine[1] = _Quitting(mine[1])
+
+    def hung(*_):
+        raise TimeoutError("attention_transfer still waits for a worker that has ended")
+
+    before = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(240)
+    try:
+        with _one_thread(), pytest.raises(RuntimeError, match=r"processes=3: spawned worker 1 ended \(exit code 0\) "
+                                                              r"before training its layers"):
+            attention_transfer(mine, layers, mask, TRAIN, steps=STEPS, batch_size=BATCH, seed=SEED, processes=3)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, before)
+    if sys.platform.startswith("linux"):  # both workers ended and reaped (no zombie, none still ending): no
+        # child process left but multiprocessing's resource tracker
+        left = [child for child in _children() if b"resource_tracker" not in child[1]]
+        assert not left, f"child processes left (state, command line): {left}"
+
+
+def _children() -> list[tuple[str, bytes]]:
+    """``(state, command line)`` of this process's child processes (Linux ``/proc``; ``"Z"``: a zombie)."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read()
+        except OSError:  # ended meanwhile
+            continue
+        if int(ppid) == os.getpid():
+            out.append((state, cmd))
+    return out
+
+
+def test_processes_2_small_dev_shm_is_refused(case, monkeypatch):
+    """A recording that does not fit in /dev/shm (a container's 64 MiB): one error naming /dev/shm, the
+    size and processes=1, before any worker is spawned (up front, or when moving the tensors fails)."""
+    import importlib
+
+    import torch.multiprocessing as mp
+
+    lin = importlib.import_module("sketchlab.convert.linearize")
+    sketches, layers, mask = case[:3]
+    fresh = _fresh(layers)
+    need = sum(t.untyped_storage().nbytes() for io in fresh for t in (io.q, io.k, io.v, io.out)) \
+        + mask.untyped_storage().nbytes() + TRAIN.untyped_storage().nbytes()
+
+    def no_spawn(*args, **kwargs):
+        raise AssertionError("a worker was spawned")
+
+    monkeypatch.setattr(mp, "start_processes", no_spawn)
+    monkeypatch.setattr(lin, "_shm_free", lambda: 1024)
+    size = f"{need / 2**20:.1f} MiB"
+    with pytest.raises(RuntimeError, match=rf"the recorded layers \({size}\) do not fit in shared memory /dev/shm "
+                                           r"\(0.0 MiB free\); .*--shm-size\) or use processes=1"):
+        attention_transfer(copy.deepcopy(sketches), fresh, mask.clone(), TRAIN.clone(), steps=1, processes=2)
+
+    def full(self):
+        raise RuntimeError("unable to write to file </torch_1_2_3>: No space left on device (28)")
+
+    monkeypatch.setattr(lin, "_shm_free", lambda: None)
+    monkeypatch.setattr(torch.Tensor, "share_memory_", full)
+    with pytest.raises(RuntimeError, match=rf"\({size}\) do not fit in shared memory /dev/shm \(unable to write to "
+                                           r"file </torch_1_2_3>: No space left on device \(28\)\);"):
+        attention_transfer(copy.deepcopy(sketches), fresh, mask.clone(), TRAIN.clone(), steps=1, processes=2)
 
 
 WORDS = ["[UNK]", "the", "cat", "sat", "on", "mat", ".", "a", "dog", "ran", "and", "hid"]
@@ -220,6 +407,19 @@ def test_cli_processes_reach_the_transfer(tmp_path, capsys, monkeypatch):
     summary = json.loads((out / "linearize.json").read_text())
     assert seen == [2] and summary["settings"]["processes"] == 2
     assert [s["name"] for s in summary["stages"]] == ["init", "transfer"]
+
+
+def test_cli_more_processes_than_layers_exit_2(tmp_path, capsys):
+    """--processes above the model's layer count (3): exit 2, one line naming both, before the teacher pass."""
+    from sketchlab.cli import main
+
+    _model_dir(tmp_path)
+    capsys.readouterr()  # the model's saving
+    rc = main(["linearize", "--model-dir", str(tmp_path / "m"), "--text", str(tmp_path / "t.txt"), "--seq-len", "32",
+               "--threads", "1", "--processes", "4", "--out", str(tmp_path / "o"), "--no-progress"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "processes=4 exceeds the 3 layers to train" in err[0], err
+    assert not (tmp_path / "o").exists()
 
 
 @pytest.mark.parametrize("value", ["0", "-2", "1.5", "two"])

@@ -89,9 +89,10 @@ def add_arguments(sub) -> None:
     cmd.add_argument("--transfer-lr", type=positive_float, default=1e-2,
                      help="learning rate of the attention-transfer stage (default 1e-2)")
     cmd.add_argument("--processes", type=positive_int, default=1, metavar="N",
-                     help="processes of the attention-transfer stage: its layers spread over this one and N-1 "
-                          "spawned workers, each with --threads threads (the same result as 1; the other stages "
-                          "run in this process; default 1)")
+                     help="processes of the attention-transfer stage, at most one per layer: its layers train "
+                          "at once on this one and N-1 spawned workers, each with --threads threads (the same "
+                          "result as 1; each worker's start-up costs ~4.6 CPU s; the recording must fit in /dev/shm; "
+                          "the other stages run in this process; default 1)")
     cmd.add_argument("--lora-steps", type=nonnegative_int, default=0, help="LoRA steps (0: no LoRA stage)")
     cmd.add_argument("--lora-rank", type=positive_int, default=8, help="rank of the LoRA adapters (default 8)")
     cmd.add_argument("--lora-lr", type=positive_float, default=1e-4, help="learning rate of the LoRA stage (default 1e-4)")

@@ -343,20 +343,54 @@ def fit_theta(model, ids, mask, *, p, m, rank=1, fit_tokens=1024, seed=0, fit_op
     return (theta_q, theta_k), {"tokens": n, "fit_tokens": int(q.shape[-2]), "rel_fro": rel_fro, "seconds": seconds}
 
 
-def _check_processes(processes) -> int:
-    """``processes`` as an int >= 1, else a ``ValueError`` naming it; ``> 1`` is refused inside an
-    initialised ``torch.distributed`` group (which spreads the layers by itself)."""
+def _check_processes(processes, layers: int | None = None) -> int:
+    """``processes`` as an int in ``[1, layers]`` (``layers=None``: no upper bound), else a
+    ``ValueError`` naming it (and ``layers``: refused, not clamped, since a process with no layer would
+    only pay its start-up, and a silent clamp would report settings that did not run); ``> 1`` is refused
+    inside an initialised ``torch.distributed`` group (which spreads the layers by itself) and where
+    ``torch.distributed`` is not built in."""
     if isinstance(processes, bool) or not isinstance(processes, numbers.Integral) or processes < 1:
         raise ValueError(f"processes must be an integer >= 1 (the processes stage 1 spreads its layers over), "
                          f"got {processes!r}")
     if processes > 1:
         import torch.distributed as dist
 
-        if dist.is_available() and dist.is_initialized():
+        if not dist.is_available():
+            raise ValueError(f"processes={processes}: this torch is built without torch.distributed, which the "
+                             "spread needs: use processes=1")
+        if dist.is_initialized():
             raise ValueError(f"processes={processes}: this process already belongs to a torch.distributed group "
                              "(torchrun?), over which attention transfer spreads the layers by itself: leave "
                              "processes=1")
+        if layers is not None and processes > layers:
+            raise ValueError(f"processes={processes} exceeds the {layers} layers to train (one layer per process "
+                             f"at most: the others would train nothing): use processes <= {layers}")
     return int(processes)
+
+
+def _check_group(group):
+    """The group stage 1 spreads over: ``group`` itself (a ``ProcessGroup`` with a CPU backend, this
+    process a member), or for ``None`` the default group when ``torch.distributed`` is initialised, else
+    ``None`` (this process alone). A ``ValueError`` names any other value."""
+    if group is None:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        group, what = dist.group.WORLD, "the default torch.distributed group"
+    else:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
+            raise ValueError(f"group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
+        what = "group="
+    if dist.get_rank(group) < 0:
+        raise ValueError("attention_transfer: this process is not a member of group=")
+    backend = str(dist.get_backend(group))
+    if backend not in ("gloo", "mpi") and "cpu:" not in backend:
+        raise ValueError(f"attention_transfer: {what} has backend {backend!r}, which cannot broadcast the CPU "
+                         "tensors stage 1 trains; pass group=torch.distributed.new_group(backend=\"gloo\")")
+    return group
 
 
 def _layer_generator(seed: int, layer: int) -> torch.Generator:
@@ -393,30 +427,56 @@ def _transfer_layer(sketch, io: LayerIO, mask, train_idx, gen, *, steps, lr, map
     return curve
 
 
-def _same_call(sketches, layers, mask, train_idx, group, **options) -> None:
-    """Refuse (on every rank alike, so none waits forever in a broadcast) a spread call whose ranks
-    disagree on what they train: layer count, options, sequences, the maps' sizes and starting values,
-    the teacher's outputs (float64 sums, compared to a relative 1e-6: the same recording on every rank
-    agrees to round-off, another text or model differs at O(1))."""
+#: What :func:`_same_call` compares, in order: exactly, then to a relative 1e-6.
+_SAME_EXACT = ("layers", "steps", "batch_size", "seed (high 32 bits)", "seed (low 32 bits)", "lr", "map_lr",
+               "train_idx", "sum of train_idx", "valid tokens", "trained values")
+_SAME_INEXACT = ("sum of the trained values", "sum of the teacher outputs")
+_MESSAGE_BYTES = 600  # of a refusing rank's message, carried in the same gather
+
+
+def _same_call(sketches, layers, mask, train_idx, group, problem=None, **options) -> None:
+    """Refuse (on every rank alike, so none waits forever in a collective) a spread call that a rank
+    refused by itself (``problem``: its error message, then re-raised there and named on the others), or
+    whose ranks disagree on what they train: layer count, options, sequences, the maps' sizes and starting
+    values, the teacher's outputs (float64 sums, compared to a relative 1e-6: the same recording on every
+    rank agrees to round-off, another text or model differs at O(1)). One ``all_gather``."""
     import torch.distributed as dist
 
-    items = {"layers": len(sketches), "steps": options["steps"], "batch_size": options["batch_size"],
-             "seed": options["seed"] % 2**31, "lr": options["lr"],
-             "map_lr": -1.0 if options["map_lr"] is None else options["map_lr"],
-             "train_idx": len(train_idx), "sum of train_idx": float(train_idx.double().sum()),
-             "valid tokens": float(mask.double().sum()),
-             "trained values": sum(p.numel() for s in sketches for p in _trained(s))}
-    with torch.no_grad():
-        inexact = {"sum of the trained values": sum(float(p.double().sum()) for s in sketches for p in _trained(s)),
-                   "sum of the teacher outputs": sum(float(io.out.sum(dtype=torch.float64)) for io in layers)}
-    mine = torch.tensor([float(v) for v in {**items, **inexact}.values()], dtype=torch.float64)
-    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    if problem is None:
+        seed = options["seed"] % 2**64  # what _layer_generator uses; two float64-exact halves
+        exact = [len(sketches), options["steps"], options["batch_size"], seed >> 32, seed & 0xFFFFFFFF, options["lr"],
+                 -1.0 if options["map_lr"] is None else options["map_lr"], len(train_idx),
+                 float(train_idx.double().sum()), float(mask.double().sum()),
+                 sum(p.numel() for s in sketches for p in _trained(s))]
+        with torch.no_grad():
+            inexact = [sum(float(p.double().sum()) for s in sketches for p in _trained(s)),
+                       sum(float(io.out.sum(dtype=torch.float64)) for io in layers)]
+        text = b""
+    else:
+        exact, inexact = [math.nan] * len(_SAME_EXACT), [math.nan] * len(_SAME_INEXACT)
+        text = problem.encode()[:_MESSAGE_BYTES]
+    message = torch.zeros(_MESSAGE_BYTES, dtype=torch.float64)
+    message[:len(text)] = torch.tensor(list(text), dtype=torch.float64)
+    mine = torch.cat([torch.tensor([float(problem is not None), len(text), *map(float, exact), *map(float, inexact)],
+                                   dtype=torch.float64), message])
+    world = dist.get_world_size(group)
+    every = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(every, mine, group=group)
-    every = torch.stack(every)  # [ranks, items]
-    for j, name in enumerate([*items, *inexact]):
-        col = every[:, j]
+    every = torch.stack(every)  # [ranks, 2 + items + message bytes]
+    refused = [r for r in range(world) if every[r, 0] > 0]
+    if problem is not None:
+        raise ValueError(problem)
+    if refused:
+        r = refused[0]
+        n = int(every[r, 1])
+        said = bytes(int(b) for b in every[r, -_MESSAGE_BYTES:][:n]).decode(errors="replace")
+        raise ValueError(f"attention_transfer over {world} processes: rank {r} refused its arguments ({said}); "
+                         "every rank must call it with the same, valid arguments")
+    values = every[:, 2:-_MESSAGE_BYTES]
+    for j, name in enumerate([*_SAME_EXACT, *_SAME_INEXACT]):
+        col = values[:, j]
         spread = float(col.max() - col.min())
-        if (spread > 0) if j < len(items) else spread > 1e-6 * max(1.0, float(col.abs().max())):
+        if (spread > 0) if j < len(_SAME_EXACT) else spread > 1e-6 * max(1.0, float(col.abs().max())):
             raise ValueError(f"attention_transfer over {len(col)} processes: the ranks disagree on {name} "
                              f"({', '.join(f'{float(x):.10g}' for x in col)} on ranks 0..{len(col) - 1}); "
                              "every rank must call it with the same sketches, recorded layers, mask, train_idx "
@@ -461,22 +521,19 @@ def _train_own(sketches, layers, mask, train_idx, rank: int, world: int, *, step
     return losses
 
 
-def _transfer(sketches, layers, mask, train_idx, *, group, check: bool = True, **options):
-    """Stage 1 on this process's share of the layers (all of them without a group), then shared;
-    ``check``: first refuse ranks called differently (:func:`_same_call`)."""
+def _transfer(sketches, layers, mask, train_idx, *, group, **options):
+    """Stage 1 on this process's share of the layers (all of them without a group), then shared."""
     import torch.distributed as dist
 
     rank, world = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
-    if rank < 0:
-        raise ValueError("attention_transfer: this process is not a member of group=")
-    if world > 1 and check:
-        _same_call(sketches, layers, mask, train_idx, group, **options)
     losses = _train_own(sketches, layers, mask, train_idx, rank, world, **options)
     return _share(sketches, losses, options["steps"], group) if world > 1 else losses
 
 
-#: How long a rank of a ``processes=N`` spread waits for the others in a broadcast: the difference
-#: between the ranks' finishing times (balanced shares, so about one layer's training) must fit.
+#: How long a process of a ``processes=N`` spread waits for the others once it has trained its layers: a
+#: worker waits in the group's rendezvous (and its store) for this process and the other workers to finish
+#: theirs (balanced shares, so about one layer's training plus the difference in start-up); the broadcasts
+#: that follow wait on nothing, every process having trained its share by then.
 SPREAD_TIMEOUT = datetime.timedelta(hours=24)
 
 
@@ -495,58 +552,109 @@ def _end_with(parent: int) -> None:
 
 def _transfer_worker(index, port, world, threads, sketches, layers, mask, train_idx, options, parent):
     """Rank ``index + 1`` of a ``processes=N`` spread (:func:`attention_transfer`; run by
-    ``torch.multiprocessing`` in a spawned process, ``layers`` in shared memory)."""
+    ``torch.multiprocessing`` in a spawned process, ``layers`` in shared memory): trains its layers at
+    once, alongside this process's parent, then says it is ready and joins the group for the broadcasts."""
     import torch.distributed as dist
 
     _end_with(parent)
     rank = index + 1
     torch.set_num_threads(threads)
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=False)
+    mine = copy.deepcopy(sketches)  # the layers are read in place; the sketches, which train, are our own
+    losses = _train_own(mine, layers, mask, train_idx, rank, world, **options)
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=SPREAD_TIMEOUT)
     store.set(f"ready/{rank}", "1")
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=SPREAD_TIMEOUT)
-    try:  # the layers are read in place; the sketches, which train, are this process's own copies
-        _transfer(copy.deepcopy(sketches), layers, mask, train_idx, group=dist.group.WORLD, check=False, **options)
+    try:
+        _share(mine, losses, options["steps"], dist.group.WORLD)
     finally:
         dist.destroy_process_group()
 
 
+def _shared(layers, mask, train_idx) -> None:
+    """The recording moved into shared memory (``/dev/shm`` on Linux) in place, once, before the workers
+    are spawned; a ``RuntimeError`` naming ``/dev/shm``, the size needed and ``processes=1`` when it does
+    not fit (a container's small ``/dev/shm``: Docker's default is 64 MiB)."""
+    tensors = [mask, train_idx, *(t for io in layers for t in (io.q, io.k, io.v, io.out))]
+    storages = {t.untyped_storage().data_ptr(): t for t in tensors if not t.is_shared()}
+    need = sum(t.untyped_storage().nbytes() for t in storages.values())
+    free = _shm_free()
+    if free is not None and need > free:
+        raise RuntimeError(_shm_message(need, f"{free / 2**20:.1f} MiB free"))
+    try:
+        for t in storages.values():
+            t.share_memory_()
+    except RuntimeError as err:
+        raise RuntimeError(_shm_message(need, str(err).splitlines()[0] if str(err) else type(err).__name__)) from err
+
+
+def _shm_free() -> int | None:
+    """Bytes free in ``/dev/shm``, ``None`` where there is none to ask (not Linux)."""
+    try:
+        st = os.statvfs("/dev/shm")
+    except (OSError, AttributeError):
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def _shm_message(need: int, why: str) -> str:
+    return (f"attention_transfer, processes>1: the recorded layers ({need / 2**20:.1f} MiB) do not fit in shared "
+            f"memory /dev/shm ({why}); give /dev/shm at least that much (Docker: --shm-size) or use processes=1")
+
+
+def _stop(ctx, wait: float = 5.0) -> None:
+    """The spawned workers ended: terminated if still running, joined (no zombies), killed if they do not
+    end within ``wait`` seconds."""
+    for proc in ctx.processes:
+        if proc.is_alive():
+            proc.terminate()
+    for proc in ctx.processes:
+        proc.join(wait)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+
+
 def _spawned(sketches, layers, mask, train_idx, processes: int, options: dict) -> list[list[float]]:
     """Stage 1 spread over this process (rank 0) and ``processes − 1`` spawned workers (gloo on
-    localhost); the trained parameters reach this process's ``sketches`` through the broadcasts."""
+    localhost), all training at once; the trained parameters reach this process's ``sketches`` through
+    the broadcasts once every process has trained its share."""
     import torch.distributed as dist
     import torch.multiprocessing as mp
     from torch.multiprocessing.spawn import ProcessException
 
-    store = dist.TCPStore("127.0.0.1", 0, processes, is_master=True, wait_for_workers=False)
+    _shared(layers, mask, train_idx)
+    store = dist.TCPStore("127.0.0.1", 0, processes, is_master=True, wait_for_workers=False, timeout=SPREAD_TIMEOUT)
     ctx = mp.start_processes(_transfer_worker, nprocs=processes - 1, join=False, start_method="spawn",
                              args=(store.port, processes, torch.get_num_threads(), copy.deepcopy(sketches),
                                    layers, mask, train_idx, options, os.getpid()))  # copies: ours stay put
-    try:  # this process's layers train while the workers start (the same call everywhere: no _same_call)
+    try:  # this process's layers train while the workers start and train theirs (the same call everywhere:
+        # no _same_call); the group forms once every process has trained its share
         losses = _train_own(sketches, layers, mask, train_idx, 0, processes, **options)
-        keys = [f"ready/{rank}" for rank in range(1, processes)]
-        while not store.check(keys):  # the workers up (imports, shared tensors mapped) before the group
-            if ctx.join(timeout=0.05):  # True only when every worker has ended (a failed one raises)
-                raise RuntimeError("attention_transfer: the spawned workers ended before joining the group")
+        for rank in range(1, processes):  # every worker done training before the group
+            while not store.check([f"ready/{rank}"]):
+                ctx.join(timeout=0.05)  # raises ProcessException when a worker failed
+                if ctx.processes[rank - 1].exitcode is not None and not store.check([f"ready/{rank}"]):
+                    raise RuntimeError(f"attention_transfer, processes={processes}: spawned worker {rank} ended "
+                                       f"(exit code {ctx.processes[rank - 1].exitcode}) before training its layers")
         dist.init_process_group("gloo", store=store, rank=0, world_size=processes, timeout=SPREAD_TIMEOUT)
         try:
-            losses = _share(sketches, losses, options["steps"], dist.group.WORLD)
+            try:
+                losses = _share(sketches, losses, options["steps"], dist.group.WORLD)
+            except RuntimeError as err:  # gloo's error when a peer is gone: the worker's own error too, if any
+                try:
+                    ctx.join(timeout=10)
+                except ProcessException as worker_err:
+                    raise RuntimeError(f"attention_transfer, processes={processes}: {err}; a spawned worker "
+                                       f"failed: {worker_err}") from err
+                raise
             while not ctx.join():  # the workers leave the group first, then this process
                 pass
         finally:
             dist.destroy_process_group()
     except ProcessException as err:  # a worker failed: its exception and traceback
         raise RuntimeError(f"attention_transfer, processes={processes}: a spawned worker failed: {err}") from None
-    except RuntimeError as err:  # gloo's error when a peer is gone: the worker's own error too, if any
-        try:
-            ctx.join(timeout=10)
-        except ProcessException as worker_err:
-            raise RuntimeError(f"attention_transfer, processes={processes}: {err}; a spawned worker failed: "
-                               f"{worker_err}") from err
-        raise
     finally:
-        for proc in ctx.processes:
-            if proc.is_alive():
-                proc.terminate()
+        _stop(ctx)
     return losses
 
 
@@ -570,33 +678,45 @@ def attention_transfer(sketches, layers: list[LayerIO], mask, train_idx, *, step
     steps : int >= 0
         Adam steps per layer, each on ``batch_size`` sequences drawn with replacement from
         ``train_idx``; loss ``mean((o − o_teacher)²)`` over their valid tokens.
-    lr, map_lr : float
-        ``lr``: the gate's learning rate; ``map_lr``: the feature maps' (``None``: ``lr``; ``0``: the
-        maps stay fixed).
+    lr : float >= 0
+        The gate's learning rate.
+    map_lr : float or None
+        The feature maps' learning rate (``None``: ``lr``; ``0``: the maps stay fixed).
+    batch_size : int >= 1
+        Sequences per Adam step (``min(batch_size, len(train_idx))``).
     seed : int
         Layer ``i`` (its position in ``sketches``) draws its batches from its own generator seeded
         from ``(seed, i)`` (numpy's ``SeedSequence``), so a layer trains the same on whichever process
         trains it. (Before the spread, one generator served the layers in turn; the batches, and so
         the trained maps, differ from those of that version.)
+    progress : bool
+        Print each layer's first and last loss as it finishes (with the process that trained it).
     processes : int >= 1
-        ``N > 1``: this process and ``N − 1`` workers it spawns (``torch.multiprocessing``, gloo on
-        localhost) share the layers, layer ``i`` on process ``i % N``; the recorded ``layers``,
-        ``mask`` and ``train_idx`` reach the workers through shared memory (moved there, not
-        copied per worker), each worker training copies of its layers' sketches with this process's
-        ``torch.get_num_threads()`` threads while this process trains its own. A worker's start-up
-        (imports of torch, sketchlab, ``torch.optim``: some 5 CPU seconds) is the price, so it pays
-        once a process's share of the training takes longer than that. Spawned workers import the
-        caller's main module: a script calling this needs the usual ``if __name__ == "__main__":``
-        guard; on Linux they end with this process if it is killed. Refused inside an initialised
-        ``torch.distributed`` group (use the group, below).
+        ``N > 1`` (at most one per layer): this process and ``N − 1`` workers it spawns
+        (``torch.multiprocessing``) share the layers, layer ``i`` on process ``i % N``, all training at
+        once: each worker, as soon as it has started, trains copies of its layers' sketches with this
+        process's ``torch.get_num_threads()`` threads while this process trains its own; once every
+        process is done, the trained values are broadcast to this process (gloo on localhost). The
+        recorded ``layers``, ``mask`` and ``train_idx`` reach the workers through shared memory (moved
+        there once, in place, not copied per worker). A worker's start-up (imports of torch, sketchlab,
+        ``torch.optim``: 4.6 CPU seconds measured, ``analysis/results/transfer_spread.md``) delays its
+        share: with a core per process the stage takes about ``T/N + c`` for ``T`` on one process and
+        ``c`` the start-up, so it pays once ``T > c·N/(N − 1)``. Spawned workers import the caller's
+        main module: a script calling this needs the usual ``if __name__ == "__main__":`` guard; the
+        recording must fit in ``/dev/shm`` (a container's default can be 64 MiB: refused up front,
+        naming the size; enlarge it, e.g. Docker's ``--shm-size``, or use ``processes=1``); on Linux the
+        workers end with this process if it is killed. Refused inside an initialised
+        ``torch.distributed`` group (use the group, below) and without ``torch.distributed``.
     group : torch.distributed ProcessGroup or None
-        The processes to spread over. ``None``: the default group when ``torch.distributed`` is
-        initialised (e.g. under ``torchrun --nproc-per-node N``, backend gloo on the CPU), else this
+        The processes to spread over, with a CPU backend (gloo; an NCCL group is refused: pass
+        ``torch.distributed.new_group(backend="gloo")``). ``None``: the default group when
+        ``torch.distributed`` is initialised (e.g. under ``torchrun --nproc-per-node N``), else this
         process alone. Over a group of ``W`` ranks every rank must call this with the same
-        arguments (a collective call: checked up front, every rank refusing a mismatch alike); rank
-        ``r`` trains layers ``r, r + W, …``, then every layer's trained parameters and loss curve
-        are broadcast from its rank to the others, so every rank ends with the same sketches and the
-        same return value. A rank waits in the broadcasts for the slowest one: the group's timeout
+        arguments (a collective call: checked up front in one ``all_gather``, every rank refusing
+        alike a mismatch or an argument one rank refused by itself); rank ``r`` trains layers ``r,
+        r + W, …``, then every layer's trained parameters and loss curve are broadcast from its rank
+        to the others, so every rank ends with the same sketches and the same return value. A rank
+        waits in the broadcasts for the slowest one: the group's timeout
         (``init_process_group(timeout=)``) must exceed that wait.
 
     Returns
@@ -611,6 +731,29 @@ def attention_transfer(sketches, layers: list[LayerIO], mask, train_idx, *, step
     process (``tests/test_linearize_spread.py``). Only this stage is spread; :func:`linearize`'s
     teacher pass, fit, gate calibration, evaluation and LoRA run in the calling process.
     """
+    group = _check_group(group)
+    world = 1 if group is None else torch.distributed.get_world_size(group)
+    try:  # with a group of several ranks, a refusal here reaches every rank (_same_call), none left waiting
+        train_idx, options, processes = _checked(sketches, layers, mask, train_idx, steps=steps, lr=lr, map_lr=map_lr,
+                                                 batch_size=batch_size, seed=seed, progress=progress,
+                                                 processes=processes)
+        if processes > 1 and group is not None:
+            raise ValueError(f"processes={processes} spawns its own workers; with group= the layers spread over "
+                             "that group: give one or the other")
+    except ValueError as err:
+        if world > 1:
+            _same_call(sketches, layers, mask, train_idx, group, problem=str(err))
+        raise
+    if processes > 1:
+        return _spawned(sketches, layers, mask, train_idx, processes, options)
+    if world > 1:
+        _same_call(sketches, layers, mask, train_idx, group, **options)
+    return _transfer(sketches, layers, mask, train_idx, group=group, **options)
+
+
+def _checked(sketches, layers, mask, train_idx, *, steps, lr, map_lr, batch_size, seed, progress, processes):
+    """:func:`attention_transfer`'s arguments checked on this process: ``(train_idx as a tensor, the
+    options, processes)``, else a ``ValueError`` naming the first bad one."""
     if map_lr is not None and not (isinstance(map_lr, (int, float)) and not isinstance(map_lr, bool)
                                    and 0 <= map_lr < float("inf")):
         raise ValueError(f"map_lr must be None or a finite number >= 0, got {map_lr!r}")
@@ -618,36 +761,36 @@ def attention_transfer(sketches, layers: list[LayerIO], mask, train_idx, *, step
         raise ValueError(f"lr must be a finite number >= 0, got {lr!r}")
     steps = check_nonnegative_int(steps, "steps")
     batch_size = check_positive_int(batch_size, "batch_size")
-    processes = _check_processes(processes)
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
         raise ValueError(f"seed must be an integer, got {seed!r}")
+    bad = next((type(io).__name__ for io in layers if not isinstance(io, LayerIO)), None)
+    if bad is not None:
+        raise ValueError(f"layers must be LayerIO records (teacher_attention), got an item of type {bad}")
+    bad = next((type(s).__name__ for s in sketches if not isinstance(s, nn.Module)), None)
+    if bad is not None:
+        raise ValueError(f"sketches must be converted attention modules (convert_attention), got an item of type {bad}")
     if len(sketches) != len(layers):
         raise ValueError(f"attention transfer: {len(sketches)} sketches for {len(layers)} recorded layers; "
                          "give one recorded layer (LayerIO) per converted layer")
+    processes = _check_processes(processes, len(sketches))
     if any(not _trained(s) for s in sketches):
         raise ValueError("attention transfer: the converted layers have no trainable parameters (learn=False?)")
     if not (isinstance(mask, torch.Tensor) and mask.dim() == 2 and all(
             tuple(io.out.shape[:2]) == tuple(mask.shape) for io in layers)):
         raise ValueError(f"mask must be a tensor [N, T] matching the recorded layers' sequences "
                          f"{[tuple(io.out.shape[:2]) for io in layers[:1]]}, got {getattr(mask, 'shape', mask)!r}")
-    train_idx = torch.as_tensor(train_idx)
-    if train_idx.dim() != 1 or train_idx.numel() == 0 or train_idx.is_floating_point() \
-            or int(train_idx.min()) < 0 or int(train_idx.max()) >= mask.shape[0]:
-        raise ValueError(f"train_idx must be a non-empty list of sequence indices in [0, {mask.shape[0]}), "
-                         f"got {train_idx.tolist()}")
-    if group is None:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            group = dist.group.WORLD
+    try:
+        idx = torch.as_tensor(train_idx)
+    except (TypeError, ValueError, RuntimeError):
+        idx = None
+    if idx is None or idx.dim() != 1 or idx.numel() == 0 or idx.is_floating_point() or idx.dtype == torch.bool \
+            or idx.is_complex() or int(idx.min()) < 0 or int(idx.max()) >= mask.shape[0]:
+        shown = idx.tolist() if idx is not None else train_idx
+        raise ValueError(f"train_idx must be a non-empty list of integer sequence indices in [0, {mask.shape[0]}) "
+                         f"(not a boolean mask), got {shown!r}")
     options = dict(steps=steps, lr=float(lr), map_lr=None if map_lr is None else float(map_lr),
                    batch_size=batch_size, seed=int(seed), progress=progress)
-    if processes > 1:
-        if group is not None:
-            raise ValueError(f"processes={processes} spawns its own workers; with group= the layers spread over "
-                             "that group: give one or the other")
-        return _spawned(sketches, layers, mask, train_idx, processes, options)
-    return _transfer(sketches, layers, mask, train_idx, group=group, **options)
+    return idx, options, processes
 
 
 _LORA_TARGETS = {
@@ -848,6 +991,7 @@ def linearize(model: nn.Module, texts, *, tokenizer=None, attention: str = "llop
     # the map the conversion will use, checked before the teacher is recorded and Θ fitted
     tied = _resolve_tied(tied, attention, feature_map, p, family, has_theta=fitting)
     _, sites = attention_sites(model)
+    _check_processes(processes, len(sites))  # at most one process per layer, before any work
     itemsize = next(model.parameters()).element_size()
     per_token = sum((2 * s.heads + 2 * s.kv_heads) * s.head_dim for s in sites) * itemsize
     check_memory(per_token * ids.numel(), max_bytes=max_bytes,
