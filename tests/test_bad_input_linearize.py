@@ -12,12 +12,10 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 
 from sketchlab.cli import main
 
 TEACHER = Path(__file__).parent.parent / "data" / "mqar_softmax"
-WORDS = ["[UNK]", "the", "cat", "sat", "on", "mat", ".", "a", "dog", "ran", "and", "hid"]
 
 
 def _tree(root: Path) -> dict:
@@ -51,20 +49,11 @@ def _exit_2(argv, capsys, match):
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     """A tiny random GPT-2 with a word-level tokenizer, and a text file."""
-    import transformers
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    from tests.test_cli_linearize_lm import _model_dir, _text_file
 
     root = tmp_path_factory.mktemp("lm")
-    cfg = transformers.GPT2Config(vocab_size=len(WORDS), n_embd=16, n_layer=2, n_head=2, n_positions=64,
-                                  bos_token_id=0, eos_token_id=0)
-    torch.manual_seed(0)
-    transformers.GPT2LMHeadModel(cfg).save_pretrained(root / "m")
-    tok = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(root / "m")
-    gen = torch.Generator().manual_seed(0)
-    (root / "t.txt").write_text(" ".join(WORDS[1 + int(i)] for i in torch.randint(0, len(WORDS) - 1, (200,),
-                                                                                    generator=gen)))
+    _model_dir(root / "m")
+    _text_file(root / "t.txt", 200)
     return root
 
 

@@ -14,10 +14,11 @@ from sketchlab.convert import load_linearized
 WORDS = ["[UNK]", "the", "cat", "sat", "on", "mat", ".", "a", "dog", "ran", "and", "hid"]
 
 
-def _model_dir(path):
+def _model_dir(path, n_layer: int = 2):
+    """A tiny random GPT-2 (``n_layer`` layers) saved with a word-level tokenizer over WORDS at ``path``."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    cfg = transformers.GPT2Config(vocab_size=len(WORDS), n_embd=16, n_layer=2, n_head=2, n_positions=64,
+    cfg = transformers.GPT2Config(vocab_size=len(WORDS), n_embd=16, n_layer=n_layer, n_head=2, n_positions=64,
                                   bos_token_id=0, eos_token_id=0)
     torch.manual_seed(0)
     transformers.GPT2LMHeadModel(cfg).save_pretrained(path)
@@ -26,11 +27,15 @@ def _model_dir(path):
     transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(path)
 
 
+def _text_file(path, words: int) -> None:
+    """``words`` random words of WORDS (not the unknown token), seed 0, written to ``path``."""
+    gen = torch.Generator().manual_seed(0)
+    path.write_text(" ".join(WORDS[1 + int(i)] for i in torch.randint(0, len(WORDS) - 1, (words,), generator=gen)))
+
+
 def test_cli_linearize_model_dir(tmp_path, capsys):
     _model_dir(tmp_path / "m")
-    gen = torch.Generator().manual_seed(0)
-    text = " ".join(WORDS[1 + int(i)] for i in torch.randint(0, len(WORDS) - 1, (400,), generator=gen))
-    (tmp_path / "t.txt").write_text(text)
+    _text_file(tmp_path / "t.txt", 400)
     out = tmp_path / "lin"
     rc = main(["linearize", "--model-dir", str(tmp_path / "m"), "--text", str(tmp_path / "t.txt"),
                "--attention", "hedgehog", "--m", "8", "--window", "4", "--sinks", "1", "--seq-len", "32",
@@ -43,7 +48,7 @@ def test_cli_linearize_model_dir(tmp_path, capsys):
     assert summary["settings"]["sequences"] == 13 and summary["settings"]["window"] == 4
     assert "| transfer |" in (out / "linearize.md").read_text()
     # the saved model reloads onto the teacher architecture with identical outputs
-    ids = torch.randint(1, len(WORDS), (1, 20), generator=gen)
+    ids = torch.randint(1, len(WORDS), (1, 20), generator=torch.Generator().manual_seed(1))
     fresh = load_linearized(out / "model", transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "m"))
     again = load_linearized(out / "model", transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "m"))
     with torch.no_grad():

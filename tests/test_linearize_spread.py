@@ -361,24 +361,12 @@ def test_processes_2_small_dev_shm_is_refused(case, monkeypatch):
         attention_transfer(copy.deepcopy(sketches), fresh, mask.clone(), TRAIN.clone(), steps=1, processes=2)
 
 
-WORDS = ["[UNK]", "the", "cat", "sat", "on", "mat", ".", "a", "dog", "ran", "and", "hid"]
-
-
 def _model_dir(root):
-    """A tiny random GPT-2 with a word-level tokenizer, and a text file."""
-    import transformers
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    """A tiny random GPT-2 of 3 layers and a text file of 300 words under ``root``."""
+    from tests.test_cli_linearize_lm import _model_dir as model_dir, _text_file
 
-    cfg = transformers.GPT2Config(vocab_size=len(WORDS), n_embd=16, n_layer=3, n_head=2, n_positions=64,
-                                  bos_token_id=0, eos_token_id=0)
-    torch.manual_seed(0)
-    transformers.GPT2LMHeadModel(cfg).save_pretrained(root / "m")
-    tok = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(root / "m")
-    gen = torch.Generator().manual_seed(0)
-    (root / "t.txt").write_text(" ".join(WORDS[1 + int(i)] for i in torch.randint(0, len(WORDS) - 1, (300,),
-                                                                                    generator=gen)))
+    model_dir(root / "m", n_layer=3)
+    _text_file(root / "t.txt", 300)
 
 
 def test_cli_processes_reach_the_transfer(tmp_path, capsys, monkeypatch):
