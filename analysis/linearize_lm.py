@@ -212,6 +212,22 @@ def transfer_key(name, window, args, theta=None) -> str:
     return "_".join(parts)
 
 
+def finished_smollm2(json_path: Path, command: str) -> dict:
+    """``--resume``: the finished SmolLM2 part (``{"smollm2", "smollm2_seconds"}``, perplexities keyed by
+    int context, marked ``resumed``) of the JSON that ``command`` wrote at ``json_path``; ``{}`` if that part
+    had not finished. A JSON written by another command is refused (``SystemExit``)."""
+    prev = json.loads(json_path.read_text(encoding="utf-8"))
+    if prev.get("command") != command:
+        raise SystemExit(f"--resume: {json_path} was written by `{prev.get('command')}`, not by this command")
+    if "smollm2_seconds" not in prev:
+        return {}
+    part = prev["smollm2"]
+    part["resumed"] = True
+    for row in part["rows"]:
+        row["ppl"] = {int(c): v for c, v in row["ppl"].items()}
+    return {"smollm2": part, "smollm2_seconds": prev["smollm2_seconds"]}
+
+
 def trainable(sketches) -> bool:
     """Whether the converted layers have any parameter to train (a fixed map without a gate has none)."""
     return any(p.requires_grad for s in sketches for p in s.parameters())
@@ -697,15 +713,8 @@ def main() -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     out["command"] = command
     if args.resume:
-        prev = json.loads(path.with_suffix(".json").read_text(encoding="utf-8"))
-        if prev.get("command") != command:
-            raise SystemExit(f"--resume: {path.with_suffix('.json')} was written by `{prev.get('command')}`, "
-                             f"not by this command")
-        if "smollm2_seconds" in prev:
-            out["smollm2"], out["smollm2_seconds"] = prev["smollm2"], prev["smollm2_seconds"]
-            out["smollm2"]["resumed"] = True
-            for row in out["smollm2"]["rows"]:
-                row["ppl"] = {int(c): v for c, v in row["ppl"].items()}
+        out.update(finished_smollm2(path.with_suffix(".json"), command))
+        if "smollm2" in out:
             log(f"SmolLM2 part read back from {path.with_suffix('.json')}")
 
     def save() -> None:
