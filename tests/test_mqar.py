@@ -169,6 +169,25 @@ def test_small_rope_base_gives_finite_outputs():
     assert bool(torch.isfinite(model(torch.arange(10).reshape(1, 10))).all())
 
 
+def test_rope_base_none_is_no_positional_encoding():
+    """rope_base=None (NoPE): without the short conv, one causal attention layer sees the earlier tokens
+    as a set, so the last position's logits do not depend on their order (float64, to round-off; with
+    more layers the earlier positions' own prefixes differ); with RoPE they do. An odd head dimension
+    is allowed then (no rotation pairs)."""
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    shuffled = ids[:, [4, 0, 6, 2, 1, 5, 3, 7]]  # the first 7 permuted, the last kept
+    for base, same in ((None, True), (10000.0, False)):
+        torch.manual_seed(0)
+        model = TransformerLM(TransformerConfig(vocab_size=10, d_model=16, n_heads=2, n_layers=1,
+                                                rope_base=base)).double().eval()
+        with torch.no_grad():
+            a, b = model(ids)[0, -1], model(shuffled)[0, -1]
+        assert torch.allclose(a, b, rtol=0, atol=1e-12) is same, (base, float((a - b).abs().max()))
+    TransformerLM(TransformerConfig(vocab_size=10, d_model=6, n_heads=2, n_layers=1, rope_base=None))  # head dim 3
+    with pytest.raises(ValueError, match="must be even for RoPE, got 3"):
+        TransformerConfig(vocab_size=10, d_model=6, n_heads=2)
+
+
 # ---------------------------------------------------------------------------------------------
 # training and checkpoints
 

@@ -160,7 +160,11 @@ def apply_rope(x: torch.Tensor, *, base: float = 10000.0, offset: int = 0) -> to
 
 @dataclass(frozen=True)
 class TransformerConfig:
-    """Hyper-parameters of :class:`TransformerLM` (all stored in the checkpoint's JSON)."""
+    """Hyper-parameters of :class:`TransformerLM` (all stored in the checkpoint's JSON).
+
+    ``rope_base``: the base of the rotary embedding applied to q and k, or ``None`` for no positional
+    encoding (NoPE: Zoology's MQAR models have none; order then comes only from causality and
+    ``short_conv``)."""
 
     vocab_size: int
     d_model: int = 128
@@ -168,7 +172,7 @@ class TransformerConfig:
     n_layers: int = 4
     mlp_ratio: int = 4
     attention: str = "softmax"
-    rope_base: float = 10000.0
+    rope_base: float | None = 10000.0
     short_conv: int = 0
     attention_options: dict = field(default_factory=dict)
 
@@ -179,14 +183,16 @@ class TransformerConfig:
             raise ValueError(f"short_conv must be an integer >= 0 (0 = none), got {self.short_conv!r}")
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model must be divisible by n_heads, got d_model={self.d_model}, n_heads={self.n_heads}")
-        if self.head_dim % 2:
-            raise ValueError(f"head dimension d_model/n_heads must be even for RoPE, got {self.head_dim}")
+        if self.head_dim % 2 and self.rope_base is not None:
+            raise ValueError(f"head dimension d_model/n_heads must be even for RoPE, got {self.head_dim} "
+                             "(rope_base=None: no positional encoding)")
         if not isinstance(self.attention, str) or self.attention not in _ATTENTION:
             raise ValueError(f"attention must be one of {attention_registry()}, got {self.attention!r}")
         rb = self.rope_base
         # θ_i = base^{-2i/D}: base <= 0 gives NaN/inf angles, base == 1 gives no rotation at all
-        if isinstance(rb, bool) or not isinstance(rb, numbers.Real) or not math.isfinite(rb) or rb <= 1:
-            raise ValueError(f"rope_base must be a finite number > 1 (RoPE frequencies base^(-2i/D)), got {rb!r}")
+        if rb is not None and (isinstance(rb, bool) or not isinstance(rb, numbers.Real) or not math.isfinite(rb) or rb <= 1):
+            raise ValueError(f"rope_base must be a finite number > 1 (RoPE frequencies base^(-2i/D)) or None "
+                             f"(no positional encoding), got {rb!r}")
         opts = self.attention_options
         if not isinstance(opts, dict) or not all(isinstance(key, str) for key in opts):
             raise TypeError(f"attention_options must be a dict with string keys, got {opts!r}")
@@ -239,8 +245,11 @@ class CausalSelfAttention(nn.Module):
                 x = self.conv(xx.transpose(1, 2))[..., c - 1:c - 1 + T].transpose(1, 2)  # [B, T, d]
             else:
                 x = self.conv(x.transpose(1, 2))[..., :T].transpose(1, 2)  # [B, T, d]
-        q = apply_rope(self.q_proj(x).view(B, T, H, D), base=self.rope_base, offset=offset)  # [B, T, H, D]
-        k = apply_rope(self.k_proj(x).view(B, T, H, D), base=self.rope_base, offset=offset)  # [B, T, H, D]
+        q = self.q_proj(x).view(B, T, H, D)  # [B, T, H, D]
+        k = self.k_proj(x).view(B, T, H, D)  # [B, T, H, D]
+        if self.rope_base is not None:  # None: no positional encoding (Zoology's models: the short conv orders)
+            q = apply_rope(q, base=self.rope_base, offset=offset)
+            k = apply_rope(k, base=self.rope_base, offset=offset)
         v = self.v_proj(x).view(B, T, H, D)  # [B, T, H, D]
         if stateful:
             step = getattr(self.attn, "step", None)
