@@ -62,6 +62,20 @@ MODULES = {
     "tasks": ["sketchlab/tasks/*.py"],
     # the Triton kernels (sketchlab/attention/triton/) are not mutated: see setup.cfg [mutmut]
     "attention": ["sketchlab/attention/*.py"],
+    "convert": ["sketchlab/convert/*.py"],
+    "compare": ["sketchlab/compare.py"],
+    "fit": ["sketchlab/fit.py"],
+    "capture": ["sketchlab/capture.py"],
+    "featuremaps": ["sketchlab/featuremaps.py"],
+    "io": ["sketchlab/io/*.py"],
+    "sketch": ["sketchlab/sketch.py"],
+    "objective": ["sketchlab/objective.py"],
+    "demo": ["sketchlab/demo.py"],
+    "plots": ["sketchlab/plots.py"],
+    "sketches/other": ["sketchlab/sketches/based.py", "sketchlab/sketches/elementwise.py",
+                       "sketchlab/sketches/mlp.py", "sketchlab/sketches/tensorsketch.py",
+                       "sketchlab/sketches/_common.py"],
+    "internals": ["sketchlab/_dumpsel.py", "sketchlab/_threads.py", "sketchlab/_validation.py"],
 }
 
 #: mutmut's exit-code meaning (mutmut.stats.status_by_exit_code, restated so the report does not
@@ -494,8 +508,11 @@ def _score(caught: int, checked: int) -> str:
 #: The report's groups (issue 21): group -> the ``MODULES`` labels it sums.
 GROUPS = {"attention/": ["attention"], "llops/": ["llops"], "optimal": ["optimal"], "spectral": ["spectral"],
           "polynomial": ["polynomial"], "tasks/": ["tasks"], "cli": ["cli"],
-          "others": ["metrics", "sketches/psf", "sketches/convert", "scaling", "spectrum", "advise", "verify",
-                     "export"]}
+          "toolkit (scaling, spectrum, advise, verify, export, compare, fit)": [
+              "scaling", "spectrum", "advise", "verify", "export", "compare", "fit"],
+          "convert/": ["convert"], "capture + io/": ["capture", "io"],
+          "sketches/ + featuremaps": ["sketches/psf", "sketches/convert", "sketches/other", "featuremaps"],
+          "others": ["metrics", "objective", "sketch", "demo", "plots", "internals"]}
 
 #: The sampled results on record, for the per-group table when ``mutants/`` is gone: per module the
 #: sample size, the source commit the mutants were made from, and the survivors by name (every other
@@ -581,14 +598,17 @@ def kind(name: str) -> str:
     return "not killed"
 
 
-def group_table(record: dict[str, tuple[int, str, list[str]]] | None = None) -> str:
+def group_table(record: dict[str, tuple[int, str, list[str]]] | None = None,
+                groups: dict[str, list[str]] | None = None) -> str:
     """The per-group markdown table: killed / checked (the run's kills plus the survivors killed since),
-    its 95% Wilson interval, and the same with the equivalent survivors left out of the count."""
+    its 95% Wilson interval, and the same with the equivalent survivors left out of the count.
+    ``groups`` defaults to ``GROUPS``; ``{label: [label] for label in MODULES}`` gives one row per module."""
     record = RECORD if record is None else record
+    groups = GROUPS if groups is None else groups
     lines = ["| group | modules (source) | checked | killed in the run | killed since | equivalent | not killed "
              "| killed / checked (95% CI) | killed / non-equivalent (95% CI) |",
              "|---|---|---|---|---|---|---|---|---|"]
-    for group, labels in GROUPS.items():
+    for group, labels in groups.items():
         rows = [(lb, *record[lb]) for lb in labels if lb in record]
         if not rows:
             lines.append(f"| {group} | not sampled | 0 | | | | | not run | not run |")
@@ -688,6 +708,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.groups:
         print(group_table())
+        print()
+        print(group_table(groups={label: [label] for label in MODULES}))
         return 0
     labels = [m.strip() for m in args.modules.split(",") if m.strip()]
     unknown = [m for m in labels if m not in MODULES]
