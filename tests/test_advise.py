@@ -149,3 +149,14 @@ def test_bracket_jumps_to_the_predicted_m(ratio, answer, calls):
 
     assert _practical_m(fit_at, floor, 20, 64, 1e-6) == answer
     assert made == calls
+
+
+def test_one_size_below_the_rank_bound_is_advised_and_none_is_refused():
+    """Two fitting tokens (n = 3, holdout 1): A has rank at most 2, so m = 1 is the one size below the
+    bound and is advised (the floor's own size); one fitting token leaves none and is refused."""
+    torch.manual_seed(0)
+    q, k = torch.randn(1, 1, 3, 4, dtype=torch.float64), torch.randn(1, 1, 3, 4, dtype=torch.float64)
+    head = advise((q, k), p=2, target=0.5).heads[0]
+    assert head.floor_m == 1 and head.practical_m == 1 and list(head.fits) == [1]
+    with pytest.raises(ValueError, match="the 1 fitting tokens leave no sketch size below the rank bound"):
+        advise((q[:, :, :2], k[:, :, :2]), p=2, target=0.5)
