@@ -236,6 +236,14 @@ REVIEWED: dict[str, str] = {
     "sketchlab.spectrum.x_kernel_singular_values__mutmut_81": (
         "Not killed: the memory refusal of kernel_singular_values loses its description of the tensor (what=None); "
         "no test drives this call over the memory budget (check_memory's own message is tested elsewhere)."),
+    "sketchlab.featuremaps.xǁLLoPSMapǁ__init____mutmut_36": _KILLED_TODAY + (
+        "test_featuremaps.py::test_llops_map_random_start_is_the_seeds (the seed was not used: the global RNG drew Θ)."),
+    "sketchlab.capture.x__heads__mutmut_9": (
+        "Not killed: the message of the internal check that a hooked module returned [B, T, features] becomes "
+        "None (same ValueError); no test hooks a module with another output rank."),
+    "sketchlab.capture.x_capture_qk__mutmut_121": (
+        "Not killed: capture_qk(modules={'attention': [...]}) records meta['captured'] = 'projections' instead of "
+        "'attention-inputs'; no test captures through explicit attention modules and reads that field."),
     "sketchlab.featuremaps.xǁHedgehogMapǁ__init____mutmut_33": (
         _EQUIV + "the identity initialisation is built in the default dtype instead of float64 and then cast to "
                  "the map's dtype; 0 and 1 are exact in every float dtype."),
