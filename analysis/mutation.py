@@ -244,6 +244,12 @@ REVIEWED: dict[str, str] = {
     "sketchlab.capture.x_capture_qk__mutmut_121": (
         "Not killed: capture_qk(modules={'attention': [...]}) records meta['captured'] = 'projections' instead of "
         "'attention-inputs'; no test captures through explicit attention modules and reads that field."),
+    "sketchlab.io.atomic.x_check_output_paths__mutmut_31": _KILLED_TODAY + (
+        "test_io.py::test_missing_output_directory_names_the_output_and_its_path."),
+    "sketchlab.io.formats.x__json_depth__mutmut_20": (
+        "Not killed (equivalent on every valid JSON text): 'X' also counts as an opening bracket, and X never "
+        "occurs outside a string in valid JSON; only an invalid text with X's outside strings could then be "
+        "refused for its depth instead of its syntax (the same ValueError class, another message)."),
     "sketchlab.featuremaps.xǁHedgehogMapǁ__init____mutmut_33": (
         _EQUIV + "the identity initialisation is built in the default dtype instead of float64 and then cast to "
                  "the map's dtype; 0 and 1 are exact in every float dtype."),
