@@ -219,9 +219,9 @@ REVIEWED: dict[str, str] = {
         "test_export.py::test_export_errors (the refusal names the argument 'path')."),
     "sketchlab.export.x_export_theta__mutmut_71": _KILLED_TODAY + (
         "test_export.py::test_a_shared_theta_is_exported_for_both_sides (no test exported a one-Θ sketch)."),
-    "sketchlab.export.x__dump_sha256__mutmut_8": (
-        "Not killed: the source hash of a multi-part NAME.npy dump *without* its meta.json (the parts' hashes "
-        "in order) is not exported by any test; the tests' dumps are .safetensors files or .npy dumps with meta."),
+    "sketchlab.export.x__dump_sha256__mutmut_8": _KILLED_TODAY + (
+        "test_export.py::test_source_hash_of_an_npy_dump_with_and_without_its_meta (no test exported from a "
+        ".npy dump without its meta.json)."),
     "sketchlab.verify.x__special_sketches__mutmut_47": (
         _WORDING + "the name of one special-sketch check, 'PSF self-tensored', is upper-cased; the check itself "
                    "is unchanged and the tests assert the checks' results, not each label's case."),

@@ -202,3 +202,23 @@ def test_a_shared_theta_is_exported_for_both_sides(dump_file, tmp_path):
     assert meta["method"] == "psf"
     assert torch.equal(theta_k, theta_q)
     assert torch.equal(theta_q.reshape(llops.theta_q.shape), llops.theta_q.detach())
+
+
+def test_source_hash_of_an_npy_dump_with_and_without_its_meta(tmp_path):
+    """``source_sha256`` of a ``NAME.npy`` dump: the SHA-256 of ``NAME.meta.json`` (which records every
+    part's hash); without it, the SHA-256 of the parts' digests in sorted path order, computed here
+    independently with hashlib."""
+    import hashlib
+
+    q = _rand(1, 2, 48, 4, seed=5)
+    dump = tmp_path / "qk.npy"
+    sl.save_qk(dump, q, _rand(1, 2, 48, 4, seed=6), _rand(1, 2, 48, 4, seed=7), meta={"source": "test"})
+    fit = sl.fit_sketch("llops", q[0], q[0], p=2, m=6)
+    out = fit.save_theta(tmp_path / "a.safetensors", dump=dump, scale="none")
+    assert sl.load_theta(out)[2]["source_sha256"] == file_sha256(tmp_path / "qk.meta.json")
+    (tmp_path / "qk.meta.json").unlink()
+    want = hashlib.sha256()
+    for part in sorted(tmp_path.glob("qk.*.npy")):
+        want.update(hashlib.sha256(part.read_bytes()).digest())
+    out = fit.save_theta(tmp_path / "b.safetensors", dump=dump, scale="none")
+    assert sl.load_theta(out)[2]["source_sha256"] == want.hexdigest()
