@@ -250,6 +250,9 @@ REVIEWED: dict[str, str] = {
         "Not killed (equivalent on every valid JSON text): 'X' also counts as an opening bracket, and X never "
         "occurs outside a string in valid JSON; only an invalid text with X's outside strings could then be "
         "refused for its depth instead of its syntax (the same ValueError class, another message)."),
+    "sketchlab.sketches.based.x__fit_based__mutmut_33": _KILLED_TODAY + (
+        "test_sketches_based.py::test_fit_based_takes_an_explicit_dim_and_checks_it (no test passed dim=; the "
+        "mutant raises TypeError for every explicit dim)."),
     "sketchlab.featuremaps.xǁHedgehogMapǁ__init____mutmut_33": (
         _EQUIV + "the identity initialisation is built in the default dtype instead of float64 and then cast to "
                  "the map's dtype; 0 and 1 are exact in every float dtype."),
