@@ -253,6 +253,8 @@ REVIEWED: dict[str, str] = {
     "sketchlab.sketches.based.x__fit_based__mutmut_33": _KILLED_TODAY + (
         "test_sketches_based.py::test_fit_based_takes_an_explicit_dim_and_checks_it (no test passed dim=; the "
         "mutant raises TypeError for every explicit dim)."),
+    "sketchlab.sketches.mlp.xǁMLPSketchǁ__init____mutmut_3": _KILLED_TODAY + (
+        "test_sketches_mlp.py::test_mlp_sketch_reports_the_degree_it_was_fitted_for."),
     "sketchlab.featuremaps.xǁHedgehogMapǁ__init____mutmut_33": (
         _EQUIV + "the identity initialisation is built in the default dtype instead of float64 and then cast to "
                  "the map's dtype; 0 and 1 are exact in every float dtype."),
