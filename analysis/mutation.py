@@ -255,6 +255,9 @@ REVIEWED: dict[str, str] = {
         "mutant raises TypeError for every explicit dim)."),
     "sketchlab.sketches.mlp.xǁMLPSketchǁ__init____mutmut_3": _KILLED_TODAY + (
         "test_sketches_mlp.py::test_mlp_sketch_reports_the_degree_it_was_fitted_for."),
+    "sketchlab.sketches.tensorsketch.x__check_matrices_budget__mutmut_7": _KILLED_TODAY + (
+        "test_sketches_tensorsketch.py::test_countsketch_budget_counts_bytes_per_element (the budget test's case "
+        "was so far over that bytes / itemsize still exceeded it)."),
     "sketchlab.featuremaps.xǁHedgehogMapǁ__init____mutmut_33": (
         _EQUIV + "the identity initialisation is built in the default dtype instead of float64 and then cast to "
                  "the map's dtype; 0 and 1 are exact in every float dtype."),
