@@ -22,6 +22,10 @@ def test_demo_end_to_end_on_a_small_dump(tmp_path, capsys):
     for section in ("## 1. Theorem 3.1", "## 2. Every sketch", "## 3. The fitted sketch as attention", "## 4. Which m"):
         assert section in text
     assert "| Method | rel_mae | rel_fro | ×optimum | held-out rel_mae |" in text
+    separators = [line for line in text.splitlines() if "---|" in line]
+    assert len(separators) >= 3  # the comparison, attention and advice tables
+    for line in separators:  # every table well-formed markdown: its separator row is |---|...|
+        assert line.startswith("|---") and line.endswith("|") and set(line) <= set("|-: "), line
     for name in ("comparison.md", "comparison.json", "optimality.png", "spectrum.png", "attention.md", "theta.safetensors",
                  "advice.md", "advice.json", "advice.png"):
         assert (out / name).stat().st_size > 0, name
