@@ -270,9 +270,17 @@ REVIEWED: dict[str, str] = {
     "sketchlab.objective.x_train_kernel_sketch__mutmut_53": (
         "Not killed: the memory refusal's description counts q.shape[-3] (heads) instead of the tokens; no test "
         "drives train_kernel_sketch over the memory budget."),
-    "sketchlab.demo.x_main__mutmut_127": (
-        "Not killed: the demo's last line 'wrote PATHS' prints None for each path; test_demo checks the files "
-        "written, not that line."),
+    "sketchlab.demo.x_main__mutmut_127": _KILLED_TODAY + (
+        "test_demo.py::test_demo_end_to_end_on_a_small_dump (every path of the 'wrote' line is a file)."),
+    "sketchlab.demo.x_step_compare__mutmut_49": _KILLED_TODAY + (
+        "test_demo.py::test_demo_end_to_end_on_a_small_dump (every path of the 'wrote' line is a file)."),
+    "sketchlab.demo.x_step_compare__mutmut_16": _KILLED_TODAY + (
+        "test_demo.py::test_demo_end_to_end_on_a_small_dump (now run with --holdout 0.3; the comparison's config "
+        "records it)."),
+    "sketchlab.demo.x_step_spectrum__mutmut_64": _KILLED_TODAY + (
+        "test_demo.py::test_demo_end_to_end_on_a_small_dump (the energy-rank line's label)."),
+    "sketchlab.demo.x_step_attention__mutmut_161": _KILLED_TODAY + (
+        "test_demo.py::test_demo_end_to_end_on_a_small_dump (every table's separator row is well-formed)."),
     "sketchlab.featuremaps.xǁHedgehogMapǁ__init____mutmut_33": (
         _EQUIV + "the identity initialisation is built in the default dtype instead of float64 and then cast to "
                  "the map's dtype; 0 and 1 are exact in every float dtype."),
