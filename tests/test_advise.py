@@ -149,3 +149,26 @@ def test_bracket_jumps_to_the_predicted_m(ratio, answer, calls):
 
     assert _practical_m(fit_at, floor, 20, 64, 1e-6) == answer
     assert made == calls
+
+
+def test_one_size_below_the_rank_bound_is_advised_and_none_is_refused():
+    """Two fitting tokens (n = 3, holdout 1): A has rank at most 2, so m = 1 is the one size below the
+    bound and is advised (the floor's own size); one fitting token leaves none and is refused."""
+    torch.manual_seed(0)
+    q, k = torch.randn(1, 1, 3, 4, dtype=torch.float64), torch.randn(1, 1, 3, 4, dtype=torch.float64)
+    head = advise((q, k), p=2, target=0.5).heads[0]
+    assert head.floor_m == 1 and head.practical_m == 1 and list(head.fits) == [1]
+    with pytest.raises(ValueError, match="the 1 fitting tokens leave no sketch size below the rank bound"):
+        advise((q[:, :, :2], k[:, :, :2]), p=2, target=0.5)
+
+
+def test_max_m_bounds_the_sizes_advised():
+    """``max_m`` (an int in 1..limit) is accepted and caps every size fitted; outside the range it is refused."""
+    torch.manual_seed(1)
+    q, k = torch.randn(1, 1, 40, 4, dtype=torch.float64), torch.randn(1, 1, 40, 4, dtype=torch.float64)
+    # the floor reaches target 0.3 at m = 4 here: max_m = 4 advises it, max_m = 3 fits nothing and says so
+    assert advise((q, k), p=2, target=0.3, max_m=4).heads[0].practical_m == 4
+    head = advise((q, k), p=2, target=0.3, max_m=3).heads[0]
+    assert head.floor_m == 4 and head.practical_m is None and head.fits == {}
+    with pytest.raises(ValueError, match=r"max_m must be an integer in 1\.\.9 .*got 10"):
+        advise((q, k), p=2, target=0.5, max_m=10)  # limit = min(30 fitting tokens, C(5, 2) = 10) - 1 = 9

@@ -368,3 +368,12 @@ def test_npy_dump_save_is_all_or_nothing(tmp_path, monkeypatch, fail_at):
             load_qk(tmp_path / "d.npy")
     save_qk(tmp_path / "d.npy", q1, k1)  # a completed save repairs it
     torch.testing.assert_close(load_qk(tmp_path / "d.npy").k, k1, rtol=0, atol=0)
+
+
+def test_memory_refusal_states_the_size_and_the_budget_in_gib():
+    """check_memory's message gives the size and the budget in GiB (2 GiB asked, 1 GiB allowed)."""
+    from sketchlab._validation import check_memory
+
+    with pytest.raises(ValueError, match=r"^the test tensor would take 2 GiB, over the memory budget max_bytes=1 GiB; "
+                                         r"shrink it, or raise max_bytes"):
+        check_memory(2 * 2**30, what="the test tensor", way_out="shrink it", max_bytes=2**30)

@@ -196,3 +196,14 @@ def test_errors_against_a_dense_twin(table):
         assert r.rel_fro == pytest.approx(r.optimality_ratio * floor, rel=1e-9), r
         if r.method == "optimal":
             assert r.rel_fro == pytest.approx(floor, rel=1e-9)
+
+
+def test_overflow_check_counts_the_tokens_not_the_head_dim():
+    """The pre-fit overflow bound is ``n · max|qᵀk|^p`` with ``n`` the tokens (the sums the fitters form),
+    not ``d``. Here float32, ``d = 2``, ``n = 2000``, ``p = 2``, ``max|qᵀk| = 10^18.25``: ``n · 10^36.5`` ≈
+    1e39.8 exceeds float32's 3.4e38 (refused, naming the 2000 tokens) while ``d · 10^36.5`` ≈ 1e36.8 would not."""
+    n, d = 2000, 2
+    q = torch.zeros(1, 1, n, d)
+    q[..., 0] = 10 ** 9.125  # qᵀk = 10^18.25 for every pair
+    with pytest.raises(ValueError, match=r"overflows torch.float32: .* 2000 tokens × "):
+        compare((q, q.clone()), p=2, m=2, methods=["optimal"], scale="none", progress=False)

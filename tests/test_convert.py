@@ -398,3 +398,21 @@ def test_left_padding_under_the_sinks_is_refused():
     nosinks = _llama()
     convert_attention(nosinks, attention="llops", p=2, m=8, window=4, sinks=0)
     nosinks(input_ids=ids, attention_mask=left)
+
+
+def test_sketched_attention_passes_its_normalize_to_the_attention():
+    """``normalize="none"`` reaches the attention: with the exact degree-2 maps and no window the output is
+    the unnormalised causal sum ``Σ_{j≤i} ((c·q_i)ᵀ(c·k_j))² v_j``, ``c = D^{-1/4}``, computed here in float64
+    independently (round-off only: 1e-12). Dropping the option falls back to the default ``"sum"``, which
+    divides each row by its kernel sum, an O(1) change."""
+    from sketchlab.featuremaps import ExactPolyMap
+
+    torch.manual_seed(0)
+    b, t, h, d = 1, 5, 2, 4
+    q, k, v = (torch.randn(b, t, h, d, dtype=torch.float64) for _ in range(3))
+    attn = sketched.SketchedAttention(ExactPolyMap(h, d, p=2), ExactPolyMap(h, d, p=2), heads=h, head_dim=d,
+                                      window=0, sinks=0, normalize="none").double()
+    c = d ** -0.25
+    scores = torch.einsum("bihd,bjhd->bhij", q * c, k * c).pow(2).tril()  # [B, H, T, T]
+    expected = torch.einsum("bhij,bjhd->bihd", scores, v)  # [B, T, H, D]
+    torch.testing.assert_close(attn(q, k, v), expected, rtol=1e-12, atol=1e-12)

@@ -80,7 +80,7 @@ def test_export_errors(dump_file, tmp_path):
     dump, fit, _ = _fit(dump_file)
     with pytest.raises(ValueError, match="scale is not recorded"):
         fit.save_theta(tmp_path / "t.safetensors", dump=dump)
-    with pytest.raises(ValueError, match=r"is the input .*the same file"):
+    with pytest.raises(ValueError, match=r"^path: output .*is the input .*the same file"):  # names the argument
         fit.save_theta(dump_file, dump=dump, scale="none")
     with pytest.raises(TypeError, match="path of the Q/K dump"):
         fit.save_theta(tmp_path / "t.safetensors", dump=(dump.q, dump.k), scale="none")
@@ -190,3 +190,35 @@ def test_non_finite_report_values_become_json_null(dump_file, tmp_path):
     assert "NaN" not in text and "Infinity" not in text  # strict JSON
     assert json.loads(text)["holdout_optimality_ratio"] == [[None, 1.5], [None, 2.0]]
     assert sl.load_theta(out)[2]["errors"]["holdout_optimality_ratio"] == [[None, 1.5], [None, 2.0]]
+
+
+def test_a_shared_theta_is_exported_for_both_sides(dump_file, tmp_path):
+    """A sketch with one Θ for both sides (PolySketch: ``as_llops(...).theta_k is None``) is written with
+    Θ_K = Θ_Q, each equal to the sketch's own Θ."""
+    dump, fit, _ = _fit(dump_file, method="psf")
+    llops = sl.as_llops(fit.sketch)
+    assert llops.theta_k is None
+    theta_q, theta_k, meta = sl.load_theta(fit.save_theta(tmp_path / "s.safetensors", dump=dump, scale="sqrt-d"))
+    assert meta["method"] == "psf"
+    assert torch.equal(theta_k, theta_q)
+    assert torch.equal(theta_q.reshape(llops.theta_q.shape), llops.theta_q.detach())
+
+
+def test_source_hash_of_an_npy_dump_with_and_without_its_meta(tmp_path):
+    """``source_sha256`` of a ``NAME.npy`` dump: the SHA-256 of ``NAME.meta.json`` (which records every
+    part's hash); without it, the SHA-256 of the parts' digests in sorted path order, computed here
+    independently with hashlib."""
+    import hashlib
+
+    q = _rand(1, 2, 48, 4, seed=5)
+    dump = tmp_path / "qk.npy"
+    sl.save_qk(dump, q, _rand(1, 2, 48, 4, seed=6), _rand(1, 2, 48, 4, seed=7), meta={"source": "test"})
+    fit = sl.fit_sketch("llops", q[0], q[0], p=2, m=6)
+    out = fit.save_theta(tmp_path / "a.safetensors", dump=dump, scale="none")
+    assert sl.load_theta(out)[2]["source_sha256"] == file_sha256(tmp_path / "qk.meta.json")
+    (tmp_path / "qk.meta.json").unlink()
+    want = hashlib.sha256()
+    for part in sorted(tmp_path.glob("qk.*.npy")):
+        want.update(hashlib.sha256(part.read_bytes()).digest())
+    out = fit.save_theta(tmp_path / "b.safetensors", dump=dump, scale="none")
+    assert sl.load_theta(out)[2]["source_sha256"] == want.hexdigest()

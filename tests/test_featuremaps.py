@@ -144,3 +144,16 @@ def test_llops_map_goes_to_llops_attention_with_gradients():
     assert (out - ref).abs().max() < TOL64
     out.sum().backward()
     assert fmap.theta.grad is not None and fmap.theta.grad.abs().sum() > 0
+
+
+def test_llops_map_random_start_is_the_seeds():
+    """A random Θ start is drawn from ``seed`` alone: the same seed gives the same Θ whatever the global RNG
+    did in between, another seed another Θ."""
+    from sketchlab.featuremaps import LLoPSMap
+
+    torch.manual_seed(0)
+    a = LLoPSMap(2, 4, p=2, m=6, seed=3).theta.detach().clone()
+    torch.manual_seed(123)
+    b = LLoPSMap(2, 4, p=2, m=6, seed=3).theta.detach()
+    c = LLoPSMap(2, 4, p=2, m=6, seed=4).theta.detach()
+    assert torch.equal(a, b) and not torch.equal(a, c)

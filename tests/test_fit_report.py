@@ -106,3 +106,23 @@ def test_exact_and_factored_reports_agree_on_the_ratio(entries, monkeypatch):
     a = poly_kernel(q, k, 2)
     err = ((fit.sketch.kernel(q, k) - a) ** 2).sum((-2, -1))
     torch.testing.assert_close(fit.report.optimality_ratio, (err / fit.report.tail).sqrt(), rtol=1e-8, atol=0)
+
+
+def test_report_as_dict_holds_every_field_as_plain_json():
+    """``FitReport.as_dict`` keeps every field's value (tensors as nested lists, the rest as they are) and
+    is JSON-serialisable: compared field by field with the report itself."""
+    import dataclasses
+    import json
+
+    torch.manual_seed(0)
+    q, k = torch.randn(2, 40, 3, dtype=torch.float64), torch.randn(2, 40, 3, dtype=torch.float64)
+    report = fit_sketch("optimal", q, k, p=2, m=4).report
+    out = report.as_dict()
+    for f in dataclasses.fields(report):
+        value = getattr(report, f.name)
+        want = value.tolist() if isinstance(value, torch.Tensor) else value
+        if f.name == "info":
+            want = {key: (v.tolist() if isinstance(v, torch.Tensor) else v) for key, v in value.items()}
+        assert out[f.name] == want, f.name
+    assert isinstance(out["rel_fro"], list) and len(out["rel_fro"]) == 2 and out["method"] == "optimal"
+    json.dumps(out)

@@ -615,3 +615,13 @@ def test_staged_directory_refuses_a_mount_point_before_making_anything(tmp_path,
     with pytest.raises(OSError, match="is a mount point"):
         Outputs({}, directories={"--out": str(out)}, staged=["--out"])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["vol"] and not any(out.iterdir())
+
+
+def test_missing_output_directory_names_the_output_and_its_path(tmp_path):
+    """An output in a directory that does not exist is refused before work, naming the label, the missing
+    directory and the output path as given."""
+    from sketchlab.io.atomic import check_output_paths
+
+    out = tmp_path / "nope" / "x.json"
+    with pytest.raises(FileNotFoundError, match=r"^--json: output directory .*nope' does not exist \(for '.*nope/x\.json'\)"):
+        check_output_paths({"--json": out})

@@ -151,3 +151,14 @@ def test_fit_based_pca_is_exact_on_data_in_a_subspace():
     assert bool((fit.report.rel_fro <= 1e-10).all()), fit.report.rel_fro
     rnd = fit_sketch("based", q, k, p=2, m=6, seed=0, projection="random")
     assert bool((rnd.report.rel_fro > 0.1).all()), rnd.report.rel_fro
+
+
+def test_fit_based_takes_an_explicit_dim_and_checks_it():
+    """``dim=`` overrides the budget rule (the projection has ``dim`` columns); a non-positive one is refused
+    naming ``dim``."""
+    torch.manual_seed(0)
+    q, k = torch.randn(2, 30, 6, dtype=torch.float64), torch.randn(2, 30, 6, dtype=torch.float64)
+    sketch = fit_sketch("based", q, k, p=2, m=10, dim=3).sketch
+    assert sketch.fit_info["dim"] == 3
+    with pytest.raises(ValueError, match=r"dim must be an integer >= 1, got 0"):
+        fit_sketch("based", q, k, p=2, m=10, dim=0)

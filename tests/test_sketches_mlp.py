@@ -109,3 +109,9 @@ def test_random_start_follows_the_input_device(method, monkeypatch):
     s = fitter(q, q, p=2, m=8, seed=0)
     assert {t.device.type for t in s.parameters()} == {"meta"}
     assert s.features_q(q).device.type == "meta" and s.features_k(q).shape == (2, 6, 8)
+
+
+def test_mlp_sketch_reports_the_degree_it_was_fitted_for():
+    """``degree`` is the ``p`` the sketch approximates (the fitted target), for p = 2 and p = 3."""
+    for p in (2, 3):
+        assert fit_sketch("mlp", *_qk(), p=p, m=4, steps=2).sketch.degree == p

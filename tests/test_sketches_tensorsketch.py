@@ -100,3 +100,13 @@ def test_fit_follows_the_input_device():
     assert s.features_q(q).device.type == "meta" and s.features_q(q).shape == (3, 6, 8)
     cpu = TensorSketch.draw(4, 2, 8, seed=5, batch_shape=(3,))
     assert cpu.matrices.device.type == "cpu"
+
+
+def test_countsketch_budget_counts_bytes_per_element():
+    """The dense ``[32, 32, p=1000, d=128, m]`` float32 matrices take 32·32·1000·128 hashes × m=10⁵ × 4 bytes
+    = 48 828 GiB: refused before any allocation, with that size in the message."""
+    from sketchlab.sketches import TensorSketch
+
+    with pytest.raises(ValueError, match=r"dense CountSketch matrices \(131072000 hashes x m=100000, torch.float32\) "
+                                         r"would take 4.88e\+04 GiB"):
+        TensorSketch.draw(128, 1000, 100_000, seed=0, batch_shape=(32, 32))
