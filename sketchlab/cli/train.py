@@ -109,7 +109,7 @@ def add_arguments(sub) -> None:
                         "kernels' parameters; default 0)")
     o.add_argument("--kernel-lr", type=positive_float, default=0.1,
                    help="learning-rate factor of the attention kernels' parameters (LLoPS's Θ); at 1 Θ trained from "
-                        "BASED loses its non-negative kernel before recall is learned")
+                        "BASED loses its non-negative kernel before recall is learned; default 0.1)")
     o.add_argument("--warmup", type=nonnegative_int, default=30, help="linear learning-rate warm-up steps (default 30)")
     o.add_argument("--clip", type=positive_float, default=1.0, help="gradient-norm clipping threshold (default 1)")
     o.add_argument("--seed", type=seed_arg, default=0, help="model initialisation and data stream (0 to 2**62)")

@@ -372,15 +372,13 @@ def _check_group(group):
     """The group stage 1 spreads over: ``group`` itself (a ``ProcessGroup`` with a CPU backend, this
     process a member), or for ``None`` the default group when ``torch.distributed`` is initialised, else
     ``None`` (this process alone). A ``ValueError`` names any other value."""
-    if group is None:
-        import torch.distributed as dist
+    import torch.distributed as dist
 
+    if group is None:
         if not (dist.is_available() and dist.is_initialized()):
             return None
         group, what = dist.group.WORLD, "the default torch.distributed group"
     else:
-        import torch.distributed as dist
-
         if not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
             raise ValueError(f"group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
         what = "group="
