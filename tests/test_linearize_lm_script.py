@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from sketchlab import convert_attention
 from tests.test_convert import _llama
@@ -44,3 +45,20 @@ def test_trainable_is_false_only_for_a_fixed_map_without_a_gate():
     assert not lm.trainable(pure_taylor)
     assert lm.trainable(convert_attention(_llama(), attention="taylor", m=8, window=3, sinks=1))  # its gate
     assert lm.trainable(convert_attention(_llama(), attention="hedgehog", m=8, window=0, sinks=0))  # its maps
+
+
+_PL = Path(__file__).resolve().parent.parent / "analysis" / "position_loss.py"
+_pl_spec = importlib.util.spec_from_file_location("position_loss", _PL)
+pl = importlib.util.module_from_spec(_pl_spec)
+_pl_spec.loader.exec_module(pl)
+
+
+def test_position_buckets_double_and_average_the_right_columns():
+    assert pl.buckets_of(2048) == [(1, 64), (64, 128), (128, 256), (256, 512), (512, 1024), (1024, 2048)]
+    assert pl.buckets_of(100) == [(1, 64), (64, 100)]
+    # column t of token_nll predicts target position t + 1: value = the target position, NaN = padding
+    nll = torch.arange(1, 100, dtype=torch.float64).repeat(2, 1)  # [2, 99]: targets 1..99
+    nll[1, 80:] = float("nan")
+    got = pl.bucket_means(nll, pl.buckets_of(100))
+    assert got[0] == pytest.approx(sum(range(1, 64)) / 63)
+    assert got[1] == pytest.approx((sum(range(64, 100)) + sum(range(64, 81))) / (36 + 17))

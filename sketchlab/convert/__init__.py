@@ -8,7 +8,7 @@ decoding state; ``convert`` the public entry points; ``linearize`` the staged tr
 
 from .convert import convert_attention, converted_modules, load_linearized, save_linearized
 from .families import FAMILIES, attention_sites, family_of
-from .linearize import LinearizeReport, linearize, lora_finetune, perplexity
+from .linearize import LinearizeReport, linearize, lora_finetune, perplexity, token_nll
 from .scale import TiedLLoPSMap, calibrate_gates
 from .sketched import ATTENTION_NAME, SketchedAttention
 
@@ -28,4 +28,5 @@ __all__ = [
     "lora_finetune",
     "perplexity",
     "save_linearized",
+    "token_nll",
 ]

@@ -230,24 +230,50 @@ def attention_errors(sketches, layers: list[LayerIO], attention_mask: torch.Tens
 
 
 @torch.no_grad()
-def perplexity(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, batch_size: int = 4) -> float:
-    """``exp`` of the mean next-token negative log-likelihood over the valid tokens of ``input_ids``
-    (each sequence on its own; a causal LM with a language-model head)."""
-    total, count = 0.0, 0
+def token_nll(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
+              batch_size: int = 4) -> torch.Tensor:
+    """Next-token negative log-likelihood of every position: where along the context a model loses.
+
+    Parameters
+    ----------
+    model : a causal LM with a language-model head (transformers or the toy ``TransformerLM``)
+    input_ids, attention_mask : [N, T] tensors (mask 1 = real token); each sequence on its own
+    batch_size : int >= 1
+        Sequences per forward pass.
+
+    Returns
+    -------
+    torch.Tensor [N, T − 1] float64
+        ``nll[n, t] = −log p(input_ids[n, t+1] | input_ids[n, :t+1])`` (the logits in float64),
+        NaN where the target ``t + 1`` is padding. :func:`perplexity` is ``exp`` of its mean over
+        the non-NaN entries.
+    """
+    if input_ids.dim() != 2 or input_ids.shape != attention_mask.shape or input_ids.shape[1] < 2:
+        raise ValueError(f"input_ids and attention_mask must be [N, T] of one shape with T >= 2, got "
+                         f"{tuple(input_ids.shape)} and {tuple(attention_mask.shape)}")
+    batch_size = check_positive_int(batch_size, "batch_size")
+    parts = []
     was_training = model.training
     model.eval()
     try:
         for part in _batches(input_ids.shape[0], batch_size):
             ids, mask = input_ids[part], attention_mask[part]
             logits = _logits(model, ids, mask)[:, :-1].double()  # [b, T-1, V]
-            target = ids[:, 1:]
-            valid = mask[:, 1:].to(torch.bool)
-            nll = torch.nn.functional.cross_entropy(logits[valid], target[valid], reduction="sum")
-            total += float(nll)
-            count += int(valid.sum())
+            nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")  # [b, T-1]
+            parts.append(nll.masked_fill(~mask[:, 1:].to(torch.bool), float("nan")))
     finally:
         model.train(was_training)
-    return math.exp(total / count)
+    return torch.cat(parts)
+
+
+def perplexity(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, batch_size: int = 4) -> float:
+    """``exp`` of the mean next-token negative log-likelihood over the valid tokens of ``input_ids``
+    (each sequence on its own; a causal LM with a language-model head): ``exp(nanmean(token_nll))``."""
+    nll = token_nll(model, input_ids, attention_mask, batch_size=batch_size)
+    valid = ~torch.isnan(nll)
+    if not bool(valid.any()):
+        raise ValueError("perplexity: no valid next-token target (every sequence has fewer than 2 real tokens)")
+    return math.exp(float(nll[valid].sum()) / int(valid.sum()))
 
 
 def _logits(model, ids, mask):

@@ -1,0 +1,47 @@
+"""token_nll / perplexity on a tiny random LLaMA: each position's next-token loss against a
+direct log-softmax, padding handled as NaN, perplexity its exp-mean."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import transformers
+
+from sketchlab.convert import perplexity, token_nll
+
+
+def _llama():
+    cfg = transformers.LlamaConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, intermediate_size=48, max_position_embeddings=64)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg).double().eval()
+
+
+def test_token_nll_matches_log_softmax_and_marks_padding():
+    model = _llama()
+    ids = torch.randint(1, 50, (3, 12), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, 7:] = 0  # right padding: targets 7.. of row 1 are not tokens
+    nll = token_nll(model, ids, mask, batch_size=2)
+    assert nll.shape == (3, 11) and nll.dtype == torch.float64
+    for n in range(3):
+        real = int(mask[n].sum())
+        with torch.no_grad():  # the row on its own, unpadded: logits of positions 0..real-2 predict 1..real-1
+            logits = model(input_ids=ids[n : n + 1, :real]).logits[0].double()
+        direct = torch.logsumexp(logits[:-1], -1) - logits[:-1].gather(1, ids[n, 1:real, None])[:, 0]
+        # float64 model: agreement to round-off (the padded batch runs the same ops on longer rows)
+        torch.testing.assert_close(nll[n, : real - 1], direct, rtol=0, atol=1e-10)
+        assert torch.isnan(nll[n, real - 1 :]).all()
+    valid = ~torch.isnan(nll)
+    assert int(valid.sum()) == 11 + 6 + 11
+    assert perplexity(model, ids, mask, batch_size=3) == pytest.approx(math.exp(float(nll[valid].mean())), rel=1e-12)
+
+
+def test_token_nll_rejects_bad_shapes():
+    model = _llama()
+    with pytest.raises(ValueError, match=r"\[N, T\] of one shape with T >= 2"):
+        token_nll(model, torch.ones(2, 1, dtype=torch.long), torch.ones(2, 1, dtype=torch.long))
+    with pytest.raises(ValueError, match="one shape"):
+        token_nll(model, torch.ones(2, 5, dtype=torch.long), torch.ones(2, 4, dtype=torch.long))
