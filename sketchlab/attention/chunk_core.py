@@ -563,8 +563,8 @@ class _HybridCore(torch.autograd.Function):
         zP = (st["prefix"] @ zc.flatten(1)).view(N, *zc.shape[1:]) + z_in
         dP0 = lq.mT @ dnum  # [N, B, H, M2, Dv]   (before the factor 1 − g)
         dzP0 = (dden[..., None, :] @ lq)[..., 0, :]  # [N, B, H, M2]
-        dgh = -((dP0 * P).sum(dim=(0, 1, 3, 4)) + (dzP0 * zP).sum(dim=(0, 1, 3))) if need_g else None  # [H]
-        # (d/dg of (1 − g)·far)
+        # d/dg of (1 − g)·far, per head [H] (the gate's gradient only when asked)
+        dgh = -((dP0 * P).sum(dim=(0, 1, 3, 4)) + (dzP0 * zP).sum(dim=(0, 1, 3))) if need_g else None
         dP, dzP = dP0.mul_(1 - gb), dzP0.mul_(1 - g0)
         dlq = (dnum @ P.mT + dden[..., None] * zP[..., None, :]).mul_(1 - gb)  # [N, B, H, C, M2]
         dS_in, dz_in, dlk, dvc = _far_state_grads(st["prefix"], dP, dzP, lk, vc, g_S, g_z, max(0, off + n - w))
