@@ -619,7 +619,7 @@ class _HybridCore(torch.autograd.Function):
                 if need_g:
                     dgh += (AsT * daT_s).sum(dim=(0, 1, 3, 4))
                 dl_s = daT_s.mul_(gb * degree).mul_(logit_s ** (degree - 1))
-        dqc = torch.empty_like(qc)  # the logits are s·qᵀk: dq = s·dl·k, dk = s·dlᵀq (lag 0 writes, the others add)
+        dqc = torch.empty_like(qc)  # the logits are s·qᵀk: dq = s·dl·k, dk = s·dlᵀq (lag 0 writes, others add)
         dkc = torch.empty_like(kc)
         dkc[:Wc].zero_()  # key chunks before the block: only lags >= 1 reach them
         # off the local keys dl is 0 already for softmax (a = 0, no tie there) and for p >= 2 (l = 0)
