@@ -285,11 +285,11 @@ def _row_pieces(chunks: int, C: int, a: int, b: int):
             i += r1 - r
 
 
-def _join_into(out: torch.Tensor, pieces, lead: int) -> torch.Tensor:
-    """Token-major pieces ``[B, H, L_i, F]`` laid end to end from row ``lead`` into chunk-major ``out [chunks, B, H,
-    C, F]`` (a view; its rows and columns may be strided), zeros in the other rows: one copy, no joined token-major
-    tensor. Returns ``out``."""
-    chunks, C = out.shape[0], out.shape[3]
+def _join_chunks(pieces, lead: int, chunks: int, C: int) -> torch.Tensor:
+    """Token-major pieces ``[B, H, L_i, F]`` laid end to end from row ``lead`` → chunk-major ``[chunks, B, H, C, F]``
+    (zeros in the other rows): one copy, no joined token-major tensor."""
+    B, H, _, F = pieces[0].shape
+    out = pieces[0].new_empty(chunks, B, H, C, F)
     end = lead + sum(x.shape[2] for x in pieces)
     for a, b in ((0, lead), (end, chunks * C)):  # the zero rows
         for c, r0, r1, _ in _row_pieces(chunks, C, a, b):
@@ -307,13 +307,6 @@ def _join_into(out: torch.Tensor, pieces, lead: int) -> torch.Tensor:
     return out
 
 
-def _join_chunks(pieces, lead: int, chunks: int, C: int) -> torch.Tensor:
-    """Token-major pieces ``[B, H, L_i, F]`` laid end to end from row ``lead`` → chunk-major ``[chunks, B, H, C, F]``
-    (zeros in the other rows)."""
-    B, H, _, F = pieces[0].shape
-    return _join_into(pieces[0].new_empty(chunks, B, H, C, F), pieces, lead)
-
-
 def _rows(xc: torch.Tensor, a: int, length: int) -> torch.Tensor:
     """Token rows ``[a, a + length)`` of chunk-major ``xc [chunks, B, H, C, F]`` → ``[B, H, length, F]`` (a copy of
     the chunks they span)."""
@@ -323,7 +316,7 @@ def _rows(xc: torch.Tensor, a: int, length: int) -> torch.Tensor:
 
 
 def _add_rows(xc: torch.Tensor, a: int, x: torch.Tensor) -> None:
-    """``xc``'s token rows ``[a, a + L)`` += ``x [B, H, L, F]`` in place (chunk-major ``xc``, a view allowed)."""
+    """``xc``'s token rows ``[a, a + L)`` += ``x [B, H, L, F]`` in place (chunk-major ``xc``)."""
     C = xc.shape[3]
     for c, r0, r1, i in _row_pieces(xc.shape[0], C, a, a + x.shape[2]):
         if r1 is None:
@@ -333,365 +326,326 @@ def _add_rows(xc: torch.Tensor, a: int, x: torch.Tensor) -> None:
 
 
 @functools.lru_cache(maxsize=64)
-def _hybrid_masks(C: int, window: int, lags: int, sinks: int, width: int, device: torch.device, dtype: torch.dtype):
-    """The joint local row of a query chunk: key-chunk lag ``L < lags`` in the columns ``[(lags − 1 − L)·C,
-    (lags − L)·C)`` (token order: the oldest lag first), then the ``sinks``, then unused columns up to ``width``
-    (rows of a multiple of 16 numbers: aligned rows run the GEMMs and the softmax ~10 % faster). For query ``r``
-    and key ``u`` of lag ``L`` (``lag = L·C + r − u``): ``local [C, width]`` bool (``0 <= lag < w``, and every
-    sink column); ``bias [C, width]`` in ``dtype``, ``0`` there and ``−inf`` elsewhere; ``far [lags, C, C]`` in
-    ``dtype`` (``lag >= w``)."""
-    r = torch.arange(C, device=device)[None, :, None]
-    L = torch.arange(lags, device=device)[:, None, None]
-    u = torch.arange(C, device=device)[None, None, :]
-    lag = L * C + r - u  # [lags, C, C]
-    by_lag = (lag >= 0) & (lag < window)
-    local = torch.cat([by_lag.flip(0).permute(1, 0, 2).reshape(C, lags * C),
-                       torch.ones(C, sinks, dtype=torch.bool, device=device),
-                       torch.zeros(C, width - lags * C - sinks, dtype=torch.bool, device=device)], 1)  # [C, width]
-    bias = torch.zeros(local.shape, dtype=dtype, device=device).masked_fill_(~local, float("-inf"))
-    return local, bias, (lag >= window).to(dtype)
-
-
-@functools.lru_cache(maxsize=64)
 def _prefix_and_total(n: int, off: int, w: int, C: int, device: torch.device, dtype: torch.dtype):
     """``[N + 1, Ne]``: the prefix matrix of :func:`_geometry` (lag ``w``) and a last row that sums the key chunks
     wholly in ``S_out`` (those before ``(off + n − w) // C``)."""
-    N, _, Ne, _, prefix, last = _geometry(n, off, w, C, device, dtype)
+    _, _, Ne, _, prefix, last = _geometry(n, off, w, C, device, dtype)
     total = (torch.arange(Ne, device=device) < last // C).to(dtype)[None]  # [1, Ne]
     return torch.cat([prefix, total], 0)
 
 
-class _HybridCore(torch.autograd.Function):
-    """Forward and backward of one causal hybrid block, chunk-major inside (see :func:`hybrid_core`).
+@functools.lru_cache(maxsize=64)
+def _hybrid_masks(C: int, window: int, lags: int, device: torch.device, dtype: torch.dtype):
+    """Per key-chunk lag ``L < lags``, query ``r``, key ``u`` (``lag = L·C + r − u``): ``local [lags, C, C]`` bool
+    (``0 <= lag < w``); ``empty [lags, C]`` bool, the rows without a local key at that ``L`` (and their indices
+    ``(L, r)``, two index tensors); ``bias [lags, C, C]``
+    in ``dtype``, ``0`` on the local keys and ``−inf`` elsewhere except on the empty rows (all ``0``, so that a
+    softmax over the row stays finite: its weights are dropped); ``far [lags, C, C]`` in ``dtype`` (``lag >= w``)."""
+    r = torch.arange(C, device=device)[None, :, None]
+    L = torch.arange(lags, device=device)[:, None, None]
+    u = torch.arange(C, device=device)[None, None, :]
+    lag = L * C + r - u  # [lags, C, C]
+    local = (lag >= 0) & (lag < window)
+    empty = ~local.any(-1)  # [lags, C]
+    bias = torch.zeros(local.shape, dtype=dtype, device=device).masked_fill_(~local & ~empty[..., None], float("-inf"))
+    return local, (empty, empty.nonzero(as_tuple=True)), bias, (lag >= window).to(dtype)
 
-    The local part of query chunk ``c`` is one joint row per query: the ``n_loc`` key chunks back
-    (``C`` columns each, the oldest first) and the sinks (:func:`_hybrid_masks`). The keys and values
-    are held as tiles ``[Ne, B, H, C + Ls, ·]``: each key chunk followed by the sinks, so that lag 0
-    and the sinks are one GEMM operand and a lag ``L > 0`` is the first ``C`` rows of a tile (a
-    strided view, never a copy). (A column of ones beside the values, to sum the denominator in the
-    same GEMMs, was measured slower: MKL runs ``Dv + 1 = 129`` columns ~10 % below 128.)
-    """
+
+class _HybridCore(torch.autograd.Function):
+    """Forward and backward of one causal hybrid block, chunk-major inside (see :func:`hybrid_core`)."""
 
     @staticmethod
-    def _setup(B, H, n, Lw, Ls, key_ok, sink_ok, off, opts, like):
+    def _setup(B, H, n, Lw, key_ok, sink_ok, off, opts, like):
         """Geometry and masks of a block of ``n`` queries after ``off`` keys (``L_w`` of them the held window)."""
         C, w = opts[:2]
-        N, Wc, Ne, _, prefix, last = _geometry(n, off, w, C, like.device, like.dtype)  # prefix [N, Ne]
+        N, Wc, Ne, _, prefix, _ = _geometry(n, off, w, C, like.device, like.dtype)  # prefix [N, Ne]: wholly far chunks
         n_loc = min(-(-(w + C - 1) // C), Wc + 1)  # key chunks back with a local key (further: padding)
-        J = n_loc * C + Ls
-        Jp = J  # the row's width in memory (see _hybrid_masks)
-        local, bias, far_m = _hybrid_masks(C, w, n_loc, Ls, Jp, like.device, like.dtype)
+        lead = off - Lw
+        loc_m, (empty, empty_at), loc_bias, far_m = _hybrid_masks(C, w, n_loc, like.device, like.dtype)
         kks = [slice(Wc - L, Wc - L + N) for L in range(n_loc)]
-        lag_cols = [slice((n_loc - 1 - L) * C, (n_loc - L) * C) for L in range(n_loc)]
-        cols = [slice(s.start, s.stop + (Ls if L == 0 else 0)) for L, s in enumerate(lag_cols)]  # lag 0: + sinks
-        sok = _chunks(sink_ok.expand(B, 1, n, -1), N, C)  # [N, B, 1, C, Ls]
-        sinks_ok = bool(sink_ok.all())
         # key chunks up to `bad` hold a key that is neither local nor far (padding, sink, front zeros): the query
-        # chunks below `part` read one of them and take a data mask; the others the lag masks alone
-        okc, ok, part, bad = None, None, 0, -1
+        # chunks below `part` read one of them and take the data masks; the others the lag masks alone
+        okc, loc_ok, part, bad = None, None, 0, -1
         if not bool(key_ok.all()):
             okb = _chunks(key_ok[:, None, :, None], Ne, C)[:, :, 0, :, 0]  # [Ne, B, C]
             bad = int((~okb).flatten(1).any(1).nonzero().max())
             part = min(N, max(0, bad - Wc + n_loc))
-            if part:
-                keys = torch.cat([okb[kks[L]][:part] for L in reversed(range(n_loc))], -1)  # [part, B, n_loc·C]
-                ok = torch.cat([keys[:, :, None, None, :].expand(part, B, 1, C, n_loc * C), sok[:part],
-                                sok.new_zeros(part, B, 1, C, Jp - J)], -1) & local  # [part, B, 1, C, Jp]
+            loc_ok = torch.stack([okb[kk][:part] for kk in kks])[:, :, :, None, None, :] & loc_m[:, None, None, None]
+            # [n_loc, part, B, 1, C, C]
             okc = okb[:bad + 1, :, None, :, None].to(like.dtype)  # [bad + 1, B, 1, C, 1]: zero their far features
-        far_lags = [L for L in range(n_loc) if L * C + C - 1 >= w]  # the lags with a far key, L·C + C − 1 >= w
-        return dict(N=N, Wc=Wc, Ne=Ne, n_loc=n_loc, lead=off - Lw, kks=kks, cols=cols, lag_cols=lag_cols,
-                    local=local, bias=bias, far_m=far_m, far_lags=far_lags, ok=ok, part=part, bad=bad, okc=okc,
-                    sok=sok, sinks_ok=sinks_ok, prefix=prefix, last=last, J=J, Jp=Jp,
-                    lift=self_tensor if opts[2] else (lambda f: f))
+        # the far lags are those with a far key, L·C + C − 1 >= w
+        far_lags = [L for L in range(n_loc) if L * C + C - 1 >= w]
+        sok = _chunks(sink_ok.expand(B, 1, n, -1), N, C).mT  # [N, B, 1, Ls, C]
+        sinks_ok = bool(sink_ok.all())
+        return dict(N=N, Wc=Wc, Ne=Ne, n_loc=n_loc, lead=lead, kks=kks, loc_m=loc_m, loc_ok=loc_ok, part=part,
+                    bad=bad, okc=okc, empty=empty, empty_at=empty_at, loc_bias=loc_bias, far_m=far_m, far_lags=far_lags,
+                    prefix=prefix, sok=sok, sinks_ok=sinks_ok, lift=self_tensor if opts[2] else (lambda f: f))
 
     @staticmethod
-    def _tiles(k, k_w, k_sink, v, v_w, v_sink, lead: int, Ne: int, C: int):
-        """The key and value tiles ``[Ne, B, H, C + Ls, D|Dv]``: each key chunk, then the sinks."""
-        B, H, Ls, D = k_sink.shape
-        KX = k.new_empty(Ne, B, H, C + Ls, D)
-        VX = v.new_empty(Ne, B, H, C + Ls, v.shape[-1])
-        _join_into(KX[:, :, :, :C], (k_w, k), lead)
-        _join_into(VX[:, :, :, :C], (v_w, v), lead)
-        if Ls:
-            KX[:, :, :, C:] = k_sink
-            VX[:, :, :, C:] = v_sink
-        return KX, VX
-
-    @staticmethod
-    def _mask_logits(A, st, fill: float) -> None:
-        """Off the local keys and the visible sinks: ``fill`` in the logits ``A [N, B, H, C, Jp]`` (the first
-        ``part`` chunks by their data mask, the others' sinks by ``sink_ok``; their lags and unused columns are
-        masked already or by the caller)."""
-        part, J, Ls = st["part"], st["J"], st["sok"].shape[-1]
-        if part:
-            A[:part].masked_fill_(~st["ok"], fill)
-        if Ls and not st["sinks_ok"] and part < A.shape[0]:
-            A[part:, :, :, :, J - Ls:J].masked_fill_(~st["sok"][part:], fill)
+    def _per_chunk(x: torch.Tensor, N: int) -> torch.Tensor:
+        """``x [B, H, R, F]`` (the sinks') → ``[N·B·H, R, F]``, the same for every chunk (a small copy)."""
+        return x[None].expand(N, *x.shape).reshape(-1, *x.shape[2:])
 
     @staticmethod
     def forward(ctx, fq, fk, v, q, k, fk_w, v_w, k_w, k_sink, v_sink, S_in, z_in, g, key_ok, sink_ok, off, opts):
         C, w, non_negative, scale, softmax, degree, eps, grad = opts
         B, H, n, _ = fq.shape
-        Dv, D, Ls, Lw = v.shape[-1], q.shape[-1], k_sink.shape[2], k_w.shape[2]
-        st = _HybridCore._setup(B, H, n, Lw, Ls, key_ok, sink_ok, off, opts, fq)
-        N, n_loc, kks, cols, lead, Ne, part, J, Jp = (st[x] for x in ("N", "n_loc", "kks", "cols", "lead", "Ne",
-                                                                       "part", "J", "Jp"))
-        # chunk-major copies (keys and values as tiles with the sinks; the backward makes its own); the local scale
-        # s multiplies the products (a GEMM's alpha), never a copy
+        Dv, D, Ls = v.shape[-1], q.shape[-1], k_sink.shape[2]
+        st = _HybridCore._setup(B, H, n, k_w.shape[2], key_ok, sink_ok, off, opts, fq)
+        N, n_loc, kks, lead, Ne = st["N"], st["n_loc"], st["kks"], st["lead"], st["Ne"]
+        # chunk-major copies (keys: off − L_w zero rows, the held window, the block; the backward makes its own);
+        # the local scale s multiplies the products (a GEMM's alpha), never a copy
         fqc, qc = _chunks(fq, N, C), _chunks(q, N, C)
         fkc = _join_chunks((fk_w, fk), lead, Ne, C)
-        KX, VX = _HybridCore._tiles(k, k_w, k_sink, v, v_w, v_sink, lead, Ne, C)
+        vc, kc = _join_chunks((v_w, v), lead, Ne, C), _join_chunks((k_w, k), lead, Ne, C)
+        NBH = N * B * H
         # the window the next block holds: the last min(w, L_w + n) keys, raw
-        Lo = min(w, Lw + n)
+        Lo = min(w, k_w.shape[2] + n)
         windows = tuple((x[:, :, n - Lo:] if Lo <= n else torch.cat([xw[:, :, xw.shape[2] - Lo + n:], x], 2)).clone()
                         for xw, x in ((fk_w, fk), (v_w, v), (k_w, k)))
+        part = st["part"]
         if st["okc"] is not None:
             fkc[:st["bad"] + 1].mul_(st["okc"])  # sinks, padding: out of the far sums
         lq, lk = st["lift"](fqc), st["lift"](fkc)
-        # num and den divided by 1 − g (the far part unscaled, the local one times λ = g/(1 − g), ε by 1 − g)
-        # unless some g is 1: then the local part times λ = g and the far one times 1 − g, as written
+        # num and den divided by 1 − g (the far part unscaled, the local one times γ = g/(1 − g), ε by 1 − g)
+        # unless some g is 1: then times g and 1 − g as written
         fold = bool((g < 1).all())
         gb = g[None, None, :, None, None]  # [1, 1, H, 1, 1]
-        lam = gb / (1 - gb) if fold else gb
-        # far state: per-chunk sums, prefix by the 0/1 matrix (its last row: S_out)
-        vc = VX[:, :, :, :C]  # [Ne, B, H, C, Dv]
+        g0 = gb[..., 0]
+        loc_w = gb / (1 - gb) if fold else gb  # the local weights' factor
+        # far state: per-chunk sums, prefix by the 0/1 matrix
         upd, zc = lk.mT @ vc, lk.sum(3)  # [Ne, B, H, M2, Dv], [Ne, B, H, M2]
-        prefix_tot = _prefix_and_total(n, off, w, C, fq.device, fq.dtype)
+        # (the prefix matrix's last row sums the key chunks wholly in S_out: one more row of the same GEMM)
+        prefix_tot = _prefix_and_total(n, off, w, C, fq.device, fq.dtype)  # [N + 1, Ne]
         P_all = (prefix_tot @ upd.flatten(1)).view(N + 1, *upd.shape[1:]).add_(S_in)
         zP_all = (prefix_tot @ zc.flatten(1)).view(N + 1, *zc.shape[1:]).add_(z_in)
         P, zP, S_out, z_out = P_all[:N], zP_all[:N], P_all[N], zP_all[N]
-        full, rem = divmod(st["last"], C)
-        if rem:  # the first `rem` keys of chunk `full` enter S_out too
-            S_out = S_out + lk[full, :, :, :rem].mT @ vc[full, :, :, :rem]
-            z_out = z_out + lk[full, :, :, :rem].sum(2)
         num = lq @ P  # [N, B, H, C, Dv]
         den = (zP[..., None, :] @ lq.mT)[..., 0, :]  # [N, B, H, C]  (as [1, M]·[M, C]: a GEMV is 7× slower)
         if not fold:
             num.mul_(1 - gb)
-            den.mul_(1 - gb[..., 0])
-        # local logits, one joint row per query (each lag's GEMM into its columns; softmax: the lag masks as the
-        # matmul's bias)
-        A = q.new_empty(N, B, H, C, Jp)
-        if Jp > J:
-            A[..., J:] = float("-inf") if softmax else 0.0  # the unused columns
-        NBH = N * B * H
-        for L, kk in enumerate(kks):
-            keys = KX[kk] if L == 0 else KX[kk, :, :, :C]  # [N, B, H, width, D]
-            width = cols[L].stop - cols[L].start
+            den.mul_(1 - g0)
+        # local logits per lag (lag-major, each a contiguous slab) and the sinks' (transposed: [Ls, C] per chunk)
+        A = q.new_empty(n_loc, N, B, H, C, C)
+        for L, kk in enumerate(kks):  # softmax: the lag masks as a bias added by the matmul itself
             if softmax and part < N:
-                torch.baddbmm(st["bias"][:, cols[L]].expand(NBH - part * B * H, C, width), qc[part:].view(-1, C, D),
-                              keys[part:].view(-1, width, D).mT, alpha=scale,
-                              out=A[part:, :, :, :, cols[L]].view(-1, C, width))
-            c1 = part if softmax else N
-            if c1:
-                dst = A[:c1, :, :, :, cols[L]].view(-1, C, width)
-                torch.baddbmm(dst, qc[:c1].view(-1, C, D), keys[:c1].view(-1, width, D).mT, beta=0, alpha=scale,
-                              out=dst)
+                torch.baddbmm(st["loc_bias"][L].expand(NBH - part * B * H, C, C), qc[part:].view(-1, C, D),
+                              kc[kk][part:].view(-1, C, D).mT, alpha=scale, out=A[L, part:].view(-1, C, C))
+            if part or not softmax:
+                c1 = part if softmax else N
+                torch.matmul(qc[:c1], kc[kk][:c1].mT, out=A[L, :c1]).mul_(scale)
+        if Ls:
+            AsT = torch.bmm(_HybridCore._per_chunk(k_sink * scale, N), qc.view(-1, C, D).mT).view(N, B, H, Ls, C)
         ties = ()
         if softmax:
-            # a = exp(l − c), c the row maximum over every local key and sink. Chunks past `part` (each row holds
-            # its own query's key): p = softmax(l) (fast, and it never takes exp(−inf), slow on CPU), a = p / max p.
-            # The first `part` chunks: masked, c = 0 on a row without local keys, a = exp(l − c)
-            _HybridCore._mask_logits(A, st, float("-inf"))
-            A_loc = torch.softmax(A, -1)  # p = exp(l − c) / Σ exp(l − c)
-            f = lam / A_loc.amax(-1, keepdim=True)  # λ·Σ_u a = λ / max p   [N, B, H, C, 1]
-            if part:  # a row without local keys (only in the first chunks): p is NaN there, a = 0
-                f[:part] = torch.where(torch.isfinite(f[:part]), f[:part], 0.0)
-                A_loc[:part].masked_fill_(~st["ok"], 0.0)
-            A_loc.mul_(f)  # λ·a
-            den += f[..., 0]
-            if grad:  # where the maximum is taken (its gradient goes there): 1.0 / 0.0 in the logits' buffer
-                c = A.amax(-1, keepdim=True)  # [N, B, H, C, 1]
-                if part:  # a row without local keys: c = 0, no tie
-                    c[:part] = torch.where(torch.isfinite(c[:part]), c[:part], 0.0)
-                ties = (A.eq_(c),)  # (a float result: far faster than a bool one)
-            saved = A_loc
+            # a = exp(l − c), c the row maximum over every local key: from a softmax per lag (fast, and it never
+            # takes exp(−inf)), p = softmax(l), a = p·exp(m_L − c)/max p with m_L the lag's row maximum
+            if part:
+                ok = st["loc_ok"]
+                empty_d = ~ok.any(-1)  # [n_loc, part, B, 1, C]
+                A[:, :part].masked_fill_(~(ok | empty_d[..., None]), float("-inf"))  # an empty row stays finite
+            m = A.amax(-1)  # [n_loc, N, B, H, C]
+            m[:, part:].masked_fill_(st["empty"][:, None, None, None, :], float("-inf"))
+            if part:
+                m[:, :part].masked_fill_(empty_d, float("-inf"))
+            cmax = m.amax(0)
+            if Ls:
+                if not st["sinks_ok"]:
+                    AsT.masked_fill_(~st["sok"], float("-inf"))
+                cmax = torch.maximum(cmax, AsT.amax(-2))
+            if part:  # (past them every query has a local key: itself)
+                cmax = torch.where(torch.isfinite(cmax), cmax, 0.0)  # a row without local keys: c = 0
+            p = torch.softmax(A, -1)
+            if grad:  # where the max is taken (its gradient goes there): 1.0 / 0.0 in the logits' buffer
+                tie = A.eq_(cmax[None, ..., None])  # (a float result: far faster than a bool one)
+                eL, er = st["empty_at"]  # the few rows without local keys at some lag
+                tie[eL, part:, :, :, er] = 0.0
+                if part:
+                    tie[:, :part].masked_fill_(empty_d[..., None], 0.0)
+                ties = (tie, AsT.eq(cmax[..., None, :]).to(A.dtype)) if Ls else (tie,)
+            f = (m - cmax).exp_().div_(p.amax(-1))  # [n_loc, N, B, H, C]  Σ_u a = f (0 on an empty row)
+            if not grad:
+                f.mul_(loc_w[..., 0])  # the factor folded in: A holds it
+            A = p.mul_(f[..., None])
+            den += f.sum(0) if not grad else f.sum(0).mul_(loc_w[..., 0])
+            if Ls:
+                AsT = (AsT - cmax[..., None, :]).exp_()
+            saved = (A, AsT) if Ls else (A,)
         else:
-            if part < N:
-                A[part:].mul_(st["local"].to(A.dtype))
-            _HybridCore._mask_logits(A, st, 0.0)
-            saved = A  # the masked logits, for the backward
-            A_loc = (A**degree).mul_(lam)
-            den += A_loc.sum(-1)
-        # the partly-far key chunks: the far kernel F (lag >= w, keys with far features) beside the local weights
-        far = []
-        phi = 1 - g[:, None, None] if not fold else None  # [H, 1, 1], the far weights' factor
-        Ws = {}
-        for L in st["far_lags"]:
-            kk, lc = kks[L], st["lag_cols"][L]
-            F = fqc @ fkc[kk].mT  # [N, B, H, C, C]
-            if non_negative:
-                F.square_()
-            if grad:
-                F.mul_(st["far_m"][L])
-                far.append(F)
-                den += F.sum(-1) if fold else F.sum(-1).mul_(phi[..., 0])
-                W = A_loc[:, :, :, :, cols[L]].clone()
-                W[..., :C].add_(F if fold else F * phi)
-                Ws[L] = W
-            else:
-                F.mul_(st["far_m"][L] if fold else st["far_m"][L] * phi)  # (1 − g)·F unless folded
-                den += F.sum(-1)
-                A_loc[:, :, :, :, lc].add_(F)
+            A[:, part:].mul_(st["loc_m"][:, None, None, None].to(A.dtype))
+            if part:
+                A[:, :part].masked_fill_(~st["loc_ok"], 0.0)
+            if Ls:
+                AsT.masked_fill_(~st["sok"], 0.0)
+            saved = (A, AsT) if Ls else (A,)  # the logits, for the backward
+            A = A**degree
+            AsT = AsT**degree if Ls else None
+            if not grad:
+                A.mul_(loc_w)
+            den += A.sum(-1).sum(0) if not grad else A.sum(-1).sum(0).mul_(loc_w[..., 0])
+        if Ls:  # the sinks' weights times the factor (a small tensor) and their sums
+            As_w = (AsT * loc_w).view(-1, Ls, C)
+            den += As_w.sum(-2).view(N, B, H, C)
+            num.view(-1, C, Dv).baddbmm_(As_w.mT, _HybridCore._per_chunk(v_sink, N))
+        far = []  # F: the far kernel of each near-far lag, masked (kept for the backward)
         for L, kk in enumerate(kks):
-            vals = VX[kk] if L == 0 else VX[kk, :, :, :C]
-            width = cols[L].stop - cols[L].start
-            W = Ws[L] if L in Ws else A_loc[:, :, :, :, cols[L]]
-            num.view(-1, C, Dv).baddbmm_(W.reshape(-1, C, width), vals.view(-1, width, Dv))
+            if L in st["far_lags"]:
+                F = fqc @ fkc[kk].mT  # [N, B, H, C, C]
+                if non_negative:
+                    F.square_()
+                if grad:
+                    F.mul_(st["far_m"][L])
+                    far.append(F)
+                    W = torch.mul(A[L], loc_w) if fold else torch.mul(F, 1 - gb).addcmul_(A[L], gb)
+                    if fold:
+                        W += F
+                    den += F.sum(-1) if fold else F.sum(-1).mul_(1 - g0)
+                else:
+                    F.mul_(st["far_m"][L] if fold else st["far_m"][L] * (1 - g)[:, None, None])  # (1 − g)·F
+                    den += F.sum(-1)
+                    W = A[L].add_(F)
+            else:
+                W = A[L] * loc_w if grad else A[L]
+            num.view(-1, C, Dv).baddbmm_(W.view(-1, C, C), vc[kk].view(-1, C, Dv))
+        full, rem = divmod(max(0, off + n - w), C)
+        if rem:  # the first `rem` keys of chunk `full` enter S_out too
+            S_out = S_out + lk[full, :, :, :rem].mT @ vc[full, :, :, :rem]
+            z_out = z_out + lk[full, :, :, :rem].sum(2)
         # out = num / (den + ε), read chunk-major and written token-major in one pass
         e = (eps / (1 - g) if fold else torch.full_like(g, eps))[None, None, :, None]  # [1, 1, H, 1]
         out = num.new_empty(B, H, N * C, Dv)
         torch.div(num.movedim(0, 2), (den + e).movedim(0, 2)[..., None], out=out.view(B, H, N, C, Dv))
         out = out[:, :, :n]
-        den_f = _unchunk(den, n)  # [B, H, n], divided by 1 − g when folded
-        den = den_f * (1 - g)[None, :, None] if fold else den_f  # the true denominator
-        ctx.off, ctx.opts, ctx.Lw, ctx.fold = off, opts, Lw, fold
+        den = _unchunk(den, n)
+        if fold:
+            den = den * (1 - g)[None, :, None]  # the true denominator, [B, H, n]
+        ctx.off, ctx.opts, ctx.Lw = off, opts, k_w.shape[2]
         ctx.set_materialize_grads(False)
         # q, k, v and the held window are kept as given (the caller holds them anyway): the backward copies them
-        # chunk-major again rather than keeping block-sized copies alive until then
-        ctx.save_for_backward(fqc, fkc, v, v_w, q, k, k_w, k_sink, v_sink, S_in, z_in, g, key_ok, sink_ok, out, den_f,
-                              saved, *ties, *far)
+        # chunk-major again rather than keeping three block-sized copies alive until then
+        ctx.save_for_backward(fqc, fkc, v, v_w, q, k, k_w, k_sink, v_sink, S_in, z_in, g, key_ok, sink_ok, out, den,
+                              *saved, *ties, *far)
         ctx.mark_non_differentiable(den)
         return (out, den, S_out, z_out) + windows
 
     @staticmethod
     @once_differentiable  # in-place work on its own buffers: no double backward
     def backward(ctx, g_out, g_den, g_S, g_z, g_fkw, g_vw, g_kw):
-        off, opts, fold = ctx.off, ctx.opts, ctx.fold
+        off, opts = ctx.off, ctx.opts
         C, w, non_negative, scale, softmax, degree, eps, _ = opts
-        fqc, fkc, v, v_w, q, k, k_w, k_sink, v_sink, S_in, z_in, g, key_ok, sink_ok, out, den_f, saved, *rest = \
-            ctx.saved_tensors
+        fqc, fkc, v, v_w, q, k, k_w, k_sink, v_sink, S_in, z_in, g, key_ok, sink_ok, out, den, *rest = ctx.saved_tensors
         B, H, n, Dv = out.shape
         M, D, Ls, Lw = fqc.shape[-1], q.shape[-1], k_sink.shape[2], ctx.Lw
-        need_g = ctx.needs_input_grad[12]
-        st = _HybridCore._setup(B, H, n, Lw, Ls, key_ok, sink_ok, off, opts, out)
-        N, Wc, kks, cols, lead, Ne, J, Jp = (st[x] for x in ("N", "Wc", "kks", "cols", "lead", "Ne", "J", "Jp"))
+        need_g = ctx.needs_input_grad[12]  # the gate's gradient (its sums over every weight) only when asked
+        st = _HybridCore._setup(B, H, n, Lw, key_ok, sink_ok, off, opts, out)
+        N, Wc, kks, lead, Ne = st["N"], st["Wc"], st["kks"], st["lead"], st["Ne"]
         qc = _chunks(q, N, C)
-        KX, VX = _HybridCore._tiles(k, k_w, k_sink, v, v_w, v_sink, lead, Ne, C)
+        vc, kc = _join_chunks((v_w, v), lead, Ne, C), _join_chunks((k_w, k), lead, Ne, C)
         lq, lk = st["lift"](fqc), st["lift"](fkc)
         gb = g[None, None, :, None, None]
-        lam = gb / (1 - gb) if fold else gb
-        tie = rest[0] if softmax else None
-        far = rest[1:] if softmax else rest
-        # d num, d den (of the folded num, den when folded), chunk-major
-        e = (eps / (1 - g) if fold else torch.full_like(g, eps))[None, :, None]  # [1, H, 1]
-        r = 1.0 / (den_f + e)  # [B, H, n]
+        g0 = gb[..., 0]
+        nA = 2 if Ls else 1
+        A, AsT = rest[0], (rest[1] if Ls else None)
+        if softmax:
+            tie, tie_s = rest[nA], (rest[nA + 1] if Ls else None)
+            far = rest[2 * nA:]
+        else:
+            logit, logit_s = A, AsT
+            A, AsT = logit**degree, (logit_s**degree if Ls else None)
+            far = rest[nA:]
+        r = 1.0 / (den + eps)  # [B, H, n]
         g_out = out.new_zeros(B, H, n, Dv) if g_out is None else g_out
         dnum = _chunks(g_out * r[..., None], N, C)  # [N, B, H, C, Dv]
         dden = _chunks((-(g_out * out).sum(-1) * r)[..., None], N, C)[..., 0]  # [N, B, H, C]
         # far state
-        vc = VX[:, :, :, :C]
-        upd, zc = lk.mT @ vc, lk.sum(3)  # recomputed: [Ne, B, H, M2, Dv], [Ne, B, H, M2]
-        P = (st["prefix"] @ upd.flatten(1)).view(N, *upd.shape[1:]).add_(S_in)  # [N, B, H, M2, Dv]
-        zP = (st["prefix"] @ zc.flatten(1)).view(N, *zc.shape[1:]).add_(z_in)  # [N, B, H, M2]
-        dP = lq.mT @ dnum  # [N, B, H, M2, Dv]
-        dzP = (dden[..., None, :] @ lq)[..., 0, :]  # [N, B, H, M2]
-        dlq = (dnum @ P.mT).add_(dden[..., None] * zP[..., None, :])  # [N, B, H, C, M2]
-        dgh = None
-        if need_g and not fold:  # the far part's share, Σ dnum·far num + dden·far den, before the factor 1 − g
-            dgh = -((dP * P).sum(dim=(0, 1, 3, 4)) + (dzP * zP).sum(dim=(0, 1, 3)))  # [H]
-        if not fold:
-            dP.mul_(1 - gb)
-            dzP.mul_(1 - gb[..., 0])
-            dlq.mul_(1 - gb)
-        dupd = (st["prefix"].T @ dP.flatten(1)).view(Ne, *dP.shape[1:])  # Σ over the query chunks that read chunk e
-        dzc = (st["prefix"].T @ dzP.flatten(1)).view(Ne, *dzP.shape[1:])
-        dS_in, dz_in = dP.sum(0), dzP.sum(0)
-        full, rem = divmod(st["last"], C)
-        if g_S is not None:
-            dS_in = dS_in + g_S
-            dupd[:full] += g_S
-        if g_z is not None:
-            dz_in = dz_in + g_z
-            dzc[:full] += g_z
-        dlk = (vc @ dupd.mT).add_(dzc[..., None, :])  # [Ne, B, H, C, M2]
-        dV = out.new_empty(Ne, B, H, C + Ls, Dv)  # the value tiles' gradient, sink rows last
-        torch.bmm(lk.view(-1, C, lk.shape[-1]), dupd.view(-1, dupd.shape[-2], Dv), out=dV[:, :, :, :C].view(-1, C, Dv))
-        if Ls:
-            dV[:, :, :, C:] = 0.0
-        if rem and g_S is not None:
-            dlk[full, :, :, :rem] += vc[full, :, :, :rem] @ g_S.mT
-            dV[full, :, :, :rem] += lk[full, :, :, :rem] @ g_S
-        if rem and g_z is not None:
-            dlk[full, :, :, :rem] += g_z[:, :, None, :]
+        upd, zc = lk.mT @ vc, lk.sum(3)
+        P = (st["prefix"] @ upd.flatten(1)).view(N, *upd.shape[1:]) + S_in
+        zP = (st["prefix"] @ zc.flatten(1)).view(N, *zc.shape[1:]) + z_in
+        dP0 = lq.mT @ dnum  # [N, B, H, M2, Dv]   (before the factor 1 − g)
+        dzP0 = (dden[..., None, :] @ lq)[..., 0, :]  # [N, B, H, M2]
+        # d/dg of (1 − g)·far, per head [H] (the gate's gradient only when asked)
+        dgh = -((dP0 * P).sum(dim=(0, 1, 3, 4)) + (dzP0 * zP).sum(dim=(0, 1, 3))) if need_g else None
+        dP, dzP = dP0.mul_(1 - gb), dzP0.mul_(1 - g0)
+        dlq = (dnum @ P.mT + dden[..., None] * zP[..., None, :]).mul_(1 - gb)  # [N, B, H, C, M2]
+        dS_in, dz_in, dlk, dvc = _far_state_grads(st["prefix"], dP, dzP, lk, vc, g_S, g_z, max(0, off + n - w))
         dfq, dfk = (_unlift(dlq, fqc), _unlift(dlk, fkc)) if non_negative else (dlq, dlk)
-        # every entry of the local row: dA = dnum·v + dden
-        dA = out.new_empty(N, B, H, C, Jp)
-        if Jp > J:
-            dA[..., J:] = 0.0  # the unused columns
+        # local and near-far lags: da = dnum·vᵀ + dden is the gradient of every weight of a (query, key)
+        dA = torch.empty_like(A)  # [n_loc, N, B, H, C, C]
         for L, kk in enumerate(kks):
-            vals = VX[kk] if L == 0 else VX[kk, :, :, :C]
-            width = cols[L].stop - cols[L].start
-            torch.bmm(dnum.view(-1, C, Dv), vals.view(-1, width, Dv).mT, out=dA[:, :, :, :, cols[L]].view(-1, C, width))
-        dA.add_(dden[..., None])
-        # the partly-far key chunks: gradients of the far kernel, and the combined weights for dV
-        A_loc = saved if softmax else (saved**degree).mul_(lam)  # λ·a
-        Ws = {}
-        for i, L in enumerate(st["far_lags"]):
-            kk, lc = kks[L], st["lag_cols"][L]
-            F = far[i]
-            if need_g and not fold:
-                dgh -= (F * dA[:, :, :, :, lc]).sum(dim=(0, 1, 3, 4))
-            ds = dA[:, :, :, :, lc] * (st["far_m"][L] if fold else st["far_m"][L] * (1 - g)[:, None, None])
-            if non_negative:
-                ds.mul_(fqc @ fkc[kk].mT).mul_(2.0)  # d(s²) = 2s
-            dfq.view(-1, C, M).baddbmm_(ds.view(-1, C, C), fkc[kk].view(-1, C, M))
-            dfk[kk].view(-1, C, M).baddbmm_(ds.view(-1, C, C).mT, fqc.view(-1, C, M))
-            W = A_loc[:, :, :, :, cols[L]].clone()
-            W[..., :C].add_(F if fold else F * (1 - g)[:, None, None])
-            Ws[L] = W
+            torch.matmul(dnum, vc[kk].mT, out=dA[L])
+        dA.add_(dden[None, ..., None])
         for L, kk in enumerate(kks):
-            width = cols[L].stop - cols[L].start
-            W = Ws[L] if L in Ws else A_loc[:, :, :, :, cols[L]]
-            dst = dV[kk] if L == 0 else dV[kk, :, :, :C]
-            dst.view(-1, width, Dv).baddbmm_(W.reshape(-1, C, width).mT, dnum.view(-1, C, Dv))
-        # through a(logit): softmax a = exp(l − c) (c the row max: its gradient goes to where the max is taken,
-        # split evenly between ties, as autograd's amax), poly a = l^p
+            if L in st["far_lags"]:
+                F = far[st["far_lags"].index(L)]
+                if need_g:
+                    dgh -= (F * dA[L]).sum(dim=(0, 1, 3, 4))
+                ds = dA[L] * (st["far_m"][L] * (1 - g)[:, None, None])  # the far weights' gradient (1 − g)·da
+                if non_negative:
+                    ds.mul_(fqc @ fkc[kk].mT).mul_(2.0)  # d(s²) = 2s
+                dfq.view(-1, C, M).baddbmm_(ds.view(-1, C, C), fkc[kk].view(-1, C, M))
+                dfk[kk].view(-1, C, M).baddbmm_(ds.view(-1, C, C).mT, fqc.view(-1, C, M))
+                W = torch.mul(F, 1 - gb).addcmul_(A[L], gb)
+            else:
+                W = A[L] * gb
+            dvc[kk].view(-1, C, Dv).baddbmm_(W.view(-1, C, C).mT, dnum.view(-1, C, Dv))
+        dv_sink = torch.zeros_like(v_sink)
+        if Ls:  # the sinks transposed, [N, B, H, Ls, C]
+            daT_s = torch.bmm(_HybridCore._per_chunk(v_sink, N), dnum.view(-1, C, Dv).mT).view(N, B, H, Ls, C)
+            daT_s.add_(dden[..., None, :])
+            dv_sink = torch.bmm((AsT * gb).view(-1, Ls, C), dnum.view(-1, C, Dv)).view(N, B, H, Ls, Dv).sum(0)
+        # through a(logit): softmax a = exp(l − c) (c the row max: its gradient goes to where the max is
+        # taken, split evenly between ties, as autograd's amax), poly a = l^p
+        dl_s = None
         if softmax:
-            dl = dA.mul_(A_loc)  # λ·a·dA
-            rho = dl.sum(-1)  # [N, B, H, C]
-            count = tie.sum(-1)
-            dl.addcmul_(tie, (rho.neg() / torch.clamp(count, min=1))[..., None])  # + the share of dc at the maximum
+            dl = dA.mul_(A)  # a·da
+            rho = dl.sum(-1).sum(0)  # [N, B, H, C]
+            if Ls:
+                dl_s = daT_s.mul_(AsT)
+                rho += dl_s.sum(-2)
+            if need_g:
+                dgh += rho.sum(dim=(0, 1, 3))  # d/dg of g·Σ a v (and of g·Σ a)
+            count = tie.sum(-1).sum(0)
+            if Ls:
+                count = count + tie_s.sum(-2)
+            share = (rho * g0).neg_().div_(torch.clamp(count, min=1))  # dc / ties   [N, B, H, C]
+            dl.mul_(gb).addcmul_(tie, share[None, ..., None])  # g·a·da + the share of dc at the maximum
+            if Ls:
+                dl_s.mul_(gb).addcmul_(tie_s, share[..., None, :])
         else:
-            dA.mul_(lam)
-            rho = (saved**degree * dA).sum(-1) if need_g else None
-            dl = dA.mul_(saved ** (degree - 1)).mul_(float(degree))  # λ·p·l^(p−1)·dA
-            if degree < 2:  # l^0 = 1 off the local keys too
-                if st["part"] < N:
-                    dl[st["part"]:].mul_(st["local"].to(dl.dtype))
-                _HybridCore._mask_logits(dl, st, 0.0)
-        if need_g:
-            # Σ_i λ·a·dA = g·R with R = Σ a·(dnum·v + dden) in true terms; folded, the far part follows from
-            # g·R + (1 − g)·Q = Σ dnum·num + dden·den = −ε·Σ dden: dL/dg = R − Q = (R + ε·Σ dden) / (1 − g)
-            R = torch.where(g > 0, rho.sum(dim=(0, 1, 3)) / torch.where(g > 0, g, 1.0), 0.0)  # [H]
-            if fold:
-                dden_sum = dden.sum(dim=(0, 1, 3)) / (1 - g)
-                dgh = (R + eps * dden_sum) / (1 - g)
-            else:
-                dgh = dgh + R
-        dqc = out.new_empty(N, B, H, C, D)  # the logits are s·qᵀk: dq = s·dl·k, dk = s·dlᵀq
-        dK = out.new_empty(Ne, B, H, C + Ls, D)
-        if Wc:
-            dK[:Wc] = 0.0
+            if need_g:
+                dgh += (A * dA).sum(dim=(0, 1, 2, 4, 5))
+            dl = dA.mul_(gb * degree).mul_(logit ** (degree - 1))  # g·p·l^(p−1)·da
+            if Ls:
+                if need_g:
+                    dgh += (AsT * daT_s).sum(dim=(0, 1, 3, 4))
+                dl_s = daT_s.mul_(gb * degree).mul_(logit_s ** (degree - 1))
+        dqc = torch.empty_like(qc)  # the logits are s·qᵀk: dq = s·dl·k, dk = s·dlᵀq (lag 0 writes, others add)
+        dkc = torch.empty_like(kc)
+        dkc[:Wc].zero_()  # key chunks before the block: only lags >= 1 reach them
+        # off the local keys dl is 0 already for softmax (a = 0, no tie there) and for p >= 2 (l = 0)
+        unmasked = not softmax and degree < 2
         for L, kk in enumerate(kks):
-            keys = KX[kk] if L == 0 else KX[kk, :, :, :C]
-            width = cols[L].stop - cols[L].start
-            dlL = dl[:, :, :, :, cols[L]].reshape(-1, C, width)
-            if L == 0:
-                torch.baddbmm(dqc.view(-1, C, D), dlL, keys.reshape(-1, width, D), beta=0, alpha=scale,
-                              out=dqc.view(-1, C, D))
-                torch.baddbmm(dK[kk].view(-1, width, D), dlL.mT, qc.view(-1, C, D), beta=0, alpha=scale,
-                              out=dK[kk].view(-1, width, D))
-            else:
-                dqc.view(-1, C, D).baddbmm_(dlL, keys.view(-1, width, D), alpha=scale)
-                dK[kk, :, :, :C].view(-1, width, D).baddbmm_(dlL.mT, qc.view(-1, C, D), alpha=scale)
-        dk_sink = dK[Wc:, :, :, C:].sum(0) if Ls else torch.zeros_like(k_sink)
-        dv_sink = dV[Wc:, :, :, C:].sum(0) if Ls else torch.zeros_like(v_sink)
+            if unmasked:
+                dl[L, st["part"]:].masked_fill_(~st["loc_m"][L], 0.0)
+                if st["part"]:
+                    dl[L, :st["part"]].masked_fill_(~st["loc_ok"][L], 0.0)
+            beta = 0 if L == 0 else 1  # (beta 0: the uninitialised buffer is not read)
+            torch.baddbmm(dqc.view(-1, C, D), dl[L].view(-1, C, C), kc[kk].view(-1, C, D), beta=beta, alpha=scale,
+                          out=dqc.view(-1, C, D))
+            torch.baddbmm(dkc[kk].view(-1, C, D), dl[L].view(-1, C, C).mT, qc.view(-1, C, D), beta=beta, alpha=scale,
+                          out=dkc[kk].view(-1, C, D))
+        dk_sink = torch.zeros_like(k_sink)
+        if Ls:
+            if unmasked:
+                dl_s = dl_s.masked_fill_(~st["sok"], 0.0)
+            dl_s = dl_s.view(-1, Ls, C)
+            dqc.view(-1, C, D).baddbmm_(dl_s.mT, _HybridCore._per_chunk(k_sink * scale, N))
+            dk_sink = torch.bmm(dl_s, qc.view(-1, C, D)).view(N, B, H, Ls, D).sum(0).mul_(scale)  # [B, H, Ls, D]
         # the held window and the block's keys: the far mask; the window outputs' gradients join the raw keys'
         if st["okc"] is not None:
             dfk[:st["bad"] + 1].mul_(st["okc"])
         grads = []
-        for dx, gw in ((dfk, g_fkw), (dV[:, :, :, :C], g_vw), (dK[:, :, :, :C], g_kw)):
+        for dx, gw in ((dfk, g_fkw), (dvc, g_vw), (dkc, g_kw)):
             if gw is not None:
                 _add_rows(dx, off + n - gw.shape[2], gw)
             grads.append((_rows(dx, lead, Lw) if Lw else None, _unchunk(dx[Wc:], n)))
