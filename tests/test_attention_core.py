@@ -239,3 +239,17 @@ def test_chunk_core_accepts_the_valid_arguments():
     assert out.shape == (1, 2, 4, 5) and den.shape == (1, 2, 4) and S.shape == (1, 2, 3, 5) and z.shape == (1, 2, 3)
     _, _, S2, _ = chunk_core(**_core_args(S_in=torch.zeros(1, 2, 9, 5), z_in=torch.zeros(1, 2, 9), non_negative=True))
     assert S2.shape == (1, 2, 9, 5)
+
+
+@pytest.mark.parametrize("n, off, w, C", [(16, 4, 4, 4), (13, 8, 5, 4), (9, 4, 9, 4), (5, 4, 7, 4)])
+def test_hybrid_prefix_total_row_sums_the_chunks_of_s_out(n, off, w, C):
+    """The hybrid core reads S_out from one more row of its prefix GEMM: rows 0..N−1 are the prefix matrix, the last
+    row marks the key chunks wholly before position off + n − w (the rest of S_out, ``rem`` keys, is added apart)."""
+    from sketchlab.attention.chunk_core import _geometry, _prefix_and_total
+
+    N, _, Ne, _, prefix, last = _geometry(n, off, w, C, torch.device("cpu"), F64)
+    tot = _prefix_and_total(n, off, w, C, torch.device("cpu"), F64)
+    assert tot.shape == (N + 1, Ne)
+    assert torch.equal(tot[:N], prefix)
+    want = torch.tensor([1.0 if (e + 1) * C <= last else 0.0 for e in range(Ne)], dtype=F64)
+    assert torch.equal(tot[N], want)

@@ -326,6 +326,15 @@ def _add_rows(xc: torch.Tensor, a: int, x: torch.Tensor) -> None:
 
 
 @functools.lru_cache(maxsize=64)
+def _prefix_and_total(n: int, off: int, w: int, C: int, device: torch.device, dtype: torch.dtype):
+    """``[N + 1, Ne]``: the prefix matrix of :func:`_geometry` (lag ``w``) and a last row that sums the key chunks
+    wholly in ``S_out`` (those before ``(off + n − w) // C``)."""
+    _, _, Ne, _, prefix, last = _geometry(n, off, w, C, device, dtype)
+    total = (torch.arange(Ne, device=device) < last // C).to(dtype)[None]  # [1, Ne]
+    return torch.cat([prefix, total], 0)
+
+
+@functools.lru_cache(maxsize=64)
 def _hybrid_masks(C: int, window: int, lags: int, device: torch.device, dtype: torch.dtype):
     """Per key-chunk lag ``L < lags``, query ``r``, key ``u`` (``lag = L·C + r − u``): ``local [lags, C, C]`` bool
     (``0 <= lag < w``); ``empty [lags, C]`` bool, the rows without a local key at that ``L`` (and their indices
@@ -406,8 +415,11 @@ class _HybridCore(torch.autograd.Function):
         loc_w = gb / (1 - gb) if fold else gb  # the local weights' factor
         # far state: per-chunk sums, prefix by the 0/1 matrix
         upd, zc = lk.mT @ vc, lk.sum(3)  # [Ne, B, H, M2, Dv], [Ne, B, H, M2]
-        P = (st["prefix"] @ upd.flatten(1)).view(N, *upd.shape[1:]).add_(S_in)
-        zP = (st["prefix"] @ zc.flatten(1)).view(N, *zc.shape[1:]).add_(z_in)
+        # (the prefix matrix's last row sums the key chunks wholly in S_out: one more row of the same GEMM)
+        prefix_tot = _prefix_and_total(n, off, w, C, fq.device, fq.dtype)  # [N + 1, Ne]
+        P_all = (prefix_tot @ upd.flatten(1)).view(N + 1, *upd.shape[1:]).add_(S_in)
+        zP_all = (prefix_tot @ zc.flatten(1)).view(N + 1, *zc.shape[1:]).add_(z_in)
+        P, zP, S_out, z_out = P_all[:N], zP_all[:N], P_all[N], zP_all[N]
         num = lq @ P  # [N, B, H, C, Dv]
         den = (zP[..., None, :] @ lq.mT)[..., 0, :]  # [N, B, H, C]  (as [1, M]·[M, C]: a GEMV is 7× slower)
         if not fold:
@@ -496,8 +508,7 @@ class _HybridCore(torch.autograd.Function):
                 W = A[L] * loc_w if grad else A[L]
             num.view(-1, C, Dv).baddbmm_(W.view(-1, C, C), vc[kk].view(-1, C, Dv))
         full, rem = divmod(max(0, off + n - w), C)
-        S_out, z_out = S_in + upd[:full].sum(0), z_in + zc[:full].sum(0)
-        if rem:
+        if rem:  # the first `rem` keys of chunk `full` enter S_out too
             S_out = S_out + lk[full, :, :, :rem].mT @ vc[full, :, :, :rem]
             z_out = z_out + lk[full, :, :, :rem].sum(2)
         # out = num / (den + ε), read chunk-major and written token-major in one pass
@@ -525,6 +536,7 @@ class _HybridCore(torch.autograd.Function):
         fqc, fkc, v, v_w, q, k, k_w, k_sink, v_sink, S_in, z_in, g, key_ok, sink_ok, out, den, *rest = ctx.saved_tensors
         B, H, n, Dv = out.shape
         M, D, Ls, Lw = fqc.shape[-1], q.shape[-1], k_sink.shape[2], ctx.Lw
+        need_g = ctx.needs_input_grad[12]  # the gate's gradient (its sums over every weight) only when asked
         st = _HybridCore._setup(B, H, n, Lw, key_ok, sink_ok, off, opts, out)
         N, Wc, kks, lead, Ne = st["N"], st["Wc"], st["kks"], st["lead"], st["Ne"]
         qc = _chunks(q, N, C)
@@ -551,7 +563,8 @@ class _HybridCore(torch.autograd.Function):
         zP = (st["prefix"] @ zc.flatten(1)).view(N, *zc.shape[1:]) + z_in
         dP0 = lq.mT @ dnum  # [N, B, H, M2, Dv]   (before the factor 1 − g)
         dzP0 = (dden[..., None, :] @ lq)[..., 0, :]  # [N, B, H, M2]
-        dgh = -((dP0 * P).sum(dim=(0, 1, 3, 4)) + (dzP0 * zP).sum(dim=(0, 1, 3)))  # [H]  d/dg of (1 − g)·far
+        # d/dg of (1 − g)·far, per head [H] (the gate's gradient only when asked)
+        dgh = -((dP0 * P).sum(dim=(0, 1, 3, 4)) + (dzP0 * zP).sum(dim=(0, 1, 3))) if need_g else None
         dP, dzP = dP0.mul_(1 - gb), dzP0.mul_(1 - g0)
         dlq = (dnum @ P.mT + dden[..., None] * zP[..., None, :]).mul_(1 - gb)  # [N, B, H, C, M2]
         dS_in, dz_in, dlk, dvc = _far_state_grads(st["prefix"], dP, dzP, lk, vc, g_S, g_z, max(0, off + n - w))
@@ -564,7 +577,8 @@ class _HybridCore(torch.autograd.Function):
         for L, kk in enumerate(kks):
             if L in st["far_lags"]:
                 F = far[st["far_lags"].index(L)]
-                dgh -= (F * dA[L]).sum(dim=(0, 1, 3, 4))
+                if need_g:
+                    dgh -= (F * dA[L]).sum(dim=(0, 1, 3, 4))
                 ds = dA[L] * (st["far_m"][L] * (1 - g)[:, None, None])  # the far weights' gradient (1 − g)·da
                 if non_negative:
                     ds.mul_(fqc @ fkc[kk].mT).mul_(2.0)  # d(s²) = 2s
@@ -588,7 +602,8 @@ class _HybridCore(torch.autograd.Function):
             if Ls:
                 dl_s = daT_s.mul_(AsT)
                 rho += dl_s.sum(-2)
-            dgh += rho.sum(dim=(0, 1, 3))  # d/dg of g·Σ a v (and of g·Σ a)
+            if need_g:
+                dgh += rho.sum(dim=(0, 1, 3))  # d/dg of g·Σ a v (and of g·Σ a)
             count = tie.sum(-1).sum(0)
             if Ls:
                 count = count + tie_s.sum(-2)
@@ -597,13 +612,16 @@ class _HybridCore(torch.autograd.Function):
             if Ls:
                 dl_s.mul_(gb).addcmul_(tie_s, share[..., None, :])
         else:
-            dgh += (A * dA).sum(dim=(0, 1, 2, 4, 5))
+            if need_g:
+                dgh += (A * dA).sum(dim=(0, 1, 2, 4, 5))
             dl = dA.mul_(gb * degree).mul_(logit ** (degree - 1))  # g·p·l^(p−1)·da
             if Ls:
-                dgh += (AsT * daT_s).sum(dim=(0, 1, 3, 4))
+                if need_g:
+                    dgh += (AsT * daT_s).sum(dim=(0, 1, 3, 4))
                 dl_s = daT_s.mul_(gb * degree).mul_(logit_s ** (degree - 1))
-        dqc = torch.zeros_like(qc)  # the logits are s·qᵀk: dq = s·dl·k, dk = s·dlᵀq
-        dkc = torch.zeros_like(kc)
+        dqc = torch.empty_like(qc)  # the logits are s·qᵀk: dq = s·dl·k, dk = s·dlᵀq (lag 0 writes, others add)
+        dkc = torch.empty_like(kc)
+        dkc[:Wc].zero_()  # key chunks before the block: only lags >= 1 reach them
         # off the local keys dl is 0 already for softmax (a = 0, no tie there) and for p >= 2 (l = 0)
         unmasked = not softmax and degree < 2
         for L, kk in enumerate(kks):
@@ -611,8 +629,11 @@ class _HybridCore(torch.autograd.Function):
                 dl[L, st["part"]:].masked_fill_(~st["loc_m"][L], 0.0)
                 if st["part"]:
                     dl[L, :st["part"]].masked_fill_(~st["loc_ok"][L], 0.0)
-            dqc.view(-1, C, D).baddbmm_(dl[L].view(-1, C, C), kc[kk].view(-1, C, D), alpha=scale)
-            dkc[kk].view(-1, C, D).baddbmm_(dl[L].view(-1, C, C).mT, qc.view(-1, C, D), alpha=scale)
+            beta = 0 if L == 0 else 1  # (beta 0: the uninitialised buffer is not read)
+            torch.baddbmm(dqc.view(-1, C, D), dl[L].view(-1, C, C), kc[kk].view(-1, C, D), beta=beta, alpha=scale,
+                          out=dqc.view(-1, C, D))
+            torch.baddbmm(dkc[kk].view(-1, C, D), dl[L].view(-1, C, C).mT, qc.view(-1, C, D), beta=beta, alpha=scale,
+                          out=dkc[kk].view(-1, C, D))
         dk_sink = torch.zeros_like(k_sink)
         if Ls:
             if unmasked:
