@@ -21,6 +21,12 @@ Usage (from the repository root)::
     python analysis/mutation.py --report-only                 # re-read mutants/ without running
     python analysis/mutation.py --recheck-survivors           # after adding tests
     python analysis/mutation.py --groups                      # per-group table from RECORD (no mutants/)
+    python analysis/mutation.py --modules convert,hybrid --sample 30 --generate --by-file --time-box 3600
+
+``--generate`` makes the mutants of the chosen modules only (mutmut's mutant generation with
+``only_mutate`` narrowed to them, without mutmut's stats step, which runs the whole suite once
+under a tracer); ``--by-file`` then checks each sampled mutant in a fresh ``pytest -x`` over the
+test files that cover its source file (``TESTS_BY_FILE``), after one clean run of each selection.
 
 Results accumulate in ``mutants/`` across runs, so a time-boxed run can be continued by running
 again.
@@ -29,10 +35,12 @@ again.
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import math
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -62,6 +70,8 @@ MODULES = {
     "tasks": ["sketchlab/tasks/*.py"],
     # the Triton kernels (sketchlab/attention/triton/) are not mutated: see setup.cfg [mutmut]
     "attention": ["sketchlab/attention/*.py"],
+    # the sliding-window hybrid and the decoding state (added after the attention campaign; sampled apart)
+    "hybrid": ["sketchlab/attention/hybrid_chunked.py", "sketchlab/attention/state.py"],
     "convert": ["sketchlab/convert/*.py"],
     "compare": ["sketchlab/compare.py"],
     "fit": ["sketchlab/fit.py"],
@@ -77,6 +87,43 @@ MODULES = {
                        "sketchlab/sketches/_common.py"],
     "internals": ["sketchlab/_dumpsel.py", "sketchlab/_threads.py", "sketchlab/_validation.py"],
 }
+
+#: ``--by-file``: the test files that cover each source file, cheapest and likeliest killers first (first
+#: matching pattern wins). Each sampled mutant runs ``pytest -x`` over its file's list only: the files
+#: that import or drive the mutated code (found by grep), without the slow ones that only repeat it
+#: (the Triton interpreter twins of the hybrid, ~3 min; the toy-model linearize CLI's bad-input file, which
+#: reaches the convert package only through a stubbed loader).
+TESTS_BY_FILE: dict[str, list[str]] = {
+    "sketchlab/convert/scale.py": ["tests/test_convert.py", "tests/test_convert_scale.py",
+                                   "tests/test_convert_options.py"],
+    "sketchlab/convert/linearize.py": ["tests/test_convert.py", "tests/test_convert_linearize.py",
+                                       "tests/test_cli_linearize_lm.py", "tests/test_linearize_spread.py"],
+    "sketchlab/convert/pretrained.py": ["tests/test_convert.py", "tests/test_convert_capture_gguf.py",
+                                        "tests/test_cli_linearize_lm.py"],
+    "sketchlab/convert/*.py": ["tests/test_convert.py", "tests/test_convert_options.py",
+                               "tests/test_convert_linearize.py", "tests/test_convert_scale.py",
+                               "tests/test_convert_capture_gguf.py"],
+    "sketchlab/attention/hybrid_chunked.py": ["tests/test_attention_hybrid.py", "tests/test_attention_state.py",
+                                              "tests/test_attention_core.py"],
+    "sketchlab/attention/state.py": ["tests/test_attention_state.py", "tests/test_attention_hybrid.py",
+                                     "tests/test_convert.py"],
+}
+
+
+def source_file(name: str) -> str:
+    """The source file of mutant ``name`` (``sketchlab.convert.scale.x_f__mutmut_3`` -> ``sketchlab/convert/scale.py``)."""
+    module = re.split(r"\.x[_\u01c1]", name, maxsplit=1)[0]
+    return module.replace(".", "/") + ".py"
+
+
+def tests_by_file(name: str) -> list[str]:
+    """``TESTS_BY_FILE``'s test files for mutant ``name``'s source file."""
+    path = source_file(name)
+    for pattern, tests in TESTS_BY_FILE.items():
+        if fnmatch.fnmatch(path, pattern):
+            return tests
+    raise KeyError(f"no TESTS_BY_FILE entry covers {path} (mutant {name}); add one")
+
 
 #: mutmut's exit-code meaning (mutmut.stats.status_by_exit_code, restated so the report does not
 #: depend on mutmut internals).
@@ -386,7 +433,47 @@ def _write_code(name: str, code: int) -> None:
     raise KeyError(name)
 
 
-def fresh_check(chosen: dict[str, list[str]], time_box: float) -> bool:
+def generate(labels: list[str]) -> None:
+    """Make the mutants of ``labels``' files only, in ``mutants/``, without mutmut's stats step.
+
+    mutmut's own ``run`` mutates every file of ``only_mutate`` (about 40 000 mutants here) and then
+    runs the whole suite under a tracer to map tests to functions (~15 min on 2 cores) before it checks
+    a mutant. ``--by-file`` needs neither: this calls mutmut's mutant generation (the same mutants and
+    names as its ``run``) in this process with ``only_mutate`` narrowed to the chosen modules' files;
+    the other files are copied unchanged. Files already mutated and not edited since are kept.
+    """
+    os.chdir(ROOT)
+    from mutmut import __main__ as mm
+    from mutmut.configuration import config
+
+    config().only_mutate = [pattern for label in labels for pattern in MODULES[label]]
+    mm.copy_src_dir()
+    mm.copy_also_copy_files()
+    mm.setup_source_paths()
+    for path in mm.walk_source_files():  # one process: a forked pool would not see the narrowed config
+        result = mm.create_file_mutants(path)
+        if result.error:
+            raise result.error
+
+
+def _clean_runs(selections: set[tuple[str, ...]], env: dict) -> dict[tuple[str, ...], float]:
+    """Run each test selection once on the unmutated code in ``mutants/``: it must pass (else a kill
+    would mean nothing); returns its wall time in seconds, the base of the mutants' timeouts."""
+    seconds = {}
+    for tests in sorted(selections):
+        start = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-p",
+                               "no:randomly", "-n", "0", *tests], cwd=ROOT / "mutants", env=env,
+                              capture_output=True, text=True)
+        seconds[tests] = time.perf_counter() - start
+        if proc.returncode != 0:
+            raise RuntimeError(f"the clean run of {' '.join(tests)} in mutants/ failed (exit {proc.returncode}):\n"
+                               + proc.stdout[-3000:])
+        print(f"clean run {' '.join(tests)}: passed in {seconds[tests]:.0f} s", flush=True)
+    return seconds
+
+
+def fresh_check(chosen: dict[str, list[str]], time_box: float, by_file: bool = False) -> bool:
     """Check the chosen mutants that mutmut left undecided, each in a fresh ``pytest`` process.
 
     mutmut forks its workers from a process that ran pytest once; a second collection in one
@@ -395,11 +482,28 @@ def fresh_check(chosen: dict[str, list[str]], time_box: float) -> bool:
     mutant's tests (the test functions that mutmut's stats say execute the mutated function, all
     their parametrisations, fastest first, ``-x``) run in a new interpreter with ``MUTANT_UNDER_TEST`` set; exit 1 is a kill, 0 a survivor, a
     run over ``3 × (the tests' time + 30 s)`` a timeout. Returns ``False`` when the time box ended it.
+
+    With ``by_file`` the tests are ``TESTS_BY_FILE``'s files of the mutant's source file instead
+    (mutmut's stats are not needed): each selection first passes once on the unmutated code, and a
+    mutant's run over ``3 × (that clean run's time) + 60 s`` is a timeout.
     """
-    stats = json.loads((ROOT / "mutants" / "mutmut-stats.json").read_text())
-    tests_by, duration = stats["tests_by_mangled_function_name"], stats["duration_by_test"]
-    def cost(n):
-        return sum(duration.get(t, 0.0) for t in tests_by.get(n.split("__mutmut_")[0], ()))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"}
+    env.pop("PYTHONPATH", None)
+    env.pop("MUTANT_UNDER_TEST", None)
+    if by_file:
+        clean = _clean_runs({tuple(tests_by_file(n)) for names in chosen.values() for n in names
+                             if _status(n) == "not checked"}, env)
+        tests_by = {n: tests_by_file(n) for names in chosen.values() for n in names}
+        duration = {}
+
+        def cost(n):
+            return clean[tuple(tests_by[n])]
+    else:
+        stats = json.loads((ROOT / "mutants" / "mutmut-stats.json").read_text())
+        tests_by, duration = stats["tests_by_mangled_function_name"], stats["duration_by_test"]
+
+        def cost(n):
+            return sum(duration.get(t, 0.0) for t in tests_by.get(n.split("__mutmut_")[0], ()))
 
     # round robin over the modules, the module with the fewest decided mutants first, each module's
     # quickest mutants first: a time box then leaves every module's estimate as even as it can
@@ -411,21 +515,24 @@ def fresh_check(chosen: dict[str, list[str]], time_box: float) -> bool:
         label = min((lb for lb in queues if queues[lb]), key=lambda lb: decided[lb])
         todo.append(queues[label].pop(0))
         decided[label] += 1
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("PYTHONPATH", None)
     end = time.perf_counter() + time_box
     for i, name in enumerate(todo):
-        # whole test functions (every parametrisation), fastest first: a parametrised id may have been
-        # renumbered or escaped differently since the stats were taken
-        tests = list(dict.fromkeys(t.split("[")[0] for t in sorted(
-            tests_by.get(name.split("__mutmut_")[0], ()), key=lambda t: duration.get(t, 0.0))))
+        if by_file:
+            tests = tests_by[name]
+            limit = 3 * cost(name) + 60
+        else:
+            # whole test functions (every parametrisation), fastest first: a parametrised id may have been
+            # renumbered or escaped differently since the stats were taken
+            tests = list(dict.fromkeys(t.split("[")[0] for t in sorted(
+                tests_by.get(name.split("__mutmut_")[0], ()), key=lambda t: duration.get(t, 0.0))))
+            limit = 3 * (sum(duration.get(t, 0.0) for t in tests) + 30)
         if not tests:
             _write_code(name, 33)
             continue
-        limit = 3 * (sum(duration.get(t, 0.0) for t in tests) + 30)
         if time.perf_counter() + min(limit, 60) > end:
             return False
-        cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", *tests]
+        cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
+               "-n", "0", *tests]
         proc = subprocess.Popen(cmd, cwd=ROOT / "mutants", env={**env, "MUTANT_UNDER_TEST": name},
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         try:
@@ -886,6 +993,11 @@ def main(argv=None) -> int:
                         help="check the sample's survivors again (after adding tests)")
     parser.add_argument("--fresh", action="store_true",
                         help="check the sample's undecided mutants each in a fresh pytest process (see fresh_check)")
+    parser.add_argument("--generate", action="store_true",
+                        help="make the chosen modules' mutants only, without mutmut's stats step (see generate)")
+    parser.add_argument("--by-file", action="store_true",
+                        help="with --fresh (implied): run each mutant against TESTS_BY_FILE's test files of its source "
+                             "file, not mutmut's per-function stats")
     parser.add_argument("--groups", action="store_true",
                         help="print the per-group table from RECORD (no mutmut, no mutants/ needed) and exit")
     parser.add_argument("--out", type=Path, default=OUT, help="results file (default analysis/results/mutation.md)")
@@ -900,14 +1012,16 @@ def main(argv=None) -> int:
     if unknown:
         parser.error(f"unknown module(s) {unknown}; choose from {list(MODULES)}")
     start = time.perf_counter()
-    if not all(meta.exists() for label in labels for meta in _meta_files(label)):
+    if args.generate:
+        generate(labels)
+    elif not all(meta.exists() for label in labels for meta in _meta_files(label)):
         # first run: mutmut generates every mutant and maps tests to functions, then stops on the
         # pattern that matches nothing
         _mutmut_run(["generate-only: no mutant has this name"], args.max_children, args.time_box)
     chosen = sample(labels, args.sample, args.seed)
     finished = True
-    if args.fresh and not args.report_only:
-        finished = fresh_check(chosen, args.time_box - (time.perf_counter() - start))
+    if (args.fresh or args.by_file) and not args.report_only:
+        finished = fresh_check(chosen, args.time_box - (time.perf_counter() - start), by_file=args.by_file)
         _ALL_CODES.clear()
     elif not args.report_only:
         finished = run(chosen, args.max_children, args.time_box - (time.perf_counter() - start),
