@@ -90,3 +90,35 @@ def test_transfer_map_lr_zero_keeps_the_maps_and_trains_the_gate():
     for bad in (True, -1.0, float("inf"), "0.1"):
         with pytest.raises(ValueError, match=re.escape(f"map_lr must be None or a finite number >= 0, got {bad!r}")):
             attention_transfer(sketches, layers, mask, [0], steps=1, map_lr=bad)
+
+
+@pytest.mark.parametrize("family", ["bert", "llama"])
+def test_lora_first_loss_is_the_untrained_models_loss(family):
+    """LoRA's B starts at 0, so the first step's loss is the loss of the model as given, computed here by
+    hand: the mean squared distance of the final hidden states to the teacher's over the valid tokens (an
+    encoder), or the next-token cross-entropy (a causal LM). One training sequence, batch 1: the batch is it."""
+    from sketchlab.convert.linearize import lora_finetune
+
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, 50, (3, 9), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, 6:] = 0
+    if family == "bert":
+        cfg = transformers.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                      intermediate_size=24, max_position_embeddings=32, hidden_dropout_prob=0.0,
+                                      attention_probs_dropout_prob=0.0)
+        torch.manual_seed(2)
+        model = transformers.BertModel(cfg).double().eval()
+        with torch.no_grad():
+            h = model(input_ids=ids[1:2], attention_mask=mask[1:2]).last_hidden_state  # [1, T, hidden]
+        teacher = torch.randn(3, 9, 16, generator=g, dtype=torch.float64)
+        expected = float(((h[0] - teacher[1]) ** 2)[mask[1].bool()].mean())
+        kwargs = {"teacher_hidden": teacher}
+    else:
+        model = _llama()
+        with torch.no_grad():
+            expected = float(model(input_ids=ids[1:2], attention_mask=mask[1:2],
+                                   labels=ids[1:2].masked_fill(mask[1:2] == 0, -100)).loss)
+        kwargs = {}
+    _, curve = lora_finetune(model, ids, mask, [1], steps=2, rank=2, lr=1e-2, **kwargs)
+    assert curve[0] == pytest.approx(expected, rel=1e-9)
