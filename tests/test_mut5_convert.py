@@ -2,6 +2,7 @@
 tied LLoPS map refuses a Θ of the wrong head count, the GGUF quantizer mark is dropped to what an
 ordinary model has, and the SmolLM2 GGUF lookup says where it looked (the package is faked, never imported)."""
 
+import importlib
 import importlib.machinery
 import importlib.util
 import re
@@ -122,3 +123,35 @@ def test_lora_first_loss_is_the_untrained_models_loss(family):
         kwargs = {}
     _, curve = lora_finetune(model, ids, mask, [1], steps=2, rank=2, lr=1e-2, **kwargs)
     assert curve[0] == pytest.approx(expected, rel=1e-9)
+
+
+@pytest.mark.parametrize("total,delta,refused", [(0.5, 1.5e-6, True), (0.5, 0.5e-6, False),
+                                                 (1000.0, 5e-4, False), (1000.0, 2e-3, True)])
+def test_spread_ranks_agree_on_the_trained_values_to_one_part_in_a_million(monkeypatch, total, delta, refused):
+    """Before a spread transfer the ranks compare what they will train; the float sums (here the trained
+    values') may differ by round-off only: 1e-6 relative to the larger of 1 and the sum. A second rank is
+    simulated by an all_gather that returns this rank's row with that sum shifted by ``delta``."""
+    import torch.distributed as dist
+    from types import SimpleNamespace
+
+    lin = importlib.import_module("sketchlab.convert.linearize")  # the module (the package exports the function)
+
+    sketch = torch.nn.Linear(1, 1, bias=False)
+    with torch.no_grad():
+        sketch.weight.fill_(total)
+    column = 2 + len(lin._SAME_EXACT)  # [refused, message length, exact..., inexact..., message]
+
+    def all_gather(every, mine, group=None):
+        for row in every:
+            row.copy_(mine)
+        every[1][column] += delta
+
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "all_gather", all_gather)
+    args = ([sketch], [SimpleNamespace(out=torch.zeros(1, 2, 1, 1))], torch.ones(1, 2), torch.tensor([0]), None)
+    options = dict(seed=0, steps=1, batch_size=1, lr=0.1, map_lr=None)
+    if refused:
+        with pytest.raises(ValueError, match="the ranks disagree on sum of the trained values"):
+            lin._same_call(*args, **options)
+    else:
+        lin._same_call(*args, **options)
