@@ -39,3 +39,28 @@ def test_a_masked_call_then_unmasked_calls_inside_the_sinks_equal_the_whole(back
     assert state.offset == T and state.k_sink.shape[2] == sinks
     assert torch.equal(state.mask_sink, mask[:, :sinks])
     assert (torch.cat(outs, 1) - whole).abs().max() < TOL64
+
+
+@pytest.mark.parametrize("window", [0, 3])
+@pytest.mark.parametrize("causal", [True, False])
+def test_denominator_check_raise_warn_and_off(window, causal):
+    """Signed features with normalize='sum' give some rows a denominator <= 0: 'raise' stops with a
+    FloatingPointError naming the count, 'warn' warns with it, 'off' says nothing (the chunked torch path)."""
+    import warnings
+
+    from sketchlab.attention import feature_attention
+
+    T = 12
+    q, k, v = _rand(2, T, 2, 4, seed=21), _rand(2, T, 2, 4, seed=22), _rand(2, T, 2, 3, seed=23)
+    fq, fk = _rand(2, T, 2, 6, seed=24), _rand(2, T, 2, 6, seed=25)  # signed: φ(q)·Σφ(k) < 0 on some rows
+    gate = torch.full((2,), -30.0, dtype=torch.float64)  # the far (linear) part alone in the hybrid
+    kw = dict(q=q, k=k, degree=2, causal=causal, normalize="sum", chunk_size=4)
+    if window:
+        kw.update(window=window, sinks=0, gate=gate)
+    with pytest.raises(FloatingPointError, match=r"\d+ of \d+ query rows have a normalising denominator <= 0"):
+        feature_attention(fq, fk, v, denominator_check="raise", **kw)
+    with pytest.warns(RuntimeWarning, match=r"\d+ of \d+ query rows have a normalising denominator <= 0"):
+        feature_attention(fq, fk, v, denominator_check="warn", **kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        feature_attention(fq, fk, v, denominator_check="off", **kw)
