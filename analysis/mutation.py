@@ -250,14 +250,12 @@ REVIEWED: dict[str, str] = {
     # issue 21 round 4: the first sample (8 per module, seed 0, source 1f44963) of the modules never sampled
     "sketchlab.convert.sketched.xǁSketchedAttentionǁforward__mutmut_48": _KILLED + (
         "test_convert.py::test_sketched_attention_passes_its_normalize_to_the_attention."),
-    "sketchlab.convert.linearize.x__same_call__mutmut_128": (
-        "Not killed: the cross-rank agreement tolerance of the inexact columns, 1e-6·max(1, max|col|), becomes "
-        "1e-6·max(2, max|col|); only ranks disagreeing by 1–2e-6 on a column below 2 would show it, and the spread "
-        "tests (test_linearize_spread.py, which run it) use ranks that agree to round-off or differ at O(1)."),
-    "sketchlab.convert.pretrained.x__drop_gguf_quantizer__mutmut_10": (
-        "Not killed (likely equivalent): quantization_method '' instead of None after the GGUF mark is dropped; "
-        "hf_quantizer and is_quantized are cleared, and the GGUF test (test_convert_capture_gguf.py) saves and "
-        "reloads the model either way; no code read by save_pretrained distinguishes the two falsy values."),
+    "sketchlab.convert.linearize.x__same_call__mutmut_128": _KILLED + (
+        "test_mut5_convert.py::test_spread_ranks_agree_on_the_trained_values_to_one_part_in_a_million (a second "
+        "rank simulated through all_gather; 1.5e-6 on a sum of 0.5 is refused, the mutant lets it through)."),
+    "sketchlab.convert.pretrained.x__drop_gguf_quantizer__mutmut_10": _KILLED + (
+        "test_mut5_convert.py::test_dropping_the_gguf_mark_leaves_an_ordinary_model (the marks equal those of a "
+        "model built from its config: quantization_method None, not '')."),
     "sketchlab.compare.x__check_scale__mutmut_6": _KILLED_TODAY + (
         "test_compare.py::test_overflow_check_counts_the_tokens_not_the_head_dim."),
     "sketchlab.fit.xǁFitReportǁas_dict__mutmut_2": _KILLED_TODAY + (
@@ -280,23 +278,19 @@ REVIEWED: dict[str, str] = {
     "sketchlab.advise.x_advise__mutmut_64": _KILLED_TODAY + (
         "test_advise.py::test_max_m_bounds_the_sizes_advised (no test passed max_m to advise(); the mutant "
         "refuses every integer)."),
-    "sketchlab.spectrum.x_kernel_singular_values__mutmut_81": (
-        "Not killed: the memory refusal of kernel_singular_values loses its description of the tensor (what=None); "
-        "no test drives this call over the memory budget (check_memory's own message is tested elsewhere)."),
+    "sketchlab.spectrum.x_kernel_singular_values__mutmut_81": _KILLED + (
+        "test_mut5_inputs.py::test_spectrum_memory_refusal_describes_the_feature_matrix."),
     "sketchlab.featuremaps.xǁLLoPSMapǁ__init____mutmut_36": _KILLED_TODAY + (
         "test_featuremaps.py::test_llops_map_random_start_is_the_seeds (the seed was not used: the global RNG drew Θ)."),
-    "sketchlab.capture.x__heads__mutmut_9": (
-        "Not killed: the message of the internal check that a hooked module returned [B, T, features] becomes "
-        "None (same ValueError); no test hooks a module with another output rank."),
-    "sketchlab.capture.x_capture_qk__mutmut_121": (
-        "Not killed: capture_qk(modules={'attention': [...]}) records meta['captured'] = 'projections' instead of "
-        "'attention-inputs'; no test captures through explicit attention modules and reads that field."),
+    "sketchlab.capture.x__heads__mutmut_9": _KILLED + (
+        "test_capture_modules.py::test_a_producer_without_batch_and_token_axes_is_refused_with_its_shape."),
+    "sketchlab.capture.x_capture_qk__mutmut_121": _KILLED + (
+        "test_capture_modules.py::test_explicit_attention_modules_capture_what_each_kernel_receives."),
     "sketchlab.io.atomic.x_check_output_paths__mutmut_31": _KILLED_TODAY + (
         "test_io.py::test_missing_output_directory_names_the_output_and_its_path."),
-    "sketchlab.io.formats.x__json_depth__mutmut_20": (
-        "Not killed (equivalent on every valid JSON text): 'X' also counts as an opening bracket, and X never "
-        "occurs outside a string in valid JSON; only an invalid text with X's outside strings could then be "
-        "refused for its depth instead of its syntax (the same ValueError class, another message)."),
+    "sketchlab.io.formats.x__json_depth__mutmut_20": _KILLED + (
+        "test_mut5_inputs.py::test_a_corrupt_meta_file_is_reported_as_not_json_whatever_its_letters (70 stray "
+        "letters: 'not JSON', where the mutant said 'nested 71 levels deep')."),
     "sketchlab.sketches.based.x__fit_based__mutmut_33": _KILLED_TODAY + (
         "test_sketches_based.py::test_fit_based_takes_an_explicit_dim_and_checks_it (no test passed dim=; the "
         "mutant raises TypeError for every explicit dim)."),
@@ -305,18 +299,11 @@ REVIEWED: dict[str, str] = {
     "sketchlab.sketches.tensorsketch.x__check_matrices_budget__mutmut_7": _KILLED_TODAY + (
         "test_sketches_tensorsketch.py::test_countsketch_budget_counts_bytes_per_element (the budget test's case "
         "was so far over that bytes / itemsize still exceeded it)."),
-    "sketchlab.objective.x_check_finite_loss__mutmut_19": (
-        "Not killed: the location in the non-finite-loss error of a batched fit ('flattened batch indices …') "
-        "becomes None (same FloatingPointError); no test makes a batched kernel fit diverge and reads the indices."),
-    "sketchlab.objective.x_train_kernel_sketch__mutmut_113": (
-        "Not killed: progress=False no longer hides the tqdm bar (it goes to stderr, leave=False); no test "
-        "reads the stderr of a learned fit called with progress=False."),
-    "sketchlab.objective.x_train_kernel_sketch__mutmut_171": (
-        "Not killed: fit_info['converged'] of the learned sketches (elementwise, mlp, psf-learned) becomes None; "
-        "no test asserts the converged flag of a training run (only its loss and the fitted kernel)."),
-    "sketchlab.objective.x_train_kernel_sketch__mutmut_53": (
-        "Not killed: the memory refusal's description counts q.shape[-3] (heads) instead of the tokens; no test "
-        "drives train_kernel_sketch over the memory budget."),
+    "sketchlab.objective.x_check_finite_loss__mutmut_19": _KILLED + "test_objective.py::test_a_non_finite_loss_names_the_step_and_where.",
+    "sketchlab.objective.x_train_kernel_sketch__mutmut_113": _KILLED + "test_objective.py::test_progress_false_prints_nothing_and_true_shows_the_bar.",
+    "sketchlab.objective.x_train_kernel_sketch__mutmut_171": _KILLED + "test_objective.py::test_converged_follows_its_rule_over_the_last_ten_steps.",
+    "sketchlab.objective.x_train_kernel_sketch__mutmut_53": _KILLED + (
+        "test_objective.py::test_memory_refusal_describes_the_kernel_by_its_token_counts."),
     "sketchlab.demo.x_main__mutmut_127": _KILLED_TODAY + (
         "test_demo.py::test_demo_end_to_end_on_a_small_dump (every path of the 'wrote' line is a file)."),
     "sketchlab.demo.x_step_compare__mutmut_49": _KILLED_TODAY + (
@@ -328,29 +315,25 @@ REVIEWED: dict[str, str] = {
         "test_demo.py::test_demo_end_to_end_on_a_small_dump (the energy-rank line's label)."),
     "sketchlab.demo.x_step_attention__mutmut_161": _KILLED_TODAY + (
         "test_demo.py::test_demo_end_to_end_on_a_small_dump (every table's separator row is well-formed)."),
-    "sketchlab.plots.x__grid__mutmut_11": (
-        "Not killed: without squeeze=False a 1×1 grid returns a bare Axes and axes[i][j] fails; the plot tests "
-        "draw several panels only (a one-layer, one-head plot would kill it)."),
-    "sketchlab.plots.x_plot_advice__mutmut_31": (
-        "Not killed (drawing): the x-limit of the advice plot is left to autoscale; test_plots.py checks that the "
-        "figure is written, not its axes limits."),
-    "sketchlab.plots.x_plot_advice__mutmut_90": (
-        "Not killed: an invalid colour for the fitted points would raise in matplotlib, so no test plots advice "
-        "whose heads have fits (test_plots.py's advice has none); a plot of a real advise() result would kill it."),
-    "sketchlab.plots.x_plot_kernel_spectrum__mutmut_17": (
-        "Not killed (drawing): the figure's title is dropped; the plot tests check the file, not the text drawn."),
-    "sketchlab.plots.x_plot_kernel_spectrum__mutmut_59": (
-        "Not killed (drawing): the y-axis label is dropped; the plot tests check the file, not the text drawn."),
-    "sketchlab.plots.x_plot_spectra__mutmut_65": (
-        "Not killed (drawing): the y-axis label is dropped; the plot tests check the file, not the text drawn."),
-    "sketchlab.plots.x_plot_spectra__mutmut_25": (
-        "Not killed: reshape(-2, r) instead of reshape(-1, r) in the median-over-heads branch; that branch "
-        "(spectra with a head axis) is not drawn by test_plots.py, or torch accepts the shape there; not "
-        "investigated (time box)."),
-    "sketchlab._validation.x_as_float_tensor__mutmut_2": (
-        "Not killed: as_float_tensor's numpy branch treats float arrays as non-float (dtype.kind 'f' no longer "
-        "matches); its tests (test_bad_input.py, test_io.py, test_threads.py as selected) pass tensors or "
-        "refuse integer arrays; a float numpy input test would kill it. Not investigated further (time box)."),
+    "sketchlab.plots.x__grid__mutmut_11": _KILLED + (
+        "test_plots_content.py::test_kernel_spectrum_of_one_layer_and_head_draws_its_normalised_values (a 1×1 grid)."),
+    "sketchlab.plots.x_plot_advice__mutmut_31": _KILLED + (
+        "test_plots_content.py::test_advice_panel_draws_the_floor_the_fits_the_target_and_the_sizes (top = None "
+        "fails in min(); the floor curve's x-range is asserted)."),
+    "sketchlab.plots.x_plot_advice__mutmut_90": _KILLED + (
+        "test_plots_content.py::test_advice_panel_draws_the_floor_the_fits_the_target_and_the_sizes (a head with fits)."),
+    "sketchlab.plots.x_plot_kernel_spectrum__mutmut_17": _KILLED + (
+        "test_plots_content.py::test_kernel_spectrum_of_one_layer_and_head_draws_its_normalised_values (the mutant "
+        "drops _grid's title argument: a TypeError on every call; no test drew this figure before)."),
+    "sketchlab.plots.x_plot_kernel_spectrum__mutmut_59": _KILLED + (
+        "test_plots_content.py::test_kernel_spectrum_of_one_layer_and_head_draws_its_normalised_values (the y label)."),
+    "sketchlab.plots.x_plot_spectra__mutmut_65": _KILLED + (
+        "test_plots_content.py::test_spectra_are_the_median_over_heads_of_the_normalised_values (the y label)."),
+    "sketchlab.plots.x_plot_spectra__mutmut_25": _KILLED + (
+        "test_plots_content.py::test_spectra_are_the_median_over_heads_of_the_normalised_values (a curve with a "
+        "head axis; reshape(-2, r) raises)."),
+    "sketchlab._validation.x_as_float_tensor__mutmut_2": _KILLED + (
+        "test_mut5_inputs.py::test_numpy_float_arrays_are_taken_without_a_copy."),
     "sketchlab._validation.x_check_memory__mutmut_14": _KILLED_TODAY + (
         "test_bad_input.py::test_memory_refusal_states_the_size_and_the_budget_in_gib (the budget in GiB)."),
     "sketchlab._validation.x_check_kernel_underflow__mutmut_50": _MESSAGE,
