@@ -597,6 +597,32 @@ def diff(name: str) -> str:
     return "\n".join(lines) or out.stdout.strip()
 
 
+#: The report's opening (``--record-report``): how a mutant is judged and what each round sampled. Update per round.
+HEADER = """
+Made with `analysis/mutation.py` (config: `setup.cfg` `[mutmut]`; this file by `python analysis/mutation.py
+--record-report` from the script's `RECORD` and `REVIEWED`). A mutant is one small change to the source (operator,
+constant, argument, return value); it is *killed* when a selected test fails or times out. Not run in CI. The
+Triton kernels (`sketchlab/attention/triton/`) are not mutated: mutmut's trampolines cannot run inside
+`@triton.jit` functions and their interpreter tests are too slow to run per mutant; the functions that dispatch
+to them are mutated.
+
+Samples (each a seeded uniform sample per module, seed 0, as `sample()` in the script): `attention`, `llops`,
+`optimal`, `spectral`, `polynomial`, `tasks`, `cli`: 30 each (the campaign of 2026-12-01/02 and rounds 2–3,
+mutants made from `ac216f0`); `metrics`, `sketches/psf`, `sketches/convert`: 50 each (`c2b38db`, older code, not
+re-run); round 4 (`1f44963`): 8 each of compare, fit, export, verify, advise, spectrum, scaling, featuremaps,
+capture, io, sketches/other, objective, demo, plots, internals, and sketch's 2; round 5 (`9dd72f9`): 30 each of
+`convert` (the package `sketchlab/convert/`, its files' mutants pooled; round 4's 8 are the first 8 of these 30,
+the same seed and the same mutant names) and `hybrid` (`attention/hybrid_chunked.py` and `attention/state.py`,
+written after the attention campaign).
+"""
+
+#: What the tables say (``--record-report``, after the tables). Update per round.
+SUMMARY = """
+**Round 5** (issue 21): convert/ and the hybrid/state attention code sampled at 30 each, and the round-4
+survivors that a cheap test can see killed. See the round-5 notes below for the counts and how they were run.
+"""
+
+
 #: How the current results were made (appended to the report; update with each campaign).
 NOTES = """## How these results were made
 
@@ -898,6 +924,84 @@ def group_table(record: dict[str, tuple[int, str, list[str]]] | None = None,
     return "\n".join(lines)
 
 
+def _previous_diffs(path: Path) -> dict[str, str]:
+    """``{mutant: diff}`` of the survivors listed in an earlier report (a ``- `name`: …`` item followed by a
+    `` ```diff `` block): the diffs of older rounds, whose ``mutants/`` is gone, are carried over from it."""
+    out: dict[str, str] = {}
+    if not path.exists():
+        return out
+    lines, name, i = path.read_text(encoding="utf-8").splitlines(), None, 0
+    while i < len(lines):
+        found = re.match(r"- `([^`]+)`: ", lines[i])
+        if found:
+            name = found.group(1)
+        elif lines[i] == "```diff" and name is not None:
+            end = lines.index("```", i + 1)
+            out[name] = "\n".join(lines[i + 1:end])
+            name, i = None, end
+        i += 1
+    return out
+
+
+def record_totals(record: dict[str, tuple[int, str, list[str]]] | None = None) -> Counter:
+    """Sums over ``RECORD``: mutants checked, killed in the run, and the survivors by :func:`kind`."""
+    record = RECORD if record is None else record
+    total = Counter()
+    for n, _, names in record.values():
+        total["checked"] += n
+        total["killed in the run"] += n - len(names)
+        total.update(kind(name) for name in names)
+    return total
+
+
+def record_report(out: Path = OUT) -> Counter:
+    """Write the whole report from ``RECORD`` and ``REVIEWED`` (no mutmut run): ``HEADER``, the per-group and
+    per-module tables, ``SUMMARY``, every survivor (by source commit and module) with its class, reason and
+    diff, and ``NOTES``. A diff comes from ``mutants/`` when the mutant is there (``mutmut show``), else from
+    the previous report at ``out``. Returns :func:`record_totals`."""
+    old = _previous_diffs(out)
+    live = set()
+    for label in MODULES:
+        live.update(_codes(label))
+    lines = ["# Mutation testing (mutmut 3)", "", HEADER.strip(), "", "## Per group", "",
+             "Printed by `python analysis/mutation.py --groups` (from `RECORD` and `REVIEWED` in the script; no "
+             "mutmut run needed). *killed in the run*: sampled mutants a test killed when checked (by mutmut or by "
+             "hand, see the notes); *killed since*: survivors that a test added later kills (checked with "
+             "`MUTANT_UNDER_TEST` in the round's `mutants/`, or, marked so in the survivor's note, by making the "
+             "same change by hand on today's source: the new test fails there and passes on the source); "
+             "*equivalent*: survivors that change no behaviour (an equivalent mutant, or only the wording of a help "
+             "line or an error message that still says the same thing); *not killed*: survivors a test could see "
+             "but none here does (each with its reason below). The first score counts the equivalent survivors as "
+             "not killed (a floor); the second leaves them out of the count, the usual mutation score. Intervals: "
+             "95% Wilson.", "", group_table(), "", "Per module (the same counts, one row per `MODULES` label):", "",
+             group_table(groups={label: [label] for label in MODULES}), ""]
+    total = record_totals()
+    caught = total["killed in the run"] + total["killed since"]
+    lines += [f"**All rounds:** {total['checked']} sampled mutants checked: {total['killed in the run']} killed in "
+              f"the run, {total['killed since']} killed since, {total['equivalent']} equivalent, "
+              f"{total['not killed']} not killed: {caught}/{total['checked']} "
+              f"({_score(caught, total['checked'])}), {caught}/{total['checked'] - total['equivalent']} of the "
+              f"non-equivalent ({_score(caught, total['checked'] - total['equivalent'])}).", "",
+              SUMMARY.strip(), ""]
+    commits = list(dict.fromkeys(commit for _, commit, _ in RECORD.values()))
+    for commit in commits:
+        lines += [f"## Survivors (source {commit})", ""]
+        for label, (_, c, names) in RECORD.items():
+            if c != commit or not names:
+                continue
+            lines += [f"### {label} ({commit})", ""]
+            for name in names:
+                text = diff(name) if name in live else old.get(name, "(diff not recorded)")
+                lines += [f"- `{name}`: *{kind(name)}*. {REVIEWED.get(name, 'Not reviewed yet.')}", "",
+                          "```diff", text, "```", ""]
+    lines.append(NOTES.strip())
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".md.tmp")
+    tmp.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    os.replace(tmp, out)
+    return total
+
+
 def write_report(results: list[ModuleResult], finished: bool, seconds: float, sample_size: int, seed: int,
                  out: Path = OUT, command: str = "python analysis/mutation.py") -> None:
     total = Counter()
@@ -983,12 +1087,18 @@ def main(argv=None) -> int:
                              "file, not mutmut's per-function stats")
     parser.add_argument("--groups", action="store_true",
                         help="print the per-group table from RECORD (no mutmut, no mutants/ needed) and exit")
+    parser.add_argument("--record-report", action="store_true",
+                        help="write the whole report from RECORD and REVIEWED (no mutmut run) and print its totals")
     parser.add_argument("--out", type=Path, default=OUT, help="results file (default analysis/results/mutation.md)")
     args = parser.parse_args(argv)
     if args.groups:
         print(group_table())
         print()
         print(group_table(groups={label: [label] for label in MODULES}))
+        return 0
+    if args.record_report:
+        total = record_report(args.out)
+        print(f"wrote {args.out}: " + ", ".join(f"{k} {v}" for k, v in total.items()))
         return 0
     labels = [m.strip() for m in args.modules.split(",") if m.strip()]
     unknown = [m for m in labels if m not in MODULES]
