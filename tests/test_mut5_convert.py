@@ -155,3 +155,20 @@ def test_spread_ranks_agree_on_the_trained_values_to_one_part_in_a_million(monke
             lin._same_call(*args, **options)
     else:
         lin._same_call(*args, **options)
+
+
+def test_linearize_report_records_the_options_it_ran_with():
+    """``report.settings`` holds every option of the run under its own name, as given (a report read later
+    must say how its model was trained), and the counts derived from the data."""
+    from sketchlab.convert import linearize
+
+    ids = torch.randint(1, 60, (5, 12), generator=torch.Generator().manual_seed(2))
+    options = dict(attention="hedgehog", p=2, m=8, rank=1, window=4, sinks=1, local="softmax", normalize=None,
+                   gate_init=0.0, tied=False, gate_sequences=2, transfer_steps=2, transfer_lr=3e-3, lora_steps=0,
+                   lora_rank=4, lora_lr=2e-4, batch_size=2, seed=7, processes=1)
+    _, report = linearize(_llama(), ids, seq_len=12, holdout=0.4, evaluate=False, **options)
+    settings = report.settings
+    for name, value in options.items():
+        assert settings[name] == value, name
+    assert settings["family"] == "llama" and settings["sequences"] == 5 and settings["held_out"] == 2
+    assert settings["seq_len"] == 12 and settings["tokens"] == 60
