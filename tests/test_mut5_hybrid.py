@@ -64,3 +64,28 @@ def test_denominator_check_raise_warn_and_off(window, causal):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         feature_attention(fq, fk, v, denominator_check="off", **kw)
+
+
+def test_a_state_whose_masks_are_not_bool_tensors_is_refused_naming_them():
+    """initial_state.mask_window / mask_sink: None or a bool tensor [B, held]; anything else is refused with
+    what it got (a list's value, a tensor's shape), and a window key of another width by its shape."""
+    import dataclasses
+    import re
+
+    q, k, v = _rand(2, 6, 2, 4, seed=31), _rand(2, 6, 2, 4, seed=32), _rand(2, 6, 2, 3, seed=33)
+    theta = (_rand(2, 1, 1, 4, 5, seed=34) / 2).expand(2, 1, 2, 4, 5).clone()
+    kw = dict(window=3, sinks=1, backend="torch")
+    mask = torch.tensor([[True] * 6, [False] + [True] * 5])
+    _, state = llops_attention(q, k, v, theta, theta, key_padding_mask=mask, output_final_state=True, **kw)
+    again = dict(initial_state=None, **kw)
+    for name, bad, shown in (("mask_window", [[True] * 3] * 2, repr([[True] * 3] * 2)),
+                             ("mask_sink", torch.ones(2, 2, dtype=torch.bool), "(2, 2)"),
+                             ("mask_window", torch.ones(2, 3), "(2, 3)")):
+        again["initial_state"] = dataclasses.replace(state, **{name: bad})
+        held = 3 if name == "mask_window" else 1
+        with pytest.raises(ValueError, match=re.escape(f"initial_state.{name} must be None or a bool tensor [2, {held}], "
+                                                       f"got {shown}")):
+            llops_attention(q[:, :1], k[:, :1], v[:, :1], theta, theta, **again)
+    again["initial_state"] = dataclasses.replace(state, k_window=state.k_window[..., :3])
+    with pytest.raises(ValueError, match=re.escape("initial_state.k_window must have shape [2, 2, 3, 4]")):
+        llops_attention(q[:, :1], k[:, :1], v[:, :1], theta, theta, **again)
