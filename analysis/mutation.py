@@ -97,7 +97,8 @@ TESTS_BY_FILE: dict[str, list[str]] = {
     "sketchlab/convert/scale.py": ["tests/test_convert.py", "tests/test_convert_scale.py",
                                    "tests/test_convert_options.py"],
     "sketchlab/convert/linearize.py": ["tests/test_convert.py", "tests/test_convert_linearize.py",
-                                       "tests/test_cli_linearize_lm.py", "tests/test_linearize_spread.py"],
+                                       "tests/test_convert_options.py", "tests/test_cli_linearize_lm.py",
+                                       "tests/test_linearize_spread.py"],
     "sketchlab/convert/pretrained.py": ["tests/test_convert.py", "tests/test_convert_capture_gguf.py",
                                         "tests/test_cli_linearize_lm.py"],
     "sketchlab/convert/*.py": ["tests/test_convert.py", "tests/test_convert_options.py",
@@ -337,6 +338,42 @@ REVIEWED: dict[str, str] = {
     "sketchlab._validation.x_check_memory__mutmut_14": _KILLED_TODAY + (
         "test_bad_input.py::test_memory_refusal_states_the_size_and_the_budget_in_gib (the budget in GiB)."),
     "sketchlab._validation.x_check_kernel_underflow__mutmut_50": _MESSAGE,
+    # issue 21 round 5 (source 9dd72f9): convert/ and hybrid/state, 30 each
+    "sketchlab.convert.linearize.x__checked__mutmut_6": _KILLED + (
+        "test_mut5_convert.py::test_transfer_map_lr_zero_keeps_the_maps_and_trains_the_gate (no test passed a "
+        "numeric map_lr to attention_transfer; the mutant refuses every one)."),
+    "sketchlab.convert.linearize.x__lora__mutmut_98": _KILLED + (
+        "test_mut5_convert.py::test_lora_first_loss_is_the_untrained_models_loss[bert] (the encoder's loss, cubed "
+        "by the mutant, against the MSE computed by hand)."),
+    "sketchlab.convert.linearize.x__transfer_layer__mutmut_10": (
+        _EQUIV + "the gate's Adam group is added even when the layer has no trained gate: a group with no "
+                 "parameters is inert in torch.optim (checked: Adam steps the other group alike)."),
+    "sketchlab.convert.linearize.x_linearize__mutmut_227": _KILLED + (
+        "test_mut5_convert.py::test_linearize_report_records_the_options_it_ran_with (the settings key "
+        "transfer_lr renamed)."),
+    "sketchlab.convert.pretrained.x_smollm2_gguf__mutmut_18": _KILLED + (
+        "test_mut5_convert.py::test_smollm2_gguf_names_where_it_looked (a faked package spec, never imported)."),
+    "sketchlab.convert.scale.xǁTiedLLoPSMapǁ__init____mutmut_28": _KILLED + (
+        "test_mut5_convert.py::test_tied_map_refuses_a_theta_of_the_wrong_shape (a Θ of 3 heads for a 2-head map "
+        "was accepted, to fail later in the einsum)."),
+    "sketchlab.attention.hybrid_chunked.x__hybrid_causal_block__mutmut_42": _KILLED + (
+        "test_mut5_hybrid.py::test_a_masked_call_then_unmasked_calls_inside_the_sinks_equal_the_whole (the branch "
+        "runs only when a masked call leaves a sink mask and an unmasked block adds sinks)."),
+    "sketchlab.attention.hybrid_chunked.x__hybrid_causal_block__mutmut_46": _KILLED + (
+        "test_mut5_hybrid.py::test_a_masked_call_then_unmasked_calls_inside_the_sinks_equal_the_whole."),
+    "sketchlab.attention.hybrid_chunked.x__hybrid_decode_one__mutmut_130": (
+        _EQUIV + "sink_ok [1, 1, 1, 1] instead of [1, 1, 1, 1, Ls] of ones: it only broadcasts against the sink "
+                 "logits [B, H, 1, 1, Ls] and the sink mask in torch.where/&, with the same result for every Ls "
+                 "(Ls = 0: no sink term is formed)."),
+    "sketchlab.attention.hybrid_chunked.x__hybrid_noncausal__mutmut_202": (
+        _EQUIV + "sink_ok [1, 1, 1, Ls] instead of [1, 1, 1, 1, Ls] of ones: leading axes broadcast, so its "
+                 "& with the mask [B, 1, 1, 1, Ls] and its use against the logits [B, H, N, C, Ls] are unchanged."),
+    "sketchlab.attention.hybrid_chunked.xǁDenominatorCounterǁreport__mutmut_5": _KILLED + (
+        "test_mut5_hybrid.py::test_denominator_check_raise_warn_and_off (no test used denominator_check='raise' on "
+        "the chunked path; the mutant turns it into a warning)."),
+    "sketchlab.attention.state.x_check_state__mutmut_79": _KILLED + (
+        "test_mut5_hybrid.py::test_a_state_whose_masks_are_not_bool_tensors_is_refused_naming_them (a list "
+        "mask: the mutant raises AttributeError instead of the ValueError)."),
     "sketchlab.featuremaps.xǁHedgehogMapǁ__init____mutmut_33": (
         _EQUIV + "the identity initialisation is built in the default dtype instead of float64 and then cast to "
                  "the map's dtype; 0 and 1 are exact in every float dtype."),
@@ -732,7 +769,7 @@ def _score(caught: int, checked: int) -> str:
 
 
 #: The report's groups (issue 21): group -> the ``MODULES`` labels it sums.
-GROUPS = {"attention/": ["attention"], "llops/": ["llops"], "optimal": ["optimal"], "spectral": ["spectral"],
+GROUPS = {"attention/": ["attention", "hybrid"], "llops/": ["llops"], "optimal": ["optimal"], "spectral": ["spectral"],
           "polynomial": ["polynomial"], "tasks/": ["tasks"], "cli": ["cli"],
           "toolkit (scaling, spectrum, advise, verify, export, compare, fit)": [
               "scaling", "spectrum", "advise", "verify", "export", "compare", "fit"],
@@ -810,10 +847,25 @@ RECORD: dict[str, tuple[int, str, list[str]]] = {
         "sketchlab.sketches.convert.x_as_llops__mutmut_18",
     ]),
     # issue 21 round 4: 8 per module (seed 0; all of sketch's 2), mutants made from 1f44963, each in a fresh pytest
-    "convert": (8, "1f44963", [
+    # issue 21 round 5: 30 per module (seed 0), mutants made from 9dd72f9, each against TESTS_BY_FILE (--by-file);
+    # convert's first 8 are round 4's 8 (same seed, same names)
+    "convert": (30, "9dd72f9", [
+        "sketchlab.convert.linearize.x__checked__mutmut_6",
+        "sketchlab.convert.linearize.x__lora__mutmut_98",
         "sketchlab.convert.linearize.x__same_call__mutmut_128",
+        "sketchlab.convert.linearize.x__transfer_layer__mutmut_10",
+        "sketchlab.convert.linearize.x_linearize__mutmut_227",
         "sketchlab.convert.pretrained.x__drop_gguf_quantizer__mutmut_10",
-        "sketchlab.convert.sketched.xǁSketchedAttentionǁforward__mutmut_48",
+        "sketchlab.convert.pretrained.x_smollm2_gguf__mutmut_18",
+        "sketchlab.convert.scale.xǁTiedLLoPSMapǁ__init____mutmut_28",
+    ]),
+    "hybrid": (30, "9dd72f9", [
+        "sketchlab.attention.hybrid_chunked.x__hybrid_causal_block__mutmut_42",
+        "sketchlab.attention.hybrid_chunked.x__hybrid_causal_block__mutmut_46",
+        "sketchlab.attention.hybrid_chunked.x__hybrid_decode_one__mutmut_130",
+        "sketchlab.attention.hybrid_chunked.x__hybrid_noncausal__mutmut_202",
+        "sketchlab.attention.hybrid_chunked.xǁDenominatorCounterǁreport__mutmut_5",
+        "sketchlab.attention.state.x_check_state__mutmut_79",
     ]),
     "compare": (8, "1f44963", [
         "sketchlab.compare.x__check_scale__mutmut_6",
