@@ -426,9 +426,9 @@ def write_mqar_report(args, scale, table, swept, best_lr, seeded, wall):
             L += ["", softmax_check(by[key], T_max, table[key].label)]
     # the same check at every budget (steps) finished in the work directory, same scale and rate otherwise
     budget = []
-    for key in ("softmax", "softmax-nope"):
-        if key in by:
-            lr = by[key][0]["spec"]["lr"]
+    for key in ("softmax", "softmax-nope"):  # at this invocation's rate (its run's, else --fixed-lr's)
+        lr = by[key][0]["spec"]["lr"] if key in by else float(fixed[key]) if key in fixed else None
+        if lr is not None:
             task = ("vocab", "divide", "d_model", "batch", "warmup", "eval_sequences")  # all but steps
             for f in Path(args.work).glob(f"{key}_lr{lr:.0e}_s*_n*_b{scale.batch}.json"):
                 r = json.loads(f.read_text())
@@ -437,7 +437,8 @@ def write_mqar_report(args, scale, table, swept, best_lr, seeded, wall):
                     budget.append(r)
     if len({r["spec"]["scale"]["steps"] for r in budget}) > 1:
         L += ["", "**The softmax check by training budget** (every finished run of this scale and rate in the work "
-              "directory, seeds as above; worst seed per slice):", "", *budget_table(budget, T_max)]
+              f"directory, among seeds {', '.join(map(str, scale.seeds))}; the worst seed per slice):", "",
+              *budget_table(budget, T_max)]
     # Table 4 / 5 side by side
     L += ["", "## Table 4 and Table 5 next to the paper", "",
           "Paper: d = 128, Zoology's full protocol on GPUs; accuracy in %. Here: the score above (fraction).", "",
