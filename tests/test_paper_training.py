@@ -302,3 +302,37 @@ def test_budget_table_gives_the_worst_seed_per_slice_for_each_step_count():
     assert r1600 == ("| softmax-nope | 1600 | 0.01 | 0, 1 | 0.992 | " + "0.999 | " * 6
                      + "0.992 passes | 0.992 passes |")
     assert pt.budget_table([], 64) == []
+
+
+def _write_run(work, method, seed, steps, acc, scale=None, lr=0.01):
+    """A finished run's JSON, as run_one writes it, every slice at ``acc``."""
+    import json
+    from dataclasses import asdict
+
+    s = pt.replace(scale or pt.QUICK, steps=steps)
+    spec = pt.RunSpec(method, lr, seed, s)
+    slices = [{"seq_len": T, "num_pairs": P, "accuracy": acc, "queries": 1} for T, P in s.test_pairs()]
+    out = {"spec": {"method": method, "lr": lr, "seed": seed, "scale": asdict(s)}, "label": method,
+           "mixture_accuracy": acc, "slices": slices, "evals": [], "seconds": 1.0, "diverged": None,
+           "forward_ms_T256": 1.0, "threads": 1, "rope_base": None, "command": f"python run {steps}"}
+    (work / f"{spec.name}.json").write_text(json.dumps(out))
+
+
+def test_report_only_states_the_positional_encoding_and_the_check_by_budget(tmp_path, capsys):
+    for seed in (0, 1):
+        _write_run(tmp_path, "softmax-nope", seed, 800, 0.97)
+        _write_run(tmp_path, "softmax-nope", seed, 1600, 0.995)
+    _write_run(tmp_path, "softmax-nope", 5, 800, 0.10)  # a seed outside --seeds: not in the table
+    _write_run(tmp_path, "softmax-nope", 0, 400, 0.10, scale=pt.replace(pt.QUICK, vocab=1024))  # another scale
+    assert pt.main(["--quick", "--steps", "1600", "--seeds", "0,1", "--sweep", "softmax-nope", "--fixed-lr",
+                    "softmax-nope=0.01", "--methods", "softmax-nope", "--report-only", "--work", str(tmp_path),
+                    "--out", str(tmp_path), "--report", "check"]) == 0
+    capsys.readouterr()
+    text = (tmp_path / "check.md").read_text()
+    assert "positional encoding: none (NoPE, `TransformerConfig(rope_base=None)`, as Zoology) for softmax-nope." \
+        in text and "RoPE (base" not in text
+    assert "at every test length, the longer ones included (Zoology's test set runs to 4× its training lengths), " \
+           "**0.995** (seed 0, slice (16, 1); passes)" in text and "Runs made by `python run 1600`." in text
+    rows = [line for line in text.splitlines() if line.startswith("| softmax-nope |")]
+    assert rows == ["| softmax-nope | 800 | 0.01 | 0, 1 | " + "0.970 | " * 7 + "0.970 FAILS | 0.970 FAILS |",
+                    "| softmax-nope | 1600 | 0.01 | 0, 1 | " + "0.995 | " * 7 + "0.995 passes | 0.995 passes |"]
