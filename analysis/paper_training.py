@@ -439,23 +439,23 @@ def write_mqar_report(args, scale, table, swept, best_lr, seeded, wall):
         L += ["", "**The softmax check by training budget** (every finished run of this scale and rate in the work "
               f"directory, among seeds {', '.join(map(str, scale.seeds))}; the worst seed per slice):", "",
               *budget_table(budget, T_max)]
-    # Table 4 / 5 side by side
-    L += ["", "## Table 4 and Table 5 next to the paper", "",
-          "Paper: d = 128, Zoology's full protocol on GPUs; accuracy in %. Here: the score above (fraction).", "",
-          "| | paper | here |", "|---|---|---|"]
-
+    # Table 4 / 5 side by side (left out when none of its methods ran)
     def here(key):
         return fmt([score(r) for r in by[key]]) if key in by else "not run"
 
-    L.append(f"| Table 4: BASED | 91.9 | {here('based')} |")
-    L.append(f"| Table 4: LLoPS m = 256, p = 4 (random init) | 93.2 | {here('llops-p4-m256')} |")
-    L.append(f"| Table 4: LLoPS m = 256, p = 4 (init from BASED expand, d' = 4) | – | {here('llops-p4-m256-based')} |")
-    for p in (2, 4, 6):
-        L.append(f"| Table 5: LLoPS p = {p}, m = 256 | {PAPER_T5[p]} | {here(f'llops-p{p}-m256')} |")
-    for w in (16, 64):  # the hybrids run (the paper's tables are pure attention: no paper number)
-        for key, name in (("based", "BASED"), ("llops-p4-m256", "LLoPS m = 256, p = 4 (random init)")):
-            if f"{key}-w{w}" in by:
-                L.append(f"| Table 4, hybrid: {name} + window {w} | – | {here(f'{key}-w{w}')} |")
+    rows = [("Table 4: BASED", "91.9", "based"), ("Table 4: LLoPS m = 256, p = 4 (random init)", "93.2", "llops-p4-m256"),
+            ("Table 4: LLoPS m = 256, p = 4 (init from BASED expand, d' = 4)", "–", "llops-p4-m256-based")]
+    rows += [(f"Table 5: LLoPS p = {p}, m = 256", f"{PAPER_T5[p]}", f"llops-p{p}-m256") for p in (2, 4, 6)]
+    extra = [(f"Table 4, hybrid: {name} + window {w}", "–", f"{key}-w{w}") for w in (16, 64)
+             for key, name in (("based", "BASED"), ("llops-p4-m256", "LLoPS m = 256, p = 4 (random init)"))]
+    extra += [(f"Table 4, NoPE: {name}", "–", f"{key}-nope")
+              for key, name in (("based", "BASED"), ("llops-p4-m256", "LLoPS m = 256, p = 4 (random init)"))]
+    rows += [row for row in extra if row[2] in by]  # the hybrids and NoPE variants run (no paper number)
+    if any(key in by for _, _, key in rows):
+        L += ["", "## Table 4 and Table 5 next to the paper", "",
+              "Paper: d = 128, Zoology's full protocol on GPUs; accuracy in %. Here: the score above (fraction).", "",
+              "| | paper | here |", "|---|---|---|"]
+        L += [f"| {name} | {paper} | {here(key)} |" for name, paper, key in rows]
     L += ["", verdict(by), ""] + ([args.note, ""] if args.note else [])
     L += ["## Cut from the full protocol (and why)", "", args.cut or "(see the protocol above)", ""]
     from sketchlab.io import atomic_write

@@ -333,6 +333,7 @@ def test_report_only_states_the_positional_encoding_and_the_check_by_budget(tmp_
         in text and "RoPE (base" not in text
     assert "at every test length, the longer ones included (Zoology's test set runs to 4× its training lengths), " \
            "**0.995** (seed 0, slice (16, 1); passes)" in text and "Runs made by `python run 1600`." in text
+    assert "## Table 4 and Table 5" not in text  # none of their methods ran: no table of "not run" rows
     rows = [line for line in text.splitlines() if line.startswith("| softmax-nope |")]
     assert rows == ["| softmax-nope | 800 | 0.01 | 0, 1 | " + "0.970 | " * 7 + "0.970 FAILS | 0.970 FAILS |",
                     "| softmax-nope | 1600 | 0.01 | 0, 1 | " + "0.995 | " * 7 + "0.995 passes | 0.995 passes |"]
