@@ -443,7 +443,8 @@ def write_mqar_report(args, scale, table, swept, best_lr, seeded, wall):
     def here(key):
         return fmt([score(r) for r in by[key]]) if key in by else "not run"
 
-    rows = [("Table 4: BASED", "91.9", "based"), ("Table 4: LLoPS m = 256, p = 4 (random init)", "93.2", "llops-p4-m256"),
+    rows = [("Table 4: BASED", "91.9", "based"),
+            ("Table 4: LLoPS m = 256, p = 4 (random init)", "93.2", "llops-p4-m256"),
             ("Table 4: LLoPS m = 256, p = 4 (init from BASED expand, d' = 4)", "–", "llops-p4-m256-based")]
     rows += [(f"Table 5: LLoPS p = {p}, m = 256", f"{PAPER_T5[p]}", f"llops-p{p}-m256") for p in (2, 4, 6)]
     extra = [(f"Table 4, hybrid: {name} + window {w}", "–", f"{key}-w{w}") for w in (16, 64)
