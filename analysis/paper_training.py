@@ -25,8 +25,10 @@ Each method also has its sliding-window hybrid (``<key>-w16``, ``<key>-w64``: th
 ``llops-p2-m256-based`` and ``hedgehog``; the verdict compares a LLoPS hybrid with BASED's hybrid of
 the same window.
 
-``softmax-nope`` is softmax with RoPE base 1e300 (every rotation pair but the fastest frozen): Zoology's
-attention has no positional encoding, and its test set runs to 4x its training lengths.
+Every method also has a NoPE variant, ``<key>-nope``: the same model with no positional encoding
+(``TransformerConfig(rope_base=None)``), as Zoology's, whose attention sees position only through the
+short convolutions and whose test set runs to 4x its training lengths; every other key uses RoPE (base 10⁴)
+on q and k. The verdict compares a ``-nope`` LLoPS with ``based-nope``.
 
 Runs are written to ``--work`` (one JSON per run) and read back by later invocations, so the
 study can be grown run by run. Writes ``analysis/results/mqar.md`` (``--report NAME``: ``NAME.md``).
@@ -115,15 +117,13 @@ class Method:
     options: dict = field(default_factory=dict)
     init: str | None = None  # llops: "random" or "based"
     kernel_lr: float = 1.0
-    rope_base: float = 10000.0  # the model's RoPE base (NO_ROPE_BASE: every pair but the fastest frozen)
+    rope_base: float | None = 10000.0  # the model's RoPE base; None: no positional encoding (NoPE)
 
 
 def methods(d_model: int) -> dict[str, Method]:
     """Every method of the study, by key. One attention head (as Zoology's attention and BASED)."""
     out = [
         Method("softmax", "softmax", "softmax"),
-        Method("softmax-nope", "softmax, RoPE base 1e300 (≈ no positional encoding, as Zoology)", "softmax",
-               rope_base=NO_ROPE_BASE),
         Method("poly-p2", "exact polynomial p = 2 (quadratic time)", "poly", {"p": 2}),
         Method("based", "BASED (Taylor, feature dim 16: 273 features)", "based", {"form": "taylor", "dim": 16}),
         Method("psf-p4-m256", "PSF (random, self-tensored, degree 4, 256 features)", "psf",
@@ -157,15 +157,11 @@ def methods(d_model: int) -> dict[str, Method]:
                            options={**base.options, "window": 64}))
         out.append(replace(base, key=f"{base.key}-w16", label=f"{base.label} + window 16",
                            options={**base.options, "window": 16}))
+    # NoPE: every method without positional encoding (Zoology's models: the short convolutions carry the order)
+    out += [replace(m, key=f"{m.key}-nope", label=f"{m.label}, NoPE", rope_base=None) for m in list(out)]
     return {m.key: m for m in out}
 
 
-# RoPE turns pair i by t·base^(-2i/D) at position t. Base 1e300 (--quick: head dim D = 64, 32 pairs) leaves pair
-# 0 at 1 rad per token (period 6.3 tokens, every angle seen in training) and freezes the others (pair 1: t·10^-9.4
-# rad, < 1e-6 rad at t <= 1024): the attention sees almost no position, as Zoology's (no positional encoding at
-# all, the short convolutions carry the order), so test lengths beyond training bring no unseen angles. (At D = 128
-# pair 1 turns t·10^-4.7 rad: 0.02 rad at t = 1024; no float64 base freezes it further.)
-NO_ROPE_BASE = 1e300
 M_SWEEP = (64, 128, 192, 256)  # the paper's Figure 3 sketch sizes
 KERNEL_LR = 0.1  # Θ's learning-rate factor (see sketchlab.tasks.train_mqar, kernel_lr)
 
@@ -253,7 +249,8 @@ def run_one(spec: RunSpec, work: str, threads: int) -> dict:
     out = {"spec": {"method": spec.method, "lr": spec.lr, "seed": spec.seed, "scale": asdict(s)},
            "label": method.label, "mixture_accuracy": mix_acc, "slices": slices, "evals": evals,
            "seconds": seconds, "diverged": diverged, "forward_ms_T256": forward_ms(model, 256),
-           "threads": threads}
+           "threads": threads, "rope_base": method.rope_base,
+           "command": "python analysis/paper_training.py " + _command()}  # the invocation that ran it
     from sketchlab.io import atomic_write
 
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -377,6 +374,11 @@ def write_mqar_report(args, scale, table, swept, best_lr, seeded, wall):
     if fixed:
         rates += "; rates fixed (not swept): " + ", ".join(f"{m} {float(lr):g}" for m, lr in fixed.items())
     rates += "; every other method uses the winner of its family, else softmax's."
+    rope = [k for k in by if table[k].rope_base is not None]
+    nope = [k for k in by if table[k].rope_base is None]
+    pos = "; ".join(x for x in (
+        f"RoPE (base {table[rope[0]].rope_base:g}) on q, k for {', '.join(rope)}" if rope else "",
+        f"none (NoPE, `TransformerConfig(rope_base=None)`, as Zoology) for {', '.join(nope)}" if nope else "") if x)
     tr = ", ".join(f"({T}, {P})" for T, P in scale.train_pairs())
     te = ", ".join(f"({T}, {P})" for T, P in scale.test_pairs())
     L += ["## Protocol, and where it deviates from Zoology's", "",
@@ -387,8 +389,8 @@ def write_mqar_report(args, scale, table, swept, best_lr, seeded, wall):
           f"shuffles all components into each batch). Test (T, P) = {te}, {scale.eval_sequences} held-out "
           f"sequences each.",
           f"- Model: 2 layers, d_model {scale.d_model}, one head, each layer a causal depthwise short convolution "
-          f"(kernel 3) then the sequence mixer, then an MLP (ratio 2); RoPE on q, k; untied output head. Zoology: "
-          f"a gated BaseConv then the mixer (Hybrid), no positional encoding, tied embeddings.",
+          f"(kernel 3) then the sequence mixer, then an MLP (ratio 2); untied output head; positional encoding: "
+          f"{pos}. Zoology: a gated BaseConv then the mixer (Hybrid), no positional encoding, tied embeddings.",
           f"- Optimisation: AdamW (β = 0.9, 0.98), weight decay 0.1 on matrices, {scale.warmup} warm-up steps then "
           f"cosine to 0, clipping 1.0, batch {scale.batch}, **{scale.steps} steps** (Zoology: batch 256, 32-64 epochs "
           f"of 180k sequences: ~20-45k steps). {rates} LLoPS's Θ learns at {KERNEL_LR} × the model's rate "
@@ -422,23 +424,39 @@ def write_mqar_report(args, scale, table, swept, best_lr, seeded, wall):
     for key in ("softmax", "softmax-nope"):
         if key in by:
             L += ["", softmax_check(by[key], T_max, table[key].label)]
-    # Table 4 / 5 side by side
-    L += ["", "## Table 4 and Table 5 next to the paper", "",
-          "Paper: d = 128, Zoology's full protocol on GPUs; accuracy in %. Here: the score above (fraction).", "",
-          "| | paper | here |", "|---|---|---|"]
-
+    # the same check at every budget (steps) finished in the work directory, same scale and rate otherwise
+    budget = []
+    for key in ("softmax", "softmax-nope"):  # at this invocation's rate (its run's, else --fixed-lr's)
+        lr = by[key][0]["spec"]["lr"] if key in by else float(fixed[key]) if key in fixed else None
+        if lr is not None:
+            task = ("vocab", "divide", "d_model", "batch", "warmup", "eval_sequences")  # all but steps
+            for f in Path(args.work).glob(f"{key}_lr{lr:.0e}_s*_n*_b{scale.batch}.json"):
+                r = json.loads(f.read_text())
+                if (r["spec"]["method"] == key and r["spec"]["lr"] == lr and r["spec"]["seed"] in scale.seeds
+                        and all(r["spec"]["scale"][k] == getattr(scale, k) for k in task)):
+                    budget.append(r)
+    if len({r["spec"]["scale"]["steps"] for r in budget}) > 1:
+        L += ["", "**The softmax check by training budget** (every finished run of this scale and rate in the work "
+              f"directory, among seeds {', '.join(map(str, scale.seeds))}; the worst seed per slice):", "",
+              *budget_table(budget, T_max)]
+    # Table 4 / 5 side by side (left out when none of its methods ran)
     def here(key):
         return fmt([score(r) for r in by[key]]) if key in by else "not run"
 
-    L.append(f"| Table 4: BASED | 91.9 | {here('based')} |")
-    L.append(f"| Table 4: LLoPS m = 256, p = 4 (random init) | 93.2 | {here('llops-p4-m256')} |")
-    L.append(f"| Table 4: LLoPS m = 256, p = 4 (init from BASED expand, d' = 4) | – | {here('llops-p4-m256-based')} |")
-    for p in (2, 4, 6):
-        L.append(f"| Table 5: LLoPS p = {p}, m = 256 | {PAPER_T5[p]} | {here(f'llops-p{p}-m256')} |")
-    for w in (16, 64):  # the hybrids run (the paper's tables are pure attention: no paper number)
-        for key, name in (("based", "BASED"), ("llops-p4-m256", "LLoPS m = 256, p = 4 (random init)")):
-            if f"{key}-w{w}" in by:
-                L.append(f"| Table 4, hybrid: {name} + window {w} | – | {here(f'{key}-w{w}')} |")
+    rows = [("Table 4: BASED", "91.9", "based"),
+            ("Table 4: LLoPS m = 256, p = 4 (random init)", "93.2", "llops-p4-m256"),
+            ("Table 4: LLoPS m = 256, p = 4 (init from BASED expand, d' = 4)", "–", "llops-p4-m256-based")]
+    rows += [(f"Table 5: LLoPS p = {p}, m = 256", f"{PAPER_T5[p]}", f"llops-p{p}-m256") for p in (2, 4, 6)]
+    extra = [(f"Table 4, hybrid: {name} + window {w}", "–", f"{key}-w{w}") for w in (16, 64)
+             for key, name in (("based", "BASED"), ("llops-p4-m256", "LLoPS m = 256, p = 4 (random init)"))]
+    extra += [(f"Table 4, NoPE: {name}", "–", f"{key}-nope")
+              for key, name in (("based", "BASED"), ("llops-p4-m256", "LLoPS m = 256, p = 4 (random init)"))]
+    rows += [row for row in extra if row[2] in by]  # the hybrids and NoPE variants run (no paper number)
+    if any(key in by for _, _, key in rows):
+        L += ["", "## Table 4 and Table 5 next to the paper", "",
+              "Paper: d = 128, Zoology's full protocol on GPUs; accuracy in %. Here: the score above (fraction).", "",
+              "| | paper | here |", "|---|---|---|"]
+        L += [f"| {name} | {paper} | {here(key)} |" for name, paper, key in rows]
     L += ["", verdict(by), ""] + ([args.note, ""] if args.note else [])
     L += ["## Cut from the full protocol (and why)", "", args.cut or "(see the protocol above)", ""]
     from sketchlab.io import atomic_write
@@ -453,7 +471,8 @@ def softmax_check(runs, T_max: int, label: str = "softmax") -> str:
 
     Zoology's test set runs to 4x its longest training length (1024 vs 256) and its headline accuracy counts every
     query of it, so the check at every test length is Zoology's; a RoPE model is not expected to pass it (its
-    unseen rotation angles beyond T_max), a model without positional encoding is.
+    unseen rotation angles beyond T_max), a model without positional encoding is. The line gives the worst seed's
+    accuracy at every test slice, and the command(s) that ran the runs (recorded in each run's JSON).
     """
     def worst(keep):
         cells = [(s["accuracy"], r["spec"]["seed"], (s["seq_len"], s["num_pairs"]))
@@ -462,10 +481,37 @@ def softmax_check(runs, T_max: int, label: str = "softmax") -> str:
 
     (a, sa, ca), (b, sb, cb) = worst(lambda T: T <= T_max), worst(lambda T: True)
     verdict_ = lambda x: "passes" if x >= 0.99 else "FAILS"  # noqa: E731
+    per_slice = "; ".join(f"({s['seq_len']}, {s['num_pairs']}) {min(r['slices'][i]['accuracy'] for r in runs):.3f}"
+                          for i, s in enumerate(runs[0]["slices"]))
+    commands = sorted({r["command"] for r in runs if r.get("command")})
+    ran = (" Runs made by " + ", ".join(f"`{c}`" for c in commands) + "." if commands else "")
     return (f"**Harness check ({label} ≥ 0.99 on every seed):** the lowest accuracy over {len(runs)} seed(s) "
             f"({', '.join(str(r['spec']['seed']) for r in runs)}) at training lengths (T ≤ {T_max}) is **{a:.3f}** "
             f"(seed {sa}, slice {ca}; {verdict_(a)}); at every test length, the longer ones included (Zoology's "
-            f"test set runs to 4× its training lengths), **{b:.3f}** (seed {sb}, slice {cb}; {verdict_(b)}).")
+            f"test set runs to 4× its training lengths), **{b:.3f}** (seed {sb}, slice {cb}; {verdict_(b)}). "
+            f"Worst seed per test slice (T, P): {per_slice}.{ran}")
+
+
+def budget_table(runs, T_max: int) -> list[str]:
+    """The harness check by training budget: one row per (method, steps) of ``runs`` (softmax variants at one
+    scale and rate, any number of steps): the seeds, the worst seed's accuracy at every test slice, and whether
+    the worst over the training lengths and over every length reaches 0.99. Markdown lines; [] without runs."""
+    groups = {}
+    for r in runs:
+        groups.setdefault((r["spec"]["method"], r["spec"]["scale"]["steps"]), []).append(r)
+    if not groups:
+        return []
+    pairs = [(s["seq_len"], s["num_pairs"]) for s in next(iter(groups.values()))[0]["slices"]]
+    L = ["| method | steps | lr | seeds | " + " | ".join(f"({T}, {P})" for T, P in pairs)
+         + " | T ≤ " + str(T_max) + " | every length |", "|---|---|---|---|" + "---|" * (len(pairs) + 2)]
+    for (key, steps), rs in sorted(groups.items()):
+        rs = sorted(rs, key=lambda r: r["spec"]["seed"])
+        worst = [min(r["slices"][i]["accuracy"] for r in rs) for i in range(len(pairs))]
+        short = min(w for w, (T, _) in zip(worst, pairs) if T <= T_max)
+        mark = lambda x: f"{x:.3f} {'passes' if x >= 0.99 else 'FAILS'}"  # noqa: E731
+        L.append(f"| {key} | {steps} | {rs[0]['spec']['lr']:g} | {', '.join(str(r['spec']['seed']) for r in rs)} | "
+                 + " | ".join(f"{w:.3f}" for w in worst) + f" | {mark(short)} | {mark(min(worst))} |")
+    return L
 
 
 def _command() -> str:
@@ -493,10 +539,12 @@ def verdict(by) -> str:
     """One honest sentence: LLoPS vs BASED, the difference against the seed spread.
 
     Pure LLoPS methods are compared with pure BASED (``based``), the sliding-window hybrids
-    (``…-w16``, ``…-w64``) with BASED's hybrid of the same window (``based-w16``, ``based-w64``).
+    (``…-w16``, ``…-w64``) with BASED's hybrid of the same window (``based-w16``, ``based-w64``), and each
+    NoPE variant (``…-nope``) with BASED's NoPE variant of the same window (``based-nope``, ``based-w16-nope``).
     """
     pairs = [(key, "based") for key in _LLOPS_KEYS]
     pairs += [(f"{key}-w{w}", f"based-w{w}") for w in (16, 64) for key in _LLOPS_KEYS]
+    pairs += [(f"{key}-nope", f"{base}-nope") for key, base in pairs]
     pairs = [(key, base) for key, base in pairs if key in by and base in by]
     if not pairs:
         return ("BASED not run: no LLoPS-BASED comparison." if not any(k.startswith("based") for k in by)
@@ -505,7 +553,7 @@ def verdict(by) -> str:
     for key, base in pairs:
         b = [score(r) for r in by[base]]
         x = [score(r) for r in by[key]]
-        name = "BASED" if base == "based" else f"BASED {base.removeprefix('based-')}"
+        name = "BASED" if base == "based" else f"BASED {base.removeprefix('based-')}"  # e.g. "BASED w16-nope"
         (mx, sx), (mb, sb) = mean_sd(x), mean_sd(b)
         d, spread = mx - mb, max(sx, sb)
         if len(x) < 2 or len(b) < 2:

@@ -245,21 +245,31 @@ def test_time_side_by_side_is_round_robin_and_takes_the_median(monkeypatch):
     assert log[4:] == [("a", 4), ("b", 4), ("a", 8), ("b", 8)] * 3
 
 
-def test_softmax_nope_freezes_every_rope_pair_but_the_fastest():
-    # Zoology's attention has no positional encoding; softmax-nope's RoPE base 1e300 leaves pair 0 turning at
-    # 1 rad per token (all its angles seen within 7 training tokens) and pairs 1.. at < 1e-6 rad up to T = 1024
-    from sketchlab.tasks import apply_rope
+def test_nope_variant_is_the_same_method_without_positional_encoding():
+    # Zoology's models have no positional encoding: <key>-nope is <key> with rope_base=None, nothing else changed
+    table = pt.methods(D_MODEL)
+    for key in ("softmax", "based", "llops-p4-m256", "based-w16", "llops-p4-m256-w16"):
+        rope, nope = table[key], table[f"{key}-nope"]
+        assert rope.rope_base == 10000.0 and nope.rope_base is None
+        assert pt.replace(nope, key=key, label=rope.label, rope_base=rope.rope_base) == rope
+    a = pt.build_model(table["softmax-nope"], D_MODEL, VOCAB, seed=0).double()
+    b = pt.build_model(table["softmax"], D_MODEL, VOCAB, seed=0).double()
+    assert a.config.rope_base is None and b.config.rope_base == 10000.0
+    x = _tokens(T=12)
+    with torch.no_grad():  # the same weights (RoPE has none): position 0 is unrotated in both, later ones differ
+        ya, yb = a(x), b(x)
+    assert torch.allclose(ya[:, 0], yb[:, 0], rtol=0, atol=1e-12)
+    assert float((ya[:, 1:] - yb[:, 1:]).abs().max()) > 1e-6 * float(yb.abs().max())
 
-    method = pt.methods(D_MODEL)["softmax-nope"]
-    model = pt.build_model(method, D_MODEL, VOCAB, seed=0)
-    assert model.config.rope_base == pt.NO_ROPE_BASE and method.attention == "softmax"
-    assert pt.build_model(pt.methods(D_MODEL)["softmax"], D_MODEL, VOCAB, 0).config.rope_base == 10000.0
-    D = pt.QUICK.d_model  # one head: head dim 64, the --quick runs' (pair 1 turns by base^(-2/64) = 10^-9.4 rad)
-    x = torch.randn(1, 1024, 1, D, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    y, half = apply_rope(x, base=pt.NO_ROPE_BASE), D // 2
-    rest = [i for i in range(D) if i % half]  # every coordinate but pair 0's (0, half)
-    assert float((y[..., rest] - x[..., rest]).abs().max()) < 1e-6 * float(x.abs().max())
-    assert float((y[..., [0, half]] - x[..., [0, half]]).abs().max()) > 0.5  # pair 0 turns
+
+def test_verdict_compares_a_nope_llops_with_nope_based_only():
+    based = [_run("based", s, a) for s, a in enumerate((0.80, 0.82, 0.84))]  # sd 0.02
+    nope = [_run("based-nope", s, a) for s, a in enumerate((0.60, 0.62, 0.64))]
+    far = [_run("llops-p4-m256-nope", s, a) for s, a in enumerate((0.90, 0.92, 0.94))]
+    text = pt.verdict({"based": based, "based-nope": nope, "llops-p4-m256-nope": far})
+    assert "llops-p4-m256-nope − BASED nope = +0.300" in text and "LLoPS ahead" in text
+    assert " − BASED = " not in text  # no comparison across positional encodings
+    assert pt.verdict({"based": based, "llops-p4-m256-nope": far}) == "No LLoPS run to compare."
 
 
 def test_softmax_check_names_the_worst_slice_at_training_and_at_every_length():
@@ -269,7 +279,61 @@ def test_softmax_check_names_the_worst_slice_at_training_and_at_every_length():
     text = pt.softmax_check([a, b], 64)
     assert "at training lengths (T ≤ 64) is **0.991** (seed 1, slice (64, 16); passes)" in text
     assert "**0.400** (seed 0, slice (256, 64); FAILS)" in text and "2 seed(s) (0, 1)" in text
+    assert "Worst seed per test slice (T, P): (16, 1) 0.995; (16, 2) 0.995; (16, 4) 0.995; (32, 8) 0.995; " \
+           "(64, 16) 0.991; (128, 32) 0.995; (256, 64) 0.400." in text
+    assert "Runs made by" not in text  # the runs record no command: none quoted
+    a["command"], b["command"] = "python x --seeds 0", "python x --seeds 1"
+    assert pt.softmax_check([a, b], 64).endswith(" Runs made by `python x --seeds 0`, `python x --seeds 1`.")
     b["slices"][0]["accuracy"] = 0.98
     assert "**0.980** (seed 1, slice (16, 1); FAILS)" in pt.softmax_check([a, b], 64)
     a["slices"][-1]["accuracy"] = 0.995
     assert "**0.980** (seed 1, slice (16, 1); FAILS); at every" in pt.softmax_check([a, b], 64)
+
+
+def test_budget_table_gives_the_worst_seed_per_slice_for_each_step_count():
+    runs = [_run("softmax-nope", s, 0.995) for s in (0, 1)] + [_run("softmax-nope", s, 0.999) for s in (0, 1)]
+    for r, steps in zip(runs, (800, 800, 1600, 1600)):
+        r["spec"]["scale"]["steps"], r["spec"]["lr"] = steps, 0.01
+    runs[1]["slices"][-1]["accuracy"] = 0.97  # 800 steps, seed 1, (256, 64)
+    runs[2]["slices"][0]["accuracy"] = 0.992  # 1600 steps, seed 0, (16, 1)
+    head, rule, r800, r1600 = pt.budget_table(runs, 64)
+    assert head.startswith("| method | steps | lr | seeds | (16, 1) |") and head.endswith("| T ≤ 64 | every length |")
+    assert r800 == ("| softmax-nope | 800 | 0.01 | 0, 1 | " + "0.995 | " * 6 + "0.970 | 0.995 passes | 0.970 FAILS |")
+    assert r1600 == ("| softmax-nope | 1600 | 0.01 | 0, 1 | 0.992 | " + "0.999 | " * 6
+                     + "0.992 passes | 0.992 passes |")
+    assert pt.budget_table([], 64) == []
+
+
+def _write_run(work, method, seed, steps, acc, scale=None, lr=0.01):
+    """A finished run's JSON, as run_one writes it, every slice at ``acc``."""
+    import json
+    from dataclasses import asdict
+
+    s = pt.replace(scale or pt.QUICK, steps=steps)
+    spec = pt.RunSpec(method, lr, seed, s)
+    slices = [{"seq_len": T, "num_pairs": P, "accuracy": acc, "queries": 1} for T, P in s.test_pairs()]
+    out = {"spec": {"method": method, "lr": lr, "seed": seed, "scale": asdict(s)}, "label": method,
+           "mixture_accuracy": acc, "slices": slices, "evals": [], "seconds": 1.0, "diverged": None,
+           "forward_ms_T256": 1.0, "threads": 1, "rope_base": None, "command": f"python run {steps}"}
+    (work / f"{spec.name}.json").write_text(json.dumps(out))
+
+
+def test_report_only_states_the_positional_encoding_and_the_check_by_budget(tmp_path, capsys):
+    for seed in (0, 1):
+        _write_run(tmp_path, "softmax-nope", seed, 800, 0.97)
+        _write_run(tmp_path, "softmax-nope", seed, 1600, 0.995)
+    _write_run(tmp_path, "softmax-nope", 5, 800, 0.10)  # a seed outside --seeds: not in the table
+    _write_run(tmp_path, "softmax-nope", 0, 400, 0.10, scale=pt.replace(pt.QUICK, vocab=1024))  # another scale
+    assert pt.main(["--quick", "--steps", "1600", "--seeds", "0,1", "--sweep", "softmax-nope", "--fixed-lr",
+                    "softmax-nope=0.01", "--methods", "softmax-nope", "--report-only", "--work", str(tmp_path),
+                    "--out", str(tmp_path), "--report", "check"]) == 0
+    capsys.readouterr()
+    text = (tmp_path / "check.md").read_text()
+    assert "positional encoding: none (NoPE, `TransformerConfig(rope_base=None)`, as Zoology) for softmax-nope." \
+        in text and "RoPE (base" not in text
+    assert "at every test length, the longer ones included (Zoology's test set runs to 4× its training lengths), " \
+           "**0.995** (seed 0, slice (16, 1); passes)" in text and "Runs made by `python run 1600`." in text
+    assert "## Table 4 and Table 5" not in text  # none of their methods ran: no table of "not run" rows
+    rows = [line for line in text.splitlines() if line.startswith("| softmax-nope |")]
+    assert rows == ["| softmax-nope | 800 | 0.01 | 0, 1 | " + "0.970 | " * 7 + "0.970 FAILS | 0.970 FAILS |",
+                    "| softmax-nope | 1600 | 0.01 | 0, 1 | " + "0.995 | " * 7 + "0.995 passes | 0.995 passes |"]
