@@ -7,16 +7,9 @@ import math
 
 import pytest
 import torch
-import transformers
 
 from sketchlab.convert import perplexity, token_nll
-
-
-def _llama():
-    cfg = transformers.LlamaConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, intermediate_size=48, max_position_embeddings=64)
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(cfg).double().eval()
+from tests.test_convert import _llama  # a tiny random LLaMA (GQA, rotary), float64
 
 
 def test_token_nll_matches_log_softmax_and_marks_padding():
