@@ -87,6 +87,19 @@ def test_state_size_is_constant_past_the_window():
     assert len(set(sizes)) == 1 and state.k_window.shape[2] == 8 and state.k_sink.shape[2] == 2
 
 
+@pytest.mark.parametrize("window", [0, 8, 6])  # pure; w % C == 0 (the chunk boundary case) and not
+def test_carried_state_owns_only_its_own_storage(window):
+    """The returned S, z are their own tensors, not views into the block's [chunks + 1, ...] prefix buffer
+    (a view would keep that whole buffer alive for as long as the state is held)."""
+    q, k, v = _rand(1, 64, 2, 4, seed=31), _rand(1, 64, 2, 4, seed=32), _rand(1, 64, 2, 3, seed=33)
+    theta = _theta(seed=34)
+    _, state = llops_attention(q, k, v, theta, theta, window=window, sinks=2 if window else 0,
+                               chunk_size=8, output_final_state=True, backend="torch")
+    for name in ("S", "z"):
+        t = getattr(state, name)
+        assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), name
+
+
 def test_state_checks():
     q, k, v = _rand(1, 8, 2, 4), _rand(1, 8, 2, 4), _rand(1, 8, 2, 3)
     theta = _theta()

@@ -419,7 +419,8 @@ class _HybridCore(torch.autograd.Function):
         prefix_tot = _prefix_and_total(n, off, w, C, fq.device, fq.dtype)  # [N + 1, Ne]
         P_all = (prefix_tot @ upd.flatten(1)).view(N + 1, *upd.shape[1:]).add_(S_in)
         zP_all = (prefix_tot @ zc.flatten(1)).view(N + 1, *zc.shape[1:]).add_(z_in)
-        P, zP, S_out, z_out = P_all[:N], zP_all[:N], P_all[N], zP_all[N]
+        # S_out, z_out copied out: views would keep the whole [N + 1, ...] buffer alive in the carried state
+        P, zP, S_out, z_out = P_all[:N], zP_all[:N], P_all[N].clone(), zP_all[N].clone()
         num = lq @ P  # [N, B, H, C, Dv]
         den = (zP[..., None, :] @ lq.mT)[..., 0, :]  # [N, B, H, C]  (as [1, M]·[M, C]: a GEMV is 7× slower)
         if not fold:
