@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from linearize_lm import RESULTS, convert, held_out, load_transferred, log  # noqa: E402
 
-from sketchlab.cli._common import write_text_atomic  # noqa: E402
 from sketchlab.convert import token_nll  # noqa: E402
+from sketchlab.io.atomic import atomic_write  # noqa: E402
 from sketchlab.convert.pretrained import load_pretrained, smollm2_gguf  # noqa: E402
 
 
@@ -47,33 +47,72 @@ def hybrid_arg(text: str) -> tuple[str, int, Path]:
     return parts[0], int(parts[1]), path
 
 
+def positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return int(text)
+
+
+def nonnegative_int(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}")
+    return int(text)
+
+
 def buckets_of(context: int) -> list[tuple[int, int]]:
     """Target positions ``[lo, hi)`` in doubling buckets: [1, 64), [64, 128), [128, 256), ..., up to ``context``."""
-    edges = [1, 64]
+    if context < 2:
+        raise ValueError(f"context must be >= 2 (a target needs a position before it), got {context}")
+    edges = [1, min(64, context)]
     while edges[-1] < context:
         edges.append(min(2 * edges[-1], context))
     return list(zip(edges[:-1], edges[1:]))
 
 
-def bucket_means(nll: torch.Tensor, buckets) -> list[float]:
-    """Mean over sequences and valid positions of ``nll`` [N, T − 1] per bucket of target positions."""
-    out = []
+def bucket_sums(nll: torch.Tensor, buckets) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per sequence and bucket of target positions, the sum of ``nll`` [N, T − 1] over the valid
+    (non-NaN) entries and their count: two ``[N, len(buckets)]`` float64 tensors."""
+    sums, counts = [], []
     for lo, hi in buckets:
         part = nll[:, lo - 1 : hi - 1]  # column t predicts target position t + 1
-        out.append(float(part[~torch.isnan(part)].mean()))
-    return out
+        valid = ~torch.isnan(part)
+        sums.append(torch.where(valid, part, 0.0).sum(1))
+        counts.append(valid.sum(1).double())
+    return torch.stack(sums, 1), torch.stack(counts, 1)
+
+
+def bucket_means(nll: torch.Tensor, buckets) -> list[float]:
+    """Mean over sequences and valid positions of ``nll`` [N, T − 1] per bucket of target positions."""
+    sums, counts = bucket_sums(nll, buckets)
+    return (sums.sum(0) / counts.sum(0)).tolist()
+
+
+def closed_interval(hybrid, window, teacher, counts, *, draws: int = 2000, seed: int = 0):
+    """95% bootstrap interval over sequences of ``closed = (window − hybrid) / (window − teacher)`` per
+    bucket: the sequences (paired across models: the same tokens) drawn with replacement ``draws`` times.
+    ``hybrid``, ``window``, ``teacher``: per-sequence bucket sums ``[N, K]``; ``counts`` ``[N, K]``.
+    Returns two lists (2.5% and 97.5% quantiles); NaN where a draw's window excess is not positive."""
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, counts.shape[0], (draws, counts.shape[0]), generator=g)  # [draws, N]
+    c = counts[idx].sum(1)  # [draws, K]
+    h, w, t = (x[idx].sum(1) / c for x in (hybrid, window, teacher))
+    closed = torch.where(w - t > 0, (w - h) / (w - t), float("nan"))
+    q = torch.nanquantile(closed, torch.tensor([0.025, 0.975], dtype=closed.dtype), dim=0)
+    return q[0].tolist(), q[1].tolist()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hybrid", type=hybrid_arg, action="append", required=True, metavar="MAP:M:FILE")
-    ap.add_argument("--context", type=int, default=2048)
-    ap.add_argument("--eval-tokens", type=int, default=8192, help="held-out tokens (sequences of --context)")
-    ap.add_argument("--window", type=int, default=64)
-    ap.add_argument("--sinks", type=int, default=4)
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--context", type=positive_int, default=2048)
+    ap.add_argument("--eval-tokens", type=positive_int, default=8192, help="held-out tokens (sequences of --context)")
+    ap.add_argument("--window", type=positive_int, default=64)
+    ap.add_argument("--sinks", type=nonnegative_int, default=4)
+    ap.add_argument("--threads", type=positive_int, default=1)
     ap.add_argument("--out", default=str(RESULTS / "position_loss.md"))
     args = ap.parse_args()
+    if args.context < 2 or args.eval_tokens < args.context:
+        ap.error(f"--context must be >= 2 and --eval-tokens >= --context, got {args.context} and {args.eval_tokens}")
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     teacher, tok = load_pretrained(gguf=smollm2_gguf())
@@ -84,7 +123,7 @@ def main() -> None:
     def measure(label, model):
         t = time.perf_counter()
         nll = token_nll(model, ids, mask, batch_size=1)
-        rows.append((label, bucket_means(nll, buckets), float(nll[~torch.isnan(nll)].mean())))
+        rows.append((label, bucket_means(nll, buckets), float(nll[~torch.isnan(nll)].mean()), bucket_sums(nll, buckets)))
         log(f"{label}: mean loss {rows[-1][2]:.4f} ({time.perf_counter() - t:.0f} s)")
 
     measure("teacher (softmax)", teacher)
@@ -116,16 +155,22 @@ def main() -> None:
         head,
         "|---" * (len(buckets) + 2) + "|",
     ]
-    lines += [f"| {label} | " + " | ".join(f"{v:.3f}" for v in b) + f" | {a:.3f} |" for label, b, a in rows]
+    lines += [f"| {label} | " + " | ".join(f"{v:.3f}" for v in b) + f" | {a:.3f} |" for label, b, a, _ in rows]
     lines += ["", "Excess over the teacher (nats; hybrid − teacher) and the share of window + sinks' excess the "
-                  "hybrid removes, `closed = (window − hybrid) / (window − teacher)`, per bucket:", "",
+                  "hybrid removes, `closed = (window − hybrid) / (window − teacher)`, per bucket (in brackets: its 95% "
+              f"bootstrap interval over the {ids.shape[0]} sequences, paired across models; few sequences, so wide):",
+              "",
               head.replace(" | all |", " |"), "|---" * (len(buckets) + 1) + "|"]
-    for label, b, _ in rows[1:]:
+    for label, b, _, _ in rows[1:]:
         lines.append(f"| {label}: excess | " + " | ".join(f"{x - t:+.3f}" for x, t in zip(b, teacher_b)) + " |")
-    for label, b, _ in rows[2:]:
+    (t_sums, counts), (w_sums, _) = rows[0][3], rows[1][3]
+    for label, b, _, (h_sums, _) in rows[2:]:
+        lo, hi = closed_interval(h_sums, w_sums, t_sums, counts)
         lines.append(f"| {label}: closed | " + " | ".join(
-            f"{(w - x) / (w - t):.2f}" if w - t > 1e-9 else "–" for x, w, t in zip(b, window_b, teacher_b)) + " |")
-    write_text_atomic(args.out, "\n".join(lines) + "\n")
+            f"{(w - x) / (w - t):.2f} [{a:.2f}, {z:.2f}]" if w - t > 1e-9 else "–"
+            for x, w, t, a, z in zip(b, window_b, teacher_b, lo, hi)) + " |")
+    with atomic_write(args.out) as tmp:
+        Path(tmp).write_text("\n".join(lines) + "\n", encoding="utf-8")
     print("\n".join(lines))
 
 

@@ -62,3 +62,19 @@ def test_position_buckets_double_and_average_the_right_columns():
     got = pl.bucket_means(nll, pl.buckets_of(100))
     assert got[0] == pytest.approx(sum(range(1, 64)) / 63)
     assert got[1] == pytest.approx((sum(range(64, 100)) + sum(range(64, 81))) / (36 + 17))
+
+
+def test_closed_interval_is_a_bootstrap_over_paired_sequences():
+    counts = torch.full((4, 2), 10.0)
+    teacher = torch.full((4, 2), 30.0)  # mean loss 3 per token in every sequence and bucket
+    window = torch.full((4, 2), 40.0)   # 4
+    hybrid = torch.tensor([[35.0, 32.0]] * 4)  # closes 0.5 and 0.8 in every sequence: a point interval
+    lo, hi = pl.closed_interval(hybrid, window, teacher, counts, draws=200)
+    assert lo == pytest.approx([0.5, 0.8]) and hi == pytest.approx([0.5, 0.8])
+    hybrid = torch.tensor([[31.0, 40.0], [39.0, 30.0], [35.0, 35.0], [35.0, 35.0]])  # closed per sequence vary
+    lo, hi = pl.closed_interval(hybrid, window, teacher, counts, draws=2000)
+    for a, z in zip(lo, hi):  # the point value 0.5 inside, the interval inside the per-sequence range [0, 1]
+        assert 0.0 <= a < 0.5 < z <= 1.0
+    with pytest.raises(ValueError, match="context must be >= 2"):
+        pl.buckets_of(1)
+    assert pl.buckets_of(32) == [(1, 32)]

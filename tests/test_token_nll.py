@@ -32,6 +32,25 @@ def test_token_nll_matches_log_softmax_and_marks_padding():
     assert perplexity(model, ids, mask, batch_size=3) == pytest.approx(math.exp(float(nll[valid].mean())), rel=1e-12)
 
 
+def test_left_padding_drops_the_first_real_token_and_keeps_the_rest():
+    model = _llama()
+    ids = torch.randint(1, 50, (2, 10), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # left padding: row 0's real tokens are 3..9
+    nll = token_nll(model, ids, mask)
+    # targets 1..3 of row 0 are NaN (2 pads and the first real token, predicted from a pad's logits)
+    assert torch.isnan(nll[0, :3]).all() and not torch.isnan(nll[0, 3:]).any() and not torch.isnan(nll[1]).any()
+
+
+def test_no_valid_target_is_refused():
+    model = _llama()
+    ids = torch.randint(1, 50, (2, 6), generator=torch.Generator().manual_seed(3))
+    mask = torch.zeros_like(ids)
+    mask[:, 0] = 1  # one real token per row: nothing to predict
+    with pytest.raises(ValueError, match="no valid next-token target"):
+        perplexity(model, ids, mask)
+
+
 def test_token_nll_rejects_bad_shapes():
     model = _llama()
     with pytest.raises(ValueError, match=r"\[N, T\] of one shape with T >= 2"):

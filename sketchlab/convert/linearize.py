@@ -245,8 +245,9 @@ def token_nll(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.T
     -------
     torch.Tensor [N, T − 1] float64
         ``nll[n, t] = −log p(input_ids[n, t+1] | input_ids[n, :t+1])`` (the logits in float64),
-        NaN where the target ``t + 1`` is padding. :func:`perplexity` is ``exp`` of its mean over
-        the non-NaN entries.
+        NaN where the target ``t + 1`` or the position ``t`` that predicts it is padding (right
+        padding; with left padding, the first real token, which no real token predicts).
+        :func:`perplexity` is ``exp`` of its mean over the non-NaN entries.
     """
     if input_ids.dim() != 2 or input_ids.shape != attention_mask.shape or input_ids.shape[1] < 2:
         raise ValueError(f"input_ids and attention_mask must be [N, T] of one shape with T >= 2, got "
@@ -260,13 +261,15 @@ def token_nll(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.T
             ids, mask = input_ids[part], attention_mask[part]
             logits = _logits(model, ids, mask)[:, :-1].double()  # [b, T-1, V]
             nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")  # [b, T-1]
-            parts.append(nll.masked_fill(~mask[:, 1:].to(torch.bool), float("nan")))
+            valid = mask[:, 1:].to(torch.bool) & mask[:, :-1].to(torch.bool)  # a real target read off a real position
+            parts.append(nll.masked_fill(~valid, float("nan")))
     finally:
         model.train(was_training)
     return torch.cat(parts)
 
 
-def perplexity(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, batch_size: int = 4) -> float:
+def perplexity(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
+               batch_size: int = 4) -> float:
     """``exp`` of the mean next-token negative log-likelihood over the valid tokens of ``input_ids``
     (each sequence on its own; a causal LM with a language-model head): ``exp(nanmean(token_nll))``."""
     nll = token_nll(model, input_ids, attention_mask, batch_size=batch_size)
