@@ -215,6 +215,19 @@ def forward_ms(model, seq_len: int, batch: int = 8, repeats: int = 5) -> float:
     return statistics.median(times)
 
 
+def read_run(path: Path, rope_base) -> dict:
+    """A finished run's JSON, refused (``ValueError`` naming the file) when it was trained with another
+    positional encoding than its method's today: ``<key>-nope`` once meant RoPE base 1e300, and runs are
+    found by file name only. Runs older than the ``rope_base`` field used RoPE base 1e4 or, for
+    ``softmax-nope``, 1e300: both count as RoPE."""
+    r = json.loads(path.read_text())
+    had = r.get("rope_base", 10000.0)
+    if (had is None) != (rope_base is None) or (had is not None and had != rope_base):
+        raise ValueError(f"{path}: run trained with rope_base={had!r}, but method {r['spec']['method']!r} now has "
+                         f"rope_base={rope_base!r}; move the file out of the work directory to rerun it")
+    return r
+
+
 def run_one(spec: RunSpec, work: str, threads: int) -> dict:
     import torch
 
@@ -223,11 +236,11 @@ def run_one(spec: RunSpec, work: str, threads: int) -> dict:
     from sketchlab.tasks.zoology import evaluate_slices
 
     path = Path(work) / f"{spec.name}.json"
-    if path.is_file():
-        return json.loads(path.read_text())
-    torch.set_num_threads(threads)
     s = spec.scale
     method = methods(s.d_model)[spec.method]
+    if path.is_file():
+        return read_run(path, method.rope_base)
+    torch.set_num_threads(threads)
     model = build_model(method, s.d_model, s.vocab, spec.seed)
     mix = zoology_mixture(s.vocab, pairs=s.train_pairs())
     t0 = time.perf_counter()
@@ -265,8 +278,8 @@ def run_one(spec: RunSpec, work: str, threads: int) -> dict:
 
 def run_all(specs, args) -> list[dict]:
     if args.report_only:  # finished runs only; the report marks the rest as not run
-        found = [Path(args.work) / f"{s.name}.json" for s in specs]
-        return [json.loads(f.read_text()) for f in found if f.is_file()]
+        found = [(Path(args.work) / f"{s.name}.json", methods(s.scale.d_model)[s.method].rope_base) for s in specs]
+        return [read_run(f, rope) for f, rope in found if f.is_file()]
     if not specs:
         return []
     if args.jobs == 1:
@@ -431,7 +444,7 @@ def write_mqar_report(args, scale, table, swept, best_lr, seeded, wall):
         if lr is not None:
             task = ("vocab", "divide", "d_model", "batch", "warmup", "eval_sequences")  # all but steps
             for f in Path(args.work).glob(f"{key}_lr{lr:.0e}_s*_n*_b{scale.batch}.json"):
-                r = json.loads(f.read_text())
+                r = read_run(f, table[key].rope_base)
                 if (r["spec"]["method"] == key and r["spec"]["lr"] == lr and r["spec"]["seed"] in scale.seeds
                         and all(r["spec"]["scale"][k] == getattr(scale, k) for k in task)):
                     budget.append(r)

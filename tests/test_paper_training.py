@@ -304,8 +304,11 @@ def test_budget_table_gives_the_worst_seed_per_slice_for_each_step_count():
     assert pt.budget_table([], 64) == []
 
 
-def _write_run(work, method, seed, steps, acc, scale=None, lr=0.01):
-    """A finished run's JSON, as run_one writes it, every slice at ``acc``."""
+_METHOD_ROPE = object()
+
+
+def _write_run(work, method, seed, steps, acc, scale=None, lr=0.01, rope_base=_METHOD_ROPE):
+    """A finished run's JSON, as run_one writes it, every slice at ``acc`` (``rope_base``: the method's)."""
     import json
     from dataclasses import asdict
 
@@ -314,8 +317,11 @@ def _write_run(work, method, seed, steps, acc, scale=None, lr=0.01):
     slices = [{"seq_len": T, "num_pairs": P, "accuracy": acc, "queries": 1} for T, P in s.test_pairs()]
     out = {"spec": {"method": method, "lr": lr, "seed": seed, "scale": asdict(s)}, "label": method,
            "mixture_accuracy": acc, "slices": slices, "evals": [], "seconds": 1.0, "diverged": None,
-           "forward_ms_T256": 1.0, "threads": 1, "rope_base": None, "command": f"python run {steps}"}
-    (work / f"{spec.name}.json").write_text(json.dumps(out))
+           "forward_ms_T256": 1.0, "threads": 1, "command": f"python run {steps}",
+           "rope_base": pt.methods(s.d_model)[method].rope_base if rope_base is _METHOD_ROPE else rope_base}
+    path = work / f"{spec.name}.json"
+    path.write_text(json.dumps(out))
+    return path
 
 
 def test_report_only_states_the_positional_encoding_and_the_check_by_budget(tmp_path, capsys):
@@ -337,3 +343,17 @@ def test_report_only_states_the_positional_encoding_and_the_check_by_budget(tmp_
     rows = [line for line in text.splitlines() if line.startswith("| softmax-nope |")]
     assert rows == ["| softmax-nope | 800 | 0.01 | 0, 1 | " + "0.970 | " * 7 + "0.970 FAILS | 0.970 FAILS |",
                     "| softmax-nope | 1600 | 0.01 | 0, 1 | " + "0.995 | " * 7 + "0.995 passes | 0.995 passes |"]
+
+
+def test_a_run_of_another_positional_encoding_is_refused_naming_the_file(tmp_path):
+    """``softmax-nope`` once meant RoPE base 1e300: such a run (or one older than the rope_base field)
+    found by its file name is refused, not read back as NoPE."""
+    stale = _write_run(tmp_path, "softmax-nope", 0, 800, 0.97, rope_base=1e300)
+    with pytest.raises(ValueError, match=r"softmax-nope.*rope_base=1e\+300.*now has rope_base=None"):
+        pt.read_run(stale, None)
+    old = _write_run(tmp_path, "softmax", 1, 800, 0.97)
+    assert pt.read_run(old, 10000.0)["spec"]["seed"] == 1  # the method's own encoding: read back
+    with pytest.raises(ValueError, match="move the file out of the work directory"):
+        pt.main(["--quick", "--steps", "800", "--seeds", "0", "--sweep", "softmax-nope", "--fixed-lr",
+                 "softmax-nope=0.01", "--methods", "softmax-nope", "--report-only", "--work", str(tmp_path),
+                 "--out", str(tmp_path), "--report", "check"])
