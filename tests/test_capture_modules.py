@@ -63,6 +63,9 @@ def test_explicit_projection_modules_record_projections():
     model = _Layers()
     dump = capture_qk(model, torch.randn(B, T, H * D), modules={"qkv": ["proj.0", "proj.1"]}, num_heads=H)
     assert dump.meta["captured"] == "projections"
+    for layer, (q, k, v) in enumerate(model.seen):  # the fused projection's q, k, v thirds, every token
+        for got, want in ((dump.q, q), (dump.k, k), (dump.v, v)):
+            torch.testing.assert_close(got[layer], want.reshape(B * T, H, D).transpose(0, 1), rtol=0, atol=0)
 
 
 class _Flat(nn.Module):
