@@ -58,6 +58,7 @@ class Method:
     kind: str  # "quadratic" or "linear"
     optional: bool = False  # a third-party or device-only path: dropped (with a message) if its warm-up fails
     paired: str | None = None  # timed in turns with this method (the hybrid with its pure path: one ratio)
+    features: int | None = None  # the hybrid's m (its tile FLOP model's)
 
 
 def _libc():
@@ -249,24 +250,24 @@ def build_methods(args, device, dtype, D, gen) -> list[Method]:
         # equal factors Θ_{r,1} = Θ_{r,2}: features (θ·x)² ≥ 0, so normalize="sum" is safe
         base = torch.randn(H, 1, 1, D, m, generator=gen) / math.sqrt(D)
         theta = base.expand(-1, -1, args.p, -1, -1).contiguous().to(device=device, dtype=dtype).requires_grad_(True)
+        pure = linear_flops(lambda d, m=m: 4 * d * args.p * m, m, C)
         methods.append(Method(f"LLoPS m={m} (chunked torch)",
                               lambda q, k, v, th=theta: llops_attention(q, k, v, th, th, backend="torch", chunk_size=C),
-                              linear_flops(lambda d, m=m: 4 * d * args.p * m, m, C), "linear"))
+                              pure, "linear"))
         if args.window:
             w, sinks = args.window, args.sinks
-            pure = linear_flops(lambda d, m=m: 4 * d * args.p * m, m, C)
             methods.append(Method(
                 f"LLoPS m={m} hybrid w={w}+{sinks} sinks (chunked torch)",
                 lambda q, k, v, th=theta: llops_attention(q, k, v, th, th, backend="torch", chunk_size=C, window=w,
                                                           sinks=sinks),
                 lambda B, H, T, D, Dv, pure=pure: pure(B, H, T, D, Dv) + 2 * B * H * T * (w + C + sinks) * (D + Dv),
-                "linear", paired=f"LLoPS m={m} (chunked torch)"))
+                "linear", paired=f"LLoPS m={m} (chunked torch)", features=m))
         if device.type == "cuda":
             try:
                 from sketchlab.attention.triton import llops_attention_triton  # noqa: F401
                 methods.append(Method(f"LLoPS m={m} (Triton)",
                                       lambda q, k, v, th=theta: llops_attention(q, k, v, th, th, backend="triton"),
-                                      linear_flops(lambda d, m=m: 4 * d * args.p * m, m, C), "linear", optional=True))
+                                      pure, "linear", optional=True))
             except ImportError as err:
                 print(f"Triton kernel not importable ({err}); skipped", file=sys.stderr)
             try:
@@ -280,7 +281,7 @@ def build_methods(args, device, dtype, D, gen) -> list[Method]:
                     return out[0] if isinstance(out, tuple) else out
 
                 methods.append(Method(f"LLoPS m={m} features + fla chunk_linear_attn", fla,
-                                      linear_flops(lambda d, m=m: 4 * d * args.p * m, m, C), "linear", optional=True))
+                                      pure, "linear", optional=True))
             except ImportError as err:
                 print(f"fla not importable ({err}); skipped", file=sys.stderr)
     return methods
@@ -360,10 +361,9 @@ def main(argv=None) -> int:
                     x.grad = None
             times.update({m2.name: (f, b) for m2, f, b in zip(group, fwds, bwds)})
             for m2, f, b in zip(group[1:], fwds[1:], bwds[1:]):
-                mm = int(m2.name.split("m=")[1].split()[0])
                 print(f"T={T:6d} {m2.name}: hybrid/pure measured {f / fwds[0]:.3f} / {b / bwds[0]:.3f}, FLOP ratio "
-                      f"hybrid/pure (tile model) {_model_ratio(args, mm, T, False):.3f} / "
-                      f"{_model_ratio(args, mm, T, True):.3f}", flush=True)
+                      f"hybrid/pure (tile model) {_model_ratio(args, m2.features, T, False):.3f} / "
+                      f"{_model_ratio(args, m2.features, T, True):.3f}", flush=True)
         for meth in methods:
             call = lambda meth=meth: meth.fn(q, k, v)  # noqa: E731
             fwd, bwd = times[meth.name]

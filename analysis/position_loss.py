@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from linearize_lm import RESULTS, convert, held_out, load_transferred, log  # noqa: E402
+from linearize_lm import RESULTS, convert, held_out, load_transferred, log, positive_int  # noqa: E402
 
 from sketchlab.convert import token_nll  # noqa: E402
 from sketchlab.io.atomic import atomic_write  # noqa: E402
@@ -45,18 +45,6 @@ def hybrid_arg(text: str) -> tuple[str, int, Path]:
         raise argparse.ArgumentTypeError(f"--hybrid {text!r}: {path} or its .json is not a file "
                                          "(a transfer cached by analysis/linearize_lm.py --cache-dir)")
     return parts[0], int(parts[1]), path
-
-
-def positive_int(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return int(text)
-
-
-def nonnegative_int(text: str) -> int:
-    if not text.isdigit():
-        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}")
-    return int(text)
 
 
 def buckets_of(context: int) -> list[tuple[int, int]]:
@@ -81,12 +69,6 @@ def bucket_sums(nll: torch.Tensor, buckets) -> tuple[torch.Tensor, torch.Tensor]
     return torch.stack(sums, 1), torch.stack(counts, 1)
 
 
-def bucket_means(nll: torch.Tensor, buckets) -> list[float]:
-    """Mean over sequences and valid positions of ``nll`` [N, T − 1] per bucket of target positions."""
-    sums, counts = bucket_sums(nll, buckets)
-    return (sums.sum(0) / counts.sum(0)).tolist()
-
-
 def closed_interval(hybrid, window, teacher, counts, *, draws: int = 2000, seed: int = 0):
     """95% bootstrap interval over sequences of ``closed = (window − hybrid) / (window − teacher)`` per
     bucket: the sequences (paired across models: the same tokens) drawn with replacement ``draws`` times.
@@ -107,40 +89,47 @@ def main() -> None:
     ap.add_argument("--context", type=positive_int, default=2048)
     ap.add_argument("--eval-tokens", type=positive_int, default=8192, help="held-out tokens (sequences of --context)")
     ap.add_argument("--window", type=positive_int, default=64)
-    ap.add_argument("--sinks", type=nonnegative_int, default=4)
+    ap.add_argument("--sinks", type=int, default=4)
     ap.add_argument("--threads", type=positive_int, default=1)
     ap.add_argument("--out", default=str(RESULTS / "position_loss.md"))
     args = ap.parse_args()
-    if args.context < 2 or args.eval_tokens < args.context:
-        ap.error(f"--context must be >= 2 and --eval-tokens >= --context, got {args.context} and {args.eval_tokens}")
+    if args.context < 2 or args.eval_tokens < args.context or args.sinks < 0:
+        ap.error(f"--context must be >= 2, --eval-tokens >= --context and --sinks >= 0, got {args.context}, "
+                 f"{args.eval_tokens} and {args.sinks}")
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     teacher, tok = load_pretrained(gguf=smollm2_gguf())
     ids, mask = held_out(tok, args.context, args.eval_tokens)
     buckets = buckets_of(args.context)
-    rows = []
+    rows = []  # (label, per-sequence bucket sums [N, K], mean loss over every valid position)
+    counts = None  # valid positions per sequence and bucket [N, K]: the same for every model (the same tokens)
 
     def measure(label, model):
+        nonlocal counts
         t = time.perf_counter()
         nll = token_nll(model, ids, mask, batch_size=1)
-        rows.append((label, bucket_means(nll, buckets), float(nll[~torch.isnan(nll)].mean()), bucket_sums(nll, buckets)))
+        sums, counts = bucket_sums(nll, buckets)
+        rows.append((label, sums, float(nll[~torch.isnan(nll)].mean())))
         log(f"{label}: mean loss {rows[-1][2]:.4f} ({time.perf_counter() - t:.0f} s)")
 
+    def options(m):  # what linearize_lm.convert reads of its arguments
+        return Namespace(gate_init="auto", m=m, sinks=args.sinks, untied=False)
+
     measure("teacher (softmax)", teacher)
-    conv = Namespace(gate_init="auto", m=64, sinks=args.sinks, untied=False)
     window_only = copy.deepcopy(teacher)
-    convert(window_only, "hedgehog", conv, args.window, gate_init=40.0)  # sigmoid(40) = 1: far part weight 0
+    convert(window_only, "hedgehog", options(64), args.window, gate_init=40.0)  # sigmoid(40) = 1: far part weight 0
     measure(f"window {args.window} + {args.sinks} sinks alone", window_only)
     del window_only
     for name, m, path in args.hybrid:
         model = copy.deepcopy(teacher)
-        sketches = convert(model, name, Namespace(gate_init="auto", m=m, sinks=args.sinks, untied=False), args.window)
+        sketches = convert(model, name, options(m), args.window)
         meta = load_transferred(sketches, path)
         measure(f"{name} hybrid w={args.window}+{args.sinks}, m = {m}, stage 1 (commit {(meta['commit'] or '?')[:7]})",
                 model)
         del model
 
-    teacher_b, window_b = rows[0][1], rows[1][1]
+    means = [(sums.sum(0) / counts.sum(0)).tolist() for _, sums, _ in rows]  # per bucket, over every sequence
+    teacher_b, window_b = means[0], means[1]
     head = "| model | " + " | ".join(f"{lo}–{hi - 1}" for lo, hi in buckets) + " | all |"
     lines = [
         "# Where along the context a linearised SmolLM2 loses",
@@ -155,16 +144,17 @@ def main() -> None:
         head,
         "|---" * (len(buckets) + 2) + "|",
     ]
-    lines += [f"| {label} | " + " | ".join(f"{v:.3f}" for v in b) + f" | {a:.3f} |" for label, b, a, _ in rows]
+    lines += [f"| {label} | " + " | ".join(f"{v:.3f}" for v in b) + f" | {a:.3f} |"
+              for (label, _, a), b in zip(rows, means)]
     lines += ["", "Excess over the teacher (nats; hybrid − teacher) and the share of window + sinks' excess the "
                   "hybrid removes, `closed = (window − hybrid) / (window − teacher)`, per bucket (in brackets: its 95% "
               f"bootstrap interval over the {ids.shape[0]} sequences, paired across models; few sequences, so wide):",
               "",
               head.replace(" | all |", " |"), "|---" * (len(buckets) + 1) + "|"]
-    for label, b, _, _ in rows[1:]:
+    for (label, _, _), b in zip(rows[1:], means[1:]):
         lines.append(f"| {label}: excess | " + " | ".join(f"{x - t:+.3f}" for x, t in zip(b, teacher_b)) + " |")
-    (t_sums, counts), (w_sums, _) = rows[0][3], rows[1][3]
-    for label, b, _, (h_sums, _) in rows[2:]:
+    t_sums, w_sums = rows[0][1], rows[1][1]
+    for (label, h_sums, _), b in zip(rows[2:], means[2:]):
         lo, hi = closed_interval(h_sums, w_sums, t_sums, counts)
         lines.append(f"| {label}: closed | " + " | ".join(
             f"{(w - x) / (w - t):.2f} [{a:.2f}, {z:.2f}]" if w - t > 1e-9 else "–"
