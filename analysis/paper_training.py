@@ -222,7 +222,7 @@ def read_run(path: Path, rope_base) -> dict:
     ``softmax-nope``, 1e300: both count as RoPE."""
     r = json.loads(path.read_text())
     had = r.get("rope_base", 10000.0)
-    if (had is None) != (rope_base is None) or (had is not None and had != rope_base):
+    if had != rope_base:  # None (NoPE) equals only None
         raise ValueError(f"{path}: run trained with rope_base={had!r}, but method {r['spec']['method']!r} now has "
                          f"rope_base={rope_base!r}; move the file out of the work directory to rerun it")
     return r
@@ -494,8 +494,8 @@ def softmax_check(runs, T_max: int, label: str = "softmax") -> str:
 
     (a, sa, ca), (b, sb, cb) = worst(lambda T: T <= T_max), worst(lambda T: True)
     verdict_ = lambda x: "passes" if x >= 0.99 else "FAILS"  # noqa: E731
-    per_slice = "; ".join(f"({s['seq_len']}, {s['num_pairs']}) {min(r['slices'][i]['accuracy'] for r in runs):.3f}"
-                          for i, s in enumerate(runs[0]["slices"]))
+    per_slice = "; ".join(f"({s['seq_len']}, {s['num_pairs']}) {w:.3f}"
+                          for s, w in zip(runs[0]["slices"], worst_per_slice(runs)))
     commands = sorted({r["command"] for r in runs if r.get("command")})
     ran = (" Runs made by " + ", ".join(f"`{c}`" for c in commands) + "." if commands else "")
     return (f"**Harness check ({label} ≥ 0.99 on every seed):** the lowest accuracy over {len(runs)} seed(s) "
@@ -503,6 +503,11 @@ def softmax_check(runs, T_max: int, label: str = "softmax") -> str:
             f"(seed {sa}, slice {ca}; {verdict_(a)}); at every test length, the longer ones included (Zoology's "
             f"test set runs to 4× its training lengths), **{b:.3f}** (seed {sb}, slice {cb}; {verdict_(b)}). "
             f"Worst seed per test slice (T, P): {per_slice}.{ran}")
+
+
+def worst_per_slice(runs) -> list[float]:
+    """The lowest accuracy over ``runs`` (seeds of one method and budget) at each test slice, in slice order."""
+    return [min(r["slices"][i]["accuracy"] for r in runs) for i in range(len(runs[0]["slices"]))]
 
 
 def budget_table(runs, T_max: int) -> list[str]:
@@ -519,7 +524,7 @@ def budget_table(runs, T_max: int) -> list[str]:
          + " | T ≤ " + str(T_max) + " | every length |", "|---|---|---|---|" + "---|" * (len(pairs) + 2)]
     for (key, steps), rs in sorted(groups.items()):
         rs = sorted(rs, key=lambda r: r["spec"]["seed"])
-        worst = [min(r["slices"][i]["accuracy"] for r in rs) for i in range(len(pairs))]
+        worst = worst_per_slice(rs)
         short = min(w for w, (T, _) in zip(worst, pairs) if T <= T_max)
         mark = lambda x: f"{x:.3f} {'passes' if x >= 0.99 else 'FAILS'}"  # noqa: E731
         L.append(f"| {key} | {steps} | {rs[0]['spec']['lr']:g} | {', '.join(str(r['spec']['seed']) for r in rs)} | "
