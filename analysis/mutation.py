@@ -1063,6 +1063,8 @@ def _previous_diffs(path: Path) -> dict[str, str]:
         if found:
             name = found.group(1)
         elif lines[i] == "```diff" and name is not None:
+            if "```" not in lines[i + 1:]:
+                raise ValueError(f"{path}: the diff block of {name} opened at line {i + 1} is never closed")
             end = lines.index("```", i + 1)
             out[name] = "\n".join(lines[i + 1:end])
             name, i = None, end
@@ -1085,8 +1087,8 @@ def record_report(out: Path = OUT) -> Counter:
     """Write the whole report from ``RECORD`` and ``REVIEWED`` (no mutmut run): ``HEADER``, the per-group and
     per-module tables, ``SUMMARY``, every survivor (by source commit and module) with its class, reason and
     diff, and ``NOTES``. A diff comes from ``mutants/`` when the mutant is there (``mutmut show``), else from
-    the previous report at ``out``. Returns :func:`record_totals`."""
-    old = _previous_diffs(out)
+    the previous report (the committed ``OUT``, and ``out`` when it is another file). Returns :func:`record_totals`."""
+    old = _previous_diffs(OUT) | _previous_diffs(out)
     live = set()
     for label in MODULES:
         live.update(_codes(label))
