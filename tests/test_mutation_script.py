@@ -29,3 +29,22 @@ def test_record_totals_sum_the_record():
     record = {"a": (30, "c1", ["x__mutmut_1", "x__mutmut_2"]), "b": (8, "c2", [])}
     total = mut.record_totals(record)
     assert total["checked"] == 38 and total["killed in the run"] == 36
+
+
+def test_tests_by_file_picks_the_first_matching_entry_and_names_an_uncovered_file():
+    # the specific entry comes before the glob, so scale.py gets its own list, not the glob's
+    assert mut.tests_by_file("sketchlab.convert.scale.x_calibrate_gates__mutmut_3") == \
+        mut.TESTS_BY_FILE["sketchlab/convert/scale.py"]
+    # a method mutant (mutmut names it x\u01c1Class\u01c1method) of a file only the glob covers
+    assert mut.source_file("sketchlab.convert.families.x\u01c1Family\u01c1swap__mutmut_1") == \
+        "sketchlab/convert/families.py"
+    assert mut.tests_by_file("sketchlab.convert.families.x\u01c1Family\u01c1swap__mutmut_1") == \
+        mut.TESTS_BY_FILE["sketchlab/convert/*.py"]
+    with pytest.raises(KeyError, match=r"sketchlab/fit\.py \(mutant sketchlab\.fit\.x_f__mutmut_1\)"):
+        mut.tests_by_file("sketchlab.fit.x_f__mutmut_1")
+
+
+def test_every_listed_test_file_exists():
+    root = _PATH.parent.parent
+    missing = sorted({t for tests in mut.TESTS_BY_FILE.values() for t in tests if not (root / t).is_file()})
+    assert missing == []
