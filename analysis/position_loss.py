@@ -12,6 +12,15 @@ excess over the teacher that the hybrid removes in that bucket.
     python analysis/position_loss.py --hybrid psf:64:build/linearize_cache/psf_..._.safetensors \\
         --hybrid psf:128:build/linearize_cache/psf_..._m128_....safetensors
 
+``--report copy`` writes ``analysis/results/copy_loss.md`` instead: the same losses split by what
+each target's n-gram (``--order``, default 2: the bigram an induction head copies) offers earlier
+in the sequence (:func:`copy_classes`: a copy the window or a sink sees, a copy only beyond the
+window, a prefix seen beyond the window with another continuation, nothing), for all targets and
+for those at positions >= 512 and >= 1024: mean loss per class, the share of the teacher's gain over
+window + sinks and of each hybrid's excess over the teacher that falls in each class (95% bootstrap
+intervals over the sequences), and ``closed`` per class. A hybrid whose deficit is recall (the
+MQAR limitation of a fixed-size state) loses most on far copies.
+
 Each ``--hybrid MAP:M:FILE`` converts a copy of the teacher with ``MAP`` at ``m = M`` (window and
 sinks as given) exactly as ``linearize_lm.py`` does, then loads the cached transfer from ``FILE``.
 """
@@ -207,7 +216,8 @@ def budget_of(path: Path) -> str:
 
 
 def position_report(rows, buckets, n_seq: int) -> list[str]:
-    """The loss-by-position tables (markdown lines) of ``rows`` = [(label, nll [N, T − 1])], teacher and window first."""
+    """The loss-by-position tables (markdown lines) of ``rows`` = [(label, nll [N, T − 1])], teacher and
+    window + sinks first, hybrids after."""
     sums = [bucket_sums(nll, buckets) for _, nll in rows]
     counts = sums[0][1]  # valid positions per sequence and bucket: the same for every model (the same tokens)
     means = [(s.sum(0) / counts.sum(0)).tolist() for s, _ in sums]  # per bucket, over every sequence
@@ -304,10 +314,13 @@ def main() -> None:
     ap.add_argument("--report", choices=("position", "copy"), default="position",
                     help="position: loss by position bucket (default out position_loss.md); copy: loss by copy class "
                          "of each target (copy_classes; default out copy_loss.md)")
-    ap.add_argument("--order", type=int, nargs="+", default=[2], metavar="N",
+    ap.add_argument("--order", type=int, nargs="+", default=None, metavar="N",
                     help="--report copy: the n-gram lengths matched, one section each (default 2: the bigram)")
     ap.add_argument("--out", default=None, help="the report (default analysis/results/<report>_loss.md)")
     args = ap.parse_args()
+    if args.order is not None and args.report != "copy":
+        ap.error("--order applies only to --report copy")
+    args.order = args.order or [2]
     if args.context < 2 or args.eval_tokens < args.context or args.sinks < 0 or min(args.order) < 2:
         ap.error(f"--context must be >= 2, --eval-tokens >= --context, --sinks >= 0 and every --order >= 2, got "
                  f"{args.context}, {args.eval_tokens}, {args.sinks} and {args.order}")
