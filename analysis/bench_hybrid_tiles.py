@@ -99,7 +99,8 @@ def today_pieces(N: int, BH: int, C: int, D: int, window: int, gen: torch.Genera
 def sub_block_pieces(N: int, BH: int, C: int, D: int, window: int, b: int, gen: torch.Generator,
                      overlap: bool) -> dict:
     """Closures of the sub-block tiling's band GEMMs (sub-block-major ``[subs, B·H, b, ·]``) and their
-    multiply-adds."""
+    multiply-adds; ``k`` (``[subs + n_loc − 1, B·H, b, D]``, sub-block ``s + n_loc − 1`` the queries' own) and its
+    band ``band_k`` (``[subs, B·H, n_loc·b, D]``) for the tests."""
     n_loc, far = _band_lags(window, b)
     Ns = N * C // b
     Ne = Ns + n_loc - 1
@@ -130,7 +131,7 @@ def sub_block_pieces(N: int, BH: int, C: int, D: int, window: int, b: int, gen: 
         far=lambda: [torch.matmul(fq, fk[kk[L]].mT, out=F[i]) for i, L in enumerate(far)],
         av=lambda: torch.matmul(W, vb, out=num),
         softmax=lambda: torch.softmax(W, -1),
-        n_loc=n_loc, n_far=len(far))
+        n_loc=n_loc, n_far=len(far), k=k, band_k=kb)
 
     def bwd():
         dW = W.new_empty(W.shape)
