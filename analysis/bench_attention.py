@@ -176,7 +176,7 @@ def linear_flops(features_flops_per_token, M, C):
 
 
 def tile_macs(T: int, *, C: int, D: int, Dv: int, M: int, p: int, t: int = 1, window: int = 0, sinks: int = 0,
-              block_chunks: int = DEFAULT_BLOCK_CHUNKS) -> dict:
+              block_chunks: int = DEFAULT_BLOCK_CHUNKS, local_block: int | None = None) -> dict:
     r"""Multiply-adds per query chunk (``C`` queries of one head) of the chunked torch path, tile by tile.
 
     The floor of a tile-based implementation: every GEMM the chunked cores run, at its full tile size
@@ -199,14 +199,24 @@ def tile_macs(T: int, *, C: int, D: int, Dv: int, M: int, p: int, t: int = 1, wi
     ``dφ(q)``, ``dφ(k)`` (``C·C·M`` each), for the local logits ``dq``, ``dk`` (``C·(n_loc·C + sinks)·D``
     each); the features ``2·2·C·D·t·p·M`` (``dx`` and ``dΘ`` of q and k).
 
-    Returns ``{"fwd": macs, "bwd": macs, "exp": exps, "n_loc", "n_far", "chunks_per_block"}`` (per query chunk).
+    ``local_block = b`` (a divisor of ``C``; not what the cores run today, which is ``b = C``) models a local
+    part tiled in query sub-blocks of ``b`` rows with the state still per chunk of ``C``: each sub-block scores
+    one band of ``n_loc = ⌈(w + b − 1)/b⌉`` key sub-blocks and the sinks and its ``n_far`` partly-far key
+    sub-blocks through the features (``b × b`` each); the far keys between the chunk's state and a sub-block's
+    band enter as per-sub-block state pieces (the same state-update multiply-adds, one elementwise add).
+
+    Returns ``{"fwd": macs, "bwd": macs, "exp": exps, "n_loc", "n_far", "chunks_per_block"}`` (per query chunk;
+    ``n_loc``, ``n_far`` in key tiles of ``local_block`` tokens).
     """
+    b = C if local_block is None else local_block
+    if b < 1 or C % b:
+        raise ValueError(f"local_block must be a positive divisor of C={C}, got {local_block}")
     N = max(1, min(block_chunks, -(-T // C)))
     feat = 2 * C * D * t * p * M
     if window:
-        n_loc = -(-(window + C - 1) // C)
-        n_far = sum(1 for L in range(n_loc) if L * C + C - 1 >= window)
-        Wc = max(-(-window // C), n_loc - 1)
+        n_loc = -(-(window + b - 1) // b)
+        n_far = sum(1 for L in range(n_loc) if L * b + b - 1 >= window)
+        Wc = max(-(-window // C), -(-(window + C - 1) // C) - 1)
     else:
         n_loc, n_far, Wc = 1, 1, 0
     Ne = N + Wc  # the hybrid's first block holds zero chunks in the window's place
@@ -215,9 +225,9 @@ def tile_macs(T: int, *, C: int, D: int, Dv: int, M: int, p: int, t: int = 1, wi
     if not window:
         local_fwd, local_bwd, exps = C * C * (M + Dv), C * C * (Dv + Dv + 2 * M), 0
     else:
-        band = n_loc * C + sinks  # keys of the local tile
-        local_fwd = C * band * D + n_far * C * C * M + C * band * Dv
-        local_bwd = C * band * Dv + C * band * Dv + n_far * 2 * C * C * M + 2 * C * band * D
+        band = n_loc * b + sinks  # keys of the local tile
+        local_fwd = C * band * D + n_far * C * b * M + C * band * Dv
+        local_bwd = C * band * Dv + C * band * Dv + n_far * 2 * C * b * M + 2 * C * band * D
         exps = C * band
     return {"fwd": feat + state_fwd + local_fwd, "bwd": 2 * feat + state_bwd + local_bwd, "exp": exps,
             "n_loc": n_loc, "n_far": n_far, "chunks_per_block": N}

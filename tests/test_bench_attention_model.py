@@ -8,6 +8,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
+
 _PATH = Path(__file__).resolve().parents[1] / "analysis" / "bench_attention.py"
 _spec = importlib.util.spec_from_file_location("bench_attention", _PATH)
 bench = importlib.util.module_from_spec(_spec)
@@ -49,3 +51,21 @@ def test_window_geometry():
     wide = bench.tile_macs(4096, **SHAPE, window=66)
     assert (wide["n_loc"], wide["n_far"]) == (3, 2)
     assert bench.tile_macs(256, **SHAPE)["chunks_per_block"] == 4
+
+
+def test_sub_block_local_tiling():
+    """local_block = 32 at w = 64: per sub-block of 32 queries one band of three key sub-blocks (lags 0, 1 local,
+    lag 2 split: its lower triangle far) and the sinks, one 32 × 32 far tile; the state stays per chunk of 64."""
+    h = bench.tile_macs(4096, **SHAPE, window=64, sinks=4, local_block=32)
+    assert (h["n_loc"], h["n_far"], h["chunks_per_block"]) == (3, 1, 16)
+    band = 3 * 32 + 4
+    upd = STATE * 17 / 16
+    assert h["fwd"] == FEAT + upd + 17 * PREFIX + STATE + 64 * band * 128 + 64 * 32 * 128 + 64 * band * 128
+    assert h["bwd"] == (2 * FEAT + (upd + 17 * PREFIX) + 2 * STATE + 17 * PREFIX + 2 * upd
+                        + 2 * 64 * band * 128 + 2 * 64 * 32 * 128 + 2 * 64 * band * 128)
+    assert h["exp"] == 64 * band
+    assert bench.tile_macs(4096, **SHAPE, window=64, sinks=4, local_block=64) == bench.tile_macs(
+        4096, **SHAPE, window=64, sinks=4)
+    for bad in (0, 48, 128):
+        with pytest.raises(ValueError, match="local_block"):
+            bench.tile_macs(4096, **SHAPE, window=64, local_block=bad)
