@@ -9,8 +9,8 @@ that. This script measures how few suffice here, without retraining anything:
 1. Load the teacher and one stage-1 hybrid cached by ``linearize_lm.py --cache-dir`` (maps and
    gates of every layer, each transferred on the teacher's inputs, so layers are independent).
 2. Score each layer on held-back *training-play* sequences (never the held-out plays): the mean
-   next-token loss of the hybrid with that one layer made exact (its window set to the context, which
-   is exactly the teacher's softmax attention, DESIGN §6), against the hybrid with none.
+   next-token loss of the hybrid with that one layer made exact (the teacher's softmax attention),
+   against the hybrid with none.
 3. Keep the ``k`` best-scoring layers exact for each ``--k``, and measure held-out perplexity at
    each context, the fraction of the log-perplexity gap closed (window + sinks alone -> teacher) and
    the perplexity ratio between consecutive contexts beside the teacher's (issue 18's growth rule).
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import re
 import sys
 import time
@@ -31,6 +32,7 @@ from argparse import Namespace
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from linearize_lm import (RESULTS, closure, convert, held_out, load_transferred, log, positive_int,  # noqa: E402
@@ -61,11 +63,34 @@ def rank_layers(base: float, single: list[float]) -> list[int]:
     return sorted(range(len(single)), key=lambda layer: (-gains[layer], layer))
 
 
-def set_exact(sketches, own: list[int], layers, context: int) -> None:
-    """Give ``layers`` a window of ``context`` (>= every sequence: exactly softmax), every other layer
-    its own window ``own[l]``."""
+def softmax_attention(q, k, v, *, causal: bool, scaling: float | None = None, key_padding_mask=None,
+                      initial_state=None, output_final_state: bool = False):
+    """Exact softmax attention with :class:`~sketchlab.convert.sketched.SketchedAttention`'s call
+    signature (``q, k [B, T, H, D]``, ``v [B, T, H, Dv]`` → ``[B, T, H, Dv]``): what a layer kept exact
+    computes, the teacher's attention (the hybrid's ``window >= T`` is the same function, but its banded
+    path holds ``T × (w + C)`` logits per block, over the memory budget at ``w = T = 2048``)."""
+    if initial_state is not None or output_final_state:
+        raise ValueError("an exact layer carries no recurrent state: measure it with full forward passes")
+    B, T, _, _ = q.shape
+    allowed = None
+    if causal:
+        allowed = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()[None, None]  # [1, 1, T, T]
+    if key_padding_mask is not None:
+        keys = key_padding_mask.to(torch.bool)[:, None, None, :]  # [B, 1, 1, T]
+        allowed = keys if allowed is None else allowed & keys
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=allowed,
+                                         scale=scaling)  # [B, H, T, Dv]
+    return out.transpose(1, 2)
+
+
+def set_exact(sketches, layers) -> None:
+    """Run ``layers`` (indices into ``sketches``) with exact softmax attention, every other layer with its
+    own sketched attention."""
     for i, s in enumerate(sketches):
-        s.window = context if i in layers else own[i]
+        if i in layers:
+            s.forward = functools.partial(softmax_attention, causal=s.causal)
+        else:
+            s.__dict__.pop("forward", None)  # the class's forward again
 
 
 def transfer_data(path: Path) -> tuple[int, int]:
@@ -125,13 +150,12 @@ def main() -> None:
     model = teacher  # converted in place: the teacher's rows are measured
     sketches = convert(model, name, options, args.window)
     meta = load_transferred(sketches, path)
-    own = [s.window for s in sketches]
     n_layers = len(sketches)
     if args.k[-1] > n_layers:
         ap.error(f"--k asks for {args.k[-1]} exact layers; the model has {n_layers}")
 
     def select_loss(layers) -> float:
-        set_exact(sketches, own, layers, select_len)
+        set_exact(sketches, layers)
         return float(token_nll(model, sel_ids, sel_mask, batch_size=1).nanmean())
 
     t = time.perf_counter()
@@ -143,7 +167,7 @@ def main() -> None:
     rows = []
     for k in args.k:
         layers = set(order[:k])
-        set_exact(sketches, own, layers, max(contexts))
+        set_exact(sketches, layers)
         rows.append((k, sorted(layers), ppl(model, f"{k} exact layer(s) {sorted(layers)}")))
 
     budget = budget_of(path)
@@ -152,9 +176,9 @@ def main() -> None:
         "# A linearised SmolLM2 with a few layers kept exact: how much of the long-context recall they restore", "",
         f"Produced by `python analysis/exact_layers.py {' '.join(sys.argv[1:])}` "
         f"({(time.perf_counter() - t0) / 60:.1f} min, {args.threads} thread(s)). Hybrid: {label}, maps and gates "
-        f"read from `{path}` (commit {(meta['commit'] or '?')[:7]}); no LoRA. A layer made exact gets a window of the "
-        "whole context (window >= T with local softmax is exactly the teacher's attention, DESIGN §6); its decoding "
-        "state then grows with the context like a KV cache, the other layers' stays constant.", "",
+        f"read from `{path}` (commit {(meta['commit'] or '?')[:7]}); no LoRA. A layer made exact runs the teacher's "
+        "softmax attention (`softmax_attention`: the hybrid with a window of the whole context is the same function); "
+        "decoding, its state would grow with the context like a KV cache, the other layers' stays constant.", "",
         f"Layer scores: the mean next-token loss of {args.select_seqs} held-back training-play sequences of "
         f"{select_len} tokens (the transfer's held-back quarter, never transferred on; not the held-out plays) "
         "with one layer exact, against "

@@ -41,29 +41,41 @@ def test_set_exact_makes_exactly_those_layers_softmax_and_restores_the_others():
     ids = torch.randint(0, 50, (1, 40), generator=torch.Generator().manual_seed(1))
     t_hidden, t_logits = _layer_outputs(teacher, ids)
     model = copy.deepcopy(teacher)
-    sketches = convert_attention(model, attention="hedgehog", m=8, window=4, sinks=1, eps=0.0)  # exact: no eps
+    sketches = convert_attention(model, attention="hedgehog", m=8, window=4, sinks=1)
     for s in sketches:  # the far part's weight well away from 0, so a hybrid layer differs from softmax
         s.gate.data.fill_(-1.0)
-    own = [s.window for s in sketches]
     h_hidden, h_logits = _layer_outputs(model, ids)
     assert (h_logits - t_logits).abs().max() > 1e-3  # the hybrid is not the teacher
 
     # layer 0 exact: its output is the teacher's (float64 round-off; the residual stream before it is the
     # embedding, shared), layer 1 reads the same input as in the teacher but keeps its hybrid, so it differs
-    el.set_exact(sketches, own, {0}, 40)
+    el.set_exact(sketches, {0})
     e_hidden, _ = _layer_outputs(model, ids)
-    assert [s.window for s in sketches] == [40, 4, 4]
     torch.testing.assert_close(e_hidden[0], t_hidden[0], rtol=0, atol=1e-10)
     assert (e_hidden[1] - t_hidden[1]).abs().max() > 1e-3
 
     # every layer exact: the teacher's logits
-    el.set_exact(sketches, own, {0, 1, 2}, 40)
+    el.set_exact(sketches, {0, 1, 2})
     torch.testing.assert_close(model(input_ids=ids).logits, t_logits, rtol=0, atol=1e-10)
 
     # none: back to the hybrid as converted
-    el.set_exact(sketches, own, set(), 40)
-    assert [s.window for s in sketches] == own
+    el.set_exact(sketches, set())
     torch.testing.assert_close(model(input_ids=ids).logits, h_logits, rtol=0, atol=0)
+
+
+def test_softmax_attention_is_the_teachers_with_padding_and_refuses_a_state():
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, 9, 3, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    pad = torch.ones(2, 9, dtype=torch.bool)
+    pad[1, 6:] = False  # right padding of the second row
+    for causal in (True, False):
+        s = q.transpose(1, 2) @ k.transpose(1, 2).mT * 0.5  # [B, H, T, T], scale 0.5
+        allowed = pad[:, None, None, :] & (torch.ones(9, 9).tril().bool() if causal else True)
+        expected = (s.masked_fill(~allowed, float("-inf")).softmax(-1) @ v.transpose(1, 2)).transpose(1, 2)
+        got = el.softmax_attention(q, k, v, causal=causal, scaling=0.5, key_padding_mask=pad)
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="no recurrent state"):
+        el.softmax_attention(q, k, v, causal=True, output_final_state=True)
 
 
 def test_rank_layers_orders_by_the_loss_removed_and_keeps_layer_order_on_ties():
