@@ -127,6 +127,9 @@ def main() -> None:
     t0 = time.perf_counter()
     name, m, path = args.hybrid
     teacher, tok = load_pretrained(gguf=smollm2_gguf())
+    n_layers = teacher.config.num_hidden_layers
+    if args.k[-1] > n_layers:
+        ap.error(f"--k asks for {args.k[-1]} exact layers; the model has {n_layers}")
     evals = {c: held_out(tok, c, args.eval_tokens) for c in contexts}
     select_len, train_seqs = transfer_data(path)
     ids, mask, _, held = training_data(Namespace(train_len=select_len, train_seqs=train_seqs), tok)
@@ -150,9 +153,6 @@ def main() -> None:
     model = teacher  # converted in place: the teacher's rows are measured
     sketches = convert(model, name, options, args.window)
     meta = load_transferred(sketches, path)
-    n_layers = len(sketches)
-    if args.k[-1] > n_layers:
-        ap.error(f"--k asks for {args.k[-1]} exact layers; the model has {n_layers}")
 
     def select_loss(layers) -> float:
         set_exact(sketches, layers)

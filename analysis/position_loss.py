@@ -252,7 +252,8 @@ COPY_RULE = (
     "occurred, but its prefix x[t−n+1..t−1] did, at a far key, followed by another token; **new**: neither (new "
     "n-gram, prefix unseen or seen only in the window). `share` rows: the part of a summed loss difference that falls "
     "in each class (the teacher's gain = window + sinks − teacher; a hybrid's excess = hybrid − teacher; the `all` "
-    "column: that difference per token); `closed = (window − hybrid) / (window − teacher)` within the class. "
+    "column: that difference per token); `closed = (window − hybrid) / (window − teacher)` within the class (– where "
+    "the teacher's gain there is not reliably positive: its share interval reaches 0, so the ratio has no meaning). "
     "Brackets: 95% bootstrap intervals over the sequences (paired across models: the same tokens).")
 
 
@@ -282,6 +283,7 @@ def copy_report(rows, classes, starts, n_seq: int) -> list[str]:
         gain = w_sums - t_sums  # [N, C]: the teacher's gain over window + sinks
         present = (n > 0).tolist()  # a class without tokens has no share ("–")
         share, lo, hi = share_interval(gain)
+        gains = [p and g > 0 for p, g in zip(present, lo)]  # classes where the teacher reliably gains: closed defined
         lines.append(f"| share of the teacher's gain over {rows[1][0]} | "
                      + " | ".join(_ci(*x) if p else "–" for x, p in zip(zip(share, lo, hi), present))
                      + f" | {float(gain.sum() / total):+.3f} nats/token |")
@@ -294,9 +296,10 @@ def copy_report(rows, classes, starts, n_seq: int) -> list[str]:
             a, z = closed_interval(h_sums, w_sums, t_sums, counts)
             all_lo, all_hi = closed_interval(h_sums.sum(1, keepdim=True), w_sums.sum(1, keepdim=True),
                                              t_sums.sum(1, keepdim=True), counts.sum(1, keepdim=True))
-            point = [(w - h) / (w - t) if w - t > 1e-9 else float("nan")
-                     for h, w, t in zip(h_sums.sum(0).tolist(), w_sums.sum(0).tolist(), t_sums.sum(0).tolist())]
-            overall = float((w_sums - h_sums).sum() / gain.sum())
+            point = [(w - h) / (w - t) if ok else float("nan")
+                     for h, w, t, ok in zip(h_sums.sum(0).tolist(), w_sums.sum(0).tolist(), t_sums.sum(0).tolist(),
+                                            gains)]
+            overall = float((w_sums - h_sums).sum() / gain.sum()) if float(gain.sum()) > 0 else float("nan")
             lines.append(f"| {label}: closed | " + " | ".join(_ci(*x) for x in zip(point, a, z))
                          + f" | {_ci(overall, all_lo[0], all_hi[0])} |")
         lines.append("")

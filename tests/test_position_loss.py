@@ -146,3 +146,11 @@ def test_copy_report_attributes_a_far_copy_deficit_to_far_copies():
            "| +0.556 nats/token |" in text
     assert "| h: closed | – | 0.00 [0.00, 0.00] | 0.50 [0.50, 0.50] | 0.50 [0.50, 0.50] | 0.44 [0.44, 0.44] |" in text
     assert "Targets at positions t ≥ 5 (10 tokens):" in text  # targets 5..9 of two sequences
+    # where the teacher does not reliably beat the window the ratio means nothing: "–". Far copy: the teacher
+    # gains 1 nat in sequence 0 but loses 0.5 in sequence 1 (summed gain +0.5, but a bootstrap draw of sequence 1
+    # twice gives a negative one); the overall ratio too when the teacher gains nothing anywhere
+    window = teacher + 1.0 - torch.tensor([[0.0], [1.5]], dtype=torch.float64) * (classes == FAR)
+    text = "\n".join(pl.copy_report([("t", teacher), ("w", window), ("h", hybrid)], classes, [1], 2))
+    assert "| h: closed | – | – | 0.50 [0.50, 0.50] | 0.50 [0.50, 0.50] |" in text
+    text = "\n".join(pl.copy_report([("t", teacher), ("w", teacher), ("h", hybrid)], classes, [1], 2))
+    assert "| h: closed | – | – | – | – | – |" in text
