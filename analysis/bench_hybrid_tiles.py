@@ -182,6 +182,11 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     C, b = args.chunk_size, args.sub_block
+    small = {name: getattr(args, name.replace("-", "_")) for name in ("chunks", "chunk-size", "heads", "dim", "rounds")}
+    bad = {name: v for name, v in small.items() if v < 1}
+    if bad:
+        print("error: " + ", ".join(f"--{name} must be >= 1, got {v}" for name, v in bad.items()), file=sys.stderr)
+        return 2
     if b < 1 or C % b or args.window < 1:
         print(f"error: --sub-block must divide --chunk-size={C} and --window be >= 1, got {b}, {args.window}",
               file=sys.stderr)

@@ -68,3 +68,6 @@ def test_command_line(tmp_path, capsys):
     assert "sub-blocks of b = 32: a band of 3·32 keys, 1 far tile(s) of 32 × 32" in text
     assert tiles.main(["--sub-block", "48"]) == 2
     assert "--sub-block must divide" in capsys.readouterr().err
+    for flag in ("--rounds", "--chunks", "--dim", "--heads", "--chunk-size"):
+        assert tiles.main([flag, "0"]) == 2
+        assert f"{flag} must be >= 1, got 0" in capsys.readouterr().err
