@@ -55,6 +55,22 @@ def test_llops_split_anywhere_equals_whole(backend, hybrid, non_negative):
         assert torch.equal(state.k_window, whole_state.k_window) and torch.equal(state.k_sink, whole_state.k_sink)
 
 
+@pytest.mark.parametrize("backend", ["torch", "reference"])
+@pytest.mark.parametrize("hybrid", range(len(HYBRIDS)))
+@pytest.mark.parametrize("T", [1, 3])
+def test_a_continued_call_without_output_final_state_returns_only_the_output(backend, hybrid, T):
+    """``initial_state`` given, ``output_final_state=False``: the output alone (a tensor), the same as the
+    stateful call's; T = 1 is the one-token decoding branch."""
+    q, k, v = _rand(1, 9 + T, 2, 4, seed=21), _rand(1, 9 + T, 2, 4, seed=22), _rand(1, 9 + T, 2, 3, seed=23)
+    theta = _theta(seed=24)
+    kw = dict(HYBRIDS[hybrid], backend=backend, chunk_size=4)
+    _, state = llops_attention(q[:, :9], k[:, :9], v[:, :9], theta, theta, output_final_state=True, **kw)
+    rest = (q[:, 9:], k[:, 9:], v[:, 9:], theta, theta)
+    expected, _ = llops_attention(*rest, initial_state=state, output_final_state=True, **kw)
+    out = llops_attention(*rest, initial_state=state, **kw)
+    assert isinstance(out, torch.Tensor) and torch.equal(out, expected)
+
+
 @pytest.mark.parametrize("hybrid", range(len(HYBRIDS)))
 def test_generic_features_split_with_padding_and_across_backends(hybrid):
     """Generic (given) features with a key-padding mask: torch and reference states are interchangeable."""

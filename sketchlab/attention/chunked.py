@@ -222,6 +222,8 @@ def _attend(feat_q, feat_k, qt, kt, vt, *, num_features: int, causal: bool, norm
                 counter.add(den[..., 0], rows)
                 counter.report(where, denominator_check)
             out = out / (den + eps)
+        if not output_final_state:
+            return out
         return out, AttentionState(S=S, z=z, k_window=state.k_window, v_window=state.v_window,
                                    phi_window=state.phi_window, k_sink=state.k_sink, v_sink=state.v_sink,
                                    offset=state.offset + 1)
