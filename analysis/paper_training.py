@@ -456,15 +456,7 @@ def write_mqar_report(args, scale, table, swept, best_lr, seeded, wall):
     def here(key):
         return fmt([score(r) for r in by[key]]) if key in by else "not run"
 
-    rows = [("Table 4: BASED", "91.9", "based"),
-            ("Table 4: LLoPS m = 256, p = 4 (random init)", "93.2", "llops-p4-m256"),
-            ("Table 4: LLoPS m = 256, p = 4 (init from BASED expand, d' = 4)", "–", "llops-p4-m256-based")]
-    rows += [(f"Table 5: LLoPS p = {p}, m = 256", f"{PAPER_T5[p]}", f"llops-p{p}-m256") for p in (2, 4, 6)]
-    extra = [(f"Table 4, hybrid: {name} + window {w}", "–", f"{key}-w{w}") for w in (16, 64)
-             for key, name in (("based", "BASED"), ("llops-p4-m256", "LLoPS m = 256, p = 4 (random init)"))]
-    extra += [(f"Table 4, NoPE: {name}", "–", f"{key}-nope")
-              for key, name in (("based", "BASED"), ("llops-p4-m256", "LLoPS m = 256, p = 4 (random init)"))]
-    rows += [row for row in extra if row[2] in by]  # the hybrids and NoPE variants run (no paper number)
+    rows = paper_rows(by)
     if any(key in by for _, _, key in rows):
         L += ["", "## Table 4 and Table 5 next to the paper", "",
               "Paper: d = 128, Zoology's full protocol on GPUs; accuracy in %. Here: the score above (fraction).", "",
@@ -477,6 +469,29 @@ def write_mqar_report(args, scale, table, swept, best_lr, seeded, wall):
     with atomic_write(out / f"{args.report}.md") as tmp:
         Path(tmp).write_text("\n".join(L) + "\n")
     print("\n".join(L))
+
+
+def paper_rows(by) -> list[tuple[str, str, str]]:
+    """The rows of the Table 4 / Table 5 comparison: ``(name, the paper's number, method key)``.
+
+    The paper's rows are keyed by the RoPE methods; when every method of ``by`` (method key -> runs) is a NoPE
+    variant (``…-nope``: an invocation run wholly without positional encoding, the harness that passes its softmax
+    check), they are keyed by the NoPE variants instead, so each paper number faces its NoPE run. The hybrids and
+    the NoPE variants of BASED and LLoPS p = 4 follow (no paper number), when run.
+    """
+    nope = bool(by) and all(k.endswith("-nope") for k in by)
+    tag, suffix = (" (NoPE)", "-nope") if nope else ("", "")
+    rows = [(f"Table 4: BASED{tag}", "91.9", f"based{suffix}"),
+            (f"Table 4: LLoPS m = 256, p = 4 (random init){tag}", "93.2", f"llops-p4-m256{suffix}"),
+            (f"Table 4: LLoPS m = 256, p = 4 (init from BASED expand, d' = 4){tag}", "–",
+             f"llops-p4-m256-based{suffix}")]
+    rows += [(f"Table 5: LLoPS p = {p}, m = 256{tag}", f"{PAPER_T5[p]}", f"llops-p{p}-m256{suffix}") for p in (2, 4, 6)]
+    extra = [(f"Table 4, hybrid: {name} + window {w}", "–", f"{key}-w{w}") for w in (16, 64)
+             for key, name in (("based", "BASED"), ("llops-p4-m256", "LLoPS m = 256, p = 4 (random init)"))]
+    if not nope:
+        extra += [(f"Table 4, NoPE: {name}", "–", f"{key}-nope")
+                  for key, name in (("based", "BASED"), ("llops-p4-m256", "LLoPS m = 256, p = 4 (random init)"))]
+    return rows + [row for row in extra if row[2] in by]  # the hybrids and NoPE variants run (no paper number)
 
 
 def softmax_check(runs, T_max: int, label: str = "softmax") -> str:
@@ -550,7 +565,7 @@ def _command() -> str:
 
 
 _LLOPS_KEYS = ("llops-p4-m256", "llops-p4-m256-based", "llops-nn-p2-m16", "llops-nn-p2-m16-based", "llops-p2-m256",
-               "llops-p2-m256-based")
+               "llops-p2-m256-based", "llops-p6-m256")
 
 
 def verdict(by) -> str:

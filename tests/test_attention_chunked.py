@@ -118,8 +118,8 @@ def test_gradients_match_reference_gradients():
 
 def test_state_memory_is_budgeted():
     phi = _rand(1, 8, 1, 30, seed=50)
-    with pytest.raises(ValueError, match="memory budget"):
-        feature_attention(phi, phi, _rand(1, 8, 1, 4), non_negative=True, max_bytes=1000)
+    with pytest.raises(ValueError, match="memory budget"):  # chunk_size < T: the chunked engine, with its state
+        feature_attention(phi, phi, _rand(1, 8, 1, 4), non_negative=True, max_bytes=1000, chunk_size=4)
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -357,3 +357,47 @@ def test_a_run_of_another_positional_encoding_is_refused_naming_the_file(tmp_pat
         pt.main(["--quick", "--steps", "800", "--seeds", "0", "--sweep", "softmax-nope", "--fixed-lr",
                  "softmax-nope=0.01", "--methods", "softmax-nope", "--report-only", "--work", str(tmp_path),
                  "--out", str(tmp_path), "--report", "check"])
+
+
+def test_paper_rows_face_the_nope_runs_when_every_method_is_nope():
+    nope = {k: [_run(k, 0, 0.5)] for k in ("based-nope", "llops-p2-m256-nope", "llops-p6-m256-nope")}
+    rows = pt.paper_rows(nope)
+    assert ("Table 4: BASED (NoPE)", "91.9", "based-nope") in rows
+    assert [r for r in rows if r[0].startswith("Table 5")] == [
+        ("Table 5: LLoPS p = 2, m = 256 (NoPE)", "88.7", "llops-p2-m256-nope"),
+        ("Table 5: LLoPS p = 4, m = 256 (NoPE)", "93.2", "llops-p4-m256-nope"),
+        ("Table 5: LLoPS p = 6, m = 256 (NoPE)", "86.6", "llops-p6-m256-nope")]
+    assert not any(key in ("based", "llops-p4-m256") for _, _, key in rows)  # no RoPE "not run" rows
+    mixed = {"based": [_run("based", 0, 0.5)], "based-nope": [_run("based-nope", 0, 0.5)]}
+    rows = pt.paper_rows(mixed)  # RoPE runs present: the paper's rows keep the RoPE keys, NoPE rows follow
+    assert rows[0] == ("Table 4: BASED", "91.9", "based") and ("Table 4, NoPE: BASED", "–", "based-nope") in rows
+    assert pt.paper_rows({})[0][2] == "based"
+
+
+def test_verdict_compares_llops_p6_with_based():
+    based = [_run("based-nope", s, a) for s, a in enumerate((0.80, 0.82, 0.84))]
+    p6 = [_run("llops-p6-m256-nope", s, a) for s, a in enumerate((0.30, 0.32, 0.34))]
+    text = pt.verdict({"based-nope": based, "llops-p6-m256-nope": p6})
+    assert "llops-p6-m256-nope − BASED nope = -0.500" in text and "BASED ahead" in text
+
+
+def test_report_only_of_a_nope_invocation_puts_each_paper_number_beside_its_nope_run(tmp_path, capsys):
+    for seed, acc in ((0, 0.995), (1, 0.996), (2, 0.997)):
+        _write_run(tmp_path, "softmax-nope", seed, 3200, acc)
+    for key, accs in (("based-nope", (0.90, 0.91, 0.92)), ("llops-p4-m256-nope", (0.60, 0.70, 0.80)),
+                      ("llops-p2-m256-nope", (0.40,))):
+        for seed, acc in enumerate(accs):
+            _write_run(tmp_path, key, seed, 3200, acc, lr=0.003)
+    assert pt.main(["--quick", "--steps", "3200", "--seeds", "0,1,2", "--sweep", "based-nope", "--fixed-lr",
+                    "softmax-nope=0.01,based-nope=0.003,llops-p4-m256-nope=0.003,llops-p2-m256-nope=0.003,"
+                    "llops-p6-m256-nope=0.003", "--methods",
+                    "softmax-nope,based-nope,llops-p4-m256-nope,llops-p2-m256-nope,llops-p6-m256-nope",
+                    "--report-only", "--work", str(tmp_path), "--out", str(tmp_path), "--report", "nope"]) == 0
+    capsys.readouterr()
+    text = (tmp_path / "nope.md").read_text()
+    assert "| Table 4: BASED (NoPE) | 91.9 | 0.910 ± 0.010 (0.900, 0.910, 0.920) |" in text
+    assert "| Table 5: LLoPS p = 4, m = 256 (NoPE) | 93.2 | 0.700 ± 0.100 (0.600, 0.700, 0.800) |" in text
+    assert "| Table 5: LLoPS p = 2, m = 256 (NoPE) | 88.7 | 0.400 (1 seed) |" in text
+    assert "| Table 5: LLoPS p = 6, m = 256 (NoPE) | 86.6 | not run |" in text
+    assert "**Harness check (softmax, NoPE ≥ 0.99 on every seed):**" in text and "**0.995** (seed 0" in text
+    assert "llops-p4-m256-nope − BASED nope = -0.210" in text and "| Table 4: BASED |" not in text

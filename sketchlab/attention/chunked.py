@@ -54,6 +54,7 @@ from .hybrid_chunked import (
     _hybrid_decode_one,
     _hybrid_noncausal,
 )
+from .parallel import parallel_core, use_parallel
 from .reference import self_tensor
 from ..llops.maps import llops_feature_fn
 
@@ -227,6 +228,16 @@ def _attend(feat_q, feat_k, qt, kt, vt, *, num_features: int, causal: bool, norm
         return out, AttentionState(S=S, z=z, k_window=state.k_window, v_window=state.v_window,
                                    phi_window=state.phi_window, k_sink=state.k_sink, v_sink=state.v_sink,
                                    offset=state.offset + 1)
+    if use_parallel(T, S_len, chunk_size=chunk_size, window=window, stateful=stateful):  # one chunk: no state
+        check_memory(B * H * T * S_len * vt.element_size(), what=f"the scores of the parallel form ([B={B}, H={H}, "
+                     f"{T}, {S_len}])", way_out="lower chunk_size (the parallel form runs when T, S <= chunk_size)",
+                     max_bytes=max_bytes)
+        out, den = parallel_core(feat_q(0, T), feat_k(0, S_len), vt, causal=causal, non_negative=non_negative,
+                                 normalize=normalize == "sum", eps=eps)
+        if counter is not None:
+            counter.add(den, rows)
+            counter.report(where, denominator_check)
+        return out
     if not window:
         out, S, z = _engine(feat_q, feat_k, vt, T, causal=causal, normalize=normalize, non_negative=non_negative,
                             eps=eps, chunk_size=chunk_size, block_chunks=block_chunks, num_features=M,

@@ -166,9 +166,15 @@ def llops_feature_fn(theta: torch.Tensor):
     flat = theta.permute(0, 3, 1, 2, 4).reshape(H, D, t * p * M)  # [H, D, t·p·M]
 
     def features(x: torch.Tensor) -> torch.Tensor:
+        B, _, n, _ = x.shape
+        # tokens folded into the rows of one matmul per head, [H, B·n, D] @ [H, D, t·p·M]: broadcasting
+        # x [B, H, n, D] @ flat would batch over B, and the backward would form Θ's gradient as B
+        # products [D, t·p·M] and then sum them (measured 3-5x slower on the MQAR training step)
+        xh = x.transpose(0, 1).reshape(H, B * n, D)  # [H, B·n, D]
+        proj = (xh @ flat).view(H, B, n, t * p * M).transpose(0, 1)  # [B, H, n, t·p·M]
         # one split into the t·p factors [B, H, n, M]: a slice per factor would zero-fill a full-size
         # gradient for each of them in the backward
-        factors = (x @ flat).split(M, dim=-1)  # t·p tensors [B, H, n, M], rank-major
+        factors = proj.split(M, dim=-1)  # t·p tensors [B, H, n, M], rank-major
         out = None
         for r in range(t):
             term = factors[r * p]
