@@ -486,7 +486,7 @@ def paper_rows(by) -> list[tuple[str, str, str]]:
             (f"Table 4: LLoPS m = 256, p = 4 (init from BASED expand, d' = 4){tag}", "–",
              f"llops-p4-m256-based{suffix}")]
     rows += [(f"Table 5: LLoPS p = {p}, m = 256{tag}", f"{PAPER_T5[p]}", f"llops-p{p}-m256{suffix}") for p in (2, 4, 6)]
-    extra = [(f"Table 4, hybrid: {name} + window {w}", "–", f"{key}-w{w}") for w in (16, 64)
+    extra = [(f"Table 4, hybrid: {name} + window {w}{tag}", "–", f"{key}-w{w}{suffix}") for w in (16, 64)
              for key, name in (("based", "BASED"), ("llops-p4-m256", "LLoPS m = 256, p = 4 (random init)"))]
     if not nope:
         extra += [(f"Table 4, NoPE: {name}", "–", f"{key}-nope")

@@ -43,7 +43,7 @@ def test_parallel_matches_naive_forward_and_gradients(T, causal, normalize, non_
     mask = None
     if padded:
         mask = torch.ones(2, T, dtype=torch.bool)
-        mask[0, T // 2:] = False  # the second half of sequence 0 padded (T = 1: nothing)
+        mask[0, T // 2:] = False  # the second half of sequence 0 padded (T = 1: its only token)
         mask[1, 0] = T == 1  # a padded first key of sequence 1 (its first causal query sees no key)
     kw = dict(causal=causal, normalize=normalize, non_negative=non_negative, key_padding_mask=mask,
               denominator_check="off")
@@ -120,6 +120,21 @@ def test_parallel_denominator_check_sees_the_rows():
     phi_k = torch.tensor([1.0, -1.0], dtype=torch.float64).expand(1, 4, 1, 2).contiguous()  # φ(q)·φ(k) = 0
     with pytest.raises(Exception, match="denominator"):
         feature_attention(phi_q, phi_k, phi_q, normalize="sum", denominator_check="raise")
+
+
+def test_parallel_denominator_check_skips_padded_query_rows():
+    """Left padding, causal: the first queries of sequence 0 are pads and see only pad keys (denominator 0):
+    not counted; a real query whose denominator is <= 0 still raises."""
+    phi = _rand(2, 8, 1, 3, seed=31).abs() + 0.1  # positive features: every real row's sum > 0
+    mask = torch.ones(2, 8, dtype=torch.bool)
+    mask[0, :3] = False
+    kw = dict(causal=True, normalize="sum", key_padding_mask=mask, denominator_check="raise")
+    out = feature_attention(phi, phi, phi, **kw)
+    assert torch.allclose(out[:, 3:], feature_attention_naive(phi, phi, phi, **kw)[:, 3:], atol=TOL64, rtol=0)
+    phi_k = phi.clone()
+    phi_k[1, 0] = -phi_k[1, 0]  # sequence 1's first query sees only its own key: φ(q)·φ(k) < 0
+    with pytest.raises(Exception, match="denominator"):
+        feature_attention(phi, phi_k, phi, **kw)
 
 
 def test_parallel_scores_are_budgeted():

@@ -368,6 +368,8 @@ def test_paper_rows_face_the_nope_runs_when_every_method_is_nope():
         ("Table 5: LLoPS p = 4, m = 256 (NoPE)", "93.2", "llops-p4-m256-nope"),
         ("Table 5: LLoPS p = 6, m = 256 (NoPE)", "86.6", "llops-p6-m256-nope")]
     assert not any(key in ("based", "llops-p4-m256") for _, _, key in rows)  # no RoPE "not run" rows
+    rows = pt.paper_rows({**nope, "based-w16-nope": [_run("based-w16-nope", 0, 0.5)]})  # a NoPE hybrid follows
+    assert rows[-1] == ("Table 4, hybrid: BASED + window 16 (NoPE)", "–", "based-w16-nope")
     mixed = {"based": [_run("based", 0, 0.5)], "based-nope": [_run("based-nope", 0, 0.5)]}
     rows = pt.paper_rows(mixed)  # RoPE runs present: the paper's rows keep the RoPE keys, NoPE rows follow
     assert rows[0] == ("Table 4: BASED", "91.9", "based") and ("Table 4, NoPE: BASED", "–", "based-nope") in rows

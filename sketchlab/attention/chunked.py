@@ -167,7 +167,9 @@ def _attend(feat_q, feat_k, qt, kt, vt, *, num_features: int, causal: bool, norm
             where: str):
     """The one driver of the chunked path on internal layout ``[B, H, ·, ·]`` (arguments validated).
 
-    ``window=0``: the pure engine (:func:`_engine`, today's path), the state being its ``S, z``.
+    ``window=0``: the pure engine (:func:`_engine`), the state being its ``S, z``; a stateless call
+    within one chunk (``T, S <= chunk_size``) runs the parallel form instead
+    (:func:`sketchlab.attention.parallel.use_parallel`).
     ``window > 0``: the hybrid, causal block by block carrying an :class:`AttentionState`
     (``block_chunks`` chunks per block), or non-causal on the whole sequence. fp16/bf16 inputs
     are computed in float32 (the state is float32) and the output cast back.
@@ -286,8 +288,8 @@ def feature_attention(phi_q, phi_k, v, *, q=None, k=None, causal: bool = True, n
                       sinks: int = 0, local: str = "softmax", local_scale=None, degree: int | None = None, gate=None,
                       key_padding_mask=None, initial_state=None, output_final_state: bool = False,
                       denominator_check: str = "warn"):
-    r"""Linear attention through given features, chunked (never ``T × S``); optionally the
-    sliding-window hybrid and a carried state.
+    r"""Linear attention through given features, chunked (``T × S`` scores only for a one-chunk call:
+    the parallel form); optionally the sliding-window hybrid and a carried state.
 
     Parameters
     ----------
@@ -311,7 +313,8 @@ def feature_attention(phi_q, phi_k, v, *, q=None, k=None, causal: bool = True, n
     block_chunks : int >= 1
         Chunks vectorised together per step of the block loop.
     max_bytes : int
-        Memory budget for one block's per-chunk states (:func:`sketchlab._validation.check_memory`).
+        Memory budget for one block's per-chunk states, or the parallel form's ``B·H·T·S`` scores
+        (:func:`sketchlab._validation.check_memory`).
     window, sinks, local, local_scale, degree, gate
         The hybrid (:func:`sketchlab.attention.feature_attention_naive` states the formula);
         ``degree`` is ``p`` of ``local="poly"``. Its local part costs ``O(T·(w + C + sinks)·D)``.

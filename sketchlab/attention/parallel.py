@@ -10,9 +10,10 @@ does for short sequences:
           \qquad o = A V \;\; \text{or} \;\; o = \frac{A V}{A \mathbf 1 + \varepsilon},
 
 the mask being ``s ≤ t`` (causal; padded keys arrive with zero features, as in the chunked
-engine, so they add nothing). Gradients are autograd's. It is
-the same formula as :func:`sketchlab.attention.feature_attention_naive` (tested against it in
-float64), in the caller's dtype. Memory ``O(B·H·T·S)``, at most the chunked core's ``C × C`` scores.
+engine, so they add nothing). Gradients are autograd's. It is the same formula as
+:func:`sketchlab.attention.feature_attention_naive` (tested against it in float64), in the chunked
+path's compute dtype (float32 for fp16/bf16 inputs). Memory ``O(B·H·T·S)``, at most the chunked
+core's ``C × C`` scores.
 The gain is measured by ``analysis/bench_parallel.py`` (``analysis/results/parallel.md``).
 """
 
