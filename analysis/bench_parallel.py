@@ -8,12 +8,15 @@ projection save time, side by side in one run.
 2. The LLoPS feature projection ``x [B, H, n, D] @ Θ_flat [H, D, t·p·M]`` (p = 4, m = 256, D = 64), forward +
    backward: broadcast over B (before) against the tokens folded into one matmul per head (now).
 3. One whole training step (forward, backward, AdamW) of the study's model per method and T, in a fresh process
-   per library: this repository and, with ``--before DIR``, a copy of the library before the change (e.g.
-   ``git archive e7da80a sketchlab | tar -x -C DIR``); the mixture's mean step weighs T = 16, 32, 64 as
-   5 : 1 : 3 (Zoology's mixture at a quarter of its lengths: (16, 1) ×5, (32, 2), (64, 4), (64, 8), (64, 16)).
+   per library and round, the libraries in turns: this repository and, with ``--before DIR``, a copy of the
+   repository before the change (``git archive e7da80a sketchlab analysis | tar -x -C DIR``: its own
+   ``paper_training.py`` and ``sketchlab``, checked to be the one imported); the mixture's mean step weighs
+   T = 16, 32, 64 as 5 : 1 : 3 (Zoology's mixture at a quarter of its lengths: (16, 1) ×5, (32, 2), (64, 4),
+   (64, 8), (64, 16)). ``softmax-nope`` runs none of the changed code: its before / now ratio is the bias between
+   the two processes, the yardstick for the others.
 
 Process CPU time on one thread (the shared machine's wall time swings with its load), median of ``--rounds``
-alternating rounds. Writes ``analysis/results/parallel.md``.
+rounds, the two forms (or libraries) timed in turns in each. Writes ``analysis/results/parallel.md``.
 
 Usage: ``python analysis/bench_parallel.py [--before DIR] [--rounds 5]``
 """
@@ -41,8 +44,9 @@ STEP = """
 import json, sys, time, torch
 sys.path.insert(0, {analysis!r})
 import paper_training as pt
+import sketchlab
 torch.set_num_threads(1)
-out = {{}}
+out = {{"sketchlab": sketchlab.__file__}}
 for key in {methods!r}:
     model = pt.build_model(pt.methods(64)[key], 64, 512, 0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -124,17 +128,27 @@ def projection_rows(rounds: int) -> list[str]:
     return rows
 
 
-def step_times(library: Path, rounds: int) -> dict:
+def step_times(library: Path) -> dict:
+    """One round in a fresh process whose ``sketchlab`` and ``paper_training`` are ``library``'s own
+    (refused otherwise: a ``before`` that silently imported this repository would time it twice)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(library)}
-    code = STEP.format(analysis=str(library / "analysis" if (library / "analysis").is_dir() else ROOT / "analysis"),
-                       methods=METHODS, lengths=LENGTHS, rounds=rounds)
-    res = subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True, text=True)
-    return json.loads(res.stdout.strip().splitlines()[-1])
+    code = STEP.format(analysis=str(library / "analysis"), methods=METHODS, lengths=LENGTHS, rounds=1)
+    res = subprocess.run([sys.executable, "-c", code], env=env, cwd=library, check=True, capture_output=True,
+                         text=True)
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    imported = Path(got.pop("sketchlab")).resolve()
+    if not imported.is_relative_to(library.resolve()):
+        raise RuntimeError(f"the step for {library} imported sketchlab from {imported}")
+    return got
 
 
 def step_rows(before: Path | None, rounds: int) -> list[str]:
     libs = {"now": ROOT} | ({"before": before} if before else {})
-    got = {name: step_times(lib, rounds) for name, lib in libs.items()}
+    runs = {name: [] for name in libs}
+    for _ in range(rounds):  # the libraries in turns, one fresh process each per round
+        for name, lib in libs.items():
+            runs[name].append(step_times(lib))
+    got = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()}
     head = "| method | T | " + " | ".join(f"{n} s/step" for n in libs) + (" | before / now |" if before else " |")
     rows = [head, "|---|---|" + "---|" * len(libs) + ("---|" if before else "")]
     for key in METHODS:
@@ -153,13 +167,15 @@ def step_rows(before: Path | None, rounds: int) -> list[str]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--before", type=Path, default=None, help="a directory holding the library before the change "
-                    "(its sketchlab/ and, if present, analysis/paper_training.py)")
+    ap.add_argument("--before", type=Path, default=None, help="a copy of the repository before the change "
+                    "(its sketchlab/ and analysis/: git archive COMMIT sketchlab analysis | tar -x -C DIR)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out", type=Path, default=ROOT / "analysis" / "results" / "parallel.md")
     args = ap.parse_args(argv)
-    if args.before is not None and not (args.before / "sketchlab").is_dir():
-        print(f"--before: {args.before} holds no sketchlab/ package", file=sys.stderr)
+    if args.before is not None and not ((args.before / "sketchlab").is_dir()
+                                        and (args.before / "analysis" / "paper_training.py").is_file()):
+        print(f"--before: {args.before} must hold sketchlab/ and analysis/paper_training.py "
+              "(git archive COMMIT sketchlab analysis | tar -x -C DIR)", file=sys.stderr)
         return 2
     if args.rounds < 1:
         print(f"--rounds must be >= 1, got {args.rounds}", file=sys.stderr)
@@ -172,15 +188,18 @@ def main(argv=None) -> int:
     cmd = "python analysis/bench_parallel.py " + " ".join(sys.argv[1:] if argv is None else argv)
     L = ["# The MQAR training step: the parallel form and the folded LLoPS projection", "",
          f"Generated by `{cmd}` on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {platform.machine()}, "
-         f"torch {torch.__version__}; one thread, process CPU time, median of {args.rounds} alternating rounds, on a "
-         f"shared 2-core machine; {time.perf_counter() - t0:.0f} s in all.", "",
+         f"torch {torch.__version__}; one thread, process CPU time, median of {args.rounds} rounds (the two forms, "
+         f"or the two libraries, timed in turns in each), on a shared 2-core machine; "
+         f"{time.perf_counter() - t0:.0f} s in all.", "",
          "## 1. One attention call, forward + backward (B = 64, H = 1, Dv = 64, causal, normalised)", "",
          "The chunked core at C = T is what the pure path ran for a one-chunk call; the parallel form is what "
          "`feature_attention` / `llops_attention` (torch backend) run now when T, S <= chunk_size, no window and "
          "no state (`sketchlab.attention.parallel.use_parallel`).", "", *core, "",
          "## 2. The LLoPS projection, forward + backward (p = 4, m = 256, D = 64: 1024 columns)", "", *proj, "",
          "## 3. One training step of the study's model (d_model 64, 2 layers, batch 64, NoPE)", "",
-         "`mix`: the mean step of the training mixture (T = 16, 32, 64 weighted 5 : 1 : 3).", "", *steps, ""]
+         "`mix`: the mean step of the training mixture (T = 16, 32, 64 weighted 5 : 1 : 3). `softmax-nope` runs none "
+         "of the changed code: its before / now ratio is the bias between the two processes (read the others "
+         "against it).", "", *steps, ""]
     from sketchlab.io import atomic_write
 
     args.out.parent.mkdir(parents=True, exist_ok=True)

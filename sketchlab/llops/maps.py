@@ -169,8 +169,8 @@ def llops_feature_fn(theta: torch.Tensor):
         B, _, n, _ = x.shape
         # tokens folded into the rows of one matmul per head, [H, B·n, D] @ [H, D, t·p·M]: broadcasting
         # x [B, H, n, D] @ flat would batch over B, and the backward would form Θ's gradient as B
-        # products [D, t·p·M] and then sum them (folded: 1.13-1.62x faster forward + backward at T = 64-16,
-        # analysis/results/parallel.md §2)
+        # products [D, t·p·M] and then sum them (analysis/results/parallel.md §2, forward + backward at
+        # B = 64: folded 1.1-1.7x faster at T = 16-32, even with broadcasting at T = 64 within the noise)
         xh = x.transpose(0, 1).reshape(H, B * n, D)  # [H, B·n, D]
         proj = (xh @ flat).view(H, B, n, t * p * M).transpose(0, 1)  # [B, H, n, t·p·M]
         # one split into the t·p factors [B, H, n, M]: a slice per factor would zero-fill a full-size
