@@ -76,6 +76,16 @@ def cpu_time(fn, rounds: int) -> float:
     return statistics.median(times)
 
 
+def in_turns(fa, fb, rounds: int) -> tuple[float, float]:
+    """Median CPU times of ``fa`` and ``fb`` over ``rounds`` rounds, one call of each per round (in turns:
+    both see the same load)."""
+    a, b = [], []
+    for _ in range(rounds):
+        a.append(cpu_time(fa, 1))
+        b.append(cpu_time(fb, 1))
+    return statistics.median(a), statistics.median(b)
+
+
 def fwd_bwd(fn, *leaves):
     def run():
         xs = [x.detach().requires_grad_() for x in leaves]
@@ -100,11 +110,7 @@ def core_rows(rounds: int) -> list[str]:
                                                        normalize=True, eps=1e-6), fq, fk, v)
             par = fwd_bwd(lambda a, b, c: parallel_core(a, b, c, causal=True, non_negative=False, normalize=True,
                                                         eps=1e-6), fq, fk, v)
-            a, b = [], []
-            for _ in range(rounds):  # alternating
-                a.append(cpu_time(chunk, 1))
-                b.append(cpu_time(par, 1))
-            a, b = statistics.median(a), statistics.median(b)
+            a, b = in_turns(chunk, par, rounds)
             rows.append(f"| {M} | {T} | {1e3 * a:.2f} | {1e3 * b:.2f} | {a / b:.2f} |")
             print(rows[-1], flush=True)
     return rows
@@ -118,11 +124,7 @@ def projection_rows(rounds: int) -> list[str]:
         x, flat = torch.randn(64, H, T, D, generator=g), torch.randn(H, D, t * p * M, generator=g)
         broadcast = fwd_bwd(lambda a, w: a @ w, x, flat)  # [B, H, n, D] @ [H, D, tpM]: batched over B
         folded = fwd_bwd(lambda a, w: (a.transpose(0, 1).reshape(H, -1, D) @ w), x, flat)  # [H, B·n, D] @ [H, D, tpM]
-        a, b = [], []
-        for _ in range(rounds):
-            a.append(cpu_time(broadcast, 1))
-            b.append(cpu_time(folded, 1))
-        a, b = statistics.median(a), statistics.median(b)
+        a, b = in_turns(broadcast, folded, rounds)
         rows.append(f"| {T} | {1e3 * a:.2f} | {1e3 * b:.2f} | {a / b:.2f} |")
         print(rows[-1], flush=True)
     return rows
