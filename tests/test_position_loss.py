@@ -1,5 +1,6 @@
-"""analysis/position_loss.py's copy classes: which targets the far context offers to copy, and the
-share of a loss difference that falls in each class (the script's SmolLM2 run is not repeated here)."""
+"""analysis/position_loss.py: the position buckets and the bootstrap of the share closed, the copy classes
+(which targets the far context offers to copy) and the share of a loss difference that falls in each
+class (the script's SmolLM2 run is not repeated here)."""
 
 import importlib.util
 import sys
@@ -154,3 +155,31 @@ def test_copy_report_attributes_a_far_copy_deficit_to_far_copies():
     assert "| h: closed | – | – | 0.50 [0.50, 0.50] | 0.50 [0.50, 0.50] |" in text
     text = "\n".join(pl.copy_report([("t", teacher), ("w", teacher), ("h", hybrid)], classes, [1], 2))
     assert "| h: closed | – | – | – | – | – |" in text
+
+
+def test_position_buckets_double_and_average_the_right_columns():
+    assert pl.buckets_of(2048) == [(1, 64), (64, 128), (128, 256), (256, 512), (512, 1024), (1024, 2048)]
+    assert pl.buckets_of(100) == [(1, 64), (64, 100)]
+    # column t of token_nll predicts target position t + 1: value = the target position, NaN = padding
+    nll = torch.arange(1, 100, dtype=torch.float64).repeat(2, 1)  # [2, 99]: targets 1..99
+    nll[1, 80:] = float("nan")
+    sums, counts = pl.bucket_sums(nll, pl.buckets_of(100))
+    got = (sums.sum(0) / counts.sum(0)).tolist()
+    assert got[0] == pytest.approx(sum(range(1, 64)) / 63)
+    assert got[1] == pytest.approx((sum(range(64, 100)) + sum(range(64, 81))) / (36 + 17))
+
+
+def test_closed_interval_is_a_bootstrap_over_paired_sequences():
+    counts = torch.full((4, 2), 10.0)
+    teacher = torch.full((4, 2), 30.0)  # mean loss 3 per token in every sequence and bucket
+    window = torch.full((4, 2), 40.0)   # 4
+    hybrid = torch.tensor([[35.0, 32.0]] * 4)  # closes 0.5 and 0.8 in every sequence: a point interval
+    lo, hi = pl.closed_interval(hybrid, window, teacher, counts, draws=200)
+    assert lo == pytest.approx([0.5, 0.8]) and hi == pytest.approx([0.5, 0.8])
+    hybrid = torch.tensor([[31.0, 40.0], [39.0, 30.0], [35.0, 35.0], [35.0, 35.0]])  # closed per sequence vary
+    lo, hi = pl.closed_interval(hybrid, window, teacher, counts, draws=2000)
+    for a, z in zip(lo, hi):  # the point value 0.5 inside, the interval inside the per-sequence range [0, 1]
+        assert 0.0 <= a < 0.5 < z <= 1.0
+    with pytest.raises(ValueError, match="context must be >= 2"):
+        pl.buckets_of(1)
+    assert pl.buckets_of(32) == [(1, 32)]
