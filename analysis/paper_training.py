@@ -136,6 +136,10 @@ def methods(d_model: int) -> dict[str, Method]:
         for m in M_SWEEP:
             out.append(Method(f"llops-p{p}-m{m}", f"LLoPS p = {p}, m = {m} (random init)", "llops",
                               {"p": p, "m": m}, init="random", kernel_lr=KERNEL_LR))
+    # Θ at the model's own rate (kernel_lr 1, not KERNEL_LR): the 0.1 factor protects a BASED-started Θ's
+    # non-negative kernel; from a random start there is nothing to protect
+    out.append(Method("llops-p4-m256-klr1", "LLoPS p = 4, m = 256 (random init, Θ at the model's rate)", "llops",
+                      {"p": 4, "m": 256}, init="random", kernel_lr=1.0))
     # from BASED: m a BASED expand feature count (p = 2: d' = 16 -> 256 = the Taylor map's quadratic block)
     out.append(Method("llops-p2-m256-based", "LLoPS p = 2, m = 256 (init: BASED expand, d' = 16)", "llops",
                       {"p": 2, "m": 256}, init="based", kernel_lr=KERNEL_LR))
@@ -407,7 +411,7 @@ def write_mqar_report(args, scale, table, swept, best_lr, seeded, wall):
           f"- Optimisation: AdamW (β = 0.9, 0.98), weight decay 0.1 on matrices, {scale.warmup} warm-up steps then "
           f"cosine to 0, clipping 1.0, batch {scale.batch}, **{scale.steps} steps** (Zoology: batch 256, 32-64 epochs "
           f"of 180k sequences: ~20-45k steps). {rates} LLoPS's Θ learns at {KERNEL_LR} × the model's rate "
-          f"(`kernel_lr`).",
+          f"(`kernel_lr`; `…-klr1`: at the model's rate).",
           f"- Score: mean held-out accuracy over the test slices at training lengths (T ≤ "
           f"{max(T for T, _ in scale.train_pairs())}); longer slices are reported separately (length "
           f"extrapolation, which RoPE models do not get for free).", ""]
