@@ -411,7 +411,10 @@ def write_mqar_report(args, scale, table, swept, best_lr, seeded, wall):
           f"- Optimisation: AdamW (β = 0.9, 0.98), weight decay 0.1 on matrices, {scale.warmup} warm-up steps then "
           f"cosine to 0, clipping 1.0, batch {scale.batch}, **{scale.steps} steps** (Zoology: batch 256, 32-64 epochs "
           f"of 180k sequences: ~20-45k steps). {rates} LLoPS's Θ learns at {KERNEL_LR} × the model's rate "
-          f"(`kernel_lr`; `…-klr1`: at the model's rate).",
+          f"(`kernel_lr`" + ("; " + ", ".join(k for k in by if table[k].kernel_lr == 1.0 and table[k].attention == "llops")
+                               + ": at the model's rate" if any(table[k].kernel_lr == 1.0 and
+                                                                table[k].attention == "llops" for k in by) else "")
+          + ").",
           f"- Score: mean held-out accuracy over the test slices at training lengths (T ≤ "
           f"{max(T for T, _ in scale.train_pairs())}); longer slices are reported separately (length "
           f"extrapolation, which RoPE models do not get for free).", ""]
