@@ -32,13 +32,13 @@ from argparse import Namespace
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from linearize_lm import (RESULTS, closure, convert, held_out, load_transferred, log, positive_int,  # noqa: E402
                           training_data)
 from position_loss import budget_of, hybrid_arg  # noqa: E402
 
+from sketchlab.attention import softmax_attention  # noqa: E402
 from sketchlab.convert import perplexity, token_nll  # noqa: E402
 from sketchlab.convert.pretrained import load_pretrained, smollm2_gguf  # noqa: E402
 from sketchlab.io.atomic import atomic_write  # noqa: E402
@@ -63,24 +63,15 @@ def rank_layers(base: float, single: list[float]) -> list[int]:
     return sorted(range(len(single)), key=lambda layer: (-gains[layer], layer))
 
 
-def softmax_attention(q, k, v, *, causal: bool, scaling: float | None = None, key_padding_mask=None,
-                      initial_state=None, output_final_state: bool = False):
-    """Exact softmax attention with :class:`~sketchlab.convert.sketched.SketchedAttention`'s call
-    signature (``q, k [B, T, H, D]``, ``v [B, T, H, Dv]`` → ``[B, T, H, Dv]``): what a layer kept exact
+def softmax_forward(q, k, v, *, causal: bool, scaling: float | None = None, key_padding_mask=None,
+                    initial_state=None, output_final_state: bool = False):
+    """:func:`sketchlab.attention.softmax_attention` behind
+    :class:`~sketchlab.convert.sketched.SketchedAttention`'s call signature: what a layer kept exact
     computes, the teacher's attention (the hybrid's ``window >= T`` is the same function, but its banded
     path holds ``T × (w + C)`` logits per block, over the memory budget at ``w = T = 2048``)."""
     if initial_state is not None or output_final_state:
         raise ValueError("an exact layer carries no recurrent state: measure it with full forward passes")
-    B, T, _, _ = q.shape
-    allowed = None
-    if causal:
-        allowed = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()[None, None]  # [1, 1, T, T]
-    if key_padding_mask is not None:
-        keys = key_padding_mask.to(torch.bool)[:, None, None, :]  # [B, 1, 1, T]
-        allowed = keys if allowed is None else allowed & keys
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=allowed,
-                                         scale=scaling)  # [B, H, T, Dv]
-    return out.transpose(1, 2)
+    return softmax_attention(q, k, v, causal=causal, scale=scaling, key_padding_mask=key_padding_mask)
 
 
 def set_exact(sketches, layers) -> None:
@@ -88,7 +79,7 @@ def set_exact(sketches, layers) -> None:
     own sketched attention."""
     for i, s in enumerate(sketches):
         if i in layers:
-            s.forward = functools.partial(softmax_attention, causal=s.causal)
+            s.forward = functools.partial(softmax_forward, causal=s.causal)
         else:
             s.__dict__.pop("forward", None)  # the class's forward again
 
@@ -177,7 +168,7 @@ def main() -> None:
         f"Produced by `python analysis/exact_layers.py {' '.join(sys.argv[1:])}` "
         f"({(time.perf_counter() - t0) / 60:.1f} min, {args.threads} thread(s)). Hybrid: {label}, maps and gates "
         f"read from `{path}` (commit {(meta['commit'] or '?')[:7]}); no LoRA. A layer made exact runs the teacher's "
-        "softmax attention (`softmax_attention`: the hybrid with a window of the whole context is the same function); "
+        "softmax attention (`sketchlab.attention.softmax_attention`: the hybrid with a window of the whole context is the same function); "
         "decoding, its state would grow with the context like a KV cache, the other layers' stays constant.", "",
         f"Layer scores: the mean next-token loss of {args.select_seqs} held-back training-play sequences of "
         f"{select_len} tokens (the transfer's held-back quarter, never transferred on; not the held-out plays) "

@@ -391,6 +391,7 @@ def write_mqar_report(args, scale, table, swept, best_lr, seeded, wall):
     if fixed:
         rates += "; rates fixed (not swept): " + ", ".join(f"{m} {float(lr):g}" for m, lr in fixed.items())
     rates += "; every other method uses the winner of its family, else softmax's."
+    full_rate = [k for k in by if table[k].attention == "llops" and table[k].kernel_lr == 1.0]  # Θ not slowed
     rope = [k for k in by if table[k].rope_base is not None]
     nope = [k for k in by if table[k].rope_base is None]
     pos = "; ".join(x for x in (
@@ -411,10 +412,7 @@ def write_mqar_report(args, scale, table, swept, best_lr, seeded, wall):
           f"- Optimisation: AdamW (β = 0.9, 0.98), weight decay 0.1 on matrices, {scale.warmup} warm-up steps then "
           f"cosine to 0, clipping 1.0, batch {scale.batch}, **{scale.steps} steps** (Zoology: batch 256, 32-64 epochs "
           f"of 180k sequences: ~20-45k steps). {rates} LLoPS's Θ learns at {KERNEL_LR} × the model's rate "
-          f"(`kernel_lr`" + ("; " + ", ".join(k for k in by if table[k].kernel_lr == 1.0 and table[k].attention == "llops")
-                               + ": at the model's rate" if any(table[k].kernel_lr == 1.0 and
-                                                                table[k].attention == "llops" for k in by) else "")
-          + ").",
+          f"(`kernel_lr`" + (f"; {', '.join(full_rate)}: at the model's rate" if full_rate else "") + ").",
           f"- Score: mean held-out accuracy over the test slices at training lengths (T ≤ "
           f"{max(T for T, _ in scale.train_pairs())}); longer slices are reported separately (length "
           f"extrapolation, which RoPE models do not get for free).", ""]

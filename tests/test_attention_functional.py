@@ -76,6 +76,19 @@ def test_softmax_attention_matches_reference():
     for causal in (True, False):
         assert torch.allclose(softmax_attention(q, k, v, causal=causal, scale=0.7),
                               softmax_attention_naive(q, k, v, causal=causal, scale=0.7), atol=TOL64, rtol=0)
+    # a key-padding mask: right padding of row 0, left padding of row 1 (its first causal queries see no real
+    # key: 0 on both paths)
+    pad = torch.ones(q.shape[0], k.shape[1], dtype=torch.bool)
+    pad[0, -2:] = False
+    pad[-1, :2] = False
+    for causal in (True, False):
+        got = softmax_attention(q, k, v, causal=causal, scale=0.7, key_padding_mask=pad)
+        ref = softmax_attention_naive(q, k, v, causal=causal, scale=0.7, key_padding_mask=pad)
+        assert torch.allclose(got, ref, atol=TOL64, rtol=0)
+        assert not torch.allclose(got, softmax_attention(q, k, v, causal=causal, scale=0.7), atol=1e-3)
+    ref = softmax_attention_naive(q, k, v, causal=True, key_padding_mask=pad)
+    assert torch.equal(ref[-1, :2], torch.zeros_like(ref[-1, :2]))  # causal: the left pads see no real key
+    assert not torch.equal(ref[-1, 2:3], torch.zeros_like(ref[-1, 2:3]))
 
 
 @pytest.mark.parametrize("method", sorted(sl.available_sketches()))

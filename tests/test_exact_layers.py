@@ -63,7 +63,7 @@ def test_set_exact_makes_exactly_those_layers_softmax_and_restores_the_others():
     torch.testing.assert_close(model(input_ids=ids).logits, h_logits, rtol=0, atol=0)
 
 
-def test_softmax_attention_is_the_teachers_with_padding_and_refuses_a_state():
+def test_softmax_forward_is_the_teachers_with_padding_and_refuses_a_state():
     g = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(2, 9, 3, 4, generator=g, dtype=torch.float64) for _ in range(3))
     pad = torch.ones(2, 9, dtype=torch.bool)
@@ -72,10 +72,10 @@ def test_softmax_attention_is_the_teachers_with_padding_and_refuses_a_state():
         s = q.transpose(1, 2) @ k.transpose(1, 2).mT * 0.5  # [B, H, T, T], scale 0.5
         allowed = pad[:, None, None, :] & (torch.ones(9, 9).tril().bool() if causal else True)
         expected = (s.masked_fill(~allowed, float("-inf")).softmax(-1) @ v.transpose(1, 2)).transpose(1, 2)
-        got = el.softmax_attention(q, k, v, causal=causal, scaling=0.5, key_padding_mask=pad)
+        got = el.softmax_forward(q, k, v, causal=causal, scaling=0.5, key_padding_mask=pad)
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
     with pytest.raises(ValueError, match="no recurrent state"):
-        el.softmax_attention(q, k, v, causal=True, output_final_state=True)
+        el.softmax_forward(q, k, v, causal=True, output_final_state=True)
 
 
 def test_rank_layers_orders_by_the_loss_removed_and_keeps_layer_order_on_ties():

@@ -343,20 +343,25 @@ def poly_attention_naive(q, k, v, p: int, *, causal: bool = True, normalize: str
                                   segments=segments).transpose(1, 2)  # [B, T, H, Dv]
 
 
-def softmax_attention_naive(q, k, v, *, causal: bool = True, scale: float | None = None, segments=None) -> torch.Tensor:
+def softmax_attention_naive(q, k, v, *, causal: bool = True, scale: float | None = None, segments=None,
+                            key_padding_mask=None) -> torch.Tensor:
     r"""Softmax attention :math:`\mathrm{softmax}(q k^\top \cdot \mathrm{scale} + \text{mask})\, v`, dense float64.
 
     ``q [B, T, H, D]``, ``k [B, S, H, D]``, ``v [B, S, H, Dv]`` → ``[B, T, H, Dv]``;
-    ``scale`` defaults to ``1/√D``.
+    ``scale`` defaults to ``1/√D``. ``key_padding_mask`` ``[B, S]`` bool (``True`` = a real token):
+    padded keys are masked out; a query that sees no key at all gets 0.
     """
     check_flag(causal, "causal")
     q, k, v = check_qkv(q, k, v, causal=causal)
     scale = q.shape[-1] ** -0.5 if scale is None else check_real(scale, "scale", positive=True)
+    key_padding_mask = check_key_padding_mask(key_padding_mask, q.shape[0], k.shape[1], q.device)
     q, k, v = (x.to(torch.float64).transpose(1, 2) for x in (q, k, v))  # [B, H, T|S, ·]
     logits = (q @ k.mT) * scale  # [B, H, T, S]
     mask = attention_mask(q.shape[-2], k.shape[-2], causal=causal, segments=segments, device=q.device)
-    logits = logits.masked_fill(~mask, float("-inf"))
-    return (logits.softmax(-1) @ v).transpose(1, 2)  # [B, T, H, Dv]
+    if key_padding_mask is not None:
+        mask = mask & key_padding_mask[:, None, None, :]  # [B, 1, T, S]
+    weights = logits.masked_fill(~mask, float("-inf")).softmax(-1).masked_fill(~mask.any(-1, keepdim=True), 0.0)
+    return (weights @ v).transpose(1, 2)  # [B, T, H, Dv]
 
 
 def llops_attention_naive(q, k, v, theta_q, theta_k, *, causal: bool = True, normalize: str = "sum",
