@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
-import re
 import sys
 import time
 from argparse import Namespace
@@ -36,7 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from linearize_lm import (RESULTS, closure, convert, held_out, load_transferred, log, positive_int,  # noqa: E402
                           training_data)
-from position_loss import budget_of, hybrid_arg  # noqa: E402
+from position_loss import budget_of, hybrid_arg, transfer_budget  # noqa: E402
 
 from sketchlab.attention import softmax_attention  # noqa: E402
 from sketchlab.convert import perplexity, token_nll  # noqa: E402
@@ -87,11 +86,11 @@ def set_exact(sketches, layers) -> None:
 def transfer_data(path: Path) -> tuple[int, int]:
     """The training sequences ``(length, count)`` a cached transfer's name records (``len2048x16``): the
     layers are scored on that run's held-back quarter, which its transfer never saw."""
-    found = re.search(r"_len(\d+)x(\d+)_", path.name)
-    if not found:
-        raise ValueError(f"{path}: the name records no training data (`_len<T>x<N>_`, as linearize_lm.py "
+    budget = transfer_budget(path)
+    if budget is None:
+        raise ValueError(f"{path}: the name records no training data (`_len<T>x<N>_steps<S>`, as linearize_lm.py "
                          "--cache-dir writes it), so the held-back sequences cannot be told apart")
-    return int(found[1]), int(found[2])
+    return budget[0], budget[1]
 
 
 def main() -> None:

@@ -209,10 +209,16 @@ def share_interval(diff: torch.Tensor, *, draws: int = 2000, seed: int = 0):
     return share.tolist(), q[0].tolist(), q[1].tolist()
 
 
+def transfer_budget(path: Path) -> tuple[int, int, int] | None:
+    """``(sequence length, sequences, steps)`` a cache file's name records (``len2048x16_steps400``), or ``None``."""
+    found = re.search(r"len(\d+)x(\d+)_steps(\d+)", path.name)
+    return (int(found[1]), int(found[2]), int(found[3])) if found else None
+
+
 def budget_of(path: Path) -> str:
     """The transfer budget a cache file's name records (``len2048x16_steps400`` -> ``2048×16, 400 steps``), or ''."""
-    found = re.search(r"len(\d+)x(\d+)_steps(\d+)", path.name)
-    return f"{found[1]}×{found[2]}, {found[3]} steps" if found else ""
+    budget = transfer_budget(path)
+    return f"{budget[0]}×{budget[1]}, {budget[2]} steps" if budget else ""
 
 
 def position_report(rows, buckets, n_seq: int) -> list[str]:
