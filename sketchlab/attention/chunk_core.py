@@ -128,7 +128,7 @@ class _Core(torch.autograd.Function):
         P = (prefix @ upd.flatten(1)).view(N, *upd.shape[1:]) + S_in  # [N, B, H, M2, Dv]  the far state per chunk
         zP = (prefix @ zc.flatten(1)).view(N, *zc.shape[1:]) + z_in  # [N, B, H, M2]
         num = lq @ P  # [N, B, H, C, Dv]
-        den = (lq @ zP[..., None])[..., 0]  # [N, B, H, C]
+        den = (zP[..., None, :] @ lq.mT)[..., 0, :]  # [N, B, H, C]  (as [1, M]·[M, C]: a GEMV is slower)
         Dv = v.shape[-1]
         kept = []  # the masked scores, for the backward
         for L, c0, mask in lags:  # partly-far key chunks: masked C × C scores
@@ -184,7 +184,7 @@ class _Core(torch.autograd.Function):
         P = (prefix @ upd.flatten(1)).view(N, *upd.shape[1:]) + S_in
         zP = (prefix @ zc.flatten(1)).view(N, *zc.shape[1:]) + z_in
         dP = lq.mT @ dnum  # [N, B, H, M2, Dv]
-        dzP = (lq.mT @ dden[..., None])[..., 0]  # [N, B, H, M2]
+        dzP = (dden[..., None, :] @ lq)[..., 0, :]  # [N, B, H, M2]  (as [1, C]·[C, M]: a GEMV is slower)
         dlq = dnum @ P.mT + dden[..., None] * zP[..., None, :]  # [N, B, H, C, M2]
         dS_in, dz_in, dlk, dvc = _far_state_grads(prefix, dP, dzP, lk, vc, g_S, g_z, last)
         if non_negative:
