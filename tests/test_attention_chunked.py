@@ -146,3 +146,39 @@ def test_llops_feature_fn_matches_llops_features(t, p):
     assert out.shape == (2, 3, 9, 4)
     for h in range(3):
         assert torch.allclose(out[:, h], sl.llops_features(x[:, h], theta[h]), atol=1e-12, rtol=0)
+
+
+def test_stateless_call_forms_no_state(monkeypatch):
+    """A call without initial_state or output_final_state makes no empty state, hands the first block no state
+    (``S_in = None``) and asks the last block for none (``final_state=False``, ``S_out = None``); blocks in between
+    still carry it. Output and gradients equal those of the same call returning its final state (bit for bit: the
+    same sums, less an added zero)."""
+    from sketchlab.attention import chunked, state
+
+    calls, real = [], chunked.chunk_core
+
+    def spy(fq, fk, v, S_in, z_in, **kw):
+        res = real(fq, fk, v, S_in, z_in, **kw)
+        calls.append((S_in is None, kw.get("final_state", True), res[2] is None and res[3] is None))
+        return res
+
+    def no_empty_state(*args, **kw):
+        raise AssertionError("a stateless call made an empty state")
+
+    monkeypatch.setattr(chunked, "chunk_core", spy)
+    base = [_rand(2, 20, 2, 3, seed=s).abs() for s in (60, 61)] + [_rand(2, 20, 2, 2, seed=62)]
+    grad_out = _rand(2, 20, 2, 2, seed=63)
+    res = []
+    for stateful in (False, True):
+        leaves = [x.clone().requires_grad_() for x in base]
+        with monkeypatch.context() as m:
+            if not stateful:
+                m.setattr(state, "empty_state", no_empty_state)
+            out = feature_attention(*leaves, chunk_size=4, block_chunks=2, output_final_state=stateful)
+        out = out[0] if stateful else out
+        res.append([out] + list(torch.autograd.grad(out, leaves, grad_out)))
+    # three blocks each: (no state in, final state asked, none returned)
+    assert calls[:3] == [(True, True, False), (False, True, False), (False, False, True)]
+    assert calls[3:] == [(False, True, False)] * 3  # the stateful path: an empty state in, every state formed
+    for name, a, b in zip(("out", "phi_q", "phi_k", "v"), *res):
+        assert torch.equal(a, b), name

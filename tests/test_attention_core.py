@@ -247,9 +247,98 @@ def test_hybrid_prefix_total_row_sums_the_chunks_of_s_out(n, off, w, C):
     row marks the key chunks wholly before position off + n − w (the rest of S_out, ``rem`` keys, is added apart)."""
     from sketchlab.attention.chunk_core import _geometry, _prefix_and_total
 
-    N, _, Ne, _, prefix, last = _geometry(n, off, w, C, torch.device("cpu"), F64)
+    N, _, Ne, _, prefix, last, _ = _geometry(n, off, w, C, torch.device("cpu"), F64)
     tot = _prefix_and_total(n, off, w, C, torch.device("cpu"), F64)
     assert tot.shape == (N + 1, Ne)
     assert torch.equal(tot[:N], prefix)
     want = torch.tensor([1.0 if (e + 1) * C <= last else 0.0 for e in range(Ne)], dtype=F64)
     assert torch.equal(tot[N], want)
+
+
+@pytest.mark.parametrize("non_negative", [False, True])
+@pytest.mark.parametrize("n, off, lag", [(13, 0, 0), (13, 8, 5), (10, 8, 8), (4, 0, 0)])
+def test_chunk_core_without_a_state(non_negative, n, off, lag):
+    """``S_in = z_in = None`` is the zero state and ``final_state=False`` forms no ``S_out, z_out``: the outputs equal
+    (bit for bit: the same sums, less an added zero) those of an explicit zero state with the final state formed."""
+    B, H, M, Dv, C = 2, 2, 3, 2, 4
+    g = _gen(n + off + lag)
+    fq, fk = torch.rand(B, H, n, M, generator=g, dtype=F64), torch.rand(B, H, off + n, M, generator=g, dtype=F64)
+    v = torch.randn(B, H, off + n, Dv, generator=g, dtype=F64)
+    M2 = M * M if non_negative else M
+    zero = (torch.zeros(B, H, M2, Dv, dtype=F64), torch.zeros(B, H, M2, dtype=F64))
+    kw = dict(off=off, lag=lag, chunk_size=C, non_negative=non_negative, normalize=True, eps=1e-3)
+    out, den, S_out, z_out = chunk_core(fq, fk, v, *zero, **kw)
+    out0, den0, S0, z0 = chunk_core(fq, fk, v, None, None, **kw, final_state=False)
+    assert S0 is None and z0 is None
+    assert torch.equal(out0, out) and torch.equal(den0, den)
+    out1, den1, S1, z1 = chunk_core(fq, fk, v, None, None, **kw)  # no state in, the final state out
+    assert torch.equal(out1, out) and torch.equal(S1, S_out) and torch.equal(z1, z_out)
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+@pytest.mark.parametrize("non_negative", [False, True])
+def test_chunk_core_gradcheck_without_a_state(normalize, non_negative):
+    """Gradients to the features and values with no state in and none out (the stateless block)."""
+    B, H, M, Dv, C, n, off, lag = 1, 2, 2, 2, 3, 7, 3, 2
+    g = _gen(6)
+    fq = torch.rand(B, H, n, M, generator=g, dtype=F64).requires_grad_()
+    fk = torch.rand(B, H, off + n, M, generator=g, dtype=F64).requires_grad_()
+    v = torch.randn(B, H, off + n, Dv, generator=g, dtype=F64).requires_grad_()
+
+    def f(*args):
+        out = chunk_core(*args, None, None, off=off, lag=lag, chunk_size=C, non_negative=non_negative,
+                         normalize=normalize, eps=1e-3, final_state=False)
+        return out[0] if normalize else out[:2]
+
+    assert torch.autograd.gradcheck(f, (fq, fk, v))
+
+
+def _spy_far_state(monkeypatch):
+    """Record the ``used`` argument of every per-chunk update the cores form (``chunk_core._far_state``)."""
+    from sketchlab.attention import chunk_core as cc
+
+    calls, real = [], cc._far_state
+
+    def spy(prefix, lk, vc, S_in, z_in, used):
+        calls.append((prefix, lk.shape[0], used))
+        return real(prefix, lk, vc, S_in, z_in, used)
+
+    monkeypatch.setattr(cc, "_far_state", spy)
+    return calls
+
+
+@pytest.mark.parametrize("final_state", [False, True])
+@pytest.mark.parametrize("n, off, lag", [(16, 0, 0), (13, 0, 0), (13, 8, 5), (10, 8, 8), (5, 12, 9), (8, 0, 9)])
+def test_chunk_core_forms_updates_only_for_the_key_chunks_it_reads(monkeypatch, final_state, n, off, lag):
+    """Key chunk ``e``'s update ``φ(k)ᵀv`` is read when some query chunk ``c`` holds it wholly far (its last key
+    ``eC + C − 1 <= off + cC − lag``) and, with ``final_state``, when it lies wholly in ``S_out`` (``eC + C − 1 <
+    off + n − lag``). The core forms the updates of the chunks up to the last one read, no more (the backward: those
+    the queries read), and none when the caller reads no final state and no query reads any."""
+    C, N = 4, -(-n // 4)
+    reads_q = [e for e in range((off + n) // C + 1) if any(e * C + C - 1 <= off + c * C - lag for c in range(N))]
+    reads_s = [e for e in range((off + n) // C + 1) if e * C + C - 1 < off + n - lag] if final_state else []
+    want_fwd, want_bwd = max(reads_q + reads_s, default=-1) + 1, max(reads_q, default=-1) + 1
+    calls = _spy_far_state(monkeypatch)
+    fq, fk = torch.rand(1, 1, n, 2, dtype=F64, requires_grad=True), torch.rand(1, 1, off + n, 2, dtype=F64)
+    out = chunk_core(fq, fk, torch.rand(1, 1, off + n, 2, dtype=F64), None, None, off=off, lag=lag, chunk_size=C,
+                     non_negative=False, normalize=True, eps=1e-3, final_state=final_state)[0]
+    out.sum().backward()
+    assert [used for _, _, used in calls] == [want_fwd, want_bwd]
+
+
+def test_hybrid_core_forms_updates_only_for_the_key_chunks_it_reads(monkeypatch):
+    """The hybrid core's updates are those its prefix GEMM reads (the rows of the query chunks' far states and, in
+    the forward, the row of ``S_out``): every column past them is zero and the last one formed is not. In a steady
+    block (window = C, a held window of one chunk) the block's last key chunk is read by neither: the next block
+    forms its update (as its held window), this one does not."""
+    C, T = 4, 24
+    g = _gen(12)
+    q, k, v = (torch.randn(1, T, 2, 3, generator=g, dtype=F64) for _ in range(3))
+    fq, fk = (torch.rand(1, T, 2, 3, generator=g, dtype=F64) for _ in range(2))
+    calls = _spy_far_state(monkeypatch)
+    with torch.no_grad():
+        feature_attention(fq, fk, v, q=q, k=k, window=C, chunk_size=C, block_chunks=2)
+    assert len(calls) == 3  # three blocks of two chunks
+    for prefix, Ne, used in calls:
+        assert not prefix[:, used:].any() and (used == 0 or prefix[:, used - 1].any())
+    assert [(Ne, used) for _, Ne, used in calls[1:]] == [(3, 2), (3, 2)]  # window chunk + 2: the last not formed

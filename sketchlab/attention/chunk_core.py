@@ -40,7 +40,8 @@ __all__ = ["chunk_core", "hybrid_core"]
 
 @functools.lru_cache(maxsize=64)
 def _geometry(n: int, off: int, lag: int, C: int, device: torch.device, dtype: torch.dtype):
-    """Chunk counts, the partly-far lags with their ``[C, C]`` masks and the ``[N, Ne]`` prefix matrix."""
+    """Chunk counts, the partly-far lags with their ``[C, C]`` masks, the ``[N, Ne]`` prefix matrix, the keys that enter
+    ``S_out`` and ``reach``: the prefix matrix reads key chunks ``< reach`` only (its other columns are zero)."""
     N, Wc = -(-n // C), off // C
     Ne = Wc + N
     full = -(-(lag + C - 1) // C)  # first lag (in chunks) whose keys are all far
@@ -56,7 +57,8 @@ def _geometry(n: int, off: int, lag: int, C: int, device: torch.device, dtype: t
     e = torch.arange(Ne, device=device)[None, :]
     prefix = (e <= Wc + c - full).to(dtype)  # [N, Ne]  key chunk e wholly far for query chunk c
     last = off + n - lag  # keys e < last enter S_out
-    return N, Wc, Ne, lags, prefix, max(0, last)
+    reach = min(Ne, max(0, Wc + N - full))  # key chunk Wc + N − 1 − full is the last any query chunk reads whole
+    return N, Wc, Ne, lags, prefix, max(0, last), reach
 
 
 def _chunks(x: torch.Tensor, chunks: int, C: int) -> torch.Tensor:
@@ -78,6 +80,20 @@ def _unlift(grad: torch.Tensor, phi: torch.Tensor) -> torch.Tensor:
     M = phi.shape[-1]
     G = grad.unflatten(-1, (M, M))  # [..., M, M]
     return (G @ phi[..., None] + G.mT @ phi[..., None])[..., 0]
+
+
+def _far_state(prefix, lk, vc, S_in, z_in, used: int):
+    """The far state read by each query chunk, ``P = prefix·upd + S_in`` ``[N, B, H, M2, Dv]`` and ``zP`` ``[N, B, H, M2]``,
+    from the per-chunk updates ``upd = lkᵀ·v`` ``[used, B, H, M2, Dv]`` and ``zc = Σ lk`` ``[used, B, H, M2]``, formed
+    for the first ``used`` key chunks only (at least those the prefix matrix ``[N, Ne]`` reads). ``S_in, z_in``:
+    ``[B, H, M2, Dv]``, ``[B, H, M2]`` or ``None`` (a zero state). Returns ``P, zP, upd, zc``."""
+    N = prefix.shape[0]
+    upd, zc = lk[:used].mT @ vc[:used], lk[:used].sum(3)  # per-chunk Σ φ(k)ᵀ v, Σ φ(k)
+    P = (prefix[:, :used] @ upd.flatten(1)).view(N, *upd.shape[1:])
+    zP = (prefix[:, :used] @ zc.flatten(1)).view(N, *zc.shape[1:])
+    if S_in is not None:
+        P, zP = P.add_(S_in), zP.add_(z_in)
+    return P, zP, upd, zc
 
 
 def _far_state_grads(prefix, dP, dzP, lk, vc, g_S, g_z, last: int):
@@ -117,16 +133,14 @@ def _far_state_grads(prefix, dP, dzP, lk, vc, g_S, g_z, last: int):
 
 class _Core(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, fq, fk, v, S_in, z_in, off, lag, C, non_negative, normalize, eps):
+    def forward(ctx, fq, fk, v, S_in, z_in, off, lag, C, non_negative, normalize, eps, final_state):
         B, H, n, _ = fq.shape
-        N, Wc, Ne, lags, prefix, last = _geometry(n, off, lag, C, fq.device, fq.dtype)
+        N, Wc, Ne, lags, prefix, last, reach = _geometry(n, off, lag, C, fq.device, fq.dtype)
+        full, rem = divmod(last, C)  # S_out: key chunks < full, and `rem` keys of chunk `full`
         fqc, fkc, vc = _chunks(fq, N, C), _chunks(fk, Ne, C), _chunks(v, Ne, C)
         lift = self_tensor if non_negative else (lambda f: f)
         lq, lk = lift(fqc), lift(fkc)  # [N|Ne, B, H, C, M2]
-        upd = lk.mT @ vc  # [Ne, B, H, M2, Dv]  per-chunk Σ φ(k)ᵀ v
-        zc = lk.sum(3)  # [Ne, B, H, M2]
-        P = (prefix @ upd.flatten(1)).view(N, *upd.shape[1:]) + S_in  # [N, B, H, M2, Dv]  the far state per chunk
-        zP = (prefix @ zc.flatten(1)).view(N, *zc.shape[1:]) + z_in  # [N, B, H, M2]
+        P, zP, upd, zc = _far_state(prefix, lk, vc, S_in, z_in, max(reach, full) if final_state else reach)
         num = lq @ P  # [N, B, H, C, Dv]
         den = (zP[..., None, :] @ lq.mT)[..., 0, :]  # [N, B, H, C]  (as [1, M]·[M, C]: a GEMV is slower)
         Dv = v.shape[-1]
@@ -138,11 +152,14 @@ class _Core(torch.autograd.Function):
             kept.append(a)
             num[c0:].view(-1, C, Dv).baddbmm_(a.view(-1, C, C), vc[kk].view(-1, C, Dv))
             den[c0:] += a.sum(-1)
-        full, rem = divmod(last, C)  # S_out: key chunks < full, and `rem` keys of chunk `full`
-        S_out, z_out = S_in + upd[:full].sum(0), z_in + zc[:full].sum(0)
-        if rem:
-            S_out = S_out + lk[full, :, :, :rem].mT @ vc[full, :, :, :rem]
-            z_out = z_out + lk[full, :, :, :rem].sum(2)
+        S_out = z_out = None  # (not formed when the caller reads no final state)
+        if final_state:
+            S_out, z_out = upd[:full].sum(0), zc[:full].sum(0)
+            if S_in is not None:
+                S_out, z_out = S_out + S_in, z_out + z_in
+            if rem:
+                S_out = S_out + lk[full, :, :, :rem].mT @ vc[full, :, :, :rem]
+                z_out = z_out + lk[full, :, :, :rem].sum(2)
         num, den = _unchunk(num, n), _unchunk(den, n)  # [B, H, n, Dv], [B, H, n]
         ctx.geo = (off, lag, C, non_negative, normalize, eps)
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None (skipped below)
@@ -164,7 +181,7 @@ class _Core(torch.autograd.Function):
             fq, fk, v, S_in, z_in, *kept = ctx.saved_tensors
         B, H, n, M = fq.shape
         Dv = v.shape[-1]
-        N, Wc, Ne, lags, prefix, last = _geometry(n, off, lag, C, fq.device, fq.dtype)
+        N, Wc, Ne, lags, prefix, last, reach = _geometry(n, off, lag, C, fq.device, fq.dtype)
         fqc, fkc, vc = _chunks(fq, N, C), _chunks(fk, Ne, C), _chunks(v, Ne, C)
         lift = self_tensor if non_negative else (lambda f: f)
         lq, lk = lift(fqc), lift(fkc)
@@ -179,10 +196,7 @@ class _Core(torch.autograd.Function):
             dden = fq.new_zeros(B, H, n) if g_den is None else g_den
         dnum = _chunks(dnum, N, C)  # [N, B, H, C, Dv]
         dden = _chunks(dden[..., None], N, C)[..., 0]  # [N, B, H, C]
-        upd = lk.mT @ vc  # recomputed: [Ne, B, H, M2, Dv]
-        zc = lk.sum(3)
-        P = (prefix @ upd.flatten(1)).view(N, *upd.shape[1:]) + S_in
-        zP = (prefix @ zc.flatten(1)).view(N, *zc.shape[1:]) + z_in
+        P, zP, _, _ = _far_state(prefix, lk, vc, S_in, z_in, reach)  # recomputed
         dP = lq.mT @ dnum  # [N, B, H, M2, Dv]
         dzP = (dden[..., None, :] @ lq)[..., 0, :]  # [N, B, H, M2]  (as [1, C]·[C, M]: a GEMV is slower)
         dlq = dnum @ P.mT + dden[..., None] * zP[..., None, :]  # [N, B, H, C, M2]
@@ -199,14 +213,23 @@ class _Core(torch.autograd.Function):
             dfk[kk] += ds.mT @ fqc[c0:]
             dvc[kk] += a.mT @ dnum[c0:]
         L_k = fk.shape[2]
+        if S_in is None:  # a zero state, not a tensor: no gradient
+            dS_in = dz_in = None
         return (_unchunk(dfq, n), _unchunk(dfk, L_k), _unchunk(dvc, L_k), dS_in, dz_in,
-                None, None, None, None, None, None)
+                None, None, None, None, None, None, None)
 
 
-def _check_core_args(fq, fk, v, S_in, z_in, *, off, lag, chunk_size, non_negative) -> None:
-    """``chunk_core``'s arguments: ranks, the shared ``B, H``, the feature and value widths, the state's shapes, one
-    dtype and device, and the offsets (shape arithmetic only: nothing is read from the tensors)."""
-    for name, x, rank in (("fq", fq, 4), ("fk", fk, 4), ("v", v, 4), ("S_in", S_in, 4), ("z_in", z_in, 3)):
+def _check_core_args(fq, fk, v, S_in, z_in, *, off, lag, chunk_size, non_negative, final_state) -> None:
+    """``chunk_core``'s arguments: ranks, the shared ``B, H``, the feature and value widths, the state's shapes (or both
+    ``None``), one dtype and device, the offsets and the flag (shape arithmetic only: nothing is read from the
+    tensors)."""
+    if (S_in is None) != (z_in is None):
+        raise ValueError(f"S_in and z_in must both be tensors or both None (a zero state), got S_in "
+                         f"{type(S_in).__name__} and z_in {type(z_in).__name__}")
+    if not isinstance(final_state, bool):
+        raise ValueError(f"final_state must be a bool, got {final_state!r}")
+    state = (("S_in", S_in, 4), ("z_in", z_in, 3)) if S_in is not None else ()
+    for name, x, rank in (("fq", fq, 4), ("fk", fk, 4), ("v", v, 4), *state):
         if not isinstance(x, torch.Tensor) or x.ndim != rank:
             got = f"shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"{name} must be a {rank}-D tensor, got {got}")
@@ -222,14 +245,14 @@ def _check_core_args(fq, fk, v, S_in, z_in, *, off, lag, chunk_size, non_negativ
     Dv = v.shape[-1]
     M2 = M * M if non_negative else M
     want = {"fk": (B, H, off + n, M), "v": (B, H, off + n, Dv), "S_in": (B, H, M2, Dv), "z_in": (B, H, M2)}
-    for name, x in (("fk", fk), ("v", v), ("S_in", S_in), ("z_in", z_in)):
+    for name, x in (("fk", fk), ("v", v), *((("S_in", S_in), ("z_in", z_in)) if S_in is not None else ())):
         if tuple(x.shape) != want[name]:
             raise ValueError(f"{name} must be {list(want[name])} (fq [B, H, n, M] = {list(fq.shape)}, off={off}, "
                              f"Dv={Dv}, M2={M2}{' = M²' if non_negative else ''}), got {list(x.shape)}")
 
 
 def chunk_core(fq, fk, v, S_in, z_in, *, off: int, lag: int, chunk_size: int, non_negative: bool,
-               normalize: bool, eps: float):
+               normalize: bool, eps: float, final_state: bool = True):
     r"""The causal chunked core of one block (see the module docstring for the formula).
 
     Parameters
@@ -239,8 +262,8 @@ def chunk_core(fq, fk, v, S_in, z_in, *, off: int, lag: int, chunk_size: int, no
     fk : Tensor ``[B, H, off + n, M]``
         Key features (zero for keys outside the far sums); key ``off + t`` is query ``t``'s token.
     v : Tensor ``[B, H, off + n, Dv]``
-    S_in, z_in : Tensor ``[B, H, M2, Dv]``, ``[B, H, M2]``
-        The far state of every key before ``fk``'s first.
+    S_in, z_in : Tensor ``[B, H, M2, Dv]``, ``[B, H, M2]``, or both None
+        The far state of every key before ``fk``'s first (``None``: zero, neither allocated nor added).
     off : int
         Keys before the first query, a multiple of ``chunk_size``.
     lag : int >= 0
@@ -251,21 +274,26 @@ def chunk_core(fq, fk, v, S_in, z_in, *, off: int, lag: int, chunk_size: int, no
     normalize : bool
         Return ``num / (den + eps)`` in place of ``num``.
     eps : float
+    final_state : bool
+        Form ``S_out, z_out`` (``False``: a caller that reads no final state; they are ``None`` and the key chunks
+        only ``S_out`` would read get no per-chunk update).
 
     Returns
     -------
     ``(num or out [B, H, n, Dv], den [B, H, n], S_out [B, H, M2, Dv], z_out [B, H, M2])``; ``den`` is
-    not differentiable when ``normalize``.
+    not differentiable when ``normalize``; ``S_out, z_out`` are ``None`` unless ``final_state``.
 
     Raises
     ------
     ValueError
         A tensor of the wrong rank, dtype or device, shapes that disagree (``fk``, ``v`` must hold ``off + n``
-        keys; ``S_in [B, H, M2, Dv]``, ``z_in [B, H, M2]`` with ``M2 = M²`` when ``non_negative``), ``off`` not a
-        multiple of ``chunk_size``, or a negative ``off`` / ``lag`` / non-positive ``chunk_size``.
+        keys; ``S_in [B, H, M2, Dv]``, ``z_in [B, H, M2]`` with ``M2 = M²`` when ``non_negative``; one of them
+        ``None`` without the other), ``off`` not a multiple of ``chunk_size``, a negative ``off`` / ``lag`` /
+        non-positive ``chunk_size``, or a ``final_state`` that is not a bool.
     """
-    _check_core_args(fq, fk, v, S_in, z_in, off=off, lag=lag, chunk_size=chunk_size, non_negative=non_negative)
-    return _Core.apply(fq, fk, v, S_in, z_in, off, lag, chunk_size, non_negative, normalize, eps)
+    _check_core_args(fq, fk, v, S_in, z_in, off=off, lag=lag, chunk_size=chunk_size, non_negative=non_negative,
+                     final_state=final_state)
+    return _Core.apply(fq, fk, v, S_in, z_in, off, lag, chunk_size, non_negative, normalize, eps, final_state)
 
 
 def _row_pieces(chunks: int, C: int, a: int, b: int):
@@ -329,7 +357,7 @@ def _add_rows(xc: torch.Tensor, a: int, x: torch.Tensor) -> None:
 def _prefix_and_total(n: int, off: int, w: int, C: int, device: torch.device, dtype: torch.dtype):
     """``[N + 1, Ne]``: the prefix matrix of :func:`_geometry` (lag ``w``) and a last row that sums the key chunks
     wholly in ``S_out`` (those before ``(off + n − w) // C``)."""
-    _, _, Ne, _, prefix, last = _geometry(n, off, w, C, device, dtype)
+    _, _, Ne, _, prefix, last, _ = _geometry(n, off, w, C, device, dtype)
     total = (torch.arange(Ne, device=device) < last // C).to(dtype)[None]  # [1, Ne]
     return torch.cat([prefix, total], 0)
 
@@ -358,7 +386,8 @@ class _HybridCore(torch.autograd.Function):
     def _setup(B, H, n, Lw, key_ok, sink_ok, off, opts, like):
         """Geometry and masks of a block of ``n`` queries after ``off`` keys (``L_w`` of them the held window)."""
         C, w = opts[:2]
-        N, Wc, Ne, _, prefix, _ = _geometry(n, off, w, C, like.device, like.dtype)  # prefix [N, Ne]: wholly far chunks
+        N, Wc, Ne, _, prefix, last, reach = _geometry(n, off, w, C, like.device, like.dtype)  # prefix [N, Ne]: wholly far
+        # chunks (the first `reach` key chunks); the chunks wholly in S_out: the first last // C
         n_loc = min(-(-(w + C - 1) // C), Wc + 1)  # key chunks back with a local key (further: padding)
         lead = off - Lw
         loc_m, (empty, empty_at), loc_bias, far_m = _hybrid_masks(C, w, n_loc, like.device, like.dtype)
@@ -379,7 +408,8 @@ class _HybridCore(torch.autograd.Function):
         sinks_ok = bool(sink_ok.all())
         return dict(N=N, Wc=Wc, Ne=Ne, n_loc=n_loc, lead=lead, kks=kks, loc_m=loc_m, loc_ok=loc_ok, part=part,
                     bad=bad, okc=okc, empty=empty, empty_at=empty_at, loc_bias=loc_bias, far_m=far_m, far_lags=far_lags,
-                    prefix=prefix, sok=sok, sinks_ok=sinks_ok, lift=self_tensor if opts[2] else (lambda f: f))
+                    prefix=prefix, reach=reach, last=last, sok=sok, sinks_ok=sinks_ok,
+                    lift=self_tensor if opts[2] else (lambda f: f))
 
     @staticmethod
     def _per_chunk(x: torch.Tensor, N: int) -> torch.Tensor:
@@ -413,12 +443,11 @@ class _HybridCore(torch.autograd.Function):
         gb = g[None, None, :, None, None]  # [1, 1, H, 1, 1]
         g0 = gb[..., 0]
         loc_w = gb / (1 - gb) if fold else gb  # the local weights' factor
-        # far state: per-chunk sums, prefix by the 0/1 matrix
-        upd, zc = lk.mT @ vc, lk.sum(3)  # [Ne, B, H, M2, Dv], [Ne, B, H, M2]
-        # (the prefix matrix's last row sums the key chunks wholly in S_out: one more row of the same GEMM)
+        # far state: per-chunk sums of the key chunks read (not the last one or two: the next block reads them as its
+        # held window), prefix by the 0/1 matrix; its last row sums the key chunks wholly in S_out (one more row)
         prefix_tot = _prefix_and_total(n, off, w, C, fq.device, fq.dtype)  # [N + 1, Ne]
-        P_all = (prefix_tot @ upd.flatten(1)).view(N + 1, *upd.shape[1:]).add_(S_in)
-        zP_all = (prefix_tot @ zc.flatten(1)).view(N + 1, *zc.shape[1:]).add_(z_in)
+        used = max(st["reach"], st["last"] // C)
+        P_all, zP_all, _, _ = _far_state(prefix_tot, lk, vc, S_in, z_in, used)  # [N + 1, B, H, M2, (Dv)]
         # S_out, z_out copied out: views would keep the whole [N + 1, ...] buffer alive in the carried state
         P, zP, S_out, z_out = P_all[:N], zP_all[:N], P_all[N].clone(), zP_all[N].clone()
         num = lq @ P  # [N, B, H, C, Dv]
@@ -508,7 +537,7 @@ class _HybridCore(torch.autograd.Function):
             else:
                 W = A[L] * loc_w if grad else A[L]
             num.view(-1, C, Dv).baddbmm_(W.view(-1, C, C), vc[kk].view(-1, C, Dv))
-        full, rem = divmod(max(0, off + n - w), C)
+        full, rem = divmod(st["last"], C)
         if rem:  # the first `rem` keys of chunk `full` enter S_out too
             S_out = S_out + lk[full, :, :, :rem].mT @ vc[full, :, :, :rem]
             z_out = z_out + lk[full, :, :, :rem].sum(2)
@@ -559,16 +588,14 @@ class _HybridCore(torch.autograd.Function):
         dnum = _chunks(g_out * r[..., None], N, C)  # [N, B, H, C, Dv]
         dden = _chunks((-(g_out * out).sum(-1) * r)[..., None], N, C)[..., 0]  # [N, B, H, C]
         # far state
-        upd, zc = lk.mT @ vc, lk.sum(3)
-        P = (st["prefix"] @ upd.flatten(1)).view(N, *upd.shape[1:]) + S_in
-        zP = (st["prefix"] @ zc.flatten(1)).view(N, *zc.shape[1:]) + z_in
+        P, zP, _, _ = _far_state(st["prefix"], lk, vc, S_in, z_in, st["reach"])
         dP0 = lq.mT @ dnum  # [N, B, H, M2, Dv]   (before the factor 1 − g)
         dzP0 = (dden[..., None, :] @ lq)[..., 0, :]  # [N, B, H, M2]
         # d/dg of (1 − g)·far, per head [H] (the gate's gradient only when asked)
         dgh = -((dP0 * P).sum(dim=(0, 1, 3, 4)) + (dzP0 * zP).sum(dim=(0, 1, 3))) if need_g else None
         dP, dzP = dP0.mul_(1 - gb), dzP0.mul_(1 - g0)
         dlq = (dnum @ P.mT + dden[..., None] * zP[..., None, :]).mul_(1 - gb)  # [N, B, H, C, M2]
-        dS_in, dz_in, dlk, dvc = _far_state_grads(st["prefix"], dP, dzP, lk, vc, g_S, g_z, max(0, off + n - w))
+        dS_in, dz_in, dlk, dvc = _far_state_grads(st["prefix"], dP, dzP, lk, vc, g_S, g_z, st["last"])
         dfq, dfk = (_unlift(dlq, fqc), _unlift(dlk, fkc)) if non_negative else (dlq, dlk)
         # local and near-far lags: da = dnum·vᵀ + dden is the gradient of every weight of a (query, key)
         dA = torch.empty_like(A)  # [n_loc, N, B, H, C, C]

@@ -105,13 +105,15 @@ class _Tokens:
 
 def _engine(feat_q, feat_k, v: torch.Tensor, length_q: int, *, causal: bool, normalize: str, non_negative: bool,
             eps: float, chunk_size: int, block_chunks: int, num_features: int, max_bytes: int, S0=None, z0=None,
-            rows=None, counter=None):
+            rows=None, counter=None, final_state: bool = True):
     """Chunked (pure) linear attention on internal layout ``[B, H, ·, ·]``.
 
     ``feat_q(a, b)`` / ``feat_k(a, b)`` return the features ``[B, H, b - a, M]`` of tokens
     ``a:b`` (padded keys already zeroed); ``v`` is ``[B, H, S, Dv]``. ``S0 [B, H, M2, Dv]``,
-    ``z0 [B, H, M2]``: the state of earlier tokens (causal). ``rows [B, T]``: real queries, for
-    ``counter`` (a :class:`DenominatorCounter`). Returns ``([B, H, T, Dv], S, z)``.
+    ``z0 [B, H, M2]``: the state of earlier tokens (causal; ``None``: none, and no zero state is
+    made). ``rows [B, T]``: real queries, for ``counter`` (a :class:`DenominatorCounter`).
+    ``final_state=False`` (causal): the caller reads no final state, the last block forms none.
+    Returns ``([B, H, T, Dv], S, z)`` (``S, z`` None when causal and not ``final_state``).
     """
     B, H, S, Dv = v.shape
     C = chunk_size
@@ -123,11 +125,11 @@ def _engine(feat_q, feat_k, v: torch.Tensor, length_q: int, *, causal: bool, nor
                       + (f" and its self-tensored features (2 × [B, H, {block}, {M2}])" if non_negative else ""),
                  way_out="lower block_chunks or the number of features (non_negative squares it)", max_bytes=max_bytes)
     lift = self_tensor if non_negative else (lambda f: f)
-    state = v.new_zeros(B, H, M2, Dv) if S0 is None else S0  # Σ φ(k)ᵀ v over finished blocks
-    zsum = v.new_zeros(B, H, M2) if z0 is None else z0  # Σ φ(k) over finished blocks
+    state, zsum = S0, z0  # Σ φ(k)ᵀ v, Σ φ(k) over finished blocks (None: zero)
     outs = []
     vs = _Tokens(v).blocks(block)
     if not causal:  # one pass for the state, one for the queries
+        state, zsum = v.new_zeros(B, H, M2, Dv), v.new_zeros(B, H, M2)
         for a in range(0, S, block):
             fk = lift(feat_k(a, min(a + block, S)))  # [B, H, n, M2]
             state = state + fk.mT @ vs(a, min(a + block, S))  # [B, H, M2, Dv]
@@ -147,7 +149,7 @@ def _engine(feat_q, feat_k, v: torch.Tensor, length_q: int, *, causal: bool, nor
         b = min(a + block, S)
         out, den, state, zsum = chunk_core(feat_q(a, b), feat_k(a, b), vs(a, b), state, zsum, off=0, lag=0,
                                            chunk_size=C, non_negative=non_negative, normalize=normalize == "sum",
-                                           eps=eps)
+                                           eps=eps, final_state=final_state or b < S)
         if counter is not None:
             counter.add(den, None if rows is None else rows[:, a:b])
         outs.append(out)  # [B, H, n, Dv]
@@ -201,8 +203,10 @@ def _attend(feat_q, feat_k, qt, kt, vt, *, num_features: int, causal: bool, norm
         state = check_state(initial_state, batch=B, heads=H, num_features=M2,
                             dim=D if window else None, dim_v=Dv, feature_dim=M,
                             window=window, sinks=sinks, like=vt)
-    else:
+    elif stateful or (window and causal):  # the hybrid's blocks carry a state even when the call returns none
         state = empty_state(B, H, M2, D, Dv, M, like=vt)
+    else:
+        state = None
     chunk_size = min(chunk_size, max(T, S_len))  # a short call (decoding: one token) pads to no more than itself
     counter = DenominatorCounter() if normalize == "sum" and denominator_check != "off" else None
     rows = mask if (mask is not None and T == S_len) else None
@@ -244,7 +248,8 @@ def _attend(feat_q, feat_k, qt, kt, vt, *, num_features: int, causal: bool, norm
         out, S, z = _engine(feat_q, feat_k, vt, T, causal=causal, normalize=normalize, non_negative=non_negative,
                             eps=eps, chunk_size=chunk_size, block_chunks=block_chunks, num_features=M,
                             max_bytes=max_bytes, S0=state.S if stateful else None,
-                            z0=state.z if stateful else None, rows=rows, counter=counter)
+                            z0=state.z if stateful else None, rows=rows, counter=counter,
+                            final_state=output_final_state)
         if counter is not None:
             counter.report(where, denominator_check)
         if not output_final_state:
