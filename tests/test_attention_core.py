@@ -336,9 +336,11 @@ def test_hybrid_core_forms_updates_only_for_the_key_chunks_it_reads(monkeypatch)
     q, k, v = (torch.randn(1, T, 2, 3, generator=g, dtype=F64) for _ in range(3))
     fq, fk = (torch.rand(1, T, 2, 3, generator=g, dtype=F64) for _ in range(2))
     calls = _spy_far_state(monkeypatch)
-    with torch.no_grad():
-        feature_attention(fq, fk, v, q=q, k=k, window=C, chunk_size=C, block_chunks=2)
-    assert len(calls) == 3  # three blocks of two chunks
+    fq.requires_grad_()
+    feature_attention(fq, fk, v, q=q, k=k, window=C, chunk_size=C, block_chunks=2).sum().backward()
+    assert len(calls) == 6  # three blocks of two chunks, forward then backward (blocks in reverse)
     for prefix, Ne, used in calls:
         assert not prefix[:, used:].any() and (used == 0 or prefix[:, used - 1].any())
-    assert [(Ne, used) for _, Ne, used in calls[1:]] == [(3, 2), (3, 2)]  # window chunk + 2: the last not formed
+    # steady blocks: the held window's chunk + 2; the forward forms 2 (the first for a query chunk, both for S_out),
+    # the backward 1 (the queries' far states alone)
+    assert [(Ne, used) for _, Ne, used in calls[1:3] + calls[3:5]] == [(3, 2), (3, 2), (3, 1), (3, 1)]
