@@ -11,7 +11,8 @@ sliding-window hybrid, the keys that left the window):
           \qquad \text{den}_t = \phi(q_t)\cdot z_{in} + \sum_{e \le \text{off} + t - \text{lag}} \phi(q_t)\cdot\phi(k_e),
 
 and returns the state of every key at least ``lag`` positions before the block's end,
-``S_out = S_in + Σ_{e ≤ off + n − 1 − lag} φ(k_e)ᵀ v_e`` (``z_out`` alike). Padded keys, sinks
+``S_out = S_in + Σ_{e ≤ off + n − 1 − lag} φ(k_e)ᵀ v_e`` (``z_out`` alike; a caller that reads none skips it, and
+``S_in = None`` is a zero state). Padded keys, sinks
 and any key the caller wants out of the far sums carry zero features. ``non_negative``: the
 kernel is ``(φ(q)·φ(k))²``, the state holds ``φ ⊗ φ`` (``M2 = M²``).
 
@@ -83,10 +84,11 @@ def _unlift(grad: torch.Tensor, phi: torch.Tensor) -> torch.Tensor:
 
 
 def _far_state(prefix, lk, vc, S_in, z_in, used: int):
-    """The far state read by each query chunk, ``P = prefix·upd + S_in`` ``[N, B, H, M2, Dv]`` and ``zP`` ``[N, B, H, M2]``,
-    from the per-chunk updates ``upd = lkᵀ·v`` ``[used, B, H, M2, Dv]`` and ``zc = Σ lk`` ``[used, B, H, M2]``, formed
-    for the first ``used`` key chunks only (at least those the prefix matrix ``[N, Ne]`` reads). ``S_in, z_in``:
-    ``[B, H, M2, Dv]``, ``[B, H, M2]`` or ``None`` (a zero state). Returns ``P, zP, upd, zc``."""
+    """The far state read by each query chunk, ``P = prefix·upd + S_in`` ``[N, B, H, M2, Dv]`` and ``zP``
+    ``[N, B, H, M2]``, from the per-chunk updates ``upd = lkᵀ·v`` ``[used, B, H, M2, Dv]`` and ``zc = Σ lk``
+    ``[used, B, H, M2]``, formed for the first ``used`` key chunks only (at least those the prefix matrix ``[N, Ne]``
+    reads). ``S_in, z_in``: ``[B, H, M2, Dv]``, ``[B, H, M2]`` or ``None`` (a zero state). Returns
+    ``P, zP, upd, zc``."""
     N = prefix.shape[0]
     upd, zc = lk[:used].mT @ vc[:used], lk[:used].sum(3)  # per-chunk Σ φ(k)ᵀ v, Σ φ(k)
     P = (prefix[:, :used] @ upd.flatten(1)).view(N, *upd.shape[1:])
@@ -386,8 +388,8 @@ class _HybridCore(torch.autograd.Function):
     def _setup(B, H, n, Lw, key_ok, sink_ok, off, opts, like):
         """Geometry and masks of a block of ``n`` queries after ``off`` keys (``L_w`` of them the held window)."""
         C, w = opts[:2]
-        N, Wc, Ne, _, prefix, last, reach = _geometry(n, off, w, C, like.device, like.dtype)  # prefix [N, Ne]: wholly far
-        # chunks (the first `reach` key chunks); the chunks wholly in S_out: the first last // C
+        # prefix [N, Ne]: the wholly far key chunks (among the first `reach`); those wholly in S_out: the first last // C
+        N, Wc, Ne, _, prefix, last, reach = _geometry(n, off, w, C, like.device, like.dtype)
         n_loc = min(-(-(w + C - 1) // C), Wc + 1)  # key chunks back with a local key (further: padding)
         lead = off - Lw
         loc_m, (empty, empty_at), loc_bias, far_m = _hybrid_masks(C, w, n_loc, like.device, like.dtype)
@@ -443,8 +445,9 @@ class _HybridCore(torch.autograd.Function):
         gb = g[None, None, :, None, None]  # [1, 1, H, 1, 1]
         g0 = gb[..., 0]
         loc_w = gb / (1 - gb) if fold else gb  # the local weights' factor
-        # far state: per-chunk sums of the key chunks read (not the last one or two: the next block reads them as its
-        # held window), prefix by the 0/1 matrix; its last row sums the key chunks wholly in S_out (one more row)
+        # far state: per-chunk sums of the key chunks read only (the last ones, still in the window at the block's end,
+        # are read by the next block as its held window), prefix by the 0/1 matrix; its last row sums the key chunks
+        # wholly in S_out (one more row of the same GEMM)
         prefix_tot = _prefix_and_total(n, off, w, C, fq.device, fq.dtype)  # [N + 1, Ne]
         used = max(st["reach"], st["last"] // C)
         P_all, zP_all, _, _ = _far_state(prefix_tot, lk, vc, S_in, z_in, used)  # [N + 1, B, H, M2, (Dv)]
