@@ -388,7 +388,7 @@ class _HybridCore(torch.autograd.Function):
     def _setup(B, H, n, Lw, key_ok, sink_ok, off, opts, like):
         """Geometry and masks of a block of ``n`` queries after ``off`` keys (``L_w`` of them the held window)."""
         C, w = opts[:2]
-        # prefix [N, Ne]: the wholly far key chunks (among the first `reach`); those wholly in S_out: the first last // C
+        # prefix [N, Ne]: the wholly far key chunks (among the first `reach`); the first last // C: wholly in S_out
         N, Wc, Ne, _, prefix, last, reach = _geometry(n, off, w, C, like.device, like.dtype)
         n_loc = min(-(-(w + C - 1) // C), Wc + 1)  # key chunks back with a local key (further: padding)
         lead = off - Lw
