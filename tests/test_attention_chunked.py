@@ -151,8 +151,8 @@ def test_llops_feature_fn_matches_llops_features(t, p):
 def test_stateless_call_forms_no_state(monkeypatch):
     """A call without initial_state or output_final_state makes no empty state, hands the first block no state
     (``S_in = None``) and asks the last block for none (``final_state=False``, ``S_out = None``); blocks in between
-    still carry it. Output and gradients equal those of the same call returning its final state (bit for bit: the
-    same sums, less an added zero)."""
+    still carry it. Output and gradients equal those of the same call returning its final state (the same sums less an
+    added zero, up to the blocking of a GEMM with fewer zero columns: 1e-13 on O(1) float64 values)."""
     from sketchlab.attention import chunked, state
 
     calls, real = [], chunked.chunk_core
@@ -181,4 +181,4 @@ def test_stateless_call_forms_no_state(monkeypatch):
     assert calls[:3] == [(True, True, False), (False, True, False), (False, False, True)]
     assert calls[3:] == [(False, True, False)] * 3  # the stateful path: an empty state in, every state formed
     for name, a, b in zip(("out", "phi_q", "phi_k", "v"), *res):
-        assert torch.equal(a, b), name
+        assert (a - b).abs().max() < 1e-13, name

@@ -225,6 +225,9 @@ def _core_args(**change):
     (dict(off=-2), "off must be an int >= 0"),
     (dict(chunk_size=0), "chunk_size must be an int >= 1, got 0"),
     (dict(chunk_size=2.0), "chunk_size must be an int"),
+    (dict(S_in=None), "S_in and z_in must both be tensors or both None"),
+    (dict(z_in=None), "S_in and z_in must both be tensors or both None"),
+    (dict(final_state=1), "final_state must be a bool, got 1"),
 ])
 def test_chunk_core_validates_its_arguments(change, match):
     """The core checks its own arguments (its callers validate the public ones): each error names the tensor or
@@ -259,7 +262,8 @@ def test_hybrid_prefix_total_row_sums_the_chunks_of_s_out(n, off, w, C):
 @pytest.mark.parametrize("n, off, lag", [(13, 0, 0), (13, 8, 5), (10, 8, 8), (4, 0, 0)])
 def test_chunk_core_without_a_state(non_negative, n, off, lag):
     """``S_in = z_in = None`` is the zero state and ``final_state=False`` forms no ``S_out, z_out``: the outputs equal
-    (bit for bit: the same sums, less an added zero) those of an explicit zero state with the final state formed."""
+    those of an explicit zero state with the final state formed (the same sums less an added zero; the prefix GEMM's
+    inner length differs by zero columns, which a BLAS may block differently: 1e-13 on O(1) float64 values)."""
     B, H, M, Dv, C = 2, 2, 3, 2, 4
     g = _gen(n + off + lag)
     fq, fk = torch.rand(B, H, n, M, generator=g, dtype=F64), torch.rand(B, H, off + n, M, generator=g, dtype=F64)
@@ -270,9 +274,10 @@ def test_chunk_core_without_a_state(non_negative, n, off, lag):
     out, den, S_out, z_out = chunk_core(fq, fk, v, *zero, **kw)
     out0, den0, S0, z0 = chunk_core(fq, fk, v, None, None, **kw, final_state=False)
     assert S0 is None and z0 is None
-    assert torch.equal(out0, out) and torch.equal(den0, den)
     out1, den1, S1, z1 = chunk_core(fq, fk, v, None, None, **kw)  # no state in, the final state out
-    assert torch.equal(out1, out) and torch.equal(S1, S_out) and torch.equal(z1, z_out)
+    for name, a, b in (("out", out0, out), ("den", den0, den), ("out, S out", out1, out), ("S_out", S1, S_out),
+                       ("z_out", z1, z_out)):
+        assert (a - b).abs().max() < 1e-13, name
 
 
 @pytest.mark.parametrize("normalize", [False, True])
