@@ -40,11 +40,12 @@ process (:func:`time_side_by_side`). Writes ``mqar_m.md`` and ``mqar_m.png`` (ac
 forward time on a second axis, as the paper's Figure 3) and says whether the accuracy moves with m
 beyond the seed spread (:func:`m_trend`).
 
-Table 1 part (``--part table1``): a byte-level BASED LM (expand map) pretrained on Shakespeare,
+Table 1 part (``--part table1``): a byte-level BASED LM pretrained on Shakespeare (``--table1-map``:
+BASED's expand map, or its own Taylor map, which converts to LLoPS of the affine input ``[x, 1]``),
 then continued (a) as BASED, (b) converted exactly to LLoPS (checked in float64), (c) the control:
 converted with Θ frozen (BASED's function through LLoPS's code path: what rounding alone does),
-and (d) softmax trained as long from scratch. Writes ``table1.md`` (mean ± sd and every seed,
-the paired LLoPS − BASED difference against the seed spread) and ``table1.png``.
+and (d) softmax trained as long from scratch. Writes ``table1.md`` (``table1_taylor.md``; mean ± sd
+and every seed, the paired LLoPS − BASED difference against the seed spread) and its ``.png``.
 
 Usage::
 
@@ -145,6 +146,15 @@ def methods(d_model: int) -> dict[str, Method]:
                       {"p": 2, "m": 256}, init="based", kernel_lr=KERNEL_LR))
     out.append(Method("llops-p4-m256-based", "LLoPS p = 4, m = 256 (init: BASED expand, d' = 4)", "llops",
                       {"p": 4, "m": 256}, init="based", kernel_lr=KERNEL_LR))
+    # LLoPS on the affine input [x, 1] (each factor affine in x: inhomogeneous features of degree <= p): from BASED's
+    # own Taylor map (p = 2, d' = 16: the same 273 features, so step 0 *is* the `based` model), and from a random start
+    out.append(Method("llops-taylor-m273-based", "LLoPS on [x, 1], p = 2, m = 273 (init: BASED Taylor, d' = 16: step 0 "
+                      "is BASED)", "llops", {"p": 2, "m": 273, "affine": True}, init="based", kernel_lr=KERNEL_LR))
+    # ... and self-tensored (φ ⊗ φ of a p = 2, 16-feature map of [x, 1]: 256 features, a kernel (φ(q)·φ(k))² >= 0
+    # whatever Θ becomes, with BASED's lower-degree terms), from a random start
+    out.append(Method("llops-nn-affine-p2-m16", "LLoPS self-tensored on [x, 1], p = 2, m = 16 (256 features, degree "
+                      "<= 4; random init)", "llops", {"p": 2, "m": 16, "non_negative": True, "affine": True},
+                      init="random", kernel_lr=KERNEL_LR))
     # self-tensored LLoPS (φ ⊗ φ of a degree-2, 16-feature map: 256 features, degree 4, a kernel (φ(q)·φ(k))² >= 0
     # whatever Θ becomes in training): from a random start, and from BASED expand d' = 4 (the same step-0 kernel
     # (s')⁴ as llops-p4-m256-based, whose Θ turns signed in training)
@@ -872,6 +882,18 @@ class LMScale:
     eval_windows: int = 64
     eval_every: int = 250
     seeds: tuple = (0, 1, 2)
+    bmap: str = "expand"  # BASED's map: a key of BASED_MAPS
+
+
+# BASED's map in the Table 1 runs: its options, and the sentence the report gives it
+BASED_MAPS = {
+    "expand": ({"form": "expand", "p": 2, "dim": 16, "symmetric": True},
+               "BASED's expand map (u·u')² on d' = 16 coordinates per head, symmetric form (136 features): the "
+               "homogeneous part of BASED's Taylor map, converted exactly to LLoPS p = 2, m = 136"),
+    "taylor": ({"form": "taylor", "p": 2, "dim": 16, "symmetric": False},
+               "BASED's own Taylor map 1 + s + s²/2 on d' = 16 coordinates per head (273 features, BASED's layout), "
+               "converted exactly to LLoPS of the affine input [x, 1] (p = 2, m = 273, `affine`)"),
+}
 
 
 LM_QUICK = LMScale(d_model=64, n_layers=2, n_heads=2, seq_len=128, batch=16, pretrain=300, extra=150, lr=3e-3,
@@ -880,8 +902,13 @@ LM_QUICK = LMScale(d_model=64, n_layers=2, n_heads=2, seq_len=128, batch=16, pre
 
 def lm_path(kind: str, s: LMScale, seed: int, work) -> Path:
     """Where :func:`lm_run` writes (and finds) the run ``kind`` of ``seed`` at scale ``s``."""
-    tag = f"{kind}_s{seed}_d{s.d_model}_L{s.n_layers}_T{s.seq_len}_n{s.pretrain}+{s.extra}"
+    tag = f"{kind}_s{seed}_d{s.d_model}_L{s.n_layers}_T{s.seq_len}_n{s.pretrain}+{s.extra}{_map_tag(s)}"
     return Path(work) / "table1" / f"{tag}.json"
+
+
+def _map_tag(s: LMScale) -> str:
+    """The file-name suffix of BASED's map (none for expand: the runs made before the choice existed)."""
+    return "" if s.bmap == "expand" else f"_{s.bmap}"
 
 
 def table1_verdict(llops: dict, based: dict) -> str:
@@ -944,11 +971,11 @@ def lm_run(kind: str, s: LMScale, seed: int, work: str, threads: int) -> dict:
                   eval_windows=s.eval_windows)
     base = dict(vocab_size=256, d_model=s.d_model, n_heads=s.n_heads, n_layers=s.n_layers, mlp_ratio=4, short_conv=3)
     extra = {}
-    ckpt = Path(work) / "table1" / f"pretrain_s{seed}_d{s.d_model}_L{s.n_layers}_T{s.seq_len}_n{s.pretrain}"
+    ckpt = Path(work) / "table1" / f"pretrain_s{seed}_d{s.d_model}_L{s.n_layers}_T{s.seq_len}_n{s.pretrain}{_map_tag(s)}"
     if kind in ("pretrain", "softmax"):
         torch.manual_seed(seed)
         att = {"attention": "softmax"} if kind == "softmax" else {
-            "attention": "based", "attention_options": {"form": "expand", "p": 2, "dim": 16, "symmetric": True}}
+            "attention": "based", "attention_options": dict(BASED_MAPS[s.bmap][0])}
         model = TransformerLM(TransformerConfig(**base, **att))
         steps = s.pretrain + (s.extra if kind == "softmax" else 0)
         res = train_lm(model, train, heldout, steps=steps, **common)
@@ -989,6 +1016,8 @@ def table1(args) -> int:
     s = LM_QUICK if args.quick else LMScale()
     if args.seeds:
         s = replace(s, seeds=tuple(int(x) for x in args.seeds.split(",")))
+    s = replace(s, bmap=args.table1_map)
+    name = f"table1{_map_tag(s)}"  # table1.md (expand), table1_taylor.md
     t0 = time.perf_counter()
     kinds = ("pretrain", "based-ct", "llops-ct", "llops-frozen-ct", "softmax")
     runs = {k: [] for k in kinds}
@@ -1021,9 +1050,7 @@ def table1(args) -> int:
          f"**Setup.** Byte-level LM (vocabulary 256) on the Gutenberg plays of the `shakespeare` package (every 5th play "
          f"held out, never trained on). Model: {s.n_layers} layers, d_model {s.d_model}, {s.n_heads} heads, short conv 3, "
          f"MLP ratio 4, context {s.seq_len}, batch {s.batch}, AdamW lr {s.lr:g} (warm-up, cosine), weight decay 0.1. "
-         f"BASED = BASED's expand map (u·u')² on d' = 16 coordinates per head, symmetric form (136 features): the "
-         f"homogeneous part of BASED's Taylor map, chosen because it is exactly a LLoPS (the Taylor map's 1 + s terms "
-         f"are not). Pretraining {s.pretrain} steps; then {s.extra} more steps (a fresh optimiser and schedule) as "
+         f"BASED = {BASED_MAPS[s.bmap][1]}. Pretraining {s.pretrain} steps; then {s.extra} more steps (a fresh optimiser and schedule) as "
          f"(a) BASED (BASED+CT) and (b) LLoPS converted exactly from it (Θ at {KERNEL_LR} × the rate); (c) softmax "
          f"trained {s.pretrain + s.extra} steps from scratch as the reference. Seeds {', '.join(map(str, s.seeds))}"
          f" (a seed sets the initialisation and the data stream; both CT arms of a seed continue the same pretrained "
@@ -1093,12 +1120,12 @@ def table1(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     from sketchlab.plots import save_figure
 
-    save_figure(fig, out / "table1.png", dpi=120)  # atomic; closes the figure
-    L += ["![held-out bits per byte vs step](table1.png)", "", "## Cut from the issue's protocol", "",
+    save_figure(fig, out / f"{name}.png", dpi=120)  # atomic; closes the figure
+    L += [f"![held-out bits per byte vs step]({name}.png)", "", "## Cut from the issue's protocol", "",
           args.cut or "(see the setup above)", ""]
     from sketchlab.io import atomic_write
 
-    with atomic_write(out / "table1.md") as tmp:
+    with atomic_write(out / f"{name}.md") as tmp:
         Path(tmp).write_text("\n".join(L) + "\n")
     print("\n".join(L))
     return 0
@@ -1115,6 +1142,9 @@ def _parse(argv):
                     "400 steps, lr 1e-2, seed 0; softmax, BASED, LLoPS p=4 m=256): ~7 min with 2 jobs on an idle 2-core machine")
     ap.add_argument("--methods", default=None, help="methods of the seeded comparison (keys; default: every "
                     f"method of Tables 4-5, or {QUICK_METHODS} with --quick)")
+    ap.add_argument("--table1-map", choices=tuple(BASED_MAPS), default="expand",
+                    help="--part table1: BASED's map (expand: table1.md; taylor, BASED's own, converted to LLoPS of "
+                    "[x, 1]: table1_taylor.md)")
     ap.add_argument("--m-degree", type=int, default=4, help="--part m: LLoPS's degree p (default 4, the paper's)")
     ap.add_argument("--m-lr", type=float, default=3e-3, help="--part m: the learning rate of every run (default "
                     "3e-3, mqar.md's winner for LLoPS p = 4, m = 256 at --quick scale)")

@@ -11,11 +11,11 @@ from sketchlab.tasks.model import TransformerConfig, TransformerLM
 from sketchlab.tasks.text import based_to_llops, evaluate_lm, lm_batch, conversion_error, train_lm
 
 
-def _based_model(symmetric=True, dim=4):
+def _based_model(symmetric=True, dim=4, form="expand", **options):
     torch.manual_seed(0)
     return TransformerLM(TransformerConfig(vocab_size=32, d_model=32, n_heads=2, n_layers=2, mlp_ratio=2, short_conv=2,
-                                           attention="based", attention_options={"form": "expand", "p": 2, "dim": dim,
-                                                                                 "symmetric": symmetric}))
+                                           attention="based", attention_options={"form": form, "p": 2, "dim": dim,
+                                                                                 "symmetric": symmetric, **options}))
 
 
 def _data(n=4000):
@@ -51,12 +51,38 @@ def test_based_to_llops_full_form_and_rules():
     x = torch.randint(0, 32, (2, 20), generator=torch.Generator().manual_seed(2))
     diff, size = conversion_error(model, x)
     assert diff <= 1e-10 * size
-    with pytest.raises(ValueError, match="use the symmetric form"):
+    with pytest.raises(ValueError, match=r"reads as \(dim, symmetric\) = \(8, True\): use the other form"):
         based_to_llops(_based_model(symmetric=False, dim=6))  # d'^2 = 36 = C(8+1, 2): read as d' = 8 symmetric
+    with pytest.raises(ValueError, match=r"BASED taylor .* reads as \(dim, symmetric\) = \(5, True\)"):
+        based_to_llops(_based_model(symmetric=False, dim=4, form="taylor"))  # 1 + 4 + 16 = 1 + 5 + C(6, 2)
+    with pytest.raises(ValueError, match=r"Taylor model with local='poly' .* use local='softmax'"):
+        based_to_llops(_based_model(dim=4, form="taylor", window=3, local="poly"))
     torch.manual_seed(0)
     soft = TransformerLM(TransformerConfig(vocab_size=32, d_model=32, n_heads=2, n_layers=1))
-    with pytest.raises(ValueError, match="needs a model with attention 'based', form 'expand'"):
+    with pytest.raises(ValueError, match="needs a model with attention 'based', got attention='softmax'"):
         based_to_llops(soft)
+
+
+@pytest.mark.parametrize("form,dim,symmetric,m,window", [
+    ("taylor", 4, True, 15, {}),  # BASED's own map: LLoPS of the affine input [x, 1]
+    ("taylor", 3, False, 13, {"window": 5, "sinks": 1}),  # ... inside the sliding-window hybrid
+    ("expand", 4, True, 10, {"window": 5, "sinks": 1, "local": "poly"}),
+])
+def test_based_to_llops_of_trained_taylor_and_hybrid_models_is_exact(form, dim, symmetric, m, window):
+    model = _based_model(symmetric=symmetric, dim=dim, form=form, **window)
+    data = _data()
+    train_lm(model, data, data, steps=30, seq_len=32, batch_size=8, lr=1e-2, eval_every=30, eval_windows=8)
+    llops = based_to_llops(model)
+    o = llops.config.attention_options
+    assert (o["m"], o["affine"], o["window"]) == (m, form == "taylor", window.get("window", 0))
+    if window:  # the trained gates moved from their 0 start, and were carried over
+        gates = [blk.attention.attn.gate for blk in model.blocks]
+        assert all(g.detach().abs().max() > 1e-3 for g in gates)
+        for g, blk in zip(gates, llops.blocks):
+            torch.testing.assert_close(blk.attention.attn.gate, g, rtol=0, atol=0)
+    x, _ = lm_batch(data, 4, 48, generator=torch.Generator().manual_seed(1))
+    diff, size = conversion_error(model, x)
+    assert diff <= 1e-10 * size, (diff, size)  # as above: float64 round-off of exact algebra
 
 
 def test_lm_batch_and_evaluate():

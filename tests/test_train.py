@@ -246,6 +246,8 @@ def test_llops_kernel_is_llops_attention_on_scaled_inputs(non_negative):
     ("llops", {"eps": 0.0}, r"eps must be a finite number > 0, got 0\.0"),
     ("llops", {"backend": "cuda"}, r"backend must be one of \['auto', 'torch', 'triton', 'reference'\]"),
     ("llops", {"degree": 2}, r"unknown attention option\(s\) \['degree'\] for attention 'llops'; it takes"),
+    ("llops", {"affine": 1}, r"attention option affine must be true or false, got 1"),
+    ("llops", {"affine": True, "window": 2, "local": "poly"}, r"local='poly' is the homogeneous kernel .* use local='softmax'"),
     ("softmax", {"p": 2}, r"attention 'softmax' takes no options"),
     ("nope", {}, r"attention must be one of \['based', 'hedgehog', 'llops', 'poly', 'psf', 'psf-learned', 'softmax'"),
 ])
@@ -288,6 +290,49 @@ def test_llops_from_based_is_based_at_step_0(dtype, p, m, non_negative, based):
     init_llops(llops_model, "random", seed=0)
     # the check can fail: another Θ (random) moves the logits far outside the tolerance
     assert not torch.allclose(_loss(llops_model, inputs, targets)[1], logits_b, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("m,based,hybrid", [
+    (15, {"dim": 4, "symmetric": True}, {}),  # 1 + 4 + C(5, 2)
+    (13, {"dim": 3}, {}),  # 1 + 3 + 3², no symmetric match
+    (73, {"dim": 8}, {"window": 3, "sinks": 1}),  # the whole head, with the hybrid (softmax window, gate)
+])
+def test_affine_llops_from_based_taylor_is_based_at_step_0(dtype, m, based, hybrid):
+    based_model = tiny("based", {**based, **hybrid}, layers=2).to(dtype)
+    llops_model = tiny("llops", {"p": 2, "m": m, "affine": True, **hybrid}, layers=2, seed=5).to(dtype)
+    copy_shared_weights(based_model, llops_model)
+    info = init_llops(llops_model, "based")
+    assert info == {"init": "based", "dim": based["dim"], "symmetric": based.get("symmetric", False), "form": "taylor"}
+    if hybrid:  # trained gates, the same in both models (copy_shared_weights leaves the kernels' own tensors)
+        for kb, kl in zip(kernel_modules(based_model), kernel_modules(llops_model)):
+            with torch.no_grad():
+                kb.gate.copy_(torch.tensor([0.7, -1.3]))
+                kl.gate.copy_(kb.gate)
+    inputs, targets = mqar_batch(MQARConfig(21, 4, 16), 8, generator=torch.Generator().manual_seed(0))
+    loss_b, logits_b = _loss(based_model, inputs, targets)
+    loss_l, logits_l = _loss(llops_model, inputs, targets)
+    # as test_llops_from_based_is_based_at_step_0: the same features by other products and sums
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-11, atol=1e-12)
+    torch.testing.assert_close(logits_l, logits_b, **tol)
+    torch.testing.assert_close(loss_l, loss_b, **tol)
+    # the constant coordinate carries the Taylor map's degree-0 and degree-1 terms: without its row the
+    # map is the homogeneous u⊗u block alone, and the logits move far outside the tolerance
+    with torch.no_grad():
+        for kernel in kernel_modules(llops_model):
+            kernel.theta_q[..., -1, :] = 0
+            kernel.theta_k[..., -1, :] = 0
+    assert not torch.allclose(_loss(llops_model, inputs, targets)[1], logits_b, **tol)
+
+
+def test_affine_init_rules():
+    assert based_init_dim(8, 2, 15, "taylor") == (4, True) and based_init_dim(8, 2, 13, "taylor") == (3, False)
+    with pytest.raises(ValueError, match=r"BASED taylor map .*1 \+ d' \+ C\(d'\+1, 2\).*got m=14; valid m: \[3, 6, 7, 10"):
+        based_init_dim(8, 2, 14, "taylor")
+    with pytest.raises(ValueError, match=r"affine=true is BASED's Taylor map 1 \+ s \+ s²/2: it needs p=2, got p=3"):
+        init_llops(tiny("llops", {"p": 3, "m": 15, "affine": True}), "based")
+    with pytest.raises(ValueError, match=r"non_negative=true would square its kernel"):
+        init_llops(tiny("llops", {"p": 2, "m": 15, "affine": True, "non_negative": True}), "based")
 
 
 def test_based_init_rules():
@@ -341,6 +386,26 @@ def test_theta_init_rescales_to_the_models_input_scale(tmp_path, scale, factor):
     want = llops_attention_naive(q * c, k * c, v, theta[1].double(), 2 * theta[1].double(), normalize="none")
     torch.testing.assert_close(kernel(q, k, v), want, **F64)
     torch.testing.assert_close(kernel.theta_q, theta[1].double() * factor, **F64)
+
+
+def test_theta_init_of_an_affine_model_adds_a_zero_constant_row(tmp_path):
+    # an exported Θ fits the homogeneous kernel on D coordinates: in an affine model it starts with a zero
+    # row for the constant coordinate, so step 0 is the plain model with the same file
+    theta = torch.randn(2, 2, 1, 2, 8, 3, generator=torch.Generator().manual_seed(0))
+    path = _save(tmp_path / "t.safetensors", theta)
+    plain = tiny("llops", {"p": 2, "m": 3, "normalize": "none"}, layers=2).double()
+    affine = tiny("llops", {"p": 2, "m": 3, "normalize": "none", "affine": True}, layers=2, seed=3).double()
+    copy_shared_weights(plain, affine)
+    init_llops(plain, "theta", path)
+    init_llops(affine, "theta", path)
+    for kp, ka in zip(kernel_modules(plain), kernel_modules(affine)):
+        assert ka.theta_q.shape == (2, 1, 2, 9, 3)
+        torch.testing.assert_close(ka.theta_q[..., :8, :], kp.theta_q, rtol=0, atol=0)
+        torch.testing.assert_close(ka.theta_k[..., :8, :], kp.theta_k, rtol=0, atol=0)
+        assert not ka.theta_q[..., 8, :].any() and not ka.theta_k[..., 8, :].any()
+    inputs = torch.randint(0, 21, (3, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(affine(inputs), plain(inputs), **F64)
 
 
 @pytest.mark.parametrize("shape,msg", [

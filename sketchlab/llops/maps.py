@@ -19,6 +19,7 @@ import torch
 from .._validation import as_float_tensor
 
 __all__ = [
+    "affine_input",
     "feature_partials",
     "features_jvp",
     "features_vjp",
@@ -29,6 +30,16 @@ __all__ = [
     "llops_projector",
     "llops_projector_naive",
 ]
+
+
+def affine_input(x: torch.Tensor) -> torch.Tensor:
+    r"""The affine input :math:`\tilde x = [x, 1]`: ``x [..., d]`` → ``[..., d + 1]``.
+
+    A LLoPS Θ with ``d + 1`` rows applied to it has factors :math:`\langle\theta_{:d}, x\rangle +
+    \theta_d`, affine in ``x``: its features are inhomogeneous polynomials of degree ``<= p`` (BASED's
+    Taylor map is one, :func:`sketchlab.as_llops` with ``affine=True``).
+    """
+    return torch.cat([x, x.new_ones(*x.shape[:-1], 1)], dim=-1)
 
 
 def _check_theta(theta, name: str = "theta") -> torch.Tensor:

@@ -14,9 +14,17 @@ sketch converts exactly when each of its features is one product of ``p`` linear
   with self-tensoring (``s = xG/\sqrt r``): :math:`(G_a/\sqrt r, G_b/\sqrt r)`; the plain degree-1
   and degree-2 sketches are rank-1 too.
 
-Not converted (``ValueError`` naming the reason): the BASED Taylor map (inhomogeneous: degrees 0, 1
-and 2 in one feature vector, while every LLoPS feature is a homogeneous degree-``p`` form);
-recursive PolySketchFormer sketches above degree 2 without self-tensoring and self-tensored ones
+On the affine input :math:`\tilde x = [x, 1]` (``as_llops(sketch, affine=True)``: Θ has ``d + 1`` rows, the
+last one multiplying the constant coordinate) each factor :math:`\langle\theta, \tilde x\rangle` is affine in
+``x``, and BASED's Taylor map :math:`[1, u/d'^{1/4}, u\otimes u/(\sqrt2\sqrt{d'})]`, :math:`u = xP`, converts
+exactly with ``p = 2``: the constant feature is :math:`\langle e, \tilde x\rangle^2`, the linear block
+:math:`\langle P_{:,a}/d'^{1/4}, x\rangle\cdot\langle e, \tilde x\rangle`, the quadratic block the expand
+form's Θ with its first factor divided by :math:`\sqrt2\sqrt{d'}` (``e`` the constant coordinate's unit
+vector). Every homogeneous sketch converts on the affine input too, with a zero last row.
+
+Not converted (``ValueError`` naming the reason): the BASED Taylor map on the plain input
+(inhomogeneous: degrees 0, 1 and 2 in one feature vector, while every LLoPS feature of ``x`` is a
+homogeneous degree-``p`` form; ``affine=True`` converts it); recursive PolySketchFormer sketches above degree 2 without self-tensoring and self-tensored ones
 above degree 4 (each coordinate of an upper level is a sum over ``r`` lower-level coordinates, a CP
 tensor of rank up to ``r`` per level rather than a single product); TensorSketch (each feature is a
 signed sum over all index tuples hashed to one bucket: a sparse, high-rank tensor); the MLP sketch
@@ -63,8 +71,9 @@ def _based(sketch: BasedSketch) -> LLoPS:
     if sketch.form == "taylor":
         raise ValueError(
             "as_llops: the BASED Taylor map [1, u/d'^{1/4}, u⊗u/(√2·√d')] is inhomogeneous (a constant, a "
-            "linear and a quadratic block), while every LLoPS feature is a homogeneous degree-p form; it has "
-            "no exact LLoPS Θ. Its homogeneous part, form='expand', converts exactly"
+            "linear and a quadratic block), while every LLoPS feature of x is a homogeneous degree-p form; it "
+            "converts exactly on the affine input [x, 1] (as_llops(sketch, affine=True)), and its homogeneous part, "
+            "form='expand', on x"
         )
     dim, p = sketch.dim, sketch.p
     if sketch.symmetric:
@@ -73,6 +82,37 @@ def _based(sketch: BasedSketch) -> LLoPS:
         index = torch.tensor(list(itertools.product(range(dim), repeat=p)), dtype=torch.long).reshape(-1, p)  # [dim^p, p]
         weight = None  # row-major tuples, as poly_features orders them
     return LLoPS(_from_columns(sketch.proj, index, weight))
+
+
+def _pad_affine(llops: LLoPS) -> LLoPS:
+    """The same features on ``[x, 1]``: a zero row for the constant coordinate, ``[..., t, p, d + 1, m]``."""
+
+    def pad(theta: torch.Tensor) -> torch.Tensor:
+        theta = theta.detach()
+        return torch.cat([theta, theta.new_zeros(*theta.shape[:-2], 1, theta.shape[-1])], dim=-2)
+
+    return LLoPS(pad(llops.theta_q), None if llops.theta_k is None else pad(llops.theta_k))
+
+
+def _based_taylor(sketch: BasedSketch) -> LLoPS:
+    r"""BASED's Taylor map as a rank-1, ``p = 2`` LLoPS of ``[x, 1]``: Θ ``[..., 1, 2, d + 1, 1 + d' + Q]``.
+
+    Features in :func:`~sketchlab.sketches.based.taylor_features`' order: the constant
+    :math:`\langle e, \tilde x\rangle^2`, the linear block :math:`\langle P_{:,a}/d'^{1/4}, x\rangle
+    \langle e, \tilde x\rangle`, the quadratic block (the expand form's Θ, first factor divided by
+    :math:`\sqrt2\sqrt{d'}`); ``Q = d'^2`` or ``C(d'+1, 2)`` (symmetric).
+    """
+    proj, dim = sketch.proj.detach(), sketch.dim  # [..., d, d']
+    lead, d = proj.shape[:-2], proj.shape[-2]
+    unit = proj.new_zeros(*lead, d + 1, 1)
+    unit[..., d, 0] = 1.0  # e: the constant coordinate
+    columns = torch.cat([proj, proj.new_zeros(*lead, 1, dim)], dim=-2)  # [..., d + 1, d']: P on x, 0 on the constant
+    constant = torch.stack([unit, unit], dim=-3)  # [..., 2, d + 1, 1]
+    linear = torch.stack([columns / dim**0.25, unit.expand(*lead, d + 1, dim)], dim=-3)  # [..., 2, d + 1, d']
+    quadratic = _pad_affine(_based(BasedSketch(proj, 2, form="expand", symmetric=sketch.symmetric))).theta_q.detach()
+    quadratic = quadratic[..., 0, :, :, :].clone()  # [..., 2, d + 1, Q]
+    quadratic[..., 0, :, :] /= math.sqrt(2.0) * math.sqrt(dim)
+    return LLoPS(torch.cat([constant, linear, quadratic], dim=-1)[..., None, :, :, :])  # [..., 1, 2, d + 1, M]
 
 
 def _psf(sketch: PolySketch) -> LLoPS:
@@ -100,19 +140,23 @@ def _psf(sketch: PolySketch) -> LLoPS:
     )
 
 
-def as_llops(sketch) -> LLoPS:
+def as_llops(sketch, *, affine: bool = False) -> LLoPS:
     """Exact LLoPS parameters of a special-case sketch (see the module docstring).
 
     Parameters
     ----------
-    sketch : ElementwiseSketch, BasedSketch (form "expand"), PolySketch (plain p <= 2, or
-        self-tensored p in {2, 4}), or LLoPS (returned unchanged)
+    sketch : ElementwiseSketch, BasedSketch (form "expand"; "taylor" with ``affine``), PolySketch
+        (plain p <= 2, or self-tensored p in {2, 4}), or LLoPS (returned unchanged without ``affine``)
+    affine : bool
+        Θ for the affine input ``[x, 1]`` (:func:`sketchlab.llops.affine_input`): ``d + 1`` rows, the
+        last one the constant coordinate's. A homogeneous sketch gets a zero last row (the same
+        features); BASED's Taylor map converts only so.
 
     Returns
     -------
     LLoPS
         Rank ``t = 1``, ``p`` = the sketch's degree, same ``num_features`` and the same features to
-        round-off; tied (one Θ) when the sketch uses one map for both sides.
+        round-off (of ``[x, 1]`` with ``affine``); tied (one Θ) when the sketch uses one map for both sides.
 
     Raises
     ------
@@ -121,6 +165,12 @@ def as_llops(sketch) -> LLoPS:
     TypeError
         For objects that are not sketches.
     """
+    if not isinstance(affine, bool):
+        raise TypeError(f"as_llops: affine must be a bool, got {affine!r}")
+    if affine:
+        if isinstance(sketch, BasedSketch) and sketch.form == "taylor":
+            return _based_taylor(sketch)
+        return _pad_affine(as_llops(sketch))
     if isinstance(sketch, LLoPS):
         return sketch
     if isinstance(sketch, ElementwiseSketch):

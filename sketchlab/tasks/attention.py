@@ -23,7 +23,10 @@ convention, kernel ``1 + s' + s'²/2`` with ``s' = (Pq)ᵀ(Pk)/√d'``).
     ``seed`` (0; layer ``i`` draws from ``seed + i``), ``normalize``, ``eps``.
 ``"llops"`` — learnable ``Θ_Q, Θ_K`` ``[H, t, p, D, m]`` per layer
     options ``p`` (2), ``m`` (64), ``rank`` (1), ``non_negative`` (False; True: ``φ ⊗ φ``, degree
-    ``2p``, ``m²`` features), ``normalize``, ``eps``, ``backend`` ("auto").
+    ``2p``, ``m²`` features), ``affine`` (False; True: Θ ``[H, t, p, D + 1, m]`` on the affine input
+    ``[x · D^{-1/4}, 1]``, :func:`sketchlab.llops.affine_input`: each factor is affine in ``x``, the
+    features inhomogeneous polynomials of degree ``<= p``, and BASED's Taylor map is the case ``p = 2``,
+    ``m = 1 + d' + d'²``), ``normalize``, ``eps``, ``backend`` ("auto").
 ``"hedgehog"`` — Hedgehog's learned map :class:`sketchlab.featuremaps.HedgehogMap`
     ``[softmax(xW), softmax(-xW)]`` (LoLCATs' form; non-negative features, kernel ≈ ``exp``),
     ``W [H, D, m/2]`` trained with the model
@@ -58,8 +61,8 @@ even ``p``, ``psf``/``llops`` with ``non_negative``, BASED, LLoPS initialised fr
 ``p``); a signed kernel can make the denominator vanish (see :mod:`sketchlab.attention`).
 
 Initialisations of the ``llops`` layers (:func:`init_llops`): ``"random"`` (the default at
-construction), ``"based"`` (:func:`sketchlab.as_llops` of BASED's expand map, so step 0 *is* that
-BASED model), ``"theta"`` (an exported Θ, :func:`sketchlab.io.load_theta`, rescaled from the
+construction), ``"based"`` (:func:`sketchlab.as_llops` of BASED's expand map, or with ``affine`` of its
+Taylor map, so step 0 *is* that BASED model), ``"theta"`` (an exported Θ, :func:`sketchlab.io.load_theta`, rescaled from the
 file's recorded input scale to ``D^{-1/4}``).
 """
 
@@ -206,10 +209,14 @@ def _psf_learned_options(opts: dict, config: TransformerConfig) -> dict:
 
 def _llops_options(opts: dict, config: TransformerConfig) -> dict:
     out = {"p": _int(opts, "p", 2), "m": _int(opts, "m", 64), "rank": _int(opts, "rank", 1),
-           "non_negative": _bool(opts, "non_negative", False),
+           "non_negative": _bool(opts, "non_negative", False), "affine": _bool(opts, "affine", False),
            "normalize": _choice(opts, "normalize", "sum", _NORMALIZE), "eps": _eps(opts),
            "backend": _choice(opts, "backend", "auto", _BACKENDS)}
-    return _done("llops", opts, _hybrid_options(opts, out))
+    out = _done("llops", opts, _hybrid_options(opts, out))
+    if out["affine"] and out["window"] and out["local"] == "poly":
+        raise ValueError("attention option local='poly' is the homogeneous kernel (s)^p, and affine=true makes the "
+                         "map an inhomogeneous polynomial: use local='softmax'")
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -352,7 +359,7 @@ class LLoPSKernel(_HybridMixin, nn.Module):
     def __init__(self, config: TransformerConfig, layer: int):
         super().__init__()
         self.options = o = dict(config.attention_options)
-        shape = (config.n_heads, o["rank"], o["p"], config.head_dim, o["m"])  # [H, t, p, D, m]
+        shape = (config.n_heads, o["rank"], o["p"], config.head_dim + o["affine"], o["m"])  # [H, t, p, D (+ 1), m]
         self.theta_q = nn.Parameter(torch.empty(shape))
         self.theta_k = nn.Parameter(torch.empty(shape))
         self.scale = input_scale(config.head_dim)
@@ -362,9 +369,13 @@ class LLoPSKernel(_HybridMixin, nn.Module):
 
     def _attend(self, q, k, v, **state):
         from ..attention import llops_attention
+        from ..llops import affine_input
 
         o = self.options
-        return llops_attention(q * self.scale, k * self.scale, v, self.theta_q, self.theta_k, causal=True,
+        q, k = q * self.scale, k * self.scale
+        if o["affine"]:  # [x · D^{-1/4}, 1]: the local softmax's scores shift by the constant's 1, which cancels
+            q, k = affine_input(q), affine_input(k)
+        return llops_attention(q, k, v, self.theta_q, self.theta_k, causal=True,
                                normalize=o["normalize"], non_negative=o["non_negative"], eps=o["eps"],
                                backend=o["backend"], **self._hybrid(), **state)
 
@@ -455,22 +466,26 @@ def _random_theta(kernel: LLoPSKernel, generator: torch.Generator | None) -> Non
     kernel.theta_k.copy_(g)
 
 
-def based_init_dim(head_dim: int, p: int, m: int) -> tuple[int, bool]:
-    """``(d', symmetric)`` of the BASED expand map with exactly ``m`` features for degree ``p``.
+def based_init_dim(head_dim: int, p: int, m: int, form: str = "expand") -> tuple[int, bool]:
+    """``(d', symmetric)`` of the BASED map of ``form`` with exactly ``m`` features for degree ``p``.
 
-    The symmetric form (``C(d'+p-1, p)`` features) is tried first, then the full one (``d'^p``);
-    ``ValueError`` lists the valid sizes when neither matches.
+    ``form="expand"``: ``C(d'+p-1, p)`` (symmetric) or ``d'^p`` features; ``form="taylor"`` (``p`` must
+    be 2): ``1 + d' + C(d'+1, 2)`` or ``1 + d' + d'²``. The symmetric form is tried first, then the full
+    one; ``ValueError`` lists the valid sizes when neither matches.
     """
-    from ..polynomial import num_poly_features
+    from ..sketches.based import based_num_features
 
+    if form == "taylor" and p != 2:
+        raise ValueError(f"init 'based' with affine=true is BASED's Taylor map 1 + s + s²/2: it needs p=2, got p={p}")
     for symmetric in (True, False):
         for dim in range(1, head_dim + 1):
-            if num_poly_features(dim, p, symmetric) == m:
+            if based_num_features(dim, p, form, symmetric) == m:
                 return dim, symmetric
-    valid = sorted({num_poly_features(dim, p, s) for dim in range(1, head_dim + 1) for s in (True, False)})
+    valid = sorted({based_num_features(dim, p, form, s) for dim in range(1, head_dim + 1) for s in (True, False)})
+    counts = "C(d'+p-1, p) or d'^p" if form == "expand" else "1 + d' + C(d'+1, 2) or 1 + d' + d'^2"
     raise ValueError(
-        f"init 'based' needs m equal to the feature count of a BASED expand map of degree p={p} on d' <= "
-        f"{head_dim} coordinates (C(d'+p-1, p) or d'^p), got m={m}; valid m: {valid}"
+        f"init 'based' needs m equal to the feature count of a BASED {form} map of degree p={p} on d' <= "
+        f"{head_dim} coordinates ({counts}), got m={m}; valid m: {valid}"
     )
 
 
@@ -507,9 +522,13 @@ def init_llops(model: TransformerLM, init: str = "random", theta_file=None, *, s
         with ``P = [I_{d'}; 0]`` and ``(d', symmetric)`` from :func:`based_init_dim` (``m`` must be
         a BASED feature count, ``rank`` 1): the model then computes exactly the ``"based"``
         attention with ``form="expand"``, degree ``p`` (``2p`` with ``non_negative``; the same
-        kernel ``(s')^{2p}`` as BASED expand of degree ``2p``). ``"theta"``: ``theta_file``, a
+        kernel ``(s')^{2p}`` as BASED expand of degree ``2p``); with ``affine``, ``as_llops`` of
+        BASED's Taylor map (``p = 2``, ``m = 1 + d' + d'²`` or ``1 + d' + C(d'+1, 2)``, not
+        ``non_negative``), its ``x`` rows times ``D^{1/4}`` (the Taylor map sees the unscaled q, k):
+        the ``"based"`` attention with ``form="taylor"``. ``"theta"``: ``theta_file``, a
         :func:`sketchlab.io.save_theta` export of shape ``[L, H, t, p, D, m]`` matching the model,
-        rescaled by :func:`_theta_factor` from its recorded ``scale``.
+        rescaled by :func:`_theta_factor` from its recorded ``scale`` (with ``affine``, a zero row
+        for the constant coordinate: the same homogeneous features at step 0).
     theta_file : str or Path
         Required for (and only for) ``init="theta"``.
     seed : int >= 0
@@ -542,14 +561,21 @@ def init_llops(model: TransformerLM, init: str = "random", theta_file=None, *, s
         if o["rank"] != 1:
             raise ValueError(f"init 'based' gives a rank-1 Θ (BASED is one product per feature); the model has "
                              f"rank={o['rank']}: use rank 1")
-        dim, symmetric = based_init_dim(D, o["p"], o["m"])
+        form = "taylor" if o["affine"] else "expand"
+        if o["affine"] and o["non_negative"]:
+            raise ValueError("init 'based' with affine=true is BASED's Taylor map, and non_negative=true would square "
+                             "its kernel ((1 + s + s²/2)² is no BASED model): use non_negative=false")
+        dim, symmetric = based_init_dim(D, o["p"], o["m"], form)
         proj = _slice_projection(D, dim, H).to(torch.float64)  # [H, D, d']
-        theta = as_llops(BasedSketch(proj, o["p"], form="expand", symmetric=symmetric)).theta_q.detach()  # [H, 1, p, D, m]
+        sketch = BasedSketch(proj, o["p"], form=form, symmetric=symmetric)
+        theta = as_llops(sketch, affine=o["affine"]).theta_q.detach()  # [H, 1, p, D (+ 1), m]
+        if o["affine"]:  # the Taylor map takes the unscaled q, k; the layer gives Θ x · D^{-1/4}
+            theta[..., :D, :] *= D**0.25
         with torch.no_grad():
             for layer in layers:
                 layer.theta_q.copy_(theta)
                 layer.theta_k.copy_(theta)
-        return {"init": "based", "dim": dim, "symmetric": symmetric}
+        return {"init": "based", "dim": dim, "symmetric": symmetric, **({"form": form} if o["affine"] else {})}
     from ..io import load_theta
 
     path = Path(theta_file)
@@ -561,6 +587,8 @@ def init_llops(model: TransformerLM, init: str = "random", theta_file=None, *, s
         raise ValueError(f"{path}: Θ of shape [L, H, t, p, d, m] = {list(theta_q.shape)} does not match the model "
                          f"{list(expect)} ({'; '.join(diff)})")
     rho = _theta_factor(meta["scale"], D, str(path))
+    if o["affine"]:  # the constant coordinate's row: zero, so step 0 has the file's homogeneous features
+        theta_q, theta_k = (torch.cat([t, t.new_zeros(*t.shape[:-2], 1, t.shape[-1])], dim=-2) for t in (theta_q, theta_k))
     with torch.no_grad():
         for i, layer in enumerate(layers):
             layer.theta_q.copy_(theta_q[i].to(layer.theta_q.dtype) * rho)

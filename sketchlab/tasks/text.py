@@ -161,31 +161,44 @@ def train_lm(model: TransformerLM, train: torch.Tensor, heldout: torch.Tensor, *
 
 
 def based_to_llops(model: TransformerLM) -> TransformerLM:
-    """The same model with LLoPS attention, Θ the exact conversion of its BASED expand map.
+    """The same model with LLoPS attention, Θ the exact conversion of its BASED map.
 
-    ``model`` must use ``attention="based"`` with ``form="expand"``; the LLoPS model has ``p`` the
-    same, ``m`` the map's feature count (``d'^p``, or ``C(d'+p-1, p)`` when symmetric), rank 1,
-    the same normalisation and ``eps``, and every other weight copied. With the symmetric form the
-    feature count must also be the one :func:`~sketchlab.tasks.attention.based_init_dim` picks.
+    ``model`` must use ``attention="based"``. The expand form converts to LLoPS of the same ``p``
+    with ``m`` the map's feature count (``d'^p``, or ``C(d'+p-1, p)`` when symmetric); the Taylor
+    form to LLoPS of the affine input (``affine=true``, ``p = 2``, ``m = 1 + d' + d'²`` or
+    ``1 + d' + C(d'+1, 2)``). Rank 1, the same normalisation, ``eps`` and sliding-window options
+    (``window``, ``sinks``, ``local``, ``gate``, the gates' values copied); every other weight copied.
+    The feature count must be one :func:`~sketchlab.tasks.attention.based_init_dim` reads back as
+    this ``(d', symmetric)``. A Taylor map with ``local="poly"`` is refused: its window scores use
+    BASED's own ``1/√d'`` on the unscaled q, k, which the LLoPS layer does not compute.
     """
-    from ..polynomial import num_poly_features
-    from .attention import based_init_dim, copy_shared_weights, init_llops
+    from ..sketches.based import based_num_features
+    from .attention import based_init_dim, copy_shared_weights, init_llops, kernel_modules
 
     if not isinstance(model, TransformerLM):
         raise TypeError(f"model must be a TransformerLM, got {type(model).__name__}")
     cfg, o = model.config, model.config.attention_options
-    if cfg.attention != "based" or o.get("form") != "expand":
-        raise ValueError(f"based_to_llops needs a model with attention 'based', form 'expand' (the homogeneous "
-                         f"map, an exact LLoPS special case), got attention={cfg.attention!r}, options={o!r}")
-    m = num_poly_features(o["dim"], o["p"], o["symmetric"])
-    if based_init_dim(cfg.head_dim, o["p"], m) != (o["dim"], o["symmetric"]):
-        raise ValueError(f"BASED with dim={o['dim']}, symmetric={o['symmetric']} has m={m} features, which LLoPS's "
-                         f"'based' init reads as {based_init_dim(cfg.head_dim, o['p'], m)}: use the symmetric form")
+    if cfg.attention != "based":
+        raise ValueError(f"based_to_llops needs a model with attention 'based', got attention={cfg.attention!r}")
+    taylor = o["form"] == "taylor"
+    if taylor and o["window"] and o["local"] == "poly":
+        raise ValueError("based_to_llops: a BASED Taylor model with local='poly' scores its window by BASED's own "
+                         "(s')² on d' coordinates, which no LLoPS layer computes: use local='softmax'")
+    m = based_num_features(o["dim"], o["p"], o["form"], o["symmetric"])
+    read = based_init_dim(cfg.head_dim, o["p"], m, o["form"])
+    if read != (o["dim"], o["symmetric"]):
+        raise ValueError(f"BASED {o['form']} with dim={o['dim']}, symmetric={o['symmetric']} has m={m} features, which "
+                         f"LLoPS's 'based' init reads as (dim, symmetric) = {read}: use the other form of the map")
     new_cfg = TransformerConfig(**{**cfg.to_dict(), "attention": "llops", "attention_options": {
-        "p": o["p"], "m": m, "rank": 1, "normalize": o["normalize"], "eps": o["eps"]}})
+        "p": o["p"], "m": m, "rank": 1, "affine": taylor, "normalize": o["normalize"], "eps": o["eps"],
+        **{k: o[k] for k in ("window", "sinks", "local", "gate")}}})
     out = TransformerLM(new_cfg).to(next(model.parameters()).dtype)
     copy_shared_weights(model, out)
     init_llops(out, "based")
+    with torch.no_grad():
+        for source, target in zip(kernel_modules(model), kernel_modules(out)):
+            if source.gate is not None:
+                target.gate.copy_(source.gate)
     out.train(model.training)
     return out
 
