@@ -178,7 +178,9 @@ def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
     its far keys the other ``j ≤ r``, those of the row alone. Every row ends at position ``T − 1``,
     so the state left (the last ``w`` positions, the far sums, the sinks) is the row's own, and
     tokens appended at the end continue it exactly (:class:`SketchStateCache`, ``generate()``;
-    transformers derives position ids from the mask there, a direct forward must pass them).
+    transformers derives position ids from the mask there, a direct forward must pass them). A pad
+    between real tokens (not a layout transformers makes) is moved only if it lies before a sink;
+    the window counts the pads left among real tokens as positions, reordered or not.
     """
     sketch = getattr(module, "sketch", None)
     if not isinstance(sketch, SketchedAttention):
