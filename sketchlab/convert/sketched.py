@@ -21,9 +21,11 @@ transformers' ``repeat_kv`` does, and every query head has its own feature maps.
 Left padding (how transformers batches ``generate()``): the sinks are the first positions, so a
 causal call that starts a sequence reorders each left-padded row's tokens to [its first ``sinks``
 real tokens, the pads, the other real tokens] before the attention and puts the outputs back
-afterwards (:func:`_sinks_first`). q and k arrive rotated, so the move changes no phase; the
-result equals each row run alone unpadded, and every row still ends at the same position, so the
-state it leaves continues as it would for that row alone (see :func:`hf_attention`).
+afterwards (:func:`_sinks_first`). q and k arrive rotated, so the move changes no phase; with the
+position ids transformers derives from the mask the result equals each row run alone unpadded, and
+every row still ends at the same position, so the state it leaves continues as it would for that
+row alone. What the reorder cannot make exact (a prompt shorter than the sinks, pads under the sinks
+of a continued sequence, an encoder) is refused (see :func:`hf_attention`).
 
 Decoding: :class:`~sketchlab.convert.cache.SketchStateCache` (a transformers ``Cache``) keeps one
 :class:`sketchlab.attention.AttentionState` per layer instead of the keys and values: its
