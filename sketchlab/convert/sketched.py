@@ -258,17 +258,18 @@ def _check_reorderable(padding: torch.Tensor, rows: torch.Tensor, sinks: int, of
 
     if not causal:
         raise ValueError(f"{row(rows)} puts the {sinks} attention sinks (the first positions) on pads; a non-causal "
-                         "model's two-sided window would see tokens moved in front of the pads, so its left padding "
-                         "cannot be reordered: pad on the right (tokenizer.padding_side='right') or convert with sinks=0")
+                         "model's two-sided window would see tokens moved in front of the pads, so its left "
+                         "padding cannot be reordered: pad on the right (tokenizer.padding_side='right') or convert "
+                         "with sinks=0")
     if offset:
         raise ValueError(f"{row(rows)} puts pads under the last {sinks - offset} of the {sinks} attention sinks of a "
                          f"sequence continued from {offset} tokens; left padding is reordered only in the call that "
-                         "starts the sequence: pad the prompt on the left in the first call")
+                         "starts the sequence: put the pads in the first call")
     short = (padding.sum(1) < sinks) & rows  # [B] too few real tokens to fill the sinks
     if bool(short.any()):
         raise ValueError(f"{row(short)} is left-padded with fewer real tokens than the {sinks} attention sinks: its "
-                         "next tokens would be sinks but come after the pads; give every prompt at least "
-                         f"{sinks} tokens, pad on the right (tokenizer.padding_side='right') or convert with fewer sinks")
+                         f"next tokens would be sinks but come after the pads; give every prompt at least {sinks} "
+                         "tokens, pad on the right (tokenizer.padding_side='right') or convert with fewer sinks")
 
 
 def remember_cache(module: nn.Module, args, kwargs) -> None:
