@@ -463,13 +463,13 @@ def test_left_padded_generate_equals_each_prompt_alone():
 def test_left_padding_that_cannot_be_reordered_is_refused(monkeypatch):
     """Left padding is refused, naming the row and its counts, where moving the sinks in front of the
     pads is not exact: a prompt shorter than the sinks (its next tokens would be sinks), pads under the
-    sinks of a continued sequence, an encoder's two-sided window. Right padding runs as before, with no
-    reorder."""
+    sinks of a continued sequence, an encoder's two-sided window. Right padding, and left padding without
+    sinks, run as before, with no reorder."""
     from sketchlab.convert.cache import SketchStateCache
 
     model = _left_converted(_llama, "llops")
     ids, mask, positions = _left_padded(_prompts((6, 3)))
-    with pytest.raises(ValueError, match=r"row 1 of the batch \(3 pads, 3 real tokens\) is left-padded with fewer "
+    with pytest.raises(ValueError, match=r"row 1 of the batch \(3 of its 6 tokens pads\) is left-padded with fewer "
                                          r"real tokens than the 4 attention sinks"):
         model(input_ids=ids, attention_mask=mask, position_ids=positions)
     cache = SketchStateCache(2)
@@ -477,21 +477,25 @@ def test_left_padding_that_cannot_be_reordered_is_refused(monkeypatch):
         model(input_ids=ids[:, :2], cache=cache, use_cache=True)
         later = torch.ones(2, 5, dtype=torch.long)
         later[1, 2] = 0  # the new part of row 1: a pad at the 3rd of the 4 sinks, real tokens after it
-        with pytest.raises(ValueError, match=r"row 1 of the batch \(1 pads, 2 real tokens\) puts pads under the last "
+        with pytest.raises(ValueError, match=r"row 1 of the batch \(1 of its 3 tokens pads\) puts pads under the last "
                                              r"2 of the 4 attention sinks of a sequence continued from 2 tokens"):
             model(input_ids=ids[:, 2:5], attention_mask=later, cache=cache, use_cache=True)
     bert = _bert()
     convert_attention(bert, attention="llops", p=2, m=8, window=4, sinks=2)
     left = torch.ones(2, 9, dtype=torch.long)
     left[1, :3] = 0
-    with pytest.raises(ValueError, match=r"row 1 of the batch \(3 pads, 6 real tokens\) puts the 2 attention sinks "
+    with pytest.raises(ValueError, match=r"row 1 of the batch \(3 of its 9 tokens pads\) puts the 2 attention sinks "
                                          r"\(the first positions\) on pads; a non-causal model"):
         bert(input_ids=ids.new_ones(2, 9), attention_mask=left)
-    right, right_mask = _inputs(True)  # right padding runs as given: no reorder (a gather would fail here)
+    # right padding, and left padding without sinks, run as given: no reorder (a gather would fail here)
+    right, right_mask = _inputs(True)
+    nosinks = _llama()
+    convert_attention(nosinks, attention="llops", p=2, m=8, window=4, sinks=0)
     monkeypatch.setattr(sketched, "_take", None)
     with torch.no_grad():
         model(input_ids=right, attention_mask=right_mask)
         bert(input_ids=right, attention_mask=right_mask)
+        nosinks(input_ids=ids, attention_mask=mask, position_ids=positions)
 
 
 def test_sketched_attention_passes_its_normalize_to_the_attention():

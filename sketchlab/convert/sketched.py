@@ -253,8 +253,8 @@ def _check_reorderable(padding: torch.Tensor, rows: torch.Tensor, sinks: int, of
     :func:`_sinks_first` cannot make exact, naming the first such row and its counts."""
     def row(which: torch.Tensor) -> str:  # the first row of `which [B]`, with its counts
         b = int(which.nonzero()[0, 0])
-        real = int(padding[b].sum())
-        return f"{ATTENTION_NAME}: row {b} of the batch ({padding.shape[1] - real} pads, {real} real tokens)"
+        pads, tokens = int((~padding[b]).sum()), padding.shape[1]
+        return f"{ATTENTION_NAME}: row {b} of the batch ({pads} of its {tokens} tokens pads)"
 
     if not causal:
         raise ValueError(f"{row(rows)} puts the {sinks} attention sinks (the first positions) on pads; a non-causal "
