@@ -384,20 +384,118 @@ def test_gate_init_at_one_is_window_and_sinks_alone():
     assert float((outs[0.0, 0] - outs[0.0, 1]).abs().max()) > 1e-6
 
 
-def test_left_padding_under_the_sinks_is_refused():
-    """Sinks are the first positions: a left-padded batch would put them on pads and make a row's
-    output depend on its padding, so the converted model refuses it (right padding runs)."""
-    model = _llama()
-    convert_attention(model, attention="llops", p=2, m=8, window=4, sinks=2)
-    ids, mask = _inputs(True)  # right padding in sequence 1
-    model(input_ids=ids, attention_mask=mask)
-    left = torch.ones_like(mask)
+def _left_padded(prompts):
+    """Left-pad ``prompts`` (1-D token tensors) with token 0 as ``generate()`` batches them: ids, mask
+    ``[B, T]`` and the position ids transformers derives from the mask (each row's real tokens 0, 1, …)."""
+    T = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), T, dtype=torch.long)
+    mask = torch.zeros(len(prompts), T, dtype=torch.long)
+    for b, prompt in enumerate(prompts):
+        ids[b, T - len(prompt):], mask[b, T - len(prompt):] = prompt, 1
+    return ids, mask, (mask.cumsum(1) - 1).clamp(min=0)
+
+
+def _prompts(lengths, seed=7):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, 50, (n,), generator=g) for n in lengths]
+
+
+# window 3, sinks 4 (the default): lengths 13 (unpadded) and 10 (3 pads) have window, sink and far keys,
+# 6 is between sinks and sinks + window (no far key, the window reaches the sinks), 4 is sinks alone
+LEFT_WINDOW, LEFT_SINKS, LEFT_LENGTHS = 3, 4, (13, 10, 6, 4)
+
+
+def _left_converted(make, attention):
+    model = make()
+    convert_attention(model, attention=attention, p=2, m=8, window=LEFT_WINDOW, sinks=LEFT_SINKS)
+    torch.manual_seed(5)
+    with torch.no_grad():
+        for s in converted_modules(model):
+            s.gate.normal_()  # window and far part both weigh
+    return model
+
+
+def test_sinks_first_order():
+    padding = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 0], [0, 1, 1, 1, 1, 0]], dtype=torch.bool)
+    order = sketched._sinks_first(padding, 2)
+    assert order.tolist() == [[2, 3, 0, 1, 4, 5], [0, 1, 2, 3, 4, 5], [1, 2, 0, 3, 4, 5]]
+
+
+@pytest.mark.parametrize("make,attention", [(_llama, "llops"), (_llama, "hedgehog"), (_gpt2, "hedgehog")])
+def test_left_padded_batch_equals_each_prompt_alone(make, attention):
+    """A left-padded batch (each row's first sinks real tokens moved in front of its pads inside
+    hf_attention) gives each prompt's logits as the prompt alone, unpadded, gives them: float64
+    round-off only (the batch runs longer sequences, so its sums are formed in another order; measured
+    ≤ 2.2e-16 on logits ≤ 0.5, TOL64 = 1e-10 leaves margin, while sinks left on the pads or outputs put
+    back in the wrong places move them by 1e-2 to 1e-1; the far part alone, its maps moved by 0.1, by
+    ~1e-5). position_ids are passed as generate() derives them (the forward does not)."""
+    model = _left_converted(make, attention)
+    prompts = _prompts(LEFT_LENGTHS)
+    ids, mask, positions = _left_padded(prompts)
+    assert bool(sketched._rows_with_pads_under_sinks(mask.bool(), LEFT_SINKS).any())  # the old refusal's case
+    with torch.no_grad():
+        batch = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+        for b, prompt in enumerate(prompts):
+            alone = model(input_ids=prompt[None]).logits[0]
+            torch.testing.assert_close(batch[b, mask[b].bool()], alone, **TOL64)
+
+
+def test_left_padded_generate_equals_each_prompt_alone():
+    """generate() (greedy, with the state cache) on a left-padded batch gives each prompt the new tokens
+    and the step logits (TOL64, as above) it gets generated alone: the state the reordered prefill leaves
+    continues each row as its own."""
+    from sketchlab.convert.cache import SketchStateCache
+
+    model = _left_converted(_llama, "llops")
+    prompts = _prompts(LEFT_LENGTHS, seed=8)
+    ids, mask, _ = _left_padded(prompts)
+    kw = dict(max_new_tokens=7, min_new_tokens=7, do_sample=False, pad_token_id=0, return_dict_in_generate=True,
+              output_logits=True)
+    batch = model.generate(ids, attention_mask=mask, **kw)
+    assert isinstance(batch.cache, SketchStateCache)
+    for b, prompt in enumerate(prompts):
+        alone = model.generate(prompt[None], **kw)
+        assert torch.equal(batch.sequences[b, ids.shape[1]:], alone.sequences[0, len(prompt):])
+        torch.testing.assert_close(torch.stack([s[b] for s in batch.logits]),
+                                   torch.stack([s[0] for s in alone.logits]), **TOL64)
+
+
+def test_left_padding_that_cannot_be_reordered_is_refused(monkeypatch):
+    """Left padding is refused, naming the row and its counts, where moving the sinks in front of the
+    pads is not exact: a prompt shorter than the sinks (its next tokens would be sinks), pads under the
+    sinks of a continued sequence, an encoder's two-sided window. Right padding, and left padding without
+    sinks, run as before, with no reorder."""
+    from sketchlab.convert.cache import SketchStateCache
+
+    model = _left_converted(_llama, "llops")
+    ids, mask, positions = _left_padded(_prompts((6, 3)))
+    with pytest.raises(ValueError, match=r"row 1 of the batch \(3 of its 6 tokens pads\) is left-padded with fewer "
+                                         r"real tokens than the 4 attention sinks"):
+        model(input_ids=ids, attention_mask=mask, position_ids=positions)
+    cache = SketchStateCache(2)
+    with torch.no_grad():
+        model(input_ids=ids[:, :2], cache=cache, use_cache=True)
+        later = torch.ones(2, 5, dtype=torch.long)
+        later[1, 2] = 0  # the new part of row 1: a pad at the 3rd of the 4 sinks, real tokens after it
+        with pytest.raises(ValueError, match=r"row 1 of the batch \(1 of its 3 tokens pads\) puts pads under the last "
+                                             r"2 of the 4 attention sinks of a sequence continued from 2 tokens"):
+            model(input_ids=ids[:, 2:5], attention_mask=later, cache=cache, use_cache=True)
+    bert = _bert()
+    convert_attention(bert, attention="llops", p=2, m=8, window=4, sinks=2)
+    left = torch.ones(2, 9, dtype=torch.long)
     left[1, :3] = 0
-    with pytest.raises(ValueError, match="left-padded batch puts the 2 attention sinks"):
-        model(input_ids=ids, attention_mask=left)
+    with pytest.raises(ValueError, match=r"row 1 of the batch \(3 of its 9 tokens pads\) puts the 2 attention sinks "
+                                         r"\(the first positions\) on pads; a non-causal model"):
+        bert(input_ids=ids.new_ones(2, 9), attention_mask=left)
+    # right padding, and left padding without sinks, run as given: no reorder (a gather would fail here)
+    right, right_mask = _inputs(True)
     nosinks = _llama()
     convert_attention(nosinks, attention="llops", p=2, m=8, window=4, sinks=0)
-    nosinks(input_ids=ids, attention_mask=left)
+    monkeypatch.setattr(sketched, "_take", None)
+    with torch.no_grad():
+        model(input_ids=right, attention_mask=right_mask)
+        bert(input_ids=right, attention_mask=right_mask)
+        nosinks(input_ids=ids, attention_mask=mask, position_ids=positions)
 
 
 def test_sketched_attention_passes_its_normalize_to_the_attention():

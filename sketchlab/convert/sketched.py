@@ -18,6 +18,15 @@ rotary embedding; grouped-query keys and values are repeated to the ``H`` query 
 transformers' ``repeat_kv`` does, and every query head has its own feature maps. Its mask function
 (:func:`hf_mask`, the same name in ``AttentionMaskInterface``) hands on the 2-D padding mask.
 
+Left padding (how transformers batches ``generate()``): the sinks are the first positions, so a
+causal call that starts a sequence reorders each left-padded row's tokens to [its first ``sinks``
+real tokens, the pads, the other real tokens] before the attention and puts the outputs back
+afterwards (:func:`_sinks_first`). q and k arrive rotated, so the move changes no phase; with the
+position ids transformers derives from the mask the result equals each row run alone unpadded, and
+every row still ends at the same position, so the state it leaves continues as it would for that
+row alone. What the reorder cannot make exact (a prompt shorter than the sinks, pads under the sinks
+of a continued sequence, an encoder) is refused (see :func:`hf_attention`).
+
 Decoding: :class:`~sketchlab.convert.cache.SketchStateCache` (a transformers ``Cache``) keeps one
 :class:`sketchlab.attention.AttentionState` per layer instead of the keys and values: its
 ``update`` passes the new keys and values through unchanged, and the attention continues from the
@@ -137,13 +146,43 @@ def _repeat_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
 
 def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0, **kwargs):
-    """transformers attention function of :data:`ATTENTION_NAME` (``AttentionInterface``).
+    r"""transformers attention function of :data:`ATTENTION_NAME` (``AttentionInterface``).
 
     ``query [B, H, T, D]``, ``key [B, H_kv, S, D]``, ``value [B, H_kv, S, Dv]`` (post-RoPE) →
     ``(out [B, T, H, Dv], None)`` through ``module.sketch`` (:class:`SketchedAttention`).
     ``attention_mask``: the 2-D padding mask of :func:`hf_mask` (its last ``S`` columns are this
     call's keys). With a :class:`SketchStateCache` the call continues from the layer's state.
     Attention dropout is not applied (the converted attention has none).
+
+    Left padding. A causal call that starts a sequence (no state, or an empty one) and has a row
+    with pads among its first ``sinks`` positions followed by real tokens runs that batch with
+    each row's tokens reordered by :func:`_sinks_first` — [its first ``sinks`` real tokens, then
+    the tokens before and between them (the pads), then the rest in order] — applied to q, k, v
+    and the mask, and the output put back in place. Rows without such pads are left as they are;
+    a batch without them (no padding, right padding) runs as given.
+
+    Raises
+    ------
+    ValueError
+        Left padding that cannot be reordered exactly: a row with fewer than ``sinks`` real
+        tokens (its later tokens would be sinks alone, but land after the pads), a call that
+        continues a state of fewer than ``sinks`` tokens with pads under the remaining sinks, and
+        a non-causal (encoder) model, whose two-sided window would see the moved tokens.
+
+    Notes
+    -----
+    Why the reorder is exact for a row with ``P`` leading pads and ``R >= sinks`` real tokens
+    (the layout ``generate()`` makes). q and k were rotated from the real tokens' position ids,
+    so moving a token moves its phase with it; pads are masked keys. Real token ``r`` sits at
+    position ``i = r`` for ``r < sinks`` and ``i = r + P`` after, so the causal window
+    ``i − w < j ≤ i`` holds, besides pads, the real tokens ``max(sinks, r − w + 1) … r``, and the
+    sinks are positions ``0 … sinks − 1``: its local keys are the sinks and ``r − w + 1 … r`` and
+    its far keys the other ``j ≤ r``, those of the row alone. Every row ends at position ``T − 1``,
+    so the state left (the last ``w`` positions, the far sums, the sinks) is the row's own, and
+    tokens appended at the end continue it exactly (:class:`SketchStateCache`, ``generate()``;
+    transformers derives position ids from the mask there, a direct forward must pass them). A pad
+    between real tokens (not a layout transformers makes) is moved only if it lies before a sink;
+    the window counts the pads left among real tokens as positions, reordered or not.
     """
     sketch = getattr(module, "sketch", None)
     if not isinstance(sketch, SketchedAttention):
@@ -157,20 +196,80 @@ def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
     padding = None if attention_mask is None else attention_mask[:, -S:].to(torch.bool)  # [B, S]
     layer = getattr(sketch, "_cache_layer", None)
     offset = 0 if layer is None else getattr(layer.state, "offset", 0)  # the tokens the state holds
-    if padding is not None and _pads_under_sinks(padding, sketch.sinks - offset):
-        raise ValueError(f"{ATTENTION_NAME}: a left-padded batch puts the {sketch.sinks} attention sinks (the first "
-                         "positions) on pad tokens, so a row's output would depend on its padding: pad on the right "
-                         "(tokenizer.padding_side='right') or convert with sinks=0")
     if layer is None and S != T:
         raise ValueError(f"{ATTENTION_NAME}: {S} keys for {T} queries: a converted model decodes with "
                          "sketchlab.convert.cache.SketchStateCache (generate() uses it by default), not with a key/value cache")
+    order = None  # [B, T] the sinks-first reorder of a left-padded batch, or None
+    if padding is not None:
+        rows = _rows_with_pads_under_sinks(padding, sketch.sinks - offset)  # [B]
+        if bool(rows.any()):
+            _check_reorderable(padding, rows, sketch.sinks, offset, sketch.causal)
+            order = _sinks_first(padding, sketch.sinks)
     q = query.transpose(1, 2)  # [B, T, H, D]
     k, v = _repeat_heads(key, H), _repeat_heads(value, H)  # [B, S, H, D]
+    if order is not None:
+        q, k, v, padding = _take(q, order), _take(k, order), _take(v, order), padding.gather(1, order)
     if layer is None:
-        return sketch(q, k, v, scaling=scaling, key_padding_mask=padding), None
-    out, layer.state = sketch(q, k, v, scaling=scaling, key_padding_mask=padding, initial_state=layer.state,
-                              output_final_state=True)
+        out = sketch(q, k, v, scaling=scaling, key_padding_mask=padding)
+    else:
+        out, layer.state = sketch(q, k, v, scaling=scaling, key_padding_mask=padding, initial_state=layer.state,
+                                  output_final_state=True)
+    if order is not None:
+        out = _take(out, order.argsort(1))  # the inverse permutation: each output back at its token
     return out, None
+
+
+def _sinks_first(padding: torch.Tensor, sinks: int) -> torch.Tensor:
+    r"""The per-row order that puts each row's first ``sinks`` real tokens in front.
+
+    Parameters
+    ----------
+    padding : bool Tensor ``[B, T]``
+        True = a real token.
+    sinks : int >= 0
+        The attention sinks.
+
+    Returns
+    -------
+    order : long Tensor ``[B, T]``
+        ``order[b, i]`` is the token that goes to position ``i`` of row ``b``: the first ``sinks``
+        real tokens of the row, then every other token, each group in its original order (a stable
+        sort). ``x.gather(1, order)`` reorders, ``y.gather(1, order.argsort(1))`` puts back. A row
+        whose first ``sinks`` tokens are real keeps the identity; left padding ``[pad]·P + [x_0 … x_{R−1}]``
+        becomes ``[x_0 … x_{sinks−1}] + [pad]·P + [x_{sinks} … x_{R−1}]``.
+    """
+    real_before = padding.cumsum(1)  # [B, T] real tokens up to and including each position
+    later = ~(padding & (real_before <= sinks))  # [B, T] False on the first `sinks` real tokens
+    return torch.sort(later.to(torch.uint8), dim=1, stable=True).indices
+
+
+def _take(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """``x [B, T, H, D]`` with its tokens in ``order [B, T]`` (per row, along ``T``)."""
+    return x.gather(1, order[:, :, None, None].expand(x.shape))
+
+
+def _check_reorderable(padding: torch.Tensor, rows: torch.Tensor, sinks: int, offset: int, causal: bool) -> None:
+    """Refuse the left padding of ``rows [B]`` (pads under the sinks in ``padding [B, S]``) that
+    :func:`_sinks_first` cannot make exact, naming the first such row and its counts."""
+    def row(which: torch.Tensor) -> str:  # the first row of `which [B]`, with its counts
+        b = int(which.nonzero()[0, 0])
+        pads, tokens = int((~padding[b]).sum()), padding.shape[1]
+        return f"{ATTENTION_NAME}: row {b} of the batch ({pads} of its {tokens} tokens pads)"
+
+    if not causal:
+        raise ValueError(f"{row(rows)} puts the {sinks} attention sinks (the first positions) on pads; a non-causal "
+                         "model's two-sided window would see tokens moved in front of the pads, so its left "
+                         "padding cannot be reordered: pad on the right (tokenizer.padding_side='right') or convert "
+                         "with sinks=0")
+    if offset:
+        raise ValueError(f"{row(rows)} puts pads under the last {sinks - offset} of the {sinks} attention sinks of a "
+                         f"sequence continued from {offset} tokens; left padding is reordered only in the call that "
+                         "starts the sequence: put the pads in the first call")
+    short = (padding.sum(1) < sinks) & rows  # [B] too few real tokens to fill the sinks
+    if bool(short.any()):
+        raise ValueError(f"{row(short)} is left-padded with fewer real tokens than the {sinks} attention sinks: its "
+                         f"next tokens would be sinks but come after the pads; give every prompt at least {sinks} "
+                         "tokens, pad on the right (tokenizer.padding_side='right') or convert with fewer sinks")
 
 
 def remember_cache(module: nn.Module, args, kwargs) -> None:
@@ -192,11 +291,11 @@ def forget_cache(module: nn.Module, args, kwargs, output) -> None:
     module.sketch._cache_layer = None
 
 
-def _pads_under_sinks(padding: torch.Tensor, first: int) -> bool:
-    """Whether a row of ``padding [B, S]`` (True = a real token) has a pad among its first ``first``
-    positions with a real token after it (left padding under the sinks)."""
+def _rows_with_pads_under_sinks(padding: torch.Tensor, first: int) -> torch.Tensor:
+    """Which rows of ``padding [B, S]`` (True = a real token) have a pad among their first ``first``
+    positions with a real token after it (left padding under the sinks): bool ``[B]``."""
     if first <= 0:
-        return False
+        return torch.zeros(padding.shape[0], dtype=torch.bool, device=padding.device)
     head = padding[:, :first]
     real_after = padding.flip(1).cumsum(1).flip(1)[:, :first] - head.int()  # real tokens after each position
-    return bool(((~head) & (real_after > 0)).any())
+    return ((~head) & (real_after > 0)).any(1)
