@@ -61,9 +61,11 @@ import argparse
 import json
 import math
 import platform
+import re
 import statistics
 import sys
 import time
+import warnings
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -229,6 +231,28 @@ def forward_ms(model, seq_len: int, batch: int = 8, repeats: int = 5) -> float:
     return statistics.median(times)
 
 
+_DENOMINATOR = re.compile(r"(\d+) of \d+ query rows have a normalising denominator <= 0")
+
+
+def denominator_warnings(caught) -> dict:
+    """``{"calls", "rows"}``: how many attention calls of a run warned of normalising denominators ``<= 0``
+    (signed features under ``normalize="sum"``) and how many query rows they named, in all; every
+    other caught warning is issued again."""
+    calls = rows = 0
+    for w in caught:
+        hit = _DENOMINATOR.search(str(w.message))
+        if hit:
+            calls, rows = calls + 1, rows + int(hit.group(1))
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return {"calls": calls, "rows": rows}
+
+
+def denominator_cell(rs) -> str:
+    """Per seed, ``calls (rows)`` of :func:`denominator_warnings`; ``–`` for a run made before they were counted."""
+    return ", ".join(f"{d['calls']} ({d['rows']})" if (d := r.get("denominator_warnings")) else "–" for r in rs)
+
+
 def read_run(path: Path, rope_base) -> dict:
     """A finished run's JSON, refused (``ValueError`` naming the file) when it was trained with another
     positional encoding than its method's today: ``<key>-nope`` once meant RoPE base 1e300, and runs are
@@ -258,25 +282,28 @@ def run_one(spec: RunSpec, work: str, threads: int) -> dict:
     model = build_model(method, s.d_model, s.vocab, spec.seed)
     mix = zoology_mixture(s.vocab, pairs=s.train_pairs())
     t0 = time.perf_counter()
-    try:
-        result = train_mqar(model, [(mix, s.steps)], batch_size=s.batch, lr=spec.lr, weight_decay=0.1,
-                            kernel_lr=method.kernel_lr, warmup=s.warmup, clip=1.0, seed=spec.seed,
-                            eval_sequences=s.eval_sequences, eval_every=max(1, s.steps // 4), progress=False)
-        diverged = None
-    except FloatingPointError as err:
-        result, diverged = None, str(err)
-    seconds = time.perf_counter() - t0
-    if result is None:
-        slices = [{"seq_len": T, "num_pairs": P, "accuracy": 0.0, "queries": 0} for T, P in s.test_pairs()]
-        mix_acc, evals = 0.0, []
-    else:
-        slices = evaluate_slices(model, zoology_tests(s.vocab, pairs=s.test_pairs()), num_sequences=s.eval_sequences,
-                                 seed=spec.seed)
-        mix_acc, evals = result.heldout_accuracy, result.evals
+    with warnings.catch_warnings(record=True) as caught:  # the attention's denominator checks, counted
+        warnings.simplefilter("always", RuntimeWarning)
+        try:
+            result = train_mqar(model, [(mix, s.steps)], batch_size=s.batch, lr=spec.lr, weight_decay=0.1,
+                                kernel_lr=method.kernel_lr, warmup=s.warmup, clip=1.0, seed=spec.seed,
+                                eval_sequences=s.eval_sequences, eval_every=max(1, s.steps // 4), progress=False)
+            diverged = None
+        except FloatingPointError as err:
+            result, diverged = None, str(err)
+        seconds = time.perf_counter() - t0
+        if result is None:
+            slices = [{"seq_len": T, "num_pairs": P, "accuracy": 0.0, "queries": 0} for T, P in s.test_pairs()]
+            mix_acc, evals = 0.0, []
+        else:
+            slices = evaluate_slices(model, zoology_tests(s.vocab, pairs=s.test_pairs()),
+                                     num_sequences=s.eval_sequences, seed=spec.seed)
+            mix_acc, evals = result.heldout_accuracy, result.evals
+    denominators = denominator_warnings(caught)
     out = {"spec": {"method": spec.method, "lr": spec.lr, "seed": spec.seed, "scale": asdict(s)},
            "label": method.label, "mixture_accuracy": mix_acc, "slices": slices, "evals": evals,
            "seconds": seconds, "diverged": diverged, "forward_ms_T256": forward_ms(model, 256),
-           "threads": threads, "rope_base": method.rope_base,
+           "threads": threads, "rope_base": method.rope_base, "denominator_warnings": denominators,
            "command": "python analysis/paper_training.py " + _command()}  # the invocation that ran it
     from sketchlab.io import atomic_write
 
@@ -436,8 +463,8 @@ def write_mqar_report(args, scale, table, swept, best_lr, seeded, wall):
     L += ["", "## Every method: mean ± sd over seeds (each seed's number in brackets)", "",
           "Score = mean accuracy over the test slices at training lengths; then each slice (T, P).", "",
           "| method | lr | seeds | score | " + " | ".join(f"({T}, {P})" for T, P in scale.test_pairs())
-          + " | train s | forward ms (B=8, T=256) |",
-          "|---|---|---|---|" + "---|" * len(scale.test_pairs()) + "---|---|"]
+          + " | train s | forward ms (B=8, T=256) | calls with a denominator ≤ 0 (rows) |",
+          "|---|---|---|---|" + "---|" * len(scale.test_pairs()) + "---|---|---|"]
     for k, rs in by.items():
         cells = []
         for i in range(len(scale.test_pairs())):
@@ -446,7 +473,8 @@ def write_mqar_report(args, scale, table, swept, best_lr, seeded, wall):
         seeds = ", ".join(str(r["spec"]["seed"]) for r in rs)
         L.append(f"| {table[k].label} | {rs[0]['spec']['lr']:g} | {seeds} | {fmt([score(r) for r in rs])} | "
                  + " | ".join(cells)
-                 + f" | {statistics.fmean(r['seconds'] for r in rs):.0f} | {statistics.fmean(r['forward_ms_T256'] for r in rs):.1f} |")
+                 + f" | {statistics.fmean(r['seconds'] for r in rs):.0f} | {statistics.fmean(r['forward_ms_T256'] for r in rs):.1f}"
+                 + f" | {denominator_cell(rs)} |")
     # softmax check, for each softmax variant run
     T_max = max(T for T, _ in scale.train_pairs())
     for key in ("softmax", "softmax-nope"):

@@ -82,6 +82,42 @@ def test_llops_from_based_is_basedexpand_at_step_0(key, options, p, dim):
         assert float((random(x) - b).abs().max()) > 1e-6 * float(b.abs().max())
 
 
+def test_llops_taylor_from_based_is_based_taylor_at_step_0():
+    """LLoPS of the affine input [x, 1] from BASED's own Taylor map (d' = 16, 273 features): at step 0 the
+    model is the `based` method's (the same kernels and, once the shared weights are copied, the same logits)."""
+    table = pt.methods(D_MODEL)
+    method = table["llops-taylor-m273-based"]
+    assert method.init == "based" and method.options == {"p": 2, "m": 273, "affine": True}
+    llops = pt.build_model(method, D_MODEL, VOCAB, seed=3).double()
+    based = pt.build_model(table["based"], D_MODEL, VOCAB, seed=7).double()
+    copy_shared_weights(llops, based)
+    x = _tokens(1, T=20)
+    with torch.no_grad():
+        a, b = llops(x), based(x)
+    # as above: exact algebra, float64 round-off; a zero constant row (no 1 + s terms) fails it
+    assert float((a - b).abs().max()) <= 1e-10 * float(b.abs().max())
+    for kernel in kernel_modules(llops):
+        with torch.no_grad():
+            kernel.theta_q[..., -1, :] = 0
+    with torch.no_grad():
+        assert float((llops(x) - b).abs().max()) > 1e-6 * float(b.abs().max())
+
+
+def test_denominator_warnings_are_counted_and_others_issued_again():
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for n in (3, 14):
+            warnings.warn(f"llops_attention: {n} of 1024 query rows have a normalising denominator <= 0 (signed ...)",
+                          RuntimeWarning)
+        warnings.warn("something else", UserWarning)
+    with pytest.warns(UserWarning, match="something else"):
+        assert pt.denominator_warnings(caught) == {"calls": 2, "rows": 17}
+    assert pt.denominator_cell([{"denominator_warnings": {"calls": 2, "rows": 17}}, {},
+                                {"denominator_warnings": {"calls": 0, "rows": 0}}]) == "2 (17), –, 0 (0)"
+
+
 def _run(method, seed, acc, seconds=1.0):
     slices = [{"seq_len": T, "num_pairs": P, "accuracy": acc, "queries": 1} for T, P in pt.QUICK.test_pairs()]
     return {"spec": {"method": method, "seed": seed, "scale": {"divide": pt.QUICK.divide}}, "slices": slices,
