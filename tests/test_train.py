@@ -96,6 +96,20 @@ def test_checkpoint_of_another_config_is_refused(tmp_path):
         train_mqar(tiny(), [(TASK, 2)], out=tmp_path, run_info={"init": "based"}, **KW)
 
 
+def test_a_checkpoint_from_before_an_attention_option_existed_still_resumes(tmp_path):
+    # checkpoints written before `affine` existed hold llops options without it: completed with its
+    # default (false) they are the same run, and resume; a real difference is still refused
+    train_mqar(tiny("llops", {"p": 2, "m": 6}), [(TASK, 2)], out=tmp_path, checkpoint_every=2, **KW)
+    state_file = latest_checkpoint(tmp_path) / "state.json"
+    state = json.loads(state_file.read_text())
+    assert state["identity"]["model"]["attention_options"].pop("affine") is False
+    state_file.write_text(json.dumps(state))
+    again = train_mqar(tiny("llops", {"p": 2, "m": 6}), [(TASK, 2)], out=tmp_path, checkpoint_every=2, **KW)
+    assert again.resumed_from == 2
+    with pytest.raises(ValueError, match=r"another run configuration.*\"affine\": true"):
+        train_mqar(tiny("llops", {"p": 2, "m": 6, "affine": True}), [(TASK, 2)], out=tmp_path, checkpoint_every=2, **KW)
+
+
 def test_a_crash_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path, monkeypatch):
     real = train_module._fill_checkpoint
     count = {"n": 0}

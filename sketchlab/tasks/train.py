@@ -281,6 +281,22 @@ def _load_weights(model: nn.Module, weights: dict, path: Path) -> None:
     model.load_state_dict(weights, strict=True)
 
 
+def _completed(identity):
+    """A checkpoint's run identity with its model config completed as this version completes it: an
+    attention option added since (e.g. ``affine``, default ``false``) then takes its default, so a run of
+    the same settings still resumes. A config this version cannot build is left as it is (the comparison
+    then names it)."""
+    if not isinstance(identity, dict) or not isinstance(identity.get("model"), dict):
+        return identity
+    from .model import TransformerConfig
+
+    try:
+        model = json.loads(json.dumps(TransformerConfig(**identity["model"]).to_dict()))
+    except (TypeError, ValueError):
+        return identity
+    return {**identity, "model": model}
+
+
 def _read_checkpoint(path: Path, identity: dict, model, opt, gen: torch.Generator) -> dict:
     """Restore model, optimiser and generators from a ``step-N`` directory; returns its state.json.
 
@@ -294,7 +310,7 @@ def _read_checkpoint(path: Path, identity: dict, model, opt, gen: torch.Generato
         raise ValueError(f"checkpoint {path}: unreadable state.json ({err})") from err
     if not isinstance(state, dict) or state.get("format") != _STATE_FORMAT:
         raise ValueError(f"checkpoint {path}: state.json is not a {_STATE_FORMAT} training state")
-    theirs = state.get("identity", {})
+    theirs = _completed(state.get("identity", {}))
     if theirs != identity:
         keys = sorted(set(theirs) | set(identity))
         diffs = [f"{key}: {json.dumps(theirs.get(key), sort_keys=True)} in the checkpoint, "
