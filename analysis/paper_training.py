@@ -236,7 +236,8 @@ _DENOMINATOR = re.compile(r"(\d+) of \d+ query rows have a normalising denominat
 
 def denominator_warnings(caught) -> dict:
     """``{"calls", "rows"}``: how many attention calls of a run warned of normalising denominators ``<= 0``
-    (signed features under ``normalize="sum"``) and how many query rows they named, in all; every
+    (signed features under ``normalize="sum"``) and how many query rows they named, in all. Recorded
+    under the filter ``always`` for those and the default filters for the rest (once per place), every
     other caught warning is issued again."""
     calls = rows = 0
     for w in caught:
@@ -282,8 +283,8 @@ def run_one(spec: RunSpec, work: str, threads: int) -> dict:
     model = build_model(method, s.d_model, s.vocab, spec.seed)
     mix = zoology_mixture(s.vocab, pairs=s.train_pairs())
     t0 = time.perf_counter()
-    with warnings.catch_warnings(record=True) as caught:  # the attention's denominator checks, counted
-        warnings.simplefilter("always", RuntimeWarning)
+    with warnings.catch_warnings(record=True) as caught:  # the attention's denominator checks, every one counted
+        warnings.filterwarnings("always", message=r".*normalising denominator <= 0", category=RuntimeWarning)
         try:
             result = train_mqar(model, [(mix, s.steps)], batch_size=s.batch, lr=spec.lr, weight_decay=0.1,
                                 kernel_lr=method.kernel_lr, warmup=s.warmup, clip=1.0, seed=spec.seed,
@@ -930,7 +931,8 @@ LM_QUICK = LMScale(d_model=64, n_layers=2, n_heads=2, seq_len=128, batch=16, pre
 
 def lm_path(kind: str, s: LMScale, seed: int, work) -> Path:
     """Where :func:`lm_run` writes (and finds) the run ``kind`` of ``seed`` at scale ``s``."""
-    tag = f"{kind}_s{seed}_d{s.d_model}_L{s.n_layers}_T{s.seq_len}_n{s.pretrain}+{s.extra}{_map_tag(s)}"
+    tag = f"{kind}_s{seed}_d{s.d_model}_L{s.n_layers}_T{s.seq_len}_n{s.pretrain}+{s.extra}"
+    tag += "" if kind == "softmax" else _map_tag(s)  # softmax has no BASED map: one run serves every map
     return Path(work) / "table1" / f"{tag}.json"
 
 

@@ -55,7 +55,7 @@ def test_based_to_llops_full_form_and_rules():
         based_to_llops(_based_model(symmetric=False, dim=6))  # d'^2 = 36 = C(8+1, 2): read as d' = 8 symmetric
     with pytest.raises(ValueError, match=r"BASED taylor .* reads as \(dim, symmetric\) = \(5, True\)"):
         based_to_llops(_based_model(symmetric=False, dim=4, form="taylor"))  # 1 + 4 + 16 = 1 + 5 + C(6, 2)
-    with pytest.raises(ValueError, match=r"Taylor model with local='poly' .* use local='softmax'"):
+    with pytest.raises(ValueError, match=r"local='poly' is the homogeneous kernel .* use local='softmax'"):
         based_to_llops(_based_model(dim=4, form="taylor", window=3, local="poly"))
     torch.manual_seed(0)
     soft = TransformerLM(TransformerConfig(vocab_size=32, d_model=32, n_heads=2, n_layers=1))

@@ -465,6 +465,29 @@ def test_training_through_the_triton_kernel_matches_the_torch_backend():
     assert losses["torch"][0] != losses["torch"][-1]
 
 
+def test_affine_llops_through_the_triton_kernel_matches_the_torch_backend():
+    # Θ of D + 1 = 9 rows (the constant coordinate): the kernel pads its D block to 16; the layer's output
+    # and Θ's gradient, hybrid window + sinks, under the interpreter on the CPU (a CUDA machine compiles it).
+    # float32, two summation orders: ~1e-7 relative per output; 1e-5 of the scale is far below what a wrong
+    # or dropped constant row moves (the last asserts)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    q, k, v = (t.float().to(device) for t in _qkv(T=20))
+    out, grads = {}, {}
+    for backend in ("torch", "triton"):
+        model = tiny("llops", {"p": 2, "m": 6, "affine": True, "window": 3, "sinks": 1, "backend": backend}).to(device)
+        kernel = kernel_modules(model)[0]
+        y = kernel(q, k, v)
+        y.square().mean().backward()
+        out[backend], grads[backend] = y.detach(), kernel.theta_q.grad
+    scale, gscale = out["torch"].abs().max(), grads["torch"].abs().max()
+    torch.testing.assert_close(out["triton"], out["torch"], rtol=0, atol=1e-5 * scale)
+    torch.testing.assert_close(grads["triton"], grads["torch"], rtol=0, atol=1e-5 * gscale)
+    assert grads["torch"][..., -1, :].abs().max() > 0.01 * gscale  # the constant's row is trained
+    with torch.no_grad():
+        kernel.theta_q[..., -1, :] = 0
+        assert (kernel(q, k, v) - out["torch"]).abs().max() > 1e-2 * scale
+
+
 @pytest.mark.filterwarnings("ignore:.*normalising denominator <= 0")  # odd p = 3 expand: signed features
 @pytest.mark.parametrize("options,scale,local_scale", [
     ({"dim": 4}, 1.0, 4 ** -0.5),  # Taylor: the degree-2 term's own s' = d'^{-1/2}, inputs unscaled

@@ -31,7 +31,7 @@ from .fit_als import QUALITY, fit_llops_direct
 from .fit_cp import GAUGES, aligned_gauge, fit_llops_cp
 from .cp import projector_to_theta
 from .inits import INITS, llops_init
-from .maps import affine_input, llops_features, llops_features_naive, llops_projector, llops_projector_naive
+from .maps import affine_input, affine_theta, llops_features, llops_features_naive, llops_projector, llops_projector_naive
 from .module import LLoPS
 from .target import KernelTarget
 
@@ -43,6 +43,7 @@ __all__ = [
     "KernelTarget",
     "LLoPS",
     "affine_input",
+    "affine_theta",
     "aligned_gauge",
     "fit_llops",
     "fit_llops_adam",

@@ -20,6 +20,7 @@ from .._validation import as_float_tensor
 
 __all__ = [
     "affine_input",
+    "affine_theta",
     "feature_partials",
     "features_jvp",
     "features_vjp",
@@ -38,8 +39,20 @@ def affine_input(x: torch.Tensor) -> torch.Tensor:
     A LLoPS Θ with ``d + 1`` rows applied to it has factors :math:`\langle\theta_{:d}, x\rangle +
     \theta_d`, affine in ``x``: its features are inhomogeneous polynomials of degree ``<= p`` (BASED's
     Taylor map is one, :func:`sketchlab.as_llops` with ``affine=True``).
+
+    Passing ``[q, 1]``, ``[k, 1]`` to :func:`sketchlab.attention.llops_attention` with a window: give
+    ``local_scale`` explicitly (its default ``1/√D`` reads ``D + 1`` from the augmented q), and keep
+    ``local="softmax"``, whose scores shift by the constant's product (a shift the softmax cancels);
+    ``local="poly"`` would compute ``(s·(qᵀk + 1))^p``, not the map's kernel. The toy model's ``llops``
+    attention with ``affine=true`` does both.
     """
     return torch.cat([x, x.new_ones(*x.shape[:-1], 1)], dim=-1)
+
+
+def affine_theta(theta: torch.Tensor) -> torch.Tensor:
+    r"""Θ ``[..., d, m]`` → ``[..., d + 1, m]`` with a zero row for the constant coordinate of
+    :func:`affine_input`: the same (homogeneous) features of ``[x, 1]`` as ``theta`` gives of ``x``."""
+    return torch.cat([theta, theta.new_zeros(*theta.shape[:-2], 1, theta.shape[-1])], dim=-2)
 
 
 def _check_theta(theta, name: str = "theta") -> torch.Tensor:

@@ -38,6 +38,7 @@ import math
 
 import torch
 
+from ..llops.maps import affine_theta
 from ..llops.module import LLoPS
 from ..polynomial import symmetric_index
 from .based import BasedSketch
@@ -86,12 +87,8 @@ def _based(sketch: BasedSketch) -> LLoPS:
 
 def _pad_affine(llops: LLoPS) -> LLoPS:
     """The same features on ``[x, 1]``: a zero row for the constant coordinate, ``[..., t, p, d + 1, m]``."""
-
-    def pad(theta: torch.Tensor) -> torch.Tensor:
-        theta = theta.detach()
-        return torch.cat([theta, theta.new_zeros(*theta.shape[:-2], 1, theta.shape[-1])], dim=-2)
-
-    return LLoPS(pad(llops.theta_q), None if llops.theta_k is None else pad(llops.theta_k))
+    theta_k = None if llops.theta_k is None else affine_theta(llops.theta_k.detach())
+    return LLoPS(affine_theta(llops.theta_q.detach()), theta_k)
 
 
 def _based_taylor(sketch: BasedSketch) -> LLoPS:

@@ -26,7 +26,7 @@ convention, kernel ``1 + s' + s'²/2`` with ``s' = (Pq)ᵀ(Pk)/√d'``).
     ``2p``, ``m²`` features), ``affine`` (False; True: Θ ``[H, t, p, D + 1, m]`` on the affine input
     ``[x · D^{-1/4}, 1]``, :func:`sketchlab.llops.affine_input`: each factor is affine in ``x``, the
     features inhomogeneous polynomials of degree ``<= p``, and BASED's Taylor map is the case ``p = 2``,
-    ``m = 1 + d' + d'²``), ``normalize``, ``eps``, ``backend`` ("auto").
+    ``m = 1 + d' + d'²`` or, symmetric, ``1 + d' + C(d'+1, 2)``), ``normalize``, ``eps``, ``backend`` ("auto").
 ``"hedgehog"`` — Hedgehog's learned map :class:`sketchlab.featuremaps.HedgehogMap`
     ``[softmax(xW), softmax(-xW)]`` (LoLCATs' form; non-negative features, kernel ≈ ``exp``),
     ``W [H, D, m/2]`` trained with the model
@@ -349,7 +349,8 @@ class PSFKernel(_HybridMixin, nn.Module):
 
 
 class LLoPSKernel(_HybridMixin, nn.Module):
-    r"""Learnable LLoPS attention: parameters ``theta_q``, ``theta_k`` ``[H, t, p, D, m]``, through
+    r"""Learnable LLoPS attention: parameters ``theta_q``, ``theta_k`` ``[H, t, p, D, m]`` (``[H, t, p, D + 1, m]``
+    with ``affine``: the last row multiplies the constant coordinate of ``[x · D^{-1/4}, 1]``), through
     :func:`sketchlab.attention.llops_attention`.
 
     At construction Θ is the ``"random"`` initialisation (:func:`init_llops`) drawn from
@@ -453,11 +454,13 @@ def _llops_layers(model: TransformerLM) -> list[LLoPSKernel]:
 
 
 def _random_theta(kernel: LLoPSKernel, generator: torch.Generator | None) -> None:
-    r"""Element-wise start ``θ_{r,j} = G_r`` for every factor ``j`` and both sides, ``G`` i.i.d. N(0, 1/D).
+    r"""Element-wise start ``θ_{r,j} = G_r`` for every factor ``j`` and both sides, ``G`` i.i.d. N(0, 1/d)
+    with ``d`` Θ's row count (``D``, or ``D + 1`` with ``affine``, the constant's row drawn alike).
 
     Every feature is then ``Σ_r ⟨g_r, x⟩^p``: for even ``p`` the kernel ``φ(q)·φ(k)`` is a sum of
     products of non-negative numbers at step 0, so ``normalize="sum"`` starts from a non-negative
-    kernel; the two sides and the ``p`` factors separate as training proceeds.
+    kernel. The two sides separate as training proceeds; the ``p`` factors of a side get equal
+    gradients and stay equal (docs/DESIGN.md §6), so the map stays element-wise and non-negative.
     """
     H, t, p, D, m = kernel.theta_q.shape
     g = torch.randn(H, t, 1, D, m, generator=generator, dtype=torch.float64) / math.sqrt(D)
@@ -538,8 +541,10 @@ def init_llops(model: TransformerLM, init: str = "random", theta_file=None, *, s
     -------
     dict
         A JSON description of the initialisation (stored in the run's identity): ``init`` and,
-        for ``"based"``, ``dim`` and ``symmetric``; for ``"theta"``, the file and its SHA-256.
+        for ``"based"``, ``dim`` and ``symmetric`` (and ``form: "taylor"`` with ``affine``); for
+        ``"theta"``, the file and its SHA-256.
     """
+    from ..llops import affine_theta
     from ..sketches import BasedSketch, as_llops
 
     layers = _llops_layers(model)
@@ -588,7 +593,7 @@ def init_llops(model: TransformerLM, init: str = "random", theta_file=None, *, s
                          f"{list(expect)} ({'; '.join(diff)})")
     rho = _theta_factor(meta["scale"], D, str(path))
     if o["affine"]:  # the constant coordinate's row: zero, so step 0 has the file's homogeneous features
-        theta_q, theta_k = (torch.cat([t, t.new_zeros(*t.shape[:-2], 1, t.shape[-1])], dim=-2) for t in (theta_q, theta_k))
+        theta_q, theta_k = affine_theta(theta_q), affine_theta(theta_k)
     with torch.no_grad():
         for i, layer in enumerate(layers):
             layer.theta_q.copy_(theta_q[i].to(layer.theta_q.dtype) * rho)

@@ -169,8 +169,8 @@ def based_to_llops(model: TransformerLM) -> TransformerLM:
     ``1 + d' + C(d'+1, 2)``). Rank 1, the same normalisation, ``eps`` and sliding-window options
     (``window``, ``sinks``, ``local``, ``gate``, the gates' values copied); every other weight copied.
     The feature count must be one :func:`~sketchlab.tasks.attention.based_init_dim` reads back as
-    this ``(d', symmetric)``. A Taylor map with ``local="poly"`` is refused: its window scores use
-    BASED's own ``1/√d'`` on the unscaled q, k, which the LLoPS layer does not compute.
+    this ``(d', symmetric)``. A Taylor map with ``local="poly"`` is refused (the affine LLoPS layer
+    has no exact local polynomial: BASED's window scores ``(s')²`` on ``d'`` coordinates are no ``(s)^p``).
     """
     from ..sketches.based import based_num_features
     from .attention import based_init_dim, copy_shared_weights, init_llops, kernel_modules
@@ -180,10 +180,7 @@ def based_to_llops(model: TransformerLM) -> TransformerLM:
     cfg, o = model.config, model.config.attention_options
     if cfg.attention != "based":
         raise ValueError(f"based_to_llops needs a model with attention 'based', got attention={cfg.attention!r}")
-    taylor = o["form"] == "taylor"
-    if taylor and o["window"] and o["local"] == "poly":
-        raise ValueError("based_to_llops: a BASED Taylor model with local='poly' scores its window by BASED's own "
-                         "(s')² on d' coordinates, which no LLoPS layer computes: use local='softmax'")
+    taylor = o["form"] == "taylor"  # with a window, local="poly" is refused by the llops options below
     m = based_num_features(o["dim"], o["p"], o["form"], o["symmetric"])
     read = based_init_dim(cfg.head_dim, o["p"], m, o["form"])
     if read != (o["dim"], o["symmetric"]):
