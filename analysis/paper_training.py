@@ -931,7 +931,8 @@ LM_QUICK = LMScale(d_model=64, n_layers=2, n_heads=2, seq_len=128, batch=16, pre
 
 def lm_path(kind: str, s: LMScale, seed: int, work) -> Path:
     """Where :func:`lm_run` writes (and finds) the run ``kind`` of ``seed`` at scale ``s``."""
-    tag = f"{kind}_s{seed}_d{s.d_model}_L{s.n_layers}_T{s.seq_len}_n{s.pretrain}+{s.extra}"
+    tag = f"{kind}_s{seed}_d{s.d_model}_L{s.n_layers}_T{s.seq_len}_n{s.pretrain}"
+    tag += "" if kind == "pretrain" else f"+{s.extra}"  # one pretrained model serves every continued length
     tag += "" if kind == "softmax" else _map_tag(s)  # softmax has no BASED map: one run serves every map
     return Path(work) / "table1" / f"{tag}.json"
 
@@ -1048,6 +1049,9 @@ def table1(args) -> int:
         s = replace(s, seeds=tuple(int(x) for x in args.seeds.split(",")))
     s = replace(s, bmap=args.table1_map)
     name = f"table1{_map_tag(s)}"  # table1.md (expand), table1_taylor.md
+    if args.table1_extra:  # a longer (or shorter) continued phase: its own report, table1_taylor_ct600.md
+        s = replace(s, extra=args.table1_extra)
+        name += f"_ct{s.extra}"
     t0 = time.perf_counter()
     kinds = ("pretrain", "based-ct", "llops-ct", "llops-frozen-ct", "softmax")
     runs = {k: [] for k in kinds}
@@ -1175,6 +1179,9 @@ def _parse(argv):
     ap.add_argument("--table1-map", choices=tuple(BASED_MAPS), default="expand",
                     help="--part table1: BASED's map (expand: table1.md; taylor, BASED's own, converted to LLoPS of "
                     "[x, 1]: table1_taylor.md)")
+    ap.add_argument("--table1-extra", type=int, default=0,
+                    help="--part table1: continued-training steps in place of the mode's (the pretrained models are "
+                    "reused; the report's name gains _ct<N>)")
     ap.add_argument("--m-degree", type=int, default=4, help="--part m: LLoPS's degree p (default 4, the paper's)")
     ap.add_argument("--m-lr", type=float, default=3e-3, help="--part m: the learning rate of every run (default "
                     "3e-3, mqar.md's winner for LLoPS p = 4, m = 256 at --quick scale)")
