@@ -50,12 +50,14 @@ def test_chunk_core_equals_its_dense_formula(non_negative, n, off, lag):
     assert (z_out - (z + (lk * enters).sum(2))).abs().max() < 1e-12
 
 
+@pytest.mark.parametrize("stateful", [True, False])
 @pytest.mark.parametrize("normalize", [False, True])
 @pytest.mark.parametrize("non_negative", [False, True])
-def test_chunk_core_gradcheck(normalize, non_negative):
-    """Gradients to the features, values and the incoming state, through out (or num, den) and S_out, z_out."""
+def test_chunk_core_gradcheck(normalize, non_negative, stateful):
+    """Gradients to the features, values and the incoming state, through out (or num, den) and S_out, z_out;
+    stateless: no state in (``None``) and none out (``final_state=False``), the features and values only."""
     B, H, M, Dv, C, n, off, lag = 1, 2, 2, 2, 3, 7, 3, 2
-    g = _gen(5)
+    g = _gen(5 if stateful else 6)
     fq = torch.rand(B, H, n, M, generator=g, dtype=F64).requires_grad_()
     fk = torch.rand(B, H, off + n, M, generator=g, dtype=F64).requires_grad_()
     v = torch.randn(B, H, off + n, Dv, generator=g, dtype=F64).requires_grad_()
@@ -64,11 +66,14 @@ def test_chunk_core_gradcheck(normalize, non_negative):
     z = torch.rand(B, H, M2, generator=g, dtype=F64).add(0.5).requires_grad_()
 
     def f(*args):
-        out = chunk_core(*args, off=off, lag=lag, chunk_size=C, non_negative=non_negative, normalize=normalize,
-                         eps=1e-3)
+        state = args[3:] if stateful else (None, None)
+        out = chunk_core(*args[:3], *state, off=off, lag=lag, chunk_size=C, non_negative=non_negative,
+                         normalize=normalize, eps=1e-3, final_state=stateful)
+        if not stateful:
+            return out[0] if normalize else out[:2]
         return (out[0], out[2], out[3]) if normalize else out  # den is not differentiable when normalised
 
-    assert torch.autograd.gradcheck(f, (fq, fk, v, S, z))
+    assert torch.autograd.gradcheck(f, (fq, fk, v, S, z) if stateful else (fq, fk, v))
 
 
 @pytest.mark.parametrize("window, local, non_negative, masked, degree", [
@@ -278,24 +283,6 @@ def test_chunk_core_without_a_state(non_negative, n, off, lag):
     for name, a, b in (("out", out0, out), ("den", den0, den), ("out, S out", out1, out), ("S_out", S1, S_out),
                        ("z_out", z1, z_out)):
         assert (a - b).abs().max() < 1e-13, name
-
-
-@pytest.mark.parametrize("normalize", [False, True])
-@pytest.mark.parametrize("non_negative", [False, True])
-def test_chunk_core_gradcheck_without_a_state(normalize, non_negative):
-    """Gradients to the features and values with no state in and none out (the stateless block)."""
-    B, H, M, Dv, C, n, off, lag = 1, 2, 2, 2, 3, 7, 3, 2
-    g = _gen(6)
-    fq = torch.rand(B, H, n, M, generator=g, dtype=F64).requires_grad_()
-    fk = torch.rand(B, H, off + n, M, generator=g, dtype=F64).requires_grad_()
-    v = torch.randn(B, H, off + n, Dv, generator=g, dtype=F64).requires_grad_()
-
-    def f(*args):
-        out = chunk_core(*args, None, None, off=off, lag=lag, chunk_size=C, non_negative=non_negative,
-                         normalize=normalize, eps=1e-3, final_state=False)
-        return out[0] if normalize else out[:2]
-
-    assert torch.autograd.gradcheck(f, (fq, fk, v))
 
 
 def _spy_far_state(monkeypatch):

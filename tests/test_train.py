@@ -280,6 +280,20 @@ def _loss(model, inputs, targets):
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten()), logits
 
 
+def _same_logits(based_model, llops_model, dtype):
+    """Both models' logits and loss on one MQAR batch agree; returns ``(inputs, targets, BASED's logits, tol)``."""
+    inputs, targets = mqar_batch(MQARConfig(21, 4, 16), 8, generator=torch.Generator().manual_seed(0))
+    loss_b, logits_b = _loss(based_model, inputs, targets)
+    loss_l, logits_l = _loss(llops_model, inputs, targets)
+    # float32: the two maps compute the same features by different products and sums (Θ's
+    # multiset weights vs poly_features), ~1e-7 relative per operation through 2 layers;
+    # float64: the same at ~1e-16.
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-11, atol=1e-12)
+    torch.testing.assert_close(logits_l, logits_b, **tol)
+    torch.testing.assert_close(loss_l, loss_b, **tol)
+    return inputs, targets, logits_b, tol
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("p,m,non_negative,based", [
     (2, 10, False, {"form": "expand", "p": 2, "dim": 4, "symmetric": True}),  # C(4+1, 2) = 10 features
@@ -292,15 +306,7 @@ def test_llops_from_based_is_based_at_step_0(dtype, p, m, non_negative, based):
     copy_shared_weights(based_model, llops_model)
     info = init_llops(llops_model, "based")
     assert info == {"init": "based", "dim": based["dim"], "symmetric": m == math.comb(based["dim"] + p - 1, p)}
-    inputs, targets = mqar_batch(MQARConfig(21, 4, 16), 8, generator=torch.Generator().manual_seed(0))
-    loss_b, logits_b = _loss(based_model, inputs, targets)
-    loss_l, logits_l = _loss(llops_model, inputs, targets)
-    # float32: the two maps compute the same features by different products and sums (Θ's
-    # multiset weights vs poly_features), ~1e-7 relative per operation through 2 layers;
-    # float64: the same at ~1e-16.
-    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-11, atol=1e-12)
-    torch.testing.assert_close(logits_l, logits_b, **tol)
-    torch.testing.assert_close(loss_l, loss_b, **tol)
+    inputs, targets, logits_b, tol = _same_logits(based_model, llops_model, dtype)
     init_llops(llops_model, "random", seed=0)
     # the check can fail: another Θ (random) moves the logits far outside the tolerance
     assert not torch.allclose(_loss(llops_model, inputs, targets)[1], logits_b, **tol)
@@ -323,13 +329,7 @@ def test_affine_llops_from_based_taylor_is_based_at_step_0(dtype, m, based, hybr
             with torch.no_grad():
                 kb.gate.copy_(torch.tensor([0.7, -1.3]))
                 kl.gate.copy_(kb.gate)
-    inputs, targets = mqar_batch(MQARConfig(21, 4, 16), 8, generator=torch.Generator().manual_seed(0))
-    loss_b, logits_b = _loss(based_model, inputs, targets)
-    loss_l, logits_l = _loss(llops_model, inputs, targets)
-    # as test_llops_from_based_is_based_at_step_0: the same features by other products and sums
-    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-11, atol=1e-12)
-    torch.testing.assert_close(logits_l, logits_b, **tol)
-    torch.testing.assert_close(loss_l, loss_b, **tol)
+    inputs, targets, logits_b, tol = _same_logits(based_model, llops_model, dtype)
     # the constant coordinate carries the Taylor map's degree-0 and degree-1 terms: without its row the
     # map is the homogeneous u⊗u block alone, and the logits move far outside the tolerance
     with torch.no_grad():
