@@ -520,8 +520,8 @@ def paper_rows(by) -> list[tuple[str, str, str]]:
 
     The paper's rows are keyed by the RoPE methods; when every method of ``by`` (method key -> runs) is a NoPE
     variant (``…-nope``: an invocation run wholly without positional encoding, the harness that passes its softmax
-    check), they are keyed by the NoPE variants instead, so each paper number faces its NoPE run. The hybrids and
-    the NoPE variants of BASED and LLoPS p = 4 follow (no paper number), when run.
+    check), they are keyed by the NoPE variants instead, so each paper number faces its NoPE run. The hybrids, the
+    affine LLoPS and the NoPE variants of BASED and LLoPS p = 4 follow (no paper number), when run.
     """
     nope = bool(by) and all(k.endswith("-nope") for k in by)
     tag, suffix = (" (NoPE)", "-nope") if nope else ("", "")
@@ -532,6 +532,10 @@ def paper_rows(by) -> list[tuple[str, str, str]]:
     rows += [(f"Table 5: LLoPS p = {p}, m = 256{tag}", f"{PAPER_T5[p]}", f"llops-p{p}-m256{suffix}") for p in (2, 4, 6)]
     extra = [(f"Table 4, hybrid: {name} + window {w}{tag}", "–", f"{key}-w{w}{suffix}") for w in (16, 64)
              for key, name in (("based", "BASED"), ("llops-p4-m256", "LLoPS m = 256, p = 4 (random init)"))]
+    # LLoPS of the affine input [x, 1] (BASED's lower-degree terms): from BASED's Taylor map, and self-tensored
+    extra += [(f"Table 4, affine: {name}{tag}", "–", f"{key}{suffix}")
+              for key, name in (("llops-taylor-m273-based", "LLoPS on [x, 1], p = 2, m = 273 (init: BASED Taylor)"),
+                                ("llops-nn-affine-p2-m16", "LLoPS self-tensored on [x, 1], 256 features"))]
     if not nope:
         extra += [(f"Table 4, NoPE: {name}", "–", f"{key}-nope")
                   for key, name in (("based", "BASED"), ("llops-p4-m256", "LLoPS m = 256, p = 4 (random init)"))]
@@ -609,7 +613,7 @@ def _command() -> str:
 
 
 _LLOPS_KEYS = ("llops-p4-m256", "llops-p4-m256-based", "llops-nn-p2-m16", "llops-nn-p2-m16-based", "llops-p2-m256",
-               "llops-p2-m256-based", "llops-p6-m256")
+               "llops-p2-m256-based", "llops-p6-m256", "llops-taylor-m273-based", "llops-nn-affine-p2-m16")
 
 
 def verdict(by) -> str:
@@ -1024,8 +1028,11 @@ def lm_run(kind: str, s: LMScale, seed: int, work: str, threads: int) -> dict:
             for name, p in model.named_parameters():
                 if ".attention.attn." in name:  # the kernels' own parameters: Θ (no gate without a window)
                     p.requires_grad_(False)
-        res = train_lm(model, train, heldout, steps=s.extra, step0=s.pretrain,
-                       kernel_lr=KERNEL_LR if kind == "llops-ct" else 1.0, **{**common, "seed": seed + 1})
+        with warnings.catch_warnings(record=True) as caught:  # the attention's denominator checks, counted
+            warnings.filterwarnings("always", message=r".*normalising denominator <= 0", category=RuntimeWarning)
+            res = train_lm(model, train, heldout, steps=s.extra, step0=s.pretrain,
+                           kernel_lr=KERNEL_LR if kind == "llops-ct" else 1.0, **{**common, "seed": seed + 1})
+        extra["denominator_warnings"] = denominator_warnings(caught)
     out = {"kind": kind, "seed": seed, "scale": asdict(s), "curve": res.curve, "seconds": res.seconds, **extra}
     from sketchlab.io import atomic_write
 
@@ -1116,6 +1123,11 @@ def table1(args) -> int:
                                        for seed_, d, z in conv) + ".", ""]
     else:
         L += [""]
+    counted = [(r["seed"], r["denominator_warnings"]) for r in runs["llops-ct"] if "denominator_warnings" in r]
+    if counted:
+        L += ["**Denominators** (BASED → LLoPS + CT, training and evaluation calls that met a normalising denominator "
+              "≤ 0: the trained Θ's kernel turned signed): " + "; ".join(
+                  f"seed {seed_}: {d['calls']} calls ({d['rows']} query rows)" for seed_, d in counted) + ".", ""]
     based_ct = {r["seed"]: final(r) for r in runs["based-ct"]}
     llops_ct = {r["seed"]: final(r) for r in runs["llops-ct"]}
     L += [table1_verdict(llops_ct, based_ct), ""]
