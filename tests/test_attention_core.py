@@ -249,18 +249,20 @@ def test_chunk_core_accepts_the_valid_arguments():
     assert S2.shape == (1, 2, 9, 5)
 
 
-@pytest.mark.parametrize("n, off, w, C", [(16, 4, 4, 4), (13, 8, 5, 4), (9, 4, 9, 4), (5, 4, 7, 4)])
-def test_hybrid_prefix_total_row_sums_the_chunks_of_s_out(n, off, w, C):
-    """The hybrid core reads S_out from one more row of its prefix GEMM: rows 0..N−1 are the prefix matrix, the last
-    row marks the key chunks wholly before position off + n − w (the rest of S_out, ``rem`` keys, is added apart)."""
-    from sketchlab.attention.chunk_core import _geometry, _prefix_and_total
+@pytest.mark.parametrize("n, off, lag, C", [(16, 4, 4, 4), (13, 8, 5, 4), (9, 4, 9, 4), (5, 4, 7, 4), (13, 0, 0, 4),
+                                           (10, 8, 8, 4), (4, 0, 0, 4), (5, 12, 9, 4)])
+def test_far_matrix_rows_are_the_far_states_and_s_out(n, off, lag, C):
+    """Both cores form the far states and S_out as one GEMM ``[P; S_out] = R·[S_in; upd]``: column 0 of ``R`` is ones
+    (S_in enters every row), column ``1 + e`` key chunk ``e``; row ``c < N`` marks the key chunks wholly far for query
+    chunk ``c`` (last key ``eC + C − 1 <= off + cC − lag``), row ``N`` those wholly in S_out (``eC + C − 1 < off + n −
+    lag``; S_out's other keys, ``rem`` of them, are added apart)."""
+    from sketchlab.attention.chunk_core import _geometry
 
-    N, _, Ne, _, prefix, last, _ = _geometry(n, off, w, C, torch.device("cpu"), F64)
-    tot = _prefix_and_total(n, off, w, C, torch.device("cpu"), F64)
-    assert tot.shape == (N + 1, Ne)
-    assert torch.equal(tot[:N], prefix)
-    want = torch.tensor([1.0 if (e + 1) * C <= last else 0.0 for e in range(Ne)], dtype=F64)
-    assert torch.equal(tot[N], want)
+    N, _, Ne, _, R, _, reach = _geometry(n, off, lag, C, torch.device("cpu"), F64)
+    want = [[1.0] + [float(e * C + C - 1 <= off + c * C - lag) for e in range(Ne)] for c in range(N)]
+    want.append([1.0] + [float(e * C + C - 1 < off + n - lag) for e in range(Ne)])
+    assert torch.equal(R, torch.tensor(want, dtype=F64))
+    assert not R[:N, 1 + reach:].any() and (reach == 0 or R[:N, reach].any())  # the queries read key chunks < reach
 
 
 @pytest.mark.parametrize("non_negative", [False, True])
@@ -291,9 +293,9 @@ def _spy_far_state(monkeypatch):
 
     calls, real = [], cc._far_state
 
-    def spy(prefix, lk, vc, S_in, z_in, used):
-        calls.append((prefix, lk.shape[0], used))
-        return real(prefix, lk, vc, S_in, z_in, used)
+    def spy(R, lk, vc, S_in, z_in, used):
+        calls.append((R, lk.shape[0], used))
+        return real(R, lk, vc, S_in, z_in, used)
 
     monkeypatch.setattr(cc, "_far_state", spy)
     return calls
@@ -319,7 +321,7 @@ def test_chunk_core_forms_updates_only_for_the_key_chunks_it_reads(monkeypatch, 
 
 
 def test_hybrid_core_forms_updates_only_for_the_key_chunks_it_reads(monkeypatch):
-    """The hybrid core's updates are those its prefix GEMM reads (the rows of the query chunks' far states and, in
+    """The hybrid core's updates are those its far-state GEMM reads (the rows of the query chunks' far states and, in
     the forward, the row of ``S_out``): every column past them is zero and the last one formed is not. In a steady
     block (window = C, a held window of one chunk) the block's last key chunk is read by neither: the next block
     forms its update (as its held window), this one does not."""
@@ -331,8 +333,8 @@ def test_hybrid_core_forms_updates_only_for_the_key_chunks_it_reads(monkeypatch)
     fq.requires_grad_()
     feature_attention(fq, fk, v, q=q, k=k, window=C, chunk_size=C, block_chunks=2).sum().backward()
     assert len(calls) == 6  # three blocks of two chunks, forward then backward (blocks in reverse)
-    for prefix, Ne, used in calls:
-        assert not prefix[:, used:].any() and (used == 0 or prefix[:, used - 1].any())
+    for R, Ne, used in calls:  # (column 0 of R: S_in; column 1 + e: key chunk e)
+        assert not R[:, 1 + used:].any() and (used == 0 or R[:, used].any())
     # steady blocks: the held window's chunk + 2; the forward forms 2 (the first for a query chunk, both for S_out),
     # the backward 1 (the queries' far states alone)
     assert [(Ne, used) for _, Ne, used in calls[1:3] + calls[3:5]] == [(3, 2), (3, 2), (3, 1), (3, 1)]
