@@ -167,8 +167,8 @@ def _far_state_grads(R, dP, dzP, lk, vc, g_S, g_z, last: int, need_in: bool):
     dz = (Rt @ dzP.flatten(1)).view(-1, B, H, M2)
     dS_in = dz_in = None
     if need_in:  # copied out: views would keep the whole buffer alive in the incoming state's gradient
-        dS_in, dz_in, d, dz = d[0].clone(), dz[0].clone(), d[1:], dz[1:]
-    dupd, dzc = d, dz  # [Ne, B, H, M2, Dv], [Ne, B, H, M2]
+        dS_in, dz_in = d[0].clone(), dz[0].clone()
+    dupd, dzc = d[1 - first:], dz[1 - first:]  # [Ne, B, H, M2, Dv], [Ne, B, H, M2]
     dlk = vc @ dupd.mT + dzc[..., None, :]  # [Ne, B, H, C, M2]
     dvc = lk @ dupd  # [Ne, B, H, C, Dv]
     full, rem = divmod(last, C)
@@ -616,7 +616,8 @@ class _HybridCore(torch.autograd.Function):
         dP0, dzP0 = dP[:N], dzP[:N]  # the query chunks' (before the factor 1 − g)
         # d/dg of (1 − g)·far, per head [H] (the gate's gradient only when asked)
         dgh = -((dP0 * P).sum(dim=(0, 1, 3, 4)) + (dzP0 * zP).sum(dim=(0, 1, 3))) if need_g else None
-        dP0.mul_(1 - gb), dzP0.mul_(1 - g0)
+        dP0.mul_(1 - gb)
+        dzP0.mul_(1 - g0)
         dlq = (dnum @ P.mT + dden[..., None] * zP[..., None, :]).mul_(1 - gb)  # [N, B, H, C, M2]
         need_in = ctx.needs_input_grad[10] or ctx.needs_input_grad[11]  # the incoming state's gradient when it has one
         dS_in, dz_in, dlk, dvc = _far_state_grads(st["R"], dP, dzP, lk, vc, g_S, g_z, st["last"], need_in)
