@@ -24,7 +24,7 @@ a last row that sums the key chunks wholly in ``S_out``), partly far (at most tw
 ``C × C`` scores with a fixed mask) or wholly near (not seen here). The backward pass keeps the
 masked ``C × C`` scores and recomputes the per-chunk states of the block from the saved inputs
 (``O(T·C)`` kept, not the ``(T/C)·M·Dv`` states): ``dS`` (and ``dS_out``) flows backwards by the
-transposed prefix matrix, whose first row is ``dS_in``. Its float64 twin is
+transposed prefix matrix. Its float64 twin is
 :func:`sketchlab.attention.feature_attention_naive`; the gradients are tested with ``gradcheck``.
 """
 
@@ -151,8 +151,9 @@ def _far_state_grads(R, dP, dzP, lk, vc, g_S, g_z, last: int, need_in: bool):
     of the incoming state and of the key chunks' features and values.
 
     The forward formed ``[P; S_out] = R·[S_in; upd]`` (``upd_e = lk_eᵀ v_e``, likewise ``z``), ``S_out`` plus the
-    first ``last % C`` keys of key chunk ``last // C``: so ``[dS_in; dupd] = Rᵀ·[dP; g_S]`` (one GEMM: row 0,
-    ``dS_in``, only when ``need_in``), ``dlk = v·dupdᵀ + dzc``, ``dv = lk·dupd``, and ``g_S`` on those last keys.
+    first ``last % C`` keys of key chunk ``last // C``: so ``dupd = R[:, 1:]ᵀ·[dP; g_S]`` (one GEMM), ``dS_in`` the
+    sum of ``[dP; g_S]``'s rows (column 0 of ``R`` is ones; only when ``need_in``), ``dlk = v·dupdᵀ + dzc``, ``dv =
+    lk·dupd``, and ``g_S`` on those last keys.
 
     Shapes: ``R [N + 1, 1 + Ne]``, ``dP [rows, B, H, M2, Dv]``, ``dzP [rows, B, H, M2]`` (:func:`_far_grad_rows`: row
     ``N`` the final state's, when there is one), ``lk [Ne, B, H, C, M2]``, ``vc [Ne, B, H, C, Dv]``, ``g_S [B, H, M2,
@@ -161,14 +162,11 @@ def _far_state_grads(R, dP, dzP, lk, vc, g_S, g_z, last: int, need_in: bool):
     """
     Ne, B, H, C, M2 = lk.shape
     Dv = vc.shape[-1]
-    first = 0 if need_in else 1  # column 0 of R: S_in
-    Rt = R[:dP.shape[0], first:].T  # [1 + Ne | Ne, rows]
-    d = (Rt @ dP.flatten(1)).view(-1, B, H, M2, Dv)  # Σ over the rows that read S_in / key chunk e
-    dz = (Rt @ dzP.flatten(1)).view(-1, B, H, M2)
-    dS_in = dz_in = None
-    if need_in:  # copied out: views would keep the whole buffer alive in the incoming state's gradient
-        dS_in, dz_in = d[0].clone(), dz[0].clone()
-    dupd, dzc = d[1 - first:], dz[1 - first:]  # [Ne, B, H, M2, Dv], [Ne, B, H, M2]
+    Rt = R[:dP.shape[0], 1:].T  # [Ne, rows]  (the key chunks' columns of R)
+    dupd = (Rt @ dP.flatten(1)).view(Ne, B, H, M2, Dv)  # Σ over the rows that read key chunk e
+    dzc = (Rt @ dzP.flatten(1)).view(Ne, B, H, M2)
+    # S_in entered every row (R's column 0 is ones): its gradient is the sum of the rows'
+    dS_in, dz_in = (dP.sum(0), dzP.sum(0)) if need_in else (None, None)
     dlk = vc @ dupd.mT + dzc[..., None, :]  # [Ne, B, H, C, M2]
     dvc = lk @ dupd  # [Ne, B, H, C, Dv]
     full, rem = divmod(last, C)
