@@ -52,6 +52,21 @@ def test_non_causal_with_different_lengths():
     assert torch.allclose(out, feature_attention_naive(phi_q, phi_k, v, causal=False), atol=TOL64, rtol=0)
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_signed_features_keep_the_denominators_sign(causal):
+    """Signed features under normalize='sum': some denominators are negative and the output divides by them as they
+    are (the twin's formula; the check is off). Relative tolerance: a denominator near 0 makes its row large, both
+    paths divide the same sums (1e-9 of the row)."""
+    phi_q, phi_k, v = _rand(2, 37, 2, 5, seed=40), _rand(2, 37, 2, 5, seed=41), _rand(2, 37, 2, 3, seed=42)
+    kw = dict(causal=causal, normalize="sum", denominator_check="off")
+    ref = feature_attention_naive(phi_q, phi_k, v, **kw)
+    den = torch.einsum("bthm,bshm->bhts", phi_q, phi_k)
+    den = (den.tril() if causal else den).sum(-1)
+    assert (den < 0).any() and (den > 0).any()  # the test reaches both signs
+    out = feature_attention(phi_q, phi_k, v, chunk_size=8, block_chunks=2, **kw)
+    assert ((out - ref).abs() <= 1e-9 * ref.abs().amax(-1, keepdim=True)).all()
+
+
 @pytest.mark.parametrize("p", [1, 2, 3])
 @pytest.mark.parametrize("t", [1, 2])
 @pytest.mark.parametrize("causal", [True, False])

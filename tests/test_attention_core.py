@@ -249,18 +249,20 @@ def test_chunk_core_accepts_the_valid_arguments():
     assert S2.shape == (1, 2, 9, 5)
 
 
-@pytest.mark.parametrize("n, off, w, C", [(16, 4, 4, 4), (13, 8, 5, 4), (9, 4, 9, 4), (5, 4, 7, 4)])
-def test_hybrid_prefix_total_row_sums_the_chunks_of_s_out(n, off, w, C):
-    """The hybrid core reads S_out from one more row of its prefix GEMM: rows 0..N−1 are the prefix matrix, the last
-    row marks the key chunks wholly before position off + n − w (the rest of S_out, ``rem`` keys, is added apart)."""
-    from sketchlab.attention.chunk_core import _geometry, _prefix_and_total
+@pytest.mark.parametrize("n, off, lag, C", [(16, 4, 4, 4), (13, 8, 5, 4), (9, 4, 9, 4), (5, 4, 7, 4), (13, 0, 0, 4),
+                                           (10, 8, 8, 4), (4, 0, 0, 4), (5, 12, 9, 4)])
+def test_far_matrix_rows_are_the_far_states_and_s_out(n, off, lag, C):
+    """Both cores form the far states and S_out as one GEMM ``[P; S_out] = R·[S_in; upd]``: column 0 of ``R`` is ones
+    (S_in enters every row), column ``1 + e`` key chunk ``e``; row ``c < N`` marks the key chunks wholly far for query
+    chunk ``c`` (last key ``eC + C − 1 <= off + cC − lag``), row ``N`` those wholly in S_out (``eC + C − 1 < off + n −
+    lag``; S_out's other keys, ``rem`` of them, are added apart)."""
+    from sketchlab.attention.chunk_core import _geometry
 
-    N, _, Ne, _, prefix, last, _ = _geometry(n, off, w, C, torch.device("cpu"), F64)
-    tot = _prefix_and_total(n, off, w, C, torch.device("cpu"), F64)
-    assert tot.shape == (N + 1, Ne)
-    assert torch.equal(tot[:N], prefix)
-    want = torch.tensor([1.0 if (e + 1) * C <= last else 0.0 for e in range(Ne)], dtype=F64)
-    assert torch.equal(tot[N], want)
+    N, _, Ne, _, R, _, reach = _geometry(n, off, lag, C, torch.device("cpu"), F64)
+    want = [[1.0] + [float(e * C + C - 1 <= off + c * C - lag) for e in range(Ne)] for c in range(N)]
+    want.append([1.0] + [float(e * C + C - 1 < off + n - lag) for e in range(Ne)])
+    assert torch.equal(R, torch.tensor(want, dtype=F64))
+    assert not R[:N, 1 + reach:].any() and (reach == 0 or R[:N, reach].any())  # the queries read key chunks < reach
 
 
 @pytest.mark.parametrize("non_negative", [False, True])
@@ -291,9 +293,9 @@ def _spy_far_state(monkeypatch):
 
     calls, real = [], cc._far_state
 
-    def spy(prefix, lk, vc, S_in, z_in, used):
-        calls.append((prefix, lk.shape[0], used))
-        return real(prefix, lk, vc, S_in, z_in, used)
+    def spy(R, lk, vc, S_in, z_in, used):
+        calls.append((R, lk.shape[0], used))
+        return real(R, lk, vc, S_in, z_in, used)
 
     monkeypatch.setattr(cc, "_far_state", spy)
     return calls
@@ -319,7 +321,7 @@ def test_chunk_core_forms_updates_only_for_the_key_chunks_it_reads(monkeypatch, 
 
 
 def test_hybrid_core_forms_updates_only_for_the_key_chunks_it_reads(monkeypatch):
-    """The hybrid core's updates are those its prefix GEMM reads (the rows of the query chunks' far states and, in
+    """The hybrid core's updates are those its far-state GEMM reads (the rows of the query chunks' far states and, in
     the forward, the row of ``S_out``): every column past them is zero and the last one formed is not. In a steady
     block (window = C, a held window of one chunk) the block's last key chunk is read by neither: the next block
     forms its update (as its held window), this one does not."""
@@ -331,8 +333,91 @@ def test_hybrid_core_forms_updates_only_for_the_key_chunks_it_reads(monkeypatch)
     fq.requires_grad_()
     feature_attention(fq, fk, v, q=q, k=k, window=C, chunk_size=C, block_chunks=2).sum().backward()
     assert len(calls) == 6  # three blocks of two chunks, forward then backward (blocks in reverse)
-    for prefix, Ne, used in calls:
-        assert not prefix[:, used:].any() and (used == 0 or prefix[:, used - 1].any())
+    for R, Ne, used in calls:  # (column 0 of R: S_in; column 1 + e: key chunk e)
+        assert not R[:, 1 + used:].any() and (used == 0 or R[:, used].any())
     # steady blocks: the held window's chunk + 2; the forward forms 2 (the first for a query chunk, both for S_out),
     # the backward 1 (the queries' far states alone)
     assert [(Ne, used) for _, Ne, used in calls[1:3] + calls[3:5]] == [(3, 2), (3, 2), (3, 1), (3, 1)]
+
+
+def _spy_gemms(monkeypatch):
+    """Record, per call of the far-state GEMM (``chunk_core._far_state``), its rows, whether it read ``S_in`` and what
+    it returned; per backward (``chunk_core._far_state_grads``), the rows of its GEMM and ``need_in``."""
+    from sketchlab.attention import chunk_core as cc
+
+    fwd, bwd, real_f, real_b = [], [], cc._far_state, cc._far_state_grads
+
+    def spy_f(R, lk, vc, S_in, z_in, used):
+        res = real_f(R, lk, vc, S_in, z_in, used)
+        fwd.append((R.shape[0], S_in is not None, res))
+        return res
+
+    def spy_b(R, dP, dzP, lk, vc, g_S, g_z, last, need_in):
+        bwd.append((dP.shape[0], dzP.shape[0], need_in))
+        return real_b(R, dP, dzP, lk, vc, g_S, g_z, last, need_in)
+
+    monkeypatch.setattr(cc, "_far_state", spy_f)
+    monkeypatch.setattr(cc, "_far_state_grads", spy_b)
+    return fwd, bwd
+
+
+@pytest.mark.parametrize("state_in", ["none", "tensor", "requires_grad"])
+@pytest.mark.parametrize("final_state", [False, True])
+def test_chunk_core_final_state_is_a_row_of_the_far_gemm(monkeypatch, final_state, state_in):
+    """The forward forms the query chunks' far states and ``S_out, z_out`` in one GEMM ``[P; S_out] = R·[S_in; upd]``:
+    ``N + 1`` rows with a final state (``S_out`` is row ``N``: n = 16 ends on a whole chunk, no ``rem`` keys), ``N``
+    without; ``S_in`` is its column 0, read only when a state comes in. The backward's GEMM by ``Rᵀ`` has ``g_S, g_z``
+    as row ``N`` when the loss reads the final state, and forms ``dS_in`` only when the incoming state needs a
+    gradient (``None``, or a tensor without one: skipped)."""
+    B, H, M, Dv, C, n = 1, 2, 3, 2, 4, 16
+    g = _gen(13)
+    fq = torch.rand(B, H, n, M, generator=g, dtype=F64, requires_grad=True)
+    fk, v = torch.rand(B, H, n, M, generator=g, dtype=F64), torch.randn(B, H, n, Dv, generator=g, dtype=F64)
+    state = (None, None) if state_in == "none" else (torch.randn(B, H, M, Dv, generator=g, dtype=F64),
+                                                     torch.rand(B, H, M, generator=g, dtype=F64))
+    if state_in == "requires_grad":
+        state = tuple(x.requires_grad_() for x in state)
+    fwd, bwd = _spy_gemms(monkeypatch)
+    out, _, S_out, z_out = chunk_core(fq, fk, v, *state, off=0, lag=0, chunk_size=C, non_negative=False,
+                                      normalize=True, eps=1e-3, final_state=final_state)
+    N = n // C
+    (rows, read_in, (P, zP)), = fwd
+    assert (rows, read_in) == (N + final_state, state_in != "none")
+    if final_state:
+        assert torch.equal(S_out, P[N]) and torch.equal(z_out, zP[N])
+    loss = out.sum() + (S_out.sum() + z_out.sum() if final_state else 0)
+    loss.backward()
+    assert bwd == [(N + final_state, N + final_state, state_in == "requires_grad")]
+
+
+@pytest.mark.parametrize("read", ["S_out", "z_out"])
+def test_chunk_core_gradcheck_through_one_part_of_the_final_state(read):
+    """A loss that reads ``S_out`` but not ``z_out`` (or the reverse): the unread one's gradient is ``None``, a zero
+    row of the backward's GEMM (``rem`` keys too: n = 7, off = 3, lag = 2, C = 3 puts 2 keys of chunk 2 in S_out)."""
+    B, H, M, Dv, C, n, off, lag = 1, 2, 2, 2, 3, 7, 3, 2
+    g = _gen(14)
+    fq = torch.rand(B, H, n, M, generator=g, dtype=F64).requires_grad_()
+    fk = torch.rand(B, H, off + n, M, generator=g, dtype=F64).requires_grad_()
+    v = torch.randn(B, H, off + n, Dv, generator=g, dtype=F64).requires_grad_()
+    S = torch.randn(B, H, M, Dv, generator=g, dtype=F64).requires_grad_()
+    z = torch.rand(B, H, M, generator=g, dtype=F64).add(0.5).requires_grad_()
+
+    def f(*args):
+        out, _, S_out, z_out = chunk_core(*args, off=off, lag=lag, chunk_size=C, non_negative=False, normalize=True,
+                                          eps=1e-3)
+        return out, (S_out if read == "S_out" else z_out)
+
+    assert torch.autograd.gradcheck(f, (fq, fk, v, S, z))
+
+
+def test_hybrid_core_forms_the_incoming_state_gradient_only_when_needed(monkeypatch):
+    """The hybrid's blocks carry a state: the first one's is a zero state without a gradient (its ``dS_in`` is
+    skipped), the later ones' come from the block before (formed). The last block's ``S_out`` is read by no one (no
+    ``g_S`` row); the others' feed the next block (a row). The backward runs the blocks in reverse."""
+    C, T = 4, 24
+    g = _gen(15)
+    q, k, v = (torch.randn(1, T, 2, 3, generator=g, dtype=F64) for _ in range(3))
+    fq, fk = (torch.rand(1, T, 2, 3, generator=g, dtype=F64, requires_grad=True) for _ in range(2))
+    _, bwd = _spy_gemms(monkeypatch)
+    feature_attention(fq, fk, v, q=q, k=k, window=C, chunk_size=C, block_chunks=2).sum().backward()
+    assert bwd == [(2, 2, True), (3, 3, True), (3, 3, False)]

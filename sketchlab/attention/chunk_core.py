@@ -19,11 +19,12 @@ kernel is ``(φ(q)·φ(k))²``, the state holds ``φ ⊗ φ`` (``M2 = M²``).
 Inside, tensors are chunk-major ``[chunks, B, H, C, ·]`` so that a shift by whole chunks is a
 slice, never a copy. For query chunk ``c`` (key chunk ``c + off/C`` holds the same tokens) a key
 chunk ``L`` chunks back is either wholly far (``L·C − (C − 1) ≥ lag``: read from the prefix of
-per-chunk states, one matmul by a 0/1 prefix matrix), partly far (at most two such ``L``:
+per-chunk states, one matmul by a 0/1 prefix matrix, which has a column of ones for ``S_in`` and
+a last row that sums the key chunks wholly in ``S_out``), partly far (at most two such ``L``:
 ``C × C`` scores with a fixed mask) or wholly near (not seen here). The backward pass keeps the
 masked ``C × C`` scores and recomputes the per-chunk states of the block from the saved inputs
-(``O(T·C)`` kept, not the ``(T/C)·M·Dv`` states): ``dS`` flows backwards by the transposed
-prefix matrix. Its float64 twin is
+(``O(T·C)`` kept, not the ``(T/C)·M·Dv`` states): ``dS`` (and ``dS_out``) flows backwards by the
+transposed prefix matrix. Its float64 twin is
 :func:`sketchlab.attention.feature_attention_naive`; the gradients are tested with ``gradcheck``.
 """
 
@@ -41,8 +42,9 @@ __all__ = ["chunk_core", "hybrid_core"]
 
 @functools.lru_cache(maxsize=64)
 def _geometry(n: int, off: int, lag: int, C: int, device: torch.device, dtype: torch.dtype):
-    """Chunk counts, the partly-far lags with their ``[C, C]`` masks, the ``[N, Ne]`` prefix matrix, the keys that enter
-    ``S_out`` and ``reach``: the prefix matrix reads key chunks ``< reach`` only (its other columns are zero)."""
+    """Chunk counts, the partly-far lags with their ``[C, C]`` masks, the far matrix ``R [N + 1, 1 + Ne]`` (see
+    :func:`_far_state`), the keys that enter ``S_out`` and ``reach``: the query chunks' rows of ``R`` read key chunks
+    ``< reach`` only (their other key columns are zero)."""
     N, Wc = -(-n // C), off // C
     Ne = Wc + N
     full = -(-(lag + C - 1) // C)  # first lag (in chunks) whose keys are all far
@@ -54,12 +56,14 @@ def _geometry(n: int, off: int, lag: int, C: int, device: torch.device, dtype: t
         c0 = max(0, L - Wc)  # the first query chunk whose key chunk exists
         if c0 < N:
             lags.append((L, c0, (L * C + r - u >= lag).to(dtype)))  # [C, C]
-    c = torch.arange(N, device=device)[:, None]
+    last = max(0, off + n - lag)  # keys e < last enter S_out
+    c = torch.arange(N + 1, device=device)[:, None]
     e = torch.arange(Ne, device=device)[None, :]
-    prefix = (e <= Wc + c - full).to(dtype)  # [N, Ne]  key chunk e wholly far for query chunk c
-    last = off + n - lag  # keys e < last enter S_out
+    R = torch.ones(N + 1, 1 + Ne, device=device, dtype=dtype)  # column 0: S_in enters every row
+    R[:N, 1:] = (e <= Wc + c[:N] - full).to(dtype)  # [N, Ne]  key chunk e wholly far for query chunk c
+    R[N, 1:] = (e[0] < last // C).to(dtype)  # [Ne]  key chunk e wholly in S_out
     reach = min(Ne, max(0, Wc + N - full))  # key chunk Wc + N − 1 − full is the last any query chunk reads whole
-    return N, Wc, Ne, lags, prefix, max(0, last), reach
+    return N, Wc, Ne, lags, R, last, reach
 
 
 def _chunks(x: torch.Tensor, chunks: int, C: int) -> torch.Tensor:
@@ -83,48 +87,89 @@ def _unlift(grad: torch.Tensor, phi: torch.Tensor) -> torch.Tensor:
     return (G @ phi[..., None] + G.mT @ phi[..., None])[..., 0]
 
 
-def _far_state(prefix, lk, vc, S_in, z_in, used: int):
-    """The far state read by each query chunk, ``P = prefix·upd + S_in`` ``[N, B, H, M2, Dv]`` and ``zP``
-    ``[N, B, H, M2]``, from the per-chunk updates ``upd = lkᵀ·v`` ``[used, B, H, M2, Dv]`` and ``zc = Σ lk``
-    ``[used, B, H, M2]``, formed for the first ``used`` key chunks only (at least those the prefix matrix ``[N, Ne]``
-    reads). ``S_in, z_in``: ``[B, H, M2, Dv]``, ``[B, H, M2]`` or ``None`` (a zero state). Returns
-    ``P, zP, upd, zc``."""
-    N = prefix.shape[0]
-    upd, zc = lk[:used].mT @ vc[:used], lk[:used].sum(3)  # per-chunk Σ φ(k)ᵀ v, Σ φ(k)
-    P = (prefix[:, :used] @ upd.flatten(1)).view(N, *upd.shape[1:])
-    zP = (prefix[:, :used] @ zc.flatten(1)).view(N, *zc.shape[1:])
+def _far_state(R, lk, vc, S_in, z_in, used: int):
+    r"""The far states read by the query chunks (and the final state) as one GEMM of the incoming state and the per-chunk
+    updates: ``[P; S_out] = R·[S_in; upd]``, likewise ``z``.
+
+    ``R [rows, 1 + Ne]`` is the far matrix of :func:`_geometry` or its first ``N`` rows (no final state): column 0 is
+    ones (``S_in`` enters every row), column ``1 + e`` key chunk ``e``; row ``c < N`` marks the key chunks wholly far
+    for query chunk ``c`` (the prefix matrix), row ``N`` those wholly in ``S_out`` (its other keys, the first
+    ``last % C`` of chunk ``last // C``, are :func:`_forward_state`'s). The updates ``upd = lkᵀ·v``
+    ``[used, B, H, M2, Dv]`` and ``zc = Σ lk`` ``[used, B, H, M2]`` are formed for the first ``used`` key chunks only
+    (at least those ``R`` reads). ``S_in, z_in``: ``[B, H, M2, Dv]``, ``[B, H, M2]`` or ``None`` (a zero state: column 0
+    left out). Returns ``P [rows, B, H, M2, Dv]``, ``zP [rows, B, H, M2]``.
+    """
+    _, B, H, _, M2 = lk.shape
+    Dv = vc.shape[-1]
+    rows = R.shape[0]
+    upd, zc = lk.new_empty(1 + used, B, H, M2, Dv), lk.new_empty(1 + used, B, H, M2)  # [S_in; upd], [z_in; zc]
+    torch.matmul(lk[:used].mT, vc[:used], out=upd[1:])  # per-chunk Σ φ(k)ᵀ v
+    torch.sum(lk[:used], 3, out=zc[1:])  # per-chunk Σ φ(k)
+    first = 1
     if S_in is not None:
-        P, zP = P.add_(S_in), zP.add_(z_in)
-    return P, zP, upd, zc
+        upd[0], zc[0], first = S_in, z_in, 0
+    P = (R[:, first:1 + used] @ upd[first:].flatten(1)).view(rows, B, H, M2, Dv)
+    zP = (R[:, first:1 + used] @ zc[first:].flatten(1)).view(rows, B, H, M2)
+    return P, zP
 
 
-def _far_state_grads(prefix, dP, dzP, lk, vc, g_S, g_z, last: int):
-    r"""The backward of the far state shared by both cores: gradients of the incoming state and of the key
-    chunks' features and values.
+def _forward_state(R, N, last, reach, lk, vc, S_in, z_in, final_state: bool):
+    """Both cores' forward far state: ``P [N, B, H, M2, Dv]``, ``zP [N, B, H, M2]`` and, with ``final_state``, ``S_out
+    [B, H, M2, Dv]``, ``z_out [B, H, M2]`` (else ``None``): the whole key chunks of ``S_out`` are row ``N`` of
+    :func:`_far_state`'s GEMM, the first ``last % C`` keys of key chunk ``last // C`` are added here."""
+    if not final_state:
+        P, zP = _far_state(R[:N], lk, vc, S_in, z_in, reach)
+        return P, zP, None, None
+    full, rem = divmod(last, lk.shape[3])
+    P_all, zP_all = _far_state(R, lk, vc, S_in, z_in, max(reach, full))  # [N + 1, B, H, M2, (Dv)]
+    # S_out, z_out copied out: views would keep the whole [N + 1, ...] buffer alive in the carried state
+    S_out, z_out = P_all[N].clone(), zP_all[N].clone()
+    if rem:
+        S_out += lk[full, :, :, :rem].mT @ vc[full, :, :, :rem]
+        z_out += lk[full, :, :, :rem].sum(2)
+    return P_all[:N], zP_all[:N], S_out, z_out
 
-    The forward read ``P_c = Σ_e prefix[c, e]·upd_e + S_in`` (``upd_e = lk_eᵀ v_e``, likewise ``z``) and, with
-    ``output_final_state``, returned ``S_out = S_in + Σ_{j < last} lk_jᵀ v_j``: so ``dupd = prefixᵀ·dP`` (+ ``g_S``
-    on the ``last // C`` whole chunks and on the first ``last % C`` keys of the next), ``dlk = v·dupdᵀ + dzc``,
-    ``dv = lk·dupd``.
 
-    Shapes: ``prefix [N, Ne]``, ``dP [N, B, H, M2, Dv]``, ``dzP [N, B, H, M2]``, ``lk [Ne, B, H, C, M2]``,
-    ``vc [Ne, B, H, C, Dv]``, ``g_S [B, H, M2, Dv]`` / ``g_z [B, H, M2]`` or ``None``; ``last`` the keys that entered
-    the state. Returns ``dS_in, dz_in, dlk [Ne, B, H, C, M2], dvc [Ne, B, H, C, Dv]``.
+def _far_grad_rows(lq, dnum, dden, g_S, g_z):
+    """The gradients of the forward's far-state GEMM's rows: ``dP = lqᵀ·dnum`` ``[rows, B, H, M2, Dv]`` and ``dzP =
+    ddenᵀ·lq`` ``[rows, B, H, M2]`` for the query chunks (rows ``0..N−1``) and, when either is given, ``g_S, g_z``
+    (zero for a ``None`` one) as row ``N`` (``rows = N + 1``). Shapes: ``lq [N, B, H, C, M2]``, ``dnum [N, B, H, C,
+    Dv]``, ``dden [N, B, H, C]``."""
+    N, B, H, _, M2 = lq.shape
+    Dv = dnum.shape[-1]
+    rows = N + (g_S is not None or g_z is not None)
+    dP, dzP = lq.new_empty(rows, B, H, M2, Dv), lq.new_empty(rows, B, H, M2)
+    torch.matmul(lq.mT, dnum, out=dP[:N])
+    torch.matmul(dden[..., None, :], lq, out=dzP[:N, ..., None, :])  # (as [1, C]·[C, M]: a GEMV is slower)
+    if rows > N:
+        dP[N], dzP[N] = (0.0 if g_S is None else g_S), (0.0 if g_z is None else g_z)
+    return dP, dzP
+
+
+def _far_state_grads(R, dP, dzP, lk, vc, g_S, g_z, last: int, need_in: bool):
+    r"""The backward of :func:`_far_state` (and of :func:`_forward_state`'s last keys), shared by both cores: gradients
+    of the incoming state and of the key chunks' features and values.
+
+    The forward formed ``[P; S_out] = R·[S_in; upd]`` (``upd_e = lk_eᵀ v_e``, likewise ``z``), ``S_out`` plus the
+    first ``last % C`` keys of key chunk ``last // C``: so ``dupd = R[:, 1:]ᵀ·[dP; g_S]`` (one GEMM), ``dS_in`` the
+    sum of ``[dP; g_S]``'s rows (column 0 of ``R`` is ones; only when ``need_in``), ``dlk = v·dupdᵀ + dzc``, ``dv =
+    lk·dupd``, and ``g_S`` on those last keys.
+
+    Shapes: ``R [N + 1, 1 + Ne]``, ``dP [rows, B, H, M2, Dv]``, ``dzP [rows, B, H, M2]`` (:func:`_far_grad_rows`: row
+    ``N`` the final state's, when there is one), ``lk [Ne, B, H, C, M2]``, ``vc [Ne, B, H, C, Dv]``, ``g_S [B, H, M2,
+    Dv]`` / ``g_z [B, H, M2]`` or ``None``; ``last`` the keys that entered the state. Returns ``dS_in, dz_in`` (``None``
+    unless ``need_in``), ``dlk [Ne, B, H, C, M2], dvc [Ne, B, H, C, Dv]``.
     """
     Ne, B, H, C, M2 = lk.shape
     Dv = vc.shape[-1]
-    dupd = (prefix.T @ dP.flatten(1)).view(Ne, B, H, M2, Dv)  # Σ over the query chunks that read key chunk e
-    dzc = (prefix.T @ dzP.flatten(1)).view(Ne, B, H, M2)
-    dS_in, dz_in = dP.sum(0), dzP.sum(0)
-    full, rem = divmod(last, C)
-    if g_S is not None:
-        dS_in = dS_in + g_S
-        dupd[:full] += g_S
-    if g_z is not None:
-        dz_in = dz_in + g_z
-        dzc[:full] += g_z
+    Rt = R[:dP.shape[0], 1:].T  # [Ne, rows]  (the key chunks' columns of R)
+    dupd = (Rt @ dP.flatten(1)).view(Ne, B, H, M2, Dv)  # Σ over the rows that read key chunk e
+    dzc = (Rt @ dzP.flatten(1)).view(Ne, B, H, M2)
+    # S_in entered every row (R's column 0 is ones): its gradient is the sum of the rows'
+    dS_in, dz_in = (dP.sum(0), dzP.sum(0)) if need_in else (None, None)
     dlk = vc @ dupd.mT + dzc[..., None, :]  # [Ne, B, H, C, M2]
     dvc = lk @ dupd  # [Ne, B, H, C, Dv]
+    full, rem = divmod(last, C)
     if rem and g_S is not None:
         dlk[full, :, :, :rem] += vc[full, :, :, :rem] @ g_S.mT
         dvc[full, :, :, :rem] += lk[full, :, :, :rem] @ g_S
@@ -137,12 +182,12 @@ class _Core(torch.autograd.Function):
     @staticmethod
     def forward(ctx, fq, fk, v, S_in, z_in, off, lag, C, non_negative, normalize, eps, final_state):
         B, H, n, _ = fq.shape
-        N, Wc, Ne, lags, prefix, last, reach = _geometry(n, off, lag, C, fq.device, fq.dtype)
-        full, rem = divmod(last, C)  # S_out: key chunks < full, and `rem` keys of chunk `full`
+        N, Wc, Ne, lags, R, last, reach = _geometry(n, off, lag, C, fq.device, fq.dtype)
         fqc, fkc, vc = _chunks(fq, N, C), _chunks(fk, Ne, C), _chunks(v, Ne, C)
         lift = self_tensor if non_negative else (lambda f: f)
         lq, lk = lift(fqc), lift(fkc)  # [N|Ne, B, H, C, M2]
-        P, zP, upd, zc = _far_state(prefix, lk, vc, S_in, z_in, max(reach, full) if final_state else reach)
+        # S_out, z_out: one more row of the far states' GEMM (not formed when the caller reads no final state)
+        P, zP, S_out, z_out = _forward_state(R, N, last, reach, lk, vc, S_in, z_in, final_state)
         num = lq @ P  # [N, B, H, C, Dv]
         den = (zP[..., None, :] @ lq.mT)[..., 0, :]  # [N, B, H, C]  (as [1, M]·[M, C]: a GEMV is slower)
         Dv = v.shape[-1]
@@ -154,14 +199,6 @@ class _Core(torch.autograd.Function):
             kept.append(a)
             num[c0:].view(-1, C, Dv).baddbmm_(a.view(-1, C, C), vc[kk].view(-1, C, Dv))
             den[c0:] += a.sum(-1)
-        S_out = z_out = None  # (not formed when the caller reads no final state)
-        if final_state:
-            S_out, z_out = upd[:full].sum(0), zc[:full].sum(0)
-            if S_in is not None:
-                S_out, z_out = S_out + S_in, z_out + z_in
-            if rem:
-                S_out = S_out + lk[full, :, :, :rem].mT @ vc[full, :, :, :rem]
-                z_out = z_out + lk[full, :, :, :rem].sum(2)
         num, den = _unchunk(num, n), _unchunk(den, n)  # [B, H, n, Dv], [B, H, n]
         ctx.geo = (off, lag, C, non_negative, normalize, eps)
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None (skipped below)
@@ -183,7 +220,7 @@ class _Core(torch.autograd.Function):
             fq, fk, v, S_in, z_in, *kept = ctx.saved_tensors
         B, H, n, M = fq.shape
         Dv = v.shape[-1]
-        N, Wc, Ne, lags, prefix, last, reach = _geometry(n, off, lag, C, fq.device, fq.dtype)
+        N, Wc, Ne, lags, R, last, reach = _geometry(n, off, lag, C, fq.device, fq.dtype)
         fqc, fkc, vc = _chunks(fq, N, C), _chunks(fk, Ne, C), _chunks(v, Ne, C)
         lift = self_tensor if non_negative else (lambda f: f)
         lq, lk = lift(fqc), lift(fkc)
@@ -198,11 +235,12 @@ class _Core(torch.autograd.Function):
             dden = fq.new_zeros(B, H, n) if g_den is None else g_den
         dnum = _chunks(dnum, N, C)  # [N, B, H, C, Dv]
         dden = _chunks(dden[..., None], N, C)[..., 0]  # [N, B, H, C]
-        P, zP, _, _ = _far_state(prefix, lk, vc, S_in, z_in, reach)  # recomputed
-        dP = lq.mT @ dnum  # [N, B, H, M2, Dv]
-        dzP = (dden[..., None, :] @ lq)[..., 0, :]  # [N, B, H, M2]  (as [1, C]·[C, M]: a GEMV is slower)
+        P, zP = _far_state(R[:N], lk, vc, S_in, z_in, reach)  # recomputed
+        dP, dzP = _far_grad_rows(lq, dnum, dden, g_S, g_z)  # [N (+ 1), B, H, M2, (Dv)]: row N the final state's
         dlq = dnum @ P.mT + dden[..., None] * zP[..., None, :]  # [N, B, H, C, M2]
-        dS_in, dz_in, dlk, dvc = _far_state_grads(prefix, dP, dzP, lk, vc, g_S, g_z, last)
+        # the incoming state's gradient only when it has one (S_in None: a zero state, not a tensor)
+        need_in = ctx.needs_input_grad[3] or ctx.needs_input_grad[4]
+        dS_in, dz_in, dlk, dvc = _far_state_grads(R, dP, dzP, lk, vc, g_S, g_z, last, need_in)
         if non_negative:
             dfq, dfk = _unlift(dlq, fqc), _unlift(dlk, fkc)
         else:
@@ -215,8 +253,6 @@ class _Core(torch.autograd.Function):
             dfk[kk] += ds.mT @ fqc[c0:]
             dvc[kk] += a.mT @ dnum[c0:]
         L_k = fk.shape[2]
-        if S_in is None:  # a zero state, not a tensor: no gradient
-            dS_in = dz_in = None
         return (_unchunk(dfq, n), _unchunk(dfk, L_k), _unchunk(dvc, L_k), dS_in, dz_in,
                 None, None, None, None, None, None, None)
 
@@ -356,15 +392,6 @@ def _add_rows(xc: torch.Tensor, a: int, x: torch.Tensor) -> None:
 
 
 @functools.lru_cache(maxsize=64)
-def _prefix_and_total(n: int, off: int, w: int, C: int, device: torch.device, dtype: torch.dtype):
-    """``[N + 1, Ne]``: the prefix matrix of :func:`_geometry` (lag ``w``) and a last row that sums the key chunks
-    wholly in ``S_out`` (those before ``(off + n − w) // C``)."""
-    _, _, Ne, _, prefix, last, _ = _geometry(n, off, w, C, device, dtype)
-    total = (torch.arange(Ne, device=device) < last // C).to(dtype)[None]  # [1, Ne]
-    return torch.cat([prefix, total], 0)
-
-
-@functools.lru_cache(maxsize=64)
 def _hybrid_masks(C: int, window: int, lags: int, device: torch.device, dtype: torch.dtype):
     """Per key-chunk lag ``L < lags``, query ``r``, key ``u`` (``lag = L·C + r − u``): ``local [lags, C, C]`` bool
     (``0 <= lag < w``); ``empty [lags, C]`` bool, the rows without a local key at that ``L`` (and their indices
@@ -388,8 +415,8 @@ class _HybridCore(torch.autograd.Function):
     def _setup(B, H, n, Lw, key_ok, sink_ok, off, opts, like):
         """Geometry and masks of a block of ``n`` queries after ``off`` keys (``L_w`` of them the held window)."""
         C, w = opts[:2]
-        # prefix [N, Ne]: the wholly far key chunks (among the first `reach`); the first last // C: wholly in S_out
-        N, Wc, Ne, _, prefix, last, reach = _geometry(n, off, w, C, like.device, like.dtype)
+        # R [N + 1, 1 + Ne]: S_in, the wholly far key chunks (among the first `reach`); row N: those wholly in S_out
+        N, Wc, Ne, _, R, last, reach = _geometry(n, off, w, C, like.device, like.dtype)
         n_loc = min(-(-(w + C - 1) // C), Wc + 1)  # key chunks back with a local key (further: padding)
         lead = off - Lw
         loc_m, (empty, empty_at), loc_bias, far_m = _hybrid_masks(C, w, n_loc, like.device, like.dtype)
@@ -410,7 +437,7 @@ class _HybridCore(torch.autograd.Function):
         sinks_ok = bool(sink_ok.all())
         return dict(N=N, Wc=Wc, Ne=Ne, n_loc=n_loc, lead=lead, kks=kks, loc_m=loc_m, loc_ok=loc_ok, part=part,
                     bad=bad, okc=okc, empty=empty, empty_at=empty_at, loc_bias=loc_bias, far_m=far_m, far_lags=far_lags,
-                    prefix=prefix, reach=reach, last=last, sok=sok, sinks_ok=sinks_ok,
+                    R=R, reach=reach, last=last, sok=sok, sinks_ok=sinks_ok,
                     lift=self_tensor if opts[2] else (lambda f: f))
 
     @staticmethod
@@ -446,13 +473,8 @@ class _HybridCore(torch.autograd.Function):
         g0 = gb[..., 0]
         loc_w = gb / (1 - gb) if fold else gb  # the local weights' factor
         # far state: per-chunk sums of the key chunks read only (the last ones, still in the window at the block's end,
-        # are read by the next block as its held window), prefix by the 0/1 matrix; its last row sums the key chunks
-        # wholly in S_out (one more row of the same GEMM)
-        prefix_tot = _prefix_and_total(n, off, w, C, fq.device, fq.dtype)  # [N + 1, Ne]
-        used = max(st["reach"], st["last"] // C)
-        P_all, zP_all, _, _ = _far_state(prefix_tot, lk, vc, S_in, z_in, used)  # [N + 1, B, H, M2, (Dv)]
-        # S_out, z_out copied out: views would keep the whole [N + 1, ...] buffer alive in the carried state
-        P, zP, S_out, z_out = P_all[:N], zP_all[:N], P_all[N].clone(), zP_all[N].clone()
+        # are read by the next block as its held window), prefix by the 0/1 matrix; S_out one more row of the same GEMM
+        P, zP, S_out, z_out = _forward_state(st["R"], N, st["last"], st["reach"], lk, vc, S_in, z_in, True)
         num = lq @ P  # [N, B, H, C, Dv]
         den = (zP[..., None, :] @ lq.mT)[..., 0, :]  # [N, B, H, C]  (as [1, M]·[M, C]: a GEMV is 7× slower)
         if not fold:
@@ -540,10 +562,6 @@ class _HybridCore(torch.autograd.Function):
             else:
                 W = A[L] * loc_w if grad else A[L]
             num.view(-1, C, Dv).baddbmm_(W.view(-1, C, C), vc[kk].view(-1, C, Dv))
-        full, rem = divmod(st["last"], C)
-        if rem:  # the first `rem` keys of chunk `full` enter S_out too
-            S_out = S_out + lk[full, :, :, :rem].mT @ vc[full, :, :, :rem]
-            z_out = z_out + lk[full, :, :, :rem].sum(2)
         # out = num / (den + ε), read chunk-major and written token-major in one pass
         e = (eps / (1 - g) if fold else torch.full_like(g, eps))[None, None, :, None]  # [1, 1, H, 1]
         out = num.new_empty(B, H, N * C, Dv)
@@ -591,14 +609,16 @@ class _HybridCore(torch.autograd.Function):
         dnum = _chunks(g_out * r[..., None], N, C)  # [N, B, H, C, Dv]
         dden = _chunks((-(g_out * out).sum(-1) * r)[..., None], N, C)[..., 0]  # [N, B, H, C]
         # far state
-        P, zP, _, _ = _far_state(st["prefix"], lk, vc, S_in, z_in, st["reach"])
-        dP0 = lq.mT @ dnum  # [N, B, H, M2, Dv]   (before the factor 1 − g)
-        dzP0 = (dden[..., None, :] @ lq)[..., 0, :]  # [N, B, H, M2]
+        P, zP = _far_state(st["R"][:N], lk, vc, S_in, z_in, st["reach"])
+        dP, dzP = _far_grad_rows(lq, dnum, dden, g_S, g_z)  # [N (+ 1), B, H, M2, (Dv)]: row N the final state's
+        dP0, dzP0 = dP[:N], dzP[:N]  # the query chunks' (before the factor 1 − g)
         # d/dg of (1 − g)·far, per head [H] (the gate's gradient only when asked)
         dgh = -((dP0 * P).sum(dim=(0, 1, 3, 4)) + (dzP0 * zP).sum(dim=(0, 1, 3))) if need_g else None
-        dP, dzP = dP0.mul_(1 - gb), dzP0.mul_(1 - g0)
+        dP0.mul_(1 - gb)
+        dzP0.mul_(1 - g0)
         dlq = (dnum @ P.mT + dden[..., None] * zP[..., None, :]).mul_(1 - gb)  # [N, B, H, C, M2]
-        dS_in, dz_in, dlk, dvc = _far_state_grads(st["prefix"], dP, dzP, lk, vc, g_S, g_z, st["last"])
+        need_in = ctx.needs_input_grad[10] or ctx.needs_input_grad[11]  # the incoming state's gradient when it has one
+        dS_in, dz_in, dlk, dvc = _far_state_grads(st["R"], dP, dzP, lk, vc, g_S, g_z, st["last"], need_in)
         dfq, dfk = (_unlift(dlq, fqc), _unlift(dlk, fkc)) if non_negative else (dlq, dlk)
         # local and near-far lags: da = dnum·vᵀ + dden is the gradient of every weight of a (query, key)
         dA = torch.empty_like(A)  # [n_loc, N, B, H, C, C]

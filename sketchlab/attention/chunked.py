@@ -134,14 +134,16 @@ def _engine(feat_q, feat_k, v: torch.Tensor, length_q: int, *, causal: bool, nor
             fk = lift(feat_k(a, min(a + block, S)))  # [B, H, n, M2]
             state = state + fk.mT @ vs(a, min(a + block, S))  # [B, H, M2, Dv]
             zsum = zsum + fk.sum(2)
+        # the denominators φ(q)·Σφ(k) as one more column of the state's GEMM (a GEMV, or [1, M]·[M, n], is slower)
+        read = torch.cat([state, zsum[..., None]], -1) if normalize == "sum" else state  # [B, H, M2, Dv (+ 1)]
         for a in range(0, length_q, block):
             fq = lift(feat_q(a, min(a + block, length_q)))  # [B, H, n, M2]
-            out = fq @ state  # [B, H, n, Dv]
+            out = fq @ read  # [B, H, n, Dv (+ 1)]
             if normalize == "sum":
-                den = fq @ zsum[..., None]  # [B, H, n, 1]
+                out, den = out[..., :Dv], out[..., Dv]  # [B, H, n, Dv], [B, H, n]
                 if counter is not None:
-                    counter.add(den[..., 0], None if rows is None else rows[:, a:a + block])
-                out = out / (den + eps)
+                    counter.add(den, None if rows is None else rows[:, a:a + block])
+                out = out / (den[..., None] + eps)
             outs.append(out)
         return torch.cat(outs, 2), state, zsum
 
