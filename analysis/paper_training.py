@@ -167,7 +167,8 @@ def methods(d_model: int) -> dict[str, Method]:
                       kernel_lr=KERNEL_LR))
     # the sliding-window hybrids (exact softmax on the last `window` keys, the sketch beyond, one denominator,
     # a learned gate per head): BASED's own recipe; window 64 at Zoology's lengths (16 at a quarter of them)
-    hybrid_bases = ("based", "llops-p2-m256-based", "hedgehog", *(f"llops-p4-m{m}" for m in M_SWEEP))
+    hybrid_bases = ("based", "llops-p2-m256-based", "hedgehog", "llops-nn-affine-p2-m16",
+                    *(f"llops-p4-m{m}" for m in M_SWEEP))
     for base in [m for m in out if m.key in hybrid_bases]:
         out.append(replace(base, key=f"{base.key}-w64", label=f"{base.label} + window 64",
                            options={**base.options, "window": 64}))
