@@ -1128,7 +1128,8 @@ def table1(args) -> int:
     if counted:
         L += ["**Denominators** (BASED → LLoPS + CT, training and evaluation calls that met a normalising denominator "
               "≤ 0: the trained Θ's kernel turned signed): " + "; ".join(
-                  f"seed {seed_}: {d['calls']} calls ({d['rows']} query rows)" for seed_, d in counted) + ".", ""]
+                  f"seed {seed_}: {d['calls']} call{'' if d['calls'] == 1 else 's'} ({d['rows']} query "
+                  f"row{'' if d['rows'] == 1 else 's'})" for seed_, d in counted) + ".", ""]
     based_ct = {r["seed"]: final(r) for r in runs["based-ct"]}
     llops_ct = {r["seed"]: final(r) for r in runs["llops-ct"]}
     L += [table1_verdict(llops_ct, based_ct), ""]
