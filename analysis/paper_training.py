@@ -532,7 +532,8 @@ def paper_rows(by) -> list[tuple[str, str, str]]:
              f"llops-p4-m256-based{suffix}")]
     rows += [(f"Table 5: LLoPS p = {p}, m = 256{tag}", f"{PAPER_T5[p]}", f"llops-p{p}-m256{suffix}") for p in (2, 4, 6)]
     extra = [(f"Table 4, hybrid: {name} + window {w}{tag}", "–", f"{key}-w{w}{suffix}") for w in (16, 64)
-             for key, name in (("based", "BASED"), ("llops-p4-m256", "LLoPS m = 256, p = 4 (random init)"))]
+             for key, name in (("based", "BASED"), ("llops-p4-m256", "LLoPS m = 256, p = 4 (random init)"),
+                               ("llops-nn-affine-p2-m16", "LLoPS self-tensored on [x, 1], 256 features"))]
     # LLoPS of the affine input [x, 1] (BASED's lower-degree terms): from BASED's Taylor map, and self-tensored
     extra += [(f"Table 4, affine: {name}{tag}", "–", f"{key}{suffix}")
               for key, name in (("llops-taylor-m273-based", "LLoPS on [x, 1], p = 2, m = 273 (init: BASED Taylor)"),
