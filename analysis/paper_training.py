@@ -154,9 +154,11 @@ def methods(d_model: int) -> dict[str, Method]:
                       "is BASED)", "llops", {"p": 2, "m": 273, "affine": True}, init="based", kernel_lr=KERNEL_LR))
     # ... and self-tensored (φ ⊗ φ of a p = 2, 16-feature map of [x, 1]: 256 features, a kernel (φ(q)·φ(k))² >= 0
     # whatever Θ becomes, with BASED's lower-degree terms), from a random start
-    out.append(Method("llops-nn-affine-p2-m16", "LLoPS self-tensored on [x, 1], p = 2, m = 16 (256 features, degree "
-                      "<= 4; random init)", "llops", {"p": 2, "m": 16, "non_negative": True, "affine": True},
-                      init="random", kernel_lr=KERNEL_LR))
+    # (inner m = 8, 12, 14, 16: 64, 144, 196, 256 features, near the paper's Figure 3 sizes 64, 128, 192, 256)
+    for inner in (8, 12, 14, 16):
+        out.append(Method(f"llops-nn-affine-p2-m{inner}", f"LLoPS self-tensored on [x, 1], p = 2, m = {inner} "
+                          f"({inner * inner} features, degree <= 4; random init)", "llops",
+                          {"p": 2, "m": inner, "non_negative": True, "affine": True}, init="random", kernel_lr=KERNEL_LR))
     # self-tensored LLoPS (φ ⊗ φ of a degree-2, 16-feature map: 256 features, degree 4, a kernel (φ(q)·φ(k))² >= 0
     # whatever Θ becomes in training): from a random start, and from BASED expand d' = 4 (the same step-0 kernel
     # (s')⁴ as llops-p4-m256-based, whose Θ turns signed in training)
