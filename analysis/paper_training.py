@@ -61,11 +61,9 @@ import argparse
 import json
 import math
 import platform
-import re
 import statistics
 import sys
 import time
-import warnings
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -234,26 +232,9 @@ def forward_ms(model, seq_len: int, batch: int = 8, repeats: int = 5) -> float:
     return statistics.median(times)
 
 
-_DENOMINATOR = re.compile(r"(\d+) of \d+ query rows have a normalising denominator <= 0")
-
-
-def denominator_warnings(caught) -> dict:
-    """``{"calls", "rows"}``: how many attention calls of a run warned of normalising denominators ``<= 0``
-    (signed features under ``normalize="sum"``) and how many query rows they named, in all. Recorded
-    under the filter ``always`` for those and the default filters for the rest (once per place), every
-    other caught warning is issued again."""
-    calls = rows = 0
-    for w in caught:
-        hit = _DENOMINATOR.search(str(w.message))
-        if hit:
-            calls, rows = calls + 1, rows + int(hit.group(1))
-        else:
-            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-    return {"calls": calls, "rows": rows}
-
-
 def denominator_cell(rs) -> str:
-    """Per seed, ``calls (rows)`` of :func:`denominator_warnings`; ``–`` for a run made before they were counted."""
+    """Per seed, ``calls (rows)`` of :func:`sketchlab.attention.count_denominators`; ``–`` for a run made before
+    they were counted."""
     return ", ".join(f"{d['calls']} ({d['rows']})" if (d := r.get("denominator_warnings")) else "–" for r in rs)
 
 
@@ -275,6 +256,7 @@ def run_one(spec: RunSpec, work: str, threads: int) -> dict:
 
     from sketchlab.tasks.mqar import zoology_mixture, zoology_tests
     from sketchlab.tasks.train import train_mqar
+    from sketchlab.attention import count_denominators
     from sketchlab.tasks.zoology import evaluate_slices
 
     path = Path(work) / f"{spec.name}.json"
@@ -286,8 +268,7 @@ def run_one(spec: RunSpec, work: str, threads: int) -> dict:
     model = build_model(method, s.d_model, s.vocab, spec.seed)
     mix = zoology_mixture(s.vocab, pairs=s.train_pairs())
     t0 = time.perf_counter()
-    with warnings.catch_warnings(record=True) as caught:  # the attention's denominator checks, every one counted
-        warnings.filterwarnings("always", message=r".*normalising denominator <= 0", category=RuntimeWarning)
+    with count_denominators() as denominators:  # the attention's denominator warnings, every one counted
         try:
             result = train_mqar(model, [(mix, s.steps)], batch_size=s.batch, lr=spec.lr, weight_decay=0.1,
                                 kernel_lr=method.kernel_lr, warmup=s.warmup, clip=1.0, seed=spec.seed,
@@ -303,7 +284,6 @@ def run_one(spec: RunSpec, work: str, threads: int) -> dict:
             slices = evaluate_slices(model, zoology_tests(s.vocab, pairs=s.test_pairs()),
                                      num_sequences=s.eval_sequences, seed=spec.seed)
             mix_acc, evals = result.heldout_accuracy, result.evals
-    denominators = denominator_warnings(caught)
     out = {"spec": {"method": spec.method, "lr": spec.lr, "seed": spec.seed, "scale": asdict(s)},
            "label": method.label, "mixture_accuracy": mix_acc, "slices": slices, "evals": evals,
            "seconds": seconds, "diverged": diverged, "forward_ms_T256": forward_ms(model, 256),
@@ -998,6 +978,7 @@ def lm_run(kind: str, s: LMScale, seed: int, work: str, threads: int) -> dict:
     import torch
 
     from sketchlab.tasks import TransformerConfig, TransformerLM
+    from sketchlab.attention import count_denominators
     from sketchlab.tasks.text import based_to_llops, conversion_error, lm_batch, shakespeare_text, train_lm
     from sketchlab.tasks.train import load_checkpoint, save_checkpoint
 
@@ -1032,11 +1013,10 @@ def lm_run(kind: str, s: LMScale, seed: int, work: str, threads: int) -> dict:
             for name, p in model.named_parameters():
                 if ".attention.attn." in name:  # the kernels' own parameters: Θ (no gate without a window)
                     p.requires_grad_(False)
-        with warnings.catch_warnings(record=True) as caught:  # the attention's denominator checks, counted
-            warnings.filterwarnings("always", message=r".*normalising denominator <= 0", category=RuntimeWarning)
+        with count_denominators() as denominators:  # the attention's denominator warnings, counted
             res = train_lm(model, train, heldout, steps=s.extra, step0=s.pretrain,
                            kernel_lr=KERNEL_LR if kind == "llops-ct" else 1.0, **{**common, "seed": seed + 1})
-        extra["denominator_warnings"] = denominator_warnings(caught)
+        extra["denominator_warnings"] = denominators
     out = {"kind": kind, "seed": seed, "scale": asdict(s), "curve": res.curve, "seconds": res.seconds, **extra}
     from sketchlab.io import atomic_write
 

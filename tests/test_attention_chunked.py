@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from sketchlab.attention import (
+    count_denominators,
     feature_attention,
     feature_attention_naive,
     llops_attention_chunked,
@@ -65,6 +66,26 @@ def test_signed_features_keep_the_denominators_sign(causal):
     assert (den < 0).any() and (den > 0).any()  # the test reaches both signs
     out = feature_attention(phi_q, phi_k, v, chunk_size=8, block_chunks=2, **kw)
     assert ((out - ref).abs() <= 1e-9 * ref.abs().amax(-1, keepdim=True)).all()
+
+
+def test_count_denominators_counts_each_warned_call_and_its_rows():
+    """The signed features above, warned by default: each call counts once with the rows its check found (the
+    dense sums give the expected number), even under an "ignore" filter outside; other warnings are issued again."""
+    import warnings
+
+    phi_q, phi_k, v = _rand(2, 37, 2, 5, seed=40), _rand(2, 37, 2, 5, seed=41), _rand(2, 37, 2, 3, seed=42)
+    bad = int((torch.einsum("bthm,bshm->bhts", phi_q, phi_k).tril().sum(-1) <= 0).sum())
+    assert bad > 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with count_denominators() as counts:
+            for _ in range(3):  # the same place three times: every call counts, not once per place
+                feature_attention(phi_q, phi_k, v, causal=True, normalize="sum", chunk_size=8)
+    assert counts == {"calls": 3, "rows": 3 * bad}
+    with pytest.warns(UserWarning, match="something else"):
+        with count_denominators() as counts:
+            warnings.warn("something else", UserWarning)
+    assert counts == {"calls": 0, "rows": 0}
 
 
 @pytest.mark.parametrize("p", [1, 2, 3])

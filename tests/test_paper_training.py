@@ -103,32 +103,9 @@ def test_llops_taylor_from_based_is_based_taylor_at_step_0():
         assert float((llops(x) - b).abs().max()) > 1e-6 * float(b.abs().max())
 
 
-def test_denominator_warnings_are_counted_and_others_issued_again():
-    import warnings
-
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for n in (3, 14):
-            warnings.warn(f"llops_attention: {n} of 1024 query rows have a normalising denominator <= 0 (signed ...)",
-                          RuntimeWarning)
-        warnings.warn("something else", UserWarning)
-    with pytest.warns(UserWarning, match="something else"):
-        assert pt.denominator_warnings(caught) == {"calls": 2, "rows": 17}
+def test_denominator_cell_gives_each_seeds_count_or_a_dash():
     assert pt.denominator_cell([{"denominator_warnings": {"calls": 2, "rows": 17}}, {},
                                 {"denominator_warnings": {"calls": 0, "rows": 0}}]) == "2 (17), –, 0 (0)"
-
-
-def test_table1_run_files_share_what_the_maps_and_lengths_share():
-    from dataclasses import replace
-
-    expand, taylor = pt.LM_QUICK, replace(pt.LM_QUICK, bmap="taylor")
-    name = lambda kind, s: pt.lm_path(kind, s, 0, "w").name  # noqa: E731
-    assert name("based-ct", expand) == "based-ct_s0_d64_L2_T128_n300+150.json"  # the names before the choice
-    assert name("llops-ct", taylor) == "llops-ct_s0_d64_L2_T128_n300+150_taylor.json"
-    assert name("softmax", taylor) == name("softmax", expand)  # no BASED map in softmax
-    longer = replace(taylor, extra=600)
-    assert name("pretrain", longer) == name("pretrain", taylor) == "pretrain_s0_d64_L2_T128_n300_taylor.json"
-    assert name("based-ct", longer) != name("based-ct", taylor)
 
 
 def _run(method, seed, acc, seconds=1.0):

@@ -9,6 +9,7 @@ backend choice, ``module`` the :class:`LLoPSAttention` block, ``triton`` the fus
 from .chunked import feature_attention, llops_attention_chunked
 from .module import LLoPSAttention, llops_is_non_negative
 from .state import AttentionState
+from ._checks import count_denominators
 from .functional import BACKENDS, dump_segments, featuremap_attention, llops_attention, poly_attention, resolve_backend, sketch_attention, softmax_attention
 from .reference import (
     attention_mask,
@@ -26,6 +27,7 @@ __all__ = [
     "LLoPSAttention",
     "dump_segments",
     "attention_mask",
+    "count_denominators",
     "feature_attention",
     "feature_attention_naive",
     "featuremap_attention",

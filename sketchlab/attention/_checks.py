@@ -6,8 +6,10 @@ helpers; each error names the argument, the rule and the offending value.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
+import re
 import warnings
 import weakref
 
@@ -15,7 +17,7 @@ import torch
 
 from .._validation import as_float_tensor, check_finite, check_real
 
-__all__ = ["NORMALIZE", "check_eps", "check_kernel_range", "check_normalize", "check_qkv", "check_segments", "check_theta"]
+__all__ = ["NORMALIZE", "check_eps", "count_denominators", "check_kernel_range", "check_normalize", "check_qkv", "check_segments", "check_theta"]
 
 #: Accepted values of ``normalize``.
 NORMALIZE = ("none", "sum")
@@ -359,6 +361,34 @@ def check_denominator_check(value) -> str:
     if not isinstance(value, str) or value not in DENOMINATOR_CHECKS:
         raise ValueError(f"denominator_check must be one of {DENOMINATOR_CHECKS}, got {value!r}")
     return value
+
+
+_DENOMINATOR_MESSAGE = re.compile(r"(\d+) of \d+ query rows have a normalising denominator <= 0")
+
+
+@contextlib.contextmanager
+def count_denominators():
+    """Count the warnings of :func:`report_denominators` issued inside the block.
+
+    Yields a dict ``{"calls", "rows"}``, filled when the block ends: how many attention calls warned
+    of normalising denominators ``<= 0`` and how many query rows they named, in all (every such call
+    is counted, whatever the warning filters). Other warnings are recorded under the filters in force
+    and issued again when the block ends.
+    """
+    counts = {"calls": 0, "rows": 0}
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            # `message` matches from the start: the warning begins with the caller's name
+            warnings.filterwarnings("always", message=".*normalising denominator <= 0", category=RuntimeWarning)
+            yield counts
+    finally:
+        for w in caught:
+            hit = _DENOMINATOR_MESSAGE.search(str(w.message))
+            if hit:
+                counts["calls"] += 1
+                counts["rows"] += int(hit.group(1))
+            else:
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
 
 
 def report_denominators(bad: int, rows: int, where: str, mode: str) -> None:
