@@ -108,6 +108,19 @@ def test_denominator_cell_gives_each_seeds_count_or_a_dash():
                                 {"denominator_warnings": {"calls": 0, "rows": 0}}]) == "2 (17), –, 0 (0)"
 
 
+def test_table1_run_files_share_what_the_maps_and_lengths_share():
+    from dataclasses import replace
+
+    expand, taylor = pt.LM_QUICK, replace(pt.LM_QUICK, bmap="taylor")
+    name = lambda kind, s: pt.lm_path(kind, s, 0, "w").name  # noqa: E731
+    assert name("based-ct", expand) == "based-ct_s0_d64_L2_T128_n300+150.json"  # the names before the choice
+    assert name("llops-ct", taylor) == "llops-ct_s0_d64_L2_T128_n300+150_taylor.json"
+    assert name("softmax", taylor) == name("softmax", expand)  # no BASED map in softmax
+    longer = replace(taylor, extra=600)
+    assert name("pretrain", longer) == name("pretrain", taylor) == "pretrain_s0_d64_L2_T128_n300_taylor.json"
+    assert name("based-ct", longer) != name("based-ct", taylor)
+
+
 def _run(method, seed, acc, seconds=1.0):
     slices = [{"seq_len": T, "num_pairs": P, "accuracy": acc, "queries": 1} for T, P in pt.QUICK.test_pairs()]
     return {"spec": {"method": method, "seed": seed, "scale": {"divide": pt.QUICK.divide}}, "slices": slices,
