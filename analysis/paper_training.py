@@ -336,10 +336,18 @@ def score(r: dict) -> float:
     return statistics.fmean(accs)
 
 
-def mqar(args) -> int:
+def _mqar_scale(args) -> Scale:
+    """The MQAR parts' scale: the mode's, with --steps and --d-model applied."""
     scale = QUICK if args.quick else FULL
     if args.steps:
         scale = replace(scale, steps=args.steps)
+    if args.d_model:
+        scale = replace(scale, d_model=args.d_model)
+    return scale
+
+
+def mqar(args) -> int:
+    scale = _mqar_scale(args)
     if args.seeds:
         scale = replace(scale, seeds=tuple(int(x) for x in args.seeds.split(",")))
     if args.sweep:
@@ -731,9 +739,7 @@ def time_side_by_side(models: dict, seq_lens, batch: int = 8, rounds: int = 7) -
 
 
 def m_sweep(args) -> int:
-    scale = QUICK if args.quick else FULL
-    if args.steps:
-        scale = replace(scale, steps=args.steps)
+    scale = _mqar_scale(args)
     def fail(msg):  # bad command-line input: one line, exit 2
         print(f"paper_training.py: error: {msg}", file=sys.stderr)
         raise SystemExit(2)
@@ -1184,6 +1190,8 @@ def _parse(argv):
                     "3e-3, mqar.md's winner for LLoPS p = 4, m = 256 at --quick scale)")
     ap.add_argument("--m-windows", default="0,16", help="--part m: sliding windows, comma-separated (0 = pure)")
     ap.add_argument("--steps", type=int, default=0, help="override the mode's steps")
+    ap.add_argument("--d-model", type=int, default=0, help="MQAR parts: override the mode's d_model (Zoology "
+                    "and the issue: 64 and 128)")
     ap.add_argument("--seeds", default="", help="override the mode's seeds (comma-separated)")
     ap.add_argument("--sweep", default="", help="override the mode's learning-rate-swept methods (comma-separated keys)")
     ap.add_argument("--lrs", default="", help="override the mode's learning rates (comma-separated)")
