@@ -187,8 +187,13 @@ def convert_attention(model: nn.Module, *, attention: str = "llops", p: int = 2,
     -----
     transformers models switch to the attention implementation ``"sketchlab"`` (registered in
     ``AttentionInterface`` and ``AttentionMaskInterface``); their ``generate()`` decodes with a
-    :class:`~sketchlab.convert.cache.SketchStateCache` (constant memory) instead of a growing KV
-    cache. The options are recorded in ``model.config.sketchlab`` (saved by ``save_pretrained``).
+    :class:`~sketchlab.convert.cache.SketchStateCache` (constant memory) instead of a growing KV cache.
+    The options are recorded in ``model.config.sketchlab`` (saved by ``save_pretrained``). Padded
+    batches (left padding, pads between real tokens, encoders alike) give each row's real tokens the
+    outputs of the row alone (DESIGN §6; the layouts no reorder makes exact are refused); positions stay
+    the caller's: ``generate()`` derives ``position_ids`` from the mask, but a direct ``model(ids,
+    attention_mask=left_padded_mask)`` without them rotates (or, with absolute position embeddings like
+    BERT's, embeds) each padded row at shifted positions, as the unconverted model's forward does.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")

@@ -18,14 +18,16 @@ rotary embedding; grouped-query keys and values are repeated to the ``H`` query 
 transformers' ``repeat_kv`` does, and every query head has its own feature maps. Its mask function
 (:func:`hf_mask`, the same name in ``AttentionMaskInterface``) hands on the 2-D padding mask.
 
-Left padding (how transformers batches ``generate()``): the sinks are the first positions, so a
-causal call that starts a sequence reorders each left-padded row's tokens to [its first ``sinks``
-real tokens, the pads, the other real tokens] before the attention and puts the outputs back
-afterwards (:func:`_sinks_first`). q and k arrive rotated, so the move changes no phase; with the
-position ids transformers derives from the mask the result equals each row run alone unpadded, and
-every row still ends at the same position, so the state it leaves continues as it would for that
-row alone. What the reorder cannot make exact (a prompt shorter than the sinks, pads under the sinks
-of a continued sequence, an encoder) is refused (see :func:`hf_attention`).
+Padding: the window and the sinks are positions, so a call that starts a sequence moves each row's
+pads out of them before the attention and puts the outputs back afterwards (:func:`_padding_order`):
+a causal row becomes [its first ``sinks`` real tokens, its pads, its other real tokens] (left
+padding, how transformers batches ``generate()``, and pads between real tokens alike; pads after the
+last real token stay there), a non-causal (encoder) row [its real tokens, its pads]. q and k arrive
+rotated, so the move changes no phase; with the position ids transformers derives from the mask
+(``generate()``; a direct forward must pass them) the result equals each row run alone unpadded, and
+every causal row still ends at the same position, so the state it leaves continues as it would for
+that row alone. What no reorder can make exact (a causal prompt shorter than the sinks, pads before
+real tokens in a continued sequence) is refused (see :func:`hf_attention`).
 
 Decoding: :class:`~sketchlab.convert.cache.SketchStateCache` (a transformers ``Cache``) keeps one
 :class:`sketchlab.attention.AttentionState` per layer instead of the keys and values: its
@@ -154,35 +156,40 @@ def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
     call's keys). With a :class:`SketchStateCache` the call continues from the layer's state.
     Attention dropout is not applied (the converted attention has none).
 
-    Left padding. A causal call that starts a sequence (no state, or an empty one) and has a row
-    with pads among its first ``sinks`` positions followed by real tokens runs that batch with
-    each row's tokens reordered by :func:`_sinks_first` — [its first ``sinks`` real tokens, then
-    the tokens before and between them (the pads), then the rest in order] — applied to q, k, v
-    and the mask, and the output put back in place. Rows without such pads are left as they are;
-    a batch without them (no padding, right padding) runs as given.
+    Padding. With a window (``window > 0``; pure linear attention needs none of this, its
+    result is independent of where the pads lie) a call that starts a sequence (no state, or an
+    empty one) runs each row whose pads lie before some real token with its tokens reordered by
+    :func:`_padding_order` — causal: [its first ``sinks`` real tokens, the pads before its last
+    real token, the other real tokens, the pads after it]; non-causal: [its real tokens, its
+    pads] — applied to q, k, v and the mask, and the output put back in place. The real tokens'
+    outputs then equal those of each row alone, unpadded, for any ``attention_mask`` (left
+    padding, pads between real tokens). Right-padded and unpadded batches run as given.
 
     Raises
     ------
     ValueError
-        Left padding that cannot be reordered exactly: a row with fewer than ``sinks`` real
-        tokens (its later tokens would be sinks alone, but land after the pads), a call that
-        continues a state of fewer than ``sinks`` tokens with pads under the remaining sinks, and
-        a non-causal (encoder) model, whose two-sided window would see the moved tokens.
+        Padding no reorder makes exact: a causal row with pads before real tokens and fewer than
+        ``sinks`` real tokens (its later tokens would be sinks alone, but land after the pads),
+        and a pad before a real token in a call that continues a state (no token can move in
+        front of the state's; the window would count the pad as a position).
 
     Notes
     -----
-    Why the reorder is exact for a row with ``P`` leading pads and ``R >= sinks`` real tokens
-    (the layout ``generate()`` makes). q and k were rotated from the real tokens' position ids,
-    so moving a token moves its phase with it; pads are masked keys. Real token ``r`` sits at
-    position ``i = r`` for ``r < sinks`` and ``i = r + P`` after, so the causal window
-    ``i − w < j ≤ i`` holds, besides pads, the real tokens ``max(sinks, r − w + 1) … r``, and the
-    sinks are positions ``0 … sinks − 1``: its local keys are the sinks and ``r − w + 1 … r`` and
-    its far keys the other ``j ≤ r``, those of the row alone. Every row ends at position ``T − 1``,
-    so the state left (the last ``w`` positions, the far sums, the sinks) is the row's own, and
-    tokens appended at the end continue it exactly (:class:`SketchStateCache`, ``generate()``;
-    transformers derives position ids from the mask there, a direct forward must pass them). A pad
-    between real tokens (not a layout transformers makes) is moved only if it lies before a sink;
-    the window counts the pads left among real tokens as positions, reordered or not.
+    Why the causal reorder is exact for a row with ``P`` pads before its last real token and
+    ``R >= sinks`` real tokens (left padding, the layout ``generate()`` makes, or pads between
+    real tokens). q and k were rotated from the real tokens' position ids, so moving a token
+    moves its phase with it; pads are masked keys. Real token ``r`` sits at position ``i = r``
+    for ``r < sinks`` and ``i = r + P`` after, so the causal window ``i − w < j ≤ i`` holds,
+    besides pads, the real tokens ``max(sinks, r − w + 1) … r``, and the sinks are positions
+    ``0 … sinks − 1``: its local keys are the sinks and ``r − w + 1 … r`` and its far keys the
+    other ``j ≤ r``, those of the row alone. Every row with a real last token still ends at
+    position ``T − 1``, so the state left (the last ``w`` positions, the far sums, the sinks) is
+    the row's own, and tokens appended at the end continue it exactly (:class:`SketchStateCache`,
+    ``generate()``; transformers derives position ids from the mask there, a direct forward must
+    pass them). Non-causal: the real tokens at positions ``0 … R − 1`` are the row alone, its
+    window ``|i − j| < w`` and sinks ``j < sinks`` the same; the pads behind are masked keys.
+    Pads a row ends with stay in place (exact for its outputs; a state continued after them, as
+    after right padding, counts them as positions).
     """
     sketch = getattr(module, "sketch", None)
     if not isinstance(sketch, SketchedAttention):
@@ -199,12 +206,17 @@ def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
     if layer is None and S != T:
         raise ValueError(f"{ATTENTION_NAME}: {S} keys for {T} queries: a converted model decodes with "
                          "sketchlab.convert.cache.SketchStateCache (generate() uses it by default), not with a key/value cache")
-    order = None  # [B, T] the sinks-first reorder of a left-padded batch, or None
-    if padding is not None:
-        rows = _rows_with_pads_under_sinks(padding, sketch.sinks - offset)  # [B]
-        if bool(rows.any()):
-            _check_reorderable(padding, rows, sketch.sinks, offset, sketch.causal)
-            order = _sinks_first(padding, sketch.sinks)
+    order = None  # [B, S] the per-row order that makes the padding exact, or None (run as given)
+    if padding is not None and sketch.window:  # window 0: pure linear attention, positions never matter
+        if offset:  # a causal call continuing a state: no token can move in front of the state's
+            _refuse_pads_before_tokens(padding, offset)
+        else:
+            order = _padding_order(padding, sketch.sinks if sketch.causal else S)
+            moved = (order != torch.arange(S, device=order.device)).any(1)  # [B]
+            if not bool(moved.any()):
+                order = None
+            elif sketch.causal:
+                _refuse_short_rows(padding, moved, sketch.sinks)
     q = query.transpose(1, 2)  # [B, T, H, D]
     k, v = _repeat_heads(key, H), _repeat_heads(value, H)  # [B, S, H, D]
     if order is not None:
@@ -219,28 +231,32 @@ def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
     return out, None
 
 
-def _sinks_first(padding: torch.Tensor, sinks: int) -> torch.Tensor:
-    r"""The per-row order that puts each row's first ``sinks`` real tokens in front.
+def _padding_order(padding: torch.Tensor, first: int) -> torch.Tensor:
+    r"""The per-row order that makes a padded row's window and sinks those of the row alone.
 
     Parameters
     ----------
     padding : bool Tensor ``[B, T]``
         True = a real token.
-    sinks : int >= 0
-        The attention sinks.
+    first : int >= 0
+        How many real tokens go in front: the sinks (causal), or ``T`` (non-causal: all of them).
 
     Returns
     -------
     order : long Tensor ``[B, T]``
-        ``order[b, i]`` is the token that goes to position ``i`` of row ``b``: the first ``sinks``
-        real tokens of the row, then every other token, each group in its original order (a stable
-        sort). ``x.gather(1, order)`` reorders, ``y.gather(1, order.argsort(1))`` puts back. A row
-        whose first ``sinks`` tokens are real keeps the identity; left padding ``[pad]·P + [x_0 … x_{R−1}]``
-        becomes ``[x_0 … x_{sinks−1}] + [pad]·P + [x_{sinks} … x_{R−1}]``.
+        ``order[b, i]`` is the token that goes to position ``i`` of row ``b``, in four groups, each
+        in its original order (a stable sort): (0) the row's first ``first`` real tokens, (1) the
+        pads with a real token after them, (2) the other real tokens, (3) the pads after the last
+        real token. ``x.gather(1, order)`` reorders, ``y.gather(1, order.argsort(1))`` puts back.
+        The real tokens past the first ``first`` thus lie side by side, and no pad lies before
+        one of the first ``first``. Left padding ``[pad]·P + [x_0 … x_{R−1}]`` becomes
+        ``[x_0 … x_{first−1}] + [pad]·P + [x_{first} … x_{R−1}]``; ``first >= T`` makes every row
+        right-padded; a right-padded (or unpadded) row keeps the identity.
     """
     real_before = padding.cumsum(1)  # [B, T] real tokens up to and including each position
-    later = ~(padding & (real_before <= sinks))  # [B, T] False on the first `sinks` real tokens
-    return torch.sort(later.to(torch.uint8), dim=1, stable=True).indices
+    real_after = real_before[:, -1:] - real_before  # [B, T] real tokens after each position
+    group = torch.where(padding, torch.where(real_before <= first, 0, 2), torch.where(real_after > 0, 1, 3))
+    return torch.sort(group.to(torch.uint8), dim=1, stable=True).indices
 
 
 def _take(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
@@ -248,28 +264,33 @@ def _take(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     return x.gather(1, order[:, :, None, None].expand(x.shape))
 
 
-def _check_reorderable(padding: torch.Tensor, rows: torch.Tensor, sinks: int, offset: int, causal: bool) -> None:
-    """Refuse the left padding of ``rows [B]`` (pads under the sinks in ``padding [B, S]``) that
-    :func:`_sinks_first` cannot make exact, naming the first such row and its counts."""
-    def row(which: torch.Tensor) -> str:  # the first row of `which [B]`, with its counts
-        b = int(which.nonzero()[0, 0])
-        pads, tokens = int((~padding[b]).sum()), padding.shape[1]
-        return f"{ATTENTION_NAME}: row {b} of the batch ({pads} of its {tokens} tokens pads)"
+def _row(padding: torch.Tensor, which: torch.Tensor) -> str:
+    """The first row of ``which [B]`` with its counts in ``padding [B, S]``, for an error message."""
+    b = int(which.nonzero()[0, 0])
+    pads, tokens = int((~padding[b]).sum()), padding.shape[1]
+    return f"{ATTENTION_NAME}: row {b} of the batch ({pads} of its {tokens} tokens pads)"
 
-    if not causal:
-        raise ValueError(f"{row(rows)} puts the {sinks} attention sinks (the first positions) on pads; a non-causal "
-                         "model's two-sided window would see tokens moved in front of the pads, so its left "
-                         "padding cannot be reordered: pad on the right (tokenizer.padding_side='right') or convert "
-                         "with sinks=0")
-    if offset:
-        raise ValueError(f"{row(rows)} puts pads under the last {sinks - offset} of the {sinks} attention sinks of a "
-                         f"sequence continued from {offset} tokens; left padding is reordered only in the call that "
-                         "starts the sequence: put the pads in the first call")
-    short = (padding.sum(1) < sinks) & rows  # [B] too few real tokens to fill the sinks
+
+def _refuse_short_rows(padding: torch.Tensor, moved: torch.Tensor, sinks: int) -> None:
+    """Refuse a causal row that :func:`_padding_order` moves (``moved [B]``) with fewer real tokens
+    than ``sinks`` in ``padding [B, S]``: its next tokens would be sinks but come after the pads."""
+    short = (padding.sum(1) < sinks) & moved  # [B]
     if bool(short.any()):
-        raise ValueError(f"{row(short)} is left-padded with fewer real tokens than the {sinks} attention sinks: its "
-                         f"next tokens would be sinks but come after the pads; give every prompt at least {sinks} "
-                         "tokens, pad on the right (tokenizer.padding_side='right') or convert with fewer sinks")
+        raise ValueError(f"{_row(padding, short)} has pads before real tokens and fewer real tokens than the {sinks} "
+                         f"attention sinks: its next tokens would be sinks but come after the pads; give every "
+                         f"prompt at least {sinks} tokens, pad on the right (tokenizer.padding_side='right') or "
+                         "convert with fewer sinks")
+
+
+def _refuse_pads_before_tokens(padding: torch.Tensor, offset: int) -> None:
+    """Refuse a row of ``padding [B, S]`` (the keys of a call continuing a state of ``offset``
+    tokens) with a pad before a real token: the window would count the pad as a position."""
+    rows = (padding[:, 1:] > padding[:, :-1]).any(1)  # [B] a pad right before a real token
+    if bool(rows.any()):
+        raise ValueError(f"{_row(padding, rows)} has a pad before a real token in attention_mask, in a call that "
+                         f"continues a sequence of {offset} tokens: the window would count the pad as a position "
+                         "(pads are moved out of the window only in the call that starts the sequence); put the "
+                         "pads in the first call")
 
 
 def remember_cache(module: nn.Module, args, kwargs) -> None:
@@ -289,13 +310,3 @@ def remember_cache(module: nn.Module, args, kwargs) -> None:
 def forget_cache(module: nn.Module, args, kwargs, output) -> None:
     """Forward hook beside :func:`remember_cache`: drop the pointer after the call."""
     module.sketch._cache_layer = None
-
-
-def _rows_with_pads_under_sinks(padding: torch.Tensor, first: int) -> torch.Tensor:
-    """Which rows of ``padding [B, S]`` (True = a real token) have a pad among their first ``first``
-    positions with a real token after it (left padding under the sinks): bool ``[B]``."""
-    if first <= 0:
-        return torch.zeros(padding.shape[0], dtype=torch.bool, device=padding.device)
-    head = padding[:, :first]
-    real_after = padding.flip(1).cumsum(1).flip(1)[:, :first] - head.int()  # real tokens after each position
-    return ((~head) & (real_after > 0)).any(1)
