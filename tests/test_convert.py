@@ -384,14 +384,26 @@ def test_gate_init_at_one_is_window_and_sinks_alone():
     assert float((outs[0.0, 0] - outs[0.0, 1]).abs().max()) > 1e-6
 
 
-def _left_padded(prompts):
-    """Left-pad ``prompts`` (1-D token tensors) with token 0 as ``generate()`` batches them: ids, mask
-    ``[B, T]`` and the position ids transformers derives from the mask (each row's real tokens 0, 1, …)."""
-    T = max(len(p) for p in prompts)
-    ids = torch.zeros(len(prompts), T, dtype=torch.long)
-    mask = torch.zeros(len(prompts), T, dtype=torch.long)
-    for b, prompt in enumerate(prompts):
-        ids[b, T - len(prompt):], mask[b, T - len(prompt):] = prompt, 1
+def _padded(prompts, layout="left"):
+    """Batch ``prompts`` (1-D token tensors) with pad token 0: ids, mask ``[B, T]`` and the position ids
+    transformers derives from the mask (each row's real tokens 0, 1, …). ``layout``: ``"left"`` (as
+    ``generate()`` batches), ``"right"``, or ``"between"``: pads inside each prompt too — one after its
+    2nd token (under the sinks), two after its 6th (in later tokens' windows) — then left padding."""
+    rows = []
+    for prompt in prompts:
+        row = [(int(t), 1) for t in prompt]  # (token, real)
+        if layout == "between":
+            for at, pads in ((6, 2), (2, 1)):  # the later first, so `at` counts the prompt's tokens
+                if len(prompt) > at:
+                    row[at:at] = [(0, 0)] * pads
+        rows.append(row)
+    T = max(len(row) for row in rows)
+    ids = torch.zeros(len(rows), T, dtype=torch.long)
+    mask = torch.zeros(len(rows), T, dtype=torch.long)
+    for b, row in enumerate(rows):
+        start = 0 if layout == "right" else T - len(row)
+        ids[b, start:start + len(row)] = torch.tensor([t for t, _ in row])
+        mask[b, start:start + len(row)] = torch.tensor([real for _, real in row])
     return ids, mask, (mask.cumsum(1) - 1).clamp(min=0)
 
 
@@ -401,8 +413,9 @@ def _prompts(lengths, seed=7):
 
 
 # window 3, sinks 4 (the default): lengths 13 (unpadded) and 10 (3 pads) have window, sink and far keys,
-# 6 is between sinks and sinks + window (no far key, the window reaches the sinks), 4 is sinks alone
-LEFT_WINDOW, LEFT_SINKS, LEFT_LENGTHS = 3, 4, (13, 10, 6, 4)
+# 6 is between sinks and sinks + window (no far key, the window reaches the sinks), 4 is sinks alone;
+# an encoder also takes 2, fewer tokens than sinks (the padded row's sink positions 2, 3 are pads)
+LEFT_WINDOW, LEFT_SINKS, LEFT_LENGTHS, ENCODER_LENGTHS = 3, 4, (13, 10, 6, 4), (13, 10, 6, 2)
 
 
 def _left_converted(make, attention):
@@ -415,24 +428,48 @@ def _left_converted(make, attention):
     return model
 
 
-def test_sinks_first_order():
-    padding = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 0], [0, 1, 1, 1, 1, 0]], dtype=torch.bool)
-    order = sketched._sinks_first(padding, 2)
-    assert order.tolist() == [[2, 3, 0, 1, 4, 5], [0, 1, 2, 3, 4, 5], [1, 2, 0, 3, 4, 5]]
+def _padding_order_naive(padding, first):
+    """:func:`sketched._padding_order` by its definition, row by row in Python: the first ``first``
+    real tokens, the pads before the last real token, the other real tokens, the pads after it."""
+    orders = []
+    for row in padding.tolist():
+        real = [i for i, r in enumerate(row) if r]
+        last = real[-1] if real else -1
+        pads = [i for i, r in enumerate(row) if not r]
+        orders.append(real[:first] + [i for i in pads if i < last] + real[first:] + [i for i in pads if i > last])
+    return torch.tensor(orders)
 
 
-@pytest.mark.parametrize("make,attention", [(_llama, "llops"), (_llama, "hedgehog"), (_gpt2, "hedgehog")])
-def test_left_padded_batch_equals_each_prompt_alone(make, attention):
-    """A left-padded batch (each row's first sinks real tokens moved in front of its pads inside
-    hf_attention) gives each prompt's logits as the prompt alone, unpadded, gives them: float64
-    round-off only (the batch runs longer sequences, so its sums are formed in another order; measured
-    ≤ 2.2e-16 on logits ≤ 0.5, TOL64 = 1e-10 leaves margin, while sinks left on the pads or outputs put
-    back in the wrong places move them by 1e-2 to 1e-1; the far part alone, its maps moved by 0.1, by
-    ~1e-5). position_ids are passed as generate() derives them (the forward does not)."""
+def test_padding_order():
+    padding = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 0], [0, 1, 1, 1, 1, 0], [1, 0, 1, 1, 0, 1],
+                            [1, 1, 0, 0, 0, 0]], dtype=torch.bool)
+    # causal, 2 sinks: left padding puts the sinks first; a pad between the sinks goes behind them,
+    # one past the sinks in front of the other real tokens; right padding keeps the identity
+    assert sketched._padding_order(padding, 2).tolist() == [[2, 3, 0, 1, 4, 5], [0, 1, 2, 3, 4, 5], [1, 2, 0, 3, 4, 5],
+                                                              [0, 2, 1, 4, 3, 5], [0, 1, 2, 3, 4, 5]]
+    # non-causal (first = T): every row right-padded
+    assert sketched._padding_order(padding, 6).tolist() == [[2, 3, 4, 5, 0, 1], [0, 1, 2, 3, 4, 5], [1, 2, 3, 4, 0, 5],
+                                                              [0, 2, 3, 5, 1, 4], [0, 1, 2, 3, 4, 5]]
+    g = torch.Generator().manual_seed(0)
+    for first in (0, 1, 3, 9):
+        padding = torch.rand(64, 9, generator=g) < 0.6
+        assert torch.equal(sketched._padding_order(padding, first), _padding_order_naive(padding, first))
+
+
+@pytest.mark.parametrize("make,attention,layout", [(_llama, "llops", "left"), (_llama, "hedgehog", "left"),
+                                                   (_gpt2, "hedgehog", "left"), (_llama, "llops", "between"),
+                                                   (_gpt2, "hedgehog", "between")])
+def test_padded_batch_equals_each_prompt_alone(make, attention, layout):
+    """A left-padded batch, or one with pads between real tokens too (each row reordered inside
+    hf_attention to its first sinks real tokens, its pads, its other real tokens), gives each prompt's
+    logits as the prompt alone, unpadded, gives them: float64 round-off only (the batch runs longer
+    sequences, so its sums are formed in another order; measured ≤ 2.2e-16 on logits ≤ 0.5, TOL64 = 1e-10
+    leaves margin, while sinks left on the pads, pads left in the window or outputs put back in the wrong
+    places move them by 1e-2 to 1e-1; the far part alone, its maps moved by 0.1, by ~1e-5). position_ids
+    are passed as generate() derives them (the forward does not)."""
     model = _left_converted(make, attention)
     prompts = _prompts(LEFT_LENGTHS)
-    ids, mask, positions = _left_padded(prompts)
-    assert bool(sketched._rows_with_pads_under_sinks(mask.bool(), LEFT_SINKS).any())  # the old refusal's case
+    ids, mask, positions = _padded(prompts, layout)
     with torch.no_grad():
         batch = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
         for b, prompt in enumerate(prompts):
@@ -440,15 +477,34 @@ def test_left_padded_batch_equals_each_prompt_alone(make, attention):
             torch.testing.assert_close(batch[b, mask[b].bool()], alone, **TOL64)
 
 
-def test_left_padded_generate_equals_each_prompt_alone():
-    """generate() (greedy, with the state cache) on a left-padded batch gives each prompt the new tokens
-    and the step logits (TOL64, as above) it gets generated alone: the state the reordered prefill leaves
-    continues each row as its own."""
+@pytest.mark.parametrize("attention", ["llops", "hedgehog"])
+def test_encoder_padded_batch_equals_each_sentence_alone(attention):
+    """A converted BERT (non-causal: two-sided window and sinks) gives each sentence's real tokens the
+    embeddings of the sentence alone, unpadded, whether the batch is padded on the right (run as given),
+    on the left or between real tokens too (each row's real tokens moved in front of its pads inside
+    hf_attention): float64 round-off (TOL64, as above); pads left in front move them by O(1e-1). The
+    sentence of 2 tokens has fewer than the 4 sinks. position_ids are passed (BERT's are absolute)."""
+    model = _left_converted(_bert, attention)
+    sentences = _prompts(ENCODER_LENGTHS)
+    with torch.no_grad():
+        alone = [model(input_ids=s[None]).last_hidden_state[0] for s in sentences]
+        for layout in ("right", "left", "between"):
+            ids, mask, positions = _padded(sentences, layout)
+            batch = model(input_ids=ids, attention_mask=mask, position_ids=positions).last_hidden_state
+            for b in range(len(sentences)):
+                torch.testing.assert_close(batch[b, mask[b].bool()], alone[b], **TOL64)
+
+
+@pytest.mark.parametrize("layout", ["left", "between"])
+def test_padded_generate_equals_each_prompt_alone(layout):
+    """generate() (greedy, with the state cache) on a left-padded batch, or one with pads between real
+    tokens too, gives each prompt the new tokens and the step logits (TOL64, as above) it gets generated
+    alone: the state the reordered prefill leaves continues each row as its own."""
     from sketchlab.convert.cache import SketchStateCache
 
     model = _left_converted(_llama, "llops")
     prompts = _prompts(LEFT_LENGTHS, seed=8)
-    ids, mask, _ = _left_padded(prompts)
+    ids, mask, _ = _padded(prompts, layout)
     kw = dict(max_new_tokens=7, min_new_tokens=7, do_sample=False, pad_token_id=0, return_dict_in_generate=True,
               output_logits=True)
     batch = model.generate(ids, attention_mask=mask, **kw)
@@ -460,42 +516,50 @@ def test_left_padded_generate_equals_each_prompt_alone():
                                    torch.stack([s[0] for s in alone.logits]), **TOL64)
 
 
-def test_left_padding_that_cannot_be_reordered_is_refused(monkeypatch):
-    """Left padding is refused, naming the row and its counts, where moving the sinks in front of the
-    pads is not exact: a prompt shorter than the sinks (its next tokens would be sinks), pads under the
-    sinks of a continued sequence, an encoder's two-sided window. Right padding, and left padding without
-    sinks, run as before, with no reorder."""
+def test_padding_that_cannot_be_reordered_is_refused(monkeypatch):
+    """Padding no reorder makes exact is refused, naming the row and its counts: a causal prompt with pads
+    before real tokens and fewer real tokens than the sinks (its next tokens would be sinks), and a pad
+    before a real token in a call that continues a sequence (under its remaining sinks or past them: the
+    window would count the pad). Right padding, left padding without sinks, and any padding without a
+    window (pure linear attention) run as given, with no reorder."""
     from sketchlab.convert.cache import SketchStateCache
 
     model = _left_converted(_llama, "llops")
-    ids, mask, positions = _left_padded(_prompts((6, 3)))
-    with pytest.raises(ValueError, match=r"row 1 of the batch \(3 of its 6 tokens pads\) is left-padded with fewer "
-                                         r"real tokens than the 4 attention sinks"):
+    ids, mask, positions = _padded(_prompts((6, 3)))
+    short = r"row 1 of the batch \(3 of its 6 tokens pads\) has pads before real tokens and fewer real tokens than " \
+            r"the 4 attention sinks"
+    with pytest.raises(ValueError, match=short):
         model(input_ids=ids, attention_mask=mask, position_ids=positions)
-    cache = SketchStateCache(2)
-    with torch.no_grad():
-        model(input_ids=ids[:, :2], cache=cache, use_cache=True)
-        later = torch.ones(2, 5, dtype=torch.long)
-        later[1, 2] = 0  # the new part of row 1: a pad at the 3rd of the 4 sinks, real tokens after it
-        with pytest.raises(ValueError, match=r"row 1 of the batch \(1 of its 3 tokens pads\) puts pads under the last "
-                                             r"2 of the 4 attention sinks of a sequence continued from 2 tokens"):
-            model(input_ids=ids[:, 2:5], attention_mask=later, cache=cache, use_cache=True)
-    bert = _bert()
-    convert_attention(bert, attention="llops", p=2, m=8, window=4, sinks=2)
-    left = torch.ones(2, 9, dtype=torch.long)
-    left[1, :3] = 0
-    with pytest.raises(ValueError, match=r"row 1 of the batch \(3 of its 9 tokens pads\) puts the 2 attention sinks "
-                                         r"\(the first positions\) on pads; a non-causal model"):
-        bert(input_ids=ids.new_ones(2, 9), attention_mask=left)
-    # right padding, and left padding without sinks, run as given: no reorder (a gather would fail here)
+    between = torch.ones(2, 6, dtype=torch.long)
+    between[1, 1:4] = 0  # 3 real tokens, pads between them
+    with pytest.raises(ValueError, match=short):
+        model(input_ids=ids, attention_mask=between)
+    for start, pad in ((2, 2), (5, 6)):  # a pad at the 3rd of the 4 sinks; a pad past them
+        cache = SketchStateCache(2)
+        with torch.no_grad():
+            model(input_ids=torch.ones(2, start, dtype=torch.long), cache=cache, use_cache=True)
+            later = torch.ones(2, start + 3, dtype=torch.long)
+            later[1, pad] = 0  # in the new part of row 1, real tokens after it
+            with pytest.raises(ValueError, match=rf"row 1 of the batch \(1 of its 3 tokens pads\) has a pad before a "
+                                                 rf"real token in attention_mask, in a call that continues a sequence "
+                                                 rf"of {start} tokens"):
+                model(input_ids=torch.ones(2, 3, dtype=torch.long), attention_mask=later, cache=cache, use_cache=True)
+    # right padding, left padding without sinks, pads anywhere without a window: run as given, no reorder
+    # (a gather would fail here)
     right, right_mask = _inputs(True)
-    nosinks = _llama()
+    nosinks, linear = _llama(), _llama()
     convert_attention(nosinks, attention="llops", p=2, m=8, window=4, sinks=0)
+    convert_attention(linear, attention="llops", p=2, m=8, window=0, sinks=0)
+    bert = _left_converted(_bert, "llops")
     monkeypatch.setattr(sketched, "_take", None)
     with torch.no_grad():
         model(input_ids=right, attention_mask=right_mask)
         bert(input_ids=right, attention_mask=right_mask)
         nosinks(input_ids=ids, attention_mask=mask, position_ids=positions)
+        linear(input_ids=ids, attention_mask=between)
+        cache = SketchStateCache(2)
+        linear(input_ids=ids, cache=cache, use_cache=True)
+        linear(input_ids=ids[:, :3], attention_mask=torch.cat([mask, between[:, 2:5]], 1), cache=cache, use_cache=True)
 
 
 def test_sketched_attention_passes_its_normalize_to_the_attention():
