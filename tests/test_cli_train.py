@@ -88,7 +88,8 @@ def test_a_run_written_under_the_former_defaults_resumes_with_its_own_options(tm
     ``affine`` option existed) is resumed by the same command line: the options it does not give are
     the run's, not today's defaults; an option given that differs is refused, naming the field."""
     out = tmp_path / "old"
-    assert main(["train", *TINY, "--no-affine", "--no-non-negative", "--m", "64", "--steps", "2", "--out", str(out)]) == 0
+    former = ["--no-affine", "--no-non-negative", "--m", "64"]
+    assert main(["train", *TINY, *former, "--steps", "2", "--out", str(out)]) == 0
     for ck in (out / "checkpoints").iterdir():  # as the former version wrote it: no `affine` option at all
         state = json.loads((ck / "state.json").read_text())
         del state["identity"]["model"]["attention_options"]["affine"]

@@ -13,8 +13,9 @@ start the form the MQAR study found best (``analysis/results/mqar_nope3200.md``:
 input ``[x, 1]``, self-tensored, ``p = 2``, ``m = 16``: 256 features, 0.984 ± 0.007 over 5 seeds against
 0.42-0.58 for the homogeneous map); with ``--init based`` or ``--init theta FILE`` the homogeneous map
 those start from (``p = 2``, ``m = 64``, neither affine nor self-tensored; ``--init based --affine`` is
-BASED's Taylor map, ``m = 1 + d' + d'²``). A resumed run keeps its own: an option not given on the command line takes the
-value stored in the newest checkpoint (a run written before these defaults resumes as it was).
+BASED's Taylor map, ``m = 1 + d' + d'²``). A resumed run keeps its own: an option not given on the
+command line takes the value stored in the newest checkpoint (a run written before these defaults
+resumes as it was).
 
 Refused before any work (exit 2, one line): an ``--out`` that is or holds the ``--init-from``
 directory or the ``--init theta`` file; an ``--out`` holding files of something other than a
@@ -94,7 +95,8 @@ def add_arguments(sub) -> None:
                    help=f"polynomial degree p (poly, based, psf, llops; default {DEFAULT_P})")
     k.add_argument("--m", type=int, default=None,
                    help=f"sketch size: features per map (psf: default {DEFAULT_M}; llops: 16 with --init random, "
-                        f"{DEFAULT_M} with --init based or theta, 1 + d' + d'² with --init based --affine)")
+                        f"{DEFAULT_M} with --init based or theta, 1 + d' + d'² with --init based "
+                        "--affine)")
     k.add_argument("--rank", type=int, default=None, help="LLoPS CP rank t (llops)")
     k.add_argument("--non-negative", action=argparse.BooleanOptionalAction, default=None,
                    help="self-tensor the features φ⊗φ: m² features, kernel (φ(q)·φ(k))² ≥ 0 (psf: on by default; "
