@@ -8,6 +8,15 @@ the same command again resumes an interrupted run; a different configuration is 
 DistributedDataParallel (gloo on CPU, nccl with ``--device cuda``), ``--batch-size`` being the global
 batch (the ``--`` stops torchrun from reading ``--m`` as an abbreviation of its own options).
 
+``--attention llops`` defaults (:data:`LLOPS_DEFAULTS`, each overridden by its flag): from a random
+start the form the MQAR study found best (``analysis/results/mqar_nope3200.md``: LLoPS of the affine
+input ``[x, 1]``, self-tensored, ``p = 2``, ``m = 16``: 256 features, 0.984 ± 0.007 over 5 seeds against
+0.42-0.58 for the homogeneous map); with ``--init based`` or ``--init theta FILE`` the homogeneous map
+those start from (``p = 2``, ``m = 64``, neither affine nor self-tensored; ``--init based --affine`` is
+BASED's Taylor map, ``m = 1 + d' + d'²``). A resumed run keeps its own: an option not given on the
+command line takes the value stored in the newest checkpoint (a run written before these defaults
+resumes as it was).
+
 Refused before any work (exit 2, one line): an ``--out`` that is or holds the ``--init-from``
 directory or the ``--init theta`` file; an ``--out`` holding files of something other than a
 ``sketchlab train`` run (a model directory, another run's final model); a device this machine does
@@ -16,9 +25,11 @@ not have; a model and batch whose estimated memory exceeds :func:`memory_budget`
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import os
+import sys
 from pathlib import Path
 
 from ._common import (DEFAULT_M, DEFAULT_P, Outputs, UsageError, check_run_dir, device_arg, nonnegative_float,
@@ -26,6 +37,15 @@ from ._common import (DEFAULT_M, DEFAULT_P, Outputs, UsageError, check_run_dir, 
 
 #: What a ``sketchlab train`` output directory holds (anything else there belongs to something else).
 RUN_FILES = ("checkpoints", "model.safetensors", "config.json", "train.json")
+
+#: ``--attention llops`` options the command fills in when not given, by ``--init``. Random: the trainable
+#: form of the MQAR study (``analysis/results/mqar_nope3200.md``); BASED and an exported Θ: the homogeneous
+#: map they start from (BASED's expand map; the map ``sketchlab fit`` fits), the command's defaults before.
+LLOPS_DEFAULTS = {
+    "random": {"affine": True, "non_negative": True, "p": 2, "m": 16},
+    "based": {"affine": False, "non_negative": False, "p": DEFAULT_P, "m": DEFAULT_M},
+    "theta": {"affine": False, "non_negative": False, "p": DEFAULT_P, "m": DEFAULT_M},
+}
 
 
 def memory_budget() -> int:
@@ -73,17 +93,27 @@ def add_arguments(sub) -> None:
     k = cmd.add_argument_group("attention options (each kernel takes its own; see sketchlab.tasks.attention)")
     k.add_argument("--p", type=int, default=None,
                    help=f"polynomial degree p (poly, based, psf, llops; default {DEFAULT_P})")
-    k.add_argument("--m", type=int, default=None, help=f"sketch size: features per map (psf, llops; default {DEFAULT_M})")
+    k.add_argument("--m", type=int, default=None,
+                   help=f"sketch size: features per map (psf: default {DEFAULT_M}; llops: 16 with --init random, "
+                        f"{DEFAULT_M} with --init based or theta, 1 + d' + d'² with --init based "
+                        "--affine)")
     k.add_argument("--rank", type=int, default=None, help="LLoPS CP rank t (llops)")
-    k.add_argument("--non-negative", action="store_true", default=None,
-                   help="self-tensor the features φ⊗φ (llops; psf does by default)")
+    k.add_argument("--non-negative", action=argparse.BooleanOptionalAction, default=None,
+                   help="self-tensor the features φ⊗φ: m² features, kernel (φ(q)·φ(k))² ≥ 0 (psf: on by default; "
+                        "llops: on with --init random, off with --init based or theta)")
+    k.add_argument("--affine", action=argparse.BooleanOptionalAction, default=None,
+                   help="LLoPS of the affine input [x·D^(-1/4), 1]: features are inhomogeneous polynomials of degree "
+                        "<= p, as BASED's 1 + s + s²/2 (llops; on with --init random, the MQAR study's best form with "
+                        "--non-negative, p 2, m 16; off with --init based or theta; --init based --affine is BASED's "
+                        "Taylor map, m 1 + d' + d'² with d' = min(16, head dim), and refuses --non-negative)")
     k.add_argument("--normalize", choices=("sum", "none"), default=None, help="attention normalisation")
     k.add_argument("--form", choices=("taylor", "expand"), default=None, help="BASED form (based)")
     k.add_argument("--dim", type=int, default=None, help="BASED feature dimension d' (based)")
     k.add_argument("--backend", choices=("auto", "torch", "triton", "reference"), default=None,
                    help="LLoPS attention backend (llops)")
     k.add_argument("--init", nargs="+", default=None, metavar="INIT",
-                   help="llops initialisation: 'random' (default), 'based', or 'theta FILE' (an exported Θ)")
+                   help="llops initialisation: 'random' (default), 'based', or 'theta FILE' (an exported Θ); it "
+                        "picks the defaults of --affine, --non-negative and --m (a resumed run keeps its own)")
     k.add_argument("--init-from", default=None, metavar="DIR",
                    help="copy every non-attention weight from this model checkpoint (e.g. a trained softmax or "
                         "BASED model) before --init")
@@ -124,8 +154,56 @@ def add_arguments(sub) -> None:
 
 
 def _attention_options(args) -> dict:
-    names = ("p", "m", "rank", "non_negative", "normalize", "form", "dim", "backend")
+    names = ("p", "m", "rank", "non_negative", "affine", "normalize", "form", "dim", "backend")
     return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+
+
+def _stored_options(out: Path, attention: str) -> dict | None:
+    """The completed attention options of the run in ``out`` (its newest checkpoint's ``state.json``),
+    or ``None`` when there is none of ``attention`` that this version can read (the resume then names
+    the problem)."""
+    from ..tasks import TransformerConfig
+    from ..tasks.train import latest_checkpoint
+
+    found = latest_checkpoint(out)
+    if found is None:
+        return None
+    try:
+        model = json.loads((found / "state.json").read_text())["identity"]["model"]
+        if model["attention"] != attention:
+            return None
+        return TransformerConfig(**model).attention_options  # completed: an option added since takes its default
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def with_llops_defaults(args, stored: dict | None = None):
+    """``args`` with the ``--attention llops`` options not given filled in (a copy; other kernels as given).
+
+    Each of ``affine``, ``non_negative``, ``p``, ``m`` left ``None`` takes ``stored[name]`` (a resumed
+    run's own options, :func:`_stored_options`) or else :data:`LLOPS_DEFAULTS` of ``--init``; with
+    ``--init based --affine`` the default ``m`` is ``1 + d' + d'²``, ``d' = min(16, D)``: step 0 is then
+    the model ``--attention based`` builds by default (its Taylor map). Raises
+    :class:`UsageError` for ``--affine`` on another kernel, and for ``--init based --affine
+    --non-negative`` (BASED's Taylor map, self-tensored, is no BASED model).
+    """
+    filled = argparse.Namespace(**vars(args))
+    if args.attention != "llops":
+        if args.affine is not None:
+            raise UsageError(f"--affine/--no-affine apply to --attention llops only, got --attention {args.attention}")
+        return filled
+    init, _ = _parse_init(args.init, args.attention)
+    for name, default in LLOPS_DEFAULTS[init].items():
+        if getattr(args, name) is None:
+            setattr(filled, name, stored[name] if stored is not None else default)
+    if init == "based" and filled.affine and args.m is None and stored is None:
+        dim = min(16, args.d_model // args.n_heads)  # BASED's Taylor map as `--attention based` builds it
+        filled.m = 1 + dim + dim * dim
+    if init == "based" and filled.affine and filled.non_negative:
+        raise UsageError("--init based with --affine is BASED's Taylor map 1 + s + s²/2, and --non-negative would "
+                         "square its kernel (no BASED model): add --no-non-negative, or --no-affine for BASED's "
+                         "expand map")
+    return filled
 
 
 def _parse_init(init, attention: str) -> tuple[str, str | None]:
@@ -152,7 +230,8 @@ def _check_run_dir(out: Path) -> None:
 
 
 def build_model(args):
-    """The model of ``args`` (config, seed, ``--init-from``, ``--init``) and its ``run_info``."""
+    """The model of ``args`` (config, seed, ``--init-from``, ``--init``; the llops options as
+    :func:`with_llops_defaults` fills them) and its ``run_info``."""
     import torch
 
     from ..tasks import TransformerConfig, TransformerLM, copy_shared_weights, init_llops, load_checkpoint
@@ -183,6 +262,14 @@ def run(args) -> int:
 
     out = Path(args.out)
     init, theta_file = _parse_init(args.init, args.attention)
+    stored = _stored_options(out, args.attention)
+    given, args = args, with_llops_defaults(args, stored)
+    kept = {} if stored is None or args.attention != "llops" else {
+        name: stored[name] for name, default in LLOPS_DEFAULTS[init].items()
+        if getattr(given, name) is None and stored[name] != default}
+    if kept and os.environ.get("RANK", "0") == "0":  # say it once under torchrun
+        print(f"train: {out} holds a run of {', '.join(f'{k}={json.dumps(v)}' for k, v in kept.items())}: "
+              "resuming it with those (options not given keep the run's own values)", file=sys.stderr)
     outputs = Outputs({}, directories={"--out": args.out}, inputs=[args.init_from, theta_file])
     _check_run_dir(out)
     need, budget = estimate_bytes(args), memory_budget()
