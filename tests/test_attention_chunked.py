@@ -47,10 +47,19 @@ def test_feature_attention_matches_reference_float64(T, causal, normalize, non_n
         assert torch.allclose(out, ref, atol=TOL64, rtol=0), (chunk, blocks, (out - ref).abs().max().item())
 
 
-def test_non_causal_with_different_lengths():
-    phi_q, phi_k, v = _rand(1, 30, 2, 4, seed=4).abs(), _rand(1, 45, 2, 4, seed=5).abs(), _rand(1, 45, 2, 3, seed=6)
-    out = feature_attention(phi_q, phi_k, v, causal=False, chunk_size=8, block_chunks=2)
-    assert torch.allclose(out, feature_attention_naive(phi_q, phi_k, v, causal=False), atol=TOL64, rtol=0)
+@pytest.mark.parametrize("T, S", [(30, 45), (45, 30), (3, 100), (100, 3)])
+@pytest.mark.parametrize("masked", [False, True])
+def test_non_causal_with_different_lengths(T, S, masked):
+    # more queries than keys once lost the extra query rows (the query count was read from the keys)
+    phi_q, phi_k, v = _rand(2, T, 2, 4, seed=4).abs(), _rand(2, S, 2, 4, seed=5).abs(), _rand(2, S, 2, 3, seed=6)
+    mask = None
+    if masked:  # a key-padding mask [B, S]: row 0 keeps every key, row 1 its first S // 2 + 1
+        mask = torch.ones(2, S, dtype=torch.bool)
+        mask[1, S // 2 + 1:] = False
+    out = feature_attention(phi_q, phi_k, v, causal=False, chunk_size=8, block_chunks=2, key_padding_mask=mask)
+    ref = feature_attention_naive(phi_q, phi_k, v, causal=False, key_padding_mask=mask)
+    assert out.shape == ref.shape == (2, T, 2, 3)
+    assert torch.allclose(out, ref, atol=TOL64, rtol=0), (out - ref).abs().max().item()
 
 
 @pytest.mark.parametrize("causal", [True, False])

@@ -194,7 +194,7 @@ def _attend(feat_q, feat_k, qt, kt, vt, *, num_features: int, causal: bool, norm
                       denominator_check=denominator_check, where=where)
         return (res[0].to(out_dtype), res[1]) if output_final_state else res.to(out_dtype)
     B, H, S_len, Dv = vt.shape
-    T = qt.shape[2] if qt is not None else S_len
+    T = feat_q.x.shape[2]  # the queries (qt is None without a window)
     M = num_features
     M2 = M * M if non_negative else M
     D = kt.shape[-1] if kt is not None else 0
