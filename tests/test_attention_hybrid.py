@@ -117,6 +117,15 @@ def test_a_short_call_is_budgeted_for_its_own_chunks_not_a_whole_block():
         feature_attention(fq, fk, v, q=q, k=k, **kw)
 
 
+def test_a_window_longer_than_the_sequence_is_budgeted_for_the_keys_there_are():
+    # window 10⁶ on T = 23 is the attention of window 23; its band holds 23 + 8 keys per query row,
+    # 2·2·24·31·14·8 B = 333 KB (under 400 kB), where window + chunk keys would ask for 10.7 GB
+    q, k, v, fq, fk = _inputs(seed=31)
+    kw = dict(sinks=1, chunk_size=8, block_chunks=16, max_bytes=400_000)
+    out = feature_attention(fq, fk, v, q=q, k=k, window=10**6, **kw)
+    assert torch.equal(out, feature_attention(fq, fk, v, q=q, k=k, window=23, **kw))
+
+
 def test_window_zero_is_pure_linear_attention():
     """window=0 ignores the gate and equals the plain normalised linear attention of the dense formula."""
     q, k, v, fq, fk = _inputs(seed=31)

@@ -273,8 +273,9 @@ def _attend(feat_q, feat_k, qt, kt, vt, *, num_features: int, causal: bool, norm
             counter.report(where, denominator_check)
         return (out, state) if output_final_state else out
     queries = min(block, -(-T // C) * C)  # a block holds at most the call's chunks
-    check_memory(B * H * queries * (window + C) * (D + M + Dv + 2) * vt.element_size(),
-                 what=f"the bands of one block ([B={B}, H={H}, {queries} queries, window {window} + chunk {C} keys])",
+    held = min(window, state.offset + T)  # window keys a block can see: no more than the sequence has
+    check_memory(B * H * queries * (held + C) * (D + M + Dv + 2) * vt.element_size(),
+                 what=f"the bands of one block ([B={B}, H={H}, {queries} queries, window {held} + chunk {C} keys])",
                  way_out="lower block_chunks or chunk_size (the band is inherent to the window)", max_bytes=max_bytes)
     outs = []
     qs, ks, vs = (_Tokens(x).blocks(block) for x in (qt, kt, vt))
