@@ -115,3 +115,26 @@ def test_from_pretrained_on_a_signed_theta_never_divides_by_a_signed_sum(tmp_pat
     signed = LLoPSAttention.from_pretrained(path, layer=0, dtype=torch.float64, non_negative=False)
     with torch.no_grad(), pytest.warns(RuntimeWarning, match="denominator <= 0"):
         signed.attend(q, k, v, segments=segments)
+
+
+def test_reference_backend_in_a_float32_block_returns_float32():
+    # backend "reference" computes in float64; the block hands o_proj its own dtype again (the
+    # float64 output once reached the float32 o_proj and failed), in forward and in step, and in
+    # the toy model's llops layer. Both backends compute the same function: fp32 round-off apart.
+    torch.manual_seed(0)
+    x = torch.randn(2, 6, 16)
+    ref = LLoPSAttention(16, 2, m=4, backend="reference", window=3, sinks=1)
+    fast = LLoPSAttention(16, 2, m=4, backend="torch", window=3, sinks=1)
+    fast.load_state_dict(ref.state_dict())
+    y = ref(x)
+    assert y.dtype == torch.float32 and torch.allclose(y, fast(x), atol=1e-5, rtol=0)
+    y_t, _ = ref.step(x[:, 0])
+    assert y_t.dtype == torch.float32 and torch.allclose(y_t, y[:, 0], atol=1e-5, rtol=0)
+    from sketchlab.tasks import TransformerConfig, TransformerLM
+    cfg = dict(vocab_size=11, d_model=16, n_heads=2, n_layers=1, attention="llops")
+    toy_ref = TransformerLM(TransformerConfig(**cfg, attention_options={"backend": "reference", "m": 4}))
+    toy = TransformerLM(TransformerConfig(**cfg, attention_options={"backend": "torch", "m": 4}))
+    toy.load_state_dict(toy_ref.state_dict())
+    ids = torch.randint(0, 11, (2, 6), generator=torch.Generator().manual_seed(1))
+    logits = toy_ref(ids)
+    assert logits.dtype == torch.float32 and torch.allclose(logits, toy(ids), atol=1e-4, rtol=0)

@@ -192,6 +192,7 @@ class LLoPSAttention(nn.Module):
         state = None
         if output_final_state:
             out, state = out
+        out = out.to(x.dtype)  # backend "reference" computes (and returns) float64
         y = self.o_proj(out.reshape(B, T, self.num_heads * self.head_dim))  # [B, T, E]
         return (y, state) if output_final_state else y
 

@@ -376,9 +376,12 @@ class LLoPSKernel(_HybridMixin, nn.Module):
         q, k = q * self.scale, k * self.scale
         if o["affine"]:  # [x · D^{-1/4}, 1]: the local softmax's scores shift by the constant's 1, which cancels
             q, k = affine_input(q), affine_input(k)
-        return llops_attention(q, k, v, self.theta_q, self.theta_k, causal=True,
-                               normalize=o["normalize"], non_negative=o["non_negative"], eps=o["eps"],
-                               backend=o["backend"], **self._hybrid(), **state)
+        out = llops_attention(q, k, v, self.theta_q, self.theta_k, causal=True,
+                              normalize=o["normalize"], non_negative=o["non_negative"], eps=o["eps"],
+                              backend=o["backend"], **self._hybrid(), **state)
+        if state.get("output_final_state"):  # backend "reference" returns float64: back to the model's dtype
+            return out[0].to(v.dtype), out[1]
+        return out.to(v.dtype)
 
 
 class _FeatureMapKernel(_HybridMixin, nn.Module):
