@@ -250,3 +250,24 @@ def test_a_state_mask_on_another_device_is_refused():
     with pytest.raises(ValueError, match="initial_state.mask_window is on meta"):
         llops_attention(q[:, :2], k[:, :2], v[:, :2], theta, theta, window=3, sinks=1, backend="torch",
                         initial_state=moved)
+
+
+@pytest.mark.parametrize("window", [0, 3])
+def test_a_state_of_another_dtype_continues_cast_to_the_calls(window):
+    # the torch path computes in its inputs' dtype (float32 for half inputs): a float64 state from
+    # backend "reference", or one kept in bfloat16 to save memory, is cast to it (both once failed
+    # with raw dtype errors). Float32 against float32: 1e-5 is ~100 ulp after sums of 12 terms; the
+    # bfloat16 state carries 3 significant digits, so 3e-2 on outputs of size O(1).
+    q, k, v = (_rand(1, 12, 2, 4, seed=s) for s in (1, 2, 3))
+    th = _theta()
+    kw = dict(window=window, sinks=1 if window else 0)
+    f32 = [x.float() for x in (q, k, v)]
+    whole = llops_attention(*f32, th.float(), th.float(), backend="torch", **kw)
+    _, st64 = llops_attention(q[:, :7], k[:, :7], v[:, :7], th, th, backend="reference", output_final_state=True, **kw)
+    assert st64.S.dtype == torch.float64
+    for st, tol in ((st64, 1e-5), (st64.to(torch.bfloat16), 3e-2)):
+        for T in (1, 5):  # one-token decoding and a chunked call
+            out = llops_attention(*(x[:, 7:7 + T] for x in f32), th.float(), th.float(), backend="torch",
+                                  initial_state=st, **kw)
+            assert out.dtype == torch.float32
+            assert (out - whole[:, 7:7 + T]).abs().max() < tol, (T, (out - whole[:, 7:7 + T]).abs().max().item())

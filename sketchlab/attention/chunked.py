@@ -204,7 +204,7 @@ def _attend(feat_q, feat_k, qt, kt, vt, *, num_features: int, causal: bool, norm
     if initial_state is not None:
         state = check_state(initial_state, batch=B, heads=H, num_features=M2,
                             dim=D if window else None, dim_v=Dv, feature_dim=M,
-                            window=window, sinks=sinks, like=vt)
+                            window=window, sinks=sinks, like=vt, dtype=vt.dtype)
     elif stateful or (window and causal):  # the hybrid's blocks carry a state even when the call returns none
         state = empty_state(B, H, M2, D, Dv, M, like=vt)
     else:

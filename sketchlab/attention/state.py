@@ -100,12 +100,14 @@ def empty_state(batch: int, heads: int, num_features: int, dim: int, dim_v: int,
 
 
 def check_state(state, *, batch: int, heads: int, num_features: int, dim: int | None, dim_v: int, feature_dim: int,
-                window: int, sinks: int, like: torch.Tensor) -> AttentionState:
+                window: int, sinks: int, like: torch.Tensor, dtype: torch.dtype | None = None) -> AttentionState:
     """Validate ``initial_state`` against the call (shapes, window and sink lengths, device).
 
     Rules: an :class:`AttentionState`; ``S [B, H, M, Dv]``, ``z [B, H, M]`` with the call's
     ``B, H, Dv`` and feature count; the window holds ``min(window, offset)`` keys and the sinks
     ``min(sinks, offset)`` (a state made with other ``window``/``sinks`` is rejected); on ``q``'s device.
+    With ``dtype`` (the dtype the backend computes in), a state of another floating dtype is returned
+    cast to it (a float64 reference state, or ``state.to(torch.bfloat16)`` kept to save memory).
     """
     if not isinstance(state, AttentionState):
         raise TypeError(f"initial_state must be an AttentionState (from output_final_state=True), got {type(state).__name__}")
@@ -136,4 +138,6 @@ def check_state(state, *, batch: int, heads: int, num_features: int, dim: int | 
                              f"{tuple(m.shape) if isinstance(m, torch.Tensor) else m!r}")
         if m is not None and m.device != like.device:
             raise ValueError(f"initial_state.{name} is on {m.device}, the inputs on {like.device}")
+    if dtype is not None and any(getattr(state, name).dtype != dtype for name in want):
+        state = state.to(dtype)
     return state
