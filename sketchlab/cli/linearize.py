@@ -294,9 +294,9 @@ def _run_pretrained(args) -> int:
     if isinstance(args.gate_init, str) and args.window == 0:
         raise UsageError(f"--gate-init {args.gate_init} sets the hybrid's gates: --window 0 (pure linear attention) has none")
     if args.sinks and args.window == 0:
-        raise UsageError(f"--sinks {args.sinks} with --window 0: attention sinks are exact keys, and --window 0 is pure "
-                         "linear attention (none); give --window >= 1 or --sinks 0 (the default is 4 with a window, "
-                         "0 without)")
+        raise UsageError(f"--sinks {args.sinks} with --window 0: attention sinks are exact keys, and --window 0 "
+                         "is pure linear attention (none); give --window >= 1 or --sinks 0 (the default is 4 with "
+                         "a window, 0 without)")
     if args.normalize == "none" and args.window:
         raise UsageError(f"--normalize none with --window {args.window}: the hybrid shares one denominator between "
                          "the exact and the sketched keys and is always normalised; use --window 0 or --normalize sum")

@@ -138,7 +138,9 @@ def _warn_teacher_window(model: nn.Module) -> None:
     so it is no longer the teacher's attention past that window, whatever ``window`` is."""
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     span = getattr(cfg, "sliding_window", None)
-    if isinstance(span, bool) or not isinstance(span, int) or span <= 0 or getattr(cfg, "use_sliding_window", True) is False:
+    if isinstance(span, bool) or not isinstance(span, int) or span <= 0:
+        return
+    if getattr(cfg, "use_sliding_window", True) is False:
         return
     kinds = getattr(cfg, "layer_types", None)
     layers = [i for i, kind in enumerate(kinds) if kind == "sliding_attention"] if kinds else None
