@@ -124,10 +124,10 @@ class TiedLLoPSMap(FeatureMap):
 def far_mass_gate(sketch, io, attention_mask: torch.Tensor, index) -> torch.Tensor:
     r"""Per-head gate logits ``[H]`` at which the far part carries the teacher's share of far softmax mass.
 
-    For every query ``i`` with far keys (``i − j >= window``, ``j >= sinks``) on the valid tokens
-    of sequences ``index`` (the teacher's q, k of ``io``, a :class:`LayerIO`), with the model's
-    logits ``xᵢⱼ = s·qᵢᵀkⱼ`` and ``cᵢ`` their largest value over the window and the sinks (the
-    hybrid's own shift):
+    For every query ``i`` with far keys (causal: ``i − j >= window``, ``j >= sinks``; non-causal,
+    an encoder's: ``|i − j| >= window``, ``j >= sinks``) on the valid tokens of sequences ``index``
+    (the teacher's q, k of ``io``, a :class:`LayerIO`), with the model's logits ``xᵢⱼ = s·qᵢᵀkⱼ``
+    and ``cᵢ`` their largest value over the window and the sinks (the hybrid's own shift):
 
     * ``Fᵢ = Σ_far κ(qᵢ, kⱼ)``, the sketch's far kernel as the attention forms it (inputs scaled by
       ``D^{-1/4}``): ``κ = φ(q)·φ(k)``, or ``(φ(q)·φ(k))² = (φ⊗φ)(q)·(φ⊗φ)(k)`` when the sketch
@@ -170,8 +170,12 @@ def far_mass_gate(sketch, io, attention_mask: torch.Tensor, index) -> torch.Tens
         x = io.scaling * (q[0].transpose(0, 1) @ k[0].transpose(0, 1).mT)  # [H, T, T] the model's logits
         i = torch.arange(T)[:, None]
         j = torch.arange(T)[None, :]
-        near = ((i - j >= 0) & (i - j < w) & (j >= ns)) | ((j < ns) & (j <= i))  # the window and the sinks
-        far = (i - j >= w) & (j >= ns)
+        if sketch.causal:
+            near = ((i - j >= 0) & (i - j < w) & (j >= ns)) | ((j < ns) & (j <= i))  # the window and the sinks
+            far = (i - j >= w) & (j >= ns)
+        else:  # the two-sided window
+            near = ((i - j).abs() < w) | (j < ns)
+            far = ~near
         cmax = torch.where(near, x, -math.inf).amax(-1, keepdim=True)  # [H, T, 1]
         soft = torch.exp(x - cmax)  # [H, T, T]
         S = torch.where(far, soft, 0.0).sum(-1)  # [H, T]
