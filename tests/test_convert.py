@@ -12,6 +12,7 @@ local softmax is exactly softmax attention, DESIGN §6).
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -235,6 +236,91 @@ def test_unsupported_and_bad_options():
         convert_attention(_llama(), feature_map=_maps, local="linear")
     with pytest.raises(ValueError, match="theta initialises LLoPS maps"):
         convert_attention(_llama(), attention="hedgehog", theta="x.safetensors")
+
+
+def _untouched(model) -> bool:
+    """Nothing of a conversion on ``model``: no options, no sketch, the teacher's attention implementation."""
+    return (getattr(model.config, "sketchlab", None) is None and not converted_modules(model, required=False)
+            and model.config._attn_implementation != sketched.ATTENTION_NAME)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(window=0, sinks=2), r"sinks=2 with window=0: attention sinks are exact keys.* pass window >= 1 or sinks=0"),
+    (dict(normalize="bogus"), r"normalize must be one of \('none', 'sum'\), got 'bogus'"),
+    (dict(window=4, normalize="none"), r"the hybrid \(window=4 > 0\) .* always normalised: pass normalize='sum', "
+                                       r"got normalize='none'"),
+])
+def test_layout_options_refused_before_the_model_is_touched(kwargs, match):
+    """window, sinks and normalize are checked with the attention's own rules at conversion, before the
+    model changes (they used to be accepted, saved, and fail at the first forward)."""
+    model = _llama()
+    with pytest.raises(ValueError, match=match):
+        convert_attention(model, attention="hedgehog", m=4, **kwargs)
+    assert _untouched(model)
+
+
+def test_sinks_default_follows_the_window():
+    """sinks=None: 4 with a window (the measured best), 0 for pure linear attention (window=0), which
+    then runs; config.sketchlab records the resolved number, and an explicit value is kept."""
+    ids, mask = _inputs(False)
+    for window, sinks, want in ((0, None, 0), (3, None, 4), (3, 1, 1), (0, 0, 0)):
+        model = _llama()
+        sketches = convert_attention(model, attention="hedgehog", m=4, window=window, sinks=sinks)
+        assert model.config.sketchlab["sinks"] == want and all(s.sinks == want for s in sketches)
+        assert torch.isfinite(_out(model, ids, mask)).all()  # the forward runs
+    model = _llama()
+    convert_attention(model, attention="hedgehog", m=4)
+    assert (model.config.sketchlab["window"], model.config.sketchlab["sinks"]) == (64, 4)
+
+
+@pytest.mark.parametrize("make", ["gpt2", "bert"])
+def test_cross_attention_refused_before_the_model_is_touched(make):
+    """The attention implementation is one per model, so a decoder with cross-attention (GPT-2 or BERT
+    built with add_cross_attention=True) would send its cross-attention through the sketch and fail at
+    the first forward; conversion refuses it, naming the module and the config flag."""
+    if make == "gpt2":
+        cfg = transformers.GPT2Config(vocab_size=50, n_embd=16, n_layer=1, n_head=2, n_positions=32,
+                                      add_cross_attention=True, bos_token_id=0, eos_token_id=0)
+        model, where = transformers.GPT2LMHeadModel(cfg).eval(), r"transformer\.h\.0\.crossattention"
+    else:
+        cfg = transformers.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                      intermediate_size=16, is_decoder=True, add_cross_attention=True)
+        model, where = transformers.BertLMHeadModel(cfg).eval(), r"bert\.encoder\.layer\.0\.crossattention"
+    with pytest.raises(ValueError, match=rf"has cross-attention \({where}, .*config\.add_cross_attention=True"):
+        convert_attention(model, attention="hedgehog", m=4, window=2, sinks=1)
+    assert _untouched(model)
+
+
+@pytest.mark.parametrize("family,kwargs,warns", [
+    ("mistral", dict(sliding_window=3), "every layer"), ("mistral", dict(sliding_window=None), None),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=3, max_window_layers=1), r"layers \[1\]"),
+    ("qwen2", dict(), None),
+])
+def test_teacher_with_its_own_sliding_window_warns(family, kwargs, warns):
+    """window >= T reproduces the teacher only when its attention is not itself limited to a sliding
+    window: with Mistral's sliding_window or Qwen2's use_sliding_window the converted model sees keys
+    the teacher never did (here 0.16 and 0.13 off its logits at T = 9 > 3), so conversion warns, naming the value."""
+    import warnings
+
+    common = dict(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=48, max_position_embeddings=64, attn_implementation="sdpa", **kwargs)
+    torch.manual_seed(0)
+    if family == "mistral":
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(**common)).double().eval()
+    else:
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common)).double().eval()
+    ids, mask = _inputs(False)
+    want = _out(model, ids, mask)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        convert_attention(model, attention="hedgehog", m=4, window=ids.shape[1], sinks=0, eps=0.0)
+    ours = [str(w.message) for w in caught if "sliding" in str(w.message)]
+    gap = float((_out(model, ids, mask) - want).abs().max())
+    if warns is None:
+        assert ours == [] and gap < 1e-10  # window >= T: the teacher's attention (float64 round-off)
+    else:
+        assert len(ours) == 1 and "config.sliding_window=3" in ours[0]
+        assert re.search(warns, ours[0]) and gap > 1e-3
 
 
 # ------------------------------------------------------------------------------------------------

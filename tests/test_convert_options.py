@@ -5,6 +5,7 @@ in ``sketchlab.linearize`` and ``sketchlab linearize``."""
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -148,6 +149,13 @@ def test_linearize_gate_init_default_and_errors():
     model, report = linearize(_llama(), ids, attention="hedgehog", m=6, window=0, sinks=0, seq_len=20, holdout=0.34,
                               transfer_steps=0, evaluate=False)
     assert report.stages[0]["gates"] is None
+    # sinks=None: none for pure linear attention (it used to default to 4 and fail after the teacher pass),
+    # 4 with a window; the settings and the saved options record the resolved number
+    for window, want in ((0, 0), (4, 4)):
+        model, report = linearize(_llama(), ids, attention="hedgehog", m=6, window=window, seq_len=20, holdout=0.34,
+                                  transfer_steps=0, evaluate=True)
+        assert report.settings["sinks"] == want and model.config.sketchlab["sinks"] == want
+        assert math.isfinite(report.stages[0]["metric"])  # the converted model runs
     with pytest.raises(ValueError, match="window=0 .* has none"):
         linearize(_llama(), ids, attention="hedgehog", m=6, window=0, sinks=0, seq_len=20, holdout=0.34,
                   gate_init="search", transfer_steps=0, evaluate=False)
@@ -165,6 +173,9 @@ def test_linearize_gate_init_default_and_errors():
     (dict(fit_tokens=-1), ValueError, r"fit_tokens"),
     (dict(max_bytes=10_000), ValueError, r"the teacher's q, k, v and attention output of 2 layers on 6 sequence\(s\) "
      r"of 20 tokens \(8-byte values\) would take .* GiB, over the memory budget max_bytes"),
+    (dict(window=0, sinks=2, gate_init=0.0), ValueError, r"sinks=2 with window=0: attention sinks are exact keys"),
+    (dict(normalize="none"), ValueError, r"the hybrid \(window=4 > 0\) .* always normalised"),
+    (dict(normalize="bogus"), ValueError, r"normalize must be one of \('none', 'sum'\), got 'bogus'"),
 ])
 def test_linearize_refuses_bad_options_before_any_work(kwargs, err, match, monkeypatch):
     """Options the conversion checks are checked before the teacher's attention is recorded and Θ fitted."""
@@ -210,6 +221,8 @@ def test_cli_gate_init_and_untied(tmp_path, capsys):
     capsys.readouterr()
     for extra, message in ((["--gate-init", "search", "--window", "0"], "--window 0 (pure linear attention) has none"),
                            (["--untied", "--attention", "hedgehog"], "--untied is an LLoPS option"),
+                           (["--window", "0", "--attention", "hedgehog"], "--sinks 1 with --window 0"),
+                           (["--normalize", "none"], "--normalize none with --window 4"),
                            (["--gate-init", "nope"], "--gate-init")):
         try:
             rc = main(common + extra + ["--out", str(tmp_path / "bad")])
@@ -217,6 +230,19 @@ def test_cli_gate_init_and_untied(tmp_path, capsys):
             rc = err.code
         assert rc == 2 and message in capsys.readouterr().err
         assert not (tmp_path / "bad").exists()
+    # --sinks left out: 0 with --window 0 (the run used to fail after the teacher pass), 4 with a window;
+    # the summary, its cli identity and the saved options record the number, so --sinks 4 resumes that run
+    nosinks = common[:common.index("--sinks")] + common[common.index("--sinks") + 2:]
+    for window, want in (("0", 0), ("4", 4)):
+        out = tmp_path / f"w{window}"
+        assert main(nosinks + ["--attention", "hedgehog", "--window", window, "--out", str(out)]) == 0
+        summary = json.loads((out / "linearize.json").read_text())
+        assert summary["settings"]["sinks"] == summary["cli"]["sinks"] == want
+        assert json.loads((out / "model" / "sketchlab_conversion.json").read_text())["sinks"] == want
+    again = nosinks + ["--attention", "hedgehog", "--window", "4", "--out", str(tmp_path / "w4")]
+    assert main(again + ["--sinks", "4"]) == 0
+    capsys.readouterr()
+    assert main(again + ["--sinks", "1"]) == 2 and "sinks" in capsys.readouterr().err
 
 
 def test_fit_theta_layer_by_layer_shapes():

@@ -147,3 +147,42 @@ def test_search_gate_picks_least_error_per_head():
     assert not any(torch.equal(best, row) for row in cands)  # a per-head mix, not one whole candidate row
     with pytest.raises(ValueError, match="candidates must have shape"):
         search_gate(sketch, layers[0], mask, [0], torch.zeros(2, 3))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("non_negative", [False, True])
+@pytest.mark.parametrize("local", ["softmax", "poly"])
+def test_far_mass_gate_gives_the_attention_the_teachers_far_share(non_negative, local, causal):
+    """Checked against the attention itself, not a restated kernel: one query has far keys, so the
+    median is that query's logit; at it, the sketch's output on values marking the far key (its far
+    share of the denominator, eps=0) is the teacher's softmax share of it — for the self-tensored
+    kernel (φq·φk)², the poly window and an encoder's two-sided window alike."""
+    from sketchlab.convert.linearize import LayerIO
+    from sketchlab.convert.sketched import SketchedAttention
+
+    H, D, w, ns = 2, 4, 3, 1
+    if causal:  # valid tokens 0 … T-2 (the last is padding): only query T-2 has a far key, key ns
+        T, query, key, valid = ns + w + 2, ns + w, ns, ns + w + 1
+    else:  # tokens 0 … T-1: only query 0 has a far key (|0 − j| >= w, j >= ns), key T-1; the others' lie in the sinks
+        T, query, key, valid = ns + w, 0, ns + w - 1, ns + w
+    gen = torch.Generator().manual_seed(7)
+    q, k = (2 * torch.randn(1, T, H, D, generator=gen, dtype=torch.float64) for _ in range(2))
+    v = torch.zeros(1, T, H, 1, dtype=torch.float64)
+    mask = torch.zeros(1, T, dtype=torch.long)
+    mask[0, :valid] = 1
+    io = LayerIO(q, k, v, torch.zeros(1, T, H, 1, dtype=torch.float64), 0.7 / math.sqrt(D))
+    maps = [TiedLLoPSMap(H, D, torch.randn(H, 1, D, 3, generator=gen, dtype=torch.float64) / 2) for _ in range(2)]
+    sketch = SketchedAttention(*maps, heads=H, head_dim=D, window=w, sinks=ns, local=local,
+                               non_negative=non_negative, eps=0.0, causal=causal).double()
+    gate = far_mass_gate(sketch, io, mask, [0])
+    assert float(gate.abs().min()) > 0.1  # every head found its query (not the fallback zero)
+    far = torch.zeros(1, valid, H, 1, dtype=torch.float64)
+    far[0, key] = 1.0  # the one far key of that query
+    with torch.no_grad():
+        sketch.gate.copy_(gate)
+        share = sketch(q[:, :valid], k[:, :valid], far, scaling=io.scaling)[0, query, :, 0]  # [H]
+    seen = valid if not causal else query + 1
+    logits = io.scaling * torch.einsum("hd,jhd->hj", q[0, query], k[0, :seen])  # [H, seen]
+    want = torch.softmax(logits, -1)[:, key]
+    # float64: logs and exps of O(10) values, round-off ~1e-14
+    torch.testing.assert_close(share, want, atol=1e-12, rtol=0)

@@ -65,7 +65,9 @@ def add_arguments(sub) -> None:
     cmd.add_argument("--attention", default="llops",
                      help="feature map: llops, hedgehog, taylor, psf, exact, ... (default llops)")
     cmd.add_argument("--window", type=nonnegative_int, default=64, help="exact local keys (0: pure linear; default 64)")
-    cmd.add_argument("--sinks", type=nonnegative_int, default=4, help="attention sinks (default 4)")
+    cmd.add_argument("--sinks", type=nonnegative_int, default=None,
+                     help="attention sinks, the first tokens kept exact (default 4 with a window, 0 with --window 0; "
+                          "more than 0 needs a window)")
     cmd.add_argument("--local", choices=("softmax", "poly"), default="softmax", help="the exact part inside the window")
     cmd.add_argument("--gate-init", type=_gate_init, default=None,
                      help="the hybrid's initial gate logits: a number (sigmoid of it weighs the window, the rest the "
@@ -275,7 +277,7 @@ def _pretrained_settings(args) -> dict:
 
 
 def _run_pretrained(args) -> int:
-    from ..convert.convert import save_linearized
+    from ..convert.convert import check_layout, save_linearized
     from ..convert.linearize import linearize
     from ..convert.pretrained import load_pretrained
     from ..io import staged_directory
@@ -291,6 +293,14 @@ def _run_pretrained(args) -> int:
         raise UsageError(f"--holdout must lie in (0, 1) with --model-dir / --gguf, got {args.holdout}")
     if isinstance(args.gate_init, str) and args.window == 0:
         raise UsageError(f"--gate-init {args.gate_init} sets the hybrid's gates: --window 0 (pure linear attention) has none")
+    if args.sinks and args.window == 0:
+        raise UsageError(f"--sinks {args.sinks} with --window 0: attention sinks are exact keys, and --window 0 "
+                         "is pure linear attention (none); give --window >= 1 or --sinks 0 (the default is 4 with "
+                         "a window, 0 without)")
+    if args.normalize == "none" and args.window:
+        raise UsageError(f"--normalize none with --window {args.window}: the hybrid shares one denominator between "
+                         "the exact and the sketched keys and is always normalised; use --window 0 or --normalize sum")
+    args.sinks = check_layout(args.window, args.sinks, args.local, args.normalize)[1]  # the resolved number, recorded
     if args.untied and args.attention != "llops":
         raise UsageError(f"--untied is an LLoPS option; --attention {args.attention} has no tied form")
     out = Path(args.out)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import numbers
 import types
+import warnings
 from pathlib import Path
 
 import torch
@@ -26,15 +27,48 @@ from torch import nn
 from .families import ToyKernel, attention_sites
 from .sketched import ATTENTION_NAME, LOCALS, SketchedAttention, forget_cache, hf_attention, hf_mask, remember_cache
 
-__all__ = ["convert_attention", "converted_modules", "load_linearized", "save_linearized"]
+__all__ = ["DEFAULT_SINKS", "check_layout", "convert_attention", "converted_modules", "load_linearized",
+           "save_linearized"]
 
 _OPTIONS_FILE = "sketchlab_conversion.json"
+
+#: Attention sinks of a hybrid (``window > 0``) when ``sinks=None``: the measured best for converted
+#: models (DESIGN §6). Pure linear attention (``window=0``) has no exact keys and gets none.
+DEFAULT_SINKS = 4
 
 
 def _check_int(value, name: str, lo: int) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < lo:
         raise ValueError(f"{name} must be an integer >= {lo}, got {value!r}")
     return int(value)
+
+
+def check_layout(window, sinks, local: str = "softmax", normalize: str | None = None) -> tuple[int, int]:
+    """The conversion's ``(window, sinks)``, checked with the attention's own rules before any model is touched.
+
+    ``window``: an integer ``>= 0``. ``sinks=None``: :data:`DEFAULT_SINKS` with a window, ``0`` for
+    pure linear attention (``window=0``); an explicit ``sinks > 0`` needs ``window >= 1``. ``local``
+    in ``("softmax", "poly")``; ``normalize``: ``None`` (the attention's default, ``"sum"``) or one
+    of :data:`sketchlab.attention._checks.NORMALIZE`, and ``"sum"`` with a window (the hybrid is
+    always normalised: :func:`sketchlab.attention._checks.check_hybrid`).
+    """
+    from ..attention._checks import check_hybrid, check_normalize
+
+    window = _check_int(window, "window", 0)
+    if sinks is None:
+        sinks = DEFAULT_SINKS if window else 0
+    sinks = _check_int(sinks, "sinks", 0)
+    if sinks and not window:
+        raise ValueError(f"sinks={sinks} with window=0: attention sinks are exact keys, and window=0 is pure linear "
+                         f"attention (none); pass window >= 1 or sinks=0 (sinks=None gives {DEFAULT_SINKS} with a "
+                         "window and 0 without)")
+    if local not in LOCALS:
+        raise ValueError(f"local must be one of {list(LOCALS)}, got {local!r}")
+    if normalize is not None:
+        normalize = check_normalize(normalize)
+    check_hybrid(window, sinks, local, None, None, normalize="sum" if normalize is None else normalize, heads=1,
+                 dim=1, like=torch.empty(0))
+    return window, sinks
 
 
 def _theta_tensors(theta, layers: int):
@@ -97,6 +131,29 @@ def _make_maps(attention: str, feature_map, layer: int, heads: int, head_dim: in
     return maps
 
 
+def _warn_teacher_window(model: nn.Module) -> None:
+    """Warn (once) when a transformers model's own attention is limited to a sliding window
+    (Mistral's ``sliding_window``, Qwen2's ``use_sliding_window``, on every layer or on those its
+    ``layer_types`` mark ``"sliding_attention"``): the converted attention sees every earlier key,
+    so it is no longer the teacher's attention past that window, whatever ``window`` is."""
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    span = getattr(cfg, "sliding_window", None)
+    if isinstance(span, bool) or not isinstance(span, int) or span <= 0:
+        return
+    if getattr(cfg, "use_sliding_window", True) is False:
+        return
+    kinds = getattr(cfg, "layer_types", None)
+    layers = [i for i, kind in enumerate(kinds) if kind == "sliding_attention"] if kinds else None
+    if layers == []:
+        return
+    where = "every layer" if layers is None or len(layers) == len(kinds) else f"layers {layers}"
+    flag = ", config.use_sliding_window=True" if hasattr(cfg, "use_sliding_window") else ""
+    warnings.warn(f"convert_attention: {type(model).__name__}'s own attention keeps only the last {span} keys on "
+                  f"{where} (config.sliding_window={span}{flag}); the converted attention sees every earlier key "
+                  f"(the window exact, the rest sketched), so it differs from the teacher's on sequences longer than "
+                  f"{span} tokens, even with window >= T", stacklevel=3)
+
+
 def _resolve_tied(tied, attention: str, feature_map, p: int, family: str, has_theta: bool) -> bool:
     """``tied=None``: the tied map for LLoPS of even degree on a transformers model (DESIGN §6), the
     untied one on the toy model; an explicit ``True`` checked against what the tied map can be."""
@@ -117,7 +174,7 @@ def _resolve_tied(tied, attention: str, feature_map, p: int, family: str, has_th
 
 
 def convert_attention(model: nn.Module, *, attention: str = "llops", p: int = 2, m: int = 64, rank: int = 1,
-                      window: int = 64, sinks: int = 4, local: str = "softmax", feature_map=None, theta=None,
+                      window: int = 64, sinks: int | None = None, local: str = "softmax", feature_map=None, theta=None,
                       normalize: str | None = None, non_negative: bool = False, eps: float = 1e-6, learn: bool = True,
                       gate: bool = True, gate_init: float = 0.0, tied: bool | None = None,
                       seed: int = 0) -> list[SketchedAttention]:
@@ -135,10 +192,18 @@ def convert_attention(model: nn.Module, *, attention: str = "llops", p: int = 2,
         keys per layer, each with the model's query heads.
     p, m, rank : int
         Degree, features and (LLoPS) CP rank of the maps.
-    window, sinks : int >= 0
-        Exact local keys and attention sinks (DESIGN §6: ``window=0`` is pure linear attention;
-        ``window >= T`` with ``local="softmax"`` is exactly the model's softmax attention).
-        The defaults (``window=64, sinks=4``) are the measured best for converted models.
+    window : int >= 0
+        Exact local keys (DESIGN §6: ``window=0`` is pure linear attention; ``window >= T`` with
+        ``local="softmax"`` is exactly the model's softmax attention when the model's own attention
+        is full causal (or, for encoders, bidirectional) softmax — not for a teacher that limits
+        its attention to a sliding window shorter than ``T``, Mistral's ``sliding_window`` or
+        Qwen2's ``use_sliding_window``: conversion warns, and its exact part then sees more keys
+        than the teacher did).
+    sinks : int >= 0 or None
+        Attention sinks, the first tokens always kept exact. ``None`` (default):
+        :data:`DEFAULT_SINKS` (4) with a window, ``0`` for ``window=0`` (which has no exact keys;
+        an explicit ``sinks > 0`` there is refused). ``window=64`` and 4 sinks are the measured
+        best for converted models. ``config.sketchlab`` records the resolved number.
     local : {"softmax", "poly"}
         The exact part inside the window.
     feature_map : callable, optional
@@ -148,7 +213,8 @@ def convert_attention(model: nn.Module, *, attention: str = "llops", p: int = 2,
         ``attention="llops"`` only: a Θ export (:func:`sketchlab.export_theta`) or tensors
         ``[L, H, t, p, d, m]`` (fitted on ``"sqrt-d"``-scaled post-RoPE q, k) to start from.
     normalize : str, optional
-        The attention's normalisation (``None``: its default, ``"sum"``; the hybrid is always normalised).
+        The attention's normalisation, ``"sum"`` or ``"none"`` (``None``: its default, ``"sum"``);
+        the hybrid (``window > 0``) is always normalised, so ``"none"`` needs ``window=0``.
     non_negative : bool
         Self-tensor the features (``φ ⊗ φ``, ``M²`` features, a non-negative kernel). Fixed at
         conversion, so a map's feature count never changes while it trains; ``False`` keeps the ``M``
@@ -202,9 +268,7 @@ def convert_attention(model: nn.Module, *, attention: str = "llops", p: int = 2,
     if not isinstance(attention, str):
         raise TypeError(f"attention must be a feature-map name (str), got {type(attention).__name__}")
     p, m, rank = _check_int(p, "p", 1), _check_int(m, "m", 1), _check_int(rank, "rank", 1)
-    window, sinks = _check_int(window, "window", 0), _check_int(sinks, "sinks", 0)
-    if local not in LOCALS:
-        raise ValueError(f"local must be one of {list(LOCALS)}, got {local!r}")
+    window, sinks = check_layout(window, sinks, local, normalize)
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not (0 <= eps < float("inf")):
         raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
     if isinstance(gate_init, str):
@@ -223,6 +287,8 @@ def convert_attention(model: nn.Module, *, attention: str = "llops", p: int = 2,
         raise TypeError("feature_map must be callable: feature_map(layer, heads, head_dim) -> FeatureMap or (map_q, map_k)")
     family, sites = attention_sites(model)
     tied = _resolve_tied(tied, attention, feature_map, p, family, theta is not None)
+    if family != "toy":
+        _warn_teacher_window(model)
     thetas = _theta_tensors(theta, len(sites)) if theta is not None else None
     if thetas is not None and tied:
         from .scale import tie_theta

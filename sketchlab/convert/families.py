@@ -79,13 +79,31 @@ def _int(cfg, *names) -> int:
     raise ValueError(f"the model's config states none of {names}")
 
 
+def _refuse_cross_attention(model: nn.Module) -> None:
+    """Refuse a transformers model with cross-attention (a GPT-2 or BERT decoder built with
+    ``add_cross_attention=True``): its attention implementation is one per model, so the switch
+    to :data:`~sketchlab.convert.sketched.ATTENTION_NAME` would route the cross-attention (queries
+    over an encoder's states, which has no sketched form here) through it too."""
+    for name, module in model.named_modules():
+        if getattr(module, "is_cross_attention", False) is True or "CrossAttention" in type(module).__name__:
+            flag = getattr(model.config, "add_cross_attention", None)
+            raise ValueError(f"convert_attention: {type(model).__name__} has cross-attention ({name}, "
+                             f"{type(module).__name__}; config.add_cross_attention={flag!r}): the attention "
+                             "implementation is switched for the whole model, and cross-attention has no sketched "
+                             "form; convert a model built without cross-attention")
+
+
 def attention_sites(model: nn.Module) -> tuple[str, list[AttentionSite]]:
-    """``(family, sites)``: every self-attention module of ``model`` in layer order."""
+    """``(family, sites)``: every self-attention module of ``model`` in layer order.
+
+    ``ValueError`` for a model with cross-attention (:func:`_refuse_cross_attention`) or without
+    a self-attention module of its family."""
     family = family_of(model)
     if family == "toy":
         cfg = model.config
         return family, [AttentionSite(f"blocks.{i}.attention", block.attention, cfg.n_heads, cfg.n_heads, cfg.head_dim, True)
                         for i, block in enumerate(model.blocks)]
+    _refuse_cross_attention(model)
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     heads = _int(cfg, "num_attention_heads", "n_head")
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
@@ -97,10 +115,10 @@ def attention_sites(model: nn.Module) -> tuple[str, list[AttentionSite]]:
                 continue
             site = AttentionSite(name, module, heads, kv_heads, module.head_dim, True)
         elif family == "gpt2":
-            if kind != "GPT2Attention" or getattr(module, "is_cross_attention", False):
+            if kind != "GPT2Attention":  # cross-attention was refused above
                 continue
             site = AttentionSite(name, module, heads, heads, module.head_dim, True)
-        else:  # bert: self-attention only (cross-attention of a decoder BERT is another class)
+        else:  # bert: its self-attention class (a decoder's cross-attention was refused above)
             if not kind.endswith("SelfAttention") or not hasattr(module, "query"):
                 continue
             site = AttentionSite(name, module, heads, heads, module.attention_head_size, bool(module.is_causal))

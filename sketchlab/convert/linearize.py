@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from .._validation import DEFAULT_MAX_BYTES, check_memory, check_nonnegative_int, check_positive_int
-from .convert import _resolve_tied, convert_attention, converted_modules
+from .convert import _resolve_tied, check_layout, convert_attention, converted_modules
 from .families import attention_sites, family_of
 
 __all__ = ["LayerIO", "LinearizeReport", "attention_errors", "attention_transfer", "embedding_agreement", "fit_theta",
@@ -913,7 +913,7 @@ def _lora(model, family, ids, mask, train_idx, teacher_hidden, *, steps, rank, l
 
 
 def linearize(model: nn.Module, texts, *, tokenizer=None, attention: str = "llops", p: int = 2, m: int = 64,
-              rank: int = 1, window: int = 64, sinks: int = 4, local: str = "softmax", feature_map=None,
+              rank: int = 1, window: int = 64, sinks: int | None = None, local: str = "softmax", feature_map=None,
               normalize: str | None = None, gate_init: float | str | None = None, tied: bool | None = None,
               gate_sequences: int = 4, seq_len: int = 512, max_tokens: int | None = None, holdout: float = 0.25,
               fit: bool = True, fit_tokens: int = 1024, fit_options: dict | None = None, transfer_steps: int = 100,
@@ -940,8 +940,11 @@ def linearize(model: nn.Module, texts, *, tokenizer=None, attention: str = "llop
         Fraction of the sequences (the last ones) held out of training: every error and metric is
         measured on them.
     attention, p, m, rank, window, sinks, local, feature_map, normalize, tied
-        The conversion (:func:`sketchlab.convert_attention`; ``tied=None``: LLoPS as the tied
-        non-negative map on transformers models).
+        The conversion (:func:`sketchlab.convert_attention`; ``sinks=None``: 4 with a window, 0
+        for ``window=0``; ``tied=None``: LLoPS as the tied non-negative map on transformers
+        models). ``window``, ``sinks``, ``local`` and ``normalize`` are checked before any work
+        (an explicit ``sinks > 0`` with ``window=0`` is refused); the report's settings record
+        the resolved ``sinks``.
     gate_init : float, "mass", "search" or None
         The hybrid's initial gate logits: a number for every head, or set per head from the
         teacher's attention on the first ``gate_sequences`` training sequences
@@ -990,6 +993,7 @@ def linearize(model: nn.Module, texts, *, tokenizer=None, attention: str = "llop
         The converted model (the same object unless LoRA merged it) and the stage-by-stage report.
     """
     family = family_of(model)
+    window, sinks = check_layout(window, sinks, local, normalize)
     ids, mask = tokenize_texts(texts, tokenizer, seq_len=seq_len, max_tokens=max_tokens)
     if not (isinstance(holdout, float) and 0 < holdout < 1):
         raise ValueError(f"holdout must be a float in (0, 1), got {holdout!r}")

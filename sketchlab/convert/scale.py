@@ -17,8 +17,9 @@ not shifted) outweigh the window by orders of magnitude. This module holds the t
   \langle\theta_{r,i}, x\rangle^p \ge 0` with one factor per feature (kept tied while it trains,
   unlike :class:`sketchlab.featuremaps.LLoPSMap` whose ``p`` factors drift apart), started from a
   fitted signed Θ by :func:`tie_theta`;
-* :func:`far_mass_gate` — the per-head gate logit at which the far part's mass matches the
-  teacher's softmax mass beyond the window (median over queries, on recorded teacher inputs);
+* :func:`far_mass_gate` — the per-head gate logit at which the far part's share of the hybrid's
+  mass matches the teacher's softmax share beyond the window (median over queries, on recorded
+  teacher inputs; the far kernel squared when self-tensored, the poly window's own terms);
   :func:`search_gate` — the least-error logit among candidates near it; :func:`calibrate_gates`
   — either, for every converted layer (what :func:`sketchlab.linearize` runs for ``gate_init``
   ``"mass"`` or ``"search"``).
@@ -121,21 +122,38 @@ class TiedLLoPSMap(FeatureMap):
 
 @torch.no_grad()
 def far_mass_gate(sketch, io, attention_mask: torch.Tensor, index) -> torch.Tensor:
-    r"""Per-head gate logits ``[H]`` at which the far part carries the teacher's far softmax mass.
+    r"""Per-head gate logits ``[H]`` at which the far part carries the teacher's share of far softmax mass.
 
-    For every query ``i`` with far keys (``i − j >= window``, ``j >= sinks``) on the valid tokens
-    of sequences ``index`` (the teacher's q, k of ``io``, a :class:`LayerIO`):
-    ``Fᵢ = Σ_far φ(qᵢ)·φ(kⱼ)`` (the sketch's far kernel, inputs scaled by ``D^{-1/4}``) and
-    ``Sᵢ = Σ_far exp(s·qᵢᵀkⱼ − cᵢ)`` (the teacher's softmax terms beyond the window, shifted by
-    the hybrid's own ``cᵢ``: the largest logit over the window and the sinks). With weights ``g``
-    on the window and ``1 − g`` on the far part the two masses agree when
-    ``(1 − g)/g · Fᵢ = Sᵢ``, i.e. ``gate = log Fᵢ − log Sᵢ``; the logit returned is the median
-    over the queries (queries with ``Fᵢ <= 0`` or ``Sᵢ = 0`` are left out; a head with none gets 0).
-    Dense ``O(T²)`` per head and sequence.
+    For every query ``i`` with far keys (causal: ``i − j >= window``, ``j >= sinks``; non-causal,
+    an encoder's: ``|i − j| >= window``, ``j >= sinks``) on the valid tokens of sequences ``index``
+    (the teacher's q, k of ``io``, a :class:`LayerIO`), with the model's logits ``xᵢⱼ = s·qᵢᵀkⱼ``
+    and ``cᵢ`` their largest value over the window and the sinks (the hybrid's own shift):
+
+    * ``Fᵢ = Σ_far κ(qᵢ, kⱼ)``, the sketch's far kernel as the attention forms it (inputs scaled by
+      ``D^{-1/4}``): ``κ = φ(q)·φ(k)``, or ``(φ(q)·φ(k))² = (φ⊗φ)(q)·(φ⊗φ)(k)`` when the sketch
+      is self-tensored (``non_negative``);
+    * ``Pᵢ = Σ_{window ∪ sinks} aᵢⱼ``, the hybrid's local terms: ``exp(xᵢⱼ − cᵢ)``
+      (``local="softmax"``) or ``xᵢⱼ^p`` (``local="poly"``, ``p`` the map's degree);
+    * ``Lᵢ = Σ_{window ∪ sinks} exp(xᵢⱼ − cᵢ)`` and ``Sᵢ = Σ_far exp(xᵢⱼ − cᵢ)``, the teacher's
+      softmax terms inside and beyond the window.
+
+    With weights ``g = sigmoid(gate)`` on the window and ``1 − g`` on the far part, the far
+    share of the hybrid's denominator, ``(1 − g)Fᵢ / (g·Pᵢ + (1 − g)Fᵢ)``, equals the teacher's
+    far softmax share ``Sᵢ / (Lᵢ + Sᵢ)`` when ``(1 − g)/g · Fᵢ·Lᵢ = Sᵢ·Pᵢ``, i.e.
+
+    .. math:: \mathrm{gate}_i = \log F_i - \log S_i + \log L_i - \log P_i
+
+    (``Pᵢ = Lᵢ`` for the softmax window: ``log Fᵢ − log Sᵢ``). The logit returned is the median
+    over the queries (queries with ``Fᵢ <= 0``, ``Pᵢ <= 0`` or ``Sᵢ = 0`` are left out; a head with
+    none gets 0). Dense ``O(T²)`` per head and sequence.
     """
     if sketch.window <= 0:
         raise ValueError("far_mass_gate: the sketch has no window (window=0: pure linear attention has no gate)")
     w, ns = sketch.window, sketch.sinks
+    degree = sketch.feature_map_q.degree if sketch.local == "poly" else None
+    if sketch.local == "poly" and degree is None:
+        raise ValueError(f"far_mass_gate: local='poly' needs the map's polynomial degree, and "
+                         f"{type(sketch.feature_map_q).__name__} has none")
     c = sketch.input_scale
     idx = torch.arange(attention_mask.shape[0])[index]
     logs: list[list[torch.Tensor]] = [[] for _ in range(sketch.heads)]
@@ -147,18 +165,27 @@ def far_mass_gate(sketch, io, attention_mask: torch.Tensor, index) -> torch.Tens
         fq = sketch.feature_map_q.features(q * c).double()[0].transpose(0, 1)  # [H, T, M]
         fk = sketch.feature_map_k.features(k * c).double()[0].transpose(0, 1)
         kern = fq @ fk.mT  # [H, T, T]
+        if sketch.non_negative:
+            kern = kern.square()  # the attention's self-tensored kernel: self_tensor(φq)·self_tensor(φk)
         x = io.scaling * (q[0].transpose(0, 1) @ k[0].transpose(0, 1).mT)  # [H, T, T] the model's logits
         i = torch.arange(T)[:, None]
         j = torch.arange(T)[None, :]
-        sink = (j < ns) & (j <= i)
-        loc = (i - j >= 0) & (i - j < w) & (j >= ns)
-        far = (i - j >= w) & (j >= ns)
-        cmax = torch.where(loc | sink, x, -math.inf).amax(-1, keepdim=True)  # [H, T, 1]
-        S = torch.where(far, torch.exp(x - cmax), 0.0).sum(-1)  # [H, T]
+        if sketch.causal:
+            near = ((i - j >= 0) & (i - j < w) & (j >= ns)) | ((j < ns) & (j <= i))  # the window and the sinks
+            far = (i - j >= w) & (j >= ns)
+        else:  # the two-sided window
+            near = ((i - j).abs() < w) | (j < ns)
+            far = ~near
+        cmax = torch.where(near, x, -math.inf).amax(-1, keepdim=True)  # [H, T, 1]
+        soft = torch.exp(x - cmax)  # [H, T, T]
+        S = torch.where(far, soft, 0.0).sum(-1)  # [H, T]
         F = torch.where(far, kern, 0.0).sum(-1)
-        ok = far.any(-1)[None] & (F > 0) & (S > 0)  # [H, T]
+        L = torch.where(near, soft, 0.0).sum(-1)  # >= 1: the largest term is exp(0)
+        P = L if degree is None else torch.where(near, x**degree, 0.0).sum(-1)
+        ok = far.any(-1)[None] & (F > 0) & (S > 0) & (P > 0)  # [H, T]
         for h in range(sketch.heads):
-            logs[h].append((F[h][ok[h]].log() - S[h][ok[h]].log()))
+            o = ok[h]
+            logs[h].append(F[h][o].log() - S[h][o].log() + L[h][o].log() - P[h][o].log())
     gate = torch.zeros(sketch.heads, dtype=torch.float64)
     for h in range(sketch.heads):
         vals = torch.cat(logs[h]) if logs[h] else torch.zeros(0, dtype=torch.float64)
