@@ -554,20 +554,20 @@ class _HybridCore(torch.autograd.Function):
             As_w = (AsT * loc_w).view(-1, Ls, C)
             den += As_w.sum(-2).view(N, B, H, C)
             num.view(-1, C, Dv).baddbmm_(As_w.mT, _HybridCore._per_chunk(v_sink, N))
-        # the band's weights W (with grad a new tensor: A is kept) and the far kernel F of each near-far lag, masked,
-        # added in its columns: (g·a + (1 − g)·f) @ v, one GEMM per key chunk; the masked scores s = φ(q)·φ(k) kept for
-        # the backward (F = s² or s)
+        # the band's weights W (with grad a new tensor: A is kept) and the far kernel F of each near-far lag, masked
+        # (kept for the backward), added in its columns: (g·a + (1 − g)·f) @ v, one GEMM per key chunk
         W = A * loc_w if grad else A
         far = []
         for L in st["far_lags"]:
-            F = fqc @ fkc[kks[L]].mT  # [N, B, H, C, C]  s
+            F = fqc @ fkc[kks[L]].mT  # [N, B, H, C, C]
+            if non_negative:
+                F.square_()
             if grad:
-                far.append(F.mul_(st["far_m"][:, cols[L]]))
-                F = F.square() if non_negative else F
+                F.mul_(st["far_m"][:, cols[L]])
+                far.append(F)
                 W[..., cols[L]] += F if fold else F * (1 - gb)
                 den += F.sum(-1) if fold else F.sum(-1).mul_(1 - g0)
             else:
-                F = F.square_() if non_negative else F
                 F.mul_(st["far_m"][:, cols[L]] if fold else st["far_m"][:, cols[L]] * (1 - g)[:, None, None])
                 den += F.sum(-1)
                 W[..., cols[L]] += F
@@ -637,14 +637,13 @@ class _HybridCore(torch.autograd.Function):
             torch.bmm(dnum.view(-1, C, Dv), vc[kk].view(-1, C, Dv).mT, out=dA[..., cols[L]].view(-1, C, C))
         dA.add_(dden[..., None])
         W = A * gb  # the band's weights, g·a + (1 − g)·f
-        for L, sc in zip(st["far_lags"], far):  # sc: the masked scores s, F = s² (or s)
+        for L, F in zip(st["far_lags"], far):
             kk, dAL = kks[L], dA[..., cols[L]]
-            F = sc.square() if non_negative else sc
             if need_g:
                 dgh -= (F * dAL).sum(dim=(0, 1, 3, 4))
             ds = dAL * (st["far_m"][:, cols[L]] * (1 - g)[:, None, None])  # the far weights' gradient (1 − g)·da
             if non_negative:
-                ds.mul_(sc).mul_(2.0)  # d(s²) = 2s
+                ds.mul_(fqc @ fkc[kk].mT).mul_(2.0)  # d(s²) = 2s
             dfq.view(-1, C, M).baddbmm_(ds.view(-1, C, C), fkc[kk].view(-1, C, M))
             dfk[kk].view(-1, C, M).baddbmm_(ds.view(-1, C, C).mT, fqc.view(-1, C, M))
             W[..., cols[L]].addcmul_(F, 1 - gb)
@@ -732,13 +731,11 @@ def hybrid_core(fq, fk, v, q, k, fk_w, v_w, k_w, k_sink, v_sink, S_in, z_in, g, 
 
     .. math:: o_t = \frac{g\sum a\,v + (1-g)\sum f\,v}{g\sum a + (1-g)\sum f + \varepsilon}.
 
-    Each query chunk's local keys lie in its band, the ``⌈(w + C − 1)/C⌉`` key chunks up to its own
-    side by side: one ``[C, n_loc·C]`` logits tile (one GEMM on a band copy of ``k``) and one
-    ``softmax`` over it, rescaled to ``exp(l − c)`` (it never takes ``exp(−inf)``, which is slow on
-    CPU). The near-far key chunk's far kernel is added to the band's weights in its columns, so it
-    shares the local ``(g·a + (1−g)·f) @ v``. The backward recomputes the far states and the
-    chunk-major copies of ``q, k, v`` (it keeps the features' copies, the band's weights, where the
-    maximum is taken, and the near-far scores ``φ(q)·φ(k)``).
+    The near-far key chunk shares its matmul with the local one (``(g·a + (1−g)·f) @ v``); the
+    softmax weights come from one ``softmax`` per key-chunk lag, rescaled to ``exp(l − c)`` (it
+    never takes ``exp(−inf)``, which is slow on CPU). The backward recomputes the far states and
+    the chunk-major copies of ``q, k, v`` (it keeps the features' copies, the local weights, where
+    the maximum is taken, and the near-far scores).
 
     Parameters
     ----------
