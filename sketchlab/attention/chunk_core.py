@@ -351,23 +351,19 @@ def _row_pieces(chunks: int, C: int, a: int, b: int):
             i += r1 - r
 
 
-def _join_chunks(pieces, lead: int, chunks: int, C: int, out: torch.Tensor | None = None) -> torch.Tensor:
+def _join_chunks(pieces, lead: int, chunks: int, C: int) -> torch.Tensor:
     """Token-major pieces ``[B, H, L_i, F]`` laid end to end from row ``lead`` → chunk-major ``[chunks, B, H, C, F]``
-    (zeros in the other rows): one copy, no joined token-major tensor. A negative ``lead`` leaves the first
-    ``−lead`` rows of the pieces out, and rows past ``chunks·C`` are left out. ``out``: the (possibly strided) tensor
-    written, else a new one."""
+    (zeros in the other rows): one copy, no joined token-major tensor."""
     B, H, _, F = pieces[0].shape
-    out = pieces[0].new_empty(chunks, B, H, C, F) if out is None else out
-    end = min(chunks * C, lead + sum(x.shape[2] for x in pieces))
-    for a, b in ((0, max(0, lead)), (end, chunks * C)):  # the zero rows
+    out = pieces[0].new_empty(chunks, B, H, C, F)
+    end = lead + sum(x.shape[2] for x in pieces)
+    for a, b in ((0, lead), (end, chunks * C)):  # the zero rows
         for c, r0, r1, _ in _row_pieces(chunks, C, a, b):
             (out[c:r0] if r1 is None else out[c, :, :, r0:r1]).zero_()
     a = lead
     for x in pieces:
         L = x.shape[2]
-        lo, hi = max(a, 0), min(a + L, chunks * C)  # the rows of out this piece writes
-        for c, r0, r1, i in _row_pieces(chunks, C, lo, hi):
-            i += lo - a  # the first row's index in x
+        for c, r0, r1, i in _row_pieces(chunks, C, a, a + L):
             if r1 is None:  # whole chunks c : r0
                 dst, src = out[c:r0], x[:, :, i:i + (r0 - c) * C].unflatten(2, (r0 - c, C)).permute(2, 0, 1, 3, 4)
             else:
@@ -460,7 +456,8 @@ class _HybridCore(torch.autograd.Function):
         # chunk-major copies (keys: off − L_w zero rows, the held window, the block; the backward makes its own);
         # the local scale s multiplies the products (a GEMM's alpha), never a copy
         fqc, qc = _chunks(fq, N, C), _chunks(q, N, C)
-        fkc, vc = _join_chunks((fk_w, fk), lead, Ne, C), _join_chunks((v_w, v), lead, Ne, C)
+        fkc = _join_chunks((fk_w, fk), lead, Ne, C)
+        vc, kc = _join_chunks((v_w, v), lead, Ne, C), _join_chunks((k_w, k), lead, Ne, C)
         NBH = N * B * H
         # the window the next block holds: the last min(w, L_w + n) keys, raw
         Lo = min(w, k_w.shape[2] + n)
@@ -485,11 +482,9 @@ class _HybridCore(torch.autograd.Function):
             num.mul_(1 - gb)
             den.mul_(1 - g0)
         # local logits over the band (the n_loc key chunks up to the query's, oldest first: one [C, n_loc·C] tile per
-        # query chunk, one GEMM on a band copy of k made from k itself) and the sinks' (transposed: [Ls, C] per chunk)
+        # query chunk, one GEMM on a band copy of k) and the sinks' (transposed: [Ls, C] per chunk)
         cols, nC = st["cols"], n_loc * C
-        kb = q.new_empty(N, B, H, nC, D)
-        for L, kk in enumerate(kks):  # key chunk kk.start + c at lag L of query chunk c
-            _join_chunks((k_w, k), lead - kk.start * C, N, C, out=kb[:, :, :, cols[L]])
+        kb = torch.cat([kc[kks[L]] for L in reversed(range(n_loc))], 3)  # [N, B, H, n_loc·C, D]
         A = q.new_empty(N, B, H, C, nC)
         if softmax and part < N:  # softmax: the lag masks as a bias added by the matmul itself
             torch.baddbmm(st["loc_bias"].expand(NBH - part * B * H, C, nC), qc[part:].view(-1, C, D),
