@@ -393,19 +393,19 @@ def _add_rows(xc: torch.Tensor, a: int, x: torch.Tensor) -> None:
 
 @functools.lru_cache(maxsize=64)
 def _hybrid_masks(C: int, window: int, lags: int, device: torch.device, dtype: torch.dtype):
-    """The masks of a query chunk's band: the ``lags`` key chunks up to its own, the oldest first (band column ``b``
-    is key ``b % C`` of the chunk ``L = lags − 1 − b // C`` back), so query ``r`` is ``lag = (lags − 1)·C + r − b``
-    after key ``b``. Returns ``local [C, lags·C]`` bool (``0 <= lag < w``); ``empty [C]`` bool, the rows without a
-    local key; ``bias [C, lags·C]`` in ``dtype``, ``0`` on the local keys and ``−inf`` elsewhere except on the empty
-    rows (all ``0``, so that a softmax over the row stays finite: its weights are dropped); ``far [C, lags·C]`` in
-    ``dtype`` (``lag >= w``)."""
-    r = torch.arange(C, device=device)[:, None]
-    b = torch.arange(lags * C, device=device)[None, :]
-    lag = (lags - 1) * C + r - b  # [C, lags·C]
+    """Per key-chunk lag ``L < lags``, query ``r``, key ``u`` (``lag = L·C + r − u``): ``local [lags, C, C]`` bool
+    (``0 <= lag < w``); ``empty [lags, C]`` bool, the rows without a local key at that ``L`` (and their indices
+    ``(L, r)``, two index tensors); ``bias [lags, C, C]``
+    in ``dtype``, ``0`` on the local keys and ``−inf`` elsewhere except on the empty rows (all ``0``, so that a
+    softmax over the row stays finite: its weights are dropped); ``far [lags, C, C]`` in ``dtype`` (``lag >= w``)."""
+    r = torch.arange(C, device=device)[None, :, None]
+    L = torch.arange(lags, device=device)[:, None, None]
+    u = torch.arange(C, device=device)[None, None, :]
+    lag = L * C + r - u  # [lags, C, C]
     local = (lag >= 0) & (lag < window)
-    empty = ~local.any(-1)  # [C]
-    bias = torch.zeros(local.shape, dtype=dtype, device=device).masked_fill_(~local & ~empty[:, None], float("-inf"))
-    return local, empty, bias, (lag >= window).to(dtype)
+    empty = ~local.any(-1)  # [lags, C]
+    bias = torch.zeros(local.shape, dtype=dtype, device=device).masked_fill_(~local & ~empty[..., None], float("-inf"))
+    return local, (empty, empty.nonzero(as_tuple=True)), bias, (lag >= window).to(dtype)
 
 
 class _HybridCore(torch.autograd.Function):
@@ -419,9 +419,8 @@ class _HybridCore(torch.autograd.Function):
         N, Wc, Ne, _, R, last, reach = _geometry(n, off, w, C, like.device, like.dtype)
         n_loc = min(-(-(w + C - 1) // C), Wc + 1)  # key chunks back with a local key (further: padding)
         lead = off - Lw
-        loc_m, empty, loc_bias, far_m = _hybrid_masks(C, w, n_loc, like.device, like.dtype)  # [C, n_loc·C]
-        kks = [slice(Wc - L, Wc - L + N) for L in range(n_loc)]  # the key chunks L back of the query chunks
-        cols = [slice((n_loc - 1 - L) * C, (n_loc - L) * C) for L in range(n_loc)]  # their columns of the band
+        loc_m, (empty, empty_at), loc_bias, far_m = _hybrid_masks(C, w, n_loc, like.device, like.dtype)
+        kks = [slice(Wc - L, Wc - L + N) for L in range(n_loc)]
         # key chunks up to `bad` hold a key that is neither local nor far (padding, sink, front zeros): the query
         # chunks below `part` read one of them and take the data masks; the others the lag masks alone
         okc, loc_ok, part, bad = None, None, 0, -1
@@ -429,15 +428,15 @@ class _HybridCore(torch.autograd.Function):
             okb = _chunks(key_ok[:, None, :, None], Ne, C)[:, :, 0, :, 0]  # [Ne, B, C]
             bad = int((~okb).flatten(1).any(1).nonzero().max())
             part = min(N, max(0, bad - Wc + n_loc))
-            loc_ok = torch.cat([okb[kks[L]][:part] for L in reversed(range(n_loc))], -1)[:, :, None, None, :] & loc_m
-            # [part, B, 1, C, n_loc·C]
+            loc_ok = torch.stack([okb[kk][:part] for kk in kks])[:, :, :, None, None, :] & loc_m[:, None, None, None]
+            # [n_loc, part, B, 1, C, C]
             okc = okb[:bad + 1, :, None, :, None].to(like.dtype)  # [bad + 1, B, 1, C, 1]: zero their far features
         # the far lags are those with a far key, L·C + C − 1 >= w
         far_lags = [L for L in range(n_loc) if L * C + C - 1 >= w]
         sok = _chunks(sink_ok.expand(B, 1, n, -1), N, C).mT  # [N, B, 1, Ls, C]
         sinks_ok = bool(sink_ok.all())
-        return dict(N=N, Wc=Wc, Ne=Ne, n_loc=n_loc, lead=lead, kks=kks, cols=cols, loc_m=loc_m, loc_ok=loc_ok,
-                    part=part, bad=bad, okc=okc, empty=empty, loc_bias=loc_bias, far_m=far_m, far_lags=far_lags,
+        return dict(N=N, Wc=Wc, Ne=Ne, n_loc=n_loc, lead=lead, kks=kks, loc_m=loc_m, loc_ok=loc_ok, part=part,
+                    bad=bad, okc=okc, empty=empty, empty_at=empty_at, loc_bias=loc_bias, far_m=far_m, far_lags=far_lags,
                     R=R, reach=reach, last=last, sok=sok, sinks_ok=sinks_ok,
                     lift=self_tensor if opts[2] else (lambda f: f))
 
@@ -481,62 +480,56 @@ class _HybridCore(torch.autograd.Function):
         if not fold:
             num.mul_(1 - gb)
             den.mul_(1 - g0)
-        # local logits over the band (the n_loc key chunks up to the query's, oldest first: one [C, n_loc·C] tile per
-        # query chunk, one GEMM on a band copy of k) and the sinks' (transposed: [Ls, C] per chunk)
-        cols, nC = st["cols"], n_loc * C
-        kb = torch.cat([kc[kks[L]] for L in reversed(range(n_loc))], 3)  # [N, B, H, n_loc·C, D]
-        A = q.new_empty(N, B, H, C, nC)
-        if softmax and part < N:  # softmax: the lag masks as a bias added by the matmul itself
-            torch.baddbmm(st["loc_bias"].expand(NBH - part * B * H, C, nC), qc[part:].view(-1, C, D),
-                          kb[part:].view(-1, nC, D).mT, alpha=scale, out=A[part:].view(-1, C, nC))
-        if part or not softmax:
-            c1 = part if softmax else N
-            torch.matmul(qc[:c1], kb[:c1].mT, out=A[:c1]).mul_(scale)
-        del kb
+        # local logits per lag (lag-major, each a contiguous slab) and the sinks' (transposed: [Ls, C] per chunk)
+        A = q.new_empty(n_loc, N, B, H, C, C)
+        for L, kk in enumerate(kks):  # softmax: the lag masks as a bias added by the matmul itself
+            if softmax and part < N:
+                torch.baddbmm(st["loc_bias"][L].expand(NBH - part * B * H, C, C), qc[part:].view(-1, C, D),
+                              kc[kk][part:].view(-1, C, D).mT, alpha=scale, out=A[L, part:].view(-1, C, C))
+            if part or not softmax:
+                c1 = part if softmax else N
+                torch.matmul(qc[:c1], kc[kk][:c1].mT, out=A[L, :c1]).mul_(scale)
         if Ls:
             AsT = torch.bmm(_HybridCore._per_chunk(k_sink * scale, N), qc.view(-1, C, D).mT).view(N, B, H, Ls, C)
         ties = ()
-        empty = st["empty"]  # [C]  rows without a local key in the band (none when w >= 1: a query is its own key)
-        has_empty = bool(empty.any())
         if softmax:
-            # a = exp(l − c), c the row maximum over the band and the sinks: from one softmax over the band (fast, and
-            # it never takes exp(−inf)), p = softmax(l), a = p·exp(m − c)/max p with m the band's row maximum
+            # a = exp(l − c), c the row maximum over every local key: from a softmax per lag (fast, and it never
+            # takes exp(−inf)), p = softmax(l), a = p·exp(m_L − c)/max p with m_L the lag's row maximum
             if part:
                 ok = st["loc_ok"]
-                empty_d = ~ok.any(-1)  # [part, B, 1, C]
-                A[:part].masked_fill_(~(ok | empty_d[..., None]), float("-inf"))  # an empty row stays finite
-            m = A.amax(-1)  # [N, B, H, C]
-            if has_empty:
-                m[part:].masked_fill_(empty, float("-inf"))
+                empty_d = ~ok.any(-1)  # [n_loc, part, B, 1, C]
+                A[:, :part].masked_fill_(~(ok | empty_d[..., None]), float("-inf"))  # an empty row stays finite
+            m = A.amax(-1)  # [n_loc, N, B, H, C]
+            m[:, part:].masked_fill_(st["empty"][:, None, None, None, :], float("-inf"))
             if part:
-                m[:part].masked_fill_(empty_d, float("-inf"))
-            cmax = m
+                m[:, :part].masked_fill_(empty_d, float("-inf"))
+            cmax = m.amax(0)
             if Ls:
                 if not st["sinks_ok"]:
                     AsT.masked_fill_(~st["sok"], float("-inf"))
                 cmax = torch.maximum(cmax, AsT.amax(-2))
-            if part or has_empty:  # a row without local keys: c = 0
-                cmax = torch.where(torch.isfinite(cmax), cmax, 0.0)
+            if part:  # (past them every query has a local key: itself)
+                cmax = torch.where(torch.isfinite(cmax), cmax, 0.0)  # a row without local keys: c = 0
             p = torch.softmax(A, -1)
             if grad:  # where the max is taken (its gradient goes there): 1.0 / 0.0 in the logits' buffer
-                tie = A.eq_(cmax[..., None])  # (a float result: far faster than a bool one)
-                if has_empty:
-                    tie[part:].masked_fill_(empty[:, None], 0.0)
+                tie = A.eq_(cmax[None, ..., None])  # (a float result: far faster than a bool one)
+                eL, er = st["empty_at"]  # the few rows without local keys at some lag
+                tie[eL, part:, :, :, er] = 0.0
                 if part:
-                    tie[:part].masked_fill_(empty_d[..., None], 0.0)
+                    tie[:, :part].masked_fill_(empty_d[..., None], 0.0)
                 ties = (tie, AsT.eq(cmax[..., None, :]).to(A.dtype)) if Ls else (tie,)
-            f = (m - cmax).exp_().div_(p.amax(-1))  # [N, B, H, C]  Σ_u a = f (0 on an empty row)
+            f = (m - cmax).exp_().div_(p.amax(-1))  # [n_loc, N, B, H, C]  Σ_u a = f (0 on an empty row)
             if not grad:
                 f.mul_(loc_w[..., 0])  # the factor folded in: A holds it
             A = p.mul_(f[..., None])
-            den += f if not grad else f * loc_w[..., 0]
+            den += f.sum(0) if not grad else f.sum(0).mul_(loc_w[..., 0])
             if Ls:
                 AsT = (AsT - cmax[..., None, :]).exp_()
             saved = (A, AsT) if Ls else (A,)
         else:
-            A[part:].mul_(st["loc_m"].to(A.dtype))
+            A[:, part:].mul_(st["loc_m"][:, None, None, None].to(A.dtype))
             if part:
-                A[:part].masked_fill_(~st["loc_ok"], 0.0)
+                A[:, :part].masked_fill_(~st["loc_ok"], 0.0)
             if Ls:
                 AsT.masked_fill_(~st["sok"], 0.0)
             saved = (A, AsT) if Ls else (A,)  # the logits, for the backward
@@ -544,30 +537,31 @@ class _HybridCore(torch.autograd.Function):
             AsT = AsT**degree if Ls else None
             if not grad:
                 A.mul_(loc_w)
-            den += A.sum(-1) if not grad else A.sum(-1).mul_(loc_w[..., 0])
+            den += A.sum(-1).sum(0) if not grad else A.sum(-1).sum(0).mul_(loc_w[..., 0])
         if Ls:  # the sinks' weights times the factor (a small tensor) and their sums
             As_w = (AsT * loc_w).view(-1, Ls, C)
             den += As_w.sum(-2).view(N, B, H, C)
             num.view(-1, C, Dv).baddbmm_(As_w.mT, _HybridCore._per_chunk(v_sink, N))
-        # the band's weights W (with grad a new tensor: A is kept) and the far kernel F of each near-far lag, masked
-        # (kept for the backward), added in its columns: (g·a + (1 − g)·f) @ v, one GEMM per key chunk
-        W = A * loc_w if grad else A
-        far = []
-        for L in st["far_lags"]:
-            F = fqc @ fkc[kks[L]].mT  # [N, B, H, C, C]
-            if non_negative:
-                F.square_()
-            if grad:
-                F.mul_(st["far_m"][:, cols[L]])
-                far.append(F)
-                W[..., cols[L]] += F if fold else F * (1 - gb)
-                den += F.sum(-1) if fold else F.sum(-1).mul_(1 - g0)
-            else:
-                F.mul_(st["far_m"][:, cols[L]] if fold else st["far_m"][:, cols[L]] * (1 - g)[:, None, None])
-                den += F.sum(-1)
-                W[..., cols[L]] += F
+        far = []  # F: the far kernel of each near-far lag, masked (kept for the backward)
         for L, kk in enumerate(kks):
-            num.view(-1, C, Dv).baddbmm_(W[..., cols[L]].view(-1, C, C), vc[kk].view(-1, C, Dv))
+            if L in st["far_lags"]:
+                F = fqc @ fkc[kk].mT  # [N, B, H, C, C]
+                if non_negative:
+                    F.square_()
+                if grad:
+                    F.mul_(st["far_m"][L])
+                    far.append(F)
+                    W = torch.mul(A[L], loc_w) if fold else torch.mul(F, 1 - gb).addcmul_(A[L], gb)
+                    if fold:
+                        W += F
+                    den += F.sum(-1) if fold else F.sum(-1).mul_(1 - g0)
+                else:
+                    F.mul_(st["far_m"][L] if fold else st["far_m"][L] * (1 - g)[:, None, None])  # (1 − g)·F
+                    den += F.sum(-1)
+                    W = A[L].add_(F)
+            else:
+                W = A[L] * loc_w if grad else A[L]
+            num.view(-1, C, Dv).baddbmm_(W.view(-1, C, C), vc[kk].view(-1, C, Dv))
         # out = num / (den + ε), read chunk-major and written token-major in one pass
         e = (eps / (1 - g) if fold else torch.full_like(g, eps))[None, None, :, None]  # [1, 1, H, 1]
         out = num.new_empty(B, H, N * C, Dv)
@@ -595,7 +589,7 @@ class _HybridCore(torch.autograd.Function):
         M, D, Ls, Lw = fqc.shape[-1], q.shape[-1], k_sink.shape[2], ctx.Lw
         need_g = ctx.needs_input_grad[12]  # the gate's gradient (its sums over every weight) only when asked
         st = _HybridCore._setup(B, H, n, Lw, key_ok, sink_ok, off, opts, out)
-        N, Wc, kks, cols, lead, Ne = st["N"], st["Wc"], st["kks"], st["cols"], st["lead"], st["Ne"]
+        N, Wc, kks, lead, Ne = st["N"], st["Wc"], st["kks"], st["lead"], st["Ne"]
         qc = _chunks(q, N, C)
         vc, kc = _join_chunks((v_w, v), lead, Ne, C), _join_chunks((k_w, k), lead, Ne, C)
         lq, lk = st["lift"](fqc), st["lift"](fkc)
@@ -626,24 +620,25 @@ class _HybridCore(torch.autograd.Function):
         need_in = ctx.needs_input_grad[10] or ctx.needs_input_grad[11]  # the incoming state's gradient when it has one
         dS_in, dz_in, dlk, dvc = _far_state_grads(st["R"], dP, dzP, lk, vc, g_S, g_z, st["last"], need_in)
         dfq, dfk = (_unlift(dlq, fqc), _unlift(dlk, fkc)) if non_negative else (dlq, dlk)
-        # the band (local and near-far keys): da = dnum·vᵀ + dden is the gradient of every weight of a (query, key)
-        dA = torch.empty_like(A)  # [N, B, H, C, n_loc·C]
+        # local and near-far lags: da = dnum·vᵀ + dden is the gradient of every weight of a (query, key)
+        dA = torch.empty_like(A)  # [n_loc, N, B, H, C, C]
         for L, kk in enumerate(kks):
-            torch.bmm(dnum.view(-1, C, Dv), vc[kk].view(-1, C, Dv).mT, out=dA[..., cols[L]].view(-1, C, C))
-        dA.add_(dden[..., None])
-        W = A * gb  # the band's weights, g·a + (1 − g)·f
-        for L, F in zip(st["far_lags"], far):
-            kk, dAL = kks[L], dA[..., cols[L]]
-            if need_g:
-                dgh -= (F * dAL).sum(dim=(0, 1, 3, 4))
-            ds = dAL * (st["far_m"][:, cols[L]] * (1 - g)[:, None, None])  # the far weights' gradient (1 − g)·da
-            if non_negative:
-                ds.mul_(fqc @ fkc[kk].mT).mul_(2.0)  # d(s²) = 2s
-            dfq.view(-1, C, M).baddbmm_(ds.view(-1, C, C), fkc[kk].view(-1, C, M))
-            dfk[kk].view(-1, C, M).baddbmm_(ds.view(-1, C, C).mT, fqc.view(-1, C, M))
-            W[..., cols[L]].addcmul_(F, 1 - gb)
+            torch.matmul(dnum, vc[kk].mT, out=dA[L])
+        dA.add_(dden[None, ..., None])
         for L, kk in enumerate(kks):
-            dvc[kk].view(-1, C, Dv).baddbmm_(W[..., cols[L]].view(-1, C, C).mT, dnum.view(-1, C, Dv))
+            if L in st["far_lags"]:
+                F = far[st["far_lags"].index(L)]
+                if need_g:
+                    dgh -= (F * dA[L]).sum(dim=(0, 1, 3, 4))
+                ds = dA[L] * (st["far_m"][L] * (1 - g)[:, None, None])  # the far weights' gradient (1 − g)·da
+                if non_negative:
+                    ds.mul_(fqc @ fkc[kk].mT).mul_(2.0)  # d(s²) = 2s
+                dfq.view(-1, C, M).baddbmm_(ds.view(-1, C, C), fkc[kk].view(-1, C, M))
+                dfk[kk].view(-1, C, M).baddbmm_(ds.view(-1, C, C).mT, fqc.view(-1, C, M))
+                W = torch.mul(F, 1 - gb).addcmul_(A[L], gb)
+            else:
+                W = A[L] * gb
+            dvc[kk].view(-1, C, Dv).baddbmm_(W.view(-1, C, C).mT, dnum.view(-1, C, Dv))
         dv_sink = torch.zeros_like(v_sink)
         if Ls:  # the sinks transposed, [N, B, H, Ls, C]
             daT_s = torch.bmm(_HybridCore._per_chunk(v_sink, N), dnum.view(-1, C, Dv).mT).view(N, B, H, Ls, C)
@@ -654,22 +649,22 @@ class _HybridCore(torch.autograd.Function):
         dl_s = None
         if softmax:
             dl = dA.mul_(A)  # a·da
-            rho = dl.sum(-1)  # [N, B, H, C]
+            rho = dl.sum(-1).sum(0)  # [N, B, H, C]
             if Ls:
                 dl_s = daT_s.mul_(AsT)
                 rho += dl_s.sum(-2)
             if need_g:
                 dgh += rho.sum(dim=(0, 1, 3))  # d/dg of g·Σ a v (and of g·Σ a)
-            count = tie.sum(-1)
+            count = tie.sum(-1).sum(0)
             if Ls:
                 count = count + tie_s.sum(-2)
             share = (rho * g0).neg_().div_(torch.clamp(count, min=1))  # dc / ties   [N, B, H, C]
-            dl.mul_(gb).addcmul_(tie, share[..., None])  # g·a·da + the share of dc at the maximum
+            dl.mul_(gb).addcmul_(tie, share[None, ..., None])  # g·a·da + the share of dc at the maximum
             if Ls:
                 dl_s.mul_(gb).addcmul_(tie_s, share[..., None, :])
         else:
             if need_g:
-                dgh += (A * dA).sum(dim=(0, 1, 3, 4))
+                dgh += (A * dA).sum(dim=(0, 1, 2, 4, 5))
             dl = dA.mul_(gb * degree).mul_(logit ** (degree - 1))  # g·p·l^(p−1)·da
             if Ls:
                 if need_g:
@@ -680,16 +675,15 @@ class _HybridCore(torch.autograd.Function):
         dkc[:Wc].zero_()  # key chunks before the block: only lags >= 1 reach them
         # off the local keys dl is 0 already for softmax (a = 0, no tie there) and for p >= 2 (l = 0)
         unmasked = not softmax and degree < 2
-        if unmasked:
-            dl[st["part"]:].masked_fill_(~st["loc_m"], 0.0)
-            if st["part"]:
-                dl[:st["part"]].masked_fill_(~st["loc_ok"], 0.0)
         for L, kk in enumerate(kks):
-            dlL = dl[..., cols[L]].view(-1, C, C)
+            if unmasked:
+                dl[L, st["part"]:].masked_fill_(~st["loc_m"][L], 0.0)
+                if st["part"]:
+                    dl[L, :st["part"]].masked_fill_(~st["loc_ok"][L], 0.0)
             beta = 0 if L == 0 else 1  # (beta 0: the uninitialised buffer is not read)
-            torch.baddbmm(dqc.view(-1, C, D), dlL, kc[kk].view(-1, C, D), beta=beta, alpha=scale,
+            torch.baddbmm(dqc.view(-1, C, D), dl[L].view(-1, C, C), kc[kk].view(-1, C, D), beta=beta, alpha=scale,
                           out=dqc.view(-1, C, D))
-            torch.baddbmm(dkc[kk].view(-1, C, D), dlL.mT, qc.view(-1, C, D), beta=beta, alpha=scale,
+            torch.baddbmm(dkc[kk].view(-1, C, D), dl[L].view(-1, C, C).mT, qc.view(-1, C, D), beta=beta, alpha=scale,
                           out=dkc[kk].view(-1, C, D))
         dk_sink = torch.zeros_like(k_sink)
         if Ls:
