@@ -71,8 +71,8 @@ def add_arguments(sub) -> None:
     cmd.add_argument("--local", choices=("softmax", "poly"), default="softmax", help="the exact part inside the window")
     cmd.add_argument("--gate-init", type=_gate_init, default=None,
                      help="the hybrid's initial gate logits: a number (sigmoid of it weighs the window, the rest the "
-                          "sketch), 'mass' (per head, the far mass matched to the teacher's softmax mass beyond the "
-                          "window) or 'search' (per head, the least-error logit near it); default: 0 for hedgehog, search for "
+                          "sketch), 'mass' (per head, the far part's share of the denominator matched to the teacher's "
+                          "softmax share beyond the window) or 'search' (per head, the least-error logit near it); default: 0 for hedgehog, search for "
                           "the other maps (sketchlab.linearize's gate_init)")
     cmd.add_argument("--untied", action="store_true",
                      help="LLoPS as the untied map (p signed factors) instead of the tied non-negative (x·θ)^p map "

@@ -948,8 +948,9 @@ def linearize(model: nn.Module, texts, *, tokenizer=None, attention: str = "llop
     gate_init : float, "mass", "search" or None
         The hybrid's initial gate logits: a number for every head, or set per head from the
         teacher's attention on the first ``gate_sequences`` training sequences
-        (:func:`sketchlab.convert.scale.calibrate_gates`): ``"mass"`` the far part's mass matched
-        to the teacher's softmax mass beyond the window, ``"search"`` the least-error logit among
+        (:func:`sketchlab.convert.scale.calibrate_gates`): ``"mass"`` the far part's share of the
+        hybrid's denominator matched to the teacher's softmax share beyond the window (with the
+        softmax window: the far mass to the teacher's far mass), ``"search"`` the least-error logit among
         that plus the offsets :data:`~sketchlab.convert.scale.GATE_OFFSETS`. ``None`` (default):
         ``0`` for a Hedgehog hybrid (bounded softmax features, on the window's scale: an even split
         lets its far part learn, while a searched start leaves it ~1 % of the weight and transfer
