@@ -110,3 +110,20 @@ def test_a_run_written_under_the_former_defaults_resumes_with_its_own_options(tm
     assert main(["train", *TINY, "--steps", "2", "--out", str(tmp_path / "new")]) == 0
     captured = capsys.readouterr()
     assert "resumed from step 2" in captured.out and "holds a run of" not in captured.err
+
+
+def test_a_resume_names_a_different_init_and_keeps_the_taylor_default_quiet(tmp_path, capsys):
+    """The defaults follow ``--init``, so a resume with another ``--init`` than the run's is refused
+    naming both (it once reported the Taylor/--non-negative clash of the filled-in defaults, flags
+    the user never gave); a Taylor run (``--init based --affine``, m = 73 by default) resumed by the
+    same command is not told it keeps a non-default m."""
+    _train(tmp_path, "random")
+    capsys.readouterr()
+    assert main(["train", *TINY, "--init", "based", "--steps", "2", "--out", str(tmp_path / "random")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.search(r"holds a run started with --init random, not --init based", err[0]), err
+    _train(tmp_path, "taylor", "--init", "based", "--affine")
+    capsys.readouterr()
+    assert main(["train", *TINY, "--init", "based", "--affine", "--steps", "2", "--out", str(tmp_path / "taylor")]) == 0
+    captured = capsys.readouterr()
+    assert "resumed from step 2" in captured.out and "holds a run of" not in captured.err

@@ -158,10 +158,10 @@ def _attention_options(args) -> dict:
     return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
 
 
-def _stored_options(out: Path, attention: str) -> dict | None:
-    """The completed attention options of the run in ``out`` (its newest checkpoint's ``state.json``),
-    or ``None`` when there is none of ``attention`` that this version can read (the resume then names
-    the problem)."""
+def _stored_run(out: Path, attention: str) -> tuple[dict, str | None] | None:
+    """The run in ``out`` (its newest checkpoint's ``state.json``): its completed attention options and
+    its llops ``--init`` (``None`` when not recorded), or ``None`` when there is none of ``attention``
+    that this version can read (the resume then names the problem)."""
     from ..tasks import TransformerConfig
     from ..tasks.train import latest_checkpoint
 
@@ -169,11 +169,14 @@ def _stored_options(out: Path, attention: str) -> dict | None:
     if found is None:
         return None
     try:
-        model = json.loads((found / "state.json").read_text())["identity"]["model"]
+        identity = json.loads((found / "state.json").read_text())["identity"]
+        model = identity["model"]
         if model["attention"] != attention:
             return None
-        return TransformerConfig(**model).attention_options  # completed: an option added since takes its default
-    except (OSError, ValueError, KeyError, TypeError):
+        init = (identity.get("run_info") or {}).get("init")
+        # completed: an option added since takes its default
+        return TransformerConfig(**model).attention_options, init.get("init") if isinstance(init, dict) else None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
 
@@ -181,11 +184,12 @@ def with_llops_defaults(args, stored: dict | None = None):
     """``args`` with the ``--attention llops`` options not given filled in (a copy; other kernels as given).
 
     Each of ``affine``, ``non_negative``, ``p``, ``m`` left ``None`` takes ``stored[name]`` (a resumed
-    run's own options, :func:`_stored_options`) or else :data:`LLOPS_DEFAULTS` of ``--init``; with
-    ``--init based --affine`` the default ``m`` is ``1 + d' + d'²``, ``d' = min(16, D)``: step 0 is then
-    the model ``--attention based`` builds by default (its Taylor map). Raises
-    :class:`UsageError` for ``--affine`` on another kernel, and for ``--init based --affine
-    --non-negative`` (BASED's Taylor map, self-tensored, is no BASED model).
+    run's own options, :func:`_stored_run`) or else :func:`llops_defaults` of ``--init`` (with
+    ``--init based --affine`` the default ``m`` is ``1 + d' + d'²``: step 0 is then the model
+    ``--attention based`` builds by default, its Taylor map). Raises :class:`UsageError` for
+    ``--affine`` on another kernel, and for a new run of ``--init based --affine --non-negative``
+    (BASED's Taylor map, self-tensored, is no BASED model; a resumed run's stored identity decides
+    instead: another ``--init`` than the run's is refused there, naming it).
     """
     filled = argparse.Namespace(**vars(args))
     if args.attention != "llops":
@@ -196,14 +200,24 @@ def with_llops_defaults(args, stored: dict | None = None):
     for name, default in LLOPS_DEFAULTS[init].items():
         if getattr(args, name) is None:
             setattr(filled, name, stored[name] if stored is not None else default)
-    if init == "based" and filled.affine and args.m is None and stored is None:
-        dim = min(16, args.d_model // args.n_heads)  # BASED's Taylor map as `--attention based` builds it
-        filled.m = 1 + dim + dim * dim
-    if init == "based" and filled.affine and filled.non_negative:
+    if args.m is None and stored is None:
+        filled.m = llops_defaults(filled, init)["m"]
+    if init == "based" and filled.affine and filled.non_negative and stored is None:  # a resume: its identity decides
         raise UsageError("--init based with --affine is BASED's Taylor map 1 + s + s²/2, and --non-negative would "
                          "square its kernel (no BASED model): add --no-non-negative, or --no-affine for BASED's "
                          "expand map")
     return filled
+
+
+def llops_defaults(args, init: str) -> dict:
+    """:data:`LLOPS_DEFAULTS` of ``init`` for a run of ``args`` (its ``affine``, ``d_model``, ``n_heads``):
+    with ``--init based`` and ``affine`` the default ``m`` is ``1 + d' + d'²``, ``d' = min(16, D)``, BASED's
+    Taylor map as ``--attention based`` builds it."""
+    out = dict(LLOPS_DEFAULTS[init])
+    if init == "based" and args.affine:
+        dim = min(16, args.d_model // args.n_heads)
+        out["m"] = 1 + dim + dim * dim
+    return out
 
 
 def _parse_init(init, attention: str) -> tuple[str, str | None]:
@@ -262,10 +276,13 @@ def run(args) -> int:
 
     out = Path(args.out)
     init, theta_file = _parse_init(args.init, args.attention)
-    stored = _stored_options(out, args.attention)
+    stored, stored_init = _stored_run(out, args.attention) or (None, None)
+    if stored_init is not None and stored_init != init:  # before the defaults, which follow --init
+        raise UsageError(f"--out {str(out)!r} holds a run started with --init {stored_init}, not --init {init}: "
+                         f"resume it with --init {stored_init}, or choose an empty or new directory")
     given, args = args, with_llops_defaults(args, stored)
     kept = {} if stored is None or args.attention != "llops" else {
-        name: stored[name] for name, default in LLOPS_DEFAULTS[init].items()
+        name: stored[name] for name, default in llops_defaults(args, init).items()
         if getattr(given, name) is None and stored[name] != default}
     if kept and os.environ.get("RANK", "0") == "0":  # say it once under torchrun
         print(f"train: {out} holds a run of {', '.join(f'{k}={json.dumps(v)}' for k, v in kept.items())}: "
