@@ -605,22 +605,27 @@ def test_padded_generate_equals_each_prompt_alone(layout):
 
 def test_padding_that_cannot_be_reordered_is_refused(monkeypatch):
     """Padding no reorder makes exact is refused, naming the row and its counts: a causal prompt with pads
-    before real tokens and fewer real tokens than the sinks (its next tokens would be sinks), and a pad
+    before real tokens and fewer real tokens than the sinks, in a call with a cache (its next tokens would
+    be sinks; without a cache nothing continues, and its outputs are the prompt's alone), and a pad
     before a real token in a call that continues a sequence (under its remaining sinks or past them: the
     window would count the pad). Right padding, left padding without sinks, and any padding without a
     window (pure linear attention) run as given, with no reorder."""
     from sketchlab.convert.cache import SketchStateCache
 
     model = _left_converted(_llama, "llops")
-    ids, mask, positions = _padded(_prompts((6, 3)))
+    prompts = _prompts((6, 3))
+    ids, mask, positions = _padded(prompts)
     short = r"row 1 of the batch \(3 of its 6 tokens pads\) has pads before real tokens and fewer real tokens than " \
             r"the 4 attention sinks"
+    with torch.no_grad():  # no cache: [its 3 real tokens, the pads], all sinks, as the prompt alone
+        batch = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+        torch.testing.assert_close(batch[1, 3:], model(input_ids=prompts[1][None]).logits[0], **TOL64)
     with pytest.raises(ValueError, match=short):
-        model(input_ids=ids, attention_mask=mask, position_ids=positions)
+        model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=SketchStateCache(2), use_cache=True)
     between = torch.ones(2, 6, dtype=torch.long)
     between[1, 1:4] = 0  # 3 real tokens, pads between them
     with pytest.raises(ValueError, match=short):
-        model(input_ids=ids, attention_mask=between)
+        model(input_ids=ids, attention_mask=between, cache=SketchStateCache(2), use_cache=True)
     for start, pad in ((2, 2), (5, 6)):  # a pad at the 3rd of the 4 sinks; a pad past them
         cache = SketchStateCache(2)
         with torch.no_grad():

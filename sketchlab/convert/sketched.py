@@ -26,8 +26,9 @@ last real token stay there), a non-causal (encoder) row [its real tokens, its pa
 rotated, so the move changes no phase; with the position ids transformers derives from the mask
 (``generate()``; a direct forward must pass them) the result equals each row run alone unpadded, and
 every causal row still ends at the same position, so the state it leaves continues as it would for
-that row alone. What no reorder can make exact (a causal prompt shorter than the sinks, pads before
-real tokens in a continued sequence) is refused (see :func:`hf_attention`).
+that row alone. What no reorder can make exact (a causal prompt shorter than the sinks in a call with a
+cache, which would continue it; pads before real tokens in a continued sequence) is refused (see
+:func:`hf_attention`).
 
 Decoding: :class:`~sketchlab.convert.cache.SketchStateCache` (a transformers ``Cache``) keeps one
 :class:`sketchlab.attention.AttentionState` per layer instead of the keys and values: its
@@ -169,8 +170,8 @@ def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
     ------
     ValueError
         Padding no reorder makes exact: a causal row with pads before real tokens and fewer than
-        ``sinks`` real tokens (its later tokens would be sinks alone, but land after the pads),
-        and a pad before a real token in a call that continues a state (no token can move in
+        ``sinks`` real tokens in a call with a cache (its later tokens would be sinks alone, but
+        land after the pads; without a cache nothing continues and its outputs are exact), and a pad before a real token in a call that continues a state (no token can move in
         front of the state's; the window would count the pad as a position).
 
     Notes
@@ -215,7 +216,7 @@ def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
             moved = (order != torch.arange(S, device=order.device)).any(1)  # [B]
             if not bool(moved.any()):
                 order = None
-            elif sketch.causal:
+            elif sketch.causal and layer is not None:  # without a cache its outputs are exact: nothing continues
                 _refuse_short_rows(padding, moved, sketch.sinks)
     q = query.transpose(1, 2)  # [B, T, H, D]
     k, v = _repeat_heads(key, H), _repeat_heads(value, H)  # [B, S, H, D]
