@@ -221,8 +221,9 @@ def test_cli_gate_init_and_untied(tmp_path, capsys):
     capsys.readouterr()
     for extra, message in ((["--gate-init", "search", "--window", "0"], "--window 0 (pure linear attention) has none"),
                            (["--untied", "--attention", "hedgehog"], "--untied is an LLoPS option"),
-                           (["--window", "0", "--attention", "hedgehog"], "--sinks 1 with --window 0"),
-                           (["--normalize", "none"], "--normalize none with --window 4"),
+                           (["--window", "0", "--attention", "hedgehog"],
+                            "--window 0, --sinks 1, --local softmax, --normalize (default): sinks=1 with window=0"),
+                           (["--normalize", "none"], "--normalize none: the hybrid (window=4 > 0)"),
                            (["--gate-init", "nope"], "--gate-init")):
         try:
             rc = main(common + extra + ["--out", str(tmp_path / "bad")])

@@ -293,14 +293,12 @@ def _run_pretrained(args) -> int:
         raise UsageError(f"--holdout must lie in (0, 1) with --model-dir / --gguf, got {args.holdout}")
     if isinstance(args.gate_init, str) and args.window == 0:
         raise UsageError(f"--gate-init {args.gate_init} sets the hybrid's gates: --window 0 (pure linear attention) has none")
-    if args.sinks and args.window == 0:
-        raise UsageError(f"--sinks {args.sinks} with --window 0: attention sinks are exact keys, and --window 0 "
-                         "is pure linear attention (none); give --window >= 1 or --sinks 0 (the default is 4 with "
-                         "a window, 0 without)")
-    if args.normalize == "none" and args.window:
-        raise UsageError(f"--normalize none with --window {args.window}: the hybrid shares one denominator between "
-                         "the exact and the sketched keys and is always normalised; use --window 0 or --normalize sum")
-    args.sinks = check_layout(args.window, args.sinks, args.local, args.normalize)[1]  # the resolved number, recorded
+    try:  # the library's rules, named by the flags here; the resolved number of sinks is what the run records
+        args.sinks = check_layout(args.window, args.sinks, args.local, args.normalize)[1]
+    except ValueError as err:
+        given = (f"--window {args.window}, --sinks {'(default)' if args.sinks is None else args.sinks}, "
+                 f"--local {args.local}, --normalize {args.normalize or '(default)'}")
+        raise UsageError(f"{given}: {err}") from None
     if args.untied and args.attention != "llops":
         raise UsageError(f"--untied is an LLoPS option; --attention {args.attention} has no tied form")
     out = Path(args.out)
