@@ -124,6 +124,23 @@ def self_tensor(phi: torch.Tensor) -> torch.Tensor:
     return (phi[..., :, None] * phi[..., None, :]).flatten(-2)  # [..., M, M] -> [..., M²]
 
 
+def local_far_masks(q_pos: torch.Tensor, k_pos: torch.Tensor, k_rel: torch.Tensor, *, window: int, sinks: int,
+                    causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""The sliding-window hybrid's split of the keys a query sees: bool ``(local, far)`` ``[T, X]``.
+
+    ``q_pos [T]``, ``k_pos [X]``: positions; ``k_rel [X]``: each key's position inside its own
+    sequence (the sinks are ``k_rel < sinks``). A key is seen when ``k_pos <= q_pos`` (causal) or
+    always; seen keys are local when ``|q_pos − k_pos| < window`` or a sink, far otherwise
+    (``window = 0``: every seen key is far, pure linear attention).
+    """
+    seen = (k_pos[None, :] <= q_pos[:, None]) if causal else torch.ones(len(q_pos), len(k_pos), dtype=torch.bool,
+                                                                       device=q_pos.device)
+    if not window:
+        return torch.zeros_like(seen), seen
+    near = ((q_pos[:, None] - k_pos[None, :]).abs() < window) | (k_rel < sinks)[None, :]
+    return seen & near, seen & ~near
+
+
 def feature_attention_naive(phi_q, phi_k, v, *, q=None, k=None, causal: bool = True, normalize: str = "sum",
                             eps: float = 1e-6, non_negative: bool = False, segments=None, window: int = 0,
                             sinks: int = 0, local: str = "softmax", local_scale=None, degree: int | None = None,
@@ -255,14 +272,8 @@ def feature_attention_naive(phi_q, phi_k, v, *, q=None, k=None, causal: bool = T
     q_seg = ext_seg[-T:] if (segments is not None and initial_state is None) else torch.zeros(T, dtype=torch.long, device=dev)
     # explicit masks [B, 1, T, X]
     allowed = ext_valid[:, None, None, :] & (q_seg[:, None] == ext_seg[None, :])[None, None]
-    if causal:
-        allowed = allowed & (ext_pos[None, :] <= q_pos[:, None])[None, None]
-    if window:
-        near = (q_pos[:, None] - ext_pos[None, :]).abs() < window  # [T, X]
-        is_local = allowed & (near | (ext_rel < sinks)[None, :])[None, None]
-    else:
-        is_local = torch.zeros_like(allowed)
-    is_far = allowed & ~is_local
+    near, far = local_far_masks(q_pos, ext_pos, ext_rel, window=window, sinks=sinks, causal=causal)  # [T, X]
+    is_local, is_far = allowed & near, allowed & far
     zero = torch.zeros((), dtype=f64, device=dev)
     fscores = fq @ ext_f.mT  # [B, H, T, X]
     if non_negative:

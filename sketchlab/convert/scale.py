@@ -32,6 +32,7 @@ import math
 import torch
 
 from .._validation import as_float_tensor, check_positive_int
+from ..attention.reference import local_far_masks
 from ..featuremaps import FeatureMap, _init_heads, _store
 
 __all__ = ["GATE_OFFSETS", "TiedLLoPSMap", "calibrate_gates", "far_mass_gate", "search_gate", "tie_theta"]
@@ -168,14 +169,8 @@ def far_mass_gate(sketch, io, attention_mask: torch.Tensor, index) -> torch.Tens
         if sketch.non_negative:
             kern = kern.square()  # the attention's self-tensored kernel: self_tensor(φq)·self_tensor(φk)
         x = io.scaling * (q[0].transpose(0, 1) @ k[0].transpose(0, 1).mT)  # [H, T, T] the model's logits
-        i = torch.arange(T)[:, None]
-        j = torch.arange(T)[None, :]
-        if sketch.causal:
-            near = ((i - j >= 0) & (i - j < w) & (j >= ns)) | ((j < ns) & (j <= i))  # the window and the sinks
-            far = (i - j >= w) & (j >= ns)
-        else:  # the two-sided window
-            near = ((i - j).abs() < w) | (j < ns)
-            far = ~near
+        pos = torch.arange(T)
+        near, far = local_far_masks(pos, pos, pos, window=w, sinks=ns, causal=sketch.causal)  # [T, T]
         cmax = torch.where(near, x, -math.inf).amax(-1, keepdim=True)  # [H, T, 1]
         soft = torch.exp(x - cmax)  # [H, T, T]
         S = torch.where(far, soft, 0.0).sum(-1)  # [H, T]
