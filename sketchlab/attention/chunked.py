@@ -176,17 +176,18 @@ def _attend(feat_q, feat_k, qt, kt, vt, *, num_features: int, causal: bool, norm
     (:func:`sketchlab.attention.parallel.use_parallel`).
     ``window > 0``: the hybrid, causal block by block carrying an :class:`AttentionState`
     (``block_chunks`` chunks per block), or non-causal on the whole sequence. fp16/bf16 inputs
-    are computed in float32 (the state is float32) and the output cast back.
+    are computed in float32 (the state is float32: :func:`~sketchlab.attention.state.state_dtype`)
+    and the output cast back.
     Returns ``[B, H, T, Dv]`` or ``([B, H, T, Dv], AttentionState)``.
     """
-    from .state import AttentionState, check_state, empty_state
+    from .state import AttentionState, check_state, empty_state, state_dtype
 
-    low = vt.dtype in (torch.float16, torch.bfloat16)
-    if low:  # half inputs: every sum, and the state, in float32; the output back in the input dtype
+    work = state_dtype(vt.dtype)
+    if work != vt.dtype:  # half inputs: every sum, and the state, in float32; the output back in the input dtype
         out_dtype = vt.dtype
-        qt, kt, vt = (None if x is None else x.float() for x in (qt, kt, vt))
-        gate = None if gate is None else gate.float()
-        feat_q, feat_k = feat_q.then(lambda f: f.float()), feat_k.then(lambda f: f.float())
+        qt, kt, vt = (None if x is None else x.to(work) for x in (qt, kt, vt))
+        gate = None if gate is None else gate.to(work)
+        feat_q, feat_k = feat_q.then(lambda f: f.to(work)), feat_k.then(lambda f: f.to(work))
         res = _attend(feat_q, feat_k, qt, kt, vt, num_features=num_features, causal=causal, normalize=normalize,
                       non_negative=non_negative, eps=eps, chunk_size=chunk_size, block_chunks=block_chunks,
                       max_bytes=max_bytes, window=window, sinks=sinks, local=local, scale=scale, degree=degree,
@@ -204,7 +205,7 @@ def _attend(feat_q, feat_k, qt, kt, vt, *, num_features: int, causal: bool, norm
     if initial_state is not None:
         state = check_state(initial_state, batch=B, heads=H, num_features=M2,
                             dim=D if window else None, dim_v=Dv, feature_dim=M,
-                            window=window, sinks=sinks, like=vt, dtype=vt.dtype)
+                            window=window, sinks=sinks, like=vt, dtype=work)
     elif stateful or (window and causal):  # the hybrid's blocks carry a state even when the call returns none
         state = empty_state(B, H, M2, D, Dv, M, like=vt)
     else:

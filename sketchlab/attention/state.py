@@ -16,7 +16,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-__all__ = ["AttentionState"]
+__all__ = ["AttentionState", "state_dtype"]
 
 
 @dataclass(frozen=True)
@@ -80,6 +80,18 @@ class AttentionState:
         """Bytes held by the state's tensors (constant in the context length once it exceeds the window)."""
         return sum(x.numel() * x.element_size() for f in fields(self)
                    if isinstance(x := getattr(self, f.name), torch.Tensor))
+
+
+def state_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype every backend computes the sums in and holds every floating field of the state in
+    (``S, z``, the window's and sinks' keys, values and features), for inputs of ``dtype``.
+
+    float32 for float16/bfloat16 inputs (``S, z`` are sums over the whole prefix, which half
+    precision would round away; the held keys and values are the inputs' values, exactly); the
+    inputs' own dtype otherwise (float32; float64 on the torch path). The torch and Triton paths
+    both call it, so a state one returns has the dtypes the other returns and is taken as it is.
+    """
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
 def empty_state(batch: int, heads: int, num_features: int, dim: int, dim_v: int, feature_dim: int, *,

@@ -19,7 +19,7 @@ from sketchlab.attention.triton.launch import (
     llops_attention_fwd,
 )
 from sketchlab.attention._checks import check_hybrid, check_key_padding_mask
-from sketchlab.attention.state import AttentionState, check_state
+from sketchlab.attention.state import AttentionState, check_state, state_dtype
 from sketchlab.llops.maps import llops_features
 
 __all__ = ["HybridAttentionTriton", "LLoPSAttentionTriton", "llops_attention_triton"]
@@ -156,8 +156,11 @@ def llops_attention_triton(q, k, v, theta_q, theta_k, *, causal: bool, normalize
     The carried window keys' far contributions are recomputed in the kernel from their keys and
     ``theta_k`` (the state's ``phi_window`` is used only to fold them into ``S, z`` when they
     leave); the two agree while Θ_K is the one that made the state. The final state is assembled in
-    torch (``S, z`` in fp32) from the keys that leave the window: ``S += Σ φ(k)ᵀv``, ``z += Σ φ(k)``
-    (autograd flows through it).
+    torch from the keys that leave the window: ``S += Σ φ(k)ᵀv``, ``z += Σ φ(k)`` (autograd flows
+    through it). States follow the torch path's dtype rule
+    (:func:`~sketchlab.attention.state.state_dtype`): every floating field of the returned state is
+    float32 (the held keys and values too, for fp16/bf16 inputs), and an ``initial_state`` of
+    another floating dtype is cast to float32, so states pass between the backends as they are.
     """
     if normalize not in _NORMALIZE:
         raise ValueError(f"normalize must be one of {_NORMALIZE}, got {normalize!r}")
@@ -189,7 +192,7 @@ def llops_attention_triton(q, k, v, theta_q, theta_k, *, causal: bool, normalize
     st = None
     if initial_state is not None:
         st = check_state(initial_state, batch=B, heads=H, num_features=F, dim=D if window else None, dim_v=DV,
-                         feature_dim=M, window=window, sinks=sinks, like=q)
+                         feature_dim=M, window=window, sinks=sinks, like=q, dtype=state_dtype(q.dtype))
     s0 = None if st is None else st.S
     z0 = None if st is None else st.z
     P0 = 0 if st is None else st.offset
@@ -233,7 +236,8 @@ def llops_attention_triton(q, k, v, theta_q, theta_k, *, causal: bool, normalize
 
 def _final_state(st, k, v, valid, win_valid, sink_valid, theta_k, *, P0: int, window: int, sinks: int,
                  non_negative: bool, masked: bool) -> AttentionState:
-    """The state after this call's keys (torch, autograd; ``S, z`` and the window features fp32).
+    """The state after this call's keys (torch, autograd; every floating field in
+    :func:`~sketchlab.attention.state.state_dtype` of the inputs', float32; ``st`` is already in it).
 
     The rows not yet in ``S``: the carried window (positions ``P0 − L_w …``) and this call's keys
     (``k [B, T, H, D]``, positions ``P0 …``). Real keys at positions ``sinks ≤ j < end − w`` enter
@@ -242,32 +246,33 @@ def _final_state(st, k, v, valid, win_valid, sink_valid, theta_k, *, P0: int, wi
     """
     B, T, H, D = k.shape
     end = P0 + T
-    k_new, v_new = k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, ·]
-    phi_new = llops_features(k_new.to(torch.float32), theta_k.to(torch.float32))  # [B, H, T, M]
+    dt = state_dtype(k.dtype)
+    k_new, v_new = k.transpose(1, 2).to(dt), v.transpose(1, 2).to(dt)  # [B, H, T, ·]
+    phi_new = llops_features(k_new, theta_k.to(dt))  # [B, H, T, M]
     if st is None:
         r_k, r_v, r_f, r_valid = k_new, v_new, phi_new, valid
         lw, old_s = 0, 0
     else:
-        r_k = torch.cat([st.k_window.to(k.dtype), k_new], 2) if window else k_new
-        r_v = torch.cat([st.v_window.to(v.dtype), v_new], 2)
-        r_f = torch.cat([st.phi_window.to(torch.float32), phi_new], 2)
+        r_k = torch.cat([st.k_window, k_new], 2) if window else k_new
+        r_v = torch.cat([st.v_window, v_new], 2)
+        r_f = torch.cat([st.phi_window, phi_new], 2)
         r_valid = torch.cat([win_valid, valid], 1)  # [B, R]
         lw, old_s = st.k_window.shape[2], st.k_sink.shape[2]
     r_pos = torch.arange(P0 - lw, end, device=k.device)  # [R]
     enters = r_valid & ((r_pos >= sinks) & (r_pos < end - window))[None, :]  # [B, R]
     lf = _lift(r_f, non_negative) * enters[:, None, :, None]  # [B, H, R, F]
-    S = lf.mT @ r_v.to(torch.float32)  # [B, H, F, Dv]
+    S = lf.mT @ r_v  # [B, H, F, Dv]
     z = lf.sum(2)  # [B, H, F]
     if st is not None:
-        S = S + st.S.to(torch.float32)
-        z = z + st.z.to(torch.float32)
+        S = S + st.S
+        z = z + st.z
     keep_w = r_pos >= end - window
     take = (r_pos < sinks) & (r_pos >= old_s)
     if st is None:
         k_sink, v_sink, m_sink = r_k[:, :, take], r_v[:, :, take], r_valid[:, take]
     else:
-        k_sink = torch.cat([st.k_sink.to(k.dtype), r_k[:, :, take]], 2)
-        v_sink = torch.cat([st.v_sink.to(v.dtype), r_v[:, :, take]], 2)
+        k_sink = torch.cat([st.k_sink, r_k[:, :, take]], 2)
+        v_sink = torch.cat([st.v_sink, r_v[:, :, take]], 2)
         m_sink = torch.cat([sink_valid, r_valid[:, take]], 1)
     return AttentionState(
         S=S, z=z, k_window=r_k[:, :, keep_w], v_window=r_v[:, :, keep_w], phi_window=r_f[:, :, keep_w],
