@@ -21,6 +21,7 @@ from torch import nn
 
 import sketchlab.convert.sketched as sketched
 from sketchlab.convert import convert_attention, converted_modules, load_linearized, save_linearized
+from sketchlab.featuremaps import HedgehogMap
 
 # float64 models: the converted forward repeats the teacher's arithmetic in another order
 # (explicit softmax vs SDPA, repeated heads vs grouped), so logits agree to ~1e-15 relative;
@@ -257,6 +258,29 @@ def test_layout_options_refused_before_the_model_is_touched(kwargs, match):
     with pytest.raises(ValueError, match=match):
         convert_attention(model, attention="hedgehog", m=4, **kwargs)
     assert _untouched(model)
+
+
+@pytest.mark.parametrize("maps", [dict(attention="hedgehog", m=4),
+                                  dict(feature_map=lambda layer, heads, dim: HedgehogMap(heads, dim, m=4))],
+                         ids=["attention", "feature_map"])
+def test_poly_window_with_a_map_without_degree_refused_before_the_model_is_touched(maps):
+    """local='poly' scores the window with the maps' polynomial degree: Hedgehog has none, so the
+    conversion refuses it, naming the map, the option and the remedy (it used to convert, and fail
+    at the first forward). The softmax window with the same maps, and the poly window with LLoPS, convert."""
+    model = _llama()
+    with pytest.raises(ValueError, match=r"local='poly' needs a polynomial degree .*, and HedgehogMap has none "
+                                         r"\(it is not a polynomial kernel\): use local='softmax'"):
+        convert_attention(model, window=4, local="poly", **maps)
+    assert _untouched(model)
+    assert convert_attention(_llama(), window=4, local="softmax", **maps)
+    assert convert_attention(_llama(), attention="llops", m=4, window=4, local="poly")
+
+
+def test_sketched_attention_refuses_a_poly_window_without_a_map_degree():
+    maps = (HedgehogMap(2, 4, m=4), HedgehogMap(2, 4, m=4))
+    with pytest.raises(ValueError, match=r"local='poly' needs a polynomial degree .*, and HedgehogMap has none"):
+        sketched.SketchedAttention(*maps, heads=2, head_dim=4, window=3, sinks=0, local="poly")
+    assert sketched.SketchedAttention(*maps, heads=2, head_dim=4, window=0, sinks=0, local="poly").gate is None
 
 
 def test_sinks_default_follows_the_window():

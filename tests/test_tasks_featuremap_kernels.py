@@ -133,7 +133,8 @@ def test_maps_train_with_the_model_and_decode_with_a_state(attention, options):
 
 @pytest.mark.parametrize("attention, options, msg", [
     ("hedgehog", {"m": 7}, r"attention option m must be even for Hedgehog .* got m=7"),
-    ("hedgehog", {"window": 2, "local": "poly"}, r"local='poly' needs a polynomial kernel, and Hedgehog"),
+    ("hedgehog", {"window": 2, "local": "poly"},
+     r"local='poly' needs a polynomial degree .*, and HedgehogMap \(attention 'hedgehog'\) has none .*use local='softmax'"),
     ("hedgehog", {"p": 2}, r"unknown attention option\(s\) \['p'\] for attention 'hedgehog'"),
     ("hedgehog", {"tie": 1}, r"attention option tie must be true or false, got 1"),
     ("psf-learned", {"p": 3}, r"p must be even for the learned PSF sketch .* got p=3"),

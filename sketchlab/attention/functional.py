@@ -346,6 +346,18 @@ def _features_by_backend(fq, fk, v, q, k, *, backend, segments, key_padding_mask
     return _by_segments(run, segments, fq, fk, v, q, k, mask=key_padding_mask)
 
 
+def check_local_degree(degree, what: str, *, window, local) -> None:
+    """The one rule for the hybrid's ``local="poly"`` and a far feature map: its exact window scores
+    ``(s·qᵀk)^p`` with ``p`` the map's polynomial ``degree``, so a map without one (``degree=None``:
+    Hedgehog, whose kernel ≈ exp is no polynomial) is refused, naming it (``what``). Checked by
+    :func:`featuremap_attention` on every call and where such a hybrid is built
+    (:class:`sketchlab.convert.sketched.SketchedAttention`, the toy model's ``"hedgehog"`` options).
+    """
+    if window and local == "poly" and degree is None:
+        raise ValueError(f"local='poly' needs a polynomial degree (its exact window scores are (s·qᵀk)^p), and {what} "
+                         "has none (it is not a polynomial kernel): use local='softmax'")
+
+
 def featuremap_attention(q, k, v, feature_map, feature_map_k=None, *, causal: bool = True, normalize: str | None = None,
                          non_negative: bool | None = None, eps: float = 1e-6, backend: str = "auto",
                          chunk_size: int = DEFAULT_CHUNK_SIZE, segments=None, window: int = 0, sinks: int = 0,
@@ -405,9 +417,7 @@ def featuremap_attention(q, k, v, feature_map, feature_map_k=None, *, causal: bo
     if isinstance(feature_map, LLoPSMap):
         return llops_attention(q, k, v, feature_map.theta.to(q.dtype), fk_map.theta.to(q.dtype), **opts)
     backend = _unfused_backend(backend, q, type(feature_map).__name__)
-    if window and local == "poly" and feature_map.degree is None:
-        raise ValueError(f"local='poly' needs a polynomial degree, and {type(feature_map).__name__} has none "
-                         "(it is not a polynomial kernel): use local='softmax'")
+    check_local_degree(feature_map.degree, type(feature_map).__name__, window=window, local=local)
     if backend == "reference":
         fq, fk = feature_map.features_naive(q), fk_map.features_naive(k)  # [B, T|S, H, M] float64
         qq, kk, vv = q.double(), k.double(), v.double()

@@ -71,7 +71,8 @@ class SketchedAttention(nn.Module):
     window, sinks : int >= 0
         Exact local keys and attention sinks (``window=0``: pure linear attention, no gate).
     local : {"softmax", "poly"}
-        The exact local part.
+        The exact local part; ``"poly"`` with a window needs maps with a polynomial ``degree``
+        (:func:`sketchlab.attention.functional.check_local_degree`: refused here otherwise).
     gate : bool
         A learnable per-head gate logit ``[H]`` (initialised at 0: ``g = 1/2``); ``False``: none
         (``g = 1/2`` fixed). Ignored for ``window=0``.
@@ -97,6 +98,11 @@ class SketchedAttention(nn.Module):
         super().__init__()
         if local not in LOCALS:
             raise ValueError(f"local must be one of {list(LOCALS)}, got {local!r}")
+        from ..attention.functional import check_local_degree
+
+        # refused here, before a converted model holds the layer, not at its first forward
+        check_local_degree(getattr(feature_map_q, "degree", None), type(feature_map_q).__name__, window=window,
+                           local=local)
         self.feature_map_q = feature_map_q
         self.feature_map_k = feature_map_k
         self.heads, self.head_dim = int(heads), int(head_dim)

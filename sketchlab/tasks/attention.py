@@ -190,9 +190,10 @@ def _hedgehog_options(opts: dict, config: TransformerConfig) -> dict:
     out = {"m": m, "tie": _bool(opts, "tie", False), "seed": _int(opts, "seed", 0, lo=0),
            "normalize": _choice(opts, "normalize", "sum", _NORMALIZE), "eps": _eps(opts)}
     out = _done("hedgehog", opts, _hybrid_options(opts, out))
-    if out["window"] and out["local"] == "poly":
-        raise ValueError("attention option local='poly' needs a polynomial kernel, and Hedgehog (≈ exp) has no degree: "
-                         "use local='softmax'")
+    from ..attention.functional import check_local_degree
+
+    # refused when the config is built: HedgehogMap's degree is None (FeatureMap's default, no polynomial)
+    check_local_degree(None, "HedgehogMap (attention 'hedgehog')", window=out["window"], local=out["local"])
     return out
 
 
