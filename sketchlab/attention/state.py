@@ -87,9 +87,10 @@ def state_dtype(dtype: torch.dtype) -> torch.dtype:
     (``S, z``, the window's and sinks' keys, values and features), for inputs of ``dtype``.
 
     float32 for float16/bfloat16 inputs (``S, z`` are sums over the whole prefix, which half
-    precision would round away; the held keys and values are the inputs' values, exactly); the
-    inputs' own dtype otherwise (float32; float64 on the torch path). The torch and Triton paths
-    both call it, so a state one returns has the dtypes the other returns and is taken as it is.
+    precision would round away; the held keys and values, cast up, keep the inputs' values
+    exactly); the inputs' own dtype otherwise (float32; float64 on the torch path). The torch and
+    Triton paths both call it, for the state they return and to cast an ``initial_state``
+    (:func:`check_state`), so a state either returns continues on the other unchanged.
     """
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
