@@ -354,8 +354,8 @@ def check_local_degree(degree, what: str, *, window, local) -> None:
     (:class:`sketchlab.convert.sketched.SketchedAttention`, the toy model's ``"hedgehog"`` options).
     """
     if window and local == "poly" and degree is None:
-        raise ValueError(f"local='poly' needs a polynomial degree (its exact window scores are (s·qᵀk)^p), and {what} "
-                         "has none (it is not a polynomial kernel): use local='softmax'")
+        raise ValueError(f"local='poly' needs a polynomial degree (its exact window scores are (s·qᵀk)^p), "
+                         f"and {what} has none (it is not a polynomial kernel): use local='softmax'")
 
 
 def featuremap_attention(q, k, v, feature_map, feature_map_k=None, *, causal: bool = True, normalize: str | None = None,
