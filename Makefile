@@ -34,7 +34,7 @@ demo: setup
 # ./my-local-model (make lines run here, where this Makefile is). Not part of `make test` (tests/test_readme.py
 # runs the same commands small there); the README's times come from here. SKIP='regex' leaves commands out.
 readme-check: setup
-	$(PY) tests/test_readme.py $(if $(SKIP),--skip '$(SKIP)')
+	$(PY) tests/test_readme.py --out analysis/results/readme_check.md $(if $(SKIP),--skip '$(SKIP)')
 
 # Retrain the MQAR softmax model and rewrite data/mqar_softmax_qk.safetensors (+ checkpoint in
 # data/mqar_softmax/) from the seed; settings and the measured accuracy are in data/README.md.

@@ -193,16 +193,25 @@ def test_small_rejects_an_uncovered_or_changed_command():
 
 # ---- script: every command exactly as written, timed (make readme-check) -------------------------
 
-def run_as_written(skip: str | None = None) -> int:
+def run_as_written(skip: str | None = None, out: str | None = None) -> int:
+    """Run every README command exactly as written, each in a fresh process; print a markdown table of
+    exit codes and wall times, and with ``out`` also write it there (atomically) under a header naming
+    the command, the start time, the torch threads and the load averages at the start and the end.
+    Returns 1 if any command failed, else 0."""
+    import datetime
     import os
+    import platform
     import tempfile
+
+    from sketchlab.cli._common import write_text_atomic
 
     commands = readme_commands()
     for c in commands:
         small(c)  # the same coverage rule as the test
     bin_dir = str(Path(sys.executable).parent)
     env = dict(os.environ, PATH=bin_dir + os.pathsep + os.environ.get("PATH", ""))
-    failed = 0
+    failed, rows = 0, []
+    started, load0 = datetime.datetime.now(datetime.timezone.utc), os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="readme-check-") as tmp:
         workdir = Path(tmp)
         make_workdir(workdir)
@@ -212,7 +221,8 @@ def run_as_written(skip: str | None = None) -> int:
         for i, command in enumerate(commands):
             label = command.splitlines()[0] + (" …" if "\n" in command else "")
             if skip and re.search(skip, command):
-                print(f"| `{label}` | skipped | – |", flush=True)
+                rows.append(f"| `{label}` | skipped | – |")
+                print(rows[-1], flush=True)
                 continue
             if "\n" in command:  # a python block
                 script = workdir / f"readme_block_{i}.py"
@@ -224,9 +234,27 @@ def run_as_written(skip: str | None = None) -> int:
             proc = subprocess.run(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             seconds = time.perf_counter() - start
             failed += proc.returncode != 0
-            print(f"| `{label}` | {proc.returncode} | {seconds:.1f} |", flush=True)
+            rows.append(f"| `{label}` | {proc.returncode} | {seconds:.1f} |")
+            print(rows[-1], flush=True)
             if proc.returncode != 0:
                 print(proc.stdout[-3000:], file=sys.stderr, flush=True)
+    if out is not None:
+        load1 = os.getloadavg()
+        threads = os.environ.get("OMP_NUM_THREADS", f"torch's default ({os.cpu_count()} cores)")
+        argv = " ".join(shlex.quote(a) for a in ["tests/test_readme.py", *sys.argv[1:]])
+        header = [
+            "# Every README command, exactly as written: wall times", "",
+            f"`PYTHONPATH=$PWD .venv/bin/python {argv}` (`make readme-check` runs it), started "
+            f"{started:%Y-%m-%d %H:%M} UTC on {platform.machine()}, {os.cpu_count()} CPUs; intra-op threads: "
+            f"{threads}; load average {load0[0]:.1f} / {load0[1]:.1f} / {load0[2]:.1f} (1 / 5 / 15 min) at the "
+            f"start, {load1[0]:.1f} / {load1[1]:.1f} / {load1[2]:.1f} at the end (other jobs on the machine "
+            "slow every command: upper bounds, not an idle machine's times). Each command in a fresh process, "
+            "in a temporary directory with a copy of `data/`, a `prompt.txt` and a tiny random GPT-2 (2 layers, "
+            "2 heads of 16) with a word-level tokenizer standing in for `./my-local-model`; `make` lines run in "
+            "the checkout" + (f", those matching `{skip}` not run" if skip else "") + ".", "",
+            "| command | exit | wall s |", "|---|---|---|"]
+        write_text_atomic(out, "\n".join(header + rows) + "\n")
+        print(f"wrote {out}", flush=True)
     return 1 if failed else 0
 
 
@@ -235,4 +263,6 @@ if __name__ == "__main__":
 
     parser = argparse.ArgumentParser(description="Run every README command exactly as written, timed.")
     parser.add_argument("--skip", help="regex: README commands matching it are not run (listed as skipped)")
-    sys.exit(run_as_written(parser.parse_args().skip))
+    parser.add_argument("--out", help="also write the table as markdown here (e.g. analysis/results/readme_check.md)")
+    args = parser.parse_args()
+    sys.exit(run_as_written(args.skip, args.out))
