@@ -88,3 +88,14 @@ def test_a_diverged_fit_exits_1_with_its_message_on_one_line(monkeypatch, capsys
     rc = main(["spectrum", "whatever.safetensors"])
     err = capsys.readouterr().err
     assert rc == 1 and err == "sketchlab: error: LLoPS direct fit stopped: the kernel loss is non-finite at step 3\n"
+
+
+def test_python_dash_m_sketchlab_is_the_console_script():
+    """``python -m sketchlab`` runs the same parser as ``sketchlab`` (its usage, its exit code 2 on bad input)."""
+    import subprocess
+    import sys
+
+    help_ = subprocess.run([sys.executable, "-m", "sketchlab", "--help"], capture_output=True, text=True)
+    assert help_.returncode == 0 and "usage: sketchlab" in help_.stdout and "linearize" in help_.stdout
+    bad = subprocess.run([sys.executable, "-m", "sketchlab", "frobnicate"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "frobnicate" in bad.stderr
