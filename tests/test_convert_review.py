@@ -59,3 +59,46 @@ def test_short_left_padded_prompt_refusal_advises_what_works():
         batch = fewer.generate(ids, attention_mask=mask, **GEN)[:, 6:]
         assert torch.equal(batch[1], fewer.generate(short[None], **GEN)[0, 2:])
         assert torch.equal(batch[0], fewer.generate(long[None], **GEN)[0, 6:])
+
+
+def _shared_hedgehog(layer, heads, head_dim):
+    """A ``feature_map`` returning ONE module: shared by q and k."""
+    from sketchlab.featuremaps import make_feature_map
+
+    return make_feature_map("hedgehog", heads=heads, head_dim=head_dim, p=2, m=8)
+
+
+def _toy():
+    from sketchlab.tasks.model import TransformerConfig, TransformerLM
+
+    torch.manual_seed(4)
+    return TransformerLM(TransformerConfig(vocab_size=50, d_model=32, n_heads=2, n_layers=2)).double().eval()
+
+
+@pytest.mark.parametrize("make", [_llama, _toy], ids=["llama", "toy"])
+def test_map_shared_by_q_and_k_saves_and_loads(make, tmp_path):
+    """A ``feature_map`` returning one module (shared by q and k) is registered once: the model saves
+    (``save_pretrained`` refused shared tensors before; the toy model's safetensors file too), and a
+    model converted with the same ``feature_map`` loads it back with identical logits (float64, atol 0)
+    and q and k still one map, moved off its initial values before saving (so the load restored it)."""
+    from sketchlab.convert import converted_modules, load_linearized, save_linearized
+
+    model = make()
+    convert_attention(model, window=3, sinks=1, feature_map=_shared_hedgehog)
+    torch.manual_seed(9)
+    with torch.no_grad():
+        for s in converted_modules(model):
+            assert s.feature_map_k is s.feature_map_q
+            for p in s.parameters():
+                p.add_(0.1 * torch.randn_like(p))
+    save_linearized(model, tmp_path)
+    fresh = make()
+    convert_attention(fresh, window=3, sinks=1, feature_map=_shared_hedgehog)
+    load_linearized(tmp_path, fresh)
+    ids = torch.randint(1, 50, (2, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want, got = model(ids), fresh(ids)
+    want, got = (getattr(x, "logits", x) for x in (want, got))
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for s in converted_modules(fresh):
+        assert s.feature_map_k is s.feature_map_q

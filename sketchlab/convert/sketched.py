@@ -65,7 +65,8 @@ class SketchedAttention(nn.Module):
     ----------
     feature_map_q, feature_map_k : FeatureMap
         :mod:`sketchlab.featuremaps` modules with ``heads`` heads of dimension ``head_dim``
-        (``features(x [B, T, H, D]) -> [B, T, H, M]``).
+        (``features(x [B, T, H, D]) -> [B, T, H, M]``). One module passed twice is shared by q
+        and k: registered once, as ``feature_map_q`` (its parameters saved once).
     heads, head_dim : int
         Query heads ``H`` and head dimension ``D``.
     window, sinks : int >= 0
@@ -104,7 +105,8 @@ class SketchedAttention(nn.Module):
         check_local_degree(getattr(feature_map_q, "degree", None), type(feature_map_q).__name__, window=window,
                            local=local)
         self.feature_map_q = feature_map_q
-        self.feature_map_k = feature_map_k
+        if feature_map_k is not feature_map_q:  # a shared map is registered once: see feature_map_k
+            self.feature_map_k = feature_map_k
         self.heads, self.head_dim = int(heads), int(head_dim)
         self.window, self.sinks, self.local = int(window), int(sinks), local
         self.normalize, self.non_negative, self.causal = normalize, bool(non_negative), bool(causal)
@@ -112,6 +114,14 @@ class SketchedAttention(nn.Module):
         self.gate = nn.Parameter(torch.zeros(heads)) if gate and window > 0 else None  # [H] logits
         self.input_scale = head_dim ** -0.25
         self._cache_layer = None  # set for one call by remember_cache (not state: never saved)
+
+    @property
+    def feature_map_k(self) -> nn.Module:
+        """The key map: ``feature_map_q`` itself when q and k share one map. A shared map is registered
+        (and so saved, as ``feature_map_q.*``) once: two names for one tensor would make
+        ``save_pretrained``/safetensors refuse the model as holding shared tensors, and a reload
+        then restores the one map that q and k both use."""
+        return self._modules.get("feature_map_k", self.feature_map_q)
 
     def extra_repr(self) -> str:
         return (f"heads={self.heads}, head_dim={self.head_dim}, window={self.window}, sinks={self.sinks}, "
