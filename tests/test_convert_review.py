@@ -102,3 +102,64 @@ def test_map_shared_by_q_and_k_saves_and_loads(make, tmp_path):
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     for s in converted_modules(fresh):
         assert s.feature_map_k is s.feature_map_q
+
+
+POLY_RULE = r"local='poly' needs a polynomial degree \(its exact window scores are \(s·qᵀk\)\^p\), and HedgehogMap"
+
+
+@pytest.mark.parametrize("maps", ["named", "custom"])
+def test_linearize_refuses_poly_window_without_degree_before_the_teacher(maps):
+    """``linearize(local="poly")`` with a map that has no polynomial degree (Hedgehog, by name or from a
+    ``feature_map``) is refused by the layer's own rule (``check_local_degree``'s message) before the
+    model runs once (no teacher pass, no metric) and leaves it unconverted."""
+    from sketchlab.convert import converted_modules
+    from sketchlab.convert.linearize import linearize
+
+    model = _llama()
+    calls = []
+    model.register_forward_pre_hook(lambda *args: calls.append(1))
+    ids = torch.randint(1, 50, (8, 16), generator=torch.Generator().manual_seed(0))
+    kw = dict(attention="hedgehog") if maps == "named" else dict(feature_map=_shared_hedgehog)
+    with pytest.raises(ValueError, match=POLY_RULE):
+        linearize(model, ids, m=8, window=4, local="poly", seq_len=16, transfer_steps=1, **kw)
+    assert calls == [] and converted_modules(model, required=False) == []
+
+
+def test_cli_linearize_refuses_poly_window_without_degree_before_the_teacher(tmp_path, capsys, monkeypatch):
+    """``sketchlab linearize --attention hedgehog --local poly``: exit 2 with the rule's message, no
+    output directory, and the teacher never recorded (its recording raises here if reached)."""
+    import importlib
+
+    from sketchlab.cli import main
+    from tests.test_cli_linearize_lm import _model_dir, _text_file
+
+    _model_dir(tmp_path / "m")
+    _text_file(tmp_path / "t.txt", 200)
+    capsys.readouterr()
+
+    def reached(*args, **kwargs):
+        raise AssertionError("the teacher ran")
+
+    lin = importlib.import_module("sketchlab.convert.linearize")  # the module (the package exports the function)
+    monkeypatch.setattr(lin, "teacher_attention", reached)
+    monkeypatch.setattr(lin, "perplexity", reached)
+    rc = main(["linearize", "--model-dir", str(tmp_path / "m"), "--text", str(tmp_path / "t.txt"), "--attention",
+               "hedgehog", "--m", "8", "--window", "4", "--local", "poly", "--seq-len", "32", "--out",
+               str(tmp_path / "lin"), "--no-progress"])
+    assert rc == 2
+    assert "needs a polynomial degree" in capsys.readouterr().err
+    assert not (tmp_path / "lin").exists()
+
+
+def test_far_mass_gate_refuses_poly_without_degree_by_the_one_rule():
+    """``far_mass_gate`` on a ``local="poly"`` layer whose map has no degree (a Hedgehog map put in after
+    construction) raises ``check_local_degree``'s message, before reading any recorded input."""
+    from sketchlab.convert.scale import far_mass_gate
+    from sketchlab.convert.sketched import SketchedAttention
+    from sketchlab.featuremaps import HedgehogMap, make_feature_map
+
+    maps = [make_feature_map("llops", heads=2, head_dim=4, p=2, m=8) for _ in range(2)]
+    sketch = SketchedAttention(*maps, heads=2, head_dim=4, window=2, sinks=1, local="poly")
+    sketch.feature_map_q = HedgehogMap(2, 4, m=8)
+    with pytest.raises(ValueError, match=POLY_RULE):
+        far_mass_gate(sketch, None, torch.ones(1, 6, dtype=torch.long), [0])

@@ -58,6 +58,16 @@ def featuremap_attention(*args, **kwargs):
     return attend(*args, **kwargs)
 
 
+def check_local_map(feature_map: nn.Module, *, window: int, local: str) -> None:
+    """:func:`sketchlab.attention.functional.check_local_degree` for ``feature_map`` (its ``degree``,
+    ``None`` when it has none, named by its class): where a layer is built
+    (:class:`SketchedAttention`), where :func:`sketchlab.linearize` checks its conversion before
+    any work, and in :func:`sketchlab.convert.scale.far_mass_gate`."""
+    from ..attention.functional import check_local_degree
+
+    check_local_degree(getattr(feature_map, "degree", None), type(feature_map).__name__, window=window, local=local)
+
+
 class SketchedAttention(nn.Module):
     r"""Feature maps and gate of one converted attention layer; calls the hybrid attention.
 
@@ -99,11 +109,7 @@ class SketchedAttention(nn.Module):
         super().__init__()
         if local not in LOCALS:
             raise ValueError(f"local must be one of {list(LOCALS)}, got {local!r}")
-        from ..attention.functional import check_local_degree
-
-        # refused here, before a converted model holds the layer, not at its first forward
-        check_local_degree(getattr(feature_map_q, "degree", None), type(feature_map_q).__name__, window=window,
-                           local=local)
+        check_local_map(feature_map_q, window=window, local=local)  # before a model holds the layer
         self.feature_map_q = feature_map_q
         if feature_map_k is not feature_map_q:  # a shared map is registered once: see feature_map_k
             self.feature_map_k = feature_map_k
