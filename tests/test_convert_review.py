@@ -5,6 +5,8 @@ length). Tiny random float64 models."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import transformers
@@ -163,3 +165,36 @@ def test_far_mass_gate_refuses_poly_without_degree_by_the_one_rule():
     sketch.feature_map_q = HedgehogMap(2, 4, m=8)
     with pytest.raises(ValueError, match=POLY_RULE):
         far_mass_gate(sketch, None, torch.ones(1, 6, dtype=torch.long), [0])
+
+
+def _gpt2():
+    cfg = transformers.GPT2Config(vocab_size=50, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                                  attn_implementation="sdpa")
+    torch.manual_seed(1)
+    return transformers.GPT2LMHeadModel(cfg).double().eval()
+
+
+def test_load_linearized_refuses_before_converting(tmp_path):
+    """``load_linearized`` refuses, with the model left as it was: a LLaMA save onto a GPT-2 (naming both
+    families; the GPT-2 stays unconverted), a model converted with other options (naming each that
+    differs and both values), a corrupt options file (naming its path)."""
+    from sketchlab.convert import converted_modules, load_linearized, save_linearized
+
+    model = _llama()
+    convert_attention(model, attention="llops", p=2, m=8, window=4)
+    save_linearized(model, tmp_path)
+    gpt2 = _gpt2()
+    with pytest.raises(ValueError, match=r"saved from a model of the 'llama' family, and GPT2LMHeadModel is of the "
+                                         r"'gpt2' family"):
+        load_linearized(tmp_path, gpt2)
+    assert converted_modules(gpt2, required=False) == []
+    other = _llama()
+    convert_attention(other, attention="llops", p=2, m=16, window=8)
+    with pytest.raises(ValueError, match=r"already converted with other options than the saved ones: m=16 \(saved "
+                                         r"8\), window=8 \(saved 4\)$"):
+        load_linearized(tmp_path, other)
+    (tmp_path / "sketchlab_conversion.json").write_text("{bad")
+    fresh = _llama()
+    with pytest.raises(ValueError, match="^" + re.escape(f"{tmp_path / 'sketchlab_conversion.json'}: not valid JSON")):
+        load_linearized(tmp_path, fresh)
+    assert converted_modules(fresh, required=False) == []
