@@ -198,3 +198,26 @@ def test_load_linearized_refuses_before_converting(tmp_path):
     with pytest.raises(ValueError, match="^" + re.escape(f"{tmp_path / 'sketchlab_conversion.json'}: not valid JSON")):
         load_linearized(tmp_path, fresh)
     assert converted_modules(fresh, required=False) == []
+
+
+def test_attention_mask_of_the_wrong_length_is_refused_by_name():
+    """A padding ``attention_mask`` whose length is not the number of keys (7 columns for 10 tokens; in a
+    call continuing a 10-token state, 3 columns for 3 new tokens, the 10 earlier ones missing) is refused
+    naming attention_mask, its shape and the expected ``[B, past + T]``, not with a bare shape error."""
+    from sketchlab.convert.cache import SketchStateCache
+
+    model = _converted(2)
+    ids = torch.randint(1, 50, (2, 10), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, 7, dtype=torch.long)
+    mask[0, :2] = 0
+    with torch.no_grad():
+        with pytest.raises(ValueError, match=r"attention_mask has shape \(2, 7\), expected \[2, 10\]: .*\(0 earlier "
+                                             r"token\(s\) in the state and the 10 of this call\)"):
+            model(input_ids=ids, attention_mask=mask)
+        cache = SketchStateCache(2)
+        model(input_ids=ids, cache=cache, use_cache=True)
+        mask = torch.ones(2, 3, dtype=torch.long)
+        mask[0, -1] = 0  # a pad after the real tokens: the one layout a continuing call may have
+        with pytest.raises(ValueError, match=r"attention_mask has shape \(2, 3\), expected \[2, 13\]: .*\(10 earlier "
+                                             r"token\(s\) in the state and the 3 of this call\)"):
+            model(input_ids=ids[:, :3], attention_mask=mask, cache=cache, use_cache=True)

@@ -191,7 +191,8 @@ def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
     Raises
     ------
     ValueError
-        Padding no reorder makes exact: a causal row with pads before real tokens and fewer than
+        An ``attention_mask`` that is not ``[B, past + S]`` (``past``: the tokens the layer's state
+        holds; 0 without a cache). Padding no reorder makes exact: a causal row with pads before real tokens and fewer than
         ``sinks`` real tokens in a call with a cache (its later tokens would be sinks alone, but
         land after the pads; without a cache nothing continues and its outputs are exact), and a pad before a real token in a call that continues a state (no token can move in
         front of the state's; the window would count the pad as a position).
@@ -223,9 +224,13 @@ def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
     if attention_mask is not None and attention_mask.ndim != 2:
         raise ValueError(f"{ATTENTION_NAME}: expected a 2-D padding mask [B, S], got shape {tuple(attention_mask.shape)} "
                          "(a custom 4-D mask cannot be expressed as a window and a padding mask)")
-    padding = None if attention_mask is None else attention_mask[:, -S:].to(torch.bool)  # [B, S]
     layer = getattr(sketch, "_cache_layer", None)
     offset = 0 if layer is None else getattr(layer.state, "offset", 0)  # the tokens the state holds
+    if attention_mask is not None and tuple(attention_mask.shape) != (B, offset + S):
+        raise ValueError(f"{ATTENTION_NAME}: attention_mask has shape {tuple(attention_mask.shape)}, expected "
+                         f"[{B}, {offset + S}]: one row per sequence and one column per key ({offset} earlier "
+                         f"token(s) in the state and the {S} of this call)")
+    padding = None if attention_mask is None else attention_mask[:, -S:].to(torch.bool)  # [B, S]
     if layer is None and S != T:
         raise ValueError(f"{ATTENTION_NAME}: {S} keys for {T} queries: a converted model decodes with "
                          "sketchlab.convert.cache.SketchStateCache (generate() uses it by default), not with a key/value cache")
