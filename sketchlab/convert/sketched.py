@@ -192,10 +192,11 @@ def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
     ------
     ValueError
         An ``attention_mask`` that is not ``[B, past + S]`` (``past``: the tokens the layer's state
-        holds; 0 without a cache). Padding no reorder makes exact: a causal row with pads before real tokens and fewer than
-        ``sinks`` real tokens in a call with a cache (its later tokens would be sinks alone, but
-        land after the pads; without a cache nothing continues and its outputs are exact), and a pad before a real token in a call that continues a state (no token can move in
-        front of the state's; the window would count the pad as a position).
+        holds; 0 without a cache). Padding no reorder makes exact: a causal row with pads before
+        real tokens and fewer than ``sinks`` real tokens in a call with a cache (its later tokens
+        would be sinks alone, but land after the pads; without a cache nothing continues and its
+        outputs are exact), and a pad before a real token in a call that continues a state (no
+        token can move in front of the state's; the window would count the pad as a position).
 
     Notes
     -----
