@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .families import ToyKernel, attention_sites
+from .families import ToyKernel, attention_sites, family_of
 from .sketched import ATTENTION_NAME, LOCALS, SketchedAttention, forget_cache, hf_attention, hf_mask, remember_cache
 
 __all__ = ["DEFAULT_SINKS", "check_layout", "convert_attention", "converted_modules", "load_linearized",
@@ -397,33 +397,50 @@ def load_linearized(directory, model: nn.Module) -> nn.Module:
     ``directory`` is a :func:`save_linearized` (or ``save_pretrained`` of a converted model) output.
     Maps made by a custom ``feature_map`` cannot be rebuilt from their name: convert ``model`` with
     the same ``feature_map`` first, then call this (the options must then agree).
+
+    Raises
+    ------
+    ValueError
+        Before ``model`` is converted: an options file that is not valid JSON (naming the file), a
+        save of another model family than ``model``'s (naming both), no ``.safetensors`` weights, a
+        model already converted with other options (naming each that differs, with both values).
+        After: saved weights that do not match the converted model.
     """
     from safetensors.torch import load_file
 
     directory = Path(directory)
     options_path = directory / _OPTIONS_FILE
     if options_path.is_file():
-        options = json.loads(options_path.read_text(encoding="utf-8"))
+        options = _read_json(options_path)
     elif (directory / "config.json").is_file():
-        options = json.loads((directory / "config.json").read_text(encoding="utf-8")).get("sketchlab")
+        options = _read_json(directory / "config.json").get("sketchlab")
     else:
         options = None
     if not isinstance(options, dict):
         raise ValueError(f"{directory}: no conversion options ({_OPTIONS_FILE}, or 'sketchlab' in config.json); "
                          "was it written by sketchlab.save_linearized?")
     options = dict(options)
-    options.pop("family", None)
+    saved_family, family = options.pop("family", None), family_of(model)
+    if saved_family is not None and saved_family != family:
+        raise ValueError(f"{directory}: saved from a model of the {saved_family!r} family, and "
+                         f"{type(model).__name__} is of the {family!r} family; load it onto the architecture it was "
+                         "converted from")
     options.setdefault("tied", False)  # saved before the option existed: the untied map
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{directory}: no .safetensors weights")
     if converted_modules(model, required=False):
-        if {k: v for k, v in _options(model).items() if k != "family"} != options:
-            raise ValueError(f"{directory}: the model is already converted with other options than the saved ones")
+        own = {k: v for k, v in _options(model).items() if k != "family"}
+        differ = {k: (own.get(k), options.get(k)) for k in sorted(set(own) | set(options))
+                  if own.get(k) != options.get(k)}
+        if differ:
+            named = ", ".join(f"{k}={mine!r} (saved {saved!r})" for k, (mine, saved) in differ.items())
+            raise ValueError(f"{directory}: the model is already converted with other options than the saved ones: "
+                             f"{named}")
     else:
         if options["attention"] == "custom":
             raise ValueError(f"{directory}: the maps came from a custom feature_map; convert the model with it first")
         convert_attention(model, **options)
-    files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"{directory}: no .safetensors weights")
     state = {}
     for f in files:
         state.update(load_file(str(f)))
@@ -437,6 +454,17 @@ def load_linearized(directory, model: nn.Module) -> nn.Module:
                          f"unexpected {unexpected[:5]}")
     model.load_state_dict(state, strict=False)
     return model
+
+
+def _read_json(path: Path) -> dict:
+    """The JSON object in ``path``; a ``ValueError`` naming the file when it is not one."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path}: not valid JSON ({err}); was it written by sketchlab.save_linearized?") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
 
 
 def _match_prefix(saved: set, own: set) -> str:

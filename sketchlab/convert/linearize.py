@@ -40,8 +40,9 @@ import torch
 from torch import nn
 
 from .._validation import DEFAULT_MAX_BYTES, check_memory, check_nonnegative_int, check_positive_int
-from .convert import _resolve_tied, check_layout, convert_attention, converted_modules
+from .convert import _make_maps, _resolve_tied, check_layout, convert_attention, converted_modules
 from .families import attention_sites, family_of
+from .sketched import check_local_map
 
 __all__ = ["LayerIO", "LinearizeReport", "attention_errors", "attention_transfer", "embedding_agreement", "fit_theta",
            "linearize", "lora_finetune", "perplexity", "sentence_embeddings", "teacher_attention", "tokenize_texts"]
@@ -943,8 +944,9 @@ def linearize(model: nn.Module, texts, *, tokenizer=None, attention: str = "llop
         The conversion (:func:`sketchlab.convert_attention`; ``sinks=None``: 4 with a window, 0
         for ``window=0``; ``tied=None``: LLoPS as the tied non-negative map on transformers
         models). ``window``, ``sinks``, ``local`` and ``normalize`` are checked before any work
-        (an explicit ``sinks > 0`` with ``window=0`` is refused); the report's settings record
-        the resolved ``sinks``.
+        (an explicit ``sinks > 0`` with ``window=0`` is refused, and ``local="poly"`` with a map
+        without a polynomial degree, such as Hedgehog: layer 0's map is built to ask it, calling
+        ``feature_map`` once more); the report's settings record the resolved ``sinks``.
     gate_init : float, "mass", "search" or None
         The hybrid's initial gate logits: a number for every head, or set per head from the
         teacher's attention on the first ``gate_sequences`` training sequences
@@ -1024,6 +1026,9 @@ def linearize(model: nn.Module, texts, *, tokenizer=None, attention: str = "llop
     tied = _resolve_tied(tied, attention, feature_map, p, family, has_theta=fitting)
     _, sites = attention_sites(model)
     _check_processes(processes, len(sites))  # at most one process per layer, before any work
+    with torch.random.fork_rng(devices=[]):  # layer 0's query map as convert_attention will make it
+        probe = _make_maps(attention, feature_map, 0, sites[0].heads, sites[0].head_dim, p, m, rank, seed, tied)[0]
+    check_local_map(probe, window=window, local=local)  # the layer's own rule, before the teacher is recorded
     itemsize = next(model.parameters()).element_size()
     per_token = sum((2 * s.heads + 2 * s.kv_heads) * s.head_dim for s in sites) * itemsize
     check_memory(per_token * ids.numel(), max_bytes=max_bytes,

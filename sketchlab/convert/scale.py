@@ -34,6 +34,7 @@ import torch
 from .._validation import as_float_tensor, check_positive_int
 from ..attention.reference import local_far_masks
 from ..featuremaps import FeatureMap, _init_heads, _store
+from .sketched import check_local_map
 
 __all__ = ["GATE_OFFSETS", "TiedLLoPSMap", "calibrate_gates", "far_mass_gate", "search_gate", "tie_theta"]
 
@@ -151,10 +152,8 @@ def far_mass_gate(sketch, io, attention_mask: torch.Tensor, index) -> torch.Tens
     if sketch.window <= 0:
         raise ValueError("far_mass_gate: the sketch has no window (window=0: pure linear attention has no gate)")
     w, ns = sketch.window, sketch.sinks
+    check_local_map(sketch.feature_map_q, window=w, local=sketch.local)
     degree = sketch.feature_map_q.degree if sketch.local == "poly" else None
-    if sketch.local == "poly" and degree is None:
-        raise ValueError(f"far_mass_gate: local='poly' needs the map's polynomial degree, and "
-                         f"{type(sketch.feature_map_q).__name__} has none")
     c = sketch.input_scale
     idx = torch.arange(attention_mask.shape[0])[index]
     logs: list[list[torch.Tensor]] = [[] for _ in range(sketch.heads)]

@@ -58,6 +58,16 @@ def featuremap_attention(*args, **kwargs):
     return attend(*args, **kwargs)
 
 
+def check_local_map(feature_map: nn.Module, *, window: int, local: str) -> None:
+    """:func:`sketchlab.attention.functional.check_local_degree` for ``feature_map`` (its ``degree``,
+    ``None`` when it has none, named by its class): where a layer is built
+    (:class:`SketchedAttention`), where :func:`sketchlab.linearize` checks its conversion before
+    any work, and in :func:`sketchlab.convert.scale.far_mass_gate`."""
+    from ..attention.functional import check_local_degree
+
+    check_local_degree(getattr(feature_map, "degree", None), type(feature_map).__name__, window=window, local=local)
+
+
 class SketchedAttention(nn.Module):
     r"""Feature maps and gate of one converted attention layer; calls the hybrid attention.
 
@@ -65,7 +75,8 @@ class SketchedAttention(nn.Module):
     ----------
     feature_map_q, feature_map_k : FeatureMap
         :mod:`sketchlab.featuremaps` modules with ``heads`` heads of dimension ``head_dim``
-        (``features(x [B, T, H, D]) -> [B, T, H, M]``).
+        (``features(x [B, T, H, D]) -> [B, T, H, M]``). One module passed twice is shared by q
+        and k: registered once, as ``feature_map_q`` (its parameters saved once).
     heads, head_dim : int
         Query heads ``H`` and head dimension ``D``.
     window, sinks : int >= 0
@@ -98,13 +109,10 @@ class SketchedAttention(nn.Module):
         super().__init__()
         if local not in LOCALS:
             raise ValueError(f"local must be one of {list(LOCALS)}, got {local!r}")
-        from ..attention.functional import check_local_degree
-
-        # refused here, before a converted model holds the layer, not at its first forward
-        check_local_degree(getattr(feature_map_q, "degree", None), type(feature_map_q).__name__, window=window,
-                           local=local)
+        check_local_map(feature_map_q, window=window, local=local)  # before a model holds the layer
         self.feature_map_q = feature_map_q
-        self.feature_map_k = feature_map_k
+        if feature_map_k is not feature_map_q:  # a shared map is registered once: see feature_map_k
+            self.feature_map_k = feature_map_k
         self.heads, self.head_dim = int(heads), int(head_dim)
         self.window, self.sinks, self.local = int(window), int(sinks), local
         self.normalize, self.non_negative, self.causal = normalize, bool(non_negative), bool(causal)
@@ -112,6 +120,14 @@ class SketchedAttention(nn.Module):
         self.gate = nn.Parameter(torch.zeros(heads)) if gate and window > 0 else None  # [H] logits
         self.input_scale = head_dim ** -0.25
         self._cache_layer = None  # set for one call by remember_cache (not state: never saved)
+
+    @property
+    def feature_map_k(self) -> nn.Module:
+        """The key map: ``feature_map_q`` itself when q and k share one map. A shared map is registered
+        (and so saved, as ``feature_map_q.*``) once: two names for one tensor would make
+        ``save_pretrained``/safetensors refuse the model as holding shared tensors, and a reload
+        then restores the one map that q and k both use."""
+        return self._modules.get("feature_map_k", self.feature_map_q)
 
     def extra_repr(self) -> str:
         return (f"heads={self.heads}, head_dim={self.head_dim}, window={self.window}, sinks={self.sinks}, "
@@ -175,10 +191,12 @@ def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
     Raises
     ------
     ValueError
-        Padding no reorder makes exact: a causal row with pads before real tokens and fewer than
-        ``sinks`` real tokens in a call with a cache (its later tokens would be sinks alone, but
-        land after the pads; without a cache nothing continues and its outputs are exact), and a pad before a real token in a call that continues a state (no token can move in
-        front of the state's; the window would count the pad as a position).
+        An ``attention_mask`` that is not ``[B, past + S]`` (``past``: the tokens the layer's state
+        holds; 0 without a cache). Padding no reorder makes exact: a causal row with pads before
+        real tokens and fewer than ``sinks`` real tokens in a call with a cache (its later tokens
+        would be sinks alone, but land after the pads; without a cache nothing continues and its
+        outputs are exact), and a pad before a real token in a call that continues a state (no
+        token can move in front of the state's; the window would count the pad as a position).
 
     Notes
     -----
@@ -207,9 +225,13 @@ def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
     if attention_mask is not None and attention_mask.ndim != 2:
         raise ValueError(f"{ATTENTION_NAME}: expected a 2-D padding mask [B, S], got shape {tuple(attention_mask.shape)} "
                          "(a custom 4-D mask cannot be expressed as a window and a padding mask)")
-    padding = None if attention_mask is None else attention_mask[:, -S:].to(torch.bool)  # [B, S]
     layer = getattr(sketch, "_cache_layer", None)
     offset = 0 if layer is None else getattr(layer.state, "offset", 0)  # the tokens the state holds
+    if attention_mask is not None and tuple(attention_mask.shape) != (B, offset + S):
+        raise ValueError(f"{ATTENTION_NAME}: attention_mask has shape {tuple(attention_mask.shape)}, expected "
+                         f"[{B}, {offset + S}]: one row per sequence and one column per key ({offset} earlier "
+                         f"token(s) in the state and the {S} of this call)")
+    padding = None if attention_mask is None else attention_mask[:, -S:].to(torch.bool)  # [B, S]
     if layer is None and S != T:
         raise ValueError(f"{ATTENTION_NAME}: {S} keys for {T} queries: a converted model decodes with "
                          "sketchlab.convert.cache.SketchStateCache (generate() uses it by default), not with a key/value cache")
@@ -280,13 +302,21 @@ def _row(padding: torch.Tensor, which: torch.Tensor) -> str:
 
 def _refuse_short_rows(padding: torch.Tensor, moved: torch.Tensor, sinks: int) -> None:
     """Refuse a causal row that :func:`_padding_order` moves (``moved [B]``) with fewer real tokens
-    than ``sinks`` in ``padding [B, S]``: its next tokens would be sinks but come after the pads."""
-    short = (padding.sum(1) < sinks) & moved  # [B]
+    than ``sinks`` in ``padding [B, S]``: its next tokens would be sinks but come after the pads.
+
+    The remedies the message names are the ones that give each prompt its own continuation: every
+    prompt at least ``sinks`` tokens, at most as many sinks as the shortest prompt has tokens, or
+    the short prompt run unpadded in a batch of its own. Right padding is not one: ``generate()``
+    appends the new tokens after the pads, which the window then counts as positions."""
+    real = padding.sum(1)  # [B]
+    short = (real < sinks) & moved  # [B]
     if bool(short.any()):
+        fewest = int(real[short].min())
         raise ValueError(f"{_row(padding, short)} has pads before real tokens and fewer real tokens than the {sinks} "
                          f"attention sinks: its next tokens would be sinks but come after the pads; give every "
-                         f"prompt at least {sinks} tokens, pad on the right (tokenizer.padding_side='right') or "
-                         "convert with fewer sinks")
+                         f"prompt at least {sinks} tokens, convert with at most {fewest} sinks, or generate the "
+                         "short prompt alone (unpadded, in a batch of its own). Right padding does not help: "
+                         "generate() appends the new tokens after the pads")
 
 
 def _refuse_pads_before_tokens(padding: torch.Tensor, offset: int) -> None:
