@@ -12,16 +12,9 @@ import torch
 import transformers
 
 from sketchlab.convert import convert_attention
+from tests.test_convert import _llama
 
 GEN = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0, eos_token_id=None)
-
-
-def _llama():
-    cfg = transformers.LlamaConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, intermediate_size=48, max_position_embeddings=64,
-                                   attn_implementation="sdpa")
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(cfg).double().eval()
 
 
 def _converted(sinks, model=None):
