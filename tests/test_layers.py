@@ -36,7 +36,7 @@ LAYERS = [
                    "sketchlab.featuremaps.*"]),
     ("model", ["sketchlab.tasks", "sketchlab.tasks.*", "sketchlab.capture", "sketchlab.convert",
                "sketchlab.convert.*"]),
-    ("applications", ["sketchlab.cli", "sketchlab.cli.*", "sketchlab.demo"]),
+    ("applications", ["sketchlab.cli", "sketchlab.cli.*", "sketchlab.demo", "sketchlab.__main__"]),
     ("package", ["sketchlab"]),
 ]
 
