@@ -458,8 +458,10 @@ def load_linearized(directory, model: nn.Module) -> nn.Module:
 
 def _read_json(path: Path) -> dict:
     """The JSON object in ``path``; a ``ValueError`` naming the file when it is not one."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+    from ..io.formats import _loads_json
+
+    try:  # the project's JSON reader: nesting bounded, a too-deep file a ValueError naming it
+        data = _loads_json(path.read_text(encoding="utf-8"), str(path))
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ValueError(f"{path}: not valid JSON ({err}); was it written by sketchlab.save_linearized?") from None
     if not isinstance(data, dict):
