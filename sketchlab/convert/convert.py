@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .exact import ExactAttention
 from .families import ToyKernel, attention_sites, family_of
 from .sketched import ATTENTION_NAME, LOCALS, SketchedAttention, forget_cache, hf_attention, hf_mask, remember_cache
 
@@ -31,6 +32,9 @@ __all__ = ["DEFAULT_SINKS", "check_layout", "convert_attention", "converted_modu
            "save_linearized"]
 
 _OPTIONS_FILE = "sketchlab_conversion.json"
+
+#: The memory options of a conversion saved before they existed (DESIGN §7): no memory, no exact layers.
+_MEMORY_DEFAULTS = {"cache": 0, "decay": None, "state": "additive", "beta": "head", "exact_layers": []}
 
 #: Attention sinks of a hybrid (``window > 0``) when ``sinks=None``: the measured best for converted
 #: models (DESIGN §6). Pure linear attention (``window=0``) has no exact keys and gets none.
@@ -177,7 +181,8 @@ def convert_attention(model: nn.Module, *, attention: str = "llops", p: int = 2,
                       window: int = 64, sinks: int | None = None, local: str = "softmax", feature_map=None, theta=None,
                       normalize: str | None = None, non_negative: bool = False, eps: float = 1e-6, learn: bool = True,
                       gate: bool = True, gate_init: float = 0.0, tied: bool | None = None,
-                      seed: int = 0) -> list[SketchedAttention]:
+                      seed: int = 0, cache: int = 0, decay=None, state: str = "additive", beta: str = "head",
+                      exact_layers=()) -> list[SketchedAttention]:
     r"""Swap every self-attention of ``model`` for sketched attention, in place; keep every weight.
 
     Parameters
@@ -243,11 +248,22 @@ def convert_attention(model: nn.Module, *, attention: str = "llops", p: int = 2,
         the toy model (its equal factors stay equal under training) and for every other map.
     seed : int
         Seeds torch's generator while the maps are built (random initialisations are reproducible).
+    cache, decay, state, beta
+        Long-context memory (DESIGN §7; :class:`~sketchlab.attention.options.AttentionOptions`): up to
+        ``cache`` far keys kept exact (needs a window), a decaying far state (``None``, a fixed
+        ``float`` in (0, 1], ``"head"`` or ``"input"``), the far state ``"additive"`` or ``"delta"``
+        (the delta rule, its ``beta`` ``"head"`` or ``"input"``). Causal models only. The new
+        parameters (decay, β) live in each layer's ``.far`` and train with the maps.
+    exact_layers : sequence of int
+        Layers (0-based) kept exact: the teacher's softmax attention
+        (:class:`~sketchlab.convert.exact.ExactAttention`), whose decoding state is a KV cache that
+        grows with the context. transformers models only.
 
     Returns
     -------
     list of SketchedAttention
-        One per layer, in layer order (``converted_modules(model)`` finds them again).
+        One per converted layer, in layer order, the exact layers left out
+        (``converted_modules(model)`` finds them again).
 
     Notes
     -----
@@ -286,6 +302,9 @@ def convert_attention(model: nn.Module, *, attention: str = "llops", p: int = 2,
     if feature_map is not None and not callable(feature_map):
         raise TypeError("feature_map must be callable: feature_map(layer, heads, head_dim) -> FeatureMap or (map_q, map_k)")
     family, sites = attention_sites(model)
+    exact = _check_exact_layers(exact_layers, len(sites), family)
+    memory = _check_memory(cache, decay, state, beta, window, sinks, local, normalize,
+                           causal=all(site.causal for site in sites))
     tied = _resolve_tied(tied, attention, feature_map, p, family, theta is not None)
     if family != "toy":
         _warn_teacher_window(model)
@@ -299,10 +318,13 @@ def convert_attention(model: nn.Module, *, attention: str = "llops", p: int = 2,
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(_check_int(seed, "seed", 0))
         for layer, site in enumerate(sites):
+            if layer in exact:
+                sketches.append(ExactAttention(heads=site.heads, head_dim=site.head_dim, causal=site.causal))
+                continue
             map_q, map_k = _make_maps(attention, feature_map, layer, site.heads, site.head_dim, p, m, rank, seed, tied)
             sketch = SketchedAttention(map_q, map_k, heads=site.heads, head_dim=site.head_dim, window=window,
                                        sinks=sinks, local=local, gate=gate, normalize=normalize,
-                                       non_negative=non_negative, eps=float(eps), causal=site.causal)
+                                       non_negative=non_negative, eps=float(eps), causal=site.causal, **memory)
             if sketch.gate is not None:
                 with torch.no_grad():
                     sketch.gate.fill_(float(gate_init))
@@ -315,12 +337,13 @@ def convert_attention(model: nn.Module, *, attention: str = "llops", p: int = 2,
     options = {"attention": attention if feature_map is None else "custom", "p": p, "m": m, "rank": rank,
                "window": window, "sinks": sinks, "local": local, "normalize": normalize, "non_negative": non_negative,
                "eps": float(eps), "gate": gate, "gate_init": float(gate_init), "tied": tied, "seed": seed,
-               "family": family}
+               "family": family, **memory, "exact_layers": sorted(exact)}
     if family == "toy":
         for site, sketch in zip(sites, sketches):
             site.module.attn = ToyKernel(sketch)
         model.sketchlab_conversion = options
         return sketches
+    converted = [s for s in sketches if isinstance(s, SketchedAttention)]
     from ._hf import register
 
     register(ATTENTION_NAME, hf_attention, hf_mask)
@@ -332,7 +355,36 @@ def convert_attention(model: nn.Module, *, attention: str = "llops", p: int = 2,
     model.config.sketchlab = options
     if hasattr(model, "_prepare_cache_for_generation"):
         _use_state_cache(model, len(sites))
-    return sketches
+    return converted
+
+
+def _check_exact_layers(exact_layers, layers: int, family: str) -> set:
+    """``exact_layers``: distinct layer indices in ``[0, layers)``; none for the toy model."""
+    if isinstance(exact_layers, (str, bytes)) or not hasattr(exact_layers, "__iter__"):
+        raise TypeError(f"exact_layers must be a sequence of layer indices, got {exact_layers!r}")
+    exact = list(exact_layers)
+    for i in exact:
+        if isinstance(i, bool) or not isinstance(i, numbers.Integral) or not 0 <= i < layers:
+            raise ValueError(f"exact_layers: {i!r} is not a layer index in [0, {layers}) of this {layers}-layer model")
+    if len(set(exact)) != len(exact):
+        raise ValueError(f"exact_layers lists a layer twice: {exact}")
+    if exact and family == "toy":
+        raise ValueError("exact_layers is for transformers models; the toy model keeps a layer exact by training "
+                         "it with softmax attention (sketchlab train --attention softmax)")
+    if len(exact) == layers:
+        raise ValueError(f"exact_layers keeps all {layers} layers exact: nothing would be converted")
+    return {int(i) for i in exact}
+
+
+def _check_memory(cache, decay, state, beta, window, sinks, local, normalize, *, causal: bool) -> dict:
+    """The memory options, checked by :class:`~sketchlab.attention.options.AttentionOptions` (the one
+    place their rules live) against this conversion's layout, before the model is touched."""
+    from ..attention.options import AttentionOptions
+
+    AttentionOptions(causal=causal, normalize=normalize, window=window, sinks=sinks, local=local, cache=cache,
+                     decay=decay, state=state, beta=beta)
+    return {"cache": int(cache), "decay": decay if isinstance(decay, str) or decay is None else float(decay),
+            "state": state, "beta": beta}
 
 
 def _use_state_cache(model: nn.Module, layers: int) -> None:
@@ -426,6 +478,8 @@ def load_linearized(directory, model: nn.Module) -> nn.Module:
                          f"{type(model).__name__} is of the {family!r} family; load it onto the architecture it was "
                          "converted from")
     options.setdefault("tied", False)  # saved before the option existed: the untied map
+    for key, default in _MEMORY_DEFAULTS.items():  # saved before long-context memory: none of it
+        options.setdefault(key, default)
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise ValueError(f"{directory}: no .safetensors weights")

@@ -105,10 +105,15 @@ class SketchedAttention(nn.Module):
 
     def __init__(self, feature_map_q: nn.Module, feature_map_k: nn.Module, *, heads: int, head_dim: int,
                  window: int, sinks: int, local: str = "softmax", gate: bool = True, normalize: str | None = None,
-                 non_negative: bool = False, eps: float = 1e-6, causal: bool = True):
+                 non_negative: bool = False, eps: float = 1e-6, causal: bool = True, cache: int = 0,
+                 decay=None, state: str = "additive", beta: str = "head"):
         super().__init__()
-        if local not in LOCALS:
-            raise ValueError(f"local must be one of {list(LOCALS)}, got {local!r}")
+        from ..attention.options import AttentionOptions, FarParams
+
+        # one validation of every option (DESIGN §7): the layer keeps the object and passes it on
+        self.options = AttentionOptions(causal=causal, normalize=normalize, non_negative=non_negative, eps=eps,
+                                        window=window, sinks=sinks, local=local, cache=cache, decay=decay,
+                                        state=state, beta=beta)
         check_local_map(feature_map_q, window=window, local=local)  # before a model holds the layer
         self.feature_map_q = feature_map_q
         if feature_map_k is not feature_map_q:  # a shared map is registered once: see feature_map_k
@@ -118,6 +123,8 @@ class SketchedAttention(nn.Module):
         self.normalize, self.non_negative, self.causal = normalize, bool(non_negative), bool(causal)
         self.eps = float(eps)
         self.gate = nn.Parameter(torch.zeros(heads)) if gate and window > 0 else None  # [H] logits
+        # decay and the delta rule's β (the gate stays `gate`, where saved conversions have it)
+        self.far = FarParams(self.options, heads, head_dim, gate=False) if self.options.memory else None
         self.input_scale = head_dim ** -0.25
         self._cache_layer = None  # set for one call by remember_cache (not state: never saved)
 
@@ -130,8 +137,10 @@ class SketchedAttention(nn.Module):
         return self._modules.get("feature_map_k", self.feature_map_q)
 
     def extra_repr(self) -> str:
+        o = self.options
+        memory = f", cache={o.cache}, decay={o.decay!r}, state={o.state!r}" if o.memory else ""
         return (f"heads={self.heads}, head_dim={self.head_dim}, window={self.window}, sinks={self.sinks}, "
-                f"local={self.local!r}, causal={self.causal}")
+                f"local={self.local!r}, causal={self.causal}{memory}")
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scaling: float | None = None,
                 key_padding_mask: torch.Tensor | None = None, initial_state=None, output_final_state: bool = False):
@@ -143,9 +152,26 @@ class SketchedAttention(nn.Module):
                        local_scale=scaling / (c * c), gate=self.gate, non_negative=self.non_negative, eps=self.eps,
                        key_padding_mask=key_padding_mask,
                        initial_state=initial_state, output_final_state=output_final_state)
+        if self.options.memory:
+            return self._memory(q * c, k * c, v, scaling / (c * c), key_padding_mask, initial_state,
+                                output_final_state)
         if self.normalize is not None:
             options["normalize"] = self.normalize
         return featuremap_attention(q * c, k * c, v, self.feature_map_q, self.feature_map_k, **options)
+
+    def _memory(self, q, k, v, local_scale, key_padding_mask, initial_state, output_final_state):
+        """The memory path (DESIGN §7): the maps' features (self-tensored when the layer says so) and
+        :func:`sketchlab.attention.memory.memory_attention` with this layer's options and parameters."""
+        from ..attention.memory import memory_attention
+        from ..attention.reference import self_tensor
+
+        fq, fk = self.feature_map_q.features(q), self.feature_map_k.features(k)  # [B, T, H, M]
+        if self.non_negative:
+            fq, fk = self_tensor(fq), self_tensor(fk)
+        return memory_attention(fq, fk, v, q, k, options=self.options.replace(local_scale=local_scale),
+                                params=self.far, gate=self.gate, degree=getattr(self.feature_map_q, "degree", None),
+                                key_padding_mask=key_padding_mask, initial_state=initial_state,
+                                output_final_state=output_final_state)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -216,8 +242,10 @@ def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
     Pads a row ends with stay in place (exact for its outputs; a state continued after them, as
     after right padding, counts them as positions).
     """
+    from .exact import ExactAttention
+
     sketch = getattr(module, "sketch", None)
-    if not isinstance(sketch, SketchedAttention):
+    if not isinstance(sketch, (SketchedAttention, ExactAttention)):
         raise ValueError(f"{type(module).__name__} runs attention implementation {ATTENTION_NAME!r} but was not "
                          "converted (no .sketch); convert it with sketchlab.convert_attention")
     B, H, T, _ = query.shape

@@ -1,0 +1,166 @@
+r"""Layers kept exact in a converted model: the teacher's softmax attention, and which layers to keep.
+
+Hybrid models keep a few full-attention layers for recall that a fixed-size state cannot give
+(DESIGN §7). ``convert_attention(..., exact_layers=[...])`` puts an :class:`ExactAttention` on those
+layers instead of a :class:`~sketchlab.convert.sketched.SketchedAttention`: causal (or bidirectional)
+softmax attention over every key, whose decoding state :class:`KVState` is a KV cache that grows
+with the context — so a model with exact layers no longer decodes in constant memory, and
+``SketchStateCache.state_bytes()`` counts that cache. :func:`rank_exact_layers` ranks layers by
+what keeping each one exact gains on given text.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields, replace
+
+import torch
+from torch import nn
+
+__all__ = ["ExactAttention", "KVState", "rank_exact_layers"]
+
+
+@dataclass(frozen=True)
+class KVState:
+    """The decoding state of an exact layer: every key and value so far (a growing KV cache).
+
+    Attributes
+    ----------
+    k : Tensor ``[B, H, S, D]``
+    v : Tensor ``[B, H, S, Dv]``
+    mask : Tensor ``[B, S]`` bool or None
+        ``True`` = a real token; ``None``: all real.
+    offset : int
+        Tokens seen (``S``).
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    mask: torch.Tensor | None
+    offset: int
+
+    def detach(self) -> "KVState":
+        return replace(self, k=self.k.detach(), v=self.v.detach())
+
+    def to(self, *args, **kwargs) -> "KVState":
+        return replace(self, k=self.k.to(*args, **kwargs), v=self.v.to(*args, **kwargs))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held (grows linearly with the context)."""
+        return sum(x.numel() * x.element_size() for f in fields(self)
+                   if isinstance(x := getattr(self, f.name), torch.Tensor))
+
+
+class ExactAttention(nn.Module):
+    r"""Softmax attention for a layer kept exact: ``o_t = Σ_{j ∈ M(t)} e^{s q_tᵀk_j} v_j / Σ_{j ∈ M(t)} e^{s q_tᵀk_j}``.
+
+    ``M(t)``: keys ``j ≤ offset + t`` (causal; every key for an encoder) that are real tokens, and
+    always the query's own position (so a padded query's output stays finite; real queries never
+    see pads). Holds no parameters. ``window = sinks = 0`` tells the transformers adapter that
+    positions need no reordering under padding (a key mask is exact in any order).
+
+    Parameters
+    ----------
+    heads, head_dim : int
+    causal : bool
+    """
+
+    window = 0
+    sinks = 0
+
+    def __init__(self, *, heads: int, head_dim: int, causal: bool = True):
+        super().__init__()
+        self.heads, self.head_dim, self.causal = int(heads), int(head_dim), bool(causal)
+
+    def extra_repr(self) -> str:
+        return f"heads={self.heads}, head_dim={self.head_dim}, causal={self.causal}"
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scaling: float | None = None,
+                key_padding_mask: torch.Tensor | None = None, initial_state: KVState | None = None,
+                output_final_state: bool = False):
+        """``q, k [B, T, H, D]``, ``v [B, T, H, Dv]`` → ``[B, T, H, Dv]`` (and the :class:`KVState` with
+        ``output_final_state``), continuing ``initial_state``'s keys."""
+        scaling = 1.0 / math.sqrt(self.head_dim) if scaling is None else float(scaling)
+        B, T = q.shape[:2]
+        kh, vh = k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, ·]
+        new_mask = key_padding_mask
+        offset = 0
+        if initial_state is not None:
+            if not isinstance(initial_state, KVState):
+                raise TypeError(f"initial_state of an exact layer must be a KVState, got {type(initial_state).__name__}")
+            offset = initial_state.offset
+            kh, vh = torch.cat([initial_state.k, kh], 2), torch.cat([initial_state.v, vh], 2)
+            if initial_state.mask is not None or key_padding_mask is not None:
+                old = initial_state.mask if initial_state.mask is not None else \
+                    torch.ones(B, offset, dtype=torch.bool, device=q.device)
+                new = key_padding_mask if key_padding_mask is not None else \
+                    torch.ones(B, T, dtype=torch.bool, device=q.device)
+                new_mask = torch.cat([old, new], 1)
+            else:
+                new_mask = None
+        S = kh.shape[2]
+        q_pos = torch.arange(offset, offset + T, device=q.device)  # [T]
+        k_pos = torch.arange(S, device=q.device)  # [S]
+        allowed = (k_pos[None, :] <= q_pos[:, None]) if self.causal else torch.ones(T, S, dtype=torch.bool,
+                                                                                     device=q.device)
+        allowed = allowed[None, None]  # [1, 1, T, S]
+        if new_mask is not None:
+            allowed = allowed & new_mask[:, None, None, :]
+        allowed = allowed | (k_pos[None, :] == q_pos[:, None])[None, None]  # own position: finite for pads
+        out = nn.functional.scaled_dot_product_attention(q.transpose(1, 2), kh.to(q.dtype), vh.to(q.dtype),
+                                                         attn_mask=allowed, scale=scaling)  # [B, H, T, Dv]
+        out = out.transpose(1, 2)
+        if not output_final_state:
+            return out
+        return out, KVState(k=kh.detach(), v=vh.detach(), mask=new_mask, offset=offset + T)
+
+
+def rank_exact_layers(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
+                      batch_size: int = 1) -> list[tuple[int, float]]:
+    r"""Layers of a converted model ranked by what keeping each one exact gains on ``input_ids``.
+
+    For each converted layer ``l``: the mean next-token loss (nats/token) of the model with ``l``
+    made exact (the teacher's softmax attention, :class:`ExactAttention`) and every other layer as
+    converted, against the model as converted; the gain is ``base − loss_l``. The model is restored
+    after each trial. Cost: ``L + 1`` forward passes over ``input_ids``.
+
+    Parameters
+    ----------
+    model : a converted transformers model (``convert_attention``)
+    input_ids : LongTensor ``[N, T]``
+        Held-back text (not the text the result will be judged on).
+    attention_mask : LongTensor ``[N, T]`` or None
+    batch_size : int >= 1
+
+    Returns
+    -------
+    list of ``(layer, gain)``, largest gain first (ties: lower layer first).
+    """
+    from .convert import converted_modules
+    from .linearize import token_nll
+
+    if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2 or input_ids.dtype != torch.long:
+        raise ValueError(f"input_ids must be a LongTensor [N, T], got "
+                         f"{tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__}")
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    holders = [m for m in model.modules() if getattr(m, "sketch", None) is not None]
+    converted = converted_modules(model)
+    sites = [h for h in holders if h.sketch in converted]  # layer order
+    if not sites:
+        raise ValueError(f"{type(model).__name__} has no converted layer to rank")
+
+    def mean_loss() -> float:
+        return float(token_nll(model, input_ids, attention_mask, batch_size=batch_size).nanmean())
+
+    base = mean_loss()
+    gains = []
+    for layer, holder in enumerate(sites):
+        sketch = holder.sketch
+        holder.sketch = ExactAttention(heads=sketch.heads, head_dim=sketch.head_dim, causal=sketch.causal)
+        try:
+            gains.append((layer, base - mean_loss()))
+        finally:
+            holder.sketch = sketch
+    return sorted(gains, key=lambda item: (-item[1], item[0]))

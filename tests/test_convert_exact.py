@@ -1,0 +1,105 @@
+"""Layers kept exact in a converted model (DESIGN §7): ExactAttention, its growing KV state, ranking."""
+
+import pytest
+import torch
+
+from sketchlab.convert import convert_attention, converted_modules, load_linearized, save_linearized
+from sketchlab.convert.cache import SketchStateCache
+from sketchlab.convert.exact import ExactAttention, KVState, rank_exact_layers
+from tests.test_convert import TOL64, _inputs, _llama, _out, perturb_maps
+
+
+def _exact_sites(model):
+    return [m for m in model.modules() if isinstance(getattr(m, "sketch", None), ExactAttention)]
+
+
+def test_exact_layer_is_the_teachers_attention():
+    """With every other layer's window covering the sequence, a model with an exact layer is the
+    teacher (float64 round-off), left and right padding alike; the exact layer alone (a short window
+    elsewhere) differs from the fully converted model, so the exact layer is what made layer 0 exact."""
+    teacher = _llama()
+    ids, mask = _inputs(True)
+    mask[0, :2] = 0  # left padding in row 0 too
+    want = _out(teacher, ids, mask)
+    model = _llama()
+    sketches = convert_attention(model, attention="hedgehog", m=8, window=ids.shape[1], sinks=1, eps=0.0,
+                                 exact_layers=[0])
+    assert len(sketches) == 1 and len(_exact_sites(model)) == 1
+    assert model.config.sketchlab["exact_layers"] == [0]
+    valid = mask.bool()
+    torch.testing.assert_close(_out(model, ids, mask)[valid], want[valid], **TOL64)
+    short_exact, short = _llama(), _llama()
+    convert_attention(short_exact, attention="hedgehog", m=8, window=2, sinks=1, exact_layers=[0])
+    convert_attention(short, attention="hedgehog", m=8, window=2, sinks=1)
+    assert float((_out(short_exact, ids, mask) - _out(short, ids, mask))[valid].abs().max()) > 1e-3
+
+
+def test_exact_layer_decodes_with_a_growing_kv_cache():
+    """generate() with an exact layer equals greedy decoding by full forward passes; the exact
+    layer's state is a KV cache that grows with the context while the converted layer's stays flat."""
+    model = _llama()
+    convert_attention(model, attention="hedgehog", m=8, window=3, sinks=1, exact_layers=[1])
+    ids, _ = _inputs(False, B=2, T=5)
+    out = model.generate(ids, max_new_tokens=7, do_sample=False, return_dict_in_generate=True)
+    seq = ids
+    with torch.no_grad():
+        for _ in range(7):
+            seq = torch.cat([seq, model(seq, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)], 1)
+    assert torch.equal(out.sequences, seq)
+    sizes = []
+    for n in (12, 30):
+        cache = SketchStateCache(2)
+        with torch.no_grad():
+            model(torch.randint(1, 50, (1, n)), cache=cache, use_cache=True)
+        assert isinstance(cache.layers[1].state, KVState) and cache.layers[1].state.k.shape[2] == n
+        sizes.append((cache.layers[0].state.nbytes, cache.layers[1].state.nbytes))
+    assert sizes[0][0] == sizes[1][0]  # the converted layer: flat
+    assert sizes[1][1] == sizes[0][1] * 30 // 12  # the exact layer: keys and values of every token
+
+
+def test_save_load_round_trip_with_exact_layers(tmp_path):
+    model = _llama()
+    convert_attention(model, attention="llops", p=2, m=8, window=3, sinks=1, exact_layers=[0])
+    perturb_maps(model)
+    ids, mask = _inputs(True)
+    want = _out(model, ids, mask)
+    save_linearized(model, tmp_path / "lin")
+    fresh = load_linearized(tmp_path / "lin", _llama())
+    assert len(_exact_sites(fresh)) == 1 and len(converted_modules(fresh)) == 1
+    torch.testing.assert_close(_out(fresh, ids, mask), want, rtol=0, atol=0)
+
+
+def test_rank_exact_layers_by_hand():
+    """The gain of layer l is the mean loss with all converted minus the loss with l exact: checked
+    against losses computed here by swapping the layer by hand; the model is left as converted."""
+    from sketchlab.convert import token_nll
+
+    model = _llama()
+    convert_attention(model, attention="hedgehog", m=8, window=2, sinks=1)
+    ids = torch.randint(1, 50, (2, 12), generator=torch.Generator().manual_seed(5))
+    ones = torch.ones_like(ids)
+    before = _out(model, ids, ones)
+    base = float(token_nll(model, ids, ones).nanmean())
+    holders = [m for m in model.modules() if getattr(m, "sketch", None) is not None]
+    want = []
+    for layer, holder in enumerate(holders):
+        sketch = holder.sketch
+        holder.sketch = ExactAttention(heads=sketch.heads, head_dim=sketch.head_dim)
+        want.append((layer, base - float(token_nll(model, ids, ones).nanmean())))
+        holder.sketch = sketch
+    got = rank_exact_layers(model, ids)
+    assert [layer for layer, _ in got] == [layer for layer, _ in sorted(want, key=lambda x: (-x[1], x[0]))]
+    for layer, gain in got:
+        assert gain == pytest.approx(dict(want)[layer], abs=1e-12)
+    assert all(abs(gain) > 1e-6 for _, gain in got)  # making a layer exact changes the loss
+    torch.testing.assert_close(_out(model, ids, ones), before, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("layers,match", [([2], r"not a layer index in \[0, 2\)"), ([0, 0], "twice"),
+                                          ([0, 1], "nothing would be converted"), ("0", "sequence of layer"),
+                                          ([True], "not a layer index")])
+def test_bad_exact_layers_refused_before_the_model_is_touched(layers, match):
+    model = _llama()
+    with pytest.raises((ValueError, TypeError), match=match):
+        convert_attention(model, attention="hedgehog", m=8, window=3, exact_layers=layers)
+    assert not converted_modules(model, required=False) and not _exact_sites(model)
