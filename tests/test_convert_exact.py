@@ -5,7 +5,8 @@ import torch
 
 from sketchlab.convert import convert_attention, converted_modules, load_linearized, save_linearized
 from sketchlab.convert.cache import SketchStateCache
-from sketchlab.convert.exact import ExactAttention, KVState, rank_exact_layers
+from sketchlab.convert.exact import ExactAttention, KVState
+from sketchlab.convert.ranking import rank_exact_layers
 from tests.test_convert import TOL64, _inputs, _llama, _out, perturb_maps
 
 

@@ -3,17 +3,22 @@
 ``families`` finds each family's attention modules; ``sketched`` holds the added module
 (:class:`SketchedAttention`) and transformers' attention and mask functions; ``cache`` the
 decoding state; ``convert`` the public entry points; ``linearize`` the staged training;
-``scale`` the tied LLoPS map and the gate calibration; ``pretrained`` the local loaders; ``_hf`` the transformers glue.
+``scale`` the tied LLoPS map and the gate calibration; ``exact`` the layers kept exact and ``ranking`` which to
+keep; ``pretrained`` the local loaders; ``_hf`` the transformers glue.
 """
 
 from .convert import convert_attention, converted_modules, load_linearized, save_linearized
+from .exact import ExactAttention, KVState
 from .families import FAMILIES, attention_sites, family_of
 from .linearize import LinearizeReport, linearize, lora_finetune, perplexity, token_nll
+from .ranking import rank_exact_layers
 from .scale import TiedLLoPSMap, calibrate_gates
 from .sketched import ATTENTION_NAME, SketchedAttention
 
 __all__ = [
     "ATTENTION_NAME",
+    "ExactAttention",
+    "KVState",
     "FAMILIES",
     "LinearizeReport",
     "SketchedAttention",
@@ -27,6 +32,7 @@ __all__ = [
     "load_linearized",
     "lora_finetune",
     "perplexity",
+    "rank_exact_layers",
     "save_linearized",
     "token_nll",
 ]

@@ -5,8 +5,8 @@ Hybrid models keep a few full-attention layers for recall that a fixed-size stat
 layers instead of a :class:`~sketchlab.convert.sketched.SketchedAttention`: causal (or bidirectional)
 softmax attention over every key, whose decoding state :class:`KVState` is a KV cache that grows
 with the context — so a model with exact layers no longer decodes in constant memory, and
-``SketchStateCache.state_bytes()`` counts that cache. :func:`rank_exact_layers` ranks layers by
-what keeping each one exact gains on given text.
+``SketchStateCache.state_bytes()`` counts that cache. :func:`sketchlab.convert.ranking.rank_exact_layers`
+ranks layers by what keeping each one exact gains on given text.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 from torch import nn
 
-__all__ = ["ExactAttention", "KVState", "rank_exact_layers"]
+__all__ = ["ExactAttention", "KVState"]
 
 
 @dataclass(frozen=True)
@@ -114,53 +114,3 @@ class ExactAttention(nn.Module):
         if not output_final_state:
             return out
         return out, KVState(k=kh.detach(), v=vh.detach(), mask=new_mask, offset=offset + T)
-
-
-def rank_exact_layers(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
-                      batch_size: int = 1) -> list[tuple[int, float]]:
-    r"""Layers of a converted model ranked by what keeping each one exact gains on ``input_ids``.
-
-    For each converted layer ``l``: the mean next-token loss (nats/token) of the model with ``l``
-    made exact (the teacher's softmax attention, :class:`ExactAttention`) and every other layer as
-    converted, against the model as converted; the gain is ``base − loss_l``. The model is restored
-    after each trial. Cost: ``L + 1`` forward passes over ``input_ids``.
-
-    Parameters
-    ----------
-    model : a converted transformers model (``convert_attention``)
-    input_ids : LongTensor ``[N, T]``
-        Held-back text (not the text the result will be judged on).
-    attention_mask : LongTensor ``[N, T]`` or None
-    batch_size : int >= 1
-
-    Returns
-    -------
-    list of ``(layer, gain)``, largest gain first (ties: lower layer first).
-    """
-    from .convert import converted_modules
-    from .linearize import token_nll
-
-    if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2 or input_ids.dtype != torch.long:
-        raise ValueError(f"input_ids must be a LongTensor [N, T], got "
-                         f"{tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__}")
-    if attention_mask is None:
-        attention_mask = torch.ones_like(input_ids)
-    holders = [m for m in model.modules() if getattr(m, "sketch", None) is not None]
-    converted = converted_modules(model)
-    sites = [h for h in holders if h.sketch in converted]  # layer order
-    if not sites:
-        raise ValueError(f"{type(model).__name__} has no converted layer to rank")
-
-    def mean_loss() -> float:
-        return float(token_nll(model, input_ids, attention_mask, batch_size=batch_size).nanmean())
-
-    base = mean_loss()
-    gains = []
-    for layer, holder in enumerate(sites):
-        sketch = holder.sketch
-        holder.sketch = ExactAttention(heads=sketch.heads, head_dim=sketch.head_dim, causal=sketch.causal)
-        try:
-            gains.append((layer, base - mean_loss()))
-        finally:
-            holder.sketch = sketch
-    return sorted(gains, key=lambda item: (-item[1], item[0]))
