@@ -202,7 +202,7 @@ def _chunks(x: torch.Tensor, C: int, N: int) -> torch.Tensor:
 def _decays(log_decay, like: torch.Tensor, C: int, N: int):
     """Chunk-local cumulative log-decay ``L [B, H, N, C]`` (inclusive; padded steps decay by 0) and the
     masked pairwise ``exp(L_i − L_j)`` for ``j ≤ i`` (``[B, H, N, C, C]``, zero above the diagonal)."""
-    B, _, H = like.shape[:3]
+    B, H = like.shape[0], like.shape[2]  # like: a token tensor [B, T, H, ·]
     if log_decay is None:
         L = like.new_zeros(B, H, N, C)
     else:
@@ -323,7 +323,7 @@ def delta_rule_chunked(q, k, v, beta, log_alpha=None, *, initial_state=None, chu
     N = -(-T // C)
     Q, K, V = _chunks(q.to(dt), C, N), _chunks(k.to(dt), C, N), _chunks(v.to(dt), C, N)  # [B, H, N, C, ·]
     b = _chunks(beta.to(dt), C, N)[..., None]  # [B, H, N, C, 1]; padded steps: β = 0, a null step
-    L, pair = _decays(log_alpha, V, C, N)  # [B, H, N, C], [B, H, N, C, C] (j <= i)
+    L, pair = _decays(log_alpha, v.to(dt), C, N)  # [B, H, N, C], [B, H, N, C, C] (j <= i)
     eL = L.exp()[..., None]  # [B, H, N, C, 1]
     eye = torch.eye(C, dtype=dt, device=V.device)
     A = (b * (K @ K.mT) * pair).tril(-1)  # [B, H, N, C, C]: β_i e^{L_i−L_j} k_i·k_j, j < i
