@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ._validation import check_nonnegative_int, check_positive_int, check_seed
+from ._validation import check_positive_int, check_seed
 
 __all__ = ["CopyRecall", "DEFAULT_FILLER", "PasskeyResult", "copy_recall", "format_recall", "passkey_accuracy",
            "passkey_prompt"]
@@ -90,10 +90,12 @@ def _int_list(values, name: str, lo: int) -> tuple[int, ...]:
     values = tuple(values)
     if not values:
         raise ValueError(f"{name} must hold at least one value")
-    checked = tuple(check_nonnegative_int(v, name) for v in values)
-    small = [v for v in checked if v < lo]
-    if small:
-        raise ValueError(f"{name} must be integers >= {lo}, got {small[0]} in {values}")
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+            raise TypeError(f"{name} must be integers >= {lo}, got {v!r} ({type(v).__name__}) in {values}")
+        if v < lo:
+            raise ValueError(f"{name} must be integers >= {lo}, got {v} in {values}")
+    checked = tuple(int(v) for v in values)
     if len(set(checked)) != len(checked):
         raise ValueError(f"{name} must be distinct, got {values}")
     return checked
