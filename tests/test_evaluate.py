@@ -328,6 +328,13 @@ def test_models_that_are_not_causal_lms_are_refused(tok):
     with pytest.raises(ValueError, match=r"passkey_accuracy: BertModel \(model_type 'bert'\) is not a causal language "
                                          r"model: an encoder"):
         passkey_accuracy(bert, tok, lengths=(90,), depths=(0.5,), n=1)
+    # a language-model head that can generate, but bidirectional attention (is_decoder=False)
+    head = transformers.BertLMHeadModel(transformers.BertConfig(vocab_size=300, hidden_size=16, num_hidden_layers=1,
+                                                                num_attention_heads=2, intermediate_size=16))
+    assert head.can_generate()
+    with pytest.raises(ValueError, match=r"BertLMHeadModel \(model_type 'bert'\) is not a causal language model: an "
+                                         r"encoder"):
+        copy_recall(head, torch.arange(100), gaps=(0,), passage=4)
     bare = transformers.LlamaModel(_llama(len(tok)).config)
     with pytest.raises(ValueError, match=r"copy_recall: LlamaModel .* no language-model head"):
         copy_recall(bare, torch.arange(100), gaps=(0,), passage=4)
