@@ -56,6 +56,7 @@ from .featuremaps import (
     make_feature_map,
 )
 from .convert import convert_attention, linearize, load_linearized, save_linearized
+from .evaluate import CopyRecall, PasskeyResult, copy_recall, format_recall, passkey_accuracy, passkey_prompt
 from .objective import kernel_loss, train_kernel_sketch
 from .attention.errors import attention_error, causal_attention
 from .metrics import (
@@ -123,6 +124,12 @@ __all__ = [
     "capture_qk",
     "causal_attention",
     "compare",
+    "copy_recall",
+    "CopyRecall",
+    "PasskeyResult",
+    "format_recall",
+    "passkey_accuracy",
+    "passkey_prompt",
     "convert_attention",
     "deflate",
     "describe_scale",

@@ -35,7 +35,7 @@ LAYERS = [
     ("attention", ["sketchlab.attention", "sketchlab.attention.*", "sketchlab.featuremaps",
                    "sketchlab.featuremaps.*"]),
     ("model", ["sketchlab.tasks", "sketchlab.tasks.*", "sketchlab.capture", "sketchlab.convert",
-               "sketchlab.convert.*"]),
+               "sketchlab.convert.*", "sketchlab.evaluate"]),
     ("applications", ["sketchlab.cli", "sketchlab.cli.*", "sketchlab.demo", "sketchlab.__main__"]),
     ("package", ["sketchlab"]),
 ]

@@ -31,6 +31,8 @@ Usage::
                     [--init random|based|theta FILE] [--steps N] [--seed S] --out DIR
     sketchlab linearize CHECKPOINT --p 2 --m 64 --out DIR [--steps N] [--transfer W] [--no-progress]
     sketchlab linearize (--model-dir DIR | --gguf FILE) --text FILE --out DIR [--attention llops] [--no-progress]
+    sketchlab evaluate (--model-dir DIR | --gguf FILE) [--converted DIR] [--text FILE] [--passkey-lengths 1024,2048,4096]
+                       [--depths 0.1,0.5,0.9] [--n 5] [--gaps 256,1024,2048] [--passage 128] [--out FILE.md]
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ __all__ = ["COMMANDS", "UsageError", "build_parser", "main"]
 
 #: Sub-command names; each is the module ``sketchlab.cli.<name>`` (a new command adds one module
 #: and one entry here).
-COMMANDS = ("compare", "verify", "advise", "spectrum", "fit", "train", "linearize", "capture")
+COMMANDS = ("compare", "verify", "advise", "spectrum", "fit", "train", "linearize", "capture", "evaluate")
 
 
 class _Parser(argparse.ArgumentParser):
