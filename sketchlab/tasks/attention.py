@@ -427,7 +427,7 @@ class PSFLearnedKernel(_FeatureMapKernel):
         from ..featuremaps import make_feature_map
 
         self.options = o = dict(config.attention_options)
-        self._init_maps(config, lambda: make_feature_map("psf", heads=config.n_heads, head_dim=config.head_dim, p=o["p"],
+        self._init_maps(config, lambda: make_feature_map("psf-learned", heads=config.n_heads, head_dim=config.head_dim, p=o["p"],
                                                          m=o["m"], seed=o["seed"] + layer, hidden=o["hidden"]))
 
 
