@@ -275,6 +275,18 @@ def _hedgehog(heads, head_dim, *, m, seed, dtype, **_):
     return HedgehogMap(heads, head_dim, m=m, seed=seed, dtype=dtype)
 
 
+def _lazy(module: str, attr: str):
+    """The build function ``attr`` of ``sketchlab.featuremaps.<module>``, imported on first call (so a map
+    in its own module is registered by one line of :data:`_BUILTINS`)."""
+
+    def build(heads, head_dim, **options):
+        import importlib
+
+        return getattr(importlib.import_module(f"{__package__}.{module}"), attr)(heads, head_dim, **options)
+
+    return build
+
+
 _LEARN = Option("bool", True, doc="the map's tensors as trained parameters (else fixed buffers)")
 _BASED = {"dim": Option("int", None, low=1, doc="BASED's d' (default: the largest within m)"),
           "proj": Option("tensor", None, doc="the projection [H, D, d']"),
