@@ -303,6 +303,7 @@ _BUILTINS = {
     "psf-random": (_psf_random, {"non_negative": Option("bool", None, doc="self-tensor (default: even p)")}),
     "tensorsketch": (_tensorsketch, {}),
     "hedgehog": (_hedgehog, {}),
+    "dpfp": (_lazy("dpfp", "build_dpfp"), {"nu": Option("int", None, low=1, doc="DPFP's order n (M = 2·D·n)")}),
 }
 
 
