@@ -50,12 +50,12 @@ CAPTURE_POINTS = ("auto", "attention", "projections")
 _CAPTURE_NAME = "sketchlab_capture"
 _RECORDERS: list["_Recorder"] = []  # the capture in progress (innermost last)
 
-_STYLES = {
-    # last name component(s) -> role
-    "bert": {"query": "q", "key": "k", "value": "v"},
-    "llama": {"q_proj": "q", "k_proj": "k", "v_proj": "v"},
-    "gpt2": {"c_attn": "qkv"},
-}
+def _STYLES() -> dict[str, dict[str, str]]:
+    """Each family's projection names: last name component -> role (``sketchlab.convert.families.FAMILY_TABLE``,
+    read on call: ``sketchlab.convert`` imports this module)."""
+    from .convert.families import FAMILY_TABLE
+
+    return {name: dict(family.projections) for name, family in FAMILY_TABLE.items()}
 
 
 def _config_heads(model: nn.Module) -> tuple[int | None, int | None]:
@@ -93,7 +93,7 @@ def detect_qk_modules(model: nn.Module, *, projections: bool = False) -> tuple[s
     if kernels and not projections:
         return "attention-inputs", {"attention": kernels}
     names = [name for name, _ in model.named_modules()]
-    for style, roles in _STYLES.items():
+    for style, roles in _STYLES().items():
         found: dict[str, list[str]] = {role: [] for role in roles.values()}
         for name in names:
             last = name.rsplit(".", 1)[-1]

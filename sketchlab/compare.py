@@ -19,7 +19,7 @@ import torch
 
 from ._validation import (DEFAULT_MAX_BYTES, check_degree, check_fraction, check_kernel_underflow, check_positive_int,
                           check_seed)
-from .fit import _fit_checked, available_sketches, sketch_fitter
+from .fit import _fit_checked, accepted_methods, available_sketches, sketch_fitter
 from ._dumpsel import select_and_scale
 from .optimal import max_sketch_size
 from .scaling import DEFAULT_SCALE, describe_scale
@@ -27,7 +27,7 @@ from .scaling import DEFAULT_SCALE, describe_scale
 __all__ = ["DEFAULT_METHODS", "ComparisonRow", "ComparisonTable", "compare"]
 
 #: Methods compared by default, in table order.
-DEFAULT_METHODS = ("optimal", "llops", "mlp", "psf", "tensorsketch", "based")
+DEFAULT_METHODS = ("optimal", "llops", "mlp", "psf-random", "tensorsketch", "based-expand")
 
 _METRICS = ("rel_mae", "rel_fro", "optimality_ratio", "holdout_rel_mae", "holdout_rel_fro",
             "holdout_optimality_ratio", "holdout_vs_reference")
@@ -330,7 +330,7 @@ def compare(dump_or_qk, *, p: int, m: int, methods=DEFAULT_METHODS, layers=None,
     if not methods:
         raise ValueError("methods must name at least one sketch method")
     known = available_sketches()
-    unknown = [name for name in methods if name not in known]
+    unknown = [name for name in methods if name not in accepted_methods()]
     if unknown:
         raise ValueError(f"unknown method(s) {', '.join(map(repr, unknown))}; available: {', '.join(known)}")
     if len(set(methods)) != len(methods):

@@ -35,7 +35,9 @@ from .sketch import Sketch
 
 __all__ = [
     "BUILTIN_SKETCHES",
+    "DEPRECATED_METHODS",
     "Fit",
+    "accepted_methods",
     "FitReport",
     "available_sketches",
     "fit_sketch",
@@ -44,15 +46,29 @@ __all__ = [
     "sketch_fitter",
 ]
 
-#: Built-in methods: name → ``(module, fitter)``, imported on first use.
+#: Built-in methods: name → ``(module, fitter)``, imported on first use. Every other name of the
+#: feature-map registry (:func:`sketchlab.featuremaps.feature_map_names`: ``psf-learned``,
+#: ``hedgehog``, ``exact-poly``, ``dpfp``, ...) is a method too: its maps are fitted by Adam on the
+#: kernel loss (:func:`sketchlab.featuremaps.fitting.fit_feature_map`), so a map registered there
+#: needs no line here.
 BUILTIN_SKETCHES = {
     "optimal": ("sketchlab.optimal", "_fit_optimal"),
     "llops": ("sketchlab.llops.dispatch", "fit_llops"),
-    "psf": ("sketchlab.sketches.psf", "_fit_psf"),
+    "psf-random": ("sketchlab.sketches.psf", "_fit_psf"),
     "tensorsketch": ("sketchlab.sketches.tensorsketch", "_fit_tensorsketch"),
     "mlp": ("sketchlab.sketches.mlp", "_fit_mlp"),
-    "based": ("sketchlab.sketches.based", "_fit_based"),
+    "based-expand": ("sketchlab.sketches.based", "_fit_based_expand"),
+    "based-taylor": ("sketchlab.sketches.based", "_fit_based_taylor"),
     "elementwise": ("sketchlab.sketches.elementwise", "_fit_elementwise"),
+    # deprecated names (a DeprecationWarning names the successor; DEPRECATED_METHODS)
+    "psf": ("sketchlab.sketches.psf", "_fit_psf"),
+    "based": ("sketchlab.sketches.based", "_fit_based"),
+}
+
+#: Deprecated method names → ``(successor, note)``.
+DEPRECATED_METHODS = {
+    "psf": ("psf-random", ""),
+    "based": ("based-expand", " (its default form; 'based-taylor' for form='taylor')"),
 }
 
 _FITTERS: dict[str, Callable[..., Sketch]] = {}
@@ -71,8 +87,17 @@ def register_sketch(name: str) -> Callable[[Callable[..., Sketch]], Callable[...
 
 
 def available_sketches() -> list[str]:
-    """Names accepted by :func:`fit_sketch`, sorted."""
-    return sorted(set(_FITTERS) | set(BUILTIN_SKETCHES))
+    """The sketch methods of :func:`fit_sketch`, sorted (deprecated names left out). It also fits
+    every name of :func:`sketchlab.featuremaps.feature_map_names` (Adam on the kernel loss)."""
+    return sorted((set(_FITTERS) | set(BUILTIN_SKETCHES)) - set(DEPRECATED_METHODS))
+
+
+def accepted_methods() -> set[str]:
+    """Every name :func:`fit_sketch` takes: :func:`available_sketches`, the deprecated names and the
+    registered feature maps."""
+    from .featuremaps import feature_map_names
+
+    return set(available_sketches()) | set(DEPRECATED_METHODS) | set(feature_map_names())
 
 
 def sketch_fitter(name: str) -> Callable[..., Sketch]:
@@ -82,11 +107,24 @@ def sketch_fitter(name: str) -> Callable[..., Sketch]:
     ``q[..., n_q, d]``, ``k[..., n_k, d]``, ints ``p >= 1``, ``1 <= m < min(n_q, n_k, D)``, an int
     seed) and checks only its own options: call it directly only with inputs checked that way.
     """
+    if isinstance(name, str) and name in DEPRECATED_METHODS:
+        import warnings
+
+        new, note = DEPRECATED_METHODS[name]
+        warnings.warn(f"fit_sketch: the method name {name!r} is deprecated, use {new!r}{note}", DeprecationWarning,
+                      stacklevel=3)
     if name not in _FITTERS and name in BUILTIN_SKETCHES:
         module, attr = BUILTIN_SKETCHES[name]
         register_sketch(name)(getattr(importlib.import_module(module), attr))
     if name not in _FITTERS:
-        raise ValueError(f"unknown sketch method {name!r}; available: {', '.join(available_sketches())}")
+        from .featuremaps import feature_map_names
+
+        if isinstance(name, str) and name in feature_map_names():
+            from .featuremaps.fitting import feature_map_fitter
+
+            return feature_map_fitter(name)
+        raise ValueError(f"unknown sketch method {name!r}; available: {', '.join(available_sketches())}, or a "
+                         f"feature map: {', '.join(feature_map_names())}")
     return _FITTERS[name]
 
 

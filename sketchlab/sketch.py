@@ -48,3 +48,22 @@ class Sketch(abc.ABC):
     @abc.abstractmethod
     def num_parameters(self) -> int:
         """Number of stored numbers that define one (per-head) pair of maps, both sides counted."""
+
+    @property
+    def kernel_non_negative(self) -> bool:
+        """Whether ``φ_Q(q)·φ_K(k) >= 0`` for every input (so ``normalize="sum"`` is safe); ``False``
+        unless the sketch proves it."""
+        return False
+
+    def features_naive(self, x: torch.Tensor, side: str = "q", index: tuple = ()) -> torch.Tensor:
+        """Float64 twin of one side's map (``side`` ``"q"`` or ``"k"``) for one head: ``x[n, d]`` →
+        ``[n, num_features]``, the head ``index`` into the batch shape (``()`` when unbatched).
+
+        Part of the interface for the sketches that run in attention as a feature map
+        (:func:`sketchlab.featuremaps.sketch_feature_maps`); the default raises."""
+        raise NotImplementedError(f"{type(self).__name__} has no naive float64 twin")
+
+    def select(self, index) -> "Sketch":
+        """The same sketch restricted to ``index`` of its batch shape (e.g. one layer ``l`` of an
+        ``[L, H]`` fit: ``[H]``); the default raises."""
+        raise NotImplementedError(f"{type(self).__name__} cannot select part of its batch")

@@ -109,7 +109,7 @@ def test_selection_and_file_input(tmp_path):
 
 
 def test_default_methods_run_with_llops():
-    assert DEFAULT_METHODS == ("optimal", "llops", "mlp", "psf", "tensorsketch", "based")
+    assert DEFAULT_METHODS == ("optimal", "llops", "mlp", "psf-random", "tensorsketch", "based-expand")
     t = compare(_qk(L=1, H=2, n=40, d=4), p=2, m=6, seed=1, progress=False,
                 options={"mlp": {"steps": 10}, "llops": {"steps": 2}})
     assert t.methods == list(DEFAULT_METHODS) and len(t.rows) == 2 * len(DEFAULT_METHODS)

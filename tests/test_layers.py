@@ -29,11 +29,12 @@ LAYERS = [
               "sketchlab.llops._fitting", "sketchlab.llops.sides", "sketchlab.llops.target"]),
     ("sketches", ["sketchlab.sketches", "sketchlab.sketches.*"]),
     ("llops fits", ["sketchlab.llops", "sketchlab.llops.*"]),  # inits from BASED/PSF: above the sketches
+    # the feature-map family: maps, a fitted sketch as a map, the name registry (fit reads it)
+    ("feature maps", ["sketchlab.featuremaps", "sketchlab.featuremaps.*"]),
     ("fit", ["sketchlab.fit", "sketchlab.export"]),            # Fit.save_theta writes through export
     ("dump tools", ["sketchlab._dumpsel", "sketchlab.compare", "sketchlab.verify", "sketchlab.advise",
                     "sketchlab.spectrum", "sketchlab.plots"]),
-    ("attention", ["sketchlab.attention", "sketchlab.attention.*", "sketchlab.featuremaps",
-                   "sketchlab.featuremaps.*"]),
+    ("attention", ["sketchlab.attention", "sketchlab.attention.*"]),
     ("model", ["sketchlab.tasks", "sketchlab.tasks.*", "sketchlab.capture", "sketchlab.convert",
                "sketchlab.convert.*", "sketchlab.evaluate"]),
     ("applications", ["sketchlab.cli", "sketchlab.cli.*", "sketchlab.demo", "sketchlab.__main__"]),

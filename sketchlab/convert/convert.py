@@ -116,7 +116,16 @@ def _make_maps(attention: str, feature_map, layer: int, heads: int, head_dim: in
     pair), else two :func:`sketchlab.featuremaps.make_feature_map` maps named ``attention`` (seeds
     ``seed + 2·layer`` for queries, ``+ 1`` for keys); ``tied``: LLoPS as
     :class:`~sketchlab.convert.scale.TiedLLoPSMap` started from the same draw (its equal factors are
-    already tied: the first one is kept)."""
+    already tied: the first one is kept). A fitted :class:`~sketchlab.sketch.Sketch` (batch ``[L, H]``:
+    layer ``layer``; ``[H]`` or ``[]``: every layer) gives its maps (:func:`sketchlab.featuremaps.sketch_feature_maps`)."""
+    from ..sketch import Sketch
+
+    if isinstance(feature_map, Sketch):
+        from ..featuremaps import sketch_feature_maps
+
+        with torch.no_grad():
+            probe = feature_map.features_q(torch.zeros(1, head_dim, dtype=torch.float64))  # [*batch, 1, M]
+        return sketch_feature_maps(feature_map, heads=heads, head_dim=head_dim, layer=layer if probe.ndim == 4 else None)
     if feature_map is not None:
         made = feature_map(layer, heads, head_dim)
         maps = tuple(made) if isinstance(made, (tuple, list)) else (made, made)

@@ -15,14 +15,54 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["FAMILIES", "AttentionSite", "ToyKernel", "attention_sites", "family_of"]
+__all__ = ["FAMILIES", "FAMILY_TABLE", "AttentionSite", "Family", "ToyKernel", "attention_sites", "family_of"]
 
-#: ``config.model_type`` values of each supported transformers family.
-FAMILIES = {
-    "llama": ("llama", "qwen2", "mistral"),
-    "gpt2": ("gpt2",),
-    "bert": ("bert", "roberta"),
+
+@dataclass(frozen=True)
+class Family:
+    """What conversion, capture and LoRA need to know about one transformers model family.
+
+    ``model_types``: its ``config.model_type`` values. Its self-attention modules: class name ending in
+    ``attention_class``, with the attributes ``needs``; ``head_dim`` names their attribute holding ``D``;
+    ``causal`` (``None``: the module's own ``is_causal``). ``heads``/``kv_heads``: the config attributes
+    counting query and key/value heads (the first one set; no kv count: as many as query heads).
+    ``rotary``: q, k rotated before the attention (capture's ``"post-rope"``). ``projections``: the
+    projection modules' last name → role (``q``, ``k``, ``v``, or ``qkv`` fused into thirds), for
+    capture. ``lora``: the LoRA target regex over module names (q, k, v and output projections), and
+    ``lora_fan_in_fan_out`` for ``Conv1D`` weights (GPT-2). ``encoder``: loaded with ``AutoModel``
+    (the loss is the teacher's hidden states) rather than ``AutoModelForCausalLM``.
+    """
+
+    model_types: tuple
+    attention_class: str
+    needs: tuple
+    head_dim: str
+    projections: dict
+    lora: str
+    lora_fan_in_fan_out: bool = False
+    causal: bool | None = True
+    rotary: bool = True
+    encoder: bool = False
+    heads: tuple = ("num_attention_heads", "n_head")
+    kv_heads: tuple = ("num_key_value_heads",)
+
+
+#: The one table of supported transformers families (a new family is one entry here).
+FAMILY_TABLE = {
+    "llama": Family(("llama", "qwen2", "mistral"), "Attention", ("q_proj", "o_proj"), "head_dim",
+                    {"q_proj": "q", "k_proj": "k", "v_proj": "v"}, r".*\.self_attn\.(q_proj|k_proj|v_proj|o_proj)$"),
+    "gpt2": Family(("gpt2",), "GPT2Attention", (), "head_dim", {"c_attn": "qkv"}, r".*\.attn\.(c_attn|c_proj)$",
+                   lora_fan_in_fan_out=True, rotary=False),
+    "bert": Family(("bert", "roberta"), "SelfAttention", ("query",), "attention_head_size",
+                   {"query": "q", "key": "k", "value": "v"},
+                   r".*\.attention\.(self\.(query|key|value)|output\.dense)$", causal=None, rotary=False, encoder=True),
+    "opt": Family(("opt",), "Attention", ("q_proj", "out_proj"), "head_dim",
+                  {"q_proj": "q", "k_proj": "k", "v_proj": "v"}, r".*\.self_attn\.(q_proj|k_proj|v_proj|out_proj)$",
+                  rotary=False),
 }
+
+#: ``config.model_type`` values of each supported transformers family (read from :data:`FAMILY_TABLE`).
+FAMILIES = {name: family.model_types for name, family in FAMILY_TABLE.items()}
 
 
 @dataclass
@@ -57,7 +97,7 @@ class ToyKernel(nn.Module):
 
 
 def family_of(model: nn.Module) -> str:
-    """``"toy"``, ``"llama"``, ``"gpt2"`` or ``"bert"``; ``ValueError`` naming the supported ones otherwise."""
+    """``"toy"`` or a name of :data:`FAMILY_TABLE`; ``ValueError`` naming the supported ones otherwise."""
     from ..tasks.model import TransformerLM
 
     if isinstance(model, TransformerLM):
@@ -105,23 +145,16 @@ def attention_sites(model: nn.Module) -> tuple[str, list[AttentionSite]]:
                         for i, block in enumerate(model.blocks)]
     _refuse_cross_attention(model)
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    heads = _int(cfg, "num_attention_heads", "n_head")
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    spec = FAMILY_TABLE[family]
+    heads = _int(cfg, *spec.heads)
+    kv_heads = next((v for v in (getattr(cfg, n, None) for n in spec.kv_heads) if v), None) or heads
     sites = []
     for name, module in model.named_modules():
         kind = type(module).__name__
-        if family == "llama":
-            if not (kind.endswith("Attention") and hasattr(module, "q_proj") and hasattr(module, "o_proj")):
-                continue
-            site = AttentionSite(name, module, heads, kv_heads, module.head_dim, True)
-        elif family == "gpt2":
-            if kind != "GPT2Attention":  # cross-attention was refused above
-                continue
-            site = AttentionSite(name, module, heads, heads, module.head_dim, True)
-        else:  # bert: its self-attention class (a decoder's cross-attention was refused above)
-            if not kind.endswith("SelfAttention") or not hasattr(module, "query"):
-                continue
-            site = AttentionSite(name, module, heads, heads, module.attention_head_size, bool(module.is_causal))
+        if not kind.endswith(spec.attention_class) or not all(hasattr(module, a) for a in spec.needs):
+            continue  # (a decoder's cross-attention was refused above)
+        causal = bool(module.is_causal) if spec.causal is None else spec.causal
+        site = AttentionSite(name, module, heads, kv_heads, getattr(module, spec.head_dim), causal)
         if not isinstance(getattr(module, "layer_idx", None), int):
             raise ValueError(f"{name} ({kind}) has no integer layer_idx; cannot index its decoding state")
         sites.append(site)

@@ -80,6 +80,21 @@ class LLoPS(nn.Module, Sketch):
         """The approximate kernel ``φ_Q(q) φ_K(k)ᵀ``, ``[..., n_q, n_k]``."""
         return self.kernel(q, k)
 
+    @property
+    def kernel_non_negative(self) -> bool:
+        from .maps import llops_is_non_negative
+
+        return llops_is_non_negative(self.theta_q) and (self.tied or llops_is_non_negative(self.theta_k))
+
+    def features_naive(self, x, side: str = "q", index: tuple = ()) -> torch.Tensor:
+        from .maps import llops_features_naive
+
+        theta = self.theta_q if side == "q" or self.theta_k is None else self.theta_k
+        return llops_features_naive(x, theta[index].detach())
+
+    def select(self, index) -> "LLoPS":
+        return LLoPS(self.theta_q[index], None if self.theta_k is None else self.theta_k[index])
+
     def projector(self, side: str = "q") -> torch.Tensor:
         """The projector of one side (``"q"`` or ``"k"``), ``[..., d**p, m]`` (see :func:`llops_projector`).
 

@@ -44,7 +44,8 @@ from ..polynomial import num_poly_features, poly_features, poly_features_naive
 from ..sketch import Sketch
 from ._common import make_generator
 
-__all__ = ["BasedSketch", "based_dim_for_budget", "based_num_features", "expand_features", "pca_projection",
+__all__ = ["BasedSketch", "based_dim_for_budget", "based_num_features", "expand_features", "expand_features_naive",
+           "pca_projection",
            "taylor_features", "taylor_features_naive"]
 
 _FORMS = ("expand", "taylor")
@@ -123,6 +124,19 @@ def expand_features(x: torch.Tensor, proj: torch.Tensor, p: int, symmetric: bool
     return poly_features(x.to(proj.dtype) @ proj, p, symmetric)
 
 
+def expand_features_naive(x, proj, p: int, symmetric: bool = False) -> torch.Tensor:
+    """Float64 twin of :func:`expand_features` for ``x[n, d]``, ``proj[d, d']``: explicit projection sums, then ψ_p."""
+    x = as_float_tensor(x, "x").to(torch.float64)
+    proj = as_float_tensor(proj, "proj").to(torch.float64)
+    if x.ndim != 2 or proj.ndim != 2 or proj.shape[0] != x.shape[1]:
+        raise ValueError(f"expand_features_naive takes x[n, d] and proj[d, d'], got {tuple(x.shape)}, {tuple(proj.shape)}")
+    u = torch.zeros(x.shape[0], proj.shape[1], dtype=torch.float64)
+    for a in range(proj.shape[1]):
+        for i in range(x.shape[1]):
+            u[:, a] += x[:, i] * proj[i, a]
+    return poly_features_naive(u, p, symmetric)
+
+
 def pca_projection(q: torch.Tensor, k: torch.Tensor, dim: int) -> torch.Tensor:
     """Top-``dim`` right singular vectors of the uncentred ``[q; k]`` per head: ``[..., d, dim]``.
 
@@ -193,6 +207,18 @@ class BasedSketch(Sketch):
         """Same map as :meth:`features_q`."""
         return self.features_q(x)
 
+    @property
+    def kernel_non_negative(self) -> bool:
+        return self.form == "taylor" or self.p % 2 == 0  # 1 + s + s²/2 > 0; (qᵀPPᵀk)^p >= 0 for even p
+
+    def features_naive(self, x, side: str = "q", index: tuple = ()) -> torch.Tensor:
+        if self.form == "taylor":
+            return taylor_features_naive(x, self.proj[index], self.symmetric)
+        return expand_features_naive(x, self.proj[index], self.p, self.symmetric)
+
+    def select(self, index) -> "BasedSketch":
+        return BasedSketch(self.proj[index], self.p, form=self.form, symmetric=self.symmetric)
+
 
 def _fit_based(q, k, *, p: int, m: int, seed: int = 0, form: str = "expand", projection: str = "pca",
                dim: int | None = None, symmetric: bool | None = None) -> BasedSketch:
@@ -216,3 +242,17 @@ def _fit_based(q, k, *, p: int, m: int, seed: int = 0, form: str = "expand", pro
     sketch = BasedSketch(proj, p, form=form, symmetric=symmetric)
     sketch.fit_info = {"steps": 0, "converged": True, "dim": dim, "form": form, "projection": projection}
     return sketch
+
+
+def _fit_based_expand(q, k, *, p: int, m: int, seed: int = 0, projection: str = "pca", dim: int | None = None,
+                      symmetric: bool | None = None) -> BasedSketch:
+    """``fit_sketch("based-expand", ...)``: :func:`_fit_based` with ``form="expand"``."""
+    return _fit_based(q, k, p=p, m=m, seed=seed, form="expand", projection=projection, dim=dim, symmetric=symmetric)
+
+
+def _fit_based_taylor(q, k, *, p: int, m: int, seed: int = 0, projection: str = "pca", dim: int | None = None,
+                      symmetric: bool | None = None) -> BasedSketch:
+    """``fit_sketch("based-taylor", ...)``: :func:`_fit_based` with ``form="taylor"`` (``p`` must be 2)."""
+    if p != 2:
+        raise ValueError(f"the BASED Taylor map is a degree-2 expansion (1 + s + s²/2); p must be 2, got p={p}")
+    return _fit_based(q, k, p=p, m=m, seed=seed, form="taylor", projection=projection, dim=dim, symmetric=symmetric)

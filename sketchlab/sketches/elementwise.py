@@ -92,6 +92,17 @@ class ElementwiseSketch(nn.Module, Sketch):
         """The approximate kernel ``[..., n_q, n_k]``."""
         return self.kernel(q, k)
 
+    @property
+    def kernel_non_negative(self) -> bool:
+        return self.p % 2 == 0  # every feature (xθ)^p >= 0
+
+    def features_naive(self, x, side: str = "q", index: tuple = ()) -> torch.Tensor:
+        theta = self.theta_q if side == "q" or self.theta_k is None else self.theta_k
+        return elementwise_features_naive(x, theta[index].detach(), self.p)
+
+    def select(self, index) -> "ElementwiseSketch":
+        return ElementwiseSketch(self.theta_q[index], self.p, None if self.theta_k is None else self.theta_k[index])
+
 
 def _fit_elementwise(q, k, *, p: int, m: int, seed: int = 0, tied: bool = False, steps: int = DEFAULT_STEPS,
                      lr: float = DEFAULT_LR) -> ElementwiseSketch:

@@ -184,6 +184,13 @@ class MLPSketch(nn.Module, Sketch):
         """The approximate kernel ``[..., n_q, n_k]``."""
         return self.kernel(q, k)
 
+    def features_naive(self, x, side: str = "q", index: tuple = ()) -> torch.Tensor:
+        return mlp_features_naive(x, *(t[index].detach() for t in self._side(side)), self.activation)
+
+    def select(self, index) -> "MLPSketch":
+        return MLPSketch(tuple(t[index] for t in self._side("q")), tuple(t[index] for t in self._side("k")), self.p,
+                         activation=self.activation)
+
 
 
 

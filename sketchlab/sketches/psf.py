@@ -326,6 +326,24 @@ class PolySketch(Sketch):
         """Same map as :meth:`features_q`."""
         return self.features_q(x)
 
+    @property
+    def kernel_non_negative(self) -> bool:
+        return self.non_negative  # ⟨s(q), s(k)⟩² >= 0
+
+    def features_naive(self, x, side: str = "q", index: tuple = ()) -> torch.Tensor:
+        s = psf_features_naive(x, [w[index] for w in self.weights], self.inner_degree)  # [n, r]
+        if not self.non_negative:
+            return s
+        n, r = s.shape
+        out = torch.empty(n, r * r, dtype=torch.float64)
+        for a in range(r):
+            for b in range(r):
+                out[:, a * r + b] = s[:, a] * s[:, b]
+        return out
+
+    def select(self, index) -> "PolySketch":
+        return PolySketch([w[index] for w in self.weights], self.p, non_negative=self.non_negative)
+
 
 def _fit_psf(q, k, *, p: int, m: int, seed: int = 0, non_negative: bool | None = None) -> PolySketch:
     """``fit_sketch("psf", ...)``: data-independent; only ``d``, the batch shape and dtype are read.

@@ -202,6 +202,13 @@ class TensorSketch(Sketch):
         """Same map as :meth:`features_q`."""
         return tensorsketch_features(x, self.matrices)
 
+    def features_naive(self, x, side: str = "q", index: tuple = ()) -> torch.Tensor:
+        return tensorsketch_features_naive(x, self.index_hash[index].cpu(), self.sign_hash[index].cpu(), self.m)
+
+    def select(self, index) -> "TensorSketch":
+        return TensorSketch(self.index_hash[index], self.sign_hash[index], self.m, dtype=self.matrices.dtype,
+                            device=self.matrices.device)
+
 
 def _fit_tensorsketch(q, k, *, p: int, m: int, seed: int = 0) -> TensorSketch:
     """``fit_sketch("tensorsketch", ...)``: data-independent; one independent draw per head."""

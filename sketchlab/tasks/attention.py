@@ -84,6 +84,7 @@ __all__ = [
     "PSFLearnedKernel",
     "LLOPS_INITS",
     "LLoPSKernel",
+    "MapKernel",
     "PSFKernel",
     "PolyKernel",
     "based_init_dim",
@@ -91,6 +92,7 @@ __all__ = [
     "init_llops",
     "input_scale",
     "kernel_modules",
+    "register_feature_map_kernels",
 ]
 
 LLOPS_INITS = ("random", "based", "theta")
@@ -427,16 +429,110 @@ class PSFLearnedKernel(_FeatureMapKernel):
         from ..featuremaps import make_feature_map
 
         self.options = o = dict(config.attention_options)
-        self._init_maps(config, lambda: make_feature_map("psf", heads=config.n_heads, head_dim=config.head_dim, p=o["p"],
+        self._init_maps(config, lambda: make_feature_map("psf-learned", heads=config.n_heads, head_dim=config.head_dim, p=o["p"],
                                                          m=o["m"], seed=o["seed"] + layer, hidden=o["hidden"]))
 
 
+class MapKernel(_FeatureMapKernel):
+    """Any map of the feature-map registry (:func:`sketchlab.featuremaps.make_feature_map` ``name``,
+    its options as the registry declares them), drawn with ``seed + layer``; ``tie`` (False) as Hedgehog's."""
+
+    def __init__(self, config: TransformerConfig, layer: int, name: str):
+        super().__init__()
+        from ..featuremaps import feature_map_options, make_feature_map
+
+        self.options = o = dict(config.attention_options)
+        mapped = {key: o[key] for key in o if key in feature_map_options(name)}
+        mapped["seed"] = mapped.get("seed", 0) + layer
+        self._init_maps(config, lambda: make_feature_map(name, heads=config.n_heads, head_dim=config.head_dim,
+                                                         **mapped))
+
+    def _attend(self, q, k, v, **state):
+        from ..attention import featuremap_attention
+
+        o = self.options
+        return featuremap_attention(q * self.scale, k * self.scale, v, self.map_q, self.map_k, causal=True,
+                                    normalize=o["normalize"], non_negative=o["non_negative"], eps=o["eps"],
+                                    backend="torch", **self._hybrid(), **state)
+
+
+def _map_options(name: str):
+    """The toy's options of the registered map ``name``: the map's own (checked by the registry, the
+    one check), ``tie``, ``non_negative`` (None: the attention decides), ``normalize``, ``eps`` and the hybrid's."""
+
+    def check(opts: dict, config: TransformerConfig) -> dict:
+        from ..attention.functional import check_local_degree
+        from ..featuremaps import check_feature_map_options, feature_map_options, make_feature_map
+
+        out = {"tie": _bool(opts, "tie", False), "normalize": _choice(opts, "normalize", "sum", _NORMALIZE),
+               "eps": _eps(opts)}
+        value = opts.pop("non_negative", None)
+        if value is not None and not isinstance(value, bool):
+            raise ValueError(f"attention option non_negative must be true, false or null, got {value!r}")
+        out["non_negative"] = value
+        out = _hybrid_options(opts, out)
+        mine = {key: opts.pop(key) for key in list(opts) if key in feature_map_options(name)}
+        _done(name, opts, {**out, **feature_map_options(name)})
+        given = check_feature_map_options(name, mine, where=f"attention {name!r}")
+        out.update({key: given[key] for key in mine})  # completed options stay valid input (a resumed run)
+        probe = make_feature_map(name, heads=config.n_heads, head_dim=config.head_dim, **mine)
+        check_local_degree(probe.degree, f"{type(probe).__name__} (attention {name!r})", window=out["window"],
+                           local=out["local"])
+        return out
+
+    return check
+
+
+def _deprecated(old: str, new: str, options):
+    """The options of ``options`` behind a ``DeprecationWarning`` naming ``new`` (the name ``old`` still builds,
+    so checkpoints that store it load)."""
+
+    def check(opts: dict, config: TransformerConfig) -> dict:
+        import warnings
+
+        warnings.warn(f"attention {old!r} is deprecated, use {new}", DeprecationWarning, stacklevel=4)
+        return options(opts, config)
+
+    return check
+
+
+def _form(form: str, options):
+    def check(opts: dict, config: TransformerConfig) -> dict:
+        if opts.setdefault("form", form) != form:
+            raise ValueError(f"attention option form is {form!r} for attention 'based-{form}', got {opts['form']!r}")
+        return options(opts, config)
+
+    return check
+
+
 register_attention("poly", options=_poly_options)(PolyKernel)
-register_attention("based", options=_based_options)(BasedKernel)
-register_attention("psf", options=_psf_options)(PSFKernel)
+register_attention("based-taylor", options=_form("taylor", _based_options))(BasedKernel)
+register_attention("based-expand", options=_form("expand", _based_options))(BasedKernel)
+register_attention("psf-random", options=_psf_options)(PSFKernel)
 register_attention("llops", options=_llops_options)(LLoPSKernel)
 register_attention("hedgehog", options=_hedgehog_options)(HedgehogKernel)
 register_attention("psf-learned", options=_psf_learned_options)(PSFLearnedKernel)
+register_attention("based", options=_deprecated("based", "'based-taylor' (or 'based-expand' for form expand)",
+                                                 _based_options))(BasedKernel)
+register_attention("psf", options=_deprecated("psf", "'psf-random'", _psf_options))(PSFKernel)
+
+
+def register_feature_map_kernels() -> list[str]:
+    """Register a :class:`MapKernel` for every map of the feature-map registry the toy model has no
+    kernel for yet (done on import; call again after registering a map of your own). Returns the new names."""
+    from ..featuremaps import feature_map_names
+    from .model import attention_registry
+
+    added = []
+    for name in feature_map_names():
+        if name not in attention_registry():
+            register_attention(name, options=_map_options(name))(lambda config, layer, _name=name:
+                                                                 MapKernel(config, layer, _name))
+            added.append(name)
+    return added
+
+
+register_feature_map_kernels()
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,0 +1,87 @@
+r"""The feature-map family behind one interface and one name registry (layout ``[B, T, H, D]``).
+
+A :class:`FeatureMap` (:mod:`.base`) turns per-head queries or keys ``x [B, T, H, D]`` into features
+``[B, T, H, M]`` whose inner products approximate (or equal) a kernel; it is the far part of the
+sliding-window hybrid, a trainable attention in its own right, and what model conversion swaps in
+(:func:`sketchlab.attention.featuremap_attention`). Every map has a naive float64 twin,
+:meth:`FeatureMap.features_naive`. One module per map; :mod:`.registry` names them
+(:func:`make_feature_map`, :func:`register_feature_map`, :func:`feature_map_names`); a fitted
+:class:`~sketchlab.sketch.Sketch` joins the family through :func:`sketch_feature_maps` (:mod:`.sketch_map`).
+
+======================  =====================================================  ==============
+map (name)              features                                               kernel
+======================  =====================================================  ==============
+:class:`LLoPSMap`       :math:`\sum_r\prod_j \langle\theta_{r,j,:,i}, x\rangle`  ≈ ``(qᵀk)^p``
+(``llops``)
+:class:`TiedLLoPSMap`   :math:`\sum_r \langle\theta_{r,:,i}, x\rangle^p`         ≥ 0, even ``p``
+(``elementwise``)
+:class:`ExactPolyMap`   :math:`\psi_p(x)` (``D^p`` or ``C(D+p−1, p)``)           ``(qᵀk)^p``
+(``exact-poly``)
+:class:`TaylorMap`      BASED: :math:`[1, u/d'^{1/4}, u\otimes u/\sqrt{2d'}]`     ``1 + s + s²/2``
+(``based-taylor``)
+:class:`ExpandMap`      BASED: :math:`\psi_p(xP)`                               ``(qᵀPPᵀk)^p``
+(``based-expand``)
+:class:`PSFLearnedMap`  PolySketchFormer's learned sketch LN→Linear→GELU→Linear  learned
+(``psf-learned``, self-tensored)
+:class:`SketchMap`      any fitted sketch's side (``psf-random``: PolySketch;     the sketch's
+                        ``tensorsketch``: TensorSketch)
+:class:`HedgehogMap`    LoLCATs: :math:`[\mathrm{softmax}(xW), \mathrm{softmax}(-xW)]`  ≈ ``exp(qᵀk)``
+(``hedgehog``)
+:class:`SelfTensored`   :math:`\phi\otimes\phi` of any map                       ``(φ(q)·φ(k))² >= 0``
+======================  =====================================================  ==============
+
+References
+----------
+Kacham, Mirrokni, Zhong. *PolySketchFormer*, 2024 (learned sketches, self-tensoring); Arora et al.
+*BASED*, 2024 (Taylor map); Zhang et al. *LoLCATs*, 2024 and *The Hedgehog & the Porcupine*, 2024.
+"""
+
+from .base import FeatureMap, _check_x, _init_heads, _store
+from .based import ExpandMap, TaylorMap
+from .elementwise import TiedLLoPSMap
+from .exact import ExactPolyMap
+from .hedgehog import HedgehogMap
+from .llops import LLoPSMap
+from .psf import PSFLearnedMap
+from .registry import (
+    COMMON_OPTIONS,
+    DEPRECATED_NAMES,
+    Option,
+    check_feature_map_options,
+    feature_map_names,
+    feature_map_options,
+    make_feature_map,
+    register_feature_map,
+    resolve_name,
+)
+from .selftensored import SelfTensored
+from .sketch_map import FeatureMapSketch, SketchMap, sketch_feature_maps
+
+#: The built-in names of :func:`make_feature_map` (:func:`feature_map_names` adds any registered later).
+FEATURE_MAPS = ("based-expand", "based-taylor", "elementwise", "exact-poly", "hedgehog", "llops", "psf-learned",
+                "psf-random", "tensorsketch")
+
+__all__ = [
+    "COMMON_OPTIONS",
+    "DEPRECATED_NAMES",
+    "FEATURE_MAPS",
+    "ExactPolyMap",
+    "ExpandMap",
+    "FeatureMap",
+    "FeatureMapSketch",
+    "HedgehogMap",
+    "LLoPSMap",
+    "Option",
+    "PSFLearnedMap",
+    "SelfTensored",
+    "SketchMap",
+    "TaylorMap",
+    "TiedLLoPSMap",
+    "check_feature_map_options",
+    "feature_map_names",
+    "feature_map_options",
+    "make_feature_map",
+    "register_feature_map",
+    "resolve_name",
+    "sketch_feature_maps",
+]

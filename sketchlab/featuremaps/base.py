@@ -1,0 +1,93 @@
+r"""The one interface of the feature-map family (layout ``[B, T, H, D]``, one map per head).
+
+A :class:`FeatureMap` turns per-head queries or keys ``x [B, T, H, D]`` into features
+``[B, T, H, M]``; a *pair* of maps (one for queries, one for keys: the same object when the sketch
+is tied) is what attention, conversion and training take. Every map has a naive float64 twin,
+:meth:`FeatureMap.features_naive`, written one head and one token row at a time.
+"""
+
+from __future__ import annotations
+
+import abc
+
+import torch
+from torch import nn
+
+from .._validation import as_float_tensor, check_positive_int
+
+__all__ = ["FeatureMap"]
+
+
+def _check_x(x, heads: int, dim: int, name: str = "x") -> torch.Tensor:
+    x = as_float_tensor(x, name)
+    if x.ndim != 4 or x.shape[2] != heads or x.shape[3] != dim:
+        raise ValueError(f"{name} must have layout [B, T, H={heads}, D={dim}], got shape {tuple(x.shape)}")
+    return x
+
+
+class FeatureMap(nn.Module, abc.ABC):
+    """One feature map per head: ``features(x [B, T, H, D]) -> [B, T, H, M]``.
+
+    Subclasses set ``heads``, ``head_dim``, implement :meth:`_features` (on validated input) and
+    :meth:`_features_naive` (one head ``x [n, D]`` in float64 → ``[n, M]``) and the properties
+    :attr:`num_features`, :attr:`degree` (the polynomial degree of the kernel, ``None`` when it is
+    not a polynomial: the hybrid's ``local="poly"`` needs it) and :attr:`non_negative` (whether
+    the kernel ``φ(q)·φ'(k)`` is provably ``>= 0`` for every input, ``φ'`` this map or another
+    non-negative one of its kind, so ``normalize="sum"`` is safe).
+    """
+
+    heads: int
+    head_dim: int
+
+    @property
+    @abc.abstractmethod
+    def num_features(self) -> int:
+        """``M``, the number of features per head."""
+
+    @property
+    def degree(self) -> int | None:
+        return None
+
+    @property
+    def non_negative(self) -> bool:
+        return False
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [B, T, H, D]`` → features ``[B, T, H, M]`` (the map's parameters' dtype promoted with ``x``'s)."""
+        return self._features(_check_x(x, self.heads, self.head_dim))
+
+    def features_naive(self, x: torch.Tensor) -> torch.Tensor:
+        """Float64 twin of :meth:`features`, head by head and token by token."""
+        x = _check_x(x, self.heads, self.head_dim).to(torch.float64)
+        B, T, H, _ = x.shape
+        return torch.stack([torch.stack([self._features_naive(x[b, :, h], h) for h in range(H)], 1)
+                            for b in range(B)])  # [B, T, H, M]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.features(x)
+
+    @property
+    def num_parameters(self) -> int:
+        """Stored numbers of this map (parameters and buffers), all heads."""
+        return sum(t.numel() for t in self.parameters()) + sum(t.numel() for t in self.buffers())
+
+    @abc.abstractmethod
+    def _features(self, x):
+        """The map on checked ``x [B, T, H, D]`` → ``[B, T, H, M]``."""
+
+    @abc.abstractmethod
+    def _features_naive(self, x, head: int):
+        """The float64 twin on one head's tokens ``x [T, D]`` → ``[T, M]``."""
+
+
+def _init_heads(module: FeatureMap, heads, head_dim):
+    module.heads = check_positive_int(heads, "heads")
+    module.head_dim = check_positive_int(head_dim, "head_dim")
+
+
+def _store(module: nn.Module, name: str, tensor: torch.Tensor, learn: bool) -> None:
+    """``module.<name> = tensor`` as a trained parameter (``learn``) or a fixed buffer (saved either way)."""
+    if learn:
+        setattr(module, name, nn.Parameter(tensor))
+    else:
+        module.register_buffer(name, tensor)

@@ -1,0 +1,51 @@
+"""Any registered feature map as a ``fit_sketch`` method: its maps fitted to the kernel by Adam.
+
+``fit_sketch(name, q, k, p=, m=)`` for a name of the registry (and not one of ``fit.BUILTIN_SKETCHES``)
+builds a query and a key map of ``H = prod(batch)`` heads (:func:`make_feature_map`, seeds ``seed`` and
+``seed + 1``; ``tied=True``: one map), trains their parameters with the relative kernel loss, optimiser
+and budget every learned sketch shares (:func:`sketchlab.objective.train_kernel_sketch`), and returns
+them as a :class:`~sketchlab.featuremaps.FeatureMapSketch`. A map without trained parameters (exact,
+DPFP, a random sketch) is returned as built (``steps = 0``).
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..objective import DEFAULT_LR, DEFAULT_STEPS, train_kernel_sketch
+from .registry import make_feature_map
+from .sketch_map import FeatureMapSketch
+
+__all__ = ["feature_map_fitter"]
+
+
+def feature_map_fitter(name: str):
+    """The ``fit_sketch`` fitter of the registered map ``name``."""
+
+    def fit(q, k, *, p: int, m: int, seed: int = 0, steps: int = DEFAULT_STEPS, lr: float = DEFAULT_LR,
+            tied: bool = False, **options) -> FeatureMapSketch:
+        if not isinstance(tied, bool):
+            raise TypeError(f"tied must be a bool, got {tied!r}")
+        batch, d = tuple(q.shape[:-2]), q.shape[-1]
+        heads = math.prod(batch)
+
+        def make(s):
+            return make_feature_map(name, heads=heads, head_dim=d, p=p, m=m, seed=s, dtype=q.dtype, **options)
+
+        map_q = make(seed).to(q.device)
+        map_k = None if tied else make(seed + 1).to(q.device)
+        sketch = FeatureMapSketch(map_q, map_k, p=p, batch_shape=batch)
+        params = [t for t in sketch.parameters() if t.requires_grad]
+        if not params:
+            sketch.fit_info = {"steps": 0, "converged": True}
+            return sketch
+        flat_q, flat_k = q.reshape(heads, *q.shape[-2:]), k.reshape(heads, *k.shape[-2:])  # [H, n, d]
+        flat = FeatureMapSketch(map_q, map_k, p=p, batch_shape=(heads,))
+        sketch.fit_info = train_kernel_sketch(params, lambda a, b: (flat.features_q(a), flat.features_k(b)), flat_q,
+                                              flat_k, p, steps=steps, lr=lr, what=f"feature map {name!r}")
+        for key in ("init_rel_fro", "rel_fro"):
+            sketch.fit_info[key] = sketch.fit_info[key].reshape(batch)
+        return sketch
+
+    fit.__name__ = f"fit_{name.replace('-', '_')}"
+    return fit
