@@ -10,7 +10,7 @@ from ..io import dump_files
 from ._common import Outputs, UsageError, add_common, positive_int
 
 #: Methods whose sketch has an exact Θ form (sketchlab.as_llops); the others cannot be exported.
-EXPORTABLE = ("llops", "elementwise", "based", "psf")
+EXPORTABLE = ("llops", "elementwise", "based-expand", "psf-random", "based", "psf")  # the last two: deprecated names
 
 
 def add_arguments(sub) -> None:

@@ -202,8 +202,9 @@ def convert_attention(model: nn.Module, *, attention: str = "llops", p: int = 2,
         ``*ForCausalLM``, …) — or sketchlab's :class:`~sketchlab.tasks.TransformerLM`.
     attention : str
         The feature map, by :func:`sketchlab.featuremaps.make_feature_map` name (``"llops"``,
-        ``"hedgehog"``, ``"taylor"``, ``"psf"``, ``"exact"``, …); one map for queries and one for
-        keys per layer, each with the model's query heads.
+        ``"hedgehog"``, ``"based-taylor"``, ``"psf-learned"``, ``"exact-poly"``, ``"dpfp"``, …; see
+        :func:`sketchlab.featuremaps.feature_map_names`); one map for queries and one for keys per
+        layer, each with the model's query heads.
     p, m, rank : int
         Degree, features and (LLoPS) CP rank of the maps.
     window : int >= 0
@@ -220,9 +221,10 @@ def convert_attention(model: nn.Module, *, attention: str = "llops", p: int = 2,
         best for converted models. ``config.sketchlab`` records the resolved number.
     local : {"softmax", "poly"}
         The exact part inside the window.
-    feature_map : callable, optional
+    feature_map : callable or Sketch, optional
         ``feature_map(layer, heads, head_dim)`` → a FeatureMap module (shared by q and k) or a pair
-        ``(map_q, map_k)``, instead of ``attention``.
+        ``(map_q, map_k)``, or a fitted :class:`~sketchlab.sketch.Sketch` (``fit_sketch``'s, batch
+        ``[L, H]``: layer ``l``'s heads for layer ``l``), instead of ``attention``.
     theta : str, Path or (Tensor, Tensor), optional
         ``attention="llops"`` only: a Θ export (:func:`sketchlab.export_theta`) or tensors
         ``[L, H, t, p, d, m]`` (fitted on ``"sqrt-d"``-scaled post-RoPE q, k) to start from.
@@ -308,8 +310,11 @@ def convert_attention(model: nn.Module, *, attention: str = "llops", p: int = 2,
     if theta is not None and (attention != "llops" or feature_map is not None):
         raise ValueError(f"theta initialises LLoPS maps: it needs attention='llops' and no feature_map "
                          f"(got attention={attention!r})")
-    if feature_map is not None and not callable(feature_map):
-        raise TypeError("feature_map must be callable: feature_map(layer, heads, head_dim) -> FeatureMap or (map_q, map_k)")
+    from ..sketch import Sketch
+
+    if feature_map is not None and not (callable(feature_map) or isinstance(feature_map, Sketch)):
+        raise TypeError("feature_map must be a fitted sketchlab Sketch or callable: feature_map(layer, heads, head_dim) "
+                        "-> FeatureMap or (map_q, map_k)")
     family, sites = attention_sites(model)
     exact = _check_exact_layers(exact_layers, len(sites), family)
     memory = _check_memory(cache, decay, state, beta, window, sinks, local, normalize,

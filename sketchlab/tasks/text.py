@@ -178,7 +178,7 @@ def based_to_llops(model: TransformerLM) -> TransformerLM:
     if not isinstance(model, TransformerLM):
         raise TypeError(f"model must be a TransformerLM, got {type(model).__name__}")
     cfg, o = model.config, model.config.attention_options
-    if cfg.attention != "based":
+    if cfg.attention not in ("based", "based-taylor", "based-expand"):
         raise ValueError(f"based_to_llops needs a model with attention 'based', got attention={cfg.attention!r}")
     taylor = o["form"] == "taylor"  # with a window, local="poly" is refused by the llops options below
     m = based_num_features(o["dim"], o["p"], o["form"], o["symmetric"])
