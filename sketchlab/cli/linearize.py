@@ -277,7 +277,8 @@ def _pretrained_settings(args) -> dict:
 
 
 def _run_pretrained(args) -> int:
-    from ..convert.convert import check_layout, save_linearized
+    from ..convert.convert import check_layout
+    from ..convert.saved import save_linearized
     from ..convert.linearize import linearize
     from ..convert.pretrained import load_pretrained
     from ..io import staged_directory

@@ -2,11 +2,12 @@
 
 ``families`` finds each family's attention modules; ``sketched`` holds the added module
 (:class:`SketchedAttention`) and transformers' attention and mask functions; ``cache`` the
-decoding state; ``convert`` the public entry points; ``linearize`` the staged training;
+decoding state; ``convert`` the public entry points; ``saved`` saving and reloading a converted model; ``linearize`` the staged training;
 ``scale`` the tied LLoPS map and the gate calibration; ``pretrained`` the local loaders; ``_hf`` the transformers glue.
 """
 
-from .convert import convert_attention, converted_modules, load_linearized, save_linearized
+from .convert import convert_attention, converted_modules
+from .saved import load_linearized, save_linearized
 from .families import FAMILIES, attention_sites, family_of
 from .linearize import LinearizeReport, linearize, lora_finetune, perplexity, token_nll
 from .scale import TiedLLoPSMap, calibrate_gates

@@ -8,14 +8,13 @@ save in its ``state_dict`` — and switches the model to the attention implement
 The converted model takes the same inputs (``input_ids``, ``attention_mask``, ``labels``).
 
 Saving: ``model.save_pretrained(dir)`` writes every weight, the maps included, and the config
-(which carries the conversion options as ``config.sketchlab``); :func:`load_linearized` converts a
-freshly loaded model with those options and restores the weights. (transformers'
+(which carries the conversion options as ``config.sketchlab``); :func:`sketchlab.convert.saved.load_linearized`
+converts a freshly loaded model with those options and restores the weights. (transformers'
 ``from_pretrained`` alone cannot rebuild the maps: the modelling classes do not have them.)
 """
 
 from __future__ import annotations
 
-import json
 import numbers
 import types
 import warnings
@@ -27,10 +26,7 @@ from torch import nn
 from .families import ToyKernel, attention_sites, family_of
 from .sketched import ATTENTION_NAME, LOCALS, SketchedAttention, forget_cache, hf_attention, hf_mask, remember_cache
 
-__all__ = ["DEFAULT_SINKS", "check_layout", "convert_attention", "converted_modules", "load_linearized",
-           "save_linearized"]
-
-_OPTIONS_FILE = "sketchlab_conversion.json"
+__all__ = ["DEFAULT_SINKS", "check_layout", "convert_attention", "converted_modules"]
 
 #: Attention sinks of a hybrid (``window > 0``) when ``sinks=None``: the measured best for converted
 #: models (DESIGN §6). Pure linear attention (``window=0``) has no exact keys and gets none.
@@ -364,130 +360,3 @@ def _options(model: nn.Module) -> dict:
     if not isinstance(options, dict):
         raise ValueError(f"{type(model).__name__} carries no conversion options (convert it with sketchlab.convert_attention)")
     return options
-
-
-def save_linearized(model: nn.Module, directory) -> Path:
-    """Write a converted model to ``directory``: ``model.safetensors`` (every weight, the maps
-    included) and :data:`_OPTIONS_FILE` (the conversion options); transformers models also get
-    ``save_pretrained``'s ``config.json``. Reload with :func:`load_linearized`."""
-    from safetensors.torch import save_file
-
-    from ..io import atomic_write
-
-    converted_modules(model)
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    options = _options(model)
-    if hasattr(model, "save_pretrained"):
-        model.save_pretrained(directory)
-    else:
-        state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-        with atomic_write(directory / "model.safetensors") as tmp:
-            save_file(state, str(tmp))
-    with atomic_write(directory / _OPTIONS_FILE) as tmp:
-        tmp.write_text(json.dumps(options, indent=1, sort_keys=True) + "\n", encoding="utf-8")
-    return directory
-
-
-def load_linearized(directory, model: nn.Module) -> nn.Module:
-    """Convert ``model`` (the teacher architecture, freshly loaded or built) as recorded in
-    ``directory`` and load every saved weight into it (strict: nothing missing, nothing left over,
-    except weights tied to others). Returns ``model``.
-
-    ``directory`` is a :func:`save_linearized` (or ``save_pretrained`` of a converted model) output.
-    Maps made by a custom ``feature_map`` cannot be rebuilt from their name: convert ``model`` with
-    the same ``feature_map`` first, then call this (the options must then agree).
-
-    Raises
-    ------
-    ValueError
-        Before ``model`` is converted: an options file that is not valid JSON (naming the file), a
-        save of another model family than ``model``'s (naming both), no ``.safetensors`` weights, a
-        model already converted with other options (naming each that differs, with both values).
-        After: saved weights that do not match the converted model.
-    """
-    from safetensors.torch import load_file
-
-    directory = Path(directory)
-    options_path = directory / _OPTIONS_FILE
-    if options_path.is_file():
-        options = _read_json(options_path)
-    elif (directory / "config.json").is_file():
-        options = _read_json(directory / "config.json").get("sketchlab")
-    else:
-        options = None
-    if not isinstance(options, dict):
-        raise ValueError(f"{directory}: no conversion options ({_OPTIONS_FILE}, or 'sketchlab' in config.json); "
-                         "was it written by sketchlab.save_linearized?")
-    options = dict(options)
-    saved_family, family = options.pop("family", None), family_of(model)
-    if saved_family is not None and saved_family != family:
-        raise ValueError(f"{directory}: saved from a model of the {saved_family!r} family, and "
-                         f"{type(model).__name__} is of the {family!r} family; load it onto the architecture it was "
-                         "converted from")
-    options.setdefault("tied", False)  # saved before the option existed: the untied map
-    files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"{directory}: no .safetensors weights")
-    if converted_modules(model, required=False):
-        own = {k: v for k, v in _options(model).items() if k != "family"}
-        differ = {k: (own.get(k), options.get(k)) for k in sorted(set(own) | set(options))
-                  if own.get(k) != options.get(k)}
-        if differ:
-            named = ", ".join(f"{k}={mine!r} (saved {saved!r})" for k, (mine, saved) in differ.items())
-            raise ValueError(f"{directory}: the model is already converted with other options than the saved ones: "
-                             f"{named}")
-    else:
-        if options["attention"] == "custom":
-            raise ValueError(f"{directory}: the maps came from a custom feature_map; convert the model with it first")
-        convert_attention(model, **options)
-    state = {}
-    for f in files:
-        state.update(load_file(str(f)))
-    own = model.state_dict()
-    prefix = _match_prefix(set(state), set(own))
-    state = {prefix + k: v for k, v in state.items()}
-    unexpected = sorted(set(state) - set(own))
-    missing = sorted(set(own) - set(state) - _tied(model))
-    if unexpected or missing:
-        raise ValueError(f"{directory}: weights do not match the converted model: missing {missing[:5]}, "
-                         f"unexpected {unexpected[:5]}")
-    model.load_state_dict(state, strict=False)
-    return model
-
-
-def _read_json(path: Path) -> dict:
-    """The JSON object in ``path``; a ``ValueError`` naming the file when it is not one."""
-    from ..io.formats import _loads_json
-
-    try:  # the project's JSON reader: nesting bounded, a too-deep file a ValueError naming it
-        data = _loads_json(path.read_text(encoding="utf-8"), str(path))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{path}: not valid JSON ({err}); was it written by sketchlab.save_linearized?") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
-
-
-def _match_prefix(saved: set, own: set) -> str:
-    """``""``, or the prefix (``"model."``) that saved names lack (a base model saved, a head model loading)."""
-    if saved & own:
-        return ""
-    for name in own:
-        for s in saved:
-            if name.endswith("." + s):
-                return name[: -len(s)]
-    return ""
-
-
-def _tied(model: nn.Module) -> set:
-    """Names of parameters that alias another one (tied embeddings): save_pretrained writes one copy."""
-    seen, tied = {}, set()
-    for name, tensor in model.state_dict(keep_vars=True).items():
-        key = (tensor.data_ptr(), tuple(tensor.shape)) if tensor.numel() else None
-        if key is not None and key in seen:
-            tied.add(name)
-            tied.add(seen[key])
-        elif key is not None:
-            seen[key] = name
-    return tied

@@ -40,7 +40,8 @@ import torch
 from torch import nn
 
 from .._validation import DEFAULT_MAX_BYTES, check_memory, check_nonnegative_int, check_positive_int
-from .convert import _make_maps, _resolve_tied, check_layout, convert_attention, converted_modules
+from ..capture import _check_against_model
+from .convert import _make_maps, _options, _resolve_tied, check_layout, convert_attention, converted_modules
 from .families import attention_sites, family_of
 from .sketched import check_local_map
 
@@ -126,6 +127,11 @@ def tokenize_texts(texts, tokenizer=None, *, seq_len: int = 512, max_tokens: int
         else:
             raise ValueError("texts must all be strings or all be lists of token ids")
     total = sum(len(r) for r in rows)
+    if not total:
+        raise ValueError("texts hold no tokens (an empty or whitespace-only text, or empty token lists): give text to "
+                         "train on")
+    if any(i < 0 for r in rows for i in r):
+        raise ValueError("texts: token ids must be >= 0, got a negative one")
     return split_sequences(rows, seq_len=seq_len, max_tokens=total if max_tokens is None else max_tokens)
 
 
@@ -998,6 +1004,7 @@ def linearize(model: nn.Module, texts, *, tokenizer=None, attention: str = "llop
     family = family_of(model)
     window, sinks = check_layout(window, sinks, local, normalize)
     ids, mask = tokenize_texts(texts, tokenizer, seq_len=seq_len, max_tokens=max_tokens)
+    _check_against_model(getattr(model, "config", None), ids, mask, "linearize: texts", seq_len)
     if not (isinstance(holdout, float) and 0 < holdout < 1):
         raise ValueError(f"holdout must be a float in (0, 1), got {holdout!r}")
     N = ids.shape[0]
@@ -1074,6 +1081,7 @@ def linearize(model: nn.Module, texts, *, tokenizer=None, attention: str = "llop
 
         gates = calibrate_gates(sketches, layers, mask, train_idx[:gate_sequences], how=gate_init)
         gates = [g.tolist() for g in gates]
+        _options(model)["gate_init"] = gate_init  # the conversion's record: the gates came from this, not 0
     report.stages.append({"name": "fit" if theta is not None else "init", "seconds": time.perf_counter() - t0,
                           "fit": fit_info, "gates": gates, "layer_error": attention_errors(sketches, layers, mask, held_idx),
                           "metric": metric(model)})

@@ -1,0 +1,333 @@
+"""Bad input, faults and numeric edges on the conversion path (issue 35): ``save_linearized`` /
+``load_linearized``, ``convert_attention``, ``linearize``, ``load_pretrained`` and ``sketchlab
+linearize`` on tiny random Llama, GPT-2 and BERT models built here (never a real checkpoint).
+
+Each case is clean: refused before anything is written (inputs byte-identical afterwards), or one
+message naming the file / option, the rule, the value and the way out; never a traceback from
+torch, safetensors or transformers, never a silent wrong result. Classes, in the issue's order:
+data loss, saved conversions that lie, tracebacks where a sentence belongs, vague causes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from sketchlab.cli import main
+from sketchlab.convert import convert_attention, load_linearized, save_linearized
+from tests.test_convert import _bert, _gpt2, _llama
+
+MAKERS = {"llama": _llama, "gpt2": _gpt2, "bert": _bert}
+
+
+def _tree(root: Path) -> dict:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _converted(kind: str, **options):
+    model = MAKERS[kind]()
+    convert_attention(model, **{"attention": "hedgehog", "m": 4, "window": 3, "sinks": 1, **options})
+    return model
+
+
+def _ids(T=10, seed=5):
+    return torch.randint(1, 50, (1, T), generator=torch.Generator().manual_seed(seed))
+
+
+def _out(model, ids):
+    with torch.no_grad():
+        out = model(input_ids=ids)
+    return out.logits if hasattr(out, "logits") else out.last_hidden_state
+
+
+@pytest.fixture(scope="module")
+def teacher_dirs(tmp_path_factory):
+    """The three tiny teachers saved with ``save_pretrained`` (what ``from_pretrained`` reads)."""
+    root = tmp_path_factory.mktemp("teachers")
+    for kind, make in MAKERS.items():
+        make().save_pretrained(root / kind)
+    return root
+
+
+def _loaded(teacher_dirs, kind: str) -> torch.nn.Module:
+    cls = {"llama": transformers.LlamaForCausalLM, "gpt2": transformers.GPT2LMHeadModel,
+           "bert": transformers.BertModel}[kind]
+    return cls.from_pretrained(teacher_dirs / kind).double().eval()
+
+
+# ------------------------------------------------------------------------------------------------
+# 1. data loss: a save never lands on an input of the run; a failed multi-file save loses nothing
+
+
+@pytest.mark.parametrize("kind", list(MAKERS))
+@pytest.mark.parametrize("spelling", ["same", "dotdot", "symlink", "parent"])
+def test_save_onto_the_teacher_directory_is_refused(kind, spelling, teacher_dirs, tmp_path):
+    teacher = tmp_path / "teacher"
+    shutil.copytree(teacher_dirs / kind, teacher)
+    model = _loaded_from(teacher, kind)
+    convert_attention(model, attention="hedgehog", m=4, window=3, sinks=1)
+    before = _tree(tmp_path)
+    target = {"same": teacher, "dotdot": teacher / ".." / "teacher", "parent": tmp_path}.get(spelling)
+    if spelling == "symlink":
+        target = tmp_path / "link"
+        target.symlink_to(teacher, target_is_directory=True)
+        before = _tree(tmp_path)
+    with pytest.raises(ValueError, match=r"save_linearized: output directory .* (holds|is) the input .*teacher"):
+        save_linearized(model, target)
+    assert _tree(tmp_path) == before  # nothing written, nothing created
+
+
+def _loaded_from(path: Path, kind: str):
+    cls = {"llama": transformers.LlamaForCausalLM, "gpt2": transformers.GPT2LMHeadModel,
+           "bert": transformers.BertModel}[kind]
+    return cls.from_pretrained(path).double().eval()
+
+
+def test_save_onto_a_declared_input_is_refused(tmp_path):
+    """The text file (or any file the run read) passed as ``inputs=``: the directory is that file,
+    or holds it; a hard link to it in the directory is replaced, never written through."""
+    model = _converted("gpt2")
+    text = tmp_path / "t.txt"
+    text.write_text("a b c\n")
+    with pytest.raises(ValueError, match=r"output directory .*t.txt' is the input .*t.txt"):
+        save_linearized(model, text, inputs=[text])
+    out = tmp_path / "out"
+    out.mkdir()
+    os.link(text, out / "config.json")  # another name of the input: replaced by a rename, never written through
+    save_linearized(model, out, inputs=[text])
+    assert text.read_text() == "a b c\n"
+    with pytest.raises(ValueError, match=r"output directory .*out' holds the input .*out/t.txt"):
+        shutil.copy(text, out / "t.txt")
+        save_linearized(model, out, inputs=[out / "t.txt"])
+
+
+def test_save_onto_the_gguf_file_is_refused(tmp_path):
+    """``load_pretrained`` records the file it read: a save onto it (or its link) is refused."""
+    model = _converted("gpt2")
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF....")
+    model.sketchlab_source = str(gguf)
+    link = tmp_path / "link.gguf"
+    link.symlink_to(gguf)
+    for target in (gguf, link):
+        with pytest.raises(ValueError, match=r"is the input .*m.gguf"):
+            save_linearized(model, target)
+    assert gguf.read_bytes() == b"GGUF...."
+
+
+def test_a_failing_save_leaves_the_previous_one(tmp_path, monkeypatch):
+    """The save is built beside the directory and moved in at the end: a save that fails half-way
+    (here: writing the weights) leaves the earlier save loadable, byte for byte."""
+    model = _converted("llama")
+    save_linearized(model, tmp_path / "lin")
+    before = _tree(tmp_path / "lin")
+    other = _converted("llama", m=6)
+
+    def broken(self, directory, *args, **kwargs):
+        (Path(directory) / "model.safetensors").write_bytes(b"half")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(type(other), "save_pretrained", broken)
+    with pytest.raises(OSError, match="No space left"):
+        save_linearized(other, tmp_path / "lin")
+    assert _tree(tmp_path / "lin") == before
+    assert sorted(os.listdir(tmp_path)) == ["lin"]  # no staging directory left behind
+    load_linearized(tmp_path / "lin", _llama())
+
+
+@pytest.mark.parametrize("kind", ["llama", "toy"])
+def test_saved_files_get_the_usual_permissions(kind, tmp_path):
+    """safetensors creates its files 0o600; a save's files all get ``0o666 & ~umask`` like their siblings."""
+    model = _converted("llama") if kind == "llama" else _toy_converted()
+    save_linearized(model, tmp_path / "lin")
+    umask = os.umask(0)
+    os.umask(umask)
+    modes = {f.name: f.stat().st_mode & 0o777 for f in (tmp_path / "lin").iterdir()}
+    assert set(modes.values()) == {0o666 & ~umask}, modes
+
+
+def _toy_converted():
+    from sketchlab.tasks.model import TransformerConfig, TransformerLM
+
+    torch.manual_seed(0)
+    model = TransformerLM(TransformerConfig(vocab_size=16, d_model=16, n_layers=1, n_heads=2))
+    convert_attention(model, attention="hedgehog", m=4, window=3, sinks=1)
+    return model
+
+
+def test_failed_npy_dump_save_keeps_the_earlier_dump(tmp_path, monkeypatch):
+    """A ``.npy`` dump is several files: a save that fails while moving them in puts every old one
+    back (the earlier dump still loads, unchanged) and leaves no temporary file."""
+    from sketchlab.io import load_qk, save_qk
+
+    old_q, old_k = torch.randn(1, 2, 6, 4), torch.randn(1, 2, 6, 4)
+    save_qk(tmp_path / "d.npy", old_q, old_k, v=torch.randn(1, 2, 6, 4))
+    before = _tree(tmp_path)
+    calls = {"n": 0}
+    real = os.replace
+
+    def failing(src, dst, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise OSError(5, "Input/output error")
+        return real(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "replace", failing)
+    with pytest.raises(OSError, match="Input/output error"):
+        save_qk(tmp_path / "d.npy", torch.zeros(1, 2, 6, 4), torch.zeros(1, 2, 6, 4))
+    monkeypatch.setattr(os, "replace", real)
+    assert _tree(tmp_path) == before
+    dump = load_qk(tmp_path / "d.npy")
+    torch.testing.assert_close(dump.q.float(), old_q) and torch.testing.assert_close(dump.k.float(), old_k)
+
+
+# ------------------------------------------------------------------------------------------------
+# 2. saved conversions that lie: every copy of the options agrees, the weights match them
+
+
+def _edit(path: Path, key: str, value, *, nested: str | None = None) -> None:
+    data = json.loads(path.read_text())
+    (data[nested] if nested else data)[key] = value
+    path.write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize("kind", list(MAKERS))
+@pytest.mark.parametrize("key,value", [("window", 5), ("sinks", 0), ("local", "poly"), ("eps", 1e-3), ("m", 6),
+                                       ("tied", True), ("attention", "taylor"), ("seed", 3)])
+@pytest.mark.parametrize("where", ["options", "config"])
+def test_an_edited_option_is_refused_naming_file_key_and_values(kind, key, value, where, tmp_path):
+    save_linearized(_converted(kind), tmp_path / "lin")
+    if where == "options":
+        _edit(tmp_path / "lin" / "sketchlab_conversion.json", key, value)
+    else:
+        _edit(tmp_path / "lin" / "config.json", key, value, nested="sketchlab")
+    was = json.loads((tmp_path / "lin" / "sketchlab_conversion.json").read_text()) if where == "config" else \
+        json.loads((tmp_path / "lin" / "config.json").read_text())["sketchlab"]
+    fresh = MAKERS[kind]()
+    with pytest.raises(ValueError, match=rf"options disagree: .*{key}=.*{key}=") as err:
+        load_linearized(tmp_path / "lin", fresh)
+    message = str(err.value)
+    assert "sketchlab_conversion.json" in message and "config.json" in message
+    assert repr(value) in message and repr(was[key]) in message
+    assert not any(type(m).__name__ == "SketchedAttention" for m in fresh.modules())  # refused before converting
+
+
+@pytest.mark.parametrize("key,value", [("window", 5), ("m", 6), ("tied", True)])
+def test_an_edited_toy_option_is_refused(key, value, tmp_path):
+    """The toy model has no config.json: its weights' metadata holds the second copy."""
+    save_linearized(_toy_converted(), tmp_path / "toy")
+    _edit(tmp_path / "toy" / "sketchlab_conversion.json", key, value)
+    with pytest.raises(ValueError, match=rf"options disagree: sketchlab_conversion.json has {key}=.*"
+                                         rf"model.safetensors has {key}="):
+        load_linearized(tmp_path / "toy", _toy_converted_teacher())
+
+
+def _toy_converted_teacher():
+    from sketchlab.tasks.model import TransformerConfig, TransformerLM
+
+    return TransformerLM(TransformerConfig(vocab_size=16, d_model=16, n_layers=1, n_heads=2))
+
+
+@pytest.mark.parametrize("key,value,match", [
+    ("window", -1, r"window must be an integer >= 0, got -1"),
+    ("m", "64", r"m must be an integer >= 1, got '64'"),
+    ("local", "nope", r"local must be one of"),
+    ("eps", "nan", r"eps must be a finite number >= 0"),
+    ("attention", 3, r"attention must be a feature-map name"),
+    ("gate", "yes", r"gate must be a bool"),
+])
+def test_an_invalid_option_in_both_copies_names_the_file_and_rule(key, value, match, tmp_path):
+    save_linearized(_converted("gpt2"), tmp_path / "lin")
+    _edit(tmp_path / "lin" / "sketchlab_conversion.json", key, value)
+    _edit(tmp_path / "lin" / "config.json", key, value, nested="sketchlab")
+    with pytest.raises(ValueError, match=r"sketchlab_conversion.json: the saved conversion options are refused: " + match):
+        load_linearized(tmp_path / "lin", _gpt2())
+
+
+def test_unknown_and_missing_options_are_named(tmp_path):
+    save_linearized(_converted("gpt2"), tmp_path / "lin")
+    for path, nested in ((tmp_path / "lin" / "sketchlab_conversion.json", None), (tmp_path / "lin" / "config.json", "sketchlab")):
+        _edit(path, "windw", 5, nested=nested)
+    with pytest.raises(ValueError, match=r"sketchlab_conversion.json: unknown conversion option 'windw'"):
+        load_linearized(tmp_path / "lin", _gpt2())
+    for path, nested in ((tmp_path / "lin" / "sketchlab_conversion.json", None), (tmp_path / "lin" / "config.json", "sketchlab")):
+        data = json.loads(path.read_text())
+        target = data[nested] if nested else data
+        del target["windw"], target["window"]
+        path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=r"the conversion option 'window' is missing"):
+        load_linearized(tmp_path / "lin", _gpt2())
+
+
+def test_weights_of_another_save_are_named_with_both_shapes(tmp_path):
+    """Weights copied in from a save with another m: the tensor and both shapes, not torch's
+    "size mismatch"."""
+    save_linearized(_converted("llama", m=4), tmp_path / "a")
+    save_linearized(_converted("llama", m=6), tmp_path / "b")
+    shutil.copy(tmp_path / "b" / "model.safetensors", tmp_path / "a" / "model.safetensors")
+    with pytest.raises(ValueError, match=r"tensor '.*sketch.*' has shape \[4, 8, 3\] in the saved weights and \[4, 8, 2\] "
+                                         r"in the model converted with the saved options"):
+        load_linearized(tmp_path / "a", _llama())
+
+
+def test_the_gate_init_used_is_recorded_and_reloads(tmp_path):
+    """``linearize(gate_init="search")`` records "search" (not the 0.0 it converted with) and the save reloads."""
+    from sketchlab.convert import linearize
+
+    model = _llama()
+    ids = torch.randint(1, 50, (6, 16), generator=torch.Generator().manual_seed(0))
+    model, report = linearize(model, ids, attention="hedgehog", m=4, window=3, sinks=1, gate_init="search",
+                              transfer_steps=0, seq_len=16, holdout=0.34, evaluate=False)
+    assert model.config.sketchlab["gate_init"] == "search" == report.settings["gate_init"]
+    save_linearized(model, tmp_path / "lin")
+    assert json.loads((tmp_path / "lin" / "sketchlab_conversion.json").read_text())["gate_init"] == "search"
+    fresh = load_linearized(tmp_path / "lin", _llama())
+    ids = _ids()
+    torch.testing.assert_close(_out(fresh, ids), _out(model, ids), rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------------------------------------
+# 3. tracebacks where a sentence belongs
+
+
+@pytest.mark.parametrize("damage", ["empty", "truncated", "garbage"])
+def test_a_damaged_weight_file_is_named_by_load_linearized(damage, tmp_path):
+    save_linearized(_converted("gpt2"), tmp_path / "lin")
+    weights = tmp_path / "lin" / "model.safetensors"
+    raw = weights.read_bytes()
+    weights.write_bytes({"empty": b"", "truncated": raw[: len(raw) // 2], "garbage": b"\x00" * 64}[damage])
+    fresh = _gpt2()
+    with pytest.raises(ValueError, match=r"model.safetensors: (the file is empty|unreadable safetensors file)"):
+        load_linearized(tmp_path / "lin", fresh)
+    assert not any(type(m).__name__ == "SketchedAttention" for m in fresh.modules())
+
+
+@pytest.mark.parametrize("damage", ["empty", "truncated"])
+def test_a_damaged_teacher_is_named_by_load_pretrained(damage, tmp_path):
+    from sketchlab.convert.pretrained import load_pretrained
+    from tests.test_cli_linearize_lm import _model_dir
+
+    _model_dir(tmp_path / "m")
+    weights = tmp_path / "m" / "model.safetensors"
+    raw = weights.read_bytes()
+    weights.write_bytes(b"" if damage == "empty" else raw[: len(raw) // 2])
+    with pytest.raises(ValueError, match=r"m: could not load the model \(missing, truncated or corrupt weights or "
+                                         r"config\) \(model.safetensors: \d+ bytes"):
+        load_pretrained(tmp_path / "m")
+
+
+def test_load_linearized_of_a_file_or_missing_directory(tmp_path):
+    (tmp_path / "f").write_text("x")
+    for target in (tmp_path / "f", tmp_path / "missing"):
+        with pytest.raises(ValueError, match=r"not a directory"):
+            load_linearized(target, _gpt2())
