@@ -331,3 +331,148 @@ def test_load_linearized_of_a_file_or_missing_directory(tmp_path):
     for target in (tmp_path / "f", tmp_path / "missing"):
         with pytest.raises(ValueError, match=r"not a directory"):
             load_linearized(target, _gpt2())
+
+
+@pytest.mark.parametrize("texts,match", [
+    (torch.tensor([[1, 2, 50, 3] * 4] * 3), r"linearize: texts: token id 50 is outside the model's vocabulary of 50"),
+    (torch.tensor([[1, 2, 3, 4] * 4] * 3) * 1000, r"token id 4000 is outside the model's vocabulary of 50"),
+    ([[1, 2, -3, 4] * 4] * 3, r"texts: token ids must be >= 0"),
+    ([[], []], r"texts hold no tokens"),
+])
+@pytest.mark.parametrize("kind", list(MAKERS))
+def test_linearize_token_ids_outside_the_vocabulary(kind, texts, match):
+    """Not torch's IndexError from the embedding: the id, the vocabulary, refused before any work."""
+    from sketchlab.convert import linearize
+
+    model = MAKERS[kind]()
+    with pytest.raises(ValueError, match=match):
+        linearize(model, texts, attention="hedgehog", m=4, window=3, sinks=1, seq_len=16, transfer_steps=0)
+    assert not any(type(m).__name__ == "SketchedAttention" for m in model.modules())
+
+
+class _Tokenizer:
+    def __call__(self, text):
+        return {"input_ids": [1 + (ord(c) % 40) for c in text.split()]}
+
+
+@pytest.mark.parametrize("text", ["", "   \n\t ", ["", " "]])
+def test_linearize_empty_text(text):
+    from sketchlab.convert import linearize
+
+    with pytest.raises(ValueError, match=r"texts hold no tokens \(an empty or whitespace-only text"):
+        linearize(_gpt2(), text, tokenizer=_Tokenizer(), attention="hedgehog", m=4, seq_len=16)
+
+
+@pytest.mark.parametrize("kind", list(MAKERS))
+def test_a_map_of_a_billion_features_is_estimated_and_refused(kind):
+    """convert_attention and linearize: the size, the budget, the way out, before any map is drawn
+    (and, for linearize, before the teacher pass)."""
+    from sketchlab.convert import linearize
+
+    model = MAKERS[kind]()
+    with pytest.raises(ValueError, match=r"feature maps of 2 layers .* m=1000000000.* would take [\d.e+]+ GiB, over the "
+                                         r"memory budget .*give a smaller m, rank or p"):
+        convert_attention(model, m=10**9)
+    with pytest.raises(ValueError, match=r"would take .* GiB, over the memory budget max_bytes=1 GiB"):
+        convert_attention(model, attention="hedgehog", m=2**24, max_bytes=2**30)
+    ids = torch.randint(1, 50, (4, 16), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match=r"m=1000000000.* would take"):
+        linearize(model, ids, m=10**9, seq_len=16)
+    assert not any(type(m).__name__ == "SketchedAttention" for m in model.modules())
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(embed_dim=100000, num_heads=1), r"LLoPSAttention\(100000, 1\): its four 100000x100000 projections .* would "
+                                          r"take 447 GiB, over the memory budget"),
+    (dict(embed_dim=16, num_heads=2, m=10**9), r"LLoPSAttention\(16, 2\): .* would take 477 GiB"),
+    (dict(embed_dim=64, num_heads=2, max_bytes=2**10), r"would take .* over the memory budget"),
+    (dict(embed_dim=16, num_heads=2, scale=1e-200, window=4), r"scale=1e-200: the window's softmax divides the scaled "
+                                                             r"qᵀk by scale² = 0, which under- or overflows float64"),
+    (dict(embed_dim=16, num_heads=2, scale=1e200, window=4), r"scale=1e\+200: .* scale² = inf"),
+])
+def test_llops_attention_sizes_and_scales_named(kwargs, match):
+    """Not an 80 GB torch allocation error, not a ZeroDivisionError in attention/module.py."""
+    from sketchlab.attention.module import LLoPSAttention
+
+    with pytest.raises(ValueError, match=match):
+        LLoPSAttention(**kwargs)
+
+
+def test_llops_attention_tiny_scale_without_window_still_runs():
+    """Without a window the local scale is unused: a tiny scale is not refused (its far part underflows
+    to 0 with the denominator warning, as before the regression)."""
+    from sketchlab.attention.module import LLoPSAttention
+
+    block = LLoPSAttention(16, 2, scale=1e-200)
+    with pytest.warns(RuntimeWarning, match="denominator"):
+        out = block(torch.randn(1, 5, 16))
+    assert torch.isfinite(out).all()
+
+
+# ------------------------------------------------------------------------------------------------
+# 4. vague or wrong causes: sketchlab linearize --text
+
+
+@pytest.fixture(scope="module")
+def gpt2_dir(tmp_path_factory):
+    from tests.test_cli_linearize_lm import _model_dir
+
+    root = tmp_path_factory.mktemp("gpt2dir")
+    _model_dir(root / "m")
+    return root / "m"
+
+
+def _cli_exit_2(argv, capsys, match):
+    rc = main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith("sketchlab: error: "), err
+    assert re.search(match, err[0]), err[0]
+
+
+@pytest.mark.parametrize("content,match", [
+    (b"", r"--text .*: holds no text \(empty\)"),
+    (b"  \n\t\n  ", r"--text .*: holds no text \(whitespace only\)"),
+    ("caf\xe9 au lait".encode("latin-1"), r"--text .*: not UTF-8 \(byte 0xe9 at offset 3\); convert it, e.g. iconv"),
+    (b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR", r"--text .*: a binary file \(NUL byte at offset 8\)"),
+    ("dir", r"--text .*: is a directory; give a UTF-8 text file"),
+    ("missing", r"--text .*: no such file"),
+])
+def test_cli_text_causes_are_named(content, match, gpt2_dir, tmp_path, capsys, monkeypatch):
+    import sketchlab.convert.pretrained
+
+    monkeypatch.setattr(sketchlab.convert.pretrained, "load_pretrained",
+                        lambda *a, **k: (_ for _ in ()).throw(AssertionError("started its work")))
+    text = tmp_path / "t.txt"
+    if content == "dir":
+        text.mkdir()
+    elif content != "missing":
+        text.write_bytes(content)
+    _cli_exit_2(["linearize", "--model-dir", str(gpt2_dir), "--text", str(text), "--out", str(tmp_path / "o"),
+                 "--no-progress"], capsys, match)
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root reads a chmod-000 file")
+def test_cli_unreadable_text_is_named(gpt2_dir, tmp_path, capsys):
+    text = tmp_path / "t.txt"
+    text.write_text("a b c")
+    text.chmod(0)
+    try:
+        _cli_exit_2(["linearize", "--model-dir", str(gpt2_dir), "--text", str(text), "--out", str(tmp_path / "o")],
+                    capsys, r"--text .*: cannot be read \(Permission denied\)")
+    finally:
+        text.chmod(0o644)
+
+
+def test_cli_truncated_model_dir_is_named(gpt2_dir, tmp_path, capsys):
+    from tests.test_cli_linearize_lm import _text_file
+
+    broken = tmp_path / "m"
+    shutil.copytree(gpt2_dir, broken)
+    raw = (broken / "model.safetensors").read_bytes()
+    (broken / "model.safetensors").write_bytes(raw[: len(raw) // 3])
+    _text_file(tmp_path / "t.txt", 100)
+    _cli_exit_2(["linearize", "--model-dir", str(broken), "--text", str(tmp_path / "t.txt"), "--out",
+                 str(tmp_path / "o"), "--no-progress"], capsys,
+                r"could not load the model \(missing, truncated or corrupt weights or config\) \(model.safetensors: "
+                r"\d+ bytes\)")

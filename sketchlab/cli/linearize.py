@@ -276,6 +276,33 @@ def _pretrained_settings(args) -> dict:
             **{key: getattr(args, key) for key in keys}}
 
 
+def _read_text(given: str) -> str:
+    """The ``--text`` file's text, or a ``UsageError`` naming the cause: missing, a directory,
+    unreadable, binary (NUL bytes), not UTF-8 (the offending byte and offset, the way to convert it),
+    or empty / whitespace only."""
+    path = Path(given)
+    if not os.path.lexists(path):
+        raise UsageError(f"--text {given}: no such file")
+    if path.is_dir():
+        raise UsageError(f"--text {given}: is a directory; give a UTF-8 text file")
+    try:
+        raw = path.read_bytes()
+    except OSError as err:
+        raise UsageError(f"--text {given}: cannot be read ({err.strerror or err})") from None
+    nul = raw.find(b"\0")
+    if nul >= 0:
+        raise UsageError(f"--text {given}: a binary file (NUL byte at offset {nul}), not text; give a UTF-8 text file")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise UsageError(f"--text {given}: not UTF-8 (byte 0x{raw[err.start]:02x} at offset {err.start}); convert it, "
+                         "e.g. iconv -f latin1 -t utf-8") from None
+    if not text.strip():
+        raise UsageError(f"--text {given}: holds no text ({'empty' if not text else 'whitespace only'}); give text to "
+                         "train on")
+    return text
+
+
 def _run_pretrained(args) -> int:
     from ..convert.convert import check_layout
     from ..convert.saved import save_linearized
@@ -287,9 +314,7 @@ def _run_pretrained(args) -> int:
 
     if args.text is None:
         raise UsageError("--text is required with --model-dir / --gguf")
-    text_path = Path(args.text)
-    if not text_path.is_file():
-        raise UsageError(f"--text {args.text}: no such file")
+    text = _read_text(args.text)
     if args.holdout <= 0:
         raise UsageError(f"--holdout must lie in (0, 1) with --model-dir / --gguf, got {args.holdout}")
     if isinstance(args.gate_init, str) and args.window == 0:
@@ -309,7 +334,6 @@ def _run_pretrained(args) -> int:
                       staged=["--out"])
     wanted = _pretrained_settings(args)
     _check_run_dir(out, PRETRAINED_FILES, wanted)
-    text = text_path.read_text(encoding="utf-8")
     with transformers_progress(not args.no_progress):
         model, tokenizer = load_pretrained(args.model_dir, gguf=args.gguf)
     model, report = linearize(

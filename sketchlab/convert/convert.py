@@ -23,10 +23,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .._validation import DEFAULT_MAX_BYTES, check_memory
+
 from .families import ToyKernel, attention_sites, family_of
 from .sketched import ATTENTION_NAME, LOCALS, SketchedAttention, forget_cache, hf_attention, hf_mask, remember_cache
 
-__all__ = ["DEFAULT_SINKS", "check_layout", "convert_attention", "converted_modules"]
+__all__ = ["DEFAULT_SINKS", "check_layout", "check_map_memory", "convert_attention", "converted_modules"]
 
 #: Attention sinks of a hybrid (``window > 0``) when ``sinks=None``: the measured best for converted
 #: models (DESIGN §6). Pure linear attention (``window=0``) has no exact keys and gets none.
@@ -65,6 +67,17 @@ def check_layout(window, sinks, local: str = "softmax", normalize: str | None = 
     check_hybrid(window, sinks, local, None, None, normalize="sum" if normalize is None else normalize, heads=1,
                  dim=1, like=torch.empty(0))
     return window, sinks
+
+
+def check_map_memory(sites, attention: str, *, p: int, m: int, rank: int, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+    """Refuse, before any map is drawn, feature maps whose parameters exceed ``max_bytes``: two maps
+    per layer of at most ``H·rank·p·D·m`` values (LLoPS, the largest), drawn in float64
+    (:func:`sketchlab._validation.check_memory`: the size, the budget, the way out)."""
+    values = 2 * sum(site.heads * site.head_dim for site in sites) * rank * p * m
+    check_memory(values * 8, max_bytes=max_bytes,
+                 what=f"the {attention!r} feature maps of {len(sites)} layers (two per layer, up to H·rank·p·D·m "
+                      f"parameters each, drawn in float64; p={p}, m={m}, rank={rank})",
+                 way_out="give a smaller m, rank or p")
 
 
 def _theta_tensors(theta, layers: int):
@@ -173,7 +186,7 @@ def convert_attention(model: nn.Module, *, attention: str = "llops", p: int = 2,
                       window: int = 64, sinks: int | None = None, local: str = "softmax", feature_map=None, theta=None,
                       normalize: str | None = None, non_negative: bool = False, eps: float = 1e-6, learn: bool = True,
                       gate: bool = True, gate_init: float = 0.0, tied: bool | None = None,
-                      seed: int = 0) -> list[SketchedAttention]:
+                      seed: int = 0, max_bytes: int = DEFAULT_MAX_BYTES) -> list[SketchedAttention]:
     r"""Swap every self-attention of ``model`` for sketched attention, in place; keep every weight.
 
     Parameters
@@ -239,6 +252,10 @@ def convert_attention(model: nn.Module, *, attention: str = "llops", p: int = 2,
         the toy model (its equal factors stay equal under training) and for every other map.
     seed : int
         Seeds torch's generator while the maps are built (random initialisations are reproducible).
+    max_bytes : int
+        Memory budget of the maps' parameters (``2·L·H·rank·p·D·m`` values, drawn in float64), checked
+        before any is built: a ``ValueError`` names the size, the budget and the way out (a smaller
+        ``m``, ``rank`` or ``p``). Default 4 GiB.
 
     Returns
     -------
@@ -282,6 +299,8 @@ def convert_attention(model: nn.Module, *, attention: str = "llops", p: int = 2,
     if feature_map is not None and not callable(feature_map):
         raise TypeError("feature_map must be callable: feature_map(layer, heads, head_dim) -> FeatureMap or (map_q, map_k)")
     family, sites = attention_sites(model)
+    if feature_map is None:  # the maps' parameters, before any is drawn (a map of 10⁹ features: hundreds of GB)
+        check_map_memory(sites, attention, p=p, m=m, rank=rank, max_bytes=max_bytes)
     tied = _resolve_tied(tied, attention, feature_map, p, family, theta is not None)
     if family != "toy":
         _warn_teacher_window(model)

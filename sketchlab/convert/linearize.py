@@ -41,7 +41,8 @@ from torch import nn
 
 from .._validation import DEFAULT_MAX_BYTES, check_memory, check_nonnegative_int, check_positive_int
 from ..capture import _check_against_model
-from .convert import _make_maps, _options, _resolve_tied, check_layout, convert_attention, converted_modules
+from .convert import (_make_maps, _options, _resolve_tied, check_layout, check_map_memory, convert_attention,
+                      converted_modules)
 from .families import attention_sites, family_of
 from .sketched import check_local_map
 
@@ -1033,6 +1034,9 @@ def linearize(model: nn.Module, texts, *, tokenizer=None, attention: str = "llop
     tied = _resolve_tied(tied, attention, feature_map, p, family, has_theta=fitting)
     _, sites = attention_sites(model)
     _check_processes(processes, len(sites))  # at most one process per layer, before any work
+    if feature_map is None:
+        check_map_memory(sites, attention, p=check_positive_int(p, "p"), m=check_positive_int(m, "m"),
+                         rank=check_positive_int(rank, "rank"), max_bytes=max_bytes)
     with torch.random.fork_rng(devices=[]):  # layer 0's query map as convert_attention will make it
         probe = _make_maps(attention, feature_map, 0, sites[0].heads, sites[0].head_dim, p, m, rank, seed, tied)[0]
     check_local_map(probe, window=window, local=local)  # the layer's own rule, before the teacher is recorded
@@ -1074,7 +1078,8 @@ def linearize(model: nn.Module, texts, *, tokenizer=None, attention: str = "llop
                                      fit_tokens=fit_tokens, seed=seed, fit_options=fit_options)
     sketches = convert_attention(model, attention=attention, p=p, m=m, rank=rank, window=window, sinks=sinks,
                                  local=local, feature_map=feature_map, theta=theta, normalize=normalize,
-                                 gate_init=0.0 if isinstance(gate_init, str) else gate_init, tied=tied, seed=seed)
+                                 gate_init=0.0 if isinstance(gate_init, str) else gate_init, tied=tied, seed=seed,
+                                 max_bytes=max_bytes)
     gates = None
     if isinstance(gate_init, str):
         from .scale import calibrate_gates
