@@ -476,3 +476,64 @@ def test_cli_truncated_model_dir_is_named(gpt2_dir, tmp_path, capsys):
                  str(tmp_path / "o"), "--no-progress"], capsys,
                 r"could not load the model \(missing, truncated or corrupt weights or config\) \(model.safetensors: "
                 r"\d+ bytes\)")
+
+
+# ------------------------------------------------------------------------------------------------
+# 4. vague or wrong causes: Q/K dumps (a directory, an unreadable file, a single .npy array)
+
+
+def _dump_case(case: str, tmp_path: Path) -> Path:
+    if case == "single-npy":
+        np.save(tmp_path / "single.npy", np.zeros((4, 8)))
+        return tmp_path / "single.npy"
+    if case == "single-npy-pair":
+        np.save(tmp_path / "pair.npy", np.zeros((2, 4, 8)))
+        return tmp_path / "pair.npy"
+    path = tmp_path / {"dir-safetensors": "d.safetensors", "dir-npy": "d.npy", "dir-pt": "d.pt",
+                       "dir-noext": "dumps", "dir-npy-part": "x.npy"}[case]
+    (tmp_path / "x.q.npy" if case == "dir-npy-part" else path).mkdir()
+    return path
+
+
+@pytest.mark.parametrize("case,match", [
+    ("single-npy", r"single.npy: a single .npy array of shape \(4, 8\) is ambiguous"),
+    ("single-npy-pair", r"pair.npy: a single .npy array of shape \(2, 4, 8\) is ambiguous \(its leading axis of size 2"),
+    ("dir-safetensors", r"d.safetensors: is a directory, not a file"),
+    ("dir-npy", r"d.npy: is a directory, not a file"),
+    ("dir-pt", r"d.pt: is a directory, not a file"),
+    ("dir-noext", r"dumps: is a directory, not a file"),
+    ("dir-npy-part", r"x.q.npy: is a directory, not a file"),
+])
+@pytest.mark.parametrize("entry", ["load_qk", "load_dump", "cli"])
+def test_dump_causes_are_named(case, match, entry, tmp_path, capsys):
+    """The library's own message on every entry point: not "does not exist" (the regression in
+    ``_dumpsel``), not "no such file" for a directory, not "unknown extension ''"."""
+    from sketchlab._dumpsel import load_dump
+    from sketchlab.io import load_qk
+
+    path = _dump_case(case, tmp_path)
+    if entry == "cli":
+        _cli_exit_2(["compare", str(path), "--p", "2", "--m", "4", "--methods", "psf"], capsys, match)
+        return
+    with pytest.raises((ValueError, OSError), match=match):
+        (load_qk if entry == "load_qk" else load_dump)(path)
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".pt", ".npz", ".npy"])
+def test_an_unreadable_dump_is_named(suffix, tmp_path, monkeypatch, capsys):
+    """A chmod-000 dump: "cannot be read (permission denied ...)", not "No such file or directory".
+    (The tests run as root, who reads any file: ``os.access`` stands in for the kernel's answer.)"""
+    from sketchlab.io import load_qk, save_qk
+
+    path = save_qk(tmp_path / f"d{suffix}", torch.randn(6, 4), torch.randn(6, 4))
+    path.chmod(0)
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, *a, **k: False if Path(p) == path else real(p, mode, *a, **k))
+    try:
+        with pytest.raises(PermissionError, match=rf"d(.q)?{re.escape(suffix)}: cannot be read \(permission denied: "
+                                                  r"the file's mode is 000\)"):
+            load_qk(tmp_path / f"d{suffix}")
+        _cli_exit_2(["compare", str(tmp_path / f"d{suffix}"), "--p", "2", "--m", "4", "--methods", "psf"], capsys,
+                    r"cannot be read \(permission denied")
+    finally:
+        path.chmod(0o644)

@@ -65,7 +65,7 @@ import torch
 from .._validation import check_finite
 from .atomic import DUMP_NAMES as _NAMES
 from .atomic import _create_temp, _fsync_file, atomic_write, npy_parts, replace_together
-from .formats import _as_tensor, _canonical_safetensors, _check_meta, _loads_json, _read_safetensors
+from .formats import _as_tensor, _canonical_safetensors, _check_meta, _loads_json, _read_safetensors, require_file
 from .layout import LAYOUTS as _LAYOUTS
 from .layout import _apply_layout, select_indices
 
@@ -98,6 +98,8 @@ class QKDump:
 
 def _read_raw(path: Path) -> tuple[dict, dict]:
     """Return ``(entries, meta)`` as stored; ``entries`` maps names to tensors/arrays/dicts."""
+    if path.is_dir():
+        require_file(path)  # "is a directory", not "no such file" or "unknown extension"
     ext = path.suffix.lower()
     if ext not in _EXTENSIONS:
         raise ValueError(
@@ -118,7 +120,12 @@ def _read_raw(path: Path) -> tuple[dict, dict]:
                 f"as sibling files NAME.q.npy and NAME.k.npy (see save_qk) or use .npz/.safetensors"
             )
         if not parts["q"].is_file() and not parts["k"].is_file():
+            if parts["q"].is_dir():
+                require_file(parts["q"])  # names the directory
             raise FileNotFoundError(f"{path}: no such dump, it does not exist (looked for {parts['q']} and {parts['k']})")
+        for part in parts.values():
+            if os.path.lexists(part):
+                require_file(part)
         meta = {}
         if parts["meta"].is_file():
             try:
@@ -131,8 +138,7 @@ def _read_raw(path: Path) -> tuple[dict, dict]:
         return entries, meta
     if ext == ".safetensors":
         return _read_safetensors(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such file (it does not exist)")
+    require_file(path)
     if path.stat().st_size == 0:
         raise ValueError(f"{path}: the file is empty (0 bytes), not a {ext} dump")
     if ext == ".pt":
