@@ -537,3 +537,73 @@ def test_an_unreadable_dump_is_named(suffix, tmp_path, monkeypatch, capsys):
                     r"cannot be read \(permission denied")
     finally:
         path.chmod(0o644)
+
+
+@pytest.mark.parametrize("kind", list(MAKERS))
+def test_nan_teacher_weights_are_named(kind):
+    """Not "no valid next-token target" after the teacher pass: the weight, before any work."""
+    from sketchlab.convert import linearize
+
+    model = MAKERS[kind]()
+    name, weight = next(iter(model.named_parameters()))
+    with torch.no_grad():
+        weight.view(-1)[3] = float("nan")
+    with pytest.raises(ValueError, match=rf"the teacher's weight '{re.escape(name)}' holds 1 non-finite value"):
+        linearize(model, _ids(16).repeat(4, 1), attention="hedgehog", m=4, window=3, sinks=1, seq_len=16)
+
+
+@pytest.mark.parametrize("half", [False, True])
+def test_a_stage_that_diverges_names_itself_and_the_way_out(half, monkeypatch):
+    """"phi_q must be finite" from inside a stage: which stage, and what to do (float32 for a
+    half-precision model)."""
+    import importlib
+
+    lin = importlib.import_module("sketchlab.convert.linearize")
+
+    def diverged(*args, **kwargs):
+        raise ValueError("phi_q must be finite: 3 non-finite value(s) of 96")
+
+    monkeypatch.setattr(lin, "attention_errors", diverged)
+    model = _llama().half() if half else _llama()
+    way = r"the model is float16, .* convert it in float32" if half else r"give another map"
+    with pytest.raises(FloatingPointError, match=r"linearize: stage init diverged \(phi_q must be finite.*\); " + way):
+        lin.linearize(model, _ids(16).repeat(4, 1), attention="hedgehog", m=4, window=3, sinks=1, seq_len=16,
+                      evaluate=False, transfer_steps=0)
+
+
+# ------------------------------------------------------------------------------------------------
+# 6. a stage that makes the model worse is not reported as done: the layer keeps its start, and says so
+
+
+@pytest.mark.parametrize("lr", [3.0, 1e30])
+@pytest.mark.parametrize("kind", list(MAKERS))
+def test_transfer_that_makes_layers_worse_keeps_their_start(kind, lr):
+    from sketchlab.convert import converted_modules, linearize
+
+    ids = torch.randint(1, 50, (6, 16), generator=torch.Generator().manual_seed(0))
+    with pytest.warns(RuntimeWarning, match=r"stage transfer made the held-back attention error of 2 of 2 layer\(s\) "
+                                            r"worse .*keep what they had before the stage. Lower transfer_lr"):
+        model, report = linearize(MAKERS[kind](), ids, attention="hedgehog", m=4, window=3, sinks=1, seq_len=16,
+                                  holdout=0.34, transfer_steps=5, transfer_lr=lr, gate_init=0.0)
+    init, transfer = report.stages
+    assert transfer["kept_initial"] == [0, 1] and transfer["layer_error"] == init["layer_error"]
+    assert all(not (t <= i) for t, i in zip(transfer["layer_error_trained"], init["layer_error"]))
+    assert transfer["metric"] == pytest.approx(init["metric"], rel=1e-9)  # the model is the stage-0 model again
+    for sketch in converted_modules(model):
+        assert all(bool(torch.isfinite(p).all()) for p in sketch.parameters())
+
+
+def test_cli_reports_the_layers_kept(gpt2_dir, tmp_path, capsys):
+    from tests.test_cli_linearize_lm import _text_file
+
+    _text_file(tmp_path / "t.txt", 300)
+    rc = main(["linearize", "--model-dir", str(gpt2_dir), "--text", str(tmp_path / "t.txt"), "--attention", "hedgehog",
+               "--m", "4", "--window", "3", "--sinks", "1", "--seq-len", "16", "--gate-init", "0",
+               "--transfer-steps", "3", "--transfer-lr", "1e30", "--out", str(tmp_path / "o"), "--no-progress"])
+    captured = capsys.readouterr()
+    assert rc == 0
+    assert re.search(r"sketchlab: warning: linearize: stage transfer made the held-back attention error of 2 of 2 "
+                     r"layer\(s\) worse", captured.err), captured.err
+    assert "stage transfer made layers [0, 1] worse: they keep their maps from before it" in captured.out
+    assert "keep what they had before the stage" in (tmp_path / "o" / "linearize.md").read_text()
+    assert json.loads((tmp_path / "o" / "linearize.json").read_text())["stages"][1]["kept_initial"] == [0, 1]

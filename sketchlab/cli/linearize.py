@@ -361,7 +361,9 @@ def _run_pretrained(args) -> int:
     last = summary["stages"][-1]
     print(f"{out}: held-out {metric}: teacher {summary['teacher_metric']:.4g}, "
           + ", ".join(f"{s['name']} {s['metric']:.4g}" for s in summary["stages"])
-          + f"; converted model in {out / 'model'} (sketchlab.load_linearized); stage {last['name']} done")
+          + f"; converted model in {out / 'model'} (sketchlab.load_linearized); stage {last['name']} done"
+          + "".join(f"; stage {s['name']} made layers {s['kept_initial']} worse: they keep their maps from before it"
+                    for s in summary["stages"] if s.get("kept_initial")))
     return 0
 
 
@@ -378,4 +380,10 @@ def _markdown(summary: dict) -> str:
         err = st["layer_error"]
         mean = "–" if not err else f"{sum(err) / len(err):.4f}"
         lines.append(f"| {st['name']} | {st['metric']:.4g} | {mean} | {st['seconds']:.1f} |")
+    for st in summary["stages"]:
+        if st.get("kept_initial"):
+            trained = st["layer_error_trained"]
+            lines += ["", f"Stage {st['name']} made the held-back attention error of layers {st['kept_initial']} worse "
+                      f"({', '.join(f'{trained[i]:.4g}' for i in st['kept_initial'][:6])} after it): those layers keep "
+                      "what they had before the stage (the table's error and perplexity are with them)."]
     return "\n".join(lines) + "\n"

@@ -45,6 +45,7 @@ from .convert import (_make_maps, _options, _resolve_tied, check_layout, check_m
                       converted_modules)
 from .families import attention_sites, family_of
 from .sketched import check_local_map
+from .stages import check_teacher_finite, keep_better, named_divergence, snapshot
 
 __all__ = ["LayerIO", "LinearizeReport", "attention_errors", "attention_transfer", "embedding_agreement", "fit_theta",
            "linearize", "lora_finetune", "perplexity", "sentence_embeddings", "teacher_attention", "tokenize_texts"]
@@ -453,11 +454,24 @@ def _transfer_layer(sketch, io: LayerIO, mask, train_idx, gen, *, steps, lr, map
         sel = train_idx[torch.randint(len(train_idx), (min(batch_size, len(train_idx)),), generator=gen)]
         q, k, v = io.inputs(sel)
         valid = mask[sel].to(torch.bool)
-        o = sketch(q, k, v, scaling=io.scaling, key_padding_mask=None if bool(valid.all()) else valid)
-        loss = ((o - io.out[sel]) ** 2)[valid].mean()
+        last = [p.detach().clone() for p in params]
+        try:
+            o = sketch(q, k, v, scaling=io.scaling, key_padding_mask=None if bool(valid.all()) else valid)
+        except ValueError as err:  # the features of the trained maps stopped being finite: diverged
+            if "must be finite" not in str(err):
+                raise
+            o = None
+        loss = None if o is None else ((o - io.out[sel]) ** 2)[valid].mean()
+        if loss is None or not bool(torch.isfinite(loss)):  # diverged: stop this layer (linearize keeps its start)
+            return curve + [float("nan")] * (steps - len(curve))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        if not all(bool(torch.isfinite(p).all()) for p in params):
+            with torch.no_grad():
+                for p, before in zip(params, last):
+                    p.copy_(before)
+            return curve + [float("nan")] * (steps - len(curve))
         curve.append(float(loss.detach()))
     return curve
 
@@ -1004,6 +1018,7 @@ def linearize(model: nn.Module, texts, *, tokenizer=None, attention: str = "llop
     """
     family = family_of(model)
     window, sinks = check_layout(window, sinks, local, normalize)
+    check_teacher_finite(model)
     ids, mask = tokenize_texts(texts, tokenizer, seq_len=seq_len, max_tokens=max_tokens)
     _check_against_model(getattr(model, "config", None), ids, mask, "linearize: texts", seq_len)
     if not (isinstance(holdout, float) and 0 < holdout < 1):
@@ -1034,18 +1049,18 @@ def linearize(model: nn.Module, texts, *, tokenizer=None, attention: str = "llop
     tied = _resolve_tied(tied, attention, feature_map, p, family, has_theta=fitting)
     _, sites = attention_sites(model)
     _check_processes(processes, len(sites))  # at most one process per layer, before any work
-    if feature_map is None:
-        check_map_memory(sites, attention, p=check_positive_int(p, "p"), m=check_positive_int(m, "m"),
-                         rank=check_positive_int(rank, "rank"), max_bytes=max_bytes)
-    with torch.random.fork_rng(devices=[]):  # layer 0's query map as convert_attention will make it
-        probe = _make_maps(attention, feature_map, 0, sites[0].heads, sites[0].head_dim, p, m, rank, seed, tied)[0]
-    check_local_map(probe, window=window, local=local)  # the layer's own rule, before the teacher is recorded
     itemsize = next(model.parameters()).element_size()
     per_token = sum((2 * s.heads + 2 * s.kv_heads) * s.head_dim for s in sites) * itemsize
     check_memory(per_token * ids.numel(), max_bytes=max_bytes,
                  what=f"the teacher's q, k, v and attention output of {len(sites)} layers on {N} sequence(s) of "
                       f"{ids.shape[1]} tokens ({itemsize}-byte values)",
                  way_out="give less text (max_tokens=) or fewer sequences")
+    if feature_map is None:
+        check_map_memory(sites, attention, p=check_positive_int(p, "p"), m=check_positive_int(m, "m"),
+                         rank=check_positive_int(rank, "rank"), max_bytes=max_bytes)
+    with torch.random.fork_rng(devices=[]):  # layer 0's query map as convert_attention will make it
+        probe = _make_maps(attention, feature_map, 0, sites[0].heads, sites[0].head_dim, p, m, rank, seed, tied)[0]
+    check_local_map(probe, window=window, local=local)  # the layer's own rule, before the teacher is recorded
     encoder = family == "bert"
     settings = {"family": family, "attention": attention if feature_map is None else "custom", "p": p, "m": m,
                 "rank": rank, "window": window, "sinks": sinks, "local": local, "normalize": normalize, "gate_init": gate_init,
@@ -1080,23 +1095,28 @@ def linearize(model: nn.Module, texts, *, tokenizer=None, attention: str = "llop
                                  local=local, feature_map=feature_map, theta=theta, normalize=normalize,
                                  gate_init=0.0 if isinstance(gate_init, str) else gate_init, tied=tied, seed=seed,
                                  max_bytes=max_bytes)
-    gates = None
-    if isinstance(gate_init, str):
-        from .scale import calibrate_gates
+    gates, first = None, "fit" if theta is not None else "init"
+    with named_divergence(first, model, "give another map (attention='hedgehog' is bounded) or a smaller p"):
+        if isinstance(gate_init, str):
+            from .scale import calibrate_gates
 
-        gates = calibrate_gates(sketches, layers, mask, train_idx[:gate_sequences], how=gate_init)
-        gates = [g.tolist() for g in gates]
-        _options(model)["gate_init"] = gate_init  # the conversion's record: the gates came from this, not 0
-    report.stages.append({"name": "fit" if theta is not None else "init", "seconds": time.perf_counter() - t0,
-                          "fit": fit_info, "gates": gates, "layer_error": attention_errors(sketches, layers, mask, held_idx),
-                          "metric": metric(model)})
+            gates = calibrate_gates(sketches, layers, mask, train_idx[:gate_sequences], how=gate_init)
+            gates = [g.tolist() for g in gates]
+            _options(model)["gate_init"] = gate_init  # the conversion's record: the gates came from this, not 0
+        report.stages.append({"name": first, "seconds": time.perf_counter() - t0, "fit": fit_info, "gates": gates,
+                              "layer_error": attention_errors(sketches, layers, mask, held_idx), "metric": metric(model)})
     if transfer_steps:
         t0 = time.perf_counter()
-        losses = attention_transfer(sketches, layers, mask, train_idx, steps=transfer_steps, lr=transfer_lr,
-                                    batch_size=batch_size, seed=seed, progress=progress, processes=processes)
+        saved, way_out = snapshot(sketches), f"Lower transfer_lr (now {transfer_lr}) or transfer_steps."
+        with named_divergence("transfer", model, way_out):
+            losses = attention_transfer(sketches, layers, mask, train_idx, steps=transfer_steps, lr=transfer_lr,
+                                        batch_size=batch_size, seed=seed, progress=progress, processes=processes)
+            trained = attention_errors(sketches, layers, mask, held_idx)
+        errors, kept = keep_better("transfer", sketches, saved, report.stages[-1]["layer_error"], trained,
+                                   way_out=way_out)
         report.stages.append({"name": "transfer", "seconds": time.perf_counter() - t0,
-                              "losses": [[c[0], c[-1]] for c in losses],
-                              "layer_error": attention_errors(sketches, layers, mask, held_idx), "metric": metric(model)})
+                              "losses": [[c[0], c[-1]] for c in losses], "kept_initial": kept,
+                              "layer_error_trained": trained, "layer_error": errors, "metric": metric(model)})
     if lora_steps:
         t0 = time.perf_counter()
         model, curve = _lora(model, family, ids, mask, train_idx, teacher_hidden, steps=lora_steps, rank=lora_rank,
