@@ -607,3 +607,38 @@ def test_cli_reports_the_layers_kept(gpt2_dir, tmp_path, capsys):
     assert "stage transfer made layers [0, 1] worse: they keep their maps from before it" in captured.out
     assert "keep what they had before the stage" in (tmp_path / "o" / "linearize.md").read_text()
     assert json.loads((tmp_path / "o" / "linearize.json").read_text())["stages"][1]["kept_initial"] == [0, 1]
+
+
+# ------------------------------------------------------------------------------------------------
+# 5. silent garbage at the numeric edges: exact polynomial attention
+
+
+def _qkv(scale=1.0, T=6, seed=0, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    return tuple((torch.randn(1, T, 2, 4, generator=gen, dtype=torch.float64) * s).to(dtype) for s in (scale, scale, 1.0))
+
+
+@pytest.mark.parametrize("p", [3, 5])
+def test_poly_attention_odd_p_sum_warns_like_the_feature_maps(p):
+    """(q·k)^p of odd p is signed: ``normalize="sum"`` divides by sums <= 0 in some rows; the same
+    warning (and ``denominator_check="raise"``) as the feature-map paths give."""
+    from sketchlab.attention import poly_attention
+
+    q, k, v = _qkv(seed=1)
+    with pytest.warns(RuntimeWarning, match=r"poly_attention: \d+ of 12 query rows have a normalising denominator <= 0"):
+        poly_attention(q, k, v, p)
+    with pytest.raises(FloatingPointError, match=r"poly_attention: \d+ of 12 query rows"):
+        poly_attention(q, k, v, p, denominator_check="raise")
+    poly_attention(q, k, v, p, denominator_check="off")  # asked for: silent
+    poly_attention(q, k, v, p, normalize="none")  # no division: nothing to warn of
+
+
+@pytest.mark.parametrize("dtype,scale,p", [(torch.float32, 1e6, 8), (torch.float64, 1e40, 8), (torch.float32, 30.0, 40)])
+@pytest.mark.parametrize("normalize", ["sum", "none"])
+def test_poly_attention_overflow_is_refused_not_nan(dtype, scale, p, normalize):
+    from sketchlab.attention import poly_attention
+
+    q, k, v = _qkv(scale, dtype=dtype)
+    with pytest.raises(ValueError, match=rf"poly_attention: \(q·k\)\^{p} overflows {str(dtype)[6:]} in \d+ of 12 query "
+                                         r"rows \(largest \|q·k\| = .*\); scale q and k down"):
+        poly_attention(q, k, v, p, normalize=normalize, max_bytes=2**30)
