@@ -2,7 +2,8 @@
 
 ``families`` finds each family's attention modules; ``sketched`` holds the added module
 (:class:`SketchedAttention`) and transformers' attention and mask functions; ``cache`` the
-decoding state; ``convert`` the public entry points; ``saved`` saving and reloading a converted model; ``linearize`` the staged training;
+decoding state; ``convert`` the public entry points; ``saved`` saving and reloading a converted model; ``evaluate`` the
+reported measures; ``stages`` the checks around linearize's stages; ``linearize`` the staged training;
 ``scale`` the tied LLoPS map and the gate calibration; ``pretrained`` the local loaders; ``_hf`` the transformers glue.
 """
 
