@@ -117,7 +117,7 @@ def state_bytes(model, tokens: int = 600) -> dict:
     return {"mean_32k": sum(per_layer) / len(per_layer), "max_32k": max(per_layer), "layers": per_layer}
 
 
-def measure(model, tok, evals, args) -> dict:
+def measure(model, tok, evals, copy_ids, args) -> dict:
     row = {}
     t = time.perf_counter()
     row["ppl"] = {kind: {str(c): perplexity(model, ids, mask, batch_size=1) for c, (ids, mask) in by_ctx.items()}
@@ -131,11 +131,9 @@ def measure(model, tok, evals, args) -> dict:
                                 for length in args.passkey_lengths}
     log(f"  passkey {row['passkey_by_length']} ({time.perf_counter() - t:.0f} s)")
     t = time.perf_counter()
-    cr = copy_recall(model, evals["heldout_copy"], gaps=args.gaps, passage=128, n=args.copy_n, seed=0, batch_size=1) \
-        if "heldout_copy" in evals else None
-    if cr is not None:
-        row["copy"] = {str(g): {"first": cr.first[g], "second": cr.second[g]} for g in args.gaps}
-        log(f"  copy {row['copy']} ({time.perf_counter() - t:.0f} s)")
+    cr = copy_recall(model, copy_ids, gaps=args.gaps, passage=128, n=args.copy_n, seed=0, batch_size=1)
+    row["copy"] = {str(g): {"first": cr.first[g], "second": cr.second[g]} for g in args.gaps}
+    log(f"  copy {row['copy']} ({time.perf_counter() - t:.0f} s)")
     row["state"] = state_bytes(model)
     return row
 
@@ -236,7 +234,6 @@ def main(argv=None) -> int:
             evals["plays"][c] = tokenize_texts(plays, tok, seq_len=c, max_tokens=args.eval_tokens)
             evals["docs"][c] = tokenize_texts(docs, tok, seq_len=c, max_tokens=args.eval_tokens)
         copy_ids = torch.tensor(tok(plays)["input_ids"][-(max(args.gaps) * 4 + 4096):])  # the plays' end
-        evals["heldout_copy"] = copy_ids
         cached = {}
 
         def recorded():
@@ -266,7 +263,7 @@ def main(argv=None) -> int:
             log(f"{name}: building")
             t = time.perf_counter()
             model = teacher if spec["convert"] is None else build(teacher, spec, recorded, args)
-            row = measure(model, tok, evals, args)
+            row = measure(model, tok, evals, copy_ids, args)
             conv = spec["convert"] or {}
             row["label"] = spec.get("label", name)
             row["exact_keys"] = ("all" if spec["convert"] is None else

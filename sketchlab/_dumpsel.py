@@ -28,8 +28,8 @@ def load_dump(dump_or_qk):
     """
     if isinstance(dump_or_qk, (str, os.PathLike)):
         path = Path(dump_or_qk)
-        if not dump_files(path):  # NAME.npy stands for its sibling parts NAME.q.npy, NAME.k.npy, ...
-            raise FileNotFoundError(f"Q/K dump {str(path)!r} does not exist")
+        if not os.path.lexists(path) and not dump_files(path):  # NAME.npy: its sibling parts NAME.q.npy, ...
+            raise FileNotFoundError(f"Q/K dump {str(path)!r} does not exist")  # else load_qk names the cause
         dump = load_qk(path)
         q, k, source = dump.q, dump.k, str(path)
     elif isinstance(dump_or_qk, tuple) and len(dump_or_qk) == 2:

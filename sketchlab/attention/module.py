@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..scaling import resolve_scale, scale_label
-from .._validation import as_float_tensor, check_degree, check_positive_int
+from .._validation import DEFAULT_MAX_BYTES, as_float_tensor, check_degree, check_memory, check_positive_int
 from ._checks import check_eps, check_flag, check_hybrid, check_normalize, check_theta
 from ..llops.maps import llops_is_non_negative
 from .chunked import DEFAULT_CHUNK_SIZE
@@ -28,6 +28,17 @@ from .functional import llops_attention, resolve_backend
 __all__ = ["LLoPSAttention", "llops_is_non_negative"]
 
 
+
+
+def _local_scale(qk_scale: float, head_dim: int, scale) -> float:
+    """The window's softmax logit factor ``1/(√D·s²)`` on q, k already multiplied by ``s``; a ``scale``
+    whose square under- or overflows float64 is refused naming it (it divided by zero)."""
+    square = qk_scale * qk_scale
+    if not (0 < square < math.inf) or not math.isfinite(head_dim ** -0.5 / square):
+        raise ValueError(f"scale={scale!r}: the window's softmax divides the scaled qᵀk by scale² = {square:.3g}, which "
+                         "under- or overflows float64; give a scale between 1e-100 and 1e100 ('sqrt-d' or 'none' are "
+                         "the usual ones)")
+    return head_dim ** -0.5 / square
 
 
 class LLoPSAttention(nn.Module):
@@ -69,6 +80,10 @@ class LLoPSAttention(nn.Module):
         Seeds the projections' and Θ's initialisation.
     dtype, device
         Of every parameter.
+    max_bytes : int
+        Memory budget of the parameters as drawn (the four projections in float64, then cast, and Θ),
+        checked before any allocation (:func:`sketchlab._validation.check_memory`: the size, the budget,
+        the way out). Default 4 GiB.
     """
 
     def __init__(self, embed_dim: int, num_heads: int, *, head_dim: int | None = None, p: int | None = None,
@@ -76,7 +91,7 @@ class LLoPSAttention(nn.Module):
                  causal: bool = True, normalize: str | None = None, non_negative: bool | None = None,
                  eps: float = 1e-6, backend: str = "auto", chunk_size: int = DEFAULT_CHUNK_SIZE, bias: bool = False,
                  seed: int = 0, window: int = 0, sinks: int = 0, local: str = "softmax", gate: bool = True,
-                 dtype: torch.dtype = torch.float32, device=None):
+                 dtype: torch.dtype = torch.float32, device=None, max_bytes: int = DEFAULT_MAX_BYTES):
         super().__init__()
         embed_dim = check_positive_int(embed_dim, "embed_dim")
         num_heads = check_positive_int(num_heads, "num_heads")
@@ -100,6 +115,16 @@ class LLoPSAttention(nn.Module):
             raise TypeError(f"seed must be an int, got {seed!r}")
         gen = torch.Generator().manual_seed(seed)
         inner = num_heads * head_dim
+        if theta_q is None:  # checked before the estimate; drawn after the projections (the generator's order)
+            p = check_degree(2 if p is None else p)
+            m = check_positive_int(64 if m is None else m, "m")
+            rank = check_positive_int(1 if rank is None else rank, "rank")
+        itemsize = dtype.itemsize if isinstance(dtype, torch.dtype) else 8
+        draw = 4 * embed_dim * inner * (8 + itemsize)  # drawn in float64, then cast
+        check_memory(draw + (0 if theta_q is not None else 2 * num_heads * rank * p * head_dim * m * 8),
+                     what=f"LLoPSAttention({embed_dim}, {num_heads}): its four {embed_dim}x{inner} projections "
+                          "(drawn in float64) and its Θ", way_out="give a smaller embed_dim, head_dim or m",
+                     max_bytes=max_bytes)
 
         def linear(n_in, n_out):
             layer = nn.Linear(n_in, n_out, bias=bias, dtype=torch.float64)
@@ -114,9 +139,6 @@ class LLoPSAttention(nn.Module):
         self.v_proj, self.o_proj = linear(embed_dim, inner), linear(inner, embed_dim)
 
         if theta_q is None:
-            p = check_degree(2 if p is None else p)
-            m = check_positive_int(64 if m is None else m, "m")
-            rank = check_positive_int(1 if rank is None else rank, "rank")
             base = torch.randn(num_heads, rank, 1, head_dim, m, generator=gen, dtype=torch.float64) / math.sqrt(head_dim)
             theta_q = base.expand(-1, -1, p, -1, -1).clone()  # [H, t, p, D, M], equal factors
             theta_k = None
@@ -142,7 +164,7 @@ class LLoPSAttention(nn.Module):
         check_flag(gate, "gate")
         # local scores: softmax on qᵀk/√D of the projections (q, k arrive scaled by s: divide s² out);
         # poly on the scaled q, k, the kernel the sketch approximates
-        self.local_scale = head_dim ** -0.5 / self.qk_scale**2 if local == "softmax" else 1.0
+        self.local_scale = _local_scale(self.qk_scale, head_dim, scale) if local == "softmax" and window else 1.0
         self.gate = nn.Parameter(torch.zeros(num_heads, dtype=dtype, device=device)) if gate and window else None
         if learn_theta:
             self.theta_q = nn.Parameter(theta_q.clone())

@@ -246,10 +246,6 @@ def _identity(path) -> tuple[int, int] | None:
     return st.st_dev, st.st_ino
 
 
-def _inside(path: str, directory: str) -> bool:
-    return path == directory or path.startswith(directory.rstrip(os.sep) + os.sep)
-
-
 class Outputs:
     """A command's outputs: checked before any work, then written all-or-nothing.
 
@@ -292,24 +288,14 @@ class Outputs:
     """
 
     def __init__(self, files: dict, *, inputs=(), directories: dict | None = None, stdout=(), dumps=(), staged=()):
-        from ..io import dump_files
+        from ..io.atomic import check_output_directory
+        from ..io.atomic import input_files as read_by
 
         self.files = {label: str(path) for label, path in files.items() if path is not None}
         self.directories = {label: str(path) for label, path in (directories or {}).items() if path is not None}
         self.to_stdout = None
-        input_files: dict = {}  # realpath -> spelling as given
-        input_dirs: dict = {}
-        for path in inputs:
-            if path is None:
-                continue
-            if os.path.isdir(path):
-                input_dirs[os.path.realpath(path)] = str(path)
-                for root, _, names in os.walk(path):
-                    for name in names:
-                        input_files[os.path.realpath(os.path.join(root, name))] = os.path.join(root, name)
-            else:
-                for part in dump_files(path) or [Path(path)]:
-                    input_files[os.path.realpath(part)] = str(part)
+        inputs = list(inputs)
+        input_files = read_by(inputs)[0]  # realpath -> spelling as given
         input_ids = {_identity(real): given for real, given in input_files.items() if _identity(real) is not None}
         seen: dict = {}
         for label, path in self.files.items():
@@ -352,10 +338,7 @@ class Outputs:
                 from ..io.atomic import check_staged_directory
 
                 check_staged_directory(path)  # a mount point cannot take the final renames
-            for inp_real, given in {**input_dirs, **input_files}.items():
-                if _inside(inp_real, real) or _identity(inp_real) == _identity(real) is not None:
-                    raise ValueError(f"{label}: output directory {path!r} holds the input {given!r}: this run would overwrite or mix "
-                                     "files with the data it reads; choose another output directory")
+            check_output_directory(path, inputs, label=label)  # the one rule, shared with sketchlab.save_linearized
 
         plot = self.files.get("--plot")
         if plot is not None and plot != "-":

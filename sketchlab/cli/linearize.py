@@ -276,8 +276,36 @@ def _pretrained_settings(args) -> dict:
             **{key: getattr(args, key) for key in keys}}
 
 
+def _read_text(given: str) -> str:
+    """The ``--text`` file's text, or a ``UsageError`` naming the cause: missing, a directory,
+    unreadable, binary (NUL bytes), not UTF-8 (the offending byte and offset, the way to convert it),
+    or empty / whitespace only."""
+    path = Path(given)
+    if not os.path.lexists(path):
+        raise UsageError(f"--text {given}: no such file")
+    if path.is_dir():
+        raise UsageError(f"--text {given}: is a directory; give a UTF-8 text file")
+    try:
+        raw = path.read_bytes()
+    except OSError as err:
+        raise UsageError(f"--text {given}: cannot be read ({err.strerror or err})") from None
+    nul = raw.find(b"\0")
+    if nul >= 0:
+        raise UsageError(f"--text {given}: a binary file (NUL byte at offset {nul}), not text; give a UTF-8 text file")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise UsageError(f"--text {given}: not UTF-8 (byte 0x{raw[err.start]:02x} at offset {err.start}); convert it, "
+                         "e.g. iconv -f latin1 -t utf-8") from None
+    if not text.strip():
+        raise UsageError(f"--text {given}: holds no text ({'empty' if not text else 'whitespace only'}); give text to "
+                         "train on")
+    return text
+
+
 def _run_pretrained(args) -> int:
-    from ..convert.convert import check_layout, save_linearized
+    from ..convert.convert import check_layout
+    from ..convert.saved import save_linearized
     from ..convert.linearize import linearize
     from ..convert.pretrained import load_pretrained
     from ..io import staged_directory
@@ -286,9 +314,7 @@ def _run_pretrained(args) -> int:
 
     if args.text is None:
         raise UsageError("--text is required with --model-dir / --gguf")
-    text_path = Path(args.text)
-    if not text_path.is_file():
-        raise UsageError(f"--text {args.text}: no such file")
+    text = _read_text(args.text)
     if args.holdout <= 0:
         raise UsageError(f"--holdout must lie in (0, 1) with --model-dir / --gguf, got {args.holdout}")
     if isinstance(args.gate_init, str) and args.window == 0:
@@ -308,7 +334,6 @@ def _run_pretrained(args) -> int:
                       staged=["--out"])
     wanted = _pretrained_settings(args)
     _check_run_dir(out, PRETRAINED_FILES, wanted)
-    text = text_path.read_text(encoding="utf-8")
     with transformers_progress(not args.no_progress):
         model, tokenizer = load_pretrained(args.model_dir, gguf=args.gguf)
     model, report = linearize(
@@ -336,7 +361,9 @@ def _run_pretrained(args) -> int:
     last = summary["stages"][-1]
     print(f"{out}: held-out {metric}: teacher {summary['teacher_metric']:.4g}, "
           + ", ".join(f"{s['name']} {s['metric']:.4g}" for s in summary["stages"])
-          + f"; converted model in {out / 'model'} (sketchlab.load_linearized); stage {last['name']} done")
+          + f"; converted model in {out / 'model'} (sketchlab.load_linearized); stage {last['name']} done"
+          + "".join(f"; stage {s['name']} made layers {s['kept_initial']} worse: they keep their maps from before it"
+                    for s in summary["stages"] if s.get("kept_initial")))
     return 0
 
 
@@ -353,4 +380,10 @@ def _markdown(summary: dict) -> str:
         err = st["layer_error"]
         mean = "–" if not err else f"{sum(err) / len(err):.4f}"
         lines.append(f"| {st['name']} | {st['metric']:.4g} | {mean} | {st['seconds']:.1f} |")
+    for st in summary["stages"]:
+        if st.get("kept_initial"):
+            trained = st["layer_error_trained"]
+            lines += ["", f"Stage {st['name']} made the held-back attention error of layers {st['kept_initial']} worse "
+                      f"({', '.join(f'{trained[i]:.4g}' for i in st['kept_initial'][:6])} after it): those layers keep "
+                      "what they had before the stage (the table's error and perplexity are with them)."]
     return "\n".join(lines) + "\n"

@@ -2,13 +2,15 @@
 
 ``families`` finds each family's attention modules; ``sketched`` holds the added module
 (:class:`SketchedAttention`) and transformers' attention and mask functions; ``cache`` the
-decoding state; ``convert`` the public entry points; ``linearize`` the staged training;
+decoding state; ``convert`` the public entry points; ``saved`` saving and reloading a converted model; ``evaluate`` the
+reported measures; ``stages`` the checks around linearize's stages; ``linearize`` the staged training;
 ``scale`` the tied LLoPS map and the gate calibration; ``exact`` the layers kept exact and ``ranking`` which to
 keep; ``pretrained`` the local loaders; ``_hf`` the transformers glue.
 """
 
-from .convert import convert_attention, converted_modules, load_linearized, save_linearized
+from .convert import convert_attention, converted_modules
 from .exact import ExactAttention, KVState
+from .saved import load_linearized, save_linearized
 from .families import FAMILIES, attention_sites, family_of
 from .linearize import LinearizeReport, linearize, lora_finetune, perplexity, token_nll
 from .ranking import rank_exact_layers

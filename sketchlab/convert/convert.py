@@ -8,14 +8,13 @@ save in its ``state_dict`` — and switches the model to the attention implement
 The converted model takes the same inputs (``input_ids``, ``attention_mask``, ``labels``).
 
 Saving: ``model.save_pretrained(dir)`` writes every weight, the maps included, and the config
-(which carries the conversion options as ``config.sketchlab``); :func:`load_linearized` converts a
-freshly loaded model with those options and restores the weights. (transformers'
+(which carries the conversion options as ``config.sketchlab``); :func:`sketchlab.convert.saved.load_linearized`
+converts a freshly loaded model with those options and restores the weights. (transformers'
 ``from_pretrained`` alone cannot rebuild the maps: the modelling classes do not have them.)
 """
 
 from __future__ import annotations
 
-import json
 import numbers
 import types
 import warnings
@@ -24,17 +23,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .._validation import DEFAULT_MAX_BYTES, check_memory
+
 from .exact import ExactAttention
 from .families import ToyKernel, attention_sites, family_of
 from .sketched import ATTENTION_NAME, LOCALS, SketchedAttention, forget_cache, hf_attention, hf_mask, remember_cache
 
-__all__ = ["DEFAULT_SINKS", "check_layout", "convert_attention", "converted_modules", "load_linearized",
-           "save_linearized"]
-
-_OPTIONS_FILE = "sketchlab_conversion.json"
-
-#: The memory options of a conversion saved before they existed (DESIGN §7): no memory, no exact layers.
-_MEMORY_DEFAULTS = {"cache": 0, "decay": None, "state": "additive", "beta": "head", "exact_layers": []}
+__all__ = ["DEFAULT_SINKS", "check_layout", "check_map_memory", "convert_attention", "converted_modules"]
 
 #: Attention sinks of a hybrid (``window > 0``) when ``sinks=None``: the measured best for converted
 #: models (DESIGN §6). Pure linear attention (``window=0``) has no exact keys and gets none.
@@ -73,6 +68,17 @@ def check_layout(window, sinks, local: str = "softmax", normalize: str | None = 
     check_hybrid(window, sinks, local, None, None, normalize="sum" if normalize is None else normalize, heads=1,
                  dim=1, like=torch.empty(0))
     return window, sinks
+
+
+def check_map_memory(sites, attention: str, *, p: int, m: int, rank: int, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+    """Refuse, before any map is drawn, feature maps whose parameters exceed ``max_bytes``: two maps
+    per layer of at most ``H·rank·p·D·m`` values (LLoPS, the largest), drawn in float64
+    (:func:`sketchlab._validation.check_memory`: the size, the budget, the way out)."""
+    values = 2 * sum(site.heads * site.head_dim for site in sites) * rank * p * m
+    check_memory(values * 8, max_bytes=max_bytes,
+                 what=f"the {attention!r} feature maps of {len(sites)} layers (two per layer, up to H·rank·p·D·m "
+                      f"parameters each, drawn in float64; p={p}, m={m}, rank={rank})",
+                 way_out="give a smaller m, rank or p")
 
 
 def _theta_tensors(theta, layers: int):
@@ -191,7 +197,7 @@ def convert_attention(model: nn.Module, *, attention: str = "llops", p: int = 2,
                       normalize: str | None = None, non_negative: bool = False, eps: float = 1e-6, learn: bool = True,
                       gate: bool = True, gate_init: float = 0.0, tied: bool | None = None,
                       seed: int = 0, cache: int = 0, decay=None, state: str = "additive", beta: str = "head",
-                      exact_layers=()) -> list[SketchedAttention]:
+                      exact_layers=(), max_bytes: int = DEFAULT_MAX_BYTES) -> list[SketchedAttention]:
     r"""Swap every self-attention of ``model`` for sketched attention, in place; keep every weight.
 
     Parameters
@@ -269,6 +275,10 @@ def convert_attention(model: nn.Module, *, attention: str = "llops", p: int = 2,
         Layers (0-based) kept exact: the teacher's softmax attention
         (:class:`~sketchlab.convert.exact.ExactAttention`), whose decoding state is a KV cache that
         grows with the context. transformers models only.
+    max_bytes : int
+        Memory budget of the maps' parameters (``2·L·H·rank·p·D·m`` values, drawn in float64), checked
+        before any is built: a ``ValueError`` names the size, the budget and the way out (a smaller
+        ``m``, ``rank`` or ``p``). Default 4 GiB.
 
     Returns
     -------
@@ -319,6 +329,8 @@ def convert_attention(model: nn.Module, *, attention: str = "llops", p: int = 2,
     exact = _check_exact_layers(exact_layers, len(sites), family)
     memory = _check_memory(cache, decay, state, beta, window, sinks, local, normalize,
                            causal=all(site.causal for site in sites))
+    if feature_map is None:  # the maps' parameters, before any is drawn (a map of 10⁹ features: hundreds of GB)
+        check_map_memory(sites, attention, p=p, m=m, rank=rank, max_bytes=max_bytes)
     tied = _resolve_tied(tied, attention, feature_map, p, family, theta is not None)
     if family != "toy":
         _warn_teacher_window(model)
@@ -430,132 +442,3 @@ def _options(model: nn.Module) -> dict:
     if not isinstance(options, dict):
         raise ValueError(f"{type(model).__name__} carries no conversion options (convert it with sketchlab.convert_attention)")
     return options
-
-
-def save_linearized(model: nn.Module, directory) -> Path:
-    """Write a converted model to ``directory``: ``model.safetensors`` (every weight, the maps
-    included) and :data:`_OPTIONS_FILE` (the conversion options); transformers models also get
-    ``save_pretrained``'s ``config.json``. Reload with :func:`load_linearized`."""
-    from safetensors.torch import save_file
-
-    from ..io import atomic_write
-
-    converted_modules(model)
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    options = _options(model)
-    if hasattr(model, "save_pretrained"):
-        model.save_pretrained(directory)
-    else:
-        state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-        with atomic_write(directory / "model.safetensors") as tmp:
-            save_file(state, str(tmp))
-    with atomic_write(directory / _OPTIONS_FILE) as tmp:
-        tmp.write_text(json.dumps(options, indent=1, sort_keys=True) + "\n", encoding="utf-8")
-    return directory
-
-
-def load_linearized(directory, model: nn.Module) -> nn.Module:
-    """Convert ``model`` (the teacher architecture, freshly loaded or built) as recorded in
-    ``directory`` and load every saved weight into it (strict: nothing missing, nothing left over,
-    except weights tied to others). Returns ``model``.
-
-    ``directory`` is a :func:`save_linearized` (or ``save_pretrained`` of a converted model) output.
-    Maps made by a custom ``feature_map`` cannot be rebuilt from their name: convert ``model`` with
-    the same ``feature_map`` first, then call this (the options must then agree).
-
-    Raises
-    ------
-    ValueError
-        Before ``model`` is converted: an options file that is not valid JSON (naming the file), a
-        save of another model family than ``model``'s (naming both), no ``.safetensors`` weights, a
-        model already converted with other options (naming each that differs, with both values).
-        After: saved weights that do not match the converted model.
-    """
-    from safetensors.torch import load_file
-
-    directory = Path(directory)
-    options_path = directory / _OPTIONS_FILE
-    if options_path.is_file():
-        options = _read_json(options_path)
-    elif (directory / "config.json").is_file():
-        options = _read_json(directory / "config.json").get("sketchlab")
-    else:
-        options = None
-    if not isinstance(options, dict):
-        raise ValueError(f"{directory}: no conversion options ({_OPTIONS_FILE}, or 'sketchlab' in config.json); "
-                         "was it written by sketchlab.save_linearized?")
-    options = dict(options)
-    saved_family, family = options.pop("family", None), family_of(model)
-    if saved_family is not None and saved_family != family:
-        raise ValueError(f"{directory}: saved from a model of the {saved_family!r} family, and "
-                         f"{type(model).__name__} is of the {family!r} family; load it onto the architecture it was "
-                         "converted from")
-    options.setdefault("tied", False)  # saved before the option existed: the untied map
-    for key, default in _MEMORY_DEFAULTS.items():  # saved before long-context memory: none of it
-        options.setdefault(key, default)
-    files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"{directory}: no .safetensors weights")
-    if converted_modules(model, required=False):
-        own = {k: v for k, v in _options(model).items() if k != "family"}
-        differ = {k: (own.get(k), options.get(k)) for k in sorted(set(own) | set(options))
-                  if own.get(k) != options.get(k)}
-        if differ:
-            named = ", ".join(f"{k}={mine!r} (saved {saved!r})" for k, (mine, saved) in differ.items())
-            raise ValueError(f"{directory}: the model is already converted with other options than the saved ones: "
-                             f"{named}")
-    else:
-        if options["attention"] == "custom":
-            raise ValueError(f"{directory}: the maps came from a custom feature_map; convert the model with it first")
-        convert_attention(model, **options)
-    state = {}
-    for f in files:
-        state.update(load_file(str(f)))
-    own = model.state_dict()
-    prefix = _match_prefix(set(state), set(own))
-    state = {prefix + k: v for k, v in state.items()}
-    unexpected = sorted(set(state) - set(own))
-    missing = sorted(set(own) - set(state) - _tied(model))
-    if unexpected or missing:
-        raise ValueError(f"{directory}: weights do not match the converted model: missing {missing[:5]}, "
-                         f"unexpected {unexpected[:5]}")
-    model.load_state_dict(state, strict=False)
-    return model
-
-
-def _read_json(path: Path) -> dict:
-    """The JSON object in ``path``; a ``ValueError`` naming the file when it is not one."""
-    from ..io.formats import _loads_json
-
-    try:  # the project's JSON reader: nesting bounded, a too-deep file a ValueError naming it
-        data = _loads_json(path.read_text(encoding="utf-8"), str(path))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{path}: not valid JSON ({err}); was it written by sketchlab.save_linearized?") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
-
-
-def _match_prefix(saved: set, own: set) -> str:
-    """``""``, or the prefix (``"model."``) that saved names lack (a base model saved, a head model loading)."""
-    if saved & own:
-        return ""
-    for name in own:
-        for s in saved:
-            if name.endswith("." + s):
-                return name[: -len(s)]
-    return ""
-
-
-def _tied(model: nn.Module) -> set:
-    """Names of parameters that alias another one (tied embeddings): save_pretrained writes one copy."""
-    seen, tied = {}, set()
-    for name, tensor in model.state_dict(keep_vars=True).items():
-        key = (tensor.data_ptr(), tuple(tensor.shape)) if tensor.numel() else None
-        if key is not None and key in seen:
-            tied.add(name)
-            tied.add(seen[key])
-        elif key is not None:
-            seen[key] = name
-    return tied

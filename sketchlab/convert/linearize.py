@@ -40,9 +40,13 @@ import torch
 from torch import nn
 
 from .._validation import DEFAULT_MAX_BYTES, check_memory, check_nonnegative_int, check_positive_int
-from .convert import _make_maps, _resolve_tied, check_layout, convert_attention, converted_modules
+from ..capture import _check_against_model
+from .convert import (_make_maps, _options, _resolve_tied, check_layout, check_map_memory, convert_attention,
+                      converted_modules)
+from .evaluate import _batches, _hidden, embedding_agreement, perplexity, sentence_embeddings, token_nll  # noqa: F401
 from .families import attention_sites, family_of
 from .sketched import check_local_map
+from .stages import check_teacher_finite, keep_better, named_divergence, snapshot
 
 __all__ = ["LayerIO", "LinearizeReport", "attention_errors", "attention_transfer", "embedding_agreement", "fit_theta",
            "linearize", "lora_finetune", "perplexity", "sentence_embeddings", "teacher_attention", "tokenize_texts"]
@@ -126,12 +130,12 @@ def tokenize_texts(texts, tokenizer=None, *, seq_len: int = 512, max_tokens: int
         else:
             raise ValueError("texts must all be strings or all be lists of token ids")
     total = sum(len(r) for r in rows)
+    if not total:
+        raise ValueError("texts hold no tokens (an empty or whitespace-only text, or empty token lists): give text to "
+                         "train on")
+    if any(i < 0 for r in rows for i in r):
+        raise ValueError("texts: token ids must be >= 0, got a negative one")
     return split_sequences(rows, seq_len=seq_len, max_tokens=total if max_tokens is None else max_tokens)
-
-
-def _batches(n: int, batch_size: int):
-    for start in range(0, n, batch_size):
-        yield slice(start, min(n, start + batch_size))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -224,111 +228,6 @@ def attention_errors(sketches, layers: list[LayerIO], attention_mask: torch.Tens
                 den += float((io.out[sel].double()[valid] ** 2).sum())
             errors.append(math.sqrt(num / den) if den > 0 else float("nan"))
     return errors
-
-
-# ------------------------------------------------------------------------------------------------
-# metrics
-
-
-@torch.no_grad()
-def token_nll(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
-              batch_size: int = 4) -> torch.Tensor:
-    """Next-token negative log-likelihood of every position: where along the context a model loses.
-
-    Parameters
-    ----------
-    model : a causal LM with a language-model head (transformers or the toy ``TransformerLM``)
-    input_ids, attention_mask : [N, T] tensors (mask 1 = real token); each sequence on its own
-    batch_size : int >= 1
-        Sequences per forward pass.
-
-    Returns
-    -------
-    torch.Tensor [N, T − 1] float64
-        ``nll[n, t] = −log p(input_ids[n, t+1] | input_ids[n, :t+1])`` (the logits in float64),
-        NaN where the target ``t + 1`` or the position ``t`` that predicts it is padding (right
-        padding; with left padding, the first real token, which no real token predicts).
-        :func:`perplexity` is ``exp`` of its mean over the non-NaN entries.
-    """
-    if input_ids.dim() != 2 or input_ids.shape != attention_mask.shape or input_ids.shape[1] < 2:
-        raise ValueError(f"input_ids and attention_mask must be [N, T] of one shape with T >= 2, got "
-                         f"{tuple(input_ids.shape)} and {tuple(attention_mask.shape)}")
-    batch_size = check_positive_int(batch_size, "batch_size")
-    parts = []
-    was_training = model.training
-    model.eval()
-    try:
-        for part in _batches(input_ids.shape[0], batch_size):
-            ids, mask = input_ids[part], attention_mask[part]
-            logits = _logits(model, ids, mask)[:, :-1].double()  # [b, T-1, V]
-            nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")  # [b, T-1]
-            valid = mask[:, 1:].to(torch.bool) & mask[:, :-1].to(torch.bool)  # a real target read off a real position
-            parts.append(nll.masked_fill(~valid, float("nan")))
-    finally:
-        model.train(was_training)
-    return torch.cat(parts)
-
-
-def perplexity(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
-               batch_size: int = 4) -> float:
-    """``exp`` of the mean next-token negative log-likelihood over the valid tokens of ``input_ids``
-    (each sequence on its own; a causal LM with a language-model head): ``exp(nanmean(token_nll))``."""
-    nll = token_nll(model, input_ids, attention_mask, batch_size=batch_size)
-    valid = ~torch.isnan(nll)
-    if not bool(valid.any()):
-        raise ValueError("perplexity: no valid next-token target (every sequence has fewer than 2 real tokens)")
-    return math.exp(float(nll[valid].sum()) / int(valid.sum()))
-
-
-def _logits(model, ids, mask):
-    if family_of(model) == "toy":
-        return model(ids)
-    return model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-
-
-def _hidden(model, ids, mask):
-    return model(input_ids=ids, attention_mask=mask).last_hidden_state
-
-
-@torch.no_grad()
-def embedding_agreement(model: nn.Module, teacher_embeddings: torch.Tensor, input_ids: torch.Tensor,
-                        attention_mask: torch.Tensor, *, batch_size: int = 8) -> dict:
-    """Mean-pooled sentence embeddings of an encoder against the teacher's ``[N, hidden]``.
-
-    Returns ``{"cosine": mean cosine of each sentence's embedding to the teacher's, "nn_agreement":
-    fraction of sentences whose nearest other sentence (by cosine) is the same under both}``.
-    """
-    emb = sentence_embeddings(model, input_ids, attention_mask, batch_size=batch_size)
-    cos = torch.nn.functional.cosine_similarity(emb, teacher_embeddings, dim=-1)
-    return {"cosine": float(cos.mean()), "nn_agreement": _nn_agreement(emb, teacher_embeddings)}
-
-
-def sentence_embeddings(model, input_ids, attention_mask, *, batch_size: int = 8) -> torch.Tensor:
-    """Mean of the final hidden states over each sentence's valid tokens ``[N, hidden]`` (float64)."""
-    out = []
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            for part in _batches(input_ids.shape[0], batch_size):
-                mask = attention_mask[part].to(torch.float64)[..., None]
-                h = _hidden(model, input_ids[part], attention_mask[part]).double()
-                out.append((h * mask).sum(1) / mask.sum(1))
-    finally:
-        model.train(was_training)
-    return torch.cat(out)
-
-
-def _nn_agreement(a: torch.Tensor, b: torch.Tensor) -> float:
-    def nearest(x):
-        x = torch.nn.functional.normalize(x, dim=-1)
-        sim = x @ x.T
-        sim.fill_diagonal_(-math.inf)
-        return sim.argmax(-1)
-
-    if a.shape[0] < 2:
-        return float("nan")
-    return float((nearest(a) == nearest(b)).double().mean())
 
 
 # ------------------------------------------------------------------------------------------------
@@ -446,11 +345,24 @@ def _transfer_layer(sketch, io: LayerIO, mask, train_idx, gen, *, steps, lr, map
         sel = train_idx[torch.randint(len(train_idx), (min(batch_size, len(train_idx)),), generator=gen)]
         q, k, v = io.inputs(sel)
         valid = mask[sel].to(torch.bool)
-        o = sketch(q, k, v, scaling=io.scaling, key_padding_mask=None if bool(valid.all()) else valid)
-        loss = ((o - io.out[sel]) ** 2)[valid].mean()
+        last = [p.detach().clone() for p in params]
+        try:
+            o = sketch(q, k, v, scaling=io.scaling, key_padding_mask=None if bool(valid.all()) else valid)
+        except ValueError as err:  # the features of the trained maps stopped being finite: diverged
+            if "must be finite" not in str(err):
+                raise
+            o = None
+        loss = None if o is None else ((o - io.out[sel]) ** 2)[valid].mean()
+        if loss is None or not bool(torch.isfinite(loss)):  # diverged: stop this layer (linearize keeps its start)
+            return curve + [float("nan")] * (steps - len(curve))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        if not all(bool(torch.isfinite(p).all()) for p in params):
+            with torch.no_grad():
+                for p, before in zip(params, last):
+                    p.copy_(before)
+            return curve + [float("nan")] * (steps - len(curve))
         curve.append(float(loss.detach()))
     return curve
 
@@ -997,7 +909,9 @@ def linearize(model: nn.Module, texts, *, tokenizer=None, attention: str = "llop
     """
     family = family_of(model)
     window, sinks = check_layout(window, sinks, local, normalize)
+    check_teacher_finite(model)
     ids, mask = tokenize_texts(texts, tokenizer, seq_len=seq_len, max_tokens=max_tokens)
+    _check_against_model(getattr(model, "config", None), ids, mask, "linearize: texts", seq_len)
     if not (isinstance(holdout, float) and 0 < holdout < 1):
         raise ValueError(f"holdout must be a float in (0, 1), got {holdout!r}")
     N = ids.shape[0]
@@ -1026,15 +940,18 @@ def linearize(model: nn.Module, texts, *, tokenizer=None, attention: str = "llop
     tied = _resolve_tied(tied, attention, feature_map, p, family, has_theta=fitting)
     _, sites = attention_sites(model)
     _check_processes(processes, len(sites))  # at most one process per layer, before any work
-    with torch.random.fork_rng(devices=[]):  # layer 0's query map as convert_attention will make it
-        probe = _make_maps(attention, feature_map, 0, sites[0].heads, sites[0].head_dim, p, m, rank, seed, tied)[0]
-    check_local_map(probe, window=window, local=local)  # the layer's own rule, before the teacher is recorded
     itemsize = next(model.parameters()).element_size()
     per_token = sum((2 * s.heads + 2 * s.kv_heads) * s.head_dim for s in sites) * itemsize
     check_memory(per_token * ids.numel(), max_bytes=max_bytes,
                  what=f"the teacher's q, k, v and attention output of {len(sites)} layers on {N} sequence(s) of "
                       f"{ids.shape[1]} tokens ({itemsize}-byte values)",
                  way_out="give less text (max_tokens=) or fewer sequences")
+    if feature_map is None:
+        check_map_memory(sites, attention, p=check_positive_int(p, "p"), m=check_positive_int(m, "m"),
+                         rank=check_positive_int(rank, "rank"), max_bytes=max_bytes)
+    with torch.random.fork_rng(devices=[]):  # layer 0's query map as convert_attention will make it
+        probe = _make_maps(attention, feature_map, 0, sites[0].heads, sites[0].head_dim, p, m, rank, seed, tied)[0]
+    check_local_map(probe, window=window, local=local)  # the layer's own rule, before the teacher is recorded
     encoder = family == "bert"
     settings = {"family": family, "attention": attention if feature_map is None else "custom", "p": p, "m": m,
                 "rank": rank, "window": window, "sinks": sinks, "local": local, "normalize": normalize, "gate_init": gate_init,
@@ -1067,23 +984,30 @@ def linearize(model: nn.Module, texts, *, tokenizer=None, attention: str = "llop
                                      fit_tokens=fit_tokens, seed=seed, fit_options=fit_options)
     sketches = convert_attention(model, attention=attention, p=p, m=m, rank=rank, window=window, sinks=sinks,
                                  local=local, feature_map=feature_map, theta=theta, normalize=normalize,
-                                 gate_init=0.0 if isinstance(gate_init, str) else gate_init, tied=tied, seed=seed)
-    gates = None
-    if isinstance(gate_init, str):
-        from .scale import calibrate_gates
+                                 gate_init=0.0 if isinstance(gate_init, str) else gate_init, tied=tied, seed=seed,
+                                 max_bytes=max_bytes)
+    gates, first = None, "fit" if theta is not None else "init"
+    with named_divergence(first, model, "give another map (attention='hedgehog' is bounded) or a smaller p"):
+        if isinstance(gate_init, str):
+            from .scale import calibrate_gates
 
-        gates = calibrate_gates(sketches, layers, mask, train_idx[:gate_sequences], how=gate_init)
-        gates = [g.tolist() for g in gates]
-    report.stages.append({"name": "fit" if theta is not None else "init", "seconds": time.perf_counter() - t0,
-                          "fit": fit_info, "gates": gates, "layer_error": attention_errors(sketches, layers, mask, held_idx),
-                          "metric": metric(model)})
+            gates = calibrate_gates(sketches, layers, mask, train_idx[:gate_sequences], how=gate_init)
+            gates = [g.tolist() for g in gates]
+            _options(model)["gate_init"] = gate_init  # the conversion's record: the gates came from this, not 0
+        report.stages.append({"name": first, "seconds": time.perf_counter() - t0, "fit": fit_info, "gates": gates,
+                              "layer_error": attention_errors(sketches, layers, mask, held_idx), "metric": metric(model)})
     if transfer_steps:
         t0 = time.perf_counter()
-        losses = attention_transfer(sketches, layers, mask, train_idx, steps=transfer_steps, lr=transfer_lr,
-                                    batch_size=batch_size, seed=seed, progress=progress, processes=processes)
+        saved, way_out = snapshot(sketches), f"Lower transfer_lr (now {transfer_lr}) or transfer_steps."
+        with named_divergence("transfer", model, way_out):
+            losses = attention_transfer(sketches, layers, mask, train_idx, steps=transfer_steps, lr=transfer_lr,
+                                        batch_size=batch_size, seed=seed, progress=progress, processes=processes)
+            trained = attention_errors(sketches, layers, mask, held_idx)
+        errors, kept = keep_better("transfer", sketches, saved, report.stages[-1]["layer_error"], trained,
+                                   way_out=way_out)
         report.stages.append({"name": "transfer", "seconds": time.perf_counter() - t0,
-                              "losses": [[c[0], c[-1]] for c in losses],
-                              "layer_error": attention_errors(sketches, layers, mask, held_idx), "metric": metric(model)})
+                              "losses": [[c[0], c[-1]] for c in losses], "kept_initial": kept,
+                              "layer_error_trained": trained, "layer_error": errors, "metric": metric(model)})
     if lora_steps:
         t0 = time.perf_counter()
         model, curve = _lora(model, family, ids, mask, train_idx, teacher_hidden, steps=lora_steps, rank=lora_rank,

@@ -55,15 +55,29 @@ def load_pretrained(model_dir=None, *, gguf=None) -> tuple[nn.Module, object]:
         model = auto.from_pretrained(source, local_files_only=True, **kwargs).eval()
     except ImportError as err:  # transformers reads GGUF through the optional gguf package
         raise ValueError(f"{where}: could not load the model: {err} (pip install 'sketchlab[lm]')") from err
-    except (OSError, KeyError, RuntimeError, TypeError) as err:
-        raise ValueError(f"{where}: could not load the model: {type(err).__name__}: {err}") from err
+    except (OSError, KeyError, RuntimeError, TypeError, _safetensor_error()) as err:
+        weights = "" if gguf is not None else "".join(  # safetensors' message names no file
+            f" ({f.name}: {f.stat().st_size} bytes{', empty' if not f.stat().st_size else ''})"
+            for f in sorted(path.glob("*.safetensors")))
+        raise ValueError(f"{where}: could not load the model (missing, truncated or corrupt weights or config)"
+                         f"{weights}: {type(err).__name__}: {err}") from err
     if gguf is not None:
         _drop_gguf_quantizer(model)
+    model.sketchlab_source = str(path)  # an input of the run: sketchlab.save_linearized never writes onto it
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True, **kwargs)
     except (OSError, ValueError, TypeError, KeyError) as err:
         raise ValueError(f"{where}: could not load its tokenizer: {type(err).__name__}: {err}") from err
     return model, tokenizer
+
+
+def _safetensor_error() -> type:
+    """safetensors' own error class (a plain ``Exception`` subclass, not an ``OSError``)."""
+    try:
+        from safetensors import SafetensorError
+    except ImportError:  # older safetensors
+        return OSError
+    return SafetensorError
 
 
 def _drop_gguf_quantizer(model: nn.Module) -> None:

@@ -16,8 +16,8 @@ import secrets
 import shutil
 from pathlib import Path
 
-__all__ = ["atomic_write", "check_output_paths", "check_staged_directory", "dump_files", "npy_parts",
-           "staged_directory"]
+__all__ = ["atomic_write", "check_output_directory", "check_output_paths", "check_staged_directory", "dump_files",
+           "input_files", "npy_parts", "replace_together", "staged_directory"]
 
 #: The tensors of a Q/K dump, in file order.
 DUMP_NAMES = ("q", "k", "v")
@@ -183,6 +183,96 @@ def staged_directory(path, *, last=()):
             shutil.rmtree(stage, ignore_errors=True)
     _fsync_dir(target)
     _fsync_dir(target.parent)
+
+
+def replace_together(moves: dict) -> None:
+    """Rename each temporary file onto its target (``{target: temp}``, both in existing directories;
+    a ``None`` temp deletes the target) all together: on any failure the targets renamed so far are
+    put back, so the targets hold either all the new files or all the old ones.
+
+    The old files are first moved aside (renamed beside their targets), then the new ones renamed
+    in, then the old ones deleted; the directories are fsynced. A failed undo (it needs a failing
+    file system) leaves the old files beside their targets under ``.NAME.<hex>.old`` names, and the
+    error names them. Temporary files not renamed in are removed.
+    """
+    moves = {Path(os.path.realpath(t)): (None if tmp is None else Path(tmp)) for t, tmp in moves.items()}
+    aside: dict[Path, Path] = {}
+    placed: list[Path] = []
+    try:
+        for target in moves:
+            if os.path.lexists(target):
+                old = target.parent / f".{target.name}.{secrets.token_hex(6)}.old"
+                os.rename(target, old)
+                aside[target] = old
+        for target, tmp in moves.items():
+            if tmp is not None:
+                os.replace(tmp, target)
+                placed.append(target)
+    except BaseException as err:
+        failed = []
+        for target in reversed(placed):
+            with contextlib.suppress(OSError):
+                os.unlink(target)
+        for target, old in aside.items():
+            try:
+                os.rename(old, target)
+            except OSError:
+                failed.append(str(old))
+        for tmp in moves.values():
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+        if failed:
+            raise OSError(f"replacing {', '.join(str(t) for t in moves)} failed ({err}) and putting the old files "
+                          f"back failed too: they are at {', '.join(failed)}") from err
+        raise
+    for old in aside.values():
+        with contextlib.suppress(OSError):
+            os.unlink(old)
+    for folder in {t.parent for t in moves}:
+        _fsync_dir(folder)
+
+
+def input_files(inputs) -> tuple[dict, dict]:
+    """``(files, directories)`` a run reads, each ``{real path: path as given}``: every file under an
+    input directory, and a ``.npy`` Q/K dump with all its parts (:func:`dump_files`); ``None`` skipped."""
+    files: dict = {}
+    directories: dict = {}
+    for path in inputs:
+        if path is None:
+            continue
+        if os.path.isdir(path):
+            directories[os.path.realpath(path)] = str(path)
+            for root, _, names in os.walk(path):
+                for name in names:
+                    files[os.path.realpath(os.path.join(root, name))] = os.path.join(root, name)
+        else:
+            for part in dump_files(path) or [Path(path)]:
+                files[os.path.realpath(part)] = str(part)
+    return files, directories
+
+
+def _inside(path: str, directory: str) -> bool:
+    return path == directory or path.startswith(directory.rstrip(os.sep) + os.sep)
+
+
+def check_output_directory(directory, inputs=(), *, label: str = "output") -> None:
+    """Refuse (``ValueError``, before any work) an output directory that is an input of the same run
+    or holds one: it resolves (any spelling, symlink or hard link) to an input file, it is an input
+    directory, or an input lies under it (writing it would overwrite or mix files with the data being
+    read). ``inputs``: files, Q/K dumps and directories (:func:`input_files`); ``label`` names the
+    output in the message."""
+    real = os.path.realpath(directory)
+    files, directories = input_files(inputs)
+    ident = _file_identity(Path(real))
+    for inp_real, given in {**directories, **files}.items():
+        same = inp_real == real or (ident is not None and _file_identity(Path(inp_real)) == ident)
+        if same and inp_real in files:
+            raise ValueError(f"{label}: output directory {str(directory)!r} is the input {given!r}: writing there would "
+                             "destroy the data being read; choose another output directory")
+        if same or _inside(inp_real, real):
+            raise ValueError(f"{label}: output directory {str(directory)!r} holds the input {given!r}: this run would "
+                             "overwrite or mix files with the data it reads; choose another output directory")
 
 
 def _device(path: Path) -> int:

@@ -64,8 +64,8 @@ import torch
 
 from .._validation import check_finite
 from .atomic import DUMP_NAMES as _NAMES
-from .atomic import _create_temp, _fsync_dir, _fsync_file, atomic_write, npy_parts
-from .formats import _as_tensor, _canonical_safetensors, _check_meta, _loads_json, _read_safetensors
+from .atomic import _create_temp, _fsync_file, atomic_write, npy_parts, replace_together
+from .formats import _as_tensor, _canonical_safetensors, _check_meta, _loads_json, _read_safetensors, require_file
 from .layout import LAYOUTS as _LAYOUTS
 from .layout import _apply_layout, select_indices
 
@@ -98,6 +98,8 @@ class QKDump:
 
 def _read_raw(path: Path) -> tuple[dict, dict]:
     """Return ``(entries, meta)`` as stored; ``entries`` maps names to tensors/arrays/dicts."""
+    if path.is_dir():
+        require_file(path)  # "is a directory", not "no such file" or "unknown extension"
     ext = path.suffix.lower()
     if ext not in _EXTENSIONS:
         raise ValueError(
@@ -118,7 +120,12 @@ def _read_raw(path: Path) -> tuple[dict, dict]:
                 f"as sibling files NAME.q.npy and NAME.k.npy (see save_qk) or use .npz/.safetensors"
             )
         if not parts["q"].is_file() and not parts["k"].is_file():
+            if parts["q"].is_dir():
+                require_file(parts["q"])  # names the directory
             raise FileNotFoundError(f"{path}: no such dump, it does not exist (looked for {parts['q']} and {parts['k']})")
+        for part in parts.values():
+            if os.path.lexists(part):
+                require_file(part)
         meta = {}
         if parts["meta"].is_file():
             try:
@@ -131,8 +138,7 @@ def _read_raw(path: Path) -> tuple[dict, dict]:
         return entries, meta
     if ext == ".safetensors":
         return _read_safetensors(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such file (it does not exist)")
+    require_file(path)
     if path.stat().st_size == 0:
         raise ValueError(f"{path}: the file is empty (0 bytes), not a {ext} dump")
     if ext == ".pt":
@@ -365,17 +371,12 @@ def save_qk(path, q, k, v=None, meta=None) -> Path:
 
 
 def _save_npy_parts(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> Path:
-    """Write a ``.npy`` dump's sibling files so that a reader never loads a mix of old and new parts.
-
-    1. every part is written to a temporary file beside it and fsynced;
-    2. the marker ``NAME.meta.json`` is replaced (atomically) *first*, recording the SHA-256 of each
-       new part under ``parts_sha256``;
-    3. the parts are renamed onto their names, a stale ``NAME.v.npy`` is removed, the directory
-       is fsynced.
-
-    A save interrupted after step 2 leaves parts that disagree with the marker, which
-    :func:`load_qk` rejects ("the dump is incomplete"); one interrupted before it leaves the old
-    dump untouched. Either way no mix of old and new tensors loads as a valid dump.
+    """Write a ``.npy`` dump's sibling files all together: every part and the marker
+    ``NAME.meta.json`` (recording each part's SHA-256 under ``parts_sha256``) are written to temporary
+    files beside their names and fsynced, then moved in together (:func:`sketchlab.io.atomic.replace_together`,
+    a stale ``NAME.v.npy`` removed with them): a save that fails at any point leaves the earlier dump
+    as it was. Only a crash of the machine during the renames can leave a mix, which :func:`load_qk`
+    rejects by the checksums ("the dump is incomplete").
     """
     parts = npy_parts(path)
     blobs = {}
@@ -385,26 +386,26 @@ def _save_npy_parts(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str
         blobs[name] = buf.getvalue()
     meta = dict(meta)
     meta[_PARTS_KEY] = json.dumps({name: hashlib.sha256(b).hexdigest() for name, b in blobs.items()}, sort_keys=True)
-    temps: dict[str, Path] = {}
+    moves: dict[Path, Path | None] = {}
     try:
         for name, blob in blobs.items():
             target = Path(os.path.realpath(parts[name]))
-            temps[name] = _create_temp(target)
-            temps[name].write_bytes(blob)
-            _fsync_file(temps[name])
-        with atomic_write(parts["meta"]) as tmp:
-            Path(tmp).write_text(json.dumps(meta, sort_keys=True, indent=1) + "\n", encoding="utf-8")
-        for name in list(temps):
-            target = Path(os.path.realpath(parts[name]))
-            os.replace(temps[name], target)
-            del temps[name]
+            moves[target] = _create_temp(target)
+            moves[target].write_bytes(blob)
+            _fsync_file(moves[target])
+        target = Path(os.path.realpath(parts["meta"]))
+        moves[target] = _create_temp(target)
+        moves[target].write_text(json.dumps(meta, sort_keys=True, indent=1) + "\n", encoding="utf-8")
+        _fsync_file(moves[target])
         if "v" not in blobs and parts["v"].is_file():
-            os.unlink(parts["v"])  # a stale v from an earlier dump of the same name would be read back
-        _fsync_dir(Path(os.path.realpath(parts["q"])).parent)
-    finally:
-        for tmp in temps.values():
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
+            moves[Path(os.path.realpath(parts["v"]))] = None  # a stale v of an earlier dump would be read back
+    except BaseException:
+        for tmp in moves.values():
+            if tmp is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
+        raise
+    replace_together(moves)  # all the new parts, or (on failure) all the old ones
     return parts["q"]
 
 

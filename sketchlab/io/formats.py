@@ -6,6 +6,7 @@ reproducible bytes.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -108,11 +109,23 @@ def _canonical_safetensors(raw: bytes) -> bytes:
     return len(text).to_bytes(8, "little") + text + raw[8 + n :]
 
 
+def require_file(path: Path) -> None:
+    """A readable regular file at ``path``, or the cause named: ``FileNotFoundError`` (it does not
+    exist), ``IsADirectoryError`` (a directory), ``PermissionError`` (no read permission); the one
+    check every reader of the toolkit's files runs first."""
+    if path.is_dir():
+        raise IsADirectoryError(f"{path}: is a directory, not a file")
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file (it does not exist)")
+    if not os.access(path, os.R_OK):
+        raise PermissionError(f"{path}: cannot be read (permission denied: the file's mode is "
+                              f"{path.stat().st_mode & 0o777:03o}); chmod u+r it or run as its owner")
+
+
 def _read_safetensors(path: Path) -> tuple[dict, dict]:
     """``(entries, meta)`` of a ``.safetensors`` file; a missing file is ``FileNotFoundError``, an
     empty, truncated or corrupt one ``ValueError`` naming ``path``."""
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such file (it does not exist)")
+    require_file(path)
     if path.stat().st_size == 0:
         raise ValueError(f"{path}: the file is empty (0 bytes), not a .safetensors dump")
     from safetensors import safe_open
