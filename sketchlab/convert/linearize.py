@@ -44,7 +44,7 @@ from ..capture import _check_against_model
 from .convert import (_make_maps, _options, _resolve_tied, check_layout, check_map_memory, convert_attention,
                       converted_modules)
 from .evaluate import _batches, _hidden, embedding_agreement, perplexity, sentence_embeddings, token_nll  # noqa: F401
-from .families import attention_sites, family_of
+from .families import FAMILY_TABLE, attention_sites, family_of
 from .sketched import check_local_map
 from .stages import check_teacher_finite, keep_better, named_divergence, snapshot
 
@@ -733,13 +733,6 @@ def _checked(sketches, layers, mask, train_idx, *, steps, lr, map_lr, batch_size
     return idx, options, processes
 
 
-_LORA_TARGETS = {
-    "llama": r".*\.self_attn\.(q_proj|k_proj|v_proj|o_proj)$",
-    "gpt2": r".*\.attn\.(c_attn|c_proj)$",
-    "bert": r".*\.attention\.(self\.(query|key|value)|output\.dense)$",
-}
-
-
 def lora_finetune(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, train_idx, *, steps: int, rank: int = 8,
                   lr: float = 1e-4, batch_size: int = 1, seed: int = 0, teacher_hidden: torch.Tensor | None = None,
                   progress: bool = False):
@@ -773,7 +766,7 @@ def lora_finetune(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, train
             or int(train_idx.min()) < 0 or int(train_idx.max()) >= ids.shape[0]:
         raise ValueError(f"train_idx must be a non-empty list of sequence indices in [0, {ids.shape[0]}), "
                          f"got {train_idx.tolist()}")
-    if (family == "bert") != (teacher_hidden is not None):
+    if (family != "toy" and FAMILY_TABLE[family].encoder) != (teacher_hidden is not None):
         raise ValueError("teacher_hidden [N, T, hidden] is the loss of an encoder (BERT family) and only of one: "
                          f"got {'none' if teacher_hidden is None else 'one'} for a {family} model")
     if teacher_hidden is not None and tuple(teacher_hidden.shape[:2]) != tuple(ids.shape):
@@ -792,8 +785,9 @@ def _lora(model, family, ids, mask, train_idx, teacher_hidden, *, steps, rank, l
     if family == "toy":
         raise ValueError("the LoRA stage supports transformers models (peft); the toy model fine-tunes with "
                          "sketchlab.tasks.train_mqar")
-    config = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=_LORA_TARGETS[family],
-                        fan_in_fan_out=family == "gpt2")
+    entry = FAMILY_TABLE[family]  # the family's LoRA targets, from the one table
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=entry.lora,
+                        fan_in_fan_out=entry.lora_fan_in_fan_out)
     sketch_grad = {id(p): p.requires_grad for s in converted_modules(model, required=False) for p in s.parameters()}
     peft_model = get_peft_model(model, config)
     params = [p for p in peft_model.parameters() if p.requires_grad]
@@ -952,7 +946,7 @@ def linearize(model: nn.Module, texts, *, tokenizer=None, attention: str = "llop
     with torch.random.fork_rng(devices=[]):  # layer 0's query map as convert_attention will make it
         probe = _make_maps(attention, feature_map, 0, sites[0].heads, sites[0].head_dim, p, m, rank, seed, tied)[0]
     check_local_map(probe, window=window, local=local)  # the layer's own rule, before the teacher is recorded
-    encoder = family == "bert"
+    encoder = family != "toy" and FAMILY_TABLE[family].encoder
     settings = {"family": family, "attention": attention if feature_map is None else "custom", "p": p, "m": m,
                 "rank": rank, "window": window, "sinks": sinks, "local": local, "normalize": normalize, "gate_init": gate_init,
                 "tied": tied, "gate_sequences": gate_sequences,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from torch import nn
 
-from .families import FAMILIES
+from .families import FAMILIES, FAMILY_TABLE
 
 __all__ = ["load_pretrained", "smollm2_gguf"]
 
@@ -51,7 +51,7 @@ def load_pretrained(model_dir=None, *, gguf=None) -> tuple[nn.Module, object]:
     try:
         config = AutoConfig.from_pretrained(source, local_files_only=True, **kwargs)
         family = _family_of_type(getattr(config, "model_type", None), where)
-        auto = AutoModel if family == "bert" else AutoModelForCausalLM
+        auto = AutoModel if FAMILY_TABLE[family].encoder else AutoModelForCausalLM
         model = auto.from_pretrained(source, local_files_only=True, **kwargs).eval()
     except ImportError as err:  # transformers reads GGUF through the optional gguf package
         raise ValueError(f"{where}: could not load the model: {err} (pip install 'sketchlab[lm]')") from err
