@@ -33,7 +33,9 @@ from .._validation import as_float_tensor, check_finite, check_positive_int
 from ._checks import check_qkv
 
 __all__ = [
+    "decayed_linear_chunked",
     "decayed_linear_naive",
+    "delta_rule_chunked",
     "delta_rule_naive",
 ]
 
@@ -186,3 +188,157 @@ def delta_rule_naive(q, k, v, beta, log_alpha=None, *, initial_state=None):
         S = S + beta[:, t, :, None, None] * kt[..., :, None] * err[..., None, :]  # [B, H, M, Dv]
         outs.append(torch.einsum("bhm,bhmd->bhd", q[:, t], S))  # [B, H, Dv]
     return torch.stack(outs, 1), S
+
+
+# ----------------------------------------------------------------------------------------------- chunked forms
+def _chunks(x: torch.Tensor, C: int, N: int) -> torch.Tensor:
+    """``[B, T, H, ·]`` (or ``[B, T, H]``) → ``[B, H, N, C, ·]`` (``[B, H, N, C]``), zero-padded to ``N·C`` tokens."""
+    x = x.movedim(1, 2)  # [B, H, T, ·]
+    if x.ndim == 3:
+        return F.pad(x, (0, N * C - x.shape[2])).unflatten(2, (N, C))  # [B, H, N, C]
+    return F.pad(x, (0, 0, 0, N * C - x.shape[2])).unflatten(2, (N, C))  # [B, H, N, C, ·]
+
+
+def _decays(log_decay, like: torch.Tensor, C: int, N: int):
+    """Chunk-local cumulative log-decay ``L [B, H, N, C]`` (inclusive; padded steps decay by 0) and the
+    masked pairwise ``exp(L_i − L_j)`` for ``j ≤ i`` (``[B, H, N, C, C]``, zero above the diagonal)."""
+    B, H = like.shape[0], like.shape[2]  # like: a token tensor [B, T, H, ·]
+    if log_decay is None:
+        L = like.new_zeros(B, H, N, C)
+    else:
+        L = _chunks(log_decay.to(like.dtype), C, N).cumsum(-1)  # [B, H, N, C]
+    causal = torch.ones(C, C, dtype=torch.bool, device=like.device).tril()  # j <= i
+    diff = L[..., :, None] - L[..., None, :]  # [B, H, N, C, C]: L_i − L_j, <= 0 where j <= i
+    pair = torch.where(causal, diff, torch.full((), float("-inf"), dtype=like.dtype, device=like.device)).exp()
+    return L, pair
+
+
+def decayed_linear_chunked(fq, fk, v, log_decay=None, *, initial_state=None, chunk_size: int = 64):
+    r"""Decayed linear attention, chunked (PyTorch, differentiable by autograd).
+
+    Same arguments and results as :func:`decayed_linear_naive`, computed in the inputs' dtype
+    (float16/bfloat16 in float32) by chunks of ``C = chunk_size`` tokens.
+
+    Parameters
+    ----------
+    fq, fk : Tensor ``[B, T, H, M]``
+    v : Tensor ``[B, T, H, Dv]``
+    log_decay : Tensor ``[B, T, H]`` or None
+        :math:`\log\gamma_t \le 0`, finite.
+    initial_state : ``(S [B, H, M, Dv], z [B, H, M])`` or None
+    chunk_size : int >= 1
+        ``T`` need not be a multiple of it.
+
+    Returns
+    -------
+    num ``[B, T, H, Dv]``, den ``[B, T, H]``, ``(S [B, H, M, Dv], z [B, H, M])``.
+
+    Notes
+    -----
+    With :math:`L_i` the cumulative log-decay inside the chunk (:math:`L_i = \sum_{s\le i}\log\gamma_s`,
+    relative to the chunk's start) and the incoming state :math:`S_0`:
+
+    .. math:: \text{num}_i = e^{L_i}\,\phi(q_i)^\top S_0
+              + \sum_{j\le i} e^{L_i - L_j}\,(\phi(q_i)\cdot\phi(k_j))\, v_j,\qquad
+              S_{\text{end}} = e^{L_{C}} S_0 + \sum_j e^{L_C - L_j}\,\phi(k_j) v_j^\top,
+
+    and ``den``, ``z`` the same with :math:`v_j = 1` (one more value column). Stability: every
+    exponent is :math:`\le 0` — the pairwise :math:`L_i - L_j` is masked to ``j ≤ i`` *before* the
+    exponential, never formed as :math:`e^{L_i}e^{-L_j}` — so strong decay or long sequences
+    underflow to 0 and never overflow.
+    """
+    fq, fk, v, log_decay, initial_state = _check_decayed(fq, fk, v, log_decay, initial_state)
+    C = check_positive_int(chunk_size, "chunk_size")
+    dt = _work_dtype(v)
+    B, T, H, M = fk.shape
+    Dv = v.shape[-1]
+    N = -(-T // C)
+    v1 = torch.cat([v.to(dt), v.new_ones(B, T, H, 1, dtype=dt)], -1)  # [B, T, H, Dv + 1]: z as one more column
+    q, k, w = _chunks(fq.to(dt), C, N), _chunks(fk.to(dt), C, N), _chunks(v1, C, N)  # [B, H, N, C, ·]
+    L, pair = _decays(log_decay, v1, C, N)  # [B, H, N, C], [B, H, N, C, C]
+    intra = ((q @ k.mT) * pair) @ w  # [B, H, N, C, Dv + 1]
+    last = L[..., -1:]  # [B, H, N, 1]: the whole chunk's log-decay
+    step = (k * (last - L).exp()[..., None]).mT @ w  # [B, H, N, M, Dv + 1]: the chunk's own contribution
+    if initial_state is None:
+        state = v1.new_zeros(B, H, M, Dv + 1)
+    else:
+        state = torch.cat([initial_state[0].to(dt), initial_state[1].to(dt)[..., None]], -1)  # [B, H, M, Dv + 1]
+    starts = []
+    for n in range(N):  # the state carried from chunk to chunk
+        starts.append(state)
+        state = last[:, :, n, :, None].exp() * state + step[:, :, n]
+    inter = (q * L.exp()[..., None]) @ torch.stack(starts, 2)  # [B, H, N, C, Dv + 1]
+    out = (intra + inter).flatten(2, 3)[:, :, :T].movedim(1, 2)  # [B, T, H, Dv + 1]
+    return out[..., :Dv], out[..., Dv], (state[..., :Dv], state[..., Dv])
+
+
+def delta_rule_chunked(q, k, v, beta, log_alpha=None, *, initial_state=None, chunk_size: int = 64):
+    r"""The (gated) delta rule in its chunked WY/UT form (PyTorch, differentiable by autograd).
+
+    Same arguments and results as :func:`delta_rule_naive`, computed in the inputs' dtype
+    (float16/bfloat16 in float32) by chunks of ``C = chunk_size`` tokens.
+
+    Parameters
+    ----------
+    q, k : Tensor ``[B, T, H, M]``
+        L2-normalised by the caller.
+    v : Tensor ``[B, T, H, Dv]``
+    beta : Tensor ``[B, T, H]``, values in ``[0, 2]``
+    log_alpha : Tensor ``[B, T, H]`` or None
+        :math:`\log\alpha_t \le 0`, finite.
+    initial_state : Tensor ``S [B, H, M, Dv]`` or None
+    chunk_size : int >= 1
+        ``T`` need not be a multiple of it.
+
+    Returns
+    -------
+    o ``[B, T, H, Dv]``, S ``[B, H, M, Dv]``.
+
+    Notes
+    -----
+    Inside a chunk, with :math:`L_i` the cumulative log-gate (relative to the chunk's start) and the
+    incoming state :math:`S_0`, the state after step ``i`` is
+    :math:`S_i = e^{L_i}S_0 + \sum_{j\le i} e^{L_i-L_j} k_j u_j^\top` with the pseudo-values
+
+    .. math:: u_i = \beta_i\bigl(v_i - e^{L_i}S_0^\top k_i - \textstyle\sum_{j<i} e^{L_i-L_j}(k_i\cdot k_j)\,u_j\bigr),
+
+    i.e. :math:`(I + A)U = \mathrm{diag}(\beta)(V - e^{L}\!\odot K\,S_0)` with
+    :math:`A = \mathrm{tril}(\mathrm{diag}(\beta)(KK^\top\odot e^{L_i-L_j}), -1)`. So with
+    :math:`\mathcal T = (I + A)^{-1}\mathrm{diag}(\beta)` (one unitriangular solve),
+    :math:`W = \mathcal T(e^{L}\odot K)`, :math:`U = \mathcal T V` and :math:`V' = U - WS_0`:
+
+    .. math:: O = (e^{L}\odot Q)S_0 + (QK^\top\odot e^{L_i-L_j}\odot[j\le i])V',\qquad
+              S_{\text{end}} = e^{L_C}S_0 + (e^{L_C-L}\odot K)^\top V'.
+
+    ``A, 𝒯, W, U`` and the intra-chunk scores are formed for every chunk at once; only
+    :math:`V'`, ``O``'s first term and the state are carried chunk by chunk. Stability: every
+    exponent is :math:`\le 0` (pairwise differences masked before the exponential), and
+    ``I + A`` is unit lower triangular (solved, never inverted).
+    """
+    q, k, v, beta, log_alpha, initial_state = _check_delta(q, k, v, beta, log_alpha, initial_state)
+    C = check_positive_int(chunk_size, "chunk_size")
+    dt = _work_dtype(v)
+    B, T, H, M = k.shape
+    Dv = v.shape[-1]
+    N = -(-T // C)
+    Q, K, V = _chunks(q.to(dt), C, N), _chunks(k.to(dt), C, N), _chunks(v.to(dt), C, N)  # [B, H, N, C, ·]
+    b = _chunks(beta.to(dt), C, N)[..., None]  # [B, H, N, C, 1]; padded steps: β = 0, a null step
+    L, pair = _decays(log_alpha, v.to(dt), C, N)  # [B, H, N, C], [B, H, N, C, C] (j <= i)
+    eL = L.exp()[..., None]  # [B, H, N, C, 1]
+    eye = torch.eye(C, dtype=dt, device=V.device)
+    A = (b * (K @ K.mT) * pair).tril(-1)  # [B, H, N, C, C]: β_i e^{L_i−L_j} k_i·k_j, j < i
+    rhs = b * torch.cat([V, eL * K], -1)  # [B, H, N, C, Dv + M]
+    UW = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)  # 𝒯 [V, e^L K]
+    U, W = UW[..., :Dv], UW[..., Dv:]  # [B, H, N, C, Dv], [B, H, N, C, M]
+    P = (Q @ K.mT) * pair  # [B, H, N, C, C]
+    Qd = Q * eL  # [B, H, N, C, M]
+    Kd = K * (L[..., -1:] - L).exp()[..., None]  # [B, H, N, C, M]: e^{L_C − L_j} k_j
+    gate = L[..., -1].exp()[..., None, None]  # [B, H, N, 1, 1]
+    S = V.new_zeros(B, H, M, Dv) if initial_state is None else initial_state.to(dt)
+    outs = []
+    for n in range(N):  # the state-dependent part, chunk by chunk
+        Vn = U[:, :, n] - W[:, :, n] @ S  # [B, H, C, Dv]: V' = U − W S_0
+        outs.append(Qd[:, :, n] @ S + P[:, :, n] @ Vn)  # [B, H, C, Dv]
+        S = gate[:, :, n] * S + Kd[:, :, n].mT @ Vn  # [B, H, M, Dv]
+    o = torch.stack(outs, 2).flatten(2, 3)[:, :, :T].movedim(1, 2)  # [B, T, H, Dv]
+    return o, S
