@@ -282,12 +282,14 @@ def unit(x: torch.Tensor) -> torch.Tensor:
 def recall_error(S, z, phi, v, *, delta: bool, eps: float) -> torch.Tensor:
     r"""The cache score :math:`\lVert v - r(k)\rVert^2` of keys (``phi [..., M]``, ``v [..., Dv]``)
     against the state ``S [..., M, Dv]``, ``z [..., M]`` (leading axes broadcast): additive
-    :math:`r = S^\top\phi/(z\cdot\phi + \varepsilon)`, delta :math:`r = S^\top\hat k`. No gradient."""
+    :math:`r = S^\top\phi/(z\cdot\phi + \varepsilon)` (0 where that denominator is 0: an empty state with
+    ``eps = 0``), delta :math:`r = S^\top\hat k`. No gradient."""
     with torch.no_grad():
         if delta:
             r = (unit(phi)[..., None, :] @ S)[..., 0, :]  # [..., Dv]
         else:
-            r = (phi[..., None, :] @ S)[..., 0, :] / ((phi * z).sum(-1, keepdim=True) + eps)
+            den = (phi * z).sum(-1, keepdim=True) + eps
+            r = (phi[..., None, :] @ S)[..., 0, :] / torch.where(den == 0, 1.0, den)  # an empty state (eps = 0): r = 0
         return (v - r).square().sum(-1)
 
 
