@@ -22,9 +22,8 @@ import torch
 
 from . import delta as _delta
 from ._checks import report_denominators
-from .memory import MemoryState, _beta, _gate, _log_decay, empty_memory_state, recall_error, unit
-
-_NEVER = 2**62  # "still cached" (a step no call reaches)
+from .memory import MemoryState, _beta, _gate, _log_decay, empty_memory_state, unit
+from .memory_schedule import schedule
 
 
 def _take(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -33,99 +32,8 @@ def _take(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 
 
 def _far_additive(fq, fe, ve, log_decay, S0, z0, chunk):
-    fn = getattr(_delta, "decayed_linear_chunked", None)
-    if fn is None:  # until the chunked form lands: the float64 twin
-        num, den, (S, z) = _delta.decayed_linear_naive(fq, fe, ve, log_decay, initial_state=(S0, z0))
-        return num.to(fq.dtype), den.to(fq.dtype), S.to(fq.dtype), z.to(fq.dtype)
-    num, den, (S, z) = fn(fq, fe, ve, log_decay, initial_state=(S0, z0), chunk_size=chunk)
+    num, den, (S, z) = _delta.decayed_linear_chunked(fq, fe, ve, log_decay, initial_state=(S0, z0), chunk_size=chunk)
     return num, den, S, z
-
-
-def _far_delta(qh, kh, ve, beta, log_decay, S0, chunk):
-    fn = getattr(_delta, "delta_rule_chunked", None)
-    if fn is None:
-        o, S = _delta.delta_rule_naive(qh, kh, ve, beta, log_decay, initial_state=S0)
-        return o.to(qh.dtype), S.to(qh.dtype)
-    return fn(qh, kh, ve, beta, log_decay, initial_state=S0, chunk_size=chunk)
-
-
-def _schedule(c, ef, ev, real_x, lg, st, base: int, first: int, chunk: int):
-    """Steps 1–3 without gradient over ``[B, H]``. Returns ``(event [B, H, T], until [B, H, X],
-    snapshots [list of [B, H, K]], slot_x, slot_score, slot_pos, cached)``: the extended index of
-    the key entering at each step (−1: none), the step at which each key left the cache
-    (``_NEVER``: still cached; a key never cached: its entry step, an empty interval), the slots'
-    keys at each chunk's start, and the final slots."""
-    B, H, T, K, w, s, P0, dev = c.B, c.H, c.T, c.K, c.w, c.s, st.offset, ef.device
-    X = ef.shape[2]
-    long = dict(dtype=torch.long, device=dev)
-    event = torch.full((B, H, T), -1, **long)
-    until = torch.full((B, H, X), _NEVER, **long)
-    until[:, :, base:] = torch.arange(X - base, **long) + first + w - P0  # the step each key leaves the window
-    if K == 0:  # every leaving key enters at once: no state needed for the choice
-        js = torch.arange(T, **long) + P0 - w  # [T]: the key leaving at each step
-        ok = js >= max(s, 0)
-        xs = (js - first).clamp(min=0)
-        enters = ok[None, :] & real_x[:, base + xs]  # [B, T]
-        event[:] = torch.where(enters, base + xs, -1)[:, None, :]
-        empty = torch.zeros(B, H, 0, **long)
-        return event, until, [], empty, empty.to(ef.dtype), empty, empty.bool()
-    with torch.no_grad():
-        efd, evd = ef.detach(), ev.detach()
-        S, z = st.S.detach().clone(), st.z.detach().clone()
-        slot_x = torch.where(st.cached, torch.arange(K, **long), -1)  # [B, H, K]: extended index of each slot's key
-        slot_score, slot_pos, cached = st.score_cache.clone(), st.pos_cache.clone(), st.cached.clone()
-        gam = None if lg is None else lg.detach().exp().permute(1, 0, 2)  # [T, B, H]
-        slots = torch.arange(K, **long)
-        snaps, eps, delta = [], c.o.eps, c.delta
-        for t in range(T):
-            if t % chunk == 0:
-                snaps.append(slot_x.clone())
-            pos = P0 + t
-            if gam is not None:  # 1. decay
-                S.mul_(gam[t][..., None, None])
-                z.mul_(gam[t][..., None])
-            if pos % c.o.rescore == 0 and bool(cached.any()):  # 2. re-score the cache against the state
-                idx = slot_x.clamp(min=0)
-                new = recall_error(S[:, :, None], z[:, :, None], _take(efd, idx), _take(evd, idx), delta=delta, eps=eps)
-                slot_score = torch.where(cached, new, slot_score)
-            j = pos - w
-            if j < max(s, 0):
-                continue
-            x = base + j - first
-            cand = real_x[:, x][:, None].expand(B, H)  # [B, H]: a real key leaves
-            if not bool(cand.any()):
-                continue
-            score = recall_error(S, z, efd[:, :, x], evd[:, :, x], delta=delta, eps=eps)  # [B, H]
-            full = cached.all(-1)  # [B, H]
-            free = (~cached).to(torch.int8).argmax(-1)  # first free slot
-            all_s = torch.cat([slot_score, score[..., None]], -1)  # [B, H, K + 1]
-            all_p = torch.cat([slot_pos, torch.full((B, H, 1), j, **long)], -1)
-            least = all_s == all_s.amin(-1, keepdim=True)
-            e = torch.where(least, all_p, _NEVER).argmin(-1)  # [B, H]: least score, then oldest; K: the candidate
-            out = cand & full
-            out_x = torch.where(e == K, x, slot_x.gather(-1, e.clamp(max=K - 1)[..., None])[..., 0]).clamp(min=0)
-            place = cand & (~full | (e < K))
-            hit = (slots == torch.where(full, e, free)[..., None]) & place[..., None]  # [B, H, K]
-            slot_x = torch.where(hit, x, slot_x)
-            slot_score = torch.where(hit, score[..., None], slot_score)
-            slot_pos = torch.where(hit, j, slot_pos)
-            cached = cached | hit
-            until[:, :, x] = torch.where(place, _NEVER, until[:, :, x])
-            if not bool(out.any()):
-                continue
-            was = until.gather(2, out_x[..., None])
-            until.scatter_(2, out_x[..., None], torch.where(out[..., None], t, was))
-            event[:, :, t] = torch.where(out, out_x, -1)
-            fe = efd.gather(2, out_x[..., None, None].expand(B, H, 1, efd.shape[-1]))[:, :, 0] * out[..., None]
-            ve = evd.gather(2, out_x[..., None, None].expand(B, H, 1, evd.shape[-1]))[:, :, 0]
-            if delta:  # 3. enter
-                kh = unit(fe)
-                err = ve - (kh[:, :, None, :] @ S)[:, :, 0]  # [B, H, Dv]
-                S.add_(_beta(c, ve)[..., None, None] * kh[..., :, None] * err[..., None, :])
-            else:
-                S.add_(fe[..., :, None] * ve[..., None, :])
-                z.add_(fe)
-    return event, until, snaps, slot_x, slot_score, slot_pos, cached
 
 
 def run(c):
@@ -145,7 +53,7 @@ def run(c):
     ef = torch.cat([st.phi_cache, st.phi_cache.new_zeros(B, H, Ls, M), st.phi_window, tr(fk)], 2)  # [B, H, X, M]
     real_x = torch.cat([torch.zeros(B, K, dtype=torch.bool, device=dev), st.mask_sink, st.mask_window, real], 1)  # [B, X]
     base, first = K + Ls, P0 - Lw  # extended index and position of the first contiguous key
-    event, until, snaps, slot_x, slot_score, slot_pos, cached = _schedule(c, ef, ev, real_x, lg, st, base, first, C)
+    event, until, snaps, slot_x, slot_score, slot_pos, cached = schedule(c, ef, ev, real_x, lg, st, base, first, C)
     # (ii) the far part over the event stream
     null = event < 0  # [B, H, T]
     idx = event.clamp(min=0)
@@ -153,11 +61,11 @@ def run(c):
     ve = tr(_take(ev, idx) * ~null[..., None])  # [B, T, H, Dv]
     if c.delta:
         beta = _beta(c, ve) * ~tr(null)  # [B, T, H]
-        far, S = _far_delta(unit(fq), unit(fe), ve, beta, lg, st.S, C)
+        far, S = _delta.delta_rule_chunked(unit(fq), unit(fe), ve, beta, lg, initial_state=st.S, chunk_size=min(C, T))
         z = torch.zeros_like(st.z)
         far = tr(far)  # [B, H, T, Dv]
     else:
-        num, den, S, z = _far_additive(fq, fe, ve, lg, st.S, st.z, C)
+        num, den, S, z = _far_additive(fq, fe, ve, lg, st.S, st.z, min(C, T))
         num, den = tr(num), den.transpose(1, 2)  # [B, H, T, Dv], [B, H, T]
     # (iii) the exact part, per query chunk
     end = P0 + T
