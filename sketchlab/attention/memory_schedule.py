@@ -28,14 +28,57 @@ def _lanes(x: torch.Tensor, L: int) -> np.ndarray:
     return x.reshape(L, *x.shape[2:]).numpy().copy()
 
 
-def _recall_error(S: np.ndarray, phi: np.ndarray, v: np.ndarray, *, delta: bool, eps: float) -> np.ndarray:
-    r""":func:`sketchlab.attention.memory.recall_error` in NumPy: ``S [L, M, Dv (+1: z)]``,
-    ``phi [L, n, M]``, ``v [L, n, Dv]`` → ``[L, n]``."""
+def _unit(x: np.ndarray) -> np.ndarray:
+    norm = np.sqrt(np.square(x).sum(-1, keepdims=True))
+    return x / np.where(norm > 0, norm, 1.0)
+
+
+class _Far:
+    r"""The detached far state of ``L`` lanes, ``scale·(S + AᵀB)``: a decay multiplies ``scale`` only,
+    a write appends a row to ``A [L, P, M]``, ``B [L, P, Dw]`` (zeros in lanes without one), and
+    every ``P`` writes the rows are folded into ``S`` by one batched product — so a step costs one
+    read of ``S`` rather than a rewrite of it."""
+
+    def __init__(self, S: np.ndarray, rows: int = 32):
+        L, M, Dw = S.shape
+        self.S, self.scale, self.n = S, np.ones(L), 0
+        self.A, self.B = np.zeros((L, rows, M)), np.zeros((L, rows, Dw))
+
+    def read(self, phi: np.ndarray) -> np.ndarray:
+        """``phi [L, n, M]`` → the state's ``phiᵀ(scale·S)`` ``[L, n, Dw]``."""
+        r = phi @ self.S
+        if self.n:
+            r += (phi @ self.A[:, :self.n].transpose(0, 2, 1)) @ self.B[:, :self.n]
+        return self.scale[:, None, None] * r
+
+    def write(self, lanes: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
+        """Add ``a bᵀ`` (``a [n, M]``, ``b [n, Dw]``) to the state of ``lanes``."""
+        self.A[lanes, self.n] = a / self.scale[lanes, None]
+        self.B[lanes, self.n] = b
+        self.n += 1
+        if self.n == self.A.shape[1]:
+            self.fold()
+
+    def fold(self) -> None:
+        if self.n:
+            self.S += self.A[:, :self.n].transpose(0, 2, 1) @ self.B[:, :self.n]
+            self.A[:, :self.n], self.B[:, :self.n], self.n = 0.0, 0.0, 0
+
+    def decay(self, gamma: np.ndarray) -> None:
+        self.scale *= gamma
+        if self.scale.min() < 1e-150:  # renormalise before it underflows
+            self.fold()
+            self.S *= self.scale[:, None, None]
+            self.scale[:] = 1.0
+
+
+def _recall_error(far: _Far, phi: np.ndarray, v: np.ndarray, *, delta: bool, eps: float) -> np.ndarray:
+    r""":func:`sketchlab.attention.memory.recall_error` in NumPy against the state ``far`` (``S`` with
+    ``z`` as a last value column when additive) of ``phi [L, n, M]``, ``v [L, n, Dv]`` → ``[L, n]``."""
     if delta:
-        norm = np.linalg.norm(phi, axis=-1, keepdims=True)
-        r = (phi / np.where(norm > 0, norm, 1.0)) @ S  # [L, n, Dv]
+        r = far.read(_unit(phi))  # [L, n, Dv]
     else:
-        r1 = phi @ S  # [L, n, Dv + 1]: Sᵀφ and z·φ
+        r1 = far.read(phi)  # [L, n, Dv + 1]: Sᵀφ and z·φ
         den = r1[..., -1:] + eps
         r = r1[..., :-1] / np.where(den == 0, 1.0, den)
     return np.square(v - r).sum(-1)
@@ -86,20 +129,23 @@ def schedule(c, ef, ev, real_x, lg, st, base: int, first: int, chunk: int):
             S = np.concatenate([S, _lanes(st.z, L)[..., None]], -1)  # [L, M, Dv + 1]
         gam = None if lg is None else lg.detach().double().exp().permute(1, 0, 2).reshape(T, L).cpu().numpy()
         beta = _lanes(_beta(c, ev.detach().transpose(1, 2)).transpose(1, 2), L) if delta else None  # [L, X]
+    far = _Far(S)
     cached = _lanes(st.cached, L)
     slot_x = np.where(cached, np.arange(K)[None, :], -1)
-    slot_score, slot_pos = _lanes(st.score_cache, L), _lanes(st.pos_cache, L)
+    # scores and positions of the K slots and, in column K, of the candidate
+    score_k = np.concatenate([_lanes(st.score_cache, L), np.zeros((L, 1))], 1)  # [L, K + 1]
+    pos_k = np.concatenate([_lanes(st.pos_cache, L), np.zeros((L, 1), dtype=np.int64)], 1)
     lanes, snaps = np.arange(L), []
     for t in range(T):
         if t % chunk == 0:
             snaps.append(back(slot_x))
         pos = P0 + t
         if gam is not None:  # 1. decay
-            S *= gam[t][:, None, None]
+            far.decay(gam[t])
         if pos % rescore == 0 and cached.any():  # 2. re-score the cache against the state
             idx = np.clip(slot_x, 0, None)
-            new = _recall_error(S, f[lanes[:, None], idx], vv[lanes[:, None], idx], delta=delta, eps=eps)
-            slot_score = np.where(cached, new, slot_score)
+            new = _recall_error(far, f[lanes[:, None], idx], vv[lanes[:, None], idx], delta=delta, eps=eps)
+            score_k[:, :K] = np.where(cached, new, score_k[:, :K])
         j = pos - w
         if j < max(s, 0):
             continue
@@ -107,18 +153,17 @@ def schedule(c, ef, ev, real_x, lg, st, base: int, first: int, chunk: int):
         cand = realx[:, x]  # [L]: a real key leaves
         if not cand.any():
             continue
-        score = _recall_error(S, f[:, x, None], vv[:, x, None], delta=delta, eps=eps)[:, 0]  # [L]
+        score = _recall_error(far, f[:, x, None], vv[:, x, None], delta=delta, eps=eps)[:, 0]  # [L]
         full = cached.all(1)
-        all_s = np.concatenate([slot_score, score[:, None]], 1)  # [L, K + 1]
-        all_p = np.concatenate([slot_pos, np.full((L, 1), j)], 1)
-        least = all_s == all_s.min(1, keepdims=True)
-        e = np.where(least, all_p, NEVER).argmin(1)  # least score, then the oldest; K: the candidate
+        score_k[:, K], pos_k[:, K] = score, j
+        least = score_k == score_k.min(1, keepdims=True)
+        e = np.where(least, pos_k, NEVER).argmin(1)  # least score, then the oldest; K: the candidate
         target = np.where(full, e, np.argmin(cached, 1))  # the evicted key's slot, or the first free one
         place = cand & (~full | (e < K))
         out = cand & full
         out_x = np.where(e == K, x, slot_x[lanes, np.minimum(e, K - 1)])
         p = np.nonzero(place)[0]
-        slot_x[p, target[p]], slot_score[p, target[p]], slot_pos[p, target[p]] = x, score[p], j
+        slot_x[p, target[p]], score_k[p, target[p]], pos_k[p, target[p]] = x, score[p], j
         cached[p, target[p]] = True
         until[p, x] = NEVER
         o = np.nonzero(out)[0]
@@ -128,12 +173,11 @@ def schedule(c, ef, ev, real_x, lg, st, base: int, first: int, chunk: int):
         until[o, xo] = t
         event[o, t] = xo
         fe, ve = f[o, xo], vv[o, xo]  # [n, M], [n, Dv]
-        if delta:  # 3. enter
-            norm = np.linalg.norm(fe, axis=-1, keepdims=True)
-            kh = fe / np.where(norm > 0, norm, 1.0)
-            err = ve - np.einsum("nm,nmd->nd", kh, S[o])
-            S[o] += beta[o, xo][:, None, None] * kh[:, :, None] * err[:, None, :]
-        else:
-            S[o] += fe[:, :, None] * np.concatenate([ve, np.ones((len(o), 1))], 1)[:, None, :]
-    return (back(event), back(until), snaps, back(slot_x), back(slot_score, ef.dtype), back(slot_pos),
+        if delta:  # 3. enter: S += β k̂ (v − Sᵀk̂)ᵀ
+            kh = _unit(fe)
+            err = ve - far.read(_unit(f[lanes, out_x])[:, None])[o, 0]
+            far.write(o, beta[o, xo][:, None] * kh, err)
+        else:  # S += φ vᵀ, z += φ
+            far.write(o, fe, np.concatenate([ve, np.ones((len(o), 1))], 1))
+    return (back(event), back(until), snaps, back(slot_x), back(score_k[:, :K], ef.dtype), back(pos_k[:, :K]),
             back(cached, torch.bool))
