@@ -27,8 +27,11 @@ from .memory_schedule import schedule
 
 
 def _take(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """``x[b, h, idx[b, h, i]]`` of ``x [B, H, X, F]`` for ``idx [B, H, L]`` (>= 0) → ``[B, H, L, F]``."""
-    return x.gather(2, idx[..., None].expand(*idx.shape, x.shape[-1]))
+    """``x[b, h, idx[b, h, i]]`` of ``x [B, H, X, F]`` for ``idx [B, H, L]`` (>= 0) → ``[B, H, L, F]``
+    (``index_select`` of whole rows: several times faster than ``gather`` or advanced indexing on CPU)."""
+    B, H, X, F = x.shape
+    rows = (torch.arange(B * H, device=idx.device)[:, None] * X + idx.flatten(0, 1)).flatten()  # [B·H·L]
+    return x.reshape(B * H * X, F).index_select(0, rows).view(B, H, idx.shape[2], F)
 
 
 def _far_additive(fq, fe, ve, log_decay, S0, z0, chunk):
