@@ -143,15 +143,19 @@ def test_cache_holding_everything_is_softmax(window, sinks, padded):
         assert (got - want)[rows].abs().max().item() <= TOL64, fn.__name__
 
 
-def _dense_decayed(fq, fk, v, q, k, gamma, window, sinks, g, eps):
-    """The hybrid with far weights γ^(t − j − w) (key j entered the state at step j + w): dense, float64."""
+def _dense_decayed(fq, fk, v, q, k, gamma, window, sinks, g, eps, real):
+    """The hybrid with far weights γ^(real steps in (j + w, t]) (key j entered the state at step j + w;
+    a pad step does not decay): dense, float64. ``real [B, T]``: not a pad."""
     T = fq.shape[1]
     pos = torch.arange(T)
     near, far = local_far_masks(pos, pos, pos, window=window, sinks=sinks, causal=True)  # [T, T]
-    lag = (pos[:, None] - pos[None, :] - window).clamp(min=0).double()  # steps since key j entered
-    fs = torch.einsum("bthm,bjhm->bhtj", fq, fk) * gamma[None, :, None, None] ** lag * far
+    seen = real[:, None, None, :]  # [B, 1, 1, T]: pads are no key
+    count = real.double().cumsum(1)  # [B, T]: real steps up to t
+    enter = (pos + window).clamp(max=T - 1)  # the step key j enters (far keys only use j + w <= t)
+    lag = (count[:, :, None] - count[:, None, enter]).clamp(min=0)  # [B, T, T]: real steps in (j + w, t]
+    fs = torch.einsum("bthm,bjhm->bhtj", fq, fk) * gamma[None, :, None, None] ** lag[:, None] * (far & seen)
     logits = torch.einsum("bthd,bjhd->bhtj", q, k) / math.sqrt(D)
-    logits = logits.masked_fill(~near, -math.inf)
+    logits = logits.masked_fill(~(near & seen), -math.inf)
     a = (logits - logits.amax(-1, keepdim=True)).exp()
     gg = g[None, :, None, None]
     num = gg * (a @ v.transpose(1, 2)) + (1 - gg) * (fs @ v.transpose(1, 2))
@@ -160,17 +164,35 @@ def _dense_decayed(fq, fk, v, q, k, gamma, window, sinks, g, eps):
 
 
 @pytest.mark.parametrize("decay", [0.8, "head"])
-def test_decay_closed_form(decay):
-    """K = 0 with a decay: each far key weighted by γ per step since it entered (no twin involved)."""
+@pytest.mark.parametrize("padded", [False, True])
+def test_decay_closed_form(decay, padded):
+    """K = 0 with a decay: each far key weighted by γ per real step since it entered (no twin involved)."""
     T, window, sinks = 26, 3, 2
     options = AttentionOptions(window=window, sinks=sinks, decay=decay, chunk_size=8)
     params = _params(options)
     fq, fk, v, q, k = _problem(T, 4, seed=11)
+    mask = _mask(T) if padded else torch.ones(B, T, dtype=torch.bool)
     gamma = torch.full((H,), 0.8, dtype=torch.float64) if decay == 0.8 else torch.sigmoid(params.decay_bias)
-    want = _dense_decayed(fq, fk, v, q, k, gamma, window, sinks, torch.sigmoid(params.gate), options.eps)
+    want = _dense_decayed(fq, fk, v, q, k, gamma, window, sinks, torch.sigmoid(params.gate), options.eps, mask)
     for fn in (memory_attention_naive, memory_attention):
-        got = fn(fq, fk, v, q, k, options=options, params=params)
-        assert (got - want).abs().max().item() <= TOL64, fn.__name__
+        got = fn(fq, fk, v, q, k, options=options, params=params, key_padding_mask=mask if padded else None)
+        assert (got - want)[mask].abs().max().item() <= TOL64, fn.__name__
+
+
+@pytest.mark.parametrize("state", ["additive", "delta"])
+def test_left_pads_change_nothing(state):
+    """Without sinks and cache (whose positions and rescoring count pads), left pads are invisible:
+    they never enter the window's keys, the state, nor its decay."""
+    T, pads = 21, 4
+    options = AttentionOptions(window=3, decay="input", state=state, chunk_size=4)
+    params = _params(options)
+    fq, fk, v, q, k = _problem(T, 4, seed=37)
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[:, :pads] = False
+    for fn in (memory_attention_naive, memory_attention):
+        padded = fn(fq, fk, v, q, k, options=options, params=params, key_padding_mask=mask)
+        alone = fn(*[x[:, pads:] for x in (fq, fk, v, q, k)], options=options, params=params)
+        assert (padded[:, pads:] - alone).abs().max().item() <= TOL64, fn.__name__
 
 
 def test_delta_far_part_is_the_delta_rule_on_shifted_keys():
