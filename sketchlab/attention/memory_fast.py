@@ -22,7 +22,7 @@ import torch
 
 from . import delta as _delta
 from ._checks import report_denominators
-from .memory import MemoryState, _beta, _gate, _log_decay, empty_memory_state, unit
+from .memory_state import MemoryState, _beta, _gate, _log_decay, empty_memory_state, unit
 from .memory_schedule import schedule
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .memory import _beta
+from .memory_state import _beta
 
 #: "Still cached": a step no call reaches.
 NEVER = 2**62
@@ -73,7 +73,7 @@ class _Far:
 
 
 def _recall_error(far: _Far, phi: np.ndarray, v: np.ndarray, *, delta: bool, eps: float) -> np.ndarray:
-    r""":func:`sketchlab.attention.memory.recall_error` in NumPy against the state ``far`` (``S`` with
+    r""":func:`sketchlab.attention.memory_state.recall_error` in NumPy against the state ``far`` (``S`` with
     ``z`` as a last value column when additive) of ``phi [L, n, M]``, ``v [L, n, Dv]`` → ``[L, n]``."""
     if delta:
         r = far.read(_unit(phi))  # [L, n, Dv]
