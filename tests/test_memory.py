@@ -279,14 +279,33 @@ def test_state_size_is_flat():
     assert s500.k_cache.shape[2] == 6 and s500.k_window.shape[2] == 8
 
 
-def test_half_inputs_keep_a_float32_state():
-    options = AttentionOptions(window=3, sinks=2, cache=3, decay="head")
-    fq, fk, v, q, k = _problem(20, 4, seed=29, dtype=torch.bfloat16)
-    out, state = memory_attention(fq, fk, v, q, k, options=options, params=_params(options).to(torch.bfloat16),
-                                  output_final_state=True)
-    assert out.dtype == torch.bfloat16 and state.S.dtype == torch.float32 and state.k_cache.dtype == torch.float32
-    want = memory_attention_naive(fq, fk, v, q, k, options=options, params=_params(options).to(torch.bfloat16))
-    assert (out.double() - want).abs().max().item() < 0.1  # bf16 inputs, outputs O(1)
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 0.1)])
+def test_low_precision_inputs(dtype, tol):
+    """float32 runs in float32; half inputs in float32 with a float32 state and the output cast back.
+    Tolerances: float32 round-off on O(1) outputs (~1e-6) far below 1e-4; bf16 inputs hold 3 digits."""
+    options = AttentionOptions(window=3, sinks=2, cache=3, decay="head", chunk_size=8)
+    fq, fk, v, q, k = _problem(20, 4, seed=29, dtype=dtype)
+    params = _params(options).to(dtype)
+    out, state = memory_attention(fq, fk, v, q, k, options=options, params=params, output_final_state=True)
+    assert out.dtype == dtype and state.S.dtype == torch.float32 and state.k_cache.dtype == torch.float32
+    want, want_state = memory_attention_naive(fq, fk, v, q, k, options=options, params=params, output_final_state=True)
+    assert (out.double() - want).abs().max().item() < tol
+    assert torch.equal(state.pos_cache, want_state.pos_cache)
+
+
+def test_denominator_check():
+    """Signed features: a normalising denominator <= 0 warns, or raises with denominator_check='raise'."""
+    fq, fk, v, q, k = _problem(12, 3, seed=41)
+    fq = -fq  # every far kernel value < 0: with the gate near 0 the denominators are negative
+    options = AttentionOptions(window=1, decay=0.9, denominator_check="raise")
+    params = _params(options)
+    with torch.no_grad():
+        params.gate.fill_(-30.0)
+    for fn in (memory_attention_naive, memory_attention):
+        with pytest.raises(FloatingPointError, match="normalising denominator <= 0"):
+            fn(fq, fk, v, q, k, options=options, params=params)
+        with pytest.warns(RuntimeWarning, match="normalising denominator <= 0"):
+            fn(fq, fk, v, q, k, options=options.replace(denominator_check="warn"), params=params)
 
 
 # ------------------------------------------------------------------------------------------------ hand-computed
