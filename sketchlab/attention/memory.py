@@ -142,7 +142,7 @@ def memory_attention_naive(phi_q, phi_k, v, q=None, k=None, *, options, params=N
                     else:
                         S, z = S + fj[:, None] * vj[None, :], z + fj
                 # 4. read
-                ex_num, ex_den, n_exact = torch.zeros(Dv, dtype=f64, device=dev), torch.zeros((), dtype=f64), 0
+                ex_num, ex_den, n_exact = torch.zeros(Dv, dtype=f64, device=dev), torch.zeros((), dtype=f64, device=dev), 0
                 if w:
                     E = [j for j in range(max(0, pos - w + 1), pos + 1) if j >= s and tok[j][3]]
                     E += [j for j in range(min(s, pos + 1)) if tok[j][3]]
