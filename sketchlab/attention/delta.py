@@ -192,7 +192,7 @@ def delta_rule_naive(q, k, v, beta, log_alpha=None, *, initial_state=None):
 
 # ----------------------------------------------------------------------------------------------- chunked forms
 def _chunks(x: torch.Tensor, C: int, N: int) -> torch.Tensor:
-    """``[B, T, H, ·]`` (or ``[B, T, H]``) → ``[B, H, N, C, ·]`` (``[B, H, N, C]``), zero-padded to ``N·C`` tokens."""
+    """``[B, T, H, ·]`` (or ``[B, T, H]``) → ``[B, H, N, C, ·]`` (``[B, H, N, C]``), zero-padded to ``N·C``."""
     x = x.movedim(1, 2)  # [B, H, T, ·]
     if x.ndim == 3:
         return F.pad(x, (0, N * C - x.shape[2])).unflatten(2, (N, C))  # [B, H, N, C]
@@ -217,7 +217,7 @@ def decayed_linear_chunked(fq, fk, v, log_decay=None, *, initial_state=None, chu
     r"""Decayed linear attention, chunked (PyTorch, differentiable by autograd).
 
     Same arguments and results as :func:`decayed_linear_naive`, computed in the inputs' dtype
-    (float16/bfloat16 in float32) by chunks of ``C = chunk_size`` tokens.
+    (float16/bfloat16 inputs: computed and returned in float32) by chunks of ``C = chunk_size`` tokens.
 
     Parameters
     ----------
@@ -276,7 +276,7 @@ def delta_rule_chunked(q, k, v, beta, log_alpha=None, *, initial_state=None, chu
     r"""The (gated) delta rule in its chunked WY/UT form (PyTorch, differentiable by autograd).
 
     Same arguments and results as :func:`delta_rule_naive`, computed in the inputs' dtype
-    (float16/bfloat16 in float32) by chunks of ``C = chunk_size`` tokens.
+    (float16/bfloat16 inputs: computed and returned in float32) by chunks of ``C = chunk_size`` tokens.
 
     Parameters
     ----------
