@@ -1,0 +1,143 @@
+r"""The fast path of memory attention (DESIGN §7), called by :func:`sketchlab.attention.memory.memory_attention`
+with its checked arguments (trusted here).
+
+(i) *The schedule*: one no-grad pass over the steps, vectorised over ``[B, H]``, applies steps 1–3
+to a detached state and records the key (if any) that enters the state at each step and the step
+at which each cached key left the cache. With ``K = 0`` nothing needs the state: the key leaving
+the window enters at once, and the events are formed without a loop.
+(ii) *The far part*: one recurrence over the event stream (the entering key's ``φ, v`` at its step,
+zeros for a null event), with autograd, through :mod:`sketchlab.attention.delta`.
+(iii) *The exact part*, per chunk of ``C`` queries: the sinks, the cache's slots at the chunk's
+start and the band of positions ``t0 − w … t1 − 1`` (the window's keys and every key cached during
+the chunk), each masked by when it is exact for the query.
+
+Keys are addressed in one *extended* axis ``X`` per call: the initial cache's ``K`` slots, the held
+sinks ``L_s``, then the contiguous positions ``offset − L_w … offset + T − 1`` (the held window and
+the new tokens). Layout inside: ``[B, H, ·, ·]``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import delta as _delta
+from ._checks import report_denominators
+from .memory_state import MemoryState, _beta, _gate, _log_decay, empty_memory_state, unit
+from .memory_schedule import schedule
+
+
+def _take(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``x[b, h, idx[b, h, i]]`` of ``x [B, H, X, F]`` for ``idx [B, H, L]`` (>= 0) → ``[B, H, L, F]``
+    (``index_select`` of whole rows: several times faster than ``gather`` or advanced indexing on CPU)."""
+    B, H, X, F = x.shape
+    rows = (torch.arange(B * H, device=idx.device)[:, None] * X + idx.flatten(0, 1)).flatten()  # [B·H·L]
+    return x.reshape(B * H * X, F).index_select(0, rows).view(B, H, idx.shape[2], F)
+
+
+def _far_additive(fq, fe, ve, log_decay, S0, z0, chunk):
+    num, den, (S, z) = _delta.decayed_linear_chunked(fq, fe, ve, log_decay, initial_state=(S0, z0), chunk_size=chunk)
+    return num, den, S, z
+
+
+def run(c):
+    """The fast path on checked arguments ``c`` (:func:`sketchlab.attention.memory._check_call`)."""
+    work, dev = c.work, c.phi_q.device
+    B, T, H, M, D, Dv, w, s, K, C = c.B, c.T, c.H, c.M, c.D, c.Dv, c.w, c.s, c.K, c.o.chunk_size
+    st = c.state if c.state is not None else empty_memory_state(B, H, M, D, Dv, cache=K, like=c.phi_q, dtype=work)
+    P0, Lw, Ls = st.offset, st.k_window.shape[2], st.k_sink.shape[2]
+    real = torch.ones(B, T, dtype=torch.bool, device=dev) if c.mask is None else c.mask
+    fq, fk, vv = (x.to(work) for x in (c.phi_q, c.phi_k, c.v))  # [B, T, H, ·]
+    lg = _log_decay(c, vv, real)  # [B, T, H] or None
+    # the extended key axis: initial cache slots | held sinks | held window + new tokens
+    tr = lambda x: x.transpose(1, 2)  # noqa: E731  [B, T, H, ·] -> [B, H, T, ·]
+    kk = tr(c.k.to(work)) if w else torch.zeros(B, H, T, 0, dtype=work, device=dev)
+    ek = torch.cat([st.k_cache, st.k_sink, st.k_window, kk], 2)  # [B, H, X, D]
+    ev = torch.cat([st.v_cache, st.v_sink, st.v_window, tr(vv)], 2)  # [B, H, X, Dv]
+    ef = torch.cat([st.phi_cache, st.phi_cache.new_zeros(B, H, Ls, M), st.phi_window, tr(fk)], 2)  # [B, H, X, M]
+    real_x = torch.cat([torch.zeros(B, K, dtype=torch.bool, device=dev), st.mask_sink, st.mask_window, real], 1)  # [B, X]
+    base, first = K + Ls, P0 - Lw  # extended index and position of the first contiguous key
+    event, until, snaps, slot_x, slot_score, slot_pos, cached = schedule(c, ef, ev, real_x, lg, st, base, first, C)
+    # (ii) the far part over the event stream
+    null = event < 0  # [B, H, T]
+    idx = event.clamp(min=0)
+    fe = tr(_take(ef, idx) * ~null[..., None])  # [B, T, H, M]
+    ve = tr(_take(ev, idx) * ~null[..., None])  # [B, T, H, Dv]
+    if c.delta:
+        beta = _beta(c, ve) * ~tr(null)  # [B, T, H]
+        far, S = _delta.delta_rule_chunked(unit(fq), unit(fe), ve, beta, lg, initial_state=st.S, chunk_size=min(C, T))
+        z = torch.zeros_like(st.z)
+        far = tr(far)  # [B, H, T, Dv]
+    else:
+        num, den, S, z = _far_additive(fq, fe, ve, lg, st.S, st.z, min(C, T))
+        num, den = tr(num), den.transpose(1, 2)  # [B, H, T, Dv], [B, H, T]
+    # (iii) the exact part, per query chunk
+    end = P0 + T
+    sink_pos = list(range(min(s, end)))
+    sink_x = torch.tensor([K + p if p < Ls else base + p - first for p in sink_pos], dtype=torch.long, device=dev)
+    if w:
+        g = _gate(c, work)[None, :, None]  # [1, H, 1]
+        qq = tr(c.q.to(work))  # [B, H, T, D]
+        outs, bad = [], 0
+        for n, t0 in enumerate(range(0, T, C)):
+            t1 = min(t0 + C, T)
+            qpos = torch.arange(P0 + t0, P0 + t1, device=dev)  # [c]
+            steps = qpos - P0
+            lo = max(first, P0 + t0 - w)
+            band = torch.arange(lo, P0 + t1, device=dev)  # positions t0 - w ... t1 - 1
+            bx = base + band - first
+            snap = snaps[n] if K else torch.zeros(B, H, 0, dtype=torch.long, device=dev)
+            sx = snap.clamp(min=0)
+            keys = torch.cat([ek[:, :, sink_x], _take(ek, sx), ek[:, :, bx]], 2)  # [B, H, L, D]
+            vals = torch.cat([ev[:, :, sink_x], _take(ev, sx), ev[:, :, bx]], 2)
+            ok_sink = (sink_x.new_tensor(sink_pos)[None, :] <= qpos[:, None])[None, None] & real_x[:, None, None, sink_x]
+            ok_slot = (snap >= 0)[:, :, None, :] & (until.gather(2, sx)[:, :, None, :] > steps[:, None])
+            enter = (band + w - P0)[None, :]  # [1, nb] the step each band key leaves the window
+            in_win = (band[None, :] > qpos[:, None] - w) & (band[None, :] <= qpos[:, None])  # [c, nb]
+            in_cache = (enter <= steps[:, None]) & (until[:, :, bx][:, :, None, :] > steps[:, None])  # [B, H, c, nb]
+            ok_band = (in_win[None, None] | in_cache) & (real_x[:, bx] & (band >= s))[:, None, None, :]
+            ok = torch.cat([ok_sink.expand(B, H, -1, -1), ok_slot, ok_band], -1)  # [B, H, c, L]
+            logits = c.scale * (qq[:, :, t0:t1] @ keys.mT)  # [B, H, c, L]
+            zero = logits.new_zeros(())
+            if c.o.local == "softmax":
+                top = torch.where(ok, logits, float("-inf")).amax(-1, keepdim=True)
+                top = torch.where(torch.isfinite(top), top, zero)
+                a = torch.where(ok, (logits - top).exp(), zero)
+            else:
+                a = torch.where(ok, logits ** c.degree, zero)
+            ex_num, ex_den = a @ vals, a.sum(-1)  # [B, H, c, Dv], [B, H, c]
+            gc = g[..., None]
+            if c.delta:
+                some = ok.any(-1)
+                exact = ex_num / torch.where(some, ex_den, 1.0)[..., None]
+                outs.append(gc * exact + (1 - gc) * far[:, :, t0:t1])
+            else:
+                nm = gc * ex_num + (1 - gc) * num[:, :, t0:t1]
+                dn = g * ex_den + (1 - g) * den[:, :, t0:t1]
+                bad += int(((dn <= 0) & real[:, None, t0:t1]).sum())
+                outs.append(nm / (dn + c.o.eps)[..., None])
+        out = torch.cat(outs, 2)  # [B, H, T, Dv]
+        if not c.delta and c.normalize == "sum":
+            report_denominators(bad, B * H * T, "memory_attention", c.o.denominator_check)
+    elif c.delta:
+        out = far
+    else:
+        if c.normalize == "sum":
+            report_denominators(int(((den <= 0) & real[:, None]).sum()), B * H * T, "memory_attention",
+                                c.o.denominator_check)
+            out = num / (den + c.o.eps)[..., None]
+        else:
+            out = num
+    out = tr(out).to(c.in_dtype)  # [B, T, H, Dv]
+    if not c.final:
+        return out
+    Lw2 = min(w, end)
+    X = ek.shape[2]
+    have = cached[..., None]
+    cx = slot_x.clamp(min=0)
+    state = MemoryState(
+        S=S, z=z, k_window=ek[:, :, X - Lw2:], v_window=ev[:, :, X - Lw2:], phi_window=ef[:, :, X - Lw2:],
+        mask_window=real_x[:, X - Lw2:], k_sink=ek[:, :, sink_x], v_sink=ev[:, :, sink_x], mask_sink=real_x[:, sink_x],
+        k_cache=_take(ek, cx) * have, v_cache=_take(ev, cx) * have, phi_cache=_take(ef, cx) * have,
+        score_cache=torch.where(cached, slot_score, 0.0), cached=cached, pos_cache=torch.where(cached, slot_pos, -1),
+        offset=end)
+    return out, state

@@ -1,0 +1,277 @@
+r"""The state and the argument checks of memory attention (DESIGN §7), shared by the definition
+(:mod:`sketchlab.attention.memory`), the fast path (:mod:`sketchlab.attention.memory_fast`) and its
+schedule (:mod:`sketchlab.attention.memory_schedule`): :class:`MemoryState`, the entry checks, and
+the small formulas every path uses (gate, decay, β, unit keys, the cache's score).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields, replace
+from types import SimpleNamespace
+
+import torch
+
+from .._validation import check_degree, check_finite
+from ._checks import check_flag, check_key_padding_mask, check_qkv
+from .options import AttentionOptions, FarParams
+from .state import state_dtype
+
+__all__ = ["MemoryState", "check_memory_state", "empty_memory_state", "recall_error", "unit"]
+
+
+# ------------------------------------------------------------------------------------------------ the state
+@dataclass(frozen=True)
+class MemoryState:
+    r"""State of memory attention after ``offset`` tokens; its size depends on ``w, s, K, M, Dv`` only.
+
+    Attributes
+    ----------
+    S : Tensor ``[B, H, M, Dv]``
+        The far state (additive :math:`\sum \phi(k)v^\top`, decayed; or the delta rule's).
+    z : Tensor ``[B, H, M]``
+        :math:`\sum \phi(k)` (decayed); zeros with the delta state.
+    k_window, v_window, phi_window : Tensor ``[B, H, L_w, D | Dv | M]``
+        Keys, values, features of the last ``L_w = min(w, offset)`` positions (sink positions
+        among them are held here too, and counted only as sinks).
+    mask_window : bool Tensor ``[B, L_w]``
+        True: a real token.
+    k_sink, v_sink : Tensor ``[B, H, L_s, D | Dv]``
+        Positions ``0 … L_s − 1``, ``L_s = min(s, offset)``.
+    mask_sink : bool Tensor ``[B, L_s]``
+    k_cache, v_cache, phi_cache : Tensor ``[B, H, K, D | Dv | M]``
+        The cache's slots (zeros where empty).
+    score_cache : Tensor ``[B, H, K]``
+        Each cached key's last score (no gradient).
+    cached : bool Tensor ``[B, H, K]``
+        The slot holds a key (each head fills its cache independently).
+    pos_cache : int64 Tensor ``[B, H, K]``
+        Each cached key's position (``-1`` where empty).
+    offset : int
+        Tokens seen (the position of the next token).
+    """
+
+    S: torch.Tensor
+    z: torch.Tensor
+    k_window: torch.Tensor
+    v_window: torch.Tensor
+    phi_window: torch.Tensor
+    mask_window: torch.Tensor
+    k_sink: torch.Tensor
+    v_sink: torch.Tensor
+    mask_sink: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    phi_cache: torch.Tensor
+    score_cache: torch.Tensor
+    cached: torch.Tensor
+    pos_cache: torch.Tensor
+    offset: int
+
+    def _tensors(self):
+        return [(f.name, getattr(self, f.name)) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)]
+
+    def detach(self) -> "MemoryState":
+        """The same state cut from the autograd graph (truncated back-propagation, decoding)."""
+        return replace(self, **{name: x.detach() for name, x in self._tensors()})
+
+    def to(self, *args, **kwargs) -> "MemoryState":
+        """``Tensor.to`` on every floating tensor; the bool and int tensors follow the device only."""
+        device = torch._C._nn._parse_to(*args, **kwargs)[0]
+        return replace(self, **{name: x.to(*args, **kwargs) if x.is_floating_point() else (
+            x if device is None else x.to(device)) for name, x in self._tensors()})
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the state's tensors (constant once ``offset ≥ max(w, s)``)."""
+        return sum(x.numel() * x.element_size() for _, x in self._tensors())
+
+
+def empty_memory_state(batch: int, heads: int, num_features: int, dim: int, dim_v: int, *, cache: int,
+                       like: torch.Tensor, dtype: torch.dtype | None = None) -> MemoryState:
+    """The state before the first token: zero ``S, z``, empty window and sinks, ``cache`` empty slots.
+
+    ``dtype``: of every floating field (default ``state_dtype(like.dtype)``)."""
+    dt = state_dtype(like.dtype) if dtype is None else dtype
+    B, H, K = batch, heads, cache
+    z = lambda *shape: torch.zeros(*shape, dtype=dt, device=like.device)  # noqa: E731
+    no = lambda *shape: torch.zeros(*shape, dtype=torch.bool, device=like.device)  # noqa: E731
+    return MemoryState(
+        S=z(B, H, num_features, dim_v), z=z(B, H, num_features),
+        k_window=z(B, H, 0, dim), v_window=z(B, H, 0, dim_v), phi_window=z(B, H, 0, num_features), mask_window=no(B, 0),
+        k_sink=z(B, H, 0, dim), v_sink=z(B, H, 0, dim_v), mask_sink=no(B, 0),
+        k_cache=z(B, H, K, dim), v_cache=z(B, H, K, dim_v), phi_cache=z(B, H, K, num_features), score_cache=z(B, H, K),
+        cached=no(B, H, K), pos_cache=torch.full((B, H, K), -1, dtype=torch.long, device=like.device), offset=0)
+
+
+def check_memory_state(state, *, batch: int, heads: int, num_features: int, dim: int | None, dim_v: int, window: int,
+                       sinks: int, cache: int, like: torch.Tensor, dtype: torch.dtype | None = None) -> MemoryState:
+    """Validate ``initial_state`` against the call; returns it (floating fields cast to ``dtype``).
+
+    Rules: a :class:`MemoryState`; every field's shape as the call's ``B, H, M, D, Dv`` and the
+    options' ``window, sinks, cache`` give it (window ``min(w, offset)``, sinks ``min(s, offset)``,
+    cache ``K``); bool masks, int64 positions; on ``like``'s device. ``dim=None``: the (empty)
+    window's key width is free (``window = 0``).
+    """
+    if not isinstance(state, MemoryState):
+        raise TypeError(f"initial_state must be a MemoryState (from output_final_state=True), got {type(state).__name__}")
+    off = state.offset
+    if isinstance(off, bool) or not isinstance(off, int) or off < 0:
+        raise ValueError(f"initial_state.offset must be an int >= 0, got {off!r}")
+    if dim is None:
+        dim = state.k_window.shape[-1] if isinstance(state.k_window, torch.Tensor) and state.k_window.ndim == 4 else 0
+    B, H, M, D, Dv, K = batch, heads, num_features, dim, dim_v, cache
+    lw, ls = min(window, off), min(sinks, off)
+    want = {"S": (B, H, M, Dv), "z": (B, H, M), "k_window": (B, H, lw, D), "v_window": (B, H, lw, Dv),
+            "phi_window": (B, H, lw, M), "mask_window": (B, lw), "k_sink": (B, H, ls, D), "v_sink": (B, H, ls, Dv),
+            "mask_sink": (B, ls), "k_cache": (B, H, K, D), "v_cache": (B, H, K, Dv), "phi_cache": (B, H, K, M),
+            "score_cache": (B, H, K), "cached": (B, H, K), "pos_cache": (B, H, K)}
+    kinds = {"mask_window": torch.bool, "mask_sink": torch.bool, "cached": torch.bool, "pos_cache": torch.long}
+    for name, shape in want.items():
+        x = getattr(state, name)
+        if not isinstance(x, torch.Tensor) or tuple(x.shape) != shape:
+            got = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(
+                f"initial_state.{name} must have shape {list(shape)} for this call (B={B}, H={H}, M={M}, D={D}, "
+                f"Dv={Dv}, window={window}, sinks={sinks}, cache={K}, offset={off}), got {got}: was the state made "
+                "by a call with other options?")
+        if name in kinds and x.dtype != kinds[name]:
+            raise TypeError(f"initial_state.{name} must be {kinds[name]}, got {x.dtype}")
+        if name not in kinds and not x.is_floating_point():
+            raise TypeError(f"initial_state.{name} must be a floating tensor, got {x.dtype}")
+        if x.device != like.device:
+            raise ValueError(f"initial_state.{name} is on {x.device}, the inputs on {like.device}")
+    if dtype is not None and any(getattr(state, n).dtype != dtype for n in want if n not in kinds):
+        state = state.to(dtype)
+    return state
+
+
+# ------------------------------------------------------------------------------------------------ checks
+_PARAMS = ("gate", "decay_bias", "decay_weight", "beta_bias", "beta_weight")
+
+
+def _needs(options: AttentionOptions) -> dict:
+    """Which FarParams tensors the options use: name → True (needed), False (unused), None (optional)."""
+    delta = options.state == "delta"
+    return {"gate": None if options.window else False, "decay_bias": options.learned_decay,
+            "decay_weight": options.decay == "input", "beta_bias": delta, "beta_weight": delta and options.beta == "input"}
+
+
+def _check_params(params, options: AttentionOptions, heads: int, dim_v: int, like: torch.Tensor) -> dict:
+    """The FarParams tensors as a dict (None where absent), checked against the options."""
+    if params is not None and not isinstance(params, FarParams):
+        raise TypeError(f"params must be a FarParams (or None), got {type(params).__name__}")
+    out = {}
+    for name, need in _needs(options).items():
+        x = getattr(params, name, None) if params is not None else None
+        if x is None:
+            if need:
+                why = f"decay={options.decay!r}" if name.startswith("decay") else f"state='delta', beta={options.beta!r}"
+                raise ValueError(f"params.{name} is needed by {why}, got " + ("params=None" if params is None else
+                                 "None") + ": build the params with FarParams(options, heads, dim_v)")
+        elif need is False:
+            raise ValueError(f"params.{name} is set but these options do not use it (window={options.window}, "
+                             f"decay={options.decay!r}, state={options.state!r}, beta={options.beta!r}): were the "
+                             "params built for other options?")
+        else:
+            shape = (heads, dim_v) if name.endswith("weight") else (heads,)
+            if not isinstance(x, torch.Tensor) or not x.is_floating_point() or tuple(x.shape) != shape:
+                got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+                raise ValueError(f"params.{name} must be a floating tensor of shape {list(shape)} (H={heads}, "
+                                 f"Dv={dim_v}), got {got}")
+            if x.device != like.device:
+                raise ValueError(f"params.{name} must be on the device of the inputs ({like.device}), got {x.device}")
+            with torch.no_grad():
+                check_finite(x.detach(), f"params.{name}")
+        out[name] = x
+    return out
+
+
+def _check_call(phi_q, phi_k, v, q, k, options, params, degree, key_padding_mask, initial_state, output_final_state):
+    """Every argument of a memory call, checked once; returns a namespace the internals trust."""
+    if not isinstance(options, AttentionOptions):
+        raise TypeError(f"options must be an AttentionOptions, got {type(options).__name__}")
+    if not options.causal:
+        raise ValueError("memory attention is causal only (its steps are a recurrence over the token order): "
+                         "options.causal must be True")
+    check_flag(output_final_state, "output_final_state")
+    phi_q, phi_k, v = check_qkv(phi_q, phi_k, v, causal=True, names=("phi_q", "phi_k", "v"))
+    B, T, H, M = phi_q.shape
+    Dv, w = v.shape[-1], options.window
+    if w:
+        if q is None or k is None:
+            raise ValueError(f"window={w} > 0 needs the raw q and k for the exact part, got "
+                             f"{'q=None' if q is None else 'k=None'}")
+        q, k, _ = check_qkv(q, k, v, causal=True)
+        if tuple(q.shape[:3]) != (B, T, H) or q.dtype != phi_q.dtype or q.device != phi_q.device:
+            raise ValueError(f"q {tuple(q.shape)} ({q.dtype}) must match phi_q {tuple(phi_q.shape)} ({phi_q.dtype}) "
+                             "in [B, T, H], dtype and device")
+        D = q.shape[-1]
+    else:
+        q = k = None  # pure linear attention: no exact part
+        D = 0
+    if w and options.local == "poly":
+        degree = check_degree(degree)
+    mask = check_key_padding_mask(key_padding_mask, B, T, phi_q.device)
+    work = state_dtype(phi_q.dtype)
+    far = _check_params(params, options, H, Dv, phi_q)
+    far = {name: (x.to(work) if x is not None else None) for name, x in far.items()}
+    state = None
+    if initial_state is not None:
+        state = check_memory_state(initial_state, batch=B, heads=H, num_features=M, dim=D if w else None, dim_v=Dv,
+                                   window=w, sinks=options.sinks, cache=options.cache, like=phi_q, dtype=work)
+    scale = (D ** -0.5 if D else 1.0) if options.local_scale is None else options.local_scale
+    return SimpleNamespace(phi_q=phi_q, phi_k=phi_k, v=v, q=q, k=k, o=options, far=far, degree=degree, mask=mask,
+                           state=state, final=output_final_state, B=B, T=T, H=H, M=M, D=D, Dv=Dv, w=w, s=options.sinks,
+                           K=options.cache, scale=scale, work=work, in_dtype=phi_q.dtype,
+                           normalize=options.normalize or "sum", delta=options.state == "delta")
+
+
+def _gate(call, dtype) -> torch.Tensor:
+    """``g [H]``: σ(gate), or 1/2 without one."""
+    g = call.far["gate"]
+    return torch.full((call.H,), 0.5, dtype=dtype, device=call.phi_q.device) if g is None else torch.sigmoid(g.to(dtype))
+
+
+def _log_decay(call, v: torch.Tensor, real: torch.Tensor | None) -> torch.Tensor | None:
+    """``log γ_t`` ``[B, T, H]`` from the values ``v [B, T, H, Dv]`` (0 at pads: a pad does not decay
+    the state); None without decay."""
+    o, f = call.o, call.far
+    if o.decay is None or o.decay == 1.0:
+        return None
+    if o.decay == "head":
+        lg = torch.nn.functional.logsigmoid(f["decay_bias"].to(v.dtype)).expand(v.shape[0], v.shape[1], -1)
+    elif o.decay == "input":
+        lg = torch.nn.functional.logsigmoid(f["decay_bias"].to(v.dtype) + (v * f["decay_weight"].to(v.dtype)).sum(-1))
+    else:
+        lg = torch.full(v.shape[:3], math.log(o.decay), dtype=v.dtype, device=v.device)
+    return lg if real is None else torch.where(real[:, :, None], lg, lg.new_zeros(()))
+
+
+def _beta(call, v: torch.Tensor) -> torch.Tensor:
+    """The delta rule's ``β`` of keys with values ``v [..., H, Dv]`` → ``[..., H]``."""
+    f = call.far
+    x = f["beta_bias"].to(v.dtype).expand(v.shape[:-1])
+    if f["beta_weight"] is not None:
+        x = x + (v * f["beta_weight"].to(v.dtype)).sum(-1)
+    return torch.sigmoid(x)
+
+
+def unit(x: torch.Tensor) -> torch.Tensor:
+    r"""``x / ‖x‖`` along the last axis, 0 where ``x = 0`` (a null event): the delta rule's ``k̂, q̂``."""
+    n = x.norm(dim=-1, keepdim=True)
+    return x / torch.where(n > 0, n, torch.ones((), dtype=x.dtype, device=x.device))
+
+
+def recall_error(S, z, phi, v, *, delta: bool, eps: float) -> torch.Tensor:
+    r"""The cache score :math:`\lVert v - r(k)\rVert^2` of keys (``phi [..., M]``, ``v [..., Dv]``)
+    against the state ``S [..., M, Dv]``, ``z [..., M]`` (leading axes broadcast): additive
+    :math:`r = S^\top\phi/(z\cdot\phi + \varepsilon)` (0 where that denominator is 0: an empty state with
+    ``eps = 0``), delta :math:`r = S^\top\hat k`. No gradient."""
+    with torch.no_grad():
+        if delta:
+            r = (unit(phi)[..., None, :] @ S)[..., 0, :]  # [..., Dv]
+        else:
+            den = (phi * z).sum(-1, keepdim=True) + eps
+            r = (phi[..., None, :] @ S)[..., 0, :] / torch.where(den == 0, 1.0, den)  # an empty state (eps = 0): r = 0
+        return (v - r).square().sum(-1)
