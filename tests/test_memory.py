@@ -477,3 +477,28 @@ def test_refusals(fn):
     wrong.gate = torch.zeros(3, dtype=torch.float64)
     with pytest.raises(ValueError, match=r"params.gate must be a floating tensor of shape \[2\]"):
         fn(fq, fk, v, q, k, options=options, params=wrong)
+
+
+def test_gate_given_apart_from_the_params_is_the_params_gate():
+    """A module that keeps its gate outside its FarParams (a converted layer) passes it as ``gate=``:
+    the same output as the gate inside the params; both at once are refused."""
+    from sketchlab.attention.memory import memory_attention, memory_attention_naive
+    from sketchlab.attention.options import AttentionOptions, FarParams
+
+    gen = torch.Generator().manual_seed(11)
+    B, T, H, D, M, Dv = 1, 20, 2, 4, 3, 3
+    q, k = torch.randn(B, T, H, D, generator=gen, dtype=torch.float64), torch.randn(B, T, H, D, generator=gen, dtype=torch.float64)
+    fq, fk = torch.rand(B, T, H, M, generator=gen, dtype=torch.float64), torch.rand(B, T, H, M, generator=gen, dtype=torch.float64)
+    v = torch.randn(B, T, H, Dv, generator=gen, dtype=torch.float64)
+    opts = AttentionOptions(window=3, sinks=1, cache=2, decay="head")
+    inside = FarParams(opts, H, Dv).double()
+    apart = FarParams(opts, H, Dv, gate=False).double()
+    with torch.no_grad():
+        inside.gate.copy_(torch.tensor([1.5, -0.7], dtype=torch.float64))
+    for fn in (memory_attention, memory_attention_naive):
+        want = fn(fq, fk, v, q, k, options=opts, params=inside)
+        got = fn(fq, fk, v, q, k, options=opts, params=apart, gate=inside.gate.detach())
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-14)
+        assert float((fn(fq, fk, v, q, k, options=opts, params=apart) - want).abs().max()) > 1e-3  # g = 1/2 differs
+        with pytest.raises(ValueError, match="both set"):
+            fn(fq, fk, v, q, k, options=opts, params=inside, gate=inside.gate)

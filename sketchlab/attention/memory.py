@@ -41,7 +41,7 @@ __all__ = ["MemoryState", "check_memory_state", "empty_memory_state", "memory_at
 
 
 # ------------------------------------------------------------------------------------------------ the definition
-def memory_attention_naive(phi_q, phi_k, v, q=None, k=None, *, options, params=None, degree=None,
+def memory_attention_naive(phi_q, phi_k, v, q=None, k=None, *, options, params=None, gate=None, degree=None,
                            key_padding_mask=None, initial_state=None, output_final_state=False):
     r"""Memory attention, token by token over explicit key sets, in float64: the definition (DESIGN §7).
 
@@ -57,6 +57,9 @@ def memory_attention_naive(phi_q, phi_k, v, q=None, k=None, *, options, params=N
         fields ``cache, decay, state, beta, rescore``.
     params : FarParams or None
         ``gate`` (None: ``g = 1/2``), ``decay_bias/weight``, ``beta_bias/weight`` as the options ask.
+    gate : Tensor ``[H]`` or None
+        The gate logits of a module that keeps them outside its FarParams (a converted layer keeps
+        ``gate`` where saved conversions have it); refused together with ``params.gate``.
     degree : int or None
         ``p`` of ``local="poly"``.
     key_padding_mask : bool Tensor ``[B, T]`` or None
@@ -77,7 +80,8 @@ def memory_attention_naive(phi_q, phi_k, v, q=None, k=None, *, options, params=N
     no real key: only a pad query). ``window = 0``: the far term alone (additive: normalised as
     ``normalize`` says).
     """
-    c = _check_call(phi_q, phi_k, v, q, k, options, params, degree, key_padding_mask, initial_state, output_final_state)
+    c = _check_call(phi_q, phi_k, v, q, k, options, params, degree, key_padding_mask, initial_state, output_final_state,
+                    gate)
     f64, dev = torch.float64, c.phi_q.device
     B, T, H, M, D, Dv, w, s, K = c.B, c.T, c.H, c.M, c.D, c.Dv, c.w, c.s, c.K
     st = c.state if c.state is not None else empty_memory_state(B, H, M, D, Dv, cache=K, like=c.phi_q)
@@ -223,8 +227,8 @@ def _naive_final(c, finals, end: int, f64) -> MemoryState:
         offset=end)
 
 
-def memory_attention(phi_q, phi_k, v, q=None, k=None, *, options, params=None, degree=None, key_padding_mask=None,
-                     initial_state=None, output_final_state=False):
+def memory_attention(phi_q, phi_k, v, q=None, k=None, *, options, params=None, gate=None, degree=None,
+                     key_padding_mask=None, initial_state=None, output_final_state=False):
     r"""Memory attention, the fast path (DESIGN §7): same arguments and result as :func:`memory_attention_naive`.
 
     A no-grad schedule over ``[B, H]`` decides which key enters the state at each step and when
@@ -238,5 +242,6 @@ def memory_attention(phi_q, phi_k, v, q=None, k=None, *, options, params=None, d
     -------
     Tensor ``[B, T, H, Dv]``, or ``(o, MemoryState)`` with ``output_final_state=True``.
     """
-    c = _check_call(phi_q, phi_k, v, q, k, options, params, degree, key_padding_mask, initial_state, output_final_state)
+    c = _check_call(phi_q, phi_k, v, q, k, options, params, degree, key_padding_mask, initial_state, output_final_state,
+                    gate)
     return run(c)

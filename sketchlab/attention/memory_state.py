@@ -157,13 +157,19 @@ def _needs(options: AttentionOptions) -> dict:
             "decay_weight": options.decay == "input", "beta_bias": delta, "beta_weight": delta and options.beta == "input"}
 
 
-def _check_params(params, options: AttentionOptions, heads: int, dim_v: int, like: torch.Tensor) -> dict:
-    """The FarParams tensors as a dict (None where absent), checked against the options."""
+def _check_params(params, options: AttentionOptions, heads: int, dim_v: int, like: torch.Tensor,
+                  gate: torch.Tensor | None = None) -> dict:
+    """The FarParams tensors as a dict (None where absent), checked against the options; ``gate`` (a
+    module that keeps its gate logits outside its FarParams) stands for ``params.gate``."""
     if params is not None and not isinstance(params, FarParams):
         raise TypeError(f"params must be a FarParams (or None), got {type(params).__name__}")
+    if gate is not None and getattr(params, "gate", None) is not None:
+        raise ValueError("gate= and params.gate are both set: pass the gate logits once")
     out = {}
     for name, need in _needs(options).items():
         x = getattr(params, name, None) if params is not None else None
+        if name == "gate" and gate is not None:
+            x = gate
         if x is None:
             if need:
                 why = f"decay={options.decay!r}" if name.startswith("decay") else f"state='delta', beta={options.beta!r}"
@@ -187,7 +193,8 @@ def _check_params(params, options: AttentionOptions, heads: int, dim_v: int, lik
     return out
 
 
-def _check_call(phi_q, phi_k, v, q, k, options, params, degree, key_padding_mask, initial_state, output_final_state):
+def _check_call(phi_q, phi_k, v, q, k, options, params, degree, key_padding_mask, initial_state, output_final_state,
+                gate=None):
     """Every argument of a memory call, checked once; returns a namespace the internals trust."""
     if not isinstance(options, AttentionOptions):
         raise TypeError(f"options must be an AttentionOptions, got {type(options).__name__}")
@@ -214,7 +221,7 @@ def _check_call(phi_q, phi_k, v, q, k, options, params, degree, key_padding_mask
         degree = check_degree(degree)
     mask = check_key_padding_mask(key_padding_mask, B, T, phi_q.device)
     work = state_dtype(phi_q.dtype)
-    far = _check_params(params, options, H, Dv, phi_q)
+    far = _check_params(params, options, H, Dv, phi_q, gate)
     far = {name: (x.to(work) if x is not None else None) for name, x in far.items()}
     state = None
     if initial_state is not None:
