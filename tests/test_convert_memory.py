@@ -108,3 +108,35 @@ def test_memory_refused_for_an_encoder():
     with pytest.raises(ValueError, match="need causal=True"):
         convert_attention(model, attention="hedgehog", m=8, window=3, cache=2)
     assert not converted_modules(model, required=False)
+
+
+def test_linearize_with_memory_and_exact_layers_trains_the_new_parameters():
+    """linearize converts with the memory options and exact layers, stage 1 moves the decay and β
+    parameters (trained with the gate) and leaves the exact layer exact; the settings record both."""
+    from sketchlab import linearize
+    from sketchlab.convert.exact import ExactAttention
+
+    model = _llama()
+    ids = torch.randint(1, 50, (6, 16), generator=torch.Generator().manual_seed(2))
+    model, report = linearize(model, ids, attention="hedgehog", m=8, window=3, sinks=1, state="delta", decay="head",
+                              beta="input", exact_layers=[1], transfer_steps=5, seq_len=16, batch_size=2,
+                              gate_init=0.0, evaluate=False)
+    (s,) = converted_modules(model)
+    assert isinstance(model.model.layers[1].self_attn.sketch, ExactAttention)
+    assert report.settings["state"] == "delta" and report.settings["exact_layers"] == [1]
+    assert float(s.far.decay_bias.detach().sub(torch.logit(torch.tensor(0.99, dtype=torch.float64))).abs().max()) > 1e-4
+    assert float(s.far.beta_weight.detach().abs().max()) > 0
+
+
+def test_linearize_refuses_bad_memory_options_before_the_teacher_pass(monkeypatch):
+    import importlib
+
+    from sketchlab import linearize
+
+    lin = importlib.import_module("sketchlab.convert.linearize")
+    monkeypatch.setattr(lin, "teacher_attention", lambda *a, **k: pytest.fail("the teacher ran"))
+    ids = torch.randint(1, 50, (4, 16))
+    with pytest.raises(ValueError, match="cache=2 needs window >= 1"):
+        linearize(_llama(), ids, attention="hedgehog", m=8, window=0, sinks=0, cache=2, seq_len=16)
+    with pytest.raises(ValueError, match="not a layer index"):
+        linearize(_llama(), ids, attention="hedgehog", m=8, window=3, exact_layers=[5], seq_len=16)

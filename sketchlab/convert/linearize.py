@@ -41,8 +41,8 @@ from torch import nn
 
 from .._validation import DEFAULT_MAX_BYTES, check_memory, check_nonnegative_int, check_positive_int
 from ..capture import _check_against_model
-from .convert import (_make_maps, _options, _resolve_tied, check_layout, check_map_memory, convert_attention,
-                      converted_modules)
+from .convert import (_check_exact_layers, _check_memory, _make_maps, _options, _resolve_tied, check_layout,
+                      check_map_memory, convert_attention, converted_modules)
 from .evaluate import _batches, _hidden, embedding_agreement, perplexity, sentence_embeddings, token_nll  # noqa: F401
 from .families import FAMILY_TABLE, attention_sites, family_of
 from .sketched import check_local_map
@@ -335,8 +335,11 @@ def _trained(sketch) -> list[torch.Tensor]:
 def _transfer_layer(sketch, io: LayerIO, mask, train_idx, gen, *, steps, lr, map_lr, batch_size) -> list[float]:
     """Adam on one layer's maps and gate (:func:`attention_transfer`); returns its loss curve."""
     params = _trained(sketch)
-    gate = [p for p in params if p is sketch.gate]
-    maps = [p for p in params if p is not sketch.gate]
+    # the gate and the memory's few per-head scalars (decay, β: FarParams) at lr, the maps at map_lr
+    small = {id(sketch.gate)} | ({id(x) for x in sketch.far.parameters()} if getattr(sketch, "far", None) is not None
+                                 else set())
+    gate = [p for p in params if id(p) in small]
+    maps = [p for p in params if id(p) not in small]
     groups = ([{"params": gate, "lr": lr}] if gate else []) + \
         ([{"params": maps, "lr": lr if map_lr is None else map_lr}] if maps else [])
     opt = torch.optim.Adam(groups, lr=lr)
@@ -826,7 +829,8 @@ def linearize(model: nn.Module, texts, *, tokenizer=None, attention: str = "llop
               fit: bool = True, fit_tokens: int = 1024, fit_options: dict | None = None, transfer_steps: int = 100,
               transfer_lr: float = 1e-2, lora_steps: int = 0, lora_rank: int = 8, lora_lr: float = 1e-4,
               batch_size: int = 4, evaluate: bool = True, seed: int = 0, progress: bool = False,
-              processes: int = 1, max_bytes: int = DEFAULT_MAX_BYTES):
+              processes: int = 1, max_bytes: int = DEFAULT_MAX_BYTES, cache: int = 0, decay=None,
+              state: str = "additive", beta: str = "head", exact_layers=()):
     r"""Convert ``model``'s attention (:func:`sketchlab.convert_attention`) and train it in stages.
 
     Parameters
@@ -853,6 +857,10 @@ def linearize(model: nn.Module, texts, *, tokenizer=None, attention: str = "llop
         (an explicit ``sinks > 0`` with ``window=0`` is refused, and ``local="poly"`` with a map
         without a polynomial degree, such as Hedgehog: layer 0's map is built to ask it, calling
         ``feature_map`` once more); the report's settings record the resolved ``sinks``.
+    cache, decay, state, beta, exact_layers
+        Long-context memory and layers kept exact (:func:`sketchlab.convert_attention`, DESIGN §7),
+        checked before any work; stage 1 trains the decay and β parameters with the gate (at
+        ``transfer_lr``), and the exact layers are neither fitted nor trained.
     gate_init : float, "mass", "search" or None
         The hybrid's initial gate logits: a number for every head, or set per head from the
         teacher's attention on the first ``gate_sequences`` training sequences
@@ -903,6 +911,10 @@ def linearize(model: nn.Module, texts, *, tokenizer=None, attention: str = "llop
     """
     family = family_of(model)
     window, sinks = check_layout(window, sinks, local, normalize)
+    _, sites = attention_sites(model)
+    exact = _check_exact_layers(exact_layers, len(sites), family)  # before any work, by the conversion's rules
+    memory = _check_memory(cache, decay, state, beta, window, sinks, local, normalize,
+                           causal=all(site.causal for site in sites))
     check_teacher_finite(model)
     ids, mask = tokenize_texts(texts, tokenizer, seq_len=seq_len, max_tokens=max_tokens)
     _check_against_model(getattr(model, "config", None), ids, mask, "linearize: texts", seq_len)
@@ -932,7 +944,6 @@ def linearize(model: nn.Module, texts, *, tokenizer=None, attention: str = "llop
     fitting = bool(fit) and attention == "llops" and feature_map is None
     # the map the conversion will use, checked before the teacher is recorded and Θ fitted
     tied = _resolve_tied(tied, attention, feature_map, p, family, has_theta=fitting)
-    _, sites = attention_sites(model)
     _check_processes(processes, len(sites))  # at most one process per layer, before any work
     itemsize = next(model.parameters()).element_size()
     per_token = sum((2 * s.heads + 2 * s.kv_heads) * s.head_dim for s in sites) * itemsize
@@ -949,7 +960,7 @@ def linearize(model: nn.Module, texts, *, tokenizer=None, attention: str = "llop
     encoder = family != "toy" and FAMILY_TABLE[family].encoder
     settings = {"family": family, "attention": attention if feature_map is None else "custom", "p": p, "m": m,
                 "rank": rank, "window": window, "sinks": sinks, "local": local, "normalize": normalize, "gate_init": gate_init,
-                "tied": tied, "gate_sequences": gate_sequences,
+                "tied": tied, "gate_sequences": gate_sequences, **memory, "exact_layers": sorted(exact),
                 "sequences": N, "held_out": n_held, "seq_len": int(ids.shape[1]), "tokens": int(mask.sum()),
                 "transfer_steps": transfer_steps, "transfer_lr": transfer_lr, "processes": processes,
                 "lora_steps": lora_steps,
@@ -979,7 +990,8 @@ def linearize(model: nn.Module, texts, *, tokenizer=None, attention: str = "llop
     sketches = convert_attention(model, attention=attention, p=p, m=m, rank=rank, window=window, sinks=sinks,
                                  local=local, feature_map=feature_map, theta=theta, normalize=normalize,
                                  gate_init=0.0 if isinstance(gate_init, str) else gate_init, tied=tied, seed=seed,
-                                 max_bytes=max_bytes)
+                                 max_bytes=max_bytes, exact_layers=sorted(exact), **memory)
+    layers = [io for i, io in enumerate(layers) if i not in exact]  # the converted layers' recordings
     gates, first = None, "fit" if theta is not None else "init"
     with named_divergence(first, model, "give another map (attention='hedgehog' is bounded) or a smaller p"):
         if isinstance(gate_init, str):
