@@ -31,7 +31,7 @@ import json
 import os
 from pathlib import Path
 
-from ._common import (Outputs, UsageError, add_common, check_run_dir, finite_float, nonnegative_float,
+from ._common import (Outputs, UsageError, add_common, check_run_dir, finite_float, int_list, nonnegative_float,
                       nonnegative_int, positive_float, positive_int, write_text_atomic)
 
 #: What a ``sketchlab linearize`` output directory holds, per path (anything else belongs to something else).
@@ -53,6 +53,15 @@ def _gate_init(text: str):
         return finite_float(text)
     except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(f"expected 'mass', 'search' or a finite number, got {text!r}") from None
+
+
+def _decay(text: str):
+    """``--decay``: a number (a fixed decay per step) or a name (``head``, ``input``); the value is
+    checked by the conversion's one rule (:class:`sketchlab.attention.options.AttentionOptions`)."""
+    try:
+        return float(text)
+    except ValueError:
+        return text
 
 
 def add_arguments(sub) -> None:
@@ -77,6 +86,17 @@ def add_arguments(sub) -> None:
     cmd.add_argument("--untied", action="store_true",
                      help="LLoPS as the untied map (p signed factors) instead of the tied non-negative (x·θ)^p map "
                           "(the tied map needs an even p; an odd p is always untied)")
+    cmd.add_argument("--cache", type=int, default=0, metavar="K",
+                     help="long-context memory: up to K far keys kept exact (a sparse cache; needs a window, a causal "
+                          "model; default 0)")
+    cmd.add_argument("--decay", type=_decay, default=None,
+                     help="a decaying far state: 'head' (learned per head), 'input' (from the current value) or a "
+                          "fixed decay per step in (0, 1] (default: none)")
+    cmd.add_argument("--state", default="additive", help="the far state: 'additive' (default) or 'delta' (delta rule)")
+    cmd.add_argument("--beta", default="head",
+                     help="the delta rule's write strength: 'head' (learned per head; default) or 'input'")
+    cmd.add_argument("--exact-layers", type=int_list, default=[], metavar="I,J",
+                     help="layers (0-based, comma-separated) kept the teacher's softmax attention")
     add_common(cmd, "p", "m")
     cmd.add_argument("--out", required=True,
                      help="output directory (created with its parents; never an input; the same run there is "
@@ -139,7 +159,8 @@ def run(args) -> int:
 #: Options only one path reads (each path refuses the other's when given, rather than ignoring them).
 TOY_ONLY = ("non_negative", "capture_sequences", "steps", "lr", "warmup", "transfer", "eval_sequences", "eval_every")
 PRETRAINED_ONLY = ("text", "attention", "window", "sinks", "local", "gate_init", "untied", "seq_len", "max_tokens",
-                   "transfer_steps", "transfer_lr", "processes", "lora_steps", "lora_rank", "lora_lr", "no_fit")
+                   "transfer_steps", "transfer_lr", "processes", "lora_steps", "lora_rank", "lora_lr", "no_fit",
+                   "cache", "decay", "state", "beta", "exact_layers")
 
 
 def _refuse_other_path_options(args, names, source: str) -> None:
@@ -271,9 +292,31 @@ def _pretrained_settings(args) -> dict:
     """What identifies a real-model run (recorded as ``cli`` in its ``linearize.json``)."""
     keys = ("attention", "p", "m", "rank", "window", "sinks", "local", "normalize", "gate_init", "untied", "seq_len",
             "max_tokens", "holdout", "transfer_steps", "transfer_lr", "lora_steps", "lora_rank", "lora_lr", "no_fit",
-            "batch_size", "seed")
+            "batch_size", "seed", "cache", "decay", "state", "beta", "exact_layers")
     return {"source": os.path.realpath(args.gguf or args.model_dir), "text": os.path.realpath(args.text),
             **{key: getattr(args, key) for key in keys}}
+
+
+def _check_memory_flags(args, *, causal: bool = True, model=None) -> None:
+    """``--cache``, ``--decay``, ``--state``, ``--beta`` (and, with the loaded ``model``, its causality and
+    ``--exact-layers``) checked by the conversion's own rules, a refusal naming the flags (exit 2)."""
+    from ..convert.convert import _check_exact_layers, _check_memory
+    from ..convert.families import attention_sites
+
+    if model is not None:
+        family, sites = attention_sites(model)
+        causal = all(site.causal for site in sites)
+        try:
+            _check_exact_layers(args.exact_layers, len(sites), family)
+        except (TypeError, ValueError) as err:
+            raise UsageError(f"--exact-layers {','.join(map(str, args.exact_layers))}: {err}") from None
+    try:
+        _check_memory(args.cache, args.decay, args.state, args.beta, args.window, args.sinks, args.local,
+                      args.normalize, causal=causal)
+    except (TypeError, ValueError) as err:
+        given = (f"--cache {args.cache}, --decay {'(none)' if args.decay is None else args.decay}, --state {args.state}, "
+                 f"--beta {args.beta} (--window {args.window}{'' if causal else ', an encoder'})")
+        raise UsageError(f"{given}: {err}") from None
 
 
 def _read_text(given: str) -> str:
@@ -327,6 +370,7 @@ def _run_pretrained(args) -> int:
         raise UsageError(f"{given}: {err}") from None
     if args.untied and args.attention != "llops":
         raise UsageError(f"--untied is an LLoPS option; --attention {args.attention} has no tied form")
+    _check_memory_flags(args, causal=True)  # the model's causality and layer count: once it is loaded
     out = Path(args.out)
     source = Path(args.gguf) if args.gguf else Path(args.model_dir)
     _out_is_not_an_input_file(args.out, args.gguf, args.text)
@@ -336,10 +380,12 @@ def _run_pretrained(args) -> int:
     _check_run_dir(out, PRETRAINED_FILES, wanted)
     with transformers_progress(not args.no_progress):
         model, tokenizer = load_pretrained(args.model_dir, gguf=args.gguf)
+    _check_memory_flags(args, model=model)
     model, report = linearize(
         model, text, tokenizer=tokenizer, attention=args.attention, p=args.p, m=args.m, rank=args.rank,
         window=args.window, sinks=args.sinks, local=args.local, normalize=args.normalize, gate_init=args.gate_init,
-        tied=False if args.untied else None, seq_len=args.seq_len,
+        tied=False if args.untied else None, seq_len=args.seq_len, cache=args.cache, decay=args.decay,
+        state=args.state, beta=args.beta, exact_layers=args.exact_layers,
         max_tokens=args.max_tokens, holdout=float(args.holdout), fit=not args.no_fit,
         transfer_steps=args.transfer_steps, transfer_lr=args.transfer_lr, processes=args.processes,
         lora_steps=args.lora_steps,
@@ -367,6 +413,16 @@ def _run_pretrained(args) -> int:
     return 0
 
 
+def _memory_line(s: dict) -> str:
+    """The long-context memory and the exact layers of a run's settings, in words (older runs: none)."""
+    decay = s.get("decay")
+    parts = [f"cache {s.get('cache', 0)}", f"decay {'none' if decay is None else decay}",
+             f"state {s.get('state', 'additive')}" + (f" (β {s.get('beta')})" if s.get("state") == "delta" else "")]
+    exact = s.get("exact_layers") or []
+    return ("Long-context memory: " + ", ".join(parts) + "; exact layers: "
+            + (", ".join(map(str, exact)) if exact else "none") + ".")
+
+
 def _markdown(summary: dict) -> str:
     s = summary["settings"]
     metric = "perplexity" if s["family"] != "bert" else "mean sentence-embedding cosine to the teacher"
@@ -374,6 +430,7 @@ def _markdown(summary: dict) -> str:
              f"{s['family']} family; attention {s['attention']} p={s['p']} m={s['m']} rank {s['rank']}, window "
              f"{s['window']} + {s['sinks']} sinks ({s['local']}); {s['sequences']} sequences of {s['seq_len']} tokens, "
              f"{s['held_out']} held out.", "",
+             _memory_line(s), "",
              f"| stage | held-out {metric} | mean attention-output error | seconds |", "|---|---|---|---|",
              f"| teacher | {summary['teacher_metric']:.4g} | 0 | – |"]
     for st in summary["stages"]:
