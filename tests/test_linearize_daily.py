@@ -306,3 +306,26 @@ def test_linearize_an_encoder_on_sentences_reports_cosine_and_neighbours():
         assert 0 <= stage["nn_agreement"] <= 1 and -1 <= stage["metric"] <= 1
         assert 0 <= stage["window_only_nn_agreement"] <= 1
         assert stage["far_helps"] == (stage["metric"] > stage["window_only_metric"])
+
+
+# ------------------------------------------------------------------------------------------------
+# small things
+
+
+def test_the_readme_commands_outputs_are_ignored_by_git():
+    """Every file the README's shell lines write at the repository root (``--out``, ``--plot``,
+    ``--json``, ``--markdown``) is ignored by git."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    if shutil.which("git") is None or not (root / ".git").exists():
+        pytest.skip("not a git checkout")
+    block = "\n".join(re.findall(r"```bash\n(.*?)```", (root / "README.md").read_text(), re.S))
+    outputs = sorted({m.group(1).split("/")[0] + ("/" if "/" in m.group(1) else "")
+                      for m in re.finditer(r"--(?:out|plot|json|markdown) (\S+)", block)})
+    assert {"qk.safetensors", "advice.png", "out.json", "out.md", "theta.safetensors", "runs/"} <= set(outputs)
+    for path in outputs:
+        probe = path + "x" if path.endswith("/") else path
+        assert subprocess.run(["git", "check-ignore", "-q", probe], cwd=root).returncode == 0, path

@@ -1216,8 +1216,8 @@ def linearize(model: nn.Module, texts, *, tokenizer=None, attention: str = "llop
             sketch.gate.requires_grad_(False)
     layers = [io for i, io in enumerate(layers) if i not in exact]  # the converted layers' recordings
     gates, first = None, "fit" if theta is not None else "init"
-    floor = _window_only(sketches, layers, mask, held_idx, batch_size, progress) if window and far else None
     with named_divergence(first, model, "give another map (attention='hedgehog' is bounded) or a smaller p"):
+        floor = _window_only(sketches, layers, mask, held_idx, batch_size, progress) if window and far else None
         if isinstance(gate_init, str):
             from .scale import calibrate_gates
 
