@@ -7,7 +7,12 @@ Two paths:
   model's own post-RoPE q/k), stage 1 (attention transfer, ``--transfer-steps``; ``--processes N``
   spreads its layers over N processes), stage 2 (LoRA, ``--lora-steps``); the converted model is saved
   under ``--out/model`` (reload it with :func:`sketchlab.load_linearized`), the report as
-  ``--out/linearize.json`` and ``linearize.md``;
+  ``--out/linearize.json`` and ``linearize.md`` (each stage beside window + sinks alone, the floor the far
+  part must beat; ``--no-far`` keeps that model). One line up front gives the memory estimate (a run over
+  ``--max-memory``, default the machine's available memory, is refused) and the fit's plan
+  (``--fit-work``); every stage shows a progress bar with its ETA on stderr (``--no-progress``: none). The
+  long-context memory (``--cache``, ``--decay``, ``--state``, ``--beta``, ``--exact-layers``) is checked by
+  the conversion's rules, a bad value refused naming its flag;
 * sketchlab's toy MQAR checkpoint (positional ``CHECKPOINT``): :func:`sketchlab.tasks.linearize`
   (capture → fit → export Θ → fine-tune), as before.
 

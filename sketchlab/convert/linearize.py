@@ -49,8 +49,9 @@ from .families import FAMILY_TABLE, attention_sites, family_of
 from .sketched import check_local_map
 from .stages import check_teacher_finite, keep_better, named_divergence, snapshot
 
-__all__ = ["LayerIO", "LinearizeReport", "attention_errors", "attention_transfer", "embedding_agreement", "fit_theta",
-           "linearize", "lora_finetune", "perplexity", "sentence_embeddings", "teacher_attention", "tokenize_texts"]
+__all__ = ["DEFAULT_FIT_WORK", "FAR_OFF_LOGIT", "LayerIO", "LinearizeReport", "attention_errors", "attention_transfer",
+           "embedding_agreement", "fit_theta", "linearize", "lora_finetune", "memory_plan", "perplexity",
+           "sentence_embeddings", "teacher_attention", "tokenize_texts"]
 
 _TEACHER_NAME = "sketchlab_teacher"
 _RECORDING: list[dict] = []
