@@ -642,3 +642,111 @@ def test_poly_attention_overflow_is_refused_not_nan(dtype, scale, p, normalize):
     with pytest.raises(ValueError, match=rf"poly_attention: \(q·k\)\^{p} overflows {str(dtype)[6:]} in \d+ of 12 query "
                                          r"rows \(largest \|q·k\| = .*\); scale q and k down"):
         poly_attention(q, k, v, p, normalize=normalize, max_bytes=2**30)
+
+
+# ------------------------------------------------------------------------------------------------
+# 7. the long-context memory options (cache, decay, state, beta, exact layers): each bad value a
+# clear error naming it, through the API (convert_attention, linearize) and the CLI (exit 2, one
+# line naming the flag), before any work
+
+
+MEMORY_BAD = [  # (API keyword arguments, CLI flags, what the message says)
+    ({"cache": -1}, ["--cache", "-1"], r"cache must be an integer >= 0, got -1"),
+    ({"cache": 3, "window": 0, "sinks": 0}, ["--cache", "3", "--window", "0"], r"cache=3 needs window >= 1"),
+    ({"decay": 1.5}, ["--decay", "1.5"], r"decay \(a fixed decay per step\) must be > 0.0 and <= 1.0, got 1.5"),
+    ({"decay": 0.0}, ["--decay", "0"], r"decay \(a fixed decay per step\) must be > 0.0 and <= 1.0, got 0.0"),
+    ({"decay": float("nan")}, ["--decay", "nan"], r"decay \(a fixed decay per step\) must be a finite number, got nan"),
+    ({"decay": "gla"}, ["--decay", "gla"], r"decay must be one of \['head', 'input'\], got 'gla'"),
+    ({"state": "x"}, ["--state", "x"], r"state must be one of \['additive', 'delta'\], got 'x'"),
+    ({"state": "delta", "beta": "x"}, ["--state", "delta", "--beta", "x"], r"beta must be one of \['head', 'input'\], got 'x'"),
+]
+EXACT_BAD = [  # the tiny models have 2 layers
+    ([2], ["--exact-layers", "2"], r"exact_layers: 2 is not a layer index in \[0, 2\)"),
+    ([-1], ["--exact-layers", "-1"], r"exact_layers: -1 is not a layer index in \[0, 2\)"),
+    ([0, 0], ["--exact-layers", "0,0"], r"exact_layers lists a layer twice: \[0, 0\]"),
+    ([0, 1], ["--exact-layers", "0,1"], r"exact_layers keeps all 2 layers exact: nothing would be converted"),
+]
+
+
+def _no_work(monkeypatch):
+    """Any teacher pass fails the test: a refusal must come before the work."""
+    import importlib
+
+    lin = importlib.import_module("sketchlab.convert.linearize")
+    monkeypatch.setattr(lin, "teacher_attention", lambda *a, **k: (_ for _ in ()).throw(AssertionError("started")))
+
+
+@pytest.mark.parametrize("kwargs,flags,match", MEMORY_BAD, ids=[" ".join(c[1]) for c in MEMORY_BAD])
+@pytest.mark.parametrize("entry", ["convert_attention", "linearize"])
+def test_bad_memory_values_are_named_by_the_api(kwargs, flags, match, entry, monkeypatch):
+    from sketchlab.convert import linearize
+
+    _no_work(monkeypatch)
+    model = _llama()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    options = {"attention": "hedgehog", "m": 4, "window": 3, "sinks": 1, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        if entry == "convert_attention":
+            convert_attention(model, **options)
+        else:
+            linearize(model, _ids(16).repeat(4, 1), seq_len=16, **options)
+    assert not hasattr(model.config, "sketchlab") and all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("layers,flags,match", EXACT_BAD, ids=[" ".join(c[1]) for c in EXACT_BAD])
+@pytest.mark.parametrize("entry", ["convert_attention", "linearize"])
+def test_bad_exact_layers_are_named_by_the_api(layers, flags, match, entry, monkeypatch):
+    from sketchlab.convert import linearize
+
+    _no_work(monkeypatch)
+    model = _llama()
+    with pytest.raises(ValueError, match=match):
+        if entry == "convert_attention":
+            convert_attention(model, attention="hedgehog", m=4, window=3, sinks=1, exact_layers=layers)
+        else:
+            linearize(model, _ids(16).repeat(4, 1), seq_len=16, attention="hedgehog", m=4, window=3, sinks=1,
+                      exact_layers=layers)
+    assert not hasattr(model.config, "sketchlab")
+
+
+@pytest.mark.parametrize("entry", ["convert_attention", "linearize"])
+def test_memory_on_an_encoder_is_refused_naming_it(entry, monkeypatch):
+    from sketchlab.convert import linearize
+
+    _no_work(monkeypatch)
+    with pytest.raises(ValueError, match=r"cache=2 need causal=True"):
+        if entry == "convert_attention":
+            convert_attention(_bert(), attention="hedgehog", m=4, window=3, sinks=1, cache=2)
+        else:
+            linearize(_bert(), _ids(16).repeat(4, 1), seq_len=16, attention="hedgehog", m=4, window=3, sinks=1,
+                      cache=2)
+
+
+@pytest.mark.parametrize("kwargs,flags,match", MEMORY_BAD + EXACT_BAD, ids=[" ".join(c[1]) for c in MEMORY_BAD + EXACT_BAD])
+def test_bad_memory_flags_exit_2_naming_the_flag(kwargs, flags, match, gpt2_dir, tmp_path, capsys, monkeypatch):
+    from tests.test_cli_linearize_lm import _text_file
+
+    _no_work(monkeypatch)
+    _text_file(tmp_path / "t.txt", 50)
+    flag = flags[0] if flags[0] != "--window" else "--cache"
+    _cli_exit_2(["linearize", "--model-dir", str(gpt2_dir), "--text", str(tmp_path / "t.txt"), "--attention",
+                 "hedgehog", "--m", "4", "--window", "3", "--sinks", "0", "--out", str(tmp_path / "o"), "--no-progress",
+                 *flags], capsys, re.escape(flag) + r" .*: .*" + match)
+    assert not (tmp_path / "o").exists()
+
+
+def test_memory_flag_on_an_encoder_exits_2_naming_it(tmp_path, capsys, monkeypatch):
+    from tests.test_cli_linearize_lm import WORDS, _text_file
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    _no_work(monkeypatch)
+    _bert().save_pretrained(tmp_path / "bert")
+    tok = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(tmp_path / "bert")
+    _text_file(tmp_path / "t.txt", 50)
+    capsys.readouterr()  # save_pretrained's progress bar
+    _cli_exit_2(["linearize", "--model-dir", str(tmp_path / "bert"), "--text", str(tmp_path / "t.txt"), "--attention",
+                 "hedgehog", "--m", "4", "--window", "3", "--out", str(tmp_path / "o"), "--no-progress",
+                 "--decay", "head"], capsys, r"--decay head, .*an encoder\): decay='head' need causal=True")
+    assert not (tmp_path / "o").exists()

@@ -171,8 +171,8 @@ def test_linearize_gate_init_default_and_errors():
     (dict(tied=True, p=3), ValueError, r"tied=True needs an even degree p"),
     (dict(gate_init=float("inf")), ValueError, r"gate_init must be a finite number, 'mass', 'search' or None, got inf"),
     (dict(fit_tokens=-1), ValueError, r"fit_tokens"),
-    (dict(max_bytes=10_000), ValueError, r"the teacher's q, k, v and attention output of 2 layers on 6 sequence\(s\) "
-     r"of 20 tokens \(8-byte values\) would take .* GiB, over the memory budget max_bytes"),
+    (dict(max_bytes=50_000), ValueError, r"linearize on 6 sequence\(s\) of 20 tokens \(parameters .* GiB \+ teacher "
+     r"recording .* GiB \+ .*; estimated\) would take .* GiB, over the memory budget max_bytes"),
     (dict(window=0, sinks=2, gate_init=0.0), ValueError, r"sinks=2 with window=0: attention sinks are exact keys"),
     (dict(normalize="none"), ValueError, r"the hybrid \(window=4 > 0\) .* always normalised"),
     (dict(normalize="bogus"), ValueError, r"normalize must be one of \('none', 'sum'\), got 'bogus'"),

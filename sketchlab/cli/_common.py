@@ -12,7 +12,8 @@ import sys
 from pathlib import Path
 
 __all__ = [
-    "DEFAULT_HOLDOUT", "DEFAULT_M", "DEFAULT_P", "MAX_SEED", "Outputs", "UsageError", "add_common", "check_run_dir",
+    "DEFAULT_HOLDOUT", "DEFAULT_M", "DEFAULT_P", "MAX_SEED", "Outputs", "UsageError", "add_common", "available_memory",
+    "check_run_dir",
     "degree_arg", "device_arg", "fraction_arg", "int_list", "nonnegative_float", "nonnegative_int", "positive_float",
     "positive_int", "positive_int_list", "scale_arg", "seed_arg", "write_text_atomic",
 ]
@@ -115,6 +116,22 @@ nonnegative_float = number_arg(float, lambda v: math.isfinite(v) and v >= 0, "a 
 finite_float = number_arg(float, math.isfinite, "a finite number")
 #: ``--holdout``: the fraction of tokens held out, in ``[0, 1)``.
 fraction_arg = number_arg(float, lambda v: 0 <= v < 1, "a number in [0, 1)")
+
+
+def available_memory() -> int:
+    """Bytes this machine can give a new run now: ``MemAvailable`` of ``/proc/meminfo`` (Linux), else
+    half of its physical memory (16 GiB where neither can be read)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+    except (ValueError, OSError, AttributeError):
+        return 8 * 2**30
 
 
 def degree_arg(text: str) -> int:

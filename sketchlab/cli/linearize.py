@@ -7,7 +7,12 @@ Two paths:
   model's own post-RoPE q/k), stage 1 (attention transfer, ``--transfer-steps``; ``--processes N``
   spreads its layers over N processes), stage 2 (LoRA, ``--lora-steps``); the converted model is saved
   under ``--out/model`` (reload it with :func:`sketchlab.load_linearized`), the report as
-  ``--out/linearize.json`` and ``linearize.md``;
+  ``--out/linearize.json`` and ``linearize.md`` (each stage beside window + sinks alone, the floor the far
+  part must beat; ``--no-far`` keeps that model). One line up front gives the memory estimate (a run over
+  ``--max-memory``, default the machine's available memory, is refused) and the fit's plan
+  (``--fit-work``); every stage shows a progress bar with its ETA on stderr (``--no-progress``: none). The
+  long-context memory (``--cache``, ``--decay``, ``--state``, ``--beta``, ``--exact-layers``) is checked by
+  the conversion's rules, a bad value refused naming its flag;
 * sketchlab's toy MQAR checkpoint (positional ``CHECKPOINT``): :func:`sketchlab.tasks.linearize`
   (capture → fit → export Θ → fine-tune), as before.
 
@@ -31,8 +36,11 @@ import json
 import os
 from pathlib import Path
 
-from ._common import (Outputs, UsageError, add_common, check_run_dir, finite_float, nonnegative_float,
-                      nonnegative_int, positive_float, positive_int, write_text_atomic)
+from ._common import (Outputs, UsageError, add_common, available_memory, check_run_dir, finite_float, int_list,
+                      nonnegative_float, nonnegative_int, number_arg, positive_float, positive_int, write_text_atomic)
+
+#: ``--fit-work``: a number > 0, ``inf`` allowed (no cap).
+_fit_work = number_arg(float, lambda v: v > 0, "a number > 0 (multiply-adds per head; inf: no cap)")
 
 #: What a ``sketchlab linearize`` output directory holds, per path (anything else belongs to something else).
 TOY_FILES = ("capture.safetensors", "theta.safetensors", "finetune", "model", "linearize.json", "linearize.md")
@@ -53,6 +61,15 @@ def _gate_init(text: str):
         return finite_float(text)
     except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(f"expected 'mass', 'search' or a finite number, got {text!r}") from None
+
+
+def _decay(text: str):
+    """``--decay``: a number (a fixed decay per step) or a name (``head``, ``input``); the value is
+    checked by the conversion's one rule (:class:`sketchlab.attention.options.AttentionOptions`)."""
+    try:
+        return float(text)
+    except ValueError:
+        return text
 
 
 def add_arguments(sub) -> None:
@@ -77,6 +94,17 @@ def add_arguments(sub) -> None:
     cmd.add_argument("--untied", action="store_true",
                      help="LLoPS as the untied map (p signed factors) instead of the tied non-negative (x·θ)^p map "
                           "(the tied map needs an even p; an odd p is always untied)")
+    cmd.add_argument("--cache", type=int, default=0, metavar="K",
+                     help="long-context memory: up to K far keys kept exact (a sparse cache; needs a window, a causal "
+                          "model; default 0)")
+    cmd.add_argument("--decay", type=_decay, default=None,
+                     help="a decaying far state: 'head' (learned per head), 'input' (from the current value) or a "
+                          "fixed decay per step in (0, 1] (default: none)")
+    cmd.add_argument("--state", default="additive", help="the far state: 'additive' (default) or 'delta' (delta rule)")
+    cmd.add_argument("--beta", default="head",
+                     help="the delta rule's write strength: 'head' (learned per head; default) or 'input'")
+    cmd.add_argument("--exact-layers", type=int_list, default=[], metavar="I,J",
+                     help="layers (0-based, comma-separated) kept the teacher's softmax attention")
     add_common(cmd, "p", "m")
     cmd.add_argument("--out", required=True,
                      help="output directory (created with its parents; never an input; the same run there is "
@@ -99,6 +127,16 @@ def add_arguments(sub) -> None:
     cmd.add_argument("--lora-rank", type=positive_int, default=8, help="rank of the LoRA adapters (default 8)")
     cmd.add_argument("--lora-lr", type=positive_float, default=1e-4, help="learning rate of the LoRA stage (default 1e-4)")
     cmd.add_argument("--no-fit", action="store_true", help="skip stage 0 (start the maps from their initialisation)")
+    cmd.add_argument("--fit-work", type=_fit_work, default=None, metavar="FLOPS",
+                     help="the stage-0 Θ fit's effort: at most this many multiply-adds per head (default "
+                          "sketchlab.convert.linearize.DEFAULT_FIT_WORK = 3.5e9, about 5 ALS sweeps on a SmolLM2 head, "
+                          "stage 0 in minutes; inf: the fit's full schedule, ~27 min on SmolLM2)")
+    cmd.add_argument("--no-far", action="store_true",
+                     help="the far part off: window + sinks (and --cache) alone, every gate logit at 40 "
+                          "(sigmoid = 1), no fit, no transfer; the control a hybrid must beat (LoRA still runs)")
+    cmd.add_argument("--max-memory", type=positive_float, default=None, metavar="GIB",
+                     help="refuse a run whose estimated memory (printed up front) exceeds this many GiB "
+                          "(default: this machine's available memory now)")
     # toy path
     cmd.add_argument("--non-negative", action="store_true",
                      help="toy path: self-tensored map φ⊗φ: Θ of degree p/2 (even p), non-negative kernel")
@@ -139,7 +177,8 @@ def run(args) -> int:
 #: Options only one path reads (each path refuses the other's when given, rather than ignoring them).
 TOY_ONLY = ("non_negative", "capture_sequences", "steps", "lr", "warmup", "transfer", "eval_sequences", "eval_every")
 PRETRAINED_ONLY = ("text", "attention", "window", "sinks", "local", "gate_init", "untied", "seq_len", "max_tokens",
-                   "transfer_steps", "transfer_lr", "processes", "lora_steps", "lora_rank", "lora_lr", "no_fit")
+                   "transfer_steps", "transfer_lr", "processes", "lora_steps", "lora_rank", "lora_lr", "no_fit",
+                   "cache", "decay", "state", "beta", "exact_layers", "fit_work", "no_far", "max_memory")
 
 
 def _refuse_other_path_options(args, names, source: str) -> None:
@@ -271,9 +310,31 @@ def _pretrained_settings(args) -> dict:
     """What identifies a real-model run (recorded as ``cli`` in its ``linearize.json``)."""
     keys = ("attention", "p", "m", "rank", "window", "sinks", "local", "normalize", "gate_init", "untied", "seq_len",
             "max_tokens", "holdout", "transfer_steps", "transfer_lr", "lora_steps", "lora_rank", "lora_lr", "no_fit",
-            "batch_size", "seed")
+            "batch_size", "seed", "cache", "decay", "state", "beta", "exact_layers", "fit_work", "no_far")
     return {"source": os.path.realpath(args.gguf or args.model_dir), "text": os.path.realpath(args.text),
             **{key: getattr(args, key) for key in keys}}
+
+
+def _check_memory_flags(args, *, causal: bool = True, model=None) -> None:
+    """``--cache``, ``--decay``, ``--state``, ``--beta`` (and, with the loaded ``model``, its causality and
+    ``--exact-layers``) checked by the conversion's own rules, a refusal naming the flags (exit 2)."""
+    from ..convert.convert import _check_exact_layers, _check_memory
+    from ..convert.families import attention_sites
+
+    if model is not None:
+        family, sites = attention_sites(model)
+        causal = all(site.causal for site in sites)
+        try:
+            _check_exact_layers(args.exact_layers, len(sites), family)
+        except (TypeError, ValueError) as err:
+            raise UsageError(f"--exact-layers {','.join(map(str, args.exact_layers))}: {err}") from None
+    try:
+        _check_memory(args.cache, args.decay, args.state, args.beta, args.window, args.sinks, args.local,
+                      args.normalize, causal=causal)
+    except (TypeError, ValueError) as err:
+        given = (f"--cache {args.cache}, --decay {'(none)' if args.decay is None else args.decay}, --state {args.state}, "
+                 f"--beta {args.beta} (--window {args.window}{'' if causal else ', an encoder'})")
+        raise UsageError(f"{given}: {err}") from None
 
 
 def _read_text(given: str) -> str:
@@ -310,8 +371,6 @@ def _run_pretrained(args) -> int:
     from ..convert.pretrained import load_pretrained
     from ..io import staged_directory
     from .capture import transformers_progress
-    from .train import memory_budget
-
     if args.text is None:
         raise UsageError("--text is required with --model-dir / --gguf")
     text = _read_text(args.text)
@@ -327,6 +386,14 @@ def _run_pretrained(args) -> int:
         raise UsageError(f"{given}: {err}") from None
     if args.untied and args.attention != "llops":
         raise UsageError(f"--untied is an LLoPS option; --attention {args.attention} has no tied form")
+    try:  # linearize's rule, named by the flags here
+        from ..convert.linearize import _check_far
+
+        _check_far(not args.no_far, args.window, args.gate_init)
+    except (TypeError, ValueError) as err:
+        raise UsageError(f"--no-far with --window {args.window}"
+                         + (f", --gate-init {args.gate_init}" if args.gate_init is not None else "") + f": {err}") from None
+    _check_memory_flags(args, causal=True)  # the model's causality and layer count: once it is loaded
     out = Path(args.out)
     source = Path(args.gguf) if args.gguf else Path(args.model_dir)
     _out_is_not_an_input_file(args.out, args.gguf, args.text)
@@ -336,15 +403,18 @@ def _run_pretrained(args) -> int:
     _check_run_dir(out, PRETRAINED_FILES, wanted)
     with transformers_progress(not args.no_progress):
         model, tokenizer = load_pretrained(args.model_dir, gguf=args.gguf)
+    _check_memory_flags(args, model=model)
     model, report = linearize(
         model, text, tokenizer=tokenizer, attention=args.attention, p=args.p, m=args.m, rank=args.rank,
         window=args.window, sinks=args.sinks, local=args.local, normalize=args.normalize, gate_init=args.gate_init,
-        tied=False if args.untied else None, seq_len=args.seq_len,
+        tied=False if args.untied else None, seq_len=args.seq_len, cache=args.cache, decay=args.decay,
+        state=args.state, beta=args.beta, exact_layers=args.exact_layers, fit_work=args.fit_work, far=not args.no_far,
         max_tokens=args.max_tokens, holdout=float(args.holdout), fit=not args.no_fit,
         transfer_steps=args.transfer_steps, transfer_lr=args.transfer_lr, processes=args.processes,
         lora_steps=args.lora_steps,
         lora_rank=args.lora_rank, lora_lr=args.lora_lr, batch_size=args.batch_size or 4, seed=args.seed,
-        progress=not args.no_progress, max_bytes=memory_budget())
+        progress=not args.no_progress,
+        max_bytes=int(args.max_memory * 2**30) if args.max_memory is not None else available_memory())
     summary = report.as_dict()
     summary["source"] = str(source)
     summary["cli"] = wanted
@@ -357,29 +427,72 @@ def _run_pretrained(args) -> int:
         write_text_atomic(str(stage / "linearize.md"), _markdown(summary))
     outputs.announce(*sorted(p for p in (out / "model").rglob("*") if p.is_file()),
                      out / "linearize.json", out / "linearize.md")
-    metric = "perplexity" if summary["settings"]["family"] != "bert" else "embedding cosine"
+    encoder = _is_encoder(summary["settings"])
+    metric = "sentence-embedding cosine (neighbour agreement)" if encoder else "perplexity"
     last = summary["stages"][-1]
+    floor = [s for s in summary["stages"] if s.get("window_only_metric") is not None]
     print(f"{out}: held-out {metric}: teacher {summary['teacher_metric']:.4g}, "
-          + ", ".join(f"{s['name']} {s['metric']:.4g}" for s in summary["stages"])
+          + ", ".join(f"{s['name']} {_value(s)}" for s in summary["stages"])
+          + (f"; window + sinks alone {_value(floor[-1], 'window_only_')} (the floor the far part must beat: "
+             f"{'beaten' if floor[-1].get('far_helps') else 'NOT beaten, the sketch makes it worse'} after "
+             f"{floor[-1]['name']})" if floor else "")
+          + ("; far part off (--no-far)" if not summary["settings"].get("far", True) else "")
           + f"; converted model in {out / 'model'} (sketchlab.load_linearized); stage {last['name']} done"
           + "".join(f"; stage {s['name']} made layers {s['kept_initial']} worse: they keep their maps from before it"
                     for s in summary["stages"] if s.get("kept_initial")))
     return 0
 
 
+def _is_encoder(settings: dict) -> bool:
+    from ..convert.families import FAMILY_TABLE
+
+    entry = FAMILY_TABLE.get(settings.get("family"))
+    return bool(entry is not None and entry.encoder)
+
+
+def _value(stage: dict, prefix: str = "") -> str:
+    """A stage's held-out metric (``prefix="window_only_"``: window + sinks alone's), with an encoder's
+    neighbour agreement in brackets."""
+    metric, agreement = stage.get(prefix + "metric"), stage.get(prefix + "nn_agreement")
+    if metric is None:
+        return "–"
+    return f"{metric:.4g}" + (f" ({agreement:.3f})" if agreement is not None else "")
+
+
+def _memory_line(s: dict) -> str:
+    """The long-context memory and the exact layers of a run's settings, in words (older runs: none)."""
+    decay = s.get("decay")
+    parts = [f"cache {s.get('cache', 0)}", f"decay {'none' if decay is None else decay}",
+             f"state {s.get('state', 'additive')}" + (f" (β {s.get('beta')})" if s.get("state") == "delta" else "")]
+    exact = s.get("exact_layers") or []
+    return ("Long-context memory: " + ", ".join(parts) + "; exact layers: "
+            + (", ".join(map(str, exact)) if exact else "none") + ".")
+
+
 def _markdown(summary: dict) -> str:
     s = summary["settings"]
-    metric = "perplexity" if s["family"] != "bert" else "mean sentence-embedding cosine to the teacher"
+    encoder = _is_encoder(s)
+    metric = ("mean sentence-embedding cosine to the teacher (nearest-neighbour agreement)" if encoder
+              else "perplexity")
+    unit = "sentences (one line each)" if s.get("sentences") else f"sequences of {s['seq_len']} tokens"
+    mean = lambda err: "–" if not err else f"{sum(err) / len(err):.4f}"  # noqa: E731
     lines = [f"# Linearised {summary['source']}", "",
              f"{s['family']} family; attention {s['attention']} p={s['p']} m={s['m']} rank {s['rank']}, window "
-             f"{s['window']} + {s['sinks']} sinks ({s['local']}); {s['sequences']} sequences of {s['seq_len']} tokens, "
-             f"{s['held_out']} held out.", "",
-             f"| stage | held-out {metric} | mean attention-output error | seconds |", "|---|---|---|---|",
-             f"| teacher | {summary['teacher_metric']:.4g} | 0 | – |"]
+             f"{s['window']} + {s['sinks']} sinks ({s['local']}){'' if s.get('far', True) else ', far part off'}; "
+             f"{s['sequences']} {unit}, {s['held_out']} held out.", "",
+             _memory_line(s), "",
+             f"| stage | held-out {metric} | mean attention-output error | window + sinks alone | far part helps | "
+             "seconds |", "|---|---|---|---|---|---|",
+             f"| teacher | {summary['teacher_metric']:.4g} | 0 | – | – | – |"]
     for st in summary["stages"]:
-        err = st["layer_error"]
-        mean = "–" if not err else f"{sum(err) / len(err):.4f}"
-        lines.append(f"| {st['name']} | {st['metric']:.4g} | {mean} | {st['seconds']:.1f} |")
+        helps = st.get("far_helps")
+        lines.append(f"| {st['name']} | {_value(st)} | {mean(st['layer_error'])} | {_value(st, 'window_only_')} "
+                     f"(error {mean(st.get('window_only_layer_error'))}) | "
+                     f"{'–' if helps is None else 'yes' if helps else '**no**'} | {st['seconds']:.1f} |")
+    lines += ["", "*Window + sinks alone*: the same converted model with every gate logit at 40 (sigmoid = 1 in "
+              "float32: the far part's weight 0), on the same held-out " + ("sentences" if encoder else "sequences")
+              + " — the floor the sketched far part must beat (`far helps`: the stage's value beats it). "
+              "`--no-far` (`linearize(far=False)`) keeps that model."]
     for st in summary["stages"]:
         if st.get("kept_initial"):
             trained = st["layer_error_trained"]

@@ -43,13 +43,15 @@ from .._validation import DEFAULT_MAX_BYTES, check_memory, check_nonnegative_int
 from ..capture import _check_against_model
 from .convert import (_check_exact_layers, _check_memory, _make_maps, _options, _resolve_tied, check_layout,
                       check_map_memory, convert_attention, converted_modules)
-from .evaluate import _batches, _hidden, embedding_agreement, perplexity, sentence_embeddings, token_nll  # noqa: F401
+from .evaluate import (_batches, _hidden, embedding_agreement, perplexity, progress_bar, sentence_embeddings,  # noqa: F401
+                       token_nll)
 from .families import FAMILY_TABLE, attention_sites, family_of
 from .sketched import check_local_map
 from .stages import check_teacher_finite, keep_better, named_divergence, snapshot
 
-__all__ = ["LayerIO", "LinearizeReport", "attention_errors", "attention_transfer", "embedding_agreement", "fit_theta",
-           "linearize", "lora_finetune", "perplexity", "sentence_embeddings", "teacher_attention", "tokenize_texts"]
+__all__ = ["DEFAULT_FIT_WORK", "FAR_OFF_LOGIT", "LayerIO", "LinearizeReport", "attention_errors", "attention_transfer",
+           "embedding_agreement", "fit_theta", "linearize", "lora_finetune", "memory_plan", "perplexity",
+           "sentence_embeddings", "teacher_attention", "tokenize_texts"]
 
 _TEACHER_NAME = "sketchlab_teacher"
 _RECORDING: list[dict] = []
@@ -101,17 +103,25 @@ class LinearizeReport:
 # data
 
 
-def tokenize_texts(texts, tokenizer=None, *, seq_len: int = 512, max_tokens: int | None = None):
+def tokenize_texts(texts, tokenizer=None, *, seq_len: int = 512, max_tokens: int | None = None,
+                   sentences: bool = False):
     """``(input_ids [N, T], attention_mask [N, T])`` from texts or token ids, cut into ``seq_len`` pieces.
 
     ``texts``: a string, a list of strings (each tokenised by ``tokenizer``, no special tokens added
     beyond the tokenizer's defaults), a LongTensor ``[N, T]`` (taken as is, all tokens valid), or a
     list of token-id lists. Longer sequences are cut into ``seq_len``-token pieces
     (:func:`sketchlab.capture.split_sequences`), ``max_tokens`` in all (default: all).
+
+    ``sentences=True`` (strings only; what :func:`linearize` does for an encoder): one sequence per
+    sentence — each non-blank line of the text(s) — tokenised with the model's special tokens,
+    truncated to ``seq_len`` tokens (never cut into pieces without them), right-padded with the
+    tokenizer's pad token; sentences are kept in order until ``max_tokens`` tokens are taken.
     """
     from ..capture import split_sequences
 
     seq_len = check_positive_int(seq_len, "seq_len")
+    if sentences:
+        return _sentences(texts, tokenizer, seq_len, max_tokens)
     if isinstance(texts, torch.Tensor):
         if texts.ndim != 2 or texts.dtype != torch.long:
             raise ValueError(f"texts as a tensor must be a LongTensor [N, T] of token ids, got {texts.dtype} {tuple(texts.shape)}")
@@ -138,6 +148,40 @@ def tokenize_texts(texts, tokenizer=None, *, seq_len: int = 512, max_tokens: int
     return split_sequences(rows, seq_len=seq_len, max_tokens=total if max_tokens is None else max_tokens)
 
 
+def _sentences(texts, tokenizer, seq_len: int, max_tokens):
+    """:func:`tokenize_texts` with ``sentences=True``."""
+    if not _all_strings(texts):
+        raise ValueError("sentences=True reads text: texts must be a string or a non-empty list of strings")
+    if tokenizer is None:
+        raise ValueError("texts are strings: pass the model's tokenizer")
+    lines = [line.strip() for text in ([texts] if isinstance(texts, str) else texts) for line in text.splitlines()]
+    lines = [line for line in lines if line]
+    if not lines:
+        raise ValueError("texts hold no tokens (an empty or whitespace-only text, or empty token lists): give text to "
+                         "train on")
+    budget = math.inf if max_tokens is None else check_positive_int(max_tokens, "max_tokens")
+    rows = []
+    for line in lines:
+        row = tokenizer(line, truncation=True, max_length=seq_len)["input_ids"]
+        if not row:
+            continue
+        if len(row) > budget:
+            break
+        rows.append(row)
+        budget -= len(row)
+    if not rows:
+        raise ValueError(f"max_tokens={max_tokens} is less than the first sentence's {len(row)} tokens: raise it")
+    pad = getattr(tokenizer, "pad_token_id", None)
+    pad = 0 if pad is None else int(pad)
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, :len(row)] = torch.tensor(row, dtype=torch.long)
+        mask[i, :len(row)] = 1
+    return ids, mask
+
+
 # ------------------------------------------------------------------------------------------------
 # the teacher's attention inputs and outputs
 
@@ -149,9 +193,14 @@ def _record_teacher(module, query, key, value, attention_mask, *args, **kwargs):
 
     rec = _RECORDING[-1]
     out, weights = original_attention(module, rec["original"])(module, query, key, value, attention_mask, *args, **kwargs)
-    rec["layers"].setdefault(module.layer_idx, []).append(
-        (query.detach().transpose(1, 2), key.detach().transpose(1, 2), value.detach().transpose(1, 2),
-         out.detach(), float(kwargs.get("scaling", module.scaling))))
+    parts = (query.detach().transpose(1, 2), key.detach().transpose(1, 2), value.detach().transpose(1, 2), out.detach())
+    store = rec["layers"].get(module.layer_idx)
+    if store is None:  # every sequence's rows, allocated once: no second copy of the recording (a cat at the end)
+        store = rec["layers"][module.layer_idx] = [
+            torch.empty((rec["N"],) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device) for t in parts
+        ] + [float(kwargs.get("scaling", module.scaling))]
+    for buffer, t in zip(store, parts):
+        buffer[rec["rows"]] = t
     return out, weights
 
 
@@ -163,34 +212,35 @@ def _teacher_mask(*args, **kwargs):
 
 @torch.no_grad()
 def teacher_attention(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
-                      batch_size: int = 4) -> list[LayerIO]:
+                      batch_size: int = 4, progress: bool = False) -> list[LayerIO]:
     """Every self-attention layer's inputs and output on ``input_ids [N, T]`` (a transformers model,
-    through its attention interface, or sketchlab's toy model, through hooks on its kernels)."""
+    through its attention interface, or sketchlab's toy model, through hooks on its kernels); each
+    layer's tensors are allocated once and filled batch by batch (the recording's size, not twice it).
+    ``progress``: a bar over the sequences on stderr."""
     from ._hf import attention_implementation, register
 
+    bar = progress_bar(input_ids.shape[0], "teacher recording", progress, unit="seq", leave=True)
     if family_of(model) == "toy":
-        return _toy_teacher(model, input_ids, batch_size)
+        with bar:
+            return _toy_teacher(model, input_ids, batch_size, bar)
     register(_TEACHER_NAME, _record_teacher, _teacher_mask)
-    rec = {"original": model.config._attn_implementation, "layers": {}}
+    rec = {"original": model.config._attn_implementation, "layers": {}, "N": input_ids.shape[0]}
     _RECORDING.append(rec)
     was_training = model.training
     model.eval()
     try:
-        with attention_implementation(model, _TEACHER_NAME):
+        with attention_implementation(model, _TEACHER_NAME), bar:
             for part in _batches(input_ids.shape[0], batch_size):
+                rec["rows"] = part
                 model(input_ids=input_ids[part], attention_mask=attention_mask[part], use_cache=False)
+                bar.update(part.stop - part.start)
     finally:
         _RECORDING.pop()
         model.train(was_training)
-    layers = []
-    for index in sorted(rec["layers"]):
-        parts = rec["layers"][index]
-        q, k, v, out = (torch.cat([p[i] for p in parts]) for i in range(4))
-        layers.append(LayerIO(q, k, v, out, parts[0][4]))
-    return layers
+    return [LayerIO(*rec["layers"][index]) for index in sorted(rec["layers"])]
 
 
-def _toy_teacher(model, input_ids, batch_size):
+def _toy_teacher(model, input_ids, batch_size, bar):
     records = {}
 
     def hook_for(i):
@@ -203,6 +253,7 @@ def _toy_teacher(model, input_ids, batch_size):
         with torch.no_grad():
             for part in _batches(input_ids.shape[0], batch_size):
                 model(input_ids[part])
+                bar.update(part.stop - part.start)
     finally:
         for h in handles:
             h.remove()
@@ -211,12 +262,12 @@ def _toy_teacher(model, input_ids, batch_size):
 
 
 def attention_errors(sketches, layers: list[LayerIO], attention_mask: torch.Tensor, index, *,
-                     batch_size: int = 4) -> list[float]:
+                     batch_size: int = 4, progress: bool = False, desc: str = "attention errors") -> list[float]:
     """Per layer ``‖o − o_teacher‖_F / ‖o_teacher‖_F`` over the valid tokens of sequences ``index``,
-    each sketched attention given the teacher's q, k, v."""
+    each sketched attention given the teacher's q, k, v (``progress``: a bar over the layers)."""
     errors = []
     idx = torch.arange(attention_mask.shape[0])[index]
-    with torch.no_grad():
+    with torch.no_grad(), progress_bar(len(sketches), desc, progress, unit="layer") as bar:
         for sketch, io in zip(sketches, layers):
             num = den = 0.0
             for part in _batches(len(idx), batch_size):
@@ -227,6 +278,7 @@ def attention_errors(sketches, layers: list[LayerIO], attention_mask: torch.Tens
                 num += float(((o - io.out[sel]).double()[valid] ** 2).sum())
                 den += float((io.out[sel].double()[valid] ** 2).sum())
             errors.append(math.sqrt(num / den) if den > 0 else float("nan"))
+            bar.update()
     return errors
 
 
@@ -234,42 +286,144 @@ def attention_errors(sketches, layers: list[LayerIO], attention_mask: torch.Tens
 # stages
 
 
-def fit_theta(model, ids, mask, *, p, m, rank=1, fit_tokens=1024, seed=0, fit_options=None):
+#: Default cap of the stage-0 Θ fit's effort: estimated multiply-adds per head
+#: (``fit_llops_direct(work=)``, :func:`sketchlab.llops.target.iteration_flops` per iteration). On a
+#: SmolLM2 head (d = 64, 1024 fitting tokens, p = 2, m = 64: 6.8e8 per iteration) it allows 5 of the
+#: default preset's 38 iterations (its ALS sweeps), which keeps stage 0 to minutes for 270 heads
+#: where the uncapped preset took ~53 s per layer (~27 min). Measured on one layer's 9 heads of that size
+#: (random q, k; one thread of our loaded 2-core machine): 13.4 CPU s capped against 88 uncapped (×0.15,
+#: so ~8 s a layer, ~4 min for SmolLM2's 30, at the issue's 53 s), the in-sample error 0.755 against
+#: 0.737. ``fit_work=math.inf``: the preset's full schedule.
+DEFAULT_FIT_WORK = 3.5e9
+
+
+def _fit_plan(p, m, rank, D, n, fit_work, fit_options) -> dict:
+    """The fit's iterations per head and multiply-adds: ``{"per_iteration", "iterations", "planned",
+    "work"}`` (what the cap allows of the preset's schedule; the kernel route's estimate)."""
+    from ..llops.fit_als import QUALITY
+    from ..llops.target import iteration_flops
+
+    options = dict(fit_options or {})
+    preset = QUALITY.get(options.get("quality", "default"), QUALITY["default"])
+    steps = options.get("steps", preset.steps)
+    lm_steps = options.get("lm_steps", preset.lm_steps)
+    interleave = options.get("interleave", preset.interleave)
+    planned = steps + lm_steps + (interleave * -(-lm_steps // interleave) if interleave else 0)
+    per = iteration_flops("kernel", n, n, D, p, m, rank)
+    work = options.get("work", fit_work)
+    iterations = planned if work >= planned * per else max(1, int(work // per))
+    return {"per_iteration": per, "iterations": iterations, "planned": planned, "work": iterations * per}
+
+
+def _check_fit_work(fit_work, fit_options) -> float:
+    """``fit_work``: a number > 0 (``math.inf``: no cap) or ``None`` (:data:`DEFAULT_FIT_WORK`); not
+    given together with ``fit_options["work"]`` (one cap, one place)."""
+    if fit_options is not None and not isinstance(fit_options, dict):
+        raise ValueError(f"fit_options must be a dict or None, got {type(fit_options).__name__}")
+    if fit_work is None:
+        return (fit_options or {}).get("work", DEFAULT_FIT_WORK)
+    if isinstance(fit_work, bool) or not isinstance(fit_work, numbers.Real) or not fit_work > 0:
+        raise ValueError(f"fit_work must be a number > 0 (multiply-adds per head; math.inf: no cap), got {fit_work!r}")
+    if "work" in (fit_options or {}):
+        raise ValueError(f"fit_work={fit_work!r} and fit_options['work']={fit_options['work']!r}: give the fit's cap "
+                         "once")
+    return float(fit_work)
+
+
+def _fit_layers(layer_qk, count: int, skip, *, p, m, rank, seed, fit_work, fit_options, progress):
+    """Θ per layer from ``layer_qk(i) -> (q, k) [H, n, D]`` (float64, ``"sqrt-d"``-scaled), layers in
+    ``skip`` left zero; returns ``((theta_q, theta_k), rel_fro, seconds)``."""
+    from ..fit import fit_sketch
+    from ..sketches import as_llops
+
+    options = {**dict(fit_options or {}), "work": fit_work}
+    thetas_q, thetas_k, rel_fro, seconds = [None] * count, [None] * count, [None] * count, 0.0
+    with progress_bar(count - len(skip), "stage 0: Θ fit", progress, unit="layer", leave=True) as bar:
+        for layer in range(count):
+            if layer in skip:
+                continue
+            q, k = layer_qk(layer)
+            fit = fit_sketch("llops", q, k, p=p, m=m, rank=rank, seed=seed, reference=False, **options)
+            llops = as_llops(fit.sketch)
+            thetas_q[layer] = llops.theta_q.detach()  # [H, t, p, D, m]
+            thetas_k[layer] = thetas_q[layer] if llops.theta_k is None else llops.theta_k.detach()
+            report = fit.report.as_dict()
+            rel = report.get("rel_fro")
+            rel_fro[layer] = rel.tolist() if isinstance(rel, torch.Tensor) else rel
+            seconds += float(report.get("seconds") or 0.0)
+            bar.update()
+    shape = next(t for t in thetas_q if t is not None)
+    zeros = lambda: torch.zeros_like(shape)  # noqa: E731 (an exact layer: never read)
+    theta_q = torch.stack([zeros() if t is None else t for t in thetas_q])  # [L, H, t, p, D, m]
+    theta_k = torch.stack([zeros() if t is None else t for t in thetas_k])
+    return (theta_q, theta_k), rel_fro, seconds
+
+
+def _subset(n: int, fit_tokens, seed: int):
+    """The fitting tokens' positions among ``n`` (sorted; ``None``: all of them)."""
+    if fit_tokens and n > fit_tokens:  # a random subset, the same for q and k: the fit and its report
+        # (in-sample errors and the tail bound, O(n²) per head) both see only these
+        return torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:fit_tokens].sort().values
+    return None
+
+
+def fit_theta(model, ids, mask, *, p, m, rank=1, fit_tokens=1024, seed=0, fit_options=None, fit_work=None,
+              progress=False):
     """Stage 0: Θ ``[L, H, t, p, D, m]`` fitted to the teacher's post-RoPE kernel (``"sqrt-d"`` inputs)
     on the valid tokens of ``ids [N, T]``; returns ``((theta_q, theta_k), info)``.
 
     ``fit_tokens`` random tokens (the same positions for q and k) per head; one layer's heads are
     fitted together, layer by layer, so the fit report's dense ``H × n × n`` kernel (its
     Theorem 3.1 bound) never holds every layer at once (SmolLM2: 270 heads at 1024 tokens would
-    ask 4.5 GB; one layer, 0.15 GB)."""
+    ask 4.5 GB; one layer, 0.15 GB). ``fit_work``: the cap on each head's multiply-adds
+    (:data:`DEFAULT_FIT_WORK`; ``fit_options["work"]`` alike); ``progress``: a bar over the layers.
+    (:func:`linearize` fits from its teacher recording instead, with the same result, without this
+    second teacher pass.)"""
     from ..capture import capture_qk
-    from ..fit import fit_sketch
-    from ..sketches import as_llops
 
     fit_tokens = None if fit_tokens is None else check_nonnegative_int(fit_tokens, "fit_tokens")
+    fit_work = _check_fit_work(fit_work, fit_options)
     dump = capture_qk(model, {"input_ids": ids, "attention_mask": mask}) if family_of(model) != "toy" \
         else capture_qk(model, ids)
-    D = dump.q.shape[-1]
+    L, _, n, D = dump.q.shape
+    keep = _subset(n, fit_tokens, seed)
     c = D ** -0.25
-    q, k = dump.q.double() * c, dump.k.double() * c  # [L, H, n, D]
-    n = q.shape[-2]
-    if fit_tokens and n > fit_tokens:  # a random subset of the tokens, the same for q and k: the fit and its
-        # report (in-sample errors and the tail bound, O(n²) per head) both see only these
-        keep = torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:fit_tokens].sort().values
-        q, k = q[..., keep, :], k[..., keep, :]
-    options = dict(fit_options or {})
-    thetas_q, thetas_k, rel_fro, seconds = [], [], [], 0.0
-    for layer in range(q.shape[0]):
-        fit = fit_sketch("llops", q[layer], k[layer], p=p, m=m, rank=rank, seed=seed, reference=False, **options)
-        llops = as_llops(fit.sketch)
-        thetas_q.append(llops.theta_q.detach())  # [H, t, p, D, m]
-        thetas_k.append(thetas_q[-1] if llops.theta_k is None else llops.theta_k.detach())
-        report = fit.report.as_dict()
-        rel = report.get("rel_fro")
-        rel_fro.append(rel.tolist() if isinstance(rel, torch.Tensor) else rel)
-        seconds += float(report.get("seconds") or 0.0)
-    theta_q, theta_k = torch.stack(thetas_q), torch.stack(thetas_k)  # [L, H, t, p, D, m]
-    return (theta_q, theta_k), {"tokens": n, "fit_tokens": int(q.shape[-2]), "rel_fro": rel_fro, "seconds": seconds}
+
+    def layer_qk(layer):
+        q, k = dump.q[layer], dump.k[layer]  # [H, n, D] float32
+        if keep is not None:
+            q, k = q[:, keep], k[:, keep]
+        return q.double() * c, k.double() * c
+
+    theta, rel_fro, seconds = _fit_layers(layer_qk, L, set(), p=p, m=m, rank=rank, seed=seed, fit_work=fit_work,
+                                          fit_options=fit_options, progress=progress)
+    return theta, {"tokens": n, "fit_tokens": n if keep is None else len(keep), "rel_fro": rel_fro,
+                   "seconds": seconds, "work": fit_work}
+
+
+def _fit_recorded(layers: list[LayerIO], mask, index, skip, *, p, m, rank, fit_tokens, seed, fit_work, fit_options,
+                  progress):
+    """:func:`fit_theta` from the teacher recording (post-RoPE q, k of the sequences ``index``, GQA keys
+    repeated, float32 then float64 as ``capture_qk`` gives them): the same Θ without a second teacher pass
+    or a float64 copy of every token (only the fitting tokens are copied)."""
+    valid = mask[index].to(torch.bool)  # [n_seq, T]
+    n = int(valid.sum())
+    keep = _subset(n, fit_tokens, seed)
+
+    def layer_qk(layer):
+        io = layers[layer]
+        H, D = io.q.shape[2], io.q.shape[3]
+        q, k = io.q[index][valid], io.k[index][valid]  # [n, H(_kv), D] in token order
+        if keep is not None:
+            q, k = q[keep], k[keep]
+        k = k.repeat_interleave(H // k.shape[1], dim=1)
+        c = D ** -0.25
+        return q.float().transpose(0, 1).double() * c, k.float().transpose(0, 1).double() * c
+
+    theta, rel_fro, seconds = _fit_layers(layer_qk, len(layers), skip, p=p, m=m, rank=rank, seed=seed,
+                                          fit_work=fit_work, fit_options=fit_options, progress=progress)
+    return theta, {"tokens": n, "fit_tokens": n if keep is None else len(keep), "rel_fro": rel_fro,
+                   "seconds": seconds, "work": fit_work}
 
 
 def _check_processes(processes, layers: int | None = None) -> int:
@@ -332,8 +486,10 @@ def _trained(sketch) -> list[torch.Tensor]:
     return [p for p in sketch.parameters() if p.requires_grad]
 
 
-def _transfer_layer(sketch, io: LayerIO, mask, train_idx, gen, *, steps, lr, map_lr, batch_size) -> list[float]:
-    """Adam on one layer's maps and gate (:func:`attention_transfer`); returns its loss curve."""
+def _transfer_layer(sketch, io: LayerIO, mask, train_idx, gen, *, steps, lr, map_lr, batch_size,
+                    bar=None) -> list[float]:
+    """Adam on one layer's maps and gate (:func:`attention_transfer`); returns its loss curve (``bar``:
+    advanced by one per step)."""
     params = _trained(sketch)
     # the gate and the memory's few per-head scalars (decay, β: FarParams) at lr, the maps at map_lr
     small = {id(sketch.gate)} | ({id(x) for x in sketch.far.parameters()} if getattr(sketch, "far", None) is not None
@@ -367,6 +523,8 @@ def _transfer_layer(sketch, io: LayerIO, mask, train_idx, gen, *, steps, lr, map
                     p.copy_(before)
             return curve + [float("nan")] * (steps - len(curve))
         curve.append(float(loss.detach()))
+        if bar is not None:
+            bar.update()
     return curve
 
 
@@ -453,14 +611,19 @@ def _train_own(sketches, layers, mask, train_idx, rank: int, world: int, *, step
     """Stage 1 on the layers of rank ``rank`` of ``world`` (``rank, rank + world, …``); the other layers'
     curves ``None``."""
     losses = [None] * len(sketches)
-    for layer in range(rank, len(sketches), world):
-        losses[layer] = curve = _transfer_layer(sketches[layer], layers[layer], mask, train_idx,
-                                                _layer_generator(seed, layer), steps=steps, lr=lr, map_lr=map_lr,
-                                                batch_size=batch_size)
-        if progress:
-            where = f" (process {rank} of {world})" if world > 1 else ""
-            print(f"transfer layer {layer}{where}: mse {curve[0]:.4g} -> {curve[-1]:.4g}" if curve
-                  else f"transfer layer {layer}{where}: 0 steps", flush=True)
+    mine = range(rank, len(sketches), world)
+    where = f" (process {rank} of {world})" if world > 1 else ""
+    # one bar, this process's (rank 0's: its share runs beside the others', so its ETA is the stage's)
+    with progress_bar(len(mine) * steps, f"stage 1: transfer{where}", progress and rank == 0, unit="step",
+                      leave=True) as bar:
+        for layer in mine:
+            bar.set_postfix_str(f"layer {layer}")
+            losses[layer] = curve = _transfer_layer(sketches[layer], layers[layer], mask, train_idx,
+                                                    _layer_generator(seed, layer), steps=steps, lr=lr, map_lr=map_lr,
+                                                    batch_size=batch_size, bar=bar)
+            if progress:
+                bar.write(f"transfer layer {layer}{where}: mse {curve[0]:.4g} -> {curve[-1]:.4g}" if curve
+                          else f"transfer layer {layer}{where}: 0 steps", file=sys.stderr)
     return losses
 
 
@@ -633,7 +796,8 @@ def attention_transfer(sketches, layers: list[LayerIO], mask, train_idx, *, step
         trains it. (Before the spread, one generator served the layers in turn; the batches, and so
         the trained maps, differ from those of that version.)
     progress : bool
-        Print each layer's first and last loss as it finishes (with the process that trained it).
+        A progress bar over the steps on stderr (this process's layers; rank 0 only) and each layer's first and last
+        loss as it finishes (with the process that trained it).
     processes : int >= 1
         ``N > 1`` (at most one per layer): this process and ``N − 1`` workers it spawns
         (``torch.multiprocessing``) share the layers, layer ``i`` on process ``i % N``, all training at
@@ -798,6 +962,7 @@ def _lora(model, family, ids, mask, train_idx, teacher_hidden, *, steps, rank, l
     gen = torch.Generator().manual_seed(seed)
     curve = []
     peft_model.train()
+    bar = progress_bar(steps, "stage 2: LoRA", progress, unit="step", leave=True)
     for step in range(steps):
         sel = train_idx[torch.randint(len(train_idx), (min(batch_size, len(train_idx)),), generator=gen)]
         b_ids, b_mask = ids[sel], mask[sel]
@@ -812,8 +977,9 @@ def _lora(model, family, ids, mask, train_idx, teacher_hidden, *, steps, rank, l
         loss.backward()
         opt.step()
         curve.append(float(loss.detach()))
-        if progress and (step % 10 == 0 or step == steps - 1):
-            print(f"lora step {step}: loss {curve[-1]:.4f}", flush=True)
+        bar.set_postfix(loss=f"{curve[-1]:.4f}")
+        bar.update()
+    bar.close()
     peft_model.eval()
     merged = peft_model.merge_and_unload()
     for s in converted_modules(merged, required=False):
@@ -830,7 +996,8 @@ def linearize(model: nn.Module, texts, *, tokenizer=None, attention: str = "llop
               transfer_lr: float = 1e-2, lora_steps: int = 0, lora_rank: int = 8, lora_lr: float = 1e-4,
               batch_size: int = 4, evaluate: bool = True, seed: int = 0, progress: bool = False,
               processes: int = 1, max_bytes: int = DEFAULT_MAX_BYTES, cache: int = 0, decay=None,
-              state: str = "additive", beta: str = "head", exact_layers=()):
+              state: str = "additive", beta: str = "head", exact_layers=(), fit_work: float | None = None,
+              far: bool = True):
     r"""Convert ``model``'s attention (:func:`sketchlab.convert_attention`) and train it in stages.
 
     Parameters
@@ -841,6 +1008,9 @@ def linearize(model: nn.Module, texts, *, tokenizer=None, attention: str = "llop
     texts
         Training and held-out text: strings (with ``tokenizer``), token-id lists or a LongTensor
         ``[N, T]`` (:func:`tokenize_texts`), cut into ``seq_len``-token sequences, ``max_tokens`` in all.
+        An encoder (BERT family) given strings reads one sentence — one non-blank line — per sequence,
+        with its own special tokens and padding, truncated to ``seq_len`` (``tokenize_texts(...,
+        sentences=True)``): its held-out measures are then per sentence.
     seq_len : int
         Tokens per sequence. Transfer at the longest context the model will run at: a hybrid's far
         part sees up to ``seq_len − window`` keys in training, and maps transferred on shorter
@@ -879,8 +1049,21 @@ def linearize(model: nn.Module, texts, *, tokenizer=None, attention: str = "llop
         Training sequences the gate calibration reads (dense ``O(T²)`` per head and sequence).
     fit : bool
         Stage 0 (``attention="llops"`` without ``feature_map``): Θ from the kernel fit on the
-        teacher's post-RoPE q, k of the training sequences (``fit_tokens`` of them per head;
-        ``fit_options`` go to ``fit_sketch``). Otherwise the maps start from their own initialisation.
+        teacher's post-RoPE q, k of the training sequences (read from the teacher recording;
+        ``fit_tokens`` of them per head; ``fit_options`` go to ``fit_sketch``). Otherwise the maps
+        start from their own initialisation.
+    fit_work : float > 0 or None
+        The stage-0 fit's effort: a cap on each head's estimated multiply-adds (``fit_llops_direct``'s
+        ``work=``; the schedule is cut after ``max(1, ⌊fit_work / c⌋)`` iterations, ``c`` one
+        iteration's cost). ``None``: :data:`DEFAULT_FIT_WORK` (about 5 ALS sweeps on a SmolLM2 head,
+        stage 0 in minutes where the preset's full schedule took ~27); ``math.inf``: the full schedule.
+        The plan (iterations per head) is printed up front with ``progress=True`` and recorded in the
+        stage's ``fit``.
+    far : bool
+        ``False``: the far part off — every gate logit at :data:`FAR_OFF_LOGIT` (``sigmoid(40) = 1``:
+        the far part's weight 0) and frozen, no fit, no transfer (the maps would have no effect):
+        window + sinks (and a ``cache``) alone, the control a hybrid must beat; LoRA still runs.
+        Needs a window; ``gate_init`` is then refused.
     transfer_steps, transfer_lr
         Stage 1: Adam steps per layer (``0``: skipped) and learning rate.
     processes : int >= 1
@@ -900,14 +1083,27 @@ def linearize(model: nn.Module, texts, *, tokenizer=None, attention: str = "llop
         The conversion's initialisation, the fit, and the training batches (stage 1: one generator per
         layer, seeded from ``(seed, layer)``).
     max_bytes : int
-        Memory budget of the teacher's recorded attention (every layer's q, k, v and output on every
-        sequence, ``Σ_layers (2·H + 2·H_kv)·D`` values per token in the model's dtype), checked
-        before any work: a ``ValueError`` names the size, the budget and the way out.
+        Memory budget of the run, checked before any work against :func:`memory_plan`'s estimate (the
+        model's parameters, the teacher's recorded attention — ``Σ_layers (2·H + 2·H_kv)·D`` values
+        per token in the model's dtype — and the largest stage buffer: an evaluation batch's logits,
+        the fit, the gates, a transfer or LoRA step): a ``ValueError`` names the sizes, the budget and
+        the way out. The estimate is recorded in the report's settings (``memory_estimate``).
+    progress : bool
+        Up front, one line on stderr (the sequences, the memory estimate, the fit's plan); then a
+        tqdm bar with its ETA on stderr for every stage: the teacher recording, the Θ fit (per
+        layer), the gate calibration (per layer), transfer (steps, layer by layer), LoRA (steps) and
+        each evaluation.
 
     Returns
     -------
     (model, LinearizeReport)
         The converted model (the same object unless LoRA merged it) and the stage-by-stage report.
+        With a window (and ``far=True``) every stage also gives window + sinks alone on the same
+        held-out sequences — the converted model with its far part's weight 0 (gates at
+        :data:`FAR_OFF_LOGIT`), the floor the far part must beat: ``window_only_metric``,
+        ``window_only_layer_error`` and ``far_helps`` (whether the stage's metric beats it); an
+        encoder's stages add ``nn_agreement`` (nearest-neighbour agreement with the teacher's
+        sentence embeddings) beside the mean cosine ``metric``.
     """
     family = family_of(model)
     window, sinks = check_layout(window, sinks, local, normalize)
@@ -915,8 +1111,13 @@ def linearize(model: nn.Module, texts, *, tokenizer=None, attention: str = "llop
     exact = _check_exact_layers(exact_layers, len(sites), family)  # before any work, by the conversion's rules
     memory = _check_memory(cache, decay, state, beta, window, sinks, local, normalize,
                            causal=all(site.causal for site in sites))
+    _check_far(far, window, gate_init)
+    if not isinstance(progress, bool):
+        raise TypeError(f"progress must be True or False, got {progress!r}")
     check_teacher_finite(model)
-    ids, mask = tokenize_texts(texts, tokenizer, seq_len=seq_len, max_tokens=max_tokens)
+    encoder = family != "toy" and FAMILY_TABLE[family].encoder
+    sentences = encoder and _all_strings(texts)  # an encoder reads one sentence (line) per sequence
+    ids, mask = tokenize_texts(texts, tokenizer, seq_len=seq_len, max_tokens=max_tokens, sentences=sentences)
     _check_against_model(getattr(model, "config", None), ids, mask, "linearize: texts", seq_len)
     if not (isinstance(holdout, float) and 0 < holdout < 1):
         raise ValueError(f"holdout must be a float in (0, 1), got {holdout!r}")
@@ -930,6 +1131,8 @@ def linearize(model: nn.Module, texts, *, tokenizer=None, attention: str = "llop
     lora_steps = check_nonnegative_int(lora_steps, "lora_steps")
     batch_size = check_positive_int(batch_size, "batch_size")
     gate_sequences = check_positive_int(gate_sequences, "gate_sequences")
+    if not far:
+        gate_init = FAR_OFF_LOGIT
     if gate_init is None:
         gate_init = "search" if window and not (attention == "hedgehog" and feature_map is None) else 0.0
     if isinstance(gate_init, str):
@@ -941,41 +1144,60 @@ def linearize(model: nn.Module, texts, *, tokenizer=None, attention: str = "llop
         raise ValueError(f"gate_init must be a finite number, 'mass', 'search' or None, got {gate_init!r}")
     if fit_tokens is not None:
         fit_tokens = check_nonnegative_int(fit_tokens, "fit_tokens")
-    fitting = bool(fit) and attention == "llops" and feature_map is None
+    fit_work = _check_fit_work(fit_work, fit_options)
+    fitting = bool(fit) and far and attention == "llops" and feature_map is None
     # the map the conversion will use, checked before the teacher is recorded and Θ fitted
     tied = _resolve_tied(tied, attention, feature_map, p, family, has_theta=fitting)
     _check_processes(processes, len(sites))  # at most one process per layer, before any work
-    itemsize = next(model.parameters()).element_size()
-    per_token = sum((2 * s.heads + 2 * s.kv_heads) * s.head_dim for s in sites) * itemsize
-    check_memory(per_token * ids.numel(), max_bytes=max_bytes,
-                 what=f"the teacher's q, k, v and attention output of {len(sites)} layers on {N} sequence(s) of "
-                      f"{ids.shape[1]} tokens ({itemsize}-byte values)",
-                 way_out="give less text (max_tokens=) or fewer sequences")
     if feature_map is None:
         check_map_memory(sites, attention, p=check_positive_int(p, "p"), m=check_positive_int(m, "m"),
                          rank=check_positive_int(rank, "rank"), max_bytes=max_bytes)
     with torch.random.fork_rng(devices=[]):  # layer 0's query map as convert_attention will make it
         probe = _make_maps(attention, feature_map, 0, sites[0].heads, sites[0].head_dim, p, m, rank, seed, tied)[0]
     check_local_map(probe, window=window, local=local)  # the layer's own rule, before the teacher is recorded
-    encoder = family != "toy" and FAMILY_TABLE[family].encoder
+    train_tokens = int(mask[train_idx].sum())
+    fit_plan = _fit_plan(p, m, rank, sites[0].head_dim, min(train_tokens, fit_tokens or train_tokens), fit_work,
+                         fit_options) if fitting else None
+    plan = memory_plan(model, sites, ids.shape, probe=probe, batch_size=batch_size, window=window, sinks=sinks,
+                       cache=memory["cache"], fit_tokens=fit_plan and min(train_tokens, fit_tokens or train_tokens),
+                       m=m, p=p, rank=rank, gate_sequences=gate_sequences if isinstance(gate_init, str) else 0,
+                       transfer=bool(transfer_steps and far), lora=bool(lora_steps), encoder=encoder)
+    total = plan["total"]
+    if progress:  # up front: what the run will hold and do
+        print(f"linearize: {N} sequence(s) of up to {ids.shape[1]} tokens ({int(mask.sum())} tokens, {n_held} held out); "
+              f"memory estimate {total / 2**30:.3g} GiB ({_plan_words(plan)}) of the budget {max_bytes / 2**30:.3g} GiB"
+              + (f"; stage 0 fits {(len(sites) - len(exact)) * sites[0].heads} heads, {fit_plan['iterations']} of "
+                 f"{fit_plan['planned']} iterations each (~{fit_plan['work']:.2g} multiply-adds; fit_work="
+                 f"{fit_work:.3g})" if fit_plan else ""), file=sys.stderr, flush=True)
+    check_memory(total, max_bytes=max_bytes,
+                 what=f"linearize on {N} sequence(s) of {ids.shape[1]} tokens ({_plan_words(plan)}; estimated)",
+                 way_out="give less text (max_tokens=), a shorter seq_len or a smaller batch_size")
     settings = {"family": family, "attention": attention if feature_map is None else "custom", "p": p, "m": m,
                 "rank": rank, "window": window, "sinks": sinks, "local": local, "normalize": normalize, "gate_init": gate_init,
-                "tied": tied, "gate_sequences": gate_sequences, **memory, "exact_layers": sorted(exact),
+                "tied": tied, "gate_sequences": gate_sequences, **memory, "exact_layers": sorted(exact), "far": far,
                 "sequences": N, "held_out": n_held, "seq_len": int(ids.shape[1]), "tokens": int(mask.sum()),
+                "sentences": sentences, "fit_work": fit_work if fitting else None,
                 "transfer_steps": transfer_steps, "transfer_lr": transfer_lr, "processes": processes,
                 "lora_steps": lora_steps,
-                "lora_rank": lora_rank, "lora_lr": lora_lr, "batch_size": batch_size, "seed": seed}
+                "lora_rank": lora_rank, "lora_lr": lora_lr, "batch_size": batch_size, "seed": seed,
+                "memory_estimate": {k: v for k, v in plan.items()}, "max_bytes": max_bytes}
 
-    def metric(current):
+    def measure(current, stage):
+        """The held-out metric (and, for an encoder, the neighbour agreement) of ``current``."""
         if not evaluate:
-            return None
+            return None, None
+        desc = f"evaluate {stage}"
         if encoder:
-            return embedding_agreement(current, teacher_emb, ids[held_idx], mask[held_idx])["cosine"]
-        return perplexity(current, ids[held_idx], mask[held_idx], batch_size=batch_size)
+            got = embedding_agreement(current, teacher_emb, ids[held_idx], mask[held_idx], batch_size=batch_size,
+                                      progress=progress, desc=desc)
+            return got["cosine"], got["nn_agreement"]
+        return perplexity(current, ids[held_idx], mask[held_idx], batch_size=batch_size, progress=progress,
+                          desc=desc), None
 
-    teacher_emb = sentence_embeddings(model, ids[held_idx], mask[held_idx]) if encoder and evaluate else None
-    teacher_metric = metric(model)
-    layers = teacher_attention(model, ids, mask, batch_size=batch_size)
+    teacher_emb = sentence_embeddings(model, ids[held_idx], mask[held_idx], batch_size=batch_size, progress=progress,
+                                      desc="evaluate teacher") if encoder and evaluate else None
+    teacher_metric = measure(model, "teacher")[0]
+    layers = teacher_attention(model, ids, mask, batch_size=batch_size, progress=progress)
     teacher_hidden = None
     if encoder and lora_steps:
         with torch.no_grad():
@@ -985,41 +1207,190 @@ def linearize(model: nn.Module, texts, *, tokenizer=None, attention: str = "llop
     theta, fit_info = None, None
     t0 = time.perf_counter()
     if fitting:
-        theta, fit_info = fit_theta(model, ids[train_idx], mask[train_idx], p=p, m=m, rank=rank,
-                                     fit_tokens=fit_tokens, seed=seed, fit_options=fit_options)
+        theta, fit_info = _fit_recorded(layers, mask, train_idx, exact, p=p, m=m, rank=rank, fit_tokens=fit_tokens,
+                                        seed=seed, fit_work=fit_work, fit_options=fit_options, progress=progress)
+        fit_info["iterations"] = fit_plan["iterations"]
     sketches = convert_attention(model, attention=attention, p=p, m=m, rank=rank, window=window, sinks=sinks,
                                  local=local, feature_map=feature_map, theta=theta, normalize=normalize,
                                  gate_init=0.0 if isinstance(gate_init, str) else gate_init, tied=tied, seed=seed,
                                  max_bytes=max_bytes, exact_layers=sorted(exact), **memory)
+    if not far:  # the gates stay where they are: the far part's weight 0 in every stage
+        for sketch in sketches:
+            sketch.gate.requires_grad_(False)
     layers = [io for i, io in enumerate(layers) if i not in exact]  # the converted layers' recordings
     gates, first = None, "fit" if theta is not None else "init"
     with named_divergence(first, model, "give another map (attention='hedgehog' is bounded) or a smaller p"):
+        floor = _window_only(sketches, layers, mask, held_idx, batch_size, progress) if window and far else None
         if isinstance(gate_init, str):
             from .scale import calibrate_gates
 
-            gates = calibrate_gates(sketches, layers, mask, train_idx[:gate_sequences], how=gate_init)
-            gates = [g.tolist() for g in gates]
+            gates = []
+            with progress_bar(len(sketches), f"gates ({gate_init})", progress, unit="layer", leave=True) as bar:
+                for sketch, io in zip(sketches, layers):
+                    gates += [g.tolist() for g in calibrate_gates([sketch], [io], mask, train_idx[:gate_sequences],
+                                                                  how=gate_init)]
+                    bar.update()
             _options(model)["gate_init"] = gate_init  # the conversion's record: the gates came from this, not 0
-        report.stages.append({"name": first, "seconds": time.perf_counter() - t0, "fit": fit_info, "gates": gates,
-                              "layer_error": attention_errors(sketches, layers, mask, held_idx), "metric": metric(model)})
-    if transfer_steps:
+        errors = attention_errors(sketches, layers, mask, held_idx, batch_size=batch_size, progress=progress,
+                                  desc=f"attention errors ({first})")
+        report.stages.append(_stage(first, t0, measure, model, floor, higher=encoder, fit=fit_info, gates=gates, layer_error=errors))
+    if transfer_steps and far:
         t0 = time.perf_counter()
         saved, way_out = snapshot(sketches), f"Lower transfer_lr (now {transfer_lr}) or transfer_steps."
         with named_divergence("transfer", model, way_out):
             losses = attention_transfer(sketches, layers, mask, train_idx, steps=transfer_steps, lr=transfer_lr,
                                         batch_size=batch_size, seed=seed, progress=progress, processes=processes)
-            trained = attention_errors(sketches, layers, mask, held_idx)
+            trained = attention_errors(sketches, layers, mask, held_idx, batch_size=batch_size, progress=progress,
+                                       desc="attention errors (transfer)")
         errors, kept = keep_better("transfer", sketches, saved, report.stages[-1]["layer_error"], trained,
                                    way_out=way_out)
-        report.stages.append({"name": "transfer", "seconds": time.perf_counter() - t0,
-                              "losses": [[c[0], c[-1]] for c in losses], "kept_initial": kept,
-                              "layer_error_trained": trained, "layer_error": errors, "metric": metric(model)})
+        report.stages.append(_stage("transfer", t0, measure, model, floor, higher=encoder, losses=[[c[0], c[-1]] for c in losses],
+                                    kept_initial=kept, layer_error_trained=trained, layer_error=errors))
     if lora_steps:
         t0 = time.perf_counter()
         model, curve = _lora(model, family, ids, mask, train_idx, teacher_hidden, steps=lora_steps, rank=lora_rank,
                              lr=lora_lr, batch_size=batch_size, seed=seed, progress=progress)
         # the maps are unchanged by LoRA (it moves the projections): their error on the teacher's
-        # q, k, v is the transfer stage's, so only the metric is new
-        report.stages.append({"name": "lora", "seconds": time.perf_counter() - t0, "losses": curve,
-                              "layer_error": None, "metric": metric(model)})
+        # q, k, v is the transfer stage's, so only the metric is new; the projections moved, so
+        # window + sinks alone is measured again on them
+        if floor is not None:
+            floor = {"metric": None, "layer_error": floor["layer_error"], "model": model}
+        report.stages.append(_stage("lora", t0, measure, model, floor, higher=encoder, losses=curve, layer_error=None))
     return model, report
+
+
+#: The gate logit that turns a hybrid's far part off: ``sigmoid(40) = 1`` in float32 and float64, so the
+#: far part's weight ``1 − g`` is 0 (``far=False``, and the report's window + sinks alone).
+FAR_OFF_LOGIT = 40.0
+
+
+def _check_far(far, window: int, gate_init) -> None:
+    """``far``: a bool; ``far=False`` needs a window and no ``gate_init`` (it sets the gates itself)."""
+    if not isinstance(far, bool):
+        raise TypeError(f"far must be True or False, got {far!r}")
+    if not far and not window:
+        raise ValueError("far=False keeps window + sinks alone: window=0 (pure linear attention) has no window and "
+                         "nothing would be left; pass window >= 1")
+    if not far and gate_init is not None:
+        raise ValueError(f"far=False sets every gate logit to {FAR_OFF_LOGIT} (the far part's weight 0): "
+                         f"gate_init={gate_init!r} would not be used; leave it None")
+
+
+def _all_strings(texts) -> bool:
+    return isinstance(texts, str) or (isinstance(texts, (list, tuple)) and bool(texts)
+                                      and all(isinstance(t, str) for t in texts))
+
+
+class _FarOff:
+    """Every gate of ``sketches`` at :data:`FAR_OFF_LOGIT` inside the block, restored after it."""
+
+    def __init__(self, sketches):
+        self.sketches = [s for s in sketches if getattr(s, "gate", None) is not None]
+
+    def __enter__(self):
+        self.saved = [s.gate.detach().clone() for s in self.sketches]
+        with torch.no_grad():
+            for s in self.sketches:
+                s.gate.fill_(FAR_OFF_LOGIT)
+        return self
+
+    def __exit__(self, *exc):
+        with torch.no_grad():
+            for s, g in zip(self.sketches, self.saved):
+                s.gate.copy_(g)
+        return False
+
+
+def _window_only(sketches, layers, mask, held_idx, batch_size, progress) -> dict:
+    """Window + sinks alone (the far part's weight 0) on the held-out sequences: each layer's
+    attention-output error; the metric is measured per stage (:func:`_stage`)."""
+    with _FarOff(sketches):
+        errors = attention_errors(sketches, layers, mask, held_idx, batch_size=batch_size, progress=progress,
+                                  desc="attention errors (window + sinks alone)")
+    return {"metric": None, "layer_error": errors, "sketches": sketches}
+
+
+def _stage(name, t0, measure, model, floor, *, higher: bool, **details) -> dict:
+    """A stage's report entry: its details, held-out metric and, with a window, window + sinks alone
+    (the floor its far part must beat: ``window_only_metric``, ``far_helps``; ``higher``: the metric is
+    better higher, an encoder's cosine, not a perplexity)."""
+    seconds = time.perf_counter() - t0
+    metric, agreement = measure(model, name)
+    entry = {"name": name, "seconds": seconds, **details, "metric": metric}
+    if agreement is not None:
+        entry["nn_agreement"] = agreement
+    if floor is not None:
+        if floor["metric"] is None and metric is not None:  # measured once per set of projections
+            sketches = floor.get("sketches") or converted_modules(floor["model"])
+            with _FarOff(sketches):
+                floor["metric"], floor["nn_agreement"] = measure(model, f"{name}, window + sinks alone")
+        entry["window_only_metric"] = floor["metric"]
+        entry["window_only_layer_error"] = floor["layer_error"]
+        if floor.get("nn_agreement") is not None:
+            entry["window_only_nn_agreement"] = floor["nn_agreement"]
+        if metric is not None and floor["metric"] is not None:
+            # perplexity: lower is better; an encoder's cosine: higher
+            entry["far_helps"] = bool(metric > floor["metric"] if higher else metric < floor["metric"])
+    return entry
+
+
+def memory_plan(model: nn.Module, sites, shape, *, probe=None, batch_size: int, window: int, sinks: int, cache: int,
+                fit_tokens, m: int, p: int, rank: int, gate_sequences: int, transfer: bool, lora: bool,
+                encoder: bool) -> dict:
+    """What :func:`linearize` allocates on ``shape = [N, T]`` sequences, in bytes (an estimate, on the
+    generous side): held for the whole run, the model's ``parameters`` and the teacher ``recording``
+    (every layer's q, k, v and output, allocated once); then, one at a time, the largest of the
+    stages' transient buffers — an ``evaluation`` batch (the logits in the model's dtype and in float64
+    with their log-softmax; the dense attention scores), the stage-0 ``fit`` (the fitting tokens'
+    float64 q, k, one layer's ``n × n`` kernels and features, the layer's training rows copied), the
+    ``gates`` calibration (dense float64 scores of ``gate_sequences``), the ``attention errors``
+    (float64 outputs and features of a batch), a ``transfer`` step (one layer's features, scores and
+    their gradients on ``batch_size`` sequences) and a ``lora`` step (the whole model's activations kept
+    for the backward pass). ``total`` = parameters + recording + the largest of them."""
+    N, T = int(shape[0]), int(shape[1])
+    b = min(batch_size, N)
+    params = list(model.parameters())
+    item = params[0].element_size()
+    cfg = getattr(model, "config", None)
+    vocab = int(getattr(cfg, "vocab_size", 0) or 0)
+    hidden = int(getattr(cfg, "hidden_size", 0) or getattr(cfg, "d_model", 0) or 0)
+    L = len(sites)
+    H = max(s.heads for s in sites)
+    D = max(s.head_dim for s in sites)
+    feats = m
+    if probe is not None:
+        try:  # the map's feature count, from one zero token (a map that cannot take it: m)
+            with torch.no_grad(), torch.random.fork_rng(devices=[]):
+                feats = int(probe(torch.zeros(1, 1, sites[0].heads, sites[0].head_dim,
+                                              dtype=next(probe.parameters(), torch.zeros(0)).dtype)).shape[-1])
+        except (TypeError, ValueError, RuntimeError, IndexError):
+            feats = m
+    exact_keys = window + sinks + cache
+    plan = {"parameters": sum(t.numel() * t.element_size() for t in params),
+            "recording": sum((2 * s.heads + 2 * s.kv_heads) * s.head_dim for s in sites) * item * N * T}
+    scores = b * H * T * T * item * 2  # the teacher's dense attention scores and weights of one layer
+    plan["evaluation"] = scores + (b * T * hidden * 8 if encoder else b * T * vocab * (item + 16))
+    if fit_tokens:
+        n = int(fit_tokens)
+        plan["fit"] = (2 * H * n * D * 8 + 3 * H * n * n * 8 + 4 * H * n * m * p * rank * 8
+                       + 2 * (N * T) * H * D * item)
+    if gate_sequences:
+        plan["gates"] = 3 * min(gate_sequences, N) * H * T * T * 8
+    plan["attention errors"] = b * T * H * (3 * D * 8 + 2 * feats * 8 + exact_keys * 8)
+    if transfer:
+        plan["transfer"] = 4 * b * T * H * (2 * feats + 3 * D + exact_keys + 2 * cache) * max(item, 4)
+    if lora:
+        per_layer = b * T * (16 * hidden + 2 * H * min(T, exact_keys + feats)) * item
+        plan["lora"] = L * per_layer + 3 * b * T * max(vocab, hidden) * item + 3 * plan["parameters"] // 100
+    transient = max((v for k, v in plan.items() if k not in ("parameters", "recording")), default=0)
+    plan["total"] = plan["parameters"] + plan["recording"] + transient
+    return plan
+
+
+def _plan_words(plan: dict) -> str:
+    """``parameters 0.5 GiB + recording 4.5 GiB + evaluation 2 GiB (the largest of the stages')``."""
+    transient = {k: v for k, v in plan.items() if k not in ("parameters", "recording", "total")}
+    big = max(transient, key=transient.get) if transient else None
+    gib = lambda v: f"{v / 2**30:.3g} GiB"  # noqa: E731
+    return (f"parameters {gib(plan['parameters'])} + teacher recording {gib(plan['recording'])}"
+            + (f" + {big} {gib(transient[big])}, the largest of the stages' buffers" if big else ""))
