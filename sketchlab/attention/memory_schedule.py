@@ -46,9 +46,12 @@ class _Far:
 
     def read(self, phi: np.ndarray) -> np.ndarray:
         """``phi [L, n, M]`` → the state's ``phiᵀ(scale·S)`` ``[L, n, Dw]``."""
-        r = phi @ self.S
+        # einsum, not @: NumPy's batched matmul dispatches each lane's tiny product to BLAS (measured
+        # 1.07 ms against einsum's 0.22 ms for L = 9, M = 64, Dw = 65)
+        r = np.einsum("lnm,lmd->lnd", phi, self.S)
         if self.n:
-            r += (phi @ self.A[:, :self.n].transpose(0, 2, 1)) @ self.B[:, :self.n]
+            a, b = self.A[:, :self.n], self.B[:, :self.n]
+            r += np.einsum("lnp,lpd->lnd", np.einsum("lnm,lpm->lnp", phi, a), b)
         return self.scale[:, None, None] * r
 
     def write(self, lanes: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
