@@ -247,3 +247,15 @@ def test_exports():
     for name in ("AttentionOptions", "FarParams", "memory_attention", "memory_attention_naive", "MemoryState"):
         assert getattr(sl, name) is getattr(sa, name)
         assert name in sl.__all__ and name in sa.__all__
+
+
+def test_kernel_range_bound_is_cached_per_theta_version():
+    """The Θ part of the kernel-range check is cached per tensor (a decoding loop passes one Θ every
+    token) and recomputed after an in-place change: a Θ scaled in place into underflow is refused."""
+    q, k, v = _qkv()
+    theta = _theta()
+    llops_attention(q, k, v, theta, theta)
+    with torch.no_grad():
+        theta.mul_(1e-90)  # features (θ·x)² ~ 1e-180 each: every kernel value underflows float64
+    with pytest.raises(ValueError, match="underflow"):
+        llops_attention(q, k, v, theta, theta)

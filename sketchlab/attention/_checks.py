@@ -169,10 +169,31 @@ def _log_feature_bound(top: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
     ``|φ(x)_i| ≤ Σ_r ∏_j ‖θ_{r,j,:,i}‖ · ‖x‖^p`` (Cauchy–Schwarz on each factor); ``-inf`` where
     ``x`` or ``θ`` is zero.
     """
-    p = theta.shape[2]
-    norms = theta.detach().double().norm(dim=3).log()  # [H, t, p, M]
-    per_map = norms.sum(2).logsumexp(1).amax(-1)  # [H]: log max_i Σ_r ∏_j ‖θ_{r,j,:,i}‖
-    return per_map + p * top.log()
+    return _map_log_bound(theta) + theta.shape[2] * top.log()
+
+
+#: ``log max_i Σ_r ∏_j ‖θ_{r,j,:,i}‖`` per head of Θ tensors already bounded: ``id → (weak
+#: reference, in-place version then, [H] float64)``. A decoding loop passes the same Θ every token;
+#: its bound (a pass over Θ in float64) is computed once, and again after any in-place change.
+_MAP_BOUNDS: dict[int, tuple] = {}
+
+
+def _map_log_bound(theta: torch.Tensor) -> torch.Tensor:
+    """``log max_i Σ_r ∏_j ‖θ_{r,j,:,i}‖`` per head of ``theta [H, t, p, D, M]`` (float64 ``[H]``), cached
+    per tensor and version as :func:`_check_finite_once` caches its verdict."""
+    entry = _MAP_BOUNDS.get(id(theta))
+    if entry is not None and entry[0]() is theta and entry[1] == theta._version:
+        return entry[2]
+    with torch.no_grad():
+        norms = theta.detach().double().norm(dim=3).log()  # [H, t, p, M]
+        bound = norms.sum(2).logsumexp(1).amax(-1)  # [H]
+    if len(_MAP_BOUNDS) > 256:  # dead or stale entries: start afresh
+        _MAP_BOUNDS.clear()
+    try:
+        _MAP_BOUNDS[id(theta)] = (weakref.ref(theta), theta._version, bound)
+    except TypeError:  # not weak-referenceable: computed every time
+        pass
+    return bound
 
 
 def _max_norm(x: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
