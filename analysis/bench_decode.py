@@ -26,6 +26,7 @@ the machine before and after (a shared machine: every row slows under load, SDPA
 
     .venv/bin/python analysis/bench_decode.py            # ~6-10 min on 1 CPU thread (prefills at 32k)
     .venv/bin/python analysis/bench_decode.py --quick    # smoke run
+    .venv/bin/python analysis/bench_decode.py --profile  # where a memory row's token goes -> decode_profile.md
 """
 
 from __future__ import annotations
@@ -76,6 +77,9 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--quick", action="store_true", help="smoke run: L = 256, 1024, 16 steps")
     parser.add_argument("--out", default=str(ROOT / "analysis" / "results" / "decode.md"))
+    parser.add_argument("--profile", action="store_true",
+                        help="profile one decoded token of each memory row (cProfile, CPU time) at the first --L "
+                             "and write decode_profile.md beside --out")
     args = parser.parse_args(argv)
     if args.quick:
         args.L, args.steps, args.reps = [256, 1024], 16, 1
@@ -99,6 +103,8 @@ def main(argv=None) -> int:
         (f"hybrid w={w}+{s} + delta state + cache K={K}", AttentionOptions(**hybrid, state="delta", cache=K), None, 5),
     ]
     targets = {label: target for label, _, _, target in variants}
+    if args.profile:
+        return profile(args, variants, theta, new, Path(args.out).with_name("decode_profile.md"))
     load_before = os.getloadavg()
     rows = []
     t_start = time.perf_counter()
@@ -192,11 +198,75 @@ def main(argv=None) -> int:
                      f"{'met' if r / sdpa[L_max] >= target else 'NOT met'}; by CPU time {rc / sdpa_cpu[L_max]:.1f}×); state "
                      f"{'constant' if len(sizes) == 1 else 'varies'} in L ({', '.join(f'{s / 2**20:.3f}' for s in sorted(sizes))} MiB) "
                      f"vs the KV cache's {2 * B * H * min(args.L) * D * 4 / 2**20:.1f} → {2 * B * H * L_max * D * 4 / 2**20:.1f} MiB.")
-    lines.append("")
+    lines += ["", "Where a memory row's token goes (its fixed per-call cost: checks, the chunked far recurrence on one "
+              "token, the schedule): `analysis/results/decode_profile.md` (`--profile`).", ""]
     text = "\n".join(lines)
     with atomic_write(out_md) as tmp:
         tmp.write_text(text, encoding="utf-8")
     print(text)
+    print(f"wrote {out_md}")
+    return 0
+
+
+#: The calls a memory row's token passes through (function names; the file decides where each is).
+PROFILED = ("llops_attention", "call_options", "check_qkv", "check_kernel_range", "feats", "memory_attention",
+            "_check_call", "check_memory_state", "_check_params", "run", "schedule", "decayed_linear_chunked",
+            "delta_rule_chunked", "_check_decayed", "_check_delta", "_take")
+
+
+def profile(args, variants, theta, new, out_md: Path) -> int:
+    """Per decoded token, the CPU time inside each call of :data:`PROFILED` (cumulative, under cProfile,
+    so inflated by the profiler's own cost: compare the calls with one another) for each memory row."""
+    import cProfile
+    import pstats
+
+    B, H, D = 1, args.heads, args.d
+    L = args.L[0]
+    gen = torch.Generator().manual_seed(1)
+    ctx = [torch.randn(B, L, H, D, generator=gen) * D**-0.25 for _ in range(3)]
+    n = 2 * args.steps
+    load = os.getloadavg()
+    lines = ["# Decoding with the memory mechanisms: where one token's time goes (CPU)", "",
+             "Command: `" + " ".join([".venv/bin/python", "analysis/bench_decode.py", *sys.argv[1:]]) + "`", "",
+             f"Context L = {L}, B = 1, H = {H}, D = Dv = {D}, m = {args.m}, float32, {args.threads} thread(s); "
+             f"{n} decoded tokens per row under cProfile with the process's CPU time as its clock (load average "
+             f"{'/'.join(f'{x:.1f}' for x in load)} on {os.cpu_count()} CPUs). ms per token: the unprofiled "
+             "CPU time, then each call's cumulative time under the profiler (its callees included; the "
+             "profiler inflates small calls).", ""]
+    for label, options, _, _ in variants:
+        if options is None or not options.memory:
+            continue
+        params = FarParams(options, H, D)
+        with torch.no_grad():
+            _, state = llops_attention(*ctx, theta, theta, options=options, params=params, output_final_state=True)
+            holder = {"state": state}
+
+            def steps(count, holder=holder, options=options, params=params):
+                for i in range(count):
+                    x = new[i % len(new)]
+                    _, holder["state"] = llops_attention(x, x, x, theta, theta, options=options, params=params,
+                                                         initial_state=holder["state"], output_final_state=True)
+
+            steps(8)
+            c0 = time.process_time()
+            steps(n)
+            plain = (time.process_time() - c0) / n
+            prof = cProfile.Profile(time.process_time)
+            prof.enable()
+            steps(n)
+            prof.disable()
+        spent = {}
+        for (path, _, fn), entry in pstats.Stats(prof).stats.items():
+            if fn in PROFILED and "sketchlab" in path:
+                key = f"`{Path(path).name}:{fn}`"
+                spent[key] = spent.get(key, 0.0) + entry[3] / n
+        lines += [f"## {label}", "", f"Unprofiled: **{plain * 1e3:.2f} ms** CPU per token.", "",
+                  "| call | ms per token (profiled, cumulative) |", "|---|---:|"]
+        lines += [f"| {k} | {v * 1e3:.2f} |" for k, v in sorted(spent.items(), key=lambda kv: -kv[1])]
+        lines.append("")
+        print(f"{label}: {plain * 1e3:.2f} ms/token", flush=True)
+    with atomic_write(out_md) as tmp:
+        tmp.write_text("\n".join(lines), encoding="utf-8")
     print(f"wrote {out_md}")
     return 0
 
