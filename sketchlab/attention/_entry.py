@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import inspect
 
+import torch
+
 from .options import AttentionOptions, FarParams
 
-__all__ = ["OPTION_KEYWORDS", "call_options", "far_gate", "keyword_defaults", "memory_call"]
+__all__ = ["OPTION_KEYWORDS", "by_segments", "call_options", "far_gate", "keyword_defaults", "memory_call"]
 
 #: The keyword arguments of the entry points that are fields of :class:`AttentionOptions`.
 OPTION_KEYWORDS = ("causal", "normalize", "non_negative", "eps", "backend", "chunk_size", "window", "sinks", "local",
@@ -85,3 +87,22 @@ def memory_call(fq, fk, v, q, k, *, where: str, options: AttentionOptions, param
     return fn(fq, fk, v, q if options.window else None, k if options.window else None, options=options,
               params=params, gate=gate, degree=degree, key_padding_mask=key_padding_mask,
               initial_state=initial_state, output_final_state=output_final_state)
+
+
+def by_segments(fn, segments, *tensors, mask=None):
+    """Run ``fn(*tensors, mask)`` on each segment of the token axis (axis 1; ``T == S``) and join
+    the outputs (``mask``: a key-padding mask ``[B, S]``, cut with the keys)."""
+    if segments is None:
+        return fn(*tensors, mask)
+    lengths = {x.shape[1] for x in tensors}
+    if len(lengths) != 1:
+        raise ValueError(f"segments need as many queries as keys (T == S), got token axes {sorted(lengths)}")
+    from ._checks import check_segments
+
+    segs = check_segments(segments, tensors[0].shape[1])
+    outs, start = [], 0
+    for length in segs:
+        stop = start + length
+        outs.append(fn(*(x[:, start:stop] for x in tensors), None if mask is None else mask[:, start:stop]))
+        start = stop
+    return torch.cat(outs, 1)
