@@ -29,7 +29,10 @@ from .llops import (
     projector_to_theta,
 )
 from .attention import (
+    AttentionOptions,
     AttentionState,
+    FarParams,
+    MemoryState,
     LLoPSAttention,
     dump_segments,
     feature_attention,
@@ -38,6 +41,8 @@ from .attention import (
     kernel_attention_naive,
     llops_attention,
     llops_attention_naive,
+    memory_attention,
+    memory_attention_naive,
     poly_attention,
     poly_attention_naive,
     sketch_attention,
@@ -87,8 +92,10 @@ from .verify import Check, Verification, verify
 
 __all__ = [
     "Advice",
+    "AttentionOptions",
     "AttentionState",
     "ExactPolyMap",
+    "FarParams",
     "FeatureMap",
     "HedgehogMap",
     "LLoPSMap",
@@ -110,6 +117,7 @@ __all__ = [
     "LLoPS",
     "LLoPSAttention",
     "MLPSketch",
+    "MemoryState",
     "OptimalSketch",
     "PolySketch",
     "QKDump",
@@ -154,6 +162,8 @@ __all__ = [
     "linearize",
     "llops_attention",
     "llops_attention_naive",
+    "memory_attention",
+    "memory_attention_naive",
     "llops_features",
     "llops_features_naive",
     "llops_init",

@@ -319,7 +319,7 @@ def test_rejects_what_the_kernel_cannot_do():
         llops_attention_triton(q, k[:, :5], v[:, :5], tq, tk, **dict(kw, causal=False), window=4)
     with pytest.raises(ValueError, match=r"initial_state/output_final_state need causal=True"):
         llops_attention_triton(q, k, v, tq, tk, **dict(kw, causal=False), output_final_state=True)
-    with pytest.raises(ValueError, match=r"always normalised: pass normalize='sum', got normalize='none'"):
+    with pytest.raises(ValueError, match=r"always normalised: pass normalize='sum' \(or None\), got 'none'"):
         llops_attention_triton(q, k, v, tq, tk, **dict(kw, normalize="none"), window=3)
     with pytest.raises(ValueError, match=r"sinks=2 needs window >= 1"):
         llops_attention_triton(q, k, v, tq, tk, **kw, sinks=2)
@@ -328,11 +328,11 @@ def test_rejects_what_the_kernel_cannot_do():
         llops_attention_triton(q, k, v, tq, tk, **kw, window=4, key_padding_mask=mask[:, :5])
     with pytest.raises(ValueError, match=r"window must be an integer >= 0, got -1"):
         llops_attention_triton(q, k, v, tq, tk, **kw, window=-1)
-    with pytest.raises(ValueError, match=r"local must be one of \('softmax', 'poly'\), got 'relu'"):
+    with pytest.raises(ValueError, match=r"local must be one of \['softmax', 'poly'\], got 'relu'"):
         llops_attention_triton(q, k, v, tq, tk, **kw, window=3, local="relu")
     with pytest.raises(ValueError, match=r"gate must have shape \[H\] = \[2\]"):
         llops_attention_triton(q, k, v, tq, tk, **kw, window=3, gate=gl[:1])
-    with pytest.raises(ValueError, match=r"local_scale must be a finite number > 0"):
+    with pytest.raises(ValueError, match=r"local_scale must be > 0.0, got 0.0"):
         llops_attention_triton(q, k, v, tq, tk, **kw, window=3, local_scale=0.0)
     _, state = llops_attention_triton(q, k, v, tq, tk, **kw, window=4, sinks=1, output_final_state=True)
     with pytest.raises(ValueError, match=r"initial_state.k_window must have shape \[2, 2, 6, 8\] for this call"):

@@ -175,7 +175,7 @@ def test_linearize_gate_init_default_and_errors():
      r"recording .* GiB \+ .*; estimated\) would take .* GiB, over the memory budget max_bytes"),
     (dict(window=0, sinks=2, gate_init=0.0), ValueError, r"sinks=2 with window=0: attention sinks are exact keys"),
     (dict(normalize="none"), ValueError, r"the hybrid \(window=4 > 0\) .* always normalised"),
-    (dict(normalize="bogus"), ValueError, r"normalize must be one of \('none', 'sum'\), got 'bogus'"),
+    (dict(normalize="bogus"), ValueError, r"normalize must be one of \['none', 'sum'\], got 'bogus'"),
 ])
 def test_linearize_refuses_bad_options_before_any_work(kwargs, err, match, monkeypatch):
     """Options the conversion checks are checked before the teacher's attention is recorded and Θ fitted."""

@@ -7,6 +7,8 @@ backend choice, ``module`` the :class:`LLoPSAttention` block, ``triton`` the fus
 """
 
 from .chunked import feature_attention, llops_attention_chunked
+from .memory import MemoryState, memory_attention, memory_attention_naive
+from .options import AttentionOptions, FarParams
 from .module import LLoPSAttention, llops_is_non_negative
 from .state import AttentionState
 from ._checks import count_denominators
@@ -22,7 +24,10 @@ from .reference import (
 )
 
 __all__ = [
+    "AttentionOptions",
     "AttentionState",
+    "FarParams",
+    "MemoryState",
     "BACKENDS",
     "LLoPSAttention",
     "dump_segments",
@@ -36,6 +41,8 @@ __all__ = [
     "llops_attention_chunked",
     "llops_attention_naive",
     "llops_is_non_negative",
+    "memory_attention",
+    "memory_attention_naive",
     "poly_attention",
     "poly_attention_naive",
     "resolve_backend",

@@ -15,31 +15,41 @@ import weakref
 
 import torch
 
-from .._validation import as_float_tensor, check_finite, check_real
+from .._validation import as_float_tensor, check_finite
+from .options import _BACKENDS, _DENOMINATOR_CHECKS, _LOCALS, _NORMALIZE, AttentionOptions, _choice, _flag, _int, _real
 
 __all__ = ["NORMALIZE", "check_eps", "count_denominators", "check_kernel_range", "check_normalize", "check_qkv", "check_segments", "check_theta"]
 
-#: Accepted values of ``normalize``.
-NORMALIZE = ("none", "sum")
+# The rules on options live in :class:`~sketchlab.attention.options.AttentionOptions` (DESIGN §7); the
+# checks below that test an option are those rules, called on one value (never restated here).
+
+#: Accepted values of ``normalize`` (:class:`AttentionOptions`'s).
+NORMALIZE = _NORMALIZE
 
 
 def check_normalize(normalize) -> str:
-    """``normalize`` must be ``"none"`` or ``"sum"``."""
-    if not isinstance(normalize, str) or normalize not in NORMALIZE:
-        raise ValueError(f"normalize must be one of {NORMALIZE}, got {normalize!r}")
-    return normalize
+    """``normalize`` must be ``"none"`` or ``"sum"`` (the rule of ``AttentionOptions.normalize``)."""
+    return _choice(normalize, "normalize", _NORMALIZE)
 
 
 def check_eps(eps) -> float:
-    """``eps`` must be a finite number ``>= 0``."""
-    return check_real(eps, "eps", positive=False)
+    """``eps`` must be a finite number ``>= 0`` (the rule of ``AttentionOptions.eps``)."""
+    return _real(eps, "eps", lo=0.0, lo_open=False)
 
 
 def check_flag(value, name: str) -> bool:
-    """``value`` must be a Python bool."""
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
-    return value
+    """``value`` must be a Python bool (the rule of ``AttentionOptions``' flags)."""
+    return _flag(value, name)
+
+
+def check_chunk_size(chunk_size) -> int:
+    """``chunk_size`` must be an integer ``>= 1`` (the rule of ``AttentionOptions.chunk_size``)."""
+    return _int(chunk_size, "chunk_size", 1)
+
+
+def check_backend_name(backend) -> str:
+    """``backend`` must be one of ``"auto", "triton", "torch", "reference"`` (``AttentionOptions.backend``)."""
+    return _choice(backend, "backend", _BACKENDS)
 
 
 def check_qkv(q, k, v, *, causal: bool, names=("q", "k", "v"), feature_dims_match: bool = True):
@@ -159,10 +169,31 @@ def _log_feature_bound(top: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
     ``|φ(x)_i| ≤ Σ_r ∏_j ‖θ_{r,j,:,i}‖ · ‖x‖^p`` (Cauchy–Schwarz on each factor); ``-inf`` where
     ``x`` or ``θ`` is zero.
     """
-    p = theta.shape[2]
-    norms = theta.detach().double().norm(dim=3).log()  # [H, t, p, M]
-    per_map = norms.sum(2).logsumexp(1).amax(-1)  # [H]: log max_i Σ_r ∏_j ‖θ_{r,j,:,i}‖
-    return per_map + p * top.log()
+    return _map_log_bound(theta) + theta.shape[2] * top.log()
+
+
+#: ``log max_i Σ_r ∏_j ‖θ_{r,j,:,i}‖`` per head of Θ tensors already bounded: ``id → (weak
+#: reference, in-place version then, [H] float64)``. A decoding loop passes the same Θ every token;
+#: its bound (a pass over Θ in float64) is computed once, and again after any in-place change.
+_MAP_BOUNDS: dict[int, tuple] = {}
+
+
+def _map_log_bound(theta: torch.Tensor) -> torch.Tensor:
+    """``log max_i Σ_r ∏_j ‖θ_{r,j,:,i}‖`` per head of ``theta [H, t, p, D, M]`` (float64 ``[H]``), cached
+    per tensor and version as :func:`_check_finite_once` caches its verdict."""
+    entry = _MAP_BOUNDS.get(id(theta))
+    if entry is not None and entry[0]() is theta and entry[1] == theta._version:
+        return entry[2]
+    with torch.no_grad():
+        norms = theta.detach().double().norm(dim=3).log()  # [H, t, p, M]
+        bound = norms.sum(2).logsumexp(1).amax(-1)  # [H]
+    if len(_MAP_BOUNDS) > 256:  # dead or stale entries: start afresh
+        _MAP_BOUNDS.clear()
+    try:
+        _MAP_BOUNDS[id(theta)] = (weakref.ref(theta), theta._version, bound)
+    except TypeError:  # not weak-referenceable: computed every time
+        pass
+    return bound
 
 
 def _max_norm(x: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
@@ -304,32 +335,27 @@ def check_segments(segments, length: int) -> list[int] | None:
 
 
 #: Accepted values of ``local`` (the exact part of the hybrid).
-LOCAL_KINDS = ("softmax", "poly")
+LOCAL_KINDS = _LOCALS
 #: Accepted values of ``denominator_check``.
-DENOMINATOR_CHECKS = ("warn", "raise", "off")
+DENOMINATOR_CHECKS = _DENOMINATOR_CHECKS
 
 
 def check_hybrid(window, sinks, local, local_scale, gate, *, normalize: str, heads: int, dim: int, like: torch.Tensor):
     """Validate the sliding-window options; returns ``(window, sinks, local, scale, gate)``.
 
-    Rules: ``window``, ``sinks`` ints ``>= 0``; ``sinks > 0`` needs ``window >= 1`` (``window=0`` is
-    pure linear attention); ``local`` in :data:`LOCAL_KINDS`; ``local_scale`` ``None`` (→ ``1/√D``)
-    or a finite number ``> 0``; ``gate`` ``None`` or a finite floating tensor ``[H]`` (logits) on
-    ``q``'s device; the hybrid is normalised: ``normalize="none"`` with ``window > 0`` is an error.
+    The options' rules are :class:`AttentionOptions`' (``window``, ``sinks`` ints ``>= 0``;
+    ``sinks > 0`` needs ``window >= 1``; ``local`` in :data:`LOCAL_KINDS`; ``local_scale`` ``None``
+    (→ ``1/√D``) or a finite number ``> 0``; the hybrid is normalised: ``normalize="none"`` with
+    ``window > 0`` is an error), checked by building one; ``gate`` (a tensor, not an option):
+    ``None`` or a finite floating tensor ``[H]`` (logits) on ``q``'s device (:func:`check_gate`).
     """
-    from .._validation import check_nonnegative_int
+    o = AttentionOptions(window=window, sinks=sinks, local=local, local_scale=local_scale, normalize=normalize)
+    scale = dim ** -0.5 if o.local_scale is None else o.local_scale
+    return o.window, o.sinks, o.local, scale, check_gate(gate, heads=heads, like=like)
 
-    window = check_nonnegative_int(window, "window")
-    sinks = check_nonnegative_int(sinks, "sinks")
-    if sinks and not window:
-        raise ValueError(f"sinks={sinks} needs window >= 1: window=0 is pure linear attention (no exact keys); "
-                         "pass window= too")
-    if not isinstance(local, str) or local not in LOCAL_KINDS:
-        raise ValueError(f"local must be one of {LOCAL_KINDS}, got {local!r}")
-    scale = dim ** -0.5 if local_scale is None else check_real(local_scale, "local_scale", positive=True)
-    if window and normalize != "sum":
-        raise ValueError(f"the hybrid (window={window} > 0) shares one denominator between the exact and the sketched "
-                         f"keys and is always normalised: pass normalize='sum', got normalize={normalize!r}")
+
+def check_gate(gate, *, heads: int, like: torch.Tensor):
+    """``gate``: ``None`` or a finite floating tensor ``[H]`` of logits on the device of ``like``."""
     if gate is not None:
         if not isinstance(gate, torch.Tensor) or not gate.is_floating_point():
             raise TypeError(f"gate must be None or a floating tensor [H] of logits, got {type(gate).__name__}")
@@ -339,7 +365,7 @@ def check_hybrid(window, sinks, local, local_scale, gate, *, normalize: str, hea
             raise ValueError(f"gate must be on the device of q ({like.device}), got {gate.device}")
         with torch.no_grad():
             check_finite(gate.detach(), "gate")
-    return window, sinks, local, scale, gate
+    return gate
 
 
 def check_key_padding_mask(mask, batch: int, length: int, device) -> torch.Tensor | None:
@@ -357,10 +383,8 @@ def check_key_padding_mask(mask, batch: int, length: int, device) -> torch.Tenso
 
 
 def check_denominator_check(value) -> str:
-    """``denominator_check`` must be one of :data:`DENOMINATOR_CHECKS`."""
-    if not isinstance(value, str) or value not in DENOMINATOR_CHECKS:
-        raise ValueError(f"denominator_check must be one of {DENOMINATOR_CHECKS}, got {value!r}")
-    return value
+    """``denominator_check`` must be one of :data:`DENOMINATOR_CHECKS` (``AttentionOptions.denominator_check``)."""
+    return _choice(value, "denominator_check", _DENOMINATOR_CHECKS)
 
 
 _DENOMINATOR_MESSAGE = re.compile(r"(\d+) of \d+ query rows have a normalising denominator <= 0")

@@ -37,6 +37,7 @@ import torch
 
 from .._validation import DEFAULT_MAX_BYTES, check_degree, check_memory, check_positive_int
 from ._checks import (
+    check_chunk_size,
     check_denominator_check,
     check_eps,
     check_flag,
@@ -55,7 +56,9 @@ from .hybrid_chunked import (
     _hybrid_noncausal,
 )
 from .parallel import parallel_core, use_parallel
-from .reference import self_tensor
+from ._entry import call_options, far_gate, keyword_defaults, memory_call
+from .options import AttentionOptions, FarParams
+from .reference import feature_attention_naive, self_tensor
 from ..llops.maps import llops_feature_fn
 
 __all__ = [
@@ -161,7 +164,7 @@ def _engine(feat_q, feat_k, v: torch.Tensor, length_q: int, *, causal: bool, nor
 def _check_engine_args(causal, normalize, non_negative, eps, chunk_size, block_chunks):
     check_flag(causal, "causal")
     check_flag(non_negative, "non_negative")
-    return (check_normalize(normalize), check_eps(eps), check_positive_int(chunk_size, "chunk_size"),
+    return (check_normalize(normalize), check_eps(eps), check_chunk_size(chunk_size),
             check_positive_int(block_chunks, "block_chunks"))
 
 
@@ -291,7 +294,8 @@ def _attend(feat_q, feat_k, qt, kt, vt, *, num_features: int, causal: bool, norm
     return (out, state) if output_final_state else out
 
 
-def feature_attention(phi_q, phi_k, v, *, q=None, k=None, causal: bool = True, normalize: str = "sum",
+def feature_attention(phi_q, phi_k, v, *, q=None, k=None, options: AttentionOptions | None = None,
+                      params: FarParams | None = None, causal: bool = True, normalize: str = "sum",
                       non_negative: bool = False, eps: float = 1e-6, chunk_size: int = DEFAULT_CHUNK_SIZE,
                       block_chunks: int = DEFAULT_BLOCK_CHUNKS, max_bytes: int = DEFAULT_MAX_BYTES, window: int = 0,
                       sinks: int = 0, local: str = "softmax", local_scale=None, degree: int | None = None, gate=None,
@@ -309,6 +313,18 @@ def feature_attention(phi_q, phi_k, v, *, q=None, k=None, causal: bool = True, n
     v : Tensor ``[B, S, H, Dv]``
     q, k : Tensor ``[B, T, H, D]``, ``[B, S, H, D]`` or None
         The raw queries and keys of the exact local part (required when ``window > 0``).
+    options : AttentionOptions or None
+        Every option at once (DESIGN §7); the keyword options (``causal``, ``normalize``,
+        ``non_negative``, ``eps``, ``chunk_size``, ``window`` … ``local_scale``,
+        ``denominator_check``) must then be left at their defaults (refused naming the one passed
+        too). ``normalize=None`` is ``"sum"``, ``non_negative=None`` is ``False`` (the features are
+        given). ``backend="reference"`` runs the float64 twin
+        (:func:`~sketchlab.attention.feature_attention_naive`); ``"triton"`` is refused (no fused
+        kernel for given features). Options with ``.memory`` run
+        :func:`~sketchlab.attention.memory_attention` (or its twin) on the features, self-tensored
+        when ``non_negative``; the state is then a :class:`~sketchlab.attention.MemoryState`.
+    params : FarParams or None
+        The learnable tensors the options call for (see :func:`~sketchlab.attention.llops_attention`).
     causal : bool
         ``s ≤ t`` only (``T == S``).
     normalize : ``"none"`` or ``"sum"``
@@ -341,10 +357,29 @@ def feature_attention(phi_q, phi_k, v, *, q=None, k=None, causal: bool = True, n
     Tensor ``[B, T, H, Dv]`` in the dtype of the inputs, or ``(o, AttentionState)``; equals
     :func:`~sketchlab.attention.feature_attention_naive` to round-off.
     """
-    normalize, eps, chunk_size, block_chunks = _check_engine_args(causal, normalize, non_negative, eps, chunk_size,
-                                                                  block_chunks)
+    o = call_options("feature_attention", options, params,
+                     dict(causal=causal, normalize=normalize, non_negative=non_negative, eps=eps, chunk_size=chunk_size,
+                          window=window, sinks=sinks, local=local, local_scale=local_scale,
+                          denominator_check=denominator_check), _FEATURE_DEFAULTS)
+    causal, normalize, eps, chunk_size, mode = o.causal, o.normalize or "sum", o.eps, o.chunk_size, o.denominator_check
+    non_negative = bool(o.non_negative)
+    window, sinks, local, local_scale = o.window, o.sinks, o.local, o.local_scale
+    block_chunks = check_positive_int(block_chunks, "block_chunks")
     check_flag(output_final_state, "output_final_state")
-    mode = check_denominator_check(denominator_check)
+    if o.backend == "triton":
+        raise ValueError("feature_attention: backend='triton' fuses only LLoPS maps; given features run with "
+                         "backend='torch' (or 'auto') or 'reference'")
+    if o.memory:
+        return memory_call(phi_q, phi_k, v, q, k, where="feature_attention", options=o, params=params, gate=gate,
+                           degree=degree, non_negative=non_negative, key_padding_mask=key_padding_mask,
+                           initial_state=initial_state, output_final_state=output_final_state)
+    gate = far_gate("feature_attention", gate, params)
+    if o.backend == "reference":
+        return feature_attention_naive(phi_q, phi_k, v, q=q, k=k, causal=causal, normalize=normalize, eps=eps,
+                                       non_negative=non_negative, window=window, sinks=sinks, local=local,
+                                       local_scale=local_scale, degree=degree, gate=gate,
+                                       key_padding_mask=key_padding_mask, initial_state=initial_state,
+                                       output_final_state=output_final_state, denominator_check=mode)
     phi_q, phi_k, v = check_qkv(phi_q, phi_k, v, causal=causal, names=("phi_q", "phi_k", "v"))
     B, T, H, M = phi_q.shape
     dim = q.shape[-1] if isinstance(q, torch.Tensor) and q.ndim == 4 else 1
@@ -373,6 +408,10 @@ def feature_attention(phi_q, phi_k, v, *, q=None, k=None, causal: bool = True, n
     if output_final_state:
         return out[0].transpose(1, 2), out[1]  # [B, T, H, Dv]
     return out.transpose(1, 2)  # [B, T, H, Dv]
+
+
+#: feature_attention's option keywords' defaults (options= must leave them so).
+_FEATURE_DEFAULTS = keyword_defaults(feature_attention)
 
 
 def llops_attention_chunked(q, k, v, theta_q, theta_k, *, causal: bool = True, normalize: str = "sum",

@@ -21,27 +21,29 @@ import importlib.util
 
 import torch
 
-from .._validation import DEFAULT_MAX_BYTES, check_degree, check_memory, check_positive_int, check_real
+from .._validation import check_real
 from ..sketch import Sketch
 from ._checks import (
-    check_denominator_check,
-    check_eps,
+    check_backend_name,
     check_flag,
     check_hybrid,
+    check_kernel_range,
     check_key_padding_mask,
-    check_normalize,
     check_qkv,
     check_segments,
-    report_denominators,
     check_theta,
 )
+from ._entry import by_segments as _by_segments, call_options, far_gate, keyword_defaults, memory_call
 from .chunked import DEFAULT_CHUNK_SIZE, feature_attention, llops_attention_chunked
+from ..llops.maps import llops_feature_fn, llops_is_non_negative
+from .options import _BACKENDS, AttentionOptions, FarParams
+from .poly import poly_attention  # re-exported: blocked exact polynomial attention
 from .reference import feature_attention_naive, llops_attention_naive
 
 __all__ = ["BACKENDS", "dump_segments", "featuremap_attention", "llops_attention", "poly_attention", "resolve_backend", "sketch_attention", "softmax_attention"]
 
-#: Accepted values of ``backend``.
-BACKENDS = ("auto", "triton", "torch", "reference")
+#: Accepted values of ``backend`` (``AttentionOptions.backend``'s).
+BACKENDS = _BACKENDS
 
 
 def _triton_importable() -> bool:
@@ -54,8 +56,7 @@ def resolve_backend(backend, device: torch.device, dtype: torch.dtype = torch.fl
     ``"auto"`` is the Triton kernel for CUDA tensors of a dtype it takes (fp32, fp16, bf16) when
     triton is importable, and the chunked PyTorch path otherwise (CPU, float64).
     """
-    if not isinstance(backend, str) or backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    check_backend_name(backend)
     if backend == "auto":
         fused = device.type == "cuda" and dtype != torch.float64 and _triton_importable()
         return "triton" if fused else "torch"
@@ -88,7 +89,8 @@ def _check_stateful_segments(segments, initial_state, output_final_state):
                          "sequence per batch row (split the joined sequences into rows instead)")
 
 
-def llops_attention(q, k, v, theta_q, theta_k, *, causal: bool = True, normalize: str = "sum",
+def llops_attention(q, k, v, theta_q, theta_k, *, options: AttentionOptions | None = None,
+                    params: FarParams | None = None, causal: bool = True, normalize: str = "sum",
                     non_negative: bool = False, eps: float = 1e-6, backend: str = "auto",
                     chunk_size: int = DEFAULT_CHUNK_SIZE, segments=None, window: int = 0, sinks: int = 0,
                     local: str = "softmax", local_scale=None, gate=None, key_padding_mask=None, initial_state=None,
@@ -104,6 +106,20 @@ def llops_attention(q, k, v, theta_q, theta_k, *, causal: bool = True, normalize
         One dtype and one device for all three.
     theta_q, theta_k : Tensor ``[H, t, p, D, M]``
         One LLoPS map per head (same shape, dtype and device as ``q``; finite).
+    options : AttentionOptions or None
+        Every option at once (DESIGN §7): the keyword options below (``causal`` … ``local_scale``,
+        ``backend``, ``chunk_size``, ``denominator_check``) must then be left at their defaults
+        (passing one too is refused, naming it); ``None``: one is built from them (its checks are
+        the rules). ``options.normalize=None`` is ``"sum"``; ``options.non_negative=None``
+        self-tensors when normalising with a Θ that can be signed
+        (:func:`~sketchlab.attention.llops_is_non_negative`). Options with ``.memory`` (a cache, a
+        decay, the delta state) run :func:`~sketchlab.attention.memory_attention` on the LLoPS
+        features (``llops_feature_fn``; float64 :func:`sketchlab.llops_features` and
+        :func:`~sketchlab.attention.memory_attention_naive` with ``backend="reference"``), the state
+        then a :class:`~sketchlab.attention.MemoryState`.
+    params : FarParams or None
+        The learnable tensors the options call for (decay, β, and the gate unless ``gate=`` holds
+        it); a non-memory call may take ``params.gate`` only.
     causal : bool
         ``s ≤ t`` only (``T == S``).
     normalize : ``"none"`` or ``"sum"``
@@ -152,22 +168,29 @@ def llops_attention(q, k, v, theta_q, theta_k, *, causal: bool = True, normalize
     formula is in :func:`~sketchlab.attention.feature_attention_naive`. The reference backend
     returns float64. Gradients reach ``q, k, v, theta_q, theta_k`` and ``gate``.
     """
-    check_flag(causal, "causal")
-    check_flag(non_negative, "non_negative")
+    o = call_options("llops_attention", options, params,
+                     dict(causal=causal, normalize=normalize, non_negative=non_negative, eps=eps, backend=backend,
+                          chunk_size=chunk_size, window=window, sinks=sinks, local=local, local_scale=local_scale,
+                          denominator_check=denominator_check), _DEFAULTS["llops_attention"])
     check_flag(output_final_state, "output_final_state")
-    normalize, eps = check_normalize(normalize), check_eps(eps)
-    mode = check_denominator_check(denominator_check)
-    chunk_size = check_positive_int(chunk_size, "chunk_size")
+    causal, normalize, eps, mode, chunk_size = o.causal, o.normalize or "sum", o.eps, o.denominator_check, o.chunk_size
     q, k, v = check_qkv(q, k, v, causal=causal)
-    theta_q, theta_k = check_theta(theta_q, theta_k, heads=q.shape[2], dim=q.shape[3], like=q, k=k,
-                                   non_negative=non_negative)
-    window, sinks, local, scale, gate = check_hybrid(window, sinks, local, local_scale, gate, normalize=normalize,
-                                                     heads=q.shape[2], dim=q.shape[3], like=q)
+    theta_q, theta_k = check_theta(theta_q, theta_k, heads=q.shape[2], dim=q.shape[3], like=q)
+    non_negative = o.non_negative
+    if non_negative is None:  # the map decides: never divide by a signed sum
+        non_negative = normalize == "sum" and not (llops_is_non_negative(theta_q) and llops_is_non_negative(theta_k))
+    check_kernel_range(q, k, theta_q, theta_k, non_negative=non_negative)
     key_padding_mask = check_key_padding_mask(key_padding_mask, q.shape[0], k.shape[1], q.device)
     _check_stateful_segments(segments, initial_state, output_final_state)
+    if o.memory:
+        return _llops_memory(q, k, v, theta_q, theta_k, o, params, gate, non_negative, segments, key_padding_mask,
+                             initial_state, output_final_state)
+    gate = far_gate("llops_attention", gate, params)
+    window, sinks, local, scale, gate = check_hybrid(o.window, o.sinks, o.local, o.local_scale, gate,
+                                                     normalize=normalize, heads=q.shape[2], dim=q.shape[3], like=q)
     hybrid = _uses_hybrid(window, sinks, gate, key_padding_mask, initial_state, output_final_state)
     opts = dict(window=window, sinks=sinks, local=local, local_scale=scale, gate=gate)
-    backend = resolve_backend(backend, q.device, q.dtype)
+    backend = resolve_backend(o.backend, q.device, q.dtype)
     if backend == "triton":
         from .triton import llops_attention_triton as fused  # lazy: triton is optional
 
@@ -186,6 +209,28 @@ def llops_attention(q, k, v, theta_q, theta_k, *, causal: bool = True, normalize
         return fused(qs, ks, vs, theta_q, theta_k, causal=causal, normalize=normalize, non_negative=non_negative,
                      eps=eps)
     return _by_segments(run, segments, q, k, v, mask=key_padding_mask)
+
+
+def _llops_memory(q, k, v, theta_q, theta_k, o, params, gate, non_negative, segments, mask, initial_state,
+                  output_final_state):
+    """:func:`llops_attention` with memory options (checked): LLoPS features, then :func:`memory_call`."""
+    from ..llops import llops_features
+
+    if o.backend == "reference":  # float64 features by the library's definition
+        def feats(x, theta):  # [B, T, H, D] -> [B, T, H, M]
+            return llops_features(x.double().transpose(1, 2), theta.double()).transpose(1, 2)
+    else:
+        fn_q, fn_k = llops_feature_fn(theta_q), llops_feature_fn(theta_k)
+
+        def feats(x, theta):  # [B, T, H, D] -> [B, T, H, M]
+            return (fn_q if theta is theta_q else fn_k)(x.transpose(1, 2)).transpose(1, 2)
+
+    def run(qs, ks, vs, m):
+        return memory_call(feats(qs, theta_q), feats(ks, theta_k), vs, qs, ks, where="llops_attention", options=o,
+                           params=params, gate=gate, degree=theta_q.shape[2], non_negative=non_negative,
+                           key_padding_mask=m, initial_state=initial_state, output_final_state=output_final_state)
+
+    return _by_segments(run, segments, q, k, v, mask=mask)
 
 
 def _map_params(theta: torch.Tensor, batch: int, heads: int, name: str) -> torch.Tensor:
@@ -212,23 +257,6 @@ def _map_params(theta: torch.Tensor, batch: int, heads: int, name: str) -> torch
     return theta.reshape(*lead2, *theta.shape[-4:]).expand(*shape, *theta.shape[-4:])
 
 
-def _by_segments(fn, segments, *tensors, mask=None):
-    """Run ``fn(*tensors, mask)`` on each segment of the token axis (axis 1; ``T == S``) and join
-    the outputs (``mask``: a key-padding mask ``[B, S]``, cut with the keys)."""
-    if segments is None:
-        return fn(*tensors, mask)
-    lengths = {x.shape[1] for x in tensors}
-    if len(lengths) != 1:
-        raise ValueError(f"segments need as many queries as keys (T == S), got token axes {sorted(lengths)}")
-    segs = check_segments(segments, tensors[0].shape[1])
-    outs, start = [], 0
-    for length in segs:
-        stop = start + length
-        outs.append(fn(*(x[:, start:stop] for x in tensors), None if mask is None else mask[:, start:stop]))
-        start = stop
-    return torch.cat(outs, 1)
-
-
 def dump_segments(dump) -> list[int] | None:
     """Segment lengths of the sequences a Q/K dump joins, from its metadata key ``tokens``.
 
@@ -249,7 +277,8 @@ def dump_segments(dump) -> list[int] | None:
     return check_segments(values, dump.q.shape[-2])
 
 
-def sketch_attention(q, k, v, sketch: Sketch, *, causal: bool = True, normalize: str = "sum",
+def sketch_attention(q, k, v, sketch: Sketch, *, options: AttentionOptions | None = None,
+                     params: FarParams | None = None, causal: bool = True, normalize: str = "sum",
                      non_negative: bool = False, eps: float = 1e-6, backend: str = "auto",
                      chunk_size: int = DEFAULT_CHUNK_SIZE, segments=None, window: int = 0, sinks: int = 0,
                      local: str = "softmax", local_scale=None, gate=None, key_padding_mask=None, initial_state=None,
@@ -271,9 +300,12 @@ def sketch_attention(q, k, v, sketch: Sketch, *, causal: bool = True, normalize:
         sketch computes ``features_q``/``features_k`` (its own dtype, promoted with ``v``'s) and
         runs :func:`sketchlab.attention.feature_attention` (``backend`` ``"auto"``/``"torch"``)
         or the dense float64 twin (``"reference"``); there is no fused kernel for them.
-    causal, normalize, non_negative, eps, chunk_size, window, sinks, local, local_scale, gate,
+    options, params, causal, normalize, non_negative, eps, chunk_size, window, sinks, local, local_scale, gate,
     key_padding_mask, initial_state, output_final_state, denominator_check
-        As in :func:`llops_attention` (``local="poly"`` uses the sketch's degree).
+        As in :func:`llops_attention` (``local="poly"`` uses the sketch's degree;
+        ``options.non_negative=None`` is ``False``, the keyword's default). Memory options run
+        :func:`~sketchlab.attention.memory_attention` on the sketch's features (an LLoPS sketch
+        through :func:`llops_attention`; one map per batch element is refused there).
     segments : None, int or sequence of int
         Lengths of sequences joined along the token axis (``T == S``): each is attended on its
         own (see :func:`dump_segments`).
@@ -286,7 +318,15 @@ def sketch_attention(q, k, v, sketch: Sketch, *, causal: bool = True, normalize:
 
     if not isinstance(sketch, Sketch):
         raise TypeError(f"sketch must be a sketchlab.Sketch, got {type(sketch).__name__}")
-    check_flag(causal, "causal")
+    o = call_options("sketch_attention", options, params,
+                     dict(causal=causal, normalize=normalize, non_negative=non_negative, eps=eps, backend=backend,
+                          chunk_size=chunk_size, window=window, sinks=sinks, local=local, local_scale=local_scale,
+                          denominator_check=denominator_check), _DEFAULTS["sketch_attention"])
+    if o.non_negative is None:
+        o = o.replace(non_negative=False)
+    causal, normalize, non_negative, eps, backend = o.causal, o.normalize or "sum", o.non_negative, o.eps, o.backend
+    chunk_size, window, sinks, local, local_scale = o.chunk_size, o.window, o.sinks, o.local, o.local_scale
+    denominator_check = o.denominator_check
     q, k, v = check_qkv(q, k, v, causal=causal)
     if q.shape[-1] != _sketch_dim(sketch, q.shape[-1]):
         raise ValueError(f"sketch acts on d={_sketch_dim(sketch, q.shape[-1])} but q and k have D={q.shape[-1]}")
@@ -299,15 +339,16 @@ def sketch_attention(q, k, v, sketch: Sketch, *, causal: bool = True, normalize:
         theta_k = sketch.theta_q if sketch.theta_k is None else sketch.theta_k
         tq = _map_params(sketch.theta_q, B, H, "theta_q").to(q.dtype)
         tk = _map_params(theta_k, B, H, "theta_k").to(q.dtype)
-        if tq.ndim == 6 and (key_padding_mask is not None or initial_state is not None or output_final_state):
+        if tq.ndim == 6 and (key_padding_mask is not None or initial_state is not None or output_final_state
+                             or o.memory or params is not None):
             raise ValueError("a sketch with one map per batch element ([B, H] leading shape) folds the batch into "
-                             "the heads and cannot take key_padding_mask or a state; use one map per head")
+                             "the heads and cannot take key_padding_mask, a state, memory options or params; use one "
+                             "map per head")
 
         def run(qs, ks, vs, mask):
             if tq.ndim == 5:
-                return llops_attention(qs, ks, vs, tq, tk, causal=causal, normalize=normalize,
-                                       non_negative=non_negative, eps=eps, backend=backend, chunk_size=chunk_size,
-                                       key_padding_mask=mask, **opts, **stateful)
+                return llops_attention(qs, ks, vs, tq, tk, options=o, params=params, gate=gate,
+                                       key_padding_mask=mask, **stateful)
 
             def fold(x):  # [B, T, H, ·] -> [1, T, B·H, ·]
                 return x.transpose(0, 1).reshape(1, x.shape[1], B * H, x.shape[-1])
@@ -329,6 +370,13 @@ def sketch_attention(q, k, v, sketch: Sketch, *, causal: bool = True, normalize:
         )
     dtype = torch.promote_types(fq.dtype, v.dtype)
     fq, fk, vv = fq.to(dtype).transpose(1, 2), fk.to(dtype).transpose(1, 2), v.to(dtype)  # [B, T|S, H, ·]
+    if o.memory:
+        key_padding_mask = check_key_padding_mask(key_padding_mask, B, k.shape[1], q.device)
+        return _by_segments(lambda a, b, c, qs, ks, m: memory_call(
+            a, b, c, qs, ks, where="sketch_attention", options=o, params=params, gate=gate, degree=sketch.degree,
+            non_negative=non_negative, key_padding_mask=m, **stateful), segments, fq, fk, vv, q.to(dtype), k.to(dtype),
+            mask=key_padding_mask)
+    opts["gate"] = far_gate("sketch_attention", gate, params)
     return _features_by_backend(fq, fk, vv, q.to(dtype), k.to(dtype), backend=backend, causal=causal,
                                 normalize=normalize, eps=eps, non_negative=non_negative, chunk_size=chunk_size,
                                 segments=segments, degree=sketch.degree, key_padding_mask=key_padding_mask,
@@ -359,7 +407,8 @@ def check_local_degree(degree, what: str, *, window, local) -> None:
                          f"and {what} has none (it is not a polynomial kernel): use local='softmax'")
 
 
-def featuremap_attention(q, k, v, feature_map, feature_map_k=None, *, causal: bool = True, normalize: str | None = None,
+def featuremap_attention(q, k, v, feature_map, feature_map_k=None, *, options: AttentionOptions | None = None,
+                         params: FarParams | None = None, causal: bool = True, normalize: str | None = None,
                          non_negative: bool | None = None, eps: float = 1e-6, backend: str = "auto",
                          chunk_size: int = DEFAULT_CHUNK_SIZE, segments=None, window: int = 0, sinks: int = 0,
                          local: str = "softmax", local_scale=None, gate=None, key_padding_mask=None,
@@ -380,9 +429,11 @@ def featuremap_attention(q, k, v, feature_map, feature_map_k=None, *, causal: bo
     non_negative : bool or None
         Self-tensor the features; ``None``: only when normalising with maps that can be signed
         (a default never divides by a signed sum; see ``FeatureMap.non_negative``).
-    causal, eps, backend, chunk_size, segments, window, sinks, local, local_scale, gate,
+    options, params, causal, eps, backend, chunk_size, segments, window, sinks, local, local_scale, gate,
     key_padding_mask, initial_state, output_final_state, denominator_check
-        As in :func:`llops_attention`; ``local="poly"`` uses the map's ``degree``.
+        As in :func:`llops_attention`; ``local="poly"`` uses the map's ``degree``. Memory options
+        run :func:`~sketchlab.attention.memory_attention` on the maps' ``features`` (self-tensored
+        when ``non_negative``; ``features_naive`` and the float64 twin with ``backend="reference"``).
 
     Returns
     -------
@@ -401,24 +452,47 @@ def featuremap_attention(q, k, v, feature_map, feature_map_k=None, *, causal: bo
         raise ValueError(f"feature_map and feature_map_k must be of one kind with one number of features, got "
                          f"{type(feature_map).__name__}({feature_map.num_features}) and "
                          f"{type(fk_map).__name__}({fk_map.num_features})")
-    check_flag(causal, "causal")
+    o = call_options("featuremap_attention", options, params,
+                     dict(causal=causal, normalize=normalize, non_negative=non_negative, eps=eps, backend=backend,
+                          chunk_size=chunk_size, window=window, sinks=sinks, local=local, local_scale=local_scale,
+                          denominator_check=denominator_check), _DEFAULTS["featuremap_attention"])
+    causal, eps, backend, chunk_size, denominator_check = o.causal, o.eps, o.backend, o.chunk_size, o.denominator_check
+    window, sinks, local, local_scale = o.window, o.sinks, o.local, o.local_scale
     q, k, v = check_qkv(q, k, v, causal=causal)
     for m, name in ((feature_map, "feature_map"), (fk_map, "feature_map_k")):
         if (m.heads, m.head_dim) != (q.shape[2], q.shape[3]):
             raise ValueError(f"{name} has heads={m.heads}, head_dim={m.head_dim} but q has H={q.shape[2]}, "
                              f"D={q.shape[3]}")
-    normalize = "sum" if normalize is None else check_normalize(normalize)
+    normalize, non_negative = o.normalize or "sum", o.non_negative
     if non_negative is None:
         non_negative = normalize == "sum" and not (feature_map.non_negative and fk_map.non_negative)
-    check_flag(non_negative, "non_negative")
-    opts = dict(causal=causal, normalize=normalize, non_negative=non_negative, eps=eps, backend=backend,
-                chunk_size=chunk_size, segments=segments, window=window, sinks=sinks, local=local,
-                local_scale=local_scale, gate=gate, key_padding_mask=key_padding_mask, initial_state=initial_state,
-                output_final_state=output_final_state, denominator_check=denominator_check)
     if isinstance(feature_map, LLoPSMap):
-        return llops_attention(q, k, v, feature_map.theta.to(q.dtype), fk_map.theta.to(q.dtype), **opts)
+        o = o if o.non_negative == non_negative else o.replace(non_negative=non_negative)
+        return llops_attention(q, k, v, feature_map.theta.to(q.dtype), fk_map.theta.to(q.dtype), options=o,
+                               params=params, gate=gate, segments=segments, key_padding_mask=key_padding_mask,
+                               initial_state=initial_state, output_final_state=output_final_state)
     backend = _unfused_backend(backend, q, type(feature_map).__name__)
     check_local_degree(feature_map.degree, type(feature_map).__name__, window=window, local=local)
+    if o.memory:
+        _check_stateful_segments(segments, initial_state, output_final_state)
+        key_padding_mask = check_key_padding_mask(key_padding_mask, q.shape[0], k.shape[1], q.device)
+        naive = backend == "reference"
+
+        def run(qs, ks, vs, m):
+            fq = feature_map.features_naive(qs) if naive else feature_map.features(qs)  # [B, T, H, M]
+            fk = fk_map.features_naive(ks) if naive else fk_map.features(ks)
+            if not naive:
+                dtype = torch.promote_types(fq.dtype, vs.dtype)
+                fq, fk, vs, qs, ks = (x.to(dtype) for x in (fq, fk, vs, qs, ks))
+            return memory_call(fq, fk, vs, qs, ks, where="featuremap_attention", options=o, params=params, gate=gate,
+                               degree=feature_map.degree, non_negative=non_negative, key_padding_mask=m,
+                               initial_state=initial_state, output_final_state=output_final_state)
+
+        return _by_segments(run, segments, q, k, v, mask=key_padding_mask)
+    gate = far_gate("featuremap_attention", gate, params)
+    opts = dict(normalize=normalize, non_negative=non_negative, eps=eps, window=window, sinks=sinks, local=local,
+                local_scale=local_scale, gate=gate, initial_state=initial_state,
+                output_final_state=output_final_state, denominator_check=denominator_check)
     if backend == "reference":
         fq, fk = feature_map.features_naive(q), fk_map.features_naive(k)  # [B, T|S, H, M] float64
         qq, kk, vv = q.double(), k.double(), v.double()
@@ -426,8 +500,6 @@ def featuremap_attention(q, k, v, feature_map, feature_map_k=None, *, causal: bo
         fq, fk = feature_map.features(q), fk_map.features(k)  # [B, T|S, H, M]
         dtype = torch.promote_types(fq.dtype, v.dtype)
         fq, fk, qq, kk, vv = (x.to(dtype) for x in (fq, fk, q, k, v))
-    for key in ("causal", "backend", "segments", "key_padding_mask", "chunk_size"):
-        opts.pop(key)
     _check_stateful_segments(segments, initial_state, output_final_state)
     return _features_by_backend(fq, fk, vv, qq, kk, backend=backend, segments=segments, causal=causal,
                                 key_padding_mask=key_padding_mask, chunk_size=chunk_size, degree=feature_map.degree,
@@ -443,86 +515,6 @@ def _sketch_dim(sketch: Sketch, default: int) -> int:
     if isinstance(theta, torch.Tensor):
         return theta.shape[-2]
     return default
-
-
-def poly_attention(q, k, v, p: int, *, causal: bool = True, normalize: str = "sum", eps: float = 1e-6,
-                   block_size: int = 256, max_bytes: int = DEFAULT_MAX_BYTES, segments=None,
-                   denominator_check: str = "warn") -> torch.Tensor:
-    r"""Exact polynomial attention, scores :math:`a_{ts} = (q_t\cdot k_s)^p`, blocked over queries.
-
-    Quadratic time (``T·S·D``); memory ``O(block_size · S)`` per (batch, head) for the scores of
-    one query block, never ``T × S`` at once (blocks are checkpointed under autograd). ``q [B, T, H, D]``, ``k [B, S, H, D]``,
-    ``v [B, S, H, Dv]`` → ``[B, T, H, Dv]``; no scaling applied. Causal blocks read only the keys
-    up to their last query. ``normalize="sum"`` is safe for even ``p`` only: for odd ``p`` the rows whose
-    denominator is ``<= 0`` are counted and reported as the feature-map paths do (``denominator_check``:
-    ``"warn"``, ``"raise"`` or ``"off"``). Scores that overflow the dtype (``(q·k)^p`` beyond its range)
-    are refused (``ValueError`` naming the rows, the largest ``|q·k|`` and the way out), never returned as
-    NaN rows. ``segments``: as in :func:`sketch_attention`.
-    """
-    p = check_degree(p)
-    check_flag(causal, "causal")
-    normalize, eps = check_normalize(normalize), check_eps(eps)
-    block_size = check_positive_int(block_size, "block_size")
-    q, k, v = check_qkv(q, k, v, causal=causal)
-    B, H = q.shape[0], q.shape[2]
-    check_memory(B * H * block_size * k.shape[1] * q.element_size(),
-                 what=f"the scores of one query block ([B={B}, H={H}, {block_size}, S={k.shape[1]}])",
-                 way_out="lower block_size", max_bytes=max_bytes)
-    mode = check_denominator_check(denominator_check)
-    out = _by_segments(lambda qs, ks, vs, _: _poly_blocks(qs, ks, vs, p, causal, normalize, eps, block_size),
-                       segments, q, k, v)
-    with torch.no_grad():
-        bad = ~torch.isfinite(out).all(-1)  # [B, T, H]
-        if bool(bad.any()):
-            top = float(torch.einsum("bthd,bshd->bhts", q.double(), k.double()).abs().max())
-            raise ValueError(f"poly_attention: (q·k)^{p} overflows {str(q.dtype).removeprefix('torch.')} in "
-                             f"{int(bad.sum())} of {bad.numel()} query rows (largest |q·k| = {top:.3g}, to the power "
-                             f"{p}: {top ** p if top < 1e300 ** (1 / p) else float('inf'):.3g}); scale q and k down "
-                             "(e.g. by d^-1/4), use float64, or a smaller p")
-        if normalize == "sum" and p % 2 and mode != "off":
-            rows = _poly_denominators(q, k, p, causal, segments, block_size)
-            report_denominators(int((rows <= 0).sum()), rows.numel(), "poly_attention", mode)
-    return out
-
-
-def _poly_denominators(q, k, p, causal, segments, block_size) -> torch.Tensor:
-    """``Σ_s (q_t·k_s)^p`` of every query row ``[B, H, T]`` (odd ``p``: its sign decides ``normalize="sum"``)."""
-    ones = torch.ones(*k.shape[:3], 1, dtype=q.dtype, device=q.device)
-    sums = _by_segments(lambda qs, ks, vs, _: _poly_blocks(qs, ks, vs, p, causal, "none", 0.0, block_size),
-                        segments, q, k, ones)  # [B, T, H, 1]
-    return sums[..., 0]
-
-
-def _poly_block(q_blk, k, v, start, p, causal, normalize, eps):
-    """One query block of exact polynomial attention on ``[B, H, ·, ·]`` tensors; keys already cut to the block's end when causal."""
-    scores = (q_blk @ k.mT) ** p  # [B, H, n_blk, S']
-    if causal:
-        rows = torch.arange(start, start + q_blk.shape[2], device=q_blk.device)[:, None]
-        scores = scores.masked_fill(torch.arange(k.shape[2], device=q_blk.device)[None, :] > rows, 0.0)
-    out = scores @ v  # [B, H, n_blk, Dv]
-    if normalize == "sum":
-        out = out / (scores.sum(-1, keepdim=True) + eps)
-    return out
-
-
-def _poly_blocks(q, k, v, p, causal, normalize, eps, block_size):
-    """Blocked exact polynomial attention on validated ``[B, T, H, ·]`` tensors (see :func:`poly_attention`).
-
-    Under autograd each block is checkpointed (its scores recomputed in the backward pass), so the
-    backward pass also holds one block's scores at a time, not ``T × S``.
-    """
-    from torch.utils.checkpoint import checkpoint
-
-    T = q.shape[1]
-    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T|S, ·]
-    grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
-    outs = []
-    for a in range(0, T, block_size):
-        b = min(a + block_size, T)
-        stop = b if causal else k.shape[1]
-        args = (qt[:, :, a:b], kt[:, :, :stop], vt[:, :, :stop], a, p, causal, normalize, eps)
-        outs.append(checkpoint(_poly_block, *args, use_reentrant=False) if grad else _poly_block(*args))
-    return torch.cat(outs, 2).transpose(1, 2)  # [B, T, H, Dv]
 
 
 def softmax_attention(q, k, v, *, causal: bool = True, scale: float | None = None,
@@ -550,3 +542,7 @@ def softmax_attention(q, k, v, *, causal: bool = True, scale: float | None = Non
     if allowed is not None:  # rows without any real key: 0 (SDPA's own result for them is not documented)
         out = out.masked_fill(~allowed.any(-1, keepdim=True), 0.0)
     return out.transpose(1, 2)
+
+
+#: The option keywords' defaults of each entry point (options= must leave them so).
+_DEFAULTS = {fn.__name__: keyword_defaults(fn) for fn in (llops_attention, featuremap_attention, sketch_attention)}

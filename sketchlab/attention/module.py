@@ -20,10 +20,11 @@ from torch import nn
 
 from ..scaling import resolve_scale, scale_label
 from .._validation import DEFAULT_MAX_BYTES, as_float_tensor, check_degree, check_memory, check_positive_int
-from ._checks import check_eps, check_flag, check_hybrid, check_normalize, check_theta
+from ._checks import check_flag, check_theta
 from ..llops.maps import llops_is_non_negative
 from .chunked import DEFAULT_CHUNK_SIZE
-from .functional import llops_attention, resolve_backend
+from .functional import llops_attention
+from .options import AttentionOptions, FarParams
 
 __all__ = ["LLoPSAttention", "llops_is_non_negative"]
 
@@ -43,6 +44,13 @@ def _local_scale(qk_scale: float, head_dim: int, scale) -> float:
 
 class LLoPSAttention(nn.Module):
     r"""Multi-head attention with per-head LLoPS feature maps (linear in ``T``).
+
+    Attributes
+    ----------
+    options : AttentionOptions
+        Every option of the block's attention, validated once here and passed on as it is.
+    far : FarParams or None
+        The decay's and β's learnable tensors (memory options only).
 
     Parameters
     ----------
@@ -74,6 +82,14 @@ class LLoPSAttention(nn.Module):
     gate : bool
         A learnable per-head gate logit (initialised to 0: ``g = 1/2``) when ``window > 0``;
         ``False``: ``g = 1/2`` fixed.
+    cache, decay, state, beta
+        The long-context memory (DESIGN §7; :class:`~sketchlab.attention.AttentionOptions`): ``cache``
+        far keys kept exact, a decaying far state (a float in (0, 1], ``"head"`` or ``"input"``), the
+        delta-rule state (``state="delta"``, ``β`` per ``beta``). With any of them on, the block
+        holds a :class:`~sketchlab.attention.FarParams` (``far``: the decay's and β's tensors; the gate
+        stays ``gate``, where saved blocks have it) and its state is a
+        :class:`~sketchlab.attention.MemoryState`; ``decay=1.0`` is no decay (today's block, bit for
+        bit, with no ``far``).
     bias : bool
         Biases in the four projections.
     seed : int
@@ -91,6 +107,7 @@ class LLoPSAttention(nn.Module):
                  causal: bool = True, normalize: str | None = None, non_negative: bool | None = None,
                  eps: float = 1e-6, backend: str = "auto", chunk_size: int = DEFAULT_CHUNK_SIZE, bias: bool = False,
                  seed: int = 0, window: int = 0, sinks: int = 0, local: str = "softmax", gate: bool = True,
+                 cache: int = 0, decay=None, state: str = "additive", beta: str = "head",
                  dtype: torch.dtype = torch.float32, device=None, max_bytes: int = DEFAULT_MAX_BYTES):
         super().__init__()
         embed_dim = check_positive_int(embed_dim, "embed_dim")
@@ -101,13 +118,12 @@ class LLoPSAttention(nn.Module):
             head_dim = embed_dim // num_heads
         head_dim = check_positive_int(head_dim, "head_dim")
         self.embed_dim, self.num_heads, self.head_dim = embed_dim, num_heads, head_dim
-        self.causal = check_flag(causal, "causal")
+        # every option checked once, by the options object (its local scale and self-tensoring are settled below)
+        options = AttentionOptions(causal=causal, normalize=normalize, non_negative=non_negative, eps=eps,
+                                   window=window, sinks=sinks, local=local, cache=cache, decay=decay, state=state,
+                                   beta=beta, backend=backend, chunk_size=chunk_size)
         given_theta = theta_q is not None
-        self.normalize = "sum" if normalize is None else check_normalize(normalize)
-        self.eps = check_eps(eps)
-        resolve_backend(backend, torch.device("cpu"))  # validates the name
-        self.backend = backend
-        self.chunk_size = check_positive_int(chunk_size, "chunk_size")
+        normalize = options.normalize or "sum"
         self.qk_scale = resolve_scale(scale, head_dim)
         self.scale_label = scale_label(scale)
         check_flag(learn_theta, "learn_theta")
@@ -156,22 +172,35 @@ class LLoPSAttention(nn.Module):
         self.tied = tied
         if non_negative is None:  # a default never combines "sum" with a map that can be signed
             signed = given_theta and not (llops_is_non_negative(theta_q) and llops_is_non_negative(theta_k))
-            non_negative = self.normalize == "sum" and signed
-        self.non_negative = check_flag(non_negative, "non_negative")
-        window, sinks, local, _, _ = check_hybrid(window, sinks, local, None, None, normalize=self.normalize,
-                                                  heads=num_heads, dim=head_dim, like=theta_q)
-        self.window, self.sinks, self.local = window, sinks, local
+            non_negative = normalize == "sum" and signed
+        window = options.window
         check_flag(gate, "gate")
         # local scores: softmax on qᵀk/√D of the projections (q, k arrive scaled by s: divide s² out);
         # poly on the scaled q, k, the kernel the sketch approximates
-        self.local_scale = _local_scale(self.qk_scale, head_dim, scale) if local == "softmax" and window else 1.0
+        local_scale = _local_scale(self.qk_scale, head_dim, scale) if options.local == "softmax" and window else 1.0
+        self.options = options.replace(normalize=normalize, non_negative=non_negative, local_scale=local_scale)
         self.gate = nn.Parameter(torch.zeros(num_heads, dtype=dtype, device=device)) if gate and window else None
+        # decay and the delta rule's β (memory options only; the gate stays `gate`, where saved blocks have it)
+        self.far = (FarParams(self.options, num_heads, head_dim, gate=False).to(dtype=dtype, device=device)
+                    if self.options.memory else None)
         if learn_theta:
             self.theta_q = nn.Parameter(theta_q.clone())
             self.theta_k = None if tied else nn.Parameter(theta_k.clone())
         else:
             self.register_buffer("theta_q", theta_q.clone())
             self.register_buffer("theta_k", None if tied else theta_k.clone())
+
+    # the options, by their old attribute names (read-only: the options object is the one record)
+    causal = property(lambda self: self.options.causal)
+    normalize = property(lambda self: self.options.normalize)
+    non_negative = property(lambda self: self.options.non_negative)
+    eps = property(lambda self: self.options.eps)
+    backend = property(lambda self: self.options.backend)
+    chunk_size = property(lambda self: self.options.chunk_size)
+    window = property(lambda self: self.options.window)
+    sinks = property(lambda self: self.options.sinks)
+    local = property(lambda self: self.options.local)
+    local_scale = property(lambda self: self.options.local_scale)
 
     @property
     def degree(self) -> int:
@@ -187,17 +216,15 @@ class LLoPSAttention(nn.Module):
                initial_state=None, output_final_state: bool = False):
         """The attention core on per-head tensors: ``q, k [B, T, H, D]``, ``v [B, T, H, Dv]`` → ``[B, T, H, Dv]``.
 
-        Applies the Q/K scale, then :func:`llops_attention` with this block's Θ, window, gate and
-        settings; ``segments`` (lengths of sequences joined along the token axis) keeps each causal
-        mask inside its own sequence; ``initial_state``/``output_final_state`` carry the state.
+        Applies the Q/K scale, then :func:`llops_attention` with this block's Θ, options, gate and
+        far parameters; ``segments`` (lengths of sequences joined along the token axis) keeps each
+        causal mask inside its own sequence; ``initial_state``/``output_final_state`` carry the
+        state (an :class:`AttentionState`, or a :class:`MemoryState` with memory options).
         """
         theta_k = self.theta_q if self.theta_k is None else self.theta_k
-        return llops_attention(q * self.qk_scale, k * self.qk_scale, v, self.theta_q, theta_k, causal=self.causal,
-                               normalize=self.normalize, non_negative=self.non_negative, eps=self.eps,
-                               backend=self.backend, chunk_size=self.chunk_size, segments=segments,
-                               window=self.window, sinks=self.sinks, local=self.local, local_scale=self.local_scale,
-                               gate=self.gate, key_padding_mask=key_padding_mask, initial_state=initial_state,
-                               output_final_state=output_final_state)
+        return llops_attention(q * self.qk_scale, k * self.qk_scale, v, self.theta_q, theta_k, options=self.options,
+                               params=self.far, gate=self.gate, segments=segments, key_padding_mask=key_padding_mask,
+                               initial_state=initial_state, output_final_state=output_final_state)
 
     def forward(self, x: torch.Tensor, *, key_padding_mask=None, initial_state=None, output_final_state: bool = False):
         """``x[B, T, E]`` → ``[B, T, E]`` (or ``(y, AttentionState)``): projections, per-head LLoPS

@@ -1,0 +1,261 @@
+"""The options object at the attention entry points (issue 33, DESIGN §7): ``options=`` equals the
+keywords bit for bit, both at once is refused naming the keyword, memory options route to
+``memory_attention`` (its twin with ``backend="reference"``), and each option's rule is the one of
+``AttentionOptions`` (the same error, word for word, from every entry point).
+
+Tolerances: equal paths are compared with ``torch.equal`` (one computation, two ways to ask for it);
+a route against a direct call of the memory functions on the same features likewise (same calls).
+"""
+
+import pytest
+import torch
+
+import sketchlab as sl
+from sketchlab.attention import (
+    AttentionOptions,
+    FarParams,
+    MemoryState,
+    feature_attention,
+    featuremap_attention,
+    llops_attention,
+    memory_attention,
+    memory_attention_naive,
+    self_tensor,
+    sketch_attention,
+)
+from sketchlab.featuremaps import HedgehogMap, LLoPSMap
+from sketchlab.llops import llops_features
+
+B, T, H, D = 2, 21, 2, 4
+
+
+def _rand(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def _qkv(seed=0):
+    return _rand(B, T, H, D, seed=seed) * 0.7, _rand(B, T, H, D, seed=seed + 1) * 0.7, _rand(B, T, H, D, seed=seed + 2)
+
+
+def _theta(seed=5, equal=True):
+    base = _rand(H, 1, 1, D, 6, seed=seed) / 2
+    return base.expand(-1, -1, 2, -1, -1).clone() if equal else _rand(H, 2, 2, D, 6, seed=seed) / 2
+
+
+def _params(options, seed=0):
+    p = FarParams(options, H, D).double()
+    with torch.no_grad():
+        for i, (_, x) in enumerate(sorted(p.named_parameters())):
+            x.copy_(_rand(*x.shape, seed=100 + seed + i) * 0.7)
+    return p
+
+
+HYBRID = dict(window=5, sinks=2, local="softmax", local_scale=0.8, eps=1e-5, chunk_size=8)
+
+
+def _callers():
+    """name → (call(q, k, v, **kw), the features its memory route must see (fq, fk), degree)."""
+    theta = _theta()
+    tq, tk = _theta(7, equal=False), _theta(8, equal=False)
+    hedgehog = HedgehogMap(H, D, m=4, seed=0, dtype=torch.float64)
+    lmap = LLoPSMap(H, D, theta=tq)
+    sketch = sl.LLoPS(tq, tk)
+    feats = lambda x, t: llops_features(x.transpose(1, 2), t).transpose(1, 2)  # noqa: E731
+    return {
+        "llops": (lambda q, k, v, **kw: llops_attention(q, k, v, theta, theta, **kw),
+                  lambda q, k: (feats(q, theta), feats(k, theta)), 2),
+        "featuremap_llops": (lambda q, k, v, **kw: featuremap_attention(q, k, v, lmap, **kw),
+                             lambda q, k: (self_tensor(feats(q, tq)), self_tensor(feats(k, tq))), 2),
+        "featuremap_hedgehog": (lambda q, k, v, **kw: featuremap_attention(q, k, v, hedgehog, **kw),
+                                lambda q, k: (hedgehog.features(q), hedgehog.features(k)), None),
+        "sketch_llops": (lambda q, k, v, **kw: sketch_attention(q, k, v, sketch, **kw),
+                         lambda q, k: (feats(q, tq), feats(k, tk)), 2),
+        "features": (lambda q, k, v, **kw: feature_attention(feats(q, theta), feats(k, theta), v, q=q, k=k, **kw),
+                     lambda q, k: (feats(q, theta), feats(k, theta)), None),
+    }
+
+
+CALLERS = list(_callers())
+
+
+@pytest.mark.parametrize("name", CALLERS)
+@pytest.mark.parametrize("layout", ["pure", "hybrid"])
+def test_options_equal_the_keywords(name, layout):
+    call = _callers()[name][0]
+    q, k, v = _qkv()
+    kw = dict(HYBRID) if layout == "hybrid" else dict(eps=1e-5, chunk_size=8)
+    if name == "featuremap_hedgehog" and layout == "pure":
+        kw["normalize"] = "sum"
+    gate = _rand(H, seed=9) if layout == "hybrid" else None
+    ref, s_ref = call(q, k, v, gate=gate, output_final_state=True, **kw)
+    out, s_out = call(q, k, v, options=AttentionOptions(**kw), gate=gate, output_final_state=True)
+    assert torch.equal(out, ref)
+    assert torch.equal(s_out.S, s_ref.S) and torch.equal(s_out.z, s_ref.z)
+    # the gate through params (a non-memory call may carry it there): the same call as gate=params.gate
+    if gate is not None:
+        params = FarParams(AttentionOptions(**kw), H, D).double()
+        with torch.no_grad():
+            params.gate.copy_(gate)
+        out = call(q, k, v, options=AttentionOptions(**kw), params=params)
+        assert torch.equal(out, call(q, k, v, gate=params.gate, **kw))
+        assert torch.allclose(out, ref, atol=1e-13, rtol=0)
+
+
+@pytest.mark.parametrize("name", CALLERS)
+@pytest.mark.parametrize("keyword, value", [("window", 3), ("eps", 1e-3), ("causal", False), ("chunk_size", 4),
+                                            ("local_scale", 0.5), ("denominator_check", "off")])
+def test_options_and_a_keyword_are_refused_naming_it(name, keyword, value):
+    call = _callers()[name][0]
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match=f"options= supplies every option, and {keyword}={value!r} was passed too"):
+        call(q, k, v, options=AttentionOptions(window=2), **{keyword: value})
+
+
+@pytest.mark.parametrize("name", CALLERS)
+def test_bad_options_and_params_are_refused(name):
+    call = _callers()[name][0]
+    q, k, v = _qkv()
+    with pytest.raises(TypeError, match="options must be an AttentionOptions"):
+        call(q, k, v, options=dict(window=2))
+    with pytest.raises(TypeError, match="params must be a FarParams"):
+        call(q, k, v, params=torch.zeros(H))
+    with pytest.raises(ValueError, match="params.decay_bias is set but the options have no memory"):
+        call(q, k, v, options=AttentionOptions(window=2), params=FarParams(AttentionOptions(window=2, decay="head"), H, D))
+    params = FarParams(AttentionOptions(window=2), H, D).double()
+    with pytest.raises(ValueError, match="gate= and params.gate are both set"):
+        call(q, k, v, options=AttentionOptions(window=2), params=params, gate=torch.zeros(H, dtype=torch.float64))
+
+
+MEMORY = {
+    "cache": dict(window=4, sinks=1, cache=3),
+    "decay_input": dict(window=4, sinks=1, decay="input"),
+    "delta": dict(window=4, state="delta", beta="input"),
+    "delta_cache": dict(window=4, sinks=1, state="delta", cache=2, decay="head"),
+    "pure_decay": dict(decay=0.9),
+}
+
+
+@pytest.mark.parametrize("name", CALLERS)
+@pytest.mark.parametrize("mechanism", MEMORY)
+def test_memory_options_run_memory_attention(name, mechanism):
+    """The route: the map's features (self-tensored when the call says so) into memory_attention with
+    the same options, params, gate and state; the state a MemoryState."""
+    call, features, degree = _callers()[name]
+    q, k, v = _qkv(seed=3)
+    opts = AttentionOptions(chunk_size=8, **MEMORY[mechanism])
+    params = _params(opts)
+    gate = _rand(H, seed=11) if opts.window else None
+    if gate is not None:
+        params.gate = None
+    out, state = call(q, k, v, options=opts, params=params, gate=gate, output_final_state=True)
+    fq, fk = features(q, k)
+    ref, ref_state = memory_attention(fq, fk, v, q, k, options=opts, params=params, gate=gate, degree=degree,
+                                      output_final_state=True)
+    assert isinstance(state, MemoryState)
+    assert torch.allclose(out, ref, atol=1e-12, rtol=0)
+    assert torch.allclose(state.S, ref_state.S, atol=1e-12, rtol=0)
+    assert torch.equal(state.pos_cache, ref_state.pos_cache)
+    # continued from its state: the second half of a split equals the whole's
+    whole = call(q, k, v, options=opts, params=params, gate=gate)
+    _, s1 = call(q[:, :8], k[:, :8], v[:, :8], options=opts, params=params, gate=gate, output_final_state=True)
+    second = call(q[:, 8:], k[:, 8:], v[:, 8:], options=opts, params=params, gate=gate, initial_state=s1)
+    assert torch.allclose(second, whole[:, 8:], atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("name", CALLERS)
+def test_memory_reference_backend_is_the_naive_twin(name):
+    call, features, degree = _callers()[name]
+    q, k, v = _qkv(seed=4)
+    opts = AttentionOptions(window=4, sinks=1, cache=2, decay="head", backend="reference")
+    params = _params(opts)
+    out = call(q, k, v, options=opts, params=params)
+    fq, fk = features(q, k)
+    ref = memory_attention_naive(fq, fk, v, q, k, options=opts, params=params, degree=degree)
+    assert out.dtype == torch.float64
+    assert torch.allclose(out, ref, atol=1e-12, rtol=0)
+
+
+def test_memory_refuses_the_fused_kernel_and_decay_one_is_not_memory():
+    q, k, v = _qkv()
+    theta = _theta()
+    with pytest.raises(ValueError, match="have no fused kernel"):
+        llops_attention(q, k, v, theta, theta, options=AttentionOptions(window=2, cache=2, backend="triton"))
+    # decay=1.0 is no decay: today's hybrid, bit for bit, and its AttentionState
+    ref, s_ref = llops_attention(q, k, v, theta, theta, window=4, sinks=1, output_final_state=True)
+    out, s_out = llops_attention(q, k, v, theta, theta, options=AttentionOptions(window=4, sinks=1, decay=1.0),
+                                 output_final_state=True)
+    assert torch.equal(out, ref) and type(s_out) is type(s_ref) and not isinstance(s_out, MemoryState)
+
+
+def test_non_negative_none_lets_the_map_decide():
+    """llops: a Θ that can be signed is self-tensored under options.non_negative=None (as
+    featuremap_attention and LLoPSAttention decide); equal factors are not."""
+    q, k, v = _qkv()
+    signed, safe = _theta(7, equal=False), _theta()
+    for theta, lifted in ((signed, True), (safe, False)):
+        out = llops_attention(q, k, v, theta, theta, options=AttentionOptions(non_negative=None))
+        assert torch.equal(out, llops_attention(q, k, v, theta, theta, non_negative=lifted))
+
+
+# ------------------------------------------------------------------ one rule per option, one message
+BAD = [("normalize", "max"), ("eps", -1.0), ("eps", float("inf")), ("window", -1), ("sinks", 2),
+       ("local", "relu"), ("local_scale", -1.0), ("denominator_check", "loud"), ("chunk_size", 0),
+       ("backend", "cuda"), ("causal", 1), ("non_negative", "yes")]
+
+
+def _message(fn):
+    with pytest.raises((ValueError, TypeError)) as err:
+        fn()
+    return str(err.value)
+
+
+@pytest.mark.parametrize("keyword, value", BAD)
+def test_every_entry_point_states_the_options_rule(keyword, value):
+    """The error each entry point raises for a bad option is AttentionOptions' own, word for word
+    (the rule is written once)."""
+    want = _message(lambda: AttentionOptions(**{keyword: value}))
+    q, k, v = _qkv()
+    for name, (call, _, _) in _callers().items():
+        if name.startswith("featuremap") and keyword == "normalize":
+            continue  # featuremap_attention's normalize takes None too: same rule, checked by the options
+        if name == "features" and keyword == "backend":
+            continue  # feature_attention has no backend keyword
+        assert _message(lambda: call(q, k, v, **{keyword: value})) == want, name
+
+
+def test_the_checks_are_the_options_rules():
+    from sketchlab.attention import _checks
+
+    for fn, name, value in ((_checks.check_normalize, "normalize", "max"), (_checks.check_eps, "eps", -2.0),
+                            (_checks.check_chunk_size, "chunk_size", 0),
+                            (_checks.check_denominator_check, "denominator_check", "loud"),
+                            (_checks.check_backend_name, "backend", "gpu")):
+        assert _message(lambda: fn(value)) == _message(lambda: AttentionOptions(**{name: value}))
+    for kw in (dict(window=0, sinks=2), dict(window=3, normalize="none"), dict(local="relu"),
+               dict(local_scale=0.0), dict(window=-1)):
+        hybrid = dict(window=0, sinks=0, local="softmax", local_scale=None, normalize="sum")
+        hybrid.update(kw)
+        normalize = hybrid.pop("normalize")
+        got = _message(lambda: _checks.check_hybrid(*hybrid.values(), None, normalize=normalize, heads=1, dim=4,
+                                                    like=torch.zeros(1)))
+        assert got == _message(lambda: AttentionOptions(**kw))
+
+
+def test_exports():
+    import sketchlab.attention as sa
+
+    for name in ("AttentionOptions", "FarParams", "memory_attention", "memory_attention_naive", "MemoryState"):
+        assert getattr(sl, name) is getattr(sa, name)
+        assert name in sl.__all__ and name in sa.__all__
+
+
+def test_kernel_range_bound_is_cached_per_theta_version():
+    """The Θ part of the kernel-range check is cached per tensor (a decoding loop passes one Θ every
+    token) and recomputed after an in-place change: a Θ scaled in place into underflow is refused."""
+    q, k, v = _qkv()
+    theta = _theta()
+    llops_attention(q, k, v, theta, theta)
+    with torch.no_grad():
+        theta.mul_(1e-90)  # features (θ·x)² ~ 1e-180 each: every kernel value underflows float64
+    with pytest.raises(ValueError, match="underflow"):
+        llops_attention(q, k, v, theta, theta)
