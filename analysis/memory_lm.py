@@ -270,6 +270,8 @@ def main(argv=None) -> int:
                                  conv["window"] + conv["sinks"] + conv.get("cache", 0))
             row["options"] = conv
             row["minutes"] = (time.perf_counter() - t) / 60
+            if JSON.is_file():  # rows another invocation finished meanwhile (the study may run in parts at once)
+                data["rows"] = {**json.loads(JSON.read_text())["rows"], **data["rows"]}
             data["rows"][name] = row
             with atomic_write(JSON) as tmp:
                 tmp.write_text(json.dumps(data, indent=1) + "\n")
