@@ -172,6 +172,15 @@ def methods(d_model: int) -> dict[str, Method]:
     out.append(Method("llops-nn-p2-m16-based", "LLoPS self-tensored, p = 2, m = 16 (256 features, degree 4; init: "
                       "BASED expand, d' = 4)", "llops", {"p": 2, "m": 16, "non_negative": True}, init="based",
                       kernel_lr=KERNEL_LR))
+    # the delta-rule far state (issue 34; analysis/mqar_delta.py): the self-tensored affine LLoPS map above with
+    # state="delta" (256 features, L2-normalised inside the rule), and DeltaNet's identity features (φ(x) = x:
+    # d_model features with one head), β per head learned in the kernel group (at kernel_lr with Θ)
+    out.append(Method("llops-nn-affine-p2-m16-delta", "LLoPS self-tensored on [x, 1], p = 2, m = 16 (256 features; "
+                      "random init), delta rule", "llops",
+                      {"p": 2, "m": 16, "non_negative": True, "affine": True, "state": "delta"}, init="random",
+                      kernel_lr=KERNEL_LR))
+    out.append(Method("identity-delta", f"DeltaNet-style: identity features ({d_model}), delta rule", "identity",
+                      {"state": "delta"}))
     # the sliding-window hybrids (exact softmax on the last `window` keys, the sketch beyond, one denominator,
     # a learned gate per head): BASED's own recipe; window 64 at Zoology's lengths (16 at a quarter of them)
     hybrid_bases = ("based", "llops-p2-m256-based", "hedgehog", "llops-nn-affine-p2-m16",
@@ -187,6 +196,7 @@ def methods(d_model: int) -> dict[str, Method]:
 
 
 M_SWEEP = (64, 128, 192, 256)  # the paper's Figure 3 sketch sizes
+SCRIPT = "analysis/paper_training.py"  # the script a run file names as its maker (analysis/mqar_delta.py sets its own)
 KERNEL_LR = 0.1  # Θ's learning-rate factor (see sketchlab.tasks.train_mqar, kernel_lr)
 
 
@@ -295,7 +305,7 @@ def run_one(spec: RunSpec, work: str, threads: int) -> dict:
            "label": method.label, "mixture_accuracy": mix_acc, "slices": slices, "evals": evals,
            "seconds": seconds, "diverged": diverged, "forward_ms_T256": forward_ms(model, 256),
            "threads": threads, "rope_base": method.rope_base, "denominator_warnings": denominators,
-           "command": "python analysis/paper_training.py " + _command()}  # the invocation that ran it
+           "command": f"python {SCRIPT} " + _command()}  # the invocation that ran it
     from sketchlab.io import atomic_write
 
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -263,7 +263,7 @@ def test_llops_kernel_is_llops_attention_on_scaled_inputs(non_negative):
     ("llops", {"affine": 1}, r"attention option affine must be true or false, got 1"),
     ("llops", {"affine": True, "window": 2, "local": "poly"}, r"local='poly' is the homogeneous kernel .* use local='softmax'"),
     ("softmax", {"p": 2}, r"attention 'softmax' takes no options"),
-    ("nope", {}, r"attention must be one of \['based', 'based-expand', 'based-taylor', 'dpfp', 'elementwise', 'exact-poly', 'hedgehog', 'llops', 'poly', 'psf', 'psf-learned', 'psf-random', 'softmax', 'tensorsketch'\]"),
+    ("nope", {}, r"attention must be one of \['based', 'based-expand', 'based-taylor', 'dpfp', 'elementwise', 'exact-poly', 'hedgehog', 'identity', 'llops', 'poly', 'psf', 'psf-learned', 'psf-random', 'softmax', 'tensorsketch'\]"),
 ])
 def test_attention_options_are_checked(attention, options, msg):
     with pytest.raises(ValueError, match=msg):

@@ -111,6 +111,19 @@ def add_arguments(sub) -> None:
     k.add_argument("--dim", type=int, default=None, help="BASED feature dimension d' (based)")
     k.add_argument("--backend", choices=("auto", "torch", "triton", "reference"), default=None,
                    help="LLoPS attention backend (llops)")
+    m = cmd.add_argument_group("sliding window and long-context memory (every sketched kernel; checked by "
+                               "sketchlab.attention.AttentionOptions, docs/DESIGN.md §7)")
+    m.add_argument("--window", type=nonnegative_int, default=None, help="exact local keys (0: pure linear attention)")
+    m.add_argument("--sinks", type=nonnegative_int, default=None, help="attention sinks (needs --window)")
+    m.add_argument("--cache", type=nonnegative_int, default=None,
+                   help="far keys kept exact, the ones the state recalls worst (needs --window)")
+    m.add_argument("--decay", type=_decay, default=None, metavar="DECAY",
+                   help="decay of the far state: a number in (0, 1] (1: none), 'head' (learned per head) or 'input' "
+                        "(from the value)")
+    m.add_argument("--state", choices=("additive", "delta"), default=None,
+                   help="the far state: additive sums (default) or the delta rule")
+    m.add_argument("--beta", choices=("head", "input"), default=None,
+                   help="the delta rule's write strength: learned per head (default) or from the value")
     k.add_argument("--init", nargs="+", default=None, metavar="INIT",
                    help="llops initialisation: 'random' (default), 'based', or 'theta FILE' (an exported Θ); it "
                         "picks the defaults of --affine, --non-negative and --m (a resumed run keeps its own)")
@@ -153,8 +166,17 @@ def add_arguments(sub) -> None:
     cmd.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+def _decay(text: str):
+    """``--decay``: a number (its range checked with the other options), else the name as given."""
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
 def _attention_options(args) -> dict:
-    names = ("p", "m", "rank", "non_negative", "affine", "normalize", "form", "dim", "backend")
+    names = ("p", "m", "rank", "non_negative", "affine", "normalize", "form", "dim", "backend", "window", "sinks",
+             "cache", "decay", "state", "beta")
     return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
 
 

@@ -28,6 +28,8 @@ map (name)              features                                               k
 :class:`HedgehogMap`    LoLCATs: :math:`[\mathrm{softmax}(xW), \mathrm{softmax}(-xW)]`  ≈ ``exp(qᵀk)``
 (``hedgehog``)
 :class:`SelfTensored`   :math:`\phi\otimes\phi` of any map                       ``(φ(q)·φ(k))² >= 0``
+:class:`IdentityMap`    :math:`x` (``M = D``; DeltaNet's, :mod:`.identity`)      ``qᵀk``
+(``identity``)
 ======================  =====================================================  ==============
 
 References

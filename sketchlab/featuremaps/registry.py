@@ -10,7 +10,7 @@ successor with a ``DeprecationWarning``. ``fit_sketch``, the toy model's attenti
 ``convert_attention`` all read this registry, so a map registered here runs in each of them.
 
 Names (DESIGN §6): ``llops``, ``elementwise``, ``exact-poly``, ``based-taylor``, ``based-expand``,
-``psf-random``, ``psf-learned``, ``tensorsketch``, ``hedgehog``, ``dpfp``. Deprecated here:
+``psf-random``, ``psf-learned``, ``tensorsketch``, ``hedgehog``, ``dpfp``, ``identity``. Deprecated here:
 ``exact`` → ``exact-poly``, ``taylor`` → ``based-taylor``, ``psf`` → ``psf-learned`` (this registry's
 old meaning of it; ``fit_sketch`` and the toy model used ``psf`` for ``psf-random``).
 """
@@ -173,7 +173,7 @@ def make_feature_map(name: str, *, heads: int, head_dim: int, **options) -> Feat
     ``self_tensored``) and the map's own (:func:`feature_map_options`), checked once here. Sizes:
     ``llops``, ``elementwise``, ``hedgehog``, ``tensorsketch``: ``m`` features; ``based-taylor``,
     ``based-expand``: the largest ``d'`` with at most ``m``; ``psf-random``, ``psf-learned``:
-    ``⌊√m⌋²`` (self-tensored); ``exact-poly``: ``C(D+p−1, p)`` (``m`` ignored); ``dpfp``: ``2·D·nu``.
+    ``⌊√m⌋²`` (self-tensored); ``exact-poly``: ``C(D+p−1, p)`` (``m`` ignored); ``dpfp``: ``2·D·nu``; ``identity``: ``D``.
     """
     _builtins()
     name = resolve_name(name)
@@ -304,6 +304,7 @@ _BUILTINS = {
     "tensorsketch": (_tensorsketch, {}),
     "hedgehog": (_hedgehog, {}),
     "dpfp": (_lazy("dpfp", "build_dpfp"), {"nu": Option("int", None, low=1, doc="DPFP's order n (M = 2·D·n)")}),
+    "identity": (_lazy("identity", "build_identity"), {}),
 }
 
 

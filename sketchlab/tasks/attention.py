@@ -46,9 +46,19 @@ convention, kernel ``1 + s' + s'²/2`` with ``s' = (Pq)ᵀ(Pk)/√d'``).
 (:func:`sketchlab.attention.llops_attention`): ``window`` (0 = pure linear attention), ``sinks``
 (0), ``local`` ("softmax" on ``qᵀk/√D``, or "poly": the kernel's exact polynomial on the same
 scaled q, k) and ``gate`` (true: a learnable per-head logit, initialised to 0, so ``g = 1/2``).
+Every such kernel (and every :class:`MapKernel`) also takes the long-context memory of DESIGN §7:
+``cache`` (0; far keys kept exact, needs a window), ``decay`` (null; a number in (0, 1], "head" or
+"input"), ``state`` ("additive" or "delta") and ``beta`` ("head" or "input"), checked by
+:class:`sketchlab.attention.options.AttentionOptions` (the one set of rules). With any of them on the
+kernel runs :func:`sketchlab.attention.memory.memory_attention` on its far features and holds a
+:class:`~sketchlab.attention.options.FarParams` ``far`` (learned decay and β, trained in the "kernel"
+parameter group); ``decay=1`` is today's hybrid bit for bit. A signed registered map (e.g.
+``"identity"``, DeltaNet's φ(x) = x) is self-tensored by default under a normalised additive state and
+taken as it is by the delta rule (which L2-normalises it and has no denominator).
 Every kernel decodes with a state (``step``, used by :func:`sketchlab.tasks.generate`): linear
-attention carries an :class:`~sketchlab.attention.AttentionState` (constant in the context
-length), ``softmax`` and ``poly`` a KV cache.
+attention carries an :class:`~sketchlab.attention.AttentionState` (with memory a
+:class:`~sketchlab.attention.memory.MemoryState`; constant in the context length either way),
+``softmax`` and ``poly`` a KV cache.
 
 ``"hedgehog"`` and ``"psf-learned"`` see ``x · D^{-1/4}`` too (their learned weights absorb any
 scale; PSF's LayerNorm removes it), so the hybrid's softmax part is ``qᵀk/√D`` as for the others;
@@ -154,7 +164,29 @@ def _hybrid_options(opts: dict, out: dict) -> dict:
         raise ValueError(f"attention option sinks={out['sinks']} needs window >= 1 (window 0 is pure linear attention)")
     if out["window"] and out["normalize"] != "sum":
         raise ValueError("attention option window > 0 needs normalize 'sum' (the hybrid shares one denominator)")
+    # the long-context memory (DESIGN §7): checked by the one set of rules, AttentionOptions'
+    memory = {name: opts.pop(name, default) for name, default in _MEMORY_DEFAULTS.items()}
+    checked = _attention_options(out, memory)
+    out.update({name: getattr(checked, name) for name in _MEMORY_DEFAULTS})  # completed: decay 1 -> 1.0
     return out
+
+
+#: The memory options every hybrid kernel takes, and their defaults (no memory: today's hybrid).
+_MEMORY_DEFAULTS = {"cache": 0, "decay": None, "state": "additive", "beta": "head"}
+
+
+def _attention_options(o: dict, memory: dict | None = None, local_scale: float | None = None):
+    """The :class:`~sketchlab.attention.options.AttentionOptions` of a hybrid kernel's options ``o``
+    (``memory``: the cache, decay, state and β, default ``o``'s own): its ``__post_init__`` is the one
+    check of every memory rule (cache needs a window, delta needs a normalised mix, ...)."""
+    from ..attention.options import AttentionOptions
+
+    memory = {name: o[name] for name in _MEMORY_DEFAULTS} if memory is None else memory
+    try:
+        return AttentionOptions(causal=True, normalize=o["normalize"], eps=o["eps"], window=o["window"],
+                                sinks=o["sinks"], local=o["local"], local_scale=local_scale, **memory)
+    except TypeError as err:  # a bool where a flag was expected: the toy's option errors are ValueErrors
+        raise ValueError(f"attention option: {err}") from None
 
 
 def _poly_options(opts: dict, config: TransformerConfig) -> dict:
@@ -260,12 +292,27 @@ class PolyKernel(nn.Module):
 
 
 class _HybridMixin:
-    """The window/sinks/local/gate options of a sketched kernel, and its decoding step."""
+    """The window/sinks/local/gate options of a sketched kernel, its memory (``cache``, ``decay``,
+    ``state``, ``beta``: DESIGN §7) and its decoding step.
+
+    ``attention_options`` (an :class:`~sketchlab.attention.options.AttentionOptions`) holds the
+    hybrid's and the memory's options; when its ``memory`` is on (a cache, a decay other than
+    ``None``/``1.0``, the delta state) the kernel runs
+    :func:`sketchlab.attention.memory.memory_attention` on its far features (:meth:`_far_features`)
+    with ``far`` (a :class:`~sketchlab.attention.options.FarParams`: the learned decay and β; the gate
+    stays ``gate``, where checkpoints have it), else its own hybrid path (``decay=1.0`` is that path,
+    bit for bit). ``far``'s parameters live under ``.attention.attn.``: the training loop's "kernel" group.
+    """
 
     def _init_hybrid(self, config: TransformerConfig, local_scale):
+        from ..attention.options import FarParams
+
         o = self.options
         self.gate = nn.Parameter(torch.zeros(config.n_heads)) if o["window"] and o["gate"] else None
         self.local_scale = local_scale
+        self.attention_options = _attention_options(o, local_scale=float(local_scale))
+        memory = self.attention_options.memory
+        self.far = FarParams(self.attention_options, config.n_heads, config.head_dim, gate=False) if memory else None
 
     def _hybrid(self) -> dict:
         o = self.options
@@ -273,13 +320,42 @@ class _HybridMixin:
                 "local_scale": self.local_scale, "gate": self.gate}
 
     def step(self, q, k, v, state):
-        """``n`` new tokens given the :class:`~sketchlab.attention.AttentionState` of the earlier
-        ones (``None`` at the start) → ``(out, state)``."""
-        return self._attend(q, k, v, initial_state=state, output_final_state=True)
+        """``n`` new tokens given the state of the earlier ones (``None`` at the start) → ``(out, state)``:
+        an :class:`~sketchlab.attention.AttentionState`, or with memory a
+        :class:`~sketchlab.attention.memory.MemoryState` (constant in the context length either way)."""
+        return self._run(q, k, v, initial_state=state, output_final_state=True)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """``q, k, v [B, T, H, D]`` → ``[B, T, H, D]``."""
-        return self._attend(q, k, v)
+        return self._run(q, k, v)
+
+    def _run(self, q, k, v, **state):
+        if self.attention_options.memory:
+            return self._memory(q, k, v, **state)
+        return self._attend(q, k, v, **state)
+
+    def _memory(self, q, k, v, **state):
+        """:func:`~sketchlab.attention.memory.memory_attention` on the far features of :meth:`_far_features`."""
+        from ..attention.memory import memory_attention
+
+        fq, fk, ql, kl, degree = self._far_features(q, k)
+        out = memory_attention(fq.to(v.dtype), fk.to(v.dtype), v, ql.to(v.dtype), kl.to(v.dtype),
+                               options=self.attention_options, params=self.far, gate=self.gate, degree=degree,
+                               **state)
+        if state.get("output_final_state"):
+            return out[0].to(v.dtype), out[1]
+        return out.to(v.dtype)
+
+    def _far_features(self, q, k):
+        """``(φ(q), φ(k) [B, T, H, M], q, k as the exact part sees them [B, T, H, ·], degree)``: the
+        features the kernel's own path uses (self-tensored where it self-tensors), for the memory path."""
+        raise NotImplementedError
+
+
+def _sketch_features(sketch, q, k):
+    """A :class:`sketchlab.Sketch`'s features of ``q, k [B, T, H, D]`` → ``[B, T, H, M]`` each."""
+    return (sketch.features_q(q.transpose(1, 2)).transpose(1, 2),
+            sketch.features_k(k.transpose(1, 2)).transpose(1, 2))
 
 
 def _slice_projection(head_dim: int, dim: int, heads: int) -> torch.Tensor:
@@ -318,6 +394,10 @@ class BasedKernel(_HybridMixin, nn.Module):
         return sketch_attention(q * self.scale, k * self.scale, v, self.sketch(), causal=True,
                                 normalize=o["normalize"], eps=o["eps"], **self._hybrid(), **state)
 
+    def _far_features(self, q, k):
+        q, k, sketch = q * self.scale, k * self.scale, self.sketch()
+        return (*_sketch_features(sketch, q, k), q, k, sketch.degree)
+
 
 class PSFKernel(_HybridMixin, nn.Module):
     """PolySketchFormer's fixed random sketch (one draw per head, buffers ``weight_i [H, in, r]``),
@@ -349,6 +429,10 @@ class PSFKernel(_HybridMixin, nn.Module):
         o = self.options
         return sketch_attention(q * self.scale, k * self.scale, v, self.sketch(), causal=True,
                                 normalize=o["normalize"], eps=o["eps"], **self._hybrid(), **state)
+
+    def _far_features(self, q, k):  # the sketch self-tensors itself (non_negative)
+        q, k, sketch = q * self.scale, k * self.scale, self.sketch()
+        return (*_sketch_features(sketch, q, k), q, k, sketch.degree)
 
 
 class LLoPSKernel(_HybridMixin, nn.Module):
@@ -386,6 +470,21 @@ class LLoPSKernel(_HybridMixin, nn.Module):
             return out[0].to(v.dtype), out[1]
         return out.to(v.dtype)
 
+    def _far_features(self, q, k):
+        from ..attention import self_tensor
+        from ..llops import affine_input
+        from ..llops.maps import llops_feature_fn
+
+        o = self.options
+        q, k = q * self.scale, k * self.scale
+        if o["affine"]:
+            q, k = affine_input(q), affine_input(k)
+        fq = llops_feature_fn(self.theta_q)(q.transpose(1, 2)).transpose(1, 2)  # [B, T, H, m]
+        fk = llops_feature_fn(self.theta_k)(k.transpose(1, 2)).transpose(1, 2)
+        if o["non_negative"]:  # φ ⊗ φ, as llops_attention's non_negative: m² features
+            fq, fk = self_tensor(fq), self_tensor(fk)
+        return fq, fk, q, k, o["p"]
+
 
 class _FeatureMapKernel(_HybridMixin, nn.Module):
     """A learned :class:`sketchlab.featuremaps.FeatureMap` per side (``map_q``; ``map_k``, or
@@ -406,6 +505,20 @@ class _FeatureMapKernel(_HybridMixin, nn.Module):
         return featuremap_attention(q * self.scale, k * self.scale, v, self.map_q, self.map_k, causal=True,
                                     normalize=o["normalize"], non_negative=False, eps=o["eps"], backend="torch",
                                     **self._hybrid(), **state)
+
+    def _lift(self) -> bool:
+        """Whether the memory path self-tensors the maps' features (these maps: never, as ``_attend``)."""
+        return False
+
+    def _far_features(self, q, k):
+        from ..attention import self_tensor
+
+        q, k = q * self.scale, k * self.scale
+        map_k = self.map_q if self.map_k is None else self.map_k
+        fq, fk = self.map_q.features(q), map_k.features(k)
+        if self._lift():
+            fq, fk = self_tensor(fq), self_tensor(fk)
+        return fq, fk, q, k, self.map_q.degree
 
 
 class HedgehogKernel(_FeatureMapKernel):
@@ -454,6 +567,17 @@ class MapKernel(_FeatureMapKernel):
         return featuremap_attention(q * self.scale, k * self.scale, v, self.map_q, self.map_k, causal=True,
                                     normalize=o["normalize"], non_negative=o["non_negative"], eps=o["eps"],
                                     backend="torch", **self._hybrid(), **state)
+
+    def _lift(self) -> bool:
+        """``non_negative``, or when null: self-tensor a signed map under a normalised additive far state
+        (``featuremap_attention``'s rule: never divide by a signed sum); the delta state has no
+        denominator and takes the map's features as they are (DeltaNet's ``φ(x) = x``: ``"identity"``)."""
+        o = self.options
+        if o["non_negative"] is not None:
+            return o["non_negative"]
+        map_k = self.map_q if self.map_k is None else self.map_k
+        signed = not (self.map_q.non_negative and map_k.non_negative)
+        return o["state"] != "delta" and o["normalize"] == "sum" and signed
 
 
 def _map_options(name: str):
