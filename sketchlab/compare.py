@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ._validation import (DEFAULT_MAX_BYTES, check_degree, check_fraction, check_kernel_underflow, check_positive_int,
-                          check_seed)
+                          check_seed, check_symmetric_features)
 from .fit import _fit_checked, accepted_methods, available_sketches, sketch_fitter
 from ._dumpsel import select_and_scale
 from .optimal import max_sketch_size
@@ -362,6 +362,11 @@ def compare(dump_or_qk, *, p: int, m: int, methods=DEFAULT_METHODS, layers=None,
             f"(min of the fitting tokens and the exact feature dimension): the kernel on the fitting tokens has "
             f"rank at most {limit}, so the Theorem 3.1 floor is 0 and undefined as a yardstick"
         )
+    # every fit's report measures it against the Theorem 3.1 optimum, on the exact symmetric features of one
+    # layer's fitting tokens: their enumeration and size, estimated before the first fit
+    check_symmetric_features(d, p, len(heads) * n_fit, where=f"{source}: compare at p={p}, d={d}",
+                             lower_p="lower p (--p on the command line)",
+                             fewer_rows="compare fewer heads at once (heads=, --heads)")
 
     from tqdm.auto import tqdm
 

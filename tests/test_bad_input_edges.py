@@ -1,0 +1,134 @@
+"""Bad input at the edges of the toolkit commands (issue 35, classes 5 and 7): work that would run for
+minutes or hours is estimated and refused before it starts, naming its cost and the way out; numbers
+that are round-off or cannot be printed are said to be so, not printed as results.
+
+Every CLI case runs against a directory of small dumps and checks that a refused run leaves it
+byte-for-byte unchanged, prints one ``sketchlab: error:`` line and no traceback.
+"""
+
+import hashlib
+import importlib
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from sketchlab import save_qk
+from sketchlab.cli import main
+
+
+def _qk(n=24, d=8, H=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(1, H, n, d, generator=g, dtype=torch.float64),
+            torch.randn(1, H, n, d, generator=g, dtype=torch.float64))
+
+
+@pytest.fixture(scope="module")
+def dumps(tmp_path_factory):
+    root = tmp_path_factory.mktemp("edges")
+    for d in (8, 16, 32, 64):
+        save_qk(root / f"d{d}.safetensors", *_qk(d=d))
+    return root
+
+
+def _hashes(root: Path) -> dict:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.iterdir()) if p.is_file()}
+
+
+def _no_work(monkeypatch):
+    """Make every heavy step fail the test: the multiset index, the fits, the HOPM searches."""
+    import sketchlab.fit
+    import sketchlab.polynomial
+    import sketchlab.spectral
+
+    def work(*args, **kwargs):
+        raise AssertionError("the command started the work it should have refused")
+
+    monkeypatch.setattr(sketchlab.polynomial, "_symmetric_index_cpu", work)
+    monkeypatch.setattr(sketchlab.fit, "fit_sketch", work)
+    monkeypatch.setattr(sketchlab.fit, "_fit_checked", work)
+    monkeypatch.setattr(importlib.import_module("sketchlab.compare"), "_fit_checked", work)
+    monkeypatch.setattr(importlib.import_module("sketchlab.advise"), "fit_sketch", work)
+    monkeypatch.setattr(sketchlab.spectral, "spectral_norm", work)
+    monkeypatch.setattr(importlib.import_module("sketchlab.verify"), "spectral_norm", work)
+
+
+def _exit_2(argv, dumps, capsys, match):
+    before = _hashes(dumps)
+    rc = main([*argv, "--no-progress"])
+    out = capsys.readouterr()
+    lines = out.err.strip().splitlines()
+    assert rc == 2, out.err
+    assert len(lines) == 1 and lines[0].startswith("sketchlab: error: ") and "Traceback" not in out.err, out.err
+    assert re.search(match, lines[0]), lines[0]
+    assert _hashes(dumps) == before
+    return lines[0]
+
+
+# ------------------------------------------------------------------------------------------------
+# class 7: hangs, estimated and refused before the work
+
+ENUMERATION = r"C\(d\+p-1, p\) = 8\.88e\+05; enumerating them \(1\.78e\+07 index entries, ~[\d.]+ s\) is over the bound"
+
+HANG_CASES = [
+    # --p 20 at d = 8: 888 030 multisets enumerated in Python before the first fit (about a minute), then the fits
+    (["compare", "d8.safetensors", "--p", "20", "--m", "4"], ENUMERATION + r".*lower p \(--p on the command line\)$"),
+    (["compare", "d8.safetensors", "--p", "20", "--m", "4", "--methods", "psf"], ENUMERATION),
+    (["advise", "d8.safetensors", "--p", "20", "--target", "0.1"], ENUMERATION + r".*lower p \(--p"),
+    (["fit", "d8.safetensors", "--p", "20", "--m", "4", "--out", "t.safetensors"], ENUMERATION + r".*lower --p$"),
+    (["verify", "d8.safetensors", "--p", "20", "--m", "4"], ENUMERATION),
+    # --p 20 at d = 64: the LLoPS fit ran for minutes and only its report's reference was refused
+    (["fit", "d64.safetensors", "--p", "20", "--m", "4", "--out", "t.safetensors"],
+     r"fit at p=20, d=64: .*C\(d\+p-1, p\) = 8\.18e\+18; .*~[\d.e+]+ years\)"),
+    (["compare", "d64.safetensors", "--p", "20", "--m", "4", "--methods", "llops"], r"compare at p=20, d=64: .*8\.18e\+18"),
+    # verify --p 6 at d = 32: 2.3 million multisets, then HOPM on 32^6 = 1.07e9-entry tensors
+    (["verify", "d32.safetensors", "--p", "6", "--m", "4"], r"verify at p=6, d=32: .*C\(d\+p-1, p\) = 2\.325e\+06"),
+    # verify --p 6 at d = 16: few multisets, but HOPM searches on 16^6 = 1.7e7-entry tensors
+    (["verify", "d16.safetensors", "--p", "6", "--m", "4"],
+     r"verify at p=6, d=16: the Theorem 3\.4 checks' HOPM searches \(2 head\(s\) x 4 column\(s\) x 2 searches x 8 "
+     r"starts x ~200 sweeps x 6 x 16\^6\) would take about 2\.58e\+12 multiply-adds \(~21\.5 min .*over the work "
+     r"budget of 1e\+12.*--columns.*--restarts.*--heads"),
+]
+
+
+@pytest.mark.parametrize("argv,match", HANG_CASES, ids=[" ".join(c[0][:4]) for c in HANG_CASES])
+def test_hangs_are_estimated_and_refused_before_the_work(argv, match, dumps, capsys, monkeypatch):
+    monkeypatch.chdir(dumps)
+    _no_work(monkeypatch)
+    _exit_2(argv, dumps, capsys, match)
+    assert not (dumps / "t.safetensors").exists()
+
+
+def test_the_api_refuses_the_same_work(dumps, monkeypatch):
+    """compare(), advise() and verify() (the entry points under the commands) estimate it too."""
+    from sketchlab import compare
+    from sketchlab.advise import advise
+    from sketchlab.verify import verify
+
+    _no_work(monkeypatch)
+    q, k = _qk(d=8)
+    with pytest.raises(ValueError, match=ENUMERATION + r".*lower p"):
+        compare((q, k), p=20, m=4, methods=["psf"])
+    with pytest.raises(ValueError, match=ENUMERATION):
+        advise((q, k), p=20, target=0.1)
+    with pytest.raises(ValueError, match=ENUMERATION):
+        verify((q, k), p=20, m=4)
+    with pytest.raises(ValueError, match=r"HOPM searches .* over the work budget"):
+        verify(_qk(d=16), p=6, m=4)
+
+
+def test_the_bounds_leave_the_usual_sizes_alone(dumps):
+    """The estimates refuse only what would run for minutes: d = 64 at p <= 4 and the default verify pass."""
+    from sketchlab._validation import MAX_SYMMETRIC_INDEX, check_symmetric_features, symmetric_feature_cost
+    from sketchlab.verify import verify_cost
+
+    assert symmetric_feature_cost(64, 4) == (766480, 4 * 766480)
+    assert symmetric_feature_cost(8, 20)[1] > MAX_SYMMETRIC_INDEX > symmetric_feature_cost(8, 17)[1]
+    assert check_symmetric_features(64, 4, 128, where="x", lower_p="lower p", fewer_rows="fewer") == 766480
+    with pytest.raises(ValueError, match=r"x: the symmetric features of 2000 tokens \(2000 x 766480 float64\) would take "
+                                         r"11\.4 GiB.*; lower p, or fewer, or raise max_bytes"):
+        check_symmetric_features(64, 4, 2000, where="x", lower_p="lower p", fewer_rows="fewer")
+    work, nbytes = verify_cost(heads=144, n=512, d=64, p=2, m=64, columns=4, restarts=4)
+    assert work == 144 * 4 * 2 * 4 * 200 * 2 * 64**2 and nbytes == 4 * 64**2 * 4 * 8
+    assert verify_cost(1, 10, 8, 3, 2, 4, 4) == (2 * 2 * 8 * 200 * 3 * 8**3, 4 * 8**3 * 2 * 8)  # c = min(columns, m)
