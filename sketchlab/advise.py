@@ -41,7 +41,7 @@ import torch
 
 from ._dumpsel import select_and_scale
 from ._validation import check_degree, check_fraction, check_symmetric_features
-from .fit import available_sketches, fit_sketch
+from .fit import accepted_methods, available_sketches, fit_sketch
 from .optimal import max_sketch_size
 from .scaling import DEFAULT_SCALE
 from .spectrum import KernelSpectrum, spectrum_of_selection
@@ -202,7 +202,7 @@ def advise(dump_or_qk, *, p: int, target: float, method: str = "llops", layers=N
     """
     p = check_degree(p)
     target = _check_target(target)
-    if method not in available_sketches():
+    if method not in accepted_methods():  # the deprecated names too, as fit_sketch and compare take them
         raise ValueError(f"unknown method {method!r}; available: {', '.join(available_sketches())}")
     holdout = check_fraction(holdout, "holdout")
     if isinstance(seed, bool) or not isinstance(seed, int):

@@ -132,3 +132,35 @@ def test_the_bounds_leave_the_usual_sizes_alone(dumps):
     work, nbytes = verify_cost(heads=144, n=512, d=64, p=2, m=64, columns=4, restarts=4)
     assert work == 144 * 4 * 2 * 4 * 200 * 2 * 64**2 and nbytes == 4 * 64**2 * 4 * 8
     assert verify_cost(1, 10, 8, 3, 2, 4, 4) == (2 * 2 * 8 * 200 * 3 * 8**3, 4 * 8**3 * 2 * 8)  # c = min(columns, m)
+
+
+# ------------------------------------------------------------------------------------------------
+# class 5: silent garbage at the numeric edges
+
+
+@pytest.mark.parametrize("factor,size", [(1e-300, r"1e-1197"), (1e-30, r"1e-117"), (0.0, r"0 \(an all-zero Θ\)")])
+@pytest.mark.parametrize("method", ["direct", "adam"])
+def test_an_init_theta_too_small_to_fit_from_is_refused_naming_its_scale(factor, size, method):
+    """A good Θ × 1e-300 as the init: the direct fit returned an all-zero Θ (rel_fro 1) and Adam the same,
+    reported converged; now refused naming the kernel's size, Θ's largest entry and the way out. A Θ a
+    little smaller than the data (× 1e-3) still fits from its direction."""
+    import copy
+
+    from sketchlab import fit_sketch
+
+    q, k = (t[0] * 8**-0.25 for t in _qk(d=8))
+    good = fit_sketch("llops", q, k, p=2, m=4, holdout=0).sketch
+    small = copy.deepcopy(good)
+    with torch.no_grad():
+        small.theta_q.mul_(factor)
+        small.theta_k.mul_(factor)
+    with pytest.raises(ValueError, match=rf"init Θ is too small to fit from: its kernel φ\(q\)ᵀφ\(k\) is at most {size} "
+                                         r"on these tokens \(head 0; Θ's largest entry .*below 1e-100.*rescale the init "
+                                         r"Θ.*init='svd'"):
+        fit_sketch("llops", q, k, p=2, m=4, holdout=0, init=small, method=method)
+    fine = copy.deepcopy(good)
+    with torch.no_grad():
+        fine.theta_q.mul_(1e-3)
+        fine.theta_k.mul_(1e-3)
+    refit = fit_sketch("llops", q, k, p=2, m=4, holdout=0, init=fine)
+    assert float(refit.report.rel_fro.max()) < 0.9
