@@ -164,3 +164,35 @@ def test_an_init_theta_too_small_to_fit_from_is_refused_naming_its_scale(factor,
         fine.theta_k.mul_(1e-3)
     refit = fit_sketch("llops", q, k, p=2, m=4, holdout=0, init=fine)
     assert float(refit.report.rel_fro.max()) < 0.9
+
+
+def test_spectrum_of_a_huge_dump_prints_its_floors(dumps, capsys):
+    """q, k × 1e75 at p = 2: σ reaches 3e302 and σ² overflowed, so every floor printed "nan" and the 99%
+    energy rank read 1, without a word. The floors and ranks are scale-invariant: the same as the dump's own."""
+    from sketchlab.spectrum import kernel_spectrum
+
+    q, k = _qk(d=8)
+    base = kernel_spectrum((q, k), p=2, scale="none")
+    huge = kernel_spectrum((q * 1e75, k * 1e75), p=2, scale="none")
+    assert float(huge.singular_values[..., 0].min()) > 1e300
+    torch.testing.assert_close(huge.floor_curve(), base.floor_curve(), rtol=1e-9, atol=1e-12)
+    assert torch.equal(huge.energy_rank(0.99), base.energy_rank(0.99))
+    assert torch.equal(huge.floor_m(0.3), base.floor_m(0.3))
+    path = dumps / "huge75.safetensors"
+    save_qk(path, q * 1e75, k * 1e75)
+    try:
+        assert main(["spectrum", str(path), "--p", "2", "--scale", "none", "--no-progress", "--sizes", "4,8"]) == 0
+    finally:
+        path.unlink()
+    out = capsys.readouterr().out
+    assert "nan" not in out.lower() and "3.78e-01" in out, out
+
+
+def test_spectrum_says_which_sizes_it_left_out(dumps, capsys, monkeypatch):
+    """--sizes 100000 on 24 tokens was dropped from the table without a word."""
+    monkeypatch.chdir(dumps)
+    assert main(["spectrum", "d8.safetensors", "--p", "2", "--no-progress", "--sizes", "4,100000,30"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"Size\(s\) 100000, 30 left out: A has 24 singular values on these 24 tokens, so at m >= 24 "
+                     r"the floor is 0", out), out
+    assert "floor m=4" in out and "floor m=100000" not in out
