@@ -196,3 +196,31 @@ def test_spectrum_says_which_sizes_it_left_out(dumps, capsys, monkeypatch):
     assert re.search(r"Size\(s\) 100000, 30 left out: A has 24 singular values on these 24 tokens, so at m >= 24 "
                      r"the floor is 0", out), out
     assert "floor m=4" in out and "floor m=100000" not in out
+
+
+def test_held_out_ratios_to_a_round_off_reference_are_left_out_and_said_so():
+    """A constant q with d = 4, p = 2 (10 symmetric features, 18 fitting tokens): the reference reproduces
+    the held-out kernel to 1e-16, and "held-out ÷ reference" printed 5.8e16 for psf-random without a word."""
+    import warnings
+
+    from sketchlab import compare
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 1, 4, generator=g, dtype=torch.float64).expand(1, 2, 24, 4).contiguous()
+    k = torch.randn(1, 2, 24, 4, generator=g, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        table = compare((q, k), p=2, m=1, methods=["optimal", "psf-random"], progress=False)
+    assert table.roundoff_references() == {(0, 0), (0, 1)}
+    assert max(r.holdout_vs_reference for r in table.rows) > 1e15  # the JSON keeps the raw ratios
+    text = table.to_markdown()
+    summary = [line for line in text.splitlines() if line.startswith("| psf-random |")][0]
+    assert summary.split(" | ")[5] == "–", summary
+    assert "e+1" not in text and "held-out ÷ reference leaves out 2 of 2 head(s)" in text and "round-off" in text
+    # an ordinary dump keeps its ratios and no note
+    q2, k2 = _qk(d=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plain = compare((q2, k2), p=2, m=3, methods=["optimal"], progress=False)
+    assert plain.roundoff_references() == set() and "leaves out" not in plain.to_markdown()
+    assert "| optimal |" in plain.summary_markdown() and "| 1.0000 |" in plain.summary_markdown()
