@@ -109,3 +109,32 @@ def test_toy_model_linearize_and_round_trip(tmp_path):
     fresh = load_linearized(tmp_path / "toy", toy())
     with torch.no_grad():
         torch.testing.assert_close(fresh(ids), want, rtol=0, atol=0)
+
+
+def test_transfer_progress_lines_are_flushed_as_each_layer_ends(monkeypatch):
+    """Stage 1's one line per layer reaches a piped stdout (a log being watched) when the layer ends, not
+    when the buffer fills: each line is flushed (issue 35 mutation round)."""
+    import importlib
+    import io
+    import sys
+
+    lin = importlib.import_module("sketchlab.convert.linearize")
+
+    class Watched(io.StringIO):
+        def __init__(self):
+            super().__init__()
+            self.seen_at_flush = []
+
+        def flush(self):
+            self.seen_at_flush.append(self.getvalue())
+            super().flush()
+
+    out = Watched()
+    monkeypatch.setattr(sys, "stdout", out)
+    monkeypatch.setattr(lin, "_transfer_layer", lambda *a, **k: [] if a[0] == "empty" else [2.0, 0.5])
+    losses = lin._train_own(["s0", "empty", "s2"], [None] * 3, None, None, 0, 1, steps=1, lr=0.1, map_lr=0.1,
+                            batch_size=1, seed=0, progress=True)
+    assert losses == [[2.0, 0.5], [], [2.0, 0.5]]
+    lines = ["transfer layer 0: mse 2 -> 0.5\n", "transfer layer 1: 0 steps\n", "transfer layer 2: mse 2 -> 0.5\n"]
+    assert out.getvalue() == "".join(lines)
+    assert [text for text in out.seen_at_flush if text] == ["".join(lines[:i + 1]) for i in range(3)]
