@@ -671,7 +671,32 @@ def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
 def diff(name: str) -> str:
     out = subprocess.run(_mutmut() + ["show", name], cwd=ROOT, capture_output=True, text=True, timeout=120)
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith(("+", "-")) and not ln.startswith(("+++", "---"))]
-    return "\n".join(lines) or out.stdout.strip()
+    return "\n".join(lines) or out.stdout.strip() or _diff_from_mutants(name)
+
+
+def _diff_from_mutants(name: str) -> str:
+    """The mutant's changed lines read from its file in ``mutants/`` (the ``__mutmut_orig`` function against
+    the mutant's), for the mutants ``mutmut show`` cannot find (it looks ``sketchlab/evaluate.py``'s up
+    among ``sketchlab/convert/evaluate.py``'s and fails)."""
+    import ast
+    import difflib
+
+    path = ROOT / "mutants" / source_file(name)
+    if not path.exists():
+        return ""
+    func, number = re.split(r"\.(?=x[_\u01c1])", name, maxsplit=1)[1].split("__mutmut_")
+    simple = func.split("\u01c1")[-1] if "\u01c1" in func else func
+    text = path.read_text(encoding="utf-8")
+    want = {simple + "__mutmut_orig", f"{simple}__mutmut_{number}", f"{func}__mutmut_orig", f"{func}__mutmut_{number}"}
+    lines = text.splitlines()
+    found = {node.name: "\n".join(lines[node.lineno - 1:node.end_lineno]) for node in ast.walk(ast.parse(text))
+             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name in want}
+    orig = found.get(simple + "__mutmut_orig") or found.get(f"{func}__mutmut_orig")
+    mutant = found.get(f"{simple}__mutmut_{number}") or found.get(f"{func}__mutmut_{number}")
+    if orig is None or mutant is None:
+        return ""
+    return "\n".join(ln for ln in difflib.unified_diff(orig.splitlines()[1:], mutant.splitlines()[1:], lineterm="", n=0)
+                     if ln.startswith(("+", "-")) and not ln.startswith(("+++", "---")))
 
 
 #: The report's opening (``--record-report``): how a mutant is judged and what each round sampled. Update per round.
