@@ -104,8 +104,8 @@ TESTS_BY_FILE: dict[str, list[str]] = {
     "sketchlab/convert/scale.py": ["tests/test_convert.py", "tests/test_convert_scale.py",
                                    "tests/test_convert_options.py"],
     "sketchlab/convert/linearize.py": ["tests/test_convert.py", "tests/test_convert_linearize.py",
-                                       "tests/test_convert_options.py", "tests/test_cli_linearize_lm.py",
-                                       "tests/test_linearize_spread.py"],
+                                       "tests/test_convert_options.py", "tests/test_mut5_convert.py",
+                                       "tests/test_cli_linearize_lm.py", "tests/test_linearize_spread.py"],
     "sketchlab/convert/pretrained.py": ["tests/test_convert.py", "tests/test_convert_capture_gguf.py",
                                         "tests/test_cli_linearize_lm.py"],
     # (not tests/test_exact_layers.py: it loads analysis/exact_layers.py, which mutmut does not copy)
@@ -193,6 +193,24 @@ REVIEWED: dict[str, str] = {
         "test_evaluate.py::test_sentence_embeddings_cover_more_sentences_than_tokens (11 sentences of 3 tokens)."),
     "sketchlab.convert.linearize.x__train_own__mutmut_41": _KILLED + (
         "test_convert_linearize.py::test_transfer_progress_lines_are_flushed_as_each_layer_ends."),
+    "sketchlab.attention.memory_state.x_empty_memory_state__mutmut_12": _KILLED + (
+        "test_memory.py::test_empty_memory_state_holds_every_floating_field_in_the_state_dtype."),
+    "sketchlab.convert.linearize.x_linearize__mutmut_314": _KILLED + (
+        "test_convert_linearize.py::test_linearize_with_a_custom_feature_map_records_it_as_custom_and_every_option_"
+        "under_its_name."),
+    "sketchlab.convert.linearize.x_linearize__mutmut_331": _KILLED + (
+        "test_convert_linearize.py::test_linearize_with_a_custom_feature_map_records_it_as_custom_and_every_option_"
+        "under_its_name; also by test_mut5_convert.py::test_linearize_report_records_the_options_it_ran_with, which "
+        "was not in linearize.py's test list (added to TESTS_BY_FILE since)."),
+    "sketchlab.attention.delta.x_delta_rule_naive__mutmut_14": _KILLED + (
+        "test_delta.py::test_delta_rule_naive_computes_float32_inputs_in_float64 (float32 inputs: float64 results, "
+        "bit for bit those of the float64 copies)."),
+    "sketchlab.evaluate.x\u01c1CopyRecall\u01c1as_dict__mutmut_8": _KILLED + (
+        "test_evaluate.py::test_copy_recall_as_dict_keeps_every_field_under_its_name."),
+    "sketchlab.attention.delta.x_decayed_linear_chunked__mutmut_1": _EQUIV + (
+        "the default chunk size 64 -> 65 changes only how the tokens are grouped; the chunked form equals the "
+        "definition for every chunk size (measured: 4e-16 relative between 64 and 65 on 200 float64 tokens, the "
+        "same order as either's distance to decayed_linear_naive)."),
     "sketchlab.evaluate.x__continue__mutmut_29": _EQUIV + (
         "the GenerationConfig is built from scratch (not from the model's own), and num_beams defaults to 1 there: "
         "dropping num_beams=1 leaves the same greedy search."),

@@ -495,3 +495,12 @@ def test_sentence_embeddings_cover_more_sentences_than_tokens():
     with torch.no_grad():
         one = bert(input_ids=ids[4:5, :2], attention_mask=mask[4:5, :2]).last_hidden_state.double().mean(1)
     torch.testing.assert_close(emb[4:5], one[0:1], rtol=1e-5, atol=1e-6)
+
+
+def test_copy_recall_as_dict_keeps_every_field_under_its_name():
+    V, P = 200, 8
+    x = torch.randperm(V, generator=torch.Generator().manual_seed(1))
+    res = copy_recall(InductionOracle(V), x, gaps=(0, 5), passage=P, n=2, seed=4)
+    d = json.loads(json.dumps(res.as_dict()))
+    assert d["passage"] == P and d["n"] == 2 and d["seed"] == 4 and d["starts"] == list(res.starts)
+    assert [g["gap"] for g in d["gaps"]] == [0, 5] and d["gaps"][1]["gap_starts"] == list(res.gap_starts[5])
