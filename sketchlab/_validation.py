@@ -15,7 +15,9 @@ import torch
 
 __all__ = [
     "DEFAULT_MAX_BYTES",
+    "DEFAULT_MAX_WORK",
     "MAX_DEGREE",
+    "MAX_SYMMETRIC_INDEX",
     "SUPPORTED_FLOAT_DTYPES",
     "as_float_tensor",
     "check_tensor_storage",
@@ -28,6 +30,9 @@ __all__ = [
     "check_positive_int",
     "check_real",
     "check_seed",
+    "check_symmetric_features",
+    "check_work",
+    "symmetric_feature_cost",
 ]
 
 
@@ -51,6 +56,68 @@ def check_memory(nbytes: int, *, what: str, way_out: str, max_bytes: int = DEFAU
             f"{what} would take {nbytes / 2**30:.3g} GiB, over the memory budget max_bytes="
             f"{max_bytes / 2**30:.3g} GiB; {way_out}, or raise max_bytes"
         )
+
+
+#: The one work budget (multiply-adds) of a run whose cost grows with d^p or the number of p-multisets
+#: (the HOPM searches of ``sketchlab verify``): about ten minutes on one CPU core at ~2e9 multiply-adds/s.
+#: Functions that start such work estimate it first and call :func:`check_work`.
+DEFAULT_MAX_WORK = 1e12
+
+#: Most entries ``p · C(d+p-1, p)`` of the symmetric multiset index (:func:`sketchlab.symmetric_index`)
+#: a run enumerates: the index is built in Python at ~3 µs an entry on a shared 2-core machine, so this
+#: bound (8.4e6 entries) keeps it to about half a minute (d=64: p <= 4; d=32: p <= 5; d=8: p <= 17).
+MAX_SYMMETRIC_INDEX = 2**23
+
+#: Seconds per index entry of :data:`MAX_SYMMETRIC_INDEX` (measured: 245 157 multisets of d=8, p=16 in
+#: 10.5 s under load), for the estimate in the message only.
+_SECONDS_PER_INDEX_ENTRY = 3e-6
+
+
+def _duration(seconds: float) -> str:
+    """``seconds`` in the unit a reader takes in at once (s, min, h, days, years)."""
+    for unit, size in (("years", 3.15e7), ("days", 86400.0), ("h", 3600.0), ("min", 60.0)):
+        if seconds >= 2 * size:
+            return f"{seconds / size:.3g} {unit}"
+    return f"{seconds:.3g} s"
+
+
+def check_work(work: float, *, what: str, way_out: str, max_work: float = DEFAULT_MAX_WORK) -> None:
+    """Raise ``ValueError`` if ``work`` estimated multiply-adds exceed ``max_work``; the work-time twin of
+    :func:`check_memory`. Call it where the work starts, before any of it; ``what`` names the work and its
+    sizes, ``way_out`` what the user can change. The message gives the time at ~2e9 multiply-adds a second."""
+    if not work <= max_work:  # NaN and inf too
+        raise ValueError(
+            f"{what} would take about {work:.3g} multiply-adds (~{_duration(work / 2e9)} at ~2e9 a second on one "
+            f"core), over the work budget of {max_work:.3g} (~{_duration(max_work / 2e9)}); {way_out}"
+        )
+
+
+def symmetric_feature_cost(d: int, p: int) -> tuple[int, int]:
+    """``(D, entries)``: the exact symmetric feature count ``D = C(d+p-1, p)`` and the ``p · D`` entries
+    of its multiset index (each enumerated in Python). Exact integers of any size, never enumerated."""
+    count = math.comb(d + p - 1, p)
+    return count, p * count
+
+
+def check_symmetric_features(d: int, p: int, rows: int, *, where: str, lower_p: str, fewer_rows: str,
+                             max_bytes: int = DEFAULT_MAX_BYTES) -> int:
+    """Refuse, before any work, a run that needs the exact symmetric features of ``rows`` vectors of
+    dimension ``d`` at degree ``p`` (the Theorem 3.1 optimum every report is measured against): when
+    enumerating their index takes more than :data:`MAX_SYMMETRIC_INDEX` entries, ``ValueError`` naming the
+    count, the estimated time and ``lower_p`` (how to lower p: only p and d set it); when the ``rows × D``
+    float64 features exceed ``max_bytes``, :func:`check_memory`'s, with ``lower_p`` and ``fewer_rows``.
+    Returns ``D``."""
+    count, entries = symmetric_feature_cost(d, p)
+    if entries > MAX_SYMMETRIC_INDEX:
+        raise ValueError(
+            f"{where}: the exact symmetric features of degree p={p} in d={d} number C(d+p-1, p) = {count:.4g}; "
+            f"enumerating them ({entries:.3g} index entries, ~{_duration(entries * _SECONDS_PER_INDEX_ENTRY)}) "
+            f"is over the bound of {MAX_SYMMETRIC_INDEX:.3g} entries "
+            f"(~{_duration(MAX_SYMMETRIC_INDEX * _SECONDS_PER_INDEX_ENTRY)}); {lower_p}"
+        )
+    check_memory(rows * count * 8, what=f"{where}: the symmetric features of {rows} tokens ({rows} x {count} float64)",
+                 way_out=f"{lower_p}, or {fewer_rows}", max_bytes=max_bytes)
+    return count
 
 
 #: Floating dtypes the math accepts. float8 types are floating point to torch, but most operations

@@ -40,8 +40,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ._dumpsel import select_and_scale
-from ._validation import check_degree, check_fraction
-from .fit import available_sketches, fit_sketch
+from ._validation import check_degree, check_fraction, check_symmetric_features
+from .fit import accepted_methods, available_sketches, fit_sketch
 from .optimal import max_sketch_size
 from .scaling import DEFAULT_SCALE
 from .spectrum import KernelSpectrum, spectrum_of_selection
@@ -202,7 +202,7 @@ def advise(dump_or_qk, *, p: int, target: float, method: str = "llops", layers=N
     """
     p = check_degree(p)
     target = _check_target(target)
-    if method not in available_sketches():
+    if method not in accepted_methods():  # the deprecated names too, as fit_sketch and compare take them
         raise ValueError(f"unknown method {method!r}; available: {', '.join(available_sketches())}")
     holdout = check_fraction(holdout, "holdout")
     if isinstance(seed, bool) or not isinstance(seed, int):
@@ -210,6 +210,12 @@ def advise(dump_or_qk, *, p: int, target: float, method: str = "llops", layers=N
     options = dict(options or {})
     start = time.perf_counter()
     sel = select_and_scale(dump_or_qk, layers=layers, heads=heads, scale=scale)
+    # each head's fits are measured against the Theorem 3.1 optimum on the exact symmetric features of its
+    # fitting tokens: their enumeration and size, estimated before the spectrum and the first fit
+    n_fit = sel.q.shape[2] - math.ceil(holdout * sel.q.shape[2])
+    check_symmetric_features(sel.q.shape[3], p, n_fit, where=f"{sel.source}: advise at p={p}, d={sel.q.shape[3]}",
+                             lower_p="lower p (--p on the command line)",
+                             fewer_rows="fewer tokens (a shorter dump, or a larger holdout=, --holdout)")
     spectrum = spectrum_of_selection(sel, p, holdout=holdout, seed=seed)
     # m = limit (the largest rank A can have) has a zero tail: the exact features meet any target
     # there, and fit_sketch's ratios are undefined; the sizes worth advising are below it.

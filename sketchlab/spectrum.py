@@ -113,12 +113,19 @@ class KernelSpectrum:
             raise ValueError(f"m must be an integer in 0..{self.max_m} (the number of singular values), got {m!r}")
         return (self.singular_values[..., m:] ** 2).sum(-1)
 
+    def _relative_energy(self) -> torch.Tensor:
+        """``(σ_i/σ_1)²``, float64 ``[L', H', r]``: the ratios every floor and energy rank needs, without
+        squaring σ itself (σ above 1.3e154, e.g. a dump × 1e75 at p = 2, squares to inf and the floors
+        printed NaN); a head whose σ_1 is 0 keeps zeros."""
+        top = self.singular_values[..., :1]
+        return (self.singular_values / torch.where(top > 0, top, torch.ones_like(top))) ** 2
+
     def floor_curve(self) -> torch.Tensor:
         """Relative floor ``√(tail(m)/‖A‖_F²)`` for every ``m = 0 … max_m``: float64 ``[L', H', max_m + 1]``.
 
         Entry ``m`` is the smallest ``rel_fro`` any size-``m`` sketch reaches; entry 0 is 1.
         """
-        energy = self.singular_values**2  # [L', H', r]
+        energy = self._relative_energy()  # [L', H', r]
         tails = energy.flip(-1).cumsum(-1).flip(-1)  # [L', H', r], tails[..., m] = Σ_{i>m} σ_i² (0-based i ≥ m)
         tails = torch.cat([tails, torch.zeros_like(tails[..., :1])], -1)  # [L', H', r + 1]
         return (tails / tails[..., :1].clamp_min(torch.finfo(torch.float64).tiny)).clamp_min(0).sqrt()
@@ -138,13 +145,14 @@ class KernelSpectrum:
         """
         if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction < 1:
             raise ValueError(f"fraction (of ‖A‖_F²) must lie in (0, 1), got {fraction!r}")
-        energy = self.singular_values**2  # [L', H', r]
+        energy = self._relative_energy()  # [L', H', r]
         captured = energy.cumsum(-1)  # [L', H', r]: Σ_{i≤m} σ_i², m = 1..r
         need = fraction * energy.sum(-1, keepdim=True) * (1 - 8 * energy.shape[-1] * torch.finfo(torch.float64).eps)
         return (captured >= need).to(torch.int64).argmax(-1) + 1
 
     def to_markdown(self, sizes=(8, 16, 32, 64, 128, 256)) -> str:
         """Per (layer, head): ``σ_1``, ``σ_m/σ_1`` and the relative floor at each ``m`` of ``sizes``."""
+        dropped = [m for m in sizes if m > self.max_m]
         sizes = [m for m in sizes if m <= self.max_m]
         lines = [
             f"Spectrum of A = (QKᵀ)^∘{self.p}: {self.scale_description}; {self.n_tokens} tokens"
@@ -154,6 +162,9 @@ class KernelSpectrum:
             "Relative floor √(Σ_{i>m} σ_i²)/‖A‖_F: the smallest rel_fro any size-m sketch reaches (Theorem 3.1).",
             "",
         ]
+        if dropped:
+            lines += [f"Size(s) {', '.join(map(str, dropped))} left out: A has {self.max_m} singular values on these "
+                      f"{self.n_tokens} tokens, so at m >= {self.max_m} the floor is 0 (the exact kernel).", ""]
         header = ["layer", "head", "σ_1", "m for 99% energy"] + [f"σ_{m}/σ_1" for m in sizes] + [f"floor m={m}" for m in sizes]
         lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         curve, rank99 = self.floor_curve(), self.energy_rank(0.99)

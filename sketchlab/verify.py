@@ -56,13 +56,13 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ._dumpsel import select_and_scale
-from ._validation import check_degree, check_positive_int
+from ._validation import check_degree, check_memory, check_positive_int, check_symmetric_features, check_work
 from .optimal import max_sketch_size, optimal_sketch
 from .polynomial import num_poly_features, poly_features, poly_kernel, symmetric_to_full
 from .scaling import DEFAULT_SCALE
 from .spectral import feature_bound, spectral_norm
 
-__all__ = ["CHECKS", "Check", "Verification", "verify"]
+__all__ = ["CHECKS", "Check", "Verification", "verify", "verify_cost"]
 
 U = torch.finfo(torch.float64).eps / 2  # unit round-off 2^-53
 
@@ -184,6 +184,26 @@ def _special_sketches(q, k, p, m, seed):
     return out, skipped
 
 
+#: HOPM sweeps per start in :func:`verify_cost` (a typical count: a start stops at a 1e-13 relative change,
+#: at most ``max_iter`` = 2000 sweeps; the optimum's columns converge in tens to hundreds).
+HOPM_SWEEPS = 200
+
+
+def verify_cost(heads: int, n: int, d: int, p: int, m: int, columns: int, restarts: int) -> tuple[float, int]:
+    """``(multiply-adds, bytes)`` of the Theorem 3.4 checks of :func:`verify` on ``heads`` heads of ``n`` tokens.
+
+    Per head and checked column (``min(columns, m)``) two HOPM searches (τ_i and the certified bound of the
+    residual), each ``restarts`` starts (twice that at ``p >= 3``, where a second start must confirm the
+    best) of :data:`HOPM_SWEEPS` sweeps of ``p`` contractions of the ``d^p`` tensor; the bytes are the
+    full-basis columns held at once (W*, its rank-1 part, the residual and one temporary: 4 · d^p · c float64).
+    The other checks are bounded apart (the full features by 1 GiB, the symmetric ones by
+    :func:`~sketchlab._validation.check_symmetric_features`)."""
+    c = min(columns, m)
+    starts = restarts * (2 if p > 2 else 1)
+    work = float(heads) * c * 2 * starts * HOPM_SWEEPS * p * float(d) ** p
+    return work, 4 * d**p * c * 8
+
+
 def verify(dump_or_qk, *, p: int = 2, m: int = 64, layers=None, heads=None, scale=DEFAULT_SCALE,
            columns: int = 4, feature_tokens: int = 64, restarts: int = 4, seed: int = 0,
            progress: bool = True) -> Verification:
@@ -228,8 +248,22 @@ def verify(dump_or_qk, *, p: int = 2, m: int = 64, layers=None, heads=None, scal
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"seed must be an int, got {seed!r}")
     sel = select_and_scale(dump_or_qk, layers=layers, heads=heads, scale=scale)
-    _, _, n, d = sel.q.shape
+    L, H, n, d = sel.q.shape
     limit = max_sketch_size(n, n, d, p)
+    # the costs that grow with d^p, estimated before the first head (each check runs one head at a time)
+    where = f"{sel.source}: verify at p={p}, d={d}"
+    check_symmetric_features(d, p, n, where=where, lower_p="lower p (--p on the command line)",
+                             fewer_rows="a dump of fewer tokens")
+    if m < limit:
+        work, nbytes = verify_cost(L * H, n, d, p, m, columns, restarts)
+        columns_out = "lower p (--p), or check fewer columns (columns=, --columns)"
+        check_memory(nbytes, what=f"{where}: the Theorem 3.4 checks' full-basis columns (4 x {d}^{p} x "
+                                  f"{min(columns, m)} float64)", way_out=columns_out)
+        check_work(work, what=f"{where}: the Theorem 3.4 checks' HOPM searches ({L * H} head(s) x {min(columns, m)} "
+                              f"column(s) x 2 searches x {restarts * (2 if p > 2 else 1)} starts x ~{HOPM_SWEEPS} "
+                              f"sweeps x {p} x {d}^{p})",
+                   way_out=columns_out + ", fewer starts (restarts=, --restarts) or fewer heads (layers=, heads=; "
+                                         "--layers, --heads)")
     worst = {name: _Worst() for name in CHECKS}
     dim_sym = num_poly_features(d, p, True)
     full_ok = d**p * min(n, feature_tokens) * 8 <= 2**30

@@ -109,3 +109,49 @@ def test_toy_model_linearize_and_round_trip(tmp_path):
     fresh = load_linearized(tmp_path / "toy", toy())
     with torch.no_grad():
         torch.testing.assert_close(fresh(ids), want, rtol=0, atol=0)
+
+
+def test_transfer_progress_lines_are_flushed_as_each_layer_ends(monkeypatch):
+    """Stage 1's one line per layer reaches a piped stdout (a log being watched) when the layer ends, not
+    when the buffer fills: each line is flushed (issue 35 mutation round)."""
+    import importlib
+    import io
+    import sys
+
+    lin = importlib.import_module("sketchlab.convert.linearize")
+
+    class Watched(io.StringIO):
+        def __init__(self):
+            super().__init__()
+            self.seen_at_flush = []
+
+        def flush(self):
+            self.seen_at_flush.append(self.getvalue())
+            super().flush()
+
+    out = Watched()
+    monkeypatch.setattr(sys, "stdout", out)
+    monkeypatch.setattr(lin, "_transfer_layer", lambda *a, **k: [] if a[0] == "empty" else [2.0, 0.5])
+    losses = lin._train_own(["s0", "empty", "s2"], [None] * 3, None, None, 0, 1, steps=1, lr=0.1, map_lr=0.1,
+                            batch_size=1, seed=0, progress=True)
+    assert losses == [[2.0, 0.5], [], [2.0, 0.5]]
+    lines = ["transfer layer 0: mse 2 -> 0.5\n", "transfer layer 1: 0 steps\n", "transfer layer 2: mse 2 -> 0.5\n"]
+    assert out.getvalue() == "".join(lines)
+    assert [text for text in out.seen_at_flush if text] == ["".join(lines[:i + 1]) for i in range(3)]
+
+
+def test_linearize_with_a_custom_feature_map_records_it_as_custom_and_every_option_under_its_name():
+    """A run with ``feature_map=`` says "custom" where the map's name goes (the name given in ``attention``
+    did not make the maps), and the options keep their own names (``normalize``, the window...)."""
+    from sketchlab.featuremaps import make_feature_map
+
+    def _maps(layer, heads, head_dim):
+        return tuple(make_feature_map("hedgehog", heads=heads, head_dim=head_dim, p=2, m=8, seed=layer + side)
+                     for side in range(2))
+
+    ids = torch.randint(1, 60, (4, 12), generator=torch.Generator().manual_seed(2))
+    _, report = linearize(_llama(), ids, seq_len=12, holdout=0.5, evaluate=False, feature_map=_maps, window=4,
+                          sinks=1, normalize=None, transfer_steps=0, gate_sequences=1, batch_size=2)
+    settings = report.settings
+    assert settings["attention"] == "custom"
+    assert settings["normalize"] is None and settings["window"] == 4 and settings["sinks"] == 1

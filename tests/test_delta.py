@@ -291,3 +291,20 @@ def test_bad_chunk_size(fn, chunk, exc, match):
         args, _ = _delta_inputs(4)
     with pytest.raises(exc, match=match):
         fn(*args, chunk_size=chunk)
+
+
+def test_delta_rule_naive_computes_float32_inputs_in_float64():
+    """The definition runs in float64 whatever the inputs' dtype (its docstring; the twin every fast path is
+    measured against): float32 inputs give float64 outputs equal, bit for bit, to those of their float64
+    copies (issue 35 mutation round)."""
+    g = torch.Generator().manual_seed(5)
+    B, T, H, M, Dv = 2, 9, 2, 4, 3
+    q = F.normalize(torch.randn(B, T, H, M, generator=g), dim=-1)
+    k = F.normalize(torch.randn(B, T, H, M, generator=g), dim=-1)
+    v = torch.randn(B, T, H, Dv, generator=g)
+    beta = torch.rand(B, T, H, generator=g) * 2
+    log_alpha = -torch.rand(B, T, H, generator=g)
+    o32, S32 = delta_rule_naive(q, k, v, beta, log_alpha)
+    o64, S64 = delta_rule_naive(q.double(), k.double(), v.double(), beta.double(), log_alpha.double())
+    assert o32.dtype == S32.dtype == torch.float64
+    assert torch.equal(o32, o64) and torch.equal(S32, S64)

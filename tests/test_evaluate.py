@@ -451,3 +451,56 @@ def test_cli_evaluate_refusals_exit_2_with_one_line(saved, capsys, monkeypatch, 
     if "bert" in argv[-1]:  # transformers reports the masked-LM head it drops when loading the encoder
         lines = [line for line in lines if line.startswith("sketchlab: error:")]
     assert rc == 2 and "Traceback" not in err and len(lines) == 1 and re.search(match, lines[0]), err
+
+
+# ------------------------------------------------------------------------------------------------
+# issue 35 mutation round (seed 35): checks a wrong implementation could pass otherwise
+
+
+@pytest.mark.parametrize("key", ["12a", "abc", "\u0661\u0662\u0663", "-5", ""])
+def test_a_key_that_is_not_ascii_digits_is_refused(tok, key):
+    """Letters, a sign, an empty key and non-ASCII digits (Arabic-Indic, ``isdigit()`` but not ASCII) are
+    refused: each condition on its own, so an 'and' in place of the 'or' would let letters through."""
+    with pytest.raises(ValueError, match=r"key must be a non-negative int or a string of digits, got "):
+        passkey_prompt(tok, 90, 0.5, key)
+    assert len(passkey_prompt(tok, 90, 0.5, "0123")) == 90
+
+
+def test_an_encoder_decoder_config_of_a_supported_family_is_refused(tok):
+    """A LLaMA marked ``is_encoder_decoder`` (it can generate, and its family is supported) is not a causal LM."""
+    model = _llama(len(tok))
+    model.config.is_encoder_decoder = True
+    with pytest.raises(ValueError, match=r"copy_recall: LlamaForCausalLM .* is not a causal language model"):
+        copy_recall(model, torch.arange(100), gaps=(0,), passage=4)
+
+
+def test_a_tokenizer_pair_that_is_not_two_callables_says_what_it_must_be():
+    with pytest.raises(TypeError, match=r"tokenizer as a pair must be \(encode, decode\): two callables, encode\(str\) "
+                                        r"-> list of token ids and decode\(list of ids\) -> str"):
+        passkey_prompt((str.split,), 90, 0.5, 12345)
+
+
+def test_sentence_embeddings_cover_more_sentences_than_tokens():
+    """N = 11 sentences of 3 tokens in batches of 4: one embedding per sentence (batches over the sentences,
+    not the tokens), equal to the mean of that sentence's own hidden states."""
+    from sketchlab.convert.evaluate import sentence_embeddings
+
+    bert = transformers.BertModel(transformers.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1,
+                                                          num_attention_heads=2, intermediate_size=16)).eval()
+    ids = torch.randint(1, 50, (11, 3), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[4, 2] = 0
+    emb = sentence_embeddings(bert, ids, mask, batch_size=4)
+    assert emb.shape == (11, 16)
+    with torch.no_grad():
+        one = bert(input_ids=ids[4:5, :2], attention_mask=mask[4:5, :2]).last_hidden_state.double().mean(1)
+    torch.testing.assert_close(emb[4:5], one[0:1], rtol=1e-5, atol=1e-6)
+
+
+def test_copy_recall_as_dict_keeps_every_field_under_its_name():
+    V, P = 200, 8
+    x = torch.randperm(V, generator=torch.Generator().manual_seed(1))
+    res = copy_recall(InductionOracle(V), x, gaps=(0, 5), passage=P, n=2, seed=4)
+    d = json.loads(json.dumps(res.as_dict()))
+    assert d["passage"] == P and d["n"] == 2 and d["seed"] == 4 and d["starts"] == list(res.starts)
+    assert [g["gap"] for g in d["gaps"]] == [0, 5] and d["gaps"][1]["gap_starts"] == list(res.gap_starts[5])

@@ -502,3 +502,18 @@ def test_gate_given_apart_from_the_params_is_the_params_gate():
         assert float((fn(fq, fk, v, q, k, options=opts, params=apart) - want).abs().max()) > 1e-3  # g = 1/2 differs
         with pytest.raises(ValueError, match="both set"):
             fn(fq, fk, v, q, k, options=opts, params=inside, gate=inside.gate)
+
+
+@pytest.mark.parametrize("like,dtype,want", [(torch.float64, None, torch.float64), (torch.bfloat16, None, torch.float32),
+                                             (torch.float32, torch.float64, torch.float64)])
+def test_empty_memory_state_holds_every_floating_field_in_the_state_dtype(like, dtype, want):
+    """Every floating field of the empty state is in ``state_dtype(like.dtype)`` (or ``dtype``), not torch's
+    default float32: a float64 run's first step adds float64 sums to them (issue 35 mutation round)."""
+    import dataclasses
+
+    state = empty_memory_state(2, 3, 5, 4, 6, cache=2, like=torch.zeros(1, dtype=like), dtype=dtype)
+    floating = {f.name: getattr(state, f.name) for f in dataclasses.fields(state)
+                if isinstance(getattr(state, f.name), torch.Tensor) and getattr(state, f.name).is_floating_point()}
+    assert {"S", "z", "k_cache", "v_cache"} <= set(floating)
+    assert {name: t.dtype for name, t in floating.items()} == {name: want for name in floating}
+    assert state.S.shape == (2, 3, 5, 6) and state.k_cache.shape == (2, 3, 2, 4)

@@ -36,10 +36,16 @@ def test_tests_by_file_picks_the_first_matching_entry_and_names_an_uncovered_fil
     assert mut.tests_by_file("sketchlab.convert.scale.x_calibrate_gates__mutmut_3") == \
         mut.TESTS_BY_FILE["sketchlab/convert/scale.py"]
     # a method mutant (mutmut names it x\u01c1Class\u01c1method) of a file only the glob covers
-    assert mut.source_file("sketchlab.convert.families.x\u01c1Family\u01c1swap__mutmut_1") == \
-        "sketchlab/convert/families.py"
-    assert mut.tests_by_file("sketchlab.convert.families.x\u01c1Family\u01c1swap__mutmut_1") == \
+    assert mut.source_file("sketchlab.convert.sketched.x\u01c1SketchedMap\u01c1forward__mutmut_1") == \
+        "sketchlab/convert/sketched.py"
+    assert mut.tests_by_file("sketchlab.convert.sketched.x\u01c1SketchedMap\u01c1forward__mutmut_1") == \
         mut.TESTS_BY_FILE["sketchlab/convert/*.py"]
+    # the long-context files have their own lists (issue 35), before the globs that also match them
+    assert mut.tests_by_file("sketchlab.convert.exact.x_f__mutmut_1") == ["tests/test_convert_exact.py",
+                                                                          "tests/test_convert_memory.py"]
+    assert mut.tests_by_file("sketchlab.attention.delta.x_f__mutmut_1") == ["tests/test_delta.py", "tests/test_memory.py"]
+    assert mut.tests_by_file("sketchlab.attention.memory_fast.x_f__mutmut_1") == \
+        mut.TESTS_BY_FILE["sketchlab/attention/memory*.py"]
     with pytest.raises(KeyError, match=r"sketchlab/fit\.py \(mutant sketchlab\.fit\.x_f__mutmut_1\)"):
         mut.tests_by_file("sketchlab.fit.x_f__mutmut_1")
 

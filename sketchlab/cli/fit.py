@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -55,6 +56,7 @@ def _check_output(out: str, dump: str) -> Outputs:
 
 def run(args) -> int:
     from .._dumpsel import select_and_scale
+    from .._validation import check_symmetric_features
     from ..fit import fit_sketch
 
     for flag, value in (("--quality", args.quality), ("--work", args.work)):
@@ -62,6 +64,12 @@ def run(args) -> int:
             raise UsageError(f"{flag} applies to --method llops only, got --method {args.method}")
     outputs = _check_output(args.out, args.dump)
     sel = select_and_scale(args.dump, layers=args.layers, heads=args.heads, scale=args.scale)
+    # the fit's report measures it against the Theorem 3.1 optimum on the exact symmetric features of every
+    # head's fitting tokens: their enumeration and size, estimated before the fit (not after minutes of it)
+    L, H, n, d = sel.q.shape
+    check_symmetric_features(d, args.p, L * H * (n - math.ceil(args.holdout * n)),
+                             where=f"{args.dump}: fit at p={args.p}, d={d}",
+                             lower_p="lower --p", fewer_rows="fit fewer heads at once (--layers, --heads)")
     options = {key: value for key, value in (("quality", args.quality), ("work", args.work)) if value is not None}
     if args.method == "llops":  # the one fitter that iterates long enough to need a bar
         options["progress"] = not args.no_progress

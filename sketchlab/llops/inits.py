@@ -60,6 +60,48 @@ def _special_case(name, q, k, p, m, seed):
     return {"based": _fit_based, "psf": _fit_psf}[name](q, k, p=p, m=m, seed=seed)
 
 
+#: log10 of the smallest kernel bound a given init may have (:func:`_check_init_scale`). The direct fit's
+#: normal matrices hold squares of the features (underflow near a kernel of 1e-250: a good Θ × 1e-75 at
+#: p = 2 stopped on non-finite values) and Adam's second moments squares of the gradients (a good Θ × 1e-50,
+#: kernel 1e-200, returned an all-zero Θ); 1e-100 leaves both a margin, and only Θ's direction matters.
+_MIN_INIT_LOG10 = -100.0
+
+
+def _log10_norm(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """``log10 ‖x‖`` along ``dim`` without underflow (the squares of 1e-300 entries are 0): scaled by the
+    largest entry first; ``-inf`` for an all-zero vector."""
+    top = x.abs().amax(dim, keepdim=True)
+    ratio = torch.linalg.vector_norm(x / torch.where(top > 0, top, torch.ones_like(top)), dim=dim)
+    return top.squeeze(dim).log10() + ratio.log10()
+
+
+def _check_init_scale(theta_q, theta_k, q64, k64, p: int) -> None:
+    r"""Refuse a given init Θ ``[B, t, p, d, m]`` whose kernel underflows on these tokens.
+
+    :math:`|\hat A_{ts}| \le \sum_i \prod_j \|\theta^Q_{j,i}\|\|\theta^K_{j,i}\| \,(\max\|q\|\max\|k\|)^p`;
+    below 1e-100 (:data:`_MIN_INIT_LOG10`) the fits' normal matrices or second moments underflow: the
+    direct fit returned an all-zero Θ (rel_fro 1, exit 0) from a Θ × 1e-300 and stopped on "non-finite
+    loss" (blaming the input scale) from × 1e-75; Adam returned an all-zero Θ from × 1e-50. The bound is taken in logarithms, so a Θ
+    of any scale is measured; an all-zero Θ (every gradient zero) is refused the same way.
+    """
+    with torch.no_grad():
+        side = _log10_norm(theta_q, -2).sum(-2) + _log10_norm(theta_k, -2).sum(-2)  # [B, t, m]: each term's bound
+        data = p * (_log10_norm(q64, -1).amax(-1) + _log10_norm(k64, -1).amax(-1))  # [B]
+        bound = side.flatten(1).amax(-1) + data  # [B]
+        low = bound < _MIN_INIT_LOG10  # -inf (an all-zero Θ) too
+        if bool(low.any()):
+            head = int(low.nonzero()[0])
+            largest = max(float(theta_q[head].abs().max()), float(theta_k[head].abs().max()))
+            size = "0 (an all-zero Θ)" if not math.isfinite(float(bound[head])) else f"1e{float(bound[head]):.0f}"
+            raise ValueError(
+                f"init Θ is too small to fit from: its kernel φ(q)ᵀφ(k) is at most {size} on these tokens (head "
+                f"{head}; Θ's largest entry {largest:.3g}), below 1e{_MIN_INIT_LOG10:.0f}, where the fit's normal "
+                "matrices underflow float64 and it would return an all-zero Θ (rel_fro 1) or stop on non-finite "
+                "values; rescale the init Θ (only its direction matters to the fit, e.g. divide each θ_j by its "
+                "norm), or start from init='svd'"
+            )
+
+
 def llops_init(q, k, *, p: int, m: int, rank: int = 1, init="svd", seed: int = 0,
                max_bytes: int = DEFAULT_MAX_BYTES, **cp_options):
     r"""Initial Θ for the fits: ``(theta_q, theta_k)``, float64 ``[..., rank, p, d, m]``.
@@ -138,6 +180,7 @@ def llops_init(q, k, *, p: int, m: int, rank: int = 1, init="svd", seed: int = 0
             )
         theta_q = theta_q.reshape(-1, *theta_q.shape[-4:]).to(q.device)  # [B, t', p, d, m']
         theta_k = theta_k.reshape(-1, *theta_k.shape[-4:]).to(q.device)
+        _check_init_scale(theta_q, theta_k, q64, k64, p)
         theta_q, theta_k = _pad(theta_q, theta_k, 4, m, generator)
     theta_q, theta_k = _pad(theta_q, theta_k, 1, rank, generator)
     shape = (*batch, rank, p, d, m)
