@@ -85,8 +85,11 @@ def _device(text: str) -> str:
 def add_arguments(sub) -> None:
     cmd = sub.add_parser("train", help="train a small transformer on MQAR with softmax or sketched attention")
     cmd.add_argument("--task", choices=("mqar",), default="mqar", help="the task (multi-query associative recall)")
+    from ..tasks.model import attention_registry
+
+    names = attention_registry()
     cmd.add_argument("--attention", required=True,
-                     help="attention kernel: softmax, poly, based, psf, psf-learned, hedgehog or llops "
+                     help=f"attention kernel: {', '.join(names[:-1])} or {names[-1]} "
                           "(sketchlab.tasks registry)")
     cmd.add_argument("--out", required=True,
                      help="output directory (created with its parents; the same run there is resumed, another refused)")
