@@ -23,7 +23,12 @@ import torch
 from . import delta as _delta
 from ._checks import report_denominators
 from .memory_state import MemoryState, _beta, _gate, _log_decay, empty_memory_state, unit
+from .memory_decode import decode
 from .memory_schedule import schedule
+
+#: Decoding (``T = 1`` with a state) takes :func:`sketchlab.attention.memory_decode.decode`; False forces
+#: the general path (the tests compare the two).
+_DECODE = True
 
 
 def _take(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -41,6 +46,8 @@ def _far_additive(fq, fe, ve, log_decay, S0, z0, chunk):
 
 def run(c):
     """The fast path on checked arguments ``c`` (:func:`sketchlab.attention.memory._check_call`)."""
+    if c.T == 1 and c.state is not None and _DECODE:
+        return decode(c)
     work, dev = c.work, c.phi_q.device
     B, T, H, M, D, Dv, w, s, K, C = c.B, c.T, c.H, c.M, c.D, c.Dv, c.w, c.s, c.K, c.o.chunk_size
     st = c.state if c.state is not None else empty_memory_state(B, H, M, D, Dv, cache=K, like=c.phi_q, dtype=work)
