@@ -40,7 +40,7 @@ def _take(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 
 
 def _far_additive(fq, fe, ve, log_decay, S0, z0, chunk):
-    num, den, (S, z) = _delta.decayed_linear_chunked(fq, fe, ve, log_decay, initial_state=(S0, z0), chunk_size=chunk)
+    num, den, (S, z) = _delta._decayed_linear(fq, fe, ve, log_decay, (S0, z0), chunk)
     return num, den, S, z
 
 
@@ -71,7 +71,7 @@ def run(c):
     ve = tr(_take(ev, idx) * ~null[..., None])  # [B, T, H, Dv]
     if c.delta:
         beta = _beta(c, ve) * ~tr(null)  # [B, T, H]
-        far, S = _delta.delta_rule_chunked(unit(fq), unit(fe), ve, beta, lg, initial_state=st.S, chunk_size=min(C, T))
+        far, S = _delta._delta_rule(unit(fq), unit(fe), ve, beta, lg, st.S, min(C, T))  # checked by the entry
         z = torch.zeros_like(st.z)
         far = tr(far)  # [B, H, T, Dv]
     else:
