@@ -15,18 +15,18 @@ from ._checks import report_denominators
 from .memory_state import MemoryState, _beta, _gate, _log_decay, unit
 
 
-def _score(S64: torch.Tensor, scale: torch.Tensor, phi: torch.Tensor, v: torch.Tensor, *, delta: bool,
+def _score(S64: torch.Tensor, z64: torch.Tensor | None, scale: torch.Tensor, phi: torch.Tensor, v: torch.Tensor, *,
            eps: float) -> torch.Tensor:
     r"""The recall error :math:`\lVert v - r\rVert^2` of keys ``phi [B, H, n, M]``, ``v [B, H, n, Dv]``
-    against the float64 state ``scale·S64`` (``S64 [B, H, M, Dv(+1)]``: additive with ``z`` as its
-    last column; ``scale [B, H]``) as the schedule computes it (the read first, then the scale) → ``[B, H, n]``."""
+    against the float64 state ``scale·S64`` (``S64 [B, H, M, Dv]``; ``z64 [B, H, M]`` additive, None
+    delta; ``scale [B, H]``) as the schedule computes it (the read first, then the scale) → ``[B, H, n]``."""
     phi, v = phi.detach().double(), v.detach().double()
-    if delta:
-        r = (unit(phi) @ S64) * scale[..., None, None]
+    sc = scale[..., None, None]
+    if z64 is None:
+        r = (unit(phi) @ S64) * sc
     else:
-        r1 = (phi @ S64) * scale[..., None, None]  # [B, H, n, Dv + 1]
-        den = r1[..., -1:] + eps
-        r = r1[..., :-1] / torch.where(den == 0, 1.0, den)
+        den = (phi @ z64[..., None]) * sc + eps  # [B, H, n, 1]
+        r = (phi @ S64) * sc / torch.where(den == 0, 1.0, den)
     return (v - r).square().sum(-1)
 
 
@@ -53,13 +53,12 @@ def decode(c) -> torch.Tensor | tuple[torch.Tensor, MemoryState]:
     if K and (leaves or pos % c.o.rescore == 0):
         with torch.no_grad():
             S64 = st.S.detach().double()
-            if not c.delta:  # z as one more value column
-                S64 = torch.cat([S64, st.z.detach().double()[..., None]], -1)
+            z64 = None if c.delta else st.z.detach().double()
             scale = (lg[:, 0].detach().double().exp() if lg is not None
                      else torch.ones(B, H, dtype=torch.float64, device=dev))
             score64 = score.double()
             if pos % c.o.rescore == 0 and bool(cached.any()):  # re-score the cache against the state
-                new = _score(S64, scale, phi_cache, v_cache, delta=c.delta, eps=c.o.eps)
+                new = _score(S64, z64, scale, phi_cache, v_cache, eps=c.o.eps)
                 score64 = torch.where(cached, new, score64)
         score = score64.to(work)
     if leaves:
@@ -72,7 +71,7 @@ def decode(c) -> torch.Tensor | tuple[torch.Tensor, MemoryState]:
             out_mask, fe, ve = cand, fj, vj
         else:
             with torch.no_grad():
-                sj = _score(S64, scale, fj[:, :, None], vj[:, :, None], delta=c.delta, eps=c.o.eps)  # [B, H, 1]
+                sj = _score(S64, z64, scale, fj[:, :, None], vj[:, :, None], eps=c.o.eps)  # [B, H, 1]
                 full = cached.all(-1)  # [B, H]
                 sk = torch.cat([score64, sj], -1)  # [B, H, K + 1]; column K: the candidate
                 pk = torch.cat([pos_cache, pos_cache.new_full((B, H, 1), j)], -1)
@@ -88,13 +87,14 @@ def decode(c) -> torch.Tensor | tuple[torch.Tensor, MemoryState]:
             pick = lambda x: x.gather(2, slot_e.expand(B, H, 1, x.shape[3]))[:, :, 0]  # noqa: E731
             from_cand = (e == K)[..., None]
             fe, ve = torch.where(from_cand, fj, pick(phi_cache)), torch.where(from_cand, vj, pick(v_cache))
-            p4 = put[..., None]
-            k_cache = torch.where(p4, kj[:, :, None], k_cache)
-            v_cache = torch.where(p4, vj[:, :, None], v_cache)
-            phi_cache = torch.where(p4, fj[:, :, None], phi_cache)
-            score = torch.where(put, sj, score64).to(work)
-            pos_cache = torch.where(put, j, pos_cache)
-            cached = cached | put
+            if bool(place.any()):
+                p4 = put[..., None]
+                k_cache = torch.where(p4, kj[:, :, None], k_cache)
+                v_cache = torch.where(p4, vj[:, :, None], v_cache)
+                phi_cache = torch.where(p4, fj[:, :, None], phi_cache)
+                score = torch.where(put, sj, score64).to(work)
+                pos_cache = torch.where(put, j, pos_cache)
+                cached = cached | put
     # 3. enter
     if out_mask is not None:
         om = out_mask[..., None].to(work)
@@ -126,11 +126,12 @@ def decode(c) -> torch.Tensor | tuple[torch.Tensor, MemoryState]:
     if w:
         g = _gate(c, work)[None, :, None]  # [1, H, 1]
         win_pos = torch.arange(end - Lw2, end, device=dev)
-        ok = torch.cat([m_snk[:, None].expand(B, H, -1), (m_win & (win_pos >= s))[:, None].expand(B, H, -1), cached],
-                       -1)  # [B, H, L]
-        keys = torch.cat([k_snk, k_win, k_cache], 2)  # [B, H, L, D]
-        vals = torch.cat([v_snk, v_win, v_cache], 2)
-        logits = c.scale * (keys @ c.q.to(work)[:, 0, :, :, None])[..., 0]  # [B, H, L]
+        groups = ((k_snk, v_snk, m_snk[:, None].expand(B, H, -1)),
+                  (k_win, v_win, (m_win & (win_pos >= s))[:, None].expand(B, H, -1)), (k_cache, v_cache, cached))
+        qc = c.q.to(work)[:, 0, :, :, None]  # [B, H, D, 1]
+        # logits per group (no copy of the keys into one tensor), then one masked softmax over them all
+        logits = torch.cat([c.scale * (kx @ qc)[..., 0] for kx, _, _ in groups], -1)  # [B, H, L]
+        ok = torch.cat([m for _, _, m in groups], -1)  # [B, H, L]
         zero = logits.new_zeros(())
         if c.o.local == "softmax":
             top = torch.where(ok, logits, float("-inf")).amax(-1, keepdim=True)
@@ -138,7 +139,13 @@ def decode(c) -> torch.Tensor | tuple[torch.Tensor, MemoryState]:
             a = torch.where(ok, (logits - top).exp(), zero)
         else:
             a = torch.where(ok, logits ** c.degree, zero)
-        ex_num, ex_den = (a[..., None, :] @ vals)[..., 0, :], a.sum(-1)  # [B, H, Dv], [B, H]
+        ex_num, i0 = 0, 0
+        for _, vx, _ in groups:  # Σ a v per group
+            n = vx.shape[2]
+            if n:
+                ex_num = ex_num + (a[..., None, i0:i0 + n] @ vx)[..., 0, :]  # [B, H, Dv]
+            i0 += n
+        ex_den = a.sum(-1)  # [B, H]
         if c.delta:
             exact = ex_num / torch.where(ok.any(-1), ex_den, 1.0)[..., None]
             out = g * exact + (1 - g) * far
@@ -158,10 +165,9 @@ def decode(c) -> torch.Tensor | tuple[torch.Tensor, MemoryState]:
     out = out[:, None].to(c.in_dtype)  # [B, 1, H, Dv]
     if not c.final:
         return out
-    have = cached[..., None]
-    state = MemoryState(
+    state = MemoryState(  # an empty slot stays zeros (the state's invariant: nothing is written there)
         S=S, z=z, k_window=k_win, v_window=v_win, phi_window=f_win, mask_window=m_win, k_sink=k_snk, v_sink=v_snk,
-        mask_sink=m_snk, k_cache=k_cache * have, v_cache=v_cache * have, phi_cache=phi_cache * have,
+        mask_sink=m_snk, k_cache=k_cache, v_cache=v_cache, phi_cache=phi_cache,
         score_cache=torch.where(cached, score, 0.0), cached=cached, pos_cache=torch.where(cached, pos_cache, -1),
         offset=end)
     return out, state
