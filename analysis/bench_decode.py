@@ -211,7 +211,7 @@ def main(argv=None) -> int:
 #: The calls a memory row's token passes through (function names; the file decides where each is).
 PROFILED = ("llops_attention", "call_options", "check_qkv", "check_kernel_range", "feats", "memory_attention",
             "_check_call", "check_memory_state", "_check_params", "run", "schedule", "decayed_linear_chunked",
-            "delta_rule_chunked", "_check_decayed", "_check_delta", "_take")
+            "delta_rule_chunked", "_check_decayed", "_check_delta", "_take", "decode", "_score")
 
 
 def profile(args, variants, theta, new, out_md: Path) -> int:

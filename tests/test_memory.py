@@ -517,3 +517,119 @@ def test_empty_memory_state_holds_every_floating_field_in_the_state_dtype(like, 
     assert {"S", "z", "k_cache", "v_cache"} <= set(floating)
     assert {name: t.dtype for name, t in floating.items()} == {name: want for name in floating}
     assert state.S.shape == (2, 3, 5, 6) and state.k_cache.shape == (2, 3, 2, 4)
+
+
+# ------------------------------------------------------------------------------------------------ the decoding branch
+DECODE_CASES = dict(MECHANISMS, w0_decay=dict(window=0, decay="input"), w0_delta=dict(window=0, state="delta", beta="input"))
+
+
+def _both_paths(monkeypatch, args, kw):
+    """One call by the decoding branch and by the general path (``memory_fast._DECODE`` off)."""
+    from sketchlab.attention import memory_fast
+
+    got = memory_attention(*args, **kw)
+    monkeypatch.setattr(memory_fast, "_DECODE", False)
+    want = memory_attention(*args, **kw)
+    monkeypatch.setattr(memory_fast, "_DECODE", True)
+    return got, want
+
+
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("name,sinks", [(name, sinks) for name in DECODE_CASES for sinks in (0, 2)
+                                        if sinks == 0 or DECODE_CASES[name].get("window", 1)])  # sinks need a window
+def test_decode_branch_equals_general_path(monkeypatch, name, sinks, padded):
+    """Every step of a decoding loop (T = 1 with a state), the branch against the general path on the
+    same incoming state: through the window's and sinks' fill, the cache filling and full, rescoring
+    steps, pads; then the branch's own chain against one whole call."""
+    cfg = dict(DECODE_CASES[name])
+    window = cfg.pop("window", 1 if "rescore" in name else 4)
+    T, M = 30, 3 + len(name) % 5
+    options = AttentionOptions(window=window, sinks=sinks, chunk_size=8, **cfg)
+    params = _params(options)
+    fq, fk, v, q, k = _problem(T, M, seed=3 + len(name))
+    mask = _mask(T) if padded else torch.ones(B, T, dtype=torch.bool)
+    state, mine, outs, saw = None, None, [], set()
+    for t in range(T):
+        sl = lambda x: x[:, t:t + 1]  # noqa: E731
+        args = [sl(x) for x in (fq, fk, v, q, k)]
+        kw = dict(options=options, params=params, degree=2, key_padding_mask=mask[:, t:t + 1], output_final_state=True)
+        if state is None:  # the first token: no state yet (the general path)
+            state = memory_attention(*args, **kw)[1]
+            mine, outs = state, [memory_attention(*args, **kw)[0]]
+            continue
+        (got, got_state), (want, want_state) = _both_paths(monkeypatch, args, dict(kw, initial_state=state))
+        assert (got - want).abs().max().item() <= TOL64, t
+        _assert_states(got_state, want_state)
+        out, mine = memory_attention(*args, **dict(kw, initial_state=mine))  # the branch's own chain
+        outs.append(out)
+        if options.cache:
+            saw.add(("full" if bool(state.cached.all()) else "filling", t % options.rescore == 0 and bool(state.cached.any())))
+        state = want_state
+    whole, whole_state = memory_attention(fq, fk, v, q, k, options=options, params=params, degree=2,
+                                          key_padding_mask=mask, output_final_state=True)
+    assert (torch.cat(outs, 1) - whole).abs().max().item() <= TOL64
+    _assert_states(mine, whole_state)
+    if options.cache and options.cache < 10:  # the loop met a filling cache, a full one, and rescoring steps
+        assert {"filling", "full"} <= {a for a, _ in saw}, saw
+        assert any(r for _, r in saw) or options.rescore >= T, saw
+
+
+def test_decode_branch_ties_evict_the_oldest(monkeypatch):
+    """The hand problem's tie (|v0|² = |v1|²), decoded token by token through the branch."""
+    vals = [[1.0, 0, 0], [0, -1.0, 0], [0, 0, 0], [0, 2.0, 0]]
+    options = AttentionOptions(window=1, cache=1, eps=0.0)
+    v = torch.tensor(vals, dtype=torch.float64)[None, :, None, :]
+    f = torch.ones(1, 4, 1, 2, dtype=torch.float64)
+    q = k = torch.zeros(1, 4, 1, 2, dtype=torch.float64)
+    state, seen = None, []
+    for t in range(4):
+        sl = lambda x: x[:, t:t + 1]  # noqa: E731
+        _, state = memory_attention(sl(f), sl(f), sl(v), sl(q), sl(k), options=options, initial_state=state,
+                                    output_final_state=True)
+        seen.append(int(state.pos_cache))
+    # step 2: keys 0 and 1 tie (|v0|² = |v1|² = 1): key 0, the oldest, enters the state; step 3: key 2
+    # leaves with |v2 − v0|² = 1, tying key 1's 1 again: key 1, the older, enters
+    assert seen == [-1, 0, 1, 2]
+    assert torch.allclose(state.S[0, 0, 0], v[0, 0, 0] + v[0, 1, 0])
+
+
+@pytest.mark.parametrize("name", ["cache_decay", "delta_cache_decay", "decay_input", "w0_delta"])
+def test_decode_branch_gradients(monkeypatch, name):
+    """Gradients of one decoded token (a full cache, a rescoring step) through the new token's tensors,
+    the incoming state's tensors and every FarParams tensor: the branch's equal the general path's."""
+    cfg = dict(DECODE_CASES[name])
+    window = cfg.pop("window", 3)
+    options = AttentionOptions(window=window, sinks=0 if window == 0 else 1, chunk_size=4,
+                               **dict(cfg, rescore=cfg.get("rescore", 64)))
+    T, M = 21, 3
+    params = _params(options)
+    fq, fk, v, q, k = _problem(T + 1, M, seed=7)
+    mask = _mask(T + 1)
+    kw = dict(options=options, params=params, degree=2, output_final_state=True)
+    _, state = memory_attention(*[x[:, :T] for x in (fq, fk, v, q, k)], key_padding_mask=mask[:, :T], **kw)
+    if options.cache:
+        assert bool(state.cached.all())
+    grads = []
+    for flag in (True, False):
+        from sketchlab.attention import memory_fast
+
+        monkeypatch.setattr(memory_fast, "_DECODE", flag)
+        new = [x[:, T:].clone().requires_grad_() for x in (fq, fk, v, q, k)]
+        st = state.detach()
+        leaves = {n: x.clone().requires_grad_() for n, x in st._tensors() if x.is_floating_point()}
+        st = MemoryState(**{**{n: getattr(st, n) for n in ("mask_window", "mask_sink", "cached", "pos_cache",
+                                                          "offset")}, **leaves})
+        for p in params.parameters():
+            p.grad = None
+        out, st2 = memory_attention(*new, key_padding_mask=mask[:, T:], initial_state=st, **kw)
+        loss = (out * _rand(*out.shape, seed=5)).sum() + (st2.S * _rand(*st2.S.shape, seed=6)).sum() \
+            + (st2.z * _rand(*st2.z.shape, seed=8)).sum() + (st2.k_cache * _rand(*st2.k_cache.shape, seed=9)).sum()
+        loss.backward()
+        grads.append([x.grad for x in new] + [leaves[n].grad for n in sorted(leaves)]
+                     + [p.grad for _, p in sorted(params.named_parameters())])
+    monkeypatch.setattr(memory_fast, "_DECODE", True)
+    assert any(g is not None for g in grads[0])
+    for a, b in zip(*grads):
+        assert (a is None) == (b is None) or not (a if a is not None else b).any()
+        if a is not None and b is not None and a.numel():
+            assert (a - b).abs().max().item() <= TOL64

@@ -248,7 +248,12 @@ def decayed_linear_chunked(fq, fk, v, log_decay=None, *, initial_state=None, chu
     underflow to 0 and never overflow.
     """
     fq, fk, v, log_decay, initial_state = _check_decayed(fq, fk, v, log_decay, initial_state)
-    C = check_positive_int(chunk_size, "chunk_size")
+    return _decayed_linear(fq, fk, v, log_decay, initial_state, check_positive_int(chunk_size, "chunk_size"))
+
+
+def _decayed_linear(fq, fk, v, log_decay, initial_state, C: int):
+    """:func:`decayed_linear_chunked` on trusted arguments (the memory fast path's call: its own
+    checks already cover them)."""
     dt = _work_dtype(v)
     B, T, H, M = fk.shape
     Dv = v.shape[-1]
@@ -316,7 +321,11 @@ def delta_rule_chunked(q, k, v, beta, log_alpha=None, *, initial_state=None, chu
     ``I + A`` is unit lower triangular (solved, never inverted).
     """
     q, k, v, beta, log_alpha, initial_state = _check_delta(q, k, v, beta, log_alpha, initial_state)
-    C = check_positive_int(chunk_size, "chunk_size")
+    return _delta_rule(q, k, v, beta, log_alpha, initial_state, check_positive_int(chunk_size, "chunk_size"))
+
+
+def _delta_rule(q, k, v, beta, log_alpha, initial_state, C: int):
+    """:func:`delta_rule_chunked` on trusted arguments (the memory fast path's call)."""
     dt = _work_dtype(v)
     B, T, H, M = k.shape
     Dv = v.shape[-1]

@@ -23,7 +23,12 @@ import torch
 from . import delta as _delta
 from ._checks import report_denominators
 from .memory_state import MemoryState, _beta, _gate, _log_decay, empty_memory_state, unit
+from .memory_decode import decode
 from .memory_schedule import schedule
+
+#: Decoding (``T = 1`` with a state) takes :func:`sketchlab.attention.memory_decode.decode`; False forces
+#: the general path (the tests compare the two).
+_DECODE = True
 
 
 def _take(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -35,12 +40,14 @@ def _take(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 
 
 def _far_additive(fq, fe, ve, log_decay, S0, z0, chunk):
-    num, den, (S, z) = _delta.decayed_linear_chunked(fq, fe, ve, log_decay, initial_state=(S0, z0), chunk_size=chunk)
+    num, den, (S, z) = _delta._decayed_linear(fq, fe, ve, log_decay, (S0, z0), chunk)
     return num, den, S, z
 
 
 def run(c):
     """The fast path on checked arguments ``c`` (:func:`sketchlab.attention.memory._check_call`)."""
+    if c.T == 1 and c.state is not None and _DECODE:
+        return decode(c)
     work, dev = c.work, c.phi_q.device
     B, T, H, M, D, Dv, w, s, K, C = c.B, c.T, c.H, c.M, c.D, c.Dv, c.w, c.s, c.K, c.o.chunk_size
     st = c.state if c.state is not None else empty_memory_state(B, H, M, D, Dv, cache=K, like=c.phi_q, dtype=work)
@@ -64,7 +71,7 @@ def run(c):
     ve = tr(_take(ev, idx) * ~null[..., None])  # [B, T, H, Dv]
     if c.delta:
         beta = _beta(c, ve) * ~tr(null)  # [B, T, H]
-        far, S = _delta.delta_rule_chunked(unit(fq), unit(fe), ve, beta, lg, initial_state=st.S, chunk_size=min(C, T))
+        far, S = _delta._delta_rule(unit(fq), unit(fe), ve, beta, lg, st.S, min(C, T))  # checked by the entry
         z = torch.zeros_like(st.z)
         far = tr(far)  # [B, H, T, Dv]
     else:

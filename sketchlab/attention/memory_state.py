@@ -12,8 +12,8 @@ from types import SimpleNamespace
 
 import torch
 
-from .._validation import check_degree, check_finite
-from ._checks import check_flag, check_key_padding_mask, check_qkv
+from .._validation import check_degree
+from ._checks import _check_finite_once, check_flag, check_key_padding_mask, check_qkv
 from .options import AttentionOptions, FarParams
 from .state import state_dtype
 
@@ -187,8 +187,7 @@ def _check_params(params, options: AttentionOptions, heads: int, dim_v: int, lik
                                  f"Dv={dim_v}), got {got}")
             if x.device != like.device:
                 raise ValueError(f"params.{name} must be on the device of the inputs ({like.device}), got {x.device}")
-            with torch.no_grad():
-                check_finite(x.detach(), f"params.{name}")
+            _check_finite_once(x, f"params.{name}")  # once per tensor and in-place version (decoding)
         out[name] = x
     return out
 
