@@ -224,3 +224,19 @@ def test_held_out_ratios_to_a_round_off_reference_are_left_out_and_said_so():
         plain = compare((q2, k2), p=2, m=3, methods=["optimal"], progress=False)
     assert plain.roundoff_references() == set() and "leaves out" not in plain.to_markdown()
     assert "| optimal |" in plain.summary_markdown() and "| 1.0000 |" in plain.summary_markdown()
+
+
+@pytest.mark.parametrize("argv", [
+    ["train", "--task", "mqar", "--attention", "softmax", "--steps", "1", "--eval-sequences", "1000000000"],
+])
+def test_eval_sequences_that_would_run_for_hours_refused_up_front(argv, tmp_path, capsys, monkeypatch):
+    """``--eval-sequences 1e9`` is refused within seconds, naming the cost and the flag, before any
+    training step or evaluation (issue 35, class 7)."""
+    import sketchlab.tasks.train as train_module
+    from sketchlab.cli import main
+
+    monkeypatch.setattr(train_module, "_component_accuracies",
+                        lambda *a, **k: pytest.fail("an evaluation ran before the refusal"))
+    code = main(argv + ["--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == 2 and "multiply-adds" in err and "--eval-sequences" in err

@@ -49,7 +49,7 @@ from .._validation import check_nonnegative_int, check_positive_int, check_real
 from .attention import copy_shared_weights, init_llops, input_scale, kernel_modules
 from .model import TransformerConfig, TransformerLM
 from .mqar import MQARConfig, mqar_batch
-from .train import _check_seed, evaluate_mqar, load_checkpoint, save_checkpoint, train_mqar
+from .train import _check_seed, check_evaluation_work, evaluate_mqar, load_checkpoint, save_checkpoint, train_mqar
 
 __all__ = ["LinearizeResult", "attention_transfer_loss", "linearize"]
 
@@ -230,6 +230,7 @@ def linearize(
     except (KeyError, TypeError) as err:
         raise ValueError(f"checkpoint {checkpoint}: config.json has no MQAR task in extra.task ({err}); "
                          "it is needed to capture the model's own task data") from err
+    check_evaluation_work(teacher, [task], eval_sequences)  # the teacher's and the student's, before any work
     cfg = teacher.config
     p_theta = p // 2 if non_negative else p
     student_cfg = TransformerConfig(**{**cfg.to_dict(), "attention": "llops", "attention_options": {

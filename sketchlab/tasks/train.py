@@ -91,6 +91,20 @@ def _check_seed(seed, name: str = "seed") -> int:
     return int(seed)
 
 
+def check_evaluation_work(model: TransformerLM, tasks, num_sequences: int) -> None:
+    """Refuse, before any work, evaluations that would run for hours: ``num_sequences`` held-out sequences
+    of every task component (:func:`evaluate_mqar`) cost about ``num_sequences · Σ seq_len · params``
+    multiply-adds (a forward pass costs about one multiply-add per parameter and token)."""
+    from .._validation import check_work
+
+    lengths = [c.seq_len for t in tasks for c in (t.components if isinstance(t, MQARMixture) else (t,))]
+    params = sum(p.numel() for p in model.parameters())
+    check_work(float(num_sequences) * sum(lengths) * params,
+               what=f"evaluating {num_sequences} sequences of each task component (lengths {sorted(set(lengths))}) "
+                    f"on a {params}-parameter model",
+               way_out="pass fewer evaluation sequences (eval_sequences= / --eval-sequences)")
+
+
 def evaluate_mqar(model: TransformerLM, task: MQARConfig | MQARMixture, *, num_sequences: int = 256, seed: int = 0,
                   batch_size: int = 64) -> float:
     """Held-out accuracy on ``num_sequences`` sequences (per component of a mixture) from ``seed + 1_000_003``.
@@ -463,6 +477,7 @@ def train_mqar(
         clip = check_real(clip, "clip", positive=True)
     seed = _check_seed(seed)
     eval_sequences = check_positive_int(eval_sequences, "eval_sequences")
+    check_evaluation_work(model, [task for task, _ in stages], eval_sequences)
     eval_every = check_nonnegative_int(eval_every, "eval_every")
     checkpoint_every = check_positive_int(checkpoint_every, "checkpoint_every")
     keep_checkpoints = check_positive_int(keep_checkpoints, "keep_checkpoints")
