@@ -114,6 +114,25 @@ def _out(model, ids, mask):
     return out.logits if hasattr(out, "logits") else out.last_hidden_state
 
 
+def _greedy_by_full_forward(model, ids, steps: int):
+    """``ids`` and ``steps`` more tokens by greedy decoding by full forward passes (``use_cache=False``)."""
+    seq = ids
+    with torch.no_grad():
+        for _ in range(steps):
+            seq = torch.cat([seq, model(seq, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)], 1)
+    return seq
+
+
+def _state_after(model, n: int):
+    """The :class:`~sketchlab.convert.cache.SketchStateCache` after one forward of ``n`` random tokens."""
+    from sketchlab.convert.cache import SketchStateCache
+
+    cache = SketchStateCache(2)
+    with torch.no_grad():
+        model(torch.randint(1, 50, (1, n)), cache=cache, use_cache=True)
+    return cache
+
+
 @pytest.mark.parametrize("make,padding", [(_llama, False), (_llama, True), (_gpt2, True), (_bert, True)])
 def test_plumbing_reproduces_teacher(make, padding, softmax_kernel):
     """With exact softmax as the swapped-in function the converted model equals the teacher: heads,
@@ -384,19 +403,9 @@ def test_generate_with_state_equals_greedy_full_forward(window, sinks):
     ids, _ = _inputs(False, B=2, T=5)
     out = model.generate(ids, max_new_tokens=7, do_sample=False, return_dict_in_generate=True)
     assert isinstance(out.cache, SketchStateCache)
-    seq = ids
-    with torch.no_grad():
-        for _ in range(7):
-            nxt = model(seq, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
-            seq = torch.cat([seq, nxt], 1)
-    assert torch.equal(out.sequences, seq)
+    assert torch.equal(out.sequences, _greedy_by_full_forward(model, ids, 7))
     # memory: the state after 12 tokens equals the state after 30
-    sizes = []
-    for n in (12, 30):
-        cache = SketchStateCache(2)
-        with torch.no_grad():
-            model(torch.randint(1, 50, (1, n)), cache=cache, use_cache=True)
-        sizes.append(cache.state_bytes())
+    sizes = [_state_after(model, n).state_bytes() for n in (12, 30)]
     assert sizes[0] == sizes[1] > 0
 
 

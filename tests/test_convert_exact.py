@@ -4,10 +4,9 @@ import pytest
 import torch
 
 from sketchlab.convert import convert_attention, converted_modules, load_linearized, save_linearized
-from sketchlab.convert.cache import SketchStateCache
 from sketchlab.convert.exact import ExactAttention, KVState
 from sketchlab.convert.ranking import rank_exact_layers
-from tests.test_convert import TOL64, _inputs, _llama, _out, perturb_maps
+from tests.test_convert import TOL64, _greedy_by_full_forward, _inputs, _llama, _out, _state_after, perturb_maps
 
 
 def _exact_sites(model):
@@ -42,16 +41,10 @@ def test_exact_layer_decodes_with_a_growing_kv_cache():
     convert_attention(model, attention="hedgehog", m=8, window=3, sinks=1, exact_layers=[1])
     ids, _ = _inputs(False, B=2, T=5)
     out = model.generate(ids, max_new_tokens=7, do_sample=False, return_dict_in_generate=True)
-    seq = ids
-    with torch.no_grad():
-        for _ in range(7):
-            seq = torch.cat([seq, model(seq, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)], 1)
-    assert torch.equal(out.sequences, seq)
+    assert torch.equal(out.sequences, _greedy_by_full_forward(model, ids, 7))
     sizes = []
     for n in (12, 30):
-        cache = SketchStateCache(2)
-        with torch.no_grad():
-            model(torch.randint(1, 50, (1, n)), cache=cache, use_cache=True)
+        cache = _state_after(model, n)
         assert isinstance(cache.layers[1].state, KVState) and cache.layers[1].state.k.shape[2] == n
         sizes.append((cache.layers[0].state.nbytes, cache.layers[1].state.nbytes))
     assert sizes[0][0] == sizes[1][0]  # the converted layer: flat

@@ -6,8 +6,7 @@ import torch
 
 from sketchlab.attention.memory import MemoryState
 from sketchlab.convert import convert_attention, converted_modules, load_linearized, save_linearized
-from sketchlab.convert.cache import SketchStateCache
-from tests.test_convert import TOL64, _inputs, _llama, _out
+from tests.test_convert import TOL64, _greedy_by_full_forward, _inputs, _llama, _out, _state_after
 
 MECHANISMS = [dict(cache=3), dict(decay="input"), dict(decay=0.9), dict(state="delta"),
               dict(state="delta", beta="input", decay="head", cache=2)]
@@ -30,17 +29,8 @@ def test_memory_generate_equals_greedy_full_forward_and_state_is_flat(memory):
     ids, _ = _inputs(False, B=2, T=5)
     out = model.generate(ids, max_new_tokens=9, do_sample=False, return_dict_in_generate=True)
     assert isinstance(out.cache.layers[0].state, MemoryState)
-    seq = ids
-    with torch.no_grad():
-        for _ in range(9):
-            seq = torch.cat([seq, model(seq, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)], 1)
-    assert torch.equal(out.sequences, seq)
-    sizes = []
-    for n in (15, 40):
-        cache = SketchStateCache(2)
-        with torch.no_grad():
-            model(torch.randint(1, 50, (1, n)), cache=cache, use_cache=True)
-        sizes.append(cache.state_bytes())
+    assert torch.equal(out.sequences, _greedy_by_full_forward(model, ids, 9))
+    sizes = [_state_after(model, n).state_bytes() for n in (15, 40)]
     assert sizes[0] == sizes[1] > 0
 
 

@@ -173,15 +173,20 @@ def test_the_recording_is_allocated_once():
             torch.testing.assert_close(x, y)
 
 
-def test_cli_prints_the_estimate_and_refuses_over_max_memory(tmp_path, capsys):
+def _cli_argv(tmp_path, capsys) -> list:
+    """A tiny model directory and text under ``tmp_path`` (the output captured so far dropped) and the
+    ``sketchlab linearize`` arguments on them (one transfer step)."""
     from tests.test_cli_linearize_lm import _model_dir, _text_file
 
     _model_dir(tmp_path / "m")
     _text_file(tmp_path / "t.txt", 200)
     capsys.readouterr()
-    argv = ["linearize", "--model-dir", str(tmp_path / "m"), "--text", str(tmp_path / "t.txt"), "--attention",
-            "hedgehog", "--m", "4", "--window", "4", "--sinks", "1", "--seq-len", "24", "--transfer-steps", "1",
-            "--gate-init", "0", "--out", str(tmp_path / "o")]
+    return ["linearize", "--model-dir", str(tmp_path / "m"), "--text", str(tmp_path / "t.txt"), "--attention",
+            "hedgehog", "--m", "4", "--window", "4", "--sinks", "1", "--seq-len", "24", "--transfer-steps", "1"]
+
+
+def test_cli_prints_the_estimate_and_refuses_over_max_memory(tmp_path, capsys):
+    argv = _cli_argv(tmp_path, capsys) + ["--gate-init", "0", "--out", str(tmp_path / "o")]
     rc = main(argv + ["--max-memory", "1e-5"])
     err = capsys.readouterr().err
     assert rc == 2 and re.search(r"memory estimate .* GiB \(parameters .*\) of the budget 1e-05 GiB", err), err
@@ -239,14 +244,7 @@ def test_bad_far_is_refused(kwargs, match, monkeypatch):
 
 
 def test_cli_no_far_and_the_floor_in_the_report(tmp_path, capsys):
-    from tests.test_cli_linearize_lm import _model_dir, _text_file
-
-    _model_dir(tmp_path / "m")
-    _text_file(tmp_path / "t.txt", 200)
-    capsys.readouterr()
-    base = ["linearize", "--model-dir", str(tmp_path / "m"), "--text", str(tmp_path / "t.txt"), "--attention",
-            "hedgehog", "--m", "4", "--window", "4", "--sinks", "1", "--seq-len", "24", "--transfer-steps", "1",
-            "--no-progress"]
+    base = _cli_argv(tmp_path, capsys) + ["--no-progress"]
     assert main(base + ["--gate-init", "0", "--out", str(tmp_path / "a")]) == 0
     out = capsys.readouterr().out
     assert re.search(r"window \+ sinks alone [\d.]+ \(the floor the far part must beat: (beaten|NOT beaten)", out), out

@@ -30,6 +30,17 @@ def _score(S64: torch.Tensor, z64: torch.Tensor | None, scale: torch.Tensor, phi
     return (v - r).square().sum(-1)
 
 
+def _local_weights(c, logits: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
+    """The exact part's unnormalised weights of ``logits`` where ``ok`` (zero elsewhere): ``exp(logit − max)``
+    (``c.o.local == "softmax"``; the max over the allowed keys, 0 for a row with none) else ``logit ** c.degree``."""
+    zero = logits.new_zeros(())
+    if c.o.local == "softmax":
+        top = torch.where(ok, logits, float("-inf")).amax(-1, keepdim=True)
+        top = torch.where(torch.isfinite(top), top, zero)
+        return torch.where(ok, (logits - top).exp(), zero)
+    return torch.where(ok, logits ** c.degree, zero)
+
+
 def decode(c) -> torch.Tensor | tuple[torch.Tensor, MemoryState]:
     """One step (``c.T == 1``, ``c.state`` given) on checked arguments ``c``."""
     work, dev, st = c.work, c.phi_q.device, c.state
@@ -132,13 +143,7 @@ def decode(c) -> torch.Tensor | tuple[torch.Tensor, MemoryState]:
         # logits per group (no copy of the keys into one tensor), then one masked softmax over them all
         logits = torch.cat([c.scale * (kx @ qc)[..., 0] for kx, _, _ in groups], -1)  # [B, H, L]
         ok = torch.cat([m for _, _, m in groups], -1)  # [B, H, L]
-        zero = logits.new_zeros(())
-        if c.o.local == "softmax":
-            top = torch.where(ok, logits, float("-inf")).amax(-1, keepdim=True)
-            top = torch.where(torch.isfinite(top), top, zero)
-            a = torch.where(ok, (logits - top).exp(), zero)
-        else:
-            a = torch.where(ok, logits ** c.degree, zero)
+        a = _local_weights(c, logits, ok)
         ex_num, i0 = 0, 0
         for _, vx, _ in groups:  # Σ a v per group
             n = vx.shape[2]

@@ -23,7 +23,7 @@ import torch
 from . import delta as _delta
 from ._checks import report_denominators
 from .memory_state import MemoryState, _beta, _gate, _log_decay, empty_memory_state, unit
-from .memory_decode import decode
+from .memory_decode import _local_weights, decode
 from .memory_schedule import schedule
 
 #: Decoding (``T = 1`` with a state) takes :func:`sketchlab.attention.memory_decode.decode`; False forces
@@ -104,13 +104,7 @@ def run(c):
             ok_band = (in_win[None, None] | in_cache) & (real_x[:, bx] & (band >= s))[:, None, None, :]
             ok = torch.cat([ok_sink.expand(B, H, -1, -1), ok_slot, ok_band], -1)  # [B, H, c, L]
             logits = c.scale * (qq[:, :, t0:t1] @ keys.mT)  # [B, H, c, L]
-            zero = logits.new_zeros(())
-            if c.o.local == "softmax":
-                top = torch.where(ok, logits, float("-inf")).amax(-1, keepdim=True)
-                top = torch.where(torch.isfinite(top), top, zero)
-                a = torch.where(ok, (logits - top).exp(), zero)
-            else:
-                a = torch.where(ok, logits ** c.degree, zero)
+            a = _local_weights(c, logits, ok)
             ex_num, ex_den = a @ vals, a.sum(-1)  # [B, H, c, Dv], [B, H, c]
             gc = g[..., None]
             if c.delta:

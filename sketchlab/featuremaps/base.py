@@ -85,6 +85,17 @@ def _init_heads(module: FeatureMap, heads, head_dim):
     module.head_dim = check_positive_int(head_dim, "head_dim")
 
 
+def _checked_theta(module: FeatureMap, theta, axes: tuple[str, ...]) -> torch.Tensor:
+    """A float copy of ``theta`` laid out as ``axes`` (e.g. ``("H", "t", "D", "M")``): its ``"H"`` and ``"D"``
+    axes must be ``module.heads`` and ``module.head_dim``; a ``ValueError`` says the shape wanted otherwise."""
+    theta = as_float_tensor(theta, "theta").detach().clone()
+    h, d = axes.index("H"), axes.index("D")
+    if theta.ndim != len(axes) or theta.shape[h] != module.heads or theta.shape[d] != module.head_dim:
+        want = ", ".join(f"H={module.heads}" if a == "H" else f"D={module.head_dim}" if a == "D" else a for a in axes)
+        raise ValueError(f"theta must have shape [{want}], got {tuple(theta.shape)}")
+    return theta
+
+
 def _store(module: nn.Module, name: str, tensor: torch.Tensor, learn: bool) -> None:
     """``module.<name> = tensor`` as a trained parameter (``learn``) or a fixed buffer (saved either way)."""
     if learn:

@@ -9,6 +9,21 @@ from .base import FeatureMap, _init_heads, _store
 
 __all__ = ["ExpandMap", "TaylorMap"]
 
+
+def _init_proj(m: FeatureMap, dim, proj, symmetric: bool, learn: bool, dtype) -> None:
+    """Check and store ``m.proj [H, D, d']`` (default: the first ``dim`` coordinates, ``[I; 0]``) and ``m.symmetric``."""
+    if proj is None:
+        dim = check_positive_int(min(16, m.head_dim) if dim is None else dim, "dim")
+        if dim > m.head_dim:
+            raise ValueError(f"dim (BASED's d') must be <= head_dim={m.head_dim}, got {dim}")
+        proj = torch.eye(m.head_dim, dim, dtype=dtype).expand(m.heads, -1, -1)
+    proj = as_float_tensor(proj, "proj").detach().clone()
+    if proj.ndim != 3 or proj.shape[:2] != (m.heads, m.head_dim):
+        raise ValueError(f"proj must have shape [H={m.heads}, D={m.head_dim}, d'], got {tuple(proj.shape)}")
+    m.symmetric = symmetric
+    _store(m, "proj", proj, learn)
+
+
 class TaylorMap(FeatureMap):
     r"""BASED's Taylor map on ``d'`` projected coordinates :math:`u = xP_h`:
     :math:`[1, u/d'^{1/4}, u\otimes u/(\sqrt2\sqrt{d'})]`, kernel :math:`1 + s + s^2/2 > 0`
@@ -22,16 +37,7 @@ class TaylorMap(FeatureMap):
                  learn: bool = False, dtype=torch.float32):
         super().__init__()
         _init_heads(self, heads, head_dim)
-        if proj is None:
-            dim = check_positive_int(min(16, self.head_dim) if dim is None else dim, "dim")
-            if dim > self.head_dim:
-                raise ValueError(f"dim (BASED's d') must be <= head_dim={self.head_dim}, got {dim}")
-            proj = torch.eye(self.head_dim, dim, dtype=dtype).expand(self.heads, -1, -1)
-        proj = as_float_tensor(proj, "proj").detach().clone()
-        if proj.ndim != 3 or proj.shape[:2] != (self.heads, self.head_dim):
-            raise ValueError(f"proj must have shape [H={self.heads}, D={self.head_dim}, d'], got {tuple(proj.shape)}")
-        self.symmetric = symmetric
-        _store(self, "proj", proj, learn)
+        _init_proj(self, dim, proj, symmetric, learn, dtype)
 
     @property
     def num_features(self) -> int:
@@ -69,16 +75,7 @@ class ExpandMap(FeatureMap):
         super().__init__()
         _init_heads(self, heads, head_dim)
         self.p = check_positive_int(p, "p")
-        if proj is None:
-            dim = check_positive_int(min(16, self.head_dim) if dim is None else dim, "dim")
-            if dim > self.head_dim:
-                raise ValueError(f"dim (BASED's d') must be <= head_dim={self.head_dim}, got {dim}")
-            proj = torch.eye(self.head_dim, dim, dtype=dtype).expand(self.heads, -1, -1)
-        proj = as_float_tensor(proj, "proj").detach().clone()
-        if proj.ndim != 3 or proj.shape[:2] != (self.heads, self.head_dim):
-            raise ValueError(f"proj must have shape [H={self.heads}, D={self.head_dim}, d'], got {tuple(proj.shape)}")
-        self.symmetric = symmetric
-        _store(self, "proj", proj, learn)
+        _init_proj(self, dim, proj, symmetric, learn, dtype)
 
     @property
     def num_features(self) -> int:

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from .._validation import as_float_tensor, check_positive_int
-from .base import FeatureMap, _init_heads, _store
+from .._validation import check_positive_int
+from .base import FeatureMap, _checked_theta, _init_heads, _store
 
 __all__ = ["TiedLLoPSMap"]
 
@@ -38,9 +38,7 @@ class TiedLLoPSMap(FeatureMap):
         if p % 2:
             raise ValueError(f"TiedLLoPSMap needs an even degree p (features <x, θ>^p >= 0), got p={p}")
         self.p = p
-        theta = as_float_tensor(theta, "theta").detach().clone()
-        if theta.ndim != 4 or theta.shape[0] != self.heads or theta.shape[2] != self.head_dim:
-            raise ValueError(f"theta must have shape [H={self.heads}, t, D={self.head_dim}, M], got {tuple(theta.shape)}")
+        theta = _checked_theta(self, theta, ("H", "t", "D", "M"))
         _store(self, "theta", theta, learn)
 
     @property

@@ -6,8 +6,8 @@ import math
 
 import torch
 
-from .._validation import as_float_tensor, check_degree, check_positive_int
-from .base import FeatureMap, _init_heads, _store
+from .._validation import check_degree, check_positive_int
+from .base import FeatureMap, _checked_theta, _init_heads, _store
 
 __all__ = ["LLoPSMap"]
 
@@ -37,9 +37,7 @@ class LLoPSMap(FeatureMap):
             gen = torch.Generator().manual_seed(seed)
             base = torch.randn(self.heads, rank, 1, self.head_dim, m, generator=gen, dtype=torch.float64)
             theta = (base / math.sqrt(self.head_dim)).expand(-1, -1, p, -1, -1).to(dtype)
-        theta = as_float_tensor(theta, "theta").detach().clone()
-        if theta.ndim != 5 or theta.shape[0] != self.heads or theta.shape[3] != self.head_dim:
-            raise ValueError(f"theta must have shape [H={self.heads}, t, p, D={self.head_dim}, M], got {tuple(theta.shape)}")
+        theta = _checked_theta(self, theta, ("H", "t", "p", "D", "M"))
         for name, want, axis in (("p", p, 2), ("m", m, 4), ("rank", rank, 1)):
             if want is not None and want != theta.shape[axis]:
                 raise ValueError(f"theta has {name}={theta.shape[axis]} (axis {axis} of [H, t, p, D, M]) but {name}={want}")
