@@ -112,8 +112,8 @@ def test_toy_model_linearize_and_round_trip(tmp_path):
 
 
 def test_transfer_progress_lines_are_flushed_as_each_layer_ends(monkeypatch):
-    """Stage 1's one line per layer reaches a piped stdout (a log being watched) when the layer ends, not
-    when the buffer fills: each line is flushed (issue 35 mutation round)."""
+    """Stage 1's one line per layer reaches a piped stderr (a log being watched; progress goes to stderr)
+    when the layer ends, not when the buffer fills: each line is flushed (issue 35 mutation round)."""
     import importlib
     import io
     import sys
@@ -130,14 +130,18 @@ def test_transfer_progress_lines_are_flushed_as_each_layer_ends(monkeypatch):
             super().flush()
 
     out = Watched()
-    monkeypatch.setattr(sys, "stdout", out)
+    monkeypatch.setattr(sys, "stderr", out)
     monkeypatch.setattr(lin, "_transfer_layer", lambda *a, **k: [] if a[0] == "empty" else [2.0, 0.5])
     losses = lin._train_own(["s0", "empty", "s2"], [None] * 3, None, None, 0, 1, steps=1, lr=0.1, map_lr=0.1,
                             batch_size=1, seed=0, progress=True)
     assert losses == [[2.0, 0.5], [], [2.0, 0.5]]
     lines = ["transfer layer 0: mse 2 -> 0.5\n", "transfer layer 1: 0 steps\n", "transfer layer 2: mse 2 -> 0.5\n"]
-    assert out.getvalue() == "".join(lines)
-    assert [text for text in out.seen_at_flush if text] == ["".join(lines[:i + 1]) for i in range(3)]
+    said = lambda text: [line[line.index("transfer layer"):] + "\n" for line in text.split("\n")  # noqa: E731
+                         if "transfer layer" in line]
+    assert said(out.getvalue()) == lines  # beside them, the progress bar's own lines
+    # each layer's line was flushed out by itself, before the next layer's existed
+    assert [lines[:i + 1] for i in range(3)] == [x for i, x in enumerate(map(said, out.seen_at_flush))
+                                                  if x and (i == 0 or x != said(out.seen_at_flush[i - 1]))]
 
 
 def test_linearize_with_a_custom_feature_map_records_it_as_custom_and_every_option_under_its_name():
