@@ -255,6 +255,11 @@ def _check_split(T, *, splits, normalize="sum", non_negative=False, window, sink
         if b is None:  # the gate of the pure kernel is unused
             assert a is None and window == sinks == 0, name
             continue
+        if name == "dgate" and window >= T:
+            # no far keys: the gate enters only through eps/g in the shared denominator, so dgate is O(eps)
+            # (~1e-6) and made of O(1) float32 terms: its round-off is absolute, ~1e-7, not relative to it
+            assert (a.double() - b.double()).abs().max() <= 1e-6, name
+            continue
         assert _rel(a, b.double()) <= FP32_TOL, name
 
 
