@@ -302,6 +302,8 @@ class _HybridMixin:
     with ``far`` (a :class:`~sketchlab.attention.options.FarParams`: the learned decay and β; the gate
     stays ``gate``, where checkpoints have it), else its own hybrid path (``decay=1.0`` is that path,
     bit for bit). ``far``'s parameters live under ``.attention.attn.``: the training loop's "kernel" group.
+    Each kernel defines ``_far_features(q, k)`` → ``(φ(q), φ(k) [B, T, H, M], q, k as the exact part
+    sees them, degree)``: the features its own path uses (self-tensored where it self-tensors).
     """
 
     def _init_hybrid(self, config: TransformerConfig, local_scale):
@@ -345,11 +347,6 @@ class _HybridMixin:
         if state.get("output_final_state"):
             return out[0].to(v.dtype), out[1]
         return out.to(v.dtype)
-
-    def _far_features(self, q, k):
-        """``(φ(q), φ(k) [B, T, H, M], q, k as the exact part sees them [B, T, H, ·], degree)``: the
-        features the kernel's own path uses (self-tensored where it self-tensors), for the memory path."""
-        raise NotImplementedError
 
 
 def _sketch_features(sketch, q, k):
