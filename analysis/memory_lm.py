@@ -188,6 +188,30 @@ def render(data: dict) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
+def plot(data: dict, path: Path) -> None:
+    """Perplexity against context (held-out plays, dashed: the Python reference) and the second copy's
+    NLL against the gap, one line per row."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from sketchlab.plots import save_figure
+
+    meta, rows = data["meta"], data["rows"]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for r in rows.values():
+        ctx = meta["contexts"]
+        line, = a.plot(ctx, [r["ppl"]["plays"][str(c)] for c in ctx], marker="o", label=r["label"])
+        a.plot(ctx, [r["ppl"]["docs"][str(c)] for c in ctx], marker="s", ls="--", color=line.get_color())
+        b.plot(meta["gaps"], [r["copy"][str(g)]["second"] for g in meta["gaps"]], marker="o", color=line.get_color())
+    a.set(xlabel="context (tokens)", ylabel="perplexity", yscale="log",
+          title="held-out perplexity (solid: plays, dashed: Python reference)")
+    b.set(xlabel="gap (tokens)", ylabel="NLL of the second copy (nats/token)", title="copy recall")
+    a.legend(fontsize=7)
+    save_figure(fig, path)
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", default=None, help="comma-separated row names (default: every row)")
@@ -278,6 +302,7 @@ def main(argv=None) -> int:
             log(f"{name}: done in {row['minutes']:.1f} min")
     with atomic_write(RESULTS / "memory_lm.md") as tmp:
         tmp.write_text(render(data), encoding="utf-8")
+    plot(data, RESULTS / "memory_lm.png")
     return 0
 
 
