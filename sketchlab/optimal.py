@@ -117,6 +117,21 @@ class OptimalSketch(Sketch):
         """:math:`\\psi_p(x)^\\top W^*_K`: ``x[..., n, d]`` → float64 ``[..., n, m]``."""
         return poly_features(x.to(torch.float64), self.p, self.symmetric) @ self.w_k
 
+    def features_naive(self, x, side: str = "q", index: tuple = ()) -> torch.Tensor:
+        """Float64 twin of one side for the head ``index``: :math:`\\psi_p(x)^\\top W` with ψ written out
+        (:func:`~sketchlab.polynomial.poly_features_naive`); ``x[n, d]`` → ``[n, m]``."""
+        from .polynomial import poly_features_naive
+
+        w = (self.w_q if side == "q" else self.w_k)[index]
+        return poly_features_naive(torch.as_tensor(x, dtype=torch.float64), self.p, self.symmetric) @ w
+
+    def select(self, index) -> "OptimalSketch":
+        """The optimum of the heads ``index`` of the batch (e.g. one layer of an ``[L, H]`` result)."""
+        from dataclasses import replace
+
+        return replace(self, w_q=self.w_q[index], w_k=self.w_k[index],
+                       singular_values=self.singular_values[index], tail=self.tail[index])
+
     def projector(self, side: str = "q", *, symmetric: bool = False) -> torch.Tensor:
         """The projector of one side (``"q"`` or ``"k"``), ``[..., d**p, m]`` unless ``symmetric``.
 

@@ -332,3 +332,23 @@ def test_max_sketch_size_refuses_sizes_below_one(args, name):
     with pytest.raises(TypeError, match=r"d must be an integer >= 1, got 2.0"):
         max_sketch_size(4, 4, 2.0, 2)
     assert [max_sketch_size(9, 7, d, p) for d, p in ((1, 5), (2, 1), (2, 2), (3, 2), (5, 3))] == [1, 2, 3, 6, 7]
+
+
+def test_optimal_sketch_naive_twin_and_select():
+    """The optimum's float64 twin (ψ written out) equals its fast features per head, and ``select`` of
+    one layer of an ``[L, H]`` optimum is that layer's heads (its features, tail and spectrum)."""
+    from sketchlab.optimal import optimal_sketch
+
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 3, 12, 4, generator=gen, dtype=torch.float64)
+    k = torch.randn(2, 3, 12, 4, generator=gen, dtype=torch.float64)
+    opt = optimal_sketch(q, k, p=2, m=5)
+    for side, fast in (("q", opt.features_q(q)), ("k", opt.features_k(k))):
+        x = q if side == "q" else k
+        for index in ((0, 0), (1, 2)):
+            torch.testing.assert_close(opt.features_naive(x[index], side, index), fast[index], rtol=1e-12, atol=1e-12)
+    one = opt.select(1)
+    torch.testing.assert_close(one.features_q(q[1]), opt.features_q(q)[1], rtol=0, atol=0)
+    torch.testing.assert_close(one.tail, opt.tail[1], rtol=0, atol=0)
+    assert one.singular_values.shape == opt.singular_values.shape[1:]
+    assert float((opt.select(0).features_k(k[1]) - opt.features_k(k)[1]).abs().max()) > 1e-6  # another layer differs
