@@ -42,6 +42,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from sketchlab.cli._common import finite_float, write_text_atomic
+from sketchlab.featuremaps import FeatureMap
 from sketchlab.io.atomic import atomic_write
 from sketchlab.plots import save_figure
 from sketchlab.convert import convert_attention
@@ -109,6 +110,8 @@ def parse_args():
     ap.add_argument("--map-lr", type=float, default=None, help="transfer learning rate of the feature maps (default: --transfer-lr)")
     ap.add_argument("--probe-layers", default=None,
                     help="only print per-layer attention-output errors on these layers (e.g. 3,15,27) and the shift evidence")
+    ap.add_argument("--input-norm", action="store_true",
+                    help="probe only: each map on its per-head layer-normalised q, k (InputNormed), beside the plain maps")
     ap.add_argument("--probe-steps", default="0,50,200", help="transfer steps at which the probe measures")
     ap.add_argument("--shift-layers", default="3,15,27", help="layers of the per-query-shift evidence table ('none': skip)")
     ap.add_argument("--train-seqs", type=int, default=16, help="training sequences of --train-len tokens")
@@ -308,6 +311,34 @@ def shift_evidence(sketch, io, mask, index) -> dict:
     return {"iqr_plain": iqr(plain), "iqr_shifted": iqr(shifted), "far_share": float(share[~share.isnan()].mean())}
 
 
+class InputNormed(FeatureMap):
+    """A map applied to per-head layer-normalised input (learnable per-head affine, as PolySketchFormer's
+    learned sketch has): bounds a polynomial map's magnitude, which otherwise grows as ``|x|^p``. The
+    probe's experiment (``--input-norm``), not a library map."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.heads, self.head_dim = inner, inner.heads, inner.head_dim
+        self.weight = torch.nn.Parameter(torch.ones(inner.heads, inner.head_dim))
+        self.bias = torch.nn.Parameter(torch.zeros(inner.heads, inner.head_dim))
+
+    @property
+    def num_features(self):
+        return self.inner.num_features
+
+    @property
+    def non_negative(self):
+        return self.inner.non_negative
+
+    def _features(self, x):
+        x = torch.nn.functional.layer_norm(x, (self.head_dim,)) * self.weight.to(x.dtype) + self.bias.to(x.dtype)
+        return self.inner._features(x)
+
+    def _features_naive(self, x, head):
+        x = torch.nn.functional.layer_norm(x, (self.head_dim,)) * self.weight[head].double() + self.bias[head].double()
+        return self.inner._features_naive(x, head)
+
+
 def probe(args) -> None:
     """Per-layer held-out attention-output errors on a few layers (no perplexity): window + sinks alone
     against the hybrids as transfer proceeds, and the per-query-shift evidence."""
@@ -321,10 +352,15 @@ def probe(args) -> None:
     theta, _ = fit(teacher, ids, mask, train_idx, args)
     log(f"recorded and fitted in {time.perf_counter() - t0:.0f} s")
 
-    def run(label, name, gate, theta_=None):
+    def run(label, name, gate, theta_=None, normed=False):
         model = copy.deepcopy(teacher)
         converted = convert(model, name, args, args.window, theta_, gate_init=gate)  # every layer, once
         sketches = [converted[i] for i in probe_layers]
+        for s in sketches if normed else []:
+            shared = s.feature_map_k is s.feature_map_q
+            s.feature_map_q = InputNormed(s.feature_map_q)
+            if not shared:
+                s.feature_map_k = InputNormed(s.feature_map_k)
         calibrate(sketches, sub, mask, train_idx, args, name, how=gate)
         done = 0
         for steps in steps_list if gate != 40.0 else [0]:
@@ -347,6 +383,9 @@ def probe(args) -> None:
     kept = {}
     for name in args.maps.split(","):
         kept[name] = run(f"{name} hybrid, gate {gate_for(name, args)}", name, args.gate_init, theta)
+        if args.input_norm:
+            kept[name + " on LN(q), LN(k)"] = run(f"{name} on LN(q), LN(k) hybrid, gate {gate_for(name, args)}", name,
+                                                 args.gate_init, theta, normed=True)
     print("\n| map | layer | IQR log F/S | IQR log F·e^(−c)/S | teacher's far mass share |\n|---|---|---|---|---|")
     for name, sketches in kept.items():
         for layer, sketch, io in zip(probe_layers, sketches, sub):
