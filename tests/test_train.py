@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import sketchlab.tasks.checkpoint as checkpoint_module
 import sketchlab.tasks.train as train_module
 from sketchlab.attention import (
     feature_attention_naive,
@@ -111,7 +112,7 @@ def test_a_checkpoint_from_before_an_attention_option_existed_still_resumes(tmp_
 
 
 def test_a_crash_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path, monkeypatch):
-    real = train_module._fill_checkpoint
+    real = checkpoint_module._fill_checkpoint
     count = {"n": 0}
 
     def failing(tmp, *args):
@@ -121,10 +122,10 @@ def test_a_crash_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path, mon
             raise OSError("disk full")
         return real(tmp, *args)
 
-    monkeypatch.setattr(train_module, "_fill_checkpoint", failing)
+    monkeypatch.setattr(checkpoint_module, "_fill_checkpoint", failing)
     with pytest.raises(OSError, match="disk full"):
         train_mqar(tiny(), [(TASK, 6)], out=tmp_path, checkpoint_every=2, **KW)
-    monkeypatch.setattr(train_module, "_fill_checkpoint", real)
+    monkeypatch.setattr(checkpoint_module, "_fill_checkpoint", real)
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-00000002"]  # no temporary left
     resumed = train_mqar(tiny(), [(TASK, 6)], out=tmp_path, checkpoint_every=2, **KW)
     assert resumed.resumed_from == 2

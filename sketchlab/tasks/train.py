@@ -1,22 +1,19 @@
-r"""Training loop for MQAR (AdamW, warm-up + cosine, clipping), held-out evaluation, and checkpoints.
+r"""The one training loop (AdamW from :meth:`~sketchlab.tasks.TransformerLM.configure_optimizers`, warm-up +
+cosine, clipping) and MQAR training on it: curriculum, held-out evaluation, resumable checkpoints, DDP.
 
-Checkpoints are safetensors + JSON, never pickle. :func:`train_mqar` with ``out=DIR`` writes a
-resumable checkpoint every ``checkpoint_every`` steps and at the end::
+:func:`training_steps` is the loop every task runs (:func:`train_mqar` here,
+:func:`~sketchlab.tasks.text.train_lm` for text): each step sets the scheduled learning rate
+(:func:`lr_at`) and takes one :func:`train_step` on the next batch; the caller evaluates and
+checkpoints between the steps it yields.
 
-    DIR/checkpoints/step-00000100/model.safetensors     # the model's state_dict
-    DIR/checkpoints/step-00000100/trainer.safetensors   # AdamW moments and steps, RNG states
-    DIR/checkpoints/step-00000100/state.json            # run identity, step, losses, evaluations
-
-Each ``step-N`` directory is written under a temporary name and renamed into place when it is
-complete (a rename is atomic on POSIX), so an interruption at any instant leaves either the
-previous checkpoints or the new one, never a half-written one; the newest ``keep_checkpoints`` are
-kept. Calling :func:`train_mqar` again with the same ``out`` resumes from the newest one: the
-weights, the optimiser moments, the learning-rate step, the data stream (its ``torch.Generator``
-state) and the loss history are restored, so the resumed run computes exactly the steps the
-uninterrupted run would have (bit for bit with one thread and
-``torch.use_deterministic_algorithms(True)``). A checkpoint written by another run configuration
-(model, curriculum, batch, optimiser settings, seed, ``run_info``) is refused with the differing
-fields named.
+:func:`train_mqar` with ``out=DIR`` writes a resumable checkpoint every ``checkpoint_every`` steps
+and at the end (the layout and its atomic writes: :mod:`sketchlab.tasks.checkpoint`). Calling it
+again with the same ``out`` resumes from the newest one: the weights, the optimiser moments, the
+learning-rate step, the data stream (its ``torch.Generator`` state) and the loss history are
+restored, so the resumed run computes exactly the steps the uninterrupted run would have (bit for
+bit with one thread and ``torch.use_deterministic_algorithms(True)``). A checkpoint written by
+another run configuration (model, curriculum, batch, optimiser settings, seed, ``run_info``) is
+refused with the differing fields named.
 
 Distributed data parallel: when ``torch.distributed`` is initialised (``torchrun``; see
 :func:`init_distributed`), the model is wrapped in ``DistributedDataParallel``. ``batch_size`` is
@@ -33,30 +30,25 @@ import json
 import math
 import numbers
 import os
-import shutil
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .._validation import check_nonnegative_int, check_positive_int, check_real
-from ..io import atomic_write
-from .model import TransformerConfig, TransformerLM
+from .checkpoint import latest_checkpoint, load_checkpoint, read_training_state, save_checkpoint, write_training_state
+from .model import TransformerLM
 from .mqar import IGNORE_INDEX, MQARConfig, MQARMixture, mqar_batch
 
 __all__ = [
-    "TrainResult", "evaluate_mqar", "init_distributed", "latest_checkpoint", "load_checkpoint", "save_checkpoint",
-    "train_mqar",
+    "TrainResult", "check_evaluation_work", "evaluate_mqar", "init_distributed", "latest_checkpoint",
+    "load_checkpoint", "lr_at", "save_checkpoint", "train_mqar", "train_step", "training_steps",
 ]
 
 _HELDOUT_OFFSET = 1_000_003  # held-out data come from seed + this offset, never from the training stream
-
-
-_STATE_FORMAT = "sketchlab.tasks.train/1"
 
 
 @dataclass
@@ -205,170 +197,60 @@ def _world() -> tuple[int, int]:
     return 0, 1
 
 
-def _step_dir(root: Path, step: int) -> Path:
-    return root / "checkpoints" / f"step-{step:08d}"
+def lr_at(s: int, *, lr: float, warmup: int, total: int) -> float:
+    """Learning rate of step ``s`` (from 0) of ``total``: ``lr · min(1, (s+1)/warmup) · ½(1 + cos(π s/total))``
+    (a linear warm-up over ``warmup`` steps, none if 0, then a cosine decay)."""
+    ramp = min(1.0, (s + 1) / warmup) if warmup else 1.0
+    return lr * ramp * 0.5 * (1 + math.cos(math.pi * min(s, total) / total))
 
 
-def latest_checkpoint(out) -> Path | None:
-    """The newest complete ``step-N`` checkpoint directory under ``out/checkpoints`` (``None`` if none)."""
-    root = Path(out) / "checkpoints"
-    if not root.is_dir():
-        return None
-    found = sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-") and p.name[5:].isdigit())
-    return found[-1] if found else None
+def train_step(net: nn.Module, opt: torch.optim.Optimizer, inputs: torch.Tensor, targets: torch.Tensor, *,
+               lr: float, clip: float | None, extra_loss: Callable[[], torch.Tensor] | None = None,
+               world: int = 1) -> float:
+    """One optimiser step on ``inputs, targets [B, T]``; returns the loss (the mean over the ranks).
 
-
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as fh:
-        os.fsync(fh.fileno())
-
-
-def _write_checkpoint(out: Path, step: int, model, opt, gen: torch.Generator, state: dict, keep: int) -> Path:
-    """Write ``out/checkpoints/step-N`` under a temporary name, then rename it into place (atomic)."""
-    root = out / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
-    for stale in root.glob(".tmp-step-*"):  # left by a run killed while writing; never read
-        shutil.rmtree(stale, ignore_errors=True)
-    final = _step_dir(out, step)
-    tmp = root / f".tmp-step-{step:08d}-{os.getpid()}"
-    tmp.mkdir()
-    try:
-        _fill_checkpoint(tmp, model, opt, gen, state, step)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if final.exists():  # only after a crash between this rename and the next step: same content
-        shutil.rmtree(final)
-    os.rename(tmp, final)
-    for old in sorted(p for p in root.iterdir() if p.name.startswith("step-"))[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
-
-
-def _fill_checkpoint(tmp: Path, model, opt, gen: torch.Generator, state: dict, step: int) -> None:
-    from safetensors.torch import save_file
-
-    weights = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-    save_file(weights, str(tmp / "model.safetensors"))
-    sd = opt.state_dict()
-    tensors = {f"optim.{idx}.{key}": val.detach().cpu().contiguous()
-               for idx, st in sd["state"].items() for key, val in st.items()}
-    tensors["rng.data"] = gen.get_state()
-    tensors["rng.torch"] = torch.get_rng_state()
-    save_file(tensors, str(tmp / "trainer.safetensors"))
-    payload = {**state, "format": _STATE_FORMAT, "step": step, "param_groups": sd["param_groups"]}
-    (tmp / "state.json").write_text(json.dumps(payload, indent=1, sort_keys=True) + "\n")
-    for name in ("model.safetensors", "trainer.safetensors", "state.json"):
-        _fsync_file(tmp / name)
-
-
-def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the safetensors file ``path``, each checked finite; ``ValueError`` names the file and tensor."""
-    from safetensors.torch import load_file
-
-    if not path.is_file():
-        raise ValueError(f"checkpoint file {path} is missing")
-    try:
-        tensors = load_file(str(path))
-    except Exception as err:  # safetensors raises its own error types for truncated or foreign files
-        raise ValueError(f"checkpoint file {path}: unreadable safetensors file ({err})") from err
-    for name, t in tensors.items():
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            bad = int((~torch.isfinite(t)).sum())
-            raise ValueError(f"checkpoint file {path}: tensor {name} holds {bad} non-finite value(s) (NaN/inf: a "
-                             "diverged run or a damaged file); use an earlier checkpoint or start anew")
-    return tensors
-
-
-def _load_weights(model: nn.Module, weights: dict, path: Path) -> None:
-    """``model.load_state_dict(weights)`` after checking the names and shapes; ``ValueError`` names the file."""
-    own = model.state_dict()
-    missing, unexpected = sorted(set(own) - set(weights)), sorted(set(weights) - set(own))
-    if missing or unexpected:
-        raise ValueError(f"checkpoint file {path} does not hold this model's weights: missing {missing[:4]}"
-                         f"{' ...' if len(missing) > 4 else ''}, unexpected {unexpected[:4]}"
-                         f"{' ...' if len(unexpected) > 4 else ''}")
-    for name, t in own.items():
-        if tuple(weights[name].shape) != tuple(t.shape):
-            raise ValueError(f"checkpoint file {path}: tensor {name} has shape {tuple(weights[name].shape)}, the model "
-                             f"expects {tuple(t.shape)}")
-    model.load_state_dict(weights, strict=True)
-
-
-def _completed(identity):
-    """A checkpoint's run identity with its model config completed as this version completes it: an
-    attention option added since (e.g. ``affine``, default ``false``) then takes its default, so a run of
-    the same settings still resumes. A config this version cannot build is left as it is (the comparison
-    then names it)."""
-    if not isinstance(identity, dict) or not isinstance(identity.get("model"), dict):
-        return identity
-    from .model import TransformerConfig
-
-    try:
-        model = json.loads(json.dumps(TransformerConfig(**identity["model"]).to_dict()))
-    except (TypeError, ValueError):
-        return identity
-    return {**identity, "model": model}
-
-
-def _read_checkpoint(path: Path, identity: dict, model, opt, gen: torch.Generator) -> dict:
-    """Restore model, optimiser and generators from a ``step-N`` directory; returns its state.json.
-
-    Everything is read and checked before anything is restored: a truncated, foreign or
-    non-finite file raises ``ValueError`` naming the file (and the tensor or key), and leaves the
-    model, optimiser and generators untouched.
+    ``net(inputs, mask)`` gives the logits ``[N, vocab]`` at the ``N`` positions where ``mask =
+    targets != IGNORE_INDEX`` (:class:`~sketchlab.tasks.zoology.QueryLogits`, or its
+    ``DistributedDataParallel`` wrapper); the loss is their mean cross-entropy, plus
+    ``extra_loss()`` in the objective. Each parameter group's rate is ``lr · lr_factor``
+    (:meth:`~sketchlab.tasks.TransformerLM.configure_optimizers`); the global gradient norm is
+    clipped to ``clip`` (``None``: no clipping).
     """
-    try:
-        state = json.loads((path / "state.json").read_text())
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"checkpoint {path}: unreadable state.json ({err})") from err
-    if not isinstance(state, dict) or state.get("format") != _STATE_FORMAT:
-        raise ValueError(f"checkpoint {path}: state.json is not a {_STATE_FORMAT} training state")
-    theirs = _completed(state.get("identity", {}))
-    if theirs != identity:
-        keys = sorted(set(theirs) | set(identity))
-        diffs = [f"{key}: {json.dumps(theirs.get(key), sort_keys=True)} in the checkpoint, "
-                 f"{json.dumps(identity.get(key), sort_keys=True)} in this run"
-                 for key in keys if theirs.get(key) != identity.get(key)]
-        raise ValueError(
-            f"checkpoint {path} was written by another run configuration, so this run cannot resume from it "
-            f"({'; '.join(diffs)}); use another output directory or the checkpoint's settings"
-        )
-    for key, kind in (("step", int), ("history", list), ("losses", list), ("evals", list), ("param_groups", list)):
-        if not isinstance(state.get(key), kind) or isinstance(state.get(key), bool):
-            raise ValueError(f"checkpoint {path / 'state.json'}: {key!r} must be a JSON {kind.__name__}, "
-                             f"got {state.get(key)!r:.60}")
-    if not all(isinstance(x, (int, float)) and math.isfinite(x) for x in state["losses"]):
-        raise ValueError(f"checkpoint {path / 'state.json'}: the recorded losses hold a non-finite value")
-    weights = _read_tensors(path / "model.safetensors")
-    tensors = _read_tensors(path / "trainer.safetensors")
-    for name in ("rng.data", "rng.torch"):
-        if name not in tensors or tensors[name].dtype != torch.uint8:
-            raise ValueError(f"checkpoint file {path / 'trainer.safetensors'}: tensor {name} (a generator state, "
-                             "uint8) is missing; not a sketchlab training state")
-    per_param: dict[int, dict] = {}
-    for name, val in tensors.items():
-        if name.startswith("optim."):
-            try:
-                _, idx, key = name.split(".", 2)
-                per_param.setdefault(int(idx), {})[key] = val
-            except ValueError:
-                raise ValueError(f"checkpoint file {path / 'trainer.safetensors'}: unexpected tensor {name}") from None
-    params = [p for group in opt.param_groups for p in group["params"]]
-    for idx, entry in per_param.items():
-        if not 0 <= idx < len(params) or any(v.ndim and v.shape != params[idx].shape for v in entry.values()):
-            raise ValueError(f"checkpoint file {path / 'trainer.safetensors'}: optimiser state {idx} does not match "
-                             "this model's parameters")
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    _load_weights(model, weights, path / "model.safetensors")
-    try:
-        opt.load_state_dict({"state": per_param, "param_groups": state["param_groups"]})
-        gen.set_state(tensors["rng.data"])
-        torch.set_rng_state(tensors["rng.torch"])
-    except (ValueError, RuntimeError, KeyError, TypeError) as err:
-        model.load_state_dict(before)
-        raise ValueError(f"checkpoint {path}: the optimiser or generator state does not fit this run ({err})") from err
-    return state
+    for g in opt.param_groups:
+        g["lr"] = lr * g["lr_factor"]
+    mask = targets != IGNORE_INDEX  # [B, T] the positions the loss reads
+    loss = F.cross_entropy(net(inputs, mask), targets[mask])
+    objective = loss if extra_loss is None else loss + extra_loss()
+    opt.zero_grad(set_to_none=True)
+    objective.backward()
+    if clip is not None:
+        torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
+    opt.step()
+    logged = loss.detach()
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.all_reduce(logged)
+        logged = logged / world
+    return float(logged)
+
+
+def training_steps(net: nn.Module, opt: torch.optim.Optimizer, batch: Callable[[], tuple], *, start: int, end: int,
+                   total: int, lr: float, warmup: int, clip: float | None,
+                   extra_loss: Callable[[], torch.Tensor] | None = None, world: int = 1) -> Iterator[tuple[int, float]]:
+    """The training loop: steps ``start … end-1`` of a ``total``-step schedule; yields ``(steps done, loss)``
+    after each.
+
+    Step ``s`` draws ``inputs, targets = batch()`` and takes :func:`train_step` at ``lr_at(s)``
+    (:func:`lr_at`). A non-finite loss raises ``FloatingPointError`` naming the step.
+    """
+    for s in range(start, end):
+        inputs, targets = batch()
+        value = train_step(net, opt, inputs, targets, lr=lr_at(s, lr=lr, warmup=warmup, total=total), clip=clip,
+                           extra_loss=extra_loss, world=world)
+        if not math.isfinite(value):
+            raise FloatingPointError(f"training diverged: the loss at step {s + 1} is {value} (lower lr or clip)")
+        yield s + 1, value
 
 
 def train_mqar(
@@ -410,13 +292,10 @@ def train_mqar(
         Peak AdamW learning rate (finite).
     weight_decay : float >= 0
         AdamW decoupled weight decay of the matrices (not of embeddings, norms, biases and the
-        attention kernels' feature-map parameters).
+        attention kernels' parameters: :meth:`~sketchlab.tasks.TransformerLM.configure_optimizers`).
     kernel_lr : float > 0
-        Learning-rate factor of the attention kernels' own parameters (``blocks.i.attention.attn.*``,
-        e.g. LLoPS's Θ): their peak rate is ``kernel_lr · lr``. Adam moves every parameter by about
-        its learning rate per step whatever the gradient's scale, so Θ started at an exact
-        special case (BASED's 0/1 selection) leaves its non-negative kernel within tens of steps
-        at the model's rate; a smaller factor keeps it near while the rest of the model learns.
+        Learning-rate factor of the attention kernels' own parameters (e.g. LLoPS's Θ; see
+        :meth:`~sketchlab.tasks.TransformerLM.configure_optimizers`): their peak rate is ``kernel_lr · lr``.
     warmup : int >= 0
         Steps of linear warm-up (``0``: none) before the cosine decay.
     clip : float > 0 or None
@@ -449,7 +328,7 @@ def train_mqar(
 
     Notes
     -----
-    Learning rate at step ``s`` of ``S``: ``lr · min(1, (s+1)/warmup) · ½(1 + cos(π s/S))``. The
+    The steps are :func:`training_steps` over all stages, at the learning rate :func:`lr_at`. The
     loss is the mean next-token cross-entropy over query positions. Every MQAR sequence has the
     same number of queries, so the mean over a rank's slice times the ranks' average equals the
     mean over the global batch: DDP's gradient averaging gives exactly the global-batch gradient.
@@ -499,23 +378,7 @@ def train_mqar(
         "seed": seed, "eval_every": eval_every, "eval_sequences": eval_sequences, "run_info": run_info or {},
     }))  # through JSON: the same types a checkpoint's state.json gives back
     total = sum(steps for _, steps in stages)
-    decay, no_decay, kernel = [], [], []
-    for name, p in model.named_parameters():
-        # matrices decay; embeddings, norms, biases and the attention kernels' feature maps (Θ) do not
-        if ".attention.attn." in name:
-            kernel.append(p)
-        else:
-            (decay if p.ndim >= 2 and "embed" not in name else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay, "lr_factor": 1.0},
-              {"params": no_decay, "weight_decay": 0.0, "lr_factor": 1.0}]
-    if kernel:  # only when there are kernel parameters: a softmax run's optimiser state keeps its layout
-        groups.append({"params": kernel, "weight_decay": 0.0, "lr_factor": kernel_lr})
-    opt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.98))
-
-    def lr_at(s: int) -> float:  # linear warm-up over `warmup` steps (none if 0), then cosine
-        ramp = min(1.0, (s + 1) / warmup) if warmup else 1.0
-        return lr * ramp * 0.5 * (1 + math.cos(math.pi * min(s, total) / total))
-
+    opt = model.configure_optimizers(lr=lr, weight_decay=weight_decay, kernel_lr=kernel_lr)
     gen = torch.Generator().manual_seed(seed)
     device = next(model.parameters()).device
     history: list[dict] = []
@@ -523,13 +386,11 @@ def train_mqar(
     evals: list[dict] = []
     step = 0
     resumed_from = None
-    out = None if out is None else Path(out)
-    if out is not None:
-        found = latest_checkpoint(out)
-        if found is not None:
-            state = _read_checkpoint(found, identity, model, opt, gen)
-            step, history, losses, evals = state["step"], state["history"], state["losses"], state["evals"]
-            resumed_from = step
+    found = None if out is None else latest_checkpoint(out)
+    if found is not None:
+        state = read_training_state(found, identity, model, opt, gen)
+        step, history, losses, evals = state["step"], state["history"], state["losses"], state["evals"]
+        resumed_from = step
     from .zoology import QueryLogits
 
     net = QueryLogits(model)  # logits at the query positions only (the loss reads no other)
@@ -549,7 +410,7 @@ def train_mqar(
 
     def checkpoint() -> None:
         if out is not None and rank == 0:
-            _write_checkpoint(out, step, model, opt, gen, {
+            write_training_state(out, step, model, opt, gen, {
                 "identity": identity, "history": history, "losses": losses, "evals": evals,
                 "world_size": world}, keep_checkpoints)
         if world > 1:
@@ -568,31 +429,14 @@ def train_mqar(
             continue
         if eval_every and step == 0:
             evaluate(si, task)
-        while step < end:
-            inputs, targets = mqar_batch(task, batch_size, generator=gen)  # the global batch
-            inputs = inputs[rank * local:(rank + 1) * local].to(device)  # [B/W, T]: this rank's slice
-            targets = targets[rank * local:(rank + 1) * local].to(device)
-            for g in opt.param_groups:
-                g["lr"] = lr_at(step) * g["lr_factor"]
-            mask = targets != IGNORE_INDEX  # [B/W, T] query positions
-            logits = net(inputs, mask)  # [N, vocab]
-            loss = F.cross_entropy(logits, targets[mask])
-            objective = loss if extra_loss is None else loss + extra_loss()
-            opt.zero_grad(set_to_none=True)
-            objective.backward()
-            if clip is not None:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-            opt.step()
-            step += 1
-            logged = loss.detach()
-            if world > 1:
-                import torch.distributed as dist
 
-                dist.all_reduce(logged)
-                logged = logged / world
-            value = float(logged)
-            if not math.isfinite(value):
-                raise FloatingPointError(f"training diverged: the loss at step {step} is {value} (lower lr or clip)")
+        def batch(task=task):
+            inputs, targets = mqar_batch(task, batch_size, generator=gen)  # the global batch
+            mine = slice(rank * local, (rank + 1) * local)  # [B/W, T]: this rank's slice
+            return inputs[mine].to(device), targets[mine].to(device)
+
+        for step, value in training_steps(net, opt, batch, start=step, end=end, total=total, lr=lr, warmup=warmup,
+                                          clip=clip, extra_loss=extra_loss, world=world):
             losses.append(value)
             if step % 10 == 0 or step == total:
                 bar.set_postfix(stage=si, loss=f"{value:.3f}")
@@ -602,15 +446,12 @@ def train_mqar(
             if step % checkpoint_every == 0 and step != end:
                 checkpoint()
         entry = evaluate(si, task)
-        history.append({"stage": si, "task": task.to_dict(), "steps": steps,
-                        "heldout_accuracy": entry["heldout_accuracy"],
-                        **({"component_accuracies": entry["component_accuracies"]}
-                           if "component_accuracies" in entry else {})})
+        kept = {key: entry[key] for key in ("heldout_accuracy", "component_accuracies") if key in entry}
+        history.append({"stage": si, "task": task.to_dict(), "steps": steps, **kept})
         if rank == 0:
-            parts = ""
-            if "component_accuracies" in entry:
-                parts = (f" (the mean over its {len(task.components)} components: "
-                         + ", ".join(f"{a:.4f}" for a in entry["component_accuracies"]) + ")")
+            accs = entry.get("component_accuracies")
+            parts = "" if accs is None else (f" (the mean over its {len(accs)} components: "
+                                             + ", ".join(f"{a:.4f}" for a in accs) + ")")
             bar.write(f"stage {si} {_describe(task)}: held-out accuracy {entry['heldout_accuracy']:.4f} after {step} "
                       f"steps{parts}, {time.perf_counter() - t0:.0f}s")
         if step % checkpoint_every == 0 or step == total:
@@ -619,48 +460,3 @@ def train_mqar(
     bar.close()
     return TrainResult(heldout_accuracy=history[-1]["heldout_accuracy"], seconds=time.perf_counter() - t0,
                        steps=step, history=history, losses=losses, evals=evals, resumed_from=resumed_from)
-
-
-def save_checkpoint(directory, model: TransformerLM, *, extra: dict | None = None) -> Path:
-    """Write ``model.safetensors`` (weights) and ``config.json`` (config + ``extra``) into ``directory``.
-
-    Both files are written atomically; ``extra`` must be JSON-serialisable (e.g. the task and
-    the training result).
-    """
-    from safetensors.torch import save_file
-
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-    with atomic_write(directory / "model.safetensors") as tmp:
-        save_file(state, str(tmp))
-    payload = {"format": "sketchlab.tasks.TransformerLM/1", "config": model.config.to_dict(), "extra": extra or {}}
-    text = json.dumps(payload, indent=2, sort_keys=True)
-    with atomic_write(directory / "config.json") as tmp:
-        Path(tmp).write_text(text + "\n")
-    return directory
-
-
-def load_checkpoint(directory) -> tuple[TransformerLM, dict]:
-    """Load a :func:`save_checkpoint` directory; returns ``(model in eval mode, extra)``.
-
-    Raises ``FileNotFoundError`` when a file is missing and ``ValueError`` naming the file (and the
-    tensor) for a config that is not a TransformerLM's, a truncated or foreign weights file, weights
-    of another shape, or non-finite weights.
-    """
-    directory = Path(directory)
-    cfg_path, w_path = directory / "config.json", directory / "model.safetensors"
-    for p in (cfg_path, w_path):
-        if not p.is_file():
-            raise FileNotFoundError(f"checkpoint {directory}: missing {p.name}")
-    try:
-        payload = json.loads(cfg_path.read_text())
-        config = TransformerConfig(**payload["config"])
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
-        raise ValueError(f"checkpoint {cfg_path}: not a sketchlab TransformerLM config ({err})") from err
-    if not isinstance(payload, dict) or not isinstance(payload.get("extra", {}), dict):
-        raise ValueError(f"checkpoint {cfg_path}: not a sketchlab TransformerLM config (extra must be a JSON object)")
-    model = TransformerLM(config)
-    _load_weights(model, _read_tensors(w_path), w_path)  # names, shapes, finite values checked
-    model.eval()
-    return model, payload.get("extra", {})
