@@ -1,19 +1,16 @@
 r"""Checkpoints: the resumable training state of :func:`~sketchlab.tasks.train_mqar`, and model directories.
 
-Safetensors + JSON, never pickle (nothing here calls ``torch.load``). The training state, every
-``checkpoint_every`` steps and at the end of a run with ``out=DIR``::
+Safetensors + JSON, never pickle. A training state (``DIR`` is ``train_mqar``'s ``out``)::
 
     DIR/checkpoints/step-00000100/model.safetensors     # the model's state_dict
     DIR/checkpoints/step-00000100/trainer.safetensors   # AdamW moments and steps, RNG states
     DIR/checkpoints/step-00000100/state.json            # run identity, step, losses, evaluations
 
-Each ``step-N`` directory is built beside its final name and renamed into place when it is complete
-(:func:`sketchlab.io.atomic.staged_directory`; every file in it by
-:func:`~sketchlab.io.atomic.atomic_write`, fsynced), so an interruption at any instant leaves either
-the previous checkpoints or the new one, never a half-written one; the newest ``keep`` are kept. A
-model directory (:func:`save_checkpoint`) holds ``model.safetensors`` and ``config.json``, each
-written atomically. Reading checks everything (names, shapes, finite values, the run identity)
-before restoring anything, and errors name the file and the tensor or key.
+is built beside its final name and renamed into place whole (:func:`sketchlab.io.atomic.staged_directory`,
+each file by :func:`~sketchlab.io.atomic.atomic_write`), so an interruption leaves the previous
+checkpoints or the new one, never half of one. A model directory (:func:`save_checkpoint`) holds
+``model.safetensors`` and ``config.json``. Readers check names, shapes, finite values and the run
+identity before restoring anything; errors name the file and the tensor or key.
 """
 
 from __future__ import annotations
@@ -59,12 +56,9 @@ def _save_json(payload: dict, path: Path, indent: int) -> None:
 
 def write_training_state(out, step: int, model: nn.Module, opt: torch.optim.Optimizer, gen: torch.Generator,
                          state: dict, keep: int) -> Path:
-    """Write ``out/checkpoints/step-N`` (N = ``step``) all at once, then keep the newest ``keep``; returns it.
-
-    ``state`` (JSON-serialisable: the run identity, losses, evaluations) goes into ``state.json``
-    with the format, the step and the optimiser's parameter groups. A staging directory left by a
-    process killed while writing is removed first (nothing reads it).
-    """
+    """Write ``out/checkpoints/step-N`` (N = ``step``) whole, keep the newest ``keep``; returns its path.
+    ``state.json`` holds ``state`` (the run identity, losses, evaluations), the step and the optimiser's
+    parameter groups. Staging directories a killed writer left are removed first (nothing reads them)."""
     root = Path(out) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     for stale in root.glob(".*step-*"):  # staging directories of a killed writer
@@ -140,10 +134,9 @@ def read_training_state(path: Path, identity: dict, model: nn.Module, opt: torch
                         gen: torch.Generator) -> dict:
     """Restore model, optimiser and generators from a ``step-N`` directory; returns its ``state.json``.
 
-    ``identity`` is this run's (JSON types); a checkpoint of another identity is refused with the
-    differing fields named. Everything is read and checked before anything is restored: a
-    truncated, foreign or non-finite file raises ``ValueError`` naming the file (and the tensor or
-    key), and leaves the model, optimiser and generators untouched.
+    ``identity`` is this run's (JSON types): another one's checkpoint is refused, naming the differing
+    fields. A truncated, foreign or non-finite file raises ``ValueError`` naming the file (and the tensor
+    or key) before anything is restored.
     """
     path = Path(path)
     try:

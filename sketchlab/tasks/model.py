@@ -309,26 +309,20 @@ class TransformerLM(nn.Module):
         return self.head(self.ln_f(x))  # [B, T, vocab]
 
     def kernel_parameters(self) -> list[nn.Parameter]:
-        """The attention kernels' own parameters (of every ``blocks[i].attention.attn``: LLoPS's Θ, a
-        hybrid's gates, ...), in :meth:`parameters` order; empty for softmax attention."""
+        """The attention kernels' own parameters (LLoPS's Θ, a hybrid's gates, ...; none for softmax)."""
         own = {id(p) for block in self.blocks for p in block.attention.attn.parameters()}
         return [p for p in self.parameters() if id(p) in own]
 
     def configure_optimizers(self, *, lr: float, weight_decay: float, kernel_lr: float = 1.0,
                              betas: tuple[float, float] = (0.9, 0.98)) -> torch.optim.AdamW:
-        """AdamW over this model's parameters in groups, as nanoGPT's ``configure_optimizers``.
+        """AdamW over this model's parameters in groups (nanoGPT's), each with its ``"lr_factor"``.
 
-        Groups, each parameter in exactly one, in :meth:`parameters` order: the matrices
-        (``ndim >= 2``, not the embedding) decayed by ``weight_decay``; the embedding, norms and
-        biases not decayed; the attention kernels' parameters (:meth:`kernel_parameters`) not
-        decayed, at ``kernel_lr`` times the rate (this group only when there are such parameters,
-        so a softmax model's optimiser state keeps its two-group layout). Each group's
-        ``"lr_factor"`` is that factor: a training loop sets ``lr = schedule · lr_factor``.
-
-        Adam moves every parameter by about its learning rate per step whatever the gradient's
-        scale, so Θ started at an exact special case (BASED's 0/1 selection) leaves its non-negative
-        kernel within tens of steps at the model's rate; ``kernel_lr < 1`` keeps it near while the
-        rest of the model learns.
+        The matrices (``ndim >= 2``, but the embedding) decay by ``weight_decay``; the embedding, norms and
+        biases do not; nor do the :meth:`kernel_parameters`, at ``kernel_lr`` times the rate (a group only
+        when there are some: a softmax model keeps two groups). A loop sets ``lr = schedule · lr_factor``.
+        Adam moves every parameter by about its rate per step whatever the gradient's scale, so Θ
+        started at an exact special case (BASED's 0/1 selection) leaves its non-negative kernel within
+        tens of steps at the model's rate; ``kernel_lr < 1`` keeps it near while the rest learns.
         """
         lr = check_real(lr, "lr", positive=True)
         weight_decay = check_real(weight_decay, "weight_decay", positive=False)

@@ -114,11 +114,9 @@ def train_lm(model: TransformerLM, train: torch.Tensor, heldout: torch.Tensor, *
              step0: int = 0) -> LMResult:
     """Next-byte training on the one training loop (:func:`~sketchlab.tasks.train.training_steps`).
 
-    AdamW from :meth:`~sketchlab.tasks.TransformerLM.configure_optimizers` (``kernel_lr`` scales the
-    rate of the attention kernels' own parameters, LLoPS's Θ), warm-up + cosine over ``steps``.
-    Held-out cross-entropy is recorded at step 0, every ``eval_every`` steps and after the last
-    (steps counted from ``step0``, so a continued run's curve follows its parent's). Data windows
-    come from a generator seeded with ``seed``.
+    AdamW of :meth:`~sketchlab.tasks.TransformerLM.configure_optimizers`, warm-up + cosine over ``steps``,
+    windows drawn from ``seed``. Held-out cross-entropy is recorded at step 0, every ``eval_every`` steps
+    and after the last, counted from ``step0`` (a continued run's curve follows its parent's).
     """
     steps = check_positive_int(steps, "steps")
     warmup = check_nonnegative_int(warmup, "warmup")

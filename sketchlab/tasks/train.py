@@ -1,27 +1,24 @@
-r"""The one training loop (AdamW from :meth:`~sketchlab.tasks.TransformerLM.configure_optimizers`, warm-up +
-cosine, clipping) and MQAR training on it: curriculum, held-out evaluation, resumable checkpoints, DDP.
+r"""The one training loop and MQAR training on it (curriculum, held-out evaluation, resume, DDP).
 
-:func:`training_steps` is the loop every task runs (:func:`train_mqar` here,
-:func:`~sketchlab.tasks.text.train_lm` for text): each step sets the scheduled learning rate
-(:func:`lr_at`) and takes one :func:`train_step` on the next batch; the caller evaluates and
+:func:`training_steps` is the loop every task runs (:func:`train_mqar`; text:
+:func:`~sketchlab.tasks.text.train_lm`): AdamW from :meth:`~sketchlab.tasks.TransformerLM.configure_optimizers`,
+one :func:`train_step` per batch at the warm-up + cosine rate :func:`lr_at`; the caller evaluates and
 checkpoints between the steps it yields.
 
-:func:`train_mqar` with ``out=DIR`` writes a resumable checkpoint every ``checkpoint_every`` steps
-and at the end (the layout and its atomic writes: :mod:`sketchlab.tasks.checkpoint`). Calling it
-again with the same ``out`` resumes from the newest one: the weights, the optimiser moments, the
-learning-rate step, the data stream (its ``torch.Generator`` state) and the loss history are
-restored, so the resumed run computes exactly the steps the uninterrupted run would have (bit for
-bit with one thread and ``torch.use_deterministic_algorithms(True)``). A checkpoint written by
-another run configuration (model, curriculum, batch, optimiser settings, seed, ``run_info``) is
-refused with the differing fields named.
+:func:`train_mqar` with ``out=DIR`` checkpoints every ``checkpoint_every`` steps and at the end
+(:mod:`sketchlab.tasks.checkpoint`); called again with the same ``out`` it resumes from the newest:
+weights, optimiser moments, learning-rate step, data stream (its ``torch.Generator``) and loss
+history, so the resumed run computes exactly the steps of the uninterrupted one (bit for bit with
+one thread and ``torch.use_deterministic_algorithms(True)``). Another run configuration's
+checkpoint (model, curriculum, batch, optimiser settings, seed, ``run_info``) is refused, naming
+the differing fields.
 
-Distributed data parallel: when ``torch.distributed`` is initialised (``torchrun``; see
-:func:`init_distributed`), the model is wrapped in ``DistributedDataParallel``. ``batch_size`` is
-the *global* batch: every rank draws the same global batch from the seeded stream and keeps its
-contiguous slice of ``batch_size / world_size`` sequences (the role of ``DistributedSampler`` for
-this infinite synthetic stream), so the run sees the same data, and the same losses to float
-round-off, as one process with that batch. Rank ``r`` seeds ``torch``'s global generator with
-``seed + r`` for any per-rank randomness; checkpoints are written by rank 0 only.
+Under ``torchrun`` (:func:`init_distributed`) the model is wrapped in ``DistributedDataParallel``;
+``batch_size`` is the *global* batch: every rank draws the same global batch from the seeded stream
+and keeps its contiguous slice of ``batch_size / world_size`` sequences (``DistributedSampler``'s
+role for this infinite stream), so the run sees the data and losses (to round-off) of one process
+with that batch. Rank ``r`` seeds ``torch``'s global generator with ``seed + r``; rank 0 writes
+the checkpoints.
 """
 
 from __future__ import annotations
@@ -55,14 +52,12 @@ _HELDOUT_OFFSET = 1_000_003  # held-out data come from seed + this offset, never
 class TrainResult:
     """Outcome of :func:`train_mqar`.
 
-    ``heldout_accuracy``: of the last stage; ``seconds``: wall time of this call (a resumed run
-    counts from the resume); ``steps``: steps done in total; ``history``: one entry per stage
-    (held-out accuracy at its end, :func:`evaluate_mqar`'s: for a mixture stage the mean over all
-    its components, each one's in ``"component_accuracies"``); ``losses``: the training loss of
-    every step (global batch); ``evals``: ``{"step", "stage", "heldout_accuracy"}`` (and
-    ``"component_accuracies"`` for a mixture) every ``eval_every`` steps and at the end of each
-    stage; ``resumed_from``: the step of the checkpoint this call resumed from (``None``
-    for a fresh run).
+    ``heldout_accuracy``: of the last stage; ``seconds``: wall time of this call (from the resume, if
+    resumed); ``steps``: done in total; ``history``: per stage, its held-out accuracy at its end
+    (:func:`evaluate_mqar`; a mixture's also per component, ``"component_accuracies"``); ``losses``: the
+    training loss of every step (global batch); ``evals``: ``{"step", "stage", "heldout_accuracy"}``
+    (and ``"component_accuracies"``) every ``eval_every`` steps and at each stage's end;
+    ``resumed_from``: the step this call resumed from (``None``: a fresh run).
     """
 
     heldout_accuracy: float
@@ -101,20 +96,16 @@ def evaluate_mqar(model: TransformerLM, task: MQARConfig | MQARMixture, *, num_s
                   batch_size: int = 64) -> float:
     """Held-out accuracy on ``num_sequences`` sequences (per component of a mixture) from ``seed + 1_000_003``.
 
-    The training stream uses ``seed`` itself, so held-out sequences come from a disjoint random
-    stream (with keys and values drawn from a large space, repeats of training sequences are
-    negligible). A mixture is scored on every one of its components (:func:`_component_accuracies`),
-    never on the one or two components a few randomly drawn batches would hit. The model runs
-    in eval mode; its previous mode is restored afterwards, also when the forward pass raises.
-    Logits are computed at the query positions only (:class:`~sketchlab.tasks.zoology.QueryLogits`).
+    The training stream uses ``seed`` itself, so held-out sequences come from a disjoint stream. The
+    model runs in eval mode (its mode restored, also when the forward pass raises); logits are computed
+    at the query positions only (:class:`~sketchlab.tasks.zoology.QueryLogits`).
 
     Notes
     -----
-    An :class:`MQARConfig`: correct / total over the query positions (``targets != IGNORE_INDEX``)
-    of the ``num_sequences`` sequences. An :class:`MQARMixture` with components ``c_0 … c_{n-1}``:
-    the unweighted mean ``(1/n) Σ_i acc(c_i)`` of the components' accuracies (Zoology's headline
-    is the mean over its test slices; the training weights say how often a length is trained, not
-    how much it counts), each ``acc(c_i)`` on its own ``num_sequences`` sequences.
+    An :class:`MQARConfig`: correct / total over the query positions (``targets != IGNORE_INDEX``).
+    An :class:`MQARMixture` with components ``c_0 … c_{n-1}``: the unweighted mean ``(1/n) Σ_i acc(c_i)``,
+    each ``acc(c_i)`` on its own ``num_sequences`` sequences (Zoology's headline is the mean over its
+    test slices), never the one or two components a few random batches would hit.
     """
     accs = _component_accuracies(model, task, num_sequences=num_sequences, seed=seed, batch_size=batch_size)
     return math.fsum(accs) / len(accs)
@@ -123,15 +114,9 @@ def evaluate_mqar(model: TransformerLM, task: MQARConfig | MQARMixture, *, num_s
 @torch.no_grad()
 def _component_accuracies(model: TransformerLM, task: MQARConfig | MQARMixture, *, num_sequences: int = 256,
                           seed: int = 0, batch_size: int = 64) -> list[float]:
-    """Held-out accuracy of each component of ``task`` (one entry for an :class:`MQARConfig`).
-
-    Component ``i`` (in ``task.components`` order) is scored on ``num_sequences`` sequences of its
-    own, drawn from a generator seeded ``(seed + 1_000_003 + i) mod 2**64`` (as
-    :func:`~sketchlab.tasks.zoology.evaluate_slices` seeds its slices), in batches of
-    ``batch_size``; its accuracy is correct / total over its query positions
-    (``targets != IGNORE_INDEX``). An :class:`MQARConfig` is the one component ``i = 0``.
-    The model runs in eval mode; its previous mode is restored, also when the forward pass raises.
-    """
+    """Held-out accuracy of each component ``i`` of ``task`` (an :class:`MQARConfig`: one, ``i = 0``), as
+    :func:`evaluate_mqar` scores it, on sequences seeded ``(seed + 1_000_003 + i) mod 2**64`` (as
+    :func:`~sketchlab.tasks.zoology.evaluate_slices` seeds its slices), in batches of ``batch_size``."""
     from .zoology import QueryLogits
 
     if not isinstance(model, TransformerLM):
@@ -207,14 +192,12 @@ def lr_at(s: int, *, lr: float, warmup: int, total: int) -> float:
 def train_step(net: nn.Module, opt: torch.optim.Optimizer, inputs: torch.Tensor, targets: torch.Tensor, *,
                lr: float, clip: float | None, extra_loss: Callable[[], torch.Tensor] | None = None,
                world: int = 1) -> float:
-    """One optimiser step on ``inputs, targets [B, T]``; returns the loss (the mean over the ranks).
+    """One optimiser step on ``inputs, targets [B, T]``; returns the loss (the mean over the ``world`` ranks).
 
-    ``net(inputs, mask)`` gives the logits ``[N, vocab]`` at the ``N`` positions where ``mask =
-    targets != IGNORE_INDEX`` (:class:`~sketchlab.tasks.zoology.QueryLogits`, or its
-    ``DistributedDataParallel`` wrapper); the loss is their mean cross-entropy, plus
-    ``extra_loss()`` in the objective. Each parameter group's rate is ``lr · lr_factor``
-    (:meth:`~sketchlab.tasks.TransformerLM.configure_optimizers`); the global gradient norm is
-    clipped to ``clip`` (``None``: no clipping).
+    The loss is the mean cross-entropy of ``net(inputs, mask) -> [N, vocab]`` (a
+    :class:`~sketchlab.tasks.zoology.QueryLogits` or its DDP wrapper) at ``mask = targets != IGNORE_INDEX``;
+    ``extra_loss()`` is added to the objective. Each group's rate is ``lr · lr_factor``; the global
+    gradient norm is clipped to ``clip`` (``None``: not).
     """
     for g in opt.param_groups:
         g["lr"] = lr * g["lr_factor"]
@@ -238,12 +221,8 @@ def train_step(net: nn.Module, opt: torch.optim.Optimizer, inputs: torch.Tensor,
 def training_steps(net: nn.Module, opt: torch.optim.Optimizer, batch: Callable[[], tuple], *, start: int, end: int,
                    total: int, lr: float, warmup: int, clip: float | None,
                    extra_loss: Callable[[], torch.Tensor] | None = None, world: int = 1) -> Iterator[tuple[int, float]]:
-    """The training loop: steps ``start … end-1`` of a ``total``-step schedule; yields ``(steps done, loss)``
-    after each.
-
-    Step ``s`` draws ``inputs, targets = batch()`` and takes :func:`train_step` at ``lr_at(s)``
-    (:func:`lr_at`). A non-finite loss raises ``FloatingPointError`` naming the step.
-    """
+    """The training loop: steps ``s = start … end-1`` of a ``total``-step schedule, each :func:`train_step` on
+    ``batch()`` at :func:`lr_at` ``(s)``; yields ``(s + 1, loss)``. A non-finite loss raises ``FloatingPointError``."""
     for s in range(start, end):
         inputs, targets = batch()
         value = train_step(net, opt, inputs, targets, lr=lr_at(s, lr=lr, warmup=warmup, total=total), clip=clip,
@@ -253,33 +232,17 @@ def training_steps(net: nn.Module, opt: torch.optim.Optimizer, batch: Callable[[
         yield s + 1, value
 
 
-def train_mqar(
-    model: TransformerLM,
-    stages: Sequence[tuple[MQARConfig, int]],
-    *,
-    batch_size: int = 32,
-    lr: float = 1e-3,
-    weight_decay: float = 0.1,
-    kernel_lr: float = 1.0,
-    warmup: int = 50,
-    clip: float | None = 1.0,
-    seed: int = 0,
-    eval_sequences: int = 256,
-    eval_every: int = 0,
-    out=None,
-    checkpoint_every: int = 100,
-    keep_checkpoints: int = 2,
-    run_info: dict | None = None,
-    extra_loss: Callable[[], torch.Tensor] | None = None,
-    progress: bool = True,
-) -> TrainResult:
+def train_mqar(model: TransformerLM, stages: Sequence[tuple[MQARConfig, int]], *, batch_size: int = 32,
+               lr: float = 1e-3, weight_decay: float = 0.1, kernel_lr: float = 1.0, warmup: int = 50,
+               clip: float | None = 1.0, seed: int = 0, eval_sequences: int = 256, eval_every: int = 0, out=None,
+               checkpoint_every: int = 100, keep_checkpoints: int = 2, run_info: dict | None = None,
+               extra_loss: Callable[[], torch.Tensor] | None = None, progress: bool = True) -> TrainResult:
     """Train ``model`` on MQAR with AdamW, a linear warm-up and a cosine decay over all steps.
 
     Parameters
     ----------
     model : TransformerLM
-        Its ``vocab_size`` must cover every stage's vocabulary. Batches go to the device of its
-        parameters.
+        Its ``vocab_size`` covers every stage's vocabulary; batches go to its parameters' device.
     stages : sequence of (MQARConfig or MQARMixture, steps)
         A curriculum: each stage trains ``steps`` steps on its distribution, then prints and
         records its held-out accuracy (:func:`evaluate_mqar`) in a line ``stage i …: held-out
@@ -288,14 +251,9 @@ def train_mqar(
         components, each one's printed after the mean.
     batch_size : int >= 1
         Sequences per step (the global batch under ``torchrun``: divisible by the world size).
-    lr : float > 0
-        Peak AdamW learning rate (finite).
-    weight_decay : float >= 0
-        AdamW decoupled weight decay of the matrices (not of embeddings, norms, biases and the
-        attention kernels' parameters: :meth:`~sketchlab.tasks.TransformerLM.configure_optimizers`).
-    kernel_lr : float > 0
-        Learning-rate factor of the attention kernels' own parameters (e.g. LLoPS's Θ; see
-        :meth:`~sketchlab.tasks.TransformerLM.configure_optimizers`): their peak rate is ``kernel_lr · lr``.
+    lr, weight_decay, kernel_lr : float
+        Peak AdamW learning rate (> 0), weight decay of the matrices (>= 0), and the rate factor of the
+        attention kernels' own parameters (> 0): :meth:`~sketchlab.tasks.TransformerLM.configure_optimizers`.
     warmup : int >= 0
         Steps of linear warm-up (``0``: none) before the cosine decay.
     clip : float > 0 or None
@@ -317,8 +275,8 @@ def train_mqar(
         JSON-serialisable description of how the model was built (attention, initialisation);
         part of the run identity a resume must match.
     extra_loss : callable, optional
-        ``extra_loss() -> Tensor`` called after each forward pass and added to the loss (e.g. an
-        attention-transfer term collected by forward hooks).
+        ``extra_loss() -> Tensor`` added to the loss after each forward pass (e.g. an attention-transfer
+        term collected by forward hooks).
     progress : bool
         Show a tqdm bar with the running loss (rank 0 only).
 
@@ -344,9 +302,7 @@ def train_mqar(
             raise TypeError(f"stages[{i}][0] must be an MQARConfig or MQARMixture, got {type(task).__name__}")
         check_positive_int(steps, f"stages[{i}][1] (steps)")
         if task.vocab_size > model.config.vocab_size:
-            raise ValueError(
-                f"stages[{i}] has vocab_size={task.vocab_size} > the model's {model.config.vocab_size}"
-            )
+            raise ValueError(f"stages[{i}] has vocab_size={task.vocab_size} > the model's {model.config.vocab_size}")
     batch_size = check_positive_int(batch_size, "batch_size")
     lr = check_real(lr, "lr", positive=True)
     weight_decay = check_real(weight_decay, "weight_decay", positive=False)
