@@ -9,9 +9,8 @@
 - :mod:`sketchlab.tasks.attention`: the sketched kernels ``"poly"``, ``"based"``, ``"psf"``,
   ``"llops"``, ``"hedgehog"``, ``"psf-learned"`` (through :mod:`sketchlab.attention`) and the
   LLoPS initialisations.
-- :mod:`sketchlab.tasks.train`: the one training loop (AdamW of ``TransformerLM.configure_optimizers``,
-  cosine, clipping) for MQAR and text; MQAR's curriculum, DistributedDataParallel under ``torchrun``,
-  held-out accuracy. :mod:`sketchlab.tasks.checkpoint`: resumable checkpoints and model directories.
+- :mod:`sketchlab.tasks.train`: the one training loop (MQAR and text), DDP under ``torchrun``, held-out
+  accuracy; :mod:`sketchlab.tasks.checkpoint`: resumable checkpoints and model directories.
 """
 
 from .attention import (

@@ -149,13 +149,6 @@ def _component_accuracies(model: TransformerLM, task: MQARConfig | MQARMixture, 
     return out
 
 
-def _describe(task) -> str:
-    """A stage's task for the per-stage line: an MQARConfig's repr; a mixture by its components' (T, P)."""
-    if isinstance(task, MQARMixture):
-        return "mixture of " + ", ".join(f"(T={c.seq_len}, P={c.num_pairs})" for c in task.components)
-    return str(task)
-
-
 def init_distributed(device: str = "cpu") -> tuple[int, int]:
     """Initialise ``torch.distributed`` from the ``torchrun`` environment; returns ``(rank, world_size)``.
 
@@ -405,10 +398,11 @@ def train_mqar(model: TransformerLM, stages: Sequence[tuple[MQARConfig, int]], *
         kept = {key: entry[key] for key in ("heldout_accuracy", "component_accuracies") if key in entry}
         history.append({"stage": si, "task": task.to_dict(), "steps": steps, **kept})
         if rank == 0:
-            accs = entry.get("component_accuracies")
-            parts = "" if accs is None else (f" (the mean over its {len(accs)} components: "
-                                             + ", ".join(f"{a:.4f}" for a in accs) + ")")
-            bar.write(f"stage {si} {_describe(task)}: held-out accuracy {entry['heldout_accuracy']:.4f} after {step} "
+            accs = entry.get("component_accuracies")  # a mixture's: it is named by its components' (T, P)
+            what, parts = (str(task), "") if accs is None else (
+                "mixture of " + ", ".join(f"(T={c.seq_len}, P={c.num_pairs})" for c in task.components),
+                f" (the mean over its {len(accs)} components: " + ", ".join(f"{a:.4f}" for a in accs) + ")")
+            bar.write(f"stage {si} {what}: held-out accuracy {entry['heldout_accuracy']:.4f} after {step} "
                       f"steps{parts}, {time.perf_counter() - t0:.0f}s")
         if step % checkpoint_every == 0 or step == total:
             checkpoint()
