@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import sketchlab.tasks.checkpoint as checkpoint_module
 import sketchlab.tasks.train as train_module
 from sketchlab.attention import (
     feature_attention_naive,
@@ -111,7 +112,7 @@ def test_a_checkpoint_from_before_an_attention_option_existed_still_resumes(tmp_
 
 
 def test_a_crash_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path, monkeypatch):
-    real = train_module._fill_checkpoint
+    real = checkpoint_module._fill_checkpoint
     count = {"n": 0}
 
     def failing(tmp, *args):
@@ -121,14 +122,34 @@ def test_a_crash_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path, mon
             raise OSError("disk full")
         return real(tmp, *args)
 
-    monkeypatch.setattr(train_module, "_fill_checkpoint", failing)
+    monkeypatch.setattr(checkpoint_module, "_fill_checkpoint", failing)
     with pytest.raises(OSError, match="disk full"):
         train_mqar(tiny(), [(TASK, 6)], out=tmp_path, checkpoint_every=2, **KW)
-    monkeypatch.setattr(train_module, "_fill_checkpoint", real)
+    monkeypatch.setattr(checkpoint_module, "_fill_checkpoint", real)
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-00000002"]  # no temporary left
     resumed = train_mqar(tiny(), [(TASK, 6)], out=tmp_path, checkpoint_every=2, **KW)
     assert resumed.resumed_from == 2
     assert resumed.losses == train_mqar(tiny(), [(TASK, 6)], **KW).losses
+
+
+def test_checkpoints_are_written_whole_pruned_and_a_killed_writers_staging_ignored(tmp_path):
+    # a writer killed outright (SIGKILL) leaves its staging directory beside the step directories: the
+    # reader never takes it for a checkpoint, the next writer removes it; only the newest keep_checkpoints stay
+    stale = tmp_path / "checkpoints" / ".step-00000004.0123456789ab.partial"
+    stale.mkdir(parents=True)
+    (stale / "model.safetensors").write_bytes(b"partial")
+    assert latest_checkpoint(tmp_path) is None
+    train_mqar(tiny(), [(TASK, 6)], out=tmp_path, checkpoint_every=2, keep_checkpoints=2, **KW)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-00000004", "step-00000006"]
+    for step_dir in (tmp_path / "checkpoints").iterdir():
+        assert sorted(p.name for p in step_dir.iterdir()) == ["model.safetensors", "state.json", "trainer.safetensors"]
+    # rewriting an existing step (a crash between its rename and the next step) replaces it whole
+    model = tiny(seed=4)
+    opt = model.configure_optimizers(lr=1e-2, weight_decay=0.0)
+    state = {"identity": {}, "history": [], "losses": [], "evals": []}
+    checkpoint_module.write_training_state(tmp_path, 6, model, opt, torch.Generator(), state, 2)
+    assert json.loads((tmp_path / "checkpoints" / "step-00000006" / "state.json").read_text())["losses"] == []
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-00000004", "step-00000006"]
 
 
 def test_corrupt_checkpoint_is_reported(tmp_path):

@@ -78,3 +78,42 @@ def test_gradient_clipping_bounds_the_update():
     # one step of the cosine schedule over one step: lr_at(0) = lr
     assert largest_change(1e-12) <= lr * 1.1e-4
     assert largest_change(None) == pytest.approx(lr, rel=1e-3)
+
+
+def test_configure_optimizers_groups_the_models_own_kernel_parameters():
+    """The model names its kernel parameters (every ``blocks[i].attention.attn``'s); the groups partition the
+    parameters: decayed matrices, undecayed embedding/norms/biases, and the kernels at ``kernel_lr``."""
+    model = _model("llops", {"p": 2, "m": 4, "window": 3})  # Θ and the hybrid's gate
+    kernel = [p for block in model.blocks for p in block.attention.attn.parameters()]
+    assert len(kernel) == 3 and [id(p) for p in model.kernel_parameters()] == [id(p) for p in kernel]
+    opt = model.configure_optimizers(lr=0.02, weight_decay=0.3, kernel_lr=0.1)
+    decay, other, kern = opt.param_groups
+    assert [id(p) for p in kern["params"]] == [id(p) for p in kernel]
+    assert (kern["weight_decay"], kern["lr_factor"], kern["lr"]) == (0.0, 0.1, 0.02)
+    assert (decay["weight_decay"], decay["lr_factor"], other["weight_decay"], other["lr_factor"]) == (0.3, 1.0, 0.0, 1.0)
+    assert any(p is model.head.weight for p in decay["params"]) and any(p is model.embed.weight for p in other["params"])
+    assert all(p.ndim >= 2 for p in decay["params"]) and all(p.ndim < 2 or p is model.embed.weight for p in other["params"])
+    ids = [id(p) for g in opt.param_groups for p in g["params"]]
+    assert sorted(ids) == sorted(id(p) for p in model.parameters()) and len(set(ids)) == len(ids)
+    assert opt.defaults["betas"] == (0.9, 0.98)
+    soft = _model().configure_optimizers(lr=0.01, weight_decay=0.1)
+    assert len(soft.param_groups) == 2 and _model().kernel_parameters() == []  # a softmax model: no kernel group
+    with pytest.raises(ValueError, match=r"kernel_lr must be a finite number > 0, got 0"):
+        model.configure_optimizers(lr=0.01, weight_decay=0.0, kernel_lr=0)
+
+
+def test_text_training_runs_the_same_schedule_and_groups(recorder):
+    """train_lm steps through the one loop: every step's rate is lr_at of its step, times each group's factor."""
+    from sketchlab.tasks.text import train_lm
+    from sketchlab.tasks.train import lr_at
+
+    model = _model("llops", {"p": 2, "m": 4})
+    data = torch.randint(0, 21, (400,), generator=torch.Generator().manual_seed(0))
+    train_lm(model, data, data, steps=5, seq_len=8, batch_size=2, lr=0.01, warmup=2, kernel_lr=0.25, weight_decay=0.3,
+             eval_every=5, eval_windows=2)
+    assert len(recorder.log) == 5
+    for s, groups in enumerate(recorder.log):
+        want = 0.01 * min(1.0, (s + 1) / 2) * 0.5 * (1 + math.cos(math.pi * s / 5))  # by hand, as above
+        assert lr_at(s, lr=0.01, warmup=2, total=5) == pytest.approx(want, rel=1e-12)
+        assert [g[0] for g in groups] == pytest.approx([want, want, 0.25 * want], rel=1e-12)
+        assert [g[1] for g in groups] == [0.3, 0.0, 0.0]

@@ -9,8 +9,8 @@
 - :mod:`sketchlab.tasks.attention`: the sketched kernels ``"poly"``, ``"based"``, ``"psf"``,
   ``"llops"``, ``"hedgehog"``, ``"psf-learned"`` (through :mod:`sketchlab.attention`) and the
   LLoPS initialisations.
-- :mod:`sketchlab.tasks.train`: training loop (AdamW, cosine, clipping, resumable checkpoints,
-  DistributedDataParallel under ``torchrun``), held-out accuracy.
+- :mod:`sketchlab.tasks.train`: the one training loop (MQAR and text), DDP under ``torchrun``, held-out
+  accuracy; :mod:`sketchlab.tasks.checkpoint`: resumable checkpoints and model directories.
 """
 
 from .attention import (

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._validation import check_positive_int
+from .._validation import check_positive_int, check_real
 
 __all__ = [
     "CausalSelfAttention",
@@ -307,6 +307,36 @@ class TransformerLM(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))  # [B, T, vocab]
+
+    def kernel_parameters(self) -> list[nn.Parameter]:
+        """The attention kernels' own parameters (LLoPS's Θ, a hybrid's gates, ...; none for softmax)."""
+        own = {id(p) for block in self.blocks for p in block.attention.attn.parameters()}
+        return [p for p in self.parameters() if id(p) in own]
+
+    def configure_optimizers(self, *, lr: float, weight_decay: float, kernel_lr: float = 1.0,
+                             betas: tuple[float, float] = (0.9, 0.98)) -> torch.optim.AdamW:
+        """AdamW over this model's parameters in groups (nanoGPT's), each with its ``"lr_factor"``.
+
+        The matrices (``ndim >= 2``, but the embedding) decay by ``weight_decay``; the embedding, norms and
+        biases do not; nor do the :meth:`kernel_parameters`, at ``kernel_lr`` times the rate (a group only
+        when there are some: a softmax model keeps two groups). A loop sets ``lr = schedule · lr_factor``.
+        Adam moves every parameter by about its rate per step whatever the gradient's scale, so Θ
+        started at an exact special case (BASED's 0/1 selection) leaves its non-negative kernel within
+        tens of steps at the model's rate; ``kernel_lr < 1`` keeps it near while the rest learns.
+        """
+        lr = check_real(lr, "lr", positive=True)
+        weight_decay = check_real(weight_decay, "weight_decay", positive=False)
+        kernel_lr = check_real(kernel_lr, "kernel_lr", positive=True)
+        kernel = self.kernel_parameters()
+        own, decay, other = {id(p) for p in kernel}, [], []
+        for p in self.parameters():
+            if id(p) not in own:
+                (decay if p.ndim >= 2 and p is not self.embed.weight else other).append(p)
+        groups = [{"params": decay, "weight_decay": weight_decay, "lr_factor": 1.0},
+                  {"params": other, "weight_decay": 0.0, "lr_factor": 1.0}]
+        if kernel:
+            groups.append({"params": kernel, "weight_decay": 0.0, "lr_factor": kernel_lr})
+        return torch.optim.AdamW(groups, lr=lr, betas=betas)
 
     def forward_step(self, tokens: torch.Tensor, cache: list | None = None) -> tuple[torch.Tensor, list]:
         """``tokens [B, n]`` following the tokens summarised by ``cache`` (``None``: none) →

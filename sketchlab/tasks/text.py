@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import copy
 import importlib.util
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +30,8 @@ import torch.nn.functional as F
 
 from .._validation import check_nonnegative_int, check_positive_int, check_real
 from .model import TransformerConfig, TransformerLM
+from .train import training_steps
+from .zoology import QueryLogits
 
 __all__ = ["LMResult", "based_to_llops", "evaluate_lm", "lm_batch", "conversion_error", "shakespeare_text",
            "train_lm"]
@@ -111,51 +112,36 @@ def train_lm(model: TransformerLM, train: torch.Tensor, heldout: torch.Tensor, *
              batch_size: int = 16, lr: float = 3e-3, weight_decay: float = 0.1, kernel_lr: float = 1.0,
              warmup: int = 20, clip: float = 1.0, seed: int = 0, eval_every: int = 50, eval_windows: int = 64,
              step0: int = 0) -> LMResult:
-    """Next-byte training with AdamW, warm-up + cosine (the schedule of :func:`~sketchlab.tasks.train_mqar`).
+    """Next-byte training on the one training loop (:func:`~sketchlab.tasks.train.training_steps`).
 
-    ``kernel_lr`` scales the learning rate of the attention kernels' own parameters (LLoPS's Θ).
-    Held-out cross-entropy is recorded at step 0 and every ``eval_every`` steps (steps counted
-    from ``step0``, so a continued run's curve follows its parent's). Data windows come from a
-    generator seeded with ``seed``.
+    AdamW of :meth:`~sketchlab.tasks.TransformerLM.configure_optimizers`, warm-up + cosine over ``steps``,
+    windows drawn from ``seed``. Held-out cross-entropy is recorded at step 0, every ``eval_every`` steps
+    and after the last, counted from ``step0`` (a continued run's curve follows its parent's).
     """
     steps = check_positive_int(steps, "steps")
-    lr = check_real(lr, "lr", positive=True)
-    kernel_lr = check_real(kernel_lr, "kernel_lr", positive=True)
     warmup = check_nonnegative_int(warmup, "warmup")
-    decay, other, kernel = [], [], []
-    for name, p in model.named_parameters():
-        if ".attention.attn." in name:
-            kernel.append(p)
-        else:
-            (decay if p.ndim >= 2 and "embed" not in name else other).append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay, "f": 1.0}, {"params": other, "weight_decay": 0.0, "f": 1.0}]
-    if kernel:
-        groups.append({"params": kernel, "weight_decay": 0.0, "f": kernel_lr})
-    opt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.98))
+    clip = check_real(clip, "clip", positive=True)
+    eval_every = check_positive_int(eval_every, "eval_every")
+    opt = model.configure_optimizers(lr=lr, weight_decay=weight_decay, kernel_lr=kernel_lr)
     gen = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device
     result = LMResult()
 
     def record(step):
         result.curve.append({"step": step0 + step, "heldout_nats": evaluate_lm(model, heldout, seq_len=seq_len,
                                                                                num_windows=eval_windows)})
 
+    def batch():
+        x, y = lm_batch(train, batch_size, seq_len, generator=gen)  # [B, T] each
+        return x.to(device), y.to(device)
+
     record(0)
     t0 = time.perf_counter()
     model.train()
-    for step in range(steps):
-        ramp = min(1.0, (step + 1) / warmup) if warmup else 1.0
-        for g in opt.param_groups:
-            g["lr"] = lr * g["f"] * ramp * 0.5 * (1 + math.cos(math.pi * step / steps))
-        x, y = lm_batch(train, batch_size, seq_len, generator=gen)
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-        if not math.isfinite(float(loss.detach())):
-            raise FloatingPointError(f"training diverged: the loss at step {step0 + step} is {float(loss)}")
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        if (step + 1) % eval_every == 0 or step + 1 == steps:
-            record(step + 1)
+    for step, _ in training_steps(QueryLogits(model), opt, batch, start=0, end=steps, total=steps, lr=lr,
+                                  warmup=warmup, clip=clip):
+        if step % eval_every == 0 or step == steps:
+            record(step)
     result.seconds = time.perf_counter() - t0
     return result
 
