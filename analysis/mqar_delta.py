@@ -47,7 +47,9 @@ def state_size(key: str, d_model: int) -> tuple[int, int]:
     kernel = model.blocks[0].attention.attn
     D = model.config.head_dim
     q = torch.randn(1, 3, model.config.n_heads, D)
-    return kernel._far_features(q, q)[0].shape[-1], D
+    with torch.no_grad():
+        _, state = kernel.step(q, q, q, None)  # S [B, H, M, Dv]: the far state
+    return state.S.shape[-2], D
 
 
 def welch(x, y) -> tuple[float, float]:

@@ -21,7 +21,7 @@ def _train(tmp_path, name, *extra, steps=2):
     assert main(["train", *TINY, "--steps", str(steps), "--out", str(out), *extra]) == 0
     config = json.loads((out / "config.json").read_text())
     summary = json.loads((out / "train.json").read_text())
-    theta = load_file(str(out / "model.safetensors"))["blocks.0.attention.attn.theta_q"]  # [H, t, p, D (+ 1), m]
+    theta = load_file(str(out / "model.safetensors"))["blocks.0.attention.attn.map_q.theta"]  # [H, t, p, D (+ 1), m]
     return config["config"]["attention_options"], summary["run_info"]["init"], tuple(theta.shape)
 
 

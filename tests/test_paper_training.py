@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from sketchlab.tasks import TransformerConfig, TransformerLM, copy_shared_weights, kernel_modules
-from sketchlab.tasks.attention import HedgehogKernel, PolyKernel, PSFLearnedKernel
+from sketchlab.featuremaps import HedgehogMap, PSFLearnedMap, SelfTensored
+from sketchlab.tasks.attention import ToyKernel
 
 _PATH = Path(__file__).resolve().parent.parent / "analysis" / "paper_training.py"
 _spec = importlib.util.spec_from_file_location("paper_training", _PATH)
@@ -42,12 +43,13 @@ def test_every_method_builds_its_kernel_and_runs():
 def test_poly_hedgehog_and_psf_learned_methods_are_the_named_kernels():
     table = pt.methods(D_MODEL)
     poly = kernel_modules(pt.build_model(table["poly-p2"], D_MODEL, VOCAB, 0))[0]
-    assert isinstance(poly, PolyKernel) and poly.options["p"] == 2
+    assert isinstance(poly, ToyKernel) and poly.map_q is None and poly.options["p"] == 2  # exact (s)^p
     hh = kernel_modules(pt.build_model(table["hedgehog"], D_MODEL, VOCAB, 0))[0]
-    assert isinstance(hh, HedgehogKernel) and hh.map_k is not None
+    assert isinstance(hh.map_q, HedgehogMap) and isinstance(hh.map_k, HedgehogMap)
     assert torch.equal(hh.map_q.weight[0], torch.eye(D_MODEL))  # m = 2·D: Hedgehog's identity start
     psf = kernel_modules(pt.build_model(table["psf-learned-p4-m256"], D_MODEL, VOCAB, 0))[1]
-    assert isinstance(psf, PSFLearnedKernel) and psf.map_q.num_features == 256 and psf.map_q.degree == 4
+    assert isinstance(psf.map_q, SelfTensored) and isinstance(psf.map_q.inner, PSFLearnedMap)
+    assert psf.map_q.num_features == 256 and psf.map_q.degree == 4
 
 
 @pytest.mark.parametrize("key, options, p, dim", [

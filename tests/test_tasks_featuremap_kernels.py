@@ -9,7 +9,7 @@ import torch
 from sketchlab.attention import feature_attention_naive
 from sketchlab.featuremaps import HedgehogMap, PSFLearnedMap, SelfTensored
 from sketchlab.tasks import TransformerConfig, TransformerLM, attention_registry, kernel_modules
-from sketchlab.tasks.attention import HedgehogKernel, PSFLearnedKernel, input_scale
+from sketchlab.tasks.attention import input_scale
 
 H, D = 2, 8
 
@@ -60,7 +60,7 @@ def test_hedgehog_kernel_is_hedgehogmap_attention(m, identity):
     opts = {"seed": 4} if m is None else {"m": m, "seed": 4}
     model = tiny("hedgehog", opts)
     kernel = kernel_modules(model)[1]
-    assert isinstance(kernel, HedgehogKernel) and kernel.options["m"] == (2 * D if m is None else m)
+    assert isinstance(kernel.map_q, HedgehogMap) and kernel.options["m"] == (2 * D if m is None else m)
     # the documented draw: layer 1 from seed + 1; m = 2D starts at the identity; both sides equal
     ref = HedgehogMap(H, D, m=kernel.options["m"], seed=5).double()  # built in float32, like the model
     torch.testing.assert_close(kernel.map_q.weight, ref.weight, rtol=0, atol=0)
@@ -91,7 +91,6 @@ def test_hedgehog_tied_and_hybrid():
 def test_psf_learned_kernel_is_selftensored_psflearnedmap_attention(tie):
     model = tiny("psf-learned", {"p": 4, "m": 10, "hidden": 5, "seed": 2, "tie": tie})
     kernel = kernel_modules(model)[1]
-    assert isinstance(kernel, PSFLearnedKernel)
     assert isinstance(kernel.map_q, SelfTensored) and isinstance(kernel.map_q.inner, PSFLearnedMap)
     # ⌊√10⌋ = 3 inner features, 9 after φ ⊗ φ, standing for degree p = 4; layer 1 from seed + 1
     assert kernel.map_q.num_features == 9 and kernel.map_q.degree == 4
@@ -132,13 +131,13 @@ def test_maps_train_with_the_model_and_decode_with_a_state(attention, options):
 
 
 @pytest.mark.parametrize("attention, options, msg", [
-    ("hedgehog", {"m": 7}, r"attention option m must be even for Hedgehog .* got m=7"),
+    ("hedgehog", {"m": 7}, r"m must be even for Hedgehog .* got 7"),
     ("hedgehog", {"window": 2, "local": "poly"},
      r"local='poly' needs a polynomial degree .*, and HedgehogMap \(attention 'hedgehog'\) has none .*use local='softmax'"),
     ("hedgehog", {"p": 2}, r"unknown attention option\(s\) \['p'\] for attention 'hedgehog'"),
-    ("hedgehog", {"tie": 1}, r"attention option tie must be true or false, got 1"),
-    ("psf-learned", {"p": 3}, r"p must be even for the learned PSF sketch .* got p=3"),
-    ("psf-learned", {"hidden": 0}, r"attention option hidden must be an integer >= 1, got 0"),
+    ("hedgehog", {"tie": 1}, r"attention 'hedgehog': tie must be a bool, got 1"),
+    ("psf-learned", {"p": 3}, r"PolySketchFormer's map is self-tensored .*: p must be even, got 3"),
+    ("psf-learned", {"hidden": 0}, r"attention 'psf-learned': hidden must be an integer >= 1, got 0"),
     ("psf-learned", {"sinks": 2}, r"sinks=2 needs window >= 1"),
 ])
 def test_options_are_checked(attention, options, msg):

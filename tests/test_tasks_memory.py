@@ -132,6 +132,7 @@ def test_decay_one_is_the_plain_hybrid(attention, options):
     _perturb_far(plain)
     one = tiny(attention, {**options, "decay": 1})
     assert one.config.attention_options["decay"] == 1.0 and not kernel_modules(one)[0].attention_options.memory
+    assert type(one.config.attention_options["decay"]) is float  # completed by AttentionOptions: 1 -> 1.0
     one.load_state_dict(plain.state_dict())  # the same tensors: decay 1 adds none
     assert torch.equal(one(x), plain(x))
     # a learned decay pinned at γ = 1 (σ(40) = 1 in float64) runs the memory path: the same numbers to rounding

@@ -232,7 +232,7 @@ def test_based_kernels_are_basedsketch_features_on_the_first_dim_coordinates():
     proj = torch.eye(8, 4, dtype=torch.float64)
     want = feature_attention_naive(_rows(taylor_features_naive, q, proj), _rows(taylor_features_naive, k, proj), v)
     torch.testing.assert_close(kernel(q, k, v), want, **F64)
-    assert kernel.sketch().num_features == 1 + 4 + 16
+    assert kernel.map_q.num_features == 1 + 4 + 16
     kernel, _ = _kernel("based", {"form": "expand", "p": 3, "dim": 4, "symmetric": False})
     s = input_scale(8)
     # (P q̃ · P k̃)^3 = (first-4-coordinate dot product)^3 of the scaled inputs
@@ -244,17 +244,17 @@ def test_psf_kernel_uses_its_stored_draw_per_layer_and_head():
     kernel, model = _kernel("psf", {"p": 4, "m": 16, "seed": 3})
     q, k, v = _qkv()
     s = input_scale(8)
-    weights = [getattr(kernel, f"weight_{i}") for i in range(kernel.count)]
+    weights = kernel.map_q.sketch.weights
     fq = torch.stack([_rows(psf_features_naive, q[:, :, h] * s, [w[h] for w in weights], 2) for h in range(2)],
                      dim=2)  # [B, T, H, r]: the inner degree-2 sketch of each head
     fk = torch.stack([_rows(psf_features_naive, k[:, :, h] * s, [w[h] for w in weights], 2) for h in range(2)],
                      dim=2)
     want = feature_attention_naive(fq, fk, v, non_negative=True)
     torch.testing.assert_close(kernel(q, k, v), want, **F64)
-    assert kernel.sketch().num_features == 16
-    assert "blocks.0.attention.attn.weight_0" in model.state_dict()  # the draw is saved with the model
+    assert kernel.map_q.num_features == 16
+    assert "blocks.0.attention.attn.map_q.weights_0" in model.state_dict()  # the draw is saved with the model
     other = tiny("psf", {"p": 4, "m": 16, "seed": 3}, layers=2)
-    w0, w1 = (kernel_modules(other)[i].weight_0 for i in (0, 1))
+    w0, w1 = (kernel_modules(other)[i].map_q.weights_0 for i in (0, 1))
     assert not torch.equal(w0, w1)  # layers draw from seed + layer
     assert not torch.equal(w0[0], w0[1])  # heads are independent draws
 
@@ -272,16 +272,16 @@ def test_llops_kernel_is_llops_attention_on_scaled_inputs(non_negative):
 
 
 @pytest.mark.parametrize("attention,options,msg", [
-    ("poly", {"p": 0}, r"attention option p must be an integer >= 1, got 0"),
-    ("poly", {"normalize": "max"}, r"attention option normalize must be one of \['sum', 'none'\], got 'max'"),
-    ("based", {"form": "taylor", "p": 3}, r"p must be 2 for BASED's Taylor map"),
-    ("based", {"dim": 9}, r"dim \(BASED's d'\) must be <= the head dimension 8, got 9"),
-    ("psf", {"p": 3}, r"p must be even with non_negative=true"),
-    ("psf", {"non_negative": 1}, r"non_negative must be true or false, got 1"),
-    ("llops", {"eps": 0.0}, r"eps must be a finite number > 0, got 0\.0"),
-    ("llops", {"backend": "cuda"}, r"backend must be one of \['auto', 'torch', 'triton', 'reference'\]"),
+    ("poly", {"p": 0}, r"attention 'poly': p must be an integer >= 1, got 0"),
+    ("poly", {"normalize": "max"}, r"normalize must be one of \['none', 'sum'\], got 'max'"),
+    ("based", {"form": "taylor", "p": 3}, r"the Taylor map is BASED's degree-2 expansion: p must be 2, got 3"),
+    ("based", {"dim": 9}, r"dim \(BASED's d'\) must be <= head_dim=8, got 9"),
+    ("psf", {"p": 3}, r"non_negative=True needs an even degree p, got p=3"),
+    ("psf", {"non_negative": 1}, r"attention 'psf-random': non_negative must be a bool, got 1"),
+    ("llops", {"eps": -1e-6}, r"eps must be >= 0\.0, got -1e-06"),
+    ("llops", {"backend": "cuda"}, r"backend must be one of \['auto', 'triton', 'torch', 'reference'\], got 'cuda'"),
     ("llops", {"degree": 2}, r"unknown attention option\(s\) \['degree'\] for attention 'llops'; it takes"),
-    ("llops", {"affine": 1}, r"attention option affine must be true or false, got 1"),
+    ("llops", {"affine": 1}, r"attention 'llops': affine must be a bool, got 1"),
     ("llops", {"affine": True, "window": 2, "local": "poly"}, r"local='poly' is the homogeneous kernel .* use local='softmax'"),
     ("softmax", {"p": 2}, r"attention 'softmax' takes no options"),
     ("nope", {}, r"attention must be one of \['based', 'based-expand', 'based-taylor', 'dpfp', 'elementwise', 'exact-poly', 'hedgehog', 'identity', 'llops', 'poly', 'psf', 'psf-learned', 'psf-random', 'softmax', 'tensorsketch'\]"),
@@ -518,14 +518,18 @@ def test_based_hybrid_poly_window_uses_the_kernels_own_scale(options, scale, loc
     # local="poly": the exact window scores (s·qᵀk)^p use BASED's scale s, not the default 1/√D that
     # any other scale (or a dropped one) would give; window 2 < T mixes the window with the sketch
     from sketchlab.attention import sketch_attention
+    from sketchlab.sketches import BasedSketch
 
     kernel, _ = _kernel("based", {**options, "window": 2, "local": "poly"})
+    o = kernel.options
+    sketch = BasedSketch(torch.eye(8, 4, dtype=torch.float64).expand(2, 8, 4), o["p"], form=o["form"],
+                         symmetric=o["symmetric"])  # BASED on the first d' = 4 coordinates
     q, k, v = _qkv()
     got = kernel(q, k, v)
-    want = sketch_attention(q * scale, k * scale, v, kernel.sketch(), window=2, local="poly", local_scale=local_scale,
+    want = sketch_attention(q * scale, k * scale, v, sketch, window=2, local="poly", local_scale=local_scale,
                             gate=kernel.gate)
     torch.testing.assert_close(got, want, **F64)
-    default = sketch_attention(q * scale, k * scale, v, kernel.sketch(), window=2, local="poly", gate=kernel.gate)
+    default = sketch_attention(q * scale, k * scale, v, sketch, window=2, local="poly", gate=kernel.gate)
     assert (got - default).abs().max() > 1e-6  # the scale matters at these sizes
 
 

@@ -85,7 +85,7 @@ def _theta_tensors(theta, layers: int):
     """``theta`` (a Θ export path or ``(theta_q, theta_k)`` of shape ``[L, H, t, p, d, m]``) as two
     float64 tensors, scaled to the ``"sqrt-d"`` input convention the maps see."""
     from ..io import load_theta
-    from ..tasks.attention import _theta_factor
+    from ..tasks.inits import _theta_factor
 
     if isinstance(theta, (str, Path)):
         theta_q, theta_k, meta = load_theta(Path(theta))

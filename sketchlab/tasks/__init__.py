@@ -6,27 +6,15 @@
 - :mod:`sketchlab.tasks.text`: byte-level LM on Shakespeare, the exact BASED → LLoPS conversion.
 - :mod:`sketchlab.tasks.model`: :class:`TransformerLM` with a pluggable attention kernel
   (layout ``[B, T, H, D]``, registry :func:`register_attention`; ``"softmax"`` via SDPA).
-- :mod:`sketchlab.tasks.attention`: the sketched kernels ``"poly"``, ``"based"``, ``"psf"``,
-  ``"llops"``, ``"hedgehog"``, ``"psf-learned"`` (through :mod:`sketchlab.attention`) and the
-  LLoPS initialisations.
+- :mod:`sketchlab.tasks.attention`: the kernels ``"poly"`` and one per feature-map registry name
+  (:class:`ToyKernel`, through :mod:`sketchlab.attention`).
+- :mod:`sketchlab.tasks.inits`: weights copied from another model, the LLoPS initialisations.
 - :mod:`sketchlab.tasks.train`: the one training loop (MQAR and text), DDP under ``torchrun``, held-out
   accuracy; :mod:`sketchlab.tasks.checkpoint`: resumable checkpoints and model directories.
 """
 
-from .attention import (
-    LLOPS_INITS,
-    BasedKernel,
-    HedgehogKernel,
-    LLoPSKernel,
-    PolyKernel,
-    PSFKernel,
-    PSFLearnedKernel,
-    based_init_dim,
-    copy_shared_weights,
-    init_llops,
-    input_scale,
-    kernel_modules,
-)
+from .attention import ToyKernel, input_scale, kernel_modules
+from .inits import LLOPS_INITS, based_init_dim, copy_shared_weights, init_llops
 from .model import (
     CausalSelfAttention,
     SoftmaxAttention,
@@ -55,13 +43,8 @@ from .train import (
 __all__ = [
     "IGNORE_INDEX",
     "LLOPS_INITS",
-    "BasedKernel",
-    "HedgehogKernel",
-    "LLoPSKernel",
     "LinearizeResult",
-    "PSFKernel",
-    "PSFLearnedKernel",
-    "PolyKernel",
+    "ToyKernel",
     "based_init_dim",
     "copy_shared_weights",
     "init_llops",

@@ -46,7 +46,8 @@ from pathlib import Path
 import torch
 
 from .._validation import check_nonnegative_int, check_positive_int, check_real
-from .attention import copy_shared_weights, init_llops, input_scale, kernel_modules
+from .attention import input_scale, kernel_modules
+from .inits import copy_shared_weights, init_llops
 from .model import TransformerConfig, TransformerLM
 from .mqar import MQARConfig, mqar_batch
 from .train import _check_seed, check_evaluation_work, evaluate_mqar, load_checkpoint, save_checkpoint, train_mqar

@@ -154,12 +154,13 @@ def based_to_llops(model: TransformerLM) -> TransformerLM:
     form to LLoPS of the affine input (``affine=true``, ``p = 2``, ``m = 1 + d' + d'²`` or
     ``1 + d' + C(d'+1, 2)``). Rank 1, the same normalisation, ``eps`` and sliding-window options
     (``window``, ``sinks``, ``local``, ``gate``, the gates' values copied); every other weight copied.
-    The feature count must be one :func:`~sketchlab.tasks.attention.based_init_dim` reads back as
+    The feature count must be one :func:`~sketchlab.tasks.inits.based_init_dim` reads back as
     this ``(d', symmetric)``. A Taylor map with ``local="poly"`` is refused (the affine LLoPS layer
     has no exact local polynomial: BASED's window scores ``(s')²`` on ``d'`` coordinates are no ``(s)^p``).
     """
     from ..sketches.based import based_num_features
-    from .attention import based_init_dim, copy_shared_weights, init_llops, kernel_modules
+    from .attention import kernel_modules
+    from .inits import based_init_dim, copy_shared_weights, init_llops
 
     if not isinstance(model, TransformerLM):
         raise TypeError(f"model must be a TransformerLM, got {type(model).__name__}")
