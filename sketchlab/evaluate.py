@@ -49,7 +49,7 @@ QUESTION = "What is the pass key? The pass key is"
 
 def _check_model(model, where: str) -> tuple[str, int]:
     """``(family, vocabulary size)`` of a causal LM; ``ValueError`` naming the model otherwise."""
-    from .convert.families import FAMILIES
+    from .hf.families import FAMILIES
     from .tasks.model import TransformerLM
 
     if isinstance(model, TransformerLM):

@@ -370,7 +370,7 @@ def convert_attention(model: nn.Module, *, attention: str = "llops", p: int = 2,
         model.sketchlab_conversion = options
         return sketches
     converted = [s for s in sketches if isinstance(s, SketchedAttention)]
-    from ._hf import register
+    from ..hf.interface import register
 
     register(ATTENTION_NAME, hf_attention, hf_mask)
     for site, sketch in zip(sites, sketches):
