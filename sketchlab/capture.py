@@ -327,15 +327,12 @@ def capture_qk(
 
 
 def _capture_hooks(model, inputs, spec, num_heads, num_kv_heads) -> tuple[dict, int]:
-    """Forward hooks on the producers in ``spec``; returns ``(records, L)``, records ``[B, T, H', D]``."""
+    """Forward hooks on the producers in ``spec``; returns ``(records, L)``, records ``[B, T, H', D]`` (the head counts
+    checked by :func:`capture_qk`)."""
     counts = {role: len(v) for role, v in spec.items()}
     if len(set(counts.values())) != 1:
         raise ValueError(f"modules must list one module per layer for every role, got counts {counts}")
     kind = "attention" if "attention" in spec else "projections"
-    if num_heads is not None:
-        num_heads = check_positive_int(num_heads, "num_heads")
-    if num_kv_heads is not None:
-        num_kv_heads = check_positive_int(num_kv_heads, "num_kv_heads")
     cfg_heads, cfg_kv = _config_heads(model)
     H = num_heads if num_heads is not None else cfg_heads
     # kv heads: explicit argument, else the config's num_key_value_heads (GQA) even when num_heads
@@ -530,23 +527,16 @@ def capture_pretrained(model_dir=None, *, gguf=None, text=None, token_ids=None, 
         from transformers import AutoModel, AutoTokenizer
     except ImportError as err:  # the optional extra
         raise ImportError("capturing from a model directory needs transformers: pip install 'sketchlab[capture]'") from err
-    gguf_tokenizer = None
+    tokenizer = None
     if gguf is not None:
-        model, gguf_tokenizer = load_pretrained(gguf=gguf)
+        model, tokenizer = load_pretrained(gguf=gguf)
         model_dir = Path(gguf)  # named in messages and in meta["source"]
     else:
         model_dir = Path(model_dir)
         if not (model_dir / "config.json").is_file():
             raise FileNotFoundError(f"{model_dir}: not a transformers model directory (no config.json)")
         model = from_local(AutoModel, str(model_dir), str(model_dir), model_dir)
-    if text is not None and gguf_tokenizer is not None:
-        text_path = Path(text)
-        rows = [gguf_tokenizer(text_path.read_text(encoding="utf-8"))["input_ids"]]
-        if not rows[0]:
-            raise ValueError(f"{text_path}: the text produced no tokens")
-        what = f"text {text_path.name}"
-    elif text is not None:
-        text_path = Path(text)
+    if text is not None and tokenizer is None:
         if not any((model_dir / f).is_file() for f in _TOKENIZER_FILES):
             raise ValueError(
                 f"{model_dir}: no tokenizer in the model directory (none of {', '.join(_TOKENIZER_FILES)}); "
@@ -558,6 +548,8 @@ def capture_pretrained(model_dir=None, *, gguf=None, text=None, token_ids=None, 
             raise ValueError(
                 f"{model_dir}: no usable tokenizer in the model directory ({err}); pass token ids instead (token_ids / --token-ids)"
             ) from err
+    if text is not None:
+        text_path = Path(text)
         rows = [tokenizer(text_path.read_text(encoding="utf-8"))["input_ids"]]
         if not rows[0]:
             raise ValueError(f"{text_path}: the text produced no tokens")
