@@ -60,9 +60,9 @@ FAMILY_TABLE = {
 FAMILIES = {name: family.model_types for name, family in FAMILY_TABLE.items()}
 
 
-def supported_types() -> str:
-    """Every supported ``model_type``, comma-separated (for messages)."""
-    return ", ".join(t for types in FAMILIES.values() for t in types)
+def supported_types(*, encoders: bool = True) -> str:
+    """Every supported ``model_type`` (without the encoder families' unless ``encoders``), comma-separated."""
+    return ", ".join(t for family in FAMILY_TABLE.values() if encoders or not family.encoder for t in family.model_types)
 
 
 def family_of_type(model_type: str | None) -> str | None:
