@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from .chunk_state import _chunks, _far_backward, _forward_state, _geometry, _lift, _normalized_grads, _unchunk
+from .chunk_state import _chunks, _far_backward, _far_forward, _geometry, _normalized_grads, _unchunk
 
 __all__ = ["chunk_core"]
 
@@ -38,11 +38,9 @@ class _Core(torch.autograd.Function):
         B, H, n, _ = fq.shape
         N, Wc, Ne, lags, R, last, reach = _geometry(n, off, lag, C, fq.device, fq.dtype)
         fqc, fkc, vc = _chunks(fq, N, C), _chunks(fk, Ne, C), _chunks(v, Ne, C)
-        lq, lk = _lift(fqc, non_negative), _lift(fkc, non_negative)  # [N|Ne, B, H, C, M2]
         # S_out, z_out: one more row of the far states' GEMM (not formed when the caller reads no final state)
-        P, zP, S_out, z_out = _forward_state(R, N, last, reach, lk, vc, S_in, z_in, final_state)
-        num = lq @ P  # [N, B, H, C, Dv]
-        den = (zP[..., None, :] @ lq.mT)[..., 0, :]  # [N, B, H, C]  (as [1, M]·[M, C]: a GEMV is slower)
+        num, den, S_out, z_out = _far_forward(R, N, last, reach, fqc, fkc, vc, S_in, z_in, non_negative=non_negative,
+                                              final_state=final_state)  # [N, B, H, C, Dv], [N, B, H, C]
         Dv = v.shape[-1]
         kept = []  # the masked scores, for the backward
         for L, c0, mask in lags:  # partly-far key chunks: masked C × C scores

@@ -13,7 +13,7 @@ import functools
 import torch
 from torch.autograd.function import once_differentiable
 
-from .chunk_state import _chunks, _far_backward, _forward_state, _geometry, _lift, _normalized_grads, _unchunk
+from .chunk_state import _chunks, _far_backward, _far_forward, _geometry, _normalized_grads, _unchunk
 
 __all__ = ["hybrid_core"]
 
@@ -148,7 +148,6 @@ class _HybridCore(torch.autograd.Function):
         part = st["part"]
         if st["okc"] is not None:
             fkc[:st["bad"] + 1].mul_(st["okc"])  # sinks, padding: out of the far sums
-        lq, lk = _lift(fqc, non_negative), _lift(fkc, non_negative)
         # num and den divided by 1 − g (the far part unscaled, the local one times γ = g/(1 − g), ε by 1 − g)
         # unless some g is 1: then times g and 1 − g as written
         fold = bool((g < 1).all())
@@ -157,9 +156,8 @@ class _HybridCore(torch.autograd.Function):
         loc_w = gb / (1 - gb) if fold else gb  # the local weights' factor
         # far state: per-chunk sums of the key chunks read only (the last ones, still in the window at the block's end,
         # are read by the next block as its held window), prefix by the 0/1 matrix; S_out one more row of the same GEMM
-        P, zP, S_out, z_out = _forward_state(st["R"], N, st["last"], st["reach"], lk, vc, S_in, z_in, True)
-        num = lq @ P  # [N, B, H, C, Dv]
-        den = (zP[..., None, :] @ lq.mT)[..., 0, :]  # [N, B, H, C]  (as [1, M]·[M, C]: a GEMV is 7× slower)
+        num, den, S_out, z_out = _far_forward(st["R"], N, st["last"], st["reach"], fqc, fkc, vc, S_in, z_in,
+                                              non_negative=non_negative, final_state=True)  # [N, B, H, C, Dv | ·]
         if not fold:
             num.mul_(1 - gb)
             den.mul_(1 - g0)

@@ -127,6 +127,15 @@ def _forward_state(R, N, last, reach, lk, vc, S_in, z_in, final_state: bool):
     return P_all[:N], zP_all[:N], S_out, z_out
 
 
+def _far_forward(R, N, last, reach, fqc, fkc, vc, S_in, z_in, *, non_negative: bool, final_state: bool):
+    """Both cores' far part: ``num = lq·P`` ``[N, B, H, C, Dv]`` and ``den = lq·zP`` ``[N, B, H, C]`` of the query chunks
+    (``lq, lk``: the features :func:`_lift` makes of ``fqc, fkc``) and ``S_out, z_out`` (:func:`_forward_state`)."""
+    lq, lk = _lift(fqc, non_negative), _lift(fkc, non_negative)  # [N|Ne, B, H, C, M2]
+    P, zP, S_out, z_out = _forward_state(R, N, last, reach, lk, vc, S_in, z_in, final_state)
+    den = (zP[..., None, :] @ lq.mT)[..., 0, :]  # [N, B, H, C]  (as [1, M]·[M, C]: a GEMV is 7× slower)
+    return lq @ P, den, S_out, z_out
+
+
 def _far_backward(R, N, last, reach, fqc, fkc, vc, S_in, z_in, dnum, dden, g_S, g_z, *, non_negative: bool,
                   need_in: bool, keep=None, need_g: bool = False):
     r"""The backward of both cores' far part (:func:`_forward_state`'s, times ``keep``): the query and key features'
