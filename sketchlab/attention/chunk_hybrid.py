@@ -44,16 +44,9 @@ def _join_chunks(pieces, lead: int, chunks: int, C: int) -> torch.Tensor:
     for a, b in ((0, lead), (end, chunks * C)):  # the zero rows
         for c, r0, r1, _ in _row_pieces(chunks, C, a, b):
             (out[c:r0] if r1 is None else out[c, :, :, r0:r1]).zero_()
-    a = lead
     for x in pieces:
-        L = x.shape[2]
-        for c, r0, r1, i in _row_pieces(chunks, C, a, a + L):
-            if r1 is None:  # whole chunks c : r0
-                dst, src = out[c:r0], x[:, :, i:i + (r0 - c) * C].unflatten(2, (r0 - c, C)).permute(2, 0, 1, 3, 4)
-            else:
-                dst, src = out[c, :, :, r0:r1], x[:, :, i:i + r1 - r0]
-            dst.copy_(src)
-        a += L
+        _put_rows(out, lead, x, add=False)
+        lead += x.shape[2]
     return out
 
 
@@ -65,14 +58,16 @@ def _rows(xc: torch.Tensor, a: int, length: int) -> torch.Tensor:
     return _unchunk(xc[c0:c1], a - c0 * C + length)[:, :, a - c0 * C:]
 
 
-def _add_rows(xc: torch.Tensor, a: int, x: torch.Tensor) -> None:
-    """``xc``'s token rows ``[a, a + L)`` += ``x [B, H, L, F]`` in place (chunk-major ``xc``)."""
+def _put_rows(xc: torch.Tensor, a: int, x: torch.Tensor, *, add: bool) -> None:
+    """``xc``'s token rows ``[a, a + L)`` set to (``add``: increased by) ``x [B, H, L, F]`` in place (chunk-major
+    ``xc [chunks, B, H, C, F]``)."""
     C = xc.shape[3]
     for c, r0, r1, i in _row_pieces(xc.shape[0], C, a, a + x.shape[2]):
-        if r1 is None:
-            xc[c:r0] += x[:, :, i:i + (r0 - c) * C].unflatten(2, (r0 - c, C)).permute(2, 0, 1, 3, 4)
+        if r1 is None:  # whole chunks c : r0
+            dst, src = xc[c:r0], x[:, :, i:i + (r0 - c) * C].unflatten(2, (r0 - c, C)).permute(2, 0, 1, 3, 4)
         else:
-            xc[c, :, :, r0:r1] += x[:, :, i:i + r1 - r0]
+            dst, src = xc[c, :, :, r0:r1], x[:, :, i:i + r1 - r0]
+        dst.add_(src) if add else dst.copy_(src)
 
 
 @functools.lru_cache(maxsize=64)
@@ -368,7 +363,7 @@ class _HybridCore(torch.autograd.Function):
         grads = []
         for dx, gw in ((dfk, g_fkw), (dvc, g_vw), (dkc, g_kw)):
             if gw is not None:
-                _add_rows(dx, off + n - gw.shape[2], gw)
+                _put_rows(dx, off + n - gw.shape[2], gw, add=True)
             grads.append((_rows(dx, lead, Lw) if Lw else None, _unchunk(dx[Wc:], n)))
         (dfk_w, dfk_n), (dv_w, dv_n), (dk_w, dk_n) = grads
         return (_unchunk(dfq, n), dfk_n, dv_n, _unchunk(dqc, n), dk_n, dfk_w, dv_w, dk_w,
