@@ -54,14 +54,6 @@ CAPTURE_POINTS = ("auto", "attention", "projections")
 _CAPTURE_NAME = "sketchlab_capture"
 _RECORDERS: list["_Recorder"] = []  # the capture in progress (innermost last)
 
-def _config_heads(model: nn.Module) -> tuple[int | None, int | None]:
-    """``(num_heads, num_kv_heads)`` from a transformers-style ``model.config`` (the attributes of
-    :class:`~sketchlab.hf.families.Family`'s defaults); each ``None`` when the config does not state it (no kv count:
-    the caller uses the q heads)."""
-    cfg = getattr(model, "config", None)
-    return config_int(cfg, Family.heads), config_int(cfg, Family.kv_heads)
-
-
 def detect_qk_modules(model: nn.Module, *, projections: bool = False) -> tuple[str, dict[str, list[str]]]:
     """Find the q/k/v producers of each layer by module name.
 
@@ -333,7 +325,8 @@ def _capture_hooks(model, inputs, spec, num_heads, num_kv_heads) -> tuple[dict, 
     if len(set(counts.values())) != 1:
         raise ValueError(f"modules must list one module per layer for every role, got counts {counts}")
     kind = "attention" if "attention" in spec else "projections"
-    cfg_heads, cfg_kv = _config_heads(model)
+    cfg = getattr(model, "config", None)  # head counts a transformers-style config states (the family table's names)
+    cfg_heads, cfg_kv = config_int(cfg, Family.heads), config_int(cfg, Family.kv_heads)
     H = num_heads if num_heads is not None else cfg_heads
     # kv heads: explicit argument, else the config's num_key_value_heads (GQA) even when num_heads
     # was given, else as many as q heads (plain multi-head attention)
