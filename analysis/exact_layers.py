@@ -39,7 +39,7 @@ from position_loss import budget_of, hybrid_arg, transfer_budget  # noqa: E402
 
 from sketchlab.attention import softmax_attention  # noqa: E402
 from sketchlab.convert import perplexity, token_nll  # noqa: E402
-from sketchlab.convert.pretrained import load_pretrained, smollm2_gguf  # noqa: E402
+from sketchlab.hf.pretrained import load_pretrained, smollm2_gguf  # noqa: E402
 from sketchlab.io.atomic import atomic_write  # noqa: E402
 
 

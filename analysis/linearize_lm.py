@@ -57,7 +57,7 @@ from sketchlab.convert.linearize import (
     teacher_attention,
     tokenize_texts,
 )
-from sketchlab.convert.pretrained import load_pretrained, smollm2_gguf
+from sketchlab.hf.pretrained import load_pretrained, smollm2_gguf
 from sketchlab.convert.scale import calibrate_gates
 
 TRAIN_PLAYS = ("hamlet", "macbeth", "othello", "lear", "romeo_and_juliet", "julius_caesar")

@@ -39,6 +39,10 @@ import torch
 from torch import nn
 
 from ._validation import check_positive_int
+from .hf.families import FAMILY_TABLE, Family, config_int
+from .hf.interface import attention_implementation, is_rotary, original_attention, original_mask, register
+from .hf.interface import supports_interface
+from .hf.pretrained import from_local, load_pretrained
 from .io import QKDump, save_qk, validate_qk
 
 __all__ = ["CAPTURE_POINTS", "capture_pretrained", "capture_qk", "detect_qk_modules", "position_limit", "read_token_ids",
@@ -49,33 +53,6 @@ CAPTURE_POINTS = ("auto", "attention", "projections")
 #: The name sketchlab's recording function is registered under in transformers' interfaces.
 _CAPTURE_NAME = "sketchlab_capture"
 _RECORDERS: list["_Recorder"] = []  # the capture in progress (innermost last)
-
-def _STYLES() -> dict[str, dict[str, str]]:
-    """Each family's projection names: last name component -> role (``sketchlab.convert.families.FAMILY_TABLE``,
-    read on call: ``sketchlab.convert`` imports this module)."""
-    from .convert.families import FAMILY_TABLE
-
-    return {name: dict(family.projections) for name, family in FAMILY_TABLE.items()}
-
-
-def _config_heads(model: nn.Module) -> tuple[int | None, int | None]:
-    """``(num_heads, num_kv_heads)`` from a transformers-style ``model.config``.
-
-    Each is ``None`` when the config does not state it (no ``num_key_value_heads`` means the
-    config does not describe grouped-query attention; the caller then uses the q heads).
-    """
-    cfg = getattr(model, "config", None)
-    if cfg is None:
-        return None, None
-    heads = None
-    for attr in ("num_attention_heads", "n_head", "num_heads"):
-        val = getattr(cfg, attr, None)
-        if isinstance(val, int):
-            heads = val
-            break
-    kv = getattr(cfg, "num_key_value_heads", None)
-    return heads, kv if isinstance(kv, int) and not isinstance(kv, bool) else None
-
 
 def detect_qk_modules(model: nn.Module, *, projections: bool = False) -> tuple[str, dict[str, list[str]]]:
     """Find the q/k/v producers of each layer by module name.
@@ -93,7 +70,7 @@ def detect_qk_modules(model: nn.Module, *, projections: bool = False) -> tuple[s
     if kernels and not projections:
         return "attention-inputs", {"attention": kernels}
     names = [name for name, _ in model.named_modules()]
-    for style, roles in _STYLES().items():
+    for roles in (family.projections for family in FAMILY_TABLE.values()):
         found: dict[str, list[str]] = {role: [] for role in roles.values()}
         for name in names:
             last = name.rsplit(".", 1)[-1]
@@ -157,8 +134,6 @@ class _Recorder:
 def _record_attention(module, query, key, value, attention_mask, *args, **kwargs):
     """Registered in transformers' ``AttentionInterface``: record ``query [B, H, T, D]``,
     ``key``/``value [B, H_kv, S, D]`` (post-RoPE), then run the model's own implementation."""
-    from .convert._hf import original_attention
-
     rec = _RECORDERS[-1]
     if id(module) in rec.order:
         raise ValueError(f"capture_qk: attention module {type(module).__name__} was called twice in one forward pass")
@@ -171,8 +146,6 @@ def _record_attention(module, query, key, value, attention_mask, *args, **kwargs
 
 def _record_mask(*args, **kwargs):
     """The mask of the implementation being recorded (registered beside :func:`_record_attention`)."""
-    from .convert._hf import original_mask
-
     return original_mask(_RECORDERS[-1].original)(*args, **kwargs)
 
 
@@ -193,8 +166,6 @@ def _forward(model: nn.Module, inputs) -> None:
 
 def _capture_interface(model: nn.Module, inputs) -> tuple[dict, list[str]]:
     """Run ``model`` once with :func:`_record_attention` as its attention implementation."""
-    from .convert._hf import attention_implementation, register
-
     register(_CAPTURE_NAME, _record_attention, _record_mask)
     rec = _Recorder(model.config._attn_implementation)
     _RECORDERS.append(rec)
@@ -260,7 +231,6 @@ def capture_qk(
     no ``v`` producer is given), ``n`` = number of valid tokens over the batch, validated by
     :func:`sketchlab.io.validate_qk` (same shapes, finite values) whether or not ``path`` is given.
     """
-    from .convert._hf import is_rotary, supports_interface
     from .tasks.model import TransformerLM
 
     if not isinstance(model, nn.Module):
@@ -349,16 +319,14 @@ def capture_qk(
 
 
 def _capture_hooks(model, inputs, spec, num_heads, num_kv_heads) -> tuple[dict, int]:
-    """Forward hooks on the producers in ``spec``; returns ``(records, L)``, records ``[B, T, H', D]``."""
+    """Forward hooks on the producers in ``spec``; returns ``(records, L)``, records ``[B, T, H', D]`` (the head counts
+    checked by :func:`capture_qk`)."""
     counts = {role: len(v) for role, v in spec.items()}
     if len(set(counts.values())) != 1:
         raise ValueError(f"modules must list one module per layer for every role, got counts {counts}")
     kind = "attention" if "attention" in spec else "projections"
-    if num_heads is not None:
-        num_heads = check_positive_int(num_heads, "num_heads")
-    if num_kv_heads is not None:
-        num_kv_heads = check_positive_int(num_kv_heads, "num_kv_heads")
-    cfg_heads, cfg_kv = _config_heads(model)
+    cfg = getattr(model, "config", None)  # head counts a transformers-style config states (the family table's names)
+    cfg_heads, cfg_kv = config_int(cfg, Family.heads), config_int(cfg, Family.kv_heads)
     H = num_heads if num_heads is not None else cfg_heads
     # kv heads: explicit argument, else the config's num_key_value_heads (GQA) even when num_heads
     # was given, else as many as q heads (plain multi-head attention)
@@ -445,26 +413,6 @@ def read_token_ids(path) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
-def _load_model(auto_model, model_dir: Path) -> nn.Module:
-    """``auto_model.from_pretrained(model_dir)`` with unreadable directories reported as ``ValueError``.
-
-    A missing or corrupt weight file or config raises ``OSError`` or safetensors' ``SafetensorError``
-    (and a few ``ValueError``/``KeyError``/``RuntimeError`` for inconsistent checkpoints) inside
-    transformers; each becomes one message naming the directory.
-    """
-    try:
-        from safetensors import SafetensorError
-    except ImportError:  # older safetensors: the error is a plain Exception subclass
-        SafetensorError = OSError  # noqa: N806
-    try:
-        return auto_model.from_pretrained(str(model_dir), local_files_only=True)
-    except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as err:
-        raise ValueError(
-            f"{model_dir}: could not load the model (missing, truncated or corrupt weights or config): "
-            f"{type(err).__name__}: {err}"
-        ) from err
-
-
 def _check_against_model(config, ids: torch.Tensor, mask: torch.Tensor, what: str, seq_len: int) -> None:
     """Token ids inside the vocabulary and sequences within the position limit, or ``ValueError``."""
     vocab = getattr(config, "vocab_size", None)
@@ -530,9 +478,9 @@ def capture_pretrained(model_dir=None, *, gguf=None, text=None, token_ids=None, 
         A directory written by ``save_pretrained`` (``config.json`` + weights), loaded with
         ``AutoModel.from_pretrained(model_dir, local_files_only=True)``; nothing is downloaded.
     gguf : str or Path, optional
-        Instead of ``model_dir``: a GGUF file (e.g. SmolLM2's, :func:`sketchlab.convert.pretrained.smollm2_gguf`),
+        Instead of ``model_dir``: a GGUF file (e.g. SmolLM2's, :func:`sketchlab.hf.pretrained.smollm2_gguf`),
         which holds the weights and the tokenizer, read by transformers' ``gguf_file=``
-        (:func:`sketchlab.convert.pretrained.load_pretrained`; the ``gguf`` package).
+        (:func:`sketchlab.hf.pretrained.load_pretrained`; the ``gguf`` package).
     text : str or Path, optional
         A UTF-8 text file, tokenised by the directory's (or the GGUF file's) tokenizer
         (``AutoTokenizer.from_pretrained(model_dir, local_files_only=True)``).
@@ -572,25 +520,16 @@ def capture_pretrained(model_dir=None, *, gguf=None, text=None, token_ids=None, 
         from transformers import AutoModel, AutoTokenizer
     except ImportError as err:  # the optional extra
         raise ImportError("capturing from a model directory needs transformers: pip install 'sketchlab[capture]'") from err
-    gguf_tokenizer = None
+    tokenizer = None
     if gguf is not None:
-        from .convert.pretrained import load_pretrained
-
-        model, gguf_tokenizer = load_pretrained(gguf=gguf)
+        model, tokenizer = load_pretrained(gguf=gguf)
         model_dir = Path(gguf)  # named in messages and in meta["source"]
     else:
         model_dir = Path(model_dir)
         if not (model_dir / "config.json").is_file():
             raise FileNotFoundError(f"{model_dir}: not a transformers model directory (no config.json)")
-        model = _load_model(AutoModel, model_dir)
-    if text is not None and gguf_tokenizer is not None:
-        text_path = Path(text)
-        rows = [gguf_tokenizer(text_path.read_text(encoding="utf-8"))["input_ids"]]
-        if not rows[0]:
-            raise ValueError(f"{text_path}: the text produced no tokens")
-        what = f"text {text_path.name}"
-    elif text is not None:
-        text_path = Path(text)
+        model = from_local(AutoModel, str(model_dir), str(model_dir), model_dir)
+    if text is not None and tokenizer is None:
         if not any((model_dir / f).is_file() for f in _TOKENIZER_FILES):
             raise ValueError(
                 f"{model_dir}: no tokenizer in the model directory (none of {', '.join(_TOKENIZER_FILES)}); "
@@ -602,6 +541,8 @@ def capture_pretrained(model_dir=None, *, gguf=None, text=None, token_ids=None, 
             raise ValueError(
                 f"{model_dir}: no usable tokenizer in the model directory ({err}); pass token ids instead (token_ids / --token-ids)"
             ) from err
+    if text is not None:
+        text_path = Path(text)
         rows = [tokenizer(text_path.read_text(encoding="utf-8"))["input_ids"]]
         if not rows[0]:
             raise ValueError(f"{text_path}: the text produced no tokens")

@@ -49,7 +49,7 @@ QUESTION = "What is the pass key? The pass key is"
 
 def _check_model(model, where: str) -> tuple[str, int]:
     """``(family, vocabulary size)`` of a causal LM; ``ValueError`` naming the model otherwise."""
-    from .convert.families import FAMILIES
+    from .hf.families import FAMILY_TABLE, family_of_type, supported_types
     from .tasks.model import TransformerLM
 
     if isinstance(model, TransformerLM):
@@ -59,14 +59,13 @@ def _check_model(model, where: str) -> tuple[str, int]:
                         f"TransformerLM), got {type(model).__name__}")
     cfg = getattr(model, "config", None)
     model_type = getattr(cfg, "model_type", None)
-    family = next((fam for fam, types in FAMILIES.items() if model_type in types), None)
+    family = family_of_type(model_type)
     name = f"{type(model).__name__} (model_type {model_type!r})"
     if family is None:
-        supported = ", ".join(t for fam, types in FAMILIES.items() if fam != "bert" for t in types)
         raise ValueError(f"{where}: {name} is not a causal LM of a supported family; supported: sketchlab's "
-                         f"TransformerLM and transformers causal LMs of type {supported}")
+                         f"TransformerLM and transformers causal LMs of type {supported_types(encoders=False)}")
     can_generate = getattr(model, "can_generate", None)
-    causal = family != "bert" or bool(getattr(cfg, "is_decoder", False))
+    causal = not FAMILY_TABLE[family].encoder or bool(getattr(cfg, "is_decoder", False))
     if not causal or getattr(cfg, "is_encoder_decoder", False) or not (callable(can_generate) and can_generate()):
         why = "an encoder (bidirectional attention)" if not causal else "no language-model head (it cannot generate)"
         raise ValueError(f"{where}: {name} is not a causal language model: {why}; load it with "

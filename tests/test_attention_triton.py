@@ -180,6 +180,18 @@ def test_rejects_what_the_kernel_cannot_do():
         llops_attention_triton(q, k, v, tq, tk, non_negative=False, **dict(kw, normalize="max"))
 
 
+def test_options_are_checked_by_their_one_rule():
+    """The kernel's entry checks its options by ``AttentionOptions``' rules (normalize, eps, the flag), as every other
+    path does: a negative ``eps``, a ``normalize=None`` (the map deciding is the caller's) are refused, naming them."""
+    q, k, v, tq, tk, _ = _problem(**{k: BASE[k] for k in ("T", "D", "M", "P", "R", "normalize")})
+    kw = dict(causal=True, normalize="sum", eps=1e-6, non_negative=False)
+    for change, match in ((dict(eps=-1.0), r"eps must be >= 0.0, got -1.0"),
+                          (dict(normalize=None), r"normalize must be one of \['none', 'sum'\], got None"),
+                          (dict(output_final_state=1), r"output_final_state must be True or False, got 1")):
+        with pytest.raises((ValueError, TypeError), match=match):
+            llops_attention_triton(q, k, v, tq, tk, **{**kw, **change})
+
+
 def test_cpu_tensors_need_the_interpreter(monkeypatch):
     q, k, v, tq, tk, _ = (x.cpu() for x in _problem(**{k: BASE[k] for k in ("T", "D", "M", "P", "R", "normalize")}))
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)

@@ -314,7 +314,7 @@ def test_a_damaged_weight_file_is_named_by_load_linearized(damage, tmp_path):
 
 @pytest.mark.parametrize("damage", ["empty", "truncated"])
 def test_a_damaged_teacher_is_named_by_load_pretrained(damage, tmp_path):
-    from sketchlab.convert.pretrained import load_pretrained
+    from sketchlab.hf.pretrained import load_pretrained
     from tests.test_cli_linearize_lm import _model_dir
 
     _model_dir(tmp_path / "m")
@@ -438,9 +438,9 @@ def _cli_exit_2(argv, capsys, match):
     ("missing", r"--text .*: no such file"),
 ])
 def test_cli_text_causes_are_named(content, match, gpt2_dir, tmp_path, capsys, monkeypatch):
-    import sketchlab.convert.pretrained
+    import sketchlab.hf.pretrained
 
-    monkeypatch.setattr(sketchlab.convert.pretrained, "load_pretrained",
+    monkeypatch.setattr(sketchlab.hf.pretrained, "load_pretrained",
                         lambda *a, **k: (_ for _ in ()).throw(AssertionError("started its work")))
     text = tmp_path / "t.txt"
     if content == "dir":

@@ -27,14 +27,14 @@ def _tree(root: Path) -> dict:
 def no_work(monkeypatch):
     """The library functions where the commands' work starts: any call fails the test."""
     import sketchlab.capture
-    import sketchlab.convert.pretrained
+    import sketchlab.hf.pretrained
     import sketchlab.tasks
 
     def refuse(*args, **kwargs):
         raise AssertionError("the command started its work before refusing the input")
 
     monkeypatch.setattr(sketchlab.tasks, "linearize", refuse)
-    monkeypatch.setattr(sketchlab.convert.pretrained, "load_pretrained", refuse)
+    monkeypatch.setattr(sketchlab.hf.pretrained, "load_pretrained", refuse)
     monkeypatch.setattr(sketchlab.capture, "capture_pretrained", refuse)
 
 

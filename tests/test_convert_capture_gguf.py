@@ -62,7 +62,7 @@ def write_tiny_llama_gguf(path, *, layers=2, hidden=16, heads=4, kv_heads=2, ff=
 
 def test_capture_gguf_equals_capture_of_the_loaded_model(tmp_path, capsys):
     from sketchlab.capture import capture_qk
-    from sketchlab.convert.pretrained import load_pretrained
+    from sketchlab.hf.pretrained import load_pretrained
     from sketchlab.io import load_qk
 
     write_tiny_llama_gguf(tmp_path / "tiny.gguf")
@@ -113,7 +113,7 @@ def test_linearize_gguf_cli_round_trip(tmp_path, capsys):
     import json
 
     from sketchlab.convert import load_linearized
-    from sketchlab.convert.pretrained import load_pretrained
+    from sketchlab.hf.pretrained import load_pretrained
     from sketchlab.convert.scale import TiedLLoPSMap
 
     write_tiny_llama_gguf(tmp_path / "tiny.gguf")

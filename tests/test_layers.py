@@ -35,6 +35,8 @@ LAYERS = [
     ("dump tools", ["sketchlab._dumpsel", "sketchlab.compare", "sketchlab.verify", "sketchlab.advise",
                     "sketchlab.spectrum", "sketchlab.plots"]),
     ("attention", ["sketchlab.attention", "sketchlab.attention.*"]),
+    # what capture and conversion share about transformers models (the family table, loaders, interfaces)
+    ("transformers", ["sketchlab.hf", "sketchlab.hf.*"]),
     ("model", ["sketchlab.tasks", "sketchlab.tasks.*", "sketchlab.capture", "sketchlab.convert",
                "sketchlab.convert.*", "sketchlab.evaluate"]),
     ("applications", ["sketchlab.cli", "sketchlab.cli.*", "sketchlab.demo", "sketchlab.__main__"]),
@@ -101,6 +103,12 @@ def test_imports_go_down_the_layers():
         for m, deps in GRAPH.items() for dep in sorted(deps) if layer_of(dep) > layer_of(m)
     ]
     assert not upward, "imports against the data flow:\n" + "\n".join(upward)
+
+
+def test_capture_imports_nothing_of_conversion():
+    """Capture → fit → convert: capture shares only ``sketchlab.hf`` with conversion, below both."""
+    assert not {d for d in GRAPH["sketchlab.capture"] if d.startswith("sketchlab.convert")}
+    assert {"sketchlab.hf.families", "sketchlab.hf.interface"} <= GRAPH["sketchlab.capture"]
 
 
 def _cycle() -> list[str] | None:

@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers
 
-from sketchlab.convert.pretrained import _drop_gguf_quantizer, smollm2_gguf
+from sketchlab.hf.pretrained import _drop_gguf_quantizer, smollm2_gguf
 from sketchlab.convert.scale import TiedLLoPSMap
 
 

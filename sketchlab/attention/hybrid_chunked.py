@@ -1,7 +1,7 @@
 r"""The chunked PyTorch path of the sliding-window hybrid (layout inside: ``[B, H, T, ·]``).
 
 Split from :mod:`sketchlab.attention.chunked`, which validates the call and dispatches here. The
-causal path runs :func:`sketchlab.attention.chunk_core.hybrid_core` block by block: for query
+causal path runs :func:`sketchlab.attention.chunk_hybrid.hybrid_core` block by block: for query
 chunk ``c`` of ``C`` tokens the local keys (window ``w`` and sinks) are read from the key chunks
 ``0 … ⌈(w + C − 1)/C⌉ − 1`` back with fixed masks, so the local part costs ``O(T·(w + C))``,
 never ``T²``; the far keys come from the carried :class:`~sketchlab.attention.AttentionState`
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .chunk_core import hybrid_core
+from .chunk_hybrid import hybrid_core
 from .reference import self_tensor
 
 
@@ -89,7 +89,7 @@ def _hybrid_causal_block(h: _Hybrid, state, q_new, k_new, v_new, fq_new, fk_new,
 
     The keys are the held window and the block's tokens behind zeros to whole chunks (``off`` keys
     before the block, ``off/C >= `` the local lags in chunks − 1, so every query chunk has a key
-    chunk at each lag): :func:`~sketchlab.attention.chunk_core.hybrid_core` joins them in its own
+    chunk at each lag): :func:`~sketchlab.attention.chunk_hybrid.hybrid_core` joins them in its own
     chunk-major copy and returns the new ``S, z`` and the window the next block holds. Far part:
     lag ``w`` on the keys' features with the sinks and padding out; local part: for query chunk
     ``c`` the ``C × C`` logits against each key chunk ``L = 0 … ⌈(w + C − 1)/C⌉ − 1`` back (each a

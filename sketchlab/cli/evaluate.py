@@ -114,7 +114,7 @@ def _quiet_load(enabled: bool):
 def run(args) -> int:
     from ..convert import load_linearized
     from ..convert.linearize import tokenize_texts
-    from ..convert.pretrained import load_pretrained
+    from ..hf.pretrained import load_pretrained
     from ..evaluate import copy_recall, format_recall, passkey_accuracy
     from .capture import transformers_progress
 

@@ -368,7 +368,7 @@ def _run_pretrained(args) -> int:
     from ..convert.convert import check_layout
     from ..convert.saved import save_linearized
     from ..convert.linearize import linearize
-    from ..convert.pretrained import load_pretrained
+    from ..hf.pretrained import load_pretrained
     from ..io import staged_directory
     from .capture import transformers_progress
     if args.text is None:
@@ -444,7 +444,7 @@ def _run_pretrained(args) -> int:
 
 
 def _is_encoder(settings: dict) -> bool:
-    from ..convert.families import FAMILY_TABLE
+    from ..hf.families import FAMILY_TABLE
 
     entry = FAMILY_TABLE.get(settings.get("family"))
     return bool(entry is not None and entry.encoder)

@@ -5,7 +5,8 @@
 decoding state; ``convert`` the public entry points; ``saved`` saving and reloading a converted model; ``evaluate`` the
 reported measures; ``stages`` the checks around linearize's stages; ``linearize`` the staged training;
 ``scale`` the tied LLoPS map and the gate calibration; ``exact`` the layers kept exact and ``ranking`` which to
-keep; ``pretrained`` the local loaders; ``_hf`` the transformers glue.
+keep. The family table, the local loaders and the transformers glue it shares with capture are
+:mod:`sketchlab.hf`'s.
 """
 
 from .convert import convert_attention, converted_modules

@@ -27,7 +27,7 @@ from .._validation import DEFAULT_MAX_BYTES, check_memory
 
 from .exact import ExactAttention
 from .families import ToyKernel, attention_sites, family_of
-from .sketched import ATTENTION_NAME, LOCALS, SketchedAttention, forget_cache, hf_attention, hf_mask, remember_cache
+from .sketched import ATTENTION_NAME, SketchedAttention, forget_cache, hf_attention, hf_mask, remember_cache
 
 __all__ = ["DEFAULT_SINKS", "check_layout", "check_map_memory", "convert_attention", "converted_modules"]
 
@@ -49,9 +49,10 @@ def check_layout(window, sinks, local: str = "softmax", normalize: str | None = 
     pure linear attention (``window=0``); an explicit ``sinks > 0`` needs ``window >= 1``. ``local``
     in ``("softmax", "poly")``; ``normalize``: ``None`` (the attention's default, ``"sum"``) or one
     of :data:`sketchlab.attention._checks.NORMALIZE`, and ``"sum"`` with a window (the hybrid is
-    always normalised: :func:`sketchlab.attention._checks.check_hybrid`).
+    always normalised). ``local`` and ``normalize`` are the options' own rules, through
+    :func:`sketchlab.attention._checks.check_hybrid`.
     """
-    from ..attention._checks import check_hybrid, check_normalize
+    from ..attention._checks import check_hybrid
 
     window = _check_int(window, "window", 0)
     if sinks is None:
@@ -61,10 +62,6 @@ def check_layout(window, sinks, local: str = "softmax", normalize: str | None = 
         raise ValueError(f"sinks={sinks} with window=0: attention sinks are exact keys, and window=0 is pure linear "
                          f"attention (none); pass window >= 1 or sinks=0 (sinks=None gives {DEFAULT_SINKS} with a "
                          "window and 0 without)")
-    if local not in LOCALS:
-        raise ValueError(f"local must be one of {list(LOCALS)}, got {local!r}")
-    if normalize is not None:
-        normalize = check_normalize(normalize)
     check_hybrid(window, sinks, local, None, None, normalize="sum" if normalize is None else normalize, heads=1,
                  dim=1, like=torch.empty(0))
     return window, sinks
@@ -370,7 +367,7 @@ def convert_attention(model: nn.Module, *, attention: str = "llops", p: int = 2,
         model.sketchlab_conversion = options
         return sketches
     converted = [s for s in sketches if isinstance(s, SketchedAttention)]
-    from ._hf import register
+    from ..hf.interface import register
 
     register(ATTENTION_NAME, hf_attention, hf_mask)
     for site, sketch in zip(sites, sketches):

@@ -15,54 +15,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..hf.families import FAMILIES, FAMILY_TABLE, Family, config_int, family_of_type, supported_types
+
 __all__ = ["FAMILIES", "FAMILY_TABLE", "AttentionSite", "Family", "ToyKernel", "attention_sites", "family_of"]
-
-
-@dataclass(frozen=True)
-class Family:
-    """What conversion, capture and LoRA need to know about one transformers model family.
-
-    ``model_types``: its ``config.model_type`` values. Its self-attention modules: class name ending in
-    ``attention_class``, with the attributes ``needs``; ``head_dim`` names their attribute holding ``D``;
-    ``causal`` (``None``: the module's own ``is_causal``). ``heads``/``kv_heads``: the config attributes
-    counting query and key/value heads (the first one set; no kv count: as many as query heads).
-    ``rotary``: q, k rotated before the attention (capture's ``"post-rope"``). ``projections``: the
-    projection modules' last name → role (``q``, ``k``, ``v``, or ``qkv`` fused into thirds), for
-    capture. ``lora``: the LoRA target regex over module names (q, k, v and output projections), and
-    ``lora_fan_in_fan_out`` for ``Conv1D`` weights (GPT-2). ``encoder``: loaded with ``AutoModel``
-    (the loss is the teacher's hidden states) rather than ``AutoModelForCausalLM``.
-    """
-
-    model_types: tuple
-    attention_class: str
-    needs: tuple
-    head_dim: str
-    projections: dict
-    lora: str
-    lora_fan_in_fan_out: bool = False
-    causal: bool | None = True
-    rotary: bool = True
-    encoder: bool = False
-    heads: tuple = ("num_attention_heads", "n_head")
-    kv_heads: tuple = ("num_key_value_heads",)
-
-
-#: The one table of supported transformers families (a new family is one entry here).
-FAMILY_TABLE = {
-    "llama": Family(("llama", "qwen2", "mistral"), "Attention", ("q_proj", "o_proj"), "head_dim",
-                    {"q_proj": "q", "k_proj": "k", "v_proj": "v"}, r".*\.self_attn\.(q_proj|k_proj|v_proj|o_proj)$"),
-    "gpt2": Family(("gpt2",), "GPT2Attention", (), "head_dim", {"c_attn": "qkv"}, r".*\.attn\.(c_attn|c_proj)$",
-                   lora_fan_in_fan_out=True, rotary=False),
-    "bert": Family(("bert", "roberta"), "SelfAttention", ("query",), "attention_head_size",
-                   {"query": "q", "key": "k", "value": "v"},
-                   r".*\.attention\.(self\.(query|key|value)|output\.dense)$", causal=None, rotary=False, encoder=True),
-    "opt": Family(("opt",), "Attention", ("q_proj", "out_proj"), "head_dim",
-                  {"q_proj": "q", "k_proj": "k", "v_proj": "v"}, r".*\.self_attn\.(q_proj|k_proj|v_proj|out_proj)$",
-                  rotary=False),
-}
-
-#: ``config.model_type`` values of each supported transformers family (read from :data:`FAMILY_TABLE`).
-FAMILIES = {name: family.model_types for name, family in FAMILY_TABLE.items()}
 
 
 @dataclass
@@ -103,20 +58,12 @@ def family_of(model: nn.Module) -> str:
     if isinstance(model, TransformerLM):
         return "toy"
     model_type = getattr(getattr(model, "config", None), "model_type", None)
-    for family, types in FAMILIES.items():
-        if model_type in types:
-            return family
-    supported = ", ".join(t for types in FAMILIES.values() for t in types)
-    raise ValueError(f"convert_attention: {type(model).__name__} (model_type {model_type!r}) is not a supported family; "
-                     f"supported: sketchlab's TransformerLM and transformers models of type {supported}")
-
-
-def _int(cfg, *names) -> int:
-    for name in names:
-        value = getattr(cfg, name, None)
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    raise ValueError(f"the model's config states none of {names}")
+    family = family_of_type(model_type)
+    if family is None:
+        raise ValueError(f"convert_attention: {type(model).__name__} (model_type {model_type!r}) is not a supported "
+                         f"family; supported: sketchlab's TransformerLM and transformers models of type "
+                         f"{supported_types()}")
+    return family
 
 
 def _refuse_cross_attention(model: nn.Module) -> None:
@@ -146,8 +93,10 @@ def attention_sites(model: nn.Module) -> tuple[str, list[AttentionSite]]:
     _refuse_cross_attention(model)
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     spec = FAMILY_TABLE[family]
-    heads = _int(cfg, *spec.heads)
-    kv_heads = next((v for v in (getattr(cfg, n, None) for n in spec.kv_heads) if v), None) or heads
+    heads = config_int(cfg, spec.heads)
+    if heads is None:
+        raise ValueError(f"the model's config states none of {spec.heads}")
+    kv_heads = config_int(cfg, spec.kv_heads) or heads
     sites = []
     for name, module in model.named_modules():
         kind = type(module).__name__

@@ -189,7 +189,7 @@ def _sentences(texts, tokenizer, seq_len: int, max_tokens):
 def _record_teacher(module, query, key, value, attention_mask, *args, **kwargs):
     """Registered in transformers' ``AttentionInterface``: run the model's own attention and record
     its inputs and output (see :func:`teacher_attention`)."""
-    from ._hf import original_attention
+    from ..hf.interface import original_attention
 
     rec = _RECORDING[-1]
     out, weights = original_attention(module, rec["original"])(module, query, key, value, attention_mask, *args, **kwargs)
@@ -205,7 +205,7 @@ def _record_teacher(module, query, key, value, attention_mask, *args, **kwargs):
 
 
 def _teacher_mask(*args, **kwargs):
-    from ._hf import original_mask
+    from ..hf.interface import original_mask
 
     return original_mask(_RECORDING[-1]["original"])(*args, **kwargs)
 
@@ -217,7 +217,7 @@ def teacher_attention(model: nn.Module, input_ids: torch.Tensor, attention_mask:
     through its attention interface, or sketchlab's toy model, through hooks on its kernels); each
     layer's tensors are allocated once and filled batch by batch (the recording's size, not twice it).
     ``progress``: a bar over the sequences on stderr."""
-    from ._hf import attention_implementation, register
+    from ..hf.interface import attention_implementation, register
 
     bar = progress_bar(input_ids.shape[0], "teacher recording", progress, unit="seq", leave=True)
     if family_of(model) == "toy":

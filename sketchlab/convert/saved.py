@@ -35,7 +35,7 @@ META_KEY = "sketchlab"
 
 def _sources(model: nn.Module) -> list[str]:
     """Where ``model`` was read from, as far as it records it: ``config._name_or_path`` (the
-    directory ``from_pretrained`` read) and :func:`~sketchlab.convert.pretrained.load_pretrained`'s
+    directory ``from_pretrained`` read) and :func:`~sketchlab.hf.pretrained.load_pretrained`'s
     record (the GGUF file or model directory), those that exist on this machine."""
     found = []
     for where in (getattr(model, "sketchlab_source", None),
@@ -52,7 +52,7 @@ def save_linearized(model: nn.Module, directory, *, inputs=()) -> Path:
 
     Refused before anything is written (``ValueError``): a ``directory`` that is, or holds, an input
     of the run — the directory or GGUF file the teacher was loaded from (``config._name_or_path``,
-    :func:`sketchlab.convert.pretrained.load_pretrained`'s record) or any path of ``inputs`` (the
+    :func:`sketchlab.hf.pretrained.load_pretrained`'s record) or any path of ``inputs`` (the
     text, a Θ export, …), by any spelling, symlink or hard link (:func:`sketchlab.io.atomic.check_output_directory`).
     The files are built beside ``directory`` and moved in together at the end
     (:func:`sketchlab.io.staged_directory`): a save that fails leaves ``directory`` as it was.

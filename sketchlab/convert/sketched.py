@@ -48,7 +48,6 @@ __all__ = ["ATTENTION_NAME", "SketchedAttention", "forget_cache", "hf_attention"
 
 #: The name the converted models' attention is registered under in transformers' interfaces.
 ATTENTION_NAME = "sketchlab"
-LOCALS = ("softmax", "poly")
 
 
 def featuremap_attention(*args, **kwargs):

@@ -18,14 +18,13 @@ from sketchlab.attention.triton.launch import (
     llops_attention_bwd,
     llops_attention_fwd,
 )
-from sketchlab.attention._checks import check_hybrid, check_key_padding_mask
+from sketchlab.attention._checks import check_eps, check_flag, check_hybrid, check_key_padding_mask, check_normalize
+from sketchlab.attention.reference import self_tensor
 from sketchlab.attention.state import AttentionState, check_state, state_dtype
 from sketchlab.llops.maps import llops_features
 
 __all__ = ["HybridAttentionTriton", "LLoPSAttentionTriton", "llops_attention_triton"]
 
-_NORMALIZE = ("none", "sum")
-_LOCAL = ("softmax", "poly")
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -88,11 +87,6 @@ class HybridAttentionTriton(torch.autograd.Function):
         return (dq, dk, dv, dtq, dtk, dgate.to(gate.dtype), ds0, dz0) + (None,) * 9
 
 
-def _lift(phi: torch.Tensor, non_negative: bool) -> torch.Tensor:
-    """The state's features: φ, or the self-tensor ``φ ⊗ φ`` ``[..., M²]`` (index ``a·M + b``)."""
-    return (phi[..., :, None] * phi[..., None, :]).flatten(-2) if non_negative else phi
-
-
 def llops_attention_triton(q, k, v, theta_q, theta_k, *, causal: bool, normalize: str, non_negative: bool, eps: float,
                            window: int = 0, sinks: int = 0, local: str = "softmax", local_scale=None, gate=None,
                            key_padding_mask=None, initial_state=None, output_final_state: bool = False):
@@ -149,7 +143,8 @@ def llops_attention_triton(q, k, v, theta_q, theta_k, *, causal: bool, normalize
     -----
     Shapes, devices and finiteness of q, k, v, Θ are checked by the caller
     (:func:`sketchlab.attention.llops_attention`, which validates once); here only what the kernel
-    itself cannot do is rejected, and the hybrid options are validated by the shared checks. Inputs
+    itself cannot do is rejected, and the options are validated by their one set of rules
+    (:class:`~sketchlab.attention.options.AttentionOptions`', through the shared checks). Inputs
     of any strides are accepted (made contiguous). On CPU tensors the kernel runs only in Triton's
     interpreter (``TRITON_INTERPRET=1``, fp32).
 
@@ -162,8 +157,8 @@ def llops_attention_triton(q, k, v, theta_q, theta_k, *, causal: bool, normalize
     float32 (the held keys and values too, for fp16/bf16 inputs), and an ``initial_state`` of
     another floating dtype is cast to float32, so states pass between the backends as they are.
     """
-    if normalize not in _NORMALIZE:
-        raise ValueError(f"normalize must be one of {_NORMALIZE}, got {normalize!r}")
+    normalize, eps = check_normalize(normalize), check_eps(eps)
+    check_flag(output_final_state, "output_final_state")
     for name, x in (("q", q), ("k", k), ("v", v), ("theta_q", theta_q), ("theta_k", theta_k)):
         if x.dtype not in _DTYPES:
             raise ValueError(
@@ -175,8 +170,6 @@ def llops_attention_triton(q, k, v, theta_q, theta_k, *, causal: bool, normalize
                 f"{name} is on {x.device}; the Triton kernel needs CUDA tensors (or TRITON_INTERPRET=1 "
                 "set before triton is imported, to interpret it on the CPU); use backend='torch'"
             )
-    if not isinstance(output_final_state, bool):
-        raise TypeError(f"output_final_state must be True or False, got {output_final_state!r}")
     B, T, H, D = q.shape
     DV = v.shape[-1]
     M = theta_q.shape[-1]
@@ -260,7 +253,7 @@ def _final_state(st, k, v, valid, win_valid, sink_valid, theta_k, *, P0: int, wi
         lw, old_s = st.k_window.shape[2], st.k_sink.shape[2]
     r_pos = torch.arange(P0 - lw, end, device=k.device)  # [R]
     enters = r_valid & ((r_pos >= sinks) & (r_pos < end - window))[None, :]  # [B, R]
-    lf = _lift(r_f, non_negative) * enters[:, None, :, None]  # [B, H, R, F]
+    lf = (self_tensor(r_f) if non_negative else r_f) * enters[:, None, :, None]  # [B, H, R, F]
     S = lf.mT @ r_v  # [B, H, F, Dv]
     z = lf.sum(2)  # [B, H, F]
     if st is not None:

@@ -1,4 +1,4 @@
-"""Load a local pretrained model and its tokenizer for conversion: a ``save_pretrained`` directory or a GGUF file.
+"""Load a local pretrained model and its tokenizer (conversion, capture): a ``save_pretrained`` directory or a GGUF file.
 
 Nothing is downloaded (``local_files_only=True``). The model class follows the family: a causal
 language model (``AutoModelForCausalLM``) for the LLaMA and GPT-2 families, the bare encoder
@@ -13,17 +13,9 @@ from pathlib import Path
 
 from torch import nn
 
-from .families import FAMILIES, FAMILY_TABLE
+from .families import FAMILY_TABLE, family_of_type, supported_types
 
-__all__ = ["load_pretrained", "smollm2_gguf"]
-
-
-def _family_of_type(model_type: str | None, where: str) -> str:
-    for family, types in FAMILIES.items():
-        if model_type in types:
-            return family
-    supported = ", ".join(t for types in FAMILIES.values() for t in types)
-    raise ValueError(f"{where}: model_type {model_type!r} is not a supported family ({supported})")
+__all__ = ["from_local", "load_pretrained", "smollm2_gguf"]
 
 
 def load_pretrained(model_dir=None, *, gguf=None) -> tuple[nn.Module, object]:
@@ -48,19 +40,13 @@ def load_pretrained(model_dir=None, *, gguf=None) -> tuple[nn.Module, object]:
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path}: not a transformers model directory (no config.json)")
         where, kwargs, source = str(path), {}, str(path)
-    try:
-        config = AutoConfig.from_pretrained(source, local_files_only=True, **kwargs)
-        family = _family_of_type(getattr(config, "model_type", None), where)
-        auto = AutoModel if FAMILY_TABLE[family].encoder else AutoModelForCausalLM
-        model = auto.from_pretrained(source, local_files_only=True, **kwargs).eval()
-    except ImportError as err:  # transformers reads GGUF through the optional gguf package
-        raise ValueError(f"{where}: could not load the model: {err} (pip install 'sketchlab[lm]')") from err
-    except (OSError, KeyError, RuntimeError, TypeError, _safetensor_error()) as err:
-        weights = "" if gguf is not None else "".join(  # safetensors' message names no file
-            f" ({f.name}: {f.stat().st_size} bytes{', empty' if not f.stat().st_size else ''})"
-            for f in sorted(path.glob("*.safetensors")))
-        raise ValueError(f"{where}: could not load the model (missing, truncated or corrupt weights or config)"
-                         f"{weights}: {type(err).__name__}: {err}") from err
+    directory = path if gguf is None else None
+    model_type = getattr(from_local(AutoConfig, source, where, directory, **kwargs), "model_type", None)
+    family = family_of_type(model_type)
+    if family is None:
+        raise ValueError(f"{where}: model_type {model_type!r} is not a supported family ({supported_types()})")
+    auto = AutoModel if FAMILY_TABLE[family].encoder else AutoModelForCausalLM
+    model = from_local(auto, source, where, directory, **kwargs).eval()
     if gguf is not None:
         _drop_gguf_quantizer(model)
     model.sketchlab_source = str(path)  # an input of the run: sketchlab.save_linearized never writes onto it
@@ -69,6 +55,25 @@ def load_pretrained(model_dir=None, *, gguf=None) -> tuple[nn.Module, object]:
     except (OSError, ValueError, TypeError, KeyError) as err:
         raise ValueError(f"{where}: could not load its tokenizer: {type(err).__name__}: {err}") from err
     return model, tokenizer
+
+
+def from_local(auto, source: str, where: str, directory: Path | None = None, **kwargs):
+    """``auto.from_pretrained(source, local_files_only=True, **kwargs)`` with an unreadable checkpoint reported as one
+    ``ValueError`` naming ``where`` (and the sizes of ``directory``'s safetensors files, whose messages name none).
+
+    A missing or corrupt weight file or config raises ``OSError`` or safetensors' ``SafetensorError`` (and a few
+    ``ValueError``/``KeyError``/``RuntimeError``/``TypeError`` for inconsistent checkpoints) inside transformers.
+    """
+    try:
+        return auto.from_pretrained(source, local_files_only=True, **kwargs)
+    except ImportError as err:  # transformers reads GGUF through the optional gguf package
+        raise ValueError(f"{where}: could not load the model: {err} (pip install 'sketchlab[lm]')") from err
+    except (OSError, ValueError, KeyError, RuntimeError, TypeError, _safetensor_error()) as err:
+        weights = "" if directory is None else "".join(  # safetensors' message names no file
+            f" ({f.name}: {f.stat().st_size} bytes{', empty' if not f.stat().st_size else ''})"
+            for f in sorted(directory.glob("*.safetensors")))
+        raise ValueError(f"{where}: could not load the model (missing, truncated or corrupt weights or config)"
+                         f"{weights}: {type(err).__name__}: {err}") from err
 
 
 def _safetensor_error() -> type:
