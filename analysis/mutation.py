@@ -312,7 +312,7 @@ REVIEWED: dict[str, str] = {
     "sketchlab.convert.linearize.x__same_call__mutmut_128": _KILLED + (
         "test_mut5_convert.py::test_spread_ranks_agree_on_the_trained_values_to_one_part_in_a_million (a second "
         "rank simulated through all_gather; 1.5e-6 on a sum of 0.5 is refused, the mutant lets it through)."),
-    "sketchlab.convert.pretrained.x__drop_gguf_quantizer__mutmut_10": _KILLED + (
+    "sketchlab.hf.pretrained.x__drop_gguf_quantizer__mutmut_10": _KILLED + (
         "test_mut5_convert.py::test_dropping_the_gguf_mark_leaves_an_ordinary_model (the marks equal those of a "
         "model built from its config: quantization_method None, not '')."),
     "sketchlab.compare.x__check_scale__mutmut_6": _KILLED_TODAY + (
@@ -409,7 +409,7 @@ REVIEWED: dict[str, str] = {
     "sketchlab.convert.linearize.x_linearize__mutmut_227": _KILLED + (
         "test_mut5_convert.py::test_linearize_report_records_the_options_it_ran_with (the settings key "
         "transfer_lr renamed)."),
-    "sketchlab.convert.pretrained.x_smollm2_gguf__mutmut_18": _KILLED + (
+    "sketchlab.hf.pretrained.x_smollm2_gguf__mutmut_18": _KILLED + (
         "test_mut5_convert.py::test_smollm2_gguf_names_where_it_looked (a faked package spec, never imported)."),
     "sketchlab.convert.scale.xǁTiedLLoPSMapǁ__init____mutmut_28": _KILLED + (
         "test_mut5_convert.py::test_tied_map_refuses_a_theta_of_the_wrong_shape (a Θ of 3 heads for a 2-head map "
@@ -896,7 +896,7 @@ NOTES = """## How these results were made
   hybrid_chunked → test_attention_hybrid, test_attention_state, test_attention_core; state →
   test_attention_state, test_attention_hybrid, test_convert; convert/scale → test_convert, test_convert_scale,
   test_convert_options; convert/linearize → test_convert, test_convert_linearize, test_cli_linearize_lm,
-  test_linearize_spread; convert/pretrained → test_convert, test_convert_capture_gguf, test_cli_linearize_lm;
+  test_linearize_spread; hf/pretrained → test_convert, test_convert_capture_gguf, test_cli_linearize_lm;
   the other convert files → test_convert, test_convert_options, test_convert_linearize, test_convert_scale,
   test_convert_capture_gguf. Left out: test_attention_triton_hybrid.py (the Triton interpreter, 3 min a run; the
   kernels are not mutated) and test_bad_input_linearize.py (70 s; it reaches convert only through a stubbed loader).
@@ -1013,8 +1013,8 @@ RECORD: dict[str, tuple[int, str, list[str]]] = {
         "sketchlab.convert.linearize.x__same_call__mutmut_128",
         "sketchlab.convert.linearize.x__transfer_layer__mutmut_10",
         "sketchlab.convert.linearize.x_linearize__mutmut_227",
-        "sketchlab.convert.pretrained.x__drop_gguf_quantizer__mutmut_10",
-        "sketchlab.convert.pretrained.x_smollm2_gguf__mutmut_18",
+        "sketchlab.hf.pretrained.x__drop_gguf_quantizer__mutmut_10",
+        "sketchlab.hf.pretrained.x_smollm2_gguf__mutmut_18",
         "sketchlab.convert.scale.xǁTiedLLoPSMapǁ__init____mutmut_28",
     ]),
     "hybrid": (30, "9dd72f9", [
