@@ -52,7 +52,7 @@ def check_backend_name(backend) -> str:
     return _choice(backend, "backend", _BACKENDS)
 
 
-def check_qkv(q, k, v, *, causal: bool, names=("q", "k", "v"), feature_dims_match: bool = True):
+def check_qkv(q, k, v, *, causal: bool, names=("q", "k", "v"), feature_dims_match: bool = True, finite: bool = True):
     """Validate ``q [B, T, H, D]``, ``k [B, S, H, D]``, ``v [B, S, H, Dv]``.
 
     Rules: floating tensors of rank 4, non-empty, finite; the same batch ``B`` and heads ``H``; ``q`` and
@@ -60,7 +60,8 @@ def check_qkv(q, k, v, *, causal: bool, names=("q", "k", "v"), feature_dims_matc
     causal attention needs ``T == S``; one dtype and one device for the three.
     The layout is trusted: a ``[B, H, T, D]`` tensor with ``T == H`` has the shape of a
     ``[B, T, H, D]`` one and cannot be told from it here (transpose with ``x.transpose(1, 2)``).
-    Returns the three tensors (numpy arrays converted), dtypes unchanged.
+    Returns the three tensors (numpy arrays converted), dtypes unchanged. ``finite=False``: every rule
+    but finiteness (a caller that checks more tensors at once with :func:`check_all_finite`).
     """
     nq, nk, nv = names
     q, k, v = as_float_tensor(q, nq), as_float_tensor(k, nk), as_float_tensor(v, nv)
@@ -94,10 +95,19 @@ def check_qkv(q, k, v, *, causal: bool, names=("q", "k", "v"), feature_dims_matc
         raise ValueError(
             f"causal attention needs as many queries as keys (T == S): {nq} has T={q.shape[1]}, {nk} has S={k.shape[1]}"
         )
-    if not q.is_meta and not _all_finite(q, k, v):
-        for x, name in ((q, nq), (k, nk), (v, nv)):  # the exact check, to name the culprit (or pass)
-            check_finite(x.detach(), name)
+    if finite:
+        check_all_finite((q, nq), (k, nk), (v, nv))
     return q, k, v
+
+
+def check_all_finite(*named: tuple[torch.Tensor, str]) -> None:
+    """Every tensor of ``(tensor, name)`` pairs (one dtype and device) finite: one pass and one device sync
+    (:func:`_all_finite`), then, only if that fails, the exact check naming the first culprit. Meta
+    tensors have no values: nothing to check."""
+    xs = [x for x, _ in named]
+    if not xs[0].is_meta and not _all_finite(*xs):
+        for x, name in named:
+            check_finite(x.detach(), name)
 
 
 def _all_finite(*xs: torch.Tensor) -> bool:
@@ -276,6 +286,13 @@ def check_kernel_range(q: torch.Tensor, k: torch.Tensor, theta_q: torch.Tensor, 
     if (all(b + math.log(S) < room for b in bound)
             and all(math.log(t) + p * max(f, 0.0) < room for f in fq + fk)):  # nan compares False: the exact test
         return
+    _kernel_range_exact(q, k, theta_q, theta_k, nq, nk, non_negative=non_negative)
+
+
+def _kernel_range_exact(q, k, theta_q, theta_k, nq, nk, *, non_negative: bool) -> None:
+    """The overflow test of :func:`check_kernel_range` at the largest token per (batch, head) (``nq, nk``:
+    the token norms ``[B, T|S, H]``): its errors and warning, computed rather than bounded."""
+    info, S = torch.finfo(q.dtype), k.shape[1]
     with torch.no_grad():
         fq, fk = _features_at(q, theta_q, nq), _features_at(k, theta_k, nk)  # [B, H, M]
         terms = fq.double().abs() * fk.double().abs()  # [B, H, M]
@@ -299,7 +316,7 @@ def check_kernel_range(q: torch.Tensor, k: torch.Tensor, theta_q: torch.Tensor, 
         warnings.warn(
             f"llops attention: {S} keys × kernel values up to {total / S:.3g} may overflow "
             f"{q.dtype} (largest {info.max:.3g}) in the state or normaliser sums; scale Θ or the inputs down, "
-            "or use float64", RuntimeWarning, stacklevel=3)
+            "or use float64", RuntimeWarning, stacklevel=4)
 
 
 #: Θ tensors already found finite: ``id → (weak reference, in-place version then)``. A decoding

@@ -50,10 +50,17 @@ def _local_weights(c, logits: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
 
 
 def decode(c) -> torch.Tensor | tuple[torch.Tensor, MemoryState]:
-    """One step (``c.T == 1``, ``c.state`` given) on checked arguments ``c``."""
+    """One step (``c.T == 1``, ``c.state`` given) on checked arguments ``c``.
+
+    With a window, each of keys, values and features lives in one new buffer per step, ``[sinks | held
+    window | new token | cache]`` (features: no sinks): one ``cat`` copies the state in, the key leaving
+    the window (the window part's first row) is written into its cache slot in place, the exact part
+    reads the whole buffer under one mask (one product for the logits, one for ``Σ a v``), and the new
+    state's fields are views of it (one storage per field, one row more than the fields hold).
+    """
     work, dev, st, o = c.work, c.phi_q.device, c.state, c.o
     B, H, w, s, K = c.B, c.H, c.w, c.s, c.K
-    pos, Lw = st.offset, st.k_window.shape[2]
+    pos, Lw, Ls = st.offset, st.k_window.shape[2], st.k_sink.shape[2]
     end = pos + 1
     tr = lambda x: (x if x.dtype == work else x.to(work)).transpose(1, 2)  # noqa: E731  [B, 1, H, ·] -> [B, H, 1, ·]
     fq, fk, vv = tr(c.phi_q), tr(c.phi_k), tr(c.v)
@@ -64,15 +71,23 @@ def decode(c) -> torch.Tensor | tuple[torch.Tensor, MemoryState]:
     if lg is not None:
         gamma = lg.transpose(1, 2).exp()[..., None]  # [B, H, 1, 1]
         S, z = S * gamma, z * gamma[..., 0]
+    # the buffers; rows: sinks [0, Ls2), the window part [Ls2, Ls2 + Lw + 1) (the held window, the new
+    # token), the cache [c0, c0 + K); features without the sinks (their cache from cf = Lw + 1)
+    Ls2, cf = min(s, end), Lw + 1
+    c0 = Ls2 + cf
+    if w:
+        kk, snk = tr(c.k), ([tr(c.k)], [vv]) if pos < s else ([], [])
+        buf_k = torch.cat([st.k_sink, *snk[0], st.k_window, kk, st.k_cache], 2)  # [B, H, c0 + K, D]
+        buf_v = torch.cat([st.v_sink, *snk[1], st.v_window, vv, st.v_cache], 2)  # [B, H, c0 + K, Dv]
+        buf_f = torch.cat([st.phi_window, fk, st.phi_cache], 2)  # [B, H, cf + K, M]
     # 2. leave: the key at position pos − w (the held window's oldest, or the new token when w = 0)
     j = pos - w
     leaves = j >= s and (w == 0 or Lw == w)
     if w:
         kj, vj, fj, cand = st.k_window[:, :, :1], st.v_window[:, :, :1], st.phi_window[:, :, :1], st.mask_window[:, :1]
     else:
-        kj, vj, fj, cand = None, vv, fk, real
-    k_cache, v_cache, phi_cache, score, cached, pos_cache = (
-        st.k_cache, st.v_cache, st.phi_cache, st.score_cache, st.cached, st.pos_cache)
+        vj, fj, cand = vv, fk, real
+    score, cached, pos_cache = st.score_cache, st.cached, st.pos_cache
     enters = None  # [B, H | 1, 1] bool: a key enters the state (fe, ve: its φ, v [B, H, 1, ·])
     rescore = pos % o.rescore == 0
     if K and (leaves or rescore):
@@ -81,7 +96,8 @@ def decode(c) -> torch.Tensor | tuple[torch.Tensor, MemoryState]:
             scale = None if gamma is None else gamma.double()
             score64 = score.double()
             if rescore and bool(cached.any()):  # re-score the cache against the state
-                score64 = torch.where(cached, _score(Sz, scale, phi_cache, v_cache, delta=c.delta, eps=o.eps), score64)
+                score64 = torch.where(cached, _score(Sz, scale, st.phi_cache, st.v_cache, delta=c.delta, eps=o.eps),
+                                      score64)
         score = score64.to(work)
     if leaves and K == 0:  # every leaving key enters at once
         enters, fe, ve = cand[:, :, None], fj, vj
@@ -98,13 +114,15 @@ def decode(c) -> torch.Tensor | tuple[torch.Tensor, MemoryState]:
             enters = cand[..., None] & full
             slot = target.clamp(max=K - 1)
             put = place & (torch.arange(K, device=dev) == slot)  # [B, H, K]
-        at = {n: slot[..., None].expand(B, H, 1, n) for n in {x.shape[3] for x in (k_cache, v_cache, phi_cache)}}
-        old_k, old_v, old_f = (x.gather(2, at[x.shape[3]]) for x in (k_cache, v_cache, phi_cache))  # [B, H, 1, ·]
-        gone = (target == K)[..., None]  # the candidate itself is evicted, else slot `target`'s key
-        fe, ve = torch.where(gone, fj, old_f), torch.where(gone, vj, old_v)
-        keep = place[..., None]
-        k_cache, v_cache, phi_cache = (x.scatter(2, at[x.shape[3]], torch.where(keep, new, old)) for x, new, old in (
-            (k_cache, kj, old_k), (v_cache, vj, old_v), (phi_cache, fj, old_f)))
+            # feature rows: the evicted key (the candidate's own row 0, or its slot's), where the candidate goes
+            # (its slot, or its own row: a write of the values already there)
+            out_row, in_row = torch.where(target == K, 0, cf + slot), torch.where(place, cf + slot, 0)
+        lane = torch.arange(B * H, device=dev).view(B, H, 1)
+        # index_select of rows (unlike gather) keeps no reference to the buffer for its backward: the writes may follow
+        fe, ve = (buf.view(-1, buf.shape[3]).index_select(0, (lane * buf.shape[2] + out_row + shift).flatten())
+                  .view(B, H, 1, -1) for buf, shift in ((buf_f, 0), (buf_v, Ls2)))
+        for buf, x, shift in ((buf_k, kj, Ls2), (buf_v, vj, Ls2), (buf_f, fj, 0)):
+            buf.scatter_(2, (in_row + shift)[..., None].expand(B, H, 1, x.shape[3]), x)
         score = torch.where(put, sj, score64).to(work)
         pos_cache, cached = torch.where(put, j, pos_cache), cached | put
     # 3. enter (a null event where `enters` is False: φ = 0 additive, β = 0 delta)
@@ -117,42 +135,23 @@ def decode(c) -> torch.Tensor | tuple[torch.Tensor, MemoryState]:
             S, z = torch.addcmul(S, fe.mT, ve), z + fe[:, :, 0]
     if c.delta:
         z = torch.zeros_like(st.z)
-    # the new window and sinks
-    Lw2 = min(w, end)
-    drop = Lw + 1 - Lw2
-    if w:
-        kk = tr(c.k)
-        k_win, v_win, f_win = (torch.cat([x, y], 2)[:, :, drop:] for x, y in (
-            (st.k_window, kk), (st.v_window, vv), (st.phi_window, fk)))
-        m_win = torch.cat([st.mask_window, real], 1)[:, drop:]
-    else:
-        k_win, v_win, f_win, m_win = st.k_window, st.v_window, st.phi_window, st.mask_window
-    if pos < s:
-        k_snk, v_snk, m_snk = torch.cat([st.k_sink, kk], 2), torch.cat([st.v_sink, vv], 2), torch.cat([st.mask_sink, real], 1)
-    else:
-        k_snk, v_snk, m_snk = st.k_sink, st.v_sink, st.mask_sink
     # 4. read
     if c.delta:
         far = unit(fq) @ S  # [B, H, 1, Dv]
     else:
         num, den = fq @ S, fq @ z[..., None]  # [B, H, 1, Dv], [B, H, 1, 1]
+    drop = Lw + 1 - min(w, end)  # window-part rows that left the window
     if w:
+        m_win = torch.cat([st.mask_window, real], 1)  # [B, Lw + 1]
+        m_snk = torch.cat([st.mask_sink, real], 1) if pos < s else st.mask_sink
+        cut = min(Lw + 1, max(drop, s - (pos - Lw)))  # leading window-part rows that are not exact keys: gone, or sinks
+        ok = torch.cat([m_snk[:, None].expand(B, H, -1), *([cached.new_zeros(B, H, cut)] if cut else []),
+                        m_win[:, None, cut:].expand(B, H, -1), cached], -1)  # [B, H, c0 + K]: the buffer's exact keys
         g = _gate(c, work)[:, None, None]  # [H, 1, 1]
-        early = max(0, s - (end - Lw2))  # window positions that are sinks, counted only as sinks
-        m_w = m_win if not early else torch.cat([m_win.new_zeros(B, early), m_win[:, early:]], 1)
-        groups = [(kx, vx) for kx, vx in ((k_snk, v_snk), (k_win, v_win), (k_cache, v_cache)) if kx.shape[2]]
-        qr = tr(c.q)  # [B, H, 1, D]
-        logits = c.scale * torch.cat([qr @ kx.mT for kx, _ in groups], -1)  # [B, H, 1, L]
-        ok = torch.cat([m_snk[:, None].expand(B, H, -1), m_w[:, None].expand(B, H, -1), cached], -1)[:, :, None]
-        a = _local_weights(c, logits, ok)
-        ex_num, i0 = 0, 0
-        for _, vx in groups:  # Σ a v per group
-            n = vx.shape[2]
-            ex_num, i0 = ex_num + a[..., i0:i0 + n] @ vx, i0 + n  # [B, H, 1, Dv]
-        ex_den = a.sum(-1, keepdim=True)  # [B, H, 1, 1]
-        g1 = 1 - g
+        a = _local_weights(c, c.scale * (tr(c.q) @ buf_k.mT), ok[:, :, None])  # [B, H, 1, c0 + K]
+        ex_num, ex_den, g1 = a @ buf_v, a.sum(-1, keepdim=True), 1 - g  # [B, H, 1, Dv], [B, H, 1, 1]
         if c.delta:
-            out = g * (ex_num / torch.where(ok.any(-1, keepdim=True), ex_den, 1.0)) + g1 * far
+            out = g * (ex_num / torch.where(ok.any(-1)[..., None, None], ex_den, 1.0)) + g1 * far
         else:
             num, den = g * ex_num + g1 * num, g * ex_den + g1 * den
     elif c.delta:
@@ -164,6 +163,14 @@ def decode(c) -> torch.Tensor | tuple[torch.Tensor, MemoryState]:
     out = out.transpose(1, 2).to(c.in_dtype)  # [B, 1, H, Dv]
     if not c.final:
         return out
+    if w:  # the new state's fields: views of the buffers
+        k_snk, k_win, k_cache = buf_k[:, :, :Ls2], buf_k[:, :, Ls2 + drop:c0], buf_k[:, :, c0:]
+        v_snk, v_win, v_cache = buf_v[:, :, :Ls2], buf_v[:, :, Ls2 + drop:c0], buf_v[:, :, c0:]
+        f_win, phi_cache, m_win = buf_f[:, :, drop:cf], buf_f[:, :, cf:], m_win[:, drop:]
+    else:
+        k_snk, k_win, k_cache, v_snk, v_win, v_cache, f_win, phi_cache, m_win, m_snk = (
+            st.k_sink, st.k_window, st.k_cache, st.v_sink, st.v_window, st.v_cache, st.phi_window, st.phi_cache,
+            st.mask_window, st.mask_sink)
     if K:  # an empty slot stays zeros (the state's invariant: nothing is written there)
         score, pos_cache = torch.where(cached, score, 0.0), torch.where(cached, pos_cache, -1)
     state = MemoryState(  # a state of the checked shapes: the next call of this signature need not check it again

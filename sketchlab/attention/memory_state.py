@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import torch
 
 from .._validation import check_degree
-from ._checks import _check_finite_once, check_flag, check_key_padding_mask, check_qkv
+from ._checks import _check_finite_once, check_all_finite, check_flag, check_key_padding_mask, check_qkv
 from .options import AttentionOptions, FarParams
 from .state import state_dtype
 
@@ -217,14 +217,14 @@ def _check_call(phi_q, phi_k, v, q, k, options, params, degree, key_padding_mask
         raise ValueError("memory attention is causal only (its steps are a recurrence over the token order): "
                          "options.causal must be True")
     check_flag(output_final_state, "output_final_state")
-    phi_q, phi_k, v = check_qkv(phi_q, phi_k, v, causal=True, names=("phi_q", "phi_k", "v"))
+    phi_q, phi_k, v = check_qkv(phi_q, phi_k, v, causal=True, names=("phi_q", "phi_k", "v"), finite=False)
     B, T, H, M = phi_q.shape
     Dv, w = v.shape[-1], options.window
     if w:
         if q is None or k is None:
             raise ValueError(f"window={w} > 0 needs the raw q and k for the exact part, got "
                              f"{'q=None' if q is None else 'k=None'}")
-        q, k, _ = check_qkv(q, k, v, causal=True)
+        q, k, _ = check_qkv(q, k, v, causal=True, finite=False)
         if tuple(q.shape[:3]) != (B, T, H) or q.dtype != phi_q.dtype or q.device != phi_q.device:
             raise ValueError(f"q {tuple(q.shape)} ({q.dtype}) must match phi_q {tuple(phi_q.shape)} ({phi_q.dtype}) "
                              "in [B, T, H], dtype and device")
@@ -232,6 +232,7 @@ def _check_call(phi_q, phi_k, v, q, k, options, params, degree, key_padding_mask
     else:
         q = k = None  # pure linear attention: no exact part
         D = 0
+    check_all_finite(*(((phi_q, "phi_q"), (phi_k, "phi_k"), (v, "v")) + (((q, "q"), (k, "k")) if w else ())))
     if w and options.local == "poly":
         degree = check_degree(degree)
     mask = check_key_padding_mask(key_padding_mask, B, T, phi_q.device)
