@@ -198,8 +198,8 @@ def main(argv=None) -> int:
                      f"{'met' if r / sdpa[L_max] >= target else 'NOT met'}; by CPU time {rc / sdpa_cpu[L_max]:.1f}×); state "
                      f"{'constant' if len(sizes) == 1 else 'varies'} in L ({', '.join(f'{s / 2**20:.3f}' for s in sorted(sizes))} MiB) "
                      f"vs the KV cache's {2 * B * H * min(args.L) * D * 4 / 2**20:.1f} → {2 * B * H * L_max * D * 4 / 2**20:.1f} MiB.")
-    lines += ["", "Where a memory row's token goes (its fixed per-call cost: checks, the chunked far recurrence on one "
-              "token, the schedule): `analysis/results/decode_profile.md` (`--profile`).", ""]
+    lines += ["", "Where a memory row's token goes (its fixed per-call cost: the entry's checks, the LLoPS features, "
+              "the decoding step `memory_decode.decode`): `analysis/results/decode_profile.md` (`--profile`).", ""]
     text = "\n".join(lines)
     with atomic_write(out_md) as tmp:
         tmp.write_text(text, encoding="utf-8")
@@ -209,9 +209,9 @@ def main(argv=None) -> int:
 
 
 #: The calls a memory row's token passes through (function names; the file decides where each is).
-PROFILED = ("llops_attention", "call_options", "check_qkv", "check_kernel_range", "feats", "memory_attention",
-            "_check_call", "check_memory_state", "_check_params", "run", "schedule", "decayed_linear_chunked",
-            "delta_rule_chunked", "_check_decayed", "_check_delta", "_take", "decode", "_score")
+PROFILED = ("llops_attention", "call_options", "check_qkv", "check_all_finite", "check_theta", "check_kernel_range",
+            "llops_feature_fn", "feats", "memory_call", "memory_attention", "_check_call", "check_memory_state",
+            "_check_params", "run", "decode", "_score", "_local_weights")
 
 
 def profile(args, variants, theta, new, out_md: Path) -> int:

@@ -633,3 +633,49 @@ def test_decode_branch_gradients(monkeypatch, name):
         assert (a is None) == (b is None) or not (a if a is not None else b).any()
         if a is not None and b is not None and a.numel():
             assert (a - b).abs().max().item() <= TOL64
+
+
+@pytest.mark.parametrize("name", ["cache", "decay_input", "delta_cache_decay"])
+def test_decode_step_refuses_invalid_inputs_with_the_entry_errors(name):
+    """The decoding step (T = 1 with a state: a vouched state, the checks' fast paths) still gives every
+    clear error: a non-finite new token, through ``llops_attention`` and through ``memory_attention``
+    (named: q, v, phi_k), a token of the wrong width, a state of other options, a state whose field
+    was replaced by one of the wrong shape."""
+    import dataclasses
+
+    from sketchlab.attention import llops_attention
+
+    options = AttentionOptions(window=3, sinks=1, chunk_size=4, **MECHANISMS[name])
+    params = _params(options)
+    T = 12
+    fq, fk, v, q, k = _problem(T + 1, 3, seed=11)
+    kw = dict(options=options, params=params, degree=2, output_final_state=True)
+    _, state = memory_attention(*[x[:, :T] for x in (fq, fk, v, q, k)], **kw)
+    new = [x[:, T:] for x in (fq, fk, v, q, k)]
+    _, state = memory_attention(*new, initial_state=state, **kw)  # a decoded step: its state is vouched
+    _, state2 = memory_attention(*new, initial_state=state, **kw)  # ... and taken again without a full check
+    assert state2.offset == T + 2 and "_checked" in vars(state2)  # the next step will not re-check its shapes
+    for i, who in ((0, "phi_q"), (1, "phi_k"), (2, "v"), (3, "q"), (4, "k")):
+        bad = [x.clone() for x in new]
+        bad[i][1, 0, 1, 0] = float("nan")
+        with pytest.raises(ValueError, match=rf"^{who} must be finite: 1 non-finite value"):
+            memory_attention(*bad, initial_state=state, **kw)
+    with pytest.raises(ValueError, match=r"phi_q and phi_k must share the last axis"):
+        memory_attention(new[0][..., :2], *new[1:], initial_state=state, **kw)
+    other = options.replace(window=4)
+    with pytest.raises(ValueError, match=r"initial_state\.k_window must have shape .* window=4.*other options"):
+        memory_attention(*new, initial_state=state, **dict(kw, options=other, params=_params(other)))
+    broken = dataclasses.replace(state, S=state.S[:, :, :2])  # a new object: checked in full
+    with pytest.raises(ValueError, match=r"initial_state\.S must have shape"):
+        memory_attention(*new, initial_state=broken, **kw)
+    # the public LLoPS entry on a decoding step: a NaN in the new token's value is named
+    theta = _rand(H, 1, 2, D, 3, seed=5) * 0.5
+    lo = AttentionOptions(window=3, sinks=1, normalize="sum", non_negative=True, backend="torch", **MECHANISMS[name])
+    lp = FarParams(lo, H, D).double()
+    x = [_rand(B, T, H, D, seed=s) for s in (1, 2, 3)]
+    _, st = llops_attention(*x, theta, theta, options=lo, params=lp, output_final_state=True)
+    tok = [_rand(B, 1, H, D, seed=s) for s in (4, 5, 6)]
+    _, st = llops_attention(*tok, theta, theta, options=lo, params=lp, initial_state=st, output_final_state=True)
+    tok[2][0, 0, 1, 2] = float("inf")
+    with pytest.raises(ValueError, match=r"^v must be finite: 1 non-finite value\(s\) of 16, the first at index \(0, 0, 1, 2\)"):
+        llops_attention(*tok, theta, theta, options=lo, params=lp, initial_state=st, output_final_state=True)

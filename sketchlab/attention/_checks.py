@@ -52,7 +52,7 @@ def check_backend_name(backend) -> str:
     return _choice(backend, "backend", _BACKENDS)
 
 
-def check_qkv(q, k, v, *, causal: bool, names=("q", "k", "v"), feature_dims_match: bool = True):
+def check_qkv(q, k, v, *, causal: bool, names=("q", "k", "v"), feature_dims_match: bool = True, finite: bool = True):
     """Validate ``q [B, T, H, D]``, ``k [B, S, H, D]``, ``v [B, S, H, Dv]``.
 
     Rules: floating tensors of rank 4, non-empty, finite; the same batch ``B`` and heads ``H``; ``q`` and
@@ -60,7 +60,8 @@ def check_qkv(q, k, v, *, causal: bool, names=("q", "k", "v"), feature_dims_matc
     causal attention needs ``T == S``; one dtype and one device for the three.
     The layout is trusted: a ``[B, H, T, D]`` tensor with ``T == H`` has the shape of a
     ``[B, T, H, D]`` one and cannot be told from it here (transpose with ``x.transpose(1, 2)``).
-    Returns the three tensors (numpy arrays converted), dtypes unchanged.
+    Returns the three tensors (numpy arrays converted), dtypes unchanged. ``finite=False``: every rule
+    but finiteness (a caller that checks more tensors at once with :func:`check_all_finite`).
     """
     nq, nk, nv = names
     q, k, v = as_float_tensor(q, nq), as_float_tensor(k, nk), as_float_tensor(v, nv)
@@ -94,10 +95,19 @@ def check_qkv(q, k, v, *, causal: bool, names=("q", "k", "v"), feature_dims_matc
         raise ValueError(
             f"causal attention needs as many queries as keys (T == S): {nq} has T={q.shape[1]}, {nk} has S={k.shape[1]}"
         )
-    if not q.is_meta and not _all_finite(q, k, v):
-        for x, name in ((q, nq), (k, nk), (v, nv)):  # the exact check, to name the culprit (or pass)
-            check_finite(x.detach(), name)
+    if finite:
+        check_all_finite((q, nq), (k, nk), (v, nv))
     return q, k, v
+
+
+def check_all_finite(*named: tuple[torch.Tensor, str]) -> None:
+    """Every tensor of ``(tensor, name)`` pairs (one dtype and device) finite: one pass and one device sync
+    (:func:`_all_finite`), then, only if that fails, the exact check naming the first culprit. Meta
+    tensors have no values: nothing to check."""
+    xs = [x for x, _ in named]
+    if not xs[0].is_meta and not _all_finite(*xs):
+        for x, name in named:
+            check_finite(x.detach(), name)
 
 
 def _all_finite(*xs: torch.Tensor) -> bool:
@@ -106,11 +116,11 @@ def _all_finite(*xs: torch.Tensor) -> bool:
     A non-finite entry makes its sum non-finite (``inf`` or ``nan`` survive every addition), so a
     finite sum proves the tensor finite; a non-finite sum (such an entry, or a sum beyond the
     dtype's range) answers False and the caller runs the exact check. One reading pass per
-    tensor, where ``isfinite(x).all()`` takes several.
+    tensor, where ``isfinite(x).all()`` takes several. ``xs`` share one dtype.
     """
     with torch.no_grad():
-        sums = [x.detach().sum(dtype=torch.float32 if x.element_size() < 4 else None) for x in xs]
-        return bool(torch.isfinite(torch.stack([t.to(torch.float64) for t in sums])).all())
+        acc = torch.float32 if xs[0].element_size() < 4 else None
+        return all(map(math.isfinite, torch.stack([x.sum(dtype=acc) for x in xs]).tolist()))
 
 
 def check_theta(theta_q, theta_k, *, heads: int, dim: int, like: torch.Tensor, k: torch.Tensor | None = None,
@@ -162,53 +172,49 @@ def check_theta(theta_q, theta_k, *, heads: int, dim: int, like: torch.Tensor, k
     return tq, tk
 
 
-def _log_feature_bound(top: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
-    """``log`` of an upper bound on ``|φ(x)_i|`` over the tokens of ``x``, per head: float64 ``[H]``,
-    from ``top [H]``, the largest token norm of ``x`` per head (:func:`_max_norm`).
-
-    ``|φ(x)_i| ≤ Σ_r ∏_j ‖θ_{r,j,:,i}‖ · ‖x‖^p`` (Cauchy–Schwarz on each factor); ``-inf`` where
-    ``x`` or ``θ`` is zero.
-    """
-    return _map_log_bound(theta) + theta.shape[2] * top.log()
-
-
-#: ``log max_i Σ_r ∏_j ‖θ_{r,j,:,i}‖`` per head of Θ tensors already bounded: ``id → (weak
-#: reference, in-place version then, [H] float64)``. A decoding loop passes the same Θ every token;
-#: its bound (a pass over Θ in float64) is computed once, and again after any in-place change.
+#: Θ's part of the kernel-range bound, per Θ tensor already seen: ``id → (weak reference, in-place
+#: version then, bounds)`` (:func:`_map_bounds`). A decoding loop passes the same Θ every token; its
+#: bounds (a pass over Θ in float64) are computed once, and again after any in-place change.
 _MAP_BOUNDS: dict[int, tuple] = {}
 
 
-def _map_log_bound(theta: torch.Tensor) -> torch.Tensor:
-    """``log max_i Σ_r ∏_j ‖θ_{r,j,:,i}‖`` per head of ``theta [H, t, p, D, M]`` (float64 ``[H]``), cached
-    per tensor and version as :func:`_check_finite_once` caches its verdict."""
+def _map_bounds(theta: torch.Tensor) -> tuple[list[float], list[float]]:
+    """Per head of ``theta [H, t, p, D, M]``: ``log max_i Σ_r ∏_j ‖θ_{r,j,:,i}‖`` (bounds ``log |φ(x)_i|``
+    at ``‖x‖ = 1``) and ``log max_{r,j,i} ‖θ_{r,j,:,i}‖`` (bounds one factor ``log |⟨θ_{r,j,:,i}, x⟩|``
+    there), ``-inf`` for a zero head; cached per tensor and in-place version as :func:`_check_finite_once`
+    caches its verdict."""
     entry = _MAP_BOUNDS.get(id(theta))
     if entry is not None and entry[0]() is theta and entry[1] == theta._version:
         return entry[2]
     with torch.no_grad():
         norms = theta.detach().double().norm(dim=3).log()  # [H, t, p, M]
-        bound = norms.sum(2).logsumexp(1).amax(-1)  # [H]
+        bounds = norms.sum(2).logsumexp(1).amax(-1).tolist(), norms.amax(dim=(1, 2, 3)).tolist()  # [H], [H]
     if len(_MAP_BOUNDS) > 256:  # dead or stale entries: start afresh
         _MAP_BOUNDS.clear()
     try:
-        _MAP_BOUNDS[id(theta)] = (weakref.ref(theta), theta._version, bound)
+        _MAP_BOUNDS[id(theta)] = (weakref.ref(theta), theta._version, bounds)
     except TypeError:  # not weak-referenceable: computed every time
         pass
-    return bound
+    return bounds
 
 
-def _max_norm(x: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
-    """``max_{b, t} ‖x[b, t, h]‖`` per head of ``x [B, T, H, D]``, float64 ``[H]``, never below the
-    exact value; ``norms [B, T, H]`` are the token norms in ``x``'s dtype.
+def _max_norm(x: torch.Tensor, top: list[float]) -> list[float]:
+    """``max_{b, t} ‖x[b, t, h]‖`` per head of ``x [B, T, H, D]`` as floats, never below the exact value;
+    ``top`` is that maximum of the token norms computed in ``x``'s dtype.
 
-    float32: their maximum times ``1 + 1e-3`` (far above the rounding, ~``D·ε``) when it lies in
-    ``[1e-15, 1e15]`` (the largest token's squares then cannot underflow to matter nor overflow);
-    else, and for other dtypes, the float64 norms (one more pass over ``x``).
+    float64: ``top``. float32: ``top`` times ``1 + 1e-3`` (far above the rounding, ~``D·ε``) when every
+    head's lies in ``[1e-15, 1e15]`` (the largest token's squares then cannot underflow to matter nor
+    overflow); else, and for other dtypes, the float64 norms (one more pass over ``x``).
     """
-    if x.dtype == torch.float32:
-        top = norms.amax(dim=(0, 1)).double()  # [H]
-        if bool(((top >= 1e-15) & (top <= 1e15)).all()):
-            return top * (1 + 1e-3)
-    return x.detach().double().norm(dim=-1).amax(dim=(0, 1))
+    if x.dtype == torch.float64:
+        return top
+    if x.dtype == torch.float32 and all(1e-15 <= t <= 1e15 for t in top):
+        return [t * (1 + 1e-3) for t in top]
+    return x.detach().double().norm(dim=-1).amax(dim=(0, 1)).tolist()
+
+
+def _log(x: float) -> float:
+    return math.log(x) if x > 0 else -math.inf
 
 
 def _features_at(x: torch.Tensor, theta: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
@@ -243,32 +249,57 @@ def check_kernel_range(q: torch.Tensor, k: torch.Tensor, theta_q: torch.Tensor, 
 
     Notes
     -----
-    Costs two norms of q and k and the features of one token per (batch, head). The usual cause is
-    a Θ applied to inputs of another scale (a Θ export is fitted to q, k × its ``scale``).
+    What depends on Θ alone (:func:`_map_bounds`: the map bound above and the largest factor norm
+    :math:`\max\|\theta_{r,j,:,i}\|`) is computed once per Θ tensor and in-place version (a decoding
+    loop passes one Θ every token). Per call: the largest token norm of q and of k (one pass each, one
+    device sync), from which the bound follows in a few scalar operations. When the bound proves
+    every quantity of the overflow test finite with room (the kernel bound times ``S``, and
+    :math:`t\,(\max\|\theta_{r,j,:,i}\|\,\|x\|_{\max})^p` for each side's features and their partial
+    products, all below the dtype's largest value over ``e``) the test cannot fail and is skipped;
+    otherwise it runs exactly: the features of the largest token per (batch, head). So a call pays
+    two norms, and an input of a new scale pays the exact test, never a verdict the exact test would
+    not give. The usual cause of an error is a Θ applied to inputs of another scale (a Θ export is
+    fitted to q, k × its ``scale``).
     """
     info = torch.finfo(q.dtype)
-    power = 2 if non_negative else 1
+    power, (_, t, p, _, M), S = (2 if non_negative else 1), theta_q.shape, k.shape[1]
     with torch.no_grad():
-        nq, nk = q.detach().norm(dim=-1), k.detach().norm(dim=-1)  # [B, T|S, H] token norms, one pass each
-        bound = power * (math.log(theta_q.shape[-1]) + _log_feature_bound(_max_norm(q, nq), theta_q)
-                         + _log_feature_bound(_max_norm(k, nk), theta_k))
+        nq, nk = (torch.linalg.vector_norm(x, dim=-1) for x in (q, k))  # [B, T|S, H] token norms, one pass each
+        top_q, top_k = torch.stack([nq.amax(dim=(0, 1)), nk.amax(dim=(0, 1))]).tolist()  # one device sync
+    sides = []  # per side, per head: log bound on |φ(x)_i|, log bound on one factor
+    for x, top, theta in ((q, top_q, theta_q), (k, top_k, theta_k)):
+        logs = [_log(n) for n in _max_norm(x, top)]
+        maps, factors = _map_bounds(theta)
+        sides.append(([m + p * n for m, n in zip(maps, logs)], [f + n for f, n in zip(factors, logs)]))
+    (lq, fq), (lk, fk) = sides
+    bound = [power * (math.log(M) + a + b) for a, b in zip(lq, lk)]  # [H] log bound on |φ_Q(q)·φ_K(k)|
+    low = [h for h, b in enumerate(bound) if math.isfinite(b) and b < math.log(info.tiny)]
+    if low:
+        h = low[0]
+        raise ValueError(
+            f"theta_q, theta_k with q, k underflow {q.dtype}: every kernel value of head {h} is at most "
+            f"{math.exp(bound[h]):.3g}, below the smallest normal number {info.tiny:.3g}, so the attention "
+            "weights round to 0; Θ or q, k are scaled wrong (a Θ export is fitted to q, k times its scale), or "
+            "use float64"
+        )
+    room = math.log(info.max) - 1.0
+    if (all(b + math.log(S) < room for b in bound)
+            and all(math.log(t) + p * max(f, 0.0) < room for f in fq + fk)):  # nan compares False: the exact test
+        return
+    _kernel_range_exact(q, k, theta_q, theta_k, nq, nk, non_negative=non_negative)
+
+
+def _kernel_range_exact(q, k, theta_q, theta_k, nq, nk, *, non_negative: bool) -> None:
+    """The overflow test of :func:`check_kernel_range` at the largest token per (batch, head) (``nq, nk``:
+    the token norms ``[B, T|S, H]``): its errors and warning, computed rather than bounded."""
+    info, S = torch.finfo(q.dtype), k.shape[1]
+    with torch.no_grad():
         fq, fk = _features_at(q, theta_q, nq), _features_at(k, theta_k, nk)  # [B, H, M]
         terms = fq.double().abs() * fk.double().abs()  # [B, H, M]
         sums = terms.sum(-1) ** 2 if non_negative else terms.sum(-1)  # [B, H]
         biggest = sums.amax() if non_negative else terms.amax()
-        # one device sync for every quantity below
-        low, finite_q, finite_k, top, total = torch.stack([
-            (torch.isfinite(bound) & (bound < math.log(info.tiny))).any().double(),
-            torch.isfinite(fq).all().double(), torch.isfinite(fk).all().double(), biggest, sums.amax() * k.shape[1],
-        ]).tolist()
-    if low:
-        h = int((torch.isfinite(bound) & (bound < math.log(info.tiny))).nonzero()[0])
-        raise ValueError(
-            f"theta_q, theta_k with q, k underflow {q.dtype}: every kernel value of head {h} is at most "
-            f"{math.exp(float(bound[h])):.3g}, below the smallest normal number {info.tiny:.3g}, so the attention "
-            "weights round to 0; Θ or q, k are scaled wrong (a Θ export is fitted to q, k times its scale), or "
-            "use float64"
-        )
+        finite_q, finite_k, top, total = torch.stack([  # one device sync
+            torch.isfinite(fq).all().double(), torch.isfinite(fk).all().double(), biggest, sums.amax() * S]).tolist()
     for ok, name in ((finite_q, "theta_q with q"), (finite_k, "theta_k with k")):
         if not ok:
             raise ValueError(
@@ -283,9 +314,9 @@ def check_kernel_range(q: torch.Tensor, k: torch.Tensor, theta_q: torch.Tensor, 
         )
     if total > info.max:
         warnings.warn(
-            f"llops attention: {k.shape[1]} keys × kernel values up to {total / k.shape[1]:.3g} may overflow "
+            f"llops attention: {S} keys × kernel values up to {total / S:.3g} may overflow "
             f"{q.dtype} (largest {info.max:.3g}) in the state or normaliser sums; scale Θ or the inputs down, "
-            "or use float64", RuntimeWarning, stacklevel=3)
+            "or use float64", RuntimeWarning, stacklevel=4)
 
 
 #: Θ tensors already found finite: ``id → (weak reference, in-place version then)``. A decoding

@@ -5,6 +5,12 @@ Called by :func:`sketchlab.attention.memory_fast.run` on checked arguments (trus
 same decisions as the general path (the schedule's: scores in float64 against the decayed state, the
 least score evicted, ties to the oldest, the evicted key's slot else the first free one) and gives the
 same output and state to round-off; gradients flow through every value given the choices.
+
+A step is a few dozen small tensor operations, so their count is its cost: every tensor stays
+``[B, H, 1, ·]`` (the token's axis kept), products are row vector times matrix (``[1, D] @ [D, n]``; the
+column form ``[n, D] @ [D, 1]`` takes a slow batched path on the CPU), a cache slot is written by one
+``scatter`` per field (a masked ``where`` over the whole cache costs several times more), and nothing
+runs for a mechanism the options do not have.
 """
 
 from __future__ import annotations
@@ -12,167 +18,163 @@ from __future__ import annotations
 import torch
 
 from ._checks import report_denominators
-from .memory_state import MemoryState, _beta, _gate, _log_decay, unit
+from .memory_state import MemoryState, _beta, _gate, _log_decay, unit, vouch
+
+#: Sorts after every position: a slot not in the running for "the oldest".
+_NEVER = torch.iinfo(torch.long).max
 
 
-def _score(S64: torch.Tensor, z64: torch.Tensor | None, scale: torch.Tensor, phi: torch.Tensor, v: torch.Tensor, *,
+def _score(Sz: torch.Tensor, scale: torch.Tensor | None, phi: torch.Tensor, v: torch.Tensor, *, delta: bool,
            eps: float) -> torch.Tensor:
     r"""The recall error :math:`\lVert v - r\rVert^2` of keys ``phi [B, H, n, M]``, ``v [B, H, n, Dv]``
-    against the float64 state ``scale·S64`` (``S64 [B, H, M, Dv]``; ``z64 [B, H, M]`` additive, None
-    delta; ``scale [B, H]``) as the schedule computes it (the read first, then the scale) → ``[B, H, n]``."""
-    phi, v = phi.detach().double(), v.detach().double()
-    sc = scale[..., None, None]
-    if z64 is None:
-        r = (unit(phi) @ S64) * sc
-    else:
-        den = (phi @ z64[..., None]) * sc + eps  # [B, H, n, 1]
-        r = (phi @ S64) * sc / torch.where(den == 0, 1.0, den)
+    against the float64 state ``scale·Sz`` (``Sz [B, H, M, Dv]``: ``S``, with ``z`` as one more column
+    when additive; ``scale [B, H, 1, 1]`` or None for 1) as the schedule computes it (one product for
+    the read and its denominator, then the scale) → ``[B, H, n]``."""
+    phi, v = phi.double(), v.double()
+    r = (unit(phi) if delta else phi) @ Sz  # [B, H, n, Dv (+ 1)]
+    if scale is not None:
+        r = r * scale
+    if not delta:
+        den = r[..., -1:] + eps
+        r = r[..., :-1] / torch.where(den == 0, 1.0, den)
     return (v - r).square().sum(-1)
 
 
 def _local_weights(c, logits: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
     """The exact part's unnormalised weights of ``logits`` where ``ok`` (zero elsewhere): ``exp(logit − max)``
     (``c.o.local == "softmax"``; the max over the allowed keys, 0 for a row with none) else ``logit ** c.degree``."""
-    zero = logits.new_zeros(())
     if c.o.local == "softmax":
-        top = torch.where(ok, logits, float("-inf")).amax(-1, keepdim=True)
-        top = torch.where(torch.isfinite(top), top, zero)
-        return torch.where(ok, (logits - top).exp(), zero)
-    return torch.where(ok, logits ** c.degree, zero)
+        logits = torch.where(ok, logits, float("-inf"))  # exp(-inf) = 0: the masked keys
+        return (logits - logits.amax(-1, keepdim=True).nan_to_num(neginf=0.0)).exp()
+    return torch.where(ok, logits ** c.degree, logits.new_zeros(()))
 
 
 def decode(c) -> torch.Tensor | tuple[torch.Tensor, MemoryState]:
-    """One step (``c.T == 1``, ``c.state`` given) on checked arguments ``c``."""
-    work, dev, st = c.work, c.phi_q.device, c.state
-    B, H, M, Dv, w, s, K = c.B, c.H, c.M, c.Dv, c.w, c.s, c.K
+    """One step (``c.T == 1``, ``c.state`` given) on checked arguments ``c``.
+
+    With a window, each of keys, values and features lives in one new buffer per step, ``[sinks | held
+    window | new token | cache]`` (features: no sinks): one ``cat`` copies the state in, the key leaving
+    the window (the window part's first row) is written into its cache slot in place, the exact part
+    reads the whole buffer under one mask (one product for the logits, one for ``Σ a v``), and the new
+    state's fields are views of it (one storage per field, one row more than the fields hold).
+    """
+    work, dev, st, o = c.work, c.phi_q.device, c.state, c.o
+    B, H, w, s, K = c.B, c.H, c.w, c.s, c.K
     pos, Lw, Ls = st.offset, st.k_window.shape[2], st.k_sink.shape[2]
+    end = pos + 1
+    tr = lambda x: (x if x.dtype == work else x.to(work)).transpose(1, 2)  # noqa: E731  [B, 1, H, ·] -> [B, H, 1, ·]
+    fq, fk, vv = tr(c.phi_q), tr(c.phi_k), tr(c.v)
     real = torch.ones(B, 1, dtype=torch.bool, device=dev) if c.mask is None else c.mask  # [B, 1]
-    fq, fk, vv = (x.to(work)[:, 0] for x in (c.phi_q, c.phi_k, c.v))  # [B, H, ·]
-    kk = c.k.to(work)[:, 0] if w else st.k_window.new_zeros(B, H, st.k_window.shape[3])  # [B, H, D]
-    lg = _log_decay(c, vv[:, None], real)  # [B, 1, H] or None
+    lg = _log_decay(c, vv.transpose(1, 2), c.mask)  # [B, 1, H] or None
     # 1. decay
-    S, z = st.S, st.z
+    S, z, gamma = st.S, st.z, None
     if lg is not None:
-        gamma = lg[:, 0].exp()  # [B, H]
-        S, z = gamma[..., None, None] * S, gamma[..., None] * z
+        gamma = lg.transpose(1, 2).exp()[..., None]  # [B, H, 1, 1]
+        S, z = S * gamma, z * gamma[..., 0]
+    # the buffers; rows: sinks [0, Ls2), the window part [Ls2, Ls2 + Lw + 1) (the held window, the new
+    # token), the cache [c0, c0 + K); features without the sinks (their cache from cf = Lw + 1)
+    Ls2, cf = min(s, end), Lw + 1
+    c0 = Ls2 + cf
+    if w:
+        kk, snk = tr(c.k), ([tr(c.k)], [vv]) if pos < s else ([], [])
+        buf_k = torch.cat([st.k_sink, *snk[0], st.k_window, kk, st.k_cache], 2)  # [B, H, c0 + K, D]
+        buf_v = torch.cat([st.v_sink, *snk[1], st.v_window, vv, st.v_cache], 2)  # [B, H, c0 + K, Dv]
+        buf_f = torch.cat([st.phi_window, fk, st.phi_cache], 2)  # [B, H, cf + K, M]
     # 2. leave: the key at position pos − w (the held window's oldest, or the new token when w = 0)
     j = pos - w
     leaves = j >= s and (w == 0 or Lw == w)
-    k_cache, v_cache, phi_cache, score, cached, pos_cache = (
-        st.k_cache, st.v_cache, st.phi_cache, st.score_cache, st.cached, st.pos_cache)
-    out_mask = None  # [B, H] bool: a key enters the state
-    if K and (leaves or pos % c.o.rescore == 0):
+    if w:
+        kj, vj, fj, cand = st.k_window[:, :, :1], st.v_window[:, :, :1], st.phi_window[:, :, :1], st.mask_window[:, :1]
+    else:
+        vj, fj, cand = vv, fk, real
+    score, cached, pos_cache = st.score_cache, st.cached, st.pos_cache
+    enters = None  # [B, H | 1, 1] bool: a key enters the state (fe, ve: its φ, v [B, H, 1, ·])
+    rescore = pos % o.rescore == 0
+    if K and (leaves or rescore):
         with torch.no_grad():
-            S64 = st.S.detach().double()
-            z64 = None if c.delta else st.z.detach().double()
-            scale = (lg[:, 0].detach().double().exp() if lg is not None
-                     else torch.ones(B, H, dtype=torch.float64, device=dev))
+            Sz = (st.S if c.delta else torch.cat([st.S, st.z[..., None]], -1)).double()  # [B, H, M, Dv (+ 1)]
+            scale = None if gamma is None else gamma.double()
             score64 = score.double()
-            if pos % c.o.rescore == 0 and bool(cached.any()):  # re-score the cache against the state
-                new = _score(S64, z64, scale, phi_cache, v_cache, eps=c.o.eps)
-                score64 = torch.where(cached, new, score64)
+            if rescore and bool(cached.any()):  # re-score the cache against the state
+                score64 = torch.where(cached, _score(Sz, scale, st.phi_cache, st.v_cache, delta=c.delta, eps=o.eps),
+                                      score64)
         score = score64.to(work)
-    if leaves:
-        if w:
-            kj, vj, fj, cand = st.k_window[:, :, 0], st.v_window[:, :, 0], st.phi_window[:, :, 0], st.mask_window[:, 0]
-        else:
-            kj, vj, fj, cand = kk, vv, fk, real[:, 0]
-        cand = cand[:, None].expand(B, H)  # [B, H]
-        if K == 0:  # every leaving key enters at once
-            out_mask, fe, ve = cand, fj, vj
-        else:
-            with torch.no_grad():
-                sj = _score(S64, z64, scale, fj[:, :, None], vj[:, :, None], eps=c.o.eps)  # [B, H, 1]
-                full = cached.all(-1)  # [B, H]
-                sk = torch.cat([score64, sj], -1)  # [B, H, K + 1]; column K: the candidate
-                pk = torch.cat([pos_cache, pos_cache.new_full((B, H, 1), j)], -1)
-                least = sk == sk.amin(-1, keepdim=True)
-                e = torch.where(least, pk, torch.iinfo(torch.long).max).argmin(-1)  # least score, then the oldest
-                free = (~cached).to(torch.uint8).argmax(-1)  # the first free slot
-                target = torch.where(full, e, free)  # [B, H]
-                place = cand & (~full | (e < K))
-                out_mask = cand & full
-                put = place[..., None] & (torch.arange(K, device=dev) == target[..., None])  # [B, H, K]
-                slot_e = e.clamp(max=K - 1)[..., None, None]
-            # the evicted key: the candidate itself (e = K) or slot e's key, before the candidate takes the slot
-            pick = lambda x: x.gather(2, slot_e.expand(B, H, 1, x.shape[3]))[:, :, 0]  # noqa: E731
-            from_cand = (e == K)[..., None]
-            fe, ve = torch.where(from_cand, fj, pick(phi_cache)), torch.where(from_cand, vj, pick(v_cache))
-            if bool(place.any()):
-                p4 = put[..., None]
-                k_cache = torch.where(p4, kj[:, :, None], k_cache)
-                v_cache = torch.where(p4, vj[:, :, None], v_cache)
-                phi_cache = torch.where(p4, fj[:, :, None], phi_cache)
-                score = torch.where(put, sj, score64).to(work)
-                pos_cache = torch.where(put, j, pos_cache)
-                cached = cached | put
-    # 3. enter
-    if out_mask is not None:
-        om = out_mask[..., None].to(work)
-        fe, ve = fe * om, ve * om  # a null event: φ = 0, v = 0
+    if leaves and K == 0:  # every leaving key enters at once
+        enters, fe, ve = cand[:, :, None], fj, vj
+    elif leaves:
+        with torch.no_grad():
+            sj = _score(Sz, scale, fj, vj, delta=c.delta, eps=o.eps)  # [B, H, 1]
+            full = cached.all(-1, keepdim=True)  # [B, H, 1]
+            least = score64.amin(-1, keepdim=True)
+            oldest = torch.where(score64 == least, pos_cache, _NEVER).argmin(-1, keepdim=True)  # ties: the oldest
+            # the candidate is newer than every cached key: it is evicted only below every slot's score (slot K)
+            target = torch.where(full, torch.where(sj < least, K, oldest),
+                                 cached.to(torch.uint8).argmin(-1, keepdim=True))  # else the first free slot
+            place = cand[..., None] & (target < K)  # [B, H, 1]: the candidate takes slot `target`
+            enters = cand[..., None] & full
+            slot = target.clamp(max=K - 1)
+            put = place & (torch.arange(K, device=dev) == slot)  # [B, H, K]
+            # feature rows: the evicted key (the candidate's own row 0, or its slot's), where the candidate goes
+            # (its slot, or its own row: a write of the values already there)
+            out_row, in_row = torch.where(target == K, 0, cf + slot), torch.where(place, cf + slot, 0)
+        lane = torch.arange(B * H, device=dev).view(B, H, 1)
+        # index_select of rows (unlike gather) keeps no reference to the buffer for its backward: the writes may follow
+        fe, ve = (buf.view(-1, buf.shape[3]).index_select(0, (lane * buf.shape[2] + out_row + shift).flatten())
+                  .view(B, H, 1, -1) for buf, shift in ((buf_f, 0), (buf_v, Ls2)))
+        for buf, x, shift in ((buf_k, kj, Ls2), (buf_v, vj, Ls2), (buf_f, fj, 0)):
+            buf.scatter_(2, (in_row + shift)[..., None].expand(B, H, 1, x.shape[3]), x)
+        score = torch.where(put, sj, score64).to(work)
+        pos_cache, cached = torch.where(put, j, pos_cache), cached | put
+    # 3. enter (a null event where `enters` is False: φ = 0 additive, β = 0 delta)
+    if enters is not None:
         if c.delta:
-            kh, beta = unit(fe), _beta(c, ve) * out_mask
-            S = S + beta[..., None, None] * kh[..., :, None] * (ve - (kh[..., None, :] @ S)[..., 0, :])[..., None, :]
+            kh, beta = unit(fe), (_beta(c, ve[:, :, 0]) * enters[..., 0])[..., None, None]  # [B, H, 1, M], [B, H, 1, 1]
+            S = torch.addcmul(S, beta * kh.mT, ve - kh @ S)
         else:
-            S, z = S + fe[..., :, None] * ve[..., None, :], z + fe
+            fe = fe * enters[..., None]
+            S, z = torch.addcmul(S, fe.mT, ve), z + fe[:, :, 0]
     if c.delta:
         z = torch.zeros_like(st.z)
-    # the new window and sinks
-    end = pos + 1
-    Lw2 = min(w, end)
-    k_win = torch.cat([st.k_window, kk[:, :, None]], 2)[:, :, Lw + 1 - Lw2:]
-    v_win = torch.cat([st.v_window, vv[:, :, None]], 2)[:, :, Lw + 1 - Lw2:]
-    f_win = torch.cat([st.phi_window, fk[:, :, None]], 2)[:, :, Lw + 1 - Lw2:]
-    m_win = torch.cat([st.mask_window, real], 1)[:, Lw + 1 - Lw2:]
-    if pos < s:
-        k_snk, v_snk = torch.cat([st.k_sink, kk[:, :, None]], 2), torch.cat([st.v_sink, vv[:, :, None]], 2)
-        m_snk = torch.cat([st.mask_sink, real], 1)
-    else:
-        k_snk, v_snk, m_snk = st.k_sink, st.v_sink, st.mask_sink
     # 4. read
     if c.delta:
-        far = (unit(fq)[..., None, :] @ S)[..., 0, :]  # [B, H, Dv]
+        far = unit(fq) @ S  # [B, H, 1, Dv]
     else:
-        num, den = (fq[..., None, :] @ S)[..., 0, :], (fq * z).sum(-1)  # [B, H, Dv], [B, H]
+        num, den = fq @ S, fq @ z[..., None]  # [B, H, 1, Dv], [B, H, 1, 1]
+    drop = Lw + 1 - min(w, end)  # window-part rows that left the window
     if w:
-        g = _gate(c, work)[None, :, None]  # [1, H, 1]
-        win_pos = torch.arange(end - Lw2, end, device=dev)
-        groups = ((k_snk, v_snk, m_snk[:, None].expand(B, H, -1)),
-                  (k_win, v_win, (m_win & (win_pos >= s))[:, None].expand(B, H, -1)), (k_cache, v_cache, cached))
-        qc = c.q.to(work)[:, 0, :, :, None]  # [B, H, D, 1]
-        # logits per group (no copy of the keys into one tensor), then one masked softmax over them all
-        logits = torch.cat([c.scale * (kx @ qc)[..., 0] for kx, _, _ in groups], -1)  # [B, H, L]
-        ok = torch.cat([m for _, _, m in groups], -1)  # [B, H, L]
-        a = _local_weights(c, logits, ok)
-        ex_num, i0 = 0, 0
-        for _, vx, _ in groups:  # Σ a v per group
-            n = vx.shape[2]
-            if n:
-                ex_num = ex_num + (a[..., None, i0:i0 + n] @ vx)[..., 0, :]  # [B, H, Dv]
-            i0 += n
-        ex_den = a.sum(-1)  # [B, H]
+        m_win = torch.cat([st.mask_window, real], 1)  # [B, Lw + 1]
+        m_snk = torch.cat([st.mask_sink, real], 1) if pos < s else st.mask_sink
+        cut = min(Lw + 1, max(drop, s - (pos - Lw)))  # leading window-part rows that are not exact keys: gone, or sinks
+        ok = torch.cat([m_snk[:, None].expand(B, H, -1), *([cached.new_zeros(B, H, cut)] if cut else []),
+                        m_win[:, None, cut:].expand(B, H, -1), cached], -1)  # [B, H, c0 + K]: the buffer's exact keys
+        g = _gate(c, work)[:, None, None]  # [H, 1, 1]
+        a = _local_weights(c, c.scale * (tr(c.q) @ buf_k.mT), ok[:, :, None])  # [B, H, 1, c0 + K]
+        ex_num, ex_den, g1 = a @ buf_v, a.sum(-1, keepdim=True), 1 - g  # [B, H, 1, Dv], [B, H, 1, 1]
         if c.delta:
-            exact = ex_num / torch.where(ok.any(-1), ex_den, 1.0)[..., None]
-            out = g * exact + (1 - g) * far
+            out = g * (ex_num / torch.where(ok.any(-1)[..., None, None], ex_den, 1.0)) + g1 * far
         else:
-            gh = g[..., 0]
-            nm, dn = g * ex_num + (1 - g) * num, gh * ex_den + (1 - gh) * den
-            if c.normalize == "sum":
-                report_denominators(int(((dn <= 0) & real).sum()), B * H, "memory_attention", c.o.denominator_check)
-            out = nm / (dn + c.o.eps)[..., None]
+            num, den = g * ex_num + g1 * num, g * ex_den + g1 * den
     elif c.delta:
         out = far
-    elif c.normalize == "sum":
-        report_denominators(int(((den <= 0) & real).sum()), B * H, "memory_attention", c.o.denominator_check)
-        out = num / (den + c.o.eps)[..., None]
-    else:
-        out = num
-    out = out[:, None].to(c.in_dtype)  # [B, 1, H, Dv]
+    if not c.delta:
+        if c.normalize == "sum" and o.denominator_check != "off" and bool((den <= 0).any()):
+            report_denominators(int(((den[..., 0, 0] <= 0) & real).sum()), B * H, "memory_attention", o.denominator_check)
+        out = num / (den + o.eps) if w or c.normalize == "sum" else num
+    out = out.transpose(1, 2).to(c.in_dtype)  # [B, 1, H, Dv]
     if not c.final:
         return out
-    state = MemoryState(  # an empty slot stays zeros (the state's invariant: nothing is written there)
+    if w:  # the new state's fields: views of the buffers
+        k_snk, k_win, k_cache = buf_k[:, :, :Ls2], buf_k[:, :, Ls2 + drop:c0], buf_k[:, :, c0:]
+        v_snk, v_win, v_cache = buf_v[:, :, :Ls2], buf_v[:, :, Ls2 + drop:c0], buf_v[:, :, c0:]
+        f_win, phi_cache, m_win = buf_f[:, :, drop:cf], buf_f[:, :, cf:], m_win[:, drop:]
+    else:
+        k_snk, k_win, k_cache, v_snk, v_win, v_cache, f_win, phi_cache, m_win, m_snk = (
+            st.k_sink, st.k_window, st.k_cache, st.v_sink, st.v_window, st.v_cache, st.phi_window, st.phi_cache,
+            st.mask_window, st.mask_sink)
+    if K:  # an empty slot stays zeros (the state's invariant: nothing is written there)
+        score, pos_cache = torch.where(cached, score, 0.0), torch.where(cached, pos_cache, -1)
+    state = MemoryState(  # a state of the checked shapes: the next call of this signature need not check it again
         S=S, z=z, k_window=k_win, v_window=v_win, phi_window=f_win, mask_window=m_win, k_sink=k_snk, v_sink=v_snk,
-        mask_sink=m_snk, k_cache=k_cache, v_cache=v_cache, phi_cache=phi_cache,
-        score_cache=torch.where(cached, score, 0.0), cached=cached, pos_cache=torch.where(cached, pos_cache, -1),
-        offset=end)
-    return out, state
+        mask_sink=m_snk, k_cache=k_cache, v_cache=v_cache, phi_cache=phi_cache, score_cache=score, cached=cached,
+        pos_cache=pos_cache, offset=end)
+    return out, vouch(state, c.sig)

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import torch
 
 from .._validation import check_degree
-from ._checks import _check_finite_once, check_flag, check_key_padding_mask, check_qkv
+from ._checks import _check_finite_once, check_all_finite, check_flag, check_key_padding_mask, check_qkv
 from .options import AttentionOptions, FarParams
 from .state import state_dtype
 
@@ -112,9 +112,18 @@ def check_memory_state(state, *, batch: int, heads: int, num_features: int, dim:
     options' ``window, sinks, cache`` give it (window ``min(w, offset)``, sinks ``min(s, offset)``,
     cache ``K``); bool masks, int64 positions; on ``like``'s device. ``dim=None``: the (empty)
     window's key width is free (``window = 0``).
+
+    Checked once per state object and call signature (these arguments): a state that passed, and the
+    state a decoding step makes from it (:func:`vouch`), are not checked again by a call of the same
+    signature — a decoding loop checks its state once, not every token. Every way to a new state
+    (``dataclasses.replace``, ``.to``, ``.detach``, building one) makes a new object, checked in full;
+    the fields cannot be reassigned (frozen), and no operation of this library resizes their tensors.
     """
     if not isinstance(state, MemoryState):
         raise TypeError(f"initial_state must be a MemoryState (from output_final_state=True), got {type(state).__name__}")
+    sig = (batch, heads, num_features, dim, dim_v, window, sinks, cache, like.device, dtype)
+    if state.__dict__.get("_checked") == sig:
+        return state
     off = state.offset
     if isinstance(off, bool) or not isinstance(off, int) or off < 0:
         raise ValueError(f"initial_state.offset must be an int >= 0, got {off!r}")
@@ -143,6 +152,13 @@ def check_memory_state(state, *, batch: int, heads: int, num_features: int, dim:
             raise ValueError(f"initial_state.{name} is on {x.device}, the inputs on {like.device}")
     if dtype is not None and any(getattr(state, n).dtype != dtype for n in want if n not in kinds):
         state = state.to(dtype)
+    return vouch(state, sig)
+
+
+def vouch(state: MemoryState, sig: tuple) -> MemoryState:
+    """Mark ``state`` as valid for calls of signature ``sig`` (:func:`check_memory_state`'s arguments);
+    returns it. For a state that passed the check, or one a step made from such a state by that call."""
+    object.__setattr__(state, "_checked", sig)
     return state
 
 
@@ -201,14 +217,14 @@ def _check_call(phi_q, phi_k, v, q, k, options, params, degree, key_padding_mask
         raise ValueError("memory attention is causal only (its steps are a recurrence over the token order): "
                          "options.causal must be True")
     check_flag(output_final_state, "output_final_state")
-    phi_q, phi_k, v = check_qkv(phi_q, phi_k, v, causal=True, names=("phi_q", "phi_k", "v"))
+    phi_q, phi_k, v = check_qkv(phi_q, phi_k, v, causal=True, names=("phi_q", "phi_k", "v"), finite=False)
     B, T, H, M = phi_q.shape
     Dv, w = v.shape[-1], options.window
     if w:
         if q is None or k is None:
             raise ValueError(f"window={w} > 0 needs the raw q and k for the exact part, got "
                              f"{'q=None' if q is None else 'k=None'}")
-        q, k, _ = check_qkv(q, k, v, causal=True)
+        q, k, _ = check_qkv(q, k, v, causal=True, finite=False)
         if tuple(q.shape[:3]) != (B, T, H) or q.dtype != phi_q.dtype or q.device != phi_q.device:
             raise ValueError(f"q {tuple(q.shape)} ({q.dtype}) must match phi_q {tuple(phi_q.shape)} ({phi_q.dtype}) "
                              "in [B, T, H], dtype and device")
@@ -216,19 +232,20 @@ def _check_call(phi_q, phi_k, v, q, k, options, params, degree, key_padding_mask
     else:
         q = k = None  # pure linear attention: no exact part
         D = 0
+    check_all_finite(*(((phi_q, "phi_q"), (phi_k, "phi_k"), (v, "v")) + (((q, "q"), (k, "k")) if w else ())))
     if w and options.local == "poly":
         degree = check_degree(degree)
     mask = check_key_padding_mask(key_padding_mask, B, T, phi_q.device)
     work = state_dtype(phi_q.dtype)
     far = _check_params(params, options, H, Dv, phi_q, gate)
     far = {name: (x.to(work) if x is not None else None) for name, x in far.items()}
-    state = None
+    state, sig = None, (B, H, M, D if w else None, Dv, w, options.sinks, options.cache, phi_q.device, work)
     if initial_state is not None:
         state = check_memory_state(initial_state, batch=B, heads=H, num_features=M, dim=D if w else None, dim_v=Dv,
                                    window=w, sinks=options.sinks, cache=options.cache, like=phi_q, dtype=work)
     scale = (D ** -0.5 if D else 1.0) if options.local_scale is None else options.local_scale
     return SimpleNamespace(phi_q=phi_q, phi_k=phi_k, v=v, q=q, k=k, o=options, far=far, degree=degree, mask=mask,
-                           state=state, final=output_final_state, B=B, T=T, H=H, M=M, D=D, Dv=Dv, w=w, s=options.sinks,
+                           state=state, sig=sig, final=output_final_state, B=B, T=T, H=H, M=M, D=D, Dv=Dv, w=w, s=options.sinks,
                            K=options.cache, scale=scale, work=work, in_dtype=phi_q.dtype,
                            normalize=options.normalize or "sum", delta=options.state == "delta")
 
