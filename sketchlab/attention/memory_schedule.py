@@ -1,30 +1,33 @@
 r"""The schedule of memory attention (DESIGN §7, fast path (i)): steps 1–3 of every position, without
-gradient, on a detached copy of the far state — which key enters the state at each step, and when
-each cached key leaves the cache.
+gradient, on a detached float64 copy of the far state on the CPU (whatever the inputs' device and
+dtype) over the ``L = B·H`` lanes at once — which key enters the state at each step, and when each
+cached key leaves the cache. Keys are addressed in the call's extended axis ``X``
+(:mod:`sketchlab.attention.memory_fast`). Arguments are trusted.
 
-It runs in float64 torch on the CPU over the ``L = B·H`` lanes at once, whatever the inputs' device
-and dtype, one *block* of steps at a time (the steps between two re-scorings or query chunks, at most
-:data:`BLOCK`), and hands back tensors on the inputs' device. Keys are addressed in the call's
-extended axis ``X`` (:mod:`sketchlab.attention.memory_fast`). Arguments are trusted.
+The additive state goes one *block* of steps at a time in torch (the steps between two re-scorings
+or query chunks, at most :data:`BLOCK`). Inside a block the cached keys' scores are fixed, so the
+choices follow from the ranks of ``(score, position)`` alone: after the block's ``i``-th real
+candidate the cache holds the ``K`` greatest of the keys cached at its start and its candidates so
+far, so the key evicted at that step is the candidate if it ranks below the ``q``-th least of the
+keys before it (``q``: the evictions so far), else that key. A candidate's score depends on the keys
+that entered before it; for a guess of the entries all the block's scores are one batched read (the
+state at the block's start, plus the entries through the Gram matrix of the block's keys, decays as
+differences of cumulative log-decay). The guess starts empty and is replaced by the entries it
+implies until it reproduces itself: a step's entry depends on earlier entries only, so each pass
+settles at least one more step and the fixed point is the step-by-step schedule (two to four passes
+on a converted model's features).
 
-Inside a block the cached keys' scores are fixed, so the choices follow from the ranks of
-``(score, position)`` alone: after the block's ``i``-th real candidate the cache holds the ``K``
-greatest of the keys cached at its start and its candidates so far, so the key evicted at that step
-is the candidate if it ranks below the ``q``-th least of the keys before it (``q`` evictions so far),
-else that key. A candidate's score depends on the keys that entered before it; for a guess of the
-entries all the block's scores are one batched read (the state at the block's start, plus the
-entries through the Gram matrix of the block's keys, decays as differences of cumulative log-decay;
-the delta rule's entries by one triangular solve). The guess starts empty and is replaced by the
-entries it implies until it reproduces itself: a step's entry depends on earlier entries only, so
-each pass settles at least one more step and the fixed point is the step-by-step schedule (two or
-three passes in practice).
+The delta rule's choices hang on each other from step to step (the fixed-point passes would settle
+about every other step), so its state goes step by step in NumPy (:func:`_delta_steps`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .memory_state import _beta, unit
+import numpy as np
+
+from .memory_state import _beta
 
 #: "Still cached": a step no call reaches.
 NEVER = 2**62
@@ -38,13 +41,11 @@ def _lanes(x: torch.Tensor, L: int) -> torch.Tensor:
     return x.reshape(L, *x.shape[2:])
 
 
-def _recall(num: torch.Tensor, v: torch.Tensor, *, delta: bool, eps: float) -> torch.Tensor:
-    r"""The recall error :math:`\lVert v - r\rVert^2` from the state's read ``num = Sᵀφ`` ``[..., Dw]``
-    (additive: ``z·φ`` as its last column, :func:`sketchlab.attention.memory_state.recall_error`)."""
-    if not delta:
-        den = num[..., -1:] + eps
-        num = num[..., :-1] / torch.where(den == 0, 1.0, den)
-    return (v - num).square().sum(-1)
+def _recall(num: torch.Tensor, v: torch.Tensor, *, eps: float) -> torch.Tensor:
+    r"""The additive recall error :math:`\lVert v - r\rVert^2` from the state's read ``num = [Sᵀφ, z·φ]``
+    ``[..., Dv + 1]`` (:func:`sketchlab.attention.memory_state.recall_error`)."""
+    den = num[..., -1:] + eps
+    return (v - num[..., :-1] / torch.where(den == 0, 1.0, den)).square().sum(-1)
 
 
 def _take(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -96,27 +97,39 @@ def schedule(c, ef, ev, real_x, lg, st, base: int, first: int, chunk: int):
         empty = torch.zeros(L, 0, dtype=torch.long)
         return (back(torch.where(leaves, xs, -1)), back(until), [], back(empty), back(empty, ef.dtype), back(empty),
                 back(empty, torch.bool))
-    delta, eps, rescore, M, Dv = c.delta, c.o.eps, c.o.rescore, c.M, c.Dv
-    with torch.no_grad():  # a key's row: φ (delta: k̂) | v | the entry's weight (additive: 1, z's column; delta: β)
-        last = _beta(c, ev.detach().transpose(1, 2)).transpose(1, 2)[..., None] if delta else ev.new_ones(B, H, X, 1)
-        rows = _lanes(torch.cat([ef.detach(), ev.detach(), last.detach()], -1), L)  # [L, X, M + Dv + 1]
+    with torch.no_grad():
         S = _lanes(st.S, L)
-        if delta:
-            rows[..., :M] = unit(rows[..., :M])
-        else:  # z as one more value column; a key enters as [v, 1]
-            S = torch.cat([S, _lanes(st.z, L)[..., None]], -1)  # [L, M, Dv + 1]
         lgl = None if lg is None else lg.detach().cpu().double().permute(0, 2, 1).reshape(L, T)
-    win = slice(M + Dv, None) if delta else slice(M, None)  # an entry's value row: β (times its error), or [v, 1]
-    cached = _lanes(st.cached, L)
+        slots = (_lanes(st.cached, L), _lanes(st.score_cache, L), _lanes(st.pos_cache, L))
+        if c.delta:
+            beta = _lanes(_beta(c, ev.detach().transpose(1, 2)).transpose(1, 2), L)  # [L, X]
+            event, snaps, slots = _delta_steps(c, _lanes(ef, L), _lanes(ev, L), beta, S, lgl, slots, until, leaves, xs,
+                                               P0, chunk)
+        else:
+            S = torch.cat([S, _lanes(st.z, L)[..., None]], -1)  # z as one more value column: [L, M, Dv + 1]
+            rows = _lanes(torch.cat([ef.detach(), ev.detach(), ev.new_ones(B, H, X, 1)], -1), L)  # φ | v | 1
+            event, snaps, slots = _additive_blocks(c, rows, S, lgl, slots, until, leaves, xs, js, P0, chunk)
+    slot_x, score_k, pos_k, cached = slots
+    snaps = [back(x) for x in snaps]
+    return (back(event), back(until), snaps, back(slot_x), back(score_k, ef.dtype), back(pos_k),
+            back(cached, torch.bool))
+
+
+def _additive_blocks(c, rows, S, lgl, slots, until, leaves, xs, js, P0, chunk):
+    """Steps 1–3 of the additive state block by block (the module docstring): ``rows [L, X, M + Dv + 1]``
+    (each key's ``φ | v | 1``), ``S [L, M, Dv + 1]`` (``z`` its last column), ``lgl [L, T]`` or None, the
+    initial ``slots`` (cached, score, pos ``[L, K]``), ``xs, js [T]``: the extended index and position of
+    the key leaving at each step; fills ``until`` and returns ``(event, snaps, slots)``."""
+    L, T, K, M, Dv, eps, rescore = c.B * c.H, c.T, c.K, c.M, c.Dv, c.o.eps, c.o.rescore
+    cached, score_k, pos_k = slots
     slot_x = torch.where(cached, torch.arange(K), -1)
     slot_rows = _take(rows, slot_x.clamp(min=0))  # [L, K, ·]: the cached keys' rows
-    score_k, pos_k = _lanes(st.score_cache, L), _lanes(st.pos_cache, L)
     event = torch.full((L, T), -1, dtype=torch.long)
     cuts = sorted({0, T, *range(0, T, chunk), *range(0, T, BLOCK), *range(-P0 % rescore, T, rescore)})
     snaps = []
     for t0, t1 in zip(cuts[:-1], cuts[1:]):
         if t0 % chunk == 0:
-            snaps.append(back(slot_x.clone()))
+            snaps.append(slot_x.clone())
         n, cand = t1 - t0, leaves[:, t0:t1]  # [L, n]: a real candidate at the step
         lc = torch.zeros(L, n, dtype=S.dtype) if lgl is None else lgl[:, t0:t1].cumsum(1)  # log decay since t0 − 1
         P = lc.exp()  # [L, n]
@@ -124,7 +137,7 @@ def schedule(c, ef, ev, real_x, lg, st, base: int, first: int, chunk: int):
         Cr = rows[:, xc[0]:xc[-1] + 1] if xc[-1] - xc[0] == n - 1 else rows[:, xc]  # [L, n, ·]: the candidates' rows
         Fc = Cr[..., :M]
         if (P0 + t0) % rescore == 0 and bool(cached.any()):  # 2. re-score the cache against the state
-            new = _recall(P[:, :1, None] * (slot_rows[..., :M] @ S), slot_rows[..., M:M + Dv], delta=delta, eps=eps)
+            new = _recall(P[:, :1, None] * (slot_rows[..., :M] @ S), slot_rows[..., M:M + Dv], eps=eps)
             score_k = torch.where(cached, new, score_k)
         elif not bool(cand.any()):
             S = P[:, -1, None, None] * S
@@ -134,14 +147,12 @@ def schedule(c, ef, ev, real_x, lg, st, base: int, first: int, chunk: int):
         nl = min(K, int(cand.sum(1).max()))
         low = _ranked(torch.where(cached, score_k, float("inf")), torch.where(cached, pos_k, NEVER))[:, :nl]
         U = torch.cat([slot_x.gather(1, low).clamp(min=0), xc.expand(L, n)], 1)  # [L, nu]: extended indices
-        upos = torch.cat([pos_k.gather(1, low), js[t0:t1].expand(L, n)], 1)
         UR = torch.cat([_take(slot_rows, low), Cr], 1)  # [L, nu, ·]
-        FU, VU, IU = UR[..., :M], UR[..., M:M + Dv], UR[..., win]
-        # the universe's Gram matrix (k̂ᵀk̂ delta, φᵀφ additive) and the delta rule's reads, filled as the
-        # entries need them: the candidates' at once, the low keys' (they leave in rank order) as a prefix
+        FU = UR[..., :M]
+        # the universe's φᵀφ, filled as the entries need it: the candidates' at once, the low keys' (they
+        # leave in rank order) as a prefix
         G = FU.new_zeros(L, nl + n, nl + n)
         G[:, nl:, nl:] = Fc @ Fc.mT
-        RU = torch.cat([FU.new_zeros(L, nl, S.shape[2]), Rc], 1) if delta else None
         have = 0
         causal = torch.ones(n, n, dtype=torch.bool).tril(-1)
         Wd = torch.where(causal, (lc[:, :, None] - lc[:, None, :]).exp(), 0.0)  # [L, n, n]: decay from u to i > u
@@ -156,24 +167,15 @@ def schedule(c, ef, ev, real_x, lg, st, base: int, first: int, chunk: int):
             has, e = ent >= 0, ent.clamp(min=0)
             need = int(torch.where(has & (ent < nl), ent + 1, 0).max())
             if need > have:
-                G[:, have:need, have if delta else nl:] = FU[:, have:need] @ FU[:, have if delta else nl:].mT
-                G[:, :, have:need] = G[:, have:need].mT
-                if delta:
-                    RU[:, have:need] = FU[:, have:need] @ S
+                G[:, have:need, nl:] = FU[:, have:need] @ Fc.mT
+                G[:, nl:, have:need] = G[:, have:need, nl:].mT
                 have = need
             num = P[..., None] * Rc
             if bool(has.any()):
-                b = _take(IU, e) * has[..., None]  # [L, n, Dw] additive: [v, 1]; delta: β
-                Ge = _take(G, e)  # [L, n, nu]: the entries' rows
-                if delta:  # 3. the entries' errors v − Sᵀk̂ against the state when each enters
-                    A = Wd * Ge.gather(2, e[:, None, :].expand(-1, n, -1))  # [L, n, n]: k̂ᵀk̂ of the entries
-                    rhs = (_take(VU, e) - P[..., None] * _take(RU, e)) * has[..., None]
-                    err = torch.linalg.solve_triangular(A * b.mT + torch.eye(n, dtype=A.dtype), rhs, upper=False,
-                                                        unitriangular=True)
-                    b = b * err
-                num = num + (Wd * Ge[:, :, nl:].mT) @ b
-            sc = _recall(num, VU[:, nl:], delta=delta, eps=eps)  # [L, n] the candidates' scores
-            order = _ranked(torch.cat([score_low, sc], 1), upos)  # [L, nu]
+                b = _take(UR[..., M:], e) * has[..., None]  # [L, n, Dv + 1]: the entries' [v, 1]
+                num = num + (Wd * _take(G, e)[:, :, nl:].mT) @ b  # 3. what entered before each candidate
+            sc = _recall(num, Cr[..., M:M + Dv], eps=eps)  # [L, n] the candidates' scores
+            order = torch.cat([score_low, sc], 1).argsort(dim=1, stable=True)  # [L, nu] (ties: the universe is by age)
             rank = torch.empty_like(order).scatter_(1, order, torch.arange(nl + n).expand(L, -1))
             at = (_take(member, order).cumsum(1, dtype=torch.int16) < q[:, None, :]).sum(1)  # the q-th member by rank
             least = order.gather(1, at.clamp(max=nl + n - 1))  # [L, n]: the cache's least before the step
@@ -208,5 +210,113 @@ def schedule(c, ef, ev, real_x, lg, st, base: int, first: int, chunk: int):
         S = P[:, -1, None, None] * S
         if bool(has.any()):
             S = S + (_take(FU, e) * (has[..., None] * (lc[:, -1:] - lc).exp()[..., None])).mT @ b  # decayed to the end
-    return (back(event), back(until), snaps, back(slot_x), back(score_k, ef.dtype), back(pos_k),
-            back(cached, torch.bool))
+    return event, snaps, (slot_x, score_k, pos_k, cached)
+
+
+def _unit(x: np.ndarray) -> np.ndarray:
+    norm = np.sqrt(np.square(x).sum(-1, keepdims=True))
+    return x / np.where(norm > 0, norm, 1.0)
+
+
+class _Far:
+    r"""The detached delta-rule state of ``L`` lanes, ``scale·(S + AᵀB)``: a decay multiplies ``scale``
+    only, a write appends a row to ``A [L, P, M]``, ``B [L, P, Dv]`` (zeros in lanes without one), and
+    every ``P`` writes the rows are folded into ``S`` by one batched product — so a step costs one
+    read of ``S`` rather than a rewrite of it."""
+
+    def __init__(self, S: np.ndarray, rows: int = 32):
+        L, M, Dw = S.shape
+        self.S, self.scale, self.n = S, np.ones(L), 0
+        self.A, self.B = np.zeros((L, rows, M)), np.zeros((L, rows, Dw))
+
+    def read(self, phi: np.ndarray) -> np.ndarray:
+        """``phi [L, n, M]`` → the state's ``phiᵀ(scale·S)`` ``[L, n, Dv]``."""
+        if phi.shape[1] > 1:  # the re-scoring: torch's batched BLAS (NumPy's matmul and einsum: ~5× slower)
+            t = torch.from_numpy
+            r = t(phi) @ t(self.S)
+            if self.n:
+                r += (t(phi) @ t(self.A[:, :self.n]).mT) @ t(self.B[:, :self.n])
+            return self.scale[:, None, None] * r.numpy()
+        # one key: einsum, not @ (NumPy's batched matmul dispatches each lane's tiny product to BLAS)
+        r = np.einsum("lnm,lmd->lnd", phi, self.S)
+        if self.n:
+            a, b = self.A[:, :self.n], self.B[:, :self.n]
+            r += np.einsum("lnp,lpd->lnd", np.einsum("lnm,lpm->lnp", phi, a), b)
+        return self.scale[:, None, None] * r
+
+    def write(self, lanes: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
+        """Add ``a bᵀ`` (``a [n, M]``, ``b [n, Dv]``) to the state of ``lanes``."""
+        self.A[lanes, self.n] = a / self.scale[lanes, None]
+        self.B[lanes, self.n] = b
+        self.n += 1
+        if self.n == self.A.shape[1]:
+            self.fold()
+
+    def fold(self) -> None:
+        if self.n:
+            self.S += self.A[:, :self.n].transpose(0, 2, 1) @ self.B[:, :self.n]
+            self.A[:, :self.n], self.B[:, :self.n], self.n = 0.0, 0.0, 0
+
+    def decay(self, gamma: np.ndarray) -> None:
+        self.scale *= gamma
+        if self.scale.min() < 1e-150:  # renormalise before it underflows
+            self.fold()
+            self.S *= self.scale[:, None, None]
+            self.scale[:] = 1.0
+
+
+def _delta_steps(c, f, vv, beta, S, lgl, slots, until, leaves, xs, P0, chunk):
+    """Steps 1–3 of the delta rule one step at a time (float64 NumPy over the lanes): ``f [L, X, M]``,
+    ``vv [L, X, Dv]``, ``beta [L, X]``, ``S [L, M, Dv]``, ``lgl [L, T]`` or None, the initial ``slots``
+    (cached, score, pos ``[L, K]``); fills ``until`` and returns ``(event, snaps, slots)``."""
+    L, T, K, w, rescore = c.B * c.H, c.T, c.K, c.w, c.o.rescore
+    f, vv, beta, lv, xs, un = f.numpy(), vv.numpy(), beta.numpy(), leaves.numpy(), xs.numpy(), until.numpy()
+    gam = None if lgl is None else np.exp(lgl.numpy()).T  # [T, L]
+    cached = slots[0].numpy()
+    slot_x = np.where(cached, np.arange(K)[None, :], -1)
+    # scores and positions of the K slots and, in column K, of the candidate
+    score_k = np.concatenate([slots[1].numpy(), np.zeros((L, 1))], 1)  # [L, K + 1]
+    pos_k = np.concatenate([slots[2].numpy(), np.zeros((L, 1), dtype=np.int64)], 1)
+    event = np.full((L, T), -1, dtype=np.int64)
+    far, lanes, snaps = _Far(S.numpy()), np.arange(L), []
+
+    def error(phi, v):  # the recall error ‖v − Sᵀk̂‖² of phi [L, n, M], v [L, n, Dv] → [L, n]
+        return np.square(v - far.read(_unit(phi))).sum(-1)
+
+    for t in range(T):
+        if t % chunk == 0:
+            snaps.append(torch.from_numpy(slot_x.copy()))
+        pos = P0 + t
+        if gam is not None:  # 1. decay
+            far.decay(gam[t])
+        if pos % rescore == 0 and cached.any():  # 2. re-score the cache against the state
+            idx = np.clip(slot_x, 0, None)
+            score_k[:, :K] = np.where(cached, error(f[lanes[:, None], idx], vv[lanes[:, None], idx]), score_k[:, :K])
+        cand = lv[:, t]  # [L]: a real key leaves
+        if not cand.any():
+            continue
+        x, j = xs[t], pos - w
+        score = error(f[:, x, None], vv[:, x, None])[:, 0]  # [L]
+        full = cached.all(1)
+        score_k[:, K], pos_k[:, K] = score, j
+        least = score_k == score_k.min(1, keepdims=True)
+        e = np.where(least, pos_k, NEVER).argmin(1)  # least score, then the oldest; K: the candidate
+        target = np.where(full, e, np.argmin(cached, 1))  # the evicted key's slot, or the first free one
+        place = cand & (~full | (e < K))
+        out = cand & full
+        out_x = np.where(e == K, x, slot_x[lanes, np.minimum(e, K - 1)])
+        p = np.nonzero(place)[0]
+        slot_x[p, target[p]], score_k[p, target[p]], pos_k[p, target[p]] = x, score[p], j
+        cached[p, target[p]] = True
+        un[p, x] = NEVER
+        o = np.nonzero(out)[0]
+        if not len(o):
+            continue
+        xo = out_x[o]
+        un[o, xo] = t
+        event[o, t] = xo
+        # 3. enter: S += β k̂ (v − Sᵀk̂)ᵀ
+        err = vv[o, xo] - far.read(_unit(f[lanes, out_x])[:, None])[o, 0]
+        far.write(o, beta[o, xo][:, None] * _unit(f[o, xo]), err)
+    return (torch.from_numpy(event), snaps, (torch.from_numpy(slot_x), torch.from_numpy(score_k[:, :K].copy()),
+                                             torch.from_numpy(pos_k[:, :K].copy()), torch.from_numpy(cached)))
