@@ -1,15 +1,15 @@
 r"""The fast path of memory attention (DESIGN §7), called by :func:`sketchlab.attention.memory.memory_attention`
 with its checked arguments (trusted here).
 
-(i) *The schedule*: one no-grad pass over the steps, vectorised over ``[B, H]``, applies steps 1–3
-to a detached state and records the key (if any) that enters the state at each step and the step
-at which each cached key left the cache. With ``K = 0`` nothing needs the state: the key leaving
-the window enters at once, and the events are formed without a loop.
+(i) *The schedule* (:mod:`sketchlab.attention.memory_schedule`): a no-grad pass, vectorised over
+``[B, H]``, applies steps 1–3 to a detached state and records the key (if any) that enters the state
+at each step and the step at which each cached key left the cache. With ``K = 0`` nothing needs the
+state: the key leaving the window enters at once, and the events are formed without a loop.
 (ii) *The far part*: one recurrence over the event stream (the entering key's ``φ, v`` at its step,
 zeros for a null event), with autograd, through :mod:`sketchlab.attention.delta`.
 (iii) *The exact part*, per chunk of ``C`` queries: the sinks, the cache's slots at the chunk's
-start and the band of positions ``t0 − w … t1 − 1`` (the window's keys and every key cached during
-the chunk), each masked by when it is exact for the query.
+start and the band of positions ``t0 − w … t0 + C − 1`` (the window's keys and every key cached during
+the chunk), each masked by when it is exact for the query; a batch of chunks at a time (:func:`_exact`).
 
 Keys are addressed in one *extended* axis ``X`` per call: the initial cache's ``K`` slots, the held
 sinks ``L_s``, then the contiguous positions ``offset − L_w … offset + T − 1`` (the held window and

@@ -148,7 +148,7 @@ def _additive_blocks(c, rows, S, lgl, slots, until, leaves, xs, js, P0, chunk):
         low = _ranked(torch.where(cached, score_k, float("inf")), torch.where(cached, pos_k, NEVER))[:, :nl]
         U = torch.cat([slot_x.gather(1, low).clamp(min=0), xc.expand(L, n)], 1)  # [L, nu]: extended indices
         UR = torch.cat([_take(slot_rows, low), Cr], 1)  # [L, nu, ·]
-        FU = UR[..., :M]
+        FU, VU = UR[..., :M], UR[..., M:].contiguous()  # [L, nu, M], [L, nu, Dv + 1]
         # the universe's φᵀφ, filled as the entries need it: the candidates' at once, the low keys' (they
         # leave in rank order) as a prefix
         G = FU.new_zeros(L, nl + n, nl + n)
@@ -172,7 +172,7 @@ def _additive_blocks(c, rows, S, lgl, slots, until, leaves, xs, js, P0, chunk):
                 have = need
             num = P[..., None] * Rc
             if bool(has.any()):
-                b = _take(UR[..., M:], e) * has[..., None]  # [L, n, Dv + 1]: the entries' [v, 1]
+                b = _take(VU, e) * has[..., None]  # [L, n, Dv + 1]: the entries' [v, 1]
                 num = num + (Wd * _take(G, e)[:, :, nl:].mT) @ b  # 3. what entered before each candidate
             sc = _recall(num, Cr[..., M:M + Dv], eps=eps)  # [L, n] the candidates' scores
             order = torch.cat([score_low, sc], 1).argsort(dim=1, stable=True)  # [L, nu] (ties: the universe is by age)
@@ -209,7 +209,7 @@ def _additive_blocks(c, rows, S, lgl, slots, until, leaves, xs, js, P0, chunk):
         slot_rows[li, si] = Cr[li, ui]
         S = P[:, -1, None, None] * S
         if bool(has.any()):
-            S = S + (_take(FU, e) * (has[..., None] * (lc[:, -1:] - lc).exp()[..., None])).mT @ b  # decayed to the end
+            S = S + (_take(UR, e)[..., :M] * (has[..., None] * (lc[:, -1:] - lc).exp()[..., None])).mT @ b  # decayed
     return event, snaps, (slot_x, score_k, pos_k, cached)
 
 
