@@ -204,7 +204,7 @@ def main(argv=None) -> int:
     for state, T, equal, diff in checks:
         lines.append(f"- {state}, T = {T}: the schedules are {'identical' if equal else '**NOT identical**'} "
                      f"(event stream, cache intervals, every chunk's slots, the final slots and scores); "
-                     f"outputs differ by at most {diff:.1e} (float32; the exact part sums in another order).")
+                     f"outputs differ by at most {diff:.1e} (float32).")
     text = "\n".join(lines) + "\n"
     with atomic_write(out_md) as tmp:
         tmp.write_text(text, encoding="utf-8")
