@@ -352,6 +352,23 @@ def test_hand_cache_ties_evict_the_oldest():
         assert torch.allclose(runs[-1][1].S[0, 0, 0], torch.tensor(vals[0], dtype=torch.float64)), name
 
 
+
+def test_hand_cache_ties_between_cached_keys_evict_the_oldest():
+    """K = 2, w = 1, φ = 1, eps = 0 (the state recalls the mean of its values; empty: 0). Key 0 (|v0|² = 0.25)
+    enters at step 3 and key 2 takes its slot 0, beside key 1 in slot 1; at step 4 keys 1 and 2 tie
+    (|v1|² = |v2|² = 1) below key 3's |v3 − v0|² = 9.25: key 1, the older (in the later slot), enters.
+    With chunk_size 4 the tied keys are cached when a block (or chunk) starts."""
+    vals = [[0.5, 0, 0], [1.0, 0, 0], [0, 1.0, 0], [0, 0, 3.0], [0, 0, 0]]
+    v = torch.tensor(vals, dtype=torch.float64)[None, :, None, :]
+    f = torch.ones(1, 5, 1, 2, dtype=torch.float64)
+    q = k = torch.zeros(1, 5, 1, 2, dtype=torch.float64)
+    for chunk in (4, 64):
+        options = AttentionOptions(window=1, cache=2, eps=0.0, chunk_size=chunk)
+        for fn in (memory_attention_naive, memory_attention):
+            _, st = fn(f, f, v, q, k, options=options, output_final_state=True)
+            assert st.pos_cache.tolist() == [[[2, 3]]], (fn.__name__, chunk)
+            assert torch.allclose(st.S[0, 0, 0], v[0, 0, 0] + v[0, 1, 0]), (fn.__name__, chunk)
+
 # ------------------------------------------------------------------------------------------------ gradients
 GRAD_CASES = {
     "additive": dict(cache=2, decay="input", rescore=3),
@@ -679,3 +696,42 @@ def test_decode_step_refuses_invalid_inputs_with_the_entry_errors(name):
     tok[2][0, 0, 1, 2] = float("inf")
     with pytest.raises(ValueError, match=r"^v must be finite: 1 non-finite value\(s\) of 16, the first at index \(0, 0, 1, 2\)"):
         llops_attention(*tok, theta, theta, options=lo, params=lp, initial_state=st, output_final_state=True)
+
+
+# ------------------------------------------------------------------------------------------------ the fast path's blocks and batches
+@pytest.mark.parametrize("name", ["cache", "cache_decay", "cache1_rescore5", "delta_cache_decay", "cache_poly"])
+def test_small_blocks_and_one_chunk_batches_equal_naive(monkeypatch, name):
+    """Schedule blocks of 5 steps (cut apart from the query chunks and the re-scorings) and the exact part
+    one query chunk per batch: the same outputs and states as the twin."""
+    from sketchlab.attention import memory_fast, memory_schedule
+
+    monkeypatch.setattr(memory_schedule, "BLOCK", 5)
+    monkeypatch.setattr(memory_fast, "EXACT_ELEMENTS", 1)
+    T, M = 43, 4
+    options = AttentionOptions(window=1 if "rescore" in name else 3, sinks=2, chunk_size=8, **MECHANISMS[name])
+    fq, fk, v, q, k = _problem(T, M, seed=11)
+    kw = dict(options=options, params=_params(options), degree=2, key_padding_mask=_mask(T), output_final_state=True)
+    want, want_state = memory_attention_naive(fq, fk, v, q, k, **kw)
+    got, got_state = memory_attention(fq, fk, v, q, k, **kw)
+    assert (got - want).abs().max().item() <= TOL64
+    _assert_states(got_state, want_state)
+
+
+@pytest.mark.parametrize("decay", [None, 0.02])
+def test_long_blocks_equal_naive(decay):
+    """Blocks of 40 steps with a cache of 3: many evictions per block (keys cached and evicted inside one
+    block, the slots passed along chains), several fixed-point passes; a decay strong enough that a
+    block's state shrinks by e^-156."""
+    T, M = 130, 3
+    options = AttentionOptions(window=2, sinks=1, cache=3, rescore=40, chunk_size=40, decay=decay)
+    fq, fk, v, q, k = _problem(T, M, seed=21)
+    kw = dict(options=options, params=_params(options), degree=2, key_padding_mask=_mask(T), output_final_state=True)
+    want, want_state = memory_attention_naive(fq, fk, v, q, k, **kw)
+    got, got_state = memory_attention(fq, fk, v, q, k, **kw)
+    assert (got - want).abs().max().item() <= TOL64
+    _assert_states(got_state, want_state)
+    # the whole schedule: the cache after every prefix
+    for n in (37, 41, 80, 119):
+        part = [x[:, :n] for x in (fq, fk, v, q, k)]
+        kwn = dict(kw, key_padding_mask=kw["key_padding_mask"][:, :n])
+        assert torch.equal(memory_attention(*part, **kwn)[1].pos_cache, memory_attention_naive(*part, **kwn)[1].pos_cache)

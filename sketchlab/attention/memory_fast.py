@@ -1,15 +1,15 @@
 r"""The fast path of memory attention (DESIGN §7), called by :func:`sketchlab.attention.memory.memory_attention`
 with its checked arguments (trusted here).
 
-(i) *The schedule*: one no-grad pass over the steps, vectorised over ``[B, H]``, applies steps 1–3
-to a detached state and records the key (if any) that enters the state at each step and the step
-at which each cached key left the cache. With ``K = 0`` nothing needs the state: the key leaving
-the window enters at once, and the events are formed without a loop.
+(i) *The schedule* (:mod:`sketchlab.attention.memory_schedule`): a no-grad pass, vectorised over
+``[B, H]``, applies steps 1–3 to a detached state and records the key (if any) that enters the state
+at each step and the step at which each cached key left the cache. With ``K = 0`` nothing needs the
+state: the key leaving the window enters at once, and the events are formed without a loop.
 (ii) *The far part*: one recurrence over the event stream (the entering key's ``φ, v`` at its step,
 zeros for a null event), with autograd, through :mod:`sketchlab.attention.delta`.
 (iii) *The exact part*, per chunk of ``C`` queries: the sinks, the cache's slots at the chunk's
-start and the band of positions ``t0 − w … t1 − 1`` (the window's keys and every key cached during
-the chunk), each masked by when it is exact for the query.
+start and the band of positions ``t0 − w … t0 + C − 1`` (the window's keys and every key cached during
+the chunk), each masked by when it is exact for the query; a batch of chunks at a time (:func:`_exact`).
 
 Keys are addressed in one *extended* axis ``X`` per call: the initial cache's ``K`` slots, the held
 sinks ``L_s``, then the contiguous positions ``offset − L_w … offset + T − 1`` (the held window and
@@ -31,6 +31,10 @@ from .memory_schedule import schedule
 _DECODE = True
 
 
+#: The exact part's logits per batch of query chunks (elements): bounds its memory at long contexts.
+EXACT_ELEMENTS = 2**21
+
+
 def _take(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """``x[b, h, idx[b, h, i]]`` of ``x [B, H, X, F]`` for ``idx [B, H, L]`` (>= 0) → ``[B, H, L, F]``
     (``index_select`` of whole rows: several times faster than ``gather`` or advanced indexing on CPU)."""
@@ -42,6 +46,46 @@ def _take(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 def _far_additive(fq, fe, ve, log_decay, S0, z0, chunk):
     num, den, (S, z) = _delta._decayed_linear(fq, fe, ve, log_decay, (S0, z0), chunk)
     return num, den, S, z
+
+
+def _exact(c, ek, ev, real_x, until, snaps, sink_pos, sink_x, base, first, P0):
+    """The exact part (iii) of every query: ``Σ a v`` ``[B, H, T, Dv]``, ``Σ a`` and "some key allowed"
+    ``[B, H, T]``, for the query chunks of :data:`EXACT_ELEMENTS` logits at a time (one gather of
+    their keys: its gradient is one scatter into ``ek, ev``)."""
+    B, H, T, C, w, s, K = c.B, c.H, c.T, c.o.chunk_size, c.w, c.s, c.K
+    dev, X = ek.device, ek.shape[2]
+    n_chunks = -(-T // C)
+    Lk = len(sink_pos) + K + w + C  # a chunk's keys: sinks | the slots at its start | the band t0 − w … t0 + C − 1
+    per = max(1, EXACT_ELEMENTS // (B * H * C * Lk))
+    qq = torch.nn.functional.pad(c.q.to(c.work).transpose(1, 2), (0, 0, 0, n_chunks * C - T))  # [B, H, T', D]
+    snap = torch.stack(snaps, 2) if K else torch.zeros(B, H, n_chunks, 0, dtype=torch.long, device=dev)
+    spos = torch.tensor(sink_pos, dtype=torch.long, device=dev)
+    outs = []
+    for n0 in range(0, n_chunks, per):
+        n1 = min(n0 + per, n_chunks)
+        t0 = torch.arange(n0, n1, device=dev)[:, None] * C  # [g, 1] the chunks' first steps
+        steps = t0 + torch.arange(C, device=dev)  # [g, C]
+        qpos = P0 + steps
+        band = P0 + t0 - w + torch.arange(w + C, device=dev)  # [g, w + C]
+        bx = (base + band - first).clamp(0, X - 1)
+        sx = snap[:, :, n0:n1].clamp(min=0)  # [B, H, g, K]
+        g = n1 - n0
+        idx = torch.cat([sink_x.expand(B, H, g, -1), sx, bx.expand(B, H, -1, -1)], 3).flatten(2)  # [B, H, g·Lk]
+        keys, vals = _take(ek, idx).unflatten(2, (g, Lk)), _take(ev, idx).unflatten(2, (g, Lk))
+        ok_sink = (spos <= qpos[..., None]) & real_x[:, None, None, sink_x]  # [B, g, C, s]
+        ok_slot = (snap[:, :, n0:n1, None] >= 0) & (until.gather(2, sx.flatten(2)).view(B, H, g, 1, K) > steps[..., None])
+        in_win = (band[:, None] > qpos[..., None] - w) & (band[:, None] <= qpos[..., None])  # [g, C, w + C]
+        enter = (band + w - P0)[:, None]  # [g, 1, w + C]: the step each band key leaves the window
+        in_cache = (enter <= steps[..., None]) & (until.gather(2, bx.flatten().expand(B, H, -1)).view(B, H, g, 1, -1)
+                                                  > steps[..., None])  # [B, H, g, C, w + C]
+        real_b = real_x.gather(1, bx.flatten().expand(B, -1)).view(B, g, 1, -1) & (band >= s)[:, None]  # >= 0: held
+        ok_band = (in_win | in_cache) & real_b[:, None]
+        ok = torch.cat([ok_sink[:, None].expand(B, H, -1, -1, -1), ok_slot, ok_band], -1)  # [B, H, g, C, Lk]
+        logits = c.scale * (qq[:, :, n0 * C:n1 * C].unflatten(2, (g, C)) @ keys.mT)
+        a = _local_weights(c, logits, ok)
+        outs.append((a @ vals, a.sum(-1), ok.any(-1)))
+    ex_num, ex_den, some = (torch.cat([o[i].flatten(2, 3) for o in outs], 2)[:, :, :T] for i in range(3))
+    return ex_num, ex_den, some
 
 
 def run(c):
@@ -82,52 +126,24 @@ def run(c):
     sink_pos = list(range(min(s, end)))
     sink_x = torch.tensor([K + p if p < Ls else base + p - first for p in sink_pos], dtype=torch.long, device=dev)
     if w:
+        ex_num, ex_den, some = _exact(c, ek, ev, real_x, until, snaps, sink_pos, sink_x, base, first, P0)
         g = _gate(c, work)[None, :, None]  # [1, H, 1]
-        qq = tr(c.q.to(work))  # [B, H, T, D]
-        outs, bad = [], 0
-        for n, t0 in enumerate(range(0, T, C)):
-            t1 = min(t0 + C, T)
-            qpos = torch.arange(P0 + t0, P0 + t1, device=dev)  # [c]
-            steps = qpos - P0
-            lo = max(first, P0 + t0 - w)
-            band = torch.arange(lo, P0 + t1, device=dev)  # positions t0 - w ... t1 - 1
-            bx = base + band - first
-            snap = snaps[n] if K else torch.zeros(B, H, 0, dtype=torch.long, device=dev)
-            sx = snap.clamp(min=0)
-            keys = torch.cat([ek[:, :, sink_x], _take(ek, sx), ek[:, :, bx]], 2)  # [B, H, L, D]
-            vals = torch.cat([ev[:, :, sink_x], _take(ev, sx), ev[:, :, bx]], 2)
-            ok_sink = (sink_x.new_tensor(sink_pos)[None, :] <= qpos[:, None])[None, None] & real_x[:, None, None, sink_x]
-            ok_slot = (snap >= 0)[:, :, None, :] & (until.gather(2, sx)[:, :, None, :] > steps[:, None])
-            enter = (band + w - P0)[None, :]  # [1, nb] the step each band key leaves the window
-            in_win = (band[None, :] > qpos[:, None] - w) & (band[None, :] <= qpos[:, None])  # [c, nb]
-            in_cache = (enter <= steps[:, None]) & (until[:, :, bx][:, :, None, :] > steps[:, None])  # [B, H, c, nb]
-            ok_band = (in_win[None, None] | in_cache) & (real_x[:, bx] & (band >= s))[:, None, None, :]
-            ok = torch.cat([ok_sink.expand(B, H, -1, -1), ok_slot, ok_band], -1)  # [B, H, c, L]
-            logits = c.scale * (qq[:, :, t0:t1] @ keys.mT)  # [B, H, c, L]
-            a = _local_weights(c, logits, ok)
-            ex_num, ex_den = a @ vals, a.sum(-1)  # [B, H, c, Dv], [B, H, c]
-            gc = g[..., None]
-            if c.delta:
-                some = ok.any(-1)
-                exact = ex_num / torch.where(some, ex_den, 1.0)[..., None]
-                outs.append(gc * exact + (1 - gc) * far[:, :, t0:t1])
-            else:
-                nm = gc * ex_num + (1 - gc) * num[:, :, t0:t1]
-                dn = g * ex_den + (1 - g) * den[:, :, t0:t1]
-                bad += int(((dn <= 0) & real[:, None, t0:t1]).sum())
-                outs.append(nm / (dn + c.o.eps)[..., None])
-        out = torch.cat(outs, 2)  # [B, H, T, Dv]
-        if not c.delta and c.normalize == "sum":
-            report_denominators(bad, B * H * T, "memory_attention", c.o.denominator_check)
+        if c.delta:
+            out = g[..., None] * ex_num / torch.where(some, ex_den, 1.0)[..., None] + (1 - g[..., None]) * far
+        else:
+            nm = g[..., None] * ex_num + (1 - g[..., None]) * num
+            dn = g * ex_den + (1 - g) * den
+            if c.normalize == "sum":
+                report_denominators(int(((dn <= 0) & real[:, None]).sum()), B * H * T, "memory_attention",
+                                    c.o.denominator_check)
+            out = nm / (dn + c.o.eps)[..., None]
     elif c.delta:
         out = far
+    elif c.normalize == "sum":
+        report_denominators(int(((den <= 0) & real[:, None]).sum()), B * H * T, "memory_attention", c.o.denominator_check)
+        out = num / (den + c.o.eps)[..., None]
     else:
-        if c.normalize == "sum":
-            report_denominators(int(((den <= 0) & real[:, None]).sum()), B * H * T, "memory_attention",
-                                c.o.denominator_check)
-            out = num / (den + c.o.eps)[..., None]
-        else:
-            out = num
+        out = num
     out = tr(out).to(c.in_dtype)  # [B, T, H, Dv]
     if not c.final:
         return out
