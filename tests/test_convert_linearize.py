@@ -118,7 +118,7 @@ def test_transfer_progress_lines_are_flushed_as_each_layer_ends(monkeypatch):
     import io
     import sys
 
-    lin = importlib.import_module("sketchlab.convert.linearize")
+    transfer = importlib.import_module("sketchlab.convert.transfer")
 
     class Watched(io.StringIO):
         def __init__(self):
@@ -131,9 +131,9 @@ def test_transfer_progress_lines_are_flushed_as_each_layer_ends(monkeypatch):
 
     out = Watched()
     monkeypatch.setattr(sys, "stderr", out)
-    monkeypatch.setattr(lin, "_transfer_layer", lambda *a, **k: [] if a[0] == "empty" else [2.0, 0.5])
-    losses = lin._train_own(["s0", "empty", "s2"], [None] * 3, None, None, 0, 1, steps=1, lr=0.1, map_lr=0.1,
-                            batch_size=1, seed=0, progress=True)
+    monkeypatch.setattr(transfer, "_transfer_layer", lambda *a, **k: [] if a[0] == "empty" else [2.0, 0.5])
+    losses = transfer._train_own(["s0", "empty", "s2"], [None] * 3, None, None, 0, 1, steps=1, lr=0.1, map_lr=0.1,
+                                 batch_size=1, seed=0, progress=True)
     assert losses == [[2.0, 0.5], [], [2.0, 0.5]]
     lines = ["transfer layer 0: mse 2 -> 0.5\n", "transfer layer 1: 0 steps\n", "transfer layer 2: mse 2 -> 0.5\n"]
     said = lambda text: [line[line.index("transfer layer"):] + "\n" for line in text.split("\n")  # noqa: E731

@@ -129,7 +129,7 @@ def add_arguments(sub) -> None:
     cmd.add_argument("--no-fit", action="store_true", help="skip stage 0 (start the maps from their initialisation)")
     cmd.add_argument("--fit-work", type=_fit_work, default=None, metavar="FLOPS",
                      help="the stage-0 Θ fit's effort: at most this many multiply-adds per head (default "
-                          "sketchlab.convert.linearize.DEFAULT_FIT_WORK = 3.5e9, about 5 ALS sweeps on a SmolLM2 head, "
+                          "sketchlab.convert.theta.DEFAULT_FIT_WORK = 3.5e9, about 5 ALS sweeps on a SmolLM2 head, "
                           "stage 0 in minutes; inf: the fit's full schedule, ~27 min on SmolLM2)")
     cmd.add_argument("--no-far", action="store_true",
                      help="the far part off: window + sinks (and --cache) alone, every gate logit at 40 "
@@ -387,7 +387,7 @@ def _run_pretrained(args) -> int:
     if args.untied and args.attention != "llops":
         raise UsageError(f"--untied is an LLoPS option; --attention {args.attention} has no tied form")
     try:  # linearize's rule, named by the flags here
-        from ..convert.linearize import _check_far
+        from ..convert.plan import _check_far
 
         _check_far(not args.no_far, args.window, args.gate_init)
     except (TypeError, ValueError) as err:

@@ -1,10 +1,14 @@
 """The measures :func:`sketchlab.linearize` reports: next-token loss and perplexity (decoders),
-sentence embeddings, their cosine and nearest-neighbour agreement with the teacher's (encoders)."""
+sentence embeddings, their cosine and nearest-neighbour agreement with the teacher's (encoders), each
+layer's attention-output error against the teacher's recording (:func:`attention_errors`), and each stage's
+report entry beside window + sinks alone (:class:`StageMeasures`)."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
+import time
 
 import torch
 from torch import nn
@@ -12,7 +16,12 @@ from torch import nn
 from .._validation import check_positive_int
 from .families import family_of
 
-__all__ = ["embedding_agreement", "perplexity", "progress_bar", "sentence_embeddings", "token_nll"]
+__all__ = ["FAR_OFF_LOGIT", "attention_errors", "embedding_agreement", "perplexity", "progress_bar",
+           "sentence_embeddings", "token_nll"]
+
+#: The gate logit that turns a hybrid's far part off: ``sigmoid(40) = 1`` in float32 and float64, so the
+#: far part's weight ``1 − g`` is 0 (``far=False``, and the report's window + sinks alone).
+FAR_OFF_LOGIT = 40.0
 
 
 def _batches(n: int, batch_size: int):
@@ -139,3 +148,105 @@ def _nn_agreement(a: torch.Tensor, b: torch.Tensor) -> float:
     if a.shape[0] < 2:
         return float("nan")
     return float((nearest(a) == nearest(b)).double().mean())
+
+
+def attention_errors(sketches, layers, attention_mask: torch.Tensor, index, *, batch_size: int = 4,
+                     progress: bool = False, desc: str = "attention errors") -> list[float]:
+    """Per layer ``‖o − o_teacher‖_F / ‖o_teacher‖_F`` over the valid tokens of sequences ``index``,
+    each sketched attention given the teacher's q, k, v (``layers``: its
+    :class:`~sketchlab.convert.teacher.LayerIO` records; ``progress``: a bar over the layers)."""
+    errors = []
+    idx = torch.arange(attention_mask.shape[0])[index]
+    with torch.no_grad(), progress_bar(len(sketches), desc, progress, unit="layer") as bar:
+        for sketch, io in zip(sketches, layers):
+            num = den = 0.0
+            for part in _batches(len(idx), batch_size):
+                sel = idx[part]
+                q, k, v = io.inputs(sel)
+                valid = attention_mask[sel].to(torch.bool)
+                o = sketch(q, k, v, scaling=io.scaling, key_padding_mask=None if bool(valid.all()) else valid)
+                num += float(((o - io.out[sel]).double()[valid] ** 2).sum())
+                den += float((io.out[sel].double()[valid] ** 2).sum())
+            errors.append(math.sqrt(num / den) if den > 0 else float("nan"))
+            bar.update()
+    return errors
+
+
+@contextlib.contextmanager
+def far_off(sketches):
+    """Every gate of ``sketches`` at :data:`FAR_OFF_LOGIT` inside the block (window + sinks alone),
+    restored after it."""
+    gated = [s for s in sketches if getattr(s, "gate", None) is not None]
+    saved = [s.gate.detach().clone() for s in gated]
+    with torch.no_grad():
+        for s in gated:
+            s.gate.fill_(FAR_OFF_LOGIT)
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for s, g in zip(gated, saved):
+                s.gate.copy_(g)
+
+
+class StageMeasures:
+    """The held-out measures of :func:`sketchlab.linearize`'s stages: each stage's metric (perplexity, or an
+    encoder's mean embedding cosine and neighbour agreement to the teacher's, ``measure``) and, with
+    ``floor=True``, window + sinks alone beside it (the far part's weight 0: the floor the far part must
+    beat; its metric measured once per set of projections)."""
+
+    def __init__(self, ids, mask, held_idx, *, encoder: bool, enabled: bool, batch_size: int, progress: bool):
+        self.ids, self.mask, self.encoder, self.enabled = ids[held_idx], mask[held_idx], encoder, enabled
+        self.held_idx, self.batch_size, self.progress = held_idx, batch_size, progress
+        self.teacher_embeddings = None
+        self.floor = None
+
+    def teacher(self, model) -> float | None:
+        """The teacher's metric (an encoder's: its own embeddings, kept as the reference of every stage)."""
+        if self.encoder and self.enabled:
+            self.teacher_embeddings = sentence_embeddings(model, self.ids, self.mask, batch_size=self.batch_size,
+                                                          progress=self.progress, desc="evaluate teacher")
+        return self.measure(model, "teacher")[0]
+
+    def measure(self, model, stage: str):
+        """``(metric, neighbour agreement or None)`` of ``model`` on the held-out sequences (``None, None``
+        when not ``enabled``)."""
+        if not self.enabled:
+            return None, None
+        desc = f"evaluate {stage}"
+        if self.encoder:
+            got = embedding_agreement(model, self.teacher_embeddings, self.ids, self.mask, batch_size=self.batch_size,
+                                      progress=self.progress, desc=desc)
+            return got["cosine"], got["nn_agreement"]
+        return perplexity(model, self.ids, self.mask, batch_size=self.batch_size, progress=self.progress,
+                          desc=desc), None
+
+    def window_only(self, sketches, layer_error: list[float]) -> None:
+        """Report window + sinks alone beside every stage from now on: ``sketches`` (gates at
+        :data:`FAR_OFF_LOGIT` while measured) and ``layer_error``, their attention-output errors with the far
+        part off (measured once: transfer and LoRA leave the window part as it is). Called again after LoRA
+        (new projections): the metric is measured again at the next stage."""
+        self.floor = {"metric": None, "layer_error": layer_error, "sketches": sketches}
+
+    def stage(self, name: str, t0: float, model, **details) -> dict:
+        """A stage's report entry: its details, seconds since ``t0``, held-out metric and, with the floor,
+        window + sinks alone (``window_only_metric``, ``window_only_layer_error``, ``far_helps``: the metric
+        beats it, lower for a perplexity, higher for an encoder's cosine)."""
+        seconds = time.perf_counter() - t0
+        metric, agreement = self.measure(model, name)
+        entry = {"name": name, "seconds": seconds, **details, "metric": metric}
+        if agreement is not None:
+            entry["nn_agreement"] = agreement
+        floor = self.floor
+        if floor is None:
+            return entry
+        if floor["metric"] is None and metric is not None:
+            with far_off(floor["sketches"]):
+                floor["metric"], floor["nn_agreement"] = self.measure(model, f"{name}, window + sinks alone")
+        entry["window_only_metric"] = floor["metric"]
+        entry["window_only_layer_error"] = floor["layer_error"]
+        if floor.get("nn_agreement") is not None:
+            entry["window_only_nn_agreement"] = floor["nn_agreement"]
+        if metric is not None and floor["metric"] is not None:
+            entry["far_helps"] = bool(metric > floor["metric"] if self.encoder else metric < floor["metric"])
+        return entry
