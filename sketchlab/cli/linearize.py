@@ -35,6 +35,7 @@ import argparse
 import json
 import os
 from pathlib import Path
+from typing import Callable, NamedTuple
 
 from ._common import (Outputs, UsageError, add_common, available_memory, check_run_dir, finite_float, int_list,
                       nonnegative_float, nonnegative_int, number_arg, positive_float, positive_int, write_text_atomic)
@@ -51,6 +52,57 @@ PRETRAINED_FILES = ("model", "linearize.json", "linearize.md")
 #: iterations and per-head cap). The default fit of the shipped 4-layer, 4-head checkpoint plans
 #: about 1.1e11 (one to two minutes on one core); this is some five times that.
 FIT_WORK_BUDGET = 5e11
+
+
+class _Flag(NamedTuple):
+    """How one option reaches its path's library call: the keyword (``""``: the command reads it itself), the
+    value from the flag's, and whether the run's identity holds it (a rerun with another value is refused)."""
+
+    keyword: str
+    value: Callable = lambda given: given
+    identity: bool = True
+
+
+#: Each path's options, one row each (a new option: its ``add_argument`` and one row here). The toy path:
+#: :func:`sketchlab.tasks.linearize`, its identity the values it runs with.
+TOY = {"p": _Flag("p"), "m": _Flag("m"), "rank": _Flag("rank"), "non_negative": _Flag("non_negative"),
+       "normalize": _Flag("normalize", lambda given: given or "sum"), "capture_sequences": _Flag("capture_sequences"),
+       "holdout": _Flag("holdout"), "steps": _Flag("steps"), "batch_size": _Flag("batch_size", lambda given: given or 32),
+       "lr": _Flag("lr"), "warmup": _Flag("warmup"), "transfer": _Flag("transfer"),
+       "eval_sequences": _Flag("eval_sequences"), "eval_every": _Flag("eval_every", identity=False),
+       "seed": _Flag("seed"), "no_progress": _Flag("progress", lambda given: not given, identity=False)}
+#: The --model-dir/--gguf path: :func:`sketchlab.linearize`, its identity the flags as given (``cli`` in
+#: ``linearize.json``).
+PRETRAINED = {
+    "text": _Flag("", identity=False), "attention": _Flag("attention"), "p": _Flag("p"), "m": _Flag("m"),
+    "rank": _Flag("rank"), "window": _Flag("window"), "sinks": _Flag("sinks"), "local": _Flag("local"),
+    "normalize": _Flag("normalize"), "gate_init": _Flag("gate_init"),
+    "untied": _Flag("tied", lambda given: False if given else None), "seq_len": _Flag("seq_len"),
+    "max_tokens": _Flag("max_tokens"), "holdout": _Flag("holdout", float), "transfer_steps": _Flag("transfer_steps"),
+    "transfer_lr": _Flag("transfer_lr"), "processes": _Flag("processes", identity=False),
+    "lora_steps": _Flag("lora_steps"), "lora_rank": _Flag("lora_rank"), "lora_lr": _Flag("lora_lr"),
+    "no_fit": _Flag("fit", lambda given: not given), "batch_size": _Flag("batch_size", lambda given: given or 4),
+    "seed": _Flag("seed"), "cache": _Flag("cache"), "decay": _Flag("decay"), "state": _Flag("state"),
+    "beta": _Flag("beta"), "exact_layers": _Flag("exact_layers"), "fit_work": _Flag("fit_work"),
+    "no_far": _Flag("far", lambda given: not given),
+    "max_memory": _Flag("max_bytes", lambda given: int(given * 2**30) if given is not None else available_memory(),
+                        identity=False),
+    "no_progress": _Flag("progress", lambda given: not given, identity=False)}
+#: Options only one path reads (each path refuses the other's when given, rather than ignoring them).
+TOY_ONLY = tuple(name for name in TOY if name not in PRETRAINED)
+PRETRAINED_ONLY = tuple(name for name in PRETRAINED if name not in TOY)
+
+
+def _call(table: dict, args) -> dict:
+    """The library's keyword arguments from the flags ``args`` of a path's ``table``."""
+    return {flag.keyword: flag.value(getattr(args, name)) for name, flag in table.items() if flag.keyword}
+
+
+def _identity(table: dict, args, *, as_called: bool) -> dict:
+    """A run's identity from the flags ``args`` of a path's ``table``: each identity row's flag as given, or
+    (``as_called``) its keyword and value as the library receives them."""
+    return {flag.keyword if as_called else name: flag.value(getattr(args, name)) if as_called else getattr(args, name)
+            for name, flag in table.items() if flag.identity}
 
 
 def _gate_init(text: str):
@@ -174,13 +226,6 @@ def run(args) -> int:
     return _run_pretrained(args)
 
 
-#: Options only one path reads (each path refuses the other's when given, rather than ignoring them).
-TOY_ONLY = ("non_negative", "capture_sequences", "steps", "lr", "warmup", "transfer", "eval_sequences", "eval_every")
-PRETRAINED_ONLY = ("text", "attention", "window", "sinks", "local", "gate_init", "untied", "seq_len", "max_tokens",
-                   "transfer_steps", "transfer_lr", "processes", "lora_steps", "lora_rank", "lora_lr", "no_fit",
-                   "cache", "decay", "state", "beta", "exact_layers", "fit_work", "no_far", "max_memory")
-
-
 def _refuse_other_path_options(args, names, source: str) -> None:
     """Refuse (exit 2) the options of ``names`` that differ from their defaults: this path ignores them."""
     import argparse
@@ -257,17 +302,15 @@ def _toy_budget(args) -> None:
     need["one evaluation batch"] = estimate_bytes(SimpleNamespace(**vars(student), batch_size=min(args.eval_sequences, 64)))
     p_theta = args.p // 2 if args.non_negative else args.p
     n_fit = max(1, round(n * (1 - args.holdout)))
-    if not args.no_fit:  # the ALS factor partials [B, t, p, n, m] and normal matrices with their LU [B, m, t·d, t·d]
-        need["the LLoPS fit's partials and normal matrices"] = 8 * L * H * (
-            args.rank * p_theta * n_fit * args.m + 2 * args.m * (args.rank * D) ** 2)
+    # the ALS factor partials [B, t, p, n, m] and normal matrices with their LU [B, m, t·d, t·d]
+    need["the LLoPS fit's partials and normal matrices"] = 8 * L * H * (
+        args.rank * p_theta * n_fit * args.m + 2 * args.m * (args.rank * D) ** 2)
     what, nbytes = max(need.items(), key=lambda kv: kv[1])
     if nbytes > budget:
         raise ValueError(
             f"linearize: {what} need about {nbytes / 2**30:.3g} GiB (capture_sequences={S} of {T} tokens, "
             f"batch_size={args.batch_size or 32}, p={args.p}, m={args.m}, rank={args.rank}, L={L}, H={H}, D={D}), over the memory budget of {budget / 2**30:.3g} "
             "GiB (half of this machine's memory): lower --capture-sequences, --batch-size, --m, --rank or --p")
-    if args.no_fit:
-        return
     preset = QUALITY["default"]
     iterations = preset.steps + preset.lm_steps + preset.lm_steps // max(preset.interleave, 1) * preset.interleave
     per = iteration_flops("kernel", n_fit, n_fit, D, p_theta, args.m, args.rank)
@@ -284,20 +327,10 @@ def _run_toy(args) -> int:
 
     out = Path(args.out)
     outputs = Outputs({}, directories={"--out": args.out}, inputs=[args.checkpoint], staged=["--out"])
-    _check_run_dir(out, TOY_FILES, {
-        "checkpoint": args.checkpoint, "p": args.p, "m": args.m, "rank": args.rank, "non_negative": args.non_negative,
-        "normalize": args.normalize or "sum", "capture_sequences": args.capture_sequences, "holdout": args.holdout,
-        "steps": args.steps, "batch_size": args.batch_size or 32, "lr": args.lr, "warmup": args.warmup,
-        "transfer": args.transfer, "eval_sequences": args.eval_sequences, "seed": args.seed})
+    _check_run_dir(out, TOY_FILES, {"checkpoint": args.checkpoint, **_identity(TOY, args, as_called=True)})
     _toy_budget(args)
     with outputs.parents_created():  # the run's files appear in --out together at the end (the library stages them)
-        res = linearize(
-            args.checkpoint, p=args.p, m=args.m, out=args.out, rank=args.rank, non_negative=args.non_negative,
-            normalize=args.normalize or "sum", capture_sequences=args.capture_sequences, holdout=args.holdout,
-            steps=args.steps, batch_size=args.batch_size or 32, lr=args.lr, warmup=args.warmup,
-            transfer=args.transfer, eval_sequences=args.eval_sequences, eval_every=args.eval_every, seed=args.seed,
-            progress=not args.no_progress,
-        )
+        res = linearize(args.checkpoint, out=args.out, **_call(TOY, args))
     outputs.announce(*(out / name for name in ("capture.safetensors", "theta.safetensors", "model/model.safetensors",
                                                "model/config.json", "linearize.json", "linearize.md")))
     print(f"{args.out}: softmax teacher {res.teacher_accuracy:.4f}, LLoPS step 0 {res.step0_accuracy:.4f}, "
@@ -308,11 +341,8 @@ def _run_toy(args) -> int:
 
 def _pretrained_settings(args) -> dict:
     """What identifies a real-model run (recorded as ``cli`` in its ``linearize.json``)."""
-    keys = ("attention", "p", "m", "rank", "window", "sinks", "local", "normalize", "gate_init", "untied", "seq_len",
-            "max_tokens", "holdout", "transfer_steps", "transfer_lr", "lora_steps", "lora_rank", "lora_lr", "no_fit",
-            "batch_size", "seed", "cache", "decay", "state", "beta", "exact_layers", "fit_work", "no_far")
     return {"source": os.path.realpath(args.gguf or args.model_dir), "text": os.path.realpath(args.text),
-            **{key: getattr(args, key) for key in keys}}
+            **_identity(PRETRAINED, args, as_called=False)}
 
 
 def _check_memory_flags(args, *, causal: bool = True, model=None) -> None:
@@ -404,17 +434,7 @@ def _run_pretrained(args) -> int:
     with transformers_progress(not args.no_progress):
         model, tokenizer = load_pretrained(args.model_dir, gguf=args.gguf)
     _check_memory_flags(args, model=model)
-    model, report = linearize(
-        model, text, tokenizer=tokenizer, attention=args.attention, p=args.p, m=args.m, rank=args.rank,
-        window=args.window, sinks=args.sinks, local=args.local, normalize=args.normalize, gate_init=args.gate_init,
-        tied=False if args.untied else None, seq_len=args.seq_len, cache=args.cache, decay=args.decay,
-        state=args.state, beta=args.beta, exact_layers=args.exact_layers, fit_work=args.fit_work, far=not args.no_far,
-        max_tokens=args.max_tokens, holdout=float(args.holdout), fit=not args.no_fit,
-        transfer_steps=args.transfer_steps, transfer_lr=args.transfer_lr, processes=args.processes,
-        lora_steps=args.lora_steps,
-        lora_rank=args.lora_rank, lora_lr=args.lora_lr, batch_size=args.batch_size or 4, seed=args.seed,
-        progress=not args.no_progress,
-        max_bytes=int(args.max_memory * 2**30) if args.max_memory is not None else available_memory())
+    model, report = linearize(model, text, tokenizer=tokenizer, **_call(PRETRAINED, args))
     summary = report.as_dict()
     summary["source"] = str(source)
     summary["cli"] = wanted
