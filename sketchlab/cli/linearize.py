@@ -55,54 +55,48 @@ FIT_WORK_BUDGET = 5e11
 
 
 class _Flag(NamedTuple):
-    """How one option reaches its path's library call: the keyword (``""``: the command reads it itself), the
-    value from the flag's, and whether the run's identity holds it (a rerun with another value is refused)."""
+    """How one option reaches its path's library call: under ``keyword`` (``""``: its own name; ``None``:
+    the command reads it itself), as ``value(the flag's)``, and whether the run's identity holds it (a
+    rerun with another value is refused)."""
 
-    keyword: str
+    keyword: str | None = ""
     value: Callable = lambda given: given
     identity: bool = True
 
 
-#: Each path's options, one row each (a new option: its ``add_argument`` and one row here). The toy path:
-#: :func:`sketchlab.tasks.linearize`, its identity the values it runs with.
-TOY = {"p": _Flag("p"), "m": _Flag("m"), "rank": _Flag("rank"), "non_negative": _Flag("non_negative"),
-       "normalize": _Flag("normalize", lambda given: given or "sum"), "capture_sequences": _Flag("capture_sequences"),
-       "holdout": _Flag("holdout"), "steps": _Flag("steps"), "batch_size": _Flag("batch_size", lambda given: given or 32),
-       "lr": _Flag("lr"), "warmup": _Flag("warmup"), "transfer": _Flag("transfer"),
-       "eval_sequences": _Flag("eval_sequences"), "eval_every": _Flag("eval_every", identity=False),
-       "seed": _Flag("seed"), "no_progress": _Flag("progress", lambda given: not given, identity=False)}
-#: The --model-dir/--gguf path: :func:`sketchlab.linearize`, its identity the flags as given (``cli`` in
-#: ``linearize.json``).
-PRETRAINED = {
-    "text": _Flag("", identity=False), "attention": _Flag("attention"), "p": _Flag("p"), "m": _Flag("m"),
-    "rank": _Flag("rank"), "window": _Flag("window"), "sinks": _Flag("sinks"), "local": _Flag("local"),
-    "normalize": _Flag("normalize"), "gate_init": _Flag("gate_init"),
-    "untied": _Flag("tied", lambda given: False if given else None), "seq_len": _Flag("seq_len"),
-    "max_tokens": _Flag("max_tokens"), "holdout": _Flag("holdout", float), "transfer_steps": _Flag("transfer_steps"),
-    "transfer_lr": _Flag("transfer_lr"), "processes": _Flag("processes", identity=False),
-    "lora_steps": _Flag("lora_steps"), "lora_rank": _Flag("lora_rank"), "lora_lr": _Flag("lora_lr"),
-    "no_fit": _Flag("fit", lambda given: not given), "batch_size": _Flag("batch_size", lambda given: given or 4),
-    "seed": _Flag("seed"), "cache": _Flag("cache"), "decay": _Flag("decay"), "state": _Flag("state"),
-    "beta": _Flag("beta"), "exact_layers": _Flag("exact_layers"), "fit_work": _Flag("fit_work"),
-    "no_far": _Flag("far", lambda given: not given),
-    "max_memory": _Flag("max_bytes", lambda given: int(given * 2**30) if given is not None else available_memory(),
-                        identity=False),
-    "no_progress": _Flag("progress", lambda given: not given, identity=False)}
-#: Options only one path reads (each path refuses the other's when given, rather than ignoring them).
+_AS_GIVEN, _NOT = _Flag(), (lambda given: not given)
+_PROGRESS = _Flag("progress", _NOT, identity=False)
+#: Each path's options, one row each (a new option: its ``add_argument`` and one row here); an option in one
+#: table only is refused on the other path. The toy path: :func:`sketchlab.tasks.linearize`.
+TOY = {**dict.fromkeys(("p", "m", "rank", "non_negative", "capture_sequences", "holdout", "steps", "lr", "warmup",
+                        "transfer", "eval_sequences", "seed"), _AS_GIVEN),
+       "normalize": _Flag(value=lambda given: given or "sum"), "batch_size": _Flag(value=lambda given: given or 32),
+       "eval_every": _Flag(identity=False), "no_progress": _PROGRESS}
+#: The --model-dir/--gguf path: :func:`sketchlab.linearize`.
+PRETRAINED = {**dict.fromkeys(("attention", "p", "m", "rank", "window", "sinks", "local", "normalize", "gate_init",
+                               "seq_len", "max_tokens", "transfer_steps", "transfer_lr", "lora_steps", "lora_rank",
+                               "lora_lr", "seed", "cache", "decay", "state", "beta", "exact_layers", "fit_work"),
+                              _AS_GIVEN),
+              "text": _Flag(None, identity=False), "untied": _Flag("tied", lambda given: False if given else None),
+              "holdout": _Flag(value=float), "processes": _Flag(identity=False), "no_fit": _Flag("fit", _NOT),
+              "batch_size": _Flag(value=lambda given: given or 4), "no_far": _Flag("far", _NOT), "no_progress": _PROGRESS,
+              "max_memory": _Flag("max_bytes", lambda given: available_memory() if given is None else int(given * 2**30),
+                                  identity=False)}
 TOY_ONLY = tuple(name for name in TOY if name not in PRETRAINED)
 PRETRAINED_ONLY = tuple(name for name in PRETRAINED if name not in TOY)
 
 
 def _call(table: dict, args) -> dict:
     """The library's keyword arguments from the flags ``args`` of a path's ``table``."""
-    return {flag.keyword: flag.value(getattr(args, name)) for name, flag in table.items() if flag.keyword}
+    return {flag.keyword or name: flag.value(getattr(args, name)) for name, flag in table.items()
+            if flag.keyword is not None}
 
 
 def _identity(table: dict, args, *, as_called: bool) -> dict:
     """A run's identity from the flags ``args`` of a path's ``table``: each identity row's flag as given, or
-    (``as_called``) its keyword and value as the library receives them."""
-    return {flag.keyword if as_called else name: flag.value(getattr(args, name)) if as_called else getattr(args, name)
-            for name, flag in table.items() if flag.identity}
+    (``as_called``: the toy path, whose run records its library settings) as the library receives it."""
+    return {flag.keyword or name if as_called else name: flag.value(getattr(args, name)) if as_called
+            else getattr(args, name) for name, flag in table.items() if flag.identity}
 
 
 def _gate_init(text: str):

@@ -29,6 +29,18 @@ def _batches(n: int, batch_size: int):
         yield slice(start, min(n, start + batch_size))
 
 
+@contextlib.contextmanager
+def _evaluating(model: nn.Module, total: int, desc: str, progress: bool):
+    """``model`` in eval mode and a progress bar over ``total`` sequences for the block, its mode restored."""
+    was_training = model.training
+    model.eval()
+    try:
+        with progress_bar(total, desc, progress, unit="seq") as bar:
+            yield bar
+    finally:
+        model.train(was_training)
+
+
 def progress_bar(total: int, desc: str, enabled: bool, *, unit: str = "it", leave: bool = False):
     """A tqdm bar on stderr (its elapsed time, rate and ETA), or a silent one when not ``enabled``: the
     bar every stage of :func:`sketchlab.linearize` shows (``progress=True``; ``sketchlab linearize``
@@ -66,10 +78,7 @@ def token_nll(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.T
                          f"{tuple(input_ids.shape)} and {tuple(attention_mask.shape)}")
     batch_size = check_positive_int(batch_size, "batch_size")
     parts = []
-    was_training = model.training
-    model.eval()
-    bar = progress_bar(input_ids.shape[0], desc, progress, unit="seq")
-    try:
+    with _evaluating(model, input_ids.shape[0], desc, progress) as bar:
         for part in _batches(input_ids.shape[0], batch_size):
             ids, mask = input_ids[part], attention_mask[part]
             logits = _logits(model, ids, mask)[:, :-1].double()  # [b, T-1, V]
@@ -77,9 +86,6 @@ def token_nll(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.T
             valid = mask[:, 1:].to(torch.bool) & mask[:, :-1].to(torch.bool)  # a real target read off a real position
             parts.append(nll.masked_fill(~valid, float("nan")))
             bar.update(ids.shape[0])
-    finally:
-        bar.close()
-        model.train(was_training)
     return torch.cat(parts)
 
 
@@ -122,19 +128,12 @@ def sentence_embeddings(model, input_ids, attention_mask, *, batch_size: int = 8
                         desc: str = "evaluate") -> torch.Tensor:
     """Mean of the final hidden states over each sentence's valid tokens ``[N, hidden]`` (float64)."""
     out = []
-    was_training = model.training
-    model.eval()
-    bar = progress_bar(input_ids.shape[0], desc, progress, unit="seq")
-    try:
-        with torch.no_grad():
-            for part in _batches(input_ids.shape[0], batch_size):
-                mask = attention_mask[part].to(torch.float64)[..., None]
-                h = _hidden(model, input_ids[part], attention_mask[part]).double()
-                out.append((h * mask).sum(1) / mask.sum(1))
-                bar.update(mask.shape[0])
-    finally:
-        bar.close()
-        model.train(was_training)
+    with torch.no_grad(), _evaluating(model, input_ids.shape[0], desc, progress) as bar:
+        for part in _batches(input_ids.shape[0], batch_size):
+            mask = attention_mask[part].to(torch.float64)[..., None]
+            h = _hidden(model, input_ids[part], attention_mask[part]).double()
+            out.append((h * mask).sum(1) / mask.sum(1))
+            bar.update(mask.shape[0])
     return torch.cat(out)
 
 
@@ -190,22 +189,20 @@ def far_off(sketches):
 
 
 class StageMeasures:
-    """The held-out measures of :func:`sketchlab.linearize`'s stages: each stage's metric (perplexity, or an
-    encoder's mean embedding cosine and neighbour agreement to the teacher's, ``measure``) and, with
-    ``floor=True``, window + sinks alone beside it (the far part's weight 0: the floor the far part must
-    beat; its metric measured once per set of projections)."""
+    """The held-out measures of :func:`sketchlab.linearize`'s stages (``ids, mask [N, T]``, the sequences
+    ``held_idx``): each stage's metric (perplexity, or an encoder's mean embedding cosine and neighbour
+    agreement to the teacher's) and, once :meth:`window_only` is set, window + sinks alone beside it."""
 
     def __init__(self, ids, mask, held_idx, *, encoder: bool, enabled: bool, batch_size: int, progress: bool):
         self.ids, self.mask, self.encoder, self.enabled = ids[held_idx], mask[held_idx], encoder, enabled
-        self.held_idx, self.batch_size, self.progress = held_idx, batch_size, progress
-        self.teacher_embeddings = None
-        self.floor = None
+        self.options = {"batch_size": batch_size, "progress": progress}
+        self.teacher_embeddings = self.floor = None
 
     def teacher(self, model) -> float | None:
-        """The teacher's metric (an encoder's: its own embeddings, kept as the reference of every stage)."""
+        """The teacher's metric (an encoder's: its own embeddings, kept as every stage's reference)."""
         if self.encoder and self.enabled:
-            self.teacher_embeddings = sentence_embeddings(model, self.ids, self.mask, batch_size=self.batch_size,
-                                                          progress=self.progress, desc="evaluate teacher")
+            self.teacher_embeddings = sentence_embeddings(model, self.ids, self.mask, desc="evaluate teacher",
+                                                          **self.options)
         return self.measure(model, "teacher")[0]
 
     def measure(self, model, stage: str):
@@ -213,25 +210,23 @@ class StageMeasures:
         when not ``enabled``)."""
         if not self.enabled:
             return None, None
-        desc = f"evaluate {stage}"
         if self.encoder:
-            got = embedding_agreement(model, self.teacher_embeddings, self.ids, self.mask, batch_size=self.batch_size,
-                                      progress=self.progress, desc=desc)
+            got = embedding_agreement(model, self.teacher_embeddings, self.ids, self.mask, desc=f"evaluate {stage}",
+                                      **self.options)
             return got["cosine"], got["nn_agreement"]
-        return perplexity(model, self.ids, self.mask, batch_size=self.batch_size, progress=self.progress,
-                          desc=desc), None
+        return perplexity(model, self.ids, self.mask, desc=f"evaluate {stage}", **self.options), None
 
     def window_only(self, sketches, layer_error: list[float]) -> None:
-        """Report window + sinks alone beside every stage from now on: ``sketches`` (gates at
-        :data:`FAR_OFF_LOGIT` while measured) and ``layer_error``, their attention-output errors with the far
-        part off (measured once: transfer and LoRA leave the window part as it is). Called again after LoRA
-        (new projections): the metric is measured again at the next stage."""
-        self.floor = {"metric": None, "layer_error": layer_error, "sketches": sketches}
+        """Window + sinks alone beside every stage from now on: ``sketches`` with their gates at
+        :data:`FAR_OFF_LOGIT` (the far part's weight 0: the floor it must beat), ``layer_error`` their
+        attention-output errors so; its metric measured at the next stage, once per set of projections
+        (set again after LoRA)."""
+        self.floor = {"metric": None, "nn_agreement": None, "layer_error": layer_error, "sketches": sketches}
 
     def stage(self, name: str, t0: float, model, **details) -> dict:
         """A stage's report entry: its details, seconds since ``t0``, held-out metric and, with the floor,
-        window + sinks alone (``window_only_metric``, ``window_only_layer_error``, ``far_helps``: the metric
-        beats it, lower for a perplexity, higher for an encoder's cosine)."""
+        ``window_only_metric``, ``window_only_layer_error`` and ``far_helps`` (the metric beats it: lower
+        for a perplexity, higher for an encoder's cosine)."""
         seconds = time.perf_counter() - t0
         metric, agreement = self.measure(model, name)
         entry = {"name": name, "seconds": seconds, **details, "metric": metric}
@@ -243,9 +238,8 @@ class StageMeasures:
         if floor["metric"] is None and metric is not None:
             with far_off(floor["sketches"]):
                 floor["metric"], floor["nn_agreement"] = self.measure(model, f"{name}, window + sinks alone")
-        entry["window_only_metric"] = floor["metric"]
-        entry["window_only_layer_error"] = floor["layer_error"]
-        if floor.get("nn_agreement") is not None:
+        entry.update(window_only_metric=floor["metric"], window_only_layer_error=floor["layer_error"])
+        if floor["nn_agreement"] is not None:
             entry["window_only_nn_agreement"] = floor["nn_agreement"]
         if metric is not None and floor["metric"] is not None:
             entry["far_helps"] = bool(metric > floor["metric"] if self.encoder else metric < floor["metric"])

@@ -111,16 +111,11 @@ def linearize(model: nn.Module, texts, *, tokenizer=None, attention: str = "llop
         The hybrid's initial gate logits: a number for every head, or set per head from the
         teacher's attention on the first ``gate_sequences`` training sequences
         (:func:`sketchlab.convert.scale.calibrate_gates`): ``"mass"`` the far part's share of the
-        hybrid's denominator matched to the teacher's softmax share beyond the window (with the
-        softmax window: the far mass to the teacher's far mass), ``"search"`` the least-error logit among
-        that plus the offsets :data:`~sketchlab.convert.scale.GATE_OFFSETS`. ``None`` (default):
-        ``0`` for a Hedgehog hybrid (bounded softmax features, on the window's scale: an even split
-        lets its far part learn, while a searched start leaves it ~1 % of the weight and transfer
-        with the gate at ``lr`` moves it slowly — on SmolLM2 layers 3/15/27, 200 steps: mean error
-        0.151 from gate 0, 0.213 from the search, 0.313 for window + sinks alone), ``"search"`` for
-        every other hybrid (unshifted polynomial or exponential far parts, 10³–10⁶ times the
-        window's mass at gate 0), nothing for pure linear attention (``window=0``, which has no
-        gate; ``"mass"``/``"search"`` are refused there).
+        hybrid's denominator matched to the teacher's softmax share beyond the window, ``"search"`` the
+        least-error logit among that plus :data:`~sketchlab.convert.scale.GATE_OFFSETS`. ``None``
+        (default): ``0`` for a Hedgehog hybrid (bounded features on the window's scale: an even split
+        lets its far part learn, DESIGN §6), ``"search"`` for every other hybrid, nothing for pure
+        linear attention (``window=0`` has no gate; ``"mass"``/``"search"`` are refused there).
     gate_sequences : int >= 1
         Training sequences the gate calibration reads (dense ``O(T²)`` per head and sequence).
     fit : bool
@@ -144,11 +139,8 @@ def linearize(model: nn.Module, texts, *, tokenizer=None, attention: str = "llop
         Stage 1: Adam steps per layer (``0``: skipped) and learning rate.
     processes : int >= 1
         Stage 1's layers spread over this process and ``processes − 1`` spawned workers
-        (:func:`attention_transfer`: gloo on localhost, the teacher's recording shared, not copied; the
-        same result as one process). Under ``torchrun`` (an initialised ``torch.distributed``
-        group) leave it at 1: stage 1 spreads over the group's ranks by itself, each rank running
-        the other stages in full. Only stage 1 is spread: the teacher pass, the fit, the gates,
-        LoRA and every evaluation run in this process.
+        (:func:`attention_transfer`; the same result as one process). Under ``torchrun`` leave it at 1:
+        stage 1 spreads over the group's ranks by itself. The other stages run in this process.
     lora_steps, lora_rank, lora_lr
         Stage 2 (``lora_steps > 0``): LoRA steps on the whole model, rank and learning rate.
     batch_size : int

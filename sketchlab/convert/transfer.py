@@ -53,13 +53,12 @@ def _transfer_layer(sketch, io: LayerIO, mask, train_idx, gen, *, steps, lr, map
                 raise
             o = None
         loss = None if o is None else ((o - io.out[sel]) ** 2)[valid].mean()
-        if loss is None or not bool(torch.isfinite(loss)):  # diverged: stop this layer (linearize keeps its start)
-            return curve + [float("nan")] * (steps - len(curve))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        if not all(bool(torch.isfinite(p).all()) for p in params):
-            with torch.no_grad():
+        if loss is not None and bool(torch.isfinite(loss)):
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+        if loss is None or not bool(torch.isfinite(loss)) or not all(bool(torch.isfinite(p).all()) for p in params):
+            with torch.no_grad():  # diverged: this layer stops at its last finite values (linearize keeps its start)
                 for p, before in zip(params, last):
                     p.copy_(before)
             return curve + [float("nan")] * (steps - len(curve))
@@ -118,39 +117,26 @@ def attention_transfer(sketches, layers: list[LayerIO], mask, train_idx, *, step
         Sequences per Adam step (``min(batch_size, len(train_idx))``).
     seed : int
         Layer ``i`` (its position in ``sketches``) draws its batches from its own generator seeded
-        from ``(seed, i)`` (numpy's ``SeedSequence``), so a layer trains the same on whichever process
-        trains it. (Before the spread, one generator served the layers in turn; the batches, and so
-        the trained maps, differ from those of that version.)
+        from ``(seed, i)`` (numpy's ``SeedSequence``): the same on whichever process trains it.
     progress : bool
         A progress bar over the steps on stderr (this process's layers; rank 0 only) and each layer's first and last
         loss as it finishes (with the process that trained it).
     processes : int >= 1
-        ``N > 1`` (at most one per layer): this process and ``N − 1`` workers it spawns
-        (``torch.multiprocessing``) share the layers, layer ``i`` on process ``i % N``, all training at
-        once: each worker, as soon as it has started, trains copies of its layers' sketches with this
-        process's ``torch.get_num_threads()`` threads while this process trains its own; once every
-        process is done, the trained values are broadcast to this process (gloo on localhost). The
-        recorded ``layers``, ``mask`` and ``train_idx`` reach the workers through shared memory (moved
-        there once, in place, not copied per worker). A worker's start-up (imports of torch, sketchlab,
-        ``torch.optim``: 4.6 CPU seconds measured, ``analysis/results/transfer_spread.md``) delays its
-        share: with a core per process the stage takes about ``T/N + c`` for ``T`` on one process and
-        ``c`` the start-up, so it pays once ``T > c·N/(N − 1)``. Spawned workers import the caller's
-        main module: a script calling this needs the usual ``if __name__ == "__main__":`` guard; the
-        recording must fit in ``/dev/shm`` (a container's default can be 64 MiB: refused up front,
-        naming the size; enlarge it, e.g. Docker's ``--shm-size``, or use ``processes=1``); on Linux the
-        workers end with this process if it is killed. Refused inside an initialised
-        ``torch.distributed`` group (use the group, below) and without ``torch.distributed``.
+        ``N > 1`` (at most one per layer): this process and ``N − 1`` workers it spawns share the layers,
+        layer ``i`` on process ``i % N``, all training at once with this process's thread count, the
+        recording moved once into shared memory (it must fit in ``/dev/shm``: refused up front, naming
+        the size), the trained values broadcast back (gloo on localhost). A worker's start-up costs
+        ~4.6 CPU s (``analysis/results/transfer_spread.md``); a calling script needs the
+        ``if __name__ == "__main__":`` guard; the workers end with this process (Linux). Refused inside
+        an initialised ``torch.distributed`` group (use ``group``). DESIGN §6, *Spreading stage 1*.
     group : torch.distributed ProcessGroup or None
-        The processes to spread over, with a CPU backend (gloo; an NCCL group is refused: pass
-        ``torch.distributed.new_group(backend="gloo")``). ``None``: the default group when
-        ``torch.distributed`` is initialised (e.g. under ``torchrun --nproc-per-node N``), else this
-        process alone. Over a group of ``W`` ranks every rank must call this with the same
-        arguments (a collective call: checked up front in one ``all_gather``, every rank refusing
-        alike a mismatch or an argument one rank refused by itself); rank ``r`` trains layers ``r,
-        r + W, …``, then every layer's trained parameters and loss curve are broadcast from its rank
-        to the others, so every rank ends with the same sketches and the same return value. A rank
-        waits in the broadcasts for the slowest one: the group's timeout
-        (``init_process_group(timeout=)``) must exceed that wait.
+        The ranks to spread over, with a CPU backend (gloo; NCCL refused: pass
+        ``torch.distributed.new_group(backend="gloo")``); ``None``: the default group when
+        ``torch.distributed`` is initialised (``torchrun``), else this process alone. A collective call:
+        every rank passes the same arguments (checked in one ``all_gather``, refused on every rank
+        alike); rank ``r`` trains layers ``r, r + W, …``, then each layer is broadcast from its rank, so
+        every rank ends with the same sketches and curves. The group's timeout must exceed the wait for
+        the slowest rank.
 
     Returns
     -------
