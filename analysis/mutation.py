@@ -103,9 +103,10 @@ MODULES = {
 TESTS_BY_FILE: dict[str, list[str]] = {
     "sketchlab/convert/scale.py": ["tests/test_convert.py", "tests/test_convert_scale.py",
                                    "tests/test_convert_options.py"],
-    "sketchlab/convert/linearize.py": ["tests/test_convert.py", "tests/test_convert_linearize.py",
-                                       "tests/test_convert_options.py", "tests/test_mut5_convert.py",
-                                       "tests/test_cli_linearize_lm.py", "tests/test_linearize_spread.py"],
+    **dict.fromkeys([f"sketchlab/convert/{name}.py" for name in ("linearize", "teacher", "theta", "transfer", "spread",
+                                                                 "lora")],
+                    ["tests/test_convert.py", "tests/test_convert_linearize.py", "tests/test_convert_options.py",
+                     "tests/test_mut5_convert.py", "tests/test_cli_linearize_lm.py", "tests/test_linearize_spread.py"]),
     "sketchlab/convert/pretrained.py": ["tests/test_convert.py", "tests/test_convert_capture_gguf.py",
                                         "tests/test_cli_linearize_lm.py"],
     # (not tests/test_exact_layers.py: it loads analysis/exact_layers.py, which mutmut does not copy)
@@ -116,7 +117,8 @@ TESTS_BY_FILE: dict[str, list[str]] = {
     "sketchlab/convert/families.py": ["tests/test_convert_families.py", "tests/test_convert.py",
                                       "tests/test_mut5_convert.py"],
     "sketchlab/convert/evaluate.py": ["tests/test_token_nll.py", "tests/test_convert_exact.py",
-                                      "tests/test_convert.py", "tests/test_evaluate.py"],
+                                      "tests/test_convert.py", "tests/test_evaluate.py",
+                                      "tests/test_convert_linearize.py"],
     "sketchlab/convert/saved.py": ["tests/test_convert.py", "tests/test_convert_review.py",
                                    "tests/test_convert_memory.py", "tests/test_convert_options.py",
                                    "tests/test_bad_input_convert.py"],

@@ -411,7 +411,7 @@ def _run_pretrained(args) -> int:
     if args.untied and args.attention != "llops":
         raise UsageError(f"--untied is an LLoPS option; --attention {args.attention} has no tied form")
     try:  # linearize's rule, named by the flags here
-        from ..convert.plan import _check_far
+        from ..convert.linearize import _check_far
 
         _check_far(not args.no_far, args.window, args.gate_init)
     except (TypeError, ValueError) as err:

@@ -1,16 +1,15 @@
 r"""``linearize``: a pretrained model's attention made sketched, in measured stages (LoLCATs' recipe).
 
-Stages (DESIGN §6), each reported with each layer's attention-output error on held-out sequences:
+The orchestrator: everything checked up front (:func:`_prepare`, the memory by :func:`memory_plan`),
+:mod:`.teacher` records every teacher layer's inputs and output once, then the stages (DESIGN §6), each reported with each layer's attention-output
+error on held-out sequences (:mod:`.evaluate`):
 
-0. **fit** (``attention="llops"`` only): Θ from the kernel fit on the model's own post-RoPE q, k
-   (:func:`sketchlab.capture_qk` → ``fit_sketch("llops", q·D^{-1/4}, k·D^{-1/4})``: the kernel is a
-   polynomial in ``qᵀk/√D``), the converted model starting from it;
-1. **transfer** (LoLCATs stage 1, attention transfer): only the feature maps and gates train, each
-   layer's sketched attention matched to the teacher's attention output on the same inputs (MSE).
-   The inputs (post-RoPE q, k, v) and outputs of every teacher layer are recorded in one teacher
-   pass, so layers train independently of each other, and can be spread over processes
-   (:func:`attention_transfer`: ``processes=N``, or the ranks of ``torchrun``);
-2. **lora** (optional, ``lora_steps > 0``): LoRA adapters (peft) on the attention projections,
+0. **fit** (:mod:`.theta`, ``attention="llops"`` only): Θ from the kernel fit on the teacher's post-RoPE
+   q, k (``fit_sketch("llops", q·D^{-1/4}, k·D^{-1/4})``), the converted model starting from it;
+1. **transfer** (:mod:`.transfer`, LoLCATs stage 1): only the feature maps and gates train, each layer's
+   sketched attention matched to the teacher's output on the same inputs (MSE), layers independent,
+   so they can be spread over processes (:mod:`.spread`);
+2. **lora** (:mod:`.lora`, ``lora_steps > 0``): LoRA adapters (peft) on the attention projections,
    trained with the next-token loss (causal LMs) or the distance to the teacher's final hidden
    states (encoders), then merged into the weights.
 
@@ -24,21 +23,28 @@ Zhang et al. *LoLCATs: On Low-Rank Linearizing of Large Language Models*, 2024.
 
 from __future__ import annotations
 
+import math
+import sys
 import time
 from dataclasses import asdict, dataclass, field
+from types import SimpleNamespace
 
 import torch
 from torch import nn
 
-from .._validation import DEFAULT_MAX_BYTES
-from .convert import _options, convert_attention, converted_modules
+from .._validation import DEFAULT_MAX_BYTES, check_memory, check_nonnegative_int, check_positive_int
+from ..capture import _check_against_model
+from .convert import (_check_exact_layers, _check_memory, _make_maps, _options, _resolve_tied, check_layout,
+                      check_map_memory, convert_attention, converted_modules)
 from .evaluate import (FAR_OFF_LOGIT, StageMeasures, _batches, _hidden, attention_errors, embedding_agreement,
                        far_off, perplexity, progress_bar, sentence_embeddings, token_nll)
+from .families import FAMILY_TABLE, attention_sites, family_of
 from .lora import _lora, lora_finetune
-from .plan import memory_plan, prepare
-from .stages import keep_better, named_divergence, snapshot
-from .teacher import LayerIO, teacher_attention, tokenize_texts
-from .theta import DEFAULT_FIT_WORK, _fit_recorded, fit_theta
+from .sketched import check_local_map
+from .spread import _check_processes
+from .stages import check_teacher_finite, keep_better, named_divergence, snapshot
+from .teacher import LayerIO, _all_strings, teacher_attention, tokenize_texts
+from .theta import DEFAULT_FIT_WORK, _check_fit_work, _fit_plan, _fit_recorded, fit_theta
 from .transfer import attention_transfer
 
 __all__ = ["DEFAULT_FIT_WORK", "FAR_OFF_LOGIT", "LayerIO", "LinearizeReport", "attention_errors", "attention_transfer",
@@ -90,19 +96,15 @@ def linearize(model: nn.Module, texts, *, tokenizer=None, attention: str = "llop
     seq_len : int
         Tokens per sequence. Transfer at the longest context the model will run at: a hybrid's far
         part sees up to ``seq_len − window`` keys in training, and maps transferred on shorter
-        sequences put too much mass on the far keys beyond that (SmolLM2, Hedgehog hybrid w = 64:
-        transferred on 512-token sequences, perplexity 55.5 at 1024 and 94.5 at 2048; on 2048-token
-        sequences, 48.4 and 47.8; ``analysis/results/linearize_lm_len512.md`` and ``linearize_lm.md``).
+        sequences put too much mass on the far keys beyond that (DESIGN §6, ``linearize_lm_len512.md``).
     holdout : float in (0, 1)
         Fraction of the sequences (the last ones) held out of training: every error and metric is
         measured on them.
     attention, p, m, rank, window, sinks, local, feature_map, normalize, tied
         The conversion (:func:`sketchlab.convert_attention`; ``sinks=None``: 4 with a window, 0
         for ``window=0``; ``tied=None``: LLoPS as the tied non-negative map on transformers
-        models). ``window``, ``sinks``, ``local`` and ``normalize`` are checked before any work
-        (an explicit ``sinks > 0`` with ``window=0`` is refused, and ``local="poly"`` with a map
-        without a polynomial degree, such as Hedgehog: layer 0's map is built to ask it, calling
-        ``feature_map`` once more); the report's settings record the resolved ``sinks``.
+        models), checked by its rules before any work (``local="poly"`` asks layer 0's map, built
+        once more, for a polynomial degree); the report's settings record the resolved ``sinks``.
     cache, decay, state, beta, exact_layers
         Long-context memory and layers kept exact (:func:`sketchlab.convert_attention`, DESIGN §7),
         checked before any work; stage 1 trains the decay and β parameters with the gate (at
@@ -125,11 +127,9 @@ def linearize(model: nn.Module, texts, *, tokenizer=None, attention: str = "llop
         start from their own initialisation.
     fit_work : float > 0 or None
         The stage-0 fit's effort: a cap on each head's estimated multiply-adds (``fit_llops_direct``'s
-        ``work=``; the schedule is cut after ``max(1, ⌊fit_work / c⌋)`` iterations, ``c`` one
-        iteration's cost). ``None``: :data:`DEFAULT_FIT_WORK` (about 5 ALS sweeps on a SmolLM2 head,
-        stage 0 in minutes where the preset's full schedule took ~27); ``math.inf``: the full schedule.
-        The plan (iterations per head) is printed up front with ``progress=True`` and recorded in the
-        stage's ``fit``.
+        ``work=``: ``max(1, ⌊fit_work / c⌋)`` iterations of cost ``c``). ``None``: :data:`DEFAULT_FIT_WORK`
+        (stage 0 in minutes on SmolLM2); ``math.inf``: the full schedule. The plan (iterations per head)
+        is printed up front with ``progress=True`` and recorded in the stage's ``fit``.
     far : bool
         ``False``: the far part off — every gate logit at :data:`FAR_OFF_LOGIT` (``sigmoid(40) = 1``:
         the far part's weight 0) and frozen, no fit, no transfer (the maps would have no effect):
@@ -152,15 +152,11 @@ def linearize(model: nn.Module, texts, *, tokenizer=None, attention: str = "llop
         layer, seeded from ``(seed, layer)``).
     max_bytes : int
         Memory budget of the run, checked before any work against :func:`memory_plan`'s estimate (the
-        model's parameters, the teacher's recorded attention — ``Σ_layers (2·H + 2·H_kv)·D`` values
-        per token in the model's dtype — and the largest stage buffer: an evaluation batch's logits,
-        the fit, the gates, a transfer or LoRA step): a ``ValueError`` names the sizes, the budget and
-        the way out. The estimate is recorded in the report's settings (``memory_estimate``).
+        parameters, the teacher recording and the largest stage buffer): a ``ValueError`` names the
+        sizes, the budget and the way out. The report's settings record it (``memory_estimate``).
     progress : bool
         Up front, one line on stderr (the sequences, the memory estimate, the fit's plan); then a
-        tqdm bar with its ETA on stderr for every stage: the teacher recording, the Θ fit (per
-        layer), the gate calibration (per layer), transfer (steps, layer by layer), LoRA (steps) and
-        each evaluation.
+        tqdm bar with its ETA on stderr for the recording, every stage and each evaluation.
 
     Returns
     -------
@@ -173,7 +169,7 @@ def linearize(model: nn.Module, texts, *, tokenizer=None, attention: str = "llop
         encoder's stages add ``nn_agreement`` (nearest-neighbour agreement with the teacher's
         sentence embeddings) beside the mean cosine ``metric``.
     """
-    r = prepare(model, texts, {k: v for k, v in locals().items() if k not in ("model", "texts")})
+    r = _prepare(model, texts, {k: v for k, v in locals().items() if k not in ("model", "texts")})
     measures = StageMeasures(r.ids, r.mask, r.held_idx, encoder=r.encoder, enabled=evaluate, batch_size=r.batch_size,
                              progress=r.progress)
     report = LinearizeReport(settings=r.settings, teacher_metric=measures.teacher(model))
@@ -247,3 +243,193 @@ def _calibrate_gates(model, sketches, layers, r) -> list:
             bar.update()
     _options(model)["gate_init"] = r.gate_init  # the conversion's record: the gates came from this, not 0
     return gates
+
+
+# ------------------------------------------------------------------------------------------------
+# what linearize settles before any work
+
+
+#: The report's ``settings``: :func:`sketchlab.linearize`'s arguments as resolved (``sinks``, ``gate_init``,
+#: ``tied``, ``fit_work``, ...), then what the run read and planned; the one list of them.
+SETTINGS = ("family", "attention", "p", "m", "rank", "window", "sinks", "local", "normalize", "gate_init", "tied",
+            "gate_sequences", "cache", "decay", "state", "beta", "exact_layers", "far", "sequences", "held_out",
+            "seq_len", "tokens", "sentences", "fit_work", "transfer_steps", "transfer_lr", "processes", "lora_steps",
+            "lora_rank", "lora_lr", "batch_size", "seed", "memory_estimate", "max_bytes")
+
+
+def _prepare(model: nn.Module, texts, run: dict) -> SimpleNamespace:
+    """What :func:`linearize` settles before any work: ``run`` (its keyword arguments) checked (by the
+    conversion's own rules where it has them) and resolved, with what the stages read added: ``family``,
+    ``sites``, ``exact`` (a set), ``memory`` (the conversion's memory options), ``encoder``, ``sentences``,
+    ``ids``, ``mask``, ``train_idx``, ``held_idx``, ``fitting``, ``fit_plan``, ``settings``; a refusal names
+    the argument, the rule and the value."""
+    r = dict(run)
+    r["family"] = family = family_of(model)
+    r["window"], r["sinks"] = check_layout(r["window"], r["sinks"], r["local"], r["normalize"])
+    sites = r["sites"] = attention_sites(model)[1]
+    r["exact"] = _check_exact_layers(r["exact_layers"], len(sites), family)  # before any work, by the conversion's rules
+    r["memory"] = _check_memory(r["cache"], r["decay"], r["state"], r["beta"], r["window"], r["sinks"], r["local"],
+                                r["normalize"], causal=all(site.causal for site in sites))
+    _check_far(r["far"], r["window"], r["gate_init"])
+    if not isinstance(r["progress"], bool):
+        raise TypeError(f"progress must be True or False, got {r['progress']!r}")
+    check_teacher_finite(model)
+    r["encoder"] = encoder = family != "toy" and FAMILY_TABLE[family].encoder
+    r["sentences"] = encoder and _all_strings(texts)  # an encoder reads one sentence (line) per sequence
+    ids, mask = r["ids"], r["mask"] = tokenize_texts(texts, r["tokenizer"], seq_len=r["seq_len"],
+                                                     max_tokens=r["max_tokens"], sentences=r["sentences"])
+    _check_against_model(getattr(model, "config", None), ids, mask, "linearize: texts", r["seq_len"])
+    holdout = r["holdout"]
+    if not (isinstance(holdout, float) and 0 < holdout < 1):
+        raise ValueError(f"holdout must be a float in (0, 1), got {holdout!r}")
+    N = ids.shape[0]
+    n_held = max(1, int(round(holdout * N)))
+    if n_held >= N:
+        raise ValueError(f"holdout={holdout} of {N} sequence(s) leaves none to train on; give more text or lower seq_len")
+    r["train_idx"], r["held_idx"] = torch.arange(N - n_held), torch.arange(N - n_held, N)
+    for name in ("transfer_steps", "lora_steps"):
+        r[name] = check_nonnegative_int(r[name], name)
+    for name in ("batch_size", "gate_sequences"):
+        r[name] = check_positive_int(r[name], name)
+    r["processes"] = _check_processes(r["processes"], len(sites))  # at most one process per layer
+    r["gate_init"] = _check_gate_init(r)
+    if r["fit_tokens"] is not None:
+        r["fit_tokens"] = check_nonnegative_int(r["fit_tokens"], "fit_tokens")
+    r["fit_work"] = _check_fit_work(r["fit_work"], r["fit_options"])
+    r["fitting"] = bool(r["fit"]) and r["far"] and r["attention"] == "llops" and r["feature_map"] is None
+    # the map the conversion will use, checked before the teacher is recorded and Θ fitted
+    r["tied"] = _resolve_tied(r["tied"], r["attention"], r["feature_map"], r["p"], family, has_theta=r["fitting"])
+    if r["feature_map"] is None:
+        check_map_memory(sites, r["attention"], p=check_positive_int(r["p"], "p"), m=check_positive_int(r["m"], "m"),
+                         rank=check_positive_int(r["rank"], "rank"), max_bytes=r["max_bytes"])
+    with torch.random.fork_rng(devices=[]):  # layer 0's query map as convert_attention will make it
+        probe = _make_maps(r["attention"], r["feature_map"], 0, sites[0].heads, sites[0].head_dim, r["p"], r["m"],
+                           r["rank"], r["seed"], r["tied"])[0]
+    check_local_map(probe, window=r["window"], local=r["local"])  # the layer's own rule, before the teacher is recorded
+    train_tokens = int(mask[r["train_idx"]].sum())
+    fit_tokens = min(train_tokens, r["fit_tokens"] or train_tokens)
+    r["fit_plan"] = _fit_plan(r["p"], r["m"], r["rank"], sites[0].head_dim, fit_tokens, r["fit_work"],
+                              r["fit_options"]) if r["fitting"] else None
+    plan = memory_plan(model, sites, ids.shape, probe=probe, batch_size=r["batch_size"], window=r["window"],
+                       sinks=r["sinks"], cache=r["memory"]["cache"], fit_tokens=r["fit_plan"] and fit_tokens, m=r["m"],
+                       p=r["p"], rank=r["rank"],
+                       gate_sequences=r["gate_sequences"] if isinstance(r["gate_init"], str) else 0,
+                       transfer=bool(r["transfer_steps"] and r["far"]), lora=bool(r["lora_steps"]), encoder=encoder)
+    _announce(r, plan, n_held)
+    shown = {**r, **r["memory"], "attention": r["attention"] if r["feature_map"] is None else "custom",
+             "sequences": N, "held_out": n_held, "seq_len": int(ids.shape[1]), "tokens": int(mask.sum()),
+             "exact_layers": sorted(r["exact"]), "fit_work": r["fit_work"] if r["fitting"] else None,
+             "memory_estimate": plan}
+    r["settings"] = {name: shown[name] for name in SETTINGS}
+    return SimpleNamespace(**r)
+
+
+def _announce(r: dict, plan: dict, n_held: int) -> None:
+    """The run up front on stderr (``progress``: its sequences, memory estimate and fit plan), then its
+    memory estimate against the budget (a ``ValueError`` naming the sizes and the way out)."""
+    ids, mask, fit_plan = r["ids"], r["mask"], r["fit_plan"]
+    N, T = ids.shape
+    if r["progress"]:
+        heads = (len(r["sites"]) - len(r["exact"])) * r["sites"][0].heads
+        print(f"linearize: {N} sequence(s) of up to {T} tokens ({int(mask.sum())} tokens, {n_held} held out); "
+              f"memory estimate {plan['total'] / 2**30:.3g} GiB ({_plan_words(plan)}) of the budget "
+              f"{r['max_bytes'] / 2**30:.3g} GiB"
+              + (f"; stage 0 fits {heads} heads, {fit_plan['iterations']} of {fit_plan['planned']} iterations each "
+                 f"(~{fit_plan['work']:.2g} multiply-adds; fit_work={r['fit_work']:.3g})" if fit_plan else ""),
+              file=sys.stderr, flush=True)
+    check_memory(plan["total"], max_bytes=r["max_bytes"],
+                 what=f"linearize on {N} sequence(s) of {T} tokens ({_plan_words(plan)}; estimated)",
+                 way_out="give less text (max_tokens=), a shorter seq_len or a smaller batch_size")
+
+
+def _check_gate_init(r: dict):
+    """The resolved ``gate_init``: :data:`FAR_OFF_LOGIT` with ``far=False``; for ``None``, ``0`` for a
+    Hedgehog hybrid or pure linear attention, ``"search"`` for any other hybrid; else checked."""
+    gate_init, window = r["gate_init"], r["window"]
+    if not r["far"]:
+        return FAR_OFF_LOGIT
+    if gate_init is None:
+        return "search" if window and not (r["attention"] == "hedgehog" and r["feature_map"] is None) else 0.0
+    if isinstance(gate_init, str):
+        if gate_init not in ("mass", "search"):
+            raise ValueError(f"gate_init must be a number, 'mass', 'search' or None, got {gate_init!r}")
+        if not window:
+            raise ValueError(f"gate_init={gate_init!r} sets the hybrid's gates: window=0 (pure linear attention) has none")
+    elif isinstance(gate_init, bool) or not isinstance(gate_init, (int, float)) or not math.isfinite(gate_init):
+        raise ValueError(f"gate_init must be a finite number, 'mass', 'search' or None, got {gate_init!r}")
+    return gate_init
+
+
+def _check_far(far, window: int, gate_init) -> None:
+    """``far``: a bool; ``far=False`` needs a window and no ``gate_init`` (it sets the gates itself)."""
+    if not isinstance(far, bool):
+        raise TypeError(f"far must be True or False, got {far!r}")
+    if not far and not window:
+        raise ValueError("far=False keeps window + sinks alone: window=0 (pure linear attention) has no window and "
+                         "nothing would be left; pass window >= 1")
+    if not far and gate_init is not None:
+        raise ValueError(f"far=False sets every gate logit to {FAR_OFF_LOGIT} (the far part's weight 0): "
+                         f"gate_init={gate_init!r} would not be used; leave it None")
+
+
+
+def memory_plan(model: nn.Module, sites, shape, *, probe=None, batch_size: int, window: int, sinks: int, cache: int,
+                fit_tokens, m: int, p: int, rank: int, gate_sequences: int, transfer: bool, lora: bool,
+                encoder: bool) -> dict:
+    """What :func:`linearize` allocates on ``shape = [N, T]`` sequences, in bytes (an estimate, on the
+    generous side): held for the whole run, the model's ``parameters`` and the teacher ``recording``
+    (every layer's q, k, v and output, allocated once); then, one at a time, the largest of the
+    stages' transient buffers — an ``evaluation`` batch (the logits in the model's dtype and in float64
+    with their log-softmax; the dense attention scores), the stage-0 ``fit`` (the fitting tokens'
+    float64 q, k, one layer's ``n × n`` kernels and features, the layer's training rows copied), the
+    ``gates`` calibration (dense float64 scores of ``gate_sequences``), the ``attention errors``
+    (float64 outputs and features of a batch), a ``transfer`` step (one layer's features, scores and
+    their gradients on ``batch_size`` sequences) and a ``lora`` step (the whole model's activations kept
+    for the backward pass). ``total`` = parameters + recording + the largest of them."""
+    N, T = int(shape[0]), int(shape[1])
+    b = min(batch_size, N)
+    params = list(model.parameters())
+    item = params[0].element_size()
+    cfg = getattr(model, "config", None)
+    vocab = int(getattr(cfg, "vocab_size", 0) or 0)
+    hidden = int(getattr(cfg, "hidden_size", 0) or getattr(cfg, "d_model", 0) or 0)
+    L = len(sites)
+    H = max(s.heads for s in sites)
+    D = max(s.head_dim for s in sites)
+    feats = m
+    if probe is not None:
+        try:  # the map's feature count, from one zero token (a map that cannot take it: m)
+            with torch.no_grad(), torch.random.fork_rng(devices=[]):
+                feats = int(probe(torch.zeros(1, 1, sites[0].heads, sites[0].head_dim,
+                                              dtype=next(probe.parameters(), torch.zeros(0)).dtype)).shape[-1])
+        except (TypeError, ValueError, RuntimeError, IndexError):
+            feats = m
+    exact_keys = window + sinks + cache
+    plan = {"parameters": sum(t.numel() * t.element_size() for t in params),
+            "recording": sum((2 * s.heads + 2 * s.kv_heads) * s.head_dim for s in sites) * item * N * T}
+    scores = b * H * T * T * item * 2  # the teacher's dense attention scores and weights of one layer
+    plan["evaluation"] = scores + (b * T * hidden * 8 if encoder else b * T * vocab * (item + 16))
+    if fit_tokens:
+        n = int(fit_tokens)
+        plan["fit"] = (2 * H * n * D * 8 + 3 * H * n * n * 8 + 4 * H * n * m * p * rank * 8
+                       + 2 * (N * T) * H * D * item)
+    if gate_sequences:
+        plan["gates"] = 3 * min(gate_sequences, N) * H * T * T * 8
+    plan["attention errors"] = b * T * H * (3 * D * 8 + 2 * feats * 8 + exact_keys * 8)
+    if transfer:
+        plan["transfer"] = 4 * b * T * H * (2 * feats + 3 * D + exact_keys + 2 * cache) * max(item, 4)
+    if lora:
+        per_layer = b * T * (16 * hidden + 2 * H * min(T, exact_keys + feats)) * item
+        plan["lora"] = L * per_layer + 3 * b * T * max(vocab, hidden) * item + 3 * plan["parameters"] // 100
+    transient = max((v for k, v in plan.items() if k not in ("parameters", "recording")), default=0)
+    plan["total"] = plan["parameters"] + plan["recording"] + transient
+    return plan
+
+
+def _plan_words(plan: dict) -> str:
+    """``parameters 0.5 GiB + recording 4.5 GiB + evaluation 2 GiB (the largest of the stages')``."""
+    transient = {k: v for k, v in plan.items() if k not in ("parameters", "recording", "total")}
+    big = max(transient, key=transient.get) if transient else None
+    gib = lambda v: f"{v / 2**30:.3g} GiB"  # noqa: E731
+    return (f"parameters {gib(plan['parameters'])} + teacher recording {gib(plan['recording'])}"
+            + (f" + {big} {gib(transient[big])}, the largest of the stages' buffers" if big else ""))

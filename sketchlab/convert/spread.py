@@ -22,10 +22,10 @@ import torch
 __all__ = ["SPREAD_TIMEOUT"]
 
 
-def _check_processes(processes, layers: int | None = None) -> int:
-    """``processes`` as an int in ``[1, layers]`` (``layers=None``: no upper bound), else a
-    ``ValueError`` naming it (and ``layers``: refused, not clamped, since a process with no layer would
-    only pay its start-up, and a silent clamp would report settings that did not run); ``> 1`` is refused
+def _check_processes(processes, layers: int) -> int:
+    """``processes`` as an int in ``[1, layers]``, else a ``ValueError`` naming it (and ``layers``: refused,
+    not clamped, since a process with no layer would only pay its start-up, and a silent clamp would
+    report settings that did not run); ``> 1`` is refused
     inside an initialised ``torch.distributed`` group (which spreads the layers by itself) and where
     ``torch.distributed`` is not built in."""
     if isinstance(processes, bool) or not isinstance(processes, numbers.Integral) or processes < 1:
@@ -41,7 +41,7 @@ def _check_processes(processes, layers: int | None = None) -> int:
             raise ValueError(f"processes={processes}: this process already belongs to a torch.distributed group "
                              "(torchrun?), over which attention transfer spreads the layers by itself: leave "
                              "processes=1")
-        if layers is not None and processes > layers:
+        if processes > layers:
             raise ValueError(f"processes={processes} exceeds the {layers} layers to train (one layer per process "
                              f"at most: the others would train nothing): use processes <= {layers}")
     return int(processes)

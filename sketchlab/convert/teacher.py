@@ -17,6 +17,7 @@ from .families import family_of
 __all__ = ["LayerIO", "teacher_attention", "tokenize_texts"]
 
 _TEACHER_NAME = "sketchlab_teacher"
+_NO_TOKENS = "texts hold no tokens (an empty or whitespace-only text, or empty token lists): give text to train on"
 _RECORDING: list[dict] = []
 
 
@@ -82,8 +83,7 @@ def tokenize_texts(texts, tokenizer=None, *, seq_len: int = 512, max_tokens: int
             raise ValueError("texts must all be strings or all be lists of token ids")
     total = sum(len(r) for r in rows)
     if not total:
-        raise ValueError("texts hold no tokens (an empty or whitespace-only text, or empty token lists): give text to "
-                         "train on")
+        raise ValueError(_NO_TOKENS)
     if any(i < 0 for r in rows for i in r):
         raise ValueError("texts: token ids must be >= 0, got a negative one")
     return split_sequences(rows, seq_len=seq_len, max_tokens=total if max_tokens is None else max_tokens)
@@ -98,8 +98,7 @@ def _sentences(texts, tokenizer, seq_len: int, max_tokens):
     lines = [line.strip() for text in ([texts] if isinstance(texts, str) else texts) for line in text.splitlines()]
     lines = [line for line in lines if line]
     if not lines:
-        raise ValueError("texts hold no tokens (an empty or whitespace-only text, or empty token lists): give text to "
-                         "train on")
+        raise ValueError(_NO_TOKENS)
     budget = math.inf if max_tokens is None else check_positive_int(max_tokens, "max_tokens")
     rows = []
     for line in lines:
