@@ -165,18 +165,15 @@ def add_arguments(sub) -> None:
     cmd.add_argument("--transfer-lr", type=positive_float, default=1e-2,
                      help="learning rate of the attention-transfer stage (default 1e-2)")
     cmd.add_argument("--processes", type=positive_int, default=1, metavar="N",
-                     help="processes of the attention-transfer stage, at most one per layer: its layers train "
-                          "at once on this one and N-1 spawned workers, each with --threads threads (the same "
-                          "result as 1; each worker's start-up costs ~4.6 CPU s; the recording must fit in /dev/shm; "
-                          "the other stages run in this process; default 1)")
+                     help="processes of the attention-transfer stage (at most one per layer): this one and N-1 "
+                          "spawned workers with --threads threads each, the same result as 1 (default 1)")
     cmd.add_argument("--lora-steps", type=nonnegative_int, default=0, help="LoRA steps (0: no LoRA stage)")
     cmd.add_argument("--lora-rank", type=positive_int, default=8, help="rank of the LoRA adapters (default 8)")
     cmd.add_argument("--lora-lr", type=positive_float, default=1e-4, help="learning rate of the LoRA stage (default 1e-4)")
     cmd.add_argument("--no-fit", action="store_true", help="skip stage 0 (start the maps from their initialisation)")
     cmd.add_argument("--fit-work", type=_fit_work, default=None, metavar="FLOPS",
-                     help="the stage-0 Θ fit's effort: at most this many multiply-adds per head (default "
-                          "sketchlab.convert.theta.DEFAULT_FIT_WORK = 3.5e9, about 5 ALS sweeps on a SmolLM2 head, "
-                          "stage 0 in minutes; inf: the fit's full schedule, ~27 min on SmolLM2)")
+                     help="the stage-0 Θ fit's effort: at most this many multiply-adds per head (default 3.5e9, "
+                          "stage 0 in minutes on SmolLM2; inf: the fit's full schedule, ~27 min there)")
     cmd.add_argument("--no-far", action="store_true",
                      help="the far part off: window + sinks (and --cache) alone, every gate logit at 40 "
                           "(sigmoid = 1), no fit, no transfer; the control a hybrid must beat (LoRA still runs)")
@@ -222,8 +219,6 @@ def run(args) -> int:
 
 def _refuse_other_path_options(args, names, source: str) -> None:
     """Refuse (exit 2) the options of ``names`` that differ from their defaults: this path ignores them."""
-    import argparse
-
     parser = argparse.ArgumentParser()
     add_arguments(parser.add_subparsers())
     defaults = vars(parser.parse_args(["linearize", "--out", "-"]))
@@ -272,8 +267,8 @@ def _toy_budget(args) -> None:
     size, the budget and the way out)."""
     from types import SimpleNamespace
 
+    from ..convert.theta import _fit_plan
     from ..llops.fit_als import QUALITY
-    from ..llops.target import iteration_flops
     from ..tasks import MQARConfig, load_checkpoint
     from .train import estimate_bytes, memory_budget
 
@@ -305,10 +300,8 @@ def _toy_budget(args) -> None:
             f"linearize: {what} need about {nbytes / 2**30:.3g} GiB (capture_sequences={S} of {T} tokens, "
             f"batch_size={args.batch_size or 32}, p={args.p}, m={args.m}, rank={args.rank}, L={L}, H={H}, D={D}), over the memory budget of {budget / 2**30:.3g} "
             "GiB (half of this machine's memory): lower --capture-sequences, --batch-size, --m, --rank or --p")
-    preset = QUALITY["default"]
-    iterations = preset.steps + preset.lm_steps + preset.lm_steps // max(preset.interleave, 1) * preset.interleave
-    per = iteration_flops("kernel", n_fit, n_fit, D, p_theta, args.m, args.rank)
-    work = L * H * max(per, min(preset.work, iterations * per))
+    plan = _fit_plan(p_theta, args.m, args.rank, D, n_fit, QUALITY["default"].work, None)  # stage 0's one rule
+    per, work = plan["per_iteration"], L * H * plan["work"]
     if work > FIT_WORK_BUDGET:
         raise ValueError(
             f"linearize: the LLoPS fit needs about {work:.3g} multiply-adds ({L * H} heads, one iteration "
@@ -339,6 +332,14 @@ def _pretrained_settings(args) -> dict:
             **_identity(PRETRAINED, args, as_called=False)}
 
 
+def _by_the_rule(flags: str, check, *args, **kwargs):
+    """``check(*args, **kwargs)``, the library's rule, its refusal a ``UsageError`` naming the ``flags`` (exit 2)."""
+    try:
+        return check(*args, **kwargs)
+    except (TypeError, ValueError) as err:
+        raise UsageError(f"{flags}: {err}") from None
+
+
 def _check_memory_flags(args, *, causal: bool = True, model=None) -> None:
     """``--cache``, ``--decay``, ``--state``, ``--beta`` (and, with the loaded ``model``, its causality and
     ``--exact-layers``) checked by the conversion's own rules, a refusal naming the flags (exit 2)."""
@@ -348,17 +349,12 @@ def _check_memory_flags(args, *, causal: bool = True, model=None) -> None:
     if model is not None:
         family, sites = attention_sites(model)
         causal = all(site.causal for site in sites)
-        try:
-            _check_exact_layers(args.exact_layers, len(sites), family)
-        except (TypeError, ValueError) as err:
-            raise UsageError(f"--exact-layers {','.join(map(str, args.exact_layers))}: {err}") from None
-    try:
-        _check_memory(args.cache, args.decay, args.state, args.beta, args.window, args.sinks, args.local,
-                      args.normalize, causal=causal)
-    except (TypeError, ValueError) as err:
-        given = (f"--cache {args.cache}, --decay {'(none)' if args.decay is None else args.decay}, --state {args.state}, "
-                 f"--beta {args.beta} (--window {args.window}{'' if causal else ', an encoder'})")
-        raise UsageError(f"{given}: {err}") from None
+        _by_the_rule(f"--exact-layers {','.join(map(str, args.exact_layers))}", _check_exact_layers, args.exact_layers,
+                     len(sites), family)
+    _by_the_rule(f"--cache {args.cache}, --decay {'(none)' if args.decay is None else args.decay}, --state "
+                 f"{args.state}, --beta {args.beta} (--window {args.window}{'' if causal else ', an encoder'})",
+                 _check_memory, args.cache, args.decay, args.state, args.beta, args.window, args.sinks, args.local,
+                 args.normalize, causal=causal)
 
 
 def _read_text(given: str) -> str:
@@ -390,8 +386,8 @@ def _read_text(given: str) -> str:
 
 def _run_pretrained(args) -> int:
     from ..convert.convert import check_layout
+    from ..convert.linearize import _check_far, linearize
     from ..convert.saved import save_linearized
-    from ..convert.linearize import linearize
     from ..convert.pretrained import load_pretrained
     from ..io import staged_directory
     from .capture import transformers_progress
@@ -402,21 +398,15 @@ def _run_pretrained(args) -> int:
         raise UsageError(f"--holdout must lie in (0, 1) with --model-dir / --gguf, got {args.holdout}")
     if isinstance(args.gate_init, str) and args.window == 0:
         raise UsageError(f"--gate-init {args.gate_init} sets the hybrid's gates: --window 0 (pure linear attention) has none")
-    try:  # the library's rules, named by the flags here; the resolved number of sinks is what the run records
-        args.sinks = check_layout(args.window, args.sinks, args.local, args.normalize)[1]
-    except ValueError as err:
-        given = (f"--window {args.window}, --sinks {'(default)' if args.sinks is None else args.sinks}, "
-                 f"--local {args.local}, --normalize {args.normalize or '(default)'}")
-        raise UsageError(f"{given}: {err}") from None
+    # the library's rules, named by the flags here; the resolved number of sinks is what the run records
+    args.sinks = _by_the_rule(f"--window {args.window}, --sinks {'(default)' if args.sinks is None else args.sinks}, "
+                              f"--local {args.local}, --normalize {args.normalize or '(default)'}", check_layout,
+                              args.window, args.sinks, args.local, args.normalize)[1]
     if args.untied and args.attention != "llops":
         raise UsageError(f"--untied is an LLoPS option; --attention {args.attention} has no tied form")
-    try:  # linearize's rule, named by the flags here
-        from ..convert.linearize import _check_far
-
-        _check_far(not args.no_far, args.window, args.gate_init)
-    except (TypeError, ValueError) as err:
-        raise UsageError(f"--no-far with --window {args.window}"
-                         + (f", --gate-init {args.gate_init}" if args.gate_init is not None else "") + f": {err}") from None
+    _by_the_rule(f"--no-far with --window {args.window}"
+                 + (f", --gate-init {args.gate_init}" if args.gate_init is not None else ""), _check_far,
+                 not args.no_far, args.window, args.gate_init)
     _check_memory_flags(args, causal=True)  # the model's causality and layer count: once it is loaded
     out = Path(args.out)
     source = Path(args.gguf) if args.gguf else Path(args.model_dir)

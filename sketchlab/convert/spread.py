@@ -1,10 +1,6 @@
-"""Stage 1 of :func:`sketchlab.linearize` spread over processes: a ``torch.distributed`` group's ranks (its
-arguments checked alike on every rank, :func:`_same_call`), or ``processes − 1`` workers spawned here, layer
-``i`` trained on rank ``i % W`` and broadcast to every rank afterwards (:func:`_share`).
-
-What trains a rank's layers is handed in (``train``, :func:`sketchlab.convert.transfer._train_own`): this
-module knows processes, groups and shared memory, not the training.
-"""
+"""Stage 1 of :func:`sketchlab.linearize` spread over a ``torch.distributed`` group's ranks or ``processes − 1``
+spawned workers: layer ``i`` trained on rank ``i % W`` by the ``train`` handed in
+(:func:`sketchlab.convert.transfer._train_own`), then broadcast to every rank (DESIGN §6)."""
 
 from __future__ import annotations
 

@@ -62,6 +62,8 @@ def tokenize_texts(texts, tokenizer=None, *, seq_len: int = 512, max_tokens: int
     from ..capture import split_sequences
 
     seq_len = check_positive_int(seq_len, "seq_len")
+    if tokenizer is None and _all_strings(texts):
+        raise ValueError("texts are strings: pass the model's tokenizer")
     if sentences:
         return _sentences(texts, tokenizer, seq_len, max_tokens)
     if isinstance(texts, torch.Tensor):
@@ -74,8 +76,6 @@ def tokenize_texts(texts, tokenizer=None, *, seq_len: int = 512, max_tokens: int
         if not isinstance(texts, (list, tuple)) or not texts:
             raise ValueError("texts must be a string, a non-empty list of strings or token-id lists, or a LongTensor [N, T]")
         if all(isinstance(t, str) for t in texts):
-            if tokenizer is None:
-                raise ValueError("texts are strings: pass the model's tokenizer")
             rows = [tokenizer(t)["input_ids"] for t in texts]
         elif all(isinstance(t, (list, tuple)) and all(isinstance(i, int) for i in t) for t in texts):
             rows = [list(t) for t in texts]
@@ -93,8 +93,6 @@ def _sentences(texts, tokenizer, seq_len: int, max_tokens):
     """:func:`tokenize_texts` with ``sentences=True``."""
     if not _all_strings(texts):
         raise ValueError("sentences=True reads text: texts must be a string or a non-empty list of strings")
-    if tokenizer is None:
-        raise ValueError("texts are strings: pass the model's tokenizer")
     lines = [line.strip() for text in ([texts] if isinstance(texts, str) else texts) for line in text.splitlines()]
     lines = [line for line in lines if line]
     if not lines:

@@ -14,14 +14,11 @@ from .teacher import LayerIO, teacher_attention
 
 __all__ = ["DEFAULT_FIT_WORK", "fit_theta"]
 
-#: Default cap of the stage-0 Θ fit's effort: estimated multiply-adds per head
-#: (``fit_llops_direct(work=)``, :func:`sketchlab.llops.target.iteration_flops` per iteration). On a
-#: SmolLM2 head (d = 64, 1024 fitting tokens, p = 2, m = 64: 6.8e8 per iteration) it allows 5 of the
-#: default preset's 38 iterations (its ALS sweeps), which keeps stage 0 to minutes for 270 heads
-#: where the uncapped preset took ~53 s per layer (~27 min). Measured on one layer's 9 heads of that size
-#: (random q, k; one thread of our loaded 2-core machine): 13.4 CPU s capped against 88 uncapped (×0.15,
-#: so ~8 s a layer, ~4 min for SmolLM2's 30, at the issue's 53 s), the in-sample error 0.755 against
-#: 0.737. ``fit_work=math.inf``: the preset's full schedule.
+#: Default cap of the stage-0 Θ fit's effort: estimated multiply-adds per head (``fit_llops_direct(work=)``,
+#: :func:`sketchlab.llops.target.iteration_flops` per iteration). On a SmolLM2 head (d = 64, 1024 fitting
+#: tokens, p = 2, m = 64: 6.8e8 per iteration) it allows 5 of the default preset's 38 iterations: one layer's
+#: 9 heads took 13.4 CPU s against 88 uncapped (~4 min for SmolLM2's 30 layers against ~27), the in-sample
+#: error 0.755 against 0.737. ``fit_work=math.inf``: the preset's full schedule.
 DEFAULT_FIT_WORK = 3.5e9
 
 

@@ -145,10 +145,8 @@ def attention_transfer(sketches, layers: list[LayerIO], mask, train_idx, *, step
 
     Notes
     -----
-    Spread or not, each layer runs the same operations on the same data, and the broadcasts copy
-    values exactly: with the same number of threads per process the result is bitwise that of one
-    process (``tests/test_linearize_spread.py``). Only this stage is spread; :func:`linearize`'s
-    teacher pass, fit, gate calibration, evaluation and LoRA run in the calling process.
+    Spread or not, each layer runs the same operations on the same data and the broadcasts copy values
+    exactly: at equal threads per process the result is bitwise that of one process.
     """
     group = _check_group(group)
     world = 1 if group is None else torch.distributed.get_world_size(group)
