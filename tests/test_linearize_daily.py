@@ -328,3 +328,26 @@ def test_the_readme_commands_outputs_are_ignored_by_git():
     for path in outputs:
         probe = path + "x" if path.endswith("/") else path
         assert subprocess.run(["git", "check-ignore", "-q", probe], cwd=root).returncode == 0, path
+
+
+def test_the_fit_sees_the_recordings_sqrt_d_inputs(monkeypatch):
+    """Stage 0 fits the kernel of ``q·D^{-1/4}, k·D^{-1/4}`` (the polynomial in ``qᵀk/√D``): each layer's
+    fit gets the recording's valid tokens so scaled, keys repeated to the query heads, float64 ``[H, n, D]``."""
+    import sketchlab.fit
+
+    calls, real = [], sketchlab.fit.fit_sketch
+    monkeypatch.setattr(sketchlab.fit, "fit_sketch", lambda *a, **k: calls.append(a) or real(*a, **k))
+    ids = _ids(4, 16)
+    mask = torch.ones_like(ids)
+    mask[1, 12:] = 0
+    layers = lin.teacher_attention(_llama(), ids, mask)
+    theta._fit_recorded(layers, mask, torch.arange(3), set(), p=2, m=4, rank=1, fit_tokens=None, seed=0,
+                        fit_work=1e6, fit_options=None, progress=False)
+    valid = mask[:3].bool()
+    for (_, q, k), io in zip(calls, layers):
+        D, rep = io.q.shape[3], io.q.shape[2] // io.k.shape[2]
+        want_q = io.q[:3][valid].float().transpose(0, 1).double() * D ** -0.25  # [H, n, D], float32 as captured
+        want_k = io.k[:3][valid].float().repeat_interleave(rep, dim=1).transpose(0, 1).double() * D ** -0.25
+        assert q.dtype == k.dtype == torch.float64 and q.shape == want_q.shape == (4, 44, 8)
+        torch.testing.assert_close(q, want_q, rtol=0, atol=0)
+        torch.testing.assert_close(k, want_k, rtol=0, atol=0)
