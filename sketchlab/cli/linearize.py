@@ -1,32 +1,24 @@
 """``sketchlab linearize``: swap a model's attention for sketched attention and train it in stages.
 
-Two paths:
+Two paths, each reading its own options (:data:`TOY`, :data:`PRETRAINED`; the other path's are refused):
 
-* a pretrained transformers model (``--model-dir DIR`` or ``--gguf FILE``) on a text file
-  (``--text FILE``): :func:`sketchlab.linearize` — stage 0 (LLoPS Θ from the kernel fit on the
-  model's own post-RoPE q/k), stage 1 (attention transfer, ``--transfer-steps``; ``--processes N``
-  spreads its layers over N processes), stage 2 (LoRA, ``--lora-steps``); the converted model is saved
-  under ``--out/model`` (reload it with :func:`sketchlab.load_linearized`), the report as
-  ``--out/linearize.json`` and ``linearize.md`` (each stage beside window + sinks alone, the floor the far
-  part must beat; ``--no-far`` keeps that model). One line up front gives the memory estimate (a run over
-  ``--max-memory``, default the machine's available memory, is refused) and the fit's plan
-  (``--fit-work``); every stage shows a progress bar with its ETA on stderr (``--no-progress``: none). The
-  long-context memory (``--cache``, ``--decay``, ``--state``, ``--beta``, ``--exact-layers``) is checked by
-  the conversion's rules, a bad value refused naming its flag;
+* a pretrained transformers model (``--model-dir DIR`` or ``--gguf FILE``) on ``--text FILE``:
+  :func:`sketchlab.linearize` (stage 0 the Θ fit, ``--fit-work``; stage 1 attention transfer,
+  ``--transfer-steps``, ``--processes N``; stage 2 LoRA, ``--lora-steps``), the converted model saved
+  under ``--out/model`` (:func:`sketchlab.load_linearized`), the report as ``--out/linearize.json`` and
+  ``linearize.md`` (each stage beside window + sinks alone; ``--no-far`` keeps that model); a run over
+  ``--max-memory`` (default: the available memory) is refused; the conversion's options are checked by
+  its rules, a bad value refused naming its flag;
 * sketchlab's toy MQAR checkpoint (positional ``CHECKPOINT``): :func:`sketchlab.tasks.linearize`
-  (capture → fit → export Θ → fine-tune), as before.
+  (capture → fit → export Θ → fine-tune), its memory within half of this machine's and its fit within
+  :data:`FIT_WORK_BUDGET` multiply-adds.
 
-Refused before any work (exit 2, one line): an ``--out`` that is or holds the checkpoint, the
-``--model-dir``, the ``--gguf`` file or the ``--text`` (any spelling or link); an ``--out`` holding
-files no ``linearize`` run writes, an unfinished run whose settings are not recorded, or another
-run's output (its ``linearize.json`` or fine-tuning checkpoints record other settings; the same
-settings rerun, the toy path resuming its fine-tuning); on the toy path, sizes whose memory exceeds
-half of this machine's memory or whose LLoPS fit exceeds :data:`FIT_WORK_BUDGET` multiply-adds.
-Missing parents of ``--out`` are created (and removed again when the run fails); each file written is
-reported as ``wrote PATH``. The run's files appear in ``--out`` together at the end, replacing those
-of the same run there (:func:`sketchlab.io.staged_directory`): a run that fails leaves ``--out`` as
-it was, except the toy path's fine-tuning checkpoints ``--out/finetune``, kept so that the same
-command resumes.
+Refused before any work (exit 2, one line): an ``--out`` that is or holds an input (any spelling or
+link), files no ``linearize`` run writes, an unfinished run whose settings are not recorded, or another
+run's output (the same settings rerun; the toy path resumes its fine-tuning). The run's files appear in
+``--out`` together at the end (:func:`sketchlab.io.staged_directory`), each reported as ``wrote PATH``; a
+run that fails leaves ``--out`` as it was (missing parents removed again), except the toy path's
+fine-tuning checkpoints ``--out/finetune``, kept so that the same command resumes.
 """
 
 from __future__ import annotations

@@ -89,10 +89,8 @@ def linearize(model: nn.Module, texts, *, tokenizer=None, attention: str = "llop
         in place (the LoRA stage merges its adapters into the weights).
     texts
         Training and held-out text: strings (with ``tokenizer``), token-id lists or a LongTensor
-        ``[N, T]`` (:func:`tokenize_texts`), cut into ``seq_len``-token sequences, ``max_tokens`` in all.
-        An encoder (BERT family) given strings reads one sentence — one non-blank line — per sequence,
-        with its own special tokens and padding, truncated to ``seq_len`` (``tokenize_texts(...,
-        sentences=True)``): its held-out measures are then per sentence.
+        ``[N, T]`` (:func:`tokenize_texts`), cut into ``seq_len``-token sequences, ``max_tokens`` in all;
+        an encoder (BERT family) given strings reads one sentence (non-blank line) per sequence.
     seq_len : int
         Tokens per sequence. Transfer at the longest context the model will run at: a hybrid's far
         part sees up to ``seq_len − window`` keys in training, and maps transferred on shorter
@@ -377,15 +375,12 @@ def memory_plan(model: nn.Module, sites, shape, *, probe=None, batch_size: int, 
                 fit_tokens, m: int, p: int, rank: int, gate_sequences: int, transfer: bool, lora: bool,
                 encoder: bool) -> dict:
     """What :func:`linearize` allocates on ``shape = [N, T]`` sequences, in bytes (an estimate, on the
-    generous side): held for the whole run, the model's ``parameters`` and the teacher ``recording``
-    (every layer's q, k, v and output, allocated once); then, one at a time, the largest of the
-    stages' transient buffers — an ``evaluation`` batch (the logits in the model's dtype and in float64
-    with their log-softmax; the dense attention scores), the stage-0 ``fit`` (the fitting tokens'
-    float64 q, k, one layer's ``n × n`` kernels and features, the layer's training rows copied), the
-    ``gates`` calibration (dense float64 scores of ``gate_sequences``), the ``attention errors``
-    (float64 outputs and features of a batch), a ``transfer`` step (one layer's features, scores and
-    their gradients on ``batch_size`` sequences) and a ``lora`` step (the whole model's activations kept
-    for the backward pass). ``total`` = parameters + recording + the largest of them."""
+    generous side): the model's ``parameters`` and the teacher ``recording`` (every layer's q, k, v and
+    output) for the whole run, then the largest of the stages' transient buffers: an ``evaluation``
+    batch (logits in the model's dtype and float64, dense scores), the stage-0 ``fit`` (float64 q, k,
+    one layer's ``n × n`` kernels and features), the ``gates`` calibration (dense float64 scores), the
+    ``attention errors``, a ``transfer`` step (one layer's features, scores and gradients) and a
+    ``lora`` step (the whole model's activations). ``total`` = parameters + recording + the largest."""
     N, T = int(shape[0]), int(shape[1])
     b = min(batch_size, N)
     params = list(model.parameters())

@@ -149,10 +149,8 @@ def _share(sketches, losses, steps: int, group) -> list[list[float]]:
     return curves
 
 
-#: How long a process of a ``processes=N`` spread waits for the others once it has trained its layers: a
-#: worker waits in the group's rendezvous (and its store) for this process and the other workers to finish
-#: theirs (balanced shares, so about one layer's training plus the difference in start-up); the broadcasts
-#: that follow wait on nothing, every process having trained its share by then.
+#: How long a process of a ``processes=N`` spread waits in the group's rendezvous for the others to finish
+#: their shares (about one layer's training plus the difference in start-up; the broadcasts then wait on nothing).
 SPREAD_TIMEOUT = datetime.timedelta(hours=24)
 
 

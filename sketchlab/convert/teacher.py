@@ -37,12 +37,8 @@ class LayerIO:
 
     def inputs(self, index) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``q, k, v [n, T, H, D]`` of the sequences ``index``, k and v repeated to the q heads."""
-        H = self.q.shape[2]
-        rep = H // self.k.shape[2]
-        q = self.q[index]
-        k = self.k[index].repeat_interleave(rep, dim=2)  # [n, T, H, D]
-        v = self.v[index].repeat_interleave(rep, dim=2)
-        return q, k, v
+        rep = self.q.shape[2] // self.k.shape[2]
+        return self.q[index], self.k[index].repeat_interleave(rep, dim=2), self.v[index].repeat_interleave(rep, dim=2)
 
 
 def tokenize_texts(texts, tokenizer=None, *, seq_len: int = 512, max_tokens: int | None = None,

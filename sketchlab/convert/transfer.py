@@ -176,12 +176,11 @@ def _checked(sketches, layers, mask, train_idx, *, steps, lr, map_lr, batch_size
     batch_size = check_positive_int(batch_size, "batch_size")
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
         raise ValueError(f"seed must be an integer, got {seed!r}")
-    bad = next((type(io).__name__ for io in layers if not isinstance(io, LayerIO)), None)
-    if bad is not None:
-        raise ValueError(f"layers must be LayerIO records (teacher_attention), got an item of type {bad}")
-    bad = next((type(s).__name__ for s in sketches if not isinstance(s, nn.Module)), None)
-    if bad is not None:
-        raise ValueError(f"sketches must be converted attention modules (convert_attention), got an item of type {bad}")
+    for name, items, kind, what in (("layers", layers, LayerIO, "LayerIO records (teacher_attention)"),
+                                    ("sketches", sketches, nn.Module, "converted attention modules (convert_attention)")):
+        bad = next((type(x).__name__ for x in items if not isinstance(x, kind)), None)
+        if bad is not None:
+            raise ValueError(f"{name} must be {what}, got an item of type {bad}")
     if len(sketches) != len(layers):
         raise ValueError(f"attention transfer: {len(sketches)} sketches for {len(layers)} recorded layers; "
                          "give one recorded layer (LayerIO) per converted layer")
