@@ -484,7 +484,7 @@ def copy_recall(model: nn.Module, input_ids: torch.Tensor, gaps=(256, 1024, 2048
     out of both, since nothing in the sequence can predict it. For a causal model the first copy's
     loss is the same at every gap.
     """
-    from .convert.linearize import token_nll
+    from .convert.evaluate import token_nll
 
     _, vocab = _check_model(model, "copy_recall")
     passage = check_positive_int(passage, "passage")

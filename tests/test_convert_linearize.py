@@ -118,7 +118,7 @@ def test_transfer_progress_lines_are_flushed_as_each_layer_ends(monkeypatch):
     import io
     import sys
 
-    lin = importlib.import_module("sketchlab.convert.linearize")
+    transfer = importlib.import_module("sketchlab.convert.transfer")
 
     class Watched(io.StringIO):
         def __init__(self):
@@ -131,9 +131,9 @@ def test_transfer_progress_lines_are_flushed_as_each_layer_ends(monkeypatch):
 
     out = Watched()
     monkeypatch.setattr(sys, "stderr", out)
-    monkeypatch.setattr(lin, "_transfer_layer", lambda *a, **k: [] if a[0] == "empty" else [2.0, 0.5])
-    losses = lin._train_own(["s0", "empty", "s2"], [None] * 3, None, None, 0, 1, steps=1, lr=0.1, map_lr=0.1,
-                            batch_size=1, seed=0, progress=True)
+    monkeypatch.setattr(transfer, "_transfer_layer", lambda *a, **k: [] if a[0] == "empty" else [2.0, 0.5])
+    losses = transfer._train_own(["s0", "empty", "s2"], [None] * 3, None, None, 0, 1, steps=1, lr=0.1, map_lr=0.1,
+                                 batch_size=1, seed=0, progress=True)
     assert losses == [[2.0, 0.5], [], [2.0, 0.5]]
     lines = ["transfer layer 0: mse 2 -> 0.5\n", "transfer layer 1: 0 steps\n", "transfer layer 2: mse 2 -> 0.5\n"]
     said = lambda text: [line[line.index("transfer layer"):] + "\n" for line in text.split("\n")  # noqa: E731
@@ -159,3 +159,45 @@ def test_linearize_with_a_custom_feature_map_records_it_as_custom_and_every_opti
     settings = report.settings
     assert settings["attention"] == "custom"
     assert settings["normalize"] is None and settings["window"] == 4 and settings["sinks"] == 1
+
+
+def test_window_only_after_lora_is_measured_on_the_merged_projections():
+    """LoRA moves the projections: its stage's window + sinks alone is the merged model with the far part off
+    (every gate at FAR_OFF_LOGIT), measured again on the same held-out sequences, not the transfer stage's."""
+    from sketchlab.convert.evaluate import far_off, perplexity
+
+    ids = _ids()
+    model, report = linearize(_llama(), ids, attention="hedgehog", m=8, window=4, sinks=1, seq_len=24, holdout=0.3,
+                              gate_init=0.0, transfer_steps=2, lora_steps=2, lora_lr=1e-2, batch_size=4)
+    transfer, lora = report.stages[1:]
+    with far_off(converted_modules(model)):
+        want = perplexity(model, ids[7:], torch.ones_like(ids[7:]), batch_size=4)
+    assert lora["window_only_metric"] == pytest.approx(want, rel=1e-12)
+    assert lora["window_only_metric"] != transfer["window_only_metric"]  # the projections moved
+    assert lora["window_only_layer_error"] == transfer["window_only_layer_error"]  # the window part's, unchanged
+
+
+def test_a_diverging_transfer_stops_at_the_last_finite_values():
+    """An Adam step that makes a layer's parameters non-finite is undone and the layer stops: its curve ends in
+    NaN for the steps not taken, its parameters at their last finite values. A layer whose output is ``v`` with
+    the gradient of ``v + gate / 1000`` (a teacher output 100 above it): its loss stays finite while Adam's steps of
+    ``lr = 3e37`` (one ``lr`` a step, the gradient's sign constant) carry the float32 gate past 3.4e38."""
+    from sketchlab.convert.linearize import LayerIO, attention_transfer
+
+    class Layer(torch.nn.Module):
+        far = None
+
+        def __init__(self):
+            super().__init__()
+            self.gate = torch.nn.Parameter(torch.zeros(()))
+
+        def forward(self, q, k, v, *, scaling, key_padding_mask):
+            return v + 1e-3 * (self.gate - self.gate.detach())  # the value v, the gradient of v + gate / 1000
+
+    v = torch.randn(3, 5, 2, 4)
+    io = LayerIO(q=v.clone(), k=v.clone(), v=v, out=v + 100.0, scaling=0.5)
+    layer = Layer()
+    (curve,) = attention_transfer([layer], [io], torch.ones(3, 5), [0, 1, 2], steps=16, lr=3e37, batch_size=2)
+    taken = sum(x == x for x in curve)
+    assert len(curve) == 16 and 8 <= taken < 16 and all(x != x for x in curve[taken:]), curve
+    assert bool(torch.isfinite(layer.gate)) and float(layer.gate) > 3e38  # the last finite value, not a reset

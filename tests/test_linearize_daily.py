@@ -19,6 +19,7 @@ from sketchlab.convert import convert_attention, converted_modules, linearize, p
 from tests.test_convert import _bert, _llama
 
 lin = importlib.import_module("sketchlab.convert.linearize")
+theta = importlib.import_module("sketchlab.convert.theta")
 
 
 def _ids(N=6, T=16, seed=0):
@@ -62,8 +63,8 @@ def test_fit_from_the_recording_is_fit_theta():
     mask[1, 12:] = 0
     layers = lin.teacher_attention(model, ids, mask)
     train = torch.arange(3)
-    mine, info = lin._fit_recorded(layers, mask, train, set(), p=2, m=4, rank=1, fit_tokens=20, seed=0, fit_work=None,
-                                   fit_options=None, progress=False)
+    mine, info = theta._fit_recorded(layers, mask, train, set(), p=2, m=4, rank=1, fit_tokens=20, seed=0, fit_work=None,
+                                     fit_options=None, progress=False)
     theirs, their_info = lin.fit_theta(model, ids[train], mask[train], p=2, m=4, fit_tokens=20)
     torch.testing.assert_close(mine[0], theirs[0], rtol=0, atol=0)
     torch.testing.assert_close(mine[1], theirs[1], rtol=0, atol=0)
@@ -94,8 +95,8 @@ def test_the_default_fit_keeps_smollm2_stage_0_to_minutes():
     """SmolLM2-135M: 30 layers × 9 heads, d = 64, 1024 fitting tokens, p = 2, m = 64. The preset's full
     schedule (38 iterations of 6.8e8 multiply-adds per head) took ~53 s per layer (issue 35: ~2.3e11
     multiply-adds in 53 s, ~4.4e9 per second); the default cap allows a few iterations, stage 0 in minutes."""
-    full = lin._fit_plan(2, 64, 1, 64, 1024, math.inf, None)
-    capped = lin._fit_plan(2, 64, 1, 64, 1024, lin.DEFAULT_FIT_WORK, None)
+    full = theta._fit_plan(2, 64, 1, 64, 1024, math.inf, None)
+    capped = theta._fit_plan(2, 64, 1, 64, 1024, lin.DEFAULT_FIT_WORK, None)
     assert full["iterations"] == 38 and 3 <= capped["iterations"] <= 6
     rate = 9 * full["work"] / 53.0  # multiply-adds per second measured there
     minutes = 270 * capped["work"] / rate / 60
@@ -327,3 +328,26 @@ def test_the_readme_commands_outputs_are_ignored_by_git():
     for path in outputs:
         probe = path + "x" if path.endswith("/") else path
         assert subprocess.run(["git", "check-ignore", "-q", probe], cwd=root).returncode == 0, path
+
+
+def test_the_fit_sees_the_recordings_sqrt_d_inputs(monkeypatch):
+    """Stage 0 fits the kernel of ``q·D^{-1/4}, k·D^{-1/4}`` (the polynomial in ``qᵀk/√D``): each layer's
+    fit gets the recording's valid tokens so scaled, keys repeated to the query heads, float64 ``[H, n, D]``."""
+    import sketchlab.fit
+
+    calls, real = [], sketchlab.fit.fit_sketch
+    monkeypatch.setattr(sketchlab.fit, "fit_sketch", lambda *a, **k: calls.append(a) or real(*a, **k))
+    ids = _ids(4, 16)
+    mask = torch.ones_like(ids)
+    mask[1, 12:] = 0
+    layers = lin.teacher_attention(_llama(), ids, mask)
+    theta._fit_recorded(layers, mask, torch.arange(3), set(), p=2, m=4, rank=1, fit_tokens=None, seed=0,
+                        fit_work=1e6, fit_options=None, progress=False)
+    valid = mask[:3].bool()
+    for (_, q, k), io in zip(calls, layers):
+        D, rep = io.q.shape[3], io.q.shape[2] // io.k.shape[2]
+        want_q = io.q[:3][valid].float().transpose(0, 1).double() * D ** -0.25  # [H, n, D], float32 as captured
+        want_k = io.k[:3][valid].float().repeat_interleave(rep, dim=1).transpose(0, 1).double() * D ** -0.25
+        assert q.dtype == k.dtype == torch.float64 and q.shape == want_q.shape == (4, 44, 8)
+        torch.testing.assert_close(q, want_q, rtol=0, atol=0)
+        torch.testing.assert_close(k, want_k, rtol=0, atol=0)

@@ -335,7 +335,7 @@ def test_processes_2_small_dev_shm_is_refused(case, monkeypatch):
 
     import torch.multiprocessing as mp
 
-    lin = importlib.import_module("sketchlab.convert.linearize")
+    spread = importlib.import_module("sketchlab.convert.spread")
     sketches, layers, mask = case[:3]
     fresh = _fresh(layers)
     need = sum(t.untyped_storage().nbytes() for io in fresh for t in (io.q, io.k, io.v, io.out)) \
@@ -345,7 +345,7 @@ def test_processes_2_small_dev_shm_is_refused(case, monkeypatch):
         raise AssertionError("a worker was spawned")
 
     monkeypatch.setattr(mp, "start_processes", no_spawn)
-    monkeypatch.setattr(lin, "_shm_free", lambda: 1024)
+    monkeypatch.setattr(spread, "_shm_free", lambda: 1024)
     size = f"{need / 2**20:.1f} MiB"
     with pytest.raises(RuntimeError, match=rf"the recorded layers \({size}\) do not fit in shared memory /dev/shm "
                                            r"\(0.0 MiB free\); .*--shm-size\) or use processes=1"):
@@ -354,7 +354,7 @@ def test_processes_2_small_dev_shm_is_refused(case, monkeypatch):
     def full(self):
         raise RuntimeError("unable to write to file </torch_1_2_3>: No space left on device (28)")
 
-    monkeypatch.setattr(lin, "_shm_free", lambda: None)
+    monkeypatch.setattr(spread, "_shm_free", lambda: None)
     monkeypatch.setattr(torch.Tensor, "share_memory_", full)
     with pytest.raises(RuntimeError, match=rf"\({size}\) do not fit in shared memory /dev/shm \(unable to write to "
                                            r"file </torch_1_2_3>: No space left on device \(28\)\);"):

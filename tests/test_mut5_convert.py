@@ -134,12 +134,12 @@ def test_spread_ranks_agree_on_the_trained_values_to_one_part_in_a_million(monke
     import torch.distributed as dist
     from types import SimpleNamespace
 
-    lin = importlib.import_module("sketchlab.convert.linearize")  # the module (the package exports the function)
+    spread = importlib.import_module("sketchlab.convert.spread")
 
     sketch = torch.nn.Linear(1, 1, bias=False)
     with torch.no_grad():
         sketch.weight.fill_(total)
-    column = 2 + len(lin._SAME_EXACT)  # [refused, message length, exact..., inexact..., message]
+    column = 2 + len(spread._SAME_EXACT)  # [refused, message length, exact..., inexact..., message]
 
     def all_gather(every, mine, group=None):
         for row in every:
@@ -152,9 +152,9 @@ def test_spread_ranks_agree_on_the_trained_values_to_one_part_in_a_million(monke
     options = dict(seed=0, steps=1, batch_size=1, lr=0.1, map_lr=None)
     if refused:
         with pytest.raises(ValueError, match="the ranks disagree on sum of the trained values"):
-            lin._same_call(*args, **options)
+            spread._same_call(*args, **options)
     else:
-        lin._same_call(*args, **options)
+        spread._same_call(*args, **options)
 
 
 def test_linearize_report_records_the_options_it_ran_with():

@@ -57,3 +57,18 @@ def test_token_nll_rejects_bad_shapes():
         token_nll(model, torch.ones(2, 1, dtype=torch.long), torch.ones(2, 1, dtype=torch.long))
     with pytest.raises(ValueError, match="one shape"):
         token_nll(model, torch.ones(2, 5, dtype=torch.long), torch.ones(2, 4, dtype=torch.long))
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_evaluation_runs_in_eval_mode_and_restores_the_models_mode(training):
+    """token_nll and sentence_embeddings evaluate in eval mode (no dropout) and leave the model's mode as it was."""
+    from sketchlab.convert.evaluate import sentence_embeddings
+
+    model = _llama().train(training)
+    seen = []
+    model.model.register_forward_pre_hook(lambda module, args: seen.append(module.training))
+    ids = torch.randint(1, 50, (2, 8), generator=torch.Generator().manual_seed(2))
+    token_nll(model, ids, torch.ones_like(ids))
+    assert model.training is training
+    sentence_embeddings(model.model, ids, torch.ones_like(ids))
+    assert model.model.training is training and seen == [False, False]

@@ -1,32 +1,24 @@
 """``sketchlab linearize``: swap a model's attention for sketched attention and train it in stages.
 
-Two paths:
+Two paths, each reading its own options (:data:`TOY`, :data:`PRETRAINED`; the other path's are refused):
 
-* a pretrained transformers model (``--model-dir DIR`` or ``--gguf FILE``) on a text file
-  (``--text FILE``): :func:`sketchlab.linearize` — stage 0 (LLoPS Θ from the kernel fit on the
-  model's own post-RoPE q/k), stage 1 (attention transfer, ``--transfer-steps``; ``--processes N``
-  spreads its layers over N processes), stage 2 (LoRA, ``--lora-steps``); the converted model is saved
-  under ``--out/model`` (reload it with :func:`sketchlab.load_linearized`), the report as
-  ``--out/linearize.json`` and ``linearize.md`` (each stage beside window + sinks alone, the floor the far
-  part must beat; ``--no-far`` keeps that model). One line up front gives the memory estimate (a run over
-  ``--max-memory``, default the machine's available memory, is refused) and the fit's plan
-  (``--fit-work``); every stage shows a progress bar with its ETA on stderr (``--no-progress``: none). The
-  long-context memory (``--cache``, ``--decay``, ``--state``, ``--beta``, ``--exact-layers``) is checked by
-  the conversion's rules, a bad value refused naming its flag;
+* a pretrained transformers model (``--model-dir DIR`` or ``--gguf FILE``) on ``--text FILE``:
+  :func:`sketchlab.linearize` (stage 0 the Θ fit, ``--fit-work``; stage 1 attention transfer,
+  ``--transfer-steps``, ``--processes N``; stage 2 LoRA, ``--lora-steps``), the converted model saved
+  under ``--out/model`` (:func:`sketchlab.load_linearized`), the report as ``--out/linearize.json`` and
+  ``linearize.md`` (each stage beside window + sinks alone; ``--no-far`` keeps that model); a run over
+  ``--max-memory`` (default: the available memory) is refused; the conversion's options are checked by
+  its rules, a bad value refused naming its flag;
 * sketchlab's toy MQAR checkpoint (positional ``CHECKPOINT``): :func:`sketchlab.tasks.linearize`
-  (capture → fit → export Θ → fine-tune), as before.
+  (capture → fit → export Θ → fine-tune), its memory within half of this machine's and its fit within
+  :data:`FIT_WORK_BUDGET` multiply-adds.
 
-Refused before any work (exit 2, one line): an ``--out`` that is or holds the checkpoint, the
-``--model-dir``, the ``--gguf`` file or the ``--text`` (any spelling or link); an ``--out`` holding
-files no ``linearize`` run writes, an unfinished run whose settings are not recorded, or another
-run's output (its ``linearize.json`` or fine-tuning checkpoints record other settings; the same
-settings rerun, the toy path resuming its fine-tuning); on the toy path, sizes whose memory exceeds
-half of this machine's memory or whose LLoPS fit exceeds :data:`FIT_WORK_BUDGET` multiply-adds.
-Missing parents of ``--out`` are created (and removed again when the run fails); each file written is
-reported as ``wrote PATH``. The run's files appear in ``--out`` together at the end, replacing those
-of the same run there (:func:`sketchlab.io.staged_directory`): a run that fails leaves ``--out`` as
-it was, except the toy path's fine-tuning checkpoints ``--out/finetune``, kept so that the same
-command resumes.
+Refused before any work (exit 2, one line): an ``--out`` that is or holds an input (any spelling or
+link), files no ``linearize`` run writes, an unfinished run whose settings are not recorded, or another
+run's output (the same settings rerun; the toy path resumes its fine-tuning). The run's files appear in
+``--out`` together at the end (:func:`sketchlab.io.staged_directory`), each reported as ``wrote PATH``; a
+run that fails leaves ``--out`` as it was (missing parents removed again), except the toy path's
+fine-tuning checkpoints ``--out/finetune``, kept so that the same command resumes.
 """
 
 from __future__ import annotations
@@ -35,6 +27,7 @@ import argparse
 import json
 import os
 from pathlib import Path
+from typing import Callable, NamedTuple
 
 from ._common import (Outputs, UsageError, add_common, available_memory, check_run_dir, finite_float, int_list,
                       nonnegative_float, nonnegative_int, number_arg, positive_float, positive_int, write_text_atomic)
@@ -51,6 +44,51 @@ PRETRAINED_FILES = ("model", "linearize.json", "linearize.md")
 #: iterations and per-head cap). The default fit of the shipped 4-layer, 4-head checkpoint plans
 #: about 1.1e11 (one to two minutes on one core); this is some five times that.
 FIT_WORK_BUDGET = 5e11
+
+
+class _Flag(NamedTuple):
+    """How one option reaches its path's library call: under ``keyword`` (``""``: its own name; ``None``:
+    the command reads it itself), as ``value(the flag's)``, and whether the run's identity holds it (a
+    rerun with another value is refused)."""
+
+    keyword: str | None = ""
+    value: Callable = lambda given: given
+    identity: bool = True
+
+
+_AS_GIVEN, _NOT = _Flag(), (lambda given: not given)
+_PROGRESS = _Flag("progress", _NOT, identity=False)
+#: Each path's options, one row each (a new option: its ``add_argument`` and one row here); an option in one
+#: table only is refused on the other path. The toy path: :func:`sketchlab.tasks.linearize`.
+TOY = {**dict.fromkeys(("p", "m", "rank", "non_negative", "capture_sequences", "holdout", "steps", "lr", "warmup",
+                        "transfer", "eval_sequences", "seed"), _AS_GIVEN),
+       "normalize": _Flag(value=lambda given: given or "sum"), "batch_size": _Flag(value=lambda given: given or 32),
+       "eval_every": _Flag(identity=False), "no_progress": _PROGRESS}
+#: The --model-dir/--gguf path: :func:`sketchlab.linearize`.
+PRETRAINED = {**dict.fromkeys(("attention", "p", "m", "rank", "window", "sinks", "local", "normalize", "gate_init",
+                               "seq_len", "max_tokens", "transfer_steps", "transfer_lr", "lora_steps", "lora_rank",
+                               "lora_lr", "seed", "cache", "decay", "state", "beta", "exact_layers", "fit_work"),
+                              _AS_GIVEN),
+              "text": _Flag(None, identity=False), "untied": _Flag("tied", lambda given: False if given else None),
+              "holdout": _Flag(value=float), "processes": _Flag(identity=False), "no_fit": _Flag("fit", _NOT),
+              "batch_size": _Flag(value=lambda given: given or 4), "no_far": _Flag("far", _NOT), "no_progress": _PROGRESS,
+              "max_memory": _Flag("max_bytes", lambda given: available_memory() if given is None else int(given * 2**30),
+                                  identity=False)}
+TOY_ONLY = tuple(name for name in TOY if name not in PRETRAINED)
+PRETRAINED_ONLY = tuple(name for name in PRETRAINED if name not in TOY)
+
+
+def _call(table: dict, args) -> dict:
+    """The library's keyword arguments from the flags ``args`` of a path's ``table``."""
+    return {flag.keyword or name: flag.value(getattr(args, name)) for name, flag in table.items()
+            if flag.keyword is not None}
+
+
+def _identity(table: dict, args, *, as_called: bool) -> dict:
+    """A run's identity from the flags ``args`` of a path's ``table``: each identity row's flag as given, or
+    (``as_called``: the toy path, whose run records its library settings) as the library receives it."""
+    return {flag.keyword or name if as_called else name: flag.value(getattr(args, name)) if as_called
+            else getattr(args, name) for name, flag in table.items() if flag.identity}
 
 
 def _gate_init(text: str):
@@ -119,18 +157,15 @@ def add_arguments(sub) -> None:
     cmd.add_argument("--transfer-lr", type=positive_float, default=1e-2,
                      help="learning rate of the attention-transfer stage (default 1e-2)")
     cmd.add_argument("--processes", type=positive_int, default=1, metavar="N",
-                     help="processes of the attention-transfer stage, at most one per layer: its layers train "
-                          "at once on this one and N-1 spawned workers, each with --threads threads (the same "
-                          "result as 1; each worker's start-up costs ~4.6 CPU s; the recording must fit in /dev/shm; "
-                          "the other stages run in this process; default 1)")
+                     help="processes of the attention-transfer stage (at most one per layer): this one and N-1 "
+                          "spawned workers with --threads threads each, the same result as 1 (default 1)")
     cmd.add_argument("--lora-steps", type=nonnegative_int, default=0, help="LoRA steps (0: no LoRA stage)")
     cmd.add_argument("--lora-rank", type=positive_int, default=8, help="rank of the LoRA adapters (default 8)")
     cmd.add_argument("--lora-lr", type=positive_float, default=1e-4, help="learning rate of the LoRA stage (default 1e-4)")
     cmd.add_argument("--no-fit", action="store_true", help="skip stage 0 (start the maps from their initialisation)")
     cmd.add_argument("--fit-work", type=_fit_work, default=None, metavar="FLOPS",
-                     help="the stage-0 Θ fit's effort: at most this many multiply-adds per head (default "
-                          "sketchlab.convert.linearize.DEFAULT_FIT_WORK = 3.5e9, about 5 ALS sweeps on a SmolLM2 head, "
-                          "stage 0 in minutes; inf: the fit's full schedule, ~27 min on SmolLM2)")
+                     help="the stage-0 Θ fit's effort: at most this many multiply-adds per head (default 3.5e9, "
+                          "stage 0 in minutes on SmolLM2; inf: the fit's full schedule, ~27 min there)")
     cmd.add_argument("--no-far", action="store_true",
                      help="the far part off: window + sinks (and --cache) alone, every gate logit at 40 "
                           "(sigmoid = 1), no fit, no transfer; the control a hybrid must beat (LoRA still runs)")
@@ -174,17 +209,8 @@ def run(args) -> int:
     return _run_pretrained(args)
 
 
-#: Options only one path reads (each path refuses the other's when given, rather than ignoring them).
-TOY_ONLY = ("non_negative", "capture_sequences", "steps", "lr", "warmup", "transfer", "eval_sequences", "eval_every")
-PRETRAINED_ONLY = ("text", "attention", "window", "sinks", "local", "gate_init", "untied", "seq_len", "max_tokens",
-                   "transfer_steps", "transfer_lr", "processes", "lora_steps", "lora_rank", "lora_lr", "no_fit",
-                   "cache", "decay", "state", "beta", "exact_layers", "fit_work", "no_far", "max_memory")
-
-
 def _refuse_other_path_options(args, names, source: str) -> None:
     """Refuse (exit 2) the options of ``names`` that differ from their defaults: this path ignores them."""
-    import argparse
-
     parser = argparse.ArgumentParser()
     add_arguments(parser.add_subparsers())
     defaults = vars(parser.parse_args(["linearize", "--out", "-"]))
@@ -233,8 +259,8 @@ def _toy_budget(args) -> None:
     size, the budget and the way out)."""
     from types import SimpleNamespace
 
+    from ..convert.theta import _fit_plan
     from ..llops.fit_als import QUALITY
-    from ..llops.target import iteration_flops
     from ..tasks import MQARConfig, load_checkpoint
     from .train import estimate_bytes, memory_budget
 
@@ -257,21 +283,17 @@ def _toy_budget(args) -> None:
     need["one evaluation batch"] = estimate_bytes(SimpleNamespace(**vars(student), batch_size=min(args.eval_sequences, 64)))
     p_theta = args.p // 2 if args.non_negative else args.p
     n_fit = max(1, round(n * (1 - args.holdout)))
-    if not args.no_fit:  # the ALS factor partials [B, t, p, n, m] and normal matrices with their LU [B, m, t·d, t·d]
-        need["the LLoPS fit's partials and normal matrices"] = 8 * L * H * (
-            args.rank * p_theta * n_fit * args.m + 2 * args.m * (args.rank * D) ** 2)
+    # the ALS factor partials [B, t, p, n, m] and normal matrices with their LU [B, m, t·d, t·d]
+    need["the LLoPS fit's partials and normal matrices"] = 8 * L * H * (
+        args.rank * p_theta * n_fit * args.m + 2 * args.m * (args.rank * D) ** 2)
     what, nbytes = max(need.items(), key=lambda kv: kv[1])
     if nbytes > budget:
         raise ValueError(
             f"linearize: {what} need about {nbytes / 2**30:.3g} GiB (capture_sequences={S} of {T} tokens, "
             f"batch_size={args.batch_size or 32}, p={args.p}, m={args.m}, rank={args.rank}, L={L}, H={H}, D={D}), over the memory budget of {budget / 2**30:.3g} "
             "GiB (half of this machine's memory): lower --capture-sequences, --batch-size, --m, --rank or --p")
-    if args.no_fit:
-        return
-    preset = QUALITY["default"]
-    iterations = preset.steps + preset.lm_steps + preset.lm_steps // max(preset.interleave, 1) * preset.interleave
-    per = iteration_flops("kernel", n_fit, n_fit, D, p_theta, args.m, args.rank)
-    work = L * H * max(per, min(preset.work, iterations * per))
+    plan = _fit_plan(p_theta, args.m, args.rank, D, n_fit, QUALITY["default"].work, None)  # stage 0's one rule
+    per, work = plan["per_iteration"], L * H * plan["work"]
     if work > FIT_WORK_BUDGET:
         raise ValueError(
             f"linearize: the LLoPS fit needs about {work:.3g} multiply-adds ({L * H} heads, one iteration "
@@ -284,20 +306,10 @@ def _run_toy(args) -> int:
 
     out = Path(args.out)
     outputs = Outputs({}, directories={"--out": args.out}, inputs=[args.checkpoint], staged=["--out"])
-    _check_run_dir(out, TOY_FILES, {
-        "checkpoint": args.checkpoint, "p": args.p, "m": args.m, "rank": args.rank, "non_negative": args.non_negative,
-        "normalize": args.normalize or "sum", "capture_sequences": args.capture_sequences, "holdout": args.holdout,
-        "steps": args.steps, "batch_size": args.batch_size or 32, "lr": args.lr, "warmup": args.warmup,
-        "transfer": args.transfer, "eval_sequences": args.eval_sequences, "seed": args.seed})
+    _check_run_dir(out, TOY_FILES, {"checkpoint": args.checkpoint, **_identity(TOY, args, as_called=True)})
     _toy_budget(args)
     with outputs.parents_created():  # the run's files appear in --out together at the end (the library stages them)
-        res = linearize(
-            args.checkpoint, p=args.p, m=args.m, out=args.out, rank=args.rank, non_negative=args.non_negative,
-            normalize=args.normalize or "sum", capture_sequences=args.capture_sequences, holdout=args.holdout,
-            steps=args.steps, batch_size=args.batch_size or 32, lr=args.lr, warmup=args.warmup,
-            transfer=args.transfer, eval_sequences=args.eval_sequences, eval_every=args.eval_every, seed=args.seed,
-            progress=not args.no_progress,
-        )
+        res = linearize(args.checkpoint, out=args.out, **_call(TOY, args))
     outputs.announce(*(out / name for name in ("capture.safetensors", "theta.safetensors", "model/model.safetensors",
                                                "model/config.json", "linearize.json", "linearize.md")))
     print(f"{args.out}: softmax teacher {res.teacher_accuracy:.4f}, LLoPS step 0 {res.step0_accuracy:.4f}, "
@@ -308,11 +320,16 @@ def _run_toy(args) -> int:
 
 def _pretrained_settings(args) -> dict:
     """What identifies a real-model run (recorded as ``cli`` in its ``linearize.json``)."""
-    keys = ("attention", "p", "m", "rank", "window", "sinks", "local", "normalize", "gate_init", "untied", "seq_len",
-            "max_tokens", "holdout", "transfer_steps", "transfer_lr", "lora_steps", "lora_rank", "lora_lr", "no_fit",
-            "batch_size", "seed", "cache", "decay", "state", "beta", "exact_layers", "fit_work", "no_far")
     return {"source": os.path.realpath(args.gguf or args.model_dir), "text": os.path.realpath(args.text),
-            **{key: getattr(args, key) for key in keys}}
+            **_identity(PRETRAINED, args, as_called=False)}
+
+
+def _by_the_rule(flags: str, check, *args, **kwargs):
+    """``check(*args, **kwargs)``, the library's rule, its refusal a ``UsageError`` naming the ``flags`` (exit 2)."""
+    try:
+        return check(*args, **kwargs)
+    except (TypeError, ValueError) as err:
+        raise UsageError(f"{flags}: {err}") from None
 
 
 def _check_memory_flags(args, *, causal: bool = True, model=None) -> None:
@@ -324,17 +341,12 @@ def _check_memory_flags(args, *, causal: bool = True, model=None) -> None:
     if model is not None:
         family, sites = attention_sites(model)
         causal = all(site.causal for site in sites)
-        try:
-            _check_exact_layers(args.exact_layers, len(sites), family)
-        except (TypeError, ValueError) as err:
-            raise UsageError(f"--exact-layers {','.join(map(str, args.exact_layers))}: {err}") from None
-    try:
-        _check_memory(args.cache, args.decay, args.state, args.beta, args.window, args.sinks, args.local,
-                      args.normalize, causal=causal)
-    except (TypeError, ValueError) as err:
-        given = (f"--cache {args.cache}, --decay {'(none)' if args.decay is None else args.decay}, --state {args.state}, "
-                 f"--beta {args.beta} (--window {args.window}{'' if causal else ', an encoder'})")
-        raise UsageError(f"{given}: {err}") from None
+        _by_the_rule(f"--exact-layers {','.join(map(str, args.exact_layers))}", _check_exact_layers, args.exact_layers,
+                     len(sites), family)
+    _by_the_rule(f"--cache {args.cache}, --decay {'(none)' if args.decay is None else args.decay}, --state "
+                 f"{args.state}, --beta {args.beta} (--window {args.window}{'' if causal else ', an encoder'})",
+                 _check_memory, args.cache, args.decay, args.state, args.beta, args.window, args.sinks, args.local,
+                 args.normalize, causal=causal)
 
 
 def _read_text(given: str) -> str:
@@ -366,8 +378,8 @@ def _read_text(given: str) -> str:
 
 def _run_pretrained(args) -> int:
     from ..convert.convert import check_layout
+    from ..convert.linearize import _check_far, linearize
     from ..convert.saved import save_linearized
-    from ..convert.linearize import linearize
     from ..hf.pretrained import load_pretrained
     from ..io import staged_directory
     from .capture import transformers_progress
@@ -378,21 +390,15 @@ def _run_pretrained(args) -> int:
         raise UsageError(f"--holdout must lie in (0, 1) with --model-dir / --gguf, got {args.holdout}")
     if isinstance(args.gate_init, str) and args.window == 0:
         raise UsageError(f"--gate-init {args.gate_init} sets the hybrid's gates: --window 0 (pure linear attention) has none")
-    try:  # the library's rules, named by the flags here; the resolved number of sinks is what the run records
-        args.sinks = check_layout(args.window, args.sinks, args.local, args.normalize)[1]
-    except ValueError as err:
-        given = (f"--window {args.window}, --sinks {'(default)' if args.sinks is None else args.sinks}, "
-                 f"--local {args.local}, --normalize {args.normalize or '(default)'}")
-        raise UsageError(f"{given}: {err}") from None
+    # the library's rules, named by the flags here; the resolved number of sinks is what the run records
+    args.sinks = _by_the_rule(f"--window {args.window}, --sinks {'(default)' if args.sinks is None else args.sinks}, "
+                              f"--local {args.local}, --normalize {args.normalize or '(default)'}", check_layout,
+                              args.window, args.sinks, args.local, args.normalize)[1]
     if args.untied and args.attention != "llops":
         raise UsageError(f"--untied is an LLoPS option; --attention {args.attention} has no tied form")
-    try:  # linearize's rule, named by the flags here
-        from ..convert.linearize import _check_far
-
-        _check_far(not args.no_far, args.window, args.gate_init)
-    except (TypeError, ValueError) as err:
-        raise UsageError(f"--no-far with --window {args.window}"
-                         + (f", --gate-init {args.gate_init}" if args.gate_init is not None else "") + f": {err}") from None
+    _by_the_rule(f"--no-far with --window {args.window}"
+                 + (f", --gate-init {args.gate_init}" if args.gate_init is not None else ""), _check_far,
+                 not args.no_far, args.window, args.gate_init)
     _check_memory_flags(args, causal=True)  # the model's causality and layer count: once it is loaded
     out = Path(args.out)
     source = Path(args.gguf) if args.gguf else Path(args.model_dir)
@@ -404,17 +410,7 @@ def _run_pretrained(args) -> int:
     with transformers_progress(not args.no_progress):
         model, tokenizer = load_pretrained(args.model_dir, gguf=args.gguf)
     _check_memory_flags(args, model=model)
-    model, report = linearize(
-        model, text, tokenizer=tokenizer, attention=args.attention, p=args.p, m=args.m, rank=args.rank,
-        window=args.window, sinks=args.sinks, local=args.local, normalize=args.normalize, gate_init=args.gate_init,
-        tied=False if args.untied else None, seq_len=args.seq_len, cache=args.cache, decay=args.decay,
-        state=args.state, beta=args.beta, exact_layers=args.exact_layers, fit_work=args.fit_work, far=not args.no_far,
-        max_tokens=args.max_tokens, holdout=float(args.holdout), fit=not args.no_fit,
-        transfer_steps=args.transfer_steps, transfer_lr=args.transfer_lr, processes=args.processes,
-        lora_steps=args.lora_steps,
-        lora_rank=args.lora_rank, lora_lr=args.lora_lr, batch_size=args.batch_size or 4, seed=args.seed,
-        progress=not args.no_progress,
-        max_bytes=int(args.max_memory * 2**30) if args.max_memory is not None else available_memory())
+    model, report = linearize(model, text, tokenizer=tokenizer, **_call(PRETRAINED, args))
     summary = report.as_dict()
     summary["source"] = str(source)
     summary["cli"] = wanted

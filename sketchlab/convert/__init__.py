@@ -2,8 +2,9 @@
 
 ``families`` finds each family's attention modules; ``sketched`` holds the added module
 (:class:`SketchedAttention`) and transformers' attention and mask functions; ``cache`` the
-decoding state; ``convert`` the public entry points; ``saved`` saving and reloading a converted model; ``evaluate`` the
-reported measures; ``stages`` the checks around linearize's stages; ``linearize`` the staged training;
+decoding state; ``convert`` the public entry points; ``saved`` saving and reloading a converted model; ``linearize``
+the staged training, its stages ``teacher``, ``theta``, ``transfer`` (``spread``
+over processes) and ``lora``, ``evaluate`` the reported measures, ``stages`` the checks around the stages;
 ``scale`` the tied LLoPS map and the gate calibration; ``exact`` the layers kept exact and ``ranking`` which to
 keep. The family table, the local loaders and the transformers glue it shares with capture are
 :mod:`sketchlab.hf`'s.

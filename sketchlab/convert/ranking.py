@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from .exact import ExactAttention
-from .linearize import token_nll
+from .evaluate import token_nll
 from .sketched import SketchedAttention
 
 __all__ = ["rank_exact_layers"]

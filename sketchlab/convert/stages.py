@@ -2,7 +2,7 @@
 stage that diverges named with the way out, and a stage that makes a layer worse undone for that layer.
 
 A stage keeps, per layer, what it started from where its own held-back measure (the attention-output
-error on the held-out sequences, :func:`sketchlab.convert.linearize.attention_errors`) got worse or
+error on the held-out sequences, :func:`sketchlab.convert.evaluate.attention_errors`) got worse or
 stopped being finite, and says so: in the report (``kept_initial``) and as a warning (stderr).
 """
 

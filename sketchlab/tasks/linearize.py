@@ -1,31 +1,23 @@
 r"""Linearise a trained softmax :class:`~sketchlab.tasks.TransformerLM`: fitted LLoPS Θ as its attention.
 
-:func:`linearize` is the users' main flow in one call (``sketchlab linearize`` on the shell):
+:func:`linearize` is the users' main flow in one call (``sketchlab linearize`` on the shell): (1) capture
+``q, k, v [L, H, n, D]`` from the checkpoint on ``capture_sequences`` MQAR sequences of their own seed
+stream (:func:`sketchlab.capture_qk`); (2) fit LLoPS per layer and head to the polynomial kernel of the
+inputs the attention sees, ``x · D^{-1/4}`` (``"sqrt-d"``: a polynomial in ``qᵀk/√D``), a quarter of the
+tokens held out; (3) export Θ (:func:`sketchlab.export_theta`); (4) the same model with ``llops``
+attention, the teacher's other weights (:func:`~sketchlab.tasks.copy_shared_weights`) and Θ
+(:func:`~sketchlab.tasks.init_llops`); (5) evaluate it at step 0 beside the teacher and exact polynomial
+attention, with each layer's attention error on the captured inputs; (6) fine-tune ``steps`` steps
+(next-token loss plus ``transfer ×`` LoLCATs' attention-transfer loss, :func:`attention_transfer_loss`),
+resumable (:func:`~sketchlab.tasks.train_mqar`); (7) evaluate again and write the summary.
 
-1. capture ``q, k, v`` ``[L, H, n, D]`` from the checkpoint on its own task data
-   (:func:`sketchlab.capture_qk`, ``capture_sequences`` MQAR sequences from their own seed stream);
-2. fit LLoPS per layer and head (``sketchlab.fit_sketch("llops", ...)``) to the polynomial kernel of
-   the inputs the attention will see, ``x · D^{-1/4}`` (the ``"sqrt-d"`` convention: the kernel is a
-   polynomial in ``qᵀk/√D``, the softmax model's logit), holding out a quarter of the tokens to
-   report the held-out error;
-3. export Θ (:func:`sketchlab.export_theta`, ``scale="sqrt-d"``);
-4. build the same model with ``llops`` attention, the softmax model's other weights
-   (:func:`~sketchlab.tasks.copy_shared_weights`) and Θ from the export
-   (:func:`~sketchlab.tasks.init_llops` ``"theta"``: the export's scale equals the model's, so Θ is
-   used as fitted);
-5. evaluate at step 0, next to the softmax teacher on the same held-out sequences, and measure how
-   far each layer's sketched attention is from the teacher's softmax attention on the captured
-   inputs;
-6. fine-tune ``steps`` steps (next-token loss, plus ``transfer ×`` the attention-transfer loss of
-   LoLCATs: the mean squared difference between each layer's LLoPS attention output and softmax
-   attention on the same ``q, k, v``), resumable (:func:`~sketchlab.tasks.train_mqar` with ``out``);
-7. evaluate again and write the summary.
+(:func:`sketchlab.linearize` is the staged conversion of pretrained models, which also takes this toy model
+as one more family; this flow differs: a native ``llops`` model trained end to end on the task, saved as a
+checkpoint, with the Θ export and MQAR accuracy.)
 
-Written under ``out``: ``capture.safetensors``, ``theta.safetensors``, ``model/`` (the linearised,
-fine-tuned model: ``model.safetensors`` + ``config.json``), ``linearize.json`` and ``linearize.md``,
-all-or-nothing (built in a temporary sibling of ``out`` and moved in together at the end,
-:func:`sketchlab.io.staged_directory`: a failure leaves ``out`` as it was); and ``finetune/``, the
-fine-tuning's resumable checkpoints, written as they come (an interrupted run resumes from them).
+Written under ``out``, all-or-nothing (:func:`sketchlab.io.staged_directory`): ``capture.safetensors``,
+``theta.safetensors``, ``model/`` (``model.safetensors`` + ``config.json``), ``linearize.json`` and
+``linearize.md``; and ``finetune/``, the fine-tuning's resumable checkpoints, written as they come.
 
 With ``non_negative=True`` (even ``p``) the map is self-tensored, ``φ ⊗ φ``: Θ of degree ``p/2``
 is fitted to the kernel ``(qᵀk/√D)^{p/2}`` and its self-tensor has degree ``p`` and ``m²`` features.
