@@ -108,7 +108,7 @@ TESTS_BY_FILE: dict[str, list[str]] = {
                     ["tests/test_convert.py", "tests/test_convert_linearize.py", "tests/test_convert_options.py",
                      "tests/test_mut5_convert.py", "tests/test_cli_linearize_lm.py", "tests/test_linearize_spread.py"]),
     "sketchlab/hf/pretrained.py": ["tests/test_convert.py", "tests/test_convert_capture_gguf.py",
-^                                   "tests/test_cli_linearize_lm.py"],
+                                   "tests/test_cli_linearize_lm.py"],
     # (not tests/test_exact_layers.py: it loads analysis/exact_layers.py, which mutmut does not copy)
     "sketchlab/convert/exact.py": ["tests/test_convert_exact.py", "tests/test_convert_memory.py"],
     "sketchlab/convert/ranking.py": ["tests/test_convert_exact.py"],
