@@ -67,7 +67,8 @@ TOY = {**dict.fromkeys(("p", "m", "rank", "non_negative", "capture_sequences", "
 #: The --model-dir/--gguf path: :func:`sketchlab.linearize`.
 PRETRAINED = {**dict.fromkeys(("attention", "p", "m", "rank", "window", "sinks", "local", "normalize", "gate_init",
                                "seq_len", "max_tokens", "transfer_steps", "transfer_lr", "lora_steps", "lora_rank",
-                               "lora_lr", "seed", "cache", "decay", "state", "beta", "exact_layers", "fit_work"),
+                               "lora_lr", "seed", "cache", "decay", "state", "beta", "exact_layers", "fit_work",
+                               "input_norm"),
                               _AS_GIVEN),
               "text": _Flag(None, identity=False), "untied": _Flag("tied", lambda given: False if given else None),
               "holdout": _Flag(value=float), "processes": _Flag(identity=False), "no_fit": _Flag("fit", _NOT),
@@ -132,6 +133,9 @@ def add_arguments(sub) -> None:
     cmd.add_argument("--untied", action="store_true",
                      help="LLoPS as the untied map (p signed factors) instead of the tied non-negative (x·θ)^p map "
                           "(the tied map needs an even p; an odd p is always untied)")
+    cmd.add_argument("--input-norm", action="store_true",
+                     help="each map on per-head layer-normalised q, k with a learnable affine (trained with the maps; "
+                          "bounds LLoPS's (x·θ)^p as PolySketchFormer's learned sketch does)")
     cmd.add_argument("--cache", type=int, default=0, metavar="K",
                      help="long-context memory: up to K far keys kept exact (a sparse cache; needs a window, a causal "
                           "model; default 0)")
@@ -474,7 +478,8 @@ def _markdown(summary: dict) -> str:
     mean = lambda err: "–" if not err else f"{sum(err) / len(err):.4f}"  # noqa: E731
     lines = [f"# Linearised {summary['source']}", "",
              f"{s['family']} family; attention {s['attention']} p={s['p']} m={s['m']} rank {s['rank']}, window "
-             f"{s['window']} + {s['sinks']} sinks ({s['local']}){'' if s.get('far', True) else ', far part off'}; "
+             f"{s['window']} + {s['sinks']} sinks ({s['local']}){', input norm' if s.get('input_norm') else ''}"
+             f"{'' if s.get('far', True) else ', far part off'}; "
              f"{s['sequences']} {unit}, {s['held_out']} held out.", "",
              _memory_line(s), "",
              f"| stage | held-out {metric} | mean attention-output error | window + sinks alone | far part helps | "

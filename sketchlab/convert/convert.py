@@ -114,7 +114,19 @@ def _load_theta_into(feature_map: nn.Module, theta: torch.Tensor, where: str) ->
 
 
 def _make_maps(attention: str, feature_map, layer: int, heads: int, head_dim: int, p: int, m: int, rank: int,
-               seed: int, tied: bool = False):
+               seed: int, tied: bool = False, input_norm: bool = False):
+    """``(map_q, map_k)`` of one layer, each wrapped in :class:`~sketchlab.featuremaps.InputNormed` with
+    ``input_norm`` (one wrapper when both are one map); see :func:`_own_maps`."""
+    maps = _own_maps(attention, feature_map, layer, heads, head_dim, p, m, rank, seed, tied)
+    if not input_norm:
+        return maps
+    from ..featuremaps import InputNormed
+
+    return (InputNormed(maps[0]),) * 2 if maps[0] is maps[1] else tuple(InputNormed(x) for x in maps)
+
+
+def _own_maps(attention: str, feature_map, layer: int, heads: int, head_dim: int, p: int, m: int, rank: int,
+              seed: int, tied: bool):
     """``(map_q, map_k)`` of one layer: ``feature_map(layer, heads, head_dim)`` when given (a map or a
     pair), else two :func:`sketchlab.featuremaps.make_feature_map` maps named ``attention`` (seeds
     ``seed + 2·layer`` for queries, ``+ 1`` for keys); ``tied``: LLoPS as
@@ -192,7 +204,7 @@ def _resolve_tied(tied, attention: str, feature_map, p: int, family: str, has_th
 def convert_attention(model: nn.Module, *, attention: str = "llops", p: int = 2, m: int = 64, rank: int = 1,
                       window: int = 64, sinks: int | None = None, local: str = "softmax", feature_map=None, theta=None,
                       normalize: str | None = None, non_negative: bool = False, eps: float = 1e-6, learn: bool = True,
-                      gate: bool = True, gate_init: float = 0.0, tied: bool | None = None,
+                      gate: bool = True, gate_init: float = 0.0, tied: bool | None = None, input_norm: bool = False,
                       seed: int = 0, cache: int = 0, decay=None, state: str = "additive", beta: str = "head",
                       exact_layers=(), max_bytes: int = DEFAULT_MAX_BYTES) -> list[SketchedAttention]:
     r"""Swap every self-attention of ``model`` for sketched attention, in place; keep every weight.
@@ -260,6 +272,10 @@ def convert_attention(model: nn.Module, *, attention: str = "llops", p: int = 2,
         part dominate or go negative (DESIGN §6). ``None`` (default): tied for ``attention="llops"``
         with even ``p`` (and ``p = 2`` when ``theta`` is given) on transformers models, untied on
         the toy model (its equal factors stay equal under training) and for every other map.
+    input_norm : bool
+        Every converted layer's maps (tied or fitted LLoPS, a ``feature_map``'s too) applied to per-head
+        layer-normalised q, k with a learnable per-head affine (:class:`~sketchlab.featuremaps.InputNormed`,
+        trained with the maps): a bounded input, as PolySketchFormer's learned sketch has (DESIGN §6).
     seed : int
         Seeds torch's generator while the maps are built (random initialisations are reproducible).
     cache, decay, state, beta
@@ -311,7 +327,7 @@ def convert_attention(model: nn.Module, *, attention: str = "llops", p: int = 2,
                          "sketchlab.convert.scale.calibrate_gates after conversion")
     if isinstance(gate_init, bool) or not isinstance(gate_init, numbers.Real) or not abs(gate_init) < float("inf"):
         raise ValueError(f"gate_init must be a finite number, got {gate_init!r}")
-    for flag, name in ((learn, "learn"), (gate, "gate"), (non_negative, "non_negative")):
+    for flag, name in ((learn, "learn"), (gate, "gate"), (non_negative, "non_negative"), (input_norm, "input_norm")):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {flag!r}")
     if theta is not None and (attention != "llops" or feature_map is not None):
@@ -344,7 +360,8 @@ def convert_attention(model: nn.Module, *, attention: str = "llops", p: int = 2,
             if layer in exact:
                 sketches.append(ExactAttention(heads=site.heads, head_dim=site.head_dim, causal=site.causal))
                 continue
-            map_q, map_k = _make_maps(attention, feature_map, layer, site.heads, site.head_dim, p, m, rank, seed, tied)
+            map_q, map_k = _make_maps(attention, feature_map, layer, site.heads, site.head_dim, p, m, rank, seed, tied,
+                                      input_norm)
             sketch = SketchedAttention(map_q, map_k, heads=site.heads, head_dim=site.head_dim, window=window,
                                        sinks=sinks, local=local, gate=gate, normalize=normalize,
                                        non_negative=non_negative, eps=float(eps), causal=site.causal, **memory)
@@ -359,8 +376,8 @@ def convert_attention(model: nn.Module, *, attention: str = "llops", p: int = 2,
             sketches.append(sketch)
     options = {"attention": attention if feature_map is None else "custom", "p": p, "m": m, "rank": rank,
                "window": window, "sinks": sinks, "local": local, "normalize": normalize, "non_negative": non_negative,
-               "eps": float(eps), "gate": gate, "gate_init": float(gate_init), "tied": tied, "seed": seed,
-               "family": family, **memory, "exact_layers": sorted(exact)}
+               "eps": float(eps), "gate": gate, "gate_init": float(gate_init), "tied": tied, "input_norm": input_norm,
+               "seed": seed, "family": family, **memory, "exact_layers": sorted(exact)}
     if family == "toy":
         for site, sketch in zip(sites, sketches):
             site.module.attn = ToyKernel(sketch)

@@ -73,7 +73,7 @@ class LinearizeReport:
 def linearize(model: nn.Module, texts, *, tokenizer=None, attention: str = "llops", p: int = 2, m: int = 64,
               rank: int = 1, window: int = 64, sinks: int | None = None, local: str = "softmax", feature_map=None,
               normalize: str | None = None, gate_init: float | str | None = None, tied: bool | None = None,
-              gate_sequences: int = 4, seq_len: int = 512, max_tokens: int | None = None, holdout: float = 0.25,
+              input_norm: bool = False, gate_sequences: int = 4, seq_len: int = 512, max_tokens: int | None = None, holdout: float = 0.25,
               fit: bool = True, fit_tokens: int = 1024, fit_options: dict | None = None, transfer_steps: int = 100,
               transfer_lr: float = 1e-2, lora_steps: int = 0, lora_rank: int = 8, lora_lr: float = 1e-4,
               batch_size: int = 4, evaluate: bool = True, seed: int = 0, progress: bool = False,
@@ -98,10 +98,10 @@ def linearize(model: nn.Module, texts, *, tokenizer=None, attention: str = "llop
     holdout : float in (0, 1)
         Fraction of the sequences (the last ones) held out of training: every error and metric is
         measured on them.
-    attention, p, m, rank, window, sinks, local, feature_map, normalize, tied
+    attention, p, m, rank, window, sinks, local, feature_map, normalize, tied, input_norm
         The conversion (:func:`sketchlab.convert_attention`; ``sinks=None``: 4 with a window, 0
         for ``window=0``; ``tied=None``: LLoPS as the tied non-negative map on transformers
-        models), checked by its rules before any work (``local="poly"`` asks layer 0's map, built
+        models; ``input_norm``: the maps on layer-normalised q, k, the affine trained in stage 1), checked by its rules before any work (``local="poly"`` asks layer 0's map, built
         once more, for a polynomial degree); the report's settings record the resolved ``sinks``.
     cache, decay, state, beta, exact_layers
         Long-context memory and layers kept exact (:func:`sketchlab.convert_attention`, DESIGN §7),
@@ -186,7 +186,7 @@ def linearize(model: nn.Module, texts, *, tokenizer=None, attention: str = "llop
     sketches = convert_attention(model, attention=r.attention, p=r.p, m=r.m, rank=r.rank, window=r.window, sinks=r.sinks,
                                  local=r.local, feature_map=r.feature_map, theta=theta, normalize=r.normalize,
                                  gate_init=0.0 if isinstance(r.gate_init, str) else r.gate_init, tied=r.tied,
-                                 seed=r.seed, max_bytes=r.max_bytes, exact_layers=sorted(r.exact), **r.memory)
+                                 input_norm=r.input_norm, seed=r.seed, max_bytes=r.max_bytes, exact_layers=sorted(r.exact), **r.memory)
     if not r.far:  # the gates stay where they are: the far part's weight 0 in every stage
         for sketch in sketches:
             sketch.gate.requires_grad_(False)
@@ -250,7 +250,7 @@ def _calibrate_gates(model, sketches, layers, r) -> list:
 #: The report's ``settings``: :func:`sketchlab.linearize`'s arguments as resolved (``sinks``, ``gate_init``,
 #: ``tied``, ``fit_work``, ...), then what the run read and planned; the one list of them.
 SETTINGS = ("family", "attention", "p", "m", "rank", "window", "sinks", "local", "normalize", "gate_init", "tied",
-            "gate_sequences", "cache", "decay", "state", "beta", "exact_layers", "far", "sequences", "held_out",
+            "input_norm", "gate_sequences", "cache", "decay", "state", "beta", "exact_layers", "far", "sequences", "held_out",
             "seq_len", "tokens", "sentences", "fit_work", "transfer_steps", "transfer_lr", "processes", "lora_steps",
             "lora_rank", "lora_lr", "batch_size", "seed", "memory_estimate", "max_bytes")
 
@@ -269,8 +269,9 @@ def _prepare(model: nn.Module, texts, run: dict) -> SimpleNamespace:
     r["memory"] = _check_memory(r["cache"], r["decay"], r["state"], r["beta"], r["window"], r["sinks"], r["local"],
                                 r["normalize"], causal=all(site.causal for site in sites))
     _check_far(r["far"], r["window"], r["gate_init"])
-    if not isinstance(r["progress"], bool):
-        raise TypeError(f"progress must be True or False, got {r['progress']!r}")
+    for flag in ("progress", "input_norm"):
+        if not isinstance(r[flag], bool):
+            raise TypeError(f"{flag} must be True or False, got {r[flag]!r}")
     check_teacher_finite(model)
     r["encoder"] = encoder = family != "toy" and FAMILY_TABLE[family].encoder
     r["sentences"] = encoder and _all_strings(texts)  # an encoder reads one sentence (line) per sequence
@@ -302,7 +303,7 @@ def _prepare(model: nn.Module, texts, run: dict) -> SimpleNamespace:
                          rank=check_positive_int(r["rank"], "rank"), max_bytes=r["max_bytes"])
     with torch.random.fork_rng(devices=[]):  # layer 0's query map as convert_attention will make it
         probe = _make_maps(r["attention"], r["feature_map"], 0, sites[0].heads, sites[0].head_dim, r["p"], r["m"],
-                           r["rank"], r["seed"], r["tied"])[0]
+                           r["rank"], r["seed"], r["tied"], r["input_norm"])[0]
     check_local_map(probe, window=r["window"], local=r["local"])  # the layer's own rule, before the teacher is recorded
     train_tokens = int(mask[r["train_idx"]].sum())
     fit_tokens = min(train_tokens, r["fit_tokens"] or train_tokens)

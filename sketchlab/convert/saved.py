@@ -24,11 +24,14 @@ __all__ = ["OPTIONS_FILE", "load_linearized", "save_linearized"]
 
 #: The conversion options of a save (one JSON object).
 OPTIONS_FILE = "sketchlab_conversion.json"
-#: The options every save records (``tied`` and ``family`` may be absent: saves from before they existed).
+#: The options every save records (those of :data:`LATER_DEFAULTS` and ``family`` may be absent: saves from before
+#: they existed).
 RECORDED = ("attention", "p", "m", "rank", "window", "sinks", "local", "normalize", "non_negative", "eps", "gate",
-            "gate_init", "tied", "seed", "family", "cache", "decay", "state", "beta", "exact_layers")
-#: The long-context options (DESIGN §7) of a save written before they existed: no memory, no exact layers.
-MEMORY_DEFAULTS = {"cache": 0, "decay": None, "state": "additive", "beta": "head", "exact_layers": []}
+            "gate_init", "tied", "input_norm", "seed", "family", "cache", "decay", "state", "beta", "exact_layers")
+#: The options of a save written before they existed, as it was converted: untied, no input norm, no long-context
+#: memory (DESIGN §7), no exact layers.
+LATER_DEFAULTS = {"tied": False, "input_norm": False, "cache": 0, "decay": None, "state": "additive", "beta": "head",
+                  "exact_layers": []}
 #: Metadata key of the toy model's ``model.safetensors`` holding the options' second copy.
 META_KEY = "sketchlab"
 
@@ -141,7 +144,7 @@ def _consistent(copies: dict, directory: Path) -> dict:
         raise ValueError(f"{directory}: no conversion options ({OPTIONS_FILE}, or 'sketchlab' in config.json); "
                          "was it written by sketchlab.save_linearized?")
     # absent: saved before the option existed
-    copies = {path: {"tied": False, **MEMORY_DEFAULTS, **options} for path, options in copies.items()}
+    copies = {path: {**LATER_DEFAULTS, **options} for path, options in copies.items()}
     (first, options), *others = copies.items()
     for path, other in others:
         for key in sorted(set(options) | set(other)):
@@ -154,7 +157,7 @@ def _consistent(copies: dict, directory: Path) -> dict:
     if unknown:
         raise ValueError(f"{first}: unknown conversion option {unknown[0]!r} (the options are {list(RECORDED)}); "
                          "the file was edited or comes from another program")
-    missing = [key for key in RECORDED if key not in options and key not in ("tied", "family")]
+    missing = [key for key in RECORDED if key not in options and key != "family"]
     if missing:
         raise ValueError(f"{first}: the conversion option {missing[0]!r} is missing; the file was edited or is "
                          "damaged: save the converted model again")
@@ -240,7 +243,7 @@ def load_linearized(directory, model: nn.Module) -> nn.Module:
             raise ValueError(f"{directory}: tensor {name!r} has shape {list(tensor.shape)} in the saved weights and "
                              f"{list(own[name].shape)} in the model converted with the saved options of {where.name} "
                              f"(attention={options['attention']!r}, p={options['p']}, m={options['m']}, "
-                             f"rank={options['rank']}, tied={options['tied']}): the options or the weights were edited "
+                             f"rank={options['rank']}, tied={options['tied']}, input_norm={options['input_norm']}): the options or the weights were edited "
                              "or come from two saves; save the converted model again")
     model.load_state_dict(state, strict=False)
     return model

@@ -28,6 +28,8 @@ map (name)              features                                               k
 :class:`HedgehogMap`    LoLCATs: :math:`[\mathrm{softmax}(xW), \mathrm{softmax}(-xW)]`  ≈ ``exp(qᵀk)``
 (``hedgehog``)
 :class:`SelfTensored`   :math:`\phi\otimes\phi` of any map                       ``(φ(q)·φ(k))² >= 0``
+:class:`InputNormed`    :math:`\phi(\mathrm{LN}(x))` of any map, per-head affine   φ's, of LN(q), LN(k)
+(``input_norm=True``)
 :class:`IdentityMap`    :math:`x` (``M = D``; DeltaNet's, :mod:`.identity`)      ``qᵀk``
 (``identity``)
 ======================  =====================================================  ==============
@@ -44,6 +46,7 @@ from .elementwise import TiedLLoPSMap
 from .exact import ExactPolyMap
 from .hedgehog import HedgehogMap
 from .llops import LLoPSMap
+from .normed import InputNormed
 from .psf import PSFLearnedMap
 from .registry import (
     COMMON_OPTIONS,
@@ -72,6 +75,7 @@ __all__ = [
     "FeatureMap",
     "FeatureMapSketch",
     "HedgehogMap",
+    "InputNormed",
     "LLoPSMap",
     "Option",
     "PSFLearnedMap",

@@ -88,6 +88,7 @@ COMMON_OPTIONS = {
     "seed": Option("int", 0, low=0, doc="seeds the map's random start"),
     "dtype": Option("dtype", torch.float32, doc="dtype of the map's tensors"),
     "self_tensored": Option("bool", False, doc="wrap the map in SelfTensored (φ ⊗ φ)"),
+    "input_norm": Option("bool", False, doc="the map on per-head layer-normalised input (InputNormed)"),
 }
 
 
@@ -170,20 +171,23 @@ def make_feature_map(name: str, *, heads: int, head_dim: int, **options) -> Feat
     """The feature map ``name`` (:func:`feature_map_names`) of ``heads`` heads of dimension ``head_dim``.
 
     ``options``: the common ones (:data:`COMMON_OPTIONS`: ``p``, ``m``, ``rank``, ``seed``, ``dtype``,
-    ``self_tensored``) and the map's own (:func:`feature_map_options`), checked once here. Sizes:
+    ``self_tensored``, ``input_norm``) and the map's own (:func:`feature_map_options`), checked once here. Sizes:
     ``llops``, ``elementwise``, ``hedgehog``, ``tensorsketch``: ``m`` features; ``based-taylor``,
     ``based-expand``: the largest ``d'`` with at most ``m``; ``psf-random``, ``psf-learned``:
     ``⌊√m⌋²`` (self-tensored); ``exact-poly``: ``C(D+p−1, p)`` (``m`` ignored); ``dpfp``: ``2·D·nu``; ``identity``: ``D``.
+    ``input_norm=True`` wraps the map in :class:`~sketchlab.featuremaps.normed.InputNormed`; ``self_tensored``
+    (and psf-learned's own self-tensoring) then applies outside it.
     """
     _builtins()
     name = resolve_name(name)
     opts = check_feature_map_options(name, options)
     fmap = _entry(name).build(heads, head_dim, **opts)
-    if opts["self_tensored"]:
-        from .selftensored import SelfTensored
+    from .normed import InputNormed
+    from .selftensored import SelfTensored
 
-        fmap = SelfTensored(fmap)
-    return fmap
+    if opts["input_norm"]:  # inside any self-tensoring (psf-learned's own included)
+        fmap = SelfTensored(InputNormed(fmap.inner)) if isinstance(fmap, SelfTensored) else InputNormed(fmap)
+    return SelfTensored(fmap) if opts["self_tensored"] else fmap
 
 
 # ----------------------------------------------------------------------------------------------
