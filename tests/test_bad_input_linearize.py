@@ -397,6 +397,7 @@ def test_capture_creates_parents_reports_files_and_shows_a_bar(suffix, model_dir
 
 @pytest.mark.parametrize("extra,path", [
     (["--attention", "hedgehog"], "toy"), (["--no-fit"], "toy"), (["--window", "8", "--sinks", "0"], "toy"),
+    (["--input-norm"], "toy"),
     (["--steps", "3"], "pretrained"), (["--non-negative"], "pretrained"), (["--lr", "0.1"], "pretrained"),
 ])
 def test_an_option_of_the_other_path_is_refused_not_ignored(extra, path, tmp_path, capsys, no_work):
