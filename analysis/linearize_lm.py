@@ -42,7 +42,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from sketchlab.cli._common import finite_float, write_text_atomic
-from sketchlab.featuremaps import FeatureMap
 from sketchlab.io.atomic import atomic_write
 from sketchlab.plots import save_figure
 from sketchlab.convert import convert_attention
@@ -111,7 +110,8 @@ def parse_args():
     ap.add_argument("--probe-layers", default=None,
                     help="only print per-layer attention-output errors on these layers (e.g. 3,15,27) and the shift evidence")
     ap.add_argument("--input-norm", action="store_true",
-                    help="probe only: each map on its per-head layer-normalised q, k (InputNormed), beside the plain maps")
+                    help="each --maps map also on per-head layer-normalised q, k (convert_attention(input_norm=True); "
+                         "rows '<map>+ln'), beside the plain maps")
     ap.add_argument("--probe-steps", default="0,50,200", help="transfer steps at which the probe measures")
     ap.add_argument("--shift-layers", default="3,15,27", help="layers of the per-query-shift evidence table ('none': skip)")
     ap.add_argument("--train-seqs", type=int, default=16, help="training sequences of --train-len tokens")
@@ -179,12 +179,13 @@ def gate_for(name, args, gate_init=None):
     return (0.0 if name == "hedgehog" else "search") if gate == "auto" else gate
 
 
-def convert(model, name, args, window, theta=None, gate_init=None):
-    """Convert ``model`` with map ``name`` through the public API (LLoPS tied unless ``--untied``)."""
+def convert(model, name, args, window, theta=None, gate_init=None, input_norm=False):
+    """Convert ``model`` with map ``name`` through the public API (LLoPS tied unless ``--untied``; ``input_norm``:
+    the maps on layer-normalised q, k)."""
     gate = gate_for(name, args, gate_init)
     return convert_attention(model, attention=name, p=2, m=args.m, window=window, sinks=args.sinks if window else 0,
                              theta=theta if name == "llops" else None, gate_init=0.0 if isinstance(gate, str) else gate,
-                             tied=False if (args.untied and name == "llops") else None)
+                             tied=False if (args.untied and name == "llops") else None, input_norm=input_norm)
 
 
 def calibrate(sketches, layers, mask, train_idx, args, name, how=None) -> None:
@@ -200,7 +201,7 @@ def training_data(args, tok):
     return ids, mask, torch.arange(ids.shape[0] - n_held), torch.arange(ids.shape[0] - n_held, ids.shape[0])
 
 
-def transfer_key(name, window, args, theta=None) -> str:
+def transfer_key(name, window, args, theta=None, input_norm=False) -> str:
     """File stem naming every setting that shapes a map's transferred parameters (``--cache-dir``);
     a given Θ by the SHA-256 of its tensors (``init`` for none)."""
     parts = [name, f"w{window}", f"s{args.sinks if window else 0}", f"m{args.m}", f"gate{gate_for(name, args)}",
@@ -212,7 +213,7 @@ def transfer_key(name, window, args, theta=None) -> str:
         for t in theta if theta is not None else ():
             digest.update(t.detach().double().contiguous().numpy().tobytes())
         parts += ["untied" if args.untied else "tied", "init" if theta is None else f"theta{digest.hexdigest()[:12]}"]
-    return "_".join(parts)
+    return "_".join(parts + (["ln"] if input_norm else []))
 
 
 def finished_smollm2(json_path: Path, command: str) -> dict:
@@ -311,34 +312,6 @@ def shift_evidence(sketch, io, mask, index) -> dict:
     return {"iqr_plain": iqr(plain), "iqr_shifted": iqr(shifted), "far_share": float(share[~share.isnan()].mean())}
 
 
-class InputNormed(FeatureMap):
-    """A map applied to per-head layer-normalised input (learnable per-head affine, as PolySketchFormer's
-    learned sketch has): bounds a polynomial map's magnitude, which otherwise grows as ``|x|^p``. The
-    probe's experiment (``--input-norm``), not a library map."""
-
-    def __init__(self, inner):
-        super().__init__()
-        self.inner, self.heads, self.head_dim = inner, inner.heads, inner.head_dim
-        self.weight = torch.nn.Parameter(torch.ones(inner.heads, inner.head_dim))
-        self.bias = torch.nn.Parameter(torch.zeros(inner.heads, inner.head_dim))
-
-    @property
-    def num_features(self):
-        return self.inner.num_features
-
-    @property
-    def non_negative(self):
-        return self.inner.non_negative
-
-    def _features(self, x):
-        x = torch.nn.functional.layer_norm(x, (self.head_dim,)) * self.weight.to(x.dtype) + self.bias.to(x.dtype)
-        return self.inner._features(x)
-
-    def _features_naive(self, x, head):
-        x = torch.nn.functional.layer_norm(x, (self.head_dim,)) * self.weight[head].double() + self.bias[head].double()
-        return self.inner._features_naive(x, head)
-
-
 def probe(args) -> None:
     """Per-layer held-out attention-output errors on a few layers (no perplexity): window + sinks alone
     against the hybrids as transfer proceeds, and the per-query-shift evidence."""
@@ -354,13 +327,8 @@ def probe(args) -> None:
 
     def run(label, name, gate, theta_=None, normed=False):
         model = copy.deepcopy(teacher)
-        converted = convert(model, name, args, args.window, theta_, gate_init=gate)  # every layer, once
+        converted = convert(model, name, args, args.window, theta_, gate_init=gate, input_norm=normed)  # every layer
         sketches = [converted[i] for i in probe_layers]
-        for s in sketches if normed else []:
-            shared = s.feature_map_k is s.feature_map_q
-            s.feature_map_q = InputNormed(s.feature_map_q)
-            if not shared:
-                s.feature_map_k = InputNormed(s.feature_map_k)
         calibrate(sketches, sub, mask, train_idx, args, name, how=gate)
         done = 0
         for steps in steps_list if gate != 40.0 else [0]:
@@ -443,13 +411,14 @@ def smollm2(args, out: dict, save) -> None:
     shift_layers = [] if args.shift_layers == "none" else [int(x) for x in args.shift_layers.split(",")]
     best = None
 
-    def run_map(name, window):
+    def run_map(name, window, normed=False):
         nonlocal best
         model = copy.deepcopy(teacher)
-        label = f"{name} {'hybrid w=%d+%d' % (window, args.sinks) if window else 'pure'}"
-        sketches = convert(model, name, args, window, theta)
+        shown = f"{name}+ln" if normed else name  # +ln: the map on layer-normalised q, k
+        label = f"{shown} {'hybrid w=%d+%d' % (window, args.sinks) if window else 'pure'}"
+        sketches = convert(model, name, args, window, theta, input_norm=normed)
         features = sketches[0].feature_map_q.num_features
-        key = transfer_key(name, window, args, theta if name == "llops" else None)
+        key = transfer_key(name, window, args, theta if name == "llops" else None, input_norm=normed)
         cached = None if args.cache_dir is None else Path(args.cache_dir) / f"{key}.safetensors"
         hit = None if cached is None else load_transferred(sketches, cached)
         if hit is not None:
@@ -464,7 +433,7 @@ def smollm2(args, out: dict, save) -> None:
             log(f"{label}: gates set and stage-0 errors in {time.perf_counter() - t:.0f} s "
                 f"(mean error {sum(errors['0']) / len(errors['0']):.3f})")
             if not args.no_stage0_ppl:
-                add(f"{label}, stage 0 ({stage0})", model, "stage0", features=features, map=name, window=window)
+                add(f"{label}, stage 0 ({stage0})", model, "stage0", features=features, map=shown, window=window)
             t = time.perf_counter()
             if trainable(sketches):  # a fixed map without a gate (pure Taylor) has nothing to transfer
                 attention_transfer(sketches, layers, mask, train_idx, steps=args.transfer_steps, lr=args.transfer_lr,
@@ -476,17 +445,19 @@ def smollm2(args, out: dict, save) -> None:
                 save_transferred(sketches, errors, cached)
         rows["layer_errors"][label] = errors
         save()
-        row = add(f"{label}, stage 1 (transfer)", model, "stage1", features=features, map=name, window=window)
+        row = add(f"{label}, stage 1 (transfer)", model, "stage1", features=features, map=shown, window=window)
         if window and shift_layers:
             for layer in shift_layers:
                 ev = shift_evidence(sketches[layer], layers[layer], mask, train_idx[: args.gate_seqs])
-                rows["shift"].append({"map": name, "layer": layer, **ev})
+                rows["shift"].append({"map": shown, "layer": layer, **ev})
             save()
         if window and (best is None or row["ppl"][contexts[-1]] < best[1]):
             best = (label, row["ppl"][contexts[-1]], model)
 
     for name in args.maps.split(","):
         run_map(name, args.window)
+        if args.input_norm:
+            run_map(name, args.window, normed=True)
     if args.lora_steps:
         lora = dict(steps=args.lora_steps, rank=args.lora_rank, lr=args.lora_lr, batch_size=1, seed=0)
         # LoRA sequences: --lora-len-token pieces of the training plays, as many as the steps read (none twice
@@ -576,8 +547,8 @@ def markdown(args, out: dict, command: str) -> str:
                    + ([] if args.late_maps == "none" else args.late_maps.split(","))]
         ran = {row.get("map") for row in sm["rows"] if row["role"] == "stage1"}
         pure_ran = any(row.get("window") == 0 for row in sm["rows"] if row["role"] == "stage1")
-        missing = [m for m in args.maps.split(",") + ([] if args.late_maps == "none" else args.late_maps.split(","))
-                   if m not in ran] + ([f"{args.pure} pure"] if args.pure != "none" and not pure_ran else [])
+        missing = [m for m in args.maps.split(",") + [f"{m}+ln" for m in args.maps.split(",") if args.input_norm]
+                   + ([] if args.late_maps == "none" else args.late_maps.split(",")) if m not in ran] + ([f"{args.pure} pure"] if args.pure != "none" and not pure_ran else [])
         if missing and planned:
             lines += [f"Not reached before the run was stopped (time): {', '.join(missing)}.", ""]
     sm = out.get("smollm2")
@@ -594,7 +565,9 @@ def markdown(args, out: dict, command: str) -> str:
                   f"hybrid gates start at `{args.gate_init}` (auto: 0 for Hedgehog, set per head by `search` on "
                   f"{args.gate_seqs} training sequences for the others, `sketchlab.convert.scale.calibrate_gates`), then "
                   f"{args.transfer_steps} transfer steps per layer (Adam, lr {args.transfer_lr:g}, "
-                  f"{args.transfer_batch} sequence(s) a step).", ""]
+                  f"{args.transfer_batch} sequence(s) a step)."
+                  + (" `<map>+ln`: the same map on per-head layer-normalised q, k with a learnable affine, trained "
+                     "with it (`convert_attention(input_norm=True)`)." if args.input_norm else ""), ""]
         if sm.get("lora"):
             lo = sm["lora"]
             lines += [f"LoRA (stage 2, `sketchlab.convert.linearize.lora_finetune`): rank {lo['rank']} on q/k/v/o, "

@@ -44,3 +44,17 @@ def test_trainable_is_false_only_for_a_fixed_map_without_a_gate():
     assert not lm.trainable(pure_taylor)
     assert lm.trainable(convert_attention(_llama(), attention="taylor", m=8, window=3, sinks=1))  # its gate
     assert lm.trainable(convert_attention(_llama(), attention="hedgehog", m=8, window=0, sinks=0))  # its maps
+
+
+def test_input_norm_converts_through_the_library_option():
+    from types import SimpleNamespace
+
+    from sketchlab.featuremaps import InputNormed
+
+    args = SimpleNamespace(m=8, sinks=1, gate_init="auto", untied=False, train_len=32, train_seqs=2, transfer_steps=1,
+                           transfer_lr=1e-2, map_lr=None, transfer_batch=1, gate_seqs=1)
+    plain, normed = (lm.convert(_llama(), "llops", args, 3, input_norm=flag) for flag in (False, True))
+    assert not isinstance(plain[0].feature_map_q, InputNormed)
+    assert isinstance(normed[0].feature_map_q, InputNormed) and isinstance(normed[1].feature_map_k, InputNormed)
+    # the transfer cache keeps the two apart
+    assert lm.transfer_key("llops", 3, args, input_norm=True) == lm.transfer_key("llops", 3, args) + "_ln"
