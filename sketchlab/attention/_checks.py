@@ -183,19 +183,26 @@ def _map_bounds(theta: torch.Tensor) -> tuple[list[float], list[float]]:
     at ``‖x‖ = 1``) and ``log max_{r,j,i} ‖θ_{r,j,:,i}‖`` (bounds one factor ``log |⟨θ_{r,j,:,i}, x⟩|``
     there), ``-inf`` for a zero head; cached per tensor and in-place version as :func:`_check_finite_once`
     caches its verdict."""
-    entry = _MAP_BOUNDS.get(id(theta))
-    if entry is not None and entry[0]() is theta and entry[1] == theta._version:
+    def bounds():
+        with torch.no_grad():
+            norms = theta.detach().double().norm(dim=3).log()  # [H, t, p, M]
+            return norms.sum(2).logsumexp(1).amax(-1).tolist(), norms.amax(dim=(1, 2, 3)).tolist()  # [H], [H]
+
+    return _per_version(_MAP_BOUNDS, theta, bounds)
+
+
+def _per_version(store: dict, x: torch.Tensor, compute):
+    """``compute()``, remembered in ``store`` for this very tensor ``x`` and its in-place version (an
+    inference tensor, which has no version, or one not weak-referenceable: computed every time)."""
+    entry = store.get(id(x))
+    if entry is not None and entry[0]() is x and entry[1] == x._version:
         return entry[2]
-    with torch.no_grad():
-        norms = theta.detach().double().norm(dim=3).log()  # [H, t, p, M]
-        bounds = norms.sum(2).logsumexp(1).amax(-1).tolist(), norms.amax(dim=(1, 2, 3)).tolist()  # [H], [H]
-    if len(_MAP_BOUNDS) > 256:  # dead or stale entries: start afresh
-        _MAP_BOUNDS.clear()
-    try:
-        _MAP_BOUNDS[id(theta)] = (weakref.ref(theta), theta._version, bounds)
-    except TypeError:  # not weak-referenceable: computed every time
-        pass
-    return bounds
+    value = compute()
+    if len(store) > 256:  # dead or stale entries: start afresh
+        store.clear()
+    with contextlib.suppress(TypeError, RuntimeError):
+        store[id(x)] = (weakref.ref(x), x._version, value)
+    return value
 
 
 def _max_norm(x: torch.Tensor, top: list[float]) -> list[float]:
@@ -319,7 +326,7 @@ def _kernel_range_exact(q, k, theta_q, theta_k, nq, nk, *, non_negative: bool) -
             "or use float64", RuntimeWarning, stacklevel=4)
 
 
-#: Θ tensors already found finite: ``id → (weak reference, in-place version then)``. A decoding
+#: Θ tensors already found finite: ``id → (weak reference, in-place version then, None)``. A decoding
 #: loop calls the attention once per token with the same Θ; its finiteness is checked once, and
 #: again after any in-place change (an optimiser step bumps ``_version``).
 _FINITE: dict[int, tuple] = {}
@@ -327,16 +334,7 @@ _FINITE: dict[int, tuple] = {}
 
 def _check_finite_once(theta: torch.Tensor, name: str) -> None:
     """:func:`check_finite` on ``theta`` unless this very tensor, unmodified since, passed it."""
-    entry = _FINITE.get(id(theta))
-    if entry is not None and entry[0]() is theta and entry[1] == theta._version:
-        return
-    check_finite(theta.detach(), name)
-    if len(_FINITE) > 256:  # dead or stale entries: start afresh
-        _FINITE.clear()
-    try:
-        _FINITE[id(theta)] = (weakref.ref(theta), theta._version)
-    except TypeError:  # not weak-referenceable: checked every time
-        pass
+    _per_version(_FINITE, theta, lambda: check_finite(theta.detach(), name))
 
 
 def check_segments(segments, length: int) -> list[int] | None:
