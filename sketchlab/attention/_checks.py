@@ -11,11 +11,10 @@ import math
 import numbers
 import re
 import warnings
-import weakref
 
 import torch
 
-from .._validation import as_float_tensor, check_finite
+from .._validation import as_float_tensor, check_finite, per_version
 from .options import _BACKENDS, _DENOMINATOR_CHECKS, _LOCALS, _NORMALIZE, AttentionOptions, _choice, _flag, _int, _real
 
 __all__ = ["NORMALIZE", "check_eps", "count_denominators", "check_kernel_range", "check_normalize", "check_qkv", "check_segments", "check_theta"]
@@ -188,21 +187,7 @@ def _map_bounds(theta: torch.Tensor) -> tuple[list[float], list[float]]:
             norms = theta.detach().double().norm(dim=3).log()  # [H, t, p, M]
             return norms.sum(2).logsumexp(1).amax(-1).tolist(), norms.amax(dim=(1, 2, 3)).tolist()  # [H], [H]
 
-    return _per_version(_MAP_BOUNDS, theta, bounds)
-
-
-def _per_version(store: dict, x: torch.Tensor, compute):
-    """``compute()``, remembered in ``store`` for this very tensor ``x`` and its in-place version (an
-    inference tensor, which has no version, or one not weak-referenceable: computed every time)."""
-    entry = store.get(id(x))
-    if entry is not None and entry[0]() is x and entry[1] == x._version:
-        return entry[2]
-    value = compute()
-    if len(store) > 256:  # dead or stale entries: start afresh
-        store.clear()
-    with contextlib.suppress(TypeError, RuntimeError):
-        store[id(x)] = (weakref.ref(x), x._version, value)
-    return value
+    return per_version(_MAP_BOUNDS, theta, bounds)
 
 
 def _max_norm(x: torch.Tensor, top: list[float]) -> list[float]:
@@ -334,7 +319,7 @@ _FINITE: dict[int, tuple] = {}
 
 def _check_finite_once(theta: torch.Tensor, name: str) -> None:
     """:func:`check_finite` on ``theta`` unless this very tensor, unmodified since, passed it."""
-    _per_version(_FINITE, theta, lambda: check_finite(theta.detach(), name))
+    per_version(_FINITE, theta, lambda: check_finite(theta.detach(), name))
 
 
 def check_segments(segments, length: int) -> list[int] | None:

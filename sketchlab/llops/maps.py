@@ -13,11 +13,10 @@ The derivatives the second-order fits need (:func:`feature_partials`, :func:`fea
 from __future__ import annotations
 
 import itertools
-import weakref
 
 import torch
 
-from .._validation import as_float_tensor
+from .._validation import as_float_tensor, per_version
 
 __all__ = [
     "affine_input",
@@ -180,9 +179,8 @@ def features_vjp(x: torch.Tensor, others: torch.Tensor, grad: torch.Tensor) -> t
     return torch.einsum("bnd,btpnm->btpdm", x, others * grad[:, None, None])
 
 
-#: ``Θ_flat`` per Θ tensor that builds no graph: ``id → (weak reference, in-place version, inference
-#: mode, Θ_flat)``. A decoding loop passes the same Θ every token: its copy is made once, and again
-#: after any in-place change (as :func:`sketchlab.attention._checks.check_kernel_range` caches Θ's bounds).
+#: ``Θ_flat`` per Θ tensor that builds no graph (:func:`sketchlab._validation.per_version`): a decoding
+#: loop passes the same Θ every token; its copy is made once, and again after any in-place change.
 _FLAT: dict[int, tuple] = {}
 
 
@@ -190,20 +188,9 @@ def _flat(theta: torch.Tensor) -> torch.Tensor:
     """``Θ [H, t, p, D, M]`` as ``[H, D, t·p·M]`` (a copy), cached while no gradient reaches Θ."""
     H, t, p, D, M = theta.shape
     flat = lambda: theta.permute(0, 3, 1, 2, 4).reshape(H, D, t * p * M)  # noqa: E731
-    if theta.is_inference() or (theta.requires_grad and torch.is_grad_enabled()):  # no version; a graph to Θ
-        return flat()
-    key = (theta._version, torch.is_inference_mode_enabled())
-    entry = _FLAT.get(id(theta))
-    if entry is not None and entry[0]() is theta and entry[1] == key:
-        return entry[2]
-    flat = flat().detach()
-    if len(_FLAT) > 256:  # dead or stale entries: start afresh
-        _FLAT.clear()
-    try:
-        _FLAT[id(theta)] = (weakref.ref(theta), key, flat)
-    except TypeError:  # not weak-referenceable
-        pass
-    return flat
+    if (theta.requires_grad and torch.is_grad_enabled()) or torch.is_inference_mode_enabled():
+        return flat()  # a graph to Θ, or an inference tensor: made per call
+    return per_version(_FLAT, theta, lambda: flat().detach())
 
 
 def llops_feature_fn(theta: torch.Tensor):
