@@ -7,8 +7,10 @@ the source.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
+import weakref
 
 import numpy as np
 import torch
@@ -32,6 +34,7 @@ __all__ = [
     "check_seed",
     "check_symmetric_features",
     "check_work",
+    "per_version",
     "symmetric_feature_cost",
 ]
 
@@ -192,6 +195,21 @@ def check_finite(x: torch.Tensor, name: str, *, allow_meta: bool = False) -> Non
             f"{name} must be finite: {int(bad.sum())} non-finite value(s) of {x.numel()}, "
             f"the first at index {first} ({x[first].item()})"
         )
+
+
+def per_version(store: dict, x: torch.Tensor, compute):
+    """``compute()``, remembered in ``store`` for this very tensor ``x`` and its in-place version: a
+    decoding loop passes one Θ every token (an inference tensor, which has no version, or one not
+    weak-referenceable: computed every time)."""
+    entry = store.get(id(x))
+    if entry is not None and entry[0]() is x and entry[1] == x._version:
+        return entry[2]
+    value = compute()
+    if len(store) > 256:  # dead or stale entries: start afresh
+        store.clear()
+    with contextlib.suppress(TypeError, RuntimeError):
+        store[id(x)] = (weakref.ref(x), x._version, value)
+    return value
 
 
 def check_positive_int(value, name: str) -> int:

@@ -125,3 +125,17 @@ def test_kernel_range_bounds_each_factor_not_only_their_product():
     q[..., 0], k[..., 0] = 1e20, 1e-14
     with pytest.raises(ValueError, match=r"theta_q with q overflows torch.float32: the features of the largest token"):
         check_kernel_range(q, k, theta, theta)
+
+
+def test_theta_made_in_inference_mode_is_checked_every_call():
+    """An inference tensor has no in-place version to cache a verdict by: Θ's checks and its flat copy
+    run every call instead of raising (issue 34); a non-finite Θ is still named."""
+    with torch.inference_mode():
+        th = torch.randn(2, 1, 2, 8, 4, generator=torch.Generator().manual_seed(0)) / 3
+        x = torch.randn(1, 5, 2, 8, generator=torch.Generator().manual_seed(1))
+        want = llops_attention(x, x, x, th, th, backend="torch")
+        assert torch.equal(llops_attention(x, x, x, th, th, backend="torch"), want)
+        bad = th.clone()
+        bad[0, 0, 0, 0, 0] = float("nan")
+        with pytest.raises(ValueError, match="theta_q must be finite"):
+            llops_attention(x, x, x, bad, th, backend="torch")

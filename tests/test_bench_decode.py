@@ -27,4 +27,5 @@ def test_rows_and_flat_states(tmp_path):
     assert "Machine load" in text
     assert bench.main([*args, "--profile"]) == 0
     profile = (tmp_path / "decode_profile.md").read_text()
-    assert profile.count("## hybrid") == 4 and "`memory.py:memory_attention`" in profile
+    assert profile.count("## hybrid") == 4
+    assert "`_entry.py:memory_call`" in profile and "`memory_state.py:_check_call`" in profile  # the entry's memory path

@@ -11,11 +11,10 @@ import math
 import numbers
 import re
 import warnings
-import weakref
 
 import torch
 
-from .._validation import as_float_tensor, check_finite
+from .._validation import as_float_tensor, check_finite, per_version
 from .options import _BACKENDS, _DENOMINATOR_CHECKS, _LOCALS, _NORMALIZE, AttentionOptions, _choice, _flag, _int, _real
 
 __all__ = ["NORMALIZE", "check_eps", "count_denominators", "check_kernel_range", "check_normalize", "check_qkv", "check_segments", "check_theta"]
@@ -183,19 +182,12 @@ def _map_bounds(theta: torch.Tensor) -> tuple[list[float], list[float]]:
     at ``‖x‖ = 1``) and ``log max_{r,j,i} ‖θ_{r,j,:,i}‖`` (bounds one factor ``log |⟨θ_{r,j,:,i}, x⟩|``
     there), ``-inf`` for a zero head; cached per tensor and in-place version as :func:`_check_finite_once`
     caches its verdict."""
-    entry = _MAP_BOUNDS.get(id(theta))
-    if entry is not None and entry[0]() is theta and entry[1] == theta._version:
-        return entry[2]
-    with torch.no_grad():
-        norms = theta.detach().double().norm(dim=3).log()  # [H, t, p, M]
-        bounds = norms.sum(2).logsumexp(1).amax(-1).tolist(), norms.amax(dim=(1, 2, 3)).tolist()  # [H], [H]
-    if len(_MAP_BOUNDS) > 256:  # dead or stale entries: start afresh
-        _MAP_BOUNDS.clear()
-    try:
-        _MAP_BOUNDS[id(theta)] = (weakref.ref(theta), theta._version, bounds)
-    except TypeError:  # not weak-referenceable: computed every time
-        pass
-    return bounds
+    def bounds():
+        with torch.no_grad():
+            norms = theta.detach().double().norm(dim=3).log()  # [H, t, p, M]
+            return norms.sum(2).logsumexp(1).amax(-1).tolist(), norms.amax(dim=(1, 2, 3)).tolist()  # [H], [H]
+
+    return per_version(_MAP_BOUNDS, theta, bounds)
 
 
 def _max_norm(x: torch.Tensor, top: list[float]) -> list[float]:
@@ -319,7 +311,7 @@ def _kernel_range_exact(q, k, theta_q, theta_k, nq, nk, *, non_negative: bool) -
             "or use float64", RuntimeWarning, stacklevel=4)
 
 
-#: Θ tensors already found finite: ``id → (weak reference, in-place version then)``. A decoding
+#: Θ tensors already found finite: ``id → (weak reference, in-place version then, None)``. A decoding
 #: loop calls the attention once per token with the same Θ; its finiteness is checked once, and
 #: again after any in-place change (an optimiser step bumps ``_version``).
 _FINITE: dict[int, tuple] = {}
@@ -327,16 +319,7 @@ _FINITE: dict[int, tuple] = {}
 
 def _check_finite_once(theta: torch.Tensor, name: str) -> None:
     """:func:`check_finite` on ``theta`` unless this very tensor, unmodified since, passed it."""
-    entry = _FINITE.get(id(theta))
-    if entry is not None and entry[0]() is theta and entry[1] == theta._version:
-        return
-    check_finite(theta.detach(), name)
-    if len(_FINITE) > 256:  # dead or stale entries: start afresh
-        _FINITE.clear()
-    try:
-        _FINITE[id(theta)] = (weakref.ref(theta), theta._version)
-    except TypeError:  # not weak-referenceable: checked every time
-        pass
+    per_version(_FINITE, theta, lambda: check_finite(theta.detach(), name))
 
 
 def check_segments(segments, length: int) -> list[int] | None:

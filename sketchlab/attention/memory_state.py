@@ -209,8 +209,11 @@ def _check_params(params, options: AttentionOptions, heads: int, dim_v: int, lik
 
 
 def _check_call(phi_q, phi_k, v, q, k, options, params, degree, key_padding_mask, initial_state, output_final_state,
-                gate=None):
-    """Every argument of a memory call, checked once; returns a namespace the internals trust."""
+                gate=None, raw_checked=False):
+    """Every argument of a memory call, checked once; returns a namespace the internals trust.
+
+    ``raw_checked``: ``q, k, v`` are an entry point's checked tensors (:func:`check_qkv`: shapes,
+    dtype, device, finite): only the features, params and state are checked here."""
     if not isinstance(options, AttentionOptions):
         raise TypeError(f"options must be an AttentionOptions, got {type(options).__name__}")
     if not options.causal:
@@ -224,7 +227,8 @@ def _check_call(phi_q, phi_k, v, q, k, options, params, degree, key_padding_mask
         if q is None or k is None:
             raise ValueError(f"window={w} > 0 needs the raw q and k for the exact part, got "
                              f"{'q=None' if q is None else 'k=None'}")
-        q, k, _ = check_qkv(q, k, v, causal=True, finite=False)
+        if not raw_checked:
+            q, k, _ = check_qkv(q, k, v, causal=True, finite=False)
         if tuple(q.shape[:3]) != (B, T, H) or q.dtype != phi_q.dtype or q.device != phi_q.device:
             raise ValueError(f"q {tuple(q.shape)} ({q.dtype}) must match phi_q {tuple(phi_q.shape)} ({phi_q.dtype}) "
                              "in [B, T, H], dtype and device")
@@ -232,7 +236,8 @@ def _check_call(phi_q, phi_k, v, q, k, options, params, degree, key_padding_mask
     else:
         q = k = None  # pure linear attention: no exact part
         D = 0
-    check_all_finite(*(((phi_q, "phi_q"), (phi_k, "phi_k"), (v, "v")) + (((q, "q"), (k, "k")) if w else ())))
+    check_all_finite(*(((phi_q, "phi_q"), (phi_k, "phi_k")) + (() if raw_checked else ((v, "v"),) + (
+        ((q, "q"), (k, "k")) if w else ()))))
     if w and options.local == "poly":
         degree = check_degree(degree)
     mask = check_key_padding_mask(key_padding_mask, B, T, phi_q.device)
@@ -282,8 +287,8 @@ def _beta(call, v: torch.Tensor) -> torch.Tensor:
 
 def unit(x: torch.Tensor) -> torch.Tensor:
     r"""``x / ‖x‖`` along the last axis, 0 where ``x = 0`` (a null event): the delta rule's ``k̂, q̂``."""
-    n = x.norm(dim=-1, keepdim=True)
-    return x / torch.where(n > 0, n, torch.ones((), dtype=x.dtype, device=x.device))
+    fi = torch.finfo(x.dtype)
+    return x / x.norm(dim=-1, keepdim=True).clamp_min(fi.tiny * fi.eps)  # the least subnormal: any ‖x‖ > 0 as is
 
 
 def recall_error(S, z, phi, v, *, delta: bool, eps: float) -> torch.Tensor:

@@ -16,7 +16,7 @@ import itertools
 
 import torch
 
-from .._validation import as_float_tensor
+from .._validation import as_float_tensor, per_version
 
 __all__ = [
     "affine_input",
@@ -179,6 +179,20 @@ def features_vjp(x: torch.Tensor, others: torch.Tensor, grad: torch.Tensor) -> t
     return torch.einsum("bnd,btpnm->btpdm", x, others * grad[:, None, None])
 
 
+#: ``Θ_flat`` per Θ tensor that builds no graph (:func:`sketchlab._validation.per_version`): a decoding
+#: loop passes the same Θ every token; its copy is made once, and again after any in-place change.
+_FLAT: dict[int, tuple] = {}
+
+
+def _flat(theta: torch.Tensor) -> torch.Tensor:
+    """``Θ [H, t, p, D, M]`` as ``[H, D, t·p·M]`` (a copy), cached while no gradient reaches Θ."""
+    H, t, p, D, M = theta.shape
+    flat = lambda: theta.permute(0, 3, 1, 2, 4).reshape(H, D, t * p * M)  # noqa: E731
+    if (theta.requires_grad and torch.is_grad_enabled()) or torch.is_inference_mode_enabled():
+        return flat()  # a graph to Θ, or an inference tensor: made per call
+    return per_version(_FLAT, theta, lambda: flat().detach())
+
+
 def llops_feature_fn(theta: torch.Tensor):
     r"""A function ``x[B, H, n, D] → φ(x)[B, H, n, M]`` for per-head Θ ``[H, t, p, D, M]``.
 
@@ -187,7 +201,7 @@ def llops_feature_fn(theta: torch.Tensor):
     ``t - 1`` sums of ``[B, H, n, M]`` slices (the broadcast form would copy ``x`` ``t·p`` times).
     """
     H, t, p, D, M = theta.shape
-    flat = theta.permute(0, 3, 1, 2, 4).reshape(H, D, t * p * M)  # [H, D, t·p·M]
+    flat = _flat(theta)  # [H, D, t·p·M]
 
     def features(x: torch.Tensor) -> torch.Tensor:
         B, _, n, _ = x.shape
@@ -196,10 +210,10 @@ def llops_feature_fn(theta: torch.Tensor):
         # products [D, t·p·M] and then sum them (analysis/results/parallel.md §2, forward + backward at
         # B = 64: folded 1.1-1.7x faster at T = 16-32, even with broadcasting at T = 64 within the noise)
         xh = x.transpose(0, 1).reshape(H, B * n, D)  # [H, B·n, D]
-        proj = (xh @ flat).view(H, B, n, t * p * M).transpose(0, 1)  # [B, H, n, t·p·M]
+        proj = torch.bmm(xh, flat).view(H, B, n, t * p * M).transpose(0, 1)  # [B, H, n, t·p·M]
         # one split into the t·p factors [B, H, n, M]: a slice per factor would zero-fill a full-size
         # gradient for each of them in the backward
-        factors = proj.split(M, dim=-1)  # t·p tensors [B, H, n, M], rank-major
+        factors = proj.split_with_sizes([M] * (t * p), dim=-1)  # t·p tensors [B, H, n, M], rank-major
         out = None
         for r in range(t):
             term = factors[r * p]
