@@ -699,6 +699,18 @@ def test_decode_step_refuses_invalid_inputs_with_the_entry_errors(name):
 
 
 # ------------------------------------------------------------------------------------------------ the fast path's blocks and batches
+def _fast_equals_naive(options, T, M, *, seed):
+    """The fast path's outputs and final state against the twin's on one masked problem; returns the
+    problem and the call's keywords."""
+    fq, fk, v, q, k = _problem(T, M, seed=seed)
+    kw = dict(options=options, params=_params(options), degree=2, key_padding_mask=_mask(T), output_final_state=True)
+    want, want_state = memory_attention_naive(fq, fk, v, q, k, **kw)
+    got, got_state = memory_attention(fq, fk, v, q, k, **kw)
+    assert (got - want).abs().max().item() <= TOL64
+    _assert_states(got_state, want_state)
+    return fq, fk, v, q, k, kw
+
+
 @pytest.mark.parametrize("name", ["cache", "cache_decay", "cache1_rescore5", "delta_cache_decay", "cache_poly"])
 def test_small_blocks_and_one_chunk_batches_equal_naive(monkeypatch, name):
     """Schedule blocks of 5 steps (cut apart from the query chunks and the re-scorings) and the exact part
@@ -709,12 +721,7 @@ def test_small_blocks_and_one_chunk_batches_equal_naive(monkeypatch, name):
     monkeypatch.setattr(memory_fast, "EXACT_ELEMENTS", 1)
     T, M = 43, 4
     options = AttentionOptions(window=1 if "rescore" in name else 3, sinks=2, chunk_size=8, **MECHANISMS[name])
-    fq, fk, v, q, k = _problem(T, M, seed=11)
-    kw = dict(options=options, params=_params(options), degree=2, key_padding_mask=_mask(T), output_final_state=True)
-    want, want_state = memory_attention_naive(fq, fk, v, q, k, **kw)
-    got, got_state = memory_attention(fq, fk, v, q, k, **kw)
-    assert (got - want).abs().max().item() <= TOL64
-    _assert_states(got_state, want_state)
+    _fast_equals_naive(options, T, M, seed=11)
 
 
 @pytest.mark.parametrize("decay", [None, 0.02])
@@ -724,12 +731,7 @@ def test_long_blocks_equal_naive(decay):
     block's state shrinks by e^-156."""
     T, M = 130, 3
     options = AttentionOptions(window=2, sinks=1, cache=3, rescore=40, chunk_size=40, decay=decay)
-    fq, fk, v, q, k = _problem(T, M, seed=21)
-    kw = dict(options=options, params=_params(options), degree=2, key_padding_mask=_mask(T), output_final_state=True)
-    want, want_state = memory_attention_naive(fq, fk, v, q, k, **kw)
-    got, got_state = memory_attention(fq, fk, v, q, k, **kw)
-    assert (got - want).abs().max().item() <= TOL64
-    _assert_states(got_state, want_state)
+    fq, fk, v, q, k, kw = _fast_equals_naive(options, T, M, seed=21)
     # the whole schedule: the cache after every prefix
     for n in (37, 41, 80, 119):
         part = [x[:, :n] for x in (fq, fk, v, q, k)]
