@@ -18,7 +18,8 @@ __all__ = ["Sketch"]
 class Sketch(abc.ABC):
     """Abstract polynomial-kernel sketch.
 
-    Subclasses implement :meth:`features_q`, :meth:`features_k` and the three size properties.
+    Subclasses implement :meth:`features_q`, :meth:`features_k`, the three size properties, the float64
+    twin :meth:`features_naive` and :meth:`select` (what attention and conversion need of a fitted sketch).
     :meth:`kernel` is ``features_q(q) @ features_k(k).mT`` unless a subclass has a faster route.
     """
 
@@ -55,15 +56,12 @@ class Sketch(abc.ABC):
         unless the sketch proves it."""
         return False
 
+    @abc.abstractmethod
     def features_naive(self, x: torch.Tensor, side: str = "q", index: tuple = ()) -> torch.Tensor:
         """Float64 twin of one side's map (``side`` ``"q"`` or ``"k"``) for one head: ``x[n, d]`` →
-        ``[n, num_features]``, the head ``index`` into the batch shape (``()`` when unbatched).
+        ``[n, num_features]``, the head ``index`` into the batch shape (``()`` when unbatched)."""
 
-        Part of the interface for the sketches that run in attention as a feature map
-        (:func:`sketchlab.featuremaps.sketch_feature_maps`); the default raises."""
-        raise NotImplementedError(f"{type(self).__name__} has no naive float64 twin")
-
+    @abc.abstractmethod
     def select(self, index) -> "Sketch":
         """The same sketch restricted to ``index`` of its batch shape (e.g. one layer ``l`` of an
-        ``[L, H]`` fit: ``[H]``); the default raises."""
-        raise NotImplementedError(f"{type(self).__name__} cannot select part of its batch")
+        ``[L, H]`` fit: ``[H]``)."""

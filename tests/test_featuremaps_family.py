@@ -124,3 +124,24 @@ def test_feature_map_sketch_is_a_sketch_of_any_batch():
     assert out.shape == (3, H, 5, 6)
     assert (out[2, 1] - sketch.features_naive(x[2, 1], "q", (2, 1))).abs().max() < TOL64
     assert (out[2, 1] - fmap.features(x.reshape(6, 5, D).transpose(0, 1)[None])[0, :, 5]).abs().max() < TOL64
+
+
+def test_feature_map_sketch_select_is_that_part_of_the_batch():
+    """select(l) of an [L, H] sketch of a registered map: layer l's features (fast and twin), parameters shared,
+    and it runs as one layer's maps through sketch_feature_maps(..., layer=l)."""
+    fmap = make_feature_map("hedgehog", heads=6, head_dim=D, m=6, dtype=torch.float64)
+    sketch = FeatureMapSketch(fmap, p=2, batch_shape=(3, H))
+    x = _rand(3, H, 5, D, seed=15)
+    layer = sketch.select(1)
+    assert layer.batch_shape == (H,)
+    assert (layer.features_q(x[1]) - sketch.features_q(x)[1]).abs().max() < TOL64
+    assert (layer.features_naive(x[1, 0], "k", (0,)) - sketch.features_k(x)[1, 0]).abs().max() < TOL64
+    one = sketch.select((2, 1))
+    assert one.batch_shape == () and (one.features_q(x[2, 1]) - sketch.features_q(x)[2, 1]).abs().max() < TOL64
+    assert layer.map_q.inner.weight is fmap.weight  # shared, not copied
+    map_q, _ = sketch_feature_maps(sketch, heads=H, head_dim=D, layer=1)
+    xb = _rand(1, 5, H, D, seed=16)
+    assert (map_q.features(xb)[0].transpose(0, 1) - sketch.features_q(xb[0].transpose(0, 1)[None].expand(3, H, 5, D))[1]
+            ).abs().max() < TOL64
+    with pytest.raises(ValueError, match="batch shape \\[\\]"):
+        FeatureMapSketch(make_feature_map("hedgehog", heads=1, head_dim=D, m=6), p=2).select(0)

@@ -27,7 +27,7 @@ from torch import nn
 from ..sketch import Sketch
 from .base import FeatureMap, _init_heads
 
-__all__ = ["FeatureMapSketch", "SketchMap", "sketch_feature_maps"]
+__all__ = ["FeatureMapSketch", "HeadSelection", "SketchMap", "sketch_feature_maps"]
 
 
 def _tensor_slots(sketch) -> list[tuple[str, int | None]]:
@@ -154,6 +154,45 @@ def _two_sided(sketch: Sketch) -> bool:
     return isinstance(sketch, MLPSketch) or getattr(sketch, "theta_k", None) is not None
 
 
+class HeadSelection(FeatureMap):
+    r"""Heads ``index`` of a per-head map ``inner``, as a map of ``len(index)`` heads.
+
+    A map's heads are independent (one map per head, :class:`FeatureMap`), so the selected heads'
+    features are ``inner``'s on an input that holds ``x`` at those heads (zeros elsewhere, discarded):
+    ``features(x)[:, :, j] = inner.features(full)[:, :, index[j]]``; the twin is ``inner``'s twin of
+    head ``index[j]``. The inner map's parameters are shared, not copied. Cost: ``inner`` over all its
+    heads.
+    """
+
+    def __init__(self, inner: FeatureMap, index):
+        super().__init__()
+        index = [int(i) for i in index]
+        if not index or len(set(index)) != len(index) or not all(0 <= i < inner.heads for i in index):
+            raise ValueError(f"index must be distinct heads of the inner map's {inner.heads}, got {index}")
+        self.inner, self.index = inner, index
+        self.heads, self.head_dim = len(index), inner.head_dim
+
+    @property
+    def num_features(self) -> int:
+        return self.inner.num_features
+
+    @property
+    def degree(self) -> int | None:
+        return self.inner.degree
+
+    @property
+    def non_negative(self) -> bool:
+        return self.inner.non_negative
+
+    def _features(self, x):
+        full = x.new_zeros(*x.shape[:2], self.inner.heads, self.head_dim)  # [B, T, H_inner, D]
+        full[:, :, self.index] = x
+        return self.inner._features(full)[:, :, self.index]
+
+    def _features_naive(self, x, head):
+        return self.inner._features_naive(x, self.index[head])
+
+
 class FeatureMapSketch(nn.Module, Sketch):
     """A pair of feature maps as a :class:`~sketchlab.sketch.Sketch` of batch shape ``batch_shape``
     (its heads the maps' ``H = prod(batch_shape)``): what ``fit_sketch`` returns for a registered map.
@@ -172,10 +211,14 @@ class FeatureMapSketch(nn.Module, Sketch):
             raise ValueError(f"map_q has heads={map_q.heads}, the batch shape {list(batch_shape)} {math.prod(batch_shape)}")
 
     def _map(self, fmap, x):
+        """``x [*lead, *batch_shape, n, d]`` (the batch part broadcast, so a shared ``x[n, d]`` reaches every
+        head, as with the other sketches) → ``[*lead, *batch_shape, n, M]``."""
         n, d = x.shape[-2:]
-        heads = x.reshape(-1, n, d).transpose(0, 1)[None]  # [1, n, H, d]
-        out = fmap.features(heads)[0].transpose(0, 1)  # [H, n, M]
-        return out.reshape(*self.batch_shape, n, out.shape[-1])  # [..., n, M]
+        lead = x.shape[:max(x.ndim - 2 - len(self.batch_shape), 0)]
+        x = torch.broadcast_to(x, (*lead, *self.batch_shape, n, d))
+        heads = x.reshape(-1, fmap.heads, n, d).transpose(1, 2)  # [B', n, H, d]
+        out = fmap.features(heads).transpose(1, 2)  # [B', H, n, M]
+        return out.reshape(*lead, *self.batch_shape, n, out.shape[-1])
 
     def features_q(self, x):
         return self._map(self.map_q, x)
@@ -200,8 +243,22 @@ class FeatureMapSketch(nn.Module, Sketch):
     def kernel_non_negative(self) -> bool:
         return self.map_q.non_negative and (self.map_k is None or self.map_k.non_negative)
 
+    def _heads(self, index) -> torch.Tensor:
+        """The maps' head numbers at ``index`` of the batch shape (a tensor of that part's shape)."""
+        return torch.arange(math.prod(self.batch_shape)).reshape(self.batch_shape)[index]
+
     def features_naive(self, x, side: str = "q", index: tuple = ()) -> torch.Tensor:
         fmap = self.map_q if side == "q" or self.map_k is None else self.map_k
-        head = int(torch.tensor(0).new_tensor(range(math.prod(self.batch_shape))).reshape(self.batch_shape)[index]) \
-            if self.batch_shape else 0
+        head = int(self._heads(index)) if self.batch_shape else 0
         return fmap._features_naive(torch.as_tensor(x, dtype=torch.float64), head)
+
+    def select(self, index) -> "FeatureMapSketch":
+        """The sketch at ``index`` of its batch shape (e.g. one layer of an ``[L, H]`` fit): its maps
+        restricted to those heads (:class:`HeadSelection`, parameters shared)."""
+        if not self.batch_shape:
+            raise ValueError("this sketch has batch shape [] (one map for every input): there is no batch to select from")
+        heads = self._heads(index)
+        pick = lambda fmap: None if fmap is None else HeadSelection(fmap, heads.flatten().tolist())  # noqa: E731
+        sel = FeatureMapSketch(pick(self.map_q), pick(self.map_k), p=self.p, batch_shape=tuple(heads.shape))
+        sel.fit_info = self.fit_info
+        return sel
