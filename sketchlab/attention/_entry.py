@@ -67,18 +67,13 @@ def far_gate(where: str, gate, params):
     return params.gate if gate is None else gate
 
 
-#: The entry points that check ``q, k, v`` (shapes, dtype, device, finite) and the key-padding mask
-#: before :func:`memory_call` (``where``); ``feature_attention`` hands its arguments on unchecked.
-CHECKED_QKV = frozenset({"llops_attention", "featuremap_attention", "sketch_attention"})
-
-
 def memory_call(fq, fk, v, q, k, *, where: str, options: AttentionOptions, params, gate, degree, non_negative: bool,
-                key_padding_mask, initial_state, output_final_state: bool):
+                key_padding_mask, initial_state, output_final_state: bool, qkv_checked: bool):
     r"""Memory attention (DESIGN §7) on features ``fq, fk [B, T, H, M]`` (self-tensored here when
     ``non_negative``) and raw ``q, k`` for the exact part: :func:`memory_attention`, or
-    :func:`memory_attention_naive` (float64) with ``options.backend == "reference"``. The entries of
-    :data:`CHECKED_QKV` checked ``q, k, v`` (:func:`check_qkv`, finite) and the mask: the fast path
-    checks the rest only (the features, params, state: :func:`memory_attention`'s checks, less those)."""
+    :func:`memory_attention_naive` (float64) with ``options.backend == "reference"``. ``qkv_checked``: the
+    caller checked ``q, k, v`` (:func:`check_qkv`, finite) and the mask, so the fast path checks the rest
+    only (the features, params, state: :func:`memory_attention`'s checks, less those)."""
     from .memory import memory_attention, memory_attention_naive
     from .memory_fast import run
     from .memory_state import _check_call
@@ -95,7 +90,7 @@ def memory_call(fq, fk, v, q, k, *, where: str, options: AttentionOptions, param
     if options.backend == "reference":
         return memory_attention_naive(fq.double(), fk.double(), v.double(),
                                       *(None if x is None else x.double() for x in (q, k)), **kw)
-    if where not in CHECKED_QKV:
+    if not qkv_checked:
         return memory_attention(fq, fk, v, q, k, **kw)
     return run(_check_call(fq, fk, v, q, k, options, params, degree, key_padding_mask, initial_state,
                            output_final_state, gate, raw_checked=True))

@@ -370,8 +370,8 @@ def feature_attention(phi_q, phi_k, v, *, q=None, k=None, options: AttentionOpti
         raise ValueError("feature_attention: backend='triton' fuses only LLoPS maps; given features run with "
                          "backend='torch' (or 'auto') or 'reference'")
     if o.memory:
-        return memory_call(phi_q, phi_k, v, q, k, where="feature_attention", options=o, params=params, gate=gate,
-                           degree=degree, non_negative=non_negative, key_padding_mask=key_padding_mask,
+        return memory_call(phi_q, phi_k, v, q, k, where="feature_attention", qkv_checked=False, options=o,
+                           params=params, gate=gate, degree=degree, non_negative=non_negative, key_padding_mask=key_padding_mask,
                            initial_state=initial_state, output_final_state=output_final_state)
     gate = far_gate("feature_attention", gate, params)
     if o.backend == "reference":

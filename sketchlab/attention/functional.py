@@ -226,8 +226,8 @@ def _llops_memory(q, k, v, theta_q, theta_k, o, params, gate, non_negative, segm
             return (fn_q if theta is theta_q else fn_k)(x.transpose(1, 2)).transpose(1, 2)
 
     def run(qs, ks, vs, m):
-        return memory_call(feats(qs, theta_q), feats(ks, theta_k), vs, qs, ks, where="llops_attention", options=o,
-                           params=params, gate=gate, degree=theta_q.shape[2], non_negative=non_negative,
+        return memory_call(feats(qs, theta_q), feats(ks, theta_k), vs, qs, ks, where="llops_attention",
+                           qkv_checked=True, options=o, params=params, gate=gate, degree=theta_q.shape[2], non_negative=non_negative,
                            key_padding_mask=m, initial_state=initial_state, output_final_state=output_final_state)
 
     return _by_segments(run, segments, q, k, v, mask=mask)
@@ -373,8 +373,8 @@ def sketch_attention(q, k, v, sketch: Sketch, *, options: AttentionOptions | Non
     if o.memory:
         key_padding_mask = check_key_padding_mask(key_padding_mask, B, k.shape[1], q.device)
         return _by_segments(lambda a, b, c, qs, ks, m: memory_call(
-            a, b, c, qs, ks, where="sketch_attention", options=o, params=params, gate=gate, degree=sketch.degree,
-            non_negative=non_negative, key_padding_mask=m, **stateful), segments, fq, fk, vv, q.to(dtype), k.to(dtype),
+            a, b, c, qs, ks, where="sketch_attention", qkv_checked=True, options=o, params=params, gate=gate,
+            degree=sketch.degree, non_negative=non_negative, key_padding_mask=m, **stateful), segments, fq, fk, vv, q.to(dtype), k.to(dtype),
             mask=key_padding_mask)
     opts["gate"] = far_gate("sketch_attention", gate, params)
     return _features_by_backend(fq, fk, vv, q.to(dtype), k.to(dtype), backend=backend, causal=causal,
@@ -484,8 +484,8 @@ def featuremap_attention(q, k, v, feature_map, feature_map_k=None, *, options: A
             if not naive:
                 dtype = torch.promote_types(fq.dtype, vs.dtype)
                 fq, fk, vs, qs, ks = (x.to(dtype) for x in (fq, fk, vs, qs, ks))
-            return memory_call(fq, fk, vs, qs, ks, where="featuremap_attention", options=o, params=params, gate=gate,
-                               degree=feature_map.degree, non_negative=non_negative, key_padding_mask=m,
+            return memory_call(fq, fk, vs, qs, ks, where="featuremap_attention", qkv_checked=True, options=o,
+                               params=params, gate=gate, degree=feature_map.degree, non_negative=non_negative, key_padding_mask=m,
                                initial_state=initial_state, output_final_state=output_final_state)
 
         return _by_segments(run, segments, q, k, v, mask=key_padding_mask)
