@@ -86,7 +86,12 @@ def models(args) -> list[dict]:
          "convert": {**base, "state": "delta", "cache": cache}, "gate": 0.0, "transfer": True},
         {"name": "cache-hybrid", "label": f"+ cache {cache}, {args.map} hybrid, transferred",
          "convert": {**base, "cache": cache}, "gate": 0.0, "transfer": True},
+        {"name": "cache-decay", "label": f"+ cache {cache}, {args.map} hybrid + input decay, transferred",
+         "convert": {**base, "cache": cache, "decay": "input"}, "gate": 0.0, "transfer": True},
     ]
+    if args.train_len != 1024:  # a transfer at another length is another row, beside the 1024-token one
+        rows = [{**r, "name": f"{r['name']}/{args.train_len}", "label": r["label"] + f" on {args.train_len}-token text"}
+                if r.get("transfer") else r for r in rows]
     if args.exact:
         exact = [int(x) for x in args.exact.split(",")]
         for r in list(rows[2:]):
