@@ -227,3 +227,22 @@ def test_stateless_call_forms_no_state(monkeypatch):
     assert calls[3:] == [(False, True, False)] * 3  # the stateful path: an empty state in, every state formed
     for name, a, b in zip(("out", "phi_q", "phi_k", "v"), *res):
         assert (a - b).abs().max() < 1e-13, name
+
+
+@pytest.mark.parametrize("path", ["naive", "chunked", "llops-chunked"])
+def test_non_causal_window_needs_as_many_queries_as_keys(path):
+    """The non-causal window ``|i − j| < w`` pairs query i with key i: T != S is refused on every path
+    (one rule, :func:`sketchlab.attention._checks.check_window_lengths`); the same call with T == S runs."""
+    q, k, v = _rand(1, 6, 2, 4, seed=1), _rand(1, 9, 2, 4, seed=2), _rand(1, 9, 2, 3, seed=3)
+    tq, tk = _rand(2, 1, 2, 4, 5, seed=4), _rand(2, 1, 2, 4, 5, seed=5)  # [H, t, p, D, M]
+    window = dict(causal=False, window=3, sinks=1)
+
+    def call(q, k, v):
+        if path == "llops-chunked":
+            return llops_attention_chunked(q, k, v, tq, tk, non_negative=True, **window)
+        fn = feature_attention_naive if path == "naive" else feature_attention
+        return fn(q.exp(), k.exp(), v, q=q, k=k, **window)
+
+    with pytest.raises(ValueError, match=r"non-causal hybrid window \|i−j\| < w needs T == S, got T=6, S=9"):
+        call(q, k, v)
+    assert call(q[:, :6].clone(), k[:, :6], v[:, :6]).shape == (1, 6, 2, 3)

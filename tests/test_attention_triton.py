@@ -185,7 +185,7 @@ def test_options_are_checked_by_their_one_rule():
     path does: a negative ``eps``, a ``normalize=None`` (the map deciding is the caller's) are refused, naming them."""
     q, k, v, tq, tk, _ = _problem(**{k: BASE[k] for k in ("T", "D", "M", "P", "R", "normalize")})
     kw = dict(causal=True, normalize="sum", eps=1e-6, non_negative=False)
-    for change, match in ((dict(eps=-1.0), r"eps must be >= 0.0, got -1.0"),
+    for change, match in ((dict(eps=-1.0), r"eps must be a finite number >= 0.0, got -1.0"),
                           (dict(normalize=None), r"normalize must be one of \['none', 'sum'\], got None"),
                           (dict(output_final_state=1), r"output_final_state must be True or False, got 1")):
         with pytest.raises((ValueError, TypeError), match=match):

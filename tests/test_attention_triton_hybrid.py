@@ -337,7 +337,7 @@ def test_rejects_what_the_kernel_cannot_do():
         llops_attention_triton(q, k, v, tq, tk, **kw, window=3, local="relu")
     with pytest.raises(ValueError, match=r"gate must have shape \[H\] = \[2\]"):
         llops_attention_triton(q, k, v, tq, tk, **kw, window=3, gate=gl[:1])
-    with pytest.raises(ValueError, match=r"local_scale must be > 0.0, got 0.0"):
+    with pytest.raises(ValueError, match=r"local_scale must be a finite number > 0.0, got 0.0"):
         llops_attention_triton(q, k, v, tq, tk, **kw, window=3, local_scale=0.0)
     _, state = llops_attention_triton(q, k, v, tq, tk, **kw, window=4, sinks=1, output_final_state=True)
     with pytest.raises(ValueError, match=r"initial_state.k_window must have shape \[2, 2, 6, 8\] for this call"):

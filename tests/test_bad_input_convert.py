@@ -665,9 +665,9 @@ def test_poly_attention_overflow_is_refused_not_nan(dtype, scale, p, normalize):
 MEMORY_BAD = [  # (API keyword arguments, CLI flags, what the message says)
     ({"cache": -1}, ["--cache", "-1"], r"cache must be an integer >= 0, got -1"),
     ({"cache": 3, "window": 0, "sinks": 0}, ["--cache", "3", "--window", "0"], r"cache=3 needs window >= 1"),
-    ({"decay": 1.5}, ["--decay", "1.5"], r"decay \(a fixed decay per step\) must be > 0.0 and <= 1.0, got 1.5"),
-    ({"decay": 0.0}, ["--decay", "0"], r"decay \(a fixed decay per step\) must be > 0.0 and <= 1.0, got 0.0"),
-    ({"decay": float("nan")}, ["--decay", "nan"], r"decay \(a fixed decay per step\) must be a finite number, got nan"),
+    ({"decay": 1.5}, ["--decay", "1.5"], r"decay \(a fixed decay per step\) must be a finite number > 0.0 and <= 1.0, got 1.5"),
+    ({"decay": 0.0}, ["--decay", "0"], r"decay \(a fixed decay per step\) must be a finite number > 0.0 and <= 1.0, got 0.0"),
+    ({"decay": float("nan")}, ["--decay", "nan"], r"decay \(a fixed decay per step\) must be a finite number > 0.0 and <= 1.0, got nan"),
     ({"decay": "gla"}, ["--decay", "gla"], r"decay must be one of \['head', 'input'\], got 'gla'"),
     ({"state": "x"}, ["--state", "x"], r"state must be one of \['additive', 'delta'\], got 'x'"),
     ({"state": "delta", "beta": "x"}, ["--state", "delta", "--beta", "x"], r"beta must be one of \['head', 'input'\], got 'x'"),

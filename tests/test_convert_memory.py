@@ -80,7 +80,7 @@ def test_memory_params_train_in_transfer_and_are_new_parameters():
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(cache=-1), "cache must be an integer >= 0"), (dict(cache=4, window=0), "cache=4 needs window >= 1"),
-    (dict(decay=1.5), r"decay \(a fixed decay per step\) must be > 0.0 and <= 1.0"), (dict(decay="gla"), "decay must be one of"),
+    (dict(decay=1.5), r"decay \(a fixed decay per step\) must be a finite number > 0.0 and <= 1.0"), (dict(decay="gla"), "decay must be one of"),
     (dict(state="gated"), "state must be one of"), (dict(beta="x", state="delta"), "beta must be one of")])
 def test_bad_memory_options_refused_before_the_model_is_touched(kwargs, match):
     model = _llama()

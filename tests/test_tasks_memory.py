@@ -198,7 +198,7 @@ def test_options_are_checked_by_attention_options():
         TransformerConfig(vocab_size=V, attention="llops", attention_options={"cache": 2})
     with pytest.raises(ValueError, match="state must be one of"):
         TransformerConfig(vocab_size=V, attention="hedgehog", attention_options={"state": "gated"})
-    with pytest.raises(ValueError, match=r"decay \(a fixed decay per step\) must be > 0.0 and <= 1.0, got 1.5"):
+    with pytest.raises(ValueError, match=r"decay \(a fixed decay per step\) must be a finite number > 0.0 and <= 1.0, got 1.5"):
         TransformerConfig(vocab_size=V, attention="based-taylor", attention_options={"decay": 1.5})
     with pytest.raises(ValueError, match="state='delta' mixes two normalised parts"):
         TransformerConfig(vocab_size=V, attention="identity", attention_options={"state": "delta", "normalize": "none"})

@@ -278,7 +278,7 @@ def test_llops_kernel_is_llops_attention_on_scaled_inputs(non_negative):
     ("based", {"dim": 9}, r"dim \(BASED's d'\) must be <= head_dim=8, got 9"),
     ("psf", {"p": 3}, r"non_negative=True needs an even degree p, got p=3"),
     ("psf", {"non_negative": 1}, r"attention 'psf-random': non_negative must be a bool, got 1"),
-    ("llops", {"eps": -1e-6}, r"eps must be >= 0\.0, got -1e-06"),
+    ("llops", {"eps": -1e-6}, r"eps must be a finite number >= 0\.0, got -1e-06"),
     ("llops", {"backend": "cuda"}, r"backend must be one of \['auto', 'triton', 'torch', 'reference'\], got 'cuda'"),
     ("llops", {"degree": 2}, r"unknown attention option\(s\) \['degree'\] for attention 'llops'; it takes"),
     ("llops", {"affine": 1}, r"attention 'llops': affine must be a bool, got 1"),

@@ -17,7 +17,7 @@ import torch
 from .._validation import as_float_tensor, check_finite, per_version
 from .options import _BACKENDS, _DENOMINATOR_CHECKS, _LOCALS, _NORMALIZE, AttentionOptions, _choice, _flag, _int, _real
 
-__all__ = ["NORMALIZE", "check_eps", "count_denominators", "check_kernel_range", "check_normalize", "check_qkv", "check_segments", "check_theta"]
+__all__ = ["NORMALIZE", "check_eps", "check_window_lengths", "count_denominators", "check_kernel_range", "check_normalize", "check_qkv", "check_segments", "check_theta"]
 
 # The rules on options live in :class:`~sketchlab.attention.options.AttentionOptions` (DESIGN §7); the
 # checks below that test an option are those rules, called on one value (never restated here).
@@ -34,6 +34,12 @@ def check_normalize(normalize) -> str:
 def check_eps(eps) -> float:
     """``eps`` must be a finite number ``>= 0`` (the rule of ``AttentionOptions.eps``)."""
     return _real(eps, "eps", lo=0.0, lo_open=False)
+
+
+def check_window_lengths(causal: bool, window: int, T: int, S: int) -> None:
+    """The non-causal hybrid window ``|i − j| < w`` pairs query ``i`` with key ``i``: it needs ``T == S``."""
+    if window and not causal and T != S:
+        raise ValueError(f"the non-causal hybrid window |i−j| < w needs T == S, got T={T}, S={S}")
 
 
 def check_flag(value, name: str) -> bool:

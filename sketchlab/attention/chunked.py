@@ -46,6 +46,7 @@ from ._checks import (
     check_normalize,
     check_qkv,
     check_theta,
+    check_window_lengths,
 )
 from .chunk_core import chunk_core
 from .hybrid_chunked import (
@@ -393,8 +394,7 @@ def feature_attention(phi_q, phi_k, v, *, q=None, k=None, options: AttentionOpti
         if q.shape[:3] != phi_q.shape[:3] or k.shape[:3] != phi_k.shape[:3]:
             raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must match phi_q {tuple(phi_q.shape)} and "
                              f"phi_k {tuple(phi_k.shape)} in [B, T, H]")
-        if not causal and q.shape[1] != k.shape[1]:
-            raise ValueError(f"the non-causal hybrid window |i−j| < w needs T == S, got T={q.shape[1]}, S={k.shape[1]}")
+        check_window_lengths(causal, window, q.shape[1], k.shape[1])
         if local == "poly":
             degree = check_degree(degree)
         qt, kt = q.transpose(1, 2), k.transpose(1, 2)  # [B, H, T|S, D]
@@ -450,8 +450,7 @@ def llops_attention_chunked(q, k, v, theta_q, theta_k, *, causal: bool = True, n
         theta_q, theta_k = check_theta(theta_q, theta_k, heads=q.shape[2], dim=q.shape[3], like=q)
     window, sinks, local, scale, gate = check_hybrid(window, sinks, local, local_scale, gate, normalize=normalize,
                                                      heads=q.shape[2], dim=q.shape[3], like=q)
-    if window and not causal and q.shape[1] != k.shape[1]:
-        raise ValueError(f"the non-causal hybrid window |i−j| < w needs T == S, got T={q.shape[1]}, S={k.shape[1]}")
+    check_window_lengths(causal, window, q.shape[1], k.shape[1])
     mask = check_key_padding_mask(key_padding_mask, q.shape[0], k.shape[1], q.device)
     qt, kt = q.transpose(1, 2), k.transpose(1, 2)  # [B, H, T|S, D]
     phi_q, phi_k = llops_feature_fn(theta_q), llops_feature_fn(theta_k)

@@ -54,12 +54,14 @@ def _choice(value, name: str, choices) -> str:
 
 
 def _real(value, name: str, *, lo: float, lo_open: bool, hi: float | None = None) -> float:
+    """``value`` a finite real ``>= lo`` (``> lo`` if ``lo_open``; ``lo = -inf``: unbounded) and ``<= hi``; the error states the whole rule."""
+    bounds = ([] if lo == -math.inf else [f"{'>' if lo_open else '>='} {lo}"]) + ([] if hi is None else [f"<= {hi}"])
+    rule = f"{name} must be a finite number" + (" " + " and ".join(bounds) if bounds else "")
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
+        raise ValueError(f"{rule}, got {value!r}")
     value = float(value)
     if value < lo or (lo_open and value == lo) or (hi is not None and value > hi):
-        low = f"> {lo}" if lo_open else f">= {lo}"
-        raise ValueError(f"{name} must be {low}" + (f" and <= {hi}" if hi is not None else "") + f", got {value!r}")
+        raise ValueError(f"{rule}, got {value!r}")
     return value
 
 

@@ -38,6 +38,7 @@ from ._checks import (
     check_qkv,
     check_segments,
     check_theta,
+    check_window_lengths,
     report_denominators,
 )
 
@@ -221,8 +222,7 @@ def feature_attention_naive(phi_q, phi_k, v, *, q=None, k=None, causal: bool = T
         q, k, _ = check_qkv(q, k, v, causal=causal)
         if q.shape[:3] != phi_q.shape[:3]:
             raise ValueError(f"q {tuple(q.shape)} must match phi_q {tuple(phi_q.shape)} in [B, T, H]")
-        if not causal and T != S_len:
-            raise ValueError(f"the non-causal hybrid window |i−j| < w needs T == S, got T={T}, S={S_len}")
+        check_window_lengths(causal, window, T, S_len)
         if local == "poly":
             degree = check_degree(degree)
     mask = check_key_padding_mask(key_padding_mask, B, S_len, phi_q.device)

@@ -15,6 +15,7 @@ converts a freshly loaded model with those options and restores the weights. (tr
 
 from __future__ import annotations
 
+import math
 import numbers
 import types
 import warnings
@@ -24,6 +25,8 @@ import torch
 from torch import nn
 
 from .._validation import DEFAULT_MAX_BYTES, check_memory
+from ..attention._checks import check_eps
+from ..attention.options import _int, _real
 
 from .exact import ExactAttention
 from .families import ToyKernel, attention_sites, family_of
@@ -34,12 +37,6 @@ __all__ = ["DEFAULT_SINKS", "check_layout", "check_map_memory", "convert_attenti
 #: Attention sinks of a hybrid (``window > 0``) when ``sinks=None``: the measured best for converted
 #: models (DESIGN §6). Pure linear attention (``window=0``) has no exact keys and gets none.
 DEFAULT_SINKS = 4
-
-
-def _check_int(value, name: str, lo: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < lo:
-        raise ValueError(f"{name} must be an integer >= {lo}, got {value!r}")
-    return int(value)
 
 
 def check_layout(window, sinks, local: str = "softmax", normalize: str | None = None) -> tuple[int, int]:
@@ -54,10 +51,10 @@ def check_layout(window, sinks, local: str = "softmax", normalize: str | None = 
     """
     from ..attention._checks import check_hybrid
 
-    window = _check_int(window, "window", 0)
+    window = _int(window, "window", 0)
     if sinks is None:
         sinks = DEFAULT_SINKS if window else 0
-    sinks = _check_int(sinks, "sinks", 0)
+    sinks = _int(sinks, "sinks", 0)
     if sinks and not window:
         raise ValueError(f"sinks={sinks} with window=0: attention sinks are exact keys, and window=0 is pure linear "
                          f"attention (none); pass window >= 1 or sinks=0 (sinks=None gives {DEFAULT_SINKS} with a "
@@ -317,16 +314,14 @@ def convert_attention(model: nn.Module, *, attention: str = "llops", p: int = 2,
         raise ValueError(f"{type(model).__name__} is already converted")
     if not isinstance(attention, str):
         raise TypeError(f"attention must be a feature-map name (str), got {type(attention).__name__}")
-    p, m, rank = _check_int(p, "p", 1), _check_int(m, "m", 1), _check_int(rank, "rank", 1)
+    p, m, rank = _int(p, "p", 1), _int(m, "m", 1), _int(rank, "rank", 1)
     window, sinks = check_layout(window, sinks, local, normalize)
-    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not (0 <= eps < float("inf")):
-        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
+    eps = check_eps(eps)
     if isinstance(gate_init, str):
         raise ValueError(f"gate_init={gate_init!r}: convert_attention takes a number; gates from the teacher's "
                          "attention need its recorded inputs: use sketchlab.linearize(gate_init=...) or "
                          "sketchlab.convert.scale.calibrate_gates after conversion")
-    if isinstance(gate_init, bool) or not isinstance(gate_init, numbers.Real) or not abs(gate_init) < float("inf"):
-        raise ValueError(f"gate_init must be a finite number, got {gate_init!r}")
+    gate_init = _real(gate_init, "gate_init", lo=-math.inf, lo_open=True)
     for flag, name in ((learn, "learn"), (gate, "gate"), (non_negative, "non_negative"), (input_norm, "input_norm")):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {flag!r}")
@@ -355,7 +350,7 @@ def convert_attention(model: nn.Module, *, attention: str = "llops", p: int = 2,
     ref = next(model.parameters())
     sketches = []
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(_check_int(seed, "seed", 0))
+        torch.manual_seed(_int(seed, "seed", 0))
         for layer, site in enumerate(sites):
             if layer in exact:
                 sketches.append(ExactAttention(heads=site.heads, head_dim=site.head_dim, causal=site.causal))

@@ -18,7 +18,8 @@ from sketchlab.attention.triton.launch import (
     llops_attention_bwd,
     llops_attention_fwd,
 )
-from sketchlab.attention._checks import check_eps, check_flag, check_hybrid, check_key_padding_mask, check_normalize
+from sketchlab.attention._checks import check_eps, check_flag, check_hybrid, check_key_padding_mask, check_normalize, \
+    check_window_lengths
 from sketchlab.attention.reference import self_tensor
 from sketchlab.attention.state import AttentionState, check_state, state_dtype
 from sketchlab.llops.maps import llops_features
@@ -179,8 +180,7 @@ def llops_attention_triton(q, k, v, theta_q, theta_k, *, causal: bool, normalize
     stateful = initial_state is not None or output_final_state
     if not causal and stateful:
         raise ValueError("initial_state/output_final_state need causal=True (a state summarises a prefix)")
-    if not causal and window and k.shape[1] != T:
-        raise ValueError(f"the non-causal hybrid window |i−j| < w needs T == S, got T={T}, S={k.shape[1]}")
+    check_window_lengths(causal, window, T, k.shape[1])
     F = M * M if non_negative else M
     st = None
     if initial_state is not None:
