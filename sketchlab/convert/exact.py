@@ -24,10 +24,13 @@ __all__ = ["ExactAttention", "KVState"]
 class KVState:
     """The decoding state of an exact layer: every key and value so far (a growing KV cache).
 
+    It holds the model's ``H_kv`` key/value heads (not the query heads they serve), so its bytes are
+    the teacher's KV cache's for the same tokens and dtype (plus the mask under padding).
+
     Attributes
     ----------
-    k : Tensor ``[B, H, S, D]``
-    v : Tensor ``[B, H, S, Dv]``
+    k : Tensor ``[B, H_kv, S, D]``
+    v : Tensor ``[B, H_kv, S, Dv]``
     mask : Tensor ``[B, S]`` bool or None
         ``True`` = a real token; ``None``: all real.
     offset : int
@@ -57,12 +60,15 @@ class ExactAttention(nn.Module):
 
     ``M(t)``: keys ``j ≤ offset + t`` (causal; every key for an encoder) that are real tokens, and
     always the query's own position (so a padded query's output stays finite; real queries never
-    see pads). Holds no parameters. ``window = sinks = 0`` tells the transformers adapter that
+    see pads). Grouped-query attention: query head ``h`` reads key/value head ``h // (H / H_kv)``
+    (transformers' ``repeat_kv``), repeated only inside the product, so the state keeps ``H_kv`` heads.
+    Holds no parameters. ``window = sinks = 0`` tells the transformers adapter that
     positions need no reordering under padding (a key mask is exact in any order).
 
     Parameters
     ----------
     heads, head_dim : int
+        Query heads ``H`` and head dimension ``D``.
     causal : bool
     """
 
@@ -79,11 +85,15 @@ class ExactAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scaling: float | None = None,
                 key_padding_mask: torch.Tensor | None = None, initial_state: KVState | None = None,
                 output_final_state: bool = False):
-        """``q, k [B, T, H, D]``, ``v [B, T, H, Dv]`` → ``[B, T, H, Dv]`` (and the :class:`KVState` with
-        ``output_final_state``), continuing ``initial_state``'s keys."""
+        """``q [B, T, H, D]``, ``k [B, T, H_kv, D]``, ``v [B, T, H_kv, Dv]`` → ``[B, T, H, Dv]`` (and the
+        :class:`KVState` with ``output_final_state``), continuing ``initial_state``'s keys. ``H_kv``: the
+        model's key/value heads, a divisor of ``H`` (``H`` without grouped-query attention)."""
         scaling = 1.0 / math.sqrt(self.head_dim) if scaling is None else float(scaling)
-        B, T = q.shape[:2]
-        kh, vh = k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, ·]
+        (B, T, H), H_kv = q.shape[:3], k.shape[2]
+        if H % H_kv:
+            raise ValueError(f"{H} query heads (q {tuple(q.shape)}) are not a multiple of {H_kv} key/value heads "
+                             f"(k {tuple(k.shape)})")
+        kh, vh = k.transpose(1, 2), v.transpose(1, 2)  # [B, H_kv, T, ·]
         new_mask = key_padding_mask
         offset = 0
         if initial_state is not None:
@@ -108,8 +118,9 @@ class ExactAttention(nn.Module):
         if new_mask is not None:
             allowed = allowed & new_mask[:, None, None, :]
         allowed = allowed | (k_pos[None, :] == q_pos[:, None])[None, None]  # own position: finite for pads
-        out = nn.functional.scaled_dot_product_attention(q.transpose(1, 2), kh.to(q.dtype), vh.to(q.dtype),
-                                                         attn_mask=allowed, scale=scaling)  # [B, H, T, Dv]
+        kq, vq = (x.to(q.dtype).repeat_interleave(H // H_kv, 1) for x in (kh, vh))  # [B, H, S, ·] repeat_kv
+        out = nn.functional.scaled_dot_product_attention(q.transpose(1, 2), kq, vq, attn_mask=allowed,
+                                                         scale=scaling)  # [B, H, T, Dv]
         out = out.transpose(1, 2)
         if not output_final_state:
             return out
