@@ -94,30 +94,21 @@ class ExactAttention(nn.Module):
             raise ValueError(f"{H} query heads (q {tuple(q.shape)}) are not a multiple of {H_kv} key/value heads "
                              f"(k {tuple(k.shape)})")
         kh, vh = k.transpose(1, 2), v.transpose(1, 2)  # [B, H_kv, T, ·]
-        new_mask = key_padding_mask
-        offset = 0
+        new_mask, offset = key_padding_mask, 0
         if initial_state is not None:
             if not isinstance(initial_state, KVState):
                 raise TypeError(f"initial_state of an exact layer must be a KVState, got {type(initial_state).__name__}")
             offset = initial_state.offset
             kh, vh = torch.cat([initial_state.k, kh], 2), torch.cat([initial_state.v, vh], 2)
             if initial_state.mask is not None or key_padding_mask is not None:
-                old = initial_state.mask if initial_state.mask is not None else \
-                    torch.ones(B, offset, dtype=torch.bool, device=q.device)
-                new = key_padding_mask if key_padding_mask is not None else \
-                    torch.ones(B, T, dtype=torch.bool, device=q.device)
-                new_mask = torch.cat([old, new], 1)
-            else:
-                new_mask = None
-        S = kh.shape[2]
-        q_pos = torch.arange(offset, offset + T, device=q.device)  # [T]
-        k_pos = torch.arange(S, device=q.device)  # [S]
-        allowed = (k_pos[None, :] <= q_pos[:, None]) if self.causal else torch.ones(T, S, dtype=torch.bool,
-                                                                                     device=q.device)
-        allowed = allowed[None, None]  # [1, 1, T, S]
+                ones = lambda n: torch.ones(B, n, dtype=torch.bool, device=q.device)  # noqa: E731
+                new_mask = torch.cat([ones(offset) if initial_state.mask is None else initial_state.mask,
+                                      ones(T) if key_padding_mask is None else key_padding_mask], 1)  # [B, S]
+        q_pos, k_pos = torch.arange(offset, offset + T, device=q.device)[:, None], torch.arange(kh.shape[2], device=q.device)
+        allowed = (k_pos <= q_pos) | (not self.causal)  # [T, S]
         if new_mask is not None:
-            allowed = allowed & new_mask[:, None, None, :]
-        allowed = allowed | (k_pos[None, :] == q_pos[:, None])[None, None]  # own position: finite for pads
+            allowed = allowed & new_mask[:, None, None, :]  # [B, 1, T, S]
+        allowed = allowed | (k_pos == q_pos)  # own position: finite for pads
         kq, vq = (x.to(q.dtype).repeat_interleave(H // H_kv, 1) for x in (kh, vh))  # [B, H, S, ·] repeat_kv
         out = nn.functional.scaled_dot_product_attention(q.transpose(1, 2), kq, vq, attn_mask=allowed,
                                                          scale=scaling)  # [B, H, T, Dv]
