@@ -51,6 +51,55 @@ def test_exact_layer_decodes_with_a_growing_kv_cache():
     assert sizes[1][1] == sizes[0][1] * 30 // 12  # the exact layer: keys and values of every token
 
 
+def test_exact_layer_state_holds_the_teachers_kv_heads_and_bytes():
+    """GQA (4 query heads, 2 key/value heads): the exact layer's KVState holds the model's 2 key/value
+    heads, so after n tokens its bytes are the teacher's DynamicCache layer's (keys + values), not twice
+    them; decoding from it step by step equals the full forward."""
+    from transformers import DynamicCache
+
+    from sketchlab.convert.cache import SketchStateCache
+
+    teacher, model = _llama(), _llama()
+    assert teacher.config.num_key_value_heads < teacher.config.num_attention_heads
+    convert_attention(model, attention="hedgehog", m=8, window=3, sinks=1, exact_layers=[1])
+    ids = torch.randint(1, 50, (2, 11), generator=torch.Generator().manual_seed(4))
+    for n in (5, 11):
+        kv, cache = DynamicCache(), SketchStateCache(2)
+        with torch.no_grad():
+            teacher(ids[:, :n], cache=kv, use_cache=True)
+            model(ids[:, :n], cache=cache, use_cache=True)
+        state, want = cache.layers[1].state, kv.layers[1]
+        assert state.nbytes == want.keys.nbytes + want.values.nbytes
+        assert state.k.shape == want.keys.shape and state.v.shape == want.values.shape
+    cache, steps = SketchStateCache(2), []
+    with torch.no_grad():
+        for t in range(ids.shape[1]):
+            steps.append(model(ids[:, t:t + 1], cache=cache, use_cache=True).logits)
+    torch.testing.assert_close(torch.cat(steps, 1), _out(model, ids, torch.ones_like(ids)), **TOL64)
+
+
+def test_exact_attention_with_grouped_heads_is_it_with_repeated_heads():
+    """ExactAttention on H_kv key/value heads equals it on them repeated to the H query heads (the
+    repeat_kv layout; bit for bit), a continued state equals the whole call, and a head count that
+    does not divide H is refused."""
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(2, 7, 6, 4, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, 7, 2, 4, generator=g, dtype=torch.float64) for _ in range(2))
+    pad = torch.ones(2, 7, dtype=torch.bool)
+    pad[1, :2] = False
+    att = ExactAttention(heads=6, head_dim=4)
+    want = att(q, k.repeat_interleave(3, 2), v.repeat_interleave(3, 2), key_padding_mask=pad)
+    out, state = att(q, k, v, key_padding_mask=pad, output_final_state=True)
+    assert torch.equal(out, want) and state.k.shape == (2, 2, 7, 4) and state.offset == 7
+    first, state = att(q[:, :4], k[:, :4], v[:, :4], key_padding_mask=pad[:, :4], output_final_state=True)
+    rest, state = att(q[:, 4:], k[:, 4:], v[:, 4:], key_padding_mask=pad[:, 4:], initial_state=state,
+                      output_final_state=True)
+    torch.testing.assert_close(torch.cat([first, rest], 1), want, **TOL64)
+    assert torch.equal(state.k, k.transpose(1, 2)) and torch.equal(state.mask, pad)
+    with pytest.raises(ValueError, match=r"6 query heads .* not a multiple of 4 key/value heads"):
+        att(q, q[:, :, :4], q[:, :, :4])
+
+
 def test_save_load_round_trip_with_exact_layers(tmp_path):
     model = _llama()
     convert_attention(model, attention="llops", p=2, m=8, window=3, sinks=1, exact_layers=[0])

@@ -698,6 +698,38 @@ def test_decode_step_refuses_invalid_inputs_with_the_entry_errors(name):
         llops_attention(*tok, theta, theta, options=lo, params=lp, initial_state=st, output_final_state=True)
 
 
+@pytest.mark.parametrize("name", ["cache_decay", "delta_cache_decay", "w0_decay"])
+def test_decode_buffer_survives_detach_and_to(name):
+    """A decoding step keeps its layout of the state (``_rows``: the rows buffer, ``[S | z]``) for the
+    next one; ``.detach()`` and ``.to(float64)`` of a float32 state (cast back to float32 by the next
+    call, exactly) keep it, detached or cast, and decoding on from it equals decoding on from the
+    state as the step left it (outputs and every field, bit for bit)."""
+    cfg = dict(DECODE_CASES[name])
+    options = AttentionOptions(window=cfg.pop("window", 3), chunk_size=4, **cfg)
+    params = _params(options)
+    T, T0 = 16, 9
+    fq, fk, v, q, k = _problem(T, 3, seed=13, dtype=torch.float32)
+    kw = dict(options=options, params=params, degree=2, output_final_state=True)
+    _, state = memory_attention(*[x[:, :T0] for x in (fq, fk, v, q, k)], **kw)
+    for t in range(T0, T0 + 3):  # decoded steps: the state holds the layout, and a graph to the params
+        _, state = memory_attention(*[x[:, t:t + 1] for x in (fq, fk, v, q, k)], initial_state=state, **kw)
+    assert "_rows" in vars(state) and state.S.requires_grad
+    runs = []
+    for st in (state, state.detach(), state.detach().to(torch.float64)):
+        if st is not state:
+            rows, _, Sz = vars(st)["_rows"]
+            kept = [x for x in (rows, Sz) if x is not None]
+            assert kept and all(not x.requires_grad and x.dtype == st.S.dtype for x in kept)
+        outs = []
+        for t in range(T0 + 3, T):
+            out, st = memory_attention(*[x[:, t:t + 1] for x in (fq, fk, v, q, k)], initial_state=st, **kw)
+            outs.append(out.detach())
+        runs.append((torch.cat(outs, 1), st.detach()))
+    for out, st in runs[1:]:
+        assert torch.equal(out, runs[0][0])
+        _assert_states(st, runs[0][1], tol=0.0)
+
+
 # ------------------------------------------------------------------------------------------------ the fast path's blocks and batches
 def _fast_equals_naive(options, T, M, *, seed):
     """The fast path's outputs and final state against the twin's on one masked problem; returns the

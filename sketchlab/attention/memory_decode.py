@@ -68,8 +68,8 @@ def decode(c) -> torch.Tensor | tuple[torch.Tensor, MemoryState]:
     is one row (one ``index_select``), the exact part reads the whole buffer under one mask (one product
     for the logits, one for ``[Σ a v | Σ a]``: the column of ones). The additive far state is ``[S | z]``
     ``[B, H, M, Dv + 1]``: one product decays it, enters a key (its ``[v | 1]``) and reads it. The new
-    state's fields are views of the buffer and of ``[S | z]``, which the state keeps (``_rows``) for the
-    next step: a state made otherwise is laid out once (:func:`_rows`).
+    state's fields are views of the buffer and of ``[S | z]``, which the state keeps (``_rows``; its
+    ``.detach()`` and ``.to()`` too) for the next step: a state made otherwise is laid out once (:func:`_rows`).
     """
     work, dev, st, o = c.work, c.phi_q.device, c.state, c.o
     B, H, w, s, K, D, Dv = c.B, c.H, c.w, c.s, c.K, c.D, c.Dv

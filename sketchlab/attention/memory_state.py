@@ -71,15 +71,26 @@ class MemoryState:
     def _tensors(self):
         return [(f.name, getattr(self, f.name)) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)]
 
+    def _map(self, fn) -> "MemoryState":
+        """A new state with ``fn`` on every tensor field and on the decoding step's layout of them, kept
+        beside the fields as ``_rows`` (``(rows, first window row, [S | z])``,
+        :func:`sketchlab.attention.memory_decode.decode`), so the next step need not lay it out again.
+        Not the check's mark: the new object is checked in full (:func:`check_memory_state`)."""
+        new = replace(self, **{name: fn(x) for name, x in self._tensors()})
+        if "_rows" in self.__dict__:
+            rows, row0, Sz = self._rows
+            object.__setattr__(new, "_rows", (None if rows is None else fn(rows), row0, None if Sz is None else fn(Sz)))
+        return new
+
     def detach(self) -> "MemoryState":
         """The same state cut from the autograd graph (truncated back-propagation, decoding)."""
-        return replace(self, **{name: x.detach() for name, x in self._tensors()})
+        return self._map(torch.Tensor.detach)
 
     def to(self, *args, **kwargs) -> "MemoryState":
         """``Tensor.to`` on every floating tensor; the bool and int tensors follow the device only."""
         device = torch._C._nn._parse_to(*args, **kwargs)[0]
-        return replace(self, **{name: x.to(*args, **kwargs) if x.is_floating_point() else (
-            x if device is None else x.to(device)) for name, x in self._tensors()})
+        return self._map(lambda x: x.to(*args, **kwargs) if x.is_floating_point() else (
+            x if device is None else x.to(device)))
 
     @property
     def nbytes(self) -> int:

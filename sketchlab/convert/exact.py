@@ -24,10 +24,13 @@ __all__ = ["ExactAttention", "KVState"]
 class KVState:
     """The decoding state of an exact layer: every key and value so far (a growing KV cache).
 
+    It holds the model's ``H_kv`` key/value heads (not the query heads they serve), so its bytes are
+    the teacher's KV cache's for the same tokens and dtype (plus the mask under padding).
+
     Attributes
     ----------
-    k : Tensor ``[B, H, S, D]``
-    v : Tensor ``[B, H, S, Dv]``
+    k : Tensor ``[B, H_kv, S, D]``
+    v : Tensor ``[B, H_kv, S, Dv]``
     mask : Tensor ``[B, S]`` bool or None
         ``True`` = a real token; ``None``: all real.
     offset : int
@@ -57,12 +60,15 @@ class ExactAttention(nn.Module):
 
     ``M(t)``: keys ``j ≤ offset + t`` (causal; every key for an encoder) that are real tokens, and
     always the query's own position (so a padded query's output stays finite; real queries never
-    see pads). Holds no parameters. ``window = sinks = 0`` tells the transformers adapter that
+    see pads). Grouped-query attention: query head ``h`` reads key/value head ``h // (H / H_kv)``
+    (transformers' ``repeat_kv``), repeated only inside the product, so the state keeps ``H_kv`` heads.
+    Holds no parameters. ``window = sinks = 0`` tells the transformers adapter that
     positions need no reordering under padding (a key mask is exact in any order).
 
     Parameters
     ----------
     heads, head_dim : int
+        Query heads ``H`` and head dimension ``D``.
     causal : bool
     """
 
@@ -79,37 +85,33 @@ class ExactAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scaling: float | None = None,
                 key_padding_mask: torch.Tensor | None = None, initial_state: KVState | None = None,
                 output_final_state: bool = False):
-        """``q, k [B, T, H, D]``, ``v [B, T, H, Dv]`` → ``[B, T, H, Dv]`` (and the :class:`KVState` with
-        ``output_final_state``), continuing ``initial_state``'s keys."""
+        """``q [B, T, H, D]``, ``k [B, T, H_kv, D]``, ``v [B, T, H_kv, Dv]`` → ``[B, T, H, Dv]`` (and the
+        :class:`KVState` with ``output_final_state``), continuing ``initial_state``'s keys. ``H_kv``: the
+        model's key/value heads, a divisor of ``H`` (``H`` without grouped-query attention)."""
         scaling = 1.0 / math.sqrt(self.head_dim) if scaling is None else float(scaling)
-        B, T = q.shape[:2]
-        kh, vh = k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, ·]
-        new_mask = key_padding_mask
-        offset = 0
+        (B, T, H), H_kv = q.shape[:3], k.shape[2]
+        if H % H_kv:
+            raise ValueError(f"{H} query heads (q {tuple(q.shape)}) are not a multiple of {H_kv} key/value heads "
+                             f"(k {tuple(k.shape)})")
+        kh, vh = k.transpose(1, 2), v.transpose(1, 2)  # [B, H_kv, T, ·]
+        new_mask, offset = key_padding_mask, 0
         if initial_state is not None:
             if not isinstance(initial_state, KVState):
                 raise TypeError(f"initial_state of an exact layer must be a KVState, got {type(initial_state).__name__}")
             offset = initial_state.offset
             kh, vh = torch.cat([initial_state.k, kh], 2), torch.cat([initial_state.v, vh], 2)
             if initial_state.mask is not None or key_padding_mask is not None:
-                old = initial_state.mask if initial_state.mask is not None else \
-                    torch.ones(B, offset, dtype=torch.bool, device=q.device)
-                new = key_padding_mask if key_padding_mask is not None else \
-                    torch.ones(B, T, dtype=torch.bool, device=q.device)
-                new_mask = torch.cat([old, new], 1)
-            else:
-                new_mask = None
-        S = kh.shape[2]
-        q_pos = torch.arange(offset, offset + T, device=q.device)  # [T]
-        k_pos = torch.arange(S, device=q.device)  # [S]
-        allowed = (k_pos[None, :] <= q_pos[:, None]) if self.causal else torch.ones(T, S, dtype=torch.bool,
-                                                                                     device=q.device)
-        allowed = allowed[None, None]  # [1, 1, T, S]
+                ones = lambda n: torch.ones(B, n, dtype=torch.bool, device=q.device)  # noqa: E731
+                new_mask = torch.cat([ones(offset) if initial_state.mask is None else initial_state.mask,
+                                      ones(T) if key_padding_mask is None else key_padding_mask], 1)  # [B, S]
+        q_pos, k_pos = torch.arange(offset, offset + T, device=q.device)[:, None], torch.arange(kh.shape[2], device=q.device)
+        allowed = (k_pos <= q_pos) | (not self.causal)  # [T, S]
         if new_mask is not None:
-            allowed = allowed & new_mask[:, None, None, :]
-        allowed = allowed | (k_pos[None, :] == q_pos[:, None])[None, None]  # own position: finite for pads
-        out = nn.functional.scaled_dot_product_attention(q.transpose(1, 2), kh.to(q.dtype), vh.to(q.dtype),
-                                                         attn_mask=allowed, scale=scaling)  # [B, H, T, Dv]
+            allowed = allowed & new_mask[:, None, None, :]  # [B, 1, T, S]
+        allowed = allowed | (k_pos == q_pos)  # own position: finite for pads
+        kq, vq = (x.to(q.dtype).repeat_interleave(H // H_kv, 1) for x in (kh, vh))  # [B, H, S, ·] repeat_kv
+        out = nn.functional.scaled_dot_product_attention(q.transpose(1, 2), kq, vq, attn_mask=allowed,
+                                                         scale=scaling)  # [B, H, T, Dv]
         out = out.transpose(1, 2)
         if not output_final_state:
             return out

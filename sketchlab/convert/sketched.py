@@ -15,7 +15,8 @@ own logit scale (``local_scale = scaling · √D`` on the pre-scaled q, k, i.e. 
 transformers models call :func:`hf_attention` (registered in its ``AttentionInterface`` under
 :data:`ATTENTION_NAME`) with ``query [B, H, T, D]``, ``key``/``value [B, H_kv, S, D]`` after the
 rotary embedding; grouped-query keys and values are repeated to the ``H`` query heads as
-transformers' ``repeat_kv`` does, and every query head has its own feature maps. Its mask function
+transformers' ``repeat_kv`` does, and every query head has its own feature maps (a layer kept exact,
+:class:`~sketchlab.convert.exact.ExactAttention`, takes the ``H_kv`` heads as they are). Its mask function
 (:func:`hf_mask`, the same name in ``AttentionMaskInterface``) hands on the 2-D padding mask.
 
 Padding: the window and the sinks are positions, so a call that starts a sequence moves each row's
@@ -274,7 +275,10 @@ def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
             elif sketch.causal and layer is not None:  # without a cache its outputs are exact: nothing continues
                 _refuse_short_rows(padding, moved, sketch.sinks)
     q = query.transpose(1, 2)  # [B, T, H, D]
-    k, v = _repeat_heads(key, H), _repeat_heads(value, H)  # [B, S, H, D]
+    if isinstance(sketch, ExactAttention):  # the H_kv heads: its state keeps them, as the teacher's cache
+        k, v = key.transpose(1, 2), value.transpose(1, 2)  # [B, S, H_kv, D]
+    else:
+        k, v = _repeat_heads(key, H), _repeat_heads(value, H)  # [B, S, H, D]
     if order is not None:
         q, k, v, padding = _take(q, order), _take(k, order), _take(v, order), padding.gather(1, order)
     if layer is None:
