@@ -109,7 +109,7 @@ def state_bytes(model, tokens: int = 600) -> dict:
     converted = getattr(model.config, "sketchlab", None) is not None
     cache = SketchStateCache(model.config.num_hidden_layers) if converted else DynamicCache()
     with torch.no_grad():
-        model(ids, cache=cache, use_cache=True) if converted else model(ids, past_key_values=cache, use_cache=True)
+        model(ids, cache=cache, use_cache=True)
     per_layer = []
     for layer in cache.layers:
         if converted:
@@ -222,6 +222,9 @@ def parse_args(argv=None):
     ap.add_argument("--only", default=None, help="comma-separated row names (default: every row)")
     ap.add_argument("--redo", default="", help="comma-separated row names to recompute")
     ap.add_argument("--render", action="store_true", help="rewrite the report from the JSON only")
+    ap.add_argument("--restate", action="store_true",
+                    help="recompute every stored row's decoding-state bytes (a shape, not a trained value: the "
+                         "conversion alone), then render")
     ap.add_argument("--map", default="hedgehog")
     ap.add_argument("--m", type=int, default=64)
     ap.add_argument("--window", type=int, default=64)
@@ -252,7 +255,17 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     command = "python analysis/memory_lm.py " + " ".join(sys.argv[1:] if argv is None else argv)
     data = json.loads(JSON.read_text()) if JSON.is_file() else {"rows": {}}
-    if not args.render:
+    if args.restate:
+        teacher, _ = load_pretrained(gguf=smollm2_gguf())
+        for name, row in data["rows"].items():
+            model = teacher if not row["options"] else copy.deepcopy(teacher)
+            if row["options"]:
+                convert_attention(model, **row["options"])
+            row["state"] = state_bytes(model)
+            log(f"{name}: state {row['state']['mean_32k'] / 1024:.0f} KiB/layer (max {row['state']['max_32k'] / 1024:.0f})")
+        with atomic_write(JSON) as tmp:
+            tmp.write_text(json.dumps(data, indent=1) + "\n")
+    elif not args.render:
         torch.set_num_threads(args.threads)
         teacher, tok = load_pretrained(gguf=smollm2_gguf())
         teacher.eval()
