@@ -705,6 +705,27 @@ def test_bad_memory_values_are_named_by_the_api(kwargs, flags, match, entry, mon
     assert not hasattr(model.config, "sketchlab") and all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
+def test_lora_on_the_toy_model_is_refused_before_any_work(monkeypatch):
+    """Not when stage 2 starts, after the teacher recording and stages 0 and 1: ``lora_steps``, the rule and the
+    value, before the texts are even read (``lora_finetune`` by the same rule, naming its ``steps``)."""
+    import importlib
+
+    from sketchlab.convert import linearize, lora_finetune
+
+    lin = importlib.import_module("sketchlab.convert.linearize")
+    _no_work(monkeypatch)
+    for name in ("tokenize_texts", "StageMeasures"):
+        monkeypatch.setattr(lin, name, lambda *a, **k: (_ for _ in ()).throw(AssertionError("started")))
+    model = _toy_converted_teacher()
+    ids = torch.randint(1, 16, (4, 16), generator=torch.Generator().manual_seed(0))
+    rule = r"the LoRA stage supports transformers models \(peft\), not the toy model .*sketchlab.tasks.train_mqar"
+    with pytest.raises(ValueError, match=rf"^lora_steps=2: {rule}"):
+        linearize(model, ids, attention="hedgehog", m=4, window=3, sinks=1, seq_len=16, lora_steps=2)
+    with pytest.raises(ValueError, match=rf"^steps=3: {rule}"):
+        lora_finetune(model, ids, torch.ones_like(ids), [0, 1], steps=3)
+    assert not any(type(m).__name__ == "SketchedAttention" for m in model.modules())
+
+
 @pytest.mark.parametrize("layers,flags,match", EXACT_BAD, ids=[" ".join(c[1]) for c in EXACT_BAD])
 @pytest.mark.parametrize("entry", ["convert_attention", "linearize"])
 def test_bad_exact_layers_are_named_by_the_api(layers, flags, match, entry, monkeypatch):

@@ -39,7 +39,7 @@ from .convert import (_check_exact_layers, _check_memory, _make_maps, _options, 
 from .evaluate import (FAR_OFF_LOGIT, StageMeasures, _batches, _hidden, attention_errors, embedding_agreement,
                        far_off, perplexity, progress_bar, sentence_embeddings, token_nll)
 from .families import FAMILY_TABLE, attention_sites, family_of
-from .lora import _lora, lora_finetune
+from .lora import _lora, check_lora_model, lora_finetune
 from .sketched import check_local_map
 from .spread import _check_processes
 from .stages import check_teacher_finite, keep_better, named_divergence, snapshot
@@ -263,6 +263,9 @@ def _prepare(model: nn.Module, texts, run: dict) -> SimpleNamespace:
     the argument, the rule and the value."""
     r = dict(run)
     r["family"] = family = family_of(model)
+    for name in ("transfer_steps", "lora_steps"):
+        r[name] = check_nonnegative_int(r[name], name)
+    check_lora_model(family, r["lora_steps"], "lora_steps")  # stage 2's rule, not after stages 0 and 1
     r["window"], r["sinks"] = check_layout(r["window"], r["sinks"], r["local"], r["normalize"])
     sites = r["sites"] = attention_sites(model)[1]
     r["exact"] = _check_exact_layers(r["exact_layers"], len(sites), family)  # before any work, by the conversion's rules
@@ -286,8 +289,6 @@ def _prepare(model: nn.Module, texts, run: dict) -> SimpleNamespace:
     if n_held >= N:
         raise ValueError(f"holdout={holdout} of {N} sequence(s) leaves none to train on; give more text or lower seq_len")
     r["train_idx"], r["held_idx"] = torch.arange(N - n_held), torch.arange(N - n_held, N)
-    for name in ("transfer_steps", "lora_steps"):
-        r[name] = check_nonnegative_int(r[name], name)
     for name in ("batch_size", "gate_sequences"):
         r[name] = check_positive_int(r[name], name)
     r["processes"] = _check_processes(r["processes"], len(sites))  # at most one process per layer

@@ -15,6 +15,15 @@ from .families import FAMILY_TABLE, family_of
 __all__ = ["lora_finetune"]
 
 
+def check_lora_model(family: str, steps: int, name: str) -> None:
+    """The LoRA stage's rule on the model (``family``, :func:`~sketchlab.convert.families.family_of`), checked
+    before any work: peft adapts transformers models, not sketchlab's toy model. ``steps`` (0: no stage)
+    is the argument ``name`` the refusal names (``lora_steps`` of :func:`sketchlab.linearize`)."""
+    if steps and family == "toy":
+        raise ValueError(f"{name}={steps}: the LoRA stage supports transformers models (peft), not the toy model "
+                         "(sketchlab.tasks.TransformerLM); fine-tune it with sketchlab.tasks.train_mqar")
+
+
 def lora_finetune(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, train_idx, *, steps: int, rank: int = 8,
                   lr: float = 1e-4, batch_size: int = 1, seed: int = 0, teacher_hidden: torch.Tensor | None = None,
                   progress: bool = False):
@@ -39,6 +48,7 @@ def lora_finetune(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, train
     if not (isinstance(lr, (int, float)) and not isinstance(lr, bool) and 0 < lr < float("inf")):
         raise ValueError(f"lr must be a finite number > 0, got {lr!r}")
     family = family_of(model)
+    check_lora_model(family, steps, "steps")
     if not (isinstance(ids, torch.Tensor) and isinstance(mask, torch.Tensor) and ids.dim() == 2
             and ids.shape == mask.shape):
         raise ValueError(f"ids and mask must be tensors of one shape [N, T], got "
@@ -58,16 +68,12 @@ def lora_finetune(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, train
                  rank=rank, lr=float(lr), batch_size=batch_size, seed=seed, progress=progress)
 
 
-
 def _lora(model, family, ids, mask, train_idx, teacher_hidden, *, steps, rank, lr, batch_size, seed, progress):
-    """Stage 2 (:func:`lora_finetune`, unchecked)."""
+    """Stage 2 (:func:`lora_finetune`, unchecked: ``model`` a transformers model, :func:`check_lora_model`)."""
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError as err:
         raise ImportError("the LoRA stage needs peft: pip install 'sketchlab[lm]'") from err
-    if family == "toy":
-        raise ValueError("the LoRA stage supports transformers models (peft); the toy model fine-tunes with "
-                         "sketchlab.tasks.train_mqar")
     entry = FAMILY_TABLE[family]  # the family's LoRA targets, from the one table
     config = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=entry.lora,
                         fan_in_fan_out=entry.lora_fan_in_fan_out)

@@ -57,6 +57,12 @@ __all__ = ["ToyKernel", "input_scale", "kernel_modules", "register_feature_map_k
 _ATTENTION = {f.name: f.default for f in dataclasses.fields(AttentionOptions) if f.name not in ("causal", "local_scale")}
 #: Deprecated toy names -> the name they stand for, given the options.
 _RENAMED = {"psf": lambda o: "psf-random", "based": lambda o: f"based-{'expand' if o.get('form') == 'expand' else 'taylor'}"}
+#: State-dict keys of the toy kernels before ToyKernel (LLoPSKernel, PSFKernel, BasedKernel; commit c37f5c5) -> today's,
+#: per map: a key or key prefix renamed; ``None``: not saved then (BASED's projection, fixed by the config), taken from
+#: the kernel as built. The other kernels kept their keys.
+_OLD_KEYS = {"llops": (("theta_q", "map_q.theta"), ("theta_k", "map_k.theta")),
+             "psf-random": (("weight_", "map_q.weights_"),),
+             "based-taylor": ((None, "map_q.proj"),), "based-expand": ((None, "map_q.proj"),)}
 
 
 def input_scale(head_dim: int) -> float:
@@ -165,6 +171,7 @@ class ToyKernel(nn.Module):
         H, D = config.n_heads, config.head_dim
         fmap, maps, _, attention = _split(_RENAMED.get(name, lambda o: name)(o), o, D)
         self.scale = 1.0 if fmap == "based-taylor" else input_scale(D)
+        self._old_keys = _OLD_KEYS.get(fmap, ())
         self.map_q = self.map_k = self.gate = None
         if fmap is None:
             self.attention_options = AttentionOptions(**attention)
@@ -181,6 +188,20 @@ class ToyKernel(nn.Module):
             self.map_k = make_feature_map(fmap, heads=H, head_dim=D + o["affine"], **{**maps, "seed": seed})
         self.gate = nn.Parameter(torch.zeros(H)) if options.window and o["gate"] else None
         self.far = FarParams(options, H, D, gate=False)
+
+    def upgrade_keys(self, state_dict: dict, prefix: str = "") -> None:
+        """Rename, in place, the keys under ``prefix`` a kernel of the older toy classes saved (:data:`_OLD_KEYS`),
+        so their checkpoints load with the same outputs; ``load_state_dict`` calls it, and so can a check of the keys."""
+        for old, new in self._old_keys:
+            if old is None:
+                state_dict.setdefault(prefix + new, self.get_buffer(new))
+                continue
+            for key in [key for key in state_dict if key.startswith(prefix + old)]:
+                state_dict[prefix + new + key.removeprefix(prefix + old)] = state_dict.pop(key)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args):
+        self.upgrade_keys(state_dict, prefix)
+        super()._load_from_state_dict(state_dict, prefix, *args)
 
     @property
     def theta_q(self) -> nn.Parameter:
