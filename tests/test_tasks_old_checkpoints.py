@@ -12,12 +12,12 @@ import torch
 from safetensors.torch import load_file
 
 from sketchlab.tasks import load_checkpoint
-from sketchlab.tasks import attention as toy
+from sketchlab.tasks import legacy
 
 OLD = Path(__file__).resolve().parent / "data" / "old_toy_checkpoints"
 CASES = sorted(p.name for p in OLD.iterdir() if p.is_dir())
 DEPRECATED = {"based": "based-taylor", "psf": "psf-random"}
-#: Keys only the old kernels wrote (so the fixtures exercise the rename table, _OLD_KEYS).
+#: Keys only the old kernels wrote (so the fixtures exercise the rename table, legacy.OLD_KEYS).
 OLD_ONLY = {"llops": {"theta_q", "theta_k"}, "llops-affine": {"theta_q", "theta_k"}, "psf": {"weight_0"},
             "psf-random": {"weight_0", "weight_1"}}
 
@@ -61,7 +61,7 @@ def test_old_keys_load_through_load_state_dict_too():
 
 def test_fixtures_tell_a_wrong_rename(monkeypatch):
     """Θ_Q and Θ_K differ in the fixture: a table mapping theta_q to map_k gives other logits."""
-    monkeypatch.setitem(toy._OLD_KEYS, "llops", (("theta_q", "map_k.theta"), ("theta_k", "map_q.theta")))
+    monkeypatch.setitem(legacy.OLD_KEYS, "llops", (("theta_q", "map_k.theta"), ("theta_k", "map_q.theta")))
     model, extra = load_checkpoint(OLD / "llops")
     out, expected = _logits(model, extra)
     assert not torch.allclose(out, expected, rtol=1e-3, atol=1e-4)

@@ -48,7 +48,8 @@ import torch
 from torch import nn
 
 from ..attention.options import AttentionOptions, FarParams
-from ..featuremaps import Option
+from ..featuremaps import Option, check_feature_map_options, feature_map_names, feature_map_options, make_feature_map
+from .legacy import upgrade_keys
 from .model import TransformerConfig, TransformerLM, kv_cache_step, register_attention
 
 __all__ = ["ToyKernel", "input_scale", "kernel_modules", "register_feature_map_kernels"]
@@ -57,12 +58,6 @@ __all__ = ["ToyKernel", "input_scale", "kernel_modules", "register_feature_map_k
 _ATTENTION = {f.name: f.default for f in dataclasses.fields(AttentionOptions) if f.name not in ("causal", "local_scale")}
 #: Deprecated toy names -> the name they stand for, given the options.
 _RENAMED = {"psf": lambda o: "psf-random", "based": lambda o: f"based-{'expand' if o.get('form') == 'expand' else 'taylor'}"}
-#: State-dict keys of the toy kernels before ToyKernel (LLoPSKernel, PSFKernel, BasedKernel; commit c37f5c5) -> today's,
-#: per map: a key or key prefix renamed; ``None``: not saved then (BASED's projection, fixed by the config), taken from
-#: the kernel as built. The other kernels kept their keys.
-_OLD_KEYS = {"llops": (("theta_q", "map_q.theta"), ("theta_k", "map_k.theta")),
-             "psf-random": (("weight_", "map_q.weights_"),),
-             "based-taylor": ((None, "map_q.proj"),), "based-expand": ((None, "map_q.proj"),)}
 
 
 def input_scale(head_dim: int) -> float:
@@ -100,8 +95,6 @@ def _split(name: str, opts: dict, head_dim: int):
     """``(map, map options, own options, attention options)`` of ``opts`` for the toy name ``name``, the
     toy's defaults filled in (own: name -> ``(Option, value)``); an option none of them takes is refused,
     naming what the kernel takes."""
-    from ..featuremaps import feature_map_options
-
     fmap, takes, own, defaults = _spec(name, head_dim)
     declared = feature_map_options(fmap or "exact-poly")
     names = tuple(declared) if takes is None else takes
@@ -121,7 +114,6 @@ def _checker(toy_name: str):
 
     def check(opts: dict, config: TransformerConfig) -> dict:
         from ..attention.functional import check_local_degree
-        from ..featuremaps import check_feature_map_options, make_feature_map
 
         name = _RENAMED.get(toy_name, lambda o: toy_name)(opts)
         if name != toy_name:
@@ -165,13 +157,11 @@ class ToyKernel(nn.Module):
 
     def __init__(self, config: TransformerConfig, layer: int, name: str):
         super().__init__()
-        from ..featuremaps import make_feature_map
-
         self.options = o = dict(config.attention_options)
         H, D = config.n_heads, config.head_dim
         fmap, maps, _, attention = _split(_RENAMED.get(name, lambda o: name)(o), o, D)
         self.scale = 1.0 if fmap == "based-taylor" else input_scale(D)
-        self._old_keys = _OLD_KEYS.get(fmap, ())
+        self.map_name = fmap
         self.map_q = self.map_k = self.gate = None
         if fmap is None:
             self.attention_options = AttentionOptions(**attention)
@@ -189,19 +179,8 @@ class ToyKernel(nn.Module):
         self.gate = nn.Parameter(torch.zeros(H)) if options.window and o["gate"] else None
         self.far = FarParams(options, H, D, gate=False)
 
-    def upgrade_keys(self, state_dict: dict, prefix: str = "") -> None:
-        """Rename, in place, the keys under ``prefix`` a kernel of the older toy classes saved (:data:`_OLD_KEYS`),
-        so their checkpoints load with the same outputs; ``load_state_dict`` calls it, and so can a check of the keys."""
-        for old, new in self._old_keys:
-            if old is None:
-                state_dict.setdefault(prefix + new, self.get_buffer(new))
-                continue
-            for key in [key for key in state_dict if key.startswith(prefix + old)]:
-                state_dict[prefix + new + key.removeprefix(prefix + old)] = state_dict.pop(key)
-
-    def _load_from_state_dict(self, state_dict, prefix, *args):
-        self.upgrade_keys(state_dict, prefix)
-        super()._load_from_state_dict(state_dict, prefix, *args)
+    def _load_from_state_dict(self, state_dict, prefix, *args):  # older toy checkpoints' keys: tasks/legacy.py
+        super()._load_from_state_dict(upgrade_keys(self, state_dict, prefix), prefix, *args)
 
     @property
     def theta_q(self) -> nn.Parameter:
@@ -254,7 +233,6 @@ def register_feature_map_kernels() -> list[str]:
     """Register a :class:`ToyKernel` for ``"poly"``, the deprecated ``"based"``, ``"psf"`` and every map of
     the feature-map registry the toy model has no kernel for yet (done on import; call again after
     registering a map of your own). Returns the new names."""
-    from ..featuremaps import feature_map_names
     from .model import attention_registry
 
     added = [name for name in ("poly", *_RENAMED, *feature_map_names()) if name not in attention_registry()]

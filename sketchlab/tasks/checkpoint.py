@@ -25,6 +25,7 @@ from torch import nn
 
 from ..io.atomic import atomic_write, staged_directory
 from .attention import ToyKernel
+from .legacy import upgrade_keys
 from .model import TransformerConfig, TransformerLM
 
 __all__ = ["STATE_FORMAT", "latest_checkpoint", "load_checkpoint", "read_training_state", "save_checkpoint",
@@ -104,11 +105,11 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
 
 def _load_weights(model: nn.Module, weights: dict, path: Path) -> None:
     """``model.load_state_dict(weights)`` after checking the names and shapes; ``ValueError`` names the file.
-    The keys of older toy kernels are renamed first (:meth:`~sketchlab.tasks.attention.ToyKernel.upgrade_keys`)."""
+    The keys of older toy kernels are renamed first (:func:`~sketchlab.tasks.legacy.upgrade_keys`)."""
     weights = dict(weights)
     for name, module in model.named_modules():
         if isinstance(module, ToyKernel):
-            module.upgrade_keys(weights, f"{name}.")
+            upgrade_keys(module, weights, f"{name}.")
     own = model.state_dict()
     missing, unexpected = sorted(set(own) - set(weights)), sorted(set(weights) - set(own))
     if missing or unexpected:

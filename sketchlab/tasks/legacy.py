@@ -1,0 +1,27 @@
+"""Older toy checkpoints: the state-dict keys of the toy kernels before :class:`~sketchlab.tasks.attention.ToyKernel`
+(LLoPSKernel, PSFKernel, BasedKernel; commit c37f5c5), renamed on load so those checkpoints give the outputs they gave."""
+
+from __future__ import annotations
+
+from torch import nn
+
+__all__ = ["OLD_KEYS", "upgrade_keys"]
+
+#: Feature-map name -> ``(old key or key prefix, today's)`` pairs; ``None``: not saved then (BASED's projection,
+#: fixed by the config), taken from the kernel as built. The other kernels kept their keys.
+OLD_KEYS = {"llops": (("theta_q", "map_q.theta"), ("theta_k", "map_k.theta")),
+            "psf-random": (("weight_", "map_q.weights_"),),
+            "based-taylor": ((None, "map_q.proj"),), "based-expand": ((None, "map_q.proj"),)}
+
+
+def upgrade_keys(kernel: nn.Module, state_dict: dict, prefix: str = "") -> dict:
+    """Rename, in place, the keys under ``prefix`` that ``kernel``'s map (``kernel.map_name``) had in the older
+    classes (:data:`OLD_KEYS`) and return it; ``ToyKernel``'s ``load_state_dict`` calls it, and so does the
+    checkpoint's key check."""
+    for old, new in OLD_KEYS.get(kernel.map_name, ()):
+        if old is None:
+            state_dict.setdefault(prefix + new, kernel.get_buffer(new))
+            continue
+        for key in [key for key in state_dict if key.startswith(prefix + old)]:
+            state_dict[prefix + new + key.removeprefix(prefix + old)] = state_dict.pop(key)
+    return state_dict
