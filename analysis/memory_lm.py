@@ -156,12 +156,18 @@ def build(teacher, spec, recorded, args):
     return model
 
 
+def _commands(data: dict) -> list[str]:
+    """The commands that made the rows, in row order (rows from before rows kept theirs: the meta's one)."""
+    made = [row.get("command", data["meta"].get("command")) for row in data["rows"].values()]
+    return [c for i, c in enumerate(made) if c and c not in made[:i]]
+
+
 def render(data: dict) -> str:
     meta = data["meta"]
     rows = data["rows"]
     ctxs = meta["contexts"]
     lines = ["# Long-context memory on a converted SmolLM2-135M", "",
-             f"Produced by `{meta['command']}` ({meta['platform']}); rows finished at different times are kept in "
+             f"Produced by `{'`, `'.join(_commands(data))}` ({meta['platform']}); rows finished at different times are kept in "
              "`memory_lm.json` and rendered together. Held-out text only: perplexity on the held-out plays "
              f"({', '.join(HELDOUT_PLAYS)}) and on the last third of the Python language reference "
              "(`pydoc_data.topics`, text of another kind than the plays the transfer sees); passkey by "
@@ -297,7 +303,8 @@ def main(argv=None) -> int:
                                     f"cache {args.cache}; passkey n = {args.n} per cell; copy n = {args.copy_n}; "
                                     f"transfer {args.transfer_steps} steps per layer on {args.train_seqs} × "
                                     f"{args.train_len} tokens of the training plays ({', '.join(TRAIN_PLAYS)}), "
-                                    f"lr {args.transfer_lr}; perplexity on {args.eval_tokens} tokens per context"}
+                                    f"lr {args.transfer_lr}; perplexity on {args.eval_tokens} tokens per context",
+                        **data.get("meta", {})}  # the first run's words stay (each row keeps its command and transfer)
         for spec in models(args):
             name = spec["name"]
             if (only is not None and name not in only) or (name in data["rows"] and name not in redo):
@@ -312,6 +319,10 @@ def main(argv=None) -> int:
                                  conv["window"] + conv["sinks"] + conv.get("cache", 0))
             row["options"] = conv
             row["minutes"] = (time.perf_counter() - t) / 60
+            row["command"] = command
+            if spec.get("transfer"):
+                row["transfer"] = (f"{args.transfer_steps} steps per layer on {args.train_seqs} × {args.train_len} "
+                                   f"tokens, lr {args.transfer_lr}")
             if JSON.is_file():  # rows another invocation finished meanwhile (the study may run in parts at once)
                 data["rows"] = {**json.loads(JSON.read_text())["rows"], **data["rows"]}
             data["rows"][name] = row
