@@ -11,6 +11,8 @@ import os
 import sys
 from pathlib import Path
 
+from ..io.atomic import write_text_atomic
+
 __all__ = [
     "DEFAULT_HOLDOUT", "DEFAULT_M", "DEFAULT_P", "MAX_SEED", "Outputs", "UsageError", "add_common", "available_memory",
     "check_run_dir",
@@ -466,11 +468,3 @@ def _remove_created(created: list[Path]) -> None:
     for folder in reversed(created):
         with contextlib.suppress(OSError):
             folder.rmdir()
-
-
-def write_text_atomic(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` atomically (see :func:`sketchlab.io.atomic_write`; through symlinks)."""
-    from ..io import atomic_write
-
-    with atomic_write(Path(path)) as tmp:
-        tmp.write_text(text, encoding="utf-8")
