@@ -16,7 +16,7 @@ from ..io.atomic import write_text_atomic
 __all__ = [
     "DEFAULT_HOLDOUT", "DEFAULT_M", "DEFAULT_P", "MAX_SEED", "Outputs", "UsageError", "add_common", "available_memory",
     "check_run_dir",
-    "degree_arg", "device_arg", "fraction_arg", "int_list", "nonnegative_float", "nonnegative_int", "positive_float",
+    "decay_arg", "degree_arg", "device_arg", "fraction_arg", "int_list", "nonnegative_float", "nonnegative_int", "positive_float",
     "positive_int", "positive_int_list", "scale_arg", "seed_arg", "write_text_atomic",
 ]
 
@@ -157,6 +157,15 @@ def scale_arg(text: str):
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected 'sqrt-d', 'none' or a positive number, got {text!r}") from None
     return value
+
+
+def decay_arg(text: str):
+    """``--decay``: a number (a fixed decay per step) or a name (``head``, ``input``), as given; the value is
+    checked by the options' one rule (:class:`sketchlab.attention.options.AttentionOptions`)."""
+    try:
+        return float(text)
+    except ValueError:
+        return text
 
 
 def add_common(cmd, *names: str) -> None:
