@@ -171,18 +171,15 @@ def advise(dump_or_qk, *, p: int, target: float, method: str = "llops", layers=N
 
     Parameters
     ----------
-    dump_or_qk : str or PathLike, QKDump, or tuple ``(q, k)``
-        Tensors of shape ``[L, H, n, d]`` (also ``[H, n, d]``, ``[n, d]``).
+    dump_or_qk, layers, heads, scale
+        The dump (``[L, H, n, d]``, also ``[H, n, d]``, ``[n, d]``), the positions (``None``: all) and
+        the input scale, as in :func:`sketchlab.compare`.
     p : int
         Degree.
     target : float in ``(0, 1)``
         Target relative Frobenius error ``‖Â − A‖_F / ‖A‖_F`` on the fitting tokens.
     method : str
         A registered sketch (:func:`sketchlab.available_sketches`), fitted by :func:`sketchlab.fit_sketch`.
-    layers, heads : int, sequence of int or None
-        Positions (``None``: all), as in :func:`sketchlab.compare`.
-    scale : "sqrt-d" (default), "none" or float
-        The one input-scale rule (:mod:`sketchlab.scaling`).
     holdout, seed : float in ``[0, 1)``, int
         The held-out split and seed, as in :func:`sketchlab.compare` (the floors and fits use the
         fitting tokens only).

@@ -38,7 +38,8 @@ from .advise import advise
 from .attention import LLoPSAttention, dump_segments, poly_attention, sketch_attention
 from .compare import DEFAULT_METHODS, compare
 from .fit import fit_sketch
-from .io import atomic_write, load_qk
+from .io import load_qk
+from .io.atomic import write_text_atomic
 from .optimal import optimal_sketch
 from .plots import plot_advice, plot_kernel_spectrum, plot_optimality_ratios
 from .polynomial import poly_kernel
@@ -69,8 +70,7 @@ class DemoState:
 
 
 def _write(state: DemoState, name: str, text: str) -> None:
-    with atomic_write(state.out / name) as tmp:
-        tmp.write_text(text, encoding="utf-8")
+    write_text_atomic(state.out / name, text)
     state.written.append(state.out / name)
 
 

@@ -191,14 +191,11 @@ def kernel_spectrum(dump_or_qk, *, p: int, layers=None, heads=None, scale=DEFAUL
 
     Parameters
     ----------
-    dump_or_qk : str or PathLike, QKDump, or tuple ``(q, k)``
-        Tensors of shape ``[L, H, n, d]`` (also ``[H, n, d]``, ``[n, d]``).
+    dump_or_qk, layers, heads, scale
+        The dump (``[L, H, n, d]``, also ``[H, n, d]``, ``[n, d]``), the positions (``None``: all) and
+        the input scale, as in :func:`sketchlab.compare`.
     p : int
         Degree.
-    layers, heads : int, sequence of int or None
-        Positions (``None``: all), as in :func:`sketchlab.compare`.
-    scale : "sqrt-d" (default), "none" or float
-        The one input-scale rule (:mod:`sketchlab.scaling`).
     holdout, seed : float in ``[0, 1)``, int
         Use only the fitting tokens of :func:`sketchlab.holdout_split` ``(n, holdout, seed)`` — the
         tokens :func:`sketchlab.compare` fits on with the same arguments (default: all tokens).

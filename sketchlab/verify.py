@@ -211,14 +211,11 @@ def verify(dump_or_qk, *, p: int = 2, m: int = 64, layers=None, heads=None, scal
 
     Parameters
     ----------
-    dump_or_qk : str or PathLike, QKDump, or tuple ``(q, k)``
-        Tensors of shape ``[L, H, n, d]`` (also ``[H, n, d]``, ``[n, d]``).
+    dump_or_qk, layers, heads, scale
+        The dump (``[L, H, n, d]``, also ``[H, n, d]``, ``[n, d]``), the positions (``None``: all) and
+        the input scale, as in :func:`sketchlab.compare`.
     p, m : int
         Degree and sketch size of the Theorem 3.1 / 3.4 / special-case checks.
-    layers, heads : int, sequence of int or None
-        Positions (``None``: all), as in :func:`sketchlab.compare`.
-    scale : "sqrt-d" (default), "none" or float
-        The one input-scale rule (:mod:`sketchlab.scaling`).
     columns : int
         Columns of ``W*_Q`` checked for Theorem 3.4 (each needs tensor spectral norms).
     feature_tokens : int

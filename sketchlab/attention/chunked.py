@@ -326,32 +326,21 @@ def feature_attention(phi_q, phi_k, v, *, q=None, k=None, options: AttentionOpti
         when ``non_negative``; the state is then a :class:`~sketchlab.attention.MemoryState`.
     params : FarParams or None
         The learnable tensors the options call for (see :func:`~sketchlab.attention.llops_attention`).
-    causal : bool
-        ``s ≤ t`` only (``T == S``).
-    normalize : ``"none"`` or ``"sum"``
-        Unnormalised, or divided by :math:`\sum_s a_{ts} + \varepsilon` (safe for non-negative maps
-        only; see :mod:`sketchlab.attention.reference`). The hybrid needs ``"sum"``.
-    non_negative : bool
-        Self-tensored features ``φ ⊗ φ`` (kernel ``(φ(q)·φ(k))²``, ``M²`` features).
-    eps : float >= 0
-    chunk_size : int >= 1
-        Tokens per chunk ``C``.
+    causal, normalize, non_negative, eps, chunk_size
+        As :class:`~sketchlab.attention.AttentionOptions` (``causal``: ``T == S``; ``normalize="sum"``
+        is safe for non-negative maps only, see :mod:`sketchlab.attention.reference`); ``non_negative``
+        self-tensors the given features (``φ ⊗ φ``, ``M²`` of them); ``C = chunk_size``.
     block_chunks : int >= 1
         Chunks vectorised together per step of the block loop.
     max_bytes : int
         Memory budget for one block's per-chunk states, or the parallel form's ``B·H·T·S`` scores
         (:func:`sketchlab._validation.check_memory`).
-    window, sinks, local, local_scale, degree, gate
-        The hybrid (:func:`sketchlab.attention.feature_attention_naive` states the formula);
-        ``degree`` is ``p`` of ``local="poly"``. Its local part costs ``O(T·(w + C + sinks)·D)``.
-    key_padding_mask : bool Tensor ``[B, S]`` or None
-        ``True`` = a real token; padded keys are never attended to.
-    initial_state, output_final_state
-        Continue from an :class:`~sketchlab.attention.AttentionState` / also return the final one
-        (causal only).
-    denominator_check : ``"warn"``, ``"raise"`` or ``"off"``
-        With ``normalize="sum"``, what to do when a real query row's denominator is ``<= 0``
-        (signed features; counted chunk by chunk, one synchronisation per call).
+    window, sinks, local, local_scale, degree, gate, key_padding_mask, initial_state, output_final_state
+        As :func:`~sketchlab.attention.feature_attention_naive` (which states the formula); the local
+        part costs ``O(T·(w + C + sinks)·D)``.
+    denominator_check
+        As :class:`~sketchlab.attention.AttentionOptions` (counted chunk by chunk, one
+        synchronisation per call).
 
     Returns
     -------

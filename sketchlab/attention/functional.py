@@ -120,34 +120,17 @@ def llops_attention(q, k, v, theta_q, theta_k, *, options: AttentionOptions | No
     params : FarParams or None
         The learnable tensors the options call for (decay, β, and the gate unless ``gate=`` holds
         it); a non-memory call may take ``params.gate`` only.
-    causal : bool
-        ``s ≤ t`` only (``T == S``).
-    normalize : ``"none"`` or ``"sum"``
-        See :mod:`sketchlab.attention.reference`; ``"sum"`` is safe only for non-negative maps
-        (rank-1 LLoPS with even ``p`` and equal factors, or ``non_negative=True``); a call that
-        meets a denominator ``<= 0`` warns (``denominator_check``). The hybrid needs ``"sum"``.
-    non_negative : bool
-        Self-tensored features ``φ ⊗ φ``: kernel :math:`(\phi_Q(q)\cdot\phi_K(k))^2 \ge 0`,
-        degree ``2p``, ``M²`` features.
-    eps : float >= 0
-        Added to the normaliser (never a clamp).
-    backend : ``"auto"``, ``"triton"``, ``"torch"`` or ``"reference"``
-        See the module docstring. The hybrid, padding masks and states go to the fused kernel
-        only when it takes them; otherwise ``backend="triton"`` raises and ``"auto"`` runs torch.
-    chunk_size : int
-        Tokens per chunk of the torch backend.
+    causal, normalize, non_negative, eps, backend, chunk_size, window, sinks, local, local_scale, denominator_check
+        As :class:`~sketchlab.attention.AttentionOptions` (``causal``: ``T == S``; backends: the module
+        docstring). ``normalize="sum"`` is safe only for non-negative maps (rank-1 LLoPS with even
+        ``p`` and equal factors, or ``non_negative=True``: ``φ ⊗ φ``, degree ``2p``, ``M²`` features);
+        ``local="poly"`` scores ``(s·qᵀk)^p`` with ``p`` of Θ. The hybrid, padding masks and states go
+        to the fused kernel only when it takes them; otherwise ``backend="triton"`` raises and
+        ``"auto"`` runs torch.
     segments : sequence of int or None
         Lengths of independent sequences joined along the token axis (``T == S``): no query
         attends across a boundary (see :func:`dump_segments`); positions (window, sinks) restart
         in each.
-    window : int >= 0
-        Sliding window ``w`` of exact keys; ``0`` is pure linear attention (no gate).
-    sinks : int >= 0
-        The first ``sinks`` tokens are always attended exactly (attention sinks; needs ``window >= 1``).
-    local : ``"softmax"`` or ``"poly"``
-        Exact local scores ``exp(s·qᵀk − c_i)`` or ``(s·qᵀk)^p`` (``p`` of Θ).
-    local_scale : float or None
-        ``s``; default ``1/√D`` (a module that pre-scales q, k by ``D^{-1/4}`` passes 1).
     gate : Tensor ``[H]`` or None
         Per-head logits of ``g = sigmoid(gate)`` weighting local against far; ``None``: ``g = 1/2``.
     key_padding_mask : bool Tensor ``[B, S]`` or None
@@ -156,8 +139,6 @@ def llops_attention(q, k, v, theta_q, theta_k, *, options: AttentionOptions | No
         The state returned by an earlier call on the preceding tokens (causal only).
     output_final_state : bool
         Also return the final :class:`~sketchlab.attention.AttentionState`.
-    denominator_check : ``"warn"``, ``"raise"`` or ``"off"``
-        Reaction to a denominator ``<= 0`` of a real query row (``normalize="sum"``).
 
     Returns
     -------

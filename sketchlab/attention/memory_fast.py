@@ -24,7 +24,7 @@ from . import delta as _delta
 from ._checks import report_denominators
 from .memory_state import MemoryState, _beta, _gate, _log_decay, empty_memory_state, unit
 from .memory_decode import _local_weights, decode
-from .memory_schedule import schedule
+from .memory_schedule import _take, schedule
 
 #: Decoding (``T = 1`` with a state) takes :func:`sketchlab.attention.memory_decode.decode`; False forces
 #: the general path (the tests compare the two).
@@ -33,14 +33,6 @@ _DECODE = True
 
 #: The exact part's logits per batch of query chunks (elements): bounds its memory at long contexts.
 EXACT_ELEMENTS = 2**21
-
-
-def _take(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """``x[b, h, idx[b, h, i]]`` of ``x [B, H, X, F]`` for ``idx [B, H, L]`` (>= 0) → ``[B, H, L, F]``
-    (``index_select`` of whole rows: several times faster than ``gather`` or advanced indexing on CPU)."""
-    B, H, X, F = x.shape
-    rows = (torch.arange(B * H, device=idx.device)[:, None] * X + idx.flatten(0, 1)).flatten()  # [B·H·L]
-    return x.reshape(B * H * X, F).index_select(0, rows).view(B, H, idx.shape[2], F)
 
 
 def _far_additive(fq, fe, ve, log_decay, S0, z0, chunk):

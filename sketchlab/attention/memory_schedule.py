@@ -49,11 +49,11 @@ def _recall(num: torch.Tensor, v: torch.Tensor, *, eps: float) -> torch.Tensor:
 
 
 def _take(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """``x[l, idx[l, i]]`` of ``x [L, N, F]`` for ``idx [L, n]`` → ``[L, n, F]`` (``index_select`` of whole
-    rows: several times faster than ``gather``)."""
-    L, N, F = x.shape
-    rows = (torch.arange(L)[:, None] * N + idx).flatten()
-    return x.reshape(L * N, F).index_select(0, rows).view(L, idx.shape[1], F)
+    """``x[a, idx[a, i]]`` of ``x [*A, N, F]`` for ``idx [*A, n]`` (>= 0) → ``[*A, n, F]`` (``index_select`` of
+    whole rows: several times faster than ``gather`` or advanced indexing on CPU)."""
+    N, F = x.shape[-2:]
+    rows = (torch.arange(idx.shape[:-1].numel(), device=idx.device)[:, None] * N + idx.flatten(0, -2)).flatten()
+    return x.flatten(0, -2).index_select(0, rows).view(*idx.shape, F)
 
 
 def _ranked(score: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:

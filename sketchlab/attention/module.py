@@ -83,13 +83,10 @@ class LLoPSAttention(nn.Module):
         A learnable per-head gate logit (initialised to 0: ``g = 1/2``) when ``window > 0``;
         ``False``: ``g = 1/2`` fixed.
     cache, decay, state, beta
-        The long-context memory (DESIGN §7; :class:`~sketchlab.attention.AttentionOptions`): ``cache``
-        far keys kept exact, a decaying far state (a float in (0, 1], ``"head"`` or ``"input"``), the
-        delta-rule state (``state="delta"``, ``β`` per ``beta``). With any of them on, the block
-        holds a :class:`~sketchlab.attention.FarParams` (``far``: the decay's and β's tensors; the gate
-        stays ``gate``, where saved blocks have it) and its state is a
-        :class:`~sketchlab.attention.MemoryState`; ``decay=1.0`` is no decay (today's block, bit for
-        bit, with no ``far``).
+        The long-context memory (DESIGN §7), as :class:`~sketchlab.attention.AttentionOptions`. With any
+        of them on, the block holds a :class:`~sketchlab.attention.FarParams` (``far``; the gate stays
+        ``gate``, where saved blocks have it) and its state is a :class:`~sketchlab.attention.MemoryState`;
+        ``decay=1.0`` is no decay (no ``far``).
     bias : bool
         Biases in the four projections.
     seed : int

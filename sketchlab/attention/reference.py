@@ -163,15 +163,9 @@ def feature_attention_naive(phi_q, phi_k, v, *, q=None, k=None, causal: bool = T
         The raw queries and keys, for the exact local part (needed when ``window > 0``).
     causal, normalize, eps, segments
         As in :func:`kernel_attention_naive`.
-    non_negative : bool
-        Use the self-tensored features ``φ ⊗ φ`` (``M²`` of them, built explicitly here).
-    window, sinks : int >= 0
-        The sliding window ``w`` and the attention sinks (the first ``sinks`` tokens of each
-        sequence); ``window=0`` is pure linear attention.
-    local : ``"softmax"`` or ``"poly"``
-        The exact local scores (see Notes).
-    local_scale : float or None
-        ``s`` multiplying ``qᵀk`` in the local scores; default ``1/√D``.
+    non_negative, window, sinks, local, local_scale, denominator_check
+        As :class:`~sketchlab.attention.AttentionOptions` (``φ ⊗ φ`` built explicitly here; the sinks
+        are the first ``sinks`` tokens of each sequence; the local scores are in Notes).
     degree : int or None
         ``p`` of ``local="poly"``.
     gate : Tensor ``[H]`` or None
@@ -182,8 +176,6 @@ def feature_attention_naive(phi_q, phi_k, v, *, q=None, k=None, causal: bool = T
         The state after earlier tokens (causal only); positions continue from its ``offset``.
     output_final_state : bool
         Return ``(o, state)``.
-    denominator_check : ``"warn"``, ``"raise"`` or ``"off"``
-        What to do when a real query row's denominator is ``<= 0`` (``normalize="sum"``).
 
     Returns
     -------

@@ -11,10 +11,12 @@ import os
 import sys
 from pathlib import Path
 
+from ..io.atomic import write_text_atomic
+
 __all__ = [
     "DEFAULT_HOLDOUT", "DEFAULT_M", "DEFAULT_P", "MAX_SEED", "Outputs", "UsageError", "add_common", "available_memory",
     "check_run_dir",
-    "degree_arg", "device_arg", "fraction_arg", "int_list", "nonnegative_float", "nonnegative_int", "positive_float",
+    "decay_arg", "degree_arg", "device_arg", "fraction_arg", "int_list", "nonnegative_float", "nonnegative_int", "positive_float",
     "positive_int", "positive_int_list", "scale_arg", "seed_arg", "write_text_atomic",
 ]
 
@@ -155,6 +157,15 @@ def scale_arg(text: str):
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected 'sqrt-d', 'none' or a positive number, got {text!r}") from None
     return value
+
+
+def decay_arg(text: str):
+    """``--decay``: a number (a fixed decay per step) or a name (``head``, ``input``), as given; the value is
+    checked by the options' one rule (:class:`sketchlab.attention.options.AttentionOptions`)."""
+    try:
+        return float(text)
+    except ValueError:
+        return text
 
 
 def add_common(cmd, *names: str) -> None:
@@ -466,11 +477,3 @@ def _remove_created(created: list[Path]) -> None:
     for folder in reversed(created):
         with contextlib.suppress(OSError):
             folder.rmdir()
-
-
-def write_text_atomic(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` atomically (see :func:`sketchlab.io.atomic_write`; through symlinks)."""
-    from ..io import atomic_write
-
-    with atomic_write(Path(path)) as tmp:
-        tmp.write_text(text, encoding="utf-8")

@@ -29,7 +29,7 @@ import os
 from pathlib import Path
 from typing import Callable, NamedTuple
 
-from ._common import (Outputs, UsageError, add_common, available_memory, check_run_dir, finite_float, int_list,
+from ._common import (Outputs, UsageError, add_common, available_memory, check_run_dir, decay_arg, finite_float, int_list,
                       nonnegative_float, nonnegative_int, number_arg, positive_float, positive_int, write_text_atomic)
 
 #: ``--fit-work``: a number > 0, ``inf`` allowed (no cap).
@@ -102,15 +102,6 @@ def _gate_init(text: str):
         raise argparse.ArgumentTypeError(f"expected 'mass', 'search' or a finite number, got {text!r}") from None
 
 
-def _decay(text: str):
-    """``--decay``: a number (a fixed decay per step) or a name (``head``, ``input``); the value is
-    checked by the conversion's one rule (:class:`sketchlab.attention.options.AttentionOptions`)."""
-    try:
-        return float(text)
-    except ValueError:
-        return text
-
-
 def add_arguments(sub) -> None:
     cmd = sub.add_parser("linearize", help="swap a model's attention for sketched attention, train it in stages")
     cmd.add_argument("checkpoint", nargs="?",
@@ -139,7 +130,7 @@ def add_arguments(sub) -> None:
     cmd.add_argument("--cache", type=int, default=0, metavar="K",
                      help="long-context memory: up to K far keys kept exact (a sparse cache; needs a window, a causal "
                           "model; default 0)")
-    cmd.add_argument("--decay", type=_decay, default=None,
+    cmd.add_argument("--decay", type=decay_arg, default=None,
                      help="a decaying far state: 'head' (learned per head), 'input' (from the current value) or a "
                           "fixed decay per step in (0, 1] (default: none)")
     cmd.add_argument("--state", default="additive", help="the far state: 'additive' (default) or 'delta' (delta rule)")

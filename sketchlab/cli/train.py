@@ -32,7 +32,7 @@ import os
 import sys
 from pathlib import Path
 
-from ._common import (DEFAULT_M, DEFAULT_P, Outputs, UsageError, check_run_dir, device_arg, nonnegative_float,
+from ._common import (DEFAULT_M, DEFAULT_P, Outputs, UsageError, check_run_dir, decay_arg, device_arg, nonnegative_float,
                       nonnegative_int, positive_float, positive_int, seed_arg, write_text_atomic)
 
 #: What a ``sketchlab train`` output directory holds (anything else there belongs to something else).
@@ -120,7 +120,7 @@ def add_arguments(sub) -> None:
     m.add_argument("--sinks", type=nonnegative_int, default=None, help="attention sinks (needs --window)")
     m.add_argument("--cache", type=nonnegative_int, default=None,
                    help="far keys kept exact, the ones the state recalls worst (needs --window)")
-    m.add_argument("--decay", type=_decay, default=None, metavar="DECAY",
+    m.add_argument("--decay", type=decay_arg, default=None, metavar="DECAY",
                    help="decay of the far state: a number in (0, 1] (1: none), 'head' (learned per head) or 'input' "
                         "(from the value)")
     m.add_argument("--state", choices=("additive", "delta"), default=None,
@@ -167,14 +167,6 @@ def add_arguments(sub) -> None:
     o.add_argument("--device", type=_device, default="cpu", help="cpu (default), cuda or cuda:N (one this machine has)")
     o.add_argument("--threads", type=positive_int, default=1, help="torch intra-op threads (fixed for determinism)")
     cmd.add_argument("--no-progress", action="store_true", help="no progress bar")
-
-
-def _decay(text: str):
-    """``--decay``: a number (its range checked with the other options), else the name as given."""
-    try:
-        return float(text)
-    except ValueError:
-        return text
 
 
 def _attention_options(args) -> dict:

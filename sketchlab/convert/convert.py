@@ -231,8 +231,6 @@ def convert_attention(model: nn.Module, *, attention: str = "llops", p: int = 2,
         :data:`DEFAULT_SINKS` (4) with a window, ``0`` for ``window=0`` (which has no exact keys;
         an explicit ``sinks > 0`` there is refused). ``window=64`` and 4 sinks are the measured
         best for converted models. ``config.sketchlab`` records the resolved number.
-    local : {"softmax", "poly"}
-        The exact part inside the window.
     feature_map : callable or Sketch, optional
         ``feature_map(layer, heads, head_dim)`` → a FeatureMap module (shared by q and k) or a pair
         ``(map_q, map_k)``, or a fitted :class:`~sketchlab.sketch.Sketch` (``fit_sketch``'s, batch
@@ -240,9 +238,8 @@ def convert_attention(model: nn.Module, *, attention: str = "llops", p: int = 2,
     theta : str, Path or (Tensor, Tensor), optional
         ``attention="llops"`` only: a Θ export (:func:`sketchlab.export_theta`) or tensors
         ``[L, H, t, p, d, m]`` (fitted on ``"sqrt-d"``-scaled post-RoPE q, k) to start from.
-    normalize : str, optional
-        The attention's normalisation, ``"sum"`` or ``"none"`` (``None``: its default, ``"sum"``);
-        the hybrid (``window > 0``) is always normalised, so ``"none"`` needs ``window=0``.
+    local, normalize
+        As :class:`~sketchlab.attention.options.AttentionOptions`.
     non_negative : bool
         Self-tensor the features (``φ ⊗ φ``, ``M²`` features, a non-negative kernel). Fixed at
         conversion, so a map's feature count never changes while it trains; ``False`` keeps the ``M``
@@ -276,11 +273,8 @@ def convert_attention(model: nn.Module, *, attention: str = "llops", p: int = 2,
     seed : int
         Seeds torch's generator while the maps are built (random initialisations are reproducible).
     cache, decay, state, beta
-        Long-context memory (DESIGN §7; :class:`~sketchlab.attention.options.AttentionOptions`): up to
-        ``cache`` far keys kept exact (needs a window), a decaying far state (``None``, a fixed
-        ``float`` in (0, 1], ``"head"`` or ``"input"``), the far state ``"additive"`` or ``"delta"``
-        (the delta rule, its ``beta`` ``"head"`` or ``"input"``). Causal models only. The new
-        parameters (decay, β) live in each layer's ``.far`` and train with the maps.
+        Long-context memory (DESIGN §7), as :class:`~sketchlab.attention.options.AttentionOptions`;
+        causal models only. The new parameters (decay, β) live in each layer's ``.far`` and train with the maps.
     exact_layers : sequence of int
         Layers (0-based) kept exact: the teacher's softmax attention
         (:class:`~sketchlab.convert.exact.ExactAttention`), whose decoding state is a KV cache that

@@ -17,7 +17,7 @@ import shutil
 from pathlib import Path
 
 __all__ = ["atomic_write", "check_output_directory", "check_output_paths", "check_staged_directory", "dump_files",
-           "input_files", "npy_parts", "replace_together", "staged_directory"]
+           "input_files", "npy_parts", "replace_together", "staged_directory", "write_text_atomic"]
 
 #: The tensors of a Q/K dump, in file order.
 DUMP_NAMES = ("q", "k", "v")
@@ -101,6 +101,12 @@ def atomic_write(path):
             os.unlink(tmp)
         raise
     _fsync_dir(path.parent)
+
+
+def write_text_atomic(path, text: str) -> None:
+    """Write ``text`` (UTF-8) to ``path`` with :func:`atomic_write` (through symlinks)."""
+    with atomic_write(path) as tmp:
+        Path(tmp).write_text(text, encoding="utf-8")
 
 
 def _create_temp_dir(target: Path) -> Path:

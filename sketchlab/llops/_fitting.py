@@ -34,12 +34,3 @@ def balance(theta_q: torch.Tensor, theta_k: torch.Tensor, fq: torch.Tensor, fk: 
     ratio = (fk.norm(dim=-2).clamp_min(tiny) / fq.norm(dim=-2).clamp_min(tiny)) ** (0.5 / p)  # [B, m]
     theta_q.mul_(ratio[:, None, None, None, :])
     theta_k.div_(ratio[:, None, None, None, :])
-
-
-def head_names(batch: tuple, flat: list[int]) -> str:
-    """``[(layer, head), ...]`` for flattened batch indices (``[L, H]`` batches), else the indices."""
-    if len(batch) == 2:
-        return str([(i // batch[1], i % batch[1]) for i in flat]) + " (layer, head)"
-    if len(batch) == 1:
-        return str(flat) + " (head)"
-    return str(flat) + " (flattened batch index)"

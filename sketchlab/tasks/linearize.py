@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from .._validation import check_nonnegative_int, check_positive_int, check_real
+from ..io.atomic import write_text_atomic as _write_text
 from .attention import input_scale, kernel_modules
 from .inits import copy_shared_weights, init_llops
 from .model import TransformerConfig, TransformerLM
@@ -74,13 +75,6 @@ class LinearizeResult:
     evals: list[dict] = field(default_factory=list)
     settings: dict = field(default_factory=dict)
     seconds: dict = field(default_factory=dict)
-
-
-def _write_text(path: Path, text: str) -> None:
-    from ..io import atomic_write
-
-    with atomic_write(path) as tmp:
-        tmp.write_text(text, encoding="utf-8")
 
 
 def attention_transfer_loss(model: TransformerLM):

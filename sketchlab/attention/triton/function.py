@@ -101,30 +101,10 @@ def llops_attention_triton(q, k, v, theta_q, theta_k, *, causal: bool, normalize
         ``S == T`` when ``causal``.
     theta_q, theta_k : Tensor [H, R, P, D, M]
         Per-head LLoPS factors, ``φ(x)_i = Σ_r ∏_j ⟨Θ_{r,j}[:, i], x⟩``.
-    causal : bool
-        Sum over ``s ≤ t`` (True) or over all ``s``.
-    normalize : {"none", "sum"}
-        ``"none"``: ``out_t = Σ_s a_ts v_s``; ``"sum"``: ``out_t = Σ_s a_ts v_s / (Σ_s a_ts + eps)``,
-        only safe when ``a_ts = φ(q_t)·φ(k_s) ≥ 0``. The hybrid needs ``"sum"``.
-    non_negative : bool
-        Use the self-tensored features ``φ ⊗ φ`` (kernel ``(φ(q)·φ(k))² ≥ 0``, ``M²`` features),
-        formed chunk by chunk in registers, never in memory; the running state is ``[M², Dv]``.
-    eps : float
-    window, sinks : int >= 0
-        The hybrid when ``window > 0`` (``sinks`` needs ``window >= 1``): a causal query ``i``
-        sees the keys ``i−w < j ≤ i`` and ``j < sinks`` (``j ≤ i``) exactly, the other keys
-        ``j ≤ i`` through the features (non-causal, ``T == S``: ``|i−j| < w`` and the sinks exactly,
-        every other key through the features),
-        ``o_i = (γ Σ_L a_ij v_j + (1−γ) Σ_F φ(q_i)·φ(k_j) v_j) / (γ Σ_L a_ij + (1−γ) Σ_F φ(q_i)·φ(k_j) + eps)``.
-        ``window = 0`` is the pure linear attention above (no gate), unchanged.
-    local : {"softmax", "poly"}
-        ``a_ij = exp(s·q_iᵀk_j − c_i)`` with ``c_i = max_L s·q_iᵀk_j`` (part of the definition:
-        gradients flow through it), or ``a_ij = (s·q_iᵀk_j)^p`` with the Θ's ``p``.
-    local_scale : float > 0 or None
-        ``s``; None: ``1/√D``.
-    gate : None or Tensor [H]
-        Logits of the local weight ``γ = sigmoid(gate)`` per head (differentiable); None: ``γ = 1/2``.
-        Unused without the hybrid.
+    causal, normalize, non_negative, eps, window, sinks, local, local_scale, gate
+        As :func:`~sketchlab.attention.feature_attention_naive` (the formula; ``local="poly"`` uses Θ's
+        ``p``). ``φ ⊗ φ`` is formed chunk by chunk in registers, never in memory; the running state
+        is then ``[M², Dv]``. ``gate`` is unused without the hybrid.
     key_padding_mask : None or bool Tensor [B, S]
         True = a real key. A padded key leaves every sum (and the state); positions (window,
         sinks) still count it, as in :func:`~sketchlab.attention.feature_attention_naive`.
