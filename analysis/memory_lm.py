@@ -40,7 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from linearize_lm import HELDOUT_PLAYS, TRAIN_PLAYS, log, play_text  # noqa: E402
 
-from sketchlab.convert import convert_attention, perplexity  # noqa: E402
+from sketchlab.convert import convert_attention, lora_finetune, perplexity  # noqa: E402
 from sketchlab.convert.cache import SketchStateCache  # noqa: E402
 from sketchlab.convert.linearize import attention_transfer, teacher_attention, tokenize_texts  # noqa: E402
 from sketchlab.hf.pretrained import load_pretrained, smollm2_gguf  # noqa: E402
@@ -88,6 +88,9 @@ def models(args) -> list[dict]:
          "convert": {**base, "cache": cache}, "gate": 0.0, "transfer": True},
         {"name": "cache-decay", "label": f"+ cache {cache}, {args.map} hybrid + input decay, transferred",
          "convert": {**base, "cache": cache, "decay": "input"}, "gate": 0.0, "transfer": True},
+        {"name": "cache-decay-lora", "label": f"+ cache {cache}, {args.map} hybrid + input decay, transferred + "
+         f"LoRA {args.lora_steps} steps", "convert": {**base, "cache": cache, "decay": "input"}, "gate": 0.0,
+         "transfer": True, "lora": True},
     ]
     if args.train_len != 1024:  # a transfer at another length is another row, beside the 1024-token one
         rows = [{**r, "name": f"{r['name']}/{args.train_len}", "label": r["label"] + f" on {args.train_len}-token text"}
@@ -143,7 +146,7 @@ def measure(model, tok, evals, copy_ids, args) -> dict:
     return row
 
 
-def build(teacher, spec, recorded, args):
+def build(teacher, spec, recorded, lora_text, args):
     model = copy.deepcopy(teacher)
     sketches = convert_attention(model, **spec["convert"], gate_init=spec.get("gate", 0.0))
     if spec.get("transfer"):
@@ -153,6 +156,12 @@ def build(teacher, spec, recorded, args):
         attention_transfer(sketches, [layers[i] for i in keep], mask, train_idx, steps=args.transfer_steps,
                            lr=args.transfer_lr, batch_size=1)
         log(f"  transfer {args.transfer_steps} steps x {len(sketches)} layers in {time.perf_counter() - t:.0f} s")
+    if spec.get("lora"):
+        ids, mask = lora_text()
+        t = time.perf_counter()
+        model, losses = lora_finetune(model, ids, mask, torch.arange(ids.shape[0]), steps=args.lora_steps,
+                                      lr=args.lora_lr, batch_size=1)
+        log(f"  LoRA {args.lora_steps} steps in {time.perf_counter() - t:.0f} s (loss {losses[0]:.3f} -> {losses[-1]:.3f})")
     return model
 
 
@@ -248,6 +257,10 @@ def parse_args(argv=None):
     ap.add_argument("--train-len", type=int, default=1024)
     ap.add_argument("--transfer-steps", type=int, default=60)
     ap.add_argument("--transfer-lr", type=float, default=1e-2)
+    ap.add_argument("--lora-steps", type=int, default=30, help="LoRA steps of the +lora rows")
+    ap.add_argument("--lora-lr", type=float, default=1e-3)
+    ap.add_argument("--lora-len", type=int, default=2048, help="LoRA: tokens per training sequence")
+    ap.add_argument("--lora-seqs", type=int, default=8, help="LoRA: sequences of the training plays")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
     args.contexts = [int(x) for x in args.contexts.split(",")]
@@ -294,6 +307,10 @@ def main(argv=None) -> int:
                 log(f"teacher attention recorded on {int(mask.sum())} tokens in {time.perf_counter() - t:.0f} s")
             return cached["v"]
 
+        def lora_text():  # the LoRA stage's sequences of the training plays
+            text = "\n".join(play_text(p) for p in TRAIN_PLAYS)
+            return tokenize_texts(text, tok, seq_len=args.lora_len, max_tokens=args.lora_seqs * args.lora_len)
+
         only = None if args.only is None else set(args.only.split(","))
         redo = set(filter(None, args.redo.split(",")))
         data["meta"] = {"command": command, "contexts": args.contexts, "passkey_lengths": list(args.passkey_lengths),
@@ -311,7 +328,7 @@ def main(argv=None) -> int:
                 continue
             log(f"{name}: building")
             t = time.perf_counter()
-            model = teacher if spec["convert"] is None else build(teacher, spec, recorded, args)
+            model = teacher if spec["convert"] is None else build(teacher, spec, recorded, lora_text, args)
             row = measure(model, tok, evals, copy_ids, args)
             conv = spec["convert"] or {}
             row["label"] = spec.get("label", name)
@@ -323,6 +340,9 @@ def main(argv=None) -> int:
             if spec.get("transfer"):
                 row["transfer"] = (f"{args.transfer_steps} steps per layer on {args.train_seqs} × {args.train_len} "
                                    f"tokens, lr {args.transfer_lr}")
+            if spec.get("lora"):
+                row["lora"] = (f"{args.lora_steps} steps (rank 8, lr {args.lora_lr}) on {args.lora_seqs} × "
+                               f"{args.lora_len} tokens of the training plays")
             if JSON.is_file():  # rows another invocation finished meanwhile (the study may run in parts at once)
                 data["rows"] = {**json.loads(JSON.read_text())["rows"], **data["rows"]}
             data["rows"][name] = row
