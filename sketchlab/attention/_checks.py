@@ -128,14 +128,13 @@ def _all_finite(*xs: torch.Tensor) -> bool:
         return all(map(math.isfinite, torch.stack([x.sum(dtype=acc) for x in xs]).tolist()))
 
 
-def check_theta(theta_q, theta_k, *, heads: int, dim: int, like: torch.Tensor, k: torch.Tensor | None = None,
-                non_negative: bool = False):
+def check_theta(theta_q, theta_k, *, heads: int, dim: int, like: torch.Tensor):
     """Validate LLoPS factors ``theta_q``, ``theta_k`` of shape ``[H, t, p, D, M]``.
 
     Rules: floating tensors of rank 5, the same shape (so the same degree ``p``, rank ``t`` and
     size ``M``), ``H`` equal to the heads of ``q``, ``D`` equal to its head dimension, every size
-    >= 1, the dtype and device of ``like`` (``q``), finite values. With ``k`` (and ``like`` the
-    queries ``q [B, T, H, D]``), also :func:`check_kernel_range`.
+    >= 1, the dtype and device of ``like`` (``q``), finite values (the kernel's range with q, k:
+    :func:`check_kernel_range`).
     """
     out = []
     for theta, name in ((theta_q, "theta_q"), (theta_k, "theta_k")):
@@ -172,8 +171,6 @@ def check_theta(theta_q, theta_k, *, heads: int, dim: int, like: torch.Tensor, k
     with torch.no_grad():
         for theta, name in ((tq, "theta_q"), (tk, "theta_k")):
             _check_finite_once(theta, name)
-    if k is not None:
-        check_kernel_range(like, k, tq, tk, non_negative=non_negative)
     return tq, tk
 
 
