@@ -219,16 +219,21 @@ def plot(data: dict, path: Path) -> None:
     from sketchlab.plots import save_figure
 
     meta, rows = data["meta"], data["rows"]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    for r in rows.values():
-        ctx = meta["contexts"]
-        line, = a.plot(ctx, [r["ppl"]["plays"][str(c)] for c in ctx], marker="o", label=r["label"])
-        a.plot(ctx, [r["ppl"]["docs"][str(c)] for c in ctx], marker="s", ls="--", color=line.get_color())
-        b.plot(meta["gaps"], [r["copy"][str(g)]["second"] for g in meta["gaps"]], marker="o", color=line.get_color())
-    a.set(xlabel="context (tokens)", ylabel="perplexity", yscale="log",
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 6.5))
+    colors = plt.get_cmap("tab20").colors
+    ruined = 100.0  # rows above this perplexity (an untrained far state) are named in the legend, off the axes
+    for i, r in enumerate(rows.values()):
+        ctx, color = meta["contexts"], colors[(2 * i) % 20 if i < 10 else (2 * i + 1) % 20]
+        plays = [r["ppl"]["plays"][str(c)] for c in ctx]
+        label = r["label"] + (f" (off the axes: plays {plays[0]:.0f}+)" if max(plays) > ruined else "")
+        a.plot(ctx, plays, marker="o", label=label, color=color)
+        a.plot(ctx, [r["ppl"]["docs"][str(c)] for c in ctx], marker="s", ls="--", color=color)
+        b.plot(meta["gaps"], [r["copy"][str(g)]["second"] for g in meta["gaps"]], marker="o", color=color)
+    a.set(xlabel="context (tokens)", ylabel="perplexity", yscale="log", ylim=(8, 70),
           title="held-out perplexity (solid: plays, dashed: Python reference)")
     b.set(xlabel="gap (tokens)", ylabel="NLL of the second copy (nats/token)", title="copy recall")
-    a.legend(fontsize=7)
+    fig.legend(*a.get_legend_handles_labels(), loc="lower center", ncol=2, fontsize=7, frameon=False)
+    fig.subplots_adjust(bottom=0.33)
     save_figure(fig, path)
 
 
