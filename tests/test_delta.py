@@ -308,3 +308,23 @@ def test_delta_rule_naive_computes_float32_inputs_in_float64():
     o64, S64 = delta_rule_naive(q.double(), k.double(), v.double(), beta.double(), log_alpha.double())
     assert o32.dtype == S32.dtype == torch.float64
     assert torch.equal(o32, o64) and torch.equal(S32, S64)
+
+
+def test_llops_attention_under_the_delta_rule_does_not_self_tensor_a_signed_theta():
+    """``non_negative=None`` means "self-tensor when a signed Θ would be divided by": the delta state divides by
+    nothing, so the default equals ``non_negative=False`` (M features in the state) and differs from ``True`` (M²)."""
+    import sketchlab as sl
+
+    g = _gen(7)
+    q, k, v = (torch.randn(1, 8, 2, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    tq, tk = (torch.randn(2, 1, 2, 4, 3, generator=g, dtype=torch.float64) for _ in range(2))  # signed Θ, M = 3
+
+    def run(non_negative):
+        options = sl.AttentionOptions(state="delta", non_negative=non_negative, backend="reference")
+        params = sl.FarParams(options, heads=2, dim_v=4).double()
+        out, state = sl.llops_attention(q, k, v, tq, tk, options=options, params=params, output_final_state=True)
+        return out, state.S.shape[-2]
+
+    (default, m_default), (signed, m_signed), (tensored, m_tensored) = run(None), run(False), run(True)
+    assert torch.equal(default, signed) and m_default == m_signed == 3 and m_tensored == 9
+    assert (default - tensored).abs().max() > 1e-3

@@ -32,3 +32,20 @@ def test_in_featuremap_attention_it_is_linear_attention_on_q_k():
     out = sl.featuremap_attention(q, k, v, fmap, normalize="none", backend="torch", chunk_size=4)
     scores = torch.einsum("bthd,bshd->bhts", q, k).tril()  # causal qᵀk, unnormalised
     assert (out - torch.einsum("bhts,bshd->bthd", scores, v)).abs().max() < 1e-12
+
+
+def test_under_the_delta_rule_a_signed_map_enters_as_it_is():
+    """``non_negative=None`` self-tensors a signed map only under a denominator: the delta state has none,
+    so the default equals ``non_negative=False`` there (D features, not D²) and differs from ``True``."""
+    fmap = make_feature_map("identity", heads=2, head_dim=4)
+    q, k, v = _rand(1, 9, 2, 4, seed=1), _rand(1, 9, 2, 4, seed=2), _rand(1, 9, 2, 3, seed=3)
+
+    def run(non_negative):
+        options = sl.AttentionOptions(state="delta", non_negative=non_negative, backend="reference")
+        params = sl.FarParams(options, heads=2, dim_v=3).double()
+        out, state = sl.featuremap_attention(q, k, v, fmap, options=options, params=params, output_final_state=True)
+        return out, state.S.shape[-2]  # the state's feature axis: M
+
+    (default, m_default), (signed, m_signed), (tensored, m_tensored) = run(None), run(False), run(True)
+    assert torch.equal(default, signed) and m_default == m_signed == 4 and m_tensored == 16
+    assert (default - tensored).abs().max() > 1e-3

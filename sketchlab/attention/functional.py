@@ -112,10 +112,10 @@ def llops_attention(q, k, v, theta_q, theta_k, *, options: AttentionOptions | No
         (passing one too is refused, naming it); ``None``: one is built from them (its checks are
         the rules). ``options.normalize=None`` is ``"sum"``; ``options.non_negative=None``
         self-tensors when normalising with a Θ that can be signed
-        (:func:`~sketchlab.attention.llops_is_non_negative`). Options with ``.memory`` (a cache, a
-        decay, the delta state) run :func:`~sketchlab.attention.memory_attention` on the LLoPS
-        features (``llops_feature_fn``; float64 :func:`sketchlab.llops_features` and
-        :func:`~sketchlab.attention.memory_attention_naive` with ``backend="reference"``), the state
+        (:func:`~sketchlab.attention.llops_is_non_negative`), never under ``state="delta"`` (no
+        denominator). Options with ``.memory`` (a cache, a decay, the delta state) run
+        :func:`~sketchlab.attention.memory_attention` on the LLoPS features (``llops_feature_fn``; float64
+        :func:`sketchlab.llops_features` and :func:`~sketchlab.attention.memory_attention_naive` with ``backend="reference"``), the state
         then a :class:`~sketchlab.attention.MemoryState`.
     params : FarParams or None
         The learnable tensors the options call for (decay, β, and the gate unless ``gate=`` holds
@@ -158,8 +158,9 @@ def llops_attention(q, k, v, theta_q, theta_k, *, options: AttentionOptions | No
     q, k, v = check_qkv(q, k, v, causal=causal)
     theta_q, theta_k = check_theta(theta_q, theta_k, heads=q.shape[2], dim=q.shape[3], like=q)
     non_negative = o.non_negative
-    if non_negative is None:  # the map decides: never divide by a signed sum
-        non_negative = normalize == "sum" and not (llops_is_non_negative(theta_q) and llops_is_non_negative(theta_k))
+    if non_negative is None:  # the map decides: never divide by a signed sum (the delta state divides by none)
+        non_negative = normalize == "sum" and o.state != "delta" and not (llops_is_non_negative(theta_q)
+                                                                           and llops_is_non_negative(theta_k))
     check_kernel_range(q, k, theta_q, theta_k, non_negative=non_negative)
     key_padding_mask = check_key_padding_mask(key_padding_mask, q.shape[0], k.shape[1], q.device)
     _check_stateful_segments(segments, initial_state, output_final_state)
@@ -409,7 +410,8 @@ def featuremap_attention(q, k, v, feature_map, feature_map_k=None, *, options: A
         ``None``: ``"sum"``.
     non_negative : bool or None
         Self-tensor the features; ``None``: only when normalising with maps that can be signed
-        (a default never divides by a signed sum; see ``FeatureMap.non_negative``).
+        (a default never divides by a signed sum; see ``FeatureMap.non_negative``), never under
+        ``state="delta"`` (no denominator: the features enter the delta rule as they are).
     options, params, causal, eps, backend, chunk_size, segments, window, sinks, local, local_scale, gate,
     key_padding_mask, initial_state, output_final_state, denominator_check
         As in :func:`llops_attention`; ``local="poly"`` uses the map's ``degree``. Memory options
@@ -445,8 +447,8 @@ def featuremap_attention(q, k, v, feature_map, feature_map_k=None, *, options: A
             raise ValueError(f"{name} has heads={m.heads}, head_dim={m.head_dim} but q has H={q.shape[2]}, "
                              f"D={q.shape[3]}")
     normalize, non_negative = o.normalize or "sum", o.non_negative
-    if non_negative is None:
-        non_negative = normalize == "sum" and not (feature_map.non_negative and fk_map.non_negative)
+    if non_negative is None:  # never divide by a signed sum (the delta state divides by none)
+        non_negative = normalize == "sum" and o.state != "delta" and not (feature_map.non_negative and fk_map.non_negative)
     if isinstance(feature_map, LLoPSMap):
         o = o if o.non_negative == non_negative else o.replace(non_negative=non_negative)
         return llops_attention(q, k, v, feature_map.theta.to(q.dtype), fk_map.theta.to(q.dtype), options=o,

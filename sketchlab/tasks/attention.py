@@ -169,8 +169,6 @@ class ToyKernel(nn.Module):
         local_scale = D ** -0.5 / self.scale**2 if o["local"] == "softmax" else o["dim"] ** -0.5 if \
             fmap == "based-taylor" else 1.0  # poly: the kernel's own scale (Taylor's s' = qᵀk/√d')
         options = AttentionOptions(**attention, local_scale=local_scale)
-        if options.non_negative is None and options.state == "delta":  # no denominator: the features as they are
-            options = options.replace(non_negative=False)
         self.attention_options = options
         seed = maps.get("seed", 0) + layer
         self.map_q = make_feature_map(fmap, heads=H, head_dim=D + o["affine"], **{**maps, "seed": seed})
