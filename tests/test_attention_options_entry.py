@@ -54,7 +54,8 @@ HYBRID = dict(window=5, sinks=2, local="softmax", local_scale=0.8, eps=1e-5, chu
 
 
 def _callers():
-    """name → (call(q, k, v, **kw), the features its memory route must see (fq, fk), degree)."""
+    """name → (call(q, k, v, **kw), the features its memory route must see (fq, fk; ``delta=True``: under the
+    delta state), degree)."""
     theta = _theta()
     tq, tk = _theta(7, equal=False), _theta(8, equal=False)
     hedgehog = HedgehogMap(H, D, m=4, seed=0, dtype=torch.float64)
@@ -63,15 +64,17 @@ def _callers():
     feats = lambda x, t: llops_features(x.transpose(1, 2), t).transpose(1, 2)  # noqa: E731
     return {
         "llops": (lambda q, k, v, **kw: llops_attention(q, k, v, theta, theta, **kw),
-                  lambda q, k: (feats(q, theta), feats(k, theta)), 2),
+                  lambda q, k, delta=False: (feats(q, theta), feats(k, theta)), 2),
+        # a signed map: self-tensored under a denominator, as it is under the delta state (none)
         "featuremap_llops": (lambda q, k, v, **kw: featuremap_attention(q, k, v, lmap, **kw),
-                             lambda q, k: (self_tensor(feats(q, tq)), self_tensor(feats(k, tq))), 2),
+                             lambda q, k, delta=False: tuple(x if delta else self_tensor(x)
+                                                             for x in (feats(q, tq), feats(k, tq))), 2),
         "featuremap_hedgehog": (lambda q, k, v, **kw: featuremap_attention(q, k, v, hedgehog, **kw),
-                                lambda q, k: (hedgehog.features(q), hedgehog.features(k)), None),
+                                lambda q, k, delta=False: (hedgehog.features(q), hedgehog.features(k)), None),
         "sketch_llops": (lambda q, k, v, **kw: sketch_attention(q, k, v, sketch, **kw),
-                         lambda q, k: (feats(q, tq), feats(k, tk)), 2),
+                         lambda q, k, delta=False: (feats(q, tq), feats(k, tk)), 2),
         "features": (lambda q, k, v, **kw: feature_attention(feats(q, theta), feats(k, theta), v, q=q, k=k, **kw),
-                     lambda q, k: (feats(q, theta), feats(k, theta)), None),
+                     lambda q, k, delta=False: (feats(q, theta), feats(k, theta)), None),
     }
 
 
@@ -148,7 +151,7 @@ def test_memory_options_run_memory_attention(name, mechanism):
     if gate is not None:
         params.gate = None
     out, state = call(q, k, v, options=opts, params=params, gate=gate, output_final_state=True)
-    fq, fk = features(q, k)
+    fq, fk = features(q, k, delta=opts.state == "delta")
     ref, ref_state = memory_attention(fq, fk, v, q, k, options=opts, params=params, gate=gate, degree=degree,
                                       output_final_state=True)
     assert isinstance(state, MemoryState)
