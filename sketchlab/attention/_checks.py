@@ -17,7 +17,8 @@ import torch
 from .._validation import as_float_tensor, check_finite, per_version
 from .options import _BACKENDS, _DENOMINATOR_CHECKS, _LOCALS, _NORMALIZE, AttentionOptions, _choice, _flag, _int, _real
 
-__all__ = ["NORMALIZE", "check_eps", "check_window_lengths", "count_denominators", "check_kernel_range", "check_normalize", "check_qkv", "check_segments", "check_theta"]
+__all__ = ["NORMALIZE", "check_eps", "check_window_lengths", "count_denominators", "check_kernel_range",
+           "check_normalize", "check_qkv", "check_segments", "check_theta"]
 
 # The rules on options live in :class:`~sketchlab.attention.options.AttentionOptions` (DESIGN §7); the
 # checks below that test an option are those rules, called on one value (never restated here).

@@ -115,8 +115,8 @@ def llops_attention(q, k, v, theta_q, theta_k, *, options: AttentionOptions | No
         (:func:`~sketchlab.attention.llops_is_non_negative`), never under ``state="delta"`` (no
         denominator). Options with ``.memory`` (a cache, a decay, the delta state) run
         :func:`~sketchlab.attention.memory_attention` on the LLoPS features (``llops_feature_fn``; float64
-        :func:`sketchlab.llops_features` and :func:`~sketchlab.attention.memory_attention_naive` with ``backend="reference"``), the state
-        then a :class:`~sketchlab.attention.MemoryState`.
+        :func:`sketchlab.llops_features` and :func:`~sketchlab.attention.memory_attention_naive` with
+        ``backend="reference"``), the state then a :class:`~sketchlab.attention.MemoryState`.
     params : FarParams or None
         The learnable tensors the options call for (decay, β, and the gate unless ``gate=`` holds
         it); a non-memory call may take ``params.gate`` only.
@@ -448,7 +448,8 @@ def featuremap_attention(q, k, v, feature_map, feature_map_k=None, *, options: A
                              f"D={q.shape[3]}")
     normalize, non_negative = o.normalize or "sum", o.non_negative
     if non_negative is None:  # never divide by a signed sum (the delta state divides by none)
-        non_negative = normalize == "sum" and o.state != "delta" and not (feature_map.non_negative and fk_map.non_negative)
+        non_negative = normalize == "sum" and o.state != "delta" and not (feature_map.non_negative
+                                                                           and fk_map.non_negative)
     if isinstance(feature_map, LLoPSMap):
         o = o if o.non_negative == non_negative else o.replace(non_negative=non_negative)
         return llops_attention(q, k, v, feature_map.theta.to(q.dtype), fk_map.theta.to(q.dtype), options=o,

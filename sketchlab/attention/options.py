@@ -54,7 +54,8 @@ def _choice(value, name: str, choices) -> str:
 
 
 def _real(value, name: str, *, lo: float, lo_open: bool, hi: float | None = None) -> float:
-    """``value`` a finite real ``>= lo`` (``> lo`` if ``lo_open``; ``lo = -inf``: unbounded) and ``<= hi``; the error states the whole rule."""
+    """``value`` a finite real ``>= lo`` (``> lo`` if ``lo_open``; ``lo = -inf``: unbounded) and ``<= hi``;
+    the error states the whole rule."""
     bounds = ([] if lo == -math.inf else [f"{'>' if lo_open else '>='} {lo}"]) + ([] if hi is None else [f"<= {hi}"])
     rule = f"{name} must be a finite number" + (" " + " and ".join(bounds) if bounds else "")
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):

@@ -1,5 +1,6 @@
-"""Older toy checkpoints: the state-dict keys of the toy kernels before :class:`~sketchlab.tasks.attention.ToyKernel`
-(LLoPSKernel, PSFKernel, BasedKernel; commit c37f5c5), renamed on load so those checkpoints give the outputs they gave."""
+"""Older toy checkpoints: the state-dict keys of the toy kernels before
+:class:`~sketchlab.tasks.attention.ToyKernel` (LLoPSKernel, PSFKernel, BasedKernel; commit c37f5c5),
+renamed on load so those checkpoints give the outputs they gave."""
 
 from __future__ import annotations
 
