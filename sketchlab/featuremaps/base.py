@@ -80,6 +80,26 @@ class FeatureMap(nn.Module, abc.ABC):
         """The float64 twin on one head's tokens ``x [T, D]`` → ``[T, M]``."""
 
 
+class WrappedMap(FeatureMap):
+    """A map built on another, ``inner``: its ``num_features``, ``degree`` and ``non_negative`` are ``inner``'s
+    (what it changes is the input: :class:`~sketchlab.featuremaps.normed.InputNormed`,
+    :class:`~sketchlab.featuremaps.sketch_map.HeadSelection`)."""
+
+    inner: FeatureMap
+
+    @property
+    def num_features(self) -> int:
+        return self.inner.num_features
+
+    @property
+    def degree(self) -> int | None:
+        return self.inner.degree
+
+    @property
+    def non_negative(self) -> bool:
+        return self.inner.non_negative
+
+
 def _init_heads(module: FeatureMap, heads, head_dim):
     module.heads = check_positive_int(heads, "heads")
     module.head_dim = check_positive_int(head_dim, "head_dim")

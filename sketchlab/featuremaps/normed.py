@@ -5,12 +5,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .base import FeatureMap
+from .base import FeatureMap, WrappedMap
 
 __all__ = ["InputNormed"]
 
 
-class InputNormed(FeatureMap):
+class InputNormed(WrappedMap):
     r"""The map ``inner`` applied to per-head layer-normalised input with a learnable per-head affine,
     :math:`\phi(\gamma_h \odot (x - \bar x)/\sqrt{\mathrm{var}(x) + \epsilon} + \beta_h)` (as
     PolySketchFormer's learned sketch normalises its input): bounds a polynomial map's magnitude, which
@@ -37,18 +37,6 @@ class InputNormed(FeatureMap):
         dtype = next((t.dtype for t in inner.parameters() if t.is_floating_point()), torch.get_default_dtype())
         self.weight = nn.Parameter(torch.ones(self.heads, self.head_dim, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(self.heads, self.head_dim, dtype=dtype))
-
-    @property
-    def num_features(self) -> int:
-        return self.inner.num_features
-
-    @property
-    def degree(self) -> int | None:
-        return self.inner.degree
-
-    @property
-    def non_negative(self) -> bool:
-        return self.inner.non_negative
 
     def _features(self, x):
         dtype = torch.promote_types(x.dtype, self.weight.dtype)

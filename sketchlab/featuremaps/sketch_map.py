@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from ..sketch import Sketch
-from .base import FeatureMap, _init_heads
+from .base import FeatureMap, WrappedMap, _init_heads
 
 __all__ = ["FeatureMapSketch", "HeadSelection", "SketchMap", "sketch_feature_maps"]
 
@@ -154,7 +154,7 @@ def _two_sided(sketch: Sketch) -> bool:
     return isinstance(sketch, MLPSketch) or getattr(sketch, "theta_k", None) is not None
 
 
-class HeadSelection(FeatureMap):
+class HeadSelection(WrappedMap):
     r"""Heads ``index`` of a per-head map ``inner``, as a map of ``len(index)`` heads.
 
     A map's heads are independent (one map per head, :class:`FeatureMap`), so the selected heads'
@@ -171,18 +171,6 @@ class HeadSelection(FeatureMap):
             raise ValueError(f"index must be distinct heads of the inner map's {inner.heads}, got {index}")
         self.inner, self.index = inner, index
         self.heads, self.head_dim = len(index), inner.head_dim
-
-    @property
-    def num_features(self) -> int:
-        return self.inner.num_features
-
-    @property
-    def degree(self) -> int | None:
-        return self.inner.degree
-
-    @property
-    def non_negative(self) -> bool:
-        return self.inner.non_negative
 
     def _features(self, x):
         full = x.new_zeros(*x.shape[:2], self.inner.heads, self.head_dim)  # [B, T, H_inner, D]
