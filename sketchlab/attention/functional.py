@@ -154,13 +154,11 @@ def llops_attention(q, k, v, theta_q, theta_k, *, options: AttentionOptions | No
                           chunk_size=chunk_size, window=window, sinks=sinks, local=local, local_scale=local_scale,
                           denominator_check=denominator_check), _DEFAULTS["llops_attention"])
     check_flag(output_final_state, "output_final_state")
-    causal, normalize, eps, mode, chunk_size = o.causal, o.normalize or "sum", o.eps, o.denominator_check, o.chunk_size
-    q, k, v = check_qkv(q, k, v, causal=causal)
+    q, k, v = check_qkv(q, k, v, causal=o.causal)
     theta_q, theta_k = check_theta(theta_q, theta_k, heads=q.shape[2], dim=q.shape[3], like=q)
+    o = o.resolve(llops_is_non_negative(theta_q) and llops_is_non_negative(theta_k))
+    causal, normalize, eps, mode, chunk_size = o.causal, o.normalize, o.eps, o.denominator_check, o.chunk_size
     non_negative = o.non_negative
-    if non_negative is None:  # the map decides: never divide by a signed sum (the delta state divides by none)
-        non_negative = normalize == "sum" and o.state != "delta" and not (llops_is_non_negative(theta_q)
-                                                                           and llops_is_non_negative(theta_k))
     check_kernel_range(q, k, theta_q, theta_k, non_negative=non_negative)
     key_padding_mask = check_key_padding_mask(key_padding_mask, q.shape[0], k.shape[1], q.device)
     _check_stateful_segments(segments, initial_state, output_final_state)
@@ -446,12 +444,9 @@ def featuremap_attention(q, k, v, feature_map, feature_map_k=None, *, options: A
         if (m.heads, m.head_dim) != (q.shape[2], q.shape[3]):
             raise ValueError(f"{name} has heads={m.heads}, head_dim={m.head_dim} but q has H={q.shape[2]}, "
                              f"D={q.shape[3]}")
-    normalize, non_negative = o.normalize or "sum", o.non_negative
-    if non_negative is None:  # never divide by a signed sum (the delta state divides by none)
-        non_negative = normalize == "sum" and o.state != "delta" and not (feature_map.non_negative
-                                                                           and fk_map.non_negative)
+    o = o.resolve(feature_map.non_negative and fk_map.non_negative)
+    normalize, non_negative = o.normalize, o.non_negative
     if isinstance(feature_map, LLoPSMap):
-        o = o if o.non_negative == non_negative else o.replace(non_negative=non_negative)
         return llops_attention(q, k, v, feature_map.theta.to(q.dtype), fk_map.theta.to(q.dtype), options=o,
                                params=params, gate=gate, segments=segments, key_padding_mask=key_padding_mask,
                                initial_state=initial_state, output_final_state=output_final_state)

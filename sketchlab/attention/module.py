@@ -120,7 +120,6 @@ class LLoPSAttention(nn.Module):
                                    window=window, sinks=sinks, local=local, cache=cache, decay=decay, state=state,
                                    beta=beta, backend=backend, chunk_size=chunk_size)
         given_theta = theta_q is not None
-        normalize = options.normalize or "sum"
         self.qk_scale = resolve_scale(scale, head_dim)
         self.scale_label = scale_label(scale)
         check_flag(learn_theta, "learn_theta")
@@ -167,15 +166,15 @@ class LLoPSAttention(nn.Module):
                     f"{list(theta_q.shape)}), but {name.split()[0]}={want} was asked for"
                 )
         self.tied = tied
-        if non_negative is None:  # a default never combines "sum" with a map that can be signed
-            signed = given_theta and not (llops_is_non_negative(theta_q) and llops_is_non_negative(theta_k))
-            non_negative = normalize == "sum" and signed
+        # the one rule (AttentionOptions.resolve); a drawn Θ starts with equal factors and is taken as unsigned
+        map_non_negative = not given_theta or (llops_is_non_negative(theta_q) and llops_is_non_negative(theta_k))
+        options = options.resolve(map_non_negative)
         window = options.window
         check_flag(gate, "gate")
         # local scores: softmax on qᵀk/√D of the projections (q, k arrive scaled by s: divide s² out);
         # poly on the scaled q, k, the kernel the sketch approximates
         local_scale = _local_scale(self.qk_scale, head_dim, scale) if options.local == "softmax" and window else 1.0
-        self.options = options.replace(normalize=normalize, non_negative=non_negative, local_scale=local_scale)
+        self.options = options.replace(local_scale=local_scale)
         self.gate = nn.Parameter(torch.zeros(num_heads, dtype=dtype, device=device)) if gate and window else None
         # decay and the delta rule's β (memory options only; the gate stays `gate`, where saved blocks have it)
         self.far = (FarParams(self.options, num_heads, head_dim, gate=False).to(dtype=dtype, device=device)

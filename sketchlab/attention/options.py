@@ -182,6 +182,29 @@ class AttentionOptions:
         return bool(self.cache or self.learned_decay or (self.decay is not None and self.decay != 1.0)
                     or self.state == "delta")
 
+    def resolve(self, map_non_negative: bool) -> "AttentionOptions":
+        r"""These options with ``normalize`` and ``non_negative`` decided for a map (the one rule of
+        every entry point and module).
+
+        ``normalize=None`` is ``"sum"``. ``non_negative=None`` self-tensors exactly when the call
+        normalises (``"sum"``), the far state has a denominator (not ``state="delta"``, whose
+        readout divides by none) and the map can be signed (``map_non_negative`` False): a default
+        never divides by a signed sum. Given values are kept.
+
+        Parameters
+        ----------
+        map_non_negative : bool
+            The map's kernel is provably ``>= 0`` (``FeatureMap.non_negative``; for Θ,
+            :func:`~sketchlab.llops.maps.llops_is_non_negative` of both sides).
+        """
+        normalize = self.normalize or "sum"
+        non_negative = self.non_negative
+        if non_negative is None:
+            non_negative = normalize == "sum" and self.state != "delta" and not map_non_negative
+        if (normalize, non_negative) == (self.normalize, self.non_negative):
+            return self
+        return self.replace(normalize=normalize, non_negative=non_negative)
+
     def replace(self, **changes) -> "AttentionOptions":
         """A copy with ``changes`` (validated again)."""
         return dataclasses.replace(self, **changes)
