@@ -9,7 +9,7 @@ TORCH ?= torch==2.13.0
 
 .PHONY: setup test demo readme-check data analysis lm-extras clean
 
-$(STAMP): setup.cfg pyproject.toml
+$(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)

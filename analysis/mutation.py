@@ -1,6 +1,6 @@
 """Mutation testing of the math core with mutmut 3: killed / survived per module (not run in CI).
 
-mutmut (configured in ``setup.cfg`` ``[mutmut]``) copies ``sketchlab/`` and ``tests/`` to ``mutants/``
+mutmut (configured in ``pyproject.toml`` ``[tool.mutmut]``) copies ``sketchlab/`` and ``tests/`` to ``mutants/``
 (git-ignored), applies one small change at a time to the modules listed in ``only_mutate`` (an
 operator flipped, a constant changed, an argument dropped, …) and runs the selected tests that
 execute the changed function; a mutant is *killed* when a test fails (or times out). This script
@@ -68,7 +68,7 @@ MODULES = {
     "export": ["sketchlab/export.py"],
     "cli": ["sketchlab/cli/*.py"],
     "tasks": ["sketchlab/tasks/*.py"],
-    # the Triton kernels (sketchlab/attention/triton/) are not mutated: see setup.cfg [mutmut]
+    # the Triton kernels (sketchlab/attention/triton/) are not mutated: see pyproject.toml [tool.mutmut]
     "attention": ["sketchlab/attention/*.py"],
     # the sliding-window hybrid and the decoding state (added after the attention campaign; sampled apart)
     "hybrid": ["sketchlab/attention/hybrid_chunked.py", "sketchlab/attention/state.py"],
@@ -721,7 +721,7 @@ def _diff_from_mutants(name: str) -> str:
 
 #: The report's opening (``--record-report``): how a mutant is judged and what each round sampled. Update per round.
 HEADER = """
-Made with `analysis/mutation.py` (config: `setup.cfg` `[mutmut]`; this file by `python analysis/mutation.py
+Made with `analysis/mutation.py` (config: `pyproject.toml` `[tool.mutmut]`; this file by `python analysis/mutation.py
 --record-report` from the script's `RECORD` and `REVIEWED`). A mutant is one small change to the source (operator,
 constant, argument, return value); it is *killed* when a selected test fails or times out. Not run in CI. The
 Triton kernels (`sketchlab/attention/triton/`) are not mutated: mutmut's trampolines cannot run inside
@@ -1227,7 +1227,7 @@ def write_report(results: list[ModuleResult], finished: bool, seconds: float, sa
     lines = [
         "# Mutation testing (mutmut 3)",
         "",
-        "Written by `python analysis/mutation.py` (config: `setup.cfg` `[mutmut]`). A mutant is one small "
+        "Written by `python analysis/mutation.py` (config: `pyproject.toml` `[tool.mutmut]`). A mutant is one small "
         "change to the source (operator, constant, argument, return value); it is *killed* when a selected test "
         "fails or times out. Score = (killed + timeout) / checked, with a 95% Wilson interval; a mutant that no "
         "selected test executes counts as checked and not killed. Not run in CI.",

@@ -40,7 +40,7 @@ Kacham, Mirrokni, Zhong. *PolySketchFormer*, 2024 (learned sketches, self-tensor
 *BASED*, 2024 (Taylor map); Zhang et al. *LoLCATs*, 2024 and *The Hedgehog & the Porcupine*, 2024.
 """
 
-from .base import FeatureMap, _check_x, _init_heads, _store
+from .base import FeatureMap
 from .based import ExpandMap, TaylorMap
 from .elementwise import TiedLLoPSMap
 from .exact import ExactPolyMap
