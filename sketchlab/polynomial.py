@@ -41,6 +41,7 @@ __all__ = [
     "poly_features",
     "poly_features_naive",
     "poly_kernel",
+    "self_tensor",
     "symmetric_index",
     "symmetric_to_full",
 ]
@@ -293,6 +294,15 @@ _GRAM_BLOCK_BYTES = 64 * 2**20
 #: diagonal are multiplied, (k + 1) / (2k) of the full product for k blocks.
 _GRAM_PARTS = 4
 
+
+
+def self_tensor(phi: torch.Tensor) -> torch.Tensor:
+    r"""The self-tensored features :math:`\phi\otimes\phi`: ``[..., M]`` → ``[..., M²]`` (materialised).
+
+    :math:`\langle \phi(q)\otimes\phi(q), \phi(k)\otimes\phi(k)\rangle = (\phi(q)\cdot\phi(k))^2 \ge 0`:
+    PolySketchFormer's remedy for a signed map (degree ``2p``, a kernel that is never negative).
+    """
+    return (phi[..., :, None] * phi[..., None, :]).flatten(-2)  # [..., M, M] -> [..., M²]
 
 def feature_gram_root(x, p: int, symmetric: bool = False, *, max_bytes: int = DEFAULT_MAX_BYTES) -> torch.Tensor:
     r"""A square root ``R`` of the features' Gram matrix, :math:`R^\top R = \psi_p(X)^\top\psi_p(X)`.

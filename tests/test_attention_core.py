@@ -16,7 +16,7 @@ import torch
 
 from sketchlab.attention import feature_attention, feature_attention_naive
 from sketchlab.attention.chunk_core import chunk_core
-from sketchlab.attention.reference import self_tensor
+from sketchlab.polynomial import self_tensor
 
 F64 = torch.float64
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from sketchlab.attention import AttentionOptions, AttentionState, FarParams, LLoPSAttention, MemoryState
-from sketchlab.attention import memory_attention_naive, self_tensor
+from sketchlab.attention import memory_attention_naive
+from sketchlab.polynomial import self_tensor
 from sketchlab.llops import llops_features
 
 TOL64 = 1e-10

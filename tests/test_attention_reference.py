@@ -11,13 +11,13 @@ import pytest
 import torch
 
 import sketchlab as sl
+from sketchlab.polynomial import self_tensor
 from sketchlab.attention import (
     attention_mask,
     feature_attention_naive,
     kernel_attention_naive,
     llops_attention_naive,
     poly_attention_naive,
-    self_tensor,
     softmax_attention_naive,
 )
 

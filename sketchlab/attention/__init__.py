@@ -19,7 +19,6 @@ from .reference import (
     kernel_attention_naive,
     llops_attention_naive,
     poly_attention_naive,
-    self_tensor,
     softmax_attention_naive,
 )
 
@@ -46,7 +45,6 @@ __all__ = [
     "poly_attention",
     "poly_attention_naive",
     "resolve_backend",
-    "self_tensor",
     "sketch_attention",
     "softmax_attention",
     "softmax_attention_naive",

@@ -77,7 +77,7 @@ def memory_call(fq, fk, v, q, k, *, where: str, options: AttentionOptions, param
     from .memory import memory_attention, memory_attention_naive
     from .memory_fast import run
     from .memory_state import _check_call
-    from .reference import self_tensor
+    from ..polynomial import self_tensor
 
     if options.backend == "triton":
         raise ValueError(f"{where}: the memory mechanisms (cache, decay, delta state) have no fused kernel: "

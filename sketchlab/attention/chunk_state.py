@@ -17,7 +17,7 @@ import functools
 
 import torch
 
-from .reference import self_tensor
+from ..polynomial import self_tensor
 
 
 @functools.lru_cache(maxsize=64)

@@ -59,7 +59,8 @@ from .hybrid_chunked import (
 from .parallel import parallel_core, use_parallel
 from ._entry import call_options, far_gate, keyword_defaults, memory_call
 from .options import AttentionOptions, FarParams
-from .reference import feature_attention_naive, self_tensor
+from ..polynomial import self_tensor
+from .reference import feature_attention_naive
 from ..llops.maps import llops_feature_fn
 
 __all__ = [

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from .chunk_hybrid import hybrid_core
-from .reference import self_tensor
+from ..polynomial import self_tensor
 
 
 def _pad_tokens(x: torch.Tensor, length: int) -> torch.Tensor:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from .._validation import check_degree, check_finite, check_real
+from ..polynomial import self_tensor
 from ..llops import llops_features_naive
 from ._checks import (
     check_denominator_check,
@@ -48,7 +49,6 @@ __all__ = [
     "kernel_attention_naive",
     "llops_attention_naive",
     "poly_attention_naive",
-    "self_tensor",
     "softmax_attention_naive",
 ]
 
@@ -116,13 +116,6 @@ def kernel_attention_naive(scores, v, *, causal: bool = True, normalize: str = "
         out = out / (masked.sum(-1, keepdim=True) + eps)
     return out
 
-
-def self_tensor(phi: torch.Tensor) -> torch.Tensor:
-    r"""The self-tensored features :math:`\phi\otimes\phi`: ``[..., M]`` → ``[..., M²]`` (materialised).
-
-    :math:`\langle \phi(q)\otimes\phi(q), \phi(k)\otimes\phi(k)\rangle = (\phi(q)\cdot\phi(k))^2 \ge 0`.
-    """
-    return (phi[..., :, None] * phi[..., None, :]).flatten(-2)  # [..., M, M] -> [..., M²]
 
 
 def local_far_masks(q_pos: torch.Tensor, k_pos: torch.Tensor, k_rel: torch.Tensor, *, window: int, sinks: int,

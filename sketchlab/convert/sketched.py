@@ -163,7 +163,7 @@ class SketchedAttention(nn.Module):
         """The memory path (DESIGN §7): the maps' features (self-tensored when the layer says so) and
         :func:`sketchlab.attention.memory.memory_attention` with this layer's options and parameters."""
         from ..attention.memory import memory_attention
-        from ..attention.reference import self_tensor
+        from ..polynomial import self_tensor
 
         fq, fk = self.feature_map_q.features(q), self.feature_map_k.features(k)  # [B, T, H, M]
         if self.non_negative:

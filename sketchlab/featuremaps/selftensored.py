@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..polynomial import self_tensor
 from .base import FeatureMap
 
 __all__ = ["SelfTensored"]
@@ -32,8 +33,7 @@ class SelfTensored(FeatureMap):
         return True
 
     def _features(self, x):
-        f = self.inner._features(x)
-        return (f[..., :, None] * f[..., None, :]).flatten(-2)  # [B, T, H, M, M] -> [B, T, H, M²]
+        return self_tensor(self.inner._features(x))  # [B, T, H, M] -> [B, T, H, M²]
 
     def _features_naive(self, x, head):
         f = self.inner._features_naive(x, head)  # [n, M]

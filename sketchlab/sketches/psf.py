@@ -39,6 +39,7 @@ import math
 import torch
 
 from .._validation import DEFAULT_MAX_BYTES, as_float_tensor, check_degree, check_finite, check_memory, check_positive_int
+from ..polynomial import self_tensor
 from ..sketch import Sketch
 from ._common import check_batch_shape, check_dtype, check_features_finite, make_generator
 
@@ -199,11 +200,6 @@ def psf_features_naive(x: torch.Tensor, weights: list[torch.Tensor], p: int) -> 
     return node(p)
 
 
-def _self_tensor(s: torch.Tensor) -> torch.Tensor:
-    r = s.shape[-1]
-    return (s[..., :, None] * s[..., None, :]).reshape(*s.shape[:-1], r * r)  # [..., n, r, r] -> [..., n, r²]
-
-
 class PolySketch(Sketch):
     r"""PolySketchFormer sketch with fixed Gaussian matrices (same map for queries and keys).
 
@@ -320,7 +316,7 @@ class PolySketch(Sketch):
         s = self.inner_features(x)
         if not self.non_negative:
             return s
-        return check_features_finite(_self_tensor(s), x, self.p, "PolySketch (self-tensored s ⊗ s)")
+        return check_features_finite(self_tensor(s), x, self.p, "PolySketch (self-tensored s ⊗ s)")
 
     def features_k(self, x: torch.Tensor) -> torch.Tensor:
         """Same map as :meth:`features_q`."""

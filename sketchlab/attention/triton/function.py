@@ -20,7 +20,7 @@ from sketchlab.attention.triton.launch import (
 )
 from sketchlab.attention._checks import check_eps, check_flag, check_hybrid, check_key_padding_mask, check_normalize, \
     check_window_lengths
-from sketchlab.attention.reference import self_tensor
+from sketchlab.polynomial import self_tensor
 from sketchlab.attention.state import AttentionState, check_state, state_dtype
 from sketchlab.llops.maps import llops_features
 
