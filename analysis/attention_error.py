@@ -2,7 +2,7 @@
 
 For each registered sketch, fitted to all 512 tokens of ``data/mqar_softmax_qk.safetensors``
 (p = 2, m = 64, q and k scaled by d^-1/4), the causal attention output through the sketch
-(:func:`sketchlab.sketch_attention`, the dump's ``[L, H]`` sketch with layers on the batch axis)
+(:func:`sketchlab.attention.functional.sketch_attention`, the dump's ``[L, H]`` sketch with layers on the batch axis)
 is compared with exact polynomial attention (:func:`sketchlab.poly_attention`) on the same tokens:
 ``‖O_sketch − O_exact‖_F / ‖O_exact‖_F`` per layer and head. The dump joins two 256-token
 sequences (metadata ``tokens``); no query attends across them (``segments``). Two
@@ -26,7 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import sketchlab as sl  # noqa: E402
-from sketchlab.attention import dump_segments, poly_attention, sketch_attention  # noqa: E402
+from sketchlab.attention import dump_segments, poly_attention  # noqa: E402
+from sketchlab.attention.functional import sketch_attention  # noqa: E402
 from sketchlab.io import atomic_write  # noqa: E402
 
 METHODS = ("optimal", "llops", "mlp", "psf", "tensorsketch", "based", "elementwise")

@@ -40,7 +40,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from sketchlab.attention import feature_attention, llops_attention, poly_attention, softmax_attention  # noqa: E402
+from sketchlab.attention import poly_attention, softmax_attention  # noqa: E402
+from sketchlab.attention.chunked import feature_attention  # noqa: E402
+from sketchlab.attention.functional import llops_attention  # noqa: E402
 from sketchlab.attention.chunked import DEFAULT_BLOCK_CHUNKS, DEFAULT_CHUNK_SIZE  # noqa: E402
 from sketchlab.io import atomic_write  # noqa: E402
 from sketchlab.plots import save_figure  # noqa: E402

@@ -9,7 +9,7 @@ One attention layer (B = 1, H heads, D = Dv), context lengths 1k … 32k, side b
 * ``SDPA, contiguous K, V (no append)`` — the same query against a contiguous ``K, V`` of the
   context only: a lower bound on any KV-cache step (nothing appended, no strided view); the
   ratios below are against the faster of the two SDPA rows.
-* ``LLoPS state`` — :func:`sketchlab.attention.llops_attention` on the one new token with
+* ``LLoPS state`` — :func:`sketchlab.attention.functional.llops_attention` on the one new token with
   ``initial_state`` / ``output_final_state`` (the :class:`AttentionState` of the context, made by
   one chunked prefill call), pure (``window=0``) and the hybrid (``--window`` keys + sinks).
 * the memory mechanisms (DESIGN §7), each the hybrid plus one option of one
@@ -45,7 +45,8 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from sketchlab.attention import AttentionOptions, FarParams, llops_attention  # noqa: E402
+from sketchlab.attention import AttentionOptions, FarParams  # noqa: E402
+from sketchlab.attention.functional import llops_attention  # noqa: E402
 from sketchlab.io import atomic_write  # noqa: E402
 
 

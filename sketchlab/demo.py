@@ -35,7 +35,8 @@ import torch
 
 from ._dumpsel import select_and_scale
 from .advise import advise
-from .attention import LLoPSAttention, dump_segments, poly_attention, sketch_attention
+from .attention import LLoPSAttention, dump_segments, poly_attention
+from .attention.functional import sketch_attention
 from .compare import DEFAULT_METHODS, compare
 from .fit import fit_sketch
 from .io import load_qk

@@ -12,8 +12,8 @@ import math
 import pytest
 import torch
 
-from sketchlab.attention import llops_attention
 from sketchlab.attention._checks import _all_finite, _max_norm, check_qkv
+from sketchlab.attention.functional import llops_attention
 
 
 def _qkv(scale=1.0, dtype=torch.float32):

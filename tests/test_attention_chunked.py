@@ -10,11 +10,9 @@ import torch
 
 from sketchlab.attention import (
     count_denominators,
-    feature_attention,
-    feature_attention_naive,
-    llops_attention_chunked,
-    llops_attention_naive,
 )
+from sketchlab.attention.chunked import feature_attention, llops_attention_chunked
+from sketchlab.attention.reference import feature_attention_naive, llops_attention_naive
 
 TOL64 = 1e-10
 

@@ -14,9 +14,10 @@ differences at eps 1e-6, atol 1e-5).
 import pytest
 import torch
 
-from sketchlab.attention import feature_attention, feature_attention_naive
 from sketchlab.attention.chunk_core import chunk_core
 from sketchlab.polynomial import self_tensor
+from sketchlab.attention.chunked import feature_attention
+from sketchlab.attention.reference import feature_attention_naive
 
 F64 = torch.float64
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import sketchlab as sl
-from sketchlab.attention import dump_segments, poly_attention, sketch_attention
+from sketchlab.attention import dump_segments, poly_attention
+from sketchlab.attention.functional import sketch_attention
 
 DUMP = Path(__file__).resolve().parents[1] / "data" / "mqar_softmax_qk.safetensors"
 

@@ -9,17 +9,15 @@ import torch
 
 import sketchlab as sl
 from sketchlab.attention import (
-    feature_attention_naive,
     functional,
-    llops_attention,
-    llops_attention_naive,
     poly_attention,
     poly_attention_naive,
     resolve_backend,
-    sketch_attention,
     softmax_attention,
     softmax_attention_naive,
 )
+from sketchlab.attention.functional import llops_attention, sketch_attention
+from sketchlab.attention.reference import feature_attention_naive, llops_attention_naive
 
 TOL64 = 1e-10
 
@@ -142,10 +140,11 @@ def test_auto_backend_runs_unfused_maps_on_the_torch_path(monkeypatch):
     auto = sketch_attention(q, k, v, sketch, normalize="none")
     assert torch.equal(auto, sketch_attention(q, k, v, sketch, normalize="none", backend="torch"))
     fmap = make_feature_map("hedgehog", heads=q.shape[2], head_dim=q.shape[3], m=6).double()
-    auto = functional.featuremap_attention(q, k, v, fmap)
-    assert torch.equal(auto, functional.featuremap_attention(q, k, v, fmap, backend="torch"))
+    auto, _ = functional.linear_attention(q, k, v, fmap)
+    torch_only = sl.AttentionOptions(backend="torch")
+    assert torch.equal(auto, functional.linear_attention(q, k, v, fmap, options=torch_only)[0])
     with pytest.raises(ValueError, match="fuses only LLoPS"):
-        functional.featuremap_attention(q, k, v, fmap, backend="triton")
+        functional.linear_attention(q, k, v, fmap, options=sl.AttentionOptions(backend="triton"))
 
 
 def test_gradients_reach_the_sketch_parameters():

@@ -13,14 +13,11 @@ import pytest
 import torch
 
 from sketchlab.attention import (
-    feature_attention,
-    feature_attention_naive,
-    llops_attention,
-    llops_attention_chunked,
-    llops_attention_naive,
-    sketch_attention,
     softmax_attention_naive,
 )
+from sketchlab.attention.chunked import feature_attention, llops_attention_chunked
+from sketchlab.attention.functional import llops_attention, sketch_attention
+from sketchlab.attention.reference import feature_attention_naive, llops_attention_naive
 
 TOL64 = 1e-10
 TOL32 = 1e-4

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import sketchlab as sl
-from sketchlab.attention import kernel_attention_naive
+from sketchlab.attention.reference import kernel_attention_naive
 
 
 def _rand(*shape, seed=0):

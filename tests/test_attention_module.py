@@ -4,7 +4,8 @@ import pytest
 import torch
 
 import sketchlab as sl
-from sketchlab.attention import LLoPSAttention, llops_attention_naive
+from sketchlab.attention import LLoPSAttention
+from sketchlab.attention.reference import llops_attention_naive
 
 
 def _rand(*shape, seed=0):
@@ -98,7 +99,8 @@ def test_from_pretrained_on_a_signed_theta_never_divides_by_a_signed_sum(tmp_pat
     import warnings
     from pathlib import Path
 
-    from sketchlab.attention import dump_segments, llops_is_non_negative
+    from sketchlab.attention import dump_segments
+    from sketchlab.llops.maps import llops_is_non_negative
 
     dump = sl.load_qk(Path(__file__).resolve().parents[1] / "data" / "mqar_softmax_qk.safetensors", layers=[0])
     factor = dump.q.shape[-1] ** -0.25

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from sketchlab.attention import AttentionOptions, AttentionState, FarParams, LLoPSAttention, MemoryState
-from sketchlab.attention import memory_attention_naive
 from sketchlab.polynomial import self_tensor
 from sketchlab.llops import llops_features
+from sketchlab.attention.functional import llops_attention
+from sketchlab.attention.memory import memory_attention_naive
 
 TOL64 = 1e-10
 E, H = 12, 3
@@ -142,15 +143,13 @@ def test_module_and_op_resolve_a_signed_theta_alike(state):
     (``non_negative=True``) where ``llops_attention`` with the same arguments did not (the delta state has no
     denominator). Both now ask :meth:`AttentionOptions.resolve`: the block's resolved options are the op's, and the
     block's attention is the op's default call on the same scaled q, k, v."""
-    import sketchlab as sl
-
     tq, tk = _rand(H, 1, 2, E // H, 5, seed=3), _rand(H, 1, 2, E // H, 5, seed=4)  # unequal factors: signed
     kw = dict(window=4, state=state)
     block = LLoPSAttention(E, H, theta_q=tq, theta_k=tk, normalize="sum", dtype=torch.float64, chunk_size=8, **kw)
     assert block.options.non_negative is (state != "delta")  # self-tensored only where a sum divides
     options = AttentionOptions(normalize="sum", chunk_size=8, local_scale=block.options.local_scale, **kw)
     q, k, v = (_rand(2, 11, H, E // H, seed=s) for s in (5, 6, 7))
-    op = sl.llops_attention(q * block.qk_scale, k * block.qk_scale, v, tq, tk, gate=block.gate, params=block.far,
+    op = llops_attention(q * block.qk_scale, k * block.qk_scale, v, tq, tk, gate=block.gate, params=block.far,
                             options=options)
     assert torch.allclose(block.attend(q, k, v), op, rtol=0, atol=TOL64)
     assert block.options == options.resolve(False)  # the one rule, the map signed

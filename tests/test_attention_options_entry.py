@@ -11,20 +11,13 @@ import pytest
 import torch
 
 import sketchlab as sl
-from sketchlab.attention import (
-    AttentionOptions,
-    FarParams,
-    MemoryState,
-    feature_attention,
-    featuremap_attention,
-    llops_attention,
-    memory_attention,
-    memory_attention_naive,
-    self_tensor,
-    sketch_attention,
-)
+from sketchlab.attention import AttentionOptions, FarParams, MemoryState, linear_attention
 from sketchlab.featuremaps import HedgehogMap, LLoPSMap
 from sketchlab.llops import llops_features
+from sketchlab.polynomial import self_tensor
+from sketchlab.attention.chunked import feature_attention
+from sketchlab.attention.functional import llops_attention, sketch_attention
+from sketchlab.attention.memory import memory_attention, memory_attention_naive
 
 B, T, H, D = 2, 21, 2, 4
 
@@ -53,6 +46,22 @@ def _params(options, seed=0):
 HYBRID = dict(window=5, sinks=2, local="softmax", local_scale=0.8, eps=1e-5, chunk_size=8)
 
 
+def _op(fmap):
+    """The op on ``fmap`` behind the keyword calling convention of the other entry points: a caller that
+    gives keywords builds its options from them once (the edge), then the op uses them as given."""
+
+    def call(q, k, v, *, options=None, params=None, gate=None, segments=None, key_padding_mask=None,
+             initial_state=None, output_final_state=False, **keywords):
+        assert options is None or not keywords, "the op takes options or nothing"
+        options = AttentionOptions(**keywords) if options is None else options
+        out, state = linear_attention(q, k, v, fmap, options=options, params=params, gate=gate, segments=segments,
+                                      key_padding_mask=key_padding_mask, initial_state=initial_state,
+                                      output_final_state=output_final_state)
+        return (out, state) if output_final_state else out
+
+    return call
+
+
 def _callers():
     """name → (call(q, k, v, **kw), the features its memory route must see (fq, fk; ``delta=True``: under the
     delta state), degree)."""
@@ -66,10 +75,10 @@ def _callers():
         "llops": (lambda q, k, v, **kw: llops_attention(q, k, v, theta, theta, **kw),
                   lambda q, k, delta=False: (feats(q, theta), feats(k, theta)), 2),
         # a signed map: self-tensored under a denominator, as it is under the delta state (none)
-        "featuremap_llops": (lambda q, k, v, **kw: featuremap_attention(q, k, v, lmap, **kw),
+        "op_llops": (_op(lmap),
                              lambda q, k, delta=False: tuple(x if delta else self_tensor(x)
                                                              for x in (feats(q, tq), feats(k, tq))), 2),
-        "featuremap_hedgehog": (lambda q, k, v, **kw: featuremap_attention(q, k, v, hedgehog, **kw),
+        "op_hedgehog": (_op(hedgehog),
                                 lambda q, k, delta=False: (hedgehog.features(q), hedgehog.features(k)), None),
         "sketch_llops": (lambda q, k, v, **kw: sketch_attention(q, k, v, sketch, **kw),
                          lambda q, k, delta=False: (feats(q, tq), feats(k, tk)), 2),
@@ -79,6 +88,8 @@ def _callers():
 
 
 CALLERS = list(_callers())
+#: The entry points with option keywords (the op takes one options object and no option keyword).
+KEYWORD_CALLERS = [name for name in CALLERS if not name.startswith("op_")]
 
 
 @pytest.mark.parametrize("name", CALLERS)
@@ -87,7 +98,7 @@ def test_options_equal_the_keywords(name, layout):
     call = _callers()[name][0]
     q, k, v = _qkv()
     kw = dict(HYBRID) if layout == "hybrid" else dict(eps=1e-5, chunk_size=8)
-    if name == "featuremap_hedgehog" and layout == "pure":
+    if name == "op_hedgehog" and layout == "pure":
         kw["normalize"] = "sum"
     gate = _rand(H, seed=9) if layout == "hybrid" else None
     ref, s_ref = call(q, k, v, gate=gate, output_final_state=True, **kw)
@@ -104,7 +115,7 @@ def test_options_equal_the_keywords(name, layout):
         assert torch.allclose(out, ref, atol=1e-13, rtol=0)
 
 
-@pytest.mark.parametrize("name", CALLERS)
+@pytest.mark.parametrize("name", KEYWORD_CALLERS)
 @pytest.mark.parametrize("keyword, value", [("window", 3), ("eps", 1e-3), ("causal", False), ("chunk_size", 4),
                                             ("local_scale", 0.5), ("denominator_check", "off")])
 def test_options_and_a_keyword_are_refused_naming_it(name, keyword, value):
@@ -192,7 +203,7 @@ def test_memory_refuses_the_fused_kernel_and_decay_one_is_not_memory():
 
 def test_non_negative_none_lets_the_map_decide():
     """llops: a Θ that can be signed is self-tensored under options.non_negative=None (as
-    featuremap_attention and LLoPSAttention decide); equal factors are not."""
+    linear_attention and LLoPSAttention decide); equal factors are not."""
     q, k, v = _qkv()
     signed, safe = _theta(7, equal=False), _theta()
     for theta, lifted in ((signed, True), (safe, False)):
@@ -219,8 +230,8 @@ def test_every_entry_point_states_the_options_rule(keyword, value):
     want = _message(lambda: AttentionOptions(**{keyword: value}))
     q, k, v = _qkv()
     for name, (call, _, _) in _callers().items():
-        if name.startswith("featuremap") and keyword == "normalize":
-            continue  # featuremap_attention's normalize takes None too: same rule, checked by the options
+        if name.startswith("op_"):
+            continue  # the op has no option keywords: its options are built by its caller
         if name == "features" and keyword == "backend":
             continue  # feature_attention has no backend keyword
         assert _message(lambda: call(q, k, v, **{keyword: value})) == want, name
@@ -245,11 +256,18 @@ def test_the_checks_are_the_options_rules():
 
 
 def test_exports():
+    """The public attention API: the one op, the exact attentions (with their float64 twins), the block, the
+    options and the state types; the entry points the op replaced are not public (issue 40)."""
     import sketchlab.attention as sa
 
-    for name in ("AttentionOptions", "FarParams", "memory_attention", "memory_attention_naive", "MemoryState"):
+    for name in ("AttentionOptions", "FarParams", "MemoryState", "AttentionState", "LLoPSAttention",
+                 "linear_attention", "softmax_attention", "poly_attention"):
         assert getattr(sl, name) is getattr(sa, name)
         assert name in sl.__all__ and name in sa.__all__
+    for gone in ("featuremap_attention", "llops_attention", "sketch_attention", "feature_attention",
+                 "llops_attention_chunked", "memory_attention", "memory_attention_naive", "llops_attention_naive",
+                 "feature_attention_naive", "kernel_attention_naive", "self_tensor", "llops_is_non_negative"):
+        assert gone not in sa.__all__ and gone not in sl.__all__ and not hasattr(sl, gone), gone
 
 
 def test_kernel_range_bound_is_cached_per_theta_version():

@@ -14,12 +14,10 @@ import sketchlab as sl
 from sketchlab.polynomial import self_tensor
 from sketchlab.attention import (
     attention_mask,
-    feature_attention_naive,
-    kernel_attention_naive,
-    llops_attention_naive,
     poly_attention_naive,
     softmax_attention_naive,
 )
+from sketchlab.attention.reference import feature_attention_naive, kernel_attention_naive, llops_attention_naive
 
 TOL = 1e-10
 

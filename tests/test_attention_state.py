@@ -7,7 +7,10 @@ float64 tolerance 1e-10: the split and the whole call add the same terms in anot
 import pytest
 import torch
 
-from sketchlab.attention import AttentionState, LLoPSAttention, feature_attention, feature_attention_naive, llops_attention
+from sketchlab.attention import AttentionState, LLoPSAttention
+from sketchlab.attention.chunked import feature_attention
+from sketchlab.attention.functional import llops_attention
+from sketchlab.attention.reference import feature_attention_naive
 
 TOL64 = 1e-10
 

@@ -5,7 +5,7 @@ Without CUDA the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, se
 windows are chosen against the chunk: w ∈ {1, 7, 16 (= the chunk), 50 (> T)}; sinks 3 (inside the
 first chunk) and 20 (two chunks of sinks).
 
-Reference: the float64 naive twin :func:`sketchlab.attention.llops_attention_naive` (``window=``,
+Reference: the float64 naive twin :func:`llops_attention_naive` (``window=``,
 ``sinks=``, ...: the formula of docs/DESIGN.md §6 with explicit masks; gradients by autograd, so the
 gradient through ``c_i = max_L s·qᵀk`` is whatever autograd of the formula gives), and its
 :class:`~sketchlab.attention.AttentionState` (states pass between the backends).
@@ -29,9 +29,10 @@ import os
 import pytest
 import torch
 
-from sketchlab.attention import AttentionState, llops_attention_naive
+from sketchlab.attention import AttentionState
 from sketchlab.attention.triton import launch, llops_attention_triton
 from sketchlab.llops.maps import llops_features
+from sketchlab.attention.reference import llops_attention_naive
 
 FP32_TOL = 1e-4
 GATE_TOL = 1e-6
@@ -359,7 +360,7 @@ def test_cuda_compiled_hybrid(local, window, sinks):
 def test_functional_dispatch_of_the_hybrid():
     """``llops_attention(backend="triton")`` hands the hybrid, the mask and the state to this kernel
     and equals ``backend="reference"``, final state included."""
-    from sketchlab.attention import llops_attention
+    from sketchlab.attention.functional import llops_attention
 
     q, k, v, tq, tk, gl, grad = _problem(21)
     mask = _padding(2, 21)

@@ -5,7 +5,7 @@ softmax attention in float64 (``exact_softmax`` below: it honours the window-fre
 contract — causal, padding, local_scale, initial/final state as the keys and values so far): the
 converted model must then reproduce the teacher's logits to float64 round-off, which checks every
 layout, head repeat, logit scale, mask and cache path of the glue independently of the sketch.
-*Kernel* tests run the real :func:`sketchlab.attention.featuremap_attention` (window >= T with
+*Kernel* tests run the real :func:`sketchlab.attention.linear_attention` (window >= T with
 local softmax is exactly softmax attention, DESIGN §6).
 """
 
@@ -38,10 +38,11 @@ class _KV:
     mask: torch.Tensor
 
 
-def exact_softmax(q, k, v, fmap_q, fmap_k, *, causal, window, sinks, local, local_scale, gate, non_negative, eps,
-                  key_padding_mask=None, initial_state=None, output_final_state=False, normalize=None):
-    """Exact masked softmax attention ``[B, T, H, D]`` with logits ``local_scale · qᵀk`` (float64),
-    continuing from / returning the keys and values so far as its state."""
+def exact_softmax(q, k, v, fmap_q, fmap_k, *, options, params=None, gate=None, key_padding_mask=None,
+                  initial_state=None, output_final_state=False):
+    """Exact masked softmax attention ``[B, T, H, D]`` with logits ``options.local_scale · qᵀk`` (float64),
+    continuing from / returning the keys and values so far as its state (the op's ``(o, state)``)."""
+    causal, local_scale = options.causal, options.local_scale
     B, T, H, _ = q.shape
     mask = torch.ones(B, k.shape[1], dtype=torch.bool) if key_padding_mask is None else key_padding_mask
     if initial_state is not None:
@@ -56,7 +57,7 @@ def exact_softmax(q, k, v, fmap_q, fmap_k, *, causal, window, sinks, local, loca
         allowed = allowed & (torch.arange(S)[None, :] <= pos_q)
     logits = logits.masked_fill(~allowed, float("-inf"))
     out = torch.einsum("bhts,bshd->bthd", torch.nan_to_num(logits.softmax(-1)), v)
-    return (out, _KV(k, v, mask)) if output_final_state else out
+    return out, (_KV(k, v, mask) if output_final_state else None)
 
 
 class _Identity(nn.Module):
@@ -73,7 +74,7 @@ def _maps(layer, heads, head_dim):
 
 @pytest.fixture
 def softmax_kernel(monkeypatch):
-    monkeypatch.setattr(sketched, "featuremap_attention", exact_softmax)
+    monkeypatch.setattr(sketched, "linear_attention", exact_softmax)
 
 
 def _llama(causal_lm=True):
@@ -149,12 +150,12 @@ def test_plumbing_reproduces_teacher(make, padding, softmax_kernel):
     # the module's own logit scale reaches the local part: GPT-2 scales layer l by 1/(l+1)
     if make is _gpt2:
         seen = []
-        orig = sketched.featuremap_attention
-        sketched.featuremap_attention = lambda *a, **kw: (seen.append(kw["local_scale"]), orig(*a, **kw))[1]
+        orig = sketched.linear_attention
+        sketched.linear_attention = lambda *a, **kw: (seen.append(kw["options"].local_scale), orig(*a, **kw))[1]
         try:
             _out(model, ids, mask)
         finally:
-            sketched.featuremap_attention = orig
+            sketched.linear_attention = orig
         assert seen == pytest.approx([1.0, 0.5])  # (scaling = 1/(√D (l+1))) · √D
 
 
@@ -184,12 +185,12 @@ def test_plumbing_generate_with_state_equals_full_forward_greedy(softmax_kernel)
     convert_attention(model, feature_map=_maps, window=0, sinks=0)
     ids, _ = _inputs(False, B=2, T=5)
     calls = []
-    orig = sketched.featuremap_attention
-    sketched.featuremap_attention = lambda q, k, *a, **kw: (calls.append((q.shape[1], k.shape[1])), orig(q, k, *a, **kw))[1]
+    orig = sketched.linear_attention
+    sketched.linear_attention = lambda q, k, *a, **kw: (calls.append((q.shape[1], k.shape[1])), orig(q, k, *a, **kw))[1]
     try:
         out = model.generate(ids, max_new_tokens=6, do_sample=False, return_dict_in_generate=True)
     finally:
-        sketched.featuremap_attention = orig
+        sketched.linear_attention = orig
     assert isinstance(out.cache, SketchStateCache) and out.cache.get_seq_length() == 10
     assert calls[:2] == [(5, 5), (5, 5)] and set(calls[2:]) == {(1, 1)}  # prefill, then one key per step
     seq = ids
@@ -367,7 +368,7 @@ def test_teacher_with_its_own_sliding_window_warns(family, kwargs, warns):
 
 
 # ------------------------------------------------------------------------------------------------
-# the real sketched attention (sketchlab.attention.featuremap_attention)
+# the real sketched attention (sketchlab.attention.linear_attention)
 
 
 @pytest.mark.parametrize("make,padding,attention", [(_llama, True, "llops"), (_gpt2, True, "hedgehog"),

@@ -19,6 +19,7 @@ from sketchlab.attention.delta import (
     delta_rule_chunked,
     delta_rule_naive,
 )
+from sketchlab.attention.functional import llops_attention
 
 TOL = {torch.float64: 1e-12, torch.float32: 1e-5}
 B, H, M, DV = 2, 3, 4, 3  # M != Dv: a transposed state cannot pass by shape
@@ -322,7 +323,7 @@ def test_llops_attention_under_the_delta_rule_does_not_self_tensor_a_signed_thet
     def run(non_negative):
         options = sl.AttentionOptions(state="delta", non_negative=non_negative, backend="reference")
         params = sl.FarParams(options, heads=2, dim_v=4).double()
-        out, state = sl.llops_attention(q, k, v, tq, tk, options=options, params=params, output_final_state=True)
+        out, state = llops_attention(q, k, v, tq, tk, options=options, params=params, output_final_state=True)
         return out, state.S.shape[-2]
 
     (default, m_default), (signed, m_signed), (tensored, m_tensored) = run(None), run(False), run(True)

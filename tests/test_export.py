@@ -11,10 +11,11 @@ import pytest
 import torch
 
 import sketchlab as sl
-from sketchlab.attention import LLoPSAttention, feature_attention_naive
+from sketchlab.attention import LLoPSAttention
 from sketchlab.cli import main
 from sketchlab.scaling import resolve_scale
 from sketchlab.export import file_sha256
+from sketchlab.attention.reference import feature_attention_naive
 
 
 def _rand(*shape, seed=0):

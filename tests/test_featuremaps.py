@@ -1,5 +1,5 @@
 """The feature-map family: each fast map against its float64 twin, the kernels they promise, and
-featuremap_attention (pure, hybrid, state) against the dense twin.
+linear_attention (pure, hybrid, state) against the dense twin.
 
 Tolerances: float64 1e-10 (the fast and naive forms differ only in summation order); kernels that
 are identities (ψ_p, Taylor, self-tensoring) to 1e-10 on O(1) inputs for the same reason.
@@ -8,7 +8,6 @@ are identities (ψ_p, Taylor, self-tensoring) to 1e-10 on O(1) inputs for the sa
 import pytest
 import torch
 
-import sketchlab as sl
 from sketchlab import (
     ExactPolyMap,
     FeatureMap,
@@ -16,11 +15,13 @@ from sketchlab import (
     LLoPSMap,
     PSFLearnedMap,
     SelfTensored,
+    AttentionOptions,
     TaylorMap,
-    featuremap_attention,
+    linear_attention,
     make_feature_map,
 )
-from sketchlab.attention import feature_attention_naive
+from sketchlab.attention.functional import llops_attention
+from sketchlab.attention.reference import feature_attention_naive
 
 TOL64 = 1e-10
 H, D = 2, 4
@@ -97,50 +98,51 @@ def test_properties_and_factory():
 
 @pytest.mark.parametrize("name", list(_maps()))
 @pytest.mark.parametrize("window", [0, 3])
-def test_featuremap_attention_matches_the_dense_twin(name, window):
+def test_linear_attention_matches_the_dense_twin(name, window):
     fmap = _maps()[name]
     q, k, v = _rand(2, 13, H, D, seed=8), _rand(2, 13, H, D, seed=9), _rand(2, 13, H, 3, seed=10)
-    kw = dict(window=window, sinks=1 if window else 0, gate=_rand(H, seed=11) if window else None,
-              normalize="sum", non_negative=False, denominator_check="off")
-    out = featuremap_attention(q, k, v, fmap, backend="torch", chunk_size=4, **kw)
-    ref = featuremap_attention(q, k, v, fmap, backend="reference", **kw)
+    gate = _rand(H, seed=11) if window else None
+    kw = dict(window=window, sinks=1 if window else 0, normalize="sum", non_negative=False, denominator_check="off")
+    out, _ = linear_attention(q, k, v, fmap, gate=gate, options=AttentionOptions(backend="torch", chunk_size=4, **kw))
+    ref, _ = linear_attention(q, k, v, fmap, gate=gate, options=AttentionOptions(backend="reference", **kw))
     assert (out - ref).abs().max() < TOL64
     literal = feature_attention_naive(fmap.features_naive(q), fmap.features_naive(k), v, q=q, k=k, degree=fmap.degree,
-                                      **kw)
+                                      gate=gate, **kw)
     assert (ref - literal).abs().max() < TOL64
 
 
-def test_featuremap_attention_defaults_never_divide_by_a_signed_sum():
+def test_linear_attention_defaults_never_divide_by_a_signed_sum():
     q, k, v = _rand(1, 16, H, D, seed=12), _rand(1, 16, H, D, seed=13), _rand(1, 16, H, 3, seed=14)
     signed = ExactPolyMap(H, D, p=3)  # kernel (qᵀk)³: row 0's only score is (q_0·k_0)³, negative half the time
     with pytest.warns(RuntimeWarning, match="denominator <= 0"):
-        featuremap_attention(q, k, v, signed, normalize="sum", non_negative=False)
-    out = featuremap_attention(q, k, v, signed)  # the default self-tensors a signed map
+        linear_attention(q, k, v, signed, options=AttentionOptions(normalize="sum", non_negative=False))
+    out, _ = linear_attention(q, k, v, signed)  # the default self-tensors a signed map
     assert out.abs().max() <= v.abs().max() * (1 + 1e-9)
-    ref = featuremap_attention(q, k, v, SelfTensored(signed), non_negative=False)
+    ref, _ = linear_attention(q, k, v, SelfTensored(signed), options=AttentionOptions(non_negative=False))
     assert (out - ref).abs().max() < TOL64
 
 
 def test_featuremap_state_split_and_keys_map():
     fq, fk = HedgehogMap(H, D, m=6, seed=1, dtype=torch.float64), HedgehogMap(H, D, m=6, seed=2, dtype=torch.float64)
     q, k, v = _rand(1, 12, H, D, seed=15), _rand(1, 12, H, D, seed=16), _rand(1, 12, H, 3, seed=17)
-    kw = dict(window=3, sinks=1, backend="torch", chunk_size=4)
-    whole = featuremap_attention(q, k, v, fq, fk, **kw)
-    a, state = featuremap_attention(q[:, :5], k[:, :5], v[:, :5], fq, fk, output_final_state=True, **kw)
-    b, _ = featuremap_attention(q[:, 5:], k[:, 5:], v[:, 5:], fq, fk, initial_state=state, output_final_state=True, **kw)
-    assert (torch.cat([a, b], 1) - whole).abs().max() < TOL64
-    assert not torch.allclose(whole, featuremap_attention(q, k, v, fq, **kw))  # the key map is used
+    opts = AttentionOptions(window=3, sinks=1, backend="torch", chunk_size=4)
+    whole, none = linear_attention(q, k, v, fq, fk, options=opts)
+    a, state = linear_attention(q[:, :5], k[:, :5], v[:, :5], fq, fk, options=opts, output_final_state=True)
+    b, _ = linear_attention(q[:, 5:], k[:, 5:], v[:, 5:], fq, fk, options=opts, initial_state=state,
+                            output_final_state=True)
+    assert none is None and (torch.cat([a, b], 1) - whole).abs().max() < TOL64
+    assert not torch.allclose(whole, linear_attention(q, k, v, fq, options=opts)[0])  # the key map is used
     with pytest.raises(ValueError, match="one kind"):
-        featuremap_attention(q, k, v, fq, TaylorMap(H, D))
+        linear_attention(q, k, v, fq, TaylorMap(H, D))
     with pytest.raises(ValueError, match="needs a polynomial degree"):
-        featuremap_attention(q, k, v, fq, window=2, local="poly")
+        linear_attention(q, k, v, fq, options=AttentionOptions(window=2, local="poly"))
 
 
 def test_llops_map_goes_to_llops_attention_with_gradients():
     fmap = LLoPSMap(H, D, m=5, dtype=torch.float64)
     q, k, v = _rand(1, 9, H, D, seed=18), _rand(1, 9, H, D, seed=19), _rand(1, 9, H, 3, seed=20)
-    out = featuremap_attention(q, k, v, fmap, window=2, backend="torch", chunk_size=4)
-    ref = sl.llops_attention(q, k, v, fmap.theta, fmap.theta, window=2, backend="reference")
+    out, _ = linear_attention(q, k, v, fmap, options=AttentionOptions(window=2, backend="torch", chunk_size=4))
+    ref = llops_attention(q, k, v, fmap.theta, fmap.theta, window=2, backend="reference")
     assert (out - ref).abs().max() < TOL64
     out.sum().backward()
     assert fmap.theta.grad is not None and fmap.theta.grad.abs().sum() > 0

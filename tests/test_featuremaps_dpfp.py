@@ -1,6 +1,6 @@
 """DPFP (Schlag et al. 2021), added as one module + one registry line: its features against a hand-computed
 case and its float64 twin, non-negativity, and the map working unchanged in every place that takes a
-registered name: ``fit_sketch`` and ``compare``, ``featuremap_attention``, the toy model and ``sketchlab
+registered name: ``fit_sketch`` and ``compare``, ``linear_attention``, the toy model and ``sketchlab
 train``, ``convert_attention(attention=...)``.
 
 Tolerances: float64 1e-12 (a product of two numbers per feature, in one order or the other).
@@ -58,11 +58,12 @@ def test_in_fit_sketch_and_compare():
     assert len(table.values("dpfp", "rel_fro")) == 2
 
 
-def test_in_featuremap_attention():
+def test_in_the_op():
     fmap = make_feature_map("dpfp", heads=2, head_dim=4, nu=2)
     q, k, v = _rand(1, 10, 2, 4, seed=3), _rand(1, 10, 2, 4, seed=4), _rand(1, 10, 2, 3, seed=5)
-    out = sl.featuremap_attention(q, k, v, fmap, window=3, sinks=1, backend="torch", chunk_size=4)
-    literal = sl.attention.feature_attention_naive(fmap.features_naive(q), fmap.features_naive(k), v, q=q, k=k,
+    out, _ = sl.linear_attention(q, k, v, fmap, options=sl.AttentionOptions(window=3, sinks=1, backend="torch",
+                                                                            chunk_size=4))
+    literal = sl.attention.reference.feature_attention_naive(fmap.features_naive(q), fmap.features_naive(k), v, q=q, k=k,
                                                    degree=2, window=3, sinks=1)
     assert (out - literal).abs().max() < 1e-10
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import sketchlab as sl
+from sketchlab.attention.functional import sketch_attention
 from sketchlab.featuremaps import (
     FeatureMap,
     FeatureMapSketch,
@@ -85,17 +86,19 @@ def _fitted(method, **kw):
 
 
 @pytest.mark.parametrize("method, kw", [("mlp", {"steps": 5}), ("psf-random", {}), ("tensorsketch", {}),
-                                        ("based-expand", {}), ("elementwise", {"steps": 5}), ("llops", {})])
-def test_a_fitted_sketch_runs_in_featuremap_attention_as_in_sketch_attention(method, kw):
+                                        ("based-expand", {}), ("elementwise", {"steps": 5}), ("llops", {}),
+                                        ("optimal", {})])
+def test_a_fitted_sketch_runs_in_the_op_as_in_sketch_attention(method, kw):
     sketch = _fitted(method, **kw)
     map_q, map_k = sketch_feature_maps(sketch, heads=H, head_dim=D)
     q, k, v = _rand(2, 11, H, D, seed=9), _rand(2, 11, H, D, seed=10), _rand(2, 11, H, 3, seed=11)
-    opts = dict(normalize="sum", non_negative=False, window=3, sinks=1, gate=_rand(H, seed=12),
-                denominator_check="off", chunk_size=4)
-    out = sl.featuremap_attention(q, k, v, map_q, map_k, backend="torch", **opts)
-    ref = sl.sketch_attention(q, k, v, sketch, backend="torch", **opts)
+    opts = sl.AttentionOptions(normalize="sum", non_negative=False, window=3, sinks=1, denominator_check="off",
+                               chunk_size=4)
+    gate = _rand(H, seed=12)
+    out, _ = sl.linear_attention(q, k, v, map_q, map_k, options=opts.replace(backend="torch"), gate=gate)
+    ref = sketch_attention(q, k, v, sketch, options=opts.replace(backend="torch"), gate=gate)
     assert (out - ref).abs().max() < TOL64
-    twin = sl.featuremap_attention(q, k, v, map_q, map_k, backend="reference", **opts)
+    twin, _ = sl.linear_attention(q, k, v, map_q, map_k, options=opts.replace(backend="reference"), gate=gate)
     assert (out - twin).abs().max() < TOL64  # through the sketch's own float64 twin
     assert map_q.non_negative == sketch.kernel_non_negative or method == "llops"
 

@@ -1,5 +1,5 @@
 """The identity map (DeltaNet's φ(x) = x), added as one module + one registry line: its features and float64
-twin, its properties, and the map in ``featuremap_attention`` and the toy model (with the delta rule: the
+twin, its properties, and the map in ``linear_attention`` and the toy model (with the delta rule: the
 memory tests, tests/test_tasks_memory.py).
 
 Tolerances: exact (a copy), float64 1e-12 for attention sums.
@@ -26,10 +26,11 @@ def test_features_are_the_input_and_the_twin_agrees():
     assert fmap.num_features == 5 and fmap.degree == 1 and not fmap.non_negative and fmap.num_parameters == 0
 
 
-def test_in_featuremap_attention_it_is_linear_attention_on_q_k():
+def test_in_the_op_it_is_linear_attention_on_q_k():
     fmap = make_feature_map("identity", heads=2, head_dim=4)
     q, k, v = _rand(1, 9, 2, 4, seed=1), _rand(1, 9, 2, 4, seed=2), _rand(1, 9, 2, 3, seed=3)
-    out = sl.featuremap_attention(q, k, v, fmap, normalize="none", backend="torch", chunk_size=4)
+    out, _ = sl.linear_attention(q, k, v, fmap, options=sl.AttentionOptions(normalize="none", backend="torch",
+                                                                            chunk_size=4))
     scores = torch.einsum("bthd,bshd->bhts", q, k).tril()  # causal qᵀk, unnormalised
     assert (out - torch.einsum("bhts,bshd->bthd", scores, v)).abs().max() < 1e-12
 
@@ -43,7 +44,7 @@ def test_under_the_delta_rule_a_signed_map_enters_as_it_is():
     def run(non_negative):
         options = sl.AttentionOptions(state="delta", non_negative=non_negative, backend="reference")
         params = sl.FarParams(options, heads=2, dim_v=3).double()
-        out, state = sl.featuremap_attention(q, k, v, fmap, options=options, params=params, output_final_state=True)
+        out, state = sl.linear_attention(q, k, v, fmap, options=options, params=params, output_final_state=True)
         return out, state.S.shape[-2]  # the state's feature axis: M
 
     (default, m_default), (signed, m_signed), (tensored, m_tensored) = run(None), run(False), run(True)

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 import sketchlab as sl
-from sketchlab.attention import sketch_attention
 from sketchlab.cli import main
 from sketchlab.tasks import (
     MQARConfig,
@@ -20,6 +19,7 @@ from sketchlab.tasks import (
     train_mqar,
 )
 from sketchlab.tasks.attention import input_scale
+from sketchlab.attention.functional import sketch_attention
 
 TASK = MQARConfig(21, 3, 12)
 

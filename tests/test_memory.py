@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from sketchlab.attention import feature_attention_naive, softmax_attention_naive
+from sketchlab.attention import softmax_attention_naive
 from sketchlab.attention.delta import delta_rule_naive
 from sketchlab.attention.memory import (
     MemoryState,
@@ -23,6 +23,7 @@ from sketchlab.attention.memory import (
 )
 from sketchlab.attention.options import AttentionOptions, FarParams
 from sketchlab.attention.reference import local_far_masks
+from sketchlab.attention.reference import feature_attention_naive
 
 TOL64 = 1e-10
 B, H, D, DV = 2, 2, 4, 3
@@ -660,7 +661,7 @@ def test_decode_step_refuses_invalid_inputs_with_the_entry_errors(name):
     was replaced by one of the wrong shape."""
     import dataclasses
 
-    from sketchlab.attention import llops_attention
+    from sketchlab.attention.functional import llops_attention
 
     options = AttentionOptions(window=3, sinks=1, chunk_size=4, **MECHANISMS[name])
     params = _params(options)

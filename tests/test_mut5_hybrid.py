@@ -8,8 +8,8 @@ another order (round-off ~1e-15 per term on O(1) outputs).
 
 import pytest
 import torch
+from sketchlab.attention.functional import llops_attention
 
-from sketchlab.attention import llops_attention
 
 TOL64 = 1e-10
 
@@ -48,7 +48,7 @@ def test_denominator_check_raise_warn_and_off(window, causal):
     FloatingPointError naming the count, 'warn' warns with it, 'off' says nothing (the chunked torch path)."""
     import warnings
 
-    from sketchlab.attention import feature_attention
+    from sketchlab.attention.chunked import feature_attention
 
     T = 12
     q, k, v = _rand(2, T, 2, 4, seed=21), _rand(2, T, 2, 4, seed=22), _rand(2, T, 2, 3, seed=23)

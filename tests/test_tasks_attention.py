@@ -1,6 +1,6 @@
 """The toy model's one kernel (:class:`sketchlab.tasks.attention.ToyKernel`): every registered name
 builds it, and its call hands the kernel's own AttentionOptions and FarParams to the library's one entry
-point (``featuremap_attention``; ``poly_attention`` for exact ``"poly"``); each option goes to its one
+point (``linear_attention``; ``poly_attention`` for exact ``"poly"``); each option goes to its one
 owner (map registry, AttentionOptions, the toy's own); the names older than the registry keep their
 defaults; a tied LLoPS kernel keeps Θ_Q through ``init_llops``."""
 
@@ -31,7 +31,7 @@ def test_every_name_runs_through_the_one_entry_point_with_its_own_options(name, 
     kernel = kernel_modules(tiny(name))[0]
     assert isinstance(kernel, ToyKernel)
     calls = []
-    entry = "poly_attention" if name == "poly" else "featuremap_attention"
+    entry = "poly_attention" if name == "poly" else "linear_attention"
     real = getattr(attention, entry)
 
     def spy(*args, **kw):

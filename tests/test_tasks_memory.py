@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from sketchlab.attention.memory import MemoryState, memory_attention_naive
-from sketchlab.attention.options import AttentionOptions, FarParams
+from sketchlab.attention.options import FarParams
 from sketchlab.tasks import TransformerConfig, TransformerLM, generate, kernel_modules
 from sketchlab.tasks.attention import input_scale
 

@@ -11,8 +11,6 @@ import torch.nn.functional as F
 import sketchlab.tasks.checkpoint as checkpoint_module
 import sketchlab.tasks.train as train_module
 from sketchlab.attention import (
-    feature_attention_naive,
-    llops_attention_naive,
     poly_attention_naive,
 )
 from sketchlab.io import save_theta
@@ -31,6 +29,7 @@ from sketchlab.tasks import (
     train_mqar,
 )
 from sketchlab.tasks.attention import input_scale
+from sketchlab.attention.reference import feature_attention_naive, llops_attention_naive
 
 SHA = "0" * 64
 
@@ -517,7 +516,7 @@ def test_affine_llops_through_the_triton_kernel_matches_the_torch_backend():
 def test_based_hybrid_poly_window_uses_the_kernels_own_scale(options, scale, local_scale):
     # local="poly": the exact window scores (s·qᵀk)^p use BASED's scale s, not the default 1/√D that
     # any other scale (or a dropped one) would give; window 2 < T mixes the window with the sketch
-    from sketchlab.attention import sketch_attention
+    from sketchlab.attention.functional import sketch_attention
     from sketchlab.sketches import BasedSketch
 
     kernel, _ = _kernel("based", {**options, "window": 2, "local": "poly"})

@@ -1,51 +1,37 @@
-"""Attention through polynomial sketches (layout ``[B, T, H, D]`` everywhere).
+"""Attention through feature maps (layout ``[B, T, H, D]`` everywhere): one op, the exact attentions,
+the modules, the options and the state types.
 
-``reference`` holds the naive float64 twins every fast path is tested against, ``chunked`` the
-PyTorch chunked linear attention (the CPU path), ``functional`` the public entry points with the
-backend choice, ``module`` the :class:`LLoPSAttention` block, ``triton`` the fused kernel
-(imported lazily, only for ``backend="triton"``).
+:func:`linear_attention` is the op (fla's ``(o, state)``): any :class:`~sketchlab.featuremaps.FeatureMap`,
+the hybrid's exact keys, the memory mechanisms and a carried state, as one :class:`AttentionOptions`
+says; LLoPS Θ (an :class:`~sketchlab.featuremaps.LLoPSMap`) runs the fused Triton kernel on CUDA.
+:func:`softmax_attention` and :func:`poly_attention` are the exact attentions (with their float64
+twins); :class:`LLoPSAttention` the block. The backends live in their modules: ``reference`` (the
+naive float64 twins), ``chunked`` (PyTorch, the CPU path), ``memory`` (the memory mechanisms),
+``triton`` (the fused kernel, imported lazily).
 """
 
-from .chunked import feature_attention, llops_attention_chunked
-from .memory import MemoryState, memory_attention, memory_attention_naive
-from .options import AttentionOptions, FarParams
-from .module import LLoPSAttention, llops_is_non_negative
-from .state import AttentionState
 from ._checks import count_denominators
-from .functional import BACKENDS, dump_segments, featuremap_attention, llops_attention, poly_attention, resolve_backend, sketch_attention, softmax_attention
-from .reference import (
-    attention_mask,
-    feature_attention_naive,
-    kernel_attention_naive,
-    llops_attention_naive,
-    poly_attention_naive,
-    softmax_attention_naive,
-)
+from .functional import BACKENDS, dump_segments, linear_attention, poly_attention, resolve_backend, softmax_attention
+from .memory_state import MemoryState
+from .module import LLoPSAttention
+from .options import AttentionOptions, FarParams
+from .reference import attention_mask, poly_attention_naive, softmax_attention_naive
+from .state import AttentionState
 
 __all__ = [
+    "BACKENDS",
     "AttentionOptions",
     "AttentionState",
     "FarParams",
-    "MemoryState",
-    "BACKENDS",
     "LLoPSAttention",
-    "dump_segments",
+    "MemoryState",
     "attention_mask",
     "count_denominators",
-    "feature_attention",
-    "feature_attention_naive",
-    "featuremap_attention",
-    "kernel_attention_naive",
-    "llops_attention",
-    "llops_attention_chunked",
-    "llops_attention_naive",
-    "llops_is_non_negative",
-    "memory_attention",
-    "memory_attention_naive",
+    "dump_segments",
+    "linear_attention",
     "poly_attention",
     "poly_attention_naive",
     "resolve_backend",
-    "sketch_attention",
     "softmax_attention",
     "softmax_attention_naive",
 ]

@@ -1,9 +1,10 @@
 r"""The options object at the attention entry points (DESIGN §7; issue 33's one entry point).
 
-Every entry point (:func:`~sketchlab.attention.llops_attention`,
-:func:`~sketchlab.attention.featuremap_attention`, :func:`~sketchlab.attention.sketch_attention`,
-:func:`~sketchlab.attention.feature_attention`) takes ``options: AttentionOptions | None`` and
-``params: FarParams | None`` beside its keyword options. :func:`call_options` turns either into one
+The op :func:`~sketchlab.attention.linear_attention` takes one ``options: AttentionOptions`` and uses it
+as given. The keyword-style internal entry points (:func:`~sketchlab.attention.functional.llops_attention`,
+:func:`~sketchlab.attention.functional.sketch_attention`, :func:`~sketchlab.attention.chunked.feature_attention`)
+take ``options: AttentionOptions | None`` and ``params: FarParams | None`` beside their keyword options;
+:func:`call_options` turns either into one
 :class:`AttentionOptions` (so each rule is checked once, in its ``__post_init__``); a call whose
 options have ``.memory`` runs :func:`memory_call` (:func:`~sketchlab.attention.memory.memory_attention`
 or its float64 twin).

@@ -18,7 +18,7 @@ kernel is ``(φ(q)·φ(k))²``, the state holds ``φ ⊗ φ`` (``M2 = M²``).
 
 The far state (the prefix GEMM of the wholly far key chunks, recomputed in the backward) is
 :mod:`.chunk_state`'s; here are the partly-far key chunks (``C × C`` scores with a fixed mask, kept for the
-backward). Its float64 twin is :func:`sketchlab.attention.feature_attention_naive`; the gradients are tested with
+backward). Its float64 twin is :func:`sketchlab.attention.reference.feature_attention_naive`; the gradients are tested with
 ``gradcheck``.
 """
 

@@ -321,12 +321,12 @@ def feature_attention(phi_q, phi_k, v, *, q=None, k=None, options: AttentionOpti
         ``denominator_check``) must then be left at their defaults (refused naming the one passed
         too). ``normalize=None`` is ``"sum"``, ``non_negative=None`` is ``False`` (the features are
         given). ``backend="reference"`` runs the float64 twin
-        (:func:`~sketchlab.attention.feature_attention_naive`); ``"triton"`` is refused (no fused
+        (:func:`~sketchlab.attention.reference.feature_attention_naive`); ``"triton"`` is refused (no fused
         kernel for given features). Options with ``.memory`` run
-        :func:`~sketchlab.attention.memory_attention` (or its twin) on the features, self-tensored
+        :func:`~sketchlab.attention.memory.memory_attention` (or its twin) on the features, self-tensored
         when ``non_negative``; the state is then a :class:`~sketchlab.attention.MemoryState`.
     params : FarParams or None
-        The learnable tensors the options call for (see :func:`~sketchlab.attention.llops_attention`).
+        The learnable tensors the options call for (see :func:`~sketchlab.attention.functional.llops_attention`).
     causal, normalize, non_negative, eps, chunk_size
         As :class:`~sketchlab.attention.AttentionOptions` (``causal``: ``T == S``; ``normalize="sum"``
         is safe for non-negative maps only, see :mod:`sketchlab.attention.reference`); ``non_negative``
@@ -337,7 +337,7 @@ def feature_attention(phi_q, phi_k, v, *, q=None, k=None, options: AttentionOpti
         Memory budget for one block's per-chunk states, or the parallel form's ``B·H·T·S`` scores
         (:func:`sketchlab._validation.check_memory`).
     window, sinks, local, local_scale, degree, gate, key_padding_mask, initial_state, output_final_state
-        As :func:`~sketchlab.attention.feature_attention_naive` (which states the formula); the local
+        As :func:`~sketchlab.attention.reference.feature_attention_naive` (which states the formula); the local
         part costs ``O(T·(w + C + sinks)·D)``.
     denominator_check
         As :class:`~sketchlab.attention.AttentionOptions` (counted chunk by chunk, one
@@ -346,7 +346,7 @@ def feature_attention(phi_q, phi_k, v, *, q=None, k=None, options: AttentionOpti
     Returns
     -------
     Tensor ``[B, T, H, Dv]`` in the dtype of the inputs, or ``(o, AttentionState)``; equals
-    :func:`~sketchlab.attention.feature_attention_naive` to round-off.
+    :func:`~sketchlab.attention.reference.feature_attention_naive` to round-off.
     """
     o = call_options("feature_attention", options, params,
                      dict(causal=causal, normalize=normalize, non_negative=non_negative, eps=eps, chunk_size=chunk_size,
@@ -423,7 +423,7 @@ def llops_attention_chunked(q, k, v, theta_q, theta_k, *, causal: bool = True, n
     local_scale, gate, key_padding_mask, initial_state, output_final_state, denominator_check
         As in :func:`feature_attention` (``local="poly"`` uses Θ's degree ``p``).
     validate : bool
-        Check the arguments (``False`` only from :func:`sketchlab.attention.llops_attention`,
+        Check the arguments (``False`` only from :func:`sketchlab.attention.functional.llops_attention`,
         which has checked them already).
 
     Returns

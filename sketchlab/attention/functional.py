@@ -8,7 +8,7 @@ Backends of :func:`llops_attention`:
 ``"torch"``
     :func:`sketchlab.attention.chunked.llops_attention_chunked` (chunked PyTorch);
 ``"reference"``
-    :func:`sketchlab.attention.llops_attention_naive` (dense, float64; tests and small problems);
+    :func:`sketchlab.attention.reference.llops_attention_naive` (dense, float64; tests and small problems);
 ``"auto"``
     Triton when ``q`` is on CUDA and ``triton`` imports, otherwise torch.
 
@@ -40,7 +40,7 @@ from .options import _BACKENDS, AttentionOptions, FarParams
 from .poly import poly_attention  # re-exported: blocked exact polynomial attention
 from .reference import feature_attention_naive, llops_attention_naive
 
-__all__ = ["BACKENDS", "dump_segments", "featuremap_attention", "llops_attention", "poly_attention", "resolve_backend", "sketch_attention", "softmax_attention"]
+__all__ = ["BACKENDS", "dump_segments", "linear_attention", "llops_attention", "poly_attention", "resolve_backend", "sketch_attention", "softmax_attention"]
 
 #: Accepted values of ``backend`` (``AttentionOptions.backend``'s).
 BACKENDS = _BACKENDS
@@ -114,8 +114,8 @@ def llops_attention(q, k, v, theta_q, theta_k, *, options: AttentionOptions | No
         self-tensors when normalising with a Θ that can be signed
         (:func:`~sketchlab.attention.llops_is_non_negative`), never under ``state="delta"`` (no
         denominator). Options with ``.memory`` (a cache, a decay, the delta state) run
-        :func:`~sketchlab.attention.memory_attention` on the LLoPS features (``llops_feature_fn``; float64
-        :func:`sketchlab.llops_features` and :func:`~sketchlab.attention.memory_attention_naive` with
+        :func:`~sketchlab.attention.memory.memory_attention` on the LLoPS features (``llops_feature_fn``; float64
+        :func:`sketchlab.llops_features` and :func:`~sketchlab.attention.memory.memory_attention_naive` with
         ``backend="reference"``), the state then a :class:`~sketchlab.attention.MemoryState`.
     params : FarParams or None
         The learnable tensors the options call for (decay, β, and the gate unless ``gate=`` holds
@@ -146,7 +146,7 @@ def llops_attention(q, k, v, theta_q, theta_k, *, options: AttentionOptions | No
     :math:`o_t = \sum_{s} a_{ts} v_s\,[/(\sum_s a_{ts} + \varepsilon)]` with
     :math:`a_{ts} = \phi_Q(q_t)\cdot\phi_K(k_s)`,
     :math:`\phi(x)_i = \sum_r \prod_j \langle\theta_{r,j,:,i}, x\rangle`; the hybrid's
-    formula is in :func:`~sketchlab.attention.feature_attention_naive`. The reference backend
+    formula is in :func:`~sketchlab.attention.reference.feature_attention_naive`. The reference backend
     returns float64. Gradients reach ``q, k, v, theta_q, theta_k`` and ``gate``.
     """
     o = call_options("llops_attention", options, params,
@@ -156,6 +156,14 @@ def llops_attention(q, k, v, theta_q, theta_k, *, options: AttentionOptions | No
     check_flag(output_final_state, "output_final_state")
     q, k, v = check_qkv(q, k, v, causal=o.causal)
     theta_q, theta_k = check_theta(theta_q, theta_k, heads=q.shape[2], dim=q.shape[3], like=q)
+    return _llops(q, k, v, theta_q, theta_k, o, params, gate, segments, key_padding_mask, initial_state,
+                  output_final_state)
+
+
+def _llops(q, k, v, theta_q, theta_k, o: AttentionOptions, params, gate, segments, key_padding_mask, initial_state,
+           output_final_state: bool):
+    """LLoPS attention on checked ``q, k, v`` and Θ with built options ``o`` (not yet resolved for Θ): the
+    backend choice of :func:`llops_attention` and :func:`linear_attention`."""
     o = o.resolve(llops_is_non_negative(theta_q) and llops_is_non_negative(theta_k))
     causal, normalize, eps, mode, chunk_size = o.causal, o.normalize, o.eps, o.denominator_check, o.chunk_size
     non_negative = o.non_negative
@@ -278,13 +286,13 @@ def sketch_attention(q, k, v, sketch: Sketch, *, options: AttentionOptions | Non
         :func:`llops_attention` (every backend; Θ cast to ``q``'s dtype; per-batch maps folded into
         the heads); any other
         sketch computes ``features_q``/``features_k`` (its own dtype, promoted with ``v``'s) and
-        runs :func:`sketchlab.attention.feature_attention` (``backend`` ``"auto"``/``"torch"``)
+        runs :func:`sketchlab.attention.chunked.feature_attention` (``backend`` ``"auto"``/``"torch"``)
         or the dense float64 twin (``"reference"``); there is no fused kernel for them.
     options, params, causal, normalize, non_negative, eps, chunk_size, window, sinks, local, local_scale, gate,
     key_padding_mask, initial_state, output_final_state, denominator_check
         As in :func:`llops_attention` (``local="poly"`` uses the sketch's degree;
         ``options.non_negative=None`` is ``False``, the keyword's default). Memory options run
-        :func:`~sketchlab.attention.memory_attention` on the sketch's features (an LLoPS sketch
+        :func:`~sketchlab.attention.memory.memory_attention` on the sketch's features (an LLoPS sketch
         through :func:`llops_attention`; one map per batch element is refused there).
     segments : None, int or sequence of int
         Lengths of sequences joined along the token axis (``T == S``): each is attended on its
@@ -379,7 +387,7 @@ def check_local_degree(degree, what: str, *, window, local) -> None:
     """The one rule for the hybrid's ``local="poly"`` and a far feature map: its exact window scores
     ``(s·qᵀk)^p`` with ``p`` the map's polynomial ``degree``, so a map without one (``degree=None``:
     Hedgehog, whose kernel ≈ exp is no polynomial) is refused, naming it (``what``). Checked by
-    :func:`featuremap_attention` on every call and where such a hybrid is built
+    :func:`linear_attention` on every call and where such a hybrid is built
     (:class:`sketchlab.convert.sketched.SketchedAttention`, the toy model's ``"hedgehog"`` options).
     """
     if window and local == "poly" and degree is None:
@@ -387,42 +395,71 @@ def check_local_degree(degree, what: str, *, window, local) -> None:
                          f"and {what} has none (it is not a polynomial kernel): use local='softmax'")
 
 
-def featuremap_attention(q, k, v, feature_map, feature_map_k=None, *, options: AttentionOptions | None = None,
-                         params: FarParams | None = None, causal: bool = True, normalize: str | None = None,
-                         non_negative: bool | None = None, eps: float = 1e-6, backend: str = "auto",
-                         chunk_size: int = DEFAULT_CHUNK_SIZE, segments=None, window: int = 0, sinks: int = 0,
-                         local: str = "softmax", local_scale=None, gate=None, key_padding_mask=None,
-                         initial_state=None, output_final_state: bool = False, denominator_check: str = "warn"):
-    r"""Attention through any :class:`sketchlab.featuremaps.FeatureMap` (the far part of the hybrid).
+def linear_attention(q, k, v, feature_map, feature_map_k=None, *, options: AttentionOptions | None = None,
+                     params: FarParams | None = None, gate=None, segments=None, key_padding_mask=None,
+                     initial_state=None, output_final_state: bool = False):
+    r"""The attention op: causal (or not) linear attention through a feature map, with the hybrid's
+    exact keys, the memory mechanisms and a carried state, as ``options`` say (fla's ``(o, state)``).
 
     Parameters
     ----------
     q : Tensor ``[B, T, H, D]``
     k : Tensor ``[B, S, H, D]``
     v : Tensor ``[B, S, H, Dv]``
+        One dtype and one device for all three (``causal``: ``T == S``).
     feature_map : FeatureMap
         The query map (``heads = H``, ``head_dim = D``); also the key map unless ``feature_map_k``.
+        Two :class:`~sketchlab.featuremaps.LLoPSMap` run the fused Triton kernel (``backend``
+        ``"auto"`` on CUDA, or ``"triton"``); every other map runs its ``features`` through the
+        chunked PyTorch path (``features_naive`` and the float64 twin with ``backend="reference"``).
     feature_map_k : FeatureMap or None
         The key map (same kind and number of features).
-    normalize : ``"none"``, ``"sum"`` or None
-        ``None``: ``"sum"``.
-    non_negative : bool or None
-        Self-tensor the features; ``None``: only when normalising with maps that can be signed
-        (a default never divides by a signed sum; see ``FeatureMap.non_negative``), never under
-        ``state="delta"`` (no denominator: the features enter the delta rule as they are).
-    options, params, causal, eps, backend, chunk_size, segments, window, sinks, local, local_scale, gate,
-    key_padding_mask, initial_state, output_final_state, denominator_check
-        As in :func:`llops_attention`; ``local="poly"`` uses the map's ``degree``. Memory options
-        run :func:`~sketchlab.attention.memory_attention` on the maps' ``features`` (self-tensored
-        when ``non_negative``; ``features_naive`` and the float64 twin with ``backend="reference"``).
+    options : AttentionOptions or None
+        Every option (:class:`AttentionOptions`; None: its defaults), built and checked by the caller
+        once and used as given. ``normalize=None`` is ``"sum"``; ``non_negative=None`` self-tensors a
+        map that can be signed when a sum divides (:meth:`AttentionOptions.resolve`, the one rule).
+        ``local="poly"`` scores ``(s·qᵀk)^p`` with the map's ``degree``.
+    params : FarParams or None
+        The learnable tensors the options call for (decay, β; the gate unless ``gate`` holds it).
+    gate : Tensor ``[H]`` or None
+        Logits of ``g = sigmoid(gate)`` weighting local against far; ``None``: ``g = 1/2``.
+    segments : sequence of int or None
+        Lengths of independent sequences joined along the token axis (``T == S``): no query attends
+        across a boundary (:func:`dump_segments`); positions (window, sinks) restart in each.
+    key_padding_mask : bool Tensor ``[B, S]`` or None
+        ``True`` = a real token (as transformers passes for padded batches).
+    initial_state : AttentionState, MemoryState or None
+        The state returned by an earlier call on the preceding tokens (causal only).
+    output_final_state : bool
+        Return the final state (else ``None`` in its place).
 
     Returns
     -------
-    Tensor ``[B, T, H, Dv]`` or ``(o, AttentionState)``. Two :class:`~sketchlab.featuremaps.LLoPSMap`
-    go to :func:`llops_attention` (the fused kernel on CUDA); the others compute their features
-    (``features``, or ``features_naive`` in float64 with ``backend="reference"``) and run
-    :func:`~sketchlab.attention.feature_attention` (or its dense twin).
+    o : Tensor ``[B, T, H, Dv]``
+        :math:`o_t = \sum_s a_{ts} v_s\,[/(\sum_s a_{ts} + \varepsilon)]`,
+        :math:`a_{ts} = \phi_Q(q_t)\cdot\phi_K(k_s)`; the hybrid's formula is
+        :func:`~sketchlab.attention.reference.feature_attention_naive`'s, the memory mechanisms'
+        :func:`~sketchlab.attention.memory.memory_attention_naive`'s. Float64 with
+        ``backend="reference"``.
+    state : AttentionState, MemoryState or None
+        The final state when ``output_final_state`` (a :class:`MemoryState` with memory options).
     """
+    if options is None:
+        options = AttentionOptions()
+    elif not isinstance(options, AttentionOptions):
+        raise TypeError(f"linear_attention: options must be an AttentionOptions (or None), got "
+                        f"{type(options).__name__}")
+    if params is not None and not isinstance(params, FarParams):
+        raise TypeError(f"linear_attention: params must be a FarParams (or None), got {type(params).__name__}")
+    check_flag(output_final_state, "output_final_state")
+    out = _featuremap(q, k, v, feature_map, feature_map_k, options, params, gate, segments, key_padding_mask,
+                      initial_state, output_final_state)
+    return out if output_final_state else (out, None)
+
+
+def _featuremap(q, k, v, feature_map, feature_map_k, o: AttentionOptions, params, gate, segments, key_padding_mask,
+                initial_state, output_final_state: bool):
+    """:func:`linear_attention` with its options and flags checked: the maps, q, k, v, then the route."""
     from ..featuremaps import FeatureMap, LLoPSMap
 
     fk_map = feature_map if feature_map_k is None else feature_map_k
@@ -433,10 +470,6 @@ def featuremap_attention(q, k, v, feature_map, feature_map_k=None, *, options: A
         raise ValueError(f"feature_map and feature_map_k must be of one kind with one number of features, got "
                          f"{type(feature_map).__name__}({feature_map.num_features}) and "
                          f"{type(fk_map).__name__}({fk_map.num_features})")
-    o = call_options("featuremap_attention", options, params,
-                     dict(causal=causal, normalize=normalize, non_negative=non_negative, eps=eps, backend=backend,
-                          chunk_size=chunk_size, window=window, sinks=sinks, local=local, local_scale=local_scale,
-                          denominator_check=denominator_check), _DEFAULTS["featuremap_attention"])
     causal, eps, backend, chunk_size, denominator_check = o.causal, o.eps, o.backend, o.chunk_size, o.denominator_check
     window, sinks, local, local_scale = o.window, o.sinks, o.local, o.local_scale
     q, k, v = check_qkv(q, k, v, causal=causal)
@@ -447,9 +480,10 @@ def featuremap_attention(q, k, v, feature_map, feature_map_k=None, *, options: A
     o = o.resolve(feature_map.non_negative and fk_map.non_negative)
     normalize, non_negative = o.normalize, o.non_negative
     if isinstance(feature_map, LLoPSMap):
-        return llops_attention(q, k, v, feature_map.theta.to(q.dtype), fk_map.theta.to(q.dtype), options=o,
-                               params=params, gate=gate, segments=segments, key_padding_mask=key_padding_mask,
-                               initial_state=initial_state, output_final_state=output_final_state)
+        theta_q, theta_k = check_theta(feature_map.theta.to(q.dtype), fk_map.theta.to(q.dtype), heads=q.shape[2],
+                                       dim=q.shape[3], like=q)
+        return _llops(q, k, v, theta_q, theta_k, o, params, gate, segments, key_padding_mask, initial_state,
+                      output_final_state)
     backend = _unfused_backend(backend, q, type(feature_map).__name__)
     check_local_degree(feature_map.degree, type(feature_map).__name__, window=window, local=local)
     if o.memory:
@@ -463,12 +497,12 @@ def featuremap_attention(q, k, v, feature_map, feature_map_k=None, *, options: A
             if not naive:
                 dtype = torch.promote_types(fq.dtype, vs.dtype)
                 fq, fk, vs, qs, ks = (x.to(dtype) for x in (fq, fk, vs, qs, ks))
-            return memory_call(fq, fk, vs, qs, ks, where="featuremap_attention", qkv_checked=True, options=o,
+            return memory_call(fq, fk, vs, qs, ks, where="linear_attention", qkv_checked=True, options=o,
                                params=params, gate=gate, degree=feature_map.degree, non_negative=non_negative, key_padding_mask=m,
                                initial_state=initial_state, output_final_state=output_final_state)
 
         return _by_segments(run, segments, q, k, v, mask=key_padding_mask)
-    gate = far_gate("featuremap_attention", gate, params)
+    gate = far_gate("linear_attention", gate, params)
     opts = dict(normalize=normalize, non_negative=non_negative, eps=eps, window=window, sinks=sinks, local=local,
                 local_scale=local_scale, gate=gate, initial_state=initial_state,
                 output_final_state=output_final_state, denominator_check=denominator_check)
@@ -524,4 +558,4 @@ def softmax_attention(q, k, v, *, causal: bool = True, scale: float | None = Non
 
 
 #: The option keywords' defaults of each entry point (options= must leave them so).
-_DEFAULTS = {fn.__name__: keyword_defaults(fn) for fn in (llops_attention, featuremap_attention, sketch_attention)}
+_DEFAULTS = {fn.__name__: keyword_defaults(fn) for fn in (llops_attention, sketch_attention)}

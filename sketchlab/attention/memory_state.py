@@ -7,7 +7,7 @@ the small formulas every path uses (gate, decay, β, unit keys, the cache's scor
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
@@ -15,14 +15,14 @@ import torch
 from .._validation import check_degree
 from ._checks import _check_finite_once, check_all_finite, check_flag, check_key_padding_mask, check_qkv
 from .options import AttentionOptions, FarParams
-from .state import state_dtype
+from .state import TensorState, state_dtype
 
 __all__ = ["MemoryState", "check_memory_state", "empty_memory_state", "recall_error", "unit"]
 
 
 # ------------------------------------------------------------------------------------------------ the state
 @dataclass(frozen=True)
-class MemoryState:
+class MemoryState(TensorState):
     r"""State of memory attention after ``offset`` tokens; its size depends on ``w, s, K, M, Dv`` only.
 
     Attributes
@@ -68,34 +68,16 @@ class MemoryState:
     pos_cache: torch.Tensor
     offset: int
 
-    def _tensors(self):
-        return [(f.name, getattr(self, f.name)) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)]
-
     def _map(self, fn) -> "MemoryState":
         """A new state with ``fn`` on every tensor field and on the decoding step's layout of them, kept
         beside the fields as ``_rows`` (``(rows, first window row, [S | z])``,
         :func:`sketchlab.attention.memory_decode.decode`), so the next step need not lay it out again.
         Not the check's mark: the new object is checked in full (:func:`check_memory_state`)."""
-        new = replace(self, **{name: fn(x) for name, x in self._tensors()})
+        new = super()._map(fn)
         if "_rows" in self.__dict__:
             rows, row0, Sz = self._rows
             object.__setattr__(new, "_rows", (None if rows is None else fn(rows), row0, None if Sz is None else fn(Sz)))
         return new
-
-    def detach(self) -> "MemoryState":
-        """The same state cut from the autograd graph (truncated back-propagation, decoding)."""
-        return self._map(torch.Tensor.detach)
-
-    def to(self, *args, **kwargs) -> "MemoryState":
-        """``Tensor.to`` on every floating tensor; the bool and int tensors follow the device only."""
-        device = torch._C._nn._parse_to(*args, **kwargs)[0]
-        return self._map(lambda x: x.to(*args, **kwargs) if x.is_floating_point() else (
-            x if device is None else x.to(device)))
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes held by the state's tensors (constant once ``offset ≥ max(w, s)``)."""
-        return sum(x.numel() * x.element_size() for _, x in self._tensors())
 
 
 def empty_memory_state(batch: int, heads: int, num_features: int, dim: int, dim_v: int, *, cache: int,

@@ -8,7 +8,7 @@ per-head queries, keys and values inside. The block computes
 
 where ``s`` is the factor the Q/K were scaled by when Θ was fitted (``"sqrt-d"`` → ``D^{-1/4}``,
 so :math:`\phi(s q)\cdot\phi(s k)` approximates :math:`(q\cdot k/\sqrt D)^p`) and LLoPSAttn is
-:func:`sketchlab.attention.llops_attention` with Θ ``[H, t, p, D, M]``.
+:func:`sketchlab.attention.functional.llops_attention` with Θ ``[H, t, p, D, M]``.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from .chunked import DEFAULT_CHUNK_SIZE
 from .functional import llops_attention
 from .options import AttentionOptions, FarParams
 
-__all__ = ["LLoPSAttention", "llops_is_non_negative"]
+__all__ = ["LLoPSAttention"]
 
 
 
@@ -71,12 +71,12 @@ class LLoPSAttention(nn.Module):
     scale : "none", "sqrt-d" or float
         Factor ``s`` applied to ``q`` and ``k`` before the feature map (see the module docstring).
     causal, normalize, non_negative, eps, backend, chunk_size
-        Passed to :func:`sketchlab.attention.llops_attention`. ``normalize=None`` (the default)
+        Passed to :func:`sketchlab.attention.functional.llops_attention`. ``normalize=None`` (the default)
         picks ``"sum"``, and with a given Θ that can be signed (not rank 1 with equal factors and
         even ``p``, :func:`llops_is_non_negative`) and ``non_negative`` not given it self-tensors
         (``non_negative=True``): a default never divides by a signed sum.
     window, sinks, local : int, int, str
-        The sliding-window hybrid (:func:`~sketchlab.attention.llops_attention`); the local
+        The sliding-window hybrid (:func:`~sketchlab.attention.functional.llops_attention`); the local
         scores use ``qᵀk/√D`` of the unscaled projections (softmax) or the same scaled ``q, k``
         as the sketch (poly, so the local block is the exact kernel the sketch approximates).
     gate : bool

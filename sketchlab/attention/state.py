@@ -16,11 +16,39 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-__all__ = ["AttentionState", "state_dtype"]
+__all__ = ["AttentionState", "TensorState", "state_dtype"]
+
+
+class TensorState:
+    """What every decoding state (a frozen dataclass of tensors and ints) does to its tensor fields: cut
+    them from the graph, move or cast them, count their bytes. :class:`AttentionState`,
+    :class:`~sketchlab.attention.MemoryState` and the exact layers' ``KVState`` share it."""
+
+    def _tensors(self) -> list[tuple[str, torch.Tensor]]:
+        return [(f.name, x) for f in fields(self) if isinstance(x := getattr(self, f.name), torch.Tensor)]
+
+    def _map(self, fn):
+        """A new state with ``fn`` on every tensor field."""
+        return replace(self, **{name: fn(x) for name, x in self._tensors()})
+
+    def detach(self):
+        """The same state cut from the autograd graph (truncated back-propagation, decoding)."""
+        return self._map(torch.Tensor.detach)
+
+    def to(self, *args, **kwargs):
+        """``Tensor.to`` on every floating tensor; the bool and integer tensors follow the device only."""
+        device = torch._C._nn._parse_to(*args, **kwargs)[0]
+        return self._map(lambda x: x.to(*args, **kwargs) if x.is_floating_point() else (
+            x if device is None else x.to(device)))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the state's tensors."""
+        return sum(x.numel() * x.element_size() for _, x in self._tensors())
 
 
 @dataclass(frozen=True)
-class AttentionState:
+class AttentionState(TensorState):
     r"""State of causal (hybrid) linear attention after ``offset`` tokens.
 
     Attributes
@@ -58,28 +86,6 @@ class AttentionState:
     offset: int
     mask_window: torch.Tensor | None = None
     mask_sink: torch.Tensor | None = None
-
-    def detach(self) -> "AttentionState":
-        """The same state cut from the autograd graph (truncated back-propagation, decoding)."""
-        return replace(self, **{f.name: getattr(self, f.name).detach() for f in fields(self)
-                                if isinstance(getattr(self, f.name), torch.Tensor)})
-
-    def to(self, *args, **kwargs) -> "AttentionState":
-        """``Tensor.to`` on every floating tensor; the bool masks follow the device only."""
-        device = torch._C._nn._parse_to(*args, **kwargs)[0]
-        out = {}
-        for f in fields(self):
-            x = getattr(self, f.name)
-            if isinstance(x, torch.Tensor):
-                out[f.name] = x.to(*args, **kwargs) if x.is_floating_point() else (
-                    x if device is None else x.to(device))
-        return replace(self, **out)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes held by the state's tensors (constant in the context length once it exceeds the window)."""
-        return sum(x.numel() * x.element_size() for f in fields(self)
-                   if isinstance(x := getattr(self, f.name), torch.Tensor))
 
 
 def state_dtype(dtype: torch.dtype) -> torch.dtype:

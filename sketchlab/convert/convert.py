@@ -29,7 +29,7 @@ from ..attention._checks import check_eps
 from ..attention.options import _int, _real
 
 from .exact import ExactAttention
-from .families import ToyKernel, attention_sites, family_of
+from .families import ToyKernel, attention_sites
 from .sketched import ATTENTION_NAME, SketchedAttention, forget_cache, hf_attention, hf_mask, remember_cache
 
 __all__ = ["DEFAULT_SINKS", "check_layout", "check_map_memory", "convert_attention", "converted_modules"]

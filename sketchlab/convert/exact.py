@@ -12,16 +12,18 @@ ranks layers by what keeping each one exact gains on given text.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from ..attention.state import TensorState
 
 __all__ = ["ExactAttention", "KVState"]
 
 
 @dataclass(frozen=True)
-class KVState:
+class KVState(TensorState):
     """The decoding state of an exact layer: every key and value so far (a growing KV cache).
 
     It holds the model's ``H_kv`` key/value heads (not the query heads they serve), so its bytes are
@@ -41,18 +43,6 @@ class KVState:
     v: torch.Tensor
     mask: torch.Tensor | None
     offset: int
-
-    def detach(self) -> "KVState":
-        return replace(self, k=self.k.detach(), v=self.v.detach())
-
-    def to(self, *args, **kwargs) -> "KVState":
-        return replace(self, k=self.k.to(*args, **kwargs), v=self.v.to(*args, **kwargs))
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes held (grows linearly with the context)."""
-        return sum(x.numel() * x.element_size() for f in fields(self)
-                   if isinstance(x := getattr(self, f.name), torch.Tensor))
 
 
 class ExactAttention(nn.Module):

@@ -2,7 +2,7 @@ r"""The sketched attention a converted model runs, and the state it decodes with
 
 :class:`SketchedAttention` holds what conversion adds to one attention module — the query and key
 feature maps and the per-head gate, as ``nn.Parameter`` s registered on that module (so they train
-and save with it) — and calls :func:`sketchlab.attention.featuremap_attention` (layout
+and save with it) — and calls :func:`sketchlab.attention.linear_attention` (layout
 ``[B, T, H, D]``): pure linear attention for ``window=0``, else the sliding-window hybrid with
 ``sinks`` attention sinks (DESIGN §6).
 
@@ -45,17 +45,12 @@ import math
 import torch
 from torch import nn
 
+from ..attention.functional import linear_attention
+
 __all__ = ["ATTENTION_NAME", "SketchedAttention", "forget_cache", "hf_attention", "hf_mask", "remember_cache"]
 
 #: The name the converted models' attention is registered under in transformers' interfaces.
 ATTENTION_NAME = "sketchlab"
-
-
-def featuremap_attention(*args, **kwargs):
-    """:func:`sketchlab.attention.featuremap_attention` (imported on first use)."""
-    from ..attention import featuremap_attention as attend
-
-    return attend(*args, **kwargs)
 
 
 def check_local_map(feature_map: nn.Module, *, window: int, local: str) -> None:
@@ -98,8 +93,8 @@ class SketchedAttention(nn.Module):
 
     Notes
     -----
-    ``forward(q, k, v, scaling=s)`` computes ``featuremap_attention(q·c, k·c, v, φ_Q, φ_K,
-    local_scale=s/c²)`` with ``c = D^{-1/4}``: the far part sees the ``"sqrt-d"`` inputs, the
+    ``forward(q, k, v, scaling=s)`` computes ``linear_attention(q·c, k·c, v, φ_Q, φ_K,
+    options.replace(local_scale=s/c²))`` with ``c = D^{-1/4}``: the far part sees the ``"sqrt-d"`` inputs, the
     local part the model's own logits ``s·qᵀk``.
     """
 
@@ -148,30 +143,11 @@ class SketchedAttention(nn.Module):
         ``output_final_state``). ``scaling``: the model's logit scale (default ``1/√D``)."""
         c = self.input_scale
         scaling = 1.0 / math.sqrt(self.head_dim) if scaling is None else float(scaling)
-        options = dict(causal=self.causal, window=self.window, sinks=self.sinks, local=self.local,
-                       local_scale=scaling / (c * c), gate=self.gate, non_negative=self.non_negative, eps=self.eps,
-                       key_padding_mask=key_padding_mask,
-                       initial_state=initial_state, output_final_state=output_final_state)
-        if self.options.memory:
-            return self._memory(q * c, k * c, v, scaling / (c * c), key_padding_mask, initial_state,
-                                output_final_state)
-        if self.normalize is not None:
-            options["normalize"] = self.normalize
-        return featuremap_attention(q * c, k * c, v, self.feature_map_q, self.feature_map_k, **options)
-
-    def _memory(self, q, k, v, local_scale, key_padding_mask, initial_state, output_final_state):
-        """The memory path (DESIGN §7): the maps' features (self-tensored when the layer says so) and
-        :func:`sketchlab.attention.memory.memory_attention` with this layer's options and parameters."""
-        from ..attention.memory import memory_attention
-        from ..polynomial import self_tensor
-
-        fq, fk = self.feature_map_q.features(q), self.feature_map_k.features(k)  # [B, T, H, M]
-        if self.non_negative:
-            fq, fk = self_tensor(fq), self_tensor(fk)
-        return memory_attention(fq, fk, v, q, k, options=self.options.replace(local_scale=local_scale),
-                                params=self.far, gate=self.gate, degree=getattr(self.feature_map_q, "degree", None),
-                                key_padding_mask=key_padding_mask, initial_state=initial_state,
-                                output_final_state=output_final_state)
+        out, state = linear_attention(q * c, k * c, v, self.feature_map_q, self.feature_map_k,
+                                      options=self.options.replace(local_scale=scaling / (c * c)), params=self.far,
+                                      gate=self.gate, key_padding_mask=key_padding_mask, initial_state=initial_state,
+                                      output_final_state=output_final_state)
+        return (out, state) if output_final_state else out
 
 
 # ------------------------------------------------------------------------------------------------

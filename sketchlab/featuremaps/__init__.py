@@ -3,7 +3,7 @@ r"""The feature-map family behind one interface and one name registry (layout ``
 A :class:`FeatureMap` (:mod:`.base`) turns per-head queries or keys ``x [B, T, H, D]`` into features
 ``[B, T, H, M]`` whose inner products approximate (or equal) a kernel; it is the far part of the
 sliding-window hybrid, a trainable attention in its own right, and what model conversion swaps in
-(:func:`sketchlab.attention.featuremap_attention`). Every map has a naive float64 twin,
+(:func:`sketchlab.attention.linear_attention`). Every map has a naive float64 twin,
 :meth:`FeatureMap.features_naive`. One module per map; :mod:`.registry` names them
 (:func:`make_feature_map`, :func:`register_feature_map`, :func:`feature_map_names`); a fitted
 :class:`~sketchlab.sketch.Sketch` joins the family through :func:`sketch_feature_maps` (:mod:`.sketch_map`).

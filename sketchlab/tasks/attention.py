@@ -5,7 +5,7 @@ Importing this module registers, beside ``"softmax"`` (:mod:`.model`), ``"poly"`
 feature-map registry (:func:`sketchlab.featuremaps.feature_map_names`; ``"based"`` and ``"psf"``, with a
 ``DeprecationWarning``, stand for ``"based-taylor"`` (``"based-expand"`` with ``form`` expand) and
 ``"psf-random"``). A kernel hands its maps, :class:`~sketchlab.attention.options.AttentionOptions` and
-:class:`~sketchlab.attention.options.FarParams` to :func:`sketchlab.attention.featuremap_attention`
+:class:`~sketchlab.attention.options.FarParams` to :func:`sketchlab.attention.linear_attention`
 (chunked PyTorch; two LLoPS maps run the fused Triton kernel on CUDA; any memory option runs
 :func:`~sketchlab.attention.memory.memory_attention`), so training runs the code tested and timed there.
 Layout ``[B, T, H, D]`` in and out; causal. Every kernel decodes from a state (``step``, used by
@@ -214,17 +214,16 @@ class ToyKernel(nn.Module):
         return out if o.normalize == "none" else out / (scores.sum(-1).transpose(1, 2)[..., None] + o.eps)
 
     def _attend(self, q, k, v, **state):
-        from ..attention import featuremap_attention
+        from ..attention import linear_attention
         from ..llops import affine_input
 
         q, k = q * self.scale, k * self.scale
         if self.options["affine"]:  # [x · D^{-1/4}, 1]: the local softmax's scores shift by the constant's 1, which cancels
             q, k = affine_input(q), affine_input(k)
-        out = featuremap_attention(q, k, v, self.map_q, self.map_k, options=self.attention_options, params=self.far,
-                                   gate=self.gate, **state)
-        if state:  # backend "reference" computes in float64: back to the model's dtype
-            return out[0].to(v.dtype), out[1]
-        return out.to(v.dtype)
+        out, final = linear_attention(q, k, v, self.map_q, self.map_k, options=self.attention_options,
+                                      params=self.far, gate=self.gate, **state)
+        out = out.to(v.dtype)  # backend "reference" computes in float64: back to the model's dtype
+        return (out, final) if state else out
 
 
 def register_feature_map_kernels() -> list[str]:
