@@ -68,12 +68,12 @@ class MemoryState(TensorState):
     pos_cache: torch.Tensor
     offset: int
 
-    def _map(self, fn) -> "MemoryState":
+    def map_tensors(self, fn) -> "MemoryState":
         """A new state with ``fn`` on every tensor field and on the decoding step's layout of them, kept
         beside the fields as ``_rows`` (``(rows, first window row, [S | z])``,
         :func:`sketchlab.attention.memory_decode.decode`), so the next step need not lay it out again.
         Not the check's mark: the new object is checked in full (:func:`check_memory_state`)."""
-        new = super()._map(fn)
+        new = super().map_tensors(fn)
         if "_rows" in self.__dict__:
             rows, row0, Sz = self._rows
             object.__setattr__(new, "_rows", (None if rows is None else fn(rows), row0, None if Sz is None else fn(Sz)))

@@ -27,18 +27,18 @@ class TensorState:
     def _tensors(self) -> list[tuple[str, torch.Tensor]]:
         return [(f.name, x) for f in fields(self) if isinstance(x := getattr(self, f.name), torch.Tensor)]
 
-    def _map(self, fn):
-        """A new state with ``fn`` on every tensor field."""
+    def map_tensors(self, fn):
+        """A new state with ``fn`` on every tensor field (batch reordering in a cache, casts, detaching)."""
         return replace(self, **{name: fn(x) for name, x in self._tensors()})
 
     def detach(self):
         """The same state cut from the autograd graph (truncated back-propagation, decoding)."""
-        return self._map(torch.Tensor.detach)
+        return self.map_tensors(torch.Tensor.detach)
 
     def to(self, *args, **kwargs):
         """``Tensor.to`` on every floating tensor; the bool and integer tensors follow the device only."""
         device = torch._C._nn._parse_to(*args, **kwargs)[0]
-        return self._map(lambda x: x.to(*args, **kwargs) if x.is_floating_point() else (
+        return self.map_tensors(lambda x: x.to(*args, **kwargs) if x.is_floating_point() else (
             x if device is None else x.to(device)))
 
     @property

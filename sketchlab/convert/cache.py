@@ -11,21 +11,19 @@ rotary angles continue from it).
 
 from __future__ import annotations
 
-import dataclasses
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
+
+from ..attention.state import TensorState
 
 __all__ = ["SketchStateCache", "StateLayer"]
 
 
 def _state_map(state, fn):
-    """``state`` with ``fn`` applied to each of its tensor fields (batch on axis 0)."""
-    if state is None:
-        return None
-    changes = {f.name: fn(getattr(state, f.name)) for f in dataclasses.fields(state)
-               if isinstance(getattr(state, f.name), torch.Tensor)}
-    return dataclasses.replace(state, **changes)
+    """``state`` with ``fn`` applied to each of its tensor fields (batch on axis 0); the base's map, so a
+    :class:`MemoryState`'s decoding layout is laid out again from the new fields."""
+    return None if state is None else TensorState.map_tensors(state, fn)
 
 
 class StateLayer(CacheLayerMixin):
