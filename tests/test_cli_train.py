@@ -127,3 +127,16 @@ def test_a_resume_names_a_different_init_and_keeps_the_taylor_default_quiet(tmp_
     assert main(["train", *TINY, "--init", "based", "--affine", "--steps", "2", "--out", str(tmp_path / "taylor")]) == 0
     captured = capsys.readouterr()
     assert "resumed from step 2" in captured.out and "holds a run of" not in captured.err
+
+
+def test_qk_conv_flag_builds_the_convolution_and_saves_it(tmp_path):
+    """``--qk-conv K`` (the attention's convolution of q and k; ``--short-conv`` is the block input's): the attention option, recorded in the config, its weights in the saved model (the
+    affine llops kernel convolves its D + 1 inputs)."""
+    options, _, _ = _train(tmp_path, "conv", "--qk-conv", "3")
+    assert options["qk_conv"] == 3
+    weights = load_file(str(tmp_path / "conv" / "model.safetensors"))
+    conv = weights["blocks.0.attention.attn.far.conv_q"]
+    assert conv.shape[-1] == 3 and conv.shape[-2] == weights["blocks.0.attention.attn.map_q.theta"].shape[-2]
+    options, _, _ = _train(tmp_path, "plain")
+    assert options["qk_conv"] == 0
+    assert not any(".far.conv_" in name for name in load_file(str(tmp_path / "plain" / "model.safetensors")))

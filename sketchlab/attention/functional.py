@@ -39,6 +39,7 @@ from ..llops.maps import llops_feature_fn, llops_is_non_negative
 from .options import _BACKENDS, AttentionOptions, FarParams
 from .poly import poly_attention  # re-exported: blocked exact polynomial attention
 from .reference import feature_attention_naive, llops_attention_naive
+from .qk_conv import with_qk_conv
 
 __all__ = ["BACKENDS", "dump_segments", "linear_attention", "llops_attention", "poly_attention", "resolve_backend", "sketch_attention", "softmax_attention"]
 
@@ -156,8 +157,10 @@ def llops_attention(q, k, v, theta_q, theta_k, *, options: AttentionOptions | No
     check_flag(output_final_state, "output_final_state")
     q, k, v = check_qkv(q, k, v, causal=o.causal)
     theta_q, theta_k = check_theta(theta_q, theta_k, heads=q.shape[2], dim=q.shape[3], like=q)
-    return _llops(q, k, v, theta_q, theta_k, o, params, gate, segments, key_padding_mask, initial_state,
-                  output_final_state)
+    return with_qk_conv(lambda qs, ks, vs: _llops(qs, ks, vs, theta_q, theta_k, o, params, gate, segments,
+                                                     key_padding_mask, initial_state, output_final_state),
+                           q, k, v, options=o, params=params, initial_state=initial_state,
+                           output_final_state=output_final_state, key_padding_mask=key_padding_mask, segments=segments)
 
 
 def _llops(q, k, v, theta_q, theta_k, o: AttentionOptions, params, gate, segments, key_padding_mask, initial_state,
@@ -460,7 +463,7 @@ def linear_attention(q, k, v, feature_map, feature_map_k=None, *, options: Atten
 def _featuremap(q, k, v, feature_map, feature_map_k, o: AttentionOptions, params, gate, segments, key_padding_mask,
                 initial_state, output_final_state: bool):
     """:func:`linear_attention` with its options and flags checked: the maps, q, k, v, then the route."""
-    from ..featuremaps import FeatureMap, LLoPSMap
+    from ..featuremaps import FeatureMap
 
     fk_map = feature_map if feature_map_k is None else feature_map_k
     for m, name in ((feature_map, "feature_map"), (fk_map, "feature_map_k")):
@@ -470,14 +473,26 @@ def _featuremap(q, k, v, feature_map, feature_map_k, o: AttentionOptions, params
         raise ValueError(f"feature_map and feature_map_k must be of one kind with one number of features, got "
                          f"{type(feature_map).__name__}({feature_map.num_features}) and "
                          f"{type(fk_map).__name__}({fk_map.num_features})")
-    causal, eps, backend, chunk_size, denominator_check = o.causal, o.eps, o.backend, o.chunk_size, o.denominator_check
-    window, sinks, local, local_scale = o.window, o.sinks, o.local, o.local_scale
-    q, k, v = check_qkv(q, k, v, causal=causal)
+    q, k, v = check_qkv(q, k, v, causal=o.causal)
     for m, name in ((feature_map, "feature_map"), (fk_map, "feature_map_k")):
         if (m.heads, m.head_dim) != (q.shape[2], q.shape[3]):
             raise ValueError(f"{name} has heads={m.heads}, head_dim={m.head_dim} but q has H={q.shape[2]}, "
                              f"D={q.shape[3]}")
     o = o.resolve(feature_map.non_negative and fk_map.non_negative)
+    return with_qk_conv(lambda qs, ks, vs: _route(qs, ks, vs, feature_map, fk_map, o, params, gate, segments,
+                                                     key_padding_mask, initial_state, output_final_state),
+                           q, k, v, options=o, params=params, initial_state=initial_state,
+                           output_final_state=output_final_state, key_padding_mask=key_padding_mask, segments=segments)
+
+
+def _route(q, k, v, feature_map, fk_map, o: AttentionOptions, params, gate, segments, key_padding_mask, initial_state,
+           output_final_state: bool):
+    """The backend of :func:`linear_attention` for checked q, k, v and resolved options: two LLoPS maps to
+    :func:`_llops` (the fused kernel), memory options to :func:`memory_call`, the rest to the feature paths."""
+    from ..featuremaps import LLoPSMap
+
+    causal, eps, backend, chunk_size, denominator_check = o.causal, o.eps, o.backend, o.chunk_size, o.denominator_check
+    window, sinks, local, local_scale = o.window, o.sinks, o.local, o.local_scale
     normalize, non_negative = o.normalize, o.non_negative
     if isinstance(feature_map, LLoPSMap):
         theta_q, theta_k = check_theta(feature_map.theta.to(q.dtype), fk_map.theta.to(q.dtype), heads=q.shape[2],

@@ -49,6 +49,8 @@ class MemoryState(TensorState):
         Each cached key's position (``-1`` where empty).
     offset : int
         Tokens seen (the position of the next token).
+    conv_q, conv_k : Tensor ``[B, K_c − 1, H, D]`` or None
+        The short convolution's tails (``options.qk_conv = K_c``): the last ``K_c − 1`` raw q, k.
     """
 
     S: torch.Tensor
@@ -67,6 +69,8 @@ class MemoryState(TensorState):
     cached: torch.Tensor
     pos_cache: torch.Tensor
     offset: int
+    conv_q: torch.Tensor | None = None
+    conv_k: torch.Tensor | None = None
 
     def map_tensors(self, fn) -> "MemoryState":
         """A new state with ``fn`` on every tensor field and on the decoding step's layout of them, kept

@@ -87,6 +87,9 @@ class LLoPSAttention(nn.Module):
         of them on, the block holds a :class:`~sketchlab.attention.FarParams` (``far``; the gate stays
         ``gate``, where saved blocks have it) and its state is a :class:`~sketchlab.attention.MemoryState`;
         ``decay=1.0`` is no decay (no ``far``).
+    qk_conv : int
+        A causal depthwise convolution of width ``K`` on q and k (:mod:`sketchlab.attention.qk_conv`;
+        0: none), its weights ``far.conv_q/conv_k`` started as the identity, its tails in the state.
     bias : bool
         Biases in the four projections.
     seed : int
@@ -104,7 +107,7 @@ class LLoPSAttention(nn.Module):
                  causal: bool = True, normalize: str | None = None, non_negative: bool | None = None,
                  eps: float = 1e-6, backend: str = "auto", chunk_size: int = DEFAULT_CHUNK_SIZE, bias: bool = False,
                  seed: int = 0, window: int = 0, sinks: int = 0, local: str = "softmax", gate: bool = True,
-                 cache: int = 0, decay=None, state: str = "additive", beta: str = "head",
+                 cache: int = 0, decay=None, state: str = "additive", beta: str = "head", qk_conv: int = 0,
                  dtype: torch.dtype = torch.float32, device=None, max_bytes: int = DEFAULT_MAX_BYTES):
         super().__init__()
         embed_dim = check_positive_int(embed_dim, "embed_dim")
@@ -118,7 +121,7 @@ class LLoPSAttention(nn.Module):
         # every option checked once, by the options object (its local scale and self-tensoring are settled below)
         options = AttentionOptions(causal=causal, normalize=normalize, non_negative=non_negative, eps=eps,
                                    window=window, sinks=sinks, local=local, cache=cache, decay=decay, state=state,
-                                   beta=beta, backend=backend, chunk_size=chunk_size)
+                                   beta=beta, qk_conv=qk_conv, backend=backend, chunk_size=chunk_size)
         given_theta = theta_q is not None
         self.qk_scale = resolve_scale(scale, head_dim)
         self.scale_label = scale_label(scale)
@@ -177,8 +180,8 @@ class LLoPSAttention(nn.Module):
         self.options = options.replace(local_scale=local_scale)
         self.gate = nn.Parameter(torch.zeros(num_heads, dtype=dtype, device=device)) if gate and window else None
         # decay and the delta rule's β (memory options only; the gate stays `gate`, where saved blocks have it)
-        self.far = (FarParams(self.options, num_heads, head_dim, gate=False).to(dtype=dtype, device=device)
-                    if self.options.memory else None)
+        self.far = (FarParams(self.options, num_heads, head_dim, gate=False, dim=head_dim).to(dtype=dtype, device=device)
+                    if self.options.memory or self.options.qk_conv else None)
         if learn_theta:
             self.theta_q = nn.Parameter(theta_q.clone())
             self.theta_k = None if tied else nn.Parameter(theta_k.clone())

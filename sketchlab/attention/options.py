@@ -98,6 +98,10 @@ class AttentionOptions:
         The delta rule's write strength ``β``: learned per head or from the entering key's value.
     rescore : int >= 1
         Cached keys are re-scored against the state at positions ``≡ 0 (mod rescore)``.
+    qk_conv : int >= 0
+        Width ``K`` of a causal depthwise convolution on q and k before the attention (0: none; 4 in
+        DeltaNet), its weights ``FarParams.conv_q/conv_k`` started as the identity
+        (:mod:`sketchlab.attention.qk_conv`; needs ``causal``).
     backend, chunk_size, denominator_check
         Execution: ``"auto" | "triton" | "torch" | "reference"``; tokens per chunk (>= 1); what a
         denominator ``<= 0`` does (``"warn" | "raise" | "off"``).
@@ -116,6 +120,7 @@ class AttentionOptions:
     state: str = "additive"
     beta: str = "head"
     rescore: int = 64
+    qk_conv: int = 0
     backend: str = "auto"
     chunk_size: int = 64
     denominator_check: str = "warn"
@@ -147,6 +152,10 @@ class AttentionOptions:
         _choice(self.state, "state", STATES)
         _choice(self.beta, "beta", BETAS)
         set_("rescore", _int(self.rescore, "rescore", 1))
+        set_("qk_conv", _int(self.qk_conv, "qk_conv", 0))
+        if self.qk_conv and not self.causal:
+            raise ValueError(f"qk_conv={self.qk_conv} needs causal=True: the convolution reads the positions "
+                             "before each token and carries them across calls, which an encoder has no order for")
         _choice(self.backend, "backend", _BACKENDS)
         set_("chunk_size", _int(self.chunk_size, "chunk_size", 1))
         _choice(self.denominator_check, "denominator_check", _DENOMINATOR_CHECKS)
@@ -225,6 +234,14 @@ class AttentionOptions:
         return cls(**data)
 
 
+def identity_conv_weight(heads: int, dim: int, kernel: int, *, dtype=None, device=None) -> torch.Tensor:
+    """``[H, D, K]`` weights of the identity convolution (the last tap 1, the others 0): the start of
+    :class:`FarParams`' ``conv_q``, ``conv_k`` (:mod:`sketchlab.attention.qk_conv`)."""
+    w = torch.zeros(heads, dim, kernel, dtype=dtype, device=device)
+    w[..., -1] = 1.0
+    return w
+
+
 class FarParams(nn.Module):
     r"""The learnable tensors of one attention layer's far part and mixing, as ``options`` ask.
 
@@ -244,6 +261,8 @@ class FarParams(nn.Module):
         Initial decay of a learned decay (``decay_bias = logit(decay_init)``, ``decay_weight = 0``).
     beta_init : float in (0, 1)
         Initial β of the delta rule.
+    dim : int or None
+        ``D``, the q/k width the short convolution acts on (needed with ``options.qk_conv``).
 
     Attributes
     ----------
@@ -256,10 +275,12 @@ class FarParams(nn.Module):
         ``state="delta"``: ``β = σ(beta_bias [+ beta_weight·v_j])``.
     beta_weight : Parameter ``[H, Dv]`` or None
         ``beta="input"`` only.
+    conv_q, conv_k : Parameter ``[H, D, K]`` or None
+        ``qk_conv = K``: the depthwise convolutions of q and k, started as the identity.
     """
 
     def __init__(self, options: AttentionOptions, heads: int, dim_v: int, *, gate: bool = True,
-                 gate_init: float = 0.0, decay_init: float = 0.99, beta_init: float = 0.5):
+                 gate_init: float = 0.0, decay_init: float = 0.99, beta_init: float = 0.5, dim: int | None = None):
         super().__init__()
         if not isinstance(options, AttentionOptions):
             raise TypeError(f"options must be an AttentionOptions, got {type(options).__name__}")
@@ -279,7 +300,14 @@ class FarParams(nn.Module):
         delta = options.state == "delta"
         self.beta_bias = nn.Parameter(torch.full((heads,), logit(beta_init))) if delta else None
         self.beta_weight = nn.Parameter(zeros(heads, dim_v)) if delta and options.beta == "input" else None
+        self.conv_q = self.conv_k = None
+        if options.qk_conv:
+            if dim is None:
+                raise ValueError(f"qk_conv={options.qk_conv} needs dim= (D, the q/k width it convolves)")
+            dim = _int(dim, "dim", 1)
+            self.conv_q = nn.Parameter(identity_conv_weight(heads, dim, options.qk_conv))
+            self.conv_k = nn.Parameter(identity_conv_weight(heads, dim, options.qk_conv))
 
     def extra_repr(self) -> str:
         o = self.options
-        return f"decay={o.decay!r}, state={o.state!r}, beta={o.beta!r}"
+        return f"decay={o.decay!r}, state={o.state!r}, beta={o.beta!r}, qk_conv={o.qk_conv}"

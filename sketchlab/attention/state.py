@@ -74,6 +74,8 @@ class AttentionState(TensorState):
         ``True`` for real (not padded) window keys; ``None``: all real.
     mask_sink : Tensor ``[B, L_s]`` bool or None
         The same for the sink keys.
+    conv_q, conv_k : Tensor ``[B, K − 1, H, D]`` or None
+        The short convolution's tails (``options.qk_conv = K``): the last ``K − 1`` raw q, k.
     """
 
     S: torch.Tensor
@@ -86,6 +88,8 @@ class AttentionState(TensorState):
     offset: int
     mask_window: torch.Tensor | None = None
     mask_sink: torch.Tensor | None = None
+    conv_q: torch.Tensor | None = None
+    conv_k: torch.Tensor | None = None
 
 
 def state_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -68,7 +68,7 @@ TOY = {**dict.fromkeys(("p", "m", "rank", "non_negative", "capture_sequences", "
 PRETRAINED = {**dict.fromkeys(("attention", "p", "m", "rank", "window", "sinks", "local", "normalize", "gate_init",
                                "seq_len", "max_tokens", "transfer_steps", "transfer_lr", "lora_steps", "lora_rank",
                                "lora_lr", "seed", "cache", "decay", "state", "beta", "exact_layers", "fit_work",
-                               "input_norm"),
+                               "input_norm", "qk_conv"),
                               _AS_GIVEN),
               "text": _Flag(None, identity=False), "untied": _Flag("tied", lambda given: False if given else None),
               "holdout": _Flag(value=float), "processes": _Flag(identity=False), "no_fit": _Flag("fit", _NOT),
@@ -136,6 +136,9 @@ def add_arguments(sub) -> None:
     cmd.add_argument("--state", default="additive", help="the far state: 'additive' (default) or 'delta' (delta rule)")
     cmd.add_argument("--beta", default="head",
                      help="the delta rule's write strength: 'head' (learned per head; default) or 'input'")
+    cmd.add_argument("--qk-conv", type=int, default=0, metavar="K",
+                     help="a causal depthwise convolution of width K on q and k (0: none; 4 in DeltaNet), started as "
+                          "the identity and trained with the maps (a causal model)")
     cmd.add_argument("--exact-layers", type=int_list, default=[], metavar="I,J",
                      help="layers (0-based, comma-separated) kept the teacher's softmax attention")
     add_common(cmd, "p", "m")
@@ -341,7 +344,7 @@ def _check_memory_flags(args, *, causal: bool = True, model=None) -> None:
     _by_the_rule(f"--cache {args.cache}, --decay {'(none)' if args.decay is None else args.decay}, --state "
                  f"{args.state}, --beta {args.beta} (--window {args.window}{'' if causal else ', an encoder'})",
                  _check_memory, args.cache, args.decay, args.state, args.beta, args.window, args.sinks, args.local,
-                 args.normalize, causal=causal)
+                 args.normalize, causal=causal, qk_conv=args.qk_conv)
 
 
 def _read_text(given: str) -> str:

@@ -127,6 +127,9 @@ def add_arguments(sub) -> None:
                    help="the far state: additive sums (default) or the delta rule")
     m.add_argument("--beta", choices=("head", "input"), default=None,
                    help="the delta rule's write strength: learned per head (default) or from the value")
+    m.add_argument("--qk-conv", type=nonnegative_int, default=None, metavar="K",
+                   help="a causal depthwise convolution of width K on q and k before the attention (0: none; "
+                        "4 in DeltaNet), started as the identity")
     k.add_argument("--init", nargs="+", default=None, metavar="INIT",
                    help="llops initialisation: 'random' (default), 'based', or 'theta FILE' (an exported Θ); it "
                         "picks the defaults of --affine, --non-negative and --m (a resumed run keeps its own)")
@@ -171,7 +174,7 @@ def add_arguments(sub) -> None:
 
 def _attention_options(args) -> dict:
     names = ("p", "m", "rank", "non_negative", "affine", "normalize", "form", "dim", "backend", "window", "sinks",
-             "cache", "decay", "state", "beta")
+             "cache", "decay", "state", "beta", "qk_conv")
     return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
 
 

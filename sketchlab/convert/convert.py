@@ -203,6 +203,7 @@ def convert_attention(model: nn.Module, *, attention: str = "llops", p: int = 2,
                       normalize: str | None = None, non_negative: bool = False, eps: float = 1e-6, learn: bool = True,
                       gate: bool = True, gate_init: float = 0.0, tied: bool | None = None, input_norm: bool = False,
                       seed: int = 0, cache: int = 0, decay=None, state: str = "additive", beta: str = "head",
+                      qk_conv: int = 0,
                       exact_layers=(), max_bytes: int = DEFAULT_MAX_BYTES) -> list[SketchedAttention]:
     r"""Swap every self-attention of ``model`` for sketched attention, in place; keep every weight.
 
@@ -275,6 +276,10 @@ def convert_attention(model: nn.Module, *, attention: str = "llops", p: int = 2,
     cache, decay, state, beta
         Long-context memory (DESIGN §7), as :class:`~sketchlab.attention.options.AttentionOptions`;
         causal models only. The new parameters (decay, β) live in each layer's ``.far`` and train with the maps.
+    qk_conv : int
+        A causal depthwise convolution of width ``K`` on each converted layer's q and k (0: none;
+        :mod:`sketchlab.attention.qk_conv`), started as the identity so the model begins where it was;
+        its weights live in ``.far`` and train with the maps. Causal models only.
     exact_layers : sequence of int
         Layers (0-based) kept exact: the teacher's softmax attention
         (:class:`~sketchlab.convert.exact.ExactAttention`), whose decoding state is a KV cache that
@@ -330,7 +335,7 @@ def convert_attention(model: nn.Module, *, attention: str = "llops", p: int = 2,
     family, sites = attention_sites(model)
     exact = _check_exact_layers(exact_layers, len(sites), family)
     memory = _check_memory(cache, decay, state, beta, window, sinks, local, normalize,
-                           causal=all(site.causal for site in sites))
+                           causal=all(site.causal for site in sites), qk_conv=qk_conv)
     if feature_map is None:  # the maps' parameters, before any is drawn (a map of 10⁹ features: hundreds of GB)
         check_map_memory(sites, attention, p=p, m=m, rank=rank, max_bytes=max_bytes)
     tied = _resolve_tied(tied, attention, feature_map, p, family, theta is not None)
@@ -405,15 +410,16 @@ def _check_exact_layers(exact_layers, layers: int, family: str) -> set:
     return {int(i) for i in exact}
 
 
-def _check_memory(cache, decay, state, beta, window, sinks, local, normalize, *, causal: bool) -> dict:
-    """The memory options, checked by :class:`~sketchlab.attention.options.AttentionOptions` (the one
-    place their rules live) against this conversion's layout, before the model is touched."""
+def _check_memory(cache, decay, state, beta, window, sinks, local, normalize, *, causal: bool,
+                  qk_conv: int = 0) -> dict:
+    """The far part's options (memory and the short convolution), checked by
+    :class:`~sketchlab.attention.options.AttentionOptions` (the one place their rules live) against this
+    conversion's layout, before the model is touched."""
     from ..attention.options import AttentionOptions
 
-    AttentionOptions(causal=causal, normalize=normalize, window=window, sinks=sinks, local=local, cache=cache,
-                     decay=decay, state=state, beta=beta)
-    return {"cache": int(cache), "decay": decay if isinstance(decay, str) or decay is None else float(decay),
-            "state": state, "beta": beta}
+    o = AttentionOptions(causal=causal, normalize=normalize, window=window, sinks=sinks, local=local, cache=cache,
+                         decay=decay, state=state, beta=beta, qk_conv=qk_conv)
+    return {"cache": o.cache, "decay": o.decay, "state": o.state, "beta": o.beta, "qk_conv": o.qk_conv}
 
 
 def _use_state_cache(model: nn.Module, layers: int) -> None:

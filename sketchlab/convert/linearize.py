@@ -79,7 +79,7 @@ def linearize(model: nn.Module, texts, *, tokenizer=None, attention: str = "llop
               batch_size: int = 4, evaluate: bool = True, seed: int = 0, progress: bool = False,
               processes: int = 1, max_bytes: int = DEFAULT_MAX_BYTES, cache: int = 0, decay=None,
               state: str = "additive", beta: str = "head", exact_layers=(), fit_work: float | None = None,
-              far: bool = True):
+              far: bool = True, qk_conv: int = 0):
     r"""Convert ``model``'s attention (:func:`sketchlab.convert_attention`) and train it in stages.
 
     Parameters
@@ -107,6 +107,9 @@ def linearize(model: nn.Module, texts, *, tokenizer=None, attention: str = "llop
         Long-context memory and layers kept exact (:func:`sketchlab.convert_attention`, DESIGN §7),
         checked before any work; stage 1 trains the decay and β parameters with the gate (at
         ``transfer_lr``), and the exact layers are neither fitted nor trained.
+    qk_conv : int
+        The short causal convolution on q and k (:func:`sketchlab.convert_attention`), started as the
+        identity; stage 1 trains its weights with the maps.
     gate_init : float, "mass", "search" or None
         The hybrid's initial gate logits: a number for every head, or set per head from the
         teacher's attention on the first ``gate_sequences`` training sequences
@@ -250,7 +253,8 @@ def _calibrate_gates(model, sketches, layers, r) -> list:
 #: The report's ``settings``: :func:`sketchlab.linearize`'s arguments as resolved (``sinks``, ``gate_init``,
 #: ``tied``, ``fit_work``, ...), then what the run read and planned; the one list of them.
 SETTINGS = ("family", "attention", "p", "m", "rank", "window", "sinks", "local", "normalize", "gate_init", "tied",
-            "input_norm", "gate_sequences", "cache", "decay", "state", "beta", "exact_layers", "far", "sequences", "held_out",
+            "input_norm", "gate_sequences", "cache", "decay", "state", "beta", "qk_conv", "exact_layers", "far",
+            "sequences", "held_out",
             "seq_len", "tokens", "sentences", "fit_work", "transfer_steps", "transfer_lr", "processes", "lora_steps",
             "lora_rank", "lora_lr", "batch_size", "seed", "memory_estimate", "max_bytes")
 
@@ -270,7 +274,7 @@ def _prepare(model: nn.Module, texts, run: dict) -> SimpleNamespace:
     sites = r["sites"] = attention_sites(model)[1]
     r["exact"] = _check_exact_layers(r["exact_layers"], len(sites), family)  # before any work, by the conversion's rules
     r["memory"] = _check_memory(r["cache"], r["decay"], r["state"], r["beta"], r["window"], r["sinks"], r["local"],
-                                r["normalize"], causal=all(site.causal for site in sites))
+                                r["normalize"], causal=all(site.causal for site in sites), qk_conv=r["qk_conv"])
     _check_far(r["far"], r["window"], r["gate_init"])
     for flag in ("progress", "input_norm"):
         if not isinstance(r[flag], bool):

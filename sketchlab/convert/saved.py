@@ -27,11 +27,12 @@ OPTIONS_FILE = "sketchlab_conversion.json"
 #: The options every save records (those of :data:`LATER_DEFAULTS` and ``family`` may be absent: saves from before
 #: they existed).
 RECORDED = ("attention", "p", "m", "rank", "window", "sinks", "local", "normalize", "non_negative", "eps", "gate",
-            "gate_init", "tied", "input_norm", "seed", "family", "cache", "decay", "state", "beta", "exact_layers")
+            "gate_init", "tied", "input_norm", "seed", "family", "cache", "decay", "state", "beta", "exact_layers",
+            "qk_conv")
 #: The options of a save written before they existed, as it was converted: untied, no input norm, no long-context
 #: memory (DESIGN §7), no exact layers.
 LATER_DEFAULTS = {"tied": False, "input_norm": False, "cache": 0, "decay": None, "state": "additive", "beta": "head",
-                  "exact_layers": []}
+                  "exact_layers": [], "qk_conv": 0}
 #: Metadata key of the toy model's ``model.safetensors`` holding the options' second copy.
 META_KEY = "sketchlab"
 

@@ -40,6 +40,7 @@ length. ``generate()`` of a converted model uses it by default.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -101,14 +102,14 @@ class SketchedAttention(nn.Module):
     def __init__(self, feature_map_q: nn.Module, feature_map_k: nn.Module, *, heads: int, head_dim: int,
                  window: int, sinks: int, local: str = "softmax", gate: bool = True, normalize: str | None = None,
                  non_negative: bool = False, eps: float = 1e-6, causal: bool = True, cache: int = 0,
-                 decay=None, state: str = "additive", beta: str = "head"):
+                 decay=None, state: str = "additive", beta: str = "head", qk_conv: int = 0):
         super().__init__()
         from ..attention.options import AttentionOptions, FarParams
 
         # one validation of every option (DESIGN §7): the layer keeps the object and passes it on
         self.options = AttentionOptions(causal=causal, normalize=normalize, non_negative=non_negative, eps=eps,
                                         window=window, sinks=sinks, local=local, cache=cache, decay=decay,
-                                        state=state, beta=beta)
+                                        state=state, beta=beta, qk_conv=qk_conv)
         check_local_map(feature_map_q, window=window, local=local)  # before a model holds the layer
         self.feature_map_q = feature_map_q
         if feature_map_k is not feature_map_q:  # a shared map is registered once: see feature_map_k
@@ -119,7 +120,8 @@ class SketchedAttention(nn.Module):
         self.eps = float(eps)
         self.gate = nn.Parameter(torch.zeros(heads)) if gate and window > 0 else None  # [H] logits
         # decay and the delta rule's β (the gate stays `gate`, where saved conversions have it)
-        self.far = FarParams(self.options, heads, head_dim, gate=False) if self.options.memory else None
+        self.far = (FarParams(self.options, heads, head_dim, gate=False, dim=head_dim)
+                    if self.options.memory or self.options.qk_conv else None)
         self.input_scale = head_dim ** -0.25
         self._cache_layer = None  # set for one call by remember_cache (not state: never saved)
 
@@ -138,16 +140,30 @@ class SketchedAttention(nn.Module):
                 f"local={self.local!r}, causal={self.causal}{memory}")
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scaling: float | None = None,
-                key_padding_mask: torch.Tensor | None = None, initial_state=None, output_final_state: bool = False):
+                key_padding_mask: torch.Tensor | None = None, initial_state=None, output_final_state: bool = False,
+                convolved: bool = False):
         """``q, k [B, T, H, D]``, ``v [B, T, H, Dv]`` → ``[B, T, H, Dv]`` (and the state with
-        ``output_final_state``). ``scaling``: the model's logit scale (default ``1/√D``)."""
+        ``output_final_state``). ``scaling``: the model's logit scale (default ``1/√D``); ``convolved``: q, k
+        come through :meth:`convolve` already (a padded batch the attention reorders)."""
         c = self.input_scale
         scaling = 1.0 / math.sqrt(self.head_dim) if scaling is None else float(scaling)
-        out, state = linear_attention(q * c, k * c, v, self.feature_map_q, self.feature_map_k,
-                                      options=self.options.replace(local_scale=scaling / (c * c)), params=self.far,
+        options = self.options.replace(local_scale=scaling / (c * c), **({"qk_conv": 0} if convolved else {}))
+        out, state = linear_attention(q * c, k * c, v, self.feature_map_q, self.feature_map_k, options=options,
+                                      params=self.far,
                                       gate=self.gate, key_padding_mask=key_padding_mask, initial_state=initial_state,
                                       output_final_state=output_final_state)
         return (out, state) if output_final_state else out
+
+    def convolve(self, q: torch.Tensor, k: torch.Tensor, padding: torch.Tensor | None):
+        """The short convolution of ``q, k [B, T, H, D]`` at the start of a sequence, pads (``padding`` False)
+        as zeros: ``(q, k, (tail_q, tail_k))`` (:func:`sketchlab.attention.qk_conv.causal_conv`)."""
+        from ..attention.qk_conv import causal_conv
+
+        if padding is not None:
+            keep = padding[:, :, None, None].to(q.dtype)
+            q, k = q * keep, k * keep
+        (q, tail_q), (k, tail_k) = causal_conv(q, self.far.conv_q), causal_conv(k, self.far.conv_k)
+        return q, k, (tail_q, tail_k)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -255,13 +271,19 @@ def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
         k, v = key.transpose(1, 2), value.transpose(1, 2)  # [B, S, H_kv, D]
     else:
         k, v = _repeat_heads(key, H), _repeat_heads(value, H)  # [B, S, H, D]
+    tails = None  # the short convolution reads each token's neighbours in the row's own order: before the reorder
+    if order is not None and isinstance(sketch, SketchedAttention) and sketch.options.qk_conv:
+        q, k, tails = sketch.convolve(q, k, padding)
     if order is not None:
         q, k, v, padding = _take(q, order), _take(k, order), _take(v, order), padding.gather(1, order)
+    convolved = {} if tails is None else {"convolved": True}
     if layer is None:
-        out = sketch(q, k, v, scaling=scaling, key_padding_mask=padding)
+        out = sketch(q, k, v, scaling=scaling, key_padding_mask=padding, **convolved)
     else:
         out, layer.state = sketch(q, k, v, scaling=scaling, key_padding_mask=padding, initial_state=layer.state,
-                                  output_final_state=True)
+                                  output_final_state=True, **convolved)
+        if tails is not None:  # every row ends where it did: its tail is the last inputs in its own order
+            layer.state = dataclasses.replace(layer.state, conv_q=tails[0], conv_k=tails[1])
     if order is not None:
         out = _take(out, order.argsort(1))  # the inverse permutation: each output back at its token
     return out, None

@@ -175,7 +175,7 @@ class ToyKernel(nn.Module):
         if not o["tie"]:  # the same draw: both sides start equal
             self.map_k = make_feature_map(fmap, heads=H, head_dim=D + o["affine"], **{**maps, "seed": seed})
         self.gate = nn.Parameter(torch.zeros(H)) if options.window and o["gate"] else None
-        self.far = FarParams(options, H, D, gate=False)
+        self.far = FarParams(options, H, D, gate=False, dim=D + o["affine"])  # the convolution sees the map's input
 
     def _load_from_state_dict(self, state_dict, prefix, *args):  # older toy checkpoints' keys: tasks/legacy.py
         super()._load_from_state_dict(upgrade_keys(self, state_dict, prefix), prefix, *args)

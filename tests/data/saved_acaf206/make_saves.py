@@ -1,0 +1,56 @@
+"""Written once with the code of acaf206 (issue 40's start): saves whose reload today must give the same outputs
+(tests/test_saved_acaf206.py). Run with that commit checked out elsewhere:
+
+    git worktree add /tmp/old acaf206
+    python tests/data/saved_acaf206/make_saves.py /tmp/old tests/data/saved_acaf206 data/mqar_softmax_qk.safetensors
+"""
+import json
+import sys
+from pathlib import Path
+
+import torch
+import transformers
+
+old, out, dump_file = sys.argv[1:4]
+sys.path.insert(0, old)
+import sketchlab as sl  # noqa: E402  (the old checkout's, put first above)
+from sketchlab.convert import convert_attention, converted_modules, save_linearized  # noqa: E402
+
+assert sl.__file__.startswith(old), sl.__file__
+
+out = Path(out)
+
+def llama():
+    cfg = transformers.LlamaConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, intermediate_size=48, max_position_embeddings=64,
+                                   attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg).double().eval()
+
+ids = torch.randint(1, 50, (2, 9), generator=torch.Generator().manual_seed(3))
+cases = {"llops-hybrid": dict(attention="llops", p=2, m=6, window=3, sinks=1),
+         "hedgehog-memory": dict(attention="hedgehog", m=8, window=3, sinks=1, cache=2, decay="input", state="delta", beta="input")}
+for name, kw in cases.items():
+    model = llama()
+    convert_attention(model, **kw)
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():  # trained values, not the initial ones
+        for s in converted_modules(model):
+            for p in s.parameters():
+                p.add_(0.3 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    save_linearized(model, out / name)
+    (out / name / "expected.json").write_text(json.dumps({"ids": ids.tolist(), "logits": logits.tolist(), "options": kw,
+                                                          "written_by": "acaf206"}))
+# a Θ export of acaf206: fit on the shipped dump's layer 0, and the block's output on it
+dump = sl.load_qk(dump_file, layers=[0])
+f = dump.q.shape[-1] ** -0.25
+fit = sl.fit_sketch("llops", dump.q[..., :64, :] * f, dump.k[..., :64, :] * f, p=2, m=6, seed=0)
+sl.export_theta(fit, out / "theta.safetensors", dump=dump, scale="sqrt-d")
+block = sl.LLoPSAttention.from_pretrained(out / "theta.safetensors", layer=0, dtype=torch.float64, window=4, sinks=1)
+x = torch.randn(1, 10, block.embed_dim, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+with torch.no_grad():
+    (out / "theta_expected.json").write_text(json.dumps({"x": x.tolist(), "y": block(x).tolist(), "written_by": "acaf206",
+                                                         "block": {"window": 4, "sinks": 1}}))
+print("ok")
