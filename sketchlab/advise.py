@@ -42,6 +42,7 @@ import torch
 from ._dumpsel import select_and_scale
 from ._validation import check_degree, check_fraction, check_symmetric_features
 from .fit import accepted_methods, available_sketches, fit_sketch
+from .numerics import check_poly_kernel_range
 from .optimal import max_sketch_size
 from .scaling import DEFAULT_SCALE
 from .spectrum import KernelSpectrum, spectrum_of_selection
@@ -207,6 +208,7 @@ def advise(dump_or_qk, *, p: int, target: float, method: str = "llops", layers=N
     options = dict(options or {})
     start = time.perf_counter()
     sel = select_and_scale(dump_or_qk, layers=layers, heads=heads, scale=scale)
+    check_poly_kernel_range(sel.q, sel.k, p, where=sel.label)  # the fits need ‖A‖_F²
     # each head's fits are measured against the Theorem 3.1 optimum on the exact symmetric features of its
     # fitting tokens: their enumeration and size, estimated before the spectrum and the first fit
     n_fit = sel.q.shape[2] - math.ceil(holdout * sel.q.shape[2])

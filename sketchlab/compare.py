@@ -17,10 +17,11 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from ._validation import (DEFAULT_MAX_BYTES, check_degree, check_fraction, check_kernel_underflow, check_positive_int,
-                          check_seed, check_symmetric_features)
+from ._validation import (DEFAULT_MAX_BYTES, check_degree, check_fraction, check_positive_int, check_seed,
+                          check_symmetric_features)
 from .fit import _fit_checked, accepted_methods, available_sketches, sketch_fitter
 from ._dumpsel import select_and_scale
+from .numerics import check_poly_kernel_range
 from .optimal import max_sketch_size
 from .scaling import DEFAULT_SCALE, describe_scale
 
@@ -280,40 +281,6 @@ def _check_tokens(sel, holdout: float) -> None:
         )
 
 
-def _max_abs_score(q, k, block: int = 1024) -> float:
-    """``max |qᵢᵀkⱼ|`` over ``q, k [..., n, d]`` in float64, ``block`` query rows at a time (no n×n tensor)."""
-    q, k = q.to(torch.float64), k.to(torch.float64)
-    best = 0.0
-    for start in range(0, q.shape[-2], block):
-        scores = q[..., start:start + block, :] @ k.mT  # [..., block, n]
-        best = max(best, float(scores.abs().max()))
-    return best
-
-
-def _check_scale(sel, p: int) -> None:
-    """Refuse, before fitting, a selection whose kernel (qᵀk)^p (after the scale) overflows its dtype.
-
-    The fitters work in the dump's dtype and sum ``n`` products of size ``|qᵀk|^p``; when
-    ``n · max|qᵀk|^p`` exceeds the dtype's largest value every sketch's kernel, loss or SVD is
-    non-finite, so the comparison could only print inf/NaN.
-    """
-    dtype = sel.q.dtype
-    limit = math.log10(torch.finfo(dtype).max)
-    n = sel.q.shape[2]
-    for i, layer in enumerate(sel.layers):
-        top = _max_abs_score(sel.q[i], sel.k[i])
-        if top == 0:
-            continue
-        size = p * math.log10(top) + math.log10(n)
-        if size > limit:
-            raise ValueError(
-                f"{sel.source}: layer {layer}: the kernel (qᵀk)^p overflows {dtype}: after the scale "
-                f"({sel.scale_description}), max |qᵀk| = {top:.4g}, and {n} tokens × {top:.4g}^{p} ≈ 1e{size:.0f} "
-                f"exceeds the dtype's maximum ≈ 1e{limit:.0f}; every fit would be inf/NaN. Scale the inputs down "
-                f"(scale='sqrt-d' or a smaller number; --scale on the command line), lower p{'' if dtype == torch.float64 else ', or convert the dump to float64'}"
-            )
-
-
 def compare(dump_or_qk, *, p: int, m: int, methods=DEFAULT_METHODS, layers=None, heads=None, seed: int = 0,
             holdout: float = 0.25, scale=DEFAULT_SCALE, options: dict | None = None, progress: bool = True) -> ComparisonTable:
     r"""Fit every method in ``methods`` to each selected layer and compare them head by head.
@@ -383,8 +350,7 @@ def compare(dump_or_qk, *, p: int, m: int, methods=DEFAULT_METHODS, layers=None,
     layers, heads, source = sel.layers, sel.heads, sel.source
     _check_heads(sel, p)  # the checks before any fit: each names the file, layer and head
     _check_tokens(sel, holdout)
-    _check_scale(sel, p)
-    check_kernel_underflow(sel.q, sel.k, p, where=f"{source} (after the scale: {sel.scale_description})")
+    check_poly_kernel_range(sel.q, sel.k, p, where=sel.label)
     _, _, n, d = sel.q.shape
     n_fit = n - math.ceil(holdout * n)
     limit = max_sketch_size(n_fit, n_fit, d, p)

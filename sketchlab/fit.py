@@ -29,8 +29,8 @@ from typing import Callable
 
 import torch
 
-from ._validation import (DEFAULT_MAX_BYTES, check_degree, check_fraction, check_kernel_underflow, check_pair,
-                          check_positive_int, check_seed)
+from ._validation import DEFAULT_MAX_BYTES, check_degree, check_fraction, check_pair, check_positive_int, check_seed
+from .numerics import check_poly_kernel_range
 from .sketch import Sketch
 
 __all__ = [
@@ -346,7 +346,7 @@ def fit_sketch(method: str, q, k, /, *, p: int, m: int, seed: int = 0, holdout: 
     fitter = sketch_fitter(method)
     q, k = check_pair(q, k)
     p = check_degree(p)
-    check_kernel_underflow(q, k, p)
+    check_poly_kernel_range(q, k, p, max_bytes=max_bytes)
     m = check_positive_int(m, "m (the sketch size)")
     holdout = check_fraction(holdout, "holdout")
     seed = check_seed(seed)

@@ -123,25 +123,30 @@ def _log_top_norms(x: torch.Tensor) -> torch.Tensor:
     return x.detach().double().norm(dim=-1).amax(-1).log()
 
 
-def _log_energy(q: torch.Tensor, k: torch.Tensor, p: int, log_q: torch.Tensor, log_k: torch.Tensor,
-                max_bytes: int) -> torch.Tensor:
-    r""":math:`\log\|A\|_F^2` per head, exact and without overflow: ``A`` of q, k divided by their largest token
-    norms (``log_q, log_k``: their logs, ``[...]``, finite), in row blocks under ``max_bytes``; float64 ``[...]``."""
+def _exact_logs(q: torch.Tensor, k: torch.Tensor, p: int, log_q: torch.Tensor, log_k: torch.Tensor,
+                max_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    r""":math:`\log\max|q_t^\top k_s|` and :math:`\log\|A\|_F^2` per head, exact and without overflow: of q, k
+    divided by their largest token norms (``log_q, log_k``: their logs, ``[...]``, finite), in row blocks
+    under ``max_bytes``; float64 ``[...]`` each."""
     a = q.detach().double() / log_q.exp()[..., None, None]  # [..., n_q, d], rows of norm <= 1
     b = k.detach().double() / log_k.exp()[..., None, None]  # [..., n_k, d]
     rows = max(1, max_bytes // (8 * 4 * max(1, math.prod(b.shape[:-1]))))
-    total = sum(((a[..., i:i + rows, :] @ b.mT) ** p).square().sum((-2, -1)) for i in range(0, a.shape[-2], rows))
-    return total.log() + 2 * p * (log_q + log_k)
+    top, total = torch.zeros_like(log_q), torch.zeros_like(log_q)
+    for i in range(0, a.shape[-2], rows):
+        scores = a[..., i:i + rows, :] @ b.mT  # [..., rows, n_k]
+        top = torch.maximum(top, scores.abs().amax((-2, -1)))
+        total = total + (scores ** p).square().sum((-2, -1))
+    return top.log() + log_q + log_k, total.log() + 2 * p * (log_q + log_k)
 
 
 def check_poly_kernel_range(q: torch.Tensor, k: torch.Tensor, p: int, *, where: str = "q, k", squares: bool = True,
-                       max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+                            max_bytes: int = DEFAULT_MAX_BYTES) -> None:
     r"""Refuse ``q [..., n_q, d]``, ``k [..., n_k, d]`` whose kernel :math:`A = (QK^\top)^{\circ p}` leaves the range.
 
     Parameters
     ----------
     q, k : Tensor
-        Finite, as used (scaled); one dtype.
+        Finite, as used (scaled); one dtype, the one the caller computes in.
     p : int
     where : str
         Names the tensors in the message (a dump path and its scale, for the dump tools).
@@ -149,7 +154,7 @@ def check_poly_kernel_range(q: torch.Tensor, k: torch.Tensor, p: int, *, where: 
         Whether the caller needs :math:`\|A\|_F^2` (tails, errors, the fits' loss): all but the spectrum,
         which works on :math:`\sigma_i/\sigma_1` (its σ come from LAPACK, which scales internally).
     max_bytes : int
-        Memory of the exact energy's row blocks.
+        Memory of the exact test's row blocks.
 
     Raises
     ------
@@ -158,22 +163,25 @@ def check_poly_kernel_range(q: torch.Tensor, k: torch.Tensor, p: int, *, where: 
         :math:`\|A\|_F^2 \le n_q n_k b^2`; when that energy bound is below float64's smallest normal number
         for some head, every singular value, tail and error computed from A underflows to 0; when ``b`` is
         below the smallest normal number of the inputs' dtype (float32: 1.2e-38), every kernel value and every
-        map evaluated in that dtype rounds to 0. *Overflow* (``squares``): :math:`\|A\|_F^2` above float64's
-        largest value over :data:`OVERFLOW_ROOM`, although A itself may be finite (a Frobenius norm, a tail or
-        an error would be inf and every ratio NaN). The energy bound decides when it proves the energy in
-        range; otherwise :math:`\|A\|_F^2` is computed exactly, of q, k divided by their largest norms.
+        map evaluated in that dtype rounds to 0. *Overflow*: a row sum :math:`n_k\max|A_{ts}|` above the
+        dtype's largest value (the fitters form such sums in the inputs' dtype: every kernel, loss or SVD
+        would be inf/NaN); with ``squares``, :math:`\|A\|_F^2` above float64's largest value over
+        :data:`OVERFLOW_ROOM`, although A itself may be finite (a Frobenius norm, a tail or an error would
+        be inf and every ratio NaN). The bounds decide where they prove the head in range; elsewhere
+        :math:`\max|q_t^\top k_s|` and :math:`\|A\|_F^2` are computed exactly (:func:`_exact_logs`).
 
     Notes
     -----
     Heads whose q or k is exactly zero are left alone (their kernel is exactly 0). The remedies quote the
     factor that brings the head into range: ``A`` of ``c·q, c·k`` is ``c^{2p} A``.
     """
+    f64 = torch.finfo(torch.float64)
     with torch.no_grad():
         log_q, log_k = _log_top_norms(q), _log_top_norms(k)  # [...]
         entry = p * (log_q + log_k)  # [...]: log bound on max |A_ts|
         energy = 2 * entry + math.log(q.shape[-2] * k.shape[-2])  # [...]: log bound on ‖A‖_F²
         # (bound, its smallest normal number, what it bounds, its degree in a common factor c of q and k)
-        for bound, tiny, what, degree in ((energy, torch.finfo(torch.float64).tiny, "‖A‖_F² (float64)", 4 * p),
+        for bound, tiny, what, degree in ((energy, f64.tiny, "‖A‖_F² (float64)", 4 * p),
                                           (entry, torch.finfo(q.dtype).tiny, f"every |A_ts| ({q.dtype})", 2 * p)):
             low = torch.isfinite(bound) & (bound < math.log(tiny))
             if bool(low.any()):
@@ -182,31 +190,40 @@ def check_poly_kernel_range(q: torch.Tensor, k: torch.Tensor, p: int, *, where: 
                 raise KernelRangeError(
                     f"{where}: the kernel (qᵀk)^p with p={p} underflows at head {first}: {what} ≤ "
                     f"1e{float(bound[first]) / math.log(10):.0f}, below the smallest normal number {tiny:.2g}, so "
-                    f"every singular value, map and error would be 0; scale q and k up (by at least {factor:.2g}; "
+                    f"every singular value, map and error would be 0; scale q and k up (multiply them by at least {factor:.2g}; "
                     "x · d^-1/4 of the raw attention inputs is the usual choice), lower p, or use float64"
                 )
-        if not squares:
-            return
-        room = math.log(torch.finfo(torch.float64).max / OVERFLOW_ROOM)
-        near = torch.isfinite(energy) & (energy >= room)
+        n_k, sums_room = k.shape[-2], math.log(torch.finfo(q.dtype).max)
+        energy_room = math.log(f64.max / OVERFLOW_ROOM) if squares else math.inf
+        near = torch.isfinite(entry) & ((entry + math.log(n_k) >= sums_room) | (energy >= energy_room))
         if not bool(near.any()):
             return
-        exact = torch.where(near, _log_energy(q, k, p, torch.where(near, log_q, 0.0), torch.where(near, log_k, 0.0),
-                                              max_bytes), energy)
-        high = near & (exact >= room)
-        if bool(high.any()):
-            first = tuple(int(i) for i in high.nonzero()[0])
-            factor = math.exp((room - float(exact[first])) / (4 * p))
+        top, energy = _exact_logs(q, k, p, torch.where(near, log_q, 0.0), torch.where(near, log_k, 0.0), max_bytes)
+        sums, energy = torch.where(near, p * top + math.log(n_k), -math.inf), torch.where(near, energy, -math.inf)
+    for value, room, degree in ((sums, sums_room, 2 * p), (energy, energy_room, 4 * p)):
+        high = value >= room
+        if not bool(high.any()):
+            continue
+        first = tuple(int(i) for i in high.nonzero()[0])
+        size, factor = float(value[first]) / math.log(10), math.exp((room - float(value[first])) / degree)
+        remedy = (f"scale q and k down (multiply them by at most {factor:.2g}; scale='sqrt-d', x · d^-1/4, is the usual "
+                  "choice, --scale on the command line), or lower p")
+        if value is sums:
             raise KernelRangeError(
-                f"{where}: ‖A‖_F² of the kernel (qᵀk)^p with p={p} is 1e{float(exact[first]) / math.log(10):.0f} at "
-                f"head {first}, beyond float64's largest {torch.finfo(torch.float64).max:.3g} over a room of "
-                f"{OVERFLOW_ROOM:g} for the errors' squares: the Frobenius norm, the tail and every error would "
-                f"overflow (inf, NaN ratios) even where A is finite; scale q and k down by at least {factor:.2g} "
-                "(scale='sqrt-d', x · d^-1/4, is the usual choice), or lower p"
+                f"{where}: the kernel (qᵀk)^p with p={p} overflows {str(q.dtype).removeprefix('torch.')} at head "
+                f"{first}: max |qᵀk| = {math.exp(float(top[first])):.4g}, and {n_k} tokens × that^{p} ≈ 1e{size:.0f} "
+                f"exceeds the dtype's maximum ≈ 1e{room / math.log(10):.0f}, so its sums, every fit and the spectrum "
+                f"would be inf/NaN; {remedy}"
+                + ("" if q.dtype == torch.float64 else ", or convert the dump to float64")
             )
+        raise KernelRangeError(
+            f"{where}: ‖A‖_F² of the kernel (qᵀk)^p with p={p} overflows float64 at head {first}: it is 1e{size:.0f}, "
+            f"beyond float64's largest {f64.max:.3g} over a room of {OVERFLOW_ROOM:g} for the errors' squares, so the "
+            f"Frobenius norm, the tail and every error would be inf (every ratio NaN) even where A is finite; {remedy}"
+        )
 
 
-def check_float64_finite(x: torch.Tensor, what: str, p: int, where: str) -> torch.Tensor:
+def check_float64_finite(x: torch.Tensor, what: str, p: int, *, where: str) -> torch.Tensor:
     """``x [..., a, b]`` (float64, computed from q, k) unchanged, or :class:`KernelRangeError` naming the heads
     where it overflowed (before an SVD fails with ``_LinAlgError``)."""
     bad = ~torch.isfinite(x).flatten(-2).all(-1)  # [...] per head

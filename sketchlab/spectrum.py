@@ -17,6 +17,7 @@ of the small core :math:`R_Q R_K^\top` of the thin QR factors of :math:`\psi_p(Q
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass
@@ -24,22 +25,17 @@ from dataclasses import dataclass
 import torch
 
 from ._dumpsel import select_and_scale
-from ._validation import DEFAULT_MAX_BYTES, check_degree, check_fraction, check_kernel_underflow, check_memory
+from ._validation import DEFAULT_MAX_BYTES, check_degree, check_fraction, check_memory
 from .fit import holdout_split
+from .numerics import check_float64_finite, check_poly_kernel_range
 from .polynomial import num_poly_features, poly_features, poly_kernel
 from .scaling import DEFAULT_SCALE
 
 __all__ = ["KernelSpectrum", "kernel_singular_values", "kernel_spectrum"]
 
 
-def _finite(x: torch.Tensor, what: str, p: int) -> torch.Tensor:
-    """``x`` unchanged, or ``ValueError`` when float64 overflowed (before an SVD fails with ``_LinAlgError``)."""
-    if not bool(torch.isfinite(x).all()):
-        raise ValueError(
-            f"kernel spectrum: {what} overflows float64 (p={p}; values beyond 1e308): the inputs are too large; "
-            "rescale q and k (scale='sqrt-d', x · d^-1/4, is the usual choice) or lower p"
-        )
-    return x
+#: :func:`sketchlab.numerics.check_float64_finite` naming this module's results.
+_finite = functools.partial(check_float64_finite, where="kernel spectrum")
 
 
 def kernel_singular_values(q: torch.Tensor, k: torch.Tensor, p: int, *, max_bytes: int = DEFAULT_MAX_BYTES) -> torch.Tensor:
@@ -51,7 +47,7 @@ def kernel_singular_values(q: torch.Tensor, k: torch.Tensor, p: int, *, max_byte
     """
     p = check_degree(p)
     q, k = q.to(torch.float64), k.to(torch.float64)
-    check_kernel_underflow(q, k, p)  # computed in float64: only float64's range matters
+    check_poly_kernel_range(q, k, p, squares=False, max_bytes=max_bytes)  # in float64: only its range matters
     batch, n_q, n_k, d = math.prod(q.shape[:-2]), q.shape[-2], k.shape[-2], q.shape[-1]
     symmetric = num_poly_features(d, p, True) < num_poly_features(d, p, False)
     dim = num_poly_features(d, p, symmetric)
@@ -217,7 +213,8 @@ def kernel_spectrum(dump_or_qk, *, p: int, layers=None, heads=None, scale=DEFAUL
 def spectrum_of_selection(sel, p: int, *, holdout: float, seed: int, max_bytes: int = DEFAULT_MAX_BYTES) -> KernelSpectrum:
     """:func:`kernel_spectrum` of an already loaded, selected and scaled :class:`sketchlab._dumpsel.Selection`."""
     fit, _ = holdout_split(sel.q.shape[-2], holdout, seed)
-    q, k = sel.q[..., fit, :], sel.k[..., fit, :]  # [L', H', n_fit, d]
+    q, k = sel.q[..., fit, :].double(), sel.k[..., fit, :].double()  # [L', H', n_fit, d]
+    check_poly_kernel_range(q, k, p, where=sel.label, squares=False)
     s = kernel_singular_values(q, k, p, max_bytes=max_bytes)
     return KernelSpectrum(singular_values=s, p=p, layers=sel.layers, heads=sel.heads, scale=sel.scale,
                           scale_factor=sel.scale_factor, scale_description=sel.scale_description, source=sel.source,

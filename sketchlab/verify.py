@@ -57,6 +57,7 @@ import torch
 
 from ._dumpsel import select_and_scale
 from ._validation import check_degree, check_memory, check_positive_int, check_symmetric_features, check_work
+from .numerics import check_poly_kernel_range
 from .optimal import max_sketch_size, optimal_sketch
 from .polynomial import num_poly_features, poly_features, poly_kernel, symmetric_to_full
 from .scaling import DEFAULT_SCALE
@@ -245,6 +246,7 @@ def verify(dump_or_qk, *, p: int = 2, m: int = 64, layers=None, heads=None, scal
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"seed must be an int, got {seed!r}")
     sel = select_and_scale(dump_or_qk, layers=layers, heads=heads, scale=scale)
+    check_poly_kernel_range(sel.q.double(), sel.k.double(), p, where=sel.label)  # every check runs in float64
     L, H, n, d = sel.q.shape
     limit = max_sketch_size(n, n, d, p)
     # the costs that grow with d^p, estimated before the first head (each check runs one head at a time)
