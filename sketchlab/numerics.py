@@ -101,16 +101,23 @@ def json_ratios(row: dict, causes: dict[str, str]) -> dict:
     return out
 
 
-def warn_undefined(where: str, counts: dict[str, int], stacklevel: int = 3) -> None:
-    """One ``RuntimeWarning`` for every undefined ratio of a call: ``counts`` maps a description (e.g.
-    ``"in-sample optimality ratio"``) to how many are undefined; the cause is named once per kind of denominator."""
-    counts = {what: n for what, n in counts.items() if n}
-    if not counts:
+def warn_undefined(where: str, counts, stacklevel: int = 3) -> None:
+    """One ``RuntimeWarning`` for every undefined ratio of a call, naming each cause once.
+
+    ``counts``: ``(name, cause, undefined, of)`` tuples (e.g. one per ratio of each fit,
+    :meth:`sketchlab.FitReport.undefined_counts`), summed by ``(name, cause)``; ``cause`` a key of
+    :data:`UNDEFINED_REASONS`. Nothing is issued when none is undefined.
+    """
+    total: dict[tuple[str, str], list[int]] = {}
+    for name, cause, undefined, of in counts:
+        entry = total.setdefault((name, cause), [0, 0])
+        entry[0], entry[1] = entry[0] + undefined, entry[1] + of
+    listed = [f"{undefined} of {of} {name}" for (name, _), (undefined, of) in total.items() if undefined]
+    if not listed:
         return
-    causes = {"reference" if "reference" in what else "tail" for what in counts}
-    listed = ", ".join(f"{n} {what}" for what, n in counts.items())
-    warnings.warn(f"{where}: undefined ratio(s), shown as {UNDEFINED!r} (JSON null): {listed}; "
-                  + "; ".join(UNDEFINED_REASONS[c] for c in sorted(causes, reverse=True)),
+    causes = dict.fromkeys(cause for (_, cause), (undefined, _) in total.items() if undefined)
+    warnings.warn(f"{where}: undefined ratio(s), shown as {UNDEFINED!r} (JSON null with the reason): "
+                  + ", ".join(listed) + ". " + "; ".join(UNDEFINED_REASONS[c] for c in causes),
                   RuntimeWarning, stacklevel=stacklevel)
 
 
