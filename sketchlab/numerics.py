@@ -116,9 +116,8 @@ def warn_undefined(where: str, counts, stacklevel: int = 3) -> None:
     if not listed:
         return
     causes = dict.fromkeys(cause for (_, cause), (undefined, _) in total.items() if undefined)
-    warnings.warn(f"{where}: undefined ratio(s), shown as {UNDEFINED!r} (JSON null with the reason): "
-                  + ", ".join(listed) + ". " + "; ".join(UNDEFINED_REASONS[c] for c in causes),
-                  RuntimeWarning, stacklevel=stacklevel)
+    warnings.warn(f"{where}: {', '.join(listed)} undefined, shown as {UNDEFINED!r} (JSON null with the reason): "
+                  + "; ".join(UNDEFINED_REASONS[c] for c in causes), RuntimeWarning, stacklevel=stacklevel)
 
 
 # ---------------------------------------------------------------------------------------------------------
