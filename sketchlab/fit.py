@@ -149,6 +149,8 @@ class FitReport:
     (:func:`sketchlab.optimal.min_norm_sketch`), and ``holdout_vs_reference`` the sketch's
     held-out ``rel_fro`` divided by it (``None`` without hold-out; NaN where the reference's
     ``rel_fro`` is round-off, at most ``ROUNDOFF · n · eps`` with ``n`` the held-out tokens).
+    ``holdout_rank`` is the largest rank the held-out kernel can have: at ``m >= holdout_rank`` the
+    held-out optimality ratio is undefined by construction.
 
     Every error is exact up to :data:`EXACT_REPORT_ENTRIES` (``n_q · n_k``, i.e. 8192² tokens) per
     head. Beyond, ``rel_fro`` and the ratios stay exact (from Gram matrices) and ``rel_mae`` is
@@ -177,6 +179,7 @@ class FitReport:
     holdout_reference_rel_fro: torch.Tensor | None = None
     holdout_vs_reference: torch.Tensor | None = None
     fit_tokens: int | None = None
+    holdout_rank: int | None = None
     info: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
@@ -186,14 +189,19 @@ class FitReport:
         for key, value in self.__dict__.items():
             out[key] = value.tolist() if isinstance(value, torch.Tensor) else value
         out["info"] = {k: (v.tolist() if isinstance(v, torch.Tensor) else v) for k, v in self.info.items()}
-        reasons = {key: UNDEFINED_REASONS[cause] for key, cause, n, _ in self.undefined_counts() if n}
+        reasons = {key: UNDEFINED_REASONS[cause] for key, cause, n, _ in self.undefined_counts(expected=True) if n}
         if reasons:
             out["undefined"] = reasons
         return out
 
-    def undefined_counts(self) -> list[tuple[str, str, int, int]]:
-        """``(field, cause, undefined heads, heads)`` for each ratio this report holds (:data:`RATIO_CAUSES`)."""
-        ratios = [(key, cause, getattr(self, key)) for key, cause in RATIO_CAUSES.items()]
+    def undefined_counts(self, expected: bool = False) -> list[tuple[str, str, int, int]]:
+        """``(field, cause, undefined heads, heads)`` for each ratio this report holds (:data:`RATIO_CAUSES`).
+
+        ``expected=False`` leaves out the held-out optimality ratio when it is undefined by construction
+        (``m >= holdout_rank``, documented: what a warning need not repeat)."""
+        by_construction = self.holdout_rank is not None and self.m >= self.holdout_rank
+        ratios = [(key, cause, getattr(self, key)) for key, cause in RATIO_CAUSES.items()
+                  if expected or not (key == "holdout_optimality_ratio" and by_construction)]
         return [(key, cause, int(r.isnan().sum()), r.numel()) for key, cause, r in ratios if r is not None]
 
 
@@ -442,7 +450,8 @@ def _fit_checked(method: str, fitter: Callable[..., Sketch], q: torch.Tensor, k:
             q_held, k_held = q[..., held_q, :], k[..., held_k, :]
             # The held-out floor uses the same m, clamped to the largest rank the held-out A can
             # have (its tail is 0 there and the ratio NaN: undefined, a sketch that size could be exact).
-            m_held = min(m, max_sketch_size(q_held.shape[-2], k_held.shape[-2], q.shape[-1], p))
+            report.holdout_rank = max_sketch_size(q_held.shape[-2], k_held.shape[-2], q.shape[-1], p)
+            m_held = min(m, report.holdout_rank)
             h_f, h_m, h_r, h_t, extra = _errors(sketch, q_held, k_held, p, m_held, method, "held-out", max_bytes, seed=seed)
             report.info.update({f"holdout_{key}": value for key, value in extra.items()})
             report.holdout_rel_fro, report.holdout_rel_mae = h_f, h_m
