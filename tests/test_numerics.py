@@ -78,6 +78,19 @@ def test_a_theta_file_that_underflows_is_refused_at_the_first_forward(tmp_path):
         block(x)
 
 
+def test_train_init_theta_that_underflows_is_refused(tmp_path, capsys):
+    """`sketchlab train --init theta` with a Θ export × 1e-10: every kernel value underflows float32. Before:
+    warnings of "signed features" (thousands of rows with a denominator <= 0) and exit 0 after training."""
+    L, heads, t, p, d, m = 2, 4, 1, 2, 16, 64  # the toy model's defaults: 2 layers, 4 heads of 16
+    path = sl.save_theta(tmp_path / "theta.safetensors", _theta(1e-10, shape=(L, heads, t, p, d, m)),
+                         _theta(1e-10, shape=(L, heads, t, p, d, m)), p=p, m=m, t=t, d=d, method="llops",
+                         scale="sqrt-d", source_sha256="0" * 64, errors={}, sketchlab_version=sl.__version__)
+    rc = main(["train", "--task", "mqar", "--attention", "llops", "--init", "theta", str(path), "--steps", "2",
+               "--out", str(tmp_path / "run"), "--no-progress", "--eval-every", "0"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "underflow torch.float32" in err and "signed features" not in err, err
+
+
 # ---------------------------------------------------------------------------------------------------------
 # overflow: ‖A‖_F² beyond float64 while A is finite
 
