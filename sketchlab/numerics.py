@@ -196,8 +196,8 @@ def check_poly_kernel_range(q: torch.Tensor, k: torch.Tensor, p: int, *, where: 
                 raise KernelRangeError(
                     f"{where}: the kernel (qᵀk)^p with p={p} underflows at head {first}: {what} ≤ "
                     f"1e{float(bound[first]) / math.log(10):.0f}, below the smallest normal number {tiny:.2g}, so "
-                    f"every singular value, map and error would be 0; scale q and k up (multiply them by at least {factor:.2g}; "
-                    "x · d^-1/4 of the raw attention inputs is the usual choice), lower p, or use float64"
+                    "every singular value, map and error would be 0; scale q and k up (multiply them by at least "
+                    f"{factor:.2g}; x · d^-1/4 of the raw attention inputs is the usual choice), lower p, or use float64"
                 )
         n_k, sums_room = k.shape[-2], math.log(torch.finfo(q.dtype).max)
         energy_room = math.log(f64.max / OVERFLOW_ROOM) if squares else math.inf
@@ -212,8 +212,8 @@ def check_poly_kernel_range(q: torch.Tensor, k: torch.Tensor, p: int, *, where: 
             continue
         first = tuple(int(i) for i in high.nonzero()[0])
         size, factor = float(value[first]) / math.log(10), math.exp((room - float(value[first])) / degree)
-        remedy = (f"scale q and k down (multiply them by at most {factor:.2g}; scale='sqrt-d', x · d^-1/4, is the usual "
-                  "choice, --scale on the command line), or lower p")
+        remedy = (f"scale q and k down (multiply them by at most {factor:.2g}; scale='sqrt-d', x · d^-1/4, is the "
+                  "usual choice, --scale on the command line), or lower p")
         if value is sums:
             raise KernelRangeError(
                 f"{where}: the kernel (qᵀk)^p with p={p} overflows {str(q.dtype).removeprefix('torch.')} at head "

@@ -69,7 +69,8 @@ def kernel_singular_values(q: torch.Tensor, k: torch.Tensor, p: int, *, max_byte
 
 def check_sizes(sizes, max_m: int, n_tokens: int, name: str = "sizes") -> list[int]:
     """Requested sketch sizes: ints ``>= 1``, each at most ``max_m``, the number of singular values of ``A`` on
-    ``n_tokens`` tokens (no row or column is dropped in silence); ``ValueError`` naming the first beyond and the limit."""
+    ``n_tokens`` tokens (no row or column is dropped in silence); ``ValueError`` naming the first beyond and
+    the limit."""
     sizes = list(sizes)
     if not sizes or any(isinstance(m, bool) or not isinstance(m, int) or m < 1 for m in sizes):
         raise ValueError(f"{name} must be integers >= 1, got {sizes!r}")

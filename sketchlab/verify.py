@@ -306,8 +306,8 @@ def verify(dump_or_qk, *, p: int = 2, m: int = 64, layers=None, heads=None, scal
         tails = (s.flip(-1) ** 2).cumsum(-1).flip(-1).sqrt()  # [n]: entry r is √tail(r) = √Σ_{i>r} σ_i²
         rank = int((~is_roundoff(tails, fro, n)).sum())  # the sizes whose tail is not round-off (sketchlab.numerics)
         if m >= rank:
-            msg = (f"{where}: m={m} ≥ numerical rank {rank} of A (beyond it √Σ_{{i>m}}σ_i² ≤ {ROUNDOFF:g}·n·eps·‖A‖_F): "
-                   "the tail is round-off, so equality with it proves nothing; choose m below the rank")
+            msg = (f"{where}: m={m} ≥ numerical rank {rank} of A (beyond it √Σ_{{i>m}}σ_i² ≤ {ROUNDOFF:g}·n·eps·"
+                   "‖A‖_F): the tail is round-off, so equality with it proves nothing; choose m below the rank")
             for name in ("theorem_3_1", "routes", "theorem_3_4_identity", "theorem_3_4_bound"):
                 worst[name].cannot.append(msg)
             continue

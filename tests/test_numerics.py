@@ -100,7 +100,8 @@ def test_fit_refuses_a_kernel_whose_energy_overflows(tmp_path):
     that, with the measured value and the scale that helps (before: "the exact kernel overflows")."""
     dump = sl.load_qk(_dump(tmp_path / "big.safetensors", 1e75))
     q, k = dump.q, dump.k
-    with pytest.raises(ValueError, match=r"q, k: ‖A‖_F² of the kernel \(qᵀk\)\^p with p=2 overflows float64 at head \(0, 0\): it is 1e\d+, "
+    with pytest.raises(ValueError, match=r"q, k: ‖A‖_F² of the kernel \(qᵀk\)\^p with p=2 overflows float64 at "
+                                         r"head \(0, 0\): it is 1e\d+, "
                                          r"beyond .* every error would be inf.*scale q and k down \(multiply them by "
                                          r"at most 1.2e-38"):
         sl.fit_sketch("optimal", q, k, p=2, m=4)

@@ -160,7 +160,8 @@ def decode(c) -> torch.Tensor | tuple[torch.Tensor, MemoryState]:
     if not c.delta:
         den = far[..., Dv:]
         if c.normalize == "sum" and o.denominator_check != "off" and bool((den <= 0).any()):
-            report_denominators(denominator_counts(den[..., 0, 0], real), B * H, "memory_attention", o.denominator_check)
+            report_denominators(denominator_counts(den[..., 0, 0], real), B * H, "memory_attention",
+                                o.denominator_check)
         out = far[..., :Dv] / (den + o.eps) if w or c.normalize == "sum" else far[..., :Dv]
     out = out.transpose(1, 2).to(c.in_dtype)  # [B, 1, H, Dv]
     if not c.final:

@@ -132,7 +132,8 @@ def run(c):
     elif c.delta:
         out = far
     elif c.normalize == "sum":
-        report_denominators(denominator_counts(den, real[:, None]), B * H * T, "memory_attention", c.o.denominator_check)
+        report_denominators(denominator_counts(den, real[:, None]), B * H * T, "memory_attention",
+                            c.o.denominator_check)
         out = num / (den + c.o.eps)[..., None]
     else:
         out = num
