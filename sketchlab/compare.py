@@ -85,12 +85,12 @@ class ComparisonTable:
         return [getattr(r, metric) for r in self.rows
                 if r.method == method and (layer is None or r.layer == layer)]
 
-    def cell(self, method: str, metric: str, layer: int | None = None, stat: str = "mean") -> float | None:
-        """Mean (or median) over heads of ``metric``; ``None`` (printed "–") when any value is missing, NaN
-        (printed "undefined") when any is undefined."""
+    def cell(self, method: str, metric: str, layer: int | None = None, stat: str = "mean") -> float:
+        """Mean (or median) over heads of ``metric``; NaN (printed "undefined") when any value is undefined or
+        missing (a held-out metric without hold-out, which the tables leave out)."""
         vals = self.values(method, metric, layer)
         if any(v is None for v in vals):
-            return None
+            return math.nan
         return statistics.fmean(vals) if stat == "mean" else statistics.median(vals)
 
     def roundoff_references(self) -> set[tuple[int, int]]:
@@ -99,14 +99,14 @@ class ComparisonTable:
         return {(r.layer, r.head) for r in self.rows
                 if r.holdout_vs_reference is not None and math.isnan(r.holdout_vs_reference)}
 
-    def _reference_cell(self, method: str) -> float | None:
+    def _reference_cell(self, method: str) -> float:
         """Median ``holdout_vs_reference`` of ``method`` over the heads whose reference is not round-off
-        (NaN, printed "undefined", when none is left; ``None`` when a value is missing)."""
+        (NaN, printed "undefined", when none is left or a value is missing)."""
         skip = self.roundoff_references()
         vals = [r.holdout_vs_reference for r in self.rows if r.method == method and (r.layer, r.head) not in skip]
-        if any(v is None for v in vals):
-            return None
-        return statistics.median(vals) if vals else math.nan
+        if not vals or any(v is None for v in vals):
+            return math.nan
+        return statistics.median(vals)
 
     def ratio(self, numerator: str, denominator: str, metric: str = "rel_mae") -> float:
         """Median over (layer, head) of the per-head ratio ``metric[numerator] / metric[denominator]``."""
