@@ -216,7 +216,7 @@ def check_poly_kernel_range(q: torch.Tensor, k: torch.Tensor, p: int, *, where: 
                   "usual choice, --scale on the command line), or lower p")
         if value is sums:
             raise KernelRangeError(
-                f"{where}: the kernel (qᵀk)^p with p={p} overflows {str(q.dtype).removeprefix('torch.')} at head "
+                f"{where}: the kernel (qᵀk)^p with p={p} overflows {q.dtype} at head "
                 f"{first}: max |qᵀk| = {math.exp(float(top[first])):.4g}, and {n_k} tokens × that^{p} ≈ 1e{size:.0f} "
                 f"exceeds the dtype's maximum ≈ 1e{room / math.log(10):.0f}, so its sums, every fit and the spectrum "
                 f"would be inf/NaN; {remedy}"

@@ -115,7 +115,7 @@ def test_optimal_sketch_overflow_is_a_clear_error_not_a_linalg_error(n):
 
 def test_kernel_spectrum_overflow_is_a_clear_error():
     q, k = _qk()
-    with pytest.raises(ValueError, match=r"the kernel \(qᵀk\)\^p with p=2 overflows float64 at head \(0, 0\): "
+    with pytest.raises(ValueError, match=r"the kernel \(qᵀk\)\^p with p=2 overflows torch.float64 at head \(0, 0\): "
                                          r"max \|qᵀk\| = 1.07\d*e\+301"):
         sl.kernel_spectrum((q * 1e150, k * 1e150), p=2, scale="none")
 
@@ -160,7 +160,7 @@ def test_a_rank_deficient_kernel_warns_that_the_ratio_is_undefined():
     (["spectrum", "{tiny64}", "--scale", "none"], r"underflows at head \(0, 0\): ‖A‖_F² \(float64\)"),
     (["fit", "{tiny}", "--m", "4", "--out", "{tmp}/t.safetensors"], r"underflows at head"),
     (["compare", "{tiny}", "--m", "4", "--methods", "optimal,psf"], r"tiny.safetensors \(after the scale: .*underflows at head"),
-    (["spectrum", "{huge}", "--scale", "none"], r"overflows float64"),
+    (["spectrum", "{huge}", "--scale", "none"], r"overflows torch.float64 at head"),
 ])
 def test_the_commands_stop_on_unusable_magnitudes(argv, match, tmp_path, capsys):
     q, k = _qk(torch.float32)
