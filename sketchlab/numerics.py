@@ -297,12 +297,17 @@ def _features_at(x: torch.Tensor, theta: torch.Tensor, norms: torch.Tensor) -> t
     return _features(top, theta)[:, 0]  # [B, H, M]
 
 
-def _underflow(dtype: torch.dtype, tensors: str, values: str, h: int, value: float) -> KernelRangeError:
-    """The refusal of a head ``h`` whose ``values`` (of ``tensors``) are at most ``value``, below ``dtype``'s range."""
+def _underflow(dtype: torch.dtype, tensors: str, values: str, h: int, log_value: float,
+               degree: int) -> KernelRangeError:
+    """The refusal of a head ``h`` whose ``values`` (of ``tensors``; homogeneous of ``degree`` in a common factor
+    of q and k, or of Θ's factors) are at most ``exp(log_value)``, below ``dtype``'s range."""
+    tiny = torch.finfo(dtype).tiny
+    value = f"{math.exp(log_value):.3g}" if log_value > -700 else f"1e{log_value / math.log(10):.0f}"
     return KernelRangeError(
-        f"{tensors} underflow {dtype}: every {values} of head {h} is at most {value:.3g}, below the smallest "
-        f"normal number {torch.finfo(dtype).tiny:.3g}, so the attention weights round to 0 (an all-zero output); "
-        "Θ or q, k are scaled wrong (a Θ export is fitted to q, k times its scale): scale them up, or use float64"
+        f"{tensors} underflow {dtype}: every {values} of head {h} is at most {value}, below the smallest normal "
+        f"number {tiny:.3g}, so the attention weights round to 0 (an all-zero output); Θ or q, k are scaled wrong "
+        "(a Θ export is fitted to q, k times its scale): scale them up (multiply q and k, or every factor of Θ, by "
+        f"at least {math.exp((math.log(tiny) - log_value) / degree):.3g}), or use float64"
     )
 
 
@@ -357,7 +362,7 @@ def check_llops_kernel_range(q: torch.Tensor, k: torch.Tensor, theta_q: torch.Te
     bound = [power * (math.log(M) + a + b) for a, b in zip(lq, lk)]  # [H] log bound on |φ_Q(q)·φ_K(k)|
     low = [h for h, b in enumerate(bound) if math.isfinite(b) and b < math.log(info.tiny)]
     if low:
-        raise _underflow(q.dtype, "theta_q, theta_k with q, k", "kernel value", low[0], math.exp(bound[low[0]]))
+        raise _underflow(q.dtype, "theta_q, theta_k with q, k", "kernel value", low[0], bound[low[0]], 2 * p * power)
     if any(math.isfinite(b) and b < math.log(info.tiny * EXACT_UNDERFLOW_GATE) for b in bound):
         _kernel_underflow_exact(q, k, theta_q, theta_k, power)
     room = math.log(info.max) - 1.0
@@ -379,10 +384,11 @@ def _kernel_underflow_exact(q, k, theta_q, theta_k, power: int) -> None:
     for name, top in zip(("theta_q with q", "theta_k with k"), values[:2]):
         low = [h for h, v in enumerate(top) if 0 < v < tiny]
         if low:
-            raise _underflow(q.dtype, name, "feature", low[0], top[low[0]])
+            raise _underflow(q.dtype, name, "feature", low[0], math.log(top[low[0]]), theta_q.shape[2])
     low = [h for h, v in enumerate(values[2]) if 0 < v < tiny]
     if low:
-        raise _underflow(q.dtype, "theta_q, theta_k with q, k", "kernel value", low[0], values[2][low[0]])
+        raise _underflow(q.dtype, "theta_q, theta_k with q, k", "kernel value", low[0], math.log(values[2][low[0]]),
+                         2 * theta_q.shape[2] * power)
 
 
 def _kernel_range_exact(q, k, theta_q, theta_k, nq, nk, *, non_negative: bool) -> None:
