@@ -76,7 +76,8 @@ MUTANTS = [
      ["tests/test_cli_outputs.py"], "spectrum --help prints 99%%"),
     ("cli", "sketchlab/cli/train.py", "    if need > budget:", "    if False:", ["tests/test_bad_input_commands.py"],
      "train memory budget removed"),
-    ("attention", "sketchlab/attention/functional.py", "    check_kernel_range(q, k, theta_q, theta_k, non_negative=non_negative)",
+    ("attention", "sketchlab/attention/functional.py",
+     "    check_llops_kernel_range(q, k, theta_q, theta_k, non_negative=non_negative)",
      "    pass", ["tests/test_bad_input_values.py"], "Θ magnitude check removed"),
 ]
 

@@ -64,6 +64,7 @@ from .metrics import (
     rel_fro,
     rel_mae,
 )
+from .numerics import KernelRangeError
 from .optimal import OptimalSketch, max_sketch_size, min_norm_sketch, optimal_sketch, tail_bound
 from .scaling import describe_scale, resolve_scale
 from .polynomial import (
@@ -105,6 +106,7 @@ __all__ = [
     "Fit",
     "FitReport",
     "HeadAdvice",
+    "KernelRangeError",
     "KernelSpectrum",
     "LLoPS",
     "LLoPSAttention",

@@ -63,6 +63,11 @@ class Selection:
     def shape(self) -> tuple[int, int, int, int]:
         return tuple(self.q.shape)
 
+    @property
+    def label(self) -> str:
+        """The dump and its scale, as messages about the scaled tensors name them."""
+        return f"{self.source} (after the scale: {self.scale_description})"
+
 
 def select_and_scale(dump_or_qk, *, layers=None, heads=None, scale="sqrt-d") -> Selection:
     """Load (:func:`load_dump`), select ``layers``/``heads`` and multiply q, k by the scale factor.

@@ -310,33 +310,3 @@ def check_pair(q, k, *, names: tuple[str, str] = ("q", "k")) -> tuple[torch.Tens
     check_finite(k, nk)
     return q, k
 
-
-def check_kernel_underflow(q: torch.Tensor, k: torch.Tensor, p: int, *, where: str = "q, k") -> None:
-    r"""Refuse ``q [..., n_q, d]``, ``k [..., n_k, d]`` whose kernel underflows.
-
-    :math:`|A_{ts}| = |q_t^\top k_s|^p \le b = (\max_t\|q_t\| \max_s\|k_s\|)^p` and
-    :math:`\|A\|_F^2 \le n_q n_k b^2`. When that energy bound is below float64's smallest normal
-    number for some head, every singular value, tail and error computed from A underflows to 0 and
-    any ratio of them is meaningless; when ``b`` is below the smallest normal number of the inputs'
-    dtype (float32: 1.2e-38), every kernel value and every map evaluated in that dtype rounds to 0
-    (an all-zero optimal map reported as exact). Heads whose q or k is exactly zero are left alone
-    (their kernel is exactly 0). Raises ``ValueError`` naming the head, the bound and the way out.
-    """
-    import math
-
-    with torch.no_grad():
-        top_q = q.detach().double().norm(dim=-1).amax(-1).log()  # [...]
-        top_k = k.detach().double().norm(dim=-1).amax(-1).log()  # [...]
-        entry = p * (top_q + top_k)  # [...]: log bound on max |A_ts|
-        energy = 2 * entry + math.log(q.shape[-2] * k.shape[-2])  # [...]: log bound on ‖A‖_F²
-        for bound, tiny, what in ((energy, torch.finfo(torch.float64).tiny, "‖A‖_F² (float64)"),
-                                  (entry, torch.finfo(q.dtype).tiny, f"every |A_ts| ({q.dtype})")):
-            low = torch.isfinite(bound) & (bound < math.log(tiny))
-            if bool(low.any()):
-                first = tuple(int(i) for i in low.nonzero()[0])
-                raise ValueError(
-                    f"{where}: the kernel (qᵀk)^p with p={p} underflows at head {first}: {what} ≤ "
-                    f"1e{float(bound[first]) / math.log(10):.0f}, below the smallest normal number {tiny:.2g}, so "
-                    "every singular value, map and error would be 0; scale q and k up (x · d^-1/4 of the raw "
-                    "attention inputs is the usual choice), lower p, or use float64"
-                )

@@ -41,7 +41,8 @@ import torch
 
 from ._dumpsel import select_and_scale
 from ._validation import check_degree, check_fraction, check_symmetric_features
-from .fit import accepted_methods, available_sketches, fit_sketch
+from .fit import _fit_sketch, accepted_methods, available_sketches
+from .numerics import check_poly_kernel_range, json_ratios, ratio_text, warn_undefined
 from .optimal import max_sketch_size
 from .scaling import DEFAULT_SCALE
 from .spectrum import KernelSpectrum, spectrum_of_selection
@@ -114,7 +115,7 @@ class Advice:
                 cells = [f"> {self.max_m}", "–", "–", "–"]
             else:
                 cells = [str(h.practical_m), f"{h.practical_m / h.floor_m:.2f}", f"{h.practical_rel_fro:.4f}",
-                         f"{h.practical_ratio:.3f}"]
+                         ratio_text(h.practical_ratio)]
             lines.append("| " + " | ".join([str(h.layer), str(h.head), str(h.floor_m), *cells, str(len(h.fits))]) + " |")
         lines += ["", self.summary(), f"Wall time {self.seconds:.1f} s.", ""]
         return "\n".join(lines)
@@ -127,9 +128,9 @@ class Advice:
                   "d": spec.d, "layers": spec.layers, "heads": spec.heads, "options": self.options,
                   "seconds": self.seconds}
         heads = []
-        for h in self.heads:
-            row = asdict(h)
-            row["fits"] = {str(m): v for m, v in sorted(h.fits.items())}
+        for h in self.heads:  # an undefined ratio: null, with its reason (sketchlab.numerics.json_ratios)
+            row = json_ratios(asdict(h), {"practical_ratio": "tail"})
+            row["fits"] = {str(m): json_ratios(v, {"optimality_ratio": "tail"}) for m, v in sorted(h.fits.items())}
             heads.append(row)
         return json.dumps({"config": config, "summary": self.summary(), "heads": heads}, indent=indent)
 
@@ -207,6 +208,7 @@ def advise(dump_or_qk, *, p: int, target: float, method: str = "llops", layers=N
     options = dict(options or {})
     start = time.perf_counter()
     sel = select_and_scale(dump_or_qk, layers=layers, heads=heads, scale=scale)
+    check_poly_kernel_range(sel.q, sel.k, p, where=sel.label)  # the fits need ‖A‖_F²
     # each head's fits are measured against the Theorem 3.1 optimum on the exact symmetric features of its
     # fitting tokens: their enumeration and size, estimated before the spectrum and the first fit
     n_fit = sel.q.shape[2] - math.ceil(holdout * sel.q.shape[2])
@@ -228,7 +230,7 @@ def advise(dump_or_qk, *, p: int, target: float, method: str = "llops", layers=N
     floor_ms = spectrum.floor_m(target)  # [L', H']
     from tqdm.auto import tqdm
 
-    results = []
+    results, undefined = [], []  # undefined: every fit's undefined ratios, one warning at the end
     pairs = [(a, b) for a in range(len(sel.layers)) for b in range(len(sel.heads))]
     for a, b in tqdm(pairs, desc=f"advise ({method})", disable=not progress, leave=False):
         floor, floor_m = curve[a, b], int(floor_ms[a, b])
@@ -236,7 +238,8 @@ def advise(dump_or_qk, *, p: int, target: float, method: str = "llops", layers=N
 
         def fit_at(m: int, a=a, b=b, floor=floor, fits=fits):
             if m not in fits:
-                fit = fit_sketch(method, sel.q[a, b], sel.k[a, b], p=p, m=m, seed=seed, holdout=holdout, **options)
+                fit = _fit_sketch(method, sel.q[a, b], sel.k[a, b], p=p, m=m, seed=seed, holdout=holdout, **options)
+                undefined.extend(c for c in fit.report.undefined_counts() if c[0] == "optimality_ratio")
                 rel = float(fit.report.rel_fro)
                 fits[m] = {"rel_fro": rel, "optimality_ratio": float(fit.report.optimality_ratio),
                            "floor": float(floor[m]), "passed": rel <= target, "seconds": fit.report.seconds}
@@ -251,5 +254,6 @@ def advise(dump_or_qk, *, p: int, target: float, method: str = "llops", layers=N
             practical_rel_fro=None if practical is None else fits[practical]["rel_fro"],
             practical_ratio=None if practical is None else fits[practical]["optimality_ratio"], fits=fits,
         ))
+    warn_undefined(f"advise {sel.source}", undefined)
     return Advice(heads=results, spectrum=spectrum, target=target, method=method, p=p, max_m=int(max_m),
                   holdout=holdout, seed=seed, seconds=time.perf_counter() - start, options=options)

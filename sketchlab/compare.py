@@ -15,12 +15,12 @@ import math
 import statistics
 from dataclasses import asdict, dataclass, field
 
-import torch
 
-from ._validation import (DEFAULT_MAX_BYTES, check_degree, check_fraction, check_kernel_underflow, check_positive_int,
-                          check_seed, check_symmetric_features)
-from .fit import _fit_checked, accepted_methods, available_sketches, sketch_fitter
+from ._validation import (DEFAULT_MAX_BYTES, check_degree, check_fraction, check_positive_int, check_seed,
+                          check_symmetric_features)
+from .fit import RATIO_CAUSES, _fit_checked, accepted_methods, available_sketches, sketch_fitter
 from ._dumpsel import select_and_scale
+from .numerics import UNDEFINED, check_poly_kernel_range, json_ratios, warn_undefined
 from .optimal import max_sketch_size
 from .scaling import DEFAULT_SCALE, describe_scale
 
@@ -28,11 +28,6 @@ __all__ = ["DEFAULT_METHODS", "ComparisonRow", "ComparisonTable", "compare"]
 
 #: Methods compared by default, in table order.
 DEFAULT_METHODS = ("optimal", "llops", "mlp", "psf-random", "tensorsketch", "based-expand")
-
-#: A held-out reference error at or below this is round-off (the reference reproduces the held-out kernel
-#: exactly: a constant q, a kernel of rank <= m): a ratio to it measures round-off, not the method, and
-#: printed 1176, 2.7e16, 1.6e9 (issue 35). Such heads are left out of the "held-out ÷ reference" column.
-REFERENCE_ROUNDOFF = 1e-6
 
 _METRICS = ("rel_mae", "rel_fro", "optimality_ratio", "holdout_rel_mae", "holdout_rel_fro",
             "holdout_optimality_ratio", "holdout_vs_reference")
@@ -90,26 +85,22 @@ class ComparisonTable:
                 if r.method == method and (layer is None or r.layer == layer)]
 
     def cell(self, method: str, metric: str, layer: int | None = None, stat: str = "mean") -> float:
-        """Mean (or median) over heads of ``metric``; ``nan`` when any value is missing."""
+        """Mean (or median) over heads of ``metric``; NaN (printed "undefined") when any value is undefined or
+        missing (a held-out metric without hold-out, which the tables leave out)."""
         vals = self.values(method, metric, layer)
         if any(v is None for v in vals):
             return math.nan
         return statistics.fmean(vals) if stat == "mean" else statistics.median(vals)
 
     def roundoff_references(self) -> set[tuple[int, int]]:
-        """The ``(layer, head)`` pairs whose held-out reference error (``holdout_rel_fro /
-        holdout_vs_reference`` of any row) is at most :data:`REFERENCE_ROUNDOFF`: round-off, no yardstick."""
-        out = set()
-        for r in self.rows:
-            ratio, err = r.holdout_vs_reference, r.holdout_rel_fro
-            if ratio is not None and err is not None and math.isfinite(ratio) and ratio > 0 and math.isfinite(err):
-                if err / ratio <= REFERENCE_ROUNDOFF:
-                    out.add((r.layer, r.head))
-        return out
+        """The ``(layer, head)`` pairs whose held-out reference error is round-off (``holdout_vs_reference``
+        undefined, NaN, in any row: :class:`sketchlab.FitReport`): no yardstick there."""
+        return {(r.layer, r.head) for r in self.rows
+                if r.holdout_vs_reference is not None and math.isnan(r.holdout_vs_reference)}
 
     def _reference_cell(self, method: str) -> float:
         """Median ``holdout_vs_reference`` of ``method`` over the heads whose reference is not round-off
-        (``nan``, printed "–", when none is left or a value is missing)."""
+        (NaN, printed "undefined", when none is left or a value is missing)."""
         skip = self.roundoff_references()
         vals = [r.holdout_vs_reference for r in self.rows if r.method == method and (r.layer, r.head) not in skip]
         if not vals or any(v is None for v in vals):
@@ -128,8 +119,9 @@ class ComparisonTable:
 
     # ---- output -------------------------------------------------------------------------------
     def to_dicts(self) -> list[dict]:
-        """Rows as plain dicts (non-finite floats become ``None``)."""
-        return [{k: _finite_or_none(v) for k, v in asdict(r).items()} for r in self.rows]
+        """Rows as plain dicts: an undefined ratio becomes ``None`` with its reason under ``"undefined"``
+        (:func:`sketchlab.numerics.json_ratios`), any other non-finite float ``None``."""
+        return [{k: _finite_or_none(v) for k, v in json_ratios(asdict(r), RATIO_CAUSES).items()} for r in self.rows]
 
     def config(self) -> dict:
         return {
@@ -205,10 +197,10 @@ class ComparisonTable:
             skip = self.roundoff_references()
             if skip:
                 heads = len({(r.layer, r.head) for r in self.rows})
-                lines += [f"held-out ÷ reference leaves out {len(skip)} of {heads} head(s) (– when none is left): "
-                          f"there the reference's own held-out rel_fro is at most {REFERENCE_ROUNDOFF:g}, round-off "
-                          "(it reproduces the held-out kernel exactly, e.g. a constant q or a kernel of rank <= m), so "
-                          "a ratio to it would measure round-off; the JSON keeps every ratio.", ""]
+                lines += [f"held-out ÷ reference leaves out {len(skip)} of {heads} head(s) ({UNDEFINED} when none is "
+                          "left): there the reference's own held-out rel_fro is round-off (at most 64·n·eps; it "
+                          "reproduces the held-out kernel exactly, e.g. a constant q or a kernel of rank <= m), so a "
+                          "ratio to it is undefined (JSON null, with the reason).", ""]
         elif self.holdout > 0:
             lines += ["Held-out tokens are scored by rel_mae only: no held-out reference sketch is defined, so no "
                       "held-out optimality ratio is shown (the JSON keeps `holdout_optimality_ratio`, the ratio to "
@@ -247,9 +239,12 @@ def _finite_or_none(v):
     return v
 
 
-def _fmt(v: float) -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
+def _fmt(v: float | None) -> str:
+    """A table cell: "–" for a missing value, "undefined" for an undefined ratio (NaN)."""
+    if v is None:
         return "–"
+    if math.isnan(v):
+        return UNDEFINED
     if math.isinf(v):
         return "inf"
     return f"{v:.4f}" if abs(v) < 10 else f"{v:.1f}"
@@ -278,40 +273,6 @@ def _check_tokens(sel, holdout: float) -> None:
             "token has rank <= 1, so every sketch size m reaches it and the Theorem 3.1 floor is 0 (no yardstick); "
             "use a dump with more tokens or a smaller holdout (--holdout on the command line)"
         )
-
-
-def _max_abs_score(q, k, block: int = 1024) -> float:
-    """``max |qᵢᵀkⱼ|`` over ``q, k [..., n, d]`` in float64, ``block`` query rows at a time (no n×n tensor)."""
-    q, k = q.to(torch.float64), k.to(torch.float64)
-    best = 0.0
-    for start in range(0, q.shape[-2], block):
-        scores = q[..., start:start + block, :] @ k.mT  # [..., block, n]
-        best = max(best, float(scores.abs().max()))
-    return best
-
-
-def _check_scale(sel, p: int) -> None:
-    """Refuse, before fitting, a selection whose kernel (qᵀk)^p (after the scale) overflows its dtype.
-
-    The fitters work in the dump's dtype and sum ``n`` products of size ``|qᵀk|^p``; when
-    ``n · max|qᵀk|^p`` exceeds the dtype's largest value every sketch's kernel, loss or SVD is
-    non-finite, so the comparison could only print inf/NaN.
-    """
-    dtype = sel.q.dtype
-    limit = math.log10(torch.finfo(dtype).max)
-    n = sel.q.shape[2]
-    for i, layer in enumerate(sel.layers):
-        top = _max_abs_score(sel.q[i], sel.k[i])
-        if top == 0:
-            continue
-        size = p * math.log10(top) + math.log10(n)
-        if size > limit:
-            raise ValueError(
-                f"{sel.source}: layer {layer}: the kernel (qᵀk)^p overflows {dtype}: after the scale "
-                f"({sel.scale_description}), max |qᵀk| = {top:.4g}, and {n} tokens × {top:.4g}^{p} ≈ 1e{size:.0f} "
-                f"exceeds the dtype's maximum ≈ 1e{limit:.0f}; every fit would be inf/NaN. Scale the inputs down "
-                f"(scale='sqrt-d' or a smaller number; --scale on the command line), lower p{'' if dtype == torch.float64 else ', or convert the dump to float64'}"
-            )
 
 
 def compare(dump_or_qk, *, p: int, m: int, methods=DEFAULT_METHODS, layers=None, heads=None, seed: int = 0,
@@ -351,6 +312,11 @@ def compare(dump_or_qk, *, p: int, m: int, methods=DEFAULT_METHODS, layers=None,
     ComparisonTable
         One :class:`ComparisonRow` per (layer, head, method).
 
+    Warns
+    -----
+    RuntimeWarning
+        Once, when some ratio of some fit is undefined (:func:`sketchlab.numerics.warn_undefined`).
+
     Notes
     -----
     All heads of a layer are fitted together (the fitters are batched over heads); the reported
@@ -383,8 +349,7 @@ def compare(dump_or_qk, *, p: int, m: int, methods=DEFAULT_METHODS, layers=None,
     layers, heads, source = sel.layers, sel.heads, sel.source
     _check_heads(sel, p)  # the checks before any fit: each names the file, layer and head
     _check_tokens(sel, holdout)
-    _check_scale(sel, p)
-    check_kernel_underflow(sel.q, sel.k, p, where=f"{source} (after the scale: {sel.scale_description})")
+    check_poly_kernel_range(sel.q, sel.k, p, where=sel.label)
     _, _, n, d = sel.q.shape
     n_fit = n - math.ceil(holdout * n)
     limit = max_sketch_size(n_fit, n_fit, d, p)
@@ -403,6 +368,7 @@ def compare(dump_or_qk, *, p: int, m: int, methods=DEFAULT_METHODS, layers=None,
     from tqdm.auto import tqdm
 
     rows: list[ComparisonRow] = []
+    undefined = []  # every fit's undefined ratios: one warning at the end
     with tqdm(total=len(layers) * len(methods), desc="compare", disable=not progress, leave=False) as bar:
         for i_layer, layer in enumerate(layers):
             q_l, k_l = sel.q[i_layer], sel.k[i_layer]  # [H', n, d] each
@@ -412,6 +378,7 @@ def compare(dump_or_qk, *, p: int, m: int, methods=DEFAULT_METHODS, layers=None,
                 fit = _fit_checked(method, sketch_fitter(method), q_l, k_l, p, m, seed, holdout, None, True,
                                    DEFAULT_MAX_BYTES, options.get(method, {}))
                 rep = fit.report
+                undefined += rep.undefined_counts()
                 per_head = rep.seconds / len(heads)
                 for i, head in enumerate(heads):
                     def get(t):
@@ -427,6 +394,7 @@ def compare(dump_or_qk, *, p: int, m: int, methods=DEFAULT_METHODS, layers=None,
                         holdout_vs_reference=get(getattr(rep, "holdout_vs_reference", None)),
                     ))
                 bar.update(1)
+    warn_undefined(f"compare {source}", undefined)
     return ComparisonTable(
         rows=rows, p=p, m=m, methods=methods, layers=layers, heads=heads, scale=sel.scale, scale_factor=sel.scale_factor,
         seed=int(seed), holdout=holdout, source=source, n_tokens=n, d=d, options=options,

@@ -29,8 +29,8 @@ from typing import Callable
 
 import torch
 
-from ._validation import (DEFAULT_MAX_BYTES, check_degree, check_fraction, check_kernel_underflow, check_pair,
-                          check_positive_int, check_seed)
+from ._validation import DEFAULT_MAX_BYTES, check_degree, check_fraction, check_pair, check_positive_int, check_seed
+from .numerics import UNDEFINED_REASONS, check_poly_kernel_range, is_roundoff, warn_undefined
 from .sketch import Sketch
 
 __all__ = [
@@ -128,6 +128,11 @@ def sketch_fitter(name: str) -> Callable[..., Sketch]:
     return _FITTERS[name]
 
 
+#: The ratios of a fit report and the denominator each is undefined by (a cause of
+#: :data:`sketchlab.numerics.UNDEFINED_REASONS`): the JSON of every dump tool marks them by this table.
+RATIO_CAUSES = {"optimality_ratio": "tail", "holdout_optimality_ratio": "tail", "holdout_vs_reference": "reference"}
+
+
 @dataclass
 class FitReport:
     """Errors of one fit, each a float64 tensor with the batch shape (``[]`` or ``[L, H]``).
@@ -136,12 +141,16 @@ class FitReport:
     subsample of them (``fit_tokens``). ``holdout_*`` are measured on the held-out tokens
     (``None`` when ``holdout == 0``); ``tail`` and ``holdout_tail`` are the Theorem 3.1 floors on
     those tokens, so each ``optimality_ratio`` is the error divided by the best any size-``m``
-    sketch achieves there. **A ratio is NaN when undefined**: the tail is zero to round-off
-    (see :func:`sketchlab.metrics.ratio_to_tail`), e.g. ``m`` at least the rank of the held-out
-    kernel. ``holdout_reference_rel_fro`` is the documented held-out reference: the held-out
-    error of the in-sample optimum with the *minimum-norm* ``W*``
+    sketch achieves there. **A ratio is NaN when undefined**: its denominator is round-off by the one
+    rule of :mod:`sketchlab.numerics` (:data:`RATIO_CAUSES`): the tail (see
+    :func:`sketchlab.metrics.ratio_to_tail`; e.g. ``m`` at least the rank of the held-out kernel), or
+    the reference's error. ``holdout_reference_rel_fro`` is the documented held-out reference: the
+    held-out error of the in-sample optimum with the *minimum-norm* ``W*``
     (:func:`sketchlab.optimal.min_norm_sketch`), and ``holdout_vs_reference`` the sketch's
-    held-out ``rel_fro`` divided by it (``None`` without hold-out).
+    held-out ``rel_fro`` divided by it (``None`` without hold-out; NaN where the reference's
+    ``rel_fro`` is round-off, at most ``ROUNDOFF · n · eps`` with ``n`` the held-out tokens).
+    ``holdout_rank`` is the largest rank the held-out kernel can have: at ``m >= holdout_rank`` the
+    held-out optimality ratio is undefined by construction.
 
     Every error is exact up to :data:`EXACT_REPORT_ENTRIES` (``n_q · n_k``, i.e. 8192² tokens) per
     head. Beyond, ``rel_fro`` and the ratios stay exact (from Gram matrices) and ``rel_mae`` is
@@ -170,15 +179,30 @@ class FitReport:
     holdout_reference_rel_fro: torch.Tensor | None = None
     holdout_vs_reference: torch.Tensor | None = None
     fit_tokens: int | None = None
+    holdout_rank: int | None = None
     info: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
-        """JSON-ready dict (tensors become nested lists)."""
+        """JSON-ready dict (tensors become nested lists; NaN stays: the writer stores ``null``), with
+        ``undefined`` naming the reason of each ratio that is NaN for some head (absent when none is)."""
         out = {}
         for key, value in self.__dict__.items():
             out[key] = value.tolist() if isinstance(value, torch.Tensor) else value
         out["info"] = {k: (v.tolist() if isinstance(v, torch.Tensor) else v) for k, v in self.info.items()}
+        reasons = {key: UNDEFINED_REASONS[cause] for key, cause, n, _ in self.undefined_counts(expected=True) if n}
+        if reasons:
+            out["undefined"] = reasons
         return out
+
+    def undefined_counts(self, expected: bool = False) -> list[tuple[str, str, int, int]]:
+        """``(field, cause, undefined heads, heads)`` for each ratio this report holds (:data:`RATIO_CAUSES`).
+
+        ``expected=False`` leaves out the held-out optimality ratio when it is undefined by construction
+        (``m >= holdout_rank``, documented: what a warning need not repeat)."""
+        by_construction = self.holdout_rank is not None and self.m >= self.holdout_rank
+        ratios = [(key, cause, getattr(self, key)) for key, cause in RATIO_CAUSES.items()
+                  if expected or not (key == "holdout_optimality_ratio" and by_construction)]
+        return [(key, cause, int(r.isnan().sum()), r.numel()) for key, cause, r in ratios if r is not None]
 
 
 @dataclass
@@ -270,25 +294,13 @@ def _errors(sketch: Sketch, q: torch.Tensor, k: torch.Tensor, p: int, m: int, me
         batch = tuple(bad.shape)
         heads = [(i // batch[1], i % batch[1]) for i in flat[:8]] if len(batch) == 2 else flat[:8]
         label = "(layer, head)" if len(batch) == 2 else "flattened batch index"
-        cause = ("the exact kernel (QKᵀ)^p overflows float64 (input scale too large: x · d^-1/4 is the usual "
-                 "choice)" if not bool(torch.isfinite(err["sq_norm"]).all()) else
+        cause = ("‖A‖_F² of the exact kernel (QKᵀ)^p overflows float64 (input scale too large: x · d^-1/4 is the "
+                 "usual choice)" if not bool(torch.isfinite(err["sq_norm"]).all()) else
                  f"the {method} sketch's features overflow or are NaN (input scale too large for its map)")
         raise FloatingPointError(
             f"sketch method {method!r}: non-finite {where} error for {len(flat)} head(s), {label} {heads}; likely cause: {cause}"
         )
     ratio = ratio_to_tail(err["sq_err"], tail, err["sq_norm"], max(n_q, n_k))
-    undefined = torch.isnan(ratio)
-    from .optimal import max_sketch_size
-
-    # NaN at m >= the largest rank A can have is structural (documented); below it A is numerically rank-deficient
-    if bool(undefined.any()) and m < max_sketch_size(n_q, n_k, q.shape[-1], p):
-        import warnings
-
-        warnings.warn(
-            f"sketch method {method!r}: the {where} optimality ratio of {int(undefined.sum())} of {ratio.numel()} "
-            f"head(s) is undefined (NaN): the Theorem 3.1 tail at m={m} is zero to round-off, so A has rank <= m on "
-            "these tokens (e.g. a constant q or k) and a size-m sketch can be exact there; read rel_fro instead",
-            RuntimeWarning, stacklevel=3)
     return err["rel_fro"], err["rel_mae"], ratio, tail, info
 
 
@@ -342,11 +354,26 @@ def fit_sketch(method: str, q, k, /, *, p: int, m: int, seed: int = 0, holdout: 
     ------
     FloatingPointError
         When an error comes out non-finite (naming method, heads and the likely cause).
+
+    Warns
+    -----
+    RuntimeWarning
+        Once, when some ratio of the report is undefined (:func:`sketchlab.numerics.warn_undefined`).
     """
+    fit = _fit_sketch(method, q, k, p=p, m=m, seed=seed, holdout=holdout, fit_tokens=fit_tokens, reference=reference,
+                      max_bytes=max_bytes, **options)
+    warn_undefined(f"sketch method {method!r}", fit.report.undefined_counts())
+    return fit
+
+
+def _fit_sketch(method: str, q, k, /, *, p: int, m: int, seed: int = 0, holdout: float = 0.0,
+                fit_tokens: int | None = None, reference: bool = True, max_bytes: int = DEFAULT_MAX_BYTES,
+                **options) -> Fit:
+    """:func:`fit_sketch` without its warning: for a caller that fits many times and warns once."""
     fitter = sketch_fitter(method)
     q, k = check_pair(q, k)
     p = check_degree(p)
-    check_kernel_underflow(q, k, p)
+    check_poly_kernel_range(q, k, p, max_bytes=max_bytes)
     m = check_positive_int(m, "m (the sketch size)")
     holdout = check_fraction(holdout, "holdout")
     seed = check_seed(seed)
@@ -423,7 +450,8 @@ def _fit_checked(method: str, fitter: Callable[..., Sketch], q: torch.Tensor, k:
             q_held, k_held = q[..., held_q, :], k[..., held_k, :]
             # The held-out floor uses the same m, clamped to the largest rank the held-out A can
             # have (its tail is 0 there and the ratio NaN: undefined, a sketch that size could be exact).
-            m_held = min(m, max_sketch_size(q_held.shape[-2], k_held.shape[-2], q.shape[-1], p))
+            report.holdout_rank = max_sketch_size(q_held.shape[-2], k_held.shape[-2], q.shape[-1], p)
+            m_held = min(m, report.holdout_rank)
             h_f, h_m, h_r, h_t, extra = _errors(sketch, q_held, k_held, p, m_held, method, "held-out", max_bytes, seed=seed)
             report.info.update({f"holdout_{key}": value for key, value in extra.items()})
             report.holdout_rel_fro, report.holdout_rel_mae = h_f, h_m
@@ -435,7 +463,8 @@ def _fit_checked(method: str, fitter: Callable[..., Sketch], q: torch.Tensor, k:
                 ref_f = _errors(ref, q_held, k_held, p, m_held, "optimal (min-norm reference)", "held-out", max_bytes,
                                 seed=seed)[0]
                 report.holdout_reference_rel_fro = ref_f
-                report.holdout_vs_reference = h_f / ref_f
+                n_held = max(q_held.shape[-2], k_held.shape[-2])
+                report.holdout_vs_reference = torch.where(is_roundoff(ref_f, 1.0, n_held), math.nan, h_f / ref_f)
     return Fit(sketch=sketch, report=report)
 
 

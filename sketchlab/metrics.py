@@ -15,10 +15,10 @@ import torch
 import math
 
 from ._validation import DEFAULT_MAX_BYTES, as_float_tensor, check_memory, check_pair, check_degree
+from .numerics import is_roundoff
 from .polynomial import _poly_features
 
 __all__ = [
-    "ROUNDOFF_TAIL",
     "kernel_errors",
     "kernel_sq_norm",
     "optimality_ratio",
@@ -26,11 +26,6 @@ __all__ = [
     "rel_fro",
     "rel_mae",
 ]
-
-#: A Theorem 3.1 tail counts as zero (the ratio is undefined, NaN) when it is at most
-#: ``(ROUNDOFF_TAIL · n · eps)² · ‖A‖_F²``, ``n = max(n_q, n_k)``, ``eps`` the float64 epsilon: the
-#: size of the round-off in the singular values of ``A`` (each ``≲ n · eps · ‖A‖``), squared.
-ROUNDOFF_TAIL = 64.0
 
 
 def _pair(approx, exact) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,17 +79,16 @@ def ratio_to_tail(sq_err, tail, sq_norm, n: int) -> torch.Tensor:
 
     Returns
     -------
-    float64 Tensor ``[...]``. **NaN means undefined**: the tail is at most
-    ``(ROUNDOFF_TAIL · n · eps)² ‖A‖²`` (zero to working precision: a size-``m`` sketch can be
-    exact, ``m >= rank A``), so the ratio would divide round-off by round-off (a tail of 2.5e-256
-    once gave 7e114). Otherwise ``sqrt(sq_err / tail)``; ``>= 1`` on the data the tail is of.
+    float64 Tensor ``[...]``. **NaN means undefined**: ``√tail`` is round-off by the one rule of
+    :func:`sketchlab.numerics.is_roundoff` (at most ``ROUNDOFF · n · eps · ‖A‖_F``: a size-``m``
+    sketch can be exact, ``m >= rank A``), so the ratio would divide round-off by round-off (a tail
+    of 2.5e-256 once gave 7e114). Otherwise ``sqrt(sq_err / tail)``; ``>= 1`` on the data the tail is of.
     """
     sq_err = torch.as_tensor(sq_err, dtype=torch.float64)
     tail = torch.as_tensor(tail, dtype=torch.float64, device=sq_err.device)
     sq_norm = torch.as_tensor(sq_norm, dtype=torch.float64, device=sq_err.device)
-    floor = (ROUNDOFF_TAIL * n * torch.finfo(torch.float64).eps) ** 2 * sq_norm
-    return torch.where(tail > floor, (sq_err / tail.clamp_min(torch.finfo(torch.float64).tiny)).sqrt(),
-                       torch.full_like(sq_err, math.nan))
+    return torch.where(is_roundoff(tail.sqrt(), sq_norm.sqrt(), n), torch.full_like(sq_err, math.nan),
+                       (sq_err / tail.clamp_min(torch.finfo(torch.float64).tiny)).sqrt())
 
 
 def optimality_ratio(approx, exact, tail) -> torch.Tensor:

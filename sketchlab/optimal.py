@@ -57,9 +57,11 @@ from dataclasses import dataclass
 
 import torch
 
+import functools
 import math
 
-from ._validation import check_degree, check_kernel_underflow, check_memory, check_pair, check_positive_int
+from ._validation import check_degree, check_memory, check_pair, check_positive_int
+from .numerics import check_float64_finite, check_poly_kernel_range
 from .polynomial import DEFAULT_MAX_BYTES, _feature_gram_root, _poly_features, _poly_kernel, poly_features, symmetric_to_full
 from ._threads import hot_loop_threads
 from .sketch import Sketch
@@ -67,6 +69,9 @@ from .sketch import Sketch
 __all__ = ["OptimalSketch", "max_sketch_size", "min_norm_sketch", "optimal_sketch", "tail_bound"]
 
 _ROUTES = ("auto", "svd", "qr", "gram")
+
+#: :func:`sketchlab.numerics.check_float64_finite` naming this module's results.
+_finite = functools.partial(check_float64_finite, where="optimal sketch")
 
 
 @dataclass(eq=False)
@@ -177,7 +182,7 @@ def _check_inputs(q, k, p, m, route, max_bytes):
     """The public entry points' checks; returns :func:`_plan`'s ``(q, k, p, m, d, symmetric, route)``."""
     q, k = check_pair(q, k)
     p = check_degree(p)
-    check_kernel_underflow(q, k, p)
+    check_poly_kernel_range(q, k, p, max_bytes=max_bytes)
     m = check_positive_int(m, "m (the sketch size)")
     if route not in _ROUTES:
         raise ValueError(f"route must be one of {_ROUTES}, got {route!r}")
@@ -217,18 +222,6 @@ def _plan(q, k, p, m, route, max_bytes):
         check_memory(3 * batch * dim * dim * 8, what=f"the {dim} x {dim} factors of {batch} head(s) (float64)",
                      way_out="use a smaller d or p", max_bytes=max_bytes)
     return q.to(torch.float64), k.to(torch.float64), p, m, d, symmetric, route
-
-
-def _finite(x: torch.Tensor, what: str, p: int) -> torch.Tensor:
-    """``x`` unchanged, or ``FloatingPointError`` when float64 overflowed (before an SVD would fail obscurely)."""
-    bad = ~torch.isfinite(x).flatten(-2).all(-1)  # [...] per head
-    if bool(bad.any()):
-        raise FloatingPointError(
-            f"optimal sketch: {what} overflows float64 for {int(bad.sum())} head(s) (first flattened batch index "
-            f"{int(bad.flatten().nonzero()[0])}); likely cause: the input scale — x^p with p={p} exceeds 1e308; "
-            "rescale q and k (x · d^-1/4 is the usual choice)"
-        )
-    return x
 
 
 def _factor(q, k, p, symmetric, route, max_bytes, *, vectors: bool):

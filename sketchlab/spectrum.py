@@ -17,6 +17,7 @@ of the small core :math:`R_Q R_K^\top` of the thin QR factors of :math:`\psi_p(Q
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass
@@ -24,22 +25,20 @@ from dataclasses import dataclass
 import torch
 
 from ._dumpsel import select_and_scale
-from ._validation import DEFAULT_MAX_BYTES, check_degree, check_fraction, check_kernel_underflow, check_memory
+from ._validation import DEFAULT_MAX_BYTES, check_degree, check_fraction, check_memory
 from .fit import holdout_split
+from .numerics import check_float64_finite, check_poly_kernel_range
 from .polynomial import num_poly_features, poly_features, poly_kernel
 from .scaling import DEFAULT_SCALE
 
-__all__ = ["KernelSpectrum", "kernel_singular_values", "kernel_spectrum"]
+__all__ = ["DEFAULT_SIZES", "KernelSpectrum", "check_sizes", "kernel_singular_values", "kernel_spectrum"]
+
+#: Sketch sizes tabulated when none are asked for; those beyond the singular values are left out with a note.
+DEFAULT_SIZES = (8, 16, 32, 64, 128, 256)
 
 
-def _finite(x: torch.Tensor, what: str, p: int) -> torch.Tensor:
-    """``x`` unchanged, or ``ValueError`` when float64 overflowed (before an SVD fails with ``_LinAlgError``)."""
-    if not bool(torch.isfinite(x).all()):
-        raise ValueError(
-            f"kernel spectrum: {what} overflows float64 (p={p}; values beyond 1e308): the inputs are too large; "
-            "rescale q and k (scale='sqrt-d', x · d^-1/4, is the usual choice) or lower p"
-        )
-    return x
+#: :func:`sketchlab.numerics.check_float64_finite` naming this module's results.
+_finite = functools.partial(check_float64_finite, where="kernel spectrum")
 
 
 def kernel_singular_values(q: torch.Tensor, k: torch.Tensor, p: int, *, max_bytes: int = DEFAULT_MAX_BYTES) -> torch.Tensor:
@@ -51,7 +50,7 @@ def kernel_singular_values(q: torch.Tensor, k: torch.Tensor, p: int, *, max_byte
     """
     p = check_degree(p)
     q, k = q.to(torch.float64), k.to(torch.float64)
-    check_kernel_underflow(q, k, p)  # computed in float64: only float64's range matters
+    check_poly_kernel_range(q, k, p, squares=False, max_bytes=max_bytes)  # in float64: only its range matters
     batch, n_q, n_k, d = math.prod(q.shape[:-2]), q.shape[-2], k.shape[-2], q.shape[-1]
     symmetric = num_poly_features(d, p, True) < num_poly_features(d, p, False)
     dim = num_poly_features(d, p, symmetric)
@@ -66,6 +65,21 @@ def kernel_singular_values(q: torch.Tensor, k: torch.Tensor, p: int, *, max_byte
     s = torch.linalg.svdvals(_finite(r_q @ r_k.mT, "the core R_Q R_Kᵀ of (QKᵀ)^p", p))  # [..., r]: A = Q_Q (R_Q R_Kᵀ) Q_Kᵀ has the same non-zero σ
     n = min(n_q, n_k)
     return torch.nn.functional.pad(s, (0, max(0, n - s.shape[-1])))[..., :n]
+
+
+def check_sizes(sizes, max_m: int, n_tokens: int, name: str = "sizes") -> list[int]:
+    """Requested sketch sizes: ints ``>= 1``, each at most ``max_m``, the number of singular values of ``A`` on
+    ``n_tokens`` tokens (no row or column is dropped in silence); ``ValueError`` naming the first beyond and
+    the limit."""
+    sizes = list(sizes)
+    if not sizes or any(isinstance(m, bool) or not isinstance(m, int) or m < 1 for m in sizes):
+        raise ValueError(f"{name} must be integers >= 1, got {sizes!r}")
+    beyond = [m for m in sizes if m > max_m]
+    if beyond:
+        raise ValueError(f"{name}: {beyond[0]} exceeds the {max_m} singular values of A on these {n_tokens} tokens "
+                         f"(the largest meaningful sketch size; at m >= {max_m} the floor is 0, the exact kernel): "
+                         f"choose sizes <= {max_m}")
+    return sizes
 
 
 @dataclass
@@ -150,10 +164,17 @@ class KernelSpectrum:
         need = fraction * energy.sum(-1, keepdim=True) * (1 - 8 * energy.shape[-1] * torch.finfo(torch.float64).eps)
         return (captured >= need).to(torch.int64).argmax(-1) + 1
 
-    def to_markdown(self, sizes=(8, 16, 32, 64, 128, 256)) -> str:
-        """Per (layer, head): ``σ_1``, ``σ_m/σ_1`` and the relative floor at each ``m`` of ``sizes``."""
-        dropped = [m for m in sizes if m > self.max_m]
-        sizes = [m for m in sizes if m <= self.max_m]
+    def to_markdown(self, sizes=None) -> str:
+        """Per (layer, head): ``σ_1``, ``σ_m/σ_1`` and the relative floor at each ``m`` of ``sizes``.
+
+        ``sizes``: each at most :attr:`max_m` (:func:`check_sizes`); ``None``: :data:`DEFAULT_SIZES`, those
+        beyond :attr:`max_m` left out with a note saying so.
+        """
+        if sizes is None:
+            dropped = [m for m in DEFAULT_SIZES if m > self.max_m]
+            sizes = [m for m in DEFAULT_SIZES if m <= self.max_m]
+        else:
+            dropped, sizes = [], check_sizes(sizes, self.max_m, self.n_tokens)
         lines = [
             f"Spectrum of A = (QKᵀ)^∘{self.p}: {self.scale_description}; {self.n_tokens} tokens"
             + (f" (held out {self.holdout:g}, seed {self.seed})" if self.holdout else "")
@@ -217,7 +238,8 @@ def kernel_spectrum(dump_or_qk, *, p: int, layers=None, heads=None, scale=DEFAUL
 def spectrum_of_selection(sel, p: int, *, holdout: float, seed: int, max_bytes: int = DEFAULT_MAX_BYTES) -> KernelSpectrum:
     """:func:`kernel_spectrum` of an already loaded, selected and scaled :class:`sketchlab._dumpsel.Selection`."""
     fit, _ = holdout_split(sel.q.shape[-2], holdout, seed)
-    q, k = sel.q[..., fit, :], sel.k[..., fit, :]  # [L', H', n_fit, d]
+    q, k = sel.q[..., fit, :].double(), sel.k[..., fit, :].double()  # [L', H', n_fit, d]
+    check_poly_kernel_range(q, k, p, where=sel.label, squares=False)
     s = kernel_singular_values(q, k, p, max_bytes=max_bytes)
     return KernelSpectrum(singular_values=s, p=p, layers=sel.layers, heads=sel.heads, scale=sel.scale,
                           scale_factor=sel.scale_factor, scale_description=sel.scale_description, source=sel.source,

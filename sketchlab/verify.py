@@ -57,6 +57,7 @@ import torch
 
 from ._dumpsel import select_and_scale
 from ._validation import check_degree, check_memory, check_positive_int, check_symmetric_features, check_work
+from .numerics import ROUNDOFF, check_poly_kernel_range, is_roundoff
 from .optimal import max_sketch_size, optimal_sketch
 from .polynomial import num_poly_features, poly_features, poly_kernel, symmetric_to_full
 from .scaling import DEFAULT_SCALE
@@ -245,6 +246,7 @@ def verify(dump_or_qk, *, p: int = 2, m: int = 64, layers=None, heads=None, scal
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"seed must be an int, got {seed!r}")
     sel = select_and_scale(dump_or_qk, layers=layers, heads=heads, scale=scale)
+    check_poly_kernel_range(sel.q.double(), sel.k.double(), p, where=sel.label)  # every check runs in float64
     L, H, n, d = sel.q.shape
     limit = max_sketch_size(n, n, d, p)
     # the costs that grow with d^p, estimated before the first head (each check runs one head at a time)
@@ -301,10 +303,11 @@ def verify(dump_or_qk, *, p: int = 2, m: int = 64, layers=None, heads=None, scal
         fro = torch.linalg.matrix_norm(A)
         by_route = {route: optimal_sketch(q, k, p, m, route=route) for route in ("svd", "qr")}
         s = by_route["svd"].singular_values
-        rank = int((s > n * torch.finfo(torch.float64).eps * s[0]).sum())
+        tails = (s.flip(-1) ** 2).cumsum(-1).flip(-1).sqrt()  # [n]: entry r is √tail(r) = √Σ_{i>r} σ_i²
+        rank = int((~is_roundoff(tails, fro, n)).sum())  # the sizes whose tail is not round-off (sketchlab.numerics)
         if m >= rank:
-            msg = (f"{where}: m={m} ≥ numerical rank {rank} of A (σ_i ≤ n·eps·σ_1 beyond it): the tail is round-off, "
-                   "so equality with it proves nothing; choose m below the rank")
+            msg = (f"{where}: m={m} ≥ numerical rank {rank} of A (beyond it √Σ_{{i>m}}σ_i² ≤ {ROUNDOFF:g}·n·eps·"
+                   "‖A‖_F): the tail is round-off, so equality with it proves nothing; choose m below the rank")
             for name in ("theorem_3_1", "routes", "theorem_3_4_identity", "theorem_3_4_bound"):
                 worst[name].cannot.append(msg)
             continue

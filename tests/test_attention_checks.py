@@ -12,8 +12,9 @@ import math
 import pytest
 import torch
 
-from sketchlab.attention._checks import _all_finite, _max_norm, check_qkv
+from sketchlab.attention._checks import _all_finite, check_qkv
 from sketchlab.attention.functional import llops_attention
+from sketchlab.numerics import _max_norm
 
 
 def _qkv(scale=1.0, dtype=torch.float32):
@@ -85,19 +86,19 @@ def _range_problem(kind, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
 @pytest.mark.parametrize("non_negative", [False, True])
 def test_kernel_range_bound_skips_only_what_the_exact_test_passes(kind, dtype, non_negative):
-    """check_kernel_range skips the exact overflow test when Θ's cached bounds and the two largest token
+    """check_llops_kernel_range skips the exact overflow test when Θ's cached bounds and the two largest token
     norms prove it cannot fail: over Θ scales from underflow to overflow (a coarse sweep of 10^e, refined
     where the verdict changes, so the narrow warning band between "ok" and an error is met), its verdict
     is the exact test's at every scale, and every kind occurs. The tight problem puts the exact values
     at the bound: a bound that allowed more room than the dtype has would skip a warning or an error."""
-    from sketchlab.attention._checks import _kernel_range_exact, check_kernel_range
+    from sketchlab.numerics import _kernel_range_exact, check_llops_kernel_range
 
     q, k, base = _range_problem(kind, dtype)
     nq, nk = q.norm(dim=-1), k.norm(dim=-1)
 
     def verdicts(e):
         theta = (base * 10 ** e).to(dtype)
-        fast = _verdict(lambda: check_kernel_range(q, k, theta, theta, non_negative=non_negative))
+        fast = _verdict(lambda: check_llops_kernel_range(q, k, theta, theta, non_negative=non_negative))
         if "underflow" in fast:  # decided from the bound before either overflow test
             return fast, fast
         return fast, _verdict(lambda: _kernel_range_exact(q, k, theta, theta, nq, nk, non_negative=non_negative))
@@ -117,14 +118,14 @@ def test_kernel_range_bound_skips_only_what_the_exact_test_passes(kind, dtype, n
 def test_kernel_range_bounds_each_factor_not_only_their_product():
     """One factor ⟨θ₁, q⟩ ~ 1e39 overflows float32 while the kernel is ~1 (the other factor and the keys are
     tiny): the bound on the product alone would pass it; the factor bound sends it to the exact test."""
-    from sketchlab.attention._checks import check_kernel_range
+    from sketchlab.numerics import check_llops_kernel_range
 
     theta = torch.zeros(1, 1, 2, 2, 1)
     theta[0, 0, 0, 0, 0], theta[0, 0, 1, 0, 0] = 1e19, 1e-25
     q, k = torch.zeros(1, 3, 1, 2), torch.zeros(1, 3, 1, 2)
     q[..., 0], k[..., 0] = 1e20, 1e-14
     with pytest.raises(ValueError, match=r"theta_q with q overflows torch.float32: the features of the largest token"):
-        check_kernel_range(q, k, theta, theta)
+        check_llops_kernel_range(q, k, theta, theta)
 
 
 def test_theta_made_in_inference_mode_is_checked_every_call():

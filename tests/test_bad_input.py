@@ -77,8 +77,8 @@ COMPARE_CASES = [
     # unbounded work: rejected at once, not after a 48 s stall or a 2 GB allocation
     ("good.safetensors --p 1000000000 --m 4", 2, rf"argument --p: expected an integer in \[1, {MAX_DEGREE}\] .*got 1000000000"),
     # silent garbage: scales whose kernel overflows the fitting dtype
-    ("good.safetensors --p 2 --m 4 --methods psf --scale 1e30", 2, r"layer 0: the kernel \(qᵀk\)\^p overflows torch.float32.*--scale"),
-    ("huge64.safetensors --p 2 --m 4 --methods optimal", 2, r"overflows torch.float64: .*max \|qᵀk\| = .*e\+160"),
+    ("good.safetensors --p 2 --m 4 --methods psf --scale 1e30", 2, r"the kernel \(qᵀk\)\^p with p=2 overflows torch.float32 at head \(0, 0\).*--scale"),
+    ("huge64.safetensors --p 2 --m 4 --methods optimal", 2, r"overflows torch.float64 at head \(0, 0\): max \|qᵀk\| = .*e\+160"),
     ("big32.safetensors --p 2 --m 4 --methods optimal,psf", 2, r"overflows torch.float32.*convert the dump to float64"),
     ("good.safetensors --p 100 --m 4 --methods psf --scale none", 2, r"overflows torch.float32"),
     # vague messages made precise

@@ -8,6 +8,7 @@ byte-for-byte unchanged, prints one ``sketchlab: error:`` line and no traceback.
 
 import hashlib
 import importlib
+import math
 import re
 from pathlib import Path
 
@@ -49,7 +50,7 @@ def _no_work(monkeypatch):
     monkeypatch.setattr(sketchlab.fit, "fit_sketch", work)
     monkeypatch.setattr(sketchlab.fit, "_fit_checked", work)
     monkeypatch.setattr(importlib.import_module("sketchlab.compare"), "_fit_checked", work)
-    monkeypatch.setattr(importlib.import_module("sketchlab.advise"), "fit_sketch", work)
+    monkeypatch.setattr(importlib.import_module("sketchlab.advise"), "_fit_sketch", work)
     monkeypatch.setattr(sketchlab.spectral, "spectral_norm", work)
     monkeypatch.setattr(importlib.import_module("sketchlab.verify"), "spectral_norm", work)
 
@@ -188,14 +189,18 @@ def test_spectrum_of_a_huge_dump_prints_its_floors(dumps, capsys):
     assert "nan" not in out.lower() and "3.78e-01" in out, out
 
 
-def test_spectrum_says_which_sizes_it_left_out(dumps, capsys, monkeypatch):
-    """--sizes 100000 on 24 tokens was dropped from the table without a word."""
+def test_spectrum_refuses_sizes_beyond_the_singular_values(dumps, capsys, monkeypatch):
+    """--sizes 100000 on 24 tokens was dropped from the table without a word; a requested size beyond the
+    singular values is now refused, naming it and the limit (issue 43), while the default sizes beyond
+    them are left out with a note."""
     monkeypatch.chdir(dumps)
-    assert main(["spectrum", "d8.safetensors", "--p", "2", "--no-progress", "--sizes", "4,100000,30"]) == 0
+    assert main(["spectrum", "d8.safetensors", "--p", "2", "--no-progress", "--sizes", "4,100000,30"]) == 2
+    assert "--sizes: 100000 exceeds the 24 singular values of A on these 24 tokens" in capsys.readouterr().err
+    assert main(["spectrum", "d8.safetensors", "--p", "2", "--no-progress"]) == 0
     out = capsys.readouterr().out
-    assert re.search(r"Size\(s\) 100000, 30 left out: A has 24 singular values on these 24 tokens, so at m >= 24 "
-                     r"the floor is 0", out), out
-    assert "floor m=4" in out and "floor m=100000" not in out
+    assert re.search(r"Size\(s\) 32, 64, 128, 256 left out: A has 24 singular values on these 24 tokens, so at "
+                     r"m >= 24 the floor is 0", out), out
+    assert "floor m=16" in out and "floor m=32" not in out
 
 
 def test_held_out_ratios_to_a_round_off_reference_are_left_out_and_said_so():
@@ -212,10 +217,12 @@ def test_held_out_ratios_to_a_round_off_reference_are_left_out_and_said_so():
         warnings.simplefilter("ignore")
         table = compare((q, k), p=2, m=1, methods=["optimal", "psf-random"], progress=False)
     assert table.roundoff_references() == {(0, 0), (0, 1)}
-    assert max(r.holdout_vs_reference for r in table.rows) > 1e15  # the JSON keeps the raw ratios
+    assert all(math.isnan(r.holdout_vs_reference) for r in table.rows)  # undefined (issue 43; it read 5.8e16)
+    assert all(row["holdout_vs_reference"] is None and "round-off" in row["undefined"]["holdout_vs_reference"]
+               for row in table.to_dicts())
     text = table.to_markdown()
     summary = [line for line in text.splitlines() if line.startswith("| psf-random |")][0]
-    assert summary.split(" | ")[5] == "–", summary
+    assert summary.split(" | ")[5] == "undefined", summary
     assert "e+1" not in text and "held-out ÷ reference leaves out 2 of 2 head(s)" in text and "round-off" in text
     # an ordinary dump keeps its ratios and no note
     q2, k2 = _qk(d=4)

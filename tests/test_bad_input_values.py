@@ -116,7 +116,8 @@ def test_optimal_sketch_overflow_is_a_clear_error_not_a_linalg_error(n):
 
 def test_kernel_spectrum_overflow_is_a_clear_error():
     q, k = _qk()
-    with pytest.raises(ValueError, match=r"kernel spectrum: the core R_Q R_Kᵀ of \(QKᵀ\)\^p overflows float64"):
+    with pytest.raises(ValueError, match=r"the kernel \(qᵀk\)\^p with p=2 overflows torch.float64 at head \(0, 0\): "
+                                         r"max \|qᵀk\| = 1.07\d*e\+301"):
         sl.kernel_spectrum((q * 1e150, k * 1e150), p=2, scale="none")
 
 
@@ -149,8 +150,9 @@ def test_a_zero_head_is_exact_not_an_underflow():
 def test_a_rank_deficient_kernel_warns_that_the_ratio_is_undefined():
     _, k = _qk()
     q = torch.ones_like(k)  # A = (1ᵀk)^p: every row the same, rank 1 < m
-    with pytest.warns(RuntimeWarning, match=r"in-sample optimality ratio of 2 of 2 head\(s\) is undefined \(NaN\): "
-                                            r"the Theorem 3.1 tail at m=4 is zero to round-off"):
+    with pytest.warns(RuntimeWarning, match=r"sketch method 'optimal': 2 of 2 optimality_ratio undefined, shown as "
+                                            r"'undefined' \(JSON null with the reason\): the Theorem 3.1 tail "
+                                            r"√Σ_\{i>m\}σ_i² is round-off"):
         fit = sl.fit_sketch("optimal", q, k, p=2, m=4)
     assert bool(fit.report.optimality_ratio.isnan().all())
 
@@ -159,7 +161,7 @@ def test_a_rank_deficient_kernel_warns_that_the_ratio_is_undefined():
     (["spectrum", "{tiny64}", "--scale", "none"], r"underflows at head \(0, 0\): ‖A‖_F² \(float64\)"),
     (["fit", "{tiny}", "--m", "4", "--out", "{tmp}/t.safetensors"], r"underflows at head"),
     (["compare", "{tiny}", "--m", "4", "--methods", "optimal,psf"], r"tiny.safetensors \(after the scale: .*underflows at head"),
-    (["spectrum", "{huge}", "--scale", "none"], r"overflows float64"),
+    (["spectrum", "{huge}", "--scale", "none"], r"overflows torch.float64 at head"),
 ])
 def test_the_commands_stop_on_unusable_magnitudes(argv, match, tmp_path, capsys):
     q, k = _qk(torch.float32)
@@ -181,6 +183,7 @@ def test_the_warning_is_one_line_on_the_command_line(tmp_path, capsys):
     rc = main(["fit", str(tmp_path / "const.safetensors"), "--m", "4", "--out", str(tmp_path / "t.safetensors"),
                "--no-progress"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert rc == 0 and err[0].startswith("sketchlab: warning: sketch method 'llops': the in-sample optimality ratio")
+    assert rc == 0 and err[0].startswith("sketchlab: warning: sketch method 'llops': 2 of 2 optimality_ratio, ")
     assert all(line.startswith(("sketchlab: warning: ", "wrote ")) for line in err), err
+    assert sum(line.startswith("sketchlab: warning: ") for line in err) == 1, err  # one warning per call
 

@@ -205,5 +205,5 @@ def test_overflow_check_counts_the_tokens_not_the_head_dim():
     n, d = 2000, 2
     q = torch.zeros(1, 1, n, d)
     q[..., 0] = 10 ** 9.125  # qᵀk = 10^18.25 for every pair
-    with pytest.raises(ValueError, match=r"overflows torch.float32: .* 2000 tokens × "):
+    with pytest.raises(ValueError, match=r"overflows torch.float32 at head \(0, 0\): .* 2000 tokens × "):
         compare((q, q.clone()), p=2, m=2, methods=["optimal"], scale="none", progress=False)

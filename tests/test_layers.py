@@ -21,7 +21,7 @@ PACKAGE = ROOT / "sketchlab"
 #: Patterns match dotted module names (a package's ``__init__`` is the package's name).
 LAYERS = [
     ("base", ["sketchlab._validation", "sketchlab._version", "sketchlab._threads"]),
-    ("primitives", ["sketchlab.polynomial", "sketchlab.sketch", "sketchlab.scaling",
+    ("primitives", ["sketchlab.polynomial", "sketchlab.sketch", "sketchlab.scaling", "sketchlab.numerics",
                     "sketchlab.io", "sketchlab.io.*"]),
     ("math", ["sketchlab.optimal", "sketchlab.spectral", "sketchlab.objective", "sketchlab.metrics",
               # the LLoPS map itself and what a fit problem is made of (no fitting)

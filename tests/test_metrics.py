@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from sketchlab.metrics import ROUNDOFF_TAIL
+from sketchlab.numerics import ROUNDOFF
 from sketchlab import attention_error, causal_attention, holdout_split, optimality_ratio, rel_fro, rel_mae
 
 
@@ -40,7 +40,7 @@ def test_optimality_ratio():
     assert math.isnan(optimality_ratio(approx[0, 0], exact[0, 0], 0.0).item())
     norm = float((exact[0, 0] ** 2).sum())
     n = max(exact.shape[-2:])
-    floor = (ROUNDOFF_TAIL * n * torch.finfo(torch.float64).eps) ** 2 * norm
+    floor = (ROUNDOFF * n * torch.finfo(torch.float64).eps) ** 2 * norm
     assert math.isnan(optimality_ratio(approx[0, 0], exact[0, 0], 0.99 * floor).item())  # the constant-q case: tail 2.5e-256
     assert math.isfinite(optimality_ratio(approx[0, 0], exact[0, 0], 1.01 * floor).item())
     with pytest.raises(ValueError, match=r"tail must be non-negative \(not NaN\) with the batch shape \(2, 3\), got shape \(3,\)"):

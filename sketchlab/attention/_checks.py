@@ -17,8 +17,8 @@ import torch
 from .._validation import as_float_tensor, check_finite, per_version
 from .options import _BACKENDS, _DENOMINATOR_CHECKS, _LOCALS, _NORMALIZE, AttentionOptions, _choice, _flag, _int, _real
 
-__all__ = ["NORMALIZE", "check_eps", "check_window_lengths", "count_denominators", "check_kernel_range",
-           "check_normalize", "check_qkv", "check_segments", "check_theta"]
+__all__ = ["NORMALIZE", "check_eps", "check_window_lengths", "count_denominators", "check_normalize", "check_qkv",
+           "check_segments", "check_theta"]
 
 # The rules on options live in :class:`~sketchlab.attention.options.AttentionOptions` (DESIGN §7); the
 # checks below that test an option are those rules, called on one value (never restated here).
@@ -135,7 +135,7 @@ def check_theta(theta_q, theta_k, *, heads: int, dim: int, like: torch.Tensor):
     Rules: floating tensors of rank 5, the same shape (so the same degree ``p``, rank ``t`` and
     size ``M``), ``H`` equal to the heads of ``q``, ``D`` equal to its head dimension, every size
     >= 1, the dtype and device of ``like`` (``q``), finite values (the kernel's range with q, k:
-    :func:`check_kernel_range`).
+    :func:`sketchlab.numerics.check_llops_kernel_range`).
     """
     out = []
     for theta, name in ((theta_q, "theta_q"), (theta_k, "theta_k")):
@@ -173,146 +173,6 @@ def check_theta(theta_q, theta_k, *, heads: int, dim: int, like: torch.Tensor):
         for theta, name in ((tq, "theta_q"), (tk, "theta_k")):
             _check_finite_once(theta, name)
     return tq, tk
-
-
-#: Θ's part of the kernel-range bound, per Θ tensor already seen: ``id → (weak reference, in-place
-#: version then, bounds)`` (:func:`_map_bounds`). A decoding loop passes the same Θ every token; its
-#: bounds (a pass over Θ in float64) are computed once, and again after any in-place change.
-_MAP_BOUNDS: dict[int, tuple] = {}
-
-
-def _map_bounds(theta: torch.Tensor) -> tuple[list[float], list[float]]:
-    """Per head of ``theta [H, t, p, D, M]``: ``log max_i Σ_r ∏_j ‖θ_{r,j,:,i}‖`` (bounds ``log |φ(x)_i|``
-    at ``‖x‖ = 1``) and ``log max_{r,j,i} ‖θ_{r,j,:,i}‖`` (bounds one factor ``log |⟨θ_{r,j,:,i}, x⟩|``
-    there), ``-inf`` for a zero head; cached per tensor and in-place version as :func:`_check_finite_once`
-    caches its verdict."""
-    def bounds():
-        with torch.no_grad():
-            norms = theta.detach().double().norm(dim=3).log()  # [H, t, p, M]
-            return norms.sum(2).logsumexp(1).amax(-1).tolist(), norms.amax(dim=(1, 2, 3)).tolist()  # [H], [H]
-
-    return per_version(_MAP_BOUNDS, theta, bounds)
-
-
-def _max_norm(x: torch.Tensor, top: list[float]) -> list[float]:
-    """``max_{b, t} ‖x[b, t, h]‖`` per head of ``x [B, T, H, D]`` as floats, never below the exact value;
-    ``top`` is that maximum of the token norms computed in ``x``'s dtype.
-
-    float64: ``top``. float32: ``top`` times ``1 + 1e-3`` (far above the rounding, ~``D·ε``) when every
-    head's lies in ``[1e-15, 1e15]`` (the largest token's squares then cannot underflow to matter nor
-    overflow); else, and for other dtypes, the float64 norms (one more pass over ``x``).
-    """
-    if x.dtype == torch.float64:
-        return top
-    if x.dtype == torch.float32 and all(1e-15 <= t <= 1e15 for t in top):
-        return [t * (1 + 1e-3) for t in top]
-    return x.detach().double().norm(dim=-1).amax(dim=(0, 1)).tolist()
-
-
-def _log(x: float) -> float:
-    return math.log(x) if x > 0 else -math.inf
-
-
-def _features_at(x: torch.Tensor, theta: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
-    """``φ(x*)`` of each (batch, head)'s largest token ``x*`` (the dtype of ``x``): ``[B, H, M]``."""
-    x = x.detach()
-    pick = norms.argmax(dim=1)  # [B, H]: token of largest norm
-    top = torch.gather(x, 1, pick[:, None, :, None].expand(-1, 1, -1, x.shape[-1]))[:, 0]  # [B, H, D]
-    proj = torch.einsum("bhd,htpdm->bhtpm", top, theta.detach())  # [B, H, t, p, M]
-    return proj.prod(3).sum(2)  # [B, H, M]
-
-
-def check_kernel_range(q: torch.Tensor, k: torch.Tensor, theta_q: torch.Tensor, theta_k: torch.Tensor, *,
-                       non_negative: bool = False) -> None:
-    r"""Refuse Θ and q, k whose kernel values cannot be represented in their dtype.
-
-    ``q [B, T, H, D]``, ``k [B, S, H, D]``, ``theta_* [H, t, p, D, M]`` (checked, finite).
-
-    Raises
-    ------
-    ValueError
-        *Underflow*: for some head the bound
-        :math:`|\phi_Q(q)\cdot\phi_K(k)| \le M\,\max_i\sum_r\prod_j\|\theta^Q_{r,j,:,i}\|\,\|q\|_{\max}^p
-        \cdot \max_i\sum_r\prod_j\|\theta^K_{r,j,:,i}\|\,\|k\|_{\max}^p` (squared with
-        ``non_negative``) is below the dtype's smallest normal number: every attention weight of
-        that head rounds to 0 (an all-zero output). *Overflow*: the features of the largest query
-        or key, or one product of them, are not finite in the dtype (inf/NaN output).
-
-    Warns
-    -----
-    RuntimeWarning
-        When ``S`` such products exceed the dtype's largest value (a normaliser or state sum may overflow).
-
-    Notes
-    -----
-    What depends on Θ alone (:func:`_map_bounds`: the map bound above and the largest factor norm
-    :math:`\max\|\theta_{r,j,:,i}\|`) is computed once per Θ tensor and in-place version (a decoding
-    loop passes one Θ every token). Per call: the largest token norm of q and of k (one pass each, one
-    device sync), from which the bound follows in a few scalar operations. When the bound proves
-    every quantity of the overflow test finite with room (the kernel bound times ``S``, and
-    :math:`t\,(\max\|\theta_{r,j,:,i}\|\,\|x\|_{\max})^p` for each side's features and their partial
-    products, all below the dtype's largest value over ``e``) the test cannot fail and is skipped;
-    otherwise it runs exactly: the features of the largest token per (batch, head). So a call pays
-    two norms, and an input of a new scale pays the exact test, never a verdict the exact test would
-    not give. The usual cause of an error is a Θ applied to inputs of another scale (a Θ export is
-    fitted to q, k × its ``scale``).
-    """
-    info = torch.finfo(q.dtype)
-    power, (_, t, p, _, M), S = (2 if non_negative else 1), theta_q.shape, k.shape[1]
-    with torch.no_grad():
-        nq, nk = (torch.linalg.vector_norm(x, dim=-1) for x in (q, k))  # [B, T|S, H] token norms, one pass each
-        top_q, top_k = torch.stack([nq.amax(dim=(0, 1)), nk.amax(dim=(0, 1))]).tolist()  # one device sync
-    sides = []  # per side, per head: log bound on |φ(x)_i|, log bound on one factor
-    for x, top, theta in ((q, top_q, theta_q), (k, top_k, theta_k)):
-        logs = [_log(n) for n in _max_norm(x, top)]
-        maps, factors = _map_bounds(theta)
-        sides.append(([m + p * n for m, n in zip(maps, logs)], [f + n for f, n in zip(factors, logs)]))
-    (lq, fq), (lk, fk) = sides
-    bound = [power * (math.log(M) + a + b) for a, b in zip(lq, lk)]  # [H] log bound on |φ_Q(q)·φ_K(k)|
-    low = [h for h, b in enumerate(bound) if math.isfinite(b) and b < math.log(info.tiny)]
-    if low:
-        h = low[0]
-        raise ValueError(
-            f"theta_q, theta_k with q, k underflow {q.dtype}: every kernel value of head {h} is at most "
-            f"{math.exp(bound[h]):.3g}, below the smallest normal number {info.tiny:.3g}, so the attention "
-            "weights round to 0; Θ or q, k are scaled wrong (a Θ export is fitted to q, k times its scale), or "
-            "use float64"
-        )
-    room = math.log(info.max) - 1.0
-    if (all(b + math.log(S) < room for b in bound)
-            and all(math.log(t) + p * max(f, 0.0) < room for f in fq + fk)):  # nan compares False: the exact test
-        return
-    _kernel_range_exact(q, k, theta_q, theta_k, nq, nk, non_negative=non_negative)
-
-
-def _kernel_range_exact(q, k, theta_q, theta_k, nq, nk, *, non_negative: bool) -> None:
-    """The overflow test of :func:`check_kernel_range` at the largest token per (batch, head) (``nq, nk``:
-    the token norms ``[B, T|S, H]``): its errors and warning, computed rather than bounded."""
-    info, S = torch.finfo(q.dtype), k.shape[1]
-    with torch.no_grad():
-        fq, fk = _features_at(q, theta_q, nq), _features_at(k, theta_k, nk)  # [B, H, M]
-        terms = fq.double().abs() * fk.double().abs()  # [B, H, M]
-        sums = terms.sum(-1) ** 2 if non_negative else terms.sum(-1)  # [B, H]
-        biggest = sums.amax() if non_negative else terms.amax()
-        finite_q, finite_k, top, total = torch.stack([  # one device sync
-            torch.isfinite(fq).all().double(), torch.isfinite(fk).all().double(), biggest, sums.amax() * S]).tolist()
-    for ok, name in ((finite_q, "theta_q with q"), (finite_k, "theta_k with k")):
-        if not ok:
-            raise ValueError(
-                f"{name} overflows {q.dtype}: the features of the largest token are not finite (largest "
-                f"representable {info.max:.3g}); Θ or the inputs are scaled wrong, or use float64"
-            )
-    if top > info.max:
-        raise ValueError(
-            f"theta_q, theta_k with q, k overflow {q.dtype}: a product of the features of the largest query and "
-            f"key is {top:.3g}, above the largest representable {info.max:.3g}; Θ or the inputs are scaled "
-            "wrong, or use float64"
-        )
-    if total > info.max:
-        warnings.warn(
-            f"llops attention: {S} keys × kernel values up to {total / S:.3g} may overflow "
-            f"{q.dtype} (largest {info.max:.3g}) in the state or normaliser sums; scale Θ or the inputs down, "
-            "or use float64", RuntimeWarning, stacklevel=4)
 
 
 #: Θ tensors already found finite: ``id → (weak reference, in-place version then, None)``. A decoding
@@ -433,16 +293,32 @@ def count_denominators():
                 warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
 
 
-def report_denominators(bad: int, rows: int, where: str, mode: str) -> None:
-    """Warn (or raise) when ``bad`` of ``rows`` normalising denominators were ``<= 0``."""
+def denominator_counts(den: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The normalising denominators ``den`` (any shape) ``<= 0`` of real query rows (``rows``: a bool mask
+    broadcast against ``den``, or None for all), and how many of them are exactly 0: int64 ``[2]``, no sync."""
+    den = den.detach()
+    bad = den <= 0 if rows is None else (den <= 0) & rows
+    return torch.stack([bad.sum(), (bad & (den == 0)).sum()])
+
+
+def report_denominators(counts, rows: int, where: str, mode: str) -> None:
+    """Warn (or raise) when some of ``rows`` normalising denominators were ``<= 0``; ``counts``: how many, and how
+    many of them exactly 0 (:func:`denominator_counts`). The two have different causes and remedies: a negative
+    sum comes from signed features, an exact 0 from a row whose every kernel value is 0 or underflowed."""
+    bad, zero = (int(c) for c in counts)
     if not bad or mode == "off":
         return
-    msg = (f"{where}: {bad} of {rows} query rows have a normalising denominator <= 0 (signed features with "
-           "normalize='sum'), so their output is unbounded or sign-flipped. Remedies: non_negative=True "
-           "(self-tensored features φ⊗φ, kernel (φ(q)·φ(k))² >= 0), a non-negative map (rank-1 LLoPS with equal "
-           "factors and even p, a Taylor/Hedgehog map), normalize='none', or a hybrid window (window > 0).")
+    causes = []
+    if bad > zero:
+        causes.append(f"{bad - zero} negative (signed features with normalize='sum'), so their output is unbounded "
+                      "or sign-flipped. Remedies: non_negative=True (self-tensored features φ⊗φ, kernel "
+                      "(φ(q)·φ(k))² >= 0), a non-negative map (rank-1 LLoPS with equal factors and even p, a "
+                      "Taylor/Hedgehog map), normalize='none', or a hybrid window (window > 0)")
+    if zero:
+        causes.append(f"{zero} exactly 0 (every kernel value of the row is 0: its features are 0 or the kernel "
+                      "values underflow the dtype), so their output is 0. Remedies: scale q, k (or Θ) up so that "
+                      "|φ(q)·φ(k)| stays near 1, or use float64")
+    msg = f"{where}: {bad} of {rows} query rows have a normalising denominator <= 0: " + "; ".join(causes) + "."
     if mode == "raise":
         raise FloatingPointError(msg)
-    import warnings
-
     warnings.warn(msg, RuntimeWarning, stacklevel=3)

@@ -22,12 +22,12 @@ import importlib.util
 import torch
 
 from .._validation import check_real
+from ..numerics import check_llops_kernel_range
 from ..sketch import Sketch
 from ._checks import (
     check_backend_name,
     check_flag,
     check_hybrid,
-    check_kernel_range,
     check_key_padding_mask,
     check_qkv,
     check_segments,
@@ -170,7 +170,7 @@ def _llops(q, k, v, theta_q, theta_k, o: AttentionOptions, params, gate, segment
     o = o.resolve(llops_is_non_negative(theta_q) and llops_is_non_negative(theta_k))
     causal, normalize, eps, mode, chunk_size = o.causal, o.normalize, o.eps, o.denominator_check, o.chunk_size
     non_negative = o.non_negative
-    check_kernel_range(q, k, theta_q, theta_k, non_negative=non_negative)
+    check_llops_kernel_range(q, k, theta_q, theta_k, non_negative=non_negative)
     key_padding_mask = check_key_padding_mask(key_padding_mask, q.shape[0], k.shape[1], q.device)
     _check_stateful_segments(segments, initial_state, output_final_state)
     if o.memory:

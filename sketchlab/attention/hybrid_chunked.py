@@ -248,23 +248,22 @@ def _hybrid_noncausal(h: _Hybrid, q, k, v, fq, fk, valid, C: int, counter):
 
 
 class DenominatorCounter:
-    """Counts the normalising denominators ``<= 0`` of real query rows, chunk by chunk (one sync at the end)."""
+    """Counts the normalising denominators ``<= 0`` of real query rows, and those exactly 0, chunk by chunk
+    (:func:`~sketchlab.attention._checks.denominator_counts`; one sync at the end)."""
 
     def __init__(self):
-        self.bad, self.rows = None, 0
+        self.counts, self.rows = None, 0
 
     def add(self, den: torch.Tensor, rows: torch.Tensor | None) -> None:
         """``den [B, H, n]``; ``rows [B, n]`` bool (real queries) or None (all)."""
-        with torch.no_grad():
-            bad = den.detach() <= 0
-            if rows is not None:
-                bad = bad & rows[:, None, :]
-            count = bad.sum()
-            self.bad = count if self.bad is None else self.bad + count
-            self.rows += den.numel()
+        from ._checks import denominator_counts
+
+        counts = denominator_counts(den, None if rows is None else rows[:, None, :])
+        self.counts = counts if self.counts is None else self.counts + counts
+        self.rows += den.numel()
 
     def report(self, where: str, mode: str) -> None:
         from ._checks import report_denominators
 
-        if self.bad is not None:
-            report_denominators(int(self.bad), self.rows, where, mode)
+        if self.counts is not None:
+            report_denominators(self.counts, self.rows, where, mode)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import report_denominators
+from ._checks import denominator_counts, report_denominators
 from .memory_fast import run
 from .memory_state import (
     MemoryState,
@@ -94,7 +94,7 @@ def memory_attention_naive(phi_q, phi_k, v, q=None, k=None, *, options, params=N
     g = _gate(c, f64)
     zero_k = torch.zeros(D, dtype=f64, device=dev)
     outs_list = [[None] * H for _ in range(B)]
-    finals, bad = [[None] * H for _ in range(B)], 0
+    finals, counts = [[None] * H for _ in range(B)], torch.zeros(2, dtype=torch.int64)
     for b in range(B):
         for h in range(H):
             # every position this call can read: the held sinks, the held window, the new tokens
@@ -169,7 +169,7 @@ def memory_attention_naive(phi_q, phi_k, v, q=None, k=None, *, options, params=N
                     if w:
                         num, den = g[h] * ex_num + (1 - g[h]) * num, g[h] * ex_den + (1 - g[h]) * den
                     if c.normalize == "sum":
-                        bad += int(bool(den <= 0) and bool(real[b, t]))
+                        counts += denominator_counts(den, real[b, t])
                         o = num / (den + options.eps)
                     else:
                         o = num
@@ -178,7 +178,7 @@ def memory_attention_naive(phi_q, phi_k, v, q=None, k=None, *, options, params=N
             finals[b][h] = (S, z, tok, slots)
     outs = torch.stack([torch.stack(outs_list[b], 1) for b in range(B)])  # [B, T, H, Dv]
     if not c.delta and c.normalize == "sum":
-        report_denominators(bad, B * H * T, "memory_attention_naive", options.denominator_check)
+        report_denominators(counts, B * H * T, "memory_attention_naive", options.denominator_check)
     if not output_final_state:
         return outs
     return outs, _naive_final(c, finals, P0 + T, f64)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import report_denominators
+from ._checks import denominator_counts, report_denominators
 from .memory_state import MemoryState, _beta, _gate, _log_decay, unit, vouch
 
 #: Sorts after every position: a slot not in the running for "the oldest".
@@ -160,7 +160,8 @@ def decode(c) -> torch.Tensor | tuple[torch.Tensor, MemoryState]:
     if not c.delta:
         den = far[..., Dv:]
         if c.normalize == "sum" and o.denominator_check != "off" and bool((den <= 0).any()):
-            report_denominators(int(((den[..., 0, 0] <= 0) & real).sum()), B * H, "memory_attention", o.denominator_check)
+            report_denominators(denominator_counts(den[..., 0, 0], real), B * H, "memory_attention",
+                                o.denominator_check)
         out = far[..., :Dv] / (den + o.eps) if w or c.normalize == "sum" else far[..., :Dv]
     out = out.transpose(1, 2).to(c.in_dtype)  # [B, 1, H, Dv]
     if not c.final:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from . import delta as _delta
-from ._checks import report_denominators
+from ._checks import denominator_counts, report_denominators
 from .memory_state import MemoryState, _beta, _gate, _log_decay, empty_memory_state, unit
 from .memory_decode import _local_weights, decode
 from .memory_schedule import _take, schedule
@@ -126,13 +126,14 @@ def run(c):
             nm = g[..., None] * ex_num + (1 - g[..., None]) * num
             dn = g * ex_den + (1 - g) * den
             if c.normalize == "sum":
-                report_denominators(int(((dn <= 0) & real[:, None]).sum()), B * H * T, "memory_attention",
+                report_denominators(denominator_counts(dn, real[:, None]), B * H * T, "memory_attention",
                                     c.o.denominator_check)
             out = nm / (dn + c.o.eps)[..., None]
     elif c.delta:
         out = far
     elif c.normalize == "sum":
-        report_denominators(int(((den <= 0) & real[:, None]).sum()), B * H * T, "memory_attention", c.o.denominator_check)
+        report_denominators(denominator_counts(den, real[:, None]), B * H * T, "memory_attention",
+                            c.o.denominator_check)
         out = num / (den + c.o.eps)[..., None]
     else:
         out = num

@@ -8,7 +8,8 @@ import torch
 
 from .._validation import DEFAULT_MAX_BYTES, check_degree, check_memory, check_positive_int
 from ._entry import by_segments as _by_segments
-from ._checks import check_denominator_check, check_eps, check_flag, check_normalize, check_qkv, report_denominators
+from ._checks import (check_denominator_check, check_eps, check_flag, check_normalize, check_qkv, denominator_counts,
+                      report_denominators)
 
 __all__ = ["poly_attention"]
 
@@ -49,7 +50,7 @@ def poly_attention(q, k, v, p: int, *, causal: bool = True, normalize: str = "su
                              "(e.g. by d^-1/4), use float64, or a smaller p")
         if normalize == "sum" and p % 2 and mode != "off":
             rows = _poly_denominators(q, k, p, causal, segments, block_size)
-            report_denominators(int((rows <= 0).sum()), rows.numel(), "poly_attention", mode)
+            report_denominators(denominator_counts(rows), rows.numel(), "poly_attention", mode)
     return out
 
 

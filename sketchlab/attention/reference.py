@@ -40,6 +40,7 @@ from ._checks import (
     check_segments,
     check_theta,
     check_window_lengths,
+    denominator_counts,
     report_denominators,
 )
 
@@ -282,7 +283,7 @@ def feature_attention_naive(phi_q, phi_k, v, *, q=None, k=None, causal: bool = T
         num, den = far_num, far_den
     if normalize == "sum":
         rows = valid[:, -T:] if (mask is not None and T == S_len) else torch.ones(B, T, dtype=torch.bool, device=dev)
-        report_denominators(int(((den <= 0) & rows[:, None]).sum()), B * H * T, "feature_attention_naive", mode)
+        report_denominators(denominator_counts(den, rows[:, None]), B * H * T, "feature_attention_naive", mode)
         out = num / (den + eps)[..., None]
     else:
         out = num

@@ -58,6 +58,7 @@ def run(args) -> int:
     from .._dumpsel import select_and_scale
     from .._validation import check_symmetric_features
     from ..fit import fit_sketch
+    from ..numerics import ratio_text
 
     for flag, value in (("--quality", args.quality), ("--work", args.work)):
         if value is not None and args.method != "llops":
@@ -80,8 +81,11 @@ def run(args) -> int:
         fit.save_theta(args.out, dump=args.dump)  # one file, written atomically by export_theta
     outputs.announce(args.out)
     report = fit.report
+    ratio, undefined = report.optimality_ratio.nanmean().item(), int(report.optimality_ratio.isnan().sum())
     line = (f"{args.method}: p={args.p} m={args.m} layers×heads={list(sel.q.shape[:2])} ({sel.scale_description}) "
-            f"rel_fro={report.rel_fro.mean().item():.4g} optimality_ratio={report.optimality_ratio.mean().item():.4g}")
+            f"rel_fro={report.rel_fro.mean().item():.4g} optimality_ratio={ratio_text(ratio, '.4g')}"
+            + (f" (mean of the defined; {undefined} of {report.optimality_ratio.numel()} heads undefined)"
+               if 0 < undefined < report.optimality_ratio.numel() else ""))
     if report.holdout_rel_fro is not None:
         line += f" holdout_rel_fro={report.holdout_rel_fro.mean().item():.4g}"
     sys.stdout.write(f"{line}\n")

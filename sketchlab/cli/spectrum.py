@@ -15,8 +15,10 @@ def add_arguments(sub) -> None:
     cmd = sub.add_parser("spectrum", help=HELP, description=HELP.replace("%%", "%"))
     cmd.add_argument("dump", help="Q/K dump (.safetensors, .pt, .npy/.npz) with q, k of shape [L, H, n, d]")
     add_common(cmd, "p", "layers", "heads", "scale")
-    cmd.add_argument("--sizes", type=positive_int_list, default=[8, 16, 32, 64, 128, 256],
-                     help="sketch sizes tabulated, each >= 1 (default 8,16,32,64,128,256)")
+    cmd.add_argument("--sizes", type=positive_int_list, default=None,
+                     help="sketch sizes tabulated, each >= 1 and at most the number of tokens (the singular values; "
+                          "a larger one is refused); default 8,16,32,64,128,256, those beyond the tokens left out with "
+                          "a note")
     cmd.add_argument("--plot", default=None, help="write the σ_i/σ_1 figure (PNG) here")
     cmd.add_argument("--json", dest="json_out", default=None,
                      help="write every singular value as JSON to this file ('-': standard output)")
@@ -32,10 +34,12 @@ def _spectrum(args):
 
     from .._dumpsel import select_and_scale
     from .._validation import check_degree
-    from ..spectrum import spectrum_of_selection
+    from ..spectrum import check_sizes, spectrum_of_selection
 
     p = check_degree(args.p)
     sel = select_and_scale(args.dump, layers=args.layers, heads=args.heads, scale=args.scale)
+    if args.sizes is not None:  # before the factorisations: A has one singular value per token (holdout 0)
+        check_sizes(args.sizes, sel.q.shape[2], sel.q.shape[2], "--sizes")
     parts = []
     for i in tqdm(range(len(sel.layers)), desc="spectrum", unit="layer", disable=args.no_progress, leave=False):
         one = dataclasses.replace(sel, q=sel.q[i:i + 1], k=sel.k[i:i + 1], layers=sel.layers[i:i + 1])
