@@ -167,7 +167,7 @@ def _llops(q, k, v, theta_q, theta_k, o: AttentionOptions, params, gate, segment
            output_final_state: bool):
     """LLoPS attention on checked ``q, k, v`` and Θ with built options ``o`` (not yet resolved for Θ): the
     backend choice of :func:`llops_attention` and :func:`linear_attention`."""
-    o = o.resolve(llops_is_non_negative(theta_q) and llops_is_non_negative(theta_k))
+    o = o.resolve(lambda: llops_is_non_negative(theta_q) and llops_is_non_negative(theta_k))
     causal, normalize, eps, mode, chunk_size = o.causal, o.normalize, o.eps, o.denominator_check, o.chunk_size
     non_negative = o.non_negative
     check_llops_kernel_range(q, k, theta_q, theta_k, non_negative=non_negative)
@@ -478,7 +478,7 @@ def _featuremap(q, k, v, feature_map, feature_map_k, o: AttentionOptions, params
         if (m.heads, m.head_dim) != (q.shape[2], q.shape[3]):
             raise ValueError(f"{name} has heads={m.heads}, head_dim={m.head_dim} but q has H={q.shape[2]}, "
                              f"D={q.shape[3]}")
-    o = o.resolve(feature_map.non_negative and fk_map.non_negative)
+    o = o.resolve(lambda: feature_map.non_negative and fk_map.non_negative)
     return with_qk_conv(lambda qs, ks, vs: _route(qs, ks, vs, feature_map, fk_map, o, params, gate, segments,
                                                      key_padding_mask, initial_state, output_final_state),
                            q, k, v, options=o, params=params, initial_state=initial_state,

@@ -191,7 +191,7 @@ class AttentionOptions:
         return bool(self.cache or self.learned_decay or (self.decay is not None and self.decay != 1.0)
                     or self.state == "delta")
 
-    def resolve(self, map_non_negative: bool) -> "AttentionOptions":
+    def resolve(self, map_non_negative) -> "AttentionOptions":
         r"""These options with ``normalize`` and ``non_negative`` decided for a map (the one rule of
         every entry point and module).
 
@@ -202,14 +202,17 @@ class AttentionOptions:
 
         Parameters
         ----------
-        map_non_negative : bool
+        map_non_negative : bool or callable () -> bool
             The map's kernel is provably ``>= 0`` (``FeatureMap.non_negative``; for Θ,
-            :func:`~sketchlab.llops.maps.llops_is_non_negative` of both sides).
+            :func:`~sketchlab.llops.maps.llops_is_non_negative` of both sides); a callable is asked only
+            when the answer matters (a given ``non_negative``, ``normalize="none"`` or the delta state
+            never need it).
         """
         normalize = self.normalize or "sum"
         non_negative = self.non_negative
         if non_negative is None:
-            non_negative = normalize == "sum" and self.state != "delta" and not map_non_negative
+            needed = normalize == "sum" and self.state != "delta"
+            non_negative = needed and not (map_non_negative() if callable(map_non_negative) else map_non_negative)
         if (normalize, non_negative) == (self.normalize, self.non_negative):
             return self
         return self.replace(normalize=normalize, non_negative=non_negative)

@@ -225,6 +225,10 @@ def llops_feature_fn(theta: torch.Tensor):
     return features
 
 
+#: llops_is_non_negative's answers per Θ tensor and in-place version.
+_NON_NEGATIVE: dict = {}
+
+
 def llops_is_non_negative(theta: torch.Tensor) -> bool:
     r"""Whether the LLoPS map of ``theta [..., t, p, D, M]`` is non-negative for every input.
 
@@ -236,5 +240,9 @@ def llops_is_non_negative(theta: torch.Tensor) -> bool:
     t, p = theta.shape[-4], theta.shape[-3]
     if t != 1 or p % 2:
         return False
-    with torch.no_grad():
-        return bool((theta == theta[..., :1, :, :]).all())
+
+    def equal_factors():
+        with torch.no_grad():
+            return bool((theta == theta[..., :1, :, :]).all())
+
+    return per_version(_NON_NEGATIVE, theta, equal_factors)  # once per tensor and in-place version (decoding)
