@@ -40,6 +40,11 @@ def _run(fn, x: torch.Tensor, dtype: torch.dtype, *, detach: bool) -> torch.Tens
     return functional_call(fn, cast, (x.to(dtype),))
 
 
+def _name(fn) -> str:
+    """A callable's name for the errors: a function's ``__name__``, else its type's."""
+    return getattr(fn, "__name__", type(fn).__name__)
+
+
 def _float_dtype(fn) -> torch.dtype:
     """The dtype of a module's first floating parameter or buffer (float32 for a callable or a module without)."""
     tensors = [*fn.parameters(), *fn.buffers()] if isinstance(fn, nn.Module) else []
@@ -70,11 +75,11 @@ class ModuleMap(FeatureMap):
         self.__dict__["naive"] = naive
         self._degree = None if degree is None else check_positive_int(degree, "degree")
         self._non_negative = non_negative
-        self.label = getattr(module, "__name__", type(module).__name__)
         if num_features is None:  # probe M on one token (its values unchecked: a zero input may be degenerate)
             with torch.no_grad():
                 x = torch.zeros(1, 1, self.heads, self.head_dim, dtype=_float_dtype(module))
-                num_features = self._checked(_run(module, x, x.dtype, detach=True), x, None, "module").shape[-1]
+                num_features = self._checked(_run(module, x, x.dtype, detach=True), x, None, f"module {_name(module)}")
+                num_features = num_features.shape[-1]
         self._m = check_positive_int(num_features, "num_features")
 
     @property
@@ -93,10 +98,11 @@ class ModuleMap(FeatureMap):
         return (f"heads={self.heads}, head_dim={self.head_dim}, num_features={self._m}, degree={self._degree}, "
                 f"non_negative={self._non_negative}")
 
-    def _checked(self, out, x: torch.Tensor, m: int | None, role: str) -> torch.Tensor:
-        """``out`` of ``role`` (``"module"`` or ``"naive"``) on ``x`` checked: a floating tensor ``[B, T, H, m]``
-        (any ``m`` when ``None``), finite where ``m`` is set; each error names the module, the rule and the value."""
-        where = f"as_feature_map: {role} {self.label}"
+    @staticmethod
+    def _checked(out, x: torch.Tensor, m: int | None, who: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``out`` of ``who`` (``"module <name>"``, ...) on ``x`` checked: a floating tensor ``[B, T, H, m]`` (any
+        ``m`` when ``None``; else finite), of ``dtype`` when given; each error names ``who``, the rule and the value."""
+        where = f"as_feature_map: {who}"
         B, T, H, D = x.shape
         want = f"[B, T, H, M] = [{B}, {T}, {H}, {'M' if m is None else m}]"
         if not isinstance(out, torch.Tensor) or not out.is_floating_point():
@@ -114,22 +120,23 @@ class ModuleMap(FeatureMap):
                 first = [int(i) for i in bad.nonzero()[0]]
                 raise FloatingPointError(f"{where} must return finite features: {int(bad.sum())} of {out.numel()} are "
                                          f"not, the first at {first}: {float(out[tuple(first)])}")
-        if role == "naive" and out.dtype != torch.float64:
-            raise TypeError(f"{where} must return float64 features (the twin runs in float64), got {out.dtype}; "
-                            "pass naive= a float64 twin")
+        if dtype is not None and out.dtype != dtype:
+            raise TypeError(f"{where} must return {dtype} features, got {out.dtype}")
         return out
 
     def _features(self, x):
         dtype = torch.promote_types(x.dtype, _float_dtype(self.module))
-        return self._checked(_run(self.module, x, dtype, detach=False), x, self._m, "module")
+        return self._checked(_run(self.module, x, dtype, detach=False), x, self._m, f"module {_name(self.module)}")
 
     def features_naive(self, x: torch.Tensor) -> torch.Tensor:
         """Float64 twin of :meth:`features`: ``naive(x)``, or the module's forward with its floating tensors
         detached and in float64 (module docstring)."""
         x = _check_x(x, self.heads, self.head_dim).to(torch.float64)
         if self.naive is not None:
-            return self._checked(self.naive(x), x, self._m, "naive")
-        return self._checked(_run(self.module, x, torch.float64, detach=True), x, self._m, "naive")
+            return self._checked(self.naive(x), x, self._m, f"naive {_name(self.naive)}", torch.float64)
+        return self._checked(_run(self.module, x, torch.float64, detach=True), x, self._m,
+                             f"the float64 twin of module {_name(self.module)} (its forward on float64 copies of its "
+                             "tensors; else pass naive=)", torch.float64)
 
     def _features_naive(self, x, head):
         """One head ``x [T, D]`` (float64) through :meth:`features_naive`, the other heads zero (heads are
