@@ -141,6 +141,27 @@ def test_fit_sketch_trains_its_parameters(registered):
     assert bool((fit.report.rel_fro < fit.report.info["init_rel_fro"]).all())  # and the kernel error fell
 
 
+def test_fit_sketch_trains_a_module_shared_by_the_heads():
+    # fla's maps act on [..., D]: one module for every head, parameters without a heads axis
+    def build(heads, head_dim, *, m, seed, dtype, **_):
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            linear = nn.Linear(head_dim, m, bias=False).to(dtype)
+        return as_feature_map(nn.Sequential(linear, nn.ReLU()), heads=heads, head_dim=head_dim, non_negative=True)
+
+    register_feature_map("test-shared-relu", build)
+    try:
+        q, k = _rand(H, 40, D, seed=14) * 0.6, _rand(H, 40, D, seed=15) * 0.6
+        fit = sl.fit_sketch("test-shared-relu", q, k, p=2, m=M, steps=40)
+        start = make_feature_map("test-shared-relu", heads=H, head_dim=D, m=M, seed=0, dtype=torch.float64)
+    finally:
+        registry._REGISTRY.pop("test-shared-relu")
+    assert not torch.equal(fit.sketch.map_q.module[0].weight, start.module[0].weight)
+    # the step kept is one step for both heads: the errors the fit kept are the report's, head by head
+    assert torch.allclose(fit.report.info["rel_fro"], fit.report.rel_fro, rtol=1e-10)
+    assert bool((fit.report.rel_fro < fit.report.info["init_rel_fro"]).all())
+
+
 def test_a_fit_sketch_method_name_is_refused():
     for name in ("optimal", "mlp"):
         with pytest.raises(ValueError, match=f"the name '{name}' is a fit_sketch method that is not this map"):

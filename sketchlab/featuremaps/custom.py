@@ -56,6 +56,8 @@ class ModuleMap(FeatureMap):
     (:func:`as_feature_map` builds it and documents the arguments). A module is a submodule, so its
     parameters train, move and save with the map; a plain callable is held as given."""
 
+    per_head_parameters = False  # a module may share its parameters between heads (fla's maps do)
+
     def __init__(self, module, *, heads: int, head_dim: int, num_features: int | None = None,
                  degree: int | None = None, non_negative: bool = False, naive=None):
         super().__init__()
