@@ -1,7 +1,8 @@
 """A user's own module joins the feature-map family in one call (:func:`sketchlab.as_feature_map`): a small
 module of our own (a per-head linear map and a ReLU) and a plain callable (elu + 1), their features, their
-float64 twin, the one attention op, ``fit_sketch`` and ``compare`` against the optimum once registered, and
-the errors a wrong module gets. No flash-linear-attention here (``analysis/fla_maps.py`` runs fla's maps).
+float64 twin, the one attention op, ``fit_sketch`` and ``compare`` against the optimum once registered (also
+for a module whose parameters the heads share, as fla's), the toy model and ``convert_attention``, and the
+errors a wrong module gets. No flash-linear-attention here (``analysis/fla_maps.py`` runs fla's maps).
 
 Tolerances: float64 1e-12 (the same operations in the same order, or a D-term dot product); the float32
 module against its float64 twin 1e-5 (float32 round-off of a 4-term dot product, ~1e-7, with room);
@@ -160,6 +161,24 @@ def test_fit_sketch_trains_a_module_shared_by_the_heads():
     # the step kept is one step for both heads: the errors the fit kept are the report's, head by head
     assert torch.allclose(fit.report.info["rel_fro"], fit.report.rel_fro, rtol=1e-10)
     assert bool((fit.report.rel_fro < fit.report.info["init_rel_fro"]).all())
+
+
+def test_in_the_toy_model_and_convert_attention(registered):
+    from sketchlab.tasks import TransformerConfig, TransformerLM
+
+    cfg = TransformerConfig(vocab_size=11, d_model=16, n_heads=2, n_layers=1, attention=registered,
+                            attention_options={"window": 2})
+    assert TransformerLM(cfg)(torch.randint(0, 11, (2, 6))).shape == (2, 6, 11)
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, intermediate_size=48, max_position_embeddings=64,
+                                      attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).double().eval()
+    sketches = sl.convert_attention(model, attention=registered, m=16, window=4)
+    assert isinstance(sketches[0].feature_map_q, ModuleMap) and sketches[0].feature_map_q.num_features == 16
+    with torch.no_grad():
+        assert torch.isfinite(model(torch.randint(0, 50, (2, 9))).logits).all()
 
 
 def test_a_fit_sketch_method_name_is_refused():
