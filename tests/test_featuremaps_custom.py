@@ -15,8 +15,15 @@ from torch import nn
 
 import sketchlab as sl
 from sketchlab.attention.reference import feature_attention_naive
-from sketchlab.featuremaps import (FeatureMap, ModuleMap, Option, as_feature_map, make_feature_map,
-                                   register_feature_map, registry)
+from sketchlab.featuremaps import (
+    FeatureMap,
+    ModuleMap,
+    Option,
+    as_feature_map,
+    make_feature_map,
+    register_feature_map,
+    registry,
+)
 
 TOL64, TOL32 = 1e-12, 1e-5
 H, D, M = 2, 4, 6
