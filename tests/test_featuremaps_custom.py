@@ -184,12 +184,10 @@ def test_in_the_toy_model_and_convert_attention(registered):
     cfg = TransformerConfig(vocab_size=11, d_model=16, n_heads=2, n_layers=1, attention=registered,
                             attention_options={"window": 2})
     assert TransformerLM(cfg)(torch.randint(0, 11, (2, 6))).shape == (2, 6, 11)
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, intermediate_size=48, max_position_embeddings=64,
-                                      attn_implementation="sdpa")
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).double().eval()
+    pytest.importorskip("transformers")
+    from tests.test_convert import _llama  # a tiny random LLaMA (GQA, rotary), float64
+
+    model = _llama()
     sketches = sl.convert_attention(model, attention=registered, m=16, window=4)
     assert isinstance(sketches[0].feature_map_q, ModuleMap) and sketches[0].feature_map_q.num_features == 16
     with torch.no_grad():
