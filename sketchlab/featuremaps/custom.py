@@ -45,10 +45,11 @@ def _name(fn) -> str:
     return getattr(fn, "__name__", type(fn).__name__)
 
 
-def _float_dtype(fn) -> torch.dtype:
-    """The dtype of a module's first floating parameter or buffer (float32 for a callable or a module without)."""
+def _like(fn) -> torch.Tensor:
+    """A module's first floating parameter or buffer (its dtype and device; an empty float32 CPU tensor for a
+    callable or a module without)."""
     tensors = [*fn.parameters(), *fn.buffers()] if isinstance(fn, nn.Module) else []
-    return next((t.dtype for t in tensors if t.is_floating_point()), torch.float32)
+    return next((t for t in tensors if t.is_floating_point()), torch.empty(0))
 
 
 class ModuleMap(FeatureMap):
@@ -79,7 +80,8 @@ class ModuleMap(FeatureMap):
         self._non_negative = non_negative
         if num_features is None:  # probe M on one token (its values unchecked: a zero input may be degenerate)
             with torch.no_grad():
-                x = torch.zeros(1, 1, self.heads, self.head_dim, dtype=_float_dtype(module))
+                like = _like(module)
+                x = torch.zeros(1, 1, self.heads, self.head_dim, dtype=like.dtype, device=like.device)
                 num_features = self._checked(_run(module, x, x.dtype, detach=True), x, None, f"module {_name(module)}")
                 num_features = num_features.shape[-1]
         self._m = check_positive_int(num_features, "num_features")
@@ -127,7 +129,7 @@ class ModuleMap(FeatureMap):
         return out
 
     def _features(self, x):
-        dtype = torch.promote_types(x.dtype, _float_dtype(self.module))
+        dtype = torch.promote_types(x.dtype, _like(self.module).dtype)
         return self._checked(_run(self.module, x, dtype, detach=False), x, self._m, f"module {_name(self.module)}")
 
     def features_naive(self, x: torch.Tensor) -> torch.Tensor:
