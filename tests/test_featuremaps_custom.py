@@ -24,6 +24,7 @@ from sketchlab.featuremaps import (
     register_feature_map,
     registry,
 )
+from sketchlab.tasks import TransformerConfig, TransformerLM, model
 
 TOL64, TOL32 = 1e-12, 1e-5
 H, D, M = 2, 4, 6
@@ -76,6 +77,8 @@ def registered():
     register_feature_map(NAME, _build, {"learn": Option("bool", True, doc="W as a trained parameter")})
     yield NAME
     registry._REGISTRY.pop(NAME)
+    for table in (model._ATTENTION, model._OPTIONS):  # the toy model's kernel of it, where a test made one
+        table.pop(NAME, None)
 
 
 def test_features_are_the_modules_and_the_twin_is_float64():
@@ -179,8 +182,7 @@ def test_fit_sketch_trains_a_module_shared_by_the_heads():
 
 
 def test_in_the_toy_model_and_convert_attention(registered):
-    from sketchlab.tasks import TransformerConfig, TransformerLM
-
+    # sketchlab.tasks was imported (its kernels made) before the map was registered
     cfg = TransformerConfig(vocab_size=11, d_model=16, n_heads=2, n_layers=1, attention=registered,
                             attention_options={"window": 2})
     assert TransformerLM(cfg)(torch.randint(0, 11, (2, 6))).shape == (2, 6, 11)
