@@ -50,6 +50,7 @@ from .featuremaps import (
     PSFLearnedMap,
     SelfTensored,
     TaylorMap,
+    as_feature_map,
     make_feature_map,
 )
 from .convert import convert_attention, linearize, load_linearized, save_linearized
@@ -95,6 +96,7 @@ __all__ = [
     "PSFLearnedMap",
     "SelfTensored",
     "TaylorMap",
+    "as_feature_map",
     "linear_attention",
     "make_feature_map",
     "BasedSketch",

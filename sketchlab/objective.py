@@ -93,13 +93,15 @@ def train_kernel_sketch(
     what: str = "Adam",
     progress: bool = False,
     max_bytes: int = DEFAULT_MAX_BYTES,
+    per_head: bool = True,
 ) -> dict:
-    r"""Fit ``params`` in place by Adam on the relative kernel loss; keep each head's best.
+    r"""Fit ``params`` in place by Adam on the relative kernel loss; keep each head's best (``per_head``).
 
     Parameters
     ----------
     params : list of leaf Tensors
-        Each leads with the batch shape ``q.shape[:-2]`` (one independent sketch per head).
+        Each leads with the batch shape ``q.shape[:-2]`` (one independent sketch per head), unless
+        ``per_head=False``.
     features : callable ``(q, k) -> (φ_Q(q), φ_K(k))``
         Features computed from ``params``.
     q : Tensor ``[..., n_q, d]``
@@ -115,6 +117,9 @@ def train_kernel_sketch(
         tqdm progress bar.
     max_bytes : int
         Memory budget: the loop forms the ``n_q × n_k`` kernel (and its residual) per head.
+    per_head : bool
+        ``False``: the parameters are shared by the heads (e.g. one module for all, as fla's maps), so the
+        step kept is the one of least summed loss, for all heads at once, and they need no batch axis.
 
     Returns
     -------
@@ -126,8 +131,9 @@ def train_kernel_sketch(
     lr = check_real(lr, "lr", positive=True)
     batch = q.shape[:-2]
     n_batch = math.prod(batch)
+    lead, groups = (tuple(batch), n_batch) if per_head else ((), 1)  # the independent snapshots kept: [groups, ...]
     for i, t in enumerate(params):
-        if tuple(t.shape[: len(batch)]) != tuple(batch):
+        if tuple(t.shape[: len(lead)]) != lead:
             raise ValueError(f"params[{i}] must lead with the batch shape {tuple(batch)}, got {tuple(t.shape)}")
     check_memory(3 * n_batch * q.shape[-2] * k.shape[-2] * q.element_size(),
                  what=f"the kernel, residual and gradient of {n_batch} head(s) ({q.shape[-2]} x {k.shape[-2]}, {q.dtype})",
@@ -138,8 +144,8 @@ def train_kernel_sketch(
     check_finite_loss(norm, 0, what, tuple(batch))
     norm = norm.clamp_min(torch.finfo(exact.dtype).tiny)
     opt = torch.optim.Adam(params, lr=lr)
-    best_loss = torch.full((n_batch,), math.inf, dtype=norm.dtype, device=norm.device)
-    best = [t.detach().reshape(n_batch, *t.shape[len(batch):]).clone() for t in params]  # [B, ...] each
+    kept = torch.full((n_batch,), math.inf, dtype=norm.dtype, device=norm.device)  # each head's loss at the step kept
+    best = [t.detach().reshape(groups, *t.shape[len(lead):]).clone() for t in params]  # [groups, ...] each
     totals: list[float] = []
     initial = None
     for step in tqdm(range(steps + 1), desc=what, disable=not progress, leave=False):
@@ -148,10 +154,10 @@ def train_kernel_sketch(
         check_finite_loss(flat, step, what, tuple(batch))
         if initial is None:
             initial = flat.clone()
-        better = flat < best_loss
-        best_loss = torch.where(better, flat, best_loss)
+        better = flat < kept if per_head else (flat.sum() < kept.sum())[None]  # [groups]
+        kept = torch.where(better.expand(n_batch), flat, kept)
         for b, t in zip(best, params):
-            b[better] = t.detach().reshape(n_batch, *t.shape[len(batch):])[better]
+            b[better] = t.detach().reshape(groups, *t.shape[len(lead):])[better]
         totals.append(float(flat.sum()))
         if step == steps:
             break  # the last evaluation only scores the final step
@@ -163,4 +169,4 @@ def train_kernel_sketch(
             t.copy_(b.reshape(t.shape))
     converged = len(totals) > 10 and abs(totals[-11] - totals[-1]) <= tol * totals[-11]
     return {"steps": steps, "converged": bool(converged), "init_rel_fro": initial.sqrt().reshape(batch),
-            "rel_fro": best_loss.sqrt().reshape(batch)}
+            "rel_fro": kept.sqrt().reshape(batch)}

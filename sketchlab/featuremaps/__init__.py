@@ -5,7 +5,8 @@ A :class:`FeatureMap` (:mod:`.base`) turns per-head queries or keys ``x [B, T, H
 sliding-window hybrid, a trainable attention in its own right, and what model conversion swaps in
 (:func:`sketchlab.attention.linear_attention`). Every map has a naive float64 twin,
 :meth:`FeatureMap.features_naive`. One module per map; :mod:`.registry` names them
-(:func:`make_feature_map`, :func:`register_feature_map`, :func:`feature_map_names`); a fitted
+(:func:`make_feature_map`, :func:`register_feature_map`, :func:`feature_map_names`); a user's own module
+joins in one call, :func:`as_feature_map` (:mod:`.custom`); a fitted
 :class:`~sketchlab.sketch.Sketch` joins the family through :func:`sketch_feature_maps` (:mod:`.sketch_map`).
 
 ======================  =====================================================  ==============
@@ -32,6 +33,8 @@ map (name)              features                                               k
 (``input_norm=True``)
 :class:`IdentityMap`    :math:`x` (``M = D``; DeltaNet's, :mod:`.identity`)      ``qᵀk``
 (``identity``)
+:class:`ModuleMap`      a user's module ``[B, T, H, D] → [B, T, H, M]``            the module's
+(:func:`as_feature_map`, registered under any name)
 ======================  =====================================================  ==============
 
 References
@@ -42,6 +45,7 @@ Kacham, Mirrokni, Zhong. *PolySketchFormer*, 2024 (learned sketches, self-tensor
 
 from .base import FeatureMap
 from .based import ExpandMap, TaylorMap
+from .custom import ModuleMap, as_feature_map
 from .elementwise import TiedLLoPSMap
 from .exact import ExactPolyMap
 from .hedgehog import HedgehogMap
@@ -77,12 +81,14 @@ __all__ = [
     "HedgehogMap",
     "InputNormed",
     "LLoPSMap",
+    "ModuleMap",
     "Option",
     "PSFLearnedMap",
     "SelfTensored",
     "SketchMap",
     "TaylorMap",
     "TiedLLoPSMap",
+    "as_feature_map",
     "check_feature_map_options",
     "feature_map_names",
     "feature_map_options",

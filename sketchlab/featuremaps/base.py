@@ -38,6 +38,9 @@ class FeatureMap(nn.Module, abc.ABC):
 
     heads: int
     head_dim: int
+    #: Whether every parameter leads with the heads axis ``[H, ...]``, one independent set per head (a fit then
+    #: keeps each head's best step); ``False`` where heads may share them (a user's module, :mod:`.custom`).
+    per_head_parameters: bool = True
 
     @property
     @abc.abstractmethod

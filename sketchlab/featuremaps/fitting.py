@@ -4,8 +4,9 @@
 builds a query and a key map of ``H = prod(batch)`` heads (:func:`make_feature_map`, seeds ``seed`` and
 ``seed + 1``; ``tied=True``: one map), trains their parameters with the relative kernel loss, optimiser
 and budget every learned sketch shares (:func:`sketchlab.objective.train_kernel_sketch`), and returns
-them as a :class:`~sketchlab.featuremaps.FeatureMapSketch`. A map without trained parameters (exact,
-DPFP, a random sketch) is returned as built (``steps = 0``).
+them as a :class:`~sketchlab.featuremaps.FeatureMapSketch` (each head's best step kept, or the heads' best
+step together where a map's parameters may be shared between heads: ``FeatureMap.per_head_parameters``). A
+map without trained parameters (exact, DPFP, a random sketch) is returned as built (``steps = 0``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import math
 
 from ..objective import DEFAULT_LR, DEFAULT_STEPS, train_kernel_sketch
+from .base import FeatureMap
 from .registry import make_feature_map
 from .sketch_map import FeatureMapSketch
 
@@ -41,8 +43,10 @@ def feature_map_fitter(name: str):
             return sketch
         flat_q, flat_k = q.reshape(heads, *q.shape[-2:]), k.reshape(heads, *k.shape[-2:])  # [H, n, d]
         flat = FeatureMapSketch(map_q, map_k, p=p, batch_shape=(heads,))
+        per_head = all(fmap.per_head_parameters for fmap in sketch.modules() if isinstance(fmap, FeatureMap))
         sketch.fit_info = train_kernel_sketch(params, lambda a, b: (flat.features_q(a), flat.features_k(b)), flat_q,
-                                              flat_k, p, steps=steps, lr=lr, what=f"feature map {name!r}")
+                                              flat_k, p, steps=steps, lr=lr, what=f"feature map {name!r}",
+                                              per_head=per_head)
         for key in ("init_rel_fro", "rel_fro"):
             sketch.fit_info[key] = sketch.fit_info[key].reshape(batch)
         return sketch

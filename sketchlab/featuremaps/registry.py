@@ -116,6 +116,14 @@ def register_feature_map(name: str, build: Callable[..., FeatureMap], options: d
         raise ValueError(f"a feature map name must be a non-empty string, got {name!r}")
     if name in _REGISTRY or name in DEPRECATED_NAMES:
         raise ValueError(f"a feature map named {name!r} is already registered")
+    if not callable(build):
+        raise TypeError(f"feature map {name!r}: build must be a callable (heads, head_dim, **options) -> FeatureMap, "
+                        f"got {type(build).__name__}")
+    from ..fit import _FITTERS, BUILTIN_SKETCHES
+
+    if name not in _BUILTINS and (name in BUILTIN_SKETCHES or name in _FITTERS):  # one vocabulary with fit_sketch
+        raise ValueError(f"the name {name!r} is a fit_sketch method that is not this map (fit_sketch and compare "
+                         "would fit that method): choose another name")
     options = dict(options or {})
     for key, opt in options.items():
         if key in COMMON_OPTIONS or not isinstance(opt, Option):

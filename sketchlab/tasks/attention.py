@@ -228,8 +228,9 @@ class ToyKernel(nn.Module):
 
 def register_feature_map_kernels() -> list[str]:
     """Register a :class:`ToyKernel` for ``"poly"``, the deprecated ``"based"``, ``"psf"`` and every map of
-    the feature-map registry the toy model has no kernel for yet (done on import; call again after
-    registering a map of your own). Returns the new names."""
+    the feature-map registry the toy model has no kernel for yet (done on import, and by
+    :class:`~sketchlab.tasks.TransformerConfig` for a name it does not know yet: a map registered later).
+    Returns the new names."""
     from .model import attention_registry
 
     added = [name for name in ("poly", *_RENAMED, *feature_map_names()) if name not in attention_registry()]

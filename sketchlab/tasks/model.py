@@ -186,6 +186,10 @@ class TransformerConfig:
         if self.head_dim % 2 and self.rope_base is not None:
             raise ValueError(f"head dimension d_model/n_heads must be even for RoPE, got {self.head_dim} "
                              "(rope_base=None: no positional encoding)")
+        if isinstance(self.attention, str) and self.attention not in _ATTENTION:  # a feature map registered since
+            from .attention import register_feature_map_kernels
+
+            register_feature_map_kernels()
         if not isinstance(self.attention, str) or self.attention not in _ATTENTION:
             raise ValueError(f"attention must be one of {attention_registry()}, got {self.attention!r}")
         rb = self.rope_base
