@@ -31,6 +31,7 @@ import torch
 
 from ._validation import DEFAULT_MAX_BYTES, check_degree, check_fraction, check_pair, check_positive_int, check_seed
 from .numerics import UNDEFINED_REASONS, check_poly_kernel_range, is_roundoff, warn_undefined
+from .featuremaps.registry import FIT_METHOD_NAMES
 from .sketch import Sketch
 
 __all__ = [
@@ -72,6 +73,7 @@ DEPRECATED_METHODS = {
 }
 
 _FITTERS: dict[str, Callable[..., Sketch]] = {}
+FIT_METHOD_NAMES.update(BUILTIN_SKETCHES)
 
 
 def register_sketch(name: str) -> Callable[[Callable[..., Sketch]], Callable[..., Sketch]]:
@@ -81,6 +83,7 @@ def register_sketch(name: str) -> Callable[[Callable[..., Sketch]], Callable[...
         if name in _FITTERS and _FITTERS[name] is not fitter:
             raise ValueError(f"a sketch named {name!r} is already registered")
         _FITTERS[name] = fitter
+        FIT_METHOD_NAMES.add(name)  # no feature map may take the name (one vocabulary)
         return fitter
 
     return decorate

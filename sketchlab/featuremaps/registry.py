@@ -109,6 +109,12 @@ DEPRECATED_NAMES = {
 }
 
 
+#: The names ``fit_sketch`` means as a method other than a map of this registry (``optimal``, ``mlp``, a
+#: ``register_sketch`` name): never a map's name. Filled by :mod:`sketchlab.fit`, the layer above, as it
+#: registers them (this layer never imports it).
+FIT_METHOD_NAMES: set[str] = set()
+
+
 def register_feature_map(name: str, build: Callable[..., FeatureMap], options: dict | None = None) -> None:
     """Register ``build(heads, head_dim, **options) -> FeatureMap`` as ``name`` with its own ``options``
     (name → :class:`Option`) besides :data:`COMMON_OPTIONS`. A name is registered once."""
@@ -119,9 +125,7 @@ def register_feature_map(name: str, build: Callable[..., FeatureMap], options: d
     if not callable(build):
         raise TypeError(f"feature map {name!r}: build must be a callable (heads, head_dim, **options) -> FeatureMap, "
                         f"got {type(build).__name__}")
-    from ..fit import _FITTERS, BUILTIN_SKETCHES
-
-    if name not in _BUILTINS and (name in BUILTIN_SKETCHES or name in _FITTERS):  # one vocabulary with fit_sketch
+    if name not in _BUILTINS and name in FIT_METHOD_NAMES:  # one vocabulary with fit_sketch
         raise ValueError(f"the name {name!r} is a fit_sketch method that is not this map (fit_sketch and compare "
                          "would fit that method): choose another name")
     options = dict(options or {})

@@ -50,7 +50,7 @@ from torch import nn
 from ..attention.options import AttentionOptions, FarParams
 from ..featuremaps import Option, check_feature_map_options, feature_map_names, feature_map_options, make_feature_map
 from .legacy import upgrade_keys
-from .model import TransformerConfig, TransformerLM, kv_cache_step, register_attention
+from .model import ON_UNKNOWN_ATTENTION, TransformerConfig, TransformerLM, kv_cache_step, register_attention
 
 __all__ = ["ToyKernel", "input_scale", "kernel_modules", "register_feature_map_kernels"]
 
@@ -240,3 +240,4 @@ def register_feature_map_kernels() -> list[str]:
 
 
 register_feature_map_kernels()
+ON_UNKNOWN_ATTENTION.append(register_feature_map_kernels)

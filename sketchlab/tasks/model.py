@@ -56,6 +56,11 @@ _ATTENTION: dict[str, Callable[["TransformerConfig", int], nn.Module]] = {}
 _OPTIONS: dict[str, Callable[[dict, "TransformerConfig"], dict] | None] = {}
 
 
+#: Called when a config names an attention no kernel is registered for yet (a feature map registered since):
+#: :mod:`sketchlab.tasks.attention` adds its registrar here (this module never imports it).
+ON_UNKNOWN_ATTENTION: list[Callable[[], object]] = []
+
+
 def register_attention(name: str, *, options: Callable[[dict, "TransformerConfig"], dict] | None = None):
     """Register ``factory(config, layer_index) -> nn.Module`` as the attention kernel ``name``.
 
@@ -187,9 +192,8 @@ class TransformerConfig:
             raise ValueError(f"head dimension d_model/n_heads must be even for RoPE, got {self.head_dim} "
                              "(rope_base=None: no positional encoding)")
         if isinstance(self.attention, str) and self.attention not in _ATTENTION:  # a feature map registered since
-            from .attention import register_feature_map_kernels
-
-            register_feature_map_kernels()
+            for hook in ON_UNKNOWN_ATTENTION:
+                hook()
         if not isinstance(self.attention, str) or self.attention not in _ATTENTION:
             raise ValueError(f"attention must be one of {attention_registry()}, got {self.attention!r}")
         rb = self.rope_base
