@@ -80,24 +80,28 @@ class RecurrentStep:
     state : AttentionState or MemoryState
         What a call with ``output_final_state=True`` returned (checked here, once).
     options : AttentionOptions
-        The options of that call (``normalize`` resolved: ``None`` is ``"sum"``; ``local_scale``
-        ``None`` is ``1/√D``).
+        The options of that call (``normalize`` ``None`` is ``"sum"``; ``local_scale`` ``None`` is
+        ``1/√D``).
     params : FarParams or None
-        The far parameters of a memory state (decay, β); ``gate``: the gate logits ``[H]`` (or None:
-        ``g = 1/2``), as the call took them.
+        The far parameters of a memory state (decay, β).
+    gate : Tensor ``[H]`` or None
+        The gate logits as the call took them (``None``: ``g = 1/2``).
     degree : int or None
         ``p`` of ``local="poly"``.
     lift : bool
-        An :class:`AttentionState` with ``non_negative=True``: its window holds ``φ`` and its far
-        state ``φ ⊗ φ`` sums; the step self-tensors a key's features when it enters, and ``φ(q)``.
+        An :class:`AttentionState` of ``non_negative=True``: its window holds ``φ`` and its far state
+        sums of ``φ ⊗ φ``; the step self-tensors a key's features when it enters, and ``φ(q)``.
 
     Notes
     -----
     :meth:`step` takes ``q, k [B, H, 1, D]``, ``v [B, H, 1, Dv]`` and the features ``phi_q, phi_k
-    [B, H, 1, F]`` as the reference call's far part uses them (a memory state: already self-tensored
-    when the layer says so), all real tokens (a padded token takes the reference path), and returns
-    ``o [B, H, 1, Dv]``. Cost per token ``O(H·((s + w + K)·(D + Dv) + M·Dv))``, the same at every
-    context length; the buffers are ``O(H·((s + w + K)·(D + Dv + F) + M·Dv))``.
+    [B, H, 1, F]`` as the reference call's far part takes them (a memory state's: already
+    self-tensored where the layer says so), all real tokens (a padded token takes the reference
+    path), and returns ``o [B, H, 1, Dv]``. Buffers, with ``BH = B·H`` and ``N = s + w + K`` held keys:
+    ``Kt [BH, D, N]`` (the keys as columns: the logits are one ``[1, D]·[D, N]`` product per head),
+    ``Phi [BH, N, F]``, ``VS [BH, N + M, Dv + 1]``, the read's row ``W [BH, 1, N + M]`` and the
+    logits' bias ``[BH, 1, N]``. Cost per token ``O(H·((s + w + K)·(D + Dv) + M·Dv))``, the same
+    at every context length.
     """
 
     def __init__(self):  # use from_state
@@ -108,6 +112,9 @@ class RecurrentStep:
     @torch.no_grad()
     def from_state(cls, state, *, options: AttentionOptions, params=None, gate=None, degree=None,
                    lift: bool = False) -> "RecurrentStep":
+        from .memory_state import check_memory_state
+        from .state import check_state
+
         if not isinstance(options, AttentionOptions):
             raise TypeError(f"options must be an AttentionOptions, got {type(options).__name__}")
         if not options.causal:
@@ -127,9 +134,6 @@ class RecurrentStep:
         F = state.phi_window.shape[-1]
         D = state.k_window.shape[-1] if w else 0
         work, dev = S.dtype, S.device
-        from .memory_state import check_memory_state
-        from .state import check_state
-
         if memory:
             state = check_memory_state(state, batch=B, heads=H, num_features=M2, dim=D if w else None, dim_v=Dv,
                                        window=w, sinks=s, cache=K, like=S, dtype=work)
@@ -139,47 +143,54 @@ class RecurrentStep:
             if (F * F if lift else F) != M2:
                 raise ValueError(f"the state's window features ({F}) and far state ({M2}) do not match lift={lift}")
         self.o, self.memory, self.lift, self.degree = o, memory, bool(lift), degree
-        self.delta = o.state == "delta"
-        self.normalize = o.normalize or "sum"
+        self.delta, self.normalize = o.state == "delta", o.normalize or "sum"
         self.B, self.H, self.D, self.Dv, self.F, self.M2, self.w, self.s, self.K = B, H, D, Dv, F, M2, w, s, K
         self.scale = (D ** -0.5 if D else 1.0) if o.local_scale is None else o.local_scale
         self.offset, self.work = state.offset, work
-        N = s + w + K
-        self.N = N
+        N, BH = s + w + K, B * H
+        self.N, self.BH = N, BH
         kw = dict(dtype=work, device=dev)
-        self.KF = torch.zeros(B, H, N, D + F, **kw)  # [k | φ] per held key
-        self.VS = torch.zeros(B, H, N + M2, Dv + 1, **kw)  # [v | 1] per held key, then [S | z]
-        self.VS[:, :, :N, Dv] = 1.0
-        self.W = torch.zeros(B, H, 1, N + M2, **kw)  # the read's row [g·a | (1 − g)·φ(q)]
-        self.v1 = torch.ones(B, H, 1, Dv + 1, **kw)  # pure linear attention: the token's [v | 1]
-        self.ok = torch.zeros(B, H, 1, N, dtype=torch.bool, device=dev)  # the rows that are exact keys now
-        self.real = torch.ones(B, H, N, dtype=torch.bool, device=dev)  # rows of real tokens (pads: False)
+        heads = lambda x: x.reshape(BH, *x.shape[2:])  # noqa: E731  [B, H, ...] -> [BH, ...]
+        per_row = lambda m: m[:, None].expand(B, H, m.shape[-1]).reshape(BH, -1)  # noqa: E731  [B, L] -> [BH, L]
+        self.Kt = torch.zeros(BH, D, N, **kw)  # the held keys as columns
+        self.Phi = torch.zeros(BH, N, F, **kw)  # their features (the sinks': unused)
+        self.VS = torch.zeros(BH, N + M2, Dv + 1, **kw)  # [v | 1] per held key, then [S | z]
+        self.VS[:, :N, Dv] = 1.0
+        self.Sz, self.S = self.VS[:, N:], self.VS[:, N:, :Dv]  # views: the far state
+        self.W = torch.zeros(BH, 1, N + M2, **kw)  # the read's row [g·a | (1 − g)·φ(q)]
+        self.v1 = torch.ones(BH, 1, Dv + 1, **kw)  # pure linear attention: the token's [v | 1]
+        self.ok = torch.zeros(BH, 1, N, dtype=torch.bool, device=dev)  # the rows that are exact keys now
+        self.real = torch.ones(BH, N, dtype=torch.bool, device=dev)  # rows of real tokens (pads: False)
         P = state.offset
         Ls, Lw = state.k_sink.shape[2], state.k_window.shape[2]
-        ms = state.mask_sink if state.mask_sink is not None else torch.ones(B, Ls, dtype=torch.bool, device=dev)
-        mw = state.mask_window if state.mask_window is not None else torch.ones(B, Lw, dtype=torch.bool, device=dev)
-        self.masked = state.mask_window is not None or state.mask_sink is not None  # export masks (AttentionState)
-        self.KF[:, :, :Ls, :D], self.VS[:, :, :Ls, :Dv] = state.k_sink, state.v_sink
-        self.ok[:, :, 0, :Ls] = ms[:, None]
+        self.masked = state.mask_window is not None or state.mask_sink is not None  # masks to write out
+        ms = torch.ones(B, Ls, dtype=torch.bool, device=dev) if state.mask_sink is None else state.mask_sink
+        mw = torch.ones(B, Lw, dtype=torch.bool, device=dev) if state.mask_window is None else state.mask_window
+        if Ls:
+            self.Kt[:, :, :Ls], self.VS[:, :Ls, :Dv] = heads(state.k_sink).mT, heads(state.v_sink)
+            self.ok[:, 0, :Ls] = per_row(ms)
         if Lw:
             rows = self.window_rows(P - Lw, P)
-            self.KF[:, :, rows, :D], self.KF[:, :, rows, D:] = state.k_window, state.phi_window
-            self.VS[:, :, rows, :Dv] = state.v_window
-            self.real[:, :, rows] = mw[:, None]
-            self.ok[:, :, 0, rows] = (mw & (torch.arange(P - Lw, P, device=dev) >= s))[:, None]
+            self.Kt[:, :, rows], self.Phi[:, rows] = heads(state.k_window).mT, heads(state.phi_window)
+            self.VS[:, rows, :Dv] = heads(state.v_window)
+            self.real[:, rows] = per_row(mw)
+            self.ok[:, 0, rows] = per_row(mw & (torch.arange(P - Lw, P, device=dev) >= s))
         if memory:
             c = slice(s + w, N)
-            self.KF[:, :, c, :D], self.KF[:, :, c, D:], self.VS[:, :, c, :Dv] = (state.k_cache, state.phi_cache,
-                                                                                 state.v_cache)
-            self.ok[:, :, 0, c] = state.cached
-            self.score, self.cached, self.pos_cache = (state.score_cache.clone(), state.cached.clone(),
-                                                       state.pos_cache.clone())
+            self.Kt[:, :, c], self.Phi[:, c], self.VS[:, c, :Dv] = (heads(state.k_cache).mT, heads(state.phi_cache),
+                                                                     heads(state.v_cache))
+            self.ok[:, 0, c] = heads(state.cached)
+            self.score, self.cached, self.pos_cache = (heads(state.score_cache).clone(), heads(state.cached).clone(),
+                                                       heads(state.pos_cache).clone())
             self.cache_full = bool(state.cached.all())
-        self.VS[:, :, N:, :Dv] = S
+            self.slots = torch.arange(s + w, N, device=dev)  # the cache's rows
+            self.K_, self.never = torch.tensor(K, device=dev), torch.tensor(_NEVER, device=dev)
+        self.S.copy_(heads(S))
         if not self.delta:
-            self.VS[:, :, N:, Dv] = state.z
-        self.holes = {int(i) for i in (~self.ok[:, :, 0, s:s + w].all(1).all(0)).nonzero().flatten() + s}
-        self.bias = torch.zeros(B, H, 1, N, **kw)
+            self.VS[:, N:, Dv] = heads(state.z)
+        # window rows that are not (all) exact keys of real tokens: filled as tokens come
+        self.holes = {int(r) + s for r in (~self.ok[:, 0, s:s + w].all(0)).nonzero().flatten()}
+        self.bias = torch.zeros(BH, 1, N, **kw)
         self._masks_changed()
         self.gate, self.params, self._version = gate, params, None
         self._parameters()
@@ -190,83 +201,77 @@ class RecurrentStep:
         return [self.s + p % self.w for p in range(a, b)]
 
     def _masks_changed(self) -> None:
-        """The logits' bias from :attr:`ok` (``0`` on an exact key, ``−∞`` elsewhere; poly: a 0/1 weight)."""
+        """The logits' bias from :attr:`ok`: ``0`` on an exact key, ``−∞`` elsewhere (poly: a 0/1 weight)."""
+        self.bias.copy_(self.ok)
         if self.o.local == "softmax":
-            self.bias.copy_(self.ok).log_()  # log 1 = 0, log 0 = −∞
-        else:
-            self.bias.copy_(self.ok)
+            self.bias.log_()  # log 1 = 0, log 0 = −∞
 
     # ------------------------------------------------------------------------------------------ parameters
-    def _tensors(self) -> list:
-        p = self.params
-        return [self.gate] + ([getattr(p, n) for n in ("decay_bias", "decay_weight", "beta_bias", "beta_weight")]
-                              if p is not None else [])
-
     def _parameters(self) -> None:
-        """The far parameters' derived values (``log g``, ``1 − g``, ``log γ`` or its bias and weights, β's),
-        computed and checked once per parameter version (the tensors' identity and ``_version``)."""
-        ts = self._tensors()
-        key = tuple((id(t), getattr(t, "_version", None)) for t in ts if t is not None)
-        if key == self._version and all(k[1] is not None for k in key):
+        """The far parameters' derived values (``log g``, ``1 − g``, γ's and β's), computed and checked once
+        per parameter version: the tensors' identity and in-place ``_version`` (an optimiser's step bumps it)."""
+        p = self.params
+        ts = [self.gate] + ([getattr(p, n) for n in ("gate", "decay_bias", "decay_weight", "beta_bias",
+                                                     "beta_weight")] if p is not None else [])
+        try:
+            key = tuple((id(t), t._version) for t in ts if t is not None)
+        except RuntimeError:  # inference tensors have no version: derived again every token
+            key = None
+        if key is not None and key == self._version:
             return
-        o, work, H = self.o, self.work, self.H
+        o, work, B, H = self.o, self.work, self.B, self.H
+        dev = self.VS.device
         with torch.no_grad():
             if self.memory:
-                far = _check_params(self.params, o, H, self.Dv, self.VS, gate=self.gate)
+                far = _check_params(p, o, H, self.Dv, self.VS, gate=self.gate)
             else:
                 far = {"gate": self.gate}
                 if self.gate is not None and not bool(torch.isfinite(self.gate).all()):
                     raise ValueError("the gate logits hold a value that is not finite")
-            far = {n: (None if x is None else x.detach().to(work)) for n, x in far.items()}
-            g = torch.full((H,), 0.5, dtype=work, device=self.VS.device) if far["gate"] is None else torch.sigmoid(
-                far["gate"])
-            self.log_g, self.one_g = g.log().view(1, H, 1, 1), (1 - g).view(1, H, 1, 1)
-            self.g = g.view(1, H, 1, 1)
-            self.decay = None  # log γ [1, H, 1, 1] (fixed, per head), or ("input", bias [1, H], weight [H, Dv])
+            rows = lambda x: x.detach().to(work).repeat(B, *([1] * (x.ndim - 1)))  # noqa: E731  [H, ·] -> [BH, ·]
+            g = torch.full((H,), 0.5, dtype=work, device=dev) if far["gate"] is None else torch.sigmoid(
+                far["gate"].detach().to(work))
+            g = rows(g).view(-1, 1, 1)  # [BH, 1, 1]
+            self.g, self.log_g, self.one_g = g, g.log(), 1 - g
+            self.decay = None  # log γ [BH, 1, 1] (fixed, per head), or ("input", bias [BH, 1, 1], weight [BH, Dv, 1])
             if self.memory and o.decay is not None and o.decay != 1.0:
                 if o.decay == "head":
-                    self.decay = torch.nn.functional.logsigmoid(far["decay_bias"]).view(1, H, 1, 1)
+                    self.decay = torch.nn.functional.logsigmoid(rows(far["decay_bias"])).view(-1, 1, 1)
                 elif o.decay == "input":
-                    self.decay = ("input", far["decay_bias"].view(1, H), far["decay_weight"])
+                    self.decay = ("input", rows(far["decay_bias"]).view(-1, 1, 1), rows(far["decay_weight"])[..., None])
                 else:
-                    self.decay = torch.full((1, H, 1, 1), math.log(o.decay), dtype=work, device=self.VS.device)
+                    self.decay = torch.full((self.BH, 1, 1), math.log(o.decay), dtype=work, device=dev)
             if self.delta:
-                self.beta = (far["beta_bias"].view(1, H), far["beta_weight"])
+                bias, weight = rows(far["beta_bias"]).view(-1, 1, 1), far["beta_weight"]
+                self.beta = torch.sigmoid(bias) if weight is None else (bias, rows(weight)[..., None])
         self._version = key
 
     # ------------------------------------------------------------------------------------------ the step
     def _gamma(self, v: torch.Tensor) -> torch.Tensor | None:
-        """``γ [B, H, 1, 1]`` of the token with value ``v [B, H, 1, Dv]`` (None: no decay)."""
+        """``γ [BH, 1, 1]`` of the token with value ``v [BH, 1, Dv]`` (None: no decay), as ``exp(log σ(·))``."""
         d = self.decay
         if d is None:
             return None
-        if isinstance(d, tuple):  # σ(b + w·v), as exp(log σ) like the reference
+        if isinstance(d, tuple):
             _, bias, weight = d
-            return torch.nn.functional.logsigmoid(bias + (v[:, :, 0] * weight).sum(-1)).exp()[..., None, None]
+            return torch.nn.functional.logsigmoid(torch.baddbmm(bias, v, weight)).exp_()
         return d.exp()
 
-    def _enter(self, kf: torch.Tensor, v1: torch.Tensor, real: torch.Tensor | None) -> None:
-        """Add keys (rows ``kf [B, H, 1, D + F]``, ``v1 = [v | 1] [B, H, 1, Dv + 1]``; ``real [B, H, 1]`` or
-        None for all) to the far state in place: additive ``[S | z] += φ [v | 1]``; delta
-        ``S += β k̂ (v − k̂ᵀS)ᵀ``."""
-        D, Dv, N = self.D, self.Dv, self.N
-        f = kf[..., D:]
-        Sz = self.VS[:, :, N:]
+    def _enter(self, f: torch.Tensor, v1: torch.Tensor, real: torch.Tensor | None) -> None:
+        """Add keys (features ``f [BH, 1, F]``, ``v1 = [v | 1] [BH, 1, Dv + 1]``; ``real [BH, 1, 1]`` or None
+        for all) to the far state in place: additive ``[S | z] += φ [v | 1]``; delta ``S += β k̂ (v − k̂ᵀS)ᵀ``."""
         if self.delta:
-            kh, ve = unit(f), v1[..., :Dv]
-            bias, weight = self.beta
-            x = bias[..., None, None] if weight is None else (bias + (ve[:, :, 0] * weight).sum(-1))[..., None, None]
-            beta = torch.sigmoid(x)  # [B|1, H, 1, 1]
+            kh, ve, b = unit(f), v1[..., :self.Dv], self.beta
+            beta = b if isinstance(b, torch.Tensor) else torch.sigmoid(torch.baddbmm(b[0], ve, b[1]))  # [BH, 1, 1]
             if real is not None:
-                beta = beta * real[..., None]
-            S = Sz[..., :Dv]
-            S.addcmul_(kh.mT * beta, ve - kh @ S)
-        else:
-            if self.lift:
-                f = self_tensor(f)
-            if real is not None:
-                f = f * real[..., None]
-            Sz.addcmul_(f.mT, v1)
+                beta = beta * real
+            self.S.addcmul_(kh.mT * beta, ve - kh @ self.S)
+            return
+        if self.lift:
+            f = self_tensor(f)
+        if real is not None:
+            f = f * real
+        self.Sz.addcmul_(f.mT, v1)
 
     @torch.no_grad()
     def step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, phi_q: torch.Tensor,
@@ -274,149 +279,145 @@ class RecurrentStep:
         """One real token at position :attr:`offset`: ``q, k [B, H, 1, D]``, ``v [B, H, 1, Dv]``, ``phi_q,
         phi_k [B, H, 1, F]`` → ``o [B, H, 1, Dv]`` (the inputs' dtype); the buffers move on by one token."""
         self._parameters()
-        in_dtype, work = v.dtype, self.work
-        if in_dtype != work:
-            q, k, v, phi_q, phi_k = (x.to(work) for x in (q, k, v, phi_q, phi_k))
-        P, w, s, K, D, Dv, N = self.offset, self.w, self.s, self.K, self.D, self.Dv, self.N
-        KF, VS, W = self.KF, self.VS, self.W
-        Sz = VS[:, :, N:]
-        # 1. decay (a cache's scores read the state before it, times γ)
+        in_dtype, work, BH = v.dtype, self.work, self.BH
+        q, k, v, phi_q, phi_k = (x.reshape(BH, 1, x.shape[-1]) if x.dtype == work else x.to(work).reshape(
+            BH, 1, x.shape[-1]) for x in (q, k, v, phi_q, phi_k))
+        P, w, s, K, Dv, N = self.offset, self.w, self.s, self.K, self.Dv, self.N
+        i = s + P % w if w else None  # the ring row of positions P and P − w
         gamma = self._gamma(v)
-        S0 = Sz.clone() if K and gamma is not None else Sz
+        entering = self._leave_cached(P, i, gamma) if K else None  # the cache's choice reads the state before γ
+        # 1. decay
         if gamma is not None:
-            Sz.mul_(gamma)
-        # 2. leave: the key at position j = P − w (ring row i, where the new token goes), if it is past the sinks
-        i = s + P % w if w else None
-        j = P - w
+            self.Sz.mul_(gamma)
+        # 2.-3. leave and enter: the key at position P − w, if past the sinks (a cache: the key it pushed out)
         if K:
-            self._leave_cached(P, i, j, S0, gamma)
-        elif j >= s:
+            if entering is not None:
+                self._enter(*entering)
+        elif P - w >= s:
             if w:
-                self._enter(KF[:, :, i:i + 1], VS[:, :, i:i + 1], self.real[:, :, i:i + 1] if i in self.holes else None)
+                self._enter(self.Phi[:, i:i + 1], self.VS[:, i:i + 1], self.real[:, i, None, None] if i in self.holes
+                            else None)
             else:  # pure linear attention: the token itself enters
                 self.v1[..., :Dv] = v
                 self._enter(phi_k, self.v1, None)
-        # the new token's row (its sink row too, while P < sinks)
-        if w:
-            KF[:, :, i, :D], KF[:, :, i, D:], VS[:, :, i, :Dv] = k[:, :, 0], phi_k[:, :, 0], v[:, :, 0]
+        if w:  # the new token's row (its sink row too, while P < sinks)
+            self.Kt.select(2, i).copy_(k[:, 0])
+            self.Phi.select(1, i).copy_(phi_k[:, 0])
+            self.VS[:, i, :Dv] = v[:, 0]
             if P < s:
-                KF[:, :, P, :D], VS[:, :, P, :Dv] = k[:, :, 0], v[:, :, 0]
-                self.ok[:, :, 0, P] = True
+                self.Kt.select(2, P).copy_(k[:, 0])
+                self.VS[:, P, :Dv] = v[:, 0]
+                self.ok[:, 0, P] = True
             if i in self.holes or P < s:
-                self.real[:, :, i] = True
-                self.ok[:, :, 0, i] = P >= s
+                self.real[:, i] = True
+                self.ok[:, 0, i] = P >= s
                 if P >= s:
                     self.holes.discard(i)
                 self._masks_changed()
         self.offset = P + 1
         # 4. read
         fq = self_tensor(phi_q) if self.lift else phi_q
+        if self.delta:
+            fq = unit(fq)
         if not w:
-            if self.delta:
-                return (unit(fq) @ Sz[..., :Dv]).to(in_dtype)
-            r = fq @ Sz  # [B, H, 1, Dv + 1]
-            if self.normalize != "sum":
-                return r[..., :Dv].to(in_dtype)
-            return self._normalised(r).to(in_dtype)
-        B, H = self.B, self.H
-        logits = torch.baddbmm(self.bias.view(B * H, 1, N), q.reshape(B * H, 1, D),
-                               KF.view(B * H, N, -1)[..., :D].mT, beta=0.0 if self.o.local == "poly" else 1.0,
-                               alpha=self.scale).view(B, H, 1, N)
-        a = W[..., :N]
-        if self.o.local == "softmax":
-            c = logits.amax(-1, keepdim=True)
-            if self.delta:
-                torch.exp(logits.sub_(c), out=a)
-                a.mul_(self.g / a.sum(-1, keepdim=True))
-            else:
-                torch.exp(logits.sub_(c - self.log_g), out=a)  # g·e^{l − c}
-        else:
+            r = fq @ self.Sz  # [BH, 1, Dv + 1]
+            out = r[..., :Dv] if self.delta or self.normalize != "sum" else self._normalised(r)
+            return out.view(self.B, self.H, 1, Dv).to(in_dtype)
+        W, a = self.W, self.W[..., :N]
+        poly = self.o.local == "poly"
+        logits = torch.baddbmm(self.bias, q, self.Kt, beta=0.0 if poly else 1.0, alpha=self.scale)  # [BH, 1, N]
+        if poly:
             torch.mul(logits.pow_(self.degree), self.bias, out=a)
             a.mul_(self.g / a.sum(-1, keepdim=True) if self.delta else self.g)
-        torch.mul(unit(fq) if self.delta else fq, self.one_g, out=W[..., N:])
-        r = W @ VS  # [B, H, 1, Dv + 1]: [Σ g·a·v + (1 − g)·Sᵀφ(q) | Σ g·a + (1 − g)·zᵀφ(q)]
-        return (r[..., :Dv] if self.delta else self._normalised(r)).to(in_dtype)
+        elif self.delta:
+            torch.exp(logits.sub_(logits.amax(-1, keepdim=True)), out=a)
+            a.mul_(self.g / a.sum(-1, keepdim=True))
+        else:
+            torch.exp(logits.sub_(logits.amax(-1, keepdim=True) - self.log_g), out=a)  # g·e^{l − c}
+        torch.mul(fq, self.one_g, out=W[..., N:])
+        r = torch.bmm(W, self.VS)  # [BH, 1, Dv + 1]: [Σ g·a·v + (1 − g)·Sᵀφ(q) | Σ g·a + (1 − g)·zᵀφ(q)]
+        out = r[..., :Dv] if self.delta else self._normalised(r)
+        return out.view(self.B, self.H, 1, Dv).to(in_dtype)
 
     def _normalised(self, r: torch.Tensor) -> torch.Tensor:
-        """``r [..., Dv + 1]`` = ``[n | d]`` → ``n / (d + ε)`` (the denominators checked as the reference does)."""
-        den = r[..., self.Dv:]
-        o = self.o
+        """``r = [n | d]`` ``[BH, 1, Dv + 1]`` → ``n / (d + ε)``; denominators ``<= 0`` reported as the reference does."""
+        den, o = r[..., self.Dv:], self.o
         if self.normalize == "sum" and o.denominator_check != "off" and bool((den <= 0).any()):
-            report_denominators(int((den <= 0).sum()), self.B * self.H,
-                                "memory_attention" if self.memory else "llops_attention", o.denominator_check)
+            report_denominators(int((den <= 0).sum()), self.BH, "memory_attention" if self.memory else "llops_attention",
+                                o.denominator_check)
         return r[..., :self.Dv] / (den + o.eps)
 
-    def _leave_cached(self, P: int, i: int, j: int, S0: torch.Tensor, gamma) -> None:
-        """Step 2 with a cache (DESIGN §7): re-score the cache every ``rescore`` positions; the key leaving the
-        window (row ``i``, position ``j``) is scored; it takes the least-scored slot (ties: the oldest; an empty
-        slot first) unless it scores below all of them; the key so pushed out (or itself) enters the state."""
-        w, s, K, D, Dv, N = self.w, self.s, self.K, self.D, self.Dv, self.N
-        KF, VS = self.KF, self.VS
-        leaves = j >= s and P >= w
-        rescore = P % self.o.rescore == 0
+    def _leave_cached(self, P: int, i: int, gamma):
+        """Step 2 with a cache (DESIGN §7), before the decay is applied (the scores read ``γ·S``): every
+        ``rescore`` positions re-score the cached keys; the key leaving the window (row ``i``, position
+        ``P − w``) is scored and takes the least-scored slot (an empty slot first; ties: the oldest key)
+        unless it scores below all of them. Returns what enters the state (the key pushed out, or the
+        candidate itself; ``(φ, [v | 1], real)``) or None."""
+        w, s, K, Dv, N, eps = self.w, self.s, self.K, self.Dv, self.N, self.o.eps
+        j = P - w
+        leaves, rescore = j >= s, P % self.o.rescore == 0
         if not (leaves or rescore):
-            return
-        B, H = self.B, self.H
-        c0 = s + w
-        S64 = (S0[..., :Dv] if self.delta else S0).double()
+            return None
+        c0, delta = s + w, self.delta
+        S64 = (self.S if delta else self.Sz).double()
         scale = None if gamma is None else gamma.double()
-        score64 = self.score.double()
+        score = self.score  # held in the state's dtype, compared in float64 (as the reference: exact promotion)
         if rescore and bool(self.cached.any()):
-            score64 = torch.where(self.cached, recall_score(S64, scale, KF[:, :, c0:, D:], VS[:, :, c0:N, :Dv],
-                                                            delta=self.delta, eps=self.o.eps), score64)
+            fresh = recall_score(S64, scale, self.Phi[:, c0:], self.VS[:, c0:N, :Dv], delta=delta, eps=eps)
+            score = torch.where(self.cached, fresh, score.double())  # unrounded for this step's choice
         if not leaves:
-            self.score.copy_(score64)
-            return
-        cand = self.real[:, :, i:i + 1]  # [B, H, 1]
-        sj = recall_score(S64, scale, KF[:, :, i:i + 1, D:], VS[:, :, i:i + 1, :Dv], delta=self.delta, eps=self.o.eps)
-        ranked = torch.where(self.cached, score64, float("-inf"))
-        least = ranked.amin(-1, keepdim=True)  # [B, H, 1]
-        target = torch.where(sj < least, K, torch.where(ranked == least, self.pos_cache, _NEVER).argmin(-1, keepdim=True))
-        place = cand & (target < K)
-        enters = cand & (least > float("-inf"))
-        at = torch.where(place, target + c0, i)  # [B, H, 1]: the row that enters the state (and takes the candidate)
-        put = torch.arange(c0, N, device=at.device) == at  # [B, H, K]
-        er_kf = KF.gather(2, at[..., None].expand(B, H, 1, KF.shape[3]))  # [B, H, 1, D + F] (copies)
-        er_v = VS.gather(2, at[..., None].expand(B, H, 1, Dv + 1))  # [B, H, 1, Dv + 1]
-        KF.scatter_(2, at[..., None].expand(B, H, 1, KF.shape[3]), KF[:, :, i:i + 1].clone())
-        VS[:, :, :N].scatter_(2, at[..., None].expand(B, H, 1, Dv + 1), VS[:, :, i:i + 1].clone())
-        self.score.copy_(torch.where(put, sj, score64))
+            self.score.copy_(score)
+            return None
+        sj = recall_score(S64, scale, self.Phi[:, i:i + 1], self.VS[:, i:i + 1, :Dv], delta=delta, eps=eps)  # [BH, 1]
+        ranked = score if self.cache_full else torch.where(self.cached, score, float("-inf"))
+        least = ranked.amin(-1, keepdim=True)  # [BH, 1]
+        oldest = torch.where(ranked == least, self.pos_cache, self.never).argmin(-1, keepdim=True)
+        below = sj < least  # the candidate is newer than every cached key: evicted only below all their scores
+        real = None if i not in self.holes else self.real[:, i, None]  # [BH, 1]
+        place = ~below if real is None else real & ~below  # the candidate takes slot `oldest`
+        at = torch.where(place, oldest + c0, i)  # [BH, 1]: the row that enters the state and takes the candidate
+        put = self.slots == at  # [BH, K]
+        f = self.Phi.gather(1, at[..., None].expand(-1, 1, self.F))  # [BH, 1, F] (copies: the rows are written next)
+        v1 = self.VS.gather(1, at[..., None].expand(-1, 1, Dv + 1))  # [BH, 1, Dv + 1]
+        self.Kt.scatter_(2, at[:, None].expand(-1, self.D, 1), self.Kt[:, :, i:i + 1].clone())
+        self.Phi.scatter_(1, at[..., None].expand(-1, 1, self.F), self.Phi[:, i:i + 1].clone())
+        self.VS.scatter_(1, at[..., None].expand(-1, 1, Dv + 1), self.VS[:, i:i + 1].clone())
+        self.score.copy_(torch.where(put, sj, score))
         self.pos_cache.masked_fill_(put, j)
-        self.cached |= put
-        self._enter(er_kf, er_v, enters)
+        enters = None  # a full cache: a key enters the state everywhere the candidate is real
         if not self.cache_full:
-            self.ok[:, :, 0, c0:] = self.cached
+            enters = least > float("-inf")
+            self.cached |= put
+            self.ok[:, 0, c0:] = self.cached
             self.cache_full = bool(self.cached.all())
             self._masks_changed()
+        if real is not None:
+            enters = real if enters is None else enters & real
+        return f, v1, None if enters is None else enters[..., None].to(f.dtype)
 
     # ------------------------------------------------------------------------------------------ out
     @property
     def nbytes(self) -> int:
         """Bytes held by the buffers (constant in the context length)."""
         extra = (self.score, self.cached, self.pos_cache) if self.memory else ()
-        return sum(x.numel() * x.element_size() for x in (self.KF, self.VS, self.W, self.ok, self.real, self.bias,
-                                                          *extra))
+        return sum(x.numel() * x.element_size() for x in (self.Kt, self.Phi, self.VS, self.W, self.v1, self.ok,
+                                                          self.real, self.bias, *extra))
 
     def state(self):
-        """The state after the tokens so far, as the reference call returns it (new tensors)."""
-        P, w, s, K, D, Dv, N = self.offset, self.w, self.s, self.K, self.D, self.Dv, self.N
-        B, H = self.B, self.H
+        """The state after the tokens so far, as the reference call returns it (new tensors, ``[B, H, ·, ·]``)."""
+        P, w, s, D, Dv, N, B, H = self.offset, self.w, self.s, self.D, self.Dv, self.N, self.B, self.H
         Ls, Lw = min(s, P), min(w, P)
         rows = self.window_rows(P - Lw, P) if w else []
-        KF, VS = self.KF, self.VS
-        win_kf, win_v = KF[:, :, rows], VS[:, :, rows, :Dv]
-        m_win = self.real[:, 0, rows] if rows else self.real.new_zeros(B, 0)
-        m_snk = self.ok[:, 0, 0, :Ls]
-        Sz = VS[:, :, N:]
-        S = Sz[..., :Dv].clone()
-        z = torch.zeros_like(Sz[..., Dv]) if self.delta else Sz[..., Dv].clone()
-        fields = dict(S=S, z=z, k_window=win_kf[..., :D], v_window=win_v, phi_window=win_kf[..., D:],
-                      k_sink=KF[:, :, :Ls, :D].clone(), v_sink=VS[:, :, :Ls, :Dv].clone(), offset=P)
+        bh = lambda x: x.reshape(B, H, *x.shape[1:]).clone()  # noqa: E731  [BH, ...] -> [B, H, ...]
+        keys = self.Kt.mT  # [BH, N, D]
+        fields = dict(S=bh(self.S), z=bh(torch.zeros_like(self.Sz[..., Dv]) if self.delta else self.Sz[..., Dv]),
+                      k_window=bh(keys[:, rows]), v_window=bh(self.VS[:, rows, :Dv]), phi_window=bh(self.Phi[:, rows]),
+                      k_sink=bh(keys[:, :Ls]), v_sink=bh(self.VS[:, :Ls, :Dv]), offset=P)
+        m_win, m_snk = self.real.view(B, H, N)[:, 0, rows], self.ok.view(B, H, N)[:, 0, :Ls]
         if not self.memory:
-            masked = self.masked
-            return AttentionState(**fields, mask_window=m_win.clone() if masked else None,
-                                  mask_sink=m_snk.clone() if masked else None)
+            return AttentionState(**fields, mask_window=m_win.clone() if self.masked else None,
+                                  mask_sink=m_snk.clone() if self.masked else None)
         c = slice(s + w, N)
-        return MemoryState(**fields, mask_window=m_win.clone(), mask_sink=m_snk.clone(), k_cache=KF[:, :, c, :D].clone(),
-                           v_cache=VS[:, :, c, :Dv].clone(), phi_cache=KF[:, :, c, D:].clone(),
-                           score_cache=self.score.clone(), cached=self.cached.clone(), pos_cache=self.pos_cache.clone())
+        return MemoryState(**fields, mask_window=m_win.clone(), mask_sink=m_snk.clone(), k_cache=bh(keys[:, c]),
+                           v_cache=bh(self.VS[:, c, :Dv]), phi_cache=bh(self.Phi[:, c]), score_cache=bh(self.score),
+                           cached=bh(self.cached), pos_cache=bh(self.pos_cache))
