@@ -101,7 +101,7 @@ def _run(name, split, through=None, seed=0):
         sl = slice(t, t + 1)
         o_ref, state = _reference(options, lift, degree, q[:, sl], k[:, sl], v[:, sl], fq[:, sl], fk[:, sl], params,
                                   gate, state)
-        o = lean.step(_hd(q[:, sl]), _hd(k[:, sl]), _hd(v[:, sl]), _hd(fq[:, sl]), _hd(fk[:, sl]))
+        o = lean.step(_hd(q[:, sl]), _hd(k[:, sl]), _hd(v[:, sl]), _hd(fq[:, sl]), _hd(fk[:, sl])).view(B, H, 1, -1)
         torch.testing.assert_close(o, _hd(o_ref), **TOL, msg=f"{name}: output at t={t} (split {split})")
     _assert_states(lean.state(), state, f"{name} (split {split})")
     return lean, state
@@ -137,7 +137,7 @@ def test_lean_step_after_detach_to_and_its_own_state(name, how):
         sl = slice(t, t + 1)
         o_ref, state = _reference(options, lift, degree, q[:, sl], k[:, sl], v[:, sl], fq[:, sl], fk[:, sl], params,
                                   gate, state)
-        o = lean.step(_hd(q[:, sl]), _hd(k[:, sl]), _hd(v[:, sl]), _hd(fq[:, sl]), _hd(fk[:, sl]))
+        o = lean.step(_hd(q[:, sl]), _hd(k[:, sl]), _hd(v[:, sl]), _hd(fq[:, sl]), _hd(fk[:, sl])).view(B, H, 1, -1)
         torch.testing.assert_close(o, _hd(o_ref), **TOL)
     _assert_states(lean.state(), state, f"{name} after {how}")
 
@@ -158,7 +158,7 @@ def test_lean_step_continues_a_padded_prefill(name):
         sl = slice(t, t + 1)
         o_ref, state = _reference(options, lift, degree, q[:, sl], k[:, sl], v[:, sl], fq[:, sl], fk[:, sl], params,
                                   gate, state)
-        o = lean.step(_hd(q[:, sl]), _hd(k[:, sl]), _hd(v[:, sl]), _hd(fq[:, sl]), _hd(fk[:, sl]))
+        o = lean.step(_hd(q[:, sl]), _hd(k[:, sl]), _hd(v[:, sl]), _hd(fq[:, sl]), _hd(fk[:, sl])).view(B, H, 1, -1)
         torch.testing.assert_close(o, _hd(o_ref), **TOL, msg=f"{name}: output at t={t}")
     _assert_states(lean.state(), state, f"{name} padded")
 
@@ -182,7 +182,7 @@ def test_parameters_changed_in_place_are_seen(name):
         sl = slice(t, t + 1)
         o_ref, state = _reference(options, lift, degree, q[:, sl], k[:, sl], v[:, sl], fq[:, sl], fk[:, sl], params,
                                   gate, state)
-        o = lean.step(_hd(q[:, sl]), _hd(k[:, sl]), _hd(v[:, sl]), _hd(fq[:, sl]), _hd(fk[:, sl]))
+        o = lean.step(_hd(q[:, sl]), _hd(k[:, sl]), _hd(v[:, sl]), _hd(fq[:, sl]), _hd(fk[:, sl])).view(B, H, 1, -1)
         torch.testing.assert_close(o, _hd(o_ref), **TOL, msg=f"{name}: output at t={t} after a parameter step")
     with torch.no_grad():
         tensors[-1].view(-1)[0] = float("nan")

@@ -91,6 +91,10 @@ class RecurrentStep:
     lift : bool
         An :class:`AttentionState` of ``non_negative=True``: its window holds ``φ`` and its far state
         sums of ``φ ⊗ φ``; the step self-tensors a key's features when it enters, and ``φ(q)``.
+    non_negative : bool
+        The features are known to be ``>= 0`` (a non-negative map, e.g. :attr:`FeatureMap.non_negative`
+        or rank-1 LLoPS of equal factors): the normalised read's denominators cannot be ``<= 0`` and
+        are not checked per token (the reference checks them every call).
 
     Notes
     -----
@@ -111,7 +115,7 @@ class RecurrentStep:
     @classmethod
     @torch.no_grad()
     def from_state(cls, state, *, options: AttentionOptions, params=None, gate=None, degree=None,
-                   lift: bool = False) -> "RecurrentStep":
+                   lift: bool = False, non_negative: bool = False) -> "RecurrentStep":
         from .memory_state import check_memory_state
         from .state import check_state
 
@@ -144,6 +148,9 @@ class RecurrentStep:
                 raise ValueError(f"the state's window features ({F}) and far state ({M2}) do not match lift={lift}")
         self.o, self.memory, self.lift, self.degree = o, memory, bool(lift), degree
         self.delta, self.normalize = o.state == "delta", o.normalize or "sum"
+        # a normalised read of features not known to be >= 0: its denominators are checked as the reference does
+        self.check_den = (self.normalize == "sum" and o.denominator_check != "off" and not self.delta
+                          and not (lift or non_negative))
         self.B, self.H, self.D, self.Dv, self.F, self.M2, self.w, self.s, self.K = B, H, D, Dv, F, M2, w, s, K
         self.scale = (D ** -0.5 if D else 1.0) if o.local_scale is None else o.local_scale
         self.offset, self.work = state.offset, work
@@ -156,8 +163,9 @@ class RecurrentStep:
         self.Phi = torch.zeros(BH, N, F, **kw)  # their features (the sinks': unused)
         self.VS = torch.zeros(BH, N + M2, Dv + 1, **kw)  # [v | 1] per held key, then [S | z]
         self.VS[:, :N, Dv] = 1.0
-        self.Sz, self.S = self.VS[:, N:], self.VS[:, N:, :Dv]  # views: the far state
+        self.Sz, self.S, self.V = self.VS[:, N:], self.VS[:, N:, :Dv], self.VS[:, :N, :Dv]  # views
         self.W = torch.zeros(BH, 1, N + M2, **kw)  # the read's row [g·a | (1 − g)·φ(q)]
+        self.Wa, self.Wf = self.W[..., :N], self.W[..., N:]
         self.v1 = torch.ones(BH, 1, Dv + 1, **kw)  # pure linear attention: the token's [v | 1]
         self.ok = torch.zeros(BH, 1, N, dtype=torch.bool, device=dev)  # the rows that are exact keys now
         self.real = torch.ones(BH, N, dtype=torch.bool, device=dev)  # rows of real tokens (pads: False)
@@ -180,8 +188,8 @@ class RecurrentStep:
             self.Kt[:, :, c], self.Phi[:, c], self.VS[:, c, :Dv] = (heads(state.k_cache).mT, heads(state.phi_cache),
                                                                      heads(state.v_cache))
             self.ok[:, 0, c] = heads(state.cached)
-            self.score, self.cached, self.pos_cache = (heads(state.score_cache).clone(), heads(state.cached).clone(),
-                                                       heads(state.pos_cache).clone())
+            self.score64, self.cached, self.pos_cache = (heads(state.score_cache).double(),
+                                                         heads(state.cached).clone(), heads(state.pos_cache).clone())
             self.cache_full = bool(state.cached.all())
             self.slots = torch.arange(s + w, N, device=dev)  # the cache's rows
             self.K_, self.never = torch.tensor(K, device=dev), torch.tensor(_NEVER, device=dev)
@@ -277,11 +285,13 @@ class RecurrentStep:
     def step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, phi_q: torch.Tensor,
              phi_k: torch.Tensor) -> torch.Tensor:
         """One real token at position :attr:`offset`: ``q, k [B, H, 1, D]``, ``v [B, H, 1, Dv]``, ``phi_q,
-        phi_k [B, H, 1, F]`` → ``o [B, H, 1, Dv]`` (the inputs' dtype); the buffers move on by one token."""
+        phi_k [B, H, 1, F]`` (or each ``[B·H, 1, ·]``) → ``o`` ``[B·H, 1, Dv]`` in the inputs' dtype; the
+        buffers move on by one token."""
         self._parameters()
         in_dtype, work, BH = v.dtype, self.work, self.BH
-        q, k, v, phi_q, phi_k = (x.reshape(BH, 1, x.shape[-1]) if x.dtype == work else x.to(work).reshape(
-            BH, 1, x.shape[-1]) for x in (q, k, v, phi_q, phi_k))
+        if in_dtype != work:
+            q, k, v, phi_q, phi_k = (x.to(work) for x in (q, k, v, phi_q, phi_k))
+        q, k, v, phi_q, phi_k = (x.reshape(BH, 1, x.shape[-1]) for x in (q, k, v, phi_q, phi_k))
         P, w, s, K, Dv, N = self.offset, self.w, self.s, self.K, self.Dv, self.N
         i = s + P % w if w else None  # the ring row of positions P and P − w
         gamma = self._gamma(v)
@@ -301,12 +311,12 @@ class RecurrentStep:
                 self.v1[..., :Dv] = v
                 self._enter(phi_k, self.v1, None)
         if w:  # the new token's row (its sink row too, while P < sinks)
-            self.Kt.select(2, i).copy_(k[:, 0])
-            self.Phi.select(1, i).copy_(phi_k[:, 0])
-            self.VS[:, i, :Dv] = v[:, 0]
+            self.Kt.select(2, i).copy_(k.view(BH, -1))
+            self.Phi.select(1, i).copy_(phi_k.view(BH, -1))
+            self.V.select(1, i).copy_(v.view(BH, -1))
             if P < s:
-                self.Kt.select(2, P).copy_(k[:, 0])
-                self.VS[:, P, :Dv] = v[:, 0]
+                self.Kt.select(2, P).copy_(k.view(BH, -1))
+                self.V.select(1, P).copy_(v.view(BH, -1))
                 self.ok[:, 0, P] = True
             if i in self.holes or P < s:
                 self.real[:, i] = True
@@ -320,10 +330,10 @@ class RecurrentStep:
         if self.delta:
             fq = unit(fq)
         if not w:
-            r = fq @ self.Sz  # [BH, 1, Dv + 1]
+            r = torch.bmm(fq, self.Sz)  # [BH, 1, Dv + 1]
             out = r[..., :Dv] if self.delta or self.normalize != "sum" else self._normalised(r)
-            return out.view(self.B, self.H, 1, Dv).to(in_dtype)
-        W, a = self.W, self.W[..., :N]
+            return out if out.dtype == in_dtype else out.to(in_dtype)
+        a = self.Wa
         poly = self.o.local == "poly"
         logits = torch.baddbmm(self.bias, q, self.Kt, beta=0.0 if poly else 1.0, alpha=self.scale)  # [BH, 1, N]
         if poly:
@@ -334,25 +344,31 @@ class RecurrentStep:
             a.mul_(self.g / a.sum(-1, keepdim=True))
         else:
             torch.exp(logits.sub_(logits.amax(-1, keepdim=True) - self.log_g), out=a)  # g·e^{l − c}
-        torch.mul(fq, self.one_g, out=W[..., N:])
-        r = torch.bmm(W, self.VS)  # [BH, 1, Dv + 1]: [Σ g·a·v + (1 − g)·Sᵀφ(q) | Σ g·a + (1 − g)·zᵀφ(q)]
+        torch.mul(fq, self.one_g, out=self.Wf)
+        r = torch.bmm(self.W, self.VS)  # [BH, 1, Dv + 1]: [Σ g·a·v + (1 − g)·Sᵀφ(q) | Σ g·a + (1 − g)·zᵀφ(q)]
         out = r[..., :Dv] if self.delta else self._normalised(r)
-        return out.view(self.B, self.H, 1, Dv).to(in_dtype)
+        return out if out.dtype == in_dtype else out.to(in_dtype)
 
     def _normalised(self, r: torch.Tensor) -> torch.Tensor:
-        """``r = [n | d]`` ``[BH, 1, Dv + 1]`` → ``n / (d + ε)``; denominators ``<= 0`` reported as the reference does."""
-        den, o = r[..., self.Dv:], self.o
-        if self.normalize == "sum" and o.denominator_check != "off" and bool((den <= 0).any()):
-            report_denominators(int((den <= 0).sum()), self.BH, "memory_attention" if self.memory else "llops_attention",
-                                o.denominator_check)
-        return r[..., :self.Dv] / (den + o.eps)
+        """``r = [n | d]`` ``[BH, 1, Dv + 1]`` → ``n / (d + ε)``; denominators ``<= 0`` reported as the reference
+        does, unless the features are known non-negative (then they cannot occur)."""
+        Dv = self.Dv
+        if self.check_den:
+            den = r[..., Dv:]
+            if bool((den <= 0).any()):
+                report_denominators(int((den <= 0).sum()), self.BH, "memory_attention" if self.memory else
+                                    "llops_attention", self.o.denominator_check)
+        return r[..., :Dv] / r[..., Dv:].add(self.o.eps)
 
     def _leave_cached(self, P: int, i: int, gamma):
         """Step 2 with a cache (DESIGN §7), before the decay is applied (the scores read ``γ·S``): every
         ``rescore`` positions re-score the cached keys; the key leaving the window (row ``i``, position
         ``P − w``) is scored and takes the least-scored slot (an empty slot first; ties: the oldest key)
         unless it scores below all of them. Returns what enters the state (the key pushed out, or the
-        candidate itself; ``(φ, [v | 1], real)``) or None."""
+        candidate itself; ``(φ, [v | 1], real)``) or None.
+
+        The scores are float64 as the reference's; :attr:`score64` holds them as the state stores them
+        (rounded to its dtype), so a choice compares exactly what the reference compares."""
         w, s, K, Dv, N, eps = self.w, self.s, self.K, self.Dv, self.N, self.o.eps
         j = P - w
         leaves, rescore = j >= s, P % self.o.rescore == 0
@@ -361,30 +377,30 @@ class RecurrentStep:
         c0, delta = s + w, self.delta
         S64 = (self.S if delta else self.Sz).double()
         scale = None if gamma is None else gamma.double()
-        score = self.score  # held in the state's dtype, compared in float64 (as the reference: exact promotion)
+        score = self.score64  # the choice's scores: re-scored ones unrounded, as the reference's
         if rescore and bool(self.cached.any()):
-            fresh = recall_score(S64, scale, self.Phi[:, c0:], self.VS[:, c0:N, :Dv], delta=delta, eps=eps)
-            score = torch.where(self.cached, fresh, score.double())  # unrounded for this step's choice
+            fresh = recall_score(S64, scale, self.Phi[:, c0:], self.V[:, c0:], delta=delta, eps=eps)
+            score = torch.where(self.cached, fresh, score)
         if not leaves:
-            self.score.copy_(score)
+            self.score64.copy_(score.to(self.work))
             return None
-        sj = recall_score(S64, scale, self.Phi[:, i:i + 1], self.VS[:, i:i + 1, :Dv], delta=delta, eps=eps)  # [BH, 1]
+        sj = recall_score(S64, scale, self.Phi[:, i:i + 1], self.V[:, i:i + 1], delta=delta, eps=eps)  # [BH, 1]
         ranked = score if self.cache_full else torch.where(self.cached, score, float("-inf"))
         least = ranked.amin(-1, keepdim=True)  # [BH, 1]
         oldest = torch.where(ranked == least, self.pos_cache, self.never).argmin(-1, keepdim=True)
         below = sj < least  # the candidate is newer than every cached key: evicted only below all their scores
         real = None if i not in self.holes else self.real[:, i, None]  # [BH, 1]
-        place = ~below if real is None else real & ~below  # the candidate takes slot `oldest`
-        at = torch.where(place, oldest + c0, i)  # [BH, 1]: the row that enters the state and takes the candidate
+        stay = below if real is None else below | ~real  # the candidate takes no slot
+        at = torch.where(stay, i, oldest + c0)  # [BH, 1]: the row that enters the state (and takes the candidate)
         put = self.slots == at  # [BH, K]
         f = self.Phi.gather(1, at[..., None].expand(-1, 1, self.F))  # [BH, 1, F] (copies: the rows are written next)
         v1 = self.VS.gather(1, at[..., None].expand(-1, 1, Dv + 1))  # [BH, 1, Dv + 1]
         self.Kt.scatter_(2, at[:, None].expand(-1, self.D, 1), self.Kt[:, :, i:i + 1].clone())
         self.Phi.scatter_(1, at[..., None].expand(-1, 1, self.F), self.Phi[:, i:i + 1].clone())
         self.VS.scatter_(1, at[..., None].expand(-1, 1, Dv + 1), self.VS[:, i:i + 1].clone())
-        self.score.copy_(torch.where(put, sj, score))
+        self.score64.copy_(torch.where(put, sj if self.work == torch.float64 else sj.to(self.work).double(), score))
         self.pos_cache.masked_fill_(put, j)
-        enters = None  # a full cache: a key enters the state everywhere the candidate is real
+        enters = None  # a full cache: a key enters the state wherever the candidate is real
         if not self.cache_full:
             enters = least > float("-inf")
             self.cached |= put
@@ -399,7 +415,7 @@ class RecurrentStep:
     @property
     def nbytes(self) -> int:
         """Bytes held by the buffers (constant in the context length)."""
-        extra = (self.score, self.cached, self.pos_cache) if self.memory else ()
+        extra = (self.score64, self.cached, self.pos_cache) if self.memory else ()
         return sum(x.numel() * x.element_size() for x in (self.Kt, self.Phi, self.VS, self.W, self.v1, self.ok,
                                                           self.real, self.bias, *extra))
 
@@ -419,5 +435,5 @@ class RecurrentStep:
                                   mask_sink=m_snk.clone() if self.masked else None)
         c = slice(s + w, N)
         return MemoryState(**fields, mask_window=m_win.clone(), mask_sink=m_snk.clone(), k_cache=bh(keys[:, c]),
-                           v_cache=bh(self.VS[:, c, :Dv]), phi_cache=bh(self.Phi[:, c]), score_cache=bh(self.score),
+                           v_cache=bh(self.VS[:, c, :Dv]), phi_cache=bh(self.Phi[:, c]), score_cache=bh(self.score64).to(self.work),
                            cached=bh(self.cached), pos_cache=bh(self.pos_cache))
