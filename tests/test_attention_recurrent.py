@@ -10,6 +10,7 @@ import torch
 from sketchlab.attention import AttentionOptions, FarParams
 from sketchlab.attention.chunked import feature_attention
 from sketchlab.attention.memory import memory_attention
+from sketchlab.attention import recurrent_cache
 from sketchlab.attention.recurrent import RecurrentStep
 from sketchlab.attention.reference import self_tensor
 
@@ -107,11 +108,29 @@ def _run(name, split, through=None, seed=0):
     return lean, state
 
 
+@pytest.fixture(params=["compiled", "torch"])
+def cache_choice(request, monkeypatch):
+    """The cache's choice compiled (where a compiler works) and its torch twin."""
+    if request.param == "compiled" and not recurrent_cache.available():
+        pytest.skip("no C++ compiler: the compiled cache choice is not built")
+    monkeypatch.setattr(recurrent_cache, "USE_COMPILED", request.param == "compiled")
+    return request.param
+
+
 @pytest.mark.parametrize("name", MECHANISMS)
 @pytest.mark.parametrize("split", [1, 3, 6, 11])
 def test_lean_step_equals_reference_step(name, split):
     """Every token's output and the final state, from a prefill of ``split`` tokens (inside the sinks, the
-    window, the first re-scoring, far beyond), equal the reference call's."""
+    window, the first re-scoring, far beyond), equal the reference call's (the cache's choice: compiled
+    where a compiler works)."""
+    _run(name, split)
+
+
+@pytest.mark.parametrize("name", [n for n, (kw, _, _) in MECHANISMS.items() if kw.get("cache")])
+@pytest.mark.parametrize("split", [1, 6, 11])
+def test_lean_step_with_the_cache_choice_in_torch(name, split, monkeypatch):
+    """The cache's choice by its torch twin (where no compiler works) equals the reference too."""
+    monkeypatch.setattr(recurrent_cache, "USE_COMPILED", False)
     _run(name, split)
 
 
@@ -143,7 +162,7 @@ def test_lean_step_after_detach_to_and_its_own_state(name, how):
 
 
 @pytest.mark.parametrize("name", ["hybrid", "cache", "delta-cache", "decay-input"])
-def test_lean_step_continues_a_padded_prefill(name):
+def test_lean_step_continues_a_padded_prefill(name, cache_choice):
     """Pads held in the state (a left-padded row moved behind its sinks, pads inside the window) are never
     exact keys and never enter the far state, as in the reference."""
     options, lift, degree, q, k, v, fq, fk, params, gate = _setup(name)

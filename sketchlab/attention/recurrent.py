@@ -42,6 +42,7 @@ import math
 
 import torch
 
+from . import recurrent_cache as compiled
 from ._checks import report_denominators
 from .memory_state import MemoryState, _check_params, unit
 from .options import AttentionOptions
@@ -375,15 +376,26 @@ class RecurrentStep:
         if not (leaves or rescore):
             return None
         c0, delta = s + w, self.delta
-        S64 = (self.S if delta else self.Sz).double()
-        scale = None if gamma is None else gamma.double()
+        S64 = scale = None
         score = self.score64  # the choice's scores: re-scored ones unrounded, as the reference's
         if rescore and bool(self.cached.any()):
+            S64, scale = (self.S if delta else self.Sz).double(), None if gamma is None else gamma.double()
             fresh = recall_score(S64, scale, self.Phi[:, c0:], self.V[:, c0:], delta=delta, eps=eps)
             score = torch.where(self.cached, fresh, score)
         if not leaves:
             self.score64.copy_(score.to(self.work))
             return None
+        if compiled.available():  # the same choices in one compiled call
+            if score is not self.score64:
+                self.score64.copy_(score)  # this step's choice compares the unrounded re-scores
+            out = compiled.leave_cached(self.Kt, self.Phi, self.VS, self.score64, self.pos_cache, self.cached,
+                                        self.real, gamma, self.M2, i, j, c0, delta=delta, eps=eps)
+            if score is not self.score64:  # stored rounded, as the reference stores them
+                self.score64.copy_(self.score64.to(self.work))
+            self._cache_filled()
+            return out
+        if S64 is None:
+            S64, scale = (self.S if delta else self.Sz).double(), None if gamma is None else gamma.double()
         sj = recall_score(S64, scale, self.Phi[:, i:i + 1], self.V[:, i:i + 1], delta=delta, eps=eps)  # [BH, 1]
         ranked = score if self.cache_full else torch.where(self.cached, score, float("-inf"))
         least = ranked.amin(-1, keepdim=True)  # [BH, 1]
@@ -404,12 +416,17 @@ class RecurrentStep:
         if not self.cache_full:
             enters = least > float("-inf")
             self.cached |= put
-            self.ok[:, 0, c0:] = self.cached
-            self.cache_full = bool(self.cached.all())
-            self._masks_changed()
+            self._cache_filled()
         if real is not None:
             enters = real if enters is None else enters & real
         return f, v1, None if enters is None else enters[..., None].to(f.dtype)
+
+    def _cache_filled(self) -> None:
+        """The exact keys' mask after slots were taken (only while the cache is not yet full)."""
+        if not self.cache_full:
+            self.ok[:, 0, self.s + self.w:] = self.cached
+            self.cache_full = bool(self.cached.all())
+            self._masks_changed()
 
     # ------------------------------------------------------------------------------------------ out
     @property
