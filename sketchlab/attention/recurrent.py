@@ -220,8 +220,7 @@ class RecurrentStep:
         """The far parameters' derived values (``log g``, ``1 − g``, γ's and β's), computed and checked once
         per parameter version: the tensors' identity and in-place ``_version`` (an optimiser's step bumps it)."""
         p = self.params
-        ts = [self.gate] + ([getattr(p, n) for n in ("gate", "decay_bias", "decay_weight", "beta_bias",
-                                                     "beta_weight")] if p is not None else [])
+        ts = [self.gate] + (list(p._parameters.values()) if p is not None else [])  # (no Module.__getattr__)
         try:
             key = tuple((id(t), t._version) for t in ts if t is not None)
         except RuntimeError:  # inference tensors have no version: derived again every token

@@ -198,6 +198,7 @@ class LayerDecoder:
         from ..attention.recurrent import RecurrentStep
         from ..attention.reference import self_tensor
         from ..featuremaps import LLoPSMap
+        from ..featuremaps.hedgehog import HedgehogMap, hedgehog_pair_features
 
         c = sketch.input_scale
         scaling = 1.0 / math.sqrt(sketch.head_dim) if scaling is None else float(scaling)
@@ -214,6 +215,8 @@ class LayerDecoder:
             from ..llops.maps import llops_pair_features
 
             self.features = llops_pair_features(fm_q.theta, fm_k.theta, self.B)
+        elif isinstance(fm_q, HedgehogMap) and isinstance(fm_k, HedgehogMap):
+            self.features = hedgehog_pair_features(fm_q, fm_k, self.B)
         else:
             self.features = self._map_features
         self.fm_q, self.fm_k = fm_q, fm_k
@@ -240,11 +243,13 @@ class LayerDecoder:
     def step(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """``query [B, H, 1, D]``, ``key [B, H_kv, 1, D]``, ``value [B, H_kv, 1, Dv]`` (as transformers hands
         them, post-RoPE) → ``[B, 1, H, Dv]``."""
-        B, H = query.shape[0], self.heads
-        if key.shape[1] != H:  # grouped-query attention: repeat_kv
-            key, value = (x.repeat_interleave(H // x.shape[1], 1) for x in (key, value))
+        B, H, Hk = query.shape[0], self.heads, key.shape[1]
+        # grouped-query attention: kv head h // (H / H_kv) for query head h (repeat_kv), one copy each
+        rep = lambda x: x[:, :, None].expand(B, Hk, H // Hk, 1, x.shape[-1])  # noqa: E731
         c = self.c
-        q, k, v = (x.reshape(B * H, 1, x.shape[-1]) for x in (query * c, key * c, value))
+        q = (query * c).view(B * H, 1, -1)
+        k = torch.mul(rep(key), c).view(B * H, 1, -1)
+        v = rep(value).reshape(B * H, 1, -1)
         fq, fk = self.features(q, k)
         if self.lift is not None:
             fq, fk = self.lift(fq), self.lift(fk)
