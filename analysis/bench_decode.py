@@ -16,7 +16,8 @@ One attention layer (B = 1, H heads, D = Dv), context lengths 1k … 32k, side b
   ``public call`` — one :func:`sketchlab.attention.llops_attention` call per token with
   ``initial_state``/``output_final_state`` (its per-call checks included), and ``lean step`` — one
   :meth:`sketchlab.attention.recurrent.RecurrentStep.step` per token (the LLoPS features of q and
-  k computed by ``llops_feature_fn`` each token, inside the timing), under ``torch.inference_mode``.
+  k computed each token in one product, ``llops_pair_features``, inside the timing; the map is
+  non-negative, so the step skips the denominator check), under ``torch.inference_mode``.
 
 Reported: tokens/s (best of ``--reps`` runs of ``--steps`` steps, by the wall clock and by the
 process's CPU time), the ratio to SDPA with a KV cache and to the faster SDPA row, the step's
@@ -48,7 +49,7 @@ sys.path.insert(0, str(ROOT))
 from sketchlab.attention import AttentionOptions, FarParams, llops_attention  # noqa: E402
 from sketchlab.attention.recurrent import RecurrentStep  # noqa: E402
 from sketchlab.io import atomic_write  # noqa: E402
-from sketchlab.llops.maps import llops_feature_fn  # noqa: E402
+from sketchlab.llops.maps import llops_is_non_negative, llops_pair_features  # noqa: E402
 
 
 def best_rate(step, steps: int, reps: int) -> tuple[float, float]:
@@ -139,7 +140,8 @@ def main(argv=None) -> int:
     if args.profile:
         return profile(args, variants, theta, new, Path(args.out).with_name("decode_profile.md"))
     rate = matmul_rate()
-    feats = llops_feature_fn(theta)
+    pair = llops_pair_features(theta, theta, B)
+    non_negative = llops_is_non_negative(theta)  # the lean step need not check its denominators
     load_before = os.getloadavg()
     rows = []  # (method, path, L, tok/s, tok/s by CPU time, MACs or None, bytes)
     t_start = time.perf_counter()
@@ -183,12 +185,13 @@ def main(argv=None) -> int:
 
                 rows.append((label, "public call", L, *best_rate(public_step, args.steps, args.reps), None,
                              holder["state"].nbytes))
-            lean = RecurrentStep.from_state(state0, options=options, params=params)
-            heads = [x.transpose(1, 2) for x in new]  # [B, H, 1, D]
+            lean = RecurrentStep.from_state(state0, options=options, params=params, non_negative=non_negative)
+            heads = [x.transpose(1, 2).reshape(B * H, 1, D) for x in new]  # [B·H, 1, D]
 
             def lean_step(i, lean=lean):
                 x = heads[i]
-                lean.step(x, x, x, feats(x), feats(x))
+                fq, fk = pair(x, x)
+                lean.step(x, x, x, fq, fk)
 
             with torch.inference_mode():
                 r = best_rate(lean_step, args.steps, args.reps)
@@ -216,8 +219,9 @@ def main(argv=None) -> int:
         "prefill call on the context. `public call`: one `llops_attention` call per token with "
         "`initial_state`/`output_final_state` (the public API, its per-call checks included; the memory rows pass one "
         "`AttentionOptions` and its `FarParams`). `lean step`: `RecurrentStep.step` per token "
-        "(`sketchlab.attention.recurrent`; the LLoPS features of q and k computed each token, inside the timing; "
-        "under `torch.inference_mode`). SDPA runs under `torch.inference_mode` too.",
+        "(`sketchlab.attention.recurrent`; the LLoPS features of q and k computed each token in one product, "
+        "`llops_pair_features`, inside the timing; the map non-negative, so no denominator check; under "
+        "`torch.inference_mode`). SDPA runs under `torch.inference_mode` too.",
         "",
         f"Matmul rate measured in this run (float32 1024×1024 GEMM, one thread, CPU time): **{rate / 1e9:.1f} G "
         "multiply-adds/s**. `MACs`: the lean step's multiply-adds (`step_macs`); `÷ arithmetic`: its CPU time per "

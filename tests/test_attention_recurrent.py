@@ -36,6 +36,10 @@ MECHANISMS = {
     "cache": (dict(window=4, sinks=2, cache=3, rescore=5), False, None),
     "cache-decay": (dict(window=4, sinks=2, cache=3, rescore=5, decay="input"), False, None),
     "delta-cache": (dict(window=3, sinks=2, cache=3, rescore=4, state="delta", decay="head"), False, None),
+    # repeated tokens and a re-scoring every other position: cached keys of equal scores (exactly, for the
+    # additive state; the delta rule's unit keys leave last-bit differences between equal keys, so a "tie"
+    # there is decided by the products' round-off), the oldest evicted
+    "cache-ties": (dict(window=2, sinks=1, cache=3, rescore=2), False, None),
 }
 
 
@@ -45,6 +49,8 @@ def _setup(name, seed=0):
     options = AttentionOptions(normalize="sum", **kw)
     q, k, v = (torch.randn(B, T, H, D, generator=gen, dtype=torch.float64) for _ in range(3))
     proj = torch.randn(H, D, M, generator=gen, dtype=torch.float64)
+    if name.endswith("ties"):  # three distinct tokens, repeated: equal keys score equally when re-scored together
+        q, k, v = (x[:, torch.arange(T) % 3] for x in (q, k, v))
     fq, fk = ((torch.einsum("bthd,hdm->bthm", x, proj)).square() + 0.1 for x in (q, k))  # φ >= 0: sum-normalisable
     params = gate = None
     if options.memory:
