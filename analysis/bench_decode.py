@@ -47,6 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from sketchlab.attention import AttentionOptions, FarParams, llops_attention  # noqa: E402
+from sketchlab.attention import recurrent_cache  # noqa: E402
 from sketchlab.attention.recurrent import RecurrentStep  # noqa: E402
 from sketchlab.io import atomic_write  # noqa: E402
 from sketchlab.llops.maps import llops_is_non_negative, llops_pair_features  # noqa: E402
@@ -139,6 +140,7 @@ def main(argv=None) -> int:
     targets = {label: target for label, _, target in variants}
     if args.profile:
         return profile(args, variants, theta, new, Path(args.out).with_name("decode_profile.md"))
+    compiled = recurrent_cache.available()  # built (or loaded) before any timing
     rate = matmul_rate()
     pair = llops_pair_features(theta, theta, B)
     non_negative = llops_is_non_negative(theta)  # the lean step need not check its denominators
@@ -221,7 +223,8 @@ def main(argv=None) -> int:
         "`AttentionOptions` and its `FarParams`). `lean step`: `RecurrentStep.step` per token "
         "(`sketchlab.attention.recurrent`; the LLoPS features of q and k computed each token in one product, "
         "`llops_pair_features`, inside the timing; the map non-negative, so no denominator check; under "
-        "`torch.inference_mode`). SDPA runs under `torch.inference_mode` too.",
+        f"`torch.inference_mode`; the cache's choice compiled: {compiled}). SDPA runs under `torch.inference_mode` "
+        "too.",
         "",
         f"Matmul rate measured in this run (float32 1024×1024 GEMM, one thread, CPU time): **{rate / 1e9:.1f} G "
         "multiply-adds/s**. `MACs`: the lean step's multiply-adds (`step_macs`); `÷ arithmetic`: its CPU time per "

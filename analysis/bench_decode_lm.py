@@ -54,10 +54,12 @@ def one(args) -> dict:
     import torch
     from transformers import LogitsProcessor, LogitsProcessorList
 
+    from sketchlab.attention import recurrent_cache
     from sketchlab.convert import convert_attention
     from sketchlab.hf.pretrained import load_pretrained, smollm2_gguf
 
     torch.set_num_threads(args.threads)
+    compiled = recurrent_cache.available()  # built (or loaded) before any timing
     model, _ = load_pretrained(gguf=smollm2_gguf())
     model.eval()
     if args.model != "teacher":
@@ -89,7 +91,7 @@ def one(args) -> dict:
     return {"model": args.model, "length": args.length, "new": n, "prefill_s": stamps[0] - t0,
             "tok_s": (n - 1) / (stamps[-1] - stamps[0]), "tok_s_cpu": (n - 1) / (cpu_stamps[-1] - cpu_stamps[0]),
             "cpu_s": cpu, "state": state, "rss": rss_bytes(),
-            "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "compiled": compiled,
             "tokens": out.sequences[0, args.length:].tolist()}
 
 
@@ -137,7 +139,9 @@ def main(argv=None) -> int:
              f"{platform.processor() or platform.machine()}; each model and length in a fresh process. Converted: "
              f"`convert_attention(attention={args.map!r}, m={args.m}, window=64, sinks=4, cache=188, decay='input')` "
              f"(untrained: speed and memory only), `+exact`: layers {args.exact} kept exact. Decode tokens/s: the "
-             f"{args.new - 1} tokens after the first, timed by a logits processor (once per token). Machine load "
+             f"{args.new - 1} tokens after the first, timed by a logits processor (once per token), by the wall clock "
+             "and by the process's CPU time (a shared machine: the CPU time is the steadier measure). The cache's "
+             f"choice compiled: {all(r['compiled'] for r in rows)}. Machine load "
              f"before: {'/'.join(f'{x:.1f}' for x in load)} on {os.cpu_count()} CPUs (a shared machine).", "",
              "| model | prompt L | decode tokens/s | × teacher | by CPU time | × teacher by CPU time | prefill s | "
              "decoding state MiB | RSS after MiB | peak RSS MiB |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
