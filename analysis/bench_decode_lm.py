@@ -38,6 +38,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from sketchlab.io import atomic_write  # noqa: E402
+
 MODELS = ("teacher", "converted", "converted+exact")
 
 
@@ -95,6 +97,46 @@ def one(args) -> dict:
             "tokens": out.sequences[0, args.length:].tolist()}
 
 
+def render(rows, args, cmd, load) -> str:
+    """The results file's text for the rows so far."""
+    teacher = {r["length"]: r["tok_s"] for r in rows if r["model"] == "teacher"}
+    teacher_cpu = {r["length"]: r["tok_s_cpu"] for r in rows if r["model"] == "teacher"}
+    import torch
+
+    lines = ["# Whole-model decoding: SmolLM2-135M-Instruct, teacher against converted (CPU)", "",
+             f"Command: `{cmd}`", "",
+             f"Greedy `generate()` of {args.new} new tokens after a prompt of L random token ids, batch 1, "
+             f"{args.threads} torch thread(s), float32; torch {torch.__version__}, "
+             f"{platform.processor() or platform.machine()}; each model and length in a fresh process. Converted: "
+             f"`convert_attention(attention={args.map!r}, m={args.m}, window=64, sinks=4, cache=188, decay='input')` "
+             f"(untrained: speed and memory only), `+exact`: layers {args.exact} kept exact. Decode tokens/s: the "
+             f"{args.new - 1} tokens after the first, timed by a logits processor (once per token), by the wall clock "
+             "and by the process's CPU time (a shared machine: the CPU time is the steadier measure). The cache's "
+             f"choice compiled: {all(r['compiled'] for r in rows)}. Machine load "
+             f"before: {'/'.join(f'{x:.1f}' for x in load)} on {os.cpu_count()} CPUs (a shared machine).", "",
+             "| model | prompt L | decode tokens/s | × teacher | by CPU time | × teacher by CPU time | prefill s | "
+             "decoding state MiB | RSS after MiB | peak RSS MiB |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['length']} | {r['tok_s']:.2f} | {r['tok_s'] / teacher[r['length']]:.2f} | "
+                     f"{r['tok_s_cpu']:.2f} | {r['tok_s_cpu'] / teacher_cpu[r['length']]:.2f} | {r['prefill_s']:.1f} | "
+                     f"{r['state'] / 2**20:.2f} | {r['rss'] / 2**20:.0f} | "
+                     f"{r['peak'] / 2**20:.0f} |")
+    lines += ["", "## Checks", ""]
+    for model in args.models.split(","):
+        if model == "teacher":
+            continue
+        ratios = {r["length"]: r["tok_s"] / teacher[r["length"]] for r in rows if r["model"] == model}
+        by_cpu = {r["length"]: r["tok_s_cpu"] / teacher_cpu[r["length"]] for r in rows if r["model"] == model}
+        ok = "yes" if all(x > 1 for x in ratios.values()) else "NO"
+        ok_cpu = "yes" if all(x > 1 for x in by_cpu.values()) else "NO"
+        lines.append(f"- {model}: faster than the teacher at every prompt length measured: **{ok}** by the wall clock, "
+                     f"**{ok_cpu}** by CPU time "
+                     f"({', '.join(f'L={L}: {x:.2f}×' for L, x in ratios.items())}; by CPU time "
+                     f"{', '.join(f'L={L}: {x:.2f}×' for L, x in by_cpu.items())}).")
+    lines.append("")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lengths", default="1024,4096,16384")
@@ -125,46 +167,12 @@ def main(argv=None) -> int:
                 raise SystemExit(f"{model} at L={L} failed:\n{run.stderr[-3000:]}")
             rows.append(json.loads(line[7:]))
             r = rows[-1]
+            with atomic_write(Path(args.out)) as tmp:  # after every row: a long run keeps what it measured
+                tmp.write_text(render(rows, args, cmd, load), encoding="utf-8")
             print(f"L={L:6d} {model:16s} {r['tok_s']:7.2f} tok/s  prefill {r['prefill_s']:7.1f} s  state "
                   f"{r['state'] / 2**20:8.2f} MiB  RSS {r['rss'] / 2**20:7.0f} MiB (peak {r['peak'] / 2**20:7.0f})",
                   flush=True)
-    teacher = {r["length"]: r["tok_s"] for r in rows if r["model"] == "teacher"}
-    teacher_cpu = {r["length"]: r["tok_s_cpu"] for r in rows if r["model"] == "teacher"}
-    import torch
-
-    lines = ["# Whole-model decoding: SmolLM2-135M-Instruct, teacher against converted (CPU)", "",
-             f"Command: `{cmd}`", "",
-             f"Greedy `generate()` of {args.new} new tokens after a prompt of L random token ids, batch 1, "
-             f"{args.threads} torch thread(s), float32; torch {torch.__version__}, "
-             f"{platform.processor() or platform.machine()}; each model and length in a fresh process. Converted: "
-             f"`convert_attention(attention={args.map!r}, m={args.m}, window=64, sinks=4, cache=188, decay='input')` "
-             f"(untrained: speed and memory only), `+exact`: layers {args.exact} kept exact. Decode tokens/s: the "
-             f"{args.new - 1} tokens after the first, timed by a logits processor (once per token), by the wall clock "
-             "and by the process's CPU time (a shared machine: the CPU time is the steadier measure). The cache's "
-             f"choice compiled: {all(r['compiled'] for r in rows)}. Machine load "
-             f"before: {'/'.join(f'{x:.1f}' for x in load)} on {os.cpu_count()} CPUs (a shared machine).", "",
-             "| model | prompt L | decode tokens/s | × teacher | by CPU time | × teacher by CPU time | prefill s | "
-             "decoding state MiB | RSS after MiB | peak RSS MiB |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        lines.append(f"| {r['model']} | {r['length']} | {r['tok_s']:.2f} | {r['tok_s'] / teacher[r['length']]:.2f} | "
-                     f"{r['tok_s_cpu']:.2f} | {r['tok_s_cpu'] / teacher_cpu[r['length']]:.2f} | {r['prefill_s']:.1f} | {r['state'] / 2**20:.2f} | {r['rss'] / 2**20:.0f} | "
-                     f"{r['peak'] / 2**20:.0f} |")
-    lines += ["", "## Checks", ""]
-    for model in args.models.split(","):
-        if model == "teacher":
-            continue
-        ratios = {r["length"]: r["tok_s"] / teacher[r["length"]] for r in rows if r["model"] == model}
-        by_cpu = {r["length"]: r["tok_s_cpu"] / teacher_cpu[r["length"]] for r in rows if r["model"] == model}
-        ok = all(x > 1 for x in ratios.values())
-        lines.append(f"- {model}: faster than the teacher at every prompt length measured: **{'yes' if ok else 'NO'}** "
-                     f"({', '.join(f'L={L}: {x:.2f}×' for L, x in ratios.items())}; by CPU time "
-                     f"{', '.join(f'L={L}: {x:.2f}×' for L, x in by_cpu.items())}).")
-    lines.append("")
-    from sketchlab.io import atomic_write
-
-    with atomic_write(Path(args.out)) as tmp:
-        tmp.write_text("\n".join(lines), encoding="utf-8")
-    print("\n".join(lines))
+    print(render(rows, args, cmd, load))
     return 0
 
 
