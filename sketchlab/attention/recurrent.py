@@ -44,7 +44,7 @@ import torch
 
 from . import recurrent_cache as compiled
 from ._checks import report_denominators
-from .memory_state import MemoryState, _check_params, unit
+from .memory_state import MemoryState, _check_params, recall_score, unit
 from .options import AttentionOptions
 from .reference import self_tensor
 from .state import AttentionState
@@ -53,22 +53,6 @@ __all__ = ["RecurrentStep"]
 
 #: Sorts after every position: a slot not in the running for "the oldest".
 _NEVER = torch.iinfo(torch.long).max
-
-
-def recall_score(S64: torch.Tensor, scale: torch.Tensor | None, phi: torch.Tensor, v: torch.Tensor, *, delta: bool,
-                 eps: float) -> torch.Tensor:
-    r"""The cache's score :math:`\lVert v - r\rVert^2` of keys (``phi [B, H, n, M]``, ``v [B, H, n, Dv]``)
-    against the float64 far state ``scale·S64`` (``S64 [B, H, M, Dv (+ 1)]``: ``S``, with ``z`` as one
-    more column when additive; ``scale [B, H, 1, 1]`` or None for 1), as the schedule computes it: one
-    product for the read and its denominator, then the scale; additive :math:`r = S^\top\phi/(z\cdot\phi
-    + \varepsilon)` (0 where that denominator is 0), delta :math:`r = S^\top\hat k` → ``[B, H, n]`` float64."""
-    r = (unit(phi) if delta else phi).double() @ S64  # [B, H, n, Dv (+ 1)]
-    if scale is not None:
-        r = r * scale
-    if not delta:
-        den = r[..., -1:] + eps
-        r = r[..., :-1] / den.masked_fill_(den == 0, 1.0)
-    return (v.double() - r).square().sum(-1)
 
 
 class RecurrentStep:

@@ -48,16 +48,15 @@ static void leave(T* Kt, T* Phi, T* VS, double* score, int64_t* pos, bool* cache
     }
     // the candidate's score against the state (rows N .. N + M2 of VS), in float64
     const T* f = phi + i * F;
-    T norm = T(0);
+    double norm = 1;  // k̂ = φ/‖φ‖ in float64 (unit(): the least subnormal as the floor)
     if (delta) {
       double s = 0;
       for (int64_t m = 0; m < F; ++m) s += double(f[m]) * double(f[m]);
-      const T tiny = std::numeric_limits<T>::min() * std::numeric_limits<T>::epsilon();
-      norm = std::max(T(std::sqrt(s)), tiny);
+      norm = std::max(std::sqrt(s), std::numeric_limits<double>::min() * std::numeric_limits<double>::epsilon());
     }
     for (int64_t c = 0; c < W; ++c) r[c] = 0;
     for (int64_t m = 0; m < F; ++m) {
-      const double x = delta ? double(f[m] / norm) : double(f[m]);
+      const double x = delta ? double(f[m]) / norm : double(f[m]);
       const T* row = vs + (N + m) * W;
       for (int64_t c = 0; c < W; ++c) r[c] += x * double(row[c]);
     }
