@@ -99,10 +99,12 @@ def _assert_states(lean_state, ref_state, what):
     assert lean_state.offset == ref_state.offset, what
 
 
-def _run(name, split, through=None, seed=0):
-    options, lift, degree, q, k, v, fq, fk, params, gate = _setup(name, seed)
+def _run(name, split, through=None, mask=None):
+    """A prefill of ``split`` tokens by the reference (padded by ``mask [B, split]``), its state passed
+    ``through`` a function, then both paths token by token: every output and the final state compared."""
+    options, lift, degree, q, k, v, fq, fk, params, gate = _setup(name)
     _, state = _reference(options, lift, degree, q[:, :split], k[:, :split], v[:, :split], fq[:, :split],
-                          fk[:, :split], params, gate, None)
+                          fk[:, :split], params, gate, None, mask)
     lean = _lean(options, lift, degree, params, gate, through(state) if through else state)
     for t in range(split, T):
         sl = slice(t, t + 1)
@@ -152,40 +154,18 @@ def test_lean_step_after_detach_to_and_its_own_state(name, how):
         again = _lean(options, lift, degree, params, gate, out.to(torch.float64).detach())
         _assert_states(again.state(), state, f"{name} re-laid out")
         return
-    through = (lambda s: s.detach()) if how == "detach" else (lambda s: s.to(torch.float32).to(torch.float64))
-    options, lift, degree, q, k, v, fq, fk, params, gate = _setup(name)
-    _, state = _reference(options, lift, degree, q[:, :7], k[:, :7], v[:, :7], fq[:, :7], fk[:, :7], params, gate,
-                          None)
-    state = through(state)
-    lean = _lean(options, lift, degree, params, gate, state)
-    for t in range(7, T):
-        sl = slice(t, t + 1)
-        o_ref, state = _reference(options, lift, degree, q[:, sl], k[:, sl], v[:, sl], fq[:, sl], fk[:, sl], params,
-                                  gate, state)
-        o = lean.step(_hd(q[:, sl]), _hd(k[:, sl]), _hd(v[:, sl]), _hd(fq[:, sl]), _hd(fk[:, sl])).view(B, H, 1, -1)
-        torch.testing.assert_close(o, _hd(o_ref), **TOL)
-    _assert_states(lean.state(), state, f"{name} after {how}")
+    stored = (lambda s: s.to(torch.float32).to(torch.float64)) if how == "to" else (lambda s: s.detach())
+    _run(name, 7, through=stored)
 
 
 @pytest.mark.parametrize("name", ["hybrid", "cache", "delta-cache", "decay-input"])
 def test_lean_step_continues_a_padded_prefill(name, cache_choice):
     """Pads held in the state (a left-padded row moved behind its sinks, pads inside the window) are never
     exact keys and never enter the far state, as in the reference."""
-    options, lift, degree, q, k, v, fq, fk, params, gate = _setup(name)
-    split = 6
-    mask = torch.ones(B, split, dtype=torch.bool)
+    mask = torch.ones(B, 6, dtype=torch.bool)
     mask[0, 2:4] = False  # row 0: pads after its sinks (inside the window at the split)
     mask[1, 3] = False
-    _, state = _reference(options, lift, degree, q[:, :split], k[:, :split], v[:, :split], fq[:, :split],
-                          fk[:, :split], params, gate, None, mask)
-    lean = _lean(options, lift, degree, params, gate, state)
-    for t in range(split, T):
-        sl = slice(t, t + 1)
-        o_ref, state = _reference(options, lift, degree, q[:, sl], k[:, sl], v[:, sl], fq[:, sl], fk[:, sl], params,
-                                  gate, state)
-        o = lean.step(_hd(q[:, sl]), _hd(k[:, sl]), _hd(v[:, sl]), _hd(fq[:, sl]), _hd(fk[:, sl])).view(B, H, 1, -1)
-        torch.testing.assert_close(o, _hd(o_ref), **TOL, msg=f"{name}: output at t={t}")
-    _assert_states(lean.state(), state, f"{name} padded")
+    _run(name, 6, mask=mask)
 
 
 @pytest.mark.parametrize("name", ["hybrid", "gated-delta", "cache"])
