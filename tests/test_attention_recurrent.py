@@ -105,7 +105,8 @@ def _run(name, split, through=None, mask=None):
     options, lift, degree, q, k, v, fq, fk, params, gate = _setup(name)
     _, state = _reference(options, lift, degree, q[:, :split], k[:, :split], v[:, :split], fq[:, :split],
                           fk[:, :split], params, gate, None, mask)
-    lean = _lean(options, lift, degree, params, gate, through(state) if through else state)
+    state = through(state) if through else state  # both paths continue from it
+    lean = _lean(options, lift, degree, params, gate, state)
     for t in range(split, T):
         sl = slice(t, t + 1)
         o_ref, state = _reference(options, lift, degree, q[:, sl], k[:, sl], v[:, sl], fq[:, sl], fk[:, sl], params,
