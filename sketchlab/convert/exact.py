@@ -95,7 +95,7 @@ class KVDecoder:
         return KVState(k=self.k[:, :, :n].clone(), v=self.v[:, :, :n].clone(),
                        mask=None if self.mask is None else self.mask[:, :n].clone(), offset=n)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def step(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """``query [B, H, 1, D]``, ``key [B, H_kv, 1, D]``, ``value [B, H_kv, 1, Dv]`` → ``[B, 1, H, Dv]``."""
         n = self.n

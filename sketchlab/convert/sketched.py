@@ -240,9 +240,10 @@ class LayerDecoder:
         """The state after the tokens so far (as :meth:`SketchedAttention.forward` returns it)."""
         return self.step_.state()
 
+    @torch.inference_mode()
     def step(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """``query [B, H, 1, D]``, ``key [B, H_kv, 1, D]``, ``value [B, H_kv, 1, Dv]`` (as transformers hands
-        them, post-RoPE) → ``[B, 1, H, Dv]``."""
+        them, post-RoPE) → ``[B, 1, H, Dv]`` (an inference tensor, as :meth:`RecurrentStep.step`'s)."""
         B, H, Hk = query.shape[0], self.heads, key.shape[1]
         # grouped-query attention: kv head h // (H / H_kv) for query head h (repeat_kv), one copy each
         rep = lambda x: x[:, :, None].expand(B, Hk, H // Hk, 1, x.shape[-1])  # noqa: E731
