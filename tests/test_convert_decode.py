@@ -103,3 +103,32 @@ def test_padded_prompts_decode_through_the_lean_steps(monkeypatch):
     assert len(lean) == 5 * 2
     for b, p in enumerate(prompts):
         assert torch.equal(batch[b, 7:], model.generate(p[None], **kw)[0, len(p):])
+
+
+@pytest.mark.parametrize("kind", ["llops", "llops-tied", "hedgehog"])
+def test_pair_features_equal_the_maps_float64_twins(kind):
+    """The decoding features of q and k in one product equal each map's float64 twin, and follow an in-place
+    change of the maps' parameters (a training step) at the next call."""
+    from sketchlab.featuremaps import HedgehogMap, LLoPSMap
+    from sketchlab.featuremaps.hedgehog import hedgehog_pair_features
+    from sketchlab.llops.maps import llops_pair_features
+
+    B, H, D = 2, 3, 4
+    if kind.startswith("llops"):
+        fm_q = LLoPSMap(H, D, p=2, m=5, rank=2, seed=1, dtype=torch.float64)
+        fm_k = fm_q if kind == "llops-tied" else LLoPSMap(H, D, p=2, m=5, rank=2, seed=2, dtype=torch.float64)
+        pair = llops_pair_features(fm_q.theta, fm_k.theta, B)
+    else:
+        fm_q, fm_k = HedgehogMap(H, D, m=6, seed=1, dtype=torch.float64), HedgehogMap(H, D, m=6, seed=2,
+                                                                                        dtype=torch.float64)
+        pair = hedgehog_pair_features(fm_q, fm_k, B)
+    gen = torch.Generator().manual_seed(0)
+    for step in range(2):
+        q, k = (torch.randn(B, 1, H, D, generator=gen, dtype=torch.float64) for _ in range(2))
+        fq, fk = pair(q.transpose(1, 2).reshape(B * H, 1, D), k.transpose(1, 2).reshape(B * H, 1, D))
+        for got, m, x in ((fq, fm_q, q), (fk, fm_k, k)):
+            want = m.features_naive(x).transpose(1, 2).reshape(B * H, 1, -1)
+            torch.testing.assert_close(got, want, **TOL64)
+        with torch.no_grad():  # a training step in place between two tokens
+            for p in list(fm_q.parameters()) + list(fm_k.parameters()):
+                p.mul_(1.5)
