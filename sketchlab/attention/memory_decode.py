@@ -90,8 +90,9 @@ def decode(c) -> torch.Tensor | tuple[torch.Tensor, MemoryState]:
         with torch.no_grad():
             Sz64, scale, score64 = S0.double(), None if gamma is None else gamma.double(), score.double()
             if rescore and bool(cached.any()):  # re-score the cache against the state
-                score64 = torch.where(cached, recall_score(Sz64, scale, buf[:, :, c0:, F1:], buf[:, :, c0:, D:D + Dv], delta=c.delta,
-                                                     eps=o.eps), score64)
+                fresh = recall_score(Sz64, scale, buf[:, :, c0:, F1:], buf[:, :, c0:, D:D + Dv], delta=c.delta,
+                                     eps=o.eps)
+                score64 = torch.where(cached, fresh, score64)
         score = score if leaves else score64.to(work)  # leaving: set below
     if leaves and K == 0:  # every leaving key enters at once
         enters, er = cand[:, :, None], cr

@@ -251,7 +251,8 @@ class RecurrentStep:
 
     def _enter(self, f: torch.Tensor, v1: torch.Tensor, real: torch.Tensor | None) -> None:
         """Add keys (features ``f [BH, 1, F]``, ``v1 = [v | 1] [BH, 1, Dv + 1]``; ``real [BH, 1, 1]`` or None
-        for all) to the far state in place: additive ``[S | z] += φ [v | 1]``; delta ``S += β k̂ (v − k̂ᵀS)ᵀ``."""
+        for all) to the far state in place: additive ``[S | z] += φ [v | 1]``; delta
+        ``S += β k̂ (v − k̂ᵀS)ᵀ``."""
         if self.delta:
             kh, ve, b = unit(f), v1[..., :self.Dv], self.beta
             beta = b if isinstance(b, torch.Tensor) else torch.sigmoid(torch.baddbmm(b[0], ve, b[1]))  # [BH, 1, 1]
@@ -277,7 +278,7 @@ class RecurrentStep:
         if in_dtype != work:
             q, k, v, phi_q, phi_k = (x.to(work) for x in (q, k, v, phi_q, phi_k))
         q, k, v, phi_q, phi_k = (x.reshape(BH, 1, x.shape[-1]) for x in (q, k, v, phi_q, phi_k))
-        P, w, s, K, Dv, N = self.offset, self.w, self.s, self.K, self.Dv, self.N
+        P, w, s, K, Dv = self.offset, self.w, self.s, self.K, self.Dv
         i = s + P % w if w else None  # the ring row of positions P and P − w
         gamma = self._gamma(v)
         entering = self._leave_cached(P, i, gamma) if K else None  # the cache's choice reads the state before γ
@@ -330,7 +331,8 @@ class RecurrentStep:
         else:
             torch.exp(logits.sub_(logits.amax(-1, keepdim=True) - self.log_g), out=a)  # g·e^{l − c}
         torch.mul(fq, self.one_g, out=self.Wf)
-        r = torch.bmm(self.W, self.VS)  # [BH, 1, Dv + 1]: [Σ g·a·v + (1 − g)·Sᵀφ(q) | Σ g·a + (1 − g)·zᵀφ(q)]
+        # [BH, 1, Dv + 1]: [Σ g·a·v + (1 − g)·Sᵀφ(q) | Σ g·a + (1 − g)·zᵀφ(q)]
+        r = torch.bmm(self.W, self.VS)
         out = r[..., :Dv] if self.delta else self._normalised(r)
         return out if out.dtype == in_dtype else out.to(in_dtype)
 
@@ -354,7 +356,7 @@ class RecurrentStep:
 
         The scores are float64 as the reference's; :attr:`score64` holds them as the state stores them
         (rounded to its dtype), so a choice compares exactly what the reference compares."""
-        w, s, K, Dv, N, eps = self.w, self.s, self.K, self.Dv, self.N, self.o.eps
+        w, s, Dv, eps = self.w, self.s, self.Dv, self.o.eps
         j = P - w
         leaves, rescore = j >= s, P % self.o.rescore == 0
         if not (leaves or rescore):
@@ -422,7 +424,7 @@ class RecurrentStep:
 
     def state(self):
         """The state after the tokens so far, as the reference call returns it (new tensors, ``[B, H, ·, ·]``)."""
-        P, w, s, D, Dv, N, B, H = self.offset, self.w, self.s, self.D, self.Dv, self.N, self.B, self.H
+        P, w, s, Dv, N, B, H = self.offset, self.w, self.s, self.Dv, self.N, self.B, self.H
         Ls, Lw = min(s, P), min(w, P)
         rows = self.window_rows(P - Lw, P) if w else []
         bh = lambda x: x.reshape(B, H, *x.shape[1:]).clone()  # noqa: E731  [BH, ...] -> [B, H, ...]
@@ -436,5 +438,6 @@ class RecurrentStep:
                                   mask_sink=m_snk.clone() if self.masked else None)
         c = slice(s + w, N)
         return MemoryState(**fields, mask_window=m_win.clone(), mask_sink=m_snk.clone(), k_cache=bh(keys[:, c]),
-                           v_cache=bh(self.VS[:, c, :Dv]), phi_cache=bh(self.Phi[:, c]), score_cache=bh(self.score64).to(self.work),
+                           v_cache=bh(self.VS[:, c, :Dv]), phi_cache=bh(self.Phi[:, c]),
+                           score_cache=bh(self.score64).to(self.work),
                            cached=bh(self.cached), pos_cache=bh(self.pos_cache))

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import functools
 
-import torch
-
 __all__ = ["available", "leave_cached"]
 
 _SOURCE = r"""
