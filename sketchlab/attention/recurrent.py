@@ -371,7 +371,7 @@ class RecurrentStep:
         if not leaves:
             self.score64.copy_(score.to(self.work))
             return None
-        if compiled.available():  # the same choices in one compiled call
+        if self.VS.device.type == "cpu" and compiled.available():  # the same choices in one compiled call (CPU)
             if score is not self.score64:
                 self.score64.copy_(score)  # this step's choice compares the unrounded re-scores
             out = compiled.leave_cached(self.Kt, self.Phi, self.VS, self.score64, self.pos_cache, self.cached,

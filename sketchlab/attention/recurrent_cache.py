@@ -136,8 +136,8 @@ def available() -> bool:
 
 def leave_cached(Kt, Phi, VS, score64, pos_cache, cached, real, gamma, M2: int, i: int, j: int, c0: int, *,
                  delta: bool, eps: float):
-    """The compiled step 2 on contiguous buffers (:class:`~sketchlab.attention.recurrent.RecurrentStep`'s),
-    in place: ``Kt [BH, D, N]``, ``Phi [BH, N, F]``, ``VS [BH, N + M2, Dv + 1]``, ``score64 [BH, K]``
+    """The compiled step 2 on contiguous CPU buffers (:class:`~sketchlab.attention.recurrent.RecurrentStep`'s;
+    on another device the step runs its torch twin), in place: ``Kt [BH, D, N]``, ``Phi [BH, N, F]``, ``VS [BH, N + M2, Dv + 1]``, ``score64 [BH, K]``
     float64 (held rounded to float32 for a float32 state, as the reference stores them), ``pos_cache``,
     ``cached [BH, K]``, ``real [BH, N]``, ``gamma [BH, 1, 1]`` or None. Returns what enters the state:
     ``(φ [BH, 1, F], [v | 1] [BH, 1, Dv + 1], enters [BH, 1, 1] 0/1)``."""
