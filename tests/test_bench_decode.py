@@ -19,13 +19,19 @@ def test_rows_and_flat_states(tmp_path):
     assert bench.main(args) == 0
     text = out.read_text()
     for row in ("hybrid w=8+2 + cache K=5", "hybrid w=8+2 + decay='input'", "hybrid w=8+2 + delta state",
-                "hybrid w=8+2 + delta state + cache K=5"):
-        cells = [line.split("|") for line in text.splitlines() if line.startswith(f"| {row} |")]
-        assert [c[2].strip() for c in cells] == ["96", "160"], row
-        assert len({c[7] for c in cells}) == 1, row  # state MiB flat in L
-        assert f"- {row} at L=160" in text and "state constant in L" in text.split(f"- {row} at L=160")[1].split("\n")[0]
+                "hybrid w=8+2 + gated delta (decay='input')", "hybrid w=8+2 + delta state + cache K=5"):
+        for path in ("public call", "lean step"):
+            cells = [c for c in (line.split("|") for line in text.splitlines() if line.startswith(f"| {row} |"))
+                     if c[2].strip() == path]
+            assert [c[3].strip() for c in cells] == ["96", "160"], (row, path)
+            assert len({c[11] for c in cells}) == 1, (row, path)  # state MiB flat in L
+            check = text.split(f"- {row}, {path}, at L=160")[1].split("\n")[0]
+            assert "state constant in L" in check, (row, path)
+            if path == "lean step":  # the step's arithmetic and its ratio are there
+                assert int(cells[0][9]) > 0 and float(cells[0][10]) > 0 and "time ÷ arithmetic" in check
+    assert "Matmul rate measured in this run" in text
     assert "Machine load" in text
     assert bench.main([*args, "--profile"]) == 0
     profile = (tmp_path / "decode_profile.md").read_text()
-    assert profile.count("## hybrid") == 4
+    assert profile.count("## hybrid") == 5
     assert "`_entry.py:memory_call`" in profile and "`memory_state.py:_check_call`" in profile  # the entry's memory path

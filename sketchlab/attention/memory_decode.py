@@ -18,26 +18,10 @@ from __future__ import annotations
 import torch
 
 from ._checks import denominator_counts, report_denominators
-from .memory_state import MemoryState, _beta, _gate, _log_decay, unit, vouch
+from .memory_state import MemoryState, _beta, _gate, _log_decay, recall_score, unit, vouch
 
 #: Sorts after every position: a slot not in the running for "the oldest".
 _NEVER = torch.iinfo(torch.long).max
-
-
-def _score(Sz: torch.Tensor, scale: torch.Tensor | None, rows: torch.Tensor, D: int, Dv: int, *, delta: bool,
-           eps: float) -> torch.Tensor:
-    r"""The recall error :math:`\lVert v - r\rVert^2` of keys (rows ``[B, H, n, F]`` of the buffer, float64)
-    against the float64 state ``scale·Sz`` (``Sz [B, H, M, Dv (+ 1)]``: ``S``, with ``z`` as one more
-    column when additive; ``scale [B, H, 1, 1]`` or None for 1) as the schedule computes it (one product
-    for the read and its denominator, then the scale) → ``[B, H, n]``."""
-    phi, v = rows[..., D + Dv + 1:], rows[..., D:D + Dv]
-    r = (unit(phi) if delta else phi) @ Sz  # [B, H, n, Dv (+ 1)]
-    if scale is not None:
-        r = r * scale
-    if not delta:
-        den = r[..., -1:] + eps
-        r = r[..., :-1] / den.masked_fill_(den == 0, 1.0)
-    return (v - r).square().sum(-1)
 
 
 def _local_weights(c, logits: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
@@ -106,14 +90,15 @@ def decode(c) -> torch.Tensor | tuple[torch.Tensor, MemoryState]:
         with torch.no_grad():
             Sz64, scale, score64 = S0.double(), None if gamma is None else gamma.double(), score.double()
             if rescore and bool(cached.any()):  # re-score the cache against the state
-                score64 = torch.where(cached, _score(Sz64, scale, buf[:, :, c0:].double(), D, Dv, delta=c.delta,
-                                                     eps=o.eps), score64)
+                fresh = recall_score(Sz64, scale, buf[:, :, c0:, F1:], buf[:, :, c0:, D:D + Dv], delta=c.delta,
+                                     eps=o.eps)
+                score64 = torch.where(cached, fresh, score64)
         score = score if leaves else score64.to(work)  # leaving: set below
     if leaves and K == 0:  # every leaving key enters at once
         enters, er = cand[:, :, None], cr
     elif leaves:
         with torch.no_grad():
-            sj = _score(Sz64, scale, cr.double(), D, Dv, delta=c.delta, eps=o.eps)  # [B, H, 1]
+            sj = recall_score(Sz64, scale, cr[..., F1:], cr[..., D:D + Dv], delta=c.delta, eps=o.eps)  # [B, H, 1]
             ranked = torch.where(cached, score64, float("-inf"))  # an empty slot first (pos_cache −1: the first)
             least = ranked.amin(-1, keepdim=True)
             # the candidate is newer than every cached key: it is evicted only below every slot's score (slot K)

@@ -28,7 +28,11 @@ def _state_map(state, fn):
 
 class StateLayer(CacheLayerMixin):
     """One layer of :class:`SketchStateCache`: its :class:`AttentionState` (``None`` before the
-    first call) and the number of tokens seen."""
+    first call) and the number of tokens seen.
+
+    While decoding, the layer holds its lean decoder instead (:attr:`decoder`:
+    :meth:`SketchedAttention.decoder <sketchlab.convert.sketched.SketchedAttention.decoder>`, in place);
+    reading :attr:`state` writes the state out of it (and ends it), setting it replaces both."""
 
     is_sliding = False
     is_compileable = False
@@ -36,8 +40,24 @@ class StateLayer(CacheLayerMixin):
 
     def __init__(self):
         super().__init__()
-        self.state = None
+        self._state, self.decoder = None, None
         self.seen = 0
+
+    @property
+    def state(self):
+        if self.decoder is not None:
+            self._state, self.decoder = self.decoder.state(), None
+        return self._state
+
+    @state.setter
+    def state(self, value) -> None:
+        self._state, self.decoder = value, None
+
+    @property
+    def offset(self) -> int:
+        """Tokens the state holds (without writing a decoder's state out)."""
+        held = self.decoder if self.decoder is not None else self._state
+        return getattr(held, "offset", 0)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
@@ -61,7 +81,7 @@ class StateLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        self.state, self.seen, self.is_initialized = None, 0, False
+        self.state, self.seen, self.is_initialized = None, 0, False  # (the decoder too)
 
     def offload(self):  # the state is small: it stays where it is
         pass
@@ -101,5 +121,6 @@ class SketchStateCache(Cache):
         super().__init__(layers=[StateLayer() for _ in range(int(num_layers))])
 
     def state_bytes(self) -> int:
-        """Bytes held by the states of every layer (constant in the context length)."""
-        return sum(layer.state.nbytes for layer in self.layers if layer.state is not None)
+        """Bytes held by the states (or the decoders' buffers) of every layer (constant in the context length)."""
+        return sum(held.nbytes for layer in self.layers
+                   if (held := layer.decoder if layer.decoder is not None else layer._state) is not None)

@@ -19,7 +19,7 @@ from torch import nn
 
 from ..attention.state import TensorState
 
-__all__ = ["ExactAttention", "KVState"]
+__all__ = ["ExactAttention", "KVDecoder", "KVState"]
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,61 @@ class KVState(TensorState):
     offset: int
 
 
+class KVDecoder:
+    """An exact layer decoding one token at a time: its keys and values in a preallocated buffer that grows
+    by a quarter (at least 256 tokens) when full, so a token costs a write and one
+    ``scaled_dot_product_attention`` over the held keys (grouped-query heads read in place,
+    ``enable_gqa``), not a copy of the whole cache (as ``torch.cat`` would, and :meth:`ExactAttention.forward`
+    does). Equal to :meth:`ExactAttention.forward` on one token with the state (tested); inference only."""
+
+    def __init__(self, state: KVState, heads: int, scaling: float | None):
+        B, H_kv, n, D = state.k.shape
+        self.heads, self.n, self.scaling = heads, n, (1.0 / math.sqrt(D) if scaling is None else float(scaling))
+        cap = n + max(256, n // 4)
+        self.k = state.k.new_empty(B, H_kv, cap, D)
+        self.v = state.v.new_empty(B, H_kv, cap, state.v.shape[-1])
+        self.k[:, :, :n], self.v[:, :, :n] = state.k, state.v
+        self.mask = None  # [B, cap] bool, only when the prompt held pads
+        if state.mask is not None and not bool(state.mask.all()):
+            self.mask = torch.ones(B, cap, dtype=torch.bool, device=state.k.device)
+            self.mask[:, :n] = state.mask
+
+    @property
+    def offset(self) -> int:
+        return self.n
+
+    @property
+    def nbytes(self) -> int:
+        return sum(x.numel() * x.element_size() for x in (self.k, self.v, self.mask) if x is not None)
+
+    def _grow(self) -> None:
+        """Room for another quarter of the tokens held (at least 256): one copy per growth, amortised O(1)."""
+        n, extra = self.n, max(256, self.n // 4)
+        self.k, self.v = (torch.cat([x[:, :, :n], x.new_empty(*x.shape[:2], extra, x.shape[3])], 2)
+                          for x in (self.k, self.v))
+        if self.mask is not None:
+            self.mask = torch.cat([self.mask[:, :n], self.mask.new_ones(self.mask.shape[0], extra)], 1)
+
+    def state(self) -> KVState:
+        n = self.n
+        return KVState(k=self.k[:, :, :n].clone(), v=self.v[:, :, :n].clone(),
+                       mask=None if self.mask is None else self.mask[:, :n].clone(), offset=n)
+
+    @torch.inference_mode()
+    def step(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """``query [B, H, 1, D]``, ``key [B, H_kv, 1, D]``, ``value [B, H_kv, 1, Dv]`` → ``[B, 1, H, Dv]``."""
+        n = self.n
+        if n == self.k.shape[2]:
+            self._grow()
+        self.k[:, :, n], self.v[:, :, n] = key[:, :, 0], value[:, :, 0]
+        self.n = n + 1
+        mask = None if self.mask is None else self.mask[:, None, None, :n + 1]
+        out = nn.functional.scaled_dot_product_attention(
+            query, self.k[:, :, :n + 1].to(query.dtype), self.v[:, :, :n + 1].to(query.dtype), attn_mask=mask,
+            scale=self.scaling, enable_gqa=self.k.shape[1] != query.shape[1])  # [B, H, 1, Dv]
+        return out.transpose(1, 2)
+
+
 class ExactAttention(nn.Module):
     r"""Softmax attention for a layer kept exact: ``o_t = Σ_{j ∈ M(t)} e^{s q_tᵀk_j} v_j / Σ_{j ∈ M(t)} e^{s q_tᵀk_j}``.
 
@@ -68,6 +123,11 @@ class ExactAttention(nn.Module):
     def __init__(self, *, heads: int, head_dim: int, causal: bool = True):
         super().__init__()
         self.heads, self.head_dim, self.causal = int(heads), int(head_dim), bool(causal)
+
+    def decoder(self, state: KVState, scaling: float | None = None) -> KVDecoder | None:
+        """The lean decoding step of this layer continuing ``state`` (:class:`KVDecoder`; None for a state
+        of another kind)."""
+        return KVDecoder(state, self.heads, scaling) if isinstance(state, KVState) else None
 
     def extra_repr(self) -> str:
         return f"heads={self.heads}, head_dim={self.head_dim}, causal={self.causal}"

@@ -48,7 +48,8 @@ from torch import nn
 
 from ..attention.functional import linear_attention
 
-__all__ = ["ATTENTION_NAME", "SketchedAttention", "forget_cache", "hf_attention", "hf_mask", "remember_cache"]
+__all__ = ["ATTENTION_NAME", "LayerDecoder", "SketchedAttention", "forget_cache", "hf_attention", "hf_mask",
+           "remember_cache"]
 
 #: The name the converted models' attention is registered under in transformers' interfaces.
 ATTENTION_NAME = "sketchlab"
@@ -154,6 +155,17 @@ class SketchedAttention(nn.Module):
                                       output_final_state=output_final_state)
         return (out, state) if output_final_state else out
 
+    def decoder(self, state, scaling: float | None = None) -> "LayerDecoder | None":
+        """The lean decoding step of this layer continuing ``state`` (what :meth:`forward` returned with
+        ``output_final_state``): :class:`LayerDecoder`, for inference (no gradient); None for a state
+        of another kind (an attention substituted for this one's) or a layer with ``qk_conv`` (the step
+        does not carry the convolution's tails: such a layer decodes through :meth:`forward`)."""
+        from ..attention import AttentionState, MemoryState
+
+        if self.options.qk_conv:  # the lean step has no short convolution: the op decodes it
+            return None
+        return LayerDecoder(self, state, scaling) if isinstance(state, (AttentionState, MemoryState)) else None
+
     def convolve(self, q: torch.Tensor, k: torch.Tensor, padding: torch.Tensor | None):
         """The short convolution of ``q, k [B, T, H, D]`` at the start of a sequence, pads (``padding`` False)
         as zeros: ``(q, k, (tail_q, tail_k))`` (:func:`sketchlab.attention.qk_conv.causal_conv`)."""
@@ -164,6 +176,80 @@ class SketchedAttention(nn.Module):
             q, k = q * keep, k * keep
         (q, tail_q), (k, tail_k) = causal_conv(q, self.far.conv_q), causal_conv(k, self.far.conv_k)
         return q, k, (tail_q, tail_k)
+
+
+class LayerDecoder:
+    r"""One converted layer decoding one token at a time: its maps' features once per token, then
+    :class:`sketchlab.attention.recurrent.RecurrentStep` (in place, checked once per state and per
+    parameter version).
+
+    Equal to :meth:`SketchedAttention.forward` on one token with the state (tested): the far part sees
+    ``x·D^{-1/4}``, the exact part the model's logits ``s·qᵀk``; two LLoPS maps compute their features
+    of ``q`` and ``k`` in one product (:func:`sketchlab.llops.maps.llops_pair_features`), other maps
+    through their ``features``; features self-tensored where the layer says so.
+    """
+
+    def __init__(self, sketch: SketchedAttention, state, scaling: float | None):
+        from ..attention.recurrent import RecurrentStep
+        from ..polynomial import self_tensor
+        from ..featuremaps import LLoPSMap
+        from ..featuremaps.hedgehog import HedgehogMap, hedgehog_pair_features
+
+        c = sketch.input_scale
+        scaling = 1.0 / math.sqrt(sketch.head_dim) if scaling is None else float(scaling)
+        fm_q, fm_k = sketch.feature_map_q, sketch.feature_map_k
+        options = sketch.options.replace(local_scale=scaling / (c * c))
+        memory = options.memory
+        self.lift = self_tensor if memory and sketch.non_negative else None  # a memory state's: self-tensored
+        self.step_ = RecurrentStep.from_state(
+            state, options=options, params=sketch.far, gate=sketch.gate, degree=getattr(fm_q, "degree", None),
+            lift=sketch.non_negative and not memory,
+            non_negative=sketch.non_negative or (fm_q.non_negative and fm_k.non_negative))
+        self.heads, self.c, self.B = sketch.heads, c, state.S.shape[0]
+        if isinstance(fm_q, LLoPSMap) and isinstance(fm_k, LLoPSMap):
+            from ..llops.maps import llops_pair_features
+
+            self.features = llops_pair_features(fm_q.theta, fm_k.theta, self.B)
+        elif isinstance(fm_q, HedgehogMap) and isinstance(fm_k, HedgehogMap):
+            self.features = hedgehog_pair_features(fm_q, fm_k, self.B)
+        else:
+            self.features = self._map_features
+        self.fm_q, self.fm_k = fm_q, fm_k
+
+    def _map_features(self, q: torch.Tensor, k: torch.Tensor):
+        """``q, k [B·H, 1, D]`` → their maps' features ``[B·H, 1, M]`` (the maps' own fast path, inputs trusted)."""
+        B, H = self.B, self.heads
+        f = [m._features(x.view(B, H, 1, -1).transpose(1, 2)).transpose(1, 2).reshape(B * H, 1, -1)
+             for m, x in ((self.fm_q, q), (self.fm_k, k))]
+        return f[0], f[1]
+
+    @property
+    def offset(self) -> int:
+        return self.step_.offset
+
+    @property
+    def nbytes(self) -> int:
+        return self.step_.nbytes
+
+    def state(self):
+        """The state after the tokens so far (as :meth:`SketchedAttention.forward` returns it)."""
+        return self.step_.state()
+
+    @torch.inference_mode()
+    def step(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """``query [B, H, 1, D]``, ``key [B, H_kv, 1, D]``, ``value [B, H_kv, 1, Dv]`` (as transformers hands
+        them, post-RoPE) → ``[B, 1, H, Dv]`` (an inference tensor, as :meth:`RecurrentStep.step`'s)."""
+        B, H, Hk = query.shape[0], self.heads, key.shape[1]
+        # grouped-query attention: kv head h // (H / H_kv) for query head h (repeat_kv), one copy each
+        rep = lambda x: x[:, :, None].expand(B, Hk, H // Hk, 1, x.shape[-1])  # noqa: E731
+        c = self.c
+        q = (query * c).view(B * H, 1, -1)
+        k = torch.mul(rep(key), c).view(B * H, 1, -1)
+        v = rep(value).reshape(B * H, 1, -1)
+        fq, fk = self.features(q, k)
+        if self.lift is not None:
+            fq, fk = self.lift(fq), self.lift(fk)
+        return self.step_.step(q, k, v, fq, fk).view(B, H, 1, -1).transpose(1, 2)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -246,7 +332,11 @@ def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
         raise ValueError(f"{ATTENTION_NAME}: expected a 2-D padding mask [B, S], got shape {tuple(attention_mask.shape)} "
                          "(a custom 4-D mask cannot be expressed as a window and a padding mask)")
     layer = getattr(sketch, "_cache_layer", None)
-    offset = 0 if layer is None else getattr(layer.state, "offset", 0)  # the tokens the state holds
+    if layer is not None and T == 1 and S == 1 and sketch.causal and not torch.is_grad_enabled():
+        out = _decode(sketch, layer, query, key, value, attention_mask, scaling)  # the lean step, or None
+        if out is not None:
+            return out, None
+    offset = 0 if layer is None else layer.offset  # the tokens the state holds
     if attention_mask is not None and tuple(attention_mask.shape) != (B, offset + S):
         raise ValueError(f"{ATTENTION_NAME}: attention_mask has shape {tuple(attention_mask.shape)}, expected "
                          f"[{B}, {offset + S}]: one row per sequence and one column per key ({offset} earlier "
@@ -287,6 +377,24 @@ def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
     if order is not None:
         out = _take(out, order.argsort(1))  # the inverse permutation: each output back at its token
     return out, None
+
+
+def _decode(sketch, layer, query, key, value, attention_mask, scaling):
+    """One decoded token through the layer's lean decoder (made from its state on the first token), or
+    None where the general path must run: no state yet, or a pad as the new token (the decoders take
+    real tokens). No other check per token: the decoder checked the state once."""
+    if attention_mask is not None and not bool(attention_mask[:, -1].all()):
+        return None
+    dec = layer.decoder
+    if dec is None:
+        state = layer.state
+        if getattr(state, "offset", 0) == 0:
+            return None
+        dec = sketch.decoder(state, scaling)
+        if dec is None:
+            return None
+        layer._state, layer.decoder = None, dec
+    return dec.step(query, key, value)
 
 
 def _padding_order(padding: torch.Tensor, first: int) -> torch.Tensor:

@@ -49,3 +49,24 @@ class HedgehogMap(FeatureMap):
         pos = torch.exp(u - u.max(-1, keepdim=True).values)
         neg = torch.exp(-u - (-u).max(-1, keepdim=True).values)
         return torch.cat([pos / pos.sum(-1, keepdim=True), neg / neg.sum(-1, keepdim=True)], -1)
+
+
+def hedgehog_pair_features(map_q: HedgehogMap, map_k: HedgehogMap, batch: int):
+    r"""A function ``(q, k) → (φ_Q(q), φ_K(k))`` for decoding one token: ``q, k [B·H, 1, D]`` (rows batch-major,
+    ``B = batch``) → ``[B·H, 1, m]`` each; the maps of :meth:`HedgehogMap.features` (tested against them) with
+    both sides in one product ``[q; k] @ [W_Q; W_K]`` and one softmax over ``[u; −u]``. The stacked weights
+    are made once per version of each (a training step in place makes them again); no gradient."""
+    memo = {}
+
+    def features(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        key = tuple((id(m.weight), m.weight._version) for m in (map_q, map_k))
+        if memo.get("key") != key:
+            with torch.no_grad():
+                memo["w"] = torch.cat([m.weight.detach().repeat(batch, 1, 1) for m in (map_q, map_k)], 0)
+                memo["key"] = key
+        w = memo["w"]  # [2·B·H, D, m/2]
+        u = torch.bmm(torch.cat([q, k], 0).to(w.dtype), w)  # [2·B·H, 1, m/2]
+        f = torch.cat([u, -u], 1).softmax(-1).view(u.shape[0], 1, -1)  # [softmax(u) | softmax(−u)]
+        return f[:q.shape[0]], f[q.shape[0]:]
+
+    return features

@@ -246,3 +246,40 @@ def llops_is_non_negative(theta: torch.Tensor) -> bool:
             return bool((theta == theta[..., :1, :, :]).all())
 
     return per_version(_NON_NEGATIVE, theta, equal_factors)  # once per tensor and in-place version (decoding)
+
+
+def llops_pair_features(theta_q: torch.Tensor, theta_k: torch.Tensor, batch: int):
+    r"""A function ``(q, k) → (φ_Q(q), φ_K(k))`` for decoding one token: ``q, k [B·H, 1, D]`` (rows batch-major,
+    ``B = batch``) → ``[B·H, 1, M]`` each, for per-head Θ ``[H, t, p, D, M]``.
+
+    The map of :func:`llops_feature_fn` (tested against it) with both sides in one batched product:
+    ``[q; k] @ [Θ_Q; Θ_K]_flat`` (one ``[2·B·H, 1, D] @ [2·B·H, D, t·p·M]`` product; a tied map,
+    ``theta_k is theta_q``: ``[q, k] [B·H, 2, D] @ Θ_flat``), then the ``p``-fold products and the sum
+    over ``t``. The stacked ``Θ_flat`` is made once per version of each Θ (a training step in place
+    makes it again); no gradient.
+    """
+    H, t, p, D, M = theta_q.shape
+    tied = theta_k is theta_q
+    memo = {}
+
+    def stacked() -> torch.Tensor:
+        key = tuple((id(x), x._version) for x in (theta_q, theta_k))
+        if memo.get("key") != key:
+            with torch.no_grad():
+                flats = [_flat(x).detach().repeat(batch, 1, 1) for x in ((theta_q,) if tied else (theta_q, theta_k))]
+                memo["flat"], memo["key"] = torch.cat(flats, 0), key  # [(1|2)·B·H, D, t·p·M]
+        return memo["flat"]
+
+    def product(proj: torch.Tensor) -> torch.Tensor:  # [..., t·p·M] -> [..., M]
+        f = proj.unflatten(-1, (t, p, M))
+        return (f[..., 0, 0, :] * f[..., 0, 1, :]) if (t, p) == (1, 2) else f.prod(-2).sum(-2)
+
+    def features(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        flat = stacked()
+        if tied:
+            f = product(torch.bmm(torch.cat([q, k], 1), flat))  # [B·H, 2, M]
+            return f[:, :1], f[:, 1:]
+        f = product(torch.bmm(torch.cat([q, k], 0), flat))  # [2·B·H, 1, M]
+        return f[:q.shape[0]], f[q.shape[0]:]
+
+    return features

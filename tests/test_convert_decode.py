@@ -1,0 +1,134 @@
+"""generate() of a converted transformers model decodes through the lean steps (LayerDecoder over
+RecurrentStep, KVDecoder for exact layers): the same greedy tokens as full forward passes, each token's
+logits as the reference path's (one forward call per token with the state), on tiny random models."""
+
+import pytest
+import torch
+
+from sketchlab.attention import AttentionState, MemoryState
+from sketchlab.attention.recurrent import RecurrentStep
+from sketchlab.convert import convert_attention, converted_modules
+from sketchlab.convert.cache import SketchStateCache
+from sketchlab.convert.exact import KVDecoder, KVState
+from tests.test_convert import TOL64, _greedy_by_full_forward, _llama
+
+#: conversions: the benchmark's (window + sinks + cache + decayed far state; the same with exact layers),
+#: LLoPS maps (their features of q and k in one product), self-tensored features, the delta rule, and
+#: pure linear attention
+CONVERSIONS = {
+    "cache+decay": dict(attention="hedgehog", m=8, window=3, sinks=1, cache=3, decay="input"),
+    "cache+decay+exact": dict(attention="hedgehog", m=8, window=3, sinks=1, cache=3, decay="input", exact_layers=[1]),
+    "llops": dict(attention="llops", m=6, window=3, sinks=1),
+    "llops-lifted": dict(attention="llops", m=4, window=3, sinks=1, non_negative=True),
+    "llops-memory-lifted": dict(attention="llops", m=4, window=3, sinks=1, non_negative=True, decay=0.9),
+    "gated-delta+cache": dict(attention="hedgehog", m=8, window=3, sinks=1, state="delta", decay="head", cache=2),
+    "linear": dict(attention="hedgehog", m=8, window=0),
+}
+
+
+def _converted(name):
+    model = _llama()
+    convert_attention(model, **CONVERSIONS[name])
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():  # parameters off their initial values (gates, decays, β, maps)
+        for s in converted_modules(model):
+            for p in s.parameters():
+                p.add_(0.3 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+    return model
+
+
+def _count(monkeypatch, cls):
+    calls = []
+    orig = cls.step
+    monkeypatch.setattr(cls, "step", lambda self, *a: (calls.append(1), orig(self, *a))[1])
+    return calls
+
+
+@pytest.mark.parametrize("name", CONVERSIONS)
+def test_generate_decodes_through_the_lean_steps(name, monkeypatch):
+    """Greedy generate() equals greedy decoding by full forward passes, and every decoded token of every layer
+    went through a lean step (none through the reference path's per-call entry points)."""
+    model = _converted(name)
+    lean = _count(monkeypatch, RecurrentStep)
+    exact = _count(monkeypatch, KVDecoder)
+    ids = torch.randint(1, 50, (2, 7), generator=torch.Generator().manual_seed(3))
+    new = 8
+    out = model.generate(ids, max_new_tokens=new, do_sample=False, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, _greedy_by_full_forward(model, ids, new))
+    n_exact = len(CONVERSIONS[name].get("exact_layers", []))
+    assert len(lean) == (new - 1) * (2 - n_exact) and len(exact) == (new - 1) * n_exact
+    kinds = {type(layer.state) for layer in out.cache.layers}  # written out of the decoders on reading
+    assert kinds <= {AttentionState, MemoryState, KVState}
+
+
+@pytest.mark.parametrize("name", ["cache+decay+exact", "llops-lifted", "gated-delta+cache"])
+def test_lean_logits_equal_the_reference_path(name):
+    """Token by token, the logits of a forward call with grad enabled (the reference path: one public call
+    per layer with the state) and under no_grad (the lean steps) agree to float64 round-off, and so do
+    the states they leave."""
+    model = _converted(name)
+    ids = torch.randint(1, 50, (2, 6), generator=torch.Generator().manual_seed(5))
+    caches = [SketchStateCache(2), SketchStateCache(2)]
+    with torch.no_grad():
+        for c in caches:
+            model(ids, cache=c, use_cache=True)
+    step = torch.randint(1, 50, (2, 1), generator=torch.Generator().manual_seed(6))
+    for t in range(9):
+        with torch.no_grad():
+            lean = model(step, cache=caches[0], use_cache=True).logits
+        ref = model(step, cache=caches[1], use_cache=True).logits.detach()  # grad enabled: the reference path
+        torch.testing.assert_close(lean, ref, **TOL64)
+        step = lean[:, -1:].argmax(-1)
+    for a, b in zip(caches[0].layers, caches[1].layers):
+        sa, sb = a.state, b.state
+        for f in ("S", "z", "k", "v", "k_window", "v_window", "phi_window", "k_cache", "score_cache"):
+            if hasattr(sb, f):
+                torch.testing.assert_close(getattr(sa, f), getattr(sb, f).detach(), **TOL64)
+        assert sa.offset == sb.offset
+
+
+def test_padded_prompts_decode_through_the_lean_steps(monkeypatch):
+    """A left-padded batch: the pads the prefill moved behind the sinks stay in the state; the lean steps
+    continue each row as its own (the tokens of each prompt generated alone)."""
+    model = _converted("cache+decay")
+    lean = _count(monkeypatch, RecurrentStep)
+    gen = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(1, 50, (n,), generator=gen) for n in (7, 4)]
+    ids = torch.zeros(2, 7, dtype=torch.long)
+    mask = torch.zeros(2, 7, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, 7 - len(p):], mask[b, 7 - len(p):] = p, 1
+    kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
+    batch = model.generate(ids, attention_mask=mask, **kw)
+    assert len(lean) == 5 * 2
+    for b, p in enumerate(prompts):
+        assert torch.equal(batch[b, 7:], model.generate(p[None], **kw)[0, len(p):])
+
+
+@pytest.mark.parametrize("kind", ["llops", "llops-tied", "hedgehog"])
+def test_pair_features_equal_the_maps_float64_twins(kind):
+    """The decoding features of q and k in one product equal each map's float64 twin, and follow an in-place
+    change of the maps' parameters (a training step) at the next call."""
+    from sketchlab.featuremaps import HedgehogMap, LLoPSMap
+    from sketchlab.featuremaps.hedgehog import hedgehog_pair_features
+    from sketchlab.llops.maps import llops_pair_features
+
+    B, H, D = 2, 3, 4
+    if kind.startswith("llops"):
+        fm_q = LLoPSMap(H, D, p=2, m=5, rank=2, seed=1, dtype=torch.float64)
+        fm_k = fm_q if kind == "llops-tied" else LLoPSMap(H, D, p=2, m=5, rank=2, seed=2, dtype=torch.float64)
+        pair = llops_pair_features(fm_q.theta, fm_k.theta, B)
+    else:
+        fm_q, fm_k = HedgehogMap(H, D, m=6, seed=1, dtype=torch.float64), HedgehogMap(H, D, m=6, seed=2,
+                                                                                        dtype=torch.float64)
+        pair = hedgehog_pair_features(fm_q, fm_k, B)
+    gen = torch.Generator().manual_seed(0)
+    for step in range(2):
+        q, k = (torch.randn(B, 1, H, D, generator=gen, dtype=torch.float64) for _ in range(2))
+        fq, fk = pair(q.transpose(1, 2).reshape(B * H, 1, D), k.transpose(1, 2).reshape(B * H, 1, D))
+        for got, m, x in ((fq, fm_q, q), (fk, fm_k, k)):
+            want = m.features_naive(x).transpose(1, 2).reshape(B * H, 1, -1)
+            torch.testing.assert_close(got, want, **TOL64)
+        with torch.no_grad():  # a training step in place between two tokens
+            for p in list(fm_q.parameters()) + list(fm_k.parameters()):
+                p.mul_(1.5)
