@@ -202,8 +202,12 @@ def test_a_converted_model_generates_pads_and_round_trips(tmp_path):
         for s in converted_modules(model):
             s.far.conv_q.add_(_rand(*s.far.conv_q.shape, seed=22, scale=0.3).to(s.far.conv_q.dtype))
             s.far.conv_k.add_(_rand(*s.far.conv_k.shape, seed=23, scale=0.3).to(s.far.conv_k.dtype))
-    out = model.generate(ids, max_new_tokens=6, do_sample=False, return_dict_in_generate=True)
+    out = model.generate(ids, max_new_tokens=6, do_sample=False, return_dict_in_generate=True, output_logits=True)
     assert torch.equal(out.sequences, _greedy_by_full_forward(model, ids, 6))
+    with torch.no_grad():  # each decoding step's logits are the full forward's at that position, not just its argmax
+        full = model(input_ids=out.sequences).logits[:, ids.shape[1] - 1:-1]  # [B, 6, V]
+    # generate() keeps its logits in float32: float32 round-off of O(1) values, ~1e-7
+    torch.testing.assert_close(torch.stack(out.logits, 1), full.float(), rtol=1e-6, atol=1e-6)
     # left padding: the attention reorders the row's pads out of the window; the convolution runs before, in the
     # row's own order, so the real tokens' outputs are the row's alone
     left = torch.cat([torch.zeros(1, 3, dtype=ids.dtype), ids[:1]], 1)
