@@ -21,10 +21,11 @@ setup: $(STAMP)
 # One intra-op thread per worker, two workers (pytest-xdist) for the two cores of the CI machine:
 # the suite is many small tensor ops, which extra intra-op threads only slow down.
 # Without a GPU the Triton kernels run in Triton's interpreter (TRITON_INTERPRET=1, fp32 only);
-# tests/conftest.py sets the same for a bare `pytest`, notebooks get it from here.
+# tests/conftest.py sets the same for a bare `pytest`, notebooks get it from here. .venv/bin goes first on
+# PATH: torch's load_inline finds the ninja that the dev extra installs there (the decoding step's compiled part).
 TRITON_INTERPRET ?= 1
 test: setup
-	OMP_NUM_THREADS=1 TRITON_INTERPRET=$(TRITON_INTERPRET) $(PY) -m pytest -q -p no:cacheprovider -n 2 tests notebooks --nbmake
+	PATH="$(abspath $(VENV))/bin:$$PATH" OMP_NUM_THREADS=1 TRITON_INTERPRET=$(TRITON_INTERPRET) $(PY) -m pytest -q -p no:cacheprovider -n 2 tests notebooks --nbmake
 
 demo: setup
 	$(PY) -m sketchlab.demo
