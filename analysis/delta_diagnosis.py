@@ -36,22 +36,44 @@ TRAIN_CLI = {"task": "compact-256-16-128", "rope": True, "short_conv": 2, "weigh
              "warmup": 30, "beta": "input", "lr": 3e-3}
 
 
+#: The harness's training mixture (Zoology's at a quarter of its lengths).
+QUARTER = ((16, 1), (32, 2), (64, 4), (64, 8), (64, 16))
+#: The tasks, taking the harness's apart: layout (Zoology's random non-query tokens, or the filler 0),
+#: lengths (the mixture, or sketchlab train's one (T, P) = (128, 16)) and vocabulary.
+TASKS = {
+    "zoology-mixture": lambda: _mixture(512, True),  # the harness
+    "compact-256-16-128": lambda: _config(256, 16, 128, "compact", True),  # sketchlab train's
+    "zoology-mixture-quiet": lambda: _mixture(512, False),  # the harness, non-queries the filler 0
+    "zoology-256-16-128": lambda: _config(256, 16, 128, "zoology", True),  # sketchlab train's lengths, Zoology's layout
+    "zoology-256-16-128-quiet": lambda: _config(256, 16, 128, "zoology", False),
+}
+
+
+def _mixture(vocab: int, noise: bool):
+    from sketchlab.tasks import zoology_mixture
+
+    return zoology_mixture(vocab, pairs=QUARTER, random_non_queries=noise)
+
+
+def _config(vocab: int, pairs: int, seq_len: int, layout: str, noise: bool):
+    from sketchlab.tasks import MQARConfig
+
+    return MQARConfig(vocab, pairs, seq_len, layout=layout, **({} if layout == "compact" else
+                                                                 {"random_non_queries": noise}))
+
+
 def variants() -> dict[str, dict]:
-    """Name -> setting: the harness, the harness with one setting of ``sketchlab train``, and ``sketchlab train``'s."""
+    """Name -> setting: the harness, the harness with one setting of ``sketchlab train``, ``sketchlab train``'s,
+    then the harness on each task of :data:`TASKS` (which part of the task matters)."""
     out = {"harness": dict(HARNESS)}
     for key, value in TRAIN_CLI.items():
         if HARNESS[key] != value:
             out[f"harness, {key}={value}"] = {**HARNESS, key: value}
     out["sketchlab train (all seven)"] = dict(TRAIN_CLI)
+    for task in TASKS:
+        out.setdefault(f"harness, task={task}", {**HARNESS, "task": task})
+    out["sketchlab train, task=zoology-256-16-128"] = {**TRAIN_CLI, "task": "zoology-256-16-128"}
     return out
-
-
-def _task(name: str):
-    from sketchlab.tasks import MQARConfig, zoology_mixture
-
-    if name == "zoology-mixture":  # the harness: Zoology's mixture at a quarter of its lengths, vocabulary 512
-        return zoology_mixture(512, pairs=((16, 1), (32, 2), (64, 4), (64, 8), (64, 16)))
-    return MQARConfig(256, 16, 128)  # sketchlab train's compact layout
 
 
 def run(name: str, setting: dict, steps: int, seed: int, work: Path) -> dict:
@@ -66,7 +88,7 @@ def run(name: str, setting: dict, steps: int, seed: int, work: Path) -> dict:
     if path.is_file():
         return json.loads(path.read_text())
     torch.set_num_threads(1)
-    task = _task(setting["task"])
+    task = TASKS[setting["task"]]()
     torch.manual_seed(seed)
     model = TransformerLM(TransformerConfig(
         vocab_size=task.vocab_size, d_model=64, n_heads=1, n_layers=2, mlp_ratio=2, short_conv=setting["short_conv"],
