@@ -14,15 +14,19 @@ from sketchlab.tasks.state_size import layer_state_bytes, state_bytes
 
 
 # ------------------------------------------------------------------------------------------------ the generator
-def test_zoology_generator_one_pair_is_the_hand_made_sequence():
-    """T = 4, P = 1: one even query slot, so the sequence is ``k v k r`` and the target ``v`` at position 2."""
+@pytest.mark.parametrize("noise", [True, False])
+def test_zoology_generator_one_pair_is_the_hand_made_sequence(noise):
+    """T = 4, P = 1: one even query slot, so the sequence is ``k v k r`` (``r`` random, or the filler 0 with
+    ``random_non_queries=False``) and the target ``v`` at position 2."""
     V = 16
-    inputs, targets = mqar_batch(MQARConfig(V, 1, 4, layout="zoology"), 64, generator=torch.Generator().manual_seed(3))
+    cfg = MQARConfig(V, 1, 4, layout="zoology", random_non_queries=noise)
+    inputs, targets = mqar_batch(cfg, 64, generator=torch.Generator().manual_seed(3))
     for x, y in zip(inputs.tolist(), targets.tolist()):
         k, v = x[0], x[1]
         assert 1 <= k < V // 2 and V // 2 <= v < V  # keys and values from the two halves
-        assert x[2] == k and 0 <= x[3] < V
+        assert x[2] == k and (0 <= x[3] < V if noise else x[3] == 0)
         assert y == [IGNORE_INDEX, IGNORE_INDEX, v, IGNORE_INDEX]
+    assert noise == (len({x[3] for x in inputs.tolist()}) > 1)
 
 
 def test_zoology_generator_two_pairs_matches_the_hand_made_layout():

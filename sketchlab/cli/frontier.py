@@ -60,6 +60,9 @@ def add_arguments(sub) -> None:
     cmd.add_argument("--d-model", type=positive_int, default=None, help="model width (default: the preset's)")
     cmd.add_argument("--eval-sequences", type=positive_int, default=None,
                      help="held-out sequences per test slice (default: the preset's)")
+    cmd.add_argument("--random-non-queries", action=argparse.BooleanOptionalAction, default=None,
+                     help="random tokens between the queries (Zoology's default) or, --no-random-non-queries, the "
+                          "filler 0 (default: the preset's, random)")
     cmd.add_argument("--threshold", type=float, default=0.9, help="the score per method's smallest state must reach")
     cmd.add_argument("--jobs", type=positive_int, default=1, help="runs at a time (one thread each; default 1)")
     cmd.add_argument("--work", required=True, help="directory of the cached runs (created)")
@@ -91,9 +94,8 @@ def run(args) -> int:
     from ..tasks.frontier import CPU, ZOOLOGY, frontier_report, load_runs, run_frontier
 
     protocol = {"cpu": CPU, "zoology": ZOOLOGY}[args.preset]
-    changes = {name: getattr(args, key) for name, key in (("steps", "steps"), ("batch", "batch"), ("vocab", "vocab"),
-                                                         ("d_model", "d_model"), ("eval_sequences", "eval_sequences"))
-               if getattr(args, key) is not None}
+    names = ("steps", "batch", "vocab", "d_model", "eval_sequences", "random_non_queries")
+    changes = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     protocol = replace(protocol, **changes)
     points = _points(args)
     if args.report_only:

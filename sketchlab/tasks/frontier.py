@@ -62,7 +62,8 @@ class Protocol:
 
     ``train_pairs``/``test_pairs``: ``(T, P)`` of the training mixture (weighted ``train_weights``) and of the
     test slices; ``d_model``: the width of every method; ``steps``, ``batch``, ``warmup``: the schedule;
-    ``eval_sequences``: held-out sequences per slice.
+    ``eval_sequences``: held-out sequences per slice; ``random_non_queries``: Zoology's random tokens between the
+    queries (its default), or ``False``, the filler 0 (Zoology's option of that name).
     """
 
     vocab: int = 512
@@ -77,6 +78,7 @@ class Protocol:
     warmup: int = 20
     weight_decay: float = 0.1
     eval_sequences: int = 64
+    random_non_queries: bool = True
 
     def __post_init__(self):
         for name in ("vocab", "d_model", "n_layers", "steps", "batch", "eval_sequences"):
@@ -84,6 +86,8 @@ class Protocol:
         object.__setattr__(self, "train_pairs", tuple(tuple(p) for p in self.train_pairs))
         object.__setattr__(self, "test_pairs", tuple(tuple(p) for p in self.test_pairs))
         object.__setattr__(self, "train_weights", tuple(float(w) for w in self.train_weights))
+        zoology_mixture(self.vocab, pairs=self.train_pairs, weights=self.train_weights)  # refuses a bad (T, P), V
+        zoology_tests(self.vocab, pairs=self.test_pairs)
 
     @property
     def max_len(self) -> int:
@@ -185,8 +189,10 @@ def train_point(point: Point, protocol: Protocol, lr: float, seed: int) -> dict:
     model = TransformerLM(config)
     if point.init is not None:
         init_llops(model, point.init, seed=seed)
-    mixture = zoology_mixture(protocol.vocab, pairs=protocol.train_pairs, weights=protocol.train_weights)
-    tests = zoology_tests(protocol.vocab, pairs=protocol.test_pairs)
+    noise = protocol.random_non_queries
+    mixture = zoology_mixture(protocol.vocab, pairs=protocol.train_pairs, weights=protocol.train_weights,
+                              random_non_queries=noise)
+    tests = zoology_tests(protocol.vocab, pairs=protocol.test_pairs, random_non_queries=noise)
     t0 = time.perf_counter()
     diverged = None
     try:
@@ -226,19 +232,18 @@ def load_runs(work) -> dict[str, dict]:
 
 
 def plan_runs(points, protocol: Protocol, lrs, seeds, done) -> list[tuple]:
-    """The runs still to train, given the cached keys ``done``: per point, the first seed at every rate of
-    ``lrs``; once those are all done, the other ``seeds`` at the best of them (ties: the smaller rate).
-    Returns ``(point, lr, seed)`` in grid order (sweeps before seeds)."""
-    sweeps, seeded = [], []
+    """The runs still to train, given the cached keys ``done``, point by point in the order of ``points``: the
+    first seed at every rate of ``lrs``; once those are done, the other ``seeds`` at the best of them (ties: the
+    smaller rate). Returns ``(point, lr, seed)``; a grid cut short keeps its first points whole."""
+    todo = []
     for point in points:
-        sweep = [(point, lr, seeds[0]) for lr in lrs]
-        missing = [r for r in sweep if run_key(point, protocol, r[1], r[2]) not in done]
-        if missing:
-            sweeps += missing
+        sweep = [(point, lr, seeds[0]) for lr in lrs if run_key(point, protocol, lr, seeds[0]) not in done]
+        if sweep:
+            todo += sweep
             continue
         best = _best_lr(point, protocol, lrs, seeds[0], done)
-        seeded += [(point, best, s) for s in seeds[1:] if run_key(point, protocol, best, s) not in done]
-    return sweeps + seeded
+        todo += [(point, best, s) for s in seeds[1:] if run_key(point, protocol, best, s) not in done]
+    return todo
 
 
 def _best_lr(point, protocol, lrs, seed, runs) -> float:
@@ -249,9 +254,10 @@ def _best_lr(point, protocol, lrs, seed, runs) -> float:
 def run_frontier(points, protocol: Protocol, *, lrs, seeds, work, jobs: int = 1, progress: bool = True) -> dict:
     """Train every run of :func:`plan_runs` not cached in ``work``, ``jobs`` at a time; returns :func:`load_runs`.
 
-    Each run is stored (atomically) as it finishes, so an interrupted grid keeps every finished run and a
-    second call trains only the rest: the same records as one uninterrupted call (runs are deterministic on
-    one thread). A tqdm bar shows the runs done and the time left.
+    The plan is renewed after every finished run (a point's seeds wait for its sweep). Each run is stored
+    (atomically) as it finishes, so an interrupted grid keeps every finished run and a second call trains only
+    the rest: the same records as one uninterrupted call (runs are deterministic on one thread). A tqdm bar
+    shows the runs done and the time left.
     """
     from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
@@ -264,38 +270,40 @@ def run_frontier(points, protocol: Protocol, *, lrs, seeds, work, jobs: int = 1,
     work = Path(work)
     work.mkdir(parents=True, exist_ok=True)
     points = list(points)
-    total = len(points) * (len(lrs) + len(seeds) - 1)
     runs = load_runs(work)
-    bar = tqdm(total=total, initial=total - len(plan_runs(points, protocol, lrs, seeds, runs)) - _pending_seeds(
-        points, protocol, lrs, seeds, runs), desc="frontier", unit="run", disable=not progress, dynamic_ncols=True)
+    grid = {run_key(p, protocol, lr, s) for p in points for lr in lrs for s in seeds}
+    total = len(points) * (len(lrs) + len(seeds) - 1)
+    bar = tqdm(total=total, initial=len(grid & runs.keys()), desc="frontier", unit="run", disable=not progress,
+               dynamic_ncols=True)
     pool = ProcessPoolExecutor(jobs) if jobs > 1 else None
+    flying = {}  # future -> run key
     try:
-        while todo := plan_runs(points, protocol, lrs, seeds, runs):
-            if pool is None:
-                for point, lr, seed in todo:
-                    record = _run_and_store(point, protocol, lr, seed, work)
-                    runs[record["key"]] = record
-                    bar.set_postfix_str(f"{point.method} {point.size} lr {lr:.0e} s{seed}: {record['score']:.3f}")
-                    bar.update(1)
-                continue
-            pending = {pool.submit(_run_and_store, p, protocol, lr, s, str(work)) for p, lr, s in todo}
-            while pending:
-                finished, pending = wait(pending, return_when=FIRST_COMPLETED)
-                for future in finished:
-                    record = future.result()
-                    runs[record["key"]] = record
-                    bar.update(1)
+        while True:
+            busy = set(flying.values())
+            todo = [(p, lr, s) for p, lr, s in plan_runs(points, protocol, lrs, seeds, runs)
+                    if run_key(p, protocol, lr, s) not in busy]
+            if pool is None and todo:
+                point, lr, seed = todo[0]
+                record = _run_and_store(point, protocol, lr, seed, work)
+            else:
+                for point, lr, seed in todo[:jobs - len(flying)]:
+                    flying[pool.submit(_run_and_store, point, protocol, lr, seed, str(work))] = run_key(
+                        point, protocol, lr, seed)
+                if not flying:
+                    break
+                finished, _ = wait(flying, return_when=FIRST_COMPLETED)
+                future = finished.pop()
+                del flying[future]
+                record = future.result()
+            runs[record["key"]] = record
+            bar.set_postfix_str(f"{record['point']['method']} {record['point']['size']} lr {record['lr']:.0e} "
+                                f"s{record['seed']}: {record['score']:.3f}")
+            bar.update(1)
     finally:
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)
         bar.close()
     return load_runs(work)
-
-
-def _pending_seeds(points, protocol, lrs, seeds, runs) -> int:
-    """Seed runs not yet planned because their point's sweep is unfinished (for the bar's starting count)."""
-    return sum(len(seeds) - 1 for p in points
-               if any(run_key(p, protocol, lr, seeds[0]) not in runs for lr in lrs))
 
 
 # ------------------------------------------------------------------------------------------------ the report
@@ -344,10 +352,12 @@ def frontier_report(runs, points, protocol: Protocol, *, lrs, seeds, out, comman
 def _markdown(s: dict) -> str:
     p = Protocol(**s["protocol"])
     pairs = " | ".join(f"({T}, {P})" for T, P in p.test_pairs)
+    between = "random tokens" if p.random_non_queries else "the filler 0 (Zoology's random_non_queries=False)"
     L = ["# MQAR recall frontier: accuracy against state bytes per layer", "",
          f"Generated by `{s['command']}` (from the cached runs alone: the same runs give this file again). "
          f"{s['train_seconds'] / 60:.1f} min of training in the runs reported (one thread each).", "",
-         f"Protocol: Zoology's MQAR (keys `[1, V/2)`, values `[V/2, V)`, power-law gaps), vocabulary {p.vocab}, "
+         f"Protocol: Zoology's MQAR (keys `[1, V/2)`, values `[V/2, V)`, power-law gaps, {between} between the "
+         f"queries), vocabulary {p.vocab}, "
          f"training mixture (T, P) = {', '.join(f'({T}, {P})' for T, P in p.train_pairs)} (weights "
          f"{':'.join(f'{w:g}' for w in p.train_weights)}); {p.n_layers} layers, d_model {p.d_model}, short "
          f"convolution {p.short_conv}, NoPE; AdamW (weight decay {p.weight_decay:g}), {p.warmup} warm-up steps then "
