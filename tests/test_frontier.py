@@ -151,3 +151,13 @@ def test_plan_sweeps_first_then_seeds_at_the_best_rate():
     assert fr.plan_runs([point], TINY, [1e-3, 1e-2], [0, 1], {}) == [(point, 1e-3, 0), (point, 1e-2, 0)]
     done = {key(1e-3, 0): {"score": 0.2}, key(1e-2, 0): {"score": 0.7}}
     assert fr.plan_runs([point], TINY, [1e-3, 1e-2], [0, 1], done) == [(point, 1e-2, 1)]
+
+
+def test_silu_map_matches_its_float64_twin_and_deltanet_uses_it():
+    from sketchlab.tasks.mixers import SiLUMap
+
+    m, x = SiLUMap(2, 4), torch.randn(1, 5, 2, 4)
+    assert torch.allclose(m.features(x).double(), m.features_naive(x), atol=1e-6)
+    assert torch.allclose(m.features(x), torch.nn.functional.silu(x))
+    point = fr.method_points("deltanet", [1])[0]
+    assert (point.attention, point.options) == ("silu", {"state": "delta", "beta": "input"})

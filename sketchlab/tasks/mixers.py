@@ -21,24 +21,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..featuremaps import FeatureMap, feature_map_names, register_feature_map
-from ..featuremaps.base import _init_heads
+from ..featuremaps import feature_map_names, register_feature_map
+from ..featuremaps.identity import IdentityMap
 from .attention import register_feature_map_kernels
 from .model import TransformerConfig, register_attention
 
 __all__ = ["SiLUMap", "SlidingWindowAttention"]
 
 
-class SiLUMap(FeatureMap):
-    """``φ(x) = x·σ(x)`` for every head (no parameters; ``M = D``): DeltaNet's query/key activation."""
-
-    def __init__(self, heads: int, head_dim: int):
-        super().__init__()
-        _init_heads(self, heads, head_dim)
+class SiLUMap(IdentityMap):
+    """``φ(x) = x·σ(x)`` for every head (no parameters; ``M = D``, as the identity map it derives from): DeltaNet's
+    query/key activation. Not a polynomial (``degree`` None)."""
 
     @property
-    def num_features(self) -> int:
-        return self.head_dim
+    def degree(self) -> None:
+        return None
 
     def _features(self, x):
         return F.silu(x)
