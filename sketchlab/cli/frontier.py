@@ -53,7 +53,8 @@ def add_arguments(sub) -> None:
     cmd.add_argument("--seeds", type=_ints, default=[0, 1, 2], help="seeds (the first runs the sweep; default 0,1,2)")
     cmd.add_argument("--lrs", type=_floats, default=[3e-3, 1e-2], help="learning rates swept (default 3e-3,1e-2)")
     cmd.add_argument("--preset", choices=("cpu", "zoology"), default="cpu",
-                     help="the protocol: cpu (Zoology's lengths / 4, vocabulary 512, d_model 64; default) or zoology")
+                     help="the protocol: cpu (Zoology's lengths / 4, vocabulary 512, d_model 64, 600 steps; default) "
+                          "or zoology")
     cmd.add_argument("--steps", type=positive_int, default=None, help="training steps (default: the preset's)")
     cmd.add_argument("--batch", type=positive_int, default=None, help="batch size (default: the preset's)")
     cmd.add_argument("--vocab", type=positive_int, default=None, help="vocabulary (default: the preset's)")
@@ -62,7 +63,7 @@ def add_arguments(sub) -> None:
                      help="held-out sequences per test slice (default: the preset's)")
     cmd.add_argument("--random-non-queries", action=argparse.BooleanOptionalAction, default=None,
                      help="random tokens between the queries (Zoology's default) or, --no-random-non-queries, the "
-                          "filler 0 (default: the preset's, random)")
+                          "filler 0 (default: the preset's: cpu the filler, zoology random)")
     cmd.add_argument("--threshold", type=float, default=0.9, help="the score per method's smallest state must reach")
     cmd.add_argument("--jobs", type=positive_int, default=1, help="runs at a time (one thread each; default 1)")
     cmd.add_argument("--work", required=True, help="directory of the cached runs (created)")

@@ -63,7 +63,9 @@ class Protocol:
     ``train_pairs``/``test_pairs``: ``(T, P)`` of the training mixture (weighted ``train_weights``) and of the
     test slices; ``d_model``: the width of every method; ``steps``, ``batch``, ``warmup``: the schedule;
     ``eval_sequences``: held-out sequences per slice; ``random_non_queries``: Zoology's random tokens between the
-    queries (its default), or ``False``, the filler 0 (Zoology's option of that name).
+    queries (its default, :data:`ZOOLOGY`), or ``False``, the filler 0 (Zoology's option of that name; the CPU
+    cut's: with random tokens every one of them writes into a delta-rule state, which then stays at chance at
+    CPU budgets, ``analysis/results/delta_diagnosis.md``).
     """
 
     vocab: int = 512
@@ -73,12 +75,12 @@ class Protocol:
     d_model: int = 64
     n_layers: int = 2
     short_conv: int = 3
-    steps: int = 400
+    steps: int = 600
     batch: int = 32
     warmup: int = 20
     weight_decay: float = 0.1
     eval_sequences: int = 64
-    random_non_queries: bool = True
+    random_non_queries: bool = False
 
     def __post_init__(self):
         for name in ("vocab", "d_model", "n_layers", "steps", "batch", "eval_sequences"):
@@ -97,9 +99,10 @@ class Protocol:
 
 CPU = Protocol()
 """The CPU cut: Zoology's lengths and pairs divided by 4 (training T <= 64, P <= 16; tests to T = 256, P = 64),
-vocabulary 512, d_model 64, 400 steps of batch 32 (a run takes about a minute on one core)."""
+vocabulary 512, d_model 64, 600 steps of batch 32, the filler 0 between the queries (a run takes 15-60 s on
+one core)."""
 ZOOLOGY = Protocol(vocab=8192, train_pairs=ZOOLOGY_TRAIN, test_pairs=ZOOLOGY_TEST, d_model=128, steps=20_000,
-                   batch=256, warmup=500, eval_sequences=1000)
+                   batch=256, warmup=500, eval_sequences=1000, random_non_queries=True)
 """Zoology's ``arxiv24_based_figure2`` sizes (its 32 epochs of 180k examples at batch 256 are ~22.5k steps)."""
 
 
