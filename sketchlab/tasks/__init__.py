@@ -11,6 +11,10 @@
 - :mod:`sketchlab.tasks.inits`: weights copied from another model, the LLoPS initialisations.
 - :mod:`sketchlab.tasks.train`: the one training loop (MQAR and text), DDP under ``torchrun``, held-out
   accuracy; :mod:`sketchlab.tasks.checkpoint`: resumable checkpoints and model directories.
+- :mod:`sketchlab.tasks.frontier`: Zoology's recall frontier (accuracy against state bytes per layer; the grid,
+  its cached runs, the report); :mod:`sketchlab.tasks.state_size`: state bytes per layer of any mechanism;
+  :mod:`sketchlab.tasks.mixers`: the ``"sliding-window"`` kernel and DeltaNet's ``"silu"`` map (registered when
+  imported, so not imported here).
 """
 
 from .attention import ToyKernel, input_scale, kernel_modules
