@@ -48,7 +48,7 @@ def test_zoology_generator_two_pairs_matches_the_hand_made_layout():
 def test_zoology_gaps_follow_the_power_law():
     """P = 1 with 8 slots: gap g is drawn with probability ∝ (g + 1)^(a − 1); at a = 0.5 gap 0 is 1/Σ(g+1)^-0.5."""
     cfg = MQARConfig(64, 1, 18, layout="zoology", power_a=0.5)
-    inputs, targets = mqar_batch(cfg, 20000, generator=torch.Generator().manual_seed(1))
+    _inputs, targets = mqar_batch(cfg, 20000, generator=torch.Generator().manual_seed(1))
     gap = ((targets != IGNORE_INDEX).float().argmax(1) - 2) // 2  # [B]
     w = torch.arange(1, 9, dtype=torch.float64) ** -0.5
     want = (w / w.sum()).tolist()
@@ -104,7 +104,7 @@ def test_state_bytes_names_the_parameter():
 TINY = fr.Protocol(vocab=32, train_pairs=((8, 1), (8, 2)), train_weights=(1, 1), test_pairs=((8, 1), (16, 2)),
                    d_model=16, steps=3, batch=4, warmup=1, eval_sequences=4)
 POINTS = [*fr.method_points("window", [2]), *fr.method_points("based", [2])]
-GRID = dict(lrs=[1e-3, 1e-2], seeds=[0, 1])
+GRID = {"lrs": [1e-3, 1e-2], "seeds": [0, 1]}
 
 
 def _without_time(runs):
@@ -147,7 +147,7 @@ def test_report_rebuilt_from_the_cache_equals_the_first(tmp_path):
 
 def test_plan_sweeps_first_then_seeds_at_the_best_rate():
     point = POINTS[0]
-    key = lambda lr, s: fr.run_key(point, TINY, lr, s)  # noqa: E731
+    key = lambda lr, s: fr.run_key(point, TINY, lr, s)
     assert fr.plan_runs([point], TINY, [1e-3, 1e-2], [0, 1], {}) == [(point, 1e-3, 0), (point, 1e-2, 0)]
     done = {key(1e-3, 0): {"score": 0.2}, key(1e-2, 0): {"score": 0.7}}
     assert fr.plan_runs([point], TINY, [1e-3, 1e-2], [0, 1], done) == [(point, 1e-2, 1)]
