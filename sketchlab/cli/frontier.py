@@ -20,7 +20,7 @@ import shlex
 import sys
 from dataclasses import replace
 
-from ._common import UsageError, positive_int
+from ._common import UsageError, add_common, positive_int
 
 
 def _floats(text: str) -> list[float]:
@@ -69,7 +69,7 @@ def add_arguments(sub) -> None:
     cmd.add_argument("--work", required=True, help="directory of the cached runs (created)")
     cmd.add_argument("--out", required=True, help="report path without suffix: writes OUT.md, OUT.json, OUT.png")
     cmd.add_argument("--report-only", action="store_true", help="write the report from the cached runs only")
-    cmd.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_common(cmd, "progress")
 
 
 def _points(args):
