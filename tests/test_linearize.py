@@ -143,7 +143,7 @@ def test_cli_linearize_and_train(teacher, tmp_path, capsys):
     assert main([*args, "--n-layers", "3", "--init", "theta", str(theta), "--out", str(tmp_path / "u")]) == 2
     assert "layers L: 2 in the file, 3 in the model" in capsys.readouterr().err
     assert main(["train", "--attention", "nope", "--out", str(tmp_path / "v")]) == 2
-    assert "attention must be one of ['based', 'based-expand', 'based-taylor', 'dpfp', 'elementwise', 'exact-poly', 'hedgehog', 'identity', 'llops', 'poly', 'psf', 'psf-learned', 'psf-random', 'softmax', 'tensorsketch'], got 'nope'" in capsys.readouterr().err
+    assert "attention must be one of ['based', 'based-expand', 'based-taylor', 'dpfp', 'elementwise', 'exact-poly', 'hedgehog', 'identity', 'llops', 'poly', 'psf', 'psf-learned', 'psf-random', 'silu', 'sliding-window', 'softmax', 'tensorsketch'], got 'nope'" in capsys.readouterr().err
     assert main(["train", "--attention", "softmax", "--init", "based", "--out", str(tmp_path / "w")]) == 2
     assert "--init applies to --attention llops only" in capsys.readouterr().err
     assert main([*args, "--init", "theta", "--out", str(tmp_path / "w")]) == 2

@@ -283,7 +283,7 @@ def test_llops_kernel_is_llops_attention_on_scaled_inputs(non_negative):
     ("llops", {"affine": 1}, r"attention 'llops': affine must be a bool, got 1"),
     ("llops", {"affine": True, "window": 2, "local": "poly"}, r"local='poly' is the homogeneous kernel .* use local='softmax'"),
     ("softmax", {"p": 2}, r"attention 'softmax' takes no options"),
-    ("nope", {}, r"attention must be one of \['based', 'based-expand', 'based-taylor', 'dpfp', 'elementwise', 'exact-poly', 'hedgehog', 'identity', 'llops', 'poly', 'psf', 'psf-learned', 'psf-random', 'softmax', 'tensorsketch'\]"),
+    ("nope", {}, r"attention must be one of \['based', 'based-expand', 'based-taylor', 'dpfp', 'elementwise', 'exact-poly', 'hedgehog', 'identity', 'llops', 'poly', 'psf', 'psf-learned', 'psf-random', 'silu', 'sliding-window', 'softmax', 'tensorsketch'\]"),
 ])
 def test_attention_options_are_checked(attention, options, msg):
     with pytest.raises(ValueError, match=msg):

@@ -47,7 +47,7 @@ __all__ = ["COMMANDS", "UsageError", "build_parser", "main"]
 
 #: Sub-command names; each is the module ``sketchlab.cli.<name>`` (a new command adds one module
 #: and one entry here).
-COMMANDS = ("compare", "verify", "advise", "spectrum", "fit", "train", "linearize", "capture", "evaluate")
+COMMANDS = ("compare", "verify", "advise", "spectrum", "fit", "train", "frontier", "linearize", "capture", "evaluate")
 
 
 class _Parser(argparse.ArgumentParser):

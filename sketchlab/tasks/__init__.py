@@ -11,9 +11,14 @@
 - :mod:`sketchlab.tasks.inits`: weights copied from another model, the LLoPS initialisations.
 - :mod:`sketchlab.tasks.train`: the one training loop (MQAR and text), DDP under ``torchrun``, held-out
   accuracy; :mod:`sketchlab.tasks.checkpoint`: resumable checkpoints and model directories.
+- :mod:`sketchlab.tasks.frontier`: Zoology's recall frontier (accuracy against state bytes per layer; the grid,
+  its cached runs, the report); :mod:`sketchlab.tasks.state_size`: state bytes per layer of any mechanism;
+  :mod:`sketchlab.tasks.mixers`: the ``"sliding-window"`` kernel and DeltaNet's ``"silu"`` map (imported here, so
+  the registries hold them whenever this package is imported).
 """
 
 from .attention import ToyKernel, input_scale, kernel_modules
+from . import mixers  # noqa: F401  (registers "sliding-window" and "silu")
 from .inits import LLOPS_INITS, based_init_dim, copy_shared_weights, init_llops
 from .model import (
     CausalSelfAttention,

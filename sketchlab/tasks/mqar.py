@@ -18,8 +18,8 @@ Two layouts (``MQARConfig.layout``):
     are drawn without replacement from ``{0, …, (T − 2P)/2 − 1}`` with probability
     ``∝ (g + 1)^{a − 1}`` (a power law, ``a = power_a = 0.01``: near queries are likelier, as
     repeated bigrams in text); every other query-region position holds a uniformly random token
-    of ``[0, V)`` (Zoology's ``random_non_queries``), so the model cannot find queries by their
-    being the only non-filler tokens.
+    of ``[0, V)`` (Zoology's ``random_non_queries``, the default; ``random_non_queries=False``: the filler ``0``),
+    so the model cannot find queries by their being the only non-filler tokens.
 
 :class:`MQARMixture` is Zoology's training distribution: several ``(T, P)`` configurations, each
 batch drawn from one of them with probability proportional to its weight (Zoology's standard
@@ -80,6 +80,10 @@ class MQARConfig:
         ``seq_len >= 4 * num_pairs`` (one even query slot per pair), as Zoology asserts.
     power_a : float in (0, 1]
         Power-law exponent of the ``"zoology"`` query gaps (``1``: uniform); ignored by ``"compact"``.
+    random_non_queries : bool
+        ``"zoology"``: the query region's other positions hold uniformly random tokens (Zoology's default)
+        or, ``False``, the filler ``0`` (Zoology's ``random_non_queries=False``); ``"compact"`` takes only ``True``
+        (its filler is always ``0``).
     """
 
     vocab_size: int
@@ -88,6 +92,7 @@ class MQARConfig:
     num_queries: int | None = None
     layout: str = "compact"
     power_a: float = 0.01
+    random_non_queries: bool = True
 
     def __post_init__(self):
         if self.layout not in LAYOUTS:
@@ -95,6 +100,11 @@ class MQARConfig:
         a = self.power_a
         if isinstance(a, bool) or not isinstance(a, (int, float)) or not (0 < a <= 1):
             raise ValueError(f"power_a must be a number in (0, 1], got {a!r}")
+        if not isinstance(self.random_non_queries, bool):
+            raise TypeError(f"random_non_queries must be True or False, got {self.random_non_queries!r}")
+        if self.layout == "compact" and not self.random_non_queries:
+            raise ValueError("random_non_queries=False is the 'zoology' layout's option (the compact layout's "
+                             "non-queries are always the filler 0)")
         if self.layout == "zoology":
             self._check_zoology()
             return
@@ -143,10 +153,13 @@ class MQARConfig:
         return self.num_pairs if self.num_queries is None else self.num_queries
 
     def to_dict(self) -> dict:
-        """The fields as a dict; the compact layout omits ``layout`` and ``power_a`` (earlier runs' identity)."""
+        """The fields as a dict; the compact layout omits ``layout`` and ``power_a``, and ``random_non_queries``
+        is omitted when ``True`` (earlier runs' identity)."""
         out = asdict(self)
         if self.layout == "compact":
             del out["layout"], out["power_a"]
+        if self.random_non_queries:
+            del out["random_non_queries"]
         return out
 
 
@@ -185,15 +198,18 @@ class MQARMixture:
 
 
 def zoology_mixture(vocab_size: int = 8192, pairs=ZOOLOGY_TRAIN, weights=ZOOLOGY_TRAIN_WEIGHTS,
-                    power_a: float = 0.01) -> MQARMixture:
+                    power_a: float = 0.01, random_non_queries: bool = True) -> MQARMixture:
     """Zoology's training mixture: one ``"zoology"``-layout component per ``(seq_len, num_pairs)`` of ``pairs``."""
-    comps = tuple(MQARConfig(vocab_size, P, T, layout="zoology", power_a=power_a) for T, P in pairs)
+    comps = tuple(MQARConfig(vocab_size, P, T, layout="zoology", power_a=power_a,
+                             random_non_queries=random_non_queries) for T, P in pairs)
     return MQARMixture(comps, tuple(weights))
 
 
-def zoology_tests(vocab_size: int = 8192, pairs=ZOOLOGY_TEST, power_a: float = 0.01) -> tuple:
+def zoology_tests(vocab_size: int = 8192, pairs=ZOOLOGY_TEST, power_a: float = 0.01,
+                  random_non_queries: bool = True) -> tuple:
     """Zoology's test configurations as ``"zoology"``-layout :class:`MQARConfig` (one per ``(T, P)``)."""
-    return tuple(MQARConfig(vocab_size, P, T, layout="zoology", power_a=power_a) for T, P in pairs)
+    return tuple(MQARConfig(vocab_size, P, T, layout="zoology", power_a=power_a,
+                            random_non_queries=random_non_queries) for T, P in pairs)
 
 
 def mqar_batch(
@@ -261,7 +277,8 @@ def _zoology_batch(config: MQARConfig, B: int, generator: torch.Generator) -> tu
     space = (T - 2 * P) // 2  # even query slots
     prob = config.power_a * torch.arange(1, space + 1, dtype=torch.float64) ** (config.power_a - 1)  # [space]
     gaps = torch.multinomial(prob.expand(B, space), P, replacement=False, generator=generator)  # [B, P]
-    inputs = torch.randint(0, V, (B, T), generator=generator)  # random non-query tokens
+    inputs = (torch.randint(0, V, (B, T), generator=generator) if config.random_non_queries
+              else torch.zeros(B, T, dtype=torch.long))  # the non-query tokens
     inputs[:, 0 : 2 * P : 2] = keys
     inputs[:, 1 : 2 * P : 2] = values
     pos = 2 * P + 2 * gaps  # [B, P] query positions, key i queried at the i-th drawn gap
