@@ -24,7 +24,9 @@ setup: $(STAMP)
 # tests/conftest.py sets the same for a bare `pytest`, notebooks get it from here. .venv/bin goes first on
 # PATH: torch's load_inline finds the ninja that the dev extra installs there (the decoding step's compiled part).
 TRITON_INTERPRET ?= 1
+# ruff first (the rules and the reasons: pyproject.toml [tool.ruff]), then the suite.
 test: setup
+	$(VENV)/bin/ruff check .
 	PATH="$(abspath $(VENV))/bin:$$PATH" OMP_NUM_THREADS=1 TRITON_INTERPRET=$(TRITON_INTERPRET) $(PY) -m pytest -q -p no:cacheprovider -n 2 tests notebooks --nbmake
 
 demo: setup

@@ -41,9 +41,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from sketchlab.attention import poly_attention, softmax_attention  # noqa: E402
-from sketchlab.attention.chunked import feature_attention  # noqa: E402
+from sketchlab.attention.chunked import (  # noqa: E402
+    DEFAULT_BLOCK_CHUNKS,
+    DEFAULT_CHUNK_SIZE,
+    feature_attention,  # noqa: E402
+)
 from sketchlab.attention.functional import llops_attention  # noqa: E402
-from sketchlab.attention.chunked import DEFAULT_BLOCK_CHUNKS, DEFAULT_CHUNK_SIZE  # noqa: E402
 from sketchlab.io import atomic_write  # noqa: E402
 from sketchlab.plots import save_figure  # noqa: E402
 from sketchlab.sketches.based import taylor_features  # noqa: E402
@@ -284,6 +287,7 @@ def build_methods(args, device, dtype, D, gen) -> list[Method]:
                 print(f"Triton kernel not importable ({err}); skipped", file=sys.stderr)
             try:
                 from fla.ops.linear_attn import chunk_linear_attn
+
                 from sketchlab.attention.chunked import llops_feature_fn
 
                 def fla(q, k, v, th=theta):

@@ -46,8 +46,11 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from sketchlab.attention import AttentionOptions, FarParams  # noqa: E402
-from sketchlab.attention import recurrent_cache  # noqa: E402
+from sketchlab.attention import (  # noqa: E402
+    AttentionOptions,
+    FarParams,
+    recurrent_cache,  # noqa: E402
+)
 from sketchlab.attention.functional import llops_attention  # noqa: E402
 from sketchlab.attention.recurrent import RecurrentStep  # noqa: E402
 from sketchlab.io import atomic_write  # noqa: E402

@@ -38,8 +38,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import sketchlab.attention.memory as memory  # noqa: E402
-from sketchlab.attention import AttentionOptions, FarParams  # noqa: E402
-from sketchlab.attention import memory_fast  # noqa: E402
+from sketchlab.attention import (  # noqa: E402
+    AttentionOptions,
+    FarParams,
+    memory_fast,  # noqa: E402
+)
 from sketchlab.featuremaps.hedgehog import HedgehogMap  # noqa: E402
 from sketchlab.io import atomic_write  # noqa: E402
 

@@ -23,8 +23,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import sketchlab.fit  # noqa: E402
 from bench_fit import standin_qk  # noqa: E402
+
+import sketchlab.fit  # noqa: E402
 from sketchlab import fit_sketch, load_qk, optimal_sketch, sketch_fitter  # noqa: E402
 from sketchlab.io import atomic_write  # noqa: E402
 

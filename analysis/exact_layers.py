@@ -33,8 +33,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from linearize_lm import (RESULTS, closure, convert, held_out, load_transferred, log, positive_int,  # noqa: E402
-                          training_data)
+from linearize_lm import RESULTS, closure, convert, held_out, load_transferred, log, positive_int, training_data  # noqa: E402
 from position_loss import budget_of, hybrid_arg, transfer_budget  # noqa: E402
 
 from sketchlab.attention import softmax_attention  # noqa: E402

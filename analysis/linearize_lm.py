@@ -42,8 +42,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from sketchlab.cli._common import finite_float, write_text_atomic
-from sketchlab.io.atomic import atomic_write
-from sketchlab.plots import save_figure
 from sketchlab.convert import convert_attention
 from sketchlab.convert.linearize import (
     attention_errors,
@@ -56,8 +54,10 @@ from sketchlab.convert.linearize import (
     teacher_attention,
     tokenize_texts,
 )
-from sketchlab.hf.pretrained import load_pretrained, smollm2_gguf
 from sketchlab.convert.scale import calibrate_gates
+from sketchlab.hf.pretrained import load_pretrained, smollm2_gguf
+from sketchlab.io.atomic import atomic_write
+from sketchlab.plots import save_figure
 
 TRAIN_PLAYS = ("hamlet", "macbeth", "othello", "lear", "romeo_and_juliet", "julius_caesar")
 HELDOUT_PLAYS = ("tempest", "twelfth_night", "much_ado_about_nothing", "merchant_of_venice")

@@ -43,8 +43,8 @@ from linearize_lm import HELDOUT_PLAYS, TRAIN_PLAYS, log, play_text  # noqa: E40
 from sketchlab.convert import convert_attention, lora_finetune, perplexity  # noqa: E402
 from sketchlab.convert.cache import SketchStateCache  # noqa: E402
 from sketchlab.convert.linearize import attention_transfer, teacher_attention, tokenize_texts  # noqa: E402
-from sketchlab.hf.pretrained import load_pretrained, smollm2_gguf  # noqa: E402
 from sketchlab.evaluate import copy_recall, passkey_accuracy  # noqa: E402
+from sketchlab.hf.pretrained import load_pretrained, smollm2_gguf  # noqa: E402
 from sketchlab.io.atomic import atomic_write  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -18,11 +18,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from memory_lm import RESULTS, build, models, parse_args as study_args  # noqa: E402
 from linearize_lm import log  # noqa: E402
+from memory_lm import RESULTS, build, models  # noqa: E402
+from memory_lm import parse_args as study_args
 
-from sketchlab.hf.pretrained import load_pretrained, smollm2_gguf  # noqa: E402
 from sketchlab.evaluate import passkey_accuracy  # noqa: E402
+from sketchlab.hf.pretrained import load_pretrained, smollm2_gguf  # noqa: E402
 from sketchlab.io.atomic import atomic_write  # noqa: E402
 
 

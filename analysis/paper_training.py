@@ -271,9 +271,9 @@ def read_run(path: Path, rope_base) -> dict:
 def run_one(spec: RunSpec, work: str, threads: int) -> dict:
     import torch
 
+    from sketchlab.attention import count_denominators
     from sketchlab.tasks.mqar import zoology_mixture, zoology_tests
     from sketchlab.tasks.train import train_mqar
-    from sketchlab.attention import count_denominators
     from sketchlab.tasks.zoology import evaluate_slices
 
     path = Path(work) / f"{spec.name}.json"
@@ -1000,8 +1000,8 @@ def lm_run(kind: str, s: LMScale, seed: int, work: str, threads: int) -> dict:
     """
     import torch
 
-    from sketchlab.tasks import TransformerConfig, TransformerLM
     from sketchlab.attention import count_denominators
+    from sketchlab.tasks import TransformerConfig, TransformerLM
     from sketchlab.tasks.text import based_to_llops, conversion_error, lm_batch, shakespeare_text, train_lm
     from sketchlab.tasks.train import load_checkpoint, save_checkpoint
 

@@ -43,8 +43,8 @@ from linearize_lm import RESULTS, convert, held_out, load_transferred, log, posi
 
 from sketchlab._validation import check_nonnegative_int, check_positive_int  # noqa: E402
 from sketchlab.convert import token_nll  # noqa: E402
-from sketchlab.io.atomic import atomic_write  # noqa: E402
 from sketchlab.hf.pretrained import load_pretrained, smollm2_gguf  # noqa: E402
+from sketchlab.io.atomic import atomic_write  # noqa: E402
 
 
 def hybrid_arg(text: str) -> tuple[str, int, Path]:

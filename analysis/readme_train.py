@@ -80,8 +80,9 @@ def main(argv=None) -> int:
         results.append(run(c, args.nice))
         r = results[-1]
         print(f"  exit {r['exit']}, {r['wall']:.0f} s wall, {r['cpu']:.0f} s CPU: {r['final']}", flush=True)
-    import sketchlab
     import torch
+
+    import sketchlab
 
     L = ["# The README's `sketchlab train` lines, run as written", "",
          "`" + " ".join(["python analysis/readme_train.py", *(sys.argv[1:] if argv is None else argv)]) + "`",

@@ -9,10 +9,37 @@ fused Triton kernel) and the Θ export that feeds :class:`LLoPSAttention`.
 """
 
 from ._version import __version__
-
 from .advise import Advice, HeadAdvice, advise
+from .attention import (
+    AttentionOptions,
+    AttentionState,
+    FarParams,
+    LLoPSAttention,
+    MemoryState,
+    dump_segments,
+    linear_attention,
+    poly_attention,
+    poly_attention_naive,
+    softmax_attention,
+    softmax_attention_naive,
+)
+from .attention.errors import attention_error, causal_attention
 from .capture import capture_qk
 from .compare import DEFAULT_METHODS, ComparisonRow, ComparisonTable, compare
+from .convert import convert_attention, linearize, load_linearized, save_linearized
+from .evaluate import CopyRecall, PasskeyResult, copy_recall, format_recall, passkey_accuracy, passkey_prompt
+from .export import export_theta
+from .featuremaps import (
+    ExactPolyMap,
+    FeatureMap,
+    HedgehogMap,
+    LLoPSMap,
+    PSFLearnedMap,
+    SelfTensored,
+    TaylorMap,
+    as_feature_map,
+    make_feature_map,
+)
 from .fit import Fit, FitReport, available_sketches, fit_sketch, holdout_split, register_sketch, sketch_fitter
 from .io import QKDump, load_qk, load_theta, save_qk, save_theta
 from .llops import (
@@ -28,35 +55,6 @@ from .llops import (
     llops_projector_naive,
     projector_to_theta,
 )
-from .attention import (
-    AttentionOptions,
-    AttentionState,
-    FarParams,
-    LLoPSAttention,
-    MemoryState,
-    dump_segments,
-    linear_attention,
-    poly_attention,
-    poly_attention_naive,
-    softmax_attention,
-    softmax_attention_naive,
-)
-from .export import export_theta
-from .featuremaps import (
-    ExactPolyMap,
-    FeatureMap,
-    HedgehogMap,
-    LLoPSMap,
-    PSFLearnedMap,
-    SelfTensored,
-    TaylorMap,
-    as_feature_map,
-    make_feature_map,
-)
-from .convert import convert_attention, linearize, load_linearized, save_linearized
-from .evaluate import CopyRecall, PasskeyResult, copy_recall, format_recall, passkey_accuracy, passkey_prompt
-from .objective import kernel_loss, train_kernel_sketch
-from .attention.errors import attention_error, causal_attention
 from .metrics import (
     kernel_errors,
     kernel_sq_norm,
@@ -66,8 +64,8 @@ from .metrics import (
     rel_mae,
 )
 from .numerics import KernelRangeError
+from .objective import kernel_loss, train_kernel_sketch
 from .optimal import OptimalSketch, max_sketch_size, min_norm_sketch, optimal_sketch, tail_bound
-from .scaling import describe_scale, resolve_scale
 from .polynomial import (
     feature_gram_root,
     full_to_symmetric,
@@ -78,6 +76,7 @@ from .polynomial import (
     symmetric_index,
     symmetric_to_full,
 )
+from .scaling import describe_scale, resolve_scale
 from .sketch import Sketch
 from .sketches import BasedSketch, ElementwiseSketch, MLPSketch, PolySketch, TensorSketch, as_llops
 from .spectral import deflate, feature_bound, rank1_residuals, spectral_norm

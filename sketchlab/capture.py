@@ -32,16 +32,22 @@ mode is restored afterwards.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Mapping, Sequence
 
 import torch
 from torch import nn
 
 from ._validation import check_positive_int
 from .hf.families import FAMILY_TABLE, Family, config_int
-from .hf.interface import attention_implementation, is_rotary, original_attention, original_mask, register
-from .hf.interface import supports_interface
+from .hf.interface import (
+    attention_implementation,
+    is_rotary,
+    original_attention,
+    original_mask,
+    register,
+    supports_interface,
+)
 from .hf.pretrained import from_local, load_pretrained
 from .io import QKDump, save_qk, validate_qk
 
@@ -52,7 +58,7 @@ __all__ = ["CAPTURE_POINTS", "capture_pretrained", "capture_qk", "detect_qk_modu
 CAPTURE_POINTS = ("auto", "attention", "projections")
 #: The name sketchlab's recording function is registered under in transformers' interfaces.
 _CAPTURE_NAME = "sketchlab_capture"
-_RECORDERS: list["_Recorder"] = []  # the capture in progress (innermost last)
+_RECORDERS: list[_Recorder] = []  # the capture in progress (innermost last)
 
 def detect_qk_modules(model: nn.Module, *, projections: bool = False) -> tuple[str, dict[str, list[str]]]:
     """Find the q/k/v producers of each layer by module name.

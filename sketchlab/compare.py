@@ -15,11 +15,16 @@ import math
 import statistics
 from dataclasses import asdict, dataclass, field
 
-
-from ._validation import (DEFAULT_MAX_BYTES, check_degree, check_fraction, check_positive_int, check_seed,
-                          check_symmetric_features)
-from .fit import RATIO_CAUSES, _fit_checked, accepted_methods, available_sketches, sketch_fitter
 from ._dumpsel import select_and_scale
+from ._validation import (
+    DEFAULT_MAX_BYTES,
+    check_degree,
+    check_fraction,
+    check_positive_int,
+    check_seed,
+    check_symmetric_features,
+)
+from .fit import RATIO_CAUSES, _fit_checked, accepted_methods, available_sketches, sketch_fitter
 from .numerics import UNDEFINED, check_poly_kernel_range, json_ratios, warn_undefined
 from .optimal import max_sketch_size
 from .scaling import DEFAULT_SCALE, describe_scale

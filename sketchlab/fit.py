@@ -24,14 +24,14 @@ import importlib
 import inspect
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
 from ._validation import DEFAULT_MAX_BYTES, check_degree, check_fraction, check_pair, check_positive_int, check_seed
-from .numerics import UNDEFINED_REASONS, check_poly_kernel_range, is_roundoff, warn_undefined
 from .featuremaps.registry import FIT_METHOD_NAMES
+from .numerics import UNDEFINED_REASONS, check_poly_kernel_range, is_roundoff, warn_undefined
 from .sketch import Sketch
 
 __all__ = [

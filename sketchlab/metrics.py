@@ -10,11 +10,11 @@ inputs give ``[L, H]`` results. Inputs are compared in float64.
 
 from __future__ import annotations
 
-import torch
-
 import math
 
-from ._validation import DEFAULT_MAX_BYTES, as_float_tensor, check_memory, check_pair, check_degree
+import torch
+
+from ._validation import DEFAULT_MAX_BYTES, as_float_tensor, check_degree, check_memory, check_pair
 from .numerics import is_roundoff
 from .polynomial import _poly_features
 

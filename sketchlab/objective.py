@@ -14,7 +14,7 @@ fit goes through here.)
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from tqdm.auto import tqdm

@@ -53,17 +53,23 @@ Theorem 3.1.
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
 
 import torch
 
-import functools
-import math
-
+from ._threads import hot_loop_threads
 from ._validation import check_degree, check_memory, check_pair, check_positive_int
 from .numerics import check_float64_finite, check_poly_kernel_range
-from .polynomial import DEFAULT_MAX_BYTES, _feature_gram_root, _poly_features, _poly_kernel, poly_features, symmetric_to_full
-from ._threads import hot_loop_threads
+from .polynomial import (
+    DEFAULT_MAX_BYTES,
+    _feature_gram_root,
+    _poly_features,
+    _poly_kernel,
+    poly_features,
+    symmetric_to_full,
+)
 from .sketch import Sketch
 
 __all__ = ["OptimalSketch", "max_sketch_size", "min_norm_sketch", "optimal_sketch", "tail_bound"]
@@ -130,7 +136,7 @@ class OptimalSketch(Sketch):
         w = (self.w_q if side == "q" else self.w_k)[index]
         return poly_features_naive(torch.as_tensor(x, dtype=torch.float64), self.p, self.symmetric) @ w
 
-    def select(self, index) -> "OptimalSketch":
+    def select(self, index) -> OptimalSketch:
         """The optimum of the heads ``index`` of the batch (e.g. one layer of an ``[L, H]`` result)."""
         from dataclasses import replace
 

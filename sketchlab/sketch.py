@@ -62,6 +62,6 @@ class Sketch(abc.ABC):
         ``[n, num_features]``, the head ``index`` into the batch shape (``()`` when unbatched)."""
 
     @abc.abstractmethod
-    def select(self, index) -> "Sketch":
+    def select(self, index) -> Sketch:
         """The same sketch restricted to ``index`` of its batch shape (e.g. one layer ``l`` of an
         ``[L, H]`` fit: ``[H]``)."""

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from sketchlab.attention.chunk_core import chunk_core
-from sketchlab.polynomial import self_tensor
 from sketchlab.attention.chunked import feature_attention
 from sketchlab.attention.reference import feature_attention_naive
+from sketchlab.polynomial import self_tensor
 
 F64 = torch.float64
 

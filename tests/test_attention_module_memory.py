@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from sketchlab.attention import AttentionOptions, AttentionState, FarParams, LLoPSAttention, MemoryState
-from sketchlab.polynomial import self_tensor
-from sketchlab.llops import llops_features
 from sketchlab.attention.functional import llops_attention
 from sketchlab.attention.memory import memory_attention_naive
+from sketchlab.llops import llops_features
+from sketchlab.polynomial import self_tensor
 
 TOL64 = 1e-10
 E, H = 12, 3
@@ -35,7 +35,7 @@ def _rand(*shape, seed=0):
 def _block(seed=1, **kw):
     block = LLoPSAttention(E, H, m=5, dtype=torch.float64, seed=seed, chunk_size=8, **kw)
     with torch.no_grad():  # away from the initial values, so every tensor matters
-        for i, (_, x) in enumerate(sorted((block.far.named_parameters() if block.far is not None else []))):
+        for i, (_, x) in enumerate(sorted(block.far.named_parameters() if block.far is not None else [])):
             x.copy_(_rand(*x.shape, seed=50 + i) * 0.7)
         if block.gate is not None:
             block.gate.copy_(_rand(H, seed=49))

@@ -12,12 +12,12 @@ import torch
 
 import sketchlab as sl
 from sketchlab.attention import AttentionOptions, FarParams, MemoryState, linear_attention
-from sketchlab.featuremaps import HedgehogMap, LLoPSMap
-from sketchlab.llops import llops_features
-from sketchlab.polynomial import self_tensor
 from sketchlab.attention.chunked import feature_attention
 from sketchlab.attention.functional import llops_attention, sketch_attention
 from sketchlab.attention.memory import memory_attention, memory_attention_naive
+from sketchlab.featuremaps import HedgehogMap, LLoPSMap
+from sketchlab.llops import llops_features
+from sketchlab.polynomial import self_tensor
 
 B, T, H, D = 2, 21, 2, 4
 

@@ -7,10 +7,9 @@ between two tokens (a training step: re-validated, never a stale derived value).
 import pytest
 import torch
 
-from sketchlab.attention import AttentionOptions, FarParams
+from sketchlab.attention import AttentionOptions, FarParams, recurrent_cache
 from sketchlab.attention.chunked import feature_attention
 from sketchlab.attention.memory import memory_attention
-from sketchlab.attention import recurrent_cache
 from sketchlab.attention.recurrent import RecurrentStep
 from sketchlab.polynomial import self_tensor
 

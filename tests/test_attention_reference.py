@@ -11,13 +11,13 @@ import pytest
 import torch
 
 import sketchlab as sl
-from sketchlab.polynomial import self_tensor
 from sketchlab.attention import (
     attention_mask,
     poly_attention_naive,
     softmax_attention_naive,
 )
 from sketchlab.attention.reference import feature_attention_naive, kernel_attention_naive, llops_attention_naive
+from sketchlab.polynomial import self_tensor
 
 TOL = 1e-10
 

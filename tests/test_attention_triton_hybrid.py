@@ -30,9 +30,9 @@ import pytest
 import torch
 
 from sketchlab.attention import AttentionState
+from sketchlab.attention.reference import llops_attention_naive
 from sketchlab.attention.triton import launch, llops_attention_triton
 from sketchlab.llops.maps import llops_features
-from sketchlab.attention.reference import llops_attention_naive
 
 FP32_TOL = 1e-4
 GATE_TOL = 1e-6

@@ -7,10 +7,10 @@ its inputs (and any existing output) byte-for-byte unchanged.
 
 import hashlib
 import json
+import math
 import os
 import re
 import stat
-import math
 from pathlib import Path
 
 import numpy as np

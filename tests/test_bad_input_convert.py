@@ -769,8 +769,9 @@ def test_bad_memory_flags_exit_2_naming_the_flag(kwargs, flags, match, gpt2_dir,
 
 
 def test_memory_flag_on_an_encoder_exits_2_naming_it(tmp_path, capsys, monkeypatch):
-    from tests.test_cli_linearize_lm import WORDS, _text_file
     from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from tests.test_cli_linearize_lm import WORDS, _text_file
 
     _no_work(monkeypatch)
     _bert().save_pretrained(tmp_path / "bert")

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import sketchlab as sl
-from sketchlab.cli import main
 from sketchlab.attention.functional import llops_attention
+from sketchlab.cli import main
 
 B, T, H, D, M = 2, 16, 2, 8, 6
 

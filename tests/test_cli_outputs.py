@@ -307,7 +307,8 @@ def test_check_run_dir_is_the_one_rule_of_train_and_linearize(tmp_path):
     """``check_run_dir``: absent or empty → nothing to check; foreign entries refused (at most four
     named); with ``recorded``, unrecorded settings refused and differing ones named (paths by real
     path); otherwise the sorted entries are returned for the command's own checks."""
-    from sketchlab.cli import linearize as lin_cli, train as train_cli
+    from sketchlab.cli import linearize as lin_cli
+    from sketchlab.cli import train as train_cli
     from sketchlab.cli._common import check_run_dir
 
     out = tmp_path / "run"

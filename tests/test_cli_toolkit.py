@@ -2,7 +2,6 @@
 be made, 2 bad input such as a corrupt or non-finite dump) and the scale in every header."""
 
 import json
-
 import re
 
 import pytest

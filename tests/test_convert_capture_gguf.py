@@ -10,7 +10,6 @@ import torch
 from sketchlab.capture import capture_pretrained
 from sketchlab.cli import main
 
-
 VOCAB = ("<unk>", "<s>", "</s>", "Ġ") + tuple("abcdefghijklmnopqrstuvwxyz")  # "Ġ": the byte-level space
 
 
@@ -113,8 +112,8 @@ def test_linearize_gguf_cli_round_trip(tmp_path, capsys):
     import json
 
     from sketchlab.convert import load_linearized
-    from sketchlab.hf.pretrained import load_pretrained
     from sketchlab.convert.scale import TiedLLoPSMap
+    from sketchlab.hf.pretrained import load_pretrained
 
     write_tiny_llama_gguf(tmp_path / "tiny.gguf")
     (tmp_path / "t.txt").write_text("the cat sat on the mat and the dog hid under it " * 6)

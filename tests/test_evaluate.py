@@ -20,8 +20,15 @@ import transformers
 import sketchlab.convert.cache as cache_mod
 from sketchlab.cli import main
 from sketchlab.convert import convert_attention, save_linearized, token_nll
-from sketchlab.evaluate import (DEFAULT_FILLER, NEEDLE, QUESTION, copy_recall, format_recall, passkey_accuracy,
-                                passkey_prompt)
+from sketchlab.evaluate import (
+    DEFAULT_FILLER,
+    NEEDLE,
+    QUESTION,
+    copy_recall,
+    format_recall,
+    passkey_accuracy,
+    passkey_prompt,
+)
 from sketchlab.tasks.model import TransformerConfig, TransformerLM
 
 BOS = "<s>"

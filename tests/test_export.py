@@ -12,10 +12,10 @@ import torch
 
 import sketchlab as sl
 from sketchlab.attention import LLoPSAttention
-from sketchlab.cli import main
-from sketchlab.scaling import resolve_scale
-from sketchlab.export import file_sha256
 from sketchlab.attention.reference import feature_attention_naive
+from sketchlab.cli import main
+from sketchlab.export import file_sha256
+from sketchlab.scaling import resolve_scale
 
 
 def _rand(*shape, seed=0):

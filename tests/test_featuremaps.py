@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from sketchlab import (
+    AttentionOptions,
     ExactPolyMap,
     FeatureMap,
     HedgehogMap,
     LLoPSMap,
     PSFLearnedMap,
     SelfTensored,
-    AttentionOptions,
     TaylorMap,
     linear_attention,
     make_feature_map,

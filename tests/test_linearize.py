@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import sketchlab as sl
+from sketchlab.attention.functional import sketch_attention
 from sketchlab.cli import main
 from sketchlab.tasks import (
     MQARConfig,
@@ -19,7 +20,6 @@ from sketchlab.tasks import (
     train_mqar,
 )
 from sketchlab.tasks.attention import input_scale
-from sketchlab.attention.functional import sketch_attention
 
 TASK = MQARConfig(21, 3, 12)
 

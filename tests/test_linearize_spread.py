@@ -363,7 +363,8 @@ def test_processes_2_small_dev_shm_is_refused(case, monkeypatch):
 
 def _model_dir(root):
     """A tiny random GPT-2 of 3 layers and a text file of 300 words under ``root``."""
-    from tests.test_cli_linearize_lm import _model_dir as model_dir, _text_file
+    from tests.test_cli_linearize_lm import _model_dir as model_dir
+    from tests.test_cli_linearize_lm import _text_file
 
     model_dir(root / "m", n_layer=3)
     _text_file(root / "t.txt", 300)

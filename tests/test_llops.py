@@ -10,10 +10,8 @@ import pytest
 import torch
 
 from sketchlab import fit_sketch, holdout_split, kernel_errors, poly_features, poly_kernel, rel_fro
-from sketchlab.objective import kernel_loss
 from sketchlab.llops import (
     LLoPS,
-
     aligned_gauge,
     fit_llops_adam,
     fit_llops_cp,
@@ -27,6 +25,7 @@ from sketchlab.llops import (
 )
 from sketchlab.llops.fit_als import _als_side, _als_side_naive
 from sketchlab.llops.sides import Tokens
+from sketchlab.objective import kernel_loss
 from sketchlab.optimal import optimal_sketch
 from sketchlab.spectral import rank1_residuals
 

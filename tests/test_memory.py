@@ -22,8 +22,7 @@ from sketchlab.attention.memory import (
     unit,
 )
 from sketchlab.attention.options import AttentionOptions, FarParams
-from sketchlab.attention.reference import local_far_masks
-from sketchlab.attention.reference import feature_attention_naive
+from sketchlab.attention.reference import feature_attention_naive, local_far_masks
 
 TOL64 = 1e-10
 B, H, D, DV = 2, 2, 4, 3

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from sketchlab.numerics import ROUNDOFF
 from sketchlab import attention_error, causal_attention, holdout_split, optimality_ratio, rel_fro, rel_mae
+from sketchlab.numerics import ROUNDOFF
 
 
 def _pair(seed=0):

@@ -19,7 +19,6 @@ from sketchlab.tasks.model import (
 from sketchlab.tasks.mqar import IGNORE_INDEX, MQARConfig, mqar_accuracy, mqar_batch
 from sketchlab.tasks.train import evaluate_mqar, load_checkpoint, save_checkpoint, train_mqar
 
-
 # ---------------------------------------------------------------------------------------------
 # data
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 import transformers
 
-from sketchlab.hf.pretrained import _drop_gguf_quantizer, smollm2_gguf
 from sketchlab.convert.scale import TiedLLoPSMap
+from sketchlab.hf.pretrained import _drop_gguf_quantizer, smollm2_gguf
 
 
 @pytest.mark.parametrize("shape", [(3, 1, 4, 5), (2, 4, 5), (2, 1, 1, 4, 5), (2, 1, 5, 5)])
@@ -131,8 +131,9 @@ def test_spread_ranks_agree_on_the_trained_values_to_one_part_in_a_million(monke
     """Before a spread transfer the ranks compare what they will train; the float sums (here the trained
     values') may differ by round-off only: 1e-6 relative to the larger of 1 and the sum. A second rank is
     simulated by an all_gather that returns this rank's row with that sum shifted by ``delta``."""
-    import torch.distributed as dist
     from types import SimpleNamespace
+
+    import torch.distributed as dist
 
     spread = importlib.import_module("sketchlab.convert.spread")
 

@@ -8,8 +8,8 @@ another order (round-off ~1e-15 per term on O(1) outputs).
 
 import pytest
 import torch
-from sketchlab.attention.functional import llops_attention
 
+from sketchlab.attention.functional import llops_attention
 
 TOL64 = 1e-10
 

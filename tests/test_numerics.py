@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import sketchlab as sl
-from sketchlab.cli import main
 from sketchlab.attention.chunked import feature_attention
 from sketchlab.attention.functional import llops_attention
+from sketchlab.cli import main
 
 B, T, H, D, M = 1, 16, 2, 8, 4
 

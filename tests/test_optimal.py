@@ -14,7 +14,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sketchlab import fit_sketch, max_sketch_size, num_poly_features, optimal_sketch, poly_features, poly_kernel, tail_bound
+from sketchlab import (
+    fit_sketch,
+    max_sketch_size,
+    num_poly_features,
+    optimal_sketch,
+    poly_features,
+    poly_kernel,
+    tail_bound,
+)
 
 REL = 1e-9
 

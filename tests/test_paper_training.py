@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from sketchlab.tasks import TransformerConfig, TransformerLM, copy_shared_weights, kernel_modules
 from sketchlab.featuremaps import HedgehogMap, PSFLearnedMap, SelfTensored
+from sketchlab.tasks import TransformerConfig, TransformerLM, copy_shared_weights, kernel_modules
 from sketchlab.tasks.attention import ToyKernel
 
 _PATH = Path(__file__).resolve().parent.parent / "analysis" / "paper_training.py"

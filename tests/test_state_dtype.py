@@ -21,9 +21,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from sketchlab.attention.functional import llops_attention
 from sketchlab.attention.state import state_dtype
 from sketchlab.attention.triton import function
-from sketchlab.attention.functional import llops_attention
 
 FIELDS = ("S", "z", "k_window", "v_window", "phi_window", "k_sink", "v_sink")
 EXACT = ("k_window", "v_window", "k_sink", "v_sink")

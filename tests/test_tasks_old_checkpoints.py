@@ -11,8 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from sketchlab.tasks import load_checkpoint
-from sketchlab.tasks import legacy
+from sketchlab.tasks import legacy, load_checkpoint
 
 OLD = Path(__file__).resolve().parent / "data" / "old_toy_checkpoints"
 CASES = sorted(p.name for p in OLD.iterdir() if p.is_dir())

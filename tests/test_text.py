@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from sketchlab.tasks.model import TransformerConfig, TransformerLM
-from sketchlab.tasks.text import based_to_llops, evaluate_lm, lm_batch, conversion_error, train_lm
+from sketchlab.tasks.text import based_to_llops, conversion_error, evaluate_lm, lm_batch, train_lm
 
 
 def _based_model(symmetric=True, dim=4, form="expand", **options):

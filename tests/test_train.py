@@ -13,6 +13,7 @@ import sketchlab.tasks.train as train_module
 from sketchlab.attention import (
     poly_attention_naive,
 )
+from sketchlab.attention.reference import feature_attention_naive, llops_attention_naive
 from sketchlab.io import save_theta
 from sketchlab.sketches.based import taylor_features_naive
 from sketchlab.sketches.psf import psf_features_naive
@@ -29,7 +30,6 @@ from sketchlab.tasks import (
     train_mqar,
 )
 from sketchlab.tasks.attention import input_scale
-from sketchlab.attention.reference import feature_attention_naive, llops_attention_naive
 
 SHA = "0" * 64
 

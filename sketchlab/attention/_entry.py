@@ -75,10 +75,10 @@ def memory_call(fq, fk, v, q, k, *, where: str, options: AttentionOptions, param
     :func:`memory_attention_naive` (float64) with ``options.backend == "reference"``. ``qkv_checked``: the
     caller checked ``q, k, v`` (:func:`check_qkv`, finite) and the mask, so the fast path checks the rest
     only (the features, params, state: :func:`memory_attention`'s checks, less those)."""
+    from ..polynomial import self_tensor
     from .memory import memory_attention, memory_attention_naive
     from .memory_fast import run
     from .memory_state import _check_call
-    from ..polynomial import self_tensor
 
     if options.backend == "triton":
         raise ValueError(f"{where}: the memory mechanisms (cache, decay, delta state) have no fused kernel: "

@@ -36,6 +36,8 @@ from __future__ import annotations
 import torch
 
 from .._validation import DEFAULT_MAX_BYTES, check_degree, check_memory, check_positive_int
+from ..llops.maps import llops_feature_fn
+from ..polynomial import self_tensor
 from ._checks import (
     check_chunk_size,
     check_denominator_check,
@@ -48,6 +50,7 @@ from ._checks import (
     check_theta,
     check_window_lengths,
 )
+from ._entry import call_options, far_gate, keyword_defaults, memory_call
 from .chunk_core import chunk_core
 from .hybrid_chunked import (
     DenominatorCounter,
@@ -56,12 +59,9 @@ from .hybrid_chunked import (
     _hybrid_decode_one,
     _hybrid_noncausal,
 )
-from .parallel import parallel_core, use_parallel
-from ._entry import call_options, far_gate, keyword_defaults, memory_call
 from .options import AttentionOptions, FarParams
-from ..polynomial import self_tensor
+from .parallel import parallel_core, use_parallel
 from .reference import feature_attention_naive
-from ..llops.maps import llops_feature_fn
 
 __all__ = [
     "DEFAULT_BLOCK_CHUNKS",
@@ -91,12 +91,12 @@ class _Tokens:
     def __init__(self, x: torch.Tensor, fn=None):
         self.x, self.fn, self.pieces, self.size = x, fn, None, 0
 
-    def then(self, g) -> "_Tokens":
+    def then(self, g) -> _Tokens:
         """``g`` applied after ``fn``."""
         fn = self.fn
         return _Tokens(self.x, g if fn is None else (lambda x: g(fn(x))))
 
-    def blocks(self, size: int) -> "_Tokens":
+    def blocks(self, size: int) -> _Tokens:
         self.pieces, self.size = self.x.split(size, 2), size
         return self
 

@@ -22,6 +22,7 @@ import importlib.util
 import torch
 
 from .._validation import check_real
+from ..llops.maps import llops_feature_fn, llops_is_non_negative
 from ..numerics import check_llops_kernel_range
 from ..sketch import Sketch
 from ._checks import (
@@ -33,13 +34,13 @@ from ._checks import (
     check_segments,
     check_theta,
 )
-from ._entry import by_segments as _by_segments, call_options, far_gate, keyword_defaults, memory_call
+from ._entry import by_segments as _by_segments
+from ._entry import call_options, far_gate, keyword_defaults, memory_call
 from .chunked import DEFAULT_CHUNK_SIZE, feature_attention, llops_attention_chunked
-from ..llops.maps import llops_feature_fn, llops_is_non_negative
 from .options import _BACKENDS, AttentionOptions, FarParams
 from .poly import poly_attention  # re-exported: blocked exact polynomial attention
-from .reference import feature_attention_naive, llops_attention_naive
 from .qk_conv import with_qk_conv
+from .reference import feature_attention_naive, llops_attention_naive
 
 __all__ = ["BACKENDS", "dump_segments", "linear_attention", "llops_attention", "poly_attention", "resolve_backend", "sketch_attention", "softmax_attention"]
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from .chunk_hybrid import hybrid_core
 from ..polynomial import self_tensor
+from .chunk_hybrid import hybrid_core
 
 
 def _pad_tokens(x: torch.Tensor, length: int) -> torch.Tensor:

@@ -22,9 +22,9 @@ import torch
 
 from . import delta as _delta
 from ._checks import denominator_counts, report_denominators
-from .memory_state import MemoryState, _beta, _gate, _log_decay, empty_memory_state, unit
 from .memory_decode import _local_weights, decode
 from .memory_schedule import _take, schedule
+from .memory_state import MemoryState, _beta, _gate, _log_decay, empty_memory_state, unit
 
 #: Decoding (``T = 1`` with a state) takes :func:`sketchlab.attention.memory_decode.decode`; False forces
 #: the general path (the tests compare the two).

@@ -23,9 +23,8 @@ about every other step), so its state goes step by step in NumPy (:func:`_delta_
 
 from __future__ import annotations
 
-import torch
-
 import numpy as np
+import torch
 
 from .memory_state import _beta
 

@@ -72,7 +72,7 @@ class MemoryState(TensorState):
     conv_q: torch.Tensor | None = None
     conv_k: torch.Tensor | None = None
 
-    def map_tensors(self, fn) -> "MemoryState":
+    def map_tensors(self, fn) -> MemoryState:
         """A new state with ``fn`` on every tensor field and on the decoding step's layout of them, kept
         beside the fields as ``_rows`` (``(rows, first window row, [S | z])``,
         :func:`sketchlab.attention.memory_decode.decode`), so the next step need not lay it out again.

@@ -18,10 +18,10 @@ import math
 import torch
 from torch import nn
 
-from ..scaling import resolve_scale, scale_label
 from .._validation import DEFAULT_MAX_BYTES, as_float_tensor, check_degree, check_memory, check_positive_int
-from ._checks import check_flag, check_theta
 from ..llops.maps import llops_is_non_negative
+from ..scaling import resolve_scale, scale_label
+from ._checks import check_flag, check_theta
 from .chunked import DEFAULT_CHUNK_SIZE
 from .functional import llops_attention
 from .options import AttentionOptions, FarParams
@@ -257,7 +257,7 @@ class LLoPSAttention(nn.Module):
         return y[:, 0], state
 
     @classmethod
-    def from_pretrained(cls, theta_file, layer: int = 0, *, embed_dim: int | None = None, **kwargs) -> "LLoPSAttention":
+    def from_pretrained(cls, theta_file, layer: int = 0, *, embed_dim: int | None = None, **kwargs) -> LLoPSAttention:
         """A block with the Θ of one layer of a Θ export (:func:`sketchlab.load_theta`, DESIGN.md §3).
 
         Parameters
@@ -294,7 +294,7 @@ class LLoPSAttention(nn.Module):
 
     @classmethod
     def from_sketch(cls, sketch, *, layer: int | None = None, scale="none", embed_dim: int | None = None,
-                    **kwargs) -> "LLoPSAttention":
+                    **kwargs) -> LLoPSAttention:
         """A block with the maps of a fitted sketch (``fit.sketch``).
 
         Parameters

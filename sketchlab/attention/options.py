@@ -191,7 +191,7 @@ class AttentionOptions:
         return bool(self.cache or self.learned_decay or (self.decay is not None and self.decay != 1.0)
                     or self.state == "delta")
 
-    def resolve(self, map_non_negative) -> "AttentionOptions":
+    def resolve(self, map_non_negative) -> AttentionOptions:
         r"""These options with ``normalize`` and ``non_negative`` decided for a map (the one rule of
         every entry point and module).
 
@@ -217,7 +217,7 @@ class AttentionOptions:
             return self
         return self.replace(normalize=normalize, non_negative=non_negative)
 
-    def replace(self, **changes) -> "AttentionOptions":
+    def replace(self, **changes) -> AttentionOptions:
         """A copy with ``changes`` (validated again)."""
         return dataclasses.replace(self, **changes)
 
@@ -226,7 +226,7 @@ class AttentionOptions:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict, *, where: str = "options") -> "AttentionOptions":
+    def from_dict(cls, data: dict, *, where: str = "options") -> AttentionOptions:
         """Options from :meth:`as_dict` output; unknown keys are refused, naming them and ``where``."""
         if not isinstance(data, dict):
             raise TypeError(f"{where}: attention options must be a dict, got {type(data).__name__}")

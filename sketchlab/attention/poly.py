@@ -7,9 +7,16 @@ from __future__ import annotations
 import torch
 
 from .._validation import DEFAULT_MAX_BYTES, check_degree, check_memory, check_positive_int
+from ._checks import (
+    check_denominator_check,
+    check_eps,
+    check_flag,
+    check_normalize,
+    check_qkv,
+    denominator_counts,
+    report_denominators,
+)
 from ._entry import by_segments as _by_segments
-from ._checks import (check_denominator_check, check_eps, check_flag, check_normalize, check_qkv, denominator_counts,
-                      report_denominators)
 
 __all__ = ["poly_attention"]
 

@@ -42,11 +42,11 @@ import math
 
 import torch
 
+from ..polynomial import self_tensor
 from . import recurrent_cache as compiled
 from ._checks import report_denominators
 from .memory_state import MemoryState, _check_params, recall_score, unit
 from .options import AttentionOptions
-from ..polynomial import self_tensor
 from .state import AttentionState
 
 __all__ = ["RecurrentStep"]
@@ -100,7 +100,7 @@ class RecurrentStep:
     @classmethod
     @torch.no_grad()
     def from_state(cls, state, *, options: AttentionOptions, params=None, gate=None, degree=None,
-                   lift: bool = False, non_negative: bool = False) -> "RecurrentStep":
+                   lift: bool = False, non_negative: bool = False) -> RecurrentStep:
         from .memory_state import check_memory_state
         from .state import check_state
 

@@ -113,7 +113,7 @@ std::vector<torch::Tensor> leave_cached(torch::Tensor Kt, torch::Tensor Phi, tor
 """
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _module():
     """The compiled module, or None where no compiler works (built once per machine, then loaded)."""
     try:

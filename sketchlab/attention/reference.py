@@ -27,8 +27,8 @@ from __future__ import annotations
 import torch
 
 from .._validation import check_degree, check_finite, check_real
-from ..polynomial import self_tensor
 from ..llops import llops_features_naive
+from ..polynomial import self_tensor
 from ._checks import (
     check_denominator_check,
     check_eps,

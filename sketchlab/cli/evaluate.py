@@ -114,8 +114,8 @@ def _quiet_load(enabled: bool):
 def run(args) -> int:
     from ..convert import load_linearized
     from ..convert.linearize import tokenize_texts
-    from ..hf.pretrained import load_pretrained
     from ..evaluate import copy_recall, format_recall, passkey_accuracy
+    from ..hf.pretrained import load_pretrained
     from .capture import transformers_progress
 
     source = Path(args.model_dir) if args.model_dir is not None else Path(args.gguf)

@@ -26,11 +26,26 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
-from ._common import (Outputs, UsageError, add_common, available_memory, check_run_dir, decay_arg, finite_float, int_list,
-                      nonnegative_float, nonnegative_int, number_arg, positive_float, positive_int, write_text_atomic)
+from ._common import (
+    Outputs,
+    UsageError,
+    add_common,
+    available_memory,
+    check_run_dir,
+    decay_arg,
+    finite_float,
+    int_list,
+    nonnegative_float,
+    nonnegative_int,
+    number_arg,
+    positive_float,
+    positive_int,
+    write_text_atomic,
+)
 
 #: ``--fit-work``: a number > 0, ``inf`` allowed (no cap).
 _fit_work = number_arg(float, lambda v: v > 0, "a number > 0 (multiply-adds per head; inf: no cap)")

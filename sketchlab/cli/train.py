@@ -32,8 +32,21 @@ import os
 import sys
 from pathlib import Path
 
-from ._common import (DEFAULT_M, DEFAULT_P, Outputs, UsageError, check_run_dir, decay_arg, device_arg, nonnegative_float,
-                      nonnegative_int, positive_float, positive_int, seed_arg, write_text_atomic)
+from ._common import (
+    DEFAULT_M,
+    DEFAULT_P,
+    Outputs,
+    UsageError,
+    check_run_dir,
+    decay_arg,
+    device_arg,
+    nonnegative_float,
+    nonnegative_int,
+    positive_float,
+    positive_int,
+    seed_arg,
+    write_text_atomic,
+)
 
 #: What a ``sketchlab train`` output directory holds (anything else there belongs to something else).
 RUN_FILES = ("checkpoints", "model.safetensors", "config.json", "train.json")

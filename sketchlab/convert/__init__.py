@@ -12,10 +12,10 @@ keep. The family table, the local loaders and the transformers glue it shares wi
 
 from .convert import convert_attention, converted_modules
 from .exact import ExactAttention, KVState
-from .saved import load_linearized, save_linearized
 from .families import FAMILIES, attention_sites, family_of
 from .linearize import LinearizeReport, linearize, lora_finetune, perplexity, token_nll
 from .ranking import rank_exact_layers
+from .saved import load_linearized, save_linearized
 from .scale import TiedLLoPSMap, calibrate_gates
 from .sketched import ATTENTION_NAME, SketchedAttention
 

@@ -11,7 +11,6 @@ rotary angles continue from it).
 
 from __future__ import annotations
 
-
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 

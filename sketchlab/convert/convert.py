@@ -27,7 +27,6 @@ from torch import nn
 from .._validation import DEFAULT_MAX_BYTES, check_memory
 from ..attention._checks import check_eps
 from ..attention.options import _int, _real
-
 from .exact import ExactAttention
 from .families import ToyKernel, attention_sites
 from .sketched import ATTENTION_NAME, SketchedAttention, forget_cache, hf_attention, hf_mask, remember_cache

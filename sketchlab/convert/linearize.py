@@ -34,10 +34,30 @@ from torch import nn
 
 from .._validation import DEFAULT_MAX_BYTES, check_memory, check_nonnegative_int, check_positive_int
 from ..capture import _check_against_model
-from .convert import (_check_exact_layers, _check_memory, _make_maps, _options, _resolve_tied, check_layout,
-                      check_map_memory, convert_attention, converted_modules)
-from .evaluate import (FAR_OFF_LOGIT, StageMeasures, _batches, _hidden, attention_errors, embedding_agreement,
-                       far_off, perplexity, progress_bar, sentence_embeddings, token_nll)
+from .convert import (
+    _check_exact_layers,
+    _check_memory,
+    _make_maps,
+    _options,
+    _resolve_tied,
+    check_layout,
+    check_map_memory,
+    convert_attention,
+    converted_modules,
+)
+from .evaluate import (
+    FAR_OFF_LOGIT,
+    StageMeasures,
+    _batches,
+    _hidden,
+    attention_errors,
+    embedding_agreement,
+    far_off,
+    perplexity,
+    progress_bar,
+    sentence_embeddings,
+    token_nll,
+)
 from .families import FAMILY_TABLE, attention_sites, family_of
 from .lora import _lora, check_lora_model, lora_finetune
 from .sketched import check_local_map

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .exact import ExactAttention
 from .evaluate import token_nll
+from .exact import ExactAttention
 from .sketched import SketchedAttention
 
 __all__ = ["rank_exact_layers"]

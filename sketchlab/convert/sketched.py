@@ -155,7 +155,7 @@ class SketchedAttention(nn.Module):
                                       output_final_state=output_final_state)
         return (out, state) if output_final_state else out
 
-    def decoder(self, state, scaling: float | None = None) -> "LayerDecoder | None":
+    def decoder(self, state, scaling: float | None = None) -> LayerDecoder | None:
         """The lean decoding step of this layer continuing ``state`` (what :meth:`forward` returned with
         ``output_final_state``): :class:`LayerDecoder`, for inference (no gradient); None for a state
         of another kind (an attention substituted for this one's) or a layer with ``qk_conv`` (the step
@@ -191,9 +191,9 @@ class LayerDecoder:
 
     def __init__(self, sketch: SketchedAttention, state, scaling: float | None):
         from ..attention.recurrent import RecurrentStep
-        from ..polynomial import self_tensor
         from ..featuremaps import LLoPSMap
         from ..featuremaps.hedgehog import HedgehogMap, hedgehog_pair_features
+        from ..polynomial import self_tensor
 
         c = sketch.input_scale
         scaling = 1.0 / math.sqrt(sketch.head_dim) if scaling is None else float(scaling)

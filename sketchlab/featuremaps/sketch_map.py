@@ -241,7 +241,7 @@ class FeatureMapSketch(nn.Module, Sketch):
         head = int(self._heads(index)) if self.batch_shape else 0
         return fmap._features_naive(torch.as_tensor(x, dtype=torch.float64), head)
 
-    def select(self, index) -> "FeatureMapSketch":
+    def select(self, index) -> FeatureMapSketch:
         """The sketch at ``index`` of its batch shape (e.g. one layer of an ``[L, H]`` fit): its maps
         restricted to those heads (:class:`HeadSelection`, parameters shared)."""
         if not self.batch_shape:

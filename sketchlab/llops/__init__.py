@@ -25,13 +25,20 @@ References
 Qin, Deng, Cong, Sun. *Learnable Low-Rank Polynomial Sketch for Effective Linear Attention*, 2026, §3.2.
 """
 
+from .cp import projector_to_theta
 from .dispatch import METHODS, fit_llops
 from .fit_adam import fit_llops_adam
 from .fit_als import QUALITY, fit_llops_direct
 from .fit_cp import GAUGES, aligned_gauge, fit_llops_cp
-from .cp import projector_to_theta
 from .inits import INITS, llops_init
-from .maps import affine_input, affine_theta, llops_features, llops_features_naive, llops_projector, llops_projector_naive
+from .maps import (
+    affine_input,
+    affine_theta,
+    llops_features,
+    llops_features_naive,
+    llops_projector,
+    llops_projector_naive,
+)
 from .module import LLoPS
 from .target import KernelTarget
 

@@ -8,9 +8,9 @@ from .._validation import check_pair
 from ..optimal import optimal_sketch
 from ._fitting import prepare
 from .cp import projector_to_theta
-from .svd_init import _init_svd
 from .maps import llops_features
 from .module import LLoPS
+from .svd_init import _init_svd
 
 __all__ = ["GAUGES", "aligned_gauge", "fit_llops_cp"]
 

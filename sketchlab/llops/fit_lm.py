@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from .target import KernelTarget
 from ._fitting import balance
+from .target import KernelTarget
 
 __all__ = ["lm_step"]
 

@@ -92,7 +92,7 @@ class LLoPS(nn.Module, Sketch):
         theta = self.theta_q if side == "q" or self.theta_k is None else self.theta_k
         return llops_features_naive(x, theta[index].detach())
 
-    def select(self, index) -> "LLoPS":
+    def select(self, index) -> LLoPS:
         return LLoPS(self.theta_q[index], None if self.theta_k is None else self.theta_k[index])
 
     def projector(self, side: str = "q") -> torch.Tensor:
@@ -116,7 +116,7 @@ class LLoPS(nn.Module, Sketch):
         seed: int = 0,
         n_iter_max: int = 200,
         tol: float = 1e-10,
-    ) -> "LLoPS":
+    ) -> LLoPS:
         r"""Rank-``rank`` LLoPS from projectors ``w[..., d**p, m]`` by a CP of each column tensor.
 
         Each column of ``w_q`` (and ``w_k``), reshaped to a ``d × … × d`` tensor, is decomposed by

@@ -98,7 +98,7 @@ class KernelTarget:
             self.sq_norm = _kernel_sq_norm(q, k, p, max_bytes)
 
     @classmethod
-    def compressed(cls, rows_q: torch.Tensor, rows_k: torch.Tensor) -> "KernelTarget":
+    def compressed(cls, rows_q: torch.Tensor, rows_k: torch.Tensor) -> KernelTarget:
         r"""The target of the compressed rows ``rows_q[B, N_q, D]``, ``rows_k[B, N_k, D]``
         (:func:`~sketchlab.llops.sides.compress_side`): :math:`A' = R_Q R_K^\top`, ``[B, N_q, N_k]``."""
         self = cls.__new__(cls)

@@ -216,7 +216,7 @@ class BasedSketch(Sketch):
             return taylor_features_naive(x, self.proj[index], self.symmetric)
         return expand_features_naive(x, self.proj[index], self.p, self.symmetric)
 
-    def select(self, index) -> "BasedSketch":
+    def select(self, index) -> BasedSketch:
         return BasedSketch(self.proj[index], self.p, form=self.form, symmetric=self.symmetric)
 
 

@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from .._validation import as_float_tensor, check_degree
+from ..objective import DEFAULT_LR, DEFAULT_STEPS, train_kernel_sketch
 from ..sketch import Sketch
 from ._common import check_features_finite, make_generator
-from ..objective import DEFAULT_LR, DEFAULT_STEPS, train_kernel_sketch
 
 __all__ = ["ElementwiseSketch", "elementwise_features", "elementwise_features_naive"]
 
@@ -100,7 +100,7 @@ class ElementwiseSketch(nn.Module, Sketch):
         theta = self.theta_q if side == "q" or self.theta_k is None else self.theta_k
         return elementwise_features_naive(x, theta[index].detach(), self.p)
 
-    def select(self, index) -> "ElementwiseSketch":
+    def select(self, index) -> ElementwiseSketch:
         return ElementwiseSketch(self.theta_q[index], self.p, None if self.theta_k is None else self.theta_k[index])
 
 

@@ -24,9 +24,9 @@ import torch
 from torch import nn
 
 from .._validation import as_float_tensor, check_degree, check_memory, check_positive_int
+from ..objective import DEFAULT_LR, DEFAULT_STEPS, train_kernel_sketch
 from ..sketch import Sketch
 from ._common import check_batch_shape, check_dtype, make_generator
-from ..objective import DEFAULT_LR, DEFAULT_STEPS, train_kernel_sketch
 
 __all__ = ["MLPSketch", "default_hidden", "mlp_features", "mlp_features_naive"]
 
@@ -132,7 +132,7 @@ class MLPSketch(nn.Module, Sketch):
     def init_random(cls, d: int, p: int, m: int, hidden: int, *, seed: int | None = None,
                     generator: torch.Generator | None = None, batch_shape: tuple[int, ...] = (),
                     dtype: torch.dtype = torch.float32, activation: str = "gelu",
-                    device: torch.device | str | None = None) -> "MLPSketch":
+                    device: torch.device | str | None = None) -> MLPSketch:
         """He/LeCun-style initialisation: ``W1 ~ N(0, 1/d)``, ``W2 ~ N(0, 1/h)``, zero biases.
 
         Drawn on the CPU ``generator`` in float64 (a seed gives the same start on every device), then
@@ -187,7 +187,7 @@ class MLPSketch(nn.Module, Sketch):
     def features_naive(self, x, side: str = "q", index: tuple = ()) -> torch.Tensor:
         return mlp_features_naive(x, *(t[index].detach() for t in self._side(side)), self.activation)
 
-    def select(self, index) -> "MLPSketch":
+    def select(self, index) -> MLPSketch:
         return MLPSketch(tuple(t[index] for t in self._side("q")), tuple(t[index] for t in self._side("k")), self.p,
                          activation=self.activation)
 

@@ -38,7 +38,14 @@ import math
 
 import torch
 
-from .._validation import DEFAULT_MAX_BYTES, as_float_tensor, check_degree, check_finite, check_memory, check_positive_int
+from .._validation import (
+    DEFAULT_MAX_BYTES,
+    as_float_tensor,
+    check_degree,
+    check_finite,
+    check_memory,
+    check_positive_int,
+)
 from ..polynomial import self_tensor
 from ..sketch import Sketch
 from ._common import check_batch_shape, check_dtype, check_features_finite, make_generator
@@ -262,7 +269,7 @@ class PolySketch(Sketch):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
         max_bytes: int = DEFAULT_MAX_BYTES,
-    ) -> "PolySketch":
+    ) -> PolySketch:
         """Draw a sketch with ``m`` features or fewer (``r = m``, or ``r = ⌊√m⌋`` when non-negative).
 
         ``batch_shape`` (e.g. ``(L, H)``) draws independent matrices for each head. All entries come
@@ -337,7 +344,7 @@ class PolySketch(Sketch):
                 out[:, a * r + b] = s[:, a] * s[:, b]
         return out
 
-    def select(self, index) -> "PolySketch":
+    def select(self, index) -> PolySketch:
         return PolySketch([w[index] for w in self.weights], self.p, non_negative=self.non_negative)
 
 

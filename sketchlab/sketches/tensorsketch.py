@@ -25,7 +25,14 @@ import math
 
 import torch
 
-from .._validation import DEFAULT_MAX_BYTES, as_float_tensor, check_degree, check_finite, check_memory, check_positive_int
+from .._validation import (
+    DEFAULT_MAX_BYTES,
+    as_float_tensor,
+    check_degree,
+    check_finite,
+    check_memory,
+    check_positive_int,
+)
 from ..sketch import Sketch
 from ._common import check_batch_shape, check_dtype, check_features_finite, make_generator
 
@@ -165,7 +172,7 @@ class TensorSketch(Sketch):
     @classmethod
     def draw(cls, d: int, p: int, m: int, *, seed: int | None = None, generator: torch.Generator | None = None,
              batch_shape: tuple[int, ...] = (), dtype: torch.dtype = torch.float32,
-             device: torch.device | str | None = None) -> "TensorSketch":
+             device: torch.device | str | None = None) -> TensorSketch:
         """Draw uniform hashes and signs once (independent per head for ``batch_shape``).
 
         The hashes are drawn on the CPU ``generator`` (a seed gives the same sketch on every device),
@@ -205,7 +212,7 @@ class TensorSketch(Sketch):
     def features_naive(self, x, side: str = "q", index: tuple = ()) -> torch.Tensor:
         return tensorsketch_features_naive(x, self.index_hash[index].cpu(), self.sign_hash[index].cpu(), self.m)
 
-    def select(self, index) -> "TensorSketch":
+    def select(self, index) -> TensorSketch:
         return TensorSketch(self.index_hash[index], self.sign_hash[index], self.m, dtype=self.matrices.dtype,
                             device=self.matrices.device)
 

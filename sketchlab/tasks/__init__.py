@@ -17,9 +17,10 @@
   the registries hold them whenever this package is imported).
 """
 
-from .attention import ToyKernel, input_scale, kernel_modules
 from . import mixers  # noqa: F401  (registers "sliding-window" and "silu")
+from .attention import ToyKernel, input_scale, kernel_modules
 from .inits import LLOPS_INITS, based_init_dim, copy_shared_weights, init_llops
+from .linearize import LinearizeResult, attention_transfer_loss, linearize
 from .model import (
     CausalSelfAttention,
     SoftmaxAttention,
@@ -31,10 +32,8 @@ from .model import (
     generate,
     register_attention,
 )
-from .linearize import LinearizeResult, attention_transfer_loss, linearize
 from .mqar import IGNORE_INDEX, MQARConfig, MQARMixture, mqar_accuracy, mqar_batch, zoology_mixture, zoology_tests
 from .text import based_to_llops, conversion_error, evaluate_lm, lm_batch, shakespeare_text, train_lm
-from .zoology import QueryLogits, evaluate_slices
 from .train import (
     TrainResult,
     evaluate_mqar,
@@ -44,6 +43,7 @@ from .train import (
     save_checkpoint,
     train_mqar,
 )
+from .zoology import QueryLogits, evaluate_slices
 
 __all__ = [
     "IGNORE_INDEX",

@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -52,8 +52,8 @@ __all__ = [
     "register_attention",
 ]
 
-_ATTENTION: dict[str, Callable[["TransformerConfig", int], nn.Module]] = {}
-_OPTIONS: dict[str, Callable[[dict, "TransformerConfig"], dict] | None] = {}
+_ATTENTION: dict[str, Callable[[TransformerConfig, int], nn.Module]] = {}
+_OPTIONS: dict[str, Callable[[dict, TransformerConfig], dict] | None] = {}
 
 
 #: Called when a config names an attention no kernel is registered for yet (a feature map registered since):
@@ -61,7 +61,7 @@ _OPTIONS: dict[str, Callable[[dict, "TransformerConfig"], dict] | None] = {}
 ON_UNKNOWN_ATTENTION: list[Callable[[], object]] = []
 
 
-def register_attention(name: str, *, options: Callable[[dict, "TransformerConfig"], dict] | None = None):
+def register_attention(name: str, *, options: Callable[[dict, TransformerConfig], dict] | None = None):
     """Register ``factory(config, layer_index) -> nn.Module`` as the attention kernel ``name``.
 
     The module's ``forward(q, k, v)`` takes and returns ``[B, T, H, D]`` and must be causal. For
@@ -125,7 +125,7 @@ class SoftmaxAttention(nn.Module):
 
 
 @register_attention("softmax")
-def _softmax_factory(config: "TransformerConfig", layer: int) -> nn.Module:
+def _softmax_factory(config: TransformerConfig, layer: int) -> nn.Module:
     return SoftmaxAttention()
 
 

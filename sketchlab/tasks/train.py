@@ -28,8 +28,8 @@ import math
 import numbers
 import os
 import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F

@@ -9,7 +9,12 @@ carried state is :class:`sketchlab.attention.AttentionState`.
 """
 
 from sketchlab.attention.triton.function import HybridAttentionTriton, LLoPSAttentionTriton, llops_attention_triton
-from sketchlab.attention.triton.launch import hybrid_attention_bwd, hybrid_attention_fwd, llops_attention_bwd, llops_attention_fwd
+from sketchlab.attention.triton.launch import (
+    hybrid_attention_bwd,
+    hybrid_attention_fwd,
+    llops_attention_bwd,
+    llops_attention_fwd,
+)
 
 __all__ = [
     "HybridAttentionTriton",

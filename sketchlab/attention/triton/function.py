@@ -12,17 +12,23 @@ import os
 import torch
 from torch.autograd.function import once_differentiable
 
+from sketchlab.attention._checks import (
+    check_eps,
+    check_flag,
+    check_hybrid,
+    check_key_padding_mask,
+    check_normalize,
+    check_window_lengths,
+)
+from sketchlab.attention.state import AttentionState, check_state, state_dtype
 from sketchlab.attention.triton.launch import (
     hybrid_attention_bwd,
     hybrid_attention_fwd,
     llops_attention_bwd,
     llops_attention_fwd,
 )
-from sketchlab.attention._checks import check_eps, check_flag, check_hybrid, check_key_padding_mask, check_normalize, \
-    check_window_lengths
-from sketchlab.polynomial import self_tensor
-from sketchlab.attention.state import AttentionState, check_state, state_dtype
 from sketchlab.llops.maps import llops_features
+from sketchlab.polynomial import self_tensor
 
 __all__ = ["HybridAttentionTriton", "LLoPSAttentionTriton", "llops_attention_triton"]
 
