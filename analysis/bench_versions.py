@@ -109,7 +109,8 @@ def main(argv=None) -> int:
     rows = [(name, best["old"][name], best["new"][name]) for name in best["old"]]
     worst = max(n / o for _, o, n in rows)
     lines = ["# Speed kept: the attention calls in two source trees, side by side", "",
-             f"Command: `.venv/bin/python analysis/bench_versions.py --old OLD{' --quick' if args.quick else ''}` "
+             f"Command: `.venv/bin/python analysis/bench_versions.py --old OLD --rounds {args.rounds} --reps {args.reps}"
+             f"{' --quick' if args.quick else ''}` "
              f"(OLD: a checkout of the tree before the change; here `{args.old}`)", "",
              "B = 1, H = 2, D = Dv = 128, LLoPS m = 128 (p = 2, equal factors), float32, causal, one thread; the old "
              "tree through `llops_attention`, the new through `linear_attention` on an `LLoPSMap` of the same Θ; "
