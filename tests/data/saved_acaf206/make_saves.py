@@ -15,6 +15,7 @@ old, out, dump_file = sys.argv[1:4]
 sys.path.insert(0, old)
 import sketchlab as sl  # noqa: E402  (the old checkout's, put first above)
 from sketchlab.convert import convert_attention, converted_modules, save_linearized  # noqa: E402
+from sketchlab.io.atomic import write_text_atomic  # noqa: E402
 
 assert sl.__file__.startswith(old), sl.__file__
 
@@ -41,8 +42,8 @@ for name, kw in cases.items():
     with torch.no_grad():
         logits = model(input_ids=ids).logits
     save_linearized(model, out / name)
-    (out / name / "expected.json").write_text(json.dumps({"ids": ids.tolist(), "logits": logits.tolist(), "options": kw,
-                                                          "written_by": "acaf206"}))
+    write_text_atomic(out / name / "expected.json", json.dumps(
+        {"ids": ids.tolist(), "logits": logits.tolist(), "options": kw, "written_by": "acaf206"}))
 # a Θ export of acaf206: fit on the shipped dump's layer 0, and the block's output on it
 dump = sl.load_qk(dump_file, layers=[0])
 f = dump.q.shape[-1] ** -0.25
@@ -51,6 +52,6 @@ sl.export_theta(fit, out / "theta.safetensors", dump=dump, scale="sqrt-d")
 block = sl.LLoPSAttention.from_pretrained(out / "theta.safetensors", layer=0, dtype=torch.float64, window=4, sinks=1)
 x = torch.randn(1, 10, block.embed_dim, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
 with torch.no_grad():
-    (out / "theta_expected.json").write_text(json.dumps({"x": x.tolist(), "y": block(x).tolist(), "written_by": "acaf206",
-                                                         "block": {"window": 4, "sinks": 1}}))
+    write_text_atomic(out / "theta_expected.json", json.dumps(
+        {"x": x.tolist(), "y": block(x).tolist(), "written_by": "acaf206", "block": {"window": 4, "sinks": 1}}))
 print("ok")
