@@ -7,13 +7,13 @@ import json
 import pytest
 import torch
 
+from sketchlab.attention import softmax_attention_naive
 from sketchlab.tasks.model import (
     SoftmaxAttention,
     TransformerConfig,
     TransformerLM,
     apply_rope,
     attention_registry,
-    causal_softmax_attention_naive,
     register_attention,
 )
 from sketchlab.tasks.mqar import IGNORE_INDEX, MQARConfig, mqar_accuracy, mqar_batch
@@ -83,7 +83,7 @@ def test_softmax_attention_matches_naive_twin():
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 9, 3, 8, generator=g, dtype=torch.float64) for _ in range(3))
     # float64 SDPA vs the written-out softmax: same math, different summation order -> round-off only.
-    torch.testing.assert_close(SoftmaxAttention()(q, k, v), causal_softmax_attention_naive(q, k, v), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(SoftmaxAttention()(q, k, v), softmax_attention_naive(q, k, v), rtol=1e-12, atol=1e-12)
 
 
 def test_rope_preserves_norms_and_depends_on_offset_only():

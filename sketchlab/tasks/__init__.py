@@ -28,7 +28,6 @@ from .model import (
     TransformerLM,
     apply_rope,
     attention_registry,
-    causal_softmax_attention_naive,
     generate,
     register_attention,
 )
@@ -75,7 +74,6 @@ __all__ = [
     "apply_rope",
     "attention_transfer_loss",
     "attention_registry",
-    "causal_softmax_attention_naive",
     "evaluate_mqar",
     "generate",
     "init_distributed",

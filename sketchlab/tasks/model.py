@@ -46,7 +46,6 @@ __all__ = [
     "apply_rope",
     "attention_registry",
     "cache_nbytes",
-    "causal_softmax_attention_naive",
     "generate",
     "kv_cache_step",
     "register_attention",
@@ -128,18 +127,6 @@ class SoftmaxAttention(nn.Module):
 def _softmax_factory(config: TransformerConfig, layer: int) -> nn.Module:
     return SoftmaxAttention()
 
-
-def causal_softmax_attention_naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Float64 twin of :class:`SoftmaxAttention`: ``softmax(q kᵀ/√D + causal mask) v`` per head.
-
-    ``q, k, v`` are ``[B, T, H, D]``; returns ``[B, T, H, D]`` in float64.
-    """
-    q, k, v = (x.to(torch.float64) for x in (q, k, v))
-    B, T, H, D = q.shape
-    logits = torch.einsum("bthd,bshd->bhts", q, k) / D**0.5  # [B, H, T, T]
-    mask = torch.ones(T, T, dtype=torch.bool).tril()
-    logits = logits.masked_fill(~mask, float("-inf"))
-    return torch.einsum("bhts,bshd->bthd", logits.softmax(-1), v)
 
 
 def apply_rope(x: torch.Tensor, *, base: float = 10000.0, offset: int = 0) -> torch.Tensor:
