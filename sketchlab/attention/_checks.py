@@ -228,6 +228,13 @@ def check_hybrid(window, sinks, local, local_scale, gate, *, normalize: str, hea
     ``None`` or a finite floating tensor ``[H]`` (logits) on ``q``'s device (:func:`check_gate`).
     """
     o = AttentionOptions(window=window, sinks=sinks, local=local, local_scale=local_scale, normalize=normalize)
+    return hybrid_args(o, gate, heads=heads, dim=dim, like=like)
+
+
+def hybrid_args(o: AttentionOptions, gate, *, heads: int, dim: int, like: torch.Tensor):
+    """``(window, sinks, local, scale, gate)`` of options ``o`` that were built (so checked) at the outer
+    edge: read, not checked again (DESIGN §7); ``local_scale`` ``None`` is ``1/√D``. Only ``gate``, a tensor
+    and not an option, is checked here (:func:`check_gate`)."""
     scale = dim ** -0.5 if o.local_scale is None else o.local_scale
     return o.window, o.sinks, o.local, scale, check_gate(gate, heads=heads, like=like)
 

@@ -431,17 +431,20 @@ def llops_attention_chunked(q, k, v, theta_q, theta_k, *, causal: bool = True, n
     Tensor ``[B, T, H, Dv]`` (or ``(o, AttentionState)``); gradients reach ``q, k, v, theta_q,
     theta_k`` and ``gate``.
     """
-    normalize, eps, chunk_size, block_chunks = _check_engine_args(causal, normalize, non_negative, eps, chunk_size,
-                                                                  block_chunks)
-    check_flag(output_final_state, "output_final_state")
-    mode = check_denominator_check(denominator_check)
-    if validate:
+    mode, mask, scale = denominator_check, key_padding_mask, local_scale
+    if validate:  # else llops_attention built the options and checked every argument once (DESIGN §7)
+        normalize, eps, chunk_size, block_chunks = _check_engine_args(causal, normalize, non_negative, eps,
+                                                                      chunk_size, block_chunks)
+        check_flag(output_final_state, "output_final_state")
+        mode = check_denominator_check(denominator_check)
         q, k, v = check_qkv(q, k, v, causal=causal)
         theta_q, theta_k = check_theta(theta_q, theta_k, heads=q.shape[2], dim=q.shape[3], like=q)
-    window, sinks, local, scale, gate = check_hybrid(window, sinks, local, local_scale, gate, normalize=normalize,
-                                                     heads=q.shape[2], dim=q.shape[3], like=q)
+        window, sinks, local, scale, gate = check_hybrid(window, sinks, local, local_scale, gate,
+                                                         normalize=normalize, heads=q.shape[2], dim=q.shape[3], like=q)
+        mask = check_key_padding_mask(key_padding_mask, q.shape[0], k.shape[1], q.device)
+    elif scale is None:
+        scale = q.shape[3] ** -0.5
     check_window_lengths(causal, window, q.shape[1], k.shape[1])
-    mask = check_key_padding_mask(key_padding_mask, q.shape[0], k.shape[1], q.device)
     qt, kt = q.transpose(1, 2), k.transpose(1, 2)  # [B, H, T|S, D]
     phi_q, phi_k = llops_feature_fn(theta_q), llops_feature_fn(theta_k)
     out = _attend(_Tokens(qt, phi_q), _Tokens(kt, phi_k),  # features [B, H, n, M] of token ranges

@@ -28,11 +28,11 @@ from ..sketch import Sketch
 from ._checks import (
     check_backend_name,
     check_flag,
-    check_hybrid,
     check_key_padding_mask,
     check_qkv,
     check_segments,
     check_theta,
+    hybrid_args,
 )
 from ._entry import by_segments as _by_segments
 from ._entry import call_options, far_gate, keyword_defaults, memory_call
@@ -178,8 +178,7 @@ def _llops(q, k, v, theta_q, theta_k, o: AttentionOptions, params, gate, segment
         return _llops_memory(q, k, v, theta_q, theta_k, o, params, gate, non_negative, segments, key_padding_mask,
                              initial_state, output_final_state)
     gate = far_gate("llops_attention", gate, params)
-    window, sinks, local, scale, gate = check_hybrid(o.window, o.sinks, o.local, o.local_scale, gate,
-                                                     normalize=normalize, heads=q.shape[2], dim=q.shape[3], like=q)
+    window, sinks, local, scale, gate = hybrid_args(o, gate, heads=q.shape[2], dim=q.shape[3], like=q)
     hybrid = _uses_hybrid(window, sinks, gate, key_padding_mask, initial_state, output_final_state)
     opts = dict(window=window, sinks=sinks, local=local, local_scale=scale, gate=gate)
     backend = resolve_backend(o.backend, q.device, q.dtype)
