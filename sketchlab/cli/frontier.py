@@ -11,6 +11,10 @@ Usage::
 
     sketchlab frontier --methods softmax,based,deltanet --seeds 0,1,2 --lrs 3e-3,1e-2 --work RUNS --out REPORT
     sketchlab frontier ... --report-only
+    sketchlab frontier --preset kernel --methods based,llops,hedgehog --seeds 0 --work RUNS --out REPORT
+
+``--preset kernel`` runs the kernel-only harness (:mod:`sketchlab.tasks.recall_kernel`): the report adds each
+point's attention-matrix error against exact softmax and degree-2 polynomial attention.
 """
 
 from __future__ import annotations
@@ -52,9 +56,10 @@ def add_arguments(sub) -> None:
                      help="a method's sizes (its knob's values), instead of its defaults; repeatable")
     cmd.add_argument("--seeds", type=_ints, default=[0, 1, 2], help="seeds (the first runs the sweep; default 0,1,2)")
     cmd.add_argument("--lrs", type=_floats, default=[3e-3, 1e-2], help="learning rates swept (default 3e-3,1e-2)")
-    cmd.add_argument("--preset", choices=("cpu", "zoology"), default="cpu",
-                     help="the protocol: cpu (Zoology's lengths / 4, vocabulary 512, d_model 64, 600 steps; default) "
-                          "or zoology")
+    cmd.add_argument("--preset", choices=("cpu", "zoology", "kernel"), default="cpu",
+                     help="the protocol: cpu (Zoology's lengths / 4, vocabulary 512, d_model 64, 600 steps; default), "
+                          "zoology, or kernel (the kernel-only harness: continuous MQAR, one layer over frozen "
+                          "embeddings, P <= 32 for training, to 128 for the tests; sketchlab.tasks.recall_kernel)")
     cmd.add_argument("--steps", type=positive_int, default=None, help="training steps (default: the preset's)")
     cmd.add_argument("--batch", type=positive_int, default=None, help="batch size (default: the preset's)")
     cmd.add_argument("--vocab", type=positive_int, default=None, help="vocabulary (default: the preset's)")
@@ -92,9 +97,12 @@ def _points(args):
 
 
 def run(args) -> int:
-    from ..tasks.frontier import CPU, ZOOLOGY, frontier_report, load_runs, run_frontier
+    from ..tasks.frontier import CPU, KERNEL_CPU, ZOOLOGY, frontier_report, load_runs, run_frontier
 
-    protocol = {"cpu": CPU, "zoology": ZOOLOGY}[args.preset]
+    protocol = {"cpu": CPU, "zoology": ZOOLOGY, "kernel": KERNEL_CPU}[args.preset]
+    if args.preset == "kernel" and args.random_non_queries is not None:
+        raise UsageError("--random-non-queries is a setting of the token MQAR: the kernel-only harness (--preset "
+                         "kernel) has no tokens between its queries")
     names = ("steps", "batch", "vocab", "d_model", "eval_sequences", "random_non_queries")
     changes = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     protocol = replace(protocol, **changes)

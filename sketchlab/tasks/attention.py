@@ -50,7 +50,14 @@ from torch import nn
 from ..attention.options import AttentionOptions, FarParams
 from ..featuremaps import Option, check_feature_map_options, feature_map_names, feature_map_options, make_feature_map
 from .legacy import upgrade_keys
-from .model import ON_UNKNOWN_ATTENTION, TransformerConfig, TransformerLM, kv_cache_step, register_attention
+from .model import (
+    ON_UNKNOWN_ATTENTION,
+    CausalSelfAttention,
+    TransformerConfig,
+    TransformerLM,
+    kv_cache_step,
+    register_attention,
+)
 
 __all__ = ["ToyKernel", "input_scale", "kernel_modules", "register_feature_map_kernels"]
 
@@ -66,9 +73,14 @@ def input_scale(head_dim: int) -> float:
 
 
 def kernel_modules(model: TransformerLM) -> list[nn.Module]:
-    """The attention kernel of every layer (``model.blocks[i].attention.attn``), in layer order."""
-    if not isinstance(model, TransformerLM):
-        raise TypeError(f"model must be a TransformerLM, got {type(model).__name__}")
+    """The attention kernel of every layer (``model.blocks[i].attention.attn``), in layer order, of a
+    :class:`~sketchlab.tasks.TransformerLM` or another model of its attention blocks (the kernel-only
+    harness's :class:`~sketchlab.tasks.recall_kernel.RecallModel`)."""
+    blocks = getattr(model, "blocks", None)
+    if not isinstance(blocks, nn.ModuleList) or not all(isinstance(getattr(b, "attention", None), CausalSelfAttention)
+                                                        for b in blocks):
+        raise TypeError(f"model must be a TransformerLM (or a model of its attention blocks, model.blocks[i].attention "
+                        f"a CausalSelfAttention), got {type(model).__name__}")
     return [block.attention.attn for block in model.blocks]
 
 

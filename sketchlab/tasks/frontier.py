@@ -60,6 +60,8 @@ from .state_size import layer_state_bytes
 
 __all__ = [
     "CPU",
+    "KERNEL_CPU",
+    "KernelProtocol",
     "METHODS",
     "ZOOLOGY",
     "Point",
@@ -123,6 +125,46 @@ one core)."""
 ZOOLOGY = Protocol(vocab=8192, train_pairs=ZOOLOGY_TRAIN, test_pairs=ZOOLOGY_TEST, d_model=128, steps=20_000,
                    batch=256, warmup=500, eval_sequences=1000, random_non_queries=True)
 """Zoology's ``arxiv24_based_figure2`` sizes (its 32 epochs of 180k examples at batch 256 are ~22.5k steps)."""
+
+
+@dataclass(frozen=True)
+class KernelProtocol(Protocol):
+    """The kernel-only harness (:mod:`sketchlab.tasks.recall_kernel`): Zoology's continuous MQAR, one layer of
+    projections and the kernel over frozen embeddings. ``train_pairs``/``test_pairs`` are ``(T, P)`` with
+    ``T = 2P`` (the pairs, then the queries); ``vocab`` the embeddings (``P <= vocab / 2``); ``n_layers`` 1;
+    ``short_conv`` 0 (none, the harness's point); ``random_non_queries`` is unused."""
+
+    vocab: int = 512
+    train_pairs: tuple = ((8, 4), (16, 8), (32, 16), (64, 32))
+    train_weights: tuple = (5.0, 1.0, 1.0, 1.0)
+    test_pairs: tuple = ((8, 4), (16, 8), (32, 16), (64, 32), (128, 64), (256, 128))
+    n_layers: int = 1
+    short_conv: int = 0
+    harness: str = "kernel"
+
+    def __post_init__(self):
+        for name in ("vocab", "d_model", "steps", "batch", "eval_sequences"):
+            check_positive_int(getattr(self, name), name)
+        if self.n_layers != 1 or self.harness != "kernel":
+            raise ValueError(f"the kernel-only harness has n_layers=1 and harness='kernel', got {self.n_layers} and "
+                             f"{self.harness!r}")
+        object.__setattr__(self, "train_pairs", tuple(tuple(p) for p in self.train_pairs))
+        object.__setattr__(self, "test_pairs", tuple(tuple(p) for p in self.test_pairs))
+        object.__setattr__(self, "train_weights", tuple(float(w) for w in self.train_weights))
+        for name in ("train_pairs", "test_pairs"):
+            pairs = getattr(self, name)
+            bad = [(T, P) for T, P in pairs if isinstance(P, bool) or not isinstance(P, int) or not 1 <= P <= self.vocab // 2
+                   or T != 2 * P]
+            if not pairs or bad:
+                raise ValueError(f"{name} must be (T, P) pairs with T = 2P and 1 <= P <= vocab/2 = {self.vocab // 2}, "
+                                 f"got {list(bad) or list(pairs)}")
+        if len(self.train_weights) != len(self.train_pairs) or not all(w > 0 for w in self.train_weights):
+            raise ValueError(f"train_weights must be one weight > 0 per training pair, got {self.train_weights}")
+
+
+KERNEL_CPU = KernelProtocol()
+"""The kernel-only harness on the CPU: Zoology's ``mqar_continuous`` pairs (P = 4 … 64 for training, to 256 for the
+tests) cut at P = 32 and 128, vocabulary 512 (256 keys), d_model 64, 600 steps of batch 32."""
 
 
 @dataclass(frozen=True)
@@ -196,21 +238,33 @@ def train_point(point: Point, protocol: Protocol, lr: float, seed: int) -> dict:
 
     The record holds the settings, ``state_bytes`` (per layer), ``slices`` (``{"seq_len", "num_pairs",
     "accuracy", "queries"}`` per test slice), ``score`` (their unweighted mean; 0 when the loss diverged, with
-    ``diverged`` its message) and ``seconds``.
+    ``diverged`` its message) and ``seconds``. Under a :class:`KernelProtocol` the model is the kernel-only
+    harness's :class:`~sketchlab.tasks.recall_kernel.RecallModel` (:func:`~sketchlab.tasks.recall_kernel.train_recall`),
+    and the record adds ``attention_error``.
     """
     import torch
 
     from .inits import init_llops
     from .model import TransformerLM
+    from .recall_kernel import RecallModel, train_recall
     from .train import train_mqar
     from .zoology import evaluate_slices
 
     torch.set_num_threads(1)
     config = point.config(protocol)
     torch.manual_seed(seed)
-    model = TransformerLM(config)
+    kernel_only = isinstance(protocol, KernelProtocol)
+    model = RecallModel(config, embed_seed=seed) if kernel_only else TransformerLM(config)
     if point.init is not None:
         init_llops(model, point.init, seed=seed)
+    record = {"key": run_key(point, protocol, lr, seed), "point": asdict(point), "protocol": asdict(protocol),
+              "lr": lr, "seed": seed, "state_bytes": layer_state_bytes(config, seq_len=protocol.max_len)}
+    if kernel_only:
+        t0 = time.perf_counter()
+        result = train_recall(model, protocol, lr=lr, seed=seed, kernel_lr=point.kernel_lr)
+        return {**record, "slices": result["slices"], "score": _score(result["slices"]),
+                "attention_error": result["attention_error"], "diverged": result["diverged"],
+                "seconds": time.perf_counter() - t0}
     noise = protocol.random_non_queries
     mixture = zoology_mixture(protocol.vocab, pairs=protocol.train_pairs, weights=protocol.train_weights,
                               random_non_queries=noise)
@@ -226,10 +280,8 @@ def train_point(point: Point, protocol: Protocol, lr: float, seed: int) -> dict:
     except FloatingPointError as err:
         diverged = str(err)
         slices = [{"seq_len": t.seq_len, "num_pairs": t.num_pairs, "accuracy": 0.0, "queries": 0} for t in tests]
-    return {"key": run_key(point, protocol, lr, seed), "point": asdict(point), "protocol": asdict(protocol),
-            "lr": lr, "seed": seed, "state_bytes": layer_state_bytes(config, seq_len=protocol.max_len),
-            "slices": slices, "score": _score(slices),
-            "diverged": diverged, "seconds": time.perf_counter() - t0}
+    return {**record, "slices": slices, "score": _score(slices), "diverged": diverged,
+            "seconds": time.perf_counter() - t0}
 
 
 def _score(slices) -> float:
@@ -350,11 +402,20 @@ def frontier_summary(runs, points, protocol: Protocol, *, lrs, seeds, threshold:
                                 for i in range(len(protocol.test_pairs))],
                      "seconds": sum(runs[run_key(point, protocol, lr, seeds[0])]["seconds"] for lr in lrs)
                      + sum(r["seconds"] for r in found if r["seed"] != seeds[0])})
+        if isinstance(protocol, KernelProtocol):
+            rows[-1]["attention_error"] = _mean_errors([r["attention_error"] for r in found])
     methods = list(dict.fromkeys(r["method"] for r in rows))
     reach = {m: min((r["state_bytes"] for r in rows if r["method"] == m and r["mean"] >= threshold), default=None)
              for m in methods}
     return {"protocol": asdict(protocol), "lrs": lrs, "seeds": seeds, "threshold": threshold, "points": rows,
             "smallest_state_reaching": reach, "train_seconds": sum(r["seconds"] for r in rows)}
+
+
+def _mean_errors(errors) -> dict | None:
+    """The seeds' mean of each attention-matrix error (None when a run has none: the LM harness, a memory kernel)."""
+    if not errors or any(e is None for e in errors):
+        return None
+    return {name: statistics.fmean(e[name] for e in errors) for name in errors[0]}
 
 
 def frontier_report(runs, points, protocol: Protocol, *, lrs, seeds, out, command: str,
@@ -371,30 +432,50 @@ def frontier_report(runs, points, protocol: Protocol, *, lrs, seeds, out, comman
     return summary
 
 
-def _markdown(s: dict) -> str:
-    p = Protocol(**s["protocol"])
-    pairs = " | ".join(f"({T}, {P})" for T, P in p.test_pairs)
+def _protocol_text(p: Protocol) -> str:
+    """The report's sentence on the task and the model of ``p``."""
+    if isinstance(p, KernelProtocol):
+        return (f"Protocol: the kernel-only harness (`sketchlab.tasks.recall_kernel`; Zoology's continuous MQAR: "
+                f"frozen random unit embeddings, vocabulary {p.vocab}, a pair token `[key | value]`, a query `[key | "
+                f"0]`, T = 2P), training mixture (T, P) = {', '.join(f'({T}, {P})' for T, P in p.train_pairs)} "
+                f"(weights {':'.join(f'{w:g}' for w in p.train_weights)}); one attention layer (d_model {p.d_model}, "
+                f"no MLP, short convolution {p.short_conv}, NoPE): only the projections and the kernel learn")
     between = "random tokens" if p.random_non_queries else "the filler 0 (Zoology's random_non_queries=False)"
+    return (f"Protocol: Zoology's MQAR (keys `[1, V/2)`, values `[V/2, V)`, power-law gaps, {between} between the "
+            f"queries), vocabulary {p.vocab}, "
+            f"training mixture (T, P) = {', '.join(f'({T}, {P})' for T, P in p.train_pairs)} (weights "
+            f"{':'.join(f'{w:g}' for w in p.train_weights)}); {p.n_layers} layers, d_model {p.d_model}, short "
+            f"convolution {p.short_conv}, NoPE")
+
+
+def _markdown(s: dict) -> str:
+    p = (KernelProtocol if s["protocol"].get("harness") == "kernel" else Protocol)(**s["protocol"])
+    kernel = isinstance(p, KernelProtocol)
+    pairs = " | ".join(f"({T}, {P})" for T, P in p.test_pairs)
+    errors = " | attention error vs softmax | vs (s)² |" if kernel else " |"
     L = ["# MQAR recall frontier: accuracy against state bytes per layer", "",
          (f"Generated by `{s['command']}` (from the cached runs alone: the same runs give this file again). "
          f"{s['train_seconds'] / 60:.1f} min of training in the runs reported (one thread each)."), "",
-         (f"Protocol: Zoology's MQAR (keys `[1, V/2)`, values `[V/2, V)`, power-law gaps, {between} between the "
-         f"queries), vocabulary {p.vocab}, "
-         f"training mixture (T, P) = {', '.join(f'({T}, {P})' for T, P in p.train_pairs)} (weights "
-         f"{':'.join(f'{w:g}' for w in p.train_weights)}); {p.n_layers} layers, d_model {p.d_model}, short "
-         f"convolution {p.short_conv}, NoPE; AdamW (weight decay {p.weight_decay:g}), {p.warmup} warm-up steps then "
+         (f"{_protocol_text(p)}; AdamW (weight decay {p.weight_decay:g}), {p.warmup} warm-up steps then "
          f"cosine, clip 1, batch {p.batch}, {p.steps} steps; rates {', '.join(f'{x:g}' for x in s['lrs'])} swept "
          f"on seed {s['seeds'][0]}, seeds {', '.join(map(str, s['seeds']))} at the best. Score: the mean over the "
          f"{len(p.test_pairs)} test slices, each weighted equally ({p.eval_sequences} sequences per slice). State: "
          f"bytes per attention layer (float32), Zoology's formulas (`sketchlab.tasks.state_size`); softmax's KV "
-         f"cache at T = {p.max_len}."), "",
-         f"| method | size | state bytes / layer | best lr | seeds | score mean ± sd (each seed) | {pairs} |",
-         "|---|---|---|---|---|---|" + "---|" * len(p.test_pairs)]
+         f"cache at T = {p.max_len}."), ""]
+    if kernel:
+        L += [("Attention error: on the trained q, k of held-out sequences of the longest training slice, "
+               "‖A − A*‖_F / ‖A*‖_F of the layer's attention weights A (`recall_kernel.attention_matrix`) against "
+               "exact softmax attention of s = qᵀk/√D and against the degree-2 polynomial attention s²/Σs², mean over "
+               "sequences and heads and seeds; — where the output is not linear in v (a memory mechanism)."), ""]
+    L += [f"| method | size | state bytes / layer | best lr | seeds | score mean ± sd (each seed) | {pairs}{errors}",
+          "|---|---|---|---|---|---|" + "---|" * (len(p.test_pairs) + 2 * kernel)]
     for r in sorted(s["points"], key=lambda r: (r["method"], r["state_bytes"])):
         spread = "" if r["sd"] is None else f" ± {r['sd']:.3f}"
+        err = r.get("attention_error")
+        tail = (" — | — |" if err is None else f" {err['softmax']:.3f} | {err['poly2']:.3f} |") if kernel else ""
         L.append(f"| {r['method']} | {r['size']} | {r['state_bytes']:,} | {r['lr']:g} | {len(r['scores'])} | "
                  f"{r['mean']:.3f}{spread} ({', '.join(f'{x:.3f}' for x in r['scores'])}) | "
-                 + " | ".join(f"{a:.3f}" for a in r["slices"]) + " |")
+                 + " | ".join(f"{a:.3f}" for a in r["slices"]) + " |" + tail)
     L += ["", f"Smallest state per layer whose mean score reaches {s['threshold']:g}:", "",
           "| method | bytes |", "|---|---|"]
     L += [f"| {m} | {'not reached' if b is None else f'{b:,}'} |" for m, b in s["smallest_state_reaching"].items()]

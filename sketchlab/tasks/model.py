@@ -40,6 +40,7 @@ from .._validation import check_positive_int, check_real
 
 __all__ = [
     "CausalSelfAttention",
+    "adamw_groups",
     "SoftmaxAttention",
     "TransformerConfig",
     "TransformerLM",
@@ -208,6 +209,29 @@ class TransformerConfig:
         return asdict(self)
 
 
+def adamw_groups(module: nn.Module, kernel, *, no_decay=(), lr: float, weight_decay: float, kernel_lr: float = 1.0,
+                 betas: tuple[float, float] = (0.9, 0.98)) -> torch.optim.AdamW:
+    """AdamW over ``module``'s parameters in groups (nanoGPT's), each with its ``"lr_factor"``.
+
+    The matrices (``ndim >= 2``, but those of ``no_decay``) decay by ``weight_decay``; the other parameters
+    do not; nor do the ``kernel`` parameters (the attention kernels' own), at ``kernel_lr`` times the rate
+    (a group only when there are some). A loop sets ``lr = schedule · lr_factor``.
+    """
+    lr = check_real(lr, "lr", positive=True)
+    weight_decay = check_real(weight_decay, "weight_decay", positive=False)
+    kernel_lr = check_real(kernel_lr, "kernel_lr", positive=True)
+    kernel, skip = list(kernel), {id(p) for p in no_decay}
+    own, decay, other = {id(p) for p in kernel}, [], []
+    for p in module.parameters():
+        if id(p) not in own:
+            (decay if p.ndim >= 2 and id(p) not in skip else other).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay, "lr_factor": 1.0},
+              {"params": other, "weight_decay": 0.0, "lr_factor": 1.0}]
+    if kernel:
+        groups.append({"params": kernel, "weight_decay": 0.0, "lr_factor": kernel_lr})
+    return torch.optim.AdamW(groups, lr=lr, betas=betas)
+
+
 class CausalSelfAttention(nn.Module):
     """Projections, RoPE and the pluggable kernel ``self.attn`` (its inputs are what the dump captures)."""
 
@@ -287,10 +311,11 @@ class TransformerLM(nn.Module):
         self.blocks = nn.ModuleList(_Block(config, i) for i in range(config.n_layers))
         self.ln_f = nn.LayerNorm(config.d_model)
         self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
-        self.apply(self._init)
+        self.apply(self.init_weights)
 
     @staticmethod
-    def _init(module: nn.Module) -> None:
+    def init_weights(module: nn.Module) -> None:
+        """Linear and embedding weights ``N(0, 0.02²)``, biases 0 (nanoGPT's)."""
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, std=0.02)
             if getattr(module, "bias", None) is not None:
@@ -319,19 +344,8 @@ class TransformerLM(nn.Module):
         started at an exact special case (BASED's 0/1 selection) leaves its non-negative kernel within
         tens of steps at the model's rate; ``kernel_lr < 1`` keeps it near while the rest learns.
         """
-        lr = check_real(lr, "lr", positive=True)
-        weight_decay = check_real(weight_decay, "weight_decay", positive=False)
-        kernel_lr = check_real(kernel_lr, "kernel_lr", positive=True)
-        kernel = self.kernel_parameters()
-        own, decay, other = {id(p) for p in kernel}, [], []
-        for p in self.parameters():
-            if id(p) not in own:
-                (decay if p.ndim >= 2 and p is not self.embed.weight else other).append(p)
-        groups = [{"params": decay, "weight_decay": weight_decay, "lr_factor": 1.0},
-                  {"params": other, "weight_decay": 0.0, "lr_factor": 1.0}]
-        if kernel:
-            groups.append({"params": kernel, "weight_decay": 0.0, "lr_factor": kernel_lr})
-        return torch.optim.AdamW(groups, lr=lr, betas=betas)
+        return adamw_groups(self, self.kernel_parameters(), no_decay=(self.embed.weight,), lr=lr,
+                            weight_decay=weight_decay, kernel_lr=kernel_lr, betas=betas)
 
     def forward_step(self, tokens: torch.Tensor, cache: list | None = None) -> tuple[torch.Tensor, list]:
         """``tokens [B, n]`` following the tokens summarised by ``cache`` (``None``: none) →
