@@ -1,7 +1,8 @@
 """A user's own module joins the feature-map family in one call (:func:`sketchlab.as_feature_map`): a small
 module of our own (a per-head linear map and a ReLU) and a plain callable (elu + 1), their features, their
 float64 twin, the one attention op, ``fit_sketch`` and ``compare`` against the optimum once registered (also
-for a module whose parameters the heads share, as fla's), the toy model and ``convert_attention``, and the
+for a module whose parameters the heads share, as fla's), the toy model and ``convert_attention``, the one
+registry's fitter slot beside its builder (``fit_sketch`` takes a map's own fitter; one name, one meaning), and the
 errors a wrong module gets. No flash-linear-attention here (``analysis/fla_maps.py`` runs fla's maps).
 
 Tolerances: float64 1e-12 (the same operations in the same order, or a D-term dot product); the float32
