@@ -1,8 +1,9 @@
 """``fit_sketch``: the one entry point that fits any registered sketch and reports its error.
 
-**The one place methods are registered** is the table :data:`BUILTIN_SKETCHES` here (name →
-module and fitter), resolved lazily on first use, so no module of the package imports this one
-to register itself and there are no import cycles. A *fitter* has the form::
+**Methods are names of the one registry** (:mod:`sketchlab.featuremaps.registry`: one vocabulary for
+maps and methods, each name with a builder slot and a fitter slot). A name's *fitter* (its fitter slot,
+:func:`~sketchlab.featuremaps.registry.own_fitter`; the built-in ones imported on first use) has the
+form::
 
     def _fit(q, k, *, p, m, seed=0, **options) -> Sketch: ...
 
@@ -12,15 +13,16 @@ only) and returns a :class:`~sketchlab.sketch.Sketch`; it may set ``sketch.fit_i
 float64 ``[..., N_q, N_k]`` matrix with the singular values of ``A`` on the tokens it was given
 (e.g. ``R_Q R_Kᵀ`` of the Gram roots it fitted on), which ``fit_sketch`` takes out and reuses for
 the report's Theorem 3.1 floor instead of recomputing it. Fitters trust their inputs: validation
-happens once, here. Users add their own with
-:func:`register_sketch`. ``fit_sketch`` splits off held-out tokens, optionally subsamples the
+happens once, here. Users add their own with :func:`register_sketch` (it fills the name's fitter
+slot). A map whose fitter slot is empty is fitted by Adam on the kernel loss
+(:func:`sketchlab.featuremaps.fitting.feature_map_fitter`), so a map registered there is a method
+with no line here. ``fit_sketch`` splits off held-out tokens, optionally subsamples the
 fitting tokens, times the fit and measures every error against the Theorem 3.1 optimum in
 float64, in row blocks (never an ``n × n`` matrix; see :class:`FitReport` for large ``n``).
 """
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import math
 import time
@@ -30,13 +32,11 @@ from dataclasses import dataclass, field
 import torch
 
 from ._validation import DEFAULT_MAX_BYTES, check_degree, check_fraction, check_pair, check_positive_int, check_seed
-from .featuremaps.registry import FIT_METHOD_NAMES
+from .featuremaps.registry import DEPRECATED_METHODS, feature_map_names, fitter_names, own_fitter, register_fitter
 from .numerics import UNDEFINED_REASONS, check_poly_kernel_range, is_roundoff, warn_undefined
 from .sketch import Sketch
 
 __all__ = [
-    "BUILTIN_SKETCHES",
-    "DEPRECATED_METHODS",
     "Fit",
     "accepted_methods",
     "FitReport",
@@ -47,64 +47,36 @@ __all__ = [
     "sketch_fitter",
 ]
 
-#: Built-in methods: name → ``(module, fitter)``, imported on first use. Every other name of the
-#: feature-map registry (:func:`sketchlab.featuremaps.feature_map_names`: ``psf-learned``,
-#: ``hedgehog``, ``exact-poly``, ``dpfp``, ...) is a method too: its maps are fitted by Adam on the
-#: kernel loss (:func:`sketchlab.featuremaps.fitting.fit_feature_map`), so a map registered there
-#: needs no line here.
-BUILTIN_SKETCHES = {
-    "optimal": ("sketchlab.optimal", "_fit_optimal"),
-    "llops": ("sketchlab.llops.dispatch", "fit_llops"),
-    "psf-random": ("sketchlab.sketches.psf", "_fit_psf"),
-    "tensorsketch": ("sketchlab.sketches.tensorsketch", "_fit_tensorsketch"),
-    "mlp": ("sketchlab.sketches.mlp", "_fit_mlp"),
-    "based-expand": ("sketchlab.sketches.based", "_fit_based_expand"),
-    "based-taylor": ("sketchlab.sketches.based", "_fit_based_taylor"),
-    "elementwise": ("sketchlab.sketches.elementwise", "_fit_elementwise"),
-    # deprecated names (a DeprecationWarning names the successor; DEPRECATED_METHODS)
-    "psf": ("sketchlab.sketches.psf", "_fit_psf"),
-    "based": ("sketchlab.sketches.based", "_fit_based"),
-}
-
-#: Deprecated method names → ``(successor, note)``.
-DEPRECATED_METHODS = {
-    "psf": ("psf-random", ""),
-    "based": ("based-expand", " (its default form; 'based-taylor' for form='taylor')"),
-}
-
-_FITTERS: dict[str, Callable[..., Sketch]] = {}
-FIT_METHOD_NAMES.update(BUILTIN_SKETCHES)
-
 
 def register_sketch(name: str) -> Callable[[Callable[..., Sketch]], Callable[..., Sketch]]:
-    """Decorator registering ``fitter`` under ``name`` for :func:`fit_sketch`."""
+    """Decorator filling the fitter slot of ``name`` with ``fitter`` for :func:`fit_sketch`
+    (:func:`~sketchlab.featuremaps.registry.register_fitter`: a new method, or the own fitter of the map
+    ``name``; a name that has another fitter is refused)."""
 
     def decorate(fitter: Callable[..., Sketch]) -> Callable[..., Sketch]:
-        if name in _FITTERS and _FITTERS[name] is not fitter:
-            raise ValueError(f"a sketch named {name!r} is already registered")
-        _FITTERS[name] = fitter
-        FIT_METHOD_NAMES.add(name)  # no feature map may take the name (one vocabulary)
+        register_fitter(name, fitter)
         return fitter
 
     return decorate
 
 
 def available_sketches() -> list[str]:
-    """The sketch methods of :func:`fit_sketch`, sorted (deprecated names left out). It also fits
-    every name of :func:`sketchlab.featuremaps.feature_map_names` (Adam on the kernel loss)."""
-    return sorted((set(_FITTERS) | set(BUILTIN_SKETCHES)) - set(DEPRECATED_METHODS))
+    """The names with their own fitter (:func:`~sketchlab.featuremaps.registry.fitter_names`), sorted
+    (deprecated names left out). :func:`fit_sketch` also fits every other name of
+    :func:`sketchlab.featuremaps.feature_map_names` (Adam on the kernel loss)."""
+    return fitter_names()
 
 
 def accepted_methods() -> set[str]:
     """Every name :func:`fit_sketch` takes: :func:`available_sketches`, the deprecated names and the
     registered feature maps."""
-    from .featuremaps import feature_map_names
-
-    return set(available_sketches()) | set(DEPRECATED_METHODS) | set(feature_map_names())
+    return set(fitter_names()) | set(DEPRECATED_METHODS) | set(feature_map_names())
 
 
 def sketch_fitter(name: str) -> Callable[..., Sketch]:
-    """The fitter registered under ``name`` (raw: no hold-out, no report; see :func:`fit_sketch`).
+    """The fitter of ``name`` (raw: no hold-out, no report; see :func:`fit_sketch`): its fitter slot
+    (:func:`~sketchlab.featuremaps.registry.own_fitter`), else, for a map without one, Adam on the map
+    (:func:`~sketchlab.featuremaps.fitting.feature_map_fitter`). A deprecated name warns and keeps its fitter.
 
     A fitter trusts ``q, k, p, m, seed`` as :func:`fit_sketch` checks them (finite real floating
     ``q[..., n_q, d]``, ``k[..., n_k, d]``, ints ``p >= 1``, ``1 <= m < min(n_q, n_k, D)``, an int
@@ -116,19 +88,15 @@ def sketch_fitter(name: str) -> Callable[..., Sketch]:
         new, note = DEPRECATED_METHODS[name]
         warnings.warn(f"fit_sketch: the method name {name!r} is deprecated, use {new!r}{note}", DeprecationWarning,
                       stacklevel=3)
-    if name not in _FITTERS and name in BUILTIN_SKETCHES:
-        module, attr = BUILTIN_SKETCHES[name]
-        register_sketch(name)(getattr(importlib.import_module(module), attr))
-    if name not in _FITTERS:
-        from .featuremaps import feature_map_names
+    fitter = own_fitter(name)
+    if fitter is not None:
+        return fitter
+    if isinstance(name, str) and name in feature_map_names():  # a map without its own fitter: Adam
+        from .featuremaps.fitting import feature_map_fitter
 
-        if isinstance(name, str) and name in feature_map_names():
-            from .featuremaps.fitting import feature_map_fitter
-
-            return feature_map_fitter(name)
-        raise ValueError(f"unknown sketch method {name!r}; available: {', '.join(available_sketches())}, or a "
-                         f"feature map: {', '.join(feature_map_names())}")
-    return _FITTERS[name]
+        return feature_map_fitter(name)
+    raise ValueError(f"unknown sketch method {name!r}; available: {', '.join(available_sketches())}, or a "
+                     f"feature map: {', '.join(feature_map_names())}")
 
 
 #: The ratios of a fit report and the denominator each is undefined by (a cause of

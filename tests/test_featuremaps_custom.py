@@ -1,7 +1,8 @@
 """A user's own module joins the feature-map family in one call (:func:`sketchlab.as_feature_map`): a small
 module of our own (a per-head linear map and a ReLU) and a plain callable (elu + 1), their features, their
 float64 twin, the one attention op, ``fit_sketch`` and ``compare`` against the optimum once registered (also
-for a module whose parameters the heads share, as fla's), the toy model and ``convert_attention``, and the
+for a module whose parameters the heads share, as fla's), the toy model and ``convert_attention``, the one
+registry's fitter slot beside its builder (``fit_sketch`` takes a map's own fitter; one name, one meaning), and the
 errors a wrong module gets. No flash-linear-attention here (``analysis/fla_maps.py`` runs fla's maps).
 
 Tolerances: float64 1e-12 (the same operations in the same order, or a D-term dot product); the float32
@@ -202,6 +203,55 @@ def test_a_fit_sketch_method_name_is_refused():
             register_feature_map(name, _build)
     with pytest.raises(TypeError, match="build must be a callable"):
         register_feature_map("not-callable", None)
+
+
+def test_one_registry_a_fitter_slot_beside_the_builder(registered):
+    # the builder slot alone: fit_sketch fits the map by Adam
+    assert registry.own_fitter(registered) is None and registered in registry.feature_map_names()
+    assert registered not in registry.fitter_names() and registered in sl.fit.accepted_methods()
+    q, k = _rand(H, 40, D, seed=16) * 0.6, _rand(H, 40, D, seed=17) * 0.6
+    adam = sl.fit_sketch(registered, q, k, p=2, m=M, steps=3)
+    assert adam.report.steps == 3 and "own" not in adam.report.info
+    calls = []
+
+    def fit(q, k, *, p, m, seed=0, **options):
+        """The map's own fitter: its maps as built, untrained (the registered map, not another method)."""
+        calls.append((p, m, seed, options))
+        maps = [make_feature_map(registered, heads=H, head_dim=D, m=m, seed=s, dtype=q.dtype, learn=False)
+                for s in (seed, seed + 1)]
+        sketch = sl.featuremaps.FeatureMapSketch(*maps, p=p, batch_shape=(H,))
+        sketch.fit_info = {"steps": 0, "converged": True, "own": True}
+        return sketch
+
+    registry.register_fitter(registered, fit)  # the fitter slot of the map's own name
+    registry.register_fitter(registered, fit)  # the same fitter again: nothing changes
+    assert registry.own_fitter(registered) is fit and sl.sketch_fitter(registered) is fit
+    assert registered in registry.fitter_names() and registered in sl.available_sketches()
+    assert registered in registry.feature_map_names()  # one name, both slots
+    own = sl.fit_sketch(registered, q, k, p=2, m=M, seed=3, steps=3)  # steps: an option the fitter gets
+    assert calls == [(2, M, 3, {"steps": 3})] and own.report.info["own"] and own.report.steps == 0
+    assert isinstance(own.sketch.map_q, ModuleMap) and not own.sketch.map_q.module.w.requires_grad
+    # no slot is filled twice: another fitter, another map
+    with pytest.raises(ValueError, match=f"a fit_sketch method named '{registered}' is already registered"):
+        registry.register_fitter(registered, lambda q, k, **_: None)
+    with pytest.raises(ValueError, match=f"a feature map named '{registered}' is already registered"):
+        register_feature_map(registered, _build)
+    assert registry.own_fitter(registered) is fit
+    # a fit method of its own (register_sketch: the fitter slot alone) is no map, and no map may take its name
+    sl.register_sketch("test-fit-only")(fit)
+    try:
+        assert "test-fit-only" in sl.available_sketches() and "test-fit-only" not in registry.feature_map_names()
+        with pytest.raises(ValueError, match="the name 'test-fit-only' is a fit_sketch method that is not this map"):
+            register_feature_map("test-fit-only", _build)
+        with pytest.raises(ValueError, match="feature map name must be one of"):
+            make_feature_map("test-fit-only", heads=H, head_dim=D)
+    finally:
+        registry._REGISTRY.pop("test-fit-only")
+    # a deprecated map name means its successor: no fitter may take it
+    with pytest.raises(ValueError, match="the name 'taylor' is a deprecated feature map name .*'based-taylor'"):
+        registry.register_fitter("taylor", fit)
+    with pytest.raises(TypeError, match="fit must be a callable"):
+        registry.register_fitter("test-not-callable", 3)
 
 
 def _wrap(fn, **kw):

@@ -5,7 +5,9 @@ A :class:`FeatureMap` (:mod:`.base`) turns per-head queries or keys ``x [B, T, H
 sliding-window hybrid, a trainable attention in its own right, and what model conversion swaps in
 (:func:`sketchlab.attention.linear_attention`). Every map has a naive float64 twin,
 :meth:`FeatureMap.features_naive`. One module per map; :mod:`.registry` names them
-(:func:`make_feature_map`, :func:`register_feature_map`, :func:`feature_map_names`); a user's own module
+(:func:`make_feature_map`, :func:`register_feature_map`, :func:`feature_map_names`), beside each map's
+``fit_sketch`` fitter slot (:func:`register_fitter`, :func:`own_fitter`, :func:`fitter_names`: one
+vocabulary for maps and fit methods); a user's own module
 joins in one call, :func:`as_feature_map` (:mod:`.custom`); a fitted
 :class:`~sketchlab.sketch.Sketch` joins the family through :func:`sketch_feature_maps` (:mod:`.sketch_map`).
 
@@ -54,13 +56,17 @@ from .normed import InputNormed
 from .psf import PSFLearnedMap
 from .registry import (
     COMMON_OPTIONS,
+    DEPRECATED_METHODS,
     DEPRECATED_NAMES,
     Option,
     check_feature_map_options,
     feature_map_names,
     feature_map_options,
+    fitter_names,
     make_feature_map,
+    own_fitter,
     register_feature_map,
+    register_fitter,
     resolve_name,
 )
 from .selftensored import SelfTensored
@@ -72,6 +78,7 @@ FEATURE_MAPS = ("based-expand", "based-taylor", "elementwise", "exact-poly", "he
 
 __all__ = [
     "COMMON_OPTIONS",
+    "DEPRECATED_METHODS",
     "DEPRECATED_NAMES",
     "FEATURE_MAPS",
     "ExactPolyMap",
@@ -92,8 +99,11 @@ __all__ = [
     "check_feature_map_options",
     "feature_map_names",
     "feature_map_options",
+    "fitter_names",
     "make_feature_map",
+    "own_fitter",
     "register_feature_map",
+    "register_fitter",
     "resolve_name",
     "sketch_feature_maps",
 ]

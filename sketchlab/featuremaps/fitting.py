@@ -1,6 +1,7 @@
 """Any registered feature map as a ``fit_sketch`` method: its maps fitted to the kernel by Adam.
 
-``fit_sketch(name, q, k, p=, m=)`` for a name of the registry (and not one of ``fit.BUILTIN_SKETCHES``)
+``fit_sketch(name, q, k, p=, m=)`` for a map of the registry whose fitter slot is empty (no fitter of its
+own: :func:`~sketchlab.featuremaps.registry.own_fitter` is ``None``; ``hedgehog``, ``psf-learned``, a user's map)
 builds a query and a key map of ``H = prod(batch)`` heads (:func:`make_feature_map`, seeds ``seed`` and
 ``seed + 1``; ``tied=True``: one map), trains their parameters with the relative kernel loss, optimiser
 and budget every learned sketch shares (:func:`sketchlab.objective.train_kernel_sketch`), and returns

@@ -1,35 +1,52 @@
-r"""The one name registry of the feature-map family.
+r"""The one name registry: every name of the feature-map family and of ``fit_sketch``, one vocabulary.
 
-``register_feature_map(name, build, options)`` adds a map: ``build(heads, head_dim, **options)``
-returns a :class:`~sketchlab.featuremaps.FeatureMap`, and ``options`` declares, once, every option
-the map takes beyond the :data:`COMMON_OPTIONS` all maps accept (name → :class:`Option`: kind,
-constraint, default, as scikit-learn's ``_parameter_constraints``). :func:`make_feature_map` checks
-the options against those declarations (the one check; ``build`` trusts them) and builds the map;
-:func:`feature_map_names` lists the names; :func:`resolve_name` maps a deprecated name to its
-successor with a ``DeprecationWarning``. ``fit_sketch``, the toy model's attention registry and
-``convert_attention`` all read this registry, so a map registered here runs in each of them.
+Each name has two slots. The **builder slot**: ``register_feature_map(name, build, options)`` adds a
+map: ``build(heads, head_dim, **options)`` returns a :class:`~sketchlab.featuremaps.FeatureMap`, and
+``options`` declares, once, every option the map takes beyond the :data:`COMMON_OPTIONS` all maps accept
+(name → :class:`Option`: kind, constraint, default, as scikit-learn's ``_parameter_constraints``).
+:func:`make_feature_map` checks the options against those declarations (the one check; ``build`` trusts
+them) and builds the map; :func:`feature_map_names` lists the names that have one. The **fitter slot**:
+``register_fitter(name, fit)`` (``sketchlab.register_sketch`` fills it) gives the name its own
+``fit_sketch`` fitter ``fit(q, k, *, p, m, seed=0, **options) -> Sketch``; :func:`own_fitter` is the
+lookup ``fit_sketch`` makes and :func:`fitter_names` lists the names that have one. A map whose fitter
+slot is empty is fitted by Adam on the kernel loss (:mod:`.fitting`); a name with a fitter and no map
+(``optimal``, ``mlp``) is a ``fit_sketch`` method only.
 
-Names (DESIGN §6): ``llops``, ``elementwise``, ``exact-poly``, ``based-taylor``, ``based-expand``,
-``psf-random``, ``psf-learned``, ``tensorsketch``, ``hedgehog``, ``dpfp``, ``identity``. Deprecated here:
-``exact`` → ``exact-poly``, ``taylor`` → ``based-taylor``, ``psf`` → ``psf-learned`` (this registry's
-old meaning of it; ``fit_sketch`` and the toy model used ``psf`` for ``psf-random``).
+One name, one meaning: a fitter may join a registered map (it fits that map: the name says so), but a
+map may not take a name that already means a fit method (``fit_sketch`` and ``compare`` would keep
+fitting that method, ``make_feature_map`` would build another thing), and no slot is filled twice.
+:func:`resolve_name` maps a deprecated name to its successor with a ``DeprecationWarning``.
+``fit_sketch``, the toy model's attention registry and ``convert_attention`` all read this registry, so
+a map registered here runs in each of them. The built-in names, both slots on one line each, are
+:data:`_BUILTINS`; their fitters live below this layer (:mod:`sketchlab.optimal`, :mod:`sketchlab.llops`,
+:mod:`sketchlab.sketches`) and are imported on first lookup.
+
+Names (DESIGN §6): maps ``llops``, ``elementwise``, ``exact-poly``, ``based-taylor``, ``based-expand``,
+``psf-random``, ``psf-learned``, ``tensorsketch``, ``hedgehog``, ``dpfp``, ``identity``; of these
+``llops``, ``elementwise``, ``based-*``, ``psf-random`` and ``tensorsketch`` have their own fitter;
+fit methods only: ``optimal``, ``mlp``. Deprecated maps (:data:`DEPRECATED_NAMES`): ``exact`` →
+``exact-poly``, ``taylor`` → ``based-taylor``, ``psf`` → ``psf-learned`` (the learned sketch, as this
+registry meant it); deprecated fit methods (:data:`DEPRECATED_METHODS`, each keeping its fitter): ``psf``
+→ ``psf-random`` (as ``fit_sketch`` and the toy model meant it), ``based`` → ``based-expand``.
 """
 
 from __future__ import annotations
 
+import importlib
 import math
 import numbers
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from .base import FeatureMap
 
-__all__ = ["COMMON_OPTIONS", "DEPRECATED_NAMES", "Option", "check_feature_map_options", "feature_map_names",
-           "feature_map_options", "make_feature_map", "register_feature_map", "resolve_name"]
+__all__ = ["COMMON_OPTIONS", "DEPRECATED_METHODS", "DEPRECATED_NAMES", "Option", "check_feature_map_options",
+           "feature_map_names", "feature_map_options", "fitter_names", "make_feature_map", "own_fitter",
+           "register_feature_map", "register_fitter", "resolve_name"]
 
 
 @dataclass(frozen=True)
@@ -95,13 +112,18 @@ COMMON_OPTIONS = {
 
 @dataclass(frozen=True)
 class _Entry:
-    build: Callable[..., FeatureMap]
-    options: dict
+    """One name's two slots: the builder (``build`` and its declared ``options``; ``None``: no map) and
+    the fitter (``fit``: the name's own ``fit_sketch`` fitter, or ``(module, attr)`` imported on first
+    lookup; ``None``: none of its own)."""
+
+    build: Callable[..., FeatureMap] | None = None
+    options: dict = field(default_factory=dict)
+    fit: Callable | tuple[str, str] | None = None
 
 
 _REGISTRY: dict[str, _Entry] = {}
 
-#: Deprecated names of this registry → ``(successor, note)``.
+#: Deprecated map names (the builder slot, :func:`make_feature_map`) → ``(successor, note)``.
 DEPRECATED_NAMES = {
     "exact": ("exact-poly", ""),
     "taylor": ("based-taylor", ""),
@@ -109,24 +131,30 @@ DEPRECATED_NAMES = {
                            "'psf-random')"),
 }
 
+#: Deprecated ``fit_sketch`` method names (the fitter slot; each keeps its own fitter) → ``(successor, note)``.
+DEPRECATED_METHODS = {
+    "psf": ("psf-random", ""),
+    "based": ("based-expand", " (its default form; 'based-taylor' for form='taylor')"),
+}
 
-#: The names ``fit_sketch`` means as a method other than a map of this registry (``optimal``, ``mlp``, a
-#: ``register_sketch`` name): never a map's name. Filled by :mod:`sketchlab.fit`, the layer above, as it
-#: registers them (this layer never imports it).
-FIT_METHOD_NAMES: set[str] = set()
+
+def _check_name(name, what: str) -> None:
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"a {what} name must be a non-empty string, got {name!r}")
 
 
 def register_feature_map(name: str, build: Callable[..., FeatureMap], options: dict | None = None) -> None:
-    """Register ``build(heads, head_dim, **options) -> FeatureMap`` as ``name`` with its own ``options``
-    (name → :class:`Option`) besides :data:`COMMON_OPTIONS`. A name is registered once."""
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"a feature map name must be a non-empty string, got {name!r}")
-    if name in _REGISTRY or name in DEPRECATED_NAMES:
+    """Fill the builder slot of ``name``: ``build(heads, head_dim, **options) -> FeatureMap`` with its own
+    ``options`` (name → :class:`Option`) besides :data:`COMMON_OPTIONS`. A name has one map; a name that
+    already means a ``fit_sketch`` method (a filled fitter slot: ``optimal``, ``mlp``) is refused."""
+    _check_name(name, "feature map")
+    entry = _REGISTRY.get(name)
+    if name in DEPRECATED_NAMES or (entry is not None and entry.build is not None):
         raise ValueError(f"a feature map named {name!r} is already registered")
     if not callable(build):
         raise TypeError(f"feature map {name!r}: build must be a callable (heads, head_dim, **options) -> FeatureMap, "
                         f"got {type(build).__name__}")
-    if name not in _BUILTINS and name in FIT_METHOD_NAMES:  # one vocabulary with fit_sketch
+    if entry is not None:  # one vocabulary: the name is a fit method that is not this map
         raise ValueError(f"the name {name!r} is a fit_sketch method that is not this map (fit_sketch and compare "
                          "would fit that method): choose another name")
     options = dict(options or {})
@@ -137,10 +165,44 @@ def register_feature_map(name: str, build: Callable[..., FeatureMap], options: d
     _REGISTRY[name] = _Entry(build, options)
 
 
+def register_fitter(name: str, fit: Callable) -> None:
+    """Fill the fitter slot of ``name`` with ``fit(q, k, *, p, m, seed=0, **options) -> Sketch`` (the
+    contract: :mod:`sketchlab.fit`): a new ``fit_sketch`` method, or the own fitter of the map ``name``
+    (which it then fits instead of Adam). Registering the same ``fit`` again does nothing; another
+    ``fit`` for a name that has one, or a deprecated map name (it means its successor), is refused."""
+    _check_name(name, "fit_sketch method")
+    if not callable(fit):
+        raise TypeError(f"fit_sketch method {name!r}: fit must be a callable (q, k, *, p, m, seed, **options) -> "
+                        f"Sketch, got {type(fit).__name__}")
+    if name in DEPRECATED_NAMES:
+        raise ValueError(f"the name {name!r} is a deprecated feature map name (it means "
+                         f"{DEPRECATED_NAMES[name][0]!r}): choose another name")
+    own = own_fitter(name)
+    if own is not None and own is not fit:
+        raise ValueError(f"a fit_sketch method named {name!r} is already registered")
+    _REGISTRY[name] = replace(_REGISTRY.get(name, _Entry()), fit=fit)
+
+
+def own_fitter(name: str) -> Callable | None:
+    """The fitter slot of ``name``: its own ``fit_sketch`` fitter (a built-in one imported now), or
+    ``None`` where it has none (a map fitted by Adam, :func:`.fitting.feature_map_fitter`, or no such name)."""
+    entry = _REGISTRY.get(name) if isinstance(name, str) else None
+    if entry is None or entry.fit is None:
+        return None
+    if isinstance(entry.fit, tuple):
+        module, attr = entry.fit
+        _REGISTRY[name] = entry = replace(entry, fit=getattr(importlib.import_module(module), attr))
+    return entry.fit
+
+
+def fitter_names() -> list[str]:
+    """The names with their own ``fit_sketch`` fitter, sorted (deprecated names not included)."""
+    return sorted(name for name, entry in _REGISTRY.items() if entry.fit is not None and name not in DEPRECATED_METHODS)
+
+
 def feature_map_names() -> list[str]:
-    """The registered names, sorted (deprecated names not included)."""
-    _builtins()
-    return sorted(_REGISTRY)
+    """The names with a map, sorted (deprecated names not included)."""
+    return sorted(name for name, entry in _REGISTRY.items() if entry.build is not None)
 
 
 def resolve_name(name: str, table: dict | None = None, *, where: str = "make_feature_map") -> str:
@@ -156,20 +218,19 @@ def resolve_name(name: str, table: dict | None = None, *, where: str = "make_fea
 
 def feature_map_options(name: str) -> dict:
     """Every option of the map ``name`` (its own and the common ones): name → :class:`Option`."""
-    _builtins()
     return {**COMMON_OPTIONS, **_entry(name).options}
 
 
 def _entry(name: str) -> _Entry:
-    if not isinstance(name, str) or name not in _REGISTRY:
-        raise ValueError(f"feature map name must be one of {tuple(sorted(_REGISTRY))}, got {name!r}")
-    return _REGISTRY[name]
+    entry = _REGISTRY.get(name) if isinstance(name, str) else None
+    if entry is None or entry.build is None:
+        raise ValueError(f"feature map name must be one of {tuple(feature_map_names())}, got {name!r}")
+    return entry
 
 
 def check_feature_map_options(name: str, options: dict, *, where: str | None = None) -> dict:
     """``options`` checked against the declarations of ``name`` and completed with the defaults:
     the one check every caller of the registry runs (unknown options refused, naming the ones it takes)."""
-    _builtins()
     entry = _entry(name)
     where = where or f"feature map {name!r}"
     declared = {**COMMON_OPTIONS, **entry.options}
@@ -191,7 +252,6 @@ def make_feature_map(name: str, *, heads: int, head_dim: int, **options) -> Feat
     ``input_norm=True`` wraps the map in :class:`~sketchlab.featuremaps.normed.InputNormed`; ``self_tensored``
     (and psf-learned's own self-tensoring) then applies outside it.
     """
-    _builtins()
     name = resolve_name(name)
     opts = check_feature_map_options(name, options)
     fmap = _entry(name).build(heads, head_dim, **opts)
@@ -297,8 +357,6 @@ def _lazy(module: str, attr: str):
     in its own module is registered by one line of :data:`_BUILTINS`)."""
 
     def build(heads, head_dim, **options):
-        import importlib
-
         return getattr(importlib.import_module(f"{__package__}.{module}"), attr)(heads, head_dim, **options)
 
     return build
@@ -310,24 +368,26 @@ _BASED = {"dim": Option("int", None, low=1, doc="BASED's d' (default: the larges
           "symmetric": Option("bool", None, doc="symmetric coordinates of the quadratic block"),
           "learn": Option("bool", False, doc="train the projection")}
 
+#: The built-in names, both slots on one line each: the map's build and options, and its own fitter
+#: ``(module, attr)`` (imported on first lookup) where it has one.
 _BUILTINS = {
-    "llops": (_llops, {"theta": Option("tensor", None, doc="a given Θ [H, t, p, D, M]"), "learn": _LEARN}),
-    "elementwise": (_elementwise, {"learn": _LEARN}),
-    "exact-poly": (_exact, {"symmetric": Option("bool", True, doc="C(D+p−1, p) symmetric coordinates")}),
-    "based-taylor": (_taylor, _BASED),
-    "based-expand": (_expand, _BASED),
-    "psf-learned": (_psf_learned, {"hidden": Option("int", None, low=1, doc="hidden width (default 4·D)")}),
-    "psf-random": (_psf_random, {"non_negative": Option("bool", None, doc="self-tensor (default: even p)")}),
-    "tensorsketch": (_tensorsketch, {}),
-    "hedgehog": (_hedgehog, {}),
-    "dpfp": (_lazy("dpfp", "build_dpfp"), {"nu": Option("int", None, low=1, doc="DPFP's order n (M = 2·D·n)")}),
-    "identity": (_lazy("identity", "build_identity"), {}),
+    "optimal": _Entry(fit=("sketchlab.optimal", "_fit_optimal")),
+    "mlp": _Entry(fit=("sketchlab.sketches.mlp", "_fit_mlp")),
+    "llops": _Entry(_llops, {"theta": Option("tensor", None, doc="a given Θ [H, t, p, D, M]"), "learn": _LEARN},
+                    ("sketchlab.llops.dispatch", "fit_llops")),
+    "elementwise": _Entry(_elementwise, {"learn": _LEARN}, ("sketchlab.sketches.elementwise", "_fit_elementwise")),
+    "exact-poly": _Entry(_exact, {"symmetric": Option("bool", True, doc="C(D+p−1, p) symmetric coordinates")}),
+    "based-taylor": _Entry(_taylor, _BASED, ("sketchlab.sketches.based", "_fit_based_taylor")),
+    "based-expand": _Entry(_expand, _BASED, ("sketchlab.sketches.based", "_fit_based_expand")),
+    "psf-learned": _Entry(_psf_learned, {"hidden": Option("int", None, low=1, doc="hidden width (default 4·D)")}),
+    "psf-random": _Entry(_psf_random, {"non_negative": Option("bool", None, doc="self-tensor (default: even p)")},
+                         ("sketchlab.sketches.psf", "_fit_psf")),
+    "tensorsketch": _Entry(_tensorsketch, {}, ("sketchlab.sketches.tensorsketch", "_fit_tensorsketch")),
+    "hedgehog": _Entry(_hedgehog),
+    "dpfp": _Entry(_lazy("dpfp", "build_dpfp"), {"nu": Option("int", None, low=1, doc="DPFP's order n (M = 2·D·n)")}),
+    "identity": _Entry(_lazy("identity", "build_identity")),
+    # deprecated fit_sketch names (DEPRECATED_METHODS), each with its own fitter
+    "psf": _Entry(fit=("sketchlab.sketches.psf", "_fit_psf")),
+    "based": _Entry(fit=("sketchlab.sketches.based", "_fit_based")),
 }
-
-
-def _builtins() -> None:
-    """Register the built-in maps on first use (idempotent)."""
-    if "llops" in _REGISTRY:
-        return
-    for name, (build, options) in _BUILTINS.items():
-        register_feature_map(name, build, options)
+_REGISTRY.update(_BUILTINS)

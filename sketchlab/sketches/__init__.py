@@ -1,6 +1,8 @@
-"""Baseline sketches, each behind the :class:`~sketchlab.sketch.Sketch` interface and listed for
-:func:`~sketchlab.fit.fit_sketch` in :data:`sketchlab.fit.BUILTIN_SKETCHES` (the one registry): ``"psf"``, ``"tensorsketch"``, ``"mlp"``, ``"based"``,
-``"elementwise"``; and :func:`as_llops`, the exact conversions of the special cases to LLoPS Θ.
+"""Baseline sketches, each behind the :class:`~sketchlab.sketch.Sketch` interface, and their
+:func:`~sketchlab.fit.fit_sketch` fitters, each in the fitter slot of its name in the one registry
+(:data:`sketchlab.featuremaps.registry._BUILTINS`): ``"psf-random"``, ``"tensorsketch"``, ``"mlp"``,
+``"based-expand"``, ``"based-taylor"``, ``"elementwise"``; and :func:`as_llops`, the exact conversions of
+the special cases to LLoPS Θ.
 """
 
 from .based import (
