@@ -314,9 +314,10 @@ def sketch_attention(q, k, v, sketch: Sketch, *, options: AttentionOptions | Non
                      dict(causal=causal, normalize=normalize, non_negative=non_negative, eps=eps, backend=backend,
                           chunk_size=chunk_size, window=window, sinks=sinks, local=local, local_scale=local_scale,
                           denominator_check=denominator_check), _DEFAULTS["sketch_attention"])
-    if o.non_negative is None:
+    if o.non_negative is None:  # this entry's own default (its keyword's): a Sketch is never self-tensored unasked
         o = o.replace(non_negative=False)
-    causal, normalize, non_negative, eps, backend = o.causal, o.normalize or "sum", o.non_negative, o.eps, o.backend
+    o = o.resolve(True)  # normalize=None is "sum": the one rule (non_negative is given by now)
+    causal, normalize, non_negative, eps, backend = o.causal, o.normalize, o.non_negative, o.eps, o.backend
     chunk_size, window, sinks, local, local_scale = o.chunk_size, o.window, o.sinks, o.local, o.local_scale
     denominator_check = o.denominator_check
     q, k, v = check_qkv(q, k, v, causal=causal)
