@@ -89,6 +89,63 @@ def test_softmax_attention_matches_reference():
     assert not torch.equal(ref[-1, 2:3], torch.zeros_like(ref[-1, 2:3]))
 
 
+def _last_rows_of_whole(T, S, **kw):
+    """Causal attention of the last T of S positions (q [B, T, H, D], k, v [B, S, ...]) on both paths, and
+    the whole sequence's last T rows (what they must equal: a KV-cache decoding step)."""
+    q, k, v, _, _ = _problem(T=S)
+    return (softmax_attention(q[:, S - T:], k, v, causal=True, **kw),
+            softmax_attention_naive(q[:, S - T:], k, v, causal=True, **kw),
+            softmax_attention_naive(q, k, v, causal=True, **kw)[:, S - T:])
+
+
+@pytest.mark.parametrize("T", [1, 3, 19])
+def test_softmax_attention_causal_queries_are_the_last_positions(T):
+    """Causal with T <= S: the queries are the last T positions (a decoding step against its KV cache), fast
+    against naive in float64, and both equal to the last T rows of the whole sequence's attention."""
+    pad = torch.ones(2, 19, dtype=torch.bool)
+    pad[1, :4] = False
+    for kw in ({}, {"scale": 0.7, "key_padding_mask": pad}, {"window": 4}):
+        fast, naive, whole = _last_rows_of_whole(T, 19, **kw)
+        assert fast.shape == naive.shape == (2, T, 2, 3)
+        torch.testing.assert_close(fast, naive, atol=TOL64, rtol=0)
+        torch.testing.assert_close(naive, whole, atol=TOL64, rtol=0)
+    if T < 19:  # the first queries, not the last, would see fewer keys
+        q, k, v, _, _ = _problem()
+        assert not torch.allclose(softmax_attention(q[:, :T], k, v), softmax_attention_naive(q, k, v)[:, -T:])
+
+
+@pytest.mark.parametrize("window", [1, 3, 19, 40])
+def test_softmax_attention_sliding_window(window):
+    """window=w: query i sees the keys i-w < s <= i; fast against naive in float64, against a mask written
+    here, and (w >= T) the plain causal attention."""
+    q, k, v, _, _ = _problem()
+    fast = softmax_attention(q, k, v, window=window, scale=0.7)
+    naive = softmax_attention_naive(q, k, v, window=window, scale=0.7)
+    torch.testing.assert_close(fast, naive, atol=TOL64, rtol=0)
+    i = torch.arange(19)
+    lag = i[:, None] - i[None, :]  # [T, S]
+    allowed = (lag >= 0) & (lag < window)
+    logits = torch.einsum("bthd,bshd->bhts", q, k) * 0.7
+    want = torch.einsum("bhts,bshv->bthv", logits.masked_fill(~allowed, float("-inf")).softmax(-1), v)
+    torch.testing.assert_close(naive, want, atol=TOL64, rtol=0)
+    full = softmax_attention_naive(q, k, v, scale=0.7)
+    assert torch.allclose(naive, full, atol=TOL64, rtol=0) == (window >= 19)
+    if window == 1:  # each query sees itself only
+        torch.testing.assert_close(fast, v, atol=TOL64, rtol=0)
+
+
+def test_softmax_attention_grouped_query_core():
+    """The trusted core reads H_kv key/value heads in place for H query heads (query head h reads h // (H/H_kv)),
+    equal to the keys repeated (transformers' repeat_kv)."""
+    from sketchlab.attention.softmax import _softmax_attention
+
+    q, k, v = _rand(2, 7, 4, 4), _rand(2, 7, 2, 4, seed=1), _rand(2, 7, 2, 3, seed=2)
+    rep = lambda x: x.repeat_interleave(2, 2)  # noqa: E731
+    for kw in ({}, {"window": 2}, {"key_padding_mask": torch.tensor([[True] * 7, [False] * 2 + [True] * 5])}):
+        torch.testing.assert_close(_softmax_attention(q[:, 4:], k, v, **kw),
+                                   softmax_attention_naive(q[:, 4:], rep(k), rep(v), **kw), atol=TOL64, rtol=0)
+
+
 @pytest.mark.parametrize("method", sorted(sl.available_sketches()))
 def test_every_registered_sketch_runs_as_attention(method):
     """A per-head [H] sketch, fitted with fit_sketch, gives attention through its own features."""
@@ -184,6 +241,9 @@ def _bad_calls():
         (lambda: poly_attention(q, k, v, 0), "degree"),
         (lambda: poly_attention(q, k, v, 2, block_size=0), "block_size"),
         (lambda: softmax_attention(q, k, v, scale=-1.0), "scale"),
+        (lambda: softmax_attention(q, k[:, :5], v[:, :5]), "at most as many queries as keys"),
+        (lambda: softmax_attention(q, k, v, window=-1), "window"),
+        (lambda: softmax_attention(q, k, v, window=2, causal=False), "causal=True"),
     ]
 
 

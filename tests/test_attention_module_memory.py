@@ -153,3 +153,29 @@ def test_module_and_op_resolve_a_signed_theta_alike(state):
                             options=options)
     assert torch.allclose(block.attend(q, k, v), op, rtol=0, atol=TOL64)
     assert block.options == options.resolve(False)  # the one rule, the map signed
+
+
+@pytest.mark.parametrize("state", ["additive", "delta"])
+def test_module_and_the_op_resolve_a_signed_theta_to_the_same_options(state, monkeypatch):
+    """The drift test of issue 40 on the public op: ``LLoPSAttention(theta_q=<signed Θ>, normalize="sum",
+    state=...)`` and ``sketchlab.linear_attention`` with the same Θ (as LLoPSMaps) and options resolve to the
+    same options (``non_negative`` among them: self-tensored under the additive state's sum, not under the
+    delta state, which divides by none), recorded where the op resolves them; the op's state holds ``M`` or
+    ``M²`` features accordingly, and the block's attention is the op's call."""
+    import sketchlab as sl
+    from sketchlab.featuremaps import LLoPSMap
+
+    tq, tk = _rand(H, 1, 2, E // H, 5, seed=3), _rand(H, 1, 2, E // H, 5, seed=4)  # unequal factors: signed
+    kw = dict(window=4, state=state, normalize="sum", chunk_size=8)
+    block = LLoPSAttention(E, H, theta_q=tq, theta_k=tk, dtype=torch.float64, **kw)
+    assert block.options.non_negative is (state != "delta")
+    resolved, resolve = [], AttentionOptions.resolve
+    monkeypatch.setattr(AttentionOptions, "resolve", lambda self, m: (resolved.append(resolve(self, m)), resolved[-1])[1])
+    options = AttentionOptions(local_scale=block.options.local_scale, **kw)  # non_negative: the default, None
+    maps = [LLoPSMap(H, E // H, theta=t, dtype=torch.float64) for t in (tq, tk)]
+    q, k, v = (_rand(2, 11, H, E // H, seed=s) for s in (5, 6, 7))
+    o, st = sl.linear_attention(q * block.qk_scale, k * block.qk_scale, v, *maps, options=options, gate=block.gate,
+                                params=block.far, output_final_state=True)
+    assert resolved and resolved[-1] == block.options  # the op decided what the block decided
+    assert st.S.shape[-2] == (25 if block.options.non_negative else 5)  # [B, H, M (or M²), Dv]
+    assert torch.allclose(block.attend(q, k, v), o, rtol=0, atol=TOL64)

@@ -132,3 +132,32 @@ def test_pair_features_equal_the_maps_float64_twins(kind):
         with torch.no_grad():  # a training step in place between two tokens
             for p in list(fm_q.parameters()) + list(fm_k.parameters()):
                 p.mul_(1.5)
+
+
+@pytest.mark.parametrize("far", [dict(window=0, sinks=0), dict(window=3, sinks=1), dict(window=3, sinks=1, decay=0.9),
+                                 dict(window=0, sinks=0, state="delta")])
+def test_signed_map_with_default_options_decodes_as_the_forward(far):
+    """A layer built with ``normalize=None, non_negative=None`` over a signed map decides its defaults as the op
+    does (AttentionOptions.resolve, one rule): self-tensored under a sum, not under the delta state (its
+    readout divides by none). Its lean decoder (LayerDecoder) follows that decision: each decoded token
+    equals the layer's forward on it with the state, and so does the state it leaves."""
+    from sketchlab.convert.sketched import SketchedAttention
+    from sketchlab.featuremaps import LLoPSMap
+
+    B, H, D, T = 2, 2, 4, 6
+    fm_q = LLoPSMap(H, D, p=2, m=3, rank=2, seed=1, dtype=torch.float64)
+    fm_k = LLoPSMap(H, D, p=2, m=3, rank=2, seed=2, dtype=torch.float64)
+    assert not fm_q.non_negative and not fm_k.non_negative  # signed: rank 2, unequal sides
+    layer = SketchedAttention(fm_q, fm_k, heads=H, head_dim=D, normalize=None, non_negative=None, **far).double()
+    assert layer.non_negative == (far.get("state") != "delta")
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(B, T + 3, H, D, generator=gen, dtype=torch.float64) for _ in range(3))
+    with torch.no_grad():
+        _, state = layer(q[:, :T], k[:, :T], v[:, :T], output_final_state=True)
+        dec = layer.decoder(state)
+        for t in range(T, T + 3):
+            want, state = layer(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], initial_state=state,
+                                output_final_state=True)
+            got = dec.step(*(x[:, t:t + 1].transpose(1, 2) for x in (q, k, v)))  # [B, H, 1, D] each
+            torch.testing.assert_close(got, want, **TOL64)
+    torch.testing.assert_close(dec.state().S, state.S, **TOL64)

@@ -100,6 +100,30 @@ def test_exact_attention_with_grouped_heads_is_it_with_repeated_heads():
         att(q, q[:, :, :4], q[:, :, :4])
 
 
+def test_kv_decoder_step_is_the_layer_on_one_token():
+    """The lean decoding step of an exact layer (KVDecoder: softmax attention's core over its buffer, grouped
+    heads read in place) equals ExactAttention on each new token with the state, under a padded prompt, a
+    given scaling and H_kv < H, past a growth of its buffer; its state is the layer's."""
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(2, 5 + 4, 6, 4, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, 5 + 4, 2, 4, generator=g, dtype=torch.float64) for _ in range(2))
+    pad = torch.ones(2, 5, dtype=torch.bool)
+    pad[1, :2] = False
+    att = ExactAttention(heads=6, head_dim=4)
+    _, state = att(q[:, :5], k[:, :5], v[:, :5], scaling=0.3, key_padding_mask=pad, output_final_state=True)
+    dec = att.decoder(state, 0.3)
+    dec.k, dec.v = dec.k[:, :, :6], dec.v[:, :, :6]  # room for one token: the second step grows the buffer
+    dec.mask = dec.mask[:, :6]
+    for t in range(5, 9):
+        step = (x[:, t:t + 1].transpose(1, 2) for x in (q, k, v))  # [B, H|H_kv, 1, D]
+        got = dec.step(*step)
+        want, state = att(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], scaling=0.3, initial_state=state,
+                          output_final_state=True)
+        torch.testing.assert_close(got, want, **TOL64)
+    mine = dec.state()
+    assert torch.equal(mine.k, state.k) and torch.equal(mine.v, state.v) and torch.equal(mine.mask, state.mask)
+
+
 def test_save_load_round_trip_with_exact_layers(tmp_path):
     model = _llama()
     convert_attention(model, attention="llops", p=2, m=8, window=3, sinks=1, exact_layers=[0])

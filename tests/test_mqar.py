@@ -86,6 +86,25 @@ def test_softmax_attention_matches_naive_twin():
     torch.testing.assert_close(SoftmaxAttention()(q, k, v), softmax_attention_naive(q, k, v), rtol=1e-12, atol=1e-12)
 
 
+def test_softmax_step_and_sliding_window_match_naive_twin():
+    """The toy softmax kernel's KV-cache step (a prompt, then 3 tokens, then 1) and the sliding-window mixer
+    against the float64 twin: the step's queries are the last n of the cached positions."""
+    from sketchlab.tasks.mixers import SlidingWindowAttention
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 9, 3, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    want = softmax_attention_naive(q, k, v)
+    attn, state, rows = SoftmaxAttention(), None, []
+    for a, b in ((0, 5), (5, 8), (8, 9)):
+        out, state = attn.step(q[:, a:b], k[:, a:b], v[:, a:b], state)
+        rows.append(out)
+    assert state[0].shape == (2, 9, 3, 8)
+    torch.testing.assert_close(torch.cat(rows, 1), want, rtol=1e-12, atol=1e-12)
+    for window in (1, 3):
+        torch.testing.assert_close(SlidingWindowAttention(window)(q, k, v),
+                                   softmax_attention_naive(q, k, v, window=window), rtol=1e-12, atol=1e-12)
+
+
 def test_rope_preserves_norms_and_depends_on_offset_only():
     g = torch.Generator().manual_seed(1)
     q = torch.randn(1, 1, 1, 16, generator=g, dtype=torch.float64).expand(1, 12, 1, 16)

@@ -21,7 +21,6 @@ import importlib.util
 
 import torch
 
-from .._validation import check_real
 from ..llops.maps import llops_feature_fn, llops_is_non_negative
 from ..numerics import check_llops_kernel_range
 from ..sketch import Sketch
@@ -41,6 +40,7 @@ from .options import _BACKENDS, AttentionOptions, FarParams
 from .poly import poly_attention  # re-exported: blocked exact polynomial attention
 from .qk_conv import with_qk_conv
 from .reference import feature_attention_naive, llops_attention_naive
+from .softmax import softmax_attention  # re-exported: the exact softmax attention
 
 __all__ = ["BACKENDS", "dump_segments", "linear_attention", "llops_attention", "poly_attention", "resolve_backend", "sketch_attention", "softmax_attention"]
 
@@ -313,9 +313,10 @@ def sketch_attention(q, k, v, sketch: Sketch, *, options: AttentionOptions | Non
                      dict(causal=causal, normalize=normalize, non_negative=non_negative, eps=eps, backend=backend,
                           chunk_size=chunk_size, window=window, sinks=sinks, local=local, local_scale=local_scale,
                           denominator_check=denominator_check), _DEFAULTS["sketch_attention"])
-    if o.non_negative is None:
+    if o.non_negative is None:  # this entry's own default (its keyword's): a Sketch is never self-tensored unasked
         o = o.replace(non_negative=False)
-    causal, normalize, non_negative, eps, backend = o.causal, o.normalize or "sum", o.non_negative, o.eps, o.backend
+    o = o.resolve(True)  # normalize=None is "sum": the one rule (non_negative is given by now)
+    causal, normalize, non_negative, eps, backend = o.causal, o.normalize, o.non_negative, o.eps, o.backend
     chunk_size, window, sinks, local, local_scale = o.chunk_size, o.window, o.sinks, o.local, o.local_scale
     denominator_check = o.denominator_check
     q, k, v = check_qkv(q, k, v, causal=causal)
@@ -543,33 +544,6 @@ def _sketch_dim(sketch: Sketch, default: int) -> int:
     if isinstance(theta, torch.Tensor):
         return theta.shape[-2]
     return default
-
-
-def softmax_attention(q, k, v, *, causal: bool = True, scale: float | None = None,
-                      key_padding_mask=None) -> torch.Tensor:
-    r"""Softmax attention through ``torch.nn.functional.scaled_dot_product_attention`` (SDPA).
-
-    ``q [B, T, H, D]``, ``k [B, S, H, D]``, ``v [B, S, H, Dv]`` → ``[B, T, H, Dv]``:
-    :math:`\mathrm{softmax}(q k^\top\cdot\mathrm{scale} + \text{mask})\,v`, ``scale`` default ``1/√D``.
-    ``key_padding_mask`` ``[B, S]`` bool (``True`` = a real token): padded keys are masked out; a
-    query that sees no real key (left padding under the causal mask) gets 0.
-    """
-    check_flag(causal, "causal")
-    q, k, v = check_qkv(q, k, v, causal=causal)
-    if scale is not None:
-        scale = check_real(scale, "scale", positive=True)
-    key_padding_mask = check_key_padding_mask(key_padding_mask, q.shape[0], k.shape[1], q.device)
-    allowed = None
-    if key_padding_mask is not None:
-        allowed = key_padding_mask[:, None, None, :]  # [B, 1, 1, S]
-        if causal:
-            allowed = allowed & torch.ones(q.shape[1], k.shape[1], dtype=torch.bool, device=q.device).tril()
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=allowed,
-        is_causal=causal and allowed is None, scale=scale)  # [B, H, T, Dv]
-    if allowed is not None:  # rows without any real key: 0 (SDPA's own result for them is not documented)
-        out = out.masked_fill(~allowed.any(-1, keepdim=True), 0.0)
-    return out.transpose(1, 2)
 
 
 #: The option keywords' defaults of each entry point (options= must leave them so).

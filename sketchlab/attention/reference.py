@@ -340,21 +340,31 @@ def poly_attention_naive(q, k, v, p: int, *, causal: bool = True, normalize: str
                                   segments=segments).transpose(1, 2)  # [B, T, H, Dv]
 
 
-def softmax_attention_naive(q, k, v, *, causal: bool = True, scale: float | None = None, segments=None,
-                            key_padding_mask=None) -> torch.Tensor:
+def softmax_attention_naive(q, k, v, *, causal: bool = True, scale: float | None = None, window: int = 0,
+                            segments=None, key_padding_mask=None) -> torch.Tensor:
     r"""Softmax attention :math:`\mathrm{softmax}(q k^\top \cdot \mathrm{scale} + \text{mask})\, v`, dense float64.
 
     ``q [B, T, H, D]``, ``k [B, S, H, D]``, ``v [B, S, H, Dv]`` → ``[B, T, H, Dv]``;
-    ``scale`` defaults to ``1/√D``. ``key_padding_mask`` ``[B, S]`` bool (``True`` = a real token):
-    padded keys are masked out; a query that sees no key at all gets 0.
+    ``scale`` defaults to ``1/√D``. ``causal``: the queries are the last ``T ≤ S`` positions, query ``t`` at
+    ``i = S − T + t`` sees the keys ``s ≤ i``; ``window = w ≥ 1`` (causal only) keeps ``i − w < s`` of them.
+    ``segments`` (``T == S``) as in :func:`attention_mask`. ``key_padding_mask`` ``[B, S]`` bool (``True`` = a
+    real token): padded keys are masked out; a query that sees no key at all gets 0.
     """
     check_flag(causal, "causal")
-    q, k, v = check_qkv(q, k, v, causal=causal)
+    q, k, v = check_qkv(q, k, v, causal=False)
+    T, S = q.shape[1], k.shape[1]
+    if causal and T > S:
+        raise ValueError(f"causal attention needs T <= S (the queries are the last T keys), got T={T}, S={S}")
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0 or (window and not causal):
+        raise ValueError(f"window must be an integer >= 0 (0 = none; >= 1 needs causal=True), got {window!r}")
     scale = q.shape[-1] ** -0.5 if scale is None else check_real(scale, "scale", positive=True)
     key_padding_mask = check_key_padding_mask(key_padding_mask, q.shape[0], k.shape[1], q.device)
     q, k, v = (x.to(torch.float64).transpose(1, 2) for x in (q, k, v))  # [B, H, T|S, ·]
     logits = (q @ k.mT) * scale  # [B, H, T, S]
-    mask = attention_mask(q.shape[-2], k.shape[-2], causal=causal, segments=segments, device=q.device)
+    lag = torch.arange(S - T, S, device=q.device)[:, None] - torch.arange(S, device=q.device)  # [T, S]: i − s
+    mask = attention_mask(T, S, causal=False, segments=segments, device=q.device)
+    if causal:
+        mask = mask & (lag >= 0) & ((lag < window) if window else True)
     if key_padding_mask is not None:
         mask = mask & key_padding_mask[:, None, None, :]  # [B, 1, T, S]
     weights = logits.masked_fill(~mask, float("-inf")).softmax(-1).masked_fill(~mask.any(-1, keepdim=True), 0.0)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..attention.softmax import _softmax_attention
 from ..attention.state import TensorState
 
 __all__ = ["ExactAttention", "KVDecoder", "KVState"]
@@ -47,9 +48,9 @@ class KVState(TensorState):
 
 class KVDecoder:
     """An exact layer decoding one token at a time: its keys and values in a preallocated buffer that grows
-    by a quarter (at least 256 tokens) when full, so a token costs a write and one
-    ``scaled_dot_product_attention`` over the held keys (grouped-query heads read in place,
-    ``enable_gqa``), not a copy of the whole cache (as ``torch.cat`` would, and :meth:`ExactAttention.forward`
+    by a quarter (at least 256 tokens) when full, so a token costs a write and one softmax attention
+    (:func:`sketchlab.attention.softmax_attention`'s trusted core: no per-token checks) over the held keys
+    (grouped-query heads read in place, ``enable_gqa``), not a copy of the whole cache (as ``torch.cat`` would, and :meth:`ExactAttention.forward`
     does). Equal to :meth:`ExactAttention.forward` on one token with the state (tested); inference only."""
 
     def __init__(self, state: KVState, heads: int, scaling: float | None):
@@ -93,11 +94,10 @@ class KVDecoder:
             self._grow()
         self.k[:, :, n], self.v[:, :, n] = key[:, :, 0], value[:, :, 0]
         self.n = n + 1
-        mask = None if self.mask is None else self.mask[:, None, None, :n + 1]
-        out = nn.functional.scaled_dot_product_attention(
-            query, self.k[:, :, :n + 1].to(query.dtype), self.v[:, :, :n + 1].to(query.dtype), attn_mask=mask,
-            scale=self.scaling, enable_gqa=self.k.shape[1] != query.shape[1])  # [B, H, 1, Dv]
-        return out.transpose(1, 2)
+        k, v = (x[:, :, :n + 1].to(query.dtype).transpose(1, 2) for x in (self.k, self.v))  # [B, n + 1, H_kv, ·] views
+        # the one new query is the last position: it sees every held key (no causal mask), GQA read in place
+        return _softmax_attention(query.transpose(1, 2), k, v, causal=True, scale=self.scaling,
+                                  key_padding_mask=None if self.mask is None else self.mask[:, :n + 1])
 
 
 class ExactAttention(nn.Module):

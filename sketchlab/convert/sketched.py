@@ -86,8 +86,10 @@ class SketchedAttention(nn.Module):
         (``g = 1/2`` fixed). Ignored for ``window=0``.
     normalize : str or None
         Passed to the attention (``None``: its default).
-    non_negative : bool
-        Self-tensor the features (fixed here, never chosen per call from the maps' current signs).
+    non_negative : bool or None
+        Self-tensor the features; ``None``: decided for the maps by :meth:`AttentionOptions.resolve
+        <sketchlab.attention.AttentionOptions.resolve>`, the op's one rule (:attr:`non_negative` reads the
+        decision; the lean decoder follows it).
     eps : float
         Added to the denominator.
     causal : bool
@@ -102,7 +104,7 @@ class SketchedAttention(nn.Module):
 
     def __init__(self, feature_map_q: nn.Module, feature_map_k: nn.Module, *, heads: int, head_dim: int,
                  window: int, sinks: int, local: str = "softmax", gate: bool = True, normalize: str | None = None,
-                 non_negative: bool = False, eps: float = 1e-6, causal: bool = True, cache: int = 0,
+                 non_negative: bool | None = False, eps: float = 1e-6, causal: bool = True, cache: int = 0,
                  decay=None, state: str = "additive", beta: str = "head", qk_conv: int = 0):
         super().__init__()
         from ..attention.options import AttentionOptions, FarParams
@@ -117,7 +119,7 @@ class SketchedAttention(nn.Module):
             self.feature_map_k = feature_map_k
         self.heads, self.head_dim = int(heads), int(head_dim)
         self.window, self.sinks, self.local = int(window), int(sinks), local
-        self.normalize, self.non_negative, self.causal = normalize, bool(non_negative), bool(causal)
+        self.normalize, self.causal = normalize, bool(causal)
         self.eps = float(eps)
         self.gate = nn.Parameter(torch.zeros(heads)) if gate and window > 0 else None  # [H] logits
         # decay and the delta rule's β (the gate stays `gate`, where saved conversions have it)
@@ -133,6 +135,19 @@ class SketchedAttention(nn.Module):
         ``save_pretrained``/safetensors refuse the model as holding shared tensors, and a reload
         then restores the one map that q and k both use."""
         return self._modules.get("feature_map_k", self.feature_map_q)
+
+    def resolved_options(self):
+        """:attr:`options` with ``normalize`` and ``non_negative`` decided for this layer's maps, as
+        :func:`~sketchlab.attention.linear_attention` decides them on each call (:meth:`AttentionOptions.resolve
+        <sketchlab.attention.AttentionOptions.resolve>`: the one rule)."""
+        fm_q, fm_k = self.feature_map_q, self.feature_map_k
+        return self.options.resolve(lambda: fm_q.non_negative and fm_k.non_negative)
+
+    @property
+    def non_negative(self) -> bool:
+        """The features are self-tensored (``φ ⊗ φ``): the given ``non_negative``, or the default's decision
+        (:meth:`resolved_options`)."""
+        return self.resolved_options().non_negative
 
     def extra_repr(self) -> str:
         o = self.options
@@ -198,13 +213,13 @@ class LayerDecoder:
         c = sketch.input_scale
         scaling = 1.0 / math.sqrt(sketch.head_dim) if scaling is None else float(scaling)
         fm_q, fm_k = sketch.feature_map_q, sketch.feature_map_k
-        options = sketch.options.replace(local_scale=scaling / (c * c))
-        memory = options.memory
-        self.lift = self_tensor if memory and sketch.non_negative else None  # a memory state's: self-tensored
+        # the defaults decided as the forward's op decides them (one rule: AttentionOptions.resolve)
+        options = sketch.resolved_options().replace(local_scale=scaling / (c * c))
+        memory, lifted = options.memory, options.non_negative
+        self.lift = self_tensor if memory and lifted else None  # a memory state's: self-tensored
         self.step_ = RecurrentStep.from_state(
             state, options=options, params=sketch.far, gate=sketch.gate, degree=getattr(fm_q, "degree", None),
-            lift=sketch.non_negative and not memory,
-            non_negative=sketch.non_negative or (fm_q.non_negative and fm_k.non_negative))
+            lift=lifted and not memory, non_negative=lifted or (fm_q.non_negative and fm_k.non_negative))
         self.heads, self.c, self.B = sketch.heads, c, state.S.shape[0]
         if isinstance(fm_q, LLoPSMap) and isinstance(fm_k, LLoPSMap):
             from ..llops.maps import llops_pair_features

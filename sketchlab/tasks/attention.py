@@ -207,9 +207,8 @@ class ToyKernel(nn.Module):
         if self.map_q is None:
             from ..attention import poly_attention
 
-            o = self.attention_options
-            return poly_attention(q * self.scale, k * self.scale, v, self.options["p"], normalize=o.normalize or "sum",
-                                  eps=o.eps)
+            o = self.attention_options.resolve(True)  # normalize=None is "sum" (the one rule; no map to self-tensor)
+            return poly_attention(q * self.scale, k * self.scale, v, self.options["p"], normalize=o.normalize, eps=o.eps)
         return self._attend(q, k, v)
 
     def step(self, q, k, v, state):

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..attention.softmax import _softmax_attention
 from ..featuremaps import feature_map_names, register_feature_map
 from ..featuremaps.identity import IdentityMap
 from .attention import register_feature_map_kernels
@@ -53,13 +54,7 @@ class SlidingWindowAttention(nn.Module):
         self.window = window
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        T = q.shape[1]
-        pos = torch.arange(T, device=q.device)
-        lag = pos[:, None] - pos[None, :]  # [T, T]: query t, key s -> t - s
-        allowed = (lag >= 0) & (lag < self.window)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             attn_mask=allowed)  # [B, H, T, D]
-        return out.transpose(1, 2)
+        return _softmax_attention(q, k, v, causal=True, window=self.window)  # [B, T, H, D]
 
 
 def _window_options(opts: dict, config: TransformerConfig) -> dict:

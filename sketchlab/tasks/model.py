@@ -4,8 +4,7 @@ The attention *kernel* is a separate module that takes ``q, k, v`` of layout ``[
 (after the projections and the rotary embedding) and returns ``[B, T, H, D]``. It is chosen by
 name from a registry (:func:`register_attention`), so a checkpoint stores only the name and a
 later sketched attention drops in by registering itself. ``"softmax"`` is causal softmax
-attention through ``torch.nn.functional.scaled_dot_product_attention`` with logits
-``q kᵀ / √D``.
+attention (:func:`sketchlab.attention.softmax_attention`'s core) with logits ``q kᵀ / √D``.
 
 Block (pre-norm, as GPT-2/LLaMA)::
 
@@ -33,10 +32,10 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .._validation import check_positive_int, check_real
+from ..attention.softmax import _softmax_attention
 
 __all__ = [
     "CausalSelfAttention",
@@ -104,24 +103,19 @@ def kv_cache_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache, atte
 
 
 class SoftmaxAttention(nn.Module):
-    """Causal softmax attention, layout ``[B, T, H, D]`` in and out, logits scaled by ``1/√D``."""
+    """Causal softmax attention, layout ``[B, T, H, D]`` in and out, logits scaled by ``1/√D``
+    (:func:`sketchlab.attention.softmax_attention`'s core)."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        # SDPA wants [B, H, T, D]
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
-        )  # [B, H, T, D]
-        return out.transpose(1, 2)  # [B, T, H, D]
+        return _softmax_attention(q, k, v, causal=True)  # [B, T, H, D]
 
     def step(self, q, k, v, state):
-        """``n`` new tokens against the KV cache ``state`` (see :func:`kv_cache_step`)."""
-
-        def attend(q, k, v, allowed):
-            out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                 attn_mask=allowed)  # [B, H, n, D]
-            return out.transpose(1, 2)
-
-        return kv_cache_step(q, k, v, state, attend)
+        """``n`` new tokens ``q, k, v [B, n, H, D]`` against the KV cache ``state = (K [B, P, H, D], V)`` (``None``
+        at the start): the causal attention of the last ``n`` of the ``P + n`` positions. Returns
+        ``(out [B, n, H, D], (K, V))`` with the new keys appended (memory grows with context)."""
+        if state is not None:
+            k, v = torch.cat([state[0], k], 1), torch.cat([state[1], v], 1)  # [B, P + n, H, D]
+        return _softmax_attention(q, k, v, causal=True), (k, v)
 
 
 @register_attention("softmax")
