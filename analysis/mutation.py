@@ -136,8 +136,9 @@ TESTS_BY_FILE: dict[str, list[str]] = {
     "sketchlab/attention/hybrid_chunked.py": ["tests/test_attention_hybrid.py", "tests/test_attention_state.py",
                                               "tests/test_attention_core.py"],
     # the one hybrid combine: the chunked hybrid's one-token and non-causal paths, the memory paths
-    "sketchlab/attention/ops/hybrid.py": ["tests/test_attention_hybrid.py", "tests/test_attention_state.py",
-                                         "tests/test_memory.py", "tests/test_mut5_hybrid.py"],
+    "sketchlab/attention/ops/hybrid.py": ["tests/test_attention_ops_hybrid.py", "tests/test_attention_hybrid.py",
+                                         "tests/test_attention_state.py", "tests/test_memory.py",
+                                         "tests/test_mut5_hybrid.py"],
     "sketchlab/attention/state.py": ["tests/test_attention_state.py", "tests/test_attention_hybrid.py",
                                      "tests/test_convert.py"],
 }
