@@ -44,16 +44,18 @@ def gate_weight(gate: torch.Tensor | None, heads: int, *, dtype: torch.dtype, de
     return torch.sigmoid(gate.to(dtype))
 
 
-def local_weights(logits: torch.Tensor, ok: torch.Tensor, *, local: str, degree: int | None,
+def local_weights(logits: torch.Tensor, ok: torch.Tensor | None, *, local: str, degree: int | None,
                   shift: torch.Tensor | None = None) -> torch.Tensor:
     r"""The exact part's unnormalised weights ``a [..., n]`` of ``logits [..., n]`` where ``ok`` (0 elsewhere).
 
     ``local="softmax"``: :math:`a_j = e^{x_j - c}` with ``c`` the row maximum over the allowed keys (0 for a
     row with none), or the given ``shift [..., 1]`` (a maximum over more keys than these); ``"poly"``:
-    :math:`a_j = x_j^{\,p}`, ``p = degree``. ``ok`` is a bool mask broadcastable to ``logits``.
+    :math:`a_j = x_j^{\,p}`, ``p = degree``. ``ok`` is a bool mask broadcastable to ``logits``; ``None`` with
+    ``"softmax"``: the logits are already ``−inf`` off the allowed keys.
     """
     if local == "softmax":
-        logits = torch.where(ok, logits, float("-inf"))  # exp(-inf) = 0: the masked keys
+        if ok is not None:
+            logits = torch.where(ok, logits, float("-inf"))  # exp(-inf) = 0: the masked keys
         c = logits.amax(-1, keepdim=True).nan_to_num(neginf=0.0) if shift is None else shift  # [..., 1]
         return (logits - c).exp()
     return torch.where(ok, logits**degree, logits.new_zeros(()))
@@ -70,7 +72,8 @@ def exact_sums(pieces, *, local: str, degree: int | None) -> tuple[torch.Tensor,
     pieces = [p for p in pieces if p[0].shape[-1]]  # (no sinks: an empty piece)
     shift = None
     if local == "softmax" and len(pieces) > 1:
-        maxima = [torch.where(ok, x, float("-inf")).amax(-1, keepdim=True) for x, ok, _ in pieces]  # [..., 1] each
+        pieces = [(torch.where(ok, x, float("-inf")), None, v) for x, ok, v in pieces]  # masked once
+        maxima = [x.amax(-1, keepdim=True) for x, _, _ in pieces]  # [..., 1] each
         shift = functools.reduce(torch.maximum, maxima).nan_to_num(neginf=0.0)  # c over every exact key
     num = den = None
     for logits, ok, values in pieces:
