@@ -71,7 +71,8 @@ MODULES = {
     # the Triton kernels (sketchlab/attention/triton/) are not mutated: see pyproject.toml [tool.mutmut]
     "attention": ["sketchlab/attention/*.py"],
     # the sliding-window hybrid and the decoding state (added after the attention campaign; sampled apart)
-    "hybrid": ["sketchlab/attention/hybrid_chunked.py", "sketchlab/attention/state.py"],
+    "hybrid": ["sketchlab/attention/hybrid_chunked.py", "sketchlab/attention/state.py",
+               "sketchlab/attention/ops/hybrid.py"],
     "convert": ["sketchlab/convert/*.py"],
     # the long-context modules (issue 35's mutation round): the memory mechanisms and their options, the exact
     # layers and their ranking (also in "convert", sampled apart here); then the recall benchmarks
@@ -134,6 +135,10 @@ TESTS_BY_FILE: dict[str, list[str]] = {
     "sketchlab/evaluate.py": ["tests/test_evaluate.py"],
     "sketchlab/attention/hybrid_chunked.py": ["tests/test_attention_hybrid.py", "tests/test_attention_state.py",
                                               "tests/test_attention_core.py"],
+    # the one hybrid combine: the chunked hybrid's one-token and non-causal paths, the memory paths
+    "sketchlab/attention/ops/hybrid.py": ["tests/test_attention_ops_hybrid.py", "tests/test_attention_hybrid.py",
+                                         "tests/test_attention_state.py", "tests/test_memory.py",
+                                         "tests/test_mut5_hybrid.py"],
     "sketchlab/attention/state.py": ["tests/test_attention_state.py", "tests/test_attention_hybrid.py",
                                      "tests/test_convert.py"],
 }

@@ -4,6 +4,10 @@ weights (softmax or polynomial) over the window and the sinks, the far kernel ov
 
 The keys are chunk-major ``[chunks, B, H, C, ·]`` as the far state's: the held window and the block's tokens are
 laid end to end into one such tensor without a joined token-major copy (:func:`_join_chunks`).
+
+A fused form of the hybrid combine (:mod:`sketchlab.attention.ops.hybrid`, which the unfused paths share): the
+local weights per key-chunk lag, the gate folded into them (num and den divided by ``1 − g``), beside a
+hand-written backward; tested against the float64 twin, as the Triton kernel is.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ chunk ``c`` of ``C`` tokens the local keys (window ``w`` and sinks) are read fro
 ``0 … ⌈(w + C − 1)/C⌉ − 1`` back with fixed masks, so the local part costs ``O(T·(w + C))``,
 never ``T²``; the far keys come from the carried :class:`~sketchlab.attention.AttentionState`
 (a key enters ``S, z`` only once it has left the window). Decoding one token and the
-non-causal path use :meth:`_Hybrid.combine` on a band of keys. The formula and its float64 twin:
+non-causal path read a band of keys through the one hybrid combine, :mod:`sketchlab.attention.ops.hybrid`.
+The formula and its float64 twin:
 :func:`sketchlab.attention.reference.feature_attention_naive`. Inputs are trusted (checked by the
 public entry points).
 """
@@ -17,6 +18,7 @@ import torch
 
 from ..polynomial import self_tensor
 from .chunk_hybrid import hybrid_core
+from .ops.hybrid import combine, exact_sums, gate_weight
 
 
 def _pad_tokens(x: torch.Tensor, length: int) -> torch.Tensor:
@@ -38,49 +40,21 @@ def _pad_front(x: torch.Tensor, before: int, after: int = 0) -> torch.Tensor:
 
 
 class _Hybrid:
-    """Options of one hybrid call: window, sinks, local kind and scale, degree, gate, eps, lift."""
+    """Options of one hybrid call: window, sinks, local kind and scale, degree, the gate ``g [1, H, 1, 1]``, eps,
+    lift; the exact sums and the combine are :mod:`sketchlab.attention.ops.hybrid`'s."""
 
     def __init__(self, *, window, sinks, local, scale, degree, gate, eps, non_negative, heads, like):
         self.window, self.sinks, self.local, self.scale, self.degree, self.eps = window, sinks, local, scale, degree, eps
         self.non_negative = non_negative
-        g = torch.full((heads,), 0.5, dtype=like.dtype, device=like.device) if gate is None else torch.sigmoid(gate).to(like.dtype)
-        self.g = g[None, :, None, None]  # [1, H, 1, 1]
+        self.g = gate_weight(gate, heads, dtype=like.dtype, device=like.device)[None, :, None, None]  # [1, H, 1, 1]
         self.lift = self_tensor if non_negative else (lambda f: f)
 
-    def combine(self, qc, fqc, far_band, band_k, band_v, loc_ok, sink_k, sink_v, sink_ok, far_num, far_den):
-        r"""Output of query chunks ``qc [B, H, N, C, D]`` (features ``fqc``) against the far keys
-        near them (``far_band``: pieces ``(features [B, H, N, U', M], values [B, H, N, U', Dv],
-        mask [B|1, 1, N|1, C, U'])``), their band of local keys ``[B, H, N, U, ·]`` (``loc_ok``),
-        the sinks ``[B, H, Ls, ·]`` (``sink_ok [B|1, 1, N, C, Ls]``) and the far sums from the
-        states (``far_num [B, H, N, C, Dv]``, ``far_den [B, H, N, C]``). Returns ``(num, den)``."""
-        zero = qc.new_zeros(())
-        for band_f, band_fv, far_ok in far_band:
-            fs = fqc @ band_f.mT  # [B, H, N, C, U']
-            if self.non_negative:
-                fs = fs.square()  # (φq·φk)² = (φ⊗φ)(q)·(φ⊗φ)(k)
-            fs = torch.where(far_ok, fs, zero)
-            far_num = far_num + fs @ band_fv  # [B, H, N, C, Dv]
-            far_den = far_den + fs.sum(-1)
-        logits = (qc @ band_k.mT) * self.scale  # [B, H, N, C, U]
-        has_sinks = sink_k.shape[2] > 0
-        slog = (qc @ sink_k[:, :, None].mT) * self.scale if has_sinks else None  # [B, H, N, C, Ls]
-        if self.local == "softmax":
-            logits = torch.where(loc_ok, logits, float("-inf"))
-            c = logits.amax(-1, keepdim=True)  # [B, H, N, C, 1]   c_i = max over the local keys
-            if has_sinks:
-                slog = torch.where(sink_ok, slog, float("-inf"))
-                c = torch.maximum(c, slog.amax(-1, keepdim=True))
-            c = torch.where(torch.isfinite(c), c, zero)  # a row without local keys: c = 0
-            a = torch.exp(logits - c)  # exp(-inf) = 0 off the local keys
-            sa = torch.exp(slog - c) if has_sinks else None
-        else:
-            a = torch.where(loc_ok, logits**self.degree, zero)
-            sa = torch.where(sink_ok, slog**self.degree, zero) if has_sinks else None
-        loc_num, loc_den = a @ band_v, a.sum(-1)  # [B, H, N, C, Dv], [B, H, N, C]
-        if has_sinks:
-            loc_num, loc_den = loc_num + sa @ sink_v[:, :, None], loc_den + sa.sum(-1)
-        g = self.g
-        return g[..., None] * loc_num + (1 - g[..., None]) * far_num, g * loc_den + (1 - g) * far_den
+    def exact(self, qc, keys):
+        r"""The exact sums ``(Σ a v [B, H, N, C, Dv], Σ a [B, H, N, C])`` of query chunks ``qc [B, H, N, C, D]``
+        against groups of exact keys ``(k [B, H, N|1, U, D], v [B, H, N|1, U, Dv], ok [B|1, 1, N|1, C|1, U])``
+        (the band of local keys, the sinks), one shift over them all (:func:`~.ops.hybrid.exact_sums`)."""
+        return exact_sums([((qc @ k.mT) * self.scale, ok, v) for k, v, ok in keys],  # logits [B, H, N, C, U]
+                          local=self.local, degree=self.degree)
 
 
 def _hybrid_causal_block(h: _Hybrid, state, q_new, k_new, v_new, fq_new, fk_new, valid_new, C: int, counter):
@@ -181,11 +155,12 @@ def _hybrid_decode_one(h: _Hybrid, state, q, k, v, fq, fk, valid, counter):
     if mask_sink is not None:
         sink_ok = sink_ok & mask_sink[:, None, None, None, :]
     lq = h.lift(fq)[:, :, None]  # [B, H, 1, 1, M2]
-    num, den = h.combine(q[:, :, None], fq[:, :, None], [], loc_k[:, :, None], loc_v[:, :, None], loc_ok, k_sink,
-                         v_sink, sink_ok, lq @ S[:, :, None], (lq @ z[:, :, None, :, None]).squeeze(-1))
+    ex_num, ex_den = h.exact(q[:, :, None], [(loc_k[:, :, None], loc_v[:, :, None], loc_ok),
+                                             (k_sink[:, :, None], v_sink[:, :, None], sink_ok)])
+    out, den = combine(ex_num, ex_den, lq @ S[:, :, None], (lq @ z[:, :, None, :, None]).squeeze(-1), h.g, eps=h.eps)
     if counter is not None:
         counter.add(den[:, :, 0], mn)
-    out = num[:, :, 0] / (den[:, :, 0, :, None] + h.eps)  # [B, H, 1, Dv]
+    out = out[:, :, 0]  # [B, H, 1, Dv]
     keep = slice(-min(w, P + 1), None)
     win_k, win_v = torch.cat([state.k_window, k], 2), torch.cat([state.v_window, v], 2)
     win_f = torch.cat([state.phi_window, fk], 2)
@@ -240,11 +215,18 @@ def _hybrid_noncausal(h: _Hybrid, q, k, v, fq, fk, valid, C: int, counter):
     qc = _pad_tokens(q, N * C).unflatten(2, (N, C))  # [B, H, N, C, D]
     lq = h.lift(fqc)
     band_v = _band(vp, U, C)
-    num, den = h.combine(qc, fqc, [(_band(fp, U, C), band_v, far_ok)], _band(kp, U, C), band_v, loc_ok, k_sink,
-                         v_sink, sink_ok, lq @ (pre + suf), (lq @ (zpre + zsuf)[..., None]).squeeze(-1))
+    # far: the prefix and suffix states, and the band's far keys read directly
+    fs = fqc @ _band(fp, U, C).mT  # [B, H, N, C, U]
+    if h.non_negative:
+        fs = fs.square()  # (φq·φk)² = (φ⊗φ)(q)·(φ⊗φ)(k)
+    fs = torch.where(far_ok, fs, fs.new_zeros(()))
+    far_num = lq @ (pre + suf) + fs @ band_v  # [B, H, N, C, Dv]
+    far_den = (lq @ (zpre + zsuf)[..., None]).squeeze(-1) + fs.sum(-1)  # [B, H, N, C]
+    ex_num, ex_den = h.exact(qc, [(_band(kp, U, C), band_v, loc_ok), (k_sink[:, :, None], v_sink[:, :, None], sink_ok)])
+    out, den = combine(ex_num, ex_den, far_num, far_den, h.g, eps=h.eps)
     if counter is not None:
         counter.add(den.flatten(2, 3)[:, :, :T], mn)
-    return (num / (den[..., None] + h.eps)).flatten(2, 3)[:, :, :T]  # [B, H, T, Dv]
+    return out.flatten(2, 3)[:, :, :T]  # [B, H, T, Dv]
 
 
 class DenominatorCounter:

@@ -18,19 +18,11 @@ from __future__ import annotations
 import torch
 
 from ._checks import denominator_counts, report_denominators
-from .memory_state import MemoryState, _beta, _gate, _log_decay, recall_score, unit, vouch
+from .memory_state import MemoryState, _beta, _log_decay, recall_score, unit, vouch
+from .ops.hybrid import combine_delta, gate_weight, local_weights, mix
 
 #: Sorts after every position: a slot not in the running for "the oldest".
 _NEVER = torch.iinfo(torch.long).max
-
-
-def _local_weights(c, logits: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
-    """The exact part's unnormalised weights of ``logits`` where ``ok`` (zero elsewhere): ``exp(logit − max)``
-    (``c.o.local == "softmax"``; the max over the allowed keys, 0 for a row with none) else ``logit ** c.degree``."""
-    if c.o.local == "softmax":
-        logits = torch.where(ok, logits, float("-inf"))  # exp(-inf) = 0: the masked keys
-        return (logits - logits.amax(-1, keepdim=True).nan_to_num(neginf=0.0)).exp()
-    return torch.where(ok, logits ** c.degree, logits.new_zeros(()))
 
 
 def _rows(st: MemoryState) -> torch.Tensor:
@@ -132,14 +124,14 @@ def decode(c) -> torch.Tensor | tuple[torch.Tensor, MemoryState]:
         cut = min(Lw + 1, max(drop, s - (pos - Lw)))  # leading window-part rows that are not exact keys: gone, or sinks
         ok = torch.cat([m_snk[:, None].expand(B, H, -1), *([cached.new_zeros(B, H, cut)] if cut else []),
                         m_win[:, None, cut:].expand(B, H, -1), cached], -1)  # [B, H, c0 + K]: the buffer's exact keys
-        g = _gate(c, work)[:, None, None]  # [H, 1, 1]
-        a = _local_weights(c, c.scale * (tr(c.q) @ buf[..., :D].mT), ok[:, :, None])  # [B, H, 1, c0 + K]
+        g = gate_weight(c.far["gate"], H, dtype=work, device=dev)[:, None]  # [H, 1]
+        logits = c.scale * (tr(c.q) @ buf[..., :D].mT)  # [B, H, 1, c0 + K]
+        a = local_weights(logits, ok[:, :, None], local=o.local, degree=c.degree)
         ex = a @ buf[..., D:F1]  # [Σ a v | Σ a] [B, H, 1, Dv + 1]
         if c.delta:
-            exact = ex[..., :Dv] / torch.where(ok.any(-1)[..., None, None], ex[..., Dv:], 1.0)
-            out = torch.addcmul((1 - g) * far, g, exact)
-        else:
-            far = torch.addcmul((1 - g) * far, g, ex)
+            out = combine_delta(ex[..., :Dv], ex[..., Dv], ok.any(-1)[..., None], far, g)
+        else:  # the gate on the packed sums [Σ v | Σ 1] (a linear mix): [num | den] of the one combine
+            far = mix(ex, far, g[..., None])
     elif c.delta:
         out = far
     if not c.delta:

@@ -9,7 +9,8 @@ state: the key leaving the window enters at once, and the events are formed with
 zeros for a null event), with autograd, through :mod:`sketchlab.attention.delta`.
 (iii) *The exact part*, per chunk of ``C`` queries: the sinks, the cache's slots at the chunk's
 start and the band of positions ``t0 − w … t0 + C − 1`` (the window's keys and every key cached during
-the chunk), each masked by when it is exact for the query; a batch of chunks at a time (:func:`_exact`).
+the chunk), each masked by when it is exact for the query; a batch of chunks at a time (:func:`_exact`), mixed
+with the far part by the one hybrid combine (:mod:`sketchlab.attention.ops.hybrid`).
 
 Keys are addressed in one *extended* axis ``X`` per call: the initial cache's ``K`` slots, the held
 sinks ``L_s``, then the contiguous positions ``offset − L_w … offset + T − 1`` (the held window and
@@ -22,9 +23,10 @@ import torch
 
 from . import delta as _delta
 from ._checks import denominator_counts, report_denominators
-from .memory_decode import _local_weights, decode
+from .memory_decode import decode
 from .memory_schedule import _take, schedule
-from .memory_state import MemoryState, _beta, _gate, _log_decay, empty_memory_state, unit
+from .memory_state import MemoryState, _beta, _log_decay, empty_memory_state, unit
+from .ops.hybrid import combine, combine_delta, exact_sums, gate_weight
 
 #: Decoding (``T = 1`` with a state) takes :func:`sketchlab.attention.memory_decode.decode`; False forces
 #: the general path (the tests compare the two).
@@ -74,8 +76,7 @@ def _exact(c, ek, ev, real_x, until, snaps, sink_pos, sink_x, base, first, P0):
         ok_band = (in_win | in_cache) & real_b[:, None]
         ok = torch.cat([ok_sink[:, None].expand(B, H, -1, -1, -1), ok_slot, ok_band], -1)  # [B, H, g, C, Lk]
         logits = c.scale * (qq[:, :, n0 * C:n1 * C].unflatten(2, (g, C)) @ keys.mT)
-        a = _local_weights(c, logits, ok)
-        outs.append((a @ vals, a.sum(-1), ok.any(-1)))
+        outs.append((*exact_sums([(logits, ok, vals)], local=c.o.local, degree=c.degree), ok.any(-1)))
     ex_num, ex_den, some = (torch.cat([o[i].flatten(2, 3) for o in outs], 2)[:, :, :T] for i in range(3))
     return ex_num, ex_den, some
 
@@ -119,16 +120,14 @@ def run(c):
     sink_x = torch.tensor([K + p if p < Ls else base + p - first for p in sink_pos], dtype=torch.long, device=dev)
     if w:
         ex_num, ex_den, some = _exact(c, ek, ev, real_x, until, snaps, sink_pos, sink_x, base, first, P0)
-        g = _gate(c, work)[None, :, None]  # [1, H, 1]
+        g = gate_weight(c.far["gate"], H, dtype=work, device=dev)[None, :, None]  # [1, H, 1]
         if c.delta:
-            out = g[..., None] * ex_num / torch.where(some, ex_den, 1.0)[..., None] + (1 - g[..., None]) * far
+            out = combine_delta(ex_num, ex_den, some, far, g)
         else:
-            nm = g[..., None] * ex_num + (1 - g[..., None]) * num
-            dn = g * ex_den + (1 - g) * den
+            out, dn = combine(ex_num, ex_den, num, den, g, eps=c.o.eps)
             if c.normalize == "sum":
                 report_denominators(denominator_counts(dn, real[:, None]), B * H * T, "memory_attention",
                                     c.o.denominator_check)
-            out = nm / (dn + c.o.eps)[..., None]
     elif c.delta:
         out = far
     elif c.normalize == "sum":

@@ -253,7 +253,8 @@ def _check_call(phi_q, phi_k, v, q, k, options, params, degree, key_padding_mask
 
 
 def _gate(call, dtype) -> torch.Tensor:
-    """``g [H]``: σ(gate), or 1/2 without one."""
+    """``g [H]``: σ(gate), or 1/2 without one: the float64 twin's own (the fast paths take
+    :func:`sketchlab.attention.ops.hybrid.gate_weight`)."""
     g = call.far["gate"]
     return torch.full((call.H,), 0.5, dtype=dtype, device=call.phi_q.device) if g is None else torch.sigmoid(g.to(dtype))
 

@@ -187,7 +187,9 @@ def feature_attention_naive(phi_q, phi_k, v, *, q=None, k=None, causal: bool = T
     (``"softmax"``; ``c_i`` is part of the definition and differentiated through, as in LoLCATs)
     or :math:`a_{ij} = (s\,q_i^\top k_j)^p` (``"poly"``). With ``window=0`` every allowed key is
     far and no gate applies (pure linear attention). The state adds
-    :math:`\phi(q_i)^\top S_0` and :math:`\phi(q_i)\cdot z_0` to the far sums.
+    :math:`\phi(q_i)^\top S_0` and :math:`\phi(q_i)\cdot z_0` to the far sums. The unfused fast paths share one
+    copy of this combine (:mod:`sketchlab.attention.ops.hybrid`); it is written out here again, as the
+    definition they are tested against.
     """
     from .state import AttentionState, check_state
 

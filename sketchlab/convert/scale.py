@@ -1,8 +1,8 @@
 r"""Making the LLoPS hybrid a sensible conversion: a non-negative far map and a far part on the window's scale.
 
-The hybrid (DESIGN §6) adds, for query ``i``, the window's max-shifted softmax terms
-``exp(s·qᵢᵀkⱼ − cᵢ) <= 1`` (``cᵢ`` the largest local logit) and the far part's unshifted kernel
-terms ``φ(qᵢ)·φ(kⱼ)``, weighed by the per-head gate ``g = sigmoid(gate)``:
+The hybrid (DESIGN §6; its torch combine: :mod:`sketchlab.attention.ops.hybrid`) adds, for query ``i``,
+the window's max-shifted softmax terms ``exp(s·qᵢᵀkⱼ − cᵢ) <= 1`` (``cᵢ`` the largest local logit) and
+the far part's unshifted kernel terms ``φ(qᵢ)·φ(kⱼ)``, weighed by the per-head gate ``g = sigmoid(gate)``:
 
 .. math::
     o_i = \frac{g\sum_{loc} e^{x_{ij}-c_i} v_j + (1-g)\sum_{far}\phi(q_i)\cdot\phi(k_j)\,v_j}
