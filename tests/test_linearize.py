@@ -70,6 +70,14 @@ def test_step0_reproduces_the_fitted_sketch_on_captured_inputs(teacher, tmp_path
         # the tolerance is taken relative to the output's scale
         scale = float(want.abs().max())
         torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5 * scale)
+        # the reported attention errors of the layer, ‖o − o_softmax‖ / ‖o_softmax‖ on the same inputs: the
+        # linearised model's and exact polynomial attention's (the teacher's weights, the run's normalize)
+        soft = sl.softmax_attention(q, k, v, causal=True).double()
+        with torch.no_grad():
+            poly = sl.poly_attention(q * s, k * s, v, 2, normalize="none").double()
+        for o, reported in ((got, res.attention_error), (poly, res.poly_attention_error)):
+            err = float(torch.linalg.vector_norm(o.double() - soft) / torch.linalg.vector_norm(soft))
+            assert reported[layer] == pytest.approx(err, rel=1e-6)
     # the fitted map's *teacher* is softmax: the step-0 gap to it is reported, not zero
     assert 0 <= res.step0_accuracy <= 1 and 0 <= res.teacher_accuracy <= 1
     text = (tmp_path / "linearize.md").read_text()
