@@ -102,6 +102,7 @@ MODULES = {
 #: (the Triton interpreter twins of the hybrid, ~3 min; the toy-model linearize CLI's bad-input file, which
 #: reaches the convert package only through a stubbed loader).
 TESTS_BY_FILE: dict[str, list[str]] = {
+    "sketchlab/convert/mqar.py": ["tests/test_linearize.py", "tests/test_bad_input_linearize.py"],
     "sketchlab/convert/scale.py": ["tests/test_convert.py", "tests/test_convert_scale.py",
                                    "tests/test_convert_options.py"],
     **dict.fromkeys([f"sketchlab/convert/{name}.py" for name in ("linearize", "teacher", "theta", "transfer", "spread",

@@ -27,13 +27,13 @@ def _tree(root: Path) -> dict:
 def no_work(monkeypatch):
     """The library functions where the commands' work starts: any call fails the test."""
     import sketchlab.capture
+    import sketchlab.convert.mqar
     import sketchlab.hf.pretrained
-    import sketchlab.tasks
 
     def refuse(*args, **kwargs):
         raise AssertionError("the command started its work before refusing the input")
 
-    monkeypatch.setattr(sketchlab.tasks, "linearize", refuse)
+    monkeypatch.setattr(sketchlab.convert.mqar, "linearize_checkpoint", refuse)
     monkeypatch.setattr(sketchlab.hf.pretrained, "load_pretrained", refuse)
     monkeypatch.setattr(sketchlab.capture, "capture_pretrained", refuse)
 
@@ -110,7 +110,7 @@ def test_linearize_sizes_are_bounded_up_front(extra, match, tmp_path, capsys, no
 
 def test_the_default_toy_run_is_within_the_budgets(tmp_path, capsys, monkeypatch):
     """The budgets refuse only what is over them: the defaults reach the library."""
-    import sketchlab.tasks
+    import sketchlab.convert.mqar
 
     reached = []
 
@@ -118,7 +118,7 @@ def test_the_default_toy_run_is_within_the_budgets(tmp_path, capsys, monkeypatch
         reached.append({**kwargs, "parent_made": (tmp_path / "a").is_dir(), "out_made": (tmp_path / "a" / "b").exists()})
         raise ValueError("stop here")
 
-    monkeypatch.setattr(sketchlab.tasks, "linearize", stop)
+    monkeypatch.setattr(sketchlab.convert.mqar, "linearize_checkpoint", stop)
     _exit_2(["linearize", str(TEACHER), "--out", str(tmp_path / "a" / "b")], capsys, r"stop here")
     assert reached and reached[0]["p"] == 2
     # the parent is created before the work, --out itself is left to the library (which builds it
@@ -203,11 +203,11 @@ def test_linearize_rerun_with_other_settings_is_refused(finished_toy_run, tmp_pa
 
 
 def test_linearize_rerun_with_the_same_settings_reaches_the_work(finished_toy_run, tmp_path, capsys, monkeypatch):
-    import sketchlab.tasks
+    import sketchlab.convert.mqar
 
     run = tmp_path / "run"
     shutil.copytree(finished_toy_run, run)
-    monkeypatch.setattr(sketchlab.tasks, "linearize", lambda *a, **k: (_ for _ in ()).throw(ValueError("reached")))
+    monkeypatch.setattr(sketchlab.convert.mqar, "linearize_checkpoint", lambda *a, **k: (_ for _ in ()).throw(ValueError("reached")))
     _exit_2(["linearize", str(TEACHER), "--m", "4", "--capture-sequences", "1", "--steps", "0", "--eval-sequences",
              "8", "--out", os.path.relpath(run)], capsys, r"reached")
 
@@ -275,7 +275,7 @@ def _fails(argv, capsys, match):
 
 
 def test_toy_linearize_failing_at_the_last_file_leaves_no_out(tmp_path, capsys, monkeypatch):
-    linearize_module = importlib.import_module("sketchlab.tasks.linearize")  # sketchlab.tasks.linearize: the function
+    linearize_module = importlib.import_module("sketchlab.convert.mqar")
 
     _fail_at_the_last_file(monkeypatch, linearize_module, "_write_text")
     out = tmp_path / "a" / "run"
@@ -286,7 +286,7 @@ def test_toy_linearize_failing_at_the_last_file_leaves_no_out(tmp_path, capsys, 
 
 def test_toy_linearize_failing_at_the_last_file_keeps_the_previous_run(finished_toy_run, tmp_path, capsys,
                                                                       monkeypatch):
-    linearize_module = importlib.import_module("sketchlab.tasks.linearize")  # sketchlab.tasks.linearize: the function
+    linearize_module = importlib.import_module("sketchlab.convert.mqar")
 
     run = tmp_path / "run"
     shutil.copytree(finished_toy_run, run)
@@ -301,7 +301,7 @@ def test_toy_linearize_interrupted_after_fine_tuning_keeps_only_its_checkpoints_
                                                                                           monkeypatch):
     """The fine-tuning checkpoints are the one thing a failed toy run leaves in --out: the same command
     then resumes from them (the run identity names Θ's final path, never the staging directory's)."""
-    linearize_module = importlib.import_module("sketchlab.tasks.linearize")  # sketchlab.tasks.linearize: the function
+    linearize_module = importlib.import_module("sketchlab.convert.mqar")
 
     out = tmp_path / "run"
     argv = ["linearize", str(TEACHER), *TOY_SMALL, "--steps", "2", "--batch-size", "2", "--out", str(out)]

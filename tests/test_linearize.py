@@ -1,20 +1,25 @@
-"""``linearize``: a fitted Θ swapped into a softmax model reproduces the fitted sketch's attention."""
+"""``sketchlab.linearize`` of a toy MQAR checkpoint (its family, :mod:`sketchlab.convert.mqar`): a fitted Θ
+swapped into a softmax model reproduces the fitted sketch's attention; the route, its refusals and the one
+attention-transfer loss (:func:`sketchlab.convert.transfer.transfer_loss`)."""
 
 import json
+import shutil
+from dataclasses import asdict
 
 import pytest
 import torch
 
 import sketchlab as sl
+from sketchlab import linearize
 from sketchlab.attention.functional import sketch_attention
 from sketchlab.cli import main
+from sketchlab.convert.mqar import _transfer_hooks, linearize_checkpoint
+from sketchlab.convert.transfer import transfer_loss
 from sketchlab.tasks import (
     MQARConfig,
     TransformerConfig,
     TransformerLM,
-    attention_transfer_loss,
     kernel_modules,
-    linearize,
     load_checkpoint,
     save_checkpoint,
     train_mqar,
@@ -65,6 +70,14 @@ def test_step0_reproduces_the_fitted_sketch_on_captured_inputs(teacher, tmp_path
         # the tolerance is taken relative to the output's scale
         scale = float(want.abs().max())
         torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5 * scale)
+        # the reported attention errors of the layer, ‖o − o_softmax‖ / ‖o_softmax‖ on the same inputs: the
+        # linearised model's and exact polynomial attention's (the teacher's weights, the run's normalize)
+        soft = sl.softmax_attention(q, k, v, causal=True).double()
+        with torch.no_grad():
+            poly = sl.poly_attention(q * s, k * s, v, 2, normalize="none").double()
+        for o, reported in ((got, res.attention_error), (poly, res.poly_attention_error)):
+            err = float(torch.linalg.vector_norm(o.double() - soft) / torch.linalg.vector_norm(soft))
+            assert reported[layer] == pytest.approx(err, rel=1e-6)
     # the fitted map's *teacher* is softmax: the step-0 gap to it is reported, not zero
     assert 0 <= res.step0_accuracy <= 1 and 0 <= res.teacher_accuracy <= 1
     text = (tmp_path / "linearize.md").read_text()
@@ -85,9 +98,59 @@ def test_fine_tuning_with_attention_transfer_resumes(teacher, tmp_path):
     assert plain.losses[0] == a.losses[0] and plain.losses[1:] != a.losses[1:]  # the transfer term acts
 
 
-def test_attention_transfer_loss_is_the_mse_to_softmax(teacher):
+def test_routing_a_path_through_linearize_is_the_direct_call(teacher, tmp_path):
+    """sketchlab.linearize(PATH, ...) is the checkpoint family's own call: the same result and the same files."""
+    kw = dict(p=2, m=6, steps=2, transfer=0.5, batch_size=4, **KW)
+    direct = linearize_checkpoint(teacher, out=tmp_path / "direct", **kw)
+    for path in (str(teacher), teacher):  # a str or an os.PathLike
+        routed = linearize(path, out=tmp_path / "routed", **kw)
+        assert isinstance(routed, type(direct))
+        a, b = asdict(direct), asdict(routed)
+        for res in (a, b):
+            res.pop("seconds"), res["fit"].pop("seconds")  # wall times
+            res["settings"]["init"].pop("file")  # where Θ was written: out/theta.safetensors
+        assert a == b
+        # the same Θ and the same fine-tuned weights (the files' metadata hold wall times and their own paths)
+        for i in (0, 1):
+            assert sl.load_theta(tmp_path / "routed" / "theta.safetensors")[i].equal(
+                sl.load_theta(tmp_path / "direct" / "theta.safetensors")[i])
+        want = load_checkpoint(tmp_path / "direct" / "model")[0].state_dict()
+        got = load_checkpoint(tmp_path / "routed" / "model")[0].state_dict()
+        assert want.keys() == got.keys() and all(got[name].equal(want[name]) for name in want)
+        shutil.rmtree(tmp_path / "routed")
+
+
+def test_a_keyword_of_the_other_family_is_refused_by_name(teacher, tmp_path):
+    """Each family takes its own keywords: another is refused before any work, never ignored."""
+    with pytest.raises(TypeError, match=r"linearize: window, transfer_steps: not a keyword of the toy MQAR checkpoint "
+                                        r"family \(model='.*teacher.*', a path\); it takes p, m, out, .*transfer"):
+        linearize(teacher, out=tmp_path / "x", window=64, transfer_steps=3, **KW)
+    with pytest.raises(TypeError, match=r"the toy MQAR checkpoint family .* draws its own task's sequences; texts "
+                                        r"must be None, got list"):
+        linearize(str(teacher), ["the cat"], out=tmp_path / "x", **KW)
+    assert not (tmp_path / "x").exists()
+    model, _ = load_checkpoint(teacher)  # the model itself belongs to the model family
+    ids = torch.randint(0, 21, (4, 12))
+    with pytest.raises(TypeError, match=r"linearize: steps, out: not a keyword of the model family \(model: "
+                                        r"TransformerLM\); it takes tokenizer, attention, .*qk_conv$"):
+        linearize(model, ids, steps=3, out=tmp_path / "x")
+    with pytest.raises(TypeError, match=r"the model family \(model: TransformerLM\) trains on texts: pass them"):
+        linearize(model, m=4)
+
+
+def test_transfer_loss_is_the_mean_squared_error_over_the_valid_tokens():
+    gen = torch.Generator().manual_seed(0)
+    o, target = (torch.randn(2, 5, 3, 4, generator=gen, dtype=torch.float64) for _ in range(2))
+    valid = torch.tensor([[True, True, False, True, False], [True] * 5])
+    want = sum(float(((o[b, t] - target[b, t]) ** 2).sum()) for b in range(2) for t in range(5) if valid[b, t])
+    torch.testing.assert_close(transfer_loss(o, target, valid), torch.tensor(want / (int(valid.sum()) * 12),
+                                                                              dtype=torch.float64))
+    torch.testing.assert_close(transfer_loss(o, target), ((o - target) ** 2).sum() / o.numel())
+
+
+def test_the_transfer_hooks_give_the_mse_to_softmax(teacher):
     model, _ = load_checkpoint(teacher)
-    loss_fn, remove = attention_transfer_loss(model)  # softmax model: its own target, loss 0
+    loss_fn, remove = _transfer_hooks(model)  # softmax model: its own target, loss 0
     model(torch.zeros(2, 12, dtype=torch.long))
     assert float(loss_fn().detach()) == 0.0
     with pytest.raises(RuntimeError, match="no forward pass since the last call"):

@@ -9,9 +9,9 @@ Two paths, each reading its own options (:data:`TOY`, :data:`PRETRAINED`; the ot
   ``linearize.md`` (each stage beside window + sinks alone; ``--no-far`` keeps that model); a run over
   ``--max-memory`` (default: the available memory) is refused; the conversion's options are checked by
   its rules, a bad value refused naming its flag;
-* sketchlab's toy MQAR checkpoint (positional ``CHECKPOINT``): :func:`sketchlab.tasks.linearize`
-  (capture → fit → export Θ → fine-tune), its memory within half of this machine's and its fit within
-  :data:`FIT_WORK_BUDGET` multiply-adds.
+* sketchlab's toy MQAR checkpoint (positional ``CHECKPOINT``): :func:`sketchlab.linearize` given its path
+  (:func:`sketchlab.convert.mqar.linearize_checkpoint`: capture → fit → export Θ → fine-tune), its memory
+  within half of this machine's and its fit within :data:`FIT_WORK_BUDGET` multiply-adds.
 
 Refused before any work (exit 2, one line): an ``--out`` that is or holds an input (any spelling or
 link), files no ``linearize`` run writes, an unfinished run whose settings are not recorded, or another
@@ -74,7 +74,8 @@ class _Flag(NamedTuple):
 _AS_GIVEN, _NOT = _Flag(), (lambda given: not given)
 _PROGRESS = _Flag("progress", _NOT, identity=False)
 #: Each path's options, one row each (a new option: its ``add_argument`` and one row here); an option in one
-#: table only is refused on the other path. The toy path: :func:`sketchlab.tasks.linearize`.
+#: table only is refused on the other path. The toy path: :func:`sketchlab.linearize` given the checkpoint's path
+#: (:func:`sketchlab.convert.mqar.linearize_checkpoint`).
 TOY = {**dict.fromkeys(("p", "m", "rank", "non_negative", "capture_sequences", "holdout", "steps", "lr", "warmup",
                         "transfer", "eval_sequences", "seed"), _AS_GIVEN),
        "normalize": _Flag(value=lambda given: given or "sum"), "batch_size": _Flag(value=lambda given: given or 32),
@@ -315,7 +316,7 @@ def _toy_budget(args) -> None:
 
 
 def _run_toy(args) -> int:
-    from ..tasks import linearize
+    from ..convert.linearize import linearize
 
     out = Path(args.out)
     outputs = Outputs({}, directories={"--out": args.out}, inputs=[args.checkpoint], staged=["--out"])

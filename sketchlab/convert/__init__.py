@@ -3,8 +3,9 @@
 ``families`` finds each family's attention modules; ``sketched`` holds the added module
 (:class:`SketchedAttention`) and transformers' attention and mask functions; ``cache`` the
 decoding state; ``convert`` the public entry points; ``saved`` saving and reloading a converted model; ``linearize``
-the staged training, its stages ``teacher``, ``theta``, ``transfer`` (``spread``
-over processes) and ``lora``, ``evaluate`` the reported measures, ``stages`` the checks around the stages;
+the staged training (one entry point, routed by family), its stages ``teacher``, ``theta``, ``transfer`` (with
+the one attention-transfer loss; ``spread`` over processes) and ``lora``, ``evaluate`` the reported measures,
+``stages`` the checks around the stages; ``mqar`` the toy MQAR checkpoint's family (a path given to ``linearize``);
 ``scale`` the tied LLoPS map and the gate calibration; ``exact`` the layers kept exact and ``ranking`` which to
 keep. The family table, the local loaders and the transformers glue it shares with capture are
 :mod:`sketchlab.hf`'s.

@@ -1,6 +1,11 @@
-r"""``linearize``: a pretrained model's attention made sketched, in measured stages (LoLCATs' recipe).
+r"""``linearize``: a softmax model's attention made sketched, in measured stages (LoLCATs' recipe).
 
-The orchestrator: everything checked up front (:func:`_prepare`, the memory by :func:`memory_plan`),
+:func:`linearize` is the one entry point; it routes by family: a model (:class:`torch.nn.Module`) to
+:func:`linearize_model`, below; a toy MQAR checkpoint (a path) to
+:func:`sketchlab.convert.mqar.linearize_checkpoint`. Each family takes its own keywords: a keyword the
+family does not take is refused, named, never ignored.
+
+:func:`linearize_model` is the orchestrator: everything checked up front (:func:`_prepare`, the memory by :func:`memory_plan`),
 :mod:`.teacher` records every teacher layer's inputs and output once, then the stages (DESIGN §6), each reported with each layer's attention-output
 error on held-out sequences (:mod:`.evaluate`):
 
@@ -23,7 +28,9 @@ Zhang et al. *LoLCATs: On Low-Rank Linearizing of Large Language Models*, 2024.
 
 from __future__ import annotations
 
+import inspect
 import math
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -68,13 +75,13 @@ from .theta import DEFAULT_FIT_WORK, _check_fit_work, _fit_plan, _fit_recorded, 
 from .transfer import attention_transfer
 
 __all__ = ["DEFAULT_FIT_WORK", "FAR_OFF_LOGIT", "LayerIO", "LinearizeReport", "attention_errors", "attention_transfer",
-           "embedding_agreement", "fit_theta", "linearize", "lora_finetune", "memory_plan", "perplexity",
+           "embedding_agreement", "fit_theta", "linearize", "linearize_model", "lora_finetune", "memory_plan", "perplexity",
            "sentence_embeddings", "teacher_attention", "token_nll", "tokenize_texts"]
 
 
 @dataclass
 class LinearizeReport:
-    """Outcome of :func:`linearize`.
+    """Outcome of :func:`linearize_model`.
 
     ``stages``: one entry per stage run — ``name``, ``seconds``, ``layer_error`` (per layer, held-out,
     after the stage), ``metric`` (held-out perplexity for causal LMs, mean cosine of final hidden
@@ -90,16 +97,74 @@ class LinearizeReport:
         return asdict(self)
 
 
-def linearize(model: nn.Module, texts, *, tokenizer=None, attention: str = "llops", p: int = 2, m: int = 64,
-              rank: int = 1, window: int = 64, sinks: int | None = None, local: str = "softmax", feature_map=None,
-              normalize: str | None = None, gate_init: float | str | None = None, tied: bool | None = None,
-              input_norm: bool = False, gate_sequences: int = 4, seq_len: int = 512, max_tokens: int | None = None, holdout: float = 0.25,
-              fit: bool = True, fit_tokens: int = 1024, fit_options: dict | None = None, transfer_steps: int = 100,
-              transfer_lr: float = 1e-2, lora_steps: int = 0, lora_rank: int = 8, lora_lr: float = 1e-4,
-              batch_size: int = 4, evaluate: bool = True, seed: int = 0, progress: bool = False,
-              processes: int = 1, max_bytes: int = DEFAULT_MAX_BYTES, cache: int = 0, decay=None,
-              state: str = "additive", beta: str = "head", exact_layers=(), fit_work: float | None = None,
-              far: bool = True, qk_conv: int = 0):
+def linearize(model, texts=None, **options):
+    r"""Linearise a softmax model: its attention made sketched, fitted and trained, by the model's family.
+
+    Two families, each with its own stages and keywords:
+
+    * a model (:class:`torch.nn.Module`: a supported transformers model or sketchlab's toy
+      :class:`~sketchlab.tasks.TransformerLM`) and ``texts``: :func:`linearize_model`, the model converted
+      in place (:func:`sketchlab.convert_attention`) and trained in stages (Θ fit, attention transfer, LoRA);
+    * a toy MQAR checkpoint (a ``str`` or :class:`os.PathLike` path to a softmax ``TransformerLM`` directory
+      that records its MQAR task) and no ``texts``: :func:`~sketchlab.convert.mqar.linearize_checkpoint`, a
+      native ``llops`` model with fitted Θ fine-tuned on its task, its files written under ``out``.
+
+    Parameters
+    ----------
+    model : nn.Module, or str or os.PathLike
+        The softmax teacher, or the path of a toy MQAR checkpoint.
+    texts : optional
+        The model family's training and held-out text (required there; :func:`linearize_model`). The
+        checkpoint family draws its own task's sequences: ``texts`` must be ``None``.
+    **options
+        The family's keywords: :func:`linearize_model`'s or
+        :func:`~sketchlab.convert.mqar.linearize_checkpoint`'s. A keyword the family does not take is
+        refused (``TypeError`` naming it and the family's keywords) before any work.
+
+    Returns
+    -------
+    (model, LinearizeReport) or CheckpointReport
+        The family's result: :func:`linearize_model`'s, or
+        :func:`~sketchlab.convert.mqar.linearize_checkpoint`'s.
+    """
+    if isinstance(model, (str, os.PathLike)):
+        from .mqar import linearize_checkpoint
+
+        family = f"the toy MQAR checkpoint family (model={os.fspath(model)!r}, a path)"
+        if texts is not None:
+            raise TypeError(f"linearize: {family} draws its own task's sequences; texts must be None, got "
+                            f"{type(texts).__name__}")
+        _check_keywords(linearize_checkpoint, options, family)
+        return linearize_checkpoint(model, **options)
+    family = f"the model family (model: {type(model).__name__})"
+    if texts is None:
+        raise TypeError(f"linearize: {family} trains on texts: pass them (strings with tokenizer=, token-id lists "
+                        "or a LongTensor [N, T]); a toy MQAR checkpoint is given by its path")
+    _check_keywords(linearize_model, options, family)
+    return linearize_model(model, texts, **options)
+
+
+def _check_keywords(fn, options: dict, family: str) -> None:
+    """Refuse (``TypeError``) the keywords of ``options`` that ``fn``, ``family``'s linearisation, does not
+    take (its keyword-only parameters; all, if it has ``**kwargs``), naming them and the ones it takes."""
+    params = inspect.signature(fn).parameters.values()
+    takes = [param.name for param in params if param.kind is param.KEYWORD_ONLY]
+    takes_any = any(param.kind is param.VAR_KEYWORD for param in params)
+    unknown = [] if takes_any else [name for name in options if name not in takes]
+    if unknown:
+        raise TypeError(f"linearize: {', '.join(unknown)}: not a keyword of {family}; it takes {', '.join(takes)}")
+
+
+def linearize_model(model: nn.Module, texts, *, tokenizer=None, attention: str = "llops", p: int = 2, m: int = 64,
+                    rank: int = 1, window: int = 64, sinks: int | None = None, local: str = "softmax",
+                    feature_map=None, normalize: str | None = None, gate_init: float | str | None = None,
+                    tied: bool | None = None, input_norm: bool = False, gate_sequences: int = 4, seq_len: int = 512,
+                    max_tokens: int | None = None, holdout: float = 0.25, fit: bool = True, fit_tokens: int = 1024,
+                    fit_options: dict | None = None, transfer_steps: int = 100, transfer_lr: float = 1e-2,
+                    lora_steps: int = 0, lora_rank: int = 8, lora_lr: float = 1e-4, batch_size: int = 4,
+                    evaluate: bool = True, seed: int = 0, progress: bool = False, processes: int = 1,
+                    max_bytes: int = DEFAULT_MAX_BYTES, cache: int = 0, decay=None, state: str = "additive",
+                    beta: str = "head", exact_layers=(), fit_work: float | None = None, far: bool = True, qk_conv: int = 0):
     r"""Convert ``model``'s attention (:func:`sketchlab.convert_attention`) and train it in stages.
 
     Parameters
@@ -280,7 +345,7 @@ SETTINGS = ("family", "attention", "p", "m", "rank", "window", "sinks", "local",
 
 
 def _prepare(model: nn.Module, texts, run: dict) -> SimpleNamespace:
-    """What :func:`linearize` settles before any work: ``run`` (its keyword arguments) checked (by the
+    """What :func:`linearize_model` settles before any work: ``run`` (its keyword arguments) checked (by the
     conversion's own rules where it has them) and resolved, with what the stages read added: ``family``,
     ``sites``, ``exact`` (a set), ``memory`` (the conversion's memory options), ``encoder``, ``sentences``,
     ``ids``, ``mask``, ``train_idx``, ``held_idx``, ``fitting``, ``fit_plan``, ``settings``; a refusal names
@@ -400,7 +465,7 @@ def _check_far(far, window: int, gate_init) -> None:
 def memory_plan(model: nn.Module, sites, shape, *, probe=None, batch_size: int, window: int, sinks: int, cache: int,
                 fit_tokens, m: int, p: int, rank: int, gate_sequences: int, transfer: bool, lora: bool,
                 encoder: bool) -> dict:
-    """What :func:`linearize` allocates on ``shape = [N, T]`` sequences, in bytes (an estimate, on the
+    """What :func:`linearize_model` allocates on ``shape = [N, T]`` sequences, in bytes (an estimate, on the
     generous side): the model's ``parameters`` and the teacher ``recording`` (every layer's q, k, v and
     output) for the whole run, then the largest of the stages' transient buffers: an ``evaluation``
     batch (logits in the model's dtype and float64, dense scores), the stage-0 ``fit`` (float64 q, k,

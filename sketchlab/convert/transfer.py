@@ -1,7 +1,10 @@
-"""Stage 1 of :func:`sketchlab.linearize`, attention transfer (LoLCATs' stage 1): Adam on each converted
-layer's feature maps, gate and memory scalars, its sketched attention matched to the teacher's recorded
-output on the teacher's own q, k, v (:class:`~sketchlab.convert.teacher.LayerIO`). Layers train
-independently, so they can be spread over processes (:mod:`sketchlab.convert.spread`)."""
+"""Attention transfer (LoLCATs' stage 1) and its one loss, :func:`transfer_loss`.
+
+Stage 1 of :func:`sketchlab.linearize` (the model family): Adam on each converted layer's feature maps,
+gate and memory scalars, its sketched attention matched to the teacher's recorded output on the teacher's
+own q, k, v (:class:`~sketchlab.convert.teacher.LayerIO`). Layers train independently, so they can be
+spread over processes (:mod:`sketchlab.convert.spread`). The toy MQAR checkpoint family
+(:mod:`sketchlab.convert.mqar`) adds the same loss, against softmax attention, to its fine-tuning."""
 
 from __future__ import annotations
 
@@ -17,7 +20,33 @@ from .evaluate import progress_bar
 from .spread import _check_group, _check_processes, _same_call, _spread, _trained
 from .teacher import LayerIO
 
-__all__ = ["attention_transfer"]
+__all__ = ["attention_transfer", "transfer_loss"]
+
+
+def transfer_loss(o: torch.Tensor, target: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+    r"""The attention-transfer loss: the mean squared error of an attention output to its teacher's.
+
+    Parameters
+    ----------
+    o : Tensor [B, T, H, D]
+        The trained attention's output.
+    target : Tensor [B, T, H, D]
+        The teacher's output on the same q, k, v (not differentiated through by the callers: it is
+        recorded, or computed without gradient).
+    valid : Tensor [B, T] of bool, optional
+        The tokens the mean runs over (``None``: all).
+
+    Returns
+    -------
+    Tensor []
+        ``mean over the valid (b, t) and every h, d of (o − target)²``.
+
+    References
+    ----------
+    Zhang et al. *LoLCATs: On Low-Rank Linearizing of Large Language Models*, 2024 (attention transfer).
+    """
+    err = (o - target) ** 2  # [B, T, H, D]
+    return err.mean() if valid is None else err[valid].mean()
 
 
 def _layer_generator(seed: int, layer: int) -> torch.Generator:
@@ -52,7 +81,7 @@ def _transfer_layer(sketch, io: LayerIO, mask, train_idx, gen, *, steps, lr, map
             if "must be finite" not in str(err):
                 raise
             o = None
-        loss = None if o is None else ((o - io.out[sel]) ** 2)[valid].mean()
+        loss = None if o is None else transfer_loss(o, io.out[sel], valid)
         if loss is not None and bool(torch.isfinite(loss)):
             opt.zero_grad(set_to_none=True)
             loss.backward()

@@ -20,7 +20,6 @@
 from . import mixers  # noqa: F401  (registers "sliding-window" and "silu")
 from .attention import ToyKernel, input_scale, kernel_modules
 from .inits import LLOPS_INITS, based_init_dim, copy_shared_weights, init_llops
-from .linearize import LinearizeResult, attention_transfer_loss, linearize
 from .model import (
     CausalSelfAttention,
     SoftmaxAttention,
@@ -47,7 +46,6 @@ from .zoology import QueryLogits, evaluate_slices
 __all__ = [
     "IGNORE_INDEX",
     "LLOPS_INITS",
-    "LinearizeResult",
     "ToyKernel",
     "based_init_dim",
     "copy_shared_weights",
@@ -72,13 +70,11 @@ __all__ = [
     "TransformerConfig",
     "TransformerLM",
     "apply_rope",
-    "attention_transfer_loss",
     "attention_registry",
     "evaluate_mqar",
     "generate",
     "init_distributed",
     "latest_checkpoint",
-    "linearize",
     "load_checkpoint",
     "mqar_accuracy",
     "mqar_batch",

@@ -1,19 +1,22 @@
-r"""Linearise a trained softmax :class:`~sketchlab.tasks.TransformerLM`: fitted LLoPS Θ as its attention.
+r"""The toy MQAR checkpoint family of :func:`sketchlab.linearize`: a trained softmax
+:class:`~sketchlab.tasks.TransformerLM` directory made a native ``llops`` model with fitted LLoPS Θ.
 
-:func:`linearize` is the users' main flow in one call (``sketchlab linearize`` on the shell): (1) capture
-``q, k, v [L, H, n, D]`` from the checkpoint on ``capture_sequences`` MQAR sequences of their own seed
-stream (:func:`sketchlab.capture_qk`); (2) fit LLoPS per layer and head to the polynomial kernel of the
-inputs the attention sees, ``x · D^{-1/4}`` (``"sqrt-d"``: a polynomial in ``qᵀk/√D``), a quarter of the
-tokens held out; (3) export Θ (:func:`sketchlab.export_theta`); (4) the same model with ``llops``
-attention, the teacher's other weights (:func:`~sketchlab.tasks.copy_shared_weights`) and Θ
-(:func:`~sketchlab.tasks.init_llops`); (5) evaluate it at step 0 beside the teacher and exact polynomial
-attention, with each layer's attention error on the captured inputs; (6) fine-tune ``steps`` steps
-(next-token loss plus ``transfer ×`` LoLCATs' attention-transfer loss, :func:`attention_transfer_loss`),
-resumable (:func:`~sketchlab.tasks.train_mqar`); (7) evaluate again and write the summary.
+:func:`linearize_checkpoint` (reached through ``sketchlab.linearize(PATH, out=..., ...)``;
+``sketchlab linearize CHECKPOINT`` on the shell): (1) capture ``q, k, v [L, H, n, D]`` from the
+checkpoint on ``capture_sequences`` MQAR sequences of their own seed stream (:func:`sketchlab.capture_qk`);
+(2) fit LLoPS per layer and head to the polynomial kernel of the inputs the attention sees,
+``x · D^{-1/4}`` (``"sqrt-d"``: a polynomial in ``qᵀk/√D``), a quarter of the tokens held out; (3) export Θ
+(:func:`sketchlab.export_theta`); (4) the same model with ``llops`` attention, the teacher's other weights
+(:func:`~sketchlab.tasks.copy_shared_weights`) and Θ (:func:`~sketchlab.tasks.init_llops`); (5) evaluate
+it at step 0 beside the teacher and exact polynomial attention, with each layer's attention error on the
+captured inputs (:func:`~sketchlab.convert.evaluate.attention_errors`); (6) fine-tune ``steps`` steps
+(next-token loss plus ``transfer ×`` the attention-transfer loss
+:func:`~sketchlab.convert.transfer.transfer_loss` of every layer against softmax attention), resumable
+(:func:`~sketchlab.tasks.train_mqar`); (7) evaluate again and write the summary.
 
-(:func:`sketchlab.linearize` is the staged conversion of pretrained models, which also takes this toy model
-as one more family; this flow differs: a native ``llops`` model trained end to end on the task, saved as a
-checkpoint, with the Θ export and MQAR accuracy.)
+Unlike the model family (a :class:`torch.nn.Module` given to :func:`sketchlab.linearize`, converted in
+place to sketched attention and trained stage by stage on text), this family builds a *native* ``llops``
+model trained end to end on its task, saved as a checkpoint, with the Θ export and MQAR accuracy.
 
 Written under ``out``, all-or-nothing (:func:`sketchlab.io.staged_directory`): ``capture.safetensors``,
 ``theta.safetensors``, ``model/`` (``model.safetensors`` + ``config.json``), ``linearize.json`` and
@@ -39,20 +42,30 @@ import torch
 
 from .._validation import check_nonnegative_int, check_positive_int, check_real
 from ..io.atomic import write_text_atomic as _write_text
-from .attention import input_scale, kernel_modules
-from .inits import copy_shared_weights, init_llops
-from .model import TransformerConfig, TransformerLM
-from .mqar import MQARConfig, mqar_batch
-from .train import _check_seed, check_evaluation_work, evaluate_mqar, load_checkpoint, save_checkpoint, train_mqar
+from ..tasks.attention import input_scale, kernel_modules
+from ..tasks.inits import copy_shared_weights, init_llops
+from ..tasks.model import TransformerConfig, TransformerLM
+from ..tasks.mqar import MQARConfig, mqar_batch
+from ..tasks.train import (
+    _check_seed,
+    check_evaluation_work,
+    evaluate_mqar,
+    load_checkpoint,
+    save_checkpoint,
+    train_mqar,
+)
+from .evaluate import attention_errors
+from .teacher import LayerIO
+from .transfer import transfer_loss
 
-__all__ = ["LinearizeResult", "attention_transfer_loss", "linearize"]
+__all__ = ["CheckpointReport", "linearize_checkpoint"]
 
 _CAPTURE_OFFSET = 2_000_003  # captured sequences come from their own stream (neither train nor held-out)
 
 
 @dataclass
-class LinearizeResult:
-    """Outcome of :func:`linearize` (also written to ``out/linearize.json``).
+class CheckpointReport:
+    """Outcome of :func:`linearize_checkpoint` (also written to ``out/linearize.json``).
 
     ``teacher_accuracy``, ``step0_accuracy``, ``final_accuracy``: held-out MQAR accuracy of the
     softmax checkpoint, of the linearised model before and after fine-tuning (same sequences).
@@ -77,14 +90,14 @@ class LinearizeResult:
     seconds: dict = field(default_factory=dict)
 
 
-def attention_transfer_loss(model: TransformerLM):
-    r"""Hooks that measure LoLCATs' attention-transfer loss; returns ``(loss_fn, remove)``.
+def _transfer_hooks(model: TransformerLM):
+    r"""Hooks that measure the attention-transfer loss of every layer of ``model``; returns ``(loss_fn, remove)``.
 
-    After each forward pass of ``model``, ``loss_fn()`` returns the mean over layers of
-    ``mean((o_ℓ − softmax_attention(q_ℓ, k_ℓ, v_ℓ))²)``, where ``o_ℓ`` is layer ℓ's kernel output and
-    ``q_ℓ, k_ℓ, v_ℓ`` ``[B, T, H, D]`` its inputs (the softmax target is detached: it teaches the
-    feature map, it is not trained itself), and forgets the stored terms. ``remove()`` detaches the
-    hooks.
+    After each forward pass, ``loss_fn()`` returns the mean over layers of
+    :func:`~sketchlab.convert.transfer.transfer_loss` ``(o_ℓ, softmax_attention(q_ℓ, k_ℓ, v_ℓ))``, where
+    ``o_ℓ`` is layer ℓ's kernel output and ``q_ℓ, k_ℓ, v_ℓ`` ``[B, T, H, D]`` its inputs (the softmax
+    target is computed without gradient: it teaches the feature map, it is not trained itself), and
+    forgets the stored terms. ``remove()`` detaches the hooks.
     """
     from ..attention import softmax_attention
 
@@ -94,13 +107,13 @@ def attention_transfer_loss(model: TransformerLM):
         q, k, v = args[:3]
         with torch.no_grad():
             target = softmax_attention(q, k, v, causal=True)  # [B, T, H, D], logits qᵀk/√D
-        terms.append(torch.mean((output - target) ** 2))
+        terms.append(transfer_loss(output, target))
 
     handles = [kernel.register_forward_hook(hook) for kernel in kernel_modules(model)]
 
     def loss_fn() -> torch.Tensor:
         if not terms:
-            raise RuntimeError("attention_transfer_loss: no forward pass since the last call")
+            raise RuntimeError("attention transfer loss: no forward pass since the last call")
         loss = torch.stack(terms).mean()
         terms.clear()
         return loss
@@ -112,9 +125,10 @@ def attention_transfer_loss(model: TransformerLM):
     return loss_fn, remove
 
 
-def _captured_attention_error(model: TransformerLM, q, k, v, batch: int) -> list[float]:
-    """Per layer ``‖kernel(q, k, v) − softmax(q, k, v)‖_F / ‖softmax‖_F`` on captured ``[L, H, n, D]``
-    (the ``n = batch · T`` tokens are ``batch`` sequences joined along the token axis)."""
+def _captured_layers(q, k, v, batch: int) -> list[LayerIO]:
+    """The captured ``q, k, v [L, H, n, D]`` (``n = batch · T``: ``batch`` sequences joined along the token
+    axis) as one :class:`~sketchlab.convert.teacher.LayerIO` per layer, ``[batch, T, H, D]``, its output the
+    float64 of causal softmax attention on them (the reference of :func:`attention_errors`)."""
     from .._validation import check_memory
     from ..attention import softmax_attention
 
@@ -122,17 +136,25 @@ def _captured_attention_error(model: TransformerLM, q, k, v, batch: int) -> list
     T = n // batch
     check_memory(8 * batch * H * T * T, what=f"the softmax scores of the captured sequences ([{batch}, {H}, {T}, {T}] "
                  "float64)", way_out="capture fewer or shorter sequences")
-    errors = []
+    layers = []
     with torch.no_grad():
-        for layer, kernel in enumerate(kernel_modules(model)):
+        for layer in range(L):
             x = [t[layer].permute(1, 0, 2).reshape(batch, T, H, D) for t in (q, k, v)]  # [B, T, H, D]
-            got = kernel(*x).double()
-            want = softmax_attention(*x, causal=True).double()
-            errors.append(float(torch.linalg.vector_norm(got - want) / torch.linalg.vector_norm(want)))
-    return errors
+            layers.append(LayerIO(*x, out=softmax_attention(*x, causal=True).double(), scaling=D ** -0.5))
+    return layers
 
 
-def linearize(
+def _captured_attention_errors(model: TransformerLM, layers: list[LayerIO]) -> list[float]:
+    """Per layer ``‖kernel(q, k, v) − softmax(q, k, v)‖_F / ‖softmax‖_F`` on the captured ``layers``
+    (:func:`attention_errors`, every token valid; the toy kernels take no scaling or padding mask:
+    their scale is their own, ``1/√D``)."""
+    kernels = [lambda q, k, v, scaling, key_padding_mask, kernel=kernel: kernel(q, k, v)
+               for kernel in kernel_modules(model)]
+    batch, T = layers[0].q.shape[:2]
+    return attention_errors(kernels, layers, torch.ones(batch, T), slice(None), batch_size=batch)
+
+
+def linearize_checkpoint(
     checkpoint,
     *,
     p: int = 2,
@@ -152,7 +174,7 @@ def linearize(
     eval_every: int = 0,
     seed: int = 0,
     progress: bool = True,
-) -> LinearizeResult:
+) -> CheckpointReport:
     """Linearise the softmax model in ``checkpoint`` with fitted LLoPS attention (module docstring).
 
     Parameters
@@ -179,7 +201,8 @@ def linearize(
     batch_size, lr, warmup, eval_every
         Fine-tuning settings (:func:`~sketchlab.tasks.train_mqar`).
     transfer : float >= 0
-        Weight of the attention-transfer loss (:func:`attention_transfer_loss`); ``0`` = plain
+        Weight of the attention-transfer loss (the mean over layers of
+        :func:`~sketchlab.convert.transfer.transfer_loss` against softmax attention); ``0`` = plain
         next-token loss.
     eval_sequences : int
         Held-out sequences for every accuracy (teacher, step 0, final).
@@ -188,7 +211,7 @@ def linearize(
 
     Returns
     -------
-    LinearizeResult
+    CheckpointReport
     """
     from ..io import staged_directory
 
@@ -231,8 +254,8 @@ def linearize(
 
 def _linearize(teacher, checkpoint, task, student_cfg, stage: Path, out: Path, *, p, m, rank, non_negative, normalize,
                capture_sequences, holdout, steps, batch_size, lr, warmup, transfer, eval_sequences, eval_every, seed,
-               progress) -> LinearizeResult:
-    """:func:`linearize` after its checks: every file into ``stage`` but the checkpoints (``out/finetune``)."""
+               progress) -> CheckpointReport:
+    """:func:`linearize_checkpoint` after its checks: every file into ``stage`` but the checkpoints (``out/finetune``)."""
     from ..capture import capture_qk
     from ..export import export_theta
     from ..fit import fit_sketch
@@ -280,12 +303,13 @@ def _linearize(teacher, checkpoint, task, student_cfg, stage: Path, out: Path, *
     t0 = time.perf_counter()
     teacher_acc = evaluate_mqar(teacher, task, num_sequences=eval_sequences, seed=seed)
     step0_acc = evaluate_mqar(student, task, num_sequences=eval_sequences, seed=seed)
-    att_err = _captured_attention_error(student, dump.q, dump.k, dump.v, capture_sequences)
+    captured = _captured_layers(dump.q, dump.k, dump.v, capture_sequences)
+    att_err = _captured_attention_errors(student, captured)
     poly = TransformerLM(TransformerConfig(**{**cfg.to_dict(), "attention": "poly",
                                               "attention_options": {"p": p, "normalize": normalize}}))
     copy_shared_weights(teacher, poly)
     poly_acc = evaluate_mqar(poly, task, num_sequences=eval_sequences, seed=seed)
-    poly_err = _captured_attention_error(poly, dump.q, dump.k, dump.v, capture_sequences)
+    poly_err = _captured_attention_errors(poly, captured)
     seconds["evaluate_step0"] = time.perf_counter() - t0
 
     # 6. fine-tune
@@ -300,7 +324,7 @@ def _linearize(teacher, checkpoint, task, student_cfg, stage: Path, out: Path, *
         remove = None
         extra_loss = None
         if transfer > 0:
-            loss_fn, remove = attention_transfer_loss(student)
+            loss_fn, remove = _transfer_hooks(student)
             extra_loss = lambda: transfer * loss_fn()  # noqa: E731
         try:
             result = train_mqar(student, [(task, steps)], batch_size=batch_size, lr=lr, weight_decay=0.0,
@@ -315,7 +339,7 @@ def _linearize(teacher, checkpoint, task, student_cfg, stage: Path, out: Path, *
     save_checkpoint(stage / "model", student, extra={"task": task.to_dict(), "heldout_accuracy": final_acc,
                                                    "linearize": settings})
 
-    res = LinearizeResult(teacher_accuracy=teacher_acc, step0_accuracy=step0_acc, final_accuracy=final_acc,
+    res = CheckpointReport(teacher_accuracy=teacher_acc, step0_accuracy=step0_acc, final_accuracy=final_acc,
                           attention_error=att_err, poly_accuracy=poly_acc, poly_attention_error=poly_err, fit=report, steps=steps, losses=losses, evals=evals,
                           settings=settings, seconds=seconds)
     _write_text(stage / "linearize.json", json.dumps(asdict(res), indent=1, sort_keys=True) + "\n")
@@ -328,7 +352,7 @@ def _median(values) -> float:
     return float(flat.median())
 
 
-def _markdown(res: LinearizeResult) -> str:
+def _markdown(res: CheckpointReport) -> str:
     s, f = res.settings, res.fit
     holdout = "–" if f.get("holdout_rel_fro") is None else f"{_median(f['holdout_rel_fro']):.4f}"
     transfer = f" (attention transfer × {s['transfer']})" if s["transfer"] else ""
