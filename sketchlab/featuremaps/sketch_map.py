@@ -26,6 +26,7 @@ from torch import nn
 
 from ..sketch import Sketch
 from .base import FeatureMap, WrappedMap, _init_heads
+from .heads import batch_features
 
 __all__ = ["FeatureMapSketch", "HeadSelection", "SketchMap", "sketch_feature_maps"]
 
@@ -204,10 +205,7 @@ class FeatureMapSketch(nn.Module, Sketch):
         head, as with the other sketches) → ``[*lead, *batch_shape, n, M]``."""
         n, d = x.shape[-2:]
         lead = x.shape[:max(x.ndim - 2 - len(self.batch_shape), 0)]
-        x = torch.broadcast_to(x, (*lead, *self.batch_shape, n, d))
-        heads = x.reshape(-1, fmap.heads, n, d).transpose(1, 2)  # [B', n, H, d]
-        out = fmap.features(heads).transpose(1, 2)  # [B', H, n, M]
-        return out.reshape(*lead, *self.batch_shape, n, out.shape[-1])
+        return batch_features(fmap, torch.broadcast_to(x, (*lead, *self.batch_shape, n, d)))
 
     def features_q(self, x):
         return self._map(self.map_q, x)
