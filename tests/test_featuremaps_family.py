@@ -100,7 +100,7 @@ def test_a_fitted_sketch_runs_in_the_op_as_in_sketch_attention(method, kw):
     assert (out - ref).abs().max() < TOL64
     twin, _ = sl.linear_attention(q, k, v, map_q, map_k, options=opts.replace(backend="reference"), gate=gate)
     assert (out - twin).abs().max() < TOL64  # through the sketch's own float64 twin
-    assert map_q.non_negative == sketch.kernel_non_negative or method == "llops"
+    assert map_q.non_negative == sketch.non_negative or method == "llops"
 
 
 def test_sketch_map_of_one_layer_trains_and_moves():

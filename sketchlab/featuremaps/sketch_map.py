@@ -109,7 +109,7 @@ class SketchMap(FeatureMap):
 
     @property
     def non_negative(self) -> bool:
-        return self.sketch.kernel_non_negative
+        return self.sketch.non_negative
 
     def _features(self, x):
         return self._side(x.transpose(1, 2)).transpose(1, 2)  # [B, H, T, D] -> [B, H, T, M] -> [B, T, H, M]
@@ -227,7 +227,7 @@ class FeatureMapSketch(nn.Module, Sketch):
         return per_side if self.map_k is None else 2 * per_side
 
     @property
-    def kernel_non_negative(self) -> bool:
+    def non_negative(self) -> bool:
         return self.map_q.non_negative and (self.map_k is None or self.map_k.non_negative)
 
     def _heads(self, index) -> torch.Tensor:
