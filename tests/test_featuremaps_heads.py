@@ -54,3 +54,46 @@ def test_kernel_errors_of_maps_equal_those_of_the_sketch_with_the_same_theta(tie
     for key in ("sq_err", "sq_norm", "rel_fro", "rel_mae"):
         torch.testing.assert_close(got[key], want[key], rtol=1e-12, atol=0)
     assert not torch.allclose(got["rel_fro"][0], got["rel_fro"][1])  # the heads differ: the order is tested
+
+
+def _every_method():
+    from sketchlab import available_sketches
+    from sketchlab.featuremaps import feature_map_names
+
+    return sorted(set(available_sketches()) | set(feature_map_names()))
+
+
+#: Trained methods: a few Adam steps are enough to compare the maps with the sketch they came from.
+_QUICK = {"elementwise": {"steps": 3}, "mlp": {"steps": 3}, "hedgehog": {"steps": 3}, "psf-learned": {"steps": 3},
+          "llops": {"method": "adam", "steps": 3}}
+
+
+@pytest.mark.parametrize("method", _every_method())
+def test_every_fit_is_a_pair_of_maps_over_the_flattened_heads(method):
+    # fit_sketch(method) on an [L, H] batch -> fit.feature_maps(): maps of L·H heads whose features, twin and
+    # non_negative are the fitted sketch's, head l·H + j being layer l, head j.
+    import warnings
+
+    from sketchlab import fit_sketch
+    from sketchlab.featuremaps import FeatureMap
+
+    q, k = _rand(L, H, 24, D, seed=7) / 2, _rand(L, H, 24, D, seed=8) / 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # undefined ratios and DPFP/identity sizes are not the point here
+        fit = fit_sketch(method, q, k, p=2, m=6, seed=0, reference=False, **_QUICK.get(method, {}))
+    map_q, map_k = fit.feature_maps()
+    assert isinstance(map_q, FeatureMap) and isinstance(map_k, FeatureMap)
+    assert (map_q.heads, map_q.head_dim, map_k.heads) == (L * H, D, L * H)
+    fq, fk = pair_features((map_q, map_k), q, k)
+    with torch.no_grad():
+        want_q, want_k = fit.sketch.features_q(q).double(), fit.sketch.features_k(k).double()
+    torch.testing.assert_close(fq, want_q, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(fk, want_k, rtol=1e-12, atol=1e-12)
+    assert map_q.non_negative == map_k.non_negative == fit.sketch.non_negative or method == "llops"
+    x = _rand(1, 5, L * H, D, seed=9)
+    for side, fmap in (("q", map_q), ("k", map_k)):
+        twin = fmap.features_naive(x)  # [1, 5, L·H, M]
+        for l_ in range(L):
+            for j in range(H):
+                torch.testing.assert_close(twin[0, :, l_ * H + j], fit.sketch.features_naive(x[0, :, l_ * H + j], side, (l_, j)),
+                                           rtol=1e-12, atol=1e-12)
