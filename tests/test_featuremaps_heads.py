@@ -10,7 +10,7 @@ import torch
 
 from sketchlab import LLoPS, kernel_errors
 from sketchlab.featuremaps import LLoPSMap, make_feature_map
-from sketchlab.featuremaps.heads import batch_features, pair_features
+from sketchlab.featuremaps.heads import as_heads, batch_features, from_heads, pair_features
 
 L, H, N, D, M = 2, 3, 7, 4, 5
 
@@ -28,6 +28,9 @@ def test_batch_features_maps_layer_l_head_j_with_head_l_times_h_plus_j():
         for j in range(H):
             twin = fmap._features_naive(x[l_, j], l_ * H + j)  # [N, M], that head's map written out
             torch.testing.assert_close(out[l_, j], twin, rtol=1e-12, atol=1e-12)
+    flat = as_heads(x, L * H)  # the same rule for any [L, H] tensor, e.g. the attention op's input
+    assert flat.shape == (1, N, L * H, D) and torch.equal(flat[0, :, H + 2], x[1, 2])
+    assert torch.equal(from_heads(flat, (L, H)), x)
     # a batch before the heads: each problem of it mapped alike
     two = batch_features(fmap, torch.stack([x, 2 * x]))
     torch.testing.assert_close(two, torch.stack([out, batch_features(fmap, 2 * x)]), rtol=0, atol=0)

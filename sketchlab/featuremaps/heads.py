@@ -17,7 +17,7 @@ import torch
 
 from .base import FeatureMap
 
-__all__ = ["batch_features", "pair_features"]
+__all__ = ["as_heads", "batch_features", "from_heads", "pair_features"]
 
 
 def batch_features(fmap: FeatureMap, x: torch.Tensor) -> torch.Tensor:
@@ -50,9 +50,20 @@ def batch_features(fmap: FeatureMap, x: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"x of shape {tuple(x.shape)} does not hold a whole number of the map's heads={fmap.heads} "
                          f"problems of head_dim={fmap.head_dim} (x [..., n, D], the leading axes flattened into "
                          "[B, H] row-major)")
-    heads = x.reshape(-1, fmap.heads, n, d).transpose(1, 2)  # [B, n, H, D]
-    out = fmap.features(heads).transpose(1, 2)  # [B, H, n, M]
-    return out.reshape(*lead, n, out.shape[-1])
+    return from_heads(fmap.features(as_heads(x, fmap.heads)), x.shape[:-2])
+
+
+def as_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """``x [..., n, F]`` whose leading axes hold ``B·heads`` problems → ``[B, n, heads, F]``, the batch flattened
+    row-major (the rule of :func:`batch_features`; e.g. a dump's ``[L, H, n, d]`` with ``heads = L·H`` is one
+    ``[1, n, L·H, d]`` input of a map or of the attention op). Trusts that the count divides."""
+    n, f = x.shape[-2:]
+    return x.reshape(-1, heads, n, f).transpose(1, 2)
+
+
+def from_heads(y: torch.Tensor, batch: tuple) -> torch.Tensor:
+    """The inverse of :func:`as_heads`: ``y [B, n, H, F]`` → ``[*batch, n, F]`` (``prod(batch) = B·H``)."""
+    return y.transpose(1, 2).reshape(*batch, y.shape[1], y.shape[-1])
 
 
 def pair_features(maps, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
