@@ -35,9 +35,9 @@ import torch
 
 from ._dumpsel import select_and_scale
 from .advise import advise
-from .attention import LLoPSAttention, dump_segments, poly_attention
-from .attention.functional import sketch_attention
+from .attention import AttentionOptions, LLoPSAttention, dump_segments, linear_attention, poly_attention
 from .compare import DEFAULT_METHODS, compare
+from .featuremaps.heads import as_heads, from_heads
 from .fit import fit_sketch
 from .io import load_qk
 from .io.atomic import write_text_atomic
@@ -141,9 +141,11 @@ def step_attention(state: DemoState) -> None:
 
     exact = poly_attention(tokens_first(q), tokens_first(k), tokens_first(v), state.p, normalize="none",
                            segments=segments)  # [L', n, H, d_v]
-    with torch.no_grad():  # the [L', H] optimum, layers on the batch axis
-        best = sketch_attention(tokens_first(q), tokens_first(k), tokens_first(v), optimum.sketch, normalize="none",
-                                segments=segments)  # [L', n, H, d_v]
+    with torch.no_grad():  # the [L', H] optimum as one pair of maps of L'·H heads, through the op
+        heads = q.shape[0] * q.shape[1]
+        best, _ = linear_attention(as_heads(q, heads), as_heads(k, heads), as_heads(v, heads), *optimum.feature_maps(),
+                                   options=AttentionOptions(normalize="none"), segments=segments)  # [1, n, L'·H, d_v]
+        best = tokens_first(from_heads(best, v.shape[:2]))  # [L', n, H, d_v]
     unscaled = dump.q[layers].double(), dump.k[layers].double()  # the block applies the file's scale itself
     rows = []
     for i, layer in enumerate(state.layers):

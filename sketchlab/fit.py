@@ -178,10 +178,29 @@ class FitReport:
 
 @dataclass
 class Fit:
-    """A fitted sketch and its :class:`FitReport`."""
+    """A fitted sketch and its :class:`FitReport`; ``batch_shape`` (e.g. ``(L, H)``) and ``head_dim`` (``d``)
+    are the fitted ``q``'s, what :meth:`feature_maps` needs."""
 
     sketch: Sketch
     report: FitReport
+    batch_shape: tuple = ()
+    head_dim: int | None = None
+
+    def feature_maps(self) -> tuple:
+        """``(map_q, map_k)``: the fit as the family's feature maps of ``H = prod(batch_shape)`` heads, the
+        batch flattened row-major (layer ``l``, head ``j`` of an ``[L, H]`` fit is head ``l·H + j``, as
+        :func:`sketchlab.featuremaps.batch_features` maps it), for every method: a registered map's fit is
+        its own maps (no copy), any other sketch's its :func:`~sketchlab.featuremaps.sketch_feature_maps`
+        (LLoPS: two :class:`~sketchlab.featuremaps.LLoPSMap` over a copy of Θ; the others share the
+        sketch's tensors). ``pair_features(fit.feature_maps(), q, k)`` equals the sketch's own features."""
+        from .featuremaps import FeatureMapSketch, sketch_feature_maps
+
+        if isinstance(self.sketch, FeatureMapSketch):
+            map_q = self.sketch.map_q
+            return map_q, (map_q if self.sketch.map_k is None else self.sketch.map_k)
+        if self.head_dim is None:
+            raise ValueError("this Fit records no head_dim (build it with fit_sketch): its maps' size is unknown")
+        return sketch_feature_maps(self.sketch, heads=math.prod(self.batch_shape), head_dim=self.head_dim)
 
     def save_theta(self, path, *, dump, scale=None):
         """Export Θ with every metadata field filled in: :func:`sketchlab.export.export_theta`."""
@@ -436,7 +455,7 @@ def _fit_checked(method: str, fitter: Callable[..., Sketch], q: torch.Tensor, k:
                 report.holdout_reference_rel_fro = ref_f
                 n_held = max(q_held.shape[-2], k_held.shape[-2])
                 report.holdout_vs_reference = torch.where(is_roundoff(ref_f, 1.0, n_held), math.nan, h_f / ref_f)
-    return Fit(sketch=sketch, report=report)
+    return Fit(sketch=sketch, report=report, batch_shape=tuple(q.shape[:-2]), head_dim=q.shape[-1])
 
 
 def _option_names(fitter: Callable[..., Sketch]) -> set[str] | None:

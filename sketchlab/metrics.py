@@ -2,7 +2,8 @@ r"""Error metrics between an approximate and an exact kernel matrix.
 
 The error of the attention *output* (:func:`sketchlab.attention.errors.attention_error`) lives in
 the attention package, above the sketches: this module imports nothing but the polynomial
-features, so every layer of the library can use it.
+features and the feature-map interface (:mod:`sketchlab.featuremaps.heads`, a primitive), so every
+layer of the library can use it.
 
 All functions reduce over the last two axes and keep leading (batch) axes, so ``[L, H, n, n]``
 inputs give ``[L, H]`` results. Inputs are compared in float64.
@@ -169,8 +170,9 @@ def kernel_errors(sketch, q, k, p: int, *, max_bytes: int = DEFAULT_MAX_BYTES) -
 
     Parameters
     ----------
-    sketch : Sketch
-        Its ``features_q``/``features_k`` are evaluated once (``[..., n, m]``), then
+    sketch : Sketch, FeatureMap or pair ``(map_q, map_k)`` of FeatureMaps
+        Its query and key features are evaluated once (``[..., n, m]``; a map's heads are the batch
+        ``[...]`` flattened row-major, :func:`sketchlab.featuremaps.heads.batch_features`), then
         :math:`\hat A = \Phi_Q\Phi_K^\top` and ``A`` are formed one block of query rows at a time.
     q : Tensor ``[..., n_q, d]``
     k : Tensor ``[..., n_k, d]``
@@ -194,10 +196,12 @@ def kernel_errors(sketch, q, k, p: int, *, max_bytes: int = DEFAULT_MAX_BYTES) -
 
 
 def _sketch_features(sketch, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(Φ_Q, Φ_K)``: the sketch's features of ``q[..., n_q, d]`` and ``k[..., n_k, d]`` in float64
-    (``[..., n, m]``), without autograd."""
-    with torch.no_grad():
-        return sketch.features_q(q).to(torch.float64), sketch.features_k(k).to(torch.float64)
+    """``(Φ_Q, Φ_K)``: the features of ``q[..., n_q, d]`` and ``k[..., n_k, d]`` in float64 (``[..., n, m]``),
+    without autograd, of a sketch, a feature map or a pair of maps
+    (:func:`sketchlab.featuremaps.heads.pair_features`: the batch flattened into the maps' heads)."""
+    from .featuremaps.heads import pair_features
+
+    return pair_features(sketch, q, k)
 
 
 def _kernel_errors(fq: torch.Tensor, fk: torch.Tensor, q: torch.Tensor, k: torch.Tensor, p: int,

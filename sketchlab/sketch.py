@@ -50,11 +50,10 @@ class Sketch(abc.ABC):
     def num_parameters(self) -> int:
         """Number of stored numbers that define one (per-head) pair of maps, both sides counted."""
 
-    @property
-    def kernel_non_negative(self) -> bool:
-        """Whether ``φ_Q(q)·φ_K(k) >= 0`` for every input (so ``normalize="sum"`` is safe); ``False``
-        unless the sketch proves it."""
-        return False
+    #: Whether ``φ_Q(q)·φ_K(k) >= 0`` for every input (so ``normalize="sum"`` is safe): ``False`` unless the
+    #: sketch proves it (a property or an attribute of the subclass); the family's one name for it
+    #: (:attr:`sketchlab.featuremaps.FeatureMap.non_negative`).
+    non_negative: bool = False
 
     @abc.abstractmethod
     def features_naive(self, x: torch.Tensor, side: str = "q", index: tuple = ()) -> torch.Tensor:

@@ -100,13 +100,13 @@ def test_a_fitted_sketch_runs_in_the_op_as_in_sketch_attention(method, kw):
     assert (out - ref).abs().max() < TOL64
     twin, _ = sl.linear_attention(q, k, v, map_q, map_k, options=opts.replace(backend="reference"), gate=gate)
     assert (out - twin).abs().max() < TOL64  # through the sketch's own float64 twin
-    assert map_q.non_negative == sketch.kernel_non_negative or method == "llops"
+    assert map_q.non_negative == sketch.non_negative or method == "llops"
 
 
 def test_sketch_map_of_one_layer_trains_and_moves():
     torch.manual_seed(0)
     sketch = sl.MLPSketch.init_random(D, 2, 5, 6, seed=1, batch_shape=(3, H), dtype=torch.float64)
-    with pytest.raises(ValueError, match=r"batch shape \[3, 2\]; a feature map of heads=2 needs \[\] or \[2\]"):
+    with pytest.raises(ValueError, match=r"batch shape \[3, 2\]; a feature map of heads=2 needs \[\] or a batch of 2 maps"):
         SketchMap(sketch, heads=H, head_dim=D)
     map_q, map_k = sketch_feature_maps(sketch, heads=H, head_dim=D, layer=1)
     x = _rand(1, 4, H, D, seed=13)

@@ -22,7 +22,9 @@ PACKAGE = ROOT / "sketchlab"
 LAYERS = [
     ("base", ["sketchlab._validation", "sketchlab._version", "sketchlab._threads"]),
     ("primitives", ["sketchlab.polynomial", "sketchlab.sketch", "sketchlab.scaling", "sketchlab.numerics",
-                    "sketchlab.io", "sketchlab.io.*"]),
+                    "sketchlab.io", "sketchlab.io.*",
+                    # the family's interface and where a batch [L, H] meets its heads: what the metrics evaluate
+                    "sketchlab.featuremaps.base", "sketchlab.featuremaps.heads"]),
     ("math", ["sketchlab.optimal", "sketchlab.spectral", "sketchlab.objective", "sketchlab.metrics",
               # the LLoPS map itself and what a fit problem is made of (no fitting)
               "sketchlab.llops.maps", "sketchlab.llops.cp", "sketchlab.llops.module",

@@ -9,7 +9,8 @@ sliding-window hybrid, a trainable attention in its own right, and what model co
 ``fit_sketch`` fitter slot (:func:`register_fitter`, :func:`own_fitter`, :func:`fitter_names`: one
 vocabulary for maps and fit methods); a user's own module
 joins in one call, :func:`as_feature_map` (:mod:`.custom`); a fitted
-:class:`~sketchlab.sketch.Sketch` joins the family through :func:`sketch_feature_maps` (:mod:`.sketch_map`).
+:class:`~sketchlab.sketch.Sketch` joins the family through :func:`sketch_feature_maps` (:mod:`.sketch_map`);
+a batch of problems ``[L, H, n, D]`` meets a map's heads in one place, :func:`batch_features` (:mod:`.heads`).
 
 ======================  =====================================================  ==============
 map (name)              features                                               kernel
@@ -50,6 +51,7 @@ from .based import ExpandMap, TaylorMap
 from .custom import ModuleMap, as_feature_map
 from .elementwise import TiedLLoPSMap
 from .exact import ExactPolyMap
+from .heads import batch_features, pair_features
 from .hedgehog import HedgehogMap
 from .llops import LLoPSMap
 from .normed import InputNormed
@@ -96,12 +98,14 @@ __all__ = [
     "TaylorMap",
     "TiedLLoPSMap",
     "as_feature_map",
+    "batch_features",
     "check_feature_map_options",
     "feature_map_names",
     "feature_map_options",
     "fitter_names",
     "make_feature_map",
     "own_fitter",
+    "pair_features",
     "register_feature_map",
     "register_fitter",
     "resolve_name",

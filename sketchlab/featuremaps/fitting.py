@@ -16,6 +16,7 @@ import math
 
 from ..objective import DEFAULT_LR, DEFAULT_STEPS, train_kernel_sketch
 from .base import FeatureMap
+from .heads import batch_features
 from .registry import make_feature_map
 from .sketch_map import FeatureMapSketch
 
@@ -43,10 +44,10 @@ def feature_map_fitter(name: str):
             sketch.fit_info = {"steps": 0, "converged": True}
             return sketch
         flat_q, flat_k = q.reshape(heads, *q.shape[-2:]), k.reshape(heads, *k.shape[-2:])  # [H, n, d]
-        flat = FeatureMapSketch(map_q, map_k, p=p, batch_shape=(heads,))
         per_head = all(fmap.per_head_parameters for fmap in sketch.modules() if isinstance(fmap, FeatureMap))
-        sketch.fit_info = train_kernel_sketch(params, lambda a, b: (flat.features_q(a), flat.features_k(b)), flat_q,
-                                              flat_k, p, steps=steps, lr=lr, what=f"feature map {name!r}",
+        side_k = map_q if map_k is None else map_k
+        sketch.fit_info = train_kernel_sketch(params, lambda a, b: (batch_features(map_q, a), batch_features(side_k, b)),
+                                              flat_q, flat_k, p, steps=steps, lr=lr, what=f"feature map {name!r}",
                                               per_head=per_head)
         for key in ("init_rel_fro", "rel_fro"):
             sketch.fit_info[key] = sketch.fit_info[key].reshape(batch)

@@ -26,6 +26,7 @@ from torch import nn
 
 from ..sketch import Sketch
 from .base import FeatureMap, WrappedMap, _init_heads
+from .heads import batch_features
 
 __all__ = ["FeatureMapSketch", "HeadSelection", "SketchMap", "sketch_feature_maps"]
 
@@ -45,9 +46,11 @@ def _tensor_slots(sketch) -> list[tuple[str, int | None]]:
 class SketchMap(FeatureMap):
     r"""One side (``"q"`` or ``"k"``) of a fitted sketch as a :class:`FeatureMap` of ``heads`` heads.
 
-    The sketch's batch shape must be ``[H]`` (one map per head; select a layer of an ``[L, H]`` fit
-    with ``sketch.select(l)``, as :func:`sketch_feature_maps` does) or ``[]`` (one map for every
-    head). A module sketch (MLP, element-wise, LLoPS) is a submodule: its parameters train with the
+    The sketch's batch shape must be ``[]`` (one map for every head) or hold ``heads`` maps: ``[H]`` (one
+    map per head; a layer of an ``[L, H]`` fit is ``sketch.select(l)``, as :func:`sketch_feature_maps`
+    does), or ``[L, H']`` with ``L·H' = heads``, flattened row-major as
+    :func:`~sketchlab.featuremaps.heads.batch_features` flattens it (layer ``l``, head ``j`` → head
+    ``l·H' + j``: a whole fit as one map). A module sketch (MLP, element-wise, LLoPS) is a submodule: its parameters train with the
     model. A plain one's tensors (PSF's Gaussians, TensorSketch's hashes, BASED's projection) are
     buffers, saved with the model and moved by ``.to``.
     """
@@ -75,11 +78,11 @@ class SketchMap(FeatureMap):
         with torch.no_grad():
             probe = self._side(torch.zeros(1, self.head_dim, dtype=like.dtype, device=like.device))  # [*batch, 1, M]
         batch = tuple(probe.shape[:-2])
-        if batch not in ((), (self.heads,)):
+        if batch and math.prod(batch) != self.heads:
             raise ValueError(f"{type(sketch).__name__} has batch shape {list(batch)}; a feature map of heads={self.heads} "
-                             f"needs [] or [{self.heads}] (one layer: sketch_feature_maps(sketch, layer=l) or "
-                             "sketch.select(l))")
-        self._batched = bool(batch)
+                             f"needs [] or a batch of {self.heads} maps (one layer: sketch_feature_maps(sketch, layer=l) "
+                             "or sketch.select(l))")
+        self._batch = batch
         self._m = probe.shape[-1]
 
     def _side(self, x):
@@ -108,18 +111,22 @@ class SketchMap(FeatureMap):
 
     @property
     def non_negative(self) -> bool:
-        return self.sketch.kernel_non_negative
+        return self.sketch.non_negative
 
     def _features(self, x):
-        return self._side(x.transpose(1, 2)).transpose(1, 2)  # [B, H, T, D] -> [B, H, T, M] -> [B, T, H, M]
+        B, T, H, D = x.shape
+        heads = x.transpose(1, 2).reshape(B, *(self._batch or (H,)), T, D)  # [B, *batch, T, D]: head h at its index
+        return self._side(heads).reshape(B, H, T, self._m).transpose(1, 2)  # [B, *batch, T, M] -> [B, T, H, M]
 
     def _features_naive(self, x, head):
-        return self.sketch.features_naive(x, self.side, (head,) if self._batched else ())
+        index = tuple(int(i) for i in torch.unravel_index(torch.tensor(head), self._batch)) if self._batch else ()
+        return self.sketch.features_naive(x, self.side, index)
 
 
 def sketch_feature_maps(sketch: Sketch, *, heads: int, head_dim: int, layer: int | None = None):
     """``(map_q, map_k)``: a fitted sketch as the feature maps of one layer (``layer`` of an ``[L, H]``
-    fit; ``None`` for a fit of batch shape ``[H]`` or ``[]``).
+    fit), or with ``layer=None`` of the whole fit (batch shape ``[]``, or ``heads`` maps in any batch
+    shape, flattened row-major into the heads: :class:`SketchMap`).
 
     LLoPS gives two :class:`~sketchlab.featuremaps.LLoPSMap` (the fused kernel; Θ copied); a sketch
     with one map for both sides (PSF, TensorSketch, BASED, tied element-wise) one :class:`SketchMap`
@@ -136,7 +143,7 @@ def sketch_feature_maps(sketch: Sketch, *, heads: int, head_dim: int, layer: int
     if isinstance(sketch, LLoPS):
         def theta(t):
             t = t.detach()
-            return t.expand(heads, *t.shape) if t.ndim == 4 else t  # [H, t, p, D, M]
+            return t.expand(heads, *t.shape) if t.ndim == 4 else t.reshape(-1, *t.shape[-4:])  # [H, t, p, D, M]
 
         map_q = LLoPSMap(heads, head_dim, theta=theta(sketch.theta_q))
         return map_q, (map_q if sketch.tied else LLoPSMap(heads, head_dim, theta=theta(sketch.theta_k)))
@@ -204,10 +211,7 @@ class FeatureMapSketch(nn.Module, Sketch):
         head, as with the other sketches) → ``[*lead, *batch_shape, n, M]``."""
         n, d = x.shape[-2:]
         lead = x.shape[:max(x.ndim - 2 - len(self.batch_shape), 0)]
-        x = torch.broadcast_to(x, (*lead, *self.batch_shape, n, d))
-        heads = x.reshape(-1, fmap.heads, n, d).transpose(1, 2)  # [B', n, H, d]
-        out = fmap.features(heads).transpose(1, 2)  # [B', H, n, M]
-        return out.reshape(*lead, *self.batch_shape, n, out.shape[-1])
+        return batch_features(fmap, torch.broadcast_to(x, (*lead, *self.batch_shape, n, d)))
 
     def features_q(self, x):
         return self._map(self.map_q, x)
@@ -229,7 +233,7 @@ class FeatureMapSketch(nn.Module, Sketch):
         return per_side if self.map_k is None else 2 * per_side
 
     @property
-    def kernel_non_negative(self) -> bool:
+    def non_negative(self) -> bool:
         return self.map_q.non_negative and (self.map_k is None or self.map_k.non_negative)
 
     def _heads(self, index) -> torch.Tensor:

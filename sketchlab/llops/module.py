@@ -81,7 +81,7 @@ class LLoPS(nn.Module, Sketch):
         return self.kernel(q, k)
 
     @property
-    def kernel_non_negative(self) -> bool:
+    def non_negative(self) -> bool:
         from .maps import llops_is_non_negative
 
         return llops_is_non_negative(self.theta_q) and (self.tied or llops_is_non_negative(self.theta_k))

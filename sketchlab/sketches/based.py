@@ -208,7 +208,7 @@ class BasedSketch(Sketch):
         return self.features_q(x)
 
     @property
-    def kernel_non_negative(self) -> bool:
+    def non_negative(self) -> bool:
         return self.form == "taylor" or self.p % 2 == 0  # 1 + s + s²/2 > 0; (qᵀPPᵀk)^p >= 0 for even p
 
     def features_naive(self, x, side: str = "q", index: tuple = ()) -> torch.Tensor:

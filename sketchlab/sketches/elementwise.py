@@ -93,7 +93,7 @@ class ElementwiseSketch(nn.Module, Sketch):
         return self.kernel(q, k)
 
     @property
-    def kernel_non_negative(self) -> bool:
+    def non_negative(self) -> bool:
         return self.p % 2 == 0  # every feature (xθ)^p >= 0
 
     def features_naive(self, x, side: str = "q", index: tuple = ()) -> torch.Tensor:

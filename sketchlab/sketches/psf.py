@@ -329,10 +329,6 @@ class PolySketch(Sketch):
         """Same map as :meth:`features_q`."""
         return self.features_q(x)
 
-    @property
-    def kernel_non_negative(self) -> bool:
-        return self.non_negative  # ⟨s(q), s(k)⟩² >= 0
-
     def features_naive(self, x, side: str = "q", index: tuple = ()) -> torch.Tensor:
         s = psf_features_naive(x, [w[index] for w in self.weights], self.inner_degree)  # [n, r]
         if not self.non_negative:
