@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import sketchlab.attention as attention
-import sketchlab.attention.layer as layer
+import sketchlab.attention.layer as attn_layer
 from sketchlab.io import save_theta
 from sketchlab.tasks import TransformerConfig, TransformerLM, attention_registry, init_llops, kernel_modules
 from sketchlab.tasks.attention import ToyKernel
@@ -33,7 +33,7 @@ def test_every_name_runs_through_the_one_entry_point_with_its_own_options(name, 
     assert isinstance(kernel, ToyKernel)
     calls = []
     entry = "poly_attention" if name == "poly" else "linear_attention"
-    where = attention if name == "poly" else layer  # the op as the one layer core calls it
+    where = attention if name == "poly" else attn_layer  # the op as the one layer core calls it
     real = getattr(where, entry)
 
     def spy(*args, **kw):
