@@ -1,9 +1,9 @@
 r"""The sketched attention a converted model runs, and the state it decodes with.
 
 :class:`SketchedAttention` holds what conversion adds to one attention module — the query and key
-feature maps and the per-head gate, as ``nn.Parameter`` s registered on that module (so they train
-and save with it) — and calls :func:`sketchlab.attention.linear_attention` (layout
-``[B, T, H, D]``): pure linear attention for ``window=0``, else the sliding-window hybrid with
+feature maps, the per-head gate and the far parameters, as ``nn.Parameter`` s registered on that module (so
+they train and save with it) — and calls :func:`sketchlab.attention.linear_attention` through the one layer core
+it subclasses (:class:`~sketchlab.attention.layer.LinearAttentionCore`; layout ``[B, T, H, D]``): pure linear attention for ``window=0``, else the sliding-window hybrid with
 ``sinks`` attention sinks (DESIGN §6).
 
 Input scale: the feature maps see ``x · D^{-1/4}`` (the ``"sqrt-d"`` convention of every Θ fit and

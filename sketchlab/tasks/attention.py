@@ -4,7 +4,8 @@ polynomial attention.
 Importing this module registers, beside ``"softmax"`` (:mod:`.model`), ``"poly"`` and every name of the
 feature-map registry (:func:`sketchlab.featuremaps.feature_map_names`; ``"based"`` and ``"psf"``, with a
 ``DeprecationWarning``, stand for ``"based-taylor"`` (``"based-expand"`` with ``form`` expand) and
-``"psf-random"``). A kernel hands its maps, :class:`~sketchlab.attention.options.AttentionOptions` and
+``"psf-random"``). A kernel is the one layer core (:class:`~sketchlab.attention.layer.LinearAttentionCore`),
+which hands its maps, :class:`~sketchlab.attention.options.AttentionOptions` and
 :class:`~sketchlab.attention.options.FarParams` to :func:`sketchlab.attention.linear_attention`
 (chunked PyTorch; two LLoPS maps run the fused Triton kernel on CUDA; any memory option runs
 :func:`~sketchlab.attention.memory.memory_attention`), so training runs the code tested and timed there.
