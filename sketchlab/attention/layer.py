@@ -71,6 +71,17 @@ class LinearAttentionCore(nn.Module):
         self.far = (FarParams(options, heads, dim_v, gate=False, dim=dim).to(dtype=dtype, device=device)
                     if map_q is not None and (options.memory or options.qk_conv) else None)
 
+    # the options by their attribute names (read-only: the options object is the one record)
+    causal = property(lambda self: self.options.causal)
+    normalize = property(lambda self: self.options.normalize)
+    eps = property(lambda self: self.options.eps)
+    backend = property(lambda self: self.options.backend)
+    chunk_size = property(lambda self: self.options.chunk_size)
+    window = property(lambda self: self.options.window)
+    sinks = property(lambda self: self.options.sinks)
+    local = property(lambda self: self.options.local)
+    local_scale = property(lambda self: self.options.local_scale)
+
     @property
     def key_map(self) -> nn.Module | None:
         """The map the keys go through: ``map_k``, or ``map_q`` when tied."""

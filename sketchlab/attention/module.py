@@ -194,18 +194,6 @@ class LLoPSAttention(LinearAttentionCore):
                 state_dict[prefix + new] = state_dict.pop(prefix + old)
         super()._load_from_state_dict(state_dict, prefix, *args)
 
-    # the options, by their old attribute names (read-only: the options object is the one record)
-    causal = property(lambda self: self.options.causal)
-    normalize = property(lambda self: self.options.normalize)
-    non_negative = property(lambda self: self.options.non_negative)
-    eps = property(lambda self: self.options.eps)
-    backend = property(lambda self: self.options.backend)
-    chunk_size = property(lambda self: self.options.chunk_size)
-    window = property(lambda self: self.options.window)
-    sinks = property(lambda self: self.options.sinks)
-    local = property(lambda self: self.options.local)
-    local_scale = property(lambda self: self.options.local_scale)
-
     @property
     def theta_q(self) -> torch.Tensor:
         """Θ_Q ``[H, t, p, D, M]`` (``map_q.theta``: a parameter, or a buffer without ``learn_theta``)."""

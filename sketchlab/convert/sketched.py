@@ -136,9 +136,6 @@ class SketchedAttention(LinearAttentionCore):
         super().__init__(feature_map_q, feature_map_k, options=options, heads=heads, dim_v=head_dim, dim=head_dim,
                          gate=gate)
         self.heads, self.head_dim = int(heads), int(head_dim)
-        self.window, self.sinks, self.local = int(window), int(sinks), local
-        self.normalize, self.causal = normalize, bool(causal)
-        self.eps = float(eps)
         self.input_scale = head_dim ** -0.25
         self._cache_layer = None  # set for one call by remember_cache (not state: never saved)
 
