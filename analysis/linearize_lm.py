@@ -288,8 +288,8 @@ def shift_evidence(sketch, io, mask, index) -> dict:
         valid = mask[n].to(torch.bool)
         q, k = q[:, valid].double(), k[:, valid].double()  # [1, T, H, D]
         T = q.shape[1]
-        fq = sketch.feature_map_q.features(q * c).double()[0].transpose(0, 1)  # [H, T, M]
-        fk = sketch.feature_map_k.features(k * c).double()[0].transpose(0, 1)
+        fq = sketch.map_q.features(q * c).double()[0].transpose(0, 1)  # [H, T, M]
+        fk = sketch.key_map.features(k * c).double()[0].transpose(0, 1)
         x = io.scaling * (q[0].transpose(0, 1) @ k[0].transpose(0, 1).mT)  # [H, T, T]
         i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
         near = ((i - j >= 0) & (i - j < w)) | ((j < ns) & (j <= i))
@@ -417,7 +417,7 @@ def smollm2(args, out: dict, save) -> None:
         shown = f"{name}+ln" if normed else name  # +ln: the map on layer-normalised q, k
         label = f"{shown} {'hybrid w=%d+%d' % (window, args.sinks) if window else 'pure'}"
         sketches = convert(model, name, args, window, theta, input_norm=normed)
-        features = sketches[0].feature_map_q.num_features
+        features = sketches[0].map_q.num_features
         key = transfer_key(name, window, args, theta if name == "llops" else None, input_norm=normed)
         cached = None if args.cache_dir is None else Path(args.cache_dir) / f"{key}.safetensors"
         hit = None if cached is None else load_transferred(sketches, cached)

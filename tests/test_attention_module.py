@@ -33,7 +33,21 @@ def test_learnable_and_frozen_theta():
     assert block.theta_q.grad.abs().sum() > 0 and block.theta_k.grad.abs().sum() > 0
     assert block.q_proj.weight.grad.abs().sum() > 0
     frozen = LLoPSAttention(8, 2, dtype=torch.float64, learn_theta=False, seed=0)
-    assert "theta_q" not in dict(frozen.named_parameters()) and "theta_q" in dict(frozen.named_buffers())
+    assert "map_q.theta" not in dict(frozen.named_parameters()) and "map_q.theta" in dict(frozen.named_buffers())
+
+
+def test_a_state_dict_saved_before_the_one_layer_core_loads():
+    # Θ was saved as theta_q/theta_k (acaf206 and earlier); today it lives in map_q.theta/map_k.theta
+    x = _rand(1, 9, 8, seed=3)
+    for kw in (dict(theta_q=_rand(2, 1, 2, 4, 4, seed=4), theta_k=_rand(2, 1, 2, 4, 4, seed=5)), dict(seed=1)):
+        block = LLoPSAttention(8, 2, m=4, dtype=torch.float64, normalize="none", **kw)
+        old = {("theta_q" if k == "map_q.theta" else "theta_k" if k == "map_k.theta" else k): v
+               for k, v in block.state_dict().items()}
+        assert "theta_q" in old and ("theta_k" in old) == ("theta_k" in kw)
+        fresh = LLoPSAttention(8, 2, m=4, dtype=torch.float64, normalize="none", seed=2,
+                               **({"theta_q": kw["theta_q"] * 0, "theta_k": kw["theta_k"] * 0} if "theta_k" in kw else {}))
+        fresh.load_state_dict(old)
+        assert torch.equal(fresh(x), block(x))
 
 
 def test_from_sketch_layers_and_special_cases():

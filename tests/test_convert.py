@@ -19,6 +19,7 @@ import torch
 import transformers
 from torch import nn
 
+import sketchlab.attention.layer as attn_layer
 import sketchlab.convert.sketched as sketched
 from sketchlab.convert import convert_attention, converted_modules, load_linearized, save_linearized
 from sketchlab.featuremaps import HedgehogMap
@@ -38,7 +39,7 @@ class _KV:
     mask: torch.Tensor
 
 
-def exact_softmax(q, k, v, fmap_q, fmap_k, *, options, params=None, gate=None, key_padding_mask=None,
+def exact_softmax(q, k, v, fmap_q, fmap_k, *, options, params=None, gate=None, segments=None, key_padding_mask=None,
                   initial_state=None, output_final_state=False):
     """Exact masked softmax attention ``[B, T, H, D]`` with logits ``options.local_scale · qᵀk`` (float64),
     continuing from / returning the keys and values so far as its state (the op's ``(o, state)``)."""
@@ -74,7 +75,7 @@ def _maps(layer, heads, head_dim):
 
 @pytest.fixture
 def softmax_kernel(monkeypatch):
-    monkeypatch.setattr(sketched, "linear_attention", exact_softmax)
+    monkeypatch.setattr(attn_layer, "linear_attention", exact_softmax)  # the op as the one layer core calls it
 
 
 def _llama(causal_lm=True):
@@ -150,12 +151,12 @@ def test_plumbing_reproduces_teacher(make, padding, softmax_kernel):
     # the module's own logit scale reaches the local part: GPT-2 scales layer l by 1/(l+1)
     if make is _gpt2:
         seen = []
-        orig = sketched.linear_attention
-        sketched.linear_attention = lambda *a, **kw: (seen.append(kw["options"].local_scale), orig(*a, **kw))[1]
+        orig = attn_layer.linear_attention
+        attn_layer.linear_attention = lambda *a, **kw: (seen.append(kw["options"].local_scale), orig(*a, **kw))[1]
         try:
             _out(model, ids, mask)
         finally:
-            sketched.linear_attention = orig
+            attn_layer.linear_attention = orig
         assert seen == pytest.approx([1.0, 0.5])  # (scaling = 1/(√D (l+1))) · √D
 
 
@@ -167,7 +168,7 @@ def test_plumbing_new_parameters_train_and_weights_stay(softmax_kernel):
     assert all(torch.equal(after[k], v) for k, v in before.items())  # every original weight kept
     new = sorted(set(after) - set(before))
     assert new == sorted(f"model.layers.{i}.self_attn.sketch.{n}" for i in range(2)
-                         for n in ("feature_map_q.weight", "feature_map_k.weight", "gate"))
+                         for n in ("map_q.weight", "map_k.weight", "gate"))
     assert all(p.requires_grad for s in sketches for p in s.parameters())
     assert sketches[0].gate.shape == (4,)
     frozen = convert_attention(_llama(), feature_map=_maps, learn=False)
@@ -185,12 +186,12 @@ def test_plumbing_generate_with_state_equals_full_forward_greedy(softmax_kernel)
     convert_attention(model, feature_map=_maps, window=0, sinks=0)
     ids, _ = _inputs(False, B=2, T=5)
     calls = []
-    orig = sketched.linear_attention
-    sketched.linear_attention = lambda q, k, *a, **kw: (calls.append((q.shape[1], k.shape[1])), orig(q, k, *a, **kw))[1]
+    orig = attn_layer.linear_attention
+    attn_layer.linear_attention = lambda q, k, *a, **kw: (calls.append((q.shape[1], k.shape[1])), orig(q, k, *a, **kw))[1]
     try:
         out = model.generate(ids, max_new_tokens=6, do_sample=False, return_dict_in_generate=True)
     finally:
-        sketched.linear_attention = orig
+        attn_layer.linear_attention = orig
     assert isinstance(out.cache, SketchStateCache) and out.cache.get_seq_length() == 10
     assert calls[:2] == [(5, 5), (5, 5)] and set(calls[2:]) == {(1, 1)}  # prefill, then one key per step
     seq = ids
@@ -237,7 +238,7 @@ def test_plumbing_save_load_round_trip(make, tmp_path, softmax_kernel):
         load_linearized(tmp_path / "lin", _converted_other(make))
     load_linearized(tmp_path / "lin", fresh)
     for a, b in zip(converted_modules(fresh), converted_modules(model)):
-        assert torch.equal(a.gate, b.gate) and torch.equal(a.feature_map_q.weight, b.feature_map_q.weight)
+        assert torch.equal(a.gate, b.gate) and torch.equal(a.map_q.weight, b.map_q.weight)
     torch.testing.assert_close(_out(fresh, ids, mask), want, rtol=0, atol=0)
 
 
@@ -430,7 +431,7 @@ def perturb_maps(model) -> None:
     carry trained values, not the ones a fresh conversion recreates)."""
     with torch.no_grad():
         for s in converted_modules(model):
-            s.feature_map_q.theta.add_(0.1 * torch.randn_like(s.feature_map_q.theta))
+            s.map_q.theta.add_(0.1 * torch.randn_like(s.map_q.theta))
             s.gate.normal_()
 
 
@@ -455,7 +456,7 @@ def test_theta_initialises_llops_maps():
     theta_k = torch.randn(2, 4, 1, 2, 8, 6, dtype=torch.float64)
     sketches = convert_attention(model, attention="llops", p=2, m=6, theta=(theta_q, theta_k), tied=False)
     for layer, s in enumerate(sketches):
-        assert torch.equal(s.feature_map_q.theta, theta_q[layer]) and torch.equal(s.feature_map_k.theta, theta_k[layer])
+        assert torch.equal(s.map_q.theta, theta_q[layer]) and torch.equal(s.key_map.theta, theta_k[layer])
     with pytest.raises(ValueError, match="Θ has 3 layers, the model 2"):
         convert_attention(_llama(), attention="llops", p=2, m=6, theta=(theta_q.repeat(2, 1, 1, 1, 1, 1)[:3],) * 2)
 

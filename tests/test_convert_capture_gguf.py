@@ -127,7 +127,7 @@ def test_linearize_gguf_cli_round_trip(tmp_path, capsys):
     model, _ = load_pretrained(gguf=tmp_path / "tiny.gguf")
     fresh = load_linearized(out / "model", model)
     sketch = fresh.model.layers[0].self_attn.sketch
-    assert isinstance(sketch.feature_map_q, TiedLLoPSMap) and sketch.gate.abs().max() > 0.1  # tied, gates searched
+    assert isinstance(sketch.map_q, TiedLLoPSMap) and sketch.gate.abs().max() > 0.1  # tied, gates searched
     ids = torch.tensor([[5, 6, 7, 3, 8, 9, 10, 3, 11, 12]])
     again = load_linearized(out / "model", load_pretrained(gguf=tmp_path / "tiny.gguf")[0])
     with torch.no_grad():

@@ -59,8 +59,8 @@ def test_a_fitted_sketch_converts_a_model_as_llops_does():
     q, k = torch.randn(2, 4, 30, 8, dtype=torch.float64) * 0.5, torch.randn(2, 4, 30, 8, dtype=torch.float64) * 0.5
     mlp = sl.fit_sketch("mlp", q, k, p=2, m=6, steps=3).sketch
     layers = sl.convert_attention(model, feature_map=mlp, window=4)
-    assert isinstance(layers[1].feature_map_q, SketchMap)
-    assert torch.equal(layers[1].feature_map_q.sketch.w1_q, mlp.w1_q[1])  # layer 1's heads
+    assert isinstance(layers[1].map_q, SketchMap)
+    assert torch.equal(layers[1].map_q.sketch.w1_q, mlp.w1_q[1])  # layer 1's heads
     ids = torch.randint(0, 50, (1, 7))
     assert torch.isfinite(model(ids).logits).all()
     psf = sl.fit_sketch("psf-random", q[0], k[0], p=2, m=9).sketch

@@ -24,30 +24,30 @@ def test_every_layer_wrapped_tied_llops_and_a_fitted_theta():
     plain = convert_attention(_llama(), attention="llops", p=2, m=6, window=4, sinks=1)
     normed = convert_attention(_llama(), attention="llops", p=2, m=6, window=4, sinks=1, input_norm=True)
     for a, b in zip(plain, normed):  # the same draw inside the wrapper, one wrapper per side
-        assert torch.equal(_inner(b.feature_map_q, TiedLLoPSMap).theta, a.feature_map_q.theta)
-        assert torch.equal(_inner(b.feature_map_k, TiedLLoPSMap).theta, a.feature_map_k.theta)
-        assert b.feature_map_q is not b.feature_map_k and b.feature_map_q.weight.dtype == torch.float64
+        assert torch.equal(_inner(b.map_q, TiedLLoPSMap).theta, a.map_q.theta)
+        assert torch.equal(_inner(b.key_map, TiedLLoPSMap).theta, a.key_map.theta)
+        assert b.map_q is not b.key_map and b.map_q.weight.dtype == torch.float64
     gen = torch.Generator().manual_seed(2)
     theta_q, theta_k = (torch.randn(2, 4, 1, 2, 8, 6, generator=gen, dtype=torch.float64) for _ in range(2))
     tied = convert_attention(_llama(), attention="llops", p=2, m=6, theta=(theta_q, theta_k), input_norm=True)
     untied = convert_attention(_llama(), attention="llops", p=2, m=6, theta=(theta_q, theta_k), tied=False,
                                input_norm=True)
     for layer in range(2):
-        torch.testing.assert_close(_inner(tied[layer].feature_map_k, TiedLLoPSMap).theta, tie_theta(theta_k[layer]),
+        torch.testing.assert_close(_inner(tied[layer].key_map, TiedLLoPSMap).theta, tie_theta(theta_k[layer]),
                                    atol=0, rtol=0)
-        assert torch.equal(_inner(untied[layer].feature_map_q, LLoPSMap).theta, theta_q[layer])
-        assert torch.equal(untied[layer].feature_map_q.weight, torch.ones(4, 8, dtype=torch.float64))
+        assert torch.equal(_inner(untied[layer].map_q, LLoPSMap).theta, theta_q[layer])
+        assert torch.equal(untied[layer].map_q.weight, torch.ones(4, 8, dtype=torch.float64))
     model = _llama()
     convert_attention(model, attention="hedgehog", m=6, input_norm=True)
     assert model.config.sketchlab["input_norm"] is True
-    _inner(converted_modules(model)[1].feature_map_q, HedgehogMap)
+    _inner(converted_modules(model)[1].map_q, HedgehogMap)
     # a custom feature_map's one shared map gets one shared wrapper
     shared = convert_attention(_llama(), feature_map=lambda layer, h, d: make_feature_map("hedgehog", heads=h, head_dim=d,
                                                                                          m=4), input_norm=True)
-    assert shared[0].feature_map_q is shared[0].feature_map_k
+    assert shared[0].map_q is shared[0].key_map
     other = _llama()
     convert_attention(other, attention="llops", m=6)
-    assert other.config.sketchlab["input_norm"] is False and isinstance(converted_modules(other)[0].feature_map_q,
+    assert other.config.sketchlab["input_norm"] is False and isinstance(converted_modules(other)[0].map_q,
                                                                         TiedLLoPSMap)
     with pytest.raises(TypeError, match="input_norm must be a bool, got 1"):
         convert_attention(_llama(), attention="llops", m=6, input_norm=1)
@@ -58,7 +58,7 @@ def test_save_load_round_trip_and_old_saves(tmp_path):
     convert_attention(model, attention="llops", p=2, m=6, window=3, sinks=1, input_norm=True)
     with torch.no_grad():  # trained values, not those a fresh conversion recreates
         for s in converted_modules(model):
-            for t in (s.feature_map_q.weight, s.feature_map_k.bias, s.feature_map_q.inner.theta, s.gate):
+            for t in (s.map_q.weight, s.key_map.bias, s.map_q.inner.theta, s.gate):
                 t.add_(0.2 * torch.randn_like(t))
     ids = _ids(2, 12)
     with torch.no_grad():
@@ -66,7 +66,7 @@ def test_save_load_round_trip_and_old_saves(tmp_path):
     save_linearized(model, tmp_path / "normed")
     assert json.loads((tmp_path / "normed" / "sketchlab_conversion.json").read_text())["input_norm"] is True
     fresh = load_linearized(tmp_path / "normed", _llama())
-    _inner(converted_modules(fresh)[0].feature_map_q, TiedLLoPSMap)
+    _inner(converted_modules(fresh)[0].map_q, TiedLLoPSMap)
     with torch.no_grad():
         torch.testing.assert_close(fresh(input_ids=ids).logits, want, atol=0, rtol=0)
     # loading onto a model converted without it names the option
@@ -81,7 +81,7 @@ def test_save_load_round_trip_and_old_saves(tmp_path):
         data = json.loads(path.read_text())
         del (data["sketchlab"] if name == "config.json" else data)["input_norm"]
         path.write_text(json.dumps(data))
-    assert isinstance(converted_modules(load_linearized(tmp_path / "old", _llama()))[0].feature_map_q, TiedLLoPSMap)
+    assert isinstance(converted_modules(load_linearized(tmp_path / "old", _llama()))[0].map_q, TiedLLoPSMap)
 
 
 def test_linearize_passes_it_on_and_transfer_trains_the_affine():
@@ -90,9 +90,9 @@ def test_linearize_passes_it_on_and_transfer_trains_the_affine():
                               input_norm=True, evaluate=False)
     assert report.settings["input_norm"] is True and model.config.sketchlab["input_norm"] is True
     for s in converted_modules(model):
-        _inner(s.feature_map_q, TiedLLoPSMap)
-        assert not torch.equal(s.feature_map_q.weight, torch.ones_like(s.feature_map_q.weight))  # trained
-        assert not torch.equal(s.feature_map_k.bias, torch.zeros_like(s.feature_map_k.bias))
+        _inner(s.map_q, TiedLLoPSMap)
+        assert not torch.equal(s.map_q.weight, torch.ones_like(s.map_q.weight))  # trained
+        assert not torch.equal(s.key_map.bias, torch.zeros_like(s.key_map.bias))
     with pytest.raises(TypeError, match="input_norm must be True or False, got 'yes'"):
         linearize(_llama(), _ids(), m=6, seq_len=20, holdout=0.34, input_norm="yes", evaluate=False)
 

@@ -30,12 +30,12 @@ def test_llops_conversion_is_tied_by_default_and_from_the_same_draw():
     tied = convert_attention(_llama(), attention="llops", p=2, m=6, window=4, sinks=1)
     untied = convert_attention(_llama(), attention="llops", p=2, m=6, window=4, sinks=1, tied=False)
     for a, b in zip(tied, untied):
-        assert isinstance(a.feature_map_q, TiedLLoPSMap) and isinstance(a.feature_map_k, TiedLLoPSMap)
-        assert isinstance(b.feature_map_q, LLoPSMap)
+        assert isinstance(a.map_q, TiedLLoPSMap) and isinstance(a.key_map, TiedLLoPSMap)
+        assert isinstance(b.map_q, LLoPSMap)
         # the same seeded draw: the untied map's equal factors, one of them kept
-        assert torch.equal(a.feature_map_q.theta, b.feature_map_q.theta[:, :, 0])
-        assert torch.equal(a.feature_map_k.theta, b.feature_map_k.theta[:, :, 0])
-        assert not torch.equal(a.feature_map_q.theta, a.feature_map_k.theta)
+        assert torch.equal(a.map_q.theta, b.map_q.theta[:, :, 0])
+        assert torch.equal(a.key_map.theta, b.key_map.theta[:, :, 0])
+        assert not torch.equal(a.map_q.theta, a.key_map.theta)
     model = _llama()
     convert_attention(model, attention="llops", p=2, m=6)
     assert model.config.sketchlab["tied"] is True
@@ -50,20 +50,20 @@ def test_tied_conversion_ties_a_given_theta():
     theta_k = torch.randn(2, 4, 1, 2, 8, 6, generator=gen, dtype=torch.float64)
     sketches = convert_attention(_llama(), attention="llops", p=2, m=6, theta=(theta_q, theta_k))
     for layer, s in enumerate(sketches):
-        assert isinstance(s.feature_map_q, TiedLLoPSMap)
+        assert isinstance(s.map_q, TiedLLoPSMap)
         # float64 throughout: the same closed form on the same numbers
-        torch.testing.assert_close(s.feature_map_q.theta, tie_theta(theta_q[layer]), atol=0, rtol=0)
-        torch.testing.assert_close(s.feature_map_k.theta, tie_theta(theta_k[layer]), atol=0, rtol=0)
+        torch.testing.assert_close(s.map_q.theta, tie_theta(theta_q[layer]), atol=0, rtol=0)
+        torch.testing.assert_close(s.key_map.theta, tie_theta(theta_k[layer]), atol=0, rtol=0)
     untied = convert_attention(_llama(), attention="llops", p=2, m=6, theta=(theta_q, theta_k), tied=False)
-    assert torch.equal(untied[1].feature_map_q.theta, theta_q[1])
+    assert torch.equal(untied[1].map_q.theta, theta_q[1])
     # a given Θ of degree 4 cannot be tied: the default falls back to the untied map, tied=True refuses
     q4 = torch.randn(2, 4, 1, 4, 8, 6, generator=gen, dtype=torch.float64)
-    assert isinstance(convert_attention(_llama(), attention="llops", p=4, m=6, theta=(q4, q4))[0].feature_map_q, LLoPSMap)
+    assert isinstance(convert_attention(_llama(), attention="llops", p=4, m=6, theta=(q4, q4))[0].map_q, LLoPSMap)
     with pytest.raises(ValueError, match="tied=True with a fitted theta needs p=2"):
         convert_attention(_llama(), attention="llops", p=4, m=6, theta=(q4, q4), tied=True)
     # an even degree without Θ is tied: (x·θ)^4 >= 0
     s4 = convert_attention(_llama(), attention="llops", p=4, m=6, window=4, sinks=1)[0]
-    assert isinstance(s4.feature_map_q, TiedLLoPSMap) and s4.feature_map_q.degree == 4
+    assert isinstance(s4.map_q, TiedLLoPSMap) and s4.map_q.degree == 4
 
 
 def test_tied_option_errors_and_toy_default():
@@ -73,11 +73,11 @@ def test_tied_option_errors_and_toy_default():
         convert_attention(_llama(), attention="llops", p=3, m=6, tied=True)
     with pytest.raises(TypeError, match="tied must be None or a bool"):
         convert_attention(_llama(), attention="llops", m=6, tied="yes")
-    assert isinstance(convert_attention(_llama(), attention="llops", p=3, m=6)[0].feature_map_q, LLoPSMap)  # odd p
+    assert isinstance(convert_attention(_llama(), attention="llops", p=3, m=6)[0].map_q, LLoPSMap)  # odd p
     from sketchlab.tasks.model import TransformerConfig, TransformerLM
 
     toy = TransformerLM(TransformerConfig(vocab_size=60, d_model=32, n_heads=2, n_layers=2))
-    assert isinstance(convert_attention(toy, attention="llops", m=6)[0].feature_map_q, LLoPSMap)  # DESIGN §6 (1)
+    assert isinstance(convert_attention(toy, attention="llops", m=6)[0].map_q, LLoPSMap)  # DESIGN §6 (1)
 
 
 def test_tied_save_load_round_trip_and_old_saves(tmp_path):
@@ -89,7 +89,7 @@ def test_tied_save_load_round_trip_and_old_saves(tmp_path):
         want = model(input_ids=ids).logits
     save_linearized(model, tmp_path / "tied")
     fresh = load_linearized(tmp_path / "tied", _llama())
-    assert isinstance(converted_modules(fresh)[0].feature_map_q, TiedLLoPSMap)
+    assert isinstance(converted_modules(fresh)[0].map_q, TiedLLoPSMap)
     with torch.no_grad():
         torch.testing.assert_close(fresh(input_ids=ids).logits, want, atol=0, rtol=0)
     # a directory saved before the option existed (no "tied" recorded) held the untied map
@@ -102,7 +102,7 @@ def test_tied_save_load_round_trip_and_old_saves(tmp_path):
     options = json.loads(path.read_text())
     del options["tied"]
     path.write_text(json.dumps(options))
-    assert isinstance(converted_modules(load_linearized(tmp_path / "old", _llama()))[0].feature_map_q, LLoPSMap)
+    assert isinstance(converted_modules(load_linearized(tmp_path / "old", _llama()))[0].map_q, LLoPSMap)
 
 
 def test_convert_attention_refuses_data_gates():
@@ -271,11 +271,11 @@ def test_lora_finetune_on_teacher_and_converted():
     assert not torch.equal(merged.model.layers[0].self_attn.q_proj.weight.detach(), before)
     model = _llama(torch.float32)
     sketches = convert_attention(model, attention="hedgehog", m=4, window=4, sinks=1)
-    maps = sketches[0].feature_map_q.weight.detach().clone()  # HedgehogMap's [H, D, m/2]
+    maps = sketches[0].map_q.weight.detach().clone()  # HedgehogMap's [H, D, m/2]
     merged, _ = lora_finetune(model, ids, mask, torch.arange(3), steps=2, rank=2, lr=1e-2)
     assert len(converted_modules(merged)) == 2
     assert all(p.requires_grad for s in converted_modules(merged) for p in s.parameters())  # restored
-    assert torch.equal(converted_modules(merged)[0].feature_map_q.weight.detach(), maps)  # LoRA leaves the maps
+    assert torch.equal(converted_modules(merged)[0].map_q.weight.detach(), maps)  # LoRA leaves the maps
     with pytest.raises(ValueError, match="steps"):
         lora_finetune(_llama(), ids, mask, torch.arange(3), steps=0)
     with pytest.raises(ValueError, match="lr must be"):

@@ -83,7 +83,7 @@ def test_map_shared_by_q_and_k_saves_and_loads(make, tmp_path):
     torch.manual_seed(9)
     with torch.no_grad():
         for s in converted_modules(model):
-            assert s.feature_map_k is s.feature_map_q
+            assert s.key_map is s.map_q
             for p in s.parameters():
                 p.add_(0.1 * torch.randn_like(p))
     save_linearized(model, tmp_path)
@@ -96,7 +96,7 @@ def test_map_shared_by_q_and_k_saves_and_loads(make, tmp_path):
     want, got = (getattr(x, "logits", x) for x in (want, got))
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     for s in converted_modules(fresh):
-        assert s.feature_map_k is s.feature_map_q
+        assert s.key_map is s.map_q
 
 
 POLY_RULE = r"local='poly' needs a polynomial degree \(its exact window scores are \(s·qᵀk\)\^p\), and HedgehogMap"
@@ -155,7 +155,7 @@ def test_far_mass_gate_refuses_poly_without_degree_by_the_one_rule():
 
     maps = [make_feature_map("llops", heads=2, head_dim=4, p=2, m=8) for _ in range(2)]
     sketch = SketchedAttention(*maps, heads=2, head_dim=4, window=2, sinks=1, local="poly")
-    sketch.feature_map_q = HedgehogMap(2, 4, m=8)
+    sketch.map_q = HedgehogMap(2, 4, m=8)
     with pytest.raises(ValueError, match=POLY_RULE):
         far_mass_gate(sketch, None, torch.ones(1, 6, dtype=torch.long), [0])
 

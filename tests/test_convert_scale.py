@@ -85,8 +85,8 @@ def test_far_mass_gate_matches_dense_definition():
         for n in (0, 2):
             q, k, _ = io.inputs(torch.tensor([n]))
             T = int(mask[n].sum())
-            fq = sketch.feature_map_q.features_naive(q[:, :T] * c)[0, :, h]  # [T, M]
-            fk = sketch.feature_map_k.features_naive(k[:, :T] * c)[0, :, h]
+            fq = sketch.map_q.features_naive(q[:, :T] * c)[0, :, h]  # [T, M]
+            fk = sketch.key_map.features_naive(k[:, :T] * c)[0, :, h]
             for i in range(T):
                 logits = [io.scaling * float(q[0, i, h] @ k[0, j, h]) for j in range(i + 1)]
                 near = [logits[j] for j in range(i + 1) if j < 1 or i - j < 4]
@@ -112,11 +112,11 @@ def test_transfer_map_lr_separate_from_gate():
     layers = teacher_attention(model, ids, mask)
     for map_lr, maps_move in ((0.0, False), (None, True)):
         sketches = convert_attention(_llama(), attention="llops", p=2, m=4, window=4, sinks=1)
-        theta0 = sketches[0].feature_map_q.theta.detach().clone()
+        theta0 = sketches[0].map_q.theta.detach().clone()
         gate0 = sketches[0].gate.detach().clone()
         attention_transfer(sketches, layers, mask, torch.arange(3), steps=3, lr=1e-2, map_lr=map_lr, batch_size=2)
         assert not torch.equal(sketches[0].gate.detach(), gate0)  # the gate trains at lr either way
-        assert torch.equal(sketches[0].feature_map_q.theta.detach(), theta0) != maps_move
+        assert torch.equal(sketches[0].map_q.theta.detach(), theta0) != maps_move
     with pytest.raises(ValueError, match="map_lr"):
         attention_transfer(sketches, layers, mask, torch.arange(3), steps=1, map_lr=-1.0)
 

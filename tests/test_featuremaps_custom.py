@@ -192,7 +192,7 @@ def test_in_the_toy_model_and_convert_attention(registered):
 
     model = _llama()
     sketches = sl.convert_attention(model, attention=registered, m=16, window=4)
-    assert isinstance(sketches[0].feature_map_q, ModuleMap) and sketches[0].feature_map_q.num_features == 16
+    assert isinstance(sketches[0].map_q, ModuleMap) and sketches[0].map_q.num_features == 16
     with torch.no_grad():
         assert torch.isfinite(model(torch.randint(0, 50, (2, 9))).logits).all()
 

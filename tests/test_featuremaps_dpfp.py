@@ -93,7 +93,7 @@ def test_in_convert_attention():
     with torch.no_grad():
         teacher = model(ids).logits
     sketches = sl.convert_attention(model, attention="dpfp", m=16, window=0)
-    assert type(sketches[0].feature_map_q).__name__ == "DPFPMap" and sketches[0].feature_map_q.num_features == 16
+    assert type(sketches[0].map_q).__name__ == "DPFPMap" and sketches[0].map_q.num_features == 16
     with torch.no_grad():
         linear = model(ids).logits
     assert torch.isfinite(linear).all() and not torch.allclose(linear, teacher)

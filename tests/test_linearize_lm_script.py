@@ -54,7 +54,7 @@ def test_input_norm_converts_through_the_library_option():
     args = SimpleNamespace(m=8, sinks=1, gate_init="auto", untied=False, train_len=32, train_seqs=2, transfer_steps=1,
                            transfer_lr=1e-2, map_lr=None, transfer_batch=1, gate_seqs=1)
     plain, normed = (lm.convert(_llama(), "llops", args, 3, input_norm=flag) for flag in (False, True))
-    assert not isinstance(plain[0].feature_map_q, InputNormed)
-    assert isinstance(normed[0].feature_map_q, InputNormed) and isinstance(normed[1].feature_map_k, InputNormed)
+    assert not isinstance(plain[0].map_q, InputNormed)
+    assert isinstance(normed[0].map_q, InputNormed) and isinstance(normed[1].key_map, InputNormed)
     # the transfer cache keeps the two apart
     assert lm.transfer_key("llops", 3, args, input_norm=True) == lm.transfer_key("llops", 3, args) + "_ln"

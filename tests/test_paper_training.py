@@ -43,7 +43,7 @@ def test_every_method_builds_its_kernel_and_runs():
 def test_poly_hedgehog_and_psf_learned_methods_are_the_named_kernels():
     table = pt.methods(D_MODEL)
     poly = kernel_modules(pt.build_model(table["poly-p2"], D_MODEL, VOCAB, 0))[0]
-    assert isinstance(poly, ToyKernel) and poly.map_q is None and poly.options["p"] == 2  # exact (s)^p
+    assert isinstance(poly, ToyKernel) and poly.map_q is None and poly.config_options["p"] == 2  # exact (s)^p
     hh = kernel_modules(pt.build_model(table["hedgehog"], D_MODEL, VOCAB, 0))[0]
     assert isinstance(hh.map_q, HedgehogMap) and isinstance(hh.map_k, HedgehogMap)
     assert torch.equal(hh.map_q.weight[0], torch.eye(D_MODEL))  # m = 2·D: Hedgehog's identity start
@@ -193,8 +193,8 @@ def test_hybrid_methods_are_their_pure_kernel_plus_a_window(key):
     assert (hybrid.attention, hybrid.init, hybrid.kernel_lr) == (pure.attention, pure.init, pure.kernel_lr)
     h, p = pt.build_model(hybrid, D_MODEL, VOCAB, seed=0), pt.build_model(pure, D_MODEL, VOCAB, seed=0)
     kernels = kernel_modules(h)
-    assert len(kernels) == 2 and all(k.options["window"] == 16 and k.gate is not None for k in kernels)
-    assert all(k.options["window"] == 0 for k in kernel_modules(p))
+    assert len(kernels) == 2 and all(k.config_options["window"] == 16 and k.gate is not None for k in kernels)
+    assert all(k.config_options["window"] == 0 for k in kernel_modules(p))
     copy_shared_weights(h, p)
     g = torch.Generator().manual_seed(4)
     q, k, v = (torch.randn(2, 24, 1, D_MODEL, generator=g) for _ in range(3))  # [B, T, H, D]

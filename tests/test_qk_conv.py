@@ -175,7 +175,7 @@ def test_the_toy_model_trains_and_generates_with_it():
                             attention_options={"qk_conv": K, "window": 2})
     model = TransformerLM(cfg).double()
     kernel = kernel_modules(model)[0]
-    assert kernel.attention_options.qk_conv == K and kernel.far.conv_q.shape == (2, 4, K)
+    assert kernel.options.qk_conv == K and kernel.far.conv_q.shape == (2, 4, K)
     with torch.no_grad():
         for kern in kernel_modules(model):
             kern.far.conv_q.add_(_rand(2, 4, K, seed=21, scale=0.3))

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import sketchlab.attention as attention
+import sketchlab.attention.layer as attn_layer
 from sketchlab.io import save_theta
 from sketchlab.tasks import TransformerConfig, TransformerLM, attention_registry, init_llops, kernel_modules
 from sketchlab.tasks.attention import ToyKernel
@@ -32,22 +33,23 @@ def test_every_name_runs_through_the_one_entry_point_with_its_own_options(name, 
     assert isinstance(kernel, ToyKernel)
     calls = []
     entry = "poly_attention" if name == "poly" else "linear_attention"
-    real = getattr(attention, entry)
+    where = attention if name == "poly" else attn_layer  # the op as the one layer core calls it
+    real = getattr(where, entry)
 
     def spy(*args, **kw):
         calls.append(kw)
         return real(*args, **kw)
 
-    monkeypatch.setattr(attention, entry, spy)
+    monkeypatch.setattr(where, entry, spy)
     q, k, v = (torch.randn(1, 5, H, D, generator=torch.Generator().manual_seed(s), dtype=torch.float64)
                for s in range(3))
     assert torch.isfinite(kernel(q, k, v)).all()
     (kw,) = calls
     if name == "poly":
-        o = kernel.attention_options
+        o = kernel.options
         assert kw == {"normalize": o.normalize, "eps": o.eps} and kernel.map_q is None
     else:  # the kernel's own objects, passed through: nothing rebuilt or checked again on the way
-        assert kw["options"] is kernel.attention_options and kw["params"] is kernel.far and kw["gate"] is kernel.gate
+        assert kw["options"] is kernel.options and kw["params"] is kernel.far and kw["gate"] is kernel.gate
 
 
 @pytest.mark.parametrize("name, tied", [("llops", False), ("hedgehog", False), ("identity", False),
@@ -55,17 +57,17 @@ def test_every_name_runs_through_the_one_entry_point_with_its_own_options(name, 
                                         ("psf-learned", True)])
 def test_the_names_keep_their_tie_default(name, tied):
     kernel = kernel_modules(tiny(name))[0]
-    assert kernel.options["tie"] is tied and (kernel.map_k is None) is tied
+    assert kernel.config_options["tie"] is tied and (kernel.map_k is None) is tied
 
 
 def test_each_option_goes_to_its_owner():
     # psf-random's non_negative is the map's (its own s ⊗ s), so the attention's stays undecided
     kernel = kernel_modules(tiny("psf-random", {"p": 3, "m": 5, "non_negative": False}))[0]
-    assert kernel.map_q.sketch.non_negative is False and kernel.attention_options.non_negative is None
+    assert kernel.map_q.sketch.non_negative is False and kernel.options.non_negative is None
     # llops's non_negative is the attention's (φ ⊗ φ), with the toy's default false
     kernel = kernel_modules(tiny("llops", {"m": 5, "non_negative": True}))[0]
-    assert kernel.attention_options.non_negative is True and kernel.map_q.num_features == 5
-    assert kernel_modules(tiny("llops", {"m": 5}))[0].attention_options.non_negative is False
+    assert kernel.options.non_negative is True and kernel.map_q.num_features == 5
+    assert kernel_modules(tiny("llops", {"m": 5}))[0].options.non_negative is False
     with pytest.raises(ValueError, match=r"unknown attention option\(s\) \['p'\] for attention 'hedgehog'; it takes "
                                          r"\[.*'decay'.*'m'.*'tie'.*\]"):
         tiny("hedgehog", {"p": 2})

@@ -41,7 +41,7 @@ def _want(kernel, q, k, v, **hybrid):
     fq, fk = kernel.map_q.features_naive(q * s), map_k.features_naive(k * s)  # [B, T, H, M]
     if hybrid:
         hybrid = dict(q=q * s, k=k * s, local_scale=1.0, gate=kernel.gate, degree=kernel.map_q.degree, **hybrid)
-    return feature_attention_naive(fq, fk, v, causal=True, normalize=kernel.options["normalize"], eps=kernel.options["eps"],
+    return feature_attention_naive(fq, fk, v, causal=True, normalize=kernel.config_options["normalize"], eps=kernel.config_options["eps"],
                                    **hybrid)
 
 
@@ -60,9 +60,9 @@ def test_hedgehog_kernel_is_hedgehogmap_attention(m, identity):
     opts = {"seed": 4} if m is None else {"m": m, "seed": 4}
     model = tiny("hedgehog", opts)
     kernel = kernel_modules(model)[1]
-    assert isinstance(kernel.map_q, HedgehogMap) and kernel.options["m"] == (2 * D if m is None else m)
+    assert isinstance(kernel.map_q, HedgehogMap) and kernel.config_options["m"] == (2 * D if m is None else m)
     # the documented draw: layer 1 from seed + 1; m = 2D starts at the identity; both sides equal
-    ref = HedgehogMap(H, D, m=kernel.options["m"], seed=5).double()  # built in float32, like the model
+    ref = HedgehogMap(H, D, m=kernel.config_options["m"], seed=5).double()  # built in float32, like the model
     torch.testing.assert_close(kernel.map_q.weight, ref.weight, rtol=0, atol=0)
     torch.testing.assert_close(kernel.map_k.weight, ref.weight, rtol=0, atol=0)
     assert torch.equal(ref.weight[0], torch.eye(D, dtype=torch.float64)) == identity

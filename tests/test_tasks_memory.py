@@ -73,7 +73,7 @@ def _id(case):
 def test_decoding_equals_the_full_forward(attention, options):
     model = tiny(attention, options)
     _perturb_far(model)
-    assert model.blocks[0].attention.attn.attention_options.memory
+    assert model.blocks[0].attention.attn.options.memory
     x = _tokens()
     model.eval()
     with torch.no_grad():
@@ -131,7 +131,7 @@ def test_decay_one_is_the_plain_hybrid(attention, options):
     plain = tiny(attention, options)
     _perturb_far(plain)
     one = tiny(attention, {**options, "decay": 1})
-    assert one.config.attention_options["decay"] == 1.0 and not kernel_modules(one)[0].attention_options.memory
+    assert one.config.attention_options["decay"] == 1.0 and not kernel_modules(one)[0].options.memory
     assert type(one.config.attention_options["decay"]) is float  # completed by AttentionOptions: 1 -> 1.0
     one.load_state_dict(plain.state_dict())  # the same tensors: decay 1 adds none
     assert torch.equal(one(x), plain(x))
@@ -142,7 +142,7 @@ def test_decay_one_is_the_plain_hybrid(attention, options):
     with torch.no_grad():
         for kernel in kernel_modules(pinned):
             kernel.far.decay_bias.fill_(40.0)
-    assert kernel_modules(pinned)[0].attention_options.memory
+    assert kernel_modules(pinned)[0].options.memory
     assert (pinned(x) - plain(x)).abs().max() < TOL
 
 
@@ -154,7 +154,7 @@ def test_identity_features_enter_the_delta_rule_as_they_are():
     g = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(2, 9, H, D, generator=g, dtype=torch.float64) for _ in range(3))
     s = input_scale(D)
-    want = memory_attention_naive(q * s, k * s, v, q * s, k * s, options=kernel.attention_options, params=kernel.far,
+    want = memory_attention_naive(q * s, k * s, v, q * s, k * s, options=kernel.options, params=kernel.far,
                                   gate=kernel.gate)  # features: the scaled q, k themselves
     assert (kernel(q, k, v) - want).abs().max() < TOL
     _, state = kernel.step(q, k, v, None)

@@ -520,7 +520,7 @@ def test_based_hybrid_poly_window_uses_the_kernels_own_scale(options, scale, loc
     from sketchlab.sketches import BasedSketch
 
     kernel, _ = _kernel("based", {**options, "window": 2, "local": "poly"})
-    o = kernel.options
+    o = kernel.config_options
     sketch = BasedSketch(torch.eye(8, 4, dtype=torch.float64).expand(2, 8, 4), o["p"], form=o["form"],
                          symmetric=o["symmetric"])  # BASED on the first d' = 4 coordinates
     q, k, v = _qkv()

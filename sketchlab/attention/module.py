@@ -8,7 +8,9 @@ per-head queries, keys and values inside. The block computes
 
 where ``s`` is the factor the Q/K were scaled by when Θ was fitted (``"sqrt-d"`` → ``D^{-1/4}``,
 so :math:`\phi(s q)\cdot\phi(s k)` approximates :math:`(q\cdot k/\sqrt D)^p`) and LLoPSAttn is
-:func:`sketchlab.attention.functional.llops_attention` with Θ ``[H, t, p, D, M]``.
+:func:`sketchlab.attention.linear_attention` through two :class:`~sketchlab.featuremaps.LLoPSMap` of Θ
+``[H, t, p, D, M]`` (the fused Triton kernel on CUDA), called by the one layer core
+(:class:`~sketchlab.attention.layer.LinearAttentionCore`) the block is an adapter over.
 """
 
 from __future__ import annotations
@@ -19,16 +21,17 @@ import torch
 from torch import nn
 
 from .._validation import DEFAULT_MAX_BYTES, as_float_tensor, check_degree, check_memory, check_positive_int
-from ..llops.maps import llops_is_non_negative
+from ..featuremaps import LLoPSMap
 from ..scaling import resolve_scale, scale_label
 from ._checks import check_flag, check_theta
 from .chunked import DEFAULT_CHUNK_SIZE
-from .functional import llops_attention
-from .options import AttentionOptions, FarParams
+from .layer import LinearAttentionCore
+from .options import AttentionOptions
 
 __all__ = ["LLoPSAttention"]
 
-
+#: The state-dict keys of Θ before the block became an adapter over the one layer core -> today's.
+OLD_KEYS = (("theta_q", "map_q.theta"), ("theta_k", "map_k.theta"))
 
 
 def _local_scale(qk_scale: float, head_dim: int, scale) -> float:
@@ -42,15 +45,19 @@ def _local_scale(qk_scale: float, head_dim: int, scale) -> float:
     return head_dim ** -0.5 / square
 
 
-class LLoPSAttention(nn.Module):
-    r"""Multi-head attention with per-head LLoPS feature maps (linear in ``T``).
+class LLoPSAttention(LinearAttentionCore):
+    r"""Multi-head attention with per-head LLoPS feature maps (linear in ``T``): the four projections and the
+    Q/K scale around the one layer core (:class:`~sketchlab.attention.layer.LinearAttentionCore`).
 
     Attributes
     ----------
     options : AttentionOptions
-        Every option of the block's attention, validated once here and passed on as it is.
+        Every option of the block's attention, validated once here, its defaults decided by the core
+        (:meth:`~sketchlab.attention.layer.LinearAttentionCore.resolved_options`) and passed on as it is.
+    map_q, map_k : LLoPSMap
+        Θ_Q and Θ_K (``map_k`` None: tied); :attr:`theta_q` and :attr:`theta_k` read them.
     far : FarParams or None
-        The decay's and β's learnable tensors (memory options only).
+        The decay's, β's and the short convolution's learnable tensors (memory options or ``qk_conv`` only).
 
     Parameters
     ----------
@@ -71,12 +78,12 @@ class LLoPSAttention(nn.Module):
     scale : "none", "sqrt-d" or float
         Factor ``s`` applied to ``q`` and ``k`` before the feature map (see the module docstring).
     causal, normalize, non_negative, eps, backend, chunk_size
-        Passed to :func:`sketchlab.attention.functional.llops_attention`. ``normalize=None`` (the default)
+        Passed to :func:`sketchlab.attention.linear_attention`. ``normalize=None`` (the default)
         picks ``"sum"``, and with a given Θ that can be signed (not rank 1 with equal factors and
         even ``p``, :func:`llops_is_non_negative`) and ``non_negative`` not given it self-tensors
         (``non_negative=True``): a default never divides by a signed sum.
     window, sinks, local : int, int, str
-        The sliding-window hybrid (:func:`~sketchlab.attention.functional.llops_attention`); the local
+        The sliding-window hybrid (:func:`~sketchlab.attention.linear_attention`); the local
         scores use ``qᵀk/√D`` of the unscaled projections (softmax) or the same scaled ``q, k``
         as the sketch (poly, so the local block is the exact kernel the sketch approximates).
     gate : bool
@@ -109,7 +116,6 @@ class LLoPSAttention(nn.Module):
                  seed: int = 0, window: int = 0, sinks: int = 0, local: str = "softmax", gate: bool = True,
                  cache: int = 0, decay=None, state: str = "additive", beta: str = "head", qk_conv: int = 0,
                  dtype: torch.dtype = torch.float32, device=None, max_bytes: int = DEFAULT_MAX_BYTES):
-        super().__init__()
         embed_dim = check_positive_int(embed_dim, "embed_dim")
         num_heads = check_positive_int(num_heads, "num_heads")
         if head_dim is None:
@@ -117,14 +123,12 @@ class LLoPSAttention(nn.Module):
                 raise ValueError(f"embed_dim={embed_dim} must be divisible by num_heads={num_heads} (or pass head_dim)")
             head_dim = embed_dim // num_heads
         head_dim = check_positive_int(head_dim, "head_dim")
-        self.embed_dim, self.num_heads, self.head_dim = embed_dim, num_heads, head_dim
         # every option checked once, by the options object (its local scale and self-tensoring are settled below)
         options = AttentionOptions(causal=causal, normalize=normalize, non_negative=non_negative, eps=eps,
                                    window=window, sinks=sinks, local=local, cache=cache, decay=decay, state=state,
                                    beta=beta, qk_conv=qk_conv, backend=backend, chunk_size=chunk_size)
         given_theta = theta_q is not None
-        self.qk_scale = resolve_scale(scale, head_dim)
-        self.scale_label = scale_label(scale)
+        qk_scale = resolve_scale(scale, head_dim)
         check_flag(learn_theta, "learn_theta")
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"seed must be an int, got {seed!r}")
@@ -150,8 +154,8 @@ class LLoPSAttention(nn.Module):
                     layer.bias.uniform_(-bound, bound, generator=gen)
             return layer.to(dtype=dtype, device=device)
 
-        self.q_proj, self.k_proj = linear(embed_dim, inner), linear(embed_dim, inner)
-        self.v_proj, self.o_proj = linear(embed_dim, inner), linear(inner, embed_dim)
+        projections = [linear(embed_dim, inner), linear(embed_dim, inner), linear(embed_dim, inner),
+                       linear(inner, embed_dim)]  # q, k, v, o
 
         if theta_q is None:
             base = torch.randn(num_heads, rank, 1, head_dim, m, generator=gen, dtype=torch.float64) / math.sqrt(head_dim)
@@ -168,38 +172,37 @@ class LLoPSAttention(nn.Module):
                     f"theta_q has {name} = {theta_q.shape[axis]} (axis {axis} of [H, t, p, D, M] = "
                     f"{list(theta_q.shape)}), but {name.split()[0]}={want} was asked for"
                 )
-        self.tied = tied
-        # the one rule (AttentionOptions.resolve); a drawn Θ starts with equal factors and is taken as unsigned
-        map_non_negative = not given_theta or (llops_is_non_negative(theta_q) and llops_is_non_negative(theta_k))
-        options = options.resolve(map_non_negative)
-        window = options.window
+        if not given_theta:  # a drawn Θ starts with equal factors and is taken as unsigned
+            options = options.resolve(True)
         check_flag(gate, "gate")
+        window = options.window
         # local scores: softmax on qᵀk/√D of the projections (q, k arrive scaled by s: divide s² out);
         # poly on the scaled q, k, the kernel the sketch approximates
-        local_scale = _local_scale(self.qk_scale, head_dim, scale) if options.local == "softmax" and window else 1.0
-        self.options = options.replace(local_scale=local_scale)
-        self.gate = nn.Parameter(torch.zeros(num_heads, dtype=dtype, device=device)) if gate and window else None
-        # decay and the delta rule's β (memory options only; the gate stays `gate`, where saved blocks have it)
-        self.far = (FarParams(self.options, num_heads, head_dim, gate=False, dim=head_dim).to(dtype=dtype, device=device)
-                    if self.options.memory or self.options.qk_conv else None)
-        if learn_theta:
-            self.theta_q = nn.Parameter(theta_q.clone())
-            self.theta_k = None if tied else nn.Parameter(theta_k.clone())
-        else:
-            self.register_buffer("theta_q", theta_q.clone())
-            self.register_buffer("theta_k", None if tied else theta_k.clone())
+        local_scale = _local_scale(qk_scale, head_dim, scale) if options.local == "softmax" and window else 1.0
+        map_q = LLoPSMap(num_heads, head_dim, theta=theta_q, learn=learn_theta)
+        map_k = None if tied else LLoPSMap(num_heads, head_dim, theta=theta_k, learn=learn_theta)
+        super().__init__(map_q, map_k, options=options.replace(local_scale=local_scale), heads=num_heads,
+                         dim_v=head_dim, dim=head_dim, gate=gate, dtype=dtype, device=device)
+        self.options = self.resolved_options()  # the one rule, decided once for the block's Θ
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = projections
+        self.embed_dim, self.num_heads, self.head_dim = embed_dim, num_heads, head_dim
+        self.qk_scale, self.scale_label, self.tied = qk_scale, scale_label(scale), tied
 
-    # the options, by their old attribute names (read-only: the options object is the one record)
-    causal = property(lambda self: self.options.causal)
-    normalize = property(lambda self: self.options.normalize)
-    non_negative = property(lambda self: self.options.non_negative)
-    eps = property(lambda self: self.options.eps)
-    backend = property(lambda self: self.options.backend)
-    chunk_size = property(lambda self: self.options.chunk_size)
-    window = property(lambda self: self.options.window)
-    sinks = property(lambda self: self.options.sinks)
-    local = property(lambda self: self.options.local)
-    local_scale = property(lambda self: self.options.local_scale)
+    def _load_from_state_dict(self, state_dict, prefix, *args):  # blocks saved before the one layer core: Θ's keys
+        for old, new in OLD_KEYS:
+            if prefix + old in state_dict:
+                state_dict[prefix + new] = state_dict.pop(prefix + old)
+        super()._load_from_state_dict(state_dict, prefix, *args)
+
+    @property
+    def theta_q(self) -> torch.Tensor:
+        """Θ_Q ``[H, t, p, D, M]`` (``map_q.theta``: a parameter, or a buffer without ``learn_theta``)."""
+        return self.map_q.theta
+
+    @property
+    def theta_k(self) -> torch.Tensor | None:
+        """Θ_K (``map_k.theta``); None when tied to Θ_Q."""
+        return None if self.map_k is None else self.map_k.theta
 
     @property
     def degree(self) -> int:
@@ -215,15 +218,15 @@ class LLoPSAttention(nn.Module):
                initial_state=None, output_final_state: bool = False):
         """The attention core on per-head tensors: ``q, k [B, T, H, D]``, ``v [B, T, H, Dv]`` → ``[B, T, H, Dv]``.
 
-        Applies the Q/K scale, then :func:`llops_attention` with this block's Θ, options, gate and
-        far parameters; ``segments`` (lengths of sequences joined along the token axis) keeps each
+        Applies the Q/K scale, then the core's call of :func:`~sketchlab.attention.linear_attention` with this
+        block's maps, options, gate and far parameters; ``segments`` (lengths of sequences joined along the token axis) keeps each
         causal mask inside its own sequence; ``initial_state``/``output_final_state`` carry the
         state (an :class:`AttentionState`, or a :class:`MemoryState` with memory options).
         """
-        theta_k = self.theta_q if self.theta_k is None else self.theta_k
-        return llops_attention(q * self.qk_scale, k * self.qk_scale, v, self.theta_q, theta_k, options=self.options,
-                               params=self.far, gate=self.gate, segments=segments, key_padding_mask=key_padding_mask,
-                               initial_state=initial_state, output_final_state=output_final_state)
+        out = super().attend(q * self.qk_scale, k * self.qk_scale, v, segments=segments,
+                             key_padding_mask=key_padding_mask, initial_state=initial_state,
+                             output_final_state=output_final_state)
+        return out if output_final_state else out[0]
 
     def forward(self, x: torch.Tensor, *, key_padding_mask=None, initial_state=None, output_final_state: bool = False):
         """``x[B, T, E]`` → ``[B, T, E]`` (or ``(y, AttentionState)``): projections, per-head LLoPS

@@ -19,6 +19,7 @@ from torch import nn
 
 from .convert import _options, convert_attention, converted_modules
 from .families import family_of
+from .sketched import SketchedAttention, upgrade_keys
 
 __all__ = ["OPTIONS_FILE", "load_linearized", "save_linearized"]
 
@@ -234,6 +235,9 @@ def load_linearized(directory, model: nn.Module) -> nn.Module:
     own = model.state_dict()
     prefix = _match_prefix(set(state), set(own))
     state = {prefix + k: v for k, v in state.items()}
+    for name, module in model.named_modules():  # the maps' names before the one layer core
+        if isinstance(module, SketchedAttention):
+            upgrade_keys(state, name + ".")
     unexpected = sorted(set(state) - set(own))
     missing = sorted(set(own) - set(state) - _tied(model))
     if unexpected or missing:

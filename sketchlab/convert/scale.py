@@ -94,8 +94,8 @@ def far_mass_gate(sketch, io, attention_mask: torch.Tensor, index) -> torch.Tens
     if sketch.window <= 0:
         raise ValueError("far_mass_gate: the sketch has no window (window=0: pure linear attention has no gate)")
     w, ns = sketch.window, sketch.sinks
-    check_local_map(sketch.feature_map_q, window=w, local=sketch.local)
-    degree = sketch.feature_map_q.degree if sketch.local == "poly" else None
+    check_local_map(sketch.map_q, window=w, local=sketch.local)
+    degree = sketch.map_q.degree if sketch.local == "poly" else None
     c = sketch.input_scale
     idx = torch.arange(attention_mask.shape[0])[index]
     logs: list[list[torch.Tensor]] = [[] for _ in range(sketch.heads)]
@@ -104,8 +104,8 @@ def far_mass_gate(sketch, io, attention_mask: torch.Tensor, index) -> torch.Tens
         valid = attention_mask[n].to(torch.bool)  # [T]
         q, k = q[:, valid].double(), k[:, valid].double()
         T = q.shape[1]
-        fq = sketch.feature_map_q.features(q * c).double()[0].transpose(0, 1)  # [H, T, M]
-        fk = sketch.feature_map_k.features(k * c).double()[0].transpose(0, 1)
+        fq = sketch.map_q.features(q * c).double()[0].transpose(0, 1)  # [H, T, M]
+        fk = sketch.key_map.features(k * c).double()[0].transpose(0, 1)
         kern = fq @ fk.mT  # [H, T, T]
         if sketch.non_negative:
             kern = kern.square()  # the attention's self-tensored kernel: self_tensor(φq)·self_tensor(φk)

@@ -1,9 +1,9 @@
 r"""The sketched attention a converted model runs, and the state it decodes with.
 
 :class:`SketchedAttention` holds what conversion adds to one attention module — the query and key
-feature maps and the per-head gate, as ``nn.Parameter`` s registered on that module (so they train
-and save with it) — and calls :func:`sketchlab.attention.linear_attention` (layout
-``[B, T, H, D]``): pure linear attention for ``window=0``, else the sliding-window hybrid with
+feature maps, the per-head gate and the far parameters, as ``nn.Parameter`` s registered on that module (so
+they train and save with it) — and calls :func:`sketchlab.attention.linear_attention` through the one layer core
+it subclasses (:class:`~sketchlab.attention.layer.LinearAttentionCore`; layout ``[B, T, H, D]``): pure linear attention for ``window=0``, else the sliding-window hybrid with
 ``sinks`` attention sinks (DESIGN §6).
 
 Input scale: the feature maps see ``x · D^{-1/4}`` (the ``"sqrt-d"`` convention of every Θ fit and
@@ -46,10 +46,10 @@ import math
 import torch
 from torch import nn
 
-from ..attention.functional import linear_attention
+from ..attention.layer import LinearAttentionCore
 
 __all__ = ["ATTENTION_NAME", "LayerDecoder", "SketchedAttention", "forget_cache", "hf_attention", "hf_mask",
-           "remember_cache"]
+           "remember_cache", "upgrade_keys"]
 
 #: The name the converted models' attention is registered under in transformers' interfaces.
 ATTENTION_NAME = "sketchlab"
@@ -65,15 +65,35 @@ def check_local_map(feature_map: nn.Module, *, window: int, local: str) -> None:
     check_local_degree(getattr(feature_map, "degree", None), type(feature_map).__name__, window=window, local=local)
 
 
-class SketchedAttention(nn.Module):
-    r"""Feature maps and gate of one converted attention layer; calls the hybrid attention.
+#: The keys of a converted layer's maps before :class:`SketchedAttention` became an adapter over the one layer core
+#: (saved by acaf206 and earlier) -> today's.
+OLD_KEYS = (("feature_map_q.", "map_q."), ("feature_map_k.", "map_k."))
+
+
+def upgrade_keys(state_dict: dict, prefix: str) -> dict:
+    """Rename, in place, the keys of the converted layer at ``prefix`` (``"model.layers.0.self_attn.sketch."``)
+    saved before the one layer core (``feature_map_q.*``, ``feature_map_k.*``: :data:`OLD_KEYS`) to today's
+    (``map_q.*``, ``map_k.*``) and return it; :class:`SketchedAttention` calls it on load, and
+    :func:`~sketchlab.convert.saved.load_linearized` before it matches the saved names to the model's."""
+    for old, new in OLD_KEYS:
+        for key in [key for key in state_dict if key.startswith(prefix + old)]:
+            state_dict[prefix + new + key.removeprefix(prefix + old)] = state_dict.pop(key)
+    return state_dict
+
+
+class SketchedAttention(LinearAttentionCore):
+    r"""Feature maps and gate of one converted attention layer; calls the hybrid attention: an adapter over
+    :class:`~sketchlab.attention.layer.LinearAttentionCore` (the maps, options, gate and far parameters, and the
+    call of the op) that adds the model's input scale, its logit scale per call, the short convolution of a
+    reordered padded batch and the lean decoder.
 
     Parameters
     ----------
     feature_map_q, feature_map_k : FeatureMap
         :mod:`sketchlab.featuremaps` modules with ``heads`` heads of dimension ``head_dim``
-        (``features(x [B, T, H, D]) -> [B, T, H, M]``). One module passed twice is shared by q
-        and k: registered once, as ``feature_map_q`` (its parameters saved once).
+        (``features(x [B, T, H, D]) -> [B, T, H, M]``), held as ``map_q`` and ``map_k``. One module passed twice
+        is shared by q and k: registered once, as ``map_q`` (its parameters saved once; ``map_k`` None,
+        :attr:`key_map` the map the keys go through).
     heads, head_dim : int
         Query heads ``H`` and head dimension ``D``.
     window, sinks : int >= 0
@@ -106,48 +126,21 @@ class SketchedAttention(nn.Module):
                  window: int, sinks: int, local: str = "softmax", gate: bool = True, normalize: str | None = None,
                  non_negative: bool | None = False, eps: float = 1e-6, causal: bool = True, cache: int = 0,
                  decay=None, state: str = "additive", beta: str = "head", qk_conv: int = 0):
-        super().__init__()
-        from ..attention.options import AttentionOptions, FarParams
+        from ..attention.options import AttentionOptions
 
         # one validation of every option (DESIGN §7): the layer keeps the object and passes it on
-        self.options = AttentionOptions(causal=causal, normalize=normalize, non_negative=non_negative, eps=eps,
-                                        window=window, sinks=sinks, local=local, cache=cache, decay=decay,
-                                        state=state, beta=beta, qk_conv=qk_conv)
+        options = AttentionOptions(causal=causal, normalize=normalize, non_negative=non_negative, eps=eps,
+                                   window=window, sinks=sinks, local=local, cache=cache, decay=decay,
+                                   state=state, beta=beta, qk_conv=qk_conv)
         check_local_map(feature_map_q, window=window, local=local)  # before a model holds the layer
-        self.feature_map_q = feature_map_q
-        if feature_map_k is not feature_map_q:  # a shared map is registered once: see feature_map_k
-            self.feature_map_k = feature_map_k
+        super().__init__(feature_map_q, feature_map_k, options=options, heads=heads, dim_v=head_dim, dim=head_dim,
+                         gate=gate)
         self.heads, self.head_dim = int(heads), int(head_dim)
-        self.window, self.sinks, self.local = int(window), int(sinks), local
-        self.normalize, self.causal = normalize, bool(causal)
-        self.eps = float(eps)
-        self.gate = nn.Parameter(torch.zeros(heads)) if gate and window > 0 else None  # [H] logits
-        # decay and the delta rule's β (the gate stays `gate`, where saved conversions have it)
-        self.far = (FarParams(self.options, heads, head_dim, gate=False, dim=head_dim)
-                    if self.options.memory or self.options.qk_conv else None)
         self.input_scale = head_dim ** -0.25
         self._cache_layer = None  # set for one call by remember_cache (not state: never saved)
 
-    @property
-    def feature_map_k(self) -> nn.Module:
-        """The key map: ``feature_map_q`` itself when q and k share one map. A shared map is registered
-        (and so saved, as ``feature_map_q.*``) once: two names for one tensor would make
-        ``save_pretrained``/safetensors refuse the model as holding shared tensors, and a reload
-        then restores the one map that q and k both use."""
-        return self._modules.get("feature_map_k", self.feature_map_q)
-
-    def resolved_options(self):
-        """:attr:`options` with ``normalize`` and ``non_negative`` decided for this layer's maps, as
-        :func:`~sketchlab.attention.linear_attention` decides them on each call (:meth:`AttentionOptions.resolve
-        <sketchlab.attention.AttentionOptions.resolve>`: the one rule)."""
-        fm_q, fm_k = self.feature_map_q, self.feature_map_k
-        return self.options.resolve(lambda: fm_q.non_negative and fm_k.non_negative)
-
-    @property
-    def non_negative(self) -> bool:
-        """The features are self-tensored (``φ ⊗ φ``): the given ``non_negative``, or the default's decision
-        (:meth:`resolved_options`)."""
-        return self.resolved_options().non_negative
+    def _load_from_state_dict(self, state_dict, prefix, *args):  # conversions saved before the one layer core
+        super()._load_from_state_dict(upgrade_keys(state_dict, prefix), prefix, *args)
 
     def extra_repr(self) -> str:
         o = self.options
@@ -164,10 +157,8 @@ class SketchedAttention(nn.Module):
         c = self.input_scale
         scaling = 1.0 / math.sqrt(self.head_dim) if scaling is None else float(scaling)
         options = self.options.replace(local_scale=scaling / (c * c), **({"qk_conv": 0} if convolved else {}))
-        out, state = linear_attention(q * c, k * c, v, self.feature_map_q, self.feature_map_k, options=options,
-                                      params=self.far,
-                                      gate=self.gate, key_padding_mask=key_padding_mask, initial_state=initial_state,
-                                      output_final_state=output_final_state)
+        out, state = self.attend(q * c, k * c, v, options=options, key_padding_mask=key_padding_mask,
+                                 initial_state=initial_state, output_final_state=output_final_state)
         return (out, state) if output_final_state else out
 
     def decoder(self, state, scaling: float | None = None) -> LayerDecoder | None:
@@ -212,7 +203,7 @@ class LayerDecoder:
 
         c = sketch.input_scale
         scaling = 1.0 / math.sqrt(sketch.head_dim) if scaling is None else float(scaling)
-        fm_q, fm_k = sketch.feature_map_q, sketch.feature_map_k
+        fm_q, fm_k = sketch.map_q, sketch.key_map
         # the defaults decided as the forward's op decides them (one rule: AttentionOptions.resolve)
         options = sketch.resolved_options().replace(local_scale=scaling / (c * c))
         memory, lifted = options.memory, options.non_negative

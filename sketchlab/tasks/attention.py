@@ -4,7 +4,8 @@ polynomial attention.
 Importing this module registers, beside ``"softmax"`` (:mod:`.model`), ``"poly"`` and every name of the
 feature-map registry (:func:`sketchlab.featuremaps.feature_map_names`; ``"based"`` and ``"psf"``, with a
 ``DeprecationWarning``, stand for ``"based-taylor"`` (``"based-expand"`` with ``form`` expand) and
-``"psf-random"``). A kernel hands its maps, :class:`~sketchlab.attention.options.AttentionOptions` and
+``"psf-random"``). A kernel is the one layer core (:class:`~sketchlab.attention.layer.LinearAttentionCore`),
+which hands its maps, :class:`~sketchlab.attention.options.AttentionOptions` and
 :class:`~sketchlab.attention.options.FarParams` to :func:`sketchlab.attention.linear_attention`
 (chunked PyTorch; two LLoPS maps run the fused Triton kernel on CUDA; any memory option runs
 :func:`~sketchlab.attention.memory.memory_attention`), so training runs the code tested and timed there.
@@ -47,7 +48,8 @@ import warnings
 import torch
 from torch import nn
 
-from ..attention.options import AttentionOptions, FarParams
+from ..attention.layer import LinearAttentionCore
+from ..attention.options import AttentionOptions
 from ..featuremaps import Option, check_feature_map_options, feature_map_names, feature_map_options, make_feature_map
 from .legacy import upgrade_keys
 from .model import (
@@ -150,44 +152,45 @@ def _checker(toy_name: str):
     return check
 
 
-class ToyKernel(nn.Module):
-    r"""The attention kernel ``name`` of one layer (module docstring).
+class ToyKernel(LinearAttentionCore):
+    r"""The attention kernel ``name`` of one layer (module docstring): an adapter over
+    :class:`~sketchlab.attention.layer.LinearAttentionCore` (the maps, options, gate and far parameters, and
+    the call of the op) that adds the toy's input scale and ``affine`` coordinate, and exact ``"poly"``.
 
     Attributes
     ----------
-    options : dict
+    config_options : dict
         The completed options (``config.attention_options``).
-    attention_options : AttentionOptions
+    options : AttentionOptions
         What the attention is called with (``local_scale`` set to the scale of the q, k it receives).
     map_q, map_k : FeatureMap or None
         The query and key maps (``map_k`` None: tied); both None for ``"poly"``.
     gate : Parameter ``[H]`` or None
         The hybrid's gate logits (a window and ``gate``).
-    far : FarParams
-        The learned decay and β the memory options call for (none otherwise).
+    far : FarParams or None
+        The learned decay, β and short convolution the options call for (none otherwise).
     """
 
     def __init__(self, config: TransformerConfig, layer: int, name: str):
-        super().__init__()
-        self.options = o = dict(config.attention_options)
+        o = dict(config.attention_options)
         H, D = config.n_heads, config.head_dim
         fmap, maps, _, attention = _split(_RENAMED.get(name, lambda o: name)(o), o, D)
-        self.scale = 1.0 if fmap == "based-taylor" else input_scale(D)
-        self.map_name = fmap
-        self.map_q = self.map_k = self.gate = None
+        scale = 1.0 if fmap == "based-taylor" else input_scale(D)
+        map_q = map_k = None
         if fmap is None:
-            self.attention_options = AttentionOptions(**attention)
-            return
-        local_scale = D ** -0.5 / self.scale**2 if o["local"] == "softmax" else o["dim"] ** -0.5 if \
-            fmap == "based-taylor" else 1.0  # poly: the kernel's own scale (Taylor's s' = qᵀk/√d')
-        options = AttentionOptions(**attention, local_scale=local_scale)
-        self.attention_options = options
-        seed = maps.get("seed", 0) + layer
-        self.map_q = make_feature_map(fmap, heads=H, head_dim=D + o["affine"], **{**maps, "seed": seed})
-        if not o["tie"]:  # the same draw: both sides start equal
-            self.map_k = make_feature_map(fmap, heads=H, head_dim=D + o["affine"], **{**maps, "seed": seed})
-        self.gate = nn.Parameter(torch.zeros(H)) if options.window and o["gate"] else None
-        self.far = FarParams(options, H, D, gate=False, dim=D + o["affine"])  # the convolution sees the map's input
+            options = AttentionOptions(**attention)
+        else:
+            local_scale = D ** -0.5 / scale**2 if o["local"] == "softmax" else o["dim"] ** -0.5 if \
+                fmap == "based-taylor" else 1.0  # poly: the kernel's own scale (Taylor's s' = qᵀk/√d')
+            options = AttentionOptions(**attention, local_scale=local_scale)
+            seed = maps.get("seed", 0) + layer
+            map_q = make_feature_map(fmap, heads=H, head_dim=D + o["affine"], **{**maps, "seed": seed})
+            if not o["tie"]:  # the same draw: both sides start equal
+                map_k = make_feature_map(fmap, heads=H, head_dim=D + o["affine"], **{**maps, "seed": seed})
+        affine = o.get("affine", False)  # the convolution sees the map's input
+        super().__init__(map_q, map_k, options=options, heads=H, dim_v=D, dim=D + affine, gate=o.get("gate", False))
+        self.config_options = o
+        self.scale, self.map_name = scale, fmap
 
     def _load_from_state_dict(self, state_dict, prefix, *args):  # older toy checkpoints' keys: tasks/legacy.py
         super()._load_from_state_dict(upgrade_keys(self, state_dict, prefix), prefix, *args)
@@ -200,16 +203,17 @@ class ToyKernel(nn.Module):
     @property
     def theta_k(self) -> nn.Parameter:
         """LLoPS's ``Θ_K`` (``map_k.theta``; ``Θ_Q`` when tied)."""
-        return (self.map_q if self.map_k is None else self.map_k).theta
+        return self.key_map.theta
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """``q, k, v [B, T, H, D]`` → ``[B, T, H, D]``."""
         if self.map_q is None:
             from ..attention import poly_attention
 
-            o = self.attention_options.resolve(True)  # normalize=None is "sum" (the one rule; no map to self-tensor)
-            return poly_attention(q * self.scale, k * self.scale, v, self.options["p"], normalize=o.normalize, eps=o.eps)
-        return self._attend(q, k, v)
+            o = self.resolved_options()  # normalize=None is "sum" (the one rule; no map to self-tensor)
+            return poly_attention(q * self.scale, k * self.scale, v, self.config_options["p"], normalize=o.normalize,
+                                  eps=o.eps)
+        return self._attend(q, k, v)[0]
 
     def step(self, q, k, v, state):
         """``n`` new tokens given the state of the earlier ones (``None`` at the start) → ``(out, state)``."""
@@ -219,22 +223,19 @@ class ToyKernel(nn.Module):
 
     def _poly_step(self, q, k, v, allowed):
         """Exact ``(qᵀk)^p`` attention of scaled ``q [B, n, H, D]`` on the keys ``allowed [n, S]``."""
-        o = self.attention_options
-        scores = (torch.einsum("bthd,bshd->bhts", q, k) ** self.options["p"]).masked_fill(~allowed, 0.0)  # [B, H, n, S]
-        out = torch.einsum("bhts,bshd->bthd", scores, v)
+        o = self.options
+        scores = (torch.einsum("bthd,bshd->bhts", q, k) ** self.config_options["p"]).masked_fill(~allowed, 0.0)
+        out = torch.einsum("bhts,bshd->bthd", scores, v)  # scores [B, H, n, S]
         return out if o.normalize == "none" else out / (scores.sum(-1).transpose(1, 2)[..., None] + o.eps)
 
     def _attend(self, q, k, v, **state):
-        from ..attention import linear_attention
         from ..llops import affine_input
 
         q, k = q * self.scale, k * self.scale
-        if self.options["affine"]:  # [x · D^{-1/4}, 1]: the local softmax's scores shift by the constant's 1, which cancels
+        if self.config_options["affine"]:  # [x · D^{-1/4}, 1]: the local softmax's scores shift by the constant's 1, which cancels
             q, k = affine_input(q), affine_input(k)
-        out, final = linear_attention(q, k, v, self.map_q, self.map_k, options=self.attention_options,
-                                      params=self.far, gate=self.gate, **state)
-        out = out.to(v.dtype)  # backend "reference" computes in float64: back to the model's dtype
-        return (out, final) if state else out
+        out, final = self.attend(q, k, v, **state)
+        return out.to(v.dtype), final  # backend "reference" computes in float64: back to the model's dtype
 
 
 def register_feature_map_kernels() -> list[str]:
