@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from .._validation import check_positive_int
+from ..attention.options import AttentionOptions
 from .model import CausalSelfAttention, TransformerConfig, TransformerLM, adamw_groups
 from .mqar import IGNORE_INDEX
 
@@ -173,8 +174,8 @@ def attention_matrix(kernel: nn.Module, q: torch.Tensor, k: torch.Tensor) -> tor
     delta rule, the cache) makes the output depend on ``v`` otherwise (the cache's choice reads the state, an
     input decay or β reads ``v``): None.
     """
-    options = getattr(kernel, "attention_options", None)
-    if options is not None and options.memory:
+    options = getattr(kernel, "options", None)  # a feature-map kernel's AttentionOptions (the layer core's)
+    if isinstance(options, AttentionOptions) and options.memory:
         return None
     B, T, H, _ = q.shape
     eye = torch.eye(T, dtype=q.dtype, device=q.device)[None, :, None, :].expand(B, T, H, T)
