@@ -69,7 +69,7 @@ MODULES = {
     "cli": ["sketchlab/cli/*.py"],
     "tasks": ["sketchlab/tasks/*.py"],
     # the Triton kernels (sketchlab/attention/triton/) are not mutated: see pyproject.toml [tool.mutmut]
-    "attention": ["sketchlab/attention/*.py"],
+    "attention": ["sketchlab/attention/*.py", "sketchlab/attention/ops/*/*.py"],
     # the sliding-window hybrid and the decoding state (added after the attention campaign; sampled apart)
     "hybrid": ["sketchlab/attention/hybrid_chunked.py", "sketchlab/attention/state.py",
                "sketchlab/attention/ops/hybrid.py"],
@@ -78,7 +78,8 @@ MODULES = {
     # layers and their ranking (also in "convert", sampled apart here); then the recall benchmarks
     "memory": ["sketchlab/attention/options.py", "sketchlab/attention/memory.py",
                "sketchlab/attention/memory_fast.py", "sketchlab/attention/memory_schedule.py",
-               "sketchlab/attention/memory_state.py", "sketchlab/attention/delta.py",
+               "sketchlab/attention/memory_state.py", "sketchlab/attention/ops/decayed/*.py",
+               "sketchlab/attention/ops/delta/*.py",
                "sketchlab/convert/exact.py", "sketchlab/convert/ranking.py"],
     "evaluate": ["sketchlab/evaluate.py"],
     "compare": ["sketchlab/compare.py"],
@@ -127,7 +128,8 @@ TESTS_BY_FILE: dict[str, list[str]] = {
     "sketchlab/convert/*.py": ["tests/test_convert.py", "tests/test_convert_options.py",
                                "tests/test_convert_linearize.py", "tests/test_convert_scale.py",
                                "tests/test_convert_capture_gguf.py"],
-    "sketchlab/attention/delta.py": ["tests/test_delta.py", "tests/test_memory.py"],
+    "sketchlab/attention/ops/decayed/*.py": ["tests/test_delta.py", "tests/test_memory.py"],
+    "sketchlab/attention/ops/delta/*.py": ["tests/test_delta.py", "tests/test_memory.py"],
     "sketchlab/attention/options.py": ["tests/test_memory.py", "tests/test_convert_memory.py",
                                        "tests/test_convert_options.py"],
     "sketchlab/attention/memory*.py": ["tests/test_memory.py", "tests/test_delta.py",
@@ -209,12 +211,12 @@ REVIEWED: dict[str, str] = {
         "test_convert_linearize.py::test_linearize_with_a_custom_feature_map_records_it_as_custom_and_every_option_"
         "under_its_name; also by test_mut5_convert.py::test_linearize_report_records_the_options_it_ran_with, which "
         "was not in linearize.py's test list (added to TESTS_BY_FILE since)."),
-    "sketchlab.attention.delta.x_delta_rule_naive__mutmut_14": _KILLED + (
+    "sketchlab.attention.ops.delta.naive.x_delta_rule_naive__mutmut_14": _KILLED + (
         "test_delta.py::test_delta_rule_naive_computes_float32_inputs_in_float64 (float32 inputs: float64 results, "
         "bit for bit those of the float64 copies)."),
     "sketchlab.evaluate.x\u01c1CopyRecall\u01c1as_dict__mutmut_8": _KILLED + (
         "test_evaluate.py::test_copy_recall_as_dict_keeps_every_field_under_its_name."),
-    "sketchlab.attention.delta.x_decayed_linear_chunked__mutmut_1": _EQUIV + (
+    "sketchlab.attention.ops.decayed.chunk.x_decayed_linear_chunked__mutmut_1": _EQUIV + (
         "the default chunk size 64 -> 65 changes only how the tokens are grouped; the chunked form equals the "
         "definition for every chunk size (measured: 4e-16 relative between 64 and 65 on 200 float64 tokens, the "
         "same order as either's distance to decayed_linear_naive)."),

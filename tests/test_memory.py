@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from sketchlab.attention import softmax_attention_naive
-from sketchlab.attention.delta import delta_rule_naive
 from sketchlab.attention.memory import (
     MemoryState,
     empty_memory_state,
@@ -21,6 +20,7 @@ from sketchlab.attention.memory import (
     memory_attention_naive,
     unit,
 )
+from sketchlab.attention.ops.delta.naive import delta_rule_naive
 from sketchlab.attention.options import AttentionOptions, FarParams
 from sketchlab.attention.reference import feature_attention_naive, local_far_masks
 

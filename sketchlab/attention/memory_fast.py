@@ -6,7 +6,7 @@ with its checked arguments (trusted here).
 at each step and the step at which each cached key left the cache. With ``K = 0`` nothing needs the
 state: the key leaving the window enters at once, and the events are formed without a loop.
 (ii) *The far part*: one recurrence over the event stream (the entering key's ``φ, v`` at its step,
-zeros for a null event), with autograd, through :mod:`sketchlab.attention.delta`.
+zeros for a null event), with autograd, through :mod:`sketchlab.attention.ops.decayed` or :mod:`~sketchlab.attention.ops.delta`.
 (iii) *The exact part*, per chunk of ``C`` queries: the sinks, the cache's slots at the chunk's
 start and the band of positions ``t0 − w … t0 + C − 1`` (the window's keys and every key cached during
 the chunk), each masked by when it is exact for the query; a batch of chunks at a time (:func:`_exact`), mixed
@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import torch
 
-from . import delta as _delta
 from ._checks import denominator_counts, report_denominators
 from .memory_decode import decode
 from .memory_schedule import _take, schedule
 from .memory_state import MemoryState, _beta, _log_decay, empty_memory_state, unit
+from .ops.decayed.chunk import _decayed_linear
+from .ops.delta.chunk import _delta_rule
 from .ops.hybrid import combine, combine_delta, exact_sums, gate_weight
 
 #: Decoding (``T = 1`` with a state) takes :func:`sketchlab.attention.memory_decode.decode`; False forces
@@ -38,7 +39,7 @@ EXACT_ELEMENTS = 2**21
 
 
 def _far_additive(fq, fe, ve, log_decay, S0, z0, chunk):
-    num, den, (S, z) = _delta._decayed_linear(fq, fe, ve, log_decay, (S0, z0), chunk)
+    num, den, (S, z) = _decayed_linear(fq, fe, ve, log_decay, (S0, z0), chunk)
     return num, den, S, z
 
 
@@ -108,7 +109,7 @@ def run(c):
     ve = tr(_take(ev, idx) * ~null[..., None])  # [B, T, H, Dv]
     if c.delta:
         beta = _beta(c, ve) * ~tr(null)  # [B, T, H]
-        far, S = _delta._delta_rule(unit(fq), unit(fe), ve, beta, lg, st.S, min(C, T))  # checked by the entry
+        far, S = _delta_rule(unit(fq), unit(fe), ve, beta, lg, st.S, min(C, T))  # checked by the entry
         z = torch.zeros_like(st.z)
         far = tr(far)  # [B, H, T, Dv]
     else:
