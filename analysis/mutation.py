@@ -71,7 +71,7 @@ MODULES = {
     # the Triton kernels (sketchlab/attention/triton/) are not mutated: see pyproject.toml [tool.mutmut]
     "attention": ["sketchlab/attention/*.py", "sketchlab/attention/ops/*/*.py"],
     # the sliding-window hybrid and the decoding state (added after the attention campaign; sampled apart)
-    "hybrid": ["sketchlab/attention/hybrid_chunked.py", "sketchlab/attention/state.py",
+    "hybrid": ["sketchlab/attention/ops/additive/hybrid_driver.py", "sketchlab/attention/state.py",
                "sketchlab/attention/ops/hybrid.py"],
     "convert": ["sketchlab/convert/*.py"],
     # the long-context modules (issue 35's mutation round): the memory mechanisms and their options, the exact
@@ -135,8 +135,9 @@ TESTS_BY_FILE: dict[str, list[str]] = {
     "sketchlab/attention/memory*.py": ["tests/test_memory.py", "tests/test_delta.py",
                                        "tests/test_convert_memory.py"],
     "sketchlab/evaluate.py": ["tests/test_evaluate.py"],
-    "sketchlab/attention/hybrid_chunked.py": ["tests/test_attention_hybrid.py", "tests/test_attention_state.py",
-                                              "tests/test_attention_core.py"],
+    "sketchlab/attention/ops/additive/hybrid_driver.py": ["tests/test_attention_hybrid.py",
+                                                          "tests/test_attention_state.py",
+                                                          "tests/test_attention_core.py"],
     # the one hybrid combine: the chunked hybrid's one-token and non-causal paths, the memory paths
     "sketchlab/attention/ops/hybrid.py": ["tests/test_attention_ops_hybrid.py", "tests/test_attention_hybrid.py",
                                          "tests/test_attention_state.py", "tests/test_memory.py",
@@ -423,19 +424,19 @@ REVIEWED: dict[str, str] = {
     "sketchlab.convert.scale.xǁTiedLLoPSMapǁ__init____mutmut_28": _KILLED + (
         "test_mut5_convert.py::test_tied_map_refuses_a_theta_of_the_wrong_shape (a Θ of 3 heads for a 2-head map "
         "was accepted, to fail later in the einsum)."),
-    "sketchlab.attention.hybrid_chunked.x__hybrid_causal_block__mutmut_42": _KILLED + (
+    "sketchlab.attention.ops.additive.hybrid_driver.x__hybrid_causal_block__mutmut_42": _KILLED + (
         "test_mut5_hybrid.py::test_a_masked_call_then_unmasked_calls_inside_the_sinks_equal_the_whole (the branch "
         "runs only when a masked call leaves a sink mask and an unmasked block adds sinks)."),
-    "sketchlab.attention.hybrid_chunked.x__hybrid_causal_block__mutmut_46": _KILLED + (
+    "sketchlab.attention.ops.additive.hybrid_driver.x__hybrid_causal_block__mutmut_46": _KILLED + (
         "test_mut5_hybrid.py::test_a_masked_call_then_unmasked_calls_inside_the_sinks_equal_the_whole."),
-    "sketchlab.attention.hybrid_chunked.x__hybrid_decode_one__mutmut_130": (
+    "sketchlab.attention.ops.additive.hybrid_driver.x__hybrid_decode_one__mutmut_130": (
         _EQUIV + "sink_ok [1, 1, 1, 1] instead of [1, 1, 1, 1, Ls] of ones: it only broadcasts against the sink "
                  "logits [B, H, 1, 1, Ls] and the sink mask in torch.where/&, with the same result for every Ls "
                  "(Ls = 0: no sink term is formed)."),
-    "sketchlab.attention.hybrid_chunked.x__hybrid_noncausal__mutmut_202": (
+    "sketchlab.attention.ops.additive.hybrid_driver.x__hybrid_noncausal__mutmut_202": (
         _EQUIV + "sink_ok [1, 1, 1, Ls] instead of [1, 1, 1, 1, Ls] of ones: leading axes broadcast, so its "
                  "& with the mask [B, 1, 1, 1, Ls] and its use against the logits [B, H, N, C, Ls] are unchanged."),
-    "sketchlab.attention.hybrid_chunked.xǁDenominatorCounterǁreport__mutmut_5": _KILLED + (
+    "sketchlab.attention.ops.additive.hybrid_driver.xǁDenominatorCounterǁreport__mutmut_5": _KILLED + (
         "test_mut5_hybrid.py::test_denominator_check_raise_warn_and_off (no test used denominator_check='raise' on "
         "the chunked path; the mutant turns it into a warning)."),
     "sketchlab.attention.state.x_check_state__mutmut_79": _KILLED + (
@@ -1027,11 +1028,11 @@ RECORD: dict[str, tuple[int, str, list[str]]] = {
         "sketchlab.convert.scale.xǁTiedLLoPSMapǁ__init____mutmut_28",
     ]),
     "hybrid": (30, "9dd72f9", [
-        "sketchlab.attention.hybrid_chunked.x__hybrid_causal_block__mutmut_42",
-        "sketchlab.attention.hybrid_chunked.x__hybrid_causal_block__mutmut_46",
-        "sketchlab.attention.hybrid_chunked.x__hybrid_decode_one__mutmut_130",
-        "sketchlab.attention.hybrid_chunked.x__hybrid_noncausal__mutmut_202",
-        "sketchlab.attention.hybrid_chunked.xǁDenominatorCounterǁreport__mutmut_5",
+        "sketchlab.attention.ops.additive.hybrid_driver.x__hybrid_causal_block__mutmut_42",
+        "sketchlab.attention.ops.additive.hybrid_driver.x__hybrid_causal_block__mutmut_46",
+        "sketchlab.attention.ops.additive.hybrid_driver.x__hybrid_decode_one__mutmut_130",
+        "sketchlab.attention.ops.additive.hybrid_driver.x__hybrid_noncausal__mutmut_202",
+        "sketchlab.attention.ops.additive.hybrid_driver.xǁDenominatorCounterǁreport__mutmut_5",
         "sketchlab.attention.state.x_check_state__mutmut_79",
     ]),
     "compare": (8, "1f44963", [

@@ -16,14 +16,14 @@ with :math:`g = \sigma(\text{gate})`:
 ``c`` is part of the definition and differentiated through (LoLCATs). :func:`exact_sums` forms the exact
 part (one shift over every piece of exact keys), :func:`mix` the gate, :func:`combine` the additive
 read and its normaliser, :func:`combine_delta` the delta read. Callers: the chunked hybrid's one-token
-and non-causal paths (:mod:`sketchlab.attention.hybrid_chunked`), the memory mechanisms' fast path and
+and non-causal paths (:mod:`sketchlab.attention.ops.additive.hybrid_driver`), the memory mechanisms' fast path and
 decoding step (:mod:`~sketchlab.attention.memory_fast`, :mod:`~sketchlab.attention.memory_decode`).
 
 The float64 twins (:func:`sketchlab.attention.reference.feature_attention_naive`,
 :func:`sketchlab.attention.memory.memory_attention_naive`) write the formula out on their own: they are
 what these functions are tested against, so a slip here cannot hide in both. The fused kernels keep their
 fused forms, tested against the same twins: the causal block with its hand-written backward
-(:mod:`~sketchlab.attention.chunk_hybrid`: the gate folded into the local weights), the Triton kernel, and
+(:mod:`~sketchlab.attention.ops.additive.chunk_hybrid`: the gate folded into the local weights), the Triton kernel, and
 the in-place decoding step (:mod:`~sketchlab.attention.recurrent`). Inputs are trusted (checked by the
 public entry points). Any leading shape; keys on the last axis of the logits, ``[..., n]``.
 """

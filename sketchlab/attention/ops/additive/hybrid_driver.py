@@ -1,7 +1,7 @@
 r"""The chunked PyTorch path of the sliding-window hybrid (layout inside: ``[B, H, T, ·]``).
 
 Split from :mod:`sketchlab.attention.chunked`, which validates the call and dispatches here. The
-causal path runs :func:`sketchlab.attention.chunk_hybrid.hybrid_core` block by block: for query
+causal path runs :func:`sketchlab.attention.ops.additive.chunk_hybrid.hybrid_core` block by block: for query
 chunk ``c`` of ``C`` tokens the local keys (window ``w`` and sinks) are read from the key chunks
 ``0 … ⌈(w + C − 1)/C⌉ − 1`` back with fixed masks, so the local part costs ``O(T·(w + C))``,
 never ``T²``; the far keys come from the carried :class:`~sketchlab.attention.AttentionState`
@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from ..polynomial import self_tensor
+from ....polynomial import self_tensor
+from ..hybrid import combine, exact_sums, gate_weight
 from .chunk_hybrid import hybrid_core
-from .ops.hybrid import combine, exact_sums, gate_weight
 
 
 def _pad_tokens(x: torch.Tensor, length: int) -> torch.Tensor:
@@ -52,7 +52,7 @@ class _Hybrid:
     def exact(self, qc, keys):
         r"""The exact sums ``(Σ a v [B, H, N, C, Dv], Σ a [B, H, N, C])`` of query chunks ``qc [B, H, N, C, D]``
         against groups of exact keys ``(k [B, H, N|1, U, D], v [B, H, N|1, U, Dv], ok [B|1, 1, N|1, C|1, U])``
-        (the band of local keys, the sinks), one shift over them all (:func:`~.ops.hybrid.exact_sums`)."""
+        (the band of local keys, the sinks), one shift over them all (:func:`~sketchlab.attention.ops.hybrid.exact_sums`)."""
         return exact_sums([((qc @ k.mT) * self.scale, ok, v) for k, v, ok in keys],  # logits [B, H, N, C, U]
                           local=self.local, degree=self.degree)
 
@@ -63,14 +63,14 @@ def _hybrid_causal_block(h: _Hybrid, state, q_new, k_new, v_new, fq_new, fk_new,
 
     The keys are the held window and the block's tokens behind zeros to whole chunks (``off`` keys
     before the block, ``off/C >= `` the local lags in chunks − 1, so every query chunk has a key
-    chunk at each lag): :func:`~sketchlab.attention.chunk_hybrid.hybrid_core` joins them in its own
+    chunk at each lag): :func:`~sketchlab.attention.ops.additive.chunk_hybrid.hybrid_core` joins them in its own
     chunk-major copy and returns the new ``S, z`` and the window the next block holds. Far part:
     lag ``w`` on the keys' features with the sinks and padding out; local part: for query chunk
     ``c`` the ``C × C`` logits against each key chunk ``L = 0 … ⌈(w + C − 1)/C⌉ − 1`` back (each a
     slice), the sinks' beside them, masked by one precomputed lag mask and the keys' validity, the
     row maximum ``c_i`` taken over all of them. Cost ``O(n·(w + C + sinks)·(D + M))``.
     """
-    from .state import AttentionState
+    from ...state import AttentionState
 
     B, H, n, Dv = v_new.shape
     P0, w, sinks = state.offset, h.window, h.sinks
@@ -127,7 +127,7 @@ def _hybrid_decode_one(h: _Hybrid, state, q, k, v, fq, fk, valid, counter):
     ``≥ sinks``) plus the sinks; the far part is ``φ(q)`` against the updated ``S, z``. Equal to
     :func:`_hybrid_causal_block` on one token (tested through the split-anywhere tests).
     """
-    from .state import AttentionState
+    from ...state import AttentionState
 
     B, H, _, Dv = v.shape
     P, w, sinks = state.offset, h.window, h.sinks
@@ -238,14 +238,14 @@ class DenominatorCounter:
 
     def add(self, den: torch.Tensor, rows: torch.Tensor | None) -> None:
         """``den [B, H, n]``; ``rows [B, n]`` bool (real queries) or None (all)."""
-        from ._checks import denominator_counts
+        from ..._checks import denominator_counts
 
         counts = denominator_counts(den, None if rows is None else rows[:, None, :])
         self.counts = counts if self.counts is None else self.counts + counts
         self.rows += den.numel()
 
     def report(self, where: str, mode: str) -> None:
-        from ._checks import report_denominators
+        from ..._checks import report_denominators
 
         if self.counts is not None:
             report_denominators(self.counts, self.rows, where, mode)
