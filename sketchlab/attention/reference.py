@@ -43,6 +43,7 @@ from ._checks import (
     denominator_counts,
     report_denominators,
 )
+from .ops.hybrid import local_far_masks
 
 __all__ = [
     "attention_mask",
@@ -117,23 +118,6 @@ def kernel_attention_naive(scores, v, *, causal: bool = True, normalize: str = "
         out = out / (masked.sum(-1, keepdim=True) + eps)
     return out
 
-
-
-def local_far_masks(q_pos: torch.Tensor, k_pos: torch.Tensor, k_rel: torch.Tensor, *, window: int, sinks: int,
-                    causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    r"""The sliding-window hybrid's split of the keys a query sees: bool ``(local, far)`` ``[T, X]``.
-
-    ``q_pos [T]``, ``k_pos [X]``: positions; ``k_rel [X]``: each key's position inside its own
-    sequence (the sinks are ``k_rel < sinks``). A key is seen when ``k_pos <= q_pos`` (causal) or
-    always; seen keys are local when ``|q_pos − k_pos| < window`` or a sink, far otherwise
-    (``window = 0``: every seen key is far, pure linear attention).
-    """
-    seen = (k_pos[None, :] <= q_pos[:, None]) if causal else torch.ones(len(q_pos), len(k_pos), dtype=torch.bool,
-                                                                       device=q_pos.device)
-    if not window:
-        return torch.zeros_like(seen), seen
-    near = ((q_pos[:, None] - k_pos[None, :]).abs() < window) | (k_rel < sinks)[None, :]
-    return seen & near, seen & ~near
 
 
 def feature_attention_naive(phi_q, phi_k, v, *, q=None, k=None, causal: bool = True, normalize: str = "sum",
