@@ -71,7 +71,8 @@ MODULES = {
     # the Triton kernels (sketchlab/attention/triton/) are not mutated: see pyproject.toml [tool.mutmut]
     "attention": ["sketchlab/attention/*.py", "sketchlab/attention/ops/*/*.py"],
     # the sliding-window hybrid and the decoding state (added after the attention campaign; sampled apart)
-    "hybrid": ["sketchlab/attention/ops/additive/hybrid_driver.py", "sketchlab/attention/state.py",
+    "hybrid": ["sketchlab/attention/ops/additive/hybrid_driver.py", "sketchlab/attention/ops/additive/recurrent.py",
+               "sketchlab/attention/state.py",
                "sketchlab/attention/ops/hybrid.py"],
     "convert": ["sketchlab/convert/*.py"],
     # the long-context modules (issue 35's mutation round): the memory mechanisms and their options, the exact
@@ -135,9 +136,8 @@ TESTS_BY_FILE: dict[str, list[str]] = {
     "sketchlab/attention/memory*.py": ["tests/test_memory.py", "tests/test_delta.py",
                                        "tests/test_convert_memory.py"],
     "sketchlab/evaluate.py": ["tests/test_evaluate.py"],
-    "sketchlab/attention/ops/additive/hybrid_driver.py": ["tests/test_attention_hybrid.py",
-                                                          "tests/test_attention_state.py",
-                                                          "tests/test_attention_core.py"],
+    **dict.fromkeys(["sketchlab/attention/ops/additive/hybrid_driver.py", "sketchlab/attention/ops/additive/recurrent.py"],
+                    ["tests/test_attention_hybrid.py", "tests/test_attention_state.py", "tests/test_attention_core.py"]),
     # the one hybrid combine: the chunked hybrid's one-token and non-causal paths, the memory paths
     "sketchlab/attention/ops/hybrid.py": ["tests/test_attention_ops_hybrid.py", "tests/test_attention_hybrid.py",
                                          "tests/test_attention_state.py", "tests/test_memory.py",
@@ -429,7 +429,7 @@ REVIEWED: dict[str, str] = {
         "runs only when a masked call leaves a sink mask and an unmasked block adds sinks)."),
     "sketchlab.attention.ops.additive.hybrid_driver.x__hybrid_causal_block__mutmut_46": _KILLED + (
         "test_mut5_hybrid.py::test_a_masked_call_then_unmasked_calls_inside_the_sinks_equal_the_whole."),
-    "sketchlab.attention.ops.additive.hybrid_driver.x__hybrid_decode_one__mutmut_130": (
+    "sketchlab.attention.ops.additive.recurrent.x__hybrid_decode_one__mutmut_130": (
         _EQUIV + "sink_ok [1, 1, 1, 1] instead of [1, 1, 1, 1, Ls] of ones: it only broadcasts against the sink "
                  "logits [B, H, 1, 1, Ls] and the sink mask in torch.where/&, with the same result for every Ls "
                  "(Ls = 0: no sink term is formed)."),
@@ -1030,7 +1030,7 @@ RECORD: dict[str, tuple[int, str, list[str]]] = {
     "hybrid": (30, "9dd72f9", [
         "sketchlab.attention.ops.additive.hybrid_driver.x__hybrid_causal_block__mutmut_42",
         "sketchlab.attention.ops.additive.hybrid_driver.x__hybrid_causal_block__mutmut_46",
-        "sketchlab.attention.ops.additive.hybrid_driver.x__hybrid_decode_one__mutmut_130",
+        "sketchlab.attention.ops.additive.recurrent.x__hybrid_decode_one__mutmut_130",
         "sketchlab.attention.ops.additive.hybrid_driver.x__hybrid_noncausal__mutmut_202",
         "sketchlab.attention.ops.additive.hybrid_driver.xǁDenominatorCounterǁreport__mutmut_5",
         "sketchlab.attention.state.x_check_state__mutmut_79",

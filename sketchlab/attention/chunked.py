@@ -56,10 +56,10 @@ from .ops.additive.hybrid_driver import (
     DenominatorCounter,
     _Hybrid,
     _hybrid_causal_block,
-    _hybrid_decode_one,
     _hybrid_noncausal,
 )
 from .ops.additive.parallel import parallel_core, use_parallel
+from .ops.additive.recurrent import _hybrid_decode_one
 from .options import AttentionOptions, FarParams
 from .reference import feature_attention_naive
 

@@ -6,7 +6,7 @@ delta rule and gated delta rule, sparse exact cache; each with the window and th
 per :meth:`RecurrentStep.step`, for inference (no gradient). It computes what one
 ``linear_attention``/``llops_attention``/``memory_attention`` call on one token with
 ``initial_state`` computes (the reference step: :func:`sketchlab.attention.memory_decode.decode` and
-:func:`sketchlab.attention.ops.additive.hybrid_driver._hybrid_decode_one`, which keep autograd and return a new
+:func:`sketchlab.attention.ops.additive.recurrent._hybrid_decode_one`, which keep autograd and return a new
 state object per token; the tests hold the two equal in float64), but:
 
 * **checks once**: the state's fields when it is laid out (:meth:`RecurrentStep.from_state`), the
