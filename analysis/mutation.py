@@ -78,7 +78,7 @@ MODULES = {
     # the long-context modules (issue 35's mutation round): the memory mechanisms and their options, the exact
     # layers and their ranking (also in "convert", sampled apart here); then the recall benchmarks
     "memory": ["sketchlab/attention/options.py", "sketchlab/attention/memory.py",
-               "sketchlab/attention/memory_fast.py", "sketchlab/attention/memory_schedule.py",
+               "sketchlab/attention/memory_fast.py", "sketchlab/attention/ops/cache/schedule.py",
                "sketchlab/attention/memory_state.py", "sketchlab/attention/ops/decayed/*.py",
                "sketchlab/attention/ops/delta/*.py",
                "sketchlab/convert/exact.py", "sketchlab/convert/ranking.py"],
@@ -133,8 +133,8 @@ TESTS_BY_FILE: dict[str, list[str]] = {
     "sketchlab/attention/ops/delta/*.py": ["tests/test_delta.py", "tests/test_memory.py"],
     "sketchlab/attention/options.py": ["tests/test_memory.py", "tests/test_convert_memory.py",
                                        "tests/test_convert_options.py"],
-    "sketchlab/attention/memory*.py": ["tests/test_memory.py", "tests/test_delta.py",
-                                       "tests/test_convert_memory.py"],
+    **dict.fromkeys(["sketchlab/attention/memory*.py", "sketchlab/attention/ops/cache/*.py"],
+                    ["tests/test_memory.py", "tests/test_delta.py", "tests/test_convert_memory.py"]),
     "sketchlab/evaluate.py": ["tests/test_evaluate.py"],
     **dict.fromkeys(["sketchlab/attention/ops/additive/hybrid_driver.py", "sketchlab/attention/ops/additive/recurrent.py"],
                     ["tests/test_attention_hybrid.py", "tests/test_attention_state.py", "tests/test_attention_core.py"]),

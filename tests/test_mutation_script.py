@@ -49,6 +49,8 @@ def test_tests_by_file_picks_the_first_matching_entry_and_names_an_uncovered_fil
                                                                                          "tests/test_memory.py"]
     assert mut.tests_by_file("sketchlab.attention.memory_fast.x_f__mutmut_1") == \
         mut.TESTS_BY_FILE["sketchlab/attention/memory*.py"]
+    assert mut.tests_by_file("sketchlab.attention.ops.cache.schedule.x_f__mutmut_1") == \
+        mut.TESTS_BY_FILE["sketchlab/attention/memory*.py"]
     with pytest.raises(KeyError, match=r"sketchlab/fit\.py \(mutant sketchlab\.fit\.x_f__mutmut_1\)"):
         mut.tests_by_file("sketchlab.fit.x_f__mutmut_1")
 

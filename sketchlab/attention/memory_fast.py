@@ -1,7 +1,7 @@
 r"""The fast path of memory attention (DESIGN §7), called by :func:`sketchlab.attention.memory.memory_attention`
 with its checked arguments (trusted here).
 
-(i) *The schedule* (:mod:`sketchlab.attention.memory_schedule`): a no-grad pass, vectorised over
+(i) *The schedule* (:mod:`sketchlab.attention.ops.cache.schedule`): a no-grad pass, vectorised over
 ``[B, H]``, applies steps 1–3 to a detached state and records the key (if any) that enters the state
 at each step and the step at which each cached key left the cache. With ``K = 0`` nothing needs the
 state: the key leaving the window enters at once, and the events are formed without a loop.
@@ -23,8 +23,8 @@ import torch
 
 from ._checks import denominator_counts, report_denominators
 from .memory_decode import decode
-from .memory_schedule import _take, schedule
 from .memory_state import MemoryState, _beta, _log_decay, empty_memory_state, unit
+from .ops.cache.schedule import _take, schedule
 from .ops.decayed.chunk import _decayed_linear
 from .ops.delta.chunk import _delta_rule
 from .ops.hybrid import combine, combine_delta, exact_sums, gate_weight
