@@ -16,7 +16,7 @@ import torch
 
 from sketchlab.attention.chunked import feature_attention
 from sketchlab.attention.ops.additive.chunk import chunk_core
-from sketchlab.attention.reference import feature_attention_naive
+from sketchlab.attention.ops.additive.naive import feature_attention_naive
 from sketchlab.polynomial import self_tensor
 
 F64 = torch.float64

@@ -20,10 +20,10 @@ from sketchlab.attention.memory import (
     memory_attention_naive,
     unit,
 )
+from sketchlab.attention.ops.additive.naive import feature_attention_naive
 from sketchlab.attention.ops.delta.naive import delta_rule_naive
 from sketchlab.attention.ops.hybrid import local_far_masks
 from sketchlab.attention.options import AttentionOptions, FarParams
-from sketchlab.attention.reference import feature_attention_naive
 
 TOL64 = 1e-10
 B, H, D, DV = 2, 2, 4, 3

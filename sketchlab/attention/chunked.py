@@ -58,10 +58,10 @@ from .ops.additive.hybrid_driver import (
     _hybrid_causal_block,
     _hybrid_noncausal,
 )
+from .ops.additive.naive import feature_attention_naive
 from .ops.additive.parallel import parallel_core, use_parallel
 from .ops.additive.recurrent import _hybrid_decode_one
 from .options import AttentionOptions, FarParams
-from .reference import feature_attention_naive
 
 __all__ = [
     "DEFAULT_BLOCK_CHUNKS",
@@ -320,7 +320,7 @@ def feature_attention(phi_q, phi_k, v, *, q=None, k=None, options: AttentionOpti
         ``denominator_check``) must then be left at their defaults (refused naming the one passed
         too). ``normalize=None`` is ``"sum"``, ``non_negative=None`` is ``False`` (the features are
         given). ``backend="reference"`` runs the float64 twin
-        (:func:`~sketchlab.attention.reference.feature_attention_naive`); ``"triton"`` is refused (no fused
+        (:func:`~sketchlab.attention.ops.additive.naive.feature_attention_naive`); ``"triton"`` is refused (no fused
         kernel for given features). Options with ``.memory`` run
         :func:`~sketchlab.attention.memory.memory_attention` (or its twin) on the features, self-tensored
         when ``non_negative``; the state is then a :class:`~sketchlab.attention.MemoryState`.
@@ -336,7 +336,7 @@ def feature_attention(phi_q, phi_k, v, *, q=None, k=None, options: AttentionOpti
         Memory budget for one block's per-chunk states, or the parallel form's ``B·H·T·S`` scores
         (:func:`sketchlab._validation.check_memory`).
     window, sinks, local, local_scale, degree, gate, key_padding_mask, initial_state, output_final_state
-        As :func:`~sketchlab.attention.reference.feature_attention_naive` (which states the formula); the local
+        As :func:`~sketchlab.attention.ops.additive.naive.feature_attention_naive` (which states the formula); the local
         part costs ``O(T·(w + C + sinks)·D)``.
     denominator_check
         As :class:`~sketchlab.attention.AttentionOptions` (counted chunk by chunk, one
@@ -345,7 +345,7 @@ def feature_attention(phi_q, phi_k, v, *, q=None, k=None, options: AttentionOpti
     Returns
     -------
     Tensor ``[B, T, H, Dv]`` in the dtype of the inputs, or ``(o, AttentionState)``; equals
-    :func:`~sketchlab.attention.reference.feature_attention_naive` to round-off.
+    :func:`~sketchlab.attention.ops.additive.naive.feature_attention_naive` to round-off.
     """
     o = call_options("feature_attention", options, params,
                      dict(causal=causal, normalize=normalize, non_negative=non_negative, eps=eps, chunk_size=chunk_size,

@@ -33,7 +33,7 @@ state object per token; the tests hold the two equal in float64), but:
 :meth:`RecurrentStep.state` writes the state back out (the window in position order), so a
 decoding loop can hand it to any path again. The naive float64 twin of the whole step is
 :func:`sketchlab.attention.memory.memory_attention_naive` (and, for the additive hybrid,
-:func:`sketchlab.attention.reference.feature_attention_naive`).
+:func:`sketchlab.attention.ops.additive.naive.feature_attention_naive`).
 """
 
 from __future__ import annotations

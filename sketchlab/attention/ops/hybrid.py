@@ -21,7 +21,7 @@ read it). Callers: the chunked hybrid's one-token and non-causal paths
 (:mod:`sketchlab.attention.ops.additive.hybrid_driver`), the memory mechanisms' fast path and decoding step
 (:mod:`~sketchlab.attention.memory_fast`, :mod:`~sketchlab.attention.memory_decode`).
 
-The float64 twins (:func:`sketchlab.attention.reference.feature_attention_naive`,
+The float64 twins (:func:`sketchlab.attention.ops.additive.naive.feature_attention_naive`,
 :func:`sketchlab.attention.memory.memory_attention_naive`) write the formula out on their own: they are
 what these functions are tested against, so a slip here cannot hide in both. The fused kernels keep their
 fused forms, tested against the same twins: the causal block with its hand-written backward

@@ -19,7 +19,7 @@ kernel is ``(φ(q)·φ(k))²``, the state holds ``φ ⊗ φ`` (``M2 = M²``).
 The far state (the prefix GEMM of the wholly far key chunks, recomputed in the backward) is the part both
 cores share (:func:`_far_forward`, :func:`_far_backward`, below); :func:`chunk_core` adds the partly-far key
 chunks (``C × C`` scores with a fixed mask, kept for the backward). Its float64 twin is
-:func:`sketchlab.attention.reference.feature_attention_naive`; the gradients are tested with ``gradcheck``.
+:func:`sketchlab.attention.ops.additive.naive.feature_attention_naive`; the gradients are tested with ``gradcheck``.
 
 *The far state of a chunked causal block*, shared by both cores (:func:`chunk_core` here, the hybrid's
 :func:`~sketchlab.attention.ops.additive.chunk_hybrid.hybrid_core`).

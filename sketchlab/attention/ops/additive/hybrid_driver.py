@@ -9,7 +9,7 @@ never ``T²``; the far keys come from the carried :class:`~sketchlab.attention.A
 through the one hybrid combine, :mod:`sketchlab.attention.ops.hybrid`; decoding one token is
 :mod:`.recurrent`'s.
 The formula and its float64 twin:
-:func:`sketchlab.attention.reference.feature_attention_naive`. Inputs are trusted (checked by the
+:func:`sketchlab.attention.ops.additive.naive.feature_attention_naive`. Inputs are trusted (checked by the
 public entry points).
 """
 

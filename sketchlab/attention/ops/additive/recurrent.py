@@ -2,7 +2,7 @@ r"""The decoding step of the additive state with the sliding-window hybrid: one 
 :class:`~sketchlab.attention.AttentionState` (tensors ``[B, H, 1, ·]`` inside), with autograd, a new state per
 token; the exact keys and the far part read through the one hybrid combine (:mod:`sketchlab.attention.ops.hybrid`).
 The lean in-place step for inference is :class:`sketchlab.attention.recurrent.RecurrentStep`, held equal to this one
-in float64. The formula and its float64 twin: :func:`sketchlab.attention.reference.feature_attention_naive`. Inputs
+in float64. The formula and its float64 twin: :func:`sketchlab.attention.ops.additive.naive.feature_attention_naive`. Inputs
 are trusted (checked by the public entry points).
 """
 
