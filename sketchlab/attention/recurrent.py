@@ -43,9 +43,9 @@ import math
 import torch
 
 from ..polynomial import self_tensor
-from . import recurrent_cache as compiled
 from ._checks import report_denominators
 from .memory_state import MemoryState, _check_params, recall_score, unit
+from .ops.cache import fused_recurrent as compiled
 from .options import AttentionOptions
 from .state import AttentionState
 
