@@ -78,7 +78,7 @@ MODULES = {
     # the long-context modules (issue 35's mutation round): the memory mechanisms and their options, the exact
     # layers and their ranking (also in "convert", sampled apart here); then the recall benchmarks
     "memory": ["sketchlab/attention/options.py", "sketchlab/attention/memory.py",
-               "sketchlab/attention/memory_fast.py", "sketchlab/attention/ops/cache/schedule.py",
+               "sketchlab/attention/memory_fast.py", "sketchlab/attention/ops/cache/*.py",
                "sketchlab/attention/memory_state.py", "sketchlab/attention/ops/decayed/*.py",
                "sketchlab/attention/ops/delta/*.py",
                "sketchlab/convert/exact.py", "sketchlab/convert/ranking.py"],

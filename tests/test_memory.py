@@ -748,11 +748,10 @@ def _fast_equals_naive(options, T, M, *, seed):
 def test_small_blocks_and_one_chunk_batches_equal_naive(monkeypatch, name):
     """Schedule blocks of 5 steps (cut apart from the query chunks and the re-scorings) and the exact part
     one query chunk per batch: the same outputs and states as the twin."""
-    from sketchlab.attention import memory_fast
-    from sketchlab.attention.ops.cache import schedule
+    from sketchlab.attention.ops.cache import chunk, schedule
 
     monkeypatch.setattr(schedule, "BLOCK", 5)
-    monkeypatch.setattr(memory_fast, "EXACT_ELEMENTS", 1)
+    monkeypatch.setattr(chunk, "EXACT_ELEMENTS", 1)
     T, M = 43, 4
     options = AttentionOptions(window=1 if "rescore" in name else 3, sinks=2, chunk_size=8, **MECHANISMS[name])
     _fast_equals_naive(options, T, M, seed=11)
