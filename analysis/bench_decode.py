@@ -46,12 +46,9 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from sketchlab.attention import (  # noqa: E402
-    AttentionOptions,
-    FarParams,
-    recurrent_cache,  # noqa: E402
-)
+from sketchlab.attention import AttentionOptions, FarParams  # noqa: E402
 from sketchlab.attention.functional import llops_attention  # noqa: E402
+from sketchlab.attention.ops.cache import fused_recurrent  # noqa: E402
 from sketchlab.attention.recurrent import RecurrentStep  # noqa: E402
 from sketchlab.io import atomic_write  # noqa: E402
 from sketchlab.llops.maps import llops_is_non_negative, llops_pair_features  # noqa: E402
@@ -144,7 +141,7 @@ def main(argv=None) -> int:
     targets = {label: target for label, _, target in variants}
     if args.profile:
         return profile(args, variants, theta, new, Path(args.out).with_name("decode_profile.md"))
-    compiled = recurrent_cache.available()  # built (or loaded) before any timing
+    compiled = fused_recurrent.available()  # built (or loaded) before any timing
     rate = matmul_rate()
     pair = llops_pair_features(theta, theta, B)
     non_negative = llops_is_non_negative(theta)  # the lean step need not check its denominators

@@ -56,12 +56,12 @@ def one(args) -> dict:
     import torch
     from transformers import LogitsProcessor, LogitsProcessorList
 
-    from sketchlab.attention import recurrent_cache
+    from sketchlab.attention.ops.cache import fused_recurrent
     from sketchlab.convert import convert_attention
     from sketchlab.hf.pretrained import load_pretrained, smollm2_gguf
 
     torch.set_num_threads(args.threads)
-    compiled = recurrent_cache.available()  # built (or loaded) before any timing
+    compiled = fused_recurrent.available()  # built (or loaded) before any timing
     model, _ = load_pretrained(gguf=smollm2_gguf())
     model.eval()
     if args.model != "teacher":

@@ -8,7 +8,7 @@ queries, ``B·H`` heads, ``D = Dv = M``; window ``w``, no sinks: they cost the s
 GEMM of the local and partly-far part that the hand-written cores run, forward and backward,
 and the softmax pass over the local logits:
 
-- today (``b = C``, lag-major as ``chunk_hybrid._HybridCore``): per key-chunk lag ``L < n_loc`` the
+- today (``b = C``, lag-major as ``ops.additive.chunk_hybrid._HybridCore``): per key-chunk lag ``L < n_loc`` the
   logits ``q·k_Lᵀ`` and ``A_L·v_L``; the far tile ``φ(q)·φ(k_L)ᵀ`` of the partly-far lags;
   backward ``dA = dO·v_Lᵀ``, ``dv_L += W_Lᵀ·dO``, ``dq += dl·k_L``, ``dk_L += dlᵀ·q`` and the far
   tile's ``dφ(q)``, ``dφ(k)``;

@@ -96,8 +96,8 @@ def fwd_bwd(fn, *leaves):
 
 
 def core_rows(rounds: int) -> list[str]:
-    from sketchlab.attention.chunk_core import chunk_core
-    from sketchlab.attention.parallel import parallel_core
+    from sketchlab.attention.ops.additive.chunk import chunk_core
+    from sketchlab.attention.ops.additive.parallel import parallel_core
 
     rows = ["| M | T | chunked core ms | parallel ms | chunked / parallel |", "|---|---|---|---|---|"]
     for M in (273, 256):
@@ -196,7 +196,7 @@ def main(argv=None) -> int:
          "## 1. One attention call, forward + backward (B = 64, H = 1, Dv = 64, causal, normalised)", "",
          "The chunked core at C = T is what the pure path ran for a one-chunk call; the parallel form is what "
          "`feature_attention` / `llops_attention` (torch backend) run now when T, S <= chunk_size, no window and "
-         "no state (`sketchlab.attention.parallel.use_parallel`).", "", *core, "",
+         "no state (`sketchlab.attention.ops.additive.parallel.use_parallel`).", "", *core, "",
          "## 2. The LLoPS projection, forward + backward (p = 4, m = 256, D = 64: 1024 columns)", "", *proj, "",
          "## 3. One training step of the study's model (d_model 64, 2 layers, batch 64, NoPE)", "",
          "`mix`: the mean step of the training mixture (T = 16, 32, 64 weighted 5 : 1 : 3). `softmax-nope` runs none "

@@ -69,16 +69,18 @@ MODULES = {
     "cli": ["sketchlab/cli/*.py"],
     "tasks": ["sketchlab/tasks/*.py"],
     # the Triton kernels (sketchlab/attention/triton/) are not mutated: see pyproject.toml [tool.mutmut]
-    "attention": ["sketchlab/attention/*.py"],
+    "attention": ["sketchlab/attention/*.py", "sketchlab/attention/ops/*/*.py"],
     # the sliding-window hybrid and the decoding state (added after the attention campaign; sampled apart)
-    "hybrid": ["sketchlab/attention/hybrid_chunked.py", "sketchlab/attention/state.py",
+    "hybrid": ["sketchlab/attention/ops/additive/hybrid_driver.py", "sketchlab/attention/ops/additive/recurrent.py",
+               "sketchlab/attention/state.py",
                "sketchlab/attention/ops/hybrid.py"],
     "convert": ["sketchlab/convert/*.py"],
     # the long-context modules (issue 35's mutation round): the memory mechanisms and their options, the exact
     # layers and their ranking (also in "convert", sampled apart here); then the recall benchmarks
     "memory": ["sketchlab/attention/options.py", "sketchlab/attention/memory.py",
-               "sketchlab/attention/memory_fast.py", "sketchlab/attention/memory_schedule.py",
-               "sketchlab/attention/memory_state.py", "sketchlab/attention/delta.py",
+               "sketchlab/attention/memory_fast.py", "sketchlab/attention/ops/cache/*.py",
+               "sketchlab/attention/memory_state.py", "sketchlab/attention/ops/decayed/*.py",
+               "sketchlab/attention/ops/delta/*.py",
                "sketchlab/convert/exact.py", "sketchlab/convert/ranking.py"],
     "evaluate": ["sketchlab/evaluate.py"],
     "compare": ["sketchlab/compare.py"],
@@ -128,14 +130,15 @@ TESTS_BY_FILE: dict[str, list[str]] = {
     "sketchlab/convert/*.py": ["tests/test_convert.py", "tests/test_convert_options.py",
                                "tests/test_convert_linearize.py", "tests/test_convert_scale.py",
                                "tests/test_convert_capture_gguf.py"],
-    "sketchlab/attention/delta.py": ["tests/test_delta.py", "tests/test_memory.py"],
+    "sketchlab/attention/ops/decayed/*.py": ["tests/test_delta.py", "tests/test_memory.py"],
+    "sketchlab/attention/ops/delta/*.py": ["tests/test_delta.py", "tests/test_memory.py"],
     "sketchlab/attention/options.py": ["tests/test_memory.py", "tests/test_convert_memory.py",
                                        "tests/test_convert_options.py"],
-    "sketchlab/attention/memory*.py": ["tests/test_memory.py", "tests/test_delta.py",
-                                       "tests/test_convert_memory.py"],
+    **dict.fromkeys(["sketchlab/attention/memory*.py", "sketchlab/attention/ops/cache/*.py"],
+                    ["tests/test_memory.py", "tests/test_delta.py", "tests/test_convert_memory.py"]),
     "sketchlab/evaluate.py": ["tests/test_evaluate.py"],
-    "sketchlab/attention/hybrid_chunked.py": ["tests/test_attention_hybrid.py", "tests/test_attention_state.py",
-                                              "tests/test_attention_core.py"],
+    **dict.fromkeys(["sketchlab/attention/ops/additive/hybrid_driver.py", "sketchlab/attention/ops/additive/recurrent.py"],
+                    ["tests/test_attention_hybrid.py", "tests/test_attention_state.py", "tests/test_attention_core.py"]),
     # the one hybrid combine: the chunked hybrid's one-token and non-causal paths, the memory paths
     "sketchlab/attention/ops/hybrid.py": ["tests/test_attention_ops_hybrid.py", "tests/test_attention_hybrid.py",
                                          "tests/test_attention_state.py", "tests/test_memory.py",
@@ -210,12 +213,12 @@ REVIEWED: dict[str, str] = {
         "test_convert_linearize.py::test_linearize_with_a_custom_feature_map_records_it_as_custom_and_every_option_"
         "under_its_name; also by test_mut5_convert.py::test_linearize_report_records_the_options_it_ran_with, which "
         "was not in linearize.py's test list (added to TESTS_BY_FILE since)."),
-    "sketchlab.attention.delta.x_delta_rule_naive__mutmut_14": _KILLED + (
+    "sketchlab.attention.ops.delta.naive.x_delta_rule_naive__mutmut_14": _KILLED + (
         "test_delta.py::test_delta_rule_naive_computes_float32_inputs_in_float64 (float32 inputs: float64 results, "
         "bit for bit those of the float64 copies)."),
     "sketchlab.evaluate.x\u01c1CopyRecall\u01c1as_dict__mutmut_8": _KILLED + (
         "test_evaluate.py::test_copy_recall_as_dict_keeps_every_field_under_its_name."),
-    "sketchlab.attention.delta.x_decayed_linear_chunked__mutmut_1": _EQUIV + (
+    "sketchlab.attention.ops.decayed.chunk.x_decayed_linear_chunked__mutmut_1": _EQUIV + (
         "the default chunk size 64 -> 65 changes only how the tokens are grouped; the chunked form equals the "
         "definition for every chunk size (measured: 4e-16 relative between 64 and 65 on 200 float64 tokens, the "
         "same order as either's distance to decayed_linear_naive)."),
@@ -422,19 +425,19 @@ REVIEWED: dict[str, str] = {
     "sketchlab.convert.scale.xǁTiedLLoPSMapǁ__init____mutmut_28": _KILLED + (
         "test_mut5_convert.py::test_tied_map_refuses_a_theta_of_the_wrong_shape (a Θ of 3 heads for a 2-head map "
         "was accepted, to fail later in the einsum)."),
-    "sketchlab.attention.hybrid_chunked.x__hybrid_causal_block__mutmut_42": _KILLED + (
+    "sketchlab.attention.ops.additive.hybrid_driver.x__hybrid_causal_block__mutmut_42": _KILLED + (
         "test_mut5_hybrid.py::test_a_masked_call_then_unmasked_calls_inside_the_sinks_equal_the_whole (the branch "
         "runs only when a masked call leaves a sink mask and an unmasked block adds sinks)."),
-    "sketchlab.attention.hybrid_chunked.x__hybrid_causal_block__mutmut_46": _KILLED + (
+    "sketchlab.attention.ops.additive.hybrid_driver.x__hybrid_causal_block__mutmut_46": _KILLED + (
         "test_mut5_hybrid.py::test_a_masked_call_then_unmasked_calls_inside_the_sinks_equal_the_whole."),
-    "sketchlab.attention.hybrid_chunked.x__hybrid_decode_one__mutmut_130": (
+    "sketchlab.attention.ops.additive.recurrent.x__hybrid_decode_one__mutmut_130": (
         _EQUIV + "sink_ok [1, 1, 1, 1] instead of [1, 1, 1, 1, Ls] of ones: it only broadcasts against the sink "
                  "logits [B, H, 1, 1, Ls] and the sink mask in torch.where/&, with the same result for every Ls "
                  "(Ls = 0: no sink term is formed)."),
-    "sketchlab.attention.hybrid_chunked.x__hybrid_noncausal__mutmut_202": (
+    "sketchlab.attention.ops.additive.hybrid_driver.x__hybrid_noncausal__mutmut_202": (
         _EQUIV + "sink_ok [1, 1, 1, Ls] instead of [1, 1, 1, 1, Ls] of ones: leading axes broadcast, so its "
                  "& with the mask [B, 1, 1, 1, Ls] and its use against the logits [B, H, N, C, Ls] are unchanged."),
-    "sketchlab.attention.hybrid_chunked.xǁDenominatorCounterǁreport__mutmut_5": _KILLED + (
+    "sketchlab.attention.ops.additive.hybrid_driver.xǁDenominatorCounterǁreport__mutmut_5": _KILLED + (
         "test_mut5_hybrid.py::test_denominator_check_raise_warn_and_off (no test used denominator_check='raise' on "
         "the chunked path; the mutant turns it into a warning)."),
     "sketchlab.attention.state.x_check_state__mutmut_79": _KILLED + (
@@ -1026,11 +1029,11 @@ RECORD: dict[str, tuple[int, str, list[str]]] = {
         "sketchlab.convert.scale.xǁTiedLLoPSMapǁ__init____mutmut_28",
     ]),
     "hybrid": (30, "9dd72f9", [
-        "sketchlab.attention.hybrid_chunked.x__hybrid_causal_block__mutmut_42",
-        "sketchlab.attention.hybrid_chunked.x__hybrid_causal_block__mutmut_46",
-        "sketchlab.attention.hybrid_chunked.x__hybrid_decode_one__mutmut_130",
-        "sketchlab.attention.hybrid_chunked.x__hybrid_noncausal__mutmut_202",
-        "sketchlab.attention.hybrid_chunked.xǁDenominatorCounterǁreport__mutmut_5",
+        "sketchlab.attention.ops.additive.hybrid_driver.x__hybrid_causal_block__mutmut_42",
+        "sketchlab.attention.ops.additive.hybrid_driver.x__hybrid_causal_block__mutmut_46",
+        "sketchlab.attention.ops.additive.recurrent.x__hybrid_decode_one__mutmut_130",
+        "sketchlab.attention.ops.additive.hybrid_driver.x__hybrid_noncausal__mutmut_202",
+        "sketchlab.attention.ops.additive.hybrid_driver.xǁDenominatorCounterǁreport__mutmut_5",
         "sketchlab.attention.state.x_check_state__mutmut_79",
     ]),
     "compare": (8, "1f44963", [

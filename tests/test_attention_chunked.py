@@ -12,7 +12,8 @@ from sketchlab.attention import (
     count_denominators,
 )
 from sketchlab.attention.chunked import feature_attention, llops_attention_chunked
-from sketchlab.attention.reference import feature_attention_naive, llops_attention_naive
+from sketchlab.attention.ops.additive.naive import feature_attention_naive
+from sketchlab.attention.reference import llops_attention_naive
 
 TOL64 = 1e-10
 

@@ -17,7 +17,8 @@ from sketchlab.attention import (
     softmax_attention_naive,
 )
 from sketchlab.attention.functional import llops_attention, sketch_attention
-from sketchlab.attention.reference import feature_attention_naive, llops_attention_naive
+from sketchlab.attention.ops.additive.naive import feature_attention_naive
+from sketchlab.attention.reference import llops_attention_naive
 
 TOL64 = 1e-10
 

@@ -17,7 +17,8 @@ from sketchlab.attention import (
 )
 from sketchlab.attention.chunked import feature_attention, llops_attention_chunked
 from sketchlab.attention.functional import llops_attention, sketch_attention
-from sketchlab.attention.reference import feature_attention_naive, llops_attention_naive
+from sketchlab.attention.ops.additive.naive import feature_attention_naive
+from sketchlab.attention.reference import llops_attention_naive
 
 TOL64 = 1e-10
 TOL32 = 1e-4

@@ -11,8 +11,9 @@ import torch
 import sketchlab.attention.chunked as chunked
 from sketchlab.attention.chunked import feature_attention
 from sketchlab.attention.functional import llops_attention
-from sketchlab.attention.parallel import use_parallel
-from sketchlab.attention.reference import feature_attention_naive, llops_attention_naive
+from sketchlab.attention.ops.additive.naive import feature_attention_naive
+from sketchlab.attention.ops.additive.parallel import use_parallel
+from sketchlab.attention.reference import llops_attention_naive
 
 TOL64 = 1e-10
 

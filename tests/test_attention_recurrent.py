@@ -7,9 +7,10 @@ between two tokens (a training step: re-validated, never a stale derived value).
 import pytest
 import torch
 
-from sketchlab.attention import AttentionOptions, FarParams, recurrent_cache
+from sketchlab.attention import AttentionOptions, FarParams
 from sketchlab.attention.chunked import feature_attention
 from sketchlab.attention.memory import memory_attention
+from sketchlab.attention.ops.cache import fused_recurrent
 from sketchlab.attention.recurrent import RecurrentStep
 from sketchlab.polynomial import self_tensor
 
@@ -122,9 +123,9 @@ def cache_choice(request, monkeypatch):
     installs ninja (make test puts it on PATH), so the compiled choice must build here: a failure to build is a
     failure, not a skip (the torch twin alone would leave the compiled code untested)."""
     if request.param == "compiled":
-        assert recurrent_cache.available(), ("the compiled cache choice did not build (torch's load_inline needs gcc "
+        assert fused_recurrent.available(), ("the compiled cache choice did not build (torch's load_inline needs gcc "
                                              "and ninja on PATH: pip install ninja, or run the suite with make test)")
-    monkeypatch.setattr(recurrent_cache, "USE_COMPILED", request.param == "compiled")
+    monkeypatch.setattr(fused_recurrent, "USE_COMPILED", request.param == "compiled")
     return request.param
 
 
@@ -141,7 +142,7 @@ def test_lean_step_equals_reference_step(name, split):
 @pytest.mark.parametrize("split", [1, 6, 11])
 def test_lean_step_with_the_cache_choice_in_torch(name, split, monkeypatch):
     """The cache's choice by its torch twin (where no compiler works) equals the reference too."""
-    monkeypatch.setattr(recurrent_cache, "USE_COMPILED", False)
+    monkeypatch.setattr(fused_recurrent, "USE_COMPILED", False)
     _run(name, split)
 
 

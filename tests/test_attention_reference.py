@@ -16,7 +16,8 @@ from sketchlab.attention import (
     poly_attention_naive,
     softmax_attention_naive,
 )
-from sketchlab.attention.reference import feature_attention_naive, kernel_attention_naive, llops_attention_naive
+from sketchlab.attention.ops.additive.naive import feature_attention_naive
+from sketchlab.attention.reference import kernel_attention_naive, llops_attention_naive
 from sketchlab.polynomial import self_tensor
 
 TOL = 1e-10

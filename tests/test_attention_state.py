@@ -10,7 +10,7 @@ import torch
 from sketchlab.attention import AttentionState, LLoPSAttention
 from sketchlab.attention.chunked import feature_attention
 from sketchlab.attention.functional import llops_attention
-from sketchlab.attention.reference import feature_attention_naive
+from sketchlab.attention.ops.additive.naive import feature_attention_naive
 
 TOL64 = 1e-10
 

@@ -13,13 +13,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sketchlab.attention.delta import (
-    decayed_linear_chunked,
-    decayed_linear_naive,
-    delta_rule_chunked,
-    delta_rule_naive,
-)
 from sketchlab.attention.functional import llops_attention
+from sketchlab.attention.ops.decayed.chunk import decayed_linear_chunked
+from sketchlab.attention.ops.decayed.naive import decayed_linear_naive
+from sketchlab.attention.ops.delta.chunk import delta_rule_chunked
+from sketchlab.attention.ops.delta.naive import delta_rule_naive
 
 TOL = {torch.float64: 1e-12, torch.float32: 1e-5}
 B, H, M, DV = 2, 3, 4, 3  # M != Dv: a transposed state cannot pass by shape

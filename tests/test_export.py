@@ -12,7 +12,7 @@ import torch
 
 import sketchlab as sl
 from sketchlab.attention import LLoPSAttention
-from sketchlab.attention.reference import feature_attention_naive
+from sketchlab.attention.ops.additive.naive import feature_attention_naive
 from sketchlab.cli import main
 from sketchlab.export import file_sha256
 from sketchlab.scaling import resolve_scale

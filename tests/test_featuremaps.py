@@ -21,7 +21,7 @@ from sketchlab import (
     make_feature_map,
 )
 from sketchlab.attention.functional import llops_attention
-from sketchlab.attention.reference import feature_attention_naive
+from sketchlab.attention.ops.additive.naive import feature_attention_naive
 
 TOL64 = 1e-10
 H, D = 2, 4

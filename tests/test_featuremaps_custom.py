@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import sketchlab as sl
-from sketchlab.attention.reference import feature_attention_naive
+from sketchlab.attention.ops.additive.naive import feature_attention_naive
 from sketchlab.featuremaps import (
     FeatureMap,
     ModuleMap,

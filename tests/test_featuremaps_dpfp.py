@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import sketchlab as sl
+from sketchlab.attention.ops.additive.naive import feature_attention_naive
 from sketchlab.featuremaps import make_feature_map
 from sketchlab.featuremaps.dpfp import DPFPMap
 
@@ -63,7 +64,7 @@ def test_in_the_op():
     q, k, v = _rand(1, 10, 2, 4, seed=3), _rand(1, 10, 2, 4, seed=4), _rand(1, 10, 2, 3, seed=5)
     out, _ = sl.linear_attention(q, k, v, fmap, options=sl.AttentionOptions(window=3, sinks=1, backend="torch",
                                                                             chunk_size=4))
-    literal = sl.attention.reference.feature_attention_naive(fmap.features_naive(q), fmap.features_naive(k), v, q=q, k=k,
+    literal = feature_attention_naive(fmap.features_naive(q), fmap.features_naive(k), v, q=q, k=k,
                                                    degree=2, window=3, sinks=1)
     assert (out - literal).abs().max() < 1e-10
 

@@ -113,6 +113,28 @@ def test_capture_imports_nothing_of_conversion():
     assert {"sketchlab.hf.families", "sketchlab.hf.interface"} <= GRAPH["sketchlab.capture"]
 
 
+#: What the mechanisms' operations (``attention/ops/``, one folder per mechanism, DESIGN §2) may import of the
+#: attention layer around them: the argument checks and the state types, nothing that chooses among them.
+OPS_MAY_IMPORT = {"sketchlab.attention._checks", "sketchlab.attention.state", "sketchlab.attention.memory_state"}
+
+
+def _ops_upward(graph) -> list[str]:
+    return [f"{m} imports {dep}" for m, deps in graph.items() if m.startswith("sketchlab.attention.ops")
+            for dep in sorted(deps) if dep.startswith("sketchlab.attention") and dep != "sketchlab.attention"
+            and not dep.startswith("sketchlab.attention.ops") and dep not in OPS_MAY_IMPORT]
+
+
+def test_ops_sit_below_the_attention_entry_points():
+    """``attention/ops/`` holds each mechanism's naive, chunk and recurrent forms; the entry points, the modules
+    and the options above choose among them, so ops/ never imports them (only the checks and the state types):
+    checked on the graph, and on the graph with one such import planted."""
+    assert any(m.startswith("sketchlab.attention.ops.") for m in GRAPH)
+    assert not _ops_upward(GRAPH), "attention/ops/ imports the layer above it:\n" + "\n".join(_ops_upward(GRAPH))
+    planted = {**GRAPH, "sketchlab.attention.ops.hybrid": GRAPH["sketchlab.attention.ops.hybrid"]
+               | {"sketchlab.attention.functional"}}
+    assert _ops_upward(planted) == ["sketchlab.attention.ops.hybrid imports sketchlab.attention.functional"]
+
+
 def _cycle() -> list[str] | None:
     """One import cycle of GRAPH (a list of modules, first = last), or None."""
     state: dict[str, int] = {}  # 1 = on the stack, 2 = done

@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from sketchlab.attention import softmax_attention_naive
-from sketchlab.attention.delta import delta_rule_naive
 from sketchlab.attention.memory import (
     MemoryState,
     empty_memory_state,
@@ -21,8 +20,10 @@ from sketchlab.attention.memory import (
     memory_attention_naive,
     unit,
 )
+from sketchlab.attention.ops.additive.naive import feature_attention_naive
+from sketchlab.attention.ops.delta.naive import delta_rule_naive
+from sketchlab.attention.ops.hybrid import local_far_masks
 from sketchlab.attention.options import AttentionOptions, FarParams
-from sketchlab.attention.reference import feature_attention_naive, local_far_masks
 
 TOL64 = 1e-10
 B, H, D, DV = 2, 2, 4, 3
@@ -747,10 +748,10 @@ def _fast_equals_naive(options, T, M, *, seed):
 def test_small_blocks_and_one_chunk_batches_equal_naive(monkeypatch, name):
     """Schedule blocks of 5 steps (cut apart from the query chunks and the re-scorings) and the exact part
     one query chunk per batch: the same outputs and states as the twin."""
-    from sketchlab.attention import memory_fast, memory_schedule
+    from sketchlab.attention.ops.cache import chunk, schedule
 
-    monkeypatch.setattr(memory_schedule, "BLOCK", 5)
-    monkeypatch.setattr(memory_fast, "EXACT_ELEMENTS", 1)
+    monkeypatch.setattr(schedule, "BLOCK", 5)
+    monkeypatch.setattr(chunk, "EXACT_ELEMENTS", 1)
     T, M = 43, 4
     options = AttentionOptions(window=1 if "rescore" in name else 3, sinks=2, chunk_size=8, **MECHANISMS[name])
     _fast_equals_naive(options, T, M, seed=11)

@@ -43,8 +43,13 @@ def test_tests_by_file_picks_the_first_matching_entry_and_names_an_uncovered_fil
     # the long-context files have their own lists (issue 35), before the globs that also match them
     assert mut.tests_by_file("sketchlab.convert.exact.x_f__mutmut_1") == ["tests/test_convert_exact.py",
                                                                           "tests/test_convert_memory.py"]
-    assert mut.tests_by_file("sketchlab.attention.delta.x_f__mutmut_1") == ["tests/test_delta.py", "tests/test_memory.py"]
+    assert mut.tests_by_file("sketchlab.attention.ops.delta.chunk.x_f__mutmut_1") == ["tests/test_delta.py",
+                                                                                       "tests/test_memory.py"]
+    assert mut.tests_by_file("sketchlab.attention.ops.decayed.naive.x_f__mutmut_1") == ["tests/test_delta.py",
+                                                                                         "tests/test_memory.py"]
     assert mut.tests_by_file("sketchlab.attention.memory_fast.x_f__mutmut_1") == \
+        mut.TESTS_BY_FILE["sketchlab/attention/memory*.py"]
+    assert mut.tests_by_file("sketchlab.attention.ops.cache.schedule.x_f__mutmut_1") == \
         mut.TESTS_BY_FILE["sketchlab/attention/memory*.py"]
     with pytest.raises(KeyError, match=r"sketchlab/fit\.py \(mutant sketchlab\.fit\.x_f__mutmut_1\)"):
         mut.tests_by_file("sketchlab.fit.x_f__mutmut_1")

@@ -6,7 +6,7 @@ draws, trained with the model, and decoding with a state equals the full forward
 import pytest
 import torch
 
-from sketchlab.attention.reference import feature_attention_naive
+from sketchlab.attention.ops.additive.naive import feature_attention_naive
 from sketchlab.featuremaps import HedgehogMap, PSFLearnedMap, SelfTensored
 from sketchlab.tasks import TransformerConfig, TransformerLM, attention_registry, kernel_modules
 from sketchlab.tasks.attention import input_scale

@@ -13,7 +13,8 @@ import sketchlab.tasks.train as train_module
 from sketchlab.attention import (
     poly_attention_naive,
 )
-from sketchlab.attention.reference import feature_attention_naive, llops_attention_naive
+from sketchlab.attention.ops.additive.naive import feature_attention_naive
+from sketchlab.attention.reference import llops_attention_naive
 from sketchlab.io import save_theta
 from sketchlab.sketches.based import taylor_features_naive
 from sketchlab.sketches.psf import psf_features_naive

@@ -329,3 +329,56 @@ def report_denominators(counts, rows: int, where: str, mode: str) -> None:
     if mode == "raise":
         raise FloatingPointError(msg)
     warnings.warn(msg, RuntimeWarning, stacklevel=3)
+
+
+# ----------------------------------------------------------------------------------------------- the recurrences
+def _check_tokens(x, like: torch.Tensor, name: str, *, low: float | None = None, high: float | None = None):
+    """``x [B, T, H]`` (or None) with ``like``'s first three axes, finite, in ``[low, high]``."""
+    if x is None:
+        return None
+    x = as_float_tensor(x, name)
+    want = tuple(like.shape[:3])
+    if tuple(x.shape) != want:
+        raise ValueError(f"{name} must have shape [B, T, H] = {want} (from the token tensors), got {tuple(x.shape)}")
+    check_finite(x.detach(), name)
+    for bound, bad, rule in ((low, lambda t: t < low, f">= {low}"), (high, lambda t: t > high, f"<= {high}")):
+        if bound is not None and bool(bad(x.detach()).any()):
+            i = tuple(int(j) for j in bad(x.detach()).nonzero()[0])
+            raise ValueError(f"{name} must be {rule} everywhere, got {x[i].item()!r} at index {i}")
+    return x
+
+
+def _check_state(x, shape: tuple, name: str):
+    """An initial-state tensor of the given shape, finite."""
+    x = as_float_tensor(x, name)
+    if tuple(x.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(x.shape)}")
+    check_finite(x.detach(), name)
+    return x
+
+
+def check_decayed(fq, fk, v, log_decay, initial_state):
+    """The arguments of :mod:`~sketchlab.attention.ops.decayed`'s twins, checked (``log_decay <= 0``, the state a pair)."""
+    fq, fk, v = check_qkv(fq, fk, v, causal=True, names=("fq", "fk", "v"))
+    log_decay = _check_tokens(log_decay, fk, "log_decay", high=0.0)
+    B, _, H, M = fk.shape
+    if initial_state is not None:
+        if not isinstance(initial_state, (tuple, list)) or len(initial_state) != 2:
+            raise TypeError(f"initial_state must be a pair (S [B, H, M, Dv], z [B, H, M]) or None, "
+                            f"got {type(initial_state).__name__}")
+        initial_state = (_check_state(initial_state[0], (B, H, M, v.shape[-1]), "initial_state[0] (S)"),
+                         _check_state(initial_state[1], (B, H, M), "initial_state[1] (z)"))
+    return fq, fk, v, log_decay, initial_state
+
+
+def check_delta(q, k, v, beta, log_alpha, initial_state):
+    """The arguments of :mod:`~sketchlab.attention.ops.delta`'s twins, checked (``beta`` in ``[0, 2]``, ``log_alpha <= 0``)."""
+    q, k, v = check_qkv(q, k, v, causal=True)
+    if beta is None:
+        raise TypeError("beta must be a tensor [B, T, H] with values in [0, 2], got None")
+    beta = _check_tokens(beta, k, "beta", low=0.0, high=2.0)
+    log_alpha = _check_tokens(log_alpha, k, "log_alpha", high=0.0)
+    if initial_state is not None:
+        B, _, H, M = k.shape
+        initial_state = _check_state(initial_state, (B, H, M, v.shape[-1]), "initial_state (S)")
+    return q, k, v, beta, log_alpha, initial_state

@@ -11,7 +11,7 @@ product is formed directly; across chunks the running state
 Chunks are processed a *block* of ``block_chunks`` chunks at a time, fully vectorised inside the
 block (batched matmuls over ``B·H·chunks``, the per-chunk prefix states by one 0/1 matmul), with
 the state carried from block to block by a short Python loop. The causal block is one
-``torch.autograd.Function`` (:func:`sketchlab.attention.chunk_core.chunk_core`; the hybrid's:
+``torch.autograd.Function`` (:func:`sketchlab.attention.ops.additive.chunk.chunk_core`; the hybrid's:
 ``hybrid_core``) whose backward recomputes the block's per-chunk states from its saved inputs.
 The LLoPS map is computed block by block from ``q``/``k`` (:func:`llops_attention_chunked`), so
 the whole ``[B, T, H, M]`` feature tensor is never held in the forward pass. Memory in the
@@ -51,22 +51,21 @@ from ._checks import (
     check_window_lengths,
 )
 from ._entry import call_options, far_gate, keyword_defaults, memory_call
-from .chunk_core import chunk_core
-from .hybrid_chunked import (
+from .ops.additive.chunk import chunk_core
+from .ops.additive.hybrid_driver import (
     DenominatorCounter,
     _Hybrid,
     _hybrid_causal_block,
-    _hybrid_decode_one,
     _hybrid_noncausal,
 )
+from .ops.additive.naive import feature_attention_naive
+from .ops.additive.parallel import parallel_core, use_parallel
+from .ops.additive.recurrent import _hybrid_decode_one
 from .options import AttentionOptions, FarParams
-from .parallel import parallel_core, use_parallel
-from .reference import feature_attention_naive
 
 __all__ = [
     "DEFAULT_BLOCK_CHUNKS",
     "DEFAULT_CHUNK_SIZE",
-    "DenominatorCounter",
     "feature_attention",
     "llops_attention_chunked",
     "llops_feature_fn",
@@ -116,7 +115,7 @@ def _engine(feat_q, feat_k, v: torch.Tensor, length_q: int, *, causal: bool, nor
     ``feat_q(a, b)`` / ``feat_k(a, b)`` return the features ``[B, H, b - a, M]`` of tokens
     ``a:b`` (padded keys already zeroed); ``v`` is ``[B, H, S, Dv]``. ``S0 [B, H, M2, Dv]``,
     ``z0 [B, H, M2]``: the state of earlier tokens (causal; ``None``: none, and no zero state is
-    made). ``rows [B, T]``: real queries, for ``counter`` (a :class:`DenominatorCounter`).
+    made). ``rows [B, T]``: real queries, for ``counter`` (a :class:`~sketchlab.attention.ops.additive.hybrid_driver.DenominatorCounter`).
     ``final_state=False`` (causal): the caller reads no final state, the last block forms none.
     Returns ``([B, H, T, Dv], S, z)`` (``S, z`` None when causal and not ``final_state``).
     """
@@ -178,7 +177,7 @@ def _attend(feat_q, feat_k, qt, kt, vt, *, num_features: int, causal: bool, norm
 
     ``window=0``: the pure engine (:func:`_engine`), the state being its ``S, z``; a stateless call
     within one chunk (``T, S <= chunk_size``) runs the parallel form instead
-    (:func:`sketchlab.attention.parallel.use_parallel`).
+    (:func:`sketchlab.attention.ops.additive.parallel.use_parallel`).
     ``window > 0``: the hybrid, causal block by block carrying an :class:`AttentionState`
     (``block_chunks`` chunks per block), or non-causal on the whole sequence. fp16/bf16 inputs
     are computed in float32 (the state is float32: :func:`~sketchlab.attention.state.state_dtype`)
@@ -321,7 +320,7 @@ def feature_attention(phi_q, phi_k, v, *, q=None, k=None, options: AttentionOpti
         ``denominator_check``) must then be left at their defaults (refused naming the one passed
         too). ``normalize=None`` is ``"sum"``, ``non_negative=None`` is ``False`` (the features are
         given). ``backend="reference"`` runs the float64 twin
-        (:func:`~sketchlab.attention.reference.feature_attention_naive`); ``"triton"`` is refused (no fused
+        (:func:`~sketchlab.attention.ops.additive.naive.feature_attention_naive`); ``"triton"`` is refused (no fused
         kernel for given features). Options with ``.memory`` run
         :func:`~sketchlab.attention.memory.memory_attention` (or its twin) on the features, self-tensored
         when ``non_negative``; the state is then a :class:`~sketchlab.attention.MemoryState`.
@@ -337,7 +336,7 @@ def feature_attention(phi_q, phi_k, v, *, q=None, k=None, options: AttentionOpti
         Memory budget for one block's per-chunk states, or the parallel form's ``B·H·T·S`` scores
         (:func:`sketchlab._validation.check_memory`).
     window, sinks, local, local_scale, degree, gate, key_padding_mask, initial_state, output_final_state
-        As :func:`~sketchlab.attention.reference.feature_attention_naive` (which states the formula); the local
+        As :func:`~sketchlab.attention.ops.additive.naive.feature_attention_naive` (which states the formula); the local
         part costs ``O(T·(w + C + sinks)·D)``.
     denominator_check
         As :class:`~sketchlab.attention.AttentionOptions` (counted chunk by chunk, one
@@ -346,7 +345,7 @@ def feature_attention(phi_q, phi_k, v, *, q=None, k=None, options: AttentionOpti
     Returns
     -------
     Tensor ``[B, T, H, Dv]`` in the dtype of the inputs, or ``(o, AttentionState)``; equals
-    :func:`~sketchlab.attention.reference.feature_attention_naive` to round-off.
+    :func:`~sketchlab.attention.ops.additive.naive.feature_attention_naive` to round-off.
     """
     o = call_options("feature_attention", options, params,
                      dict(causal=causal, normalize=normalize, non_negative=non_negative, eps=eps, chunk_size=chunk_size,

@@ -36,10 +36,11 @@ from ._checks import (
 from ._entry import by_segments as _by_segments
 from ._entry import call_options, far_gate, keyword_defaults, memory_call
 from .chunked import DEFAULT_CHUNK_SIZE, feature_attention, llops_attention_chunked
+from .ops.additive.naive import feature_attention_naive
 from .options import _BACKENDS, AttentionOptions, FarParams
 from .poly import poly_attention  # re-exported: blocked exact polynomial attention
 from .qk_conv import with_qk_conv
-from .reference import feature_attention_naive, llops_attention_naive
+from .reference import llops_attention_naive
 from .softmax import softmax_attention  # re-exported: the exact softmax attention
 
 __all__ = ["BACKENDS", "dump_segments", "linear_attention", "llops_attention", "poly_attention", "resolve_backend", "sketch_attention", "softmax_attention"]
@@ -148,7 +149,7 @@ def llops_attention(q, k, v, theta_q, theta_k, *, options: AttentionOptions | No
     :math:`o_t = \sum_{s} a_{ts} v_s\,[/(\sum_s a_{ts} + \varepsilon)]` with
     :math:`a_{ts} = \phi_Q(q_t)\cdot\phi_K(k_s)`,
     :math:`\phi(x)_i = \sum_r \prod_j \langle\theta_{r,j,:,i}, x\rangle`; the hybrid's
-    formula is in :func:`~sketchlab.attention.reference.feature_attention_naive`. The reference backend
+    formula is in :func:`~sketchlab.attention.ops.additive.naive.feature_attention_naive`. The reference backend
     returns float64. Gradients reach ``q, k, v, theta_q, theta_k`` and ``gate``.
     """
     o = call_options("llops_attention", options, params,
@@ -442,7 +443,7 @@ def linear_attention(q, k, v, feature_map, feature_map_k=None, *, options: Atten
     o : Tensor ``[B, T, H, Dv]``
         :math:`o_t = \sum_s a_{ts} v_s\,[/(\sum_s a_{ts} + \varepsilon)]`,
         :math:`a_{ts} = \phi_Q(q_t)\cdot\phi_K(k_s)`; the hybrid's formula is
-        :func:`~sketchlab.attention.reference.feature_attention_naive`'s, the memory mechanisms'
+        :func:`~sketchlab.attention.ops.additive.naive.feature_attention_naive`'s, the memory mechanisms'
         :func:`~sketchlab.attention.memory.memory_attention_naive`'s. Float64 with
         ``backend="reference"``.
     state : AttentionState, MemoryState or None

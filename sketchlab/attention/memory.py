@@ -13,7 +13,7 @@ At each query position ``t`` (window ``w``, sinks ``s``, cache size ``K``, gate 
 
 :func:`memory_attention_naive` is that loop, token by token over explicit key sets, in float64: the
 definition. :func:`memory_attention` is the fast path (the schedule, then the far part as one
-recurrence over an event stream through :mod:`sketchlab.attention.delta`, then the exact part per
+recurrence over an event stream through :mod:`sketchlab.attention.ops.decayed` or :mod:`~sketchlab.attention.ops.delta`, then the exact part per
 query chunk; :mod:`sketchlab.attention.memory_fast`). Both carry a :class:`MemoryState`.
 
 Layout: tokens ``[B, T, H, ·]``; the state ``[B, H, ·, ·]``. Scores and evictions are discrete
@@ -233,7 +233,8 @@ def memory_attention(phi_q, phi_k, v, q=None, k=None, *, options, params=None, g
 
     A no-grad schedule over ``[B, H]`` decides which key enters the state at each step and when
     each cached key leaves the cache; the far part is one recurrence over that event stream
-    (:func:`sketchlab.attention.delta.decayed_linear_chunked` or ``delta_rule_chunked``), the exact
+    (:func:`sketchlab.attention.ops.decayed.chunk.decayed_linear_chunked` or
+    :func:`~sketchlab.attention.ops.delta.chunk.delta_rule_chunked`), the exact
     part is gathered per query chunk (window band, sinks, keys cached during the chunk, masked by
     their cached interval). float32 and float64; half inputs run in float32 (the state in float32,
     the output in the inputs' dtype). Cost ``O(T·(w + s + K + C)·D + T·M·Dv)``.

@@ -1,15 +1,15 @@
 r"""The fast path of memory attention (DESIGN §7), called by :func:`sketchlab.attention.memory.memory_attention`
 with its checked arguments (trusted here).
 
-(i) *The schedule* (:mod:`sketchlab.attention.memory_schedule`): a no-grad pass, vectorised over
+(i) *The schedule* (:mod:`sketchlab.attention.ops.cache.schedule`): a no-grad pass, vectorised over
 ``[B, H]``, applies steps 1–3 to a detached state and records the key (if any) that enters the state
 at each step and the step at which each cached key left the cache. With ``K = 0`` nothing needs the
 state: the key leaving the window enters at once, and the events are formed without a loop.
 (ii) *The far part*: one recurrence over the event stream (the entering key's ``φ, v`` at its step,
-zeros for a null event), with autograd, through :mod:`sketchlab.attention.delta`.
+zeros for a null event), with autograd, through :mod:`sketchlab.attention.ops.decayed` or :mod:`~sketchlab.attention.ops.delta`.
 (iii) *The exact part*, per chunk of ``C`` queries: the sinks, the cache's slots at the chunk's
 start and the band of positions ``t0 − w … t0 + C − 1`` (the window's keys and every key cached during
-the chunk), each masked by when it is exact for the query; a batch of chunks at a time (:func:`_exact`), mixed
+the chunk), each masked by when it is exact for the query; a batch of chunks at a time (:func:`~sketchlab.attention.ops.cache.chunk.exact_part`), mixed
 with the far part by the one hybrid combine (:mod:`sketchlab.attention.ops.hybrid`).
 
 Keys are addressed in one *extended* axis ``X`` per call: the initial cache's ``K`` slots, the held
@@ -21,64 +21,23 @@ from __future__ import annotations
 
 import torch
 
-from . import delta as _delta
 from ._checks import denominator_counts, report_denominators
 from .memory_decode import decode
-from .memory_schedule import _take, schedule
 from .memory_state import MemoryState, _beta, _log_decay, empty_memory_state, unit
-from .ops.hybrid import combine, combine_delta, exact_sums, gate_weight
+from .ops.cache.chunk import exact_part
+from .ops.cache.schedule import _take, schedule
+from .ops.decayed.chunk import _decayed_linear
+from .ops.delta.chunk import _delta_rule
+from .ops.hybrid import combine, combine_delta, gate_weight
 
 #: Decoding (``T = 1`` with a state) takes :func:`sketchlab.attention.memory_decode.decode`; False forces
 #: the general path (the tests compare the two).
 _DECODE = True
 
 
-#: The exact part's logits per batch of query chunks (elements): bounds its memory at long contexts.
-EXACT_ELEMENTS = 2**21
-
-
 def _far_additive(fq, fe, ve, log_decay, S0, z0, chunk):
-    num, den, (S, z) = _delta._decayed_linear(fq, fe, ve, log_decay, (S0, z0), chunk)
+    num, den, (S, z) = _decayed_linear(fq, fe, ve, log_decay, (S0, z0), chunk)
     return num, den, S, z
-
-
-def _exact(c, ek, ev, real_x, until, snaps, sink_pos, sink_x, base, first, P0):
-    """The exact part (iii) of every query: ``Σ a v`` ``[B, H, T, Dv]``, ``Σ a`` and "some key allowed"
-    ``[B, H, T]``, for the query chunks of :data:`EXACT_ELEMENTS` logits at a time (one gather of
-    their keys: its gradient is one scatter into ``ek, ev``)."""
-    B, H, T, C, w, s, K = c.B, c.H, c.T, c.o.chunk_size, c.w, c.s, c.K
-    dev, X = ek.device, ek.shape[2]
-    n_chunks = -(-T // C)
-    Lk = len(sink_pos) + K + w + C  # a chunk's keys: sinks | the slots at its start | the band t0 − w … t0 + C − 1
-    per = max(1, EXACT_ELEMENTS // (B * H * C * Lk))
-    qq = torch.nn.functional.pad(c.q.to(c.work).transpose(1, 2), (0, 0, 0, n_chunks * C - T))  # [B, H, T', D]
-    snap = torch.stack(snaps, 2) if K else torch.zeros(B, H, n_chunks, 0, dtype=torch.long, device=dev)
-    spos = torch.tensor(sink_pos, dtype=torch.long, device=dev)
-    outs = []
-    for n0 in range(0, n_chunks, per):
-        n1 = min(n0 + per, n_chunks)
-        t0 = torch.arange(n0, n1, device=dev)[:, None] * C  # [g, 1] the chunks' first steps
-        steps = t0 + torch.arange(C, device=dev)  # [g, C]
-        qpos = P0 + steps
-        band = P0 + t0 - w + torch.arange(w + C, device=dev)  # [g, w + C]
-        bx = (base + band - first).clamp(0, X - 1)
-        sx = snap[:, :, n0:n1].clamp(min=0)  # [B, H, g, K]
-        g = n1 - n0
-        idx = torch.cat([sink_x.expand(B, H, g, -1), sx, bx.expand(B, H, -1, -1)], 3).flatten(2)  # [B, H, g·Lk]
-        keys, vals = _take(ek, idx).unflatten(2, (g, Lk)), _take(ev, idx).unflatten(2, (g, Lk))
-        ok_sink = (spos <= qpos[..., None]) & real_x[:, None, None, sink_x]  # [B, g, C, s]
-        ok_slot = (snap[:, :, n0:n1, None] >= 0) & (until.gather(2, sx.flatten(2)).view(B, H, g, 1, K) > steps[..., None])
-        in_win = (band[:, None] > qpos[..., None] - w) & (band[:, None] <= qpos[..., None])  # [g, C, w + C]
-        enter = (band + w - P0)[:, None]  # [g, 1, w + C]: the step each band key leaves the window
-        in_cache = (enter <= steps[..., None]) & (until.gather(2, bx.flatten().expand(B, H, -1)).view(B, H, g, 1, -1)
-                                                  > steps[..., None])  # [B, H, g, C, w + C]
-        real_b = real_x.gather(1, bx.flatten().expand(B, -1)).view(B, g, 1, -1) & (band >= s)[:, None]  # >= 0: held
-        ok_band = (in_win | in_cache) & real_b[:, None]
-        ok = torch.cat([ok_sink[:, None].expand(B, H, -1, -1, -1), ok_slot, ok_band], -1)  # [B, H, g, C, Lk]
-        logits = c.scale * (qq[:, :, n0 * C:n1 * C].unflatten(2, (g, C)) @ keys.mT)
-        outs.append((*exact_sums([(logits, ok, vals)], local=c.o.local, degree=c.degree), ok.any(-1)))
-    ex_num, ex_den, some = (torch.cat([o[i].flatten(2, 3) for o in outs], 2)[:, :, :T] for i in range(3))
-    return ex_num, ex_den, some
 
 
 def run(c):
@@ -108,7 +67,7 @@ def run(c):
     ve = tr(_take(ev, idx) * ~null[..., None])  # [B, T, H, Dv]
     if c.delta:
         beta = _beta(c, ve) * ~tr(null)  # [B, T, H]
-        far, S = _delta._delta_rule(unit(fq), unit(fe), ve, beta, lg, st.S, min(C, T))  # checked by the entry
+        far, S = _delta_rule(unit(fq), unit(fe), ve, beta, lg, st.S, min(C, T))  # checked by the entry
         z = torch.zeros_like(st.z)
         far = tr(far)  # [B, H, T, Dv]
     else:
@@ -119,7 +78,7 @@ def run(c):
     sink_pos = list(range(min(s, end)))
     sink_x = torch.tensor([K + p if p < Ls else base + p - first for p in sink_pos], dtype=torch.long, device=dev)
     if w:
-        ex_num, ex_den, some = _exact(c, ek, ev, real_x, until, snaps, sink_pos, sink_x, base, first, P0)
+        ex_num, ex_den, some = exact_part(c, ek, ev, real_x, until, snaps, sink_pos, sink_x, base, first, P0)
         g = gate_weight(c.far["gate"], H, dtype=work, device=dev)[None, :, None]  # [1, H, 1]
         if c.delta:
             out = combine_delta(ex_num, ex_den, some, far, g)

@@ -1,6 +1,6 @@
 r"""The state and the argument checks of memory attention (DESIGN §7), shared by the definition
 (:mod:`sketchlab.attention.memory`), the fast path (:mod:`sketchlab.attention.memory_fast`) and its
-schedule (:mod:`sketchlab.attention.memory_schedule`): :class:`MemoryState`, the entry checks, and
+schedule (:mod:`sketchlab.attention.ops.cache.schedule`): :class:`MemoryState`, the entry checks, and
 the small formulas every path uses (gate, decay, β, unit keys, the cache's score).
 """
 

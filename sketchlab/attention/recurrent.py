@@ -6,7 +6,7 @@ delta rule and gated delta rule, sparse exact cache; each with the window and th
 per :meth:`RecurrentStep.step`, for inference (no gradient). It computes what one
 ``linear_attention``/``llops_attention``/``memory_attention`` call on one token with
 ``initial_state`` computes (the reference step: :func:`sketchlab.attention.memory_decode.decode` and
-:func:`sketchlab.attention.hybrid_chunked._hybrid_decode_one`, which keep autograd and return a new
+:func:`sketchlab.attention.ops.additive.recurrent._hybrid_decode_one`, which keep autograd and return a new
 state object per token; the tests hold the two equal in float64), but:
 
 * **checks once**: the state's fields when it is laid out (:meth:`RecurrentStep.from_state`), the
@@ -33,7 +33,7 @@ state object per token; the tests hold the two equal in float64), but:
 :meth:`RecurrentStep.state` writes the state back out (the window in position order), so a
 decoding loop can hand it to any path again. The naive float64 twin of the whole step is
 :func:`sketchlab.attention.memory.memory_attention_naive` (and, for the additive hybrid,
-:func:`sketchlab.attention.reference.feature_attention_naive`).
+:func:`sketchlab.attention.ops.additive.naive.feature_attention_naive`).
 """
 
 from __future__ import annotations
@@ -43,9 +43,9 @@ import math
 import torch
 
 from ..polynomial import self_tensor
-from . import recurrent_cache as compiled
 from ._checks import report_denominators
 from .memory_state import MemoryState, _check_params, recall_score, unit
+from .ops.cache import fused_recurrent as compiled
 from .options import AttentionOptions
 from .state import AttentionState
 

@@ -32,7 +32,7 @@ import math
 import torch
 
 from .._validation import as_float_tensor
-from ..attention.reference import local_far_masks
+from ..attention.ops.hybrid import local_far_masks
 from ..featuremaps import TiedLLoPSMap
 from .sketched import check_local_map
 

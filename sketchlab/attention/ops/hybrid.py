@@ -15,15 +15,17 @@ with :math:`g = \sigma(\text{gate})`:
 
 ``c`` is part of the definition and differentiated through (LoLCATs). :func:`exact_sums` forms the exact
 part (one shift over every piece of exact keys), :func:`mix` the gate, :func:`combine` the additive
-read and its normaliser, :func:`combine_delta` the delta read. Callers: the chunked hybrid's one-token
-and non-causal paths (:mod:`sketchlab.attention.hybrid_chunked`), the memory mechanisms' fast path and
-decoding step (:mod:`~sketchlab.attention.memory_fast`, :mod:`~sketchlab.attention.memory_decode`).
+read and its normaliser, :func:`combine_delta` the delta read; :func:`local_far_masks` says which keys a
+query sees exactly and which through the far part (the float64 twin and ``convert/scale.py``'s far-mass gate
+read it). Callers: the chunked hybrid's one-token and non-causal paths
+(:mod:`sketchlab.attention.ops.additive.hybrid_driver`), the memory mechanisms' fast path and decoding step
+(:mod:`~sketchlab.attention.memory_fast`, :mod:`~sketchlab.attention.memory_decode`).
 
-The float64 twins (:func:`sketchlab.attention.reference.feature_attention_naive`,
+The float64 twins (:func:`sketchlab.attention.ops.additive.naive.feature_attention_naive`,
 :func:`sketchlab.attention.memory.memory_attention_naive`) write the formula out on their own: they are
 what these functions are tested against, so a slip here cannot hide in both. The fused kernels keep their
 fused forms, tested against the same twins: the causal block with its hand-written backward
-(:mod:`~sketchlab.attention.chunk_hybrid`: the gate folded into the local weights), the Triton kernel, and
+(:mod:`~sketchlab.attention.ops.additive.chunk_hybrid`: the gate folded into the local weights), the Triton kernel, and
 the in-place decoding step (:mod:`~sketchlab.attention.recurrent`). Inputs are trusted (checked by the
 public entry points). Any leading shape; keys on the last axis of the logits, ``[..., n]``.
 """
@@ -34,7 +36,24 @@ import functools
 
 import torch
 
-__all__ = ["combine", "combine_delta", "exact_sums", "gate_weight", "local_weights", "mix"]
+__all__ = ["combine", "combine_delta", "exact_sums", "gate_weight", "local_far_masks", "local_weights", "mix"]
+
+
+def local_far_masks(q_pos: torch.Tensor, k_pos: torch.Tensor, k_rel: torch.Tensor, *, window: int, sinks: int,
+                    causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""The sliding-window hybrid's split of the keys a query sees: bool ``(local, far)`` ``[T, X]``.
+
+    ``q_pos [T]``, ``k_pos [X]``: positions; ``k_rel [X]``: each key's position inside its own
+    sequence (the sinks are ``k_rel < sinks``). A key is seen when ``k_pos <= q_pos`` (causal) or
+    always; seen keys are local when ``|q_pos − k_pos| < window`` or a sink, far otherwise
+    (``window = 0``: every seen key is far, pure linear attention).
+    """
+    seen = (k_pos[None, :] <= q_pos[:, None]) if causal else torch.ones(len(q_pos), len(k_pos), dtype=torch.bool,
+                                                                       device=q_pos.device)
+    if not window:
+        return torch.zeros_like(seen), seen
+    near = ((q_pos[:, None] - k_pos[None, :]).abs() < window) | (k_rel < sinks)[None, :]
+    return seen & near, seen & ~near
 
 
 def gate_weight(gate: torch.Tensor | None, heads: int, *, dtype: torch.dtype, device) -> torch.Tensor:

@@ -108,12 +108,12 @@ def llops_attention_triton(q, k, v, theta_q, theta_k, *, causal: bool, normalize
     theta_q, theta_k : Tensor [H, R, P, D, M]
         Per-head LLoPS factors, ``φ(x)_i = Σ_r ∏_j ⟨Θ_{r,j}[:, i], x⟩``.
     causal, normalize, non_negative, eps, window, sinks, local, local_scale, gate
-        As :func:`~sketchlab.attention.reference.feature_attention_naive` (the formula; ``local="poly"`` uses Θ's
+        As :func:`~sketchlab.attention.ops.additive.naive.feature_attention_naive` (the formula; ``local="poly"`` uses Θ's
         ``p``). ``φ ⊗ φ`` is formed chunk by chunk in registers, never in memory; the running state
         is then ``[M², Dv]``. ``gate`` is unused without the hybrid.
     key_padding_mask : None or bool Tensor [B, S]
         True = a real key. A padded key leaves every sum (and the state); positions (window,
-        sinks) still count it, as in :func:`~sketchlab.attention.reference.feature_attention_naive`.
+        sinks) still count it, as in :func:`~sketchlab.attention.ops.additive.naive.feature_attention_naive`.
     initial_state : None or AttentionState
         Causal only: the state of the tokens before this call (returned by an earlier call with
         the same options and ``output_final_state=True``, on any backend).

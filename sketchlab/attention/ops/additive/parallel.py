@@ -11,7 +11,7 @@ does for short sequences:
 
 the mask being ``s ≤ t`` (causal; padded keys arrive with zero features, as in the chunked
 engine, so they add nothing). Gradients are autograd's. It is the same formula as
-:func:`sketchlab.attention.reference.feature_attention_naive` (tested against it in float64), in the chunked
+:func:`sketchlab.attention.ops.additive.naive.feature_attention_naive` (tested against it in float64), in the chunked
 path's compute dtype (float32 for fp16/bf16 inputs). Memory ``O(B·H·T·S)``, at most the chunked
 core's ``C × C`` scores.
 The gain is measured by ``analysis/bench_parallel.py`` (``analysis/results/parallel.md``).

@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .memory_state import _beta
+from ...memory_state import _beta
 
 #: "Still cached": a step no call reaches.
 NEVER = 2**62
@@ -184,7 +184,7 @@ def _additive_blocks(c, rows, S, lgl, slots, until, leaves, xs, js, P0, chunk):
                 break
             ent = new
         else:
-            raise RuntimeError("memory_schedule: the block's entries did not settle (the scores are not causal)")
+            raise RuntimeError("ops.cache.schedule: the block's entries did not settle (the scores are not causal)")
         # the settled block: events, cache intervals, slots, the state
         has, e = ent >= 0, ent.clamp(min=0)
         xe = U.gather(1, e)

@@ -1,14 +1,15 @@
 r"""The chunked PyTorch path of the sliding-window hybrid (layout inside: ``[B, H, T, ·]``).
 
 Split from :mod:`sketchlab.attention.chunked`, which validates the call and dispatches here. The
-causal path runs :func:`sketchlab.attention.chunk_hybrid.hybrid_core` block by block: for query
+causal path runs :func:`sketchlab.attention.ops.additive.chunk_hybrid.hybrid_core` block by block: for query
 chunk ``c`` of ``C`` tokens the local keys (window ``w`` and sinks) are read from the key chunks
 ``0 … ⌈(w + C − 1)/C⌉ − 1`` back with fixed masks, so the local part costs ``O(T·(w + C))``,
 never ``T²``; the far keys come from the carried :class:`~sketchlab.attention.AttentionState`
-(a key enters ``S, z`` only once it has left the window). Decoding one token and the
-non-causal path read a band of keys through the one hybrid combine, :mod:`sketchlab.attention.ops.hybrid`.
+(a key enters ``S, z`` only once it has left the window). The non-causal path reads a band of keys
+through the one hybrid combine, :mod:`sketchlab.attention.ops.hybrid`; decoding one token is
+:mod:`.recurrent`'s.
 The formula and its float64 twin:
-:func:`sketchlab.attention.reference.feature_attention_naive`. Inputs are trusted (checked by the
+:func:`sketchlab.attention.ops.additive.naive.feature_attention_naive`. Inputs are trusted (checked by the
 public entry points).
 """
 
@@ -16,9 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from ..polynomial import self_tensor
+from ....polynomial import self_tensor
+from ..hybrid import combine, exact_sums, gate_weight
 from .chunk_hybrid import hybrid_core
-from .ops.hybrid import combine, exact_sums, gate_weight
 
 
 def _pad_tokens(x: torch.Tensor, length: int) -> torch.Tensor:
@@ -52,7 +53,7 @@ class _Hybrid:
     def exact(self, qc, keys):
         r"""The exact sums ``(Σ a v [B, H, N, C, Dv], Σ a [B, H, N, C])`` of query chunks ``qc [B, H, N, C, D]``
         against groups of exact keys ``(k [B, H, N|1, U, D], v [B, H, N|1, U, Dv], ok [B|1, 1, N|1, C|1, U])``
-        (the band of local keys, the sinks), one shift over them all (:func:`~.ops.hybrid.exact_sums`)."""
+        (the band of local keys, the sinks), one shift over them all (:func:`~sketchlab.attention.ops.hybrid.exact_sums`)."""
         return exact_sums([((qc @ k.mT) * self.scale, ok, v) for k, v, ok in keys],  # logits [B, H, N, C, U]
                           local=self.local, degree=self.degree)
 
@@ -63,14 +64,14 @@ def _hybrid_causal_block(h: _Hybrid, state, q_new, k_new, v_new, fq_new, fk_new,
 
     The keys are the held window and the block's tokens behind zeros to whole chunks (``off`` keys
     before the block, ``off/C >= `` the local lags in chunks − 1, so every query chunk has a key
-    chunk at each lag): :func:`~sketchlab.attention.chunk_hybrid.hybrid_core` joins them in its own
+    chunk at each lag): :func:`~sketchlab.attention.ops.additive.chunk_hybrid.hybrid_core` joins them in its own
     chunk-major copy and returns the new ``S, z`` and the window the next block holds. Far part:
     lag ``w`` on the keys' features with the sinks and padding out; local part: for query chunk
     ``c`` the ``C × C`` logits against each key chunk ``L = 0 … ⌈(w + C − 1)/C⌉ − 1`` back (each a
     slice), the sinks' beside them, masked by one precomputed lag mask and the keys' validity, the
     row maximum ``c_i`` taken over all of them. Cost ``O(n·(w + C + sinks)·(D + M))``.
     """
-    from .state import AttentionState
+    from ...state import AttentionState
 
     B, H, n, Dv = v_new.shape
     P0, w, sinks = state.offset, h.window, h.sinks
@@ -116,59 +117,6 @@ def _hybrid_causal_block(h: _Hybrid, state, q_new, k_new, v_new, fq_new, fk_new,
     new_state = AttentionState(
         S=S_new, z=z_new, k_window=k_w, v_window=v_w, phi_window=phi_w, k_sink=k_sink, v_sink=v_sink, offset=P0 + n,
         mask_window=mp[:, off + n - we:] if has_mask else None, mask_sink=mask_sink)
-    return out, new_state
-
-
-def _hybrid_decode_one(h: _Hybrid, state, q, k, v, fq, fk, valid, counter):
-    """The causal hybrid for one new token at position ``P = state.offset`` (tensors ``[B, H, 1, ·]``).
-
-    The window key at ``P − w`` (when there is one) leaves: it enters ``S, z`` unless it is a sink
-    or padding. The local keys are the rest of the window and the token itself (positions
-    ``≥ sinks``) plus the sinks; the far part is ``φ(q)`` against the updated ``S, z``. Equal to
-    :func:`_hybrid_causal_block` on one token (tested through the split-anywhere tests).
-    """
-    from .state import AttentionState
-
-    B, H, _, Dv = v.shape
-    P, w, sinks = state.offset, h.window, h.sinks
-    dev = v.device
-    Lw = state.k_window.shape[2]
-    mw = torch.ones(B, Lw, dtype=torch.bool, device=dev) if state.mask_window is None else state.mask_window
-    mn = torch.ones(B, 1, dtype=torch.bool, device=dev) if valid is None else valid
-    S, z = state.S, state.z
-    drop = 1 if Lw == w else 0  # the oldest window key, position P − w, leaves the window
-    if drop and P - w >= sinks:
-        lf = h.lift(state.phi_window[:, :, :1] * mw[:, None, :1, None])  # [B, H, 1, M2]
-        S, z = S + lf.mT @ state.v_window[:, :, :1], z + lf[:, :, 0]
-    k_sink, v_sink, mask_sink = state.k_sink, state.v_sink, state.mask_sink
-    if P < sinks:  # the new token is a sink
-        k_sink, v_sink = torch.cat([k_sink, k], 2), torch.cat([v_sink, v], 2)
-        if mask_sink is not None or valid is not None:
-            old = torch.ones(B, state.k_sink.shape[2], dtype=torch.bool, device=dev) if mask_sink is None else mask_sink
-            mask_sink = torch.cat([old, mn], 1)
-    loc_k = torch.cat([state.k_window[:, :, drop:], k], 2)  # [B, H, U, D], positions P − Lw + drop … P
-    loc_v = torch.cat([state.v_window[:, :, drop:], v], 2)
-    loc_m = torch.cat([mw[:, drop:], mn], 1)  # [B, U]
-    pos = torch.arange(P - Lw + drop, P + 1, device=dev)
-    loc_ok = (loc_m & (pos >= sinks)[None, :])[:, None, None, None, :]  # [B, 1, 1, 1, U]
-    sink_ok = torch.ones(1, 1, 1, 1, k_sink.shape[2], dtype=torch.bool, device=dev)
-    if mask_sink is not None:
-        sink_ok = sink_ok & mask_sink[:, None, None, None, :]
-    lq = h.lift(fq)[:, :, None]  # [B, H, 1, 1, M2]
-    ex_num, ex_den = h.exact(q[:, :, None], [(loc_k[:, :, None], loc_v[:, :, None], loc_ok),
-                                             (k_sink[:, :, None], v_sink[:, :, None], sink_ok)])
-    out, den = combine(ex_num, ex_den, lq @ S[:, :, None], (lq @ z[:, :, None, :, None]).squeeze(-1), h.g, eps=h.eps)
-    if counter is not None:
-        counter.add(den[:, :, 0], mn)
-    out = out[:, :, 0]  # [B, H, 1, Dv]
-    keep = slice(-min(w, P + 1), None)
-    win_k, win_v = torch.cat([state.k_window, k], 2), torch.cat([state.v_window, v], 2)
-    win_f = torch.cat([state.phi_window, fk], 2)
-    has_mask = state.mask_window is not None or valid is not None
-    new_state = AttentionState(
-        S=S, z=z, k_window=win_k[:, :, keep], v_window=win_v[:, :, keep], phi_window=win_f[:, :, keep],
-        k_sink=k_sink, v_sink=v_sink, offset=P + 1,
-        mask_window=torch.cat([mw, mn], 1)[:, keep] if has_mask else None, mask_sink=mask_sink)
     return out, new_state
 
 
@@ -238,14 +186,14 @@ class DenominatorCounter:
 
     def add(self, den: torch.Tensor, rows: torch.Tensor | None) -> None:
         """``den [B, H, n]``; ``rows [B, n]`` bool (real queries) or None (all)."""
-        from ._checks import denominator_counts
+        from ..._checks import denominator_counts
 
         counts = denominator_counts(den, None if rows is None else rows[:, None, :])
         self.counts = counts if self.counts is None else self.counts + counts
         self.rows += den.numel()
 
     def report(self, where: str, mode: str) -> None:
-        from ._checks import report_denominators
+        from ..._checks import report_denominators
 
         if self.counts is not None:
             report_denominators(self.counts, self.rows, where, mode)

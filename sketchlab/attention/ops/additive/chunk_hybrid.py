@@ -1,6 +1,6 @@
 r"""The sliding-window hybrid's causal block with a hand-written backward (layout ``[B, H, ·, ·]``): exact local
 weights (softmax or polynomial) over the window and the sinks, the far kernel over every older key through
-:mod:`.chunk_state`'s prefix GEMM, mixed by a per-head gate (:func:`hybrid_core`).
+:mod:`.chunk`'s prefix GEMM (the far state :func:`~.chunk.chunk_core` shares), mixed by a per-head gate (:func:`hybrid_core`).
 
 The keys are chunk-major ``[chunks, B, H, C, ·]`` as the far state's: the held window and the block's tokens are
 laid end to end into one such tensor without a joined token-major copy (:func:`_join_chunks`).
@@ -17,7 +17,7 @@ import functools
 import torch
 from torch.autograd.function import once_differentiable
 
-from .chunk_state import _chunks, _far_backward, _far_forward, _geometry, _normalized_grads, _unchunk
+from .chunk import _chunks, _far_backward, _far_forward, _geometry, _normalized_grads, _unchunk
 
 __all__ = ["hybrid_core"]
 

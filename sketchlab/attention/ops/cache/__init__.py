@@ -1,0 +1,7 @@
+r"""The sparse exact cache of far keys (DESIGN §7): keys that leave the window stay exact while their recall score
+(the far state's error for them) ranks among the ``K`` greatest; the least is evicted into the far state.
+:mod:`.schedule` takes those choices (no gradient) for a whole call, :mod:`.chunk` reads the exact keys per
+query chunk, :mod:`.fused_recurrent` takes the choice of one decoding step (compiled). The definition, token by
+token in float64, is :func:`sketchlab.attention.memory.memory_attention_naive`; the fast path
+:mod:`sketchlab.attention.memory_fast`.
+"""
