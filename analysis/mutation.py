@@ -86,7 +86,7 @@ MODULES = {
     "compare": ["sketchlab/compare.py"],
     "fit": ["sketchlab/fit.py"],
     "capture": ["sketchlab/capture.py", "sketchlab/hf/*.py"],
-    "featuremaps": ["sketchlab/featuremaps.py"],
+    "featuremaps": ["sketchlab/featuremaps/*.py"],
     "io": ["sketchlab/io/*.py"],
     "sketch": ["sketchlab/sketch.py"],
     "objective": ["sketchlab/objective.py"],
@@ -145,6 +145,8 @@ TESTS_BY_FILE: dict[str, list[str]] = {
                                          "tests/test_mut5_hybrid.py"],
     "sketchlab/attention/state.py": ["tests/test_attention_state.py", "tests/test_attention_hybrid.py",
                                      "tests/test_convert.py"],
+    "sketchlab/featuremaps/*.py": ["tests/test_featuremaps.py", "tests/test_featuremaps_family.py",
+                                   "tests/test_featuremaps_custom.py", "tests/test_featuremaps_heads.py"],
 }
 
 

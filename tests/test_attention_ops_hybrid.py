@@ -87,3 +87,11 @@ def test_combine_delta_mixes_normalised_parts_and_a_row_without_exact_keys_reads
     torch.testing.assert_close(out, g[..., None] * exact + (1 - g[..., None]) * c["fn"], rtol=1e-12, atol=1e-12)
     assert not bool(some[:, :, 0].any())
     torch.testing.assert_close(out[:, :, 0], ((1 - g[..., None]) * c["fn"])[:, :, 0])
+
+
+def test_poly_weights_need_the_allowed_keys_mask():
+    """``ok=None`` means the logits are already −inf off the allowed keys: softmax only (a poly score has no −inf)."""
+    x = torch.tensor([[0.5, -1.0, 2.0]])
+    assert torch.allclose(local_weights(x, None, local="softmax", degree=None), (x - 2.0).exp())
+    with pytest.raises(ValueError, match="ok=None .* needs local='softmax'"):
+        local_weights(x, None, local="poly", degree=2)

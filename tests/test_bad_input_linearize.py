@@ -3,6 +3,7 @@
 paths, the size, the budget and the way out; inputs never overwritten; other runs' directories
 refused; parents created and every file reported as ``wrote PATH``."""
 
+import functools
 import hashlib
 import importlib
 import json
@@ -33,7 +34,9 @@ def no_work(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the command started its work before refusing the input")
 
-    monkeypatch.setattr(sketchlab.convert.mqar, "linearize_checkpoint", refuse)
+    # functools.wraps: the stub shows the real signature, whose keywords sketchlab.linearize checks
+    monkeypatch.setattr(sketchlab.convert.mqar, "linearize_checkpoint",
+                        functools.wraps(sketchlab.convert.mqar.linearize_checkpoint)(refuse))
     monkeypatch.setattr(sketchlab.hf.pretrained, "load_pretrained", refuse)
     monkeypatch.setattr(sketchlab.capture, "capture_pretrained", refuse)
 
@@ -118,7 +121,8 @@ def test_the_default_toy_run_is_within_the_budgets(tmp_path, capsys, monkeypatch
         reached.append({**kwargs, "parent_made": (tmp_path / "a").is_dir(), "out_made": (tmp_path / "a" / "b").exists()})
         raise ValueError("stop here")
 
-    monkeypatch.setattr(sketchlab.convert.mqar, "linearize_checkpoint", stop)
+    monkeypatch.setattr(sketchlab.convert.mqar, "linearize_checkpoint",
+                        functools.wraps(sketchlab.convert.mqar.linearize_checkpoint)(stop))
     _exit_2(["linearize", str(TEACHER), "--out", str(tmp_path / "a" / "b")], capsys, r"stop here")
     assert reached and reached[0]["p"] == 2
     # the parent is created before the work, --out itself is left to the library (which builds it
@@ -207,7 +211,9 @@ def test_linearize_rerun_with_the_same_settings_reaches_the_work(finished_toy_ru
 
     run = tmp_path / "run"
     shutil.copytree(finished_toy_run, run)
-    monkeypatch.setattr(sketchlab.convert.mqar, "linearize_checkpoint", lambda *a, **k: (_ for _ in ()).throw(ValueError("reached")))
+    monkeypatch.setattr(sketchlab.convert.mqar, "linearize_checkpoint",
+                        functools.wraps(sketchlab.convert.mqar.linearize_checkpoint)(
+                            lambda *a, **k: (_ for _ in ()).throw(ValueError("reached"))))
     _exit_2(["linearize", str(TEACHER), "--m", "4", "--capture-sequences", "1", "--steps", "0", "--eval-sequences",
              "8", "--out", os.path.relpath(run)], capsys, r"reached")
 

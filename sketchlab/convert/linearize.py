@@ -146,11 +146,10 @@ def linearize(model, texts=None, **options):
 
 def _check_keywords(fn, options: dict, family: str) -> None:
     """Refuse (``TypeError``) the keywords of ``options`` that ``fn``, ``family``'s linearisation, does not
-    take (its keyword-only parameters; all, if it has ``**kwargs``), naming them and the ones it takes."""
+    take (its keyword-only parameters), naming them and the ones it takes."""
     params = inspect.signature(fn).parameters.values()
     takes = [param.name for param in params if param.kind is param.KEYWORD_ONLY]
-    takes_any = any(param.kind is param.VAR_KEYWORD for param in params)
-    unknown = [] if takes_any else [name for name in options if name not in takes]
+    unknown = [name for name in options if name not in takes]
     if unknown:
         raise TypeError(f"linearize: {', '.join(unknown)}: not a keyword of {family}; it takes {', '.join(takes)}")
 

@@ -132,7 +132,8 @@ class KernelProtocol(Protocol):
     """The kernel-only harness (:mod:`sketchlab.tasks.recall_kernel`): Zoology's continuous MQAR, one layer of
     projections and the kernel over frozen embeddings. ``train_pairs``/``test_pairs`` are ``(T, P)`` with
     ``T = 2P`` (the pairs, then the queries); ``vocab`` the embeddings (``P <= vocab / 2``); ``n_layers`` 1;
-    ``short_conv`` 0 (none, the harness's point); ``random_non_queries`` is unused."""
+    ``short_conv`` 0 by default (none: the harness's point; a value > 0 adds the toy block's convolution, an
+    ablation); ``random_non_queries`` is unused."""
 
     vocab: int = 512
     train_pairs: tuple = ((8, 4), (16, 8), (32, 16), (64, 32))

@@ -23,7 +23,8 @@ read it). Callers: the chunked hybrid's one-token and non-causal paths
 
 The float64 twins (:func:`sketchlab.attention.ops.additive.naive.feature_attention_naive`,
 :func:`sketchlab.attention.memory.memory_attention_naive`) write the formula out on their own: they are
-what these functions are tested against, so a slip here cannot hide in both. The fused kernels keep their
+what these functions are tested against, so a slip here cannot hide in both (they share only
+:func:`local_far_masks`, the split of the keys, with this module). The fused kernels keep their
 fused forms, tested against the same twins: the causal block with its hand-written backward
 (:mod:`~sketchlab.attention.ops.additive.chunk_hybrid`: the gate folded into the local weights), the Triton kernel, and
 the in-place decoding step (:mod:`~sketchlab.attention.recurrent`). Inputs are trusted (checked by the
@@ -77,6 +78,9 @@ def local_weights(logits: torch.Tensor, ok: torch.Tensor | None, *, local: str, 
             logits = torch.where(ok, logits, float("-inf"))  # exp(-inf) = 0: the masked keys
         c = logits.amax(-1, keepdim=True).nan_to_num(neginf=0.0) if shift is None else shift  # [..., 1]
         return (logits - c).exp()
+    if ok is None:  # poly scores have no −inf to mark the keys left out
+        raise ValueError("local_weights: ok=None (logits already -inf off the allowed keys) needs local='softmax'; "
+                         f"local={local!r} takes the allowed keys' mask")
     return torch.where(ok, logits**degree, logits.new_zeros(()))
 
 
