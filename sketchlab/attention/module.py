@@ -25,7 +25,7 @@ from ..featuremaps import LLoPSMap
 from ..scaling import resolve_scale, scale_label
 from ._checks import check_flag, check_theta
 from .chunked import DEFAULT_CHUNK_SIZE
-from .layer import LinearAttentionCore
+from .layer import LinearAttentionCore, rename_keys
 from .options import AttentionOptions
 
 __all__ = ["LLoPSAttention"]
@@ -189,10 +189,7 @@ class LLoPSAttention(LinearAttentionCore):
         self.qk_scale, self.scale_label, self.tied = qk_scale, scale_label(scale), tied
 
     def _load_from_state_dict(self, state_dict, prefix, *args):  # blocks saved before the one layer core: Θ's keys
-        for old, new in OLD_KEYS:
-            if prefix + old in state_dict:
-                state_dict[prefix + new] = state_dict.pop(prefix + old)
-        super()._load_from_state_dict(state_dict, prefix, *args)
+        super()._load_from_state_dict(rename_keys(state_dict, prefix, OLD_KEYS), prefix, *args)
 
     @property
     def theta_q(self) -> torch.Tensor:

@@ -46,7 +46,7 @@ import math
 import torch
 from torch import nn
 
-from ..attention.layer import LinearAttentionCore
+from ..attention.layer import LinearAttentionCore, rename_keys
 
 __all__ = ["ATTENTION_NAME", "LayerDecoder", "SketchedAttention", "forget_cache", "hf_attention", "hf_mask",
            "remember_cache", "upgrade_keys"]
@@ -75,10 +75,7 @@ def upgrade_keys(state_dict: dict, prefix: str) -> dict:
     saved before the one layer core (``feature_map_q.*``, ``feature_map_k.*``: :data:`OLD_KEYS`) to today's
     (``map_q.*``, ``map_k.*``) and return it; :class:`SketchedAttention` calls it on load, and
     :func:`~sketchlab.convert.saved.load_linearized` before it matches the saved names to the model's."""
-    for old, new in OLD_KEYS:
-        for key in [key for key in state_dict if key.startswith(prefix + old)]:
-            state_dict[prefix + new + key.removeprefix(prefix + old)] = state_dict.pop(key)
-    return state_dict
+    return rename_keys(state_dict, prefix, OLD_KEYS)
 
 
 class SketchedAttention(LinearAttentionCore):

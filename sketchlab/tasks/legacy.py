@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from ..attention.layer import rename_keys
+
 __all__ = ["OLD_KEYS", "upgrade_keys"]
 
 #: Feature-map name -> ``(old key or key prefix, today's)`` pairs; ``None``: not saved then (BASED's projection,
@@ -19,10 +21,8 @@ def upgrade_keys(kernel: nn.Module, state_dict: dict, prefix: str = "") -> dict:
     """Rename, in place, the keys under ``prefix`` that ``kernel``'s map (``kernel.map_name``) had in the older
     classes (:data:`OLD_KEYS`) and return it; ``ToyKernel``'s ``load_state_dict`` calls it, and so does the
     checkpoint's key check."""
-    for old, new in OLD_KEYS.get(kernel.map_name, ()):
+    pairs = OLD_KEYS.get(kernel.map_name, ())
+    for old, new in pairs:
         if old is None:
             state_dict.setdefault(prefix + new, kernel.get_buffer(new))
-            continue
-        for key in [key for key in state_dict if key.startswith(prefix + old)]:
-            state_dict[prefix + new + key.removeprefix(prefix + old)] = state_dict.pop(key)
-    return state_dict
+    return rename_keys(state_dict, prefix, [(old, new) for old, new in pairs if old is not None])

@@ -30,21 +30,19 @@ repository's ``mqar_continuous`` experiments, 2026).
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
 from .._validation import check_positive_int
+from ..attention import poly_attention_naive, softmax_attention_naive
 from ..attention.options import AttentionOptions
 from .model import CausalSelfAttention, TransformerConfig, TransformerLM, adamw_groups
 from .mqar import IGNORE_INDEX
+from .train import _HELDOUT_OFFSET, training_steps  # held-out streams: seed + this offset, as train's
 
 __all__ = ["RecallModel", "attention_matrix", "attention_matrix_errors", "continuous_mqar", "spherical_embeddings",
            "train_recall"]
 
-#: The held-out streams' offset from the training seed (as :mod:`sketchlab.tasks.train`'s).
-_HELDOUT_OFFSET = 1_000_003
 #: Sequences whose q, k give the attention-matrix errors.
 _ERROR_SEQUENCES = 16
 
@@ -184,15 +182,17 @@ def attention_matrix(kernel: nn.Module, q: torch.Tensor, k: torch.Tensor) -> tor
 
 
 def _exact_weights(q: torch.Tensor, k: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Causal softmax attention of ``s = qᵀk/√D`` and degree-2 polynomial attention ``s²/Σ s²``, float64
-    ``[B, H, T, T]`` (the toy model's scales: softmax logits ``qᵀk/√D``, maps on ``x·D^{-1/4}``)."""
-    q, k = q.double().transpose(1, 2), k.double().transpose(1, 2)  # [B, H, T, D]
-    T = q.shape[2]
-    s = q @ k.mT / math.sqrt(q.shape[-1])
-    causal = torch.ones(T, T, dtype=torch.bool).tril()
-    soft = torch.softmax(s.masked_fill(~causal, float("-inf")), -1)
-    poly = (s * s).masked_fill(~causal, 0.0)
-    return {"softmax": soft, "poly2": poly / poly.sum(-1, keepdim=True)}
+    """Causal softmax attention of ``s = qᵀk/√D`` and degree-2 polynomial attention ``s²/Σ s²`` (the toy model's
+    scales: softmax logits ``qᵀk/√D``, maps on ``x·D^{-1/4}``), as weights ``[B, H, T, T]``: the float64 twins
+    :func:`~sketchlab.attention.softmax_attention_naive` and :func:`~sketchlab.attention.poly_attention_naive`
+    (``ε = 0``) on ``v = I``, as :func:`attention_matrix` reads a kernel."""
+    q, k = q.double(), k.double()
+    B, T, H, D = q.shape
+    eye = torch.eye(T, dtype=torch.float64)[None, :, None, :].expand(B, T, H, T)
+    s = D ** -0.25
+    soft = softmax_attention_naive(q, k, eye)  # [B, T, H, T]
+    poly = poly_attention_naive(q * s, k * s, eye, 2, eps=0.0)
+    return {"softmax": soft.transpose(1, 2), "poly2": poly.transpose(1, 2)}
 
 
 def attention_matrix_errors(model: RecallModel, inputs: torch.Tensor) -> dict | None:
@@ -247,8 +247,6 @@ def train_recall(model: RecallModel, protocol, *, lr: float, seed: int, kernel_l
     held-out sequences of the longest training slice (None where it is not defined); a diverged run's message
     (its slices then score 0).
     """
-    from .train import training_steps
-
     opt = model.configure_optimizers(lr=lr, weight_decay=protocol.weight_decay, kernel_lr=kernel_lr)
     gen = torch.Generator().manual_seed(seed)
     weights = torch.tensor(protocol.train_weights, dtype=torch.float64)

@@ -19,10 +19,10 @@ from torch import nn
 
 from .model import TransformerLM
 from .mqar import IGNORE_INDEX, MQARConfig, mqar_batch
+from .train import _HELDOUT_OFFSET  # the held-out streams of sketchlab.tasks.train (seed + this offset)
 
 __all__ = ["QueryLogits", "evaluate_slices"]
 
-_HELDOUT_OFFSET = 1_000_003  # the held-out stream of sketchlab.tasks.train (seed + this offset)
 
 
 class QueryLogits(nn.Module):
