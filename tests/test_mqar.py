@@ -314,7 +314,7 @@ def test_evaluate_mqar_matches_hand_count_and_uses_ignore_index(monkeypatch):
     # a non-default ignore label: code hard-coding -100 would count every position as a query
     monkeypatch.setattr(mqar_mod, "IGNORE_INDEX", -7)
     monkeypatch.setattr(train_mod, "IGNORE_INDEX", -7)
-    gen = torch.Generator().manual_seed(5 + train_mod._HELDOUT_OFFSET)
+    gen = torch.Generator().manual_seed(5 + train_mod.HELDOUT_OFFSET)
     correct = total = 0
     for b in (4, 4, 2):  # 10 sequences in batches of 4: the last batch is short
         inputs, targets = mqar_batch(task, b, generator=gen)

@@ -42,7 +42,7 @@ import torch
 from .._validation import check_positive_int
 
 __all__ = [
-    "IGNORE_INDEX", "MQARConfig", "MQARMixture", "ZOOLOGY_TEST", "ZOOLOGY_TRAIN", "mqar_accuracy", "mqar_batch",
+    "HELDOUT_OFFSET", "IGNORE_INDEX", "MQARConfig", "MQARMixture", "ZOOLOGY_TEST", "ZOOLOGY_TRAIN", "mqar_accuracy", "mqar_batch",
     "zoology_mixture", "zoology_tests",
 ]
 
@@ -56,6 +56,9 @@ ZOOLOGY_TEST = ((64, 4), (64, 8), (64, 16), (128, 32), (256, 64), (512, 128), (1
 
 IGNORE_INDEX = -100
 """Label of positions that carry no target (``torch.nn.functional.cross_entropy`` default)."""
+
+HELDOUT_OFFSET = 1_000_003
+"""Held-out sequences come from ``seed + HELDOUT_OFFSET (+ i)``, never from the training stream ``seed``."""
 
 
 @dataclass(frozen=True)

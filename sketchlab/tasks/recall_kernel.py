@@ -37,8 +37,8 @@ from .._validation import check_positive_int
 from ..attention import poly_attention_naive, softmax_attention_naive
 from ..attention.options import AttentionOptions
 from .model import CausalSelfAttention, TransformerConfig, TransformerLM, adamw_groups
-from .mqar import IGNORE_INDEX
-from .train import _HELDOUT_OFFSET, training_steps  # held-out streams: seed + this offset, as train's
+from .mqar import HELDOUT_OFFSET, IGNORE_INDEX
+from .train import training_steps
 
 __all__ = ["RecallModel", "attention_matrix", "attention_matrix_errors", "continuous_mqar", "spherical_embeddings",
            "train_recall"]
@@ -266,11 +266,11 @@ def train_recall(model: RecallModel, protocol, *, lr: float, seed: int, kernel_l
     with torch.no_grad():
         slices = []
         for i, (T, P) in enumerate(protocol.test_pairs):
-            held = torch.Generator().manual_seed(seed + _HELDOUT_OFFSET + i)
+            held = torch.Generator().manual_seed(seed + HELDOUT_OFFSET + i)
             correct, total = _accuracy(model, P, protocol.eval_sequences, held)
             slices.append({"seq_len": T, "num_pairs": P, "accuracy": correct / total, "queries": total})
         longest = max(P for _, P in protocol.train_pairs)
-        held = torch.Generator().manual_seed(seed + 2 * _HELDOUT_OFFSET)
+        held = torch.Generator().manual_seed(seed + 2 * HELDOUT_OFFSET)
         inputs, _ = continuous_mqar(model.embeddings, longest, _ERROR_SEQUENCES, generator=held)
         error = attention_matrix_errors(model, inputs)
     return {"slices": slices, "attention_error": error, "diverged": None}

@@ -38,14 +38,13 @@ from torch import nn
 from .._validation import check_nonnegative_int, check_positive_int, check_real
 from .checkpoint import latest_checkpoint, load_checkpoint, read_training_state, save_checkpoint, write_training_state
 from .model import TransformerLM
-from .mqar import IGNORE_INDEX, MQARConfig, MQARMixture, mqar_batch
+from .mqar import HELDOUT_OFFSET, IGNORE_INDEX, MQARConfig, MQARMixture, mqar_batch
 
 __all__ = [
     "TrainResult", "check_evaluation_work", "evaluate_mqar", "init_distributed", "latest_checkpoint",
     "load_checkpoint", "lr_at", "save_checkpoint", "train_mqar", "train_step", "training_steps",
 ]
 
-_HELDOUT_OFFSET = 1_000_003  # held-out data come from seed + this offset, never from the training stream
 
 
 @dataclass
@@ -73,8 +72,8 @@ def _check_seed(seed, name: str = "seed") -> int:
     """A seed is an integer >= 0 (``torch.Generator.manual_seed`` also needs it below 2**64)."""
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
         raise TypeError(f"{name} must be an integer >= 0, got {seed!r} ({type(seed).__name__})")
-    if not 0 <= seed < 2**64 - _HELDOUT_OFFSET:
-        raise ValueError(f"{name} must be an integer in [0, 2**64 - {_HELDOUT_OFFSET}), got {seed}")
+    if not 0 <= seed < 2**64 - HELDOUT_OFFSET:
+        raise ValueError(f"{name} must be an integer in [0, 2**64 - {HELDOUT_OFFSET}), got {seed}")
     return int(seed)
 
 
@@ -134,7 +133,7 @@ def _component_accuracies(model: TransformerLM, task: MQARConfig | MQARMixture, 
     out = []
     try:
         for i, component in enumerate(components):
-            gen = torch.Generator().manual_seed((seed + _HELDOUT_OFFSET + i) % 2**64)
+            gen = torch.Generator().manual_seed((seed + HELDOUT_OFFSET + i) % 2**64)
             correct = total = 0
             for start in range(0, num_sequences, batch_size):
                 b = min(batch_size, num_sequences - start)

@@ -18,8 +18,7 @@ import torch
 from torch import nn
 
 from .model import TransformerLM
-from .mqar import IGNORE_INDEX, MQARConfig, mqar_batch
-from .train import _HELDOUT_OFFSET  # the held-out streams of sketchlab.tasks.train (seed + this offset)
+from .mqar import HELDOUT_OFFSET, IGNORE_INDEX, MQARConfig, mqar_batch
 
 __all__ = ["QueryLogits", "evaluate_slices"]
 
@@ -77,7 +76,7 @@ def evaluate_slices(model: TransformerLM, tasks, *, num_sequences: int = 256, se
     out = []
     try:
         for i, task in enumerate(tasks):
-            gen = torch.Generator().manual_seed(seed + _HELDOUT_OFFSET + i)
+            gen = torch.Generator().manual_seed(seed + HELDOUT_OFFSET + i)
             correct = total = 0
             for start in range(0, num_sequences, batch_size):
                 inputs, targets = mqar_batch(task, min(batch_size, num_sequences - start), generator=gen)
