@@ -143,7 +143,7 @@ def step_attention(state: DemoState) -> None:
                            segments=segments)  # [L', n, H, d_v]
     with torch.no_grad():  # the [L', H] optimum as one pair of maps of L'·H heads, through the op
         heads = q.shape[0] * q.shape[1]
-        best, _ = linear_attention(as_heads(q, heads), as_heads(k, heads), as_heads(v, heads), *optimum.feature_maps(),
+        best, _ = linear_attention(as_heads(q, heads), as_heads(k, heads), as_heads(v, heads), *optimum.maps,
                                    options=AttentionOptions(normalize="none"), segments=segments)  # [1, n, L'·H, d_v]
         best = tokens_first(from_heads(best, v.shape[:2]))  # [L', n, H, d_v]
     unscaled = dump.q[layers].double(), dump.k[layers].double()  # the block applies the file's scale itself

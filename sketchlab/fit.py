@@ -5,15 +5,18 @@ maps and methods, each name with a builder slot and a fitter slot). A name's *fi
 :func:`~sketchlab.featuremaps.registry.own_fitter`; the built-in ones imported on first use) has the
 form::
 
-    def _fit(q, k, *, p, m, seed=0, **options) -> Sketch: ...
+    def _fit(q, k, *, p, m, seed=0, **options) -> FeatureMap | tuple[FeatureMap, FeatureMap]: ...
 
 It receives validated float tensors ``q[..., n_q, d]``, ``k[..., n_k, d]`` (the fitting tokens
-only) and returns a :class:`~sketchlab.sketch.Sketch`; it may set ``sketch.fit_info``, a dict with
-``steps`` (int), ``converged`` (bool) and any method-specific entries, and ``kernel_core``: a
-float64 ``[..., N_q, N_k]`` matrix with the singular values of ``A`` on the tokens it was given
-(e.g. ``R_Q R_Kᵀ`` of the Gram roots it fitted on), which ``fit_sketch`` takes out and reuses for
-the report's Theorem 3.1 floor instead of recomputing it. Fitters trust their inputs: validation
-happens once, here. Users add their own with :func:`register_sketch` (it fills the name's fitter
+only) and returns the fitted pair of :class:`~sketchlab.featuremaps.FeatureMap` s ``(map_q, map_k)`` (one map
+for both sides when they are tied) of ``H = prod(batch)`` heads of ``d``, the batch flattened row-major
+(:func:`~sketchlab.featuremaps.batch_features`). It may set ``map_q.fit_info``, a dict with ``steps`` (int),
+``converged`` (bool) and any method-specific entries, and ``kernel_core``: a float64 ``[..., N_q, N_k]``
+matrix with the singular values of ``A`` on the tokens it was given (e.g. ``R_Q R_Kᵀ`` of the Gram roots it
+fitted on), which ``fit_sketch`` takes out (the map keeps no ``fit_info``) and reuses for the report's
+Theorem 3.1 floor instead of recomputing it. Fitters trust their inputs: validation happens once, here.
+(Transitional: a fitter not yet ported returns a :class:`~sketchlab.sketch.Sketch`, kept as ``Fit.sketch``
+beside its maps.) Users add their own with :func:`register_sketch` (it fills the name's fitter
 slot). A map whose fitter slot is empty is fitted by Adam on the kernel loss
 (:func:`sketchlab.featuremaps.fitting.feature_map_fitter`), so a map registered there is a method
 with no line here. ``fit_sketch`` splits off held-out tokens, optionally subsamples the
@@ -32,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ._validation import DEFAULT_MAX_BYTES, check_degree, check_fraction, check_pair, check_positive_int, check_seed
+from .featuremaps.base import FeatureMap
 from .featuremaps.registry import DEPRECATED_METHODS, feature_map_names, fitter_names, own_fitter, register_fitter
 from .numerics import UNDEFINED_REASONS, check_poly_kernel_range, is_roundoff, warn_undefined
 from .sketch import Sketch
@@ -178,29 +182,46 @@ class FitReport:
 
 @dataclass
 class Fit:
-    """A fitted sketch and its :class:`FitReport`; ``batch_shape`` (e.g. ``(L, H)``) and ``head_dim`` (``d``)
-    are the fitted ``q``'s, what :meth:`feature_maps` needs."""
+    """A fit: its pair of feature maps and its :class:`FitReport`.
 
-    sketch: Sketch
+    ``map_q``, ``map_k`` (the same object when the method ties the two sides) are
+    :class:`~sketchlab.featuremaps.FeatureMap` s of ``H = prod(batch_shape)`` heads of ``head_dim = d``, the fitted
+    batch flattened row-major (layer ``l``, head ``j`` of an ``[L, H]`` fit is head ``l·H + j``, as
+    :func:`sketchlab.featuremaps.batch_features` maps it): they run as attention
+    (:func:`sketchlab.attention.linear_attention`), in a model (``convert_attention``) and through the metrics
+    (:func:`sketchlab.featuremaps.pair_features`) like any map of the family.
+    """
+
+    map_q: FeatureMap
+    map_k: FeatureMap
     report: FitReport
     batch_shape: tuple = ()
-    head_dim: int | None = None
+    #: Transitional: the fitted :class:`~sketchlab.sketch.Sketch` of a method whose fitter still returns one
+    #: (``None`` for a fitter that returns maps); goes with ``sketchlab.sketch``.
+    sketch: object = None
 
-    def feature_maps(self) -> tuple:
-        """``(map_q, map_k)``: the fit as the family's feature maps of ``H = prod(batch_shape)`` heads, the
-        batch flattened row-major (layer ``l``, head ``j`` of an ``[L, H]`` fit is head ``l·H + j``, as
-        :func:`sketchlab.featuremaps.batch_features` maps it), for every method: a registered map's fit is
-        its own maps (no copy), any other sketch's its :func:`~sketchlab.featuremaps.sketch_feature_maps`
-        (LLoPS: two :class:`~sketchlab.featuremaps.LLoPSMap` over a copy of Θ; the others share the
-        sketch's tensors). ``pair_features(fit.feature_maps(), q, k)`` equals the sketch's own features."""
-        from .featuremaps import FeatureMapSketch, sketch_feature_maps
+    @property
+    def maps(self) -> tuple[FeatureMap, FeatureMap]:
+        """``(map_q, map_k)``."""
+        return self.map_q, self.map_k
 
-        if isinstance(self.sketch, FeatureMapSketch):
-            map_q = self.sketch.map_q
-            return map_q, (map_q if self.sketch.map_k is None else self.sketch.map_k)
-        if self.head_dim is None:
-            raise ValueError("this Fit records no head_dim (build it with fit_sketch): its maps' size is unknown")
-        return sketch_feature_maps(self.sketch, heads=math.prod(self.batch_shape), head_dim=self.head_dim)
+    @property
+    def tied(self) -> bool:
+        """Whether the key map is the query map."""
+        return self.map_k is self.map_q
+
+    @property
+    def head_dim(self) -> int:
+        return self.map_q.head_dim
+
+    def layer(self, index) -> tuple[FeatureMap, FeatureMap]:
+        """``(map_q, map_k)`` of the problems at ``index`` of the batch shape (e.g. layer ``l`` of an ``[L, H]``
+        fit: maps of ``H`` heads), copies holding those heads only (:meth:`FeatureMap.select_heads`)."""
+        if not self.batch_shape:
+            raise ValueError("this fit has batch shape [] (one problem): there is no layer to select")
+        heads = torch.arange(math.prod(self.batch_shape)).reshape(self.batch_shape)[index].flatten().tolist()
+        map_q = self.map_q.select_heads(heads)
+        return map_q, (map_q if self.tied else self.map_k.select_heads(heads))
 
     def save_theta(self, path, *, dump, scale=None):
         """Export Θ with every metadata field filled in: :func:`sketchlab.export.export_theta`."""
@@ -418,22 +439,23 @@ def _fit_checked(method: str, fitter: Callable[..., Sketch], q: torch.Tensor, k:
     work = heads * min((q.shape[-2] + k.shape[-2]) * dim * (dim + m), q.shape[-2] * k.shape[-2] * (q.shape[-1] + m))
     with hot_loop_threads(work):
         start = time.perf_counter()
-        sketch = fitter(q[..., sub_q, :], k[..., sub_k, :], p=p, m=m, seed=seed, **options)
+        result = fitter(q[..., sub_q, :], k[..., sub_k, :], p=p, m=m, seed=seed, **options)
         seconds = time.perf_counter() - start
-
-        fit_info = getattr(sketch, "fit_info", None)
-        core = fit_info.pop("kernel_core", None) if isinstance(fit_info, dict) else None  # the sketch keeps no copy
+        map_q, map_k, sketch, fit_info = _fitted_maps(method, result, tuple(q.shape[:-2]), q.shape[-1])
+        core = fit_info.pop("kernel_core", None)  # the maps keep no copy
         if fit_tokens is not None and (len(sub_q) < len(fit_q) or len(sub_k) < len(fit_k)):
             core = None  # the fit saw a subset: its A is not the report's
-        info = dict(fit_info or {})
+        info = dict(fit_info)
         m_in = min(m, max_sketch_size(len(fit_q), len(fit_k), q.shape[-1], p))
-        rel_f, rel_m, ratio, tail, extra = _errors(sketch, q_fit, k_fit, p, m_in, method, "in-sample", max_bytes,
+        rel_f, rel_m, ratio, tail, extra = _errors((map_q, map_k), q_fit, k_fit, p, m_in, method, "in-sample", max_bytes,
                                                    core=core, seed=seed)
         info.update(extra)
         report = FitReport(
             method=method, p=p, m=m, rel_fro=rel_f, rel_mae=rel_m, optimality_ratio=ratio, tail=tail,
             seconds=seconds, steps=int(info.pop("steps", 0)), converged=bool(info.pop("converged", True)),
-            num_features=sketch.num_features, num_parameters=sketch.num_parameters, info=info,
+            num_features=map_q.num_features,
+            num_parameters=sketch.num_parameters if sketch is not None else _parameters_per_head(map_q, map_k),
+            info=info,
             fit_tokens=None if fit_tokens is None else len(sub_q),
         )
         if holdout > 0:
@@ -442,7 +464,7 @@ def _fit_checked(method: str, fitter: Callable[..., Sketch], q: torch.Tensor, k:
             # have (its tail is 0 there and the ratio NaN: undefined, a sketch that size could be exact).
             report.holdout_rank = max_sketch_size(q_held.shape[-2], k_held.shape[-2], q.shape[-1], p)
             m_held = min(m, report.holdout_rank)
-            h_f, h_m, h_r, h_t, extra = _errors(sketch, q_held, k_held, p, m_held, method, "held-out", max_bytes, seed=seed)
+            h_f, h_m, h_r, h_t, extra = _errors((map_q, map_k), q_held, k_held, p, m_held, method, "held-out", max_bytes, seed=seed)
             report.info.update({f"holdout_{key}": value for key, value in extra.items()})
             report.holdout_rel_fro, report.holdout_rel_mae = h_f, h_m
             report.holdout_optimality_ratio, report.holdout_tail = h_r, h_t
@@ -455,7 +477,43 @@ def _fit_checked(method: str, fitter: Callable[..., Sketch], q: torch.Tensor, k:
                 report.holdout_reference_rel_fro = ref_f
                 n_held = max(q_held.shape[-2], k_held.shape[-2])
                 report.holdout_vs_reference = torch.where(is_roundoff(ref_f, 1.0, n_held), math.nan, h_f / ref_f)
-    return Fit(sketch=sketch, report=report, batch_shape=tuple(q.shape[:-2]), head_dim=q.shape[-1])
+    return Fit(map_q, map_k, report, batch_shape=tuple(q.shape[:-2]), sketch=sketch)
+
+
+def _fitted_maps(method: str, result, batch_shape: tuple, head_dim: int):
+    """``(map_q, map_k, sketch, fit_info)`` of a fitter's ``result``: a :class:`FeatureMap` (both sides) or a pair
+    ``(map_q, map_k)`` of ``prod(batch_shape)`` heads of ``head_dim``, ``fit_info`` taken off ``map_q`` (the map
+    keeps none); transitional: a :class:`~sketchlab.sketch.Sketch`, given its maps
+    (:func:`~sketchlab.featuremaps.sketch_feature_maps`)."""
+    from .featuremaps import FeatureMap, FeatureMapSketch, sketch_feature_maps
+
+    heads = math.prod(batch_shape)
+    if isinstance(result, Sketch):
+        info = getattr(result, "fit_info", None)
+        info = info if isinstance(info, dict) else {}  # the sketch's own dict: its kernel_core is taken out
+        if isinstance(result, FeatureMapSketch):
+            map_q = result.map_q
+            return map_q, (map_q if result.map_k is None else result.map_k), result, info
+        return (*sketch_feature_maps(result, heads=heads, head_dim=head_dim), result, info)
+    pair = (result, result) if isinstance(result, FeatureMap) else result
+    if not (isinstance(pair, tuple) and len(pair) == 2 and all(isinstance(f, FeatureMap) for f in pair)):
+        raise TypeError(f"the fitter of {method!r} must return a FeatureMap or a pair (map_q, map_k) of them, got "
+                        f"{type(result).__name__}")
+    for f in pair:
+        if f.heads != heads or f.head_dim != head_dim:
+            raise ValueError(f"the fitter of {method!r} returned a map of heads={f.heads}, head_dim={f.head_dim}; the "
+                             f"fit needs heads={heads} (batch shape {list(batch_shape)}) of head_dim={head_dim}")
+    info = pair[0].__dict__.pop("fit_info", None)
+    return pair[0], pair[1], None, dict(info or {})
+
+
+def _parameters_per_head(map_q: FeatureMap, map_k: FeatureMap) -> int:
+    """Stored numbers that define one head's pair of maps, both sides counted (once when tied): a per-head map's
+    numbers divided by its heads, a shared one's whole."""
+    def one(fmap):
+        return fmap.num_parameters // fmap.heads if fmap.per_head_parameters else fmap.num_parameters
+
+    return one(map_q) if map_k is map_q else one(map_q) + one(map_k)
 
 
 def _option_names(fitter: Callable[..., Sketch]) -> set[str] | None:

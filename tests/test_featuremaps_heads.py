@@ -78,7 +78,7 @@ _NON_NEGATIVE_AT_P2 = {"based-expand", "based-taylor", "dpfp", "elementwise", "e
 
 @pytest.mark.parametrize("method", _every_method())
 def test_every_fit_is_a_pair_of_maps_over_the_flattened_heads(method):
-    # fit_sketch(method) on an [L, H] batch -> fit.feature_maps(): maps of L·H heads whose features, twin and
+    # fit_sketch(method) on an [L, H] batch -> fit.maps: maps of L·H heads whose features, twin and
     # non_negative are the fitted sketch's, head l·H + j being layer l, head j.
     import warnings
 
@@ -89,7 +89,7 @@ def test_every_fit_is_a_pair_of_maps_over_the_flattened_heads(method):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # undefined ratios and DPFP/identity sizes are not the point here
         fit = fit_sketch(method, q, k, p=2, m=6, seed=0, reference=False, **_QUICK.get(method, {}))
-    map_q, map_k = fit.feature_maps()
+    map_q, map_k = fit.maps
     assert isinstance(map_q, FeatureMap) and isinstance(map_k, FeatureMap)
     assert (map_q.heads, map_q.head_dim, map_k.heads) == (L * H, D, L * H)
     fq, fk = pair_features((map_q, map_k), q, k)
@@ -108,3 +108,55 @@ def test_every_fit_is_a_pair_of_maps_over_the_flattened_heads(method):
             for j in range(H):
                 torch.testing.assert_close(twin[0, :, l_ * H + j], fit.sketch.features_naive(x[0, :, l_ * H + j], side, (l_, j)),
                                            rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", sorted(__import__("sketchlab.featuremaps", fromlist=["x"]).feature_map_names()))
+@pytest.mark.parametrize("input_norm", [False, True])
+def test_select_heads_is_the_map_at_those_heads(name, input_norm):
+    # A copy holding heads [4, 1] maps x exactly as the whole map maps it at heads 4 and 1 (fast path and twin),
+    # and owns its tensors: a change to the copy leaves the original alone.
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # deprecated names resolve to their new ones
+        fmap = make_feature_map(name, heads=L * H, head_dim=D, p=2, m=16, seed=3, dtype=torch.float64,
+                                input_norm=input_norm)
+    with torch.no_grad():
+        for t in fmap.parameters():  # every head different (an InputNormed affine starts equal on every head)
+            t.add_(_rand(*t.shape, seed=t.numel()) * 0.1)
+    pick = [4, 1]
+    sel = fmap.select_heads(pick)
+    assert (sel.heads, sel.head_dim, sel.num_features) == (2, D, fmap.num_features)
+    full = _rand(2, 3, L * H, D, seed=11)
+    x = full[:, :, pick]
+    torch.testing.assert_close(sel.features(x), fmap.features(full)[:, :, pick], rtol=0, atol=0)
+    torch.testing.assert_close(sel.features_naive(x), fmap.features_naive(full)[:, :, pick], rtol=1e-12, atol=1e-12)
+    before = fmap.features(full).clone()
+    with torch.no_grad():
+        for t in sel.parameters():
+            t.zero_()
+    assert torch.equal(fmap.features(full), before)
+
+
+def test_select_heads_refuses_heads_the_map_does_not_have():
+    fmap = make_feature_map("llops", heads=3, head_dim=D, p=2, m=M, seed=1)
+    for bad in ([], [0, 0], [3], [-1]):
+        with pytest.raises(ValueError, match="distinct heads of this map's heads=3"):
+            fmap.select_heads(bad)
+    with pytest.raises(TypeError, match="sequence of head numbers"):
+        fmap.select_heads(2)
+
+
+def test_fit_layer_is_that_layers_heads():
+    from sketchlab import fit_sketch
+
+    q, k = _rand(L, H, 24, D, seed=7) / 2, _rand(L, H, 24, D, seed=8) / 2
+    fit = fit_sketch("llops", q, k, p=2, m=6, seed=0, reference=False)
+    map_q, map_k = fit.layer(1)
+    assert map_q.heads == map_k.heads == H and not fit.tied and map_k is not map_q
+    fq, fk = pair_features(fit.maps, q, k)
+    lq, lk = pair_features((map_q, map_k), q[1], k[1])
+    torch.testing.assert_close(lq, fq[1], rtol=0, atol=0)
+    torch.testing.assert_close(lk, fk[1], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="no layer to select"):
+        fit_sketch("llops", q[0, 0], k[0, 0], p=2, m=6, seed=0, reference=False).layer(0)

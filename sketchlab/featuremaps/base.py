@@ -9,6 +9,7 @@ is tied) is what attention, conversion and training take. Every map has a naive 
 from __future__ import annotations
 
 import abc
+import copy
 
 import torch
 from torch import nn
@@ -74,6 +75,29 @@ class FeatureMap(nn.Module, abc.ABC):
         """Stored numbers of this map (parameters and buffers), all heads."""
         return sum(t.numel() for t in self.parameters()) + sum(t.numel() for t in self.buffers())
 
+    def select_heads(self, index) -> FeatureMap:
+        """A copy of this map holding only the heads ``index`` (distinct head numbers, in the order given).
+
+        ``select_heads(index).features(x)[:, :, j] == features(full)[:, :, index[j]]`` for any ``full`` that
+        holds ``x[:, :, j]`` at head ``index[j]``. With :attr:`per_head_parameters` every parameter and buffer of
+        the map (and of its submodules) leads with the heads axis, so the copy slices each at ``index`` (e.g.
+        one layer of a fit over ``[L, H]`` problems: heads ``l·H … l·H + H − 1``); otherwise the heads share
+        them and the copy keeps them whole. Gradients do not flow back to this map.
+        """
+        index = _check_heads(index, self.heads)
+        out = copy.deepcopy(self)
+        pick = torch.tensor(index)
+        for module in out.modules():
+            if isinstance(module, FeatureMap):
+                module.heads = len(index)
+            if not self.per_head_parameters:
+                continue
+            for name, t in list(module.named_parameters(recurse=False)):
+                setattr(module, name, nn.Parameter(t.detach()[pick.to(t.device)].clone(), t.requires_grad))
+            for name, t in list(module.named_buffers(recurse=False)):
+                module.register_buffer(name, t[pick.to(t.device)].clone(), name not in module._non_persistent_buffers_set)
+        return out
+
     @abc.abstractmethod
     def _features(self, x):
         """The map on checked ``x [B, T, H, D]`` → ``[B, T, H, M]``."""
@@ -81,6 +105,17 @@ class FeatureMap(nn.Module, abc.ABC):
     @abc.abstractmethod
     def _features_naive(self, x, head: int):
         """The float64 twin on one head's tokens ``x [T, D]`` → ``[T, M]``."""
+
+
+def _check_heads(index, heads: int) -> list[int]:
+    """``index`` as a list of distinct head numbers below ``heads``, or the error that says why not."""
+    try:
+        index = [int(i) for i in index]
+    except (TypeError, ValueError):
+        raise TypeError(f"index must be a sequence of head numbers, got {index!r}") from None
+    if not index or len(set(index)) != len(index) or not all(0 <= i < heads for i in index):
+        raise ValueError(f"index must be distinct heads of this map's heads={heads}, got {index}")
+    return index
 
 
 class WrappedMap(FeatureMap):
@@ -101,6 +136,18 @@ class WrappedMap(FeatureMap):
     @property
     def non_negative(self) -> bool:
         return self.inner.non_negative
+
+    def select_heads(self, index) -> FeatureMap:
+        """This map's own tensors sliced as :meth:`FeatureMap.select_heads` slices them, over ``inner``'s own
+        selection of the same heads."""
+        index = _check_heads(index, self.heads)
+        inner = self._modules.pop("inner")
+        try:
+            out = FeatureMap.select_heads(self, index)
+        finally:
+            self._modules["inner"] = inner
+        out.inner = inner.select_heads(index)
+        return out
 
 
 def _init_heads(module: FeatureMap, heads, head_dim):

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from ..sketch import Sketch
-from .base import FeatureMap, WrappedMap, _init_heads
+from .base import FeatureMap, WrappedMap, _check_heads, _init_heads
 from .heads import batch_features
 
 __all__ = ["FeatureMapSketch", "HeadSelection", "SketchMap", "sketch_feature_maps"]
@@ -113,6 +113,10 @@ class SketchMap(FeatureMap):
     def non_negative(self) -> bool:
         return self.sketch.non_negative
 
+    def select_heads(self, index) -> FeatureMap:
+        """Heads ``index`` as a :class:`HeadSelection` (the sketch's tensors need not lead with the heads)."""
+        return HeadSelection(self, index)
+
     def _features(self, x):
         B, T, H, D = x.shape
         heads = x.transpose(1, 2).reshape(B, *(self._batch or (H,)), T, D)  # [B, *batch, T, D]: head h at its index
@@ -179,6 +183,9 @@ class HeadSelection(WrappedMap):
             raise ValueError(f"index must be distinct heads of the inner map's {inner.heads}, got {index}")
         self.inner, self.index = inner, index
         self.heads, self.head_dim = len(index), inner.head_dim
+
+    def select_heads(self, index) -> FeatureMap:
+        return HeadSelection(self.inner, [self.index[i] for i in _check_heads(index, self.heads)])
 
     def _features(self, x):
         full = x.new_zeros(*x.shape[:2], self.inner.heads, self.head_dim)  # [B, T, H_inner, D]
