@@ -29,7 +29,9 @@ LAYERS = [
               # the LLoPS map itself and what a fit problem is made of (no fitting)
               "sketchlab.llops.maps", "sketchlab.llops.cp", "sketchlab.llops.module",
               "sketchlab.llops._fitting", "sketchlab.llops.sides", "sketchlab.llops.target"]),
-    ("sketches", ["sketchlab.sketches", "sketchlab.sketches.*"]),
+    # the baselines' maps (the LLoPS fits start from BASED/PSF) and their exact Θ forms
+    ("sketches", ["sketchlab.sketches", "sketchlab.sketches.*", "sketchlab.featuremaps._common",
+                  "sketchlab.featuremaps.tensorsketch"]),
     ("llops fits", ["sketchlab.llops", "sketchlab.llops.*"]),  # inits from BASED/PSF: above the sketches
     # the feature-map family: maps, a fitted sketch as a map, the name registry (fit reads it)
     ("feature maps", ["sketchlab.featuremaps", "sketchlab.featuremaps.*"]),

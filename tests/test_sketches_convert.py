@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from sketchlab.llops import LLoPS
-from sketchlab.sketches import BasedSketch, ElementwiseSketch, MLPSketch, PolySketch, TensorSketch, as_llops
+from sketchlab.featuremaps.tensorsketch import TensorSketchMap
+from sketchlab.sketches import BasedSketch, ElementwiseSketch, MLPSketch, PolySketch, as_llops
 
 F64 = torch.float64
 
@@ -113,7 +114,7 @@ def test_psf_degree4_theta_is_fixed_random_rank1():
     (lambda: PolySketch.draw(3, 8, 16, non_negative=True, seed=0), "degree p=8 has no rank-1 LLoPS form"),
     (lambda: PolySketch.draw(3, 8, 16, seed=0), "plain recursive PolySketchFormer sketch of degree p=8"),
     (lambda: PolySketch.draw(3, 3, 16, seed=0), "degree p=3 has no rank-1"),
-    (lambda: TensorSketch.draw(3, 2, 8, seed=0), "TensorSketch has no exact LLoPS form"),
+    (lambda: TensorSketchMap.draw(1, 3, p=2, m=8, seed=0), "TensorSketch has no exact LLoPS form"),
     (lambda: MLPSketch.init_random(3, 2, 4, 5, seed=0), "not a polynomial map"),
     (lambda: BasedSketch(torch.randn(3, 2), 2, form="taylor"), r"inhomogeneous .* affine input \[x, 1\] \(as_llops\(sketch, affine=True\)\)"),
 ])

@@ -27,8 +27,9 @@ map (name)              features                                               k
 (``based-expand``)
 :class:`PSFLearnedMap`  PolySketchFormer's learned sketch LN→Linear→GELU→Linear  learned
 (``psf-learned``, self-tensored)
-:class:`SketchMap`      any fitted sketch's side (``psf-random``: PolySketch;     the sketch's
-                        ``tensorsketch``: TensorSketch)
+:class:`SketchMap`      any fitted sketch's side (``psf-random``: PolySketch)   the sketch's
+:class:`TensorSketchMap` TensorSketch: CountSketches multiplied by FFT (fixed)   ≈ ``(qᵀk)^p``, unbiased
+(``tensorsketch``)
 :class:`HedgehogMap`    LoLCATs: :math:`[\mathrm{softmax}(xW), \mathrm{softmax}(-xW)]`  ≈ ``exp(qᵀk)``
 (``hedgehog``)
 :class:`SelfTensored`   :math:`\phi\otimes\phi` of any map                       ``(φ(q)·φ(k))² >= 0``
@@ -73,6 +74,7 @@ from .registry import (
 )
 from .selftensored import SelfTensored
 from .sketch_map import FeatureMapSketch, SketchMap, sketch_feature_maps
+from .tensorsketch import TensorSketchMap
 
 #: The built-in names of :func:`make_feature_map` (:func:`feature_map_names` adds any registered later).
 FEATURE_MAPS = ("based-expand", "based-taylor", "elementwise", "exact-poly", "hedgehog", "llops", "psf-learned",
@@ -96,6 +98,7 @@ __all__ = [
     "SelfTensored",
     "SketchMap",
     "TaylorMap",
+    "TensorSketchMap",
     "TiedLLoPSMap",
     "as_feature_map",
     "batch_features",

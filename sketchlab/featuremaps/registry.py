@@ -339,11 +339,9 @@ def _psf_random(heads, head_dim, *, p, m, seed, dtype, non_negative, **_):
 
 
 def _tensorsketch(heads, head_dim, *, p, m, seed, dtype, **_):
-    from ..sketches.tensorsketch import TensorSketch
-    from .sketch_map import SketchMap
+    from .tensorsketch import TensorSketchMap
 
-    sketch = TensorSketch.draw(head_dim, p, m, seed=seed, batch_shape=(heads,), dtype=dtype)
-    return SketchMap(sketch, heads=heads, head_dim=head_dim)
+    return TensorSketchMap.draw(heads, head_dim, p=p, m=m, seed=seed, dtype=dtype)
 
 
 def _hedgehog(heads, head_dim, *, m, seed, dtype, **_):
@@ -382,7 +380,7 @@ _BUILTINS = {
     "psf-learned": _Entry(_psf_learned, {"hidden": Option("int", None, low=1, doc="hidden width (default 4·D)")}),
     "psf-random": _Entry(_psf_random, {"non_negative": Option("bool", None, doc="self-tensor (default: even p)")},
                          ("sketchlab.sketches.psf", "_fit_psf")),
-    "tensorsketch": _Entry(_tensorsketch, {}, ("sketchlab.sketches.tensorsketch", "_fit_tensorsketch")),
+    "tensorsketch": _Entry(_tensorsketch, {}, ("sketchlab.featuremaps.tensorsketch", "_fit_tensorsketch")),
     "hedgehog": _Entry(_hedgehog),
     "dpfp": _Entry(_lazy("dpfp", "build_dpfp"), {"nu": Option("int", None, low=1, doc="DPFP's order n (M = 2·D·n)")}),
     "identity": _Entry(_lazy("identity", "build_identity")),

@@ -1,6 +1,6 @@
 """Baseline sketches, each behind the :class:`~sketchlab.sketch.Sketch` interface, and their
 :func:`~sketchlab.fit.fit_sketch` fitters, each in the fitter slot of its name in the one registry
-(:data:`sketchlab.featuremaps.registry._BUILTINS`): ``"psf-random"``, ``"tensorsketch"``, ``"mlp"``,
+(:data:`sketchlab.featuremaps.registry._BUILTINS`): ``"psf-random"``, ``"mlp"``,
 ``"based-expand"``, ``"based-taylor"``, ``"elementwise"``; and :func:`as_llops`, the exact conversions of
 the special cases to LLoPS Θ.
 """
@@ -19,18 +19,15 @@ from .convert import as_llops
 from .elementwise import ElementwiseSketch, elementwise_features, elementwise_features_naive
 from .mlp import MLPSketch, default_hidden, mlp_features, mlp_features_naive
 from .psf import PolySketch, psf_features, psf_features_naive, psf_weight_shapes
-from .tensorsketch import TensorSketch, count_sketch_matrix, tensorsketch_features, tensorsketch_features_naive
 
 __all__ = [
     "BasedSketch",
     "ElementwiseSketch",
     "MLPSketch",
     "PolySketch",
-    "TensorSketch",
     "as_llops",
     "based_dim_for_budget",
     "based_num_features",
-    "count_sketch_matrix",
     "default_hidden",
     "elementwise_features",
     "elementwise_features_naive",
@@ -44,6 +41,4 @@ __all__ = [
     "psf_weight_shapes",
     "taylor_features",
     "taylor_features_naive",
-    "tensorsketch_features",
-    "tensorsketch_features_naive",
 ]

@@ -40,9 +40,9 @@ import math
 import torch
 
 from .._validation import as_float_tensor, check_degree, check_positive_int
+from ..featuremaps._common import make_generator
 from ..polynomial import num_poly_features, poly_features, poly_features_naive
 from ..sketch import Sketch
-from ._common import make_generator
 
 __all__ = ["BasedSketch", "based_dim_for_budget", "based_num_features", "expand_features", "expand_features_naive",
            "pca_projection",

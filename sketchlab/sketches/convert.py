@@ -38,6 +38,7 @@ import math
 
 import torch
 
+from ..featuremaps.tensorsketch import TensorSketchMap
 from ..llops.maps import affine_theta
 from ..llops.module import LLoPS
 from ..polynomial import symmetric_index
@@ -45,7 +46,6 @@ from .based import BasedSketch
 from .elementwise import ElementwiseSketch
 from .mlp import MLPSketch
 from .psf import PolySketch
-from .tensorsketch import TensorSketch
 
 __all__ = ["as_llops"]
 
@@ -176,7 +176,7 @@ def as_llops(sketch, *, affine: bool = False) -> LLoPS:
         return _based(sketch)
     if isinstance(sketch, PolySketch):
         return _psf(sketch)
-    if isinstance(sketch, TensorSketch):
+    if isinstance(sketch, TensorSketchMap):
         raise ValueError(
             "as_llops: TensorSketch has no exact LLoPS form: each feature is a signed sum of all monomials "
             "x_{i_1}⋯x_{i_p} whose hashes add up to one bucket mod m, a sparse tensor of high CP rank, not a "

@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from .._validation import as_float_tensor, check_degree
+from ..featuremaps._common import check_features_finite, make_generator
 from ..objective import DEFAULT_LR, DEFAULT_STEPS, train_kernel_sketch
 from ..sketch import Sketch
-from ._common import check_features_finite, make_generator
 
 __all__ = ["ElementwiseSketch", "elementwise_features", "elementwise_features_naive"]
 

@@ -24,9 +24,9 @@ import torch
 from torch import nn
 
 from .._validation import as_float_tensor, check_degree, check_memory, check_positive_int
+from ..featuremaps._common import check_batch_shape, check_dtype, make_generator
 from ..objective import DEFAULT_LR, DEFAULT_STEPS, train_kernel_sketch
 from ..sketch import Sketch
-from ._common import check_batch_shape, check_dtype, make_generator
 
 __all__ = ["MLPSketch", "default_hidden", "mlp_features", "mlp_features_naive"]
 

@@ -46,9 +46,9 @@ from .._validation import (
     check_memory,
     check_positive_int,
 )
+from ..featuremaps._common import check_batch_shape, check_dtype, check_features_finite, make_generator
 from ..polynomial import self_tensor
 from ..sketch import Sketch
-from ._common import check_batch_shape, check_dtype, check_features_finite, make_generator
 
 __all__ = ["PolySketch", "psf_features", "psf_features_naive", "psf_weight_shapes"]
 
