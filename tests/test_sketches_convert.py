@@ -8,8 +8,8 @@ relative to it, as the issue asks.
 import pytest
 import torch
 
-from sketchlab.llops import LLoPS
 from sketchlab.featuremaps.tensorsketch import TensorSketchMap
+from sketchlab.llops import LLoPS
 from sketchlab.sketches import BasedSketch, ElementwiseSketch, MLPSketch, PolySketch, as_llops
 
 F64 = torch.float64
