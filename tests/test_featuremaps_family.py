@@ -113,8 +113,8 @@ def test_sketch_map_of_one_layer_trains_and_moves():
     assert map_k.sketch is not map_q.sketch  # the key side over its own copy: each module saved once
     map_q.features(x).sum().backward()
     assert map_q.sketch.w1_q.grad is not None
-    psf = make_feature_map("psf-random", heads=H, head_dim=D, m=9).double()  # a plain sketch's tensors follow .to
-    assert all(w.dtype == torch.float64 for w in psf.sketch.weights) and "weights_0" in psf.state_dict()
+    psf = make_feature_map("psf-random", heads=H, head_dim=D, m=9).double()  # a random map's tensors follow .to
+    assert all(w.dtype == torch.float64 for w in psf.weights) and "weights_0" in psf.state_dict()
 
 
 def test_feature_map_sketch_is_a_sketch_of_any_batch():

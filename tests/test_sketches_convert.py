@@ -8,9 +8,11 @@ relative to it, as the issue asks.
 import pytest
 import torch
 
+from sketchlab.featuremaps import FeatureMap, batch_features
+from sketchlab.featuremaps.polysketch import PolySketchMap
 from sketchlab.featuremaps.tensorsketch import TensorSketchMap
 from sketchlab.llops import LLoPS
-from sketchlab.sketches import BasedSketch, ElementwiseSketch, MLPSketch, PolySketch, as_llops
+from sketchlab.sketches import BasedSketch, ElementwiseSketch, MLPSketch, as_llops
 
 F64 = torch.float64
 
@@ -19,9 +21,16 @@ def _x(*lead, n=9, d=4, seed=0):
     return torch.randn(*lead, n, d, dtype=F64, generator=torch.Generator().manual_seed(seed))
 
 
+def _sides(sketch, x):
+    """The query and key features of a map (one for both sides) or of a sketch on ``x [..., n, d]``."""
+    if isinstance(sketch, FeatureMap):
+        return batch_features(sketch, x), batch_features(sketch, x)
+    return sketch.features_q(x), sketch.features_k(x)
+
+
 def _assert_same_features(sketch, ll, x):
     with torch.no_grad():
-        for a, b in ((sketch.features_q(x), ll.features_q(x)), (sketch.features_k(x), ll.features_k(x))):
+        for a, b in zip(_sides(sketch, x), (ll.features_q(x), ll.features_k(x))):
             assert a.shape == b.shape
             assert torch.allclose(a, b, rtol=0, atol=1e-12 * a.abs().max())
 
@@ -36,12 +45,11 @@ CASES = {
     "expand full p=2": lambda: BasedSketch(_g(4, 3), 2, symmetric=False),
     "expand symmetric p=3": lambda: BasedSketch(_g(4, 3), 3, symmetric=True),
     "expand full p=3 batched": lambda: BasedSketch(_g(2, 3, 4, 2), 3),
-    "psf plain p=1": lambda: PolySketch.draw(4, 1, 5, seed=0, dtype=F64),
-    "psf plain p=2": lambda: PolySketch.draw(4, 2, 5, seed=0, dtype=F64),
-    "psf non-negative p=2": lambda: PolySketch.draw(4, 2, 9, non_negative=True, seed=0, dtype=F64),
-    "psf non-negative p=4": lambda: PolySketch.draw(4, 4, 16, non_negative=True, seed=0, dtype=F64),
-    "psf non-negative p=4 batched": lambda: PolySketch.draw(4, 4, 9, non_negative=True, seed=0,
-                                                            batch_shape=(2, 3), dtype=F64),
+    "psf plain p=1": lambda: PolySketchMap.draw(1, 4, p=1, m=5, seed=0, dtype=F64),
+    "psf plain p=2": lambda: PolySketchMap.draw(1, 4, p=2, m=5, seed=0, dtype=F64),
+    "psf non-negative p=2": lambda: PolySketchMap.draw(1, 4, p=2, m=9, non_negative=True, seed=0, dtype=F64),
+    "psf non-negative p=4": lambda: PolySketchMap.draw(1, 4, p=4, m=16, non_negative=True, seed=0, dtype=F64),
+    "psf non-negative p=4 batched": lambda: PolySketchMap.draw(6, 4, p=4, m=9, non_negative=True, seed=0, dtype=F64),
 }
 
 
@@ -52,8 +60,8 @@ def test_exact_conversion(name):
     assert isinstance(ll, LLoPS) and ll.rank == 1 and ll.degree == sketch.degree
     assert ll.num_features == sketch.num_features
     lead = sketch.proj.shape[:-2] if isinstance(sketch, BasedSketch) else ()
-    if isinstance(sketch, PolySketch):
-        lead = sketch.weights[0].shape[:-2]
+    if isinstance(sketch, PolySketchMap):
+        lead = (sketch.heads,)
     _assert_same_features(sketch, ll, _x(*lead))
 
 
@@ -102,18 +110,18 @@ def test_affine_input_appends_a_one():
 
 
 def test_psf_degree4_theta_is_fixed_random_rank1():
-    s = PolySketch.draw(4, 4, 16, non_negative=True, seed=3, dtype=F64)
-    theta = as_llops(s).theta_q.detach()
+    s = PolySketchMap.draw(1, 4, p=4, m=16, non_negative=True, seed=3, dtype=F64)
+    theta = as_llops(s).theta_q.detach()[0]
     assert theta.shape == (1, 4, 4, 16)  # t = 1, p = 4, d = 4, m = r² = 16
-    g1, g2 = s.weights
+    g1, g2 = (w[0] for w in s.weights)
     # coordinate (a, b) = (1, 2) sits at column a·r + b = 6 and is ⟨G1_a/r, ·⟩⟨G2_a, ·⟩⟨G1_b, ·⟩⟨G2_b, ·⟩
     assert torch.equal(theta[0, :, :, 6], torch.stack([g1[:, 1] / 4, g2[:, 1], g1[:, 2], g2[:, 2]]))
 
 
 @pytest.mark.parametrize("make,match", [
-    (lambda: PolySketch.draw(3, 8, 16, non_negative=True, seed=0), "degree p=8 has no rank-1 LLoPS form"),
-    (lambda: PolySketch.draw(3, 8, 16, seed=0), "plain recursive PolySketchFormer sketch of degree p=8"),
-    (lambda: PolySketch.draw(3, 3, 16, seed=0), "degree p=3 has no rank-1"),
+    (lambda: PolySketchMap.draw(1, 3, p=8, m=16, non_negative=True, seed=0), "degree p=8 has no rank-1 LLoPS form"),
+    (lambda: PolySketchMap.draw(1, 3, p=8, m=16, seed=0), "plain recursive PolySketchFormer sketch of degree p=8"),
+    (lambda: PolySketchMap.draw(1, 3, p=3, m=16, seed=0), "degree p=3 has no rank-1"),
     (lambda: TensorSketchMap.draw(1, 3, p=2, m=8, seed=0), "TensorSketch has no exact LLoPS form"),
     (lambda: MLPSketch.init_random(3, 2, 4, 5, seed=0), "not a polynomial map"),
     (lambda: BasedSketch(torch.randn(3, 2), 2, form="taylor"), r"inhomogeneous .* affine input \[x, 1\] \(as_llops\(sketch, affine=True\)\)"),

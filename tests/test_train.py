@@ -15,9 +15,9 @@ from sketchlab.attention import (
 )
 from sketchlab.attention.ops.additive.naive import feature_attention_naive
 from sketchlab.attention.reference import llops_attention_naive
+from sketchlab.featuremaps.polysketch import psf_features_naive
 from sketchlab.io import save_theta
 from sketchlab.sketches.based import taylor_features_naive
-from sketchlab.sketches.psf import psf_features_naive
 from sketchlab.tasks import (
     MQARConfig,
     TransformerConfig,
@@ -244,7 +244,7 @@ def test_psf_kernel_uses_its_stored_draw_per_layer_and_head():
     kernel, model = _kernel("psf", {"p": 4, "m": 16, "seed": 3})
     q, k, v = _qkv()
     s = input_scale(8)
-    weights = kernel.map_q.sketch.weights
+    weights = kernel.map_q.weights
     fq = torch.stack([_rows(psf_features_naive, q[:, :, h] * s, [w[h] for w in weights], 2) for h in range(2)],
                      dim=2)  # [B, T, H, r]: the inner degree-2 sketch of each head
     fk = torch.stack([_rows(psf_features_naive, k[:, :, h] * s, [w[h] for w in weights], 2) for h in range(2)],

@@ -27,7 +27,8 @@ map (name)              features                                               k
 (``based-expand``)
 :class:`PSFLearnedMap`  PolySketchFormer's learned sketch LN→Linear→GELU→Linear  learned
 (``psf-learned``, self-tensored)
-:class:`SketchMap`      any fitted sketch's side (``psf-random``: PolySketch)   the sketch's
+:class:`PolySketchMap` PolySketchFormer's random sketch (fixed Gaussians)     ≈ ``(qᵀk)^p``; ≥ 0 self-tensored
+(``psf-random``)
 :class:`TensorSketchMap` TensorSketch: CountSketches multiplied by FFT (fixed)   ≈ ``(qᵀk)^p``, unbiased
 (``tensorsketch``)
 :class:`HedgehogMap`    LoLCATs: :math:`[\mathrm{softmax}(xW), \mathrm{softmax}(-xW)]`  ≈ ``exp(qᵀk)``
@@ -56,6 +57,7 @@ from .heads import batch_features, pair_features
 from .hedgehog import HedgehogMap
 from .llops import LLoPSMap
 from .normed import InputNormed
+from .polysketch import PolySketchMap
 from .psf import PSFLearnedMap
 from .registry import (
     COMMON_OPTIONS,
@@ -95,6 +97,7 @@ __all__ = [
     "ModuleMap",
     "Option",
     "PSFLearnedMap",
+    "PolySketchMap",
     "SelfTensored",
     "SketchMap",
     "TaylorMap",

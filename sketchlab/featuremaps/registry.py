@@ -330,12 +330,10 @@ def _psf_learned(heads, head_dim, *, p, m, seed, dtype, self_tensored, hidden, *
 
 
 def _psf_random(heads, head_dim, *, p, m, seed, dtype, non_negative, **_):
-    from ..sketches.psf import PolySketch
-    from .sketch_map import SketchMap
+    from .polysketch import PolySketchMap
 
     non_negative = p % 2 == 0 if non_negative is None else non_negative
-    sketch = PolySketch.draw(head_dim, p, m, non_negative=non_negative, seed=seed, batch_shape=(heads,), dtype=dtype)
-    return SketchMap(sketch, heads=heads, head_dim=head_dim)
+    return PolySketchMap.draw(heads, head_dim, p=p, m=m, non_negative=non_negative, seed=seed, dtype=dtype)
 
 
 def _tensorsketch(heads, head_dim, *, p, m, seed, dtype, **_):
@@ -379,13 +377,13 @@ _BUILTINS = {
     "based-expand": _Entry(_expand, _BASED, ("sketchlab.sketches.based", "_fit_based_expand")),
     "psf-learned": _Entry(_psf_learned, {"hidden": Option("int", None, low=1, doc="hidden width (default 4·D)")}),
     "psf-random": _Entry(_psf_random, {"non_negative": Option("bool", None, doc="self-tensor (default: even p)")},
-                         ("sketchlab.sketches.psf", "_fit_psf")),
+                         ("sketchlab.featuremaps.polysketch", "_fit_psf")),
     "tensorsketch": _Entry(_tensorsketch, {}, ("sketchlab.featuremaps.tensorsketch", "_fit_tensorsketch")),
     "hedgehog": _Entry(_hedgehog),
     "dpfp": _Entry(_lazy("dpfp", "build_dpfp"), {"nu": Option("int", None, low=1, doc="DPFP's order n (M = 2·D·n)")}),
     "identity": _Entry(_lazy("identity", "build_identity")),
     # deprecated fit_sketch names (DEPRECATED_METHODS), each with its own fitter
-    "psf": _Entry(fit=("sketchlab.sketches.psf", "_fit_psf")),
+    "psf": _Entry(fit=("sketchlab.featuremaps.polysketch", "_fit_psf")),
     "based": _Entry(fit=("sketchlab.sketches.based", "_fit_based")),
 }
 _REGISTRY.update(_BUILTINS)

@@ -54,8 +54,8 @@ def _special_case(name, q, k, p, m, seed):
     The baselines' own fitters, not :func:`sketchlab.fit.sketch_fitter`: the fits sit below
     :mod:`sketchlab.fit` (tests/test_layers.py).
     """
+    from ..featuremaps.polysketch import _fit_psf
     from ..sketches.based import _fit_based
-    from ..sketches.psf import _fit_psf
 
     return {"based": _fit_based, "psf": _fit_psf}[name](q, k, p=p, m=m, seed=seed)
 

@@ -1,6 +1,6 @@
 """Baseline sketches, each behind the :class:`~sketchlab.sketch.Sketch` interface, and their
 :func:`~sketchlab.fit.fit_sketch` fitters, each in the fitter slot of its name in the one registry
-(:data:`sketchlab.featuremaps.registry._BUILTINS`): ``"psf-random"``, ``"mlp"``,
+(:data:`sketchlab.featuremaps.registry._BUILTINS`): ``"mlp"``,
 ``"based-expand"``, ``"based-taylor"``, ``"elementwise"``; and :func:`as_llops`, the exact conversions of
 the special cases to LLoPS Θ.
 """
@@ -18,13 +18,11 @@ from .based import (
 from .convert import as_llops
 from .elementwise import ElementwiseSketch, elementwise_features, elementwise_features_naive
 from .mlp import MLPSketch, default_hidden, mlp_features, mlp_features_naive
-from .psf import PolySketch, psf_features, psf_features_naive, psf_weight_shapes
 
 __all__ = [
     "BasedSketch",
     "ElementwiseSketch",
     "MLPSketch",
-    "PolySketch",
     "as_llops",
     "based_dim_for_budget",
     "based_num_features",
@@ -36,9 +34,6 @@ __all__ = [
     "mlp_features",
     "mlp_features_naive",
     "pca_projection",
-    "psf_features",
-    "psf_features_naive",
-    "psf_weight_shapes",
     "taylor_features",
     "taylor_features_naive",
 ]

@@ -38,6 +38,7 @@ import math
 
 import torch
 
+from ..featuremaps.polysketch import PolySketchMap
 from ..featuremaps.tensorsketch import TensorSketchMap
 from ..llops.maps import affine_theta
 from ..llops.module import LLoPS
@@ -45,7 +46,6 @@ from ..polynomial import symmetric_index
 from .based import BasedSketch
 from .elementwise import ElementwiseSketch
 from .mlp import MLPSketch
-from .psf import PolySketch
 
 __all__ = ["as_llops"]
 
@@ -112,7 +112,7 @@ def _based_taylor(sketch: BasedSketch) -> LLoPS:
     return LLoPS(torch.cat([constant, linear, quadratic], dim=-1)[..., None, :, :, :])  # [..., 1, 2, d + 1, M]
 
 
-def _psf(sketch: PolySketch) -> LLoPS:
+def _psf(sketch: PolySketchMap) -> LLoPS:
     w, r = sketch.weights, sketch.r
     if not sketch.non_negative and sketch.p == 1:
         theta = (w[0] / math.sqrt(r))[..., None, None, :, :]  # [..., 1, 1, d, r]
@@ -174,7 +174,7 @@ def as_llops(sketch, *, affine: bool = False) -> LLoPS:
         return _elementwise(sketch)
     if isinstance(sketch, BasedSketch):
         return _based(sketch)
-    if isinstance(sketch, PolySketch):
+    if isinstance(sketch, PolySketchMap):
         return _psf(sketch)
     if isinstance(sketch, TensorSketchMap):
         raise ValueError(
