@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from sketchlab.featuremaps import FeatureMap, batch_features
+from sketchlab.featuremaps.mlp import MLPMap
 from sketchlab.featuremaps.polysketch import PolySketchMap
 from sketchlab.featuremaps.tensorsketch import TensorSketchMap
 from sketchlab.llops import LLoPS
-from sketchlab.sketches import BasedSketch, ElementwiseSketch, MLPSketch, as_llops
+from sketchlab.sketches import BasedSketch, ElementwiseSketch, as_llops
 
 F64 = torch.float64
 
@@ -123,7 +124,7 @@ def test_psf_degree4_theta_is_fixed_random_rank1():
     (lambda: PolySketchMap.draw(1, 3, p=8, m=16, seed=0), "plain recursive PolySketchFormer sketch of degree p=8"),
     (lambda: PolySketchMap.draw(1, 3, p=3, m=16, seed=0), "degree p=3 has no rank-1"),
     (lambda: TensorSketchMap.draw(1, 3, p=2, m=8, seed=0), "TensorSketch has no exact LLoPS form"),
-    (lambda: MLPSketch.init_random(3, 2, 4, 5, seed=0), "not a polynomial map"),
+    (lambda: MLPMap.init_random(1, 3, p=2, m=4, hidden=5, seed=0), "not a polynomial map"),
     (lambda: BasedSketch(torch.randn(3, 2), 2, form="taylor"), r"inhomogeneous .* affine input \[x, 1\] \(as_llops\(sketch, affine=True\)\)"),
 ])
 def test_not_expressible_raises(make, match):

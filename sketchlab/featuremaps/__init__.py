@@ -31,6 +31,8 @@ map (name)              features                                               k
 (``psf-random``)
 :class:`TensorSketchMap` TensorSketch: CountSketches multiplied by FFT (fixed)   ≈ ``(qᵀk)^p``, unbiased
 (``tensorsketch``)
+:class:`MLPMap`        a two-layer MLP :math:`\sigma(xW_1 + b_1)W_2 + b_2`       fitted (the ``mlp``
+                        (the ``mlp`` method: one per side)                      method)
 :class:`HedgehogMap`    LoLCATs: :math:`[\mathrm{softmax}(xW), \mathrm{softmax}(-xW)]`  ≈ ``exp(qᵀk)``
 (``hedgehog``)
 :class:`SelfTensored`   :math:`\phi\otimes\phi` of any map                       ``(φ(q)·φ(k))² >= 0``
@@ -56,6 +58,7 @@ from .exact import ExactPolyMap
 from .heads import batch_features, pair_features
 from .hedgehog import HedgehogMap
 from .llops import LLoPSMap
+from .mlp import MLPMap
 from .normed import InputNormed
 from .polysketch import PolySketchMap
 from .psf import PSFLearnedMap
@@ -94,6 +97,7 @@ __all__ = [
     "HedgehogMap",
     "InputNormed",
     "LLoPSMap",
+    "MLPMap",
     "ModuleMap",
     "Option",
     "PSFLearnedMap",

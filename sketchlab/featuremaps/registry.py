@@ -368,7 +368,7 @@ _BASED = {"dim": Option("int", None, low=1, doc="BASED's d' (default: the larges
 #: ``(module, attr)`` (imported on first lookup) where it has one.
 _BUILTINS = {
     "optimal": _Entry(fit=("sketchlab.optimal", "_fit_optimal")),
-    "mlp": _Entry(fit=("sketchlab.sketches.mlp", "_fit_mlp")),
+    "mlp": _Entry(fit=("sketchlab.featuremaps.mlp", "_fit_mlp")),
     "llops": _Entry(_llops, {"theta": Option("tensor", None, doc="a given Θ [H, t, p, D, M]"), "learn": _LEARN},
                     ("sketchlab.llops.dispatch", "fit_llops")),
     "elementwise": _Entry(_elementwise, {"learn": _LEARN}, ("sketchlab.sketches.elementwise", "_fit_elementwise")),

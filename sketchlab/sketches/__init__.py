@@ -17,22 +17,17 @@ from .based import (
 )
 from .convert import as_llops
 from .elementwise import ElementwiseSketch, elementwise_features, elementwise_features_naive
-from .mlp import MLPSketch, default_hidden, mlp_features, mlp_features_naive
 
 __all__ = [
     "BasedSketch",
     "ElementwiseSketch",
-    "MLPSketch",
     "as_llops",
     "based_dim_for_budget",
     "based_num_features",
-    "default_hidden",
     "elementwise_features",
     "elementwise_features_naive",
     "expand_features",
     "expand_features_naive",
-    "mlp_features",
-    "mlp_features_naive",
     "pca_projection",
     "taylor_features",
     "taylor_features_naive",

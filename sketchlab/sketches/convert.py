@@ -38,6 +38,7 @@ import math
 
 import torch
 
+from ..featuremaps.mlp import MLPMap
 from ..featuremaps.polysketch import PolySketchMap
 from ..featuremaps.tensorsketch import TensorSketchMap
 from ..llops.maps import affine_theta
@@ -45,7 +46,6 @@ from ..llops.module import LLoPS
 from ..polynomial import symmetric_index
 from .based import BasedSketch
 from .elementwise import ElementwiseSketch
-from .mlp import MLPSketch
 
 __all__ = ["as_llops"]
 
@@ -182,7 +182,7 @@ def as_llops(sketch, *, affine: bool = False) -> LLoPS:
             "x_{i_1}⋯x_{i_p} whose hashes add up to one bucket mod m, a sparse tensor of high CP rank, not a "
             "product of p linear forms"
         )
-    if isinstance(sketch, MLPSketch):
+    if isinstance(sketch, MLPMap):
         raise ValueError(
             "as_llops: the MLP sketch is not a polynomial map (σ(xW1 + b1)W2 + b2 with a non-polynomial "
             "activation), so no LLoPS Θ reproduces it"
