@@ -78,7 +78,7 @@ from .polynomial import (
 )
 from .scaling import describe_scale, resolve_scale
 from .sketch import Sketch
-from .sketches import BasedSketch, ElementwiseSketch, as_llops
+from .sketches import BasedSketch, as_llops
 from .spectral import deflate, feature_bound, rank1_residuals, spectral_norm
 from .spectrum import KernelSpectrum, kernel_spectrum
 from .verify import Check, Verification, verify
@@ -103,7 +103,6 @@ __all__ = [
     "ComparisonRow",
     "ComparisonTable",
     "DEFAULT_METHODS",
-    "ElementwiseSketch",
     "Fit",
     "FitReport",
     "HeadAdvice",

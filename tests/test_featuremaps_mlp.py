@@ -1,4 +1,4 @@
-"""MLP ("NN") maps and element-wise sketch: naive twins, parameter budget, fitting lowers the loss.
+"""MLP ("NN") maps: naive twins, parameter budget, fitting lowers the loss.
 
 Tolerances: fast vs naive in float64 differ by summation order only (≤ d + h terms per output),
 so 1e-12 relative to the largest feature is ample.
@@ -9,7 +9,6 @@ import torch
 
 from sketchlab import fit_sketch
 from sketchlab.featuremaps.mlp import MLPMap, default_hidden, mlp_features_naive
-from sketchlab.sketches import ElementwiseSketch, elementwise_features_naive
 
 F64 = torch.float64
 
@@ -61,20 +60,6 @@ def test_mlp_fit_lowers_loss_and_is_at_least_llops_sized():
     assert not fit.tied and fit.map_q.w1.shape == fit.map_k.w1.shape == (2, 4, info["hidden"])
 
 
-def test_elementwise_matches_naive_and_fits():
-    theta = torch.randn(3, 5, dtype=F64, generator=torch.Generator().manual_seed(0))
-    x = torch.randn(4, 3, dtype=F64, generator=torch.Generator().manual_seed(1))
-    s = ElementwiseSketch(theta, 3)
-    with torch.no_grad():
-        assert torch.allclose(s.features_q(x), elementwise_features_naive(x, theta, 3), rtol=1e-12, atol=0)
-        assert torch.equal(s.features_k(x), s.features_q(x)) and s.num_parameters == 15
-    q, k = _qk()
-    fit = fit_sketch("elementwise", q, k, p=2, m=8, seed=0, steps=80, lr=2e-2)
-    info = fit.report.info
-    assert (info["rel_fro"] ** 2).mean() < 0.5 * (info["init_rel_fro"] ** 2).mean()  # same budget argument as the MLP
-    assert fit.report.num_parameters == 2 * 4 * 8
-
-
 def test_validation():
     with pytest.raises(ValueError, match="activation must be one of"):
         MLPMap.init_random(1, 3, p=2, m=4, hidden=5, seed=0, activation="swish")
@@ -82,33 +67,17 @@ def test_validation():
         fit_sketch("mlp", *_qk(), p=2, m=4, lr=-1.0)
     with pytest.raises(ValueError, match="steps must be an integer >= 1"):
         fit_sketch("mlp", *_qk(), p=2, m=4, steps=0)
-    with pytest.raises(ValueError, match="theta_k must have the shape"):
-        ElementwiseSketch(torch.randn(3, 4), 2, torch.randn(3, 5))
 
 
-def test_elementwise_naive_requires_a_matrix():
-    with pytest.raises(ValueError, match=r"x\[n, d\], got shape \(3,\)"):  # was an IndexError
-        elementwise_features_naive(torch.ones(3, dtype=F64), torch.ones(3, 2, dtype=F64), 2)
-    with pytest.raises(ValueError, match=r"theta\[d, m\] with d = x.shape\[1\] = 3"):
-        elementwise_features_naive(torch.ones(2, 3, dtype=F64), torch.ones(4, 2, dtype=F64), 2)
-
-
-@pytest.mark.parametrize("method", ["mlp", "elementwise"])
-def test_random_start_follows_the_input_device(method, monkeypatch):
+def test_random_start_follows_the_input_device(monkeypatch):
     # The start is drawn on a CPU generator, then moved to q's device. "meta" (shapes only) stands
     # in for a GPU on this CPU-only machine; training needs values, so it is replaced by a no-op here
     # (the device of the start is decided before it).
     import sketchlab.featuremaps.mlp as mlp
-    import sketchlab.sketches.elementwise as ew
 
-    module, fitter = (mlp, mlp._fit_mlp) if method == "mlp" else (ew, ew._fit_elementwise)
-    monkeypatch.setattr(module, "train_kernel_sketch", lambda *args, **kwargs: {"steps": 0, "converged": True})
+    monkeypatch.setattr(mlp, "train_kernel_sketch", lambda *args, **kwargs: {"steps": 0, "converged": True})
     q = torch.empty(2, 6, 4, device="meta")
-    s = fitter(q, q, p=2, m=8, seed=0)
-    if method == "elementwise":
-        assert {t.device.type for t in s.parameters()} == {"meta"}
-        assert s.features_q(q).device.type == "meta" and s.features_k(q).shape == (2, 6, 8)
-        return
+    s = mlp._fit_mlp(q, q, p=2, m=8, seed=0)
     x = torch.empty(1, 6, 2, 4, device="meta")
     for fmap in s:
         assert {t.device.type for t in fmap.parameters()} == {"meta"}

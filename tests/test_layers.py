@@ -32,7 +32,7 @@ LAYERS = [
     # the baselines' maps (the LLoPS fits start from BASED/PSF) and their exact Θ forms
     ("sketches", ["sketchlab.sketches", "sketchlab.sketches.*", "sketchlab.featuremaps._common",
                   "sketchlab.featuremaps.tensorsketch", "sketchlab.featuremaps.polysketch",
-                  "sketchlab.featuremaps.mlp"]),
+                  "sketchlab.featuremaps.mlp", "sketchlab.featuremaps.elementwise"]),
     ("llops fits", ["sketchlab.llops", "sketchlab.llops.*"]),  # inits from BASED/PSF: above the sketches
     # the feature-map family: maps, a fitted sketch as a map, the name registry (fit reads it)
     ("feature maps", ["sketchlab.featuremaps", "sketchlab.featuremaps.*"]),

@@ -9,11 +9,12 @@ import pytest
 import torch
 
 from sketchlab.featuremaps import FeatureMap, batch_features
+from sketchlab.featuremaps.elementwise import TiedLLoPSMap
 from sketchlab.featuremaps.mlp import MLPMap
 from sketchlab.featuremaps.polysketch import PolySketchMap
 from sketchlab.featuremaps.tensorsketch import TensorSketchMap
 from sketchlab.llops import LLoPS
-from sketchlab.sketches import BasedSketch, ElementwiseSketch, as_llops
+from sketchlab.sketches import BasedSketch, as_llops
 
 F64 = torch.float64
 
@@ -26,6 +27,8 @@ def _sides(sketch, x):
     """The query and key features of a map (one for both sides) or of a sketch on ``x [..., n, d]``."""
     if isinstance(sketch, FeatureMap):
         return batch_features(sketch, x), batch_features(sketch, x)
+    if isinstance(sketch, tuple):
+        return batch_features(sketch[0], x), batch_features(sketch[1], x)
     return sketch.features_q(x), sketch.features_k(x)
 
 
@@ -41,8 +44,8 @@ def _g(*shape, seed=1):
 
 
 CASES = {
-    "elementwise tied p=3": lambda: ElementwiseSketch(_g(4, 6), 3),
-    "elementwise untied p=2": lambda: ElementwiseSketch(_g(4, 6), 2, _g(4, 6, seed=2)),
+    "elementwise tied p=3": lambda: TiedLLoPSMap(1, 4, _g(1, 1, 4, 6), p=3, signed=True),
+    "elementwise untied p=2": lambda: (TiedLLoPSMap(1, 4, _g(1, 1, 4, 6), p=2), TiedLLoPSMap(1, 4, _g(1, 1, 4, 6, seed=2), p=2)),
     "expand full p=2": lambda: BasedSketch(_g(4, 3), 2, symmetric=False),
     "expand symmetric p=3": lambda: BasedSketch(_g(4, 3), 3, symmetric=True),
     "expand full p=3 batched": lambda: BasedSketch(_g(2, 3, 4, 2), 3),
@@ -57,20 +60,22 @@ CASES = {
 @pytest.mark.parametrize("name", list(CASES))
 def test_exact_conversion(name):
     sketch = CASES[name]()
+    first = sketch[0] if isinstance(sketch, tuple) else sketch
     ll = as_llops(sketch)
-    assert isinstance(ll, LLoPS) and ll.rank == 1 and ll.degree == sketch.degree
-    assert ll.num_features == sketch.num_features
+    assert isinstance(ll, LLoPS) and ll.rank == 1 and ll.degree == first.degree
+    assert ll.num_features == first.num_features
     lead = sketch.proj.shape[:-2] if isinstance(sketch, BasedSketch) else ()
-    if isinstance(sketch, PolySketchMap):
-        lead = (sketch.heads,)
+    if isinstance(first, FeatureMap):
+        lead = (first.heads,)
     _assert_same_features(sketch, ll, _x(*lead))
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_affine_conversion_of_a_homogeneous_sketch_adds_a_zero_constant_row(name):
     sketch = CASES[name]()
+    first = sketch[0] if isinstance(sketch, tuple) else sketch
     plain, ll = as_llops(sketch), as_llops(sketch, affine=True)
-    assert ll.theta_q.shape[:-2] == plain.theta_q.shape[:-2] and ll.theta_q.shape[-2:] == (5, sketch.num_features)
+    assert ll.theta_q.shape[:-2] == plain.theta_q.shape[:-2] and ll.theta_q.shape[-2:] == (5, first.num_features)
     for a, b in ((plain.theta_q, ll.theta_q), (plain.theta_k, ll.theta_k)):
         if a is None:
             assert b is None

@@ -371,7 +371,7 @@ _BUILTINS = {
     "mlp": _Entry(fit=("sketchlab.featuremaps.mlp", "_fit_mlp")),
     "llops": _Entry(_llops, {"theta": Option("tensor", None, doc="a given Θ [H, t, p, D, M]"), "learn": _LEARN},
                     ("sketchlab.llops.dispatch", "fit_llops")),
-    "elementwise": _Entry(_elementwise, {"learn": _LEARN}, ("sketchlab.sketches.elementwise", "_fit_elementwise")),
+    "elementwise": _Entry(_elementwise, {"learn": _LEARN}, ("sketchlab.featuremaps.elementwise", "_fit_elementwise")),
     "exact-poly": _Entry(_exact, {"symmetric": Option("bool", True, doc="C(D+p−1, p) symmetric coordinates")}),
     "based-taylor": _Entry(_taylor, _BASED, ("sketchlab.sketches.based", "_fit_based_taylor")),
     "based-expand": _Entry(_expand, _BASED, ("sketchlab.sketches.based", "_fit_based_expand")),

@@ -16,16 +16,12 @@ from .based import (
     taylor_features_naive,
 )
 from .convert import as_llops
-from .elementwise import ElementwiseSketch, elementwise_features, elementwise_features_naive
 
 __all__ = [
     "BasedSketch",
-    "ElementwiseSketch",
     "as_llops",
     "based_dim_for_budget",
     "based_num_features",
-    "elementwise_features",
-    "elementwise_features_naive",
     "expand_features",
     "expand_features_naive",
     "pca_projection",

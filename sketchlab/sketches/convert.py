@@ -38,6 +38,7 @@ import math
 
 import torch
 
+from ..featuremaps.elementwise import TiedLLoPSMap
 from ..featuremaps.mlp import MLPMap
 from ..featuremaps.polysketch import PolySketchMap
 from ..featuremaps.tensorsketch import TensorSketchMap
@@ -45,7 +46,6 @@ from ..llops.maps import affine_theta
 from ..llops.module import LLoPS
 from ..polynomial import symmetric_index
 from .based import BasedSketch
-from .elementwise import ElementwiseSketch
 
 __all__ = ["as_llops"]
 
@@ -59,13 +59,12 @@ def _from_columns(proj: torch.Tensor, index: torch.Tensor, weight: torch.Tensor 
     return torch.stack(factors, dim=-3)[..., None, :, :, :]  # [..., 1, p, d, M]
 
 
-def _elementwise(sketch: ElementwiseSketch) -> LLoPS:
-    def expand(theta: torch.Tensor) -> torch.Tensor:
-        theta = theta.detach()
-        return theta[..., None, None, :, :].expand(*theta.shape[:-2], 1, sketch.p, *theta.shape[-2:]).clone()
+def _elementwise(map_q: TiedLLoPSMap, map_k: TiedLLoPSMap | None = None) -> LLoPS:
+    def expand(fmap: TiedLLoPSMap) -> torch.Tensor:
+        theta = fmap.theta.detach()  # [H, t, D, M]: every term's p factors equal
+        return theta[:, :, None].expand(-1, -1, fmap.p, -1, -1).clone()  # [H, t, p, D, M]
 
-    theta_k = None if sketch.theta_k is None else expand(sketch.theta_k)
-    return LLoPS(expand(sketch.theta_q), theta_k)
+    return LLoPS(expand(map_q), None if map_k is None or map_k is map_q else expand(map_k))
 
 
 def _based(sketch: BasedSketch) -> LLoPS:
@@ -170,8 +169,10 @@ def as_llops(sketch, *, affine: bool = False) -> LLoPS:
         return _pad_affine(as_llops(sketch))
     if isinstance(sketch, LLoPS):
         return sketch
-    if isinstance(sketch, ElementwiseSketch):
+    if isinstance(sketch, TiedLLoPSMap):
         return _elementwise(sketch)
+    if isinstance(sketch, tuple) and len(sketch) == 2 and all(isinstance(f, TiedLLoPSMap) for f in sketch):
+        return _elementwise(*sketch)
     if isinstance(sketch, BasedSketch):
         return _based(sketch)
     if isinstance(sketch, PolySketchMap):
