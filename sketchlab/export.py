@@ -86,8 +86,8 @@ def export_theta(fit, path, *, dump, scale=None) -> Path:
     ``sketchlab_version`` from ``sketchlab.__version__``.
     """
     from ._version import __version__
+    from .featuremaps.to_llops import as_llops
     from .io import check_output_paths, dump_files, save_theta
-    from .sketches import as_llops
 
     if not hasattr(fit, "sketch") or not hasattr(fit, "report"):
         raise TypeError(f"fit must be a sketchlab.Fit (with .sketch and .report), got {type(fit).__name__}")

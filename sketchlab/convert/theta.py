@@ -87,8 +87,8 @@ def _fit_recorded(layers: list[LayerIO], mask, index, skip, *, p, m, rank, fit_t
     """:func:`fit_theta` from the teacher recording: the post-RoPE q, k of the sequences ``index``' valid
     tokens (GQA keys repeated, float32 then float64 times ``D^{-1/4}``; only the fitting tokens copied);
     the layers in ``skip`` are not fitted and left zero (exact layers: never read)."""
+    from ..featuremaps.to_llops import as_llops
     from ..fit import fit_sketch
-    from ..sketches import as_llops
 
     valid = mask[index].to(torch.bool)  # [n_seq, T]
     n = int(valid.sum())

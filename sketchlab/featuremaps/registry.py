@@ -19,7 +19,7 @@ fitting that method, ``make_feature_map`` would build another thing), and no slo
 ``fit_sketch``, the toy model's attention registry and ``convert_attention`` all read this registry, so
 a map registered here runs in each of them. The built-in names, both slots on one line each, are
 :data:`_BUILTINS`; their fitters live below this layer (:mod:`sketchlab.optimal`, :mod:`sketchlab.llops`,
-:mod:`sketchlab.sketches`) and are imported on first lookup.
+:mod:`sketchlab.featuremaps`' map modules) and are imported on first lookup.
 
 Names (DESIGN §6): maps ``llops``, ``elementwise``, ``exact-poly``, ``based-taylor``, ``based-expand``,
 ``psf-random``, ``psf-learned``, ``tensorsketch``, ``hedgehog``, ``dpfp``, ``identity``; of these
@@ -267,13 +267,9 @@ def make_feature_map(name: str, *, heads: int, head_dim: int, **options) -> Feat
 # the built-in maps: one build function and one registration line each
 
 def _budget_dim(head_dim, p, m, form, symmetric):
-    from ..sketches.based import based_num_features
+    from .based import based_dim_for_budget
 
-    fits = [d for d in range(1, head_dim + 1) if based_num_features(d, p, form, symmetric) <= m]
-    if not fits:
-        raise ValueError(f"m={m} is below the smallest BASED {form} map (d'=1 has "
-                         f"{based_num_features(1, p, form, symmetric)} features)")
-    return fits[-1]
+    return based_dim_for_budget(head_dim, p, m, form, symmetric)
 
 
 def _llops(heads, head_dim, *, p, m, rank, seed, dtype, theta, learn, **_):
@@ -373,8 +369,8 @@ _BUILTINS = {
                     ("sketchlab.llops.dispatch", "fit_llops")),
     "elementwise": _Entry(_elementwise, {"learn": _LEARN}, ("sketchlab.featuremaps.elementwise", "_fit_elementwise")),
     "exact-poly": _Entry(_exact, {"symmetric": Option("bool", True, doc="C(D+p−1, p) symmetric coordinates")}),
-    "based-taylor": _Entry(_taylor, _BASED, ("sketchlab.sketches.based", "_fit_based_taylor")),
-    "based-expand": _Entry(_expand, _BASED, ("sketchlab.sketches.based", "_fit_based_expand")),
+    "based-taylor": _Entry(_taylor, _BASED, ("sketchlab.featuremaps.based", "_fit_based_taylor")),
+    "based-expand": _Entry(_expand, _BASED, ("sketchlab.featuremaps.based", "_fit_based_expand")),
     "psf-learned": _Entry(_psf_learned, {"hidden": Option("int", None, low=1, doc="hidden width (default 4·D)")}),
     "psf-random": _Entry(_psf_random, {"non_negative": Option("bool", None, doc="self-tensor (default: even p)")},
                          ("sketchlab.featuremaps.polysketch", "_fit_psf")),
@@ -384,6 +380,6 @@ _BUILTINS = {
     "identity": _Entry(_lazy("identity", "build_identity")),
     # deprecated fit_sketch names (DEPRECATED_METHODS), each with its own fitter
     "psf": _Entry(fit=("sketchlab.featuremaps.polysketch", "_fit_psf")),
-    "based": _Entry(fit=("sketchlab.sketches.based", "_fit_based")),
+    "based": _Entry(fit=("sketchlab.featuremaps.based", "_fit_based")),
 }
 _REGISTRY.update(_BUILTINS)
