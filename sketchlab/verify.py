@@ -170,7 +170,7 @@ def _special_sketches(q, k, p, m, seed):
     """``[(label, map)]`` of the special cases (one head) that have an exact LLoPS form at this ``(p, m)``; skipped ones."""
     from .featuremaps.based import ExpandMap, based_dim_for_budget, pca_projection
     from .featuremaps.elementwise import TiedLLoPSMap
-    from .featuremaps.polysketch import PolySketchMap
+    from .featuremaps.psf_random import PSFRandomMap
 
     gen = torch.Generator().manual_seed(seed)
     d = q.shape[-1]
@@ -181,10 +181,10 @@ def _special_sketches(q, k, p, m, seed):
     proj = pca_projection(q, k, dim).to(torch.float64)
     out.append((f"BASED expand d'={dim}", ExpandMap(1, d, p=p, proj=proj[None], symmetric=False)))
     if p in (2, 4):
-        out.append(("PSF self-tensored", PolySketchMap.draw(1, d, p=p, m=m, non_negative=True, seed=seed,
+        out.append(("PSF self-tensored", PSFRandomMap.draw(1, d, p=p, m=m, non_negative=True, seed=seed,
                                                             dtype=torch.float64)))
     elif p == 1:
-        out.append(("PSF plain", PolySketchMap.draw(1, d, p=p, m=m, seed=seed, dtype=torch.float64)))
+        out.append(("PSF plain", PSFRandomMap.draw(1, d, p=p, m=m, seed=seed, dtype=torch.float64)))
     else:
         skipped.append(f"PSF skipped: no exact LLoPS form at p={p} (sketchlab.as_llops: plain p ≤ 2, self-tensored p ∈ {{2, 4}})")
     return out, skipped

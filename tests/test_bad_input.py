@@ -23,7 +23,7 @@ from sketchlab import fit_sketch, load_qk, load_theta, poly_features, poly_kerne
 from sketchlab._validation import MAX_DEGREE, as_float_tensor, check_pair
 from sketchlab.cli import main
 from sketchlab.featuremaps._common import make_generator
-from sketchlab.featuremaps.polysketch import PolySketchMap
+from sketchlab.featuremaps.psf_random import PSFRandomMap
 from sketchlab.featuremaps.tensorsketch import TensorSketchMap, tensorsketch_features
 
 SHA = "0" * 64
@@ -257,7 +257,7 @@ def test_memory_budgets_fire_before_allocating(monkeypatch):
 
         monkeypatch.setattr(torch, name, guarded)
     with pytest.raises(ValueError, match=r"Gaussian matrices of a degree-1024 PolySketch .*memory budget"):
-        PolySketchMap.draw(32, 64, p=MAX_DEGREE, m=4096, seed=0)
+        PSFRandomMap.draw(32, 64, p=MAX_DEGREE, m=4096, seed=0)
     with pytest.raises(ValueError, match=r"dense CountSketch matrices .*memory budget"):
         TensorSketchMap.draw(32 * 32, 128, p=1000, m=100_000, seed=0)
     monkeypatch.undo()

@@ -12,7 +12,7 @@ from sketchlab.featuremaps import FeatureMap, LLoPSMap, batch_features
 from sketchlab.featuremaps.based import ExpandMap, TaylorMap
 from sketchlab.featuremaps.elementwise import TiedLLoPSMap
 from sketchlab.featuremaps.mlp import MLPMap
-from sketchlab.featuremaps.polysketch import PolySketchMap
+from sketchlab.featuremaps.psf_random import PSFRandomMap
 from sketchlab.featuremaps.tensorsketch import TensorSketchMap
 from sketchlab.featuremaps.to_llops import as_llops
 
@@ -47,11 +47,11 @@ CASES = {
     "expand full p=2": lambda: ExpandMap(1, 4, p=2, proj=_g(1, 4, 3), symmetric=False),
     "expand symmetric p=3": lambda: ExpandMap(1, 4, p=3, proj=_g(1, 4, 3), symmetric=True),
     "expand full p=3 batched": lambda: ExpandMap(6, 4, p=3, proj=_g(6, 4, 2), symmetric=False),
-    "psf plain p=1": lambda: PolySketchMap.draw(1, 4, p=1, m=5, seed=0, dtype=F64),
-    "psf plain p=2": lambda: PolySketchMap.draw(1, 4, p=2, m=5, seed=0, dtype=F64),
-    "psf non-negative p=2": lambda: PolySketchMap.draw(1, 4, p=2, m=9, non_negative=True, seed=0, dtype=F64),
-    "psf non-negative p=4": lambda: PolySketchMap.draw(1, 4, p=4, m=16, non_negative=True, seed=0, dtype=F64),
-    "psf non-negative p=4 batched": lambda: PolySketchMap.draw(6, 4, p=4, m=9, non_negative=True, seed=0, dtype=F64),
+    "psf plain p=1": lambda: PSFRandomMap.draw(1, 4, p=1, m=5, seed=0, dtype=F64),
+    "psf plain p=2": lambda: PSFRandomMap.draw(1, 4, p=2, m=5, seed=0, dtype=F64),
+    "psf non-negative p=2": lambda: PSFRandomMap.draw(1, 4, p=2, m=9, non_negative=True, seed=0, dtype=F64),
+    "psf non-negative p=4": lambda: PSFRandomMap.draw(1, 4, p=4, m=16, non_negative=True, seed=0, dtype=F64),
+    "psf non-negative p=4 batched": lambda: PSFRandomMap.draw(6, 4, p=4, m=9, non_negative=True, seed=0, dtype=F64),
 }
 
 
@@ -112,7 +112,7 @@ def test_affine_input_appends_a_one():
 
 
 def test_psf_degree4_theta_is_fixed_random_rank1():
-    s = PolySketchMap.draw(1, 4, p=4, m=16, non_negative=True, seed=3, dtype=F64)
+    s = PSFRandomMap.draw(1, 4, p=4, m=16, non_negative=True, seed=3, dtype=F64)
     theta = as_llops(s).theta.detach()[0]
     assert theta.shape == (1, 4, 4, 16)  # t = 1, p = 4, d = 4, m = r² = 16
     g1, g2 = (w[0] for w in s.weights)
@@ -128,9 +128,9 @@ def test_elementwise_of_any_rank_converts():
 
 
 @pytest.mark.parametrize("make,match", [
-    (lambda: PolySketchMap.draw(1, 3, p=8, m=16, non_negative=True, seed=0), "degree p=8 has no rank-1 LLoPS form"),
-    (lambda: PolySketchMap.draw(1, 3, p=8, m=16, seed=0), "plain recursive PolySketchFormer sketch of degree p=8"),
-    (lambda: PolySketchMap.draw(1, 3, p=3, m=16, seed=0), "degree p=3 has no rank-1"),
+    (lambda: PSFRandomMap.draw(1, 3, p=8, m=16, non_negative=True, seed=0), "degree p=8 has no rank-1 LLoPS form"),
+    (lambda: PSFRandomMap.draw(1, 3, p=8, m=16, seed=0), "plain recursive PolySketchFormer sketch of degree p=8"),
+    (lambda: PSFRandomMap.draw(1, 3, p=3, m=16, seed=0), "degree p=3 has no rank-1"),
     (lambda: TensorSketchMap.draw(1, 3, p=2, m=8, seed=0), "TensorSketch has no exact LLoPS form"),
     (lambda: MLPMap.init_random(1, 3, p=2, m=4, hidden=5, seed=0), "not a polynomial map"),
     (lambda: TaylorMap(1, 3, proj=torch.randn(1, 3, 2)), r"inhomogeneous .* affine input \[x, 1\] \(as_llops\(fmap, affine=True\)\)"),

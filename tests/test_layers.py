@@ -31,7 +31,7 @@ LAYERS = [
               "sketchlab.llops._fitting", "sketchlab.llops.sides", "sketchlab.llops.target"]),
     # the baselines' maps (the LLoPS fits start from BASED/PSF), the LLoPS map and the exact Θ forms (as_llops)
     ("baseline maps", ["sketchlab.featuremaps._common", "sketchlab.featuremaps.tensorsketch",
-                       "sketchlab.featuremaps.polysketch", "sketchlab.featuremaps.mlp", "sketchlab.featuremaps.elementwise",
+                       "sketchlab.featuremaps.psf_random", "sketchlab.featuremaps.mlp", "sketchlab.featuremaps.elementwise",
                        "sketchlab.featuremaps.based", "sketchlab.featuremaps.llops", "sketchlab.featuremaps.to_llops"]),
     ("llops fits", ["sketchlab.llops", "sketchlab.llops.*"]),  # inits from BASED/PSF: above the baseline maps
     # the feature-map family: maps, a fitted sketch as a map, the name registry (fit reads it)

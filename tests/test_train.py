@@ -16,7 +16,7 @@ from sketchlab.attention import (
 from sketchlab.attention.ops.additive.naive import feature_attention_naive
 from sketchlab.attention.reference import llops_attention_naive
 from sketchlab.featuremaps.based import taylor_features_naive
-from sketchlab.featuremaps.polysketch import psf_features_naive
+from sketchlab.featuremaps.psf_random import psf_features_naive
 from sketchlab.io import save_theta
 from sketchlab.tasks import (
     MQARConfig,

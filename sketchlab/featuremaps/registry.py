@@ -7,7 +7,8 @@ map: ``build(heads, head_dim, **options)`` returns a :class:`~sketchlab.featurem
 :func:`make_feature_map` checks the options against those declarations (the one check; ``build`` trusts
 them) and builds the map; :func:`feature_map_names` lists the names that have one. The **fitter slot**:
 ``register_fitter(name, fit)`` (``sketchlab.register_sketch`` fills it) gives the name its own
-``fit_sketch`` fitter ``fit(q, k, *, p, m, seed=0, **options) -> Sketch``; :func:`own_fitter` is the
+``fit_sketch`` fitter ``fit(q, k, *, p, m, seed=0, **options)``, which returns the fitted map or a pair
+``(map_q, map_k)`` (:mod:`sketchlab.fit`); :func:`own_fitter` is the
 lookup ``fit_sketch`` makes and :func:`fitter_names` lists the names that have one. A map whose fitter
 slot is empty is fitted by Adam on the kernel loss (:mod:`.fitting`); a name with a fitter and no map
 (``optimal``, ``mlp``) is a ``fit_sketch`` method only.
@@ -166,14 +167,14 @@ def register_feature_map(name: str, build: Callable[..., FeatureMap], options: d
 
 
 def register_fitter(name: str, fit: Callable) -> None:
-    """Fill the fitter slot of ``name`` with ``fit(q, k, *, p, m, seed=0, **options) -> Sketch`` (the
+    """Fill the fitter slot of ``name`` with ``fit(q, k, *, p, m, seed=0, **options) -> maps`` (the
     contract: :mod:`sketchlab.fit`): a new ``fit_sketch`` method, or the own fitter of the map ``name``
     (which it then fits instead of Adam). Registering the same ``fit`` again does nothing; another
     ``fit`` for a name that has one, or a deprecated map name (it means its successor), is refused."""
     _check_name(name, "fit_sketch method")
     if not callable(fit):
         raise TypeError(f"fit_sketch method {name!r}: fit must be a callable (q, k, *, p, m, seed, **options) -> "
-                        f"Sketch, got {type(fit).__name__}")
+                        f"maps, got {type(fit).__name__}")
     if name in DEPRECATED_NAMES:
         raise ValueError(f"the name {name!r} is a deprecated feature map name (it means "
                          f"{DEPRECATED_NAMES[name][0]!r}): choose another name")
@@ -326,10 +327,10 @@ def _psf_learned(heads, head_dim, *, p, m, seed, dtype, self_tensored, hidden, *
 
 
 def _psf_random(heads, head_dim, *, p, m, seed, dtype, non_negative, **_):
-    from .polysketch import PolySketchMap
+    from .psf_random import PSFRandomMap
 
     non_negative = p % 2 == 0 if non_negative is None else non_negative
-    return PolySketchMap.draw(heads, head_dim, p=p, m=m, non_negative=non_negative, seed=seed, dtype=dtype)
+    return PSFRandomMap.draw(heads, head_dim, p=p, m=m, non_negative=non_negative, seed=seed, dtype=dtype)
 
 
 def _tensorsketch(heads, head_dim, *, p, m, seed, dtype, **_):
@@ -373,13 +374,13 @@ _BUILTINS = {
     "based-expand": _Entry(_expand, _BASED, ("sketchlab.featuremaps.based", "_fit_based_expand")),
     "psf-learned": _Entry(_psf_learned, {"hidden": Option("int", None, low=1, doc="hidden width (default 4·D)")}),
     "psf-random": _Entry(_psf_random, {"non_negative": Option("bool", None, doc="self-tensor (default: even p)")},
-                         ("sketchlab.featuremaps.polysketch", "_fit_psf")),
+                         ("sketchlab.featuremaps.psf_random", "_fit_psf")),
     "tensorsketch": _Entry(_tensorsketch, {}, ("sketchlab.featuremaps.tensorsketch", "_fit_tensorsketch")),
     "hedgehog": _Entry(_hedgehog),
     "dpfp": _Entry(_lazy("dpfp", "build_dpfp"), {"nu": Option("int", None, low=1, doc="DPFP's order n (M = 2·D·n)")}),
     "identity": _Entry(_lazy("identity", "build_identity")),
     # deprecated fit_sketch names (DEPRECATED_METHODS), each with its own fitter
-    "psf": _Entry(fit=("sketchlab.featuremaps.polysketch", "_fit_psf")),
+    "psf": _Entry(fit=("sketchlab.featuremaps.psf_random", "_fit_psf")),
     "based": _Entry(fit=("sketchlab.featuremaps.based", "_fit_based")),
 }
 _REGISTRY.update(_BUILTINS)

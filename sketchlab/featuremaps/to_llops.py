@@ -47,7 +47,7 @@ from .based import ExpandMap, TaylorMap
 from .elementwise import TiedLLoPSMap
 from .llops import LLoPSMap
 from .mlp import MLPMap
-from .polysketch import PolySketchMap
+from .psf_random import PSFRandomMap
 from .tensorsketch import TensorSketchMap
 
 __all__ = ["as_llops"]
@@ -99,7 +99,7 @@ def _taylor_theta(fmap: TaylorMap) -> torch.Tensor:
     return torch.cat([constant, linear, quadratic], dim=-1)[..., None, :, :, :]  # [..., 1, 2, d + 1, M]
 
 
-def _psf(fmap: PolySketchMap) -> torch.Tensor:
+def _psf(fmap: PSFRandomMap) -> torch.Tensor:
     w, r = [t.detach() for t in fmap.weights], fmap.r  # each [H, in, r]
     if not fmap.non_negative and fmap.p == 1:
         return (w[0] / math.sqrt(r))[..., None, None, :, :]  # [H, 1, 1, d, r]
@@ -142,7 +142,7 @@ def _theta(fmap: FeatureMap, affine: bool) -> torch.Tensor:
             "converts exactly on the affine input [x, 1] (as_llops(fmap, affine=True)), and its homogeneous part, "
             "the expand map, on x"
         )
-    if isinstance(fmap, PolySketchMap):
+    if isinstance(fmap, PSFRandomMap):
         return _psf(fmap)
     if isinstance(fmap, TensorSketchMap):
         raise ValueError(
@@ -166,7 +166,7 @@ def as_llops(maps, *, affine: bool = False) -> LLoPSMap | tuple[LLoPSMap, LLoPSM
     maps : FeatureMap or (map_q, map_k)
         One map for both sides or a pair: :class:`~sketchlab.featuremaps.TiedLLoPSMap` (element-wise),
         :class:`~sketchlab.featuremaps.ExpandMap` (BASED's expand map; :class:`~sketchlab.featuremaps.TaylorMap`
-        with ``affine``), :class:`~sketchlab.featuremaps.PolySketchMap` (plain p <= 2, or self-tensored p in
+        with ``affine``), :class:`~sketchlab.featuremaps.PSFRandomMap` (plain p <= 2, or self-tensored p in
         {2, 4}), or :class:`~sketchlab.featuremaps.LLoPSMap` (returned unchanged without ``affine``).
     affine : bool
         Θ for the affine input ``[x, 1]`` (:func:`sketchlab.llops.affine_input`): ``D + 1`` rows, the

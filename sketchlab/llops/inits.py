@@ -55,7 +55,7 @@ def _special_case(name, q, k, p, m, seed):
     :mod:`sketchlab.fit` (tests/test_layers.py).
     """
     from ..featuremaps.based import _fit_based
-    from ..featuremaps.polysketch import _fit_psf
+    from ..featuremaps.psf_random import _fit_psf
 
     return {"based": _fit_based, "psf": _fit_psf}[name](q, k, p=p, m=m, seed=seed)
 

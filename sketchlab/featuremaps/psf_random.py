@@ -1,5 +1,5 @@
 r"""PolySketchFormer's random polynomial sketch (Ahle et al. 2020; Kacham, Mirrokni, Zhong 2024):
-:class:`PolySketchMap` (``"psf-random"``).
+:class:`PSFRandomMap` (``"psf-random"``).
 
 For a degree ``q >= 2`` the sketch of ``x ∈ R^d`` with ``r`` outputs is
 
@@ -51,7 +51,7 @@ from ..polynomial import self_tensor
 from ._common import check_dtype, check_features_finite, make_generator
 from .base import FeatureMap
 
-__all__ = ["PolySketchMap", "psf_features", "psf_features_naive", "psf_weight_shapes"]
+__all__ = ["PSFRandomMap", "psf_features", "psf_features_naive", "psf_weight_shapes"]
 
 
 def _split(q: int) -> tuple[int, int]:
@@ -208,7 +208,7 @@ def psf_features_naive(x: torch.Tensor, weights: list[torch.Tensor], p: int) -> 
     return node(p)
 
 
-class PolySketchMap(FeatureMap):
+class PSFRandomMap(FeatureMap):
     r"""PolySketchFormer's random sketch per head with fixed Gaussian matrices (``"psf-random"``; one map for
     queries and keys).
 
@@ -261,7 +261,7 @@ class PolySketchMap(FeatureMap):
     @classmethod
     def draw(cls, heads: int, head_dim: int, *, p: int, m: int, non_negative: bool = False, seed: int | None = None,
              generator: torch.Generator | None = None, dtype: torch.dtype = torch.float32,
-             device: torch.device | str | None = None, max_bytes: int = DEFAULT_MAX_BYTES) -> PolySketchMap:
+             device: torch.device | str | None = None, max_bytes: int = DEFAULT_MAX_BYTES) -> PSFRandomMap:
         """Draw a map of ``heads`` independent sketches with ``m`` features or fewer (``r = m``, or ``r = ⌊√m⌋``
         when non-negative).
 
@@ -337,7 +337,7 @@ class PolySketchMap(FeatureMap):
         return out
 
 
-def _fit_psf(q, k, *, p: int, m: int, seed: int = 0, non_negative: bool | None = None) -> PolySketchMap:
+def _fit_psf(q, k, *, p: int, m: int, seed: int = 0, non_negative: bool | None = None) -> PSFRandomMap:
     """``fit_sketch("psf-random", ...)``: data-independent; only ``d``, the batch shape and dtype are read.
 
     ``non_negative=None`` (default) self-tensors for even ``p`` (PolySketchFormer's choice, ``r =
@@ -345,7 +345,7 @@ def _fit_psf(q, k, *, p: int, m: int, seed: int = 0, non_negative: bool | None =
     """
     if non_negative is None:
         non_negative = p % 2 == 0
-    fmap = PolySketchMap.draw(math.prod(q.shape[:-2]), q.shape[-1], p=p, m=m, non_negative=non_negative, seed=seed,
+    fmap = PSFRandomMap.draw(math.prod(q.shape[:-2]), q.shape[-1], p=p, m=m, non_negative=non_negative, seed=seed,
                               dtype=q.dtype, device=q.device)
     fmap.fit_info = {"steps": 0, "converged": True, "r": fmap.r, "non_negative": non_negative}
     return fmap

@@ -1,4 +1,4 @@
-"""PolySketchFormer's random sketch (PolySketchMap): fast path vs naive twin, tree shapes, unbiasedness, variance in m.
+"""PolySketchFormer's random sketch (PSFRandomMap): fast path vs naive twin, tree shapes, unbiasedness, variance in m.
 
 Tolerances. Fast vs naive (float64): each feature is a product of ≤ p inner products of length
 ≤ max(d, r) taken through ≤ log2(p)+1 levels; both routes round each sum at ~eps·(terms) relative,
@@ -13,7 +13,7 @@ import torch
 
 from sketchlab import fit_sketch
 from sketchlab.featuremaps import batch_features
-from sketchlab.featuremaps.polysketch import PolySketchMap, psf_features, psf_features_naive, psf_weight_shapes
+from sketchlab.featuremaps.psf_random import PSFRandomMap, psf_features, psf_features_naive, psf_weight_shapes
 
 F64 = torch.float64
 
@@ -33,7 +33,7 @@ def _xy(d=4, seed=0):
 @pytest.mark.parametrize("p", [1, 2, 3, 4, 5, 8])
 def test_fast_matches_naive(p):
     x = torch.randn(6, 3, dtype=F64, generator=torch.Generator().manual_seed(p))
-    s = PolySketchMap.draw(1, 3, p=p, m=5, seed=p, dtype=F64)
+    s = PSFRandomMap.draw(1, 3, p=p, m=5, seed=p, dtype=F64)
     fast, naive = s.features(_one(x))[0, :, 0], psf_features_naive(x, [w[0] for w in s.weights], p)
     assert torch.allclose(fast, naive, rtol=0, atol=1e-12 * naive.abs().max())
     assert torch.equal(s.features_naive(_one(x))[0, :, 0], naive)  # the map's twin
@@ -41,7 +41,7 @@ def test_fast_matches_naive(p):
 
 def test_batched_heads_are_independent_single_sketches():
     x = torch.randn(2, 3, 7, 4, dtype=F64, generator=torch.Generator().manual_seed(1))  # [L, H, n, d]
-    s = PolySketchMap.draw(6, 4, p=4, m=6, seed=3, dtype=F64)  # L·H = 6 heads, head l·H + h
+    s = PSFRandomMap.draw(6, 4, p=4, m=6, seed=3, dtype=F64)  # L·H = 6 heads, head l·H + h
     out = batch_features(s, x)
     assert out.shape == (2, 3, 7, 6)
     for l in range(2):
@@ -61,7 +61,7 @@ def test_tree_shapes(p):
 
 
 def test_non_negative_is_self_tensored_and_non_negative():
-    s = PolySketchMap.draw(1, 4, p=4, m=20, non_negative=True, seed=0, dtype=F64)
+    s = PSFRandomMap.draw(1, 4, p=4, m=20, non_negative=True, seed=0, dtype=F64)
     assert s.r == 4 and s.num_features == 16 and s.non_negative  # r = floor(sqrt(20))
     x = torch.randn(9, 4, dtype=F64, generator=torch.Generator().manual_seed(2))
     inner = s.inner_features(_one(x))[0, :, 0]
@@ -71,19 +71,19 @@ def test_non_negative_is_self_tensored_and_non_negative():
     assert torch.allclose(kern, (inner @ inner.flip(0).T) ** 2, rtol=1e-12, atol=0)
     assert bool((kern >= 0).all())
     with pytest.raises(ValueError, match="even degree"):
-        PolySketchMap.draw(1, 4, p=3, m=16, non_negative=True, seed=0)
+        PSFRandomMap.draw(1, 4, p=3, m=16, non_negative=True, seed=0)
 
 
 def test_same_seed_same_sketch():
-    a, b = PolySketchMap.draw(1, 3, p=4, m=5, seed=7), PolySketchMap.draw(1, 3, p=4, m=5, seed=7)
-    c = PolySketchMap.draw(1, 3, p=4, m=5, seed=8)
+    a, b = PSFRandomMap.draw(1, 3, p=4, m=5, seed=7), PSFRandomMap.draw(1, 3, p=4, m=5, seed=7)
+    c = PSFRandomMap.draw(1, 3, p=4, m=5, seed=8)
     assert all(torch.equal(u, v) for u, v in zip(a.weights, b.weights))
     assert not torch.equal(a.weights[0], c.weights[0])
 
 
 def _estimates(p, r, n_draws, seed):
     x, y = _xy()
-    s = PolySketchMap.draw(n_draws, 4, p=p, m=r, seed=seed, dtype=F64)  # one independent draw per head
+    s = PSFRandomMap.draw(n_draws, 4, p=p, m=r, seed=seed, dtype=F64)  # one independent draw per head
     fx = psf_features(x[None, None, :], s.weights, p)[:, 0]  # [N, r]
     fy = psf_features(y[None, None, :], s.weights, p)[:, 0]
     return (fx * fy).sum(-1), float(x @ y) ** p
@@ -125,11 +125,11 @@ def test_fit_sketch_psf():
 
 def test_bad_weights_rejected():
     with pytest.raises(ValueError, match="weight matrices"):
-        PolySketchMap([torch.randn(1, 3, 4)], 2)
+        PSFRandomMap([torch.randn(1, 3, 4)], 2)
     with pytest.raises(ValueError, match=r"weights\[1\] must have shape"):
-        PolySketchMap([torch.randn(1, 3, 4), torch.randn(1, 3, 5)], 2)
+        PSFRandomMap([torch.randn(1, 3, 4), torch.randn(1, 3, 5)], 2)
     with pytest.raises(ValueError, match=r"weights must be tensors \[H, in, r\]"):
-        PolySketchMap([torch.randn(3, 4)], 1)
+        PSFRandomMap([torch.randn(3, 4)], 1)
 
 
 def test_psf_features_validates_weights():
@@ -148,23 +148,23 @@ def test_psf_features_validates_weights():
 
 def test_polysketch_rejects_non_list_weights():
     with pytest.raises(TypeError, match="weights must be a list of tensors .* got Tensor"):  # was "Boolean value of Tensor"
-        PolySketchMap(torch.randn(1, 4, 3), 1)
+        PSFRandomMap(torch.randn(1, 4, 3), 1)
     with pytest.raises(ValueError, match="got an empty list"):
-        PolySketchMap([], 1)
+        PSFRandomMap([], 1)
 
 
 @pytest.mark.parametrize("p", [2, 3])
 def test_fit_psf_follows_the_input_device(p):
     # Weights are drawn on a CPU generator, then moved to q's device; "meta" (shapes only) stands in
     # for a GPU here: without the move the weights would stay on the CPU.
-    from sketchlab.featuremaps.polysketch import _fit_psf
+    from sketchlab.featuremaps.psf_random import _fit_psf
 
     q = torch.empty(2, 7, 5, device="meta")
     s = _fit_psf(q, q, p=p, m=9, seed=0)
     assert {w.device.type for w in s.weights} == {"meta"}
     x = torch.empty(1, 7, 2, 5, device="meta")
     assert s.features(x).device.type == "meta" and s.features(x).shape == (1, 7, 2, 9)
-    cpu = PolySketchMap.draw(2, 5, p=p, m=9, non_negative=p % 2 == 0, seed=0, dtype=torch.float32)
+    cpu = PSFRandomMap.draw(2, 5, p=p, m=9, non_negative=p % 2 == 0, seed=0, dtype=torch.float32)
     assert all(w.device.type == "cpu" and w.shape == v.shape for w, v in zip(cpu.weights, s.weights))
 
 
@@ -173,7 +173,7 @@ def test_fit_psf_follows_the_input_device(p):
 
 
 def test_one_dimensional_inputs_and_fit_info():
-    s = PolySketchMap.draw(1, 1, p=2, m=4, seed=0, dtype=torch.float64)
+    s = PSFRandomMap.draw(1, 1, p=2, m=4, seed=0, dtype=torch.float64)
     x = torch.tensor([[2.0], [-1.0]], dtype=torch.float64)
     assert s.features(_one(x)).shape == (1, 2, 1, 4) and not hasattr(s, "fit_info")
     w = [t[0] for t in s.weights]
@@ -182,12 +182,12 @@ def test_one_dimensional_inputs_and_fit_info():
 
 def test_draw_and_naive_messages():
     with pytest.raises(ValueError, match=r"^d must be an integer >= 1, got 0"):
-        PolySketchMap.draw(1, 0, p=2, m=4, seed=0)
+        PSFRandomMap.draw(1, 0, p=2, m=4, seed=0)
     with pytest.raises(ValueError, match=r"^m \(the sketch size\) must be an integer >= 1, got 0"):
-        PolySketchMap.draw(1, 3, p=2, m=0, seed=0)
+        PSFRandomMap.draw(1, 3, p=2, m=0, seed=0)
     with pytest.raises(ValueError, match=r"use a smaller degree p or sketch size m, or fewer heads at a time, or raise"):
-        PolySketchMap.draw(32, 64, p=1024, m=4096, seed=0)
-    w = [t[0] for t in PolySketchMap.draw(1, 3, p=2, m=4, seed=0, non_negative=False).weights]
+        PSFRandomMap.draw(32, 64, p=1024, m=4096, seed=0)
+    w = [t[0] for t in PSFRandomMap.draw(1, 3, p=2, m=4, seed=0, non_negative=False).weights]
     with pytest.raises(ValueError, match=r"psf_features_naive takes x\[n, d\], got shape \(1, 5, 3\)"):
         psf_features_naive(torch.ones(1, 5, 3), w, 2)
     with pytest.raises(TypeError, match=r"^x must have a real floating-point dtype"):
@@ -203,8 +203,8 @@ def test_overflow_names_the_sketch_degree_and_input_norm(p, non_negative, scale,
     # float32 overflows above 3.4e38: p = 1 with all-10 weights gives 3·10·1e38/√4 = 1.5e39; p = 2 a
     # product of two Gaussian projections (~1e40); the self-tensor s ⊗ s of a degree-1 s (~1e40).
     if p == 1:
-        s = PolySketchMap([torch.full((1, 3, 4), 10.0)], 1)
+        s = PSFRandomMap([torch.full((1, 3, 4), 10.0)], 1)
     else:
-        s = PolySketchMap.draw(1, 3, p=p, m=4, seed=0, non_negative=non_negative)
+        s = PSFRandomMap.draw(1, 3, p=p, m=4, seed=0, non_negative=non_negative)
     with pytest.raises(FloatingPointError, match=what):
         s.features(torch.full((1, 2, 1, 3), scale))
