@@ -111,11 +111,12 @@ def export_theta(fit, path, *, dump, scale=None) -> Path:
                 "fitting ('none', 'sqrt-d' for d^-1/4, or a number)"
             )
     try:
-        llops = as_llops(fit.sketch)
+        llops = as_llops(fit.maps)
     except ValueError as err:
         raise ValueError(f"method {fit.report.method!r} cannot be exported as Θ: {err}") from err
-    theta_q = llops.theta_q.detach()
-    theta_k = theta_q if llops.theta_k is None else llops.theta_k.detach()
+    map_q, map_k = (llops, llops) if not isinstance(llops, tuple) else llops
+    theta_q = map_q.theta.detach().reshape(*fit.batch_shape, *map_q.theta.shape[1:])  # [*batch, t, p, d, m]
+    theta_k = theta_q if map_k is map_q else map_k.theta.detach().reshape(theta_q.shape)
     lead = tuple(theta_q.shape[:-4])
     if len(lead) > 2:
         raise ValueError(f"Θ must have leading shape [], [H] or [L, H] to export, got {list(lead)}")
