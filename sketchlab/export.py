@@ -86,8 +86,8 @@ def export_theta(fit, path, *, dump, scale=None) -> Path:
     ``sketchlab_version`` from ``sketchlab.__version__``.
     """
     from ._version import __version__
+    from .featuremaps.to_llops import as_llops
     from .io import check_output_paths, dump_files, save_theta
-    from .sketches import as_llops
 
     if not hasattr(fit, "sketch") or not hasattr(fit, "report"):
         raise TypeError(f"fit must be a sketchlab.Fit (with .sketch and .report), got {type(fit).__name__}")
@@ -111,11 +111,12 @@ def export_theta(fit, path, *, dump, scale=None) -> Path:
                 "fitting ('none', 'sqrt-d' for d^-1/4, or a number)"
             )
     try:
-        llops = as_llops(fit.sketch)
+        llops = as_llops(fit.maps)
     except ValueError as err:
         raise ValueError(f"method {fit.report.method!r} cannot be exported as Θ: {err}") from err
-    theta_q = llops.theta_q.detach()
-    theta_k = theta_q if llops.theta_k is None else llops.theta_k.detach()
+    map_q, map_k = (llops, llops) if not isinstance(llops, tuple) else llops
+    theta_q = map_q.theta.detach().reshape(*fit.batch_shape, *map_q.theta.shape[1:])  # [*batch, t, p, d, m]
+    theta_k = theta_q if map_k is map_q else map_k.theta.detach().reshape(theta_q.shape)
     lead = tuple(theta_q.shape[:-4])
     if len(lead) > 2:
         raise ValueError(f"Θ must have leading shape [], [H] or [L, H] to export, got {list(lead)}")

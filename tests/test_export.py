@@ -194,15 +194,15 @@ def test_non_finite_report_values_become_json_null(dump_file, tmp_path):
 
 
 def test_a_shared_theta_is_exported_for_both_sides(dump_file, tmp_path):
-    """A sketch with one Θ for both sides (PolySketch: ``as_llops(...).theta_k is None``) is written with
-    Θ_K = Θ_Q, each equal to the sketch's own Θ."""
+    """A map for both sides (PSF: ``as_llops(fit.maps)`` is one LLoPSMap) is written with Θ_K = Θ_Q, each equal to
+    the map's own Θ."""
     dump, fit, _ = _fit(dump_file, method="psf")
-    llops = sl.as_llops(fit.sketch)
-    assert llops.theta_k is None
+    llops = sl.as_llops(fit.maps)
+    assert isinstance(llops, sl.featuremaps.LLoPSMap)  # one map: tied
     theta_q, theta_k, meta = sl.load_theta(fit.save_theta(tmp_path / "s.safetensors", dump=dump, scale="sqrt-d"))
     assert meta["method"] == "psf"
     assert torch.equal(theta_k, theta_q)
-    assert torch.equal(theta_q.reshape(llops.theta_q.shape), llops.theta_q.detach())
+    assert torch.equal(theta_q.reshape(llops.theta.shape), llops.theta.detach())
 
 
 def test_source_hash_of_an_npy_dump_with_and_without_its_meta(tmp_path):

@@ -93,17 +93,22 @@ def test_every_fit_is_a_pair_of_maps_over_the_flattened_heads(method):
     assert isinstance(map_q, FeatureMap) and isinstance(map_k, FeatureMap)
     assert (map_q.heads, map_q.head_dim, map_k.heads) == (L * H, D, L * H)
     fq, fk = pair_features((map_q, map_k), q, k)
-    with torch.no_grad():
-        want_q, want_k = fit.sketch.features_q(q).double(), fit.sketch.features_k(k).double()
-    torch.testing.assert_close(fq, want_q, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(fk, want_k, rtol=1e-12, atol=1e-12)
-    # the kernel sign, one name on both sides (Sketch.non_negative is FeatureMap.non_negative), claimed where it holds
-    assert map_q.non_negative == map_k.non_negative == fit.sketch.non_negative == (method in _NON_NEGATIVE_AT_P2)
-    if fit.sketch.non_negative:
+    if fit.sketch is not None:  # transitional (a fitter not yet ported): the maps are the sketch's
+        with torch.no_grad():
+            want_q, want_k = fit.sketch.features_q(q).double(), fit.sketch.features_k(k).double()
+        torch.testing.assert_close(fq, want_q, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(fk, want_k, rtol=1e-12, atol=1e-12)
+        assert fit.sketch.non_negative == map_q.non_negative
+    # the kernel sign, one name on both sides, claimed where it holds
+    assert map_q.non_negative == map_k.non_negative == (method in _NON_NEGATIVE_AT_P2)
+    if map_q.non_negative:
         assert bool((fq @ fk.mT >= -1e-12).all())
     x = _rand(1, 5, L * H, D, seed=9)
     for side, fmap in (("q", map_q), ("k", map_k)):
         twin = fmap.features_naive(x)  # [1, 5, L·H, M]
+        torch.testing.assert_close(twin, fmap.features(x).double(), rtol=1e-10, atol=1e-10)
+        if fit.sketch is None:
+            continue
         for l_ in range(L):
             for j in range(H):
                 torch.testing.assert_close(twin[0, :, l_ * H + j], fit.sketch.features_naive(x[0, :, l_ * H + j], side, (l_, j)),

@@ -307,7 +307,7 @@ class LLoPSAttention(LinearAttentionCore):
         scale : "none", "sqrt-d" or float
             The factor q and k were scaled by when the sketch was fitted.
         """
-        from ..sketches import as_llops
+        from ..featuremaps.to_llops import as_llops
 
         llops = as_llops(sketch)
         theta_q = llops.theta_q.detach()

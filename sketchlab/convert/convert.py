@@ -132,7 +132,7 @@ def _own_maps(attention: str, feature_map, layer: int, heads: int, head_dim: int
     from ..sketch import Sketch
 
     if isinstance(feature_map, Sketch):
-        from ..featuremaps import sketch_feature_maps
+        from ..featuremaps.sketch_map import sketch_feature_maps
 
         with torch.no_grad():
             probe = feature_map.features_q(torch.zeros(1, head_dim, dtype=torch.float64))  # [*batch, 1, M]

@@ -159,11 +159,9 @@ def sketch_feature_maps(sketch: Sketch, *, heads: int, head_dim: int, layer: int
 
 
 def _two_sided(sketch: Sketch) -> bool:
-    """Whether the key map differs from the query map: an MLP, or a key-side tensor that is set (an untied
-    Θ's ``theta_k``, the optimum's ``w_k``)."""
-    from ..sketches import MLPSketch
-
-    return isinstance(sketch, MLPSketch) or any(getattr(sketch, name, None) is not None for name in ("theta_k", "w_k"))
+    """Whether the key map differs from the query map: a key-side tensor that is set (an untied Θ's ``theta_k``, the
+    optimum's ``w_k``)."""
+    return any(getattr(sketch, name, None) is not None for name in ("theta_k", "w_k"))
 
 
 class HeadSelection(WrappedMap):

@@ -50,12 +50,12 @@ def _pad(theta_q, theta_k, axis: int, size: int, generator, relative=1e-3):
 def _special_case(name, q, k, p, m, seed):
     """The BASED (project-then-expand, PCA projection) or PolySketchFormer sketch of size ``<= m``.
 
-    Imported here, at call time: :mod:`sketchlab.sketches` imports :class:`LLoPS` for ``as_llops``.
+    Imported here, at call time.
     The baselines' own fitters, not :func:`sketchlab.fit.sketch_fitter`: the fits sit below
     :mod:`sketchlab.fit` (tests/test_layers.py).
     """
-    from ..sketches.based import _fit_based
-    from ..sketches.psf import _fit_psf
+    from ..featuremaps.based import _fit_based
+    from ..featuremaps.psf_random import _fit_psf
 
     return {"based": _fit_based, "psf": _fit_psf}[name](q, k, p=p, m=m, seed=seed)
 
@@ -102,6 +102,18 @@ def _check_init_scale(theta_q, theta_k, q64, k64, p: int) -> None:
             )
 
 
+def _as_batch(maps, batch) -> LLoPS:
+    """The LLoPS of ``as_llops``'s map (or pair) of ``prod(batch)`` heads with Θ laid out as ``[*batch, t, p, d, m]``
+    (one head: ``[t, p, d, m]``, shared by every problem)."""
+    map_q, map_k = (maps, maps) if not isinstance(maps, tuple) else maps
+
+    def lay(theta):
+        theta = theta.detach()
+        return theta[0] if theta.shape[0] == 1 else theta.reshape(*batch, *theta.shape[1:])
+
+    return LLoPS(lay(map_q.theta), None if map_k is map_q else lay(map_k.theta))
+
+
 def llops_init(q, k, *, p: int, m: int, rank: int = 1, init="svd", seed: int = 0,
                max_bytes: int = DEFAULT_MAX_BYTES, **cp_options):
     r"""Initial Θ for the fits: ``(theta_q, theta_k)``, float64 ``[..., rank, p, d, m]``.
@@ -117,9 +129,9 @@ def llops_init(q, k, *, p: int, m: int, rank: int = 1, init="svd", seed: int = 0
         Gaussian, scaled to the size of ``A``. ``"cp"``: :func:`fit_llops_cp` (``cp_options`` go
         there). ``"based"``/``"psf"``: the BASED project-then-expand sketch (PCA projection) or
         the PolySketchFormer sketch fitted with budget ``m`` (``fit_sketch("based"/"psf", ...)``),
-        converted exactly by :func:`sketchlab.sketches.as_llops` (which raises for the cases
+        converted exactly by :func:`sketchlab.featuremaps.to_llops.as_llops` (which raises for the cases
         without a rank-1 form, e.g. PSF of degree 3). An :class:`LLoPS`, or any sketch
-        :func:`sketchlab.sketches.as_llops` converts, with matching batch, ``p``, ``d``, at most
+        :func:`sketchlab.featuremaps.to_llops.as_llops` converts, with matching batch, ``p``, ``d``, at most
         ``m`` features and rank ``<= rank`` is used as is. Missing CP terms and columns are filled
         with small Gaussian ones (``1e-3`` of the factors' RMS) so that alternating least squares
         can move them.
@@ -161,9 +173,9 @@ def llops_init(q, k, *, p: int, m: int, rank: int = 1, init="svd", seed: int = 0
         elif hasattr(init, "as_llops"):
             sketch = init.as_llops()
         else:
-            from ..sketches import as_llops  # at call time: sketchlab.sketches imports LLoPS
+            from ..featuremaps.to_llops import as_llops
 
-            sketch = as_llops(init)
+            sketch = _as_batch(as_llops(init), batch)
         if not isinstance(sketch, LLoPS):
             raise TypeError(f"init must be one of {INITS}, an LLoPS, or a sketch with as_llops(); got {type(init).__name__}")
         theta_q = sketch.theta_q.detach().to(torch.float64)
