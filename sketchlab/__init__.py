@@ -43,7 +43,6 @@ from .featuremaps import (
 from .fit import Fit, FitReport, available_sketches, fit_sketch, holdout_split, register_sketch, sketch_fitter
 from .io import QKDump, load_qk, load_theta, save_qk, save_theta
 from .llops import (
-    LLoPS,
     fit_llops,
     fit_llops_adam,
     fit_llops_cp,
@@ -109,7 +108,6 @@ __all__ = [
     "HeadAdvice",
     "KernelRangeError",
     "KernelSpectrum",
-    "LLoPS",
     "LLoPSAttention",
     "MLPSketch",
     "MemoryState",

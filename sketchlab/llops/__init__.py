@@ -7,9 +7,9 @@ r"""LLoPS: the learnable low-rank polynomial sketch.
 
 Modules
 -------
-``maps``       the feature map and projector, their float64 twins, and their derivatives
-``module``     :class:`LLoPS` (``nn.Module`` + :class:`~sketchlab.sketch.Sketch`)
-``cp``         :func:`projector_to_theta` (CP of projector columns, tensorly)
+``maps``       the feature map and projector, their float64 twins, their derivatives, and :func:`llops_maps`
+               (Θ → the pair of :class:`~sketchlab.featuremaps.LLoPSMap` s every fit returns)
+``cp``         :func:`projector_to_theta` (CP of projector columns, tensorly), :func:`llops_from_projector`
 ``inits``      :func:`llops_init`: svd, random, cp, based, psf, or a given sketch
 ``sides``      the rows a fit sees: the tokens, or at most ``D`` compressed rows with their Gram matrix
 ``target``     :class:`~sketchlab.llops.target.KernelTarget`: products with ``A`` without ``n × n``;
@@ -25,7 +25,7 @@ References
 Qin, Deng, Cong, Sun. *Learnable Low-Rank Polynomial Sketch for Effective Linear Attention*, 2026, §3.2.
 """
 
-from .cp import projector_to_theta
+from .cp import llops_from_projector, projector_to_theta
 from .dispatch import METHODS, fit_llops
 from .fit_adam import fit_llops_adam
 from .fit_als import QUALITY, fit_llops_direct
@@ -36,10 +36,10 @@ from .maps import (
     affine_theta,
     llops_features,
     llops_features_naive,
+    llops_maps,
     llops_projector,
     llops_projector_naive,
 )
-from .module import LLoPS
 from .target import KernelTarget
 
 __all__ = [
@@ -48,7 +48,6 @@ __all__ = [
     "METHODS",
     "QUALITY",
     "KernelTarget",
-    "LLoPS",
     "affine_input",
     "affine_theta",
     "aligned_gauge",
@@ -58,7 +57,9 @@ __all__ = [
     "fit_llops_direct",
     "llops_features",
     "llops_features_naive",
+    "llops_from_projector",
     "llops_init",
+    "llops_maps",
     "llops_projector",
     "llops_projector_naive",
     "projector_to_theta",

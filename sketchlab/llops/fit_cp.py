@@ -8,8 +8,7 @@ from .._validation import check_pair
 from ..optimal import optimal_sketch
 from ._fitting import prepare
 from .cp import projector_to_theta
-from .maps import llops_features
-from .module import LLoPS
+from .maps import llops_features, llops_maps
 from .svd_init import _init_svd
 
 __all__ = ["GAUGES", "aligned_gauge", "fit_llops_cp"]
@@ -48,7 +47,7 @@ def fit_llops_cp(
     n_iter_max: int = 200,
     tol: float = 1e-10,
     route: str = "auto",
-) -> LLoPS:
+) -> tuple:
     r"""LLoPS from a CP of every column tensor of the Theorem 3.1 optimal projector ``W*``.
 
     Parameters
@@ -69,7 +68,9 @@ def fit_llops_cp(
 
     Returns
     -------
-    LLoPS with ``fit_info = {"steps": 1, "converged": True, "gauge": gauge}``.
+    (LLoPSMap, LLoPSMap)
+        Untied (:func:`~sketchlab.llops.llops_maps`: the leading axes of ``q`` flattened into heads), with
+        ``map_q.fit_info = {"steps": 1, "converged": True, "gauge": gauge}``.
 
     Notes
     -----
@@ -91,6 +92,7 @@ def fit_llops_cp(
     theta_q = projector_to_theta(w_q, p, rank, seed=seed, n_iter_max=n_iter_max, tol=tol, name="W*_Q")
     theta_k = projector_to_theta(w_k, p, rank, seed=seed, n_iter_max=n_iter_max, tol=tol, name="W*_K")
     d = q.shape[-1]
-    sketch = LLoPS(theta_q.reshape(*batch, rank, p, d, m).to(out_dtype), theta_k.reshape(*batch, rank, p, d, m).to(out_dtype))
-    sketch.fit_info = {"steps": 1, "converged": True, "gauge": gauge}
-    return sketch
+    map_q, map_k = llops_maps(theta_q.reshape(*batch, rank, p, d, m).to(out_dtype),
+                              theta_k.reshape(*batch, rank, p, d, m).to(out_dtype))
+    map_q.fit_info = {"steps": 1, "converged": True, "gauge": gauge}
+    return map_q, map_k
