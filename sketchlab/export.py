@@ -64,7 +64,7 @@ def fit_llops_maps(fit):
     object when tied): its own maps when they are LLoPS, else their exact LLoPS form (:func:`sketchlab.as_llops`,
     which raises ``ValueError`` for a map without one)."""
     from .featuremaps.llops import LLoPSMap
-    from .llops.maps import llops_maps
+    from .llops.pair import llops_maps
     from .sketches import as_llops
 
     if isinstance(fit.map_q, LLoPSMap) and isinstance(fit.map_k, LLoPSMap):

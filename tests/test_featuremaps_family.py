@@ -1,6 +1,6 @@
 """The family behind one registry: every registered map against its float64 twin, options checked once,
-deprecated names, and a fitted sketch as a member of the family (attention through it equals
-``sketch_attention``).
+deprecated names, and a fit's maps as members of the family (attention through them in the op equals the
+formula on their features).
 
 Tolerances: float64 1e-10 (fast and naive forms differ only in summation order).
 """
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import sketchlab as sl
-from sketchlab.attention.functional import sketch_attention
+from sketchlab.attention.ops.additive.naive import feature_attention_naive
 from sketchlab.featuremaps import (
     FeatureMap,
     FeatureMapSketch,
@@ -82,25 +82,26 @@ def test_deprecated_fit_methods_warn(old, new):
 
 def _fitted(method, **kw):
     q, k = _rand(H, 40, D, seed=7) * 0.6, _rand(H, 40, D, seed=8) * 0.6
-    return sl.fit_sketch(method, q, k, p=2, m=4, **kw).sketch
+    return sl.fit_sketch(method, q, k, p=2, m=4, **kw)
 
 
 @pytest.mark.parametrize("method, kw", [("mlp", {"steps": 5}), ("psf-random", {}), ("tensorsketch", {}),
                                         ("based-expand", {}), ("elementwise", {"steps": 5}), ("llops", {}),
                                         ("optimal", {})])
-def test_a_fitted_sketch_runs_in_the_op_as_in_sketch_attention(method, kw):
-    sketch = _fitted(method, **kw)
-    map_q, map_k = sketch_feature_maps(sketch, heads=H, head_dim=D)
+def test_a_fits_maps_run_in_the_op(method, kw):
+    map_q, map_k = _fitted(method, **kw).maps
     q, k, v = _rand(2, 11, H, D, seed=9), _rand(2, 11, H, D, seed=10), _rand(2, 11, H, 3, seed=11)
     opts = sl.AttentionOptions(normalize="sum", non_negative=False, window=3, sinks=1, denominator_check="off",
                                chunk_size=4)
     gate = _rand(H, seed=12)
     out, _ = sl.linear_attention(q, k, v, map_q, map_k, options=opts.replace(backend="torch"), gate=gate)
-    ref = sketch_attention(q, k, v, sketch, options=opts.replace(backend="torch"), gate=gate)
+    with torch.no_grad():
+        fq, fk = map_q.features(q).double(), map_k.features(k).double()
+    ref = feature_attention_naive(fq, fk, v, q=q, k=k, normalize="sum", window=3, sinks=1, gate=gate,
+                                  denominator_check="off")
     assert (out - ref).abs().max() < TOL64
     twin, _ = sl.linear_attention(q, k, v, map_q, map_k, options=opts.replace(backend="reference"), gate=gate)
-    assert (out - twin).abs().max() < TOL64  # through the sketch's own float64 twin
-    assert map_q.non_negative == sketch.non_negative or method == "llops"
+    assert (out - twin).abs().max() < TOL64  # through the maps' own float64 twin
 
 
 def test_sketch_map_of_one_layer_trains_and_moves():

@@ -8,9 +8,10 @@ Tolerances: float64, 1e-12 (the same products in the same order up to reshapes; 
 import pytest
 import torch
 
-from sketchlab import LLoPS, kernel_errors
+from sketchlab import kernel_errors
 from sketchlab.featuremaps import LLoPSMap, make_feature_map
 from sketchlab.featuremaps.heads import as_heads, batch_features, from_heads, pair_features
+from sketchlab.llops.module import LLoPS
 
 L, H, N, D, M = 2, 3, 7, 4, 5
 

@@ -28,6 +28,8 @@ LAYERS = [
     ("math", ["sketchlab.optimal", "sketchlab.spectral", "sketchlab.objective", "sketchlab.metrics",
               # the LLoPS map itself and what a fit problem is made of (no fitting)
               "sketchlab.llops.maps", "sketchlab.llops.cp", "sketchlab.llops.module",
+              # the LLoPS feature map (what every LLoPS fit returns): its class sits with the map's maths
+              "sketchlab.featuremaps.llops",
               "sketchlab.llops._fitting", "sketchlab.llops.sides", "sketchlab.llops.target"]),
     ("sketches", ["sketchlab.sketches", "sketchlab.sketches.*"]),
     ("llops fits", ["sketchlab.llops", "sketchlab.llops.*"]),  # inits from BASED/PSF: above the sketches

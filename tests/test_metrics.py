@@ -135,7 +135,8 @@ def test_optimality_ratio_keeps_a_python_tail_in_float64():
 def test_kernel_errors_in_row_blocks_equal_the_dense_form():
     # Row blocks (forced tiny by max_bytes: one query row per block) against the dense metrics:
     # the same sums in another order, so equal to ~1e-15; we allow 1e-10 (the criterion).
-    from sketchlab import LLoPS, kernel_errors, poly_kernel
+    from sketchlab import kernel_errors, poly_kernel
+    from sketchlab.llops.module import LLoPS
     gen = torch.Generator().manual_seed(4)
     q = torch.randn(2, 3, 17, 4, generator=gen, dtype=torch.float64)
     k = torch.randn(2, 3, 23, 4, generator=gen, dtype=torch.float64)

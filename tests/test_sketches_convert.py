@@ -8,7 +8,7 @@ relative to it, as the issue asks.
 import pytest
 import torch
 
-from sketchlab.llops import LLoPS
+from sketchlab.llops.module import LLoPS
 from sketchlab.sketches import BasedSketch, ElementwiseSketch, MLPSketch, PolySketch, TensorSketch, as_llops
 
 F64 = torch.float64

@@ -517,19 +517,23 @@ def test_affine_llops_through_the_triton_kernel_matches_the_torch_backend():
 def test_based_hybrid_poly_window_uses_the_kernels_own_scale(options, scale, local_scale):
     # local="poly": the exact window scores (s·qᵀk)^p use BASED's scale s, not the default 1/√D that
     # any other scale (or a dropped one) would give; window 2 < T mixes the window with the sketch
-    from sketchlab.attention.functional import sketch_attention
-    from sketchlab.sketches import BasedSketch
+    from sketchlab.attention import AttentionOptions, linear_attention
+    from sketchlab.featuremaps import ExpandMap, TaylorMap
 
     kernel, _ = _kernel("based", {**options, "window": 2, "local": "poly"})
     o = kernel.config_options
-    sketch = BasedSketch(torch.eye(8, 4, dtype=torch.float64).expand(2, 8, 4), o["p"], form=o["form"],
-                         symmetric=o["symmetric"])  # BASED on the first d' = 4 coordinates
+    proj = torch.eye(8, 4, dtype=torch.float64).expand(2, 8, 4)  # BASED on the first d' = 4 coordinates
+    fmap = (TaylorMap(2, 8, proj=proj, symmetric=o["symmetric"], dtype=torch.float64) if o["form"] == "taylor" else
+            ExpandMap(2, 8, p=o["p"], proj=proj, symmetric=o["symmetric"], dtype=torch.float64))
     q, k, v = _qkv()
     got = kernel(q, k, v)
-    want = sketch_attention(q * scale, k * scale, v, sketch, window=2, local="poly", local_scale=local_scale,
-                            gate=kernel.gate)
-    torch.testing.assert_close(got, want, **F64)
-    default = sketch_attention(q * scale, k * scale, v, sketch, window=2, local="poly", gate=kernel.gate)
+
+    def attend(**kw):
+        opts = AttentionOptions(normalize="sum", non_negative=False, window=2, local="poly", **kw)
+        return linear_attention(q * scale, k * scale, v, fmap, options=opts, gate=kernel.gate)[0]
+
+    torch.testing.assert_close(got, attend(local_scale=local_scale), **F64)
+    default = attend()
     assert (got - default).abs().max() > 1e-6  # the scale matters at these sizes
 
 

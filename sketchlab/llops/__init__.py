@@ -7,9 +7,10 @@ r"""LLoPS: the learnable low-rank polynomial sketch.
 
 Modules
 -------
-``maps``       the feature map and projector, their float64 twins, their derivatives, and :func:`llops_maps`
-               (Θ → the pair of :class:`~sketchlab.featuremaps.LLoPSMap` s every fit returns)
-``cp``         :func:`projector_to_theta` (CP of projector columns, tensorly), :func:`llops_from_projector`
+``maps``       the feature map and projector, their float64 twins, and their derivatives
+``cp``         :func:`projector_to_theta` (CP of projector columns, tensorly)
+``pair``       :func:`llops_maps` (Θ → the pair of :class:`~sketchlab.featuremaps.LLoPSMap` s every fit returns),
+               :func:`llops_from_projector`
 ``inits``      :func:`llops_init`: svd, random, cp, based, psf, or a given sketch
 ``sides``      the rows a fit sees: the tokens, or at most ``D`` compressed rows with their Gram matrix
 ``target``     :class:`~sketchlab.llops.target.KernelTarget`: products with ``A`` without ``n × n``;
@@ -25,7 +26,7 @@ References
 Qin, Deng, Cong, Sun. *Learnable Low-Rank Polynomial Sketch for Effective Linear Attention*, 2026, §3.2.
 """
 
-from .cp import llops_from_projector, projector_to_theta
+from .cp import projector_to_theta
 from .dispatch import METHODS, fit_llops
 from .fit_adam import fit_llops_adam
 from .fit_als import QUALITY, fit_llops_direct
@@ -36,10 +37,10 @@ from .maps import (
     affine_theta,
     llops_features,
     llops_features_naive,
-    llops_maps,
     llops_projector,
     llops_projector_naive,
 )
+from .pair import llops_from_projector, llops_maps
 from .target import KernelTarget
 
 __all__ = [

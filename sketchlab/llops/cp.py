@@ -6,7 +6,7 @@ import torch
 
 from .._validation import as_float_tensor, check_degree, check_positive_int
 
-__all__ = ["llops_from_projector", "projector_to_theta"]
+__all__ = ["projector_to_theta"]
 
 
 def projector_to_theta(
@@ -56,26 +56,3 @@ def projector_to_theta(
                     theta[b, :, j, :, i] = fac.mT
     return theta.reshape(*batch, rank, p, d, m).to(w.dtype)
 
-
-def llops_from_projector(w_q, w_k=None, rank: int = 1, *, p: int, seed: int = 0, n_iter_max: int = 200,
-                         tol: float = 1e-10):
-    r"""Rank-``rank`` LLoPS maps from projectors ``w[..., d**p, m]`` by a CP of each column tensor.
-
-    Each column of ``w_q`` (and ``w_k``), reshaped to a ``d × … × d`` tensor, is decomposed by
-    tensorly's ``parafac`` (:func:`projector_to_theta`). ``p`` is required: ``d**p`` alone does not determine
-    ``d`` and ``p``.
-
-    Returns
-    -------
-    (LLoPSMap, LLoPSMap)
-        :func:`~sketchlab.llops.maps.llops_maps` of the two Θ ``[..., rank, p, d, m]`` (heads: the leading
-        axes of ``w``, flattened); ``w_k=None`` ties the key map to the query map (one object).
-        ``llops_projector(map_q.theta) ≈ w_q`` (flattened heads).
-    """
-    from .maps import llops_maps
-
-    theta_q = projector_to_theta(w_q, p, rank, seed=seed, n_iter_max=n_iter_max, tol=tol, name="w_q")
-    theta_k = None
-    if w_k is not None:
-        theta_k = projector_to_theta(w_k, p, rank, seed=seed, n_iter_max=n_iter_max, tol=tol, name="w_k")
-    return llops_maps(theta_q, theta_k)

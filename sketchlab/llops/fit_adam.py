@@ -8,7 +8,8 @@ from .._validation import DEFAULT_MAX_BYTES
 from ..objective import DEFAULT_LR, DEFAULT_STEPS, train_kernel_sketch
 from ._fitting import prepare
 from .inits import llops_init
-from .maps import llops_features, llops_maps
+from .maps import llops_features
+from .pair import llops_maps
 
 __all__ = ["fit_llops_adam"]
 

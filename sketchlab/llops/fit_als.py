@@ -22,7 +22,8 @@ from ..objective import check_finite_loss
 from ._fitting import balance, prepare
 from .fit_lm import lm_step
 from .inits import llops_init
-from .maps import llops_features, llops_maps
+from .maps import llops_features
+from .pair import llops_maps
 from .target import ROUTES, fit_problem, iteration_flops
 
 __all__ = ["QUALITY", "Preset", "fit_llops_direct"]

@@ -9,7 +9,8 @@ from ..featuremaps.heads import batch_features
 from ..optimal import optimal_sketch
 from ._fitting import prepare
 from .cp import projector_to_theta
-from .maps import llops_features, llops_maps
+from .maps import llops_features
+from .pair import llops_maps
 from .svd_init import _init_svd
 
 __all__ = ["GAUGES", "aligned_gauge", "fit_llops_cp"]

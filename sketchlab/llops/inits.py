@@ -123,7 +123,7 @@ def _given_thetas(init) -> tuple[torch.Tensor, torch.Tensor]:
 
             converted = as_llops(init)
         if isinstance(getattr(converted, "theta_q", None), torch.Tensor):  # transitional: as_llops's LLoPS sketch
-            from .maps import llops_maps
+            from .pair import llops_maps
 
             converted = llops_maps(converted.theta_q, converted.theta_k)
         got = thetas(converted)

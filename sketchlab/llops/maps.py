@@ -28,7 +28,6 @@ __all__ = [
     "llops_feature_fn",
     "llops_features_naive",
     "llops_is_non_negative",
-    "llops_maps",
     "llops_projector",
     "llops_projector_naive",
 ]
@@ -78,40 +77,6 @@ def llops_features(x: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
     """
     proj = x[..., None, None, :, :] @ theta  # [..., t, p, n, m] = ⟨θ_{r,j,:,i}, x⟩
     return proj.prod(dim=-3).sum(dim=-3)  # ∏ over j, then Σ over r
-
-
-def llops_maps(theta_q, theta_k=None):
-    r"""The pair of :class:`~sketchlab.featuremaps.LLoPSMap` s of Θ: ``(map_q, map_k)``, one map when tied.
-
-    Parameters
-    ----------
-    theta_q : Tensor ``[..., t, p, d, m]``
-        Query-side factors; the leading axes (e.g. ``[L, H]``, or none) are the heads, flattened row-major
-        (layer ``l``, head ``j`` of ``[L, H]`` is head ``l·H + j``; no leading axis: one head).
-    theta_k : Tensor or None
-        Key-side factors of the shape of ``theta_q``; ``None`` ties the key map to the query map.
-
-    Returns
-    -------
-    (LLoPSMap, LLoPSMap)
-        Θ copied as trained parameters ``[prod(...), t, p, d, m]`` in ``theta_q``'s dtype; the same object
-        twice when tied. The kernel is :math:`\phi_Q(q)\cdot\phi_K(k) = \psi_p(q)^\top W_Q W_K^\top \psi_p(k)`
-        (:func:`llops_projector` of each ``map.theta``).
-    """
-    from ..featuremaps.llops import LLoPSMap  # at call time: the family imports this module's functions
-
-    theta_q = _check_theta(theta_q, "theta_q")
-    if theta_k is not None:
-        theta_k = _check_theta(theta_k, "theta_k")
-        if theta_k.shape != theta_q.shape:
-            raise ValueError(f"theta_k must have the shape of theta_q {tuple(theta_q.shape)}, got {tuple(theta_k.shape)}")
-
-    def one(theta):
-        flat = theta.detach().reshape(-1, *theta.shape[-4:])  # [H, t, p, d, m]
-        return LLoPSMap(flat.shape[0], flat.shape[-2], theta=flat)
-
-    map_q = one(theta_q)
-    return map_q, (map_q if theta_k is None else one(theta_k))
 
 
 def llops_features_naive(x: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:

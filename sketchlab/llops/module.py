@@ -1,6 +1,6 @@
 r"""The LLoPS sketch class :class:`LLoPS` (``nn.Module`` and :class:`~sketchlab.sketch.Sketch`), left only for
 :func:`sketchlab.sketches.as_llops`'s results until it returns :class:`~sketchlab.featuremaps.LLoPSMap` pairs (then this
-module goes): every LLoPS fit returns the pair of maps (:func:`sketchlab.llops.llops_maps`)."""
+module goes): every LLoPS fit returns the pair of maps (:func:`sketchlab.llops.pair.llops_maps`)."""
 
 from __future__ import annotations
 
