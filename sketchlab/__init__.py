@@ -40,6 +40,7 @@ from .featuremaps import (
     as_feature_map,
     make_feature_map,
 )
+from .featuremaps.to_llops import as_llops
 from .fit import Fit, FitReport, available_sketches, fit_sketch, holdout_split, register_sketch, sketch_fitter
 from .io import QKDump, load_qk, load_theta, save_qk, save_theta
 from .llops import (
@@ -77,7 +78,6 @@ from .polynomial import (
 )
 from .scaling import describe_scale, resolve_scale
 from .sketch import Sketch
-from .sketches import BasedSketch, ElementwiseSketch, MLPSketch, PolySketch, TensorSketch, as_llops
 from .spectral import deflate, feature_bound, rank1_residuals, spectral_norm
 from .spectrum import KernelSpectrum, kernel_spectrum
 from .verify import Check, Verification, verify
@@ -97,25 +97,20 @@ __all__ = [
     "as_feature_map",
     "linear_attention",
     "make_feature_map",
-    "BasedSketch",
     "Check",
     "ComparisonRow",
     "ComparisonTable",
     "DEFAULT_METHODS",
-    "ElementwiseSketch",
     "Fit",
     "FitReport",
     "HeadAdvice",
     "KernelRangeError",
     "KernelSpectrum",
     "LLoPSAttention",
-    "MLPSketch",
     "MemoryState",
     "OptimalMap",
-    "PolySketch",
     "QKDump",
     "Sketch",
-    "TensorSketch",
     "Verification",
     "__version__",
     "advise",

@@ -61,16 +61,13 @@ def _json_safe(value):
 
 def fit_llops_maps(fit):
     """The LLoPS maps ``(map_q, map_k)`` of a fit (:class:`~sketchlab.featuremaps.LLoPSMap` s of its ``L·H`` heads, one
-    object when tied): its own maps when they are LLoPS, else their exact LLoPS form (:func:`sketchlab.as_llops`,
-    which raises ``ValueError`` for a map without one)."""
-    from .featuremaps.llops import LLoPSMap
-    from .llops.pair import llops_maps
-    from .sketches import as_llops
+    object when tied): its own maps when they are LLoPS, else their exact LLoPS form
+    (:func:`sketchlab.featuremaps.to_llops.as_llops`, which raises ``ValueError`` for a map without one)."""
+    from .featuremaps.base import FeatureMap
+    from .featuremaps.to_llops import as_llops
 
-    if isinstance(fit.map_q, LLoPSMap) and isinstance(fit.map_k, LLoPSMap):
-        return fit.maps
-    llops = as_llops(fit.sketch)  # transitional: as_llops(fit.maps) once sketches.as_llops takes maps
-    return llops_maps(llops.theta_q, llops.theta_k)
+    llops = as_llops(fit.maps)  # LLoPS maps come back unchanged
+    return (llops, llops) if isinstance(llops, FeatureMap) else llops
 
 
 def export_theta(fit, path, *, dump, scale=None) -> Path:

@@ -485,7 +485,8 @@ def _fitted_maps(method: str, result, batch_shape: tuple, head_dim: int):
     ``(map_q, map_k)`` of ``prod(batch_shape)`` heads of ``head_dim``, ``fit_info`` taken off ``map_q`` (the map
     keeps none); transitional: a :class:`~sketchlab.sketch.Sketch`, given its maps
     (:func:`~sketchlab.featuremaps.sketch_feature_maps`)."""
-    from .featuremaps import FeatureMap, FeatureMapSketch, sketch_feature_maps
+    from .featuremaps import FeatureMap
+    from .featuremaps.sketch_map import FeatureMapSketch, sketch_feature_maps
 
     heads = math.prod(batch_shape)
     if isinstance(result, Sketch):

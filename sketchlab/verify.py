@@ -167,19 +167,24 @@ class _Worst:
 
 
 def _special_sketches(q, k, p, m, seed):
-    """``[(label, sketch)]`` of the special cases that have an exact LLoPS form at this ``(p, m)``; skipped ones."""
-    from .sketches import BasedSketch, ElementwiseSketch, PolySketch, based_dim_for_budget, pca_projection
+    """``[(label, map)]`` of the special cases (one head) that have an exact LLoPS form at this ``(p, m)``; skipped ones."""
+    from .featuremaps.based import ExpandMap, based_dim_for_budget, pca_projection
+    from .featuremaps.elementwise import TiedLLoPSMap
+    from .featuremaps.psf_random import PSFRandomMap
 
     gen = torch.Generator().manual_seed(seed)
     d = q.shape[-1]
     out, skipped = [], []
-    out.append(("element-wise", ElementwiseSketch(torch.randn(d, m, generator=gen, dtype=torch.float64), p)))
+    theta = torch.randn(d, m, generator=gen, dtype=torch.float64)
+    out.append(("element-wise", TiedLLoPSMap(1, d, theta[None, None], p=p, signed=True)))
     dim = based_dim_for_budget(d, p, m)
-    out.append((f"BASED expand d'={dim}", BasedSketch(pca_projection(q, k, dim).to(torch.float64), p)))
+    proj = pca_projection(q, k, dim).to(torch.float64)
+    out.append((f"BASED expand d'={dim}", ExpandMap(1, d, p=p, proj=proj[None], symmetric=False)))
     if p in (2, 4):
-        out.append(("PSF self-tensored", PolySketch.draw(d, p, m, non_negative=True, seed=seed, dtype=torch.float64)))
+        out.append(("PSF self-tensored", PSFRandomMap.draw(1, d, p=p, m=m, non_negative=True, seed=seed,
+                                                            dtype=torch.float64)))
     elif p == 1:
-        out.append(("PSF plain", PolySketch.draw(d, p, m, seed=seed, dtype=torch.float64)))
+        out.append(("PSF plain", PSFRandomMap.draw(1, d, p=p, m=m, seed=seed, dtype=torch.float64)))
     else:
         skipped.append(f"PSF skipped: no exact LLoPS form at p={p} (sketchlab.as_llops: plain p ≤ 2, self-tensored p ∈ {{2, 4}})")
     return out, skipped
@@ -236,7 +241,8 @@ def verify(dump_or_qk, *, p: int = 2, m: int = 64, layers=None, heads=None, scal
     """
     from tqdm.auto import tqdm
 
-    from .sketches import as_llops
+    from .featuremaps import batch_features
+    from .featuremaps.to_llops import as_llops
 
     p = check_degree(p)
     m = check_positive_int(m, "m (the sketch size)")
@@ -289,12 +295,12 @@ def verify(dump_or_qk, *, p: int = 2, m: int = 64, layers=None, heads=None, scal
 
         sketches, skipped = _special_sketches(q, k, p, m, seed)
         special_skips.update(skipped)
-        for label, sketch in sketches:
-            llops = as_llops(sketch)
-            theta = llops.theta_q.detach().to(torch.float64)  # [1, p, d, M]
+        for label, fmap in sketches:
+            llops = as_llops(fmap)
+            theta = llops.theta.detach().to(torch.float64)[0]  # [1, p, d, M]
             scale_ref = torch.linalg.vector_norm(theta, dim=-2).prod(-2).amax() * torch.linalg.vector_norm(qs, dim=-1).amax() ** p
             with torch.no_grad():
-                dev = (sketch.features_q(qs).to(torch.float64) - llops.features_q(qs).to(torch.float64)).abs().max()
+                dev = (batch_features(fmap, qs).to(torch.float64) - batch_features(llops, qs).to(torch.float64)).abs().max()
             worst["special_cases"].add(float(dev / scale_ref), 4 * p * (d + 2) * U, f"{where} ({label})")
 
         if m >= limit:

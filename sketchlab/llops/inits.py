@@ -12,7 +12,7 @@ from .svd_init import _init_svd
 
 __all__ = ["INITS", "llops_init"]
 
-#: Initialisations accepted by the fits (besides LLoPS maps, a sketch :func:`sketchlab.sketches.as_llops` converts, or
+#: Initialisations accepted by the fits (besides LLoPS maps, maps :func:`sketchlab.featuremaps.to_llops.as_llops` converts, or
 #: an object with ``as_llops()``).
 INITS = ("svd", "random", "cp", "based", "psf")
 
@@ -50,12 +50,12 @@ def _pad(theta_q, theta_k, axis: int, size: int, generator, relative=1e-3):
 def _special_case(name, q, k, p, m, seed):
     """The BASED (project-then-expand, PCA projection) or PolySketchFormer sketch of size ``<= m``.
 
-    Imported here, at call time: :mod:`sketchlab.sketches` imports the LLoPS maps for ``as_llops``.
+    Imported here, at call time.
     The baselines' own fitters, not :func:`sketchlab.fit.sketch_fitter`: the fits sit below
     :mod:`sketchlab.fit` (tests/test_layers.py).
     """
-    from ..sketches.based import _fit_based
-    from ..sketches.psf import _fit_psf
+    from ..featuremaps.based import _fit_based
+    from ..featuremaps.psf_random import _fit_psf
 
     return {"based": _fit_based, "psf": _fit_psf}[name](q, k, p=p, m=m, seed=seed)
 
@@ -104,7 +104,7 @@ def _check_init_scale(theta_q, theta_k, q64, k64, p: int) -> None:
 
 def _given_thetas(init) -> tuple[torch.Tensor, torch.Tensor]:
     """The float64 Θ ``[H', t, p, d, m]`` of both sides of a given init: LLoPS maps (one for both sides, or a pair),
-    else what its ``as_llops()`` or :func:`sketchlab.sketches.as_llops` gives; a ``TypeError`` otherwise."""
+    else what its ``as_llops()`` or :func:`sketchlab.featuremaps.to_llops.as_llops` gives; a ``TypeError`` otherwise."""
     from ..featuremaps.llops import LLoPSMap
 
     def thetas(obj):
@@ -119,13 +119,9 @@ def _given_thetas(init) -> tuple[torch.Tensor, torch.Tensor]:
         if hasattr(init, "as_llops"):
             converted = init.as_llops()
         else:
-            from ..sketches import as_llops  # at call time: sketchlab.sketches imports the LLoPS maps
+            from ..featuremaps.to_llops import as_llops
 
             converted = as_llops(init)
-        if isinstance(getattr(converted, "theta_q", None), torch.Tensor):  # transitional: as_llops's LLoPS sketch
-            from .pair import llops_maps
-
-            converted = llops_maps(converted.theta_q, converted.theta_k)
         got = thetas(converted)
     if got is None:
         raise TypeError(f"init must be one of {INITS}, LLoPS maps, or a sketch with as_llops(); got {type(init).__name__}")
@@ -147,10 +143,10 @@ def llops_init(q, k, *, p: int, m: int, rank: int = 1, init="svd", seed: int = 0
         Gaussian, scaled to the size of ``A``. ``"cp"``: :func:`fit_llops_cp` (``cp_options`` go
         there). ``"based"``/``"psf"``: the BASED project-then-expand sketch (PCA projection) or
         the PolySketchFormer sketch fitted with budget ``m`` (``fit_sketch("based"/"psf", ...)``),
-        converted exactly by :func:`sketchlab.sketches.as_llops` (which raises for the cases
+        converted exactly by :func:`sketchlab.featuremaps.to_llops.as_llops` (which raises for the cases
         without a rank-1 form, e.g. PSF of degree 3). LLoPS maps (an
         :class:`~sketchlab.featuremaps.LLoPSMap`, both sides, or a pair ``(map_q, map_k)``), an object with
-        ``as_llops()``, or any sketch :func:`sketchlab.sketches.as_llops` converts, of ``prod(batch)`` heads
+        ``as_llops()``, or any sketch :func:`sketchlab.featuremaps.to_llops.as_llops` converts, of ``prod(batch)`` heads
         (the batch flattened row-major) or one head shared by all, with matching ``p``, ``d``, at most ``m``
         features and rank ``<= rank``, is used as is. Missing CP terms and columns are filled
         with small Gaussian ones (``1e-3`` of the factors' RMS) so that alternating least squares

@@ -1,4 +1,4 @@
-"""Helpers shared by the baseline sketches: randomness, batch shapes, option checks."""
+"""Helpers shared by the random and fitted maps of the family: randomness, batch shapes, option checks."""
 
 from __future__ import annotations
 
