@@ -44,7 +44,6 @@ from .featuremaps.to_llops import as_llops
 from .fit import Fit, FitReport, available_sketches, fit_sketch, holdout_split, register_sketch, sketch_fitter
 from .io import QKDump, load_qk, load_theta, save_qk, save_theta
 from .llops import (
-    LLoPS,
     fit_llops,
     fit_llops_adam,
     fit_llops_cp,
@@ -66,7 +65,7 @@ from .metrics import (
 )
 from .numerics import KernelRangeError
 from .objective import kernel_loss, train_kernel_sketch
-from .optimal import OptimalSketch, max_sketch_size, min_norm_sketch, optimal_sketch, tail_bound
+from .optimal import OptimalMap, max_sketch_size, min_norm_sketch, optimal_sketch, tail_bound
 from .polynomial import (
     feature_gram_root,
     full_to_symmetric,
@@ -107,10 +106,9 @@ __all__ = [
     "HeadAdvice",
     "KernelRangeError",
     "KernelSpectrum",
-    "LLoPS",
     "LLoPSAttention",
     "MemoryState",
-    "OptimalSketch",
+    "OptimalMap",
     "QKDump",
     "Sketch",
     "Verification",

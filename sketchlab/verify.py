@@ -57,6 +57,7 @@ import torch
 
 from ._dumpsel import select_and_scale
 from ._validation import check_degree, check_memory, check_positive_int, check_symmetric_features, check_work
+from .featuremaps.heads import pair_features
 from .numerics import ROUNDOFF, check_poly_kernel_range, is_roundoff
 from .optimal import max_sketch_size, optimal_sketch
 from .polynomial import num_poly_features, poly_features, poly_kernel, symmetric_to_full
@@ -307,8 +308,8 @@ def verify(dump_or_qk, *, p: int = 2, m: int = 64, layers=None, heads=None, scal
             continue
         A = poly_kernel(q, k, p)
         fro = torch.linalg.matrix_norm(A)
-        by_route = {route: optimal_sketch(q, k, p, m, route=route) for route in ("svd", "qr")}
-        s = by_route["svd"].singular_values
+        by_route = {route: optimal_sketch(q, k, p, m, route=route) for route in ("svd", "qr")}  # (map_q, map_k)
+        s = by_route["svd"][0].fit_info["singular_values"]
         tails = (s.flip(-1) ** 2).cumsum(-1).flip(-1).sqrt()  # [n]: entry r is √tail(r) = √Σ_{i>r} σ_i²
         rank = int((~is_roundoff(tails, fro, n)).sum())  # the sizes whose tail is not round-off (sketchlab.numerics)
         if m >= rank:
@@ -318,19 +319,19 @@ def verify(dump_or_qk, *, p: int = 2, m: int = 64, layers=None, heads=None, scal
                 worst[name].cannot.append(msg)
             continue
         amplification = float(s[0] / s[m - 1])
-        for route, sketch in by_route.items():
-            with torch.no_grad():
-                err = torch.linalg.matrix_norm(sketch.kernel(q, k) - A)
-            value = float((err - sketch.tail.sqrt()).abs() / fro)
+        for route, maps in by_route.items():
+            fq, fk = pair_features(maps, q, k)
+            err = torch.linalg.matrix_norm(fq @ fk.mT - A)
+            value = float((err - maps[0].fit_info["tail"].sqrt()).abs() / fro)
             worst["theorem_3_1" if route == "svd" else "routes"].add(value, 100 * n * U * amplification, f"{where} ({route})")
         psi_norms = torch.linalg.matrix_norm(poly_features(q, p, True)) * torch.linalg.matrix_norm(poly_features(k, p, True))
-        sv_gap = float((by_route["svd"].singular_values - by_route["qr"].singular_values).abs().max() / s[0])
+        sv_gap = float((s - by_route["qr"][0].fit_info["singular_values"]).abs().max() / s[0])
         worst["routes"].add(sv_gap, float(100 * (n + dim_sym) * U * psi_norms / s[0]), f"{where} (singular values)")
 
-        opt = by_route["svd"]
+        opt = by_route["svd"][0]  # the query map: W [1, D, m] of the one head
         c = min(columns, m)
-        w_sym = opt.w_q[..., :c] if opt.symmetric else None
-        w = symmetric_to_full(w_sym, d, p) if opt.symmetric else opt.w_q[..., :c]  # [d^p, c]
+        w_sym = opt.w[0, :, :c] if opt.symmetric else None
+        w = symmetric_to_full(w_sym, d, p) if opt.symmetric else opt.w[0, :, :c]  # [d^p, c]
         w_hat = torch.zeros_like(w)
         for i in range(c):
             wi = w[:, i].reshape((d,) * p)

@@ -27,7 +27,7 @@ LAYERS = [
                     "sketchlab.featuremaps.base", "sketchlab.featuremaps.heads"]),
     ("math", ["sketchlab.optimal", "sketchlab.spectral", "sketchlab.objective", "sketchlab.metrics",
               # the LLoPS map itself and what a fit problem is made of (no fitting)
-              "sketchlab.llops.maps", "sketchlab.llops.cp", "sketchlab.llops.module",
+              "sketchlab.llops.maps", "sketchlab.llops.cp",
               "sketchlab.llops._fitting", "sketchlab.llops.sides", "sketchlab.llops.target"]),
     # the baselines' maps (the LLoPS fits start from BASED/PSF), the LLoPS map and the exact Θ forms (as_llops)
     ("baseline maps", ["sketchlab.featuremaps._common", "sketchlab.featuremaps.tensorsketch",

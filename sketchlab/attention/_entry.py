@@ -2,7 +2,7 @@ r"""The options object at the attention entry points (DESIGN §7; issue 33's one
 
 The op :func:`~sketchlab.attention.linear_attention` takes one ``options: AttentionOptions`` and uses it
 as given. The keyword-style internal entry points (:func:`~sketchlab.attention.functional.llops_attention`,
-:func:`~sketchlab.attention.functional.sketch_attention`, :func:`~sketchlab.attention.chunked.feature_attention`)
+:func:`~sketchlab.attention.chunked.feature_attention`)
 take ``options: AttentionOptions | None`` and ``params: FarParams | None`` beside their keyword options;
 :func:`call_options` turns either into one
 :class:`AttentionOptions` (so each rule is checked once, in its ``__post_init__``); a call whose

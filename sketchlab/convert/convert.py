@@ -15,6 +15,7 @@ converts a freshly loaded model with those options and restores the weights. (tr
 
 from __future__ import annotations
 
+import copy
 import math
 import numbers
 import types
@@ -127,16 +128,19 @@ def _own_maps(attention: str, feature_map, layer: int, heads: int, head_dim: int
     pair), else two :func:`sketchlab.featuremaps.make_feature_map` maps named ``attention`` (seeds
     ``seed + 2·layer`` for queries, ``+ 1`` for keys); ``tied``: LLoPS as
     :class:`~sketchlab.convert.scale.TiedLLoPSMap` started from the same draw (its equal factors are
-    already tied: the first one is kept). A fitted :class:`~sketchlab.sketch.Sketch` (batch ``[L, H]``:
-    layer ``layer``; ``[H]`` or ``[]``: every layer) gives its maps (:func:`sketchlab.featuremaps.sketch_feature_maps`)."""
-    from ..sketch import Sketch
+    already tied: the first one is kept). A :class:`~sketchlab.Fit` (``fit_sketch``'s) gives a copy of its maps:
+    of batch ``[L, H]``, layer ``layer``'s (:meth:`~sketchlab.Fit.layer`); else (``[H]``) the same maps at every
+    layer, each layer its own copy."""
+    from ..fit import Fit
 
-    if isinstance(feature_map, Sketch):
-        from ..featuremaps.sketch_map import sketch_feature_maps
-
-        with torch.no_grad():
-            probe = feature_map.features_q(torch.zeros(1, head_dim, dtype=torch.float64))  # [*batch, 1, M]
-        return sketch_feature_maps(feature_map, heads=heads, head_dim=head_dim, layer=layer if probe.ndim == 4 else None)
+    if isinstance(feature_map, Fit):
+        fit = feature_map
+        maps = fit.layer(layer) if len(fit.batch_shape) == 2 else copy.deepcopy(fit.maps)  # a tied pair stays tied
+        if maps[0].heads != heads or maps[0].head_dim != head_dim:
+            raise ValueError(f"feature_map: the fit's maps of layer {layer} have heads={maps[0].heads}, "
+                             f"head_dim={maps[0].head_dim} (batch shape {list(fit.batch_shape)}); the model's attention "
+                             f"has heads={heads}, head_dim={head_dim}")
+        return maps
     if feature_map is not None:
         made = feature_map(layer, heads, head_dim)
         maps = tuple(made) if isinstance(made, (tuple, list)) else (made, made)
@@ -231,10 +235,11 @@ def convert_attention(model: nn.Module, *, attention: str = "llops", p: int = 2,
         :data:`DEFAULT_SINKS` (4) with a window, ``0`` for ``window=0`` (which has no exact keys;
         an explicit ``sinks > 0`` there is refused). ``window=64`` and 4 sinks are the measured
         best for converted models. ``config.sketchlab`` records the resolved number.
-    feature_map : callable or Sketch, optional
+    feature_map : callable or Fit, optional
         ``feature_map(layer, heads, head_dim)`` → a FeatureMap module (shared by q and k) or a pair
-        ``(map_q, map_k)``, or a fitted :class:`~sketchlab.sketch.Sketch` (``fit_sketch``'s, batch
-        ``[L, H]``: layer ``l``'s heads for layer ``l``), instead of ``attention``.
+        ``(map_q, map_k)``, or a :class:`~sketchlab.Fit` (``fit_sketch``'s, batch ``[L, H]``: layer ``l``'s
+        maps for layer ``l``, :meth:`~sketchlab.Fit.layer`; batch ``[H]``: its maps at every layer), instead of
+        ``attention``.
     theta : str, Path or (Tensor, Tensor), optional
         ``attention="llops"`` only: a Θ export (:func:`sketchlab.export_theta`) or tensors
         ``[L, H, t, p, d, m]`` (fitted on ``"sqrt-d"``-scaled post-RoPE q, k) to start from.
@@ -326,11 +331,11 @@ def convert_attention(model: nn.Module, *, attention: str = "llops", p: int = 2,
     if theta is not None and (attention != "llops" or feature_map is not None):
         raise ValueError(f"theta initialises LLoPS maps: it needs attention='llops' and no feature_map "
                          f"(got attention={attention!r})")
-    from ..sketch import Sketch
+    from ..fit import Fit
 
-    if feature_map is not None and not (callable(feature_map) or isinstance(feature_map, Sketch)):
-        raise TypeError("feature_map must be a fitted sketchlab Sketch or callable: feature_map(layer, heads, head_dim) "
-                        "-> FeatureMap or (map_q, map_k)")
+    if feature_map is not None and not (callable(feature_map) or isinstance(feature_map, Fit)):
+        raise TypeError("feature_map must be a sketchlab Fit (fit_sketch's) or callable: feature_map(layer, heads, "
+                        "head_dim) -> FeatureMap or (map_q, map_k)")
     family, sites = attention_sites(model)
     exact = _check_exact_layers(exact_layers, len(sites), family)
     memory = _check_memory(cache, decay, state, beta, window, sinks, local, normalize,

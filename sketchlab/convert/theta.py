@@ -87,7 +87,6 @@ def _fit_recorded(layers: list[LayerIO], mask, index, skip, *, p, m, rank, fit_t
     """:func:`fit_theta` from the teacher recording: the post-RoPE q, k of the sequences ``index``' valid
     tokens (GQA keys repeated, float32 then float64 times ``D^{-1/4}``; only the fitting tokens copied);
     the layers in ``skip`` are not fitted and left zero (exact layers: never read)."""
-    from ..featuremaps.to_llops import as_llops
     from ..fit import fit_sketch
 
     valid = mask[index].to(torch.bool)  # [n_seq, T]
@@ -108,10 +107,8 @@ def _fit_recorded(layers: list[LayerIO], mask, index, skip, *, p, m, rank, fit_t
             c = D ** -0.25
             q, k = q.float().transpose(0, 1).double() * c, k.float().transpose(0, 1).double() * c  # [H, n, D]
             fit = fit_sketch("llops", q, k, p=p, m=m, rank=rank, seed=seed, reference=False, **options)
-            llops = as_llops(fit.maps)
-            map_q, map_k = (llops, llops) if not isinstance(llops, tuple) else llops
-            thetas_q[layer] = map_q.theta.detach()  # [H, t, p, D, m]
-            thetas_k[layer] = thetas_q[layer] if map_k is map_q else map_k.theta.detach()
+            thetas_q[layer] = fit.map_q.theta.detach()  # [H, t, p, D, m] (LLoPSMap)
+            thetas_k[layer] = fit.map_k.theta.detach()
             report = fit.report.as_dict()
             rel = report.get("rel_fro")
             rel_fro[layer] = rel.tolist() if isinstance(rel, torch.Tensor) else rel

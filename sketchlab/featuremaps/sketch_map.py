@@ -132,25 +132,14 @@ def sketch_feature_maps(sketch: Sketch, *, heads: int, head_dim: int, layer: int
     fit), or with ``layer=None`` of the whole fit (batch shape ``[]``, or ``heads`` maps in any batch
     shape, flattened row-major into the heads: :class:`SketchMap`).
 
-    LLoPS gives two :class:`~sketchlab.featuremaps.LLoPSMap` (the fused kernel; Θ copied); a sketch
-    with one map for both sides (PSF, TensorSketch, BASED, tied element-wise) one :class:`SketchMap`
+    A sketch with one map for both sides (PSF, TensorSketch, BASED, tied element-wise) one :class:`SketchMap`
     twice; one with two maps (MLP, untied element-wise) a :class:`SketchMap` per side, the key side
     over its own copy of the sketch (so each module is saved once).
     """
-    from ..llops.module import LLoPS
-    from .llops import LLoPSMap
-
     if not isinstance(sketch, Sketch):
         raise TypeError(f"sketch must be a sketchlab.Sketch, got {type(sketch).__name__}")
     if layer is not None:
         sketch = sketch.select(layer)
-    if isinstance(sketch, LLoPS):
-        def theta(t):
-            t = t.detach()
-            return t.expand(heads, *t.shape) if t.ndim == 4 else t.reshape(-1, *t.shape[-4:])  # [H, t, p, D, M]
-
-        map_q = LLoPSMap(heads, head_dim, theta=theta(sketch.theta_q))
-        return map_q, (map_q if sketch.tied else LLoPSMap(heads, head_dim, theta=theta(sketch.theta_k)))
     map_q = SketchMap(sketch, "q", heads=heads, head_dim=head_dim)
     if not _two_sided(sketch):
         return map_q, map_q
