@@ -77,7 +77,6 @@ from .polynomial import (
     symmetric_to_full,
 )
 from .scaling import describe_scale, resolve_scale
-from .sketch import Sketch
 from .spectral import deflate, feature_bound, rank1_residuals, spectral_norm
 from .spectrum import KernelSpectrum, kernel_spectrum
 from .verify import Check, Verification, verify
@@ -110,7 +109,6 @@ __all__ = [
     "MemoryState",
     "OptimalMap",
     "QKDump",
-    "Sketch",
     "Verification",
     "__version__",
     "advise",

@@ -21,7 +21,7 @@ PACKAGE = ROOT / "sketchlab"
 #: Patterns match dotted module names (a package's ``__init__`` is the package's name).
 LAYERS = [
     ("base", ["sketchlab._validation", "sketchlab._version", "sketchlab._threads"]),
-    ("primitives", ["sketchlab.polynomial", "sketchlab.sketch", "sketchlab.scaling", "sketchlab.numerics",
+    ("primitives", ["sketchlab.polynomial", "sketchlab.scaling", "sketchlab.numerics",
                     "sketchlab.io", "sketchlab.io.*",
                     # the family's interface and where a batch [L, H] meets its heads: what the metrics evaluate
                     "sketchlab.featuremaps.base", "sketchlab.featuremaps.heads"]),
