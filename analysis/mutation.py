@@ -439,7 +439,7 @@ REVIEWED: dict[str, str] = {
     "sketchlab.attention.ops.additive.hybrid_driver.x__hybrid_noncausal__mutmut_202": (
         _EQUIV + "sink_ok [1, 1, 1, Ls] instead of [1, 1, 1, 1, Ls] of ones: leading axes broadcast, so its "
                  "& with the mask [B, 1, 1, 1, Ls] and its use against the logits [B, H, N, C, Ls] are unchanged."),
-    "sketchlab.attention.ops.additive.hybrid_driver.xǁDenominatorCounterǁreport__mutmut_5": _KILLED + (
+    "sketchlab.attention._checks.xǁDenominatorCounterǁreport__mutmut_5": _KILLED + (
         "test_mut5_hybrid.py::test_denominator_check_raise_warn_and_off (no test used denominator_check='raise' on "
         "the chunked path; the mutant turns it into a warning)."),
     "sketchlab.attention.state.x_check_state__mutmut_79": _KILLED + (
@@ -1035,7 +1035,7 @@ RECORD: dict[str, tuple[int, str, list[str]]] = {
         "sketchlab.attention.ops.additive.hybrid_driver.x__hybrid_causal_block__mutmut_46",
         "sketchlab.attention.ops.additive.recurrent.x__hybrid_decode_one__mutmut_130",
         "sketchlab.attention.ops.additive.hybrid_driver.x__hybrid_noncausal__mutmut_202",
-        "sketchlab.attention.ops.additive.hybrid_driver.xǁDenominatorCounterǁreport__mutmut_5",
+        "sketchlab.attention._checks.xǁDenominatorCounterǁreport__mutmut_5",
         "sketchlab.attention.state.x_check_state__mutmut_79",
     ]),
     "compare": (8, "1f44963", [

@@ -88,7 +88,8 @@ def test_count_denominators_counts_each_warned_call_and_its_rows():
         warnings.simplefilter("ignore")
         with count_denominators() as counts:
             for _ in range(3):  # the same place three times: every call counts, not once per place
-                feature_attention(phi_q, phi_k, v, causal=True, normalize="sum", chunk_size=8)
+                # one chunk a block: 5 blocks, whose counts the DenominatorCounter adds up
+                feature_attention(phi_q, phi_k, v, causal=True, normalize="sum", chunk_size=8, block_chunks=1)
     assert counts == {"calls": 3, "rows": 3 * bad}
     with pytest.warns(UserWarning, match="something else"):
         with count_denominators() as counts:

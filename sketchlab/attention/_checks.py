@@ -17,7 +17,7 @@ import torch
 from .._validation import as_float_tensor, check_finite, per_version
 from .options import _BACKENDS, _DENOMINATOR_CHECKS, _LOCALS, _NORMALIZE, AttentionOptions, _choice, _flag, _int, _real
 
-__all__ = ["NORMALIZE", "check_eps", "check_window_lengths", "count_denominators", "check_normalize", "check_qkv",
+__all__ = ["NORMALIZE", "DenominatorCounter", "check_eps", "check_window_lengths", "count_denominators", "check_normalize", "check_qkv",
            "check_segments", "check_theta"]
 
 # The rules on options live in :class:`~sketchlab.attention.options.AttentionOptions` (DESIGN §7); the
@@ -329,6 +329,25 @@ def report_denominators(counts, rows: int, where: str, mode: str) -> None:
     if mode == "raise":
         raise FloatingPointError(msg)
     warnings.warn(msg, RuntimeWarning, stacklevel=3)
+
+
+class DenominatorCounter:
+    """Counts the normalising denominators ``<= 0`` of real query rows, and those exactly 0, chunk by chunk
+    (:func:`denominator_counts`), and reports them once at the end (:func:`report_denominators`; one sync)."""
+
+    def __init__(self):
+        self.counts, self.rows = None, 0
+
+    def add(self, den: torch.Tensor, rows: torch.Tensor | None) -> None:
+        """``den [B, H, n]``; ``rows [B, n]`` bool (real queries) or None (all)."""
+        counts = denominator_counts(den, None if rows is None else rows[:, None, :])
+        self.counts = counts if self.counts is None else self.counts + counts
+        self.rows += den.numel()
+
+    def report(self, where: str, mode: str) -> None:
+        """:func:`report_denominators` of what was added (nothing added: nothing reported)."""
+        if self.counts is not None:
+            report_denominators(self.counts, self.rows, where, mode)
 
 
 # ----------------------------------------------------------------------------------------------- the recurrences

@@ -39,6 +39,7 @@ from .._validation import DEFAULT_MAX_BYTES, check_degree, check_memory, check_p
 from ..llops.maps import llops_feature_fn
 from ..polynomial import self_tensor
 from ._checks import (
+    DenominatorCounter,
     check_chunk_size,
     check_denominator_check,
     check_eps,
@@ -52,12 +53,7 @@ from ._checks import (
 )
 from ._entry import call_options, far_gate, keyword_defaults, memory_call
 from .ops.additive.chunk import chunk_core
-from .ops.additive.hybrid_driver import (
-    DenominatorCounter,
-    _Hybrid,
-    _hybrid_causal_block,
-    _hybrid_noncausal,
-)
+from .ops.additive.hybrid_driver import _Hybrid, _hybrid_causal_block, _hybrid_noncausal
 from .ops.additive.naive import feature_attention_naive
 from .ops.additive.parallel import parallel_core, use_parallel
 from .ops.additive.recurrent import _hybrid_decode_one
@@ -115,7 +111,7 @@ def _engine(feat_q, feat_k, v: torch.Tensor, length_q: int, *, causal: bool, nor
     ``feat_q(a, b)`` / ``feat_k(a, b)`` return the features ``[B, H, b - a, M]`` of tokens
     ``a:b`` (padded keys already zeroed); ``v`` is ``[B, H, S, Dv]``. ``S0 [B, H, M2, Dv]``,
     ``z0 [B, H, M2]``: the state of earlier tokens (causal; ``None``: none, and no zero state is
-    made). ``rows [B, T]``: real queries, for ``counter`` (a :class:`~sketchlab.attention.ops.additive.hybrid_driver.DenominatorCounter`).
+    made). ``rows [B, T]``: real queries, for ``counter`` (a :class:`~sketchlab.attention._checks.DenominatorCounter`).
     ``final_state=False`` (causal): the caller reads no final state, the last block forms none.
     Returns ``([B, H, T, Dv], S, z)`` (``S, z`` None when causal and not ``final_state``).
     """

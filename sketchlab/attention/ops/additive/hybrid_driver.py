@@ -176,24 +176,3 @@ def _hybrid_noncausal(h: _Hybrid, q, k, v, fq, fk, valid, C: int, counter):
         counter.add(den.flatten(2, 3)[:, :, :T], mn)
     return out.flatten(2, 3)[:, :, :T]  # [B, H, T, Dv]
 
-
-class DenominatorCounter:
-    """Counts the normalising denominators ``<= 0`` of real query rows, and those exactly 0, chunk by chunk
-    (:func:`~sketchlab.attention._checks.denominator_counts`; one sync at the end)."""
-
-    def __init__(self):
-        self.counts, self.rows = None, 0
-
-    def add(self, den: torch.Tensor, rows: torch.Tensor | None) -> None:
-        """``den [B, H, n]``; ``rows [B, n]`` bool (real queries) or None (all)."""
-        from ..._checks import denominator_counts
-
-        counts = denominator_counts(den, None if rows is None else rows[:, None, :])
-        self.counts = counts if self.counts is None else self.counts + counts
-        self.rows += den.numel()
-
-    def report(self, where: str, mode: str) -> None:
-        from ..._checks import report_denominators
-
-        if self.counts is not None:
-            report_denominators(self.counts, self.rows, where, mode)
