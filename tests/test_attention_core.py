@@ -258,9 +258,9 @@ def test_far_matrix_rows_are_the_far_states_and_s_out(n, off, lag, C):
     (S_in enters every row), column ``1 + e`` key chunk ``e``; row ``c < N`` marks the key chunks wholly far for query
     chunk ``c`` (last key ``eC + C − 1 <= off + cC − lag``), row ``N`` those wholly in S_out (``eC + C − 1 < off + n −
     lag``; S_out's other keys, ``rem`` of them, are added apart)."""
-    from sketchlab.attention.ops.additive.chunk import _geometry
+    from sketchlab.attention.ops.additive.chunk import chunk_geometry
 
-    N, _, Ne, _, R, _, reach = _geometry(n, off, lag, C, torch.device("cpu"), F64)
+    N, _, Ne, _, R, _, reach = chunk_geometry(n, off, lag, C, torch.device("cpu"), F64)
     want = [[1.0] + [float(e * C + C - 1 <= off + c * C - lag) for e in range(Ne)] for c in range(N)]
     want.append([1.0] + [float(e * C + C - 1 < off + n - lag) for e in range(Ne)])
     assert torch.equal(R, torch.tensor(want, dtype=F64))

@@ -17,8 +17,8 @@ import torch
 from .._validation import as_float_tensor, check_finite, per_version
 from .options import _BACKENDS, _DENOMINATOR_CHECKS, _LOCALS, _NORMALIZE, AttentionOptions, _choice, _flag, _int, _real
 
-__all__ = ["NORMALIZE", "DenominatorCounter", "check_eps", "check_window_lengths", "count_denominators", "check_normalize", "check_qkv",
-           "check_segments", "check_theta"]
+__all__ = ["DenominatorCounter", "NORMALIZE", "check_eps", "check_finite_once", "check_normalize", "check_qkv",
+           "check_segments", "check_theta", "check_window_lengths", "count_denominators"]
 
 # The rules on options live in :class:`~sketchlab.attention.options.AttentionOptions` (DESIGN §7); the
 # checks below that test an option are those rules, called on one value (never restated here).
@@ -171,7 +171,7 @@ def check_theta(theta_q, theta_k, *, heads: int, dim: int, like: torch.Tensor):
         )
     with torch.no_grad():
         for theta, name in ((tq, "theta_q"), (tk, "theta_k")):
-            _check_finite_once(theta, name)
+            check_finite_once(theta, name)
     return tq, tk
 
 
@@ -181,8 +181,16 @@ def check_theta(theta_q, theta_k, *, heads: int, dim: int, like: torch.Tensor):
 _FINITE: dict[int, tuple] = {}
 
 
-def _check_finite_once(theta: torch.Tensor, name: str) -> None:
-    """:func:`check_finite` on ``theta`` unless this very tensor, unmodified since, passed it."""
+def check_finite_once(theta: torch.Tensor, name: str) -> None:
+    """:func:`~sketchlab._validation.check_finite` on ``theta``, unless this very tensor, unmodified since (its in-place
+    version), passed it.
+
+    Parameters
+    ----------
+    theta : Tensor
+    name : str
+        Its name in the error.
+    """
     per_version(_FINITE, theta, lambda: check_finite(theta.detach(), name))
 
 

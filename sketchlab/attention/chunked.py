@@ -53,10 +53,10 @@ from ._checks import (
 )
 from ._entry import call_options, far_gate, keyword_defaults, memory_call
 from .ops.additive.chunk import chunk_core
-from .ops.additive.hybrid_driver import _Hybrid, _hybrid_causal_block, _hybrid_noncausal
+from .ops.additive.hybrid_driver import HybridSettings, hybrid_causal_block, hybrid_noncausal
 from .ops.additive.naive import feature_attention_naive
 from .ops.additive.parallel import parallel_core, use_parallel
-from .ops.additive.recurrent import _hybrid_decode_one
+from .ops.additive.recurrent import hybrid_decode_one
 from .options import AttentionOptions, FarParams
 
 __all__ = [
@@ -260,16 +260,16 @@ def _attend(feat_q, feat_k, qt, kt, vt, *, num_features: int, causal: bool, norm
         return out, AttentionState(S=S, z=z, k_window=state.k_window, v_window=state.v_window,
                                    phi_window=state.phi_window, k_sink=state.k_sink, v_sink=state.v_sink,
                                    offset=state.offset + T)
-    h = _Hybrid(window=window, sinks=sinks, local=local, scale=scale, degree=degree, gate=gate, eps=eps,
+    h = HybridSettings(window=window, sinks=sinks, local=local, scale=scale, degree=degree, gate=gate, eps=eps,
                 non_negative=non_negative, heads=H, like=vt)
     C = chunk_size
     if not causal:
-        out = _hybrid_noncausal(h, qt, kt, vt, feat_q(0, T), feat_k(0, S_len), mask, C, counter)
+        out = hybrid_noncausal(h, qt, kt, vt, feat_q(0, T), feat_k(0, S_len), mask, C, counter)
         if counter is not None:
             counter.report(where, denominator_check)
         return out
     if T == 1 and stateful:  # decoding one token: the window slides by one, one key may enter S
-        out, state = _hybrid_decode_one(h, state, qt, kt, vt, feat_q(0, 1), feat_k(0, 1), mask, counter)
+        out, state = hybrid_decode_one(h, state, qt, kt, vt, feat_q(0, 1), feat_k(0, 1), mask, counter)
         if counter is not None:
             counter.report(where, denominator_check)
         return (out, state) if output_final_state else out
@@ -282,7 +282,7 @@ def _attend(feat_q, feat_k, qt, kt, vt, *, num_features: int, causal: bool, norm
     qs, ks, vs = (_Tokens(x).blocks(block) for x in (qt, kt, vt))
     for a in range(0, T, block):
         b = min(a + block, T)
-        out, state = _hybrid_causal_block(h, state, qs(a, b), ks(a, b), vs(a, b), feat_q(a, b),
+        out, state = hybrid_causal_block(h, state, qs(a, b), ks(a, b), vs(a, b), feat_q(a, b),
                                           feat_k(a, b), None if mask is None else mask[:, a:b], C, counter)
         outs.append(out)
     if counter is not None:

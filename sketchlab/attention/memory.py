@@ -28,11 +28,10 @@ from ._checks import denominator_counts, report_denominators
 from .memory_fast import run
 from .memory_state import (
     MemoryState,
-    _check_call,
-    _gate,
-    _log_decay,
+    check_memory_call,
     check_memory_state,
     empty_memory_state,
+    far_log_decay,
     recall_error,
     unit,
 )
@@ -80,7 +79,7 @@ def memory_attention_naive(phi_q, phi_k, v, q=None, k=None, *, options, params=N
     no real key: only a pad query). ``window = 0``: the far term alone (additive: normalised as
     ``normalize`` says).
     """
-    c = _check_call(phi_q, phi_k, v, q, k, options, params, degree, key_padding_mask, initial_state, output_final_state,
+    c = check_memory_call(phi_q, phi_k, v, q, k, options, params, degree, key_padding_mask, initial_state, output_final_state,
                     gate)
     f64, dev = torch.float64, c.phi_q.device
     B, T, H, M, D, Dv, w, s, K = c.B, c.T, c.H, c.M, c.D, c.Dv, c.w, c.s, c.K
@@ -90,7 +89,7 @@ def memory_attention_naive(phi_q, phi_k, v, q=None, k=None, *, options, params=N
     fq, fk, vv = (x.to(f64) for x in (c.phi_q, c.phi_k, c.v))
     qq, kk = (c.q.to(f64), c.k.to(f64)) if w else (None, None)
     real = torch.ones(B, T, dtype=torch.bool, device=dev) if c.mask is None else c.mask
-    lg = _log_decay(c, vv, real)  # [B, T, H] or None
+    lg = far_log_decay(c, vv, real)  # [B, T, H] or None
     g = _gate(c, f64)
     zero_k = torch.zeros(D, dtype=f64, device=dev)
     outs_list = [[None] * H for _ in range(B)]
@@ -184,6 +183,13 @@ def memory_attention_naive(phi_q, phi_k, v, q=None, k=None, *, options, params=N
     return outs, _naive_final(c, finals, P0 + T, f64)
 
 
+def _gate(call, dtype) -> torch.Tensor:
+    """``g [H]``: σ(gate), or 1/2 without one: the float64 twin's own (the fast paths take
+    :func:`sketchlab.attention.ops.hybrid.gate_weight`)."""
+    g = call.far["gate"]
+    return torch.full((call.H,), 0.5, dtype=dtype, device=call.phi_q.device) if g is None else torch.sigmoid(g.to(dtype))
+
+
 def _beta_one(c, vj: torch.Tensor, h: int) -> torch.Tensor:
     """``β`` of one key of head ``h`` with value ``vj [Dv]``."""
     x = c.far["beta_bias"][h].to(vj.dtype)
@@ -243,6 +249,6 @@ def memory_attention(phi_q, phi_k, v, q=None, k=None, *, options, params=None, g
     -------
     Tensor ``[B, T, H, Dv]``, or ``(o, MemoryState)`` with ``output_final_state=True``.
     """
-    c = _check_call(phi_q, phi_k, v, q, k, options, params, degree, key_padding_mask, initial_state, output_final_state,
+    c = check_memory_call(phi_q, phi_k, v, q, k, options, params, degree, key_padding_mask, initial_state, output_final_state,
                     gate)
     return run(c)

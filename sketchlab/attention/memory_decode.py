@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from ._checks import denominator_counts, report_denominators
-from .memory_state import MemoryState, _beta, _log_decay, recall_score, unit, vouch
+from .memory_state import MemoryState, far_beta, far_log_decay, recall_score, unit, vouch
 from .ops.hybrid import combine_delta, gate_weight, local_weights, mix
 
 #: Sorts after every position: a slot not in the running for "the oldest".
@@ -54,7 +54,7 @@ def decode(c) -> torch.Tensor | tuple[torch.Tensor, MemoryState]:
     tr = lambda x: (x if x.dtype == work else x.to(work)).transpose(1, 2)  # noqa: E731  [B, 1, H, ·] -> [B, H, 1, ·]
     fq, vv = tr(c.phi_q), tr(c.v)
     real = torch.ones(B, 1, dtype=torch.bool, device=dev) if c.mask is None else c.mask  # [B, 1]
-    lg = _log_decay(c, vv.transpose(1, 2), c.mask)  # [B, 1, H] or None
+    lg = far_log_decay(c, vv.transpose(1, 2), c.mask)  # [B, 1, H] or None
     old, row0, Sz = st.__dict__.get("_rows", (None, Ls, None))
     if Sz is None:
         Sz = st.S if c.delta else torch.cat([st.S, st.z[..., None]], -1)  # [B, H, M, Dv (+ 1)]
@@ -111,7 +111,7 @@ def decode(c) -> torch.Tensor | tuple[torch.Tensor, MemoryState]:
     if enters is not None:
         fe = er[..., F1:]
         if c.delta:
-            kh, beta = unit(fe), (_beta(c, er[:, :, 0, D:D + Dv]) * enters[..., 0])[..., None, None]  # [B, H, 1, ·]
+            kh, beta = unit(fe), (far_beta(c, er[:, :, 0, D:D + Dv]) * enters[..., 0])[..., None, None]  # [B, H, 1, ·]
             Sz = torch.addcmul(Sz, beta * kh.mT, er[..., D:D + Dv] - kh @ Sz)
         else:  # [S | z] += φ [v | 1]
             Sz = torch.addcmul(Sz, (fe * enters[..., None]).mT, er[..., D:F1])

@@ -17,7 +17,7 @@ and any key the caller wants out of the far sums carry zero features. ``non_nega
 kernel is ``(φ(q)·φ(k))²``, the state holds ``φ ⊗ φ`` (``M2 = M²``).
 
 The far state (the prefix GEMM of the wholly far key chunks, recomputed in the backward) is the part both
-cores share (:func:`_far_forward`, :func:`_far_backward`, below); :func:`chunk_core` adds the partly-far key
+cores share (:func:`far_forward`, :func:`far_backward`, below); :func:`chunk_core` adds the partly-far key
 chunks (``C × C`` scores with a fixed mask, kept for the backward). Its float64 twin is
 :func:`sketchlab.attention.ops.additive.naive.feature_attention_naive`; the gradients are tested with ``gradcheck``.
 
@@ -44,14 +44,34 @@ from torch.autograd.function import once_differentiable
 
 from ....polynomial import self_tensor
 
-__all__ = ["chunk_core"]
+__all__ = ["chunk_core", "chunk_geometry", "far_backward", "far_forward", "from_chunks", "normalized_grads",
+           "to_chunks"]
 
 
 @functools.lru_cache(maxsize=64)
-def _geometry(n: int, off: int, lag: int, C: int, device: torch.device, dtype: torch.dtype):
-    """Chunk counts, the partly-far lags with their ``[C, C]`` masks, the far matrix ``R [N + 1, 1 + Ne]`` (see
-    :func:`_far_state`), the keys that enter ``S_out`` and ``reach``: the query chunks' rows of ``R`` read key chunks
-    ``< reach`` only (their other key columns are zero)."""
+def chunk_geometry(n: int, off: int, lag: int, C: int, device: torch.device, dtype: torch.dtype):
+    """The geometry of one block of a chunked causal core: which key chunks are far for which query chunk.
+
+    Parameters
+    ----------
+    n, off, lag, C : int
+        The block's queries, the keys before them (a multiple of ``C``), the far lag and the chunk size.
+    device, dtype
+        Of the masks and of ``R``.
+
+    Returns
+    -------
+    N, Wc, Ne : int
+        Query chunks, key chunks before them, key chunks in all (``Wc + N``).
+    lags : list of ``(L, c0, mask [C, C])``
+        The partly-far lags ``L`` (in chunks), the first query chunk with such a key chunk and the far mask.
+    R : Tensor ``[N + 1, 1 + Ne]``
+        The 0/1 far matrix (see :func:`_far_state`).
+    last : int
+        The keys ``e < last`` enter ``S_out``.
+    reach : int
+        The query chunks' rows of ``R`` read key chunks ``< reach`` only (their other key columns are zero).
+    """
     N, Wc = -(-n // C), off // C
     Ne = Wc + N
     full = -(-(lag + C - 1) // C)  # first lag (in chunks) whose keys are all far
@@ -73,16 +93,38 @@ def _geometry(n: int, off: int, lag: int, C: int, device: torch.device, dtype: t
     return N, Wc, Ne, lags, R, last, reach
 
 
-def _chunks(x: torch.Tensor, chunks: int, C: int) -> torch.Tensor:
-    """``x [B, H, L, F]`` → chunk-major ``[chunks, B, H, C, F]`` (zero-padded at the end), contiguous."""
+def to_chunks(x: torch.Tensor, chunks: int, C: int) -> torch.Tensor:
+    """Chunk-major, contiguous: ``x [B, H, L, F]`` → ``[chunks, B, H, C, F]``, zero-padded at the end.
+
+    Parameters
+    ----------
+    x : Tensor ``[B, H, L, F]``
+    chunks, C : int
+        ``chunks · C >= L``.
+
+    Returns
+    -------
+    Tensor ``[chunks, B, H, C, F]``
+    """
     B, H, L, F = x.shape
     if chunks * C != L:
         x = torch.nn.functional.pad(x, (0, 0, 0, chunks * C - L))
     return x.view(B, H, chunks, C, F).permute(2, 0, 1, 3, 4).contiguous()  # [chunks, B, H, C, F]
 
 
-def _unchunk(x: torch.Tensor, length: int) -> torch.Tensor:
-    """Chunk-major ``[N, B, H, C, ·]`` (or ``[N, B, H, C]``) → ``[B, H, length, ·]``."""
+def from_chunks(x: torch.Tensor, length: int) -> torch.Tensor:
+    """The inverse of :func:`to_chunks`: chunk-major ``[N, B, H, C, ·]`` (or ``[N, B, H, C]``) → ``[B, H, length, ·]``.
+
+    Parameters
+    ----------
+    x : Tensor ``[N, B, H, C, ·]`` or ``[N, B, H, C]``
+    length : int
+        The tokens kept (``<= N·C``).
+
+    Returns
+    -------
+    Tensor ``[B, H, length, ·]`` (``[B, H, length]``)
+    """
     x = x.movedim(0, 2)  # [B, H, N, C, ·]
     return x.flatten(2, 3)[:, :, :length]
 
@@ -103,19 +145,35 @@ def _unlift(grad: torch.Tensor, phi: torch.Tensor, non_negative: bool) -> torch.
     return (G @ phi[..., None] + G.mT @ phi[..., None])[..., 0]
 
 
-def _normalized_grads(g_out, out, den, eps: float, N: int, C: int):
-    """The gradients of ``num`` and ``den`` through ``out = num / (den + eps)``, chunk-major: ``dnum [N, B, H, C, Dv]``,
-    ``dden [N, B, H, C]`` from ``g_out, out [B, H, n, Dv]`` (``g_out`` ``None``: zero) and ``den [B, H, n]``."""
+def normalized_grads(g_out, out, den, eps: float, N: int, C: int):
+    """The gradients of ``num`` and ``den`` through ``out = num / (den + eps)``, chunk-major.
+
+    Parameters
+    ----------
+    g_out : Tensor ``[B, H, n, Dv]`` or None (zero)
+    out : Tensor ``[B, H, n, Dv]``
+    den : Tensor ``[B, H, n]``
+    eps : float
+    N, C : int
+        Chunks and chunk size (``N·C >= n``).
+
+    Returns
+    -------
+    dnum : Tensor ``[N, B, H, C, Dv]``
+        ``g_out / (den + eps)``.
+    dden : Tensor ``[N, B, H, C]``
+        ``−(g_out · out) / (den + eps)``.
+    """
     r = 1.0 / (den + eps)  # [B, H, n]
     g_out = torch.zeros_like(out) if g_out is None else g_out
-    return _chunks(g_out * r[..., None], N, C), _chunks((-(g_out * out).sum(-1) * r)[..., None], N, C)[..., 0]
+    return to_chunks(g_out * r[..., None], N, C), to_chunks((-(g_out * out).sum(-1) * r)[..., None], N, C)[..., 0]
 
 
 def _far_state(R, lk, vc, S_in, z_in, used: int):
     r"""The far states read by the query chunks (and the final state) as one GEMM of the incoming state and the per-chunk
     updates: ``[P; S_out] = R·[S_in; upd]``, likewise ``z``.
 
-    ``R [rows, 1 + Ne]`` is the far matrix of :func:`_geometry` or its first ``N`` rows (no final state): column 0 is
+    ``R [rows, 1 + Ne]`` is the far matrix of :func:`chunk_geometry` or its first ``N`` rows (no final state): column 0 is
     ones (``S_in`` enters every row), column ``1 + e`` key chunk ``e``; row ``c < N`` marks the key chunks wholly far
     for query chunk ``c`` (the prefix matrix), row ``N`` those wholly in ``S_out`` (its other keys, the first
     ``last % C`` of chunk ``last // C``, are :func:`_forward_state`'s). The updates ``upd = lkᵀ·v``
@@ -154,27 +212,62 @@ def _forward_state(R, N, last, reach, lk, vc, S_in, z_in, final_state: bool):
     return P_all[:N], zP_all[:N], S_out, z_out
 
 
-def _far_forward(R, N, last, reach, fqc, fkc, vc, S_in, z_in, *, non_negative: bool, final_state: bool):
-    """Both cores' far part: ``num = lq·P`` ``[N, B, H, C, Dv]`` and ``den = lq·zP`` ``[N, B, H, C]`` of the query chunks
-    (``lq, lk``: the features :func:`_lift` makes of ``fqc, fkc``) and ``S_out, z_out`` (:func:`_forward_state`)."""
+def far_forward(R, N, last, reach, fqc, fkc, vc, S_in, z_in, *, non_negative: bool, final_state: bool):
+    """Both cores' far part: the query chunks against the far state (the prefix GEMM of :func:`_far_state`).
+
+    Parameters
+    ----------
+    R, N, last, reach
+        Of :func:`chunk_geometry`.
+    fqc : Tensor ``[N, B, H, C, M]``
+    fkc : Tensor ``[Ne, B, H, C, M]``
+        Raw features, chunk-major (lifted here: :func:`_lift`).
+    vc : Tensor ``[Ne, B, H, C, Dv]``
+    S_in, z_in : Tensor ``[B, H, M2, Dv]``, ``[B, H, M2]``, or None (zero)
+    non_negative, final_state : bool
+
+    Returns
+    -------
+    num : Tensor ``[N, B, H, C, Dv]``
+        ``lq · P``.
+    den : Tensor ``[N, B, H, C]``
+        ``lq · zP``.
+    S_out, z_out : Tensor ``[B, H, M2, Dv]``, ``[B, H, M2]``, or None (not ``final_state``)
+        :func:`_forward_state`'s.
+    """
     lq, lk = _lift(fqc, non_negative), _lift(fkc, non_negative)  # [N|Ne, B, H, C, M2]
     P, zP, S_out, z_out = _forward_state(R, N, last, reach, lk, vc, S_in, z_in, final_state)
     den = (zP[..., None, :] @ lq.mT)[..., 0, :]  # [N, B, H, C]  (as [1, M]·[M, C]: a GEMV is 7× slower)
     return lq @ P, den, S_out, z_out
 
 
-def _far_backward(R, N, last, reach, fqc, fkc, vc, S_in, z_in, dnum, dden, g_S, g_z, *, non_negative: bool,
-                  need_in: bool, keep=None, need_g: bool = False):
-    r"""The backward of both cores' far part (:func:`_forward_state`'s, times ``keep``): the query and key features'
-    gradients ``dfq [N, B, H, C, M]``, ``dfk [Ne, B, H, C, M]``, the values' ``dvc [Ne, B, H, C, Dv]``, the incoming
-    state's ``dS_in, dz_in`` (``None`` unless ``need_in``) and ``dgh [H]``, the far part's share of the gate's
-    gradient (``None`` unless ``need_g``).
+def far_backward(R, N, last, reach, fqc, fkc, vc, S_in, z_in, dnum, dden, g_S, g_z, *, non_negative: bool,
+                 need_in: bool, keep=None, need_g: bool = False):
+    r"""The backward of both cores' far part (:func:`far_forward`'s, times ``keep``).
 
     The far states ``P, zP`` are recomputed; their gradients ``dP = lqᵀ·dnum``, ``dzP = ddenᵀ·lq`` are the rows of a
     GEMM by ``Rᵀ`` (:func:`_far_state_grads`) with ``g_S, g_z`` (zero for a ``None`` one) as row ``N`` when either is
-    given. ``keep [1, 1, H, 1, 1]`` (the hybrid's ``1 − g``; ``None``: 1) scales the query chunks' far part, and
-    ``d/dg`` of ``(1 − g)·far`` is ``−Σ dP·P + dzP·zP`` per head. Shapes: ``fqc [N, B, H, C, M]``, ``fkc [Ne, B, H, C,
-    M]`` (raw features: lifted here), ``dnum [N, B, H, C, Dv]``, ``dden [N, B, H, C]``.
+    given. ``d/dg`` of ``(1 − g)·far`` is ``−Σ dP·P + dzP·zP`` per head.
+
+    Parameters
+    ----------
+    R, N, last, reach, fqc, fkc, vc, S_in, z_in, non_negative
+        As in :func:`far_forward`.
+    dnum : Tensor ``[N, B, H, C, Dv]``
+    dden : Tensor ``[N, B, H, C]``
+    g_S, g_z : Tensor ``[B, H, M2, Dv]``, ``[B, H, M2]``, or None
+        The final state's gradients.
+    need_in : bool
+        Return the incoming state's gradients.
+    keep : Tensor ``[1, 1, H, 1, 1]`` or None
+        The hybrid's ``1 − g`` scaling the query chunks' far part (None: 1).
+    need_g : bool
+        Return the far part's share of the gate's gradient.
+
+    Returns
+    -------
+    dfq ``[N, B, H, C, M]``, dfk ``[Ne, B, H, C, M]``, dvc ``[Ne, B, H, C, Dv]``, dS_in, dz_in (None unless
+    ``need_in``), dgh ``[H]`` (None unless ``need_g``).
     """
     lq, lk = _lift(fqc, non_negative), _lift(fkc, non_negative)
     P, zP, _, _ = _forward_state(R, N, last, reach, lk, vc, S_in, z_in, False)  # recomputed
@@ -205,7 +298,7 @@ def _far_state_grads(R, dP, dzP, lk, vc, g_S, g_z, last: int, need_in: bool):
     sum of ``[dP; g_S]``'s rows (column 0 of ``R`` is ones; only when ``need_in``), ``dlk = v·dupdᵀ + dzc``, ``dv =
     lk·dupd``, and ``g_S`` on those last keys.
 
-    Shapes: ``R [N + 1, 1 + Ne]``, ``dP [rows, B, H, M2, Dv]``, ``dzP [rows, B, H, M2]`` (:func:`_far_backward`: row
+    Shapes: ``R [N + 1, 1 + Ne]``, ``dP [rows, B, H, M2, Dv]``, ``dzP [rows, B, H, M2]`` (:func:`far_backward`: row
     ``N`` the final state's, when there is one), ``lk [Ne, B, H, C, M2]``, ``vc [Ne, B, H, C, Dv]``, ``g_S [B, H, M2,
     Dv]`` / ``g_z [B, H, M2]`` or ``None``; ``last`` the keys that entered the state. Returns ``dS_in, dz_in`` (``None``
     unless ``need_in``), ``dlk [Ne, B, H, C, M2], dvc [Ne, B, H, C, Dv]``.
@@ -232,10 +325,10 @@ class _Core(torch.autograd.Function):
     @staticmethod
     def forward(ctx, fq, fk, v, S_in, z_in, off, lag, C, non_negative, normalize, eps, final_state):
         B, H, n, _ = fq.shape
-        N, Wc, Ne, lags, R, last, reach = _geometry(n, off, lag, C, fq.device, fq.dtype)
-        fqc, fkc, vc = _chunks(fq, N, C), _chunks(fk, Ne, C), _chunks(v, Ne, C)
+        N, Wc, Ne, lags, R, last, reach = chunk_geometry(n, off, lag, C, fq.device, fq.dtype)
+        fqc, fkc, vc = to_chunks(fq, N, C), to_chunks(fk, Ne, C), to_chunks(v, Ne, C)
         # S_out, z_out: one more row of the far states' GEMM (not formed when the caller reads no final state)
-        num, den, S_out, z_out = _far_forward(R, N, last, reach, fqc, fkc, vc, S_in, z_in, non_negative=non_negative,
+        num, den, S_out, z_out = far_forward(R, N, last, reach, fqc, fkc, vc, S_in, z_in, non_negative=non_negative,
                                               final_state=final_state)  # [N, B, H, C, Dv], [N, B, H, C]
         Dv = v.shape[-1]
         kept = []  # the masked scores, for the backward
@@ -246,7 +339,7 @@ class _Core(torch.autograd.Function):
             kept.append(a)
             num[c0:].view(-1, C, Dv).baddbmm_(a.view(-1, C, C), vc[kk].view(-1, C, Dv))
             den[c0:] += a.sum(-1)
-        num, den = _unchunk(num, n), _unchunk(den, n)  # [B, H, n, Dv], [B, H, n]
+        num, den = from_chunks(num, n), from_chunks(den, n)  # [B, H, n, Dv], [B, H, n]
         ctx.geo = (off, lag, C, non_negative, normalize, eps)
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None (skipped below)
         if normalize:
@@ -266,16 +359,16 @@ class _Core(torch.autograd.Function):
         else:
             fq, fk, v, S_in, z_in, *kept = ctx.saved_tensors
         n = fq.shape[2]
-        N, Wc, Ne, lags, R, last, reach = _geometry(n, off, lag, C, fq.device, fq.dtype)
-        fqc, fkc, vc = _chunks(fq, N, C), _chunks(fk, Ne, C), _chunks(v, Ne, C)
+        N, Wc, Ne, lags, R, last, reach = chunk_geometry(n, off, lag, C, fq.device, fq.dtype)
+        fqc, fkc, vc = to_chunks(fq, N, C), to_chunks(fk, Ne, C), to_chunks(v, Ne, C)
         if normalize:  # out = num / (den + eps)
-            dnum, dden = _normalized_grads(g_num, out, den, eps, N, C)  # [N, B, H, C, Dv], [N, B, H, C]
+            dnum, dden = normalized_grads(g_num, out, den, eps, N, C)  # [N, B, H, C, Dv], [N, B, H, C]
         else:
-            dnum = _chunks(fq.new_zeros(*fq.shape[:3], v.shape[-1]) if g_num is None else g_num, N, C)
-            dden = _chunks((fq.new_zeros(fq.shape[:3]) if g_den is None else g_den)[..., None], N, C)[..., 0]
+            dnum = to_chunks(fq.new_zeros(*fq.shape[:3], v.shape[-1]) if g_num is None else g_num, N, C)
+            dden = to_chunks((fq.new_zeros(fq.shape[:3]) if g_den is None else g_den)[..., None], N, C)[..., 0]
         # the incoming state's gradient only when it has one (S_in None: a zero state, not a tensor)
         need_in = ctx.needs_input_grad[3] or ctx.needs_input_grad[4]
-        dfq, dfk, dvc, dS_in, dz_in, _ = _far_backward(R, N, last, reach, fqc, fkc, vc, S_in, z_in, dnum, dden, g_S,
+        dfq, dfk, dvc, dS_in, dz_in, _ = far_backward(R, N, last, reach, fqc, fkc, vc, S_in, z_in, dnum, dden, g_S,
                                                        g_z, non_negative=non_negative, need_in=need_in)
         for (L, c0, mask), a in zip(lags, kept):
             kk = slice(Wc + c0 - L, Wc + N - L)
@@ -285,7 +378,7 @@ class _Core(torch.autograd.Function):
             dfk[kk] += ds.mT @ fqc[c0:]
             dvc[kk] += a.mT @ dnum[c0:]
         L_k = fk.shape[2]
-        return (_unchunk(dfq, n), _unchunk(dfk, L_k), _unchunk(dvc, L_k), dS_in, dz_in,
+        return (from_chunks(dfq, n), from_chunks(dfk, L_k), from_chunks(dvc, L_k), dS_in, dz_in,
                 None, None, None, None, None, None, None)
 
 
