@@ -17,7 +17,7 @@ import functools
 import torch
 from torch.autograd.function import once_differentiable
 
-from .chunk import chunk_geometry, far_backward, far_forward, from_chunks, normalized_grads, to_chunks
+from .far import chunk_geometry, far_backward, far_forward, from_chunks, normalized_grads, to_chunks
 
 __all__ = ["hybrid_core"]
 
