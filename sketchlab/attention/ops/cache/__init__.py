@@ -2,6 +2,6 @@ r"""The sparse exact cache of far keys (DESIGN §7): keys that leave the window 
 (the far state's error for them) ranks among the ``K`` greatest; the least is evicted into the far state.
 :mod:`.schedule` takes those choices (no gradient) for a whole call, :mod:`.chunk` reads the exact keys per
 query chunk, :mod:`.fused_recurrent` takes the choice of one decoding step (compiled). The definition, token by
-token in float64, is :func:`sketchlab.attention.memory.memory_attention_naive`; the fast path
+token in float64, is :mod:`.naive` (:func:`sketchlab.attention.memory.memory_attention_naive` checks and calls it); the fast path
 :mod:`sketchlab.attention.memory_fast`.
 """
