@@ -271,7 +271,7 @@ def main(argv=None) -> int:
                          f"{first if first is not None else 'never'} on (by CPU time)")
             lines.append(line + ".")
     lines += ["", "Where a memory row's public call goes (its fixed per-call cost: the entry's checks, the LLoPS "
-              "features, the decoding step `memory_decode.decode`): `analysis/results/decode_profile.md` "
+              "features, the decoding step `ops/cache/recurrent.decode`): `analysis/results/decode_profile.md` "
               "(`--profile`).", ""]
     text = "\n".join(lines)
     with atomic_write(out_md) as tmp:

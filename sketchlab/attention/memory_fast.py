@@ -22,15 +22,15 @@ from __future__ import annotations
 import torch
 
 from ._checks import denominator_counts, report_denominators
-from .memory_decode import decode
 from .memory_state import MemoryState, empty_memory_state, far_beta, far_log_decay, unit
 from .ops.cache.chunk import exact_part
+from .ops.cache.recurrent import decode
 from .ops.cache.schedule import schedule, take_rows
 from .ops.decayed.chunk import decayed_linear_core
 from .ops.delta.chunk import delta_rule_core
 from .ops.hybrid import combine, combine_delta, gate_weight
 
-#: Decoding (``T = 1`` with a state) takes :func:`sketchlab.attention.memory_decode.decode`; False forces
+#: Decoding (``T = 1`` with a state) takes :func:`sketchlab.attention.ops.cache.recurrent.decode`; False forces
 #: the general path (the tests compare the two).
 _DECODE = True
 

@@ -76,7 +76,7 @@ class MemoryState(TensorState):
     def map_tensors(self, fn) -> MemoryState:
         """A new state with ``fn`` on every tensor field and on the decoding step's layout of them, kept
         beside the fields as ``_rows`` (``(rows, first window row, [S | z])``,
-        :func:`sketchlab.attention.memory_decode.decode`), so the next step need not lay it out again.
+        :func:`sketchlab.attention.ops.cache.recurrent.decode`), so the next step need not lay it out again.
         Not the check's mark: the new object is checked in full (:func:`check_memory_state`)."""
         new = super().map_tensors(fn)
         if "_rows" in self.__dict__:
@@ -355,7 +355,7 @@ def recall_score(S64: torch.Tensor, scale: torch.Tensor | None, phi: torch.Tenso
     more column when additive; ``scale [B, H, 1, 1]`` or None for 1), as the schedule computes it: one
     product for the read and its denominator, then the scale; additive :math:`r = S^\top\phi/(z\cdot\phi
     + \varepsilon)` (0 where that denominator is 0), delta :math:`r = S^\top\hat k` (``k̂`` in float64) →
-    ``[B, H, n]`` float64. The decoding steps' choices (``memory_decode``, ``RecurrentStep``)."""
+    ``[B, H, n]`` float64. The decoding steps' choices (``ops.cache.recurrent``, ``RecurrentStep``)."""
     phi = phi.double()
     r = (unit(phi) if delta else phi) @ S64  # [B, H, n, Dv (+ 1)]
     if scale is not None:

@@ -5,7 +5,7 @@ hybrid, or pure linear attention) or a :class:`~sketchlab.attention.MemoryState`
 delta rule and gated delta rule, sparse exact cache; each with the window and the sinks) one token
 per :meth:`RecurrentStep.step`, for inference (no gradient). It computes what one
 ``linear_attention``/``llops_attention``/``memory_attention`` call on one token with
-``initial_state`` computes (the reference step: :func:`sketchlab.attention.memory_decode.decode` and
+``initial_state`` computes (the reference step: :func:`sketchlab.attention.ops.cache.recurrent.decode` and
 :func:`sketchlab.attention.ops.additive.recurrent.hybrid_decode_one`, which keep autograd and return a new
 state object per token; the tests hold the two equal in float64), but:
 

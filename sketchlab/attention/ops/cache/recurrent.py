@@ -1,4 +1,4 @@
-r"""The decoding step of memory attention (DESIGN §7): one token (``T = 1``) after a :class:`MemoryState`,
+r"""The decoding step of memory attention, every memory mechanism (DESIGN §7): one token (``T = 1``) after a :class:`MemoryState`,
 the four steps in torch over ``[B, H]`` at once — no schedule, no event stream, no chunked recurrence.
 
 Called by :func:`sketchlab.attention.memory_fast.run` on checked arguments (trusted here). It takes the
@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import denominator_counts, report_denominators
-from .memory_state import MemoryState, far_beta, far_log_decay, recall_score, unit, vouch
-from .ops.hybrid import combine_delta, gate_weight, local_weights, mix
+from ..._checks import denominator_counts, report_denominators
+from ...memory_state import MemoryState, far_beta, far_log_decay, recall_score, unit, vouch
+from ..hybrid import combine_delta, gate_weight, local_weights, mix
+
+__all__ = ["decode"]
 
 #: Sorts after every position: a slot not in the running for "the oldest".
 _NEVER = torch.iinfo(torch.long).max
@@ -36,7 +38,7 @@ def _rows(st: MemoryState) -> torch.Tensor:
 
 
 def decode(c) -> torch.Tensor | tuple[torch.Tensor, MemoryState]:
-    """One step (``c.T == 1``, ``c.state`` given) on checked arguments ``c``.
+    """One step (``c.T == 1``, ``c.state`` given) of every memory mechanism on checked arguments ``c``.
 
     Every held key is one row ``[k | v | 1 | φ]`` of one buffer per step, ``[sinks | held window | new
     token | cache]`` (sinks: φ unused): one ``cat`` copies the state in, the key leaving the window (the
@@ -46,6 +48,15 @@ def decode(c) -> torch.Tensor | tuple[torch.Tensor, MemoryState]:
     ``[B, H, M, Dv + 1]``: one product decays it, enters a key (its ``[v | 1]``) and reads it. The new
     state's fields are views of the buffer and of ``[S | z]``, which the state keeps (``_rows``; its
     ``.detach()`` and ``.to()`` too) for the next step: a state made otherwise is laid out once (:func:`_rows`).
+
+    Parameters
+    ----------
+    c : types.SimpleNamespace
+        A checked memory call (:func:`sketchlab.attention.memory_state.check_memory_call`) of one token with a state.
+
+    Returns
+    -------
+    Tensor ``[B, 1, H, Dv]`` (the inputs' dtype), or ``(o, MemoryState)`` when ``c.final``.
     """
     work, dev, st, o = c.work, c.phi_q.device, c.state, c.o
     B, H, w, s, K, D, Dv = c.B, c.H, c.w, c.s, c.K, c.D, c.Dv
