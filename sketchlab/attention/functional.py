@@ -36,7 +36,7 @@ from ._entry import by_segments as _by_segments
 from ._entry import call_options, far_gate, keyword_defaults, memory_call
 from .chunked import DEFAULT_CHUNK_SIZE, feature_attention, llops_attention_chunked
 from .ops.additive.naive import feature_attention_naive
-from .options import _BACKENDS, AttentionOptions, FarParams
+from .options import BACKENDS, AttentionOptions, FarParams
 from .poly import poly_attention  # re-exported: blocked exact polynomial attention
 from .qk_conv import with_qk_conv
 from .reference import llops_attention_naive
@@ -44,8 +44,6 @@ from .softmax import softmax_attention  # re-exported: the exact softmax attenti
 
 __all__ = ["BACKENDS", "dump_segments", "linear_attention", "llops_attention", "poly_attention", "resolve_backend", "softmax_attention"]
 
-#: Accepted values of ``backend`` (``AttentionOptions.backend``'s).
-BACKENDS = _BACKENDS
 
 
 def _triton_importable() -> bool:

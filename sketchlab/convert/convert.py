@@ -27,7 +27,7 @@ from torch import nn
 
 from .._validation import DEFAULT_MAX_BYTES, check_memory
 from ..attention._checks import check_eps
-from ..attention.options import _int, _real
+from ..attention.options import check_int, check_real
 from .exact import ExactAttention
 from .families import ToyKernel, attention_sites
 from .sketched import ATTENTION_NAME, SketchedAttention, forget_cache, hf_attention, hf_mask, remember_cache
@@ -51,10 +51,10 @@ def check_layout(window, sinks, local: str = "softmax", normalize: str | None = 
     """
     from ..attention._checks import check_hybrid
 
-    window = _int(window, "window", 0)
+    window = check_int(window, "window", 0)
     if sinks is None:
         sinks = DEFAULT_SINKS if window else 0
-    sinks = _int(sinks, "sinks", 0)
+    sinks = check_int(sinks, "sinks", 0)
     if sinks and not window:
         raise ValueError(f"sinks={sinks} with window=0: attention sinks are exact keys, and window=0 is pure linear "
                          f"attention (none); pass window >= 1 or sinks=0 (sinks=None gives {DEFAULT_SINKS} with a "
@@ -317,14 +317,14 @@ def convert_attention(model: nn.Module, *, attention: str = "llops", p: int = 2,
         raise ValueError(f"{type(model).__name__} is already converted")
     if not isinstance(attention, str):
         raise TypeError(f"attention must be a feature-map name (str), got {type(attention).__name__}")
-    p, m, rank = _int(p, "p", 1), _int(m, "m", 1), _int(rank, "rank", 1)
+    p, m, rank = check_int(p, "p", 1), check_int(m, "m", 1), check_int(rank, "rank", 1)
     window, sinks = check_layout(window, sinks, local, normalize)
     eps = check_eps(eps)
     if isinstance(gate_init, str):
         raise ValueError(f"gate_init={gate_init!r}: convert_attention takes a number; gates from the teacher's "
                          "attention need its recorded inputs: use sketchlab.linearize(gate_init=...) or "
                          "sketchlab.convert.scale.calibrate_gates after conversion")
-    gate_init = _real(gate_init, "gate_init", lo=-math.inf, lo_open=True)
+    gate_init = check_real(gate_init, "gate_init", lo=-math.inf, lo_open=True)
     for flag, name in ((learn, "learn"), (gate, "gate"), (non_negative, "non_negative"), (input_norm, "input_norm")):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {flag!r}")
@@ -353,7 +353,7 @@ def convert_attention(model: nn.Module, *, attention: str = "llops", p: int = 2,
     ref = next(model.parameters())
     sketches = []
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(_int(seed, "seed", 0))
+        torch.manual_seed(check_int(seed, "seed", 0))
         for layer, site in enumerate(sites):
             if layer in exact:
                 sketches.append(ExactAttention(heads=site.heads, head_dim=site.head_dim, causal=site.causal))
