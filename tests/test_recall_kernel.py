@@ -160,6 +160,17 @@ def test_kernel_lr_zero_freezes_the_kernel_at_its_start(method):
         assert len(opt.param_groups) == 2 and not held & {id(p) for p in model.kernel_parameters()}
 
 
+@pytest.mark.parametrize("method, size, features", [("llops-gated-delta", 8, 64), ("psf-learned-gated-delta", 16, 16)])
+def test_gated_delta_methods_are_their_map_under_the_gated_rule(method, size, features):
+    """LLoPS's and PSF-learned's features under the gated delta rule: β and the decay from the input, the state
+    features × D (Zoology's d_k × d_v, no normaliser), and a run on the harness has no attention matrix."""
+    point = fr.method_points(method, [size])[0]
+    assert {k: point.options[k] for k in ("state", "beta", "decay")} == {"state": "delta", "beta": "input",
+                                                                         "decay": "input"}
+    assert layer_state_bytes(point.config(fr.KERNEL_CPU)) == 4 * features * 64
+    assert fr.train_point(point, KTINY, 1e-2, 0)["attention_error"] is None
+
+
 def test_kernel_protocol_checks_its_pairs():
     with pytest.raises(ValueError, match="T = 2P"):
         fr.KernelProtocol(train_pairs=((8, 3),), train_weights=(1,))

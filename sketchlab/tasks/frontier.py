@@ -28,7 +28,9 @@ Methods (:data:`METHODS`), each sized by its state (:func:`~sketchlab.tasks.stat
   ``1 + s + s²/2``, so step 0 is ``based`` at ``d'`` with ``m = 1 + d' + d'²``) and ``llops-taylor-frozen``;
 * ``deltanet`` (SiLU features, L2-normalised q/k, β from the input, the short convolution; state
   ``D × D`` per head, sized by the heads), ``gated-deltanet`` (the same with a decay from the input),
-  ``llops-delta`` (the affine self-tensored LLoPS features under the delta rule).
+  ``llops-delta`` (the affine self-tensored LLoPS features under the delta rule); ``llops-gated-delta``,
+  ``psf-learned-gated-delta`` (those LLoPS features, PSF-learned's ``m``, under the gated delta rule: β and
+  the decay from the input; state ``features × D``).
 
 References
 ----------
@@ -233,6 +235,11 @@ METHODS = {
                                                      {**_DELTANET, "decay": "input"}, heads=h)),
     "llops-delta": ((2, 4, 6, 8), lambda m: Point("llops-delta", f"m={m}x{m}", "llops",
                                                   {**_LLOPS_NN, "m": m, **_DELTANET}, init="random", kernel_lr=0.1)),
+    "llops-gated-delta": ((4, 8), lambda m: Point("llops-gated-delta", f"m={m}x{m}", "llops",
+                                                  {**_LLOPS_NN, "m": m, **_DELTANET, "decay": "input"}, init="random",
+                                                  kernel_lr=0.1)),
+    "psf-learned-gated-delta": ((16, 64), lambda m: Point("psf-learned-gated-delta", f"m={m}", "psf-learned",
+                                                          {"p": 4, "m": m, **_DELTANET, "decay": "input"})),
 }
 
 
