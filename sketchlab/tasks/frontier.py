@@ -25,7 +25,8 @@ Methods (:data:`METHODS`), each sized by its state (:func:`~sketchlab.tasks.stat
   expand map): the paper's Tables 4-5 forms; their ablation (kernel harness): ``llops-p4-based-frozen``,
   ``-lr001``, ``-lr1`` (that start with Θ frozen, at 0.01 or 1 times the rate), ``llops-p4-frozen``,
   ``llops-p4-lr1`` (random start), ``llops-taylor`` (affine, ``p = 2``, Θ started at BASED's Taylor map
-  ``1 + s + s²/2``, so step 0 is ``based`` at ``d'`` with ``m = 1 + d' + d'²``) and ``llops-taylor-frozen``;
+  ``1 + s + s²/2``, so step 0 is ``based`` at ``d'`` with ``m = 1 + d' + d'²``), ``llops-taylor-lr001`` and
+  ``llops-taylor-frozen``;
 * ``deltanet`` (SiLU features, L2-normalised q/k, β from the input, the short convolution; state
   ``D × D`` per head, sized by the heads), ``gated-deltanet`` (the same with a decay from the input),
   ``llops-delta`` (the affine self-tensored LLoPS features under the delta rule); ``llops-gated-delta``,
@@ -228,6 +229,8 @@ METHODS = {
                                                 kernel_lr=1.0)),
     "llops-taylor": ((73, 273), lambda m: Point("llops-taylor", f"m={m}", "llops", {"p": 2, "m": m, "affine": True},
                                                 init="based", kernel_lr=0.1)),
+    "llops-taylor-lr001": ((73, 273), lambda m: Point("llops-taylor-lr001", f"m={m}", "llops",
+                                                      {"p": 2, "m": m, "affine": True}, init="based", kernel_lr=0.01)),
     "llops-taylor-frozen": ((73, 273), lambda m: Point("llops-taylor-frozen", f"m={m}", "llops",
                                                        {"p": 2, "m": m, "affine": True}, init="based", kernel_lr=0.0)),
     "deltanet": ((8, 4, 2, 1), lambda h: Point("deltanet", f"H={h}", "silu", dict(_DELTANET), heads=h)),
