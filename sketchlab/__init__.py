@@ -4,8 +4,9 @@ Exact polynomial features, the Theorem 3.1 optimal sketch and its tail bound, LL
 Theorem 3.4 spectral residuals, the baseline sketches, Q/K dumps (load, save, capture), a
 comparison of every sketch against the optimum on them, and the researcher's tools on a dump:
 ``verify`` (every theorem check), ``advise`` (the sketch size a target error needs) and
-``kernel_spectrum``; attention through any sketch (naive float64 twins, a chunked PyTorch path, a
-fused Triton kernel) and the Θ export that feeds :class:`LLoPSAttention`.
+``kernel_spectrum``. Every fitted sketch is a pair of :class:`FeatureMap` s (``fit_sketch(...).maps``),
+the one family that the metrics, the comparison and attention take (naive float64 twins, a chunked
+PyTorch path, a fused Triton kernel); the Θ export feeds :class:`LLoPSAttention`.
 """
 
 from ._version import __version__
@@ -77,7 +78,6 @@ from .polynomial import (
     symmetric_to_full,
 )
 from .scaling import describe_scale, resolve_scale
-from .sketch import Sketch
 from .sketches import BasedSketch, ElementwiseSketch, MLPSketch, PolySketch, TensorSketch, as_llops
 from .spectral import deflate, feature_bound, rank1_residuals, spectral_norm
 from .spectrum import KernelSpectrum, kernel_spectrum
@@ -116,7 +116,6 @@ __all__ = [
     "OptimalSketch",
     "PolySketch",
     "QKDump",
-    "Sketch",
     "TensorSketch",
     "Verification",
     "__version__",

@@ -1,6 +1,6 @@
 """Where a batch ``[L, H]`` of problems meets a feature map's heads (:mod:`sketchlab.featuremaps.heads`): the
 one flattening (row-major, layer ``l`` head ``j`` → head ``l·H + j``), and the metrics taking a map or a pair
-of maps as they take the fitted sketch with the same Θ.
+of maps as the pure features of the same Θ per ``[L, H]`` problem give them.
 
 Tolerances: float64, 1e-12 (the same products in the same order up to reshapes; the twin sums per token).
 """
@@ -8,7 +8,7 @@ Tolerances: float64, 1e-12 (the same products in the same order up to reshapes; 
 import pytest
 import torch
 
-from sketchlab import LLoPS, kernel_errors
+from sketchlab import kernel_errors, llops_features, poly_kernel, rel_fro, rel_mae
 from sketchlab.featuremaps import LLoPSMap, make_feature_map
 from sketchlab.featuremaps.heads import as_heads, batch_features, from_heads, pair_features
 
@@ -47,15 +47,19 @@ def test_batch_features_refuses_a_batch_that_is_not_whole_heads():
 
 
 @pytest.mark.parametrize("tied", [True, False])
-def test_kernel_errors_of_maps_equal_those_of_the_sketch_with_the_same_theta(tied):
+def test_kernel_errors_of_maps_are_those_of_the_same_theta_per_layer_and_head(tied):
+    # Θ [L, H, ...] through the pure features (one Θ per problem, no flattening) against the maps of L·H heads
     theta_q, theta_k = _rand(L, H, 1, 2, D, M, seed=3), _rand(L, H, 1, 2, D, M, seed=4)
-    sketch = LLoPS(theta_q) if tied else LLoPS(theta_q, theta_k)
+    theta_k = theta_q if tied else theta_k
     map_q = LLoPSMap(L * H, D, theta=theta_q.reshape(L * H, 1, 2, D, M))
     maps = map_q if tied else (map_q, LLoPSMap(L * H, D, theta=theta_k.reshape(L * H, 1, 2, D, M)))
     q, k = _rand(L, H, N, D, seed=5), _rand(L, H, N + 2, D, seed=6)
-    want, got = kernel_errors(sketch, q, k, 2), kernel_errors(maps, q, k, 2)
-    for key in ("sq_err", "sq_norm", "rel_fro", "rel_mae"):
-        torch.testing.assert_close(got[key], want[key], rtol=1e-12, atol=0)
+    approx, exact = llops_features(q, theta_q) @ llops_features(k, theta_k).mT, poly_kernel(q, k, 2)  # [L, H, N, N + 2]
+    got = kernel_errors(maps, q, k, 2)
+    torch.testing.assert_close(got["sq_err"], ((approx - exact) ** 2).sum((-2, -1)), rtol=1e-12, atol=0)
+    torch.testing.assert_close(got["sq_norm"], (exact**2).sum((-2, -1)), rtol=1e-12, atol=0)
+    torch.testing.assert_close(got["rel_fro"], rel_fro(approx, exact), rtol=1e-12, atol=0)
+    torch.testing.assert_close(got["rel_mae"], rel_mae(approx, exact), rtol=1e-12, atol=0)
     assert not torch.allclose(got["rel_fro"][0], got["rel_fro"][1])  # the heads differ: the order is tested
 
 
@@ -78,8 +82,9 @@ _NON_NEGATIVE_AT_P2 = {"based-expand", "based-taylor", "dpfp", "elementwise", "e
 
 @pytest.mark.parametrize("method", _every_method())
 def test_every_fit_is_a_pair_of_maps_over_the_flattened_heads(method):
-    # fit_sketch(method) on an [L, H] batch -> fit.maps: maps of L·H heads whose features, twin and
-    # non_negative are the fitted sketch's, head l·H + j being layer l, head j.
+    # fit_sketch(method) on an [L, H] batch -> fit.maps: maps of L·H heads, head l·H + j being layer l, head j:
+    # the features the metrics take (pair_features) are each head's twin, fit.layer(l) holds layer l's maps,
+    # the report's errors are those of the maps, and the kernel sign is claimed where it holds.
     import warnings
 
     from sketchlab import fit_sketch
@@ -91,23 +96,22 @@ def test_every_fit_is_a_pair_of_maps_over_the_flattened_heads(method):
         fit = fit_sketch(method, q, k, p=2, m=6, seed=0, reference=False, **_QUICK.get(method, {}))
     map_q, map_k = fit.maps
     assert isinstance(map_q, FeatureMap) and isinstance(map_k, FeatureMap)
-    assert (map_q.heads, map_q.head_dim, map_k.heads) == (L * H, D, L * H)
-    fq, fk = pair_features((map_q, map_k), q, k)
-    with torch.no_grad():
-        want_q, want_k = fit.sketch.features_q(q).double(), fit.sketch.features_k(k).double()
-    torch.testing.assert_close(fq, want_q, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(fk, want_k, rtol=1e-12, atol=1e-12)
-    # the kernel sign, one name on both sides (Sketch.non_negative is FeatureMap.non_negative), claimed where it holds
-    assert map_q.non_negative == map_k.non_negative == fit.sketch.non_negative == (method in _NON_NEGATIVE_AT_P2)
-    if fit.sketch.non_negative:
-        assert bool((fq @ fk.mT >= -1e-12).all())
-    x = _rand(1, 5, L * H, D, seed=9)
-    for side, fmap in (("q", map_q), ("k", map_k)):
-        twin = fmap.features_naive(x)  # [1, 5, L·H, M]
+    assert (map_q.heads, map_q.head_dim, map_k.heads) == (L * H, D, L * H) and fit.batch_shape == (L, H)
+    assert map_q.num_features == map_k.num_features == fit.report.num_features
+    fq, fk = pair_features((map_q, map_k), q, k)  # [L, H, 24, M]
+    for side, fmap, x, f in (("q", map_q, q, fq), ("k", map_k, k, fk)):
         for l_ in range(L):
-            for j in range(H):
-                torch.testing.assert_close(twin[0, :, l_ * H + j], fit.sketch.features_naive(x[0, :, l_ * H + j], side, (l_, j)),
-                                           rtol=1e-12, atol=1e-12)
+            for j in range(H):  # the twin, one head and one token at a time: head l·H + j is problem [l, j]
+                torch.testing.assert_close(f[l_, j], fmap._features_naive(x[l_, j], l_ * H + j), rtol=1e-12, atol=1e-12,
+                                           msg=f"{side} side, layer {l_} head {j}")
+    for l_ in range(L):
+        lq, lk = pair_features(fit.layer(l_), q[l_], k[l_])
+        torch.testing.assert_close(lq, fq[l_], rtol=0, atol=0)
+        torch.testing.assert_close(lk, fk[l_], rtol=0, atol=0)
+    torch.testing.assert_close(kernel_errors(fit.maps, q, k, 2)["rel_fro"], fit.report.rel_fro, rtol=1e-12, atol=0)
+    assert map_q.non_negative == map_k.non_negative == (method in _NON_NEGATIVE_AT_P2)
+    if map_q.non_negative:
+        assert bool((fq @ fk.mT >= -1e-12).all())
 
 
 @pytest.mark.parametrize("name", sorted(__import__("sketchlab.featuremaps", fromlist=["x"]).feature_map_names()))

@@ -135,24 +135,24 @@ def test_optimality_ratio_keeps_a_python_tail_in_float64():
 def test_kernel_errors_in_row_blocks_equal_the_dense_form():
     # Row blocks (forced tiny by max_bytes: one query row per block) against the dense metrics:
     # the same sums in another order, so equal to ~1e-15; we allow 1e-10 (the criterion).
-    from sketchlab import LLoPS, kernel_errors, poly_kernel
+    from sketchlab import LLoPSMap, kernel_errors, llops_features, poly_kernel
     gen = torch.Generator().manual_seed(4)
     q = torch.randn(2, 3, 17, 4, generator=gen, dtype=torch.float64)
     k = torch.randn(2, 3, 23, 4, generator=gen, dtype=torch.float64)
-    sketch = LLoPS(torch.randn(2, 3, 1, 2, 4, 5, generator=gen, dtype=torch.float64),
-                   torch.randn(2, 3, 1, 2, 4, 5, generator=gen, dtype=torch.float64))
-    approx, exact = sketch.kernel(q, k).detach(), poly_kernel(q, k, 2)
+    theta_q, theta_k = (torch.randn(2, 3, 1, 2, 4, 5, generator=gen, dtype=torch.float64) for _ in range(2))
+    maps = tuple(LLoPSMap(6, 4, theta=t.reshape(6, 1, 2, 4, 5)) for t in (theta_q, theta_k))  # layer l, head j: l·3 + j
+    approx, exact = llops_features(q, theta_q) @ llops_features(k, theta_k).mT, poly_kernel(q, k, 2)
     for budget in (2**30, 4 * 2 * 3 * 23 * 8):  # default, and exactly one row per block
-        err = kernel_errors(sketch, q, k, 2, max_bytes=budget)
+        err = kernel_errors(maps, q, k, 2, max_bytes=budget)
         assert torch.allclose(err["rel_fro"], rel_fro(approx, exact), rtol=1e-10, atol=0)
         assert torch.allclose(err["rel_mae"], rel_mae(approx, exact), rtol=1e-10, atol=0)
         assert torch.allclose(err["sq_norm"], (exact**2).sum((-2, -1)), rtol=1e-10, atol=0)
     with pytest.raises(ValueError, match="one kernel row block"):
-        kernel_errors(sketch, q, k, 2, max_bytes=100)
+        kernel_errors(maps, q, k, 2, max_bytes=100)
     zero = q.clone()
     zero[1, 2] = 0.0
     with pytest.raises(ValueError, match=r"all zeros for 1 head\(s\), the first at batch index \(1, 2\)"):
-        kernel_errors(sketch, zero, k, 2)
+        kernel_errors(maps, zero, k, 2)
 @pytest.mark.parametrize("n,d,p", [(300, 2, 2), (20, 3, 3)])
 def test_kernel_sq_norm_routes(n, d, p):
     # (300, 2, 2) takes the degree-2p moment route (32·(n_q+n_k)·C(5,4) < n²d), (20, 3, 3) the row
