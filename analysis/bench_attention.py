@@ -47,9 +47,9 @@ from sketchlab.attention.chunked import (  # noqa: E402
     feature_attention,  # noqa: E402
 )
 from sketchlab.attention.functional import llops_attention  # noqa: E402
+from sketchlab.featuremaps.based import taylor_features  # noqa: E402
 from sketchlab.io import atomic_write  # noqa: E402
 from sketchlab.plots import save_figure  # noqa: E402
-from sketchlab.sketches.based import taylor_features  # noqa: E402
 
 BASED_DIM = 16  # BASED projects to 16 dims: 1 + 16 + 16² = 273 Taylor features
 SINGLE_RUN_S = 5.0  # a call longer than this is timed once (no warm-up, no repeats)

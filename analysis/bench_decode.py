@@ -271,7 +271,7 @@ def main(argv=None) -> int:
                          f"{first if first is not None else 'never'} on (by CPU time)")
             lines.append(line + ".")
     lines += ["", "Where a memory row's public call goes (its fixed per-call cost: the entry's checks, the LLoPS "
-              "features, the decoding step `memory_decode.decode`): `analysis/results/decode_profile.md` "
+              "features, the decoding step `ops/cache/recurrent.decode`): `analysis/results/decode_profile.md` "
               "(`--profile`).", ""]
     text = "\n".join(lines)
     with atomic_write(out_md) as tmp:
@@ -283,8 +283,8 @@ def main(argv=None) -> int:
 
 #: The calls a memory row's token passes through (function names; the file decides where each is).
 PROFILED = ("llops_attention", "call_options", "check_qkv", "check_all_finite", "check_theta",
-            "check_llops_kernel_range", "llops_feature_fn", "_flat", "feats", "memory_call", "_check_call",
-            "check_memory_state", "_check_params", "run", "decode", "recall_score", "local_weights")
+            "check_llops_kernel_range", "llops_feature_fn", "_flat", "feats", "memory_call", "check_memory_call",
+            "check_memory_state", "check_far_params", "run", "decode", "recall_score", "local_weights")
 
 
 def profile(args, variants, theta, new, out_md: Path) -> int:

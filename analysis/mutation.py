@@ -427,19 +427,19 @@ REVIEWED: dict[str, str] = {
     "sketchlab.convert.scale.xǁTiedLLoPSMapǁ__init____mutmut_28": _KILLED + (
         "test_mut5_convert.py::test_tied_map_refuses_a_theta_of_the_wrong_shape (a Θ of 3 heads for a 2-head map "
         "was accepted, to fail later in the einsum)."),
-    "sketchlab.attention.ops.additive.hybrid_driver.x__hybrid_causal_block__mutmut_42": _KILLED + (
+    "sketchlab.attention.ops.additive.hybrid_driver.x_hybrid_causal_block__mutmut_42": _KILLED + (
         "test_mut5_hybrid.py::test_a_masked_call_then_unmasked_calls_inside_the_sinks_equal_the_whole (the branch "
         "runs only when a masked call leaves a sink mask and an unmasked block adds sinks)."),
-    "sketchlab.attention.ops.additive.hybrid_driver.x__hybrid_causal_block__mutmut_46": _KILLED + (
+    "sketchlab.attention.ops.additive.hybrid_driver.x_hybrid_causal_block__mutmut_46": _KILLED + (
         "test_mut5_hybrid.py::test_a_masked_call_then_unmasked_calls_inside_the_sinks_equal_the_whole."),
-    "sketchlab.attention.ops.additive.recurrent.x__hybrid_decode_one__mutmut_130": (
+    "sketchlab.attention.ops.additive.recurrent.x_hybrid_decode_one__mutmut_130": (
         _EQUIV + "sink_ok [1, 1, 1, 1] instead of [1, 1, 1, 1, Ls] of ones: it only broadcasts against the sink "
                  "logits [B, H, 1, 1, Ls] and the sink mask in torch.where/&, with the same result for every Ls "
                  "(Ls = 0: no sink term is formed)."),
-    "sketchlab.attention.ops.additive.hybrid_driver.x__hybrid_noncausal__mutmut_202": (
+    "sketchlab.attention.ops.additive.hybrid_driver.x_hybrid_noncausal__mutmut_202": (
         _EQUIV + "sink_ok [1, 1, 1, Ls] instead of [1, 1, 1, 1, Ls] of ones: leading axes broadcast, so its "
                  "& with the mask [B, 1, 1, 1, Ls] and its use against the logits [B, H, N, C, Ls] are unchanged."),
-    "sketchlab.attention.ops.additive.hybrid_driver.xǁDenominatorCounterǁreport__mutmut_5": _KILLED + (
+    "sketchlab.attention._checks.xǁDenominatorCounterǁreport__mutmut_5": _KILLED + (
         "test_mut5_hybrid.py::test_denominator_check_raise_warn_and_off (no test used denominator_check='raise' on "
         "the chunked path; the mutant turns it into a warning)."),
     "sketchlab.attention.state.x_check_state__mutmut_79": _KILLED + (
@@ -1031,11 +1031,11 @@ RECORD: dict[str, tuple[int, str, list[str]]] = {
         "sketchlab.convert.scale.xǁTiedLLoPSMapǁ__init____mutmut_28",
     ]),
     "hybrid": (30, "9dd72f9", [
-        "sketchlab.attention.ops.additive.hybrid_driver.x__hybrid_causal_block__mutmut_42",
-        "sketchlab.attention.ops.additive.hybrid_driver.x__hybrid_causal_block__mutmut_46",
-        "sketchlab.attention.ops.additive.recurrent.x__hybrid_decode_one__mutmut_130",
-        "sketchlab.attention.ops.additive.hybrid_driver.x__hybrid_noncausal__mutmut_202",
-        "sketchlab.attention.ops.additive.hybrid_driver.xǁDenominatorCounterǁreport__mutmut_5",
+        "sketchlab.attention.ops.additive.hybrid_driver.x_hybrid_causal_block__mutmut_42",
+        "sketchlab.attention.ops.additive.hybrid_driver.x_hybrid_causal_block__mutmut_46",
+        "sketchlab.attention.ops.additive.recurrent.x_hybrid_decode_one__mutmut_130",
+        "sketchlab.attention.ops.additive.hybrid_driver.x_hybrid_noncausal__mutmut_202",
+        "sketchlab.attention._checks.xǁDenominatorCounterǁreport__mutmut_5",
         "sketchlab.attention.state.x_check_state__mutmut_79",
     ]),
     "compare": (8, "1f44963", [

@@ -41,10 +41,10 @@ from .featuremaps import (
     as_feature_map,
     make_feature_map,
 )
+from .featuremaps.to_llops import as_llops
 from .fit import Fit, FitReport, available_sketches, fit_sketch, holdout_split, register_sketch, sketch_fitter
 from .io import QKDump, load_qk, load_theta, save_qk, save_theta
 from .llops import (
-    LLoPS,
     fit_llops,
     fit_llops_adam,
     fit_llops_cp,
@@ -66,7 +66,7 @@ from .metrics import (
 )
 from .numerics import KernelRangeError
 from .objective import kernel_loss, train_kernel_sketch
-from .optimal import OptimalSketch, max_sketch_size, min_norm_sketch, optimal_sketch, tail_bound
+from .optimal import OptimalMap, max_sketch_size, min_norm_sketch, optimal_sketch, tail_bound
 from .polynomial import (
     feature_gram_root,
     full_to_symmetric,
@@ -78,7 +78,6 @@ from .polynomial import (
     symmetric_to_full,
 )
 from .scaling import describe_scale, resolve_scale
-from .sketches import BasedSketch, ElementwiseSketch, MLPSketch, PolySketch, TensorSketch, as_llops
 from .spectral import deflate, feature_bound, rank1_residuals, spectral_norm
 from .spectrum import KernelSpectrum, kernel_spectrum
 from .verify import Check, Verification, verify
@@ -98,25 +97,19 @@ __all__ = [
     "as_feature_map",
     "linear_attention",
     "make_feature_map",
-    "BasedSketch",
     "Check",
     "ComparisonRow",
     "ComparisonTable",
     "DEFAULT_METHODS",
-    "ElementwiseSketch",
     "Fit",
     "FitReport",
     "HeadAdvice",
     "KernelRangeError",
     "KernelSpectrum",
-    "LLoPS",
     "LLoPSAttention",
-    "MLPSketch",
     "MemoryState",
-    "OptimalSketch",
-    "PolySketch",
+    "OptimalMap",
     "QKDump",
-    "TensorSketch",
     "Verification",
     "__version__",
     "advise",

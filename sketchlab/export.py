@@ -59,15 +59,26 @@ def _json_safe(value):
     return repr(value)
 
 
+def fit_llops_maps(fit):
+    """The LLoPS maps ``(map_q, map_k)`` of a fit (:class:`~sketchlab.featuremaps.LLoPSMap` s of its ``L·H`` heads, one
+    object when tied): its own maps when they are LLoPS, else their exact LLoPS form
+    (:func:`sketchlab.featuremaps.to_llops.as_llops`, which raises ``ValueError`` for a map without one)."""
+    from .featuremaps.base import FeatureMap
+    from .featuremaps.to_llops import as_llops
+
+    llops = as_llops(fit.maps)  # LLoPS maps come back unchanged
+    return (llops, llops) if isinstance(llops, FeatureMap) else llops
+
+
 def export_theta(fit, path, *, dump, scale=None) -> Path:
-    """Write the Θ of ``fit.sketch`` to ``path`` (``.safetensors``) with all DESIGN.md §3 metadata.
+    """Write the Θ of ``fit``'s LLoPS maps to ``path`` (``.safetensors``) with all DESIGN.md §3 metadata.
 
     Parameters
     ----------
     fit : sketchlab.Fit
-        A fit whose sketch is an :class:`sketchlab.LLoPS` or has an exact LLoPS form
-        (:func:`sketchlab.as_llops`: element-wise, BASED "expand", PolySketch); parameters with
-        leading shape ``[]``, ``[H]`` or ``[L, H]`` (stored as ``[1, 1]``, ``[1, H]``, ``[L, H]``).
+        A fit whose maps are :class:`~sketchlab.featuremaps.LLoPSMap` s or have an exact LLoPS form
+        (:func:`sketchlab.as_llops`: element-wise, BASED "expand", PolySketch), of batch shape ``[]``, ``[H]``
+        or ``[L, H]`` (stored as ``[1, 1]``, ``[1, H]``, ``[L, H]``: the maps' ``L·H`` heads unflattened).
     path : str or Path
         Output ``.safetensors`` file, written atomically; it must not be the dump itself.
     dump : str, Path or QKDump
@@ -87,10 +98,9 @@ def export_theta(fit, path, *, dump, scale=None) -> Path:
     """
     from ._version import __version__
     from .io import check_output_paths, dump_files, save_theta
-    from .sketches import as_llops
 
-    if not hasattr(fit, "sketch") or not hasattr(fit, "report"):
-        raise TypeError(f"fit must be a sketchlab.Fit (with .sketch and .report), got {type(fit).__name__}")
+    if not hasattr(fit, "maps") or not hasattr(fit, "report"):
+        raise TypeError(f"fit must be a sketchlab.Fit (with .maps and .report), got {type(fit).__name__}")
     dump_path = getattr(dump, "path", dump)
     if dump_path is None or not isinstance(dump_path, (str, os.PathLike)):
         raise TypeError(
@@ -111,12 +121,11 @@ def export_theta(fit, path, *, dump, scale=None) -> Path:
                 "fitting ('none', 'sqrt-d' for d^-1/4, or a number)"
             )
     try:
-        llops = as_llops(fit.sketch)
+        map_q, map_k = fit_llops_maps(fit)
     except ValueError as err:
         raise ValueError(f"method {fit.report.method!r} cannot be exported as Θ: {err}") from err
-    theta_q = llops.theta_q.detach()
-    theta_k = theta_q if llops.theta_k is None else llops.theta_k.detach()
-    lead = tuple(theta_q.shape[:-4])
+    theta_q, theta_k = map_q.theta.detach(), map_k.theta.detach()  # [L·H, t, p, d, m], or [1, ...] shared by all
+    lead = tuple(fit.batch_shape) if theta_q.shape[0] == math.prod(fit.batch_shape) else ()
     if len(lead) > 2:
         raise ValueError(f"Θ must have leading shape [], [H] or [L, H] to export, got {list(lead)}")
     shape6 = (1,) * (2 - len(lead)) + lead + tuple(theta_q.shape[-4:])

@@ -15,8 +15,7 @@ for both sides when they are tied) of ``H = prod(batch)`` heads of ``d``, the ba
 matrix with the singular values of ``A`` on the tokens it was given (e.g. ``R_Q R_Kᵀ`` of the Gram roots it
 fitted on), which ``fit_sketch`` takes out (the map keeps no ``fit_info``) and reuses for the report's
 Theorem 3.1 floor instead of recomputing it. Fitters trust their inputs: validation happens once, here.
-(Transitional: a fitter not yet ported returns a :class:`~sketchlab.sketch.Sketch`, kept as ``Fit.sketch``
-beside its maps.) Users add their own with :func:`register_sketch` (it fills the name's fitter
+Users add their own with :func:`register_sketch` (it fills the name's fitter
 slot). A map whose fitter slot is empty is fitted by Adam on the kernel loss
 (:func:`sketchlab.featuremaps.fitting.feature_map_fitter`), so a map registered there is a method
 with no line here. ``fit_sketch`` splits off held-out tokens, optionally subsamples the
@@ -38,7 +37,9 @@ from ._validation import DEFAULT_MAX_BYTES, check_degree, check_fraction, check_
 from .featuremaps.base import FeatureMap
 from .featuremaps.registry import DEPRECATED_METHODS, feature_map_names, fitter_names, own_fitter, register_fitter
 from .numerics import UNDEFINED_REASONS, check_poly_kernel_range, is_roundoff, warn_undefined
-from .sketch import Sketch
+
+#: What a fitter returns: one map for both sides, or the pair ``(map_q, map_k)``.
+Fitted = FeatureMap | tuple[FeatureMap, FeatureMap]
 
 __all__ = [
     "Fit",
@@ -52,12 +53,12 @@ __all__ = [
 ]
 
 
-def register_sketch(name: str) -> Callable[[Callable[..., Sketch]], Callable[..., Sketch]]:
+def register_sketch(name: str) -> Callable[[Callable[..., Fitted]], Callable[..., Fitted]]:
     """Decorator filling the fitter slot of ``name`` with ``fitter`` for :func:`fit_sketch`
     (:func:`~sketchlab.featuremaps.registry.register_fitter`: a new method, or the own fitter of the map
     ``name``; a name that has another fitter is refused)."""
 
-    def decorate(fitter: Callable[..., Sketch]) -> Callable[..., Sketch]:
+    def decorate(fitter: Callable[..., Fitted]) -> Callable[..., Fitted]:
         register_fitter(name, fitter)
         return fitter
 
@@ -77,7 +78,7 @@ def accepted_methods() -> set[str]:
     return set(fitter_names()) | set(DEPRECATED_METHODS) | set(feature_map_names())
 
 
-def sketch_fitter(name: str) -> Callable[..., Sketch]:
+def sketch_fitter(name: str) -> Callable[..., Fitted]:
     """The fitter of ``name`` (raw: no hold-out, no report; see :func:`fit_sketch`): its fitter slot
     (:func:`~sketchlab.featuremaps.registry.own_fitter`), else, for a map without one, Adam on the map
     (:func:`~sketchlab.featuremaps.fitting.feature_map_fitter`). A deprecated name warns and keeps its fitter.
@@ -196,9 +197,6 @@ class Fit:
     map_k: FeatureMap
     report: FitReport
     batch_shape: tuple = ()
-    #: Transitional: the fitted :class:`~sketchlab.sketch.Sketch` of a method whose fitter still returns one
-    #: (``None`` for a fitter that returns maps); goes with ``sketchlab.sketch``.
-    sketch: object = None
 
     @property
     def maps(self) -> tuple[FeatureMap, FeatureMap]:
@@ -259,9 +257,9 @@ EXACT_REPORT_ENTRIES = 2**26
 _GRAM_ERR_FLOOR = 1e-6
 
 
-def _errors(sketch: Sketch, q: torch.Tensor, k: torch.Tensor, p: int, m: int, method: str, where: str,
+def _errors(maps: tuple, q: torch.Tensor, k: torch.Tensor, p: int, m: int, method: str, where: str,
             max_bytes: int, *, core: torch.Tensor | None = None, seed: int = 0):
-    """rel_fro, rel_mae, optimality ratio, tail and ``info`` of ``sketch`` on ``(q, k)``; a non-finite
+    """rel_fro, rel_mae, optimality ratio, tail and ``info`` of the pair ``maps`` on ``(q, k)``; a non-finite
     error raises ``FloatingPointError`` naming the method, the heads and the likely cause.
 
     Trusts its inputs (checked by :func:`fit_sketch`). ``core``: a matrix with ``A``'s singular
@@ -286,7 +284,7 @@ def _errors(sketch: Sketch, q: torch.Tensor, k: torch.Tensor, p: int, m: int, me
         many = max(n_q, n_k) >= _GRAM_TOKENS * _num_features(q.shape[-1], p, True)
         s = _kernel_singular_values(q, k, p, m, "gram" if many else "auto", max_bytes)
     tail = (s[..., m:] ** 2).sum(-1)
-    fq, fk = pair_features(sketch, q, k)
+    fq, fk = pair_features(maps, q, k)
     info: dict = {}
     if n_q * n_k <= EXACT_REPORT_ENTRIES:
         err = _kernel_errors(fq, fk, q, k, p, max_bytes)
@@ -359,7 +357,7 @@ def fit_sketch(method: str, q, k, /, *, p: int, m: int, seed: int = 0, holdout: 
     Returns
     -------
     Fit
-        ``fit.sketch`` and ``fit.report`` (in-sample and held-out ``rel_fro``, ``rel_mae``,
+        ``fit.maps`` (the fitted ``(map_q, map_k)``) and ``fit.report`` (in-sample and held-out ``rel_fro``, ``rel_mae``,
         ``optimality_ratio``, the tails, wall seconds, steps, convergence).
 
     Raises
@@ -396,7 +394,7 @@ def _fit_sketch(method: str, q, k, /, *, p: int, m: int, seed: int = 0, holdout:
     return _fit_checked(method, fitter, q, k, p, m, seed, holdout, fit_tokens, reference, max_bytes, options)
 
 
-def _fit_checked(method: str, fitter: Callable[..., Sketch], q: torch.Tensor, k: torch.Tensor, p: int, m: int,
+def _fit_checked(method: str, fitter: Callable[..., Fitted], q: torch.Tensor, k: torch.Tensor, p: int, m: int,
                  seed: int, holdout: float, fit_tokens: int | None, reference: bool, max_bytes: int,
                  options: dict) -> Fit:
     """:func:`fit_sketch` after its argument checks (the dump-level entry points call it with the
@@ -442,7 +440,7 @@ def _fit_checked(method: str, fitter: Callable[..., Sketch], q: torch.Tensor, k:
         start = time.perf_counter()
         result = fitter(q[..., sub_q, :], k[..., sub_k, :], p=p, m=m, seed=seed, **options)
         seconds = time.perf_counter() - start
-        map_q, map_k, sketch, fit_info = _fitted_maps(method, result, tuple(q.shape[:-2]), q.shape[-1])
+        map_q, map_k, fit_info = _fitted_maps(method, result, tuple(q.shape[:-2]), q.shape[-1])
         core = fit_info.pop("kernel_core", None)  # the maps keep no copy
         if fit_tokens is not None and (len(sub_q) < len(fit_q) or len(sub_k) < len(fit_k)):
             core = None  # the fit saw a subset: its A is not the report's
@@ -455,7 +453,7 @@ def _fit_checked(method: str, fitter: Callable[..., Sketch], q: torch.Tensor, k:
             method=method, p=p, m=m, rel_fro=rel_f, rel_mae=rel_m, optimality_ratio=ratio, tail=tail,
             seconds=seconds, steps=int(info.pop("steps", 0)), converged=bool(info.pop("converged", True)),
             num_features=map_q.num_features,
-            num_parameters=sketch.num_parameters if sketch is not None else _parameters_per_head(map_q, map_k),
+            num_parameters=_parameters_per_head(map_q, map_k),
             info=info,
             fit_tokens=None if fit_tokens is None else len(sub_q),
         )
@@ -478,24 +476,14 @@ def _fit_checked(method: str, fitter: Callable[..., Sketch], q: torch.Tensor, k:
                 report.holdout_reference_rel_fro = ref_f
                 n_held = max(q_held.shape[-2], k_held.shape[-2])
                 report.holdout_vs_reference = torch.where(is_roundoff(ref_f, 1.0, n_held), math.nan, h_f / ref_f)
-    return Fit(map_q, map_k, report, batch_shape=tuple(q.shape[:-2]), sketch=sketch)
+    return Fit(map_q, map_k, report, batch_shape=tuple(q.shape[:-2]))
 
 
 def _fitted_maps(method: str, result, batch_shape: tuple, head_dim: int):
-    """``(map_q, map_k, sketch, fit_info)`` of a fitter's ``result``: a :class:`FeatureMap` (both sides) or a pair
+    """``(map_q, map_k, fit_info)`` of a fitter's ``result``: a :class:`FeatureMap` (both sides) or a pair
     ``(map_q, map_k)`` of ``prod(batch_shape)`` heads of ``head_dim``, ``fit_info`` taken off ``map_q`` (the map
-    keeps none); transitional: a :class:`~sketchlab.sketch.Sketch`, given its maps
-    (:func:`~sketchlab.featuremaps.sketch_feature_maps`)."""
-    from .featuremaps import FeatureMap, FeatureMapSketch, sketch_feature_maps
-
+    keeps none)."""
     heads = math.prod(batch_shape)
-    if isinstance(result, Sketch):
-        info = getattr(result, "fit_info", None)
-        info = info if isinstance(info, dict) else {}  # the sketch's own dict: its kernel_core is taken out
-        if isinstance(result, FeatureMapSketch):
-            map_q = result.map_q
-            return map_q, (map_q if result.map_k is None else result.map_k), result, info
-        return (*sketch_feature_maps(result, heads=heads, head_dim=head_dim), result, info)
     pair = (result, result) if isinstance(result, FeatureMap) else result
     if not (isinstance(pair, tuple) and len(pair) == 2 and all(isinstance(f, FeatureMap) for f in pair)):
         raise TypeError(f"the fitter of {method!r} must return a FeatureMap or a pair (map_q, map_k) of them, got "
@@ -505,7 +493,7 @@ def _fitted_maps(method: str, result, batch_shape: tuple, head_dim: int):
             raise ValueError(f"the fitter of {method!r} returned a map of heads={f.heads}, head_dim={f.head_dim}; the "
                              f"fit needs heads={heads} (batch shape {list(batch_shape)}) of head_dim={head_dim}")
     info = pair[0].__dict__.pop("fit_info", None)
-    return pair[0], pair[1], None, dict(info or {})
+    return pair[0], pair[1], dict(info or {})
 
 
 def _parameters_per_head(map_q: FeatureMap, map_k: FeatureMap) -> int:
@@ -517,7 +505,7 @@ def _parameters_per_head(map_q: FeatureMap, map_k: FeatureMap) -> int:
     return one(map_q) if map_k is map_q else one(map_q) + one(map_k)
 
 
-def _option_names(fitter: Callable[..., Sketch]) -> set[str] | None:
+def _option_names(fitter: Callable[..., Fitted]) -> set[str] | None:
     """Keyword options a fitter takes beyond ``p, m, seed``; ``None`` when it takes ``**options``
     (then the fitter checks them itself, as ``fit_llops`` does)."""
     params = inspect.signature(fitter).parameters

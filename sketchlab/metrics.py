@@ -21,6 +21,7 @@ from .numerics import is_roundoff
 from .polynomial import _poly_features
 
 __all__ = [
+    "check_approx_exact",
     "kernel_errors",
     "kernel_sq_norm",
     "optimality_ratio",
@@ -30,7 +31,18 @@ __all__ = [
 ]
 
 
-def _pair(approx, exact) -> tuple[torch.Tensor, torch.Tensor]:
+def check_approx_exact(approx, exact) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pair a relative error compares: two float64 tensors of one shape ``[..., n_q, n_k]``, ``exact`` no
+    all-zero matrix (its relative errors would be undefined).
+
+    Parameters
+    ----------
+    approx, exact : array_like ``[..., n_q, n_k]``
+
+    Returns
+    -------
+    ``(approx, exact)`` as float64 tensors.
+    """
     approx = as_float_tensor(approx, "approx").to(torch.float64)
     exact = as_float_tensor(exact, "exact").to(torch.float64)
     if approx.shape != exact.shape or approx.ndim < 2:
@@ -55,13 +67,13 @@ def rel_mae(approx, exact) -> torch.Tensor:
     appendix, which defines it exactly, is not available to us): the ratio of the mean absolute
     error to the mean absolute kernel value, over all ``n_q × n_k`` entries.
     """
-    approx, exact = _pair(approx, exact)
+    approx, exact = check_approx_exact(approx, exact)
     return (approx - exact).abs().sum((-2, -1)) / exact.abs().sum((-2, -1))
 
 
 def rel_fro(approx, exact) -> torch.Tensor:
     r"""Relative Frobenius error :math:`\|\hat A - A\|_F / \|A\|_F`."""
-    approx, exact = _pair(approx, exact)
+    approx, exact = check_approx_exact(approx, exact)
     return torch.linalg.matrix_norm(approx - exact) / torch.linalg.matrix_norm(exact)
 
 
@@ -101,7 +113,7 @@ def optimality_ratio(approx, exact, tail) -> torch.Tensor:
     measured on. Where the tail is zero to round-off (``m >= rank A``, see :func:`ratio_to_tail`)
     the ratio is undefined and returned as NaN.
     """
-    approx, exact = _pair(approx, exact)
+    approx, exact = check_approx_exact(approx, exact)
     tail = torch.as_tensor(tail, dtype=torch.float64, device=approx.device)
     if tail.shape != approx.shape[:-2] or not bool((tail >= 0).all()):  # also rejects NaN
         raise ValueError(

@@ -29,13 +29,13 @@ DEFAULT_STEPS = 500
 DEFAULT_LR = 1e-2
 
 
-def kernel_loss(features_q: torch.Tensor, features_k: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
+def kernel_loss(phi_q: torch.Tensor, phi_k: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
     r"""Squared Frobenius kernel error :math:`\|\Phi_Q\Phi_K^\top - A\|_F^2`, per batch entry.
 
     Parameters
     ----------
-    features_q : Tensor ``[..., n_q, m]``
-    features_k : Tensor ``[..., n_k, m]``
+    phi_q : Tensor ``[..., n_q, m]``
+    phi_k : Tensor ``[..., n_k, m]``
     exact : Tensor ``[..., n_q, n_k]``
         The target, usually ``poly_kernel(q, k, p)``.
 
@@ -50,15 +50,15 @@ def kernel_loss(features_q: torch.Tensor, features_k: torch.Tensor, exact: torch
     same value is a function of the ``D × D`` Gram matrices of :math:`\psi_p(Q)`, :math:`\psi_p(K)`
     only; for the sizes this toolkit targets (``n ≈ D``) the ``n``-level form here is cheaper.
     """
-    if features_q.shape[-1] != features_k.shape[-1]:
+    if phi_q.shape[-1] != phi_k.shape[-1]:
         raise ValueError(
-            f"features_q and features_k must have the same number of features (last axis), got "
-            f"{features_q.shape[-1]} and {features_k.shape[-1]}"
+            f"phi_q and phi_k must have the same number of features (last axis), got "
+            f"{phi_q.shape[-1]} and {phi_k.shape[-1]}"
         )
-    expected = (*features_q.shape[:-1], features_k.shape[-2])
+    expected = (*phi_q.shape[:-1], phi_k.shape[-2])
     if tuple(exact.shape) != expected:
         raise ValueError(f"exact must have shape {expected} (batch, n_q, n_k), got {tuple(exact.shape)}")
-    return ((features_q @ features_k.mT - exact) ** 2).sum((-2, -1))
+    return ((phi_q @ phi_k.mT - exact) ** 2).sum((-2, -1))
 
 
 def check_finite_loss(loss: torch.Tensor, step: int, what: str, batch: tuple | None = None) -> None:

@@ -42,8 +42,13 @@ Two routes compute it:
     features do not fit the memory budget.
 
 ``"auto"`` takes ``"qr"`` when ``max(n_q, n_k) > D`` (``"gram"`` when ψ would exceed ``max_bytes / 4``). The features are the symmetric ones whenever
-they are fewer (every ``p >= 2`` with ``d >= 2``); :meth:`OptimalSketch.projector` returns the
+they are fewer (every ``p >= 2`` with ``d >= 2``); :meth:`OptimalMap.projector` returns the
 projector in the full ``d**p`` basis. All arithmetic is float64.
+
+The optimum is a pair of feature maps of the family, :class:`OptimalMap` ``(map_q, map_k)``: one head per problem
+of the batch (``[L, H]`` flattened row-major), :math:`\phi(x) = \psi_p(x)^\top W` with ``W`` a float64 buffer
+``[H, D, m]`` per side; :func:`optimal_sketch` and :func:`min_norm_sketch` return it, with
+``map_q.fit_info`` holding the singular values of ``A``, the tail and the route.
 
 References
 ----------
@@ -55,12 +60,12 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
 
 import torch
 
 from ._threads import hot_loop_threads
 from ._validation import check_degree, check_memory, check_pair, check_positive_int
+from .featuremaps.base import FeatureMap, _init_heads
 from .numerics import check_float64_finite, check_poly_kernel_range
 from .polynomial import (
     DEFAULT_MAX_BYTES,
@@ -70,9 +75,8 @@ from .polynomial import (
     poly_features,
     symmetric_to_full,
 )
-from .sketch import Sketch
 
-__all__ = ["OptimalSketch", "max_sketch_size", "min_norm_sketch", "optimal_sketch", "tail_bound"]
+__all__ = ["OptimalMap", "max_sketch_size", "min_norm_sketch", "optimal_sketch", "tail_bound"]
 
 _ROUTES = ("auto", "svd", "qr", "gram")
 
@@ -80,83 +84,63 @@ _ROUTES = ("auto", "svd", "qr", "gram")
 _finite = functools.partial(check_float64_finite, where="optimal sketch")
 
 
-@dataclass(eq=False)
-class OptimalSketch(Sketch):
-    r"""The Theorem 3.1 optimum for one ``(Q, K, p, m)``, possibly batched over ``[L, H]``.
+class OptimalMap(FeatureMap):
+    r"""One side of the Theorem 3.1 optimum per head: :math:`\phi(x) = \psi_p(x)^\top W`.
 
-    Attributes
+    Parameters
     ----------
-    w_q, w_k : float64 Tensor ``[..., D, m]``
-        Projectors acting on :math:`\psi_p` (symmetric basis when ``symmetric``).
-    singular_values : float64 Tensor ``[..., min(n_q, n_k)]``
-        All singular values of ``A``, descending (zeros beyond its rank on the ``"qr"`` route).
-    tail : float64 Tensor ``[...]``
-        :math:`\sum_{i>m}\sigma_i(A)^2`, the floor no size-``m`` sketch beats on this data.
-    p, d : int
+    w : Tensor ``[H, D, m]``
+        The projector of each head (a float64 buffer, one per head: ``per_head_parameters``), acting on the exact
+        features :math:`\psi_p` (the symmetric ones, ``D = C(d+p-1, p)``, when ``symmetric``; else ``D = d**p``).
+    p, head_dim : int
+        Degree and ``d``.
     symmetric : bool
-        Whether ``w_q``/``w_k`` act on symmetric features.
-    route : str
-        ``"svd"`` or ``"qr"``, the route that computed it.
+
+    Notes
+    -----
+    Features are float64 (``W``'s dtype promoted with the input's). :meth:`projector` gives ``W`` in the full
+    ``d**p`` basis (:func:`~sketchlab.polynomial.symmetric_to_full`).
     """
 
-    w_q: torch.Tensor
-    w_k: torch.Tensor
-    singular_values: torch.Tensor
-    tail: torch.Tensor
-    p: int
-    d: int
-    symmetric: bool
-    route: str
+    def __init__(self, w: torch.Tensor, *, p: int, head_dim: int, symmetric: bool):
+        super().__init__()
+        _init_heads(self, w.shape[0], head_dim)
+        self.p, self.symmetric = check_degree(p), bool(symmetric)
+        self.register_buffer("w", w.detach().to(torch.float64).clone())  # [H, D, m]
+
+    @property
+    def num_features(self) -> int:
+        return self.w.shape[-1]
 
     @property
     def degree(self) -> int:
         return self.p
 
-    @property
-    def num_features(self) -> int:
-        return self.w_q.shape[-1]
+    def _features(self, x):
+        psi = poly_features(x.to(torch.promote_types(x.dtype, self.w.dtype)), self.p, self.symmetric)  # [B, T, H, D]
+        return torch.einsum("bthe,hem->bthm", psi, self.w.to(psi.dtype))
 
-    @property
-    def num_parameters(self) -> int:
-        return self.w_q.shape[-2] * self.w_q.shape[-1] + self.w_k.shape[-2] * self.w_k.shape[-1]
-
-    def features_q(self, x: torch.Tensor) -> torch.Tensor:
-        """:math:`\\psi_p(x)^\\top W^*_Q`: ``x[..., n, d]`` → float64 ``[..., n, m]``."""
-        return poly_features(x.to(torch.float64), self.p, self.symmetric) @ self.w_q
-
-    def features_k(self, x: torch.Tensor) -> torch.Tensor:
-        """:math:`\\psi_p(x)^\\top W^*_K`: ``x[..., n, d]`` → float64 ``[..., n, m]``."""
-        return poly_features(x.to(torch.float64), self.p, self.symmetric) @ self.w_k
-
-    def features_naive(self, x, side: str = "q", index: tuple = ()) -> torch.Tensor:
-        """Float64 twin of one side for the head ``index``: :math:`\\psi_p(x)^\\top W` with ψ written out
-        (:func:`~sketchlab.polynomial.poly_features_naive`); ``x[n, d]`` → ``[n, m]``."""
+    def _features_naive(self, x, head):
         from .polynomial import poly_features_naive
 
-        w = (self.w_q if side == "q" else self.w_k)[index]
-        return poly_features_naive(torch.as_tensor(x, dtype=torch.float64), self.p, self.symmetric) @ w
+        return poly_features_naive(x, self.p, self.symmetric) @ self.w[head]
 
-    def select(self, index) -> OptimalSketch:
-        """The optimum of the heads ``index`` of the batch (e.g. one layer of an ``[L, H]`` result)."""
-        from dataclasses import replace
-
-        return replace(self, w_q=self.w_q[index], w_k=self.w_k[index],
-                       singular_values=self.singular_values[index], tail=self.tail[index])
-
-    def projector(self, side: str = "q", *, symmetric: bool = False) -> torch.Tensor:
-        """The projector of one side (``"q"`` or ``"k"``), ``[..., d**p, m]`` unless ``symmetric``.
-
-        In the full basis it is the symmetric, minimum-norm projector with the same features
-        (see :func:`sketchlab.polynomial.symmetric_to_full`).
-        """
-        if side not in ("q", "k"):
-            raise ValueError(f"side must be 'q' or 'k', got {side!r}")
-        w = self.w_q if side == "q" else self.w_k
+    def projector(self, *, symmetric: bool = False) -> torch.Tensor:
+        """``W`` ``[H, d**p, m]`` in the full basis, or as stored ``[H, D, m]`` with ``symmetric`` (then it must be
+        stored so). In the full basis it is the symmetric, minimum-norm projector with the same features."""
         if symmetric == self.symmetric:
-            return w
+            return self.w
         if symmetric:
-            raise ValueError("this sketch was computed in the full basis (p == 1 or d == 1): no symmetric form is stored")
-        return symmetric_to_full(w, self.d, self.p)
+            raise ValueError("this map was computed in the full basis (p == 1 or d == 1): no symmetric form is stored")
+        return symmetric_to_full(self.w, self.head_dim, self.p)
+
+
+def _optimal_maps(w_q, w_k, s, tail, p, d, symmetric, route) -> tuple[OptimalMap, OptimalMap]:
+    """The pair of :class:`OptimalMap` of projectors ``w [..., D, m]`` (the batch flattened into heads), with
+    ``map_q.fit_info = {"singular_values": s, "tail": tail, "route": route}`` (batch-shaped tensors)."""
+    maps = tuple(OptimalMap(w.reshape(-1, *w.shape[-2:]), p=p, head_dim=d, symmetric=symmetric) for w in (w_q, w_k))
+    maps[0].fit_info = {"singular_values": s, "tail": tail, "route": route}
+    return maps
 
 
 def _feature_dim(d: int, p: int) -> tuple[int, bool]:
@@ -265,7 +249,8 @@ def _pad(s: torch.Tensor, n: int) -> torch.Tensor:
     return torch.nn.functional.pad(s, (0, max(0, n - s.shape[-1])))[..., :n]
 
 
-def optimal_sketch(q, k, p: int, m: int, *, route: str = "auto", max_bytes: int = DEFAULT_MAX_BYTES) -> OptimalSketch:
+def optimal_sketch(q, k, p: int, m: int, *, route: str = "auto",
+                   max_bytes: int = DEFAULT_MAX_BYTES) -> tuple[OptimalMap, OptimalMap]:
     r"""The optimal size-``m`` sketch of :math:`A = (QK^\top)^{\circ p}` (Theorem 3.1).
 
     Parameters
@@ -285,8 +270,12 @@ def optimal_sketch(q, k, p: int, m: int, *, route: str = "auto", max_bytes: int 
 
     Returns
     -------
-    OptimalSketch
-        With :math:`\|\phi^*_Q(Q)\phi^*_K(K)^\top - A\|_F^2 = ` ``tail`` to float64 round-off.
+    (OptimalMap, OptimalMap)
+        ``(map_q, map_k)`` of ``prod(...)`` heads (the batch flattened row-major), with
+        :math:`\|\phi^*_Q(Q)\phi^*_K(K)^\top - A\|_F^2 = ` ``tail`` to float64 round-off. ``map_q.fit_info``:
+        ``singular_values`` (float64 ``[..., min(n_q, n_k)]``, all of ``A``'s, descending; zeros beyond its rank
+        on the QR and Gram routes), ``tail`` (float64 ``[...]``, :math:`\sum_{i>m}\sigma_i(A)^2`, the floor no
+        size-``m`` sketch beats on this data) and ``route`` (the one that computed it).
 
     Notes
     -----
@@ -300,7 +289,7 @@ def optimal_sketch(q, k, p: int, m: int, *, route: str = "auto", max_bytes: int 
         return _optimal_sketch(*checked, max_bytes)
 
 
-def _optimal_sketch(q, k, p, m, d, symmetric, route, max_bytes) -> OptimalSketch:
+def _optimal_sketch(q, k, p, m, d, symmetric, route, max_bytes) -> tuple[OptimalMap, OptimalMap]:
     """:func:`optimal_sketch` on :func:`_plan`'s output (checked float64 inputs, resolved route); trusts it."""
     s, (b_q, u, b_k, v) = _factor(q, k, p, symmetric, route, max_bytes, vectors=True)
     s_m = s[..., :m]
@@ -311,7 +300,7 @@ def _optimal_sketch(q, k, p, m, d, symmetric, route, max_bytes) -> OptimalSketch
     w_q = b_k @ (v[..., :m] * inv_root[..., None, :])  # [..., D, m] = ψ_Kᵀ V_m Σ_m^{-1/2}
     w_k = b_q @ (u[..., :m] * inv_root[..., None, :])  # [..., D, m] = ψ_Qᵀ U_m Σ_m^{-1/2}
     tail = (s[..., m:] ** 2).sum(-1)
-    return OptimalSketch(w_q=w_q, w_k=w_k, singular_values=s, tail=tail, p=p, d=d, symmetric=symmetric, route=route)
+    return _optimal_maps(w_q, w_k, s, tail, p, d, symmetric, route)
 
 
 def tail_bound(q, k, p: int, m: int, *, route: str = "auto", max_bytes: int = DEFAULT_MAX_BYTES) -> torch.Tensor:
@@ -339,7 +328,7 @@ def _kernel_singular_values(q, k, p: int, m: int, route: str, max_bytes: int) ->
     return _factor(q, k, p, symmetric, route, max_bytes, vectors=False)[0]
 
 
-def min_norm_sketch(q, k, p: int, m: int, *, max_bytes: int = DEFAULT_MAX_BYTES) -> OptimalSketch:
+def min_norm_sketch(q, k, p: int, m: int, *, max_bytes: int = DEFAULT_MAX_BYTES) -> tuple[OptimalMap, OptimalMap]:
     r"""The Theorem 3.1 optimum with the **minimum-norm** projectors :math:`W_Q = \psi_p(Q)^+ U_m\Sigma_m^{1/2}`.
 
     Same kernel as :func:`optimal_sketch` on ``(q, k)``; different features for *new* tokens when
@@ -350,43 +339,50 @@ def min_norm_sketch(q, k, p: int, m: int, *, max_bytes: int = DEFAULT_MAX_BYTES)
     small ``n×n`` factor, :math:`R^\top = U S V^\top`, so :math:`\psi^+ = (Q_\psi V) S^+ U^\top` with
     ``torch.linalg.pinv``'s default cut-off (singular values below ``max(n, D) · eps · σ_1`` dropped)
     at a fraction of its cost (no SVD of the ``n×D`` matrix). This is the held-out reference of
-    :func:`sketchlab.fit_sketch` (``holdout_reference_rel_fro``). ``q[..., n_q, d]``, ``k[..., n_k, d]``.
+    :func:`sketchlab.fit_sketch` (``holdout_reference_rel_fro``). ``q[..., n_q, d]``, ``k[..., n_k, d]``; returns
+    the pair of :class:`OptimalMap` as :func:`optimal_sketch` does.
     """
     checked = _check_inputs(q, k, p, m, "auto", max_bytes)
     with hot_loop_threads(_work(*checked[:3])):
         return _min_norm_sketch(*checked, max_bytes)
 
 
-def _min_norm_sketch(q, k, p, m, d, symmetric, route, max_bytes) -> OptimalSketch:
+def _min_norm_sketch(q, k, p, m, d, symmetric, route, max_bytes) -> tuple[OptimalMap, OptimalMap]:
     """:func:`min_norm_sketch` on :func:`_plan`'s output (checked float64 inputs); trusts it."""
-    opt = _optimal_sketch(q, k, p, m, d, symmetric, route, max_bytes)
+    opt_q, opt_k = _optimal_sketch(q, k, p, m, d, symmetric, route, max_bytes)
+    batch = q.shape[:-2]
     w = {}
-    for side, x, weights in (("q", q, opt.w_q), ("k", k, opt.w_k)):
+    for side, x, fmap in (("q", q, opt_q), ("k", k, opt_k)):
+        weights = fmap.w.reshape(*batch, *fmap.w.shape[-2:])  # [..., D, m]
         x = x.to(torch.float64)
         if x.shape[-2] >= weights.shape[-2]:
             w[side] = weights
             continue
-        psi = _poly_features(x, p, opt.symmetric, max_bytes)  # [..., n, D]
+        psi = _poly_features(x, p, symmetric, max_bytes)  # [..., n, D]
         basis, r = torch.linalg.qr(psi.mT)  # ψᵀ = basis·r: [..., D, n], [..., n, n]
         u, sv, vh = torch.linalg.svd(r.mT)  # ψ = u·diag(sv)·(basis·vhᵀ)ᵀ, singular values of ψ
         cut = max(psi.shape[-2:]) * torch.finfo(torch.float64).eps * sv[..., :1]  # pinv's default rtol
         inv = torch.where(sv > cut, 1 / sv, torch.zeros_like(sv))  # [..., n]
         coef = inv[..., :, None] * (u.mT @ (psi @ weights))  # [..., n, m]: S⁺ Uᵀ ψ W*
         w[side] = basis @ (vh.mT @ coef)  # [..., D, m]: ψ⁺ ψ W*
-    return OptimalSketch(w_q=w["q"], w_k=w["k"], singular_values=opt.singular_values, tail=opt.tail, p=opt.p,
-                         d=opt.d, symmetric=opt.symmetric, route=opt.route)
+    info = opt_q.fit_info
+    return _optimal_maps(w["q"], w["k"], info["singular_values"], info["tail"], p, d, symmetric, info["route"])
 
 
 def _fit_optimal(q, k, *, p: int, m: int, seed: int = 0, route: str = "auto",
-                 choice: str = "nystrom") -> OptimalSketch:
+                 choice: str = "nystrom") -> tuple[OptimalMap, OptimalMap]:
     """``fit_sketch("optimal", ...)``: deterministic; ``seed`` is accepted and unused. ``choice``
-    ``"nystrom"`` (:func:`optimal_sketch`) or ``"min-norm"`` (:func:`min_norm_sketch`).
+    ``"nystrom"`` (:func:`optimal_sketch`) or ``"min-norm"`` (:func:`min_norm_sketch`). The maps carry no
+    ``fit_info`` (the report measures the floor itself).
 
     Trusts ``q, k, p, m`` as :func:`sketchlab.fit_sketch` checked them; checks its own options."""
     if route not in _ROUTES:
         raise ValueError(f"route must be one of {_ROUTES}, got {route!r}")
     if choice == "nystrom":
-        return _optimal_sketch(*_plan(q, k, p, m, route, DEFAULT_MAX_BYTES), DEFAULT_MAX_BYTES)
-    if choice == "min-norm":
-        return _min_norm_sketch(*_plan(q, k, p, m, "auto", DEFAULT_MAX_BYTES), DEFAULT_MAX_BYTES)
-    raise ValueError(f"choice must be 'nystrom' or 'min-norm', got {choice!r}")
+        maps = _optimal_sketch(*_plan(q, k, p, m, route, DEFAULT_MAX_BYTES), DEFAULT_MAX_BYTES)
+    elif choice == "min-norm":
+        maps = _min_norm_sketch(*_plan(q, k, p, m, "auto", DEFAULT_MAX_BYTES), DEFAULT_MAX_BYTES)
+    else:
+        raise ValueError(f"choice must be 'nystrom' or 'min-norm', got {choice!r}")
+    del maps[0].fit_info
+    return maps

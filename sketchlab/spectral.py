@@ -291,7 +291,7 @@ def rank1_residuals(
     the best rank-1 residual :math:`\|W_i\|_F^2 - \tau_i^2` (Theorem 3.4, our statement).
 
     Column ``i``, reshaped row-major to ``d × … × d``, is the tensor ``W_i``. ``symmetric`` selects
-    SS-HOPM (use it for symmetric projectors such as :meth:`sketchlab.OptimalSketch.projector`
+    SS-HOPM (use it for symmetric projectors such as :meth:`sketchlab.OptimalMap.projector`
     in the full basis). ``options`` go to :func:`spectral_norm`. Since HOPM gives a lower bound
     on ``τ_i``, ``residual`` is an upper bound on the true best rank-1 error (equal when the
     certificate is tight).
@@ -407,7 +407,8 @@ def feature_bound(residual, x, p: int, *, restarts: int = 8, seed: int = 0, symm
     Parameters
     ----------
     residual : Tensor ``[d**p, m]``
-        :math:`R = W^* - \hat W` in the full basis (e.g. ``opt.projector("q") - llops.projector("q")``).
+        :math:`R = W^* - \hat W` in the full basis (e.g. ``map_q.projector()[h] - llops_projector(llops_q.theta)[h]`` of head ``h``
+        of an optimal and an LLoPS query map).
     x : Tensor ``[n, d]``
     p : int
     restarts, seed, symmetric, options

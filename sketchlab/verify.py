@@ -57,6 +57,7 @@ import torch
 
 from ._dumpsel import select_and_scale
 from ._validation import check_degree, check_memory, check_positive_int, check_symmetric_features, check_work
+from .featuremaps.heads import pair_features
 from .numerics import ROUNDOFF, check_poly_kernel_range, is_roundoff
 from .optimal import max_sketch_size, optimal_sketch
 from .polynomial import num_poly_features, poly_features, poly_kernel, symmetric_to_full
@@ -167,19 +168,24 @@ class _Worst:
 
 
 def _special_sketches(q, k, p, m, seed):
-    """``[(label, sketch)]`` of the special cases that have an exact LLoPS form at this ``(p, m)``; skipped ones."""
-    from .sketches import BasedSketch, ElementwiseSketch, PolySketch, based_dim_for_budget, pca_projection
+    """``[(label, map)]`` of the special cases (one head) that have an exact LLoPS form at this ``(p, m)``; skipped ones."""
+    from .featuremaps.based import ExpandMap, based_dim_for_budget, pca_projection
+    from .featuremaps.elementwise import TiedLLoPSMap
+    from .featuremaps.psf_random import PSFRandomMap
 
     gen = torch.Generator().manual_seed(seed)
     d = q.shape[-1]
     out, skipped = [], []
-    out.append(("element-wise", ElementwiseSketch(torch.randn(d, m, generator=gen, dtype=torch.float64), p)))
+    theta = torch.randn(d, m, generator=gen, dtype=torch.float64)
+    out.append(("element-wise", TiedLLoPSMap(1, d, theta[None, None], p=p, signed=True)))
     dim = based_dim_for_budget(d, p, m)
-    out.append((f"BASED expand d'={dim}", BasedSketch(pca_projection(q, k, dim).to(torch.float64), p)))
+    proj = pca_projection(q, k, dim).to(torch.float64)
+    out.append((f"BASED expand d'={dim}", ExpandMap(1, d, p=p, proj=proj[None], symmetric=False)))
     if p in (2, 4):
-        out.append(("PSF self-tensored", PolySketch.draw(d, p, m, non_negative=True, seed=seed, dtype=torch.float64)))
+        out.append(("PSF self-tensored", PSFRandomMap.draw(1, d, p=p, m=m, non_negative=True, seed=seed,
+                                                            dtype=torch.float64)))
     elif p == 1:
-        out.append(("PSF plain", PolySketch.draw(d, p, m, seed=seed, dtype=torch.float64)))
+        out.append(("PSF plain", PSFRandomMap.draw(1, d, p=p, m=m, seed=seed, dtype=torch.float64)))
     else:
         skipped.append(f"PSF skipped: no exact LLoPS form at p={p} (sketchlab.as_llops: plain p ≤ 2, self-tensored p ∈ {{2, 4}})")
     return out, skipped
@@ -236,7 +242,8 @@ def verify(dump_or_qk, *, p: int = 2, m: int = 64, layers=None, heads=None, scal
     """
     from tqdm.auto import tqdm
 
-    from .sketches import as_llops
+    from .featuremaps import batch_features
+    from .featuremaps.to_llops import as_llops
 
     p = check_degree(p)
     m = check_positive_int(m, "m (the sketch size)")
@@ -289,20 +296,20 @@ def verify(dump_or_qk, *, p: int = 2, m: int = 64, layers=None, heads=None, scal
 
         sketches, skipped = _special_sketches(q, k, p, m, seed)
         special_skips.update(skipped)
-        for label, sketch in sketches:
-            llops = as_llops(sketch)
-            theta = llops.theta_q.detach().to(torch.float64)  # [1, p, d, M]
+        for label, fmap in sketches:
+            llops = as_llops(fmap)
+            theta = llops.theta.detach().to(torch.float64)[0]  # [1, p, d, M]
             scale_ref = torch.linalg.vector_norm(theta, dim=-2).prod(-2).amax() * torch.linalg.vector_norm(qs, dim=-1).amax() ** p
             with torch.no_grad():
-                dev = (sketch.features_q(qs).to(torch.float64) - llops.features_q(qs).to(torch.float64)).abs().max()
+                dev = (batch_features(fmap, qs).to(torch.float64) - batch_features(llops, qs).to(torch.float64)).abs().max()
             worst["special_cases"].add(float(dev / scale_ref), 4 * p * (d + 2) * U, f"{where} ({label})")
 
         if m >= limit:
             continue
         A = poly_kernel(q, k, p)
         fro = torch.linalg.matrix_norm(A)
-        by_route = {route: optimal_sketch(q, k, p, m, route=route) for route in ("svd", "qr")}
-        s = by_route["svd"].singular_values
+        by_route = {route: optimal_sketch(q, k, p, m, route=route) for route in ("svd", "qr")}  # (map_q, map_k)
+        s = by_route["svd"][0].fit_info["singular_values"]
         tails = (s.flip(-1) ** 2).cumsum(-1).flip(-1).sqrt()  # [n]: entry r is √tail(r) = √Σ_{i>r} σ_i²
         rank = int((~is_roundoff(tails, fro, n)).sum())  # the sizes whose tail is not round-off (sketchlab.numerics)
         if m >= rank:
@@ -312,19 +319,19 @@ def verify(dump_or_qk, *, p: int = 2, m: int = 64, layers=None, heads=None, scal
                 worst[name].cannot.append(msg)
             continue
         amplification = float(s[0] / s[m - 1])
-        for route, sketch in by_route.items():
-            with torch.no_grad():
-                err = torch.linalg.matrix_norm(sketch.kernel(q, k) - A)
-            value = float((err - sketch.tail.sqrt()).abs() / fro)
+        for route, maps in by_route.items():
+            fq, fk = pair_features(maps, q, k)
+            err = torch.linalg.matrix_norm(fq @ fk.mT - A)
+            value = float((err - maps[0].fit_info["tail"].sqrt()).abs() / fro)
             worst["theorem_3_1" if route == "svd" else "routes"].add(value, 100 * n * U * amplification, f"{where} ({route})")
         psi_norms = torch.linalg.matrix_norm(poly_features(q, p, True)) * torch.linalg.matrix_norm(poly_features(k, p, True))
-        sv_gap = float((by_route["svd"].singular_values - by_route["qr"].singular_values).abs().max() / s[0])
+        sv_gap = float((s - by_route["qr"][0].fit_info["singular_values"]).abs().max() / s[0])
         worst["routes"].add(sv_gap, float(100 * (n + dim_sym) * U * psi_norms / s[0]), f"{where} (singular values)")
 
-        opt = by_route["svd"]
+        opt = by_route["svd"][0]  # the query map: W [1, D, m] of the one head
         c = min(columns, m)
-        w_sym = opt.w_q[..., :c] if opt.symmetric else None
-        w = symmetric_to_full(w_sym, d, p) if opt.symmetric else opt.w_q[..., :c]  # [d^p, c]
+        w_sym = opt.w[0, :, :c] if opt.symmetric else None
+        w = symmetric_to_full(w_sym, d, p) if opt.symmetric else opt.w[0, :, :c]  # [d^p, c]
         w_hat = torch.zeros_like(w)
         for i in range(c):
             wi = w[:, i].reshape((d,) * p)

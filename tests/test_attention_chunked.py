@@ -88,7 +88,8 @@ def test_count_denominators_counts_each_warned_call_and_its_rows():
         warnings.simplefilter("ignore")
         with count_denominators() as counts:
             for _ in range(3):  # the same place three times: every call counts, not once per place
-                feature_attention(phi_q, phi_k, v, causal=True, normalize="sum", chunk_size=8)
+                # one chunk a block: 5 blocks, whose counts the DenominatorCounter adds up
+                feature_attention(phi_q, phi_k, v, causal=True, normalize="sum", chunk_size=8, block_chunks=1)
     assert counts == {"calls": 3, "rows": 3 * bad}
     with pytest.warns(UserWarning, match="something else"):
         with count_denominators() as counts:
@@ -197,9 +198,10 @@ def test_stateless_call_forms_no_state(monkeypatch):
     (``S_in = None``) and asks the last block for none (``final_state=False``, ``S_out = None``); blocks in between
     still carry it. Output and gradients equal those of the same call returning its final state (the same sums less an
     added zero, up to the blocking of a GEMM with fewer zero columns: 1e-13 on O(1) float64 values)."""
-    from sketchlab.attention import chunked, state
+    from sketchlab.attention import state
+    from sketchlab.attention.ops.additive import chunk
 
-    calls, real = [], chunked.chunk_core
+    calls, real = [], chunk.chunk_core
 
     def spy(fq, fk, v, S_in, z_in, **kw):
         res = real(fq, fk, v, S_in, z_in, **kw)
@@ -209,7 +211,7 @@ def test_stateless_call_forms_no_state(monkeypatch):
     def no_empty_state(*args, **kw):
         raise AssertionError("a stateless call made an empty state")
 
-    monkeypatch.setattr(chunked, "chunk_core", spy)
+    monkeypatch.setattr(chunk, "chunk_core", spy)
     base = [_rand(2, 20, 2, 3, seed=s).abs() for s in (60, 61)] + [_rand(2, 20, 2, 2, seed=62)]
     grad_out = _rand(2, 20, 2, 2, seed=63)
     res = []

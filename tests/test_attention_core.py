@@ -258,9 +258,9 @@ def test_far_matrix_rows_are_the_far_states_and_s_out(n, off, lag, C):
     (S_in enters every row), column ``1 + e`` key chunk ``e``; row ``c < N`` marks the key chunks wholly far for query
     chunk ``c`` (last key ``eC + C − 1 <= off + cC − lag``), row ``N`` those wholly in S_out (``eC + C − 1 < off + n −
     lag``; S_out's other keys, ``rem`` of them, are added apart)."""
-    from sketchlab.attention.ops.additive.chunk import _geometry
+    from sketchlab.attention.ops.additive.far import chunk_geometry
 
-    N, _, Ne, _, R, _, reach = _geometry(n, off, lag, C, torch.device("cpu"), F64)
+    N, _, Ne, _, R, _, reach = chunk_geometry(n, off, lag, C, torch.device("cpu"), F64)
     want = [[1.0] + [float(e * C + C - 1 <= off + c * C - lag) for e in range(Ne)] for c in range(N)]
     want.append([1.0] + [float(e * C + C - 1 < off + n - lag) for e in range(Ne)])
     assert torch.equal(R, torch.tensor(want, dtype=F64))
@@ -290,8 +290,8 @@ def test_chunk_core_without_a_state(non_negative, n, off, lag):
 
 
 def _spy_far_state(monkeypatch):
-    """Record the ``used`` argument of every per-chunk update the cores form (``ops.additive.chunk._far_state``)."""
-    from sketchlab.attention.ops.additive import chunk as cc
+    """Record the ``used`` argument of every per-chunk update the cores form (``ops.additive.far._far_state``)."""
+    from sketchlab.attention.ops.additive import far as cc
 
     calls, real = [], cc._far_state
 
@@ -343,9 +343,9 @@ def test_hybrid_core_forms_updates_only_for_the_key_chunks_it_reads(monkeypatch)
 
 
 def _spy_gemms(monkeypatch):
-    """Record, per call of the far-state GEMM (``ops.additive.chunk._far_state``), its rows, whether it read ``S_in`` and what
+    """Record, per call of the far-state GEMM (``ops.additive.far._far_state``), its rows, whether it read ``S_in`` and what
     it returned; per backward (``chunk._far_state_grads``), the rows of its GEMM and ``need_in``."""
-    from sketchlab.attention.ops.additive import chunk as cc
+    from sketchlab.attention.ops.additive import far as cc
 
     fwd, bwd, real_f, real_b = [], [], cc._far_state, cc._far_state_grads
 

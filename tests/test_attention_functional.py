@@ -1,5 +1,5 @@
-"""The functional API: backend dispatch, exact polynomial and softmax attention, any sketch as
-attention, and the argument checks (each error names the argument and the rule).
+"""The functional API: backend dispatch, exact polynomial and softmax attention, any fitted map as
+attention (the op, linear_attention), and the argument checks (each error names the argument and the rule).
 
 float64 comparisons use 1e-10 (see tests/test_attention_chunked.py for the reasoning).
 """
@@ -9,16 +9,21 @@ import torch
 
 import sketchlab as sl
 from sketchlab.attention import (
+    AttentionOptions,
     functional,
+    linear_attention,
     poly_attention,
     poly_attention_naive,
     resolve_backend,
     softmax_attention,
     softmax_attention_naive,
 )
-from sketchlab.attention.functional import llops_attention, sketch_attention
+from sketchlab.attention.functional import llops_attention
 from sketchlab.attention.ops.additive.naive import feature_attention_naive
 from sketchlab.attention.reference import llops_attention_naive
+from sketchlab.featuremaps import batch_features, make_feature_map
+from sketchlab.featuremaps.heads import as_heads, from_heads
+from sketchlab.llops import llops_maps
 
 TOL64 = 1e-10
 
@@ -149,54 +154,57 @@ def test_softmax_attention_grouped_query_core():
 
 @pytest.mark.parametrize("method", sorted(sl.available_sketches()))
 def test_every_registered_sketch_runs_as_attention(method):
-    """A per-head [H] sketch, fitted with fit_sketch, gives attention through its own features."""
+    """The maps of a per-head [H] fit (fit_sketch's) give attention through the op (linear_attention) as their
+    own features do."""
     H, D, p, m = 2, 4, 2, 6
     fit_q, fit_k = _rand(H, 40, D, seed=60) * D**-0.25, _rand(H, 40, D, seed=61) * D**-0.25
     options = {"steps": 5} if method in ("mlp", "elementwise") else {}
-    sketch = sl.fit_sketch(method, fit_q, fit_k, p=p, m=m, **options).sketch
+    fit = sl.fit_sketch(method, fit_q, fit_k, p=p, m=m, **options)
     q, k, v = _rand(2, 13, H, D, seed=62) * D**-0.25, _rand(2, 13, H, D, seed=63) * D**-0.25, _rand(2, 13, H, 3, seed=64)
     with torch.no_grad():
-        # head by head as the sketch was fitted: x[H, T, D] per batch element
-        fq = torch.stack([sketch.features_q(q[b].transpose(0, 1)) for b in range(2)]).transpose(1, 2)  # [B, T, H, M]
-        fk = torch.stack([sketch.features_k(k[b].transpose(0, 1)) for b in range(2)]).transpose(1, 2)
+        # head by head as the maps were fitted: x[H, T, D] per batch element (batch_features: the dump layout)
+        fq = torch.stack([batch_features(fit.map_q, q[b].transpose(0, 1)) for b in range(2)]).transpose(1, 2)  # [B, T, H, M]
+        fk = torch.stack([batch_features(fit.map_k, k[b].transpose(0, 1)) for b in range(2)]).transpose(1, 2)
         ref = feature_attention_naive(fq, fk, v.to(fq.dtype), normalize="none")
         # float64 features: round-off only (1e-10); float32 ones (TensorSketch's default): ~1e-6 relative
         tol = (TOL64 if fq.dtype == torch.float64 else 1e-5) * ref.abs().max().item()
         for backend in ("torch", "reference", "auto"):
-            out = sketch_attention(q, k, v, sketch, normalize="none", backend=backend, chunk_size=4)
+            opts = AttentionOptions(normalize="none", backend=backend, chunk_size=4)
+            out, _ = linear_attention(q, k, v, fit.map_q, fit.map_k, options=opts)
             assert out.shape == (2, 13, H, 3)
             assert torch.allclose(out.double(), ref.double(), atol=tol, rtol=0), (backend, (out.double() - ref).abs().max())
 
 
-def test_sketch_attention_llops_goes_through_llops_attention():
+def test_llops_maps_go_through_llops_attention():
     q, k, v, tq, tk = _problem(t=2)
-    sketch = sl.LLoPS(tq, tk)
-    out = sketch_attention(q, k, v, sketch, normalize="none")
+    none = AttentionOptions(normalize="none")
+    out, _ = linear_attention(q, k, v, *llops_maps(tq, tk), options=none)
     assert torch.allclose(out, llops_attention_naive(q, k, v, tq, tk, normalize="none"), atol=TOL64, rtol=0)
-    tied = sl.LLoPS(tq[None])  # leading [1, H], tied key map
-    out = sketch_attention(q, k, v, tied, normalize="none")
+    tied, _ = llops_maps(tq)  # one map for both sides
+    out, _ = linear_attention(q, k, v, tied, options=none)
     assert torch.allclose(out, llops_attention_naive(q, k, v, tq, tq, normalize="none"), atol=TOL64, rtol=0)
-    with pytest.raises(ValueError, match="does not broadcast against"):
-        sketch_attention(q, k, v, sl.LLoPS(tq[None].expand(3, -1, -1, -1, -1, -1)))
+    with pytest.raises(ValueError, match=r"feature_map has heads=6, head_dim=4 but q has H=2"):
+        linear_attention(q, k, v, llops_maps(tq[None].expand(3, -1, -1, -1, -1, -1))[0])
     with pytest.raises(ValueError, match="fuses only LLoPS"):
-        sketch_attention(q, k, v, sl.TensorSketch.draw(4, 2, 5, seed=0), backend="triton")
-    with pytest.raises(TypeError, match="sketchlab.Sketch"):
-        sketch_attention(q, k, v, "llops")
+        linear_attention(q, k, v, make_feature_map("tensorsketch", heads=2, head_dim=4, p=2, m=5),
+                         options=AttentionOptions(backend="triton"))
+    with pytest.raises(TypeError, match="feature_map must be a sketchlab.featuremaps.FeatureMap"):
+        linear_attention(q, k, v, "llops")
 
 
 def test_auto_backend_runs_unfused_maps_on_the_torch_path(monkeypatch):
     """Where ``"auto"`` means the Triton kernel (CUDA), a map it does not fuse runs on the chunked torch
     path instead of failing; an explicit ``backend="triton"`` is still refused."""
     import sketchlab.attention.functional as functional
-    from sketchlab.featuremaps import make_feature_map
 
     q, k, v, _, _ = _problem(t=1)
     real = functional.resolve_backend
     monkeypatch.setattr(functional, "resolve_backend",
                         lambda backend, device, dtype=torch.float32: "triton" if backend == "auto" else real(backend, device))
-    sketch = sl.TensorSketch.draw(4, 2, 5, seed=0)
-    auto = sketch_attention(q, k, v, sketch, normalize="none")
-    assert torch.equal(auto, sketch_attention(q, k, v, sketch, normalize="none", backend="torch"))
+    sketch = make_feature_map("tensorsketch", heads=q.shape[2], head_dim=q.shape[3], p=2, m=5)
+    auto, _ = functional.linear_attention(q, k, v, sketch, options=sl.AttentionOptions(normalize="none"))
+    assert torch.equal(auto, functional.linear_attention(q, k, v, sketch, options=sl.AttentionOptions(
+        normalize="none", backend="torch"))[0])
     fmap = make_feature_map("hedgehog", heads=q.shape[2], head_dim=q.shape[3], m=6).double()
     auto, _ = functional.linear_attention(q, k, v, fmap)
     torch_only = sl.AttentionOptions(backend="torch")
@@ -205,12 +213,12 @@ def test_auto_backend_runs_unfused_maps_on_the_torch_path(monkeypatch):
         functional.linear_attention(q, k, v, fmap, options=sl.AttentionOptions(backend="triton"))
 
 
-def test_gradients_reach_the_sketch_parameters():
+def test_gradients_reach_the_map_parameters():
     q, k, v, tq, tk = _problem()
-    sketch = sl.LLoPS(tq, tk)
-    sketch_attention(q, k, v, sketch, normalize="none").square().sum().backward()
-    assert sketch.theta_q.grad is not None and sketch.theta_q.grad.abs().sum() > 0
-    assert sketch.theta_k.grad is not None and sketch.theta_k.grad.abs().sum() > 0
+    map_q, map_k = llops_maps(tq, tk)
+    linear_attention(q, k, v, map_q, map_k, options=AttentionOptions(normalize="none"))[0].square().sum().backward()
+    assert map_q.theta.grad is not None and map_q.theta.grad.abs().sum() > 0
+    assert map_k.theta.grad is not None and map_k.theta.grad.abs().sum() > 0
 
 
 def _bad_calls():
@@ -256,25 +264,30 @@ def test_bad_input_names_the_argument_and_rule(index):
 
 
 @pytest.mark.parametrize("method", ["llops", "optimal"])
-def test_batch_by_head_sketch_runs_on_a_dump_layout(method):
-    """An [L, H] sketch on q[L, n, H, d] (layers on the batch axis): each (layer, head) its own map."""
+def test_batch_by_head_fit_runs_on_a_dump_layout(method):
+    """An [L, H] fit on a dump's q[L, H, n, d]: its L·H heads are the op's heads (as_heads), each (layer, head) its
+    own map, and from_heads gives back [L, H, n, Dv]."""
     L, H, D = 2, 2, 4
     q, k = _rand(L, H, 30, D, seed=70) * D**-0.25, _rand(L, H, 30, D, seed=71) * D**-0.25
     v = _rand(L, H, 30, 3, seed=72)
-    sketch = sl.fit_sketch(method, q, k, p=2, m=5).sketch
-    out = sketch_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), sketch, normalize="none")
+    fit = sl.fit_sketch(method, q, k, p=2, m=5)
+    out, _ = linear_attention(as_heads(q, L * H), as_heads(k, L * H), as_heads(v, L * H), *fit.maps,
+                              options=AttentionOptions(normalize="none"))  # [1, n, L·H, Dv]
+    out = from_heads(out, (L, H))  # [L, H, n, Dv]
     with torch.no_grad():
-        ref = feature_attention_naive(sketch.features_q(q).transpose(1, 2), sketch.features_k(k).transpose(1, 2),
-                                      v.transpose(1, 2), normalize="none")
+        ref = feature_attention_naive(batch_features(fit.map_q, q).transpose(1, 2),
+                                      batch_features(fit.map_k, k).transpose(1, 2), v.transpose(1, 2),
+                                      normalize="none").transpose(1, 2)  # layer by layer: [L, n, H, ·]
     assert torch.allclose(out, ref, atol=TOL64 * ref.abs().max().item(), rtol=0)
 
 
 def test_segments_attend_each_sequence_alone():
     q, k, v, tq, tk = _problem(T=20)
-    sketch = sl.LLoPS(tq, tk)
-    for fn in (lambda a, b, c, **kw: sketch_attention(a, b, c, sketch, normalize="none", **kw),
-               lambda a, b, c, **kw: sketch_attention(a, b, c, sl.TensorSketch.draw(4, 2, 5, seed=0, dtype=torch.float64),
-                                                      normalize="none", **kw),
+    maps = llops_maps(tq, tk)
+    sketch = make_feature_map("tensorsketch", heads=2, head_dim=4, p=2, m=5, dtype=torch.float64)
+    none = AttentionOptions(normalize="none")
+    for fn in (lambda a, b, c, **kw: linear_attention(a, b, c, *maps, options=none, **kw)[0],
+               lambda a, b, c, **kw: linear_attention(a, b, c, sketch, options=none, **kw)[0],
                lambda a, b, c, **kw: poly_attention(a, b, c, 2, **kw)):
         joined = fn(q, k, v, segments=[8, 12])
         apart = torch.cat([fn(q[:, :8], k[:, :8], v[:, :8]), fn(q[:, 8:], k[:, 8:], v[:, 8:])], 1)

@@ -16,7 +16,7 @@ from sketchlab.attention import (
     softmax_attention_naive,
 )
 from sketchlab.attention.chunked import feature_attention, llops_attention_chunked
-from sketchlab.attention.functional import llops_attention, sketch_attention
+from sketchlab.attention.functional import llops_attention
 from sketchlab.attention.ops.additive.naive import feature_attention_naive
 from sketchlab.attention.reference import llops_attention_naive
 
@@ -211,17 +211,19 @@ def test_bad_options_are_rejected():
         llops_attention(q, k, v, theta, theta, window=2, local_scale=-1.0)
 
 
-def test_sketch_attention_hybrid_for_a_generic_sketch():
-    from sketchlab.sketches import BasedSketch
+def test_the_hybrid_for_a_generic_map():
+    from sketchlab.attention import AttentionOptions, linear_attention
+    from sketchlab.featuremaps import TaylorMap
 
     q, k, v, _, _ = _inputs(T=15, seed=81)
-    sk = BasedSketch(torch.eye(4, 3, dtype=torch.float64).expand(2, 4, 3).contiguous(), 2, form="taylor")
-    kw = dict(window=4, sinks=1, gate=_rand(2, seed=82), local="poly")
-    out = sketch_attention(q, k, v, sk, backend="torch", chunk_size=4, **kw)
-    ref = sketch_attention(q, k, v, sk, backend="reference", **kw)
+    fmap = TaylorMap(2, 4, proj=torch.eye(4, 3, dtype=torch.float64).expand(2, 4, 3), dtype=torch.float64)
+    kw = dict(window=4, sinks=1, local="poly")
+    gate = _rand(2, seed=82)
+    out, _ = linear_attention(q, k, v, fmap, options=AttentionOptions(backend="torch", chunk_size=4, **kw), gate=gate)
+    ref, _ = linear_attention(q, k, v, fmap, options=AttentionOptions(backend="reference", **kw), gate=gate)
     assert (out - ref).abs().max() < TOL64
-    fq, fk = sk.features_q(q.transpose(1, 2)).transpose(1, 2), sk.features_k(k.transpose(1, 2)).transpose(1, 2)
-    assert (ref - feature_attention_naive(fq, fk, v, q=q, k=k, degree=2, **kw)).abs().max() < TOL64
+    fq, fk = fmap.features(q), fmap.features(k)
+    assert (ref - feature_attention_naive(fq, fk, v, q=q, k=k, degree=2, gate=gate, **kw)).abs().max() < TOL64
 
 
 def test_triton_hybrid_matches_torch_and_shares_the_state():

@@ -1,4 +1,4 @@
-"""LLoPSAttention: the block's forward against its parts, learnable/frozen Θ, from_sketch, and bad input."""
+"""LLoPSAttention: the block's forward against its parts, learnable/frozen Θ, from_fit, and bad input."""
 
 import pytest
 import torch
@@ -50,21 +50,21 @@ def test_a_state_dict_saved_before_the_one_layer_core_loads():
         assert torch.equal(fresh(x), block(x))
 
 
-def test_from_sketch_layers_and_special_cases():
+def test_from_fit_layers_and_special_cases():
     q, k = _rand(2, 2, 40, 4, seed=6) * 4**-0.5, _rand(2, 2, 40, 4, seed=7) * 4**-0.5
     fit = sl.fit_sketch("llops", q, k, p=2, m=5)
-    block = LLoPSAttention.from_sketch(fit.sketch, layer=1, normalize="none")
-    assert torch.equal(block.theta_q, fit.sketch.theta_q[1].detach())
+    block = LLoPSAttention.from_fit(fit, layer=1, normalize="none")
+    theta_q, theta_k = (f.theta.detach().reshape(2, 2, 1, 2, 4, 5) for f in fit.maps)  # [L·H] heads → [L, H]
+    assert torch.equal(block.theta_q, theta_q[1])
     xq, xk, v = _rand(1, 11, 2, 4, seed=8), _rand(1, 11, 2, 4, seed=9), _rand(1, 11, 2, 4, seed=10)
-    ref = llops_attention_naive(xq, xk, v, fit.sketch.theta_q[1].detach(), fit.sketch.theta_k[1].detach(),
-                                normalize="none")
+    ref = llops_attention_naive(xq, xk, v, theta_q[1], theta_k[1], normalize="none")
     assert torch.allclose(block.attend(xq, xk, v), ref, atol=1e-10, rtol=0)
     with pytest.raises(ValueError, match="pass layer="):
-        LLoPSAttention.from_sketch(fit.sketch)
-    based = sl.fit_sketch("based", q[0], k[0], p=2, m=9).sketch  # [H] batch, exact LLoPS form (m < D = 10)
-    assert LLoPSAttention.from_sketch(based).num_features == based.num_features
+        LLoPSAttention.from_fit(fit)
+    based = sl.fit_sketch("based-expand", q[0], k[0], p=2, m=9)  # [H] batch, exact LLoPS form (m < D = 10)
+    assert LLoPSAttention.from_fit(based).num_features == based.map_q.num_features
     with pytest.raises(ValueError, match="no exact LLoPS form"):
-        LLoPSAttention.from_sketch(sl.TensorSketch.draw(4, 2, 5, seed=0))
+        LLoPSAttention.from_fit(sl.fit_sketch("tensorsketch", q[0], k[0], p=2, m=5))
 
 
 def test_from_pretrained_rejects_bad_layers_and_scale(tmp_path):

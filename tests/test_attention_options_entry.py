@@ -13,7 +13,7 @@ import torch
 import sketchlab as sl
 from sketchlab.attention import AttentionOptions, FarParams, MemoryState, linear_attention
 from sketchlab.attention.chunked import feature_attention
-from sketchlab.attention.functional import llops_attention, sketch_attention
+from sketchlab.attention.functional import llops_attention
 from sketchlab.attention.memory import memory_attention, memory_attention_naive
 from sketchlab.featuremaps import HedgehogMap, LLoPSMap
 from sketchlab.llops import llops_features
@@ -46,15 +46,15 @@ def _params(options, seed=0):
 HYBRID = dict(window=5, sinks=2, local="softmax", local_scale=0.8, eps=1e-5, chunk_size=8)
 
 
-def _op(fmap):
-    """The op on ``fmap`` behind the keyword calling convention of the other entry points: a caller that
+def _op(fmap, fmap_k=None):
+    """The op on ``fmap`` (and ``fmap_k``) behind the keyword calling convention of the other entry points: a caller that
     gives keywords builds its options from them once (the edge), then the op uses them as given."""
 
     def call(q, k, v, *, options=None, params=None, gate=None, segments=None, key_padding_mask=None,
              initial_state=None, output_final_state=False, **keywords):
         assert options is None or not keywords, "the op takes options or nothing"
         options = AttentionOptions(**keywords) if options is None else options
-        out, state = linear_attention(q, k, v, fmap, options=options, params=params, gate=gate, segments=segments,
+        out, state = linear_attention(q, k, v, fmap, fmap_k, options=options, params=params, gate=gate, segments=segments,
                                       key_padding_mask=key_padding_mask, initial_state=initial_state,
                                       output_final_state=output_final_state)
         return (out, state) if output_final_state else out
@@ -69,7 +69,7 @@ def _callers():
     tq, tk = _theta(7, equal=False), _theta(8, equal=False)
     hedgehog = HedgehogMap(H, D, m=4, seed=0, dtype=torch.float64)
     lmap = LLoPSMap(H, D, theta=tq)
-    sketch = sl.LLoPS(tq, tk)
+    lmap_k = LLoPSMap(H, D, theta=tk)
     feats = lambda x, t: llops_features(x.transpose(1, 2), t).transpose(1, 2)  # noqa: E731
     return {
         "llops": (lambda q, k, v, **kw: llops_attention(q, k, v, theta, theta, **kw),
@@ -80,8 +80,10 @@ def _callers():
                                                              for x in (feats(q, tq), feats(k, tq))), 2),
         "op_hedgehog": (_op(hedgehog),
                                 lambda q, k, delta=False: (hedgehog.features(q), hedgehog.features(k)), None),
-        "sketch_llops": (lambda q, k, v, **kw: sketch_attention(q, k, v, sketch, **kw),
-                         lambda q, k, delta=False: (feats(q, tq), feats(k, tk)), 2),
+        # an untied pair of signed maps: self-tensored under a denominator as one map is
+        "op_llops_pair": (_op(lmap, lmap_k),
+                          lambda q, k, delta=False: tuple(x if delta else self_tensor(x)
+                                                          for x in (feats(q, tq), feats(k, tk))), 2),
         "features": (lambda q, k, v, **kw: feature_attention(feats(q, theta), feats(k, theta), v, q=q, k=k, **kw),
                      lambda q, k, delta=False: (feats(q, theta), feats(k, theta)), None),
     }

@@ -8,7 +8,7 @@ real error (a wrong mask, a dropped normaliser, a missing square).
 import pytest
 import torch
 
-import sketchlab.attention.chunked as chunked
+import sketchlab.attention.ops.additive.chunk as chunk
 from sketchlab.attention.chunked import feature_attention
 from sketchlab.attention.functional import llops_attention
 from sketchlab.attention.ops.additive.naive import feature_attention_naive
@@ -98,7 +98,7 @@ def test_dispatch_runs_the_form_the_rule_names(monkeypatch):
         raise RuntimeError("boom")
 
     with monkeypatch.context() as m:
-        m.setattr(chunked, "parallel_core", boom)
+        m.setattr(chunk, "parallel_core", boom)
         with pytest.raises(RuntimeError, match="boom"):
             feature_attention(phi[:, :64], phi[:, :64], phi[:, :64])
         feature_attention(phi, phi, phi)  # T = 80 > 64: the engine
@@ -106,7 +106,7 @@ def test_dispatch_runs_the_form_the_rule_names(monkeypatch):
         feature_attention(phi[:, :20], phi[:, :20], phi[:, :20], output_final_state=True)
         feature_attention(phi[:, :20], phi[:, :20], phi[:, :20], q=phi[:, :20], k=phi[:, :20], window=4)
     with monkeypatch.context() as m:
-        m.setattr(chunked, "chunk_core", boom)
+        m.setattr(chunk, "chunk_core", boom)
         feature_attention(phi[:, :64], phi[:, :64], phi[:, :64])
         with pytest.raises(RuntimeError, match="boom"):
             feature_attention(phi, phi, phi)

@@ -22,8 +22,9 @@ import sketchlab.io as sio
 from sketchlab import fit_sketch, load_qk, load_theta, poly_features, poly_kernel, save_qk, save_theta
 from sketchlab._validation import MAX_DEGREE, as_float_tensor, check_pair
 from sketchlab.cli import main
-from sketchlab.sketches import PolySketch, TensorSketch
-from sketchlab.sketches._common import make_generator
+from sketchlab.featuremaps._common import make_generator
+from sketchlab.featuremaps.psf_random import PSFRandomMap
+from sketchlab.featuremaps.tensorsketch import TensorSketchMap, tensorsketch_features
 
 SHA = "0" * 64
 
@@ -256,14 +257,12 @@ def test_memory_budgets_fire_before_allocating(monkeypatch):
 
         monkeypatch.setattr(torch, name, guarded)
     with pytest.raises(ValueError, match=r"Gaussian matrices of a degree-1024 PolySketch .*memory budget"):
-        PolySketch.draw(64, MAX_DEGREE, 4096, seed=0, batch_shape=(32,))
+        PSFRandomMap.draw(32, 64, p=MAX_DEGREE, m=4096, seed=0)
     with pytest.raises(ValueError, match=r"dense CountSketch matrices .*memory budget"):
-        TensorSketch.draw(128, 1000, 100_000, seed=0, batch_shape=(32, 32))
+        TensorSketchMap.draw(32 * 32, 128, p=1000, m=100_000, seed=0)
     monkeypatch.undo()
-    from sketchlab.sketches.tensorsketch import tensorsketch_features
-
     with pytest.raises(ValueError, match=r"CountSketches of 2000 tokens .*memory budget"):
-        tensorsketch_features(torch.ones(2000, 3), TensorSketch.draw(3, 2, 50, seed=0).matrices, max_bytes=10_000)
+        tensorsketch_features(torch.ones(2000, 3), TensorSketchMap.draw(1, 3, p=2, m=50, seed=0).matrices[0], max_bytes=10_000)
 
 
 @pytest.mark.parametrize("seed,err,match", [

@@ -150,19 +150,19 @@ def test_an_init_theta_too_small_to_fit_from_is_refused_naming_its_scale(factor,
     from sketchlab import fit_sketch
 
     q, k = (t[0] * 8**-0.25 for t in _qk(d=8))
-    good = fit_sketch("llops", q, k, p=2, m=4, holdout=0).sketch
+    good = fit_sketch("llops", q, k, p=2, m=4, holdout=0).maps  # (map_q, map_k): two LLoPSMap
     small = copy.deepcopy(good)
     with torch.no_grad():
-        small.theta_q.mul_(factor)
-        small.theta_k.mul_(factor)
+        for fmap in small:
+            fmap.theta.mul_(factor)
     with pytest.raises(ValueError, match=rf"init Θ is too small to fit from: its kernel φ\(q\)ᵀφ\(k\) is at most {size} "
                                          r"on these tokens \(head 0; Θ's largest entry .*below 1e-100.*rescale the init "
                                          r"Θ.*init='svd'"):
         fit_sketch("llops", q, k, p=2, m=4, holdout=0, init=small, method=method)
     fine = copy.deepcopy(good)
     with torch.no_grad():
-        fine.theta_q.mul_(1e-3)
-        fine.theta_k.mul_(1e-3)
+        for fmap in fine:
+            fmap.theta.mul_(1e-3)
     refit = fit_sketch("llops", q, k, p=2, m=4, holdout=0, init=fine)
     assert float(refit.report.rel_fro.max()) < 0.9
 

@@ -34,4 +34,4 @@ def test_rows_and_flat_states(tmp_path):
     assert bench.main([*args, "--profile"]) == 0
     profile = (tmp_path / "decode_profile.md").read_text()
     assert profile.count("## hybrid") == 5
-    assert "`_entry.py:memory_call`" in profile and "`memory_state.py:_check_call`" in profile  # the entry's memory path
+    assert "`_entry.py:memory_call`" in profile and "`memory_state.py:check_memory_call`" in profile  # the entry's memory path

@@ -50,21 +50,28 @@ def test_opt_sites_capture_and_lora_targets_come_from_its_entry():
     assert len(targets) == 8
 
 
-def test_a_fitted_sketch_converts_a_model_as_llops_does():
-    """``convert_attention(feature_map=fit.sketch)``: an ``[L, H]`` MLP fit gives each layer its own maps; a
-    plain sketch (PSF) goes in through the callable ``sketch_feature_maps`` (every layer, ``[H]``)."""
-    from sketchlab.featuremaps import SketchMap, sketch_feature_maps
-
+def test_a_fit_converts_a_model_as_llops_does():
+    """``convert_attention(feature_map=fit)``: an ``[L, H]`` MLP fit gives each layer its own maps (``fit.layer``),
+    a ``[H]`` fit (PSF) its maps at every layer, each layer a copy of its own."""
     model = _opt()
     q, k = torch.randn(2, 4, 30, 8, dtype=torch.float64) * 0.5, torch.randn(2, 4, 30, 8, dtype=torch.float64) * 0.5
-    mlp = sl.fit_sketch("mlp", q, k, p=2, m=6, steps=3).sketch
+    mlp = sl.fit_sketch("mlp", q, k, p=2, m=6, steps=3)
     layers = sl.convert_attention(model, feature_map=mlp, window=4)
-    assert isinstance(layers[1].map_q, SketchMap)
-    assert torch.equal(layers[1].map_q.sketch.w1_q, mlp.w1_q[1])  # layer 1's heads
+    x = torch.randn(1, 5, 4, 8, dtype=torch.float64)
+    with torch.no_grad():  # layer 1's heads are the fit's heads 4..7
+        for layer in (0, 1):
+            want_q, want_k = mlp.layer(layer)
+            torch.testing.assert_close(layers[layer].map_q.features(x).double(), want_q.features(x).double())
+            torch.testing.assert_close(layers[layer].map_k.features(x).double(), want_k.features(x).double())
+        assert float((layers[1].map_q.features(x) - mlp.layer(0)[0].features(x)).abs().max()) > 1e-6
     ids = torch.randint(0, 50, (1, 7))
     assert torch.isfinite(model(ids).logits).all()
-    psf = sl.fit_sketch("psf-random", q[0], k[0], p=2, m=9).sketch
+    psf = sl.fit_sketch("psf-random", q[0], k[0], p=2, m=9)
     model = _opt()
-    sl.convert_attention(model, feature_map=lambda layer, heads, head_dim: sketch_feature_maps(
-        psf, heads=heads, head_dim=head_dim), window=4)
+    layers = sl.convert_attention(model, feature_map=psf, window=4)
+    assert layers[0].map_q is not layers[1].map_q  # a copy per layer
+    with torch.no_grad():
+        torch.testing.assert_close(layers[1].map_q.features(x).double(), psf.map_q.features(x).double())
     assert torch.isfinite(model(ids).logits).all()
+    with pytest.raises(ValueError, match=r"the fit's maps of layer 0 have heads=2.*the model's attention has heads=4"):
+        sl.convert_attention(_opt(), feature_map=sl.fit_sketch("psf-random", q[0, :2], k[0, :2], p=2, m=9))

@@ -14,7 +14,7 @@ import sketchlab as sl
 from sketchlab.attention import LLoPSAttention
 from sketchlab.attention.ops.additive.naive import feature_attention_naive
 from sketchlab.cli import main
-from sketchlab.export import file_sha256
+from sketchlab.export import file_sha256, fit_llops_maps
 from sketchlab.scaling import resolve_scale
 
 
@@ -42,7 +42,8 @@ def test_save_theta_fills_every_field_and_round_trips(dump_file, tmp_path):
     out = fit.save_theta(tmp_path / "theta.safetensors", dump=dump, scale="sqrt-d")
     theta_q, theta_k, meta = sl.load_theta(out)
     assert theta_q.shape == (2, 2, 2, 2, 4, 6)  # [L, H, t, p, d, m]
-    assert torch.equal(theta_q, fit.sketch.theta_q.detach()) and torch.equal(theta_k, fit.sketch.theta_k.detach())
+    assert torch.equal(theta_q.reshape(4, 2, 2, 4, 6), fit.map_q.theta.detach())  # the maps' L·H heads
+    assert torch.equal(theta_k.reshape(4, 2, 2, 4, 6), fit.map_k.theta.detach())
     assert (meta["p"], meta["m"], meta["t"], meta["d"]) == (2, 6, 2, 4)
     assert meta["method"] == "llops" and meta["scale"] == "sqrt-d"
     assert meta["source_sha256"] == file_sha256(dump_file)
@@ -50,16 +51,16 @@ def test_save_theta_fills_every_field_and_round_trips(dump_file, tmp_path):
     assert torch.equal(torch.tensor(meta["errors"]["rel_fro"], dtype=torch.float64), fit.report.rel_fro)
     assert torch.equal(torch.tensor(meta["errors"]["holdout_rel_fro"], dtype=torch.float64), fit.report.holdout_rel_fro)
 
-    # the loaded block == attention computed directly from fit.sketch.features_q/k, layer by layer
+    # the loaded block == attention computed directly from the fit's maps of that layer (fit.layer), layer by layer
     x_q, x_k, v = _rand(2, 20, 2, 4, seed=10), _rand(2, 20, 2, 4, seed=11), _rand(2, 20, 2, 3, seed=12)
     for layer in (0, 1):
         block = LLoPSAttention.from_pretrained(out, layer=layer, normalize="none")
         assert block.qk_scale == pytest.approx(factor)
         got = block.attend(x_q, x_k, v)
         with torch.no_grad():
-            # head h of layer `layer` applies the sketch's map [layer, h] to q·factor
-            fq = fit.sketch.features_q((x_q * factor).transpose(1, 2)[:, None])[:, layer].transpose(1, 2)  # [B, T, H, M]
-            fk = fit.sketch.features_k((x_k * factor).transpose(1, 2)[:, None])[:, layer].transpose(1, 2)
+            # head h of layer `layer` applies the fit's map of head layer·H + h to q·factor
+            map_q, map_k = fit.layer(layer)
+            fq, fk = map_q.features(x_q * factor), map_k.features(x_k * factor)  # [B, T, H, M]
         ref = feature_attention_naive(fq, fk, v, normalize="none")
         assert torch.allclose(got, ref, atol=1e-10 * ref.abs().max().item(), rtol=0), layer
 
@@ -164,8 +165,8 @@ def test_scale_none_is_recorded_and_applied_as_one(dump_file, tmp_path):
     assert block.qk_scale == 1.0
     x_q, x_k, v = _rand(1, 9, 2, 4, seed=20), _rand(1, 9, 2, 4, seed=21), _rand(1, 9, 2, 3, seed=22)
     with torch.no_grad():  # layer 1's maps on the unscaled inputs: a wrong factor changes the kernel by factor^4
-        fq = fit.sketch.features_q(x_q.transpose(1, 2)[:, None])[:, 1].transpose(1, 2)
-        fk = fit.sketch.features_k(x_k.transpose(1, 2)[:, None])[:, 1].transpose(1, 2)
+        map_q, map_k = fit.layer(1)
+        fq, fk = map_q.features(x_q), map_k.features(x_k)
     ref = feature_attention_naive(fq, fk, v, normalize="none")
     assert torch.allclose(block.attend(x_q, x_k, v), ref, atol=1e-10 * ref.abs().max().item(), rtol=0)
 
@@ -177,7 +178,7 @@ def test_a_per_head_theta_is_stored_as_one_layer(dump_file, tmp_path):
     out = fit.save_theta(tmp_path / "h.safetensors", dump=dump, scale="sqrt-d")
     theta_q, theta_k, _ = sl.load_theta(out)
     assert theta_q.shape == (1, 2, 1, 2, 4, 6)  # [L=1, H, t, p, d, m]: H kept as heads, not as layers
-    assert torch.equal(theta_q[0], fit.sketch.theta_q.detach()) and torch.equal(theta_k[0], fit.sketch.theta_k.detach())
+    assert torch.equal(theta_q[0], fit.map_q.theta.detach()) and torch.equal(theta_k[0], fit.map_k.theta.detach())
 
 
 def test_non_finite_report_values_become_json_null(dump_file, tmp_path):
@@ -194,15 +195,15 @@ def test_non_finite_report_values_become_json_null(dump_file, tmp_path):
 
 
 def test_a_shared_theta_is_exported_for_both_sides(dump_file, tmp_path):
-    """A sketch with one Θ for both sides (PolySketch: ``as_llops(...).theta_k is None``) is written with
-    Θ_K = Θ_Q, each equal to the sketch's own Θ."""
-    dump, fit, _ = _fit(dump_file, method="psf")
-    llops = sl.as_llops(fit.sketch)
-    assert llops.theta_k is None
+    """A fit with one LLoPS map for both sides (PolySketch's exact form is tied) is written with Θ_K = Θ_Q, each
+    equal to that map's own Θ."""
+    dump, fit, _ = _fit(dump_file, method="psf-random")
+    map_q, map_k = fit_llops_maps(fit)
+    assert map_k is map_q
     theta_q, theta_k, meta = sl.load_theta(fit.save_theta(tmp_path / "s.safetensors", dump=dump, scale="sqrt-d"))
-    assert meta["method"] == "psf"
+    assert meta["method"] == "psf-random"
     assert torch.equal(theta_k, theta_q)
-    assert torch.equal(theta_q.reshape(llops.theta_q.shape), llops.theta_q.detach())
+    assert torch.equal(theta_q.reshape(map_q.theta.shape), map_q.theta.detach())
 
 
 def test_source_hash_of_an_npy_dump_with_and_without_its_meta(tmp_path):

@@ -154,7 +154,7 @@ def test_fit_sketch_trains_its_parameters(registered):
     q, k = _rand(H, 40, D, seed=11) * 0.6, _rand(H, 40, D, seed=12) * 0.6
     fit = sl.fit_sketch(registered, q, k, p=2, m=M, steps=40)
     start = make_feature_map(registered, heads=H, head_dim=D, m=M, seed=0, dtype=torch.float64)
-    trained = fit.sketch.map_q
+    trained = fit.map_q
     assert isinstance(trained, ModuleMap) and fit.report.steps == 40
     assert not torch.equal(trained.module.w, start.module.w)  # the module's parameters were trained
     assert bool((fit.report.rel_fro < fit.report.info["init_rel_fro"]).all())  # and the kernel error fell
@@ -176,7 +176,7 @@ def test_fit_sketch_trains_a_module_shared_by_the_heads():
         start = make_feature_map("test-shared-relu", heads=H, head_dim=D, m=M, seed=0, dtype=torch.float64)
     finally:
         registry._REGISTRY.pop("test-shared-relu")
-    assert not torch.equal(fit.sketch.map_q.module[0].weight, start.module[0].weight)
+    assert not torch.equal(fit.map_q.module[0].weight, start.module[0].weight)
     # the step kept is one step for both heads: the errors the fit kept are the report's, head by head
     assert torch.allclose(fit.report.info["rel_fro"], fit.report.rel_fro, rtol=1e-10)
     assert bool((fit.report.rel_fro < fit.report.info["init_rel_fro"]).all())
@@ -219,9 +219,8 @@ def test_one_registry_a_fitter_slot_beside_the_builder(registered):
         calls.append((p, m, seed, options))
         maps = [make_feature_map(registered, heads=H, head_dim=D, m=m, seed=s, dtype=q.dtype, learn=False)
                 for s in (seed, seed + 1)]
-        sketch = sl.featuremaps.FeatureMapSketch(*maps, p=p, batch_shape=(H,))
-        sketch.fit_info = {"steps": 0, "converged": True, "own": True}
-        return sketch
+        maps[0].fit_info = {"steps": 0, "converged": True, "own": True}
+        return tuple(maps)
 
     registry.register_fitter(registered, fit)  # the fitter slot of the map's own name
     registry.register_fitter(registered, fit)  # the same fitter again: nothing changes
@@ -230,7 +229,7 @@ def test_one_registry_a_fitter_slot_beside_the_builder(registered):
     assert registered in registry.feature_map_names()  # one name, both slots
     own = sl.fit_sketch(registered, q, k, p=2, m=M, seed=3, steps=3)  # steps: an option the fitter gets
     assert calls == [(2, M, 3, {"steps": 3})] and own.report.info["own"] and own.report.steps == 0
-    assert isinstance(own.sketch.map_q, ModuleMap) and not own.sketch.map_q.module.w.requires_grad
+    assert isinstance(own.map_q, ModuleMap) and not own.map_q.module.w.requires_grad
     # no slot is filled twice: another fitter, another map
     with pytest.raises(ValueError, match=f"a fit_sketch method named '{registered}' is already registered"):
         registry.register_fitter(registered, lambda q, k, **_: None)

@@ -1,5 +1,5 @@
 """The package's structure: every module imports on its own, imports only its own layer or lower ones
-(data flows one way: dump → sketches → fit → compare / export → attention → model, DESIGN.md §2),
+(data flows one way: dump → maps → fit → compare / export → attention → model, DESIGN.md §2),
 and no two modules import each other, directly or through others.
 
 The import graph is read from the source (``ast``): module-level *and* function-level imports, so
@@ -21,16 +21,19 @@ PACKAGE = ROOT / "sketchlab"
 #: Patterns match dotted module names (a package's ``__init__`` is the package's name).
 LAYERS = [
     ("base", ["sketchlab._validation", "sketchlab._version", "sketchlab._threads"]),
-    ("primitives", ["sketchlab.polynomial", "sketchlab.sketch", "sketchlab.scaling", "sketchlab.numerics",
+    ("primitives", ["sketchlab.polynomial", "sketchlab.scaling", "sketchlab.numerics",
                     "sketchlab.io", "sketchlab.io.*",
                     # the family's interface and where a batch [L, H] meets its heads: what the metrics evaluate
                     "sketchlab.featuremaps.base", "sketchlab.featuremaps.heads"]),
     ("math", ["sketchlab.optimal", "sketchlab.spectral", "sketchlab.objective", "sketchlab.metrics",
               # the LLoPS map itself and what a fit problem is made of (no fitting)
-              "sketchlab.llops.maps", "sketchlab.llops.cp", "sketchlab.llops.module",
+              "sketchlab.llops.maps", "sketchlab.llops.cp",
               "sketchlab.llops._fitting", "sketchlab.llops.sides", "sketchlab.llops.target"]),
-    ("sketches", ["sketchlab.sketches", "sketchlab.sketches.*"]),
-    ("llops fits", ["sketchlab.llops", "sketchlab.llops.*"]),  # inits from BASED/PSF: above the sketches
+    # the baselines' maps (the LLoPS fits start from BASED/PSF), the LLoPS map and the exact Θ forms (as_llops)
+    ("baseline maps", ["sketchlab.featuremaps._common", "sketchlab.featuremaps.tensorsketch",
+                       "sketchlab.featuremaps.psf_random", "sketchlab.featuremaps.mlp", "sketchlab.featuremaps.elementwise",
+                       "sketchlab.featuremaps.based", "sketchlab.featuremaps.llops", "sketchlab.featuremaps.to_llops"]),
+    ("llops fits", ["sketchlab.llops", "sketchlab.llops.*"]),  # inits from BASED/PSF: above the baseline maps
     # the feature-map family: maps, a fitted sketch as a map, the name registry (fit reads it)
     ("feature maps", ["sketchlab.featuremaps", "sketchlab.featuremaps.*"]),
     ("fit", ["sketchlab.fit", "sketchlab.export"]),            # Fit.save_theta writes through export
@@ -174,7 +177,7 @@ def test_the_checks_see_a_circle_and_an_upward_import():
             test_imports_go_down_the_layers()
     finally:
         GRAPH.update(saved)
-    assert "sketchlab.sketches.based" in GRAPH["sketchlab.llops.inits"]  # a deferred import in a function is read
+    assert "sketchlab.featuremaps.based" in GRAPH["sketchlab.llops.inits"]  # a deferred import in a function is read
 
 
 def test_every_module_imports_in_isolation():

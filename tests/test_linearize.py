@@ -11,7 +11,7 @@ import torch
 
 import sketchlab as sl
 from sketchlab import linearize
-from sketchlab.attention.functional import sketch_attention
+from sketchlab.attention import AttentionOptions, linear_attention
 from sketchlab.cli import main
 from sketchlab.convert.mqar import _transfer_hooks, linearize_checkpoint
 from sketchlab.convert.transfer import transfer_loss
@@ -61,10 +61,10 @@ def test_step0_reproduces_the_fitted_sketch_on_captured_inputs(teacher, tmp_path
         q, k, v = (t[layer].permute(1, 0, 2).reshape(4, 12, H, D) for t in (dump.q, dump.k, dump.v))  # [B, T, H, D]
         with torch.no_grad():
             got = kernel(q, k, v)  # the swapped model's attention, float32, raw captured inputs
-        sketch = sl.LLoPS(fit.sketch.theta_q[layer], fit.sketch.theta_k[layer])
+        map_q, map_k = fit.layer(layer)  # the fit's maps of this layer's heads
         with torch.no_grad():
-            want = sketch_attention(q.double() * s, k.double() * s, v.double(), sketch, normalize="none",
-                                    backend="reference")
+            want, _ = linear_attention(q.double() * s, k.double() * s, v.double(), map_q, map_k,
+                                       options=AttentionOptions(normalize="none", backend="reference"))
         # float32 model (Θ exported in float32, features and sums in float32) against the float64
         # prediction: ~1e-6 relative per term; the signed sums over ≤ 12 tokens cancel partly, so
         # the tolerance is taken relative to the output's scale

@@ -10,15 +10,18 @@ import pytest
 import torch
 
 from sketchlab import fit_sketch, holdout_split, kernel_errors, poly_features, poly_kernel, rel_fro
+from sketchlab.featuremaps import LLoPSMap, batch_features, pair_features
+from sketchlab.fit import _parameters_per_head
 from sketchlab.llops import (
-    LLoPS,
     aligned_gauge,
     fit_llops_adam,
     fit_llops_cp,
     fit_llops_direct,
     llops_features,
     llops_features_naive,
+    llops_from_projector,
     llops_init,
+    llops_maps,
     llops_projector,
     llops_projector_naive,
     projector_to_theta,
@@ -57,24 +60,29 @@ def test_projector_matches_naive(t, p):
 
 @pytest.mark.parametrize("t,p", [(1, 1), (1, 2), (1, 3), (2, 2), (3, 3)])
 def test_kernel_equals_projector_form(t, p):
-    # LLoPS.kernel == ψ_p(q)ᵀ W_Q W_Kᵀ ψ_p(k), batched over [2, 3] heads, rank-t sums included.
+    # φ_Q(q)·φ_K(k) of the maps == ψ_p(q)ᵀ W_Q W_Kᵀ ψ_p(k), batched over [2, 3] heads (flattened: head l·3 + j),
+    # rank-t sums included.
     q, k = _data(batch=(2, 3), n=7, d=3)
-    model = LLoPS(_theta((2, 3, t, p, 3, 5), 1), _theta((2, 3, t, p, 3, 5), 2))
-    w_q, w_k = model.projector("q"), model.projector("k")  # [2, 3, d^p, m]
+    theta_q, theta_k = _theta((2, 3, t, p, 3, 5), 1), _theta((2, 3, t, p, 3, 5), 2)
+    map_q, map_k = llops_maps(theta_q, theta_k)
+    assert map_q.heads == 6 and map_q.theta.shape == (6, t, p, 3, 5)
+    w_q, w_k = llops_projector(theta_q), llops_projector(theta_k)  # [2, 3, d^p, m]
     expected = poly_features(q, p) @ w_q @ (poly_features(k, p) @ w_k).mT
-    _close(model.kernel(q, k).detach(), expected)
-    _close(model.features_q(q).detach()[1, 2], llops_features_naive(q[1, 2], model.theta_q.detach()[1, 2]))
+    fq, fk = pair_features((map_q, map_k), q, k)
+    _close(fq @ fk.mT, expected)
+    _close(batch_features(map_q, q).detach()[1, 2], llops_features_naive(q[1, 2], theta_q[1, 2]))
+    _close(map_q.features_naive(q.reshape(6, 7, 3).transpose(0, 1)[None])[0, :, 5], llops_features_naive(q[1, 2], theta_q[1, 2]))
 
 
 def test_tied_and_sizes():
     theta = _theta((2, 2, 3, 4))
-    model = LLoPS(theta)
-    assert model.tied and model.rank == 2 and model.degree == 2 and model.num_features == 4
-    assert model.num_parameters == theta.numel()
-    assert torch.equal(model.projector("k"), model.projector("q"))
-    assert LLoPS(theta, theta.clone()).num_parameters == 2 * theta.numel()
-    with pytest.raises(ValueError, match="side must be"):
-        model.projector("v")
+    map_q, map_k = llops_maps(theta)
+    assert map_k is map_q and isinstance(map_q, LLoPSMap) and map_q.heads == 1
+    assert map_q.theta.shape[1] == 2 and map_q.degree == 2 and map_q.num_features == 4
+    assert _parameters_per_head(map_q, map_k) == theta.numel()
+    assert _parameters_per_head(*llops_maps(theta, theta.clone())) == 2 * theta.numel()
+    with pytest.raises(ValueError, match="theta_k must have the shape of theta_q"):
+        llops_maps(theta, theta[..., :3])
 
 
 @pytest.mark.parametrize("p", [2, 3])
@@ -82,17 +90,18 @@ def test_from_projector_recovers_rank1_columns(p):
     # A projector whose columns are exactly rank 1: the rank-1 CP must reproduce it.
     theta = _theta((1, p, 3, 4), 3)
     w = llops_projector(theta)
-    model = LLoPS.from_projector(w, w * 2.0, rank=1, p=p)
-    _close(model.projector("q"), w, 1e-9)  # parafac's own stopping tolerance (1e-10) bounds this
-    _close(model.projector("k"), 2.0 * w, 1e-9)
+    map_q, map_k = llops_from_projector(w, w * 2.0, rank=1, p=p)
+    _close(llops_projector(map_q.theta.detach())[0], w, 1e-9)  # parafac's own stopping tolerance (1e-10) bounds this
+    _close(llops_projector(map_k.theta.detach())[0], 2.0 * w, 1e-9)
 
 
 def test_from_projector_rank1_is_best_rank1_for_matrices():
     # p = 2: the best rank-1 approximation of each column matrix has error ‖W_i‖² − σ_1(W_i)²
     # (Eckart–Young = Theorem 3.4 for matrices); parafac with SVD init attains it.
     w = _theta((9, 5), 4)
-    model = LLoPS.from_projector(w, rank=1, p=2)
-    err = ((model.projector("q") - w) ** 2).sum(0)
+    map_q, map_k = llops_from_projector(w, rank=1, p=2)
+    assert map_k is map_q  # no w_k: tied
+    err = ((llops_projector(map_q.theta.detach())[0] - w) ** 2).sum(0)
     floor = rank1_residuals(w, 3, 2).residual
     _close(err, floor, 1e-8)  # parafac stops at relative change 1e-10 of its error
 
@@ -106,12 +115,12 @@ def test_projector_to_theta_recovers_exact_rank2_columns():
     w = torch.stack([sum(torch.einsum("a,b,c->abc", *(th[r, j, :, i] for j in range(p))) for r in range(2)).reshape(-1)
                      for i in range(m)], 1)  # [d^p, m]
     theta = projector_to_theta(w, p, 2)
-    _close(LLoPS(theta, theta).projector("q"), w, 1e-6)
+    _close(llops_projector(theta), w, 1e-6)
 
 
 def test_from_projector_p1_exact_and_errors():
     w = _theta((4, 3), 5)
-    _close(LLoPS.from_projector(w, rank=2, p=1).projector("q"), w)
+    _close(llops_projector(llops_from_projector(w, rank=2, p=1)[0].theta.detach())[0], w)
     with pytest.raises(ValueError, match="3-th power"):
         projector_to_theta(_theta((10, 2)), 3)
 
@@ -143,12 +152,12 @@ def test_fit_never_above_init_and_deterministic(method, init):
     q, k = _data(batch=(2,), n=30, d=3, seed=1)
     opts = {"steps": 20} if method == "adam" else {"steps": 3}
     fit = fit_sketch("llops", q, k, p=2, m=4, method=method, init=init, seed=7, **opts)
-    start = fit.sketch.fit_info["init_rel_fro"]
+    start = fit.report.info["init_rel_fro"]
     # the best Θ seen is returned, the initialisation included: never above it (round-off aside)
     assert bool((fit.report.rel_fro <= start * (1 + 1e-12)).all())
     again = fit_sketch("llops", q, k, p=2, m=4, method=method, init=init, seed=7, **opts)
-    assert torch.equal(fit.sketch.theta_q, again.sketch.theta_q)
-    assert torch.equal(fit.sketch.theta_k, again.sketch.theta_k)
+    assert torch.equal(fit.map_q.theta, again.map_q.theta)
+    assert torch.equal(fit.map_k.theta, again.map_k.theta)
 
 
 @pytest.mark.parametrize("t,p,m", [(1, 2, 11), (2, 3, 9)])
@@ -202,10 +211,10 @@ def test_adam_reports_the_error_of_the_returned_sketch_per_head():
     # fit_info["rel_fro"] has the batch shape [2, 2] and is the returned Θ's own error (float64
     # throughout: round-off ~1e-15; 1e-10 allows the float64 kernel of 24 tokens).
     q, k = _data(batch=(2, 2), n=24, d=3, seed=5)
-    sketch = fit_llops_adam(q, k, p=2, m=4, steps=5)
-    reported = sketch.fit_info["rel_fro"]
+    maps = fit_llops_adam(q, k, p=2, m=4, steps=5)
+    reported = maps[0].fit_info["rel_fro"]
     assert reported.shape == (2, 2)
-    _close(reported, kernel_errors(sketch, q, k, 2)["rel_fro"], 1e-10)
+    _close(reported, kernel_errors(maps, q, k, 2)["rel_fro"], 1e-10)
 
 
 def test_direct_beats_naive_adam_same_budget():
@@ -222,11 +231,15 @@ def test_holdout_path_through_fit_sketch():
     fit = fit_sketch("llops", q, k, p=2, m=4, holdout=0.25, seed=5, steps=3)
     keep, held = holdout_split(40, 0.25, 5)
     assert len(held) == 10
-    model = fit.sketch
     exact_in = poly_kernel(q[:, keep], k[:, keep], 2)
     exact_out = poly_kernel(q[:, held], k[:, held], 2)
-    _close(fit.report.rel_fro, rel_fro(model.kernel(q[:, keep], k[:, keep]).detach(), exact_in))
-    _close(fit.report.holdout_rel_fro, rel_fro(model.kernel(q[:, held], k[:, held]).detach(), exact_out))
+
+    def kernel(a, b):
+        fq, fk = pair_features(fit.maps, a, b)
+        return fq @ fk.mT
+
+    _close(fit.report.rel_fro, rel_fro(kernel(q[:, keep], k[:, keep]), exact_in))
+    _close(fit.report.holdout_rel_fro, rel_fro(kernel(q[:, held], k[:, held]), exact_out))
     assert fit.report.holdout_optimality_ratio.shape == (2,)
     assert bool(torch.isfinite(fit.report.holdout_rel_mae).all())
 
@@ -234,11 +247,11 @@ def test_holdout_path_through_fit_sketch():
 def test_float32_inputs_fit_in_float64_and_return_float32():
     q, k = _data(dtype=torch.float32)
     fit = fit_sketch("llops", q, k, p=2, m=4, steps=2)
-    assert fit.sketch.theta_q.dtype == torch.float32
-    fit64 = fit_llops_direct(q.double(), k.double(), p=2, m=4, steps=2)
-    assert fit64.theta_q.dtype == torch.float64
+    assert fit.map_q.theta.dtype == torch.float32
+    fit64, _ = fit_llops_direct(q.double(), k.double(), p=2, m=4, steps=2)
+    assert fit64.theta.dtype == torch.float64
     # same fit up to the float32 rounding of the inputs and of the returned Θ (~1e-7 relative)
-    _close(fit.sketch.theta_q.double(), fit64.theta_q, 1e-4)
+    _close(fit.map_q.theta.double(), fit64.theta, 1e-4)
 
 
 def test_non_finite_loss_stops_with_error():
@@ -251,23 +264,23 @@ def test_non_finite_loss_stops_with_error():
 
 def test_cp_fit_gauges():
     q, k = _data(batch=(2,), n=30, d=3, seed=6)
-    bal = fit_llops_cp(q, k, p=2, m=4, gauge="balanced")
-    ali = fit_llops_cp(q, k, p=2, m=4, gauge="aligned")
-    assert bal.fit_info["gauge"] == "balanced" and ali.theta_q.shape == (2, 1, 2, 3, 4)
+    bal, _ = fit_llops_cp(q, k, p=2, m=4, gauge="balanced")
+    ali, _ = fit_llops_cp(q, k, p=2, m=4, gauge="aligned")
+    assert bal.fit_info["gauge"] == "balanced" and ali.theta.shape == (2, 1, 2, 3, 4)
     # The gauge leaves the optimal kernel unchanged: W*_Q G (W*_K G^{-ᵀ})ᵀ = W*_Q W*_Kᵀ.
     opt = optimal_sketch(q, k, 2, 4)
     g = aligned_gauge(q, k, opt)
-    w_q, w_k = opt.projector("q") @ g, torch.linalg.solve(g, opt.projector("k").mT).mT
-    _close(w_q @ w_k.mT, opt.projector("q") @ opt.projector("k").mT, 1e-8)  # G's condition number (~1e2) × 1e-11
+    w_q, w_k = opt[0].projector() @ g, torch.linalg.solve(g, opt[1].projector().mT).mT
+    _close(w_q @ w_k.mT, opt[0].projector() @ opt[1].projector().mT, 1e-8)  # G's condition number (~1e2) × 1e-11
 
 
 def test_init_from_llops_and_special_cases():
     q, k = _data(batch=(2,), n=30, d=3)
-    start = LLoPS(_theta((2, 1, 2, 3, 3), 8) * 0.3, _theta((2, 1, 2, 3, 3), 9) * 0.3)
+    start = llops_maps(_theta((2, 1, 2, 3, 3), 8) * 0.3, _theta((2, 1, 2, 3, 3), 9) * 0.3)
     fit = fit_sketch("llops", q, k, p=2, m=5, rank=2, init=start, steps=2)  # pads to 5 columns, rank 2
-    assert fit.sketch.theta_q.shape == (2, 2, 2, 3, 5)
+    assert fit.map_q.theta.shape == (2, 2, 2, 3, 5)
     based = fit_sketch("llops", q, k, p=2, m=5, init="based", steps=2)
-    assert bool((based.report.rel_fro <= based.sketch.fit_info["init_rel_fro"] * (1 + 1e-12)).all())
+    assert bool((based.report.rel_fro <= based.report.info["init_rel_fro"] * (1 + 1e-12)).all())
 
 
 def test_argument_errors():
@@ -281,17 +294,17 @@ def test_argument_errors():
     with pytest.raises(ValueError, match="gauge must be one of"):
         fit_sketch("llops", q, k, p=2, m=4, method="cp", gauge="diagonal")
     with pytest.raises(ValueError, match="at most m=3"):
-        fit_sketch("llops", q, k, p=2, m=3, init=LLoPS(_theta((2, 1, 2, 3, 4))))
+        fit_sketch("llops", q, k, p=2, m=3, init=llops_maps(_theta((2, 1, 2, 3, 4)))[0])
     with pytest.raises(ValueError, match="lr must be"):
         fit_sketch("llops", q, k, p=2, m=4, method="adam", lr=-1.0)
     with pytest.raises(TypeError, match="steps"):
         fit_sketch("llops", q, k, p=2, m=4, steps=1.5)
 
-    class NotConvertible:  # as_llops() that does not give an LLoPS
+    class NotConvertible:  # as_llops() that does not give LLoPS maps
         def as_llops(self):
             return "theta"
 
-    with pytest.raises(TypeError, match=r"init must be one of .*, an LLoPS, or a sketch with as_llops\(\); got NotConvertible"):
+    with pytest.raises(TypeError, match=r"init must be one of .*, LLoPS maps, or a sketch with as_llops\(\); got NotConvertible"):
         fit_sketch("llops", q, k, p=2, m=4, init=NotConvertible())
 
 
@@ -299,7 +312,7 @@ def test_init_with_more_terms_than_requested_is_rejected():
     q, k = _data(batch=(2,), n=24, d=3)
     theta = torch.randn(2, 2, 2, 3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))  # rank 2
     with pytest.raises(ValueError, match=r"init has 2 CP terms, more than the requested 1"):
-        llops_init(q, k, p=2, m=4, rank=1, init=LLoPS(theta, theta))
+        llops_init(q, k, p=2, m=4, rank=1, init=llops_maps(theta, theta))
 
 
 def test_svd_init_pads_extra_columns_from_the_seed():
@@ -326,18 +339,18 @@ def test_an_overflowing_target_names_the_fit_and_the_head():
 
 
 def test_init_from_one_map_shared_by_every_head_in_float64():
-    """An LLoPS ``[t, p, d, m']`` (no batch axes) initialises every head of a batched fit: each head
+    """An LLoPS map of one head (Θ ``[t, p, d, m']``, no batch axes) initialises every head of a batched fit: each head
     starts from that map (columns padded to m), both sides float64 whatever the map's dtype."""
     q, k = _data(batch=(3,), n=20, d=3)
     g = torch.Generator().manual_seed(4)
     theta_q = torch.randn(1, 2, 3, 2, generator=g).to(torch.float32)  # [t, p, d, m'] float32, m' = 2
     theta_k = torch.randn(1, 2, 3, 2, generator=g).to(torch.float32)
-    got_q, got_k = llops_init(q, k, p=2, m=4, init=LLoPS(theta_q, theta_k))
+    got_q, got_k = llops_init(q, k, p=2, m=4, init=llops_maps(theta_q, theta_k))
     assert got_q.shape == got_k.shape == (3, 1, 2, 3, 4) and got_q.dtype == got_k.dtype == torch.float64
     for head in range(3):  # the given columns exactly (float32 → float64 is exact), then the padding
         assert torch.equal(got_q[head, ..., :2], theta_q.double()) and torch.equal(got_k[head, ..., :2], theta_k.double())
     assert bool((got_q[..., 2:] != 0).all())
-    exact_q, exact_k = llops_init(q, k, p=2, m=2, init=LLoPS(theta_q, theta_k))  # m' = m: nothing padded
+    exact_q, exact_k = llops_init(q, k, p=2, m=2, init=llops_maps(theta_q, theta_k))  # m' = m: nothing padded
     assert exact_q.dtype == exact_k.dtype == torch.float64 and torch.equal(exact_k[1], theta_k.double())
 
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from sketchlab import fit_sketch, kernel_errors, poly_kernel
-from sketchlab.llops import LLoPS, aligned_gauge, fit_llops_direct, llops_features, llops_init
+from sketchlab.featuremaps import batch_features
+from sketchlab.llops import aligned_gauge, fit_llops_direct, llops_features, llops_init, llops_maps
 from sketchlab.llops._fitting import balance
 from sketchlab.llops.fit_als import _als_sweep
 from sketchlab.llops.fit_lm import lm_step
@@ -99,12 +100,12 @@ def test_direct_fit_sweeps_change_the_result():
     q, k = _data(batch=(2,), n=40, d=3, seed=4)
     one = fit_llops_direct(q, k, p=2, m=4, init="random", steps=1, lm_steps=0, tol=0.0)
     four = fit_llops_direct(q, k, p=2, m=4, init="random", steps=4, lm_steps=0, tol=0.0)
-    start = one.fit_info["init_rel_fro"]
+    start = one[0].fit_info["init_rel_fro"]
     r1 = kernel_errors(one, q, k, 2)["rel_fro"]
     r4 = kernel_errors(four, q, k, 2)["rel_fro"]
     assert bool((r1 < 0.6 * start).all()), (r1, start)
     assert bool((r4 < r1).all())
-    assert one.fit_info["als_steps"] == 1 and four.fit_info["lm_steps"] == 0
+    assert one[0].fit_info["als_steps"] == 1 and four[0].fit_info["lm_steps"] == 0
 
 
 def test_lm_step_is_the_damped_gauss_newton_step():
@@ -146,7 +147,7 @@ def test_lm_stage_lowers_the_als_result():
     r_als = kernel_errors(als, q, k, 2)["rel_fro"]
     r_both = kernel_errors(both, q, k, 2)["rel_fro"]
     assert bool((r_both < (1 - 1e-3) * r_als).all()), (r_both, r_als)
-    assert both.fit_info["lm_steps"] >= 1 and both.fit_info["als_steps"] == 3
+    assert both[0].fit_info["lm_steps"] >= 1 and both[0].fit_info["als_steps"] == 3
 
 
 def test_converged_follows_the_lm_stopping_rule():
@@ -156,8 +157,8 @@ def test_converged_follows_the_lm_stopping_rule():
     q, k = _data(batch=(2,), n=40, d=3, seed=6)
     loose = fit_llops_direct(q, k, p=2, m=5, steps=1, lm_steps=8, tol=0.9, interleave=0)
     strict = fit_llops_direct(q, k, p=2, m=5, steps=1, lm_steps=8, tol=0.0, interleave=0)
-    assert loose.fit_info["converged"] is True and loose.fit_info["lm_steps"] < 8
-    assert strict.fit_info["converged"] is False and strict.fit_info["lm_steps"] == 8
+    assert loose[0].fit_info["converged"] is True and loose[0].fit_info["lm_steps"] < 8
+    assert strict[0].fit_info["converged"] is False and strict[0].fit_info["lm_steps"] == 8
 
 
 def test_interleaved_als_sweeps_run_between_lm_steps():
@@ -166,10 +167,10 @@ def test_interleaved_als_sweeps_run_between_lm_steps():
     q, k = _data(batch=(2,), n=40, d=3, seed=6)
     plain = fit_llops_direct(q, k, p=2, m=5, steps=3, lm_steps=5, tol=0.0, interleave=0)
     mixed = fit_llops_direct(q, k, p=2, m=5, steps=3, lm_steps=5, tol=0.0, interleave=2)
-    assert mixed.fit_info["als_steps"] == 3 + 6 and mixed.fit_info["lm_steps"] == 5
-    assert mixed.fit_info["steps"] == 14
-    assert _rel(mixed.theta_q, plain.theta_q) > 1e-3
-    history = mixed.fit_info["rel_fro_history"]
+    assert mixed[0].fit_info["als_steps"] == 3 + 6 and mixed[0].fit_info["lm_steps"] == 5
+    assert mixed[0].fit_info["steps"] == 14
+    assert _rel(mixed[0].theta.detach(), plain[0].theta.detach()) > 1e-3
+    history = mixed[0].fit_info["rel_fro_history"]
     assert len(history) == 1 + 14 and all(b <= a for a, b in zip(history, history[1:]))  # best so far: never up
     with pytest.raises(ValueError, match="interleave must be an integer >= 0"):
         fit_llops_direct(q, k, p=2, m=5, interleave=-1)
@@ -198,10 +199,10 @@ def test_work_cap_cuts_the_schedule(allowed, als, lm):
     opts = dict(p=2, m=5, steps=3, lm_steps=5, tol=0.0, route="kernel")
     full = fit_llops_direct(q, k, **opts, work=math.inf)
     capped = fit_llops_direct(q, k, **opts, work=(allowed + 0.5) * per)
-    assert capped.fit_info["route"] == "kernel" and full.fit_info["steps"] == 14
-    assert (capped.fit_info["als_steps"], capped.fit_info["lm_steps"]) == (als, lm)
-    assert capped.fit_info["capped"] is (allowed < 14) and full.fit_info["capped"] is False
-    assert capped.fit_info["rel_fro_history"] == full.fit_info["rel_fro_history"][: als + lm + 1]
+    assert capped[0].fit_info["route"] == "kernel" and full[0].fit_info["steps"] == 14
+    assert (capped[0].fit_info["als_steps"], capped[0].fit_info["lm_steps"]) == (als, lm)
+    assert capped[0].fit_info["capped"] is (allowed < 14) and full[0].fit_info["capped"] is False
+    assert capped[0].fit_info["rel_fro_history"] == full[0].fit_info["rel_fro_history"][: als + lm + 1]
     for bad in (0, -1.0, math.nan):
         with pytest.raises(ValueError, match=r"work must be a number > 0 \(inf: no cap\), got"):
             fit_llops_direct(q, k, p=2, m=5, work=bad)
@@ -214,12 +215,12 @@ def test_fit_from_a_given_sketch_starts_there():
     # most there. A fit that ignored the sketch would start from the svd init instead.
     q, k = _data(batch=(2,), n=40, d=3, seed=7)
     gen = torch.Generator().manual_seed(3)
-    given = LLoPS(torch.randn(2, 1, 2, 3, 4, generator=gen, dtype=torch.float64),
-                  torch.randn(2, 1, 2, 3, 4, generator=gen, dtype=torch.float64))
+    given = llops_maps(torch.randn(2, 1, 2, 3, 4, generator=gen, dtype=torch.float64),
+                       torch.randn(2, 1, 2, 3, 4, generator=gen, dtype=torch.float64))
     fit = fit_llops_direct(q, k, p=2, m=4, init=given, steps=1, lm_steps=0)
     start = kernel_errors(given, q, k, 2)["rel_fro"]
-    assert _rel(fit.fit_info["init_rel_fro"], start) < 1e-12
-    svd_start = fit_llops_direct(q, k, p=2, m=4, steps=1, lm_steps=0).fit_info["init_rel_fro"]
+    assert _rel(fit[0].fit_info["init_rel_fro"], start) < 1e-12
+    svd_start = fit_llops_direct(q, k, p=2, m=4, steps=1, lm_steps=0)[0].fit_info["init_rel_fro"]
     assert _rel(start, svd_start) > 1e-3  # the two starts are distinguishable on this seed
 
 
@@ -230,7 +231,7 @@ def test_aligned_gauge_is_the_least_squares_map():
     g = aligned_gauge(q, k, opt)
     ref_q, _ = llops_init(q, k, p=2, m=4, init="svd")
     target = llops_features(q, ref_q)
-    current = opt.features_q(q)
+    current = batch_features(opt[0], q)  # [2, n, 4]: head b's optimal query map on problem b
 
     def err(gm):
         return torch.linalg.matrix_norm(current @ gm - target)
@@ -268,11 +269,11 @@ def test_fit_tokens_fits_a_subset_and_reports_on_all():
     from sketchlab import holdout_split
 
     keep, held = holdout_split(60, 0.25, 1)
-    err = kernel_errors(fit.sketch, q[:, keep], k[:, keep], 2)
+    err = kernel_errors(fit.maps, q[:, keep], k[:, keep], 2)
     assert _rel(fit.report.rel_fro, err["rel_fro"]) < 1e-12  # in-sample = all 45 non-held-out tokens
     assert fit.report.holdout_vs_reference.shape == (2,)
     full = fit_sketch("llops", q, k, p=2, m=4, holdout=0.25, seed=1, steps=2, lm_steps=1)
-    assert not torch.equal(full.sketch.theta_q, fit.sketch.theta_q)  # a different (sub)problem was fitted
+    assert not torch.equal(full.map_q.theta, fit.map_q.theta)  # a different (sub)problem was fitted
 
 
 @pytest.mark.parametrize("route", ["features", "compressed", "auto"])
@@ -288,7 +289,7 @@ def test_no_n_by_n_under_a_small_budget(route):
     assert small.report.info["route"] == ("compressed" if route == "auto" else route)  # n = 400 ≫ D = 6
     big = fit_sketch("llops", q, k, p=2, m=4, steps=2, lm_steps=1, route="kernel")
     assert _rel(small.report.rel_fro, big.report.rel_fro) < 1e-8  # same iterates, different round-off
-    assert _rel(small.sketch.theta_q, big.sketch.theta_q) < 1e-6
+    assert _rel(small.map_q.theta.detach(), big.map_q.theta.detach()) < 1e-6
 
 
 def test_memory_budget_fails_fast_for_huge_p(monkeypatch):
@@ -377,7 +378,7 @@ def test_fit_on_cuda():
                          ("llops", {"init": "based", "steps": 1}), ("optimal", {})):
         fit = fit_sketch(method, q.cuda(), k.cuda(), p=2, m=4, holdout=0.25, **opts)
         assert bool(torch.isfinite(fit.report.rel_fro).all())
-        for t in fit.sketch.parameters() if isinstance(fit.sketch, torch.nn.Module) else [fit.sketch.w_q]:
+        for t in [*fit.map_q.parameters(), *fit.map_q.buffers()]:
             assert t.device.type == "cuda"
 
 

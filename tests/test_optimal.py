@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sketchlab import (
+    OptimalMap,
     fit_sketch,
     max_sketch_size,
     num_poly_features,
@@ -23,6 +24,8 @@ from sketchlab import (
     poly_kernel,
     tail_bound,
 )
+from sketchlab.featuremaps import pair_features
+from sketchlab.fit import _parameters_per_head
 
 REL = 1e-9
 
@@ -34,8 +37,19 @@ def _qk(*lead, n_q=40, n_k=40, d=4, seed=0, dtype=torch.float64):
     return q, k
 
 
-def _sq_err(sketch, q, k, p):
-    return ((sketch.kernel(q, k) - poly_kernel(q, k, p)) ** 2).sum((-2, -1))
+def _kernel(maps, q, k):
+    """``φ_Q(q) φ_K(k)ᵀ`` of a pair of maps, ``[..., n_q, n_k]`` (the batch flattened into the maps' heads)."""
+    fq, fk = pair_features(maps, q, k)
+    return fq @ fk.mT
+
+
+def _sq_err(maps, q, k, p):
+    return ((_kernel(maps, q, k) - poly_kernel(q, k, p)) ** 2).sum((-2, -1))
+
+
+def _info(maps):
+    """What :func:`optimal_sketch` records on ``map_q``: singular values, tail, route."""
+    return maps[0].fit_info
 
 
 @pytest.mark.parametrize("route", ["svd", "qr"])
@@ -43,56 +57,59 @@ def _sq_err(sketch, q, k, p):
 def test_error_equals_tail(route, p, m):
     q, k = _qk(n_q=30, n_k=25, d=4, seed=p * 10 + m)
     s = optimal_sketch(q, k, p, m, route=route)
-    assert s.route == route
+    assert all(isinstance(f, OptimalMap) for f in s) and s[0].heads == 1 and s[0].degree == p
+    assert _info(s)["route"] == route
     err = _sq_err(s, q, k, p)
-    assert torch.allclose(err, s.tail, rtol=REL, atol=0), (err, s.tail)
+    assert torch.allclose(err, _info(s)["tail"], rtol=REL, atol=0), (err, _info(s)["tail"])
     # the tail is the sum of the discarded squared singular values of A
     sv = torch.linalg.svdvals(poly_kernel(q, k, p))
-    assert torch.allclose(s.tail, (sv[m:] ** 2).sum(), rtol=REL, atol=0)
+    assert torch.allclose(_info(s)["tail"], (sv[m:] ** 2).sum(), rtol=REL, atol=0)
 
 
 @pytest.mark.parametrize("p,m", [(2, 4), (3, 6)])
 def test_routes_agree(p, m):
     q, k = _qk(n_q=60, n_k=50, d=3, seed=11)  # n > D: both routes are valid
     a, b = optimal_sketch(q, k, p, m, route="svd"), optimal_sketch(q, k, p, m, route="qr")
-    assert optimal_sketch(q, k, p, m).route == "qr"  # auto picks QR when n > D
-    assert torch.allclose(a.singular_values, b.singular_values, rtol=1e-10, atol=1e-10 * a.singular_values[0])
-    assert torch.allclose(a.tail, b.tail, rtol=REL, atol=0)
+    assert _info(optimal_sketch(q, k, p, m))["route"] == "qr"  # auto picks QR when n > D
+    sv_a, sv_b = _info(a)["singular_values"], _info(b)["singular_values"]
+    assert torch.allclose(sv_a, sv_b, rtol=1e-10, atol=1e-10 * sv_a[0])
+    assert torch.allclose(_info(a)["tail"], _info(b)["tail"], rtol=REL, atol=0)
     # W* is unique up to signs of singular-vector pairs; the kernel it produces is unique (σ_m > σ_{m+1})
-    assert torch.allclose(a.kernel(q, k), b.kernel(q, k), rtol=0, atol=1e-10 * a.singular_values[0])
+    assert torch.allclose(_kernel(a, q, k), _kernel(b, q, k), rtol=0, atol=1e-10 * sv_a[0])
 
 
 def test_auto_route_is_svd_when_features_outnumber_tokens():
     q, k = _qk(n_q=8, n_k=8, d=4)
-    assert optimal_sketch(q, k, 3, 4).route == "svd"  # D = C(6,3) = 20 > 8
+    assert _info(optimal_sketch(q, k, 3, 4))["route"] == "svd"  # D = C(6,3) = 20 > 8
 
 
 def test_batched_equals_per_head():
     q, k = _qk(2, 3, n_q=20, n_k=20, d=3, seed=5)
     batched = optimal_sketch(q, k, 2, 4)
-    assert batched.w_q.shape == (2, 3, 6, 4) and batched.tail.shape == (2, 3)
+    assert batched[0].w.shape == (6, 6, 4) and _info(batched)["tail"].shape == (2, 3)  # heads [L·H, D, m]
     for l in range(2):
         for h in range(3):
             single = optimal_sketch(q[l, h], k[l, h], 2, 4)
-            assert torch.allclose(batched.tail[l, h], single.tail, rtol=1e-12, atol=0)
-            assert torch.allclose(batched.kernel(q, k)[l, h], single.kernel(q[l, h], k[l, h]), rtol=0, atol=1e-10)
-    assert torch.allclose(tail_bound(q, k, 2, 4), batched.tail, rtol=1e-12, atol=0)
+            assert torch.allclose(_info(batched)["tail"][l, h], _info(single)["tail"], rtol=1e-12, atol=0)
+            assert torch.allclose(_kernel(batched, q, k)[l, h], _kernel(single, q[l, h], k[l, h]), rtol=0, atol=1e-10)
+            assert torch.equal(batched[1].w[3 * l + h], batched[1].w.reshape(2, 3, 6, 4)[l, h])
+    assert torch.allclose(tail_bound(q, k, 2, 4), _info(batched)["tail"], rtol=1e-12, atol=0)
 
 
 def test_projector_in_full_basis_gives_same_features():
     q, k = _qk(n_q=20, n_k=20, d=3, seed=8)
     s = optimal_sketch(q, k, 3, 5)
-    assert s.symmetric
-    w_full = s.projector("k")
+    assert s[1].symmetric and torch.equal(s[1].projector(symmetric=True), s[1].w)
+    w_full = s[1].projector()[0]
     assert w_full.shape == (27, 5)
-    assert torch.allclose(poly_features(k, 3) @ w_full, s.features_k(k), rtol=0, atol=1e-12)
+    assert torch.allclose(poly_features(k, 3) @ w_full, pair_features(s, q, k)[1], rtol=0, atol=1e-12)
 
 
 def test_float32_input_is_solved_in_float64():
     q, k = _qk(n_q=20, n_k=20, d=3, dtype=torch.float32)
     s = optimal_sketch(q, k, 2, 3)
-    assert s.w_q.dtype == torch.float64
-    assert torch.allclose(_sq_err(s, q.double(), k.double(), 2), s.tail, rtol=REL, atol=0)
+    assert s[0].w.dtype == torch.float64
+    assert torch.allclose(_sq_err(s, q.double(), k.double(), 2), _info(s)["tail"], rtol=REL, atol=0)
 
 
 @settings(max_examples=40, deadline=None)
@@ -117,16 +134,17 @@ def test_no_linear_sketch_beats_the_tail(d, p, n, m_frac, seed, perturb):
     m = 1 + int(m_frac * (min(n, dim) - 1))
     best = optimal_sketch(q, k, p, m)
     a = poly_kernel(q, k, p)
+    best_q, best_k = best[0].w[0], best[1].w[0]  # [D, m] of the one head
     if perturb:
-        w_q = best.w_q + 1e-3 * torch.randn(best.w_q.shape, generator=gen, dtype=torch.float64)
-        w_k = best.w_k + 1e-3 * torch.randn(best.w_k.shape, generator=gen, dtype=torch.float64)
+        w_q = best_q + 1e-3 * torch.randn(best_q.shape, generator=gen, dtype=torch.float64)
+        w_k = best_k + 1e-3 * torch.randn(best_k.shape, generator=gen, dtype=torch.float64)
     else:
-        w_q = torch.randn(best.w_q.shape, generator=gen, dtype=torch.float64)
-        w_k = torch.randn(best.w_k.shape, generator=gen, dtype=torch.float64)
-    psi_q = poly_features(q, p, best.symmetric)
-    psi_k = poly_features(k, p, best.symmetric)
+        w_q = torch.randn(best_q.shape, generator=gen, dtype=torch.float64)
+        w_k = torch.randn(best_k.shape, generator=gen, dtype=torch.float64)
+    psi_q = poly_features(q, p, best[0].symmetric)
+    psi_k = poly_features(k, p, best[0].symmetric)
     err = (((psi_q @ w_q) @ (psi_k @ w_k).T - a) ** 2).sum()
-    assert err >= best.tail - 1e-10 * (a**2).sum()
+    assert err >= _info(best)["tail"] - 1e-10 * (a**2).sum()
 
 
 def test_fit_sketch_optimal_reports_ratio_one():
@@ -135,7 +153,8 @@ def test_fit_sketch_optimal_reports_ratio_one():
     r = fit.report
     assert torch.allclose(r.optimality_ratio, torch.ones(2, dtype=torch.float64), rtol=1e-9, atol=0)
     assert r.holdout_optimality_ratio.shape == (2,) and bool((r.holdout_optimality_ratio >= 1).all())
-    assert r.num_features == 4 and r.num_parameters == 2 * 6 * 4
+    assert r.num_features == 4 and r.num_parameters == 2 * 6 * 4 == _parameters_per_head(*fit.maps)
+    assert fit.report.info == {} and not hasattr(fit.map_q, "fit_info")  # the report measures its own floor
 
 
 @pytest.mark.parametrize(
@@ -194,7 +213,7 @@ def test_new_tokens_get_the_nystrom_extension():
     u, sv, vh = torch.linalg.svd(poly_kernel(q, k, 3))
     a_m_pinv = vh[:5].T @ torch.diag(1 / sv[:5]) @ u[:, :5].T  # [n_k, n_q]
     expected = poly_kernel(x, k, 3) @ a_m_pinv @ poly_kernel(q, y, 3)
-    assert torch.allclose(s.kernel(x, y), expected, rtol=0, atol=1e-10 * expected.abs().max())
+    assert torch.allclose(_kernel(s, x, y), expected, rtol=0, atol=1e-10 * expected.abs().max())
 
 
 def test_full_column_rank_gives_the_pseudo_inverse_solution():
@@ -209,7 +228,7 @@ def test_full_column_rank_gives_the_pseudo_inverse_solution():
     w_q = torch.linalg.pinv(poly_features(q, 2, True)) @ (u[:, :4] * sv[:4].sqrt())
     w_k = torch.linalg.pinv(poly_features(k, 2, True)) @ (vh[:4].T * sv[:4].sqrt())
     expected = w_q @ w_k.T
-    assert torch.allclose(s.w_q @ s.w_k.T, expected, rtol=0, atol=1e-10 * expected.abs().max())
+    assert torch.allclose(s[0].w[0] @ s[1].w[0].T, expected, rtol=0, atol=1e-10 * expected.abs().max())
 
 
 def test_rank_deficient_kernel_keeps_error_equal_to_tail():
@@ -218,8 +237,8 @@ def test_rank_deficient_kernel_keeps_error_equal_to_tail():
     q = q[:, :1] * torch.tensor([[1.0, 2.0, -1.0]], dtype=torch.float64)  # queries on one line
     a = poly_kernel(q, k, 2)  # rank 1, while D = 6
     s = optimal_sketch(q, k, 2, 3)
-    assert bool(torch.isfinite(s.w_q).all() and torch.isfinite(s.w_k).all())
-    assert ((s.kernel(q, k) - a) ** 2).sum() <= 1e-24 * (a**2).sum()
+    assert bool(torch.isfinite(s[0].w).all() and torch.isfinite(s[1].w).all())
+    assert ((_kernel(s, q, k) - a) ** 2).sum() <= 1e-24 * (a**2).sum()
 
 
 def test_gram_route_equals_qr_route():
@@ -233,8 +252,8 @@ def test_gram_route_equals_qr_route():
         qr, gram = tail_bound(q, k, 2, m, route="qr"), tail_bound(q, k, 2, m, route="gram")
         assert bool(((qr - gram).abs() <= 1e-9 * norm).all())
     opt = optimal_sketch(q, k, 2, 4, route="gram")
-    err = ((opt.kernel(q, k) - poly_kernel(q, k, 2)) ** 2).sum((-2, -1))
-    assert bool(((err - opt.tail).abs() <= 1e-9 * norm).all())
+    err = ((_kernel(opt, q, k) - poly_kernel(q, k, 2)) ** 2).sum((-2, -1))
+    assert bool(((err - _info(opt)["tail"]).abs() <= 1e-9 * norm).all())
 
 
 @pytest.mark.parametrize("n,route", [(23, "auto"), (24, "gram")])
@@ -267,7 +286,8 @@ def test_fit_report_reuses_the_compressed_fits_kernel_core(monkeypatch):
     monkeypatch.setattr(sketchlab.optimal, "_kernel_singular_values", forbidden)
     fit = fit_sketch("llops", q, k, p=2, m=3, steps=2, lm_steps=1, route="compressed")
     monkeypatch.undo()
-    assert fit.sketch.fit_info["route"] == "compressed" and "kernel_core" not in fit.sketch.fit_info
+    assert fit.report.info["route"] == "compressed" and "kernel_core" not in fit.report.info
+    assert not hasattr(fit.map_q, "fit_info")
     norm = (poly_kernel(q, k, 2) ** 2).sum((-2, -1))
     assert bool(((fit.report.tail - tail_bound(q, k, 2, 3, route="qr")).abs() <= 1e-9 * norm).all())
     with_tokens = fit_sketch("llops", q, k, p=2, m=3, steps=2, lm_steps=1, route="compressed", fit_tokens=30)
@@ -281,14 +301,15 @@ def test_min_norm_sketch():
 
     q, k = _qk(n_q=12, n_k=12, d=4, seed=22)  # D = C(6, 3) = 20 > 12 for p = 3
     opt, mn = optimal_sketch(q, k, 3, 5), min_norm_sketch(q, k, 3, 5)
-    a_opt, a_mn = opt.kernel(q, k), mn.kernel(q, k)
+    a_opt, a_mn = _kernel(opt, q, k), _kernel(mn, q, k)
     assert torch.allclose(a_mn, a_opt, rtol=0, atol=1e-10 * float(a_opt.abs().max()))
     psi = poly_features(q.double(), 3, True)
     proj = torch.linalg.pinv(psi) @ psi  # projector onto the row space
-    assert torch.allclose(proj @ mn.w_q, mn.w_q, atol=1e-9 * float(mn.w_q.abs().max()))
-    assert bool((torch.linalg.matrix_norm(mn.w_q) <= torch.linalg.matrix_norm(opt.w_q) * (1 + 1e-12)).all())
-    assert not torch.allclose(mn.w_q, opt.w_q)  # a different W: the Nyström one is not minimum-norm here
-    assert mn.route == opt.route == "svd"  # n <= D: the automatic route is the SVD of A, as for the optimum
+    mn_q, opt_q = mn[0].w[0], opt[0].w[0]
+    assert torch.allclose(proj @ mn_q, mn_q, atol=1e-9 * float(mn_q.abs().max()))
+    assert bool((torch.linalg.matrix_norm(mn_q) <= torch.linalg.matrix_norm(opt_q) * (1 + 1e-12)).all())
+    assert not torch.allclose(mn_q, opt_q)  # a different W: the Nyström one is not minimum-norm here
+    assert _info(mn)["route"] == _info(opt)["route"] == "svd"  # n <= D: the automatic route is the SVD of A
 
 
 def test_fit_sketch_optimal_choice_min_norm_is_the_min_norm_sketch():
@@ -299,8 +320,8 @@ def test_fit_sketch_optimal_choice_min_norm_is_the_min_norm_sketch():
     q, k = _qk(n_q=12, n_k=12, d=4, seed=22)
     fit = fit_sketch("optimal", q, k, p=3, m=5, choice="min-norm", reference=False)
     mn = min_norm_sketch(q, k, 3, 5)
-    assert torch.allclose(fit.sketch.w_q, mn.w_q, rtol=0, atol=1e-12 * float(mn.w_q.abs().max()))
-    assert torch.allclose(fit.sketch.w_k, mn.w_k, rtol=0, atol=1e-12 * float(mn.w_k.abs().max()))
+    assert torch.allclose(fit.map_q.w, mn[0].w, rtol=0, atol=1e-12 * float(mn[0].w.abs().max()))
+    assert torch.allclose(fit.map_k.w, mn[1].w, rtol=0, atol=1e-12 * float(mn[1].w.abs().max()))
     with pytest.raises(ValueError, match="choice must be 'nystrom' or 'min-norm'"):
         fit_sketch("optimal", q, k, p=3, m=5, choice="svd", reference=False)
 
@@ -323,7 +344,7 @@ def test_each_route_checks_its_own_memory_before_work():
     with pytest.raises(ValueError, match=r"the kernel A and its SVD"):
         tail_bound(q, k, 2, 2, route="svd", max_bytes=500_000)
     s = optimal_sketch(q, k, 2, 2, route="gram", max_bytes=500_000)
-    assert torch.allclose(_sq_err(s, q, k, 2), s.tail, rtol=REL, atol=0)
+    assert torch.allclose(_sq_err(s, q, k, 2), _info(s)["tail"], rtol=REL, atol=0)
     # d = 8, p = 4: D = C(11, 4) = 330, three 330 x 330 float64 factors = 2 613 600 bytes
     q, k = _qk(n_q=400, n_k=400, d=8, seed=6)
     with pytest.raises(ValueError, match=r"the 330 x 330 factors of 1 head\(s\) \(float64\) would take .* over the "
@@ -342,21 +363,22 @@ def test_max_sketch_size_refuses_sizes_below_one(args, name):
     assert [max_sketch_size(9, 7, d, p) for d, p in ((1, 5), (2, 1), (2, 2), (3, 2), (5, 3))] == [1, 2, 3, 6, 7]
 
 
-def test_optimal_sketch_naive_twin_and_select():
-    """The optimum's float64 twin (ψ written out) equals its fast features per head, and ``select`` of
-    one layer of an ``[L, H]`` optimum is that layer's heads (its features, tail and spectrum)."""
+def test_optimal_map_naive_twin_and_select_heads():
+    """The optimum's float64 twin (ψ written out) equals its fast features per head, and ``select_heads`` of
+    one layer of an ``[L, H]`` optimum (``fit.layer``) is that layer's heads (its features)."""
+    from sketchlab.featuremaps import batch_features
     from sketchlab.optimal import optimal_sketch
 
     gen = torch.Generator().manual_seed(3)
     q = torch.randn(2, 3, 12, 4, generator=gen, dtype=torch.float64)
     k = torch.randn(2, 3, 12, 4, generator=gen, dtype=torch.float64)
     opt = optimal_sketch(q, k, p=2, m=5)
-    for side, fast in (("q", opt.features_q(q)), ("k", opt.features_k(k))):
-        x = q if side == "q" else k
-        for index in ((0, 0), (1, 2)):
-            torch.testing.assert_close(opt.features_naive(x[index], side, index), fast[index], rtol=1e-12, atol=1e-12)
-    one = opt.select(1)
-    torch.testing.assert_close(one.features_q(q[1]), opt.features_q(q)[1], rtol=0, atol=0)
-    torch.testing.assert_close(one.tail, opt.tail[1], rtol=0, atol=0)
-    assert one.singular_values.shape == opt.singular_values.shape[1:]
-    assert float((opt.select(0).features_k(k[1]) - opt.features_k(k)[1]).abs().max()) > 1e-6  # another layer differs
+    for fmap, x in zip(opt, (q, k)):
+        x_heads = x.reshape(6, 12, 4).transpose(0, 1)[None]  # [1, n, L·H, d]
+        torch.testing.assert_close(fmap.features_naive(x_heads), fmap.features(x_heads), rtol=1e-12, atol=1e-12)
+    one = opt[0].select_heads([3, 4, 5])  # layer 1
+    torch.testing.assert_close(batch_features(one, q[1]), batch_features(opt[0], q)[1], rtol=0, atol=0)
+    fit = fit_sketch("optimal", q, k, p=2, m=5)
+    layer_q, layer_k = fit.layer(1)
+    torch.testing.assert_close(batch_features(layer_k, k[1]), batch_features(opt[1], k)[1], rtol=0, atol=0)
+    assert float((batch_features(opt[1].select_heads([0, 1, 2]), k[1]) - batch_features(opt[1], k)[1]).abs().max()) > 1e-6

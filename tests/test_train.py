@@ -15,9 +15,9 @@ from sketchlab.attention import (
 )
 from sketchlab.attention.ops.additive.naive import feature_attention_naive
 from sketchlab.attention.reference import llops_attention_naive
+from sketchlab.featuremaps.based import taylor_features_naive
+from sketchlab.featuremaps.psf_random import psf_features_naive
 from sketchlab.io import save_theta
-from sketchlab.sketches.based import taylor_features_naive
-from sketchlab.sketches.psf import psf_features_naive
 from sketchlab.tasks import (
     MQARConfig,
     TransformerConfig,
@@ -244,7 +244,7 @@ def test_psf_kernel_uses_its_stored_draw_per_layer_and_head():
     kernel, model = _kernel("psf", {"p": 4, "m": 16, "seed": 3})
     q, k, v = _qkv()
     s = input_scale(8)
-    weights = kernel.map_q.sketch.weights
+    weights = kernel.map_q.weights
     fq = torch.stack([_rows(psf_features_naive, q[:, :, h] * s, [w[h] for w in weights], 2) for h in range(2)],
                      dim=2)  # [B, T, H, r]: the inner degree-2 sketch of each head
     fk = torch.stack([_rows(psf_features_naive, k[:, :, h] * s, [w[h] for w in weights], 2) for h in range(2)],
@@ -517,19 +517,21 @@ def test_affine_llops_through_the_triton_kernel_matches_the_torch_backend():
 def test_based_hybrid_poly_window_uses_the_kernels_own_scale(options, scale, local_scale):
     # local="poly": the exact window scores (s·qᵀk)^p use BASED's scale s, not the default 1/√D that
     # any other scale (or a dropped one) would give; window 2 < T mixes the window with the sketch
-    from sketchlab.attention.functional import sketch_attention
-    from sketchlab.sketches import BasedSketch
+    from sketchlab.attention import AttentionOptions, linear_attention
+    from sketchlab.featuremaps.based import ExpandMap, TaylorMap
 
     kernel, _ = _kernel("based", {**options, "window": 2, "local": "poly"})
     o = kernel.config_options
-    sketch = BasedSketch(torch.eye(8, 4, dtype=torch.float64).expand(2, 8, 4), o["p"], form=o["form"],
-                         symmetric=o["symmetric"])  # BASED on the first d' = 4 coordinates
+    proj = torch.eye(8, 4, dtype=torch.float64).expand(2, 8, 4)  # BASED on the first d' = 4 coordinates
+    fmap = (TaylorMap(2, 8, proj=proj, symmetric=o["symmetric"]) if o["form"] == "taylor"
+            else ExpandMap(2, 8, p=o["p"], proj=proj, symmetric=o["symmetric"]))
     q, k, v = _qkv()
     got = kernel(q, k, v)
-    want = sketch_attention(q * scale, k * scale, v, sketch, window=2, local="poly", local_scale=local_scale,
-                            gate=kernel.gate)
+    opts = AttentionOptions(window=2, local="poly", non_negative=False)
+    want, _ = linear_attention(q * scale, k * scale, v, fmap, options=opts.replace(local_scale=local_scale),
+                               gate=kernel.gate)
     torch.testing.assert_close(got, want, **F64)
-    default = sketch_attention(q * scale, k * scale, v, sketch, window=2, local="poly", gate=kernel.gate)
+    default, _ = linear_attention(q * scale, k * scale, v, fmap, options=opts, gate=kernel.gate)
     assert (got - default).abs().max() > 1e-6  # the scale matters at these sizes
 
 

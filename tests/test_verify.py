@@ -9,6 +9,8 @@ import pytest
 import torch
 
 import sketchlab
+from sketchlab.featuremaps import to_llops
+from sketchlab.featuremaps.to_llops import as_llops
 from sketchlab.verify import CHECKS, verify
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -76,10 +78,9 @@ def test_m_at_numerical_rank_cannot():
 
 
 def _one_short(q, k, p, m, **kw):
-    s = sketchlab.optimal_sketch(q, k, p, m, **kw)
-    s.w_q = s.w_q.clone()
-    s.w_q[..., -1] = 0  # drops the m-th component: error² = tail + σ_m²
-    return s
+    maps = sketchlab.optimal_sketch(q, k, p, m, **kw)
+    maps[0].w[..., -1] = 0  # the query map drops the m-th component: error² = tail + σ_m²
+    return maps
 
 
 def _skewed_features(x, p, symmetric=False):
@@ -92,9 +93,9 @@ def _lower_tau(t, **kw):
     return res
 
 
-def _skewed_llops(sketch):
-    llops = sketchlab.sketches.convert.as_llops(sketch)
-    llops.theta_q.data.mul_(1 + 1e-9)  # Θ off by 1e-9 relative
+def _skewed_llops(fmap):
+    llops = as_llops(fmap)
+    llops.theta.data.mul_(1 + 1e-9)  # Θ off by 1e-9 relative
     return llops
 
 
@@ -102,7 +103,7 @@ def _skewed_llops(sketch):
     ("theorem_3_1", verify_mod, "optimal_sketch", _one_short),
     ("psi_symmetric", verify_mod, "poly_features", _skewed_features),
     ("theorem_3_4_identity", verify_mod, "spectral_norm", _lower_tau),
-    ("special_cases", sketchlab.sketches, "as_llops", _skewed_llops),
+    ("special_cases", to_llops, "as_llops", _skewed_llops),
 ])
 def test_each_check_fails_on_a_broken_library(monkeypatch, target, module, name, replacement):
     monkeypatch.setattr(module, name, replacement)
@@ -133,19 +134,18 @@ def test_non_finite_input_is_rejected():
 
 def _qr_route_one_short(q, k, p, m, route="auto", **kw):
     """The svd route intact, the qr route dropping its m-th component (a routes disagreement only)."""
-    s = sketchlab.optimal_sketch(q, k, p, m, route=route, **kw)
+    maps = sketchlab.optimal_sketch(q, k, p, m, route=route, **kw)
     if route == "qr":
-        s.w_q = s.w_q.clone()
-        s.w_q[..., -1] = 0
-    return s
+        maps[0].w[..., -1] = 0
+    return maps
 
 
 def _qr_route_wrong_values(q, k, p, m, route="auto", **kw):
     """The qr route's maps intact but its reported singular values off by 1e-6 relative."""
-    s = sketchlab.optimal_sketch(q, k, p, m, route=route, **kw)
+    maps = sketchlab.optimal_sketch(q, k, p, m, route=route, **kw)
     if route == "qr":
-        s.singular_values = s.singular_values * (1 + 1e-6)
-    return s
+        maps[0].fit_info["singular_values"] = maps[0].fit_info["singular_values"] * (1 + 1e-6)
+    return maps
 
 
 def _second_singular_pair(t, **kw):

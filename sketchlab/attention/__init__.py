@@ -11,10 +11,10 @@ naive float64 twins), ``chunked`` (PyTorch, the CPU path), ``memory`` (the memor
 """
 
 from ._checks import count_denominators
-from .functional import BACKENDS, dump_segments, linear_attention, poly_attention, resolve_backend, softmax_attention
+from .functional import dump_segments, linear_attention, poly_attention, resolve_backend, softmax_attention
 from .memory_state import MemoryState
 from .module import LLoPSAttention
-from .options import AttentionOptions, FarParams
+from .options import BACKENDS, AttentionOptions, FarParams
 from .reference import attention_mask, poly_attention_naive, softmax_attention_naive
 from .state import AttentionState
 

@@ -15,26 +15,32 @@ import warnings
 import torch
 
 from .._validation import as_float_tensor, check_finite, per_version
-from .options import _BACKENDS, _DENOMINATOR_CHECKS, _LOCALS, _NORMALIZE, AttentionOptions, _choice, _flag, _int, _real
+from .options import (
+    BACKENDS,
+    DENOMINATOR_CHECKS,
+    NORMALIZE,
+    AttentionOptions,
+    check_choice,
+    check_flag,
+    check_int,
+    check_real,
+)
 
-__all__ = ["NORMALIZE", "check_eps", "check_window_lengths", "count_denominators", "check_normalize", "check_qkv",
-           "check_segments", "check_theta"]
+# NORMALIZE and check_flag are the options' own (re-exported: ops/ imports no options module)
+__all__ = ["DenominatorCounter", "NORMALIZE", "check_eps", "check_finite_once", "check_flag", "check_normalize",
+           "check_qkv", "check_segments", "check_theta", "check_window_lengths", "count_denominators"]
 
 # The rules on options live in :class:`~sketchlab.attention.options.AttentionOptions` (DESIGN §7); the
 # checks below that test an option are those rules, called on one value (never restated here).
 
-#: Accepted values of ``normalize`` (:class:`AttentionOptions`'s).
-NORMALIZE = _NORMALIZE
-
-
 def check_normalize(normalize) -> str:
     """``normalize`` must be ``"none"`` or ``"sum"`` (the rule of ``AttentionOptions.normalize``)."""
-    return _choice(normalize, "normalize", _NORMALIZE)
+    return check_choice(normalize, "normalize", NORMALIZE)
 
 
 def check_eps(eps) -> float:
     """``eps`` must be a finite number ``>= 0`` (the rule of ``AttentionOptions.eps``)."""
-    return _real(eps, "eps", lo=0.0, lo_open=False)
+    return check_real(eps, "eps", lo=0.0, lo_open=False)
 
 
 def check_window_lengths(causal: bool, window: int, T: int, S: int) -> None:
@@ -43,19 +49,14 @@ def check_window_lengths(causal: bool, window: int, T: int, S: int) -> None:
         raise ValueError(f"the non-causal hybrid window |i−j| < w needs T == S, got T={T}, S={S}")
 
 
-def check_flag(value, name: str) -> bool:
-    """``value`` must be a Python bool (the rule of ``AttentionOptions``' flags)."""
-    return _flag(value, name)
-
-
 def check_chunk_size(chunk_size) -> int:
     """``chunk_size`` must be an integer ``>= 1`` (the rule of ``AttentionOptions.chunk_size``)."""
-    return _int(chunk_size, "chunk_size", 1)
+    return check_int(chunk_size, "chunk_size", 1)
 
 
 def check_backend_name(backend) -> str:
     """``backend`` must be one of ``"auto", "triton", "torch", "reference"`` (``AttentionOptions.backend``)."""
-    return _choice(backend, "backend", _BACKENDS)
+    return check_choice(backend, "backend", BACKENDS)
 
 
 def check_qkv(q, k, v, *, causal: bool, names=("q", "k", "v"), feature_dims_match: bool = True, finite: bool = True):
@@ -171,7 +172,7 @@ def check_theta(theta_q, theta_k, *, heads: int, dim: int, like: torch.Tensor):
         )
     with torch.no_grad():
         for theta, name in ((tq, "theta_q"), (tk, "theta_k")):
-            _check_finite_once(theta, name)
+            check_finite_once(theta, name)
     return tq, tk
 
 
@@ -181,8 +182,16 @@ def check_theta(theta_q, theta_k, *, heads: int, dim: int, like: torch.Tensor):
 _FINITE: dict[int, tuple] = {}
 
 
-def _check_finite_once(theta: torch.Tensor, name: str) -> None:
-    """:func:`check_finite` on ``theta`` unless this very tensor, unmodified since, passed it."""
+def check_finite_once(theta: torch.Tensor, name: str) -> None:
+    """:func:`~sketchlab._validation.check_finite` on ``theta``, unless this very tensor, unmodified since (its in-place
+    version), passed it.
+
+    Parameters
+    ----------
+    theta : Tensor
+    name : str
+        Its name in the error.
+    """
     per_version(_FINITE, theta, lambda: check_finite(theta.detach(), name))
 
 
@@ -212,17 +221,13 @@ def check_segments(segments, length: int) -> list[int] | None:
     return [int(s) for s in values]
 
 
-#: Accepted values of ``local`` (the exact part of the hybrid).
-LOCAL_KINDS = _LOCALS
-#: Accepted values of ``denominator_check``.
-DENOMINATOR_CHECKS = _DENOMINATOR_CHECKS
 
 
 def check_hybrid(window, sinks, local, local_scale, gate, *, normalize: str, heads: int, dim: int, like: torch.Tensor):
     """Validate the sliding-window options; returns ``(window, sinks, local, scale, gate)``.
 
     The options' rules are :class:`AttentionOptions`' (``window``, ``sinks`` ints ``>= 0``;
-    ``sinks > 0`` needs ``window >= 1``; ``local`` in :data:`LOCAL_KINDS`; ``local_scale`` ``None``
+    ``sinks > 0`` needs ``window >= 1``; ``local`` in :data:`~sketchlab.attention.options.LOCALS`; ``local_scale`` ``None``
     (→ ``1/√D``) or a finite number ``> 0``; the hybrid is normalised: ``normalize="none"`` with
     ``window > 0`` is an error), checked by building one; ``gate`` (a tensor, not an option):
     ``None`` or a finite floating tensor ``[H]`` (logits) on ``q``'s device (:func:`check_gate`).
@@ -269,7 +274,7 @@ def check_key_padding_mask(mask, batch: int, length: int, device) -> torch.Tenso
 
 def check_denominator_check(value) -> str:
     """``denominator_check`` must be one of :data:`DENOMINATOR_CHECKS` (``AttentionOptions.denominator_check``)."""
-    return _choice(value, "denominator_check", _DENOMINATOR_CHECKS)
+    return check_choice(value, "denominator_check", DENOMINATOR_CHECKS)
 
 
 _DENOMINATOR_MESSAGE = re.compile(r"(\d+) of \d+ query rows have a normalising denominator <= 0")
@@ -329,6 +334,25 @@ def report_denominators(counts, rows: int, where: str, mode: str) -> None:
     if mode == "raise":
         raise FloatingPointError(msg)
     warnings.warn(msg, RuntimeWarning, stacklevel=3)
+
+
+class DenominatorCounter:
+    """Counts the normalising denominators ``<= 0`` of real query rows, and those exactly 0, chunk by chunk
+    (:func:`denominator_counts`), and reports them once at the end (:func:`report_denominators`; one sync)."""
+
+    def __init__(self):
+        self.counts, self.rows = None, 0
+
+    def add(self, den: torch.Tensor, rows: torch.Tensor | None) -> None:
+        """``den [B, H, n]``; ``rows [B, n]`` bool (real queries) or None (all)."""
+        counts = denominator_counts(den, None if rows is None else rows[:, None, :])
+        self.counts = counts if self.counts is None else self.counts + counts
+        self.rows += den.numel()
+
+    def report(self, where: str, mode: str) -> None:
+        """:func:`report_denominators` of what was added (nothing added: nothing reported)."""
+        if self.counts is not None:
+            report_denominators(self.counts, self.rows, where, mode)
 
 
 # ----------------------------------------------------------------------------------------------- the recurrences

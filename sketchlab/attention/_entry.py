@@ -2,7 +2,7 @@ r"""The options object at the attention entry points (DESIGN §7; issue 33's one
 
 The op :func:`~sketchlab.attention.linear_attention` takes one ``options: AttentionOptions`` and uses it
 as given. The keyword-style internal entry points (:func:`~sketchlab.attention.functional.llops_attention`,
-:func:`~sketchlab.attention.functional.sketch_attention`, :func:`~sketchlab.attention.chunked.feature_attention`)
+:func:`~sketchlab.attention.chunked.feature_attention`)
 take ``options: AttentionOptions | None`` and ``params: FarParams | None`` beside their keyword options;
 :func:`call_options` turns either into one
 :class:`AttentionOptions` (so each rule is checked once, in its ``__post_init__``); a call whose
@@ -78,7 +78,7 @@ def memory_call(fq, fk, v, q, k, *, where: str, options: AttentionOptions, param
     from ..polynomial import self_tensor
     from .memory import memory_attention, memory_attention_naive
     from .memory_fast import run
-    from .memory_state import _check_call
+    from .memory_state import check_memory_call
 
     if options.backend == "triton":
         raise ValueError(f"{where}: the memory mechanisms (cache, decay, delta state) have no fused kernel: "
@@ -93,7 +93,7 @@ def memory_call(fq, fk, v, q, k, *, where: str, options: AttentionOptions, param
                                       *(None if x is None else x.double() for x in (q, k)), **kw)
     if not qkv_checked:
         return memory_attention(fq, fk, v, q, k, **kw)
-    return run(_check_call(fq, fk, v, q, k, options, params, degree, key_padding_mask, initial_state,
+    return run(check_memory_call(fq, fk, v, q, k, options, params, degree, key_padding_mask, initial_state,
                            output_final_state, gate, raw_checked=True))
 
 

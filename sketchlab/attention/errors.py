@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from .._validation import as_float_tensor
-from ..metrics import _pair
+from ..metrics import check_approx_exact
 from .reference import kernel_attention_naive
 
 __all__ = ["attention_error", "causal_attention"]
@@ -55,7 +55,7 @@ def attention_error(approx, exact, v, *, eps: float = 1e-6, normalize: str = "su
     :math:`\|O(\hat A) - O(A)\|_F / \|O(A)\|_F` with :math:`O` from :func:`causal_attention`
     (same ``eps``, ``normalize`` and ``segments``), per batch element.
     """
-    approx, exact = _pair(approx, exact)
+    approx, exact = check_approx_exact(approx, exact)
     out_hat = causal_attention(approx, v, eps=eps, normalize=normalize, segments=segments)
     out = causal_attention(exact, v, eps=eps, normalize=normalize, segments=segments)
     return torch.linalg.matrix_norm(out_hat - out) / torch.linalg.matrix_norm(out)

@@ -1,4 +1,4 @@
-r"""Functional attention API (layout ``[B, T, H, D]``): LLoPS, any sketch, exact polynomial, softmax.
+r"""Functional attention API (layout ``[B, T, H, D]``): the op on feature maps, LLoPS, exact polynomial, softmax.
 
 Backends of :func:`llops_attention`:
 
@@ -23,7 +23,6 @@ import torch
 
 from ..llops.maps import llops_feature_fn, llops_is_non_negative
 from ..numerics import check_llops_kernel_range
-from ..sketch import Sketch
 from ._checks import (
     check_backend_name,
     check_flag,
@@ -37,16 +36,14 @@ from ._entry import by_segments as _by_segments
 from ._entry import call_options, far_gate, keyword_defaults, memory_call
 from .chunked import DEFAULT_CHUNK_SIZE, feature_attention, llops_attention_chunked
 from .ops.additive.naive import feature_attention_naive
-from .options import _BACKENDS, AttentionOptions, FarParams
+from .options import BACKENDS, AttentionOptions, FarParams
 from .poly import poly_attention  # re-exported: blocked exact polynomial attention
 from .qk_conv import with_qk_conv
 from .reference import llops_attention_naive
 from .softmax import softmax_attention  # re-exported: the exact softmax attention
 
-__all__ = ["BACKENDS", "dump_segments", "linear_attention", "llops_attention", "poly_attention", "resolve_backend", "sketch_attention", "softmax_attention"]
+__all__ = ["BACKENDS", "dump_segments", "linear_attention", "llops_attention", "poly_attention", "resolve_backend", "softmax_attention"]
 
-#: Accepted values of ``backend`` (``AttentionOptions.backend``'s).
-BACKENDS = _BACKENDS
 
 
 def _triton_importable() -> bool:
@@ -225,30 +222,6 @@ def _llops_memory(q, k, v, theta_q, theta_k, o, params, gate, non_negative, segm
     return _by_segments(run, segments, q, k, v, mask=mask)
 
 
-def _map_params(theta: torch.Tensor, batch: int, heads: int, name: str) -> torch.Tensor:
-    """LLoPS ``theta[..., t, p, D, M]`` whose leading shape broadcasts against ``[B, H]``.
-
-    Returns ``[H, t, p, D, M]`` when the maps do not depend on the batch index, else
-    ``[B, H, t, p, D, M]`` (one map per batch element and head, e.g. a dump's ``[L, H]`` with the
-    layers on the batch axis).
-    """
-    lead = tuple(theta.shape[:-4])
-    try:
-        ok = len(lead) <= 2 and torch.broadcast_shapes(lead, (batch, heads)) == (batch, heads)
-    except RuntimeError:
-        ok = False
-    if not ok:
-        raise ValueError(
-            f"sketch {name} has leading (batch) shape {list(lead)}, which does not broadcast against [B, H] = "
-            f"[{batch}, {heads}]: sketch_attention needs one map per head ([], [H], [1, H]) or per batch element "
-            f"and head ([B, H])"
-        )
-    per_batch = len(lead) == 2 and lead[0] != 1
-    shape = (batch, heads) if per_batch else (heads,)
-    lead2 = lead if per_batch else lead[-1:]
-    return theta.reshape(*lead2, *theta.shape[-4:]).expand(*shape, *theta.shape[-4:])
-
-
 def dump_segments(dump) -> list[int] | None:
     """Segment lengths of the sequences a Q/K dump joins, from its metadata key ``tokens``.
 
@@ -267,113 +240,6 @@ def dump_segments(dump) -> list[int] | None:
     except json.JSONDecodeError as err:
         raise ValueError(f"dump metadata tokens must be a JSON list of ints, got {raw[:80]!r} ({err})") from err
     return check_segments(values, dump.q.shape[-2])
-
-
-def sketch_attention(q, k, v, sketch: Sketch, *, options: AttentionOptions | None = None,
-                     params: FarParams | None = None, causal: bool = True, normalize: str = "sum",
-                     non_negative: bool = False, eps: float = 1e-6, backend: str = "auto",
-                     chunk_size: int = DEFAULT_CHUNK_SIZE, segments=None, window: int = 0, sinks: int = 0,
-                     local: str = "softmax", local_scale=None, gate=None, key_padding_mask=None, initial_state=None,
-                     output_final_state: bool = False, denominator_check: str = "warn"):
-    r"""Attention through any :class:`sketchlab.Sketch`: scores :math:`\phi_Q(q_t)\cdot\phi_K(k_s)`.
-
-    Parameters
-    ----------
-    q : Tensor ``[B, T, H, D]``
-    k : Tensor ``[B, S, H, D]``
-    v : Tensor ``[B, S, H, Dv]``
-    sketch : Sketch
-        Its maps act on ``x[..., n, D]``; its parameters' leading (batch) shape must broadcast
-        against ``[B, H]``: ``[]``, ``[H]``, ``[1, H]`` (one map per head) or ``[B, H]`` (one per
-        batch element and head: a fitted ``[L, H]`` sketch runs on a dump's ``[L, H, n, d]``
-        tensors permuted to ``[L, n, H, d]``). An :class:`sketchlab.LLoPS` goes to
-        :func:`llops_attention` (every backend; Θ cast to ``q``'s dtype; per-batch maps folded into
-        the heads); any other
-        sketch computes ``features_q``/``features_k`` (its own dtype, promoted with ``v``'s) and
-        runs :func:`sketchlab.attention.chunked.feature_attention` (``backend`` ``"auto"``/``"torch"``)
-        or the dense float64 twin (``"reference"``); there is no fused kernel for them.
-    options, params, causal, normalize, non_negative, eps, chunk_size, window, sinks, local, local_scale, gate,
-    key_padding_mask, initial_state, output_final_state, denominator_check
-        As in :func:`llops_attention` (``local="poly"`` uses the sketch's degree;
-        ``options.non_negative=None`` is ``False``, the keyword's default). Memory options run
-        :func:`~sketchlab.attention.memory.memory_attention` on the sketch's features (an LLoPS sketch
-        through :func:`llops_attention`; one map per batch element is refused there).
-    segments : None, int or sequence of int
-        Lengths of sequences joined along the token axis (``T == S``): each is attended on its
-        own (see :func:`dump_segments`).
-
-    Returns
-    -------
-    Tensor ``[B, T, H, Dv]``, or ``(o, AttentionState)``.
-    """
-    from ..llops import LLoPS
-
-    if not isinstance(sketch, Sketch):
-        raise TypeError(f"sketch must be a sketchlab.Sketch, got {type(sketch).__name__}")
-    o = call_options("sketch_attention", options, params,
-                     dict(causal=causal, normalize=normalize, non_negative=non_negative, eps=eps, backend=backend,
-                          chunk_size=chunk_size, window=window, sinks=sinks, local=local, local_scale=local_scale,
-                          denominator_check=denominator_check), _DEFAULTS["sketch_attention"])
-    if o.non_negative is None:  # this entry's own default (its keyword's): a Sketch is never self-tensored unasked
-        o = o.replace(non_negative=False)
-    o = o.resolve(True)  # normalize=None is "sum": the one rule (non_negative is given by now)
-    causal, normalize, non_negative, eps, backend = o.causal, o.normalize, o.non_negative, o.eps, o.backend
-    chunk_size, window, sinks, local, local_scale = o.chunk_size, o.window, o.sinks, o.local, o.local_scale
-    denominator_check = o.denominator_check
-    q, k, v = check_qkv(q, k, v, causal=causal)
-    if q.shape[-1] != _sketch_dim(sketch, q.shape[-1]):
-        raise ValueError(f"sketch acts on d={_sketch_dim(sketch, q.shape[-1])} but q and k have D={q.shape[-1]}")
-    B, H = q.shape[0], q.shape[2]
-    opts = dict(window=window, sinks=sinks, local=local, local_scale=local_scale, gate=gate,
-                denominator_check=denominator_check)
-    stateful = dict(initial_state=initial_state, output_final_state=output_final_state)
-    _check_stateful_segments(segments, initial_state, output_final_state)
-    if isinstance(sketch, LLoPS):
-        theta_k = sketch.theta_q if sketch.theta_k is None else sketch.theta_k
-        tq = _map_params(sketch.theta_q, B, H, "theta_q").to(q.dtype)
-        tk = _map_params(theta_k, B, H, "theta_k").to(q.dtype)
-        if tq.ndim == 6 and (key_padding_mask is not None or initial_state is not None or output_final_state
-                             or o.memory or params is not None):
-            raise ValueError("a sketch with one map per batch element ([B, H] leading shape) folds the batch into "
-                             "the heads and cannot take key_padding_mask, a state, memory options or params; use one "
-                             "map per head")
-
-        def run(qs, ks, vs, mask):
-            if tq.ndim == 5:
-                return llops_attention(qs, ks, vs, tq, tk, options=o, params=params, gate=gate,
-                                       key_padding_mask=mask, **stateful)
-
-            def fold(x):  # [B, T, H, ·] -> [1, T, B·H, ·]
-                return x.transpose(0, 1).reshape(1, x.shape[1], B * H, x.shape[-1])
-
-            fopts = dict(opts, gate=None if gate is None else gate.repeat(B))  # [B·H]
-            out = llops_attention(fold(qs), fold(ks), fold(vs), tq.flatten(0, 1), tk.flatten(0, 1), causal=causal,
-                                  normalize=normalize, non_negative=non_negative, eps=eps, backend=backend,
-                                  chunk_size=chunk_size, **fopts)  # [1, T, B·H, Dv]
-            return out.reshape(qs.shape[1], B, H, -1).transpose(0, 1)  # [B, T, H, Dv]
-
-        return _by_segments(run, segments, q, k, v, mask=key_padding_mask)
-    backend = _unfused_backend(backend, q, type(sketch).__name__)
-    fq = sketch.features_q(q.transpose(1, 2))  # [B, H, T, M]
-    fk = sketch.features_k(k.transpose(1, 2))  # [B, H, S, M]
-    if fq.shape[:2] != (B, H) or fq.shape[-2] != q.shape[1]:
-        raise ValueError(
-            f"{type(sketch).__name__} features of q have shape {tuple(fq.shape)}, expected [B={B}, H={H}, "
-            f"T={q.shape[1]}, M]: its batch shape must broadcast against [B, H]"
-        )
-    dtype = torch.promote_types(fq.dtype, v.dtype)
-    fq, fk, vv = fq.to(dtype).transpose(1, 2), fk.to(dtype).transpose(1, 2), v.to(dtype)  # [B, T|S, H, ·]
-    if o.memory:
-        key_padding_mask = check_key_padding_mask(key_padding_mask, B, k.shape[1], q.device)
-        return _by_segments(lambda a, b, c, qs, ks, m: memory_call(
-            a, b, c, qs, ks, where="sketch_attention", qkv_checked=True, options=o, params=params, gate=gate,
-            degree=sketch.degree, non_negative=non_negative, key_padding_mask=m, **stateful), segments, fq, fk, vv, q.to(dtype), k.to(dtype),
-            mask=key_padding_mask)
-    opts["gate"] = far_gate("sketch_attention", gate, params)
-    return _features_by_backend(fq, fk, vv, q.to(dtype), k.to(dtype), backend=backend, causal=causal,
-                                normalize=normalize, eps=eps, non_negative=non_negative, chunk_size=chunk_size,
-                                segments=segments, degree=sketch.degree, key_padding_mask=key_padding_mask,
-                                **opts, **stateful)
 
 
 def _features_by_backend(fq, fk, v, q, k, *, backend, segments, key_padding_mask, chunk_size, **kw):
@@ -536,16 +402,5 @@ def _route(q, k, v, feature_map, fk_map, o: AttentionOptions, params, gate, segm
                                 **opts)
 
 
-def _sketch_dim(sketch: Sketch, default: int) -> int:
-    """The input dimension a sketch's maps take, where it records one (else ``default``)."""
-    value = getattr(sketch, "d", None)  # OptimalSketch, PolySketch
-    if isinstance(value, int):
-        return value
-    theta = getattr(sketch, "theta_q", None)
-    if isinstance(theta, torch.Tensor):
-        return theta.shape[-2]
-    return default
-
-
 #: The option keywords' defaults of each entry point (options= must leave them so).
-_DEFAULTS = {fn.__name__: keyword_defaults(fn) for fn in (llops_attention, sketch_attention)}
+_DEFAULTS = {fn.__name__: keyword_defaults(fn) for fn in (llops_attention,)}

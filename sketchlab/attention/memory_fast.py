@@ -22,26 +22,26 @@ from __future__ import annotations
 import torch
 
 from ._checks import denominator_counts, report_denominators
-from .memory_decode import decode
-from .memory_state import MemoryState, _beta, _log_decay, empty_memory_state, unit
+from .memory_state import MemoryState, empty_memory_state, far_beta, far_log_decay, unit
 from .ops.cache.chunk import exact_part
-from .ops.cache.schedule import _take, schedule
-from .ops.decayed.chunk import _decayed_linear
-from .ops.delta.chunk import _delta_rule
+from .ops.cache.recurrent import decode
+from .ops.cache.schedule import schedule, take_rows
+from .ops.decayed.chunk import decayed_linear_core
+from .ops.delta.chunk import delta_rule_core
 from .ops.hybrid import combine, combine_delta, gate_weight
 
-#: Decoding (``T = 1`` with a state) takes :func:`sketchlab.attention.memory_decode.decode`; False forces
+#: Decoding (``T = 1`` with a state) takes :func:`sketchlab.attention.ops.cache.recurrent.decode`; False forces
 #: the general path (the tests compare the two).
 _DECODE = True
 
 
 def _far_additive(fq, fe, ve, log_decay, S0, z0, chunk):
-    num, den, (S, z) = _decayed_linear(fq, fe, ve, log_decay, (S0, z0), chunk)
+    num, den, (S, z) = decayed_linear_core(fq, fe, ve, log_decay, (S0, z0), chunk)
     return num, den, S, z
 
 
 def run(c):
-    """The fast path on checked arguments ``c`` (:func:`sketchlab.attention.memory._check_call`)."""
+    """The fast path on checked arguments ``c`` (:func:`sketchlab.attention.memory.check_memory_call`)."""
     if c.T == 1 and c.state is not None and _DECODE:
         return decode(c)
     work, dev = c.work, c.phi_q.device
@@ -50,7 +50,7 @@ def run(c):
     P0, Lw, Ls = st.offset, st.k_window.shape[2], st.k_sink.shape[2]
     real = torch.ones(B, T, dtype=torch.bool, device=dev) if c.mask is None else c.mask
     fq, fk, vv = (x.to(work) for x in (c.phi_q, c.phi_k, c.v))  # [B, T, H, ·]
-    lg = _log_decay(c, vv, real)  # [B, T, H] or None
+    lg = far_log_decay(c, vv, real)  # [B, T, H] or None
     # the extended key axis: initial cache slots | held sinks | held window + new tokens
     tr = lambda x: x.transpose(1, 2)  # noqa: E731  [B, T, H, ·] -> [B, H, T, ·]
     kk = tr(c.k.to(work)) if w else torch.zeros(B, H, T, 0, dtype=work, device=dev)
@@ -63,11 +63,11 @@ def run(c):
     # (ii) the far part over the event stream
     null = event < 0  # [B, H, T]
     idx = event.clamp(min=0)
-    fe = tr(_take(ef, idx) * ~null[..., None])  # [B, T, H, M]
-    ve = tr(_take(ev, idx) * ~null[..., None])  # [B, T, H, Dv]
+    fe = tr(take_rows(ef, idx) * ~null[..., None])  # [B, T, H, M]
+    ve = tr(take_rows(ev, idx) * ~null[..., None])  # [B, T, H, Dv]
     if c.delta:
-        beta = _beta(c, ve) * ~tr(null)  # [B, T, H]
-        far, S = _delta_rule(unit(fq), unit(fe), ve, beta, lg, st.S, min(C, T))  # checked by the entry
+        beta = far_beta(c, ve) * ~tr(null)  # [B, T, H]
+        far, S = delta_rule_core(unit(fq), unit(fe), ve, beta, lg, st.S, min(C, T))  # checked by the entry
         z = torch.zeros_like(st.z)
         far = tr(far)  # [B, H, T, Dv]
     else:
@@ -105,7 +105,7 @@ def run(c):
     state = MemoryState(
         S=S, z=z, k_window=ek[:, :, X - Lw2:], v_window=ev[:, :, X - Lw2:], phi_window=ef[:, :, X - Lw2:],
         mask_window=real_x[:, X - Lw2:], k_sink=ek[:, :, sink_x], v_sink=ev[:, :, sink_x], mask_sink=real_x[:, sink_x],
-        k_cache=_take(ek, cx) * have, v_cache=_take(ev, cx) * have, phi_cache=_take(ef, cx) * have,
+        k_cache=take_rows(ek, cx) * have, v_cache=take_rows(ev, cx) * have, phi_cache=take_rows(ef, cx) * have,
         score_cache=torch.where(cached, slot_score, 0.0), cached=cached, pos_cache=torch.where(cached, slot_pos, -1),
         offset=end)
     return out, state

@@ -13,11 +13,12 @@ from types import SimpleNamespace
 import torch
 
 from .._validation import check_degree
-from ._checks import _check_finite_once, check_all_finite, check_flag, check_key_padding_mask, check_qkv
+from ._checks import check_all_finite, check_finite_once, check_flag, check_key_padding_mask, check_qkv
 from .options import AttentionOptions, FarParams
 from .state import TensorState, state_dtype
 
-__all__ = ["MemoryState", "check_memory_state", "empty_memory_state", "recall_error", "recall_score", "unit"]
+__all__ = ["check_far_params", "check_memory_call", "check_memory_state", "empty_memory_state", "far_beta",
+           "far_log_decay", "MemoryState", "recall_error", "recall_score", "unit"]
 
 
 # ------------------------------------------------------------------------------------------------ the state
@@ -75,7 +76,7 @@ class MemoryState(TensorState):
     def map_tensors(self, fn) -> MemoryState:
         """A new state with ``fn`` on every tensor field and on the decoding step's layout of them, kept
         beside the fields as ``_rows`` (``(rows, first window row, [S | z])``,
-        :func:`sketchlab.attention.memory_decode.decode`), so the next step need not lay it out again.
+        :func:`sketchlab.attention.ops.cache.recurrent.decode`), so the next step need not lay it out again.
         Not the check's mark: the new object is checked in full (:func:`check_memory_state`)."""
         new = super().map_tensors(fn)
         if "_rows" in self.__dict__:
@@ -170,10 +171,25 @@ def _needs(options: AttentionOptions) -> dict:
             "decay_weight": options.decay == "input", "beta_bias": delta, "beta_weight": delta and options.beta == "input"}
 
 
-def _check_params(params, options: AttentionOptions, heads: int, dim_v: int, like: torch.Tensor,
-                  gate: torch.Tensor | None = None) -> dict:
-    """The FarParams tensors as a dict (None where absent), checked against the options; ``gate`` (a
-    module that keeps its gate logits outside its FarParams) stands for ``params.gate``."""
+def check_far_params(params, options: AttentionOptions, heads: int, dim_v: int, like: torch.Tensor,
+                     gate: torch.Tensor | None = None) -> dict:
+    """The FarParams tensors as a dict (None where absent), checked against the options.
+
+    Parameters
+    ----------
+    params : FarParams or None
+    options : AttentionOptions
+    heads, dim_v : int
+    like : Tensor
+        The inputs' device.
+    gate : Tensor ``[H]`` or None
+        A module that keeps its gate logits outside its FarParams: they stand for ``params.gate``.
+
+    Returns
+    -------
+    dict
+        ``{"gate", "decay_bias", "decay_weight", "beta_bias", "beta_weight"}`` → Tensor or None.
+    """
     if params is not None and not isinstance(params, FarParams):
         raise TypeError(f"params must be a FarParams (or None), got {type(params).__name__}")
     if gate is not None and getattr(params, "gate", None) is not None:
@@ -200,17 +216,29 @@ def _check_params(params, options: AttentionOptions, heads: int, dim_v: int, lik
                                  f"Dv={dim_v}), got {got}")
             if x.device != like.device:
                 raise ValueError(f"params.{name} must be on the device of the inputs ({like.device}), got {x.device}")
-            _check_finite_once(x, f"params.{name}")  # once per tensor and in-place version (decoding)
+            check_finite_once(x, f"params.{name}")  # once per tensor and in-place version (decoding)
         out[name] = x
     return out
 
 
-def _check_call(phi_q, phi_k, v, q, k, options, params, degree, key_padding_mask, initial_state, output_final_state,
-                gate=None, raw_checked=False):
+def check_memory_call(phi_q, phi_k, v, q, k, options, params, degree, key_padding_mask, initial_state, output_final_state,
+                      gate=None, raw_checked=False):
     """Every argument of a memory call, checked once; returns a namespace the internals trust.
 
-    ``raw_checked``: ``q, k, v`` are an entry point's checked tensors (:func:`check_qkv`: shapes,
-    dtype, device, finite): only the features, params and state are checked here."""
+    Parameters
+    ----------
+    phi_q, phi_k, v, q, k, options, params, degree, key_padding_mask, initial_state, output_final_state, gate
+        As in :func:`sketchlab.attention.memory.memory_attention`.
+    raw_checked : bool
+        ``q, k, v`` are an entry point's checked tensors (:func:`check_qkv`: shapes, dtype, device, finite): only
+        the features, params and state are checked here.
+
+    Returns
+    -------
+    types.SimpleNamespace
+        The checked tensors, ``o`` (the options), ``far`` (:func:`check_far_params`), the mask, the state and the
+        sizes.
+    """
     if not isinstance(options, AttentionOptions):
         raise TypeError(f"options must be an AttentionOptions, got {type(options).__name__}")
     if not options.causal:
@@ -239,7 +267,7 @@ def _check_call(phi_q, phi_k, v, q, k, options, params, degree, key_padding_mask
         degree = check_degree(degree)
     mask = check_key_padding_mask(key_padding_mask, B, T, phi_q.device)
     work = state_dtype(phi_q.dtype)
-    far = _check_params(params, options, H, Dv, phi_q, gate)
+    far = check_far_params(params, options, H, Dv, phi_q, gate)
     far = {name: (x.to(work) if x is not None else None) for name, x in far.items()}
     state, sig = None, (B, H, M, D if w else None, Dv, w, options.sinks, options.cache, phi_q.device, work)
     if initial_state is not None:
@@ -252,16 +280,22 @@ def _check_call(phi_q, phi_k, v, q, k, options, params, degree, key_padding_mask
                            normalize=options.normalize or "sum", delta=options.state == "delta")
 
 
-def _gate(call, dtype) -> torch.Tensor:
-    """``g [H]``: σ(gate), or 1/2 without one: the float64 twin's own (the fast paths take
-    :func:`sketchlab.attention.ops.hybrid.gate_weight`)."""
-    g = call.far["gate"]
-    return torch.full((call.H,), 0.5, dtype=dtype, device=call.phi_q.device) if g is None else torch.sigmoid(g.to(dtype))
+def far_log_decay(call, v: torch.Tensor, real: torch.Tensor | None) -> torch.Tensor | None:
+    r"""The decay of each step, :math:`\log\gamma_t`, from the options and the far parameters.
 
+    Parameters
+    ----------
+    call : namespace
+        A checked memory call (:func:`check_memory_call`).
+    v : Tensor ``[B, T, H, Dv]``
+        The values (``decay="input"`` reads them).
+    real : Tensor ``[B, T]`` bool or None
+        Real tokens: a pad does not decay the state (0 there).
 
-def _log_decay(call, v: torch.Tensor, real: torch.Tensor | None) -> torch.Tensor | None:
-    """``log γ_t`` ``[B, T, H]`` from the values ``v [B, T, H, Dv]`` (0 at pads: a pad does not decay
-    the state); None without decay."""
+    Returns
+    -------
+    Tensor ``[B, T, H]`` or None (no decay)
+    """
     o, f = call.o, call.far
     if o.decay is None or o.decay == 1.0:
         return None
@@ -274,8 +308,19 @@ def _log_decay(call, v: torch.Tensor, real: torch.Tensor | None) -> torch.Tensor
     return lg if real is None else torch.where(real[:, :, None], lg, lg.new_zeros(()))
 
 
-def _beta(call, v: torch.Tensor) -> torch.Tensor:
-    """The delta rule's ``β`` of keys with values ``v [..., H, Dv]`` → ``[..., H]``."""
+def far_beta(call, v: torch.Tensor) -> torch.Tensor:
+    r"""The delta rule's write strength :math:`\beta = \sigma(b + w\cdot v)` of keys with values ``v``.
+
+    Parameters
+    ----------
+    call : namespace
+        A checked memory call (:func:`check_memory_call`).
+    v : Tensor ``[..., H, Dv]``
+
+    Returns
+    -------
+    Tensor ``[..., H]``
+    """
     f = call.far
     x = f["beta_bias"].to(v.dtype).expand(v.shape[:-1])
     if f["beta_weight"] is not None:
@@ -310,7 +355,7 @@ def recall_score(S64: torch.Tensor, scale: torch.Tensor | None, phi: torch.Tenso
     more column when additive; ``scale [B, H, 1, 1]`` or None for 1), as the schedule computes it: one
     product for the read and its denominator, then the scale; additive :math:`r = S^\top\phi/(z\cdot\phi
     + \varepsilon)` (0 where that denominator is 0), delta :math:`r = S^\top\hat k` (``k̂`` in float64) →
-    ``[B, H, n]`` float64. The decoding steps' choices (``memory_decode``, ``RecurrentStep``)."""
+    ``[B, H, n]`` float64. The decoding steps' choices (``ops.cache.recurrent``, ``RecurrentStep``)."""
     phi = phi.double()
     r = (unit(phi) if delta else phi) @ S64  # [B, H, n, Dv (+ 1)]
     if scale is not None:

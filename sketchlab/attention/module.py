@@ -293,42 +293,38 @@ class LLoPSAttention(LinearAttentionCore):
         return block
 
     @classmethod
-    def from_sketch(cls, sketch, *, layer: int | None = None, scale="none", embed_dim: int | None = None,
-                    **kwargs) -> LLoPSAttention:
-        """A block with the maps of a fitted sketch (``fit.sketch``).
+    def from_fit(cls, fit, *, layer: int | None = None, scale="none", embed_dim: int | None = None,
+                 **kwargs) -> LLoPSAttention:
+        """A block with the maps of a fit (``fit_sketch``'s :class:`~sketchlab.Fit`).
 
         Parameters
         ----------
-        sketch : LLoPS, or a sketch with an exact LLoPS form (:func:`sketchlab.as_llops`:
-            element-wise, BASED "expand", PolySketch)
-            Parameters ``[H, t, p, d, m]`` or ``[L, H, t, p, d, m]`` (then pick ``layer``).
+        fit : Fit
+            Of LLoPS maps, or of maps with an exact LLoPS form (:func:`sketchlab.as_llops`: element-wise, BASED
+            "expand", PolySketch), of batch shape ``[]``, ``[H]`` or ``[L, H]`` (then pick ``layer``; a map shared
+            by every head gives a block of one head).
         layer : int or None
-            Required when the sketch has a layer axis.
+            Required when the fit has a layer axis.
         scale : "none", "sqrt-d" or float
-            The factor q and k were scaled by when the sketch was fitted.
+            The factor q and k were scaled by when the maps were fitted.
         """
-        from ..sketches import as_llops
+        from ..export import fit_llops_maps
 
-        llops = as_llops(sketch)
-        theta_q = llops.theta_q.detach()
-        theta_k = None if llops.theta_k is None else llops.theta_k.detach()
-        lead = tuple(theta_q.shape[:-4])
+        map_q, map_k = fit_llops_maps(fit)
+        theta_q, theta_k = map_q.theta.detach(), None if map_k is map_q else map_k.theta.detach()  # [L·H, t, p, d, m]
+        lead = tuple(fit.batch_shape) if theta_q.shape[0] == math.prod(fit.batch_shape) else ()
         if len(lead) == 2:
             if layer is None:
-                raise ValueError(f"the sketch has layers and heads {list(lead)}: pass layer=")
+                raise ValueError(f"the fit has layers and heads {list(lead)}: pass layer=")
             from ..io import select_indices
 
-            (index,) = select_indices([layer], lead[0], "layer", "sketch")
-            theta_q = theta_q[index]
-            theta_k = None if theta_k is None else theta_k[index]
-        elif len(lead) == 1:
-            if layer is not None:
-                raise ValueError(f"the sketch has no layer axis (leading shape {list(lead)}); pass layer=None")
-        elif len(lead) == 0:
-            theta_q = theta_q[None]
-            theta_k = None if theta_k is None else theta_k[None]
-        else:
-            raise ValueError(f"sketch parameters must have leading shape [H] or [L, H], got {list(lead)}")
+            (index,) = select_indices([layer], lead[0], "layer", "fit")
+            theta_q = theta_q.reshape(*lead, *theta_q.shape[1:])[index]
+            theta_k = None if theta_k is None else theta_k.reshape(*lead, *theta_k.shape[1:])[index]
+        elif len(lead) > 2:
+            raise ValueError(f"the fit must have batch shape [], [H] or [L, H], got {list(lead)}")
+        elif len(lead) == 1 and layer is not None:
+            raise ValueError(f"the fit has no layer axis (batch shape {list(lead)}); pass layer=None")
         H, _, _, d, _ = theta_q.shape
         dtype = kwargs.pop("dtype", theta_q.dtype)
         return cls(H * d if embed_dim is None else embed_dim, H, head_dim=d, theta_q=theta_q, theta_k=theta_k,

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["AttentionOptions", "DECAYS", "FarParams", "STATES", "BETAS"]
+__all__ = ["AttentionOptions", "BACKENDS", "BETAS", "DECAYS", "DENOMINATOR_CHECKS", "FarParams", "LOCALS", "NORMALIZE",
+           "STATES", "check_choice", "check_flag", "check_int", "check_real"]
 
 #: Kinds of learned decay (a float in (0, 1] is a fixed decay; None: none).
 DECAYS = ("head", "input")
@@ -29,33 +30,89 @@ DECAYS = ("head", "input")
 STATES = ("additive", "delta")
 #: How the delta rule's β is made.
 BETAS = ("head", "input")
-_LOCALS = ("softmax", "poly")
-_NORMALIZE = ("none", "sum")
-_BACKENDS = ("auto", "triton", "torch", "reference")
-_DENOMINATOR_CHECKS = ("warn", "raise", "off")
+#: The hybrid's exact part.
+LOCALS = ("softmax", "poly")
+#: Normalisations.
+NORMALIZE = ("none", "sum")
+#: Backends.
+BACKENDS = ("auto", "triton", "torch", "reference")
+#: What a normalising denominator <= 0 does.
+DENOMINATOR_CHECKS = ("warn", "raise", "off")
 
 
-def _int(value, name: str, lo: int) -> int:
+def check_int(value, name: str, lo: int) -> int:
+    """An option's integer rule: ``value`` an integer (not a bool) ``>= lo``.
+
+    Parameters
+    ----------
+    value
+    name : str
+        The option's name in the error.
+    lo : int
+
+    Returns
+    -------
+    int
+    """
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < lo:
         raise ValueError(f"{name} must be an integer >= {lo}, got {value!r}")
     return int(value)
 
 
-def _flag(value, name: str) -> bool:
+def check_flag(value, name: str) -> bool:
+    """An option's flag rule: ``value`` a Python bool.
+
+    Parameters
+    ----------
+    value
+    name : str
+        The option's name in the error.
+
+    Returns
+    -------
+    bool
+    """
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
     return value
 
 
-def _choice(value, name: str, choices) -> str:
+def check_choice(value, name: str, choices) -> str:
+    """An option's choice rule: ``value`` one of the strings ``choices``.
+
+    Parameters
+    ----------
+    value
+    name : str
+        The option's name in the error.
+    choices : tuple of str
+
+    Returns
+    -------
+    str
+    """
     if not isinstance(value, str) or value not in choices:
         raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
     return value
 
 
-def _real(value, name: str, *, lo: float, lo_open: bool, hi: float | None = None) -> float:
-    """``value`` a finite real ``>= lo`` (``> lo`` if ``lo_open``; ``lo = -inf``: unbounded) and ``<= hi``;
-    the error states the whole rule."""
+def check_real(value, name: str, *, lo: float, lo_open: bool, hi: float | None = None) -> float:
+    """An option's real rule: ``value`` a finite real ``>= lo`` (``> lo`` if ``lo_open``; ``lo = -inf``: unbounded)
+    and ``<= hi``; the error states the whole rule.
+
+    Parameters
+    ----------
+    value
+    name : str
+        The option's name in the error.
+    lo : float
+    lo_open : bool
+    hi : float or None
+
+    Returns
+    -------
+    float
+    """
     bounds = ([] if lo == -math.inf else [f"{'>' if lo_open else '>='} {lo}"]) + ([] if hi is None else [f"<= {hi}"])
     rule = f"{name} must be a finite number" + (" " + " and ".join(bounds) if bounds else "")
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
@@ -127,38 +184,38 @@ class AttentionOptions:
 
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
-        set_("causal", _flag(self.causal, "causal"))
+        set_("causal", check_flag(self.causal, "causal"))
         if self.normalize is not None:
-            _choice(self.normalize, "normalize", _NORMALIZE)
+            check_choice(self.normalize, "normalize", NORMALIZE)
         if self.non_negative is not None:
-            _flag(self.non_negative, "non_negative")
-        set_("eps", _real(self.eps, "eps", lo=0.0, lo_open=False))
-        set_("window", _int(self.window, "window", 0))
-        set_("sinks", _int(self.sinks, "sinks", 0))
+            check_flag(self.non_negative, "non_negative")
+        set_("eps", check_real(self.eps, "eps", lo=0.0, lo_open=False))
+        set_("window", check_int(self.window, "window", 0))
+        set_("sinks", check_int(self.sinks, "sinks", 0))
         if self.sinks and not self.window:
             raise ValueError(f"sinks={self.sinks} needs window >= 1: window=0 is pure linear attention (no exact "
                              "keys); pass window= too")
-        _choice(self.local, "local", _LOCALS)
+        check_choice(self.local, "local", LOCALS)
         if self.local_scale is not None:
-            set_("local_scale", _real(self.local_scale, "local_scale", lo=0.0, lo_open=True))
+            set_("local_scale", check_real(self.local_scale, "local_scale", lo=0.0, lo_open=True))
         if self.window and self.normalize == "none":
             raise ValueError(f"the hybrid (window={self.window} > 0) shares one denominator between the exact and the "
                              "sketched keys and is always normalised: pass normalize='sum' (or None), got 'none'")
-        set_("cache", _int(self.cache, "cache", 0))
+        set_("cache", check_int(self.cache, "cache", 0))
         if isinstance(self.decay, str):
-            _choice(self.decay, "decay", DECAYS)
+            check_choice(self.decay, "decay", DECAYS)
         elif self.decay is not None:
-            set_("decay", _real(self.decay, "decay (a fixed decay per step)", lo=0.0, lo_open=True, hi=1.0))
-        _choice(self.state, "state", STATES)
-        _choice(self.beta, "beta", BETAS)
-        set_("rescore", _int(self.rescore, "rescore", 1))
-        set_("qk_conv", _int(self.qk_conv, "qk_conv", 0))
+            set_("decay", check_real(self.decay, "decay (a fixed decay per step)", lo=0.0, lo_open=True, hi=1.0))
+        check_choice(self.state, "state", STATES)
+        check_choice(self.beta, "beta", BETAS)
+        set_("rescore", check_int(self.rescore, "rescore", 1))
+        set_("qk_conv", check_int(self.qk_conv, "qk_conv", 0))
         if self.qk_conv and not self.causal:
             raise ValueError(f"qk_conv={self.qk_conv} needs causal=True: the convolution reads the positions "
                              "before each token and carries them across calls, which an encoder has no order for")
-        _choice(self.backend, "backend", _BACKENDS)
-        set_("chunk_size", _int(self.chunk_size, "chunk_size", 1))
-        _choice(self.denominator_check, "denominator_check", _DENOMINATOR_CHECKS)
+        check_choice(self.backend, "backend", BACKENDS)
+        set_("chunk_size", check_int(self.chunk_size, "chunk_size", 1))
+        check_choice(self.denominator_check, "denominator_check", DENOMINATOR_CHECKS)
         if self.cache and not self.window:
             raise ValueError(f"cache={self.cache} needs window >= 1: cached keys share the exact window's "
                              "normalisation (window=0 has none)")
@@ -287,10 +344,10 @@ class FarParams(nn.Module):
         super().__init__()
         if not isinstance(options, AttentionOptions):
             raise TypeError(f"options must be an AttentionOptions, got {type(options).__name__}")
-        heads, dim_v = _int(heads, "heads", 1), _int(dim_v, "dim_v", 1)
-        gate_init = _real(gate_init, "gate_init", lo=-math.inf, lo_open=True)
-        decay_init = _real(decay_init, "decay_init", lo=0.0, lo_open=True, hi=1.0)
-        beta_init = _real(beta_init, "beta_init", lo=0.0, lo_open=True, hi=1.0)
+        heads, dim_v = check_int(heads, "heads", 1), check_int(dim_v, "dim_v", 1)
+        gate_init = check_real(gate_init, "gate_init", lo=-math.inf, lo_open=True)
+        decay_init = check_real(decay_init, "decay_init", lo=0.0, lo_open=True, hi=1.0)
+        beta_init = check_real(beta_init, "beta_init", lo=0.0, lo_open=True, hi=1.0)
         if decay_init == 1.0 or beta_init == 1.0:
             raise ValueError("decay_init and beta_init must be < 1 (their logits must be finite)")
         self.options = options
@@ -307,7 +364,7 @@ class FarParams(nn.Module):
         if options.qk_conv:
             if dim is None:
                 raise ValueError(f"qk_conv={options.qk_conv} needs dim= (D, the q/k width it convolves)")
-            dim = _int(dim, "dim", 1)
+            dim = check_int(dim, "dim", 1)
             self.conv_q = nn.Parameter(identity_conv_weight(heads, dim, options.qk_conv))
             self.conv_k = nn.Parameter(identity_conv_weight(heads, dim, options.qk_conv))
 

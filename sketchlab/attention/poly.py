@@ -33,7 +33,7 @@ def poly_attention(q, k, v, p: int, *, causal: bool = True, normalize: str = "su
     denominator is ``<= 0`` are counted and reported as the feature-map paths do (``denominator_check``:
     ``"warn"``, ``"raise"`` or ``"off"``). Scores that overflow the dtype (``(q·k)^p`` beyond its range)
     are refused (``ValueError`` naming the rows, the largest ``|q·k|`` and the way out), never returned as
-    NaN rows. ``segments``: as in :func:`sketch_attention`.
+    NaN rows. ``segments``: as in :func:`~sketchlab.attention.linear_attention`.
     """
     p = check_degree(p)
     check_flag(causal, "causal")

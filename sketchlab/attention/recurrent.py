@@ -5,8 +5,8 @@ hybrid, or pure linear attention) or a :class:`~sketchlab.attention.MemoryState`
 delta rule and gated delta rule, sparse exact cache; each with the window and the sinks) one token
 per :meth:`RecurrentStep.step`, for inference (no gradient). It computes what one
 ``linear_attention``/``llops_attention``/``memory_attention`` call on one token with
-``initial_state`` computes (the reference step: :func:`sketchlab.attention.memory_decode.decode` and
-:func:`sketchlab.attention.ops.additive.recurrent._hybrid_decode_one`, which keep autograd and return a new
+``initial_state`` computes (the reference step: :func:`sketchlab.attention.ops.cache.recurrent.decode` and
+:func:`sketchlab.attention.ops.additive.recurrent.hybrid_decode_one`, which keep autograd and return a new
 state object per token; the tests hold the two equal in float64), but:
 
 * **checks once**: the state's fields when it is laid out (:meth:`RecurrentStep.from_state`), the
@@ -44,7 +44,7 @@ import torch
 
 from ..polynomial import self_tensor
 from ._checks import report_denominators
-from .memory_state import MemoryState, _check_params, recall_score, unit
+from .memory_state import MemoryState, check_far_params, recall_score, unit
 from .ops.cache import fused_recurrent as compiled
 from .options import AttentionOptions
 from .state import AttentionState
@@ -215,7 +215,7 @@ class RecurrentStep:
         dev = self.VS.device
         with torch.no_grad():
             if self.memory:
-                far = _check_params(p, o, H, self.Dv, self.VS, gate=self.gate)
+                far = check_far_params(p, o, H, self.Dv, self.VS, gate=self.gate)
             else:
                 far = {"gate": self.gate}
                 if self.gate is not None and not bool(torch.isfinite(self.gate).all()):

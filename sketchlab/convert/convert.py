@@ -15,6 +15,7 @@ converts a freshly loaded model with those options and restores the weights. (tr
 
 from __future__ import annotations
 
+import copy
 import math
 import numbers
 import types
@@ -26,7 +27,7 @@ from torch import nn
 
 from .._validation import DEFAULT_MAX_BYTES, check_memory
 from ..attention._checks import check_eps
-from ..attention.options import _int, _real
+from ..attention.options import check_int, check_real
 from .exact import ExactAttention
 from .families import ToyKernel, attention_sites
 from .sketched import ATTENTION_NAME, SketchedAttention, forget_cache, hf_attention, hf_mask, remember_cache
@@ -50,10 +51,10 @@ def check_layout(window, sinks, local: str = "softmax", normalize: str | None = 
     """
     from ..attention._checks import check_hybrid
 
-    window = _int(window, "window", 0)
+    window = check_int(window, "window", 0)
     if sinks is None:
         sinks = DEFAULT_SINKS if window else 0
-    sinks = _int(sinks, "sinks", 0)
+    sinks = check_int(sinks, "sinks", 0)
     if sinks and not window:
         raise ValueError(f"sinks={sinks} with window=0: attention sinks are exact keys, and window=0 is pure linear "
                          f"attention (none); pass window >= 1 or sinks=0 (sinks=None gives {DEFAULT_SINKS} with a "
@@ -127,16 +128,19 @@ def _own_maps(attention: str, feature_map, layer: int, heads: int, head_dim: int
     pair), else two :func:`sketchlab.featuremaps.make_feature_map` maps named ``attention`` (seeds
     ``seed + 2·layer`` for queries, ``+ 1`` for keys); ``tied``: LLoPS as
     :class:`~sketchlab.convert.scale.TiedLLoPSMap` started from the same draw (its equal factors are
-    already tied: the first one is kept). A fitted :class:`~sketchlab.sketch.Sketch` (batch ``[L, H]``:
-    layer ``layer``; ``[H]`` or ``[]``: every layer) gives its maps (:func:`sketchlab.featuremaps.sketch_feature_maps`)."""
-    from ..sketch import Sketch
+    already tied: the first one is kept). A :class:`~sketchlab.Fit` (``fit_sketch``'s) gives a copy of its maps:
+    of batch ``[L, H]``, layer ``layer``'s (:meth:`~sketchlab.Fit.layer`); else (``[H]``) the same maps at every
+    layer, each layer its own copy."""
+    from ..fit import Fit
 
-    if isinstance(feature_map, Sketch):
-        from ..featuremaps import sketch_feature_maps
-
-        with torch.no_grad():
-            probe = feature_map.features_q(torch.zeros(1, head_dim, dtype=torch.float64))  # [*batch, 1, M]
-        return sketch_feature_maps(feature_map, heads=heads, head_dim=head_dim, layer=layer if probe.ndim == 4 else None)
+    if isinstance(feature_map, Fit):
+        fit = feature_map
+        maps = fit.layer(layer) if len(fit.batch_shape) == 2 else copy.deepcopy(fit.maps)  # a tied pair stays tied
+        if maps[0].heads != heads or maps[0].head_dim != head_dim:
+            raise ValueError(f"feature_map: the fit's maps of layer {layer} have heads={maps[0].heads}, "
+                             f"head_dim={maps[0].head_dim} (batch shape {list(fit.batch_shape)}); the model's attention "
+                             f"has heads={heads}, head_dim={head_dim}")
+        return maps
     if feature_map is not None:
         made = feature_map(layer, heads, head_dim)
         maps = tuple(made) if isinstance(made, (tuple, list)) else (made, made)
@@ -231,10 +235,11 @@ def convert_attention(model: nn.Module, *, attention: str = "llops", p: int = 2,
         :data:`DEFAULT_SINKS` (4) with a window, ``0`` for ``window=0`` (which has no exact keys;
         an explicit ``sinks > 0`` there is refused). ``window=64`` and 4 sinks are the measured
         best for converted models. ``config.sketchlab`` records the resolved number.
-    feature_map : callable or Sketch, optional
+    feature_map : callable or Fit, optional
         ``feature_map(layer, heads, head_dim)`` → a FeatureMap module (shared by q and k) or a pair
-        ``(map_q, map_k)``, or a fitted :class:`~sketchlab.sketch.Sketch` (``fit_sketch``'s, batch
-        ``[L, H]``: layer ``l``'s heads for layer ``l``), instead of ``attention``.
+        ``(map_q, map_k)``, or a :class:`~sketchlab.Fit` (``fit_sketch``'s, batch ``[L, H]``: layer ``l``'s
+        maps for layer ``l``, :meth:`~sketchlab.Fit.layer`; batch ``[H]``: its maps at every layer), instead of
+        ``attention``.
     theta : str, Path or (Tensor, Tensor), optional
         ``attention="llops"`` only: a Θ export (:func:`sketchlab.export_theta`) or tensors
         ``[L, H, t, p, d, m]`` (fitted on ``"sqrt-d"``-scaled post-RoPE q, k) to start from.
@@ -312,25 +317,25 @@ def convert_attention(model: nn.Module, *, attention: str = "llops", p: int = 2,
         raise ValueError(f"{type(model).__name__} is already converted")
     if not isinstance(attention, str):
         raise TypeError(f"attention must be a feature-map name (str), got {type(attention).__name__}")
-    p, m, rank = _int(p, "p", 1), _int(m, "m", 1), _int(rank, "rank", 1)
+    p, m, rank = check_int(p, "p", 1), check_int(m, "m", 1), check_int(rank, "rank", 1)
     window, sinks = check_layout(window, sinks, local, normalize)
     eps = check_eps(eps)
     if isinstance(gate_init, str):
         raise ValueError(f"gate_init={gate_init!r}: convert_attention takes a number; gates from the teacher's "
                          "attention need its recorded inputs: use sketchlab.linearize(gate_init=...) or "
                          "sketchlab.convert.scale.calibrate_gates after conversion")
-    gate_init = _real(gate_init, "gate_init", lo=-math.inf, lo_open=True)
+    gate_init = check_real(gate_init, "gate_init", lo=-math.inf, lo_open=True)
     for flag, name in ((learn, "learn"), (gate, "gate"), (non_negative, "non_negative"), (input_norm, "input_norm")):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {flag!r}")
     if theta is not None and (attention != "llops" or feature_map is not None):
         raise ValueError(f"theta initialises LLoPS maps: it needs attention='llops' and no feature_map "
                          f"(got attention={attention!r})")
-    from ..sketch import Sketch
+    from ..fit import Fit
 
-    if feature_map is not None and not (callable(feature_map) or isinstance(feature_map, Sketch)):
-        raise TypeError("feature_map must be a fitted sketchlab Sketch or callable: feature_map(layer, heads, head_dim) "
-                        "-> FeatureMap or (map_q, map_k)")
+    if feature_map is not None and not (callable(feature_map) or isinstance(feature_map, Fit)):
+        raise TypeError("feature_map must be a sketchlab Fit (fit_sketch's) or callable: feature_map(layer, heads, "
+                        "head_dim) -> FeatureMap or (map_q, map_k)")
     family, sites = attention_sites(model)
     exact = _check_exact_layers(exact_layers, len(sites), family)
     memory = _check_memory(cache, decay, state, beta, window, sinks, local, normalize,
@@ -348,7 +353,7 @@ def convert_attention(model: nn.Module, *, attention: str = "llops", p: int = 2,
     ref = next(model.parameters())
     sketches = []
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(_int(seed, "seed", 0))
+        torch.manual_seed(check_int(seed, "seed", 0))
         for layer, site in enumerate(sites):
             if layer in exact:
                 sketches.append(ExactAttention(heads=site.heads, head_dim=site.head_dim, causal=site.causal))

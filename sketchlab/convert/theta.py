@@ -88,7 +88,6 @@ def _fit_recorded(layers: list[LayerIO], mask, index, skip, *, p, m, rank, fit_t
     tokens (GQA keys repeated, float32 then float64 times ``D^{-1/4}``; only the fitting tokens copied);
     the layers in ``skip`` are not fitted and left zero (exact layers: never read)."""
     from ..fit import fit_sketch
-    from ..sketches import as_llops
 
     valid = mask[index].to(torch.bool)  # [n_seq, T]
     n = int(valid.sum())
@@ -108,9 +107,8 @@ def _fit_recorded(layers: list[LayerIO], mask, index, skip, *, p, m, rank, fit_t
             c = D ** -0.25
             q, k = q.float().transpose(0, 1).double() * c, k.float().transpose(0, 1).double() * c  # [H, n, D]
             fit = fit_sketch("llops", q, k, p=p, m=m, rank=rank, seed=seed, reference=False, **options)
-            llops = as_llops(fit.sketch)
-            thetas_q[layer] = llops.theta_q.detach()  # [H, t, p, D, m]
-            thetas_k[layer] = thetas_q[layer] if llops.theta_k is None else llops.theta_k.detach()
+            thetas_q[layer] = fit.map_q.theta.detach()  # [H, t, p, D, m] (LLoPSMap)
+            thetas_k[layer] = fit.map_k.theta.detach()
             report = fit.report.as_dict()
             rel = report.get("rel_fro")
             rel_fro[layer] = rel.tolist() if isinstance(rel, torch.Tensor) else rel

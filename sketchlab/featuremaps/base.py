@@ -120,8 +120,7 @@ def _check_heads(index, heads: int) -> list[int]:
 
 class WrappedMap(FeatureMap):
     """A map built on another, ``inner``: its ``num_features``, ``degree`` and ``non_negative`` are ``inner``'s
-    (what it changes is the input: :class:`~sketchlab.featuremaps.normed.InputNormed`,
-    :class:`~sketchlab.featuremaps.sketch_map.HeadSelection`)."""
+    (what it changes is the input: :class:`~sketchlab.featuremaps.normed.InputNormed`)."""
 
     inner: FeatureMap
 

@@ -5,9 +5,9 @@ own: :func:`~sketchlab.featuremaps.registry.own_fitter` is ``None``; ``hedgehog`
 builds a query and a key map of ``H = prod(batch)`` heads (:func:`make_feature_map`, seeds ``seed`` and
 ``seed + 1``; ``tied=True``: one map), trains their parameters with the relative kernel loss, optimiser
 and budget every learned sketch shares (:func:`sketchlab.objective.train_kernel_sketch`), and returns
-them as a :class:`~sketchlab.featuremaps.FeatureMapSketch` (each head's best step kept, or the heads' best
-step together where a map's parameters may be shared between heads: ``FeatureMap.per_head_parameters``). A
-map without trained parameters (exact, DPFP, a random sketch) is returned as built (``steps = 0``).
+them, ``(map_q, map_k)`` (one map when tied), with ``map_q.fit_info`` (each head's best step kept, or the heads'
+best step together where a map's parameters may be shared between heads: ``FeatureMap.per_head_parameters``). A
+map without trained parameters (exact, DPFP) is returned as built (``steps = 0``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from ..objective import DEFAULT_LR, DEFAULT_STEPS, train_kernel_sketch
 from .base import FeatureMap
 from .heads import batch_features
 from .registry import make_feature_map
-from .sketch_map import FeatureMapSketch
 
 __all__ = ["feature_map_fitter"]
 
@@ -27,7 +26,7 @@ def feature_map_fitter(name: str):
     """The ``fit_sketch`` fitter of the registered map ``name``."""
 
     def fit(q, k, *, p: int, m: int, seed: int = 0, steps: int = DEFAULT_STEPS, lr: float = DEFAULT_LR,
-            tied: bool = False, **options) -> FeatureMapSketch:
+            tied: bool = False, **options) -> FeatureMap | tuple[FeatureMap, FeatureMap]:
         if not isinstance(tied, bool):
             raise TypeError(f"tied must be a bool, got {tied!r}")
         batch, d = tuple(q.shape[:-2]), q.shape[-1]
@@ -37,21 +36,21 @@ def feature_map_fitter(name: str):
             return make_feature_map(name, heads=heads, head_dim=d, p=p, m=m, seed=s, dtype=q.dtype, **options)
 
         map_q = make(seed).to(q.device)
-        map_k = None if tied else make(seed + 1).to(q.device)
-        sketch = FeatureMapSketch(map_q, map_k, p=p, batch_shape=batch)
-        params = [t for t in sketch.parameters() if t.requires_grad]
+        map_k = map_q if tied else make(seed + 1).to(q.device)
+        sides = [map_q] if tied else [map_q, map_k]
+        params = [t for fmap in sides for t in fmap.parameters() if t.requires_grad]
         if not params:
-            sketch.fit_info = {"steps": 0, "converged": True}
-            return sketch
+            map_q.fit_info = {"steps": 0, "converged": True}
+            return map_q if tied else (map_q, map_k)
         flat_q, flat_k = q.reshape(heads, *q.shape[-2:]), k.reshape(heads, *k.shape[-2:])  # [H, n, d]
-        per_head = all(fmap.per_head_parameters for fmap in sketch.modules() if isinstance(fmap, FeatureMap))
-        side_k = map_q if map_k is None else map_k
-        sketch.fit_info = train_kernel_sketch(params, lambda a, b: (batch_features(map_q, a), batch_features(side_k, b)),
-                                              flat_q, flat_k, p, steps=steps, lr=lr, what=f"feature map {name!r}",
-                                              per_head=per_head)
+        per_head = all(f.per_head_parameters for side in sides for f in side.modules() if isinstance(f, FeatureMap))
+        info = train_kernel_sketch(params, lambda a, b: (batch_features(map_q, a), batch_features(map_k, b)),
+                                   flat_q, flat_k, p, steps=steps, lr=lr, what=f"feature map {name!r}",
+                                   per_head=per_head)
         for key in ("init_rel_fro", "rel_fro"):
-            sketch.fit_info[key] = sketch.fit_info[key].reshape(batch)
-        return sketch
+            info[key] = info[key].reshape(batch)
+        map_q.fit_info = info
+        return map_q if tied else (map_q, map_k)
 
     fit.__name__ = f"fit_{name.replace('-', '_')}"
     return fit

@@ -5,7 +5,7 @@ A fit, a report and the dump-level tools hold one problem per layer and head, ``
 ``x [B, T, H, D]``. :func:`batch_features` maps the first with the second, the batch flattened row-major
 into the heads (layer ``l``, head ``j`` of an ``[L, H]`` batch is the map's head ``l·H + j``), and
 :func:`pair_features` gives the query and key features of whatever stands for a kernel's pair of maps (a
-map, a pair of maps, or a fitted :class:`~sketchlab.sketch.Sketch`), which is what the metrics and
+map or a pair of maps, e.g. a fit's ``fit.maps``), which is what the metrics and
 ``fit_sketch``'s report evaluate.
 """
 
@@ -70,18 +70,12 @@ def pair_features(maps, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor,
     """``(Φ_Q, Φ_K)`` of ``q [..., n_q, D]`` and ``k [..., n_k, D]`` in float64 (``[..., n, M]``), without
     autograd.
 
-    ``maps``: a :class:`FeatureMap` (one map for both sides), a pair ``(map_q, map_k)`` of maps (each through
-    :func:`batch_features`), or a fitted :class:`~sketchlab.sketch.Sketch` (its ``features_q`` and
-    ``features_k``, which take ``[..., n, D]`` themselves).
+    ``maps``: a :class:`FeatureMap` (one map for both sides) or a pair ``(map_q, map_k)`` of maps (each through
+    :func:`batch_features`), e.g. a fit's ``fit.maps``.
     """
-    from ..sketch import Sketch
-
+    map_q, map_k = (maps, maps) if isinstance(maps, FeatureMap) else _pair(maps)
     with torch.no_grad():
-        if isinstance(maps, Sketch):
-            fq, fk = maps.features_q(q), maps.features_k(k)
-        else:
-            map_q, map_k = (maps, maps) if isinstance(maps, FeatureMap) else _pair(maps)
-            fq, fk = batch_features(map_q, q), batch_features(map_k, k)
+        fq, fk = batch_features(map_q, q), batch_features(map_k, k)
         return fq.to(torch.float64), fk.to(torch.float64)
 
 
@@ -89,5 +83,4 @@ def _pair(maps) -> tuple[FeatureMap, FeatureMap]:
     """``maps`` as ``(map_q, map_k)``, checked: a tuple or list of two :class:`FeatureMap`."""
     if isinstance(maps, (tuple, list)) and len(maps) == 2 and all(isinstance(f, FeatureMap) for f in maps):
         return maps[0], maps[1]
-    raise TypeError("expected a FeatureMap, a pair (map_q, map_k) of FeatureMaps or a fitted sketchlab.Sketch, got "
-                    f"{type(maps).__name__}")
+    raise TypeError(f"expected a FeatureMap or a pair (map_q, map_k) of FeatureMaps, got {type(maps).__name__}")

@@ -7,7 +7,8 @@ map: ``build(heads, head_dim, **options)`` returns a :class:`~sketchlab.featurem
 :func:`make_feature_map` checks the options against those declarations (the one check; ``build`` trusts
 them) and builds the map; :func:`feature_map_names` lists the names that have one. The **fitter slot**:
 ``register_fitter(name, fit)`` (``sketchlab.register_sketch`` fills it) gives the name its own
-``fit_sketch`` fitter ``fit(q, k, *, p, m, seed=0, **options) -> Sketch``; :func:`own_fitter` is the
+``fit_sketch`` fitter ``fit(q, k, *, p, m, seed=0, **options)``, which returns the fitted map or a pair
+``(map_q, map_k)`` (:mod:`sketchlab.fit`); :func:`own_fitter` is the
 lookup ``fit_sketch`` makes and :func:`fitter_names` lists the names that have one. A map whose fitter
 slot is empty is fitted by Adam on the kernel loss (:mod:`.fitting`); a name with a fitter and no map
 (``optimal``, ``mlp``) is a ``fit_sketch`` method only.
@@ -19,7 +20,7 @@ fitting that method, ``make_feature_map`` would build another thing), and no slo
 ``fit_sketch``, the toy model's attention registry and ``convert_attention`` all read this registry, so
 a map registered here runs in each of them. The built-in names, both slots on one line each, are
 :data:`_BUILTINS`; their fitters live below this layer (:mod:`sketchlab.optimal`, :mod:`sketchlab.llops`,
-:mod:`sketchlab.sketches`) and are imported on first lookup.
+:mod:`sketchlab.featuremaps`' map modules) and are imported on first lookup.
 
 Names (DESIGN §6): maps ``llops``, ``elementwise``, ``exact-poly``, ``based-taylor``, ``based-expand``,
 ``psf-random``, ``psf-learned``, ``tensorsketch``, ``hedgehog``, ``dpfp``, ``identity``; of these
@@ -166,14 +167,14 @@ def register_feature_map(name: str, build: Callable[..., FeatureMap], options: d
 
 
 def register_fitter(name: str, fit: Callable) -> None:
-    """Fill the fitter slot of ``name`` with ``fit(q, k, *, p, m, seed=0, **options) -> Sketch`` (the
+    """Fill the fitter slot of ``name`` with ``fit(q, k, *, p, m, seed=0, **options) -> maps`` (the
     contract: :mod:`sketchlab.fit`): a new ``fit_sketch`` method, or the own fitter of the map ``name``
     (which it then fits instead of Adam). Registering the same ``fit`` again does nothing; another
     ``fit`` for a name that has one, or a deprecated map name (it means its successor), is refused."""
     _check_name(name, "fit_sketch method")
     if not callable(fit):
         raise TypeError(f"fit_sketch method {name!r}: fit must be a callable (q, k, *, p, m, seed, **options) -> "
-                        f"Sketch, got {type(fit).__name__}")
+                        f"maps, got {type(fit).__name__}")
     if name in DEPRECATED_NAMES:
         raise ValueError(f"the name {name!r} is a deprecated feature map name (it means "
                          f"{DEPRECATED_NAMES[name][0]!r}): choose another name")
@@ -267,13 +268,9 @@ def make_feature_map(name: str, *, heads: int, head_dim: int, **options) -> Feat
 # the built-in maps: one build function and one registration line each
 
 def _budget_dim(head_dim, p, m, form, symmetric):
-    from ..sketches.based import based_num_features
+    from .based import based_dim_for_budget
 
-    fits = [d for d in range(1, head_dim + 1) if based_num_features(d, p, form, symmetric) <= m]
-    if not fits:
-        raise ValueError(f"m={m} is below the smallest BASED {form} map (d'=1 has "
-                         f"{based_num_features(1, p, form, symmetric)} features)")
-    return fits[-1]
+    return based_dim_for_budget(head_dim, p, m, form, symmetric)
 
 
 def _llops(heads, head_dim, *, p, m, rank, seed, dtype, theta, learn, **_):
@@ -330,20 +327,16 @@ def _psf_learned(heads, head_dim, *, p, m, seed, dtype, self_tensored, hidden, *
 
 
 def _psf_random(heads, head_dim, *, p, m, seed, dtype, non_negative, **_):
-    from ..sketches.psf import PolySketch
-    from .sketch_map import SketchMap
+    from .psf_random import PSFRandomMap
 
     non_negative = p % 2 == 0 if non_negative is None else non_negative
-    sketch = PolySketch.draw(head_dim, p, m, non_negative=non_negative, seed=seed, batch_shape=(heads,), dtype=dtype)
-    return SketchMap(sketch, heads=heads, head_dim=head_dim)
+    return PSFRandomMap.draw(heads, head_dim, p=p, m=m, non_negative=non_negative, seed=seed, dtype=dtype)
 
 
 def _tensorsketch(heads, head_dim, *, p, m, seed, dtype, **_):
-    from ..sketches.tensorsketch import TensorSketch
-    from .sketch_map import SketchMap
+    from .tensorsketch import TensorSketchMap
 
-    sketch = TensorSketch.draw(head_dim, p, m, seed=seed, batch_shape=(heads,), dtype=dtype)
-    return SketchMap(sketch, heads=heads, head_dim=head_dim)
+    return TensorSketchMap.draw(heads, head_dim, p=p, m=m, seed=seed, dtype=dtype)
 
 
 def _hedgehog(heads, head_dim, *, m, seed, dtype, **_):
@@ -372,22 +365,22 @@ _BASED = {"dim": Option("int", None, low=1, doc="BASED's d' (default: the larges
 #: ``(module, attr)`` (imported on first lookup) where it has one.
 _BUILTINS = {
     "optimal": _Entry(fit=("sketchlab.optimal", "_fit_optimal")),
-    "mlp": _Entry(fit=("sketchlab.sketches.mlp", "_fit_mlp")),
+    "mlp": _Entry(fit=("sketchlab.featuremaps.mlp", "_fit_mlp")),
     "llops": _Entry(_llops, {"theta": Option("tensor", None, doc="a given Θ [H, t, p, D, M]"), "learn": _LEARN},
                     ("sketchlab.llops.dispatch", "fit_llops")),
-    "elementwise": _Entry(_elementwise, {"learn": _LEARN}, ("sketchlab.sketches.elementwise", "_fit_elementwise")),
+    "elementwise": _Entry(_elementwise, {"learn": _LEARN}, ("sketchlab.featuremaps.elementwise", "_fit_elementwise")),
     "exact-poly": _Entry(_exact, {"symmetric": Option("bool", True, doc="C(D+p−1, p) symmetric coordinates")}),
-    "based-taylor": _Entry(_taylor, _BASED, ("sketchlab.sketches.based", "_fit_based_taylor")),
-    "based-expand": _Entry(_expand, _BASED, ("sketchlab.sketches.based", "_fit_based_expand")),
+    "based-taylor": _Entry(_taylor, _BASED, ("sketchlab.featuremaps.based", "_fit_based_taylor")),
+    "based-expand": _Entry(_expand, _BASED, ("sketchlab.featuremaps.based", "_fit_based_expand")),
     "psf-learned": _Entry(_psf_learned, {"hidden": Option("int", None, low=1, doc="hidden width (default 4·D)")}),
     "psf-random": _Entry(_psf_random, {"non_negative": Option("bool", None, doc="self-tensor (default: even p)")},
-                         ("sketchlab.sketches.psf", "_fit_psf")),
-    "tensorsketch": _Entry(_tensorsketch, {}, ("sketchlab.sketches.tensorsketch", "_fit_tensorsketch")),
+                         ("sketchlab.featuremaps.psf_random", "_fit_psf")),
+    "tensorsketch": _Entry(_tensorsketch, {}, ("sketchlab.featuremaps.tensorsketch", "_fit_tensorsketch")),
     "hedgehog": _Entry(_hedgehog),
     "dpfp": _Entry(_lazy("dpfp", "build_dpfp"), {"nu": Option("int", None, low=1, doc="DPFP's order n (M = 2·D·n)")}),
     "identity": _Entry(_lazy("identity", "build_identity")),
     # deprecated fit_sketch names (DEPRECATED_METHODS), each with its own fitter
-    "psf": _Entry(fit=("sketchlab.sketches.psf", "_fit_psf")),
-    "based": _Entry(fit=("sketchlab.sketches.based", "_fit_based")),
+    "psf": _Entry(fit=("sketchlab.featuremaps.psf_random", "_fit_psf")),
+    "based": _Entry(fit=("sketchlab.featuremaps.based", "_fit_based")),
 }
 _REGISTRY.update(_BUILTINS)

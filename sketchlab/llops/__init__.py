@@ -8,8 +8,9 @@ r"""LLoPS: the learnable low-rank polynomial sketch.
 Modules
 -------
 ``maps``       the feature map and projector, their float64 twins, and their derivatives
-``module``     :class:`LLoPS` (``nn.Module`` + :class:`~sketchlab.sketch.Sketch`)
 ``cp``         :func:`projector_to_theta` (CP of projector columns, tensorly)
+``pair``       :func:`llops_maps` (Θ → the pair of :class:`~sketchlab.featuremaps.LLoPSMap` s every fit returns),
+               :func:`llops_from_projector`
 ``inits``      :func:`llops_init`: svd, random, cp, based, psf, or a given sketch
 ``sides``      the rows a fit sees: the tokens, or at most ``D`` compressed rows with their Gram matrix
 ``target``     :class:`~sketchlab.llops.target.KernelTarget`: products with ``A`` without ``n × n``;
@@ -39,7 +40,7 @@ from .maps import (
     llops_projector,
     llops_projector_naive,
 )
-from .module import LLoPS
+from .pair import llops_from_projector, llops_maps
 from .target import KernelTarget
 
 __all__ = [
@@ -48,7 +49,6 @@ __all__ = [
     "METHODS",
     "QUALITY",
     "KernelTarget",
-    "LLoPS",
     "affine_input",
     "affine_theta",
     "aligned_gauge",
@@ -58,7 +58,9 @@ __all__ = [
     "fit_llops_direct",
     "llops_features",
     "llops_features_naive",
+    "llops_from_projector",
     "llops_init",
+    "llops_maps",
     "llops_projector",
     "llops_projector_naive",
     "projector_to_theta",

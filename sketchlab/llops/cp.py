@@ -55,3 +55,4 @@ def projector_to_theta(
                         fac = fac * weights[None, :]
                     theta[b, :, j, :, i] = fac.mT
     return theta.reshape(*batch, rank, p, d, m).to(w.dtype)
+

@@ -7,7 +7,6 @@ import inspect
 from .fit_adam import fit_llops_adam
 from .fit_als import fit_llops_direct
 from .fit_cp import fit_llops_cp
-from .module import LLoPS
 
 __all__ = ["METHODS", "fit_llops"]
 
@@ -29,14 +28,15 @@ def _check_options(method: str, options: dict) -> None:
 
 
 def fit_llops(q, k, *, p: int, m: int, seed: int = 0, rank: int = 1, method: str = "direct", init=None,
-              **options) -> LLoPS:
+              **options) -> tuple:
     """``fit_sketch("llops", q, k, p=, m=, rank=1, method="direct"|"cp"|"adam", init=..., **options)``.
 
     ``method="direct"`` → :func:`~sketchlab.llops.fit_llops_direct` (``init`` default ``"svd"``;
     options ``quality``, ``steps``, ``lm_steps``, ``cg_iters``, ``interleave``, ``tol``, ``ridge``, ``route``, ...);
     ``"cp"`` → :func:`~sketchlab.llops.fit_llops_cp` (``init`` must be ``None``); ``"adam"`` →
     :func:`~sketchlab.llops.fit_llops_adam` (``init`` default ``"random"``). An option the chosen
-    function does not take is rejected with ``ValueError`` listing the ones it does.
+    function does not take is rejected with ``ValueError`` listing the ones it does. Returns the untied pair
+    ``(map_q, map_k)`` of :class:`~sketchlab.featuremaps.LLoPSMap` (``fit_info`` on ``map_q``).
     """
     if not isinstance(method, str) or method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")

@@ -9,7 +9,7 @@ from ..objective import DEFAULT_LR, DEFAULT_STEPS, train_kernel_sketch
 from ._fitting import prepare
 from .inits import llops_init
 from .maps import llops_features
-from .module import LLoPS
+from .pair import llops_maps
 
 __all__ = ["fit_llops_adam"]
 
@@ -29,14 +29,14 @@ def fit_llops_adam(
     progress: bool = False,
     max_bytes: int = DEFAULT_MAX_BYTES,
     cp_options: dict | None = None,
-) -> LLoPS:
+) -> tuple:
     r"""Fit LLoPS by ``torch.optim.Adam`` on :func:`kernel_loss` with a fixed step budget.
 
     The naive baseline: every head's loss is divided by :math:`\|A\|_F^2` and the sum is
     minimised for ``steps`` steps (learning rate ``lr``), in float64; the best Θ seen per head
     (initialisation included) is returned. ``converged`` means the summed loss moved by less
-    than ``tol`` (relative) over the last 10 steps. Other arguments as
-    :func:`~sketchlab.llops.fit_llops_direct`. Forms the ``n × n`` kernel (checked against ``max_bytes``).
+    than ``tol`` (relative) over the last 10 steps. Other arguments and the result (an untied pair of
+    :class:`~sketchlab.featuremaps.LLoPSMap`, ``fit_info`` on ``map_q``) as :func:`~sketchlab.llops.fit_llops_direct`. Forms the ``n × n`` kernel (checked against ``max_bytes``).
     """
     q, k, p, m, rank, out_dtype, batch, q64, k64 = prepare(q, k, p, m, rank)
     theta_q, theta_k = llops_init(q, k, p=p, m=m, rank=rank, init=init, seed=seed, max_bytes=max_bytes, **(cp_options or {}))
@@ -47,12 +47,12 @@ def fit_llops_adam(
         [theta_q, theta_k], lambda x, y: (llops_features(x, theta_q), llops_features(y, theta_k)), q64, k64, p,
         steps=steps, lr=lr, tol=tol, what="LLoPS Adam", progress=progress, max_bytes=max_bytes,
     )
-    sketch = LLoPS(theta_q.detach().reshape(*batch, rank, p, d, m).to(out_dtype),
-                   theta_k.detach().reshape(*batch, rank, p, d, m).to(out_dtype))
-    sketch.fit_info = {
+    map_q, map_k = llops_maps(theta_q.detach().reshape(*batch, rank, p, d, m).to(out_dtype),
+                              theta_k.detach().reshape(*batch, rank, p, d, m).to(out_dtype))
+    map_q.fit_info = {
         **info,
         "init": init if isinstance(init, str) else type(init).__name__,
         "init_rel_fro": info["init_rel_fro"].reshape(batch),
         "rel_fro": info["rel_fro"].reshape(batch),
     }
-    return sketch
+    return map_q, map_k

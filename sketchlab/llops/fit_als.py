@@ -23,7 +23,7 @@ from ._fitting import balance, prepare
 from .fit_lm import lm_step
 from .inits import llops_init
 from .maps import llops_features
-from .module import LLoPS
+from .pair import llops_maps
 from .target import ROUTES, fit_problem, iteration_flops
 
 __all__ = ["QUALITY", "Preset", "fit_llops_direct"]
@@ -141,7 +141,7 @@ def fit_llops_direct(
     progress: bool = False,
     max_bytes: int = DEFAULT_MAX_BYTES,
     cp_options: dict | None = None,
-) -> LLoPS:
+) -> tuple:
     r"""Fit LLoPS to :math:`A = (QK^\top)^{\circ p}` by minimising :math:`\|\Phi_Q\Phi_K^\top - A\|_F^2` directly.
 
     Parameters
@@ -204,9 +204,10 @@ def fit_llops_direct(
 
     Returns
     -------
-    LLoPS
-        Untied, ``theta[..., rank, p, d, m]`` in the input dtype (float32 at least), with
-        ``fit_info = {"steps", "als_steps", "lm_steps", "converged", "capped", "init",
+    (LLoPSMap, LLoPSMap)
+        Untied (:func:`~sketchlab.llops.llops_maps`): Θ ``[B, rank, p, d, m]`` of the ``B = prod(...)`` problems
+        flattened row-major into heads, in the input dtype (float32 at least), with
+        ``map_q.fit_info = {"steps", "als_steps", "lm_steps", "converged", "capped", "init",
         "init_rel_fro", "rel_fro_history", "route"}``, and on the compressed route
         ``"kernel_core"`` (``R_Q R_Kᵀ``, ``[..., N_q, N_k]``: its singular values are ``A``'s;
         :func:`sketchlab.fit_sketch` takes it out for the report's floor).
@@ -347,8 +348,9 @@ def fit_llops_direct(
         if converged:
             break
     bar.close()
-    sketch = LLoPS(best_q.reshape(*batch, rank, p, d, m).to(out_dtype), best_k.reshape(*batch, rank, p, d, m).to(out_dtype))
-    sketch.fit_info = {
+    map_q, map_k = llops_maps(best_q.reshape(*batch, rank, p, d, m).to(out_dtype),
+                              best_k.reshape(*batch, rank, p, d, m).to(out_dtype))
+    map_q.fit_info = {
         "steps": als_done + lm_done,
         "als_steps": als_done,
         "lm_steps": lm_done,
@@ -360,5 +362,5 @@ def fit_llops_direct(
         "route": target.route,
     }
     if target.route == "compressed":  # R_Q R_Kᵀ: A's singular values, which the report's floor reuses
-        sketch.fit_info["kernel_core"] = target.a.reshape(*batch, *target.a.shape[-2:])
-    return sketch
+        map_q.fit_info["kernel_core"] = target.a.reshape(*batch, *target.a.shape[-2:])
+    return map_q, map_k

@@ -5,11 +5,12 @@ from __future__ import annotations
 import torch
 
 from .._validation import check_pair
+from ..featuremaps.heads import batch_features
 from ..optimal import optimal_sketch
 from ._fitting import prepare
 from .cp import projector_to_theta
 from .maps import llops_features
-from .module import LLoPS
+from .pair import llops_maps
 from .svd_init import _init_svd
 
 __all__ = ["GAUGES", "aligned_gauge", "fit_llops_cp"]
@@ -18,7 +19,8 @@ GAUGES = ("balanced", "aligned")
 
 
 def aligned_gauge(q, k, opt, *, seed: int = 0) -> torch.Tensor:
-    r"""The ``m × m`` map ``G`` of the ``"aligned"`` gauge for an optimal sketch ``opt`` of ``(q, k)``.
+    r"""The ``m × m`` map ``G`` of the ``"aligned"`` gauge for the optimum ``opt = (map_q, map_k)`` of ``(q, k)``
+    (:func:`sketchlab.optimal_sketch`'s pair of :class:`~sketchlab.optimal.OptimalMap`).
 
     ``G = argmin ‖ψ_p(Q) W*_Q G − Φ_ref‖_F`` (least squares), with ``Φ_ref`` the query features of the
     ``"svd"`` initialisation (rank-1 columns by construction). ``W*_Q G`` and ``W*_K G^{-ᵀ}`` have
@@ -29,10 +31,11 @@ def aligned_gauge(q, k, opt, *, seed: int = 0) -> torch.Tensor:
     batch = q.shape[:-2]
     q64 = q.to(torch.float64).reshape(-1, *q.shape[-2:])  # [B, n_q, d]
     k64 = k.to(torch.float64).reshape(-1, *k.shape[-2:])  # [B, n_k, d]
-    p, m = opt.p, opt.num_features
+    map_q = opt[0]
+    p, m = map_q.degree, map_q.num_features
     ref_q, _ = _init_svd(q64, k64, p, m, torch.Generator().manual_seed(seed))
     target = llops_features(q64, ref_q)  # [B, n_q, m]
-    current = opt.features_q(q64).reshape(-1, q64.shape[-2], m)  # [B, n_q, m]
+    current = batch_features(map_q, q64).detach()  # [B, n_q, m]: head b's map on problem b
     return torch.linalg.lstsq(current, target).solution.reshape(*batch, m, m)
 
 
@@ -48,7 +51,7 @@ def fit_llops_cp(
     n_iter_max: int = 200,
     tol: float = 1e-10,
     route: str = "auto",
-) -> LLoPS:
+) -> tuple:
     r"""LLoPS from a CP of every column tensor of the Theorem 3.1 optimal projector ``W*``.
 
     Parameters
@@ -69,7 +72,9 @@ def fit_llops_cp(
 
     Returns
     -------
-    LLoPS with ``fit_info = {"steps": 1, "converged": True, "gauge": gauge}``.
+    (LLoPSMap, LLoPSMap)
+        Untied (:func:`~sketchlab.llops.llops_maps`: the leading axes of ``q`` flattened into heads), with
+        ``map_q.fit_info = {"steps": 1, "converged": True, "gauge": gauge}``.
 
     Notes
     -----
@@ -83,7 +88,7 @@ def fit_llops_cp(
     if gauge not in GAUGES:
         raise ValueError(f"gauge must be one of {GAUGES}, got {gauge!r}")
     opt = optimal_sketch(q64, k64, p, m, route=route)
-    w_q, w_k = opt.projector("q"), opt.projector("k")  # [B, d^p, m] full basis
+    w_q, w_k = opt[0].projector(), opt[1].projector()  # [B, d^p, m] full basis
     if gauge == "aligned":
         gmap = aligned_gauge(q64, k64, opt, seed=seed)  # [B, m, m]
         w_q = w_q @ gmap
@@ -91,6 +96,7 @@ def fit_llops_cp(
     theta_q = projector_to_theta(w_q, p, rank, seed=seed, n_iter_max=n_iter_max, tol=tol, name="W*_Q")
     theta_k = projector_to_theta(w_k, p, rank, seed=seed, n_iter_max=n_iter_max, tol=tol, name="W*_K")
     d = q.shape[-1]
-    sketch = LLoPS(theta_q.reshape(*batch, rank, p, d, m).to(out_dtype), theta_k.reshape(*batch, rank, p, d, m).to(out_dtype))
-    sketch.fit_info = {"steps": 1, "converged": True, "gauge": gauge}
-    return sketch
+    map_q, map_k = llops_maps(theta_q.reshape(*batch, rank, p, d, m).to(out_dtype),
+                              theta_k.reshape(*batch, rank, p, d, m).to(out_dtype))
+    map_q.fit_info = {"steps": 1, "converged": True, "gauge": gauge}
+    return map_q, map_k

@@ -8,12 +8,12 @@ import math
 import torch
 
 from .._validation import DEFAULT_MAX_BYTES, check_degree, check_memory, check_pair, check_positive_int
-from .module import LLoPS
 from .svd_init import _init_svd
 
 __all__ = ["INITS", "llops_init"]
 
-#: Initialisations accepted by the fits (besides an :class:`LLoPS` instance or an object with ``as_llops()``).
+#: Initialisations accepted by the fits (besides LLoPS maps, maps :func:`sketchlab.featuremaps.to_llops.as_llops` converts, or
+#: an object with ``as_llops()``).
 INITS = ("svd", "random", "cp", "based", "psf")
 
 def _init_random(q, k, sq_norm, rank, p, m, generator):
@@ -50,12 +50,12 @@ def _pad(theta_q, theta_k, axis: int, size: int, generator, relative=1e-3):
 def _special_case(name, q, k, p, m, seed):
     """The BASED (project-then-expand, PCA projection) or PolySketchFormer sketch of size ``<= m``.
 
-    Imported here, at call time: :mod:`sketchlab.sketches` imports :class:`LLoPS` for ``as_llops``.
+    Imported here, at call time.
     The baselines' own fitters, not :func:`sketchlab.fit.sketch_fitter`: the fits sit below
     :mod:`sketchlab.fit` (tests/test_layers.py).
     """
-    from ..sketches.based import _fit_based
-    from ..sketches.psf import _fit_psf
+    from ..featuremaps.based import _fit_based
+    from ..featuremaps.psf_random import _fit_psf
 
     return {"based": _fit_based, "psf": _fit_psf}[name](q, k, p=p, m=m, seed=seed)
 
@@ -102,6 +102,32 @@ def _check_init_scale(theta_q, theta_k, q64, k64, p: int) -> None:
             )
 
 
+def _given_thetas(init) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float64 Θ ``[H', t, p, d, m]`` of both sides of a given init: LLoPS maps (one for both sides, or a pair),
+    else what its ``as_llops()`` or :func:`sketchlab.featuremaps.to_llops.as_llops` gives; a ``TypeError`` otherwise."""
+    from ..featuremaps.llops import LLoPSMap
+
+    def thetas(obj):
+        if isinstance(obj, LLoPSMap):
+            obj = (obj, obj)
+        if isinstance(obj, (tuple, list)) and len(obj) == 2 and all(isinstance(f, LLoPSMap) for f in obj):
+            return tuple(f.theta.detach().to(torch.float64) for f in obj)
+        return None
+
+    got = thetas(init)
+    if got is None:
+        if hasattr(init, "as_llops"):
+            converted = init.as_llops()
+        else:
+            from ..featuremaps.to_llops import as_llops
+
+            converted = as_llops(init)
+        got = thetas(converted)
+    if got is None:
+        raise TypeError(f"init must be one of {INITS}, LLoPS maps, or a sketch with as_llops(); got {type(init).__name__}")
+    return got
+
+
 def llops_init(q, k, *, p: int, m: int, rank: int = 1, init="svd", seed: int = 0,
                max_bytes: int = DEFAULT_MAX_BYTES, **cp_options):
     r"""Initial Θ for the fits: ``(theta_q, theta_k)``, float64 ``[..., rank, p, d, m]``.
@@ -110,17 +136,19 @@ def llops_init(q, k, *, p: int, m: int, rank: int = 1, init="svd", seed: int = 0
     ----------
     q, k : Tensor ``[..., n, d]``
     p, m, rank : int
-    init : {"svd", "random", "cp"} or LLoPS or object with ``as_llops()``
+    init : {"svd", "random", "cp", "based", "psf"}, LLoPS maps, or a sketch with an LLoPS form
         ``"svd"``: the leading ``m`` terms of :math:`(\sum_a s_a (u_a^\top q)(v_a^\top k))^p`, the
         multinomial expansion of the kernel in the singular directions of :math:`QK^\top` (this is
         project-then-expand, BASED-style, with data-chosen directions and terms). ``"random"``:
         Gaussian, scaled to the size of ``A``. ``"cp"``: :func:`fit_llops_cp` (``cp_options`` go
         there). ``"based"``/``"psf"``: the BASED project-then-expand sketch (PCA projection) or
         the PolySketchFormer sketch fitted with budget ``m`` (``fit_sketch("based"/"psf", ...)``),
-        converted exactly by :func:`sketchlab.sketches.as_llops` (which raises for the cases
-        without a rank-1 form, e.g. PSF of degree 3). An :class:`LLoPS`, or any sketch
-        :func:`sketchlab.sketches.as_llops` converts, with matching batch, ``p``, ``d``, at most
-        ``m`` features and rank ``<= rank`` is used as is. Missing CP terms and columns are filled
+        converted exactly by :func:`sketchlab.featuremaps.to_llops.as_llops` (which raises for the cases
+        without a rank-1 form, e.g. PSF of degree 3). LLoPS maps (an
+        :class:`~sketchlab.featuremaps.LLoPSMap`, both sides, or a pair ``(map_q, map_k)``), an object with
+        ``as_llops()``, or any sketch :func:`sketchlab.featuremaps.to_llops.as_llops` converts, of ``prod(batch)`` heads
+        (the batch flattened row-major) or one head shared by all, with matching ``p``, ``d``, at most ``m``
+        features and rank ``<= rank``, is used as is. Missing CP terms and columns are filled
         with small Gaussian ones (``1e-3`` of the factors' RMS) so that alternating least squares
         can move them.
     seed : int
@@ -148,38 +176,25 @@ def llops_init(q, k, *, p: int, m: int, rank: int = 1, init="svd", seed: int = 0
         elif init == "cp":
             from .fit_cp import fit_llops_cp  # the CP fit starts from the svd init (aligned gauge)
 
-            sketch = fit_llops_cp(q, k, p=p, m=m, rank=rank, seed=seed, **cp_options)
-            theta_q = sketch.theta_q.detach().to(torch.float64).reshape(-1, rank, p, d, m)
-            theta_k = sketch.theta_k.detach().to(torch.float64).reshape(-1, rank, p, d, m)
+            map_q, map_k = fit_llops_cp(q, k, p=p, m=m, rank=rank, seed=seed, **cp_options)
+            theta_q = map_q.theta.detach().to(torch.float64)  # [B, t, p, d, m]
+            theta_k = map_k.theta.detach().to(torch.float64)
         elif init in ("based", "psf"):
             return llops_init(q, k, p=p, m=m, rank=rank, init=_special_case(init, q, k, p, m, seed), seed=seed)
         else:
-            raise ValueError(f"init must be one of {INITS}, an LLoPS, or a sketch with as_llops(); got {init!r}")
+            raise ValueError(f"init must be one of {INITS}, LLoPS maps, or a sketch with as_llops(); got {init!r}")
     else:
-        if isinstance(init, LLoPS):
-            sketch = init
-        elif hasattr(init, "as_llops"):
-            sketch = init.as_llops()
-        else:
-            from ..sketches import as_llops  # at call time: sketchlab.sketches imports LLoPS
-
-            sketch = as_llops(init)
-        if not isinstance(sketch, LLoPS):
-            raise TypeError(f"init must be one of {INITS}, an LLoPS, or a sketch with as_llops(); got {type(init).__name__}")
-        theta_q = sketch.theta_q.detach().to(torch.float64)
-        theta_k = (sketch.theta_q if sketch.theta_k is None else sketch.theta_k).detach().to(torch.float64)
-        want = (*batch, p, d, m)
-        if theta_q.ndim == 4 and len(batch) > 0:  # one map shared by every head
-            theta_q = theta_q.expand(*batch, *theta_q.shape)
-            theta_k = theta_k.expand(*batch, *theta_k.shape)
-        have = (*theta_q.shape[:-4], *theta_q.shape[-3:])
-        if have[:-1] != want[:-1] or have[-1] > m:
+        theta_q, theta_k = _given_thetas(init)  # [H', t', p', d', m'] each
+        heads = q64.shape[0]
+        if theta_q.shape[0] == 1 and heads > 1:  # one map shared by every head
+            theta_q, theta_k = theta_q.expand(heads, *theta_q.shape[1:]), theta_k.expand(heads, *theta_k.shape[1:])
+        if theta_q.shape[0] != heads or theta_q.shape[2:4] != (p, d) or theta_q.shape[-1] > m:
             raise ValueError(
-                f"init LLoPS must have batch, p, d = {want[:-1]} and at most m={m} features to initialise "
-                f"this fit, got theta of shape {tuple(theta_q.shape)}"
+                f"init LLoPS must have {heads} head(s) (batch {list(batch)} flattened) or one, p, d = {(p, d)} and at "
+                f"most m={m} features to initialise this fit, got theta of shape {tuple(theta_q.shape)} "
+                "([heads, t, p, d, m])"
             )
-        theta_q = theta_q.reshape(-1, *theta_q.shape[-4:]).to(q.device)  # [B, t', p, d, m']
-        theta_k = theta_k.reshape(-1, *theta_k.shape[-4:]).to(q.device)
+        theta_q, theta_k = theta_q.to(q.device), theta_k.to(q.device)  # [B, t', p, d, m']
         _check_init_scale(theta_q, theta_k, q64, k64, p)
         theta_q, theta_k = _pad(theta_q, theta_k, 4, m, generator)
     theta_q, theta_k = _pad(theta_q, theta_k, 1, rank, generator)

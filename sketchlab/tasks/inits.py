@@ -29,7 +29,7 @@ def based_init_dim(head_dim: int, p: int, m: int, form: str = "expand") -> tuple
     be 2): ``1 + d' + C(d'+1, 2)`` or ``1 + d' + d'²``. The symmetric form is tried first, then the full
     one; ``ValueError`` lists the valid sizes when neither matches.
     """
-    from ..sketches.based import based_num_features
+    from ..featuremaps.based import based_num_features
 
     if form == "taylor" and p != 2:
         raise ValueError(f"init 'based' with affine=true is BASED's Taylor map 1 + s + s²/2: it needs p=2, got p={p}")
@@ -65,7 +65,8 @@ def _theta_factor(scale_label: str, head_dim: int, where: str) -> float:
 
 def _based_theta(D: int, H: int, o: dict) -> tuple[torch.Tensor, dict]:
     """Θ ``[H, 1, p, D (+ 1), m]`` of BASED's map on the first ``d'`` coordinates (:func:`init_llops`)."""
-    from ..sketches import BasedSketch, as_llops
+    from ..featuremaps.based import ExpandMap, TaylorMap
+    from ..featuremaps.to_llops import as_llops
 
     if o["rank"] != 1:
         raise ValueError(f"init 'based' gives a rank-1 Θ (BASED is one product per feature); the model has "
@@ -76,7 +77,9 @@ def _based_theta(D: int, H: int, o: dict) -> tuple[torch.Tensor, dict]:
                          "its kernel ((1 + s + s²/2)² is no BASED model): use non_negative=false")
     dim, symmetric = based_init_dim(D, o["p"], o["m"], form)
     proj = torch.eye(D, dim, dtype=torch.float64).expand(H, D, dim)  # [H, D, d']: P = [I_{d'}; 0]
-    theta = as_llops(BasedSketch(proj, o["p"], form=form, symmetric=symmetric), affine=o["affine"]).theta_q.detach()
+    fmap = (TaylorMap(H, D, proj=proj, symmetric=symmetric) if o["affine"]
+            else ExpandMap(H, D, p=o["p"], proj=proj, symmetric=symmetric))
+    theta = as_llops(fmap, affine=o["affine"]).theta.detach()
     if o["affine"]:  # the Taylor map takes the unscaled q, k; the layer gives Θ x · D^{-1/4}
         theta[..., :D, :] *= D**0.25
     return theta, {"init": "based", "dim": dim, "symmetric": symmetric, **({"form": form} if o["affine"] else {})}
@@ -93,8 +96,8 @@ def init_llops(model: TransformerLM, init: str = "random", theta_file=None, *, s
         ``"random"``: element-wise ``θ_{r,j} = G_r`` for every factor ``j`` and both sides, ``G`` i.i.d.
         ``N(0, 1/d)`` (``d`` Θ's row count), layer ``i`` from ``seed + i`` (the draw of
         :class:`~sketchlab.featuremaps.LLoPSMap`): every feature is ``Σ_r ⟨g_r, x⟩^p``, so for even ``p``
-        the kernel starts non-negative. ``"based"``: ``Θ_Q = Θ_K = as_llops(BasedSketch(P, p,
-        form="expand"))`` with ``P = [I_{d'}; 0]`` and ``(d', symmetric)`` from :func:`based_init_dim`
+        the kernel starts non-negative. ``"based"``: ``Θ_Q = Θ_K = as_llops(ExpandMap(H, D, p=p,
+        proj=P))`` with ``P = [I_{d'}; 0]`` and ``(d', symmetric)`` from :func:`based_init_dim`
         (``m`` a BASED feature count, ``rank`` 1): the model then computes exactly the ``"based-expand"``
         attention of degree ``p`` (``2p`` with ``non_negative``); with ``affine``, ``as_llops`` of BASED's
         Taylor map (``p = 2``, not ``non_negative``), its ``x`` rows times ``D^{1/4}`` (the Taylor map sees

@@ -158,7 +158,7 @@ def based_to_llops(model: TransformerLM) -> TransformerLM:
     this ``(d', symmetric)``. A Taylor map with ``local="poly"`` is refused (the affine LLoPS layer
     has no exact local polynomial: BASED's window scores ``(s')²`` on ``d'`` coordinates are no ``(s)^p``).
     """
-    from ..sketches.based import based_num_features
+    from ..featuremaps.based import based_num_features
     from .attention import kernel_modules
     from .inits import based_init_dim, copy_shared_weights, init_llops
 

@@ -19,10 +19,10 @@ read and its normaliser, :func:`combine_delta` the delta read; :func:`local_far_
 query sees exactly and which through the far part (the float64 twin and ``convert/scale.py``'s far-mass gate
 read it). Callers: the chunked hybrid's one-token and non-causal paths
 (:mod:`sketchlab.attention.ops.additive.hybrid_driver`), the memory mechanisms' fast path and decoding step
-(:mod:`~sketchlab.attention.memory_fast`, :mod:`~sketchlab.attention.memory_decode`).
+(:mod:`~sketchlab.attention.memory_fast`, :mod:`~sketchlab.attention.ops.cache.recurrent`).
 
 The float64 twins (:func:`sketchlab.attention.ops.additive.naive.feature_attention_naive`,
-:func:`sketchlab.attention.memory.memory_attention_naive`) write the formula out on their own: they are
+:func:`sketchlab.attention.ops.cache.naive.memory_naive`) write the formula out on their own: they are
 what these functions are tested against, so a slip here cannot hide in both (they share only
 :func:`local_far_masks`, the split of the keys, with this module). The fused kernels keep their
 fused forms, tested against the same twins: the causal block with its hand-written backward

@@ -1,4 +1,5 @@
-r"""The chunked causal linear-attention core with a hand-written backward (layout ``[B, H, ·, ·]``).
+r"""The additive state's chunked path (training and prefill; layout ``[B, H, ·, ·]``): the causal block core with a
+hand-written backward and the driver over it.
 
 One call handles one block of ``n`` queries against ``off + n`` keys (the ``off`` keys before
 the queries, then one key per query: query ``t`` is key ``off + t``; ``off`` a multiple of the
@@ -17,225 +18,63 @@ and any key the caller wants out of the far sums carry zero features. ``non_nega
 kernel is ``(φ(q)·φ(k))²``, the state holds ``φ ⊗ φ`` (``M2 = M²``).
 
 The far state (the prefix GEMM of the wholly far key chunks, recomputed in the backward) is the part both
-cores share (:func:`_far_forward`, :func:`_far_backward`, below); :func:`chunk_core` adds the partly-far key
+cores share (:mod:`.far`: :func:`~.far.far_forward`, :func:`~.far.far_backward`); :func:`chunk_core` adds the partly-far key
 chunks (``C × C`` scores with a fixed mask, kept for the backward). Its float64 twin is
 :func:`sketchlab.attention.ops.additive.naive.feature_attention_naive`; the gradients are tested with ``gradcheck``.
 
-*The far state of a chunked causal block*, shared by both cores (:func:`chunk_core` here, the hybrid's
-:func:`~sketchlab.attention.ops.additive.chunk_hybrid.hybrid_core`).
+*The driver*, :func:`chunk_attention` (decoding one token of the hybrid is :mod:`.recurrent`'s). The
+sequence is cut into chunks of ``C`` tokens. Within a chunk the masked ``C × C`` score product is formed directly; across chunks the running state
+:math:`S = \sum_{s} \phi(k_s)^\top v_s \in \mathbb R^{M\times D_v}` and normaliser
+:math:`z = \sum_s \phi(k_s)` carry everything earlier chunks contribute:
 
-A block of ``n`` queries reads ``off + n`` keys (``off`` a multiple of the chunk size ``C``) and a carried
-state ``S_in [B, H, M2, Dv]``, ``z_in [B, H, M2]``. Tensors are chunk-major ``[chunks, B, H, C, ·]`` so that a
-shift by whole chunks is a slice, never a copy. For query chunk ``c`` (key chunk ``c + off/C`` holds the same
-tokens) a key chunk ``L`` chunks back is either wholly far (``L·C − (C − 1) ≥ lag``: read from the prefix of
-per-chunk states, one matmul by a 0/1 prefix matrix ``R``, which has a column of ones for ``S_in`` and a last
-row that sums the key chunks wholly in ``S_out``), partly far (at most two such ``L``: ``C × C`` scores with a
-fixed mask, the cores' own) or wholly near (not seen by the far part). The backward recomputes the per-chunk
-states of the block from the saved inputs (``O(T·C)`` kept, not the ``(T/C)·M·Dv`` states): ``dS`` (and
-``dS_out``) flows backwards by ``Rᵀ``.
+.. math:: o_t = \phi(q_t)^\top S_{<c} + \sum_{s \in c,\, s\le t} (\phi(q_t)\cdot\phi(k_s))\, v_s,
+          \qquad \text{den}_t = \phi(q_t)\cdot z_{<c} + \sum_{s\in c,\, s\le t}\phi(q_t)\cdot\phi(k_s).
+
+Chunks are processed a *block* of ``block_chunks`` chunks at a time, fully vectorised inside the
+block (batched matmuls over ``B·H·chunks``, the per-chunk prefix states by one 0/1 matmul), with
+the state carried from block to block by a short Python loop. The causal block is one
+``torch.autograd.Function`` (:func:`chunk_core`, below; the hybrid's:
+``hybrid_core``) whose backward recomputes the block's per-chunk states from its saved inputs.
+The features come block by block (:class:`TokenRanges`; the LLoPS path computes its map there).
+Memory in the forward pass: ``O(T·(D + Dv))`` for inputs and output plus, per block,
+``O(block·(M + C) + chunks·M·Dv)``: never ``T²``. Under autograd each block keeps its features,
+its ``C × C`` near scores (the hybrid: its local weights, ``O(block·(w + C))``, and chunk-major
+copies of its ``q, k, v``) and its incoming state for the backward pass,
+``O(T·(M + C) + (T/block)·M·Dv)``: linear in ``T``.
+
+``non_negative=True`` (self-tensored features ``φ ⊗ φ``, kernel :math:`(\phi(q)\cdot\phi(k))^2`):
+the intra-chunk scores are squared and never touch ``M²``; the inter-chunk state is
+``(φ⊗φ)ᵀ v``, of size ``M²·Dv``, and the block's features ``φ ⊗ φ`` (``block·M²``) are
+materialised to build and read it. That part is ``M²`` by nature (the map has ``M²`` features).
+
+Gradients reach every input (features, values, and Θ in the LLoPS path): by the cores' backward
+inside a block, by autograd around them.
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch.autograd.function import once_differentiable
 
+from ...._validation import check_memory
 from ....polynomial import self_tensor
+from ..._checks import DenominatorCounter
+from .far import chunk_geometry, far_backward, far_forward, from_chunks, normalized_grads, to_chunks
+from .hybrid_driver import HybridSettings, hybrid_causal_block, hybrid_noncausal
+from .parallel import parallel_core, use_parallel
+from .recurrent import hybrid_decode_one
 
-__all__ = ["chunk_core"]
-
-
-@functools.lru_cache(maxsize=64)
-def _geometry(n: int, off: int, lag: int, C: int, device: torch.device, dtype: torch.dtype):
-    """Chunk counts, the partly-far lags with their ``[C, C]`` masks, the far matrix ``R [N + 1, 1 + Ne]`` (see
-    :func:`_far_state`), the keys that enter ``S_out`` and ``reach``: the query chunks' rows of ``R`` read key chunks
-    ``< reach`` only (their other key columns are zero)."""
-    N, Wc = -(-n // C), off // C
-    Ne = Wc + N
-    full = -(-(lag + C - 1) // C)  # first lag (in chunks) whose keys are all far
-    first = max(0, -(-(lag - C + 1) // C))  # first lag with some far key
-    r = torch.arange(C, device=device)[:, None]
-    u = torch.arange(C, device=device)[None, :]
-    lags = []
-    for L in range(first, min(full, Ne)):
-        c0 = max(0, L - Wc)  # the first query chunk whose key chunk exists
-        if c0 < N:
-            lags.append((L, c0, (L * C + r - u >= lag).to(dtype)))  # [C, C]
-    last = max(0, off + n - lag)  # keys e < last enter S_out
-    c = torch.arange(N + 1, device=device)[:, None]
-    e = torch.arange(Ne, device=device)[None, :]
-    R = torch.ones(N + 1, 1 + Ne, device=device, dtype=dtype)  # column 0: S_in enters every row
-    R[:N, 1:] = (e <= Wc + c[:N] - full).to(dtype)  # [N, Ne]  key chunk e wholly far for query chunk c
-    R[N, 1:] = (e[0] < last // C).to(dtype)  # [Ne]  key chunk e wholly in S_out
-    reach = min(Ne, max(0, Wc + N - full))  # key chunk Wc + N − 1 − full is the last any query chunk reads whole
-    return N, Wc, Ne, lags, R, last, reach
-
-
-def _chunks(x: torch.Tensor, chunks: int, C: int) -> torch.Tensor:
-    """``x [B, H, L, F]`` → chunk-major ``[chunks, B, H, C, F]`` (zero-padded at the end), contiguous."""
-    B, H, L, F = x.shape
-    if chunks * C != L:
-        x = torch.nn.functional.pad(x, (0, 0, 0, chunks * C - L))
-    return x.view(B, H, chunks, C, F).permute(2, 0, 1, 3, 4).contiguous()  # [chunks, B, H, C, F]
-
-
-def _unchunk(x: torch.Tensor, length: int) -> torch.Tensor:
-    """Chunk-major ``[N, B, H, C, ·]`` (or ``[N, B, H, C]``) → ``[B, H, length, ·]``."""
-    x = x.movedim(0, 2)  # [B, H, N, C, ·]
-    return x.flatten(2, 3)[:, :, :length]
-
-
-def _lift(x: torch.Tensor, non_negative: bool) -> torch.Tensor:
-    """The features the state holds: ``φ ⊗ φ`` ``[..., M²]`` when ``non_negative`` (the kernel ``(φ(q)·φ(k))²``), else
-    ``φ`` itself."""
-    return self_tensor(x) if non_negative else x
-
-
-def _unlift(grad: torch.Tensor, phi: torch.Tensor, non_negative: bool) -> torch.Tensor:
-    """Gradient through :func:`_lift`: ``grad [..., M²]`` → ``(G + Gᵀ) φ`` ``[..., M]`` (``grad`` itself when not
-    ``non_negative``)."""
-    if not non_negative:
-        return grad
-    M = phi.shape[-1]
-    G = grad.unflatten(-1, (M, M))  # [..., M, M]
-    return (G @ phi[..., None] + G.mT @ phi[..., None])[..., 0]
-
-
-def _normalized_grads(g_out, out, den, eps: float, N: int, C: int):
-    """The gradients of ``num`` and ``den`` through ``out = num / (den + eps)``, chunk-major: ``dnum [N, B, H, C, Dv]``,
-    ``dden [N, B, H, C]`` from ``g_out, out [B, H, n, Dv]`` (``g_out`` ``None``: zero) and ``den [B, H, n]``."""
-    r = 1.0 / (den + eps)  # [B, H, n]
-    g_out = torch.zeros_like(out) if g_out is None else g_out
-    return _chunks(g_out * r[..., None], N, C), _chunks((-(g_out * out).sum(-1) * r)[..., None], N, C)[..., 0]
-
-
-def _far_state(R, lk, vc, S_in, z_in, used: int):
-    r"""The far states read by the query chunks (and the final state) as one GEMM of the incoming state and the per-chunk
-    updates: ``[P; S_out] = R·[S_in; upd]``, likewise ``z``.
-
-    ``R [rows, 1 + Ne]`` is the far matrix of :func:`_geometry` or its first ``N`` rows (no final state): column 0 is
-    ones (``S_in`` enters every row), column ``1 + e`` key chunk ``e``; row ``c < N`` marks the key chunks wholly far
-    for query chunk ``c`` (the prefix matrix), row ``N`` those wholly in ``S_out`` (its other keys, the first
-    ``last % C`` of chunk ``last // C``, are :func:`_forward_state`'s). The updates ``upd = lkᵀ·v``
-    ``[used, B, H, M2, Dv]`` and ``zc = Σ lk`` ``[used, B, H, M2]`` are formed for the first ``used`` key chunks only
-    (at least those ``R`` reads). ``S_in, z_in``: ``[B, H, M2, Dv]``, ``[B, H, M2]`` or ``None`` (a zero state: column 0
-    left out). Returns ``P [rows, B, H, M2, Dv]``, ``zP [rows, B, H, M2]``.
-    """
-    _, B, H, _, M2 = lk.shape
-    Dv = vc.shape[-1]
-    rows = R.shape[0]
-    upd, zc = lk.new_empty(1 + used, B, H, M2, Dv), lk.new_empty(1 + used, B, H, M2)  # [S_in; upd], [z_in; zc]
-    torch.matmul(lk[:used].mT, vc[:used], out=upd[1:])  # per-chunk Σ φ(k)ᵀ v
-    torch.sum(lk[:used], 3, out=zc[1:])  # per-chunk Σ φ(k)
-    first = 1
-    if S_in is not None:
-        upd[0], zc[0], first = S_in, z_in, 0
-    P = (R[:, first:1 + used] @ upd[first:].flatten(1)).view(rows, B, H, M2, Dv)
-    zP = (R[:, first:1 + used] @ zc[first:].flatten(1)).view(rows, B, H, M2)
-    return P, zP
-
-
-def _forward_state(R, N, last, reach, lk, vc, S_in, z_in, final_state: bool):
-    """Both cores' forward far state: ``P [N, B, H, M2, Dv]``, ``zP [N, B, H, M2]`` and, with ``final_state``, ``S_out
-    [B, H, M2, Dv]``, ``z_out [B, H, M2]`` (else ``None``): the whole key chunks of ``S_out`` are row ``N`` of
-    :func:`_far_state`'s GEMM, the first ``last % C`` keys of key chunk ``last // C`` are added here."""
-    if not final_state:
-        P, zP = _far_state(R[:N], lk, vc, S_in, z_in, reach)
-        return P, zP, None, None
-    full, rem = divmod(last, lk.shape[3])
-    P_all, zP_all = _far_state(R, lk, vc, S_in, z_in, max(reach, full))  # [N + 1, B, H, M2, (Dv)]
-    # S_out, z_out copied out: views would keep the whole [N + 1, ...] buffer alive in the carried state
-    S_out, z_out = P_all[N].clone(), zP_all[N].clone()
-    if rem:
-        S_out += lk[full, :, :, :rem].mT @ vc[full, :, :, :rem]
-        z_out += lk[full, :, :, :rem].sum(2)
-    return P_all[:N], zP_all[:N], S_out, z_out
-
-
-def _far_forward(R, N, last, reach, fqc, fkc, vc, S_in, z_in, *, non_negative: bool, final_state: bool):
-    """Both cores' far part: ``num = lq·P`` ``[N, B, H, C, Dv]`` and ``den = lq·zP`` ``[N, B, H, C]`` of the query chunks
-    (``lq, lk``: the features :func:`_lift` makes of ``fqc, fkc``) and ``S_out, z_out`` (:func:`_forward_state`)."""
-    lq, lk = _lift(fqc, non_negative), _lift(fkc, non_negative)  # [N|Ne, B, H, C, M2]
-    P, zP, S_out, z_out = _forward_state(R, N, last, reach, lk, vc, S_in, z_in, final_state)
-    den = (zP[..., None, :] @ lq.mT)[..., 0, :]  # [N, B, H, C]  (as [1, M]·[M, C]: a GEMV is 7× slower)
-    return lq @ P, den, S_out, z_out
-
-
-def _far_backward(R, N, last, reach, fqc, fkc, vc, S_in, z_in, dnum, dden, g_S, g_z, *, non_negative: bool,
-                  need_in: bool, keep=None, need_g: bool = False):
-    r"""The backward of both cores' far part (:func:`_forward_state`'s, times ``keep``): the query and key features'
-    gradients ``dfq [N, B, H, C, M]``, ``dfk [Ne, B, H, C, M]``, the values' ``dvc [Ne, B, H, C, Dv]``, the incoming
-    state's ``dS_in, dz_in`` (``None`` unless ``need_in``) and ``dgh [H]``, the far part's share of the gate's
-    gradient (``None`` unless ``need_g``).
-
-    The far states ``P, zP`` are recomputed; their gradients ``dP = lqᵀ·dnum``, ``dzP = ddenᵀ·lq`` are the rows of a
-    GEMM by ``Rᵀ`` (:func:`_far_state_grads`) with ``g_S, g_z`` (zero for a ``None`` one) as row ``N`` when either is
-    given. ``keep [1, 1, H, 1, 1]`` (the hybrid's ``1 − g``; ``None``: 1) scales the query chunks' far part, and
-    ``d/dg`` of ``(1 − g)·far`` is ``−Σ dP·P + dzP·zP`` per head. Shapes: ``fqc [N, B, H, C, M]``, ``fkc [Ne, B, H, C,
-    M]`` (raw features: lifted here), ``dnum [N, B, H, C, Dv]``, ``dden [N, B, H, C]``.
-    """
-    lq, lk = _lift(fqc, non_negative), _lift(fkc, non_negative)
-    P, zP, _, _ = _forward_state(R, N, last, reach, lk, vc, S_in, z_in, False)  # recomputed
-    B, H, _, M2 = lq.shape[1:]
-    Dv = dnum.shape[-1]
-    rows = N + (g_S is not None or g_z is not None)  # row N: the final state's
-    dP, dzP = lq.new_empty(rows, B, H, M2, Dv), lq.new_empty(rows, B, H, M2)
-    torch.matmul(lq.mT, dnum, out=dP[:N])
-    torch.matmul(dden[..., None, :], lq, out=dzP[:N, ..., None, :])  # (as [1, C]·[C, M]: a GEMV is slower)
-    if rows > N:
-        dP[N], dzP[N] = (0.0 if g_S is None else g_S), (0.0 if g_z is None else g_z)
-    dlq = dnum @ P.mT + dden[..., None] * zP[..., None, :]  # [N, B, H, C, M2]
-    dgh = -((dP[:N] * P).sum(dim=(0, 1, 3, 4)) + (dzP[:N] * zP).sum(dim=(0, 1, 3))) if need_g else None
-    if keep is not None:  # the query chunks' rows (not the final state's) times 1 − g
-        dP[:N].mul_(keep)
-        dzP[:N].mul_(keep[..., 0])
-        dlq.mul_(keep)
-    dS_in, dz_in, dlk, dvc = _far_state_grads(R, dP, dzP, lk, vc, g_S, g_z, last, need_in)
-    return _unlift(dlq, fqc, non_negative), _unlift(dlk, fkc, non_negative), dvc, dS_in, dz_in, dgh
-
-
-def _far_state_grads(R, dP, dzP, lk, vc, g_S, g_z, last: int, need_in: bool):
-    r"""The backward of :func:`_far_state` (and of :func:`_forward_state`'s last keys), shared by both cores: gradients
-    of the incoming state and of the key chunks' features and values.
-
-    The forward formed ``[P; S_out] = R·[S_in; upd]`` (``upd_e = lk_eᵀ v_e``, likewise ``z``), ``S_out`` plus the
-    first ``last % C`` keys of key chunk ``last // C``: so ``dupd = R[:, 1:]ᵀ·[dP; g_S]`` (one GEMM), ``dS_in`` the
-    sum of ``[dP; g_S]``'s rows (column 0 of ``R`` is ones; only when ``need_in``), ``dlk = v·dupdᵀ + dzc``, ``dv =
-    lk·dupd``, and ``g_S`` on those last keys.
-
-    Shapes: ``R [N + 1, 1 + Ne]``, ``dP [rows, B, H, M2, Dv]``, ``dzP [rows, B, H, M2]`` (:func:`_far_backward`: row
-    ``N`` the final state's, when there is one), ``lk [Ne, B, H, C, M2]``, ``vc [Ne, B, H, C, Dv]``, ``g_S [B, H, M2,
-    Dv]`` / ``g_z [B, H, M2]`` or ``None``; ``last`` the keys that entered the state. Returns ``dS_in, dz_in`` (``None``
-    unless ``need_in``), ``dlk [Ne, B, H, C, M2], dvc [Ne, B, H, C, Dv]``.
-    """
-    Ne, B, H, C, M2 = lk.shape
-    Dv = vc.shape[-1]
-    Rt = R[:dP.shape[0], 1:].T  # [Ne, rows]  (the key chunks' columns of R)
-    dupd = (Rt @ dP.flatten(1)).view(Ne, B, H, M2, Dv)  # Σ over the rows that read key chunk e
-    dzc = (Rt @ dzP.flatten(1)).view(Ne, B, H, M2)
-    # S_in entered every row (R's column 0 is ones): its gradient is the sum of the rows'
-    dS_in, dz_in = (dP.sum(0), dzP.sum(0)) if need_in else (None, None)
-    dlk = vc @ dupd.mT + dzc[..., None, :]  # [Ne, B, H, C, M2]
-    dvc = lk @ dupd  # [Ne, B, H, C, Dv]
-    full, rem = divmod(last, C)
-    if rem and g_S is not None:
-        dlk[full, :, :, :rem] += vc[full, :, :, :rem] @ g_S.mT
-        dvc[full, :, :, :rem] += lk[full, :, :, :rem] @ g_S
-    if rem and g_z is not None:
-        dlk[full, :, :, :rem] += g_z[:, :, None, :]
-    return dS_in, dz_in, dlk, dvc
+__all__ = ["TokenRanges", "chunk_attention", "chunk_core"]
 
 
 class _Core(torch.autograd.Function):
     @staticmethod
     def forward(ctx, fq, fk, v, S_in, z_in, off, lag, C, non_negative, normalize, eps, final_state):
         B, H, n, _ = fq.shape
-        N, Wc, Ne, lags, R, last, reach = _geometry(n, off, lag, C, fq.device, fq.dtype)
-        fqc, fkc, vc = _chunks(fq, N, C), _chunks(fk, Ne, C), _chunks(v, Ne, C)
+        N, Wc, Ne, lags, R, last, reach = chunk_geometry(n, off, lag, C, fq.device, fq.dtype)
+        fqc, fkc, vc = to_chunks(fq, N, C), to_chunks(fk, Ne, C), to_chunks(v, Ne, C)
         # S_out, z_out: one more row of the far states' GEMM (not formed when the caller reads no final state)
-        num, den, S_out, z_out = _far_forward(R, N, last, reach, fqc, fkc, vc, S_in, z_in, non_negative=non_negative,
+        num, den, S_out, z_out = far_forward(R, N, last, reach, fqc, fkc, vc, S_in, z_in, non_negative=non_negative,
                                               final_state=final_state)  # [N, B, H, C, Dv], [N, B, H, C]
         Dv = v.shape[-1]
         kept = []  # the masked scores, for the backward
@@ -246,7 +85,7 @@ class _Core(torch.autograd.Function):
             kept.append(a)
             num[c0:].view(-1, C, Dv).baddbmm_(a.view(-1, C, C), vc[kk].view(-1, C, Dv))
             den[c0:] += a.sum(-1)
-        num, den = _unchunk(num, n), _unchunk(den, n)  # [B, H, n, Dv], [B, H, n]
+        num, den = from_chunks(num, n), from_chunks(den, n)  # [B, H, n, Dv], [B, H, n]
         ctx.geo = (off, lag, C, non_negative, normalize, eps)
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None (skipped below)
         if normalize:
@@ -266,16 +105,16 @@ class _Core(torch.autograd.Function):
         else:
             fq, fk, v, S_in, z_in, *kept = ctx.saved_tensors
         n = fq.shape[2]
-        N, Wc, Ne, lags, R, last, reach = _geometry(n, off, lag, C, fq.device, fq.dtype)
-        fqc, fkc, vc = _chunks(fq, N, C), _chunks(fk, Ne, C), _chunks(v, Ne, C)
+        N, Wc, Ne, lags, R, last, reach = chunk_geometry(n, off, lag, C, fq.device, fq.dtype)
+        fqc, fkc, vc = to_chunks(fq, N, C), to_chunks(fk, Ne, C), to_chunks(v, Ne, C)
         if normalize:  # out = num / (den + eps)
-            dnum, dden = _normalized_grads(g_num, out, den, eps, N, C)  # [N, B, H, C, Dv], [N, B, H, C]
+            dnum, dden = normalized_grads(g_num, out, den, eps, N, C)  # [N, B, H, C, Dv], [N, B, H, C]
         else:
-            dnum = _chunks(fq.new_zeros(*fq.shape[:3], v.shape[-1]) if g_num is None else g_num, N, C)
-            dden = _chunks((fq.new_zeros(fq.shape[:3]) if g_den is None else g_den)[..., None], N, C)[..., 0]
+            dnum = to_chunks(fq.new_zeros(*fq.shape[:3], v.shape[-1]) if g_num is None else g_num, N, C)
+            dden = to_chunks((fq.new_zeros(fq.shape[:3]) if g_den is None else g_den)[..., None], N, C)[..., 0]
         # the incoming state's gradient only when it has one (S_in None: a zero state, not a tensor)
         need_in = ctx.needs_input_grad[3] or ctx.needs_input_grad[4]
-        dfq, dfk, dvc, dS_in, dz_in, _ = _far_backward(R, N, last, reach, fqc, fkc, vc, S_in, z_in, dnum, dden, g_S,
+        dfq, dfk, dvc, dS_in, dz_in, _ = far_backward(R, N, last, reach, fqc, fkc, vc, S_in, z_in, dnum, dden, g_S,
                                                        g_z, non_negative=non_negative, need_in=need_in)
         for (L, c0, mask), a in zip(lags, kept):
             kk = slice(Wc + c0 - L, Wc + N - L)
@@ -285,7 +124,7 @@ class _Core(torch.autograd.Function):
             dfk[kk] += ds.mT @ fqc[c0:]
             dvc[kk] += a.mT @ dnum[c0:]
         L_k = fk.shape[2]
-        return (_unchunk(dfq, n), _unchunk(dfk, L_k), _unchunk(dvc, L_k), dS_in, dz_in,
+        return (from_chunks(dfq, n), from_chunks(dfk, L_k), from_chunks(dvc, L_k), dS_in, dz_in,
                 None, None, None, None, None, None, None)
 
 
@@ -364,3 +203,243 @@ def chunk_core(fq, fk, v, S_in, z_in, *, off: int, lag: int, chunk_size: int, no
     _check_core_args(fq, fk, v, S_in, z_in, off=off, lag=lag, chunk_size=chunk_size, non_negative=non_negative,
                      final_state=final_state)
     return _Core.apply(fq, fk, v, S_in, z_in, off, lag, chunk_size, non_negative, normalize, eps, final_state)
+
+
+class TokenRanges:
+    """The features (or any function) of token ranges: ``fn(x[:, :, a:b])`` for ``a:b`` of ``x [B, H, L, ·]``.
+
+    After :meth:`blocks`, block-aligned ranges are pieces of one ``x.split``: under autograd their
+    gradients are joined once, where a slice per block would zero-fill a full-size gradient each
+    (quadratic in ``L`` over the blocks).
+
+    Parameters
+    ----------
+    x : Tensor ``[B, H, L, ·]``
+    fn : callable or None
+        Applied to each range (None: the slice itself).
+    """
+
+    def __init__(self, x: torch.Tensor, fn=None):
+        self.x, self.fn, self.pieces, self.size = x, fn, None, 0
+
+    def then(self, g) -> TokenRanges:
+        """``g`` applied after ``fn``."""
+        fn = self.fn
+        return TokenRanges(self.x, g if fn is None else (lambda x: g(fn(x))))
+
+    def blocks(self, size: int) -> TokenRanges:
+        self.pieces, self.size = self.x.split(size, 2), size
+        return self
+
+    def __call__(self, a: int, b: int) -> torch.Tensor:
+        if self.pieces is not None and a % self.size == 0 and b == min(a + self.size, self.x.shape[2]):
+            x = self.pieces[a // self.size]
+        else:
+            x = self.x[:, :, a:b]
+        return x if self.fn is None else self.fn(x)
+
+
+def _engine(feat_q, feat_k, v: torch.Tensor, length_q: int, *, causal: bool, normalize: str, non_negative: bool,
+            eps: float, chunk_size: int, block_chunks: int, num_features: int, max_bytes: int, S0=None, z0=None,
+            rows=None, counter=None, final_state: bool = True):
+    """Chunked (pure) linear attention on internal layout ``[B, H, ·, ·]``.
+
+    ``feat_q(a, b)`` / ``feat_k(a, b)`` return the features ``[B, H, b - a, M]`` of tokens
+    ``a:b`` (padded keys already zeroed); ``v`` is ``[B, H, S, Dv]``. ``S0 [B, H, M2, Dv]``,
+    ``z0 [B, H, M2]``: the state of earlier tokens (causal; ``None``: none, and no zero state is
+    made). ``rows [B, T]``: real queries, for ``counter`` (a :class:`~sketchlab.attention._checks.DenominatorCounter`).
+    ``final_state=False`` (causal): the caller reads no final state, the last block forms none.
+    Returns ``([B, H, T, Dv], S, z)`` (``S, z`` None when causal and not ``final_state``).
+    """
+    B, H, S, Dv = v.shape
+    C = chunk_size
+    M2 = num_features**2 if non_negative else num_features
+    block = C * block_chunks
+    itemsize = v.element_size()
+    check_memory(B * H * (block_chunks * M2 * Dv + (2 * block * M2 if non_negative else 0)) * itemsize,
+                 what=f"the per-chunk states of one block ([B={B}, H={H}, {block_chunks} chunks, {M2}, {Dv}])"
+                      + (f" and its self-tensored features (2 × [B, H, {block}, {M2}])" if non_negative else ""),
+                 way_out="lower block_chunks or the number of features (non_negative squares it)", max_bytes=max_bytes)
+    lift = self_tensor if non_negative else (lambda f: f)
+    state, zsum = S0, z0  # Σ φ(k)ᵀ v, Σ φ(k) over finished blocks (None: zero)
+    outs = []
+    vs = TokenRanges(v).blocks(block)
+    if not causal:  # one pass for the state, one for the queries
+        state, zsum = v.new_zeros(B, H, M2, Dv), v.new_zeros(B, H, M2)
+        for a in range(0, S, block):
+            fk = lift(feat_k(a, min(a + block, S)))  # [B, H, n, M2]
+            state = state + fk.mT @ vs(a, min(a + block, S))  # [B, H, M2, Dv]
+            zsum = zsum + fk.sum(2)
+        # the denominators φ(q)·Σφ(k) as one more column of the state's GEMM (a GEMV, or [1, M]·[M, n], is slower)
+        read = torch.cat([state, zsum[..., None]], -1) if normalize == "sum" else state  # [B, H, M2, Dv (+ 1)]
+        for a in range(0, length_q, block):
+            fq = lift(feat_q(a, min(a + block, length_q)))  # [B, H, n, M2]
+            out = fq @ read  # [B, H, n, Dv (+ 1)]
+            if normalize == "sum":
+                out, den = out[..., :Dv], out[..., Dv]  # [B, H, n, Dv], [B, H, n]
+                if counter is not None:
+                    counter.add(den, None if rows is None else rows[:, a:a + block])
+                out = out / (den[..., None] + eps)
+            outs.append(out)
+        return torch.cat(outs, 2), state, zsum
+
+    for a in range(0, S, block):  # causal: the core block by block, the state carried
+        b = min(a + block, S)
+        out, den, state, zsum = chunk_core(feat_q(a, b), feat_k(a, b), vs(a, b), state, zsum, off=0, lag=0,
+                                           chunk_size=C, non_negative=non_negative, normalize=normalize == "sum",
+                                           eps=eps, final_state=final_state or b < S)
+        if counter is not None:
+            counter.add(den, None if rows is None else rows[:, a:b])
+        outs.append(out)  # [B, H, n, Dv]
+    return torch.cat(outs, 2), state, zsum
+
+
+def chunk_attention(feat_q, feat_k, qt, kt, vt, *, num_features: int, causal: bool, normalize: str,
+                    non_negative: bool, eps: float, chunk_size: int, block_chunks: int, max_bytes: int, window: int,
+                    sinks: int, local: str, scale: float, degree, gate, mask, initial_state, output_final_state: bool,
+                    denominator_check: str, where: str):
+    """The one driver of the additive state's chunked path on internal layout ``[B, H, ·, ·]`` (arguments validated).
+
+    ``window=0``: the pure engine (:func:`_engine`), the state being its ``S, z``; a stateless call
+    within one chunk (``T, S <= chunk_size``) runs the parallel form instead
+    (:func:`sketchlab.attention.ops.additive.parallel.use_parallel`); one token after a state, the recurrence itself.
+    ``window > 0``: the hybrid, causal block by block carrying an :class:`~sketchlab.attention.AttentionState`
+    (``block_chunks`` chunks per block; one token: :func:`~.recurrent.hybrid_decode_one`), or non-causal on the
+    whole sequence. fp16/bf16 inputs are computed in float32 (the state is float32:
+    :func:`~sketchlab.attention.state.state_dtype`) and the output cast back.
+
+    Parameters
+    ----------
+    feat_q, feat_k : TokenRanges
+        The features ``[B, H, n, M]`` of token ranges of the queries and keys.
+    qt, kt : Tensor ``[B, H, T|S, D]`` or None
+        The raw queries and keys (the hybrid's exact part; None without a window).
+    vt : Tensor ``[B, H, S, Dv]``
+    num_features : int
+        ``M`` (the state holds ``M²`` when ``non_negative``).
+    causal, normalize, non_negative, eps, chunk_size, block_chunks, max_bytes, window, sinks, local, degree
+        As in :func:`sketchlab.attention.chunked.feature_attention`.
+    scale : float
+        The local logits' scale.
+    gate : Tensor ``[H]`` or None
+    mask : Tensor ``[B, S]`` bool or None
+        Real keys.
+    initial_state : AttentionState or None
+    output_final_state : bool
+    denominator_check : str
+    where : str
+        The caller's name in the denominator warning.
+
+    Returns
+    -------
+    Tensor ``[B, H, T, Dv]``, or ``(Tensor [B, H, T, Dv], AttentionState)`` with ``output_final_state``.
+    """
+    from ...state import AttentionState, check_state, empty_state, state_dtype
+
+    work = state_dtype(vt.dtype)
+    if work != vt.dtype:  # half inputs: every sum, and the state, in float32; the output back in the input dtype
+        out_dtype = vt.dtype
+        qt, kt, vt = (None if x is None else x.to(work) for x in (qt, kt, vt))
+        gate = None if gate is None else gate.to(work)
+        feat_q, feat_k = feat_q.then(lambda f: f.to(work)), feat_k.then(lambda f: f.to(work))
+        res = chunk_attention(feat_q, feat_k, qt, kt, vt, num_features=num_features, causal=causal, normalize=normalize,
+                      non_negative=non_negative, eps=eps, chunk_size=chunk_size, block_chunks=block_chunks,
+                      max_bytes=max_bytes, window=window, sinks=sinks, local=local, scale=scale, degree=degree,
+                      gate=gate, mask=mask, initial_state=initial_state, output_final_state=output_final_state,
+                      denominator_check=denominator_check, where=where)
+        return (res[0].to(out_dtype), res[1]) if output_final_state else res.to(out_dtype)
+    B, H, S_len, Dv = vt.shape
+    T = feat_q.x.shape[2]  # the queries (qt is None without a window)
+    M = num_features
+    M2 = M * M if non_negative else M
+    D = kt.shape[-1] if kt is not None else 0
+    stateful = initial_state is not None or output_final_state
+    if stateful and not causal:
+        raise ValueError("initial_state/output_final_state need causal=True (a state summarises a prefix)")
+    if initial_state is not None:
+        state = check_state(initial_state, batch=B, heads=H, num_features=M2,
+                            dim=D if window else None, dim_v=Dv, feature_dim=M,
+                            window=window, sinks=sinks, like=vt, dtype=work)
+    elif stateful or (window and causal):  # the hybrid's blocks carry a state even when the call returns none
+        state = empty_state(B, H, M2, D, Dv, M, like=vt)
+    else:
+        state = None
+    chunk_size = min(chunk_size, max(T, S_len))  # a short call (decoding: one token) pads to no more than itself
+    counter = DenominatorCounter() if normalize == "sum" and denominator_check != "off" else None
+    rows = mask if (mask is not None and T == S_len) else None
+    block = chunk_size * block_chunks
+    feat_q, feat_k = feat_q.blocks(block), feat_k.blocks(block)
+    if mask is not None:
+        keep = mask[:, None, :, None]  # [B, 1, S, 1]
+        feat_k_raw = feat_k
+
+        def feat_k(a, b):  # padded keys have zero features: they add nothing to any far sum
+            return feat_k_raw(a, b) * keep[:, :, a:b].to(vt.dtype)
+    if not window and causal and stateful and T == 1:  # decoding one token: the recurrence itself
+        lift = self_tensor if non_negative else (lambda f: f)
+        fq, fk = lift(feat_q(0, 1)), lift(feat_k(0, 1))  # [B, H, 1, M2]
+        S, z = state.S + fk.mT @ vt, state.z + fk[:, :, 0]  # S_t = S_{t-1} + φ(k_t)ᵀv_t, z_t = z_{t-1} + φ(k_t)
+        out = fq @ S  # [B, H, 1, Dv]
+        if normalize == "sum":
+            den = fq @ z[..., None]  # [B, H, 1, 1]
+            if counter is not None:
+                counter.add(den[..., 0], rows)
+                counter.report(where, denominator_check)
+            out = out / (den + eps)
+        if not output_final_state:
+            return out
+        return out, AttentionState(S=S, z=z, k_window=state.k_window, v_window=state.v_window,
+                                   phi_window=state.phi_window, k_sink=state.k_sink, v_sink=state.v_sink,
+                                   offset=state.offset + 1)
+    if use_parallel(T, S_len, chunk_size=chunk_size, window=window, stateful=stateful):  # one chunk: no state
+        check_memory(B * H * T * S_len * vt.element_size(), what=f"the scores of the parallel form ([B={B}, H={H}, "
+                     f"{T}, {S_len}])", way_out="lower chunk_size (the parallel form runs when T, S <= chunk_size)",
+                     max_bytes=max_bytes)
+        out, den = parallel_core(feat_q(0, T), feat_k(0, S_len), vt, causal=causal, non_negative=non_negative,
+                                 normalize=normalize == "sum", eps=eps)
+        if counter is not None:
+            counter.add(den, rows)
+            counter.report(where, denominator_check)
+        return out
+    if not window:
+        out, S, z = _engine(feat_q, feat_k, vt, T, causal=causal, normalize=normalize, non_negative=non_negative,
+                            eps=eps, chunk_size=chunk_size, block_chunks=block_chunks, num_features=M,
+                            max_bytes=max_bytes, S0=state.S if stateful else None,
+                            z0=state.z if stateful else None, rows=rows, counter=counter,
+                            final_state=output_final_state)
+        if counter is not None:
+            counter.report(where, denominator_check)
+        if not output_final_state:
+            return out
+        return out, AttentionState(S=S, z=z, k_window=state.k_window, v_window=state.v_window,
+                                   phi_window=state.phi_window, k_sink=state.k_sink, v_sink=state.v_sink,
+                                   offset=state.offset + T)
+    h = HybridSettings(window=window, sinks=sinks, local=local, scale=scale, degree=degree, gate=gate, eps=eps,
+                non_negative=non_negative, heads=H, like=vt)
+    C = chunk_size
+    if not causal:
+        out = hybrid_noncausal(h, qt, kt, vt, feat_q(0, T), feat_k(0, S_len), mask, C, counter)
+        if counter is not None:
+            counter.report(where, denominator_check)
+        return out
+    if T == 1 and stateful:  # decoding one token: the window slides by one, one key may enter S
+        out, state = hybrid_decode_one(h, state, qt, kt, vt, feat_q(0, 1), feat_k(0, 1), mask, counter)
+        if counter is not None:
+            counter.report(where, denominator_check)
+        return (out, state) if output_final_state else out
+    queries = min(block, -(-T // C) * C)  # a block holds at most the call's chunks
+    held = min(window, state.offset + T)  # window keys a block can see: no more than the sequence has
+    check_memory(B * H * queries * (held + C) * (D + M + Dv + 2) * vt.element_size(),
+                 what=f"the bands of one block ([B={B}, H={H}, {queries} queries, window {held} + chunk {C} keys])",
+                 way_out="lower block_chunks or chunk_size (the band is inherent to the window)", max_bytes=max_bytes)
+    outs = []
+    qs, ks, vs = (TokenRanges(x).blocks(block) for x in (qt, kt, vt))
+    for a in range(0, T, block):
+        b = min(a + block, T)
+        out, state = hybrid_causal_block(h, state, qs(a, b), ks(a, b), vs(a, b), feat_q(a, b),
+                                          feat_k(a, b), None if mask is None else mask[:, a:b], C, counter)
+        outs.append(out)
+    if counter is not None:
+        counter.report(where, denominator_check)
+    out = torch.cat(outs, 2)
+    return (out, state) if output_final_state else out

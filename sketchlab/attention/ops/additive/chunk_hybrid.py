@@ -17,7 +17,7 @@ import functools
 import torch
 from torch.autograd.function import once_differentiable
 
-from .chunk import _chunks, _far_backward, _far_forward, _geometry, _normalized_grads, _unchunk
+from .far import chunk_geometry, far_backward, far_forward, from_chunks, normalized_grads, to_chunks
 
 __all__ = ["hybrid_core"]
 
@@ -59,7 +59,7 @@ def _rows(xc: torch.Tensor, a: int, length: int) -> torch.Tensor:
     the chunks they span)."""
     C = xc.shape[3]
     c0, c1 = a // C, -(-(a + length) // C)
-    return _unchunk(xc[c0:c1], a - c0 * C + length)[:, :, a - c0 * C:]
+    return from_chunks(xc[c0:c1], a - c0 * C + length)[:, :, a - c0 * C:]
 
 
 def _put_rows(xc: torch.Tensor, a: int, x: torch.Tensor, *, add: bool) -> None:
@@ -99,7 +99,7 @@ class _HybridCore(torch.autograd.Function):
         """Geometry and masks of a block of ``n`` queries after ``off`` keys (``L_w`` of them the held window)."""
         C, w = opts[:2]
         # R [N + 1, 1 + Ne]: S_in, the wholly far key chunks (among the first `reach`); row N: those wholly in S_out
-        N, Wc, Ne, _, R, last, reach = _geometry(n, off, w, C, like.device, like.dtype)
+        N, Wc, Ne, _, R, last, reach = chunk_geometry(n, off, w, C, like.device, like.dtype)
         n_loc = min(-(-(w + C - 1) // C), Wc + 1)  # key chunks back with a local key (further: padding)
         lead = off - Lw
         loc_m, (empty, empty_at), loc_bias, far_m = _hybrid_masks(C, w, n_loc, like.device, like.dtype)
@@ -108,7 +108,7 @@ class _HybridCore(torch.autograd.Function):
         # chunks below `part` read one of them and take the data masks; the others the lag masks alone
         okc, loc_ok, part, bad = None, None, 0, -1
         if not bool(key_ok.all()):
-            okb = _chunks(key_ok[:, None, :, None], Ne, C)[:, :, 0, :, 0]  # [Ne, B, C]
+            okb = to_chunks(key_ok[:, None, :, None], Ne, C)[:, :, 0, :, 0]  # [Ne, B, C]
             bad = int((~okb).flatten(1).any(1).nonzero().max())
             part = min(N, max(0, bad - Wc + n_loc))
             loc_ok = torch.stack([okb[kk][:part] for kk in kks])[:, :, :, None, None, :] & loc_m[:, None, None, None]
@@ -116,7 +116,7 @@ class _HybridCore(torch.autograd.Function):
             okc = okb[:bad + 1, :, None, :, None].to(like.dtype)  # [bad + 1, B, 1, C, 1]: zero their far features
         # the far lags are those with a far key, L·C + C − 1 >= w
         far_lags = [L for L in range(n_loc) if L * C + C - 1 >= w]
-        sok = _chunks(sink_ok.expand(B, 1, n, -1), N, C).mT  # [N, B, 1, Ls, C]
+        sok = to_chunks(sink_ok.expand(B, 1, n, -1), N, C).mT  # [N, B, 1, Ls, C]
         sinks_ok = bool(sink_ok.all())
         return dict(N=N, Wc=Wc, Ne=Ne, n_loc=n_loc, lead=lead, kks=kks, loc_m=loc_m, loc_ok=loc_ok, part=part,
                     bad=bad, okc=okc, empty=empty, empty_at=empty_at, loc_bias=loc_bias, far_m=far_m, far_lags=far_lags,
@@ -136,7 +136,7 @@ class _HybridCore(torch.autograd.Function):
         N, n_loc, kks, lead, Ne = st["N"], st["n_loc"], st["kks"], st["lead"], st["Ne"]
         # chunk-major copies (keys: off − L_w zero rows, the held window, the block; the backward makes its own);
         # the local scale s multiplies the products (a GEMM's alpha), never a copy
-        fqc, qc = _chunks(fq, N, C), _chunks(q, N, C)
+        fqc, qc = to_chunks(fq, N, C), to_chunks(q, N, C)
         fkc = _join_chunks((fk_w, fk), lead, Ne, C)
         vc, kc = _join_chunks((v_w, v), lead, Ne, C), _join_chunks((k_w, k), lead, Ne, C)
         NBH = N * B * H
@@ -155,7 +155,7 @@ class _HybridCore(torch.autograd.Function):
         loc_w = gb / (1 - gb) if fold else gb  # the local weights' factor
         # far state: per-chunk sums of the key chunks read only (the last ones, still in the window at the block's end,
         # are read by the next block as its held window), prefix by the 0/1 matrix; S_out one more row of the same GEMM
-        num, den, S_out, z_out = _far_forward(st["R"], N, st["last"], st["reach"], fqc, fkc, vc, S_in, z_in,
+        num, den, S_out, z_out = far_forward(st["R"], N, st["last"], st["reach"], fqc, fkc, vc, S_in, z_in,
                                               non_negative=non_negative, final_state=True)  # [N, B, H, C, Dv | ·]
         if not fold:
             num.mul_(1 - gb)
@@ -247,7 +247,7 @@ class _HybridCore(torch.autograd.Function):
         out = num.new_empty(B, H, N * C, Dv)
         torch.div(num.movedim(0, 2), (den + e).movedim(0, 2)[..., None], out=out.view(B, H, N, C, Dv))
         out = out[:, :, :n]
-        den = _unchunk(den, n)
+        den = from_chunks(den, n)
         if fold:
             den = den * (1 - g)[None, :, None]  # the true denominator, [B, H, n]
         ctx.off, ctx.opts, ctx.Lw = off, opts, k_w.shape[2]
@@ -270,7 +270,7 @@ class _HybridCore(torch.autograd.Function):
         need_g = ctx.needs_input_grad[12]  # the gate's gradient (its sums over every weight) only when asked
         st = _HybridCore._setup(B, H, n, Lw, key_ok, sink_ok, off, opts, out)
         N, Wc, kks, lead, Ne = st["N"], st["Wc"], st["kks"], st["lead"], st["Ne"]
-        qc = _chunks(q, N, C)
+        qc = to_chunks(q, N, C)
         vc, kc = _join_chunks((v_w, v), lead, Ne, C), _join_chunks((k_w, k), lead, Ne, C)
         gb = g[None, None, :, None, None]
         g0 = gb[..., 0]
@@ -283,10 +283,10 @@ class _HybridCore(torch.autograd.Function):
             logit, logit_s = A, AsT
             A, AsT = logit**degree, (logit_s**degree if Ls else None)
             far = rest[nA:]
-        dnum, dden = _normalized_grads(g_out, out, den, eps, N, C)  # [N, B, H, C, Dv], [N, B, H, C]
+        dnum, dden = normalized_grads(g_out, out, den, eps, N, C)  # [N, B, H, C, Dv], [N, B, H, C]
         # far state: (1 − g)·far, and d/dg of it per head [H] (the gate's gradient only when asked)
         need_in = ctx.needs_input_grad[10] or ctx.needs_input_grad[11]  # the incoming state's gradient when it has one
-        dfq, dfk, dvc, dS_in, dz_in, dgh = _far_backward(
+        dfq, dfk, dvc, dS_in, dz_in, dgh = far_backward(
             st["R"], N, st["last"], st["reach"], fqc, fkc, vc, S_in, z_in, dnum, dden, g_S, g_z,
             non_negative=non_negative, need_in=need_in, keep=1 - gb, need_g=need_g)
         # local and near-far lags: da = dnum·vᵀ + dden is the gradient of every weight of a (query, key)
@@ -368,9 +368,9 @@ class _HybridCore(torch.autograd.Function):
         for dx, gw in ((dfk, g_fkw), (dvc, g_vw), (dkc, g_kw)):
             if gw is not None:
                 _put_rows(dx, off + n - gw.shape[2], gw, add=True)
-            grads.append((_rows(dx, lead, Lw) if Lw else None, _unchunk(dx[Wc:], n)))
+            grads.append((_rows(dx, lead, Lw) if Lw else None, from_chunks(dx[Wc:], n)))
         (dfk_w, dfk_n), (dv_w, dv_n), (dk_w, dk_n) = grads
-        return (_unchunk(dfq, n), dfk_n, dv_n, _unchunk(dqc, n), dk_n, dfk_w, dv_w, dk_w,
+        return (from_chunks(dfq, n), dfk_n, dv_n, from_chunks(dqc, n), dk_n, dfk_w, dv_w, dk_w,
                 dk_sink, dv_sink, dS_in, dz_in, dgh, None, None, None, None)
 
 

@@ -21,6 +21,8 @@ from ....polynomial import self_tensor
 from ..hybrid import combine, exact_sums, gate_weight
 from .chunk_hybrid import hybrid_core
 
+__all__ = ["HybridSettings", "hybrid_causal_block", "hybrid_noncausal"]
+
 
 def _pad_tokens(x: torch.Tensor, length: int) -> torch.Tensor:
     """Zero-pad ``x[B, H, n, ·]`` along the token axis to ``length`` (zero features/values add nothing)."""
@@ -40,9 +42,28 @@ def _pad_front(x: torch.Tensor, before: int, after: int = 0) -> torch.Tensor:
     return torch.nn.functional.pad(x, (0, 0, before, after))
 
 
-class _Hybrid:
-    """Options of one hybrid call: window, sinks, local kind and scale, degree, the gate ``g [1, H, 1, 1]``, eps,
-    lift; the exact sums and the combine are :mod:`sketchlab.attention.ops.hybrid`'s."""
+class HybridSettings:
+    """The settings of one hybrid call, shared by its blocks and decoding steps; the exact sums and the combine are
+    :mod:`sketchlab.attention.ops.hybrid`'s.
+
+    Parameters
+    ----------
+    window, sinks : int
+    local : str
+        ``"softmax"`` or ``"poly"``.
+    scale : float
+        The local logits' scale.
+    degree : int or None
+        ``p`` of ``local="poly"``.
+    gate : Tensor ``[H]`` or None
+        The gate logits; held as ``g [1, H, 1, 1]`` (:func:`~sketchlab.attention.ops.hybrid.gate_weight`).
+    eps : float
+    non_negative : bool
+        The far features self-tensored (``lift``: ``φ ⊗ φ``).
+    heads : int
+    like : Tensor
+        The dtype and device of ``g``.
+    """
 
     def __init__(self, *, window, sinks, local, scale, degree, gate, eps, non_negative, heads, like):
         self.window, self.sinks, self.local, self.scale, self.degree, self.eps = window, sinks, local, scale, degree, eps
@@ -58,9 +79,8 @@ class _Hybrid:
                           local=self.local, degree=self.degree)
 
 
-def _hybrid_causal_block(h: _Hybrid, state, q_new, k_new, v_new, fq_new, fk_new, valid_new, C: int, counter):
-    """One block of ``n`` new tokens of the causal hybrid, continuing ``state`` (positions from
-    ``state.offset``). Tensors ``[B, H, n, ·]``, ``valid_new [B, n]``. Returns ``([B, H, n, Dv], state)``.
+def hybrid_causal_block(h: HybridSettings, state, q_new, k_new, v_new, fq_new, fk_new, valid_new, C: int, counter):
+    """One block of ``n`` new tokens of the causal hybrid, continuing ``state`` (positions from ``state.offset``).
 
     The keys are the held window and the block's tokens behind zeros to whole chunks (``off`` keys
     before the block, ``off/C >= `` the local lags in chunks − 1, so every query chunk has a key
@@ -70,6 +90,25 @@ def _hybrid_causal_block(h: _Hybrid, state, q_new, k_new, v_new, fq_new, fk_new,
     ``c`` the ``C × C`` logits against each key chunk ``L = 0 … ⌈(w + C − 1)/C⌉ − 1`` back (each a
     slice), the sinks' beside them, masked by one precomputed lag mask and the keys' validity, the
     row maximum ``c_i`` taken over all of them. Cost ``O(n·(w + C + sinks)·(D + M))``.
+
+    Parameters
+    ----------
+    h : HybridSettings
+    state : AttentionState
+    q_new, k_new : Tensor ``[B, H, n, D]``
+    v_new : Tensor ``[B, H, n, Dv]``
+    fq_new, fk_new : Tensor ``[B, H, n, M]``
+    valid_new : Tensor ``[B, n]`` bool or None
+        Real keys (None: all).
+    C : int
+        The chunk size.
+    counter : DenominatorCounter or None
+
+    Returns
+    -------
+    out : Tensor ``[B, H, n, Dv]``
+    state : AttentionState
+        After the block.
     """
     from ...state import AttentionState
 
@@ -120,10 +159,27 @@ def _hybrid_causal_block(h: _Hybrid, state, q_new, k_new, v_new, fq_new, fk_new,
     return out, new_state
 
 
-def _hybrid_noncausal(h: _Hybrid, q, k, v, fq, fk, valid, C: int, counter):
-    """Non-causal hybrid on full ``[B, H, T, ·]`` tensors (``T == S``): local ``|i−j| < w`` and the
-    sinks, far every other key, as a prefix state (keys before the chunk's band), the band
-    ``a − w_e … a + C + w_e − 1`` with masks, and a suffix state (keys after it)."""
+def hybrid_noncausal(h: HybridSettings, q, k, v, fq, fk, valid, C: int, counter):
+    """The non-causal hybrid on whole sequences (``T == S``): local ``|i−j| < w`` and the sinks, far every other key,
+    as a prefix state (keys before the chunk's band), the band ``a − w_e … a + C + w_e − 1`` with masks, and a
+    suffix state (keys after it).
+
+    Parameters
+    ----------
+    h : HybridSettings
+    q, k : Tensor ``[B, H, T, D]``
+    v : Tensor ``[B, H, T, Dv]``
+    fq, fk : Tensor ``[B, H, T, M]``
+    valid : Tensor ``[B, T]`` bool or None
+        Real keys (None: all).
+    C : int
+        The chunk size.
+    counter : DenominatorCounter or None
+
+    Returns
+    -------
+    Tensor ``[B, H, T, Dv]``
+    """
     B, H, T, Dv = v.shape
     dev = v.device
     w, sinks = h.window, h.sinks
@@ -176,24 +232,3 @@ def _hybrid_noncausal(h: _Hybrid, q, k, v, fq, fk, valid, C: int, counter):
         counter.add(den.flatten(2, 3)[:, :, :T], mn)
     return out.flatten(2, 3)[:, :, :T]  # [B, H, T, Dv]
 
-
-class DenominatorCounter:
-    """Counts the normalising denominators ``<= 0`` of real query rows, and those exactly 0, chunk by chunk
-    (:func:`~sketchlab.attention._checks.denominator_counts`; one sync at the end)."""
-
-    def __init__(self):
-        self.counts, self.rows = None, 0
-
-    def add(self, den: torch.Tensor, rows: torch.Tensor | None) -> None:
-        """``den [B, H, n]``; ``rows [B, n]`` bool (real queries) or None (all)."""
-        from ..._checks import denominator_counts
-
-        counts = denominator_counts(den, None if rows is None else rows[:, None, :])
-        self.counts = counts if self.counts is None else self.counts + counts
-        self.rows += den.numel()
-
-    def report(self, where: str, mode: str) -> None:
-        from ..._checks import report_denominators
-
-        if self.counts is not None:
-            report_denominators(self.counts, self.rows, where, mode)

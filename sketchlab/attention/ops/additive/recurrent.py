@@ -11,16 +11,35 @@ from __future__ import annotations
 import torch
 
 from ..hybrid import combine
-from .hybrid_driver import _Hybrid
+from .hybrid_driver import HybridSettings
+
+__all__ = ["hybrid_decode_one"]
 
 
-def _hybrid_decode_one(h: _Hybrid, state, q, k, v, fq, fk, valid, counter):
-    """The causal hybrid for one new token at position ``P = state.offset`` (tensors ``[B, H, 1, ·]``).
+def hybrid_decode_one(h: HybridSettings, state, q, k, v, fq, fk, valid, counter):
+    """The causal hybrid for one new token at position ``P = state.offset``.
 
     The window key at ``P − w`` (when there is one) leaves: it enters ``S, z`` unless it is a sink
     or padding. The local keys are the rest of the window and the token itself (positions
     ``≥ sinks``) plus the sinks; the far part is ``φ(q)`` against the updated ``S, z``. Equal to
-    :func:`~sketchlab.attention.ops.additive.hybrid_driver._hybrid_causal_block` on one token (tested through the split-anywhere tests).
+    :func:`~sketchlab.attention.ops.additive.hybrid_driver.hybrid_causal_block` on one token (tested through the
+    split-anywhere tests).
+
+    Parameters
+    ----------
+    h : HybridSettings
+    state : AttentionState
+    q, k : Tensor ``[B, H, 1, D]``
+    v : Tensor ``[B, H, 1, Dv]``
+    fq, fk : Tensor ``[B, H, 1, M]``
+    valid : Tensor ``[B, 1]`` bool or None
+    counter : DenominatorCounter or None
+
+    Returns
+    -------
+    out : Tensor ``[B, H, 1, Dv]``
+    state : AttentionState
+        After the token.
     """
     from ...state import AttentionState
 

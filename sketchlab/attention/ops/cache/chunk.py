@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..hybrid import exact_sums
-from .schedule import _take
+from .schedule import take_rows
 
 __all__ = ["exact_part"]
 
@@ -42,7 +42,7 @@ def exact_part(c, ek, ev, real_x, until, snaps, sink_pos, sink_x, base, first, P
         sx = snap[:, :, n0:n1].clamp(min=0)  # [B, H, g, K]
         g = n1 - n0
         idx = torch.cat([sink_x.expand(B, H, g, -1), sx, bx.expand(B, H, -1, -1)], 3).flatten(2)  # [B, H, g·Lk]
-        keys, vals = _take(ek, idx).unflatten(2, (g, Lk)), _take(ev, idx).unflatten(2, (g, Lk))
+        keys, vals = take_rows(ek, idx).unflatten(2, (g, Lk)), take_rows(ev, idx).unflatten(2, (g, Lk))
         ok_sink = (spos <= qpos[..., None]) & real_x[:, None, None, sink_x]  # [B, g, C, s]
         ok_slot = (snap[:, :, n0:n1, None] >= 0) & (until.gather(2, sx.flatten(2)).view(B, H, g, 1, K) > steps[..., None])
         in_win = (band[:, None] > qpos[..., None] - w) & (band[:, None] <= qpos[..., None])  # [g, C, w + C]

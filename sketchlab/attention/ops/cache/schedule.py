@@ -26,7 +26,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ...memory_state import _beta
+from ...memory_state import far_beta
+
+__all__ = ["schedule", "take_rows"]
 
 #: "Still cached": a step no call reaches.
 NEVER = 2**62
@@ -47,9 +49,20 @@ def _recall(num: torch.Tensor, v: torch.Tensor, *, eps: float) -> torch.Tensor:
     return (v - num[..., :-1] / torch.where(den == 0, 1.0, den)).square().sum(-1)
 
 
-def _take(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """``x[a, idx[a, i]]`` of ``x [*A, N, F]`` for ``idx [*A, n]`` (>= 0) → ``[*A, n, F]`` (``index_select`` of
-    whole rows: several times faster than ``gather`` or advanced indexing on CPU)."""
+def take_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Whole rows by index: ``out[a, i] = x[a, idx[a, i]]``.
+
+    ``index_select`` of whole rows, several times faster than ``gather`` or advanced indexing on CPU.
+
+    Parameters
+    ----------
+    x : Tensor ``[*A, N, F]``
+    idx : Tensor ``[*A, n]``, int64, every entry in ``[0, N)``
+
+    Returns
+    -------
+    Tensor ``[*A, n, F]``
+    """
     N, F = x.shape[-2:]
     rows = (torch.arange(idx.shape[:-1].numel(), device=idx.device)[:, None] * N + idx.flatten(0, -2)).flatten()
     return x.flatten(0, -2).index_select(0, rows).view(*idx.shape, F)
@@ -101,7 +114,7 @@ def schedule(c, ef, ev, real_x, lg, st, base: int, first: int, chunk: int):
         lgl = None if lg is None else lg.detach().cpu().double().permute(0, 2, 1).reshape(L, T)
         slots = (_lanes(st.cached, L), _lanes(st.score_cache, L), _lanes(st.pos_cache, L))
         if c.delta:
-            beta = _lanes(_beta(c, ev.detach().transpose(1, 2)).transpose(1, 2), L)  # [L, X]
+            beta = _lanes(far_beta(c, ev.detach().transpose(1, 2)).transpose(1, 2), L)  # [L, X]
             event, snaps, slots = _delta_steps(c, _lanes(ef, L), _lanes(ev, L), beta, S, lgl, slots, until, leaves, xs,
                                                P0, chunk)
         else:
@@ -122,7 +135,7 @@ def _additive_blocks(c, rows, S, lgl, slots, until, leaves, xs, js, P0, chunk):
     L, T, K, M, Dv, eps, rescore = c.B * c.H, c.T, c.K, c.M, c.Dv, c.o.eps, c.o.rescore
     cached, score_k, pos_k = slots
     slot_x = torch.where(cached, torch.arange(K), -1)
-    slot_rows = _take(rows, slot_x.clamp(min=0))  # [L, K, ·]: the cached keys' rows
+    slot_rows = take_rows(rows, slot_x.clamp(min=0))  # [L, K, ·]: the cached keys' rows
     event = torch.full((L, T), -1, dtype=torch.long)
     cuts = sorted({0, T, *range(0, T, chunk), *range(0, T, BLOCK), *range(-P0 % rescore, T, rescore)})
     snaps = []
@@ -146,7 +159,7 @@ def _additive_blocks(c, rows, S, lgl, slots, until, leaves, xs, js, P0, chunk):
         nl = min(K, int(cand.sum(1).max()))
         low = _ranked(torch.where(cached, score_k, float("inf")), torch.where(cached, pos_k, NEVER))[:, :nl]
         U = torch.cat([slot_x.gather(1, low).clamp(min=0), xc.expand(L, n)], 1)  # [L, nu]: extended indices
-        UR = torch.cat([_take(slot_rows, low), Cr], 1)  # [L, nu, ·]
+        UR = torch.cat([take_rows(slot_rows, low), Cr], 1)  # [L, nu, ·]
         FU, VU = UR[..., :M], UR[..., M:].contiguous()  # [L, nu, M], [L, nu, Dv + 1]
         # the universe's φᵀφ, filled as the entries need it: the candidates' at once, the low keys' (they
         # leave in rank order) as a prefix
@@ -171,12 +184,12 @@ def _additive_blocks(c, rows, S, lgl, slots, until, leaves, xs, js, P0, chunk):
                 have = need
             num = P[..., None] * Rc
             if bool(has.any()):
-                b = _take(VU, e) * has[..., None]  # [L, n, Dv + 1]: the entries' [v, 1]
-                num = num + (Wd * _take(G, e)[:, :, nl:].mT) @ b  # 3. what entered before each candidate
+                b = take_rows(VU, e) * has[..., None]  # [L, n, Dv + 1]: the entries' [v, 1]
+                num = num + (Wd * take_rows(G, e)[:, :, nl:].mT) @ b  # 3. what entered before each candidate
             sc = _recall(num, Cr[..., M:M + Dv], eps=eps)  # [L, n] the candidates' scores
             order = torch.cat([score_low, sc], 1).argsort(dim=1, stable=True)  # [L, nu] (ties: the universe is by age)
             rank = torch.empty_like(order).scatter_(1, order, torch.arange(nl + n).expand(L, -1))
-            at = (_take(member, order).cumsum(1, dtype=torch.int16) < q[:, None, :]).sum(1)  # the q-th member by rank
+            at = (take_rows(member, order).cumsum(1, dtype=torch.int16) < q[:, None, :]).sum(1)  # the q-th member by rank
             least = order.gather(1, at.clamp(max=nl + n - 1))  # [L, n]: the cache's least before the step
             at_once = rank[:, nl:] < rank.gather(1, least)  # the candidate ranks below it: it enters at once
             new = torch.where(evicting, torch.where(at_once, nl + steps_n, least), -1)
@@ -208,7 +221,7 @@ def _additive_blocks(c, rows, S, lgl, slots, until, leaves, xs, js, P0, chunk):
         slot_rows[li, si] = Cr[li, ui]
         S = P[:, -1, None, None] * S
         if bool(has.any()):
-            S = S + (_take(UR, e)[..., :M] * (has[..., None] * (lc[:, -1:] - lc).exp()[..., None])).mT @ b  # decayed
+            S = S + (take_rows(UR, e)[..., :M] * (has[..., None] * (lc[:, -1:] - lc).exp()[..., None])).mT @ b  # decayed
     return event, snaps, (slot_x, score_k, pos_k, cached)
 
 

@@ -10,30 +10,68 @@ import torch.nn.functional as F
 from ...._validation import check_positive_int
 from ..._checks import check_decayed
 
-__all__ = ["decayed_linear_chunked"]
+__all__ = ["chunk_decays", "chunk_tokens", "decayed_linear_chunked", "decayed_linear_core", "work_dtype"]
 
 
-def _work_dtype(x: torch.Tensor) -> torch.dtype:
-    """float32 / float64 kept; half inputs are computed in float32."""
+def work_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the chunked recurrences compute in: float32 and float64 kept, half inputs in float32.
+
+    Parameters
+    ----------
+    x : Tensor
+        Any tensor of the call (its dtype decides).
+
+    Returns
+    -------
+    torch.dtype
+    """
     return x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
 
 
-def _chunks(x: torch.Tensor, C: int, N: int) -> torch.Tensor:
-    """``[B, T, H, ·]`` (or ``[B, T, H]``) → ``[B, H, N, C, ·]`` (``[B, H, N, C]``), zero-padded to ``N·C``."""
+def chunk_tokens(x: torch.Tensor, C: int, N: int) -> torch.Tensor:
+    """Tokens in chunks of ``C``: ``[B, T, H, ·]`` (or ``[B, T, H]``) → ``[B, H, N, C, ·]`` (``[B, H, N, C]``).
+
+    Parameters
+    ----------
+    x : Tensor ``[B, T, H, ·]`` or ``[B, T, H]``
+    C, N : int
+        The chunk size and the number of chunks, ``N·C >= T``.
+
+    Returns
+    -------
+    Tensor ``[B, H, N, C, ·]`` (``[B, H, N, C]``), zero-padded to ``N·C`` tokens.
+    """
     x = x.movedim(1, 2)  # [B, H, T, ·]
     if x.ndim == 3:
         return F.pad(x, (0, N * C - x.shape[2])).unflatten(2, (N, C))  # [B, H, N, C]
     return F.pad(x, (0, 0, 0, N * C - x.shape[2])).unflatten(2, (N, C))  # [B, H, N, C, ·]
 
 
-def _decays(log_decay, like: torch.Tensor, C: int, N: int):
-    """Chunk-local cumulative log-decay ``L [B, H, N, C]`` (inclusive; padded steps decay by 0) and the
-    masked pairwise ``exp(L_i − L_j)`` for ``j ≤ i`` (``[B, H, N, C, C]``, zero above the diagonal)."""
+def chunk_decays(log_decay, like: torch.Tensor, C: int, N: int):
+    r"""The decays inside each chunk: the cumulative log-decay :math:`L_i = \sum_{s \le i} \log\gamma_s` and the
+    pairwise :math:`e^{L_i - L_j}` for ``j ≤ i``, masked *before* the exponential (every exponent ``<= 0``).
+
+    Parameters
+    ----------
+    log_decay : Tensor ``[B, T, H]`` or None
+        :math:`\log\gamma_t \le 0`; None: no decay (``L = 0``).
+    like : Tensor ``[B, T, H, ·]``
+        A token tensor of the call: its ``B, H``, dtype and device.
+    C, N : int
+        The chunk size and the number of chunks.
+
+    Returns
+    -------
+    L : Tensor ``[B, H, N, C]``
+        Inclusive, relative to the chunk's start; padded steps decay by 0.
+    pair : Tensor ``[B, H, N, C, C]``
+        :math:`e^{L_i - L_j}` for ``j ≤ i``, 0 above the diagonal.
+    """
     B, H = like.shape[0], like.shape[2]  # like: a token tensor [B, T, H, ·]
     if log_decay is None:
         L = like.new_zeros(B, H, N, C)
     else:
-        L = _chunks(log_decay.to(like.dtype), C, N).cumsum(-1)  # [B, H, N, C]
+        L = chunk_tokens(log_decay.to(like.dtype), C, N).cumsum(-1)  # [B, H, N, C]
     causal = torch.ones(C, C, dtype=torch.bool, device=like.device).tril()  # j <= i
     diff = L[..., :, None] - L[..., None, :]  # [B, H, N, C, C]: L_i − L_j, <= 0 where j <= i
     pair = torch.where(causal, diff, torch.full((), float("-inf"), dtype=like.dtype, device=like.device)).exp()
@@ -75,19 +113,33 @@ def decayed_linear_chunked(fq, fk, v, log_decay=None, *, initial_state=None, chu
     underflow to 0 and never overflow.
     """
     fq, fk, v, log_decay, initial_state = check_decayed(fq, fk, v, log_decay, initial_state)
-    return _decayed_linear(fq, fk, v, log_decay, initial_state, check_positive_int(chunk_size, "chunk_size"))
+    return decayed_linear_core(fq, fk, v, log_decay, initial_state, check_positive_int(chunk_size, "chunk_size"))
 
 
-def _decayed_linear(fq, fk, v, log_decay, initial_state, C: int):
-    """:func:`decayed_linear_chunked` on trusted arguments (the memory fast path's call: its own
-    checks already cover them)."""
-    dt = _work_dtype(v)
+def decayed_linear_core(fq, fk, v, log_decay, initial_state, C: int):
+    """:func:`decayed_linear_chunked` on trusted arguments (the memory fast path's call: its own checks cover them).
+
+    Parameters
+    ----------
+    fq, fk : Tensor ``[B, T, H, M]``
+    v : Tensor ``[B, T, H, Dv]``
+    log_decay : Tensor ``[B, T, H]`` or None
+    initial_state : ``(S [B, H, M, Dv], z [B, H, M])`` or None
+    C : int >= 1
+        The chunk size.
+
+    Returns
+    -------
+    num ``[B, T, H, Dv]``, den ``[B, T, H]``, ``(S [B, H, M, Dv], z [B, H, M])``, in :func:`work_dtype`; the formula
+    is :func:`decayed_linear_chunked`'s.
+    """
+    dt = work_dtype(v)
     B, T, H, M = fk.shape
     Dv = v.shape[-1]
     N = -(-T // C)
     v1 = torch.cat([v.to(dt), v.new_ones(B, T, H, 1, dtype=dt)], -1)  # [B, T, H, Dv + 1]: z as one more column
-    q, k, w = _chunks(fq.to(dt), C, N), _chunks(fk.to(dt), C, N), _chunks(v1, C, N)  # [B, H, N, C, ·]
-    L, pair = _decays(log_decay, v1, C, N)  # [B, H, N, C], [B, H, N, C, C]
+    q, k, w = chunk_tokens(fq.to(dt), C, N), chunk_tokens(fk.to(dt), C, N), chunk_tokens(v1, C, N)  # [B, H, N, C, ·]
+    L, pair = chunk_decays(log_decay, v1, C, N)  # [B, H, N, C], [B, H, N, C, C]
     intra = ((q @ k.mT) * pair) @ w  # [B, H, N, C, Dv + 1]
     last = L[..., -1:]  # [B, H, N, 1]: the whole chunk's log-decay
     step = (k * (last - L).exp()[..., None]).mT @ w  # [B, H, N, M, Dv + 1]: the chunk's own contribution

@@ -6,7 +6,7 @@ import torch
 
 from ..._checks import check_decayed
 
-__all__ = ["decayed_linear_naive"]
+__all__ = ["additive_write", "decay_step", "decayed_linear_naive"]
 
 
 def decayed_linear_naive(fq, fk, v, log_decay=None, *, initial_state=None):
@@ -48,10 +48,43 @@ def decayed_linear_naive(fq, fk, v, log_decay=None, *, initial_state=None):
     nums, dens = [], []
     for t in range(T):
         if log_decay is not None:
-            g = log_decay[:, t].to(f64).exp()  # [B, H]
-            S, z = g[..., None, None] * S, g[..., None] * z
-        S = S + fk[:, t, :, :, None] * v[:, t, :, None, :]  # [B, H, M, Dv]: φ(k_t) v_tᵀ
-        z = z + fk[:, t]  # [B, H, M]
+            S, z = decay_step(S, z, log_decay[:, t].to(f64).exp())
+        S, z = additive_write(S, z, fk[:, t], v[:, t])
         nums.append(torch.einsum("bhm,bhmd->bhd", fq[:, t], S))  # [B, H, Dv]
         dens.append((fq[:, t] * z).sum(-1))  # [B, H]
     return torch.stack(nums, 1), torch.stack(dens, 1), (S, z)
+
+
+def decay_step(S, z, gamma):
+    r"""One step of decay: :math:`S \leftarrow \gamma S`, :math:`z \leftarrow \gamma z`.
+
+    Parameters
+    ----------
+    S : Tensor ``[..., M, Dv]``
+    z : Tensor ``[..., M]``
+    gamma : Tensor ``[...]``
+        :math:`\gamma \in (0, 1]`.
+
+    Returns
+    -------
+    ``(S, z)``, decayed.
+    """
+    return gamma[..., None, None] * S, gamma[..., None] * z
+
+
+def additive_write(S, z, phi, v):
+    r"""A key enters the additive state: :math:`S \leftarrow S + \phi(k) v^\top`, :math:`z \leftarrow z + \phi(k)`.
+
+    Parameters
+    ----------
+    S : Tensor ``[..., M, Dv]``
+    z : Tensor ``[..., M]``
+    phi : Tensor ``[..., M]``
+        The key's features.
+    v : Tensor ``[..., Dv]``
+
+    Returns
+    -------
+    ``(S, z)`` with the key.
+    """
+    return S + phi[..., :, None] * v[..., None, :], z + phi

@@ -7,9 +7,9 @@ import torch
 
 from ...._validation import check_positive_int
 from ..._checks import check_delta
-from ..decayed.chunk import _chunks, _decays, _work_dtype
+from ..decayed.chunk import chunk_decays, chunk_tokens, work_dtype
 
-__all__ = ["delta_rule_chunked"]
+__all__ = ["delta_rule_chunked", "delta_rule_core"]
 
 
 def delta_rule_chunked(q, k, v, beta, log_alpha=None, *, initial_state=None, chunk_size: int = 64):
@@ -56,18 +56,33 @@ def delta_rule_chunked(q, k, v, beta, log_alpha=None, *, initial_state=None, chu
     ``I + A`` is unit lower triangular (solved, never inverted).
     """
     q, k, v, beta, log_alpha, initial_state = check_delta(q, k, v, beta, log_alpha, initial_state)
-    return _delta_rule(q, k, v, beta, log_alpha, initial_state, check_positive_int(chunk_size, "chunk_size"))
+    return delta_rule_core(q, k, v, beta, log_alpha, initial_state, check_positive_int(chunk_size, "chunk_size"))
 
 
-def _delta_rule(q, k, v, beta, log_alpha, initial_state, C: int):
-    """:func:`delta_rule_chunked` on trusted arguments (the memory fast path's call)."""
-    dt = _work_dtype(v)
+def delta_rule_core(q, k, v, beta, log_alpha, initial_state, C: int):
+    """:func:`delta_rule_chunked` on trusted arguments (the memory fast path's call: its own checks cover them).
+
+    Parameters
+    ----------
+    q, k : Tensor ``[B, T, H, M]``
+    v : Tensor ``[B, T, H, Dv]``
+    beta : Tensor ``[B, T, H]``
+    log_alpha : Tensor ``[B, T, H]`` or None
+    initial_state : Tensor ``[B, H, M, Dv]`` or None
+    C : int >= 1
+        The chunk size.
+
+    Returns
+    -------
+    o ``[B, T, H, Dv]``, S ``[B, H, M, Dv]``; the formula is :func:`delta_rule_chunked`'s.
+    """
+    dt = work_dtype(v)
     B, T, H, M = k.shape
     Dv = v.shape[-1]
     N = -(-T // C)
-    Q, K, V = _chunks(q.to(dt), C, N), _chunks(k.to(dt), C, N), _chunks(v.to(dt), C, N)  # [B, H, N, C, ·]
-    b = _chunks(beta.to(dt), C, N)[..., None]  # [B, H, N, C, 1]; padded steps: β = 0, a null step
-    L, pair = _decays(log_alpha, v.to(dt), C, N)  # [B, H, N, C], [B, H, N, C, C] (j <= i)
+    Q, K, V = chunk_tokens(q.to(dt), C, N), chunk_tokens(k.to(dt), C, N), chunk_tokens(v.to(dt), C, N)  # [B, H, N, C, ·]
+    b = chunk_tokens(beta.to(dt), C, N)[..., None]  # [B, H, N, C, 1]; padded steps: β = 0, a null step
+    L, pair = chunk_decays(log_alpha, v.to(dt), C, N)  # [B, H, N, C], [B, H, N, C, C] (j <= i)
     eL = L.exp()[..., None]  # [B, H, N, C, 1]
     eye = torch.eye(C, dtype=dt, device=V.device)
     A = (b * (K @ K.mT) * pair).tril(-1)  # [B, H, N, C, C]: β_i e^{L_i−L_j} k_i·k_j, j < i

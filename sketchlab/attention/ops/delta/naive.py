@@ -6,7 +6,7 @@ import torch
 
 from ..._checks import check_delta
 
-__all__ = ["delta_rule_naive"]
+__all__ = ["delta_rule_naive", "delta_write"]
 
 
 def delta_rule_naive(q, k, v, beta, log_alpha=None, *, initial_state=None):
@@ -47,8 +47,26 @@ def delta_rule_naive(q, k, v, beta, log_alpha=None, *, initial_state=None):
     for t in range(T):
         if log_alpha is not None:
             S = log_alpha[:, t].to(f64).exp()[..., None, None] * S
-        kt = k[:, t]  # [B, H, M]
-        err = v[:, t] - torch.einsum("bhm,bhmd->bhd", kt, S)  # [B, H, Dv]: v_t − Sᵀk_t
-        S = S + beta[:, t, :, None, None] * kt[..., :, None] * err[..., None, :]  # [B, H, M, Dv]
+        S = delta_write(S, k[:, t], v[:, t], beta[:, t])  # [B, H, M, Dv]
         outs.append(torch.einsum("bhm,bhmd->bhd", q[:, t], S))  # [B, H, Dv]
     return torch.stack(outs, 1), S
+
+
+def delta_write(S, k, v, beta):
+    r"""A key enters the delta rule's state: :math:`S \leftarrow S + \beta\, k (v - S^\top k)^\top`.
+
+    Parameters
+    ----------
+    S : Tensor ``[..., M, Dv]``
+    k : Tensor ``[..., M]``
+        The key, L2-normalised by the caller.
+    v : Tensor ``[..., Dv]``
+    beta : Tensor ``[...]``
+        The write strength (``0``: the state unchanged).
+
+    Returns
+    -------
+    Tensor ``[..., M, Dv]``
+    """
+    err = v - (k[..., None, :] @ S)[..., 0, :]  # [..., Dv]: v − Sᵀk
+    return S + beta[..., None, None] * k[..., :, None] * err[..., None, :]

@@ -14,7 +14,12 @@ import torch
 from sklearn.kernel_approximation import PolynomialCountSketch
 
 from sketchlab import fit_sketch
-from sketchlab.sketches import TensorSketch, count_sketch_matrix, tensorsketch_features, tensorsketch_features_naive
+from sketchlab.featuremaps.tensorsketch import (
+    TensorSketchMap,
+    count_sketch_matrix,
+    tensorsketch_features,
+    tensorsketch_features_naive,
+)
 
 F64 = torch.float64
 
@@ -24,18 +29,21 @@ def test_identical_to_sklearn(p, m):
     rng = np.random.default_rng(p)
     x = rng.standard_normal((6, 4))
     ref = PolynomialCountSketch(gamma=1.0, coef0=0, degree=p, n_components=m, random_state=p).fit(x)
-    ours = TensorSketch(torch.from_numpy(ref.indexHash_), torch.from_numpy(ref.bitHash_), m, dtype=F64)
+    ours = TensorSketchMap(torch.from_numpy(ref.indexHash_)[None], torch.from_numpy(ref.bitHash_)[None], m, dtype=F64)
     want = torch.from_numpy(ref.transform(x))
-    got = ours.features_q(torch.from_numpy(x))
+    got = ours.features(torch.from_numpy(x)[None, :, None])[0, :, 0]  # one head: x [1, n, 1, d]
     assert torch.allclose(got, want, rtol=0, atol=1e-12 * want.abs().max())
 
 
 @pytest.mark.parametrize("p", [1, 2, 3])
 def test_fast_matches_naive(p):
     x = torch.randn(5, 3, dtype=F64, generator=torch.Generator().manual_seed(p))
-    s = TensorSketch.draw(3, p, 6, seed=p, dtype=F64)
-    naive = tensorsketch_features_naive(x, s.index_hash, s.sign_hash, 6)
-    assert torch.allclose(s.features_q(x), naive, rtol=0, atol=1e-12 * naive.abs().max())
+    s = TensorSketchMap.draw(2, 3, p=p, m=6, seed=p, dtype=F64)
+    for h in range(2):
+        naive = tensorsketch_features_naive(x, s.index_hash[h], s.sign_hash[h], 6)
+        assert torch.allclose(s.features(x[None, :, None].expand(1, 5, 2, 3))[0, :, h], naive, rtol=0,
+                              atol=1e-12 * naive.abs().max())
+        assert torch.equal(s.features_naive(x[None, :, None].expand(1, 5, 2, 3))[0, :, h], naive)  # the map's twin
 
 
 def _estimates(p, m, n_draws, seed):
@@ -43,9 +51,9 @@ def _estimates(p, m, n_draws, seed):
     x = torch.randn(5, generator=g, dtype=F64)
     y = x + 0.5 * torch.randn(5, generator=g, dtype=F64)
     x, y = x / x.norm(), y / y.norm()
-    s = TensorSketch.draw(5, p, m, seed=seed, batch_shape=(n_draws,), dtype=F64)
-    fx = s.features_q(x[None, None, :])[:, 0]  # [N, m]
-    fy = s.features_q(y[None, None, :])[:, 0]
+    s = TensorSketchMap.draw(n_draws, 5, p=p, m=m, seed=seed, dtype=F64)  # one independent draw per head
+    fx = s.features(x.expand(1, 1, n_draws, 5))[0, 0]  # [N, m]
+    fy = s.features(y.expand(1, 1, n_draws, 5))[0, 0]
     return (fx * fy).sum(-1), float(x @ y) ** p
 
 
@@ -69,12 +77,14 @@ def test_variance_shrinks_with_m(p):
 def test_fit_and_validation():
     q = torch.randn(3, 20, 4, generator=torch.Generator().manual_seed(0))
     fit = fit_sketch("tensorsketch", q, q.flip(-2), p=2, m=8, seed=5)
-    assert fit.sketch.index_hash.shape == (3, 2, 4) and fit.sketch.num_features == 8
+    assert fit.tied and fit.map_q.index_hash.shape == (3, 2, 4) and fit.map_q.num_features == 8
     assert fit.report.num_parameters == 2 * 2 * 4
     with pytest.raises(ValueError, match=r"index_hash values must lie in \[0, m\)"):
-        TensorSketch(torch.tensor([[0, 9]]), torch.tensor([[1, -1]]), 4)
+        TensorSketchMap(torch.tensor([[[0, 9]]]), torch.tensor([[[1, -1]]]), 4)
     with pytest.raises(ValueError, match="sign_hash values must be"):
-        TensorSketch(torch.tensor([[0, 1]]), torch.tensor([[1, 0]]), 4)
+        TensorSketchMap(torch.tensor([[[0, 1]]]), torch.tensor([[[1, 0]]]), 4)
+    with pytest.raises(ValueError, match=r"must have shape \[H, p, D\]"):
+        TensorSketchMap(torch.tensor([[0, 1]]), torch.tensor([[1, 1]]), 4)
 
 
 def test_features_validate_the_matrices_against_x():
@@ -92,21 +102,20 @@ def test_features_validate_the_matrices_against_x():
 def test_fit_follows_the_input_device():
     # Hashes are drawn on a CPU generator, validated, then moved to q's device; "meta" (shapes
     # only) stands in for a GPU here: without the move they would stay on the CPU.
-    from sketchlab.sketches.tensorsketch import _fit_tensorsketch
+    from sketchlab.featuremaps.tensorsketch import _fit_tensorsketch
 
     q = torch.empty(3, 6, 4, device="meta")
     s = _fit_tensorsketch(q, q, p=2, m=8, seed=5)
     assert s.index_hash.device.type == s.sign_hash.device.type == s.matrices.device.type == "meta"
-    assert s.features_q(q).device.type == "meta" and s.features_q(q).shape == (3, 6, 8)
-    cpu = TensorSketch.draw(4, 2, 8, seed=5, batch_shape=(3,))
+    x = torch.empty(1, 6, 3, 4, device="meta")
+    assert s.features(x).device.type == "meta" and s.features(x).shape == (1, 6, 3, 8)
+    cpu = TensorSketchMap.draw(3, 4, p=2, m=8, seed=5)
     assert cpu.matrices.device.type == "cpu"
 
 
 def test_countsketch_budget_counts_bytes_per_element():
     """The dense ``[32, 32, p=1000, d=128, m]`` float32 matrices take 32·32·1000·128 hashes × m=10⁵ × 4 bytes
     = 48 828 GiB: refused before any allocation, with that size in the message."""
-    from sketchlab.sketches import TensorSketch
-
     with pytest.raises(ValueError, match=r"dense CountSketch matrices \(131072000 hashes x m=100000, torch.float32\) "
                                          r"would take 4.88e\+04 GiB"):
-        TensorSketch.draw(128, 1000, 100_000, seed=0, batch_shape=(32, 32))
+        TensorSketchMap.draw(32 * 32, 128, p=1000, m=100_000, seed=0)

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from sketchlab import fit_sketch, poly_kernel
-from sketchlab.sketches import (
-    BasedSketch,
+from sketchlab.featuremaps.based import (
+    ExpandMap,
+    TaylorMap,
     based_dim_for_budget,
     based_num_features,
     pca_projection,
@@ -18,6 +19,11 @@ from sketchlab.sketches import (
 )
 
 F64 = torch.float64
+
+
+def _kernel(fmap, q, k):
+    """``φ(q) φ(k)ᵀ`` of a map of one head on ``q [n_q, d]``, ``k [n_k, d]``."""
+    return fmap.features(q[None, :, None])[0, :, 0] @ fmap.features(k[None, :, None])[0, :, 0].T
 
 
 def _data(n=7, d=5, seed=0):
@@ -29,11 +35,14 @@ def _data(n=7, d=5, seed=0):
 def test_taylor_kernel(symmetric):
     q, k = _data()
     proj = torch.randn(5, 3, dtype=F64, generator=torch.Generator().manual_seed(1))
-    s = BasedSketch(proj, 2, form="taylor", symmetric=symmetric)
+    s = TaylorMap(1, 5, proj=proj[None], symmetric=symmetric)
     dot = (q @ proj) @ (k @ proj).T / 3**0.5  # s = u_qᵀu_k / √d'
     want = 1 + dot + dot**2 / 2
-    assert torch.allclose(s.kernel(q, k), want, rtol=1e-12, atol=0)
-    assert torch.allclose(s.features_q(q), taylor_features_naive(q, proj, symmetric), rtol=1e-12, atol=0)
+    assert torch.allclose(_kernel(s, q, k), want, rtol=1e-12, atol=0)
+    naive = taylor_features_naive(q, proj, symmetric)
+    assert torch.allclose(s.features(q[None, :, None])[0, :, 0], naive, rtol=1e-12, atol=0)
+    assert torch.equal(s.features_naive(q[None, :, None])[0, :, 0], naive)  # the map's twin
+    assert s.num_parameters == 5 * 3 and s.dim == 3 and s.non_negative
 
 
 def test_feature_counts():
@@ -54,16 +63,17 @@ def test_expand_kernel(p):
     proj = torch.randn(5, 3, dtype=F64, generator=torch.Generator().manual_seed(2))
     want = ((q @ proj) @ (k @ proj).T) ** p
     for symmetric in (False, True):
-        s = BasedSketch(proj, p, form="expand", symmetric=symmetric)
-        assert torch.allclose(s.kernel(q, k), want, rtol=1e-12, atol=1e-12 * want.abs().max())
+        s = ExpandMap(1, 5, p=p, proj=proj[None], symmetric=symmetric)
+        assert torch.allclose(_kernel(s, q, k), want, rtol=1e-12, atol=1e-12 * want.abs().max())
+        assert s.non_negative == (p % 2 == 0)
 
 
 def test_pca_projection_is_orthonormal_and_exact_at_full_dim():
     q, k = _data(n=12, d=4)
     p_full = pca_projection(q, k, 4)
     assert torch.allclose(p_full.T @ p_full, torch.eye(4, dtype=F64), atol=1e-12)
-    s = BasedSketch(p_full, 2)
-    assert torch.allclose(s.kernel(q, k), poly_kernel(q, k, 2), rtol=1e-10, atol=1e-12)  # PPᵀ = I
+    s = ExpandMap(1, 4, p=2, proj=p_full[None], symmetric=False)
+    assert torch.allclose(_kernel(s, q, k), poly_kernel(q, k, 2), rtol=1e-10, atol=1e-12)  # PPᵀ = I
     # the first direction keeps the most energy of [q; k] among unit vectors
     x = torch.cat([q, k])
     top = (x @ pca_projection(q, k, 1)).norm()
@@ -76,12 +86,14 @@ def test_fit_based():
     k = torch.randn(2, 30, 6, generator=torch.Generator().manual_seed(1))
     fit = fit_sketch("based", q, k, p=2, m=20, seed=0)
     assert fit.report.info["dim"] == 5 and fit.report.num_features == 15  # C(6, 2) = 15 <= 20 < 21
+    assert fit.tied and isinstance(fit.map_q, ExpandMap) and fit.map_q.proj.shape == (2, 6, 5)
+    assert fit.report.num_parameters == 6 * 5  # one head's projection
     rnd = fit_sketch("based", q, k, p=2, m=20, seed=0, projection="random", symmetric=False)
-    assert rnd.sketch.dim == 4 and rnd.report.num_features == 16
+    assert rnd.map_q.dim == 4 and rnd.report.num_features == 16
     # d = 7 (D = 28): m = 21 would equal D = C(7, 2) = 21 at d = 6, which fit_sketch rejects (tail 0)
     q7, k7 = torch.randn(2, 30, 7, generator=torch.Generator().manual_seed(4)), torch.randn(2, 30, 7, generator=torch.Generator().manual_seed(5))
     tay = fit_sketch("based", q7, k7, p=2, m=21, seed=0, form="taylor")
-    assert tay.report.num_features == 21  # d' = 4: 1 + 4 + 16
+    assert tay.report.num_features == 21 and isinstance(tay.map_q, TaylorMap)  # d' = 4: 1 + 4 + 16
     with pytest.raises(ValueError, match="p must be 2"):
         fit_sketch("based", q, k, p=3, m=20, form="taylor")
     with pytest.raises(ValueError, match="projection must be"):
@@ -114,11 +126,11 @@ def test_random_projection_follows_the_input_device():
     # The projection is drawn on a CPU generator and must then live on q's device. The "meta"
     # device (shapes only, no data) stands in for a GPU on this CPU-only machine: without the
     # move, proj would stay on the CPU.
-    from sketchlab.sketches.based import _fit_based
+    from sketchlab.featuremaps.based import _fit_based
 
     q = torch.empty(2, 30, 6, device="meta")
     s = _fit_based(q, q, p=2, m=20, seed=0, projection="random")
-    assert s.proj.device.type == "meta" and s.features_q(q).device.type == "meta"
+    assert s.proj.device.type == "meta" and s.features(torch.empty(1, 30, 2, 6, device="meta")).device.type == "meta"
     # the draw itself is the same as on the CPU (same seed, same P)
     cpu = _fit_based(torch.zeros(2, 30, 6), torch.zeros(2, 30, 6), p=2, m=20, seed=0, projection="random")
     assert cpu.proj.device.type == "cpu" and cpu.proj.shape == s.proj.shape
@@ -158,7 +170,7 @@ def test_fit_based_takes_an_explicit_dim_and_checks_it():
     naming ``dim``."""
     torch.manual_seed(0)
     q, k = torch.randn(2, 30, 6, dtype=torch.float64), torch.randn(2, 30, 6, dtype=torch.float64)
-    sketch = fit_sketch("based", q, k, p=2, m=10, dim=3).sketch
-    assert sketch.fit_info["dim"] == 3
+    fit = fit_sketch("based", q, k, p=2, m=10, dim=3)
+    assert fit.report.info["dim"] == 3 and fit.map_q.dim == 3
     with pytest.raises(ValueError, match=r"dim must be an integer >= 1, got 0"):
         fit_sketch("based", q, k, p=2, m=10, dim=0)

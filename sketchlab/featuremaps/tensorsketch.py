@@ -33,10 +33,10 @@ from .._validation import (
     check_memory,
     check_positive_int,
 )
-from ..sketch import Sketch
-from ._common import check_batch_shape, check_dtype, check_features_finite, make_generator
+from ._common import check_dtype, check_features_finite, make_generator
+from .base import FeatureMap
 
-__all__ = ["TensorSketch", "count_sketch_matrix", "tensorsketch_features", "tensorsketch_features_naive"]
+__all__ = ["TensorSketchMap", "count_sketch_matrix", "tensorsketch_features", "tensorsketch_features_naive"]
 
 
 def _check_hashes(index_hash, sign_hash, m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,87 +139,85 @@ def tensorsketch_features_naive(x, index_hash, sign_hash, m: int) -> torch.Tenso
     return out
 
 
-class TensorSketch(Sketch):
-    """TensorSketch with fixed hashes (same map for queries and keys).
+class TensorSketchMap(FeatureMap):
+    r"""TensorSketch per head with fixed hashes (``"tensorsketch"``; one map for queries and keys).
 
     Parameters
     ----------
-    index_hash : integer Tensor ``[..., p, d]`` with values in ``[0, m)``
-    sign_hash : Tensor ``[..., p, d]`` of ±1
+    index_hash : integer Tensor ``[H, p, D]`` with values in ``[0, m)``
+    sign_hash : Tensor ``[H, p, D]`` of ±1
+        One independent pair of hashes per head (:attr:`per_head_parameters`: :meth:`select_heads` slices them).
     m : int
         Number of features (FFT length).
     dtype : torch.dtype
-        Dtype of the stored dense CountSketch matrices and of the features.
+        Dtype of the dense CountSketch matrices and of the features.
     device : torch.device, str or None
         Where the hashes and matrices are stored (after validation); ``None`` keeps ``index_hash``'s device.
 
     Notes
     -----
-    ``num_parameters`` counts the stored hash values of one head: ``2·p·d`` (one map, both sides).
+    Buffers ``index_hash``, ``sign_hash`` and ``matrices [H, p, D, m]``
+    (:func:`count_sketch_matrix`, what :func:`tensorsketch_features` multiplies by), saved with a model.
+    :attr:`num_parameters` counts the hash values, ``2·p·D`` per head (the matrices are derived from them).
     """
 
     def __init__(self, index_hash, sign_hash, m: int, *, dtype: torch.dtype = torch.float32,
                  device: torch.device | str | None = None):
-        self.m = check_positive_int(m, "m (the sketch size)")
-        index_hash, sign_hash = _check_hashes(index_hash, sign_hash, self.m)
+        super().__init__()
+        m = check_positive_int(m, "m (the sketch size)")
+        index_hash, sign_hash = _check_hashes(index_hash, sign_hash, m)
+        if index_hash.ndim != 3:
+            raise ValueError(f"index_hash and sign_hash must have shape [H, p, D], got {tuple(index_hash.shape)}")
         dtype = check_dtype(dtype)
-        _check_matrices_budget(index_hash.numel(), self.m, dtype)
-        self.index_hash, self.sign_hash = index_hash.to(device), sign_hash.to(device)
-        # built where the hashes were validated, then moved (one copy of [..., p, d, m])
-        self.matrices = count_sketch_matrix(index_hash, sign_hash, self.m, dtype).to(device)
-        self.fit_info: dict = {}
+        _check_matrices_budget(index_hash.numel(), m, dtype)
+        self.heads, _, self.head_dim = index_hash.shape
+        self.register_buffer("index_hash", index_hash.to(device))
+        self.register_buffer("sign_hash", sign_hash.to(device))
+        # built where the hashes were validated, then moved (one copy of [H, p, D, m])
+        self.register_buffer("matrices", count_sketch_matrix(index_hash, sign_hash, m, dtype).to(device))
 
     @classmethod
-    def draw(cls, d: int, p: int, m: int, *, seed: int | None = None, generator: torch.Generator | None = None,
-             batch_shape: tuple[int, ...] = (), dtype: torch.dtype = torch.float32,
-             device: torch.device | str | None = None) -> TensorSketch:
-        """Draw uniform hashes and signs once (independent per head for ``batch_shape``).
+    def draw(cls, heads: int, head_dim: int, *, p: int, m: int, seed: int | None = None,
+             generator: torch.Generator | None = None, dtype: torch.dtype = torch.float32,
+             device: torch.device | str | None = None) -> TensorSketchMap:
+        """Draw uniform hashes and signs once, independent per head.
 
-        The hashes are drawn on the CPU ``generator`` (a seed gives the same sketch on every device),
-        then moved to ``device`` (default: CPU), where the dense CountSketch matrices are built.
+        The hashes are drawn on the CPU ``generator`` (or one seeded with ``seed``: a seed gives the same map on
+        every device), then moved to ``device`` (default: CPU), where the dense CountSketch matrices are built.
         """
-        d = check_positive_int(d, "d")
+        heads, d = check_positive_int(heads, "heads"), check_positive_int(head_dim, "head_dim")
         p = check_degree(p)
         m = check_positive_int(m, "m (the sketch size)")
-        batch_shape = check_batch_shape(batch_shape)
         dtype = check_dtype(dtype)
-        _check_matrices_budget(math.prod(batch_shape) * p * d, m, dtype)  # before drawing the hashes
+        _check_matrices_budget(heads * p * d, m, dtype)  # before drawing the hashes
         gen = make_generator(seed, generator)
-        index_hash = torch.randint(0, m, (*batch_shape, p, d), generator=gen)
-        sign_hash = torch.randint(0, 2, (*batch_shape, p, d), generator=gen) * 2 - 1
+        index_hash = torch.randint(0, m, (heads, p, d), generator=gen)
+        sign_hash = torch.randint(0, 2, (heads, p, d), generator=gen) * 2 - 1
         return cls(index_hash, sign_hash, m, dtype=dtype, device=device)
+
+    @property
+    def num_features(self) -> int:
+        return self.matrices.shape[-1]
 
     @property
     def degree(self) -> int:
         return self.index_hash.shape[-2]
 
     @property
-    def num_features(self) -> int:
-        return self.m
-
-    @property
     def num_parameters(self) -> int:
-        return 2 * self.index_hash.shape[-2] * self.index_hash.shape[-1]
+        return self.index_hash.numel() + self.sign_hash.numel()
 
-    def features_q(self, x: torch.Tensor) -> torch.Tensor:
-        """``x[..., n, d]`` → ``[..., n, m]``."""
-        return tensorsketch_features(x, self.matrices)
+    def _features(self, x):
+        return tensorsketch_features(x.transpose(1, 2), self.matrices).transpose(1, 2)  # [B, T, H, M]
 
-    def features_k(self, x: torch.Tensor) -> torch.Tensor:
-        """Same map as :meth:`features_q`."""
-        return tensorsketch_features(x, self.matrices)
-
-    def features_naive(self, x, side: str = "q", index: tuple = ()) -> torch.Tensor:
-        return tensorsketch_features_naive(x, self.index_hash[index].cpu(), self.sign_hash[index].cpu(), self.m)
-
-    def select(self, index) -> TensorSketch:
-        return TensorSketch(self.index_hash[index], self.sign_hash[index], self.m, dtype=self.matrices.dtype,
-                            device=self.matrices.device)
+    def _features_naive(self, x, head):
+        return tensorsketch_features_naive(x, self.index_hash[head].cpu(), self.sign_hash[head].cpu(),
+                                           self.num_features)
 
 
-def _fit_tensorsketch(q, k, *, p: int, m: int, seed: int = 0) -> TensorSketch:
-    """``fit_sketch("tensorsketch", ...)``: data-independent; one independent draw per head."""
-    sketch = TensorSketch.draw(q.shape[-1], p, m, seed=seed, batch_shape=q.shape[:-2], dtype=q.dtype,
-                               device=q.device)
-    sketch.fit_info = {"steps": 0, "converged": True}
-    return sketch
+def _fit_tensorsketch(q, k, *, p: int, m: int, seed: int = 0) -> TensorSketchMap:
+    """``fit_sketch("tensorsketch", ...)``: data-independent; one independent draw per head of ``prod(batch)``."""
+    fmap = TensorSketchMap.draw(math.prod(q.shape[:-2]), q.shape[-1], p=p, m=m, seed=seed, dtype=q.dtype,
+                                device=q.device)
+    fmap.fit_info = {"steps": 0, "converged": True}
+    return fmap

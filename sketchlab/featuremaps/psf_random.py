@@ -1,4 +1,5 @@
-r"""PolySketchFormer's random polynomial sketch (Ahle et al. 2020; Kacham, Mirrokni, Zhong 2024).
+r"""PolySketchFormer's random polynomial sketch (Ahle et al. 2020; Kacham, Mirrokni, Zhong 2024):
+:class:`PSFRandomMap` (``"psf-random"``).
 
 For a degree ``q >= 2`` the sketch of ``x ∈ R^d`` with ``r`` outputs is
 
@@ -47,10 +48,10 @@ from .._validation import (
     check_positive_int,
 )
 from ..polynomial import self_tensor
-from ..sketch import Sketch
-from ._common import check_batch_shape, check_dtype, check_features_finite, make_generator
+from ._common import check_dtype, check_features_finite, make_generator
+from .base import FeatureMap
 
-__all__ = ["PolySketch", "psf_features", "psf_features_naive", "psf_weight_shapes"]
+__all__ = ["PSFRandomMap", "psf_features", "psf_features_naive", "psf_weight_shapes"]
 
 
 def _split(q: int) -> tuple[int, int]:
@@ -207,27 +208,29 @@ def psf_features_naive(x: torch.Tensor, weights: list[torch.Tensor], p: int) -> 
     return node(p)
 
 
-class PolySketch(Sketch):
-    r"""PolySketchFormer sketch with fixed Gaussian matrices (same map for queries and keys).
+class PSFRandomMap(FeatureMap):
+    r"""PolySketchFormer's random sketch per head with fixed Gaussian matrices (``"psf-random"``; one map for
+    queries and keys).
 
     Parameters
     ----------
-    weights : list of Tensor ``[..., in, r]``
-        The Gaussian matrices (order of :func:`psf_weight_shapes`) of the plain degree-``p``
-        sketch, or of the degree-``p/2`` sketch ``s`` when ``non_negative``.
+    weights : list of Tensor ``[H, in, r]``
+        The Gaussian matrices (order of :func:`psf_weight_shapes`) of the plain degree-``p`` sketch, or of the
+        degree-``p/2`` sketch ``s`` when ``non_negative``: one independent draw per head
+        (:attr:`per_head_parameters`: :meth:`select_heads` slices them). Stored as buffers ``weights_0``, ….
     p : int
         Kernel degree.
     non_negative : bool
-        Self-tensor: :math:`\phi = s \otimes s` with ``s`` of degree ``p/2`` (``p`` even).
+        Self-tensor: :math:`\phi = s \otimes s` with ``s`` of degree ``p/2`` (``p`` even), ``r²`` features.
 
     Notes
     -----
-    Build random instances with :meth:`draw`; the constructor takes given matrices so that the
-    sketch is a pure function of them. ``num_parameters`` counts the Gaussian entries of one head
-    (one map, shared by both sides).
+    Build random instances with :meth:`draw`; the constructor takes given matrices so that the map is a pure
+    function of them. :attr:`num_parameters` counts the Gaussian entries (one map, shared by both sides).
     """
 
     def __init__(self, weights: list[torch.Tensor], p: int, *, non_negative: bool = False):
+        super().__init__()
         p = check_degree(p)
         if not isinstance(non_negative, bool):
             raise TypeError(f"non_negative must be a bool, got {non_negative!r}")
@@ -238,50 +241,39 @@ class PolySketch(Sketch):
             )
         if not isinstance(weights, (list, tuple)):
             raise TypeError(
-                f"weights must be a list of tensors [..., in, r] (see psf_weight_shapes), got {type(weights).__name__}"
+                f"weights must be a list of tensors [H, in, r] (see psf_weight_shapes), got {type(weights).__name__}"
             )
         if len(weights) == 0:
-            raise ValueError("weights must be a non-empty list of tensors [..., in, r], got an empty list")
+            raise ValueError("weights must be a non-empty list of tensors [H, in, r], got an empty list")
         self.p = p
-        self.non_negative = non_negative
+        self._non_negative = non_negative
         self.inner_degree = p // 2 if non_negative else p
-        d = self._input_dim(weights)
-        self.weights = _check_weights(weights, d, self.inner_degree)
-        self.d = d
-        self.r = self.weights[0].shape[-1]
-        self.fit_info: dict = {}
-
-    def _input_dim(self, weights) -> int:
         # the last matrix in pre-order belongs to a node without internal children, so it acts on x
-        return as_float_tensor(weights[-1], f"weights[{len(weights) - 1}]").shape[-2]
+        d = as_float_tensor(weights[-1], f"weights[{len(weights) - 1}]").shape[-2]
+        weights = _check_weights(weights, d, self.inner_degree)
+        if weights[0].ndim != 3:
+            raise ValueError(f"weights must be tensors [H, in, r] (one draw per head), got {tuple(weights[0].shape)}")
+        self.heads, self.head_dim = weights[0].shape[0], d
+        self._count = len(weights)
+        for i, w in enumerate(weights):
+            self.register_buffer(f"weights_{i}", w)
 
     @classmethod
-    def draw(
-        cls,
-        d: int,
-        p: int,
-        m: int,
-        *,
-        non_negative: bool = False,
-        seed: int | None = None,
-        generator: torch.Generator | None = None,
-        batch_shape: tuple[int, ...] = (),
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str | None = None,
-        max_bytes: int = DEFAULT_MAX_BYTES,
-    ) -> PolySketch:
-        """Draw a sketch with ``m`` features or fewer (``r = m``, or ``r = ⌊√m⌋`` when non-negative).
+    def draw(cls, heads: int, head_dim: int, *, p: int, m: int, non_negative: bool = False, seed: int | None = None,
+             generator: torch.Generator | None = None, dtype: torch.dtype = torch.float32,
+             device: torch.device | str | None = None, max_bytes: int = DEFAULT_MAX_BYTES) -> PSFRandomMap:
+        """Draw a map of ``heads`` independent sketches with ``m`` features or fewer (``r = m``, or ``r = ⌊√m⌋``
+        when non-negative).
 
-        ``batch_shape`` (e.g. ``(L, H)``) draws independent matrices for each head. All entries come
-        from ``generator`` (or a generator seeded with ``seed``) here, once, on the CPU in float64
-        (so a seed gives the same sketch on every device), then are cast to ``dtype`` and moved to
-        ``device`` (default: CPU). The ``2(p−1)`` matrices (``r × r`` above the leaves) are checked
-        against ``max_bytes`` before drawing (:func:`sketchlab._validation.check_memory`).
+        All entries come from ``generator`` (or a generator seeded with ``seed``) here, once, on the CPU in
+        float64 (so a seed gives the same map on every device), then are cast to ``dtype`` and moved to
+        ``device`` (default: CPU). The ``2(p−1)`` matrices (``r × r`` above the leaves) are checked against
+        ``max_bytes`` before drawing (:func:`sketchlab._validation.check_memory`).
         """
-        d = check_positive_int(d, "d")
+        heads = check_positive_int(heads, "heads")
+        d = check_positive_int(head_dim, "d")
         p = check_degree(p)
         m = check_positive_int(m, "m (the sketch size)")
-        batch_shape = check_batch_shape(batch_shape)
         dtype = check_dtype(dtype)
         if non_negative and p % 2:
             raise ValueError(f"non_negative=True needs an even degree p, got p={p}")
@@ -290,48 +282,52 @@ class PolySketch(Sketch):
         inner = p // 2 if non_negative else p
         shapes = psf_weight_shapes(d, inner, r)
         check_memory(
-            math.prod(batch_shape) * sum(a * b for a, b in shapes) * 8,
+            heads * sum(a * b for a, b in shapes) * 8,
             what=f"the {len(shapes)} Gaussian matrices of a degree-{inner} PolySketch (d={d}, r={r}, "
-            f"batch {batch_shape}, drawn in float64)",
+            f"{heads} heads, drawn in float64)",
             way_out="use a smaller degree p or sketch size m, or fewer heads at a time",
             max_bytes=max_bytes,
         )
-        weights = [
-            torch.randn(*batch_shape, *shape, generator=gen, dtype=torch.float64).to(device=device, dtype=dtype)
-            for shape in shapes
-        ]
+        weights = [torch.randn(heads, *shape, generator=gen, dtype=torch.float64).to(device=device, dtype=dtype)
+                   for shape in shapes]
         return cls(weights, p, non_negative=non_negative)
+
+    @property
+    def weights(self) -> list[torch.Tensor]:
+        """The Gaussian matrices ``[H, in, r]``, in the order of :func:`psf_weight_shapes`."""
+        return [getattr(self, f"weights_{i}") for i in range(self._count)]
+
+    @property
+    def r(self) -> int:
+        """Outputs of the plain sketch ``s``."""
+        return self.weights_0.shape[-1]
+
+    @property
+    def num_features(self) -> int:
+        return self.r * self.r if self._non_negative else self.r
 
     @property
     def degree(self) -> int:
         return self.p
 
     @property
-    def num_features(self) -> int:
-        return self.r * self.r if self.non_negative else self.r
-
-    @property
-    def num_parameters(self) -> int:
-        return sum(w.shape[-2] * w.shape[-1] for w in self.weights)
+    def non_negative(self) -> bool:
+        return self._non_negative
 
     def inner_features(self, x: torch.Tensor) -> torch.Tensor:
-        """The plain sketch ``s(x)`` (degree ``p/2`` when non-negative, else ``p``): ``[..., n, r]``."""
-        return psf_features(x, self.weights, self.inner_degree)
+        """The plain sketch ``s(x)`` (degree ``p/2`` when non-negative, else ``p``): ``x [B, T, H, D]`` →
+        ``[B, T, H, r]``."""
+        return psf_features(x.transpose(1, 2), self.weights, self.inner_degree).transpose(1, 2)
 
-    def features_q(self, x: torch.Tensor) -> torch.Tensor:
-        """``x[..., n, d]`` → ``[..., n, num_features]`` (``s ⊗ s`` when non-negative)."""
-        s = self.inner_features(x)
-        if not self.non_negative:
+    def _features(self, x):
+        s = self.inner_features(x)  # [B, T, H, r]
+        if not self._non_negative:
             return s
-        return check_features_finite(self_tensor(s), x, self.p, "PolySketch (self-tensored s ⊗ s)")
+        return check_features_finite(self_tensor(s), x, self.p, "PolySketch (self-tensored s ⊗ s)")  # [B, T, H, r²]
 
-    def features_k(self, x: torch.Tensor) -> torch.Tensor:
-        """Same map as :meth:`features_q`."""
-        return self.features_q(x)
-
-    def features_naive(self, x, side: str = "q", index: tuple = ()) -> torch.Tensor:
-        s = psf_features_naive(x, [w[index] for w in self.weights], self.inner_degree)  # [n, r]
-        if not self.non_negative:
+    def _features_naive(self, x, head):
+        s = psf_features_naive(x, [w[head] for w in self.weights], self.inner_degree)  # [n, r]
+        if not self._non_negative:
             return s
         n, r = s.shape
         out = torch.empty(n, r * r, dtype=torch.float64)
@@ -340,21 +336,16 @@ class PolySketch(Sketch):
                 out[:, a * r + b] = s[:, a] * s[:, b]
         return out
 
-    def select(self, index) -> PolySketch:
-        return PolySketch([w[index] for w in self.weights], self.p, non_negative=self.non_negative)
 
-
-def _fit_psf(q, k, *, p: int, m: int, seed: int = 0, non_negative: bool | None = None) -> PolySketch:
-    """``fit_sketch("psf", ...)``: data-independent; only ``d``, the batch shape and dtype are read.
+def _fit_psf(q, k, *, p: int, m: int, seed: int = 0, non_negative: bool | None = None) -> PSFRandomMap:
+    """``fit_sketch("psf-random", ...)``: data-independent; only ``d``, the batch shape and dtype are read.
 
     ``non_negative=None`` (default) self-tensors for even ``p`` (PolySketchFormer's choice, ``r =
-    ⌊√m⌋``) and uses the plain sketch for odd ``p`` (``r = m``). One independent draw per head.
+    ⌊√m⌋``) and uses the plain sketch for odd ``p`` (``r = m``). One independent draw per head of ``prod(batch)``.
     """
     if non_negative is None:
         non_negative = p % 2 == 0
-    sketch = PolySketch.draw(
-        q.shape[-1], p, m, non_negative=non_negative, seed=seed, batch_shape=q.shape[:-2], dtype=q.dtype,
-        device=q.device,
-    )
-    sketch.fit_info = {"steps": 0, "converged": True, "r": sketch.r, "non_negative": non_negative}
-    return sketch
+    fmap = PSFRandomMap.draw(math.prod(q.shape[:-2]), q.shape[-1], p=p, m=m, non_negative=non_negative, seed=seed,
+                              dtype=q.dtype, device=q.device)
+    fmap.fit_info = {"steps": 0, "converged": True, "r": fmap.r, "non_negative": non_negative}
+    return fmap

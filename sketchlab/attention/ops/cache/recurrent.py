@@ -1,4 +1,4 @@
-r"""The decoding step of memory attention (DESIGN §7): one token (``T = 1``) after a :class:`MemoryState`,
+r"""The decoding step of memory attention, every memory mechanism (DESIGN §7): one token (``T = 1``) after a :class:`MemoryState`,
 the four steps in torch over ``[B, H]`` at once — no schedule, no event stream, no chunked recurrence.
 
 Called by :func:`sketchlab.attention.memory_fast.run` on checked arguments (trusted here). It takes the
@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import denominator_counts, report_denominators
-from .memory_state import MemoryState, _beta, _log_decay, recall_score, unit, vouch
-from .ops.hybrid import combine_delta, gate_weight, local_weights, mix
+from ..._checks import denominator_counts, report_denominators
+from ...memory_state import MemoryState, far_beta, far_log_decay, recall_score, unit, vouch
+from ..hybrid import combine_delta, gate_weight, local_weights, mix
+
+__all__ = ["decode"]
 
 #: Sorts after every position: a slot not in the running for "the oldest".
 _NEVER = torch.iinfo(torch.long).max
@@ -36,7 +38,7 @@ def _rows(st: MemoryState) -> torch.Tensor:
 
 
 def decode(c) -> torch.Tensor | tuple[torch.Tensor, MemoryState]:
-    """One step (``c.T == 1``, ``c.state`` given) on checked arguments ``c``.
+    """One step (``c.T == 1``, ``c.state`` given) of every memory mechanism on checked arguments ``c``.
 
     Every held key is one row ``[k | v | 1 | φ]`` of one buffer per step, ``[sinks | held window | new
     token | cache]`` (sinks: φ unused): one ``cat`` copies the state in, the key leaving the window (the
@@ -46,6 +48,15 @@ def decode(c) -> torch.Tensor | tuple[torch.Tensor, MemoryState]:
     ``[B, H, M, Dv + 1]``: one product decays it, enters a key (its ``[v | 1]``) and reads it. The new
     state's fields are views of the buffer and of ``[S | z]``, which the state keeps (``_rows``; its
     ``.detach()`` and ``.to()`` too) for the next step: a state made otherwise is laid out once (:func:`_rows`).
+
+    Parameters
+    ----------
+    c : types.SimpleNamespace
+        A checked memory call (:func:`sketchlab.attention.memory_state.check_memory_call`) of one token with a state.
+
+    Returns
+    -------
+    Tensor ``[B, 1, H, Dv]`` (the inputs' dtype), or ``(o, MemoryState)`` when ``c.final``.
     """
     work, dev, st, o = c.work, c.phi_q.device, c.state, c.o
     B, H, w, s, K, D, Dv = c.B, c.H, c.w, c.s, c.K, c.D, c.Dv
@@ -54,7 +65,7 @@ def decode(c) -> torch.Tensor | tuple[torch.Tensor, MemoryState]:
     tr = lambda x: (x if x.dtype == work else x.to(work)).transpose(1, 2)  # noqa: E731  [B, 1, H, ·] -> [B, H, 1, ·]
     fq, vv = tr(c.phi_q), tr(c.v)
     real = torch.ones(B, 1, dtype=torch.bool, device=dev) if c.mask is None else c.mask  # [B, 1]
-    lg = _log_decay(c, vv.transpose(1, 2), c.mask)  # [B, 1, H] or None
+    lg = far_log_decay(c, vv.transpose(1, 2), c.mask)  # [B, 1, H] or None
     old, row0, Sz = st.__dict__.get("_rows", (None, Ls, None))
     if Sz is None:
         Sz = st.S if c.delta else torch.cat([st.S, st.z[..., None]], -1)  # [B, H, M, Dv (+ 1)]
@@ -111,7 +122,7 @@ def decode(c) -> torch.Tensor | tuple[torch.Tensor, MemoryState]:
     if enters is not None:
         fe = er[..., F1:]
         if c.delta:
-            kh, beta = unit(fe), (_beta(c, er[:, :, 0, D:D + Dv]) * enters[..., 0])[..., None, None]  # [B, H, 1, ·]
+            kh, beta = unit(fe), (far_beta(c, er[:, :, 0, D:D + Dv]) * enters[..., 0])[..., None, None]  # [B, H, 1, ·]
             Sz = torch.addcmul(Sz, beta * kh.mT, er[..., D:D + Dv] - kh @ Sz)
         else:  # [S | z] += φ [v | 1]
             Sz = torch.addcmul(Sz, (fe * enters[..., None]).mT, er[..., D:F1])

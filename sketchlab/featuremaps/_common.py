@@ -1,15 +1,14 @@
-"""Helpers shared by the baseline sketches: randomness, batch shapes, option checks."""
+"""Helpers shared by the random and fitted maps of the family: randomness, option checks, overflow messages."""
 
 from __future__ import annotations
 
 import math
-import numbers
 
 import torch
 
 from .._validation import check_seed
 
-__all__ = ["check_batch_shape", "check_dtype", "check_features_finite", "make_generator"]
+__all__ = ["check_dtype", "check_features_finite", "make_generator"]
 
 
 def make_generator(seed=None, generator: torch.Generator | None = None) -> torch.Generator:
@@ -27,18 +26,6 @@ def make_generator(seed=None, generator: torch.Generator | None = None) -> torch
     if seed is None:
         raise ValueError("a random sketch needs an explicit seed (int) or generator (torch.Generator)")
     return torch.Generator().manual_seed(check_seed(seed))
-
-
-def check_batch_shape(batch_shape) -> tuple[int, ...]:
-    """Validate a batch shape (a tuple of non-negative ints, e.g. ``(L, H)``)."""
-    try:
-        shape = tuple(batch_shape)
-    except TypeError:
-        raise TypeError(f"batch_shape must be a tuple of ints, got {batch_shape!r}") from None
-    for s in shape:
-        if isinstance(s, bool) or not isinstance(s, numbers.Integral) or s < 1:
-            raise ValueError(f"batch_shape must contain integers >= 1, got {batch_shape!r}")
-    return tuple(int(s) for s in shape)
 
 
 def check_dtype(dtype) -> torch.dtype:

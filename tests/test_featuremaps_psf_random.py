@@ -1,9 +1,9 @@
-"""PolySketchFormer sketch: fast path vs naive twin, tree shapes, unbiasedness, variance in m.
+"""PolySketchFormer's random sketch (PSFRandomMap): fast path vs naive twin, tree shapes, unbiasedness, variance in m.
 
 Tolerances. Fast vs naive (float64): each feature is a product of ≤ p inner products of length
 ≤ max(d, r) taken through ≤ log2(p)+1 levels; both routes round each sum at ~eps·(terms) relative,
 so 1e-12 relative to the largest feature leaves a margin of >100x. Statistical checks use a fixed
-seed and N independent draws (batch_shape=(N,)); each bound is explained where it is asserted.
+seed and N independent draws (N heads); each bound is explained where it is asserted.
 """
 
 import math
@@ -12,9 +12,15 @@ import pytest
 import torch
 
 from sketchlab import fit_sketch
-from sketchlab.sketches import PolySketch, psf_features, psf_features_naive, psf_weight_shapes
+from sketchlab.featuremaps import batch_features
+from sketchlab.featuremaps.psf_random import PSFRandomMap, psf_features, psf_features_naive, psf_weight_shapes
 
 F64 = torch.float64
+
+
+def _one(x):
+    """``x [n, d]`` as the input ``[1, n, 1, d]`` of a map of one head."""
+    return x[None, :, None]
 
 
 def _xy(d=4, seed=0):
@@ -27,21 +33,22 @@ def _xy(d=4, seed=0):
 @pytest.mark.parametrize("p", [1, 2, 3, 4, 5, 8])
 def test_fast_matches_naive(p):
     x = torch.randn(6, 3, dtype=F64, generator=torch.Generator().manual_seed(p))
-    s = PolySketch.draw(3, p, 5, seed=p, dtype=F64)
-    fast, naive = s.features_q(x), psf_features_naive(x, s.weights, p)
+    s = PSFRandomMap.draw(1, 3, p=p, m=5, seed=p, dtype=F64)
+    fast, naive = s.features(_one(x))[0, :, 0], psf_features_naive(x, [w[0] for w in s.weights], p)
     assert torch.allclose(fast, naive, rtol=0, atol=1e-12 * naive.abs().max())
+    assert torch.equal(s.features_naive(_one(x))[0, :, 0], naive)  # the map's twin
 
 
 def test_batched_heads_are_independent_single_sketches():
     x = torch.randn(2, 3, 7, 4, dtype=F64, generator=torch.Generator().manual_seed(1))  # [L, H, n, d]
-    s = PolySketch.draw(4, 4, 6, seed=3, batch_shape=(2, 3), dtype=F64)
-    out = s.features_q(x)
+    s = PSFRandomMap.draw(6, 4, p=4, m=6, seed=3, dtype=F64)  # L·H = 6 heads, head l·H + h
+    out = batch_features(s, x)
     assert out.shape == (2, 3, 7, 6)
     for l in range(2):
         for h in range(3):
-            naive = psf_features_naive(x[l, h], [w[l, h] for w in s.weights], 4)
+            naive = psf_features_naive(x[l, h], [w[l * 3 + h] for w in s.weights], 4)
             assert torch.allclose(out[l, h], naive, rtol=0, atol=1e-12 * naive.abs().max())
-    assert not torch.equal(s.weights[0][0, 0], s.weights[0][0, 1])  # independent draws per head
+    assert not torch.equal(s.weights[0][0], s.weights[0][1])  # independent draws per head
 
 
 @pytest.mark.parametrize("p", [2, 3, 4, 8])
@@ -54,28 +61,29 @@ def test_tree_shapes(p):
 
 
 def test_non_negative_is_self_tensored_and_non_negative():
-    s = PolySketch.draw(4, 4, 20, non_negative=True, seed=0, dtype=F64)
-    assert s.r == 4 and s.num_features == 16  # r = floor(sqrt(20))
+    s = PSFRandomMap.draw(1, 4, p=4, m=20, non_negative=True, seed=0, dtype=F64)
+    assert s.r == 4 and s.num_features == 16 and s.non_negative  # r = floor(sqrt(20))
     x = torch.randn(9, 4, dtype=F64, generator=torch.Generator().manual_seed(2))
-    inner = s.inner_features(x)
-    assert torch.allclose(s.features_q(x), torch.einsum("na,nb->nab", inner, inner).reshape(9, 16), rtol=0, atol=0)
-    kern = s.kernel(x, x.flip(0))
+    inner = s.inner_features(_one(x))[0, :, 0]
+    phi = s.features(_one(x))[0, :, 0]
+    assert torch.allclose(phi, torch.einsum("na,nb->nab", inner, inner).reshape(9, 16), rtol=0, atol=0)
+    kern = phi @ phi.flip(0).T
     assert torch.allclose(kern, (inner @ inner.flip(0).T) ** 2, rtol=1e-12, atol=0)
     assert bool((kern >= 0).all())
     with pytest.raises(ValueError, match="even degree"):
-        PolySketch.draw(4, 3, 16, non_negative=True, seed=0)
+        PSFRandomMap.draw(1, 4, p=3, m=16, non_negative=True, seed=0)
 
 
 def test_same_seed_same_sketch():
-    a, b = PolySketch.draw(3, 4, 5, seed=7), PolySketch.draw(3, 4, 5, seed=7)
-    c = PolySketch.draw(3, 4, 5, seed=8)
+    a, b = PSFRandomMap.draw(1, 3, p=4, m=5, seed=7), PSFRandomMap.draw(1, 3, p=4, m=5, seed=7)
+    c = PSFRandomMap.draw(1, 3, p=4, m=5, seed=8)
     assert all(torch.equal(u, v) for u, v in zip(a.weights, b.weights))
     assert not torch.equal(a.weights[0], c.weights[0])
 
 
 def _estimates(p, r, n_draws, seed):
     x, y = _xy()
-    s = PolySketch.draw(4, p, r, seed=seed, batch_shape=(n_draws,), dtype=F64)
+    s = PSFRandomMap.draw(n_draws, 4, p=p, m=r, seed=seed, dtype=F64)  # one independent draw per head
     fx = psf_features(x[None, None, :], s.weights, p)[:, 0]  # [N, r]
     fy = psf_features(y[None, None, :], s.weights, p)[:, 0]
     return (fx * fy).sum(-1), float(x @ y) ** p
@@ -103,22 +111,25 @@ def test_variance_shrinks_with_m(p):
 def test_fit_sketch_psf():
     q = torch.randn(2, 30, 5, dtype=F64, generator=torch.Generator().manual_seed(0))  # D = 15 >= m
     k = torch.randn(2, 30, 5, dtype=F64, generator=torch.Generator().manual_seed(1))
-    even = fit_sketch("psf", q, k, p=2, m=9, seed=0)
-    assert even.sketch.non_negative and even.sketch.num_features == 9 and even.report.info["r"] == 3
-    odd = fit_sketch("psf", q, k, p=3, m=9, seed=0)
-    assert not odd.sketch.non_negative and odd.sketch.num_features == 9
-    plain = fit_sketch("psf", q, k, p=2, m=9, seed=0, non_negative=False)
-    assert plain.sketch.num_features == 9 and plain.sketch.weights[0].shape == (2, 5, 9)
+    even = fit_sketch("psf-random", q, k, p=2, m=9, seed=0)
+    assert even.tied and even.map_q.non_negative and even.map_q.num_features == 9 and even.report.info["r"] == 3
+    assert even.report.num_parameters == 5 * 3  # one head's Gaussian entries: G [d, r]
+    odd = fit_sketch("psf-random", q, k, p=3, m=9, seed=0)
+    assert not odd.map_q.non_negative and odd.map_q.num_features == 9
+    plain = fit_sketch("psf-random", q, k, p=2, m=9, seed=0, non_negative=False)
+    assert plain.map_q.num_features == 9 and plain.map_q.weights[0].shape == (2, 5, 9)
     # data-independent: the sketch depends on the seed, not on the values of q and k
-    again = fit_sketch("psf", q * 3, k - 1, p=2, m=9, seed=0)
-    assert torch.equal(again.sketch.weights[0], even.sketch.weights[0])
+    again = fit_sketch("psf-random", q * 3, k - 1, p=2, m=9, seed=0)
+    assert torch.equal(again.map_q.weights[0], even.map_q.weights[0])
 
 
 def test_bad_weights_rejected():
     with pytest.raises(ValueError, match="weight matrices"):
-        PolySketch([torch.randn(3, 4)], 2)
+        PSFRandomMap([torch.randn(1, 3, 4)], 2)
     with pytest.raises(ValueError, match=r"weights\[1\] must have shape"):
-        PolySketch([torch.randn(3, 4), torch.randn(3, 5)], 2)
+        PSFRandomMap([torch.randn(1, 3, 4), torch.randn(1, 3, 5)], 2)
+    with pytest.raises(ValueError, match=r"weights must be tensors \[H, in, r\]"):
+        PSFRandomMap([torch.randn(3, 4)], 1)
 
 
 def test_psf_features_validates_weights():
@@ -137,22 +148,23 @@ def test_psf_features_validates_weights():
 
 def test_polysketch_rejects_non_list_weights():
     with pytest.raises(TypeError, match="weights must be a list of tensors .* got Tensor"):  # was "Boolean value of Tensor"
-        PolySketch(torch.randn(4, 3), 1)
+        PSFRandomMap(torch.randn(1, 4, 3), 1)
     with pytest.raises(ValueError, match="got an empty list"):
-        PolySketch([], 1)
+        PSFRandomMap([], 1)
 
 
 @pytest.mark.parametrize("p", [2, 3])
 def test_fit_psf_follows_the_input_device(p):
     # Weights are drawn on a CPU generator, then moved to q's device; "meta" (shapes only) stands in
     # for a GPU here: without the move the weights would stay on the CPU.
-    from sketchlab.sketches.psf import _fit_psf
+    from sketchlab.featuremaps.psf_random import _fit_psf
 
     q = torch.empty(2, 7, 5, device="meta")
     s = _fit_psf(q, q, p=p, m=9, seed=0)
     assert {w.device.type for w in s.weights} == {"meta"}
-    assert s.features_q(q).device.type == "meta" and s.features_q(q).shape == (2, 7, 9)
-    cpu = PolySketch.draw(5, p, 9, non_negative=p % 2 == 0, seed=0, batch_shape=(2,), dtype=torch.float32)
+    x = torch.empty(1, 7, 2, 5, device="meta")
+    assert s.features(x).device.type == "meta" and s.features(x).shape == (1, 7, 2, 9)
+    cpu = PSFRandomMap.draw(2, 5, p=p, m=9, non_negative=p % 2 == 0, seed=0, dtype=torch.float32)
     assert all(w.device.type == "cpu" and w.shape == v.shape for w, v in zip(cpu.weights, s.weights))
 
 
@@ -161,20 +173,21 @@ def test_fit_psf_follows_the_input_device(p):
 
 
 def test_one_dimensional_inputs_and_fit_info():
-    s = PolySketch.draw(1, 2, 4, seed=0, dtype=torch.float64)
+    s = PSFRandomMap.draw(1, 1, p=2, m=4, seed=0, dtype=torch.float64)
     x = torch.tensor([[2.0], [-1.0]], dtype=torch.float64)
-    assert s.features_q(x).shape == (2, 4) and s.fit_info == {}
-    torch.testing.assert_close(psf_features(x, s.weights, 2), psf_features_naive(x, s.weights, 2), rtol=1e-12, atol=0)
+    assert s.features(_one(x)).shape == (1, 2, 1, 4) and not hasattr(s, "fit_info")
+    w = [t[0] for t in s.weights]
+    torch.testing.assert_close(psf_features(x, w, 2), psf_features_naive(x, w, 2), rtol=1e-12, atol=0)
 
 
 def test_draw_and_naive_messages():
     with pytest.raises(ValueError, match=r"^d must be an integer >= 1, got 0"):
-        PolySketch.draw(0, 2, 4, seed=0)
+        PSFRandomMap.draw(1, 0, p=2, m=4, seed=0)
     with pytest.raises(ValueError, match=r"^m \(the sketch size\) must be an integer >= 1, got 0"):
-        PolySketch.draw(3, 2, 0, seed=0)
+        PSFRandomMap.draw(1, 3, p=2, m=0, seed=0)
     with pytest.raises(ValueError, match=r"use a smaller degree p or sketch size m, or fewer heads at a time, or raise"):
-        PolySketch.draw(64, 1024, 4096, seed=0, batch_shape=(32,))
-    w = PolySketch.draw(3, 2, 4, seed=0, non_negative=False).weights
+        PSFRandomMap.draw(32, 64, p=1024, m=4096, seed=0)
+    w = [t[0] for t in PSFRandomMap.draw(1, 3, p=2, m=4, seed=0, non_negative=False).weights]
     with pytest.raises(ValueError, match=r"psf_features_naive takes x\[n, d\], got shape \(1, 5, 3\)"):
         psf_features_naive(torch.ones(1, 5, 3), w, 2)
     with pytest.raises(TypeError, match=r"^x must have a real floating-point dtype"):
@@ -190,8 +203,8 @@ def test_overflow_names_the_sketch_degree_and_input_norm(p, non_negative, scale,
     # float32 overflows above 3.4e38: p = 1 with all-10 weights gives 3·10·1e38/√4 = 1.5e39; p = 2 a
     # product of two Gaussian projections (~1e40); the self-tensor s ⊗ s of a degree-1 s (~1e40).
     if p == 1:
-        s = PolySketch([torch.full((3, 4), 10.0)], 1)
+        s = PSFRandomMap([torch.full((1, 3, 4), 10.0)], 1)
     else:
-        s = PolySketch.draw(3, p, 4, seed=0, non_negative=non_negative)
+        s = PSFRandomMap.draw(1, 3, p=p, m=4, seed=0, non_negative=non_negative)
     with pytest.raises(FloatingPointError, match=what):
-        s.features_q(torch.full((2, 3), scale))
+        s.features(torch.full((1, 2, 1, 3), scale))
