@@ -1,6 +1,6 @@
 """Why DeltaNet-style identity features + delta rule score chance on the study harness (issue 41, item 1).
 
-``mqar_delta.md`` (``analysis/mqar_delta.py``, the ``paper_training.py --quick`` harness) has the identity map with
+``mqar_delta.md`` (a record, its script retired for ``sketchlab frontier``; the ``paper_training.py --quick`` harness) has the identity map with
 ``state="delta"`` at 0.018 after 800 steps, while ``sketchlab train``'s own MQAR task (issue 41's setting) trains
 it to 0.96-0.99. The two settings differ in seven places; this script starts from the harness and changes one
 at a time to ``sketchlab train``'s value (and then all of them), on one core, one seed, so that each row's gap to
@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-#: The harness's setting (analysis/mqar_delta.py: paper_training's QUICK scale, key identity-delta-nope).
+#: The harness's setting (mqar_delta.md's: paper_training's QUICK scale, key identity-delta-nope).
 HARNESS = {"task": "zoology-mixture", "rope": False, "short_conv": 3, "weight_decay": 0.1, "kernel_lr": 1.0,
            "warmup": 40, "beta": "head", "lr": 3e-3}
 #: sketchlab train's value of each (issue 41: vocab 256, 16 pairs, 128 tokens, defaults otherwise).

@@ -47,19 +47,21 @@ converted with Θ frozen (BASED's function through LLoPS's code path: what round
 and (d) softmax trained as long from scratch. Writes ``table1.md`` (``table1_taylor.md``; mean ± sd
 and every seed, the paired LLoPS − BASED difference against the seed spread) and its ``.png``.
 
+The MQAR part is a record (issue 41): it no longer trains (without ``--report-only`` it refuses); new MQAR
+runs are ``sketchlab frontier`` (:mod:`sketchlab.tasks.frontier`: Zoology's task and state accounting, every
+method sized by its state bytes, a cached, resumable grid), and ``--report-only`` rebuilds the committed
+``mqar*.md`` reports from the run files beside them (the command at each report's top). The Figure 3 and
+Table 1 parts, which the frontier does not do (forward time against m; continued training on text), still train.
+
 Usage::
 
-    python analysis/paper_training.py --quick            # <= 10 min on 2 cores: reduced scale, see --help
-    python analysis/paper_training.py                    # Zoology's sizes, every method (many hours on 2 cores: not run)
     python analysis/paper_training.py --part m --quick --steps 800  # Figure 3: accuracy and forward time vs m
     python analysis/paper_training.py --part table1 ...  # the Table 1 analogue on Shakespeare
+    python analysis/paper_training.py --quick --steps 3200 ... --report-only  # a committed mqar*.md from its runs
 
 The committed study is the reduced scale trained longer, grown run by run: ``analysis/results/mqar_nope3200.md``
 (``--quick --steps 3200``, NoPE, the rates swept on a few methods and reused) holds 320.9 min of run time, ~2.7 h
-with ``--jobs 2`` on 2 cores, and the command at its top writes it again from the run files beside it
-(``--report-only``); without ``--report-only`` that command trains whatever its grid lacks in ``--work`` (from
-an empty ``--work``, every method on all 5 seeds: about 1.5x the committed runs). ``--d-model 128`` is the
-issue's second width (``mqar_d128.md``).
+with ``--jobs 2`` on 2 cores; ``--d-model 128`` was the issue's second width (``mqar_d128.md``).
 """
 
 from __future__ import annotations
@@ -172,7 +174,7 @@ def methods(d_model: int) -> dict[str, Method]:
     out.append(Method("llops-nn-p2-m16-based", "LLoPS self-tensored, p = 2, m = 16 (256 features, degree 4; init: "
                       "BASED expand, d' = 4)", "llops", {"p": 2, "m": 16, "non_negative": True}, init="based",
                       kernel_lr=KERNEL_LR))
-    # the delta-rule far state (issue 34; analysis/mqar_delta.py): the self-tensored affine LLoPS map above with
+    # the delta-rule far state (issue 34; mqar_delta.md, a record): the self-tensored affine LLoPS map above with
     # state="delta" (256 features, L2-normalised inside the rule), and DeltaNet's identity features (φ(x) = x:
     # d_model features with one head), β per head learned in the kernel group (at kernel_lr with Θ)
     out.append(Method("llops-nn-affine-p2-m16-delta", "LLoPS self-tensored on [x, 1], p = 2, m = 16 (256 features; "
@@ -196,7 +198,6 @@ def methods(d_model: int) -> dict[str, Method]:
 
 
 M_SWEEP = (64, 128, 192, 256)  # the paper's Figure 3 sketch sizes
-SCRIPT = "analysis/paper_training.py"  # the script a run file names as its maker (analysis/mqar_delta.py sets its own)
 KERNEL_LR = 0.1  # Θ's learning-rate factor (see sketchlab.tasks.train_mqar, kernel_lr)
 
 
@@ -305,7 +306,7 @@ def run_one(spec: RunSpec, work: str, threads: int) -> dict:
            "label": method.label, "mixture_accuracy": mix_acc, "slices": slices, "evals": evals,
            "seconds": seconds, "diverged": diverged, "forward_ms_T256": forward_ms(model, 256),
            "threads": threads, "rope_base": method.rope_base, "denominator_warnings": denominators,
-           "command": f"python {SCRIPT} " + _command()}  # the invocation that ran it
+           "command": "python analysis/paper_training.py " + _command()}  # the invocation that ran it
     from sketchlab.io import atomic_write
 
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -364,6 +365,10 @@ def _mqar_scale(args) -> Scale:
 
 
 def mqar(args) -> int:
+    if not args.report_only:
+        raise SystemExit("paper_training.py --part mqar no longer trains (issue 41): new MQAR runs are `sketchlab "
+                         "frontier` (sketchlab.tasks.frontier); --report-only rebuilds a committed mqar*.md from its "
+                         "runs")
     scale = _mqar_scale(args)
     if args.seeds:
         scale = replace(scale, seeds=tuple(int(x) for x in args.seeds.split(",")))
@@ -1191,7 +1196,7 @@ def table1(args) -> int:
 def _parse(argv):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--part", choices=("mqar", "m", "table1"), default="mqar",
-                    help="mqar: Tables 4-5; m: Figure 3 (LLoPS accuracy and forward time vs m); table1: Table 1")
+                    help="mqar: Tables 4-5 (--report-only: a record; new runs are `sketchlab frontier`); m: Figure 3 (LLoPS accuracy and forward time vs m); table1: Table 1")
     ap.add_argument("--quick", action="store_true", help="smoke run at reduced scale (vocab 512, Zoology's (T, P) / 4, d_model 64, "
                     "400 steps, lr 1e-2, seed 0; softmax, BASED, LLoPS p=4 m=256): ~7 min with 2 jobs on an idle 2-core machine")
     ap.add_argument("--methods", default=None, help="methods of the seeded comparison (keys; default: every "

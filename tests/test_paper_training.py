@@ -444,3 +444,11 @@ def test_report_only_of_a_nope_invocation_puts_each_paper_number_beside_its_nope
     assert "| Table 5: LLoPS p = 6, m = 256 (NoPE) | 86.6 | not run |" in text
     assert "**Harness check (softmax, NoPE ≥ 0.99 on every seed):**" in text and "**0.995** (seed 0" in text
     assert "llops-p4-m256-nope − BASED nope = -0.210" in text and "| Table 4: BASED |" not in text
+
+
+def test_the_mqar_part_no_longer_trains_and_names_the_frontier(tmp_path):
+    """Issue 41: new MQAR runs are `sketchlab frontier`; the MQAR part only rebuilds its reports (--report-only)."""
+    with pytest.raises(SystemExit, match="sketchlab frontier"):
+        pt.main(["--quick", "--steps", "1", "--seeds", "0", "--sweep", "", "--methods", "softmax-nope", "--jobs", "1",
+                 "--work", str(tmp_path), "--out", str(tmp_path)])
+    assert not list(tmp_path.iterdir())  # nothing trained, nothing written

@@ -12,12 +12,14 @@ import torch
 
 from sketchlab.tasks import IGNORE_INDEX, TransformerConfig
 from sketchlab.tasks import frontier as fr
+from sketchlab.tasks.inits import init_llops
 from sketchlab.tasks.recall_kernel import (
     RecallModel,
     attention_matrix,
     attention_matrix_errors,
     continuous_mqar,
     spherical_embeddings,
+    train_recall,
 )
 from sketchlab.tasks.state_size import layer_state_bytes
 
@@ -133,6 +135,40 @@ def test_softmax_learns_the_kernel_harness():
     (it reaches ~1.0: the harness trains)."""
     protocol = replace(KTINY, steps=150, batch=16, warmup=10, eval_sequences=32)
     assert fr.train_point(fr.method_points("softmax")[0], protocol, 1e-2, 0)["score"] > 0.5
+
+
+@pytest.mark.parametrize("method", ["llops-p4-based-frozen", "llops-p4-frozen", "llops-taylor-frozen",
+                                    "llops-p4-based-lr1"])
+def test_kernel_lr_zero_freezes_the_kernel_at_its_start(method):
+    """The ablation's frozen methods: after training, Θ equals its start exactly while the projections moved;
+    a method that trains Θ (``llops-p4-based-lr1``) moves it."""
+    point = fr.method_points(method, [16 if "p4" in method else 21])[0]  # m = 2^4; 1 + 4 + 4²
+    assert (point.kernel_lr == 0) == method.endswith("-frozen") and point.init == ("random" if method ==
+                                                                                   "llops-p4-frozen" else "based")
+    torch.manual_seed(0)
+    model = RecallModel(point.config(KTINY))
+    init_llops(model, point.init, seed=0)
+    start = [p.detach().clone() for p in model.kernel_parameters()]
+    projection = model.blocks[0].attention.q_proj.weight.detach().clone()
+    train_recall(model, replace(KTINY, steps=5), lr=1e-2, seed=0, kernel_lr=point.kernel_lr)
+    kept = [torch.equal(a, b) for a, b in zip(start, model.kernel_parameters(), strict=True)]
+    assert start and kept == [point.kernel_lr == 0] * len(start)
+    assert not torch.equal(projection, model.blocks[0].attention.q_proj.weight)
+    if point.kernel_lr == 0:  # no group holds the frozen kernel
+        opt = model.configure_optimizers(lr=1e-2, weight_decay=0.1, kernel_lr=0)
+        held = {id(p) for g in opt.param_groups for p in g["params"]}
+        assert len(opt.param_groups) == 2 and not held & {id(p) for p in model.kernel_parameters()}
+
+
+@pytest.mark.parametrize("method, size, features", [("llops-gated-delta", 8, 64), ("psf-learned-gated-delta", 16, 16)])
+def test_gated_delta_methods_are_their_map_under_the_gated_rule(method, size, features):
+    """LLoPS's and PSF-learned's features under the gated delta rule: β and the decay from the input, the state
+    features × D (Zoology's d_k × d_v, no normaliser), and a run on the harness has no attention matrix."""
+    point = fr.method_points(method, [size])[0]
+    assert {k: point.options[k] for k in ("state", "beta", "decay")} == {"state": "delta", "beta": "input",
+                                                                         "decay": "input"}
+    assert layer_state_bytes(point.config(fr.KERNEL_CPU)) == 4 * features * 64
+    assert fr.train_point(point, KTINY, 1e-2, 0)["attention_error"] is None
 
 
 def test_kernel_protocol_checks_its_pairs():

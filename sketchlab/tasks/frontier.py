@@ -22,10 +22,16 @@ Methods (:data:`METHODS`), each sized by its state (:func:`~sketchlab.tasks.stat
   ``dpfp`` (``2·D`` features per head, sized by the heads), ``psf-learned`` (``m`` self-tensored);
 * ``llops`` (the affine self-tensored form: ``m²`` features of ``[x, 1]``, ``p = 2``, random start);
   ``llops-p{2,4,6}`` (homogeneous, ``m`` features, random start) and ``llops-p4-based`` (from BASED's
-  expand map): the paper's Tables 4-5 forms;
+  expand map): the paper's Tables 4-5 forms; their ablation (kernel harness): ``llops-p4-based-frozen``,
+  ``-lr001``, ``-lr1`` (that start with Θ frozen, at 0.01 or 1 times the rate), ``llops-p4-frozen``,
+  ``llops-p4-lr1`` (random start), ``llops-taylor`` (affine, ``p = 2``, Θ started at BASED's Taylor map
+  ``1 + s + s²/2``, so step 0 is ``based`` at ``d'`` with ``m = 1 + d' + d'²``), ``llops-taylor-lr001`` and
+  ``llops-taylor-frozen``;
 * ``deltanet`` (SiLU features, L2-normalised q/k, β from the input, the short convolution; state
   ``D × D`` per head, sized by the heads), ``gated-deltanet`` (the same with a decay from the input),
-  ``llops-delta`` (the affine self-tensored LLoPS features under the delta rule).
+  ``llops-delta`` (the affine self-tensored LLoPS features under the delta rule); ``llops-gated-delta``,
+  ``psf-learned-gated-delta`` (those LLoPS features, PSF-learned's ``m``, under the gated delta rule: β and
+  the decay from the input; state ``features × D``).
 
 References
 ----------
@@ -171,7 +177,8 @@ tests) cut at P = 32 and 128, vocabulary 512 (256 keys), d_model 64, 600 steps o
 @dataclass(frozen=True)
 class Point:
     """One method at one size: the toy model's ``attention``, ``options`` and ``heads``; ``init`` of LLoPS's Θ
-    (:func:`~sketchlab.tasks.init_llops`), ``kernel_lr`` the kernel parameters' rate factor."""
+    (:func:`~sketchlab.tasks.init_llops`), ``kernel_lr`` the kernel parameters' rate factor (0: the kernel frozen,
+    the kernel-only harness only)."""
 
     method: str
     size: str
@@ -209,11 +216,33 @@ METHODS = {
                                                      kernel_lr=0.1)),
     "llops-p4-based": ((16, 81, 256), lambda m: Point("llops-p4-based", f"m={m}", "llops", {"p": 4, "m": m},
                                                       init="based", kernel_lr=0.1)),
+    # the ablation of llops-p4-based's shortfall (analysis/results/frontier_kernel_ablation): start, form, Θ's rate
+    "llops-p4-based-frozen": ((81, 256), lambda m: Point("llops-p4-based-frozen", f"m={m}", "llops", {"p": 4, "m": m},
+                                                         init="based", kernel_lr=0.0)),
+    "llops-p4-based-lr001": ((81, 256), lambda m: Point("llops-p4-based-lr001", f"m={m}", "llops", {"p": 4, "m": m},
+                                                        init="based", kernel_lr=0.01)),
+    "llops-p4-based-lr1": ((81, 256), lambda m: Point("llops-p4-based-lr1", f"m={m}", "llops", {"p": 4, "m": m},
+                                                      init="based", kernel_lr=1.0)),
+    "llops-p4-frozen": ((81, 256), lambda m: Point("llops-p4-frozen", f"m={m}", "llops", {"p": 4, "m": m},
+                                                   init="random", kernel_lr=0.0)),
+    "llops-p4-lr1": ((81, 256), lambda m: Point("llops-p4-lr1", f"m={m}", "llops", {"p": 4, "m": m}, init="random",
+                                                kernel_lr=1.0)),
+    "llops-taylor": ((73, 273), lambda m: Point("llops-taylor", f"m={m}", "llops", {"p": 2, "m": m, "affine": True},
+                                                init="based", kernel_lr=0.1)),
+    "llops-taylor-lr001": ((73, 273), lambda m: Point("llops-taylor-lr001", f"m={m}", "llops",
+                                                      {"p": 2, "m": m, "affine": True}, init="based", kernel_lr=0.01)),
+    "llops-taylor-frozen": ((73, 273), lambda m: Point("llops-taylor-frozen", f"m={m}", "llops",
+                                                       {"p": 2, "m": m, "affine": True}, init="based", kernel_lr=0.0)),
     "deltanet": ((8, 4, 2, 1), lambda h: Point("deltanet", f"H={h}", "silu", dict(_DELTANET), heads=h)),
     "gated-deltanet": ((8, 4, 2, 1), lambda h: Point("gated-deltanet", f"H={h}", "silu",
                                                      {**_DELTANET, "decay": "input"}, heads=h)),
     "llops-delta": ((2, 4, 6, 8), lambda m: Point("llops-delta", f"m={m}x{m}", "llops",
                                                   {**_LLOPS_NN, "m": m, **_DELTANET}, init="random", kernel_lr=0.1)),
+    "llops-gated-delta": ((4, 8), lambda m: Point("llops-gated-delta", f"m={m}x{m}", "llops",
+                                                  {**_LLOPS_NN, "m": m, **_DELTANET, "decay": "input"}, init="random",
+                                                  kernel_lr=0.1)),
+    "psf-learned-gated-delta": ((16, 64), lambda m: Point("psf-learned-gated-delta", f"m={m}", "psf-learned",
+                                                          {"p": 4, "m": m, **_DELTANET, "decay": "input"})),
 }
 
 

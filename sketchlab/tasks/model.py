@@ -209,15 +209,16 @@ def adamw_groups(module: nn.Module, kernel, *, no_decay=(), lr: float, weight_de
 
     The matrices (``ndim >= 2``, but those of ``no_decay``) decay by ``weight_decay``; the other parameters
     do not; nor do the ``kernel`` parameters (the attention kernels' own), at ``kernel_lr`` times the rate
-    (a group only when there are some). A loop sets ``lr = schedule · lr_factor``.
+    (a group only when there are some). Frozen parameters (``requires_grad`` False) are left out. A loop
+    sets ``lr = schedule · lr_factor``.
     """
     lr = check_real(lr, "lr", positive=True)
     weight_decay = check_real(weight_decay, "weight_decay", positive=False)
     kernel_lr = check_real(kernel_lr, "kernel_lr", positive=True)
-    kernel, skip = list(kernel), {id(p) for p in no_decay}
+    kernel, skip = [p for p in kernel if p.requires_grad], {id(p) for p in no_decay}
     own, decay, other = {id(p) for p in kernel}, [], []
     for p in module.parameters():
-        if id(p) not in own:
+        if p.requires_grad and id(p) not in own:
             (decay if p.ndim >= 2 and id(p) not in skip else other).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay, "lr_factor": 1.0},
               {"params": other, "weight_decay": 0.0, "lr_factor": 1.0}]

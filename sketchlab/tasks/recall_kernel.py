@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .._validation import check_positive_int
+from .._validation import check_positive_int, check_real
 from ..attention import poly_attention_naive, softmax_attention_naive
 from ..attention.options import AttentionOptions
 from .model import CausalSelfAttention, TransformerConfig, TransformerLM, adamw_groups
@@ -158,7 +158,15 @@ class RecallModel(nn.Module):
         return list(self.blocks[0].attention.attn.parameters())
 
     def configure_optimizers(self, *, lr: float, weight_decay: float, kernel_lr: float = 1.0) -> torch.optim.AdamW:
-        """AdamW in :func:`~sketchlab.tasks.model.adamw_groups` (the kernel at ``kernel_lr`` times the rate)."""
+        """AdamW in :func:`~sketchlab.tasks.model.adamw_groups` (the kernel at ``kernel_lr`` times the rate).
+
+        ``kernel_lr = 0`` freezes the kernel: its parameters stop requiring gradients (in place), so they are in
+        no group, never step and leave the clip's norm; the kernel stays at its start (an ablation of Θ's
+        training)."""
+        if check_real(kernel_lr, "kernel_lr", positive=False) == 0:
+            for p in self.kernel_parameters():
+                p.requires_grad_(False)
+            return adamw_groups(self, [], lr=lr, weight_decay=weight_decay)
         return adamw_groups(self, self.kernel_parameters(), lr=lr, weight_decay=weight_decay, kernel_lr=kernel_lr)
 
 
@@ -240,7 +248,8 @@ def _accuracy(model: RecallModel, num_pairs: int, sequences: int, generator: tor
 
 def train_recall(model: RecallModel, protocol, *, lr: float, seed: int, kernel_lr: float = 1.0) -> dict:
     """Train ``model`` on the kernel-only harness of ``protocol`` (a :class:`~sketchlab.tasks.frontier.KernelProtocol`:
-    its training mixture, schedule and test slices) at rate ``lr`` from ``seed``; then score it.
+    its training mixture, schedule and test slices) at rate ``lr`` from ``seed`` (the kernel at ``kernel_lr``
+    times it; 0: frozen, :meth:`RecallModel.configure_optimizers`); then score it.
 
     Returns ``{"slices", "attention_error", "diverged"}``: per test slice ``{"seq_len", "num_pairs", "accuracy",
     "queries"}`` on held-out sequences (streams ``seed + 1_000_003 + i``); :func:`attention_matrix_errors` on
