@@ -2,7 +2,7 @@
 
 For each registered sketch, fitted to all 512 tokens of ``data/mqar_softmax_qk.safetensors``
 (p = 2, m = 64, q and k scaled by d^-1/4), the causal attention output through the sketch
-(:func:`sketchlab.attention.functional.sketch_attention`, the dump's ``[L, H]`` sketch with layers on the batch axis)
+(:func:`sketchlab.attention.linear_attention` with the fit's pair of maps, the dump's ``[L, H]`` as ``L·H`` heads)
 is compared with exact polynomial attention (:func:`sketchlab.poly_attention`) on the same tokens:
 ``‖O_sketch − O_exact‖_F / ‖O_exact‖_F`` per layer and head. The dump joins two 256-token
 sequences (metadata ``tokens``); no query attends across them (``segments``). Two
@@ -26,17 +26,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import sketchlab as sl  # noqa: E402
-from sketchlab.attention import dump_segments, poly_attention  # noqa: E402
-from sketchlab.attention.functional import sketch_attention  # noqa: E402
+from sketchlab.attention import AttentionOptions, dump_segments, linear_attention, poly_attention  # noqa: E402
+from sketchlab.featuremaps.heads import as_heads, from_heads, pair_features  # noqa: E402
 from sketchlab.io import atomic_write  # noqa: E402
 
 METHODS = ("optimal", "llops", "mlp", "psf", "tensorsketch", "based", "elementwise")
 
 
-def denominators(sketch, q, k, segments):
-    """Causal row sums Σ_{s≤t} φ(q_t)·φ(k_s) within each segment: [L, H, n] (float64)."""
-    with torch.no_grad():
-        fq, fk = sketch.features_q(q).double(), sketch.features_k(k).double()  # [L, H, n, M]
+def denominators(maps, q, k, segments):
+    """Causal row sums Σ_{s≤t} φ_Q(q_t)·φ_K(k_s) within each segment: [L, H, n] (float64)."""
+    fq, fk = pair_features(maps, q, k)  # [L, H, n, M], float64
     out, start = [], 0
     for length in segments:
         stop = start + length
@@ -73,11 +72,13 @@ def main(argv=None) -> int:
         errs = {}
         with torch.no_grad():
             for norm in ("none", "sum"):
-                out = sketch_attention(as_att(q), as_att(k), as_att(v), fit.sketch, normalize=norm,
-                                       segments=segments, backend="torch").double()
-                diff = (out - exact[norm]).transpose(1, 2)  # [L, H, n, Dv]
+                # signed maps are not self-tensored (non_negative=False): the error of the map as fitted
+                options = AttentionOptions(normalize=norm, non_negative=False, backend="torch")
+                out, _ = linear_attention(as_heads(q, L * H), as_heads(k, L * H), as_heads(v, L * H), *fit.maps,
+                                          options=options, segments=segments)  # [1, n, L·H, Dv]
+                diff = from_heads(out, (L, H)).double() - exact[norm].transpose(1, 2)  # [L, H, n, Dv]
                 errs[norm] = torch.linalg.matrix_norm(diff) / torch.linalg.matrix_norm(exact[norm].transpose(1, 2))
-        bad = int((denominators(fit.sketch, q, k, segments) <= 0).sum())
+        bad = int((denominators(fit.maps, q, k, segments) <= 0).sum())
         results[method] = (errs, bad, fit.report.rel_fro, seconds)
         print(f"{method:13s} none {errs['none'].mean():.4g}  sum {errs['sum'].mean():.4g}  "
               f"den<=0 rows {bad}/{L * H * n}  kernel rel_fro {fit.report.rel_fro.mean():.4g}  ({seconds:.1f} s)",

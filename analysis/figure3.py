@@ -31,6 +31,7 @@ import torch  # noqa: E402
 
 import sketchlab  # noqa: E402
 from sketchlab._dumpsel import select_and_scale  # noqa: E402
+from sketchlab.featuremaps.heads import as_heads  # noqa: E402
 from sketchlab.io import atomic_write  # noqa: E402
 from sketchlab.plots import save_figure  # noqa: E402
 
@@ -94,8 +95,9 @@ def main(argv=None) -> int:
         for method in cfg.methods:
             fit = sketchlab.fit_sketch(method, q, k, p=cfg.p, m=m, seed=cfg.seed, holdout=cfg.holdout)
             rep = fit.report
+            x = as_heads(q, H)  # [1, n, H, d]: the map's own layout
             with torch.no_grad():
-                seconds = _time(lambda: fit.sketch.features_q(q), cfg.repeats)
+                seconds = _time(lambda: fit.map_q.features(x), cfg.repeats)
             results[method, m] = {"rel_fro": float(rep.rel_fro.median()), "ratio": float(rep.optimality_ratio.median()),
                                   "forward_s": seconds, "fit_s": rep.seconds, "features": rep.num_features}
             print(f"m={m} {method}: rel_fro {results[method, m]['rel_fro']:.4f}, ×opt {results[method, m]['ratio']:.3g}, "
@@ -109,8 +111,8 @@ def main(argv=None) -> int:
         f"{platform.machine()}, 1 thread; shared noisy 2-core machine: compare rows of one run). Dump "
         f"`{_rel(cfg.dump)}`, layer {sel.layers[0]}, all {H} heads batched, p = {cfg.p}, {sel.scale_description}. "
         f"Fits on {n - math.ceil(cfg.holdout * n)} tokens (held out {cfg.holdout:g}, seed {cfg.seed}); errors are "
-        f"medians over heads on the fitting tokens. Forward time: `features_q` on all {n} tokens of the {H} heads "
-        f"([H={H}, n={n}, d={d}] input), median of {cfg.repeats} calls after a warm-up. Total {total:.0f} s.",
+        f"medians over heads on the fitting tokens. Forward time: the query map's `features` on all {n} tokens of the {H} "
+        f"heads ([B=1, T={n}, H={H}, D={d}] input), median of {cfg.repeats} calls after a warm-up. Total {total:.0f} s.",
         "",
         "## rel_fro = ‖Â−A‖_F/‖A‖_F (×optimum in parentheses)",
         "",
@@ -143,7 +145,7 @@ def main(argv=None) -> int:
     for method in cfg.methods:
         ax_err.plot(cfg.sizes, [results[method, m]["rel_fro"] for m in cfg.sizes], "o-", label=method)
         ax_time.plot(cfg.sizes, [results[method, m]["forward_s"] * 1e3 for m in cfg.sizes], "o-", label=method)
-    for ax, ylabel in ((ax_err, "rel_fro ‖Â−A‖_F/‖A‖_F (median over heads)"), (ax_time, "features_q forward time, ms")):
+    for ax, ylabel in ((ax_err, "rel_fro ‖Â−A‖_F/‖A‖_F (median over heads)"), (ax_time, "query map forward time, ms")):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("sketch size m")

@@ -4,8 +4,9 @@ Exact polynomial features, the Theorem 3.1 optimal sketch and its tail bound, LL
 Theorem 3.4 spectral residuals, the baseline sketches, Q/K dumps (load, save, capture), a
 comparison of every sketch against the optimum on them, and the researcher's tools on a dump:
 ``verify`` (every theorem check), ``advise`` (the sketch size a target error needs) and
-``kernel_spectrum``; attention through any sketch (naive float64 twins, a chunked PyTorch path, a
-fused Triton kernel) and the Θ export that feeds :class:`LLoPSAttention`.
+``kernel_spectrum``. Every fitted sketch is a pair of :class:`FeatureMap` s (``fit_sketch(...).maps``),
+the one family that the metrics, the comparison and attention take (naive float64 twins, a chunked
+PyTorch path, a fused Triton kernel); the Θ export feeds :class:`LLoPSAttention`.
 """
 
 from ._version import __version__
@@ -31,12 +32,17 @@ from .evaluate import CopyRecall, PasskeyResult, copy_recall, format_recall, pas
 from .export import export_theta
 from .featuremaps import (
     ExactPolyMap,
+    ExpandMap,
     FeatureMap,
     HedgehogMap,
     LLoPSMap,
+    MLPMap,
     PSFLearnedMap,
+    PSFRandomMap,
     SelfTensored,
     TaylorMap,
+    TensorSketchMap,
+    TiedLLoPSMap,
     as_feature_map,
     make_feature_map,
 )
@@ -86,13 +92,18 @@ __all__ = [
     "AttentionOptions",
     "AttentionState",
     "ExactPolyMap",
+    "ExpandMap",
     "FarParams",
     "FeatureMap",
     "HedgehogMap",
     "LLoPSMap",
+    "MLPMap",
     "PSFLearnedMap",
+    "PSFRandomMap",
     "SelfTensored",
     "TaylorMap",
+    "TensorSketchMap",
+    "TiedLLoPSMap",
     "as_feature_map",
     "linear_attention",
     "make_feature_map",

@@ -269,7 +269,8 @@ def _errors(maps: tuple, q: torch.Tensor, k: torch.Tensor, p: int, m: int, metho
     (:func:`sketchlab.metrics._gram_sq_err`) and ``rel_mae`` from ``EXACT_REPORT_ENTRIES / n_k``
     random query rows (seeded by ``seed``), ``info`` recording ``rel_mae_rows`` and ``rel_mae_se``.
     """
-    from .metrics import _gram_sq_err, _kernel_errors, _sampled_rel_mae, _sketch_features, ratio_to_tail
+    from .featuremaps.heads import pair_features
+    from .metrics import _gram_sq_err, _kernel_errors, _sampled_rel_mae, ratio_to_tail
     from .optimal import _kernel_singular_values, _pad
     from .polynomial import _num_features
 
@@ -283,7 +284,7 @@ def _errors(maps: tuple, q: torch.Tensor, k: torch.Tensor, p: int, m: int, metho
         many = max(n_q, n_k) >= _GRAM_TOKENS * _num_features(q.shape[-1], p, True)
         s = _kernel_singular_values(q, k, p, m, "gram" if many else "auto", max_bytes)
     tail = (s[..., m:] ** 2).sum(-1)
-    fq, fk = _sketch_features(maps, q, k)
+    fq, fk = pair_features(maps, q, k)
     info: dict = {}
     if n_q * n_k <= EXACT_REPORT_ENTRIES:
         err = _kernel_errors(fq, fk, q, k, p, max_bytes)

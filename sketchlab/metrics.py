@@ -16,6 +16,7 @@ import math
 import torch
 
 from ._validation import DEFAULT_MAX_BYTES, as_float_tensor, check_degree, check_memory, check_pair
+from .featuremaps.heads import pair_features
 from .numerics import is_roundoff
 from .polynomial import _poly_features
 
@@ -177,14 +178,16 @@ def _row_blocks(batch: int, n_q: int, n_k: int, max_bytes: int, copies: int = 4)
         yield slice(lo, min(n_q, lo + rows))
 
 
-def kernel_errors(sketch, q, k, p: int, *, max_bytes: int = DEFAULT_MAX_BYTES) -> dict:
-    r"""Errors of ``sketch`` against :math:`A = (QK^\top)^{\circ p}`, in query-row blocks (never ``n × n``).
+def kernel_errors(maps, q, k, p: int, *, max_bytes: int = DEFAULT_MAX_BYTES) -> dict:
+    r"""Errors of the kernel of ``maps`` against :math:`A = (QK^\top)^{\circ p}`, in query-row blocks (never ``n × n``).
 
     Parameters
     ----------
-    sketch : Sketch, FeatureMap or pair ``(map_q, map_k)`` of FeatureMaps
-        Its query and key features are evaluated once (``[..., n, m]``; a map's heads are the batch
-        ``[...]`` flattened row-major, :func:`sketchlab.featuremaps.heads.batch_features`), then
+    maps : FeatureMap or pair ``(map_q, map_k)`` of FeatureMaps
+        One map for both sides, or a query and a key map (e.g. ``fit.maps``) of ``H`` heads, ``H`` the product
+        of the trailing batch axes of ``q`` (layer ``l``, head ``j`` of ``[L, H']`` is head ``l·H' + j``:
+        :func:`sketchlab.featuremaps.heads.pair_features`). The features
+        :math:`\Phi_Q = \phi_Q(Q)`, :math:`\Phi_K = \phi_K(K)` (``[..., n, M]``, float64) are evaluated once, then
         :math:`\hat A = \Phi_Q\Phi_K^\top` and ``A`` are formed one block of query rows at a time.
     q : Tensor ``[..., n_q, d]``
     k : Tensor ``[..., n_k, d]``
@@ -203,23 +206,14 @@ def kernel_errors(sketch, q, k, p: int, *, max_bytes: int = DEFAULT_MAX_BYTES) -
     from ._threads import hot_loop_threads
 
     with hot_loop_threads(math.prod(q.shape[:-2]) * q.shape[-2] * k.shape[-2] * q.shape[-1]):
-        fq, fk = _sketch_features(sketch, q, k)
+        fq, fk = pair_features(maps, q, k)
         return _kernel_errors(fq, fk, q, k, p, max_bytes)
-
-
-def _sketch_features(sketch, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(Φ_Q, Φ_K)``: the features of ``q[..., n_q, d]`` and ``k[..., n_k, d]`` in float64 (``[..., n, m]``),
-    without autograd, of a sketch, a feature map or a pair of maps
-    (:func:`sketchlab.featuremaps.heads.pair_features`: the batch flattened into the maps' heads)."""
-    from .featuremaps.heads import pair_features
-
-    return pair_features(sketch, q, k)
 
 
 def _kernel_errors(fq: torch.Tensor, fk: torch.Tensor, q: torch.Tensor, k: torch.Tensor, p: int,
                    max_bytes: int) -> dict:
     """:func:`kernel_errors` from the features ``fq[..., n_q, m]``, ``fk[..., n_k, m]`` of checked
-    ``q``, ``k`` (:func:`_sketch_features`); trusts its inputs."""
+    ``q``, ``k`` (:func:`~sketchlab.featuremaps.heads.pair_features`); trusts its inputs."""
     q64, k64 = q.to(torch.float64), k.to(torch.float64)
     batch = q.shape[:-2]
     sq_err = torch.zeros(batch, dtype=torch.float64, device=q.device)
@@ -256,7 +250,7 @@ def _gram_sq_err(fq: torch.Tensor, fk: torch.Tensor, q: torch.Tensor, k: torch.T
     Parameters
     ----------
     fq, fk : float64 Tensor ``[..., n_q, m]``, ``[..., n_k, m]``
-        The sketch's features (:func:`_sketch_features`).
+        The maps' features (:func:`~sketchlab.featuremaps.heads.pair_features`).
     q, k : Tensor ``[..., n_q, d]``, ``[..., n_k, d]``
         Checked (finite, real floating); trusted.
     p : int
@@ -299,7 +293,7 @@ def _sampled_rel_mae(fq: torch.Tensor, fk: torch.Tensor, q: torch.Tensor, k: tor
     .. math:: \mathrm{se} = \frac{1}{\bar b}\sqrt{\frac{1 - r/n_q}{r}\,
               \frac{\sum_S (a_i - \hat R b_i)^2}{r - 1}}.
 
-    ``fq``, ``fk`` are the features of all of ``q``, ``k`` (:func:`_sketch_features`); inputs are
+    ``fq``, ``fk`` are the features of all of ``q``, ``k`` (:func:`~sketchlab.featuremaps.heads.pair_features`); inputs are
     trusted (checked by the caller). Returns float64 ``(estimate, se)``, each ``[...]``; with every
     row sampled the estimate is :func:`rel_mae` exactly and ``se`` is 0.
     """

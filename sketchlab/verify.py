@@ -57,10 +57,10 @@ import torch
 
 from ._dumpsel import select_and_scale
 from ._validation import check_degree, check_memory, check_positive_int, check_symmetric_features, check_work
-from .featuremaps.heads import pair_features
+from .featuremaps.heads import batch_features, pair_features
 from .numerics import ROUNDOFF, check_poly_kernel_range, is_roundoff
 from .optimal import max_sketch_size, optimal_sketch
-from .polynomial import num_poly_features, poly_features, poly_kernel, symmetric_to_full
+from .polynomial import num_poly_features, poly_features, poly_kernel
 from .scaling import DEFAULT_SCALE
 from .spectral import feature_bound, spectral_norm
 
@@ -242,7 +242,6 @@ def verify(dump_or_qk, *, p: int = 2, m: int = 64, layers=None, heads=None, scal
     """
     from tqdm.auto import tqdm
 
-    from .featuremaps import batch_features
     from .featuremaps.to_llops import as_llops
 
     p = check_degree(p)
@@ -328,10 +327,8 @@ def verify(dump_or_qk, *, p: int = 2, m: int = 64, layers=None, heads=None, scal
         sv_gap = float((s - by_route["qr"][0].fit_info["singular_values"]).abs().max() / s[0])
         worst["routes"].add(sv_gap, float(100 * (n + dim_sym) * U * psi_norms / s[0]), f"{where} (singular values)")
 
-        opt = by_route["svd"][0]  # the query map: W [1, D, m] of the one head
         c = min(columns, m)
-        w_sym = opt.w[0, :, :c] if opt.symmetric else None
-        w = symmetric_to_full(w_sym, d, p) if opt.symmetric else opt.w[0, :, :c]  # [d^p, c]
+        w = by_route["svd"][0].projector()[0, :, :c]  # W*_Q's first c columns in the full basis, [d^p, c]
         w_hat = torch.zeros_like(w)
         for i in range(c):
             wi = w[:, i].reshape((d,) * p)

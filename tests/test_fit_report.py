@@ -6,7 +6,8 @@ import torch
 
 import sketchlab.fit
 from sketchlab import fit_sketch, kernel_errors, poly_kernel
-from sketchlab.metrics import _gram_sq_err, _sampled_rel_mae, _sketch_features
+from sketchlab.featuremaps.heads import pair_features
+from sketchlab.metrics import _gram_sq_err, _sampled_rel_mae
 
 
 def _qk(n, d=4, heads=2, seed=0):
@@ -16,17 +17,17 @@ def _qk(n, d=4, heads=2, seed=0):
     return q, k
 
 
-def _sketch(q, k, m=5):
-    return fit_sketch("llops", q, k, p=2, m=m, steps=2, lm_steps=0).sketch
+def _maps(q, k, m=5):
+    return fit_sketch("llops", q, k, p=2, m=m, steps=2, lm_steps=0).maps
 
 
 def test_gram_sq_err_is_the_row_block_error():
     # ‖Â − A‖² = ‖Â‖² − 2⟨Â, A⟩ + ‖A‖², each term a sum of ~n² products of O(1) entries: float64
     # round-off ~1e-13 of ‖A‖²; the error here is ~1e-2 ‖A‖², so 1e-9 relative is a wide margin.
     q, k = _qk(60)
-    sketch = _sketch(q, k)
-    exact = kernel_errors(sketch, q, k, 2)
-    fq, fk = _sketch_features(sketch, q, k)
+    maps = _maps(q, k)
+    exact = kernel_errors(maps, q, k, 2)
+    fq, fk = pair_features(maps, q, k)
     got = _gram_sq_err(fq, fk, q, k, 2, exact["sq_norm"])
     assert bool((exact["sq_err"] > 1e-4 * exact["sq_norm"]).all())  # not the trivial regime
     torch.testing.assert_close(got, exact["sq_err"], rtol=1e-9, atol=0)
@@ -34,10 +35,10 @@ def test_gram_sq_err_is_the_row_block_error():
 
 def test_sampled_rel_mae_with_every_row_is_exact():
     q, k = _qk(50)
-    sketch = _sketch(q, k)
-    fq, fk = _sketch_features(sketch, q, k)
+    maps = _maps(q, k)
+    fq, fk = pair_features(maps, q, k)
     est, se = _sampled_rel_mae(fq, fk, q, k, 2, torch.arange(50))
-    torch.testing.assert_close(est, kernel_errors(sketch, q, k, 2)["rel_mae"], rtol=1e-12, atol=0)
+    torch.testing.assert_close(est, kernel_errors(maps, q, k, 2)["rel_mae"], rtol=1e-12, atol=0)
     assert bool((se == 0).all())
 
 
@@ -48,9 +49,9 @@ def test_sampled_rel_mae_is_unbiased_to_its_standard_error():
     # 2 se in [0.85, 0.99] (0.954 expected; binomial sd 0.012). A wrong se fails one of them: without
     # the finite-population factor √(1 − r/n) = 0.5 here, |z| < 2 nearly always (share > 0.99).
     q, k = _qk(400, heads=1, seed=3)
-    sketch = _sketch(q, k, m=4)
-    fq, fk = _sketch_features(sketch, q, k)
-    exact = kernel_errors(sketch, q, k, 2)["rel_mae"]
+    maps = _maps(q, k, m=4)
+    fq, fk = pair_features(maps, q, k)
+    exact = kernel_errors(maps, q, k, 2)["rel_mae"]
     gen = torch.Generator().manual_seed(0)
     z = []
     for _ in range(300):
@@ -75,7 +76,7 @@ def test_fit_report_beyond_the_exact_budget(monkeypatch):
     fit_idx, held_idx = sketchlab.fit.holdout_split(300, 0.25, 0)
     for prefix, idx, rel_fro, rel_mae in (("", fit_idx, fit.report.rel_fro, fit.report.rel_mae),
                                           ("holdout_", held_idx, fit.report.holdout_rel_fro, fit.report.holdout_rel_mae)):
-        exact = kernel_errors(fit.sketch, q[:, idx], k[:, idx], 2)
+        exact = kernel_errors(fit.maps, q[:, idx], k[:, idx], 2)
         torch.testing.assert_close(rel_fro, exact["rel_fro"], rtol=1e-9, atol=0)
         se = info[f"{prefix}rel_mae_se"]
         assert bool((se > 0).all())
@@ -92,7 +93,7 @@ def test_near_exact_sketch_falls_back_to_the_row_blocks(monkeypatch):
     monkeypatch.setattr(sketchlab.fit, "_GRAM_ERR_FLOOR", 1.0)  # force the fallback
     q, k = _qk(60, seed=6)
     fit = fit_sketch("optimal", q, k, p=2, m=9)
-    exact = kernel_errors(fit.sketch, q, k, 2)
+    exact = kernel_errors(fit.maps, q, k, 2)
     torch.testing.assert_close(fit.report.rel_fro, exact["rel_fro"], rtol=1e-9, atol=0)
     torch.testing.assert_close(fit.report.rel_mae, exact["rel_mae"], rtol=1e-12, atol=0)  # the rows were formed anyway
     assert "rel_mae_rows" not in fit.report.info
@@ -104,7 +105,8 @@ def test_exact_and_factored_reports_agree_on_the_ratio(entries, monkeypatch):
     q, k = _qk(90, seed=7)
     fit = fit_sketch("llops", q, k, p=2, m=5, steps=2, lm_steps=0)
     a = poly_kernel(q, k, 2)
-    err = ((fit.sketch.kernel(q, k) - a) ** 2).sum((-2, -1))
+    fq, fk = pair_features(fit.maps, q, k)
+    err = ((fq @ fk.mT - a) ** 2).sum((-2, -1))
     torch.testing.assert_close(fit.report.optimality_ratio, (err / fit.report.tail).sqrt(), rtol=1e-8, atol=0)
 
 

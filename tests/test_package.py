@@ -1,4 +1,5 @@
-"""Package-level contracts: exports, and every registered sketch honours the Sketch interface."""
+"""Package-level contracts: exports, and every registered method's fit is a pair of feature maps that honours the
+FeatureMap interface."""
 
 import math
 
@@ -8,7 +9,7 @@ import torch
 import sketchlab as sl
 
 
-def _expected_parameters(method, sketch, report, p, d, m):
+def _expected_parameters(method, report, p, d, m):
     """Stored numbers per head, both sides, written out per method (d = 4, m = 9 below)."""
     if method == "optimal":
         return 2 * math.comb(d + p - 1, p) * m  # W*_Q, W*_K on the symmetric features
@@ -25,8 +26,11 @@ def _expected_parameters(method, sketch, report, p, d, m):
         return {2: d * 3, 3: 3 * d * m + m * m}[p]
     if method == "tensorsketch":
         return 2 * p * d  # a hash and a sign per input coordinate and level
-    if method in ("based-expand", "based-taylor"):
-        return d * sketch.proj.shape[-1]  # the d × d' projection
+    if method == "based-expand":
+        # the d × d' projection, d' the largest with C(d' + p − 1, p) <= 9 symmetric features (3 at p = 2, 2 at p = 3)
+        return d * {2: 3, 3: 2}[p]
+    if method == "based-taylor":
+        return d * 2  # d' = 2: 1 + d' + d'² = 7 <= 9 features (full form)
     raise AssertionError(f"no expected parameter count written for {method!r}")
 
 
@@ -43,27 +47,31 @@ def test_every_documented_method_is_registered():
 @pytest.mark.parametrize("method, p", [(method, p) for method in sorted(sl.available_sketches()) for p in (2, 3)
                                        if not (method == "based-taylor" and p != 2)])  # Taylor: degree 2 only
 def test_registered_sketch_follows_the_interface(method, p):
-    """Batched [L=2, H=2] fit: shapes, degree, sizes, and kernel == φ_Q φ_Kᵀ head by head."""
+    """Batched [L=2, H=2] fit: a pair of maps of 4 heads; shapes, degree, sizes, and the features the metrics take
+    (batch_features, head l·2 + h) equal to the float64 twin head by head."""
+    from sketchlab.featuremaps.heads import as_heads, batch_features
+
     gen = torch.Generator().manual_seed(p)
     q = torch.randn(2, 2, 48, 4, generator=gen, dtype=torch.float64) * 4**-0.25
     k = torch.randn(2, 2, 48, 4, generator=gen, dtype=torch.float64) * 4**-0.25
     m = 9
     options = {"steps": 5} if method in ("mlp",) else {}
     fit = sl.fit_sketch(method, q, k, p=p, m=m, seed=0, holdout=0.25, **options)
-    sketch = fit.sketch
-    assert isinstance(sketch, sl.Sketch)
-    assert sketch.degree == p
-    fq, fk = sketch.features_q(q), sketch.features_k(k)
-    assert fq.shape == (2, 2, 48, sketch.num_features) and fk.shape == fq.shape
-    assert sketch.num_features <= m  # BASED rounds its size down to what its dimension allows
-    assert sketch.num_parameters == _expected_parameters(method, sketch, fit.report, p, 4, m)
+    map_q, map_k = fit.maps
+    assert isinstance(map_q, sl.FeatureMap) and isinstance(map_k, sl.FeatureMap)
+    assert map_q.degree == map_k.degree == p
+    assert (map_q.heads, map_q.head_dim) == (map_k.heads, map_k.head_dim) == (4, 4)
+    assert map_q.num_features == map_k.num_features == fit.report.num_features <= m  # BASED rounds its size down
+    assert fit.report.num_parameters == _expected_parameters(method, fit.report, p, 4, m)
     with torch.no_grad():
-        kern = sketch.kernel(q, k)
-        for l in range(2):
-            for h in range(2):
-                expected = sketch.features_q(q)[l, h] @ sketch.features_k(k)[l, h].T
-                # float64 inputs: a length-≤9 inner product per entry, round-off ~1e-15 relative
-                torch.testing.assert_close(kern[l, h].double(), expected.double(), rtol=1e-12, atol=1e-14)
+        for fmap, x in ((map_q, q), (map_k, k)):
+            fast = batch_features(fmap, x)
+            assert fast.shape == (2, 2, 48, fmap.num_features)
+            twin = fmap.features_naive(as_heads(x, 4))  # [1, 48, 4, M]
+            for l in range(2):
+                for h in range(2):
+                    # float64 inputs, the same products in another order: round-off ~1e-15 relative
+                    torch.testing.assert_close(fast[l, h].double(), twin[0, :, l * 2 + h], rtol=1e-12, atol=1e-14)
     rep = fit.report
     assert rep.rel_fro.shape == (2, 2) and rep.holdout_rel_fro.shape == (2, 2)
     # Theorem 3.1: no sketch of size <= m beats the optimum of size m on its fitting tokens
