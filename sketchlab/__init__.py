@@ -71,7 +71,7 @@ from .metrics import (
 )
 from .numerics import KernelRangeError
 from .objective import kernel_loss, train_kernel_sketch
-from .optimal import OptimalMap, max_sketch_size, min_norm_sketch, optimal_sketch, tail_bound
+from .optimal import OptimalMap, Optimum, max_sketch_size, min_norm_sketch, optimal_sketch, tail_bound
 from .polynomial import (
     feature_gram_root,
     full_to_symmetric,
@@ -119,6 +119,7 @@ __all__ = [
     "LLoPSAttention",
     "MemoryState",
     "OptimalMap",
+    "Optimum",
     "QKDump",
     "Verification",
     "__version__",

@@ -84,11 +84,11 @@ def step_spectrum(state: DemoState) -> None:
     state.layers = sorted({0, L // 2, L - 1})
     print(f"Dump {state.dump}: q, k of shape [L={L}, H={H}, n={n}, d={d}]; {sel.scale_description}; p = {state.p}.\n")
     spectrum = spectrum_of_selection(sel, state.p, holdout=0.0, seed=state.seed)
-    best = optimal_sketch(sel.q, sel.k, state.p, state.m)  # (map_q, map_k) of the L·H heads
+    best = optimal_sketch(sel.q, sel.k, state.p, state.m)  # Optimum: its maps of the L·H heads, its tail
     exact = poly_kernel(sel.q.double(), sel.k.double(), state.p)
-    fq, fk = pair_features(best, sel.q, sel.k)  # [L, H, n, m] float64
+    fq, fk = pair_features(best.maps, sel.q, sel.k)  # [L, H, n, m] float64
     achieved = torch.linalg.matrix_norm(fq @ fk.mT - exact)  # [L, H]
-    tail = best[0].fit_info["tail"]  # [L, H]
+    tail = best.tail  # [L, H]
     gap = ((achieved - tail.sqrt()).abs() / torch.linalg.matrix_norm(exact)).max()
     floor = tail.sqrt() / torch.linalg.matrix_norm(exact)
     print(f"## 1. Theorem 3.1 on all {L * H} heads at m = {state.m}\n")

@@ -471,7 +471,7 @@ def _fit_checked(method: str, fitter: Callable[..., Fitted], q: torch.Tensor, k:
                 from .optimal import _min_norm_sketch, _plan
 
                 ref = _min_norm_sketch(*_plan(q[..., sub_q, :], k[..., sub_k, :], p, m, "auto", max_bytes), max_bytes)
-                ref_f = _errors(ref, q_held, k_held, p, m_held, "optimal (min-norm reference)", "held-out", max_bytes,
+                ref_f = _errors(ref.maps, q_held, k_held, p, m_held, "optimal (min-norm reference)", "held-out", max_bytes,
                                 seed=seed)[0]
                 report.holdout_reference_rel_fro = ref_f
                 n_held = max(q_held.shape[-2], k_held.shape[-2])

@@ -47,8 +47,9 @@ projector in the full ``d**p`` basis. All arithmetic is float64.
 
 The optimum is a pair of feature maps of the family, :class:`OptimalMap` ``(map_q, map_k)``: one head per problem
 of the batch (``[L, H]`` flattened row-major), :math:`\phi(x) = \psi_p(x)^\top W` with ``W`` a float64 buffer
-``[H, D, m]`` per side; :func:`optimal_sketch` and :func:`min_norm_sketch` return it, with
-``map_q.fit_info`` holding the singular values of ``A``, the tail and the route.
+``[H, D, m]`` per side; :func:`optimal_sketch` and :func:`min_norm_sketch` return it as an :class:`Optimum`, the
+maps beside the singular values of ``A``, the tail and the route (as ``fit_sketch`` returns a
+:class:`~sketchlab.Fit`, the maps beside the report).
 
 References
 ----------
@@ -60,6 +61,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -76,7 +78,7 @@ from .polynomial import (
     symmetric_to_full,
 )
 
-__all__ = ["OptimalMap", "max_sketch_size", "min_norm_sketch", "optimal_sketch", "tail_bound"]
+__all__ = ["OptimalMap", "Optimum", "max_sketch_size", "min_norm_sketch", "optimal_sketch", "tail_bound"]
 
 _ROUTES = ("auto", "svd", "qr", "gram")
 
@@ -135,12 +137,39 @@ class OptimalMap(FeatureMap):
         return symmetric_to_full(self.w, self.head_dim, self.p)
 
 
-def _optimal_maps(w_q, w_k, s, tail, p, d, symmetric, route) -> tuple[OptimalMap, OptimalMap]:
-    """The pair of :class:`OptimalMap` of projectors ``w [..., D, m]`` (the batch flattened into heads), with
-    ``map_q.fit_info = {"singular_values": s, "tail": tail, "route": route}`` (batch-shaped tensors)."""
-    maps = tuple(OptimalMap(w.reshape(-1, *w.shape[-2:]), p=p, head_dim=d, symmetric=symmetric) for w in (w_q, w_k))
-    maps[0].fit_info = {"singular_values": s, "tail": tail, "route": route}
-    return maps
+@dataclass(frozen=True)
+class Optimum:
+    r"""The Theorem 3.1 optimum of a batch of problems ``[...]`` (:func:`optimal_sketch`, :func:`min_norm_sketch`).
+
+    Attributes
+    ----------
+    map_q, map_k : OptimalMap
+        The optimal maps, ``prod(...)`` heads (the batch flattened row-major, as a fit's maps).
+    singular_values : Tensor ``[..., min(n_q, n_k)]``
+        All of ``A``'s, float64, descending (zeros beyond its rank on the QR and Gram routes).
+    tail : Tensor ``[...]``
+        :math:`\sum_{i>m}\sigma_i(A)^2`, float64: the floor no size-``m`` sketch beats on this data, and
+        :math:`\|\phi^*_Q(Q)\phi^*_K(K)^\top - A\|_F^2` to float64 round-off.
+    route : str
+        The route that computed it (``"svd"``, ``"qr"`` or ``"gram"``).
+    """
+
+    map_q: OptimalMap
+    map_k: OptimalMap
+    singular_values: torch.Tensor
+    tail: torch.Tensor
+    route: str
+
+    @property
+    def maps(self) -> tuple[OptimalMap, OptimalMap]:
+        """``(map_q, map_k)``."""
+        return self.map_q, self.map_k
+
+
+def _optimum(w_q, w_k, s, tail, p, d, symmetric, route) -> Optimum:
+    """The :class:`Optimum` of projectors ``w [..., D, m]`` (the batch flattened into heads) and the spectrum."""
+    map_q, map_k = (OptimalMap(w.reshape(-1, *w.shape[-2:]), p=p, head_dim=d, symmetric=symmetric) for w in (w_q, w_k))
+    return Optimum(map_q, map_k, s, tail, route)
 
 
 def _feature_dim(d: int, p: int) -> tuple[int, bool]:
@@ -250,7 +279,7 @@ def _pad(s: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def optimal_sketch(q, k, p: int, m: int, *, route: str = "auto",
-                   max_bytes: int = DEFAULT_MAX_BYTES) -> tuple[OptimalMap, OptimalMap]:
+                   max_bytes: int = DEFAULT_MAX_BYTES) -> Optimum:
     r"""The optimal size-``m`` sketch of :math:`A = (QK^\top)^{\circ p}` (Theorem 3.1).
 
     Parameters
@@ -270,12 +299,10 @@ def optimal_sketch(q, k, p: int, m: int, *, route: str = "auto",
 
     Returns
     -------
-    (OptimalMap, OptimalMap)
-        ``(map_q, map_k)`` of ``prod(...)`` heads (the batch flattened row-major), with
-        :math:`\|\phi^*_Q(Q)\phi^*_K(K)^\top - A\|_F^2 = ` ``tail`` to float64 round-off. ``map_q.fit_info``:
-        ``singular_values`` (float64 ``[..., min(n_q, n_k)]``, all of ``A``'s, descending; zeros beyond its rank
-        on the QR and Gram routes), ``tail`` (float64 ``[...]``, :math:`\sum_{i>m}\sigma_i(A)^2`, the floor no
-        size-``m`` sketch beats on this data) and ``route`` (the one that computed it).
+    Optimum
+        ``.maps``: the pair ``(map_q, map_k)`` of :class:`OptimalMap` of ``prod(...)`` heads (the batch flattened
+        row-major), with :math:`\|\phi^*_Q(Q)\phi^*_K(K)^\top - A\|_F^2 = ` ``.tail`` to float64 round-off;
+        ``.singular_values`` (all of ``A``'s) and ``.route``.
 
     Notes
     -----
@@ -289,7 +316,7 @@ def optimal_sketch(q, k, p: int, m: int, *, route: str = "auto",
         return _optimal_sketch(*checked, max_bytes)
 
 
-def _optimal_sketch(q, k, p, m, d, symmetric, route, max_bytes) -> tuple[OptimalMap, OptimalMap]:
+def _optimal_sketch(q, k, p, m, d, symmetric, route, max_bytes) -> Optimum:
     """:func:`optimal_sketch` on :func:`_plan`'s output (checked float64 inputs, resolved route); trusts it."""
     s, (b_q, u, b_k, v) = _factor(q, k, p, symmetric, route, max_bytes, vectors=True)
     s_m = s[..., :m]
@@ -300,7 +327,7 @@ def _optimal_sketch(q, k, p, m, d, symmetric, route, max_bytes) -> tuple[Optimal
     w_q = b_k @ (v[..., :m] * inv_root[..., None, :])  # [..., D, m] = ψ_Kᵀ V_m Σ_m^{-1/2}
     w_k = b_q @ (u[..., :m] * inv_root[..., None, :])  # [..., D, m] = ψ_Qᵀ U_m Σ_m^{-1/2}
     tail = (s[..., m:] ** 2).sum(-1)
-    return _optimal_maps(w_q, w_k, s, tail, p, d, symmetric, route)
+    return _optimum(w_q, w_k, s, tail, p, d, symmetric, route)
 
 
 def tail_bound(q, k, p: int, m: int, *, route: str = "auto", max_bytes: int = DEFAULT_MAX_BYTES) -> torch.Tensor:
@@ -328,7 +355,7 @@ def _kernel_singular_values(q, k, p: int, m: int, route: str, max_bytes: int) ->
     return _factor(q, k, p, symmetric, route, max_bytes, vectors=False)[0]
 
 
-def min_norm_sketch(q, k, p: int, m: int, *, max_bytes: int = DEFAULT_MAX_BYTES) -> tuple[OptimalMap, OptimalMap]:
+def min_norm_sketch(q, k, p: int, m: int, *, max_bytes: int = DEFAULT_MAX_BYTES) -> Optimum:
     r"""The Theorem 3.1 optimum with the **minimum-norm** projectors :math:`W_Q = \psi_p(Q)^+ U_m\Sigma_m^{1/2}`.
 
     Same kernel as :func:`optimal_sketch` on ``(q, k)``; different features for *new* tokens when
@@ -347,12 +374,12 @@ def min_norm_sketch(q, k, p: int, m: int, *, max_bytes: int = DEFAULT_MAX_BYTES)
         return _min_norm_sketch(*checked, max_bytes)
 
 
-def _min_norm_sketch(q, k, p, m, d, symmetric, route, max_bytes) -> tuple[OptimalMap, OptimalMap]:
+def _min_norm_sketch(q, k, p, m, d, symmetric, route, max_bytes) -> Optimum:
     """:func:`min_norm_sketch` on :func:`_plan`'s output (checked float64 inputs); trusts it."""
-    opt_q, opt_k = _optimal_sketch(q, k, p, m, d, symmetric, route, max_bytes)
+    opt = _optimal_sketch(q, k, p, m, d, symmetric, route, max_bytes)
     batch = q.shape[:-2]
     w = {}
-    for side, x, fmap in (("q", q, opt_q), ("k", k, opt_k)):
+    for side, x, fmap in (("q", q, opt.map_q), ("k", k, opt.map_k)):
         weights = fmap.w.reshape(*batch, *fmap.w.shape[-2:])  # [..., D, m]
         x = x.to(torch.float64)
         if x.shape[-2] >= weights.shape[-2]:
@@ -365,24 +392,20 @@ def _min_norm_sketch(q, k, p, m, d, symmetric, route, max_bytes) -> tuple[Optima
         inv = torch.where(sv > cut, 1 / sv, torch.zeros_like(sv))  # [..., n]
         coef = inv[..., :, None] * (u.mT @ (psi @ weights))  # [..., n, m]: S⁺ Uᵀ ψ W*
         w[side] = basis @ (vh.mT @ coef)  # [..., D, m]: ψ⁺ ψ W*
-    info = opt_q.fit_info
-    return _optimal_maps(w["q"], w["k"], info["singular_values"], info["tail"], p, d, symmetric, info["route"])
+    return _optimum(w["q"], w["k"], opt.singular_values, opt.tail, p, d, symmetric, opt.route)
 
 
 def _fit_optimal(q, k, *, p: int, m: int, seed: int = 0, route: str = "auto",
                  choice: str = "nystrom") -> tuple[OptimalMap, OptimalMap]:
     """``fit_sketch("optimal", ...)``: deterministic; ``seed`` is accepted and unused. ``choice``
-    ``"nystrom"`` (:func:`optimal_sketch`) or ``"min-norm"`` (:func:`min_norm_sketch`). The maps carry no
-    ``fit_info`` (the report measures the floor itself).
+    ``"nystrom"`` (:func:`optimal_sketch`) or ``"min-norm"`` (:func:`min_norm_sketch`): the optimum's maps (the
+    report measures the floor itself).
 
     Trusts ``q, k, p, m`` as :func:`sketchlab.fit_sketch` checked them; checks its own options."""
     if route not in _ROUTES:
         raise ValueError(f"route must be one of {_ROUTES}, got {route!r}")
     if choice == "nystrom":
-        maps = _optimal_sketch(*_plan(q, k, p, m, route, DEFAULT_MAX_BYTES), DEFAULT_MAX_BYTES)
-    elif choice == "min-norm":
-        maps = _min_norm_sketch(*_plan(q, k, p, m, "auto", DEFAULT_MAX_BYTES), DEFAULT_MAX_BYTES)
-    else:
-        raise ValueError(f"choice must be 'nystrom' or 'min-norm', got {choice!r}")
-    del maps[0].fit_info
-    return maps
+        return _optimal_sketch(*_plan(q, k, p, m, route, DEFAULT_MAX_BYTES), DEFAULT_MAX_BYTES).maps
+    if choice == "min-norm":
+        return _min_norm_sketch(*_plan(q, k, p, m, "auto", DEFAULT_MAX_BYTES), DEFAULT_MAX_BYTES).maps
+    raise ValueError(f"choice must be 'nystrom' or 'min-norm', got {choice!r}")

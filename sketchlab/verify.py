@@ -307,8 +307,8 @@ def verify(dump_or_qk, *, p: int = 2, m: int = 64, layers=None, heads=None, scal
             continue
         A = poly_kernel(q, k, p)
         fro = torch.linalg.matrix_norm(A)
-        by_route = {route: optimal_sketch(q, k, p, m, route=route) for route in ("svd", "qr")}  # (map_q, map_k)
-        s = by_route["svd"][0].fit_info["singular_values"]
+        by_route = {route: optimal_sketch(q, k, p, m, route=route) for route in ("svd", "qr")}  # Optimum
+        s = by_route["svd"].singular_values
         tails = (s.flip(-1) ** 2).cumsum(-1).flip(-1).sqrt()  # [n]: entry r is √tail(r) = √Σ_{i>r} σ_i²
         rank = int((~is_roundoff(tails, fro, n)).sum())  # the sizes whose tail is not round-off (sketchlab.numerics)
         if m >= rank:
@@ -318,17 +318,17 @@ def verify(dump_or_qk, *, p: int = 2, m: int = 64, layers=None, heads=None, scal
                 worst[name].cannot.append(msg)
             continue
         amplification = float(s[0] / s[m - 1])
-        for route, maps in by_route.items():
-            fq, fk = pair_features(maps, q, k)
+        for route, opt in by_route.items():
+            fq, fk = pair_features(opt.maps, q, k)
             err = torch.linalg.matrix_norm(fq @ fk.mT - A)
-            value = float((err - maps[0].fit_info["tail"].sqrt()).abs() / fro)
+            value = float((err - opt.tail.sqrt()).abs() / fro)
             worst["theorem_3_1" if route == "svd" else "routes"].add(value, 100 * n * U * amplification, f"{where} ({route})")
         psi_norms = torch.linalg.matrix_norm(poly_features(q, p, True)) * torch.linalg.matrix_norm(poly_features(k, p, True))
-        sv_gap = float((s - by_route["qr"][0].fit_info["singular_values"]).abs().max() / s[0])
+        sv_gap = float((s - by_route["qr"].singular_values).abs().max() / s[0])
         worst["routes"].add(sv_gap, float(100 * (n + dim_sym) * U * psi_norms / s[0]), f"{where} (singular values)")
 
         c = min(columns, m)
-        w = by_route["svd"][0].projector()[0, :, :c]  # W*_Q's first c columns in the full basis, [d^p, c]
+        w = by_route["svd"].map_q.projector()[0, :, :c]  # W*_Q's first c columns in the full basis, [d^p, c]
         w_hat = torch.zeros_like(w)
         for i in range(c):
             wi = w[:, i].reshape((d,) * p)

@@ -270,8 +270,8 @@ def test_cp_fit_gauges():
     # The gauge leaves the optimal kernel unchanged: W*_Q G (W*_K G^{-ᵀ})ᵀ = W*_Q W*_Kᵀ.
     opt = optimal_sketch(q, k, 2, 4)
     g = aligned_gauge(q, k, opt)
-    w_q, w_k = opt[0].projector() @ g, torch.linalg.solve(g, opt[1].projector().mT).mT
-    _close(w_q @ w_k.mT, opt[0].projector() @ opt[1].projector().mT, 1e-8)  # G's condition number (~1e2) × 1e-11
+    w_q, w_k = opt.map_q.projector() @ g, torch.linalg.solve(g, opt.map_k.projector().mT).mT
+    _close(w_q @ w_k.mT, opt.map_q.projector() @ opt.map_k.projector().mT, 1e-8)  # G's condition number (~1e2) × 1e-11
 
 
 def test_init_from_llops_and_special_cases():

@@ -231,7 +231,7 @@ def test_aligned_gauge_is_the_least_squares_map():
     g = aligned_gauge(q, k, opt)
     ref_q, _ = llops_init(q, k, p=2, m=4, init="svd")
     target = llops_features(q, ref_q)
-    current = batch_features(opt[0], q)  # [2, n, 4]: head b's optimal query map on problem b
+    current = batch_features(opt.map_q, q)  # [2, n, 4]: head b's optimal query map on problem b
 
     def err(gm):
         return torch.linalg.matrix_norm(current @ gm - target)

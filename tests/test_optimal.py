@@ -37,9 +37,9 @@ def _qk(*lead, n_q=40, n_k=40, d=4, seed=0, dtype=torch.float64):
     return q, k
 
 
-def _kernel(maps, q, k):
-    """``φ_Q(q) φ_K(k)ᵀ`` of a pair of maps, ``[..., n_q, n_k]`` (the batch flattened into the maps' heads)."""
-    fq, fk = pair_features(maps, q, k)
+def _kernel(opt, q, k):
+    """``φ_Q(q) φ_K(k)ᵀ`` of an optimum's maps, ``[..., n_q, n_k]`` (the batch flattened into the maps' heads)."""
+    fq, fk = pair_features(opt.maps, q, k)
     return fq @ fk.mT
 
 
@@ -47,69 +47,64 @@ def _sq_err(maps, q, k, p):
     return ((_kernel(maps, q, k) - poly_kernel(q, k, p)) ** 2).sum((-2, -1))
 
 
-def _info(maps):
-    """What :func:`optimal_sketch` records on ``map_q``: singular values, tail, route."""
-    return maps[0].fit_info
-
-
 @pytest.mark.parametrize("route", ["svd", "qr"])
 @pytest.mark.parametrize("p,m", [(1, 2), (2, 3), (2, 8), (3, 10)])
 def test_error_equals_tail(route, p, m):
     q, k = _qk(n_q=30, n_k=25, d=4, seed=p * 10 + m)
     s = optimal_sketch(q, k, p, m, route=route)
-    assert all(isinstance(f, OptimalMap) for f in s) and s[0].heads == 1 and s[0].degree == p
-    assert _info(s)["route"] == route
+    assert all(isinstance(f, OptimalMap) for f in s.maps) and s.map_q.heads == 1 and s.map_q.degree == p
+    assert s.route == route
     err = _sq_err(s, q, k, p)
-    assert torch.allclose(err, _info(s)["tail"], rtol=REL, atol=0), (err, _info(s)["tail"])
+    assert torch.allclose(err, s.tail, rtol=REL, atol=0), (err, s.tail)
     # the tail is the sum of the discarded squared singular values of A
     sv = torch.linalg.svdvals(poly_kernel(q, k, p))
-    assert torch.allclose(_info(s)["tail"], (sv[m:] ** 2).sum(), rtol=REL, atol=0)
+    assert torch.allclose(s.tail, (sv[m:] ** 2).sum(), rtol=REL, atol=0)
 
 
 @pytest.mark.parametrize("p,m", [(2, 4), (3, 6)])
 def test_routes_agree(p, m):
     q, k = _qk(n_q=60, n_k=50, d=3, seed=11)  # n > D: both routes are valid
     a, b = optimal_sketch(q, k, p, m, route="svd"), optimal_sketch(q, k, p, m, route="qr")
-    assert _info(optimal_sketch(q, k, p, m))["route"] == "qr"  # auto picks QR when n > D
-    sv_a, sv_b = _info(a)["singular_values"], _info(b)["singular_values"]
+    assert optimal_sketch(q, k, p, m).route == "qr"  # auto picks QR when n > D
+    sv_a, sv_b = a.singular_values, b.singular_values
     assert torch.allclose(sv_a, sv_b, rtol=1e-10, atol=1e-10 * sv_a[0])
-    assert torch.allclose(_info(a)["tail"], _info(b)["tail"], rtol=REL, atol=0)
+    assert torch.allclose(a.tail, b.tail, rtol=REL, atol=0)
     # W* is unique up to signs of singular-vector pairs; the kernel it produces is unique (σ_m > σ_{m+1})
     assert torch.allclose(_kernel(a, q, k), _kernel(b, q, k), rtol=0, atol=1e-10 * sv_a[0])
 
 
 def test_auto_route_is_svd_when_features_outnumber_tokens():
     q, k = _qk(n_q=8, n_k=8, d=4)
-    assert _info(optimal_sketch(q, k, 3, 4))["route"] == "svd"  # D = C(6,3) = 20 > 8
+    assert optimal_sketch(q, k, 3, 4).route == "svd"  # D = C(6,3) = 20 > 8
 
 
 def test_batched_equals_per_head():
     q, k = _qk(2, 3, n_q=20, n_k=20, d=3, seed=5)
     batched = optimal_sketch(q, k, 2, 4)
-    assert batched[0].w.shape == (6, 6, 4) and _info(batched)["tail"].shape == (2, 3)  # heads [L·H, D, m]
+    assert batched.map_q.w.shape == (6, 6, 4) and batched.tail.shape == (2, 3)  # heads [L·H, D, m]
     for l in range(2):
         for h in range(3):
             single = optimal_sketch(q[l, h], k[l, h], 2, 4)
-            assert torch.allclose(_info(batched)["tail"][l, h], _info(single)["tail"], rtol=1e-12, atol=0)
+            assert torch.allclose(batched.tail[l, h], single.tail, rtol=1e-12, atol=0)
             assert torch.allclose(_kernel(batched, q, k)[l, h], _kernel(single, q[l, h], k[l, h]), rtol=0, atol=1e-10)
-            assert torch.equal(batched[1].w[3 * l + h], batched[1].w.reshape(2, 3, 6, 4)[l, h])
-    assert torch.allclose(tail_bound(q, k, 2, 4), _info(batched)["tail"], rtol=1e-12, atol=0)
+            assert torch.equal(batched.map_k.w[3 * l + h], batched.map_k.w.reshape(2, 3, 6, 4)[l, h])
+    assert torch.allclose(tail_bound(q, k, 2, 4), batched.tail, rtol=1e-12, atol=0)
 
 
 def test_projector_in_full_basis_gives_same_features():
     q, k = _qk(n_q=20, n_k=20, d=3, seed=8)
     s = optimal_sketch(q, k, 3, 5)
-    assert s[1].symmetric and torch.equal(s[1].projector(symmetric=True), s[1].w)
-    w_full = s[1].projector()[0]
+    assert s.map_k.symmetric and torch.equal(s.map_k.projector(symmetric=True), s.map_k.w)
+    w_full = s.map_k.projector()[0]
     assert w_full.shape == (27, 5)
-    assert torch.allclose(poly_features(k, 3) @ w_full, pair_features(s, q, k)[1], rtol=0, atol=1e-12)
+    assert torch.allclose(poly_features(k, 3) @ w_full, pair_features(s.maps, q, k)[1], rtol=0, atol=1e-12)
 
 
 def test_float32_input_is_solved_in_float64():
     q, k = _qk(n_q=20, n_k=20, d=3, dtype=torch.float32)
     s = optimal_sketch(q, k, 2, 3)
-    assert s[0].w.dtype == torch.float64
-    assert torch.allclose(_sq_err(s, q.double(), k.double(), 2), _info(s)["tail"], rtol=REL, atol=0)
+    assert s.map_q.w.dtype == torch.float64
+    assert torch.allclose(_sq_err(s, q.double(), k.double(), 2), s.tail, rtol=REL, atol=0)
 
 
 @settings(max_examples=40, deadline=None)
@@ -134,17 +129,17 @@ def test_no_linear_sketch_beats_the_tail(d, p, n, m_frac, seed, perturb):
     m = 1 + int(m_frac * (min(n, dim) - 1))
     best = optimal_sketch(q, k, p, m)
     a = poly_kernel(q, k, p)
-    best_q, best_k = best[0].w[0], best[1].w[0]  # [D, m] of the one head
+    best_q, best_k = best.map_q.w[0], best.map_k.w[0]  # [D, m] of the one head
     if perturb:
         w_q = best_q + 1e-3 * torch.randn(best_q.shape, generator=gen, dtype=torch.float64)
         w_k = best_k + 1e-3 * torch.randn(best_k.shape, generator=gen, dtype=torch.float64)
     else:
         w_q = torch.randn(best_q.shape, generator=gen, dtype=torch.float64)
         w_k = torch.randn(best_k.shape, generator=gen, dtype=torch.float64)
-    psi_q = poly_features(q, p, best[0].symmetric)
-    psi_k = poly_features(k, p, best[0].symmetric)
+    psi_q = poly_features(q, p, best.map_q.symmetric)
+    psi_k = poly_features(k, p, best.map_q.symmetric)
     err = (((psi_q @ w_q) @ (psi_k @ w_k).T - a) ** 2).sum()
-    assert err >= _info(best)["tail"] - 1e-10 * (a**2).sum()
+    assert err >= best.tail - 1e-10 * (a**2).sum()
 
 
 def test_fit_sketch_optimal_reports_ratio_one():
@@ -228,7 +223,7 @@ def test_full_column_rank_gives_the_pseudo_inverse_solution():
     w_q = torch.linalg.pinv(poly_features(q, 2, True)) @ (u[:, :4] * sv[:4].sqrt())
     w_k = torch.linalg.pinv(poly_features(k, 2, True)) @ (vh[:4].T * sv[:4].sqrt())
     expected = w_q @ w_k.T
-    assert torch.allclose(s[0].w[0] @ s[1].w[0].T, expected, rtol=0, atol=1e-10 * expected.abs().max())
+    assert torch.allclose(s.map_q.w[0] @ s.map_k.w[0].T, expected, rtol=0, atol=1e-10 * expected.abs().max())
 
 
 def test_rank_deficient_kernel_keeps_error_equal_to_tail():
@@ -237,7 +232,7 @@ def test_rank_deficient_kernel_keeps_error_equal_to_tail():
     q = q[:, :1] * torch.tensor([[1.0, 2.0, -1.0]], dtype=torch.float64)  # queries on one line
     a = poly_kernel(q, k, 2)  # rank 1, while D = 6
     s = optimal_sketch(q, k, 2, 3)
-    assert bool(torch.isfinite(s[0].w).all() and torch.isfinite(s[1].w).all())
+    assert bool(torch.isfinite(s.map_q.w).all() and torch.isfinite(s.map_k.w).all())
     assert ((_kernel(s, q, k) - a) ** 2).sum() <= 1e-24 * (a**2).sum()
 
 
@@ -253,7 +248,7 @@ def test_gram_route_equals_qr_route():
         assert bool(((qr - gram).abs() <= 1e-9 * norm).all())
     opt = optimal_sketch(q, k, 2, 4, route="gram")
     err = ((_kernel(opt, q, k) - poly_kernel(q, k, 2)) ** 2).sum((-2, -1))
-    assert bool(((err - _info(opt)["tail"]).abs() <= 1e-9 * norm).all())
+    assert bool(((err - opt.tail).abs() <= 1e-9 * norm).all())
 
 
 @pytest.mark.parametrize("n,route", [(23, "auto"), (24, "gram")])
@@ -305,11 +300,11 @@ def test_min_norm_sketch():
     assert torch.allclose(a_mn, a_opt, rtol=0, atol=1e-10 * float(a_opt.abs().max()))
     psi = poly_features(q.double(), 3, True)
     proj = torch.linalg.pinv(psi) @ psi  # projector onto the row space
-    mn_q, opt_q = mn[0].w[0], opt[0].w[0]
+    mn_q, opt_q = mn.map_q.w[0], opt.map_q.w[0]
     assert torch.allclose(proj @ mn_q, mn_q, atol=1e-9 * float(mn_q.abs().max()))
     assert bool((torch.linalg.matrix_norm(mn_q) <= torch.linalg.matrix_norm(opt_q) * (1 + 1e-12)).all())
     assert not torch.allclose(mn_q, opt_q)  # a different W: the Nyström one is not minimum-norm here
-    assert _info(mn)["route"] == _info(opt)["route"] == "svd"  # n <= D: the automatic route is the SVD of A
+    assert mn.route == opt.route == "svd"  # n <= D: the automatic route is the SVD of A
 
 
 def test_fit_sketch_optimal_choice_min_norm_is_the_min_norm_sketch():
@@ -320,8 +315,8 @@ def test_fit_sketch_optimal_choice_min_norm_is_the_min_norm_sketch():
     q, k = _qk(n_q=12, n_k=12, d=4, seed=22)
     fit = fit_sketch("optimal", q, k, p=3, m=5, choice="min-norm", reference=False)
     mn = min_norm_sketch(q, k, 3, 5)
-    assert torch.allclose(fit.map_q.w, mn[0].w, rtol=0, atol=1e-12 * float(mn[0].w.abs().max()))
-    assert torch.allclose(fit.map_k.w, mn[1].w, rtol=0, atol=1e-12 * float(mn[1].w.abs().max()))
+    assert torch.allclose(fit.map_q.w, mn.map_q.w, rtol=0, atol=1e-12 * float(mn.map_q.w.abs().max()))
+    assert torch.allclose(fit.map_k.w, mn.map_k.w, rtol=0, atol=1e-12 * float(mn.map_k.w.abs().max()))
     with pytest.raises(ValueError, match="choice must be 'nystrom' or 'min-norm'"):
         fit_sketch("optimal", q, k, p=3, m=5, choice="svd", reference=False)
 
@@ -344,7 +339,7 @@ def test_each_route_checks_its_own_memory_before_work():
     with pytest.raises(ValueError, match=r"the kernel A and its SVD"):
         tail_bound(q, k, 2, 2, route="svd", max_bytes=500_000)
     s = optimal_sketch(q, k, 2, 2, route="gram", max_bytes=500_000)
-    assert torch.allclose(_sq_err(s, q, k, 2), _info(s)["tail"], rtol=REL, atol=0)
+    assert torch.allclose(_sq_err(s, q, k, 2), s.tail, rtol=REL, atol=0)
     # d = 8, p = 4: D = C(11, 4) = 330, three 330 x 330 float64 factors = 2 613 600 bytes
     q, k = _qk(n_q=400, n_k=400, d=8, seed=6)
     with pytest.raises(ValueError, match=r"the 330 x 330 factors of 1 head\(s\) \(float64\) would take .* over the "
@@ -373,12 +368,12 @@ def test_optimal_map_naive_twin_and_select_heads():
     q = torch.randn(2, 3, 12, 4, generator=gen, dtype=torch.float64)
     k = torch.randn(2, 3, 12, 4, generator=gen, dtype=torch.float64)
     opt = optimal_sketch(q, k, p=2, m=5)
-    for fmap, x in zip(opt, (q, k)):
+    for fmap, x in zip(opt.maps, (q, k)):
         x_heads = x.reshape(6, 12, 4).transpose(0, 1)[None]  # [1, n, L·H, d]
         torch.testing.assert_close(fmap.features_naive(x_heads), fmap.features(x_heads), rtol=1e-12, atol=1e-12)
-    one = opt[0].select_heads([3, 4, 5])  # layer 1
-    torch.testing.assert_close(batch_features(one, q[1]), batch_features(opt[0], q)[1], rtol=0, atol=0)
+    one = opt.map_q.select_heads([3, 4, 5])  # layer 1
+    torch.testing.assert_close(batch_features(one, q[1]), batch_features(opt.map_q, q)[1], rtol=0, atol=0)
     fit = fit_sketch("optimal", q, k, p=2, m=5)
     layer_q, layer_k = fit.layer(1)
-    torch.testing.assert_close(batch_features(layer_k, k[1]), batch_features(opt[1], k)[1], rtol=0, atol=0)
-    assert float((batch_features(opt[1].select_heads([0, 1, 2]), k[1]) - batch_features(opt[1], k)[1]).abs().max()) > 1e-6
+    torch.testing.assert_close(batch_features(layer_k, k[1]), batch_features(opt.map_k, k)[1], rtol=0, atol=0)
+    assert float((batch_features(opt.map_k.select_heads([0, 1, 2]), k[1]) - batch_features(opt.map_k, k)[1]).abs().max()) > 1e-6

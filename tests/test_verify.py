@@ -1,6 +1,7 @@
 """verify(): every check passes on good data with values far below its tolerance, fails when the
 library function it guards is broken, and says why when it cannot be made (m at or above the rank)."""
 
+import dataclasses
 import math
 import pathlib
 import sys
@@ -78,9 +79,9 @@ def test_m_at_numerical_rank_cannot():
 
 
 def _one_short(q, k, p, m, **kw):
-    maps = sketchlab.optimal_sketch(q, k, p, m, **kw)
-    maps[0].w[..., -1] = 0  # the query map drops the m-th component: error² = tail + σ_m²
-    return maps
+    opt = sketchlab.optimal_sketch(q, k, p, m, **kw)
+    opt.map_q.w[..., -1] = 0  # the query map drops the m-th component: error² = tail + σ_m²
+    return opt
 
 
 def _skewed_features(x, p, symmetric=False):
@@ -134,18 +135,18 @@ def test_non_finite_input_is_rejected():
 
 def _qr_route_one_short(q, k, p, m, route="auto", **kw):
     """The svd route intact, the qr route dropping its m-th component (a routes disagreement only)."""
-    maps = sketchlab.optimal_sketch(q, k, p, m, route=route, **kw)
+    opt = sketchlab.optimal_sketch(q, k, p, m, route=route, **kw)
     if route == "qr":
-        maps[0].w[..., -1] = 0
-    return maps
+        opt.map_q.w[..., -1] = 0
+    return opt
 
 
 def _qr_route_wrong_values(q, k, p, m, route="auto", **kw):
     """The qr route's maps intact but its reported singular values off by 1e-6 relative."""
-    maps = sketchlab.optimal_sketch(q, k, p, m, route=route, **kw)
+    opt = sketchlab.optimal_sketch(q, k, p, m, route=route, **kw)
     if route == "qr":
-        maps[0].fit_info["singular_values"] = maps[0].fit_info["singular_values"] * (1 + 1e-6)
-    return maps
+        opt = dataclasses.replace(opt, singular_values=opt.singular_values * (1 + 1e-6))
+    return opt
 
 
 def _second_singular_pair(t, **kw):

@@ -19,8 +19,8 @@ GAUGES = ("balanced", "aligned")
 
 
 def aligned_gauge(q, k, opt, *, seed: int = 0) -> torch.Tensor:
-    r"""The ``m × m`` map ``G`` of the ``"aligned"`` gauge for the optimum ``opt = (map_q, map_k)`` of ``(q, k)``
-    (:func:`sketchlab.optimal_sketch`'s pair of :class:`~sketchlab.optimal.OptimalMap`).
+    r"""The ``m × m`` map ``G`` of the ``"aligned"`` gauge for the optimum ``opt`` of ``(q, k)``
+    (:func:`sketchlab.optimal_sketch`'s :class:`~sketchlab.optimal.Optimum`).
 
     ``G = argmin ‖ψ_p(Q) W*_Q G − Φ_ref‖_F`` (least squares), with ``Φ_ref`` the query features of the
     ``"svd"`` initialisation (rank-1 columns by construction). ``W*_Q G`` and ``W*_K G^{-ᵀ}`` have
@@ -31,7 +31,7 @@ def aligned_gauge(q, k, opt, *, seed: int = 0) -> torch.Tensor:
     batch = q.shape[:-2]
     q64 = q.to(torch.float64).reshape(-1, *q.shape[-2:])  # [B, n_q, d]
     k64 = k.to(torch.float64).reshape(-1, *k.shape[-2:])  # [B, n_k, d]
-    map_q = opt[0]
+    map_q = opt.map_q
     p, m = map_q.degree, map_q.num_features
     ref_q, _ = _init_svd(q64, k64, p, m, torch.Generator().manual_seed(seed))
     target = llops_features(q64, ref_q)  # [B, n_q, m]
@@ -88,7 +88,7 @@ def fit_llops_cp(
     if gauge not in GAUGES:
         raise ValueError(f"gauge must be one of {GAUGES}, got {gauge!r}")
     opt = optimal_sketch(q64, k64, p, m, route=route)
-    w_q, w_k = opt[0].projector(), opt[1].projector()  # [B, d^p, m] full basis
+    w_q, w_k = opt.map_q.projector(), opt.map_k.projector()  # [B, d^p, m] full basis
     if gauge == "aligned":
         gmap = aligned_gauge(q64, k64, opt, seed=seed)  # [B, m, m]
         w_q = w_q @ gmap
