@@ -77,7 +77,7 @@ def export_theta(fit, path, *, dump, scale=None) -> Path:
     ----------
     fit : sketchlab.Fit
         A fit whose maps are :class:`~sketchlab.featuremaps.LLoPSMap` s or have an exact LLoPS form
-        (:func:`sketchlab.as_llops`: element-wise, BASED "expand", PolySketch), of batch shape ``[]``, ``[H]``
+        (:func:`sketchlab.as_llops`: ``TiedLLoPSMap``, ``ExpandMap``, ``PSFRandomMap``), of batch shape ``[]``, ``[H]``
         or ``[L, H]`` (stored as ``[1, 1]``, ``[1, H]``, ``[L, H]``: the maps' ``L·H`` heads unflattened).
     path : str or Path
         Output ``.safetensors`` file, written atomically; it must not be the dump itself.
@@ -124,8 +124,8 @@ def export_theta(fit, path, *, dump, scale=None) -> Path:
         map_q, map_k = fit_llops_maps(fit)
     except ValueError as err:
         raise ValueError(f"method {fit.report.method!r} cannot be exported as Θ: {err}") from err
-    theta_q, theta_k = map_q.theta.detach(), map_k.theta.detach()  # [L·H, t, p, d, m], or [1, ...] shared by all
-    lead = tuple(fit.batch_shape) if theta_q.shape[0] == math.prod(fit.batch_shape) else ()
+    theta_q, theta_k = map_q.theta.detach(), map_k.theta.detach()  # [L·H, t, p, d, m]
+    lead = tuple(fit.batch_shape)
     if len(lead) > 2:
         raise ValueError(f"Θ must have leading shape [], [H] or [L, H] to export, got {list(lead)}")
     shape6 = (1,) * (2 - len(lead)) + lead + tuple(theta_q.shape[-4:])

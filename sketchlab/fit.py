@@ -217,6 +217,9 @@ class Fit:
         fit: maps of ``H`` heads), copies holding those heads only (:meth:`FeatureMap.select_heads`)."""
         if not self.batch_shape:
             raise ValueError("this fit has batch shape [] (one problem): there is no layer to select")
+        if isinstance(index, int) and not -self.batch_shape[0] <= index < self.batch_shape[0]:
+            raise IndexError(f"layer {index} is out of range for this fit of batch shape {list(self.batch_shape)} "
+                             f"({self.batch_shape[0]} layers)")
         heads = torch.arange(math.prod(self.batch_shape)).reshape(self.batch_shape)[index].flatten().tolist()
         map_q = self.map_q.select_heads(heads)
         return map_q, (map_q if self.tied else self.map_k.select_heads(heads))
@@ -492,6 +495,9 @@ def _fitted_maps(method: str, result, batch_shape: tuple, head_dim: int):
         if f.heads != heads or f.head_dim != head_dim:
             raise ValueError(f"the fitter of {method!r} returned a map of heads={f.heads}, head_dim={f.head_dim}; the "
                              f"fit needs heads={heads} (batch shape {list(batch_shape)}) of head_dim={head_dim}")
+    if pair[0].num_features != pair[1].num_features:
+        raise ValueError(f"the fitter of {method!r} returned maps of {pair[0].num_features} (query) and "
+                         f"{pair[1].num_features} (key) features: a kernel's two maps need the same number")
     info = pair[0].__dict__.pop("fit_info", None)
     return pair[0], pair[1], dict(info or {})
 

@@ -164,3 +164,41 @@ def test_fit_layer_is_that_layers_heads():
     torch.testing.assert_close(lk, fk[1], rtol=0, atol=0)
     with pytest.raises(ValueError, match="no layer to select"):
         fit_sketch("llops", q[0, 0], k[0, 0], p=2, m=6, seed=0, reference=False).layer(0)
+
+
+def test_select_heads_keeps_a_shared_module_whole_under_self_tensoring():
+    # A user's module shared by every head (ModuleMap: per_head_parameters False) self-tensored: the wrapper adds no
+    # parameters, so its heads share what its inner map's share: select_heads keeps the Linear whole, and the report
+    # counts it once, not divided by the heads.
+    from torch import nn
+
+    from sketchlab.featuremaps import SelfTensored, as_feature_map
+    from sketchlab.fit import _parameters_per_head
+
+    torch.manual_seed(0)
+    inner = as_feature_map(nn.Linear(D, 3).double(), heads=L * H, head_dim=D)
+    fmap = SelfTensored(inner)
+    assert fmap.per_head_parameters is False
+    sel = fmap.select_heads([4, 1])
+    assert sel.inner.module.weight.shape == (3, D)
+    full = _rand(2, 3, L * H, D, seed=12)
+    torch.testing.assert_close(sel.features(full[:, :, [4, 1]]), fmap.features(full)[:, :, [4, 1]], rtol=0, atol=0)
+    assert _parameters_per_head(fmap, fmap) == 3 * D + 3
+
+
+def test_fit_layer_out_of_range_names_the_fits_layers():
+    from sketchlab import fit_sketch
+
+    q, k = _rand(L, H, 24, D, seed=7) / 2, _rand(L, H, 24, D, seed=8) / 2
+    fit = fit_sketch("psf-random", q, k, p=2, m=4, seed=0, reference=False)
+    with pytest.raises(IndexError, match=r"layer 2 is out of range for this fit of batch shape \[2, 3\] \(2 layers\)"):
+        fit.layer(2)
+
+
+def test_a_fitter_whose_two_maps_differ_in_size_is_refused_by_name():
+    from sketchlab.fit import _fitted_maps
+
+    a = make_feature_map("tensorsketch", heads=2, head_dim=D, p=2, m=5, seed=0)
+    b = make_feature_map("tensorsketch", heads=2, head_dim=D, p=2, m=6, seed=0)
+    with pytest.raises(ValueError, match=r"fitter of 'mine' returned maps of 5 \(query\) and 6 \(key\) features"):
+        _fitted_maps("mine", (a, b), (2,), D)

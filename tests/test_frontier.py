@@ -161,3 +161,11 @@ def test_silu_map_matches_its_float64_twin_and_deltanet_uses_it():
     assert torch.allclose(m.features(x), torch.nn.functional.silu(x))
     point = fr.method_points("deltanet", [1])[0]
     assert (point.attention, point.options) == ("silu", {"state": "delta", "beta": "input"})
+
+
+def test_frozen_kernel_methods_are_refused_on_the_token_harness(tmp_path):
+    # kernel_lr 0 freezes the kernel on the kernel-only harness only; the token harness says so before any training
+    points = fr.method_points("llops-p4-frozen", [81])
+    with pytest.raises(ValueError, match=r"llops-p4-frozen freeze the kernel .* pass --preset kernel"):
+        fr.run_frontier(points, fr.Protocol(), lrs=[1e-3], seeds=[0], work=tmp_path, progress=False)
+    assert not any(tmp_path.iterdir())

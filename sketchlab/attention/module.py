@@ -300,9 +300,8 @@ class LLoPSAttention(LinearAttentionCore):
         Parameters
         ----------
         fit : Fit
-            Of LLoPS maps, or of maps with an exact LLoPS form (:func:`sketchlab.as_llops`: element-wise, BASED
-            "expand", PolySketch), of batch shape ``[]``, ``[H]`` or ``[L, H]`` (then pick ``layer``; a map shared
-            by every head gives a block of one head).
+            Of LLoPS maps, or of maps with an exact LLoPS form (:func:`sketchlab.as_llops`: ``TiedLLoPSMap``,
+            ``ExpandMap``, ``PSFRandomMap``), of batch shape ``[]``, ``[H]`` or ``[L, H]`` (then pick ``layer``).
         layer : int or None
             Required when the fit has a layer axis.
         scale : "none", "sqrt-d" or float
@@ -312,7 +311,7 @@ class LLoPSAttention(LinearAttentionCore):
 
         map_q, map_k = fit_llops_maps(fit)
         theta_q, theta_k = map_q.theta.detach(), None if map_k is map_q else map_k.theta.detach()  # [L·H, t, p, d, m]
-        lead = tuple(fit.batch_shape) if theta_q.shape[0] == math.prod(fit.batch_shape) else ()
+        lead = tuple(fit.batch_shape)
         if len(lead) == 2:
             if layer is None:
                 raise ValueError(f"the fit has layers and heads {list(lead)}: pass layer=")

@@ -267,12 +267,6 @@ def make_feature_map(name: str, *, heads: int, head_dim: int, **options) -> Feat
 # ----------------------------------------------------------------------------------------------
 # the built-in maps: one build function and one registration line each
 
-def _budget_dim(head_dim, p, m, form, symmetric):
-    from .based import based_dim_for_budget
-
-    return based_dim_for_budget(head_dim, p, m, form, symmetric)
-
-
 def _llops(heads, head_dim, *, p, m, rank, seed, dtype, theta, learn, **_):
     from .llops import LLoPSMap
 
@@ -296,21 +290,21 @@ def _exact(heads, head_dim, *, p, symmetric, **_):
 
 
 def _taylor(heads, head_dim, *, p, m, dtype, dim, proj, symmetric, learn, **_):
-    from .based import TaylorMap
+    from .based import TaylorMap, based_dim_for_budget
 
     if p != 2:
         raise ValueError(f"the Taylor map is BASED's degree-2 expansion: p must be 2, got {p}")
     if dim is None and proj is None:
-        dim = _budget_dim(head_dim, 2, m, "taylor", bool(symmetric))
+        dim = based_dim_for_budget(head_dim, 2, m, "taylor", bool(symmetric))
     return TaylorMap(heads, head_dim, dim=dim, proj=proj, symmetric=bool(symmetric), learn=learn, dtype=dtype)
 
 
 def _expand(heads, head_dim, *, p, m, dtype, dim, proj, symmetric, learn, **_):
-    from .based import ExpandMap
+    from .based import ExpandMap, based_dim_for_budget
 
     symmetric = True if symmetric is None else symmetric
     if dim is None and proj is None:
-        dim = _budget_dim(head_dim, p, m, "expand", symmetric)
+        dim = based_dim_for_budget(head_dim, p, m, "expand", symmetric)
     return ExpandMap(heads, head_dim, p=p, dim=dim, proj=proj, symmetric=symmetric, learn=learn, dtype=dtype)
 
 

@@ -21,6 +21,11 @@ class SelfTensored(FeatureMap):
         self.heads, self.head_dim = inner.heads, inner.head_dim
 
     @property
+    def per_head_parameters(self) -> bool:
+        """The inner map's: this map adds no parameters of its own."""
+        return self.inner.per_head_parameters
+
+    @property
     def num_features(self) -> int:
         return self.inner.num_features ** 2
 

@@ -371,6 +371,10 @@ def run_frontier(points, protocol: Protocol, *, lrs, seeds, work, jobs: int = 1,
     if not lrs or not seeds:
         raise ValueError(f"lrs and seeds must be non-empty, got lrs={lrs}, seeds={seeds}")
     jobs = check_positive_int(jobs, "jobs")
+    frozen = sorted({p.method for p in points if p.kernel_lr == 0})
+    if frozen and not isinstance(protocol, KernelProtocol):
+        raise ValueError(f"method(s) {', '.join(frozen)} freeze the kernel (kernel_lr 0), which only the kernel-only "
+                         "harness supports: pass --preset kernel")
     work = Path(work)
     work.mkdir(parents=True, exist_ok=True)
     points = list(points)

@@ -1,7 +1,8 @@
 r"""The sparse exact cache of far keys, token by token over explicit key sets in float64: the definition of every
 memory mechanism (DESIGN §7; the four steps of :mod:`sketchlab.attention.memory`, per (batch, head) and position).
 The far state decays and takes the keys the cache evicts by the decayed state's and the delta rule's own steps
-(:func:`..decayed.naive.decay_step`, :func:`..decayed.naive.additive_write`, :func:`..delta.naive.delta_write`).
+(:func:`~sketchlab.attention.ops.decayed.naive.decay_step`, :func:`~sketchlab.attention.ops.decayed.naive.additive_write`,
+:func:`~sketchlab.attention.ops.delta.naive.delta_write`).
 The arguments are trusted: :func:`sketchlab.attention.memory.memory_attention_naive` checks them.
 """
 
