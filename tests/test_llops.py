@@ -300,11 +300,12 @@ def test_argument_errors():
     with pytest.raises(TypeError, match="steps"):
         fit_sketch("llops", q, k, p=2, m=4, steps=1.5)
 
-    class NotConvertible:  # as_llops() that does not give LLoPS maps
+    class NotConvertible:  # neither maps nor anything as_llops converts
         def as_llops(self):
             return "theta"
 
-    with pytest.raises(TypeError, match=r"init must be one of .*, LLoPS maps, or a sketch with as_llops\(\); got NotConvertible"):
+    with pytest.raises(TypeError, match=r"init must be one of .*, LLoPS maps, or maps sketchlab.as_llops converts; got "
+                                        r"NotConvertible"):
         fit_sketch("llops", q, k, p=2, m=4, init=NotConvertible())
 
 

@@ -12,8 +12,8 @@ from .svd_init import _init_svd
 
 __all__ = ["INITS", "llops_init"]
 
-#: Initialisations accepted by the fits (besides LLoPS maps, maps :func:`sketchlab.featuremaps.to_llops.as_llops` converts, or
-#: an object with ``as_llops()``).
+#: Initialisations accepted by the fits (besides LLoPS maps and maps :func:`sketchlab.featuremaps.to_llops.as_llops`
+#: converts).
 INITS = ("svd", "random", "cp", "based", "psf")
 
 def _init_random(q, k, sq_norm, rank, p, m, generator):
@@ -103,29 +103,19 @@ def _check_init_scale(theta_q, theta_k, q64, k64, p: int) -> None:
 
 
 def _given_thetas(init) -> tuple[torch.Tensor, torch.Tensor]:
-    """The float64 Θ ``[H', t, p, d, m]`` of both sides of a given init: LLoPS maps (one for both sides, or a pair),
-    else what its ``as_llops()`` or :func:`sketchlab.featuremaps.to_llops.as_llops` gives; a ``TypeError`` otherwise."""
+    """The float64 Θ ``[H', t, p, d, m]`` of both sides of a given init: LLoPS maps (one for both sides, or a pair), or
+    maps :func:`sketchlab.featuremaps.to_llops.as_llops` converts (which returns LLoPS maps unchanged); a
+    ``TypeError`` for anything else."""
     from ..featuremaps.llops import LLoPSMap
+    from ..featuremaps.to_llops import as_llops
 
-    def thetas(obj):
-        if isinstance(obj, LLoPSMap):
-            obj = (obj, obj)
-        if isinstance(obj, (tuple, list)) and len(obj) == 2 and all(isinstance(f, LLoPSMap) for f in obj):
-            return tuple(f.theta.detach().to(torch.float64) for f in obj)
-        return None
-
-    got = thetas(init)
-    if got is None:
-        if hasattr(init, "as_llops"):
-            converted = init.as_llops()
-        else:
-            from ..featuremaps.to_llops import as_llops
-
-            converted = as_llops(init)
-        got = thetas(converted)
-    if got is None:
-        raise TypeError(f"init must be one of {INITS}, LLoPS maps, or a sketch with as_llops(); got {type(init).__name__}")
-    return got
+    try:
+        converted = as_llops(init)
+    except TypeError:
+        raise TypeError(f"init must be one of {INITS}, LLoPS maps, or maps sketchlab.as_llops converts; got "
+                        f"{type(init).__name__}") from None
+    pair = (converted, converted) if isinstance(converted, LLoPSMap) else converted
+    return tuple(f.theta.detach().to(torch.float64) for f in pair)
 
 
 def llops_init(q, k, *, p: int, m: int, rank: int = 1, init="svd", seed: int = 0,
@@ -145,8 +135,8 @@ def llops_init(q, k, *, p: int, m: int, rank: int = 1, init="svd", seed: int = 0
         the PolySketchFormer sketch fitted with budget ``m`` (``fit_sketch("based"/"psf", ...)``),
         converted exactly by :func:`sketchlab.featuremaps.to_llops.as_llops` (which raises for the cases
         without a rank-1 form, e.g. PSF of degree 3). LLoPS maps (an
-        :class:`~sketchlab.featuremaps.LLoPSMap`, both sides, or a pair ``(map_q, map_k)``), an object with
-        ``as_llops()``, or any sketch :func:`sketchlab.featuremaps.to_llops.as_llops` converts, of ``prod(batch)`` heads
+        :class:`~sketchlab.featuremaps.LLoPSMap`, both sides, or a pair ``(map_q, map_k)``), or any maps
+        :func:`sketchlab.featuremaps.to_llops.as_llops` converts, of ``prod(batch)`` heads
         (the batch flattened row-major) or one head shared by all, with matching ``p``, ``d``, at most ``m``
         features and rank ``<= rank``, is used as is. Missing CP terms and columns are filled
         with small Gaussian ones (``1e-3`` of the factors' RMS) so that alternating least squares
@@ -182,7 +172,7 @@ def llops_init(q, k, *, p: int, m: int, rank: int = 1, init="svd", seed: int = 0
         elif init in ("based", "psf"):
             return llops_init(q, k, p=p, m=m, rank=rank, init=_special_case(init, q, k, p, m, seed), seed=seed)
         else:
-            raise ValueError(f"init must be one of {INITS}, LLoPS maps, or a sketch with as_llops(); got {init!r}")
+            raise ValueError(f"init must be one of {INITS}, LLoPS maps, or maps sketchlab.as_llops converts; got {init!r}")
     else:
         theta_q, theta_k = _given_thetas(init)  # [H', t', p', d', m'] each
         heads = q64.shape[0]
