@@ -19,8 +19,8 @@ from sketchlab.attention.memory import (
     memory_attention,
     memory_attention_naive,
 )
-from sketchlab.attention.memory_state import unit
 from sketchlab.attention.ops.additive.naive import feature_attention_naive
+from sketchlab.attention.ops.delta.beta import unit
 from sketchlab.attention.ops.delta.naive import delta_rule_naive
 from sketchlab.attention.ops.hybrid import local_far_masks
 from sketchlab.attention.options import AttentionOptions, FarParams

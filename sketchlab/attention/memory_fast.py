@@ -22,11 +22,13 @@ from __future__ import annotations
 import torch
 
 from ._checks import denominator_counts, report_denominators
-from .memory_state import MemoryState, empty_memory_state, far_beta, far_log_decay, unit
+from .memory_state import MemoryState, empty_memory_state
 from .ops.cache.chunk import exact_part
 from .ops.cache.recurrent import decode
 from .ops.cache.schedule import schedule, take_rows
 from .ops.decayed.chunk import decayed_linear_core
+from .ops.decayed.decay import far_log_decay
+from .ops.delta.beta import far_beta, unit
 from .ops.delta.chunk import delta_rule_core
 from .ops.hybrid import combine, combine_delta, gate_weight
 

@@ -1,12 +1,13 @@
 r"""The state and the argument checks of memory attention (DESIGN §7), shared by the definition
 (:mod:`sketchlab.attention.memory`), the fast path (:mod:`sketchlab.attention.memory_fast`) and its
-schedule (:mod:`sketchlab.attention.ops.cache.schedule`): :class:`MemoryState`, the entry checks, and
-the small formulas every path uses (gate, decay, β, unit keys, the cache's score).
+schedule (:mod:`sketchlab.attention.ops.cache.schedule`): :class:`MemoryState` and the entry checks. The
+formulas every path uses live with their mechanism: the decay in :mod:`sketchlab.attention.ops.decayed.decay`,
+β and the unit keys in :mod:`sketchlab.attention.ops.delta.beta`, the cache's score in
+:mod:`sketchlab.attention.ops.cache.score`.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -17,8 +18,7 @@ from ._checks import check_all_finite, check_finite_once, check_flag, check_key_
 from .options import AttentionOptions, FarParams
 from .state import TensorState, state_dtype
 
-__all__ = ["check_far_params", "check_memory_call", "check_memory_state", "empty_memory_state", "far_beta",
-           "far_log_decay", "MemoryState", "recall_error", "recall_score", "unit"]
+__all__ = ["check_far_params", "check_memory_call", "check_memory_state", "empty_memory_state", "MemoryState"]
 
 
 # ------------------------------------------------------------------------------------------------ the state
@@ -278,89 +278,3 @@ def check_memory_call(phi_q, phi_k, v, q, k, options, params, degree, key_paddin
                            state=state, sig=sig, final=output_final_state, B=B, T=T, H=H, M=M, D=D, Dv=Dv, w=w, s=options.sinks,
                            K=options.cache, scale=scale, work=work, in_dtype=phi_q.dtype,
                            normalize=options.normalize or "sum", delta=options.state == "delta")
-
-
-def far_log_decay(call, v: torch.Tensor, real: torch.Tensor | None) -> torch.Tensor | None:
-    r"""The decay of each step, :math:`\log\gamma_t`, from the options and the far parameters.
-
-    Parameters
-    ----------
-    call : namespace
-        A checked memory call (:func:`check_memory_call`).
-    v : Tensor ``[B, T, H, Dv]``
-        The values (``decay="input"`` reads them).
-    real : Tensor ``[B, T]`` bool or None
-        Real tokens: a pad does not decay the state (0 there).
-
-    Returns
-    -------
-    Tensor ``[B, T, H]`` or None (no decay)
-    """
-    o, f = call.o, call.far
-    if o.decay is None or o.decay == 1.0:
-        return None
-    if o.decay == "head":
-        lg = torch.nn.functional.logsigmoid(f["decay_bias"].to(v.dtype)).expand(v.shape[0], v.shape[1], -1)
-    elif o.decay == "input":
-        lg = torch.nn.functional.logsigmoid(f["decay_bias"].to(v.dtype) + (v * f["decay_weight"].to(v.dtype)).sum(-1))
-    else:
-        lg = torch.full(v.shape[:3], math.log(o.decay), dtype=v.dtype, device=v.device)
-    return lg if real is None else torch.where(real[:, :, None], lg, lg.new_zeros(()))
-
-
-def far_beta(call, v: torch.Tensor) -> torch.Tensor:
-    r"""The delta rule's write strength :math:`\beta = \sigma(b + w\cdot v)` of keys with values ``v``.
-
-    Parameters
-    ----------
-    call : namespace
-        A checked memory call (:func:`check_memory_call`).
-    v : Tensor ``[..., H, Dv]``
-
-    Returns
-    -------
-    Tensor ``[..., H]``
-    """
-    f = call.far
-    x = f["beta_bias"].to(v.dtype).expand(v.shape[:-1])
-    if f["beta_weight"] is not None:
-        x = x + (v * f["beta_weight"].to(v.dtype)).sum(-1)
-    return torch.sigmoid(x)
-
-
-def unit(x: torch.Tensor) -> torch.Tensor:
-    r"""``x / ‖x‖`` along the last axis, 0 where ``x = 0`` (a null event): the delta rule's ``k̂, q̂``."""
-    fi = torch.finfo(x.dtype)
-    return x / x.norm(dim=-1, keepdim=True).clamp_min(fi.tiny * fi.eps)  # the least subnormal: any ‖x‖ > 0 as is
-
-
-def recall_error(S, z, phi, v, *, delta: bool, eps: float) -> torch.Tensor:
-    r"""The cache score :math:`\lVert v - r(k)\rVert^2` of keys (``phi [..., M]``, ``v [..., Dv]``)
-    against the state ``S [..., M, Dv]``, ``z [..., M]`` (leading axes broadcast): additive
-    :math:`r = S^\top\phi/(z\cdot\phi + \varepsilon)` (0 where that denominator is 0: an empty state with
-    ``eps = 0``), delta :math:`r = S^\top\hat k`. No gradient."""
-    with torch.no_grad():
-        if delta:
-            r = (unit(phi)[..., None, :] @ S)[..., 0, :]  # [..., Dv]
-        else:
-            den = (phi * z).sum(-1, keepdim=True) + eps
-            r = (phi[..., None, :] @ S)[..., 0, :] / torch.where(den == 0, 1.0, den)  # an empty state (eps = 0): r = 0
-        return (v - r).square().sum(-1)
-
-
-def recall_score(S64: torch.Tensor, scale: torch.Tensor | None, phi: torch.Tensor, v: torch.Tensor, *, delta: bool,
-                 eps: float) -> torch.Tensor:
-    r"""The cache's score :math:`\lVert v - r\rVert^2` of keys (``phi [B, H, n, M]``, ``v [B, H, n, Dv]``)
-    against the float64 far state ``scale·S64`` (``S64 [B, H, M, Dv (+ 1)]``: ``S``, with ``z`` as one
-    more column when additive; ``scale [B, H, 1, 1]`` or None for 1), as the schedule computes it: one
-    product for the read and its denominator, then the scale; additive :math:`r = S^\top\phi/(z\cdot\phi
-    + \varepsilon)` (0 where that denominator is 0), delta :math:`r = S^\top\hat k` (``k̂`` in float64) →
-    ``[B, H, n]`` float64. The decoding steps' choices (``ops.cache.recurrent``, ``RecurrentStep``)."""
-    phi = phi.double()
-    r = (unit(phi) if delta else phi) @ S64  # [B, H, n, Dv (+ 1)]
-    if scale is not None:
-        r = r * scale
-    if not delta:
-        den = r[..., -1:] + eps
-        r = r[..., :-1] / den.masked_fill_(den == 0, 1.0)
-    return (v.double() - r).square().sum(-1)

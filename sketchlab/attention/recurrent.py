@@ -44,8 +44,10 @@ import torch
 
 from ..polynomial import self_tensor
 from ._checks import report_denominators
-from .memory_state import MemoryState, check_far_params, recall_score, unit
+from .memory_state import MemoryState, check_far_params
 from .ops.cache import fused_recurrent as compiled
+from .ops.cache.score import recall_score
+from .ops.delta.beta import unit
 from .options import AttentionOptions
 from .state import AttentionState
 

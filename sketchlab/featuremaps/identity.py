@@ -2,7 +2,7 @@ r"""The identity map, :math:`\phi(x) = x`: :class:`IdentityMap` (``"identity"``)
 
 DeltaNet's feature map (Schlag, Irie, Schmidhuber 2021; Yang et al. 2024, flash-linear-attention's
 ``DeltaNet`` with no query/key activation): the keys themselves, ``M = D`` features, no parameters.
-With ``state="delta"`` the rule L2-normalises them (:func:`sketchlab.attention.memory_state.unit`), which
+With ``state="delta"`` the rule L2-normalises them (:func:`sketchlab.attention.ops.delta.beta.unit`), which
 is DeltaNet's ``qk_norm="l2"``. The kernel ``qᵀk`` is signed (degree 1): in a normalised additive
 attention the toy model and :func:`sketchlab.attention.linear_attention` self-tensor it by default
 (``(qᵀk)² >= 0``); the delta rule has no denominator and takes it as it is.

@@ -5,7 +5,7 @@ Importing this module registers the toy attention ``"sliding-window"`` (option `
 recent keys, the query's own included) and the feature map ``"silu"`` (:class:`SiLUMap`,
 ``φ(x) = silu(x) = x·σ(x)``, ``M = D``) with its :class:`~sketchlab.tasks.ToyKernel`. DeltaNet (Yang et al.
 2024, flash-linear-attention's default ``DeltaNet``) is ``"silu"`` with ``state="delta"``: the delta rule
-L2-normalises ``φ(q), φ(k)`` (:func:`sketchlab.attention.memory_state.unit`), ``beta="input"`` makes β a
+L2-normalises ``φ(q), φ(k)`` (:func:`sketchlab.attention.ops.delta.beta.unit`), ``beta="input"`` makes β a
 function of the token, and the toy model's ``short_conv`` is its short convolution (on the block's input,
 shared by ``q, k, v``, where DeltaNet convolves each of them).
 

@@ -11,9 +11,12 @@ from __future__ import annotations
 import torch
 
 from ..._checks import denominator_counts, report_denominators
-from ...memory_state import MemoryState, empty_memory_state, far_log_decay, recall_error, unit
+from ...memory_state import MemoryState, empty_memory_state
+from ..decayed.decay import far_log_decay
 from ..decayed.naive import additive_write, decay_step
+from ..delta.beta import unit
 from ..delta.naive import delta_write
+from .score import recall_error
 
 __all__ = ["memory_naive"]
 

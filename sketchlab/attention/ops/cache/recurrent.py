@@ -18,8 +18,11 @@ from __future__ import annotations
 import torch
 
 from ..._checks import denominator_counts, report_denominators
-from ...memory_state import MemoryState, far_beta, far_log_decay, recall_score, unit, vouch
+from ...memory_state import MemoryState, vouch
+from ..decayed.decay import far_log_decay
+from ..delta.beta import far_beta, unit
 from ..hybrid import combine_delta, gate_weight, local_weights, mix
+from .score import recall_score
 
 __all__ = ["decode"]
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ...memory_state import far_beta
+from ..delta.beta import far_beta
 
 __all__ = ["schedule", "take_rows"]
 
@@ -44,7 +44,7 @@ def _lanes(x: torch.Tensor, L: int) -> torch.Tensor:
 
 def _recall(num: torch.Tensor, v: torch.Tensor, *, eps: float) -> torch.Tensor:
     r"""The additive recall error :math:`\lVert v - r\rVert^2` from the state's read ``num = [Sᵀφ, z·φ]``
-    ``[..., Dv + 1]`` (:func:`sketchlab.attention.memory_state.recall_error`)."""
+    ``[..., Dv + 1]`` (:func:`sketchlab.attention.ops.cache.score.recall_error`)."""
     den = num[..., -1:] + eps
     return (v - num[..., :-1] / torch.where(den == 0, 1.0, den)).square().sum(-1)
 
