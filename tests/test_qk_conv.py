@@ -219,6 +219,11 @@ def test_a_converted_model_generates_pads_and_round_trips(tmp_path):
         padded = model(input_ids=batch, attention_mask=batch_mask, position_ids=positions).logits
         alone = model(input_ids=ids[:1]).logits
     torch.testing.assert_close(padded[0, 3:], alone[0], rtol=1e-9, atol=1e-9)
+    # decoding after that reordered prefill continues the row exactly: the state carries the tails of the q, k the
+    # op convolves (q·c, k·c; raw tails were off by c = D^-1/4 on every later token, ~7e-4 in the logits)
+    gen = dict(max_new_tokens=4, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    both, one = model.generate(batch, attention_mask=batch_mask, **gen), model.generate(ids[:1], **gen)
+    torch.testing.assert_close(torch.stack(both.logits, 1)[0], torch.stack(one.logits, 1)[0], rtol=1e-9, atol=1e-9)
     save_linearized(model, tmp_path / "lin")
     fresh = load_linearized(tmp_path / "lin", _llama())
     assert fresh.config.sketchlab["qk_conv"] == K

@@ -178,7 +178,8 @@ class SketchedAttention(LinearAttentionCore):
             keep = padding[:, :, None, None].to(q.dtype)
             q, k = q * keep, k * keep
         (q, tail_q), (k, tail_k) = causal_conv(q, self.far.conv_q), causal_conv(k, self.far.conv_k)
-        return q, k, (tail_q, tail_k)
+        c = self.input_scale  # the state carries the tails of the q, k the op convolves: q·c, k·c (forward's)
+        return q, k, (tail_q * c, tail_k * c)
 
 
 class LayerDecoder:
