@@ -14,7 +14,7 @@ from tests.test_convert import TOL64, _greedy_by_full_forward, _llama
 
 #: conversions: the benchmark's (window + sinks + cache + decayed far state; the same with exact layers),
 #: LLoPS maps (their features of q and k in one product), self-tensored features, the delta rule, and
-#: pure linear attention
+#: pure linear attention, and the short convolution of q, k (its tails carried by the decoder's ConvStep)
 CONVERSIONS = {
     "cache+decay": dict(attention="hedgehog", m=8, window=3, sinks=1, cache=3, decay="input"),
     "cache+decay+exact": dict(attention="hedgehog", m=8, window=3, sinks=1, cache=3, decay="input", exact_layers=[1]),
@@ -23,6 +23,8 @@ CONVERSIONS = {
     "llops-memory-lifted": dict(attention="llops", m=4, window=3, sinks=1, non_negative=True, decay=0.9),
     "gated-delta+cache": dict(attention="hedgehog", m=8, window=3, sinks=1, state="delta", decay="head", cache=2),
     "linear": dict(attention="hedgehog", m=8, window=0),
+    "qk_conv+cache+decay": dict(attention="hedgehog", m=8, window=3, sinks=1, cache=3, decay="input", qk_conv=3),
+    "llops+qk_conv": dict(attention="llops", m=6, window=3, sinks=1, qk_conv=4),
 }
 
 
@@ -61,7 +63,7 @@ def test_generate_decodes_through_the_lean_steps(name, monkeypatch):
     assert kinds <= {AttentionState, MemoryState, KVState}
 
 
-@pytest.mark.parametrize("name", ["cache+decay+exact", "llops-lifted", "gated-delta+cache"])
+@pytest.mark.parametrize("name", ["cache+decay+exact", "llops-lifted", "gated-delta+cache", "qk_conv+cache+decay"])
 def test_lean_logits_equal_the_reference_path(name):
     """Token by token, the logits of a forward call with grad enabled (the reference path: one public call
     per layer with the state) and under no_grad (the lean steps) agree to float64 round-off, and so do
@@ -81,9 +83,10 @@ def test_lean_logits_equal_the_reference_path(name):
         step = lean[:, -1:].argmax(-1)
     for a, b in zip(caches[0].layers, caches[1].layers):
         sa, sb = a.state, b.state
-        for f in ("S", "z", "k", "v", "k_window", "v_window", "phi_window", "k_cache", "score_cache"):
-            if hasattr(sb, f):
+        for f in ("S", "z", "k", "v", "k_window", "v_window", "phi_window", "k_cache", "score_cache", "conv_q", "conv_k"):
+            if getattr(sb, f, None) is not None:
                 torch.testing.assert_close(getattr(sa, f), getattr(sb, f).detach(), **TOL64)
+        assert (getattr(sa, "conv_q", None) is None) == (getattr(sb, "conv_q", None) is None)
         assert sa.offset == sb.offset
 
 

@@ -7,12 +7,14 @@ Tolerances (float64): 1e-12 where one computation is compared with its written-o
 O(1) values), 1e-10 where a chunked path meets a token-by-token one (as ``test_memory.py``).
 """
 
+import dataclasses
+
 import pytest
 import torch
 
 import sketchlab as sl
 from sketchlab.attention import AttentionOptions, FarParams, linear_attention
-from sketchlab.attention.qk_conv import causal_conv, causal_conv_naive, identity_conv_weight
+from sketchlab.attention.qk_conv import ConvStep, causal_conv, causal_conv_naive, identity_conv_weight
 from sketchlab.featuremaps import HedgehogMap, LLoPSMap
 
 B, T, H, D, K = 2, 13, 2, 4, 4
@@ -242,3 +244,37 @@ def test_linearize_trains_the_convolution():
     moved = [float((s.far.conv_q.detach() - identity_conv_weight(*s.far.conv_q.shape, dtype=s.far.conv_q.dtype)).abs().max())
              for s in converted_modules(model)]
     assert min(moved) > 0
+
+
+def test_the_lean_step_convolves_one_token_as_the_call_does():
+    """ConvStep (the decoding step's ring) continues a state's tails token by token as causal_conv_naive does
+    over the whole sequence (float64 round-off), writes the tails out in position order, sees the weights
+    changed in place (a training step) at the next token, and refuses a state without tails."""
+    B, T, H, D = 2, 9, 3, 4
+    options = AttentionOptions(qk_conv=K)
+    params = FarParams(options, H, D, dim=D).double()
+    with torch.no_grad():
+        params.conv_q.add_(_rand(H, D, K, seed=1, scale=0.5))
+        params.conv_k.add_(_rand(H, D, K, seed=2, scale=0.5))
+    q, k = _rand(B, T, H, D, seed=3), _rand(B, T, H, D, seed=4)
+    split = 2  # fewer tokens than K - 1 before the split: part of the first tail is the zeros before the sequence
+    fmap = HedgehogMap(H, D, m=4, seed=0, dtype=torch.float64)
+    _, state = linear_attention(q[:, :split], k[:, :split], q[:, :split], fmap, options=options, params=params,
+                                output_final_state=True)  # the tails as the op carries them
+    step = ConvStep.from_state(state, options=options, params=params)
+    heads = lambda x: x.transpose(1, 2).reshape(B * H, 1, D)  # noqa: E731  [B, 1, H, D] -> [B·H, 1, D]
+    want_q, _ = causal_conv_naive(q, params.conv_q)
+    want_k, _ = causal_conv_naive(k, params.conv_k)
+    for t in range(split, T - 1):
+        yq, yk = step(heads(q[:, t:t + 1]), heads(k[:, t:t + 1]))
+        torch.testing.assert_close(yq, heads(want_q[:, t:t + 1]), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(yk, heads(want_k[:, t:t + 1]), rtol=1e-12, atol=1e-12)
+    got_q, got_k = step.tails()
+    torch.testing.assert_close(got_q, q[:, T - K:T - 1])
+    torch.testing.assert_close(got_k, k[:, T - K:T - 1])
+    with torch.no_grad():  # a training step in place: the next token reads the new taps
+        params.conv_q.mul_(2.0)
+    yq, _ = step(heads(q[:, T - 1:]), heads(k[:, T - 1:]))
+    torch.testing.assert_close(yq, heads(2.0 * want_q[:, T - 1:]), rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="conv_q must be the short convolution's tail"):
+        ConvStep.from_state(dataclasses.replace(state, conv_q=None), options=options, params=params)

@@ -12,7 +12,9 @@ at the start), so a state split anywhere equals the whole. The identity start
 The weights live in :class:`~sketchlab.attention.FarParams` (``conv_q``, ``conv_k``), the tails in
 the state (``conv_q``, ``conv_k`` of :class:`~sketchlab.attention.AttentionState` and
 :class:`~sketchlab.attention.MemoryState`). Both the exact and the sketched part see the convolved
-q, k (the one q, k of the layer).
+q, k (the one q, k of the layer). :func:`causal_conv` runs a call (training, prefill, the op's one-token
+call); :class:`ConvStep` is the lean decoding step (in place, checked once); :func:`causal_conv_naive` is
+the float64 twin of both.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch.nn.functional as F
 from ._checks import check_key_padding_mask, check_segments
 from .options import identity_conv_weight  # re-exported: the start of FarParams.conv_q/conv_k
 
-__all__ = ["causal_conv", "causal_conv_naive", "identity_conv_weight", "with_qk_conv"]
+__all__ = ["ConvStep", "causal_conv", "causal_conv_naive", "identity_conv_weight", "with_qk_conv"]
 
 
 def causal_conv(x: torch.Tensor, weight: torch.Tensor, tail: torch.Tensor | None = None):
@@ -115,3 +117,75 @@ def with_qk_conv(run, q, k, v, *, options, params, initial_state, output_final_s
         return out
     o, state = out
     return o, dataclasses.replace(state, conv_q=tq, conv_k=tk)
+
+
+class ConvStep:
+    r"""The short convolution of one decoded token at a time, in place (inference; no gradient): the lean
+    decoding step's companion (:class:`sketchlab.attention.recurrent.RecurrentStep` takes the convolved
+    q, k; the caller evaluates the feature maps between the two).
+
+    The last ``K`` inputs of q and of k sit in one ring ``X [2, B·H, D, K]`` (input ``t`` in column
+    ``t mod K``, the tails placed so the first new token lands in column 0); token ``t``'s output is one
+    product with the taps rotated to that phase, :math:`y_t = \sum_c X[c]\, w[(c - t - 1) \bmod K]`,
+    all ``K`` rotations made once per version of the weights (an optimiser's step in place is seen at
+    the next token). Equal to :func:`causal_conv` on one token with the carried tail (tested in float64).
+
+    Build it with :meth:`from_state`; :meth:`__call__` per token; :meth:`tails` writes the tails out.
+    """
+
+    def __init__(self):  # use from_state
+        raise TypeError("build a ConvStep with ConvStep.from_state(state, options=..., params=...)")
+
+    @classmethod
+    @torch.no_grad()
+    def from_state(cls, state, *, options, params) -> ConvStep:
+        """The step continuing ``state`` (an :class:`AttentionState` or :class:`MemoryState` a call with
+        ``options`` returned: its ``conv_q``, ``conv_k`` tails ``[B, K − 1, H, D]``, checked here once) with
+        the weights ``params.conv_q``, ``params.conv_k`` ``[H, D, K]``."""
+        if not options.qk_conv:
+            raise ValueError("a ConvStep needs options.qk_conv > 0")
+        if params is None or getattr(params, "conv_q", None) is None:
+            raise ValueError(f"qk_conv={options.qk_conv} needs its weights params.conv_q and params.conv_k")
+        H, D, K = params.conv_q.shape
+        B = state.S.shape[0]
+        probe = state.S.new_empty(B, 1, H, D)
+        tq, tk = _tails(state, options, probe, probe)
+        self = object.__new__(cls)
+        self.params, self.B, self.H, self.D, self.K, self.t, self._version = params, B, H, D, K, 0, None
+        tails = torch.stack([tq, tk])  # [2, B, K − 1, H, D]
+        self.X = tails.new_zeros(2, B * H, D, K)
+        self.X[..., 1:] = tails.permute(0, 1, 3, 4, 2).reshape(2, B * H, D, K - 1)  # inputs −K+1 … −1: columns 1 … K−1
+        self._weights()
+        return self
+
+    def _weights(self) -> None:
+        """The taps rotated to each phase, ``[K, 2, B·H, D, K]``, made once per version of the weights."""
+        p = self.params
+        key = tuple((id(w), w._version) for w in (p.conv_q, p.conv_k))
+        if key == self._version:
+            return
+        with torch.no_grad():
+            w = torch.stack([p.conv_q, p.conv_k]).detach().to(self.X.dtype)  # [2, H, D, K]
+            if not bool(torch.isfinite(w).all()):
+                raise ValueError("the short convolution's weights (params.conv_q, conv_k) hold a value that is not finite")
+            w = w.repeat(1, self.B, 1, 1)  # [2, B·H, D, K]
+            self.phases = torch.stack([w.roll(r + 1, -1) for r in range(self.K)])
+        self._version = key
+
+    @torch.inference_mode()
+    def __call__(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``q, k [B·H, 1, D]`` (one token, heads batch-major) → their convolutions, the same shapes (inference
+        tensors in the ring's dtype); the ring moves on by one token."""
+        self._weights()
+        r = self.t % self.K
+        self.X[0, :, :, r] = q.view(-1, self.D)
+        self.X[1, :, :, r] = k.view(-1, self.D)
+        self.t += 1
+        y = torch.linalg.vecdot(self.X, self.phases[r])  # [2, B·H, D]
+        return y[0, :, None], y[1, :, None]
+
+    def tails(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last ``K − 1`` inputs of q and of k in position order, ``[B, K − 1, H, D]`` each (new tensors)."""
+        cols = [(self.t + j) % self.K for j in range(1, self.K)]  # inputs t − K + 1 … t − 1
+        x = self.X[..., cols].reshape(2, self.B, self.H, self.D, self.K - 1).permute(0, 1, 4, 2, 3)
+        return x[0].clone(), x[1].clone()

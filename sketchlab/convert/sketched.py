@@ -161,12 +161,9 @@ class SketchedAttention(LinearAttentionCore):
     def decoder(self, state, scaling: float | None = None) -> LayerDecoder | None:
         """The lean decoding step of this layer continuing ``state`` (what :meth:`forward` returned with
         ``output_final_state``): :class:`LayerDecoder`, for inference (no gradient); None for a state
-        of another kind (an attention substituted for this one's) or a layer with ``qk_conv`` (the step
-        does not carry the convolution's tails: such a layer decodes through :meth:`forward`)."""
+        of another kind (an attention substituted for this one's)."""
         from ..attention import AttentionState, MemoryState
 
-        if self.options.qk_conv:  # the lean step has no short convolution: the op decodes it
-            return None
         return LayerDecoder(self, state, scaling) if isinstance(state, (AttentionState, MemoryState)) else None
 
     def convolve(self, q: torch.Tensor, k: torch.Tensor, padding: torch.Tensor | None):
@@ -183,8 +180,9 @@ class SketchedAttention(LinearAttentionCore):
 
 
 class LayerDecoder:
-    r"""One converted layer decoding one token at a time: its maps' features once per token, then
-    :class:`sketchlab.attention.recurrent.RecurrentStep` (in place, checked once per state and per
+    r"""One converted layer decoding one token at a time: the short convolution of q, k where the layer has one
+    (:class:`sketchlab.attention.qk_conv.ConvStep`), its maps' features once per token, then
+    :class:`sketchlab.attention.recurrent.RecurrentStep` (each in place, checked once per state and per
     parameter version).
 
     Equal to :meth:`SketchedAttention.forward` on one token with the state (tested): the far part sees
@@ -194,6 +192,7 @@ class LayerDecoder:
     """
 
     def __init__(self, sketch: SketchedAttention, state, scaling: float | None):
+        from ..attention.qk_conv import ConvStep
         from ..attention.recurrent import RecurrentStep
         from ..featuremaps import LLoPSMap
         from ..featuremaps.hedgehog import HedgehogMap, hedgehog_pair_features
@@ -209,6 +208,7 @@ class LayerDecoder:
         self.step_ = RecurrentStep.from_state(
             state, options=options, params=sketch.far, gate=sketch.gate, degree=getattr(fm_q, "degree", None),
             lift=lifted and not memory, non_negative=lifted or (fm_q.non_negative and fm_k.non_negative))
+        self.conv = ConvStep.from_state(state, options=options, params=sketch.far) if options.qk_conv else None
         self.heads, self.c, self.B = sketch.heads, c, state.S.shape[0]
         if isinstance(fm_q, LLoPSMap) and isinstance(fm_k, LLoPSMap):
             from ..llops.maps import llops_pair_features
@@ -237,7 +237,11 @@ class LayerDecoder:
 
     def state(self):
         """The state after the tokens so far (as :meth:`SketchedAttention.forward` returns it)."""
-        return self.step_.state()
+        state = self.step_.state()
+        if self.conv is None:
+            return state
+        tq, tk = self.conv.tails()
+        return dataclasses.replace(state, conv_q=tq, conv_k=tk)
 
     @torch.inference_mode()
     def step(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
@@ -250,6 +254,8 @@ class LayerDecoder:
         q = (query * c).view(B * H, 1, -1)
         k = torch.mul(rep(key), c).view(B * H, 1, -1)
         v = rep(value).reshape(B * H, 1, -1)
+        if self.conv is not None:
+            q, k = self.conv(q, k)
         fq, fk = self.features(q, k)
         if self.lift is not None:
             fq, fk = self.lift(fq), self.lift(fk)
