@@ -46,7 +46,7 @@ import math
 import torch
 from torch import nn
 
-from ..attention.layer import LinearAttentionCore, rename_keys
+from ..attention.layer import LinearAttentionCore, rename_keys, upgrade_psf_learned_keys
 
 __all__ = ["ATTENTION_NAME", "LayerDecoder", "SketchedAttention", "forget_cache", "hf_attention", "hf_mask",
            "remember_cache", "upgrade_keys"]
@@ -73,9 +73,11 @@ OLD_KEYS = (("feature_map_q.", "map_q."), ("feature_map_k.", "map_k."))
 def upgrade_keys(state_dict: dict, prefix: str) -> dict:
     """Rename, in place, the keys of the converted layer at ``prefix`` (``"model.layers.0.self_attn.sketch."``)
     saved before the one layer core (``feature_map_q.*``, ``feature_map_k.*``: :data:`OLD_KEYS`) to today's
-    (``map_q.*``, ``map_k.*``) and return it; :class:`SketchedAttention` calls it on load, and
-    :func:`~sketchlab.convert.saved.load_linearized` before it matches the saved names to the model's."""
-    return rename_keys(state_dict, prefix, OLD_KEYS)
+    (``map_q.*``, ``map_k.*``), and those of a map saved as ``PSFLearnedMap``
+    (:func:`~sketchlab.attention.layer.upgrade_psf_learned_keys`), and return it; :class:`SketchedAttention` calls
+    it on load, and :func:`~sketchlab.convert.saved.load_linearized` before it matches the saved names to the
+    model's."""
+    return upgrade_psf_learned_keys(rename_keys(state_dict, prefix, OLD_KEYS), prefix)
 
 
 class SketchedAttention(LinearAttentionCore):
