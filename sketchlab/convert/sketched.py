@@ -70,14 +70,38 @@ def check_local_map(feature_map: nn.Module, *, window: int, local: str) -> None:
 OLD_KEYS = (("feature_map_q.", "map_q."), ("feature_map_k.", "map_k."))
 
 
+def _sketch_adapter_keys(state_dict: dict, prefix: str) -> list[tuple[str, str]]:
+    """``(old, new)`` key pairs under ``prefix`` of a module sketch saved through acaf206's ``SketchMap`` adapter
+    (``convert_attention(feature_map=<fitted Sketch>)``: the MLP and element-wise sketches), whose every side held
+    the whole sketch: ``map_q.sketch.w1_q`` → ``map_q.w1``, ``map_k.sketch.theta_k`` → ``map_k.theta`` (the
+    element-wise sketch's rank-1 ``[H, D, M]`` given today's rank axis, ``[H, 1, D, M]``, in ``state_dict`` here).
+    The other side's tensors of each copy (``map_q.sketch.w1_k``: never read by the query side) are dropped from
+    ``state_dict`` here; any other key under ``.sketch.`` is left, to be named as unexpected."""
+    pairs = []
+    for side, other in (("q", "k"), ("k", "q")):
+        inner = f"map_{side}.sketch."
+        for key in [k for k in state_dict if k.startswith(prefix + inner)]:
+            name = key.removeprefix(prefix + inner)
+            if name == f"theta_{side}" and state_dict[key].ndim == 3:  # ElementwiseSketch: [H, D, M]
+                state_dict[key] = state_dict[key].unsqueeze(1)
+            if name.endswith(f"_{side}"):
+                pairs.append((inner + name, f"map_{side}.{name.removesuffix(f'_{side}')}"))
+            elif name.endswith(f"_{other}"):
+                del state_dict[key]
+    return pairs
+
+
 def upgrade_keys(state_dict: dict, prefix: str) -> dict:
     """Rename, in place, the keys of the converted layer at ``prefix`` (``"model.layers.0.self_attn.sketch."``)
     saved before the one layer core (``feature_map_q.*``, ``feature_map_k.*``: :data:`OLD_KEYS`) to today's
-    (``map_q.*``, ``map_k.*``), and those of a map saved as ``PSFLearnedMap``
-    (:func:`~sketchlab.attention.layer.upgrade_psf_learned_keys`), and return it; :class:`SketchedAttention` calls
-    it on load, and :func:`~sketchlab.convert.saved.load_linearized` before it matches the saved names to the
-    model's."""
-    return upgrade_psf_learned_keys(rename_keys(state_dict, prefix, OLD_KEYS), prefix)
+    (``map_q.*``, ``map_k.*``), those of a fitted module sketch saved through acaf206's adapter
+    (``map_q.sketch.w1_q`` → ``map_q.w1``: :func:`_sketch_adapter_keys`) and those of a map saved as
+    ``PSFLearnedMap`` (:func:`~sketchlab.attention.layer.upgrade_psf_learned_keys`), and return it;
+    :class:`SketchedAttention` calls it on load, and :func:`~sketchlab.convert.saved.load_linearized` before it
+    matches the saved names to the model's."""
+    rename_keys(state_dict, prefix, OLD_KEYS)
+    rename_keys(state_dict, prefix, _sketch_adapter_keys(state_dict, prefix))
+    return upgrade_psf_learned_keys(state_dict, prefix)
 
 
 class SketchedAttention(LinearAttentionCore):
