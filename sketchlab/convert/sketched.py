@@ -130,9 +130,12 @@ class SketchedAttention(LinearAttentionCore):
     normalize : str or None
         Passed to the attention (``None``: its default).
     non_negative : bool or None
-        Self-tensor the features; ``None``: decided for the maps by :meth:`AttentionOptions.resolve
-        <sketchlab.attention.AttentionOptions.resolve>`, the op's one rule (:attr:`non_negative` reads the
-        decision; the lean decoder follows it).
+        Self-tensor the features; ``None`` (default, as :class:`~sketchlab.attention.LLoPSAttention`'s): decided for
+        the maps by :meth:`AttentionOptions.resolve <sketchlab.attention.AttentionOptions.resolve>`, the op's one
+        rule (:attr:`non_negative` reads the decision; the lean decoder follows it), on each call: a map whose sign
+        may change as it trains (LLoPS's factors drifting apart) may then change the feature count, so
+        :func:`~sketchlab.convert.convert_attention` passes its own value, ``False`` unless asked, fixed at
+        conversion.
     eps : float
         Added to the denominator.
     causal : bool
@@ -147,7 +150,7 @@ class SketchedAttention(LinearAttentionCore):
 
     def __init__(self, feature_map_q: nn.Module, feature_map_k: nn.Module, *, heads: int, head_dim: int,
                  window: int, sinks: int, local: str = "softmax", gate: bool = True, normalize: str | None = None,
-                 non_negative: bool | None = False, eps: float = 1e-6, causal: bool = True, cache: int = 0,
+                 non_negative: bool | None = None, eps: float = 1e-6, causal: bool = True, cache: int = 0,
                  decay=None, state: str = "additive", beta: str = "head", qk_conv: int = 0):
         from ..attention.options import AttentionOptions
 
