@@ -1,6 +1,6 @@
 """Figure 3 on our data: kernel error and feature-map forward time vs sketch size m ∈ {32, 64, 128, 256}.
 
-For each m and each method (optimal, llops, mlp, psf, tensorsketch, based), fits the sketch with
+For each m and each method (optimal, llops, mlp, psf-random, tensorsketch, based-expand), fits the sketch with
 :func:`sketchlab.fit_sketch` on the heads of one layer of the shipped dump (all heads batched, the
 held-out split of :func:`sketchlab.compare`), records rel_fro and ×optimum (‖Â−A‖_F/√tail) on the
 fitting tokens, and times the forward pass of the query feature map on all n tokens of those heads
@@ -36,7 +36,7 @@ from sketchlab.io import atomic_write  # noqa: E402
 from sketchlab.plots import save_figure  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-METHODS = ("optimal", "llops", "mlp", "psf", "tensorsketch", "based")
+METHODS = ("optimal", "llops", "mlp", "psf-random", "tensorsketch", "based-expand")
 
 
 @dataclass(frozen=True)

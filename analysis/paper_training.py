@@ -13,7 +13,7 @@ model and differs only in the attention kernel:
 * ``softmax``; ``poly`` (exact polynomial attention, p = 2, quadratic time);
 * ``based`` (BASED's Taylor map ``1 + s + s²/2`` on a 16-dimensional feature projection: 273 features);
 * ``psf`` (PolySketchFormer's random sketch, self-tensored, fixed); ``psf-learned`` (its learned
-  sketch, LN → Linear → GELU → Linear, self-tensored; ``sketchlab.featuremaps.PSFLearnedMap``);
+  sketch, LN → Linear → GELU → Linear, self-tensored; ``sketchlab.featuremaps.psf_learned_map``);
 * ``hedgehog`` (``[softmax(xW), softmax(-xW)]``, W learned, started at the identity, separate query
   and key maps as LoLCATs; ``sketchlab.featuremaps.HedgehogMap``);
 * ``llops`` at degree p and sketch size m, Θ initialised at random (element-wise start) or from

@@ -37,7 +37,6 @@ from .featuremaps import (
     HedgehogMap,
     LLoPSMap,
     MLPMap,
-    PSFLearnedMap,
     PSFRandomMap,
     SelfTensored,
     TaylorMap,
@@ -45,6 +44,7 @@ from .featuremaps import (
     TiedLLoPSMap,
     as_feature_map,
     make_feature_map,
+    psf_learned_map,
 )
 from .featuremaps.to_llops import as_llops
 from .fit import Fit, FitReport, available_sketches, fit_sketch, holdout_split, register_sketch, sketch_fitter
@@ -98,7 +98,6 @@ __all__ = [
     "HedgehogMap",
     "LLoPSMap",
     "MLPMap",
-    "PSFLearnedMap",
     "PSFRandomMap",
     "SelfTensored",
     "TaylorMap",
@@ -107,6 +106,7 @@ __all__ = [
     "as_feature_map",
     "linear_attention",
     "make_feature_map",
+    "psf_learned_map",
     "Check",
     "ComparisonRow",
     "ComparisonTable",

@@ -26,13 +26,14 @@ def _signed():
 
 
 def _adapters(state="additive", window=0, qk_conv=0):
-    """One map (the signed Θ) and one set of options in each adapter, ``non_negative`` left to the default."""
+    """One map (the signed Θ) and one set of options in each adapter, ``non_negative`` left to the module adapters'
+    default (``None``: decided by ``AttentionOptions.resolve``); the toy's ``llops`` fixes ``False`` by its own table
+    (recorded in every checkpoint's config), so it is asked for ``None`` here."""
     theta = _signed()
     block = LLoPSAttention(H * D, H, theta_q=theta, theta_k=theta.flip(-1), dtype=torch.float64, state=state,
                            window=window, qk_conv=qk_conv)
     sketch = SketchedAttention(LLoPSMap(H, D, theta=theta), LLoPSMap(H, D, theta=theta.flip(-1)), heads=H,
-                               head_dim=D, window=window, sinks=0, non_negative=None, state=state,
-                               qk_conv=qk_conv).double()
+                               head_dim=D, window=window, sinks=0, state=state, qk_conv=qk_conv).double()
     cfg = TransformerConfig(vocab_size=11, d_model=H * D, n_heads=H, n_layers=1, mlp_ratio=2, attention="llops",
                             rope_base=None, attention_options={"p": 2, "m": 3, "rank": 2, "non_negative": None,
                                                                "state": state, "window": window, "qk_conv": qk_conv})

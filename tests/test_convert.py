@@ -22,6 +22,7 @@ from torch import nn
 import sketchlab.attention.layer as attn_layer
 import sketchlab.convert.sketched as sketched
 from sketchlab.convert import convert_attention, converted_modules, load_linearized, save_linearized
+from sketchlab.convert.families import ConvertedToyKernel
 from sketchlab.featuremaps import HedgehogMap
 
 # float64 models: the converted forward repeats the teacher's arithmetic in another order
@@ -469,9 +470,11 @@ def test_toy_model_window_covering_the_sequence_reproduces_teacher():
     ids = torch.randint(0, 30, (2, 11))
     with torch.no_grad():
         want = model(ids)
-        convert_attention(model, attention="hedgehog", m=8, window=11, sinks=0, eps=0.0)
+        sketches = convert_attention(model, attention="hedgehog", m=8, window=11, sinks=0, eps=0.0)
         got = model(ids)
     torch.testing.assert_close(got, want, **TOL64)
+    # each toy layer's kernel slot now holds its SketchedAttention, called with the toy's kernel protocol
+    assert [m.sketch for m in model.modules() if isinstance(m, ConvertedToyKernel)] == sketches
 
 
 def test_toy_model_generate_with_state_equals_greedy_full_forward():

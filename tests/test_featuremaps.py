@@ -14,14 +14,16 @@ from sketchlab import (
     FeatureMap,
     HedgehogMap,
     LLoPSMap,
-    PSFLearnedMap,
+    MLPMap,
     SelfTensored,
     TaylorMap,
     linear_attention,
     make_feature_map,
+    psf_learned_map,
 )
 from sketchlab.attention.functional import llops_attention
 from sketchlab.attention.ops.additive.naive import feature_attention_naive
+from sketchlab.featuremaps import InputNormed
 
 TOL64 = 1e-10
 H, D = 2, 4
@@ -36,7 +38,7 @@ def _maps():
         "llops": LLoPSMap(H, D, p=2, m=6, rank=2, seed=1, dtype=torch.float64),
         "exact": ExactPolyMap(H, D, p=2),
         "taylor": TaylorMap(H, D, proj=_rand(H, D, 3, seed=9)),
-        "psf": PSFLearnedMap(H, D, m=5, hidden=7, seed=2, dtype=torch.float64),
+        "psf": psf_learned_map(H, D, m=5, hidden=7, seed=2, dtype=torch.float64),
         "hedgehog": HedgehogMap(H, D, m=6, seed=3, dtype=torch.float64),
         "self": SelfTensored(LLoPSMap(H, D, p=2, m=3, rank=2, seed=4, dtype=torch.float64)),
     }
@@ -72,6 +74,22 @@ def test_kernels_the_maps_promise():
     assert (hh >= 0).all() and (hh[..., :3].sum(-1) - 1).abs().max() < TOL64  # two softmaxes of m/2 each
     # the learned map starts with a LayerNorm: invariant to a shift of x (up to the LN's eps)
     assert (maps["psf"].features(x + 3.0) - maps["psf"].features(x)).abs().max() < 1e-6
+
+
+def test_psf_learned_map_is_the_mlp_on_normed_input_in_the_promoted_dtype():
+    """PolySketchFormer's learned sketch is ``InputNormed(MLPMap)``: GELU(LN(x) W1 + b1) W2 + b2 written out here,
+    and a float32 map on float64 input computes in float64 (the FeatureMap contract), as PSFLearnedMap did."""
+    fmap = psf_learned_map(H, D, m=5, hidden=7, seed=2)  # float32 weights
+    assert isinstance(fmap, InputNormed) and isinstance(fmap.inner, MLPMap) and fmap.degree == 1
+    with torch.no_grad():
+        fmap.weight.uniform_(0.5, 1.5), fmap.bias.uniform_(-0.5, 0.5)  # off the identity affine
+    x = _rand(2, 7, H, D, seed=6)
+    w1, b1, w2, b2 = (getattr(fmap.inner, n).double() for n in ("w1", "b1", "w2", "b2"))
+    y = torch.nn.functional.layer_norm(x, (D,), eps=1e-5) * fmap.weight.double() + fmap.bias.double()
+    want = torch.einsum("bthe,hem->bthm", torch.nn.functional.gelu(torch.einsum("bthd,hde->bthe", y, w1) + b1), w2) + b2
+    out = fmap.features(x)
+    assert out.dtype == torch.float64 and (out - want).abs().max() < TOL64
+    assert (fmap.features_naive(x) - want).abs().max() < TOL64
 
 
 def test_properties_and_factory():

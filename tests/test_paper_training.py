@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sketchlab.featuremaps import HedgehogMap, PSFLearnedMap, SelfTensored
+from sketchlab.featuremaps import HedgehogMap, InputNormed, MLPMap, SelfTensored
 from sketchlab.tasks import TransformerConfig, TransformerLM, copy_shared_weights, kernel_modules
 from sketchlab.tasks.attention import ToyKernel
 
@@ -48,7 +48,8 @@ def test_poly_hedgehog_and_psf_learned_methods_are_the_named_kernels():
     assert isinstance(hh.map_q, HedgehogMap) and isinstance(hh.map_k, HedgehogMap)
     assert torch.equal(hh.map_q.weight[0], torch.eye(D_MODEL))  # m = 2·D: Hedgehog's identity start
     psf = kernel_modules(pt.build_model(table["psf-learned-p4-m256"], D_MODEL, VOCAB, 0))[1]
-    assert isinstance(psf.map_q, SelfTensored) and isinstance(psf.map_q.inner, PSFLearnedMap)
+    assert isinstance(psf.map_q, SelfTensored) and isinstance(psf.map_q.inner, InputNormed)
+    assert isinstance(psf.map_q.inner.inner, MLPMap)
     assert psf.map_q.num_features == 256 and psf.map_q.degree == 4
 
 

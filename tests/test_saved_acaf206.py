@@ -1,6 +1,7 @@
 """Files written by the code before the one-attention-core redesign (acaf206, issue 40) load with equal outputs:
 two converted transformers models saved by ``save_linearized`` (an LLoPS hybrid; Hedgehog with the cache, the
-input decay and the delta state) and a Θ export run by ``LLoPSAttention.from_pretrained``
+input decay and the delta state), three smaller ones converted with a fitted sketch (PSF random, MLP, element-wise:
+the old adapter's keys) and a Θ export run by ``LLoPSAttention.from_pretrained``
 (``tests/data/saved_acaf206``, written once by that commit's code: its ``make_saves.py``).
 
 Tolerance: 1e-10 on float64 logits of O(1): the same formulas, the calls now routed through one op, which may
@@ -12,9 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
 import sketchlab as sl
-from sketchlab.convert import load_linearized
+from sketchlab.convert import convert_attention, load_linearized
 from tests.test_convert import _llama
 
 SAVED = Path(__file__).resolve().parent / "data" / "saved_acaf206"
@@ -38,3 +40,30 @@ def test_a_theta_export_from_before_the_redesign_runs_as_it_did():
     with torch.no_grad():
         y = block(torch.tensor(expected["x"], dtype=torch.float64))
     assert (y - torch.tensor(expected["y"], dtype=torch.float64)).abs().max() < 1e-10
+
+
+def _small_llama():
+    cfg = transformers.LlamaConfig(vocab_size=20, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                   num_key_value_heads=1, intermediate_size=16, max_position_embeddings=32,
+                                   attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg).double().eval()
+
+
+@pytest.mark.parametrize("case", ["psf-random-fitted", "mlp-fitted", "elementwise-fitted"])
+def test_a_conversion_with_a_fitted_sketch_saved_before_the_redesign_loads_with_its_logits(case):
+    """``convert_attention(model, feature_map=<fitted sketch>)`` at acaf206 saved the maps through its SketchMap
+    adapter (a plain sketch's buffers, ``feature_map_q.weights_0``; a module sketch whole under each side,
+    ``feature_map_q.sketch.w1_q``): converted today with today's fit of the same method (other values: the saved
+    ones were moved off the fit), the save loads with its logits."""
+    expected = json.loads((SAVED / case / "expected.json").read_text())
+    fitted = expected["fit"]
+    qk = torch.randn(2, 1, 2, 16, 8, generator=torch.Generator().manual_seed(expected["qk_seed"]), dtype=torch.float64)
+    fit = sl.fit_sketch(fitted["method"], qk[0], qk[1], p=fitted["p"], m=fitted["m"], seed=fitted["seed"],
+                        **fitted["options"])
+    model = _small_llama()
+    convert_attention(model, feature_map=fit, **expected["options"])
+    load_linearized(SAVED / case, model)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor(expected["ids"])).logits
+    assert (logits - torch.tensor(expected["logits"], dtype=torch.float64)).abs().max() < 1e-10

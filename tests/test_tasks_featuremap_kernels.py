@@ -1,5 +1,5 @@
 """The toy model's learned feature-map kernels ``"hedgehog"`` and ``"psf-learned"`` are wired to
-:mod:`sketchlab.featuremaps` (HedgehogMap, PSFLearnedMap): the model's attention equals the
+:mod:`sketchlab.featuremaps` (HedgehogMap, psf_learned_map): the model's attention equals the
 dense float64 attention of those maps on the scaled inputs, their weights are the documented
 draws, trained with the model, and decoding with a state equals the full forward."""
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from sketchlab.attention.ops.additive.naive import feature_attention_naive
-from sketchlab.featuremaps import HedgehogMap, PSFLearnedMap, SelfTensored
+from sketchlab.featuremaps import HedgehogMap, InputNormed, MLPMap, SelfTensored, psf_learned_map
 from sketchlab.tasks import TransformerConfig, TransformerLM, attention_registry, kernel_modules
 from sketchlab.tasks.attention import input_scale
 
@@ -88,15 +88,16 @@ def test_hedgehog_tied_and_hybrid():
 
 
 @pytest.mark.parametrize("tie", [True, False])
-def test_psf_learned_kernel_is_selftensored_psflearnedmap_attention(tie):
+def test_psf_learned_kernel_is_selftensored_psf_learned_map_attention(tie):
     model = tiny("psf-learned", {"p": 4, "m": 10, "hidden": 5, "seed": 2, "tie": tie})
     kernel = kernel_modules(model)[1]
-    assert isinstance(kernel.map_q, SelfTensored) and isinstance(kernel.map_q.inner, PSFLearnedMap)
+    assert isinstance(kernel.map_q, SelfTensored) and isinstance(kernel.map_q.inner, InputNormed)
+    assert isinstance(kernel.map_q.inner.inner, MLPMap)
     # ⌊√10⌋ = 3 inner features, 9 after φ ⊗ φ, standing for degree p = 4; layer 1 from seed + 1
     assert kernel.map_q.num_features == 9 and kernel.map_q.degree == 4
-    ref = PSFLearnedMap(H, D, m=3, hidden=5, degree=2, seed=3).double()  # built in float32, like the model
+    ref = psf_learned_map(H, D, m=3, hidden=5, degree=2, seed=3).double()  # built in float32, like the model
     for name, value in ref.named_parameters():
-        torch.testing.assert_close(getattr(kernel.map_q.inner, name), value, rtol=0, atol=0)
+        torch.testing.assert_close(kernel.map_q.inner.get_parameter(name), value, rtol=0, atol=0)
     assert (kernel.map_k is None) == tie
     if not tie:
         _perturb(kernel.map_k, 3)

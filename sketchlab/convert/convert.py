@@ -29,7 +29,7 @@ from .._validation import DEFAULT_MAX_BYTES, check_memory
 from ..attention._checks import check_eps
 from ..attention.options import check_int, check_real
 from .exact import ExactAttention
-from .families import ToyKernel, attention_sites
+from .families import ConvertedToyKernel, attention_sites
 from .sketched import ATTENTION_NAME, SketchedAttention, forget_cache, hf_attention, hf_mask, remember_cache
 
 __all__ = ["DEFAULT_SINKS", "check_layout", "check_map_memory", "convert_attention", "converted_modules"]
@@ -378,7 +378,7 @@ def convert_attention(model: nn.Module, *, attention: str = "llops", p: int = 2,
                "seed": seed, "family": family, **memory, "exact_layers": sorted(exact)}
     if family == "toy":
         for site, sketch in zip(sites, sketches):
-            site.module.attn = ToyKernel(sketch)
+            site.module.attn = ConvertedToyKernel(sketch)
         model.sketchlab_conversion = options
         return sketches
     converted = [s for s in sketches if isinstance(s, SketchedAttention)]

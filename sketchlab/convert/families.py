@@ -5,7 +5,7 @@ SmolLM), GPT-2 and BERT (BERT, RoBERTa, MiniLM) families all call their attentio
 ``ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation)``, so one attention function
 (:func:`sketchlab.convert.sketched.hf_attention`) serves them all; an adapter only finds the
 modules that make that call and reads their head counts. sketchlab's toy
-:class:`~sketchlab.tasks.TransformerLM` has a pluggable kernel, replaced by :class:`ToyKernel`.
+:class:`~sketchlab.tasks.TransformerLM` has a pluggable kernel, replaced by :class:`ConvertedToyKernel`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from torch import nn
 
 from ..hf.families import FAMILIES, FAMILY_TABLE, Family, config_int, family_of_type, supported_types
 
-__all__ = ["FAMILIES", "FAMILY_TABLE", "AttentionSite", "Family", "ToyKernel", "attention_sites", "family_of"]
+__all__ = ["FAMILIES", "FAMILY_TABLE", "AttentionSite", "Family", "ConvertedToyKernel", "attention_sites", "family_of"]
 
 
 @dataclass
@@ -33,7 +33,7 @@ class AttentionSite:
     causal: bool
 
 
-class ToyKernel(nn.Module):
+class ConvertedToyKernel(nn.Module):
     """The kernel of a converted toy :class:`~sketchlab.tasks.TransformerLM` layer: ``q, k, v [B, T, H, D]``
     (post-RoPE) → :class:`~sketchlab.convert.sketched.SketchedAttention` with the toy's ``1/√D`` logits."""
 

@@ -46,7 +46,7 @@ import math
 import torch
 from torch import nn
 
-from ..attention.layer import LinearAttentionCore, rename_keys
+from ..attention.layer import LinearAttentionCore, rename_keys, upgrade_psf_learned_keys
 
 __all__ = ["ATTENTION_NAME", "LayerDecoder", "SketchedAttention", "forget_cache", "hf_attention", "hf_mask",
            "remember_cache", "upgrade_keys"]
@@ -70,12 +70,38 @@ def check_local_map(feature_map: nn.Module, *, window: int, local: str) -> None:
 OLD_KEYS = (("feature_map_q.", "map_q."), ("feature_map_k.", "map_k."))
 
 
+def _sketch_adapter_keys(state_dict: dict, prefix: str) -> list[tuple[str, str]]:
+    """``(old, new)`` key pairs under ``prefix`` of a module sketch saved through acaf206's ``SketchMap`` adapter
+    (``convert_attention(feature_map=<fitted Sketch>)``: the MLP and element-wise sketches), whose every side held
+    the whole sketch: ``map_q.sketch.w1_q`` → ``map_q.w1``, ``map_k.sketch.theta_k`` → ``map_k.theta`` (the
+    element-wise sketch's rank-1 ``[H, D, M]`` given today's rank axis, ``[H, 1, D, M]``, in ``state_dict`` here).
+    The other side's tensors of each copy (``map_q.sketch.w1_k``: never read by the query side) are dropped from
+    ``state_dict`` here; any other key under ``.sketch.`` is left, to be named as unexpected."""
+    pairs = []
+    for side, other in (("q", "k"), ("k", "q")):
+        inner = f"map_{side}.sketch."
+        for key in [k for k in state_dict if k.startswith(prefix + inner)]:
+            name = key.removeprefix(prefix + inner)
+            if name == f"theta_{side}" and state_dict[key].ndim == 3:  # ElementwiseSketch: [H, D, M]
+                state_dict[key] = state_dict[key].unsqueeze(1)
+            if name.endswith(f"_{side}"):
+                pairs.append((inner + name, f"map_{side}.{name.removesuffix(f'_{side}')}"))
+            elif name.endswith(f"_{other}"):
+                del state_dict[key]
+    return pairs
+
+
 def upgrade_keys(state_dict: dict, prefix: str) -> dict:
     """Rename, in place, the keys of the converted layer at ``prefix`` (``"model.layers.0.self_attn.sketch."``)
     saved before the one layer core (``feature_map_q.*``, ``feature_map_k.*``: :data:`OLD_KEYS`) to today's
-    (``map_q.*``, ``map_k.*``) and return it; :class:`SketchedAttention` calls it on load, and
-    :func:`~sketchlab.convert.saved.load_linearized` before it matches the saved names to the model's."""
-    return rename_keys(state_dict, prefix, OLD_KEYS)
+    (``map_q.*``, ``map_k.*``), those of a fitted module sketch saved through acaf206's adapter
+    (``map_q.sketch.w1_q`` → ``map_q.w1``: :func:`_sketch_adapter_keys`) and those of a map saved as
+    ``PSFLearnedMap`` (:func:`~sketchlab.attention.layer.upgrade_psf_learned_keys`), and return it;
+    :class:`SketchedAttention` calls it on load, and :func:`~sketchlab.convert.saved.load_linearized` before it
+    matches the saved names to the model's."""
+    rename_keys(state_dict, prefix, OLD_KEYS)
+    rename_keys(state_dict, prefix, _sketch_adapter_keys(state_dict, prefix))
+    return upgrade_psf_learned_keys(state_dict, prefix)
 
 
 class SketchedAttention(LinearAttentionCore):
@@ -104,9 +130,12 @@ class SketchedAttention(LinearAttentionCore):
     normalize : str or None
         Passed to the attention (``None``: its default).
     non_negative : bool or None
-        Self-tensor the features; ``None``: decided for the maps by :meth:`AttentionOptions.resolve
-        <sketchlab.attention.AttentionOptions.resolve>`, the op's one rule (:attr:`non_negative` reads the
-        decision; the lean decoder follows it).
+        Self-tensor the features; ``None`` (default, as :class:`~sketchlab.attention.LLoPSAttention`'s): decided for
+        the maps by :meth:`AttentionOptions.resolve <sketchlab.attention.AttentionOptions.resolve>`, the op's one
+        rule (:attr:`non_negative` reads the decision; the lean decoder follows it), on each call: a map whose sign
+        may change as it trains (LLoPS's factors drifting apart) may then change the feature count, so
+        :func:`~sketchlab.convert.convert_attention` passes its own value, ``False`` unless asked, fixed at
+        conversion.
     eps : float
         Added to the denominator.
     causal : bool
@@ -121,7 +150,7 @@ class SketchedAttention(LinearAttentionCore):
 
     def __init__(self, feature_map_q: nn.Module, feature_map_k: nn.Module, *, heads: int, head_dim: int,
                  window: int, sinks: int, local: str = "softmax", gate: bool = True, normalize: str | None = None,
-                 non_negative: bool | None = False, eps: float = 1e-6, causal: bool = True, cache: int = 0,
+                 non_negative: bool | None = None, eps: float = 1e-6, causal: bool = True, cache: int = 0,
                  decay=None, state: str = "additive", beta: str = "head", qk_conv: int = 0):
         from ..attention.options import AttentionOptions
 

@@ -25,8 +25,9 @@ map (name)                features                                             k
 (``based-taylor``)
 :class:`ExpandMap`        BASED: :math:`\psi_p(xP)`                             ``(qᵀPPᵀk)^p``
 (``based-expand``)
-:class:`PSFLearnedMap`    PolySketchFormer's learned sketch LN→Linear→GELU→Linear  learned
-(``psf-learned``, self-tensored)
+:func:`psf_learned_map`   PolySketchFormer's learned sketch LN→Linear→GELU→Linear  learned
+(``psf-learned``,         (``InputNormed(MLPMap)``)
+self-tensored)
 :class:`PSFRandomMap`     PolySketchFormer's random sketch (fixed Gaussians)   ≈ ``(qᵀk)^p``; ≥ 0 self-tensored
 (``psf-random``)
 :class:`TensorSketchMap`  TensorSketch: CountSketches multiplied by FFT        ≈ ``(qᵀk)^p``, unbiased
@@ -60,7 +61,7 @@ from .hedgehog import HedgehogMap
 from .llops import LLoPSMap
 from .mlp import MLPMap
 from .normed import InputNormed
-from .psf import PSFLearnedMap
+from .psf import psf_learned_map
 from .psf_random import PSFRandomMap
 from .registry import (
     COMMON_OPTIONS,
@@ -98,7 +99,6 @@ __all__ = [
     "MLPMap",
     "ModuleMap",
     "Option",
-    "PSFLearnedMap",
     "PSFRandomMap",
     "SelfTensored",
     "TaylorMap",
@@ -113,6 +113,7 @@ __all__ = [
     "make_feature_map",
     "own_fitter",
     "pair_features",
+    "psf_learned_map",
     "register_feature_map",
     "register_fitter",
     "resolve_name",

@@ -1,5 +1,6 @@
 r"""The "NN" sketch of the LLoPS paper's Table 3: a two-layer MLP per side and head, fitted to the kernel
-(:class:`MLPMap`, the ``fit_sketch`` method ``"mlp"``: a pair of maps).
+(:class:`MLPMap`, the ``fit_sketch`` method ``"mlp"``: a pair of maps); on layer-normalised input it is
+PolySketchFormer's learned sketch (:func:`~sketchlab.featuremaps.psf.psf_learned_map`, ``"psf-learned"``).
 
 .. math:: \phi_Q(x) = \sigma(x W_1^Q + b_1^Q)\, W_2^Q + b_2^Q, \qquad
           \phi_K(x) = \sigma(x W_1^K + b_1^K)\, W_2^K + b_2^K,
@@ -67,10 +68,12 @@ def mlp_features(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.
 
     Returns
     -------
-    Tensor ``[..., n, m]``
+    Tensor ``[..., n, m]``, in ``x``'s dtype promoted with the weights'.
     """
     act = _activation(activation)
-    hidden = act(x.to(w1.dtype) @ w1 + b1[..., None, :])  # [..., n, h]
+    dtype = torch.promote_types(x.dtype, w1.dtype)
+    w1, b1, w2, b2 = (t.to(dtype) for t in (w1, b1, w2, b2))
+    hidden = act(x.to(dtype) @ w1 + b1[..., None, :])  # [..., n, h]
     return hidden @ w2 + b2[..., None, :]  # [..., n, m]
 
 

@@ -1,68 +1,55 @@
-r"""PolySketchFormer's learned sketch: :class:`PSFLearnedMap` (``"psf-learned"``, self-tensored by the registry)."""
+r"""PolySketchFormer's learned sketch, :func:`psf_learned_map` (``"psf-learned"``, self-tensored by the registry):
+the two-layer MLP map :class:`~sketchlab.featuremaps.mlp.MLPMap` on per-head layer-normalised input
+(:class:`~sketchlab.featuremaps.normed.InputNormed`)."""
 
 from __future__ import annotations
 
 import math
 
 import torch
-from torch import nn
 
-from .._validation import check_degree, check_positive_int
-from .base import FeatureMap, _init_heads
+from .._validation import check_positive_int
+from .mlp import MLPMap
+from .normed import InputNormed
 
-__all__ = ["PSFLearnedMap"]
+__all__ = ["psf_learned_map"]
 
-class PSFLearnedMap(FeatureMap):
-    r"""PolySketchFormer's learned sketch per head: ``LayerNorm(D) → Linear(D, hidden) → GELU →
-    Linear(hidden, m)`` (signed features; wrap in :class:`SelfTensored` for PSF's non-negative
-    degree-``2·degree`` form, as :func:`make_feature_map` does).
 
-    ``degree`` is the degree the sketch stands for before self-tensoring (PSF learns the degree
-    ``p/2`` sketch); it only sets the hybrid's ``local="poly"`` degree.
+def psf_learned_map(heads: int, head_dim: int, *, m: int = 8, hidden: int | None = None, degree: int = 1,
+                    seed: int = 0, dtype: torch.dtype = torch.float32) -> InputNormed:
+    r"""PolySketchFormer's learned sketch per head, ``LayerNorm(D) → Linear(D, hidden) → GELU → Linear(hidden, m)``:
+    ``InputNormed(MLPMap(...))``, signed features (the registry's ``"psf-learned"`` wraps it in
+    :class:`~sketchlab.featuremaps.SelfTensored` for PSF's non-negative degree-``2·degree`` form).
+
+    .. math:: \phi(x) = \mathrm{GELU}(\mathrm{LN}_h(x) W_1 + b_1) W_2 + b_2
+
+    Parameters
+    ----------
+    heads, head_dim : int
+        ``H`` and ``D``.
+    m : int
+        Features per head.
+    hidden : int or None
+        The hidden width (default ``4·D``).
+    degree : int
+        The degree the sketch stands for before self-tensoring (PSF learns the degree-``p/2`` sketch): the
+        :class:`MLPMap`'s ``p``; it only sets the hybrid's ``local="poly"`` degree.
+    seed : int
+        ``W_1, b_1, W_2, b_2`` drawn in that order from ``U(±1/√fan_in)`` (``nn.Linear``'s default range) on a CPU
+        generator in float64, then cast to ``dtype``; the layer norm's affine starts at 1 and 0.
+
+    Returns
+    -------
+    InputNormed
+        Over an :class:`MLPMap` with ``w1 [H, D, hidden]``, ``b1 [H, hidden]``, ``w2 [H, hidden, m]``, ``b2 [H, m]``.
     """
+    heads, head_dim, m = (check_positive_int(v, n) for v, n in ((heads, "heads"), (head_dim, "head_dim"), (m, "m")))
+    hidden = check_positive_int(4 * head_dim if hidden is None else hidden, "hidden")
+    gen = torch.Generator().manual_seed(seed)
 
-    def __init__(self, heads: int, head_dim: int, *, m: int = 8, hidden: int | None = None, degree: int = 1,
-                 seed: int = 0, dtype=torch.float32):
-        super().__init__()
-        _init_heads(self, heads, head_dim)
-        m = check_positive_int(m, "m")
-        hidden = check_positive_int(4 * self.head_dim if hidden is None else hidden, "hidden")
-        self._degree = check_degree(degree)
-        gen = torch.Generator().manual_seed(seed)
-        H, D = self.heads, self.head_dim
+    def uniform(*shape, fan_in):  # nn.Linear's default range, from our generator
+        return ((torch.rand(*shape, generator=gen, dtype=torch.float64) * 2 - 1) / math.sqrt(fan_in)).to(dtype)
 
-        def uniform(*shape, fan_in):  # nn.Linear's default range, from our generator
-            return ((torch.rand(*shape, generator=gen, dtype=torch.float64) * 2 - 1) / math.sqrt(fan_in)).to(dtype)
-
-        self.ln_weight = nn.Parameter(torch.ones(H, D, dtype=dtype))
-        self.ln_bias = nn.Parameter(torch.zeros(H, D, dtype=dtype))
-        self.w1 = nn.Parameter(uniform(H, D, hidden, fan_in=D))  # [H, D, hidden]
-        self.b1 = nn.Parameter(uniform(H, hidden, fan_in=D))
-        self.w2 = nn.Parameter(uniform(H, hidden, m, fan_in=hidden))  # [H, hidden, m]
-        self.b2 = nn.Parameter(uniform(H, m, fan_in=hidden))
-        self.ln_eps = 1e-5
-
-    @property
-    def num_features(self) -> int:
-        return self.w2.shape[-1]
-
-    @property
-    def degree(self) -> int:
-        return self._degree
-
-    def _features(self, x):
-        dtype = torch.promote_types(x.dtype, self.w1.dtype)
-        x = torch.nn.functional.layer_norm(x.to(dtype), (self.head_dim,), eps=self.ln_eps)  # [B, T, H, D]
-        x = x * self.ln_weight.to(dtype) + self.ln_bias.to(dtype)  # per-head affine
-        h = torch.nn.functional.gelu(torch.einsum("bthd,hde->bthe", x, self.w1.to(dtype)) + self.b1.to(dtype))
-        return torch.einsum("bthe,hem->bthm", h, self.w2.to(dtype)) + self.b2.to(dtype)  # [B, T, H, M]
-
-    def _features_naive(self, x, head):
-        f64 = torch.float64
-        mean = x.mean(-1, keepdim=True)
-        var = ((x - mean) ** 2).mean(-1, keepdim=True)
-        y = (x - mean) / torch.sqrt(var + self.ln_eps) * self.ln_weight[head].detach().to(f64) + \
-            self.ln_bias[head].detach().to(f64)
-        pre = y @ self.w1[head].detach().to(f64) + self.b1[head].detach().to(f64)
-        h = 0.5 * pre * (1 + torch.erf(pre / math.sqrt(2)))  # exact GELU
-        return h @ self.w2[head].detach().to(f64) + self.b2[head].detach().to(f64)
+    w1, b1 = uniform(heads, head_dim, hidden, fan_in=head_dim), uniform(heads, hidden, fan_in=head_dim)
+    w2, b2 = uniform(heads, hidden, m, fan_in=hidden), uniform(heads, m, fan_in=hidden)
+    return InputNormed(MLPMap(w1, b1, w2, b2, degree))

@@ -309,15 +309,15 @@ def _expand(heads, head_dim, *, p, m, dtype, dim, proj, symmetric, learn, **_):
 
 
 def _psf_learned(heads, head_dim, *, p, m, seed, dtype, self_tensored, hidden, **_):
-    from .psf import PSFLearnedMap
+    from .psf import psf_learned_map
     from .selftensored import SelfTensored
 
     if p % 2:
         raise ValueError(f"PolySketchFormer's map is self-tensored (degree 2·(p/2)): p must be even, got {p}")
     if self_tensored:
         raise ValueError("the 'psf-learned' map is already self-tensored; drop self_tensored=True")
-    return SelfTensored(PSFLearnedMap(heads, head_dim, m=max(1, math.isqrt(m)), hidden=hidden, degree=p // 2,
-                                      seed=seed, dtype=dtype))
+    return SelfTensored(psf_learned_map(heads, head_dim, m=max(1, math.isqrt(m)), hidden=hidden, degree=p // 2,
+                                        seed=seed, dtype=dtype))
 
 
 def _psf_random(heads, head_dim, *, p, m, seed, dtype, non_negative, **_):

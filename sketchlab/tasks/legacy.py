@@ -1,12 +1,13 @@
 """Older toy checkpoints: the state-dict keys of the toy kernels before
-:class:`~sketchlab.tasks.attention.ToyKernel` (LLoPSKernel, PSFKernel, BasedKernel; commit c37f5c5),
-renamed on load so those checkpoints give the outputs they gave."""
+:class:`~sketchlab.tasks.attention.ToyKernel` (LLoPSKernel, PSFKernel, BasedKernel; commit c37f5c5), and of
+the ``"psf-learned"`` map before it was ``InputNormed(MLPMap)`` (``PSFLearnedMap``; 3fa1d18), renamed on load so
+those checkpoints give the outputs they gave."""
 
 from __future__ import annotations
 
 from torch import nn
 
-from ..attention.layer import rename_keys
+from ..attention.layer import rename_keys, upgrade_psf_learned_keys
 
 __all__ = ["OLD_KEYS", "upgrade_keys"]
 
@@ -19,10 +20,11 @@ OLD_KEYS = {"llops": (("theta_q", "map_q.theta"), ("theta_k", "map_k.theta")),
 
 def upgrade_keys(kernel: nn.Module, state_dict: dict, prefix: str = "") -> dict:
     """Rename, in place, the keys under ``prefix`` that ``kernel``'s map (``kernel.map_name``) had in the older
-    classes (:data:`OLD_KEYS`) and return it; ``ToyKernel``'s ``load_state_dict`` calls it, and so does the
-    checkpoint's key check."""
+    classes (:data:`OLD_KEYS`; ``"psf-learned"``: :func:`~sketchlab.attention.layer.upgrade_psf_learned_keys`) and
+    return it; ``ToyKernel``'s ``load_state_dict`` calls it, and so does the checkpoint's key check."""
     pairs = OLD_KEYS.get(kernel.map_name, ())
     for old, new in pairs:
         if old is None:
             state_dict.setdefault(prefix + new, kernel.get_buffer(new))
-    return rename_keys(state_dict, prefix, [(old, new) for old, new in pairs if old is not None])
+    rename_keys(state_dict, prefix, [(old, new) for old, new in pairs if old is not None])
+    return upgrade_psf_learned_keys(state_dict, prefix) if kernel.map_name == "psf-learned" else state_dict

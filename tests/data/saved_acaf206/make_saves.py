@@ -3,6 +3,9 @@
 
     git worktree add /tmp/old acaf206
     python tests/data/saved_acaf206/make_saves.py /tmp/old tests/data/saved_acaf206 data/mqar_softmax_qk.safetensors
+
+It writes only the saves that are missing: the committed ones stay as written (rewritten on another machine their
+float64 logits and the fitted Θ differ in the last bits: another thread count, another summation order).
 """
 import json
 import sys
@@ -32,6 +35,8 @@ ids = torch.randint(1, 50, (2, 9), generator=torch.Generator().manual_seed(3))
 cases = {"llops-hybrid": dict(attention="llops", p=2, m=6, window=3, sinks=1),
          "hedgehog-memory": dict(attention="hedgehog", m=8, window=3, sinks=1, cache=2, decay="input", state="delta", beta="input")}
 for name, kw in cases.items():
+    if (out / name).exists():
+        continue
     model = llama()
     convert_attention(model, **kw)
     gen = torch.Generator().manual_seed(7)
@@ -45,13 +50,48 @@ for name, kw in cases.items():
     write_text_atomic(out / name / "expected.json", json.dumps(
         {"ids": ids.tolist(), "logits": logits.tolist(), "options": kw, "written_by": "acaf206"}))
 # a Θ export of acaf206: fit on the shipped dump's layer 0, and the block's output on it
-dump = sl.load_qk(dump_file, layers=[0])
-f = dump.q.shape[-1] ** -0.25
-fit = sl.fit_sketch("llops", dump.q[..., :64, :] * f, dump.k[..., :64, :] * f, p=2, m=6, seed=0)
-sl.export_theta(fit, out / "theta.safetensors", dump=dump, scale="sqrt-d")
-block = sl.LLoPSAttention.from_pretrained(out / "theta.safetensors", layer=0, dtype=torch.float64, window=4, sinks=1)
-x = torch.randn(1, 10, block.embed_dim, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-with torch.no_grad():
-    write_text_atomic(out / "theta_expected.json", json.dumps(
-        {"x": x.tolist(), "y": block(x).tolist(), "written_by": "acaf206", "block": {"window": 4, "sinks": 1}}))
+if not (out / "theta.safetensors").exists():
+    dump = sl.load_qk(dump_file, layers=[0])
+    f = dump.q.shape[-1] ** -0.25
+    fit = sl.fit_sketch("llops", dump.q[..., :64, :] * f, dump.k[..., :64, :] * f, p=2, m=6, seed=0)
+    sl.export_theta(fit, out / "theta.safetensors", dump=dump, scale="sqrt-d")
+    block = sl.LLoPSAttention.from_pretrained(out / "theta.safetensors", layer=0, dtype=torch.float64, window=4,
+                                              sinks=1)
+    x = torch.randn(1, 10, block.embed_dim, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    with torch.no_grad():
+        write_text_atomic(out / "theta_expected.json", json.dumps(
+            {"x": x.tolist(), "y": block(x).tolist(), "written_by": "acaf206", "block": {"window": 4, "sinks": 1}}))
+# conversions with a fitted sketch, convert_attention(feature_map=fit_sketch(...).sketch): at acaf206 their maps were
+# the SketchMap adapter (a plain sketch's tensors as buffers of feature_map_q; a module sketch whole under each side,
+# feature_map_q.sketch.*, feature_map_k.sketch.*); a smaller Llama (1 layer, 2 heads of 8)
+def small_llama():
+    cfg = transformers.LlamaConfig(vocab_size=20, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                   num_key_value_heads=1, intermediate_size=16, max_position_embeddings=32,
+                                   attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg).double().eval()
+
+qk = torch.randn(2, 1, 2, 16, 8, generator=torch.Generator().manual_seed(5), dtype=torch.float64)  # [q|k, L, H, n, D]
+small_ids = torch.randint(1, 20, (2, 9), generator=torch.Generator().manual_seed(3))
+fits = {"psf-random-fitted": {"method": "psf-random", "p": 2, "m": 9, "seed": 4, "options": {}},
+        "mlp-fitted": {"method": "mlp", "p": 2, "m": 6, "seed": 4, "options": {"steps": 5}},
+        "elementwise-fitted": {"method": "elementwise", "p": 2, "m": 6, "seed": 4, "options": {"steps": 5}}}
+kw = dict(window=3, sinks=1)
+for name, fitted in fits.items():
+    if (out / name).exists():
+        continue
+    model = small_llama()
+    sketch = sl.fit_sketch(fitted["method"], qk[0], qk[1], p=fitted["p"], m=fitted["m"], seed=fitted["seed"],
+                           **fitted["options"]).sketch
+    convert_attention(model, feature_map=sketch, **kw)
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():  # trained values (a plain sketch's buffers stay its draw)
+        for s in converted_modules(model):
+            for p in s.parameters():
+                p.add_(0.3 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+        logits = model(input_ids=small_ids).logits
+    save_linearized(model, out / name)
+    write_text_atomic(out / name / "expected.json", json.dumps(
+        {"ids": small_ids.tolist(), "logits": logits.tolist(), "options": kw, "fit": fitted, "qk_seed": 5,
+         "written_by": "acaf206"}))
 print("ok")
