@@ -84,3 +84,19 @@ def test_a_tied_map_is_held_and_saved_once():
     assert not any(key.startswith("map_k.") for key in core.state_dict())
     assert isinstance(kernel_modules(TransformerLM(TransformerConfig(
         vocab_size=11, d_model=H * D, n_heads=H, n_layers=1, attention="poly")))[0], ToyKernel)
+
+
+def test_the_defaults_are_decided_once_when_the_layer_is_built():
+    """A layer over LLoPS maps of equal factors (unsigned: not self-tensored) keeps its feature count when training
+    moves the factors apart (the map turns signed): decided at build, never again per call."""
+    theta = _rand(H, 1, 1, D, 3, seed=5).expand(-1, -1, 2, -1, -1).contiguous()  # equal factors: (θ·x)² >= 0
+    fmap = LLoPSMap(H, D, theta=theta)
+    sketch = SketchedAttention(fmap, fmap, heads=H, head_dim=D, window=0, sinks=0).double()
+    assert fmap.non_negative and sketch.options.non_negative is False
+    q, k, v = _rand(1, 5, H, D, seed=6), _rand(1, 5, H, D, seed=7), _rand(1, 5, H, D, seed=8)
+    _, before = sketch(q, k, v, output_final_state=True)
+    with torch.no_grad():  # a training step that separates the two factors
+        fmap.theta[:, :, 1].add_(_rand(H, 1, D, 3, seed=9))
+    assert not fmap.non_negative
+    _, after = sketch(q, k, v, output_final_state=True)
+    assert sketch.non_negative is False and after.S.shape == before.S.shape == (1, H, 3, D)

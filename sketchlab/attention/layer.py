@@ -64,7 +64,11 @@ class LinearAttentionCore(nn.Module):
     map_k : FeatureMap or None
         The key map; ``None`` (or ``map_q`` itself) ties it to the query map, registered once (as ``map_q``).
     options : AttentionOptions
-        Every option, checked once by its constructor and kept as given (``local_scale`` included).
+        Every option, checked once by its constructor and kept as given (``local_scale`` included), but for the
+        defaults it leaves open (``normalize``, ``non_negative`` None): decided here, once, for these maps
+        (:meth:`resolved_options`), so the feature count a layer trains with never changes under it (a LLoPS
+        map whose factors drift apart as it trains turns signed; decided per call, it would be self-tensored
+        from then on).
     heads, dim_v : int
         ``H`` and the value width ``Dv`` (data-dependent decay and β read the value vector).
     dim : int or None
@@ -98,6 +102,7 @@ class LinearAttentionCore(nn.Module):
                      if map_q is not None and gate and options.window else None)
         self.far = (FarParams(options, heads, dim_v, gate=False, dim=dim).to(dtype=dtype, device=device)
                     if map_q is not None and (options.memory or options.qk_conv) else None)
+        self.options = self.resolved_options()  # the open defaults decided once, for these maps
 
     # the options by their attribute names (read-only: the options object is the one record)
     causal = property(lambda self: self.options.causal)

@@ -183,7 +183,6 @@ class LLoPSAttention(LinearAttentionCore):
         map_k = None if tied else LLoPSMap(num_heads, head_dim, theta=theta_k, learn=learn_theta)
         super().__init__(map_q, map_k, options=options.replace(local_scale=local_scale), heads=num_heads,
                          dim_v=head_dim, dim=head_dim, gate=gate, dtype=dtype, device=device)
-        self.options = self.resolved_options()  # the one rule, decided once for the block's Θ
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = projections
         self.embed_dim, self.num_heads, self.head_dim = embed_dim, num_heads, head_dim
         self.qk_scale, self.scale_label, self.tied = qk_scale, scale_label(scale), tied

@@ -132,10 +132,9 @@ class SketchedAttention(LinearAttentionCore):
     non_negative : bool or None
         Self-tensor the features; ``None`` (default, as :class:`~sketchlab.attention.LLoPSAttention`'s): decided for
         the maps by :meth:`AttentionOptions.resolve <sketchlab.attention.AttentionOptions.resolve>`, the op's one
-        rule (:attr:`non_negative` reads the decision; the lean decoder follows it), on each call: a map whose sign
-        may change as it trains (LLoPS's factors drifting apart) may then change the feature count, so
-        :func:`~sketchlab.convert.convert_attention` passes its own value, ``False`` unless asked, fixed at
-        conversion.
+        rule (:attr:`non_negative` reads the decision; the lean decoder follows it), once, when the layer is built
+        (:class:`~sketchlab.attention.layer.LinearAttentionCore`), so the feature count never changes as the maps
+        train; :func:`~sketchlab.convert.convert_attention` passes its own documented value, ``False`` unless asked.
     eps : float
         Added to the denominator.
     causal : bool
