@@ -61,9 +61,11 @@ def test_the_names_keep_their_tie_default(name, tied):
 
 
 def test_each_option_goes_to_its_owner():
-    # psf-random's non_negative is the map's (its own s ⊗ s), so the attention's stays undecided
+    # psf-random's non_negative is the map's (its own s ⊗ s); the attention's is left to the one rule, decided at
+    # build: a signed map under a sum is self-tensored (φ ⊗ φ)
     kernel = kernel_modules(tiny("psf-random", {"p": 3, "m": 5, "non_negative": False}))[0]
-    assert kernel.map_q.non_negative is False and kernel.options.non_negative is None
+    assert kernel.map_q.non_negative is False and kernel.options.non_negative is True
+    assert kernel.options == kernel.options.replace(non_negative=None).resolve(False)
     # llops's non_negative is the attention's (φ ⊗ φ), with the toy's default false
     kernel = kernel_modules(tiny("llops", {"m": 5, "non_negative": True}))[0]
     assert kernel.options.non_negative is True and kernel.map_q.num_features == 5
