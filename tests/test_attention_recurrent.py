@@ -10,7 +10,7 @@ import torch
 from sketchlab.attention import AttentionOptions, FarParams
 from sketchlab.attention.chunked import feature_attention
 from sketchlab.attention.memory import memory_attention
-from sketchlab.attention.ops.cache import fused_recurrent
+from sketchlab.attention.ops import fused_recurrent
 from sketchlab.attention.recurrent import RecurrentStep
 from sketchlab.polynomial import self_tensor
 
@@ -118,37 +118,29 @@ def _run(name, split, through=None, mask=None):
 
 
 @pytest.fixture(params=["compiled", "torch"])
-def cache_choice(request, monkeypatch):
-    """The cache's choice compiled and its torch twin. Every machine of this project has gcc and the dev extra
-    installs ninja (make test puts it on PATH), so the compiled choice must build here: a failure to build is a
-    failure, not a skip (the torch twin alone would leave the compiled code untested)."""
+def path(request, monkeypatch):
+    """The compiled step (ops/fused_recurrent.py) and its torch twin. Every machine of this project has gcc and
+    the dev extra installs ninja (make test puts it on PATH), so the compiled step must build here: a failure to
+    build is a failure, not a skip (the torch twin alone would leave the compiled code untested)."""
     if request.param == "compiled":
-        assert fused_recurrent.available(), ("the compiled cache choice did not build (torch's load_inline needs gcc "
-                                             "and ninja on PATH: pip install ninja, or run the suite with make test)")
+        assert fused_recurrent.available(), ("the compiled step did not build (torch's load_inline needs gcc and "
+                                             "ninja on PATH: pip install ninja, or run the suite with make test)")
     monkeypatch.setattr(fused_recurrent, "USE_COMPILED", request.param == "compiled")
     return request.param
 
 
 @pytest.mark.parametrize("name", MECHANISMS)
 @pytest.mark.parametrize("split", [1, 3, 6, 11])
-def test_lean_step_equals_reference_step(name, split):
+def test_lean_step_equals_reference_step(name, split, path):
     """Every token's output and the final state, from a prefill of ``split`` tokens (inside the sinks, the
-    window, the first re-scoring, far beyond), equal the reference call's (the cache's choice: compiled
-    where a compiler works)."""
-    _run(name, split)
-
-
-@pytest.mark.parametrize("name", [n for n, (kw, _, _) in MECHANISMS.items() if kw.get("cache")])
-@pytest.mark.parametrize("split", [1, 6, 11])
-def test_lean_step_with_the_cache_choice_in_torch(name, split, monkeypatch):
-    """The cache's choice by its torch twin (where no compiler works) equals the reference too."""
-    monkeypatch.setattr(fused_recurrent, "USE_COMPILED", False)
+    window, the first re-scoring, far beyond), equal the reference call's, by the compiled step and by its
+    torch twin."""
     _run(name, split)
 
 
 @pytest.mark.parametrize("name", ["hybrid", "hybrid-lifted", "decay-input", "gated-delta", "cache", "delta-cache"])
 @pytest.mark.parametrize("how", ["detach", "to", "round-trip"])
-def test_lean_step_after_detach_to_and_its_own_state(name, how):
+def test_lean_step_after_detach_to_and_its_own_state(name, how, path):
     """A state passed through ``.detach()``, through ``.to()`` (float32 storage and back: the values the
     reference continues from) or written out by a lean step and laid out again, continues alike."""
     if how == "round-trip":
@@ -163,7 +155,7 @@ def test_lean_step_after_detach_to_and_its_own_state(name, how):
 
 
 @pytest.mark.parametrize("name", ["hybrid", "cache", "delta-cache", "decay-input"])
-def test_lean_step_continues_a_padded_prefill(name, cache_choice):
+def test_lean_step_continues_a_padded_prefill(name, path):
     """Pads held in the state (a left-padded row moved behind its sinks, pads inside the window) are never
     exact keys and never enter the far state, as in the reference."""
     mask = torch.ones(B, 6, dtype=torch.bool)
@@ -173,7 +165,7 @@ def test_lean_step_continues_a_padded_prefill(name, cache_choice):
 
 
 @pytest.mark.parametrize("name", ["hybrid", "gated-delta", "cache"])
-def test_parameters_changed_in_place_are_seen(name):
+def test_parameters_changed_in_place_are_seen(name, path):
     """A training step between two tokens (in-place updates of the gate, the decay, β) reaches the next
     token (the derived values are keyed on the tensors' versions), and a parameter made non-finite is
     refused at the next token: a stale validation would pass it."""

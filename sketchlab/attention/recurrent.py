@@ -45,7 +45,7 @@ import torch
 from ..polynomial import self_tensor
 from ._checks import report_denominators
 from .memory_state import MemoryState, check_far_params, recall_score, unit
-from .ops.cache import fused_recurrent as compiled
+from .ops import fused_recurrent as fused
 from .options import AttentionOptions
 from .state import AttentionState
 
@@ -186,6 +186,8 @@ class RecurrentStep:
         self.bias = torch.zeros(BH, 1, N, **kw)
         self._masks_changed()
         self.gate, self.params, self._version = gate, params, None
+        # the compiled step (ops/fused_recurrent.py) for CPU buffers of float32/float64; elsewhere the torch twin
+        self.fused = dev.type == "cpu" and work in (torch.float32, torch.float64)
         self._parameters()
         return self
 
@@ -236,6 +238,7 @@ class RecurrentStep:
             if self.delta:
                 bias, weight = rows(far["beta_bias"]).view(-1, 1, 1), far["beta_weight"]
                 self.beta = torch.sigmoid(bias) if weight is None else (bias, rows(weight)[..., None])
+            self.lane, self.flags = fused.lane_params(self)  # the same values packed for the compiled step
         self._version = key
 
     # ------------------------------------------------------------------------------------------ the step
@@ -274,6 +277,8 @@ class RecurrentStep:
         buffers move on by one token. Runs under ``torch.inference_mode`` (measured: 10–20 % less time per
         token than ``no_grad``), so ``o`` is an inference tensor: for use without autograd."""
         self._parameters()
+        if self.fused and fused.available():  # the whole step in one compiled call
+            return fused.step(self, q, k, v, phi_q, phi_k)
         in_dtype, work, BH = v.dtype, self.work, self.BH
         if in_dtype != work:
             q, k, v, phi_q, phi_k = (x.to(work) for x in (q, k, v, phi_q, phi_k))
@@ -371,15 +376,6 @@ class RecurrentStep:
         if not leaves:
             self.score64.copy_(score.to(self.work))
             return None
-        if self.VS.device.type == "cpu" and compiled.available():  # the same choices in one compiled call (CPU)
-            if score is not self.score64:
-                self.score64.copy_(score)  # this step's choice compares the unrounded re-scores
-            out = compiled.leave_cached(self.Kt, self.Phi, self.VS, self.score64, self.pos_cache, self.cached,
-                                        self.real, gamma, self.M2, i, j, c0, delta=delta, eps=eps)
-            if score is not self.score64:  # stored rounded, as the reference stores them
-                self.score64.copy_(self.score64.to(self.work))
-            self._cache_filled()
-            return out
         if S64 is None:
             S64, scale = (self.S if delta else self.Sz).double(), None if gamma is None else gamma.double()
         sj = recall_score(S64, scale, self.Phi[:, i:i + 1], self.V[:, i:i + 1], delta=delta, eps=eps)  # [BH, 1]
