@@ -48,7 +48,7 @@ sys.path.insert(0, str(ROOT))
 
 from sketchlab.attention import AttentionOptions, FarParams  # noqa: E402
 from sketchlab.attention.functional import llops_attention  # noqa: E402
-from sketchlab.attention.ops.cache import fused_recurrent  # noqa: E402
+from sketchlab.attention.ops import fused_recurrent  # noqa: E402
 from sketchlab.attention.recurrent import RecurrentStep  # noqa: E402
 from sketchlab.io import atomic_write  # noqa: E402
 from sketchlab.llops.maps import llops_is_non_negative, llops_pair_features  # noqa: E402

@@ -56,7 +56,7 @@ def one(args) -> dict:
     import torch
     from transformers import LogitsProcessor, LogitsProcessorList
 
-    from sketchlab.attention.ops.cache import fused_recurrent
+    from sketchlab.attention.ops import fused_recurrent
     from sketchlab.convert import convert_attention
     from sketchlab.hf.pretrained import load_pretrained, smollm2_gguf
 

@@ -252,12 +252,16 @@ def llops_pair_features(theta_q: torch.Tensor, theta_k: torch.Tensor, batch: int
     r"""A function ``(q, k) → (φ_Q(q), φ_K(k))`` for decoding one token: ``q, k [B·H, 1, D]`` (rows batch-major,
     ``B = batch``) → ``[B·H, 1, M]`` each, for per-head Θ ``[H, t, p, D, M]``.
 
-    The map of :func:`llops_feature_fn` (tested against it) with both sides in one batched product:
+    The map of :func:`llops_feature_fn` (tested against it) with both sides in one batched product
+    (on the CPU one compiled call, :func:`sketchlab.attention.ops.fused_recurrent.pair_features`, under the
+    same switch as the compiled decoding step; this product is its torch twin):
     ``[q; k] @ [Θ_Q; Θ_K]_flat`` (one ``[2·B·H, 1, D] @ [2·B·H, D, t·p·M]`` product; a tied map,
     ``theta_k is theta_q``: ``[q, k] [B·H, 2, D] @ Θ_flat``), then the ``p``-fold products and the sum
     over ``t``. The stacked ``Θ_flat`` is made once per version of each Θ (a training step in place
     makes it again); no gradient.
     """
+    from ..attention.ops import fused_recurrent as fused
+
     H, t, p, D, M = theta_q.shape
     tied = theta_k is theta_q
     memo = {}
@@ -276,6 +280,9 @@ def llops_pair_features(theta_q: torch.Tensor, theta_k: torch.Tensor, batch: int
 
     def features(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         flat = stacked()
+        if flat.device.type == "cpu" and q.dtype == k.dtype == flat.dtype in (torch.float32, torch.float64) \
+                and fused.available():  # compiled: one call
+            return fused.pair_features(q, k, flat, tied, t, p)
         if tied:
             f = product(torch.bmm(torch.cat([q, k], 1), flat))  # [B·H, 2, M]
             return f[:, :1], f[:, 1:]
