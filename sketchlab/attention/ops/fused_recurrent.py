@@ -41,7 +41,7 @@ import torch
 
 __all__ = ["USE_COMPILED", "available", "lane_params", "pair_features", "step"]
 
-_SOURCE = r"""
+_HEAD = r"""
 #include <torch/extension.h>
 #include <algorithm>
 #include <cmath>
@@ -76,8 +76,26 @@ struct Lanes {  // an input read lane by lane (a contiguous copy only where its 
   template <typename T> const T* at(int64_t b) const { return held.data_ptr<T>() + b * stride; }
 };
 
+static bool fast() {  // AVX2 and FMA on this CPU: the kernels compiled for them
+  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return yes;
+}
+"""
+
+#: The kernels, compiled twice: for AVX2 + FMA (``KATTR`` a target attribute) and for the baseline ISA.
+_KERNELS = r"""
 template <typename T>
-static void unit(const T* x, T* out, int64_t n) {  // x/max(|x|, least subnormal), as memory_state.unit
+KATTR static inline void axpy(T* __restrict__ y, const T a, const T* __restrict__ x, int64_t n) {  // y += a x
+  for (int64_t c = 0; c < n; ++c) y[c] += a * x[c];
+}
+
+template <typename T>
+KATTR static inline void scal(T* __restrict__ y, const T a, int64_t n) {  // y *= a
+  for (int64_t c = 0; c < n; ++c) y[c] *= a;
+}
+
+template <typename T>
+KATTR static void unit(const T* x, T* out, int64_t n) {  // x/max(|x|, least subnormal), as memory_state.unit
   T s = 0;
   for (int64_t m = 0; m < n; ++m) s += x[m] * x[m];
   const T nrm = std::max(std::sqrt(s), std::numeric_limits<T>::min() * std::numeric_limits<T>::epsilon());
@@ -85,7 +103,7 @@ static void unit(const T* x, T* out, int64_t n) {  // x/max(|x|, least subnormal
 }
 
 template <typename T>
-static void step_impl(int64_t& nbad, int64_t& nzero, const Lanes& q, const Lanes& k, const Lanes& v, const Lanes& pq, const Lanes& pk,
+KATTR static void step_impl(int64_t& nbad, int64_t& nzero, const Lanes& q, const Lanes& k, const Lanes& v, const Lanes& pq, const Lanes& pk,
                          torch::Tensor& Kt_, torch::Tensor& Phi_, torch::Tensor& VS_, torch::Tensor& ok_,
                          torch::Tensor& real_, torch::Tensor& bias_, const torch::Tensor& lane_,
                          double* score, int64_t* pos, bool* cached, int64_t K, torch::Tensor& out_,
@@ -210,23 +228,21 @@ static void step_impl(int64_t& nbad, int64_t& nzero, const Lanes& q, const Lanes
       }
       for (int64_t m = 0; m < M2; ++m) {
         T* row = S + m * W;
-        if (has_gamma) for (int64_t c = 0; c < W; ++c) row[c] *= gamma;
-        if (ef) { const T x = fe[m]; for (int64_t c = 0; c < Dv; ++c) u[c] += x * row[c]; }
+        if (has_gamma) scal(row, gamma, W);
+        if (ef) axpy(u, fe[m], row, Dv);
       }
       if (ef) for (int64_t c = 0; c < Dv; ++c) u[c] = ev[c] - u[c];
       for (int64_t m = 0; m < M2; ++m) {
         T* row = S + m * W;
-        if (ef) { const T x = fe[m] * beta; for (int64_t c = 0; c < Dv; ++c) row[c] += x * u[c]; }
-        const T y = fq[m];
-        for (int64_t c = 0; c < W; ++c) r[c] += y * row[c];
+        if (ef) axpy(row, fe[m] * beta, u, Dv);
+        axpy(r, fq[m], row, W);
       }
     } else {
       for (int64_t m = 0; m < M2; ++m) {
         T* row = S + m * W;
-        if (has_gamma) for (int64_t c = 0; c < W; ++c) row[c] *= gamma;
-        if (ef) { const T x = fe[m]; for (int64_t c = 0; c < W; ++c) row[c] += x * ev[c]; }
-        const T y = fq[m];
-        for (int64_t c = 0; c < W; ++c) r[c] += y * row[c];
+        if (has_gamma) scal(row, gamma, W);
+        if (ef) axpy(row, fe[m], ev, W);
+        axpy(r, fq[m], row, W);
       }
     }
     T* ob = out + b * Dv;
@@ -276,11 +292,7 @@ static void step_impl(int64_t& nbad, int64_t& nzero, const Lanes& q, const Lanes
     // 5. the exact read
     const T* qb = q.at<T>(b);
     for (int64_t n = 0; n < N; ++n) lg[n] = 0;
-    for (int64_t d = 0; d < D; ++d) {
-      const T x = qb[d];
-      const T* col = kt + d * N;
-      for (int64_t n = 0; n < N; ++n) lg[n] += x * col[n];
-    }
+    for (int64_t d = 0; d < D; ++d) axpy(lg, qb[d], kt + d * N, N);
     const T g = lp[0];
     if (poly) {
       T sum = 0;
@@ -303,11 +315,7 @@ static void step_impl(int64_t& nbad, int64_t& nzero, const Lanes& q, const Lanes
         for (int64_t n = 0; n < N; ++n) lg[n] = std::exp(lg[n] - sh);  // g e^{l - c}
       }
     }
-    for (int64_t n = 0; n < N; ++n) {
-      const T a = lg[n];
-      const T* row = vs + n * W;
-      for (int64_t c = 0; c < W; ++c) r[c] += a * row[c];
-    }
+    for (int64_t n = 0; n < N; ++n) axpy(r, lg[n], vs + n * W, W);
     if (delta) { for (int64_t c = 0; c < Dv; ++c) ob[c] = r[c]; continue; }
     if ((flags & CHECK_DEN) && r[Dv] <= 0) { ++nbad; nzero += r[Dv] == 0; }
     const T den = r[Dv] + eps;
@@ -315,6 +323,49 @@ static void step_impl(int64_t& nbad, int64_t& nzero, const Lanes& q, const Lanes
   }
 }
 
+template <typename T>
+KATTR static void pair_impl(const Lanes& q, const Lanes& k, const T* flat, int64_t koff, int64_t D, int64_t t, int64_t p,
+                      int64_t M, T* oq, T* ok, int64_t BH) {
+  const int64_t J = t * p * M;
+  thread_local std::vector<T> buf;
+  buf.resize(2 * J + M);
+  T* pq = buf.data();
+  T* pk = pq + J;
+  T* tmp = pk + J;
+  for (int64_t b = 0; b < BH; ++b) {
+    const T* x = q.at<T>(b);
+    const T* y = k.at<T>(b);
+    const T* fq = flat + b * D * J;
+    const T* fk = flat + (b + koff) * D * J;
+    for (int64_t c = 0; c < J; ++c) { pq[c] = 0; pk[c] = 0; }
+    for (int64_t d = 0; d < D; ++d) {  // [q; k] @ theta_flat
+      const T a = x[d], e = y[d];
+      const T* rq = fq + d * J;
+      const T* rk = fk + d * J;
+      axpy(pq, a, rq, J);
+      axpy(pk, e, rk, J);
+    }
+    for (int64_t side = 0; side < 2; ++side) {  // the p-fold products, summed over rank t
+      const T* pr = side ? pk : pq;
+      T* __restrict__ o = (side ? ok : oq) + b * M;
+      for (int64_t m = 0; m < M; ++m) o[m] = 0;
+      for (int64_t rr = 0; rr < t; ++rr) {
+        const T* __restrict__ f0 = pr + rr * p * M;
+        T* __restrict__ prod = tmp;
+        for (int64_t m = 0; m < M; ++m) prod[m] = f0[m];
+        for (int64_t jj = 1; jj < p; ++jj) {
+          const T* __restrict__ fj = f0 + jj * M;
+          for (int64_t m = 0; m < M; ++m) prod[m] *= fj[m];
+        }
+        for (int64_t m = 0; m < M; ++m) o[m] += prod[m];
+      }
+    }
+  }
+}
+
+"""
+
+_ENTRIES = r"""
 std::tuple<torch::Tensor, int64_t, int64_t> step(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor phi_q,
     torch::Tensor phi_k, torch::Tensor Kt, torch::Tensor Phi, torch::Tensor VS, torch::Tensor ok,
     torch::Tensor real, torch::Tensor bias, torch::Tensor lane, c10::optional<torch::Tensor> score,
@@ -333,46 +384,11 @@ std::tuple<torch::Tensor, int64_t, int64_t> step(torch::Tensor q, torch::Tensor 
   bool* ca = K ? cached->data_ptr<bool>() : nullptr;
   int64_t nbad = 0, nzero = 0;
   AT_DISPATCH_FLOATING_TYPES(VS.scalar_type(), "fused_step", [&] {
-    step_impl<scalar_t>(nbad, nzero, lq, lk, lv, lpq, lpk, Kt, Phi, VS, ok, real, bias, lane, sc, ps, ca, K, out, P, w, s,
-                               flags, degree, scale, eps);
+    (fast() ? avx2::step_impl<scalar_t> : base::step_impl<scalar_t>)(
+        nbad, nzero, lq, lk, lv, lpq, lpk, Kt, Phi, VS, ok, real, bias, lane, sc, ps, ca, K, out, P, w, s, flags, degree,
+        scale, eps);
   });
   return {out, nbad, nzero};
-}
-
-template <typename T>
-static void pair_impl(const Lanes& q, const Lanes& k, const T* flat, int64_t koff, int64_t D, int64_t t, int64_t p,
-                      int64_t M, T* oq, T* ok, int64_t BH) {
-  const int64_t J = t * p * M;
-  thread_local std::vector<T> buf;
-  buf.resize(2 * J);
-  T* pq = buf.data();
-  T* pk = pq + J;
-  for (int64_t b = 0; b < BH; ++b) {
-    const T* x = q.at<T>(b);
-    const T* y = k.at<T>(b);
-    const T* fq = flat + b * D * J;
-    const T* fk = flat + (b + koff) * D * J;
-    for (int64_t c = 0; c < J; ++c) { pq[c] = 0; pk[c] = 0; }
-    for (int64_t d = 0; d < D; ++d) {  // [q; k] @ theta_flat
-      const T a = x[d], e = y[d];
-      const T* rq = fq + d * J;
-      const T* rk = fk + d * J;
-      for (int64_t c = 0; c < J; ++c) { pq[c] += a * rq[c]; pk[c] += e * rk[c]; }
-    }
-    for (int64_t side = 0; side < 2; ++side) {  // the p-fold products, summed over rank t
-      const T* pr = side ? pk : pq;
-      T* o = (side ? ok : oq) + b * M;
-      for (int64_t m = 0; m < M; ++m) {
-        T sum = 0;
-        for (int64_t rr = 0; rr < t; ++rr) {
-          T prod = pr[(rr * p) * M + m];
-          for (int64_t jj = 1; jj < p; ++jj) prod *= pr[(rr * p + jj) * M + m];
-          sum = rr ? sum + prod : prod;
-        }
-        o[m] = sum;
-      }
-    }
-  }
 }
 
 std::vector<torch::Tensor> pair_features(torch::Tensor q, torch::Tensor k, torch::Tensor flat, int64_t koff,
@@ -384,12 +400,15 @@ std::vector<torch::Tensor> pair_features(torch::Tensor q, torch::Tensor k, torch
   auto oq = torch::empty({BH, 1, M}, flat.options());
   auto okk = torch::empty({BH, 1, M}, flat.options());
   AT_DISPATCH_FLOATING_TYPES(flat.scalar_type(), "pair_features", [&] {
-    pair_impl<scalar_t>(lq, lk, flat.data_ptr<scalar_t>(), koff, D, t, p, M, oq.data_ptr<scalar_t>(),
-                        okk.data_ptr<scalar_t>(), BH);
+    (fast() ? avx2::pair_impl<scalar_t> : base::pair_impl<scalar_t>)(
+        lq, lk, flat.data_ptr<scalar_t>(), koff, D, t, p, M, oq.data_ptr<scalar_t>(), okk.data_ptr<scalar_t>(), BH);
   });
   return {oq, okk};
 }
 """
+
+_SOURCE = (_HEAD + "namespace avx2 {\n" + _KERNELS.replace("KATTR", '__attribute__((target("avx2,fma")))') + "}\n"
+           + "namespace base {\n" + _KERNELS.replace("KATTR", "") + "}\n" + _ENTRIES)
 
 
 @functools.cache
@@ -399,7 +418,7 @@ def _module():
         from torch.utils.cpp_extension import load_inline
 
         return load_inline(name="sketchlab_fused_recurrent", cpp_sources=_SOURCE, functions=["step", "pair_features"],
-                           extra_cflags=["-O3"], verbose=False)
+                           extra_cflags=["-O3", "-ffp-contract=off"], verbose=False)
     except Exception:  # noqa: BLE001 - no compiler, no ninja, no headers: the torch twin runs
         return None
 
