@@ -4,6 +4,8 @@ every mechanism, after a state split anywhere, after ``.detach()`` / ``.to()`` a
 re-layout of its own state, under padding held in the state, and with parameters changed in place
 between two tokens (a training step: re-validated, never a stale derived value)."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -190,6 +192,57 @@ def test_parameters_changed_in_place_are_seen(name, path):
     sl = slice(T - 1, T)
     with pytest.raises(ValueError, match="finite"):
         lean.step(_hd(q[:, sl]), _hd(k[:, sl]), _hd(v[:, sl]), _hd(fq[:, sl]), _hd(fk[:, sl]))
+
+
+@pytest.mark.parametrize("name", MECHANISMS)
+def test_compiled_step_in_float32_equals_its_torch_twin(name, monkeypatch):
+    """In float32 (the buffers' dtype; the inputs' float64 converted in and out) the compiled step and its
+    torch twin, from one state, give outputs and states equal to float32 round-off, token by token."""
+    options, lift, degree, q, k, v, fq, fk, params, gate = _setup(name)
+    _, state = _reference(options, lift, degree, q[:, :6], k[:, :6], v[:, :6], fq[:, :6], fk[:, :6], params, gate, None)
+    state = state.to(torch.float32)
+    leans = []
+    for compiled in (True, False):
+        monkeypatch.setattr(fused_recurrent, "USE_COMPILED", compiled)
+        leans.append(_lean(options, lift, degree, params, gate, state))
+    tol = dict(rtol=2e-5, atol=2e-6)
+    for t in range(6, T):
+        sl = slice(t, t + 1)
+        outs = []
+        for compiled, lean in zip((True, False), leans):
+            monkeypatch.setattr(fused_recurrent, "USE_COMPILED", compiled)
+            outs.append(lean.step(_hd(q[:, sl]), _hd(k[:, sl]), _hd(v[:, sl]), _hd(fq[:, sl]), _hd(fk[:, sl])))
+        assert outs[0].dtype == torch.float64
+        torch.testing.assert_close(outs[0], outs[1], **tol, msg=f"{name}: float32 output at t={t}")
+    a, b = leans[0].state(), leans[1].state()
+    for f in ("S", "z", "k_window", "phi_window", "k_cache", "score_cache", "cached", "pos_cache"):
+        if hasattr(b, f):
+            torch.testing.assert_close(getattr(a, f), getattr(b, f), **tol, msg=f"{name}: float32 state field {f}")
+
+
+@pytest.mark.parametrize("name", ["linear", "hybrid"])
+def test_signed_denominators_are_reported(name, path):
+    """Signed features under a normalised read: a denominator ``<= 0`` is reported (warned) by either path,
+    as the reference does, and the output is ``n / (d + eps)`` as the reference's."""
+    options, lift, degree, q, k, v, fq, fk, params, gate = _setup(name)
+    fq, fk = fq - 2.0, -(fk + 1.0)  # φ(q)·φ(k) < 0 for these: the sums turn negative
+    refs = []
+    with warnings.catch_warnings():  # the reference's own reports
+        warnings.simplefilter("ignore", RuntimeWarning)
+        _, state = _reference(options, lift, degree, q[:, :3], k[:, :3], v[:, :3], fq[:, :3], fk[:, :3], params, gate,
+                              None)
+        lean = _lean(options, lift, degree, params, gate, state)
+        for t in range(3, 9):
+            sl = slice(t, t + 1)
+            o_ref, state = _reference(options, lift, degree, q[:, sl], k[:, sl], v[:, sl], fq[:, sl], fk[:, sl],
+                                      params, gate, state)
+            refs.append(o_ref)
+    assert lean.check_den
+    with pytest.warns(RuntimeWarning, match="denominator <= 0"):
+        for t, o_ref in zip(range(3, 9), refs):
+            sl = slice(t, t + 1)
+            o = lean.step(_hd(q[:, sl]), _hd(k[:, sl]), _hd(v[:, sl]), _hd(fq[:, sl]), _hd(fk[:, sl]))
+            torch.testing.assert_close(o.view(B, H, 1, -1), _hd(o_ref), **TOL)
 
 
 def test_from_state_refuses_a_state_of_other_options():

@@ -43,7 +43,7 @@ import math
 import torch
 
 from ..polynomial import self_tensor
-from ._checks import report_denominators
+from ._checks import denominator_counts, report_denominators
 from .memory_state import MemoryState, check_far_params, recall_score, unit
 from .ops import fused_recurrent as fused
 from .options import AttentionOptions
@@ -348,7 +348,7 @@ class RecurrentStep:
         if self.check_den:
             den = r[..., Dv:]
             if bool((den <= 0).any()):
-                report_denominators(int((den <= 0).sum()), self.BH, "memory_attention" if self.memory else
+                report_denominators(denominator_counts(den), self.BH, "memory_attention" if self.memory else
                                     "llops_attention", self.o.denominator_check)
         return r[..., :Dv] / r[..., Dv:].add(self.o.eps)
 
