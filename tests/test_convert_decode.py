@@ -46,7 +46,8 @@ def _count(monkeypatch, cls):
 
 
 @pytest.mark.parametrize("name", CONVERSIONS)
-def test_generate_decodes_through_the_lean_steps(name, monkeypatch, path):
+@pytest.mark.usefixtures("path")
+def test_generate_decodes_through_the_lean_steps(name, monkeypatch):
     """Greedy generate() equals greedy decoding by full forward passes, and every decoded token of every layer
     went through a lean step (none through the reference path's per-call entry points)."""
     model = _converted(name)
@@ -63,7 +64,8 @@ def test_generate_decodes_through_the_lean_steps(name, monkeypatch, path):
 
 
 @pytest.mark.parametrize("name", ["cache+decay+exact", "llops-lifted", "gated-delta+cache"])
-def test_lean_logits_equal_the_reference_path(name, path):
+@pytest.mark.usefixtures("path")
+def test_lean_logits_equal_the_reference_path(name):
     """Token by token, the logits of a forward call with grad enabled (the reference path: one public call
     per layer with the state) and under no_grad (the lean steps) agree to float64 round-off, and so do
     the states they leave."""
@@ -107,7 +109,8 @@ def test_padded_prompts_decode_through_the_lean_steps(monkeypatch):
 
 
 @pytest.mark.parametrize("kind", ["llops", "llops-tied", "hedgehog"])
-def test_pair_features_equal_the_maps_float64_twins(kind, path):
+@pytest.mark.usefixtures("path")
+def test_pair_features_equal_the_maps_float64_twins(kind):
     """The decoding features of q and k in one product equal each map's float64 twin, and follow an in-place
     change of the maps' parameters (a training step) at the next call."""
     from sketchlab.featuremaps import HedgehogMap, LLoPSMap
@@ -137,7 +140,8 @@ def test_pair_features_equal_the_maps_float64_twins(kind, path):
 
 @pytest.mark.parametrize("far", [dict(window=0, sinks=0), dict(window=3, sinks=1), dict(window=3, sinks=1, decay=0.9),
                                  dict(window=0, sinks=0, state="delta")])
-def test_signed_map_with_default_options_decodes_as_the_forward(far, path):
+@pytest.mark.usefixtures("path")
+def test_signed_map_with_default_options_decodes_as_the_forward(far):
     """A layer built with ``normalize=None, non_negative=None`` over a signed map decides its defaults as the op
     does (AttentionOptions.resolve, one rule): self-tensored under a sum, not under the delta state (its
     readout divides by none). Its lean decoder (LayerDecoder) follows that decision: each decoded token

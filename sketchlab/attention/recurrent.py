@@ -28,7 +28,13 @@ state object per token; the tests hold the two equal in float64), but:
   (``a_j = e^{s\,q^\top k_j - c}``, ``c`` the maximum over the exact set ``E``; the delta rule's
   ``W = [g·a/Σa | (1 − g)·q̂]``, ``o = n``);
 * the features ``φ(q_t), φ(k_t)`` come in once per token (the caller evaluates its maps once); a
-  key's ``φ`` is kept in its row until it enters the far state.
+  key's ``φ`` is kept in its row until it enters the far state;
+* **one compiled call**: on the CPU (float32/float64 buffers) :meth:`RecurrentStep.step` hands the token,
+  after the parameter check, to :func:`sketchlab.attention.ops.fused_recurrent.step`, which does all of
+  the above in one pass of raw loops over the ``B·H`` lanes (a tiny torch op costs microseconds from
+  Python, the step's arithmetic a few in all). The torch body of :meth:`step` is its twin: run on other
+  devices, where no C++ compiler works, and under ``fused_recurrent.USE_COMPILED = False``; the tests
+  hold both equal to the reference step.
 
 :meth:`RecurrentStep.state` writes the state back out (the window in position order), so a
 decoding loop can hand it to any path again. The naive float64 twin of the whole step is

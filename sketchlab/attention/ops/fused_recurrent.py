@@ -460,12 +460,27 @@ def lane_params(rs) -> tuple[torch.Tensor, int]:
 
 def step(rs, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, phi_q: torch.Tensor,
          phi_k: torch.Tensor) -> torch.Tensor:
-    r"""One token of :meth:`RecurrentStep.step <sketchlab.attention.recurrent.RecurrentStep.step>` (its
-    parameters already current), compiled: ``q, k [B, H, 1, D]``, ``v [B, H, 1, Dv]``, ``phi_q, phi_k
-    [B, H, 1, F]`` (or each ``[B·H, 1, ·]``; any evenly strided lanes) → ``o [B·H, 1, Dv]`` in the inputs'
-    dtype; the step's CPU buffers (float32 or float64) move on by one token in place (the module's notes).
-    The cache's re-scoring (every ``rescore`` positions, ``K·M·Dv`` float64 multiply-adds) stays one
-    batched torch product here, as the twin's."""
+    r"""One token of :meth:`RecurrentStep.step <sketchlab.attention.recurrent.RecurrentStep.step>`, compiled
+    (the steps 1–5 of the module's notes): the step's CPU buffers move on by one token in place.
+
+    Parameters
+    ----------
+    rs : RecurrentStep
+        Laid out by ``from_state``, its far parameters current (``rs._parameters()`` just ran: ``rs.lane``,
+        ``rs.flags`` from :func:`lane_params`); buffers float32 or float64 on the CPU.
+    q, k : Tensor ``[B, H, 1, D]`` or ``[B·H, 1, D]``
+    v : Tensor ``[B, H, 1, Dv]`` or ``[B·H, 1, Dv]``
+    phi_q, phi_k : Tensor ``[B, H, 1, F]`` or ``[B·H, 1, F]``
+        The token's features (a memory state's: already self-tensored where the layer says so). Any dtype
+        (converted to the buffers' and back); lanes evenly strided are read in place, others copied.
+
+    Returns
+    -------
+    Tensor ``[B·H, 1, Dv]`` in ``v``'s dtype: :math:`o = n/(d + \varepsilon)` (delta: ``n``). The cache's
+    re-scoring (every ``rescore`` positions, ``K·M·(Dv + 1)`` float64 multiply-adds per lane) stays one
+    batched torch product here, as in the twin. Denominators ``<= 0`` of signed features are counted in the
+    call and reported as the twin reports them.
+    """
     from ..memory_state import recall_score
 
     in_dtype, work = v.dtype, rs.work
@@ -499,8 +514,23 @@ def step(rs, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, phi_q: torch.Ten
 
 
 def pair_features(q: torch.Tensor, k: torch.Tensor, flat: torch.Tensor, tied: bool, t: int, p: int):
-    r"""The LLoPS features of one token's ``q, k [B·H, 1, D]`` compiled (:func:`sketchlab.llops.maps.llops_pair_features`'s
-    twin): with ``flat = [Θ_Q; Θ_K]_flat [(1|2)·B·H, D, t·p·M]`` (one block when ``tied``),
-    :math:`\phi(x)_m = \sum_{r<t}\prod_{j<p} (x^\top\Theta_{r,j})_m` for both → ``(φ_Q(q), φ_K(k))``, each
-    ``[B·H, 1, M]``, in ``O(B·H·D·t·p·M)``."""
+    r"""The LLoPS features of one token's ``q`` and ``k`` in one compiled call (the torch twin is the
+    product in :func:`sketchlab.llops.maps.llops_pair_features`).
+
+    Parameters
+    ----------
+    q, k : Tensor ``[B·H, 1, D]``
+    flat : Tensor ``[(1|2)·B·H, D, t·p·M]``
+        ``[Θ_Q; Θ_K]`` flattened per lane (``Θ [H, t, p, D, M]`` as ``[H, D, t·p·M]``, repeated over the
+        batch), contiguous, in ``q``'s dtype (float32 or float64); one block when ``tied``.
+    tied : bool
+        ``Θ_K`` is ``Θ_Q``.
+    t, p : int
+        The rank and the degree.
+
+    Returns
+    -------
+    ``(φ_Q(q), φ_K(k))``, each ``[B·H, 1, M]``:
+    :math:`\phi(x)_m = \sum_{r<t}\prod_{j<p} (x^\top\Theta_{r,j})_m`. Cost ``O(B·H·D·t·p·M)``.
+    """
     return _module().pair_features(q, k, flat, 0 if tied else flat.shape[0] // 2, t, p)
