@@ -113,9 +113,9 @@ def test_padded_prompts_decode_through_the_lean_steps(monkeypatch):
 def test_pair_features_equal_the_maps_float64_twins(kind):
     """The decoding features of q and k in one product equal each map's float64 twin, and follow an in-place
     change of the maps' parameters (a training step) at the next call."""
+    from sketchlab.attention.ops.fused_recurrent import llops_pair_features
     from sketchlab.featuremaps import HedgehogMap, LLoPSMap
     from sketchlab.featuremaps.hedgehog import hedgehog_pair_features
-    from sketchlab.llops.maps import llops_pair_features
 
     B, H, D = 2, 3, 4
     if kind.startswith("llops"):
