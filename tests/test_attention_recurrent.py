@@ -245,6 +245,21 @@ def test_signed_denominators_are_reported(name, path):
             torch.testing.assert_close(o.view(B, H, 1, -1), _hd(o_ref), **TOL)
 
 
+@pytest.mark.parametrize("name", ["hybrid", "cache", "delta-cache"])
+def test_the_state_laid_out_is_left_as_it_was(name, path):
+    """The step writes only its own buffers: the state it was laid out from (float64, whose cache scores the step
+    keeps in float64 too) is unchanged after tokens, so a caller may continue it on another path."""
+    options, lift, degree, q, k, v, fq, fk, params, gate = _setup(name)
+    _, state = _reference(options, lift, degree, q[:, :8], k[:, :8], v[:, :8], fq[:, :8], fk[:, :8], params, gate, None)
+    before = {f: getattr(state, f).clone() for f in vars(state) if isinstance(getattr(state, f), torch.Tensor)}
+    lean = _lean(options, lift, degree, params, gate, state)
+    for t in range(8, T):
+        sl = slice(t, t + 1)
+        lean.step(_hd(q[:, sl]), _hd(k[:, sl]), _hd(v[:, sl]), _hd(fq[:, sl]), _hd(fk[:, sl]))
+    for f, x in before.items():
+        assert torch.equal(getattr(state, f), x), f
+
+
 def test_from_state_refuses_a_state_of_other_options():
     options, lift, degree, q, k, v, fq, fk, params, gate = _setup("cache")
     _, state = _reference(options, lift, degree, q[:, :5], k[:, :5], v[:, :5], fq[:, :5], fk[:, :5], params, gate, None)

@@ -179,8 +179,9 @@ class RecurrentStep:
             self.Kt[:, :, c], self.Phi[:, c], self.VS[:, c, :Dv] = (heads(state.k_cache).mT, heads(state.phi_cache),
                                                                      heads(state.v_cache))
             self.ok[:, 0, c] = heads(state.cached)
-            self.score64, self.cached, self.pos_cache = (heads(state.score_cache).double(),
-                                                         heads(state.cached).clone(), heads(state.pos_cache).clone())
+            own = dict(copy=True, memory_format=torch.contiguous_format)  # buffers of its own, written in place
+            self.score64, self.cached, self.pos_cache = (heads(state.score_cache).to(torch.float64, **own),
+                                                         heads(state.cached).to(**own), heads(state.pos_cache).to(**own))
             self.cache_full = bool(state.cached.all())
             self.slots = torch.arange(s + w, N, device=dev)  # the cache's rows
             self.K_, self.never = torch.tensor(K, device=dev), torch.tensor(_NEVER, device=dev)

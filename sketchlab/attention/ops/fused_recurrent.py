@@ -375,6 +375,14 @@ std::tuple<torch::Tensor, int64_t, int64_t> step(torch::Tensor q, torch::Tensor 
   TORCH_CHECK(q.scalar_type() == VS.scalar_type() && v.scalar_type() == VS.scalar_type() &&
               phi_q.scalar_type() == VS.scalar_type() && phi_k.scalar_type() == VS.scalar_type() &&
               k.scalar_type() == VS.scalar_type(), "fused step: inputs in the buffers' dtype");
+  TORCH_CHECK(Kt.is_contiguous() && Phi.is_contiguous() && VS.is_contiguous() && bias.is_contiguous() &&
+              lane.is_contiguous() && ok.is_contiguous() && real.is_contiguous() && ok.scalar_type() == torch::kBool &&
+              real.scalar_type() == torch::kBool && Kt.scalar_type() == VS.scalar_type() &&
+              Phi.scalar_type() == VS.scalar_type() && bias.scalar_type() == VS.scalar_type() &&
+              lane.scalar_type() == VS.scalar_type(), "fused step: the buffers as RecurrentStep lays them out");
+  TORCH_CHECK(!score.has_value() || (score->is_contiguous() && pos->is_contiguous() && cached->is_contiguous() &&
+              score->scalar_type() == torch::kDouble && pos->scalar_type() == torch::kLong &&
+              cached->scalar_type() == torch::kBool), "fused step: the cache's buffers as RecurrentStep lays them out");
   const Lanes lq = w ? Lanes(q, BH, D) : Lanes(), lk = w ? Lanes(k, BH, D) : Lanes();
   const Lanes lv(v, BH, Dv), lpq(phi_q, BH, F), lpk(phi_k, BH, F);
   auto out = torch::empty({BH, 1, Dv}, VS.options());
