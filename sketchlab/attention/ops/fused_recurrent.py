@@ -337,13 +337,26 @@ KATTR static void pair_impl(const Lanes& q, const Lanes& k, const T* flat, int64
     const T* y = k.at<T>(b);
     const T* fq = flat + b * D * J;
     const T* fk = flat + (b + koff) * D * J;
-    for (int64_t c = 0; c < J; ++c) { pq[c] = 0; pk[c] = 0; }
-    for (int64_t d = 0; d < D; ++d) {  // [q; k] @ theta_flat
-      const T a = x[d], e = y[d];
-      const T* rq = fq + d * J;
-      const T* rk = fk + d * J;
-      axpy(pq, a, rq, J);
-      axpy(pk, e, rk, J);
+    // [q; k] @ theta_flat, by blocks of columns whose sums stay in registers over d (4 AVX registers a side)
+    constexpr int64_t BLK = 128 / sizeof(T);
+    int64_t j0 = 0;
+    for (; j0 + BLK <= J; j0 += BLK) {
+      T aq[BLK], ak[BLK];
+      for (int64_t c = 0; c < BLK; ++c) { aq[c] = 0; ak[c] = 0; }
+      for (int64_t d = 0; d < D; ++d) {
+        const T a = x[d], e = y[d];
+        const T* __restrict__ rq = fq + d * J + j0;
+        const T* __restrict__ rk = fk + d * J + j0;
+        for (int64_t c = 0; c < BLK; ++c) { aq[c] += a * rq[c]; ak[c] += e * rk[c]; }
+      }
+      for (int64_t c = 0; c < BLK; ++c) { pq[j0 + c] = aq[c]; pk[j0 + c] = ak[c]; }
+    }
+    if (j0 < J) {  // the last columns
+      for (int64_t c = j0; c < J; ++c) { pq[c] = 0; pk[c] = 0; }
+      for (int64_t d = 0; d < D; ++d) {
+        axpy(pq + j0, x[d], fq + d * J + j0, J - j0);
+        axpy(pk + j0, y[d], fk + d * J + j0, J - j0);
+      }
     }
     for (int64_t side = 0; side < 2; ++side) {  // the p-fold products, summed over rank t
       const T* pr = side ? pk : pq;
