@@ -16,8 +16,9 @@ One attention layer (B = 1, H heads, D = Dv), context lengths 1k … 32k, side b
   ``public call`` — one :func:`sketchlab.attention.functional.llops_attention` call per token with
   ``initial_state``/``output_final_state`` (its per-call checks included), and ``lean step`` — one
   :meth:`sketchlab.attention.recurrent.RecurrentStep.step` per token (the LLoPS features of q and
-  k computed each token in one product, ``llops_pair_features``, inside the timing; the map is
-  non-negative, so the step skips the denominator check), under ``torch.inference_mode``.
+  k computed each token, ``llops_pair_features``, inside the timing; the map is non-negative, so the
+  step skips the denominator check), under ``torch.inference_mode``; on the CPU both are one compiled
+  call each (``attention/ops/fused_recurrent.py``; the report says whether it built).
 
 Reported: tokens/s (best of ``--reps`` runs of ``--steps`` steps, by the wall clock and by the
 process's CPU time), the ratio to SDPA with a KV cache and to the faster SDPA row, the step's
@@ -48,10 +49,11 @@ sys.path.insert(0, str(ROOT))
 
 from sketchlab.attention import AttentionOptions, FarParams  # noqa: E402
 from sketchlab.attention.functional import llops_attention  # noqa: E402
-from sketchlab.attention.ops.cache import fused_recurrent  # noqa: E402
+from sketchlab.attention.ops import fused_recurrent  # noqa: E402
+from sketchlab.attention.ops.fused_recurrent import llops_pair_features  # noqa: E402
 from sketchlab.attention.recurrent import RecurrentStep  # noqa: E402
 from sketchlab.io import atomic_write  # noqa: E402
-from sketchlab.llops.maps import llops_is_non_negative, llops_pair_features  # noqa: E402
+from sketchlab.llops.maps import llops_is_non_negative  # noqa: E402
 
 
 def best_rate(step, steps: int, reps: int) -> tuple[float, float]:
@@ -222,10 +224,12 @@ def main(argv=None) -> int:
         "prefill call on the context. `public call`: one `llops_attention` call per token with "
         "`initial_state`/`output_final_state` (the public API, its per-call checks included; the memory rows pass one "
         "`AttentionOptions` and its `FarParams`). `lean step`: `RecurrentStep.step` per token "
-        "(`sketchlab.attention.recurrent`; the LLoPS features of q and k computed each token in one product, "
+        "(`sketchlab.attention.recurrent`; the LLoPS features of q and k computed each token, "
         "`llops_pair_features`, inside the timing; the map non-negative, so no denominator check; under "
-        f"`torch.inference_mode`; the cache's choice compiled: {compiled}). SDPA runs under `torch.inference_mode` "
-        "too.",
+        "`torch.inference_mode`). **Compiled step: "
+        f"{'yes' if compiled else 'NO (the torch twin)'}** (the whole step and the features as one C++ call each, "
+        "`sketchlab/attention/ops/fused_recurrent.py`; else their torch twins). SDPA runs under "
+        "`torch.inference_mode` too.",
         "",
         f"Matmul rate measured in this run (float32 1024×1024 GEMM, one thread, CPU time): **{rate / 1e9:.1f} G "
         "multiply-adds/s**. `MACs`: the lean step's multiply-adds (`step_macs`); `÷ arithmetic`: its CPU time per "

@@ -56,7 +56,7 @@ def one(args) -> dict:
     import torch
     from transformers import LogitsProcessor, LogitsProcessorList
 
-    from sketchlab.attention.ops.cache import fused_recurrent
+    from sketchlab.attention.ops import fused_recurrent
     from sketchlab.convert import convert_attention
     from sketchlab.hf.pretrained import load_pretrained, smollm2_gguf
 
@@ -111,8 +111,8 @@ def render(rows, args, cmd, load) -> str:
              f"`convert_attention(attention={args.map!r}, m={args.m}, window=64, sinks=4, cache=188, decay='input')` "
              f"(untrained: speed and memory only), `+exact`: layers {args.exact} kept exact. Decode tokens/s: the "
              f"{args.new - 1} tokens after the first, timed by a logits processor (once per token), by the wall clock "
-             "and by the process's CPU time (a shared machine: the CPU time is the steadier measure). The cache's "
-             f"choice compiled: {all(r['compiled'] for r in rows)}. Machine load "
+             "and by the process's CPU time (a shared machine: the CPU time is the steadier measure). The decoding "
+             f"step compiled (attention/ops/fused_recurrent.py): {all(r['compiled'] for r in rows)}. Machine load "
              f"before: {'/'.join(f'{x:.1f}' for x in load)} on {os.cpu_count()} CPUs (a shared machine).", "",
              "| model | prompt L | decode tokens/s | × teacher | by CPU time | × teacher by CPU time | prefill s | "
              "decoding state MiB | RSS after MiB | peak RSS MiB |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]

@@ -4,13 +4,15 @@ every mechanism, after a state split anywhere, after ``.detach()`` / ``.to()`` a
 re-layout of its own state, under padding held in the state, and with parameters changed in place
 between two tokens (a training step: re-validated, never a stale derived value)."""
 
+import warnings
+
 import pytest
 import torch
 
 from sketchlab.attention import AttentionOptions, FarParams
 from sketchlab.attention.chunked import feature_attention
 from sketchlab.attention.memory import memory_attention
-from sketchlab.attention.ops.cache import fused_recurrent
+from sketchlab.attention.ops import fused_recurrent
 from sketchlab.attention.recurrent import RecurrentStep
 from sketchlab.polynomial import self_tensor
 
@@ -118,37 +120,29 @@ def _run(name, split, through=None, mask=None):
 
 
 @pytest.fixture(params=["compiled", "torch"])
-def cache_choice(request, monkeypatch):
-    """The cache's choice compiled and its torch twin. Every machine of this project has gcc and the dev extra
-    installs ninja (make test puts it on PATH), so the compiled choice must build here: a failure to build is a
-    failure, not a skip (the torch twin alone would leave the compiled code untested)."""
+def path(request, monkeypatch):
+    """The compiled step (ops/fused_recurrent.py) and its torch twin. Every machine of this project has gcc and
+    the dev extra installs ninja (make test puts it on PATH), so the compiled step must build here: a failure to
+    build is a failure, not a skip (the torch twin alone would leave the compiled code untested)."""
     if request.param == "compiled":
-        assert fused_recurrent.available(), ("the compiled cache choice did not build (torch's load_inline needs gcc "
-                                             "and ninja on PATH: pip install ninja, or run the suite with make test)")
+        assert fused_recurrent.available(), ("the compiled step did not build (torch's load_inline needs gcc and "
+                                             "ninja on PATH: pip install ninja, or run the suite with make test)")
     monkeypatch.setattr(fused_recurrent, "USE_COMPILED", request.param == "compiled")
     return request.param
 
 
 @pytest.mark.parametrize("name", MECHANISMS)
 @pytest.mark.parametrize("split", [1, 3, 6, 11])
-def test_lean_step_equals_reference_step(name, split):
+def test_lean_step_equals_reference_step(name, split, path):
     """Every token's output and the final state, from a prefill of ``split`` tokens (inside the sinks, the
-    window, the first re-scoring, far beyond), equal the reference call's (the cache's choice: compiled
-    where a compiler works)."""
-    _run(name, split)
-
-
-@pytest.mark.parametrize("name", [n for n, (kw, _, _) in MECHANISMS.items() if kw.get("cache")])
-@pytest.mark.parametrize("split", [1, 6, 11])
-def test_lean_step_with_the_cache_choice_in_torch(name, split, monkeypatch):
-    """The cache's choice by its torch twin (where no compiler works) equals the reference too."""
-    monkeypatch.setattr(fused_recurrent, "USE_COMPILED", False)
+    window, the first re-scoring, far beyond), equal the reference call's, by the compiled step and by its
+    torch twin."""
     _run(name, split)
 
 
 @pytest.mark.parametrize("name", ["hybrid", "hybrid-lifted", "decay-input", "gated-delta", "cache", "delta-cache"])
 @pytest.mark.parametrize("how", ["detach", "to", "round-trip"])
-def test_lean_step_after_detach_to_and_its_own_state(name, how):
+def test_lean_step_after_detach_to_and_its_own_state(name, how, path):
     """A state passed through ``.detach()``, through ``.to()`` (float32 storage and back: the values the
     reference continues from) or written out by a lean step and laid out again, continues alike."""
     if how == "round-trip":
@@ -163,7 +157,7 @@ def test_lean_step_after_detach_to_and_its_own_state(name, how):
 
 
 @pytest.mark.parametrize("name", ["hybrid", "cache", "delta-cache", "decay-input"])
-def test_lean_step_continues_a_padded_prefill(name, cache_choice):
+def test_lean_step_continues_a_padded_prefill(name, path):
     """Pads held in the state (a left-padded row moved behind its sinks, pads inside the window) are never
     exact keys and never enter the far state, as in the reference."""
     mask = torch.ones(B, 6, dtype=torch.bool)
@@ -173,7 +167,7 @@ def test_lean_step_continues_a_padded_prefill(name, cache_choice):
 
 
 @pytest.mark.parametrize("name", ["hybrid", "gated-delta", "cache"])
-def test_parameters_changed_in_place_are_seen(name):
+def test_parameters_changed_in_place_are_seen(name, path):
     """A training step between two tokens (in-place updates of the gate, the decay, β) reaches the next
     token (the derived values are keyed on the tensors' versions), and a parameter made non-finite is
     refused at the next token: a stale validation would pass it."""
@@ -198,6 +192,72 @@ def test_parameters_changed_in_place_are_seen(name):
     sl = slice(T - 1, T)
     with pytest.raises(ValueError, match="finite"):
         lean.step(_hd(q[:, sl]), _hd(k[:, sl]), _hd(v[:, sl]), _hd(fq[:, sl]), _hd(fk[:, sl]))
+
+
+@pytest.mark.parametrize("name", MECHANISMS)
+def test_compiled_step_in_float32_equals_its_torch_twin(name, monkeypatch):
+    """In float32 (the buffers' dtype; the inputs' float64 converted in and out) the compiled step and its
+    torch twin, from one state, give outputs and states equal to float32 round-off, token by token."""
+    options, lift, degree, q, k, v, fq, fk, params, gate = _setup(name)
+    _, state = _reference(options, lift, degree, q[:, :6], k[:, :6], v[:, :6], fq[:, :6], fk[:, :6], params, gate, None)
+    state = state.to(torch.float32)
+    leans = []
+    for compiled in (True, False):
+        monkeypatch.setattr(fused_recurrent, "USE_COMPILED", compiled)
+        leans.append(_lean(options, lift, degree, params, gate, state))
+    tol = dict(rtol=2e-5, atol=2e-6)
+    for t in range(6, T):
+        sl = slice(t, t + 1)
+        outs = []
+        for compiled, lean in zip((True, False), leans):
+            monkeypatch.setattr(fused_recurrent, "USE_COMPILED", compiled)
+            outs.append(lean.step(_hd(q[:, sl]), _hd(k[:, sl]), _hd(v[:, sl]), _hd(fq[:, sl]), _hd(fk[:, sl])))
+        assert outs[0].dtype == torch.float64
+        torch.testing.assert_close(outs[0], outs[1], **tol, msg=f"{name}: float32 output at t={t}")
+    a, b = leans[0].state(), leans[1].state()
+    for f in ("S", "z", "k_window", "phi_window", "k_cache", "score_cache", "cached", "pos_cache"):
+        if hasattr(b, f):
+            torch.testing.assert_close(getattr(a, f), getattr(b, f), **tol, msg=f"{name}: float32 state field {f}")
+
+
+@pytest.mark.parametrize("name", ["linear", "hybrid"])
+def test_signed_denominators_are_reported(name, path):
+    """Signed features under a normalised read: a denominator ``<= 0`` is reported (warned) by either path,
+    as the reference does, and the output is ``n / (d + eps)`` as the reference's."""
+    options, lift, degree, q, k, v, fq, fk, params, gate = _setup(name)
+    fq, fk = fq - 2.0, -(fk + 1.0)  # φ(q)·φ(k) < 0 for these: the sums turn negative
+    refs = []
+    with warnings.catch_warnings():  # the reference's own reports
+        warnings.simplefilter("ignore", RuntimeWarning)
+        _, state = _reference(options, lift, degree, q[:, :3], k[:, :3], v[:, :3], fq[:, :3], fk[:, :3], params, gate,
+                              None)
+        lean = _lean(options, lift, degree, params, gate, state)
+        for t in range(3, 9):
+            sl = slice(t, t + 1)
+            o_ref, state = _reference(options, lift, degree, q[:, sl], k[:, sl], v[:, sl], fq[:, sl], fk[:, sl],
+                                      params, gate, state)
+            refs.append(o_ref)
+    assert lean.check_den
+    with pytest.warns(RuntimeWarning, match="denominator <= 0"):
+        for t, o_ref in zip(range(3, 9), refs):
+            sl = slice(t, t + 1)
+            o = lean.step(_hd(q[:, sl]), _hd(k[:, sl]), _hd(v[:, sl]), _hd(fq[:, sl]), _hd(fk[:, sl]))
+            torch.testing.assert_close(o.view(B, H, 1, -1), _hd(o_ref), **TOL)
+
+
+@pytest.mark.parametrize("name", ["hybrid", "cache", "delta-cache"])
+def test_the_state_laid_out_is_left_as_it_was(name, path):
+    """The step writes only its own buffers: the state it was laid out from (float64, whose cache scores the step
+    keeps in float64 too) is unchanged after tokens, so a caller may continue it on another path."""
+    options, lift, degree, q, k, v, fq, fk, params, gate = _setup(name)
+    _, state = _reference(options, lift, degree, q[:, :8], k[:, :8], v[:, :8], fq[:, :8], fk[:, :8], params, gate, None)
+    before = {f: getattr(state, f).clone() for f in vars(state) if isinstance(getattr(state, f), torch.Tensor)}
+    lean = _lean(options, lift, degree, params, gate, state)
+    for t in range(8, T):
+        sl = slice(t, t + 1)
+        lean.step(_hd(q[:, sl]), _hd(k[:, sl]), _hd(v[:, sl]), _hd(fq[:, sl]), _hd(fk[:, sl]))
+    for f, x in before.items():
+        assert torch.equal(getattr(state, f), x), f
 
 
 def test_from_state_refuses_a_state_of_other_options():

@@ -10,6 +10,7 @@ from sketchlab.attention.recurrent import RecurrentStep
 from sketchlab.convert import convert_attention, converted_modules
 from sketchlab.convert.cache import SketchStateCache
 from sketchlab.convert.exact import KVDecoder, KVState
+from tests.test_attention_recurrent import path  # noqa: F401  (the fixture: compiled step and its torch twin)
 from tests.test_convert import TOL64, _greedy_by_full_forward, _llama
 
 #: conversions: the benchmark's (window + sinks + cache + decayed far state; the same with exact layers),
@@ -47,6 +48,7 @@ def _count(monkeypatch, cls):
 
 
 @pytest.mark.parametrize("name", CONVERSIONS)
+@pytest.mark.usefixtures("path")
 def test_generate_decodes_through_the_lean_steps(name, monkeypatch):
     """Greedy generate() equals greedy decoding by full forward passes, and every decoded token of every layer
     went through a lean step (none through the reference path's per-call entry points)."""
@@ -64,6 +66,7 @@ def test_generate_decodes_through_the_lean_steps(name, monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["cache+decay+exact", "llops-lifted", "gated-delta+cache", "qk_conv+cache+decay"])
+@pytest.mark.usefixtures("path")
 def test_lean_logits_equal_the_reference_path(name):
     """Token by token, the logits of a forward call with grad enabled (the reference path: one public call
     per layer with the state) and under no_grad (the lean steps) agree to float64 round-off, and so do
@@ -109,12 +112,13 @@ def test_padded_prompts_decode_through_the_lean_steps(monkeypatch):
 
 
 @pytest.mark.parametrize("kind", ["llops", "llops-tied", "hedgehog"])
+@pytest.mark.usefixtures("path")
 def test_pair_features_equal_the_maps_float64_twins(kind):
     """The decoding features of q and k in one product equal each map's float64 twin, and follow an in-place
     change of the maps' parameters (a training step) at the next call."""
+    from sketchlab.attention.ops.fused_recurrent import llops_pair_features
     from sketchlab.featuremaps import HedgehogMap, LLoPSMap
     from sketchlab.featuremaps.hedgehog import hedgehog_pair_features
-    from sketchlab.llops.maps import llops_pair_features
 
     B, H, D = 2, 3, 4
     if kind.startswith("llops"):
@@ -139,6 +143,7 @@ def test_pair_features_equal_the_maps_float64_twins(kind):
 
 @pytest.mark.parametrize("far", [dict(window=0, sinks=0), dict(window=3, sinks=1), dict(window=3, sinks=1, decay=0.9),
                                  dict(window=0, sinks=0, state="delta")])
+@pytest.mark.usefixtures("path")
 def test_signed_map_with_default_options_decodes_as_the_forward(far):
     """A layer built with ``normalize=None, non_negative=None`` over a signed map decides its defaults as the op
     does (AttentionOptions.resolve, one rule): self-tensored under a sum, not under the delta state (its

@@ -28,7 +28,13 @@ state object per token; the tests hold the two equal in float64), but:
   (``a_j = e^{s\,q^\top k_j - c}``, ``c`` the maximum over the exact set ``E``; the delta rule's
   ``W = [g·a/Σa | (1 − g)·q̂]``, ``o = n``);
 * the features ``φ(q_t), φ(k_t)`` come in once per token (the caller evaluates its maps once); a
-  key's ``φ`` is kept in its row until it enters the far state.
+  key's ``φ`` is kept in its row until it enters the far state;
+* **one compiled call**: on the CPU (float32/float64 buffers) :meth:`RecurrentStep.step` hands the token,
+  after the parameter check, to :func:`sketchlab.attention.ops.fused_recurrent.step`, which does all of
+  the above in one pass of raw loops over the ``B·H`` lanes (a tiny torch op costs microseconds from
+  Python, the step's arithmetic a few in all). The torch body of :meth:`step` is its twin: run on other
+  devices, where no C++ compiler works, and under ``fused_recurrent.USE_COMPILED = False``; the tests
+  hold both equal to the reference step.
 
 :meth:`RecurrentStep.state` writes the state back out (the window in position order), so a
 decoding loop can hand it to any path again. The naive float64 twin of the whole step is
@@ -43,9 +49,9 @@ import math
 import torch
 
 from ..polynomial import self_tensor
-from ._checks import report_denominators
+from ._checks import denominator_counts, report_denominators
 from .memory_state import MemoryState, check_far_params
-from .ops.cache import fused_recurrent as compiled
+from .ops import fused_recurrent as fused
 from .ops.cache.score import recall_score
 from .ops.delta.beta import unit
 from .options import AttentionOptions
@@ -175,8 +181,9 @@ class RecurrentStep:
             self.Kt[:, :, c], self.Phi[:, c], self.VS[:, c, :Dv] = (heads(state.k_cache).mT, heads(state.phi_cache),
                                                                      heads(state.v_cache))
             self.ok[:, 0, c] = heads(state.cached)
-            self.score64, self.cached, self.pos_cache = (heads(state.score_cache).double(),
-                                                         heads(state.cached).clone(), heads(state.pos_cache).clone())
+            own = dict(copy=True, memory_format=torch.contiguous_format)  # buffers of its own, written in place
+            self.score64, self.cached, self.pos_cache = (heads(state.score_cache).to(torch.float64, **own),
+                                                         heads(state.cached).to(**own), heads(state.pos_cache).to(**own))
             self.cache_full = bool(state.cached.all())
             self.slots = torch.arange(s + w, N, device=dev)  # the cache's rows
             self.K_, self.never = torch.tensor(K, device=dev), torch.tensor(_NEVER, device=dev)
@@ -188,6 +195,8 @@ class RecurrentStep:
         self.bias = torch.zeros(BH, 1, N, **kw)
         self._masks_changed()
         self.gate, self.params, self._version = gate, params, None
+        # the compiled step (ops/fused_recurrent.py) for CPU buffers of float32/float64; elsewhere the torch twin
+        self.fused = dev.type == "cpu" and work in (torch.float32, torch.float64)
         self._parameters()
         return self
 
@@ -238,6 +247,7 @@ class RecurrentStep:
             if self.delta:
                 bias, weight = rows(far["beta_bias"]).view(-1, 1, 1), far["beta_weight"]
                 self.beta = torch.sigmoid(bias) if weight is None else (bias, rows(weight)[..., None])
+            self.lane, self.flags = fused.lane_params(self)  # the same values packed for the compiled step
         self._version = key
 
     # ------------------------------------------------------------------------------------------ the step
@@ -276,6 +286,8 @@ class RecurrentStep:
         buffers move on by one token. Runs under ``torch.inference_mode`` (measured: 10–20 % less time per
         token than ``no_grad``), so ``o`` is an inference tensor: for use without autograd."""
         self._parameters()
+        if self.fused and fused.available():  # the whole step in one compiled call
+            return fused.step(self, q, k, v, phi_q, phi_k)
         in_dtype, work, BH = v.dtype, self.work, self.BH
         if in_dtype != work:
             q, k, v, phi_q, phi_k = (x.to(work) for x in (q, k, v, phi_q, phi_k))
@@ -345,7 +357,7 @@ class RecurrentStep:
         if self.check_den:
             den = r[..., Dv:]
             if bool((den <= 0).any()):
-                report_denominators(int((den <= 0).sum()), self.BH, "memory_attention" if self.memory else
+                report_denominators(denominator_counts(den), self.BH, "memory_attention" if self.memory else
                                     "llops_attention", self.o.denominator_check)
         return r[..., :Dv] / r[..., Dv:].add(self.o.eps)
 
@@ -373,15 +385,6 @@ class RecurrentStep:
         if not leaves:
             self.score64.copy_(score.to(self.work))
             return None
-        if self.VS.device.type == "cpu" and compiled.available():  # the same choices in one compiled call (CPU)
-            if score is not self.score64:
-                self.score64.copy_(score)  # this step's choice compares the unrounded re-scores
-            out = compiled.leave_cached(self.Kt, self.Phi, self.VS, self.score64, self.pos_cache, self.cached,
-                                        self.real, gamma, self.M2, i, j, c0, delta=delta, eps=eps)
-            if score is not self.score64:  # stored rounded, as the reference stores them
-                self.score64.copy_(self.score64.to(self.work))
-            self._cache_filled()
-            return out
         if S64 is None:
             S64, scale = (self.S if delta else self.Sz).double(), None if gamma is None else gamma.double()
         sj = recall_score(S64, scale, self.Phi[:, i:i + 1], self.V[:, i:i + 1], delta=delta, eps=eps)  # [BH, 1]
