@@ -44,16 +44,17 @@ decoding loop can hand it to any path again. The naive float64 twin of the whole
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from ..polynomial import self_tensor
 from ._checks import denominator_counts, report_denominators
 from .memory_state import MemoryState, check_far_params
 from .ops import fused_recurrent as fused
-from .ops.cache.score import recall_score
+from .ops.additive.recurrent import additive_enter_
+from .ops.cache.recurrent import leave_cached
+from .ops.decayed.recurrent import lane_decay, token_gamma
 from .ops.delta.beta import unit
+from .ops.delta.recurrent import delta_enter_, lane_beta
 from .options import AttentionOptions
 from .state import AttentionState
 
@@ -236,47 +237,22 @@ class RecurrentStep:
                 far["gate"].detach().to(work))
             g = rows(g).view(-1, 1, 1)  # [BH, 1, 1]
             self.g, self.log_g, self.one_g = g, g.log(), 1 - g
-            self.decay = None  # log γ [BH, 1, 1] (fixed, per head), or ("input", bias [BH, 1, 1], weight [BH, Dv, 1])
-            if self.memory and o.decay is not None and o.decay != 1.0:
-                if o.decay == "head":
-                    self.decay = torch.nn.functional.logsigmoid(rows(far["decay_bias"])).view(-1, 1, 1)
-                elif o.decay == "input":
-                    self.decay = ("input", rows(far["decay_bias"]).view(-1, 1, 1), rows(far["decay_weight"])[..., None])
-                else:
-                    self.decay = torch.full((self.BH, 1, 1), math.log(o.decay), dtype=work, device=dev)
+            self.decay = lane_decay(o.decay, far, rows, self.BH, work, dev) if self.memory else None
             if self.delta:
-                bias, weight = rows(far["beta_bias"]).view(-1, 1, 1), far["beta_weight"]
-                self.beta = torch.sigmoid(bias) if weight is None else (bias, rows(weight)[..., None])
+                self.beta = lane_beta(far, rows)
             self.lane, self.flags = fused.lane_params(self)  # the same values packed for the compiled step
         self._version = key
 
     # ------------------------------------------------------------------------------------------ the step
-    def _gamma(self, v: torch.Tensor) -> torch.Tensor | None:
-        """``γ [BH, 1, 1]`` of the token with value ``v [BH, 1, Dv]`` (None: no decay), as ``exp(log σ(·))``."""
-        d = self.decay
-        if d is None:
-            return None
-        if isinstance(d, tuple):
-            _, bias, weight = d
-            return torch.nn.functional.logsigmoid(torch.baddbmm(bias, v, weight)).exp_()
-        return d.exp()
-
     def _enter(self, f: torch.Tensor, v1: torch.Tensor, real: torch.Tensor | None) -> None:
         """Add keys (features ``f [BH, 1, F]``, ``v1 = [v | 1] [BH, 1, Dv + 1]``; ``real [BH, 1, 1]`` or None
-        for all) to the far state in place: additive ``[S | z] += φ [v | 1]``; delta
-        ``S += β k̂ (v − k̂ᵀS)ᵀ``."""
+        for all) to the far state in place, by the mechanism's write: the delta rule's
+        (:func:`~sketchlab.attention.ops.delta.recurrent.delta_enter_`) or the additive one
+        (:func:`~sketchlab.attention.ops.additive.recurrent.additive_enter_`)."""
         if self.delta:
-            kh, ve, b = unit(f), v1[..., :self.Dv], self.beta
-            beta = b if isinstance(b, torch.Tensor) else torch.sigmoid(torch.baddbmm(b[0], ve, b[1]))  # [BH, 1, 1]
-            if real is not None:
-                beta = beta * real
-            self.S.addcmul_(kh.mT * beta, ve - kh @ self.S)
-            return
-        if self.lift:
-            f = self_tensor(f)
-        if real is not None:
-            f = f * real
-        self.Sz.addcmul_(f.mT, v1)
+            delta_enter_(self.S, f, v1[..., :self.Dv], self.beta, real)
+        else:
+            additive_enter_(self.Sz, self_tensor(f) if self.lift else f, v1, real)
 
     @torch.inference_mode()
     def step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, phi_q: torch.Tensor,
@@ -294,8 +270,8 @@ class RecurrentStep:
         q, k, v, phi_q, phi_k = (x.reshape(BH, 1, x.shape[-1]) for x in (q, k, v, phi_q, phi_k))
         P, w, s, K, Dv = self.offset, self.w, self.s, self.K, self.Dv
         i = s + P % w if w else None  # the ring row of positions P and P − w
-        gamma = self._gamma(v)
-        entering = self._leave_cached(P, i, gamma) if K else None  # the cache's choice reads the state before γ
+        gamma = token_gamma(self.decay, v)
+        entering = leave_cached(self, P, i, gamma) if K else None  # the cache's choice reads the state before γ
         # 1. decay
         if gamma is not None:
             self.Sz.mul_(gamma)
@@ -360,57 +336,6 @@ class RecurrentStep:
                 report_denominators(denominator_counts(den), self.BH, "memory_attention" if self.memory else
                                     "llops_attention", self.o.denominator_check)
         return r[..., :Dv] / r[..., Dv:].add(self.o.eps)
-
-    def _leave_cached(self, P: int, i: int, gamma):
-        """Step 2 with a cache (DESIGN §7), before the decay is applied (the scores read ``γ·S``): every
-        ``rescore`` positions re-score the cached keys; the key leaving the window (row ``i``, position
-        ``P − w``) is scored and takes the least-scored slot (an empty slot first; ties: the oldest key)
-        unless it scores below all of them. Returns what enters the state (the key pushed out, or the
-        candidate itself; ``(φ, [v | 1], real)``) or None.
-
-        The scores are float64 as the reference's; :attr:`score64` holds them as the state stores them
-        (rounded to its dtype), so a choice compares exactly what the reference compares."""
-        w, s, Dv, eps = self.w, self.s, self.Dv, self.o.eps
-        j = P - w
-        leaves, rescore = j >= s, P % self.o.rescore == 0
-        if not (leaves or rescore):
-            return None
-        c0, delta = s + w, self.delta
-        S64 = scale = None
-        score = self.score64  # the choice's scores: re-scored ones unrounded, as the reference's
-        if rescore and bool(self.cached.any()):
-            S64, scale = (self.S if delta else self.Sz).double(), None if gamma is None else gamma.double()
-            fresh = recall_score(S64, scale, self.Phi[:, c0:], self.V[:, c0:], delta=delta, eps=eps)
-            score = torch.where(self.cached, fresh, score)
-        if not leaves:
-            self.score64.copy_(score.to(self.work))
-            return None
-        if S64 is None:
-            S64, scale = (self.S if delta else self.Sz).double(), None if gamma is None else gamma.double()
-        sj = recall_score(S64, scale, self.Phi[:, i:i + 1], self.V[:, i:i + 1], delta=delta, eps=eps)  # [BH, 1]
-        ranked = score if self.cache_full else torch.where(self.cached, score, float("-inf"))
-        least = ranked.amin(-1, keepdim=True)  # [BH, 1]
-        oldest = torch.where(ranked == least, self.pos_cache, self.never).argmin(-1, keepdim=True)
-        below = sj < least  # the candidate is newer than every cached key: evicted only below all their scores
-        real = None if i not in self.holes else self.real[:, i, None]  # [BH, 1]
-        stay = below if real is None else below | ~real  # the candidate takes no slot
-        at = torch.where(stay, i, oldest + c0)  # [BH, 1]: the row that enters the state (and takes the candidate)
-        put = self.slots == at  # [BH, K]
-        f = self.Phi.gather(1, at[..., None].expand(-1, 1, self.F))  # [BH, 1, F] (copies: the rows are written next)
-        v1 = self.VS.gather(1, at[..., None].expand(-1, 1, Dv + 1))  # [BH, 1, Dv + 1]
-        self.Kt.scatter_(2, at[:, None].expand(-1, self.D, 1), self.Kt[:, :, i:i + 1].clone())
-        self.Phi.scatter_(1, at[..., None].expand(-1, 1, self.F), self.Phi[:, i:i + 1].clone())
-        self.VS.scatter_(1, at[..., None].expand(-1, 1, Dv + 1), self.VS[:, i:i + 1].clone())
-        self.score64.copy_(torch.where(put, sj if self.work == torch.float64 else sj.to(self.work).double(), score))
-        self.pos_cache.masked_fill_(put, j)
-        enters = None  # a full cache: a key enters the state wherever the candidate is real
-        if not self.cache_full:
-            enters = least > float("-inf")
-            self.cached |= put
-            self._cache_filled()
-        if real is not None:
-            enters = real if enters is None else enters & real
-        return f, v1, None if enters is None else enters[..., None].to(f.dtype)
 
     def _cache_filled(self) -> None:
         """The exact keys' mask after slots were taken (only while the cache is not yet full)."""

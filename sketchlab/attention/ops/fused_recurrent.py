@@ -41,6 +41,7 @@ import torch
 
 from .._checks import report_denominators
 from .cache.score import recall_score
+from .decayed.recurrent import token_gamma
 
 __all__ = ["USE_COMPILED", "available", "lane_params", "llops_pair_features", "step"]
 
@@ -514,7 +515,7 @@ def step(rs, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, phi_q: torch.Ten
     if K:
         cache = (rs.score64, rs.pos_cache, rs.cached)
         if P % rs.o.rescore == 0 and bool(rs.cached.any()):  # re-score the cached keys (the choice reads them)
-            gamma = rs._gamma(v.reshape(rs.BH, 1, rs.Dv))
+            gamma = token_gamma(rs.decay, v.reshape(rs.BH, 1, rs.Dv))
             c0 = s + w
             fresh = recall_score((rs.S if rs.delta else rs.Sz).double(), None if gamma is None else gamma.double(),
                                  rs.Phi[:, c0:], rs.V[:, c0:], delta=rs.delta, eps=rs.o.eps)

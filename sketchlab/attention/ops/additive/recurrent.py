@@ -2,7 +2,7 @@ r"""The decoding step of the additive state with the sliding-window hybrid: one 
 :class:`~sketchlab.attention.AttentionState` (tensors ``[B, H, 1, ·]`` inside), with autograd, a new state per
 token; the exact keys and the far part read through the one hybrid combine (:mod:`sketchlab.attention.ops.hybrid`).
 The lean in-place step for inference is :class:`sketchlab.attention.recurrent.RecurrentStep`, held equal to this one
-in float64. The formula and its float64 twin: :func:`sketchlab.attention.ops.additive.naive.feature_attention_naive`. Inputs
+in float64; the additive write it makes in place is :func:`additive_enter_` here. The formula and its float64 twin: :func:`sketchlab.attention.ops.additive.naive.feature_attention_naive`. Inputs
 are trusted (checked by the public entry points).
 """
 
@@ -13,7 +13,7 @@ import torch
 from ..hybrid import combine
 from .hybrid_driver import HybridSettings
 
-__all__ = ["hybrid_decode_one"]
+__all__ = ["additive_enter_", "hybrid_decode_one"]
 
 
 def hybrid_decode_one(h: HybridSettings, state, q, k, v, fq, fk, valid, counter):
@@ -84,3 +84,14 @@ def hybrid_decode_one(h: HybridSettings, state, q, k, v, fq, fk, valid, counter)
         k_sink=k_sink, v_sink=v_sink, offset=P + 1,
         mask_window=torch.cat([mw, mn], 1)[:, keep] if has_mask else None, mask_sink=mask_sink)
     return out, new_state
+
+
+def additive_enter_(Sz: torch.Tensor, f: torch.Tensor, v1: torch.Tensor, real: torch.Tensor | None) -> None:
+    r"""Add keys to the additive far state ``[S | z]`` ``[B·H, M, Dv + 1]`` in place, :math:`[S \mid z] \mathrel{+}=
+    \phi\,[v \mid 1]`: features ``f [B·H, 1, M]`` (already self-tensored where the layer lifts them),
+    ``v1 = [v | 1] [B·H, 1, Dv + 1]``, ``real [B·H, 1, 1]`` (0: a null event) or None for all. The lean step's
+    write (:class:`~sketchlab.attention.recurrent.RecurrentStep`); its float64 twin is
+    :func:`sketchlab.attention.ops.decayed.naive.additive_write`."""
+    if real is not None:
+        f = f * real
+    Sz.addcmul_(f.mT, v1)

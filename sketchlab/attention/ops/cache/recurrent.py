@@ -11,6 +11,9 @@ A step is a few dozen small tensor operations, so their count is its cost: every
 column form ``[n, D] @ [D, 1]`` takes a slow batched path on the CPU), a key's ``k, v, φ`` are one row of
 one buffer (one copy, one write, one read for the three), and nothing runs for a mechanism the options
 do not have.
+
+:func:`leave_cached` is the cache's choice in the lean in-place step
+(:class:`sketchlab.attention.recurrent.RecurrentStep`'s torch twin), on that step's buffers.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from ..delta.beta import far_beta, unit
 from ..hybrid import combine_delta, gate_weight, local_weights, mix
 from .score import recall_score
 
-__all__ = ["decode"]
+__all__ = ["decode", "leave_cached"]
 
 #: Sorts after every position: a slot not in the running for "the oldest".
 _NEVER = torch.iinfo(torch.long).max
@@ -170,3 +173,57 @@ def decode(c) -> torch.Tensor | tuple[torch.Tensor, MemoryState]:
     # the layout the next step reads (a state of the checked shapes: the next call of this signature need not check it)
     object.__setattr__(state, "_rows", (buf if w else None, Ls2 + drop, None if c.delta else Sz))
     return out, vouch(state, c.sig)
+
+
+def leave_cached(rs, P: int, i: int, gamma):
+    """The lean step's cache choice, in place on the buffers of ``rs`` (a laid-out
+    :class:`~sketchlab.attention.recurrent.RecurrentStep`: its torch twin; the compiled step makes the same choice):
+    step 2 with a cache (DESIGN §7), before the decay is applied (the scores read ``γ·S``): every
+    ``rescore`` positions re-score the cached keys; the key leaving the window (row ``i``, position
+    ``P − w``) is scored and takes the least-scored slot (an empty slot first; ties: the oldest key)
+    unless it scores below all of them. Returns what enters the state (the key pushed out, or the
+    candidate itself; ``(φ, [v | 1], real)``) or None.
+
+    The scores are float64 as the reference's; :attr:`rs.score64` holds them as the state stores them
+    (rounded to its dtype), so a choice compares exactly what the reference compares."""
+    w, s, Dv, eps = rs.w, rs.s, rs.Dv, rs.o.eps
+    j = P - w
+    leaves, rescore = j >= s, P % rs.o.rescore == 0
+    if not (leaves or rescore):
+        return None
+    c0, delta = s + w, rs.delta
+    S64 = scale = None
+    score = rs.score64  # the choice's scores: re-scored ones unrounded, as the reference's
+    if rescore and bool(rs.cached.any()):
+        S64, scale = (rs.S if delta else rs.Sz).double(), None if gamma is None else gamma.double()
+        fresh = recall_score(S64, scale, rs.Phi[:, c0:], rs.V[:, c0:], delta=delta, eps=eps)
+        score = torch.where(rs.cached, fresh, score)
+    if not leaves:
+        rs.score64.copy_(score.to(rs.work))
+        return None
+    if S64 is None:
+        S64, scale = (rs.S if delta else rs.Sz).double(), None if gamma is None else gamma.double()
+    sj = recall_score(S64, scale, rs.Phi[:, i:i + 1], rs.V[:, i:i + 1], delta=delta, eps=eps)  # [BH, 1]
+    ranked = score if rs.cache_full else torch.where(rs.cached, score, float("-inf"))
+    least = ranked.amin(-1, keepdim=True)  # [BH, 1]
+    oldest = torch.where(ranked == least, rs.pos_cache, rs.never).argmin(-1, keepdim=True)
+    below = sj < least  # the candidate is newer than every cached key: evicted only below all their scores
+    real = None if i not in rs.holes else rs.real[:, i, None]  # [BH, 1]
+    stay = below if real is None else below | ~real  # the candidate takes no slot
+    at = torch.where(stay, i, oldest + c0)  # [BH, 1]: the row that enters the state (and takes the candidate)
+    put = rs.slots == at  # [BH, K]
+    f = rs.Phi.gather(1, at[..., None].expand(-1, 1, rs.F))  # [BH, 1, F] (copies: the rows are written next)
+    v1 = rs.VS.gather(1, at[..., None].expand(-1, 1, Dv + 1))  # [BH, 1, Dv + 1]
+    rs.Kt.scatter_(2, at[:, None].expand(-1, rs.D, 1), rs.Kt[:, :, i:i + 1].clone())
+    rs.Phi.scatter_(1, at[..., None].expand(-1, 1, rs.F), rs.Phi[:, i:i + 1].clone())
+    rs.VS.scatter_(1, at[..., None].expand(-1, 1, Dv + 1), rs.VS[:, i:i + 1].clone())
+    rs.score64.copy_(torch.where(put, sj if rs.work == torch.float64 else sj.to(rs.work).double(), score))
+    rs.pos_cache.masked_fill_(put, j)
+    enters = None  # a full cache: a key enters the state wherever the candidate is real
+    if not rs.cache_full:
+        enters = least > float("-inf")
+        rs.cached |= put
+        rs._cache_filled()
+    if real is not None:
+        enters = real if enters is None else enters & real
+    return f, v1, None if enters is None else enters[..., None].to(f.dtype)

@@ -1,5 +1,5 @@
 r"""The (gated) delta rule: :mod:`.naive` (the float64 loop, the definition), :mod:`.chunk` (the chunked WY/UT
-form, differentiable by autograd) and :mod:`.beta` (the write strength β and the unit keys), layout ``[B, T, H, ·]``; the state overwrites what it holds for a key
+form, differentiable by autograd) and :mod:`.beta` (the write strength β and the unit keys), :mod:`.recurrent` (the lean decoding step's write), layout ``[B, T, H, ·]``; the state overwrites what it holds for a key
 instead of adding to it:
 
 .. math:: S_t = \alpha_t S_{t-1} + \beta_t k_t (v_t - \alpha_t S_{t-1}^\top k_t)^\top,\qquad o_t = S_t^\top q_t,
