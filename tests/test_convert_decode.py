@@ -116,7 +116,7 @@ def test_padded_prompts_decode_through_the_lean_steps(monkeypatch):
 def test_pair_features_run_on_inference_tensors(kind):
     """Maps made under ``torch.inference_mode`` (no version counter): the stacked weights are made again every
     call instead of failing, and the features still equal the maps' twins."""
-    from sketchlab.attention.ops.fused_recurrent import llops_pair_features
+    from sketchlab.attention.ops.pair_features import llops_pair_features
     from sketchlab.featuremaps import HedgehogMap, LLoPSMap
     from sketchlab.featuremaps.hedgehog import hedgehog_pair_features
 
@@ -141,7 +141,7 @@ def test_pair_features_run_on_inference_tensors(kind):
 def test_pair_features_equal_the_maps_float64_twins(kind):
     """The decoding features of q and k in one product equal each map's float64 twin, and follow an in-place
     change of the maps' parameters (a training step) at the next call."""
-    from sketchlab.attention.ops.fused_recurrent import llops_pair_features
+    from sketchlab.attention.ops.pair_features import llops_pair_features
     from sketchlab.featuremaps import HedgehogMap, LLoPSMap
     from sketchlab.featuremaps.hedgehog import hedgehog_pair_features
 
