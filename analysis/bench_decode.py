@@ -50,7 +50,7 @@ sys.path.insert(0, str(ROOT))
 from sketchlab.attention import AttentionOptions, FarParams  # noqa: E402
 from sketchlab.attention.functional import llops_attention  # noqa: E402
 from sketchlab.attention.ops import fused_recurrent  # noqa: E402
-from sketchlab.attention.ops.fused_recurrent import llops_pair_features  # noqa: E402
+from sketchlab.attention.ops.pair_features import llops_pair_features  # noqa: E402
 from sketchlab.attention.recurrent import RecurrentStep  # noqa: E402
 from sketchlab.io import atomic_write  # noqa: E402
 from sketchlab.llops.maps import llops_is_non_negative  # noqa: E402

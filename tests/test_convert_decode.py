@@ -111,12 +111,37 @@ def test_padded_prompts_decode_through_the_lean_steps(monkeypatch):
         assert torch.equal(batch[b, 7:], model.generate(p[None], **kw)[0, len(p):])
 
 
+@pytest.mark.parametrize("kind", ["llops", "hedgehog"])
+@pytest.mark.usefixtures("path")
+def test_pair_features_run_on_inference_tensors(kind):
+    """Maps made under ``torch.inference_mode`` (no version counter): the stacked weights are made again every
+    call instead of failing, and the features still equal the maps' twins."""
+    from sketchlab.attention.ops.pair_features import llops_pair_features
+    from sketchlab.featuremaps import HedgehogMap, LLoPSMap
+    from sketchlab.featuremaps.hedgehog import hedgehog_pair_features
+
+    B, H, D = 2, 3, 4
+    with torch.inference_mode():
+        if kind == "llops":
+            fm_q, fm_k = (LLoPSMap(H, D, p=2, m=5, rank=2, seed=s, dtype=torch.float64) for s in (1, 2))
+            pair = llops_pair_features(fm_q.theta, fm_k.theta, B)
+        else:
+            fm_q, fm_k = (HedgehogMap(H, D, m=6, seed=s, dtype=torch.float64) for s in (1, 2))
+            pair = hedgehog_pair_features(fm_q, fm_k, B)
+        for step in range(2):
+            q, k = (torch.randn(B, 1, H, D, generator=torch.Generator().manual_seed(step + i), dtype=torch.float64)
+                    for i in (0, 5))
+            fq, fk = pair(q.transpose(1, 2).reshape(B * H, 1, D), k.transpose(1, 2).reshape(B * H, 1, D))
+            for got, m, x in ((fq, fm_q, q), (fk, fm_k, k)):
+                torch.testing.assert_close(got, m.features_naive(x).transpose(1, 2).reshape(B * H, 1, -1), **TOL64)
+
+
 @pytest.mark.parametrize("kind", ["llops", "llops-tied", "hedgehog"])
 @pytest.mark.usefixtures("path")
 def test_pair_features_equal_the_maps_float64_twins(kind):
     """The decoding features of q and k in one product equal each map's float64 twin, and follow an in-place
     change of the maps' parameters (a training step) at the next call."""
-    from sketchlab.attention.ops.fused_recurrent import llops_pair_features
+    from sketchlab.attention.ops.pair_features import llops_pair_features
     from sketchlab.featuremaps import HedgehogMap, LLoPSMap
     from sketchlab.featuremaps.hedgehog import hedgehog_pair_features
 

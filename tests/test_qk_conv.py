@@ -278,3 +278,23 @@ def test_the_lean_step_convolves_one_token_as_the_call_does():
     torch.testing.assert_close(yq, heads(2.0 * want_q[:, T - 1:]), rtol=1e-12, atol=1e-12)
     with pytest.raises(ValueError, match="conv_q must be the short convolution's tail"):
         ConvStep.from_state(dataclasses.replace(state, conv_q=None), options=options, params=params)
+
+
+def test_the_lean_convolution_runs_on_inference_tensors():
+    """Weights made under ``torch.inference_mode`` (a model loaded for serving) have no version counter: the
+    step makes its rotated taps again every token instead of failing, and still equals the call."""
+    B, H, D = 1, 2, 3
+    options = AttentionOptions(qk_conv=K)
+    with torch.inference_mode():
+        params = FarParams(options, H, D, dim=D).double()
+        params.conv_q.add_(_rand(H, D, K, seed=1, scale=0.5))
+        params.conv_k.add_(_rand(H, D, K, seed=2, scale=0.5))
+        q, k = _rand(B, 6, H, D, seed=3), _rand(B, 6, H, D, seed=4)
+        fmap = HedgehogMap(H, D, m=4, seed=0, dtype=torch.float64)
+        _, state = linear_attention(q[:, :3], k[:, :3], q[:, :3], fmap, options=options, params=params,
+                                    output_final_state=True)
+        step = ConvStep.from_state(state, options=options, params=params)
+        want, _ = causal_conv_naive(q, params.conv_q)
+        for t in range(3, 6):
+            yq, _ = step(q[:, t].reshape(B * H, 1, D), k[:, t].reshape(B * H, 1, D))
+            torch.testing.assert_close(yq, want[:, t].reshape(B * H, 1, D), rtol=1e-12, atol=1e-12)

@@ -161,8 +161,11 @@ class ConvStep:
     def _weights(self) -> None:
         """The taps rotated to each phase, ``[K, 2, B·H, D, K]``, made once per version of the weights."""
         p = self.params
-        key = tuple((id(w), w._version) for w in (p.conv_q, p.conv_k))
-        if key == self._version:
+        try:
+            key = tuple((id(w), w._version) for w in (p.conv_q, p.conv_k))
+        except RuntimeError:  # inference tensors have no version: made again every token
+            key = None
+        if key is not None and key == self._version:
             return
         with torch.no_grad():
             w = torch.stack([p.conv_q, p.conv_k]).detach().to(self.X.dtype)  # [2, H, D, K]

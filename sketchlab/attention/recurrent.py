@@ -13,9 +13,9 @@ state object per token; the tests hold the two equal in float64), but:
   far parameters (gate, decay, β) once per parameter version (their identity and in-place
   ``_version``: a training step between two tokens is seen, and the parameters checked again);
   nothing is checked per token;
-* **preallocated, in place**: every held key is one row of one buffer — ``KF [B, H, N, D + F]``
-  (``[k | φ]``) and ``VS [B, H, N + M, Dv + 1]`` (``[v | 1]`` per key, then the far state
-  ``[S | z]``) with ``N = sinks + window + cache`` rows: the sinks, the window as a **ring**
+* **preallocated, in place**: every held key is one column of ``Kt [B·H, D, N]`` (the keys), one row of
+  ``Phi [B·H, N, F]`` (their features) and one of ``VS [B·H, N + M, Dv + 1]`` (``[v | 1]`` per key, then
+  the far state ``[S | z]``) with ``N = sinks + window + cache``: the sinks, the window as a **ring**
   (position ``p`` in row ``sinks + p mod window``), the cache's slots. A token writes its row over
   the key that leaves the window;
 * **one batched product per read**: all heads at once, the logits ``q·Kᵀ`` (plus the mask's

@@ -215,7 +215,7 @@ class LayerDecoder:
 
     Equal to :meth:`SketchedAttention.forward` on one token with the state (tested): the far part sees
     ``x·D^{-1/4}``, the exact part the model's logits ``s·qᵀk``; two LLoPS maps compute their features
-    of ``q`` and ``k`` in one call (:func:`sketchlab.attention.ops.fused_recurrent.llops_pair_features`),
+    of ``q`` and ``k`` in one call (:func:`sketchlab.attention.ops.pair_features.llops_pair_features`),
     other maps through their ``features``; features self-tensored where the layer says so.
     """
 
@@ -239,7 +239,7 @@ class LayerDecoder:
         self.conv = ConvStep.from_state(state, options=options, params=sketch.far) if options.qk_conv else None
         self.heads, self.c, self.B = sketch.heads, c, state.S.shape[0]
         if isinstance(fm_q, LLoPSMap) and isinstance(fm_k, LLoPSMap):
-            from ..attention.ops.fused_recurrent import llops_pair_features
+            from ..attention.ops.pair_features import llops_pair_features
 
             self.features = llops_pair_features(fm_q.theta, fm_k.theta, self.B)
         elif isinstance(fm_q, HedgehogMap) and isinstance(fm_k, HedgehogMap):

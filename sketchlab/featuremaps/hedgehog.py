@@ -59,8 +59,11 @@ def hedgehog_pair_features(map_q: HedgehogMap, map_k: HedgehogMap, batch: int):
     memo = {}
 
     def features(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        key = tuple((id(m.weight), m.weight._version) for m in (map_q, map_k))
-        if memo.get("key") != key:
+        try:
+            key = tuple((id(m.weight), m.weight._version) for m in (map_q, map_k))
+        except RuntimeError:  # inference tensors have no version: made again every call
+            key = None
+        if key is None or memo.get("key") != key:
             with torch.no_grad():
                 memo["w"] = torch.cat([m.weight.detach().repeat(batch, 1, 1) for m in (map_q, map_k)], 0)
                 memo["key"] = key

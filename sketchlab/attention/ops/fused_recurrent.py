@@ -36,6 +36,9 @@ equal, and both equal to the reference step).
 from __future__ import annotations
 
 import functools
+import os
+import time
+from pathlib import Path
 
 import torch
 
@@ -43,7 +46,7 @@ from .._checks import report_denominators
 from .cache.score import recall_score
 from .decayed.recurrent import token_gamma
 
-__all__ = ["USE_COMPILED", "available", "lane_params", "llops_pair_features", "step"]
+__all__ = ["USE_COMPILED", "available", "build_directory", "lane_params", "pair_features", "step"]
 
 _HEAD = r"""
 #include <torch/extension.h>
@@ -57,7 +60,9 @@ enum : int64_t { DELTA = 1, LIFT = 2, POLY = 4, NORM_SUM = 8, CHECK_DEN = 16, RE
 
 // the stride between the B*H lanes of x (numel BH*n, last axis contiguous), or -1
 static int64_t lane_stride(const torch::Tensor& x, int64_t BH, int64_t n) {
-  TORCH_CHECK(x.numel() == BH * n, "fused step: an input of ", x.numel(), " values for ", BH, " lanes of ", n);
+  TORCH_CHECK(x.device().is_cpu(), "fused step: an input on ", x.device(), ": the compiled step reads CPU tensors");
+  TORCH_CHECK(x.numel() == BH * n && x.dim() >= 1 && x.size(-1) == n, "fused step: an input of shape ", x.sizes(),
+              " for ", BH, " lanes of ", n);
   if (n > 1 && x.stride(-1) != 1) return -1;
   int64_t st = -1, expect = -1;
   for (int64_t d = x.dim() - 2; d >= 0; --d) {
@@ -80,10 +85,15 @@ struct Lanes {  // an input read lane by lane (a contiguous copy only where its 
   template <typename T> const T* at(int64_t b) const { return held.data_ptr<T>() + b * stride; }
 };
 
+#if defined(__x86_64__) || defined(__i386__)
 static bool fast() {  // AVX2 and FMA on this CPU: the kernels compiled for them
   static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   return yes;
 }
+#define PICK(fn) (fast() ? avx2::fn : base::fn)
+#else  // another ISA: the baseline kernels only
+#define PICK(fn) (base::fn)
+#endif
 """
 
 #: The kernels, compiled twice: for AVX2 + FMA (``KATTR`` a target attribute) and for the baseline ISA.
@@ -99,7 +109,7 @@ KATTR static inline void scal(T* __restrict__ y, const T a, int64_t n) {  // y *
 }
 
 template <typename T>
-KATTR static void unit(const T* x, T* out, int64_t n) {  // x/max(|x|, least subnormal), as memory_state.unit
+KATTR static void unit(const T* x, T* out, int64_t n) {  // x/max(|x|, least subnormal), as ops.delta.beta.unit
   T s = 0;
   for (int64_t m = 0; m < n; ++m) s += x[m] * x[m];
   const T nrm = std::max(std::sqrt(s), std::numeric_limits<T>::min() * std::numeric_limits<T>::epsilon());
@@ -409,7 +419,7 @@ std::tuple<torch::Tensor, int64_t, int64_t> step(torch::Tensor q, torch::Tensor 
   bool* ca = K ? cached->data_ptr<bool>() : nullptr;
   int64_t nbad = 0, nzero = 0;
   AT_DISPATCH_FLOATING_TYPES(VS.scalar_type(), "fused_step", [&] {
-    (fast() ? avx2::step_impl<scalar_t> : base::step_impl<scalar_t>)(
+    PICK(step_impl<scalar_t>)(
         nbad, nzero, lq, lk, lv, lpq, lpk, Kt, Phi, VS, ok, real, bias, lane, sc, ps, ca, K, out, P, w, s, flags, degree,
         scale, eps);
   });
@@ -425,15 +435,36 @@ std::vector<torch::Tensor> pair_features(torch::Tensor q, torch::Tensor k, torch
   auto oq = torch::empty({BH, 1, M}, flat.options());
   auto okk = torch::empty({BH, 1, M}, flat.options());
   AT_DISPATCH_FLOATING_TYPES(flat.scalar_type(), "pair_features", [&] {
-    (fast() ? avx2::pair_impl<scalar_t> : base::pair_impl<scalar_t>)(
+    PICK(pair_impl<scalar_t>)(
         lq, lk, flat.data_ptr<scalar_t>(), koff, D, t, p, M, oq.data_ptr<scalar_t>(), okk.data_ptr<scalar_t>(), BH);
   });
   return {oq, okk};
 }
 """
 
-_SOURCE = (_HEAD + "namespace avx2 {\n" + _KERNELS.replace("KATTR", '__attribute__((target("avx2,fma")))') + "}\n"
+_SOURCE = (_HEAD + "#if defined(__x86_64__) || defined(__i386__)\nnamespace avx2 {\n"
+           + _KERNELS.replace("KATTR", '__attribute__((target("avx2,fma")))') + "}\n#endif\n"
            + "namespace base {\n" + _KERNELS.replace("KATTR", "") + "}\n" + _ENTRIES)
+
+
+#: A build lock older than this (seconds) was left by a build that was killed: the build takes ~1.5 min.
+STALE_LOCK_S = 900
+
+
+def build_directory() -> Path:
+    """Where the extension is built and cached: ``$TORCH_EXTENSIONS_DIR`` (else ``~/.cache/torch_extensions``)
+    ``/sketchlab_fused_recurrent-torch<version>``. A build killed midway leaves its ``lock`` file there, on which
+    torch's next build would wait forever: a lock older than :data:`STALE_LOCK_S` is removed first."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "torch_extensions")
+    where = Path(root) / f"sketchlab_fused_recurrent-torch{torch.__version__}"
+    where.mkdir(parents=True, exist_ok=True)
+    lock = where / "lock"
+    try:
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            lock.unlink()
+    except FileNotFoundError:
+        pass
+    return where
 
 
 @functools.cache
@@ -443,7 +474,8 @@ def _module():
         from torch.utils.cpp_extension import load_inline
 
         return load_inline(name="sketchlab_fused_recurrent", cpp_sources=_SOURCE, functions=["step", "pair_features"],
-                           extra_cflags=["-O3", "-ffp-contract=off"], verbose=False)
+                           extra_cflags=["-O3", "-ffp-contract=off"], build_directory=str(build_directory()),
+                           verbose=False)
     except Exception:  # noqa: BLE001 - no compiler, no ninja, no headers: the torch twin runs
         return None
 
@@ -534,52 +566,8 @@ def step(rs, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, phi_q: torch.Ten
     return out if in_dtype == work else out.to(in_dtype)
 
 
-def llops_pair_features(theta_q: torch.Tensor, theta_k: torch.Tensor, batch: int):
-    r"""A function ``(q, k) → (φ_Q(q), φ_K(k))`` for decoding one token with per-head LLoPS maps.
-
-    Parameters
-    ----------
-    theta_q, theta_k : Tensor ``[H, t, p, D, M]``
-        The two sides' Θ (``theta_k is theta_q``: a tied map).
-    batch : int
-        ``B``: the function takes ``q, k [B·H, 1, D]`` (rows batch-major).
-
-    Returns
-    -------
-    A function of ``q, k`` returning ``(φ_Q(q), φ_K(k))``, each ``[B·H, 1, M]``:
-    :math:`\phi(x)_m = \sum_{r<t}\prod_{j<p} (x^\top\Theta_{r,j})_m`, the map of
-    :func:`sketchlab.llops.maps.llops_feature_fn` (tested against the maps' float64 twins). On the CPU in
-    float32/float64 one compiled call (under :data:`USE_COMPILED`, as the step); its torch twin is one batched
-    product ``[q; k] @ [Θ_Q; Θ_K]_flat`` (``[2·B·H, 1, D] @ [2·B·H, D, t·p·M]``; tied: ``[q, k] [B·H, 2, D] @
-    Θ_flat``), then the ``p``-fold products and the sum over ``t``. ``Θ_flat`` is made once per version of each
-    Θ (a training step in place makes it again); no gradient. Cost ``O(B·H·D·t·p·M)`` per token.
-    """
-    H, t, p, D, M = theta_q.shape
-    tied = theta_k is theta_q
-    memo = {}
-
-    def stacked() -> torch.Tensor:
-        key = tuple((id(x), x._version) for x in (theta_q, theta_k))
-        if memo.get("key") != key:
-            with torch.no_grad():
-                flats = [x.detach().permute(0, 3, 1, 2, 4).reshape(H, D, t * p * M).repeat(batch, 1, 1)
-                         for x in ((theta_q,) if tied else (theta_q, theta_k))]
-                memo["flat"], memo["key"] = torch.cat(flats, 0).contiguous(), key  # [(1|2)·B·H, D, t·p·M]
-        return memo["flat"]
-
-    def product(proj: torch.Tensor) -> torch.Tensor:  # [..., t·p·M] -> [..., M]
-        f = proj.unflatten(-1, (t, p, M))
-        return (f[..., 0, 0, :] * f[..., 0, 1, :]) if (t, p) == (1, 2) else f.prod(-2).sum(-2)
-
-    def features(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        flat = stacked()
-        if flat.device.type == "cpu" and q.dtype == k.dtype == flat.dtype in (torch.float32, torch.float64) \
-                and available():  # one compiled call
-            return tuple(_module().pair_features(q, k, flat, 0 if tied else flat.shape[0] // 2, t, p))
-        if tied:
-            f = product(torch.bmm(torch.cat([q, k], 1), flat))  # [B·H, 2, M]
-            return f[:, :1], f[:, 1:]
-        f = product(torch.bmm(torch.cat([q, k], 0), flat))  # [2·B·H, 1, M]
-        return f[:q.shape[0]], f[q.shape[0]:]
-
-    return features
+def pair_features(q: torch.Tensor, k: torch.Tensor, flat: torch.Tensor, koff: int, t: int, p: int):
+    """The compiled LLoPS pair features (:func:`sketchlab.attention.ops.pair_features.llops_pair_features`, on the CPU
+    in its Θ's dtype when :func:`available`): ``q, k [B·H, 1, D]``, ``flat [(1|2)·B·H, D, t·p·M]`` (the key side's
+    lanes from ``koff``) → ``(φ_Q(q), φ_K(k))``, ``[B·H, 1, M]`` each."""
+    return tuple(_module().pair_features(q, k, flat, koff, t, p))

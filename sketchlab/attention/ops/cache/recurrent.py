@@ -217,7 +217,9 @@ def leave_cached(rs, P: int, i: int, gamma):
     rs.Kt.scatter_(2, at[:, None].expand(-1, rs.D, 1), rs.Kt[:, :, i:i + 1].clone())
     rs.Phi.scatter_(1, at[..., None].expand(-1, 1, rs.F), rs.Phi[:, i:i + 1].clone())
     rs.VS.scatter_(1, at[..., None].expand(-1, 1, Dv + 1), rs.VS[:, i:i + 1].clone())
-    rs.score64.copy_(torch.where(put, sj if rs.work == torch.float64 else sj.to(rs.work).double(), score))
+    # stored as the state stores them, rounded to its dtype: the candidate's score and this step's re-scores alike
+    kept = torch.where(put, sj, score)
+    rs.score64.copy_(kept if rs.work == torch.float64 else kept.to(rs.work).double())
     rs.pos_cache.masked_fill_(put, j)
     enters = None  # a full cache: a key enters the state wherever the candidate is real
     if not rs.cache_full:
