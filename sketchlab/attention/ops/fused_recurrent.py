@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 from .._checks import report_denominators
-from .cache.score import recall_score
+from .cache.recurrent import rescored
 from .decayed.recurrent import token_gamma
 
 __all__ = ["USE_COMPILED", "available", "build_directory", "lane_params", "pair_features", "step"]
@@ -547,11 +547,7 @@ def step(rs, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, phi_q: torch.Ten
     if K:
         cache = (rs.score64, rs.pos_cache, rs.cached)
         if P % rs.o.rescore == 0 and bool(rs.cached.any()):  # re-score the cached keys (the choice reads them)
-            gamma = token_gamma(rs.decay, v.reshape(rs.BH, 1, rs.Dv))
-            c0 = s + w
-            fresh = recall_score((rs.S if rs.delta else rs.Sz).double(), None if gamma is None else gamma.double(),
-                                 rs.Phi[:, c0:], rs.V[:, c0:], delta=rs.delta, eps=rs.o.eps)
-            rs.score64.copy_(torch.where(rs.cached, fresh, rs.score64))
+            rs.score64.copy_(rescored(rs, token_gamma(rs.decay, v.reshape(rs.BH, 1, rs.Dv))))
             flags |= 32  # stored rounded after the choice
     out, bad, zero = _module().step(q, k, v, phi_q, phi_k, rs.Kt, rs.Phi, rs.VS, rs.ok, rs.real, rs.bias, rs.lane, *cache,
                               P, w, s, flags, rs.degree or 0, rs.scale, rs.o.eps)

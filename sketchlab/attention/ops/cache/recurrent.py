@@ -27,7 +27,7 @@ from ..delta.beta import far_beta, unit
 from ..hybrid import combine_delta, gate_weight, local_weights, mix
 from .score import recall_score
 
-__all__ = ["decode", "leave_cached"]
+__all__ = ["decode", "leave_cached", "rescored"]
 
 #: Sorts after every position: a slot not in the running for "the oldest".
 _NEVER = torch.iinfo(torch.long).max
@@ -175,6 +175,17 @@ def decode(c) -> torch.Tensor | tuple[torch.Tensor, MemoryState]:
     return out, vouch(state, c.sig)
 
 
+def rescored(rs, gamma) -> torch.Tensor:
+    """The lean step's cache scores ``[B·H, K]`` float64 with every cached key scored again against the far state
+    before this token's decay times ``γ`` (``gamma [B·H, 1, 1]`` or None), unrounded; the empty slots' as held.
+    Every ``rescore`` positions, in the torch twin (:func:`leave_cached`) and the compiled step alike."""
+    c0 = rs.s + rs.w
+    S64 = (rs.S if rs.delta else rs.Sz).double()
+    fresh = recall_score(S64, None if gamma is None else gamma.double(), rs.Phi[:, c0:], rs.V[:, c0:], delta=rs.delta,
+                         eps=rs.o.eps)
+    return torch.where(rs.cached, fresh, rs.score64)
+
+
 def leave_cached(rs, P: int, i: int, gamma):
     """The lean step's cache choice, in place on the buffers of ``rs`` (a laid-out
     :class:`~sketchlab.attention.recurrent.RecurrentStep`: its torch twin; the compiled step makes the same choice):
@@ -192,17 +203,12 @@ def leave_cached(rs, P: int, i: int, gamma):
     if not (leaves or rescore):
         return None
     c0, delta = s + w, rs.delta
-    S64 = scale = None
-    score = rs.score64  # the choice's scores: re-scored ones unrounded, as the reference's
-    if rescore and bool(rs.cached.any()):
-        S64, scale = (rs.S if delta else rs.Sz).double(), None if gamma is None else gamma.double()
-        fresh = recall_score(S64, scale, rs.Phi[:, c0:], rs.V[:, c0:], delta=delta, eps=eps)
-        score = torch.where(rs.cached, fresh, score)
+    # the choice's scores: re-scored ones unrounded, as the reference's
+    score = rescored(rs, gamma) if rescore and bool(rs.cached.any()) else rs.score64
     if not leaves:
         rs.score64.copy_(score.to(rs.work))
         return None
-    if S64 is None:
-        S64, scale = (rs.S if delta else rs.Sz).double(), None if gamma is None else gamma.double()
+    S64, scale = (rs.S if delta else rs.Sz).double(), None if gamma is None else gamma.double()
     sj = recall_score(S64, scale, rs.Phi[:, i:i + 1], rs.V[:, i:i + 1], delta=delta, eps=eps)  # [BH, 1]
     ranked = score if rs.cache_full else torch.where(rs.cached, score, float("-inf"))
     least = ranked.amin(-1, keepdim=True)  # [BH, 1]
