@@ -8,7 +8,9 @@ same machine load), each timing by process CPU time, best of ``--reps`` calls:
   float32, one thread), pure and the hybrid (window 64 + 4 sinks), at T = 1024 … 8192; the old tree through
   its public ``llops_attention``, the new one through ``linear_attention`` on an ``LLoPSMap`` of the same Θ
   (what a user calls in each);
-* one decoding step at a 32k-token context (the state made by one prefill call), pure and hybrid.
+* one decoding step at a 32k-token context (the state made by one prefill call), pure and hybrid;
+* the ATen operations one forward call and one decoding step run in each tree (a count that machine load
+  does not change, beside the timings that it does).
 
 The best time over ``--rounds`` rounds per tree is kept; the table gives new ÷ old (≤ 1.05: kept). Writes
 ``analysis/results/bench_versions.md``.
@@ -51,6 +53,11 @@ def call(q, k, v, window, **kw):
         return (out, state) if kw.get("output_final_state") else out
     return sl.llops_attention(q, k, v, theta, theta, normalize="sum", non_negative=False, backend="torch",
                               **hybrid, **kw)
+def ops(fn):
+    # the ATen operations one call runs (a count that no machine load changes)
+    with torch.profiler.profile() as prof:
+        fn()
+    return sum(e.count for e in prof.key_averages() if e.key.startswith("aten::"))
 def best(fn):
     times = []
     for _ in range(REPS):
@@ -63,6 +70,7 @@ for T in T_LIST:
         name = f"{'hybrid' if window else 'pure'} T={T}"
         with torch.no_grad():
             out[f"fwd {name}"] = best(lambda: call(q, k, v, window))
+            out[f"ops:fwd {name}"] = ops(lambda: call(q, k, v, window))
         leaves = [x.clone().requires_grad_() for x in (q, k, v)]
         out[f"fwd+bwd {name}"] = best(lambda: call(*leaves, window).sum().backward())
 if DECODE:
@@ -72,8 +80,9 @@ if DECODE:
     for window in (0, 64):
         with torch.no_grad():
             _, state = call(q, k, v, window, output_final_state=True)
-            out[f"decode step {'hybrid' if window else 'pure'} L={L}"] = best(
-                lambda: call(x, x, x, window, initial_state=state, output_final_state=True))
+            name = f"decode step {'hybrid' if window else 'pure'} L={L}"
+            out[name] = best(lambda: call(x, x, x, window, initial_state=state, output_final_state=True))
+            out["ops:" + name] = ops(lambda: call(x, x, x, window, initial_state=state, output_final_state=True))
 print(json.dumps(out))
 '''
 
@@ -101,12 +110,17 @@ def main(argv=None) -> int:
     started = time.time()
     load0 = os.getloadavg()
     best: dict[str, dict[str, float]] = {"old": {}, "new": {}}
+    count: dict[str, dict[str, int]] = {"old": {}, "new": {}}  # ATen operations per call (the same every round)
     for r in range(args.rounds):
         for side, tree in (("old", args.old), ("new", args.new)) if r % 2 == 0 else (("new", args.new), ("old", args.old)):
             for name, t in run_tree(tree, config).items():
-                best[side][name] = min(t, best[side].get(name, float("inf")))
+                if name.startswith("ops:"):
+                    count[side][name[4:]] = t
+                else:
+                    best[side][name] = min(t, best[side].get(name, float("inf")))
             print(f"round {r + 1}/{args.rounds} {side} done", file=sys.stderr)
     rows = [(name, best["old"][name], best["new"][name]) for name in best["old"]]
+    ops_cell = lambda side, name: str(count[side][name]) if name in count[side] else ""  # noqa: E731
     worst = max(n / o for _, o, n in rows)
     lines = ["# Speed kept: the attention calls in two source trees, side by side", "",
              f"Command: `.venv/bin/python analysis/bench_versions.py --old OLD --rounds {args.rounds} --reps {args.reps}"
@@ -117,8 +131,11 @@ def main(argv=None) -> int:
              f"each time the best of {args.reps} calls by process CPU time, then the best of {args.rounds} rounds "
              f"(the trees alternate). Wall time {time.time() - started:.0f} s; load average before "
              f"{load0[0]:.1f}, after {os.getloadavg()[0]:.1f} (a shared 2-core machine).", "",
-             "| call | old (s) | new (s) | new ÷ old |", "|---|---:|---:|---:|"]
-    lines += [f"| {name} | {o:.5f} | {n:.5f} | {n / o:.3f} |" for name, o, n in rows]
+             "`ATen ops`: the ATen operations one call runs in each tree (`torch.profiler`; forward and decode "
+             "calls), a count no machine load changes.", "",
+             "| call | old (s) | new (s) | new ÷ old | ATen ops old | ATen ops new |", "|---|---:|---:|---:|---:|---:|"]
+    lines += [f"| {name} | {o:.5f} | {n:.5f} | {n / o:.3f} | {ops_cell('old', name)} | {ops_cell('new', name)} |"
+              for name, o, n in rows]
     lines += ["", f"Worst ratio: **{worst:.3f}** (kept: ≤ 1.05)."]
     text = "\n".join(lines) + "\n"
     sys.path.insert(0, str(ROOT))
