@@ -94,4 +94,43 @@ for name, fitted in fits.items():
     write_text_atomic(out / name / "expected.json", json.dumps(
         {"ids": small_ids.tolist(), "logits": logits.tolist(), "options": kw, "fit": fitted, "qk_seed": 5,
          "written_by": "acaf206"}))
+# conversions with a fitted *registered* map (fit_sketch("psf-learned" | "hedgehog")): at acaf206 the fit was a
+# FeatureMapSketch whose maps hold all its heads. One SketchMap adapter per layer, shared by q and k, held it (of a
+# fit of batch [L, H], layer l's selection: HeadSelection of heads l·H .. l·H + H - 1), so the keys too went through
+# the fit's query map (feature_map_q.sketch.map_q.[inner.]*; the fitted key map, feature_map_q.sketch.map_k.*, saved
+# unread). Every converted layer held the same tensors: save_pretrained refused a model of two converted layers
+# ("shared tensors"), so such saves have one converted layer: of a 2-layer model with layer 0 kept exact and a fit
+# of batch [2, H] (layer 1's heads), and of a 1-layer model with a fit of batch [H] (no selection).
+def layered_llama(layers):
+    cfg = transformers.LlamaConfig(vocab_size=20, hidden_size=16, num_hidden_layers=layers, num_attention_heads=2,
+                                   num_key_value_heads=1, intermediate_size=16, max_position_embeddings=32,
+                                   attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg).double().eval()
+
+registered = {"psf-learned-fitted": {"method": "psf-learned", "p": 2, "m": 4, "seed": 4, "layers": 2, "batch": [2, 2],
+                                     "options": {"steps": 5, "hidden": 8},
+                                     "convert": {"window": 3, "sinks": 1, "exact_layers": [0]}},
+              "hedgehog-fitted": {"method": "hedgehog", "p": 2, "m": 6, "seed": 4, "layers": 1, "batch": [2],
+                                  "options": {"steps": 5}, "convert": {"window": 3, "sinks": 1}}}
+for name, fitted in registered.items():
+    if (out / name).exists():
+        continue
+    qk = torch.randn(2, *fitted["batch"], 16, 8, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    sketch = sl.fit_sketch(fitted["method"], qk[0], qk[1], p=fitted["p"], m=fitted["m"], seed=fitted["seed"],
+                           **fitted["options"]).sketch
+    model = layered_llama(fitted["layers"])
+    convert_attention(model, feature_map=sketch, **fitted["convert"])
+    for s in converted_modules(model):  # one adapter for q and k, its query side: the keys through the fit's map_q
+        assert s.feature_map_k is s.feature_map_q and s.feature_map_q.side == "q"
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():  # trained values (the fit's map_k's too, never read)
+        for s in converted_modules(model):
+            for p in s.parameters():
+                p.add_(0.3 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+        logits = model(input_ids=small_ids).logits
+    save_linearized(model, out / name)
+    write_text_atomic(out / name / "expected.json", json.dumps(
+        {"ids": small_ids.tolist(), "logits": logits.tolist(), "options": fitted["convert"], "fit": fitted,
+         "qk_seed": 5, "written_by": "acaf206"}))
 print("ok")
