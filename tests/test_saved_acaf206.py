@@ -1,7 +1,8 @@
 """Files written by the code before the one-attention-core redesign (acaf206, issue 40) load with equal outputs:
 two converted transformers models saved by ``save_linearized`` (an LLoPS hybrid; Hedgehog with the cache, the
 input decay and the delta state), three smaller ones converted with a fitted sketch (PSF random, MLP, element-wise:
-the old adapter's keys) and a Θ export run by ``LLoPSAttention.from_pretrained``
+the old adapter's keys), two converted with a fitted registered map (psf-learned, Hedgehog: the old adapter's
+keys, the keys through the query map) and a Θ export run by ``LLoPSAttention.from_pretrained``
 (``tests/data/saved_acaf206``, written once by that commit's code: its ``make_saves.py``).
 
 Tolerance: 1e-10 on float64 logits of O(1): the same formulas, the calls now routed through one op, which may
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from safetensors.torch import load_file
 
 import sketchlab as sl
 from sketchlab.convert import convert_attention, load_linearized
@@ -67,3 +69,57 @@ def test_a_conversion_with_a_fitted_sketch_saved_before_the_redesign_loads_with_
     with torch.no_grad():
         logits = model(input_ids=torch.tensor(expected["ids"])).logits
     assert (logits - torch.tensor(expected["logits"], dtype=torch.float64)).abs().max() < 1e-10
+
+
+def _layered_llama(layers: int):
+    cfg = transformers.LlamaConfig(vocab_size=20, hidden_size=16, num_hidden_layers=layers, num_attention_heads=2,
+                                   num_key_value_heads=1, intermediate_size=16, max_position_embeddings=32,
+                                   attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg).double().eval()
+
+
+def _converted_with_todays_fit(expected: dict, method: str | None = None):
+    """The save's model converted as it records, with today's fit of ``method`` (default: the save's) on the same
+    q, k (other values than the saved ones: those were moved off the fit)."""
+    fitted = expected["fit"]
+    qk = torch.randn(2, *fitted["batch"], 16, 8, generator=torch.Generator().manual_seed(expected["qk_seed"]),
+                     dtype=torch.float64)
+    options = fitted["options"] if method is None else {"steps": 1}
+    fit = sl.fit_sketch(method or fitted["method"], qk[0], qk[1], p=fitted["p"], m=fitted["m"], seed=fitted["seed"],
+                        **options)
+    model = _layered_llama(fitted["layers"])
+    convert_attention(model, feature_map=fit, **expected["options"])
+    return model
+
+
+@pytest.mark.parametrize("case", ["psf-learned-fitted", "hedgehog-fitted"])
+def test_a_conversion_with_a_fitted_registered_map_saved_before_the_redesign_loads_with_its_logits(case):
+    """``convert_attention(model, feature_map=fit_sketch("psf-learned" | "hedgehog", ...).sketch)`` at acaf206 saved
+    the fit's maps of all its heads under the query side (``feature_map_q.sketch.map_q.[inner.]*``), and the keys
+    went through that query map too: loaded, today's query and key maps both hold it (layer 1's heads of the
+    psf-learned fit of batch [2, H], layer 0 kept exact; the whole hedgehog fit of batch [H]), and the logits are
+    acaf206's."""
+    expected = json.loads((SAVED / case / "expected.json").read_text())
+    saved = load_file(SAVED / case / "model.safetensors")
+    assert any(".sketch.feature_map_q.sketch.map_q." in key for key in saved)  # acaf206's adapter's keys
+    model = load_linearized(SAVED / case, _converted_with_todays_fit(expected))
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor(expected["ids"])).logits
+    assert (logits - torch.tensor(expected["logits"], dtype=torch.float64)).abs().max() < 1e-10
+
+
+def test_a_fitted_registered_map_saved_before_the_redesign_is_refused_where_it_cannot_load_faithfully():
+    """Its heads are one layer's of the fit's ``L·H``, which only ``load_linearized`` knows (the layer's index): a
+    bare ``load_state_dict`` is refused naming the key; a model converted with another method's fit is refused
+    naming the saved map's tensors. Never loaded as another model."""
+    expected = json.loads((SAVED / "psf-learned-fitted" / "expected.json").read_text())
+    model = _converted_with_todays_fit(expected)
+    saved = load_file(SAVED / "psf-learned-fitted" / "model.safetensors")
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.self_attn\.sketch\.map_q\.sketch\.map_q\.inner\.inner\."
+                                         r"\w+: the fitted map's 4 heads are those of 2 layers.*load_linearized"):
+        model.load_state_dict(saved)
+    other = _converted_with_todays_fit(expected, method="hedgehog")
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.self_attn\.sketch\.map_q\.sketch\.map_q\.: the fitted "
+                                         r"map saved by acaf206's adapter has the tensors .*inner\.inner\.ln_weight"):
+        load_linearized(SAVED / "psf-learned-fitted", other)

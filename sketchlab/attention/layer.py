@@ -22,7 +22,7 @@ from torch import nn
 from .functional import linear_attention
 from .options import AttentionOptions, FarParams
 
-__all__ = ["PSF_LEARNED_OLD_KEYS", "LinearAttentionCore", "rename_keys", "upgrade_psf_learned_keys"]
+__all__ = ["LinearAttentionCore", "rename_keys"]
 
 
 def rename_keys(state_dict: dict, prefix: str, pairs) -> dict:
@@ -33,23 +33,6 @@ def rename_keys(state_dict: dict, prefix: str, pairs) -> dict:
     for old, new in pairs:
         for key in [key for key in state_dict if key.startswith(prefix + old)]:
             state_dict[prefix + new + key.removeprefix(prefix + old)] = state_dict.pop(key)
-    return state_dict
-
-
-#: The keys of PolySketchFormer's learned sketch while it was a class of its own (``PSFLearnedMap``, 3fa1d18 and
-#: earlier) -> today's, under the map's prefix: its layer norm's affine is the ``InputNormed``'s of
-#: :func:`~sketchlab.featuremaps.psf.psf_learned_map`, its MLP the inner ``MLPMap``'s.
-PSF_LEARNED_OLD_KEYS = (("ln_weight", "weight"), ("ln_bias", "bias"), ("w1", "inner.w1"), ("b1", "inner.b1"),
-                        ("w2", "inner.w2"), ("b2", "inner.b2"))
-
-
-def upgrade_psf_learned_keys(state_dict: dict, prefix: str = "") -> dict:
-    """Rename, in place, the keys of every ``PSFLearnedMap`` saved under ``prefix`` (found by its ``ln_weight``, a
-    key no other map has; :data:`PSF_LEARNED_OLD_KEYS`, at any depth: self-tensored, input-normed) and return
-    ``state_dict``; the toy kernel's and the converted layer's key upgrades call it
-    (:func:`sketchlab.tasks.legacy.upgrade_keys`, :func:`sketchlab.convert.sketched.upgrade_keys`)."""
-    for key in [k for k in state_dict if k.startswith(prefix) and k.rsplit(".", 1)[-1] == "ln_weight"]:
-        rename_keys(state_dict, key.removesuffix("ln_weight"), PSF_LEARNED_OLD_KEYS)
     return state_dict
 
 

@@ -235,9 +235,11 @@ def load_linearized(directory, model: nn.Module) -> nn.Module:
     own = model.state_dict()
     prefix = _match_prefix(set(state), set(own))
     state = {prefix + k: v for k, v in state.items()}
-    for name, module in model.named_modules():  # the maps' names before the one layer core
-        if isinstance(module, SketchedAttention):
-            upgrade_keys(state, name + ".")
+    exact = set(options["exact_layers"])
+    converted = [(name, module) for name, module in model.named_modules() if isinstance(module, SketchedAttention)]
+    layers = [i for i in range(len(converted) + len(exact)) if i not in exact]  # each one's index in the model
+    for (name, module), layer in zip(converted, layers):  # the maps' names before the one layer core
+        upgrade_keys(state, name + ".", module, layer)
     unexpected = sorted(set(state) - set(own))
     missing = sorted(set(own) - set(state) - _tied(model))
     if unexpected or missing:

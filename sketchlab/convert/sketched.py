@@ -46,7 +46,8 @@ import math
 import torch
 from torch import nn
 
-from ..attention.layer import LinearAttentionCore, rename_keys, upgrade_psf_learned_keys
+from ..attention.layer import LinearAttentionCore, rename_keys
+from ..featuremaps.normed import upgrade_psf_learned_keys
 
 __all__ = ["ATTENTION_NAME", "LayerDecoder", "SketchedAttention", "forget_cache", "hf_attention", "hf_mask",
            "remember_cache", "upgrade_keys"]
@@ -91,15 +92,93 @@ def _sketch_adapter_keys(state_dict: dict, prefix: str) -> list[tuple[str, str]]
     return pairs
 
 
-def upgrade_keys(state_dict: dict, prefix: str) -> dict:
-    """Rename, in place, the keys of the converted layer at ``prefix`` (``"model.layers.0.self_attn.sketch."``)
-    saved before the one layer core (``feature_map_q.*``, ``feature_map_k.*``: :data:`OLD_KEYS`) to today's
-    (``map_q.*``, ``map_k.*``), those of a fitted module sketch saved through acaf206's adapter
-    (``map_q.sketch.w1_q`` → ``map_q.w1``: :func:`_sketch_adapter_keys`) and those of a map saved as
-    ``PSFLearnedMap`` (:func:`~sketchlab.attention.layer.upgrade_psf_learned_keys`), and return it;
-    :class:`SketchedAttention` calls it on load, and :func:`~sketchlab.convert.saved.load_linearized` before it
-    matches the saved names to the model's."""
+#: Where acaf206's adapter saved a registered map fitted by ``fit_sketch`` (``convert_attention(feature_map=
+#: fit_sketch("hedgehog" | "psf-learned" | ..., ...).sketch)``: a ``FeatureMapSketch`` under one ``SketchMap`` that
+#: served q and k), named as after :data:`OLD_KEYS`: the fit's query map, and its key map (saved, never read).
+FITTED_MAP_Q, FITTED_MAP_K = "map_q.sketch.map_q.", "map_q.sketch.map_k."
+
+
+def _fitted_map_keys(state_dict: dict, prefix: str, own: dict, layer: int | None) -> None:
+    r"""Give the tensors of a registered map fitted by ``fit_sketch`` and saved through acaf206's adapter (keys under
+    ``prefix`` + :data:`FITTED_MAP_Q`) today's names and heads, in place in ``state_dict``.
+
+    acaf206's adapter served the queries and the keys with the fit's query map, so its tensors become ``map_q.*``
+    and, where the layer has a key map of its own, ``map_k.*`` too (the same values: the same outputs); the fit's
+    key map, saved and never read (:data:`FITTED_MAP_K`), is dropped. Of a fit of batch ``[L, H]`` the adapter held
+    the selection of layer ``l`` from the map of all ``L·H`` heads, one level deeper (``map_q.sketch.map_q.inner.*``):
+    its heads ``l·H … l·H + H − 1`` are taken (the rule of :meth:`sketchlab.Fit.layer`), ``l = layer``.
+
+    Parameters
+    ----------
+    state_dict : dict
+        The file's tensors, keys under ``prefix`` already renamed by :data:`OLD_KEYS`.
+    prefix : str
+        The converted layer's (``"model.layers.0.self_attn.sketch."``).
+    own : dict
+        The layer's own state names (under no prefix) → shapes: the map the saved one must match.
+    layer : int or None
+        The layer's index among the model's attention layers (exact ones counted).
+
+    Raises
+    ------
+    ValueError
+        Naming the file's key: a saved map whose tensors are not those of the layer's map (another map, or
+        another structure), or one of ``L·H`` heads when ``layer`` is None (only
+        :func:`~sketchlab.convert.saved.load_linearized` knows it) or the fit holds no layer ``layer``.
+    """
+    saved = [key.removeprefix(prefix + FITTED_MAP_Q) for key in state_dict if key.startswith(prefix + FITTED_MAP_Q)]
+    if not saved:
+        return
+    for key in [key for key in state_dict if key.startswith(prefix + FITTED_MAP_K)]:
+        del state_dict[key]
+    want = {key.removeprefix("map_q."): shape for key, shape in own.items() if key.startswith("map_q.")}
+    candidates = [(False, {name: name for name in saved})]  # today's name -> saved name
+    if all(name.startswith("inner.") for name in saved):  # one layer's selection of a fit of batch [L, H]
+        candidates.append((True, {name.removeprefix("inner."): name for name in saved}))
+    for selected, names in candidates:
+        if set(upgrade_psf_learned_keys(names)) == set(want):  # PSFLearnedMap's keys renamed as well
+            break
+    else:
+        odd = sorted({n for _, names in candidates for n in names} - set(want)) or sorted(saved)
+        raise ValueError(f"{prefix}{FITTED_MAP_Q}: the fitted map saved by acaf206's adapter has the tensors "
+                         f"{sorted(saved)}, which are not those of this layer's map ({sorted(want)}; first unmatched: "
+                         f"{odd[0]!r}): convert the model with a fit of the same method and options first")
+    keys_too = {key.removeprefix("map_k.") for key in own if key.startswith("map_k.")}
+    if keys_too and keys_too != set(want):
+        raise ValueError(f"{prefix}{FITTED_MAP_Q}: the keys went through this map (acaf206's adapter), and this layer's "
+                         f"key map has other tensors ({sorted(keys_too)}, the query map {sorted(want)}): convert "
+                         "the model with a fit of the same method and options first")
+    for name, old in names.items():
+        key, tensor, shape = prefix + FITTED_MAP_Q + old, state_dict.pop(prefix + FITTED_MAP_Q + old), want[name]
+        heads = shape[0] if shape else 0
+        if selected and tuple(tensor.shape) != shape and heads and tuple(tensor.shape[1:]) == shape[1:] \
+                and tensor.shape[0] % heads == 0:
+            if layer is None:
+                raise ValueError(f"{key}: the fitted map's {tensor.shape[0]} heads are those of "
+                                 f"{tensor.shape[0] // heads} layers, of which this layer took its {heads}: which ones "
+                                 "is known from the layer's index only; load the save with "
+                                 "sketchlab.convert.load_linearized")
+            if (layer + 1) * heads > tensor.shape[0]:
+                raise ValueError(f"{key}: the fitted map holds the heads of {tensor.shape[0] // heads} layers, and "
+                                 f"this is layer {layer}: the save and the model do not match")
+            tensor = tensor[layer * heads:(layer + 1) * heads]
+        state_dict[prefix + "map_q." + name] = tensor
+        if keys_too:
+            state_dict[prefix + "map_k." + name] = tensor
+
+
+def upgrade_keys(state_dict: dict, prefix: str, module: nn.Module, layer: int | None = None) -> dict:
+    """Rename, in place, the keys of the converted layer ``module`` at ``prefix`` (``"model.layers.0.self_attn.
+    sketch."``) saved before the one layer core (``feature_map_q.*``, ``feature_map_k.*``: :data:`OLD_KEYS`) to
+    today's (``map_q.*``, ``map_k.*``), those of a fitted registered map saved through acaf206's adapter (its query
+    map for both sides, one layer's heads: :func:`_fitted_map_keys`; ``layer``: the layer's index in the model),
+    those of a fitted module sketch saved through that adapter (``map_q.sketch.w1_q`` → ``map_q.w1``:
+    :func:`_sketch_adapter_keys`) and those of a map saved as ``PSFLearnedMap``
+    (:func:`~sketchlab.featuremaps.normed.upgrade_psf_learned_keys`), and return it; :class:`SketchedAttention`
+    calls it on load (no ``layer``), and :func:`~sketchlab.convert.saved.load_linearized` before it matches the saved
+    names to the model's."""
     rename_keys(state_dict, prefix, OLD_KEYS)
+    _fitted_map_keys(state_dict, prefix, {k: tuple(v.shape) for k, v in module.state_dict().items()}, layer)
     rename_keys(state_dict, prefix, _sketch_adapter_keys(state_dict, prefix))
     return upgrade_psf_learned_keys(state_dict, prefix)
 
@@ -165,7 +244,7 @@ class SketchedAttention(LinearAttentionCore):
         self._cache_layer = None  # set for one call by remember_cache (not state: never saved)
 
     def _load_from_state_dict(self, state_dict, prefix, *args):  # conversions saved before the one layer core
-        super()._load_from_state_dict(upgrade_keys(state_dict, prefix), prefix, *args)
+        super()._load_from_state_dict(upgrade_keys(state_dict, prefix, self), prefix, *args)
 
     def extra_repr(self) -> str:
         o = self.options

@@ -1,4 +1,7 @@
-r"""Any map on layer-normalised input: :class:`InputNormed` (the registry's ``input_norm=True``)."""
+r"""Any map on layer-normalised input: :class:`InputNormed` (the registry's ``input_norm=True``), and the keys
+PolySketchFormer's learned sketch was saved under while it was a class of its own (:data:`PSF_LEARNED_OLD_KEYS`:
+today it is an ``InputNormed`` over an :class:`~sketchlab.featuremaps.mlp.MLPMap`,
+:func:`~sketchlab.featuremaps.psf.psf_learned_map`)."""
 
 from __future__ import annotations
 
@@ -6,8 +9,34 @@ import torch
 from torch import nn
 
 from .base import FeatureMap, WrappedMap
+from .mlp import MLPMap
 
-__all__ = ["InputNormed"]
+__all__ = ["PSF_LEARNED_OLD_KEYS", "InputNormed", "upgrade_psf_learned_keys"]
+
+#: The keys of PolySketchFormer's learned sketch while it was a class of its own (``PSFLearnedMap``, 3fa1d18 and
+#: earlier) -> today's, under the map's prefix: its layer norm's affine is the :class:`InputNormed`'s of
+#: :func:`~sketchlab.featuremaps.psf.psf_learned_map`, its MLP the inner :class:`~sketchlab.featuremaps.mlp.MLPMap`'s.
+PSF_LEARNED_OLD_KEYS = (("ln_weight", "weight"), ("ln_bias", "bias"), ("w1", "inner.w1"), ("b1", "inner.b1"),
+                        ("w2", "inner.w2"), ("b2", "inner.b2"))
+
+
+def _rename_psf_learned(state_dict: dict, at: str) -> None:
+    """Rename, in place, the keys of the ``PSFLearnedMap`` saved at ``at`` (``"map_q.inner."``; ``""``: the map
+    itself) to today's, :data:`PSF_LEARNED_OLD_KEYS`."""
+    for old, new in PSF_LEARNED_OLD_KEYS:
+        if at + old in state_dict:
+            state_dict[at + new] = state_dict.pop(at + old)
+
+
+def upgrade_psf_learned_keys(state_dict: dict, prefix: str = "") -> dict:
+    """Rename, in place, the keys of every ``PSFLearnedMap`` saved under ``prefix`` (found by its ``ln_weight``, a
+    key no other map has; :data:`PSF_LEARNED_OLD_KEYS`, at any depth: self-tensored, input-normed) and return
+    ``state_dict``. :class:`InputNormed` renames its own on load; a file's keys are matched to a model's before
+    it loads by the toy kernel's and the converted layer's key upgrades, which call this
+    (:func:`sketchlab.tasks.legacy.upgrade_keys`, :func:`sketchlab.convert.sketched.upgrade_keys`)."""
+    for key in [k for k in state_dict if k.startswith(prefix) and k.rsplit(".", 1)[-1] == "ln_weight"]:
+        _rename_psf_learned(state_dict, key.removesuffix("ln_weight"))
+    return state_dict
 
 
 class InputNormed(WrappedMap):
@@ -25,6 +54,12 @@ class InputNormed(WrappedMap):
     ----------
     weight, bias : Parameter ``[H, D]``
         The affine, started at 1 and 0 (in ``inner``'s dtype); ``eps = 1e-5``.
+
+    Notes
+    -----
+    Over an :class:`~sketchlab.featuremaps.mlp.MLPMap` it is PolySketchFormer's learned sketch, which was saved as
+    ``PSFLearnedMap`` (``ln_weight, ln_bias, w1, b1, w2, b2``): ``load_state_dict`` renames those keys
+    (:data:`PSF_LEARNED_OLD_KEYS`), so such a file loads into today's map, which computes what it computed.
     """
 
     eps = 1e-5
@@ -37,6 +72,11 @@ class InputNormed(WrappedMap):
         dtype = next((t.dtype for t in inner.parameters() if t.is_floating_point()), torch.get_default_dtype())
         self.weight = nn.Parameter(torch.ones(self.heads, self.head_dim, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(self.heads, self.head_dim, dtype=dtype))
+
+    def _load_from_state_dict(self, state_dict, prefix, *args):  # saved as PSFLearnedMap (3fa1d18 and earlier)
+        if isinstance(self.inner, MLPMap):
+            _rename_psf_learned(state_dict, prefix)
+        super()._load_from_state_dict(state_dict, prefix, *args)
 
     def _features(self, x):
         dtype = torch.promote_types(x.dtype, self.weight.dtype)

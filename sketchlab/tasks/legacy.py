@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..attention.layer import rename_keys, upgrade_psf_learned_keys
+from ..attention.layer import rename_keys
+from ..featuremaps.normed import upgrade_psf_learned_keys
 
 __all__ = ["OLD_KEYS", "upgrade_keys"]
 
@@ -20,7 +21,7 @@ OLD_KEYS = {"llops": (("theta_q", "map_q.theta"), ("theta_k", "map_k.theta")),
 
 def upgrade_keys(kernel: nn.Module, state_dict: dict, prefix: str = "") -> dict:
     """Rename, in place, the keys under ``prefix`` that ``kernel``'s map (``kernel.map_name``) had in the older
-    classes (:data:`OLD_KEYS`; ``"psf-learned"``: :func:`~sketchlab.attention.layer.upgrade_psf_learned_keys`) and
+    classes (:data:`OLD_KEYS`; ``"psf-learned"``: :func:`~sketchlab.featuremaps.normed.upgrade_psf_learned_keys`) and
     return it; ``ToyKernel``'s ``load_state_dict`` calls it, and so does the checkpoint's key check."""
     pairs = OLD_KEYS.get(kernel.map_name, ())
     for old, new in pairs:
