@@ -1,7 +1,7 @@
 """Files written by the code before the one-attention-core redesign (acaf206, issue 40) load with equal outputs:
 two converted transformers models saved by ``save_linearized`` (an LLoPS hybrid; Hedgehog with the cache, the
 input decay and the delta state), three smaller ones converted with a fitted sketch (PSF random, MLP, element-wise:
-the old adapter's keys), two converted with a fitted registered map (psf-learned, Hedgehog: the old adapter's
+the old adapter's keys), three converted with a fitted registered map (psf-learned, Hedgehog: the old adapter's
 keys, the keys through the query map) and a Θ export run by ``LLoPSAttention.from_pretrained``
 (``tests/data/saved_acaf206``, written once by that commit's code: its ``make_saves.py``).
 
@@ -83,7 +83,8 @@ def _converted_with_todays_fit(expected: dict, method: str | None = None):
     """The save's model converted as it records, with today's fit of ``method`` (default: the save's) on the same
     q, k (other values than the saved ones: those were moved off the fit)."""
     fitted = expected["fit"]
-    qk = torch.randn(2, *fitted["batch"], 16, 8, generator=torch.Generator().manual_seed(expected["qk_seed"]),
+    batch = fitted["batch"] or [2]  # a fit of batch [] (one map for every head) is converted today per head
+    qk = torch.randn(2, *batch, 16, 8, generator=torch.Generator().manual_seed(expected["qk_seed"]),
                      dtype=torch.float64)
     options = fitted["options"] if method is None else {"steps": 1}
     fit = sl.fit_sketch(method or fitted["method"], qk[0], qk[1], p=fitted["p"], m=fitted["m"], seed=fitted["seed"],
@@ -93,13 +94,14 @@ def _converted_with_todays_fit(expected: dict, method: str | None = None):
     return model
 
 
-@pytest.mark.parametrize("case", ["psf-learned-fitted", "hedgehog-fitted"])
+@pytest.mark.parametrize("case", ["psf-learned-fitted", "hedgehog-fitted", "hedgehog-one-map-fitted"])
 def test_a_conversion_with_a_fitted_registered_map_saved_before_the_redesign_loads_with_its_logits(case):
     """``convert_attention(model, feature_map=fit_sketch("psf-learned" | "hedgehog", ...).sketch)`` at acaf206 saved
     the fit's maps of all its heads under the query side (``feature_map_q.sketch.map_q.[inner.]*``), and the keys
     went through that query map too: loaded, today's query and key maps both hold it (layer 1's heads of the
-    psf-learned fit of batch [2, H], layer 0 kept exact; the whole hedgehog fit of batch [H]), and the logits are
-    acaf206's."""
+    psf-learned fit of batch [2, H], layer 0 kept exact; the whole hedgehog fit of batch [H]; the one map of a
+    hedgehog fit of batch [] at every head, into a model converted today with a fit of batch [H]: today a fit of
+    batch [] converts no model of several heads), and the logits are acaf206's."""
     expected = json.loads((SAVED / case / "expected.json").read_text())
     saved = load_file(SAVED / case / "model.safetensors")
     assert any(".sketch.feature_map_q.sketch.map_q." in key for key in saved)  # acaf206's adapter's keys

@@ -188,7 +188,9 @@ def load_linearized(directory, model: nn.Module) -> nn.Module:
 
     ``directory`` is a :func:`save_linearized` (or ``save_pretrained`` of a converted model) output.
     Maps made by a custom ``feature_map`` cannot be rebuilt from their name: convert ``model`` with
-    the same ``feature_map`` first, then call this (the options must then agree).
+    the same ``feature_map`` first, then call this (the options must then agree). Saves of earlier versions load
+    with the outputs they gave: their keys are renamed first (:func:`~sketchlab.convert.sketched.upgrade_keys`,
+    given each converted layer's index in the model: a fitted map saved by acaf206 holds the heads of every layer).
 
     Raises
     ------

@@ -98,7 +98,7 @@ def _sketch_adapter_keys(state_dict: dict, prefix: str) -> list[tuple[str, str]]
 FITTED_MAP_Q, FITTED_MAP_K = "map_q.sketch.map_q.", "map_q.sketch.map_k."
 
 
-def _fitted_map_keys(state_dict: dict, prefix: str, own: dict, layer: int | None) -> None:
+def _fitted_map_keys(state_dict: dict, prefix: str, module: nn.Module, layer: int | None) -> None:
     r"""Give the tensors of a registered map fitted by ``fit_sketch`` and saved through acaf206's adapter (keys under
     ``prefix`` + :data:`FITTED_MAP_Q`) today's names and heads, in place in ``state_dict``.
 
@@ -106,7 +106,8 @@ def _fitted_map_keys(state_dict: dict, prefix: str, own: dict, layer: int | None
     and, where the layer has a key map of its own, ``map_k.*`` too (the same values: the same outputs); the fit's
     key map, saved and never read (:data:`FITTED_MAP_K`), is dropped. Of a fit of batch ``[L, H]`` the adapter held
     the selection of layer ``l`` from the map of all ``L·H`` heads, one level deeper (``map_q.sketch.map_q.inner.*``):
-    its heads ``l·H … l·H + H − 1`` are taken (the rule of :meth:`sketchlab.Fit.layer`), ``l = layer``.
+    its heads ``l·H … l·H + H − 1`` are taken (the rule of :meth:`sketchlab.Fit.layer`), ``l = layer``. Of a fit of
+    batch ``[]`` it held one map of one head, which served every head: its tensors are repeated over the ``H`` heads.
 
     Parameters
     ----------
@@ -114,8 +115,8 @@ def _fitted_map_keys(state_dict: dict, prefix: str, own: dict, layer: int | None
         The file's tensors, keys under ``prefix`` already renamed by :data:`OLD_KEYS`.
     prefix : str
         The converted layer's (``"model.layers.0.self_attn.sketch."``).
-    own : dict
-        The layer's own state names (under no prefix) → shapes: the map the saved one must match.
+    module : SketchedAttention
+        The layer: its maps are what the saved one must match.
     layer : int or None
         The layer's index among the model's attention layers (exact ones counted).
 
@@ -129,6 +130,7 @@ def _fitted_map_keys(state_dict: dict, prefix: str, own: dict, layer: int | None
     saved = [key.removeprefix(prefix + FITTED_MAP_Q) for key in state_dict if key.startswith(prefix + FITTED_MAP_Q)]
     if not saved:
         return
+    own = {key: tuple(t.shape) for key, t in module.state_dict().items()}
     for key in [key for key in state_dict if key.startswith(prefix + FITTED_MAP_K)]:
         del state_dict[key]
     want = {key.removeprefix("map_q."): shape for key, shape in own.items() if key.startswith("map_q.")}
@@ -139,10 +141,9 @@ def _fitted_map_keys(state_dict: dict, prefix: str, own: dict, layer: int | None
         if set(upgrade_psf_learned_keys(names)) == set(want):  # PSFLearnedMap's keys renamed as well
             break
     else:
-        odd = sorted({n for _, names in candidates for n in names} - set(want)) or sorted(saved)
         raise ValueError(f"{prefix}{FITTED_MAP_Q}: the fitted map saved by acaf206's adapter has the tensors "
-                         f"{sorted(saved)}, which are not those of this layer's map ({sorted(want)}; first unmatched: "
-                         f"{odd[0]!r}): convert the model with a fit of the same method and options first")
+                         f"{sorted(saved)}, which are not those of this layer's map ({sorted(want)}): convert the "
+                         "model with a fit of the same method and options first")
     keys_too = {key.removeprefix("map_k.") for key in own if key.startswith("map_k.")}
     if keys_too and keys_too != set(want):
         raise ValueError(f"{prefix}{FITTED_MAP_Q}: the keys went through this map (acaf206's adapter), and this layer's "
@@ -162,6 +163,8 @@ def _fitted_map_keys(state_dict: dict, prefix: str, own: dict, layer: int | None
                 raise ValueError(f"{key}: the fitted map holds the heads of {tensor.shape[0] // heads} layers, and "
                                  f"this is layer {layer}: the save and the model do not match")
             tensor = tensor[layer * heads:(layer + 1) * heads]
+        elif not selected and tensor.shape[:1] == (1,) and heads > 1 and tuple(tensor.shape[1:]) == shape[1:]:
+            tensor = tensor.expand(shape).clone()  # a fit of batch []: its one head's map for every head
         state_dict[prefix + "map_q." + name] = tensor
         if keys_too:
             state_dict[prefix + "map_k." + name] = tensor
@@ -178,7 +181,7 @@ def upgrade_keys(state_dict: dict, prefix: str, module: nn.Module, layer: int | 
     calls it on load (no ``layer``), and :func:`~sketchlab.convert.saved.load_linearized` before it matches the saved
     names to the model's."""
     rename_keys(state_dict, prefix, OLD_KEYS)
-    _fitted_map_keys(state_dict, prefix, {k: tuple(v.shape) for k, v in module.state_dict().items()}, layer)
+    _fitted_map_keys(state_dict, prefix, module, layer)
     rename_keys(state_dict, prefix, _sketch_adapter_keys(state_dict, prefix))
     return upgrade_psf_learned_keys(state_dict, prefix)
 

@@ -100,7 +100,8 @@ for name, fitted in fits.items():
 # the fit's query map (feature_map_q.sketch.map_q.[inner.]*; the fitted key map, feature_map_q.sketch.map_k.*, saved
 # unread). Every converted layer held the same tensors: save_pretrained refused a model of two converted layers
 # ("shared tensors"), so such saves have one converted layer: of a 2-layer model with layer 0 kept exact and a fit
-# of batch [2, H] (layer 1's heads), and of a 1-layer model with a fit of batch [H] (no selection).
+# of batch [2, H] (layer 1's heads), of a 1-layer model with a fit of batch [H] (no selection), and of one with a fit
+# of batch [] (one map of one head for every head).
 def layered_llama(layers):
     cfg = transformers.LlamaConfig(vocab_size=20, hidden_size=16, num_hidden_layers=layers, num_attention_heads=2,
                                    num_key_value_heads=1, intermediate_size=16, max_position_embeddings=32,
@@ -112,7 +113,9 @@ registered = {"psf-learned-fitted": {"method": "psf-learned", "p": 2, "m": 4, "s
                                      "options": {"steps": 5, "hidden": 8},
                                      "convert": {"window": 3, "sinks": 1, "exact_layers": [0]}},
               "hedgehog-fitted": {"method": "hedgehog", "p": 2, "m": 6, "seed": 4, "layers": 1, "batch": [2],
-                                  "options": {"steps": 5}, "convert": {"window": 3, "sinks": 1}}}
+                                  "options": {"steps": 5}, "convert": {"window": 3, "sinks": 1}},
+              "hedgehog-one-map-fitted": {"method": "hedgehog", "p": 2, "m": 6, "seed": 4, "layers": 1, "batch": [],
+                                          "options": {"steps": 5}, "convert": {"window": 3, "sinks": 1}}}
 for name, fitted in registered.items():
     if (out / name).exists():
         continue
