@@ -113,15 +113,16 @@ def test_a_conversion_with_a_fitted_registered_map_saved_before_the_redesign_loa
 
 def test_a_fitted_registered_map_saved_before_the_redesign_is_refused_where_it_cannot_load_faithfully():
     """Its heads are one layer's of the fit's ``L·H``, which only ``load_linearized`` knows (the layer's index): a
-    bare ``load_state_dict`` is refused naming the key; a model converted with another method's fit is refused
-    naming the saved map's tensors. Never loaded as another model."""
+    bare ``load_state_dict`` is refused naming the file's key; a model converted with another method's fit is
+    refused naming the file, the key and the saved map's tensors. Never loaded as another model."""
     expected = json.loads((SAVED / "psf-learned-fitted" / "expected.json").read_text())
     model = _converted_with_todays_fit(expected)
     saved = load_file(SAVED / "psf-learned-fitted" / "model.safetensors")
-    with pytest.raises(ValueError, match=r"model\.layers\.1\.self_attn\.sketch\.map_q\.sketch\.map_q\.inner\.inner\."
-                                         r"\w+: the fitted map's 4 heads are those of 2 layers.*load_linearized"):
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.self_attn\.sketch\.feature_map_q\.sketch\.map_q\.inner\."
+                                         r"inner\.\w+: the fitted map's 4 heads are those of 2 layers.*load_linearized"):
         model.load_state_dict(saved)
     other = _converted_with_todays_fit(expected, method="hedgehog")
-    with pytest.raises(ValueError, match=r"model\.layers\.1\.self_attn\.sketch\.map_q\.sketch\.map_q\.: the fitted "
-                                         r"map saved by acaf206's adapter has the tensors .*inner\.inner\.ln_weight"):
+    with pytest.raises(ValueError, match=r"psf-learned-fitted/model\.safetensors: model\.layers\.1\.self_attn\.sketch\."
+                                         r"feature_map_q\.sketch\.map_q\.: the fitted map saved by acaf206's adapter "
+                                         r"has the tensors .*inner\.inner\.ln_weight"):
         load_linearized(SAVED / "psf-learned-fitted", other)

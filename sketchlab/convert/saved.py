@@ -202,7 +202,8 @@ def load_linearized(directory, model: nn.Module) -> nn.Module:
         ``model``'s (naming both), no ``.safetensors`` weights or an empty, truncated or corrupt one
         (naming it), a model already converted with other options (naming each that differs, with both
         values), saved weights whose names or shapes do not match the model converted with the saved
-        options (naming the tensor and both shapes).
+        options (naming the tensor and both shapes), a save of an earlier version that cannot load with the
+        outputs it gave (naming the file and the key: :func:`~sketchlab.convert.sketched.upgrade_keys`).
     """
     directory = Path(directory)
     if not directory.is_dir():
@@ -241,7 +242,10 @@ def load_linearized(directory, model: nn.Module) -> nn.Module:
     converted = [(name, module) for name, module in model.named_modules() if isinstance(module, SketchedAttention)]
     layers = [i for i in range(len(converted) + len(exact)) if i not in exact]  # each one's index in the model
     for (name, module), layer in zip(converted, layers):  # the maps' names before the one layer core
-        upgrade_keys(state, name + ".", module, layer)
+        try:
+            upgrade_keys(state, name + ".", module, layer)
+        except ValueError as err:  # a save of an earlier version that cannot load as it ran: the file, the key
+            raise ValueError(f"{files[0] if len(files) == 1 else directory}: {err}") from None
     unexpected = sorted(set(state) - set(own))
     missing = sorted(set(own) - set(state) - _tied(model))
     if unexpected or missing:

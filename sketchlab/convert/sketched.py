@@ -94,8 +94,8 @@ def _sketch_adapter_keys(state_dict: dict, prefix: str) -> list[tuple[str, str]]
 
 #: Where acaf206's adapter saved a registered map fitted by ``fit_sketch`` (``convert_attention(feature_map=
 #: fit_sketch("hedgehog" | "psf-learned" | ..., ...).sketch)``: a ``FeatureMapSketch`` under one ``SketchMap`` that
-#: served q and k), named as after :data:`OLD_KEYS`: the fit's query map, and its key map (saved, never read).
-FITTED_MAP_Q, FITTED_MAP_K = "map_q.sketch.map_q.", "map_q.sketch.map_k."
+#: served q and k): the fit's query map, and its key map (saved, never read).
+FITTED_MAP_Q, FITTED_MAP_K = "feature_map_q.sketch.map_q.", "feature_map_q.sketch.map_k."
 
 
 def _fitted_map_keys(state_dict: dict, prefix: str, module: nn.Module, layer: int | None) -> None:
@@ -105,14 +105,14 @@ def _fitted_map_keys(state_dict: dict, prefix: str, module: nn.Module, layer: in
     acaf206's adapter served the queries and the keys with the fit's query map, so its tensors become ``map_q.*``
     and, where the layer has a key map of its own, ``map_k.*`` too (the same values: the same outputs); the fit's
     key map, saved and never read (:data:`FITTED_MAP_K`), is dropped. Of a fit of batch ``[L, H]`` the adapter held
-    the selection of layer ``l`` from the map of all ``L·H`` heads, one level deeper (``map_q.sketch.map_q.inner.*``):
+    the selection of layer ``l`` from the map of all ``L·H`` heads, one level deeper (``FITTED_MAP_Q + "inner."``):
     its heads ``l·H … l·H + H − 1`` are taken (the rule of :meth:`sketchlab.Fit.layer`), ``l = layer``. Of a fit of
     batch ``[]`` it held one map of one head, which served every head: its tensors are repeated over the ``H`` heads.
 
     Parameters
     ----------
     state_dict : dict
-        The file's tensors, keys under ``prefix`` already renamed by :data:`OLD_KEYS`.
+        The file's tensors, under the file's keys.
     prefix : str
         The converted layer's (``"model.layers.0.self_attn.sketch."``).
     module : SketchedAttention
@@ -180,8 +180,8 @@ def upgrade_keys(state_dict: dict, prefix: str, module: nn.Module, layer: int | 
     (:func:`~sketchlab.featuremaps.normed.upgrade_psf_learned_keys`), and return it; :class:`SketchedAttention`
     calls it on load (no ``layer``), and :func:`~sketchlab.convert.saved.load_linearized` before it matches the saved
     names to the model's."""
-    rename_keys(state_dict, prefix, OLD_KEYS)
     _fitted_map_keys(state_dict, prefix, module, layer)
+    rename_keys(state_dict, prefix, OLD_KEYS)
     rename_keys(state_dict, prefix, _sketch_adapter_keys(state_dict, prefix))
     return upgrade_psf_learned_keys(state_dict, prefix)
 
