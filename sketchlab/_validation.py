@@ -18,15 +18,19 @@ import torch
 __all__ = [
     "DEFAULT_MAX_BYTES",
     "DEFAULT_MAX_WORK",
+    "InvalidParameterError",
     "MAX_DEGREE",
     "MAX_SYMMETRIC_INDEX",
     "SUPPORTED_FLOAT_DTYPES",
     "as_float_tensor",
+    "check_choice",
     "check_tensor_storage",
     "check_memory",
     "check_degree",
     "check_finite",
+    "check_flag",
     "check_fraction",
+    "check_int",
     "check_nonnegative_int",
     "check_pair",
     "check_positive_int",
@@ -212,32 +216,131 @@ def per_version(store: dict, x: torch.Tensor, compute):
     return value
 
 
-def check_positive_int(value, name: str) -> int:
-    """Return ``value`` as ``int`` if it is an integer ``>= 1`` (bools are rejected)."""
+class InvalidParameterError(ValueError, TypeError):
+    """An argument of the wrong type, raised by the scalar rules below (:func:`check_int`, :func:`check_real`,
+    :func:`check_flag`, :func:`check_choice`): a ``TypeError`` by Python's convention, and a ``ValueError`` too,
+    so that callers catching either (the CLIs' and loaders' ``except ValueError``, the attention options' rules,
+    which raised it) keep catching it; scikit-learn's ``InvalidParameterError`` does the same. A right type with
+    a wrong value raises a plain ``ValueError``."""
+
+
+# The scalar rules: the one copy of each, used by every argument check and by the attention options
+# (sketchlab.attention.options). Each error names the argument, states the whole rule and shows the value.
+
+
+def check_int(value, name: str, lo: int) -> int:
+    """An integer rule: ``value`` an integer (not a bool) ``>= lo``.
+
+    Parameters
+    ----------
+    value
+    name : str
+        The argument's name in the error.
+    lo : int
+
+    Returns
+    -------
+    int
+
+    Raises
+    ------
+    InvalidParameterError
+        Not an integer (or a bool).
+    ValueError
+        Below ``lo``.
+    """
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an integer >= 1, got {value!r} ({type(value).__name__})")
-    if value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value}")
+        raise InvalidParameterError(f"{name} must be an integer >= {lo}, got {value!r} ({type(value).__name__})")
+    if value < lo:
+        raise ValueError(f"{name} must be an integer >= {lo}, got {value}")
     return int(value)
+
+
+def check_positive_int(value, name: str) -> int:
+    """Return ``value`` as ``int`` if it is an integer ``>= 1`` (bools are rejected): :func:`check_int`."""
+    return check_int(value, name, 1)
 
 
 def check_nonnegative_int(value, name: str) -> int:
-    """Return ``value`` as ``int`` if it is an integer ``>= 0`` (bools are rejected)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an integer >= 0, got {value!r} ({type(value).__name__})")
-    if value < 0:
-        raise ValueError(f"{name} must be an integer >= 0, got {value}")
-    return int(value)
+    """Return ``value`` as ``int`` if it is an integer ``>= 0`` (bools are rejected): :func:`check_int`."""
+    return check_int(value, name, 0)
 
 
-def check_real(value, name: str, *, positive: bool) -> float:
-    """Return ``value`` as ``float`` if it is a finite real ``> 0`` (``positive``) or ``>= 0``; bools rejected."""
-    rule = "> 0" if positive else ">= 0"
+def check_real(value, name: str, *, positive: bool | None = None, lo: float = -math.inf, lo_open: bool = False,
+               hi: float | None = None) -> float:
+    """A real rule: ``value`` a finite real (not a bool) ``>= lo`` (``> lo`` if ``lo_open``; ``lo = -inf``:
+    unbounded below) and ``<= hi``; the error states the whole rule, each bound as given (``0`` or ``0.0``).
+
+    Parameters
+    ----------
+    value
+    name : str
+        The argument's name in the error.
+    positive : bool, optional
+        The common bounds in one word: ``> 0`` (True) or ``>= 0`` (False), i.e. ``lo=0, lo_open=positive``.
+    lo, lo_open, hi
+        The bounds otherwise.
+
+    Returns
+    -------
+    float
+
+    Raises
+    ------
+    InvalidParameterError
+        Not a real number (or a bool).
+    ValueError
+        Not finite, or out of the bounds.
+    """
+    if positive is not None:
+        lo, lo_open = 0, positive
+    bounds = ([] if lo == -math.inf else [f"{'>' if lo_open else '>='} {lo}"]) + ([] if hi is None else [f"<= {hi}"])
+    rule = f"{name} must be a finite number" + (" " + " and ".join(bounds) if bounds else "")
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a finite number {rule}, got {value!r} ({type(value).__name__})")
-    if not math.isfinite(value) or (value <= 0 if positive else value < 0):
-        raise ValueError(f"{name} must be a finite number {rule}, got {value!r}")
+        raise InvalidParameterError(f"{rule}, got {value!r} ({type(value).__name__})")
+    if not math.isfinite(value) or value < lo or (lo_open and value == lo) or (hi is not None and value > hi):
+        raise ValueError(f"{rule}, got {value!r}")
     return float(value)
+
+
+def check_flag(value, name: str) -> bool:
+    """A flag rule: ``value`` a Python bool (else :class:`InvalidParameterError`, a ``TypeError``).
+
+    Parameters
+    ----------
+    value
+    name : str
+        The argument's name in the error.
+
+    Returns
+    -------
+    bool
+    """
+    if not isinstance(value, bool):
+        raise InvalidParameterError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def check_choice(value, name: str, choices) -> str:
+    """A choice rule: ``value`` one of the strings ``choices`` (a string not among them: ``ValueError``; not a
+    string: :class:`InvalidParameterError`, a ``ValueError`` too).
+
+    Parameters
+    ----------
+    value
+    name : str
+        The argument's name in the error.
+    choices : tuple of str
+
+    Returns
+    -------
+    str
+    """
+    if not isinstance(value, str):
+        raise InvalidParameterError(f"{name} must be one of {list(choices)}, got {value!r}")
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
+    return value
 
 
 def check_degree(p) -> int:

@@ -71,7 +71,8 @@ def fit_llops_maps(fit):
 
 
 def export_theta(fit, path, *, dump, scale=None) -> Path:
-    """Write the Θ of ``fit``'s LLoPS maps to ``path`` (``.safetensors``) with all DESIGN.md §3 metadata.
+    """Write the Θ of ``fit``'s LLoPS maps to ``path`` (``.safetensors``) with all DESIGN.md §3 metadata; a tied
+    pair (one LLoPS map for both sides: ``fit.tied``, or a tied map's exact LLoPS form) is stored once, ``tied``.
 
     Parameters
     ----------
@@ -124,12 +125,13 @@ def export_theta(fit, path, *, dump, scale=None) -> Path:
         map_q, map_k = fit_llops_maps(fit)
     except ValueError as err:
         raise ValueError(f"method {fit.report.method!r} cannot be exported as Θ: {err}") from err
-    theta_q, theta_k = map_q.theta.detach(), map_k.theta.detach()  # [L·H, t, p, d, m]
+    theta_q = map_q.theta.detach()  # [L·H, t, p, d, m]
     lead = tuple(fit.batch_shape)
     if len(lead) > 2:
         raise ValueError(f"Θ must have leading shape [], [H] or [L, H] to export, got {list(lead)}")
     shape6 = (1,) * (2 - len(lead)) + lead + tuple(theta_q.shape[-4:])
-    theta_q, theta_k = theta_q.reshape(shape6), theta_k.reshape(shape6)  # [L, H, t, p, d, m]
+    theta_q = theta_q.reshape(shape6)  # [L, H, t, p, d, m]
+    theta_k = theta_q if map_k is map_q else map_k.theta.detach().reshape(shape6)  # tied: save_theta stores it once
     t, p, d, m = shape6[2:]
     resolve_scale(scale, d)  # validates: "none", "sqrt-d" or a positive finite number
     label = scale_label(scale)

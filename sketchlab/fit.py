@@ -5,16 +5,17 @@ maps and methods, each name with a builder slot and a fitter slot). A name's *fi
 :func:`~sketchlab.featuremaps.registry.own_fitter`; the built-in ones imported on first use) has the
 form::
 
-    def _fit(q, k, *, p, m, seed=0, **options) -> FeatureMap | tuple[FeatureMap, FeatureMap]: ...
+    def _fit(q, k, *, p, m, seed=0, **options) -> FittedMaps | FeatureMap | tuple[FeatureMap, FeatureMap]: ...
 
 It receives validated float tensors ``q[..., n_q, d]``, ``k[..., n_k, d]`` (the fitting tokens
-only) and returns the fitted pair of :class:`~sketchlab.featuremaps.FeatureMap` s ``(map_q, map_k)`` (one map
-for both sides when they are tied) of ``H = prod(batch)`` heads of ``d``, the batch flattened row-major
-(:func:`~sketchlab.featuremaps.batch_features`). It may set ``map_q.fit_info``, a dict with ``steps`` (int),
-``converged`` (bool) and any method-specific entries, and ``kernel_core``: a float64 ``[..., N_q, N_k]``
-matrix with the singular values of ``A`` on the tokens it was given (e.g. ``R_Q R_Kᵀ`` of the Gram roots it
-fitted on), which ``fit_sketch`` takes out (the map keeps no ``fit_info``) and reuses for the report's
-Theorem 3.1 floor instead of recomputing it. Fitters trust their inputs: validation happens once, here.
+only) and returns the fitted pair of :class:`~sketchlab.featuremaps.FeatureMap` s ``(map_q, map_k)`` (the
+same map twice when they are tied) of ``H = prod(batch)`` heads of ``d``, the batch flattened row-major
+(:func:`~sketchlab.featuremaps.batch_features`), as :class:`~sketchlab.featuremaps.FittedMaps`: the pair and
+``info``, the one home of what the fit says of itself (a dict with ``steps`` (int), ``converged`` (bool), any
+method-specific entries, and ``kernel_core``: a float64 ``[..., N_q, N_k]`` matrix with the singular values
+of ``A`` on the tokens it was given, e.g. ``R_Q R_Kᵀ`` of the Gram roots it fitted on, which ``fit_sketch``
+reuses for the report's Theorem 3.1 floor instead of recomputing it; the rest becomes the report's
+``steps``, ``converged`` and ``info``). A fitter with nothing to say may return the map or the bare pair. Fitters trust their inputs: validation happens once, here.
 Users add their own with :func:`register_sketch` (it fills the name's fitter
 slot). A map whose fitter slot is empty is fitted by Adam on the kernel loss
 (:func:`sketchlab.featuremaps.fitting.feature_map_fitter`), so a map registered there is a method
@@ -35,11 +36,19 @@ import torch
 
 from ._validation import DEFAULT_MAX_BYTES, check_degree, check_fraction, check_pair, check_positive_int, check_seed
 from .featuremaps.base import FeatureMap
-from .featuremaps.registry import DEPRECATED_METHODS, feature_map_names, fitter_names, own_fitter, register_fitter
+from .featuremaps.registry import (
+    DEPRECATED_METHODS,
+    FittedMaps,
+    feature_map_names,
+    fitter_names,
+    own_fitter,
+    register_fitter,
+)
 from .numerics import UNDEFINED_REASONS, check_poly_kernel_range, is_roundoff, warn_undefined
 
-#: What a fitter returns: one map for both sides, or the pair ``(map_q, map_k)``.
-Fitted = FeatureMap | tuple[FeatureMap, FeatureMap]
+#: What a fitter returns: :class:`FittedMaps` (the pair and the fit's ``info``), one map for both sides, or the
+#: bare pair ``(map_q, map_k)``.
+Fitted = FittedMaps | FeatureMap | tuple[FeatureMap, FeatureMap]
 
 __all__ = [
     "Fit",
@@ -266,7 +275,7 @@ def _errors(maps: tuple, q: torch.Tensor, k: torch.Tensor, p: int, m: int, metho
     error raises ``FloatingPointError`` naming the method, the heads and the likely cause.
 
     Trusts its inputs (checked by :func:`fit_sketch`). ``core``: a matrix with ``A``'s singular
-    values that the fit already formed (``fit_info["kernel_core"]``); otherwise they are computed
+    values that the fit already formed (``FittedMaps.info["kernel_core"]``); otherwise they are computed
     (the Gram route when tokens far outnumber the features). Up to :data:`EXACT_REPORT_ENTRIES`
     entries per head every error is exact (row blocks); beyond, ``sq_err`` comes from Gram matrices
     (:func:`sketchlab.metrics._gram_sq_err`) and ``rel_mae`` from ``EXACT_REPORT_ENTRIES / n_k``
@@ -444,7 +453,7 @@ def _fit_checked(method: str, fitter: Callable[..., Fitted], q: torch.Tensor, k:
         result = fitter(q[..., sub_q, :], k[..., sub_k, :], p=p, m=m, seed=seed, **options)
         seconds = time.perf_counter() - start
         map_q, map_k, fit_info = _fitted_maps(method, result, tuple(q.shape[:-2]), q.shape[-1])
-        core = fit_info.pop("kernel_core", None)  # the maps keep no copy
+        core = fit_info.pop("kernel_core", None)  # the report keeps no copy
         if fit_tokens is not None and (len(sub_q) < len(fit_q) or len(sub_k) < len(fit_k)):
             core = None  # the fit saw a subset: its A is not the report's
         info = dict(fit_info)
@@ -483,9 +492,9 @@ def _fit_checked(method: str, fitter: Callable[..., Fitted], q: torch.Tensor, k:
 
 
 def _fitted_maps(method: str, result, batch_shape: tuple, head_dim: int):
-    """``(map_q, map_k, fit_info)`` of a fitter's ``result``: a :class:`FeatureMap` (both sides) or a pair
-    ``(map_q, map_k)`` of ``prod(batch_shape)`` heads of ``head_dim``, ``fit_info`` taken off ``map_q`` (the map
-    keeps none)."""
+    """``(map_q, map_k, info)`` of a fitter's ``result``: :class:`FittedMaps`, a :class:`FeatureMap` (both sides)
+    or a pair ``(map_q, map_k)`` of ``prod(batch_shape)`` heads of ``head_dim``; ``info`` a copy of the result's
+    (empty where it has none)."""
     heads = math.prod(batch_shape)
     pair = (result, result) if isinstance(result, FeatureMap) else result
     if not (isinstance(pair, tuple) and len(pair) == 2 and all(isinstance(f, FeatureMap) for f in pair)):
@@ -498,8 +507,7 @@ def _fitted_maps(method: str, result, batch_shape: tuple, head_dim: int):
     if pair[0].num_features != pair[1].num_features:
         raise ValueError(f"the fitter of {method!r} returned maps of {pair[0].num_features} (query) and "
                          f"{pair[1].num_features} (key) features: a kernel's two maps need the same number")
-    info = pair[0].__dict__.pop("fit_info", None)
-    return pair[0], pair[1], dict(info or {})
+    return pair[0], pair[1], dict(result.info) if isinstance(result, FittedMaps) else {}
 
 
 def _parameters_per_head(map_q: FeatureMap, map_k: FeatureMap) -> int:

@@ -124,8 +124,9 @@ def train_kernel_sketch(
     Returns
     -------
     dict
-        ``fit_info``: ``steps``, ``converged``, and per head (batch shape) ``init_rel_fro`` (at the
-        start) and ``rel_fro`` (of the parameters kept), both :math:`\|\hat A - A\|_F/\|A\|_F`.
+        The fit's ``info`` (:class:`~sketchlab.featuremaps.FittedMaps`): ``steps``, ``converged``, and per head
+        (batch shape) ``init_rel_fro`` (at the start) and ``rel_fro`` (of the parameters kept), both
+        :math:`\|\hat A - A\|_F/\|A\|_F`.
     """
     steps = check_positive_int(steps, "steps")
     lr = check_real(lr, "lr", positive=True)

@@ -214,3 +214,25 @@ def test_cuda_compiled(dtype, causal, normalize, non_negative, M, monkeypatch):
     tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
     _compare(T=300, D=64, M=M, P=2, R=2, causal=causal, normalize=normalize, non_negative=non_negative,
              dtype=dtype, tol=tol, B=2, H=3, DV=40)
+
+
+def test_the_kernels_share_device_functions_by_their_public_names():
+    """The device functions the pure and the hybrid kernel both call live once, in ``triton/features.py``, under
+    public names (its ``__all__``): no module of the package imports another's underscore names (its private
+    modules, ``_kernels`` and ``_hybrid``, are the package's own)."""
+    import ast
+    from pathlib import Path
+
+    from sketchlab.attention.triton import _hybrid, _kernels, features
+
+    root = Path(features.__file__).parent
+    for path in root.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("sketchlab"):
+                private = [a.name for a in node.names if a.name.startswith("_") and not (root / f"{a.name}.py").exists()]
+                assert not private, f"{path.name} imports {private} from {node.module}"
+    defined = {node.name: ast.get_docstring(node) for node in ast.parse((root / "features.py").read_text()).body
+               if isinstance(node, ast.FunctionDef)}
+    assert set(features.__all__) == set(defined) and all(defined.values())  # each public, with its docstring
+    for name in set(features.__all__) - {"chunk_llops_map"}:  # the map itself is called by chunk_features only
+        assert getattr(_kernels, name) is getattr(features, name) is getattr(_hybrid, name), name

@@ -195,15 +195,51 @@ def test_non_finite_report_values_become_json_null(dump_file, tmp_path):
 
 
 def test_a_shared_theta_is_exported_for_both_sides(dump_file, tmp_path):
-    """A fit with one LLoPS map for both sides (PolySketch's exact form is tied) is written with Θ_K = Θ_Q, each
-    equal to that map's own Θ."""
+    """A fit with one LLoPS map for both sides (PolySketch's exact form is tied) is written once (``theta_q`` alone,
+    metadata ``tied``) and loads with Θ_K = Θ_Q, each equal to that map's own Θ; the block it loads is the block
+    of the same Θ written twice (the format of every file written before ``tied``)."""
     dump, fit, _ = _fit(dump_file, method="psf-random")
     map_q, map_k = fit_llops_maps(fit)
     assert map_k is map_q
-    theta_q, theta_k, meta = sl.load_theta(fit.save_theta(tmp_path / "s.safetensors", dump=dump, scale="sqrt-d"))
-    assert meta["method"] == "psf-random"
-    assert torch.equal(theta_k, theta_q)
+    path = fit.save_theta(tmp_path / "s.safetensors", dump=dump, scale="sqrt-d")
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        assert list(f.keys()) == ["theta_q"] and f.metadata()["tied"] == "true"  # Θ stored once
+    theta_q, theta_k, meta = sl.load_theta(path)
+    assert meta["method"] == "psf-random" and meta["tied"] is True
+    assert theta_k is theta_q
     assert torch.equal(theta_q.reshape(map_q.theta.shape), map_q.theta.detach())
+    meta.pop("tied")
+    twice = sl.save_theta(tmp_path / "twice.safetensors", theta_q, theta_q.clone(), **meta)  # both copies, untied
+    assert sl.load_theta(twice)[2]["tied"] is False and twice.stat().st_size > path.stat().st_size
+    x = _rand(1, 9, 8, seed=30)
+    for layer in (0, 1):
+        blocks = [LLoPSAttention.from_pretrained(p, layer=layer, dtype=torch.float64, window=3, sinks=1)
+                  for p in (path, twice)]
+        with torch.no_grad():
+            assert torch.equal(blocks[0](x), blocks[1](x))
+
+
+def test_a_tied_theta_written_by_acaf206_loads_with_its_outputs(tmp_path):
+    """acaf206 (issue 40's start) wrote a tied fit's Θ twice (tests/data/saved_theta_tied/make_saves.py): it loads
+    today (untied, equal copies) with the block output that code computed, and re-exported tied (stored once) it
+    gives the same output."""
+    from pathlib import Path
+
+    old = Path(__file__).parent / "data" / "saved_theta_tied"
+    expected = json.loads((old / "theta_expected.json").read_text())
+    theta_q, theta_k, meta = sl.load_theta(old / "theta.safetensors")
+    assert meta["tied"] is False and theta_k is not theta_q and torch.equal(theta_k, theta_q)
+    meta.pop("tied")
+    tied = sl.save_theta(tmp_path / "tied.safetensors", theta_q, theta_q, **meta)
+    assert sl.load_theta(tied)[2]["tied"] is True
+    x = torch.tensor(expected["x"], dtype=torch.float64)
+    for path in (old / "theta.safetensors", tied):
+        block = LLoPSAttention.from_pretrained(path, layer=0, dtype=torch.float64, **expected["block"])
+        with torch.no_grad():
+            y = block(x)
+        assert torch.allclose(y, torch.tensor(expected["y"], dtype=torch.float64), rtol=0, atol=1e-12), path
 
 
 def test_source_hash_of_an_npy_dump_with_and_without_its_meta(tmp_path):

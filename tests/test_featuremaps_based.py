@@ -129,10 +129,10 @@ def test_random_projection_follows_the_input_device():
     from sketchlab.featuremaps.based import _fit_based
 
     q = torch.empty(2, 30, 6, device="meta")
-    s = _fit_based(q, q, p=2, m=20, seed=0, projection="random")
+    s = _fit_based(q, q, p=2, m=20, seed=0, projection="random").map_q
     assert s.proj.device.type == "meta" and s.features(torch.empty(1, 30, 2, 6, device="meta")).device.type == "meta"
     # the draw itself is the same as on the CPU (same seed, same P)
-    cpu = _fit_based(torch.zeros(2, 30, 6), torch.zeros(2, 30, 6), p=2, m=20, seed=0, projection="random")
+    cpu = _fit_based(torch.zeros(2, 30, 6), torch.zeros(2, 30, 6), p=2, m=20, seed=0, projection="random").map_q
     assert cpu.proj.device.type == "cpu" and cpu.proj.shape == s.proj.shape
 
 

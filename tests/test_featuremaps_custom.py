@@ -18,6 +18,7 @@ import sketchlab as sl
 from sketchlab.attention.ops.additive.naive import feature_attention_naive
 from sketchlab.featuremaps import (
     FeatureMap,
+    FittedMaps,
     ModuleMap,
     Option,
     as_feature_map,
@@ -219,8 +220,7 @@ def test_one_registry_a_fitter_slot_beside_the_builder(registered):
         calls.append((p, m, seed, options))
         maps = [make_feature_map(registered, heads=H, head_dim=D, m=m, seed=s, dtype=q.dtype, learn=False)
                 for s in (seed, seed + 1)]
-        maps[0].fit_info = {"steps": 0, "converged": True, "own": True}
-        return tuple(maps)
+        return FittedMaps(*maps, {"steps": 0, "converged": True, "own": True})
 
     registry.register_fitter(registered, fit)  # the fitter slot of the map's own name
     registry.register_fitter(registered, fit)  # the same fitter again: nothing changes

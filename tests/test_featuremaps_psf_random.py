@@ -160,7 +160,7 @@ def test_fit_psf_follows_the_input_device(p):
     from sketchlab.featuremaps.psf_random import _fit_psf
 
     q = torch.empty(2, 7, 5, device="meta")
-    s = _fit_psf(q, q, p=p, m=9, seed=0)
+    s = _fit_psf(q, q, p=p, m=9, seed=0).map_q
     assert {w.device.type for w in s.weights} == {"meta"}
     x = torch.empty(1, 7, 2, 5, device="meta")
     assert s.features(x).device.type == "meta" and s.features(x).shape == (1, 7, 2, 9)

@@ -105,7 +105,7 @@ def test_fit_follows_the_input_device():
     from sketchlab.featuremaps.tensorsketch import _fit_tensorsketch
 
     q = torch.empty(3, 6, 4, device="meta")
-    s = _fit_tensorsketch(q, q, p=2, m=8, seed=5)
+    s = _fit_tensorsketch(q, q, p=2, m=8, seed=5).map_q
     assert s.index_hash.device.type == s.sign_hash.device.type == s.matrices.device.type == "meta"
     x = torch.empty(1, 6, 3, 4, device="meta")
     assert s.features(x).device.type == "meta" and s.features(x).shape == (1, 6, 3, 8)

@@ -128,3 +128,35 @@ def test_report_as_dict_holds_every_field_as_plain_json():
         assert out[f.name] == want, f.name
     assert isinstance(out["rel_fro"], list) and len(out["rel_fro"]) == 2 and out["method"] == "optimal"
     json.dumps(out)
+
+
+_STEPS = {"llops": {"steps": 2, "lm_steps": 1}, "elementwise": {"steps": 2}, "mlp": {"steps": 2}}
+
+
+@pytest.mark.parametrize("name", sketchlab.fit.available_sketches())
+def test_a_fitter_s_account_lives_on_what_it_returns_not_on_its_maps(name):
+    # FittedMaps.info is the one home of a fit's account: no map (nor a sub-module of one) carries it, and
+    # fit_sketch's report takes steps, converged and the method's entries from it (kernel_core left out).
+    from sketchlab.featuremaps import FeatureMap, FittedMaps
+
+    q = torch.randn(2, 24, 3, generator=torch.Generator().manual_seed(3), dtype=torch.float64) * 0.7
+    k = torch.randn(2, 24, 3, generator=torch.Generator().manual_seed(4), dtype=torch.float64) * 0.7
+    options = _STEPS.get(name, {})
+    result = sketchlab.fit.sketch_fitter(name)(q, k, p=2, m=3, seed=0, **options)
+    maps = result if isinstance(result, tuple) else (result,)
+    assert all(isinstance(f, FeatureMap) for f in maps)
+    assert not any(hasattr(sub, "fit_info") for f in maps for sub in f.modules())
+    fit = fit_sketch(name, q, k, p=2, m=3, seed=0, **options)
+    assert not any(hasattr(sub, "fit_info") for f in fit.maps for sub in f.modules())
+    if name == "optimal":  # the optimum says nothing of itself: the report measures its floor
+        assert not isinstance(result, FittedMaps) and fit.report.info == {}
+        return
+    assert isinstance(result, FittedMaps) and result.map_q is result[0] and result.map_k is result[1]
+    assert result.tied == (name in ("based-expand", "based-taylor", "psf-random", "tensorsketch"))
+    assert fit.tied == result.tied
+    info = {key: v for key, v in result.info.items() if key not in ("steps", "converged", "kernel_core")}
+    assert fit.report.steps == result.info["steps"] and fit.report.converged == result.info["converged"]
+    assert set(info) <= set(fit.report.info) and "kernel_core" not in fit.report.info
+    for key, value in info.items():
+        got = fit.report.info[key]
+        assert torch.equal(got, value) if isinstance(value, torch.Tensor) else got == value, key

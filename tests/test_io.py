@@ -360,7 +360,7 @@ def test_theta_round_trip(tmp_path):
     torch.testing.assert_close(lk, tk, rtol=0, atol=0)
     assert meta == {"p": 2, "m": 5, "t": 2, "d": 4, "method": "llops", "scale": "sqrt-d", "source_sha256": SHA,
                     "errors": {"rel_mae": [0.1, 0.2], "holdout_optimality_ratio": float("inf")},
-                    "sketchlab_version": "0.1.0"}
+                    "sketchlab_version": "0.1.0", "tied": False}
     # the same call writes the same bytes (canonical header), and leaves no temporary file
     first = path.read_bytes()
     save_theta(path, tq, tk, **_theta_kw())
@@ -424,6 +424,7 @@ def _raw_theta(path, meta_over=None, drop=(), tensors=None):
     ({"d": "3"}, (), r"tensor theta_q has shape \(2, 3, 2, 2, 4, 5\), but the metadata says .* = \[L, H, 2, 2, 3, 5\]"),
     ({"layout": "L,H,n,d"}, (), r"metadata layout must be 'L,H,t,p,d,m' for a Θ export, got 'L,H,n,d'"),
     ({"source_sha256": SHA.upper()}, (), r"source_sha256 must be 64 lowercase hex digits"),
+    ({"tied": "yes"}, (), r"metadata tied must be 'true' or 'false', got 'yes'"),
 ])
 def test_load_theta_rejects_corrupt_metadata(tmp_path, meta_over, drop, msg):
     path = _raw_theta(tmp_path / "bad.safetensors", meta_over, drop)
@@ -440,6 +441,11 @@ def test_load_theta_rejects_bad_tensors_and_files(tmp_path):
     path = _raw_theta(tmp_path / "y.safetensors", tensors={"theta_q": tq})
     with pytest.raises(ValueError, match=r"y\.safetensors: tensor theta_k is missing"):
         load_theta(path)
+    path = _raw_theta(tmp_path / "w.safetensors", {"tied": "true"})  # tied, yet both tensors
+    with pytest.raises(ValueError, match=r"unexpected tensor\(s\) \['theta_k'\]; a Θ export holds theta_q alone"):
+        load_theta(path)
+    path = _raw_theta(tmp_path / "u.safetensors", {"tied": "false"})  # said explicitly: two tensors
+    assert load_theta(path)[2]["tied"] is False
     path = _raw_theta(tmp_path / "z.safetensors", tensors={"theta_q": tq, "theta_k": tk.to(torch.int32)})
     with pytest.raises(ValueError, match=r"tensor theta_k must have a real floating-point dtype .*, got torch\.int32"):
         load_theta(path)

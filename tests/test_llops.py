@@ -208,11 +208,11 @@ def test_direct_fit_close_to_optimum_and_rank2_better():
 
 
 def test_adam_reports_the_error_of_the_returned_sketch_per_head():
-    # fit_info["rel_fro"] has the batch shape [2, 2] and is the returned Θ's own error (float64
+    # the fit's info["rel_fro"] has the batch shape [2, 2] and is the returned Θ's own error (float64
     # throughout: round-off ~1e-15; 1e-10 allows the float64 kernel of 24 tokens).
     q, k = _data(batch=(2, 2), n=24, d=3, seed=5)
     maps = fit_llops_adam(q, k, p=2, m=4, steps=5)
-    reported = maps[0].fit_info["rel_fro"]
+    reported = maps.info["rel_fro"]
     assert reported.shape == (2, 2)
     _close(reported, kernel_errors(maps, q, k, 2)["rel_fro"], 1e-10)
 
@@ -264,9 +264,9 @@ def test_non_finite_loss_stops_with_error():
 
 def test_cp_fit_gauges():
     q, k = _data(batch=(2,), n=30, d=3, seed=6)
-    bal, _ = fit_llops_cp(q, k, p=2, m=4, gauge="balanced")
+    bal = fit_llops_cp(q, k, p=2, m=4, gauge="balanced")
     ali, _ = fit_llops_cp(q, k, p=2, m=4, gauge="aligned")
-    assert bal.fit_info["gauge"] == "balanced" and ali.theta.shape == (2, 1, 2, 3, 4)
+    assert bal.info["gauge"] == "balanced" and ali.theta.shape == (2, 1, 2, 3, 4)
     # The gauge leaves the optimal kernel unchanged: W*_Q G (W*_K G^{-ᵀ})ᵀ = W*_Q W*_Kᵀ.
     opt = optimal_sketch(q, k, 2, 4)
     g = aligned_gauge(q, k, opt)

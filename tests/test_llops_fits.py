@@ -100,12 +100,12 @@ def test_direct_fit_sweeps_change_the_result():
     q, k = _data(batch=(2,), n=40, d=3, seed=4)
     one = fit_llops_direct(q, k, p=2, m=4, init="random", steps=1, lm_steps=0, tol=0.0)
     four = fit_llops_direct(q, k, p=2, m=4, init="random", steps=4, lm_steps=0, tol=0.0)
-    start = one[0].fit_info["init_rel_fro"]
+    start = one.info["init_rel_fro"]
     r1 = kernel_errors(one, q, k, 2)["rel_fro"]
     r4 = kernel_errors(four, q, k, 2)["rel_fro"]
     assert bool((r1 < 0.6 * start).all()), (r1, start)
     assert bool((r4 < r1).all())
-    assert one[0].fit_info["als_steps"] == 1 and four[0].fit_info["lm_steps"] == 0
+    assert one.info["als_steps"] == 1 and four.info["lm_steps"] == 0
 
 
 def test_lm_step_is_the_damped_gauss_newton_step():
@@ -147,7 +147,7 @@ def test_lm_stage_lowers_the_als_result():
     r_als = kernel_errors(als, q, k, 2)["rel_fro"]
     r_both = kernel_errors(both, q, k, 2)["rel_fro"]
     assert bool((r_both < (1 - 1e-3) * r_als).all()), (r_both, r_als)
-    assert both[0].fit_info["lm_steps"] >= 1 and both[0].fit_info["als_steps"] == 3
+    assert both.info["lm_steps"] >= 1 and both.info["als_steps"] == 3
 
 
 def test_converged_follows_the_lm_stopping_rule():
@@ -157,8 +157,8 @@ def test_converged_follows_the_lm_stopping_rule():
     q, k = _data(batch=(2,), n=40, d=3, seed=6)
     loose = fit_llops_direct(q, k, p=2, m=5, steps=1, lm_steps=8, tol=0.9, interleave=0)
     strict = fit_llops_direct(q, k, p=2, m=5, steps=1, lm_steps=8, tol=0.0, interleave=0)
-    assert loose[0].fit_info["converged"] is True and loose[0].fit_info["lm_steps"] < 8
-    assert strict[0].fit_info["converged"] is False and strict[0].fit_info["lm_steps"] == 8
+    assert loose.info["converged"] is True and loose.info["lm_steps"] < 8
+    assert strict.info["converged"] is False and strict.info["lm_steps"] == 8
 
 
 def test_interleaved_als_sweeps_run_between_lm_steps():
@@ -167,10 +167,10 @@ def test_interleaved_als_sweeps_run_between_lm_steps():
     q, k = _data(batch=(2,), n=40, d=3, seed=6)
     plain = fit_llops_direct(q, k, p=2, m=5, steps=3, lm_steps=5, tol=0.0, interleave=0)
     mixed = fit_llops_direct(q, k, p=2, m=5, steps=3, lm_steps=5, tol=0.0, interleave=2)
-    assert mixed[0].fit_info["als_steps"] == 3 + 6 and mixed[0].fit_info["lm_steps"] == 5
-    assert mixed[0].fit_info["steps"] == 14
+    assert mixed.info["als_steps"] == 3 + 6 and mixed.info["lm_steps"] == 5
+    assert mixed.info["steps"] == 14
     assert _rel(mixed[0].theta.detach(), plain[0].theta.detach()) > 1e-3
-    history = mixed[0].fit_info["rel_fro_history"]
+    history = mixed.info["rel_fro_history"]
     assert len(history) == 1 + 14 and all(b <= a for a, b in zip(history, history[1:]))  # best so far: never up
     with pytest.raises(ValueError, match="interleave must be an integer >= 0"):
         fit_llops_direct(q, k, p=2, m=5, interleave=-1)
@@ -199,10 +199,10 @@ def test_work_cap_cuts_the_schedule(allowed, als, lm):
     opts = dict(p=2, m=5, steps=3, lm_steps=5, tol=0.0, route="kernel")
     full = fit_llops_direct(q, k, **opts, work=math.inf)
     capped = fit_llops_direct(q, k, **opts, work=(allowed + 0.5) * per)
-    assert capped[0].fit_info["route"] == "kernel" and full[0].fit_info["steps"] == 14
-    assert (capped[0].fit_info["als_steps"], capped[0].fit_info["lm_steps"]) == (als, lm)
-    assert capped[0].fit_info["capped"] is (allowed < 14) and full[0].fit_info["capped"] is False
-    assert capped[0].fit_info["rel_fro_history"] == full[0].fit_info["rel_fro_history"][: als + lm + 1]
+    assert capped.info["route"] == "kernel" and full.info["steps"] == 14
+    assert (capped.info["als_steps"], capped.info["lm_steps"]) == (als, lm)
+    assert capped.info["capped"] is (allowed < 14) and full.info["capped"] is False
+    assert capped.info["rel_fro_history"] == full.info["rel_fro_history"][: als + lm + 1]
     for bad in (0, -1.0, math.nan):
         with pytest.raises(ValueError, match=r"work must be a number > 0 \(inf: no cap\), got"):
             fit_llops_direct(q, k, p=2, m=5, work=bad)
@@ -219,8 +219,8 @@ def test_fit_from_a_given_sketch_starts_there():
                        torch.randn(2, 1, 2, 3, 4, generator=gen, dtype=torch.float64))
     fit = fit_llops_direct(q, k, p=2, m=4, init=given, steps=1, lm_steps=0)
     start = kernel_errors(given, q, k, 2)["rel_fro"]
-    assert _rel(fit[0].fit_info["init_rel_fro"], start) < 1e-12
-    svd_start = fit_llops_direct(q, k, p=2, m=4, steps=1, lm_steps=0)[0].fit_info["init_rel_fro"]
+    assert _rel(fit.info["init_rel_fro"], start) < 1e-12
+    svd_start = fit_llops_direct(q, k, p=2, m=4, steps=1, lm_steps=0).info["init_rel_fro"]
     assert _rel(start, svd_start) > 1e-3  # the two starts are distinguishable on this seed
 
 

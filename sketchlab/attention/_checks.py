@@ -14,19 +14,11 @@ import warnings
 
 import torch
 
-from .._validation import as_float_tensor, check_finite, per_version
-from .options import (
-    BACKENDS,
-    DENOMINATOR_CHECKS,
-    NORMALIZE,
-    AttentionOptions,
-    check_choice,
-    check_flag,
-    check_int,
-    check_real,
-)
+from .._validation import as_float_tensor, check_choice, check_finite, check_flag, check_int, check_real, per_version
+from .options import BACKENDS, DENOMINATOR_CHECKS, NORMALIZE, AttentionOptions
 
-# NORMALIZE and check_flag are the options' own (re-exported: ops/ imports no options module)
+# NORMALIZE is the options' own and check_flag the one flag rule (sketchlab._validation): re-exported, ops/ imports
+# no options module
 __all__ = ["DenominatorCounter", "NORMALIZE", "check_eps", "check_finite_once", "check_flag", "check_normalize",
            "check_qkv", "check_segments", "check_theta", "check_window_lengths", "count_denominators"]
 

@@ -4,7 +4,8 @@ r"""One options object for every attention path, validated once (DESIGN §7).
 (:class:`~sketchlab.attention.LLoPSAttention`, the converted layers, the toy model's kernels),
 ``convert_attention``, ``linearize`` and the CLIs pass on: the hybrid's layout (window, sinks,
 local part), the normalisation, and the long-context memory (a sparse exact cache, a decaying far
-state, a delta-rule far state). Its ``__post_init__`` checks every field once; code that receives
+state, a delta-rule far state). Its ``__post_init__`` checks every field once, by the one set of scalar rules
+(:mod:`sketchlab._validation`: ``check_int``, ``check_real``, ``check_flag``, ``check_choice``); code that receives
 an instance trusts it.
 
 :class:`FarParams` holds the learnable tensors those options call for (the gate, the decay and the
@@ -15,14 +16,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from .._validation import check_choice, check_flag, check_int, check_real
+
 __all__ = ["AttentionOptions", "BACKENDS", "BETAS", "DECAYS", "DENOMINATOR_CHECKS", "FarParams", "LOCALS", "NORMALIZE",
-           "STATES", "check_choice", "check_flag", "check_int", "check_real"]
+           "STATES"]
 
 #: Kinds of learned decay (a float in (0, 1] is a fixed decay; None: none).
 DECAYS = ("head", "input")
@@ -38,89 +40,6 @@ NORMALIZE = ("none", "sum")
 BACKENDS = ("auto", "triton", "torch", "reference")
 #: What a normalising denominator <= 0 does.
 DENOMINATOR_CHECKS = ("warn", "raise", "off")
-
-
-def check_int(value, name: str, lo: int) -> int:
-    """An option's integer rule: ``value`` an integer (not a bool) ``>= lo``.
-
-    Parameters
-    ----------
-    value
-    name : str
-        The option's name in the error.
-    lo : int
-
-    Returns
-    -------
-    int
-    """
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < lo:
-        raise ValueError(f"{name} must be an integer >= {lo}, got {value!r}")
-    return int(value)
-
-
-def check_flag(value, name: str) -> bool:
-    """An option's flag rule: ``value`` a Python bool.
-
-    Parameters
-    ----------
-    value
-    name : str
-        The option's name in the error.
-
-    Returns
-    -------
-    bool
-    """
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
-    return value
-
-
-def check_choice(value, name: str, choices) -> str:
-    """An option's choice rule: ``value`` one of the strings ``choices``.
-
-    Parameters
-    ----------
-    value
-    name : str
-        The option's name in the error.
-    choices : tuple of str
-
-    Returns
-    -------
-    str
-    """
-    if not isinstance(value, str) or value not in choices:
-        raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
-    return value
-
-
-def check_real(value, name: str, *, lo: float, lo_open: bool, hi: float | None = None) -> float:
-    """An option's real rule: ``value`` a finite real ``>= lo`` (``> lo`` if ``lo_open``; ``lo = -inf``: unbounded)
-    and ``<= hi``; the error states the whole rule.
-
-    Parameters
-    ----------
-    value
-    name : str
-        The option's name in the error.
-    lo : float
-    lo_open : bool
-    hi : float or None
-
-    Returns
-    -------
-    float
-    """
-    bounds = ([] if lo == -math.inf else [f"{'>' if lo_open else '>='} {lo}"]) + ([] if hi is None else [f"<= {hi}"])
-    rule = f"{name} must be a finite number" + (" " + " and ".join(bounds) if bounds else "")
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
-        raise ValueError(f"{rule}, got {value!r}")
-    value = float(value)
-    if value < lo or (lo_open and value == lo) or (hi is not None and value > hi):
-        raise ValueError(f"{rule}, got {value!r}")
-    return value
 
 
 @dataclass(frozen=True)

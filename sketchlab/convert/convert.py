@@ -25,9 +25,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .._validation import DEFAULT_MAX_BYTES, check_memory
+from .._validation import DEFAULT_MAX_BYTES, check_int, check_memory, check_real
 from ..attention._checks import check_eps
-from ..attention.options import check_int, check_real
 from .exact import ExactAttention
 from .families import ConvertedToyKernel, attention_sites
 from .sketched import ATTENTION_NAME, SketchedAttention, forget_cache, hf_attention, hf_mask, remember_cache

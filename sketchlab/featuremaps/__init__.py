@@ -5,7 +5,7 @@ A :class:`FeatureMap` (:mod:`.base`) turns per-head queries or keys ``x [B, T, H
 sliding-window hybrid, a trainable attention in its own right, and what model conversion swaps in
 (:func:`sketchlab.attention.linear_attention`). Every map has a naive float64 twin,
 :meth:`FeatureMap.features_naive`. One module per map, with its pure feature functions and, where it has
-one, its ``fit_sketch`` fitter (which returns the fitted map, or a pair ``(map_q, map_k)``); :mod:`.registry`
+one, its ``fit_sketch`` fitter (which returns :class:`FittedMaps`: the pair ``(map_q, map_k)`` and the fit's ``info``); :mod:`.registry`
 names them (:func:`make_feature_map`, :func:`register_feature_map`, :func:`feature_map_names`), beside each
 map's fitter slot (:func:`register_fitter`, :func:`own_fitter`, :func:`fitter_names`: one vocabulary for
 maps and fit methods); a user's own module joins in one call, :func:`as_feature_map` (:mod:`.custom`); the
@@ -67,6 +67,7 @@ from .registry import (
     COMMON_OPTIONS,
     DEPRECATED_METHODS,
     DEPRECATED_NAMES,
+    FittedMaps,
     Option,
     check_feature_map_options,
     feature_map_names,
@@ -93,6 +94,7 @@ __all__ = [
     "ExactPolyMap",
     "ExpandMap",
     "FeatureMap",
+    "FittedMaps",
     "HedgehogMap",
     "InputNormed",
     "LLoPSMap",

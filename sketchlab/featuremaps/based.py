@@ -45,6 +45,7 @@ from .._validation import as_float_tensor, check_positive_int
 from ..polynomial import num_poly_features, poly_features, poly_features_naive
 from ._common import make_generator
 from .base import FeatureMap, _init_heads, _store
+from .registry import FittedMaps
 
 __all__ = ["ExpandMap", "TaylorMap", "based_dim_for_budget", "based_num_features", "expand_features",
            "expand_features_naive", "pca_projection", "taylor_features", "taylor_features_naive"]
@@ -245,7 +246,7 @@ class ExpandMap(FeatureMap):
 
 
 def _fit_based(q, k, *, p: int, m: int, seed: int = 0, form: str = "expand", projection: str = "pca",
-               dim: int | None = None, symmetric: bool | None = None) -> TaylorMap | ExpandMap:
+               dim: int | None = None, symmetric: bool | None = None) -> FittedMaps:
     """``fit_sketch("based", ...)``: ``P`` from ``projection`` ("pca" or "random"), ``d'`` from ``dim``
     or the budget rule (see the module docstring); ``symmetric=None`` → True for "expand", False for "taylor"."""
     if form not in _FORMS:
@@ -269,18 +270,17 @@ def _fit_based(q, k, *, p: int, m: int, seed: int = 0, form: str = "expand", pro
     proj = proj.reshape(heads, d, dim)  # [H, d, d'], one map for both sides
     fmap = (TaylorMap(heads, d, proj=proj, symmetric=symmetric) if form == "taylor"
             else ExpandMap(heads, d, p=p, proj=proj, symmetric=symmetric))
-    fmap.fit_info = {"steps": 0, "converged": True, "dim": dim, "form": form, "projection": projection}
-    return fmap
+    return FittedMaps(fmap, fmap, {"steps": 0, "converged": True, "dim": dim, "form": form, "projection": projection})
 
 
 def _fit_based_expand(q, k, *, p: int, m: int, seed: int = 0, projection: str = "pca", dim: int | None = None,
-                      symmetric: bool | None = None) -> TaylorMap | ExpandMap:
+                      symmetric: bool | None = None) -> FittedMaps:
     """``fit_sketch("based-expand", ...)``: :func:`_fit_based` with ``form="expand"``."""
     return _fit_based(q, k, p=p, m=m, seed=seed, form="expand", projection=projection, dim=dim, symmetric=symmetric)
 
 
 def _fit_based_taylor(q, k, *, p: int, m: int, seed: int = 0, projection: str = "pca", dim: int | None = None,
-                      symmetric: bool | None = None) -> TaylorMap | ExpandMap:
+                      symmetric: bool | None = None) -> FittedMaps:
     """``fit_sketch("based-taylor", ...)``: :func:`_fit_based` with ``form="taylor"`` (``p`` must be 2)."""
     if p != 2:
         raise ValueError(f"the BASED Taylor map is a degree-2 expansion (1 + s + s²/2); p must be 2, got p={p}")

@@ -21,6 +21,7 @@ from ..objective import DEFAULT_LR, DEFAULT_STEPS, train_kernel_sketch
 from ._common import check_features_finite, make_generator
 from .base import FeatureMap, _checked_theta, _init_heads, _store
 from .heads import batch_features
+from .registry import FittedMaps
 
 __all__ = ["TiedLLoPSMap", "elementwise_features", "elementwise_features_naive"]
 
@@ -111,7 +112,7 @@ class TiedLLoPSMap(FeatureMap):
 
 
 def _fit_elementwise(q, k, *, p: int, m: int, seed: int = 0, tied: bool = False, steps: int = DEFAULT_STEPS,
-                     lr: float = DEFAULT_LR) -> TiedLLoPSMap | tuple[TiedLLoPSMap, TiedLLoPSMap]:
+                     lr: float = DEFAULT_LR) -> FittedMaps:
     """``fit_sketch("elementwise", ...)``: N(0, 1/d) start from ``seed`` (the query side drawn first), then Adam on
     the kernel loss; rank-1 maps of ``prod(batch)`` heads, one for both sides when ``tied``."""
     if not isinstance(tied, bool):
@@ -131,5 +132,4 @@ def _fit_elementwise(q, k, *, p: int, m: int, seed: int = 0, tied: bool = False,
     info = train_kernel_sketch(params, lambda a, b: (batch_features(map_q, a), batch_features(map_k, b)),
                                flat_q, flat_k, p, steps=steps, lr=lr, what="element-wise sketch")
     info.update({key: info[key].reshape(q.shape[:-2]) for key in ("init_rel_fro", "rel_fro") if key in info})
-    map_q.fit_info = info
-    return map_q if tied else (map_q, map_k)
+    return FittedMaps(map_q, map_k, info)

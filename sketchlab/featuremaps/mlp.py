@@ -30,6 +30,7 @@ from ..objective import DEFAULT_LR, DEFAULT_STEPS, train_kernel_sketch
 from ._common import check_dtype, make_generator
 from .base import FeatureMap
 from .heads import batch_features
+from .registry import FittedMaps
 
 __all__ = ["MLPMap", "default_hidden", "mlp_features", "mlp_features_naive"]
 
@@ -163,7 +164,7 @@ class MLPMap(FeatureMap):
 
 
 def _fit_mlp(q, k, *, p: int, m: int, seed: int = 0, hidden: int | None = None, activation: str = "gelu",
-             steps: int = DEFAULT_STEPS, lr: float = DEFAULT_LR) -> tuple[MLPMap, MLPMap]:
+             steps: int = DEFAULT_STEPS, lr: float = DEFAULT_LR) -> FittedMaps:
     """``fit_sketch("mlp", ...)``: random init from ``seed`` (the query side drawn first), then Adam on the
     relative kernel loss (``steps``/``lr`` default to those of ``fit_llops_adam``).
 
@@ -187,5 +188,4 @@ def _fit_mlp(q, k, *, p: int, m: int, seed: int = 0, hidden: int | None = None, 
                                lambda a, b: (batch_features(map_q, a), batch_features(map_k, b)),
                                flat_q, flat_k, p, steps=steps, lr=lr, what="MLP sketch")
     info.update({key: info[key].reshape(q.shape[:-2]) for key in ("init_rel_fro", "rel_fro") if key in info})
-    map_q.fit_info = {**info, "hidden": hidden}
-    return map_q, map_k
+    return FittedMaps(map_q, map_k, {**info, "hidden": hidden})

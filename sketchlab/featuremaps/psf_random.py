@@ -50,6 +50,7 @@ from .._validation import (
 from ..polynomial import self_tensor
 from ._common import check_dtype, check_features_finite, make_generator
 from .base import FeatureMap
+from .registry import FittedMaps
 
 __all__ = ["PSFRandomMap", "psf_features", "psf_features_naive", "psf_weight_shapes"]
 
@@ -337,7 +338,7 @@ class PSFRandomMap(FeatureMap):
         return out
 
 
-def _fit_psf(q, k, *, p: int, m: int, seed: int = 0, non_negative: bool | None = None) -> PSFRandomMap:
+def _fit_psf(q, k, *, p: int, m: int, seed: int = 0, non_negative: bool | None = None) -> FittedMaps:
     """``fit_sketch("psf-random", ...)``: data-independent; only ``d``, the batch shape and dtype are read.
 
     ``non_negative=None`` (default) self-tensors for even ``p`` (PolySketchFormer's choice, ``r =
@@ -347,5 +348,4 @@ def _fit_psf(q, k, *, p: int, m: int, seed: int = 0, non_negative: bool | None =
         non_negative = p % 2 == 0
     fmap = PSFRandomMap.draw(math.prod(q.shape[:-2]), q.shape[-1], p=p, m=m, non_negative=non_negative, seed=seed,
                               dtype=q.dtype, device=q.device)
-    fmap.fit_info = {"steps": 0, "converged": True, "r": fmap.r, "non_negative": non_negative}
-    return fmap
+    return FittedMaps(fmap, fmap, {"steps": 0, "converged": True, "r": fmap.r, "non_negative": non_negative})

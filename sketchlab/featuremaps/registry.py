@@ -7,8 +7,8 @@ map: ``build(heads, head_dim, **options)`` returns a :class:`~sketchlab.featurem
 :func:`make_feature_map` checks the options against those declarations (the one check; ``build`` trusts
 them) and builds the map; :func:`feature_map_names` lists the names that have one. The **fitter slot**:
 ``register_fitter(name, fit)`` (``sketchlab.register_sketch`` fills it) gives the name its own
-``fit_sketch`` fitter ``fit(q, k, *, p, m, seed=0, **options)``, which returns the fitted map or a pair
-``(map_q, map_k)`` (:mod:`sketchlab.fit`); :func:`own_fitter` is the
+``fit_sketch`` fitter ``fit(q, k, *, p, m, seed=0, **options)``, which returns :class:`FittedMaps` (the pair
+and the fit's own ``info``), or just the fitted map or pair ``(map_q, map_k)`` (:mod:`sketchlab.fit`); :func:`own_fitter` is the
 lookup ``fit_sketch`` makes and :func:`fitter_names` lists the names that have one. A map whose fitter
 slot is empty is fitted by Adam on the kernel loss (:mod:`.fitting`); a name with a fitter and no map
 (``optimal``, ``mlp``) is a ``fit_sketch`` method only.
@@ -45,9 +45,43 @@ import torch
 
 from .base import FeatureMap
 
-__all__ = ["COMMON_OPTIONS", "DEPRECATED_METHODS", "DEPRECATED_NAMES", "Option", "check_feature_map_options",
+__all__ = ["COMMON_OPTIONS", "DEPRECATED_METHODS", "DEPRECATED_NAMES", "FittedMaps", "Option", "check_feature_map_options",
            "feature_map_names", "feature_map_options", "fitter_names", "make_feature_map", "own_fitter",
            "register_feature_map", "register_fitter", "resolve_name"]
+
+
+class FittedMaps(tuple):
+    """What a fitter returns: the pair ``(map_q, map_k)`` (one map twice when the sides are tied) and ``info``,
+    the fit's own account of itself (the maps carry none).
+
+    It unpacks and indexes as the pair. ``info`` is a dict: ``steps`` (int), ``converged`` (bool), any
+    method-specific entries, and optionally ``kernel_core`` (a float64 ``[..., N_q, N_k]`` matrix with the
+    singular values of the fitted kernel, which :func:`sketchlab.fit_sketch` reuses for its floor); the
+    report's ``steps``, ``converged`` and ``info`` come from it.
+    """
+
+    info: dict
+
+    def __new__(cls, map_q: FeatureMap, map_k: FeatureMap | None = None, info: dict | None = None):
+        pair = super().__new__(cls, (map_q, map_q if map_k is None else map_k))
+        pair.info = dict(info or {})
+        return pair
+
+    def __getnewargs__(self):
+        return self[0], self[1], self.info
+
+    @property
+    def map_q(self) -> FeatureMap:
+        return self[0]
+
+    @property
+    def map_k(self) -> FeatureMap:
+        return self[1]
+
+    @property
+    def tied(self) -> bool:
+        """Whether the key map is the query map."""
+        return self[1] is self[0]
 
 
 @dataclass(frozen=True)
@@ -167,7 +201,7 @@ def register_feature_map(name: str, build: Callable[..., FeatureMap], options: d
 
 
 def register_fitter(name: str, fit: Callable) -> None:
-    """Fill the fitter slot of ``name`` with ``fit(q, k, *, p, m, seed=0, **options) -> maps`` (the
+    """Fill the fitter slot of ``name`` with ``fit(q, k, *, p, m, seed=0, **options) -> FittedMaps`` (the
     contract: :mod:`sketchlab.fit`): a new ``fit_sketch`` method, or the own fitter of the map ``name``
     (which it then fits instead of Adam). Registering the same ``fit`` again does nothing; another
     ``fit`` for a name that has one, or a deprecated map name (it means its successor), is refused."""

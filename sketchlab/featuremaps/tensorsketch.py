@@ -35,6 +35,7 @@ from .._validation import (
 )
 from ._common import check_dtype, check_features_finite, make_generator
 from .base import FeatureMap
+from .registry import FittedMaps
 
 __all__ = ["TensorSketchMap", "count_sketch_matrix", "tensorsketch_features", "tensorsketch_features_naive"]
 
@@ -215,9 +216,8 @@ class TensorSketchMap(FeatureMap):
                                            self.num_features)
 
 
-def _fit_tensorsketch(q, k, *, p: int, m: int, seed: int = 0) -> TensorSketchMap:
+def _fit_tensorsketch(q, k, *, p: int, m: int, seed: int = 0) -> FittedMaps:
     """``fit_sketch("tensorsketch", ...)``: data-independent; one independent draw per head of ``prod(batch)``."""
     fmap = TensorSketchMap.draw(math.prod(q.shape[:-2]), q.shape[-1], p=p, m=m, seed=seed, dtype=q.dtype,
                                 device=q.device)
-    fmap.fit_info = {"steps": 0, "converged": True}
-    return fmap
+    return FittedMaps(fmap, fmap, {"steps": 0, "converged": True})

@@ -1,7 +1,9 @@
 """The Θ export (DESIGN.md §3): a ``.safetensors`` file with ``theta_q``, ``theta_k`` of shape
 ``[L, H, t, p, d, m]`` and string metadata ``p, m, t, d, method, scale, source_sha256, errors``
-(JSON) ``, sketchlab_version`` and ``layout``. :func:`save_theta` checks everything by the rules
-:func:`load_theta` applies before writing (atomically), so a file it wrote always loads.
+(JSON) ``, sketchlab_version`` and ``layout``; a tied Θ (one map for both sides) is stored once, ``theta_q``
+alone, with metadata ``tied = "true"`` (absent: ``"false"``, as in every file written before the key).
+:func:`save_theta` checks everything by the rules :func:`load_theta` applies before writing (atomically), so
+a file it wrote always loads.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ _THETA_LAYOUT = "L,H,t,p,d,m"
 _THETA_INTS = ("p", "m", "t", "d")
 _THETA_STRS = ("method", "scale", "source_sha256", "sketchlab_version")
 _THETA_KEYS = _THETA_INTS + _THETA_STRS + ("errors",)
+#: Optional metadata: ``"true"`` when the file holds one Θ for both sides (``theta_q`` alone).
+_THETA_TIED = "tied"
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -45,7 +49,8 @@ def _check_scale_label(scale: str, label: str) -> None:
 def _theta_meta(meta: dict, label: str) -> dict:
     """Parse and check the string metadata of a Θ export; returns typed values.
 
-    ``p, m, t, d`` become ints (>= 1), ``errors`` a dict (parsed JSON), the rest stay strings.
+    ``p, m, t, d`` become ints (>= 1), ``errors`` a dict (parsed JSON), ``tied`` a bool (absent: False), the
+    rest stay strings.
     """
     missing = [key for key in _THETA_KEYS if key not in meta]
     if missing:
@@ -76,6 +81,10 @@ def _theta_meta(meta: dict, label: str) -> dict:
     if not isinstance(errors, dict):
         raise ValueError(f"{label}: metadata errors must be a JSON object, got JSON {type(errors).__name__}")
     out["errors"] = errors
+    tied = meta.get(_THETA_TIED, "false")
+    if tied not in ("true", "false"):
+        raise ValueError(f"{label}: metadata tied must be 'true' or 'false', got {tied!r}")
+    out["tied"] = tied == "true"
     layout = meta.get("layout", _THETA_LAYOUT)
     if layout != _THETA_LAYOUT:
         raise ValueError(f"{label}: metadata layout must be {_THETA_LAYOUT!r} for a Θ export, got {layout!r}")
@@ -83,13 +92,16 @@ def _theta_meta(meta: dict, label: str) -> dict:
 
 
 def _theta_tensors(entries: dict, meta: dict, label: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Check ``theta_q``, ``theta_k`` against the parsed metadata: ``[L, H, t, p, d, m]``, same shape, finite."""
-    extra = sorted(set(entries) - set(_THETA_NAMES))
+    """Check ``theta_q``, ``theta_k`` against the parsed metadata: ``[L, H, t, p, d, m]``, same shape, finite;
+    a tied file's ``theta_q`` alone, returned for both sides (the same tensor)."""
+    names = _THETA_NAMES[:1] if meta["tied"] else _THETA_NAMES
+    extra = sorted(set(entries) - set(names))
     if extra:
-        raise ValueError(f"{label}: unexpected tensor(s) {extra}; a Θ export holds exactly theta_q and theta_k")
+        holds = "theta_q alone (metadata tied)" if meta["tied"] else "exactly theta_q and theta_k"
+        raise ValueError(f"{label}: unexpected tensor(s) {extra}; a Θ export holds {holds}")
     expect = tuple(meta[key] for key in ("t", "p", "d", "m"))
     out = []
-    for name in _THETA_NAMES:
+    for name in names:
         if name not in entries:
             raise ValueError(f"{label}: tensor {name} is missing; a Θ export holds theta_q and theta_k")
         t = _as_tensor(entries[name], f"{label}: tensor {name}")
@@ -108,6 +120,8 @@ def _theta_tensors(entries: dict, meta: dict, label: str) -> tuple[torch.Tensor,
             )
         check_finite(t, f"{label}: tensor {name}")
         out.append(t)
+    if meta["tied"]:
+        return out[0], out[0]
     if out[0].shape != out[1].shape:
         raise ValueError(
             f"{label}: tensors theta_q {tuple(out[0].shape)} and theta_k {tuple(out[1].shape)} must have the "
@@ -127,7 +141,7 @@ def save_theta(path, theta_q, theta_k, *, p: int, m: int, t: int, d: int, method
     theta_q, theta_k : Tensor or ndarray ``[L, H, t, p, d, m]``
         LLoPS factors per layer and head (:func:`sketchlab.llops.llops_features` takes one
         ``[..., t, p, d, m]``); same shape, finite floating values. For a tied Θ pass the
-        same tensor twice.
+        same tensor object twice: it is stored once (``theta_q`` alone, metadata ``tied = "true"``).
     p, m, t, d : int >= 1
         Degree, sketch size, rank and head dimension; must equal ``shape[2:]`` as ``(t, p, d, m)``.
     method : str
@@ -145,8 +159,9 @@ def save_theta(path, theta_q, theta_k, *, p: int, m: int, t: int, d: int, method
 
     Returns
     -------
-    Path written. The file holds tensors ``theta_q``, ``theta_k`` and string metadata ``p, m, t,
-    d, method, scale, source_sha256, errors, sketchlab_version`` plus ``layout = "L,H,t,p,d,m"``.
+    Path written. The file holds tensors ``theta_q``, ``theta_k`` (``theta_q`` alone when tied) and string
+    metadata ``p, m, t, d, method, scale, source_sha256, errors, sketchlab_version`` plus ``layout =
+    "L,H,t,p,d,m"`` (and ``tied = "true"`` when tied).
 
     Notes
     -----
@@ -158,6 +173,8 @@ def save_theta(path, theta_q, theta_k, *, p: int, m: int, t: int, d: int, method
     if path.suffix.lower() != ".safetensors":
         raise ValueError(f"{path}: a Θ export must be a .safetensors file, got extension {path.suffix!r}")
     meta: dict[str, str] = {"layout": _THETA_LAYOUT}
+    if theta_k is theta_q:  # one Θ for both sides: stored once (files untied keep the format they always had)
+        meta[_THETA_TIED] = "true"
     for key, value in (("p", p), ("m", m), ("t", t), ("d", d)):
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
             raise TypeError(f"{label}: {key} must be an integer >= 1, got {value!r} ({type(value).__name__})")
@@ -178,8 +195,9 @@ def save_theta(path, theta_q, theta_k, *, p: int, m: int, t: int, d: int, method
     except (TypeError, ValueError) as err:
         raise TypeError(f"{label}: errors must be JSON-serialisable (numbers, strings, lists, dicts): {err}") from err
     parsed = _theta_meta(meta, label)
-    tq, tk = _theta_tensors({"theta_q": theta_q, "theta_k": theta_k}, parsed, label)
-    tensors = {"theta_q": tq, "theta_k": tk}
+    tq, tk = _theta_tensors({"theta_q": theta_q} if parsed["tied"] else {"theta_q": theta_q, "theta_k": theta_k},
+                            parsed, label)
+    tensors = {"theta_q": tq} if parsed["tied"] else {"theta_q": tq, "theta_k": tk}
     tensors = {n: x.detach().cpu().contiguous().clone() for n, x in tensors.items()}  # own storage
     from safetensors.torch import save
 
@@ -194,10 +212,11 @@ def load_theta(path) -> tuple[torch.Tensor, torch.Tensor, dict]:
 
     Returns
     -------
-    theta_q, theta_k : Tensor ``[L, H, t, p, d, m]`` (stored dtype)
+    theta_q, theta_k : Tensor ``[L, H, t, p, d, m]`` (stored dtype); one tensor, returned twice, for a tied file
     meta : dict
         ``p, m, t, d`` (int), ``method``, ``scale``, ``source_sha256``, ``sketchlab_version``
-        (str), ``errors`` (dict, parsed JSON).
+        (str), ``errors`` (dict, parsed JSON), ``tied`` (bool: False for a file with both tensors, every file
+        written before the key among them).
 
     Raises
     ------

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 
+from ..featuremaps.registry import FittedMaps
 from .fit_adam import fit_llops_adam
 from .fit_als import fit_llops_direct
 from .fit_cp import fit_llops_cp
@@ -28,7 +29,7 @@ def _check_options(method: str, options: dict) -> None:
 
 
 def fit_llops(q, k, *, p: int, m: int, seed: int = 0, rank: int = 1, method: str = "direct", init=None,
-              **options) -> tuple:
+              **options) -> FittedMaps:
     """``fit_sketch("llops", q, k, p=, m=, rank=1, method="direct"|"cp"|"adam", init=..., **options)``.
 
     ``method="direct"`` → :func:`~sketchlab.llops.fit_llops_direct` (``init`` default ``"svd"``;
@@ -36,7 +37,8 @@ def fit_llops(q, k, *, p: int, m: int, seed: int = 0, rank: int = 1, method: str
     ``"cp"`` → :func:`~sketchlab.llops.fit_llops_cp` (``init`` must be ``None``); ``"adam"`` →
     :func:`~sketchlab.llops.fit_llops_adam` (``init`` default ``"random"``). An option the chosen
     function does not take is rejected with ``ValueError`` listing the ones it does. Returns the untied pair
-    ``(map_q, map_k)`` of :class:`~sketchlab.featuremaps.LLoPSMap` (``fit_info`` on ``map_q``).
+    ``(map_q, map_k)`` of :class:`~sketchlab.featuremaps.LLoPSMap` as :class:`~sketchlab.featuremaps.FittedMaps`
+    (with the fit's ``info``).
     """
     if not isinstance(method, str) or method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")

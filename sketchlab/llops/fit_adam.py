@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .._validation import DEFAULT_MAX_BYTES
+from ..featuremaps.registry import FittedMaps
 from ..objective import DEFAULT_LR, DEFAULT_STEPS, train_kernel_sketch
 from ._fitting import prepare
 from .inits import llops_init
@@ -29,14 +30,14 @@ def fit_llops_adam(
     progress: bool = False,
     max_bytes: int = DEFAULT_MAX_BYTES,
     cp_options: dict | None = None,
-) -> tuple:
+) -> FittedMaps:
     r"""Fit LLoPS by ``torch.optim.Adam`` on :func:`kernel_loss` with a fixed step budget.
 
     The naive baseline: every head's loss is divided by :math:`\|A\|_F^2` and the sum is
     minimised for ``steps`` steps (learning rate ``lr``), in float64; the best Θ seen per head
     (initialisation included) is returned. ``converged`` means the summed loss moved by less
     than ``tol`` (relative) over the last 10 steps. Other arguments and the result (an untied pair of
-    :class:`~sketchlab.featuremaps.LLoPSMap`, ``fit_info`` on ``map_q``) as :func:`~sketchlab.llops.fit_llops_direct`. Forms the ``n × n`` kernel (checked against ``max_bytes``).
+    :class:`~sketchlab.featuremaps.LLoPSMap`, as :class:`~sketchlab.featuremaps.FittedMaps` with the fit's ``info``) as :func:`~sketchlab.llops.fit_llops_direct`. Forms the ``n × n`` kernel (checked against ``max_bytes``).
     """
     q, k, p, m, rank, out_dtype, batch, q64, k64 = prepare(q, k, p, m, rank)
     theta_q, theta_k = llops_init(q, k, p=p, m=m, rank=rank, init=init, seed=seed, max_bytes=max_bytes, **(cp_options or {}))
@@ -49,10 +50,9 @@ def fit_llops_adam(
     )
     map_q, map_k = llops_maps(theta_q.detach().reshape(*batch, rank, p, d, m).to(out_dtype),
                               theta_k.detach().reshape(*batch, rank, p, d, m).to(out_dtype))
-    map_q.fit_info = {
+    return FittedMaps(map_q, map_k, {
         **info,
         "init": init if isinstance(init, str) else type(init).__name__,
         "init_rel_fro": info["init_rel_fro"].reshape(batch),
         "rel_fro": info["rel_fro"].reshape(batch),
-    }
-    return map_q, map_k
+    })

@@ -18,6 +18,7 @@ import torch
 from tqdm import tqdm
 
 from .._validation import DEFAULT_MAX_BYTES, check_nonnegative_int, check_positive_int, check_real
+from ..featuremaps.registry import FittedMaps
 from ..objective import check_finite_loss
 from ._fitting import balance, prepare
 from .fit_lm import lm_step
@@ -141,7 +142,7 @@ def fit_llops_direct(
     progress: bool = False,
     max_bytes: int = DEFAULT_MAX_BYTES,
     cp_options: dict | None = None,
-) -> tuple:
+) -> FittedMaps:
     r"""Fit LLoPS to :math:`A = (QK^\top)^{\circ p}` by minimising :math:`\|\Phi_Q\Phi_K^\top - A\|_F^2` directly.
 
     Parameters
@@ -176,7 +177,7 @@ def fit_llops_direct(
         (:func:`~sketchlab.llops.target.iteration_flops`: ``2p`` normal-matrix products and two
         products with ``A``). The cap keeps a large head's fit to seconds, where an iteration costs
         ~1e10 (d = 128, n = 4096, m = 128: six ALS sweeps in the default) and leaves small heads
-        untouched; ``fit_info["capped"]`` says whether it cut the schedule.
+        untouched; ``info["capped"]`` says whether it cut the schedule.
     tol : float
         A stage stops early when one iteration lowers every head's loss by less than this fraction.
     ridge : float
@@ -204,10 +205,11 @@ def fit_llops_direct(
 
     Returns
     -------
-    (LLoPSMap, LLoPSMap)
-        Untied (:func:`~sketchlab.llops.llops_maps`): Θ ``[B, rank, p, d, m]`` of the ``B = prod(...)`` problems
+    FittedMaps
+        The untied pair ``(map_q, map_k)`` of :class:`~sketchlab.featuremaps.LLoPSMap`
+        (:func:`~sketchlab.llops.llops_maps`): Θ ``[B, rank, p, d, m]`` of the ``B = prod(...)`` problems
         flattened row-major into heads, in the input dtype (float32 at least), with
-        ``map_q.fit_info = {"steps", "als_steps", "lm_steps", "converged", "capped", "init",
+        ``info = {"steps", "als_steps", "lm_steps", "converged", "capped", "init",
         "init_rel_fro", "rel_fro_history", "route"}``, and on the compressed route
         ``"kernel_core"`` (``R_Q R_Kᵀ``, ``[..., N_q, N_k]``: its singular values are ``A``'s;
         :func:`sketchlab.fit_sketch` takes it out for the report's floor).
@@ -228,7 +230,7 @@ def fit_llops_direct(
        of a head's parameters at once, solved by CG preconditioned with the ALS blocks. ALS
        moves one block at a time and crawls along the narrow valleys ("swamps") of CP problems;
        the joint step does not. With ``interleave > 0`` every ``interleave`` LM steps are preceded
-       by ``interleave`` ALS sweeps (``fit_info["als_steps"]`` counts them).
+       by ``interleave`` ALS sweeps (``info["als_steps"]`` counts them).
 
     The best Θ seen (initialisation included) is returned per head, so the result never has a
     higher loss than its start. *Stopping rule* (``converged``): the last stage run stopped early
@@ -350,7 +352,7 @@ def fit_llops_direct(
     bar.close()
     map_q, map_k = llops_maps(best_q.reshape(*batch, rank, p, d, m).to(out_dtype),
                               best_k.reshape(*batch, rank, p, d, m).to(out_dtype))
-    map_q.fit_info = {
+    info = {
         "steps": als_done + lm_done,
         "als_steps": als_done,
         "lm_steps": lm_done,
@@ -362,5 +364,5 @@ def fit_llops_direct(
         "route": target.route,
     }
     if target.route == "compressed":  # R_Q R_Kᵀ: A's singular values, which the report's floor reuses
-        map_q.fit_info["kernel_core"] = target.a.reshape(*batch, *target.a.shape[-2:])
-    return map_q, map_k
+        info["kernel_core"] = target.a.reshape(*batch, *target.a.shape[-2:])
+    return FittedMaps(map_q, map_k, info)

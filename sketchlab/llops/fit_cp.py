@@ -6,6 +6,7 @@ import torch
 
 from .._validation import check_pair
 from ..featuremaps.heads import batch_features
+from ..featuremaps.registry import FittedMaps
 from ..optimal import optimal_sketch
 from ._fitting import prepare
 from .cp import projector_to_theta
@@ -51,7 +52,7 @@ def fit_llops_cp(
     n_iter_max: int = 200,
     tol: float = 1e-10,
     route: str = "auto",
-) -> tuple:
+) -> FittedMaps:
     r"""LLoPS from a CP of every column tensor of the Theorem 3.1 optimal projector ``W*``.
 
     Parameters
@@ -72,9 +73,10 @@ def fit_llops_cp(
 
     Returns
     -------
-    (LLoPSMap, LLoPSMap)
-        Untied (:func:`~sketchlab.llops.llops_maps`: the leading axes of ``q`` flattened into heads), with
-        ``map_q.fit_info = {"steps": 1, "converged": True, "gauge": gauge}``.
+    FittedMaps
+        The untied pair ``(map_q, map_k)`` of :class:`~sketchlab.featuremaps.LLoPSMap`
+        (:func:`~sketchlab.llops.llops_maps`: the leading axes of ``q`` flattened into heads), with
+        ``info = {"steps": 1, "converged": True, "gauge": gauge}``.
 
     Notes
     -----
@@ -98,5 +100,4 @@ def fit_llops_cp(
     d = q.shape[-1]
     map_q, map_k = llops_maps(theta_q.reshape(*batch, rank, p, d, m).to(out_dtype),
                               theta_k.reshape(*batch, rank, p, d, m).to(out_dtype))
-    map_q.fit_info = {"steps": 1, "converged": True, "gauge": gauge}
-    return map_q, map_k
+    return FittedMaps(map_q, map_k, {"steps": 1, "converged": True, "gauge": gauge})

@@ -57,7 +57,7 @@ def _special_case(name, q, k, p, m, seed):
     from ..featuremaps.based import _fit_based
     from ..featuremaps.psf_random import _fit_psf
 
-    return {"based": _fit_based, "psf": _fit_psf}[name](q, k, p=p, m=m, seed=seed)
+    return {"based": _fit_based, "psf": _fit_psf}[name](q, k, p=p, m=m, seed=seed).map_q
 
 
 #: log10 of the smallest kernel bound a given init may have (:func:`_check_init_scale`). The direct fit's

@@ -1,7 +1,8 @@
 """Fused Triton kernels of LLoPS linear attention and of the sliding-window hybrid, layout ``[B, T, H, D]``.
 
 Layering (docs/DESIGN.md §2): ``@triton.jit`` kernels (``_kernels``: pure linear attention;
-``_hybrid``: exact local + LLoPS far) → plain launchers ``llops_attention_fwd`` / ``_bwd`` and
+``_hybrid``: exact local + LLoPS far; the device functions both call, a chunk's features and their backward, in
+``features``) → plain launchers ``llops_attention_fwd`` / ``_bwd`` and
 ``hybrid_attention_fwd`` / ``_bwd`` (``launch``) → the ``autograd.Function``s
 ``LLoPSAttentionTriton`` / ``HybridAttentionTriton`` → the entry ``llops_attention_triton``
 (``function``), which ``sketchlab.attention.functional.llops_attention(backend="triton")`` calls. The

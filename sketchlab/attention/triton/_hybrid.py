@@ -47,7 +47,7 @@ over the query blocks that are far for the whole key block (``QOFF + c0 − W �
 visits the rest explicitly; a key block that holds a sink is visited against every query block.
 Not ``CAUSAL``, the query blocks below ``fq = BT·⌊(k0−W+1)/BT⌋`` are far too and enter as
 ``dS_all − dS_{≥fq}`` (the latter folded as ``fq`` falls), and the explicit range is ``[fq, gf)``.
-Through the features, ``_features_bwd`` (shared with the pure kernel) gives dq, dk and dΘ.
+Through the features, ``chunk_features_bwd`` (shared with the pure kernel) gives dq, dk and dΘ.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from sketchlab.attention.triton._kernels import _feature_slots, _features, _features_bwd, _zero_theta_grad
+from sketchlab.attention.triton.features import chunk_features, chunk_features_bwd, feature_slots, zero_theta_grad
 
 NEG = tl.constexpr(-1.0e30)  # the running max before any local key (finite: exp(NEG - NEG) = 1, never NaN)
 
@@ -166,7 +166,7 @@ def _hybrid_fwd_kernel(
     gam = tl.load(GATE + h).to(tl.float32)
 
     if HAS_STATE:
-        f_idx, f_ok = _feature_slots(BLOCK_M, BLOCK_F, M, SELF)
+        f_idx, f_ok = feature_slots(BLOCK_M, BLOCK_F, M, SELF)
         S = tl.load(S0 + b * s_sb + h * s_sh + f_idx[:, None] * s_sf + offs_v[None, :] * s_sv,
                     mask=f_ok[:, None] & (offs_v[None, :] < DV), other=0.0).to(tl.float32)
         z = tl.load(Z0 + b * s_zb + h * s_zh + f_idx * s_zf, mask=f_ok, other=0.0).to(tl.float32)
@@ -182,7 +182,7 @@ def _hybrid_fwd_kernel(
             krows = k0 + offs_t
             k = _rows(k_base, krows, NK, s_kt, offs_d, D, s_kd)
             v = _rows(v_base, krows, NK, s_vt, offs_v, DV, s_vd)
-            phk = _features(k, tk, s_ktr, s_ktj, s_ktd, s_ktm, R, P, D, M, BLOCK_T, BLOCK_D, BLOCK_M, SELF, PREC)
+            phk = chunk_features(k, tk, s_ktr, s_ktj, s_ktd, s_ktm, R, P, D, M, BLOCK_T, BLOCK_D, BLOCK_M, SELF, PREC)
             phk = tl.where(krows[:, None] >= SINKS, phk, 0.0)
             St += tl.dot(tl.trans(phk), v, input_precision=PREC)
             zt += tl.sum(phk, axis=0)
@@ -192,13 +192,13 @@ def _hybrid_fwd_kernel(
         rows = c0 + offs_t
         qi = QOFF + rows
         q = _rows(q_base, rows, T, s_qt, offs_d, D, s_qd)
-        phq = _features(q, tq, s_qtr, s_qtj, s_qtd, s_qtm, R, P, D, M, BLOCK_T, BLOCK_D, BLOCK_M, SELF, PREC)
+        phq = chunk_features(q, tq, s_qtr, s_qtj, s_qtd, s_qtm, R, P, D, M, BLOCK_T, BLOCK_D, BLOCK_M, SELF, PREC)
         F = (tl.maximum(QOFF + c0 - W + 1, 0) // BLOCK_T) * BLOCK_T
         for k0 in range(kf, F, BLOCK_T):
             krows = k0 + offs_t
             k = _rows(k_base, krows, NK, s_kt, offs_d, D, s_kd)
             v = _rows(v_base, krows, NK, s_vt, offs_v, DV, s_vd)
-            phk = _features(k, tk, s_ktr, s_ktj, s_ktd, s_ktm, R, P, D, M, BLOCK_T, BLOCK_D, BLOCK_M, SELF, PREC)
+            phk = chunk_features(k, tk, s_ktr, s_ktj, s_ktd, s_ktm, R, P, D, M, BLOCK_T, BLOCK_D, BLOCK_M, SELF, PREC)
             phk = tl.where(krows[:, None] >= SINKS, phk, 0.0)
             S += tl.dot(tl.trans(phk), v, input_precision=PREC)
             z += tl.sum(phk, axis=0)
@@ -224,7 +224,8 @@ def _hybrid_fwd_kernel(
                 krows = k0 + offs_t
                 k = _rows(k_base, krows, NK, s_kt, offs_d, D, s_kd)
                 v = _rows(v_base, krows, NK, s_vt, offs_v, DV, s_vd)
-                phk = _features(k, tk, s_ktr, s_ktj, s_ktd, s_ktm, R, P, D, M, BLOCK_T, BLOCK_D, BLOCK_M, SELF, PREC)
+                phk = chunk_features(k, tk, s_ktr, s_ktj, s_ktd, s_ktm, R, P, D, M,
+                                     BLOCK_T, BLOCK_D, BLOCK_M, SELF, PREC)
                 phk = tl.where(krows[:, None] >= SINKS, phk, 0.0)
                 Su += tl.dot(tl.trans(phk), v, input_precision=PREC)
                 zu += tl.sum(phk, axis=0)
@@ -246,7 +247,7 @@ def _hybrid_fwd_kernel(
             loc, far = _local_far(qi[:, None], krows[None, :], ok, W, SINKS, CAUSAL)
             u = scale * tl.dot(q, tl.trans(k), input_precision=PREC)
             m, l, acc, arg = _online_update(u, loc, v, k0, m, l, acc, arg, P, SOFTMAX, PREC)
-            phk = _features(k, tk, s_ktr, s_ktj, s_ktd, s_ktm, R, P, D, M, BLOCK_T, BLOCK_D, BLOCK_M, SELF, PREC)
+            phk = chunk_features(k, tk, s_ktr, s_ktj, s_ktd, s_ktm, R, P, D, M, BLOCK_T, BLOCK_D, BLOCK_M, SELF, PREC)
             f = tl.where(far, tl.dot(phq, tl.trans(phk), input_precision=PREC), 0.0)
             facc += tl.dot(f, v, input_precision=PREC)
             fl += tl.sum(f, axis=1)
@@ -301,10 +302,10 @@ def _hybrid_bwd_kernel(
     tk = TK + h * s_kth
     dtq = DTQ + b * s_gtb + h * s_gth
     dtk = DTK + b * s_gtb + h * s_gth
-    _zero_theta_grad(dtq, s_gtr, s_gtj, s_gtd, s_gtm, R, P, D, M, BLOCK_D, BLOCK_M)
-    _zero_theta_grad(dtk, s_gtr, s_gtj, s_gtd, s_gtm, R, P, D, M, BLOCK_D, BLOCK_M)
+    zero_theta_grad(dtq, s_gtr, s_gtj, s_gtd, s_gtm, R, P, D, M, BLOCK_D, BLOCK_M)
+    zero_theta_grad(dtk, s_gtr, s_gtj, s_gtd, s_gtm, R, P, D, M, BLOCK_D, BLOCK_M)
     gam = tl.load(GATE + h).to(tl.float32)
-    f_idx, f_ok = _feature_slots(BLOCK_M, BLOCK_F, M, SELF)
+    f_idx, f_ok = feature_slots(BLOCK_M, BLOCK_F, M, SELF)
 
     # ---- dq, ρ, ζ (and dS0, dz0): query blocks forward, the forward's partition -------------------
     if HAS_STATE:
@@ -325,7 +326,7 @@ def _hybrid_bwd_kernel(
             krows = k0 + offs_t
             k = _rows(k_base, krows, NK, s_kt, offs_d, D, s_kd)
             v = _rows(v_base, krows, NK, s_vt, offs_v, DV, s_vd)
-            phk = _features(k, tk, s_ktr, s_ktj, s_ktd, s_ktm, R, P, D, M, BLOCK_T, BLOCK_D, BLOCK_M, SELF, PREC)
+            phk = chunk_features(k, tk, s_ktr, s_ktj, s_ktd, s_ktm, R, P, D, M, BLOCK_T, BLOCK_D, BLOCK_M, SELF, PREC)
             phk = tl.where(krows[:, None] >= SINKS, phk, 0.0)
             St += tl.dot(tl.trans(phk), v, input_precision=PREC)
             zt += tl.sum(phk, axis=0)
@@ -339,13 +340,13 @@ def _hybrid_bwd_kernel(
         g = _rows(g_base, rows, T, s_gt, offs_v, DV, s_gd)
         c = tl.load(C + n_base + rows * s_nt, mask=rmask, other=0.0)
         cm = tl.load(CMAX + n_base + rows * s_nt, mask=rmask, other=0.0)
-        phq = _features(q, tq, s_qtr, s_qtj, s_qtd, s_qtm, R, P, D, M, BLOCK_T, BLOCK_D, BLOCK_M, SELF, PREC)
+        phq = chunk_features(q, tq, s_qtr, s_qtj, s_qtd, s_qtm, R, P, D, M, BLOCK_T, BLOCK_D, BLOCK_M, SELF, PREC)
         F = (tl.maximum(QOFF + c0 - W + 1, 0) // BLOCK_T) * BLOCK_T
         for k0 in range(kf, F, BLOCK_T):
             krows = k0 + offs_t
             k = _rows(k_base, krows, NK, s_kt, offs_d, D, s_kd)
             v = _rows(v_base, krows, NK, s_vt, offs_v, DV, s_vd)
-            phk = _features(k, tk, s_ktr, s_ktj, s_ktd, s_ktm, R, P, D, M, BLOCK_T, BLOCK_D, BLOCK_M, SELF, PREC)
+            phk = chunk_features(k, tk, s_ktr, s_ktj, s_ktd, s_ktm, R, P, D, M, BLOCK_T, BLOCK_D, BLOCK_M, SELF, PREC)
             phk = tl.where(krows[:, None] >= SINKS, phk, 0.0)
             S += tl.dot(tl.trans(phk), v, input_precision=PREC)
             z += tl.sum(phk, axis=0)
@@ -371,7 +372,8 @@ def _hybrid_bwd_kernel(
                 krows = k0 + offs_t
                 k = _rows(k_base, krows, NK, s_kt, offs_d, D, s_kd)
                 v = _rows(v_base, krows, NK, s_vt, offs_v, DV, s_vd)
-                phk = _features(k, tk, s_ktr, s_ktj, s_ktd, s_ktm, R, P, D, M, BLOCK_T, BLOCK_D, BLOCK_M, SELF, PREC)
+                phk = chunk_features(k, tk, s_ktr, s_ktj, s_ktd, s_ktm, R, P, D, M,
+                                     BLOCK_T, BLOCK_D, BLOCK_M, SELF, PREC)
                 phk = tl.where(krows[:, None] >= SINKS, phk, 0.0)
                 Su += tl.dot(tl.trans(phk), v, input_precision=PREC)
                 zu += tl.sum(phk, axis=0)
@@ -398,10 +400,10 @@ def _hybrid_bwd_kernel(
             a, du = _local_grad(u, loc, cm[:, None], da, P, SOFTMAX)
             rho += tl.sum(a * da, axis=1)
             dql += tl.dot(du, k, input_precision=PREC)
-            phk = _features(k, tk, s_ktr, s_ktj, s_ktd, s_ktm, R, P, D, M, BLOCK_T, BLOCK_D, BLOCK_M, SELF, PREC)
+            phk = chunk_features(k, tk, s_ktr, s_ktj, s_ktd, s_ktm, R, P, D, M, BLOCK_T, BLOCK_D, BLOCK_M, SELF, PREC)
             dphq += tl.dot(tl.where(far, da, 0.0), phk, input_precision=PREC)
         zeta = tl.sum(phq * dphq, axis=1)
-        dq = _features_bwd(q, (1.0 - gam) * dphq, tq, s_qtr, s_qtj, s_qtd, s_qtm, dtq, s_gtr, s_gtj, s_gtd, s_gtm,
+        dq = chunk_features_bwd(q, (1.0 - gam) * dphq, tq, s_qtr, s_qtj, s_qtd, s_qtm, dtq, s_gtr, s_gtj, s_gtd, s_gtm,
                            R, P, D, M, BLOCK_T, BLOCK_D, BLOCK_M, SELF, PREC)
         dq += (scale * gam) * dql
         tl.store(DQ + b * s_dqb + h * s_dqh + rows[:, None] * s_dqt + offs_d[None, :] * s_dqd, dq,
@@ -432,7 +434,7 @@ def _hybrid_bwd_kernel(
             q = _rows(q_base, rows, T, s_qt, offs_d, D, s_qd)
             g = _rows(g_base, rows, T, s_gt, offs_v, DV, s_gd)
             c = tl.load(C + n_base + rows * s_nt, mask=rows < T, other=0.0)
-            phq = _features(q, tq, s_qtr, s_qtj, s_qtd, s_qtm, R, P, D, M, BLOCK_T, BLOCK_D, BLOCK_M, SELF, PREC)
+            phq = chunk_features(q, tq, s_qtr, s_qtj, s_qtd, s_qtm, R, P, D, M, BLOCK_T, BLOCK_D, BLOCK_M, SELF, PREC)
             dSt += tl.dot(tl.trans(phq), g, input_precision=PREC)
             dzt += tl.sum(phq * c[:, None], axis=0)
     n_kb = tl.cdiv(NK, BLOCK_T)
@@ -442,7 +444,7 @@ def _hybrid_bwd_kernel(
         kmask = krows < NK
         k = _rows(k_base, krows, NK, s_kt, offs_d, D, s_kd)
         v = _rows(v_base, krows, NK, s_vt, offs_v, DV, s_vd)
-        phk = _features(k, tk, s_ktr, s_ktj, s_ktd, s_ktm, R, P, D, M, BLOCK_T, BLOCK_D, BLOCK_M, SELF, PREC)
+        phk = chunk_features(k, tk, s_ktr, s_ktj, s_ktd, s_ktm, R, P, D, M, BLOCK_T, BLOCK_D, BLOCK_M, SELF, PREC)
         no_sink = k0 >= SINKS
         # the first query block far for every key of this block (only for blocks without sinks)
         gf = tl.cdiv(tl.maximum(k0 + BLOCK_T - 1 + W - QOFF, 0), BLOCK_T) * BLOCK_T
@@ -452,7 +454,7 @@ def _hybrid_bwd_kernel(
             q = _rows(q_base, rows, T, s_qt, offs_d, D, s_qd)
             g = _rows(g_base, rows, T, s_gt, offs_v, DV, s_gd)
             c = tl.load(C + n_base + rows * s_nt, mask=rows < T, other=0.0)
-            phq = _features(q, tq, s_qtr, s_qtj, s_qtd, s_qtm, R, P, D, M, BLOCK_T, BLOCK_D, BLOCK_M, SELF, PREC)
+            phq = chunk_features(q, tq, s_qtr, s_qtj, s_qtd, s_qtm, R, P, D, M, BLOCK_T, BLOCK_D, BLOCK_M, SELF, PREC)
             dS += tl.dot(tl.trans(phq), g, input_precision=PREC)
             dz += tl.sum(phq * c[:, None], axis=0)
         cf = gf
@@ -468,7 +470,8 @@ def _hybrid_bwd_kernel(
                 q = _rows(q_base, rows, T, s_qt, offs_d, D, s_qd)
                 g = _rows(g_base, rows, T, s_gt, offs_v, DV, s_gd)
                 c = tl.load(C + n_base + rows * s_nt, mask=rows < T, other=0.0)
-                phq = _features(q, tq, s_qtr, s_qtj, s_qtd, s_qtm, R, P, D, M, BLOCK_T, BLOCK_D, BLOCK_M, SELF, PREC)
+                phq = chunk_features(q, tq, s_qtr, s_qtj, s_qtd, s_qtm, R, P, D, M,
+                                     BLOCK_T, BLOCK_D, BLOCK_M, SELF, PREC)
                 dSg += tl.dot(tl.trans(phq), g, input_precision=PREC)
                 dzg += tl.sum(phq * c[:, None], axis=0)
             cl = fq
@@ -488,7 +491,7 @@ def _hybrid_bwd_kernel(
             g = _rows(g_base, rows, T, s_gt, offs_v, DV, s_gd)
             c = tl.load(C + n_base + rows * s_nt, mask=rows < T, other=0.0)
             cm = tl.load(CMAX + n_base + rows * s_nt, mask=rows < T, other=0.0)
-            phq = _features(q, tq, s_qtr, s_qtj, s_qtd, s_qtm, R, P, D, M, BLOCK_T, BLOCK_D, BLOCK_M, SELF, PREC)
+            phq = chunk_features(q, tq, s_qtr, s_qtj, s_qtd, s_qtm, R, P, D, M, BLOCK_T, BLOCK_D, BLOCK_M, SELF, PREC)
             ok = kmask[:, None] & (rows[None, :] < T) & _key_ok(KVALID + b * s_mb, krows, NK, s_mt, HAS_MASK)[:, None]
             loc, far = _local_far(qi[None, :], krows[:, None], ok, W, SINKS, CAUSAL)  # [s, t]
             ut = scale * tl.dot(k, tl.trans(q), input_precision=PREC)  # [BLOCK_T (s), BLOCK_T (t)]
@@ -500,7 +503,7 @@ def _hybrid_bwd_kernel(
             dphk += tl.dot(tl.where(far, dat, 0.0), phq, input_precision=PREC)
             dvf += tl.dot(ft, g, input_precision=PREC)
         # rows ≥ NK of dphk may be nonzero, but their k rows are 0 (no dΘ) and their dk is not stored
-        dk = _features_bwd(k, (1.0 - gam) * dphk, tk, s_ktr, s_ktj, s_ktd, s_ktm, dtk, s_gtr, s_gtj, s_gtd, s_gtm,
+        dk = chunk_features_bwd(k, (1.0 - gam) * dphk, tk, s_ktr, s_ktj, s_ktd, s_ktm, dtk, s_gtr, s_gtj, s_gtd, s_gtm,
                            R, P, D, M, BLOCK_T, BLOCK_D, BLOCK_M, SELF, PREC)
         dk += (scale * gam) * dkl
         dv = gam * dvl + (1.0 - gam) * dvf

@@ -40,109 +40,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _llops_map(
-    x, th_ptr, s_r, s_j, s_d, s_m, R, P, D, M,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, PREC: tl.constexpr,
-):
-    """φ(x) = Σ_r ∏_j x Θ_{r,j} for a chunk ``x`` [BLOCK_T, BLOCK_D] fp32 -> [BLOCK_T, BLOCK_M] fp32."""
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_m = tl.arange(0, BLOCK_M)
-    th_off = offs_d[:, None] * s_d + offs_m[None, :] * s_m  # [BLOCK_D, BLOCK_M]
-    th_mask = (offs_d[:, None] < D) & (offs_m[None, :] < M)
-    phi = tl.zeros([BLOCK_T, BLOCK_M], dtype=tl.float32)
-    for r in range(0, R):
-        prod = tl.full([BLOCK_T, BLOCK_M], 1.0, dtype=tl.float32)
-        for j in range(0, P):
-            th = tl.load(th_ptr + r * s_r + j * s_j + th_off, mask=th_mask, other=0.0).to(tl.float32)
-            prod = prod * tl.dot(x, th, input_precision=PREC)
-        phi += prod
-    return phi
-
-
-@triton.jit
-def _features(
-    x, th_ptr, s_r, s_j, s_d, s_m, R, P, D, M,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, SELF: tl.constexpr, PREC: tl.constexpr,
-):
-    """The attention features of a chunk: φ(x) [BLOCK_T, BLOCK_M], or with ``SELF`` the self-tensor
-    ``φ(x) ⊗ φ(x)`` [BLOCK_T, BLOCK_M²] (index ``a·BLOCK_M + b``), formed in registers."""
-    phi = _llops_map(x, th_ptr, s_r, s_j, s_d, s_m, R, P, D, M, BLOCK_T, BLOCK_D, BLOCK_M, PREC)
-    if SELF:
-        phi = tl.reshape(phi[:, :, None] * phi[:, None, :], [BLOCK_T, BLOCK_M * BLOCK_M])
-    return phi
-
-
-@triton.jit
-def _feature_slots(BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, M, SELF: tl.constexpr):
-    """Kernel feature slot → the torch index of the same feature and whether it is real.
-
-    φ: slot ``a`` ↔ ``a`` (``a < M``). Self-tensor: slot ``a·BLOCK_M + b`` ↔ ``a·M + b``."""
-    offs_f = tl.arange(0, BLOCK_F)
-    if SELF:
-        fa = offs_f // BLOCK_M
-        fb = offs_f % BLOCK_M
-        return fa * M + fb, (fa < M) & (fb < M)
-    else:
-        return offs_f, offs_f < M
-
-
-@triton.jit
-def _zero_theta_grad(
-    dth_ptr, s_r, s_j, s_d, s_m, R, P, D, M, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-):
-    """Zero this program's ``[R, P, D, M]`` slice of a dΘ buffer."""
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_m = tl.arange(0, BLOCK_M)
-    off = offs_d[:, None] * s_d + offs_m[None, :] * s_m
-    mask = (offs_d[:, None] < D) & (offs_m[None, :] < M)
-    for r in range(0, R):
-        for j in range(0, P):
-            tl.store(dth_ptr + r * s_r + j * s_j + off, tl.zeros([BLOCK_D, BLOCK_M], dtype=tl.float32), mask=mask)
-    tl.debug_barrier()
-
-
-@triton.jit
-def _features_bwd(
-    x, dfeat, th_ptr, s_r, s_j, s_d, s_m, dth_ptr, g_r, g_j, g_d, g_m, R, P, D, M,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, SELF: tl.constexpr, PREC: tl.constexpr,
-):
-    """Chain rule through the features of one chunk: return dx [BLOCK_T, BLOCK_D]; add xᵀ G_{r,j}
-    to dΘ_{r,j}.
-
-    ``dfeat`` is the gradient of :func:`_features`' output. With ``SELF`` it is first taken back
-    through ``ψ_{ab} = φ_a φ_b``: ``dφ_a = Σ_b (dψ_{ab} + dψ_{ba}) φ_b`` (φ recomputed). Then
-    ``G_{r,j} = dφ ⊙ ∏_{l≠j} x Θ_{r,l}`` (products recomputed, O(P²) small matmuls per r).
-    """
-    if SELF:
-        phi = _llops_map(x, th_ptr, s_r, s_j, s_d, s_m, R, P, D, M, BLOCK_T, BLOCK_D, BLOCK_M, PREC)
-        d3 = tl.reshape(dfeat, [BLOCK_T, BLOCK_M, BLOCK_M])  # [t, a, b]
-        dphi = tl.sum(d3 * phi[:, None, :], axis=2) + tl.sum(d3 * phi[:, :, None], axis=1)
-    else:
-        dphi = dfeat
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_m = tl.arange(0, BLOCK_M)
-    th_off = offs_d[:, None] * s_d + offs_m[None, :] * s_m  # [BLOCK_D, BLOCK_M]
-    dth_off = offs_d[:, None] * g_d + offs_m[None, :] * g_m
-    mask = (offs_d[:, None] < D) & (offs_m[None, :] < M)
-    dx = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
-    for r in range(0, R):
-        for j in range(0, P):
-            grad = dphi
-            for l in range(0, P):
-                if l != j:
-                    th_l = tl.load(th_ptr + r * s_r + l * s_j + th_off, mask=mask, other=0.0).to(tl.float32)
-                    grad = grad * tl.dot(x, th_l, input_precision=PREC)
-            th_j = tl.load(th_ptr + r * s_r + j * s_j + th_off, mask=mask, other=0.0).to(tl.float32)
-            dx += tl.dot(grad, tl.trans(th_j), input_precision=PREC)
-            dth_ptrs = dth_ptr + r * g_r + j * g_j + dth_off
-            acc = tl.load(dth_ptrs, mask=mask, other=0.0)
-            acc += tl.dot(tl.trans(x), grad, input_precision=PREC)
-            tl.store(dth_ptrs, acc, mask=mask)
-            # the next read of this slice may come from other threads of the program
-            tl.debug_barrier()
-    return dx
+from sketchlab.attention.triton.features import chunk_features, chunk_features_bwd, feature_slots, zero_theta_grad
 
 
 @triton.jit
@@ -180,7 +78,7 @@ def _llops_fwd_kernel(
     tk = TK + h * s_kth
 
     if HAS_STATE:
-        f_idx, f_ok = _feature_slots(BLOCK_M, BLOCK_F, M, SELF)
+        f_idx, f_ok = feature_slots(BLOCK_M, BLOCK_F, M, SELF)
         S = tl.load(S0 + b * s_sb + h * s_sh + f_idx[:, None] * s_sf + offs_v[None, :] * s_sv,
                     mask=f_ok[:, None] & (offs_v[None, :] < DV), other=0.0).to(tl.float32)
         z = tl.load(Z0 + b * s_zb + h * s_zh + f_idx * s_zf, mask=f_ok, other=0.0).to(tl.float32)
@@ -195,7 +93,7 @@ def _llops_fwd_kernel(
                         mask=rmask[:, None] & (offs_d[None, :] < D), other=0.0).to(tl.float32)
             v = tl.load(v_base + rows[:, None] * s_vt + offs_v[None, :] * s_vd,
                         mask=rmask[:, None] & (offs_v[None, :] < DV), other=0.0).to(tl.float32)
-            phk = _features(k, tk, s_ktr, s_ktj, s_ktd, s_ktm, R, P, D, M, BLOCK_T, BLOCK_D, BLOCK_M, SELF, PREC)
+            phk = chunk_features(k, tk, s_ktr, s_ktj, s_ktd, s_ktm, R, P, D, M, BLOCK_T, BLOCK_D, BLOCK_M, SELF, PREC)
             S += tl.dot(tl.trans(phk), v, input_precision=PREC)
             z += tl.sum(phk, axis=0)
 
@@ -204,7 +102,7 @@ def _llops_fwd_kernel(
         rmask = rows < T
         q = tl.load(q_base + rows[:, None] * s_qt + offs_d[None, :] * s_qd,
                     mask=rmask[:, None] & (offs_d[None, :] < D), other=0.0).to(tl.float32)
-        phq = _features(q, tq, s_qtr, s_qtj, s_qtd, s_qtm, R, P, D, M, BLOCK_T, BLOCK_D, BLOCK_M, SELF, PREC)
+        phq = chunk_features(q, tq, s_qtr, s_qtj, s_qtd, s_qtm, R, P, D, M, BLOCK_T, BLOCK_D, BLOCK_M, SELF, PREC)
         num = tl.dot(phq, S, input_precision=PREC)  # [BLOCK_T, BLOCK_DV]
         den = tl.sum(phq * z[None, :], axis=1)  # [BLOCK_T]
         if CAUSAL:
@@ -212,7 +110,7 @@ def _llops_fwd_kernel(
                         mask=rmask[:, None] & (offs_d[None, :] < D), other=0.0).to(tl.float32)
             v = tl.load(v_base + rows[:, None] * s_vt + offs_v[None, :] * s_vd,
                         mask=rmask[:, None] & (offs_v[None, :] < DV), other=0.0).to(tl.float32)
-            phk = _features(k, tk, s_ktr, s_ktj, s_ktd, s_ktm, R, P, D, M, BLOCK_T, BLOCK_D, BLOCK_M, SELF, PREC)
+            phk = chunk_features(k, tk, s_ktr, s_ktj, s_ktd, s_ktm, R, P, D, M, BLOCK_T, BLOCK_D, BLOCK_M, SELF, PREC)
             a = tl.dot(phq, tl.trans(phk), input_precision=PREC)  # [BLOCK_T (t), BLOCK_T (s)]
             a = tl.where((rows[:, None] >= rows[None, :]) & rmask[None, :], a, 0.0)
             num += tl.dot(a, v, input_precision=PREC)
@@ -271,12 +169,12 @@ def _llops_bwd_kernel(
     tk = TK + h * s_kth
     dtq = DTQ + b * s_gtb + h * s_gth
     dtk = DTK + b * s_gtb + h * s_gth
-    _zero_theta_grad(dtq, s_gtr, s_gtj, s_gtd, s_gtm, R, P, D, M, BLOCK_D, BLOCK_M)
-    _zero_theta_grad(dtk, s_gtr, s_gtj, s_gtd, s_gtm, R, P, D, M, BLOCK_D, BLOCK_M)
+    zero_theta_grad(dtq, s_gtr, s_gtj, s_gtd, s_gtm, R, P, D, M, BLOCK_D, BLOCK_M)
+    zero_theta_grad(dtk, s_gtr, s_gtj, s_gtd, s_gtm, R, P, D, M, BLOCK_D, BLOCK_M)
 
     # ---- dq: forward over chunks with the running S = Σ φ(k)ᵀ v, z = Σ φ(k) ----------------
     if HAS_STATE:
-        f_idx, f_ok = _feature_slots(BLOCK_M, BLOCK_F, M, SELF)
+        f_idx, f_ok = feature_slots(BLOCK_M, BLOCK_F, M, SELF)
         S = tl.load(S0 + b * s_sb + h * s_sh + f_idx[:, None] * s_sf + offs_v[None, :] * s_sv,
                     mask=f_ok[:, None] & vmask, other=0.0).to(tl.float32)
         z = tl.load(Z0 + b * s_zb + h * s_zh + f_idx * s_zf, mask=f_ok, other=0.0).to(tl.float32)
@@ -289,7 +187,7 @@ def _llops_bwd_kernel(
             rmask = rows[:, None] < NK
             k = tl.load(k_base + rows[:, None] * s_kt + offs_d[None, :] * s_kd, mask=rmask & dmask, other=0.0).to(tl.float32)
             v = tl.load(v_base + rows[:, None] * s_vt + offs_v[None, :] * s_vd, mask=rmask & vmask, other=0.0).to(tl.float32)
-            phk = _features(k, tk, s_ktr, s_ktj, s_ktd, s_ktm, R, P, D, M, BLOCK_T, BLOCK_D, BLOCK_M, SELF, PREC)
+            phk = chunk_features(k, tk, s_ktr, s_ktj, s_ktd, s_ktm, R, P, D, M, BLOCK_T, BLOCK_D, BLOCK_M, SELF, PREC)
             S += tl.dot(tl.trans(phk), v, input_precision=PREC)
             z += tl.sum(phk, axis=0)
     for c0 in range(0, T, BLOCK_T):
@@ -304,7 +202,7 @@ def _llops_bwd_kernel(
         if CAUSAL:
             k = tl.load(k_base + rows[:, None] * s_kt + offs_d[None, :] * s_kd, mask=rmask & dmask, other=0.0).to(tl.float32)
             v = tl.load(v_base + rows[:, None] * s_vt + offs_v[None, :] * s_vd, mask=rmask & vmask, other=0.0).to(tl.float32)
-            phk = _features(k, tk, s_ktr, s_ktj, s_ktd, s_ktm, R, P, D, M, BLOCK_T, BLOCK_D, BLOCK_M, SELF, PREC)
+            phk = chunk_features(k, tk, s_ktr, s_ktj, s_ktd, s_ktm, R, P, D, M, BLOCK_T, BLOCK_D, BLOCK_M, SELF, PREC)
             da = tl.dot(g, tl.trans(v), input_precision=PREC)  # [BLOCK_T (t), BLOCK_T (s)]
             if NORMALIZE:
                 da += c[:, None]
@@ -312,7 +210,7 @@ def _llops_bwd_kernel(
             dphq += tl.dot(da, phk, input_precision=PREC)
             S += tl.dot(tl.trans(phk), v, input_precision=PREC)
             z += tl.sum(phk, axis=0)
-        dq = _features_bwd(q, dphq, tq, s_qtr, s_qtj, s_qtd, s_qtm, dtq, s_gtr, s_gtj, s_gtd, s_gtm,
+        dq = chunk_features_bwd(q, dphq, tq, s_qtr, s_qtj, s_qtd, s_qtm, dtq, s_gtr, s_gtj, s_gtd, s_gtm,
                            R, P, D, M, BLOCK_T, BLOCK_D, BLOCK_M, SELF, PREC)
         tl.store(DQ + b * s_dqb + h * s_dqh + rows[:, None] * s_dqt + offs_d[None, :] * s_dqd, dq, mask=rmask & dmask)
 
@@ -325,7 +223,7 @@ def _llops_bwd_kernel(
             rmask = rows[:, None] < T
             q = tl.load(q_base + rows[:, None] * s_qt + offs_d[None, :] * s_qd, mask=rmask & dmask, other=0.0).to(tl.float32)
             g = tl.load(g_base + rows[:, None] * s_gt + offs_v[None, :] * s_gd, mask=rmask & vmask, other=0.0)
-            phq = _features(q, tq, s_qtr, s_qtj, s_qtd, s_qtm, R, P, D, M, BLOCK_T, BLOCK_D, BLOCK_M, SELF, PREC)
+            phq = chunk_features(q, tq, s_qtr, s_qtj, s_qtd, s_qtm, R, P, D, M, BLOCK_T, BLOCK_D, BLOCK_M, SELF, PREC)
             dS += tl.dot(tl.trans(phq), g, input_precision=PREC)
             if NORMALIZE:
                 c = tl.load(c_base + rows * s_ct, mask=rows < T, other=0.0)
@@ -337,7 +235,7 @@ def _llops_bwd_kernel(
         rmask = rows[:, None] < NK
         k = tl.load(k_base + rows[:, None] * s_kt + offs_d[None, :] * s_kd, mask=rmask & dmask, other=0.0).to(tl.float32)
         v = tl.load(v_base + rows[:, None] * s_vt + offs_v[None, :] * s_vd, mask=rmask & vmask, other=0.0).to(tl.float32)
-        phk = _features(k, tk, s_ktr, s_ktj, s_ktd, s_ktm, R, P, D, M, BLOCK_T, BLOCK_D, BLOCK_M, SELF, PREC)
+        phk = chunk_features(k, tk, s_ktr, s_ktj, s_ktd, s_ktm, R, P, D, M, BLOCK_T, BLOCK_D, BLOCK_M, SELF, PREC)
         dphk = tl.dot(v, tl.trans(dS), input_precision=PREC)  # [BLOCK_T, BLOCK_F]
         if NORMALIZE:
             dphk += dz[None, :]
@@ -345,7 +243,7 @@ def _llops_bwd_kernel(
         if CAUSAL:
             q = tl.load(q_base + rows[:, None] * s_qt + offs_d[None, :] * s_qd, mask=rmask & dmask, other=0.0).to(tl.float32)
             g = tl.load(g_base + rows[:, None] * s_gt + offs_v[None, :] * s_gd, mask=rmask & vmask, other=0.0)
-            phq = _features(q, tq, s_qtr, s_qtj, s_qtd, s_qtm, R, P, D, M, BLOCK_T, BLOCK_D, BLOCK_M, SELF, PREC)
+            phq = chunk_features(q, tq, s_qtr, s_qtj, s_qtd, s_qtm, R, P, D, M, BLOCK_T, BLOCK_D, BLOCK_M, SELF, PREC)
             keep = (rows[None, :] >= rows[:, None]) & (rows[None, :] < T)  # [s, t]: t ≥ s
             at = tl.dot(phk, tl.trans(phq), input_precision=PREC)  # [BLOCK_T (s), BLOCK_T (t)]
             at = tl.where(keep, at, 0.0)
@@ -360,7 +258,7 @@ def _llops_bwd_kernel(
             if NORMALIZE:
                 dz += tl.sum(phq * c[:, None], axis=0)
         # rows ≥ T of dphk may hold dz, but their k rows are 0 (no dΘ) and their dk is not stored
-        dk = _features_bwd(k, dphk, tk, s_ktr, s_ktj, s_ktd, s_ktm, dtk, s_gtr, s_gtj, s_gtd, s_gtm,
+        dk = chunk_features_bwd(k, dphk, tk, s_ktr, s_ktj, s_ktd, s_ktm, dtk, s_gtr, s_gtj, s_gtd, s_gtm,
                            R, P, D, M, BLOCK_T, BLOCK_D, BLOCK_M, SELF, PREC)
         tl.store(DK + b * s_dkb + h * s_dkh + rows[:, None] * s_dkt + offs_d[None, :] * s_dkd, dk, mask=rmask & dmask)
         tl.store(DVV + b * s_dvb + h * s_dvh + rows[:, None] * s_dvt + offs_v[None, :] * s_dvd, dv, mask=rmask & vmask)
