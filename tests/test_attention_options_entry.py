@@ -9,11 +9,10 @@ a route against a direct call of the memory functions on the same features likew
 
 import pytest
 import torch
+from attention_calls import run_chunked, run_llops
 
 import sketchlab as sl
 from sketchlab.attention import AttentionOptions, FarParams, MemoryState, linear_attention
-from sketchlab.attention.chunked import feature_attention
-from sketchlab.attention.functional import llops_attention
 from sketchlab.attention.memory import memory_attention, memory_attention_naive
 from sketchlab.featuremaps import HedgehogMap, LLoPSMap
 from sketchlab.llops import llops_features
@@ -72,7 +71,7 @@ def _callers():
     lmap_k = LLoPSMap(H, D, theta=tk)
     feats = lambda x, t: llops_features(x.transpose(1, 2), t).transpose(1, 2)  # noqa: E731
     return {
-        "llops": (lambda q, k, v, **kw: llops_attention(q, k, v, theta, theta, **kw),
+        "llops": (lambda q, k, v, **kw: run_llops(q, k, v, theta, theta, **kw),
                   lambda q, k, delta=False: (feats(q, theta), feats(k, theta)), 2),
         # a signed map: self-tensored under a denominator, as it is under the delta state (none)
         "op_llops": (_op(lmap),
@@ -84,7 +83,7 @@ def _callers():
         "op_llops_pair": (_op(lmap, lmap_k),
                           lambda q, k, delta=False: tuple(x if delta else self_tensor(x)
                                                           for x in (feats(q, tq), feats(k, tk))), 2),
-        "features": (lambda q, k, v, **kw: feature_attention(feats(q, theta), feats(k, theta), v, q=q, k=k, **kw),
+        "features": (lambda q, k, v, **kw: run_chunked(feats(q, theta), feats(k, theta), v, q=q, k=k, **kw),
                      lambda q, k, delta=False: (feats(q, theta), feats(k, theta)), None),
     }
 
@@ -195,10 +194,10 @@ def test_memory_refuses_the_fused_kernel_and_decay_one_is_not_memory():
     q, k, v = _qkv()
     theta = _theta()
     with pytest.raises(ValueError, match="have no fused kernel"):
-        llops_attention(q, k, v, theta, theta, options=AttentionOptions(window=2, cache=2, backend="triton"))
+        run_llops(q, k, v, theta, theta, options=AttentionOptions(window=2, cache=2, backend="triton"))
     # decay=1.0 is no decay: today's hybrid, bit for bit, and its AttentionState
-    ref, s_ref = llops_attention(q, k, v, theta, theta, window=4, sinks=1, output_final_state=True)
-    out, s_out = llops_attention(q, k, v, theta, theta, options=AttentionOptions(window=4, sinks=1, decay=1.0),
+    ref, s_ref = run_llops(q, k, v, theta, theta, window=4, sinks=1, output_final_state=True)
+    out, s_out = run_llops(q, k, v, theta, theta, options=AttentionOptions(window=4, sinks=1, decay=1.0),
                                  output_final_state=True)
     assert torch.equal(out, ref) and type(s_out) is type(s_ref) and not isinstance(s_out, MemoryState)
 
@@ -209,8 +208,8 @@ def test_non_negative_none_lets_the_map_decide():
     q, k, v = _qkv()
     signed, safe = _theta(7, equal=False), _theta()
     for theta, lifted in ((signed, True), (safe, False)):
-        out = llops_attention(q, k, v, theta, theta, options=AttentionOptions(non_negative=None))
-        assert torch.equal(out, llops_attention(q, k, v, theta, theta, non_negative=lifted))
+        out = run_llops(q, k, v, theta, theta, options=AttentionOptions(non_negative=None))
+        assert torch.equal(out, run_llops(q, k, v, theta, theta, non_negative=lifted))
 
 
 # ------------------------------------------------------------------ one rule per option, one message
@@ -277,8 +276,8 @@ def test_kernel_range_bound_is_cached_per_theta_version():
     token) and recomputed after an in-place change: a Θ scaled in place into underflow is refused."""
     q, k, v = _qkv()
     theta = _theta()
-    llops_attention(q, k, v, theta, theta)
+    run_llops(q, k, v, theta, theta)
     with torch.no_grad():
         theta.mul_(1e-90)  # features (θ·x)² ~ 1e-180 each: every kernel value underflows float64
     with pytest.raises(ValueError, match="underflow"):
-        llops_attention(q, k, v, theta, theta)
+        run_llops(q, k, v, theta, theta)

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["AttentionOptions", "BACKENDS", "BETAS", "DECAYS", "DENOMINATOR_CHECKS", "FarParams", "LOCALS", "NORMALIZE",
+__all__ = ["AttentionOptions", "BACKENDS", "BETAS", "DECAYS", "DEFAULT_BLOCK_CHUNKS", "DEFAULT_CHUNK_SIZE",
+           "DENOMINATOR_CHECKS", "FarParams", "LOCALS", "NORMALIZE",
            "STATES", "check_choice", "check_flag", "check_int", "check_real"]
 
 #: Kinds of learned decay (a float in (0, 1] is a fixed decay; None: none).
@@ -36,6 +37,10 @@ LOCALS = ("softmax", "poly")
 NORMALIZE = ("none", "sum")
 #: Backends.
 BACKENDS = ("auto", "triton", "torch", "reference")
+#: Tokens per chunk of the chunked paths (the intra-chunk product is ``C × C``).
+DEFAULT_CHUNK_SIZE = 64
+#: Chunks vectorised together per step of the chunked path's block loop.
+DEFAULT_BLOCK_CHUNKS = 16
 #: What a normalising denominator <= 0 does.
 DENOMINATOR_CHECKS = ("warn", "raise", "off")
 
@@ -159,9 +164,10 @@ class AttentionOptions:
         Width ``K`` of a causal depthwise convolution on q and k before the attention (0: none; 4 in
         DeltaNet), its weights ``FarParams.conv_q/conv_k`` started as the identity
         (:mod:`sketchlab.attention.qk_conv`; needs ``causal``).
-    backend, chunk_size, denominator_check
-        Execution: ``"auto" | "triton" | "torch" | "reference"``; tokens per chunk (>= 1); what a
-        denominator ``<= 0`` does (``"warn" | "raise" | "off"``).
+    backend, chunk_size, block_chunks, denominator_check
+        Execution: ``"auto" | "triton" | "torch" | "reference"``; tokens per chunk (>= 1); chunks
+        vectorised together per step of the chunked path's block loop (>= 1); what a denominator
+        ``<= 0`` does (``"warn" | "raise" | "off"``).
     """
 
     causal: bool = True
@@ -179,7 +185,8 @@ class AttentionOptions:
     rescore: int = 64
     qk_conv: int = 0
     backend: str = "auto"
-    chunk_size: int = 64
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    block_chunks: int = DEFAULT_BLOCK_CHUNKS
     denominator_check: str = "warn"
 
     def __post_init__(self):
@@ -215,6 +222,7 @@ class AttentionOptions:
                              "before each token and carries them across calls, which an encoder has no order for")
         check_choice(self.backend, "backend", BACKENDS)
         set_("chunk_size", check_int(self.chunk_size, "chunk_size", 1))
+        set_("block_chunks", check_int(self.block_chunks, "block_chunks", 1))
         check_choice(self.denominator_check, "denominator_check", DENOMINATOR_CHECKS)
         if self.cache and not self.window:
             raise ValueError(f"cache={self.cache} needs window >= 1: cached keys share the exact window's "
