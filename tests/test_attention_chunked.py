@@ -9,10 +9,9 @@ import pytest
 import torch
 from attention_calls import run_chunked, run_llops, run_llops_naive
 
-from sketchlab.attention import (
-    count_denominators,
-)
+from sketchlab.attention import AttentionOptions, count_denominators, linear_attention
 from sketchlab.attention.ops.additive.naive import feature_attention_naive
+from sketchlab.featuremaps import HedgehogMap
 
 TOL64 = 1e-10
 
@@ -183,7 +182,7 @@ def test_bad_arguments(kwargs, match):
 def test_llops_feature_fn_matches_llops_features(t, p):
     """The one-matmul feature path == sketchlab.llops_features head by head (float64, 1e-12)."""
     import sketchlab as sl
-    from sketchlab.attention.chunked import llops_feature_fn
+    from sketchlab.llops.maps import llops_feature_fn
 
     x, theta = _rand(2, 3, 9, 5, seed=60), _rand(3, t, p, 5, 4, seed=61)  # x [B, H, n, D], Θ [H, t, p, D, M]
     out = llops_feature_fn(theta)(x)
@@ -240,8 +239,9 @@ def test_non_causal_window_needs_as_many_queries_as_keys(path):
     def call(q, k, v):
         if path == "llops-chunked":
             return run_llops(q, k, v, tq, tk, non_negative=True, **window)
-        fn = feature_attention_naive if path == "naive" else run_chunked
-        return fn(q.exp(), k.exp(), v, q=q, k=k, **window)
+        if path == "chunked":  # the op on a map of its own (the chunked path)
+            return linear_attention(q, k, v, HedgehogMap(2, 4, m=4, dtype=torch.float64), options=AttentionOptions(**window))[0]
+        return feature_attention_naive(q.exp(), k.exp(), v, q=q, k=k, **window)
 
     with pytest.raises(ValueError, match=r"non-causal hybrid window \|i−j\| < w needs T == S, got T=6, S=9"):
         call(q, k, v)

@@ -201,8 +201,6 @@ def test_bad_options_are_rejected():
         run_llops(q, k, v, theta, theta, window=2, local="linear")
     with pytest.raises(ValueError, match=r"gate must have shape \[H\]"):
         run_llops(q, k, v, theta, theta, window=2, gate=torch.zeros(3, dtype=torch.float64))
-    with pytest.raises(ValueError, match="needs the raw q and k"):
-        run_chunked(fq, fk, v, window=2)
     with pytest.raises(TypeError, match="key_padding_mask must be a bool"):
         run_llops(q, k, v, theta, theta, key_padding_mask=torch.ones(2, 8))
     with pytest.raises(ValueError, match="local_scale"):

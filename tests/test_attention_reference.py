@@ -159,7 +159,7 @@ def test_unnormalised_signed_scores_are_fine_but_sum_normaliser_is_not_guarded()
     (lambda: run_llops_naive(_rand(1, 3, 2, 4), _rand(1, 3, 2, 4), _rand(1, 3, 2, 2),
                                    _rand(2, 1, 2, 4, 3), _rand(2, 1, 3, 4, 3)), "same degree p"),
     (lambda: run_llops_naive(_rand(1, 3, 2, 4), _rand(1, 3, 2, 4), _rand(1, 3, 2, 2),
-                                   _rand(3, 1, 2, 4, 3), _rand(3, 1, 2, 4, 3)), "one map per head"),
+                                   _rand(3, 1, 2, 4, 3), _rand(3, 1, 2, 4, 3)), "feature_map has heads=3, head_dim=4 but q has H=2"),
     (lambda: run_llops_naive(_rand(1, 3, 2, 4), _rand(1, 3, 2, 4), _rand(1, 3, 2, 2),
                                    _rand(2, 1, 2, 4, 3) * math.nan, _rand(2, 1, 2, 4, 3)), "theta_q must be finite"),
 ])

@@ -265,7 +265,7 @@ def _route(q, k, v, map_q, map_k, o: AttentionOptions, params, gate, segments, k
                 dtype = torch.promote_types(fq.dtype, vs.dtype)
                 fq, fk, qt, kt, vt = (x.to(dtype) for x in (fq, fk, qt, kt, vt))
                 feat_q, feat_k = TokenRanges(fq.transpose(1, 2)), TokenRanges(fk.transpose(1, 2))
-            out = chunk_attention(feat_q, feat_k, qt if o.window else None, kt if o.window else None, vt, o,
+            out = chunk_attention(feat_q, feat_k, qt, kt, vt, o,
                                   num_features=map_q.num_features, degree=map_q.degree, gate=gate, mask=mask,
                                   where="linear_attention", **state)
             return (out[0].transpose(1, 2), out[1]) if output_final_state else out.transpose(1, 2)
