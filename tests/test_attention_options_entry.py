@@ -196,7 +196,6 @@ def test_the_checks_are_the_options_rules():
     from sketchlab.attention import _checks
 
     for fn, name, value in ((_checks.check_normalize, "normalize", "max"), (_checks.check_eps, "eps", -2.0),
-                            (_checks.check_chunk_size, "chunk_size", 0),
                             (_checks.check_denominator_check, "denominator_check", "loud"),
                             (_checks.check_backend_name, "backend", "gpu")):
         assert _message(lambda: fn(value)) == _message(lambda: AttentionOptions(**{name: value}))
