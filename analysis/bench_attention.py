@@ -40,14 +40,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from sketchlab.attention import poly_attention, softmax_attention  # noqa: E402
-from sketchlab.attention.chunked import (  # noqa: E402
-    DEFAULT_BLOCK_CHUNKS,
-    DEFAULT_CHUNK_SIZE,
-    feature_attention,  # noqa: E402
-)
-from sketchlab.attention.functional import llops_attention  # noqa: E402
-from sketchlab.featuremaps.based import taylor_features  # noqa: E402
+from sketchlab.attention import AttentionOptions, linear_attention, poly_attention, softmax_attention  # noqa: E402
+from sketchlab.attention.options import DEFAULT_BLOCK_CHUNKS, DEFAULT_CHUNK_SIZE  # noqa: E402
+from sketchlab.featuremaps import LLoPSMap, TaylorMap  # noqa: E402
 from sketchlab.io import atomic_write  # noqa: E402
 from sketchlab.plots import save_figure  # noqa: E402
 
@@ -250,14 +245,15 @@ def build_methods(args, device, dtype, D, gen) -> list[Method]:
         Method(f"exact poly p={args.p} (blocked)",
                lambda q, k, v: poly_attention(q * D**-0.25, k * D**-0.25, v, args.p), quadratic_flops, "quadratic"),
     ]
-    proj = (torch.randn(D, BASED_DIM, generator=gen) / math.sqrt(D)).to(device=device, dtype=dtype)
-    proj.requires_grad_(True)
+    proj = torch.randn(D, BASED_DIM, generator=gen) / math.sqrt(D)
+    based_map = TaylorMap(H, D, proj=proj.expand(H, -1, -1), dtype=dtype).to(device)  # 273 features, proj learned
     n_based = 1 + BASED_DIM + BASED_DIM**2
 
-    def based(q, k, v):
-        fq = taylor_features(q, proj)  # [B, T, H, 273] (proj broadcasts over the leading axes)
-        fk = taylor_features(k, proj)
-        return feature_attention(fq, fk, v, chunk_size=C)
+    def op(fmap, **options):  # the op on fmap: sum-normalised, never self-tensored (the maps here are >= 0)
+        o = AttentionOptions(normalize="sum", non_negative=False, chunk_size=C, **options)
+        return lambda q, k, v: linear_attention(q, k, v, fmap, options=o)[0]
+
+    based = op(based_map)
 
     methods.append(Method(f"BASED Taylor ({n_based} feat., chunked)", based,
                           linear_flops(lambda d: 4 * d * BASED_DIM, n_based, C), "linear"))
@@ -266,29 +262,27 @@ def build_methods(args, device, dtype, D, gen) -> list[Method]:
         base = torch.randn(H, 1, 1, D, m, generator=gen) / math.sqrt(D)
         theta = base.expand(-1, -1, args.p, -1, -1).contiguous().to(device=device, dtype=dtype).requires_grad_(True)
         pure = linear_flops(lambda d, m=m: 4 * d * args.p * m, m, C)
-        methods.append(Method(f"LLoPS m={m} (chunked torch)",
-                              lambda q, k, v, th=theta: llops_attention(q, k, v, th, th, backend="torch", chunk_size=C),
-                              pure, "linear"))
+        lmap = LLoPSMap.over(theta)  # gradients reach theta
+        methods.append(Method(f"LLoPS m={m} (chunked torch)", op(lmap, backend="torch"), pure, "linear"))
         if args.window:
             w, sinks = args.window, args.sinks
             methods.append(Method(
                 f"LLoPS m={m} hybrid w={w}+{sinks} sinks (chunked torch)",
-                lambda q, k, v, th=theta: llops_attention(q, k, v, th, th, backend="torch", chunk_size=C, window=w,
-                                                          sinks=sinks),
+                op(lmap, backend="torch", window=w, sinks=sinks),
                 lambda B, H, T, D, Dv, pure=pure: pure(B, H, T, D, Dv) + 2 * B * H * T * (w + C + sinks) * (D + Dv),
                 "linear", paired=f"LLoPS m={m} (chunked torch)", features=m))
         if device.type == "cuda":
             try:
                 from sketchlab.attention.triton import llops_attention_triton  # noqa: F401
                 methods.append(Method(f"LLoPS m={m} (Triton)",
-                                      lambda q, k, v, th=theta: llops_attention(q, k, v, th, th, backend="triton"),
+                                      op(lmap, backend="triton"),
                                       pure, "linear", optional=True))
             except ImportError as err:
                 print(f"Triton kernel not importable ({err}); skipped", file=sys.stderr)
             try:
                 from fla.ops.linear_attn import chunk_linear_attn
 
-                from sketchlab.attention.chunked import llops_feature_fn
+                from sketchlab.llops.maps import llops_feature_fn
 
                 def fla(q, k, v, th=theta):
                     fq = llops_feature_fn(th)(q.transpose(1, 2))  # [B, H, T, M]

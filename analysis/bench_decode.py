@@ -13,7 +13,7 @@ One attention layer (B = 1, H heads, D = Dv), context lengths 1k … 32k, side b
   cache = 256 exact keys), a data-dependent decay (``decay="input"``), the delta rule, the gated delta
   rule (delta + input decay) and the delta rule with the cache. Its state comes from one prefill call
   on the context; then two rows:
-  ``public call`` — one :func:`sketchlab.attention.functional.llops_attention` call per token with
+  ``public call`` — one :func:`sketchlab.attention.linear_attention` call per token (two LLoPS maps) with
   ``initial_state``/``output_final_state`` (its per-call checks included), and ``lean step`` — one
   :meth:`sketchlab.attention.recurrent.RecurrentStep.step` per token (the LLoPS features of q and
   k computed each token, ``llops_pair_features``, inside the timing; the map is non-negative, so the
@@ -47,11 +47,15 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from sketchlab.attention import AttentionOptions, FarParams  # noqa: E402
-from sketchlab.attention.functional import llops_attention  # noqa: E402
+from sketchlab.attention import (  # noqa: E402
+    AttentionOptions,
+    FarParams,
+    linear_attention,  # noqa: E402
+)
 from sketchlab.attention.ops import fused_recurrent  # noqa: E402
 from sketchlab.attention.ops.pair_features import llops_pair_features  # noqa: E402
 from sketchlab.attention.recurrent import RecurrentStep  # noqa: E402
+from sketchlab.featuremaps import LLoPSMap  # noqa: E402
 from sketchlab.io import atomic_write  # noqa: E402
 from sketchlab.llops.maps import llops_is_non_negative  # noqa: E402
 
@@ -128,6 +132,7 @@ def main(argv=None) -> int:
     B, H, D, M = 1, args.heads, args.d, args.m
     # equal factors: features (θ·x)² >= 0, so normalize="sum" is safe
     theta = (torch.randn(H, 1, 1, D, M, generator=gen) / math.sqrt(D)).expand(-1, -1, 2, -1, -1).contiguous()
+    lmap = LLoPSMap.over(theta)  # the op's map of this Θ
     new = torch.randn(args.steps, B, 1, H, D, generator=gen)  # the decoded tokens' q = k = v (timing only)
     hybrid = dict(normalize="sum", non_negative=False, backend="torch", window=args.window, sinks=args.sinks)
     w, s, K = args.window, args.sinks, args.cache
@@ -180,13 +185,13 @@ def main(argv=None) -> int:
             params = FarParams(options, H, D) if options.memory else None
             call = dict(options=options, params=params)
             with torch.no_grad():
-                _, state0 = llops_attention(*ctx, theta, theta, output_final_state=True, **call)
+                _, state0 = linear_attention(*ctx, lmap, output_final_state=True, **call)
                 holder = {"state": state0}
 
                 def public_step(i, holder=holder, call=call):
                     x = new[i]
-                    _, holder["state"] = llops_attention(x, x, x, theta, theta, initial_state=holder["state"],
-                                                         output_final_state=True, **call)
+                    _, holder["state"] = linear_attention(x, x, x, lmap, initial_state=holder["state"],
+                                                          output_final_state=True, **call)
 
                 rows.append((label, "public call", L, *best_rate(public_step, args.steps, args.reps), None,
                              holder["state"].nbytes))
@@ -221,7 +226,7 @@ def main(argv=None) -> int:
         f"One attention layer, B = 1, H = {H}, D = Dv = {D}, LLoPS m = {M} (p = 2, rank 1), float32, "
         f"{args.threads} torch thread(s); torch {torch.__version__}, {platform.processor() or platform.machine()}; "
         f"best of {args.reps} runs of {args.steps} decoded tokens; wall time {wall:.0f} s. Each state comes from one "
-        "prefill call on the context. `public call`: one `llops_attention` call per token with "
+        "prefill call on the context. `public call`: one `linear_attention` call per token with "
         "`initial_state`/`output_final_state` (the public API, its per-call checks included; the memory rows pass one "
         "`AttentionOptions` and its `FarParams`). `lean step`: `RecurrentStep.step` per token "
         "(`sketchlab.attention.recurrent`; the LLoPS features of q and k computed each token, "
@@ -286,7 +291,7 @@ def main(argv=None) -> int:
 
 
 #: The calls a memory row's token passes through (function names; the file decides where each is).
-PROFILED = ("llops_attention", "call_options", "check_qkv", "check_all_finite", "check_theta",
+PROFILED = ("linear_attention", "_route", "check_qkv", "check_all_finite", "check_theta",
             "check_llops_kernel_range", "llops_feature_fn", "_flat", "feats", "memory_call", "check_memory_call",
             "check_memory_state", "check_far_params", "run", "decode", "recall_score", "local_weights")
 
@@ -299,6 +304,7 @@ def profile(args, variants, theta, new, out_md: Path) -> int:
 
     B, H, D = 1, args.heads, args.d
     L = args.L[0]
+    lmap = LLoPSMap.over(theta)
     gen = torch.Generator().manual_seed(1)
     ctx = [torch.randn(B, L, H, D, generator=gen) * D**-0.25 for _ in range(3)]
     n = 2 * args.steps
@@ -315,14 +321,14 @@ def profile(args, variants, theta, new, out_md: Path) -> int:
             continue
         params = FarParams(options, H, D)
         with torch.no_grad():
-            _, state = llops_attention(*ctx, theta, theta, options=options, params=params, output_final_state=True)
+            _, state = linear_attention(*ctx, lmap, options=options, params=params, output_final_state=True)
             holder = {"state": state}
 
             def steps(count, holder=holder, options=options, params=params):
                 for i in range(count):
                     x = new[i % len(new)]
-                    _, holder["state"] = llops_attention(x, x, x, theta, theta, options=options, params=params,
-                                                         initial_state=holder["state"], output_final_state=True)
+                    _, holder["state"] = linear_attention(x, x, x, lmap, options=options, params=params,
+                                                          initial_state=holder["state"], output_final_state=True)
 
             steps(8)
             c0 = time.process_time()

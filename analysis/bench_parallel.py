@@ -195,7 +195,7 @@ def main(argv=None) -> int:
          f"{time.perf_counter() - t0:.0f} s in all.", "",
          "## 1. One attention call, forward + backward (B = 64, H = 1, Dv = 64, causal, normalised)", "",
          "The chunked core at C = T is what the pure path ran for a one-chunk call; the parallel form is what "
-         "`feature_attention` / `llops_attention` (torch backend) run now when T, S <= chunk_size, no window and "
+         "`linear_attention` (torch backend) runs now when T, S <= chunk_size, no window and "
          "no state (`sketchlab.attention.ops.additive.parallel.use_parallel`).", "", *core, "",
          "## 2. The LLoPS projection, forward + backward (p = 4, m = 256, D = 64: 1024 columns)", "", *proj, "",
          "## 3. One training step of the study's model (d_model 64, 2 layers, batch 64, NoPE)", "",

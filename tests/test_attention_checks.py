@@ -11,9 +11,9 @@ import math
 
 import pytest
 import torch
+from attention_calls import run_llops
 
 from sketchlab.attention._checks import _all_finite, check_qkv
-from sketchlab.attention.functional import llops_attention
 from sketchlab.numerics import _max_norm
 
 
@@ -52,7 +52,7 @@ def test_underflow_is_still_refused_for_tiny_inputs():
     q, k, v = _qkv(1e-12)
     theta = torch.randn(2, 1, 2, 4, 3, generator=torch.Generator().manual_seed(1))
     with pytest.raises(ValueError, match="underflow"):
-        llops_attention(q, k, v, theta, theta, backend="torch")
+        run_llops(q, k, v, theta, theta, backend="torch")
 
 
 def _verdict(fn):
@@ -134,9 +134,9 @@ def test_theta_made_in_inference_mode_is_checked_every_call():
     with torch.inference_mode():
         th = torch.randn(2, 1, 2, 8, 4, generator=torch.Generator().manual_seed(0)) / 3
         x = torch.randn(1, 5, 2, 8, generator=torch.Generator().manual_seed(1))
-        want = llops_attention(x, x, x, th, th, backend="torch")
-        assert torch.equal(llops_attention(x, x, x, th, th, backend="torch"), want)
+        want = run_llops(x, x, x, th, th, backend="torch")
+        assert torch.equal(run_llops(x, x, x, th, th, backend="torch"), want)
         bad = th.clone()
         bad[0, 0, 0, 0, 0] = float("nan")
         with pytest.raises(ValueError, match="theta_q must be finite"):
-            llops_attention(x, x, x, bad, th, backend="torch")
+            run_llops(x, x, x, bad, th, backend="torch")

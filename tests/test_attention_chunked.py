@@ -7,13 +7,11 @@ few hundred terms the difference stays below 1e-12, so 1e-10 only fails on a rea
 
 import pytest
 import torch
+from attention_calls import run_chunked, run_llops, run_llops_naive
 
-from sketchlab.attention import (
-    count_denominators,
-)
-from sketchlab.attention.chunked import feature_attention, llops_attention_chunked
+from sketchlab.attention import AttentionOptions, count_denominators, linear_attention
 from sketchlab.attention.ops.additive.naive import feature_attention_naive
-from sketchlab.attention.reference import llops_attention_naive
+from sketchlab.featuremaps import HedgehogMap
 
 TOL64 = 1e-10
 
@@ -40,7 +38,7 @@ def test_feature_attention_matches_reference_float64(T, causal, normalize, non_n
     # chunk 8 with 3 chunks per block: T = 100 has 5 blocks, the last one partial (padding) and
     # the state is carried across blocks; chunk 64 with the default block covers the one-block case
     for chunk, blocks in ((8, 3), (64, 16), (7, 1)):
-        out = feature_attention(phi_q, phi_k, v, causal=causal, normalize=normalize, non_negative=non_negative,
+        out = run_chunked(phi_q, phi_k, v, causal=causal, normalize=normalize, non_negative=non_negative,
                                 chunk_size=chunk, block_chunks=blocks)
         assert out.shape == ref.shape and out.dtype == torch.float64
         assert torch.allclose(out, ref, atol=TOL64, rtol=0), (chunk, blocks, (out - ref).abs().max().item())
@@ -55,7 +53,7 @@ def test_non_causal_with_different_lengths(T, S, masked):
     if masked:  # a key-padding mask [B, S]: row 0 keeps every key, row 1 its first S // 2 + 1
         mask = torch.ones(2, S, dtype=torch.bool)
         mask[1, S // 2 + 1:] = False
-    out = feature_attention(phi_q, phi_k, v, causal=False, chunk_size=8, block_chunks=2, key_padding_mask=mask)
+    out = run_chunked(phi_q, phi_k, v, causal=False, chunk_size=8, block_chunks=2, key_padding_mask=mask)
     ref = feature_attention_naive(phi_q, phi_k, v, causal=False, key_padding_mask=mask)
     assert out.shape == ref.shape == (2, T, 2, 3)
     assert torch.allclose(out, ref, atol=TOL64, rtol=0), (out - ref).abs().max().item()
@@ -72,7 +70,7 @@ def test_signed_features_keep_the_denominators_sign(causal):
     den = torch.einsum("bthm,bshm->bhts", phi_q, phi_k)
     den = (den.tril() if causal else den).sum(-1)
     assert (den < 0).any() and (den > 0).any()  # the test reaches both signs
-    out = feature_attention(phi_q, phi_k, v, chunk_size=8, block_chunks=2, **kw)
+    out = run_chunked(phi_q, phi_k, v, chunk_size=8, block_chunks=2, **kw)
     assert ((out - ref).abs() <= 1e-9 * ref.abs().amax(-1, keepdim=True)).all()
 
 
@@ -89,7 +87,7 @@ def test_count_denominators_counts_each_warned_call_and_its_rows():
         with count_denominators() as counts:
             for _ in range(3):  # the same place three times: every call counts, not once per place
                 # one chunk a block: 5 blocks, whose counts the DenominatorCounter adds up
-                feature_attention(phi_q, phi_k, v, causal=True, normalize="sum", chunk_size=8, block_chunks=1)
+                run_chunked(phi_q, phi_k, v, causal=True, normalize="sum", chunk_size=8, block_chunks=1)
     assert counts == {"calls": 3, "rows": 3 * bad}
     with pytest.warns(UserWarning, match="something else"):
         with count_denominators() as counts:
@@ -105,9 +103,9 @@ def test_llops_chunked_matches_reference_float64(p, t, causal):
     q, k, v = _rand(2, 37, H, D, seed=10), _rand(2, 37, H, D, seed=11), _rand(2, 37, H, 3, seed=12)
     theta_q, theta_k = _rand(H, t, p, D, M, seed=13) / D**0.5, _rand(H, t, p, D, M, seed=14) / D**0.5
     for normalize, non_negative in (("none", False), ("sum", True), ("none", True)):
-        ref = llops_attention_naive(q, k, v, theta_q, theta_k, causal=causal, normalize=normalize,
+        ref = run_llops_naive(q, k, v, theta_q, theta_k, causal=causal, normalize=normalize,
                                     non_negative=non_negative)
-        out = llops_attention_chunked(q, k, v, theta_q, theta_k, causal=causal, normalize=normalize,
+        out = run_llops(q, k, v, theta_q, theta_k, causal=causal, normalize=normalize,
                                       non_negative=non_negative, chunk_size=8, block_chunks=2)
         assert torch.allclose(out, ref, atol=TOL64, rtol=0), (normalize, non_negative)
 
@@ -120,8 +118,8 @@ def test_fp32_tolerance_table(normalize, non_negative):
     v = _rand(2, 300, H, 8, seed=22)
     theta = _rand(H, 1, 1, D, M, seed=23) / D**0.5
     theta = torch.cat([theta, theta], 2)  # Θ_{r,1} = Θ_{r,2}: φ_i(x) = (θ_i·x)² ≥ 0, safe for "sum"
-    ref = llops_attention_naive(q, k, v, theta, theta, normalize=normalize, non_negative=non_negative)
-    out = llops_attention_chunked(q.float(), k.float(), v.float(), theta.float(), theta.float(),
+    ref = run_llops_naive(q, k, v, theta, theta, normalize=normalize, non_negative=non_negative)
+    out = run_llops(q.float(), k.float(), v.float(), theta.float(), theta.float(),
                                   normalize=normalize, non_negative=non_negative)
     assert out.dtype == torch.float32
     err = ((out.double() - ref).abs().max() / ref.abs().max()).item()
@@ -138,7 +136,7 @@ def test_gradcheck_llops_chunked(causal, normalize, non_negative):
     args = [a.requires_grad_() for a in args]
 
     def f(q, k, v, tq, tk):
-        return llops_attention_chunked(q, k, v, tq, tk, causal=causal, normalize=normalize, non_negative=non_negative,
+        return run_llops(q, k, v, tq, tk, causal=causal, normalize=normalize, non_negative=non_negative,
                                        eps=1.0, chunk_size=4, block_chunks=2)
 
     # fast_mode checks the Jacobian along random directions (any wrong gradient entry shows up with
@@ -153,7 +151,7 @@ def test_gradients_match_reference_gradients():
             _rand(H, t, p, D, M, seed=43), _rand(H, t, p, D, M, seed=44)]
     grad_out = _rand(2, 21, H, 3, seed=45)
     grads = []
-    for fn in (llops_attention_naive, lambda *a, **kw: llops_attention_chunked(*a, chunk_size=4, block_chunks=2, **kw)):
+    for fn in (run_llops_naive, lambda *a, **kw: run_llops(*a, chunk_size=4, block_chunks=2, **kw)):
         leaves = [a.clone().requires_grad_() for a in args]
         out = fn(*leaves, normalize="sum", non_negative=True)
         grads.append(torch.autograd.grad(out, leaves, grad_out))
@@ -164,7 +162,7 @@ def test_gradients_match_reference_gradients():
 def test_state_memory_is_budgeted():
     phi = _rand(1, 8, 1, 30, seed=50)
     with pytest.raises(ValueError, match="memory budget"):  # chunk_size < T: the chunked engine, with its state
-        feature_attention(phi, phi, _rand(1, 8, 1, 4), non_negative=True, max_bytes=1000, chunk_size=4)
+        run_chunked(phi, phi, _rand(1, 8, 1, 4), non_negative=True, max_bytes=1000, chunk_size=4)
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -177,14 +175,14 @@ def test_state_memory_is_budgeted():
 def test_bad_arguments(kwargs, match):
     phi = _rand(1, 8, 1, 3, seed=51)
     with pytest.raises((ValueError, TypeError), match=match):
-        feature_attention(phi, phi, phi, **kwargs)
+        run_chunked(phi, phi, phi, **kwargs)
 
 
 @pytest.mark.parametrize("t, p", [(1, 1), (1, 2), (2, 3), (3, 2)])
 def test_llops_feature_fn_matches_llops_features(t, p):
     """The one-matmul feature path == sketchlab.llops_features head by head (float64, 1e-12)."""
     import sketchlab as sl
-    from sketchlab.attention.chunked import llops_feature_fn
+    from sketchlab.llops.maps import llops_feature_fn
 
     x, theta = _rand(2, 3, 9, 5, seed=60), _rand(3, t, p, 5, 4, seed=61)  # x [B, H, n, D], Θ [H, t, p, D, M]
     out = llops_feature_fn(theta)(x)
@@ -220,7 +218,7 @@ def test_stateless_call_forms_no_state(monkeypatch):
         with monkeypatch.context() as m:
             if not stateful:
                 m.setattr(state, "empty_state", no_empty_state)
-            out = feature_attention(*leaves, chunk_size=4, block_chunks=2, output_final_state=stateful)
+            out = run_chunked(*leaves, chunk_size=4, block_chunks=2, output_final_state=stateful)
         out = out[0] if stateful else out
         res.append([out] + list(torch.autograd.grad(out, leaves, grad_out)))
     # three blocks each: (no state in, final state asked, none returned)
@@ -240,9 +238,10 @@ def test_non_causal_window_needs_as_many_queries_as_keys(path):
 
     def call(q, k, v):
         if path == "llops-chunked":
-            return llops_attention_chunked(q, k, v, tq, tk, non_negative=True, **window)
-        fn = feature_attention_naive if path == "naive" else feature_attention
-        return fn(q.exp(), k.exp(), v, q=q, k=k, **window)
+            return run_llops(q, k, v, tq, tk, non_negative=True, **window)
+        if path == "chunked":  # the op on a map of its own (the chunked path)
+            return linear_attention(q, k, v, HedgehogMap(2, 4, m=4, dtype=torch.float64), options=AttentionOptions(**window))[0]
+        return feature_attention_naive(q.exp(), k.exp(), v, q=q, k=k, **window)
 
     with pytest.raises(ValueError, match=r"non-causal hybrid window \|i−j\| < w needs T == S, got T=6, S=9"):
         call(q, k, v)

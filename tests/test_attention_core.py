@@ -13,8 +13,8 @@ differences at eps 1e-6, atol 1e-5).
 
 import pytest
 import torch
+from attention_calls import run_chunked
 
-from sketchlab.attention.chunked import feature_attention
 from sketchlab.attention.ops.additive.chunk import chunk_core
 from sketchlab.attention.ops.additive.naive import feature_attention_naive
 from sketchlab.polynomial import self_tensor
@@ -96,7 +96,7 @@ def test_hybrid_gradients_equal_the_naive_twin(window, local, non_negative, mask
     if masked:
         weight = weight * mask[:, :, None, None]  # padded queries' outputs are not compared
     grads = []
-    for fn, extra in ((feature_attention_naive, {}), (feature_attention, {"chunk_size": 4, "block_chunks": 2})):
+    for fn, extra in ((feature_attention_naive, {}), (run_chunked, {"chunk_size": 4, "block_chunks": 2})):
         xs = [x.clone().requires_grad_() for x in base]
         out = fn(xs[3], xs[4], xs[2], q=xs[0], k=xs[1], window=window, sinks=2, gate=xs[5], local=local,
                  degree=degree, key_padding_mask=mask, non_negative=non_negative, denominator_check="off", **extra)
@@ -118,7 +118,7 @@ def test_hybrid_gradient_through_a_tied_maximum():
     q[:, 5:7] = k[:, 4:5]
     fq, fk = (torch.rand(B, T, H, M, generator=g, dtype=F64) for _ in range(2))
     grads = []
-    for fn, extra in ((feature_attention_naive, {}), (feature_attention, {"chunk_size": 4})):
+    for fn, extra in ((feature_attention_naive, {}), (run_chunked, {"chunk_size": 4})):
         xs = [x.clone().requires_grad_() for x in (q, k, v, fq, fk)]
         fn(xs[3], xs[4], xs[2], q=xs[0], k=xs[1], window=3, **extra).square().sum().backward()
         grads.append([x.grad for x in xs])
@@ -131,7 +131,7 @@ def _hybrid_grads(base, mask=None, **kw):
     chunked path's, for ``base = [q, k, v, φ_q, φ_k, gate]``."""
     weight = torch.randn(base[2].shape, generator=_gen(99), dtype=F64)
     res = []
-    for fn, extra in ((feature_attention_naive, {}), (feature_attention, {"chunk_size": 4, "block_chunks": 1})):
+    for fn, extra in ((feature_attention_naive, {}), (run_chunked, {"chunk_size": 4, "block_chunks": 1})):
         xs = [x.clone().requires_grad_() for x in base]
         out = fn(xs[3], xs[4], xs[2], q=xs[0], k=xs[1], gate=xs[5], key_padding_mask=mask, denominator_check="off",
                  **kw, **extra)
@@ -333,7 +333,7 @@ def test_hybrid_core_forms_updates_only_for_the_key_chunks_it_reads(monkeypatch)
     fq, fk = (torch.rand(1, T, 2, 3, generator=g, dtype=F64) for _ in range(2))
     calls = _spy_far_state(monkeypatch)
     fq.requires_grad_()
-    feature_attention(fq, fk, v, q=q, k=k, window=C, chunk_size=C, block_chunks=2).sum().backward()
+    run_chunked(fq, fk, v, q=q, k=k, window=C, chunk_size=C, block_chunks=2).sum().backward()
     assert len(calls) == 6  # three blocks of two chunks, forward then backward (blocks in reverse)
     for R, Ne, used in calls:  # (column 0 of R: S_in; column 1 + e: key chunk e)
         assert not R[:, 1 + used:].any() and (used == 0 or R[:, used].any())
@@ -421,5 +421,5 @@ def test_hybrid_core_forms_the_incoming_state_gradient_only_when_needed(monkeypa
     q, k, v = (torch.randn(1, T, 2, 3, generator=g, dtype=F64) for _ in range(3))
     fq, fk = (torch.rand(1, T, 2, 3, generator=g, dtype=F64, requires_grad=True) for _ in range(2))
     _, bwd = _spy_gemms(monkeypatch)
-    feature_attention(fq, fk, v, q=q, k=k, window=C, chunk_size=C, block_chunks=2).sum().backward()
+    run_chunked(fq, fk, v, q=q, k=k, window=C, chunk_size=C, block_chunks=2).sum().backward()
     assert bwd == [(2, 2, True), (3, 3, True), (3, 3, False)]

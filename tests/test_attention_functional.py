@@ -6,6 +6,7 @@ float64 comparisons use 1e-10 (see tests/test_attention_chunked.py for the reaso
 
 import pytest
 import torch
+from attention_calls import run_llops, run_llops_naive
 
 import sketchlab as sl
 from sketchlab.attention import (
@@ -18,9 +19,7 @@ from sketchlab.attention import (
     softmax_attention,
     softmax_attention_naive,
 )
-from sketchlab.attention.functional import llops_attention
 from sketchlab.attention.ops.additive.naive import feature_attention_naive
-from sketchlab.attention.reference import llops_attention_naive
 from sketchlab.featuremaps import batch_features, make_feature_map
 from sketchlab.featuremaps.heads import as_heads, from_heads
 from sketchlab.llops import llops_maps
@@ -41,18 +40,18 @@ def test_auto_is_torch_on_cpu_and_torch_matches_reference():
     q, k, v, tq, tk = _problem(t=2, p=3)
     assert resolve_backend("auto", q.device) == "torch"
     for causal in (True, False):
-        ref = llops_attention(q, k, v, tq, tk, causal=causal, normalize="none", backend="reference")
+        ref = run_llops(q, k, v, tq, tk, causal=causal, normalize="none", backend="reference")
         for backend in ("auto", "torch"):
-            out = llops_attention(q, k, v, tq, tk, causal=causal, normalize="none", backend=backend, chunk_size=4)
+            out = run_llops(q, k, v, tq, tk, causal=causal, normalize="none", backend=backend, chunk_size=4)
             assert torch.allclose(out, ref, atol=TOL64, rtol=0)
-        assert torch.equal(ref, llops_attention_naive(q, k, v, tq, tk, causal=causal, normalize="none"))
+        assert torch.equal(ref, run_llops_naive(q, k, v, tq, tk, causal=causal, normalize="none"))
 
 
 def test_triton_backend_without_triton_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(functional, "_triton_importable", lambda: False)
     q, k, v, tq, tk = _problem()
     with pytest.raises(ValueError, match="needs the triton package"):
-        llops_attention(q, k, v, tq, tk, backend="triton")
+        run_llops(q, k, v, tq, tk, backend="triton")
     assert resolve_backend("auto", torch.device("cuda")) == "torch"  # no triton: the torch path even on CUDA
 
 
@@ -179,10 +178,10 @@ def test_llops_maps_go_through_llops_attention():
     q, k, v, tq, tk = _problem(t=2)
     none = AttentionOptions(normalize="none")
     out, _ = linear_attention(q, k, v, *llops_maps(tq, tk), options=none)
-    assert torch.allclose(out, llops_attention_naive(q, k, v, tq, tk, normalize="none"), atol=TOL64, rtol=0)
+    assert torch.allclose(out, run_llops_naive(q, k, v, tq, tk, normalize="none"), atol=TOL64, rtol=0)
     tied, _ = llops_maps(tq)  # one map for both sides
     out, _ = linear_attention(q, k, v, tied, options=none)
-    assert torch.allclose(out, llops_attention_naive(q, k, v, tq, tq, normalize="none"), atol=TOL64, rtol=0)
+    assert torch.allclose(out, run_llops_naive(q, k, v, tq, tq, normalize="none"), atol=TOL64, rtol=0)
     with pytest.raises(ValueError, match=r"feature_map has heads=6, head_dim=4 but q has H=2"):
         linear_attention(q, k, v, llops_maps(tq[None].expand(3, -1, -1, -1, -1, -1))[0])
     with pytest.raises(ValueError, match="fuses only LLoPS"):
@@ -227,26 +226,25 @@ def _bad_calls():
     nan = tq.clone()
     nan[0, 0, 0, 0, 0] = float("nan")
     return [
-        (lambda: llops_attention(q, k[:, :7], v[:, :7], tq, tk), "T == S"),
-        (lambda: llops_attention(q, k, v[:, :5], tq, tk, causal=False), "token axis S"),
-        (lambda: llops_attention(q, k[:, :, :1], v[:, :, :1], tq, tk), "heads H"),
-        (lambda: llops_attention(q, k[..., :3], v, tq, tk), "share the last axis"),
-        (lambda: llops_attention(q.float(), k, v, tq, tk), "one dtype"),
-        (lambda: llops_attention(q, k, v, tq.float(), tk.float()), "dtype of q"),
-        (lambda: llops_attention(meta, k, v, tq, tk), "one device"),
-        (lambda: llops_attention(q, k, v, tq.to("meta"), tk), "device of q"),
-        (lambda: llops_attention(q, k, v, tq[0], tk[0]), "rank 5"),
-        (lambda: llops_attention(q, k, v, tq[:1], tk[:1]), "one map per head"),
-        (lambda: llops_attention(q, k, v, tq[..., :3, :], tk[..., :3, :]), "head dimension"),
-        (lambda: llops_attention(q, k, v, tq, tk[:, :, :1]), "same degree p"),
-        (lambda: llops_attention(q, k, v, tq, tk[..., :4]), "same shape"),
-        (lambda: llops_attention(q, k, v, tq[:, :, :0], tk[:, :, :0]), ">= 1"),
-        (lambda: llops_attention(q, k, v, nan, tk), "theta_q must be finite"),
-        (lambda: llops_attention(q, k, v, tq, tk, backend="cuda"), "backend"),
-        (lambda: llops_attention(q, k, v, tq, tk, normalize=True), "normalize"),
-        (lambda: llops_attention(q, k, v, tq, tk, eps=float("inf")), "eps"),
-        (lambda: llops_attention(q, k, v, tq, tk, chunk_size=0), "chunk_size"),
-        (lambda: llops_attention(q.int(), k, v, tq, tk), "floating-point"),
+        (lambda: run_llops(q, k[:, :7], v[:, :7], tq, tk), "T == S"),
+        (lambda: run_llops(q, k, v[:, :5], tq, tk, causal=False), "token axis S"),
+        (lambda: run_llops(q, k[:, :, :1], v[:, :, :1], tq, tk), "heads H"),
+        (lambda: run_llops(q, k[..., :3], v, tq, tk), "share the last axis"),
+        (lambda: run_llops(q.float(), k, v, tq, tk), "one dtype"),
+        (lambda: run_llops(meta, k, v, tq, tk), "one device"),
+        (lambda: run_llops(q, k, v, tq.to("meta"), tk), "device of q"),
+        (lambda: run_llops(q, k, v, tq[0], tk[0]), "rank 5"),
+        (lambda: run_llops(q, k, v, tq[:1], tk[:1]), "feature_map has heads=1, head_dim=4 but q has H=2"),
+        (lambda: run_llops(q, k, v, tq[..., :3, :], tk[..., :3, :]), "head_dim=3 but q has H=2, D=4"),
+        (lambda: run_llops(q, k, v, tq, tk[:, :, :1]), "same degree p"),
+        (lambda: run_llops(q, k, v, tq, tk[..., :4]), "one kind with one number of features"),
+        (lambda: run_llops(q, k, v, tq[:, :, :0], tk[:, :, :0]), ">= 1"),
+        (lambda: run_llops(q, k, v, nan, tk), "theta_q must be finite"),
+        (lambda: run_llops(q, k, v, tq, tk, backend="cuda"), "backend"),
+        (lambda: run_llops(q, k, v, tq, tk, normalize=True), "normalize"),
+        (lambda: run_llops(q, k, v, tq, tk, eps=float("inf")), "eps"),
+        (lambda: run_llops(q, k, v, tq, tk, chunk_size=0), "chunk_size"),
+        (lambda: run_llops(q.int(), k, v, tq, tk), "floating-point"),
         (lambda: poly_attention(q, k, v, 0), "degree"),
         (lambda: poly_attention(q, k, v, 2, block_size=0), "block_size"),
         (lambda: softmax_attention(q, k, v, scale=-1.0), "scale"),
@@ -322,9 +320,9 @@ def test_poly_attention_gradients_match_reference():
 @pytest.mark.parametrize("backend", ["torch", "reference"])
 def test_llops_attention_segments_never_cross_a_boundary(backend):
     q, k, v, tq, tk = _problem(T=19)
-    out = llops_attention(q, k, v, tq, tk, normalize="none", backend=backend, segments=[7, 12])
-    first = llops_attention(q[:, :7], k[:, :7], v[:, :7], tq, tk, normalize="none", backend="reference")
-    second = llops_attention(q[:, 7:], k[:, 7:], v[:, 7:], tq, tk, normalize="none", backend="reference")
+    out = run_llops(q, k, v, tq, tk, normalize="none", backend=backend, segments=[7, 12])
+    first = run_llops(q[:, :7], k[:, :7], v[:, :7], tq, tk, normalize="none", backend="reference")
+    second = run_llops(q[:, 7:], k[:, 7:], v[:, 7:], tq, tk, normalize="none", backend="reference")
     assert torch.allclose(out, torch.cat([first, second], 1), atol=TOL64, rtol=0)
-    whole = llops_attention(q, k, v, tq, tk, normalize="none", backend="reference")
+    whole = run_llops(q, k, v, tq, tk, normalize="none", backend="reference")
     assert not torch.allclose(out[:, 7:], whole[:, 7:], atol=1e-3)  # the joined run differs after the boundary

@@ -11,14 +11,12 @@ import math
 
 import pytest
 import torch
+from attention_calls import run_chunked, run_llops, run_llops_naive
 
 from sketchlab.attention import (
     softmax_attention_naive,
 )
-from sketchlab.attention.chunked import feature_attention, llops_attention_chunked
-from sketchlab.attention.functional import llops_attention
 from sketchlab.attention.ops.additive.naive import feature_attention_naive
-from sketchlab.attention.reference import llops_attention_naive
 
 TOL64 = 1e-10
 TOL32 = 1e-4
@@ -67,7 +65,7 @@ def test_chunked_matches_naive_float64(causal, local, window):
                   key_padding_mask=key_mask, non_negative=non_negative)
         ref = feature_attention_naive(fq, fk, v, **kw)
         for chunk, blocks in ((8, 1), (5, 3)):  # several blocks carry the state; 5 does not divide 23
-            out = feature_attention(fq, fk, v, chunk_size=chunk, block_chunks=blocks, **kw)
+            out = run_chunked(fq, fk, v, chunk_size=chunk, block_chunks=blocks, **kw)
             err = (out - ref).abs().max().item()
             assert err < TOL64, (sinks, key_mask is None, non_negative, chunk, err)
 
@@ -83,10 +81,10 @@ def test_llops_hybrid_fp32_and_backends(causal, local):
     theta_k[:, :, 1] = theta_k[:, :, 0]
     gate = _rand(2, seed=13)
     kw = dict(causal=causal, window=7, sinks=2, local=local, gate=gate)
-    ref = llops_attention(q, k, v, theta_q, theta_k, backend="reference", **kw)
-    out = llops_attention(q, k, v, theta_q, theta_k, backend="torch", chunk_size=8, **kw)
+    ref = run_llops(q, k, v, theta_q, theta_k, backend="reference", **kw)
+    out = run_llops(q, k, v, theta_q, theta_k, backend="torch", chunk_size=8, **kw)
     assert (out - ref).abs().max() < TOL64
-    out32 = llops_attention(*(x.float() for x in (q, k, v, theta_q, theta_k)), backend="torch", chunk_size=8,
+    out32 = run_llops(*(x.float() for x in (q, k, v, theta_q, theta_k)), backend="torch", chunk_size=8,
                             causal=causal, window=7, sinks=2, local=local, gate=gate.float())
     assert out32.dtype == torch.float32
     assert (out32.double() - ref).abs().max() / ref.abs().max() < TOL32
@@ -97,7 +95,7 @@ def test_window_at_least_T_is_softmax(causal):
     q, k, v, fq, fk = _inputs(T=20, seed=21)
     ref = softmax_attention_naive(q, k, v, causal=causal)
     for window in (20, 1000):
-        out = feature_attention(fq, fk, v, q=q, k=k, causal=causal, window=window, eps=0.0, chunk_size=8,
+        out = run_chunked(fq, fk, v, q=q, k=k, causal=causal, window=window, eps=0.0, chunk_size=8,
                                 gate=_rand(2, seed=1))
         assert (out - ref).abs().max() < TOL64, window
 
@@ -108,11 +106,11 @@ def test_a_short_call_is_budgeted_for_its_own_chunks_not_a_whole_block():
     # the call (it was refused: the MQAR hybrids at batch 64 asked for 7.9 GiB) and still refuse T = 200.
     q, k, v, fq, fk = _inputs(seed=31)
     kw = dict(window=4, sinks=1, chunk_size=8, block_chunks=16, max_bytes=300_000)
-    out = feature_attention(fq, fk, v, q=q, k=k, **kw)
+    out = run_chunked(fq, fk, v, q=q, k=k, **kw)
     assert (out - feature_attention_naive(fq, fk, v, q=q, k=k, window=4, sinks=1)).abs().max() < TOL64
     q, k, v, fq, fk = _inputs(T=200, seed=31)
     with pytest.raises(ValueError, match="128 queries"):
-        feature_attention(fq, fk, v, q=q, k=k, **kw)
+        run_chunked(fq, fk, v, q=q, k=k, **kw)
 
 
 def test_a_window_longer_than_the_sequence_is_budgeted_for_the_keys_there_are():
@@ -120,21 +118,21 @@ def test_a_window_longer_than_the_sequence_is_budgeted_for_the_keys_there_are():
     # 2·2·24·31·14·8 B = 333 KB (under 400 kB), where window + chunk keys would ask for 10.7 GB
     q, k, v, fq, fk = _inputs(seed=31)
     kw = dict(sinks=1, chunk_size=8, block_chunks=16, max_bytes=400_000)
-    out = feature_attention(fq, fk, v, q=q, k=k, window=10**6, **kw)
-    assert torch.equal(out, feature_attention(fq, fk, v, q=q, k=k, window=23, **kw))
+    out = run_chunked(fq, fk, v, q=q, k=k, window=10**6, **kw)
+    assert torch.equal(out, run_chunked(fq, fk, v, q=q, k=k, window=23, **kw))
 
 
 def test_window_zero_is_pure_linear_attention():
     """window=0 ignores the gate and equals the plain normalised linear attention of the dense formula."""
     q, k, v, fq, fk = _inputs(seed=31)
     theta = _rand(2, 1, 1, 4, 5, seed=32).expand(2, 1, 2, 4, 5).clone()  # equal factors: non-negative
-    pure = llops_attention_naive(q, k, v, theta, theta)
+    pure = run_llops_naive(q, k, v, theta, theta)
     for backend in ("torch", "reference"):
-        out = llops_attention(q, k, v, theta, theta, window=0, gate=_rand(2, seed=3), backend=backend)
+        out = run_llops(q, k, v, theta, theta, window=0, gate=_rand(2, seed=3), backend=backend)
         assert (out - pure).abs().max() < TOL64
     scores = torch.einsum("bthm,bshm->bhts", fq, fk).tril()  # [B, H, T, S]
     literal = torch.einsum("bhts,bshd->bthd", scores, v) / (scores.sum(-1).transpose(1, 2)[..., None] + 1e-6)
-    assert (feature_attention(fq, fk, v, window=0, chunk_size=8) - literal).abs().max() < TOL64
+    assert (run_chunked(fq, fk, v, window=0, chunk_size=8) - literal).abs().max() < TOL64
 
 
 def test_segments_restart_positions():
@@ -142,8 +140,8 @@ def test_segments_restart_positions():
     q, k, v, fq, fk = _inputs(T=20, seed=41)
     kw = dict(window=3, sinks=2, gate=_rand(2, seed=2))
     theta = _rand(2, 1, 1, 4, 5, seed=42).expand(2, 1, 2, 4, 5).clone()
-    joined = llops_attention(q, k, v, theta, theta, segments=[8, 12], backend="torch", **kw)
-    parts = [llops_attention(q[:, a:b], k[:, a:b], v[:, a:b], theta, theta, backend="reference", **kw)
+    joined = run_llops(q, k, v, theta, theta, segments=[8, 12], backend="torch", **kw)
+    parts = [run_llops(q[:, a:b], k[:, a:b], v[:, a:b], theta, theta, backend="reference", **kw)
              for a, b in ((0, 8), (8, 20))]
     assert (joined - torch.cat(parts, 1)).abs().max() < TOL64
 
@@ -155,13 +153,13 @@ def test_key_padding_mask_drops_the_padded_keys():
     mask = torch.ones(1, 12, dtype=torch.bool)
     mask[0, -3:] = False  # right padding: positions of the real tokens unchanged
     kw = dict(q=q, k=k, window=4, sinks=1, chunk_size=4)
-    out = feature_attention(fq, fk, v, key_padding_mask=mask, **kw)
-    cut = feature_attention(fq[:, :9], fk[:, :9], v[:, :9], q=q[:, :9], k=k[:, :9], window=4, sinks=1, chunk_size=4)
+    out = run_chunked(fq, fk, v, key_padding_mask=mask, **kw)
+    cut = run_chunked(fq[:, :9], fk[:, :9], v[:, :9], q=q[:, :9], k=k[:, :9], window=4, sinks=1, chunk_size=4)
     assert (out[:, :9] - cut).abs().max() < TOL64
     v2 = v.clone()
     v2[:, -3:] = 1e6  # what a padded value holds never reaches a real query
-    out2 = feature_attention(fq, fk, v2, key_padding_mask=mask, causal=False, **kw)
-    assert (out2 - feature_attention(fq, fk, v, key_padding_mask=mask, causal=False, **kw))[:, :9].abs().max() < TOL64
+    out2 = run_chunked(fq, fk, v2, key_padding_mask=mask, causal=False, **kw)
+    assert (out2 - run_chunked(fq, fk, v, key_padding_mask=mask, causal=False, **kw))[:, :9].abs().max() < TOL64
 
 
 def test_gradcheck_torch_path_with_gate():
@@ -171,7 +169,7 @@ def test_gradcheck_torch_path_with_gate():
     q, k, v = (x.requires_grad_() for x in (q, k, v))
     for local in ("softmax", "poly"):
         def f(q, k, v, theta, gate):
-            return llops_attention_chunked(q, k, v, theta, theta, window=2, sinks=1, local=local, gate=gate,
+            return run_llops(q, k, v, theta, theta, window=2, sinks=1, local=local, gate=gate,
                                            chunk_size=3, block_chunks=1)
         assert torch.autograd.gradcheck(f, (q, k, v, theta, gate))
 
@@ -183,7 +181,7 @@ def test_gradients_match_the_naive_twin_including_through_c():
     gate = _rand(2, seed=72)
     leaves = [x.clone().requires_grad_() for x in (q, k, v, fq, fk, gate)]
     grads = []
-    for fn, extra in ((feature_attention_naive, {}), (feature_attention, {"chunk_size": 4})):
+    for fn, extra in ((feature_attention_naive, {}), (run_chunked, {"chunk_size": 4})):
         xs = [x.detach().clone().requires_grad_() for x in leaves]
         out = fn(xs[3], xs[4], xs[2], q=xs[0], k=xs[1], window=5, sinks=2, gate=xs[5], **extra)
         out.square().sum().backward()
@@ -196,19 +194,17 @@ def test_bad_options_are_rejected():
     q, k, v, fq, fk = _inputs(T=8)
     theta = _rand(2, 1, 2, 4, 5)
     with pytest.raises(ValueError, match="always normalised"):
-        llops_attention(q, k, v, theta, theta, window=4, normalize="none")
+        run_llops(q, k, v, theta, theta, window=4, normalize="none")
     with pytest.raises(ValueError, match="needs window >= 1"):
-        llops_attention(q, k, v, theta, theta, sinks=2)
+        run_llops(q, k, v, theta, theta, sinks=2)
     with pytest.raises(ValueError, match="local must be one of"):
-        llops_attention(q, k, v, theta, theta, window=2, local="linear")
+        run_llops(q, k, v, theta, theta, window=2, local="linear")
     with pytest.raises(ValueError, match=r"gate must have shape \[H\]"):
-        llops_attention(q, k, v, theta, theta, window=2, gate=torch.zeros(3, dtype=torch.float64))
-    with pytest.raises(ValueError, match="needs the raw q and k"):
-        feature_attention(fq, fk, v, window=2)
+        run_llops(q, k, v, theta, theta, window=2, gate=torch.zeros(3, dtype=torch.float64))
     with pytest.raises(TypeError, match="key_padding_mask must be a bool"):
-        llops_attention(q, k, v, theta, theta, key_padding_mask=torch.ones(2, 8))
+        run_llops(q, k, v, theta, theta, key_padding_mask=torch.ones(2, 8))
     with pytest.raises(ValueError, match="local_scale"):
-        llops_attention(q, k, v, theta, theta, window=2, local_scale=-1.0)
+        run_llops(q, k, v, theta, theta, window=2, local_scale=-1.0)
 
 
 def test_the_hybrid_for_a_generic_map():
@@ -235,15 +231,15 @@ def test_triton_hybrid_matches_torch_and_shares_the_state():
     theta = (torch.randn(2, 1, 1, 16, 16, generator=g) / 4).expand(-1, -1, 2, -1, -1).contiguous()
     gate = torch.randn(2, generator=g)
     for kw in (dict(window=5, sinks=2, gate=gate), dict(window=5, local="poly")):
-        a = llops_attention(q, k, v, theta, theta, backend="torch", **kw)
-        b = llops_attention(q, k, v, theta, theta, backend="triton", **kw)
+        a = run_llops(q, k, v, theta, theta, backend="torch", **kw)
+        b = run_llops(q, k, v, theta, theta, backend="triton", **kw)
         assert (a - b).abs().max() < 1e-5, kw
-    a, state_torch = llops_attention(q[:, :9], k[:, :9], v[:, :9], theta, theta, backend="torch", window=5, sinks=2,
+    a, state_torch = run_llops(q[:, :9], k[:, :9], v[:, :9], theta, theta, backend="torch", window=5, sinks=2,
                                      output_final_state=True)
-    b, state_triton = llops_attention(q[:, :9], k[:, :9], v[:, :9], theta, theta, backend="triton", window=5, sinks=2,
+    b, state_triton = run_llops(q[:, :9], k[:, :9], v[:, :9], theta, theta, backend="triton", window=5, sinks=2,
                                       output_final_state=True)
     rest = [x[:, 9:] for x in (q, k, v)]
-    whole = llops_attention(q, k, v, theta, theta, backend="torch", window=5, sinks=2)[:, 9:]
+    whole = run_llops(q, k, v, theta, theta, backend="torch", window=5, sinks=2)[:, 9:]
     for state, backend in ((state_triton, "torch"), (state_torch, "triton")):
-        out = llops_attention(*rest, theta, theta, backend=backend, window=5, sinks=2, initial_state=state)
+        out = run_llops(*rest, theta, theta, backend=backend, window=5, sinks=2, initial_state=state)
         assert (out - whole).abs().max() < 1e-5, backend

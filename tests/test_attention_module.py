@@ -2,10 +2,10 @@
 
 import pytest
 import torch
+from attention_calls import run_llops_naive
 
 import sketchlab as sl
 from sketchlab.attention import LLoPSAttention
-from sketchlab.attention.reference import llops_attention_naive
 
 
 def _rand(*shape, seed=0):
@@ -19,7 +19,7 @@ def test_forward_is_projections_then_llops_attention():
     q = block.q_proj(x).view(2, 17, 3, 4) * 4**-0.25  # scale "sqrt-d" by default
     k = block.k_proj(x).view(2, 17, 3, 4) * 4**-0.25
     v = block.v_proj(x).view(2, 17, 3, 4)
-    ref = llops_attention_naive(q, k, v, block.theta_q, block.theta_q, normalize="sum")  # tied
+    ref = run_llops_naive(q, k, v, block.theta_q, block.theta_q, normalize="sum")  # tied
     assert torch.allclose(out, block.o_proj(ref.reshape(2, 17, 12)), atol=1e-10, rtol=0)
     # the default Θ has equal factors, so every feature is (θ·x)², ≥ 0: "sum" is safe
     assert torch.equal(block.theta_q[:, :, 0], block.theta_q[:, :, 1])
@@ -57,7 +57,7 @@ def test_from_fit_layers_and_special_cases():
     theta_q, theta_k = (f.theta.detach().reshape(2, 2, 1, 2, 4, 5) for f in fit.maps)  # [L·H] heads → [L, H]
     assert torch.equal(block.theta_q, theta_q[1])
     xq, xk, v = _rand(1, 11, 2, 4, seed=8), _rand(1, 11, 2, 4, seed=9), _rand(1, 11, 2, 4, seed=10)
-    ref = llops_attention_naive(xq, xk, v, theta_q[1], theta_k[1], normalize="none")
+    ref = run_llops_naive(xq, xk, v, theta_q[1], theta_k[1], normalize="none")
     assert torch.allclose(block.attend(xq, xk, v), ref, atol=1e-10, rtol=0)
     with pytest.raises(ValueError, match="pass layer="):
         LLoPSAttention.from_fit(fit)

@@ -7,9 +7,9 @@ terms in another order: chunked sums against one token at a time).
 
 import pytest
 import torch
+from attention_calls import run_llops
 
 from sketchlab.attention import AttentionOptions, AttentionState, FarParams, LLoPSAttention, MemoryState
-from sketchlab.attention.functional import llops_attention
 from sketchlab.attention.memory import memory_attention_naive
 from sketchlab.llops import llops_features
 from sketchlab.polynomial import self_tensor
@@ -149,7 +149,7 @@ def test_module_and_op_resolve_a_signed_theta_alike(state):
     assert block.options.non_negative is (state != "delta")  # self-tensored only where a sum divides
     options = AttentionOptions(normalize="sum", chunk_size=8, local_scale=block.options.local_scale, **kw)
     q, k, v = (_rand(2, 11, H, E // H, seed=s) for s in (5, 6, 7))
-    op = llops_attention(q * block.qk_scale, k * block.qk_scale, v, tq, tk, gate=block.gate, params=block.far,
+    op = run_llops(q * block.qk_scale, k * block.qk_scale, v, tq, tk, gate=block.gate, params=block.far,
                             options=options)
     assert torch.allclose(block.attend(q, k, v), op, rtol=0, atol=TOL64)
     assert block.options == options.resolve(False)  # the one rule, the map signed

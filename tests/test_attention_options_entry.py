@@ -1,7 +1,6 @@
-"""The options object at the attention entry points (issue 33, DESIGN §7): ``options=`` equals the
-keywords bit for bit, both at once is refused naming the keyword, memory options route to
-``memory_attention`` (its twin with ``backend="reference"``), and each option's rule is the one of
-``AttentionOptions`` (the same error, word for word, from every entry point).
+"""The options object at the one op (issue 33 and 40, DESIGN §7): the gate through ``params`` is the gate
+given, bad options and params are refused, memory options route to ``memory_attention`` (its twin with
+``backend="reference"``), and each option's rule is the one of ``AttentionOptions``.
 
 Tolerances: equal paths are compared with ``torch.equal`` (one computation, two ways to ask for it);
 a route against a direct call of the memory functions on the same features likewise (same calls).
@@ -9,11 +8,10 @@ a route against a direct call of the memory functions on the same features likew
 
 import pytest
 import torch
+from attention_calls import run_llops
 
 import sketchlab as sl
 from sketchlab.attention import AttentionOptions, FarParams, MemoryState, linear_attention
-from sketchlab.attention.chunked import feature_attention
-from sketchlab.attention.functional import llops_attention
 from sketchlab.attention.memory import memory_attention, memory_attention_naive
 from sketchlab.featuremaps import HedgehogMap, LLoPSMap
 from sketchlab.llops import llops_features
@@ -47,23 +45,19 @@ HYBRID = dict(window=5, sinks=2, local="softmax", local_scale=0.8, eps=1e-5, chu
 
 
 def _op(fmap, fmap_k=None):
-    """The op on ``fmap`` (and ``fmap_k``) behind the keyword calling convention of the other entry points: a caller that
-    gives keywords builds its options from them once (the edge), then the op uses them as given."""
+    """The op on ``fmap`` (and ``fmap_k``), returning ``o`` alone unless ``output_final_state``."""
 
-    def call(q, k, v, *, options=None, params=None, gate=None, segments=None, key_padding_mask=None,
-             initial_state=None, output_final_state=False, **keywords):
-        assert options is None or not keywords, "the op takes options or nothing"
-        options = AttentionOptions(**keywords) if options is None else options
-        out, state = linear_attention(q, k, v, fmap, fmap_k, options=options, params=params, gate=gate, segments=segments,
-                                      key_padding_mask=key_padding_mask, initial_state=initial_state,
-                                      output_final_state=output_final_state)
+    def call(q, k, v, *, options=None, output_final_state=False, **call_keywords):
+        out, state = linear_attention(q, k, v, fmap, fmap_k, options=options, output_final_state=output_final_state,
+                                      **call_keywords)
         return (out, state) if output_final_state else out
 
     return call
 
 
 def _callers():
-    """name → (call(q, k, v, **kw), the features its memory route must see (fq, fk; ``delta=True``: under the
+    """name → (call(q, k, v, **kw): the op, on LLoPS maps of a raw Θ (``llops``) or on maps, the features its
+    memory route must see (fq, fk; ``delta=True``: under the
     delta state), degree)."""
     theta = _theta()
     tq, tk = _theta(7, equal=False), _theta(8, equal=False)
@@ -72,7 +66,7 @@ def _callers():
     lmap_k = LLoPSMap(H, D, theta=tk)
     feats = lambda x, t: llops_features(x.transpose(1, 2), t).transpose(1, 2)  # noqa: E731
     return {
-        "llops": (lambda q, k, v, **kw: llops_attention(q, k, v, theta, theta, **kw),
+        "llops": (lambda q, k, v, **kw: run_llops(q, k, v, theta, theta, **kw),
                   lambda q, k, delta=False: (feats(q, theta), feats(k, theta)), 2),
         # a signed map: self-tensored under a denominator, as it is under the delta state (none)
         "op_llops": (_op(lmap),
@@ -84,47 +78,25 @@ def _callers():
         "op_llops_pair": (_op(lmap, lmap_k),
                           lambda q, k, delta=False: tuple(x if delta else self_tensor(x)
                                                           for x in (feats(q, tq), feats(k, tk))), 2),
-        "features": (lambda q, k, v, **kw: feature_attention(feats(q, theta), feats(k, theta), v, q=q, k=k, **kw),
-                     lambda q, k, delta=False: (feats(q, theta), feats(k, theta)), None),
     }
 
 
 CALLERS = list(_callers())
-#: The entry points with option keywords (the op takes one options object and no option keyword).
-KEYWORD_CALLERS = [name for name in CALLERS if not name.startswith("op_")]
 
 
 @pytest.mark.parametrize("name", CALLERS)
-@pytest.mark.parametrize("layout", ["pure", "hybrid"])
-def test_options_equal_the_keywords(name, layout):
+def test_the_gate_in_params_is_the_gate_given(name):
+    """A non-memory call may carry its gate in ``params``: the same call as ``gate=params.gate``."""
     call = _callers()[name][0]
     q, k, v = _qkv()
-    kw = dict(HYBRID) if layout == "hybrid" else dict(eps=1e-5, chunk_size=8)
-    if name == "op_hedgehog" and layout == "pure":
-        kw["normalize"] = "sum"
-    gate = _rand(H, seed=9) if layout == "hybrid" else None
-    ref, s_ref = call(q, k, v, gate=gate, output_final_state=True, **kw)
-    out, s_out = call(q, k, v, options=AttentionOptions(**kw), gate=gate, output_final_state=True)
-    assert torch.equal(out, ref)
-    assert torch.equal(s_out.S, s_ref.S) and torch.equal(s_out.z, s_ref.z)
-    # the gate through params (a non-memory call may carry it there): the same call as gate=params.gate
-    if gate is not None:
-        params = FarParams(AttentionOptions(**kw), H, D).double()
-        with torch.no_grad():
-            params.gate.copy_(gate)
-        out = call(q, k, v, options=AttentionOptions(**kw), params=params)
-        assert torch.equal(out, call(q, k, v, gate=params.gate, **kw))
-        assert torch.allclose(out, ref, atol=1e-13, rtol=0)
-
-
-@pytest.mark.parametrize("name", KEYWORD_CALLERS)
-@pytest.mark.parametrize("keyword, value", [("window", 3), ("eps", 1e-3), ("causal", False), ("chunk_size", 4),
-                                            ("local_scale", 0.5), ("denominator_check", "off")])
-def test_options_and_a_keyword_are_refused_naming_it(name, keyword, value):
-    call = _callers()[name][0]
-    q, k, v = _qkv()
-    with pytest.raises(ValueError, match=f"options= supplies every option, and {keyword}={value!r} was passed too"):
-        call(q, k, v, options=AttentionOptions(window=2), **{keyword: value})
+    options = AttentionOptions(**HYBRID)
+    params = FarParams(options, H, D).double()
+    with torch.no_grad():
+        params.gate.copy_(_rand(H, seed=9))
+    out, state = call(q, k, v, options=options, params=params, output_final_state=True)
+    ref, s_ref = call(q, k, v, options=options, gate=params.gate, output_final_state=True)
+    assert torch.equal(out, ref) and torch.equal(state.S, s_ref.S)
+    assert not torch.equal(out, call(q, k, v, options=options))  # the gate matters (g = 1/2 without it)
 
 
 @pytest.mark.parametrize("name", CALLERS)
@@ -195,10 +167,10 @@ def test_memory_refuses_the_fused_kernel_and_decay_one_is_not_memory():
     q, k, v = _qkv()
     theta = _theta()
     with pytest.raises(ValueError, match="have no fused kernel"):
-        llops_attention(q, k, v, theta, theta, options=AttentionOptions(window=2, cache=2, backend="triton"))
+        run_llops(q, k, v, theta, theta, options=AttentionOptions(window=2, cache=2, backend="triton"))
     # decay=1.0 is no decay: today's hybrid, bit for bit, and its AttentionState
-    ref, s_ref = llops_attention(q, k, v, theta, theta, window=4, sinks=1, output_final_state=True)
-    out, s_out = llops_attention(q, k, v, theta, theta, options=AttentionOptions(window=4, sinks=1, decay=1.0),
+    ref, s_ref = run_llops(q, k, v, theta, theta, window=4, sinks=1, output_final_state=True)
+    out, s_out = run_llops(q, k, v, theta, theta, options=AttentionOptions(window=4, sinks=1, decay=1.0),
                                  output_final_state=True)
     assert torch.equal(out, ref) and type(s_out) is type(s_ref) and not isinstance(s_out, MemoryState)
 
@@ -209,41 +181,21 @@ def test_non_negative_none_lets_the_map_decide():
     q, k, v = _qkv()
     signed, safe = _theta(7, equal=False), _theta()
     for theta, lifted in ((signed, True), (safe, False)):
-        out = llops_attention(q, k, v, theta, theta, options=AttentionOptions(non_negative=None))
-        assert torch.equal(out, llops_attention(q, k, v, theta, theta, non_negative=lifted))
+        out = run_llops(q, k, v, theta, theta, options=AttentionOptions(non_negative=None))
+        assert torch.equal(out, run_llops(q, k, v, theta, theta, non_negative=lifted))
 
 
 # ------------------------------------------------------------------ one rule per option, one message
-BAD = [("normalize", "max"), ("eps", -1.0), ("eps", float("inf")), ("window", -1), ("sinks", 2),
-       ("local", "relu"), ("local_scale", -1.0), ("denominator_check", "loud"), ("chunk_size", 0),
-       ("backend", "cuda"), ("causal", 1), ("non_negative", "yes")]
-
-
 def _message(fn):
     with pytest.raises((ValueError, TypeError)) as err:
         fn()
     return str(err.value)
 
 
-@pytest.mark.parametrize("keyword, value", BAD)
-def test_every_entry_point_states_the_options_rule(keyword, value):
-    """The error each entry point raises for a bad option is AttentionOptions' own, word for word
-    (the rule is written once)."""
-    want = _message(lambda: AttentionOptions(**{keyword: value}))
-    q, k, v = _qkv()
-    for name, (call, _, _) in _callers().items():
-        if name.startswith("op_"):
-            continue  # the op has no option keywords: its options are built by its caller
-        if name == "features" and keyword == "backend":
-            continue  # feature_attention has no backend keyword
-        assert _message(lambda: call(q, k, v, **{keyword: value})) == want, name
-
-
 def test_the_checks_are_the_options_rules():
     from sketchlab.attention import _checks
 
     for fn, name, value in ((_checks.check_normalize, "normalize", "max"), (_checks.check_eps, "eps", -2.0),
-                            (_checks.check_chunk_size, "chunk_size", 0),
                             (_checks.check_denominator_check, "denominator_check", "loud"),
                             (_checks.check_backend_name, "backend", "gpu")):
         assert _message(lambda: fn(value)) == _message(lambda: AttentionOptions(**{name: value}))
@@ -277,8 +229,8 @@ def test_kernel_range_bound_is_cached_per_theta_version():
     token) and recomputed after an in-place change: a Θ scaled in place into underflow is refused."""
     q, k, v = _qkv()
     theta = _theta()
-    llops_attention(q, k, v, theta, theta)
+    run_llops(q, k, v, theta, theta)
     with torch.no_grad():
         theta.mul_(1e-90)  # features (θ·x)² ~ 1e-180 each: every kernel value underflows float64
     with pytest.raises(ValueError, match="underflow"):
-        llops_attention(q, k, v, theta, theta)
+        run_llops(q, k, v, theta, theta)

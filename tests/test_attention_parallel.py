@@ -7,13 +7,11 @@ real error (a wrong mask, a dropped normaliser, a missing square).
 
 import pytest
 import torch
+from attention_calls import run_chunked, run_llops, run_llops_naive
 
 import sketchlab.attention.ops.additive.chunk as chunk
-from sketchlab.attention.chunked import feature_attention
-from sketchlab.attention.functional import llops_attention
 from sketchlab.attention.ops.additive.naive import feature_attention_naive
 from sketchlab.attention.ops.additive.parallel import use_parallel
-from sketchlab.attention.reference import llops_attention_naive
 
 TOL64 = 1e-10
 
@@ -46,7 +44,7 @@ def test_parallel_matches_naive_forward_and_gradients(T, causal, normalize, non_
     kw = dict(causal=causal, normalize=normalize, non_negative=non_negative, key_padding_mask=mask,
               denominator_check="off")
     grad_out = _rand(2, T, 3, 4, seed=4)
-    out, grads = _grads(lambda a, b, c: feature_attention(a, b, c, **kw), (phi_q, phi_k, v), grad_out)
+    out, grads = _grads(lambda a, b, c: run_chunked(a, b, c, **kw), (phi_q, phi_k, v), grad_out)
     ref, ref_grads = _grads(lambda a, b, c: feature_attention_naive(a, b, c, **kw), (phi_q, phi_k, v), grad_out)
     assert out.dtype == torch.float64 and out.shape == ref.shape
     assert torch.allclose(out, ref, atol=TOL64, rtol=0), (out - ref).abs().max().item()
@@ -56,14 +54,14 @@ def test_parallel_matches_naive_forward_and_gradients(T, causal, normalize, non_
 
 def test_parallel_non_causal_with_different_lengths():
     phi_q, phi_k, v = _rand(1, 30, 2, 4, seed=5).abs(), _rand(1, 45, 2, 4, seed=6).abs(), _rand(1, 45, 2, 3, seed=7)
-    out = feature_attention(phi_q, phi_k, v, causal=False)  # T, S <= 64: parallel
+    out = run_chunked(phi_q, phi_k, v, causal=False)  # T, S <= 64: parallel
     assert torch.allclose(out, feature_attention_naive(phi_q, phi_k, v, causal=False), atol=TOL64, rtol=0)
 
 
 @pytest.mark.parametrize("non_negative", [False, True])
 def test_llops_segments_and_padding_through_the_parallel_form(non_negative):
     """llops_attention with segments and a padding mask (every segment within one chunk): output and the
-    gradients of q, k, v, Θ_Q, Θ_K == llops_attention_naive's."""
+    gradients of q, k, v, Θ_Q, Θ_K == run_llops_naive's."""
     H, t, p, D, M, T = 2, 2, 2, 4, 3, 20
     args = [_rand(2, T, H, D, seed=10), _rand(2, T, H, D, seed=11), _rand(2, T, H, 3, seed=12),
             _rand(H, t, p, D, M, seed=13), _rand(H, t, p, D, M, seed=14)]
@@ -71,8 +69,8 @@ def test_llops_segments_and_padding_through_the_parallel_form(non_negative):
     mask[1, 15:] = False
     kw = dict(normalize="none", non_negative=non_negative, segments=[7, 13], key_padding_mask=mask)
     grad_out = _rand(2, T, H, 3, seed=15)
-    out, grads = _grads(lambda *a: llops_attention(*a, backend="torch", **kw), args, grad_out)
-    ref, ref_grads = _grads(lambda *a: llops_attention_naive(*a, **kw), args, grad_out)
+    out, grads = _grads(lambda *a: run_llops(*a, backend="torch", **kw), args, grad_out)
+    ref, ref_grads = _grads(lambda *a: run_llops_naive(*a, **kw), args, grad_out)
     # unnormalised degree-4 kernels of N(0, 1) inputs reach 1e4-1e6: the tolerance is TOL64 relative to each
     # tensor's largest entry (round-off ~1e-16 of it per term)
     for name, g, r in zip(("out", "q", "k", "v", "theta_q", "theta_k"), (out, *grads), (ref, *ref_grads)):
@@ -100,16 +98,16 @@ def test_dispatch_runs_the_form_the_rule_names(monkeypatch):
     with monkeypatch.context() as m:
         m.setattr(chunk, "parallel_core", boom)
         with pytest.raises(RuntimeError, match="boom"):
-            feature_attention(phi[:, :64], phi[:, :64], phi[:, :64])
-        feature_attention(phi, phi, phi)  # T = 80 > 64: the engine
-        feature_attention(phi[:, :64], phi[:, :64], phi[:, :64], chunk_size=32)
-        feature_attention(phi[:, :20], phi[:, :20], phi[:, :20], output_final_state=True)
-        feature_attention(phi[:, :20], phi[:, :20], phi[:, :20], q=phi[:, :20], k=phi[:, :20], window=4)
+            run_chunked(phi[:, :64], phi[:, :64], phi[:, :64])
+        run_chunked(phi, phi, phi)  # T = 80 > 64: the engine
+        run_chunked(phi[:, :64], phi[:, :64], phi[:, :64], chunk_size=32)
+        run_chunked(phi[:, :20], phi[:, :20], phi[:, :20], output_final_state=True)
+        run_chunked(phi[:, :20], phi[:, :20], phi[:, :20], q=phi[:, :20], k=phi[:, :20], window=4)
     with monkeypatch.context() as m:
         m.setattr(chunk, "chunk_core", boom)
-        feature_attention(phi[:, :64], phi[:, :64], phi[:, :64])
+        run_chunked(phi[:, :64], phi[:, :64], phi[:, :64])
         with pytest.raises(RuntimeError, match="boom"):
-            feature_attention(phi, phi, phi)
+            run_chunked(phi, phi, phi)
 
 
 def test_parallel_denominator_check_sees_the_rows():
@@ -117,7 +115,7 @@ def test_parallel_denominator_check_sees_the_rows():
     phi_q = torch.ones(1, 4, 1, 2, dtype=torch.float64)
     phi_k = torch.tensor([1.0, -1.0], dtype=torch.float64).expand(1, 4, 1, 2).contiguous()  # φ(q)·φ(k) = 0
     with pytest.raises(Exception, match="denominator"):
-        feature_attention(phi_q, phi_k, phi_q, normalize="sum", denominator_check="raise")
+        run_chunked(phi_q, phi_k, phi_q, normalize="sum", denominator_check="raise")
 
 
 def test_parallel_denominator_check_skips_padded_query_rows():
@@ -127,15 +125,15 @@ def test_parallel_denominator_check_skips_padded_query_rows():
     mask = torch.ones(2, 8, dtype=torch.bool)
     mask[0, :3] = False
     kw = dict(causal=True, normalize="sum", key_padding_mask=mask, denominator_check="raise")
-    out = feature_attention(phi, phi, phi, **kw)
+    out = run_chunked(phi, phi, phi, **kw)
     assert torch.allclose(out[:, 3:], feature_attention_naive(phi, phi, phi, **kw)[:, 3:], atol=TOL64, rtol=0)
     phi_k = phi.clone()
     phi_k[1, 0] = -phi_k[1, 0]  # sequence 1's first query sees only its own key: φ(q)·φ(k) < 0
     with pytest.raises(Exception, match="denominator"):
-        feature_attention(phi, phi_k, phi, **kw)
+        run_chunked(phi, phi_k, phi, **kw)
 
 
 def test_parallel_scores_are_budgeted():
     phi = _rand(2, 16, 1, 3, seed=30)
     with pytest.raises(ValueError, match="memory budget"):  # [2, 1, 16, 16] float64 = 4096 bytes
-        feature_attention(phi, phi, phi, normalize="none", max_bytes=1000)
+        run_chunked(phi, phi, phi, normalize="none", max_bytes=1000)

@@ -8,9 +8,9 @@ import warnings
 
 import pytest
 import torch
+from attention_calls import run_chunked
 
 from sketchlab.attention import AttentionOptions, FarParams
-from sketchlab.attention.chunked import feature_attention
 from sketchlab.attention.memory import memory_attention
 from sketchlab.attention.ops import fused_recurrent
 from sketchlab.attention.recurrent import RecurrentStep
@@ -72,7 +72,7 @@ def _reference(options, lift, degree, q, k, v, fq, fk, params, gate, state, mask
         return memory_attention(fq, fk, v, q if w else None, k if w else None, options=options, params=params,
                                 gate=gate, degree=degree, key_padding_mask=mask, initial_state=state,
                                 output_final_state=True)
-    return feature_attention(fq, fk, v, q=q if w else None, k=k if w else None, options=options.replace(
+    return run_chunked(fq, fk, v, q=q if w else None, k=k if w else None, options=options.replace(
         non_negative=lift), gate=gate, degree=degree, key_padding_mask=mask, initial_state=state,
         output_final_state=True)
 

@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from attention_calls import run_llops_naive
 
 import sketchlab as sl
 from sketchlab.attention import (
@@ -17,7 +18,7 @@ from sketchlab.attention import (
     softmax_attention_naive,
 )
 from sketchlab.attention.ops.additive.naive import feature_attention_naive
-from sketchlab.attention.reference import kernel_attention_naive, llops_attention_naive
+from sketchlab.attention.reference import kernel_attention_naive
 from sketchlab.polynomial import self_tensor
 
 TOL = 1e-10
@@ -123,7 +124,7 @@ def test_llops_attention_naive_is_feature_attention_of_llops_features(non_negati
     H, t, p, D, M = 2, 2, 2, 4, 3
     q, k, v = _rand(2, 6, H, D, seed=40), _rand(2, 6, H, D, seed=41), _rand(2, 6, H, 3, seed=42)
     theta_q, theta_k = _rand(H, t, p, D, M, seed=43), _rand(H, t, p, D, M, seed=44)
-    out = llops_attention_naive(q, k, v, theta_q, theta_k, normalize="none", non_negative=non_negative)
+    out = run_llops_naive(q, k, v, theta_q, theta_k, normalize="none", non_negative=non_negative)
     # φ(x)_i = Σ_r Π_j <θ_{r,j,:,i}, x>, written with einsum per head
     proj_q = torch.einsum("bthd,hrjdm->bthrjm", q, theta_q).prod(-2).sum(-2)  # [B, T, H, M]
     proj_k = torch.einsum("bthd,hrjdm->bthrjm", k, theta_k).prod(-2).sum(-2)
@@ -155,11 +156,11 @@ def test_unnormalised_signed_scores_are_fine_but_sum_normaliser_is_not_guarded()
     (lambda: feature_attention_naive(_rand(1, 3, 2, 4), _rand(1, 3, 2, 4), _rand(1, 3, 2, 2), segments=[1, 1]), "sum to"),
     (lambda: feature_attention_naive(_rand(1, 4, 2, 4), _rand(1, 4, 2, 4), _rand(1, 4, 2, 2), segments=3), "divide"),
     (lambda: poly_attention_naive(_rand(1, 3, 2, 4), _rand(1, 3, 2, 4), _rand(1, 3, 2, 2), 0), "degree"),
-    (lambda: llops_attention_naive(_rand(1, 3, 2, 4), _rand(1, 3, 2, 4), _rand(1, 3, 2, 2),
+    (lambda: run_llops_naive(_rand(1, 3, 2, 4), _rand(1, 3, 2, 4), _rand(1, 3, 2, 2),
                                    _rand(2, 1, 2, 4, 3), _rand(2, 1, 3, 4, 3)), "same degree p"),
-    (lambda: llops_attention_naive(_rand(1, 3, 2, 4), _rand(1, 3, 2, 4), _rand(1, 3, 2, 2),
-                                   _rand(3, 1, 2, 4, 3), _rand(3, 1, 2, 4, 3)), "one map per head"),
-    (lambda: llops_attention_naive(_rand(1, 3, 2, 4), _rand(1, 3, 2, 4), _rand(1, 3, 2, 2),
+    (lambda: run_llops_naive(_rand(1, 3, 2, 4), _rand(1, 3, 2, 4), _rand(1, 3, 2, 2),
+                                   _rand(3, 1, 2, 4, 3), _rand(3, 1, 2, 4, 3)), "feature_map has heads=3, head_dim=4 but q has H=2"),
+    (lambda: run_llops_naive(_rand(1, 3, 2, 4), _rand(1, 3, 2, 4), _rand(1, 3, 2, 2),
                                    _rand(2, 1, 2, 4, 3) * math.nan, _rand(2, 1, 2, 4, 3)), "theta_q must be finite"),
 ])
 def test_bad_input_is_rejected_with_the_rule(call, match):

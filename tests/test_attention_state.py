@@ -6,10 +6,9 @@ float64 tolerance 1e-10: the split and the whole call add the same terms in anot
 
 import pytest
 import torch
+from attention_calls import run_chunked, run_llops
 
 from sketchlab.attention import AttentionState, LLoPSAttention
-from sketchlab.attention.chunked import feature_attention
-from sketchlab.attention.functional import llops_attention
 from sketchlab.attention.ops.additive.naive import feature_attention_naive
 
 TOL64 = 1e-10
@@ -46,10 +45,10 @@ def test_llops_split_anywhere_equals_whole(backend, hybrid, non_negative):
     kw = dict(HYBRIDS[hybrid], non_negative=non_negative, backend=backend, chunk_size=4)
     if "gate" in kw:
         kw["gate"] = _rand(2, seed=5)
-    whole, whole_state = llops_attention(q, k, v, theta, theta, output_final_state=True, **kw)
+    whole, whole_state = run_llops(q, k, v, theta, theta, output_final_state=True, **kw)
 
     def fn(a, b, **extra):
-        return llops_attention(q[:, a:b], k[:, a:b], v[:, a:b], theta, theta, **kw, **extra)
+        return run_llops(q[:, a:b], k[:, a:b], v[:, a:b], theta, theta, **kw, **extra)
 
     for cuts in ([1], [7, 8, 9], [3, 11, 20], list(range(1, T))):
         split, state = _split_run(fn, T, cuts)
@@ -67,10 +66,10 @@ def test_a_continued_call_without_output_final_state_returns_only_the_output(bac
     q, k, v = _rand(1, 9 + T, 2, 4, seed=21), _rand(1, 9 + T, 2, 4, seed=22), _rand(1, 9 + T, 2, 3, seed=23)
     theta = _theta(seed=24)
     kw = dict(HYBRIDS[hybrid], backend=backend, chunk_size=4)
-    _, state = llops_attention(q[:, :9], k[:, :9], v[:, :9], theta, theta, output_final_state=True, **kw)
+    _, state = run_llops(q[:, :9], k[:, :9], v[:, :9], theta, theta, output_final_state=True, **kw)
     rest = (q[:, 9:], k[:, 9:], v[:, 9:], theta, theta)
-    expected, _ = llops_attention(*rest, initial_state=state, output_final_state=True, **kw)
-    out = llops_attention(*rest, initial_state=state, **kw)
+    expected, _ = run_llops(*rest, initial_state=state, output_final_state=True, **kw)
+    out = run_llops(*rest, initial_state=state, **kw)
     assert isinstance(out, torch.Tensor) and torch.equal(out, expected)
 
 
@@ -85,7 +84,7 @@ def test_generic_features_split_with_padding_and_across_backends(hybrid):
     whole = feature_attention_naive(fq, fk, v, key_padding_mask=mask, **kw)
     outs, state = [], None
     for i, (a, b) in enumerate(((0, 6), (6, 7), (7, 15), (15, T))):
-        fn = feature_attention if i % 2 else feature_attention_naive  # alternate backends
+        fn = run_chunked if i % 2 else feature_attention_naive  # alternate backends
         extra = {"chunk_size": 3} if i % 2 else {}
         sub = dict(kw, q=q[:, a:b], k=k[:, a:b])
         out, state = fn(fq[:, a:b], fk[:, a:b], v[:, a:b], key_padding_mask=mask[:, a:b], initial_state=state,
@@ -100,7 +99,7 @@ def test_state_size_is_constant_past_the_window():
     sizes = []
     state = None
     for a in range(0, 64, 8):
-        _, state = llops_attention(q[:, a:a + 8], k[:, a:a + 8], v[:, a:a + 8], theta, theta, window=8, sinks=2,
+        _, state = run_llops(q[:, a:a + 8], k[:, a:a + 8], v[:, a:a + 8], theta, theta, window=8, sinks=2,
                                    initial_state=state, output_final_state=True, backend="torch")
         sizes.append(state.nbytes)
     assert len(set(sizes)) == 1 and state.k_window.shape[2] == 8 and state.k_sink.shape[2] == 2
@@ -112,7 +111,7 @@ def test_carried_state_owns_only_its_own_storage(window):
     (a view would keep that whole buffer alive for as long as the state is held)."""
     q, k, v = _rand(1, 64, 2, 4, seed=31), _rand(1, 64, 2, 4, seed=32), _rand(1, 64, 2, 3, seed=33)
     theta = _theta(seed=34)
-    _, state = llops_attention(q, k, v, theta, theta, window=window, sinks=2 if window else 0,
+    _, state = run_llops(q, k, v, theta, theta, window=window, sinks=2 if window else 0,
                                chunk_size=8, output_final_state=True, backend="torch")
     for name in ("S", "z"):
         t = getattr(state, name)
@@ -122,15 +121,15 @@ def test_carried_state_owns_only_its_own_storage(window):
 def test_state_checks():
     q, k, v = _rand(1, 8, 2, 4), _rand(1, 8, 2, 4), _rand(1, 8, 2, 3)
     theta = _theta()
-    _, state = llops_attention(q, k, v, theta, theta, window=4, output_final_state=True, backend="torch")
+    _, state = run_llops(q, k, v, theta, theta, window=4, output_final_state=True, backend="torch")
     with pytest.raises(ValueError, match="k_window must have shape"):
-        llops_attention(q, k, v, theta, theta, window=6, initial_state=state, backend="torch")
+        run_llops(q, k, v, theta, theta, window=6, initial_state=state, backend="torch")
     with pytest.raises(TypeError, match="AttentionState"):
-        llops_attention(q, k, v, theta, theta, initial_state=(state.S, state.z), backend="torch")
+        run_llops(q, k, v, theta, theta, initial_state=(state.S, state.z), backend="torch")
     with pytest.raises(ValueError, match="causal=True"):
-        llops_attention(q, k, v, theta, theta, causal=False, output_final_state=True, backend="torch")
+        run_llops(q, k, v, theta, theta, causal=False, output_final_state=True, backend="torch")
     with pytest.raises(ValueError, match="segments cannot be combined"):
-        llops_attention(q, k, v, theta, theta, segments=[4, 4], output_final_state=True, backend="torch")
+        run_llops(q, k, v, theta, theta, segments=[4, 4], output_final_state=True, backend="torch")
 
 
 @pytest.mark.parametrize("window", [0, 3])
@@ -213,7 +212,7 @@ def test_state_to_and_detach_keep_the_masks_bool():
     q, k, v = _rand(1, 6, 2, 4, seed=41), _rand(1, 6, 2, 4, seed=42), _rand(1, 6, 2, 3, seed=43)
     theta = _theta(seed=44)
     mask = torch.tensor([[True, True, False, True, True, True]])
-    _, state = llops_attention(q, k, v, theta, theta, window=3, sinks=1, key_padding_mask=mask,
+    _, state = run_llops(q, k, v, theta, theta, window=3, sinks=1, key_padding_mask=mask,
                                output_final_state=True, backend="torch")
     half = state.to(torch.float32).detach()
     assert half.S.dtype == torch.float32 and half.mask_window.dtype == torch.bool
@@ -228,9 +227,9 @@ def test_half_inputs_keep_the_state_in_float32(dtype):
     q, k, v = _rand(1, 40, 2, 8, seed=51), _rand(1, 40, 2, 8, seed=52), _rand(1, 40, 2, 3, seed=53)
     theta = _theta(D=8, seed=54)
     low = [x.to(dtype) for x in (q, k, v, theta)]
-    ref = llops_attention(*(x.double() for x in low[:3]), low[3].double(), low[3].double(), window=5, sinks=2,
+    ref = run_llops(*(x.double() for x in low[:3]), low[3].double(), low[3].double(), window=5, sinks=2,
                           backend="reference")
-    out, state = llops_attention(*low[:3], low[3], low[3], window=5, sinks=2, backend="torch", chunk_size=8,
+    out, state = run_llops(*low[:3], low[3], low[3], window=5, sinks=2, backend="torch", chunk_size=8,
                                  output_final_state=True)
     assert out.dtype == dtype and state.S.dtype == torch.float32
     tol = 2e-2 if dtype == torch.bfloat16 else 5e-3
@@ -246,12 +245,12 @@ def test_a_state_mask_on_another_device_is_refused():
     mask = torch.ones(1, 8, dtype=torch.bool)
     mask[0, 6] = False
     theta = _theta()
-    _, state = llops_attention(q, k, v, theta, theta, window=3, sinks=1, key_padding_mask=mask, backend="torch",
+    _, state = run_llops(q, k, v, theta, theta, window=3, sinks=1, key_padding_mask=mask, backend="torch",
                                output_final_state=True)
     assert state.mask_window is not None
     moved = dataclasses.replace(state, mask_window=state.mask_window.to("meta"))
     with pytest.raises(ValueError, match="initial_state.mask_window is on meta"):
-        llops_attention(q[:, :2], k[:, :2], v[:, :2], theta, theta, window=3, sinks=1, backend="torch",
+        run_llops(q[:, :2], k[:, :2], v[:, :2], theta, theta, window=3, sinks=1, backend="torch",
                         initial_state=moved)
 
 
@@ -265,12 +264,12 @@ def test_a_state_of_another_dtype_continues_cast_to_the_calls(window):
     th = _theta()
     kw = dict(window=window, sinks=1 if window else 0)
     f32 = [x.float() for x in (q, k, v)]
-    whole = llops_attention(*f32, th.float(), th.float(), backend="torch", **kw)
-    _, st64 = llops_attention(q[:, :7], k[:, :7], v[:, :7], th, th, backend="reference", output_final_state=True, **kw)
+    whole = run_llops(*f32, th.float(), th.float(), backend="torch", **kw)
+    _, st64 = run_llops(q[:, :7], k[:, :7], v[:, :7], th, th, backend="reference", output_final_state=True, **kw)
     assert st64.S.dtype == torch.float64
     for st, tol in ((st64, 1e-5), (st64.to(torch.bfloat16), 3e-2)):
         for T in (1, 5):  # one-token decoding and a chunked call
-            out = llops_attention(*(x[:, 7:7 + T] for x in f32), th.float(), th.float(), backend="torch",
+            out = run_llops(*(x[:, 7:7 + T] for x in f32), th.float(), th.float(), backend="torch",
                                   initial_state=st, **kw)
             assert out.dtype == torch.float32
             assert (out - whole[:, 7:7 + T]).abs().max() < tol, (T, (out - whole[:, 7:7 + T]).abs().max().item())

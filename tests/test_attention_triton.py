@@ -27,8 +27,8 @@ import os
 
 import pytest
 import torch
+from attention_calls import run_llops_naive
 
-from sketchlab.attention.reference import llops_attention_naive
 from sketchlab.attention.triton import launch, llops_attention_triton
 
 FP32_TOL = 1e-4
@@ -86,7 +86,7 @@ def _compare(T, D, M, P, R, causal, normalize, non_negative=False, *, dtype=torc
     q, k, v, tq, tk, grad = _problem(T, D, M, P, R, normalize, dtype=dtype, signed=non_negative, **shape)
     kw = dict(causal=causal, normalize=normalize, non_negative=non_negative, eps=1e-6)
     got = _run(llops_attention_triton, q, k, v, tq, tk, grad, **kw)
-    want = _run(llops_attention_naive, *(x.double() for x in (q, k, v, tq, tk, grad)), **kw)
+    want = _run(run_llops_naive, *(x.double() for x in (q, k, v, tq, tk, grad)), **kw)
     errors = {}
     for name, a, b in zip(NAMES, got, want):
         assert a.shape == b.shape and a.dtype == dtype, (name, a.shape, b.shape, a.dtype)
@@ -142,17 +142,18 @@ def test_keys_longer_or_shorter_than_queries(S, non_negative):
 
 
 def test_functional_dispatch(monkeypatch):
-    """``llops_attention(backend="triton")`` reaches this kernel and equals the reference backend."""
+    """``run_llops(backend="triton")`` reaches this kernel and equals the reference backend."""
+    from attention_calls import run_llops
+
     import sketchlab.attention.triton as package
-    from sketchlab.attention.functional import llops_attention
 
     calls = []
     monkeypatch.setattr(package, "llops_attention_triton",
                         lambda *a, **kw: calls.append(kw) or llops_attention_triton(*a, **kw))
     q, k, v, tq, tk, grad = _problem(**{k: BASE[k] for k in ("T", "D", "M", "P", "R", "normalize")})
-    got = _run(llops_attention, q, k, v, tq, tk, grad, backend="triton")
+    got = _run(run_llops, q, k, v, tq, tk, grad, backend="triton")
     assert calls == [dict(causal=True, normalize="sum", non_negative=False, eps=1e-6)]
-    want = _run(llops_attention, *(x.double() for x in (q, k, v, tq, tk, grad)), backend="reference")
+    want = _run(run_llops, *(x.double() for x in (q, k, v, tq, tk, grad)), backend="reference")
     for name, a, b in zip(NAMES, got, want):
         assert ((a.double() - b).abs().max() / b.abs().max()).item() <= FP32_TOL, name
 

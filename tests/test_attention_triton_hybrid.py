@@ -5,7 +5,7 @@ Without CUDA the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, se
 windows are chosen against the chunk: w ∈ {1, 7, 16 (= the chunk), 50 (> T)}; sinks 3 (inside the
 first chunk) and 20 (two chunks of sinks).
 
-Reference: the float64 naive twin :func:`llops_attention_naive` (``window=``,
+Reference: the float64 naive twin :func:`run_llops_naive` (``window=``,
 ``sinks=``, ...: the formula of docs/DESIGN.md §6 with explicit masks; gradients by autograd, so the
 gradient through ``c_i = max_L s·qᵀk`` is whatever autograd of the formula gives), and its
 :class:`~sketchlab.attention.AttentionState` (states pass between the backends).
@@ -28,9 +28,9 @@ import os
 
 import pytest
 import torch
+from attention_calls import run_llops_naive
 
 from sketchlab.attention import AttentionState
-from sketchlab.attention.reference import llops_attention_naive
 from sketchlab.attention.triton import launch, llops_attention_triton
 from sketchlab.llops.maps import llops_features
 
@@ -60,7 +60,7 @@ def _gate_roundoff_scale(q, k, v, theta_q, theta_k, grad_out, *, window, sinks, 
                          gate=None, non_negative=False, eps=1e-6, key_padding_mask=None, causal=True):
     r"""``Σ_{b,i,j} |a_ij δ_ij|`` per head over the local and far keys of the hybrid (float64):
     the round-off scale of ``∂L/∂γ = Σ ±a_ij δ_ij``, with ``δ_ij = G_i·v_j + C_i`` (``G = dO/den``,
-    ``C = −G·o``). Only a tolerance; the reference values come from ``llops_attention_naive``."""
+    ``C = −G·o``). Only a tolerance; the reference values come from ``run_llops_naive``."""
     B, T, H, D = q.shape
     s = D ** -0.5 if local_scale is None else local_scale
     q, k, v = (x.to(torch.float64).transpose(1, 2) for x in (q, k, v))  # [B, H, T, ·]
@@ -136,7 +136,7 @@ def _compare(T=37, *, window, sinks, local="softmax", gate=True, local_scale=Non
     got, dgate = _grads(llops_attention_triton, [x.to(DEVICE, torch.float32) for x in (q, k, v, tq, tk)]
                         + [None if gl is None else gl.to(DEVICE, torch.float32)], grad.to(DEVICE),
                         key_padding_mask=None if mask is None else mask.to(DEVICE), **opts)
-    want, dgate_ref = _grads(llops_attention_naive, [q, k, v, tq, tk, gl], grad, key_padding_mask=mask, **opts)
+    want, dgate_ref = _grads(run_llops_naive, [q, k, v, tq, tk, gl], grad, key_padding_mask=mask, **opts)
     errors = {name: _rel(a.cpu(), b) for name, a, b in zip(NAMES, got, want)}
     bad = {n: e for n, e in errors.items() if not e <= FP32_TOL}
     assert not bad, f"relative max errors over {FP32_TOL}: {bad} (all: {errors})"
@@ -190,7 +190,7 @@ def test_window_zero_is_the_pure_kernel():
     base = llops_attention_triton(q, k, v, tq, tk, **kw)
     new = llops_attention_triton(q, k, v, tq, tk, **kw, window=0, sinks=0, local="poly", gate=gl.float(), local_scale=3.0)
     assert torch.equal(base, new)
-    want = llops_attention_naive(*(x.cpu().double() for x in (q, k, v, tq, tk)), **kw)
+    want = run_llops_naive(*(x.cpu().double() for x in (q, k, v, tq, tk)), **kw)
     assert _rel(new.cpu(), want) <= FP32_TOL
 
 
@@ -276,7 +276,7 @@ def test_state_passes_between_backends(padded):
     f32 = [x.to(DEVICE, torch.float32) for x in (q, k, v, tq, tk, gl)]
     dmask = None if mask is None else mask.to(DEVICE)
     _, got = _chain(f32, (), mask=dmask, **kw)
-    whole, want = _chain([q, k, v, tq, tk, gl], (), mask=mask, fn=llops_attention_naive, **kw)
+    whole, want = _chain([q, k, v, tq, tk, gl], (), mask=mask, fn=run_llops_naive, **kw)
     for name in STATE_FIELDS:
         assert _rel(getattr(got, name).detach().cpu(), getattr(want, name)) <= FP32_TOL, name
     assert got.offset == want.offset == T
@@ -291,10 +291,10 @@ def test_state_passes_between_backends(padded):
                              for f in STATE_FIELDS + ("mask_window", "mask_sink") if getattr(st, f) is not None},
                           offset=st.offset)
     tail = [x[:, cut:] if x.ndim == 4 and x.shape[1] == T else x for x in (q, k, v, tq, tk, gl)]
-    rest, _ = _chain(tail, (), mask=None if mask is None else mask[:, cut:], fn=llops_attention_naive, state=st64, **kw)
+    rest, _ = _chain(tail, (), mask=None if mask is None else mask[:, cut:], fn=run_llops_naive, state=st64, **kw)
     assert _rel(rest, whole[:, cut:]) <= FP32_TOL
     _, st_ref = _chain([x[:, :cut] if x.ndim == 4 and x.shape[1] == T else x for x in (q, k, v, tq, tk, gl)], (),
-                       mask=None if mask is None else mask[:, :cut], fn=llops_attention_naive, **kw)
+                       mask=None if mask is None else mask[:, :cut], fn=run_llops_naive, **kw)
     st32 = st_ref.to(DEVICE, torch.float32)
     rest32, _ = _chain([x[:, cut:] if x.ndim == 4 and x.shape[1] == T else x for x in f32], (),
                        mask=None if dmask is None else dmask[:, cut:], state=st32, **kw)
@@ -358,16 +358,16 @@ def test_cuda_compiled_hybrid(local, window, sinks):
 
 
 def test_functional_dispatch_of_the_hybrid():
-    """``llops_attention(backend="triton")`` hands the hybrid, the mask and the state to this kernel
+    """``run_llops(backend="triton")`` hands the hybrid, the mask and the state to this kernel
     and equals ``backend="reference"``, final state included."""
-    from sketchlab.attention.functional import llops_attention
+    from attention_calls import run_llops
 
     q, k, v, tq, tk, gl, grad = _problem(21)
     mask = _padding(2, 21)
     kw = dict(window=5, sinks=2, local="poly", output_final_state=True)
-    got, st = llops_attention(*(x.to(DEVICE, torch.float32) for x in (q, k, v, tq, tk)), gate=gl.to(DEVICE).float(),
+    got, st = run_llops(*(x.to(DEVICE, torch.float32) for x in (q, k, v, tq, tk)), gate=gl.to(DEVICE).float(),
                               key_padding_mask=mask.to(DEVICE), backend="triton", **kw)
-    want, st_ref = llops_attention(q, k, v, tq, tk, gate=gl, key_padding_mask=mask, backend="reference", **kw)
+    want, st_ref = run_llops(q, k, v, tq, tk, gate=gl, key_padding_mask=mask, backend="reference", **kw)
     assert _rel(got.cpu(), want) <= FP32_TOL
     for name in STATE_FIELDS:
         assert _rel(getattr(st, name).detach().cpu(), getattr(st_ref, name)) <= FP32_TOL, name

@@ -8,9 +8,9 @@ import warnings
 
 import pytest
 import torch
+from attention_calls import run_llops
 
 import sketchlab as sl
-from sketchlab.attention.functional import llops_attention
 from sketchlab.cli import main
 
 B, T, H, D, M = 2, 16, 2, 8, 6
@@ -33,7 +33,7 @@ def test_llops_attention_refuses_non_finite_inputs(backend, name, bad):
     tensors[name][1, 3, 0, 2] = bad
     with pytest.raises(ValueError, match=rf"^{name} must be finite: 1 non-finite value\(s\) of {B * T * H * D}, "
                                          rf"the first at index \(1, 3, 0, 2\)"):
-        llops_attention(tensors["q"], tensors["k"], tensors["v"], theta, theta, backend=backend)
+        run_llops(tensors["q"], tensors["k"], tensors["v"], theta, theta, backend=backend)
 
 
 @pytest.mark.parametrize("attend", ["poly", "softmax"])
@@ -51,7 +51,7 @@ def test_theta_scaled_to_underflow_is_refused(non_negative):
     # p = 2, |θ| ~ 0.3e-30: φ ~ 1e-61·‖x‖², far below float32's 1.2e-38; without the check the output is all 0
     with pytest.raises(ValueError, match=r"theta_q, theta_k with q, k underflow torch.float32: every kernel value of "
                                          r"head 0 is at most .*e-\d{3}, below the smallest normal number 1.18e-38"):
-        llops_attention(q, k, v, theta * 1e-30, theta * 1e-30, normalize="none", non_negative=non_negative)
+        run_llops(q, k, v, theta * 1e-30, theta * 1e-30, normalize="none", non_negative=non_negative)
 
 
 def test_theta_scaled_to_overflow_is_refused_in_float32_and_fine_in_float64():
@@ -59,10 +59,10 @@ def test_theta_scaled_to_overflow_is_refused_in_float32_and_fine_in_float64():
     # |φ| ~ (1e9·‖x‖)², a product of two ~1e40 > 3.4e38: float32 gives inf/NaN without the check
     with pytest.raises(ValueError, match=r"theta_q, theta_k with q, k overflow torch.float32: a product of the features "
                                          r"of the largest query and key is .*e\+4\d, above the largest representable"):
-        llops_attention(q, k, v, theta * 1e10, theta * 1e10, normalize="none", backend="torch")
+        run_llops(q, k, v, theta * 1e10, theta * 1e10, normalize="none", backend="torch")
     q64, k64, v64, theta64 = _attention_inputs(torch.float64)
-    out = llops_attention(q64, k64, v64, theta64 * 1e10, theta64 * 1e10, normalize="none", backend="torch")
-    ref = llops_attention(q64, k64, v64, theta64, theta64, normalize="none", backend="reference")
+    out = run_llops(q64, k64, v64, theta64 * 1e10, theta64 * 1e10, normalize="none", backend="torch")
+    ref = run_llops(q64, k64, v64, theta64, theta64, normalize="none", backend="reference")
     # the kernel is homogeneous of degree 2p = 4 in θ: the output scales by 1e40 exactly (to round-off)
     torch.testing.assert_close(out / 1e40, ref, rtol=1e-10, atol=0)
 
@@ -72,17 +72,17 @@ def test_a_sum_that_may_overflow_warns():
     # at this seed and scale one product of the largest tokens' features is ~2e37 (finite in float32) but
     # 16 keys × the largest kernel value pass 3.4e38; at 1/10 of the scale (10^-4 of the kernel) no warning
     with pytest.warns(RuntimeWarning, match=r"16 keys × kernel values up to .*e\+37 may overflow torch.float32"):
-        llops_attention(q, k, v, theta * 1.6e9, theta * 1.6e9, normalize="none", backend="torch")
+        run_llops(q, k, v, theta * 1.6e9, theta * 1.6e9, normalize="none", backend="torch")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        llops_attention(q, k, v, theta * 1.6e8, theta * 1.6e8, normalize="none", backend="torch")
+        run_llops(q, k, v, theta * 1.6e8, theta * 1.6e8, normalize="none", backend="torch")
 
 
 def test_zero_queries_are_not_an_underflow():
     q, k, v, theta = _attention_inputs()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        out = llops_attention(q * 0, k, v, theta, theta, normalize="none", backend="torch")
+        out = run_llops(q * 0, k, v, theta, theta, normalize="none", backend="torch")
     assert bool((out == 0).all())
 
 

@@ -28,7 +28,7 @@ def _ids(n=10, T=24, seed=1):
 
 # a fitted (signed) Θ in the hybrid: the attention may warn about rows whose shared denominator
 # is <= 0 before transfer, as it should; the test measures the errors
-@pytest.mark.filterwarnings("ignore:llops_attention. .* normalising denominator")
+@pytest.mark.filterwarnings("ignore:linear_attention. .* normalising denominator")
 @pytest.mark.parametrize("attention,window,sinks", [("llops", 4, 1), ("hedgehog", 0, 0)])
 def test_transfer_lowers_every_layer_error(attention, window, sinks):
     model = _llama()

@@ -12,8 +12,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from attention_calls import run_llops
 
-from sketchlab.attention.functional import llops_attention
 from sketchlab.attention.ops.decayed.chunk import decayed_linear_chunked
 from sketchlab.attention.ops.decayed.naive import decayed_linear_naive
 from sketchlab.attention.ops.delta.chunk import delta_rule_chunked
@@ -321,7 +321,7 @@ def test_llops_attention_under_the_delta_rule_does_not_self_tensor_a_signed_thet
     def run(non_negative):
         options = sl.AttentionOptions(state="delta", non_negative=non_negative, backend="reference")
         params = sl.FarParams(options, heads=2, dim_v=4).double()
-        out, state = llops_attention(q, k, v, tq, tk, options=options, params=params, output_final_state=True)
+        out, state = run_llops(q, k, v, tq, tk, options=options, params=params, output_final_state=True)
         return out, state.S.shape[-2]
 
     (default, m_default), (signed, m_signed), (tensored, m_tensored) = run(None), run(False), run(True)

@@ -7,6 +7,7 @@ are identities (ψ_p, Taylor, self-tensoring) to 1e-10 on O(1) inputs for the sa
 
 import pytest
 import torch
+from attention_calls import run_llops
 
 from sketchlab import (
     AttentionOptions,
@@ -21,7 +22,6 @@ from sketchlab import (
     make_feature_map,
     psf_learned_map,
 )
-from sketchlab.attention.functional import llops_attention
 from sketchlab.attention.ops.additive.naive import feature_attention_naive
 from sketchlab.featuremaps import InputNormed
 
@@ -160,7 +160,7 @@ def test_llops_map_goes_to_llops_attention_with_gradients():
     fmap = LLoPSMap(H, D, m=5, dtype=torch.float64)
     q, k, v = _rand(1, 9, H, D, seed=18), _rand(1, 9, H, D, seed=19), _rand(1, 9, H, 3, seed=20)
     out, _ = linear_attention(q, k, v, fmap, options=AttentionOptions(window=2, backend="torch", chunk_size=4))
-    ref = llops_attention(q, k, v, fmap.theta, fmap.theta, window=2, backend="reference")
+    ref = run_llops(q, k, v, fmap.theta, fmap.theta, window=2, backend="reference")
     assert (out - ref).abs().max() < TOL64
     out.sum().backward()
     assert fmap.theta.grad is not None and fmap.theta.grad.abs().sum() > 0

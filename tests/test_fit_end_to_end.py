@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers")
 
 import sketchlab as sl  # noqa: E402
 from sketchlab.attention import AttentionOptions, linear_attention  # noqa: E402
-from sketchlab.attention.reference import feature_attention_naive  # noqa: E402
+from sketchlab.attention.ops.additive.naive import feature_attention_naive  # noqa: E402
 from sketchlab.convert import converted_modules, linearize  # noqa: E402
 from sketchlab.featuremaps import FeatureMap  # noqa: E402
 

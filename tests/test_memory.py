@@ -661,7 +661,7 @@ def test_decode_step_refuses_invalid_inputs_with_the_entry_errors(name):
     was replaced by one of the wrong shape."""
     import dataclasses
 
-    from sketchlab.attention.functional import llops_attention
+    from attention_calls import run_llops
 
     options = AttentionOptions(window=3, sinks=1, chunk_size=4, **MECHANISMS[name])
     params = _params(options)
@@ -691,12 +691,12 @@ def test_decode_step_refuses_invalid_inputs_with_the_entry_errors(name):
     lo = AttentionOptions(window=3, sinks=1, normalize="sum", non_negative=True, backend="torch", **MECHANISMS[name])
     lp = FarParams(lo, H, D).double()
     x = [_rand(B, T, H, D, seed=s) for s in (1, 2, 3)]
-    _, st = llops_attention(*x, theta, theta, options=lo, params=lp, output_final_state=True)
+    _, st = run_llops(*x, theta, theta, options=lo, params=lp, output_final_state=True)
     tok = [_rand(B, 1, H, D, seed=s) for s in (4, 5, 6)]
-    _, st = llops_attention(*tok, theta, theta, options=lo, params=lp, initial_state=st, output_final_state=True)
+    _, st = run_llops(*tok, theta, theta, options=lo, params=lp, initial_state=st, output_final_state=True)
     tok[2][0, 0, 1, 2] = float("inf")
     with pytest.raises(ValueError, match=r"^v must be finite: 1 non-finite value\(s\) of 16, the first at index \(0, 0, 1, 2\)"):
-        llops_attention(*tok, theta, theta, options=lo, params=lp, initial_state=st, output_final_state=True)
+        run_llops(*tok, theta, theta, options=lo, params=lp, initial_state=st, output_final_state=True)
 
 
 @pytest.mark.parametrize("name", ["cache_decay", "delta_cache_decay", "w0_decay"])

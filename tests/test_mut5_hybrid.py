@@ -8,8 +8,7 @@ another order (round-off ~1e-15 per term on O(1) outputs).
 
 import pytest
 import torch
-
-from sketchlab.attention.functional import llops_attention
+from attention_calls import run_llops
 
 TOL64 = 1e-10
 
@@ -28,11 +27,11 @@ def test_a_masked_call_then_unmasked_calls_inside_the_sinks_equal_the_whole(back
     first = torch.tensor([[True, False], [False, True]])[:, : cuts[0]]  # padding among the first sinks
     mask = torch.cat([first, torch.ones(2, T - cuts[0], dtype=torch.bool)], 1)
     kw = dict(window=3, sinks=sinks, local=local, backend=backend, chunk_size=4)
-    whole = llops_attention(q, k, v, theta, theta, key_padding_mask=mask, **kw)
+    whole = run_llops(q, k, v, theta, theta, key_padding_mask=mask, **kw)
     outs, state = [], None
     bounds = [0, *cuts, T]
     for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
-        out, state = llops_attention(q[:, a:b], k[:, a:b], v[:, a:b], theta, theta,
+        out, state = run_llops(q[:, a:b], k[:, a:b], v[:, a:b], theta, theta,
                                      key_padding_mask=first if i == 0 else None, initial_state=state,
                                      output_final_state=True, **kw)
         outs.append(out)
@@ -48,7 +47,7 @@ def test_denominator_check_raise_warn_and_off(window, causal):
     FloatingPointError naming the count, 'warn' warns with it, 'off' says nothing (the chunked torch path)."""
     import warnings
 
-    from sketchlab.attention.chunked import feature_attention
+    from attention_calls import run_chunked
 
     T = 12
     q, k, v = _rand(2, T, 2, 4, seed=21), _rand(2, T, 2, 4, seed=22), _rand(2, T, 2, 3, seed=23)
@@ -58,12 +57,12 @@ def test_denominator_check_raise_warn_and_off(window, causal):
     if window:
         kw.update(window=window, sinks=0, gate=gate)
     with pytest.raises(FloatingPointError, match=r"\d+ of \d+ query rows have a normalising denominator <= 0"):
-        feature_attention(fq, fk, v, denominator_check="raise", **kw)
+        run_chunked(fq, fk, v, denominator_check="raise", **kw)
     with pytest.warns(RuntimeWarning, match=r"\d+ of \d+ query rows have a normalising denominator <= 0"):
-        feature_attention(fq, fk, v, denominator_check="warn", **kw)
+        run_chunked(fq, fk, v, denominator_check="warn", **kw)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        feature_attention(fq, fk, v, denominator_check="off", **kw)
+        run_chunked(fq, fk, v, denominator_check="off", **kw)
 
 
 def test_a_state_whose_masks_are_not_bool_tensors_is_refused_naming_them():
@@ -76,7 +75,7 @@ def test_a_state_whose_masks_are_not_bool_tensors_is_refused_naming_them():
     theta = (_rand(2, 1, 1, 4, 5, seed=34) / 2).expand(2, 1, 2, 4, 5).clone()
     kw = dict(window=3, sinks=1, backend="torch")
     mask = torch.tensor([[True] * 6, [False] + [True] * 5])
-    _, state = llops_attention(q, k, v, theta, theta, key_padding_mask=mask, output_final_state=True, **kw)
+    _, state = run_llops(q, k, v, theta, theta, key_padding_mask=mask, output_final_state=True, **kw)
     again = dict(initial_state=None, **kw)
     for name, bad, shown in (("mask_window", [[True] * 3] * 2, repr([[True] * 3] * 2)),
                              ("mask_sink", torch.ones(2, 2, dtype=torch.bool), "(2, 2)"),
@@ -85,7 +84,7 @@ def test_a_state_whose_masks_are_not_bool_tensors_is_refused_naming_them():
         held = 3 if name == "mask_window" else 1
         with pytest.raises(ValueError, match=re.escape(f"initial_state.{name} must be None or a bool tensor [2, {held}], "
                                                        f"got {shown}")):
-            llops_attention(q[:, :1], k[:, :1], v[:, :1], theta, theta, **again)
+            run_llops(q[:, :1], k[:, :1], v[:, :1], theta, theta, **again)
     again["initial_state"] = dataclasses.replace(state, k_window=state.k_window[..., :3])
     with pytest.raises(ValueError, match=re.escape("initial_state.k_window must have shape [2, 2, 3, 4]")):
-        llops_attention(q[:, :1], k[:, :1], v[:, :1], theta, theta, **again)
+        run_llops(q[:, :1], k[:, :1], v[:, :1], theta, theta, **again)

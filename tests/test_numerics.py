@@ -9,10 +9,9 @@ import warnings
 
 import pytest
 import torch
+from attention_calls import run_chunked, run_llops
 
 import sketchlab as sl
-from sketchlab.attention.chunked import feature_attention
-from sketchlab.attention.functional import llops_attention
 from sketchlab.cli import main
 
 B, T, H, D, M = 1, 16, 2, 8, 4
@@ -50,7 +49,7 @@ def test_a_kernel_that_underflows_below_the_cheap_bound_is_refused():
     with pytest.raises(ValueError, match=r"theta_q, theta_k with q, k underflow torch.float32: every kernel value "
                                          r"of head \d is at most \S+, below the smallest normal number 1.18e-38.*"
                                          r"scale.*float64"):
-        llops_attention(q, k, v, theta_q, theta_k, non_negative=True)
+        run_llops(q, k, v, theta_q, theta_k, non_negative=True)
 
 
 def test_zero_denominators_are_not_called_signed_features():
@@ -60,7 +59,7 @@ def test_zero_denominators_are_not_called_signed_features():
     phi_q, phi_k = q.abs(), k.abs()  # non-negative features [B, T, H, D]
     phi_q[:, 3] = 0.0
     with pytest.warns(RuntimeWarning) as caught:
-        feature_attention(phi_q, phi_k, v)
+        run_chunked(phi_q, phi_k, v)
     text = " ".join(str(w.message) for w in caught)
     assert re.search(r"2 of 32 query rows have a normalising denominator <= 0: 2 exactly 0", text), text
     assert "underflow" in text and "float64" in text

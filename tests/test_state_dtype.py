@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from attention_calls import run_llops
 
-from sketchlab.attention.functional import llops_attention
 from sketchlab.attention.state import state_dtype
 from sketchlab.attention.triton import function
 
@@ -98,13 +98,13 @@ def test_triton_state_has_the_torch_paths_dtypes_and_values(stub_kernels, dtype,
         cut = (q[:, :7], k[:, :7], v[:, :7], theta, theta)
         if first == "reference":
             cut = tuple(x.double() for x in cut)
-        _, state = llops_attention(*cut, backend=first, **{**kw, "key_padding_mask": mask[:, :7]})
+        _, state = run_llops(*cut, backend=first, **{**kw, "key_padding_mask": mask[:, :7]})
         state = state.to(torch.bfloat16) if carried == "bfloat16" else state
     lo = 0 if state is None else 7
     rest = (q[:, lo:], k[:, lo:], v[:, lo:], theta, theta)
     kw["key_padding_mask"] = mask[:, lo:]
-    _, want = llops_attention(*rest, backend="torch", initial_state=state, **kw)
-    _, got = llops_attention(*rest, backend="triton", initial_state=state, **kw)
+    _, want = run_llops(*rest, backend="torch", initial_state=state, **kw)
+    _, got = run_llops(*rest, backend="triton", initial_state=state, **kw)
     _assert_same_state(got, want, dtype)
 
 
@@ -117,13 +117,13 @@ def test_cuda_bf16_state_matches_the_torch_path():
     q, k, v, theta, mask = _problem(dtype, B=2, T=340, H=3, D=64, M=16, device="cuda")
     kw = dict(window=64, sinks=4, output_final_state=True)
     head = (q[:, :300], k[:, :300], v[:, :300], theta, theta)
-    _, st_torch = llops_attention(*head, backend="torch", key_padding_mask=mask[:, :300], **kw)
-    _, st_triton = llops_attention(*head, backend="triton", key_padding_mask=mask[:, :300], **kw)
+    _, st_torch = run_llops(*head, backend="torch", key_padding_mask=mask[:, :300], **kw)
+    _, st_triton = run_llops(*head, backend="triton", key_padding_mask=mask[:, :300], **kw)
     _assert_same_state(st_triton, st_torch, dtype)
     tail = (q[:, 300:], k[:, 300:], v[:, 300:], theta, theta)
     outs = {}
     for backend, state in (("torch", st_triton), ("triton", st_torch)):
-        out, st = llops_attention(*tail, backend=backend, initial_state=state, key_padding_mask=mask[:, 300:], **kw)
+        out, st = run_llops(*tail, backend=backend, initial_state=state, key_padding_mask=mask[:, 300:], **kw)
         assert out.dtype == dtype and all(getattr(st, f).dtype == torch.float32 for f in FIELDS), backend
         outs[backend] = out.float()
     err = ((outs["triton"] - outs["torch"]).abs().max() / outs["torch"].abs().max()).item()

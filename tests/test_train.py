@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from attention_calls import run_llops_naive
 
 import sketchlab.tasks.checkpoint as checkpoint_module
 import sketchlab.tasks.train as train_module
@@ -14,7 +15,6 @@ from sketchlab.attention import (
     poly_attention_naive,
 )
 from sketchlab.attention.ops.additive.naive import feature_attention_naive
-from sketchlab.attention.reference import llops_attention_naive
 from sketchlab.featuremaps.based import taylor_features_naive
 from sketchlab.featuremaps.psf_random import psf_features_naive
 from sketchlab.io import save_theta
@@ -266,7 +266,7 @@ def test_llops_kernel_is_llops_attention_on_scaled_inputs(non_negative):
     with torch.no_grad():
         kernel.theta_k.normal_(generator=torch.Generator().manual_seed(1))
     s = input_scale(8)
-    want = llops_attention_naive(q * s, k * s, v, kernel.theta_q, kernel.theta_k, normalize="none",
+    want = run_llops_naive(q * s, k * s, v, kernel.theta_q, kernel.theta_k, normalize="none",
                                  non_negative=non_negative)
     torch.testing.assert_close(kernel(q, k, v), want, **F64)
 
@@ -418,7 +418,7 @@ def test_theta_init_rescales_to_the_models_input_scale(tmp_path, scale, factor):
     q, k, v = _qkv()
     # the file's Θ was fitted on x·c: the model (which feeds x·D^{-1/4}) must give φ_Θ(c·x)
     c = {"sqrt-d": input_scale(8), "none": 1.0}.get(scale, 0.5)
-    want = llops_attention_naive(q * c, k * c, v, theta[1].double(), 2 * theta[1].double(), normalize="none")
+    want = run_llops_naive(q * c, k * c, v, theta[1].double(), 2 * theta[1].double(), normalize="none")
     torch.testing.assert_close(kernel(q, k, v), want, **F64)
     torch.testing.assert_close(kernel.theta_q, theta[1].double() * factor, **F64)
 

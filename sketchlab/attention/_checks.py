@@ -14,7 +14,7 @@ import warnings
 
 import torch
 
-from .._validation import as_float_tensor, check_choice, check_finite, check_flag, check_int, check_real, per_version
+from .._validation import as_float_tensor, check_choice, check_finite, check_flag, check_real, per_version
 from .options import BACKENDS, DENOMINATOR_CHECKS, NORMALIZE, AttentionOptions
 
 # NORMALIZE is the options' own and check_flag the one flag rule (sketchlab._validation): re-exported, ops/ imports
@@ -39,11 +39,6 @@ def check_window_lengths(causal: bool, window: int, T: int, S: int) -> None:
     """The non-causal hybrid window ``|i − j| < w`` pairs query ``i`` with key ``i``: it needs ``T == S``."""
     if window and not causal and T != S:
         raise ValueError(f"the non-causal hybrid window |i−j| < w needs T == S, got T={T}, S={S}")
-
-
-def check_chunk_size(chunk_size) -> int:
-    """``chunk_size`` must be an integer ``>= 1`` (the rule of ``AttentionOptions.chunk_size``)."""
-    return check_int(chunk_size, "chunk_size", 1)
 
 
 def check_backend_name(backend) -> str:
@@ -225,13 +220,6 @@ def check_hybrid(window, sinks, local, local_scale, gate, *, normalize: str, hea
     ``None`` or a finite floating tensor ``[H]`` (logits) on ``q``'s device (:func:`check_gate`).
     """
     o = AttentionOptions(window=window, sinks=sinks, local=local, local_scale=local_scale, normalize=normalize)
-    return hybrid_args(o, gate, heads=heads, dim=dim, like=like)
-
-
-def hybrid_args(o: AttentionOptions, gate, *, heads: int, dim: int, like: torch.Tensor):
-    """``(window, sinks, local, scale, gate)`` of options ``o`` that were built (so checked) at the outer
-    edge: read, not checked again (DESIGN §7); ``local_scale`` ``None`` is ``1/√D``. Only ``gate``, a tensor
-    and not an option, is checked here (:func:`check_gate`)."""
     scale = dim ** -0.5 if o.local_scale is None else o.local_scale
     return o.window, o.sinks, o.local, scale, check_gate(gate, heads=heads, like=like)
 

@@ -1,56 +1,13 @@
-r"""The options object at the attention entry points (DESIGN §7; issue 33's one entry point).
-
-The op :func:`~sketchlab.attention.linear_attention` takes one ``options: AttentionOptions`` and uses it
-as given. The keyword-style internal entry points (:func:`~sketchlab.attention.functional.llops_attention`,
-:func:`~sketchlab.attention.chunked.feature_attention`)
-take ``options: AttentionOptions | None`` and ``params: FarParams | None`` beside their keyword options;
-:func:`call_options` turns either into one
-:class:`AttentionOptions` (so each rule is checked once, in its ``__post_init__``); a call whose
-options have ``.memory`` runs :func:`memory_call` (:func:`~sketchlab.attention.memory.memory_attention`
-or its float64 twin).
+r"""What every backend of the op shares below :func:`~sketchlab.attention.linear_attention`: the gate of a call
+without memory (:func:`far_gate`), the memory mechanisms on features (:func:`memory_call`) and a call cut into
+independent segments (:func:`by_segments`). The options arrive built, checked and resolved (DESIGN §7).
 """
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 
-from .options import AttentionOptions, FarParams
-
-__all__ = ["OPTION_KEYWORDS", "by_segments", "call_options", "far_gate", "keyword_defaults", "memory_call"]
-
-#: The keyword arguments of the entry points that are fields of :class:`AttentionOptions`.
-OPTION_KEYWORDS = ("causal", "normalize", "non_negative", "eps", "backend", "chunk_size", "window", "sinks", "local",
-                   "local_scale", "denominator_check")
-
-
-def keyword_defaults(fn) -> dict:
-    """The defaults of ``fn``'s option keywords (:data:`OPTION_KEYWORDS` it has)."""
-    params = inspect.signature(fn).parameters
-    return {name: params[name].default for name in OPTION_KEYWORDS if name in params}
-
-
-def _is_default(value, default) -> bool:
-    return value is default or (type(value) is type(default) and value == default)
-
-
-def call_options(where: str, options, params, keywords: dict, defaults: dict) -> AttentionOptions:
-    """One :class:`AttentionOptions` for a call: ``options`` itself (then every keyword of
-    ``keywords`` must be at its default in ``defaults``: passing one too is refused, naming it), or
-    one built from ``keywords`` (its checks are the rules). ``params``: None or a :class:`FarParams`."""
-    if params is not None and not isinstance(params, FarParams):
-        raise TypeError(f"{where}: params must be a FarParams (or None), got {type(params).__name__}")
-    if options is None:
-        return AttentionOptions(**keywords)
-    if not isinstance(options, AttentionOptions):
-        raise TypeError(f"{where}: options must be an AttentionOptions (or None), got {type(options).__name__}")
-    for name, value in keywords.items():
-        if not _is_default(value, defaults[name]):
-            raise ValueError(f"{where}: options= supplies every option, and {name}={value!r} was passed too: leave "
-                             f"{name} at its default ({defaults[name]!r}) or set it in the options "
-                             f"(options.replace({name}=...))")
-    return options
+__all__ = ["by_segments", "far_gate", "memory_call"]
 
 
 def far_gate(where: str, gate, params):
@@ -68,33 +25,31 @@ def far_gate(where: str, gate, params):
     return params.gate if gate is None else gate
 
 
-def memory_call(fq, fk, v, q, k, *, where: str, options: AttentionOptions, params, gate, degree, non_negative: bool,
-                key_padding_mask, initial_state, output_final_state: bool, qkv_checked: bool):
-    r"""Memory attention (DESIGN §7) on features ``fq, fk [B, T, H, M]`` (self-tensored here when
-    ``non_negative``) and raw ``q, k`` for the exact part: :func:`memory_attention`, or
-    :func:`memory_attention_naive` (float64) with ``options.backend == "reference"``. ``qkv_checked``: the
-    caller checked ``q, k, v`` (:func:`check_qkv`, finite) and the mask, so the fast path checks the rest
-    only (the features, params, state: :func:`memory_attention`'s checks, less those)."""
+def memory_call(fq, fk, v, q, k, *, options, params, gate, degree, key_padding_mask, initial_state,
+                output_final_state: bool):
+    r"""Memory attention (DESIGN §7) on features ``fq, fk [B, T, H, M]`` (self-tensored here when the resolved
+    ``options.non_negative``) and raw ``q, k`` for the exact part, checked by the op
+    (:func:`~sketchlab.attention.linear_attention`: ``q, k, v`` and the mask): the chunked mechanisms
+    (:func:`~sketchlab.attention.memory_fast.run`, after the checks of the features, params and state), or
+    :func:`~sketchlab.attention.memory.memory_attention_naive` (float64) with ``options.backend == "reference"``."""
     from ..polynomial import self_tensor
-    from .memory import memory_attention, memory_attention_naive
+    from .memory import memory_attention_naive
     from .memory_fast import run
     from .memory_state import check_memory_call
 
     if options.backend == "triton":
-        raise ValueError(f"{where}: the memory mechanisms (cache, decay, delta state) have no fused kernel: "
+        raise ValueError("linear_attention: the memory mechanisms (cache, decay, delta state) have no fused kernel: "
                          "backend='torch' (or 'auto') or 'reference'")
-    if non_negative:
+    if options.non_negative:
         fq, fk = self_tensor(fq), self_tensor(fk)  # [B, T, H, M²]
-    kw = dict(options=options, params=params, gate=gate, degree=degree, key_padding_mask=key_padding_mask,
-              initial_state=initial_state, output_final_state=output_final_state)
     q, k = (q, k) if options.window else (None, None)
     if options.backend == "reference":
         return memory_attention_naive(fq.double(), fk.double(), v.double(),
-                                      *(None if x is None else x.double() for x in (q, k)), **kw)
-    if not qkv_checked:
-        return memory_attention(fq, fk, v, q, k, **kw)
+                                      *(None if x is None else x.double() for x in (q, k)), options=options,
+                                      params=params, gate=gate, degree=degree, key_padding_mask=key_padding_mask,
+                                      initial_state=initial_state, output_final_state=output_final_state)
     return run(check_memory_call(fq, fk, v, q, k, options, params, degree, key_padding_mask, initial_state,
-                           output_final_state, gate, raw_checked=True))
+                                 output_final_state, gate, raw_checked=True))
 
 
 def by_segments(fn, segments, *tensors, mask=None):

@@ -24,9 +24,8 @@ from .._validation import DEFAULT_MAX_BYTES, as_float_tensor, check_degree, chec
 from ..featuremaps import LLoPSMap
 from ..scaling import resolve_scale, scale_label
 from ._checks import check_flag, check_theta
-from .chunked import DEFAULT_CHUNK_SIZE
 from .layer import LinearAttentionCore, rename_keys
-from .options import AttentionOptions
+from .options import DEFAULT_CHUNK_SIZE, AttentionOptions
 
 __all__ = ["LLoPSAttention"]
 

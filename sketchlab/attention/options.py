@@ -23,8 +23,8 @@ from torch import nn
 
 from .._validation import check_choice, check_flag, check_int, check_real
 
-__all__ = ["AttentionOptions", "BACKENDS", "BETAS", "DECAYS", "DENOMINATOR_CHECKS", "FarParams", "LOCALS", "NORMALIZE",
-           "STATES"]
+__all__ = ["AttentionOptions", "BACKENDS", "BETAS", "DECAYS", "DEFAULT_BLOCK_CHUNKS", "DEFAULT_CHUNK_SIZE",
+           "DENOMINATOR_CHECKS", "FarParams", "LOCALS", "NORMALIZE", "STATES"]
 
 #: Kinds of learned decay (a float in (0, 1] is a fixed decay; None: none).
 DECAYS = ("head", "input")
@@ -38,6 +38,10 @@ LOCALS = ("softmax", "poly")
 NORMALIZE = ("none", "sum")
 #: Backends.
 BACKENDS = ("auto", "triton", "torch", "reference")
+#: Tokens per chunk of the chunked paths (the intra-chunk product is ``C × C``).
+DEFAULT_CHUNK_SIZE = 64
+#: Chunks vectorised together per step of the chunked path's block loop.
+DEFAULT_BLOCK_CHUNKS = 16
 #: What a normalising denominator <= 0 does.
 DENOMINATOR_CHECKS = ("warn", "raise", "off")
 
@@ -78,9 +82,10 @@ class AttentionOptions:
         Width ``K`` of a causal depthwise convolution on q and k before the attention (0: none; 4 in
         DeltaNet), its weights ``FarParams.conv_q/conv_k`` started as the identity
         (:mod:`sketchlab.attention.qk_conv`; needs ``causal``).
-    backend, chunk_size, denominator_check
-        Execution: ``"auto" | "triton" | "torch" | "reference"``; tokens per chunk (>= 1); what a
-        denominator ``<= 0`` does (``"warn" | "raise" | "off"``).
+    backend, chunk_size, block_chunks, denominator_check
+        Execution: ``"auto" | "triton" | "torch" | "reference"``; tokens per chunk (>= 1); chunks
+        vectorised together per step of the chunked path's block loop (>= 1); what a denominator
+        ``<= 0`` does (``"warn" | "raise" | "off"``).
     """
 
     causal: bool = True
@@ -98,7 +103,8 @@ class AttentionOptions:
     rescore: int = 64
     qk_conv: int = 0
     backend: str = "auto"
-    chunk_size: int = 64
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    block_chunks: int = DEFAULT_BLOCK_CHUNKS
     denominator_check: str = "warn"
 
     def __post_init__(self):
@@ -134,6 +140,7 @@ class AttentionOptions:
                              "before each token and carries them across calls, which an encoder has no order for")
         check_choice(self.backend, "backend", BACKENDS)
         set_("chunk_size", check_int(self.chunk_size, "chunk_size", 1))
+        set_("block_chunks", check_int(self.block_chunks, "block_chunks", 1))
         check_choice(self.denominator_check, "denominator_check", DENOMINATOR_CHECKS)
         if self.cache and not self.window:
             raise ValueError(f"cache={self.cache} needs window >= 1: cached keys share the exact window's "

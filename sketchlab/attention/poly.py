@@ -16,7 +16,7 @@ from ._checks import (
     denominator_counts,
     report_denominators,
 )
-from ._entry import by_segments as _by_segments
+from ._entry import by_segments
 
 __all__ = ["poly_attention"]
 
@@ -45,7 +45,7 @@ def poly_attention(q, k, v, p: int, *, causal: bool = True, normalize: str = "su
                  what=f"the scores of one query block ([B={B}, H={H}, {block_size}, S={k.shape[1]}])",
                  way_out="lower block_size", max_bytes=max_bytes)
     mode = check_denominator_check(denominator_check)
-    out = _by_segments(lambda qs, ks, vs, _: _poly_blocks(qs, ks, vs, p, causal, normalize, eps, block_size),
+    out = by_segments(lambda qs, ks, vs, _: _poly_blocks(qs, ks, vs, p, causal, normalize, eps, block_size),
                        segments, q, k, v)
     with torch.no_grad():
         bad = ~torch.isfinite(out).all(-1)  # [B, T, H]
@@ -64,7 +64,7 @@ def poly_attention(q, k, v, p: int, *, causal: bool = True, normalize: str = "su
 def _poly_denominators(q, k, p, causal, segments, block_size) -> torch.Tensor:
     """``Σ_s (q_t·k_s)^p`` of every query row ``[B, H, T]`` (odd ``p``: its sign decides ``normalize="sum"``)."""
     ones = torch.ones(*k.shape[:3], 1, dtype=q.dtype, device=q.device)
-    sums = _by_segments(lambda qs, ks, vs, _: _poly_blocks(qs, ks, vs, p, causal, "none", 0.0, block_size),
+    sums = by_segments(lambda qs, ks, vs, _: _poly_blocks(qs, ks, vs, p, causal, "none", 0.0, block_size),
                         segments, q, k, ones)  # [B, T, H, 1]
     return sums[..., 0]
 

@@ -4,7 +4,7 @@ r"""The lean decoding step of every mechanism (DESIGN §6, §7): one token at a 
 hybrid, or pure linear attention) or a :class:`~sketchlab.attention.MemoryState` (decayed state,
 delta rule and gated delta rule, sparse exact cache; each with the window and the sinks) one token
 per :meth:`RecurrentStep.step`, for inference (no gradient). It computes what one
-``linear_attention``/``llops_attention``/``memory_attention`` call on one token with
+``linear_attention`` call on one token with
 ``initial_state`` computes (the reference step: :func:`sketchlab.attention.ops.cache.recurrent.decode` and
 :func:`sketchlab.attention.ops.additive.recurrent.hybrid_decode_one`, which keep autograd and return a new
 state object per token; the tests hold the two equal in float64), but:
@@ -333,8 +333,8 @@ class RecurrentStep:
         if self.check_den:
             den = r[..., Dv:]
             if bool((den <= 0).any()):
-                report_denominators(denominator_counts(den), self.BH, "memory_attention" if self.memory else
-                                    "llops_attention", self.o.denominator_check)
+                report_denominators(denominator_counts(den), self.BH, "linear_attention",
+                                    self.o.denominator_check)
         return r[..., :Dv] / r[..., Dv:].add(self.o.eps)
 
     def _cache_filled(self) -> None:

@@ -29,8 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from .._validation import check_degree, check_finite, check_real
-from ..llops import llops_features_naive
+from .._validation import check_degree, check_real
 from ._checks import (
     check_eps,
     check_flag,
@@ -38,14 +37,11 @@ from ._checks import (
     check_normalize,
     check_qkv,
     check_segments,
-    check_theta,
 )
-from .ops.additive.naive import feature_attention_naive
 
 __all__ = [
     "attention_mask",
     "kernel_attention_naive",
-    "llops_attention_naive",
     "poly_attention_naive",
     "softmax_attention_naive",
 ]
@@ -162,42 +158,3 @@ def softmax_attention_naive(q, k, v, *, causal: bool = True, scale: float | None
         mask = mask & key_padding_mask[:, None, None, :]  # [B, 1, T, S]
     weights = logits.masked_fill(~mask, float("-inf")).softmax(-1).masked_fill(~mask.any(-1, keepdim=True), 0.0)
     return (weights @ v).transpose(1, 2)  # [B, T, H, Dv]
-
-
-def llops_attention_naive(q, k, v, theta_q, theta_k, *, causal: bool = True, normalize: str = "sum",
-                          non_negative: bool = False, eps: float = 1e-6, segments=None, window: int = 0,
-                          sinks: int = 0, local: str = "softmax", local_scale=None, gate=None, key_padding_mask=None,
-                          initial_state=None, output_final_state: bool = False, denominator_check: str = "warn"):
-    r"""LLoPS attention in float64: features by :func:`sketchlab.llops_features_naive`, head by head.
-
-    Parameters
-    ----------
-    q : Tensor ``[B, T, H, D]``
-    k : Tensor ``[B, S, H, D]``
-    v : Tensor ``[B, S, H, Dv]``
-    theta_q, theta_k : Tensor ``[H, t, p, D, M]``
-        One LLoPS map per head, :math:`\phi(x)_i = \sum_r \prod_j \langle\theta_{r,j,:,i}, x\rangle`.
-    causal, normalize, non_negative, eps, segments, window, sinks, local, local_scale, gate, key_padding_mask,
-    initial_state, output_final_state, denominator_check
-        As in :func:`feature_attention_naive`; ``local="poly"`` uses Θ's degree ``p``.
-
-    Returns
-    -------
-    Tensor ``[B, T, H, Dv]`` float64, or ``(o, AttentionState)`` with ``output_final_state=True``.
-    """
-    check_flag(causal, "causal")
-    q, k, v = check_qkv(q, k, v, causal=causal)
-    theta_q, theta_k = check_theta(theta_q, theta_k, heads=q.shape[2], dim=q.shape[3], like=q)
-    for x, name in ((q, "q"), (k, "k"), (v, "v")):
-        check_finite(x.detach(), name)
-    B, H = q.shape[0], q.shape[2]
-    phi_q = torch.stack([torch.stack([llops_features_naive(q[b, :, h], theta_q[h]) for h in range(H)], 1)
-                         for b in range(B)])  # [B, T, H, M]
-    phi_k = torch.stack([torch.stack([llops_features_naive(k[b, :, h], theta_k[h]) for h in range(H)], 1)
-                         for b in range(B)])  # [B, S, H, M]
-    return feature_attention_naive(phi_q, phi_k, v.to(torch.float64), q=q.to(torch.float64), k=k.to(torch.float64),
-                                   causal=causal, normalize=normalize, eps=eps, non_negative=non_negative,
-                                   segments=segments, window=window, sinks=sinks, local=local, local_scale=local_scale,
-                                   degree=theta_q.shape[2], gate=gate, key_padding_mask=key_padding_mask,
-                                   initial_state=initial_state, output_final_state=output_final_state,
-                                   denominator_check=denominator_check)

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from .._validation import check_degree, check_positive_int
+from .._validation import as_float_tensor, check_degree, check_positive_int
 from .base import FeatureMap, _checked_theta, _init_heads, _store
 
 __all__ = ["LLoPSMap"]
@@ -43,6 +43,31 @@ class LLoPSMap(FeatureMap):
                 raise ValueError(f"theta has {name}={theta.shape[axis]} (axis {axis} of [H, t, p, D, M]) but {name}={want}")
         _store(self, "theta", theta, learn)
 
+    @classmethod
+    def over(cls, theta) -> LLoPSMap:
+        r"""The map of this very Θ ``[H, t, p, D, M]``, held as a buffer and not copied, so gradients reach
+        ``theta``: a functional call of :func:`~sketchlab.attention.linear_attention` on a Θ the caller owns
+        (as fla's ops take their weights).
+
+        Parameters
+        ----------
+        theta : Tensor ``[H, t, p, D, M]``
+            Floating; ``H, D >= 1``.
+
+        Returns
+        -------
+        LLoPSMap
+            ``heads = H``, ``head_dim = D``, ``map.theta is theta``.
+        """
+        theta = as_float_tensor(theta, "theta")
+        if theta.ndim != 5:
+            raise ValueError(f"theta must have shape [H, t, p, D, M] (rank 5), got {tuple(theta.shape)}")
+        fmap = cls.__new__(cls)
+        FeatureMap.__init__(fmap)
+        _init_heads(fmap, theta.shape[0], theta.shape[3])
+        fmap.register_buffer("theta", theta)
+        return fmap
+
     @property
     def num_features(self) -> int:
         return self.theta.shape[-1]
@@ -67,4 +92,4 @@ class LLoPSMap(FeatureMap):
     def _features_naive(self, x, head):
         from ..llops.maps import llops_features_naive
 
-        return llops_features_naive(x, self.theta[head].detach())
+        return llops_features_naive(x, self.theta[head])

@@ -40,7 +40,7 @@ def affine_input(x: torch.Tensor) -> torch.Tensor:
     \theta_d`, affine in ``x``: its features are inhomogeneous polynomials of degree ``<= p`` (BASED's
     Taylor map is one, :func:`sketchlab.as_llops` with ``affine=True``).
 
-    Passing ``[q, 1]``, ``[k, 1]`` to :func:`sketchlab.attention.functional.llops_attention` with a window: give
+    Passing ``[q, 1]``, ``[k, 1]`` to :func:`sketchlab.attention.linear_attention` with a window: give
     ``local_scale`` explicitly (its default ``1/√D`` reads ``D + 1`` from the augmented q), and keep
     ``local="softmax"``, whose scores shift by the constant's product (a shift the softmax cancels);
     ``local="poly"`` would compute ``(s·(qᵀk + 1))^p``, not the map's kernel. The toy model's ``llops``

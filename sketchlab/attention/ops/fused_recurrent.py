@@ -557,7 +557,7 @@ def step(rs, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, phi_q: torch.Ten
     if K and not rs.cache_full:
         rs.cache_full = bool(rs.cached.all())
     if bad:
-        report_denominators((bad, zero), rs.BH, "memory_attention" if rs.memory else "llops_attention",
+        report_denominators((bad, zero), rs.BH, "linear_attention",
                             rs.o.denominator_check)
     return out if in_dtype == work else out.to(in_dtype)
 

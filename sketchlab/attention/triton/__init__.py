@@ -5,7 +5,7 @@ Layering (docs/DESIGN.md §2): ``@triton.jit`` kernels (``_kernels``: pure linea
 ``features``) → plain launchers ``llops_attention_fwd`` / ``_bwd`` and
 ``hybrid_attention_fwd`` / ``_bwd`` (``launch``) → the ``autograd.Function``s
 ``LLoPSAttentionTriton`` / ``HybridAttentionTriton`` → the entry ``llops_attention_triton``
-(``function``), which ``sketchlab.attention.functional.llops_attention(backend="triton")`` calls. The
+(``function``), which ``sketchlab.attention.linear_attention`` calls for two LLoPS maps (``backend="triton"``). The
 carried state is :class:`sketchlab.attention.AttentionState`.
 """
 

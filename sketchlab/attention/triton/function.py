@@ -129,7 +129,7 @@ def llops_attention_triton(q, k, v, theta_q, theta_k, *, causal: bool, normalize
     Notes
     -----
     Shapes, devices and finiteness of q, k, v, Θ are checked by the caller
-    (:func:`sketchlab.attention.functional.llops_attention`, which validates once); here only what the kernel
+    (:func:`sketchlab.attention.linear_attention`, which validates once); here only what the kernel
     itself cannot do is rejected, and the options are validated by their one set of rules
     (:class:`~sketchlab.attention.options.AttentionOptions`', through the shared checks). Inputs
     of any strides are accepted (made contiguous). On CPU tensors the kernel runs only in Triton's

@@ -56,7 +56,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from ...._validation import check_memory
+from ...._validation import DEFAULT_MAX_BYTES, check_memory
 from ....polynomial import self_tensor
 from ..._checks import DenominatorCounter
 from .far import chunk_geometry, far_backward, far_forward, from_chunks, normalized_grads, to_chunks
@@ -294,10 +294,8 @@ def _engine(feat_q, feat_k, v: torch.Tensor, length_q: int, *, causal: bool, nor
     return torch.cat(outs, 2), state, zsum
 
 
-def chunk_attention(feat_q, feat_k, qt, kt, vt, *, num_features: int, causal: bool, normalize: str,
-                    non_negative: bool, eps: float, chunk_size: int, block_chunks: int, max_bytes: int, window: int,
-                    sinks: int, local: str, scale: float, degree, gate, mask, initial_state, output_final_state: bool,
-                    denominator_check: str, where: str):
+def chunk_attention(feat_q, feat_k, qt, kt, vt, o, *, num_features: int, degree, gate, mask, initial_state,
+                    output_final_state: bool, where: str, max_bytes: int = DEFAULT_MAX_BYTES):
     """The one driver of the additive state's chunked path on internal layout ``[B, H, ·, ·]`` (arguments validated).
 
     ``window=0``: the pure engine (:func:`_engine`), the state being its ``S, z``; a stateless call
@@ -315,20 +313,27 @@ def chunk_attention(feat_q, feat_k, qt, kt, vt, *, num_features: int, causal: bo
     qt, kt : Tensor ``[B, H, T|S, D]`` or None
         The raw queries and keys (the hybrid's exact part; None without a window).
     vt : Tensor ``[B, H, S, Dv]``
+    o : AttentionOptions
+        Built and resolved by the caller (``normalize`` and ``non_negative`` decided:
+        :meth:`~sketchlab.attention.AttentionOptions.resolve`) and read as given: ``causal``, ``normalize``,
+        ``non_negative`` (the state then holds ``M²``), ``eps``, ``chunk_size`` (``C``), ``block_chunks`` (chunks
+        vectorised together per step of the block loop), the hybrid's
+        ``window``, ``sinks``, ``local`` and ``local_scale`` (None: ``1/√D``), ``denominator_check``.
     num_features : int
-        ``M`` (the state holds ``M²`` when ``non_negative``).
-    causal, normalize, non_negative, eps, chunk_size, block_chunks, max_bytes, window, sinks, local, degree
-        As in :func:`sketchlab.attention.chunked.feature_attention`.
-    scale : float
-        The local logits' scale.
+        ``M``.
+    degree : int or None
+        ``p`` of ``local="poly"``.
     gate : Tensor ``[H]`` or None
+        Checked logits.
     mask : Tensor ``[B, S]`` bool or None
         Real keys.
     initial_state : AttentionState or None
     output_final_state : bool
-    denominator_check : str
     where : str
         The caller's name in the denominator warning.
+    max_bytes : int
+        Memory budget for one block's per-chunk states or bands, or the parallel form's ``B·H·T·S`` scores
+        (:func:`sketchlab._validation.check_memory`).
 
     Returns
     -------
@@ -342,12 +347,13 @@ def chunk_attention(feat_q, feat_k, qt, kt, vt, *, num_features: int, causal: bo
         qt, kt, vt = (None if x is None else x.to(work) for x in (qt, kt, vt))
         gate = None if gate is None else gate.to(work)
         feat_q, feat_k = feat_q.then(lambda f: f.to(work)), feat_k.then(lambda f: f.to(work))
-        res = chunk_attention(feat_q, feat_k, qt, kt, vt, num_features=num_features, causal=causal, normalize=normalize,
-                      non_negative=non_negative, eps=eps, chunk_size=chunk_size, block_chunks=block_chunks,
-                      max_bytes=max_bytes, window=window, sinks=sinks, local=local, scale=scale, degree=degree,
-                      gate=gate, mask=mask, initial_state=initial_state, output_final_state=output_final_state,
-                      denominator_check=denominator_check, where=where)
+        res = chunk_attention(feat_q, feat_k, qt, kt, vt, o, num_features=num_features, degree=degree, gate=gate,
+                              mask=mask, initial_state=initial_state, output_final_state=output_final_state,
+                              where=where, max_bytes=max_bytes)
         return (res[0].to(out_dtype), res[1]) if output_final_state else res.to(out_dtype)
+    causal, normalize, non_negative, eps = o.causal, o.normalize, o.non_negative, o.eps
+    window, sinks, local, denominator_check = o.window, o.sinks, o.local, o.denominator_check
+    block_chunks = o.block_chunks
     B, H, S_len, Dv = vt.shape
     T = feat_q.x.shape[2]  # the queries (qt is None without a window)
     M = num_features
@@ -364,7 +370,7 @@ def chunk_attention(feat_q, feat_k, qt, kt, vt, *, num_features: int, causal: bo
         state = empty_state(B, H, M2, D, Dv, M, like=vt)
     else:
         state = None
-    chunk_size = min(chunk_size, max(T, S_len))  # a short call (decoding: one token) pads to no more than itself
+    chunk_size = min(o.chunk_size, max(T, S_len))  # a short call (decoding: one token) pads to no more than itself
     counter = DenominatorCounter() if normalize == "sum" and denominator_check != "off" else None
     rows = mask if (mask is not None and T == S_len) else None
     block = chunk_size * block_chunks
@@ -414,6 +420,7 @@ def chunk_attention(feat_q, feat_k, qt, kt, vt, *, num_features: int, causal: bo
         return out, AttentionState(S=S, z=z, k_window=state.k_window, v_window=state.v_window,
                                    phi_window=state.phi_window, k_sink=state.k_sink, v_sink=state.v_sink,
                                    offset=state.offset + T)
+    scale = D ** -0.5 if o.local_scale is None else o.local_scale
     h = HybridSettings(window=window, sinks=sinks, local=local, scale=scale, degree=degree, gate=gate, eps=eps,
                 non_negative=non_negative, heads=H, like=vt)
     C = chunk_size

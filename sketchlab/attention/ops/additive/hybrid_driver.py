@@ -1,6 +1,6 @@
 r"""The chunked PyTorch path of the sliding-window hybrid (layout inside: ``[B, H, T, ·]``).
 
-Split from :mod:`sketchlab.attention.chunked`, which validates the call and dispatches here. The
+Split from :mod:`.chunk`, whose driver (called by the op, which validates the call) dispatches here. The
 causal path runs :func:`sketchlab.attention.ops.additive.chunk_hybrid.hybrid_core` block by block: for query
 chunk ``c`` of ``C`` tokens the local keys (window ``w`` and sinks) are read from the key chunks
 ``0 … ⌈(w + C − 1)/C⌉ − 1`` back with fixed masks, so the local part costs ``O(T·(w + C))``,
