@@ -8,14 +8,16 @@ import pytest
 
 from sketchlab import _validation
 from sketchlab._validation import InvalidParameterError, check_choice, check_flag, check_int, check_real
-from sketchlab.attention import _checks
+from sketchlab.attention import _checks, options
 from sketchlab.attention.options import AttentionOptions
 
 
 def test_the_attention_checks_are_the_validation_rules():
-    for name in ("check_int", "check_real", "check_flag", "check_choice"):
+    for name in ("check_real", "check_flag", "check_choice"):
         assert getattr(_checks, name) is getattr(_validation, name), name
-    assert _checks.check_chunk_size(3) == 3 and _checks.check_eps(0) == 0.0
+    for name in ("check_int", "check_real", "check_flag", "check_choice"):
+        assert getattr(options, name) is getattr(_validation, name), name
+    assert _checks.check_eps(0) == 0.0
 
 
 @pytest.mark.parametrize("call, match", [

@@ -16,7 +16,7 @@ from torch import nn
 
 from .._validation import as_float_tensor, check_positive_int
 
-__all__ = ["FeatureMap"]
+__all__ = ["FeatureMap", "FittedMaps"]
 
 
 def _check_x(x, heads: int, dim: int, name: str = "x") -> torch.Tensor:
@@ -171,3 +171,37 @@ def _store(module: nn.Module, name: str, tensor: torch.Tensor, learn: bool) -> N
         setattr(module, name, nn.Parameter(tensor))
     else:
         module.register_buffer(name, tensor)
+
+
+class FittedMaps(tuple):
+    """What a fitter returns: the pair ``(map_q, map_k)`` (one map twice when the sides are tied) and ``info``,
+    the fit's own account of itself (the maps carry none).
+
+    It unpacks and indexes as the pair. ``info`` is a dict: ``steps`` (int), ``converged`` (bool), any
+    method-specific entries, and optionally ``kernel_core`` (a float64 ``[..., N_q, N_k]`` matrix with the
+    singular values of the fitted kernel, which :func:`sketchlab.fit_sketch` reuses for its floor); the
+    report's ``steps``, ``converged`` and ``info`` come from it.
+    """
+
+    info: dict
+
+    def __new__(cls, map_q: FeatureMap, map_k: FeatureMap | None = None, info: dict | None = None):
+        pair = super().__new__(cls, (map_q, map_q if map_k is None else map_k))
+        pair.info = dict(info or {})
+        return pair
+
+    def __getnewargs__(self):
+        return self[0], self[1], self.info
+
+    @property
+    def map_q(self) -> FeatureMap:
+        return self[0]
+
+    @property
+    def map_k(self) -> FeatureMap:
+        return self[1]
+
+    @property
+    def tied(self) -> bool:
+        """Whether the key map is the query map."""
+        return self[1] is self[0]

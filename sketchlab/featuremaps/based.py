@@ -44,8 +44,7 @@ import torch
 from .._validation import as_float_tensor, check_positive_int
 from ..polynomial import num_poly_features, poly_features, poly_features_naive
 from ._common import make_generator
-from .base import FeatureMap, _init_heads, _store
-from .registry import FittedMaps
+from .base import FeatureMap, FittedMaps, _init_heads, _store
 
 __all__ = ["ExpandMap", "TaylorMap", "based_dim_for_budget", "based_num_features", "expand_features",
            "expand_features_naive", "pca_projection", "taylor_features", "taylor_features_naive"]

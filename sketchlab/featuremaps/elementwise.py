@@ -19,9 +19,8 @@ import torch
 from .._validation import as_float_tensor, check_positive_int
 from ..objective import DEFAULT_LR, DEFAULT_STEPS, train_kernel_sketch
 from ._common import check_features_finite, make_generator
-from .base import FeatureMap, _checked_theta, _init_heads, _store
+from .base import FeatureMap, FittedMaps, _checked_theta, _init_heads, _store
 from .heads import batch_features
-from .registry import FittedMaps
 
 __all__ = ["TiedLLoPSMap", "elementwise_features", "elementwise_features_naive"]
 

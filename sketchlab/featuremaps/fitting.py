@@ -15,9 +15,9 @@ from __future__ import annotations
 import math
 
 from ..objective import DEFAULT_LR, DEFAULT_STEPS, train_kernel_sketch
-from .base import FeatureMap
+from .base import FeatureMap, FittedMaps
 from .heads import batch_features
-from .registry import FittedMaps, make_feature_map
+from .registry import make_feature_map
 
 __all__ = ["feature_map_fitter"]
 

@@ -28,9 +28,8 @@ from torch import nn
 from .._validation import as_float_tensor, check_degree, check_memory, check_positive_int
 from ..objective import DEFAULT_LR, DEFAULT_STEPS, train_kernel_sketch
 from ._common import check_dtype, make_generator
-from .base import FeatureMap
+from .base import FeatureMap, FittedMaps
 from .heads import batch_features
-from .registry import FittedMaps
 
 __all__ = ["MLPMap", "default_hidden", "mlp_features", "mlp_features_naive"]
 

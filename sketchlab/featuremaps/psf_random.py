@@ -49,8 +49,7 @@ from .._validation import (
 )
 from ..polynomial import self_tensor
 from ._common import check_dtype, check_features_finite, make_generator
-from .base import FeatureMap
-from .registry import FittedMaps
+from .base import FeatureMap, FittedMaps
 
 __all__ = ["PSFRandomMap", "psf_features", "psf_features_naive", "psf_weight_shapes"]
 

@@ -43,45 +43,11 @@ from typing import Any
 
 import torch
 
-from .base import FeatureMap
+from .base import FeatureMap, FittedMaps
 
 __all__ = ["COMMON_OPTIONS", "DEPRECATED_METHODS", "DEPRECATED_NAMES", "FittedMaps", "Option", "check_feature_map_options",
            "feature_map_names", "feature_map_options", "fitter_names", "make_feature_map", "own_fitter",
            "register_feature_map", "register_fitter", "resolve_name"]
-
-
-class FittedMaps(tuple):
-    """What a fitter returns: the pair ``(map_q, map_k)`` (one map twice when the sides are tied) and ``info``,
-    the fit's own account of itself (the maps carry none).
-
-    It unpacks and indexes as the pair. ``info`` is a dict: ``steps`` (int), ``converged`` (bool), any
-    method-specific entries, and optionally ``kernel_core`` (a float64 ``[..., N_q, N_k]`` matrix with the
-    singular values of the fitted kernel, which :func:`sketchlab.fit_sketch` reuses for its floor); the
-    report's ``steps``, ``converged`` and ``info`` come from it.
-    """
-
-    info: dict
-
-    def __new__(cls, map_q: FeatureMap, map_k: FeatureMap | None = None, info: dict | None = None):
-        pair = super().__new__(cls, (map_q, map_q if map_k is None else map_k))
-        pair.info = dict(info or {})
-        return pair
-
-    def __getnewargs__(self):
-        return self[0], self[1], self.info
-
-    @property
-    def map_q(self) -> FeatureMap:
-        return self[0]
-
-    @property
-    def map_k(self) -> FeatureMap:
-        return self[1]
-
-    @property
-    def tied(self) -> bool:
-        """Whether the key map is the query map."""
-        return self[1] is self[0]
 
 
 @dataclass(frozen=True)

@@ -34,8 +34,7 @@ from .._validation import (
     check_positive_int,
 )
 from ._common import check_dtype, check_features_finite, make_generator
-from .base import FeatureMap
-from .registry import FittedMaps
+from .base import FeatureMap, FittedMaps
 
 __all__ = ["TensorSketchMap", "count_sketch_matrix", "tensorsketch_features", "tensorsketch_features_naive"]
 

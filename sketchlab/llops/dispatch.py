@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 
-from ..featuremaps.registry import FittedMaps
+from ..featuremaps.base import FittedMaps
 from .fit_adam import fit_llops_adam
 from .fit_als import fit_llops_direct
 from .fit_cp import fit_llops_cp

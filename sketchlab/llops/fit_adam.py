@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .._validation import DEFAULT_MAX_BYTES
-from ..featuremaps.registry import FittedMaps
+from ..featuremaps.base import FittedMaps
 from ..objective import DEFAULT_LR, DEFAULT_STEPS, train_kernel_sketch
 from ._fitting import prepare
 from .inits import llops_init

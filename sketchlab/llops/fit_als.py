@@ -18,7 +18,7 @@ import torch
 from tqdm import tqdm
 
 from .._validation import DEFAULT_MAX_BYTES, check_nonnegative_int, check_positive_int, check_real
-from ..featuremaps.registry import FittedMaps
+from ..featuremaps.base import FittedMaps
 from ..objective import check_finite_loss
 from ._fitting import balance, prepare
 from .fit_lm import lm_step

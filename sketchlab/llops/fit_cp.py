@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from .._validation import check_pair
+from ..featuremaps.base import FittedMaps
 from ..featuremaps.heads import batch_features
-from ..featuremaps.registry import FittedMaps
 from ..optimal import optimal_sketch
 from ._fitting import prepare
 from .cp import projector_to_theta
