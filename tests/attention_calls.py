@@ -7,7 +7,8 @@ what the tests were written against: sum-normalised, never self-tensored unless 
 (``params``, ``gate``, ``segments``, ``key_padding_mask``, ``initial_state``, ``output_final_state``) go to the op,
 and the output is ``o`` alone unless ``output_final_state``.
 
-``run_llops_naive`` is ``run_llops(…, backend="reference")``. ``run_chunked(φ_q, φ_k, v, q=…, k=…, window=2,
+``run_llops_naive`` is ``run_llops(…, backend="reference")``; ``run_triton`` calls the fused backend itself with the
+options so built. ``run_chunked(φ_q, φ_k, v, q=…, k=…, window=2,
 block_chunks=2)`` runs the additive mechanism's chunked path
 (:func:`sketchlab.attention.ops.additive.chunk.chunk_attention`) on given features ``[B, T, H, M]``, as the op does
 after computing them; ``backend="reference"`` its float64 twin. Its arguments are the op's to check: tests of bad
@@ -46,6 +47,18 @@ def run_llops(q, k, v, theta_q, theta_k, *, options=None, **keywords):
 def run_llops_naive(q, k, v, theta_q, theta_k, **keywords):
     """:func:`run_llops` with ``backend="reference"``: the float64 twins (LLoPS features, then the formula)."""
     return run_llops(q, k, v, theta_q, theta_k, backend="reference", **keywords)
+
+
+def run_triton(q, k, v, theta_q, theta_k, *, options=None, **keywords):
+    """The fused backend :func:`sketchlab.attention.triton.llops_attention_triton` itself, on options built (and
+    resolved: never self-tensored unless asked) from the keywords as :func:`run_llops` builds them; ``o`` or
+    ``(o, state)``. Its arguments are the op's to check: tests of bad input go through :func:`run_llops`."""
+    from sketchlab.attention.triton import llops_attention_triton  # lazy: triton is optional
+
+    options, call = _split(keywords, options)
+    if "segments" in call or "params" in call:
+        raise TypeError("run_triton takes no segments or params (the op's: run them through run_llops)")
+    return llops_attention_triton(q, k, v, theta_q, theta_k, options.resolve(True), **call)
 
 
 def run_chunked(phi_q, phi_k, v, q=None, k=None, *, options=None, degree=None, max_bytes=DEFAULT_MAX_BYTES,

@@ -27,8 +27,9 @@ import os
 
 import pytest
 import torch
-from attention_calls import run_llops_naive
+from attention_calls import run_llops, run_llops_naive, run_triton
 
+from sketchlab.attention import AttentionOptions
 from sketchlab.attention.triton import launch, llops_attention_triton
 
 FP32_TOL = 1e-4
@@ -85,7 +86,7 @@ def _run(fn, q, k, v, tq, tk, grad, **kw):
 def _compare(T, D, M, P, R, causal, normalize, non_negative=False, *, dtype=torch.float32, tol=FP32_TOL, **shape):
     q, k, v, tq, tk, grad = _problem(T, D, M, P, R, normalize, dtype=dtype, signed=non_negative, **shape)
     kw = dict(causal=causal, normalize=normalize, non_negative=non_negative, eps=1e-6)
-    got = _run(llops_attention_triton, q, k, v, tq, tk, grad, **kw)
+    got = _run(run_triton, q, k, v, tq, tk, grad, **kw)
     want = _run(run_llops_naive, *(x.double() for x in (q, k, v, tq, tk, grad)), **kw)
     errors = {}
     for name, a, b in zip(NAMES, got, want):
@@ -142,17 +143,18 @@ def test_keys_longer_or_shorter_than_queries(S, non_negative):
 
 
 def test_functional_dispatch(monkeypatch):
-    """``run_llops(backend="triton")`` reaches this kernel and equals the reference backend."""
-    from attention_calls import run_llops
-
+    """``run_llops(backend="triton")`` reaches this kernel, handing it the caller's options object unchanged (already
+    resolved, so the op's ``resolve`` returns it: nothing re-flattens it), and equals the reference backend."""
     import sketchlab.attention.triton as package
 
     calls = []
     monkeypatch.setattr(package, "llops_attention_triton",
-                        lambda *a, **kw: calls.append(kw) or llops_attention_triton(*a, **kw))
+                        lambda *a, **kw: calls.append((a[5:], kw)) or llops_attention_triton(*a, **kw))
     q, k, v, tq, tk, grad = _problem(**{k: BASE[k] for k in ("T", "D", "M", "P", "R", "normalize")})
-    got = _run(run_llops, q, k, v, tq, tk, grad, backend="triton")
-    assert calls == [dict(causal=True, normalize="sum", non_negative=False, eps=1e-6)]
+    options = AttentionOptions(normalize="sum", non_negative=False, backend="triton")
+    got = _run(run_llops, q, k, v, tq, tk, grad, options=options)
+    assert len(calls) == 1 and len(calls[0][0]) == 1 and calls[0][0][0] is options, calls
+    assert calls[0][1] == dict(gate=None, key_padding_mask=None, initial_state=None, output_final_state=False)
     want = _run(run_llops, *(x.double() for x in (q, k, v, tq, tk, grad)), backend="reference")
     for name, a, b in zip(NAMES, got, want):
         assert ((a.double() - b).abs().max() / b.abs().max()).item() <= FP32_TOL, name
@@ -162,42 +164,44 @@ def test_any_strides():
     """Inputs that are views with permuted strides give the contiguous inputs' result."""
     q, k, v, tq, tk, grad = _problem(**{k: BASE[k] for k in ("T", "D", "M", "P", "R", "normalize")})
     kw = dict(causal=True, normalize="sum", non_negative=False, eps=1e-6)
-    want = _run(llops_attention_triton, q, k, v, tq, tk, grad, **kw)
+    want = _run(run_triton, q, k, v, tq, tk, grad, **kw)
     # [B, H, T, D] storage viewed as [B, T, H, D]; Θ stored [H, R, P, M, D] viewed as [H, R, P, D, M]
     views = [x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v)]
     views += [x.transpose(-1, -2).contiguous().transpose(-1, -2) for x in (tq, tk)]
     assert not any(x.is_contiguous() for x in views)
-    got = _run(llops_attention_triton, *views, grad, **kw)
+    got = _run(run_triton, *views, grad, **kw)
     for name, a, b in zip(NAMES, got, want):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
 
 
 def test_rejects_what_the_kernel_cannot_do():
+    """Float64 is the kernel's own refusal (it accumulates in float32), on the function itself."""
     q, k, v, tq, tk, _ = _problem(**{k: BASE[k] for k in ("T", "D", "M", "P", "R", "normalize")})
-    kw = dict(causal=True, normalize="sum", eps=1e-6)
+    kw = dict(causal=True, normalize="sum", eps=1e-6, non_negative=False)
     with pytest.raises(ValueError, match=r"q has dtype torch.float64.*float32"):
-        llops_attention_triton(q.double(), k, v, tq, tk, non_negative=False, **kw)
-    with pytest.raises(ValueError, match=r"normalize must be one of .*'max'"):
-        llops_attention_triton(q, k, v, tq, tk, non_negative=False, **dict(kw, normalize="max"))
+        run_triton(q.double(), k, v, tq, tk, **kw)
+    with pytest.raises(ValueError, match=r"theta_k has dtype torch.float64.*float32"):
+        run_triton(q, k, v, tq, tk.double(), **kw)
 
 
 def test_options_are_checked_by_their_one_rule():
-    """The kernel's entry checks its options by ``AttentionOptions``' rules (normalize, eps, the flag), as every other
-    path does: a negative ``eps``, a ``normalize=None`` (the map deciding is the caller's) are refused, naming them."""
+    """The options reaching the kernel are checked once, by ``AttentionOptions``' rules (normalize, eps) where the op's
+    caller builds them, and the op checks its flag: a ``normalize="max"``, a negative ``eps``, a non-bool
+    ``output_final_state`` are refused on the way to the Triton backend, naming them."""
     q, k, v, tq, tk, _ = _problem(**{k: BASE[k] for k in ("T", "D", "M", "P", "R", "normalize")})
-    kw = dict(causal=True, normalize="sum", eps=1e-6, non_negative=False)
-    for change, match in ((dict(eps=-1.0), r"eps must be a finite number >= 0.0, got -1.0"),
-                          (dict(normalize=None), r"normalize must be one of \['none', 'sum'\], got None"),
+    kw = dict(causal=True, normalize="sum", eps=1e-6, non_negative=False, backend="triton")
+    for change, match in ((dict(normalize="max"), r"normalize must be one of .*'max'"),
+                          (dict(eps=-1.0), r"eps must be a finite number >= 0.0, got -1.0"),
                           (dict(output_final_state=1), r"output_final_state must be True or False, got 1")):
         with pytest.raises((ValueError, TypeError), match=match):
-            llops_attention_triton(q, k, v, tq, tk, **{**kw, **change})
+            run_llops(q, k, v, tq, tk, **{**kw, **change})
 
 
 def test_cpu_tensors_need_the_interpreter(monkeypatch):
     q, k, v, tq, tk, _ = (x.cpu() for x in _problem(**{k: BASE[k] for k in ("T", "D", "M", "P", "R", "normalize")}))
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match=r"q is on cpu; the Triton kernel needs CUDA"):
-        llops_attention_triton(q, k, v, tq, tk, causal=True, normalize="sum", non_negative=False, eps=1e-6)
+        run_triton(q, k, v, tq, tk, causal=True, normalize="sum", non_negative=False, eps=1e-6)
 
 
 @pytest.mark.skipif(INTERPRETED, reason="compiled kernel at realistic sizes and bf16: CUDA only")

@@ -28,10 +28,10 @@ import os
 
 import pytest
 import torch
-from attention_calls import run_llops_naive
+from attention_calls import run_llops, run_llops_naive, run_triton
 
 from sketchlab.attention import AttentionState
-from sketchlab.attention.triton import launch, llops_attention_triton
+from sketchlab.attention.triton import launch
 from sketchlab.llops.maps import llops_features
 
 FP32_TOL = 1e-4
@@ -133,7 +133,7 @@ def _compare(T=37, *, window, sinks, local="softmax", gate=True, local_scale=Non
     mask = _padding(q.shape[0], T) if padded else None
     opts = dict(window=window, sinks=sinks, local=local, local_scale=local_scale, non_negative=non_negative,
                 causal=causal)
-    got, dgate = _grads(llops_attention_triton, [x.to(DEVICE, torch.float32) for x in (q, k, v, tq, tk)]
+    got, dgate = _grads(run_triton, [x.to(DEVICE, torch.float32) for x in (q, k, v, tq, tk)]
                         + [None if gl is None else gl.to(DEVICE, torch.float32)], grad.to(DEVICE),
                         key_padding_mask=None if mask is None else mask.to(DEVICE), **opts)
     want, dgate_ref = _grads(run_llops_naive, [q, k, v, tq, tk, gl], grad, key_padding_mask=mask, **opts)
@@ -187,14 +187,14 @@ def test_window_zero_is_the_pure_kernel():
     is ignored), and the float64 LLoPS reference within FP32_TOL."""
     q, k, v, tq, tk, gl, grad = (x.to(DEVICE, torch.float32) for x in _problem(33))
     kw = dict(causal=True, normalize="sum", non_negative=False, eps=1e-6)
-    base = llops_attention_triton(q, k, v, tq, tk, **kw)
-    new = llops_attention_triton(q, k, v, tq, tk, **kw, window=0, sinks=0, local="poly", gate=gl.float(), local_scale=3.0)
+    base = run_triton(q, k, v, tq, tk, **kw)
+    new = run_triton(q, k, v, tq, tk, **kw, window=0, sinks=0, local="poly", gate=gl.float(), local_scale=3.0)
     assert torch.equal(base, new)
     want = run_llops_naive(*(x.cpu().double() for x in (q, k, v, tq, tk)), **kw)
     assert _rel(new.cpu(), want) <= FP32_TOL
 
 
-def _chain(leaves, splits, *, mask=None, fn=llops_attention_triton, state=None, **kw):
+def _chain(leaves, splits, *, mask=None, fn=run_triton, state=None, **kw):
     """Run ``[0, T)`` as calls on the pieces ``splits`` (cumulative cut points), carrying the state."""
     q, k, v, tq, tk, gate = leaves
     outs = []
@@ -307,44 +307,47 @@ def test_key_padding_mask_pure():
     mask = torch.ones(2, 21, dtype=torch.bool)
     mask[0, :4] = False  # left padding
     mask[1, 15:] = False  # right padding
-    got = llops_attention_triton(*(x.to(DEVICE, torch.float32) for x in (q, k, v, tq, tk)), causal=True,
-                                 normalize="sum", non_negative=False, eps=1e-6, key_padding_mask=mask.to(DEVICE))
+    got = run_triton(*(x.to(DEVICE, torch.float32) for x in (q, k, v, tq, tk)), causal=True,
+                     normalize="sum", non_negative=False, eps=1e-6, key_padding_mask=mask.to(DEVICE))
     phi_q, phi_k = llops_features(q.transpose(1, 2), tq), llops_features(k.transpose(1, 2), tk)  # [B, H, T, M]
     scores = (phi_q @ phi_k.mT) * torch.ones(21, 21, dtype=torch.bool).tril() * mask[:, None, None, :]
     want = (scores @ v.transpose(1, 2)) / (scores.sum(-1, keepdim=True) + 1e-6)
     assert _rel(got.cpu(), want.transpose(1, 2)) <= FP32_TOL
-    unmasked = llops_attention_triton(*(x.to(DEVICE, torch.float32) for x in (q, k, v, tq, tk)), causal=True,
-                                      normalize="sum", non_negative=False, eps=1e-6)
+    unmasked = run_triton(*(x.to(DEVICE, torch.float32) for x in (q, k, v, tq, tk)), causal=True,
+                          normalize="sum", non_negative=False, eps=1e-6)
     assert _rel(unmasked.cpu(), want.transpose(1, 2)) > 1e-2  # the mask matters here
 
 
-def test_rejects_what_the_kernel_cannot_do():
+def test_bad_input_is_refused_on_the_way_to_the_kernel():
+    """The op (``run_llops(backend="triton")``) checks the hybrid's options, the gate, the mask and the window's
+    lengths once before the kernel; the Triton backend checks the carried state against the call (as the torch
+    backend does)."""
     q, k, v, tq, tk, gl, _ = (x.to(DEVICE, torch.float32) for x in _problem(9))
-    kw = dict(causal=True, normalize="sum", non_negative=False, eps=1e-6)
+    kw = dict(causal=True, normalize="sum", non_negative=False, eps=1e-6, backend="triton")
     with pytest.raises(ValueError, match=r"non-causal hybrid window \|i−j\| < w needs T == S, got T=9, S=5"):
-        llops_attention_triton(q, k[:, :5], v[:, :5], tq, tk, **dict(kw, causal=False), window=4)
+        run_llops(q, k[:, :5], v[:, :5], tq, tk, **dict(kw, causal=False), window=4)
     with pytest.raises(ValueError, match=r"initial_state/output_final_state need causal=True"):
-        llops_attention_triton(q, k, v, tq, tk, **dict(kw, causal=False), output_final_state=True)
+        run_llops(q, k, v, tq, tk, **dict(kw, causal=False), output_final_state=True)
     with pytest.raises(ValueError, match=r"always normalised: pass normalize='sum' \(or None\), got 'none'"):
-        llops_attention_triton(q, k, v, tq, tk, **dict(kw, normalize="none"), window=3)
+        run_llops(q, k, v, tq, tk, **dict(kw, normalize="none"), window=3)
     with pytest.raises(ValueError, match=r"sinks=2 needs window >= 1"):
-        llops_attention_triton(q, k, v, tq, tk, **kw, sinks=2)
+        run_llops(q, k, v, tq, tk, **kw, sinks=2)
     mask = torch.ones(2, 9, dtype=torch.bool, device=DEVICE)
     with pytest.raises(ValueError, match=r"key_padding_mask must have shape \[B, S\] = \[2, 9\]"):
-        llops_attention_triton(q, k, v, tq, tk, **kw, window=4, key_padding_mask=mask[:, :5])
+        run_llops(q, k, v, tq, tk, **kw, window=4, key_padding_mask=mask[:, :5])
     with pytest.raises(ValueError, match=r"window must be an integer >= 0, got -1"):
-        llops_attention_triton(q, k, v, tq, tk, **kw, window=-1)
+        run_llops(q, k, v, tq, tk, **kw, window=-1)
     with pytest.raises(ValueError, match=r"local must be one of \['softmax', 'poly'\], got 'relu'"):
-        llops_attention_triton(q, k, v, tq, tk, **kw, window=3, local="relu")
+        run_llops(q, k, v, tq, tk, **kw, window=3, local="relu")
     with pytest.raises(ValueError, match=r"gate must have shape \[H\] = \[2\]"):
-        llops_attention_triton(q, k, v, tq, tk, **kw, window=3, gate=gl[:1])
+        run_llops(q, k, v, tq, tk, **kw, window=3, gate=gl[:1])
     with pytest.raises(ValueError, match=r"local_scale must be a finite number > 0.0, got 0.0"):
-        llops_attention_triton(q, k, v, tq, tk, **kw, window=3, local_scale=0.0)
-    _, state = llops_attention_triton(q, k, v, tq, tk, **kw, window=4, sinks=1, output_final_state=True)
+        run_llops(q, k, v, tq, tk, **kw, window=3, local_scale=0.0)
+    _, state = run_llops(q, k, v, tq, tk, **kw, window=4, sinks=1, output_final_state=True)
     with pytest.raises(ValueError, match=r"initial_state.k_window must have shape \[2, 2, 6, 8\] for this call"):
-        llops_attention_triton(q, k, v, tq, tk, **kw, window=6, sinks=1, initial_state=state)
+        run_llops(q, k, v, tq, tk, **kw, window=6, sinks=1, initial_state=state)
     with pytest.raises(TypeError, match=r"initial_state must be an AttentionState"):
-        llops_attention_triton(q, k, v, tq, tk, **kw, window=4, sinks=1, initial_state=(state.S, state.z))
+        run_llops(q, k, v, tq, tk, **kw, window=4, sinks=1, initial_state=(state.S, state.z))
 
 
 @pytest.mark.skipif(INTERPRETED, reason="compiled kernel at realistic sizes: CUDA only")
@@ -360,13 +363,11 @@ def test_cuda_compiled_hybrid(local, window, sinks):
 def test_functional_dispatch_of_the_hybrid():
     """``run_llops(backend="triton")`` hands the hybrid, the mask and the state to this kernel
     and equals ``backend="reference"``, final state included."""
-    from attention_calls import run_llops
-
     q, k, v, tq, tk, gl, grad = _problem(21)
     mask = _padding(2, 21)
     kw = dict(window=5, sinks=2, local="poly", output_final_state=True)
     got, st = run_llops(*(x.to(DEVICE, torch.float32) for x in (q, k, v, tq, tk)), gate=gl.to(DEVICE).float(),
-                              key_padding_mask=mask.to(DEVICE), backend="triton", **kw)
+                        key_padding_mask=mask.to(DEVICE), backend="triton", **kw)
     want, st_ref = run_llops(q, k, v, tq, tk, gate=gl, key_padding_mask=mask, backend="reference", **kw)
     assert _rel(got.cpu(), want) <= FP32_TOL
     for name in STATE_FIELDS:

@@ -240,14 +240,8 @@ def _route(q, k, v, map_q, map_k, o: AttentionOptions, params, gate, segments, k
     if backend == "triton":
         from .triton import llops_attention_triton  # lazy: triton is optional
 
-        hybrid = bool(o.window or gate is not None or key_padding_mask is not None or initial_state is not None
-                      or output_final_state)
-        local = dict(window=o.window, sinks=o.sinks, local=o.local, local_scale=o.local_scale or D ** -0.5, gate=gate)
-
         def run(qs, ks, vs, mask):
-            extra = dict(local, key_padding_mask=mask, **state) if hybrid else {}
-            return llops_attention_triton(qs, ks, vs, theta_q, theta_k, causal=o.causal, normalize=o.normalize,
-                                          non_negative=o.non_negative, eps=o.eps, **extra)
+            return llops_attention_triton(qs, ks, vs, theta_q, theta_k, o, gate=gate, key_padding_mask=mask, **state)
     elif naive:
         def run(qs, ks, vs, mask):
             return feature_attention_naive(

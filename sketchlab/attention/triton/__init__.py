@@ -4,9 +4,10 @@ Layering (docs/DESIGN.md §2): ``@triton.jit`` kernels (``_kernels``: pure linea
 ``_hybrid``: exact local + LLoPS far; the device functions both call, a chunk's features and their backward, in
 ``features``) → plain launchers ``llops_attention_fwd`` / ``_bwd`` and
 ``hybrid_attention_fwd`` / ``_bwd`` (``launch``) → the ``autograd.Function``s
-``LLoPSAttentionTriton`` / ``HybridAttentionTriton`` → the entry ``llops_attention_triton``
-(``function``), which ``sketchlab.attention.linear_attention`` calls for two LLoPS maps (``backend="triton"``). The
-carried state is :class:`sketchlab.attention.AttentionState`.
+``LLoPSAttentionTriton`` / ``HybridAttentionTriton`` → the backend ``llops_attention_triton``
+(``function``), which ``sketchlab.attention.linear_attention`` calls for two LLoPS maps (``backend="triton"``) with its
+checked arguments and resolved ``AttentionOptions``, read as given. The carried state is
+:class:`sketchlab.attention.AttentionState`.
 """
 
 from sketchlab.attention.triton.function import HybridAttentionTriton, LLoPSAttentionTriton, llops_attention_triton

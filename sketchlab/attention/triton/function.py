@@ -12,14 +12,6 @@ import os
 import torch
 from torch.autograd.function import once_differentiable
 
-from sketchlab.attention._checks import (
-    check_eps,
-    check_flag,
-    check_hybrid,
-    check_key_padding_mask,
-    check_normalize,
-    check_window_lengths,
-)
 from sketchlab.attention.state import AttentionState, check_state, state_dtype
 from sketchlab.attention.triton.launch import (
     hybrid_attention_bwd,
@@ -94,23 +86,29 @@ class HybridAttentionTriton(torch.autograd.Function):
         return (dq, dk, dv, dtq, dtk, dgate.to(gate.dtype), ds0, dz0) + (None,) * 9
 
 
-def llops_attention_triton(q, k, v, theta_q, theta_k, *, causal: bool, normalize: str, non_negative: bool, eps: float,
-                           window: int = 0, sinks: int = 0, local: str = "softmax", local_scale=None, gate=None,
-                           key_padding_mask=None, initial_state=None, output_final_state: bool = False):
-    r"""LLoPS linear attention, or the sliding-window hybrid, through the fused Triton kernels.
+def llops_attention_triton(q, k, v, theta_q, theta_k, options, *, gate=None, key_padding_mask=None, initial_state=None,
+                           output_final_state: bool = False):
+    r"""LLoPS linear attention, or the sliding-window hybrid, through the fused Triton kernels: the backend
+    :func:`sketchlab.attention.linear_attention` runs for two LLoPS maps (arguments checked by linear_attention).
 
     Parameters
     ----------
     q : Tensor [B, T, H, D]
     k : Tensor [B, S, H, D]
     v : Tensor [B, S, H, Dv]
-        ``S == T`` when ``causal``.
+        ``S == T`` when causal.
     theta_q, theta_k : Tensor [H, R, P, D, M]
         Per-head LLoPS factors, ``φ(x)_i = Σ_r ∏_j ⟨Θ_{r,j}[:, i], x⟩``.
-    causal, normalize, non_negative, eps, window, sinks, local, local_scale, gate
-        As :func:`~sketchlab.attention.ops.additive.naive.feature_attention_naive` (the formula; ``local="poly"`` uses Θ's
-        ``p``). ``φ ⊗ φ`` is formed chunk by chunk in registers, never in memory; the running state
-        is then ``[M², Dv]``. ``gate`` is unused without the hybrid.
+    options : AttentionOptions
+        Built and resolved by the caller (``normalize`` and ``non_negative`` decided:
+        :meth:`~sketchlab.attention.AttentionOptions.resolve`) and read as given: ``causal``, ``normalize``,
+        ``non_negative`` (the state then holds ``M²``), ``eps``, the hybrid's ``window`` (0: the pure kernel),
+        ``sinks``, ``local`` (``"poly"`` uses Θ's ``p``) and ``local_scale`` (None: ``1/√D``); the formula is
+        :func:`~sketchlab.attention.ops.additive.naive.feature_attention_naive`'s. ``φ ⊗ φ`` is formed chunk by
+        chunk in registers, never in memory; the running state is then ``[M², Dv]``. The memory options and
+        ``backend``, ``chunk_size``, ``block_chunks``, ``denominator_check`` are not this kernel's.
+    gate : None or Tensor [H]
+        Logits of ``g = sigmoid(gate)`` (None: ``g = 1/2``); unused without a window.
     key_padding_mask : None or bool Tensor [B, S]
         True = a real key. A padded key leaves every sum (and the state); positions (window,
         sinks) still count it, as in :func:`~sketchlab.attention.ops.additive.naive.feature_attention_naive`.
@@ -128,12 +126,14 @@ def llops_attention_triton(q, k, v, theta_q, theta_k, *, causal: bool, normalize
 
     Notes
     -----
-    Shapes, devices and finiteness of q, k, v, Θ are checked by the caller
-    (:func:`sketchlab.attention.linear_attention`, which validates once); here only what the kernel
-    itself cannot do is rejected, and the options are validated by their one set of rules
-    (:class:`~sketchlab.attention.options.AttentionOptions`', through the shared checks). Inputs
-    of any strides are accepted (made contiguous). On CPU tensors the kernel runs only in Triton's
-    interpreter (``TRITON_INTERPRET=1``, fp32).
+    The arguments are checked by :func:`sketchlab.attention.linear_attention`, once: the shapes, dtypes,
+    devices and finiteness of q, k, v, Θ, the gate and the mask, the options (built and checked by their
+    one set of rules), the non-causal window's ``T == S``. Here only what the kernel itself cannot do is
+    rejected (a dtype other than fp32, fp16, bf16; a tensor off CUDA without the interpreter), and the
+    carried state is checked against this call as the torch backend
+    (:func:`~sketchlab.attention.ops.additive.chunk.chunk_attention`) checks it. Inputs of any strides are
+    accepted (made contiguous). On CPU tensors the kernel runs only in Triton's interpreter
+    (``TRITON_INTERPRET=1``, fp32).
 
     The carried window keys' far contributions are recomputed in the kernel from their keys and
     ``theta_k`` (the state's ``phi_window`` is used only to fold them into ``S, z`` when they
@@ -144,8 +144,6 @@ def llops_attention_triton(q, k, v, theta_q, theta_k, *, causal: bool, normalize
     float32 (the held keys and values too, for fp16/bf16 inputs), and an ``initial_state`` of
     another floating dtype is cast to float32, so states pass between the backends as they are.
     """
-    normalize, eps = check_normalize(normalize), check_eps(eps)
-    check_flag(output_final_state, "output_final_state")
     for name, x in (("q", q), ("k", k), ("v", v), ("theta_q", theta_q), ("theta_k", theta_k)):
         if x.dtype not in _DTYPES:
             raise ValueError(
@@ -157,16 +155,15 @@ def llops_attention_triton(q, k, v, theta_q, theta_k, *, causal: bool, normalize
                 f"{name} is on {x.device}; the Triton kernel needs CUDA tensors (or TRITON_INTERPRET=1 "
                 "set before triton is imported, to interpret it on the CPU); use backend='torch'"
             )
+    causal, non_negative, eps = options.causal, options.non_negative, options.eps
+    window, sinks = options.window, options.sinks
     B, T, H, D = q.shape
     DV = v.shape[-1]
     M = theta_q.shape[-1]
-    window, sinks, local, scale, gate = check_hybrid(window, sinks, local, local_scale, gate, normalize=normalize,
-                                                     heads=H, dim=D, like=q)
-    mask = check_key_padding_mask(key_padding_mask, B, k.shape[1], q.device)
+    mask = key_padding_mask
     stateful = initial_state is not None or output_final_state
     if not causal and stateful:
         raise ValueError("initial_state/output_final_state need causal=True (a state summarises a prefix)")
-    check_window_lengths(causal, window, T, k.shape[1])
     F = M * M if non_negative else M
     st = None
     if initial_state is not None:
@@ -186,10 +183,11 @@ def llops_attention_triton(q, k, v, theta_q, theta_k, *, causal: bool, normalize
     def zero_padded(x, ok):  # x [B, n, H, ·]; a padded key becomes 0 (φ(0) = 0: it leaves the far sums)
         return torch.where(ok[:, :, None, None], x, torch.zeros((), dtype=x.dtype, device=x.device))
 
-    if not window:
+    if not window:  # the pure kernel (a gate is unused)
         out = LLoPSAttentionTriton.apply(q, zero_padded(k, valid) if mask is not None else k, v, theta_q, theta_k,
-                                         s0, z0, bool(causal), normalize == "sum", bool(non_negative), float(eps))
+                                         s0, z0, causal, options.normalize == "sum", non_negative, eps)
     else:
+        scale = D ** -0.5 if options.local_scale is None else options.local_scale
         gam = (torch.full((H,), 0.5, device=q.device, dtype=torch.float32) if gate is None
                else torch.sigmoid(gate.to(torch.float32)))  # [H]
         if st is None:
@@ -205,8 +203,8 @@ def llops_attention_triton(q, k, v, theta_q, theta_k, *, causal: bool, normalize
         if masked:
             kx = zero_padded(kx, kvalid)
         out = HybridAttentionTriton.apply(q, kx, vx, theta_q, theta_k, gam, s0, z0, kvalid if masked else None,
-                                          int(qoff), window, sinks, local == "softmax", scale, bool(non_negative),
-                                          float(eps), bool(causal))
+                                          int(qoff), window, sinks, options.local == "softmax", scale, non_negative,
+                                          eps, causal)
     if not output_final_state:
         return out
     return out, _final_state(st, k, v, valid, win_valid, sink_valid, theta_k, P0=P0, window=window, sinks=sinks,
