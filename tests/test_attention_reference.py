@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from attention_calls import run_llops_naive
+from attention_calls import run_chunked, run_llops_naive
 
 import sketchlab as sl
 from sketchlab.attention import (
@@ -144,17 +144,66 @@ def test_unnormalised_signed_scores_are_fine_but_sum_normaliser_is_not_guarded()
     assert out[0, 1, 0, 0].item() == pytest.approx(-2.0)
 
 
+@pytest.mark.parametrize("window", [0, 3])
+def test_the_twin_reports_its_denominators_as_the_chunked_path_does(window):
+    """The denominator report is behaviour, not validation: signed features give some rows a sum <= 0; the
+    twin counts the rows the chunked path counts ('raise' names them, 'warn' warns, 'off' is silent)."""
+    import re
+    import warnings
+
+    T = 12
+    q, k, v = _rand(2, T, 2, 4, seed=21), _rand(2, T, 2, 4, seed=22), _rand(2, T, 2, 3, seed=23)
+    fq, fk = _rand(2, T, 2, 6, seed=24), _rand(2, T, 2, 6, seed=25)  # signed: φ(q)·Σφ(k) < 0 on some rows
+    kw = dict(q=q, k=k, chunk_size=4)
+    if window:  # the far (linear) part alone in the hybrid
+        kw.update(window=window, gate=torch.full((2,), -30.0, dtype=torch.float64))
+    counts = []
+    for backend in ("torch", "reference"):
+        with pytest.raises(FloatingPointError, match=r"normalising denominator <= 0") as err:
+            run_chunked(fq, fk, v, backend=backend, denominator_check="raise", **kw)
+        counts.append(re.search(r"(\d+) of (\d+) query rows", str(err.value)).groups())
+    assert counts[0] == counts[1] and int(counts[1][0]) > 0, counts
+    with pytest.warns(RuntimeWarning, match=r"feature_attention_naive: \d+ of 48 query rows have a normalising"):
+        run_chunked(fq, fk, v, backend="reference", denominator_check="warn", **kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        run_chunked(fq, fk, v, backend="reference", denominator_check="off", **kw)
+
+
+def test_the_twin_does_not_count_padded_query_rows():
+    """Left padding, causal: the first queries of sequence 0 are pads and see only pad keys (denominator 0):
+    not counted; a real query whose denominator is <= 0 still raises."""
+    phi = _rand(2, 8, 1, 3, seed=31).abs() + 0.1  # positive features: every real row's sum > 0
+    mask = torch.ones(2, 8, dtype=torch.bool)
+    mask[0, :3] = False
+    kw = dict(normalize="sum", key_padding_mask=mask, denominator_check="raise")
+    assert torch.isfinite(feature_attention_naive(phi, phi, phi, **kw)).all()
+    phi_k = phi.clone()
+    phi_k[1, 0] = -phi_k[1, 0]  # sequence 1's first query sees only its own key: φ(q)·φ(k) < 0
+    with pytest.raises(FloatingPointError, match="2 of 16 query rows have a normalising denominator <= 0") as err:
+        feature_attention_naive(phi, phi_k, phi, **kw)  # sequence 1's queries 0 and 1 (its key 0 dominates)
+    assert "exactly 0" not in str(err.value)  # the three padded rows (sums exactly 0) are not counted
+
+
+def _op(q, k, v, **options):
+    """The op on an LLoPS map fitted to q's heads and width (``backend="reference"``: the float64 twin's call)."""
+    H, D = q.shape[2], q.shape[-1]
+    theta = _rand(H, 1, 2, D, 3, seed=50)
+    return run_llops_naive(q, k, v, theta, theta, **options)
+
+
 @pytest.mark.parametrize("call, match", [
-    (lambda: feature_attention_naive(_rand(1, 3, 2, 4), _rand(1, 3, 2, 5), _rand(1, 3, 2, 2)), "share the last axis"),
-    (lambda: feature_attention_naive(_rand(1, 3, 2, 4), _rand(1, 3, 3, 4), _rand(1, 3, 3, 2)), "heads H"),
-    (lambda: feature_attention_naive(_rand(1, 3, 2, 4), _rand(1, 4, 2, 4), _rand(1, 4, 2, 2)), "T == S"),
-    (lambda: feature_attention_naive(_rand(1, 3, 2, 4), _rand(1, 3, 2, 4), _rand(1, 4, 2, 2)), "token axis S"),
-    (lambda: feature_attention_naive(_rand(3, 2, 4), _rand(3, 2, 4), _rand(3, 2, 2)), "rank 4"),
-    (lambda: feature_attention_naive(_rand(1, 3, 2, 4), _rand(1, 3, 2, 4).float(), _rand(1, 3, 2, 2)), "one dtype"),
-    (lambda: feature_attention_naive(_rand(1, 3, 2, 4), _rand(1, 3, 2, 4), _rand(1, 3, 2, 2), normalize="softmax"), "normalize"),
-    (lambda: feature_attention_naive(_rand(1, 3, 2, 4), _rand(1, 3, 2, 4), _rand(1, 3, 2, 2), eps=-1.0), "eps"),
-    (lambda: feature_attention_naive(_rand(1, 3, 2, 4), _rand(1, 3, 2, 4), _rand(1, 3, 2, 2), segments=[1, 1]), "sum to"),
-    (lambda: feature_attention_naive(_rand(1, 4, 2, 4), _rand(1, 4, 2, 4), _rand(1, 4, 2, 2), segments=3), "divide"),
+    # the float64 twin trusts its arguments: the rules on them are the op's, checked once
+    (lambda: _op(_rand(1, 3, 2, 4), _rand(1, 3, 2, 5), _rand(1, 3, 2, 2)), "share the last axis"),
+    (lambda: _op(_rand(1, 3, 2, 4), _rand(1, 3, 3, 4), _rand(1, 3, 3, 2)), "heads H"),
+    (lambda: _op(_rand(1, 3, 2, 4), _rand(1, 4, 2, 4), _rand(1, 4, 2, 2)), "T == S"),
+    (lambda: _op(_rand(1, 3, 2, 4), _rand(1, 3, 2, 4), _rand(1, 4, 2, 2)), "token axis S"),
+    (lambda: _op(_rand(3, 2, 4), _rand(3, 2, 4), _rand(3, 2, 2)), "rank 4"),
+    (lambda: _op(_rand(1, 3, 2, 4), _rand(1, 3, 2, 4).float(), _rand(1, 3, 2, 2)), "one dtype"),
+    (lambda: _op(_rand(1, 3, 2, 4), _rand(1, 3, 2, 4), _rand(1, 3, 2, 2), normalize="softmax"), "normalize"),
+    (lambda: _op(_rand(1, 3, 2, 4), _rand(1, 3, 2, 4), _rand(1, 3, 2, 2), eps=-1.0), "eps"),
+    (lambda: _op(_rand(1, 3, 2, 4), _rand(1, 3, 2, 4), _rand(1, 3, 2, 2), segments=[1, 1]), "sum to"),
+    (lambda: _op(_rand(1, 4, 2, 4), _rand(1, 4, 2, 4), _rand(1, 4, 2, 2), segments=3), "divide"),
     (lambda: poly_attention_naive(_rand(1, 3, 2, 4), _rand(1, 3, 2, 4), _rand(1, 3, 2, 2), 0), "degree"),
     (lambda: run_llops_naive(_rand(1, 3, 2, 4), _rand(1, 3, 2, 4), _rand(1, 3, 2, 2),
                                    _rand(2, 1, 2, 4, 3), _rand(2, 1, 3, 4, 3)), "same degree p"),

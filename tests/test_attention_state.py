@@ -118,18 +118,20 @@ def test_carried_state_owns_only_its_own_storage(window):
         assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), name
 
 
-def test_state_checks():
+@pytest.mark.parametrize("backend", ["torch", "reference"])
+def test_state_checks(backend):
+    """The op's state rules on the torch and reference backends (the float64 twin trusts its arguments: the op checks them)."""
     q, k, v = _rand(1, 8, 2, 4), _rand(1, 8, 2, 4), _rand(1, 8, 2, 3)
     theta = _theta()
-    _, state = run_llops(q, k, v, theta, theta, window=4, output_final_state=True, backend="torch")
+    _, state = run_llops(q, k, v, theta, theta, window=4, output_final_state=True, backend=backend)
     with pytest.raises(ValueError, match="k_window must have shape"):
-        run_llops(q, k, v, theta, theta, window=6, initial_state=state, backend="torch")
+        run_llops(q, k, v, theta, theta, window=6, initial_state=state, backend=backend)
     with pytest.raises(TypeError, match="AttentionState"):
-        run_llops(q, k, v, theta, theta, initial_state=(state.S, state.z), backend="torch")
+        run_llops(q, k, v, theta, theta, initial_state=(state.S, state.z), backend=backend)
     with pytest.raises(ValueError, match="causal=True"):
-        run_llops(q, k, v, theta, theta, causal=False, output_final_state=True, backend="torch")
+        run_llops(q, k, v, theta, theta, causal=False, output_final_state=True, backend=backend)
     with pytest.raises(ValueError, match="segments cannot be combined"):
-        run_llops(q, k, v, theta, theta, segments=[4, 4], output_final_state=True, backend="torch")
+        run_llops(q, k, v, theta, theta, segments=[4, 4], output_final_state=True, backend=backend)
 
 
 @pytest.mark.parametrize("window", [0, 3])

@@ -200,6 +200,22 @@ def _featuremap(q, k, v, feature_map, feature_map_k, o: AttentionOptions, params
                            output_final_state=output_final_state, key_padding_mask=key_padding_mask, segments=segments)
 
 
+def _check_reference_state(initial_state, output_final_state: bool, o: AttentionOptions, *, batch: int, heads: int,
+                           dim: int, dim_v: int, num_features: int, like: torch.Tensor) -> None:
+    """The state rules of the float64 twin's call (``backend="reference"``): a state needs ``causal=True`` and
+    ``initial_state`` must fit the call (:func:`~sketchlab.attention.state.check_state`; ``M²`` features when
+    self-tensored)."""
+    from .state import check_state
+
+    if (initial_state is not None or output_final_state) and not o.causal:
+        raise ValueError("initial_state/output_final_state need causal=True (a state summarises a prefix)")
+    if initial_state is not None:
+        m = num_features
+        check_state(initial_state, batch=batch, heads=heads, num_features=m * m if o.non_negative else m,
+                    dim=dim if o.window else None, dim_v=dim_v, feature_dim=m, window=o.window, sinks=o.sinks,
+                    like=like)
+
+
 def _features(fmap, x, naive: bool):
     """``[B, T, H, D] -> [B, T, H, M]``: the map's features, or their float64 twin."""
     return fmap.features_naive(x) if naive else fmap.features(x)
@@ -242,7 +258,10 @@ def _route(q, k, v, map_q, map_k, o: AttentionOptions, params, gate, segments, k
 
         def run(qs, ks, vs, mask):
             return llops_attention_triton(qs, ks, vs, theta_q, theta_k, o, gate=gate, key_padding_mask=mask, **state)
-    elif naive:
+    elif naive:  # the twin trusts its arguments: the state is checked here, as chunk_attention checks it
+        _check_reference_state(initial_state, output_final_state, o, batch=B, heads=H, dim=D, dim_v=v.shape[-1],
+                               num_features=map_q.num_features, like=q)
+
         def run(qs, ks, vs, mask):
             return feature_attention_naive(
                 _features(map_q, qs, True), _features(map_k, ks, True), vs.double(), q=qs.double(), k=ks.double(),
