@@ -1,8 +1,12 @@
-"""Speed kept across a redesign: the same attention calls timed in two source trees, side by side.
+"""Speed kept across a redesign: the same attention calls timed in two source trees, interleaved call by call.
 
 Issue 40 moved every attention call behind one op (``sketchlab.linear_attention``); this script checks that
-the move costs nothing measurable. Each round runs one subprocess per tree (alternating, so both see the
-same machine load), each timing by process CPU time, best of ``--reps`` calls:
+the move costs nothing measurable. Three persistent subprocesses each load one tree: the old tree, the new
+tree, and the new tree again (the *null control*: two copies of one code, whose ratio shows what this machine
+can resolve). Round after round, every case is asked of the three in a shuffled order, each answering with
+the best of ``--reps`` calls by process CPU time, so a drift of the machine's load falls on all three alike.
+Per case the table gives the median over rounds of the per-round ratio new ÷ old (and new′ ÷ new for the
+control); ≤ 1.05: kept. The cases:
 
 * forward and forward + backward of causal LLoPS attention (B = 1, H = 2, D = Dv = 128, m = 128, p = 2,
   float32, one thread), pure and the hybrid (window 64 + 4 sinks), at T = 1024 … 8192; the old tree through
@@ -12,8 +16,7 @@ same machine load), each timing by process CPU time, best of ``--reps`` calls:
 * the ATen operations one forward call and one decoding step run in each tree (a count that machine load
   does not change, beside the timings that it does).
 
-The best time over ``--rounds`` rounds per tree is kept; the table gives new ÷ old (≤ 1.05: kept). Writes
-``analysis/results/bench_versions.md``.
+Writes ``analysis/results/bench_versions.md``.
 
     .venv/bin/python analysis/bench_versions.py --old /path/to/old/checkout      # e.g. a worktree of acaf206
     .venv/bin/python analysis/bench_versions.py --old ... --quick                # smoke run
@@ -24,6 +27,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
+import statistics
 import subprocess
 import sys
 import time
@@ -31,8 +36,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-#: The child's code: times every case in the tree first on sys.path and prints one JSON line.
-CHILD = r'''
+#: The child's code: builds every case in the tree first on sys.path, prints the ATen operation counts as one
+#: JSON line, then answers each case name read from stdin with the best of REPS calls (seconds, one line).
+CHILD = r"""
 import json, sys, time
 import torch
 torch.set_num_threads(1)
@@ -54,25 +60,23 @@ def call(q, k, v, window, **kw):
     return sl.llops_attention(q, k, v, theta, theta, normalize="sum", non_negative=False, backend="torch",
                               **hybrid, **kw)
 def ops(fn):
-    # the ATen operations one call runs (a count that no machine load changes)
     with torch.profiler.profile() as prof:
         fn()
     return sum(e.count for e in prof.key_averages() if e.key.startswith("aten::"))
-def best(fn):
-    times = []
-    for _ in range(REPS):
-        t0 = time.process_time(); fn(); times.append(time.process_time() - t0)
-    return min(times)
-out = {}
+def no_grad(fn):
+    def run():
+        with torch.no_grad():
+            return fn()
+    return run
+cases, counts = {}, {}
 for T in T_LIST:
     q, k, v = (torch.randn(1, T, H, D, generator=gen) * D**-0.25 for _ in range(3))
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     for window in (0, 64):
         name = f"{'hybrid' if window else 'pure'} T={T}"
-        with torch.no_grad():
-            out[f"fwd {name}"] = best(lambda: call(q, k, v, window))
-            out[f"ops:fwd {name}"] = ops(lambda: call(q, k, v, window))
-        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-        out[f"fwd+bwd {name}"] = best(lambda: call(*leaves, window).sum().backward())
+        cases[f"fwd {name}"] = no_grad(lambda q=q, k=k, v=v, w=window: call(q, k, v, w))
+        cases[f"fwd+bwd {name}"] = lambda leaves=leaves, w=window: call(*leaves, w).sum().backward()
+        counts[f"fwd {name}"] = ops(cases[f"fwd {name}"])
 if DECODE:
     L = DECODE
     q, k, v = (torch.randn(1, L, H, D, generator=gen) * D**-0.25 for _ in range(3))
@@ -80,26 +84,47 @@ if DECODE:
     for window in (0, 64):
         with torch.no_grad():
             _, state = call(q, k, v, window, output_final_state=True)
-            name = f"decode step {'hybrid' if window else 'pure'} L={L}"
-            out[name] = best(lambda: call(x, x, x, window, initial_state=state, output_final_state=True))
-            out["ops:" + name] = ops(lambda: call(x, x, x, window, initial_state=state, output_final_state=True))
-print(json.dumps(out))
-'''
+        name = f"decode step {'hybrid' if window else 'pure'} L={L}"
+        cases[name] = no_grad(lambda w=window, s=state: call(x, x, x, w, initial_state=s, output_final_state=True))
+        counts[name] = ops(cases[name])
+for fn in cases.values():  # warm every path once
+    fn()
+print(json.dumps({"cases": list(cases), "ops": counts}), flush=True)
+for line in sys.stdin:
+    fn = cases[line.strip()]
+    times = []
+    for _ in range(REPS):
+        t0 = time.process_time(); fn(); times.append(time.process_time() - t0)
+    print(min(times), flush=True)
+"""
 
 
-def run_tree(tree: str, config: list) -> dict:
-    env = {**os.environ, "PYTHONPATH": tree, "OMP_NUM_THREADS": "1"}
-    res = subprocess.run([sys.executable, "-c", CHILD, json.dumps(config)], env=env, cwd="/", check=True,
-                         capture_output=True, text=True)
-    return json.loads(res.stdout.strip().splitlines()[-1])
+class Tree:
+    """One persistent child process timing the cases in one source tree."""
+
+    def __init__(self, tree: str, config: list):
+        env = {**os.environ, "PYTHONPATH": tree, "OMP_NUM_THREADS": "1"}
+        self.proc = subprocess.Popen([sys.executable, "-c", CHILD, json.dumps(config)], env=env, cwd="/",
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        head = json.loads(self.proc.stdout.readline())
+        self.cases, self.ops = head["cases"], head["ops"]
+
+    def time(self, case: str) -> float:
+        self.proc.stdin.write(case + "\n")
+        self.proc.stdin.flush()
+        return float(self.proc.stdout.readline())
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait()
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--old", required=True, help="the old source tree (a checkout holding sketchlab/)")
     parser.add_argument("--new", default=str(ROOT), help="the new source tree (default: this checkout)")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="T = 256, 512, decode at 2048, 2 rounds of 2")
     parser.add_argument("--out", default=str(ROOT / "analysis" / "results" / "bench_versions.md"))
     args = parser.parse_args(argv)
@@ -109,34 +134,49 @@ def main(argv=None) -> int:
         config = [[1024, 2048, 4096, 8192], args.reps, 32768]
     started = time.time()
     load0 = os.getloadavg()
-    best: dict[str, dict[str, float]] = {"old": {}, "new": {}}
-    count: dict[str, dict[str, int]] = {"old": {}, "new": {}}  # ATen operations per call (the same every round)
+    trees = {"old": Tree(args.old, config), "new": Tree(args.new, config), "new′": Tree(args.new, config)}
+    cases = trees["new"].cases
+    times: dict[str, dict[str, list[float]]] = {side: {c: [] for c in cases} for side in trees}
+    order = random.Random(0)
     for r in range(args.rounds):
-        for side, tree in (("old", args.old), ("new", args.new)) if r % 2 == 0 else (("new", args.new), ("old", args.old)):
-            for name, t in run_tree(tree, config).items():
-                if name.startswith("ops:"):
-                    count[side][name[4:]] = t
-                else:
-                    best[side][name] = min(t, best[side].get(name, float("inf")))
-            print(f"round {r + 1}/{args.rounds} {side} done", file=sys.stderr)
-    rows = [(name, best["old"][name], best["new"][name]) for name in best["old"]]
-    ops_cell = lambda side, name: str(count[side][name]) if name in count[side] else ""  # noqa: E731
-    worst = max(n / o for _, o, n in rows)
-    lines = ["# Speed kept: the attention calls in two source trees, side by side", "",
+        for case in cases:
+            sides = list(trees)
+            order.shuffle(sides)
+            for side in sides:
+                times[side][case].append(trees[side].time(case))
+        print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
+    ops = {side: tree.ops for side, tree in trees.items()}
+    for tree in trees.values():
+        tree.close()
+
+    def ratio(a: str, b: str, case: str) -> float:  # median over rounds of a ÷ b, each round's pair
+        return statistics.median(x / y for x, y in zip(times[a][case], times[b][case]))
+
+    rows = [(c, statistics.median(times["old"][c]), statistics.median(times["new"][c]), ratio("new", "old", c),
+             ratio("new′", "new", c)) for c in cases]
+    ops_cell = lambda side, name: str(ops[side][name]) if name in ops[side] else ""  # noqa: E731
+    worst = max(r[3] for r in rows)
+    null = [r[4] for r in rows]
+    lines = ["# Speed kept: the attention calls in two source trees, interleaved call by call", "",
              f"Command: `.venv/bin/python analysis/bench_versions.py --old OLD --rounds {args.rounds} --reps {args.reps}"
              f"{' --quick' if args.quick else ''}` "
              f"(OLD: a checkout of the tree before the change; here `{args.old}`)", "",
              "B = 1, H = 2, D = Dv = 128, LLoPS m = 128 (p = 2, equal factors), float32, causal, one thread; the old "
-             "tree through `llops_attention`, the new through `linear_attention` on an `LLoPSMap` of the same Θ; "
-             f"each time the best of {args.reps} calls by process CPU time, then the best of {args.rounds} rounds "
-             f"(the trees alternate). Wall time {time.time() - started:.0f} s; load average before "
-             f"{load0[0]:.1f}, after {os.getloadavg()[0]:.1f} (a shared 2-core machine).", "",
-             "`ATen ops`: the ATen operations one call runs in each tree (`torch.profiler`; forward and decode "
-             "calls), a count no machine load changes.", "",
-             "| call | old (s) | new (s) | new ÷ old | ATen ops old | ATen ops new |", "|---|---:|---:|---:|---:|---:|"]
-    lines += [f"| {name} | {o:.5f} | {n:.5f} | {n / o:.3f} | {ops_cell('old', name)} | {ops_cell('new', name)} |"
-              for name, o, n in rows]
-    lines += ["", f"Worst ratio: **{worst:.3f}** (kept: ≤ 1.05)."]
+             "tree through `llops_attention`, the new through `linear_attention` on an `LLoPSMap` of the same Θ. "
+             "Three persistent processes (old, new, and new again: the null control) answer every case in a "
+             f"shuffled order each round, each with the best of {args.reps} calls by process CPU time; the columns "
+             f"are medians over {args.rounds} rounds, the ratios the median of each round's pair. Wall time "
+             f"{time.time() - started:.0f} s; load average before {load0[0]:.1f}, after {os.getloadavg()[0]:.1f} "
+             "(a shared 2-core machine).", "",
+             "`new′ ÷ new`: the same code in two processes, what this machine can resolve. `ATen ops`: the ATen "
+             "operations one call runs in each tree (`torch.profiler`; forward and decode calls), a count no "
+             "machine load changes.", "",
+             "| call | old (s) | new (s) | new ÷ old | new′ ÷ new (null) | ATen ops old | ATen ops new |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    lines += [f"| {name} | {o:.5f} | {n:.5f} | {q:.3f} | {z:.3f} | {ops_cell('old', name)} | {ops_cell('new', name)} |"
+              for name, o, n, q, z in rows]
+    lines += ["", f"Worst new ÷ old: **{worst:.3f}** (kept: ≤ 1.05); the null control ranges "
+              f"{min(null):.3f}–{max(null):.3f}."]
     text = "\n".join(lines) + "\n"
     sys.path.insert(0, str(ROOT))
     from sketchlab.io.atomic import write_text_atomic

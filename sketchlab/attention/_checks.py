@@ -317,22 +317,32 @@ def report_denominators(counts, rows: int, where: str, mode: str) -> None:
 
 
 class DenominatorCounter:
-    """Counts the normalising denominators ``<= 0`` of real query rows, and those exactly 0, chunk by chunk
-    (:func:`denominator_counts`), and reports them once at the end (:func:`report_denominators`; one sync)."""
+    """Counts the normalising denominators ``<= 0`` of real query rows chunk by chunk and reports them once at the
+    end (:func:`report_denominators`; one sync). Per chunk only the ``<= 0`` count is formed (what the loop
+    pays); the blocks' denominators are kept (views, detached) so that the report, in the rare call that has
+    one, can say how many of them are exactly 0 (:func:`denominator_counts`)."""
 
     def __init__(self):
-        self.counts, self.rows = None, 0
+        self.bad, self.rows, self.blocks = None, 0, []
 
     def add(self, den: torch.Tensor, rows: torch.Tensor | None) -> None:
         """``den [B, H, n]``; ``rows [B, n]`` bool (real queries) or None (all)."""
-        counts = denominator_counts(den, None if rows is None else rows[:, None, :])
-        self.counts = counts if self.counts is None else self.counts + counts
+        den = den.detach()
+        rows = None if rows is None else rows[:, None, :]
+        bad = den <= 0 if rows is None else (den <= 0) & rows
+        count = bad.sum()
+        self.bad = count if self.bad is None else self.bad + count
+        self.blocks.append((den, rows))
         self.rows += den.numel()
 
     def report(self, where: str, mode: str) -> None:
-        """:func:`report_denominators` of what was added (nothing added: nothing reported)."""
-        if self.counts is not None:
-            report_denominators(self.counts, self.rows, where, mode)
+        """:func:`report_denominators` of what was added (nothing added, or nothing ``<= 0``: nothing reported)."""
+        if self.bad is None or mode == "off":
+            return
+        bad = int(self.bad)
+        if bad:
+            zero = sum(int(denominator_counts(den, rows)[1]) for den, rows in self.blocks)
+            report_denominators((bad, zero), self.rows, where, mode)
 
 
 # ----------------------------------------------------------------------------------------------- the recurrences

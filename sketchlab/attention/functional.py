@@ -233,7 +233,8 @@ def _route(q, k, v, map_q, map_k, o: AttentionOptions, params, gate, segments, k
     backend = resolve_backend(o.backend, q.device, q.dtype) if fused else _unfused_backend(o.backend, q, name)
     check_local_degree(map_q.degree, name, window=o.window, local=o.local)
     if fused:
-        theta_q, theta_k = check_theta(map_q.theta.to(q.dtype), map_k.theta.to(q.dtype), heads=H, dim=D, like=q)
+        theta_q, theta_k = (m.theta if m.theta.dtype == q.dtype else m.theta.to(q.dtype) for m in (map_q, map_k))
+        theta_q, theta_k = check_theta(theta_q, theta_k, heads=H, dim=D, like=q)
         check_llops_kernel_range(q, k, theta_q, theta_k, non_negative=o.non_negative)
     key_padding_mask = check_key_padding_mask(key_padding_mask, B, k.shape[1], q.device)
     if segments is not None and (initial_state is not None or output_final_state):
