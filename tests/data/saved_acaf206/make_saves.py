@@ -34,21 +34,26 @@ def llama():
 ids = torch.randint(1, 50, (2, 9), generator=torch.Generator().manual_seed(3))
 cases = {"llops-hybrid": dict(attention="llops", p=2, m=6, window=3, sinks=1),
          "hedgehog-memory": dict(attention="hedgehog", m=8, window=3, sinks=1, cache=2, decay="input", state="delta", beta="input")}
+def save_trained(model, name, ids, record):
+    """The converted layers' parameters moved off their initial values (trained values, seed 7: a fit's unread
+    map_k's too), then the model saved with its logits on ``ids`` and ``record`` in ``expected.json``."""
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for s in converted_modules(model):
+            for p in s.parameters():
+                p.add_(0.3 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+        logits = model(input_ids=ids).logits
+    save_linearized(model, out / name)
+    write_text_atomic(out / name / "expected.json", json.dumps(
+        {"ids": ids.tolist(), "logits": logits.tolist(), **record, "written_by": "acaf206"}))
+
+
 for name, kw in cases.items():
     if (out / name).exists():
         continue
     model = llama()
     convert_attention(model, **kw)
-    gen = torch.Generator().manual_seed(7)
-    with torch.no_grad():  # trained values, not the initial ones
-        for s in converted_modules(model):
-            for p in s.parameters():
-                p.add_(0.3 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits
-    save_linearized(model, out / name)
-    write_text_atomic(out / name / "expected.json", json.dumps(
-        {"ids": ids.tolist(), "logits": logits.tolist(), "options": kw, "written_by": "acaf206"}))
+    save_trained(model, name, ids, {"options": kw})
 # a Θ export of acaf206: fit on the shipped dump's layer 0, and the block's output on it
 if not (out / "theta.safetensors").exists():
     dump = sl.load_qk(dump_file, layers=[0])
@@ -84,16 +89,8 @@ for name, fitted in fits.items():
     sketch = sl.fit_sketch(fitted["method"], qk[0], qk[1], p=fitted["p"], m=fitted["m"], seed=fitted["seed"],
                            **fitted["options"]).sketch
     convert_attention(model, feature_map=sketch, **kw)
-    gen = torch.Generator().manual_seed(7)
-    with torch.no_grad():  # trained values (a plain sketch's buffers stay its draw)
-        for s in converted_modules(model):
-            for p in s.parameters():
-                p.add_(0.3 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
-        logits = model(input_ids=small_ids).logits
-    save_linearized(model, out / name)
-    write_text_atomic(out / name / "expected.json", json.dumps(
-        {"ids": small_ids.tolist(), "logits": logits.tolist(), "options": kw, "fit": fitted, "qk_seed": 5,
-         "written_by": "acaf206"}))
+    save_trained(model, name, small_ids, {"options": kw, "fit": fitted, "qk_seed": 5})  # a plain sketch's buffers
+    # stay its draw
 # conversions with a fitted *registered* map (fit_sketch("psf-learned" | "hedgehog")): at acaf206 the fit was a
 # FeatureMapSketch whose maps hold all its heads. One SketchMap adapter per layer, shared by q and k, held it (of a
 # fit of batch [L, H], layer l's selection: HeadSelection of heads l·H .. l·H + H - 1), so the keys too went through
@@ -126,14 +123,5 @@ for name, fitted in registered.items():
     convert_attention(model, feature_map=sketch, **fitted["convert"])
     for s in converted_modules(model):  # one adapter for q and k, its query side: the keys through the fit's map_q
         assert s.feature_map_k is s.feature_map_q and s.feature_map_q.side == "q"
-    gen = torch.Generator().manual_seed(7)
-    with torch.no_grad():  # trained values (the fit's map_k's too, never read)
-        for s in converted_modules(model):
-            for p in s.parameters():
-                p.add_(0.3 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
-        logits = model(input_ids=small_ids).logits
-    save_linearized(model, out / name)
-    write_text_atomic(out / name / "expected.json", json.dumps(
-        {"ids": small_ids.tolist(), "logits": logits.tolist(), "options": fitted["convert"], "fit": fitted,
-         "qk_seed": 5, "written_by": "acaf206"}))
+    save_trained(model, name, small_ids, {"options": fitted["convert"], "fit": fitted, "qk_seed": 5})
 print("ok")
