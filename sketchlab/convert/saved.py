@@ -19,7 +19,8 @@ from torch import nn
 
 from .convert import _options, convert_attention, converted_modules
 from .families import family_of
-from .sketched import SketchedAttention, upgrade_keys
+from .old_keys import upgrade_keys
+from .sketched import SketchedAttention
 
 __all__ = ["OPTIONS_FILE", "load_linearized", "save_linearized"]
 
@@ -189,7 +190,7 @@ def load_linearized(directory, model: nn.Module) -> nn.Module:
     ``directory`` is a :func:`save_linearized` (or ``save_pretrained`` of a converted model) output.
     Maps made by a custom ``feature_map`` cannot be rebuilt from their name: convert ``model`` with
     the same ``feature_map`` first, then call this (the options must then agree). Saves of earlier versions load
-    with the outputs they gave: their keys are renamed first (:func:`~sketchlab.convert.sketched.upgrade_keys`,
+    with the outputs they gave: their keys are renamed first (:func:`~sketchlab.convert.old_keys.upgrade_keys`,
     given each converted layer's index in the model: a fitted map saved by acaf206 holds the heads of every layer).
 
     Raises
@@ -203,7 +204,7 @@ def load_linearized(directory, model: nn.Module) -> nn.Module:
         (naming it), a model already converted with other options (naming each that differs, with both
         values), saved weights whose names or shapes do not match the model converted with the saved
         options (naming the tensor and both shapes), a save of an earlier version that cannot load with the
-        outputs it gave (naming the file and the key: :func:`~sketchlab.convert.sketched.upgrade_keys`).
+        outputs it gave (naming the file and the key: :func:`~sketchlab.convert.old_keys.upgrade_keys`).
     """
     directory = Path(directory)
     if not directory.is_dir():

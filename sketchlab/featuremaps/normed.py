@@ -33,7 +33,7 @@ def upgrade_psf_learned_keys(state_dict: dict, prefix: str = "") -> dict:
     key no other map has; :data:`PSF_LEARNED_OLD_KEYS`, at any depth: self-tensored, input-normed) and return
     ``state_dict``. :class:`InputNormed` renames its own on load; a file's keys are matched to a model's before
     it loads by the toy kernel's and the converted layer's key upgrades, which call this
-    (:func:`sketchlab.tasks.legacy.upgrade_keys`, :func:`sketchlab.convert.sketched.upgrade_keys`)."""
+    (:func:`sketchlab.tasks.legacy.upgrade_keys`, :func:`sketchlab.convert.old_keys.upgrade_keys`)."""
     for key in [k for k in state_dict if k.startswith(prefix) and k.rsplit(".", 1)[-1] == "ln_weight"]:
         _rename_psf_learned(state_dict, key.removesuffix("ln_weight"))
     return state_dict
