@@ -172,10 +172,10 @@ def test_state_memory_is_budgeted():
     ({"non_negative": 1}, "non_negative"),
     ({"normalize": "softmax"}, "normalize"),
 ])
-def test_bad_arguments(kwargs, match):
-    phi = _rand(1, 8, 1, 3, seed=51)
+def test_the_chunked_paths_options_are_refused_by_their_rule(kwargs, match):
+    """The chunked path reads its options as given: a bad one is refused where the options are built, naming it."""
     with pytest.raises((ValueError, TypeError), match=match):
-        run_chunked(phi, phi, phi, **kwargs)
+        AttentionOptions(**kwargs)
 
 
 @pytest.mark.parametrize("t, p", [(1, 1), (1, 2), (2, 3), (3, 2)])

@@ -326,3 +326,39 @@ def test_llops_attention_segments_never_cross_a_boundary(backend):
     assert torch.allclose(out, torch.cat([first, second], 1), atol=TOL64, rtol=0)
     whole = run_llops(q, k, v, tq, tk, normalize="none", backend="reference")
     assert not torch.allclose(out[:, 7:], whole[:, 7:], atol=1e-3)  # the joined run differs after the boundary
+
+
+@pytest.mark.parametrize("backend", ["torch", "reference"])
+@pytest.mark.parametrize("window", [0, 2])
+def test_features_that_overflow_are_refused_naming_them(backend, window):
+    """A map's features of finite inputs can overflow (DPFP multiplies relu'd coordinates): the op refuses them,
+    naming the side, on the chunked path and the float64 twin alike (the memory mechanisms check theirs too)."""
+    from sketchlab.featuremaps.dpfp import DPFPMap
+
+    q, k, v = (torch.randn(1, 6, 2, 4, generator=torch.Generator().manual_seed(i), dtype=torch.float64) + 2.0
+               for i in range(3))
+    fmap = DPFPMap(2, 4)
+    options = AttentionOptions(backend=backend, window=window)
+    out, _ = linear_attention(q, k, v, fmap, options=options)
+    assert torch.isfinite(out).all()
+    q[0, 2, 0] = 1e200  # finite in float64; its products with the other coordinates are not
+    with pytest.raises(ValueError, match="phi_q must be finite"):
+        linear_attention(q, k, v, fmap, options=options)
+
+
+@pytest.mark.parametrize("memory", [{}, {"decay": 0.9}, {"window": 2, "cache": 1}])
+def test_every_backend_reads_theta_in_the_dtype_of_q(memory):
+    """An LLoPS map whose Θ has another dtype than q (a float32 map on bfloat16 activations) is read in q's dtype
+    by every backend: the output has q's dtype with or without memory, and the reference twin equals the
+    float64 call on the rounded Θ."""
+    q, k, v = (torch.randn(1, 9, 2, 4, generator=torch.Generator().manual_seed(i)) * 0.5 for i in range(3))
+    theta = torch.randn(2, 1, 1, 4, 3, generator=torch.Generator().manual_seed(9)).expand(-1, -1, 2, -1, -1) * 0.5
+    fmap = sl.featuremaps.LLoPSMap(2, 4, theta=theta)  # float32
+    options = AttentionOptions(chunk_size=4, **memory)
+    low = [x.bfloat16() for x in (q, k, v)]
+    out, _ = linear_attention(*low, fmap, options=options)
+    assert out.dtype == torch.bfloat16
+    ref, _ = linear_attention(*low, fmap, options=options.replace(backend="reference"))
+    rounded = sl.featuremaps.LLoPSMap(2, 4, theta=theta.bfloat16().double(), dtype=torch.float64)
+    want, _ = linear_attention(*(x.double() for x in low), rounded, options=options.replace(backend="reference"))
+    assert torch.equal(ref, want)

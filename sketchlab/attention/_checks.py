@@ -319,8 +319,9 @@ def report_denominators(counts, rows: int, where: str, mode: str) -> None:
 class DenominatorCounter:
     """Counts the normalising denominators ``<= 0`` of real query rows chunk by chunk and reports them once at the
     end (:func:`report_denominators`; one sync). Per chunk only the ``<= 0`` count is formed (what the loop
-    pays); the blocks' denominators are kept (views, detached) so that the report, in the rare call that has
-    one, can say how many of them are exactly 0 (:func:`denominator_counts`)."""
+    pays); the blocks' denominators are kept (detached; copied when they are a view into a larger product, so no
+    block's product outlives it: at most ``B·H·T`` numbers) so that the report, in the rare call that has one,
+    can say how many of them are exactly 0 (:func:`denominator_counts`)."""
 
     def __init__(self):
         self.bad, self.rows, self.blocks = None, 0, []
@@ -328,6 +329,8 @@ class DenominatorCounter:
     def add(self, den: torch.Tensor, rows: torch.Tensor | None) -> None:
         """``den [B, H, n]``; ``rows [B, n]`` bool (real queries) or None (all)."""
         den = den.detach()
+        if den.untyped_storage().nbytes() > 2 * den.numel() * den.element_size():
+            den = den.clone()  # a view into a larger product (a non-causal block's [φ(q)·S | φ(q)·z]): keep den alone
         rows = None if rows is None else rows[:, None, :]
         bad = den <= 0 if rows is None else (den <= 0) & rows
         count = bad.sum()

@@ -28,6 +28,7 @@ import torch
 from ..llops.maps import llops_feature_fn
 from ..numerics import check_llops_kernel_range
 from ._checks import (
+    check_all_finite,
     check_backend_name,
     check_flag,
     check_gate,
@@ -216,9 +217,14 @@ def _check_reference_state(initial_state, output_final_state: bool, o: Attention
                     like=like)
 
 
-def _features(fmap, x, naive: bool):
-    """``[B, T, H, D] -> [B, T, H, M]``: the map's features, or their float64 twin."""
-    return fmap.features_naive(x) if naive else fmap.features(x)
+def _features(map_q, map_k, q, k, naive: bool, checked: bool = True):
+    """``[B, T|S, H, D] -> [B, T|S, H, M]``: the maps' features of ``q`` and ``k``, or their float64 twins; checked
+    finite (``phi_q``, ``phi_k`` in the error: a map's output on finite inputs can still overflow) unless the
+    caller's backend checks them (``checked=False``: the memory mechanisms')."""
+    fq, fk = (map_q.features_naive(q), map_k.features_naive(k)) if naive else (map_q.features(q), map_k.features(k))
+    if checked:
+        check_all_finite((fq, "phi_q"), (fk, "phi_k"))
+    return fq, fk
 
 
 def _route(q, k, v, map_q, map_k, o: AttentionOptions, params, gate, segments, key_padding_mask, initial_state,
@@ -235,6 +241,8 @@ def _route(q, k, v, map_q, map_k, o: AttentionOptions, params, gate, segments, k
     if fused:
         theta_q, theta_k = (m.theta if m.theta.dtype == q.dtype else m.theta.to(q.dtype) for m in (map_q, map_k))
         theta_q, theta_k = check_theta(theta_q, theta_k, heads=H, dim=D, like=q)
+        if theta_q is not map_q.theta or theta_k is not map_k.theta:  # every backend reads Θ in q's dtype
+            map_q, map_k = LLoPSMap.over(theta_q), LLoPSMap.over(theta_k)
         check_llops_kernel_range(q, k, theta_q, theta_k, non_negative=o.non_negative)
     key_padding_mask = check_key_padding_mask(key_padding_mask, B, k.shape[1], q.device)
     if segments is not None and (initial_state is not None or output_final_state):
@@ -244,7 +252,7 @@ def _route(q, k, v, map_q, map_k, o: AttentionOptions, params, gate, segments, k
     state = dict(initial_state=initial_state, output_final_state=output_final_state)
     if o.memory:
         def memory(qs, ks, vs, mask):
-            fq, fk = _features(map_q, qs, naive), _features(map_k, ks, naive)  # [B, T|S, H, M]
+            fq, fk = _features(map_q, map_k, qs, ks, naive, checked=False)  # [B, T|S, H, M]: check_memory_call's
             if not naive:
                 dtype = torch.promote_types(fq.dtype, vs.dtype)
                 fq, fk, vs, qs, ks = (x.to(dtype) for x in (fq, fk, vs, qs, ks))
@@ -265,7 +273,7 @@ def _route(q, k, v, map_q, map_k, o: AttentionOptions, params, gate, segments, k
 
         def run(qs, ks, vs, mask):
             return feature_attention_naive(
-                _features(map_q, qs, True), _features(map_k, ks, True), vs.double(), q=qs.double(), k=ks.double(),
+                *_features(map_q, map_k, qs, ks, True), vs.double(), q=qs.double(), k=ks.double(),
                 causal=o.causal, normalize=o.normalize, eps=o.eps, non_negative=o.non_negative, window=o.window,
                 sinks=o.sinks, local=o.local, local_scale=o.local_scale, degree=map_q.degree, gate=gate,
                 key_padding_mask=mask, denominator_check=o.denominator_check, **state)
@@ -275,7 +283,7 @@ def _route(q, k, v, map_q, map_k, o: AttentionOptions, params, gate, segments, k
             if fused:  # the LLoPS features block by block: [B, T, H, M] is never held whole
                 feat_q, feat_k = TokenRanges(qt, llops_feature_fn(theta_q)), TokenRanges(kt, llops_feature_fn(theta_k))
             else:
-                fq, fk = map_q.features(qs), map_k.features(ks)  # [B, T|S, H, M]
+                fq, fk = _features(map_q, map_k, qs, ks, False)  # [B, T|S, H, M]
                 dtype = torch.promote_types(fq.dtype, vs.dtype)
                 fq, fk, qt, kt, vt = (x.to(dtype) for x in (fq, fk, qt, kt, vt))
                 feat_q, feat_k = TokenRanges(fq.transpose(1, 2)), TokenRanges(fk.transpose(1, 2))
