@@ -507,6 +507,9 @@ def _fitted_maps(method: str, result, batch_shape: tuple, head_dim: int):
     if pair[0].num_features != pair[1].num_features:
         raise ValueError(f"the fitter of {method!r} returned maps of {pair[0].num_features} (query) and "
                          f"{pair[1].num_features} (key) features: a kernel's two maps need the same number")
+    if any(hasattr(f, "fit_info") for f in pair):  # the contract before FittedMaps: refused, not lost
+        raise TypeError(f"the fitter of {method!r} left fit_info on a map; a fitter returns its account as "
+                        "FittedMaps(map_q, map_k, info) (sketchlab.featuremaps.FittedMaps), and the maps carry none")
     return pair[0], pair[1], dict(result.info) if isinstance(result, FittedMaps) else {}
 
 

@@ -174,7 +174,7 @@ def test_every_registered_sketch_runs_as_attention(method):
             assert torch.allclose(out.double(), ref.double(), atol=tol, rtol=0), (backend, (out.double() - ref).abs().max())
 
 
-def test_llops_maps_go_through_llops_attention():
+def test_llops_maps_go_through_the_fused_route():
     q, k, v, tq, tk = _problem(t=2)
     none = AttentionOptions(normalize="none")
     out, _ = linear_attention(q, k, v, *llops_maps(tq, tk), options=none)

@@ -12,7 +12,7 @@ def _rand(*shape, seed=0):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
 
 
-def test_forward_is_projections_then_llops_attention():
+def test_forward_is_projections_then_the_op():
     block = LLoPSAttention(12, 3, p=2, m=5, rank=2, dtype=torch.float64, normalize="sum", seed=1)
     x = _rand(2, 17, 12, seed=2)
     out = block(x)

@@ -60,7 +60,7 @@ def test_parallel_non_causal_with_different_lengths():
 
 @pytest.mark.parametrize("non_negative", [False, True])
 def test_llops_segments_and_padding_through_the_parallel_form(non_negative):
-    """llops_attention with segments and a padding mask (every segment within one chunk): output and the
+    """The op on LLoPS maps with segments and a padding mask (every segment within one chunk): output and the
     gradients of q, k, v, Θ_Q, Θ_K == run_llops_naive's."""
     H, t, p, D, M, T = 2, 2, 2, 4, 3, 20
     args = [_rand(2, T, H, D, seed=10), _rand(2, T, H, D, seed=11), _rand(2, T, H, 3, seed=12),

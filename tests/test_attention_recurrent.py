@@ -1,5 +1,5 @@
 """The lean decoding step (sketchlab.attention.recurrent.RecurrentStep) against the reference step: one
-public call per token with ``initial_state`` (feature_attention / memory_attention), in float64, for
+public call per token with ``initial_state`` (linear_attention / memory_attention), in float64, for
 every mechanism, after a state split anywhere, after ``.detach()`` / ``.to()`` and a write-out and
 re-layout of its own state, under padding held in the state, and with parameters changed in place
 between two tokens (a training step: re-validated, never a stale derived value)."""

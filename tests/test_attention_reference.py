@@ -120,7 +120,7 @@ def test_softmax_attention_naive_matches_sdpa():
 
 
 @pytest.mark.parametrize("non_negative", [False, True])
-def test_llops_attention_naive_is_feature_attention_of_llops_features(non_negative):
+def test_the_reference_backend_is_the_twin_on_llops_features(non_negative):
     H, t, p, D, M = 2, 2, 2, 4, 3
     q, k, v = _rand(2, 6, H, D, seed=40), _rand(2, 6, H, D, seed=41), _rand(2, 6, H, 3, seed=42)
     theta_q, theta_k = _rand(H, t, p, D, M, seed=43), _rand(H, t, p, D, M, seed=44)

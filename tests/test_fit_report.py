@@ -160,3 +160,32 @@ def test_a_fitter_s_account_lives_on_what_it_returns_not_on_its_maps(name):
     for key, value in info.items():
         got = fit.report.info[key]
         assert torch.equal(got, value) if isinstance(value, torch.Tensor) else got == value, key
+
+
+def test_a_fitter_that_leaves_fit_info_on_its_map_is_refused():
+    """The contract before FittedMaps (the account as ``map_q.fit_info``) is refused with the way out, not ignored;
+    the same account returned as FittedMaps reaches the report."""
+    from sketchlab.featuremaps import FittedMaps, LLoPSMap, registry
+
+    q = torch.randn(1, 12, 3, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+
+    def fresh(p, m, seed):
+        return LLoPSMap(1, 3, p=p, m=m, seed=seed, dtype=torch.float64)
+
+    def old_contract(q, k, *, p, m, seed=0):
+        fmap = fresh(p, m, seed)
+        fmap.fit_info = {"steps": 1}
+        return fmap
+
+    def new_contract(q, k, *, p, m, seed=0):
+        return FittedMaps(fresh(p, m, seed), info={"steps": 4, "converged": True})
+
+    sketchlab.fit.register_sketch("test-old-contract")(old_contract)
+    sketchlab.fit.register_sketch("test-new-contract")(new_contract)
+    try:
+        with pytest.raises(TypeError, match=r"left fit_info on a map; a fitter returns its account as FittedMaps"):
+            fit_sketch("test-old-contract", q, q, p=2, m=3)
+        assert fit_sketch("test-new-contract", q, q, p=2, m=3).report.steps == 4
+    finally:
+        registry._REGISTRY.pop("test-old-contract")
+        registry._REGISTRY.pop("test-new-contract")

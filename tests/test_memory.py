@@ -656,7 +656,7 @@ def test_decode_branch_gradients(monkeypatch, name):
 @pytest.mark.parametrize("name", ["cache", "decay_input", "delta_cache_decay"])
 def test_decode_step_refuses_invalid_inputs_with_the_entry_errors(name):
     """The decoding step (T = 1 with a state: a vouched state, the checks' fast paths) still gives every
-    clear error: a non-finite new token, through ``llops_attention`` and through ``memory_attention``
+    clear error: a non-finite new token, through ``linear_attention`` and through ``memory_attention``
     (named: q, v, phi_k), a token of the wrong width, a state of other options, a state whose field
     was replaced by one of the wrong shape."""
     import dataclasses

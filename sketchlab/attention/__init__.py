@@ -5,9 +5,10 @@ the modules, the options and the state types.
 the hybrid's exact keys, the memory mechanisms and a carried state, as one :class:`AttentionOptions`
 says; LLoPS Θ (an :class:`~sketchlab.featuremaps.LLoPSMap`) runs the fused Triton kernel on CUDA.
 :func:`softmax_attention` and :func:`poly_attention` are the exact attentions (with their float64
-twins); :class:`LLoPSAttention` the block. The backends live in their modules: ``reference`` (the
-naive float64 twins), ``chunked`` (PyTorch, the CPU path), ``memory`` (the memory mechanisms),
-``triton`` (the fused kernel, imported lazily).
+twins); :class:`LLoPSAttention` the block. The backends the op picks live in their modules: ``ops/``
+(one folder per mechanism: ``naive`` float64 twins, ``chunk`` the PyTorch CPU path, ``recurrent`` the
+decoding step), ``memory`` (the memory mechanisms on features), ``triton`` (the fused kernel, imported
+lazily); ``reference`` holds the exact attentions' float64 twins.
 """
 
 from ._checks import count_denominators

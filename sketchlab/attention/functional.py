@@ -137,7 +137,9 @@ def linear_attention(q, k, v, feature_map, feature_map_k=None, *, options: Atten
         Every option (:class:`AttentionOptions`; None: its defaults), built and checked by the caller
         once and used as given. ``normalize=None`` is ``"sum"``; ``non_negative=None`` self-tensors a
         map that can be signed when a sum divides (:meth:`AttentionOptions.resolve`, the one rule).
-        ``local="poly"`` scores ``(s·qᵀk)^p`` with the map's ``degree``.
+        ``local="poly"`` scores ``(s·qᵀk)^p`` with the map's ``degree``. ``backend="reference"`` runs the float64
+        twins: gradients reach ``q, k, v``, the gate, the far parameters and an LLoPS map's Θ; the other maps'
+        twins read their parameters detached (they are for checking values).
     params : FarParams or None
         The learnable tensors the options call for (decay, β; the gate unless ``gate`` holds it).
     gate : Tensor ``[H]`` or None

@@ -57,7 +57,9 @@ class LLoPSMap(FeatureMap):
         Returns
         -------
         LLoPSMap
-            ``heads = H``, ``head_dim = D``, ``map.theta is theta``.
+            ``heads = H``, ``head_dim = D``; ``map.theta is theta`` for a floating tensor (anything else is
+            converted first, then held). A map over a non-leaf Θ (one computed with autograd) cannot be deep-copied
+            (``select_heads``, ``copy.deepcopy``): build ``LLoPSMap(H, D, theta=...)`` for a map of its own.
         """
         theta = as_float_tensor(theta, "theta")
         if theta.ndim != 5:
@@ -89,7 +91,7 @@ class LLoPSMap(FeatureMap):
         out = llops_feature_fn(self.theta.to(dtype))(x.to(dtype).transpose(1, 2))  # [B, H, T, M]
         return out.transpose(1, 2)  # [B, T, H, M]
 
-    def _features_naive(self, x, head):
+    def _features_naive(self, x, head):  # Θ not detached: the op's reference backend passes gradients to Θ
         from ..llops.maps import llops_features_naive
 
         return llops_features_naive(x, self.theta[head])
