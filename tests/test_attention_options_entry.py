@@ -222,6 +222,15 @@ def test_exports():
                  "llops_attention_chunked", "memory_attention", "memory_attention_naive", "llops_attention_naive",
                  "feature_attention_naive", "kernel_attention_naive", "self_tensor", "llops_is_non_negative"):
         assert gone not in sa.__all__ and gone not in sl.__all__ and not hasattr(sl, gone), gone
+    # the keyword entry points the op replaced exist nowhere: not in the modules that held them, not as a module
+    import importlib.util
+
+    from sketchlab.attention import _entry, functional, reference
+
+    for gone in ("llops_attention", "feature_attention", "llops_attention_chunked", "llops_attention_naive",
+                 "call_options", "keyword_defaults"):
+        assert not any(hasattr(m, gone) for m in (sa, functional, reference, _entry)), gone
+    assert importlib.util.find_spec("sketchlab.attention.chunked") is None
 
 
 def test_kernel_range_bound_is_cached_per_theta_version():
