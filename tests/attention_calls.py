@@ -8,11 +8,10 @@ what the tests were written against: sum-normalised, never self-tensored unless 
 and the output is ``o`` alone unless ``output_final_state``.
 
 ``run_llops_naive`` is ``run_llops(…, backend="reference")``; ``run_triton`` calls the fused backend itself with the
-options so built. ``run_chunked(φ_q, φ_k, v, q=…, k=…, window=2,
-block_chunks=2)`` runs the additive mechanism's chunked path
-(:func:`sketchlab.attention.ops.additive.chunk.chunk_attention`) on given features ``[B, T, H, M]``, as the op does
-after computing them; ``backend="reference"`` its float64 twin. Its arguments are the op's to check: tests of bad
-input go through :func:`linear_attention`.
+options so built. ``run_chunked(φ_q, φ_k, v, q=…, k=…, window=2, block_chunks=2)`` runs the additive mechanism's
+chunked path (:func:`sketchlab.attention.ops.additive.chunk.chunk_attention`) on given features ``[B, T, H, M]``, as
+the op does after computing them; ``backend="reference"`` its float64 twin. Its arguments are the op's to check:
+tests of bad input go through :func:`linear_attention`.
 """
 
 from __future__ import annotations
