@@ -203,11 +203,11 @@ def _featuremap(q, k, v, feature_map, feature_map_k, o: AttentionOptions, params
                            output_final_state=output_final_state, key_padding_mask=key_padding_mask, segments=segments)
 
 
-def _check_reference_state(initial_state, output_final_state: bool, o: AttentionOptions, *, batch: int, heads: int,
+def _check_attention_state(initial_state, output_final_state: bool, o: AttentionOptions, *, batch: int, heads: int,
                            dim: int, dim_v: int, num_features: int, like: torch.Tensor) -> None:
-    """The state rules of the float64 twin's call (``backend="reference"``): a state needs ``causal=True`` and
-    ``initial_state`` must fit the call (:func:`~sketchlab.attention.state.check_state`; ``M²`` features when
-    self-tensored)."""
+    """The state rules of a call without memory, checked once for every backend (the chunked path, the fused kernel
+    and the float64 twin read the state as given): a state needs ``causal=True`` and ``initial_state`` must fit the
+    call (:func:`~sketchlab.attention.state.check_state`; ``M²`` features when self-tensored)."""
     from .state import check_state
 
     if (initial_state is not None or output_final_state) and not o.causal:
@@ -264,15 +264,14 @@ def _route(q, k, v, map_q, map_k, o: AttentionOptions, params, gate, segments, k
         return by_segments(memory, segments, q, k, v, mask=key_padding_mask)
     gate = check_gate(far_gate("linear_attention", gate, params), heads=H, like=q)
     check_window_lengths(o.causal, o.window, T, k.shape[1])
+    _check_attention_state(initial_state, output_final_state, o, batch=B, heads=H, dim=D, dim_v=v.shape[-1],
+                           num_features=map_q.num_features, like=q)
     if backend == "triton":
         from .triton import llops_attention_triton  # lazy: triton is optional
 
         def run(qs, ks, vs, mask):
             return llops_attention_triton(qs, ks, vs, theta_q, theta_k, o, gate=gate, key_padding_mask=mask, **state)
-    elif naive:  # the twin trusts its arguments: the state is checked here, as chunk_attention checks it
-        _check_reference_state(initial_state, output_final_state, o, batch=B, heads=H, dim=D, dim_v=v.shape[-1],
-                               num_features=map_q.num_features, like=q)
-
+    elif naive:
         def run(qs, ks, vs, mask):
             return feature_attention_naive(
                 *_features(map_q, map_k, qs, ks, True), vs.double(), q=qs.double(), k=ks.double(),

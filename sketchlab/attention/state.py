@@ -16,7 +16,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-__all__ = ["AttentionState", "TensorState", "state_dtype"]
+__all__ = ["AttentionState", "TensorState", "state_dtype", "state_in"]
 
 
 class TensorState:
@@ -161,6 +161,11 @@ def check_state(state, *, batch: int, heads: int, num_features: int, dim: int | 
                              f"{tuple(m.shape) if isinstance(m, torch.Tensor) else m!r}")
         if m is not None and m.device != like.device:
             raise ValueError(f"initial_state.{name} is on {m.device}, the inputs on {like.device}")
-    if dtype is not None and any(getattr(state, name).dtype != dtype for name in want):
-        state = state.to(dtype)
-    return state
+    return state if dtype is None else state_in(state, dtype)
+
+
+def state_in(state: AttentionState, dtype: torch.dtype) -> AttentionState:
+    """``state`` with its floating tensors in ``dtype``, the dtype a backend computes in (a float64 reference
+    state, or one kept in bfloat16 to save memory); itself, no operation run, when they already are."""
+    tensors = (state.S, state.z, state.k_window, state.v_window, state.phi_window, state.k_sink, state.v_sink)
+    return state if all(x.dtype == dtype for x in tensors) else state.to(dtype)

@@ -12,7 +12,7 @@ import os
 import torch
 from torch.autograd.function import once_differentiable
 
-from sketchlab.attention.state import AttentionState, check_state, state_dtype
+from sketchlab.attention.state import AttentionState, state_dtype, state_in
 from sketchlab.attention.triton.launch import (
     hybrid_attention_bwd,
     hybrid_attention_fwd,
@@ -114,7 +114,8 @@ def llops_attention_triton(q, k, v, theta_q, theta_k, options, *, gate=None, key
         sinks) still count it, as in :func:`~sketchlab.attention.ops.additive.naive.feature_attention_naive`.
     initial_state : None or AttentionState
         Causal only: the state of the tokens before this call (returned by an earlier call with
-        the same options and ``output_final_state=True``, on any backend).
+        the same options and ``output_final_state=True``, on any backend), checked by the op; read in the
+        kernel's working dtype.
     output_final_state : bool
         Also return the :class:`~sketchlab.attention.AttentionState` after this call's tokens (causal only).
 
@@ -158,17 +159,8 @@ def llops_attention_triton(q, k, v, theta_q, theta_k, options, *, gate=None, key
     causal, non_negative, eps = options.causal, options.non_negative, options.eps
     window, sinks = options.window, options.sinks
     B, T, H, D = q.shape
-    DV = v.shape[-1]
-    M = theta_q.shape[-1]
     mask = key_padding_mask
-    stateful = initial_state is not None or output_final_state
-    if not causal and stateful:
-        raise ValueError("initial_state/output_final_state need causal=True (a state summarises a prefix)")
-    F = M * M if non_negative else M
-    st = None
-    if initial_state is not None:
-        st = check_state(initial_state, batch=B, heads=H, num_features=F, dim=D if window else None, dim_v=DV,
-                         feature_dim=M, window=window, sinks=sinks, like=q, dtype=state_dtype(q.dtype))
+    st = None if initial_state is None else state_in(initial_state, state_dtype(q.dtype))  # checked by the op
     s0 = None if st is None else st.S
     z0 = None if st is None else st.z
     P0 = 0 if st is None else st.offset

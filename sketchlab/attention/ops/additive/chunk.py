@@ -328,6 +328,7 @@ def chunk_attention(feat_q, feat_k, qt, kt, vt, o, *, num_features: int, degree,
     mask : Tensor ``[B, S]`` bool or None
         Real keys.
     initial_state : AttentionState or None
+        Checked by the op (causal, fits the call); read in the working dtype.
     output_final_state : bool
     where : str
         The caller's name in the denominator warning.
@@ -339,7 +340,7 @@ def chunk_attention(feat_q, feat_k, qt, kt, vt, o, *, num_features: int, degree,
     -------
     Tensor ``[B, H, T, Dv]``, or ``(Tensor [B, H, T, Dv], AttentionState)`` with ``output_final_state``.
     """
-    from ...state import AttentionState, check_state, empty_state, state_dtype
+    from ...state import AttentionState, empty_state, state_dtype, state_in
 
     work = state_dtype(vt.dtype)
     if work != vt.dtype:  # half inputs: every sum, and the state, in float32; the output back in the input dtype
@@ -360,12 +361,8 @@ def chunk_attention(feat_q, feat_k, qt, kt, vt, o, *, num_features: int, degree,
     M2 = M * M if non_negative else M
     D = kt.shape[-1] if kt is not None else 0
     stateful = initial_state is not None or output_final_state
-    if stateful and not causal:
-        raise ValueError("initial_state/output_final_state need causal=True (a state summarises a prefix)")
-    if initial_state is not None:
-        state = check_state(initial_state, batch=B, heads=H, num_features=M2,
-                            dim=D if window else None, dim_v=Dv, feature_dim=M,
-                            window=window, sinks=sinks, like=vt, dtype=work)
+    if initial_state is not None:  # checked by the op (causal, shapes): here only read in the working dtype
+        state = state_in(initial_state, work)
     elif stateful or (window and causal):  # the hybrid's blocks carry a state even when the call returns none
         state = empty_state(B, H, M2, D, Dv, M, like=vt)
     else:
