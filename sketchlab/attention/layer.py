@@ -22,18 +22,7 @@ from torch import nn
 from .functional import linear_attention
 from .options import AttentionOptions, FarParams
 
-__all__ = ["LinearAttentionCore", "rename_keys"]
-
-
-def rename_keys(state_dict: dict, prefix: str, pairs) -> dict:
-    """Rename, in place, the keys of ``state_dict`` under ``prefix`` that begin with ``old`` to begin with ``new``
-    instead, for each ``(old, new)`` of ``pairs`` (a key or a key prefix: ``("theta_q", "map_q.theta")``,
-    ``("feature_map_q.", "map_q.")``); returns ``state_dict``. How files saved before a rename keep loading
-    (the layer core's adapters, the older toy kernels)."""
-    for old, new in pairs:
-        for key in [key for key in state_dict if key.startswith(prefix + old)]:
-            state_dict[prefix + new + key.removeprefix(prefix + old)] = state_dict.pop(key)
-    return state_dict
+__all__ = ["LinearAttentionCore"]
 
 
 class LinearAttentionCore(nn.Module):

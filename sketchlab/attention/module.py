@@ -22,9 +22,10 @@ from torch import nn
 
 from .._validation import DEFAULT_MAX_BYTES, as_float_tensor, check_degree, check_memory, check_positive_int
 from ..featuremaps import LLoPSMap
+from ..io.formats import rename_keys
 from ..scaling import resolve_scale, scale_label
 from ._checks import check_flag, check_theta
-from .layer import LinearAttentionCore, rename_keys
+from .layer import LinearAttentionCore
 from .options import DEFAULT_CHUNK_SIZE, AttentionOptions
 
 __all__ = ["LLoPSAttention"]

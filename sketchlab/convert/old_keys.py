@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..attention.layer import rename_keys
 from ..featuremaps.normed import upgrade_psf_learned_keys
+from ..io.formats import rename_keys
 
 __all__ = ["OLD_KEYS", "upgrade_keys"]
 

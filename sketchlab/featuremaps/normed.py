@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..io.formats import rename_keys
 from .base import FeatureMap, WrappedMap
 from .mlp import MLPMap
 
@@ -20,14 +21,6 @@ PSF_LEARNED_OLD_KEYS = (("ln_weight", "weight"), ("ln_bias", "bias"), ("w1", "in
                         ("w2", "inner.w2"), ("b2", "inner.b2"))
 
 
-def _rename_psf_learned(state_dict: dict, at: str) -> None:
-    """Rename, in place, the keys of the ``PSFLearnedMap`` saved at ``at`` (``"map_q.inner."``; ``""``: the map
-    itself) to today's, :data:`PSF_LEARNED_OLD_KEYS`."""
-    for old, new in PSF_LEARNED_OLD_KEYS:
-        if at + old in state_dict:
-            state_dict[at + new] = state_dict.pop(at + old)
-
-
 def upgrade_psf_learned_keys(state_dict: dict, prefix: str = "") -> dict:
     """Rename, in place, the keys of every ``PSFLearnedMap`` saved under ``prefix`` (found by its ``ln_weight``, a
     key no other map has; :data:`PSF_LEARNED_OLD_KEYS`, at any depth: self-tensored, input-normed) and return
@@ -35,7 +28,7 @@ def upgrade_psf_learned_keys(state_dict: dict, prefix: str = "") -> dict:
     it loads by the toy kernel's and the converted layer's key upgrades, which call this
     (:func:`sketchlab.tasks.legacy.upgrade_keys`, :func:`sketchlab.convert.old_keys.upgrade_keys`)."""
     for key in [k for k in state_dict if k.startswith(prefix) and k.rsplit(".", 1)[-1] == "ln_weight"]:
-        _rename_psf_learned(state_dict, key.removesuffix("ln_weight"))
+        rename_keys(state_dict, key.removesuffix("ln_weight"), PSF_LEARNED_OLD_KEYS)
     return state_dict
 
 
@@ -75,7 +68,7 @@ class InputNormed(WrappedMap):
 
     def _load_from_state_dict(self, state_dict, prefix, *args):  # saved as PSFLearnedMap (3fa1d18 and earlier)
         if isinstance(self.inner, MLPMap):
-            _rename_psf_learned(state_dict, prefix)
+            rename_keys(state_dict, prefix, PSF_LEARNED_OLD_KEYS)
         super()._load_from_state_dict(state_dict, prefix, *args)
 
     def _features(self, x):

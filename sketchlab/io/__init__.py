@@ -14,7 +14,8 @@ Modules (each name says what it holds; every public name is re-exported here, so
     Atomic, durable writes and output checks: :func:`atomic_write`, :func:`staged_directory`,
     :func:`check_output_paths`, :func:`dump_files`.
 ``sketchlab.io.formats``
-    What the two formats share (bounded JSON metadata, :data:`MAX_JSON_DEPTH`, safetensors bytes).
+    What the two formats share (bounded JSON metadata, :data:`MAX_JSON_DEPTH`, safetensors bytes), and
+    :func:`rename_keys` (a saved state dict's keys after a rename).
 
 Layers: ``formats``, ``atomic``, ``layout`` import nothing of ``io``; ``dumps`` and ``theta``
 import them and not each other.
@@ -22,11 +23,12 @@ import them and not each other.
 
 from .atomic import atomic_write, check_output_paths, check_staged_directory, dump_files, staged_directory
 from .dumps import QKDump, load_qk, save_qk, validate_qk
-from .formats import MAX_JSON_DEPTH
+from .formats import MAX_JSON_DEPTH, rename_keys
 from .layout import as_lhnd, parse_layout, select_indices
 from .theta import load_theta, save_theta
 
 __all__ = [
     "MAX_JSON_DEPTH", "QKDump", "as_lhnd", "atomic_write", "check_output_paths", "check_staged_directory", "dump_files",
-    "load_qk", "load_theta", "parse_layout", "save_qk", "save_theta", "select_indices", "staged_directory", "validate_qk",
+    "load_qk", "load_theta", "parse_layout", "rename_keys", "save_qk", "save_theta", "select_indices", "staged_directory",
+    "validate_qk",
 ]

@@ -1,6 +1,7 @@
 """What the Q/K dump and the Θ export formats share: bounded JSON, string metadata, stored
 entries checked as dense floating tensors, safetensors read with clear errors and written with
-reproducible bytes.
+reproducible bytes; and how a module's saved state dict keeps loading after a rename
+(:func:`rename_keys`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 
 from .._validation import as_float_tensor, check_tensor_storage
 
-__all__ = ["MAX_JSON_DEPTH"]
+__all__ = ["MAX_JSON_DEPTH", "rename_keys"]
 
 
 #: Deepest nesting of JSON arrays/objects accepted in metadata (a dump's metadata file, a Θ export's
@@ -137,3 +138,14 @@ def _read_safetensors(path: Path) -> tuple[dict, dict]:
     except Exception as err:  # safetensors raises SafetensorError/OSError/ValueError for bad files
         raise ValueError(f"{path}: unreadable safetensors file (truncated or corrupt): {err}") from err
     return entries, meta
+
+
+def rename_keys(state_dict: dict, prefix: str, pairs) -> dict:
+    """Rename, in place, the keys of ``state_dict`` under ``prefix`` that begin with ``old`` to begin with ``new``
+    instead, for each ``(old, new)`` of ``pairs`` (a key or a key prefix: ``("theta_q", "map_q.theta")``,
+    ``("feature_map_q.", "map_q.")``); returns ``state_dict``. How files saved before a rename keep loading
+    (the layer core's adapters, the older toy kernels)."""
+    for old, new in pairs:
+        for key in [key for key in state_dict if key.startswith(prefix + old)]:
+            state_dict[prefix + new + key.removeprefix(prefix + old)] = state_dict.pop(key)
+    return state_dict
