@@ -44,8 +44,8 @@ def test_a_theta_export_from_before_the_redesign_runs_as_it_did():
     assert (y - torch.tensor(expected["y"], dtype=torch.float64)).abs().max() < 1e-10
 
 
-def _small_llama():
-    cfg = transformers.LlamaConfig(vocab_size=20, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+def _small_llama(layers: int = 1):
+    cfg = transformers.LlamaConfig(vocab_size=20, hidden_size=16, num_hidden_layers=layers, num_attention_heads=2,
                                    num_key_value_heads=1, intermediate_size=16, max_position_embeddings=32,
                                    attn_implementation="sdpa")
     torch.manual_seed(0)
@@ -71,14 +71,6 @@ def test_a_conversion_with_a_fitted_sketch_saved_before_the_redesign_loads_with_
     assert (logits - torch.tensor(expected["logits"], dtype=torch.float64)).abs().max() < 1e-10
 
 
-def _layered_llama(layers: int):
-    cfg = transformers.LlamaConfig(vocab_size=20, hidden_size=16, num_hidden_layers=layers, num_attention_heads=2,
-                                   num_key_value_heads=1, intermediate_size=16, max_position_embeddings=32,
-                                   attn_implementation="sdpa")
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(cfg).double().eval()
-
-
 def _converted_with_todays_fit(expected: dict, method: str | None = None):
     """The save's model converted as it records, with today's fit of ``method`` (default: the save's) on the same
     q, k (other values than the saved ones: those were moved off the fit)."""
@@ -89,7 +81,7 @@ def _converted_with_todays_fit(expected: dict, method: str | None = None):
     options = fitted["options"] if method is None else {"steps": 1}
     fit = sl.fit_sketch(method or fitted["method"], qk[0], qk[1], p=fitted["p"], m=fitted["m"], seed=fitted["seed"],
                         **options)
-    model = _layered_llama(fitted["layers"])
+    model = _small_llama(fitted["layers"])
     convert_attention(model, feature_map=fit, **expected["options"])
     return model
 

@@ -68,9 +68,9 @@ if not (out / "theta.safetensors").exists():
             {"x": x.tolist(), "y": block(x).tolist(), "written_by": "acaf206", "block": {"window": 4, "sinks": 1}}))
 # conversions with a fitted sketch, convert_attention(feature_map=fit_sketch(...).sketch): at acaf206 their maps were
 # the SketchMap adapter (a plain sketch's tensors as buffers of feature_map_q; a module sketch whole under each side,
-# feature_map_q.sketch.*, feature_map_k.sketch.*); a smaller Llama (1 layer, 2 heads of 8)
-def small_llama():
-    cfg = transformers.LlamaConfig(vocab_size=20, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+# feature_map_q.sketch.*, feature_map_k.sketch.*); a smaller Llama (2 heads of 8; 1 layer unless said)
+def small_llama(layers=1):
+    cfg = transformers.LlamaConfig(vocab_size=20, hidden_size=16, num_hidden_layers=layers, num_attention_heads=2,
                                    num_key_value_heads=1, intermediate_size=16, max_position_embeddings=32,
                                    attn_implementation="sdpa")
     torch.manual_seed(0)
@@ -99,13 +99,6 @@ for name, fitted in fits.items():
 # ("shared tensors"), so such saves have one converted layer: of a 2-layer model with layer 0 kept exact and a fit
 # of batch [2, H] (layer 1's heads), of a 1-layer model with a fit of batch [H] (no selection), and of one with a fit
 # of batch [] (one map of one head for every head).
-def layered_llama(layers):
-    cfg = transformers.LlamaConfig(vocab_size=20, hidden_size=16, num_hidden_layers=layers, num_attention_heads=2,
-                                   num_key_value_heads=1, intermediate_size=16, max_position_embeddings=32,
-                                   attn_implementation="sdpa")
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(cfg).double().eval()
-
 registered = {"psf-learned-fitted": {"method": "psf-learned", "p": 2, "m": 4, "seed": 4, "layers": 2, "batch": [2, 2],
                                      "options": {"steps": 5, "hidden": 8},
                                      "convert": {"window": 3, "sinks": 1, "exact_layers": [0]}},
@@ -119,7 +112,7 @@ for name, fitted in registered.items():
     qk = torch.randn(2, *fitted["batch"], 16, 8, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
     sketch = sl.fit_sketch(fitted["method"], qk[0], qk[1], p=fitted["p"], m=fitted["m"], seed=fitted["seed"],
                            **fitted["options"]).sketch
-    model = layered_llama(fitted["layers"])
+    model = small_llama(fitted["layers"])
     convert_attention(model, feature_map=sketch, **fitted["convert"])
     for s in converted_modules(model):  # one adapter for q and k, its query side: the keys through the fit's map_q
         assert s.feature_map_k is s.feature_map_q and s.feature_map_q.side == "q"
