@@ -240,17 +240,17 @@ def _route(q, k, v, map_q, map_k, o: AttentionOptions, params, gate, segments, k
     fused = isinstance(map_q, LLoPSMap)
     backend = resolve_backend(o.backend, q.device, q.dtype) if fused else _unfused_backend(o.backend, q, name)
     check_local_degree(map_q.degree, name, window=o.window, local=o.local)
+    naive = backend == "reference"
     if fused:
         theta_q, theta_k = (m.theta if m.theta.dtype == q.dtype else m.theta.to(q.dtype) for m in (map_q, map_k))
         theta_q, theta_k = check_theta(theta_q, theta_k, heads=H, dim=D, like=q)
-        if theta_q is not map_q.theta or theta_k is not map_k.theta:  # every backend reads Θ in q's dtype
-            map_q, map_k = LLoPSMap.over(theta_q), LLoPSMap.over(theta_k)
+        if (o.memory or naive) and (theta_q is not map_q.theta or theta_k is not map_k.theta):
+            map_q, map_k = LLoPSMap.over(theta_q), LLoPSMap.over(theta_k)  # their features, too, of Θ in q's dtype
         check_llops_kernel_range(q, k, theta_q, theta_k, non_negative=o.non_negative)
     key_padding_mask = check_key_padding_mask(key_padding_mask, B, k.shape[1], q.device)
     if segments is not None and (initial_state is not None or output_final_state):
         raise ValueError("segments cannot be combined with initial_state/output_final_state: a state carries one "
                          "sequence per batch row (split the joined sequences into rows instead)")
-    naive = backend == "reference"
     state = dict(initial_state=initial_state, output_final_state=output_final_state)
     if o.memory:
         def memory(qs, ks, vs, mask):
